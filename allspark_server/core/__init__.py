@@ -1,0 +1,1 @@
+"""Torch-free serving core: request state, span (KV page) manager, scheduler and step messages."""

@@ -1,0 +1,49 @@
+"""Typed messages that rank 0 sends to every model runner (its own and, in a pool, the workers').
+
+A StepPlan says what to compute in one step. Requests the runner has not seen arrive in full
+(`NewRequestData`); requests it already mirrors arrive as diffs (`CachedRequestData`: tokens and
+spans appended since the previous plan). `dropped_ids` are forgotten before anything else happens
+(finished, aborted or preempted requests). No torch, no behaviour: data only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    request_id: int
+    token_ids: tuple[int, ...]        # every known token: prompt + output so far
+    span_ids: tuple[int, ...]
+    num_computed_tokens: int          # tokens whose K/V are already in the spans
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    request_id: int
+    new_token_ids: tuple[int, ...]    # appended since the previous plan (the token sampled last step)
+    new_span_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request_id: int
+    num_tokens: int                   # tokens to compute this step, starting at num_computed_tokens
+    needs_sample: bool                # the chunk reaches the last known token: sample the next one
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step_id: int
+    dropped_ids: tuple[int, ...]
+    new_requests: tuple[NewRequestData, ...]
+    cached_requests: tuple[CachedRequestData, ...]
+    chunks: tuple[ScheduledChunk, ...]  # batch order
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks

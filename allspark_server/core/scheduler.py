@@ -1,0 +1,204 @@
+"""Scheduler: continuous batching with chunked prefill and preemption by recomputation (rank 0 only).
+
+Each `schedule()` builds one StepPlan: first every running request (decodes take one token,
+unfinished prefills take a chunk), then waiting requests in arrival order, all within a token
+budget, `max_batch` running requests and the free spans. When spans run out, the most recently
+arrived running request is preempted: its spans are freed and it waits to be recomputed from its
+prompt plus the tokens it already produced. A request that cannot fit even alone is interrupted.
+`update()` applies sampled tokens. It owns request queues and span bookkeeping, no tensors.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from allspark_server.core.messages import CachedRequestData, NewRequestData, ScheduledChunk, StepPlan
+from allspark_server.core.request import FinishReason, Request, RequestState
+from allspark_server.core.span_manager import SpanManager
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch: int
+    max_num_batched_tokens: int
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_prefill_tokens: int = 0
+    num_generated_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, spans: SpanManager):
+        self.config = config
+        self.spans = spans
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+        self._step_id = 0
+        self._dropped: list[int] = []        # runner mirrors to forget in the next plan
+        self._synced: set[int] = set()       # request ids the runners currently mirror
+
+    # ---- queue management --------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.state = RequestState.WAITING
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """Take a request out of scheduling (finished, stopped or interrupted) and free its spans."""
+        if req.is_finished:
+            return
+        if req.state == RequestState.WAITING:
+            self.waiting.remove(req)
+        elif req.state == RequestState.RUNNING:
+            self.running.remove(req)
+        self._release_spans(req)
+        req.state = RequestState.FINISHED
+        req.finish_reason = reason
+
+    # ---- planning ----------------------------------------------------------------------------
+    def schedule(self) -> tuple[StepPlan, list[Request]]:
+        """Plan one step. Also returns requests interrupted because they can never fit.
+
+        Running decodes go first (one token each), then unfinished prefills, then waiting
+        requests in arrival order, all within the token budget.
+        """
+        budget = self.config.max_num_batched_tokens
+        chunks: list[tuple[Request, int]] = []
+        scheduled: set[int] = set()
+        interrupted: list[Request] = []
+
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes + prefills:
+            if budget <= 0:
+                break
+            if req.state != RequestState.RUNNING:
+                continue                       # preempted earlier in this loop
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._reserve(req, n, scheduled):
+                if req.is_finished:
+                    interrupted.append(req)
+                continue
+            chunks.append((req, n))
+            scheduled.add(req.request_id)
+            budget -= n
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_batch:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            need = self.spans.spans_for_tokens(req.num_computed_tokens + n) - len(req.span_ids)
+            if not self.spans.can_allocate(need):
+                if not self.running:           # the whole cache is free and it still does not fit
+                    self.finish(req, FinishReason.INTERRUPTED)
+                    interrupted.append(req)
+                    continue
+                break
+            self.waiting.popleft()
+            req.span_ids.extend(self.spans.allocate(need))
+            req.state = RequestState.RUNNING
+            self._insert_running(req)
+            chunks.append((req, n))
+            budget -= n
+
+        return self._make_plan(chunks), interrupted
+
+    def _reserve(self, req: Request, n: int, scheduled: set[int]) -> bool:
+        """Get spans for `n` more tokens of a running request, preempting later arrivals if needed.
+
+        Returns False if `req` itself was preempted (or interrupted, when it is alone).
+        """
+        need = self.spans.spans_for_tokens(req.num_computed_tokens + n) - len(req.span_ids)
+        while not self.spans.can_allocate(need):
+            candidates = [r for r in self.running if r.request_id not in scheduled]
+            victim = max(candidates, key=lambda r: r.arrival_order)
+            if victim is req:
+                if len(self.running) == 1:
+                    self.finish(req, FinishReason.INTERRUPTED)   # alone and still too big
+                else:
+                    self._preempt(req)
+                return False
+            self._preempt(victim)
+        req.span_ids.extend(self.spans.allocate(need))
+        return True
+
+    def _insert_running(self, req: Request) -> None:
+        idx = len(self.running)
+        while idx > 0 and self.running[idx - 1].arrival_order > req.arrival_order:
+            idx -= 1
+        self.running.insert(idx, req)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release_spans(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.state = RequestState.WAITING
+        self.stats.num_preemptions += 1
+        # keep arrival order among waiting requests so earlier requests are recomputed first
+        idx = 0
+        while idx < len(self.waiting) and self.waiting[idx].arrival_order < req.arrival_order:
+            idx += 1
+        self.waiting.insert(idx, req)
+
+    def _release_spans(self, req: Request) -> None:
+        if req.span_ids:
+            self.spans.free(req.span_ids)
+        req.span_ids = []
+        req.num_synced_spans = 0
+        req.num_synced_tokens = 0
+        if req.request_id in self._synced:
+            self._synced.discard(req.request_id)
+            self._dropped.append(req.request_id)
+
+    def _make_plan(self, chunks: list[tuple[Request, int]]) -> StepPlan:
+        new, cached, out = [], [], []
+        for req, n in chunks:
+            if req.request_id not in self._synced:
+                new.append(NewRequestData(req.request_id, tuple(req.all_token_ids), tuple(req.span_ids),
+                                          req.num_computed_tokens))
+                self._synced.add(req.request_id)
+            else:
+                tokens = req.all_token_ids[req.num_synced_tokens:]
+                spans = req.span_ids[req.num_synced_spans:]
+                if tokens or spans:
+                    cached.append(CachedRequestData(req.request_id, tuple(tokens), tuple(spans)))
+            req.num_synced_tokens = req.num_tokens
+            req.num_synced_spans = len(req.span_ids)
+            out.append(ScheduledChunk(req.request_id, n, req.num_computed_tokens + n == req.num_tokens))
+        self._step_id += 1
+        dropped, self._dropped = tuple(self._dropped), []
+        return StepPlan(self._step_id, dropped, tuple(new), tuple(cached), tuple(out))
+
+    # ---- results -----------------------------------------------------------------------------
+    def update(self, plan: StepPlan, sampled: dict[int, int], requests: dict[int, Request]
+               ) -> list[tuple[Request, Optional[int], Optional[FinishReason]]]:
+        """Advance computed counts and append sampled tokens. Returns (request, token, finish)."""
+        events = []
+        for chunk in plan.chunks:
+            req = requests[chunk.request_id]
+            if req.is_finished or req.state != RequestState.RUNNING:
+                continue   # stopped by the user while this step ran
+            prefilling = req.num_computed_tokens < req.num_prompt_tokens
+            req.num_computed_tokens += chunk.num_tokens
+            if prefilling:
+                self.stats.num_prefill_tokens += min(chunk.num_tokens, req.num_prompt_tokens)
+            if not chunk.needs_sample:
+                continue
+            token = sampled[chunk.request_id]
+            reason = req.append_token(token)
+            self.stats.num_generated_tokens += 1
+            if reason is not None:
+                self.finish(req, reason)
+            events.append((req, token, reason))
+        return events
+
+    def iter_requests(self) -> Iterable[Request]:
+        yield from self.running
+        yield from self.waiting

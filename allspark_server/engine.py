@@ -1,0 +1,256 @@
+"""Engine: allspark's in-process public API (DashInfer names) over one ModelLoop per installed model.
+
+Validates every call in the caller's thread (so errors come back at once, with a message), hands
+accepted requests to the model's engine thread and returns a ResultQueue to read tokens from.
+Status-returning calls log the reason for a failure and keep it for `get_last_error()`.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from allspark_client import __version__
+from allspark_client.result_queue import ResultQueue
+from allspark_client.types import AsEngineStat, AsException, AsStatus, RequestHandle
+from allspark_server.config import (AsModelConfig, ASGenerationConfigBuilder, ConfigError,
+                                    parse_generation_config, resolve_max_length)
+from allspark_server.core.request import Request
+from allspark_server.dist.comm import get_comm
+from allspark_server.model_loop import AddRequest, ModelLoop
+from allspark_server.runner.sampler import SamplingState
+
+log = logging.getLogger("allspark")
+StartResult = tuple[AsStatus, Optional[RequestHandle], Optional[ResultQueue]]
+
+
+class RequestError(Exception):
+    def __init__(self, status: AsStatus, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _LiveRequest:
+    handle: RequestHandle
+    queue: ResultQueue
+
+
+class Engine:
+    def __init__(self):
+        self._comm = get_comm()
+        self._models: dict[str, ModelLoop] = {}
+        self._requests: dict[str, dict[int, _LiveRequest]] = {}
+        self._lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._errors = threading.local()
+
+    # ---- errors ------------------------------------------------------------------------------
+    def get_last_error(self) -> str:
+        """The message behind the last non-success status returned to this thread."""
+        return getattr(self._errors, "message", "")
+
+    def _fail(self, status: AsStatus, message: str) -> AsStatus:
+        log.warning("%s: %s", status.name, message)
+        self._errors.message = message
+        return status
+
+    def _model(self, name: str) -> ModelLoop:
+        loop = self._models.get(name)
+        if loop is None:
+            raise RequestError(AsStatus.ALLSPARK_PARAM_ERROR,
+                               f"model {name!r} is not installed (installed: {sorted(self._models)})")
+        return loop
+
+    # ---- model lifecycle ---------------------------------------------------------------------
+    def install_model(self, cfg: AsModelConfig) -> AsStatus:
+        if not isinstance(cfg, AsModelConfig):
+            raise AsException(AsStatus.ALLSPARK_PARAM_ERROR,
+                              f"install_model takes an AsModelConfig, got {type(cfg).__name__}")
+        with self._lock:
+            if cfg.model_name in self._models:
+                raise AsException(AsStatus.ALLSPARK_PARAM_ERROR, f"model {cfg.model_name!r} is already installed")
+            try:
+                loop = ModelLoop(cfg, self._comm)
+            except (OSError, ValueError) as e:
+                status = AsStatus.ALLSPARK_IO_ERROR if isinstance(e, OSError) else AsStatus.ALLSPARK_PARAM_ERROR
+                raise AsException(status, f"cannot install model {cfg.model_name!r}: {e}") from e
+            self._models[cfg.model_name] = loop
+            self._requests[cfg.model_name] = {}
+        log.info("installed %s: %d KV spans of %d tokens (%.1f MiB)", cfg.model_name, loop.runner.num_spans,
+                 cfg.cache_span_size, loop.runner.kv_cache_bytes / 2**20)
+        return AsStatus.ALLSPARK_SUCCESS
+
+    build_model_from_config_struct = install_model
+
+    def start_model(self, name: str) -> AsStatus:
+        with self._lock:
+            try:
+                self._model(name).start()
+            except RequestError as e:
+                return self._fail(e.status, str(e))
+        return AsStatus.ALLSPARK_SUCCESS
+
+    def stop_model(self, name: str) -> AsStatus:
+        with self._lock:
+            try:
+                loop = self._model(name)
+            except RequestError as e:
+                return self._fail(e.status, str(e))
+            live = self._requests[name]
+            if live:
+                return self._fail(AsStatus.ALLSPARK_RUNTIME_ERROR,
+                                  f"model {name!r} has {len(live)} unreleased request(s); call release_request "
+                                  f"for each before stop_model")
+            loop.shutdown()
+        return AsStatus.ALLSPARK_SUCCESS
+
+    def release_model(self, name: str) -> AsStatus:
+        status = self.stop_model(name)
+        if status != AsStatus.ALLSPARK_SUCCESS:
+            return status
+        with self._lock:
+            self._models.pop(name, None)
+            self._requests.pop(name, None)
+        return AsStatus.ALLSPARK_SUCCESS
+
+    # ---- requests ----------------------------------------------------------------------------
+    def start_request(self, name: str, inputs: Any, generate_config: Any = None) -> StartResult:
+        try:
+            return self._start_request(name, inputs, generate_config)
+        except RequestError as e:
+            return self._fail(e.status, str(e)), None, None
+
+    def _start_request(self, name: str, inputs: Any, generate_config: Any) -> StartResult:
+        loop = self._model(name)
+        if not loop.is_running:
+            raise RequestError(AsStatus.ALLSPARK_REQUEST_DENIED, f"model {name!r} is not started")
+        args = loop.runner.args
+        if not isinstance(inputs, dict) or "input_ids" not in inputs:
+            raise RequestError(AsStatus.ALLSPARK_PARAM_ERROR, "inputs must be a dict with key 'input_ids'")
+        extra = set(inputs) - {"input_ids", "attention_mask"}
+        if extra:
+            raise RequestError(AsStatus.ALLSPARK_PARAM_ERROR, f"unknown inputs keys {sorted(extra)}")
+        ids = _token_ids(inputs["input_ids"], args.vocab_size)
+        if isinstance(generate_config, ASGenerationConfigBuilder):
+            generate_config = generate_config.build()
+        try:
+            gen = parse_generation_config(generate_config, args.vocab_size, loop.runner.model_file.eos_token_ids)
+            max_length = resolve_max_length(gen, len(ids), loop.cfg.engine_max_length)
+        except ConfigError as e:
+            raise RequestError(e.status, str(e)) from None
+        capacity = loop.spans.num_spans * loop.spans.span_size
+        if len(ids) + 1 > capacity:
+            raise RequestError(AsStatus.ALLSPARK_CACHE_MEMORY_OUT,
+                               f"prompt of {len(ids)} tokens does not fit in the KV cache ({capacity} tokens)")
+        rid = next(self._ids)
+        handle = RequestHandle(name, rid)
+        queue = ResultQueue(context_length=len(ids))
+        req = Request(rid, ids, max_length, gen.eos_token_ids, gen.stop_words_ids, gen.min_length, sampling=gen)
+        with self._lock:
+            self._requests[name][rid] = _LiveRequest(handle, queue)
+        loop.post(AddRequest(req, queue, SamplingState.create(gen)))
+        return AsStatus.ALLSPARK_SUCCESS, handle, queue
+
+    def start_request_ids(self, name: str, model, input_ids, generate_config=None) -> StartResult:
+        return self.start_request(name, {"input_ids": input_ids}, generate_config)
+
+    def start_request_text(self, name: str, model, text: str, generate_config=None) -> StartResult:
+        if not isinstance(text, str):
+            return self._fail(AsStatus.ALLSPARK_PARAM_ERROR, f"text must be a str, got {type(text).__name__}"), None, None
+        tokenizer = model.get_tokenizer() if hasattr(model, "get_tokenizer") else model
+        return self.start_request(name, {"input_ids": tokenizer.encode(text)}, generate_config)
+
+    def _live(self, name: str, handle) -> _LiveRequest:
+        self._model(name)
+        rid = handle.request_id if isinstance(handle, RequestHandle) else None
+        live = self._requests[name].get(rid) if rid is not None else None
+        if live is None or live.handle != handle:
+            raise RequestError(AsStatus.ALLSPARK_ILLEGAL_REQUEST_ID,
+                               f"unknown or released request handle {handle!r} for model {name!r}")
+        return live
+
+    def stop_request(self, name: str, handle: RequestHandle) -> AsStatus:
+        try:
+            live = self._live(name, handle)
+        except RequestError as e:
+            return self._fail(e.status, str(e))
+        self._models[name].stop_request(live.handle.request_id)
+        return AsStatus.ALLSPARK_SUCCESS
+
+    def release_request(self, name: str, handle: RequestHandle) -> AsStatus:
+        status = self.stop_request(name, handle)
+        if status == AsStatus.ALLSPARK_SUCCESS:
+            with self._lock:
+                self._requests[name].pop(handle.request_id, None)
+        return status
+
+    def sync_request(self, name: str, handle: Optional[RequestHandle] = None) -> AsStatus:
+        try:
+            if handle is None:
+                self._model(name)
+                with self._lock:
+                    queues = [r.queue for r in self._requests[name].values()]
+            else:
+                queues = [self._live(name, handle).queue]
+        except RequestError as e:
+            return self._fail(e.status, str(e))
+        for q in queues:
+            q._wait_terminal()
+        return AsStatus.ALLSPARK_SUCCESS
+
+    # ---- information -------------------------------------------------------------------------
+    def get_model_info(self, name: str) -> str:
+        try:
+            loop = self._model(name)
+        except RequestError as e:
+            raise AsException(e.status, str(e)) from None
+        r = loop.runner
+        return json.dumps({"model_name": name, "architecture": r.args.architecture,
+                           "dtype": str(r.dtype).replace("torch.", ""), "args": r.args.to_dict(),
+                           "engine_max_length": loop.cfg.engine_max_length,
+                           "engine_max_batch": loop.cfg.engine_max_batch,
+                           "kv_spans": r.num_spans, "span_size": r.span_size,
+                           "world_size": self._comm.world_size, "started": loop.is_running})
+
+    def get_as_engine_stat(self, name: str) -> AsEngineStat:
+        try:
+            return self._model(name).stat()
+        except RequestError as e:
+            raise AsException(e.status, str(e)) from None
+
+    def get_rank_id(self) -> int:
+        return self._comm.rank
+
+    def get_version_full(self) -> str:
+        from allspark_server.version import version_full
+        return version_full()
+
+    def is_allspark_work_as_service(self) -> bool:
+        return False
+
+
+def _token_ids(raw: Any, vocab_size: int) -> list[int]:
+    """input_ids as torch tensor, numpy array or list; [L] or [1, L] -> list[int], validated."""
+    if hasattr(raw, "tolist") and not isinstance(raw, list):
+        raw = raw.tolist()
+    if isinstance(raw, tuple):
+        raw = list(raw)
+    if not isinstance(raw, list):
+        raise RequestError(AsStatus.ALLSPARK_PARAM_ERROR,
+                           f"input_ids must be a list, numpy array or torch tensor, got {type(raw).__name__}")
+    if raw and isinstance(raw[0], (list, tuple)):
+        if len(raw) != 1:
+            raise RequestError(AsStatus.ALLSPARK_PARAM_ERROR,
+                               f"input_ids holds a batch of {len(raw)}; start one request per prompt")
+        raw = list(raw[0])
+    if not raw:
+        raise RequestError(AsStatus.ALLSPARK_EMPTY_REQUEST, "input_ids is empty")
+    for t in raw:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise RequestError(AsStatus.ALLSPARK_PARAM_ERROR,
+                               f"input_ids must be token ids in [0, {vocab_size}), found {t!r}")
+    return raw

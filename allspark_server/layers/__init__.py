@@ -1,0 +1,1 @@
+"""Model building blocks; the only place model code meets collectives (through a comm object)."""

@@ -1,0 +1,38 @@
+"""Attention over the span KV cache: write this step's K/V into their slots, then attend per sequence.
+
+Each sequence gathers its context from its spans and runs scaled-dot-product attention with a
+causal mask offset by the tokens already cached (chunked prefill) or no mask (one-token decode).
+Sequences are computed one by one so a request's numbers do not depend on its batch neighbours.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from allspark_server.runner.forward_inputs import AttentionMetadata
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, h, D], k/v [T, kvh, D]; caches [num_spans, span_size, kvh, D]. Returns [T, h*D]."""
+        k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)   # [S*span, kvh, D]
+        v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        k_flat.index_copy_(0, meta.slot_mapping, k)
+        v_flat.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        gqa = self.num_heads != self.num_kv_heads
+        for seq in meta.seqs:
+            qs = q[seq.q_start:seq.q_start + seq.q_len].transpose(0, 1)   # [h, q, D]
+            ks = k_flat[seq.context_slots].transpose(0, 1)                 # [kvh, ctx, D]
+            vs = v_flat[seq.context_slots].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, scale=self.scale,
+                                               enable_gqa=gqa)             # [h, q, D]
+            out[seq.q_start:seq.q_start + seq.q_len] = o.transpose(0, 1)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -1,0 +1,30 @@
+"""Token embedding (replicated on every rank) and the LM head (split by vocabulary, gathered to rank 0)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:   # [T] -> [T, H]
+        return F.embedding(ids, self.weight)
+
+
+class ParallelLMHead(nn.Module):
+    """logits = h @ W^T with W split by vocab rows; rank 0 receives the full fp32 logits."""
+
+    def __init__(self, vocab_size_local: int, hidden_size: int, dtype: torch.dtype, comm):
+        super().__init__()
+        self.comm = comm
+        self.weight = nn.Parameter(torch.empty(vocab_size_local, hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, h: torch.Tensor) -> Optional[torch.Tensor]:   # [N, H] -> [N, V] fp32 on rank 0
+        local = F.linear(h, self.weight).float()                      # [N, V_local]
+        return self.comm.gather_rows(local)

@@ -1,0 +1,38 @@
+"""Linear layers for tensor parallelism: replicated, column-parallel (output split) and row-parallel
+(input split, followed by one allreduce). Weights are [out, in] as in HF; each rank holds its shard,
+already sliced by the loader. At world size 1 these are plain linears.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x @ W_local^T (+ b_local); output features split across ranks."""
+
+    def __init__(self, in_features: int, out_features_local: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features_local, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features_local, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, in] -> [T, out_local]
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = allreduce(x_local @ W_local^T) (+ b); input features split across ranks."""
+
+    def __init__(self, in_features_local: int, out_features: int, bias: bool, dtype: torch.dtype, comm):
+        super().__init__()
+        self.comm = comm
+        self.weight = nn.Parameter(torch.empty(out_features, in_features_local, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, in_local] -> [T, out]
+        y = F.linear(x, self.weight)
+        self.comm.allreduce_(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

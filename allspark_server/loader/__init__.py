@@ -1,0 +1,1 @@
+"""Reading HF checkpoints, writing and reading allspark model files, and per-rank sharding."""

@@ -1,0 +1,181 @@
+"""HuggingFaceModel: DashInfer's loader object — read an HF folder, serialize it, derive configs.
+
+`load_model()` reads the weights (cast to the chosen dtype) and checks them against the
+architecture; `serialize()` writes `<name>.asgraph` + `<name>.asparam`; the two
+`create_reference_*_builder` methods fill runtime and generation configs from the model's own
+config.json / generation_config.json. The tokenizer comes from the same folder.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from allspark_server.config import AsModelRuntimeConfigBuilder, ASGenerationConfigBuilder, AsModelConfig
+from allspark_server.loader.hf_reader import iter_hf_tensors, read_generation_config, read_hf_config
+from allspark_server.loader.model_file import DTYPES, write_model_files
+from allspark_server.loader.sharding import TPLayout, split_mode_for
+from allspark_server.models.args import ModelArgs
+from allspark_server.models.registry import model_class_and_rules, read_args
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
+
+
+class ModelSerializerException(RuntimeError):
+    pass
+
+
+def _dtype_from(name) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    key = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float": "float32", "half": "float16"}.get(
+        str(name).replace("torch.", ""), str(name).replace("torch.", ""))
+    if key not in DTYPES:
+        raise ModelSerializerException(f"data type {name!r} is not supported (float32, bfloat16, float16)")
+    return DTYPES[key]
+
+
+def _as_list(v) -> list[int]:
+    if v is None:
+        return []
+    return [int(x) for x in (v if isinstance(v, (list, tuple)) else [v])]
+
+
+class HuggingFaceModel:
+    def __init__(self, pretrain_model_name_or_path: str, pretrain_model_name: str, in_memory_serialize: bool = False,
+                 user_set_data_type: Optional[str] = None, trust_remote_code: bool = False):
+        if not os.path.isdir(pretrain_model_name_or_path):
+            raise ModelSerializerException(
+                f"{pretrain_model_name_or_path!r} is not a local folder (allspark never downloads models)")
+        self.path = pretrain_model_name_or_path
+        self.model_name = pretrain_model_name
+        self.trust_remote_code = trust_remote_code
+        self.hf_config = read_hf_config(self.path)
+        self.hf_generation_config = read_generation_config(self.path)
+        try:
+            self.args: ModelArgs = read_args(self.hf_config)
+        except ValueError as e:
+            raise ModelSerializerException(str(e)) from None
+        cfg_dtype = self.hf_config.get("dtype") or self.hf_config.get("torch_dtype") or "bfloat16"
+        self.data_type = _dtype_from(user_set_data_type or cfg_dtype)
+        self._tensors: Optional[dict[str, torch.Tensor]] = None
+        self._tokenizer = None
+        self.graph_path: Optional[str] = None
+        self.weights_path: Optional[str] = None
+
+    # ---- weights -----------------------------------------------------------------------------
+    def load_model(self, override_data_type=None, **_ignored) -> "HuggingFaceModel":
+        if override_data_type is not None:
+            self.data_type = _dtype_from(override_data_type)
+        model_cls, _ = model_class_and_rules(self.args.architecture)
+        expected = self._expected_names(model_cls)
+        tensors = {}
+        for name, t in iter_hf_tensors(self.path):
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            if name not in expected:
+                raise ModelSerializerException(f"unexpected tensor {name!r} for {self.args.architecture}")
+            tensors[name] = t.to(self.data_type) if t.is_floating_point() else t
+        if self.args.tie_word_embeddings:
+            tensors.pop("lm_head.weight", None)
+            expected.discard("lm_head.weight")
+        missing = expected - set(tensors)
+        if missing:
+            raise ModelSerializerException(f"checkpoint lacks tensors: {sorted(missing)[:5]}")
+        for name, t in tensors.items():
+            if tuple(t.shape) != expected_shape(self, name):
+                raise ModelSerializerException(f"tensor {name!r} has shape {tuple(t.shape)}, config says "
+                                               f"{expected_shape(self, name)}")
+        self._tensors = tensors
+        return self
+
+    def _expected_names(self, model_cls) -> set[str]:
+        with torch.device("meta"):
+            m = model_cls(self.args, self._single_rank(), _NoComm(), self.data_type, max_positions=1)
+        self._meta_shapes = {k: tuple(v.shape) for k, v in m.state_dict().items()}
+        return set(self._meta_shapes)
+
+    def _single_rank(self) -> TPLayout:
+        a = self.args
+        return TPLayout(0, 1, a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size, a.vocab_size)
+
+    def read_model_config(self) -> "HuggingFaceModel":
+        return self
+
+    def free_model(self) -> "HuggingFaceModel":
+        self._tensors = None
+        return self
+
+    # ---- serialization -----------------------------------------------------------------------
+    def serialize(self, engine=None, model_output_dir: str = "", enable_quant: bool = False,
+                  weight_only_quant: bool = False, customized_quant_config=None, **_ignored) -> "HuggingFaceModel":
+        return self.serialize_to_path(engine, model_output_dir or ".", enable_quant=enable_quant,
+                                      weight_only_quant=weight_only_quant,
+                                      customized_quant_config=customized_quant_config)
+
+    def serialize_to_path(self, engine=None, output_dir: str = ".", enable_quant: bool = False,
+                          weight_only_quant: bool = False, customized_quant_config=None,
+                          skip_if_exists: bool = False, **_ignored) -> "HuggingFaceModel":
+        if enable_quant or weight_only_quant or customized_quant_config:
+            raise ModelSerializerException("quantized serialization is not supported yet")
+        safe = self.model_name.replace("/", "_")
+        graph, params = (os.path.join(output_dir, safe + ext) for ext in (".asgraph", ".asparam"))
+        if skip_if_exists and os.path.isfile(graph) and os.path.isfile(params):
+            self.graph_path, self.weights_path = graph, params
+            return self
+        if self._tensors is None:
+            raise ModelSerializerException("call load_model() before serialize()")
+        _, rules = model_class_and_rules(self.args.architecture)
+        modes = {name: split_mode_for(name, rules) for name in self._tensors}
+        eos = self.eos_token_ids()
+        self.graph_path, self.weights_path = write_model_files(
+            output_dir, self.model_name, self.args, self.hf_config, self.data_type, self._tensors, modes, eos, eos,
+            {"source": os.path.abspath(self.path), "data_type": str(self.data_type).replace("torch.", "")})
+        return self
+
+    # ---- configs -----------------------------------------------------------------------------
+    def eos_token_ids(self) -> list[int]:
+        return _as_list(self.hf_generation_config.get("eos_token_id", self.hf_config.get("eos_token_id")))
+
+    def get_model_context_length(self) -> int:
+        return self.args.max_position_embeddings
+
+    def create_reference_runtime_config_builder(self, engine_model_name: str, device_type, device_ids,
+                                                max_batch: int, max_context_length: int = -1
+                                                ) -> AsModelRuntimeConfigBuilder:
+        if self.graph_path is None:
+            raise ModelSerializerException("serialize the model first (its files go into the runtime config)")
+        b = AsModelRuntimeConfigBuilder().model_name(engine_model_name)
+        b.model_file_path(self.graph_path, self.weights_path).compute_unit(device_type, device_ids)
+        return b.max_batch(max_batch).max_length(
+            self.get_model_context_length() if max_context_length == -1 else max_context_length)
+
+    def create_reference_generation_config_builder(self, runtime_cfg: Optional[AsModelConfig] = None
+                                                   ) -> ASGenerationConfigBuilder:
+        gen = {k: self.hf_generation_config[k] for k in SAMPLING_KEYS if k in self.hf_generation_config}
+        gen["eos_token_id"] = self.eos_token_ids()
+        context = self.get_model_context_length()
+        gen["max_length"] = min(context, runtime_cfg.engine_max_length) if runtime_cfg else context
+        return ASGenerationConfigBuilder(gen)
+
+    # ---- tokenizer ---------------------------------------------------------------------------
+    def init_tokenizer(self, padding_side: str = "left") -> "HuggingFaceModel":
+        from transformers import AutoTokenizer
+        self._tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code,
+                                                        padding_side=padding_side)
+        return self
+
+    def get_tokenizer(self):
+        if self._tokenizer is None:
+            self.init_tokenizer()
+        return self._tokenizer
+
+
+def expected_shape(model: HuggingFaceModel, name: str) -> tuple[int, ...]:
+    return model._meta_shapes[name]
+
+
+class _NoComm:
+    rank, world_size = 0, 1

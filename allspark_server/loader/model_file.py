@@ -1,0 +1,144 @@
+"""allspark model files: `<name>.asgraph` (a ModelGraph protobuf) + `<name>.asparam` (safetensors).
+
+Tensors are written whole with their split mode recorded; `read_rank_shard` reads only the slices
+one rank needs (safetensors slicing), so a rank never holds the full model. Tied LM heads are not
+stored: they are read from the embedding.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import subprocess
+from dataclasses import dataclass
+
+import torch
+
+from allspark_client._proto import allspark_pb2 as pb
+from allspark_server.loader.sharding import SplitMode, TPLayout
+from allspark_server.models.args import ModelArgs
+
+FORMAT_VERSION = 1
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HASH_BYTES = 32 << 20
+
+
+class ModelFileError(ValueError):
+    pass
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, d in DTYPES.items():
+        if d == dtype:
+            return name
+    raise ModelFileError(f"unsupported dtype {dtype}")
+
+
+def _git_sha() -> str:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
+                              text=True, timeout=5).stdout.strip()
+    except Exception:
+        return ""
+
+
+def _md5_head(path: str) -> str:
+    h = hashlib.md5()
+    with open(path, "rb") as f:
+        h.update(f.read(HASH_BYTES))
+    return h.hexdigest()
+
+
+def write_model_files(out_dir: str, model_name: str, args: ModelArgs, hf_config: dict, dtype: torch.dtype,
+                      tensors: dict[str, torch.Tensor], split_modes: dict[str, SplitMode],
+                      eos_ids: list[int], stop_ids: list[int], serialize_args: dict[str, str]) -> tuple[str, str]:
+    from safetensors.torch import save_file
+    from allspark_client import __version__
+
+    os.makedirs(out_dir, exist_ok=True)
+    safe = model_name.replace("/", "_")
+    graph_path = os.path.join(out_dir, safe + ".asgraph")
+    param_path = os.path.join(out_dir, safe + ".asparam")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, param_path, metadata={"format": "allspark"})
+
+    g = pb.ModelGraph(format_version=FORMAT_VERSION, model_name=model_name, architecture=args.architecture,
+                      model_args_json=json.dumps(args.to_dict()), hf_config_json=json.dumps(hf_config),
+                      dtype=dtype_name(dtype), quantization="")
+    for name, t in tensors.items():
+        g.tensors.add(name=name, shape=list(t.shape), dtype=dtype_name(t.dtype), split_mode=int(split_modes[name]))
+    g.build_meta.allspark_version = __version__
+    g.build_meta.git_sha = _git_sha()
+    g.build_meta.build_time = datetime.datetime.now(datetime.timezone.utc).isoformat()
+    g.build_meta.weight_hash = _md5_head(param_path)
+    g.build_meta.serialize_args.update(serialize_args)
+    g.generation.eos_token_ids.extend(eos_ids)
+    g.generation.stop_token_ids.extend(stop_ids)
+    g.generation.context_length = args.max_position_embeddings
+    tmp = graph_path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(g.SerializeToString())
+    os.replace(tmp, graph_path)
+    return graph_path, param_path
+
+
+@dataclass
+class ModelFile:
+    graph: "pb.ModelGraph"
+    args: ModelArgs
+    dtype: torch.dtype
+    weights_path: str
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.graph.generation.eos_token_ids)
+
+
+def read_model_graph(graph_path: str, weights_path: str) -> ModelFile:
+    for p in (graph_path, weights_path):
+        if not os.path.isfile(p):
+            raise ModelFileError(f"model file {p!r} does not exist")
+    g = pb.ModelGraph()
+    try:
+        with open(graph_path, "rb") as f:
+            g.ParseFromString(f.read())
+    except Exception as e:
+        raise ModelFileError(f"{graph_path!r} is not an allspark .asgraph file: {e}") from None
+    if g.format_version != FORMAT_VERSION:
+        raise ModelFileError(f"{graph_path!r} has format version {g.format_version}; this allspark reads "
+                             f"version {FORMAT_VERSION} (serialize the model again)")
+    if g.dtype not in DTYPES:
+        raise ModelFileError(f"{graph_path!r} has unknown dtype {g.dtype!r}")
+    return ModelFile(g, ModelArgs.from_dict(json.loads(g.model_args_json)), DTYPES[g.dtype], weights_path)
+
+
+def read_rank_shard(mf: ModelFile, tp: TPLayout) -> dict[str, torch.Tensor]:
+    """This rank's slice of every tensor, copied into freshly allocated memory."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    infos = {t.name: t for t in mf.graph.tensors}
+    with safe_open(mf.weights_path, framework="pt") as f:
+        stored = set(f.keys())
+        missing = set(infos) - stored
+        if missing:
+            raise ModelFileError(f"{mf.weights_path!r} lacks tensors {sorted(missing)[:5]}")
+        for name, info in infos.items():
+            out[name] = _read_slice(f, name, SplitMode(info.split_mode), tuple(info.shape), tp)
+        if mf.args.tie_word_embeddings and "lm_head.weight" not in infos:
+            emb = "model.embed_tokens.weight"
+            out["lm_head.weight"] = _read_slice(f, emb, SplitMode.VOCAB, tuple(infos[emb].shape), tp)
+    return out
+
+
+def _read_slice(f, name: str, mode: SplitMode, shape: tuple[int, ...], tp: TPLayout) -> torch.Tensor:
+    dim, lo, hi = tp.slice_for(mode, shape)
+    sl = f.get_slice(name)
+    if dim == -1:
+        t = sl[:]
+    elif dim == 0:
+        t = sl[lo:hi]
+    else:
+        t = sl[:, lo:hi]
+    return t.clone()

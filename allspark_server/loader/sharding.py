@@ -1,0 +1,99 @@
+"""Tensor-parallel sharding: how each tensor is split across ranks and which slice a rank reads.
+
+HEADS / COLUMN split dim 0 (output features) evenly; KV_HEADS splits dim 0 by KV head and, when
+there are fewer KV heads than ranks, gives each rank a copy of the head its query heads use; ROW
+splits dim 1 (input features); VOCAB splits dim 0 in near-even chunks; REPLICATE keeps it whole.
+"""
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+
+class SplitMode(enum.IntEnum):
+    REPLICATE = 0
+    COLUMN = 1
+    ROW = 2
+    HEADS = 3
+    KV_HEADS = 4
+    VOCAB = 5
+
+
+class ShardingError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    rank: int
+    world_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+    def __post_init__(self):
+        w = self.world_size
+        if self.num_heads % w:
+            raise ShardingError(f"num_attention_heads {self.num_heads} is not divisible by {w} ranks")
+        if self.num_kv_heads >= w and self.num_kv_heads % w:
+            raise ShardingError(f"num_key_value_heads {self.num_kv_heads} is not divisible by {w} ranks")
+        if self.num_kv_heads < w and w % self.num_kv_heads:
+            raise ShardingError(f"{w} ranks is not a multiple of num_key_value_heads {self.num_kv_heads}")
+        if self.intermediate_size % w:
+            raise ShardingError(f"intermediate_size {self.intermediate_size} is not divisible by {w} ranks")
+
+    @property
+    def local_heads(self) -> int:
+        return self.num_heads // self.world_size
+
+    @property
+    def local_kv_heads(self) -> int:
+        return max(1, self.num_kv_heads // self.world_size)
+
+    @property
+    def local_intermediate(self) -> int:
+        return self.intermediate_size // self.world_size
+
+    def vocab_range(self) -> tuple[int, int]:
+        per = -(-self.vocab_size // self.world_size)
+        lo = min(self.rank * per, self.vocab_size)
+        return lo, min(lo + per, self.vocab_size)
+
+    @property
+    def local_vocab(self) -> int:
+        lo, hi = self.vocab_range()
+        return hi - lo
+
+    def kv_head_range(self) -> tuple[int, int]:
+        if self.num_kv_heads >= self.world_size:
+            n = self.local_kv_heads
+            return self.rank * n, (self.rank + 1) * n
+        head = self.rank * self.num_kv_heads // self.world_size   # replicated: the head my q heads use
+        return head, head + 1
+
+    def slice_for(self, mode: SplitMode, shape: tuple[int, ...]) -> tuple[int, int, int]:
+        """(dim, start, stop) of this rank's slice of a tensor of `shape` (dim -1 = whole)."""
+        if mode == SplitMode.REPLICATE or self.world_size == 1:
+            return -1, 0, 0
+        if mode == SplitMode.VOCAB:
+            lo, hi = self.vocab_range()
+            return 0, lo, hi
+        if mode == SplitMode.KV_HEADS:
+            lo, hi = self.kv_head_range()
+            return 0, lo * self.head_dim, hi * self.head_dim
+        dim = 1 if mode == SplitMode.ROW else 0
+        size = shape[dim]
+        if size % self.world_size:
+            raise ShardingError(f"dim {dim} of size {size} is not divisible by {self.world_size} ranks")
+        per = size // self.world_size
+        return dim, self.rank * per, (self.rank + 1) * per
+
+
+def split_mode_for(name: str, rules: list[tuple[str, SplitMode]]) -> SplitMode:
+    for pattern, mode in rules:
+        if re.search(pattern, name):
+            return mode
+    return SplitMode.REPLICATE

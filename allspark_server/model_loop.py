@@ -1,0 +1,201 @@
+"""ModelLoop: one installed model served on rank 0 by its own engine thread.
+
+API threads never touch scheduler state: they post typed commands (add / stop) to an inbox and
+wait on ResultQueues. The engine thread drains the inbox, asks the scheduler for a StepPlan, runs
+it on the ModelRunner, samples, and pushes each new token to its request's ResultQueue. An idle
+loop sleeps on a condition variable; it never polls.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from allspark_client.result_queue import ResultQueue
+from allspark_client.types import AsEngineStat, GeneratedElements, GenerateRequestStatus
+from allspark_server.config import AsModelConfig
+from allspark_server.core.request import FinishReason, Request
+from allspark_server.core.scheduler import Scheduler, SchedulerConfig
+from allspark_server.core.span_manager import SpanManager
+from allspark_server.runner.model_runner import ModelRunner
+from allspark_server.runner.sampler import Sampler, SamplingState
+
+log = logging.getLogger(__name__)
+RATE_WINDOW_S = 10.0
+
+
+@dataclass
+class AddRequest:
+    request: Request
+    queue: ResultQueue
+    sampling: SamplingState
+
+
+@dataclass
+class StopRequest:
+    request_id: int
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+Command = Union[AddRequest, StopRequest]
+
+
+class ModelLoop:
+    def __init__(self, cfg: AsModelConfig, comm):
+        self.cfg = cfg
+        self.runner = ModelRunner(cfg, comm)
+        self.spans = SpanManager(self.runner.num_spans, cfg.cache_span_size)
+        self.scheduler = Scheduler(SchedulerConfig(cfg.engine_max_batch, cfg.max_prefill_tokens), self.spans)
+        self.sampler = Sampler()
+        self._cv = threading.Condition()
+        self._inbox: deque[Command] = deque()
+        self._live: dict[int, AddRequest] = {}          # engine thread only
+        self._thread: Optional[threading.Thread] = None
+        self._shutdown = False
+        self._rates: deque[tuple[float, int, int]] = deque()   # (time, generated, processed) per step
+        self._stat_lock = threading.Lock()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self.is_running:
+            return
+        self._shutdown = False
+        self._thread = threading.Thread(target=self._run, name=f"allspark-{self.cfg.model_name}", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._shutdown = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        self._thread = None
+
+    # ---- commands from API threads -----------------------------------------------------------
+    def post(self, cmd: Command) -> None:
+        with self._cv:
+            self._inbox.append(cmd)
+            self._cv.notify_all()
+
+    def stop_request(self, request_id: int) -> None:
+        """Stop a request and wait until the engine thread has taken it out of scheduling."""
+        cmd = StopRequest(request_id)
+        self.post(cmd)
+        if self.is_running and threading.current_thread() is not self._thread:
+            cmd.done.wait()
+
+    # ---- engine thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._shutdown or self._inbox or self.scheduler.has_work())
+                if self._shutdown:
+                    break
+                commands, self._inbox = list(self._inbox), deque()
+            for cmd in commands:
+                self._apply(cmd)
+            if self.scheduler.has_work():
+                self._step()
+        # drain: anything still queued is answered, nothing waits forever
+        for cmd in list(self._inbox):
+            self._apply(cmd)
+        for rid in list(self._live):
+            self._finish(rid, FinishReason.STOPPED)
+
+    def _apply(self, cmd: Command) -> None:
+        if isinstance(cmd, AddRequest):
+            self._live[cmd.request.request_id] = cmd
+            self.scheduler.add(cmd.request)
+        else:
+            if cmd.request_id in self._live:
+                self._finish(cmd.request_id, FinishReason.STOPPED)
+            cmd.done.set()
+
+    def _finish(self, rid: int, reason: FinishReason, error: Optional[str] = None) -> None:
+        entry = self._live.pop(rid, None)
+        if entry is None:
+            return
+        self.scheduler.finish(entry.request, reason)
+        status = {FinishReason.INTERRUPTED: GenerateRequestStatus.GenerateInterrupted}.get(
+            reason, GenerateRequestStatus.GenerateFinished)
+        if error is not None:
+            status = GenerateRequestStatus.InternalError
+        entry.queue._set_status(status, error)
+
+    def _step(self) -> None:
+        plan, interrupted = self.scheduler.schedule()
+        for req in interrupted:
+            entry = self._live.pop(req.request_id)
+            entry.queue._set_status(GenerateRequestStatus.GenerateInterrupted,
+                                    f"request needs more KV cache than the whole cache holds "
+                                    f"({self.spans.num_spans} spans of {self.spans.span_size} tokens)")
+        if plan.is_empty:
+            return
+        for c in plan.chunks:
+            self._live[c.request_id].queue._mark_scheduled()
+        try:
+            logits, rids = self.runner.execute(plan)
+            sampled = {}
+            results = {}
+            for row, rid in enumerate(rids):
+                entry = self._live[rid]
+                req = entry.request
+                res = self.sampler.sample_row(logits[row], entry.sampling, req.all_token_ids, req.output_ids)
+                sampled[rid] = res.token_id
+                results[rid] = res
+        except Exception as e:   # a failed step fails its requests, not the engine
+            log.error("step %d failed: %s", plan.step_id, traceback.format_exc())
+            for c in plan.chunks:
+                self._finish(c.request_id, FinishReason.STOPPED, error=f"internal error: {e!r}")
+            return
+        requests = {c.request_id: self._live[c.request_id].request for c in plan.chunks}
+        events = self.scheduler.update(plan, sampled, requests)
+        for req, token, reason in events:
+            entry = self._live[req.request_id]
+            res = results[req.request_id]
+            el = GeneratedElements([token])
+            if entry.sampling.gen.logprobs:
+                el.token_logprobs_list.append(res.logprob)
+                el.log_probs_list.append(res.top_logprobs)
+            first = len(req.output_ids) == 1
+            status = GenerateRequestStatus.ContextFinished if first else GenerateRequestStatus.Generating
+            entry.queue._push(el, status)
+            if reason is not None:
+                self._live.pop(req.request_id)
+                entry.queue._set_status(GenerateRequestStatus.GenerateFinished)
+        with self._stat_lock:
+            now = time.monotonic()
+            self._rates.append((now, len(events), plan.num_tokens))
+            while self._rates and now - self._rates[0][0] > RATE_WINDOW_S:
+                self._rates.popleft()
+
+    # ---- stats (any thread) ------------------------------------------------------------------
+    def stat(self) -> AsEngineStat:
+        s = self.scheduler
+        with self._stat_lock:
+            rates = list(self._rates)
+        gen_ps = proc_ps = 0.0
+        if len(rates) >= 2:
+            dt = rates[-1][0] - rates[0][0]
+            if dt > 0:
+                gen_ps = sum(r[1] for r in rates[1:]) / dt
+                proc_ps = sum(r[2] for r in rates[1:]) / dt
+        used = self.spans.num_used_spans
+        total = self.spans.num_spans
+        return AsEngineStat(
+            model_name=self.cfg.model_name,
+            free_token=self.spans.num_free_spans * self.spans.span_size,
+            total_token=total * self.spans.span_size,
+            pendding_request=len(s.waiting), running_request=len(s.running),
+            total_generated_token=s.stats.num_generated_tokens, total_prefill_token=s.stats.num_prefill_tokens,
+            generate_token_persec=gen_ps, process_token_persec=proc_ps,
+            total_span=total, used_span=used, free_span=total - used, span_size=self.spans.span_size,
+            token_usage_percentage=100.0 * used / total, num_preempted=s.stats.num_preemptions)

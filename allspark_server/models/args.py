@@ -1,0 +1,81 @@
+"""ModelArgs: the architecture hyper-parameters a model file needs, read from an HF config.json dict.
+
+Handles both spellings of rope settings (`rope_scaling` + top-level `rope_theta` in older configs,
+`rope_parameters` in newer ones). Frozen and JSON-serializable so it can travel in the .asgraph.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool         # q/k/v bias
+    o_proj_bias: bool
+    mlp_bias: bool
+    hidden_act: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelArgs":
+        return cls(**d)
+
+
+def rope_settings(hf: dict) -> tuple[float, Optional[dict]]:
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(hf.get("rope_theta", 10000.0))
+        scaling = hf.get("rope_scaling")
+    if scaling is not None:
+        scaling = dict(scaling)
+        rope_type = scaling.pop("type", None) or scaling.get("rope_type", "default")
+        scaling["rope_type"] = rope_type
+        if rope_type == "default":
+            scaling = None
+    return theta, scaling
+
+
+def args_from_hf_config(hf: dict, qkv_bias_always: bool) -> ModelArgs:
+    """Llama: `attention_bias` sets q/k/v/o biases. Qwen2: q/k/v always biased, o_proj never."""
+    llama_bias = bool(hf.get("attention_bias", False))
+    num_heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    theta, scaling = rope_settings(hf)
+    return ModelArgs(
+        architecture=hf["architectures"][0],
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(hf.get("head_dim") or hidden // num_heads),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=qkv_bias_always or llama_bias,
+        o_proj_bias=llama_bias and not qkv_bias_always,
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        hidden_act=str(hf.get("hidden_act", "silu")),
+    )

@@ -1,0 +1,104 @@
+"""Llama-family decoder (Llama 2/3, and Qwen2 with q/k/v bias) as plain PyTorch over the span KV cache.
+
+Module names mirror HF's so a rank's weight shard loads with `load_state_dict`. Tensor parallelism
+lives in the layers (column/row-parallel linears, vocab-split LM head); the math here is the
+single-device math on local head counts. `SPLIT_RULES` tells the loader how each tensor is sharded.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from allspark_server.layers.attention import PagedAttention
+from allspark_server.layers.embedding import Embedding, ParallelLMHead
+from allspark_server.layers.linear import ColumnParallelLinear, RowParallelLinear
+from allspark_server.layers.norm import RMSNorm
+from allspark_server.layers.rotary import RotaryEmbedding
+from allspark_server.loader.sharding import SplitMode, TPLayout
+from allspark_server.models.args import ModelArgs
+from allspark_server.runner.forward_inputs import ForwardInputs
+
+SPLIT_RULES: list[tuple[str, SplitMode]] = [
+    (r"\.self_attn\.q_proj\.(weight|bias)$", SplitMode.HEADS),
+    (r"\.self_attn\.[kv]_proj\.(weight|bias)$", SplitMode.KV_HEADS),
+    (r"\.self_attn\.o_proj\.weight$", SplitMode.ROW),
+    (r"\.mlp\.(gate|up)_proj\.(weight|bias)$", SplitMode.COLUMN),
+    (r"\.mlp\.down_proj\.weight$", SplitMode.ROW),
+    (r"^lm_head\.weight$", SplitMode.VOCAB),
+    (r".*", SplitMode.REPLICATE),   # embeddings, norms, row-parallel biases
+]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, tp: TPLayout, comm, dtype: torch.dtype):
+        super().__init__()
+        d = args.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = tp.local_heads, tp.local_kv_heads, d
+        self.q_proj = ColumnParallelLinear(args.hidden_size, self.num_heads * d, args.attention_bias, dtype)
+        self.k_proj = ColumnParallelLinear(args.hidden_size, self.num_kv_heads * d, args.attention_bias, dtype)
+        self.v_proj = ColumnParallelLinear(args.hidden_size, self.num_kv_heads * d, args.attention_bias, dtype)
+        self.o_proj = RowParallelLinear(self.num_heads * d, args.hidden_size, args.o_proj_bias, dtype, comm)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d)
+
+    def forward(self, x, inputs: ForwardInputs, rotary: RotaryEmbedding, k_cache, v_cache):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)          # [T, h, D]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)       # [T, kvh, D]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary(inputs.positions, q, k)
+        o = self.attn(q, k, v, k_cache, v_cache, inputs.attn)              # [T, h*D]
+        return self.o_proj(o)                                              # [T, H]
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs, tp: TPLayout, comm, dtype: torch.dtype):
+        super().__init__()
+        inter = tp.local_intermediate
+        self.gate_proj = ColumnParallelLinear(args.hidden_size, inter, args.mlp_bias, dtype)
+        self.up_proj = ColumnParallelLinear(args.hidden_size, inter, args.mlp_bias, dtype)
+        self.down_proj = RowParallelLinear(inter, args.hidden_size, args.mlp_bias, dtype, comm)
+
+    def forward(self, x):   # [T, H] -> [T, H]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, tp: TPLayout, comm, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.self_attn = Attention(args, tp, comm, dtype)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.mlp = MLP(args, tp, comm, dtype)
+
+    def forward(self, x, inputs, rotary, k_cache, v_cache):
+        x = x + self.self_attn(self.input_layernorm(x), inputs, rotary, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, args: ModelArgs, tp: TPLayout, comm, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(args, tp, comm, dtype) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, args: ModelArgs, tp: TPLayout, comm, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        if args.hidden_act != "silu":
+            raise ValueError(f"hidden_act {args.hidden_act!r} is not supported (only silu)")
+        self.args = args
+        self.model = DecoderModel(args, tp, comm, dtype, max_positions)
+        self.lm_head = ParallelLMHead(tp.local_vocab, args.hidden_size, dtype, comm)
+
+    @torch.inference_mode()
+    def forward(self, inputs: ForwardInputs, kv_cache) -> torch.Tensor:
+        """Run all scheduled tokens; return fp32 logits [N, V] of the sample rows (rank 0)."""
+        x = self.model.embed_tokens(inputs.input_ids)                       # [T, H]
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, inputs, self.model.rotary, kv_cache.k[i], kv_cache.v[i])
+        h = self.model.norm(x[inputs.sample_rows])                          # [N, H]
+        return self.lm_head(h)                                              # [N, V] on rank 0

@@ -1,0 +1,86 @@
+"""ModelRunner: one rank's model shard and KV cache; executes StepPlans.
+
+Builds the model from a serialized model file (reading only this rank's slices), sizes the span
+KV cache from the memory budget, mirrors request state from each plan and returns the logits of
+the rows to sample (full vocabulary on rank 0, None on other ranks). Decides nothing.
+"""
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+
+from allspark_server.config import AsModelConfig
+from allspark_server.core.messages import StepPlan
+from allspark_server.loader.model_file import ModelFile, read_model_graph, read_rank_shard
+from allspark_server.loader.sharding import TPLayout
+from allspark_server.models.registry import model_class_and_rules
+from allspark_server.runner.forward_inputs import RequestMirror, build_forward_inputs
+from allspark_server.runner.kv_cache import KVCache, bytes_per_span
+
+log = logging.getLogger(__name__)
+AUTO_KV_MAX_FRACTION = 0.4   # auto budget never takes more than this share of available RAM
+
+
+class ModelRunner:
+    def __init__(self, cfg: AsModelConfig, comm):
+        self.cfg = cfg
+        self.comm = comm
+        if cfg.num_threads > 0:
+            torch.set_num_threads(cfg.num_threads)
+        self.model_file: ModelFile = read_model_graph(cfg.model_path, cfg.weights_path)
+        args = self.model_file.args
+        self.args = args
+        self.tp = TPLayout(comm.rank, comm.world_size, args.num_heads, args.num_kv_heads, args.head_dim,
+                           args.intermediate_size, args.vocab_size)
+        model_cls, _ = model_class_and_rules(args.architecture)
+        self.dtype = self.model_file.dtype
+        self.model = model_cls(args, self.tp, comm, self.dtype, max_positions=cfg.engine_max_length)
+        shard = read_rank_shard(self.model_file, self.tp)
+        self.model.load_state_dict(shard, strict=True, assign=True)
+        self.model.eval()
+        self.span_size = cfg.cache_span_size
+        self.num_spans = self._num_spans()
+        self.kv = KVCache(args.num_layers, self.num_spans, self.span_size, self.tp.local_kv_heads, args.head_dim,
+                          self.dtype)
+        self.mirrors: dict[int, RequestMirror] = {}
+
+    def _num_spans(self) -> int:
+        per_span = bytes_per_span(self.args.num_layers, self.span_size, self.tp.local_kv_heads, self.args.head_dim,
+                                  self.dtype)
+        if self.cfg.kv_cache_memory_bytes:
+            n = self.cfg.kv_cache_memory_bytes // per_span
+            if n < 1:
+                raise ValueError(f"kv cache budget {self.cfg.kv_cache_memory_bytes} bytes is smaller than one "
+                                 f"span ({per_span} bytes)")
+            return n
+        spans_per_request = -(-self.cfg.engine_max_length // self.span_size)
+        wanted = spans_per_request * self.cfg.engine_max_batch
+        cap = int(psutil.virtual_memory().available * AUTO_KV_MAX_FRACTION) // per_span
+        if cap < wanted:
+            log.warning("KV cache: %d spans wanted for max_batch x max_length, RAM allows %d", wanted, cap)
+        return max(1, min(wanted, cap))
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_spans * bytes_per_span(self.args.num_layers, self.span_size, self.tp.local_kv_heads,
+                                               self.args.head_dim, self.dtype)
+
+    def execute(self, plan: StepPlan):
+        """Apply the plan to the mirrors and run the model: (logits [N, V] or None, request ids)."""
+        for rid in plan.dropped_ids:
+            self.mirrors.pop(rid, None)
+        for r in plan.new_requests:
+            self.mirrors[r.request_id] = RequestMirror(list(r.token_ids), list(r.span_ids), r.num_computed_tokens)
+        for r in plan.cached_requests:
+            m = self.mirrors[r.request_id]
+            m.token_ids.extend(r.new_token_ids)
+            m.span_ids.extend(r.new_span_ids)
+        if plan.is_empty:
+            return None, []
+        inputs = build_forward_inputs(plan.chunks, self.mirrors, self.span_size)
+        logits = self.model(inputs, self.kv)
+        for c in plan.chunks:
+            self.mirrors[c.request_id].num_computed_tokens += c.num_tokens
+        return logits, inputs.sample_request_ids

@@ -1,0 +1,95 @@
+"""Sampler (rank 0 only): turns each request's logits row into its next token.
+
+Order, per row: raw logprobs (for the `logprobs` output), repetition penalty over prompt + output,
+presence and frequency penalties over the output, min_length (EOS masked), then greedy argmax or
+temperature -> top_k -> top_p -> a draw from the request's own seeded generator. Rows are handled
+independently, so a request's tokens do not depend on the rest of the batch.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from allspark_server.config import GenerationConfig
+
+
+@dataclass
+class SamplingState:
+    gen: GenerationConfig
+    generator: Optional[torch.Generator] = None
+
+    @classmethod
+    def create(cls, gen: GenerationConfig) -> "SamplingState":
+        g = None
+        if not gen.is_greedy:
+            g = torch.Generator()
+            g.manual_seed(gen.seed if gen.seed is not None else random.SystemRandom().getrandbits(63))
+        return cls(gen, g)
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: Optional[float] = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+def apply_penalties(x: torch.Tensor, all_ids: list[int], output_ids: list[int], gen: GenerationConfig) -> None:
+    """In place on one row x [V]."""
+    if gen.repetition_penalty != 1.0 and all_ids:
+        ids = torch.tensor(all_ids, dtype=torch.long)
+        score = x.gather(0, ids)
+        score = torch.where(score < 0, score * gen.repetition_penalty, score / gen.repetition_penalty)
+        x.scatter_(0, ids, score)
+    if (gen.presence_penalty or gen.frequency_penalty) and output_ids:
+        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=x.shape[0]).to(x.dtype)
+        x -= gen.frequency_penalty * counts + gen.presence_penalty * (counts > 0).to(x.dtype)
+
+
+def mask_top_k(x: torch.Tensor, k: int) -> torch.Tensor:
+    if 0 < k < x.shape[-1]:
+        kth = torch.topk(x, k).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    return x
+
+
+def mask_top_p(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches p (at least one)."""
+    if p >= 1.0:
+        return x
+    sorted_x, order = torch.sort(x, descending=False)
+    cum = sorted_x.softmax(-1).cumsum(-1)
+    remove_sorted = cum <= (1 - p)
+    remove_sorted[..., -1] = False
+    remove = remove_sorted.scatter(-1, order, remove_sorted)
+    return x.masked_fill(remove, float("-inf"))
+
+
+class Sampler:
+    def sample_row(self, logits: torch.Tensor, state: SamplingState, all_ids: list[int],
+                   output_ids: list[int]) -> SampleResult:
+        gen = state.gen
+        raw_logprobs = torch.log_softmax(logits, -1) if gen.logprobs else None
+        x = logits.clone()
+        if gen.has_penalties:
+            apply_penalties(x, all_ids, output_ids, gen)
+        if gen.min_length and len(all_ids) < gen.min_length and gen.eos_token_ids:
+            x[list(gen.eos_token_ids)] = float("-inf")
+        if gen.is_greedy:
+            token = int(torch.argmax(x))
+        else:
+            x = x / gen.temperature
+            x = mask_top_k(x, gen.top_k)
+            x = mask_top_p(x, gen.top_p)
+            probs = torch.softmax(x, -1)
+            token = int(torch.multinomial(probs, 1, generator=state.generator))
+        result = SampleResult(token)
+        if raw_logprobs is not None:
+            result.logprob = float(raw_logprobs[token])
+            if gen.top_logprobs:
+                top = torch.topk(raw_logprobs, gen.top_logprobs)
+                result.top_logprobs = [(int(i), float(v)) for v, i in zip(top.values, top.indices)]
+        return result
