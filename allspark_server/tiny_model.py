@@ -1,0 +1,75 @@
+"""Deterministic tiny HF models with random weights and a locally trained tokenizer.
+
+Used by the tests, the examples and the quick start: nothing is downloaded. `build_tiny_model`
+writes a HuggingFace folder (config.json, weights, tokenizer files) for one of the `VARIANTS`.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+VOCAB_SIZE = 512
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. allspark serves language models on CPUs and GPUs. "
+    "Continuous batching keeps every core busy while requests come and go. A span holds the keys and "
+    "values of a few tokens. Hello world! Once upon a time there was a small model that wanted to talk. "
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Questions? Answers. def main(): return 42\n"
+) * 4
+
+VARIANTS = {
+    # Llama 2 style: multi-head attention, tied embeddings
+    "llama_mha_tied": dict(arch="llama", num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
+    # Llama 3 style: grouped-query attention, untied, llama3 rope scaling
+    "llama_gqa_llama3": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                             rope_theta=500000.0),
+    # Qwen2: q/k/v bias, tied embeddings
+    "qwen2_bias_tied": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+}
+
+
+def build_tokenizer(out_dir: str):
+    """Train a byte-level BPE tokenizer on the embedded corpus and save it as a HF fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE - 8, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([CORPUS], trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def build_tiny_model(out_dir: str, variant: str = "llama_gqa_llama3", seed: int = 0, hidden_size: int = 64,
+                     num_layers: int = 2, intermediate_size: int = 128, max_position_embeddings: int = 2048,
+                     weight_scale: Optional[float] = None, dtype: str = "float32", tokenizer: bool = True):
+    """Create (or overwrite) a tiny HF model folder; returns the transformers model (eval mode)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    spec = dict(VARIANTS[variant])
+    arch = spec.pop("arch")
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                  num_hidden_layers=num_layers, max_position_embeddings=max_position_embeddings,
+                  bos_token_id=0, eos_token_id=1, pad_token_id=2, **spec)
+    cfg_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**common)).eval()
+    if weight_scale is not None:   # larger weights give peakier, more decisive logits
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 2:
+                    p.normal_(0.0, weight_scale)
+                elif "bias" in name:
+                    p.normal_(0.0, weight_scale)
+    model = model.to(getattr(torch, dtype))
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    if tokenizer:
+        build_tokenizer(out_dir)
+    return model
