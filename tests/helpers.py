@@ -51,7 +51,7 @@ def generate(engine: Engine, name: str, ids, gen: dict):
 
 
 def greedy(engine: Engine, name: str, ids, max_new_tokens: int) -> list[int]:
-    return generate(engine, name, list(ids), {"top_k": 1, "max_new_tokens": max_new_tokens,
+    return generate(engine, name, ids, {"top_k": 1, "max_new_tokens": max_new_tokens,
                                               "eos_token_id": []})[0]
 
 

@@ -29,10 +29,10 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(q)
         gqa = self.num_heads != self.num_kv_heads
         for seq in meta.seqs:
-            qs = q[seq.q_start:seq.q_start + seq.q_len].transpose(0, 1)   # [h, q, D]
-            ks = k_flat[seq.context_slots].transpose(0, 1)                 # [kvh, ctx, D]
-            vs = v_flat[seq.context_slots].transpose(0, 1)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, scale=self.scale,
-                                               enable_gqa=gqa)             # [h, q, D]
-            out[seq.q_start:seq.q_start + seq.q_len] = o.transpose(0, 1)
+            qs = q[seq.q_start:seq.q_start + seq.q_len].transpose(0, 1)[None]   # [1, h, q, D]
+            ks = k_flat[seq.context_slots].transpose(0, 1)[None]                 # [1, kvh, ctx, D]
+            vs = v_flat[seq.context_slots].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, is_causal=seq.is_causal,
+                                               scale=self.scale, enable_gqa=gqa)  # [1, h, q, D]
+            out[seq.q_start:seq.q_start + seq.q_len] = o[0].transpose(0, 1)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

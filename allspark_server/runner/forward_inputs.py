@@ -17,7 +17,8 @@ class SeqAttention:
     q_start: int
     q_len: int
     context_slots: torch.Tensor      # [ctx] long: cache slots of every token up to the last query
-    mask: Optional[torch.Tensor]     # [q, ctx] bool (True = attend) or None for a single query
+    mask: Optional[torch.Tensor]     # [q, ctx] bool (True = attend); None: no mask or plain causal
+    is_causal: bool = False          # a chunk starting at position 0: ordinary causal attention
 
 
 @dataclass
@@ -56,10 +57,10 @@ def build_forward_inputs(chunks, mirrors: dict[int, RequestMirror], span_size: i
         all_slots = (spans[:, None] * span_size + offsets[None, :]).reshape(-1)[:end]   # [ctx]
         slots.append(all_slots[start:end])
         mask = None
-        if n > 1:
+        if n > 1 and start > 0:
             q_pos = torch.arange(start, end)[:, None]
             mask = torch.arange(end)[None, :] <= q_pos                                      # [q, ctx]
-        seqs.append(SeqAttention(len(ids) - n, n, all_slots, mask))
+        seqs.append(SeqAttention(len(ids) - n, n, all_slots, mask, is_causal=n > 1 and start == 0))
         if chunk.needs_sample:
             sample_rows.append(len(ids) - 1)
             sample_rids.append(chunk.request_id)
