@@ -645,3 +645,42 @@ def test_concurrent_bad_and_good_requests(srv):
     assert results == {i: [expected[i]] * rounds for i in range(n_threads)}
     assert "main_thread_marker" in e.get_last_error()
     assert_still_serves(e, MAIN, srv.hf)
+
+
+@pytest.mark.xfail(strict=True, reason="Engine._start_request checks loop.is_running without self._lock and "
+                                       "registers/posts later, so a concurrent stop_model slips in between: the "
+                                       "request is accepted (SUCCESS) into a stopped model and never runs")
+def test_stop_model_racing_start_request(srv, monkeypatch):
+    """Deterministic replay of the race: stop_model runs after start_request's is_running check."""
+    import allspark_server.engine as engine_mod
+    e, name = srv.engine, "errs_race"
+    assert e.install_model(_cfg(srv, name).build()) == OK and e.start_model(name) == OK
+    real_parse = engine_mod.parse_generation_config
+    stopped = []
+
+    def parse_then_stop(*args, **kw):       # runs between the is_running check and the registration
+        if not stopped:
+            stopped.append(e.stop_model(name))
+        return real_parse(*args, **kw)
+
+    monkeypatch.setattr(engine_mod, "parse_generation_config", parse_then_stop)
+    status, handle, queue = e.start_request(name, {"input_ids": PROBE_PROMPT}, GOOD)
+    monkeypatch.setattr(engine_mod, "parse_generation_config", real_parse)
+    try:
+        assert stopped == [OK]
+        assert status == AsStatus.ALLSPARK_REQUEST_DENIED, "accepted a request into a model being stopped"
+    finally:
+        if status == OK:      # the request sits in the stopped loop's inbox until the model restarts
+            assert queue.GenerateStatus() == GenerateRequestStatus.Init
+            assert e.start_model(name) == OK
+            wait_terminal(queue)
+            assert e.release_request(name, handle) == OK
+        assert e.release_model(name) == OK
+        assert_still_serves(e, MAIN, srv.hf)
+
+
+def test_start_request_text_not_a_string(srv):
+    st, handle, queue = srv.engine.start_request_text(MAIN, srv.loader, 123, GOOD)
+    assert (st, handle, queue) == (PARAM, None, None)
+    assert "text must be a str" in srv.engine.get_last_error() and "int" in srv.engine.get_last_error()
+    assert_still_serves(srv.engine, MAIN, srv.hf)

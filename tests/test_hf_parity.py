@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -61,10 +62,14 @@ def test_fp32_logits_match_transformers(tiny_models, tmp_path, variant):
     assert (ours - ref).abs().max().item() <= 1e-4
 
 
-# bf16: both sides start from the same fp32 weights rounded to bf16. Rounding differences in
-# activations (bf16 keeps 8 significant bits, relative step 2^-8) make logits differ by a few
-# 1e-3 at these magnitudes; we require top-1 equality everywhere and logprobs within 0.02.
-BF16_LOGPROB_TOL = 0.02
+# bf16: both sides start from the same fp32 weights rounded to bf16 and, like HF, produce the
+# logits in bf16. A bf16 number of magnitude m is only known to one unit in the last place,
+# ulp(m) = 2^(floor(log2 m) - 7); GEMMs of different shapes (our one-token decode vs HF's full
+# forward) round differently, so a logit may move by ~1 ulp and the log-sum-exp by as much again.
+# Tolerance on logprobs: 2 ulp of the largest logit. Top-1 must agree at every position.
+def bf16_logprob_tolerance(logits: torch.Tensor) -> float:
+    m = logits.abs().max().item()
+    return 2 * 2.0 ** (math.floor(math.log2(m)) - 7)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -82,8 +87,9 @@ def test_bf16_top1_and_logprobs_match_transformers(tmp_path, variant):
     ref = hf_logits(model_bf16, tokens)
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
     diff = (ours.log_softmax(-1) - ref.log_softmax(-1)).abs().max().item()
-    print(f"bf16 {variant}: max |logprob diff| = {diff:.5f}")
-    assert diff <= BF16_LOGPROB_TOL, diff
+    tol = bf16_logprob_tolerance(ref)
+    print(f"bf16 {variant}: max |logprob diff| = {diff:.5f}, tolerance {tol:.5f}")
+    assert diff <= tol, (diff, tol)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
