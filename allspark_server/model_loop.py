@@ -180,6 +180,8 @@ class ModelLoop:
     # ---- stats (any thread) ------------------------------------------------------------------
     def stat(self) -> AsEngineStat:
         s = self.scheduler
+        with self._cv:   # requests still in the inbox count as pending too
+            queued = sum(isinstance(c, AddRequest) for c in self._inbox)
         with self._stat_lock:
             rates = list(self._rates)
         gen_ps = proc_ps = 0.0
@@ -194,7 +196,7 @@ class ModelLoop:
             model_name=self.cfg.model_name,
             free_token=self.spans.num_free_spans * self.spans.span_size,
             total_token=total * self.spans.span_size,
-            pendding_request=len(s.waiting), running_request=len(s.running),
+            pendding_request=len(s.waiting) + queued, running_request=len(s.running),
             total_generated_token=s.stats.num_generated_tokens, total_prefill_token=s.stats.num_prefill_tokens,
             generate_token_persec=gen_ps, process_token_persec=proc_ps,
             total_span=total, used_span=used, free_span=total - used, span_size=self.spans.span_size,
