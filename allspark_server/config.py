@@ -58,6 +58,8 @@ class AsModelConfig:
                f"cache_span_size must be one of {SPAN_SIZES}, got {self.cache_span_size!r}")
         _check(self.matmul_precision in ("highest", "high", "medium", "medium_bf16"),
                f"matmul_precision must be highest/high/medium, got {self.matmul_precision!r}")
+        _check(self.cache_mode in {m.value for m in AsCacheMode},
+               f"cache_mode must be one of {[m.name for m in AsCacheMode]}, got {self.cache_mode!r}")
         _check(AsCacheMode(self.cache_mode) == AsCacheMode.AsCacheDefault,
                "cache_mode int8/uint4 (quantized KV spans) is not supported yet; use AsCacheDefault")
         _check(not self.enable_prefix_cache, "enable_prefix_cache is not supported yet; leave it False")
@@ -224,7 +226,7 @@ def parse_generation_config(raw: Optional[dict], vocab_size: int,
         _check(isinstance(key, str), f"generation config keys must be strings, got {key!r}")
         if key in _INERT_KEYS:
             allowed = _INERT_KEYS[key]
-            _check(allowed is None or value in allowed,
+            _check(allowed is None or any(type(value) is type(a) and value == a for a in allowed),
                    f"{key}={value!r} is not supported (allowed: {allowed})")
             continue
         _check(key in _KNOWN_KEYS, f"unknown generation config key {key!r}")

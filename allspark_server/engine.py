@@ -75,7 +75,7 @@ class Engine:
                 raise AsException(AsStatus.ALLSPARK_PARAM_ERROR, f"model {cfg.model_name!r} is already installed")
             try:
                 loop = ModelLoop(cfg, self._comm)
-            except (OSError, ValueError) as e:
+            except Exception as e:   # any load failure is reported the same way, with its reason
                 status = AsStatus.ALLSPARK_IO_ERROR if isinstance(e, OSError) else AsStatus.ALLSPARK_PARAM_ERROR
                 raise AsException(status, f"cannot install model {cfg.model_name!r}: {e}") from e
             self._models[cfg.model_name] = loop
@@ -150,9 +150,11 @@ class Engine:
         handle = RequestHandle(name, rid)
         queue = ResultQueue(context_length=len(ids))
         req = Request(rid, ids, max_length, gen.eos_token_ids, gen.stop_words_ids, gen.min_length, sampling=gen)
-        with self._lock:
+        with self._lock:   # stop_model holds this lock too: a request never lands in a stopped model
+            if self._models.get(name) is not loop or not loop.is_running:
+                raise RequestError(AsStatus.ALLSPARK_REQUEST_DENIED, f"model {name!r} is not started")
             self._requests[name][rid] = _LiveRequest(handle, queue)
-        loop.post(AddRequest(req, queue, SamplingState.create(gen)))
+            loop.post(AddRequest(req, queue, SamplingState.create(gen)))
         return AsStatus.ALLSPARK_SUCCESS, handle, queue
 
     def start_request_ids(self, name: str, model, input_ids, generate_config=None) -> StartResult:

@@ -105,7 +105,9 @@ class ModelLoop:
             if self.scheduler.has_work():
                 self._step()
         # drain: anything still queued is answered, nothing waits forever
-        for cmd in list(self._inbox):
+        with self._cv:
+            leftover, self._inbox = list(self._inbox), deque()
+        for cmd in leftover:
             self._apply(cmd)
         for rid in list(self._live):
             self._finish(rid, FinishReason.STOPPED)

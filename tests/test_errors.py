@@ -413,8 +413,6 @@ def test_install_garbage_asgraph(srv):
     assert_still_serves(e, MAIN, srv.hf)
 
 
-@pytest.mark.xfail(strict=True, reason="install_model lets safetensors' SafetensorError escape raw for a corrupt "
-                                       ".asparam: engine.install_model only converts OSError/ValueError")
 def test_install_garbage_asparam(srv):
     e = srv.engine
     d = str(srv.tmp.mktemp("errs_garbage_param"))
@@ -510,8 +508,6 @@ def test_runtime_config_missing_model_path(srv):
     assert_still_serves(srv.engine, MAIN, srv.hf)
 
 
-@pytest.mark.xfail(strict=True, reason="AsModelConfig.__post_init__ calls AsCacheMode(cache_mode) unguarded: an "
-                                       "unknown mode raises a bare ValueError that does not name cache_mode")
 def test_runtime_config_unknown_cache_mode(srv):
     with pytest.raises(ConfigError) as ei:
         _cfg(srv, "errs_cfg", kv_cache_mode=7).build()
@@ -647,9 +643,6 @@ def test_concurrent_bad_and_good_requests(srv):
     assert_still_serves(e, MAIN, srv.hf)
 
 
-@pytest.mark.xfail(strict=True, reason="Engine._start_request checks loop.is_running without self._lock and "
-                                       "registers/posts later, so a concurrent stop_model slips in between: the "
-                                       "request is accepted (SUCCESS) into a stopped model and never runs")
 def test_stop_model_racing_start_request(srv, monkeypatch):
     """Deterministic replay of the race: stop_model runs after start_request's is_running check."""
     import allspark_server.engine as engine_mod

@@ -52,7 +52,10 @@ class HuggingFaceModel:
         self.path = pretrain_model_name_or_path
         self.model_name = pretrain_model_name
         self.trust_remote_code = trust_remote_code
-        self.hf_config = read_hf_config(self.path)
+        try:
+            self.hf_config = read_hf_config(self.path)
+        except ValueError as e:
+            raise ModelSerializerException(str(e)) from None
         self.hf_generation_config = read_generation_config(self.path)
         try:
             self.args: ModelArgs = read_args(self.hf_config)

@@ -115,6 +115,15 @@ def read_model_graph(graph_path: str, weights_path: str) -> ModelFile:
 
 def read_rank_shard(mf: ModelFile, tp: TPLayout) -> dict[str, torch.Tensor]:
     """This rank's slice of every tensor, copied into freshly allocated memory."""
+    try:
+        return _read_rank_shard(mf, tp)
+    except ModelFileError:
+        raise
+    except Exception as e:
+        raise ModelFileError(f"{mf.weights_path!r} is not a valid .asparam file: {e}") from None
+
+
+def _read_rank_shard(mf: ModelFile, tp: TPLayout) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     out: dict[str, torch.Tensor] = {}
