@@ -9,14 +9,19 @@ from allspark_client import __version__
 
 
 @functools.lru_cache(maxsize=1)
-def version_full() -> str:
+def git_info() -> tuple[str, str]:
+    """(short sha, commit time) of the checkout this package runs from, or ('unknown', 'unknown')."""
     here = os.path.dirname(os.path.abspath(__file__))
-    sha, when = "unknown", "unknown"
     try:
         out = subprocess.run(["git", "log", "-1", "--format=%h %cI"], cwd=here, capture_output=True, text=True,
                              timeout=5).stdout.split()
         if len(out) == 2:
-            sha, when = out
+            return out[0], out[1]
     except Exception:
         pass
+    return "unknown", "unknown"
+
+
+def version_full() -> str:
+    sha, when = git_info()
     return f"{__version__}/(GitSha1:{sha})/(Build:{when})"

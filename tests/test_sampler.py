@@ -215,6 +215,16 @@ def test_top_p_hand_worked(p, kept):
     assert torch.equal(out[kept], x[kept])
 
 
+@pytest.mark.parametrize("p,n_kept", [(0.25, 1), (0.5, 2), (0.75, 3), (0.9, 4)])
+def test_top_p_exact_boundary(p, n_kept):
+    # four equal logits: probabilities are exactly 0.25 and the cumulative sums exactly 0.25, 0.5, 0.75, 1;
+    # a mass of exactly p already "reaches" p, so p=0.5 keeps 2 tokens, not 3
+    x = torch.zeros(4)
+    out = mask_top_p(x.clone(), p)
+    assert int((~torch.isneginf(out)).sum()) == n_kept
+    assert_same_masked(out, hf_apply(TopPLogitsWarper(p), [], x), atol=0)
+
+
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("seed", SEEDS[:2])
 @pytest.mark.parametrize("t", [0.3, 0.7, 1.0, 1.5, 5.0])
@@ -255,6 +265,8 @@ CHAIN_CASES = [
     # pure temperature sampling over 8 tokens
     dict(x=[0.3, -0.2, 1.0, 0.0, 0.5, -1.0, 0.8, 0.1], prompt=[2], output=[],
          cfg=dict(temperature=1.3)),
+    # temperature comes before top_p: at T=0.3 top_p=0.7 keeps 2 tokens (5 if the order were swapped)
+    dict(x=[1.0, 0.8, 0.6, 0.4, 0.2, 0.0, -0.2, -0.4], prompt=[7], output=[], cfg=dict(temperature=0.3, top_p=0.7)),
     # top_p alone, with repetition penalty lowering the favourite
     dict(x=[2.5, 0.4, 1.9, 1.7, -0.5, 0.2, 1.0, 0.0, -2.0, 0.6, 1.2, -0.1], prompt=[0, 0, 2], output=[7],
          cfg=dict(repetition_penalty=1.8, temperature=0.9, top_p=0.7)),

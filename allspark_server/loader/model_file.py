@@ -10,7 +10,6 @@ import datetime
 import hashlib
 import json
 import os
-import subprocess
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +17,7 @@ import torch
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_server.loader.sharding import SplitMode, TPLayout
 from allspark_server.models.args import ModelArgs
+from allspark_server.version import git_info
 
 FORMAT_VERSION = 1
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -33,15 +33,6 @@ def dtype_name(dtype: torch.dtype) -> str:
         if d == dtype:
             return name
     raise ModelFileError(f"unsupported dtype {dtype}")
-
-
-def _git_sha() -> str:
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
-                              text=True, timeout=5).stdout.strip()
-    except Exception:
-        return ""
 
 
 def _md5_head(path: str) -> str:
@@ -69,7 +60,7 @@ def write_model_files(out_dir: str, model_name: str, args: ModelArgs, hf_config:
     for name, t in tensors.items():
         g.tensors.add(name=name, shape=list(t.shape), dtype=dtype_name(t.dtype), split_mode=int(split_modes[name]))
     g.build_meta.allspark_version = __version__
-    g.build_meta.git_sha = _git_sha()
+    g.build_meta.git_sha = git_info()[0]
     g.build_meta.build_time = datetime.datetime.now(datetime.timezone.utc).isoformat()
     g.build_meta.weight_hash = _md5_head(param_path)
     g.build_meta.serialize_args.update(serialize_args)
