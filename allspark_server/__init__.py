@@ -1,7 +1,7 @@
 """allspark_server: the in-process Engine, the model loader and (later) the pool rank entry point."""
 from allspark_client import (AsCacheMode, AsEngineStat, AsException, AsStatus, GeneratedElements,
                              GenerateRequestStatus, RequestHandle, RequestStatInfo, ResultQueue, TargetDevice)
-from allspark_server.config import (AsModelConfig, AsModelRuntimeConfigBuilder, ASGenerationConfigBuilder,
+from allspark_client.config import (AsModelConfig, AsModelRuntimeConfigBuilder, ASGenerationConfigBuilder,
                                     ConfigError)
 from allspark_server.engine import Engine
 from allspark_server.loader.hf_model import HuggingFaceModel, ModelSerializerException

@@ -1,7 +1,9 @@
-"""Engine: allspark's in-process public API (DashInfer names) over one ModelLoop per installed model.
+"""Engine: allspark's public API (DashInfer names) over the process's EngineThread.
 
 Validates every call in the caller's thread (so errors come back at once, with a message), hands
-accepted requests to the model's engine thread and returns a ResultQueue to read tokens from.
+accepted requests to the engine thread and returns a ResultQueue to read tokens from. Model
+lifecycle calls run on the engine thread, which also tells the other ranks of a pool. The same
+class serves in-process users and, on rank 0, a pool's gRPC service.
 Status-returning calls log the reason for a failure and keep it for `get_last_error()`.
 """
 from __future__ import annotations
@@ -10,18 +12,21 @@ import itertools
 import json
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from allspark_client import __version__
 from allspark_client.result_queue import ResultQueue
 from allspark_client.types import AsEngineStat, AsException, AsStatus, RequestHandle
-from allspark_server.config import (AsModelConfig, ASGenerationConfigBuilder, ConfigError,
+from allspark_client.config import (AsModelConfig, ASGenerationConfigBuilder, ConfigError,
                                     parse_generation_config, resolve_max_length)
+from allspark_server.core.messages import InstallModelMsg, ReleaseModelMsg
 from allspark_server.core.request import Request
 from allspark_server.dist.comm import get_comm
-from allspark_server.model_loop import AddRequest, ModelLoop
+from allspark_server.engine_thread import EngineThread, ForModel
+from allspark_server.runner.model_runner import install_runner
 from allspark_server.runner.sampler import SamplingState
+from allspark_server.served_model import AddRequest, ServedModel, StopRequest
 
 log = logging.getLogger("allspark")
 StartResult = tuple[AsStatus, Optional[RequestHandle], Optional[ResultQueue]]
@@ -40,9 +45,10 @@ class _LiveRequest:
 
 
 class Engine:
-    def __init__(self):
-        self._comm = get_comm()
-        self._models: dict[str, ModelLoop] = {}
+    def __init__(self, comm=None):
+        self._comm = comm or get_comm()
+        self._engine = EngineThread(self._comm)
+        self._models: dict[str, ServedModel] = self._engine.models   # written on the engine thread only
         self._requests: dict[str, dict[int, _LiveRequest]] = {}
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
@@ -58,12 +64,12 @@ class Engine:
         self._errors.message = message
         return status
 
-    def _model(self, name: str) -> ModelLoop:
-        loop = self._models.get(name)
-        if loop is None:
+    def _model(self, name: str) -> ServedModel:
+        model = self._models.get(name)
+        if model is None:
             raise RequestError(AsStatus.ALLSPARK_PARAM_ERROR,
                                f"model {name!r} is not installed (installed: {sorted(self._models)})")
-        return loop
+        return model
 
     # ---- model lifecycle ---------------------------------------------------------------------
     def install_model(self, cfg: AsModelConfig) -> AsStatus:
@@ -73,15 +79,19 @@ class Engine:
         with self._lock:
             if cfg.model_name in self._models:
                 raise AsException(AsStatus.ALLSPARK_PARAM_ERROR, f"model {cfg.model_name!r} is already installed")
+
+            def install():
+                self._comm.bcast(InstallModelMsg(cfg))
+                self._models[cfg.model_name] = ServedModel(cfg, install_runner(cfg, self._comm), self._comm)
+
             try:
-                loop = ModelLoop(cfg, self._comm)
+                self._engine.call(install)
             except Exception as e:   # any load failure is reported the same way, with its reason
-                status = AsStatus.ALLSPARK_IO_ERROR if isinstance(e, OSError) else AsStatus.ALLSPARK_PARAM_ERROR
-                raise AsException(status, f"cannot install model {cfg.model_name!r}: {e}") from e
-            self._models[cfg.model_name] = loop
+                raise AsException(AsStatus.ALLSPARK_PARAM_ERROR, f"cannot install model {cfg.model_name!r}: {e}") from e
             self._requests[cfg.model_name] = {}
-        log.info("installed %s: %d KV spans of %d tokens (%.1f MiB)", cfg.model_name, loop.runner.num_spans,
-                 cfg.cache_span_size, loop.runner.kv_cache_bytes / 2**20)
+        runner = self._models[cfg.model_name].runner
+        log.info("installed %s: %d KV spans of %d tokens (%.1f MiB per rank)", cfg.model_name, runner.num_spans,
+                 cfg.cache_span_size, runner.kv_cache_bytes / 2**20)
         return AsStatus.ALLSPARK_SUCCESS
 
     build_model_from_config_struct = install_model
@@ -89,15 +99,16 @@ class Engine:
     def start_model(self, name: str) -> AsStatus:
         with self._lock:
             try:
-                self._model(name).start()
+                model = self._model(name)
             except RequestError as e:
                 return self._fail(e.status, str(e))
+            self._engine.call(lambda: setattr(model, "started", True))
         return AsStatus.ALLSPARK_SUCCESS
 
     def stop_model(self, name: str) -> AsStatus:
         with self._lock:
             try:
-                loop = self._model(name)
+                model = self._model(name)
             except RequestError as e:
                 return self._fail(e.status, str(e))
             live = self._requests[name]
@@ -105,17 +116,26 @@ class Engine:
                 return self._fail(AsStatus.ALLSPARK_RUNTIME_ERROR,
                                   f"model {name!r} has {len(live)} unreleased request(s); call release_request "
                                   f"for each before stop_model")
-            loop.shutdown()
+            self._engine.call(lambda: setattr(model, "started", False))
         return AsStatus.ALLSPARK_SUCCESS
 
     def release_model(self, name: str) -> AsStatus:
         status = self.stop_model(name)
         if status != AsStatus.ALLSPARK_SUCCESS:
             return status
-        with self._lock:
+
+        def release():
+            self._comm.bcast(ReleaseModelMsg(name))
             self._models.pop(name, None)
+
+        with self._lock:
+            self._engine.call(release)
             self._requests.pop(name, None)
         return AsStatus.ALLSPARK_SUCCESS
+
+    def shutdown(self) -> None:
+        """Stop every request, end the engine thread and (in a pool) tell the other ranks to exit."""
+        self._engine.shutdown()
 
     # ---- requests ----------------------------------------------------------------------------
     def start_request(self, name: str, inputs: Any, generate_config: Any = None) -> StartResult:
@@ -125,10 +145,10 @@ class Engine:
             return self._fail(e.status, str(e)), None, None
 
     def _start_request(self, name: str, inputs: Any, generate_config: Any) -> StartResult:
-        loop = self._model(name)
-        if not loop.is_running:
+        model = self._model(name)
+        if not model.started:
             raise RequestError(AsStatus.ALLSPARK_REQUEST_DENIED, f"model {name!r} is not started")
-        args = loop.runner.args
+        args = model.runner.args
         if not isinstance(inputs, dict) or "input_ids" not in inputs:
             raise RequestError(AsStatus.ALLSPARK_PARAM_ERROR, "inputs must be a dict with key 'input_ids'")
         extra = set(inputs) - {"input_ids", "attention_mask"}
@@ -138,11 +158,13 @@ class Engine:
         if isinstance(generate_config, ASGenerationConfigBuilder):
             generate_config = generate_config.build()
         try:
-            gen = parse_generation_config(generate_config, args.vocab_size, loop.runner.model_file.eos_token_ids)
-            max_length = resolve_max_length(gen, len(ids), loop.cfg.engine_max_length)
+            gen = parse_generation_config(generate_config, args.vocab_size)
+            if gen.eos_token_ids is None:
+                gen = replace(gen, eos_token_ids=model.runner.model_file.eos_token_ids)
+            max_length = resolve_max_length(gen, len(ids), model.cfg.engine_max_length)
         except ConfigError as e:
             raise RequestError(e.status, str(e)) from None
-        capacity = loop.spans.num_spans * loop.spans.span_size
+        capacity = model.spans.num_spans * model.spans.span_size
         if len(ids) + 1 > capacity:
             raise RequestError(AsStatus.ALLSPARK_CACHE_MEMORY_OUT,
                                f"prompt of {len(ids)} tokens does not fit in the KV cache ({capacity} tokens)")
@@ -151,10 +173,10 @@ class Engine:
         queue = ResultQueue(context_length=len(ids))
         req = Request(rid, ids, max_length, gen.eos_token_ids, gen.stop_words_ids, gen.min_length, sampling=gen)
         with self._lock:   # stop_model holds this lock too: a request never lands in a stopped model
-            if self._models.get(name) is not loop or not loop.is_running:
+            if self._models.get(name) is not model or not model.started:
                 raise RequestError(AsStatus.ALLSPARK_REQUEST_DENIED, f"model {name!r} is not started")
             self._requests[name][rid] = _LiveRequest(handle, queue)
-            loop.post(AddRequest(req, queue, SamplingState.create(gen)))
+            self._engine.post(ForModel(name, AddRequest(req, queue, SamplingState.create(gen))))
         return AsStatus.ALLSPARK_SUCCESS, handle, queue
 
     def start_request_ids(self, name: str, model, input_ids, generate_config=None) -> StartResult:
@@ -180,7 +202,9 @@ class Engine:
             live = self._live(name, handle)
         except RequestError as e:
             return self._fail(e.status, str(e))
-        self._models[name].stop_request(live.handle.request_id)
+        cmd = StopRequest(live.handle.request_id)
+        self._engine.post(ForModel(name, cmd))
+        cmd.done.wait()   # afterwards no token can arrive for it
         return AsStatus.ALLSPARK_SUCCESS
 
     def release_request(self, name: str, handle: RequestHandle) -> AsStatus:
@@ -207,20 +231,20 @@ class Engine:
     # ---- information -------------------------------------------------------------------------
     def get_model_info(self, name: str) -> str:
         try:
-            loop = self._model(name)
+            model = self._model(name)
         except RequestError as e:
             raise AsException(e.status, str(e)) from None
-        r = loop.runner
+        r = model.runner
         return json.dumps({"model_name": name, "architecture": r.args.architecture,
                            "dtype": str(r.dtype).replace("torch.", ""), "args": r.args.to_dict(),
-                           "engine_max_length": loop.cfg.engine_max_length,
-                           "engine_max_batch": loop.cfg.engine_max_batch,
+                           "engine_max_length": model.cfg.engine_max_length,
+                           "engine_max_batch": model.cfg.engine_max_batch,
                            "kv_spans": r.num_spans, "span_size": r.span_size,
-                           "world_size": self._comm.world_size, "started": loop.is_running})
+                           "world_size": self._comm.world_size, "started": model.started})
 
     def get_as_engine_stat(self, name: str) -> AsEngineStat:
         try:
-            return self._model(name).stat()
+            return self._model(name).stat(queued=self._engine.queued_requests(name))
         except RequestError as e:
             raise AsException(e.status, str(e)) from None
 

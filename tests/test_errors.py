@@ -19,7 +19,7 @@ import torch
 from allspark_client import AsCacheMode, AsException, AsStatus, GenerateRequestStatus, RequestHandle
 from allspark_server import (AsModelRuntimeConfigBuilder, ASGenerationConfigBuilder, Engine, HuggingFaceModel,
                              ModelSerializerException, TargetDevice)
-from allspark_server.config import ConfigError
+from allspark_client.config import ConfigError
 from helpers import collect, greedy, hf_greedy, random_prompt, serialize, start_engine
 
 MAIN = "errs_main"          # the model every test checks the engine still serves

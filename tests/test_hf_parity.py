@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from allspark_server.config import AsModelRuntimeConfigBuilder
+from allspark_client.config import AsModelRuntimeConfigBuilder
 from allspark_server.core.messages import CachedRequestData, NewRequestData, ScheduledChunk, StepPlan
 from allspark_server.dist.comm import LocalComm
 from allspark_server.runner.forward_inputs import RequestMirror, build_forward_inputs
-from allspark_server.runner.model_runner import ModelRunner
+from allspark_server.runner.model_runner import ModelRunner, install_runner
 from allspark_server.tiny_model import VARIANTS, build_tiny_model
 from helpers import greedy, hf_greedy, random_prompt, serialize, start_engine
 
@@ -23,7 +23,7 @@ PROMPT_LEN, DECODE_STEPS = 64, 32
 def runner_for(loader, name: str, span_size: int = 16) -> ModelRunner:
     cfg = (AsModelRuntimeConfigBuilder().model_name(name).model_file_path(loader.graph_path, loader.weights_path)
            .max_length(256).max_batch(1).kv_cache_span_size(span_size).build())
-    return ModelRunner(cfg, LocalComm())
+    return install_runner(cfg, LocalComm())
 
 
 def teacher_forced_logits(runner: ModelRunner, tokens: list[int], prompt_len: int) -> torch.Tensor:

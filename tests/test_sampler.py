@@ -14,7 +14,7 @@ from transformers import (MinLengthLogitsProcessor, RepetitionPenaltyLogitsProce
                           TopKLogitsWarper, TopPLogitsWarper)
 
 from allspark_client import AsStatus, GenerateRequestStatus
-from allspark_server.config import GenerationConfig
+from allspark_client.config import GenerationConfig
 from allspark_server.runner.sampler import Sampler, SamplingState, apply_penalties, mask_top_k, mask_top_p
 from helpers import collect, generate, random_prompt
 

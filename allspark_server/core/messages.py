@@ -47,3 +47,26 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+
+# ---- what rank 0 broadcasts to the worker ranks, dispatched by type --------------------------
+
+@dataclass(frozen=True)
+class InstallModelMsg:
+    config: object                    # allspark_client.config.AsModelConfig
+
+
+@dataclass(frozen=True)
+class ReleaseModelMsg:
+    model_name: str
+
+
+@dataclass(frozen=True)
+class StepMsg:
+    model_name: str
+    plan: StepPlan
+
+
+@dataclass(frozen=True)
+class ShutdownMsg:
+    pass

@@ -1,8 +1,9 @@
 """ModelRunner: one rank's model shard and KV cache; executes StepPlans.
 
-Builds the model from a serialized model file (reading only this rank's slices), sizes the span
-KV cache from the memory budget, mirrors request state from each plan and returns the logits of
-the rows to sample (full vocabulary on rank 0, None on other ranks). Decides nothing.
+Builds the model from a serialized model file (reading only this rank's slices), proposes how many
+KV spans its memory budget allows (`max_num_spans`; the pool takes the smallest over all ranks and
+calls `allocate_kv`), mirrors request state from each plan and returns the logits of the rows to
+sample (full vocabulary on rank 0, None on other ranks). Decides nothing.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import logging
 import psutil
 import torch
 
-from allspark_server.config import AsModelConfig
+from allspark_client.config import AsModelConfig
 from allspark_server.core.messages import StepPlan
 from allspark_server.loader.model_file import ModelFile, read_model_graph, read_rank_shard
 from allspark_server.loader.sharding import TPLayout
@@ -41,12 +42,17 @@ class ModelRunner:
         self.model.load_state_dict(shard, strict=True, assign=True)
         self.model.eval()
         self.span_size = cfg.cache_span_size
-        self.num_spans = self._num_spans()
-        self.kv = KVCache(args.num_layers, self.num_spans, self.span_size, self.tp.local_kv_heads, args.head_dim,
-                          self.dtype)
+        self.num_spans = 0
+        self.kv = None
         self.mirrors: dict[int, RequestMirror] = {}
 
-    def _num_spans(self) -> int:
+    def allocate_kv(self, num_spans: int) -> None:
+        self.num_spans = num_spans
+        self.kv = KVCache(self.args.num_layers, num_spans, self.span_size, self.tp.local_kv_heads,
+                          self.args.head_dim, self.dtype)
+
+    def max_num_spans(self) -> int:
+        """How many spans this rank's budget allows (explicit bytes, or max_batch x max_length capped by RAM)."""
         per_span = bytes_per_span(self.args.num_layers, self.span_size, self.tp.local_kv_heads, self.args.head_dim,
                                   self.dtype)
         if self.cfg.kv_cache_memory_bytes:
@@ -84,3 +90,24 @@ class ModelRunner:
         for c in plan.chunks:
             self.mirrors[c.request_id].num_computed_tokens += c.num_tokens
         return logits, inputs.sample_request_ids
+
+
+class InstallError(RuntimeError):
+    pass
+
+
+def install_runner(cfg: AsModelConfig, comm) -> ModelRunner:
+    """Collective (every rank calls it): load this rank's shard, agree that all ranks succeeded,
+    then size the KV cache to the smallest budget over the ranks."""
+    runner, error = None, None
+    try:
+        runner = ModelRunner(cfg, comm)
+        proposal = runner.max_num_spans()
+    except Exception as e:   # reported to every rank below, so all give up together
+        error, proposal = f"{type(e).__name__}: {e}", 0
+    errors = comm.allgather_obj(error)
+    failed = [f"rank {r}: {msg}" if comm.world_size > 1 else msg for r, msg in enumerate(errors) if msg]
+    if failed:
+        raise InstallError("; ".join(failed))
+    runner.allocate_kv(comm.allreduce_min(proposal))
+    return runner

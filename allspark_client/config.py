@@ -184,7 +184,7 @@ class GenerationConfig:
     min_length: int = 0
     max_length: Optional[int] = None
     max_new_tokens: Optional[int] = None
-    eos_token_ids: tuple[int, ...] = ()
+    eos_token_ids: Optional[tuple[int, ...]] = None   # None: the model's own EOS ids
     stop_words_ids: tuple[tuple[int, ...], ...] = ()
     seed: Optional[int] = None
     logprobs: bool = False
@@ -211,12 +211,12 @@ _INERT_KEYS = {
 _KNOWN_KEYS = set(GenerationConfig.__dataclass_fields__) - {"eos_token_ids"} | {"eos_token_id", "response_format"}
 
 
-def parse_generation_config(raw: Optional[dict], vocab_size: int,
-                            default_eos: tuple[int, ...] = ()) -> GenerationConfig:
+def parse_generation_config(raw: Optional[dict], vocab_size: Optional[int] = None) -> GenerationConfig:
     """Validate a user dict into a GenerationConfig; raise ConfigError naming the offending key.
 
-    Keys absent from `raw` take the defaults above, except eos_token_id, which defaults to the
-    model's own (`default_eos`). Nothing is silently rewritten.
+    Keys absent from `raw` take the defaults above (eos_token_id absent stays None: the engine
+    uses the model's own). Token ids are checked against `vocab_size` when it is known (the server;
+    a client checks everything else). Nothing is silently rewritten.
     """
     if raw is None:
         raw = {}
@@ -255,8 +255,6 @@ def parse_generation_config(raw: Optional[dict], vocab_size: int,
             out[key] = _int(key, kw[key], lo=1)
     if "eos_token_id" in kw:
         out["eos_token_ids"] = _token_list("eos_token_id", kw["eos_token_id"], vocab_size)
-    else:
-        out["eos_token_ids"] = tuple(default_eos)
     if "stop_words_ids" in kw:
         words = kw["stop_words_ids"]
         _check(isinstance(words, (list, tuple)), "stop_words_ids must be a list of token-id lists")
@@ -355,15 +353,15 @@ def _float(key: str, v, lo: float, hi: float) -> float:
     return v
 
 
-def _token_list(key: str, v, vocab_size: int) -> tuple[int, ...]:
+def _token_list(key: str, v, vocab_size: Optional[int]) -> tuple[int, ...]:
     if v is None:
         return ()
     items = [v] if _is_int(v) else v
     _check(isinstance(items, (list, tuple)), f"{key} must be an int or a list of ints, got {v!r}")
     out = []
     for t in items:
-        _check(_is_int(t) and 0 <= int(t) < vocab_size,
-               f"{key} entries must be token ids in [0, {vocab_size}), got {t!r}")
+        _check(_is_int(t) and 0 <= int(t) < (vocab_size or 2**63),
+               f"{key} entries must be token ids in [0, {vocab_size or '2^63'}), got {t!r}")
         out.append(int(t))
     return tuple(out)
 

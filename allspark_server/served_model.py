@@ -1,9 +1,8 @@
-"""ModelLoop: one installed model served on rank 0 by its own engine thread.
+"""ServedModel: one installed model on rank 0 — scheduler, runner, sampler and its live requests.
 
-API threads never touch scheduler state: they post typed commands (add / stop) to an inbox and
-wait on ResultQueues. The engine thread drains the inbox, asks the scheduler for a StepPlan, runs
-it on the ModelRunner, samples, and pushes each new token to its request's ResultQueue. An idle
-loop sleeps on a condition variable; it never polls.
+It has no thread of its own: the process's EngineThread applies commands to it and calls `step()`.
+A step plans (scheduler), broadcasts the plan to the other ranks, runs it (runner), samples and
+pushes each new token to its request's ResultQueue. Stats may be read from any thread.
 """
 from __future__ import annotations
 
@@ -17,7 +16,8 @@ from typing import Optional, Union
 
 from allspark_client.result_queue import ResultQueue
 from allspark_client.types import AsEngineStat, GeneratedElements, GenerateRequestStatus
-from allspark_server.config import AsModelConfig
+from allspark_client.config import AsModelConfig
+from allspark_server.core.messages import StepMsg
 from allspark_server.core.request import FinishReason, Request
 from allspark_server.core.scheduler import Scheduler, SchedulerConfig
 from allspark_server.core.span_manager import SpanManager
@@ -44,75 +44,28 @@ class StopRequest:
 Command = Union[AddRequest, StopRequest]
 
 
-class ModelLoop:
-    def __init__(self, cfg: AsModelConfig, comm):
+class ServedModel:
+    def __init__(self, cfg: AsModelConfig, runner: ModelRunner, comm):
         self.cfg = cfg
-        self.runner = ModelRunner(cfg, comm)
-        self.spans = SpanManager(self.runner.num_spans, cfg.cache_span_size)
+        self.comm = comm
+        self.runner = runner
+        self.spans = SpanManager(runner.num_spans, cfg.cache_span_size)
         self.scheduler = Scheduler(SchedulerConfig(cfg.engine_max_batch, cfg.max_prefill_tokens), self.spans)
         self.sampler = Sampler()
-        self._cv = threading.Condition()
-        self._inbox: deque[Command] = deque()
+        self.started = False
         self._live: dict[int, AddRequest] = {}          # engine thread only
-        self._thread: Optional[threading.Thread] = None
-        self._shutdown = False
         self._rates: deque[tuple[float, int, int]] = deque()   # (time, generated, processed) per step
         self._stat_lock = threading.Lock()
 
-    # ---- lifecycle ---------------------------------------------------------------------------
     @property
-    def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+    def has_work(self) -> bool:
+        return self.started and self.scheduler.has_work()
 
-    def start(self) -> None:
-        if self.is_running:
-            return
-        self._shutdown = False
-        self._thread = threading.Thread(target=self._run, name=f"allspark-{self.cfg.model_name}", daemon=True)
-        self._thread.start()
-
-    def shutdown(self) -> None:
-        with self._cv:
-            self._shutdown = True
-            self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-        self._thread = None
-
-    # ---- commands from API threads -----------------------------------------------------------
-    def post(self, cmd: Command) -> None:
-        with self._cv:
-            self._inbox.append(cmd)
-            self._cv.notify_all()
-
-    def stop_request(self, request_id: int) -> None:
-        """Stop a request and wait until the engine thread has taken it out of scheduling."""
-        cmd = StopRequest(request_id)
-        self.post(cmd)
-        if self.is_running and threading.current_thread() is not self._thread:
-            cmd.done.wait()
-
-    # ---- engine thread -----------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._shutdown or self._inbox or self.scheduler.has_work())
-                if self._shutdown:
-                    break
-                commands, self._inbox = list(self._inbox), deque()
-            for cmd in commands:
-                self._apply(cmd)
-            if self.scheduler.has_work():
-                self._step()
-        # drain: anything still queued is answered, nothing waits forever
-        with self._cv:
-            leftover, self._inbox = list(self._inbox), deque()
-        for cmd in leftover:
-            self._apply(cmd)
+    def stop_all(self) -> None:
         for rid in list(self._live):
             self._finish(rid, FinishReason.STOPPED)
 
-    def _apply(self, cmd: Command) -> None:
+    def apply(self, cmd: Command) -> None:
         if isinstance(cmd, AddRequest):
             self._live[cmd.request.request_id] = cmd
             self.scheduler.add(cmd.request)
@@ -132,7 +85,7 @@ class ModelLoop:
             status = GenerateRequestStatus.InternalError
         entry.queue._set_status(status, error)
 
-    def _step(self) -> None:
+    def step(self) -> None:
         plan, interrupted = self.scheduler.schedule()
         for req in interrupted:
             entry = self._live.pop(req.request_id)
@@ -143,6 +96,7 @@ class ModelLoop:
             return
         for c in plan.chunks:
             self._live[c.request_id].queue._mark_scheduled()
+        self.comm.bcast(StepMsg(self.cfg.model_name, plan))
         try:
             logits, rids = self.runner.execute(plan)
             sampled = {}
@@ -155,6 +109,8 @@ class ModelLoop:
                 results[rid] = res
         except Exception as e:   # a failed step fails its requests, not the engine
             log.error("step %d failed: %s", plan.step_id, traceback.format_exc())
+            if self.comm.world_size > 1:
+                self.comm.abort(1)   # ranks may now disagree about the cache: the pool must die
             for c in plan.chunks:
                 self._finish(c.request_id, FinishReason.STOPPED, error=f"internal error: {e!r}")
             return
@@ -180,10 +136,9 @@ class ModelLoop:
                 self._rates.popleft()
 
     # ---- stats (any thread) ------------------------------------------------------------------
-    def stat(self) -> AsEngineStat:
+    def stat(self, queued: int = 0) -> AsEngineStat:
+        """`queued`: requests accepted but still in the engine thread's inbox (pending too)."""
         s = self.scheduler
-        with self._cv:   # requests still in the inbox count as pending too
-            queued = sum(isinstance(c, AddRequest) for c in self._inbox)
         with self._stat_lock:
             rates = list(self._rates)
         gen_ps = proc_ps = 0.0
