@@ -1,4 +1,4 @@
-"""allspark_client: the torch-free public surface of allspark (types, ResultQueue; ClientEngine later)."""
+"""allspark_client: the torch-free public surface of allspark: types, configs, ResultQueue, ClientEngine."""
 from allspark_client.result_queue import ResultQueue
 from allspark_client.types import (AsCacheMode, AsEngineStat, AsException, AsStatus, GeneratedElements,
                                    RequestHandle,
@@ -7,3 +7,10 @@ from allspark_client.types import (AsCacheMode, AsEngineStat, AsException, AsSta
 __all__ = ["AsCacheMode", "AsEngineStat", "AsException", "AsStatus", "GeneratedElements",
            "GenerateRequestStatus", "RequestHandle", "RequestStatInfo", "ResultQueue", "TargetDevice"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):   # ClientEngine pulls in grpc: import it only when asked for
+    if name in ("ClientEngine", "PoolUnavailable"):
+        from allspark_client import client
+        return getattr(client, name)
+    raise AttributeError(name)

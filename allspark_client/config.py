@@ -281,6 +281,29 @@ def parse_generation_config(raw: Optional[dict], vocab_size: Optional[int] = Non
     return GenerationConfig(**out)
 
 
+def parse_input_ids(raw: Any, vocab_size: Optional[int] = None) -> list[int]:
+    """input_ids as a torch tensor, numpy array, list or tuple, shaped [L] or [1, L] -> list[int].
+
+    Raises ConfigError (EMPTY_REQUEST for an empty prompt, PARAM_ERROR otherwise). Torch-free:
+    tensors and arrays are read through `.tolist()`.
+    """
+    if hasattr(raw, "tolist") and not isinstance(raw, list):
+        raw = raw.tolist()
+    if isinstance(raw, tuple):
+        raw = list(raw)
+    _check(isinstance(raw, list),
+           f"input_ids must be a list, numpy array or torch tensor, got {type(raw).__name__}")
+    if raw and isinstance(raw[0], (list, tuple)):
+        _check(len(raw) == 1, f"input_ids holds a batch of {len(raw)}; start one request per prompt")
+        raw = list(raw[0])
+    _check(len(raw) > 0, "input_ids is empty", AsStatus.ALLSPARK_EMPTY_REQUEST)
+    limit = vocab_size or 2**63
+    for t in raw:
+        _check(not isinstance(t, bool) and isinstance(t, int) and 0 <= t < limit,
+               f"input_ids must be token ids in [0, {vocab_size or '2^63'}), found {t!r}")
+    return raw
+
+
 def resolve_max_length(gen: GenerationConfig, prompt_len: int, engine_max_length: int) -> int:
     """Total length (prompt + output) the request may reach; ConfigError(EXCEED_LIMIT) if none left."""
     limit = engine_max_length if gen.max_length is None else gen.max_length
@@ -367,5 +390,5 @@ def _token_list(key: str, v, vocab_size: Optional[int]) -> tuple[int, ...]:
 
 
 __all__ = ["AsModelConfig", "AsModelRuntimeConfigBuilder", "ASGenerationConfigBuilder", "ConfigError",
-           "GenerationConfig", "parse_generation_config", "resolve_max_length", "parse_compute_unit",
+           "GenerationConfig", "parse_generation_config", "parse_input_ids", "resolve_max_length", "parse_compute_unit",
            "SPAN_SIZES"]

@@ -104,6 +104,11 @@ class ResultQueue:
             self._set_status_locked(status, now_ms())
             self._cond.notify_all()
 
+    def _set_stats(self, stats: RequestStatInfo) -> None:
+        """Replace the timing stats (ClientEngine: the server's numbers arrive with the last reply)."""
+        with self._cond:
+            self._stats = stats
+
     def _mark_scheduled(self) -> None:
         with self._cond:
             if not self._stats.time_in_queue:

@@ -19,7 +19,7 @@ from allspark_client import __version__
 from allspark_client.result_queue import ResultQueue
 from allspark_client.types import AsEngineStat, AsException, AsStatus, RequestHandle
 from allspark_client.config import (AsModelConfig, ASGenerationConfigBuilder, ConfigError,
-                                    parse_generation_config, resolve_max_length)
+                                    parse_generation_config, parse_input_ids, resolve_max_length)
 from allspark_server.core.messages import InstallModelMsg, ReleaseModelMsg
 from allspark_server.core.request import Request
 from allspark_server.dist.comm import get_comm
@@ -154,10 +154,10 @@ class Engine:
         extra = set(inputs) - {"input_ids", "attention_mask"}
         if extra:
             raise RequestError(AsStatus.ALLSPARK_PARAM_ERROR, f"unknown inputs keys {sorted(extra)}")
-        ids = _token_ids(inputs["input_ids"], args.vocab_size)
         if isinstance(generate_config, ASGenerationConfigBuilder):
             generate_config = generate_config.build()
         try:
+            ids = parse_input_ids(inputs["input_ids"], args.vocab_size)
             gen = parse_generation_config(generate_config, args.vocab_size)
             if gen.eos_token_ids is None:
                 gen = replace(gen, eos_token_ids=model.runner.model_file.eos_token_ids)
@@ -257,26 +257,3 @@ class Engine:
 
     def is_allspark_work_as_service(self) -> bool:
         return False
-
-
-def _token_ids(raw: Any, vocab_size: int) -> list[int]:
-    """input_ids as torch tensor, numpy array or list; [L] or [1, L] -> list[int], validated."""
-    if hasattr(raw, "tolist") and not isinstance(raw, list):
-        raw = raw.tolist()
-    if isinstance(raw, tuple):
-        raw = list(raw)
-    if not isinstance(raw, list):
-        raise RequestError(AsStatus.ALLSPARK_PARAM_ERROR,
-                           f"input_ids must be a list, numpy array or torch tensor, got {type(raw).__name__}")
-    if raw and isinstance(raw[0], (list, tuple)):
-        if len(raw) != 1:
-            raise RequestError(AsStatus.ALLSPARK_PARAM_ERROR,
-                               f"input_ids holds a batch of {len(raw)}; start one request per prompt")
-        raw = list(raw[0])
-    if not raw:
-        raise RequestError(AsStatus.ALLSPARK_EMPTY_REQUEST, "input_ids is empty")
-    for t in raw:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-            raise RequestError(AsStatus.ALLSPARK_PARAM_ERROR,
-                               f"input_ids must be token ids in [0, {vocab_size}), found {t!r}")
-    return raw

@@ -88,3 +88,243 @@ class ModelGraph(_message.Message):
     build_meta: BuildMeta
     generation: GenerationDefaults
     def __init__(self, format_version: _Optional[int] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., model_args_json: _Optional[str] = ..., hf_config_json: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., build_meta: _Optional[_Union[BuildMeta, _Mapping]] = ..., generation: _Optional[_Union[GenerationDefaults, _Mapping]] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthReply(_message.Message):
+    __slots__ = ("ready", "protocol_version", "version_full", "world_size", "pid")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FULL_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    protocol_version: int
+    version_full: str
+    world_size: int
+    pid: int
+    def __init__(self, ready: _Optional[bool] = ..., protocol_version: _Optional[int] = ..., version_full: _Optional[str] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("status", "message")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    status: int
+    message: str
+    def __init__(self, status: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ModelRef(_message.Message):
+    __slots__ = ("model_name",)
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    def __init__(self, model_name: _Optional[str] = ...) -> None: ...
+
+class RequestRef(_message.Message):
+    __slots__ = ("model_name", "request_id")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    request_id: int
+    def __init__(self, model_name: _Optional[str] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class SyncRequestMsg(_message.Message):
+    __slots__ = ("model_name", "request_id")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    request_id: int
+    def __init__(self, model_name: _Optional[str] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class TextReply(_message.Message):
+    __slots__ = ("status", "message", "text")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    status: int
+    message: str
+    text: str
+    def __init__(self, status: _Optional[int] = ..., message: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
+
+class RuntimeConfig(_message.Message):
+    __slots__ = ("model_name", "model_path", "weights_path", "compute_unit", "engine_max_length", "engine_max_batch", "engine_max_prefill_length", "num_threads", "matmul_precision", "cache_mode", "cache_span_size", "kv_cache_memory_bytes", "enable_prefix_cache", "prefix_cache_ttl")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_UNIT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_MAX_PREFILL_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
+    MATMUL_PRECISION_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MODE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SPAN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_TTL_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    model_path: str
+    weights_path: str
+    compute_unit: str
+    engine_max_length: int
+    engine_max_batch: int
+    engine_max_prefill_length: int
+    num_threads: int
+    matmul_precision: str
+    cache_mode: int
+    cache_span_size: int
+    kv_cache_memory_bytes: int
+    enable_prefix_cache: bool
+    prefix_cache_ttl: int
+    def __init__(self, model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., weights_path: _Optional[str] = ..., compute_unit: _Optional[str] = ..., engine_max_length: _Optional[int] = ..., engine_max_batch: _Optional[int] = ..., engine_max_prefill_length: _Optional[int] = ..., num_threads: _Optional[int] = ..., matmul_precision: _Optional[str] = ..., cache_mode: _Optional[int] = ..., cache_span_size: _Optional[int] = ..., kv_cache_memory_bytes: _Optional[int] = ..., enable_prefix_cache: _Optional[bool] = ..., prefix_cache_ttl: _Optional[int] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerationConfig(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_length", "max_length", "max_new_tokens", "has_eos_token_id", "eos_token_id", "stop_words_ids", "seed", "logprobs", "top_logprobs", "do_sample")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MIN_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HAS_EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    STOP_WORDS_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    min_length: int
+    max_length: int
+    max_new_tokens: int
+    has_eos_token_id: bool
+    eos_token_id: _containers.RepeatedScalarFieldContainer[int]
+    stop_words_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    seed: int
+    logprobs: bool
+    top_logprobs: int
+    do_sample: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_length: _Optional[int] = ..., max_length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., has_eos_token_id: _Optional[bool] = ..., eos_token_id: _Optional[_Iterable[int]] = ..., stop_words_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., do_sample: _Optional[bool] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("model_name", "input_ids", "config")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    input_ids: _containers.RepeatedScalarFieldContainer[int]
+    config: GenerationConfig
+    def __init__(self, model_name: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., config: _Optional[_Union[GenerationConfig, _Mapping]] = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("token_ids", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class RequestStats(_message.Message):
+    __slots__ = ("arrival_time", "first_token_time", "last_token_time", "finished_time", "time_to_first_token", "time_in_queue", "context_token_length", "generated_token_length", "context_cached_length", "context_tps", "generate_tps")
+    ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_TIME_FIELD_NUMBER: _ClassVar[int]
+    LAST_TOKEN_TIME_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_TIME_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TIME_IN_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKEN_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKEN_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_CACHED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TPS_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_TPS_FIELD_NUMBER: _ClassVar[int]
+    arrival_time: int
+    first_token_time: int
+    last_token_time: int
+    finished_time: int
+    time_to_first_token: int
+    time_in_queue: int
+    context_token_length: int
+    generated_token_length: int
+    context_cached_length: int
+    context_tps: float
+    generate_tps: float
+    def __init__(self, arrival_time: _Optional[int] = ..., first_token_time: _Optional[int] = ..., last_token_time: _Optional[int] = ..., finished_time: _Optional[int] = ..., time_to_first_token: _Optional[int] = ..., time_in_queue: _Optional[int] = ..., context_token_length: _Optional[int] = ..., generated_token_length: _Optional[int] = ..., context_cached_length: _Optional[int] = ..., context_tps: _Optional[float] = ..., generate_tps: _Optional[float] = ...) -> None: ...
+
+class GenerateReply(_message.Message):
+    __slots__ = ("status", "message", "request_id", "generate_status", "ids", "token_logprobs", "top_logprobs", "prefix_cache_len", "stats")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_STATUS_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    status: int
+    message: str
+    request_id: int
+    generate_status: int
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    token_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    prefix_cache_len: int
+    stats: RequestStats
+    def __init__(self, status: _Optional[int] = ..., message: _Optional[str] = ..., request_id: _Optional[int] = ..., generate_status: _Optional[int] = ..., ids: _Optional[_Iterable[int]] = ..., token_logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prefix_cache_len: _Optional[int] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ...) -> None: ...
+
+class EngineStat(_message.Message):
+    __slots__ = ("status", "message", "model_name", "free_token", "total_token", "pendding_request", "running_request", "total_generated_token", "total_prefill_token", "generate_token_persec", "process_token_persec", "total_span", "used_span", "free_span", "span_size", "token_usage_percentage", "num_preempted", "prefix_cache_hit_token", "prefix_cache_miss_token")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    FREE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PENDDING_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_GENERATED_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_PREFILL_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_TOKEN_PERSEC_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_TOKEN_PERSEC_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SPAN_FIELD_NUMBER: _ClassVar[int]
+    USED_SPAN_FIELD_NUMBER: _ClassVar[int]
+    FREE_SPAN_FIELD_NUMBER: _ClassVar[int]
+    SPAN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_USAGE_PERCENTAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_MISS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    status: int
+    message: str
+    model_name: str
+    free_token: int
+    total_token: int
+    pendding_request: int
+    running_request: int
+    total_generated_token: int
+    total_prefill_token: int
+    generate_token_persec: float
+    process_token_persec: float
+    total_span: int
+    used_span: int
+    free_span: int
+    span_size: int
+    token_usage_percentage: float
+    num_preempted: int
+    prefix_cache_hit_token: int
+    prefix_cache_miss_token: int
+    def __init__(self, status: _Optional[int] = ..., message: _Optional[str] = ..., model_name: _Optional[str] = ..., free_token: _Optional[int] = ..., total_token: _Optional[int] = ..., pendding_request: _Optional[int] = ..., running_request: _Optional[int] = ..., total_generated_token: _Optional[int] = ..., total_prefill_token: _Optional[int] = ..., generate_token_persec: _Optional[float] = ..., process_token_persec: _Optional[float] = ..., total_span: _Optional[int] = ..., used_span: _Optional[int] = ..., free_span: _Optional[int] = ..., span_size: _Optional[int] = ..., token_usage_percentage: _Optional[float] = ..., num_preempted: _Optional[int] = ..., prefix_cache_hit_token: _Optional[int] = ..., prefix_cache_miss_token: _Optional[int] = ...) -> None: ...

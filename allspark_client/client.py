@@ -1,0 +1,315 @@
+"""ClientEngine: the Engine API over gRPC to a pool (connect to an address, or spawn a pool).
+
+Same methods and statuses as the in-process Engine. Requests are validated here first (same
+rules, same messages), then sent as typed messages; each request's tokens arrive on a server
+stream that a reader thread pushes into its ResultQueue — nothing polls. If the pool dies, open
+queues end in InternalError and unary calls raise PoolUnavailable. Torch-free.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import grpc
+
+from allspark_client import convert
+from allspark_client._proto import allspark_pb2 as pb
+from allspark_client._proto import allspark_pb2_grpc as pb_grpc
+from allspark_client.config import (AsModelConfig, ASGenerationConfigBuilder, ConfigError, parse_generation_config,
+                                    parse_input_ids)
+from allspark_client.result_queue import ResultQueue
+from allspark_client.types import (AsEngineStat, AsException, AsStatus, GenerateRequestStatus, RequestHandle)
+
+log = logging.getLogger("allspark.client")
+MAX_MESSAGE_BYTES = 64 << 20
+StartResult = tuple[AsStatus, Optional[RequestHandle], Optional[ResultQueue]]
+
+
+class PoolUnavailable(AsException):
+    """The pool cannot be reached (not started, died, or shut down)."""
+
+
+@dataclass
+class _ClientRequest:
+    handle: RequestHandle
+    queue: ResultQueue
+    call: Any                       # the Generate stream (cancellable)
+
+
+def normalize_address(address: str) -> str:
+    if address.startswith("/"):
+        return "unix:" + address
+    return address
+
+
+class ClientEngine:
+    def __init__(self, address: Optional[str] = None, *, ranks: Optional[int] = None,
+                 numa_nodes: Optional[list[int]] = None, launcher_args: tuple[str, ...] = (),
+                 start_timeout_s: float = 300.0):
+        """Connect to a running pool at `address` ('unix:/path', '/path' or 'host:port'), or, without
+        an address, spawn one with allspark-launch (`ranks`, `numa_nodes`) and own it."""
+        self._pool: Optional[subprocess.Popen] = None
+        self._pool_log: Optional[str] = None
+        if address is None:
+            address = self._spawn_pool(ranks, numa_nodes, launcher_args)
+        self.address = normalize_address(address)
+        self._channel = grpc.insecure_channel(self.address, options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        self._stub = pb_grpc.AllsparkStub(self._channel)
+        self._live: dict[tuple[str, int], _ClientRequest] = {}
+        self._lock = threading.Lock()
+        self._errors = threading.local()
+        self.health = self._wait_ready(start_timeout_s)
+
+    # ---- pool process ------------------------------------------------------------------------
+    def _spawn_pool(self, ranks, numa_nodes, launcher_args) -> str:
+        run_dir = tempfile.mkdtemp(prefix="allspark-pool-")
+        socket_path = os.path.join(run_dir, "pool.sock")
+        self._pool_log = os.path.join(run_dir, "pool.log")
+        cmd = [sys.executable, "-m", "allspark_client.launcher", "--socket", socket_path]
+        if ranks:
+            cmd += ["--ranks", str(ranks)]
+        if numa_nodes:
+            cmd += ["--numa-nodes", ",".join(map(str, numa_nodes))]
+        cmd += list(launcher_args)
+        with open(self._pool_log, "wb") as out:
+            self._pool = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return "unix:" + socket_path
+
+    def _pool_output(self) -> str:
+        if not self._pool_log or not os.path.exists(self._pool_log):
+            return ""
+        with open(self._pool_log, errors="replace") as f:
+            return f.read()[-4000:]
+
+    def _wait_ready(self, timeout_s: float) -> pb.HealthReply:
+        """Block on the Health call (wait_for_ready) until every rank serves, the pool dies, or timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._pool is not None and self._pool.poll() is not None:
+                raise PoolUnavailable(AsStatus.ALLSPARK_RUNTIME_ERROR,
+                                      f"the pool exited with code {self._pool.returncode} before it was ready:\n"
+                                      f"{self._pool_output()}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PoolUnavailable(AsStatus.ALLSPARK_RUNTIME_ERROR,
+                                      f"no ready pool at {self.address} after {timeout_s:.0f}s\n{self._pool_output()}")
+            try:
+                reply = self._stub.Health(pb.HealthRequest(), wait_for_ready=True, timeout=min(left, 2.0))
+            except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                    continue
+                raise
+            if reply.protocol_version != convert.PROTOCOL_VERSION:
+                raise AsException(AsStatus.ALLSPARK_RUNTIME_ERROR,
+                                  f"pool speaks protocol {reply.protocol_version}, this client "
+                                  f"{convert.PROTOCOL_VERSION}: upgrade one side")
+            if reply.ready:
+                return reply
+
+    def close(self) -> None:
+        """Close the connection; a pool this client spawned is shut down (SIGTERM, then waited for)."""
+        self._channel.close()
+        if self._pool is not None and self._pool.poll() is None:
+            self._pool.send_signal(signal.SIGTERM)
+            try:
+                self._pool.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._pool.pid, signal.SIGKILL)
+                self._pool.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- plumbing ----------------------------------------------------------------------------
+    def get_last_error(self) -> str:
+        return getattr(self._errors, "message", "")
+
+    def _fail(self, status, message: str) -> AsStatus:
+        self._errors.message = message
+        return AsStatus(status)
+
+    def _rpc(self, method, request):
+        try:
+            return method(request)
+        except grpc.RpcError as e:
+            raise PoolUnavailable(AsStatus.ALLSPARK_RUNTIME_ERROR,
+                                  f"pool at {self.address} is unavailable: {e.code().name}: {e.details()}") from None
+
+    def _status(self, reply) -> AsStatus:
+        if reply.status != 0:
+            return self._fail(reply.status, reply.message)
+        return AsStatus.ALLSPARK_SUCCESS
+
+    # ---- model lifecycle ---------------------------------------------------------------------
+    def install_model(self, cfg: AsModelConfig) -> AsStatus:
+        if not isinstance(cfg, AsModelConfig):
+            raise AsException(AsStatus.ALLSPARK_PARAM_ERROR,
+                              f"install_model takes an AsModelConfig, got {type(cfg).__name__}")
+        reply = self._rpc(self._stub.InstallModel, convert.runtime_config_to_proto(cfg))
+        if reply.status != 0:
+            raise AsException(AsStatus(reply.status), reply.message)
+        return AsStatus.ALLSPARK_SUCCESS
+
+    build_model_from_config_struct = install_model
+
+    def start_model(self, name: str) -> AsStatus:
+        return self._status(self._rpc(self._stub.StartModel, pb.ModelRef(model_name=name)))
+
+    def stop_model(self, name: str) -> AsStatus:
+        with self._lock:
+            mine = sum(1 for (model, _) in self._live if model == name)
+        if mine:
+            return self._fail(AsStatus.ALLSPARK_RUNTIME_ERROR,
+                              f"model {name!r} has {mine} unreleased request(s); call release_request for "
+                              f"each before stop_model")
+        return self._status(self._rpc(self._stub.StopModel, pb.ModelRef(model_name=name)))
+
+    def release_model(self, name: str) -> AsStatus:
+        status = self.stop_model(name)
+        if status != AsStatus.ALLSPARK_SUCCESS:
+            return status
+        return self._status(self._rpc(self._stub.ReleaseModel, pb.ModelRef(model_name=name)))
+
+    # ---- requests ----------------------------------------------------------------------------
+    def start_request(self, name: str, inputs: Any, generate_config: Any = None) -> StartResult:
+        try:
+            if not isinstance(inputs, dict) or "input_ids" not in inputs:
+                raise ConfigError("inputs must be a dict with key 'input_ids'")
+            extra = set(inputs) - {"input_ids", "attention_mask"}
+            if extra:
+                raise ConfigError(f"unknown inputs keys {sorted(extra)}")
+            if isinstance(generate_config, ASGenerationConfigBuilder):
+                generate_config = generate_config.build()
+            raw = {} if generate_config is None else generate_config
+            gen = parse_generation_config(raw)
+            ids = parse_input_ids(inputs["input_ids"])
+        except ConfigError as e:
+            return self._fail(e.status, str(e)), None, None
+        request = pb.GenerateRequest(model_name=name, input_ids=ids,
+                                     config=convert.generation_config_to_proto(raw, gen))
+        call = self._stub.Generate(request)
+        try:
+            first = next(call)
+        except grpc.RpcError as e:
+            raise PoolUnavailable(AsStatus.ALLSPARK_RUNTIME_ERROR,
+                                  f"pool at {self.address} is unavailable: {e.code().name}: {e.details()}") from None
+        if first.status != 0:
+            return self._fail(first.status, first.message), None, None
+        handle = RequestHandle(name, first.request_id)
+        queue = ResultQueue(context_length=len(ids))
+        with self._lock:
+            self._live[(name, first.request_id)] = _ClientRequest(handle, queue, call)
+        threading.Thread(target=self._read_stream, args=(call, queue), daemon=True,
+                         name=f"allspark-stream-{first.request_id}").start()
+        return AsStatus.ALLSPARK_SUCCESS, handle, queue
+
+    def _read_stream(self, call, queue: ResultQueue) -> None:
+        try:
+            for reply in call:
+                status = GenerateRequestStatus(reply.generate_status)
+                if reply.HasField("stats"):
+                    queue._set_stats(convert.stats_from_proto(reply.stats))
+                el = convert.elements_from_reply(reply)
+                if el.ids_from_generate:
+                    queue._push(el, status)
+                if status.is_terminal:
+                    queue._set_status(status, reply.message or None)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.CANCELLED and queue.GenerateStatus().is_terminal:
+                return
+            queue._set_status(GenerateRequestStatus.InternalError,
+                              f"lost the pool at {self.address}: {e.code().name}: {e.details()}")
+            return
+        if not queue.GenerateStatus().is_terminal:   # the stream ended without a final status
+            queue._set_status(GenerateRequestStatus.InternalError, f"the pool at {self.address} closed the stream")
+
+    def start_request_ids(self, name: str, model, input_ids, generate_config=None) -> StartResult:
+        return self.start_request(name, {"input_ids": input_ids}, generate_config)
+
+    def start_request_text(self, name: str, model, text: str, generate_config=None) -> StartResult:
+        if not isinstance(text, str):
+            return self._fail(AsStatus.ALLSPARK_PARAM_ERROR, f"text must be a str, got {type(text).__name__}"), None, None
+        tokenizer = model.get_tokenizer() if hasattr(model, "get_tokenizer") else model
+        return self.start_request(name, {"input_ids": tokenizer.encode(text)}, generate_config)
+
+    def _live_request(self, name: str, handle) -> Optional[_ClientRequest]:
+        key = (name, handle.request_id) if isinstance(handle, RequestHandle) else None
+        with self._lock:
+            live = self._live.get(key) if key else None
+        if live is None or live.handle != handle:
+            self._fail(AsStatus.ALLSPARK_ILLEGAL_REQUEST_ID,
+                       f"unknown or released request handle {handle!r} for model {name!r}")
+            return None
+        return live
+
+    def stop_request(self, name: str, handle: RequestHandle) -> AsStatus:
+        live = self._live_request(name, handle)
+        if live is None:
+            return AsStatus.ALLSPARK_ILLEGAL_REQUEST_ID
+        if live.queue.GenerateStatus().is_terminal:
+            return AsStatus.ALLSPARK_SUCCESS
+        return self._status(self._rpc(self._stub.StopRequest, pb.RequestRef(model_name=name,
+                                                                             request_id=handle.request_id)))
+
+    def release_request(self, name: str, handle: RequestHandle) -> AsStatus:
+        status = self.stop_request(name, handle)
+        if status != AsStatus.ALLSPARK_SUCCESS:
+            return status
+        with self._lock:
+            live = self._live.pop((name, handle.request_id))
+        live.queue._wait_terminal(timeout_s=30)       # stopped: the stream's last reply is on its way
+        live.call.cancel()                            # ends the stream; the server releases the request
+        return AsStatus.ALLSPARK_SUCCESS
+
+    def sync_request(self, name: str, handle: Optional[RequestHandle] = None) -> AsStatus:
+        if handle is not None:
+            live = self._live_request(name, handle)
+            if live is None:
+                return AsStatus.ALLSPARK_ILLEGAL_REQUEST_ID
+            queues = [live.queue]
+        else:
+            status = self._status(self._rpc(self._stub.SyncRequest, pb.SyncRequestMsg(model_name=name)))
+            if status != AsStatus.ALLSPARK_SUCCESS:
+                return status
+            with self._lock:
+                queues = [r.queue for (model, _), r in self._live.items() if model == name]
+        for q in queues:
+            q._wait_terminal()
+            if q.GenerateStatus() == GenerateRequestStatus.InternalError and "lost the pool" in (q.ErrorMessage() or ""):
+                return self._fail(AsStatus.ALLSPARK_RUNTIME_ERROR, q.ErrorMessage())
+        return AsStatus.ALLSPARK_SUCCESS
+
+    # ---- information -------------------------------------------------------------------------
+    def get_model_info(self, name: str) -> str:
+        reply = self._rpc(self._stub.GetModelInfo, pb.ModelRef(model_name=name))
+        if reply.status != 0:
+            raise AsException(AsStatus(reply.status), reply.message)
+        return reply.text
+
+    def get_as_engine_stat(self, name: str) -> AsEngineStat:
+        reply = self._rpc(self._stub.GetEngineStat, pb.ModelRef(model_name=name))
+        if reply.status != 0:
+            raise AsException(AsStatus(reply.status), reply.message)
+        return convert.engine_stat_from_proto(reply)
+
+    def get_rank_id(self) -> int:
+        return 0
+
+    def get_version_full(self) -> str:
+        return self._rpc(self._stub.Health, pb.HealthRequest()).version_full
+
+    def is_allspark_work_as_service(self) -> bool:
+        return True

@@ -1,0 +1,89 @@
+"""Conversions between allspark's public Python types and the pool's protobuf messages.
+
+Used by both ends: ClientEngine (dicts and dataclasses -> requests, replies -> types) and the rank-0
+service (requests -> what Engine takes, Engine results -> replies). Torch-free.
+"""
+from __future__ import annotations
+
+from dataclasses import fields
+
+from allspark_client._proto import allspark_pb2 as pb
+from allspark_client.config import AsModelConfig, GenerationConfig
+from allspark_client.types import AsCacheMode, AsEngineStat, GeneratedElements, RequestStatInfo
+
+PROTOCOL_VERSION = 1
+
+_OPTIONAL_SCALARS = ("temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                     "min_length", "max_length", "max_new_tokens", "seed", "logprobs", "top_logprobs", "do_sample")
+
+
+# ---- runtime config ------------------------------------------------------------------------------
+def runtime_config_to_proto(cfg: AsModelConfig) -> pb.RuntimeConfig:
+    values = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    values["cache_mode"] = int(values["cache_mode"])
+    return pb.RuntimeConfig(**values)
+
+
+def runtime_config_from_proto(msg: pb.RuntimeConfig) -> AsModelConfig:
+    """May raise ConfigError (validated on construction, as everywhere)."""
+    values = {f.name: getattr(msg, f.name) for f in fields(AsModelConfig)}
+    values["cache_mode"] = AsCacheMode(values["cache_mode"]) if values["cache_mode"] in \
+        {m.value for m in AsCacheMode} else values["cache_mode"]
+    return AsModelConfig(**values)
+
+
+# ---- generation config ---------------------------------------------------------------------------
+def generation_config_to_proto(raw: dict, gen: GenerationConfig) -> pb.GenerationConfig:
+    """Encode the keys the user set (`raw`), with the values as validated (`gen`)."""
+    msg = pb.GenerationConfig()
+    for key in _OPTIONAL_SCALARS:
+        if key in raw and getattr(gen, key) is not None:
+            setattr(msg, key, getattr(gen, key))
+    if gen.eos_token_ids is not None:
+        msg.has_eos_token_id = True
+        msg.eos_token_id.extend(gen.eos_token_ids)
+    for words in gen.stop_words_ids:
+        msg.stop_words_ids.add(ids=list(words))
+    return msg
+
+
+def generation_config_from_proto(msg: pb.GenerationConfig) -> dict:
+    out = {key: getattr(msg, key) for key in _OPTIONAL_SCALARS if msg.HasField(key)}
+    if msg.has_eos_token_id:
+        out["eos_token_id"] = list(msg.eos_token_id)
+    if msg.stop_words_ids:
+        out["stop_words_ids"] = [list(w.ids) for w in msg.stop_words_ids]
+    return out
+
+
+# ---- results -------------------------------------------------------------------------------------
+def elements_to_reply(el: GeneratedElements, reply: pb.GenerateReply) -> None:
+    reply.ids.extend(el.ids_from_generate)
+    reply.token_logprobs.extend(el.token_logprobs_list)
+    for top in el.log_probs_list:
+        reply.top_logprobs.add(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
+    reply.prefix_cache_len = el.prefix_cache_len
+
+
+def elements_from_reply(reply: pb.GenerateReply) -> GeneratedElements:
+    return GeneratedElements(
+        ids_from_generate=list(reply.ids),
+        log_probs_list=[list(zip(t.token_ids, t.logprobs)) for t in reply.top_logprobs],
+        token_logprobs_list=list(reply.token_logprobs),
+        prefix_cache_len=reply.prefix_cache_len)
+
+
+def stats_to_proto(stats: dict) -> pb.RequestStats:
+    return pb.RequestStats(**{f.name: stats[f.name] for f in fields(RequestStatInfo)})
+
+
+def stats_from_proto(msg: pb.RequestStats) -> RequestStatInfo:
+    return RequestStatInfo(**{f.name: getattr(msg, f.name) for f in fields(RequestStatInfo)})
+
+
+def engine_stat_to_proto(stat: AsEngineStat) -> pb.EngineStat:
+    return pb.EngineStat(**stat.dict())
+
+
+def engine_stat_from_proto(msg: pb.EngineStat) -> AsEngineStat:
+    return AsEngineStat(**{f.name: getattr(msg, f.name) for f in fields(AsEngineStat)})

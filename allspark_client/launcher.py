@@ -1,0 +1,223 @@
+"""allspark-launch: start a pool as one mpirun job, one rank per NUMA node (or per core group).
+
+Reads the topology (/sys/devices/system/node, else psutil; py-cpuinfo for the ISA), gives each
+rank its cores and memory with numactl (or, without numactl, lets the rank pin itself), and runs
+`mpirun ... : ...` (Open MPI or MPICH, as root too). The launcher stays the parent of mpirun:
+SIGTERM/SIGINT to it becomes SIGTERM to rank 0, which stops the requests and ends every rank
+cleanly. `--dry-run` prints the exact command. Torch-free (ClientEngine spawns pools with it).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    node: int
+    cpus: tuple[int, ...]
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    cpus: list[int] = []
+    for part in filter(None, text.strip().split(",")):
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def format_cpu_list(cpus) -> str:
+    cpus = sorted(cpus)
+    out, start = [], None
+    for i, c in enumerate(cpus):
+        if start is None:
+            start = c
+        if i + 1 == len(cpus) or cpus[i + 1] != c + 1:
+            out.append(f"{start}-{c}" if c != start else str(c))
+            start = None
+    return ",".join(out)
+
+
+def read_topology(override: Optional[str] = None) -> dict[int, list[int]]:
+    """{numa node: [cpus]} from `override` ('0:0-3;1:4-7'), /sys, or one node of all usable cpus."""
+    if override:
+        topo = {}
+        for item in override.split(";"):
+            node, _, cpus = item.partition(":")
+            topo[int(node)] = parse_cpu_list(cpus)
+        return topo
+    usable = set(os.sched_getaffinity(0))
+    topo = {}
+    for path in sorted(glob.glob("/sys/devices/system/node/node[0-9]*/cpulist")):
+        node = int(re.search(r"node(\d+)", path).group(1))
+        with open(path) as f:
+            cpus = [c for c in parse_cpu_list(f.read()) if c in usable]
+        if cpus:
+            topo[node] = cpus
+    return topo or {0: sorted(usable)}
+
+
+def isa_flags() -> list[str]:
+    try:
+        import cpuinfo
+        flags = set(cpuinfo.get_cpu_info().get("flags", []))
+    except Exception:
+        return []
+    return [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags]
+
+
+def place_ranks(topo: dict[int, list[int]], ranks: Optional[int], numa_nodes: Optional[list[int]]
+                ) -> list[RankPlacement]:
+    """One rank per chosen node by default; `ranks` > nodes splits each node's cores evenly."""
+    nodes = numa_nodes if numa_nodes is not None else sorted(topo)
+    missing = [n for n in nodes if n not in topo]
+    if missing:
+        raise SystemExit(f"NUMA node(s) {missing} not found (this machine has {sorted(topo)})")
+    ranks = ranks or len(nodes)
+    if ranks % len(nodes):
+        raise SystemExit(f"--ranks {ranks} must be a multiple of the {len(nodes)} NUMA node(s) used")
+    per_node = ranks // len(nodes)
+    out = []
+    for n in nodes:
+        cpus = topo[n]
+        if per_node > len(cpus):
+            raise SystemExit(f"node {n} has {len(cpus)} cpus, cannot host {per_node} ranks")
+        size = len(cpus) // per_node
+        for i in range(per_node):
+            out.append(RankPlacement(n, tuple(cpus[i * size:(i + 1) * size])))
+    return out
+
+
+def mpi_flavour(mpirun: str) -> str:
+    try:
+        out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=20)
+        text = out.stdout + out.stderr
+    except (OSError, subprocess.TimeoutExpired):
+        return "openmpi"
+    return "mpich" if ("HYDRA" in text or "MPICH" in text) else "openmpi"
+
+
+def build_command(args, placements: list[RankPlacement], flavour: str, numactl: Optional[str]) -> list[str]:
+    env_names = ["ALLSPARK_LOG_LEVEL", "NOTIFY_SOCKET", "PYTHONPATH", "OMP_NUM_THREADS"]
+    cmd = [args.mpirun]
+    if flavour == "openmpi":
+        cmd += ["--bind-to", "none"]
+        for name in env_names:
+            cmd += ["-x", name] if name in os.environ else []
+        if args.hosts:
+            cmd += ["--host", args.hosts]
+    else:
+        cmd += ["-bind-to", "none"]
+        present = [n for n in env_names if n in os.environ]
+        cmd += ["-genvlist", ",".join(present)] if present else []
+        if args.hosts:
+            cmd += ["-hosts", args.hosts]
+    cmd += args.mpirun_args
+    rank_args = []
+    if args.port is not None:
+        rank_args += ["--port", str(args.port), "--host", args.bind_host] + (["--allow-remote"] if args.allow_remote else [])
+    else:
+        rank_args += ["--socket", args.socket]
+    if args.pool_config:
+        rank_args += ["--pool-config", os.path.abspath(args.pool_config)]
+    if args.pid_file:
+        rank_args += ["--pid-file", args.pid_file]
+    for i, pl in enumerate(placements):
+        if i:
+            cmd.append(":")
+        cmd += ["-n", "1"]
+        if numactl:
+            bind = (["--cpunodebind", str(pl.node)] if len(placements) == len({p.node for p in placements})
+                    else ["--physcpubind", format_cpu_list(pl.cpus)])
+            cmd += [numactl] + bind + ["--membind", str(pl.node)]
+        cmd += [args.python, "-m", "allspark_server", "--cpus", format_cpu_list(pl.cpus),
+                "--threads", str(args.threads_per_rank or len(pl.cpus))] + rank_args
+    return cmd
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="allspark-launch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, help="number of ranks (default: one per NUMA node)")
+    p.add_argument("--numa-nodes", help="comma-separated NUMA nodes to use (default: all)")
+    p.add_argument("--socket", help="unix socket for gRPC (default: $XDG_RUNTIME_DIR or /tmp/allspark-UID)")
+    p.add_argument("--port", type=int, help="serve TCP on 127.0.0.1:PORT instead of a unix socket")
+    p.add_argument("--bind-host", default="127.0.0.1", help="with --port: bind address (non-loopback needs --allow-remote)")
+    p.add_argument("--allow-remote", action="store_true")
+    p.add_argument("--pool-config", help="TOML pool config ([pool] defaults these flags; [[model]] loads models)")
+    p.add_argument("--threads-per-rank", type=int, default=0, help="0 = the rank's cores")
+    p.add_argument("--hosts", help="host list passed to mpirun for multi-host pools")
+    p.add_argument("--mpirun", default=os.environ.get("ALLSPARK_MPIRUN", "mpirun"))
+    p.add_argument("--python", default=sys.executable, help="python interpreter for the ranks")
+    p.add_argument("--no-numactl", action="store_true", help="do not use numactl even if installed")
+    p.add_argument("--topology", help="override the NUMA topology, e.g. '0:0-31;1:32-63'")
+    p.add_argument("--pid-file", help=argparse.SUPPRESS)
+    p.add_argument("--dry-run", action="store_true", help="print the mpirun command and exit")
+    p.add_argument("mpirun_args", nargs="*", help="extra mpirun arguments (after --)")
+    args = p.parse_args(argv)
+    if args.pool_config:
+        from allspark_client.pool_config import load_pool_config
+        pool = load_pool_config(args.pool_config)
+        for key in ("ranks", "socket", "port", "allow_remote", "mpirun"):
+            value = getattr(pool, key)
+            if value not in (None, False) and getattr(args, key) in (None, False, "mpirun"):
+                setattr(args, key, value)
+        if pool.numa_nodes is not None and args.numa_nodes is None:
+            args.numa_nodes = ",".join(map(str, pool.numa_nodes))
+        if pool.host != "127.0.0.1" and args.bind_host == "127.0.0.1":
+            args.bind_host = pool.host
+        args.threads_per_rank = args.threads_per_rank or pool.threads_per_rank
+    if args.port is None and not args.socket:
+        base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/allspark-{os.getuid()}"
+        args.socket = os.path.join(base, "allspark", "pool.sock")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    topo = read_topology(args.topology)
+    nodes = [int(n) for n in args.numa_nodes.split(",")] if args.numa_nodes else None
+    placements = place_ranks(topo, args.ranks, nodes)
+    numactl = None if args.no_numactl else shutil.which("numactl")
+    flavour = mpi_flavour(args.mpirun) if not args.dry_run or shutil.which(args.mpirun) else "openmpi"
+    env = dict(os.environ)
+    if flavour == "openmpi" and os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env["ALLSPARK_ISA"] = ",".join(isa_flags())
+    if args.dry_run:
+        print(f"# topology {({n: format_cpu_list(c) for n, c in topo.items()})}, {flavour}, "
+              f"numactl {'yes' if numactl else 'no'}, isa {env['ALLSPARK_ISA'] or 'unknown'}")
+        print(shlex.join(build_command(args, placements, flavour, numactl)))
+        return 0
+    pid_dir = tempfile.mkdtemp(prefix="allspark-launch-")
+    args.pid_file = os.path.join(pid_dir, "rank0.pid")
+    cmd = build_command(args, placements, flavour, numactl)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)   # terminal signals reach us, not mpirun
+
+    def forward(signum, _frame):
+        try:
+            with open(args.pid_file) as f:
+                os.kill(int(f.read().strip()), signal.SIGTERM)   # rank 0 shuts the pool down cleanly
+        except (OSError, ValueError):
+            proc.terminate()                                     # rank 0 not up yet
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    try:
+        return proc.wait()
+    finally:
+        shutil.rmtree(pid_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

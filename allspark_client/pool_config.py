@@ -1,0 +1,65 @@
+"""Pool config files (TOML): how many ranks, where rank 0 listens, which models to load at start.
+
+Read by the launcher (the [pool] table) and by rank 0 (the [[model]] tables). Example:
+launch/pool.example.toml. Torch-free.
+"""
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from typing import Optional
+
+from allspark_client.config import AsModelConfig, ConfigError
+
+POOL_KEYS = {"ranks", "numa_nodes", "socket", "port", "host", "allow_remote", "threads_per_rank", "mpirun"}
+MODEL_KEYS = {"name", "graph", "weights", "max_length", "max_batch", "max_prefill_length", "span_size",
+              "kv_cache_memory_bytes", "start"}
+
+
+@dataclass
+class ModelEntry:
+    config: AsModelConfig
+    start: bool = True
+
+
+@dataclass
+class PoolConfig:
+    ranks: Optional[int] = None
+    numa_nodes: Optional[list[int]] = None
+    socket: Optional[str] = None
+    port: Optional[int] = None
+    host: str = "127.0.0.1"
+    allow_remote: bool = False
+    threads_per_rank: int = 0
+    mpirun: str = "mpirun"
+    models: list[ModelEntry] = field(default_factory=list)
+
+
+def load_pool_config(path: str) -> PoolConfig:
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"cannot read pool config {path!r}: {e}") from None
+    unknown = set(raw) - {"pool", "model"}
+    if unknown:
+        raise ConfigError(f"pool config {path!r}: unknown tables {sorted(unknown)} (expected [pool], [[model]])")
+    pool = raw.get("pool", {})
+    bad = set(pool) - POOL_KEYS
+    if bad:
+        raise ConfigError(f"pool config {path!r}: unknown [pool] keys {sorted(bad)}")
+    cfg = PoolConfig(**pool)
+    for m in raw.get("model", []):
+        bad = set(m) - MODEL_KEYS
+        if bad:
+            raise ConfigError(f"pool config {path!r}: unknown [[model]] keys {sorted(bad)}")
+        for key in ("name", "graph", "weights"):
+            if key not in m:
+                raise ConfigError(f"pool config {path!r}: a [[model]] lacks {key!r}")
+        model_cfg = AsModelConfig(
+            model_name=m["name"], model_path=m["graph"], weights_path=m["weights"],
+            engine_max_length=m.get("max_length", 2048), engine_max_batch=m.get("max_batch", 32),
+            engine_max_prefill_length=m.get("max_prefill_length", 0), cache_span_size=m.get("span_size", 32),
+            kv_cache_memory_bytes=m.get("kv_cache_memory_bytes", 0))
+        cfg.models.append(ModelEntry(model_cfg, bool(m.get("start", True))))
+    return cfg

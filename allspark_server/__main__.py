@@ -1,0 +1,144 @@
+"""One pool rank: `python -m allspark_server` under mpirun (normally started by allspark-launch).
+
+Every rank binds its compute threads, joins the MPI job and waits for the others. Rank 0 then
+loads the models of the pool config, serves gRPC and drives; the other ranks run the worker loop.
+Readiness is reported only when every rank is up (Health RPC, sd_notify). SIGTERM on rank 0 stops
+the requests, tells the workers to exit, and everyone exits 0. Any unhandled error aborts the job.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import traceback
+
+log = logging.getLogger("allspark.rank")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m allspark_server", description=__doc__)
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--socket", help="unix socket path for gRPC (the default)")
+    where.add_argument("--port", type=int, help="TCP port (binds 127.0.0.1 unless --host)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address for --port")
+    p.add_argument("--allow-remote", action="store_true", help="required to bind anything but loopback")
+    p.add_argument("--cpus", default="", help="cores for this rank's threads, e.g. '0-3' (or per rank: '0-3;4-7')")
+    p.add_argument("--pid-file", help="rank 0 writes its pid here (the launcher sends it SIGTERM to stop)")
+    p.add_argument("--threads", type=int, default=0, help="compute threads (0 = number of --cpus)")
+    p.add_argument("--pool-config", help="TOML pool config: models to install and start")
+    p.add_argument("--max-streams", type=int, default=256, help="concurrent gRPC calls rank 0 serves")
+    p.add_argument("--log-level", default=os.environ.get("ALLSPARK_LOG_LEVEL", "INFO"))
+    return p.parse_args(argv)
+
+
+def grpc_address(args) -> str:
+    if args.port is not None:
+        loopback = args.host in ("127.0.0.1", "localhost", "::1", "[::1]")
+        if not loopback and not args.allow_remote:
+            raise SystemExit(f"refusing to bind {args.host}: pass --allow-remote to listen beyond loopback")
+        return f"{args.host}:{args.port}"
+    path = args.socket or default_socket_path()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if os.path.exists(path):
+        os.unlink(path)
+    return f"unix:{path}"
+
+
+def default_socket_path() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/allspark-{os.getuid()}"
+    return os.path.join(base, "allspark", "pool.sock")
+
+
+def parse_cpus(spec: str) -> list[int]:
+    cpus = []
+    for part in filter(None, spec.split(",")):
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def bind_threads(args, rank: int) -> None:
+    import torch
+    per_rank = args.cpus.split(";")
+    spec = per_rank[rank] if len(per_rank) > 1 else per_rank[0]   # one list: this rank's own cores
+    cpus = parse_cpus(spec) if rank < len(per_rank) or len(per_rank) == 1 else []
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    threads = args.threads or len(cpus) or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    log.info("rank %d: %d threads on cpus %s", rank, threads, sorted(os.sched_getaffinity(0)))
+
+
+def sd_notify(state: str) -> None:
+    """Tell systemd (Type=notify) about our state; a no-op outside systemd."""
+    target = os.environ.get("NOTIFY_SOCKET")
+    if not target:
+        return
+    if target.startswith("@"):
+        target = "\0" + target[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.connect(target)
+        s.sendall(state.encode())
+
+
+def serve(comm, args) -> int:
+    from allspark_client.pool_config import load_pool_config
+    from allspark_server.engine import Engine
+    from allspark_server.service import AllsparkServicer, start_server
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if args.pid_file:
+        with open(args.pid_file, "w") as f:
+            f.write(str(os.getpid()))
+    engine = Engine(comm)
+    if args.pool_config:
+        for entry in load_pool_config(args.pool_config).models:
+            engine.install_model(entry.config)
+            if entry.start:
+                engine.start_model(entry.config.model_name)
+    servicer = AllsparkServicer(engine, comm.world_size)
+    address = grpc_address(args)
+    server = start_server(servicer, address, args.max_streams)
+    servicer.ready = True
+    sd_notify("READY=1")
+    print(f"allspark pool ready: {comm.world_size} rank(s), serving {address}", flush=True)
+    stop.wait()
+    log.info("stopping: finishing in-flight requests")
+    sd_notify("STOPPING=1")
+    server.stop(grace=None)   # no new calls; streams end as their requests are stopped below
+    engine.shutdown()         # stops every request and tells the workers to exit
+    if address.startswith("unix:") and os.path.exists(address[5:]):
+        os.unlink(address[5:])
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from allspark_server.dist.comm import get_comm
+    comm = get_comm()
+    try:
+        bind_threads(args, comm.rank)
+        comm.barrier()                              # every rank is up
+        if comm.rank == 0:
+            return serve(comm, args)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)   # workers exit when rank 0 says so
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        from allspark_server.worker import run_worker
+        run_worker(comm)
+        return 0
+    except BaseException:
+        log.critical("rank %d failed:\n%s", comm.rank, traceback.format_exc())
+        sys.stderr.flush()
+        comm.abort(1)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
