@@ -26,6 +26,8 @@ VARIANTS = {
                              rope_theta=500000.0),
     # Qwen2: q/k/v bias, tied embeddings
     "qwen2_bias_tied": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    # multi-query attention: a single KV head, so a 2-rank pool replicates it
+    "llama_mqa": dict(arch="llama", num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False),
 }
 
 

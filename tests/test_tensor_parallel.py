@@ -1,0 +1,112 @@
+"""2-rank tensor parallelism: logits equal the single process (fp32, <= 1e-4), greedy tokens equal
+the in-process Engine and transformers — including a model with fewer KV heads than ranks."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from allspark_client import AsException, AsStatus
+from helpers import collect, greedy, hf_greedy, random_prompt, serialize
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TP_VARIANTS = ["llama_gqa_llama3", "qwen2_bias_tied", "llama_mqa"]
+
+
+def mpirun_env():
+    path = os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=path)
+
+
+@pytest.mark.parametrize("variant", TP_VARIANTS)
+def test_tp_logits_equal_single_process(tiny_models, tmp_path, variant):
+    tm = tiny_models[variant]
+    loader = serialize(tm.hf_dir, variant, str(tmp_path))
+    prompt = random_prompt(64, seed=11)
+    tokens = prompt + hf_greedy(tm.model, prompt, 32)
+    out = tmp_path / "result.json"
+    cmd = ["mpirun", "--bind-to", "none", "-n", "2", sys.executable, os.path.join(HERE, "mpi", "tp_logits.py"),
+           loader.graph_path, loader.weights_path, json.dumps(tokens), "64", str(out)]
+    proc = subprocess.run(cmd, env=mpirun_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    print(f"{variant}: 2-rank vs 1-rank max |logit diff| = {result['max_abs_diff']:.2e}")
+    assert result["world_size"] == 2 and result["shape"] == [96, 512]
+    assert result["max_abs_diff"] <= 1e-4, result
+    assert result["argmax_equal"]
+
+
+@pytest.mark.parametrize("variant", TP_VARIANTS)
+def test_pool_greedy_equals_engine_and_transformers(pool, served_llama, tiny_models, tmp_path, variant):
+    client, _ = pool
+    tm = tiny_models[variant]
+    loader = serialize(tm.hf_dir, f"tp_{variant}", str(tmp_path))
+    name = f"tp_{variant}"
+    cfg = (loader.create_reference_runtime_config_builder(name, "cpu", [0], max_batch=4).max_length(512)
+           .kv_cache_span_size(16).build())
+    client.install_model(cfg)
+    client.start_model(name)
+    try:
+        assert '"world_size": 2' in client.get_model_info(name)
+        for seed, n in ((1, 5), (2, 40), (3, 130)):
+            prompt = random_prompt(n, seed=seed)
+            assert greedy(client, name, prompt, 40) == hf_greedy(tm.model, prompt, 40)
+    finally:
+        assert client.stop_model(name) == 0 and client.release_model(name) == 0
+
+
+def test_indivisible_heads_rejected_at_install(pool, tmp_path):
+    from allspark_server.tiny_model import build_tiny_model
+    client, _ = pool
+    d = str(tmp_path / "hf")
+    build_tiny_model(d, "llama_mha_tied", hidden_size=48, tokenizer=False)   # 4 heads of 12 ...
+    cfg_path = os.path.join(d, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg.update(num_attention_heads=3, num_key_value_heads=3, head_dim=16)     # ... made 3 heads of 16
+    json.dump(cfg, open(cfg_path, "w"))
+    loader = serialize(d, "three_heads", str(tmp_path / "out"))
+    rt = loader.create_reference_runtime_config_builder("three_heads", "cpu", [0], max_batch=2).max_length(128).build()
+    with pytest.raises(AsException) as e:
+        client.install_model(rt)
+    assert "num_attention_heads 3 is not divisible by 2 ranks" in str(e.value)
+    assert "three_heads" not in client.get_model_info("llama")
+    prompt = random_prompt(10, seed=4)                      # the pool still serves
+    assert len(greedy(client, "llama", prompt, 5)) == 5
+
+
+def test_64_concurrent_streams_match_engine(pool, served_llama):
+    client, _ = pool
+    engine, _ = served_llama
+    prompts = [random_prompt(1 + (37 * i) % 200, seed=500 + i) for i in range(64)]
+    lengths = [1 + (13 * i) % 40 for i in range(64)]
+    expected = [greedy(engine, "llama", p, n) for p, n in zip(prompts, lengths)]
+    got: dict[int, list[int]] = {}
+    errors: list[str] = []
+
+    def worker(indices):
+        started = []
+        for i in indices:   # open all of this thread's streams first, then read them
+            status, handle, queue = client.start_request(
+                "llama", {"input_ids": prompts[i]}, {"top_k": 1, "max_new_tokens": lengths[i], "eos_token_id": []})
+            if status != AsStatus.ALLSPARK_SUCCESS:
+                errors.append(client.get_last_error())
+                continue
+            started.append((i, handle, queue))
+        for i, handle, queue in started:
+            tokens, _, final = collect(queue)
+            got[i] = tokens
+            if final.name != "GenerateFinished":
+                errors.append(f"{i}: {final.name} {queue.ErrorMessage()}")
+            client.release_request("llama", handle)
+
+    threads = [threading.Thread(target=worker, args=(list(range(t, 64, 8)),)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert [got[i] for i in range(64)] == expected
