@@ -244,8 +244,8 @@ def test_model_info(api):
     args = info["args"]
     assert args["vocab_size"] == cfg.vocab_size == VOCAB
     assert args["hidden_size"] == cfg.hidden_size
-    assert args["num_attention_heads"] == cfg.num_attention_heads
-    assert args["num_key_value_heads"] == cfg.num_key_value_heads
+    assert args["num_heads"] == cfg.num_attention_heads
+    assert args["num_kv_heads"] == cfg.num_key_value_heads and args["num_layers"] == cfg.num_hidden_layers
 
 
 def test_engine_stat_consistent(api):

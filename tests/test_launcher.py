@@ -1,0 +1,129 @@
+"""allspark-launch (topology, placement, the mpirun command), pool configs, the systemd unit,
+allspark-health, and the README quick start run exactly as written."""
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from allspark_client.config import ConfigError
+from allspark_client.launcher import format_cpu_list, main as launch_main, parse_cpu_list, place_ranks, read_topology
+from allspark_client.pool_config import load_pool_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def dry_run(capsys, *argv) -> list[str]:
+    assert launch_main(list(argv) + ["--dry-run", "--python", "python3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("# topology")
+    return shlex.split(lines[1])
+
+
+def rank_commands(cmd: list[str]) -> list[list[str]]:
+    out, cur = [], []
+    for tok in cmd[cmd.index("-n"):]:
+        if tok == ":":
+            out.append(cur)
+            cur = []
+        else:
+            cur.append(tok)
+    return out + [cur]
+
+
+def test_cpu_lists_round_trip():
+    assert parse_cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert format_cpu_list([11, 0, 1, 2, 3, 8, 10]) == "0-3,8,10-11"
+
+
+def test_placement_one_rank_per_node_and_core_splitting():
+    topo = read_topology("0:0-7;1:8-15")
+    assert [(p.node, p.cpus) for p in place_ranks(topo, None, None)] == [(0, tuple(range(8))), (1, tuple(range(8, 16)))]
+    four = place_ranks(topo, 4, None)
+    assert [(p.node, p.cpus) for p in four] == [(0, (0, 1, 2, 3)), (0, (4, 5, 6, 7)), (1, (8, 9, 10, 11)),
+                                                (1, (12, 13, 14, 15))]
+    assert [p.node for p in place_ranks(topo, None, [1])] == [1]
+    for ranks, nodes in ((3, None), (None, [2]), (17, [1])):
+        with pytest.raises(SystemExit):
+            place_ranks(topo, ranks, nodes)
+
+
+def test_dry_run_two_numa_nodes(capsys, monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/numactl" if name == "numactl" else None)
+    cmd = dry_run(capsys, "--topology", "0:0-31;1:32-63", "--socket", "/run/allspark/x.sock")
+    assert cmd[:3] == ["mpirun", "--bind-to", "none"]
+    ranks = rank_commands(cmd)
+    assert len(ranks) == 2
+    for node, (cpus, rank) in enumerate(zip(("0-31", "32-63"), ranks)):
+        assert rank[:2] == ["-n", "1"]
+        assert rank[2:7] == ["/usr/bin/numactl", "--cpunodebind", str(node), "--membind", str(node)]
+        assert rank[7:10] == ["python3", "-m", "allspark_server"]
+        assert rank[rank.index("--cpus") + 1] == cpus and rank[rank.index("--threads") + 1] == "32"
+        assert rank[rank.index("--socket") + 1] == "/run/allspark/x.sock"
+
+
+def test_dry_run_split_cores_without_numactl_tcp_and_hosts(capsys):
+    cmd = dry_run(capsys, "--topology", "0:0-3", "--ranks", "2", "--no-numactl", "--port", "50051",
+                  "--hosts", "a,b", "--threads-per-rank", "1")
+    assert cmd[cmd.index("--host") + 1] == "a,b"            # passed through to mpirun
+    ranks = rank_commands(cmd)
+    assert [r[r.index("--cpus") + 1] for r in ranks] == ["0-1", "2-3"]
+    assert all("numactl" not in " ".join(r) for r in ranks)
+    assert all(r[r.index("--port") + 1] == "50051" and r[r.index("--threads") + 1] == "1" for r in ranks)
+
+
+def test_pool_config_parsing_and_errors(tmp_path, capsys):
+    good = tmp_path / "pool.toml"
+    good.write_text('[pool]\nranks = 2\nsocket = "/tmp/p.sock"\n\n[[model]]\nname = "m"\ngraph = "/x/m.asgraph"\n'
+                    'weights = "/x/m.asparam"\nmax_length = 256\nmax_batch = 4\nspan_size = 16\n')
+    cfg = load_pool_config(str(good))
+    assert cfg.ranks == 2 and cfg.socket == "/tmp/p.sock"
+    m = cfg.models[0].config
+    assert (m.model_name, m.engine_max_length, m.engine_max_batch, m.cache_span_size) == ("m", 256, 4, 16)
+    cmd = dry_run(capsys, "--pool-config", str(good), "--topology", "0:0-1")   # [pool] supplies ranks/socket
+    assert len(rank_commands(cmd)) == 2 and "/tmp/p.sock" in cmd and str(good) in cmd
+    for text, needle in (("[pool]\nbogus = 1\n", "bogus"), ("[[model]]\nname = 'm'\n", "graph"),
+                         ("[[model]]\nname='m'\ngraph='g'\nweights='w'\nspan_size=20\n", "cache_span_size"),
+                         ("[pool\n", "cannot read"), ("[extra]\n", "extra")):
+        bad = tmp_path / "bad.toml"
+        bad.write_text(text)
+        with pytest.raises(ConfigError) as e:
+            load_pool_config(str(bad))
+        assert needle in str(e.value)
+    shipped = load_pool_config(os.path.join(ROOT, "launch", "pool.example.toml"))
+    assert shipped.models and shipped.socket == "/run/allspark/default.sock"
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_systemd_unit_verifies(tmp_path):
+    unit = open(os.path.join(ROOT, "launch", "allspark-pool@.service")).read()
+    for script in ("allspark-launch", "allspark-health"):   # point at the installed scripts
+        unit = unit.replace(f"/usr/local/bin/{script}", shutil.which(script) or sys.executable)
+    path = tmp_path / "allspark-pool@test.service"
+    path.write_text(unit)
+    out = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "allspark" not in out.stderr, out.stderr
+
+
+def test_health_probe(pool):
+    client, _ = pool
+    from allspark_client.health import main as health_main
+    assert health_main([client.address, "--timeout", "10"]) == 0
+    assert health_main(["unix:/nonexistent/allspark.sock", "--timeout", "1"]) == 1
+
+
+def test_readme_quick_start_runs_as_written(tmp_path):
+    """The README's quick-start command (after its install steps, which CI has just run)."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    block = readme.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0].strip()
+    run_part = block.split("&&")[-1].strip()
+    assert run_part == "python examples/quickstart.py"
+    env = dict(os.environ, HOME=str(tmp_path))                  # a fresh model cache
+    out = subprocess.run(shlex.split(run_part), cwd=ROOT, env=env, capture_output=True, timeout=300)
+    text = out.stdout.decode(errors="replace")
+    assert out.returncode == 0, text[-2000:] + out.stderr.decode(errors="replace")[-2000:]
+    assert "pool of 2 ranks ready" in text and "[GenerateFinished] 128 tokens" in text and "pool shut down" in text

@@ -1,0 +1,580 @@
+"""A pool under failure: a rank killed mid-stream, SIGTERM during streams, malformed gRPC input,
+idle CPU use, a second client process, and the bind rules.
+
+Every test starts its own 2-rank pool with `python -m allspark_client.launcher` (these tests kill
+pools, so the shared `pool` fixture is not used) and kills every process it started in a finally:
+the launcher's session, mpirun (its own session) and each rank (each in a session of its own).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+
+import grpc
+import psutil
+import pytest
+
+from allspark_client import ClientEngine, GenerateRequestStatus
+from allspark_client._proto import allspark_pb2 as pb
+from allspark_client.client import PoolUnavailable
+from allspark_client.types import AsStatus
+from helpers import collect, hf_greedy, random_prompt, serialize
+
+MODEL = "llama"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+START_TIMEOUT_S = 120.0
+
+
+# ---- pool plumbing --------------------------------------------------------------------------------
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return []
+
+
+def _is_rank(p: psutil.Process, socket_path: str | None = None) -> bool:
+    """A rank is a python process running allspark_server (mpirun's own command line names it too)."""
+    cmd = _cmdline(p)
+    return (bool(cmd) and os.path.basename(cmd[0]).startswith("python") and "allspark_server" in cmd
+            and (socket_path is None or socket_path in cmd))
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+class Pool:
+    """One allspark-launch pool on a unix socket in a fresh short directory (socket paths are
+    limited to ~107 bytes, pytest's tmp_path can be longer)."""
+
+    def __init__(self, ranks: int = 2):
+        self.dir = tempfile.mkdtemp(prefix="asfail-")
+        self.socket = os.path.join(self.dir, "pool.sock")
+        self.address = "unix:" + self.socket
+        self.log_path = os.path.join(self.dir, "pool.log")
+        self.clients: list[ClientEngine] = []
+        self.known: list[psutil.Process] = []
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "allspark_client.launcher", "--ranks", str(ranks),
+                                          "--socket", self.socket], stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True, cwd=REPO, env=env)
+        self.launcher = psutil.Process(self.proc.pid)
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-6000:]
+        except OSError:
+            return ""
+
+    def _remember_descendants(self) -> None:
+        try:
+            kids = self.launcher.children(recursive=True)
+        except psutil.NoSuchProcess:
+            kids = []
+        seen = {(p.pid, p.create_time()) for p in self.known if _alive(p)}
+        for p in kids:
+            try:
+                if (p.pid, p.create_time()) not in seen:
+                    self.known.append(p)
+            except psutil.NoSuchProcess:
+                pass
+
+    def wait_ready(self, ranks: int = 2, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while "allspark pool ready" not in self.log():
+            assert self.proc.poll() is None, f"the pool exited with {self.proc.returncode}:\n{self.log()}"
+            assert time.monotonic() < deadline, f"no ready pool after {timeout_s}s:\n{self.log()}"
+            time.sleep(0.05)
+        self._remember_descendants()
+        assert len(self.ranks()) == ranks, ([_cmdline(p) for p in self.known], self.log())
+
+    def ranks(self) -> list[psutil.Process]:
+        return [p for p in self.known if _is_rank(p)]
+
+    def client(self) -> ClientEngine:
+        c = ClientEngine(self.address, start_timeout_s=60)
+        self.clients.append(c)
+        return c
+
+    def rank_processes_left(self) -> list[psutil.Process]:
+        """Every live rank of this pool, found by its socket path (also ranks orphaned by mpirun)."""
+        out = []
+        for p in psutil.process_iter():
+            if _is_rank(p, self.socket) and _alive(p):
+                out.append(p)
+        return out
+
+    def kill(self) -> None:
+        """Kill everything this pool started (idempotent; safe after the pool has exited)."""
+        for c in self.clients:
+            try:
+                c.close()
+            except Exception:
+                pass
+        self._remember_descendants()
+        procs = self.known + self.rank_processes_left()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for p in procs:
+            try:
+                p.kill()          # psutil checks the process identity: no pid-reuse accidents
+            except psutil.NoSuchProcess:
+                pass
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+        psutil.wait_procs(procs, timeout=15)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def loader(llama, tmp_path_factory):
+    return serialize(llama.hf_dir, MODEL, str(tmp_path_factory.mktemp("pool_failures")))
+
+
+@pytest.fixture
+def new_pool():
+    """Factory: start a 2-rank pool; every pool started is killed at teardown, whatever happened."""
+    pools: list[Pool] = []
+
+    def start(ranks: int = 2) -> Pool:
+        pool = Pool(ranks)
+        pools.append(pool)
+        pool.wait_ready(ranks)
+        return pool
+
+    yield start
+    for pool in pools:
+        pool.kill()
+
+
+def install(client: ClientEngine, loader, max_length: int = 1024) -> None:
+    cfg = (loader.create_reference_runtime_config_builder(MODEL, "cpu", [0], max_batch=8)
+           .max_length(max_length).kv_cache_span_size(16).build())
+    assert client.install_model(cfg) == AsStatus.ALLSPARK_SUCCESS
+    assert client.start_model(MODEL) == AsStatus.ALLSPARK_SUCCESS
+
+
+def greedy_cfg(n: int) -> dict:
+    return {"top_k": 1, "max_new_tokens": n, "eos_token_id": []}
+
+
+def client_greedy(client: ClientEngine, ids, n: int) -> list[int]:
+    status, handle, queue = client.start_request(MODEL, {"input_ids": ids}, greedy_cfg(n))
+    assert status == AsStatus.ALLSPARK_SUCCESS, client.get_last_error()
+    tokens, _, final = collect(queue, timeout_s=60)
+    assert final == GenerateRequestStatus.GenerateFinished, (final, queue.ErrorMessage())
+    assert client.release_request(MODEL, handle) == AsStatus.ALLSPARK_SUCCESS
+    return tokens
+
+
+def read_at_least(queue, n: int, timeout_s: float = 60.0) -> list[int]:
+    tokens = []
+    deadline = time.monotonic() + timeout_s
+    while len(tokens) < n:
+        el = queue.GetWithTimeout(int(max(0.0, deadline - time.monotonic()) * 1000))
+        if el is None:
+            raise AssertionError(f"got {len(tokens)} tokens, status {queue.GenerateStatus().name}, "
+                                 f"error {queue.ErrorMessage()!r}")
+        tokens.extend(el.ids_from_generate)
+    return tokens
+
+
+def wait_until(cond, timeout_s: float, step_s: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(step_s)
+    return True
+
+
+# ---- 1. a rank killed mid-stream ------------------------------------------------------------------
+def test_kill_rank1_during_stream_fails_fast(new_pool, loader):
+    pool = new_pool()
+    client = pool.client()
+    install(client, loader)
+    rank0 = [p for p in pool.ranks() if p.pid == client.health.pid]
+    rank1 = [p for p in pool.ranks() if p.pid != client.health.pid]
+    assert len(rank0) == 1 and len(rank1) == 1, [(p.pid, _cmdline(p)) for p in pool.ranks()]
+
+    status, handle, queue = client.start_request(MODEL, {"input_ids": random_prompt(8, seed=11)}, greedy_cfg(900))
+    assert status == AsStatus.ALLSPARK_SUCCESS, client.get_last_error()
+    read_at_least(queue, 3)
+    assert not queue.GenerateStatus().is_terminal, "the request must still be running when rank 1 dies"
+
+    synced: dict = {}
+
+    def sync():
+        try:
+            synced["status"] = client.sync_request(MODEL, handle)
+            synced["message"] = client.get_last_error()
+        except PoolUnavailable as e:
+            synced["raised"] = e
+        synced["at"] = time.monotonic()
+
+    syncer = threading.Thread(target=sync, daemon=True)
+    syncer.start()
+    time.sleep(0.2)
+    assert syncer.is_alive(), f"sync_request returned while the request was running: {synced}"
+
+    killed_at = time.monotonic()
+    rank1[0].send_signal(signal.SIGKILL)
+
+    # the stream ends in InternalError, naming the pool, within 5 s
+    assert wait_until(lambda: queue.GenerateStatus().is_terminal, 5.0), \
+        f"queue still {queue.GenerateStatus().name} 5 s after rank 1 was killed"
+    ended_in = time.monotonic() - killed_at
+    assert queue.GenerateStatus() == GenerateRequestStatus.InternalError, (queue.GenerateStatus(),
+                                                                           queue.ErrorMessage())
+    assert "pool" in (queue.ErrorMessage() or ""), queue.ErrorMessage()
+    # nothing blocks: Get drains what arrived and then returns None
+    while queue.GetWithTimeout(1000) is not None:
+        pass
+
+    # the thread blocked in sync_request is released within 5 s, with a failure
+    syncer.join(timeout=max(0.0, killed_at + 5.0 - time.monotonic()))
+    assert not syncer.is_alive(), "sync_request still blocked 5 s after rank 1 was killed"
+    assert "raised" in synced or synced["status"] != AsStatus.ALLSPARK_SUCCESS, synced
+    assert synced["at"] - killed_at < 5.0
+
+    # new unary calls fail with PoolUnavailable (not a hang, not a raw grpc error)
+    with pytest.raises(PoolUnavailable):
+        client.get_as_engine_stat(MODEL)
+
+    # the job ends non-zero and leaves no rank behind
+    try:
+        code = pool.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the launcher did not exit within 30 s of a rank's death:\n{pool.log()}")
+    assert code != 0, pool.log()
+    assert wait_until(lambda: not pool.rank_processes_left(), 30.0, 0.1), \
+        [(p.pid, _cmdline(p)) for p in pool.rank_processes_left()]
+    print(f"stream failed {ended_in:.2f}s after the kill; launcher exit code {code}")
+
+
+# ---- 2. SIGTERM while streams run -----------------------------------------------------------------
+@pytest.mark.xfail(strict=True, reason="rank 0 cancels every in-flight stream (server.stop(grace=None)) before it "
+                                       "stops the requests, so clients see InternalError instead of a stopped "
+                                       "GenerateFinished (allspark_server/__main__.py serve)")
+def test_sigterm_stops_streams_cleanly(new_pool, loader, llama):
+    pool = new_pool()
+    client = pool.client()
+    install(client, loader)
+    prompts = [random_prompt(8, seed=21), random_prompt(12, seed=22)]
+    started = []
+    for ids in prompts:
+        status, handle, queue = client.start_request(MODEL, {"input_ids": ids}, greedy_cfg(1000))
+        assert status == AsStatus.ALLSPARK_SUCCESS, client.get_last_error()
+        started.append((ids, handle, queue))
+    firsts = [read_at_least(queue, 3) for _, _, queue in started]
+    assert not any(q.GenerateStatus().is_terminal for _, _, q in started), "streams must still run at SIGTERM"
+
+    pool.proc.send_signal(signal.SIGTERM)
+
+    for (ids, handle, queue), first in zip(started, firsts):
+        rest, _, final = collect(queue, timeout_s=30)
+        tokens = first + rest
+        assert final == GenerateRequestStatus.GenerateFinished, (final, queue.ErrorMessage())
+        assert 3 <= len(tokens) < 1000, len(tokens)
+        assert tokens == hf_greedy(llama.model, ids, len(tokens))
+    try:
+        code = pool.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the launcher did not exit within 30 s of SIGTERM:\n{pool.log()}")
+    assert code == 0, pool.log()
+    assert wait_until(lambda: not pool.rank_processes_left(), 10.0, 0.1), \
+        [(p.pid, _cmdline(p)) for p in pool.rank_processes_left()]
+    assert not os.path.exists(pool.socket)
+
+
+def test_sigterm_idle_pool_exits_zero_and_removes_socket(new_pool, loader):
+    """The clean-shutdown part of the SIGTERM test that holds today: no streams open."""
+    pool = new_pool()
+    client = pool.client()
+    install(client, loader)
+    assert len(client_greedy(client, random_prompt(6, seed=23), 4)) == 4
+    assert os.path.exists(pool.socket)
+    pool.proc.send_signal(signal.SIGTERM)
+    try:
+        code = pool.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the launcher did not exit within 30 s of SIGTERM:\n{pool.log()}")
+    assert code == 0, pool.log()
+    assert wait_until(lambda: not pool.rank_processes_left(), 10.0, 0.1)
+    assert not os.path.exists(pool.socket)
+    with pytest.raises(PoolUnavailable):
+        client.get_as_engine_stat(MODEL)
+
+
+# ---- 3. malformed input on a raw channel ----------------------------------------------------------
+SERVICE = "/allspark.v1.Allspark/"
+
+
+def raw_unary(channel, method: str, payload: bytes, timeout: float = 30.0) -> bytes:
+    call = channel.unary_unary(SERVICE + method if not method.startswith("/") else method,
+                               request_serializer=None, response_deserializer=None)
+    return call(payload, timeout=timeout)
+
+
+def raw_stream(channel, method: str, payload: bytes, timeout: float = 30.0) -> list[bytes]:
+    call = channel.unary_stream(SERVICE + method, request_serializer=None, response_deserializer=None)
+    return list(call(payload, timeout=timeout))
+
+
+def expect_rpc_error(fn, *codes) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    assert info.value.code() in codes, (info.value.code(), info.value.details())
+    return info.value
+
+
+def test_raw_grpc_malformed_input(new_pool, loader, llama):
+    pool = new_pool()
+    client = pool.client()
+    install(client, loader)
+    prompt = random_prompt(7, seed=31)
+    want = hf_greedy(llama.model, prompt, 8)
+    channel = grpc.insecure_channel(pool.address)
+    checks = []
+
+    def still_serves(what: str) -> None:
+        checks.append(what)
+        assert pool.proc.poll() is None, f"the pool died after {what}:\n{pool.log()}"
+        assert client_greedy(client, prompt, 8) == want, f"wrong tokens after {what}"
+
+    try:
+        still_serves("nothing")
+
+        # (a) garbage bytes
+        expect_rpc_error(lambda: raw_unary(channel, "GetEngineStat", b"\xff\x00garbage"), grpc.StatusCode.INTERNAL)
+        expect_rpc_error(lambda: raw_stream(channel, "Generate", b"\xff\x00garbage"), grpc.StatusCode.INTERNAL)
+        expect_rpc_error(lambda: raw_unary(channel, "InstallModel", b"\xff\x00garbage"), grpc.StatusCode.INTERNAL)
+        still_serves("garbage bytes")
+
+        # (b) a valid GenerateRequest cut in half (inside the packed input_ids)
+        whole = pb.GenerateRequest(model_name=MODEL, input_ids=list(range(3, 200)),
+                                   config=pb.GenerationConfig(top_k=1, max_new_tokens=4)).SerializeToString()
+        expect_rpc_error(lambda: raw_stream(channel, "Generate", whole[:len(whole) // 2]), grpc.StatusCode.INTERNAL)
+        still_serves("a truncated GenerateRequest")
+
+        # (c) wrong wire types: ModelRef.model_name (string, field 1) sent as a varint. protobuf keeps a
+        # field of the wrong wire type as an unknown field, so this is a ModelRef with an empty name.
+        for method in ("GetEngineStat", "GetModelInfo", "StartModel"):
+            try:
+                data = raw_unary(channel, method, b"\x08\x05")
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.INTERNAL, (method, e.code(), e.details())
+                continue
+            reply = {"GetEngineStat": pb.EngineStat, "GetModelInfo": pb.TextReply,
+                     "StartModel": pb.StatusReply}[method].FromString(data)
+            assert reply.status != 0 and reply.message, (method, reply)
+        # GenerateRequest.input_ids (repeated int64) as a fixed64 and config (message) as a varint
+        bad_generate = (pb.GenerateRequest(model_name=MODEL).SerializeToString()
+                        + b"\x11" + (5).to_bytes(8, "little") + b"\x18\x07")
+        try:
+            replies = raw_stream(channel, "Generate", bad_generate)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.INTERNAL, (e.code(), e.details())
+        else:
+            first = pb.GenerateReply.FromString(replies[0])
+            assert len(replies) == 1 and first.status == AsStatus.ALLSPARK_EMPTY_REQUEST and first.message, replies
+        still_serves("wrong wire types")
+
+        # (d) a message over the 64 MiB limit
+        big = pb.ModelRef(model_name="x" * ((64 << 20) + 1024)).SerializeToString()
+        expect_rpc_error(lambda: raw_unary(channel, "GetEngineStat", big), grpc.StatusCode.RESOURCE_EXHAUSTED)
+        del big
+        still_serves("an oversized message")
+
+        # (e) unknown methods and services
+        expect_rpc_error(lambda: raw_unary(channel, "NoSuchMethod", b""), grpc.StatusCode.UNIMPLEMENTED)
+        expect_rpc_error(lambda: raw_unary(channel, "/allspark.v0.Nope/Health", b""), grpc.StatusCode.UNIMPLEMENTED)
+        still_serves("unknown methods")
+
+        # (f) well-formed requests with bad values: a reply with a nonzero status and a reason
+        def generate_fails(request: pb.GenerateRequest, status: AsStatus | None = None) -> None:
+            replies = raw_stream(channel, "Generate", request.SerializeToString())
+            assert len(replies) == 1, (request, replies)
+            first = pb.GenerateReply.FromString(replies[0])
+            assert first.status != 0 and first.message, (request, first)
+            if status is not None:
+                assert first.status == status, (request, first)
+
+        ok_cfg = pb.GenerationConfig(top_k=1, max_new_tokens=4)
+        generate_fails(pb.GenerateRequest(model_name="", input_ids=prompt, config=ok_cfg), AsStatus.ALLSPARK_PARAM_ERROR)
+        generate_fails(pb.GenerateRequest(model_name="no-such-model", input_ids=prompt, config=ok_cfg),
+                       AsStatus.ALLSPARK_PARAM_ERROR)
+        generate_fails(pb.GenerateRequest(model_name=MODEL, input_ids=[5, -1, 6], config=ok_cfg),
+                       AsStatus.ALLSPARK_PARAM_ERROR)
+        generate_fails(pb.GenerateRequest(model_name=MODEL, input_ids=[5, 1 << 40], config=ok_cfg),
+                       AsStatus.ALLSPARK_PARAM_ERROR)
+        generate_fails(pb.GenerateRequest(model_name=MODEL, input_ids=[], config=ok_cfg),
+                       AsStatus.ALLSPARK_EMPTY_REQUEST)
+        for bad in (dict(top_logprobs=1 << 40, logprobs=True), dict(top_logprobs=-1), dict(top_k=-5),
+                    dict(temperature=float("nan")), dict(temperature=-1.0), dict(top_p=0.0),
+                    dict(max_new_tokens=0), dict(max_new_tokens=-3), dict(max_length=1 << 62),
+                    dict(min_length=-1), dict(repetition_penalty=float("inf"))):
+            generate_fails(pb.GenerateRequest(model_name=MODEL, input_ids=prompt,
+                                              config=pb.GenerationConfig(**bad)))
+        generate_fails(pb.GenerateRequest(model_name=MODEL, input_ids=prompt,
+                                          config=pb.GenerationConfig(has_eos_token_id=True, eos_token_id=[-2])))
+        generate_fails(pb.GenerateRequest(model_name=MODEL, input_ids=prompt,
+                                          config=pb.GenerationConfig(stop_words_ids=[pb.TokenIds(ids=[])])))
+        generate_fails(pb.GenerateRequest(model_name=MODEL, input_ids=[5] * 5000, config=ok_cfg))
+        # other RPCs with bad values reply with a status, too
+        for method, request, reply_type in (
+                ("StopRequest", pb.RequestRef(model_name=MODEL, request_id=987654), pb.StatusReply),
+                ("ReleaseRequest", pb.RequestRef(model_name="nope", request_id=1), pb.StatusReply),
+                ("SyncRequest", pb.SyncRequestMsg(model_name=MODEL, request_id=(1 << 64) - 1), pb.StatusReply),
+                ("StopModel", pb.ModelRef(model_name="nope"), pb.StatusReply),
+                ("GetModelInfo", pb.ModelRef(model_name="nope"), pb.TextReply),
+                ("InstallModel", pb.RuntimeConfig(model_name="broken", model_path="/nonexistent/x.asgraph",
+                                                  weights_path="/nonexistent/x.asparam", compute_unit="CPU:0",
+                                                  engine_max_length=64, engine_max_batch=1), pb.StatusReply)):
+            reply = reply_type.FromString(raw_unary(channel, method, request.SerializeToString()))
+            assert reply.status != 0 and reply.message, (method, reply)
+        still_serves("bad values")
+    finally:
+        channel.close()
+    assert len(checks) == 8
+
+
+# ---- 4. an idle pool does not burn its cores ------------------------------------------------------
+def test_idle_pool_uses_little_cpu(new_pool, loader):
+    pool = new_pool()
+    client = pool.client()
+    install(client, loader)
+    assert len(client_greedy(client, random_prompt(8, seed=41), 16)) == 16
+    ranks = pool.ranks()
+    assert len(ranks) == 2
+    time.sleep(0.5)          # past the workers' short spin after the last message
+
+    def cpu() -> list[float]:
+        return [sum(p.cpu_times()[:2]) for p in ranks]
+
+    before, t0 = cpu(), time.monotonic()
+    time.sleep(3.0)
+    after, elapsed = cpu(), time.monotonic() - t0
+    used = [a - b for a, b in zip(after, before)]
+    print(f"idle pool: {elapsed:.2f}s wall, rank cpu (user+system) {[f'{u:.3f}s' for u in used]}, "
+          f"total {sum(used):.3f}s = {100 * sum(used) / elapsed / 2:.1f}% of 2 cores")
+    assert sum(used) < 0.3, used
+    # and it still serves afterwards
+    assert len(client_greedy(client, random_prompt(8, seed=42), 4)) == 4
+
+
+# ---- 5. two client processes on one pool ----------------------------------------------------------
+CLIENT_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from allspark_client import ClientEngine, GenerateRequestStatus
+    address, prompts, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    client = ClientEngine(address, start_timeout_s=60)
+    started = []
+    for ids in prompts:
+        status, handle, queue = client.start_request("llama", {"input_ids": ids},
+                                                     {"top_k": 1, "max_new_tokens": n, "eos_token_id": []})
+        assert status == 0, client.get_last_error()
+        started.append((handle, queue))
+    out = []
+    for handle, queue in started:
+        tokens = []
+        while (el := queue.Get()) is not None:
+            tokens.extend(el.ids_from_generate)
+        assert queue.GenerateStatus() == GenerateRequestStatus.GenerateFinished, queue.ErrorMessage()
+        client.release_request("llama", handle)
+        out.append(tokens)
+    client.close()
+    print("RESULT " + json.dumps(out), flush=True)
+""")
+
+
+def test_second_client_process_alongside(new_pool, loader, llama):
+    pool = new_pool()
+    client = pool.client()
+    install(client, loader)
+    mine = random_prompt(9, seed=51)
+    theirs = [random_prompt(6, seed=52), random_prompt(11, seed=53)]
+    n_theirs = 24
+
+    # a long request of ours runs the whole time the other process works
+    status, handle, queue = client.start_request(MODEL, {"input_ids": mine}, greedy_cfg(1000))
+    assert status == AsStatus.ALLSPARK_SUCCESS, client.get_last_error()
+    tokens = read_at_least(queue, 2)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    other = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, pool.address, json.dumps(theirs), str(n_theirs)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    try:
+        # and a short one of ours while the other process streams
+        short = client_greedy(client, theirs[0], n_theirs)
+        out, _ = other.communicate(timeout=120)
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait()
+    overlapped = not queue.GenerateStatus().is_terminal
+    assert client.stop_request(MODEL, handle) == AsStatus.ALLSPARK_SUCCESS
+    rest, _, final = collect(queue, timeout_s=30)
+    tokens += rest
+    assert client.release_request(MODEL, handle) == AsStatus.ALLSPARK_SUCCESS
+
+    assert other.returncode == 0, out
+    result = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert result, out
+    got = json.loads(result[-1][len("RESULT "):])
+    assert got == [hf_greedy(llama.model, ids, n_theirs) for ids in theirs]
+    assert short == got[0]
+    assert overlapped, "our long request ended before the other client finished: no concurrency was tested"
+    assert final == GenerateRequestStatus.GenerateFinished
+    assert tokens == hf_greedy(llama.model, mine, len(tokens))
+
+
+# ---- 6. bind rules ----------------------------------------------------------------------------------
+def test_bind_rules(tmp_path, monkeypatch):
+    from allspark_server.__main__ import default_socket_path, grpc_address, parse_args
+
+    with pytest.raises(SystemExit) as info:
+        grpc_address(parse_args(["--port", "5", "--host", "0.0.0.0"]))
+    assert "--allow-remote" in str(info.value.code)
+    for host in ("10.1.2.3", "::", "example.com"):
+        with pytest.raises(SystemExit):
+            grpc_address(parse_args(["--port", "5", "--host", host]))
+    assert grpc_address(parse_args(["--port", "5", "--host", "0.0.0.0", "--allow-remote"])) == "0.0.0.0:5"
+    assert grpc_address(parse_args(["--port", "5"])) == "127.0.0.1:5"      # TCP binds loopback by default
+    assert grpc_address(parse_args(["--port", "5", "--host", "localhost"])) == "localhost:5"
+    with pytest.raises(SystemExit):                                        # one of the two, not both
+        parse_args(["--port", "5", "--socket", str(tmp_path / "s.sock")])
+
+    # the default is a unix socket (here under a private XDG_RUNTIME_DIR: nobody else's socket is touched)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert default_socket_path() == str(tmp_path / "allspark" / "pool.sock")
+    assert grpc_address(parse_args([])) == "unix:" + str(tmp_path / "allspark" / "pool.sock")
+    sock = tmp_path / "explicit.sock"
+    assert grpc_address(parse_args(["--socket", str(sock)])) == f"unix:{sock}"
+
+    # the real entry point refuses too: exits non-zero and says why
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, "-m", "allspark_server", "--port", "5", "--host", "0.0.0.0"],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert proc.returncode != 0
+    assert "--allow-remote" in proc.stdout + proc.stderr
+    assert "allspark pool ready" not in proc.stdout
