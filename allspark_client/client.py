@@ -117,7 +117,15 @@ class ClientEngine:
                 return reply
 
     def close(self) -> None:
-        """Close the connection; a pool this client spawned is shut down (SIGTERM, then waited for)."""
+        """Release this client's requests, close the connection; a pool this client spawned is shut
+        down (SIGTERM to its launcher, then waited for)."""
+        with self._lock:
+            live = list(self._live.values())
+        for r in live:
+            try:
+                self.release_request(r.handle.model_name, r.handle)
+            except AsException:
+                break   # the pool is gone
         self._channel.close()
         if self._pool is not None and self._pool.poll() is None:
             self._pool.send_signal(signal.SIGTERM)
@@ -265,14 +273,15 @@ class ClientEngine:
                                                                              request_id=handle.request_id)))
 
     def release_request(self, name: str, handle: RequestHandle) -> AsStatus:
-        status = self.stop_request(name, handle)
-        if status != AsStatus.ALLSPARK_SUCCESS:
-            return status
+        if self._live_request(name, handle) is None:
+            return AsStatus.ALLSPARK_ILLEGAL_REQUEST_ID
+        status = self._status(self._rpc(self._stub.ReleaseRequest,
+                                        pb.RequestRef(model_name=name, request_id=handle.request_id)))
         with self._lock:
             live = self._live.pop((name, handle.request_id))
-        live.queue._wait_terminal(timeout_s=30)       # stopped: the stream's last reply is on its way
-        live.call.cancel()                            # ends the stream; the server releases the request
-        return AsStatus.ALLSPARK_SUCCESS
+        live.queue._wait_terminal(timeout_s=30)       # released: the stream's last reply is on its way
+        live.call.cancel()
+        return status
 
     def sync_request(self, name: str, handle: Optional[RequestHandle] = None) -> AsStatus:
         if handle is not None:

@@ -197,6 +197,12 @@ class Engine:
                                f"unknown or released request handle {handle!r} for model {name!r}")
         return live
 
+    def has_request(self, name: str, handle: RequestHandle) -> bool:
+        """True while `handle` is a live (unreleased) request of model `name`."""
+        with self._lock:
+            live = self._requests.get(name, {}).get(getattr(handle, "request_id", None))
+        return live is not None and live.handle == handle
+
     def stop_request(self, name: str, handle: RequestHandle) -> AsStatus:
         try:
             live = self._live(name, handle)

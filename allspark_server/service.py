@@ -2,7 +2,8 @@
 
 Owns request/reply translation only; validation and all state live in the Engine. Generate is a
 server stream fed from the request's ResultQueue: a reply per batch of new tokens, then a last
-reply with the terminal status and stats. A client that goes away has its request released.
+reply with the terminal status and stats. A client that goes away mid-stream has its request
+released; otherwise the client releases it (ReleaseRequest), as with Engine.
 """
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
         if status != AsStatus.ALLSPARK_SUCCESS:
             yield pb.GenerateReply(status=int(status), message=self.engine.get_last_error())
             return
-        context.add_callback(lambda: self._release_if_live(handle))
+        delivered = []   # set once the last reply is out: the client owns the release from then on
+        context.add_callback(lambda: None if delivered else self._release_if_live(handle))
         yield pb.GenerateReply(status=0, request_id=handle.request_id, generate_status=int(queue.GenerateStatus()))
         while True:
             el = queue.GetWithTimeout(STREAM_POLL_MS)
@@ -81,12 +83,14 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
             reply.message = queue.ErrorMessage() or ""
             reply.stats.CopyFrom(convert.stats_to_proto(queue.RequestStatInfo()))
             yield reply
+            delivered.append(True)
             return
 
     def _release_if_live(self, handle: RequestHandle) -> None:
-        """The stream ended (done or cancelled): a request nobody can read any more is released.
-        (If the client released it already this returns ILLEGAL_REQUEST_ID, which is fine.)"""
-        self.engine.release_request(handle.model_name, handle)
+        """The stream was cancelled before its end (the client went away): nobody can read or release
+        this request any more, so release it here."""
+        if self.engine.has_request(handle.model_name, handle):
+            self.engine.release_request(handle.model_name, handle)
 
     def StopRequest(self, request, context):
         return self._status(self.engine.stop_request(request.model_name,

@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import Counter
 
 import numpy as np
 import pytest
 import torch
 
+import allspark_client
 import allspark_client.client as client_module
 import allspark_server.engine as engine_module
 from allspark_client import AsException, AsStatus, GenerateRequestStatus, RequestHandle, ResultQueue
@@ -131,6 +133,49 @@ class RecordingQueue(ResultQueue):
         super()._set_status_locked(status, now)
         if self.history[-1] != self._status:
             self.history.append(self._status)
+
+
+class DelayedTerminalQueue(ResultQueue):
+    """A ResultQueue whose terminal status reaches it DELAY_S late (tokens arrive at once): a slow link
+    between a pool and its client. Installed for ClientEngine only; an in-process Engine has no link."""
+    DELAY_S = 3.0
+
+    def _push(self, elements, status):
+        if status.is_terminal:                       # the tokens now, the final status late
+            super()._push(elements, S.Generating)
+            self._set_status(status)
+        else:
+            super()._push(elements, status)
+
+    def _set_status(self, status, error=None):
+        if status.is_terminal and not self.GenerateStatus().is_terminal:
+            time.sleep(self.DELAY_S)
+        super()._set_status(status, error)
+
+
+def xfail_on_pool(request, engine, reason: str) -> None:
+    if is_pool(engine):
+        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+
+
+BUG_STOP_RETURNS_EARLY = (
+    "ClientEngine.stop_request (allspark_client/client.py) returns as soon as the StopRequest RPC does, "
+    "before the stream's final reply reached the ResultQueue: the queue can still say Generating and "
+    "tokens can still arrive (Engine.stop_request waits for cmd.done). Fix: after a successful RPC, "
+    "live.queue._wait_terminal(timeout) before returning.")
+BUG_RELEASE_ILLEGAL = (
+    "ClientEngine.release_request/stop_request (allspark_client/client.py) ask the server to stop a request "
+    "whose queue is not terminal yet; when the server already released it (service.Generate's "
+    "_release_if_live callback runs as soon as its stream ends) the server answers ILLEGAL_REQUEST_ID, "
+    "release_request returns it and never pops the handle from _live (stop_model then refuses the model "
+    "forever). Fix: a handle the client still holds that the server calls ILLEGAL is already done: wait "
+    "for the queue's final status and treat it as success (pop, cancel).")
+BUG_HUGE_INT = (
+    "ClientEngine.start_request raises ValueError ('Value out of range') from "
+    "convert.generation_config_to_proto for ints >= 2**63 (top_k, max_length, max_new_tokens, min_length "
+    "are int64 in the proto; parse_generation_config in allspark_client/config.py bounds none of them), "
+    "where Engine returns a status. Fix: hi=2**63 - 1 in parse_generation_config's _int checks (a "
+    "PARAM_ERROR naming the key on both sides), or catch ValueError in start_request.")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -271,9 +316,9 @@ def test_identity(api):
     assert engine.is_allspark_work_as_service() is is_pool(engine)
     assert engine.is_allspark_work_as_service() is (type(engine).__name__ == "ClientEngine")
     assert engine.get_rank_id() == 0
-    assert re.fullmatch(r"\d+\.\d+\.\d+/\(GitSha1:[^)]+\)/\(Build:[^)]+\)", engine.get_version_full())
-    from allspark_server.version import version_full
-    assert engine.get_version_full() == version_full()
+    version = engine.get_version_full()
+    assert re.fullmatch(r"\d+\.\d+\.\d+/\(GitSha1:[^)]+\)/\(Build:[^)]+\)", version), version
+    assert version.split("/")[0] == allspark_client.__version__
 
 
 # ------------------------------------------------------------------------------------------------
@@ -516,6 +561,11 @@ def test_logprobs_match_hf(api):
         hf_top = torch.topk(ref[i], 5)
         assert [t for t, _ in pairs] == hf_top.indices.tolist()
         assert values == pytest.approx(hf_top.values.tolist(), abs=1e-4)
+    # logprobs without top_logprobs: the chosen token's logprob, empty top lists
+    tokens3, elements, _ = run(engine, prompt, dict(GREEDY, max_new_tokens=3, logprobs=True))
+    assert tokens3 == tokens[:3]
+    assert [lp for el in elements for lp in el.token_logprobs_list] == pytest.approx(token_lp[:3], abs=1e-6)
+    assert [x for el in elements for x in el.log_probs_list] == [[]] * 3
     # logprobs off: nothing reported
     _, elements, _ = run(engine, prompt, dict(GREEDY, max_new_tokens=3))
     assert all(el.token_logprobs_list == [] and el.log_probs_list == [] for el in elements)
@@ -552,6 +602,61 @@ def test_stop_mid_stream(api):
     assert "unknown or released request handle" in engine.get_last_error()
     assert engine.stop_request(NAME, handle) == ILLEGAL
     assert engine.sync_request(NAME, handle) == ILLEGAL
+
+
+def test_stop_request_is_final_when_it_returns(api, request, monkeypatch):
+    """stop_request returns once no more tokens can arrive, however slowly the final status travels."""
+    engine, _, hf = api
+    xfail_on_pool(request, engine, BUG_STOP_RETURNS_EARLY)
+    monkeypatch.setattr(client_module, "ResultQueue", DelayedTerminalQueue)
+    prompt = random_prompt(8, seed=7402)
+    status, handle, queue = engine.start_request(NAME, {"input_ids": prompt}, dict(GREEDY, max_new_tokens=400))
+    assert status == OK
+    try:
+        assert queue.GetWithTimeout(int(HANG_S * 1000)) is not None
+        assert engine.stop_request(NAME, handle) == OK
+        assert queue.GenerateStatus() == S.GenerateFinished
+    finally:
+        assert engine.sync_request(NAME, handle) == OK
+        assert engine.release_request(NAME, handle) == OK
+
+
+def test_release_after_the_server_dropped_it(api, request, monkeypatch):
+    """A finished request whose final status is still on its way can be released (once)."""
+    engine, loader, hf = api
+    xfail_on_pool(request, engine, BUG_RELEASE_ILLEGAL)
+    monkeypatch.setattr(client_module, "ResultQueue", DelayedTerminalQueue)
+    name = "contract_relfin_" + ("pool" if is_pool(engine) else "engine")
+    assert engine.install_model(own_model_cfg(loader, name)) == OK
+    assert engine.start_model(name) == OK
+    observer = type(engine)(engine.address) if is_pool(engine) else None     # a second client of the pool
+    status, handle, queue = engine.start_request(name, {"input_ids": PROBE}, dict(GREEDY, max_new_tokens=4))
+    assert status == OK
+    released = None
+    try:
+        deadline = time.monotonic() + HANG_S
+        while queue.GeneratedLength() < 4:
+            assert time.monotonic() < deadline, "hang"
+            queue.GetWithTimeout(1000)
+        if observer is not None:
+            # wait until the pool itself let go of the request: its stop_model stops refusing
+            while observer.stop_model(name) != OK:
+                assert "unreleased" in observer.get_last_error() and time.monotonic() < deadline
+                time.sleep(0.01)
+            assert observer.start_model(name) == OK
+        released = engine.release_request(name, handle)
+        assert released == OK, engine.get_last_error()
+        assert engine.release_request(name, handle) == ILLEGAL
+        assert engine.stop_model(name) == OK, engine.get_last_error()     # nothing left behind
+    finally:
+        if released != OK:          # clean up after the bug: once final, the client releases locally
+            engine.sync_request(name, handle)
+            engine.release_request(name, handle)
+        if observer is not None:
+            observer.close()
+        engine.sync_request(name, None)
+        assert engine.release_model(name) == OK, engine.get_last_error()
+    assert queue.Get().ids_from_generate == hf_ref(hf, PROBE, 8)[:4]
 
 
 def test_unknown_handle(api):
@@ -631,4 +736,57 @@ def test_bad_prompts_and_lengths(api):
     # exactly engine_max_length is fine
     tokens = run(engine, PROBE, dict(GREEDY, max_length=ENGINE_MAX_LENGTH, max_new_tokens=3))[0]
     assert tokens == hf_ref(hf, PROBE, 8)[:3]
+    assert_serves(engine, hf)
+
+
+def test_huge_integers_get_a_status(api, request):
+    """Integers beyond int64 in the generation config get an answer (a status), never an exception."""
+    engine, _, hf = api
+    xfail_on_pool(request, engine, BUG_HUGE_INT)
+    huge = 2**70
+    refused(engine, {"input_ids": PROBE}, dict(GREEDY, max_length=huge), EXCEED, "max_length")
+    # top_k beyond the vocabulary is off; an unreachable max_new_tokens / min_length changes nothing here
+    assert run(engine, PROBE, dict(GREEDY, max_new_tokens=huge, max_length=len(PROBE) + 5))[0] == \
+        hf_ref(hf, PROBE, 8)[:5]
+    assert run(engine, PROBE, dict(GREEDY, min_length=huge, max_new_tokens=5))[0] == hf_ref(hf, PROBE, 8)[:5]
+    gen = dict(SAMPLING, top_k=huge, seed=5)
+    assert run(engine, PROBE, gen)[0] == in_process_reference(request, PROBE, dict(SAMPLING, top_k=0, seed=5))
+
+
+def test_config_forms_numpy_scalars_and_builder(api):
+    engine, loader, hf = api
+    prompt = PROMPTS[0]
+    gen = {"top_k": np.int64(1), "max_new_tokens": np.int32(6), "temperature": np.float32(0.5),
+           "eos_token_id": np.int64(VOCAB - 1)}
+    assert run(engine, prompt, gen)[0] == hf_ref(hf, prompt, 6) or VOCAB - 1 in hf_ref(hf, prompt, 6)
+    # DashInfer's builder, filled from the model: eos 1, max_length from the runtime config
+    builder = loader.create_reference_generation_config_builder(own_model_cfg(loader, "unused"))
+    builder.update({"top_k": 1, "max_new_tokens": 24})
+    status, handle, queue = engine.start_request(NAME, {"input_ids": prompt}, builder)
+    assert status == OK, engine.get_last_error()
+    try:
+        tokens, _, final = collect(queue, HANG_S)
+    finally:
+        assert engine.release_request(NAME, handle) == OK
+    ref = hf_ref(hf, prompt, 24)
+    assert final == S.GenerateFinished and tokens == ref[:len(tokens)]
+    assert len(tokens) == 24 or (tokens[-1] == 1 and 1 not in tokens[:-1])
+    # the inert DashInfer keys with their "off" values are accepted
+    inert = dict(GREEDY, max_new_tokens=3, num_beams=1, num_return_sequences=1, no_repeat_ngram_size=0,
+                 bad_words_ids=[], lora_name="", early_stopping=True, length_penalty=1.0)
+    assert run(engine, prompt, inert)[0] == ref[:3]
+
+
+def test_last_error_is_per_thread_and_text_must_be_str(api):
+    engine, loader, hf = api
+    refused(engine, {"input_ids": PROBE}, {"main_thread_marker": 1}, PARAM, "main_thread_marker")
+    other = []
+    t = threading.Thread(target=lambda: other.append(
+        (engine.start_request(NAME, {"input_ids": PROBE}, {"other_thread_marker": 1})[0], engine.get_last_error())))
+    t.start()
+    t.join(HANG_S)
+    assert other and other[0][0] == PARAM and "other_thread_marker" in other[0][1]
+    assert "main_thread_marker" in engine.get_last_error()
+    st, handle, queue = engine.start_request_text(NAME, loader, [5, 6, 7], GREEDY)
+    assert (st, handle, queue) == (PARAM, None, None) and "str" in engine.get_last_error()
     assert_serves(engine, hf)

@@ -454,7 +454,7 @@ def test_raw_grpc_malformed_input(new_pool, loader, llama):
         still_serves("bad values")
     finally:
         channel.close()
-    assert len(checks) == 8
+    assert len(checks) == 7
 
 
 # ---- 4. an idle pool does not burn its cores ------------------------------------------------------
