@@ -21,6 +21,7 @@ from typing import Any, Optional
 import grpc
 
 from allspark_client import convert
+from allspark_client.api import EngineAPI, StartResult
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client._proto import allspark_pb2_grpc as pb_grpc
 from allspark_client.config import (AsModelConfig, ASGenerationConfigBuilder, ConfigError, parse_generation_config,
@@ -30,7 +31,6 @@ from allspark_client.types import (AsEngineStat, AsException, AsStatus, Generate
 
 log = logging.getLogger("allspark.client")
 MAX_MESSAGE_BYTES = 64 << 20
-StartResult = tuple[AsStatus, Optional[RequestHandle], Optional[ResultQueue]]
 
 
 class PoolUnavailable(AsException):
@@ -50,7 +50,7 @@ def normalize_address(address: str) -> str:
     return address
 
 
-class ClientEngine:
+class ClientEngine(EngineAPI):
     def __init__(self, address: Optional[str] = None, *, ranks: Optional[int] = None,
                  numa_nodes: Optional[list[int]] = None, launcher_args: tuple[str, ...] = (),
                  start_timeout_s: float = 300.0):
@@ -142,13 +142,6 @@ class ClientEngine:
         self.close()
 
     # ---- plumbing ----------------------------------------------------------------------------
-    def get_last_error(self) -> str:
-        return getattr(self._errors, "message", "")
-
-    def _fail(self, status, message: str) -> AsStatus:
-        self._errors.message = message
-        return AsStatus(status)
-
     def _rpc(self, method, request):
         try:
             return method(request)
@@ -243,15 +236,6 @@ class ClientEngine:
             return
         if not queue.GenerateStatus().is_terminal:   # the stream ended without a final status
             queue._set_status(GenerateRequestStatus.InternalError, f"the pool at {self.address} closed the stream")
-
-    def start_request_ids(self, name: str, model, input_ids, generate_config=None) -> StartResult:
-        return self.start_request(name, {"input_ids": input_ids}, generate_config)
-
-    def start_request_text(self, name: str, model, text: str, generate_config=None) -> StartResult:
-        if not isinstance(text, str):
-            return self._fail(AsStatus.ALLSPARK_PARAM_ERROR, f"text must be a str, got {type(text).__name__}"), None, None
-        tokenizer = model.get_tokenizer() if hasattr(model, "get_tokenizer") else model
-        return self.start_request(name, {"input_ids": tokenizer.encode(text)}, generate_config)
 
     def _live_request(self, name: str, handle) -> Optional[_ClientRequest]:
         key = (name, handle.request_id) if isinstance(handle, RequestHandle) else None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from allspark_client.types import AsCacheMode, AsStatus, TargetDevice

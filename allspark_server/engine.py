@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from allspark_client import __version__
+from allspark_client.api import EngineAPI, StartResult
 from allspark_client.result_queue import ResultQueue
 from allspark_client.types import AsEngineStat, AsException, AsStatus, RequestHandle
 from allspark_client.config import (AsModelConfig, ASGenerationConfigBuilder, ConfigError,
@@ -29,7 +29,6 @@ from allspark_server.runner.sampler import SamplingState
 from allspark_server.served_model import AddRequest, ServedModel, StopRequest
 
 log = logging.getLogger("allspark")
-StartResult = tuple[AsStatus, Optional[RequestHandle], Optional[ResultQueue]]
 
 
 class RequestError(Exception):
@@ -44,7 +43,7 @@ class _LiveRequest:
     queue: ResultQueue
 
 
-class Engine:
+class Engine(EngineAPI):
     def __init__(self, comm=None):
         self._comm = comm or get_comm()
         self._engine = EngineThread(self._comm)
@@ -53,16 +52,6 @@ class Engine:
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._errors = threading.local()
-
-    # ---- errors ------------------------------------------------------------------------------
-    def get_last_error(self) -> str:
-        """The message behind the last non-success status returned to this thread."""
-        return getattr(self._errors, "message", "")
-
-    def _fail(self, status: AsStatus, message: str) -> AsStatus:
-        log.warning("%s: %s", status.name, message)
-        self._errors.message = message
-        return status
 
     def _model(self, name: str) -> ServedModel:
         model = self._models.get(name)
@@ -178,15 +167,6 @@ class Engine:
             self._requests[name][rid] = _LiveRequest(handle, queue)
             self._engine.post(ForModel(name, AddRequest(req, queue, SamplingState.create(gen))))
         return AsStatus.ALLSPARK_SUCCESS, handle, queue
-
-    def start_request_ids(self, name: str, model, input_ids, generate_config=None) -> StartResult:
-        return self.start_request(name, {"input_ids": input_ids}, generate_config)
-
-    def start_request_text(self, name: str, model, text: str, generate_config=None) -> StartResult:
-        if not isinstance(text, str):
-            return self._fail(AsStatus.ALLSPARK_PARAM_ERROR, f"text must be a str, got {type(text).__name__}"), None, None
-        tokenizer = model.get_tokenizer() if hasattr(model, "get_tokenizer") else model
-        return self.start_request(name, {"input_ids": tokenizer.encode(text)}, generate_config)
 
     def _live(self, name: str, handle) -> _LiveRequest:
         self._model(name)

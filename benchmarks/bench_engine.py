@@ -14,7 +14,6 @@ import json
 import os
 import statistics
 import tempfile
-import threading
 import time
 
 import torch

@@ -1,8 +1,6 @@
 """Small helpers shared by the tests: serialize a tiny model, start an Engine, collect a stream."""
 from __future__ import annotations
 
-import os
-
 import torch
 
 from allspark_client import GenerateRequestStatus

@@ -6,12 +6,9 @@ import re
 import subprocess
 import sys
 
-import pytest
-
 import allspark_server.engine as engine_module
 from allspark_client import AsStatus, GenerateRequestStatus, ResultQueue
-from allspark_server import AsModelRuntimeConfigBuilder, Engine
-from helpers import collect, generate, greedy, hf_greedy, random_prompt
+from helpers import collect, generate, hf_greedy, random_prompt
 
 S = GenerateRequestStatus
 
@@ -48,7 +45,7 @@ def test_status_sequence_and_stat_info(served_llama, monkeypatch):
 
 
 def test_waiting_request_is_init_and_sync_waits(served_llama, tmp_path):
-    from helpers import serialize, start_engine
+    from helpers import start_engine
     _, loader = served_llama
     engine = start_engine(loader, "one", max_batch=1)
     gen = {"top_k": 1, "max_new_tokens": 300, "eos_token_id": []}

@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from allspark_client.config import AsModelRuntimeConfigBuilder
-from allspark_server.core.messages import CachedRequestData, NewRequestData, ScheduledChunk, StepPlan
+from allspark_server.core.messages import ScheduledChunk
 from allspark_server.dist.comm import LocalComm
 from allspark_server.runner.forward_inputs import RequestMirror, build_forward_inputs
 from allspark_server.runner.model_runner import ModelRunner, install_runner
