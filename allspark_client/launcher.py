@@ -145,6 +145,18 @@ def build_command(args, placements: list[RankPlacement], flavour: str, numactl: 
     return cmd
 
 
+def _die_with_parent() -> None:
+    """In the mpirun child before exec (Linux): SIGTERM when the launcher dies."""
+    import ctypes
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:   # the launcher already died
+        os._exit(1)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="allspark-launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -202,7 +214,9 @@ def main(argv=None) -> int:
     pid_dir = tempfile.mkdtemp(prefix="allspark-launch-")
     args.pid_file = os.path.join(pid_dir, "rank0.pid")
     cmd = build_command(args, placements, flavour, numactl)
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)   # terminal signals reach us, not mpirun
+    # own session: terminal signals reach us, not mpirun; parent-death signal: if the launcher is
+    # killed outright, mpirun gets SIGTERM and takes the ranks down instead of orphaning the pool
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
 
     def forward(signum, _frame):
         try:

@@ -17,6 +17,7 @@ import threading
 import traceback
 
 log = logging.getLogger("allspark.rank")
+STOP_GRACE_S = 30   # on SIGTERM, how long stopped streams get to deliver their last reply
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -85,7 +86,7 @@ def sd_notify(state: str) -> None:
         s.sendall(state.encode())
 
 
-def serve(comm, args) -> int:
+def serve(comm, args, address: str) -> int:
     from allspark_client.pool_config import load_pool_config
     from allspark_server.engine import Engine
     from allspark_server.service import AllsparkServicer, start_server
@@ -103,7 +104,6 @@ def serve(comm, args) -> int:
             if entry.start:
                 engine.start_model(entry.config.model_name)
     servicer = AllsparkServicer(engine, comm.world_size)
-    address = grpc_address(args)
     server = start_server(servicer, address, args.max_streams)
     servicer.ready = True
     sd_notify("READY=1")
@@ -111,8 +111,9 @@ def serve(comm, args) -> int:
     stop.wait()
     log.info("stopping: finishing in-flight requests")
     sd_notify("STOPPING=1")
-    server.stop(grace=None)   # no new calls; streams end as their requests are stopped below
-    engine.shutdown()         # stops every request and tells the workers to exit
+    stopped = server.stop(grace=STOP_GRACE_S)   # no new calls; open streams may still finish ...
+    engine.shutdown()                            # ... as every request is stopped; workers are told to exit
+    stopped.wait()
     if address.startswith("unix:") and os.path.exists(address[5:]):
         os.unlink(address[5:])
     return 0
@@ -124,10 +125,11 @@ def main(argv=None) -> int:
     from allspark_server.dist.comm import get_comm
     comm = get_comm()
     try:
+        address = grpc_address(args) if comm.rank == 0 else ""   # refuse a bad bind before loading anything
         bind_threads(args, comm.rank)
         comm.barrier()                              # every rank is up
         if comm.rank == 0:
-            return serve(comm, args)
+            return serve(comm, args, address)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)   # workers exit when rank 0 says so
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         from allspark_server.worker import run_worker

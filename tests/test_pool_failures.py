@@ -1,5 +1,5 @@
-"""A pool under failure: a rank killed mid-stream, SIGTERM during streams, malformed gRPC input,
-idle CPU use, a second client process, and the bind rules.
+"""A pool under failure: a rank killed mid-stream, SIGTERM during streams, the launcher killed,
+malformed gRPC input, idle CPU use, a second client process (and its death), and the bind rules.
 
 Every test starts its own 2-rank pool with `python -m allspark_client.launcher` (these tests kill
 pools, so the shared `pool` fixture is not used) and kills every process it started in a finally:
@@ -127,10 +127,11 @@ class Pool:
                 pass
         self._remember_descendants()
         procs = self.known + self.rank_processes_left()
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        if self.proc.poll() is None:     # not reaped yet: the pid (= its session's group id) is still ours
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         for p in procs:
             try:
                 p.kill()          # psutil checks the process identity: no pid-reuse accidents
@@ -230,10 +231,22 @@ def test_kill_rank1_during_stream_fails_fast(new_pool, loader):
             synced["raised"] = e
         synced["at"] = time.monotonic()
 
+    synced_all: dict = {}
+
+    def sync_all():   # the model-wide form waits inside the pool (a SyncRequest RPC)
+        try:
+            synced_all["status"] = client.sync_request(MODEL)
+        except PoolUnavailable as e:
+            synced_all["raised"] = e
+        synced_all["at"] = time.monotonic()
+
     syncer = threading.Thread(target=sync, daemon=True)
+    syncer_all = threading.Thread(target=sync_all, daemon=True)
     syncer.start()
-    time.sleep(0.2)
+    syncer_all.start()
+    time.sleep(0.3)
     assert syncer.is_alive(), f"sync_request returned while the request was running: {synced}"
+    assert syncer_all.is_alive(), f"sync_request returned while the request was running: {synced_all}"
 
     killed_at = time.monotonic()
     rank1[0].send_signal(signal.SIGKILL)
@@ -254,6 +267,9 @@ def test_kill_rank1_during_stream_fails_fast(new_pool, loader):
     assert not syncer.is_alive(), "sync_request still blocked 5 s after rank 1 was killed"
     assert "raised" in synced or synced["status"] != AsStatus.ALLSPARK_SUCCESS, synced
     assert synced["at"] - killed_at < 5.0
+    syncer_all.join(timeout=max(0.0, killed_at + 5.0 - time.monotonic()))
+    assert not syncer_all.is_alive(), "sync_request(model) still blocked 5 s after rank 1 was killed"
+    assert "raised" in synced_all or synced_all["status"] != AsStatus.ALLSPARK_SUCCESS, synced_all
 
     # new unary calls fail with PoolUnavailable (not a hang, not a raw grpc error)
     with pytest.raises(PoolUnavailable):
@@ -271,9 +287,6 @@ def test_kill_rank1_during_stream_fails_fast(new_pool, loader):
 
 
 # ---- 2. SIGTERM while streams run -----------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="rank 0 cancels every in-flight stream (server.stop(grace=None)) before it "
-                                       "stops the requests, so clients see InternalError instead of a stopped "
-                                       "GenerateFinished (allspark_server/__main__.py serve)")
 def test_sigterm_stops_streams_cleanly(new_pool, loader, llama):
     pool = new_pool()
     client = pool.client()
@@ -311,6 +324,7 @@ def test_sigterm_idle_pool_exits_zero_and_removes_socket(new_pool, loader):
     client = pool.client()
     install(client, loader)
     assert len(client_greedy(client, random_prompt(6, seed=23), 4)) == 4
+    stopped_at = time.monotonic()
     assert os.path.exists(pool.socket)
     pool.proc.send_signal(signal.SIGTERM)
     try:
@@ -319,9 +333,18 @@ def test_sigterm_idle_pool_exits_zero_and_removes_socket(new_pool, loader):
         pytest.fail(f"the launcher did not exit within 30 s of SIGTERM:\n{pool.log()}")
     assert code == 0, pool.log()
     assert wait_until(lambda: not pool.rank_processes_left(), 10.0, 0.1)
+    print(f"idle pool stopped {time.monotonic() - stopped_at:.2f}s after SIGTERM")
     assert not os.path.exists(pool.socket)
     with pytest.raises(PoolUnavailable):
         client.get_as_engine_stat(MODEL)
+
+
+def test_launcher_killed_takes_the_pool_down(new_pool):
+    pool = new_pool()
+    os.killpg(pool.proc.pid, signal.SIGKILL)
+    pool.proc.wait(timeout=10)
+    gone = wait_until(lambda: not pool.rank_processes_left(), 8.0, 0.1)
+    assert gone, [(p.pid, _cmdline(p)[:4]) for p in pool.rank_processes_left()]
 
 
 # ---- 3. malformed input on a raw channel ----------------------------------------------------------
@@ -399,9 +422,12 @@ def test_raw_grpc_malformed_input(new_pool, loader, llama):
         still_serves("wrong wire types")
 
         # (d) a message over the 64 MiB limit
-        big = pb.ModelRef(model_name="x" * ((64 << 20) + 1024)).SerializeToString()
-        expect_rpc_error(lambda: raw_unary(channel, "GetEngineStat", big), grpc.StatusCode.RESOURCE_EXHAUSTED)
-        del big
+        def send_oversized():
+            big = pb.ModelRef(model_name="x" * ((64 << 20) + 1024)).SerializeToString()
+            raw_unary(channel, "GetEngineStat", big)
+
+        error = expect_rpc_error(send_oversized, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        assert "larger than max" in error.details(), error.details()
         still_serves("an oversized message")
 
         # (e) unknown methods and services
@@ -419,7 +445,8 @@ def test_raw_grpc_malformed_input(new_pool, loader, llama):
                 assert first.status == status, (request, first)
 
         ok_cfg = pb.GenerationConfig(top_k=1, max_new_tokens=4)
-        generate_fails(pb.GenerateRequest(model_name="", input_ids=prompt, config=ok_cfg), AsStatus.ALLSPARK_PARAM_ERROR)
+        generate_fails(pb.GenerateRequest(model_name="", input_ids=prompt, config=ok_cfg),
+                       AsStatus.ALLSPARK_PARAM_ERROR)
         generate_fails(pb.GenerateRequest(model_name="no-such-model", input_ids=prompt, config=ok_cfg),
                        AsStatus.ALLSPARK_PARAM_ERROR)
         generate_fails(pb.GenerateRequest(model_name=MODEL, input_ids=[5, -1, 6], config=ok_cfg),
@@ -506,6 +533,19 @@ CLIENT_SCRIPT = textwrap.dedent("""
 """)
 
 
+DYING_CLIENT_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from allspark_client import ClientEngine
+    client = ClientEngine(sys.argv[1], start_timeout_s=60)
+    status, handle, queue = client.start_request("llama", {"input_ids": [5, 6, 7]},
+                                                 {"top_k": 1, "max_new_tokens": 1000, "eos_token_id": []})
+    assert status == 0, client.get_last_error()
+    queue.Get()
+    print("STREAMING", flush=True)
+    time.sleep(600)
+""")
+
+
 def test_second_client_process_alongside(new_pool, loader, llama):
     pool = new_pool()
     client = pool.client()
@@ -543,7 +583,27 @@ def test_second_client_process_alongside(new_pool, loader, llama):
     assert short == got[0]
     assert overlapped, "our long request ended before the other client finished: no concurrency was tested"
     assert final == GenerateRequestStatus.GenerateFinished
+    print(f"our long request had {len(tokens)} tokens when the other client finished")
     assert tokens == hf_greedy(llama.model, mine, len(tokens))
+
+    # a client process that dies mid-stream has its request released; the pool serves on
+    dying = subprocess.Popen([sys.executable, "-c", DYING_CLIENT_SCRIPT, pool.address], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    try:
+        line = dying.stdout.readline()
+        assert line.startswith("STREAMING"), line + dying.stdout.read() if dying.poll() is not None else line
+        assert client.get_as_engine_stat(MODEL).running_request == 1
+        dying.kill()
+    finally:
+        if dying.poll() is None:
+            dying.kill()
+        dying.wait()
+
+    def idle() -> bool:
+        stat = client.get_as_engine_stat(MODEL)
+        return stat.running_request == 0 and stat.pendding_request == 0
+    assert wait_until(idle, 10.0, 0.05), client.get_as_engine_stat(MODEL)
+    assert client_greedy(client, mine, 8) == tokens[:8]
 
 
 # ---- 6. bind rules ----------------------------------------------------------------------------------
