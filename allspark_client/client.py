@@ -31,6 +31,7 @@ from allspark_client.types import (AsEngineStat, AsException, AsStatus, Generate
 
 log = logging.getLogger("allspark.client")
 MAX_MESSAGE_BYTES = 64 << 20
+STOP_WAIT_S = 30.0   # how long stop/release wait for the stream's final reply
 
 
 class PoolUnavailable(AsException):
@@ -238,32 +239,45 @@ class ClientEngine(EngineAPI):
             queue._set_status(GenerateRequestStatus.InternalError, f"the pool at {self.address} closed the stream")
 
     def _live_request(self, name: str, handle) -> Optional[_ClientRequest]:
+        """This client's live request for `handle`, or None with the status Engine would give
+        (PARAM_ERROR for a model the pool does not have, ILLEGAL_REQUEST_ID otherwise)."""
         key = (name, handle.request_id) if isinstance(handle, RequestHandle) else None
         with self._lock:
             live = self._live.get(key) if key else None
-        if live is None or live.handle != handle:
+        if live is not None and live.handle == handle:
+            return live
+        info = self._rpc(self._stub.GetModelInfo, pb.ModelRef(model_name=name))
+        if info.status != 0:
+            self._fail(info.status, info.message)
+        else:
             self._fail(AsStatus.ALLSPARK_ILLEGAL_REQUEST_ID,
                        f"unknown or released request handle {handle!r} for model {name!r}")
-            return None
-        return live
+        return None
+
+    def _handle_error(self) -> AsStatus:
+        return AsStatus.ALLSPARK_PARAM_ERROR if "not installed" in self.get_last_error() \
+            else AsStatus.ALLSPARK_ILLEGAL_REQUEST_ID
 
     def stop_request(self, name: str, handle: RequestHandle) -> AsStatus:
         live = self._live_request(name, handle)
         if live is None:
-            return AsStatus.ALLSPARK_ILLEGAL_REQUEST_ID
+            return self._handle_error()
         if live.queue.GenerateStatus().is_terminal:
             return AsStatus.ALLSPARK_SUCCESS
-        return self._status(self._rpc(self._stub.StopRequest, pb.RequestRef(model_name=name,
-                                                                             request_id=handle.request_id)))
+        status = self._status(self._rpc(self._stub.StopRequest, pb.RequestRef(model_name=name,
+                                                                               request_id=handle.request_id)))
+        if status == AsStatus.ALLSPARK_SUCCESS:
+            live.queue._wait_terminal(timeout_s=STOP_WAIT_S)   # as with Engine: no token after this returns
+        return status
 
     def release_request(self, name: str, handle: RequestHandle) -> AsStatus:
         if self._live_request(name, handle) is None:
-            return AsStatus.ALLSPARK_ILLEGAL_REQUEST_ID
+            return self._handle_error()
         status = self._status(self._rpc(self._stub.ReleaseRequest,
                                         pb.RequestRef(model_name=name, request_id=handle.request_id)))
         with self._lock:
             live = self._live.pop((name, handle.request_id))
-        live.queue._wait_terminal(timeout_s=30)       # released: the stream's last reply is on its way
+        live.queue._wait_terminal(timeout_s=STOP_WAIT_S)   # released: the stream's last reply is on its way
         live.call.cancel()
         return status
 
@@ -271,7 +285,7 @@ class ClientEngine(EngineAPI):
         if handle is not None:
             live = self._live_request(name, handle)
             if live is None:
-                return AsStatus.ALLSPARK_ILLEGAL_REQUEST_ID
+                return self._handle_error()
             queues = [live.queue]
         else:
             status = self._status(self._rpc(self._stub.SyncRequest, pb.SyncRequestMsg(model_name=name)))

@@ -15,6 +15,7 @@ from allspark_client.types import AsCacheMode, AsStatus, TargetDevice
 
 SPAN_SIZES = (16, 32, 64, 128)
 MAX_TOP_LOGPROBS = 10
+INT64_MAX = 2**63 - 1   # integers travel as int64 to a pool
 DEFAULT_PREFILL_CHUNK = 1024
 
 
@@ -236,7 +237,7 @@ def parse_generation_config(raw: Optional[dict], vocab_size: Optional[int] = Non
     if "temperature" in kw:
         out["temperature"] = _float("temperature", kw["temperature"], lo=0.0, hi=100.0)
     if "top_k" in kw:
-        out["top_k"] = _int("top_k", kw["top_k"], lo=0)
+        out["top_k"] = _int("top_k", kw["top_k"], lo=0, hi=INT64_MAX)
     if "top_p" in kw:
         p = _float("top_p", kw["top_p"], lo=0.0, hi=1.0)
         _check(p > 0.0, "top_p must be in (0, 1]; 1.0 disables it")
@@ -249,10 +250,10 @@ def parse_generation_config(raw: Optional[dict], vocab_size: Optional[int] = Non
         if key in kw:
             out[key] = _float(key, kw[key], lo=-2.0, hi=2.0)
     if "min_length" in kw:
-        out["min_length"] = _int("min_length", kw["min_length"], lo=0)
+        out["min_length"] = _int("min_length", kw["min_length"], lo=0, hi=INT64_MAX)
     for key in ("max_length", "max_new_tokens"):
         if key in kw and kw[key] is not None:
-            out[key] = _int(key, kw[key], lo=1)
+            out[key] = _int(key, kw[key], lo=1, hi=INT64_MAX)
     if "eos_token_id" in kw:
         out["eos_token_ids"] = _token_list("eos_token_id", kw["eos_token_id"], vocab_size)
     if "stop_words_ids" in kw:
