@@ -1,0 +1,1 @@
+"""Collective communication between pool ranks (see comm.py)."""
