@@ -168,7 +168,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--allow-remote", action="store_true")
     p.add_argument("--pool-config", help="TOML pool config ([pool] defaults these flags; [[model]] loads models)")
     p.add_argument("--threads-per-rank", type=int, default=0, help="0 = the rank's cores")
-    p.add_argument("--hosts", help="host list passed to mpirun for multi-host pools")
+    p.add_argument("--host", "--hosts", dest="hosts", help="host list passed to mpirun for multi-host pools")
     p.add_argument("--mpirun", default=os.environ.get("ALLSPARK_MPIRUN", "mpirun"))
     p.add_argument("--python", default=sys.executable, help="python interpreter for the ranks")
     p.add_argument("--no-numactl", action="store_true", help="do not use numactl even if installed")

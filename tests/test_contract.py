@@ -304,6 +304,8 @@ def test_identity(api):
     version = engine.get_version_full()
     assert re.fullmatch(r"\d+\.\d+\.\d+/\(GitSha1:[^)]+\)/\(Build:[^)]+\)", version), version
     assert version.split("/")[0] == allspark_client.__version__
+    from allspark_client.api import EngineProtocol
+    assert isinstance(engine, EngineProtocol)            # one API, both shapes
 
 
 # ------------------------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ def test_dry_run_two_numa_nodes(capsys, monkeypatch):
 
 def test_dry_run_split_cores_without_numactl_tcp_and_hosts(capsys):
     cmd = dry_run(capsys, "--topology", "0:0-3", "--ranks", "2", "--no-numactl", "--port", "50051",
-                  "--hosts", "a,b", "--threads-per-rank", "1")
+                  "--host", "a,b", "--threads-per-rank", "1")
     assert cmd[cmd.index("--host") + 1] == "a,b"            # passed through to mpirun
     ranks = rank_commands(cmd)
     assert [r[r.index("--cpus") + 1] for r in ranks] == ["0-1", "2-3"]
