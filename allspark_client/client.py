@@ -24,8 +24,9 @@ from allspark_client import convert
 from allspark_client.api import EngineAPI, StartResult
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client._proto import allspark_pb2_grpc as pb_grpc
-from allspark_client.config import (AsModelConfig, ASGenerationConfigBuilder, ConfigError, parse_generation_config,
-                                    parse_input_ids)
+from allspark_client.config import AsModelConfig
+from allspark_client.generation_config import ASGenerationConfigBuilder, parse_generation_config, parse_input_ids
+from allspark_client.validation import ConfigError
 from allspark_client.result_queue import ResultQueue
 from allspark_client.types import (AsEngineStat, AsException, AsStatus, GenerateRequestStatus, RequestHandle)
 

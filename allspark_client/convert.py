@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import fields
 
 from allspark_client._proto import allspark_pb2 as pb
-from allspark_client.config import AsModelConfig, GenerationConfig
+from allspark_client.config import AsModelConfig
+from allspark_client.generation_config import GenerationConfig
 from allspark_client.types import AsCacheMode, AsEngineStat, GeneratedElements, RequestStatInfo
 
 PROTOCOL_VERSION = 1

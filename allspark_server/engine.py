@@ -18,8 +18,10 @@ from typing import Any, Optional
 from allspark_client.api import EngineAPI, StartResult
 from allspark_client.result_queue import ResultQueue
 from allspark_client.types import AsEngineStat, AsException, AsStatus, RequestHandle
-from allspark_client.config import (AsModelConfig, ASGenerationConfigBuilder, ConfigError,
-                                    parse_generation_config, parse_input_ids, resolve_max_length)
+from allspark_client.config import AsModelConfig
+from allspark_client.generation_config import (ASGenerationConfigBuilder, parse_generation_config, parse_input_ids,
+                                               resolve_max_length)
+from allspark_client.validation import ConfigError
 from allspark_server.core.messages import InstallModelMsg, ReleaseModelMsg
 from allspark_server.core.request import Request
 from allspark_server.dist.comm import get_comm

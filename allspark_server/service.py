@@ -16,7 +16,7 @@ import grpc
 from allspark_client import convert
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client._proto import allspark_pb2_grpc as pb_grpc
-from allspark_client.config import ConfigError
+from allspark_client.validation import ConfigError
 from allspark_client.types import AsException, AsStatus, RequestHandle
 from allspark_server.engine import Engine
 from allspark_server.version import version_full

@@ -12,7 +12,8 @@ from typing import Optional
 
 import torch
 
-from allspark_client.config import AsModelRuntimeConfigBuilder, ASGenerationConfigBuilder, AsModelConfig
+from allspark_client.config import AsModelConfig, AsModelRuntimeConfigBuilder
+from allspark_client.generation_config import ASGenerationConfigBuilder
 from allspark_server.loader.hf_reader import iter_hf_tensors, read_generation_config, read_hf_config
 from allspark_server.loader.model_file import DTYPES, write_model_files
 from allspark_server.loader.sharding import TPLayout, split_mode_for

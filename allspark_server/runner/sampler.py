@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from allspark_client.config import GenerationConfig
+from allspark_client.generation_config import GenerationConfig
 
 
 @dataclass
