@@ -1,4 +1,5 @@
-"""Session fixtures: tiny HF models (built once, locally) and their serialized allspark files."""
+"""Shared fixtures: tiny HF models (built once, locally), their serialized allspark files, the shared Engine
+and pool, and the module-scoped fixtures of the split contract / errors / pool-failure suites."""
 from __future__ import annotations
 
 import logging
@@ -60,3 +61,66 @@ def pool(llama, tmp_path_factory):
     client.start_model("llama")
     yield client, loader
     client.close()
+
+
+# ---- fixtures shared by the two halves of a split test file (module-scoped: one instance per test file) ----
+
+@pytest.fixture(scope="module", params=["engine", "pool"], ids=["engine", "pool"])
+def api(request, llama):
+    """Contract suite (tests/test_contract_*.py): (engine_like, loader, hf_model), the in-process Engine
+    (served_llama) or a ClientEngine on the 2-rank pool (pool). At teardown, nothing the module started is
+    left running or holding KV spans."""
+    from contract_helpers import NAME, OK
+    fixture = "served_llama" if request.param == "engine" else "pool"
+    engine, loader = request.getfixturevalue(fixture)
+    yield engine, loader, llama.model
+    # nothing this module started is left running or holding KV spans
+    assert engine.sync_request(NAME, None) == OK
+    stat = engine.get_as_engine_stat(NAME)
+    assert (stat.running_request, stat.pendding_request, stat.used_span) == (0, 0, 0), stat
+
+
+@pytest.fixture(scope="module")
+def srv(llama, tmp_path_factory):
+    """Error suite (tests/test_errors_*.py): a fresh Engine serving the GQA Llama as MAIN (and, with
+    max_length 64, as OTHER), with its loader, the HF model, the vocab size and tmp_path_factory."""
+    from types import SimpleNamespace
+    from errors_helpers import ENGINE_MAX_LENGTH, MAIN, OTHER
+    from helpers import serialize, start_engine
+    out = str(tmp_path_factory.mktemp("errs_as"))
+    loader = serialize(llama.hf_dir, MAIN, out)
+    engine = start_engine(loader, MAIN, max_batch=8, max_length=ENGINE_MAX_LENGTH)
+    start_engine(loader, OTHER, engine=engine, max_batch=2, max_length=64)
+    s = SimpleNamespace(engine=engine, loader=loader, hf=llama.model, vocab=loader.args.vocab_size,
+                        tmp=tmp_path_factory)
+    yield s
+    for name in (MAIN, OTHER):
+        engine.sync_request(name)
+        engine.release_model(name)
+
+
+@pytest.fixture(scope="module")
+def loader(llama, tmp_path_factory):
+    """Pool failure suite (tests/test_pool_*.py): the GQA Llama serialized as pool_helpers.MODEL.
+    (tests/test_batching.py defines its own `loader`, which takes precedence there.)"""
+    from pool_helpers import MODEL
+    from helpers import serialize
+    return serialize(llama.hf_dir, MODEL, str(tmp_path_factory.mktemp("pool_failures")))
+
+
+@pytest.fixture
+def new_pool():
+    """Pool failure suite: factory that starts a 2-rank pool; every pool started is killed at teardown,
+    whatever happened."""
+    from pool_helpers import Pool
+    pools: list = []
+
+    def start(ranks: int = 2):
+        pool = Pool(ranks)
+        pools.append(pool)
+        pool.wait_ready(ranks)
+        return pool
+
+    yield start
+    for pool in pools:
+        pool.kill()

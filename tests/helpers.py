@@ -1,9 +1,12 @@
-"""Small helpers shared by the tests: serialize a tiny model, start an Engine, collect a stream."""
+"""Small helpers shared by the tests: serialize a tiny model, start an Engine, collect a stream, and the
+transformers references (greedy generate, logits, step-by-step loops) the engines are checked against."""
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 
-from allspark_client import GenerateRequestStatus
+from allspark_client import GenerateRequestStatus, ResultQueue
 from allspark_server import Engine, HuggingFaceModel, TargetDevice
 
 
@@ -63,3 +66,63 @@ def hf_greedy(model, ids, max_new_tokens: int) -> list[int]:
 def random_prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+_hf_cache: dict = {}
+
+
+def hf_ref(model, ids, n: int) -> list[int]:
+    """transformers greedy continuation, cached per (model, prompt, n): many tests share a reference."""
+    key = (id(model), tuple(ids), n)
+    if key not in _hf_cache:
+        _hf_cache[key] = hf_greedy(model, ids, n)
+    return _hf_cache[key]
+
+
+def hf_logits(model, ids) -> torch.Tensor:
+    """The HF model's logits for every position of ids, in float64: [L, V]."""
+    with torch.no_grad():
+        return model(torch.tensor([list(ids)])).logits[0].double()
+
+
+def hf_loop(model, prompt, max_new: int, process, eos=(), dtype: torch.dtype = torch.float64) -> list[int]:
+    """Greedy decoding with the HF model, full recompute each step; process(all_ids, out, logits[V]) -> logits.
+    The last position's logits are cast to `dtype` before `process` sees them."""
+    ids, out = list(prompt), []
+    for _ in range(max_new):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1].to(dtype)
+        tok = int(torch.argmax(process(list(ids), list(out), logits)))
+        ids.append(tok)
+        out.append(tok)
+        if tok in eos:
+            break
+    return out
+
+
+class RecordingQueue(ResultQueue):
+    """A ResultQueue that records every status it goes through, in order (install it with monkeypatch
+    in place of the engine's / client's ResultQueue)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.history = [self.GenerateStatus()]
+
+    def _set_status_locked(self, status, now):
+        super()._set_status_locked(status, now)
+        if self.history[-1] != self._status:
+            self.history.append(self._status)
+
+
+def hf_apply(proc, all_ids: list[int], x: torch.Tensor) -> torch.Tensor:
+    """Run one HF logits processor on a single row x [V] with history all_ids."""
+    ids = torch.tensor([list(all_ids)], dtype=torch.long)
+    return proc(ids, x[None].clone())[0]
+
+
+def presence_frequency_ref(x: torch.Tensor, output_ids: list[int], presence: float, frequency: float) -> torch.Tensor:
+    """OpenAI-style penalties over the output only, in float64: logit -= frequency*count + presence*(count>0)."""
+    out = x.double().clone()
+    for tok, count in Counter(output_ids).items():
+        out[tok] -= frequency * count + presence
+    return out

@@ -7,23 +7,10 @@ import subprocess
 import sys
 
 import allspark_server.engine as engine_module
-from allspark_client import AsStatus, GenerateRequestStatus, ResultQueue
-from helpers import collect, generate, hf_greedy, random_prompt
+from allspark_client import AsStatus, GenerateRequestStatus
+from helpers import RecordingQueue, collect, generate, hf_greedy, random_prompt
 
 S = GenerateRequestStatus
-
-
-class RecordingQueue(ResultQueue):
-    """Records every status the engine sets, in order."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.history = [self.GenerateStatus()]
-
-    def _set_status_locked(self, status, now):
-        super()._set_status_locked(status, now)
-        if self.history[-1] != self._status:
-            self.history.append(self._status)
 
 
 def test_status_sequence_and_stat_info(served_llama, monkeypatch):

@@ -1,0 +1,179 @@
+"""Shared by tests/test_pool_failures.py and tests/test_pool_grpc.py (the `loader` / `new_pool` fixtures are in
+conftest.py): a 2-rank allspark-launch pool of its own per test, which kills every process it started."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+
+from allspark_client import ClientEngine, GenerateRequestStatus
+from allspark_client.types import AsStatus
+from helpers import collect
+
+MODEL = "llama"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+START_TIMEOUT_S = 120.0
+
+
+# ---- pool plumbing --------------------------------------------------------------------------------
+def repo_env() -> dict:
+    """The environment for a child process that imports this checkout (the repo root first on PYTHONPATH)."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+
+
+def cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return []
+
+
+def _is_rank(p: psutil.Process, socket_path: str | None = None) -> bool:
+    """A rank is a python process running allspark_server (mpirun's own command line names it too)."""
+    cmd = cmdline(p)
+    return (bool(cmd) and os.path.basename(cmd[0]).startswith("python") and "allspark_server" in cmd
+            and (socket_path is None or socket_path in cmd))
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+class Pool:
+    """One allspark-launch pool on a unix socket in a fresh short directory (socket paths are
+    limited to ~107 bytes, pytest's tmp_path can be longer)."""
+
+    def __init__(self, ranks: int = 2):
+        self.dir = tempfile.mkdtemp(prefix="asfail-")
+        self.socket = os.path.join(self.dir, "pool.sock")
+        self.address = "unix:" + self.socket
+        self.log_path = os.path.join(self.dir, "pool.log")
+        self.clients: list[ClientEngine] = []
+        self.known: list[psutil.Process] = []
+        env = repo_env()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "allspark_client.launcher", "--ranks", str(ranks),
+                                          "--socket", self.socket], stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True, cwd=REPO, env=env)
+        self.launcher = psutil.Process(self.proc.pid)
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-6000:]
+        except OSError:
+            return ""
+
+    def _remember_descendants(self) -> None:
+        try:
+            kids = self.launcher.children(recursive=True)
+        except psutil.NoSuchProcess:
+            kids = []
+        seen = {(p.pid, p.create_time()) for p in self.known if _alive(p)}
+        for p in kids:
+            try:
+                if (p.pid, p.create_time()) not in seen:
+                    self.known.append(p)
+            except psutil.NoSuchProcess:
+                pass
+
+    def wait_ready(self, ranks: int = 2, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while "allspark pool ready" not in self.log():
+            assert self.proc.poll() is None, f"the pool exited with {self.proc.returncode}:\n{self.log()}"
+            assert time.monotonic() < deadline, f"no ready pool after {timeout_s}s:\n{self.log()}"
+            time.sleep(0.05)
+        self._remember_descendants()
+        assert len(self.ranks()) == ranks, ([cmdline(p) for p in self.known], self.log())
+
+    def ranks(self) -> list[psutil.Process]:
+        return [p for p in self.known if _is_rank(p)]
+
+    def client(self) -> ClientEngine:
+        c = ClientEngine(self.address, start_timeout_s=60)
+        self.clients.append(c)
+        return c
+
+    def rank_processes_left(self) -> list[psutil.Process]:
+        """Every live rank of this pool, found by its socket path (also ranks orphaned by mpirun)."""
+        out = []
+        for p in psutil.process_iter():
+            if _is_rank(p, self.socket) and _alive(p):
+                out.append(p)
+        return out
+
+    def kill(self) -> None:
+        """Kill everything this pool started (idempotent; safe after the pool has exited)."""
+        for c in self.clients:
+            try:
+                c.close()
+            except Exception:
+                pass
+        self._remember_descendants()
+        procs = self.known + self.rank_processes_left()
+        if self.proc.poll() is None:     # not reaped yet: the pid (= its session's group id) is still ours
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for p in procs:
+            try:
+                p.kill()          # psutil checks the process identity: no pid-reuse accidents
+            except psutil.NoSuchProcess:
+                pass
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+        psutil.wait_procs(procs, timeout=15)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def install(client: ClientEngine, loader, max_length: int = 1024) -> None:
+    cfg = (loader.create_reference_runtime_config_builder(MODEL, "cpu", [0], max_batch=8)
+           .max_length(max_length).kv_cache_span_size(16).build())
+    assert client.install_model(cfg) == AsStatus.ALLSPARK_SUCCESS
+    assert client.start_model(MODEL) == AsStatus.ALLSPARK_SUCCESS
+
+
+def greedy_cfg(n: int) -> dict:
+    return {"top_k": 1, "max_new_tokens": n, "eos_token_id": []}
+
+
+def client_greedy(client: ClientEngine, ids, n: int) -> list[int]:
+    status, handle, queue = client.start_request(MODEL, {"input_ids": ids}, greedy_cfg(n))
+    assert status == AsStatus.ALLSPARK_SUCCESS, client.get_last_error()
+    tokens, _, final = collect(queue, timeout_s=60)
+    assert final == GenerateRequestStatus.GenerateFinished, (final, queue.ErrorMessage())
+    assert client.release_request(MODEL, handle) == AsStatus.ALLSPARK_SUCCESS
+    return tokens
+
+
+def read_at_least(queue, n: int, timeout_s: float = 60.0) -> list[int]:
+    tokens = []
+    deadline = time.monotonic() + timeout_s
+    while len(tokens) < n:
+        el = queue.GetWithTimeout(int(max(0.0, deadline - time.monotonic()) * 1000))
+        if el is None:
+            raise AssertionError(f"got {len(tokens)} tokens, status {queue.GenerateStatus().name}, "
+                                 f"error {queue.ErrorMessage()!r}")
+        tokens.extend(el.ids_from_generate)
+    return tokens
+
+
+def wait_until(cond, timeout_s: float, step_s: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(step_s)
+    return True

@@ -1,0 +1,312 @@
+"""A pool given hostile or unusual use: malformed input on a raw gRPC channel, idle CPU use, a second client
+process (and its death), and the bind rules of `python -m allspark_server`. Pools come from `new_pool`
+(one per test, every process killed at teardown)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import grpc
+import pytest
+
+from allspark_client import GenerateRequestStatus
+from allspark_client._proto import allspark_pb2 as pb
+from allspark_client.types import AsStatus
+from helpers import collect, hf_greedy, random_prompt
+from pool_helpers import MODEL, REPO, client_greedy, greedy_cfg, install, read_at_least, repo_env, wait_until
+
+
+# ---- 1. malformed input on a raw channel ----------------------------------------------------------
+SERVICE = "/allspark.v1.Allspark/"
+
+
+def raw_unary(channel, method: str, payload: bytes, timeout: float = 30.0) -> bytes:
+    call = channel.unary_unary(SERVICE + method if not method.startswith("/") else method,
+                               request_serializer=None, response_deserializer=None)
+    return call(payload, timeout=timeout)
+
+
+def raw_stream(channel, method: str, payload: bytes, timeout: float = 30.0) -> list[bytes]:
+    call = channel.unary_stream(SERVICE + method, request_serializer=None, response_deserializer=None)
+    return list(call(payload, timeout=timeout))
+
+
+def expect_rpc_error(fn, *codes) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    assert info.value.code() in codes, (info.value.code(), info.value.details())
+    return info.value
+
+
+def test_raw_grpc_malformed_input(new_pool, loader, llama):
+    pool = new_pool()
+    client = pool.client()
+    install(client, loader)
+    prompt = random_prompt(7, seed=31)
+    want = hf_greedy(llama.model, prompt, 8)
+    channel = grpc.insecure_channel(pool.address)
+    checks = []
+
+    def still_serves(what: str) -> None:
+        checks.append(what)
+        assert pool.proc.poll() is None, f"the pool died after {what}:\n{pool.log()}"
+        assert client_greedy(client, prompt, 8) == want, f"wrong tokens after {what}"
+
+    try:
+        still_serves("nothing")
+
+        # (a) garbage bytes
+        expect_rpc_error(lambda: raw_unary(channel, "GetEngineStat", b"\xff\x00garbage"), grpc.StatusCode.INTERNAL)
+        expect_rpc_error(lambda: raw_stream(channel, "Generate", b"\xff\x00garbage"), grpc.StatusCode.INTERNAL)
+        expect_rpc_error(lambda: raw_unary(channel, "InstallModel", b"\xff\x00garbage"), grpc.StatusCode.INTERNAL)
+        still_serves("garbage bytes")
+
+        # (b) a valid GenerateRequest cut in half (inside the packed input_ids)
+        whole = pb.GenerateRequest(model_name=MODEL, input_ids=list(range(3, 200)),
+                                   config=pb.GenerationConfig(top_k=1, max_new_tokens=4)).SerializeToString()
+        expect_rpc_error(lambda: raw_stream(channel, "Generate", whole[:len(whole) // 2]), grpc.StatusCode.INTERNAL)
+        still_serves("a truncated GenerateRequest")
+
+        # (c) wrong wire types: ModelRef.model_name (string, field 1) sent as a varint. protobuf keeps a
+        # field of the wrong wire type as an unknown field, so this is a ModelRef with an empty name.
+        for method in ("GetEngineStat", "GetModelInfo", "StartModel"):
+            try:
+                data = raw_unary(channel, method, b"\x08\x05")
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.INTERNAL, (method, e.code(), e.details())
+                continue
+            reply = {"GetEngineStat": pb.EngineStat, "GetModelInfo": pb.TextReply,
+                     "StartModel": pb.StatusReply}[method].FromString(data)
+            assert reply.status != 0 and reply.message, (method, reply)
+        # GenerateRequest.input_ids (repeated int64) as a fixed64 and config (message) as a varint
+        bad_generate = (pb.GenerateRequest(model_name=MODEL).SerializeToString()
+                        + b"\x11" + (5).to_bytes(8, "little") + b"\x18\x07")
+        try:
+            replies = raw_stream(channel, "Generate", bad_generate)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.INTERNAL, (e.code(), e.details())
+        else:
+            first = pb.GenerateReply.FromString(replies[0])
+            assert len(replies) == 1 and first.status == AsStatus.ALLSPARK_EMPTY_REQUEST and first.message, replies
+        still_serves("wrong wire types")
+
+        # (d) a message over the 64 MiB limit
+        def send_oversized():
+            big = pb.ModelRef(model_name="x" * ((64 << 20) + 1024)).SerializeToString()
+            raw_unary(channel, "GetEngineStat", big)
+
+        error = expect_rpc_error(send_oversized, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        assert "larger than max" in error.details(), error.details()
+        still_serves("an oversized message")
+
+        # (e) unknown methods and services
+        expect_rpc_error(lambda: raw_unary(channel, "NoSuchMethod", b""), grpc.StatusCode.UNIMPLEMENTED)
+        expect_rpc_error(lambda: raw_unary(channel, "/allspark.v0.Nope/Health", b""), grpc.StatusCode.UNIMPLEMENTED)
+        still_serves("unknown methods")
+
+        # (f) well-formed requests with bad values: a reply with a nonzero status and a reason
+        def generate_fails(request: pb.GenerateRequest, status: AsStatus | None = None) -> None:
+            replies = raw_stream(channel, "Generate", request.SerializeToString())
+            assert len(replies) == 1, (request, replies)
+            first = pb.GenerateReply.FromString(replies[0])
+            assert first.status != 0 and first.message, (request, first)
+            if status is not None:
+                assert first.status == status, (request, first)
+
+        ok_cfg = pb.GenerationConfig(top_k=1, max_new_tokens=4)
+        generate_fails(pb.GenerateRequest(model_name="", input_ids=prompt, config=ok_cfg),
+                       AsStatus.ALLSPARK_PARAM_ERROR)
+        generate_fails(pb.GenerateRequest(model_name="no-such-model", input_ids=prompt, config=ok_cfg),
+                       AsStatus.ALLSPARK_PARAM_ERROR)
+        generate_fails(pb.GenerateRequest(model_name=MODEL, input_ids=[5, -1, 6], config=ok_cfg),
+                       AsStatus.ALLSPARK_PARAM_ERROR)
+        generate_fails(pb.GenerateRequest(model_name=MODEL, input_ids=[5, 1 << 40], config=ok_cfg),
+                       AsStatus.ALLSPARK_PARAM_ERROR)
+        generate_fails(pb.GenerateRequest(model_name=MODEL, input_ids=[], config=ok_cfg),
+                       AsStatus.ALLSPARK_EMPTY_REQUEST)
+        for bad in (dict(top_logprobs=1 << 40, logprobs=True), dict(top_logprobs=-1), dict(top_k=-5),
+                    dict(temperature=float("nan")), dict(temperature=-1.0), dict(top_p=0.0),
+                    dict(max_new_tokens=0), dict(max_new_tokens=-3), dict(max_length=1 << 62),
+                    dict(min_length=-1), dict(repetition_penalty=float("inf"))):
+            generate_fails(pb.GenerateRequest(model_name=MODEL, input_ids=prompt,
+                                              config=pb.GenerationConfig(**bad)))
+        generate_fails(pb.GenerateRequest(model_name=MODEL, input_ids=prompt,
+                                          config=pb.GenerationConfig(has_eos_token_id=True, eos_token_id=[-2])))
+        generate_fails(pb.GenerateRequest(model_name=MODEL, input_ids=prompt,
+                                          config=pb.GenerationConfig(stop_words_ids=[pb.TokenIds(ids=[])])))
+        generate_fails(pb.GenerateRequest(model_name=MODEL, input_ids=[5] * 5000, config=ok_cfg))
+        # other RPCs with bad values reply with a status, too
+        for method, request, reply_type in (
+                ("StopRequest", pb.RequestRef(model_name=MODEL, request_id=987654), pb.StatusReply),
+                ("ReleaseRequest", pb.RequestRef(model_name="nope", request_id=1), pb.StatusReply),
+                ("SyncRequest", pb.SyncRequestMsg(model_name=MODEL, request_id=(1 << 64) - 1), pb.StatusReply),
+                ("StopModel", pb.ModelRef(model_name="nope"), pb.StatusReply),
+                ("GetModelInfo", pb.ModelRef(model_name="nope"), pb.TextReply),
+                ("InstallModel", pb.RuntimeConfig(model_name="broken", model_path="/nonexistent/x.asgraph",
+                                                  weights_path="/nonexistent/x.asparam", compute_unit="CPU:0",
+                                                  engine_max_length=64, engine_max_batch=1), pb.StatusReply)):
+            reply = reply_type.FromString(raw_unary(channel, method, request.SerializeToString()))
+            assert reply.status != 0 and reply.message, (method, reply)
+        still_serves("bad values")
+    finally:
+        channel.close()
+    assert len(checks) == 7
+
+
+# ---- 2. an idle pool does not burn its cores ------------------------------------------------------
+def test_idle_pool_uses_little_cpu(new_pool, loader):
+    pool = new_pool()
+    client = pool.client()
+    install(client, loader)
+    assert len(client_greedy(client, random_prompt(8, seed=41), 16)) == 16
+    ranks = pool.ranks()
+    assert len(ranks) == 2
+    time.sleep(0.5)          # past the workers' short spin after the last message
+
+    def cpu() -> list[float]:
+        return [sum(p.cpu_times()[:2]) for p in ranks]
+
+    before, t0 = cpu(), time.monotonic()
+    time.sleep(3.0)
+    after, elapsed = cpu(), time.monotonic() - t0
+    used = [a - b for a, b in zip(after, before)]
+    print(f"idle pool: {elapsed:.2f}s wall, rank cpu (user+system) {[f'{u:.3f}s' for u in used]}, "
+          f"total {sum(used):.3f}s = {100 * sum(used) / elapsed / 2:.1f}% of 2 cores")
+    assert sum(used) < 0.3, used
+    # and it still serves afterwards
+    assert len(client_greedy(client, random_prompt(8, seed=42), 4)) == 4
+
+
+# ---- 3. two client processes on one pool ----------------------------------------------------------
+CLIENT_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from allspark_client import ClientEngine, GenerateRequestStatus
+    address, prompts, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    client = ClientEngine(address, start_timeout_s=60)
+    started = []
+    for ids in prompts:
+        status, handle, queue = client.start_request("llama", {"input_ids": ids},
+                                                     {"top_k": 1, "max_new_tokens": n, "eos_token_id": []})
+        assert status == 0, client.get_last_error()
+        started.append((handle, queue))
+    out = []
+    for handle, queue in started:
+        tokens = []
+        while (el := queue.Get()) is not None:
+            tokens.extend(el.ids_from_generate)
+        assert queue.GenerateStatus() == GenerateRequestStatus.GenerateFinished, queue.ErrorMessage()
+        client.release_request("llama", handle)
+        out.append(tokens)
+    client.close()
+    print("RESULT " + json.dumps(out), flush=True)
+""")
+
+
+DYING_CLIENT_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from allspark_client import ClientEngine
+    client = ClientEngine(sys.argv[1], start_timeout_s=60)
+    status, handle, queue = client.start_request("llama", {"input_ids": [5, 6, 7]},
+                                                 {"top_k": 1, "max_new_tokens": 1000, "eos_token_id": []})
+    assert status == 0, client.get_last_error()
+    queue.Get()
+    print("STREAMING", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_second_client_process_alongside(new_pool, loader, llama):
+    pool = new_pool()
+    client = pool.client()
+    install(client, loader)
+    mine = random_prompt(9, seed=51)
+    theirs = [random_prompt(6, seed=52), random_prompt(11, seed=53)]
+    n_theirs = 24
+
+    # a long request of ours runs the whole time the other process works
+    status, handle, queue = client.start_request(MODEL, {"input_ids": mine}, greedy_cfg(1000))
+    assert status == AsStatus.ALLSPARK_SUCCESS, client.get_last_error()
+    tokens = read_at_least(queue, 2)
+    env = repo_env()
+    other = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, pool.address, json.dumps(theirs), str(n_theirs)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    try:
+        # and a short one of ours while the other process streams
+        short = client_greedy(client, theirs[0], n_theirs)
+        out, _ = other.communicate(timeout=120)
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait()
+    overlapped = not queue.GenerateStatus().is_terminal
+    assert client.stop_request(MODEL, handle) == AsStatus.ALLSPARK_SUCCESS
+    rest, _, final = collect(queue, timeout_s=30)
+    tokens += rest
+    assert client.release_request(MODEL, handle) == AsStatus.ALLSPARK_SUCCESS
+
+    assert other.returncode == 0, out
+    result = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert result, out
+    got = json.loads(result[-1][len("RESULT "):])
+    assert got == [hf_greedy(llama.model, ids, n_theirs) for ids in theirs]
+    assert short == got[0]
+    assert overlapped, "our long request ended before the other client finished: no concurrency was tested"
+    assert final == GenerateRequestStatus.GenerateFinished
+    print(f"our long request had {len(tokens)} tokens when the other client finished")
+    assert tokens == hf_greedy(llama.model, mine, len(tokens))
+
+    # a client process that dies mid-stream has its request released; the pool serves on
+    dying = subprocess.Popen([sys.executable, "-c", DYING_CLIENT_SCRIPT, pool.address], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    try:
+        line = dying.stdout.readline()
+        assert line.startswith("STREAMING"), line + dying.stdout.read() if dying.poll() is not None else line
+        assert client.get_as_engine_stat(MODEL).running_request == 1
+        dying.kill()
+    finally:
+        if dying.poll() is None:
+            dying.kill()
+        dying.wait()
+
+    def idle() -> bool:
+        stat = client.get_as_engine_stat(MODEL)
+        return stat.running_request == 0 and stat.pendding_request == 0
+    assert wait_until(idle, 10.0, 0.05), client.get_as_engine_stat(MODEL)
+    assert client_greedy(client, mine, 8) == tokens[:8]
+
+
+# ---- 4. bind rules ----------------------------------------------------------------------------------
+def test_bind_rules(tmp_path, monkeypatch):
+    from allspark_server.__main__ import default_socket_path, grpc_address, parse_args
+
+    with pytest.raises(SystemExit) as info:
+        grpc_address(parse_args(["--port", "5", "--host", "0.0.0.0"]))
+    assert "--allow-remote" in str(info.value.code)
+    for host in ("10.1.2.3", "::", "example.com"):
+        with pytest.raises(SystemExit):
+            grpc_address(parse_args(["--port", "5", "--host", host]))
+    assert grpc_address(parse_args(["--port", "5", "--host", "0.0.0.0", "--allow-remote"])) == "0.0.0.0:5"
+    assert grpc_address(parse_args(["--port", "5"])) == "127.0.0.1:5"      # TCP binds loopback by default
+    assert grpc_address(parse_args(["--port", "5", "--host", "localhost"])) == "localhost:5"
+    with pytest.raises(SystemExit):                                        # one of the two, not both
+        parse_args(["--port", "5", "--socket", str(tmp_path / "s.sock")])
+
+    # the default is a unix socket (here under a private XDG_RUNTIME_DIR: nobody else's socket is touched)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert default_socket_path() == str(tmp_path / "allspark" / "pool.sock")
+    assert grpc_address(parse_args([])) == "unix:" + str(tmp_path / "allspark" / "pool.sock")
+    sock = tmp_path / "explicit.sock"
+    assert grpc_address(parse_args(["--socket", str(sock)])) == f"unix:{sock}"
+
+    # the real entry point refuses too: exits non-zero and says why
+    env = repo_env()
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, "-m", "allspark_server", "--port", "5", "--host", "0.0.0.0"],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert proc.returncode != 0
+    assert "--allow-remote" in proc.stdout + proc.stderr
+    assert "allspark pool ready" not in proc.stdout
