@@ -1,5 +1,24 @@
 """allspark: an LLM inference runtime for multi-socket CPU servers and GPUs (DashInfer-compatible API)."""
+import os
+
 from setuptools import find_packages, setup
+
+
+def native_extensions():
+    """The CPU kernels in native/, built against the installed torch (pip install --no-build-isolation).
+    Without torch, or with ALLSPARK_NO_NATIVE=1, nothing is built and the pure-PyTorch path is used."""
+    if os.environ.get("ALLSPARK_NO_NATIVE") == "1":
+        return [], {}
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:
+        return [], {}
+    ext = CppExtension("allspark_server._native", ["native/gemv.cpp"],
+                       extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"])
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=False)}
+
+
+EXT_MODULES, CMDCLASS = native_extensions()
 
 setup(
     name="allspark",
@@ -16,6 +35,8 @@ setup(
         "dev": ["grpcio-tools>=1.85", "pytest"],
     },
     package_data={"allspark_client": ["_proto/*.pyi"]},
+    ext_modules=EXT_MODULES,
+    cmdclass=CMDCLASS,
     entry_points={"console_scripts": [
         "allspark-launch = allspark_client.launcher:main",
         "allspark-health = allspark_client.health:main",

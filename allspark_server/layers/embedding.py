@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from allspark_server import ops
+
 
 class Embedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
@@ -26,5 +28,5 @@ class ParallelLMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size_local, hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, h: torch.Tensor) -> Optional[torch.Tensor]:   # [N, H] -> [N, V] fp32 on rank 0
-        local = F.linear(h, self.weight).float()                      # [N, V_local]
+        local = ops.linear(h, self.weight).float()                    # [N, V_local]
         return self.comm.gather_rows(local)

@@ -5,8 +5,9 @@ already sliced by the loader. At world size 1 these are plain linears.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from allspark_server import ops
 
 
 class ColumnParallelLinear(nn.Module):
@@ -18,7 +19,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features_local, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, in] -> [T, out_local]
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -31,7 +32,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, in_local] -> [T, out]
-        y = F.linear(x, self.weight)
+        y = ops.linear(x, self.weight)
         self.comm.allreduce_(y)
         if self.bias is not None:
             y = y + self.bias

@@ -1,0 +1,223 @@
+// Small-M linear for decode: y[M, N] = x[M, K] . W[N, K]^T, weights fp32 or bf16, fp32 accumulation.
+//
+// Layout: W is row-major [N, K] (HF's [out, in]); x is [M, K] contiguous (converted to fp32 once).
+// Decode is memory-bound: every weight byte is read once per step, so the kernel streams W rows
+// (2 at a time, sharing the loads of x) across torch's intra-op threads, each thread owning a
+// contiguous block of rows. M is processed in chunks of up to 4 rows of x (16 accumulators).
+// ISA is chosen at run time by the caller (ops.py, from py-cpuinfo): 2 = AVX-512, 1 = AVX2+FMA,
+// 0 = portable C++. Tested against torch's matmul in tests/test_native.py (odd K/N, M = 1..64).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t NR = 2;     // weight rows per micro-kernel (2 measured best: 24-32 GB/s on 2 Zen 4 cores)
+constexpr int64_t MR = 4;     // x rows per micro-kernel
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <typename W>
+inline float load_scalar(const W* p) {
+  if constexpr (std::is_same_v<W, float>) return *p; else return bf16_to_float(*p);
+}
+
+// ---- portable ---------------------------------------------------------------------------------
+template <typename W>
+void rows_scalar(const float* x, int64_t m_rows, int64_t K, const W* w, int64_t n0, int64_t n1, float* y,
+                 int64_t N) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const W* wr = w + n * K;
+    for (int64_t m = 0; m < m_rows; ++m) {
+      const float* xr = x + m * K;
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += xr[k] * load_scalar(wr + k);
+      y[m * N + n] = acc;
+    }
+  }
+}
+
+// ---- AVX-512 ----------------------------------------------------------------------------------
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+inline __m512 load16_512(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+inline __m512 load16_512(const uint16_t* p, __mmask16 mask) {
+  __m256i h = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <typename W, int MB, int NB>
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void block_avx512(const float* x, int64_t K, const W* w, int64_t n, float* y, int64_t N, int64_t n_end) {
+  __m512 acc[MB][NB];
+#pragma GCC unroll 16
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  const W* wr[NB];
+#pragma GCC unroll 4
+  for (int j = 0; j < NB; ++j) wr[j] = w + (n + j) * K;
+  const bool prefetch_next = n + NB + NB <= n_end;   // the next block is ours too
+  const int64_t K16 = K & ~int64_t(15);
+  int64_t k = 0;
+  for (; k < K16; k += 16) {
+    if (prefetch_next && (k & 31) == 0) {
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + NB * K + k), _MM_HINT_T0);
+    }
+    __m512 wv[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) wv[j] = load16_512(wr[j] + k, (__mmask16)0xFFFF);
+#pragma GCC unroll 16
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xv = _mm512_loadu_ps(x + i * K + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);
+    __m512 wv[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) wv[j] = load16_512(wr[j] + k, mask);
+#pragma GCC unroll 16
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * K + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) y[i * N + n + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+template <typename W, int MB>
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void rows_mb_avx512(const float* x, int64_t K, const W* w, int64_t n0, int64_t n1, float* y, int64_t N) {
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) block_avx512<W, MB, NR>(x, K, w, n, y, N, n1);
+  for (; n < n1; ++n) block_avx512<W, MB, 1>(x, K, w, n, y, N, n1);
+}
+
+template <typename W>
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void rows_avx512(const float* x, int64_t m_rows, int64_t K, const W* w, int64_t n0, int64_t n1, float* y,
+                 int64_t N) {
+  for (int64_t m = 0; m < m_rows; m += MR) {
+    const float* xm = x + m * K;
+    float* ym = y + m * N;
+    switch (std::min(MR, m_rows - m)) {
+      case 1: rows_mb_avx512<W, 1>(xm, K, w, n0, n1, ym, N); break;
+      case 2: rows_mb_avx512<W, 2>(xm, K, w, n0, n1, ym, N); break;
+      case 3: rows_mb_avx512<W, 3>(xm, K, w, n0, n1, ym, N); break;
+      default: rows_mb_avx512<W, 4>(xm, K, w, n0, n1, ym, N); break;
+    }
+  }
+}
+
+// ---- AVX2 -------------------------------------------------------------------------------------
+__attribute__((target("avx2,fma")))
+inline __m256 load8_256(const float* p) { return _mm256_loadu_ps(p); }
+
+__attribute__((target("avx2,fma")))
+inline __m256 load8_256(const uint16_t* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+__attribute__((target("avx2,fma")))
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+template <typename W, int MB>
+__attribute__((target("avx2,fma")))
+void block_avx2(const float* x, int64_t K, const W* w, int64_t n, int64_t nb, float* y, int64_t N) {
+  __m256 acc[MB][NR];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  const int64_t K8 = K & ~int64_t(7);
+  for (int64_t k = 0; k < K8; k += 8) {
+    __m256 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = j < nb ? load8_256(w + (n + j) * K + k) : _mm256_setzero_ps();
+    for (int i = 0; i < MB; ++i) {
+      __m256 xv = _mm256_loadu_ps(x + i * K + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < nb; ++j) {
+      float s = hsum256(acc[i][j]);
+      for (int64_t k = K8; k < K; ++k) s += x[i * K + k] * load_scalar(w + (n + j) * K + k);
+      y[i * N + n + j] = s;
+    }
+}
+
+template <typename W>
+__attribute__((target("avx2,fma")))
+void rows_avx2(const float* x, int64_t m_rows, int64_t K, const W* w, int64_t n0, int64_t n1, float* y,
+               int64_t N) {
+  for (int64_t n = n0; n < n1; n += NR) {
+    const int64_t nb = std::min(NR, n1 - n);
+    for (int64_t m = 0; m < m_rows; m += MR) {
+      const float* xm = x + m * K;
+      float* ym = y + m * N;
+      switch (std::min(MR, m_rows - m)) {
+        case 1: block_avx2<W, 1>(xm, K, w, n, nb, ym, N); break;
+        case 2: block_avx2<W, 2>(xm, K, w, n, nb, ym, N); break;
+        case 3: block_avx2<W, 3>(xm, K, w, n, nb, ym, N); break;
+        default: block_avx2<W, 4>(xm, K, w, n, nb, ym, N); break;
+      }
+    }
+  }
+}
+
+template <typename W>
+void run(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t isa) {
+  // grain: blocks of NR rows, at least ~64 KiB of weights per task
+  const int64_t row_bytes = K * static_cast<int64_t>(sizeof(W));
+  const int64_t grain = std::max<int64_t>(NR, ((65536 / std::max<int64_t>(row_bytes, 1)) / NR + 1) * NR);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    if (isa >= 2) rows_avx512<W>(x, M, K, w, n0, n1, y, N);
+    else if (isa == 1) rows_avx2<W>(x, M, K, w, n0, n1, y, N);
+    else rows_scalar<W>(x, M, K, w, n0, n1, y, N);
+  });
+}
+
+}  // namespace
+
+// x [M, K] (fp32 or bf16), w [N, K] (fp32 or bf16) -> fp32 [M, N]
+torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor w, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_small_m: shapes ", x.sizes(), " ",
+              w.sizes());
+  TORCH_CHECK(w.is_contiguous(), "linear_small_m: weight must be contiguous");
+  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, "linear_small_m: weight dtype");
+  auto xf = x.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0), K = xf.size(1), N = w.size(0);
+  auto y = torch::empty({M, N}, xf.options());
+  if (M == 0 || N == 0) return y;
+  if (w.scalar_type() == at::kFloat)
+    run<float>(xf.data_ptr<float>(), M, K, w.data_ptr<float>(), N, y.data_ptr<float>(), isa);
+  else
+    run<uint16_t>(xf.data_ptr<float>(), M, K, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), N,
+                  y.data_ptr<float>(), isa);
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_small_m", &linear_small_m, "y = x @ w.T for few rows of x (fp32 accumulation)",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("isa"));
+}
