@@ -37,3 +37,19 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one weight (q/k/v, gate/up).
+
+    `parts` names the checkpoint tensors it is made of, in order, with their local output sizes;
+    the loader concatenates them (loader/weights.py) and forward returns one [T, sum] tensor.
+    """
+
+    def __init__(self, in_features: int, parts: list[tuple[str, int]], bias: bool, dtype: torch.dtype):
+        super().__init__(in_features, sum(size for _, size in parts), bias, dtype)
+        self.parts = parts
+
+    @property
+    def part_sizes(self) -> list[int]:
+        return [size for _, size in self.parts]

@@ -17,6 +17,7 @@ from allspark_client.generation_config import ASGenerationConfigBuilder
 from allspark_server.loader.hf_reader import iter_hf_tensors, read_generation_config, read_hf_config
 from allspark_server.loader.model_file import DTYPES, write_model_files
 from allspark_server.loader.sharding import TPLayout, split_mode_for
+from allspark_server.loader.weights import checkpoint_shapes
 from allspark_server.models.args import ModelArgs
 from allspark_server.models.registry import model_class_and_rules, read_args
 
@@ -98,7 +99,7 @@ class HuggingFaceModel:
     def _expected_names(self, model_cls) -> set[str]:
         with torch.device("meta"):
             m = model_cls(self.args, self._single_rank(), _NoComm(), self.data_type, max_positions=1)
-        self._meta_shapes = {k: tuple(v.shape) for k, v in m.state_dict().items()}
+        self._meta_shapes = checkpoint_shapes(m)
         return set(self._meta_shapes)
 
     def _single_rank(self) -> TPLayout:

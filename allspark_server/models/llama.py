@@ -1,6 +1,7 @@
 """Llama-family decoder (Llama 2/3, and Qwen2 with q/k/v bias) as plain PyTorch over the span KV cache.
 
-Module names mirror HF's so a rank's weight shard loads with `load_state_dict`. Tensor parallelism
+Module names mirror HF's; q/k/v and gate/up are merged projections whose parts keep HF's names
+(loader/weights.py concatenates a rank's slices at load time). Tensor parallelism
 lives in the layers (column/row-parallel linears, vocab-split LM head); the math here is the
 single-device math on local head counts. `SPLIT_RULES` tells the loader how each tensor is sharded.
 """
@@ -12,7 +13,7 @@ from torch import nn
 
 from allspark_server.layers.attention import PagedAttention
 from allspark_server.layers.embedding import Embedding, ParallelLMHead
-from allspark_server.layers.linear import ColumnParallelLinear, RowParallelLinear
+from allspark_server.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from allspark_server.layers.norm import RMSNorm
 from allspark_server.layers.rotary import RotaryEmbedding
 from allspark_server.loader.sharding import SplitMode, TPLayout
@@ -35,17 +36,18 @@ class Attention(nn.Module):
         super().__init__()
         d = args.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = tp.local_heads, tp.local_kv_heads, d
-        self.q_proj = ColumnParallelLinear(args.hidden_size, self.num_heads * d, args.attention_bias, dtype)
-        self.k_proj = ColumnParallelLinear(args.hidden_size, self.num_kv_heads * d, args.attention_bias, dtype)
-        self.v_proj = ColumnParallelLinear(args.hidden_size, self.num_kv_heads * d, args.attention_bias, dtype)
+        self.qkv_proj = MergedColumnParallelLinear(
+            args.hidden_size, [("q_proj", self.num_heads * d), ("k_proj", self.num_kv_heads * d),
+                               ("v_proj", self.num_kv_heads * d)], args.attention_bias, dtype)
         self.o_proj = RowParallelLinear(self.num_heads * d, args.hidden_size, args.o_proj_bias, dtype, comm)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d)
 
     def forward(self, x, inputs: ForwardInputs, rotary: RotaryEmbedding, k_cache, v_cache):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)          # [T, h, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)       # [T, kvh, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.part_sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)                       # [T, h, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)                    # [T, kvh, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = rotary(inputs.positions, q, k)
         o = self.attn(q, k, v, k_cache, v_cache, inputs.attn)              # [T, h*D]
         return self.o_proj(o)                                              # [T, H]
@@ -55,12 +57,13 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs, tp: TPLayout, comm, dtype: torch.dtype):
         super().__init__()
         inter = tp.local_intermediate
-        self.gate_proj = ColumnParallelLinear(args.hidden_size, inter, args.mlp_bias, dtype)
-        self.up_proj = ColumnParallelLinear(args.hidden_size, inter, args.mlp_bias, dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(args.hidden_size, [("gate_proj", inter), ("up_proj", inter)],
+                                                       args.mlp_bias, dtype)
         self.down_proj = RowParallelLinear(inter, args.hidden_size, args.mlp_bias, dtype, comm)
 
     def forward(self, x):   # [T, H] -> [T, H]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)                   # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

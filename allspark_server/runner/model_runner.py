@@ -16,6 +16,7 @@ from allspark_client.config import AsModelConfig
 from allspark_server.core.messages import StepPlan
 from allspark_server.loader.model_file import ModelFile, read_model_graph, read_rank_shard
 from allspark_server.loader.sharding import TPLayout
+from allspark_server.loader.weights import to_model_state
 from allspark_server.models.registry import model_class_and_rules
 from allspark_server.runner.forward_inputs import RequestMirror, build_forward_inputs
 from allspark_server.runner.kv_cache import KVCache, bytes_per_span
@@ -39,7 +40,7 @@ class ModelRunner:
         self.dtype = self.model_file.dtype
         self.model = model_cls(args, self.tp, comm, self.dtype, max_positions=cfg.engine_max_length)
         shard = read_rank_shard(self.model_file, self.tp)
-        self.model.load_state_dict(shard, strict=True, assign=True)
+        self.model.load_state_dict(to_model_state(self.model, shard), strict=True, assign=True)
         self.model.eval()
         self.span_size = cfg.cache_span_size
         self.num_spans = 0
