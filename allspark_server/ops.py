@@ -63,3 +63,27 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     if bias is not None:
         y += bias
     return y.to(x.dtype)
+
+
+def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,
+                               ctx: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence: q [B, H, D], caches [S, P, KVH, D], spans [B, MAXS], ctx [B] -> [B, H, D]."""
+    _, span_size, kvh, d = k_cache.shape
+    out = torch.empty_like(q)
+    offsets = torch.arange(span_size)
+    for b in range(q.shape[0]):
+        n = int(ctx[b])
+        slots = (spans[b, :-(-n // span_size)][:, None] * span_size + offsets).reshape(-1)[:n]
+        k = k_cache.view(-1, kvh, d)[slots].transpose(0, 1)[None]          # [1, KVH, n, D]
+        v = v_cache.view(-1, kvh, d)[slots].transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(q[b][None, :, None], k, v, scale=scale, enable_gqa=kvh != q.shape[1])
+        out[b] = o[0, :, 0]
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,
+                     ctx: torch.Tensor, scale: float) -> torch.Tensor:
+    ext = native()
+    if ext is None or q.dtype not in (torch.float32, torch.bfloat16):
+        return decode_attention_reference(q, k_cache, v_cache, spans, ctx, scale)
+    return ext.decode_attention(q, k_cache, v_cache, spans, ctx, scale, isa_level())

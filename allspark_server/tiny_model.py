@@ -49,14 +49,19 @@ def build_tokenizer(out_dir: str):
 
 def build_tiny_model(out_dir: str, variant: str = "llama_gqa_llama3", seed: int = 0, hidden_size: int = 64,
                      num_layers: int = 2, intermediate_size: int = 128, max_position_embeddings: int = 2048,
-                     weight_scale: Optional[float] = None, dtype: str = "float32", tokenizer: bool = True):
+                     weight_scale: Optional[float] = None, dtype: str = "float32", tokenizer: bool = True,
+                     vocab_size: int = VOCAB_SIZE, num_heads: Optional[int] = None, num_kv_heads: Optional[int] = None):
     """Create (or overwrite) a tiny HF model folder; returns the transformers model (eval mode)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     spec = dict(VARIANTS[variant])
     arch = spec.pop("arch")
-    common = dict(vocab_size=VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=intermediate_size,
+    if num_heads is not None:
+        spec["num_attention_heads"] = num_heads
+    if num_kv_heads is not None:
+        spec["num_key_value_heads"] = num_kv_heads
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
                   num_hidden_layers=num_layers, max_position_embeddings=max_position_embeddings,
                   bos_token_id=0, eos_token_id=1, pad_token_id=2, **spec)
     cfg_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)

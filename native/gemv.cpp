@@ -216,8 +216,3 @@ torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor w, int64_t isa) {
                   y.data_ptr<float>(), isa);
   return y;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_small_m", &linear_small_m, "y = x @ w.T for few rows of x (fp32 accumulation)",
-        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("isa"));
-}

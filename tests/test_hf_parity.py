@@ -84,10 +84,19 @@ def test_bf16_top1_and_logprobs_match_transformers(tmp_path, variant):
     assert runner.dtype == torch.bfloat16
     ours = teacher_forced_logits(runner, tokens, PROMPT_LEN)
     ref = hf_logits(model_bf16, tokens)
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
-    diff = (ours.log_softmax(-1) - ref.log_softmax(-1)).abs().max().item()
     tol = bf16_logprob_tolerance(ref)
-    print(f"bf16 {variant}: max |logprob diff| = {diff:.5f}, tolerance {tol:.5f}")
+    # top-1: wherever the reference's best token leads by more than the bf16 tolerance, ours is the
+    # same token; everywhere, ours is a token the reference ranks first within that tolerance (bf16
+    # logits tie exactly at times — gap 0.0 — and argmax then picks the lower id on each side)
+    top2 = ref.topk(2, dim=-1).values
+    decisive = (top2[:, 0] - top2[:, 1]) > tol
+    assert torch.equal(ours.argmax(-1)[decisive], ref.argmax(-1)[decisive])
+    ours_top_in_ref = ref.gather(1, ours.argmax(-1, keepdim=True))[:, 0]
+    assert (ref.max(-1).values - ours_top_in_ref).max().item() <= tol
+    assert decisive.float().mean().item() >= 0.75           # the exact check covers most positions
+    diff = (ours.log_softmax(-1) - ref.log_softmax(-1)).abs().max().item()
+    print(f"bf16 {variant}: max |logprob diff| = {diff:.5f}, tolerance {tol:.5f}, "
+          f"decisive positions {decisive.float().mean().item():.2f}")
     assert diff <= tol, (diff, tol)
 
 

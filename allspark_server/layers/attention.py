@@ -1,8 +1,9 @@
-"""Attention over the span KV cache: write this step's K/V into their slots, then attend per sequence.
+"""Attention over the span KV cache: write this step's K/V into their slots, then attend.
 
-Each sequence gathers its context from its spans and runs scaled-dot-product attention with a
-causal mask offset by the tokens already cached (chunked prefill) or no mask (one-token decode).
-Sequences are computed one by one so a request's numbers do not depend on its batch neighbours.
+One-token (decode) sequences go through one `ops.decode_attention` call that reads keys and
+values straight from the spans. Multi-token chunks (prefill) gather their context and run
+scaled-dot-product attention, causal and offset by the tokens already cached. Every sequence is
+computed on its own, so a request's numbers do not depend on its batch neighbours.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from allspark_server import ops
 from allspark_server.runner.forward_inputs import AttentionMetadata
 
 
@@ -27,6 +29,9 @@ class PagedAttention(nn.Module):
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
+        if meta.decode_rows.numel():
+            out[meta.decode_rows] = ops.decode_attention(q[meta.decode_rows], k_cache, v_cache, meta.decode_spans,
+                                                         meta.decode_ctx, self.scale)       # [B, h, D]
         gqa = self.num_heads != self.num_kv_heads
         for seq in meta.seqs:
             qs = q[seq.q_start:seq.q_start + seq.q_len].transpose(0, 1)[None]   # [1, h, q, D]

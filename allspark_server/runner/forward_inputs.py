@@ -24,7 +24,10 @@ class SeqAttention:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor       # [T] long: where this step's K/V go
-    seqs: list[SeqAttention]
+    seqs: list[SeqAttention]         # multi-token chunks (prefill), attended one by one
+    decode_rows: torch.Tensor        # [B] long: batch rows of the one-token (decode) sequences
+    decode_spans: torch.Tensor       # [B, max spans] long: their span tables (padded with 0)
+    decode_ctx: torch.Tensor         # [B] long: their context lengths (new token included)
 
 
 @dataclass
@@ -45,7 +48,8 @@ class RequestMirror:
 
 
 def build_forward_inputs(chunks, mirrors: dict[int, RequestMirror], span_size: int) -> ForwardInputs:
-    ids, positions, slots, seqs, sample_rows, sample_rids = [], [], [], [], [], []
+    ids, positions, slot_list, seqs, sample_rows, sample_rids = [], [], [], [], [], []
+    dec_rows, dec_spans, dec_ctx = [], [], []
     offsets = torch.arange(span_size)
     for chunk in chunks:
         m = mirrors[chunk.request_id]
@@ -53,21 +57,32 @@ def build_forward_inputs(chunks, mirrors: dict[int, RequestMirror], span_size: i
         end = start + n
         ids.extend(m.token_ids[start:end])
         positions.extend(range(start, end))
-        spans = torch.tensor(m.span_ids, dtype=torch.long)
-        all_slots = (spans[:, None] * span_size + offsets[None, :]).reshape(-1)[:end]   # [ctx]
-        slots.append(all_slots[start:end])
-        mask = None
-        if n > 1 and start > 0:
-            q_pos = torch.arange(start, end)[:, None]
-            mask = torch.arange(end)[None, :] <= q_pos                                      # [q, ctx]
-        seqs.append(SeqAttention(len(ids) - n, n, all_slots, mask, is_causal=n > 1 and start == 0))
+        if n == 1:   # decode: attended by one batched call over span tables
+            slot_list.append(m.span_ids[start // span_size] * span_size + start % span_size)
+            dec_rows.append(len(ids) - 1)
+            dec_spans.append(m.span_ids)
+            dec_ctx.append(end)
+        else:
+            spans = torch.tensor(m.span_ids, dtype=torch.long)
+            all_slots = (spans[:, None] * span_size + offsets[None, :]).reshape(-1)[:end]   # [ctx]
+            slot_list.extend(all_slots[start:end].tolist())
+            mask = None
+            if start > 0:
+                q_pos = torch.arange(start, end)[:, None]
+                mask = torch.arange(end)[None, :] <= q_pos                                  # [q, ctx]
+            seqs.append(SeqAttention(len(ids) - n, n, all_slots, mask, is_causal=start == 0))
         if chunk.needs_sample:
             sample_rows.append(len(ids) - 1)
             sample_rids.append(chunk.request_id)
+    width = max((len(sp) for sp in dec_spans), default=0)
     return ForwardInputs(
         input_ids=torch.tensor(ids, dtype=torch.long),
         positions=torch.tensor(positions, dtype=torch.long),
-        attn=AttentionMetadata(torch.cat(slots) if slots else torch.empty(0, dtype=torch.long), seqs),
+        attn=AttentionMetadata(torch.tensor(slot_list, dtype=torch.long), seqs,
+                               decode_rows=torch.tensor(dec_rows, dtype=torch.long),
+                               decode_spans=torch.tensor([sp + [0] * (width - len(sp)) for sp in dec_spans],
+                                                         dtype=torch.long).reshape(len(dec_spans), width),
+                               decode_ctx=torch.tensor(dec_ctx, dtype=torch.long)),
         sample_rows=torch.tensor(sample_rows, dtype=torch.long),
         sample_request_ids=sample_rids,
     )

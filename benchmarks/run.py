@@ -1,0 +1,181 @@
+"""allspark's benchmark: one command, one run, everything side by side on the same machine and threads.
+
+    python benchmarks/run.py [--quick] [--dtypes bfloat16 float32] [--json benchmarks/results.json]
+
+Measures the machine (STREAM-like copy/triad bandwidth, fp32/bf16 matmul rate), then for each
+weight dtype, on a Llama-architecture model with random weights (about 0.5 B parameters; --quick:
+a small one): batch-1 decode tokens/s and its ratio to the roofline (copy bandwidth / bytes read
+per token), TTFT for 128/512/2048-token prompts, throughput with 8 and 32 concurrent requests
+(128 in / 128 out, EOS ignored), and Poisson arrivals (TTFT / TPOT median and p99) — for our
+Engine, for transformers' generate (static batches for the concurrent case) and for a 2-rank pool
+through ClientEngine on the same cores. Prints a table and writes JSON. Compare ratios from one
+run: absolute numbers on shared machines are noisy.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import machine  # noqa: E402
+import workloads as W  # noqa: E402
+
+FULL = dict(hidden_size=1536, num_layers=16, intermediate_size=4096, num_heads=12, num_kv_heads=4, vocab=32000,
+            new_tokens=128, prompts=(128, 512, 2048), repeats=3, concurrency=(8, 32), poisson_n=32)
+QUICK = dict(hidden_size=512, num_layers=4, intermediate_size=1408, num_heads=8, num_kv_heads=4, vocab=8000,
+             new_tokens=32, prompts=(128, 512), repeats=2, concurrency=(8,), poisson_n=8)
+
+
+def build_model(spec: dict, dtype: str) -> str:
+    from allspark_server.tiny_model import build_tiny_model
+    key = "-".join(str(spec[k]) for k in ("hidden_size", "num_layers", "intermediate_size", "vocab"))
+    d = os.path.join(os.path.expanduser("~"), ".cache", "allspark", "bench", f"{key}-{dtype}")
+    if not os.path.exists(os.path.join(d, "config.json")):
+        build_tiny_model(d, "llama_gqa_llama3", seed=0, hidden_size=spec["hidden_size"],
+                         num_layers=spec["num_layers"], intermediate_size=spec["intermediate_size"],
+                         num_heads=spec["num_heads"], num_kv_heads=spec["num_kv_heads"], vocab_size=spec["vocab"],
+                         max_position_embeddings=4096, weight_scale=0.02, dtype=dtype, tokenizer=False)
+    return d
+
+
+def bytes_per_token(hf_model, spec: dict, ctx: int) -> int:
+    """Weights read for one decode token (the embedding table contributes one row) + the KV cache."""
+    total = 0
+    for name, p in hf_model.named_parameters():
+        total += p.element_size() * (p.shape[-1] if "embed_tokens" in name else p.numel())
+    if hf_model.config.tie_word_embeddings:
+        total += hf_model.model.embed_tokens.weight.numel() * hf_model.model.embed_tokens.weight.element_size()
+    head_dim = spec["hidden_size"] // spec["num_heads"]
+    kv = 2 * spec["num_layers"] * ctx * spec["num_kv_heads"] * head_dim * hf_model.dtype.itemsize
+    return total + kv
+
+
+def measure_engine(engine, name: str, spec: dict) -> dict:
+    vocab, n = spec["vocab"], spec["new_tokens"]
+    W.decode_tps(engine, name, vocab, 4, 1)                                         # warm-up
+    out = {"decode_b1_tps": W.decode_tps(engine, name, vocab, n, spec["repeats"])}
+    for p in spec["prompts"]:
+        out[f"ttft_{p}_s"] = W.ttft(engine, name, vocab, p, spec["repeats"])
+    for c in spec["concurrency"]:
+        out[f"c{c}_tps"] = W.concurrent_tps(engine, name, vocab, c, 128, n)
+    top = max(spec["concurrency"])
+    rate = 0.5 * out[f"c{top}_tps"] / n                     # half the measured capacity, in requests/s
+    out["poisson_rate_rps"] = rate
+    out.update({f"poisson_{k}": v for k, v in W.poisson(engine, name, vocab, spec["poisson_n"], rate, 128, n).items()})
+    return out
+
+
+def measure_hf(hf_model, spec: dict) -> dict:
+    vocab, n = spec["vocab"], spec["new_tokens"]
+    W.hf_decode_tps(hf_model, vocab, 4, 1)
+    out = {"decode_b1_tps": W.hf_decode_tps(hf_model, vocab, n, spec["repeats"])}
+    for p in spec["prompts"]:
+        out[f"ttft_{p}_s"] = W.hf_ttft(hf_model, vocab, p, spec["repeats"])
+    for c in spec["concurrency"]:
+        out[f"c{c}_tps"] = W.hf_concurrent_tps(hf_model, vocab, c, 128, n)
+    return out
+
+
+def runtime_cfg(loader, name: str, spec: dict, max_batch: int):
+    return (loader.create_reference_runtime_config_builder(name, "cpu", [0], max_batch=max_batch)
+            .max_length(max(spec["prompts"]) + spec["new_tokens"] + 8).kv_cache_span_size(32).build())
+
+
+def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool) -> dict:
+    from transformers import AutoModelForCausalLM
+    from allspark_client import ClientEngine
+    from allspark_server import Engine, HuggingFaceModel
+    hf_dir = build_model(spec, dtype)
+    torch.set_num_threads(threads)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval()
+    loader = HuggingFaceModel(hf_dir, f"bench-{dtype}", user_set_data_type=dtype)
+    loader.load_model().serialize_to_path(None, hf_dir, skip_if_exists=False).free_model()
+    max_batch = max(spec["concurrency"])
+    result = {"params_m": sum(p.numel() for p in hf.parameters()) / 1e6,
+              "bytes_per_token": bytes_per_token(hf, spec, ctx=32 + spec["new_tokens"] // 2)}
+
+    engine = Engine()
+    engine.install_model(runtime_cfg(loader, loader.model_name, spec, max_batch))
+    engine.start_model(loader.model_name)
+    result["allspark"] = measure_engine(engine, loader.model_name, spec)
+    engine.stop_model(loader.model_name)
+    engine.release_model(loader.model_name)
+    engine.shutdown()
+
+    result["transformers"] = measure_hf(hf, spec)
+    del hf
+
+    if with_pool:
+        with ClientEngine(ranks=2) as pool:
+            pool.install_model(runtime_cfg(loader, loader.model_name, spec, max_batch))
+            pool.start_model(loader.model_name)
+            result["pool_2_ranks"] = measure_engine(pool, loader.model_name, spec)
+            pool.release_model(loader.model_name) if pool.stop_model(loader.model_name) == 0 else None
+    return result
+
+
+def summarize(report: dict) -> list[str]:
+    lines = []
+    bw = report["machine"]["copy_gbs"]
+    lines.append(f"machine: {report['machine']['cpu']}, {report['threads']} threads, copy {bw:.1f} GB/s, "
+                 f"triad {report['machine']['triad_gbs']:.1f} GB/s, matmul fp32 {report['machine']['matmul_fp32_gflops']:.0f}"
+                 f" / bf16 {report['machine']['matmul_bf16_gflops']:.0f} GFLOP/s")
+    for dtype, r in report["dtypes"].items():
+        roof = bw * 1e9 / r["bytes_per_token"]
+        lines.append(f"\n{dtype}: {r['params_m']:.0f} M parameters, {r['bytes_per_token'] / 1e6:.0f} MB read per token, "
+                     f"roofline {roof:.1f} tokens/s")
+        engines = [e for e in ("allspark", "transformers", "pool_2_ranks") if e in r]
+        keys = [k for k in r["allspark"] if not k.startswith("poisson_rate")]
+        lines.append(f"{'metric':<22}" + "".join(f"{e:>16}" for e in engines))
+        for k in keys:
+            lines.append(f"{k:<22}" + "".join(f"{r[e][k]:>16.3f}" if k in r[e] else f"{'-':>16}" for e in engines))
+        ours, hf = r["allspark"], r["transformers"]
+        lines.append(f"batch-1 decode / roofline: {ours['decode_b1_tps'] / roof:.2f}; vs transformers: batch 1 "
+                     f"{ours['decode_b1_tps'] / hf['decode_b1_tps']:.2f}x" +
+                     "".join(f", {c} concurrent {ours[f'c{c}_tps'] / hf[f'c{c}_tps']:.2f}x"
+                             for c in report["spec"]["concurrency"]))
+        if "pool_2_ranks" in r:
+            lines.append(f"2-rank pool batch-1 decode / single Engine: "
+                         f"{r['pool_2_ranks']['decode_b1_tps'] / ours['decode_b1_tps']:.2f}")
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a small model and fewer runs (< 3 minutes)")
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    p.add_argument("--no-pool", action="store_true", help="skip the 2-rank pool")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--json", default="benchmarks/results.json")
+    a = p.parse_args()
+    spec = QUICK if a.quick else FULL
+    torch.set_num_threads(a.threads)
+    t0 = time.time()
+    try:
+        import cpuinfo
+        cpu = cpuinfo.get_cpu_info().get("brand_raw", platform.processor())
+    except Exception:
+        cpu = platform.processor()
+    report = {"spec": spec, "threads": a.threads, "quick": a.quick,
+              "machine": dict(cpu=cpu, **machine.stream_bandwidth(),
+                              matmul_fp32_gflops=machine.matmul_gflops(torch.float32),
+                              matmul_bf16_gflops=machine.matmul_gflops(torch.bfloat16)),
+              "dtypes": {}}
+    for dtype in a.dtypes:
+        report["dtypes"][dtype] = run_dtype(dtype, spec, a.threads, not a.no_pool)
+    report["wall_s"] = time.time() - t0
+    print("\n".join(summarize(report)))
+    print(f"\n({report['wall_s']:.0f} s)")
+    os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+    with open(a.json, "w") as f:
+        json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

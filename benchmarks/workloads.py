@@ -1,0 +1,116 @@
+"""The benchmark workloads, for any engine with allspark's API (Engine, ClientEngine) and for
+transformers' generate. Every function returns plain numbers (seconds, tokens/s)."""
+from __future__ import annotations
+
+import random
+import statistics
+import threading
+import time
+
+import torch
+
+GREEDY = {"top_k": 1, "eos_token_id": []}   # ignore EOS: every request produces exactly its tokens
+
+
+def prompt(n: int, seed: int, vocab: int) -> list[int]:
+    return random.Random(seed).choices(range(10, vocab), k=n)
+
+
+def _run_one(engine, name: str, ids: list[int], new_tokens: int) -> dict:
+    """Submit one request and time it: arrival -> first token -> last token."""
+    t0 = time.perf_counter()
+    status, handle, queue = engine.start_request(name, {"input_ids": ids}, dict(GREEDY, max_new_tokens=new_tokens))
+    assert status == 0, engine.get_last_error()
+    first = last = None
+    count = 0
+    while (el := queue.Get()) is not None:
+        now = time.perf_counter()
+        if el.ids_from_generate:
+            first = first or now
+            last = now
+            count += len(el.ids_from_generate)
+    engine.release_request(name, handle)
+    assert count == new_tokens, (count, new_tokens)
+    return {"ttft": first - t0, "tpot": (last - first) / max(1, count - 1), "end": last, "start": t0}
+
+
+def decode_tps(engine, name: str, vocab: int, new_tokens: int, repeats: int) -> float:
+    """Batch-1 decode tokens/s (from first to last token), median over repeats."""
+    return statistics.median(1.0 / _run_one(engine, name, prompt(32, r, vocab), new_tokens)["tpot"]
+                             for r in range(repeats))
+
+
+def ttft(engine, name: str, vocab: int, prompt_len: int, repeats: int) -> float:
+    return statistics.median(_run_one(engine, name, prompt(prompt_len, 100 + r, vocab), 1)["ttft"]
+                             for r in range(repeats))
+
+
+def concurrent_tps(engine, name: str, vocab: int, num: int, prompt_len: int, new_tokens: int) -> float:
+    """Output tokens/s with `num` requests submitted together."""
+    results = [None] * num
+
+    def worker(i):
+        results[i] = _run_one(engine, name, prompt(prompt_len, 200 + i, vocab), new_tokens)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(num)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return num * new_tokens / (time.perf_counter() - t0)
+
+
+def poisson(engine, name: str, vocab: int, num: int, rate: float, prompt_len: int, new_tokens: int) -> dict:
+    """Requests arriving as a Poisson process of `rate`/s; TTFT and TPOT (vLLM's definitions:
+    TPOT = (last - first token) / (output tokens - 1)), median and p99, and output tokens/s."""
+    rng = random.Random(7)
+    results, threads = [], []
+    t0 = time.perf_counter()
+    at = 0.0
+    for i in range(num):
+        at += rng.expovariate(rate)
+        delay = at - (time.perf_counter() - t0)
+        if delay > 0:
+            time.sleep(delay)
+        th = threading.Thread(target=lambda i=i: results.append(
+            _run_one(engine, name, prompt(prompt_len, 300 + i, vocab), new_tokens)))
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+    wall = max(r["end"] for r in results) - t0
+    ttfts = sorted(r["ttft"] for r in results)
+    tpots = sorted(r["tpot"] for r in results)
+    p99 = lambda xs: xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]   # noqa: E731
+    return {"ttft_median": statistics.median(ttfts), "ttft_p99": p99(ttfts),
+            "tpot_median": statistics.median(tpots), "tpot_p99": p99(tpots), "tps": num * new_tokens / wall}
+
+
+# ---- transformers ------------------------------------------------------------------------------
+def _hf_generate(model, batch: list[list[int]], new_tokens: int) -> float:
+    x = torch.tensor(batch)
+    t = time.perf_counter()
+    with torch.no_grad():
+        model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False, eos_token_id=None, pad_token_id=0)
+    return time.perf_counter() - t
+
+
+def hf_decode_tps(model, vocab: int, new_tokens: int, repeats: int) -> float:
+    """Decode rate = extra tokens / extra time between a 1-token and an N-token generate."""
+    rates = []
+    for r in range(repeats):
+        ids = [prompt(32, r, vocab)]
+        rates.append((new_tokens - 1) / (_hf_generate(model, ids, new_tokens) - _hf_generate(model, ids, 1)))
+    return statistics.median(rates)
+
+
+def hf_ttft(model, vocab: int, prompt_len: int, repeats: int) -> float:
+    return statistics.median(_hf_generate(model, [prompt(prompt_len, 100 + r, vocab)], 1) for r in range(repeats))
+
+
+def hf_concurrent_tps(model, vocab: int, num: int, prompt_len: int, new_tokens: int) -> float:
+    """transformers' static batching: all `num` prompts (same length) in one generate call."""
+    batch = [prompt(prompt_len, 200 + i, vocab) for i in range(num)]
+    return num * new_tokens / _hf_generate(model, batch, new_tokens)
