@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -12,7 +13,5 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, H] -> [T, H]
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)   # one fused op, in fp32
+        return self.weight * normed.to(x.dtype)

@@ -1,7 +1,7 @@
 """Rotary position embedding with HF's rope types: default, linear and llama3 frequency scaling.
 
-Builds a cos/sin table once (fp32, like HF, then cast to the activation dtype) and applies it by
-position index. Unknown rope types are rejected when the model is built.
+Builds a cos/sin table once (fp32, like HF, then cast to the activation dtype); each step looks up
+its positions' rows once and every layer applies them. Unknown rope types are rejected when the model is built.
 """
 from __future__ import annotations
 
@@ -47,11 +47,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, h, D], k [T, kvh, D] rotated in place of position `positions` [T]."""
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)         # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The [T, 1, D] cos and sin rows of `positions`, in `dtype` (once per step, shared by all layers)."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q [T, h, D], k [T, kvh, D] rotated by cos/sin [T, 1, D]."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

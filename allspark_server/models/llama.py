@@ -15,7 +15,7 @@ from allspark_server.layers.attention import PagedAttention
 from allspark_server.layers.embedding import Embedding, ParallelLMHead
 from allspark_server.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from allspark_server.layers.norm import RMSNorm
-from allspark_server.layers.rotary import RotaryEmbedding
+from allspark_server.layers.rotary import RotaryEmbedding, apply_rotary
 from allspark_server.loader.sharding import SplitMode, TPLayout
 from allspark_server.models.args import ModelArgs
 from allspark_server.runner.forward_inputs import ForwardInputs
@@ -42,13 +42,13 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(self.num_heads * d, args.hidden_size, args.o_proj_bias, dtype, comm)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d)
 
-    def forward(self, x, inputs: ForwardInputs, rotary: RotaryEmbedding, k_cache, v_cache):
+    def forward(self, x, inputs: ForwardInputs, rope: tuple[torch.Tensor, torch.Tensor], k_cache, v_cache):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.part_sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)                       # [T, h, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)                    # [T, kvh, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(inputs.positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         o = self.attn(q, k, v, k_cache, v_cache, inputs.attn)              # [T, h*D]
         return self.o_proj(o)                                              # [T, H]
 
@@ -74,8 +74,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.mlp = MLP(args, tp, comm, dtype)
 
-    def forward(self, x, inputs, rotary, k_cache, v_cache):
-        x = x + self.self_attn(self.input_layernorm(x), inputs, rotary, k_cache, v_cache)
+    def forward(self, x, inputs, rope, k_cache, v_cache):
+        x = x + self.self_attn(self.input_layernorm(x), inputs, rope, k_cache, v_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -101,7 +101,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, inputs: ForwardInputs, kv_cache) -> torch.Tensor:
         """Run all scheduled tokens; return fp32 logits [N, V] of the sample rows (rank 0)."""
         x = self.model.embed_tokens(inputs.input_ids)                       # [T, H]
+        rope = self.model.rotary.cos_sin(inputs.positions, x.dtype)         # [T, 1, D] x 2
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, inputs, self.model.rotary, kv_cache.k[i], kv_cache.v[i])
+            x = layer(x, inputs, rope, kv_cache.k[i], kv_cache.v[i])
         h = self.model.norm(x[inputs.sample_rows])                          # [N, H]
         return self.lm_head(h)                                              # [N, V] on rank 0
