@@ -79,10 +79,12 @@ class ServedModel:
         if entry is None:
             return
         self.scheduler.finish(entry.request, reason)
-        status = {FinishReason.INTERRUPTED: GenerateRequestStatus.GenerateInterrupted}.get(
-            reason, GenerateRequestStatus.GenerateFinished)
         if error is not None:
             status = GenerateRequestStatus.InternalError
+        elif reason == FinishReason.INTERRUPTED:
+            status = GenerateRequestStatus.GenerateInterrupted
+        else:
+            status = GenerateRequestStatus.GenerateFinished
         entry.queue._set_status(status, error)
 
     def step(self) -> None:
