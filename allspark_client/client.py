@@ -25,7 +25,7 @@ from allspark_client.api import EngineAPI, StartResult
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client._proto import allspark_pb2_grpc as pb_grpc
 from allspark_client.config import AsModelConfig
-from allspark_client.generation_config import ASGenerationConfigBuilder, parse_generation_config, parse_input_ids
+from allspark_client.generation_config import parse_request
 from allspark_client.validation import ConfigError
 from allspark_client.result_queue import ResultQueue
 from allspark_client.types import (AsEngineStat, AsException, AsStatus, GenerateRequestStatus, RequestHandle)
@@ -144,12 +144,15 @@ class ClientEngine(EngineAPI):
         self.close()
 
     # ---- plumbing ----------------------------------------------------------------------------
+    def _unavailable(self, e: grpc.RpcError) -> PoolUnavailable:
+        return PoolUnavailable(AsStatus.ALLSPARK_RUNTIME_ERROR,
+                               f"pool at {self.address} is unavailable: {e.code().name}: {e.details()}")
+
     def _rpc(self, method, request):
         try:
             return method(request)
         except grpc.RpcError as e:
-            raise PoolUnavailable(AsStatus.ALLSPARK_RUNTIME_ERROR,
-                                  f"pool at {self.address} is unavailable: {e.code().name}: {e.details()}") from None
+            raise self._unavailable(e) from None
 
     def _status(self, reply) -> AsStatus:
         if reply.status != 0:
@@ -189,16 +192,7 @@ class ClientEngine(EngineAPI):
     # ---- requests ----------------------------------------------------------------------------
     def start_request(self, name: str, inputs: Any, generate_config: Any = None) -> StartResult:
         try:
-            if not isinstance(inputs, dict) or "input_ids" not in inputs:
-                raise ConfigError("inputs must be a dict with key 'input_ids'")
-            extra = set(inputs) - {"input_ids", "attention_mask"}
-            if extra:
-                raise ConfigError(f"unknown inputs keys {sorted(extra)}")
-            if isinstance(generate_config, ASGenerationConfigBuilder):
-                generate_config = generate_config.build()
-            raw = {} if generate_config is None else generate_config
-            gen = parse_generation_config(raw)
-            ids = parse_input_ids(inputs["input_ids"])
+            ids, raw, gen = parse_request(inputs, generate_config)
         except ConfigError as e:
             return self._fail(e.status, str(e)), None, None
         request = pb.GenerateRequest(model_name=name, input_ids=ids,
@@ -207,8 +201,7 @@ class ClientEngine(EngineAPI):
         try:
             first = next(call)
         except grpc.RpcError as e:
-            raise PoolUnavailable(AsStatus.ALLSPARK_RUNTIME_ERROR,
-                                  f"pool at {self.address} is unavailable: {e.code().name}: {e.details()}") from None
+            raise self._unavailable(e) from None
         if first.status != 0:
             return self._fail(first.status, first.message), None, None
         handle = RequestHandle(name, first.request_id)
@@ -239,30 +232,24 @@ class ClientEngine(EngineAPI):
         if not queue.GenerateStatus().is_terminal:   # the stream ended without a final status
             queue._set_status(GenerateRequestStatus.InternalError, f"the pool at {self.address} closed the stream")
 
-    def _live_request(self, name: str, handle) -> Optional[_ClientRequest]:
+    def _live_request(self, name: str, handle) -> tuple[Optional[_ClientRequest], AsStatus]:
         """This client's live request for `handle`, or None with the status Engine would give
         (PARAM_ERROR for a model the pool does not have, ILLEGAL_REQUEST_ID otherwise)."""
         key = (name, handle.request_id) if isinstance(handle, RequestHandle) else None
         with self._lock:
             live = self._live.get(key) if key else None
         if live is not None and live.handle == handle:
-            return live
+            return live, AsStatus.ALLSPARK_SUCCESS
         info = self._rpc(self._stub.GetModelInfo, pb.ModelRef(model_name=name))
         if info.status != 0:
-            self._fail(info.status, info.message)
-        else:
-            self._fail(AsStatus.ALLSPARK_ILLEGAL_REQUEST_ID,
-                       f"unknown or released request handle {handle!r} for model {name!r}")
-        return None
-
-    def _handle_error(self) -> AsStatus:
-        return AsStatus.ALLSPARK_PARAM_ERROR if "not installed" in self.get_last_error() \
-            else AsStatus.ALLSPARK_ILLEGAL_REQUEST_ID
+            return None, self._fail(info.status, info.message)
+        return None, self._fail(AsStatus.ALLSPARK_ILLEGAL_REQUEST_ID,
+                                f"unknown or released request handle {handle!r} for model {name!r}")
 
     def stop_request(self, name: str, handle: RequestHandle) -> AsStatus:
-        live = self._live_request(name, handle)
+        live, status = self._live_request(name, handle)
         if live is None:
-            return self._handle_error()
+            return status
         if live.queue.GenerateStatus().is_terminal:
             return AsStatus.ALLSPARK_SUCCESS
         status = self._status(self._rpc(self._stub.StopRequest, pb.RequestRef(model_name=name,
@@ -272,8 +259,9 @@ class ClientEngine(EngineAPI):
         return status
 
     def release_request(self, name: str, handle: RequestHandle) -> AsStatus:
-        if self._live_request(name, handle) is None:
-            return self._handle_error()
+        live, status = self._live_request(name, handle)
+        if live is None:
+            return status
         status = self._status(self._rpc(self._stub.ReleaseRequest,
                                         pb.RequestRef(model_name=name, request_id=handle.request_id)))
         with self._lock:
@@ -284,9 +272,9 @@ class ClientEngine(EngineAPI):
 
     def sync_request(self, name: str, handle: Optional[RequestHandle] = None) -> AsStatus:
         if handle is not None:
-            live = self._live_request(name, handle)
+            live, status = self._live_request(name, handle)
             if live is None:
-                return self._handle_error()
+                return status
             queues = [live.queue]
         else:
             status = self._status(self._rpc(self._stub.SyncRequest, pb.SyncRequestMsg(model_name=name)))

@@ -148,6 +148,19 @@ def parse_input_ids(raw: Any, vocab_size: Optional[int] = None) -> list[int]:
     return raw
 
 
+def parse_request(inputs: Any, generate_config: Any, vocab_size: Optional[int] = None
+                  ) -> tuple[list[int], dict, GenerationConfig]:
+    """start_request's checks, shared by Engine and ClientEngine: `inputs` is {"input_ids": ...}
+    (an attention_mask is tolerated), the config a dict or builder. Returns (ids, raw dict, config)."""
+    _check(isinstance(inputs, dict) and "input_ids" in inputs, "inputs must be a dict with key 'input_ids'")
+    extra = set(inputs) - {"input_ids", "attention_mask"}
+    _check(not extra, f"unknown inputs keys {sorted(extra)}")
+    raw = generate_config.build() if isinstance(generate_config, ASGenerationConfigBuilder) else generate_config
+    raw = {} if raw is None else raw
+    ids = parse_input_ids(inputs["input_ids"], vocab_size)
+    return ids, raw, parse_generation_config(raw, vocab_size)
+
+
 def resolve_max_length(gen: GenerationConfig, prompt_len: int, engine_max_length: int) -> int:
     """Total length (prompt + output) the request may reach; ConfigError(EXCEED_LIMIT) if none left."""
     limit = engine_max_length if gen.max_length is None else gen.max_length

@@ -28,6 +28,12 @@ class RankPlacement:
     cpus: tuple[int, ...]
 
 
+def default_socket_path() -> str:
+    """Where a pool listens unless told otherwise: $XDG_RUNTIME_DIR/allspark/pool.sock."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/allspark-{os.getuid()}"
+    return os.path.join(base, "allspark", "pool.sock")
+
+
 def parse_cpu_list(text: str) -> list[int]:
     cpus: list[int] = []
     for part in filter(None, text.strip().split(",")):
@@ -190,8 +196,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             args.bind_host = pool.host
         args.threads_per_rank = args.threads_per_rank or pool.threads_per_rank
     if args.port is None and not args.socket:
-        base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/allspark-{os.getuid()}"
-        args.socket = os.path.join(base, "allspark", "pool.sock")
+        args.socket = default_socket_path()
     return args
 
 

@@ -16,6 +16,8 @@ import sys
 import threading
 import traceback
 
+from allspark_client.launcher import default_socket_path, parse_cpu_list
+
 log = logging.getLogger("allspark.rank")
 STOP_GRACE_S = 30   # on SIGTERM, how long stopped streams get to deliver their last reply
 
@@ -49,24 +51,11 @@ def grpc_address(args) -> str:
     return f"unix:{path}"
 
 
-def default_socket_path() -> str:
-    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/allspark-{os.getuid()}"
-    return os.path.join(base, "allspark", "pool.sock")
-
-
-def parse_cpus(spec: str) -> list[int]:
-    cpus = []
-    for part in filter(None, spec.split(",")):
-        lo, _, hi = part.partition("-")
-        cpus.extend(range(int(lo), int(hi or lo) + 1))
-    return cpus
-
-
 def bind_threads(args, rank: int) -> None:
     import torch
     per_rank = args.cpus.split(";")
     spec = per_rank[rank] if len(per_rank) > 1 else per_rank[0]   # one list: this rank's own cores
-    cpus = parse_cpus(spec) if rank < len(per_rank) or len(per_rank) == 1 else []
+    cpus = parse_cpu_list(spec) if rank < len(per_rank) or len(per_rank) == 1 else []
     if cpus:
         os.sched_setaffinity(0, cpus)
     threads = args.threads or len(cpus) or len(os.sched_getaffinity(0))

@@ -19,8 +19,7 @@ from allspark_client.api import EngineAPI, StartResult
 from allspark_client.result_queue import ResultQueue
 from allspark_client.types import AsEngineStat, AsException, AsStatus, RequestHandle
 from allspark_client.config import AsModelConfig
-from allspark_client.generation_config import (ASGenerationConfigBuilder, parse_generation_config, parse_input_ids,
-                                               resolve_max_length)
+from allspark_client.generation_config import parse_request, resolve_max_length
 from allspark_client.validation import ConfigError
 from allspark_server.core.messages import InstallModelMsg, ReleaseModelMsg
 from allspark_server.core.request import Request
@@ -139,17 +138,8 @@ class Engine(EngineAPI):
         model = self._model(name)
         if not model.started:
             raise RequestError(AsStatus.ALLSPARK_REQUEST_DENIED, f"model {name!r} is not started")
-        args = model.runner.args
-        if not isinstance(inputs, dict) or "input_ids" not in inputs:
-            raise RequestError(AsStatus.ALLSPARK_PARAM_ERROR, "inputs must be a dict with key 'input_ids'")
-        extra = set(inputs) - {"input_ids", "attention_mask"}
-        if extra:
-            raise RequestError(AsStatus.ALLSPARK_PARAM_ERROR, f"unknown inputs keys {sorted(extra)}")
-        if isinstance(generate_config, ASGenerationConfigBuilder):
-            generate_config = generate_config.build()
         try:
-            ids = parse_input_ids(inputs["input_ids"], args.vocab_size)
-            gen = parse_generation_config(generate_config, args.vocab_size)
+            ids, _, gen = parse_request(inputs, generate_config, model.runner.args.vocab_size)
             if gen.eos_token_ids is None:
                 gen = replace(gen, eos_token_ids=model.runner.model_file.eos_token_ids)
             max_length = resolve_max_length(gen, len(ids), model.cfg.engine_max_length)

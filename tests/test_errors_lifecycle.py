@@ -400,7 +400,7 @@ def test_stop_model_racing_start_request(srv, monkeypatch):
     import allspark_server.engine as engine_mod
     e, name = srv.engine, "errs_race"
     assert e.install_model(_cfg(srv, name).build()) == OK and e.start_model(name) == OK
-    real_parse = engine_mod.parse_generation_config
+    real_parse = engine_mod.parse_request
     stopped = []
 
     def parse_then_stop(*args, **kw):       # runs between the is_running check and the registration
@@ -408,9 +408,9 @@ def test_stop_model_racing_start_request(srv, monkeypatch):
             stopped.append(e.stop_model(name))
         return real_parse(*args, **kw)
 
-    monkeypatch.setattr(engine_mod, "parse_generation_config", parse_then_stop)
+    monkeypatch.setattr(engine_mod, "parse_request", parse_then_stop)
     status, handle, queue = e.start_request(name, {"input_ids": PROBE_PROMPT}, GOOD)
-    monkeypatch.setattr(engine_mod, "parse_generation_config", real_parse)
+    monkeypatch.setattr(engine_mod, "parse_request", real_parse)
     try:
         assert stopped == [OK]
         assert status == AsStatus.ALLSPARK_REQUEST_DENIED, "accepted a request into a model being stopped"

@@ -14,6 +14,7 @@ import torch
 
 from allspark_client.config import AsModelConfig, AsModelRuntimeConfigBuilder
 from allspark_client.generation_config import ASGenerationConfigBuilder
+from allspark_server.dist.comm import LocalComm
 from allspark_server.loader.hf_reader import iter_hf_tensors, read_generation_config, read_hf_config
 from allspark_server.loader.model_file import DTYPES, write_model_files
 from allspark_server.loader.sharding import TPLayout, split_mode_for
@@ -74,8 +75,8 @@ class HuggingFaceModel:
     def load_model(self, override_data_type=None, **_ignored) -> "HuggingFaceModel":
         if override_data_type is not None:
             self.data_type = _dtype_from(override_data_type)
-        model_cls, _ = model_class_and_rules(self.args.architecture)
-        expected = self._expected_names(model_cls)
+        shapes = self._checkpoint_shapes()
+        expected = set(shapes)
         tensors = {}
         for name, t in iter_hf_tensors(self.path):
             if name.endswith(IGNORED_SUFFIXES):
@@ -90,21 +91,18 @@ class HuggingFaceModel:
         if missing:
             raise ModelSerializerException(f"checkpoint lacks tensors: {sorted(missing)[:5]}")
         for name, t in tensors.items():
-            if tuple(t.shape) != expected_shape(self, name):
+            if tuple(t.shape) != shapes[name]:
                 raise ModelSerializerException(f"tensor {name!r} has shape {tuple(t.shape)}, config says "
-                                               f"{expected_shape(self, name)}")
+                                               f"{shapes[name]}")
         self._tensors = tensors
         return self
 
-    def _expected_names(self, model_cls) -> set[str]:
+    def _checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every checkpoint tensor this architecture needs, with its shape (from a meta-device model)."""
+        model_cls, _ = model_class_and_rules(self.args.architecture)
         with torch.device("meta"):
-            m = model_cls(self.args, self._single_rank(), _NoComm(), self.data_type, max_positions=1)
-        self._meta_shapes = checkpoint_shapes(m)
-        return set(self._meta_shapes)
-
-    def _single_rank(self) -> TPLayout:
-        a = self.args
-        return TPLayout(0, 1, a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size, a.vocab_size)
+            m = model_cls(self.args, TPLayout.for_model(self.args), LocalComm(), self.data_type, max_positions=1)
+        return checkpoint_shapes(m)
 
     def read_model_config(self) -> "HuggingFaceModel":
         return self
@@ -176,11 +174,3 @@ class HuggingFaceModel:
         if self._tokenizer is None:
             self.init_tokenizer()
         return self._tokenizer
-
-
-def expected_shape(model: HuggingFaceModel, name: str) -> tuple[int, ...]:
-    return model._meta_shapes[name]
-
-
-class _NoComm:
-    rank, world_size = 0, 1

@@ -34,6 +34,12 @@ class TPLayout:
     intermediate_size: int
     vocab_size: int
 
+    @classmethod
+    def for_model(cls, args, rank: int = 0, world_size: int = 1) -> "TPLayout":
+        """The layout of a ModelArgs on `world_size` ranks, seen from `rank`."""
+        return cls(rank, world_size, args.num_heads, args.num_kv_heads, args.head_dim, args.intermediate_size,
+                   args.vocab_size)
+
     def __post_init__(self):
         w = self.world_size
         if self.num_heads % w:

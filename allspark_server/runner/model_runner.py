@@ -34,8 +34,7 @@ class ModelRunner:
         self.model_file: ModelFile = read_model_graph(cfg.model_path, cfg.weights_path)
         args = self.model_file.args
         self.args = args
-        self.tp = TPLayout(comm.rank, comm.world_size, args.num_heads, args.num_kv_heads, args.head_dim,
-                           args.intermediate_size, args.vocab_size)
+        self.tp = TPLayout.for_model(args, comm.rank, comm.world_size)
         model_cls, _ = model_class_and_rules(args.architecture)
         self.dtype = self.model_file.dtype
         self.model = model_cls(args, self.tp, comm, self.dtype, max_positions=cfg.engine_max_length)
@@ -43,6 +42,8 @@ class ModelRunner:
         self.model.load_state_dict(to_model_state(self.model, shard), strict=True, assign=True)
         self.model.eval()
         self.span_size = cfg.cache_span_size
+        self.span_bytes = bytes_per_span(args.num_layers, self.span_size, self.tp.local_kv_heads, args.head_dim,
+                                         self.dtype)
         self.num_spans = 0
         self.kv = None
         self.mirrors: dict[int, RequestMirror] = {}
@@ -54,8 +55,7 @@ class ModelRunner:
 
     def max_num_spans(self) -> int:
         """How many spans this rank's budget allows (explicit bytes, or max_batch x max_length capped by RAM)."""
-        per_span = bytes_per_span(self.args.num_layers, self.span_size, self.tp.local_kv_heads, self.args.head_dim,
-                                  self.dtype)
+        per_span = self.span_bytes
         if self.cfg.kv_cache_memory_bytes:
             n = self.cfg.kv_cache_memory_bytes // per_span
             if n < 1:
@@ -71,8 +71,7 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.num_spans * bytes_per_span(self.args.num_layers, self.span_size, self.tp.local_kv_heads,
-                                               self.args.head_dim, self.dtype)
+        return self.num_spans * self.span_bytes
 
     def execute(self, plan: StepPlan):
         """Apply the plan to the mirrors and run the model: (logits [N, V] or None, request ids)."""
