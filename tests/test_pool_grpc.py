@@ -186,6 +186,8 @@ CLIENT_SCRIPT = textwrap.dedent("""
     from allspark_client import ClientEngine, GenerateRequestStatus
     address, prompts, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
     client = ClientEngine(address, start_timeout_s=60)
+    print("CONNECTED", flush=True)
+    sys.stdin.readline()  # wait for "go": the parent starts its long request only now
     started = []
     for ids in prompts:
         status, handle, queue = client.start_request("llama", {"input_ids": ids},
@@ -226,14 +228,20 @@ def test_second_client_process_alongside(new_pool, loader, llama):
     theirs = [random_prompt(6, seed=52), random_prompt(11, seed=53)]
     n_theirs = 24
 
-    # a long request of ours runs the whole time the other process works
-    status, handle, queue = client.start_request(MODEL, {"input_ids": mine}, greedy_cfg(1000))
-    assert status == AsStatus.ALLSPARK_SUCCESS, client.get_last_error()
-    tokens = read_at_least(queue, 2)
     env = repo_env()
     other = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, pool.address, json.dumps(theirs), str(n_theirs)],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=env, cwd=REPO)
     try:
+        # the other process pays its start-up (imports, connecting) before anything of ours runs, so the overlap
+        # below does not depend on how fast this machine starts Python
+        assert other.stdout.readline().strip() == "CONNECTED"
+        # a long request of ours runs the whole time the other process works
+        status, handle, queue = client.start_request(MODEL, {"input_ids": mine}, greedy_cfg(1000))
+        assert status == AsStatus.ALLSPARK_SUCCESS, client.get_last_error()
+        tokens = read_at_least(queue, 2)
+        other.stdin.write("go\n")
+        other.stdin.flush()
         # and a short one of ours while the other process streams
         short = client_greedy(client, theirs[0], n_theirs)
         out, _ = other.communicate(timeout=120)
