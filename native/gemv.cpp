@@ -1,9 +1,9 @@
 // Small-M linear for decode: y[M, N] = x[M, K] . W[N, K]^T, weights fp32 or bf16, fp32 accumulation.
 //
 // Layout: W is row-major [N, K] (HF's [out, in]); x is [M, K] contiguous (converted to fp32 once).
-// Decode is memory-bound: every weight byte is read once per step, so the kernel streams W rows
-// (2 at a time, sharing the loads of x) across torch's intra-op threads, each thread owning a
-// contiguous block of rows. M is processed in chunks of up to 4 rows of x (16 accumulators).
+// Decode is memory-bound: every weight byte is read once per step, so the kernel streams W row by
+// row across torch's intra-op threads, each thread owning a contiguous block of rows (one sequential
+// stream per thread). M is processed in chunks of up to 4 rows of x sharing each weight load.
 // ISA is chosen at run time by the caller (ops.py, from py-cpuinfo): 2 = AVX-512, 1 = AVX2+FMA,
 // 0 = portable C++. Tested against torch's matmul in tests/test_native.py (odd K/N, M = 1..64).
 #include <torch/extension.h>
@@ -14,7 +14,6 @@
 
 namespace {
 
-constexpr int64_t NR = 2;     // weight rows per micro-kernel (2 measured best: 24-32 GB/s on 2 Zen 4 cores)
 constexpr int64_t MR = 4;     // x rows per micro-kernel
 
 inline float bf16_to_float(uint16_t v) {
@@ -45,6 +44,9 @@ void rows_scalar(const float* x, int64_t m_rows, int64_t K, const W* w, int64_t 
 }
 
 // ---- AVX-512 ----------------------------------------------------------------------------------
+// One weight row at a time, U independent accumulator chains per x row. Measured on Zen 4: a single
+// sequential stream per thread reaches ~30 GB/s with 2 threads, while interleaving 2..4 rows (several
+// streams per thread, fewer chains) stalls at ~18-25 GB/s.
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 inline __m512 load16_512(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
 
@@ -54,59 +56,37 @@ inline __m512 load16_512(const uint16_t* p, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-template <typename W, int MB, int NB>
+template <typename W, int MB, int U>
 __attribute__((target("avx512f,avx512bw,avx512vl")))
-void block_avx512(const float* x, int64_t K, const W* w, int64_t n, float* y, int64_t N, int64_t n_end) {
-  __m512 acc[MB][NB];
+void row_avx512(const float* x, int64_t K, const W* wr, float* y, int64_t N) {
+  __m512 acc[MB][U];
 #pragma GCC unroll 16
   for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
-  const W* wr[NB];
-#pragma GCC unroll 4
-  for (int j = 0; j < NB; ++j) wr[j] = w + (n + j) * K;
-  const bool prefetch_next = n + NB + NB <= n_end;   // the next block is ours too
-  const int64_t K16 = K & ~int64_t(15);
+    for (int u = 0; u < U; ++u) acc[i][u] = _mm512_setzero_ps();
+  const int64_t KU = K - K % (16 * U);
   int64_t k = 0;
-  for (; k < K16; k += 16) {
-    if (prefetch_next && (k & 31) == 0) {
+  for (; k < KU; k += 16 * U) {
 #pragma GCC unroll 4
-      for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + NB * K + k), _MM_HINT_T0);
-    }
-    __m512 wv[NB];
-#pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) wv[j] = load16_512(wr[j] + k, (__mmask16)0xFFFF);
+    for (int u = 0; u < U; ++u) {
+      const __m512 wv = load16_512(wr + k + 16 * u, (__mmask16)0xFFFF);
 #pragma GCC unroll 16
-    for (int i = 0; i < MB; ++i) {
-      const __m512 xv = _mm512_loadu_ps(x + i * K + k);
-#pragma GCC unroll 4
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+      for (int i = 0; i < MB; ++i)
+        acc[i][u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * K + k + 16 * u), wv, acc[i][u]);
     }
   }
-  if (k < K) {
-    const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);
-    __m512 wv[NB];
-#pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) wv[j] = load16_512(wr[j] + k, mask);
+  for (; k < K; k += 16) {   // whole 16-blocks left over from the unrolled loop, then a masked tail
+    const __mmask16 mask = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+    const __m512 wv = load16_512(wr + k, mask);
 #pragma GCC unroll 16
-    for (int i = 0; i < MB; ++i) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * K + k);
-#pragma GCC unroll 4
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-    }
+    for (int i = 0; i < MB; ++i) acc[i][0] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + i * K + k), wv, acc[i][0]);
   }
 #pragma GCC unroll 16
-  for (int i = 0; i < MB; ++i)
+  for (int i = 0; i < MB; ++i) {
 #pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) y[i * N + n + j] = _mm512_reduce_add_ps(acc[i][j]);
-}
-
-template <typename W, int MB>
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-void rows_mb_avx512(const float* x, int64_t K, const W* w, int64_t n0, int64_t n1, float* y, int64_t N) {
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR) block_avx512<W, MB, NR>(x, K, w, n, y, N, n1);
-  for (; n < n1; ++n) block_avx512<W, MB, 1>(x, K, w, n, y, N, n1);
+    for (int u = 1; u < U; ++u) acc[i][0] = _mm512_add_ps(acc[i][0], acc[i][u]);
+    y[i * N] = _mm512_reduce_add_ps(acc[i][0]);
+  }
 }
 
 template <typename W>
@@ -116,11 +96,15 @@ void rows_avx512(const float* x, int64_t m_rows, int64_t K, const W* w, int64_t 
   for (int64_t m = 0; m < m_rows; m += MR) {
     const float* xm = x + m * K;
     float* ym = y + m * N;
-    switch (std::min(MR, m_rows - m)) {
-      case 1: rows_mb_avx512<W, 1>(xm, K, w, n0, n1, ym, N); break;
-      case 2: rows_mb_avx512<W, 2>(xm, K, w, n0, n1, ym, N); break;
-      case 3: rows_mb_avx512<W, 3>(xm, K, w, n0, n1, ym, N); break;
-      default: rows_mb_avx512<W, 4>(xm, K, w, n0, n1, ym, N); break;
+    const int64_t mb = std::min(MR, m_rows - m);
+    for (int64_t n = n0; n < n1; ++n) {
+      const W* wr = w + n * K;
+      switch (mb) {
+        case 1: row_avx512<W, 1, 4>(xm, K, wr, ym + n, N); break;
+        case 2: row_avx512<W, 2, 2>(xm, K, wr, ym + n, N); break;
+        case 3: row_avx512<W, 3, 2>(xm, K, wr, ym + n, N); break;
+        default: row_avx512<W, 4, 2>(xm, K, wr, ym + n, N); break;
+      }
     }
   }
 }
@@ -145,41 +129,40 @@ inline float hsum256(__m256 v) {
 
 template <typename W, int MB>
 __attribute__((target("avx2,fma")))
-void block_avx2(const float* x, int64_t K, const W* w, int64_t n, int64_t nb, float* y, int64_t N) {
-  __m256 acc[MB][NR];
+void row_avx2(const float* x, int64_t K, const W* wr, float* y, int64_t N) {
+  constexpr int U = 2;
+  __m256 acc[MB][U];
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
-  const int64_t K8 = K & ~int64_t(7);
-  for (int64_t k = 0; k < K8; k += 8) {
-    __m256 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = j < nb ? load8_256(w + (n + j) * K + k) : _mm256_setzero_ps();
-    for (int i = 0; i < MB; ++i) {
-      __m256 xv = _mm256_loadu_ps(x + i * K + k);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    for (int u = 0; u < U; ++u) acc[i][u] = _mm256_setzero_ps();
+  const int64_t KU = K - K % (8 * U);
+  for (int64_t k = 0; k < KU; k += 8 * U) {
+    for (int u = 0; u < U; ++u) {
+      const __m256 wv = load8_256(wr + k + 8 * u);
+      for (int i = 0; i < MB; ++i) acc[i][u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * K + k + 8 * u), wv, acc[i][u]);
     }
   }
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < nb; ++j) {
-      float s = hsum256(acc[i][j]);
-      for (int64_t k = K8; k < K; ++k) s += x[i * K + k] * load_scalar(w + (n + j) * K + k);
-      y[i * N + n + j] = s;
-    }
+  for (int i = 0; i < MB; ++i) {
+    float s = hsum256(_mm256_add_ps(acc[i][0], acc[i][1]));
+    for (int64_t k = KU; k < K; ++k) s += x[i * K + k] * load_scalar(wr + k);
+    y[i * N] = s;
+  }
 }
 
 template <typename W>
 __attribute__((target("avx2,fma")))
 void rows_avx2(const float* x, int64_t m_rows, int64_t K, const W* w, int64_t n0, int64_t n1, float* y,
                int64_t N) {
-  for (int64_t n = n0; n < n1; n += NR) {
-    const int64_t nb = std::min(NR, n1 - n);
-    for (int64_t m = 0; m < m_rows; m += MR) {
-      const float* xm = x + m * K;
-      float* ym = y + m * N;
-      switch (std::min(MR, m_rows - m)) {
-        case 1: block_avx2<W, 1>(xm, K, w, n, nb, ym, N); break;
-        case 2: block_avx2<W, 2>(xm, K, w, n, nb, ym, N); break;
-        case 3: block_avx2<W, 3>(xm, K, w, n, nb, ym, N); break;
-        default: block_avx2<W, 4>(xm, K, w, n, nb, ym, N); break;
+  for (int64_t m = 0; m < m_rows; m += MR) {
+    const float* xm = x + m * K;
+    float* ym = y + m * N;
+    const int64_t mb = std::min(MR, m_rows - m);
+    for (int64_t n = n0; n < n1; ++n) {
+      const W* wr = w + n * K;
+      switch (mb) {
+        case 1: row_avx2<W, 1>(xm, K, wr, ym + n, N); break;
+        case 2: row_avx2<W, 2>(xm, K, wr, ym + n, N); break;
+        case 3: row_avx2<W, 3>(xm, K, wr, ym + n, N); break;
+        default: row_avx2<W, 4>(xm, K, wr, ym + n, N); break;
       }
     }
   }
@@ -187,9 +170,9 @@ void rows_avx2(const float* x, int64_t m_rows, int64_t K, const W* w, int64_t n0
 
 template <typename W>
 void run(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t isa) {
-  // grain: blocks of NR rows, at least ~64 KiB of weights per task
+  // grain: at least ~64 KiB of weights per task
   const int64_t row_bytes = K * static_cast<int64_t>(sizeof(W));
-  const int64_t grain = std::max<int64_t>(NR, ((65536 / std::max<int64_t>(row_bytes, 1)) / NR + 1) * NR);
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(row_bytes, 1));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     if (isa >= 2) rows_avx512<W>(x, M, K, w, n0, n1, y, N);
     else if (isa == 1) rows_avx2<W>(x, M, K, w, n0, n1, y, N);
