@@ -17,8 +17,8 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 ISA_PORTABLE, ISA_AVX2, ISA_AVX512 = 0, 1, 2
-# largest number of rows of x the native linear takes; above it GEMM libraries win (measured:
-# benchmarks/bench_kernels.py); bf16 weights lean on oneDNN's bf16 dot products sooner.
+# largest number of rows of x the native linear takes; above it GEMM libraries win (measured with
+# the benchmark's concurrent workloads); bf16 weights lean on oneDNN's bf16 dot products sooner.
 NATIVE_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 4}
 
 
@@ -59,10 +59,43 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     if (ext is None or x.dim() != 2 or x.shape[0] > NATIVE_MAX_ROWS.get(w.dtype, 0)
             or x.dtype != w.dtype or not w.is_contiguous()):
         return F.linear(x, w, bias)
-    y = ext.linear_small_m(x, w, isa_level())          # fp32 [M, N]
-    if bias is not None:
-        y += bias
-    return y.to(x.dtype)
+    return ext.linear_small_m(x, w, bias, isa_level())
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * rmsnorm(s), s) with s = x + residual (or x), rounded where HF Llama/Qwen2 round:
+    the sum and the normalized rows in the activation dtype, statistics in fp32."""
+    s = x if residual is None else x + residual
+    normed = F.rms_norm(s.float(), (s.shape[-1],), eps=eps).to(s.dtype)
+    return weight * normed, s
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add + RMSNorm in one pass per row; x [T, H]."""
+    ext = native()
+    if ext is None or x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype:
+        return rms_norm_reference(x, weight, eps, residual)
+    return ext.rms_norm(x, weight, eps, residual)
+
+
+def rotary_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, h, D], k [T, kvh, D] rotated by cos/sin [T, 1, D]: HF's x * cos + rotate_half(x) * sin."""
+    def rotate_half(x):
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both rotations in one call (q and k may be views into the fused qkv output)."""
+    ext = native()
+    if (ext is None or q.dtype not in (torch.float32, torch.bfloat16) or q.shape[-1] % 2
+            or q.stride(-1) != 1 or k.stride(-1) != 1):
+        return rotary_reference(q, k, cos, sin)
+    return ext.rotary(q, k, cos, sin)
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,

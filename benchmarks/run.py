@@ -1,11 +1,11 @@
 """allspark's benchmark: one command, one run, everything side by side on the same machine and threads.
 
-    python benchmarks/run.py [--quick] [--dtypes bfloat16 float32] [--json benchmarks/results.json]
+    python benchmarks/run.py [--quick] [--decode-only] [--dtypes bfloat16 float32] [--json benchmarks/results.json]
 
 Measures the machine (STREAM-like copy/triad bandwidth, fp32/bf16 matmul rate), then for each
 weight dtype, on a Llama-architecture model with random weights (about 0.5 B parameters; --quick:
 a small one): batch-1 decode tokens/s and its ratio to the roofline (copy bandwidth / bytes read
-per token), TTFT for 128/512/2048-token prompts, throughput with 8 and 32 concurrent requests
+per token; the bandwidth is measured again right before each decode run), TTFT for 128/512/2048-token prompts, throughput with 8 and 32 concurrent requests
 (128 in / 128 out, EOS ignored), and Poisson arrivals (TTFT / TPOT median and p99) — for our
 Engine, for transformers' generate (static batches for the concurrent case) and for a 2-rank pool
 through ClientEngine on the same cores. Prints a table and writes JSON. Compare ratios from one
@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -27,9 +28,9 @@ import machine  # noqa: E402
 import workloads as W  # noqa: E402
 
 FULL = dict(hidden_size=1536, num_layers=16, intermediate_size=4096, num_heads=12, num_kv_heads=4, vocab=32000,
-            new_tokens=128, prompts=(128, 512, 2048), repeats=3, concurrency=(8, 32), poisson_n=32)
+            new_tokens=128, prompts=(128, 512, 2048), repeats=3, decode_repeats=5, concurrency=(8, 32), poisson_n=32)
 QUICK = dict(hidden_size=512, num_layers=4, intermediate_size=1408, num_heads=8, num_kv_heads=4, vocab=8000,
-             new_tokens=32, prompts=(128, 512), repeats=2, concurrency=(8,), poisson_n=8)
+             new_tokens=32, prompts=(128, 512), repeats=2, decode_repeats=3, concurrency=(8,), poisson_n=8)
 
 
 def build_model(spec: dict, dtype: str) -> str:
@@ -56,10 +57,26 @@ def bytes_per_token(hf_model, spec: dict, ctx: int) -> int:
     return total + kv
 
 
-def measure_engine(engine, name: str, spec: dict) -> dict:
+def decode_vs_roofline(decode_once, bytes_per_tok: int, repeats: int) -> dict:
+    """Batch-1 decode, each run preceded by a copy-bandwidth measurement: the run's roofline ratio
+    uses the bandwidth of that moment (shared machines drift by tens of percent over minutes).
+    Medians over the runs."""
+    runs = []
+    for r in range(repeats):
+        bw = machine.copy_bandwidth()
+        tps = decode_once(r)
+        runs.append((tps, tps * bytes_per_tok / (bw * 1e9), bw))
+    med = lambda i: statistics.median(run[i] for run in runs)   # noqa: E731
+    return {"decode_b1_tps": med(0), "decode_b1_roofline": med(1), "copy_gbs_at_decode": med(2)}
+
+
+def measure_engine(engine, name: str, spec: dict, bytes_per_tok: int, decode_only: bool) -> dict:
     vocab, n = spec["vocab"], spec["new_tokens"]
-    W.decode_tps(engine, name, vocab, 4, 1)                                         # warm-up
-    out = {"decode_b1_tps": W.decode_tps(engine, name, vocab, n, spec["repeats"])}
+    W.decode_tps(engine, name, vocab, 4)                                            # warm-up
+    out = decode_vs_roofline(lambda r: W.decode_tps(engine, name, vocab, n, seed=r), bytes_per_tok,
+                             spec["decode_repeats"])
+    if decode_only:
+        return out
     for p in spec["prompts"]:
         out[f"ttft_{p}_s"] = W.ttft(engine, name, vocab, p, spec["repeats"])
     for c in spec["concurrency"]:
@@ -71,10 +88,13 @@ def measure_engine(engine, name: str, spec: dict) -> dict:
     return out
 
 
-def measure_hf(hf_model, spec: dict) -> dict:
+def measure_hf(hf_model, spec: dict, bytes_per_tok: int, decode_only: bool) -> dict:
     vocab, n = spec["vocab"], spec["new_tokens"]
-    W.hf_decode_tps(hf_model, vocab, 4, 1)
-    out = {"decode_b1_tps": W.hf_decode_tps(hf_model, vocab, n, spec["repeats"])}
+    W.hf_decode_tps(hf_model, vocab, 4)
+    out = decode_vs_roofline(lambda r: W.hf_decode_tps(hf_model, vocab, n, seed=r), bytes_per_tok,
+                             spec["decode_repeats"])
+    if decode_only:
+        return out
     for p in spec["prompts"]:
         out[f"ttft_{p}_s"] = W.hf_ttft(hf_model, vocab, p, spec["repeats"])
     for c in spec["concurrency"]:
@@ -87,7 +107,7 @@ def runtime_cfg(loader, name: str, spec: dict, max_batch: int):
             .max_length(max(spec["prompts"]) + spec["new_tokens"] + 8).kv_cache_span_size(32).build())
 
 
-def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool) -> dict:
+def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only: bool) -> dict:
     from transformers import AutoModelForCausalLM
     from allspark_client import ClientEngine
     from allspark_server import Engine, HuggingFaceModel
@@ -97,25 +117,25 @@ def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool) -> dict:
     loader = HuggingFaceModel(hf_dir, f"bench-{dtype}", user_set_data_type=dtype)
     loader.load_model().serialize_to_path(None, hf_dir, skip_if_exists=False).free_model()
     max_batch = max(spec["concurrency"])
-    result = {"params_m": sum(p.numel() for p in hf.parameters()) / 1e6,
-              "bytes_per_token": bytes_per_token(hf, spec, ctx=32 + spec["new_tokens"] // 2)}
+    bpt = bytes_per_token(hf, spec, ctx=32 + spec["new_tokens"] // 2)
+    result = {"params_m": sum(p.numel() for p in hf.parameters()) / 1e6, "bytes_per_token": bpt}
 
     engine = Engine()
     engine.install_model(runtime_cfg(loader, loader.model_name, spec, max_batch))
     engine.start_model(loader.model_name)
-    result["allspark"] = measure_engine(engine, loader.model_name, spec)
+    result["allspark"] = measure_engine(engine, loader.model_name, spec, bpt, decode_only)
     engine.stop_model(loader.model_name)
     engine.release_model(loader.model_name)
     engine.shutdown()
 
-    result["transformers"] = measure_hf(hf, spec)
+    result["transformers"] = measure_hf(hf, spec, bpt, decode_only)
     del hf
 
     if with_pool:
         with ClientEngine(ranks=2) as pool:
             pool.install_model(runtime_cfg(loader, loader.model_name, spec, max_batch))
             pool.start_model(loader.model_name)
-            result["pool_2_ranks"] = measure_engine(pool, loader.model_name, spec)
+            result["pool_2_ranks"] = measure_engine(pool, loader.model_name, spec, bpt, decode_only)
             pool.release_model(loader.model_name) if pool.stop_model(loader.model_name) == 0 else None
     return result
 
@@ -129,17 +149,18 @@ def summarize(report: dict) -> list[str]:
     for dtype, r in report["dtypes"].items():
         roof = bw * 1e9 / r["bytes_per_token"]
         lines.append(f"\n{dtype}: {r['params_m']:.0f} M parameters, {r['bytes_per_token'] / 1e6:.0f} MB read per token, "
-                     f"roofline {roof:.1f} tokens/s")
+                     f"roofline {roof:.1f} tokens/s at the start's copy bandwidth")
         engines = [e for e in ("allspark", "transformers", "pool_2_ranks") if e in r]
         keys = [k for k in r["allspark"] if not k.startswith("poisson_rate")]
         lines.append(f"{'metric':<22}" + "".join(f"{e:>16}" for e in engines))
         for k in keys:
             lines.append(f"{k:<22}" + "".join(f"{r[e][k]:>16.3f}" if k in r[e] else f"{'-':>16}" for e in engines))
         ours, hf = r["allspark"], r["transformers"]
-        lines.append(f"batch-1 decode / roofline: {ours['decode_b1_tps'] / roof:.2f}; vs transformers: batch 1 "
+        lines.append(f"batch-1 decode / roofline (bandwidth measured next to each run): "
+                     f"{ours['decode_b1_roofline']:.2f}; vs transformers: batch 1 "
                      f"{ours['decode_b1_tps'] / hf['decode_b1_tps']:.2f}x" +
                      "".join(f", {c} concurrent {ours[f'c{c}_tps'] / hf[f'c{c}_tps']:.2f}x"
-                             for c in report["spec"]["concurrency"]))
+                             for c in report["spec"]["concurrency"] if f"c{c}_tps" in ours))
         if "pool_2_ranks" in r:
             lines.append(f"2-rank pool batch-1 decode / single Engine: "
                          f"{r['pool_2_ranks']['decode_b1_tps'] / ours['decode_b1_tps']:.2f}")
@@ -151,6 +172,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a small model and fewer runs (< 3 minutes)")
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     p.add_argument("--no-pool", action="store_true", help="skip the 2-rank pool")
+    p.add_argument("--decode-only", action="store_true", help="only the batch-1 decode rows (kernel work)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--json", default="benchmarks/results.json")
     a = p.parse_args()
@@ -162,13 +184,13 @@ def main() -> None:
         cpu = cpuinfo.get_cpu_info().get("brand_raw", platform.processor())
     except Exception:
         cpu = platform.processor()
-    report = {"spec": spec, "threads": a.threads, "quick": a.quick,
+    report = {"spec": spec, "threads": a.threads, "quick": a.quick, "decode_only": a.decode_only,
               "machine": dict(cpu=cpu, **machine.stream_bandwidth(),
                               matmul_fp32_gflops=machine.matmul_gflops(torch.float32),
                               matmul_bf16_gflops=machine.matmul_gflops(torch.bfloat16)),
               "dtypes": {}}
     for dtype in a.dtypes:
-        report["dtypes"][dtype] = run_dtype(dtype, spec, a.threads, not a.no_pool)
+        report["dtypes"][dtype] = run_dtype(dtype, spec, a.threads, not a.no_pool, a.decode_only)
     report["wall_s"] = time.time() - t0
     print("\n".join(summarize(report)))
     print(f"\n({report['wall_s']:.0f} s)")

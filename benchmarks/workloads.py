@@ -34,10 +34,9 @@ def _run_one(engine, name: str, ids: list[int], new_tokens: int) -> dict:
     return {"ttft": first - t0, "tpot": (last - first) / max(1, count - 1), "end": last, "start": t0}
 
 
-def decode_tps(engine, name: str, vocab: int, new_tokens: int, repeats: int) -> float:
-    """Batch-1 decode tokens/s (from first to last token), median over repeats."""
-    return statistics.median(1.0 / _run_one(engine, name, prompt(32, r, vocab), new_tokens)["tpot"]
-                             for r in range(repeats))
+def decode_tps(engine, name: str, vocab: int, new_tokens: int, seed: int = 0) -> float:
+    """Batch-1 decode tokens/s of one request (from first to last token)."""
+    return 1.0 / _run_one(engine, name, prompt(32, seed, vocab), new_tokens)["tpot"]
 
 
 def ttft(engine, name: str, vocab: int, prompt_len: int, repeats: int) -> float:
@@ -97,13 +96,10 @@ def _hf_generate(model, batch: list[list[int]], new_tokens: int) -> float:
     return time.perf_counter() - t
 
 
-def hf_decode_tps(model, vocab: int, new_tokens: int, repeats: int) -> float:
+def hf_decode_tps(model, vocab: int, new_tokens: int, seed: int = 0) -> float:
     """Decode rate = extra tokens / extra time between a 1-token and an N-token generate."""
-    rates = []
-    for r in range(repeats):
-        ids = [prompt(32, r, vocab)]
-        rates.append((new_tokens - 1) / (_hf_generate(model, ids, new_tokens) - _hf_generate(model, ids, 1)))
-    return statistics.median(rates)
+    ids = [prompt(32, seed, vocab)]
+    return (new_tokens - 1) / (_hf_generate(model, ids, new_tokens) - _hf_generate(model, ids, 1))
 
 
 def hf_ttft(model, vocab: int, prompt_len: int, repeats: int) -> float:

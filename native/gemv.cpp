@@ -1,6 +1,7 @@
-// Small-M linear for decode: y[M, N] = x[M, K] . W[N, K]^T, weights fp32 or bf16, fp32 accumulation.
+// Small-M linear for decode: y[M, N] = x[M, K] . W[N, K]^T (+ bias), fp32 or bf16, fp32 accumulation,
+// rounded once into the activation dtype (bias included), as a GEMM library does.
 //
-// Layout: W is row-major [N, K] (HF's [out, in]); x is [M, K] contiguous (converted to fp32 once).
+// Layout: W is row-major [N, K] (HF's [out, in]); x is [M, K] (converted to fp32 once, in the call).
 // Decode is memory-bound: every weight byte is read once per step, so the kernel streams W row by
 // row across torch's intra-op threads, each thread owning a contiguous block of rows (one sequential
 // stream per thread). M is processed in chunks of up to 4 rows of x sharing each weight load.
@@ -11,6 +12,8 @@
 #include <immintrin.h>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <vector>
 
 namespace {
 
@@ -168,34 +171,57 @@ void rows_avx2(const float* x, int64_t m_rows, int64_t K, const W* w, int64_t n0
   }
 }
 
+template <typename W> struct Act { using type = float; };                  // the activation type of W
+template <> struct Act<uint16_t> { using type = at::BFloat16; };
+
+// y = x . W^T (+ bias), rounded once into the activation dtype; each task converts its own columns.
 template <typename W>
-void run(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t isa) {
+void run(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const W* bias, typename Act<W>::type* out,
+         int64_t isa) {
+  using O = typename Act<W>::type;
   // grain: at least ~64 KiB of weights per task
   const int64_t row_bytes = K * static_cast<int64_t>(sizeof(W));
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(row_bytes, 1));
+  std::vector<float> scratch(std::is_same_v<O, float> ? 0 : M * N);
+  float* y = std::is_same_v<O, float> ? reinterpret_cast<float*>(out) : scratch.data();
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     if (isa >= 2) rows_avx512<W>(x, M, K, w, n0, n1, y, N);
     else if (isa == 1) rows_avx2<W>(x, M, K, w, n0, n1, y, N);
     else rows_scalar<W>(x, M, K, w, n0, n1, y, N);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = n0; n < n1; ++n) {
+        const float v = y[m * N + n] + (bias ? load_scalar(bias + n) : 0.f);
+        out[m * N + n] = static_cast<O>(v);
+      }
   });
 }
 
 }  // namespace
 
-// x [M, K] (fp32 or bf16), w [N, K] (fp32 or bf16) -> fp32 [M, N]
-torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor w, int64_t isa) {
+// x [M, K] @ w [N, K]^T (+ bias [N]) -> [M, N], all fp32 or all bf16; fp32 accumulation, one rounding
+torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_small_m: shapes ", x.sizes(), " ",
               w.sizes());
   TORCH_CHECK(w.is_contiguous(), "linear_small_m: weight must be contiguous");
   TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, "linear_small_m: weight dtype");
-  auto xf = x.to(at::kFloat).contiguous();
-  const int64_t M = xf.size(0), K = xf.size(1), N = w.size(0);
-  auto y = torch::empty({M, N}, xf.options());
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "linear_small_m: x and weight dtypes differ");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
+                bias->scalar_type() == w.scalar_type(), "linear_small_m: bias must be [N], contiguous, weight dtype");
+  }
+  auto xc = x.contiguous();
+  auto y = torch::empty({M, N}, xc.options());
   if (M == 0 || N == 0) return y;
-  if (w.scalar_type() == at::kFloat)
-    run<float>(xf.data_ptr<float>(), M, K, w.data_ptr<float>(), N, y.data_ptr<float>(), isa);
-  else
-    run<uint16_t>(xf.data_ptr<float>(), M, K, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), N,
-                  y.data_ptr<float>(), isa);
+  if (w.scalar_type() == at::kFloat) {
+    run<float>(xc.data_ptr<float>(), M, K, w.data_ptr<float>(), N, bias ? bias->data_ptr<float>() : nullptr,
+               y.data_ptr<float>(), isa);
+  } else {
+    std::vector<float> xf(M * K);   // x in fp32 once, shared by every weight row
+    const at::BFloat16* xb = xc.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xb[i]);
+    auto as_u16 = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
+    run<uint16_t>(xf.data(), M, K, as_u16(w), N, bias ? as_u16(*bias) : nullptr, y.data_ptr<at::BFloat16>(), isa);
+  }
   return y;
 }

@@ -28,14 +28,20 @@ def test_linear_small_m_matches_float64(dtype, isa):
     g = torch.Generator().manual_seed(0)
     for n, k in SHAPES:
         w = torch.randn(n, k, generator=g).to(dtype)
+        b = torch.randn(n, generator=g).to(dtype)
         for m in ROWS:
             x = torch.randn(m, k, generator=g).to(dtype)
-            y = ops.native().linear_small_m(x, w, isa)
+            bias = b if m % 2 else None
+            y = ops.native().linear_small_m(x, w, bias, isa)
             ref = x.double() @ w.double().T        # the exact product of the same (rounded) inputs
-            assert y.dtype == torch.float32 and y.shape == (m, n)
-            # fp32 accumulation over k terms: error grows like sqrt(k) * eps * |x||w|
+            if bias is not None:
+                ref += bias.double()
+            assert y.dtype == dtype and y.shape == (m, n)
+            # fp32 accumulation over k terms: error grows like sqrt(k) * eps * |x||w|; then one rounding
+            # into the output dtype (half an ulp: at most 2^-8 relative for bf16, 2^-24 for fp32)
             tol = 1e-5 * (x.double().abs() @ w.double().abs().T).max().item() + 1e-6
-            assert (y.double() - ref).abs().max().item() <= tol, (dtype, isa, n, k, m)
+            rounding = ref.abs() * (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24)
+            assert ((y.double() - ref).abs() <= tol + rounding).all(), (dtype, isa, n, k, m)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -79,3 +85,48 @@ def test_decode_attention_matches_reference(dtype, isa):
         # a sequence's result does not depend on the others in the batch
         alone = ops.native().decode_attention(q[3:4], k_cache, v_cache, spans[3:4], ctx[3:4], scale, isa)
         assert torch.equal(alone[0], out[3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_float64_and_rounds_like_hf(dtype):
+    g = torch.Generator().manual_seed(3)
+    eps = 1e-6
+    for rows, hidden in ((1, 1), (1, 7), (3, 64), (5, 1537), (64, 896), (300, 33)):
+        x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
+        res = torch.randn(rows, hidden, generator=g).to(dtype)
+        w = torch.rand(hidden, generator=g).to(dtype) + 0.5
+        for residual in (None, res):
+            out, s = ops.native().rms_norm(x, w, eps, residual)
+            assert out.dtype == dtype and out.shape == x.shape and s.shape == x.shape
+            # the sum: exactly x + residual in the activation dtype (one rounding, as torch's add)
+            assert torch.equal(s, x if residual is None else x + residual)
+            # float64 reference from the same (rounded) sum: statistics exact, then HF's two roundings
+            sd = s.double()
+            normed = sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + eps)
+            if dtype == torch.float32:
+                assert (out.double() - w.double() * normed).abs().max().item() <= 1e-5
+            else:
+                # fp32 statistics may move the normalized value across a bf16 rounding boundary: at most 1 ulp
+                # there, so both steps together stay within 2 ulp (2^-6 relative) of the exact value
+                exact = w.double() * normed
+                assert ((out.double() - exact).abs() <= exact.abs() * 2.0 ** -6 + 1e-30).all()
+                ref, _ = ops.rms_norm_reference(x, w, eps, residual)   # HF's own op sequence
+                assert (out != ref).float().mean().item() <= 0.01, "differs from HF's rounding on >1% of values"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_equals_transformers(dtype):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    g = torch.Generator().manual_seed(4)
+    for tokens, heads, kv_heads, d in ((1, 1, 1, 2), (3, 4, 2, 16), (17, 12, 4, 128), (64, 6, 1, 24)):
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+        q, k, _ = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)   # views, as the model passes them
+        q, k = q.view(tokens, heads, d), k.view(tokens, kv_heads, d)
+        angles = torch.rand(tokens, d // 2, generator=g) * 100
+        emb = torch.cat((angles, angles), dim=-1)
+        cos, sin = emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]   # [T, 1, D]
+        qo, ko = ops.native().rotary(q, k, cos, sin)
+        # transformers' own function on [1, heads, T, D] tensors
+        q_hf, k_hf = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None, :, 0],
+                                          sin[None, :, 0])
+        assert torch.equal(qo, q_hf[0].transpose(0, 1)) and torch.equal(ko, k_hf[0].transpose(0, 1))

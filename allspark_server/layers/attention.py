@@ -28,6 +28,9 @@ class PagedAttention(nn.Module):
         v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
+        if not meta.seqs:   # decode only: row i is sequence i's one new token
+            out = ops.decode_attention(q, k_cache, v_cache, meta.decode_spans, meta.decode_ctx, self.scale)
+            return out.reshape(q.shape[0], self.num_heads * self.head_dim)
         out = torch.empty_like(q)
         if meta.decode_rows.numel():
             out[meta.decode_rows] = ops.decode_attention(q[meta.decode_rows], k_cache, v_cache, meta.decode_spans,

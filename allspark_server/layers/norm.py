@@ -1,9 +1,14 @@
-"""RMSNorm computed in fp32 and cast back, the way HF Llama/Qwen2 do it."""
+"""RMSNorm with the residual add folded in (ops.rms_norm): computed in fp32 and cast back, the way
+HF Llama/Qwen2 do it. `norm(x, residual)` returns (normed, x + residual): the decoder keeps the
+residual stream separate so each add happens inside the next norm's single pass."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from allspark_server import ops
 
 
 class RMSNorm(nn.Module):
@@ -12,6 +17,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, H] -> [T, H]
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)   # one fused op, in fp32
-        return self.weight * normed.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual [T, H] -> (weight * rmsnorm(x + residual), x + residual); no residual: (.., x)."""
+        return ops.rms_norm(x, self.weight, self.eps, residual)

@@ -11,6 +11,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from allspark_server import ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -53,10 +55,5 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q [T, h, D], k [T, kvh, D] rotated by cos/sin [T, 1, D]."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    """q [T, h, D], k [T, kvh, D] rotated by cos/sin [T, 1, D] (ops.rotary: one fused call)."""
+    return ops.rotary(q, k, cos, sin)

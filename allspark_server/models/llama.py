@@ -74,9 +74,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.mlp = MLP(args, tp, comm, dtype)
 
-    def forward(self, x, inputs, rope, k_cache, v_cache):
-        x = x + self.self_attn(self.input_layernorm(x), inputs, rope, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, inputs, rope, k_cache, v_cache):
+        """HF's `x + attn(norm(x))`, `x + mlp(norm(x))` with each add done inside the next norm:
+        takes and returns (sublayer output, residual stream); their sum is HF's hidden state."""
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, inputs, rope, k_cache, v_cache)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -102,7 +106,9 @@ class LlamaForCausalLM(nn.Module):
         """Run all scheduled tokens; return fp32 logits [N, V] of the sample rows (rank 0)."""
         x = self.model.embed_tokens(inputs.input_ids)                       # [T, H]
         rope = self.model.rotary.cos_sin(inputs.positions, x.dtype)         # [T, 1, D] x 2
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, inputs, rope, kv_cache.k[i], kv_cache.v[i])
-        h = self.model.norm(x[inputs.sample_rows])                          # [N, H]
+            x, residual = layer(x, residual, inputs, rope, kv_cache.k[i], kv_cache.v[i])
+        rows = inputs.sample_rows
+        h, _ = self.model.norm(x[rows], residual[rows])                     # [N, H]
         return self.lm_head(h)                                              # [N, V] on rank 0
