@@ -18,6 +18,7 @@
 namespace {
 
 constexpr int64_t MR = 4;     // x rows per micro-kernel
+constexpr int NR = 2;         // weight rows per block when x has several rows
 
 inline float bf16_to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -47,9 +48,9 @@ void rows_scalar(const float* x, int64_t m_rows, int64_t K, const W* w, int64_t 
 }
 
 // ---- AVX-512 ----------------------------------------------------------------------------------
-// One weight row at a time, U independent accumulator chains per x row. Measured on Zen 4: a single
-// sequential stream per thread reaches ~30 GB/s with 2 threads, while interleaving 2..4 rows (several
-// streams per thread, fewer chains) stalls at ~18-25 GB/s.
+// One row of x: one weight row at a time with U independent accumulator chains. Measured on Zen 4:
+// a single sequential stream per thread reaches ~30 GB/s with 2 threads, while interleaving 2..4
+// weight rows (several streams per thread, fewer chains) stalls at ~18-25 GB/s.
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 inline __m512 load16_512(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
 
@@ -59,6 +60,7 @@ inline __m512 load16_512(const uint16_t* p, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// One row of x (batch-1 decode): one weight row at a time, U accumulator chains.
 template <typename W, int MB, int U>
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 void row_avx512(const float* x, int64_t K, const W* wr, float* y, int64_t N) {
@@ -92,6 +94,56 @@ void row_avx512(const float* x, int64_t K, const W* wr, float* y, int64_t N) {
   }
 }
 
+// Several rows of x: each weight load feeds MB FMAs, so the loop is no longer purely a stream; two
+// weight rows per block (sharing the loads of x) measured faster here: at M = 4, 1.0 ms vs 1.5 ms
+// for an 8192 x 1536 bf16 weight on 2 threads.
+template <typename W, int MB, int NB>
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void block_avx512(const float* x, int64_t K, const W* w, int64_t n, float* y, int64_t N, int64_t n_end) {
+  __m512 acc[MB][NB];
+#pragma GCC unroll 16
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  const W* wr[NB];
+#pragma GCC unroll 4
+  for (int j = 0; j < NB; ++j) wr[j] = w + (n + j) * K;
+  const bool prefetch_next = n + NB + NB <= n_end;   // the next block is ours too
+  const int64_t K16 = K & ~int64_t(15);
+  int64_t k = 0;
+  for (; k < K16; k += 16) {
+    if (prefetch_next && (k & 31) == 0) {
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + NB * K + k), _MM_HINT_T0);
+    }
+    __m512 wv[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) wv[j] = load16_512(wr[j] + k, (__mmask16)0xFFFF);
+#pragma GCC unroll 16
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xv = _mm512_loadu_ps(x + i * K + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);
+    __m512 wv[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) wv[j] = load16_512(wr[j] + k, mask);
+#pragma GCC unroll 16
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * K + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) y[i * N + n + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
 template <typename W>
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 void rows_avx512(const float* x, int64_t m_rows, int64_t K, const W* w, int64_t n0, int64_t n1, float* y,
@@ -100,13 +152,23 @@ void rows_avx512(const float* x, int64_t m_rows, int64_t K, const W* w, int64_t 
     const float* xm = x + m * K;
     float* ym = y + m * N;
     const int64_t mb = std::min(MR, m_rows - m);
-    for (int64_t n = n0; n < n1; ++n) {
-      const W* wr = w + n * K;
+    if (mb == 1) {
+      for (int64_t n = n0; n < n1; ++n) row_avx512<W, 1, 4>(xm, K, w + n * K, ym + n, N);
+      continue;
+    }
+    int64_t n = n0;
+    for (; n + NR <= n1; n += NR) {
       switch (mb) {
-        case 1: row_avx512<W, 1, 4>(xm, K, wr, ym + n, N); break;
-        case 2: row_avx512<W, 2, 2>(xm, K, wr, ym + n, N); break;
-        case 3: row_avx512<W, 3, 2>(xm, K, wr, ym + n, N); break;
-        default: row_avx512<W, 4, 2>(xm, K, wr, ym + n, N); break;
+        case 2: block_avx512<W, 2, NR>(xm, K, w, n, ym, N, n1); break;
+        case 3: block_avx512<W, 3, NR>(xm, K, w, n, ym, N, n1); break;
+        default: block_avx512<W, 4, NR>(xm, K, w, n, ym, N, n1); break;
+      }
+    }
+    for (; n < n1; ++n) {
+      switch (mb) {
+        case 2: block_avx512<W, 2, 1>(xm, K, w, n, ym, N, n1); break;
+        case 3: block_avx512<W, 3, 1>(xm, K, w, n, ym, N, n1); break;
+        default: block_avx512<W, 4, 1>(xm, K, w, n, ym, N, n1); break;
       }
     }
   }
