@@ -1,0 +1,34 @@
+"""The benchmark harness still runs end to end (README's performance table comes from it): the quick,
+decode-only path on fp32, our Engine against transformers. Numbers are checked for sanity only;
+timings are never asserted in the test suite."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+from pool_helpers import REPO, repo_env
+
+
+def test_benchmark_quick_decode_only_runs(tmp_path):
+    out = tmp_path / "results.json"
+    env = dict(repo_env(), HOME=str(tmp_path))          # the benchmark model is built under ~/.cache
+    proc = subprocess.run([sys.executable, "benchmarks/run.py", "--quick", "--decode-only", "--no-pool",
+                           "--dtypes", "float32", "--json", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "batch-1 decode / roofline" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["quick"] and report["decode_only"]
+    r = report["dtypes"]["float32"]
+    assert os.path.isdir(tmp_path / ".cache" / "allspark" / "bench")
+    # bytes per token: every weight once (embedding: one row) + the KV cache, from the model's own parameters
+    assert r["bytes_per_token"] > 4 * r["params_m"] * 1e6 * 0.5
+    for engine in ("allspark", "transformers"):
+        row = r[engine]
+        assert set(row) == {"decode_b1_tps", "decode_b1_roofline", "copy_gbs_at_decode"}
+        assert all(math.isfinite(v) and v > 0 for v in row.values()), row
+        # a fraction of the bandwidth bound; well above 1 would mean bytes per token or bandwidth is miscounted
+        assert row["decode_b1_roofline"] < 2.0
