@@ -48,9 +48,6 @@ void rows_scalar(const float* x, int64_t m_rows, int64_t K, const W* w, int64_t 
 }
 
 // ---- AVX-512 ----------------------------------------------------------------------------------
-// One row of x: one weight row at a time with U independent accumulator chains. Measured on Zen 4:
-// a single sequential stream per thread reaches ~30 GB/s with 2 threads, while interleaving 2..4
-// weight rows (several streams per thread, fewer chains) stalls at ~18-25 GB/s.
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 inline __m512 load16_512(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
 
@@ -60,38 +57,29 @@ inline __m512 load16_512(const uint16_t* p, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// One row of x (batch-1 decode): one weight row at a time, U accumulator chains.
-template <typename W, int MB, int U>
+// One row of x (batch-1 decode): one weight row at a time with U independent accumulator chains.
+// Measured on Zen 4: a single sequential stream per thread reaches ~30 GB/s with 2 threads, while
+// interleaving 2..4 weight rows (several streams per thread, fewer chains) stalls at ~18-25 GB/s.
+template <typename W, int U>
 __attribute__((target("avx512f,avx512bw,avx512vl")))
-void row_avx512(const float* x, int64_t K, const W* wr, float* y, int64_t N) {
-  __m512 acc[MB][U];
-#pragma GCC unroll 16
-  for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 4
-    for (int u = 0; u < U; ++u) acc[i][u] = _mm512_setzero_ps();
+float row_avx512(const float* x, int64_t K, const W* wr) {
+  __m512 acc[U];
+#pragma GCC unroll 8
+  for (int u = 0; u < U; ++u) acc[u] = _mm512_setzero_ps();
   const int64_t KU = K - K % (16 * U);
   int64_t k = 0;
   for (; k < KU; k += 16 * U) {
-#pragma GCC unroll 4
-    for (int u = 0; u < U; ++u) {
-      const __m512 wv = load16_512(wr + k + 16 * u, (__mmask16)0xFFFF);
-#pragma GCC unroll 16
-      for (int i = 0; i < MB; ++i)
-        acc[i][u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * K + k + 16 * u), wv, acc[i][u]);
-    }
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u)
+      acc[u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 16 * u), load16_512(wr + k + 16 * u, (__mmask16)0xFFFF), acc[u]);
   }
   for (; k < K; k += 16) {   // whole 16-blocks left over from the unrolled loop, then a masked tail
     const __mmask16 mask = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
-    const __m512 wv = load16_512(wr + k, mask);
-#pragma GCC unroll 16
-    for (int i = 0; i < MB; ++i) acc[i][0] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + i * K + k), wv, acc[i][0]);
+    acc[0] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + k), load16_512(wr + k, mask), acc[0]);
   }
-#pragma GCC unroll 16
-  for (int i = 0; i < MB; ++i) {
-#pragma GCC unroll 4
-    for (int u = 1; u < U; ++u) acc[i][0] = _mm512_add_ps(acc[i][0], acc[i][u]);
-    y[i * N] = _mm512_reduce_add_ps(acc[i][0]);
-  }
+#pragma GCC unroll 8
+  for (int u = 1; u < U; ++u) acc[0] = _mm512_add_ps(acc[0], acc[u]);
+  return _mm512_reduce_add_ps(acc[0]);
 }
 
 // Several rows of x: each weight load feeds MB FMAs, so the loop is no longer purely a stream; two
@@ -153,7 +141,7 @@ void rows_avx512(const float* x, int64_t m_rows, int64_t K, const W* w, int64_t 
     float* ym = y + m * N;
     const int64_t mb = std::min(MR, m_rows - m);
     if (mb == 1) {
-      for (int64_t n = n0; n < n1; ++n) row_avx512<W, 1, 4>(xm, K, w + n * K, ym + n, N);
+      for (int64_t n = n0; n < n1; ++n) ym[n] = row_avx512<W, 4>(xm, K, w + n * K);
       continue;
     }
     int64_t n = n0;
