@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from allspark_client.config import AsModelRuntimeConfigBuilder
+from allspark_server import ops
 from allspark_server.core.messages import ScheduledChunk
 from allspark_server.dist.comm import LocalComm
 from allspark_server.runner.forward_inputs import RequestMirror, build_forward_inputs
@@ -49,8 +50,19 @@ def hf_logits(model, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens])).logits[0].float()
 
 
+@pytest.fixture(params=["native", "pytorch"])
+def kernels(request, monkeypatch):
+    """Both compute paths: the native kernels, and the pure-PyTorch references that machines without
+    the native build run (ops.native() returning None is exactly that case)."""
+    if request.param == "pytorch":
+        monkeypatch.setattr(ops, "native", lambda: None)
+    elif ops.native() is None:
+        pytest.skip("native kernels not built")
+    return request.param
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_fp32_logits_match_transformers(tiny_models, tmp_path, variant):
+def test_fp32_logits_match_transformers(tiny_models, tmp_path, variant, kernels):
     tm = tiny_models[variant]
     prompt = random_prompt(PROMPT_LEN, seed=1)
     tokens = prompt + hf_greedy(tm.model, prompt, DECODE_STEPS)
@@ -72,7 +84,7 @@ def bf16_logprob_tolerance(logits: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_bf16_top1_and_logprobs_match_transformers(tmp_path, variant):
+def test_bf16_top1_and_logprobs_match_transformers(tmp_path, variant, kernels):
     hf_dir = str(tmp_path / "hf")
     build_tiny_model(hf_dir, variant, seed=7, weight_scale=0.08, tokenizer=False)
     # loaded the way HF users run bf16 (rotary frequencies stay fp32, unlike model.to(bfloat16))
