@@ -25,17 +25,32 @@ namespace {
 inline float to_f(float v) { return v; }
 inline float to_f(at::BFloat16 v) { return static_cast<float>(v); }
 
+// the G query heads that share KV head g, as fp32 rows [G, D]
+template <typename T>
+__attribute__((always_inline)) inline void group_query(const T* q, int64_t D, int64_t G, int64_t g, float* qf) {
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t d = 0; d < D; ++d) qf[h * D + d] = to_f(q[(g * G + h) * D + d]);
+}
+
+// out rows of the group = acc / softmax sum, rounded once into the activation dtype
+template <typename T>
+__attribute__((always_inline)) inline void group_output(const float* acc, const float* inv_sum, int64_t D, int64_t G,
+                                                        int64_t g, T* out) {
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t d = 0; d < D; ++d) out[(g * G + h) * D + d] = static_cast<T>(acc[h * D + d] * inv_sum[h]);
+}
+
+// the cache slot of the sequence's t-th token
+inline int64_t slot_of(const int64_t* spans, int64_t t, int64_t P) { return spans[t / P] * P + t % P; }
+
 template <typename T>
 __attribute__((always_inline)) inline void attend(const T* q, const T* k_cache, const T* v_cache,
                                                   const int64_t* spans, int64_t ctx, int64_t P, int64_t KVH,
                                                   int64_t D, int64_t G, int64_t g, float scale, T* out,
                                                   float* scores, float* qf, float* acc, float* inv_sum) {
-  // q rows of this group: heads g*G .. g*G+G-1
-  for (int64_t h = 0; h < G; ++h)
-    for (int64_t d = 0; d < D; ++d) qf[h * D + d] = to_f(q[(g * G + h) * D + d]);
+  group_query(q, D, G, g, qf);
   for (int64_t t = 0; t < ctx; ++t) {
-    const int64_t slot = spans[t / P] * P + t % P;
-    const T* kr = k_cache + (slot * KVH + g) * D;
+    const T* kr = k_cache + (slot_of(spans, t, P) * KVH + g) * D;
     for (int64_t h = 0; h < G; ++h) {
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -59,8 +74,7 @@ __attribute__((always_inline)) inline void attend(const T* q, const T* k_cache, 
   }
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t t = 0; t < ctx; ++t) {
-    const int64_t slot = spans[t / P] * P + t % P;
-    const T* vr = v_cache + (slot * KVH + g) * D;
+    const T* vr = v_cache + (slot_of(spans, t, P) * KVH + g) * D;
     for (int64_t h = 0; h < G; ++h) {
       const float p = scores[h * ctx + t];
       float* a = acc + h * D;
@@ -68,8 +82,7 @@ __attribute__((always_inline)) inline void attend(const T* q, const T* k_cache, 
       for (int64_t d = 0; d < D; ++d) a[d] += p * to_f(vr[d]);
     }
   }
-  for (int64_t h = 0; h < G; ++h)
-    for (int64_t d = 0; d < D; ++d) out[(g * G + h) * D + d] = static_cast<T>(acc[h * D + d] * inv_sum[h]);
+  group_output(acc, inv_sum, D, G, g, out);
 }
 
 #define ATTEND_ARGS                                                                                         \
@@ -127,11 +140,9 @@ template <typename T>
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 void attend_avx512_d16(ATTEND_ARGS) {
   const int64_t ND = D / 16;
-  for (int64_t h = 0; h < G; ++h)
-    for (int64_t d = 0; d < D; ++d) qf[h * D + d] = to_f(q[(g * G + h) * D + d]);
+  group_query(q, D, G, g, qf);
   for (int64_t t = 0; t < ctx; ++t) {
-    const int64_t slot = spans[t / P] * P + t % P;
-    const T* kr = k_cache + (slot * KVH + g) * D;
+    const T* kr = k_cache + (slot_of(spans, t, P) * KVH + g) * D;
     for (int64_t h = 0; h < G; ++h) {
       const float* qh = qf + h * D;
       __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
@@ -164,8 +175,7 @@ void attend_avx512_d16(ATTEND_ARGS) {
   }
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t t = 0; t < ctx; ++t) {
-    const int64_t slot = spans[t / P] * P + t % P;
-    const T* vr = v_cache + (slot * KVH + g) * D;
+    const T* vr = v_cache + (slot_of(spans, t, P) * KVH + g) * D;
     for (int64_t j = 0; j < ND; ++j) {
       const __m512 v = load16(vr + 16 * j);
       for (int64_t h = 0; h < G; ++h) {
@@ -174,8 +184,7 @@ void attend_avx512_d16(ATTEND_ARGS) {
       }
     }
   }
-  for (int64_t h = 0; h < G; ++h)
-    for (int64_t d = 0; d < D; ++d) out[(g * G + h) * D + d] = static_cast<T>(acc[h * D + d] * inv_sum[h]);
+  group_output(acc, inv_sum, D, G, g, out);
 }
 
 template <typename T>
