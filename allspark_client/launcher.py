@@ -216,8 +216,13 @@ def main(argv=None) -> int:
               f"numactl {'yes' if numactl else 'no'}, isa {env['ALLSPARK_ISA'] or 'unknown'}")
         print(shlex.join(build_command(args, placements, flavour, numactl)))
         return 0
-    pid_dir = tempfile.mkdtemp(prefix="allspark-launch-")
-    args.pid_file = os.path.join(pid_dir, "rank0.pid")
+    run_dir = tempfile.mkdtemp(prefix="allspark-launch-")
+    args.pid_file = os.path.join(run_dir, "rank0.pid")
+    # MPI's session files (PMIx sockets, shared-memory segments) go in this pool's own directory,
+    # removed when the pool ends: Open MPI names them /tmp/ompi.<mpirun pid>, and a pool killed
+    # outright leaves its directory behind, where a later mpirun that happens to get the same pid
+    # fails with "The PMIx server's listener thread failed to start" (seen after ~100 killed pools)
+    env["TMPDIR"] = run_dir
     cmd = build_command(args, placements, flavour, numactl)
     # own session: terminal signals reach us, not mpirun; parent-death signal: if the launcher is
     # killed outright, mpirun gets SIGTERM and takes the ranks down instead of orphaning the pool
@@ -234,7 +239,7 @@ def main(argv=None) -> int:
     try:
         return proc.wait()
     finally:
-        shutil.rmtree(pid_dir, ignore_errors=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
