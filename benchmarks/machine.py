@@ -27,15 +27,13 @@ def stream_bandwidth(repeats: int = 7) -> dict:
     a = torch.ones(ARRAY_FLOATS)
     b = torch.full_like(a, 2.0)
     c = torch.empty_like(a)
-    nbytes = a.numel() * 4
-    copy = 2 * nbytes / _median_time(lambda: c.copy_(a), repeats)
-    triad = 3 * nbytes / _median_time(lambda: torch.add(b, c, alpha=3.0, out=a), repeats)
-    return {"copy_gbs": copy / 1e9, "triad_gbs": triad / 1e9}
+    triad = 3 * a.numel() * 4 / _median_time(lambda: torch.add(b, c, alpha=3.0, out=a), repeats)
+    return {"copy_gbs": copy_bandwidth(repeats), "triad_gbs": triad / 1e9}
 
 
 def copy_bandwidth(repeats: int = 5) -> float:
-    """Copy GB/s right now: measured next to each decode run, so a run's roofline uses the bandwidth
-    the machine had at that moment."""
+    """Copy GB/s right now (also measured next to each decode run, so a run's roofline uses the
+    bandwidth the machine had at that moment)."""
     a = torch.ones(ARRAY_FLOATS)
     c = torch.empty_like(a)
     return 2 * a.numel() * 4 / _median_time(lambda: c.copy_(a), repeats) / 1e9

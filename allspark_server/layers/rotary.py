@@ -1,7 +1,8 @@
 """Rotary position embedding with HF's rope types: default, linear and llama3 frequency scaling.
 
 Builds a cos/sin table once (fp32, like HF, then cast to the activation dtype); each step looks up
-its positions' rows once and every layer applies them. Unknown rope types are rejected when the model is built.
+its positions' rows once and every layer applies them with `ops.rotary` (q and k in one call).
+Unknown rope types are rejected when the model is built.
 """
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ from typing import Optional
 
 import torch
 from torch import nn
-
-from allspark_server import ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -53,7 +52,3 @@ class RotaryEmbedding(nn.Module):
         """The [T, 1, D] cos and sin rows of `positions`, in `dtype` (once per step, shared by all layers)."""
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q [T, h, D], k [T, kvh, D] rotated by cos/sin [T, 1, D] (ops.rotary: one fused call)."""
-    return ops.rotary(q, k, cos, sin)

@@ -11,11 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from allspark_server import ops
 from allspark_server.layers.attention import PagedAttention
 from allspark_server.layers.embedding import Embedding, ParallelLMHead
 from allspark_server.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from allspark_server.layers.norm import RMSNorm
-from allspark_server.layers.rotary import RotaryEmbedding, apply_rotary
+from allspark_server.layers.rotary import RotaryEmbedding
 from allspark_server.loader.sharding import SplitMode, TPLayout
 from allspark_server.models.args import ModelArgs
 from allspark_server.runner.forward_inputs import ForwardInputs
@@ -48,7 +49,7 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)                       # [T, h, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)                    # [T, kvh, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, *rope)
+        q, k = ops.rotary(q, k, *rope)
         o = self.attn(q, k, v, k_cache, v_cache, inputs.attn)              # [T, h*D]
         return self.o_proj(o)                                              # [T, H]
 
