@@ -40,9 +40,9 @@ def llama(tiny_models) -> TinyModel:
 @pytest.fixture(scope="session")
 def served_llama(llama, tmp_path_factory):
     """A started Engine serving the GQA Llama model as 'llama' (shared; tests must release requests)."""
-    from helpers import serialize, start_engine
+    from helpers import LONG_RUN_MAX_LENGTH, serialize, start_engine
     loader = serialize(llama.hf_dir, "llama", str(tmp_path_factory.mktemp("as")))
-    engine = start_engine(loader, "llama", max_batch=8, max_length=1024)
+    engine = start_engine(loader, "llama", max_batch=8, max_length=LONG_RUN_MAX_LENGTH)
     yield engine, loader
     engine.sync_request("llama")
 
@@ -52,11 +52,11 @@ def pool(llama, tmp_path_factory):
     """A real 2-rank pool (mpirun via allspark-launch), reached through ClientEngine, serving the
     GQA Llama model as 'llama'. Shared by the whole session: tests release what they start."""
     from allspark_client import ClientEngine
-    from helpers import serialize
+    from helpers import LONG_RUN_MAX_LENGTH, serialize
     loader = serialize(llama.hf_dir, "llama", str(tmp_path_factory.mktemp("pool")))
     client = ClientEngine(ranks=2)
     cfg = (loader.create_reference_runtime_config_builder("llama", "cpu", [0], max_batch=8)
-           .max_length(1024).kv_cache_span_size(16).build())
+           .max_length(LONG_RUN_MAX_LENGTH).kv_cache_span_size(16).build())
     client.install_model(cfg)
     client.start_model("llama")
     yield client, loader

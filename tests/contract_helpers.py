@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 from allspark_client import AsStatus, GenerateRequestStatus
-from helpers import collect, hf_ref, random_prompt
+from helpers import LONG_RUN_MAX_LENGTH, LONG_RUN_TOKENS, collect, hf_ref, random_prompt
 
 NAME = "llama"
-ENGINE_MAX_LENGTH = 1024
+ENGINE_MAX_LENGTH = LONG_RUN_MAX_LENGTH      # served_llama and the pool fixture
 VOCAB = 512
 HANG_S = 120.0                  # generous: only turns a hang into a failure
 S = GenerateRequestStatus

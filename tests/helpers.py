@@ -9,6 +9,13 @@ import torch
 from allspark_client import GenerateRequestStatus, ResultQueue
 from allspark_server import Engine, HuggingFaceModel, TargetDevice
 
+# Tests that act on a request while it still generates (stop it, kill a rank, kill its client) start one of
+# LONG_RUN_TOKENS: ~7 s of tiny-model decoding on 2 cores, far beyond any stall of a loaded CI machine (a
+# 400-token request, ~0.3 s, once finished before the test's next call). They end it themselves, so the length
+# costs no time. The engine or pool must allow LONG_RUN_MAX_LENGTH.
+LONG_RUN_TOKENS = 8000
+LONG_RUN_MAX_LENGTH = 8192
+
 
 def serialize(hf_dir: str, name: str, out_dir: str, dtype: str = "float32") -> HuggingFaceModel:
     loader = HuggingFaceModel(hf_dir, name, user_set_data_type=dtype)

@@ -14,8 +14,8 @@ import allspark_client
 import allspark_client.client as client_module
 from allspark_client import AsException, AsStatus, RequestHandle, ResultQueue
 from allspark_client.config import AsModelRuntimeConfigBuilder
-from contract_helpers import (ENGINE_MAX_LENGTH, GREEDY, HANG_S, ILLEGAL, NAME, OK, PARAM, PROBE, VOCAB, S,
-                              assert_serves, is_pool, own_model_cfg, refused, run)
+from contract_helpers import (ENGINE_MAX_LENGTH, GREEDY, HANG_S, ILLEGAL, LONG_RUN_TOKENS, NAME, OK, PARAM, PROBE,
+                              VOCAB, S, assert_serves, is_pool, own_model_cfg, refused, run)
 from helpers import hf_ref, random_prompt
 
 
@@ -196,10 +196,13 @@ def test_identity(api):
 # stop / release / sync
 # ------------------------------------------------------------------------------------------------
 
+LONG = dict(GREEDY, max_new_tokens=LONG_RUN_TOKENS)      # runs until the test stops it
+
+
 def test_stop_mid_stream(api):
     engine, _, hf = api
     prompt = random_prompt(8, seed=7401)
-    status, handle, queue = engine.start_request(NAME, {"input_ids": prompt}, dict(GREEDY, max_new_tokens=400))
+    status, handle, queue = engine.start_request(NAME, {"input_ids": prompt}, LONG)
     assert status == OK
     try:
         first = queue.GetWithTimeout(int(HANG_S * 1000))
@@ -212,7 +215,7 @@ def test_stop_mid_stream(api):
         tokens = list(first.ids_from_generate)
         while (el := queue.GetNoWait()) is not None:
             tokens.extend(el.ids_from_generate)
-        assert len(tokens) == n < 400
+        assert len(tokens) == n < LONG_RUN_TOKENS, "the request ended before stop_request reached it"
         k = min(n, 48)
         assert tokens[:k] == hf_ref(hf, prompt, 48)[:k]
         assert_serves(engine, hf)             # time passes, other requests run: the stopped one stays still
@@ -231,7 +234,7 @@ def test_stop_request_is_final_when_it_returns(api, request, monkeypatch):
     engine, _, hf = api
     monkeypatch.setattr(client_module, "ResultQueue", DelayedTerminalQueue)
     prompt = random_prompt(8, seed=7402)
-    status, handle, queue = engine.start_request(NAME, {"input_ids": prompt}, dict(GREEDY, max_new_tokens=400))
+    status, handle, queue = engine.start_request(NAME, {"input_ids": prompt}, LONG)
     assert status == OK
     try:
         assert queue.GetWithTimeout(int(HANG_S * 1000)) is not None

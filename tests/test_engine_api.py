@@ -5,12 +5,15 @@ import json
 import re
 import subprocess
 import sys
+import threading
+import time
 
 import allspark_server.engine as engine_module
 from allspark_client import AsStatus, GenerateRequestStatus
-from helpers import RecordingQueue, collect, generate, hf_greedy, random_prompt
+from helpers import LONG_RUN_MAX_LENGTH, LONG_RUN_TOKENS, RecordingQueue, collect, generate, hf_greedy, random_prompt
 
 S = GenerateRequestStatus
+HANG_S = 120.0
 
 
 def test_status_sequence_and_stat_info(served_llama, monkeypatch):
@@ -34,13 +37,21 @@ def test_status_sequence_and_stat_info(served_llama, monkeypatch):
 def test_waiting_request_is_init_and_sync_waits(served_llama, tmp_path):
     from helpers import start_engine
     _, loader = served_llama
-    engine = start_engine(loader, "one", max_batch=1)
-    gen = {"top_k": 1, "max_new_tokens": 300, "eos_token_id": []}
+    engine = start_engine(loader, "one", max_batch=1, max_length=LONG_RUN_MAX_LENGTH)
+    gen = {"top_k": 1, "max_new_tokens": LONG_RUN_TOKENS, "eos_token_id": []}
     _, h1, q1 = engine.start_request("one", {"input_ids": random_prompt(8, 1)}, gen)
     _, h2, q2 = engine.start_request("one", {"input_ids": random_prompt(8, 2)}, dict(gen, max_new_tokens=3))
     assert q2.GenerateStatus() == S.Init             # max_batch=1: it waits for the first
     assert engine.get_as_engine_stat("one").pendding_request >= 1
-    assert engine.sync_request("one", h2) == AsStatus.ALLSPARK_SUCCESS
+    synced = []
+    syncer = threading.Thread(target=lambda: synced.append(engine.sync_request("one", h2)))
+    syncer.start()
+    time.sleep(0.2)
+    assert not synced, "sync_request returned while its request was still waiting"
+    assert q2.GenerateStatus() == S.Init
+    assert engine.stop_request("one", h1) == AsStatus.ALLSPARK_SUCCESS      # frees the one batch slot
+    syncer.join(HANG_S)
+    assert synced == [AsStatus.ALLSPARK_SUCCESS]
     assert q1.GenerateStatus() == S.GenerateFinished and q2.GenerateStatus() == S.GenerateFinished
     assert len(q2.GetNoWait().ids_from_generate) == 3
     assert engine.sync_request("one", None) == AsStatus.ALLSPARK_SUCCESS

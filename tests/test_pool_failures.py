@@ -14,7 +14,7 @@ import pytest
 from allspark_client import GenerateRequestStatus
 from allspark_client.client import PoolUnavailable
 from allspark_client.types import AsStatus
-from helpers import collect, hf_greedy, random_prompt
+from helpers import LONG_RUN_MAX_LENGTH, LONG_RUN_TOKENS, collect, hf_greedy, random_prompt
 from pool_helpers import MODEL, client_greedy, cmdline, greedy_cfg, install, read_at_least, wait_until
 
 
@@ -22,12 +22,13 @@ from pool_helpers import MODEL, client_greedy, cmdline, greedy_cfg, install, rea
 def test_kill_rank1_during_stream_fails_fast(new_pool, loader):
     pool = new_pool()
     client = pool.client()
-    install(client, loader)
+    install(client, loader, max_length=LONG_RUN_MAX_LENGTH)
     rank0 = [p for p in pool.ranks() if p.pid == client.health.pid]
     rank1 = [p for p in pool.ranks() if p.pid != client.health.pid]
     assert len(rank0) == 1 and len(rank1) == 1, [(p.pid, cmdline(p)) for p in pool.ranks()]
 
-    status, handle, queue = client.start_request(MODEL, {"input_ids": random_prompt(8, seed=11)}, greedy_cfg(900))
+    status, handle, queue = client.start_request(MODEL, {"input_ids": random_prompt(8, seed=11)},
+                                                 greedy_cfg(LONG_RUN_TOKENS))
     assert status == AsStatus.ALLSPARK_SUCCESS, client.get_last_error()
     read_at_least(queue, 3)
     assert not queue.GenerateStatus().is_terminal, "the request must still be running when rank 1 dies"
@@ -101,11 +102,11 @@ def test_kill_rank1_during_stream_fails_fast(new_pool, loader):
 def test_sigterm_stops_streams_cleanly(new_pool, loader, llama):
     pool = new_pool()
     client = pool.client()
-    install(client, loader)
+    install(client, loader, max_length=LONG_RUN_MAX_LENGTH)
     prompts = [random_prompt(8, seed=21), random_prompt(12, seed=22)]
     started = []
     for ids in prompts:
-        status, handle, queue = client.start_request(MODEL, {"input_ids": ids}, greedy_cfg(1000))
+        status, handle, queue = client.start_request(MODEL, {"input_ids": ids}, greedy_cfg(LONG_RUN_TOKENS))
         assert status == AsStatus.ALLSPARK_SUCCESS, client.get_last_error()
         started.append((ids, handle, queue))
     firsts = [read_at_least(queue, 3) for _, _, queue in started]
@@ -117,7 +118,7 @@ def test_sigterm_stops_streams_cleanly(new_pool, loader, llama):
         rest, _, final = collect(queue, timeout_s=30)
         tokens = first + rest
         assert final == GenerateRequestStatus.GenerateFinished, (final, queue.ErrorMessage())
-        assert 3 <= len(tokens) < 1000, len(tokens)
+        assert 3 <= len(tokens) < LONG_RUN_TOKENS, len(tokens)
         assert tokens == hf_greedy(llama.model, ids, len(tokens))
     try:
         code = pool.proc.wait(timeout=30)

@@ -15,7 +15,7 @@ import pytest
 from allspark_client import GenerateRequestStatus
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client.types import AsStatus
-from helpers import collect, hf_greedy, random_prompt
+from helpers import LONG_RUN_MAX_LENGTH, LONG_RUN_TOKENS, collect, hf_greedy, random_prompt
 from pool_helpers import MODEL, REPO, client_greedy, greedy_cfg, install, read_at_least, repo_env, wait_until
 
 
@@ -212,7 +212,7 @@ DYING_CLIENT_SCRIPT = textwrap.dedent("""
     from allspark_client import ClientEngine
     client = ClientEngine(sys.argv[1], start_timeout_s=60)
     status, handle, queue = client.start_request("llama", {"input_ids": [5, 6, 7]},
-                                                 {"top_k": 1, "max_new_tokens": 1000, "eos_token_id": []})
+                                                 {"top_k": 1, "max_new_tokens": int(sys.argv[2]), "eos_token_id": []})
     assert status == 0, client.get_last_error()
     queue.Get()
     print("STREAMING", flush=True)
@@ -223,7 +223,7 @@ DYING_CLIENT_SCRIPT = textwrap.dedent("""
 def test_second_client_process_alongside(new_pool, loader, llama):
     pool = new_pool()
     client = pool.client()
-    install(client, loader)
+    install(client, loader, max_length=LONG_RUN_MAX_LENGTH)
     mine = random_prompt(9, seed=51)
     theirs = [random_prompt(6, seed=52), random_prompt(11, seed=53)]
     n_theirs = 24
@@ -243,7 +243,7 @@ def test_second_client_process_alongside(new_pool, loader, llama):
         else:
             pytest.fail("the other client exited before connecting:\n" + "".join(early))
         # a long request of ours runs the whole time the other process works
-        status, handle, queue = client.start_request(MODEL, {"input_ids": mine}, greedy_cfg(1000))
+        status, handle, queue = client.start_request(MODEL, {"input_ids": mine}, greedy_cfg(LONG_RUN_TOKENS))
         assert status == AsStatus.ALLSPARK_SUCCESS, client.get_last_error()
         tokens = read_at_least(queue, 2)
         other.stdin.write("go\n")
@@ -273,8 +273,8 @@ def test_second_client_process_alongside(new_pool, loader, llama):
     assert tokens == hf_greedy(llama.model, mine, len(tokens))
 
     # a client process that dies mid-stream has its request released; the pool serves on
-    dying = subprocess.Popen([sys.executable, "-c", DYING_CLIENT_SCRIPT, pool.address], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    dying = subprocess.Popen([sys.executable, "-c", DYING_CLIENT_SCRIPT, pool.address, str(LONG_RUN_TOKENS)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
     try:
         line = dying.stdout.readline()
         assert line.startswith("STREAMING"), line + dying.stdout.read() if dying.poll() is not None else line
