@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from allspark_server.runner import hugepages
+
 
 def bytes_per_span(num_layers: int, span_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
@@ -18,5 +20,6 @@ class KVCache:
                  dtype: torch.dtype):
         self.num_spans, self.span_size = num_spans, span_size
         shape = (num_spans, span_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        pages = hugepages.zeros({f"{kv}{i}": (shape, dtype) for i in range(num_layers) for kv in "kv"})
+        self.k = [pages[f"k{i}"] for i in range(num_layers)]
+        self.v = [pages[f"v{i}"] for i in range(num_layers)]

@@ -19,6 +19,7 @@ from allspark_server.loader.sharding import TPLayout
 from allspark_server.loader.weights import to_model_state
 from allspark_server.models.registry import model_class_and_rules
 from allspark_server.runner.forward_inputs import RequestMirror, build_forward_inputs
+from allspark_server.runner.hugepages import to_hugepages
 from allspark_server.runner.kv_cache import KVCache, bytes_per_span
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,8 @@ class ModelRunner:
         model_cls, _ = model_class_and_rules(args.architecture)
         self.dtype = self.model_file.dtype
         self.model = model_cls(args, self.tp, comm, self.dtype, max_positions=cfg.engine_max_length)
-        shard = read_rank_shard(self.model_file, self.tp)
-        self.model.load_state_dict(to_model_state(self.model, shard), strict=True, assign=True)
+        state = to_hugepages(to_model_state(self.model, read_rank_shard(self.model_file, self.tp)))
+        self.model.load_state_dict(state, strict=True, assign=True)
         self.model.eval()
         self.span_size = cfg.cache_span_size
         self.span_bytes = bytes_per_span(args.num_layers, self.span_size, self.tp.local_kv_heads, args.head_dim,
