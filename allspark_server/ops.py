@@ -121,3 +121,75 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if ext is None or q.dtype not in (torch.float32, torch.bfloat16):
         return decode_attention_reference(q, k_cache, v_cache, spans, ctx, scale)
     return ext.decode_attention(q, k_cache, v_cache, spans, ctx, scale, isa_level())
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """HF's `act(gate) * up` on the merged [T, 2I] projection -> [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    ext = native()
+    if ext is None or gate_up.dim() != 2 or gate_up.dtype not in (torch.float32, torch.bfloat16):
+        return silu_mul_reference(gate_up)
+    return ext.silu_mul(gate_up, isa_level())
+
+
+def store_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slots: torch.Tensor) -> None:
+    """Write k, v [T, KVH, D] (or [T, KVH * D]) into cache slots [T] of caches [S, P, KVH, D]."""
+    kvh, d = k_cache.shape[2:]
+    k_cache.view(-1, kvh, d).index_copy_(0, slots, k.reshape(-1, kvh, d))
+    v_cache.view(-1, kvh, d).index_copy_(0, slots, v.reshape(-1, kvh, d))
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    ext = native()
+    if ext is None or k.dtype != k_cache.dtype or v.dtype != k_cache.dtype or v.stride(-1) != 1:
+        return store_kv_reference(k, v, k_cache, v_cache, slots)
+    t = slots.shape[0]
+    ext.store_kv(k, v.reshape(t, -1), k_cache, v_cache, slots)
+
+
+# ---- fused decode blocks (native/decode_block.cpp): each half of a decoder layer in one call -------------
+
+def decode_attention_block_reference(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads, num_kv_heads,
+                                     cos, sin, k_cache, v_cache, slots, spans, ctx, scale, o_weight):
+    """The unfused ops in sequence: norm(x + residual), q|k|v projection, rotary, cache write, decode
+    attention, o projection. Returns (o . W_o^T before any allreduce, x + residual)."""
+    h, s = rms_norm_reference(x, norm_weight, eps, residual)
+    b, d = x.shape[0], k_cache.shape[-1]
+    q, k, v = linear_reference(h, qkv_weight, qkv_bias).split([num_heads * d, num_kv_heads * d, num_kv_heads * d], -1)
+    q, k = rotary_reference(q.view(b, num_heads, d), k.view(b, num_kv_heads, d), cos, sin)
+    store_kv_reference(k, v, k_cache, v_cache, slots)
+    o = decode_attention_reference(q, k_cache, v_cache, spans, ctx, scale)
+    return linear_reference(o.reshape(b, num_heads * d), o_weight), s
+
+
+def decode_attention_block(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads, num_kv_heads,
+                           cos, sin, k_cache, v_cache, slots, spans, ctx, scale, o_weight):
+    ext = native()
+    if (ext is None or x.dtype not in NATIVE_MAX_ROWS or k_cache.shape[-1] % 2
+            or any(t.dtype != x.dtype for t in (qkv_weight, o_weight, k_cache, cos))):
+        return decode_attention_block_reference(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads,
+                                                num_kv_heads, cos, sin, k_cache, v_cache, slots, spans, ctx,
+                                                scale, o_weight)
+    return ext.decode_attention_block(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads, num_kv_heads,
+                                      cos, sin, k_cache, v_cache, slots, spans, ctx, scale, o_weight, isa_level(),
+                                      NATIVE_MAX_ROWS[x.dtype])
+
+
+def decode_mlp_block_reference(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight):
+    """norm(x + residual), gate|up projection, silu(gate) * up, down projection: (down output, x + residual)."""
+    h, s = rms_norm_reference(x, norm_weight, eps, residual)
+    return linear_reference(silu_mul_reference(linear_reference(h, gate_up_weight, gate_up_bias)), down_weight), s
+
+
+def decode_mlp_block(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight):
+    ext = native()
+    if ext is None or x.dtype not in NATIVE_MAX_ROWS or any(t.dtype != x.dtype for t in (gate_up_weight, down_weight)):
+        return decode_mlp_block_reference(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight)
+    return ext.decode_mlp_block(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight, isa_level(),
+                                NATIVE_MAX_ROWS[x.dtype])

@@ -2,15 +2,7 @@
 // its layouts). Python reaches them only through allspark_server/ops.py.
 #include <torch/extension.h>
 
-#include <optional>
-
-torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, int64_t isa);
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor spans,
-                               torch::Tensor ctx, double scale, int64_t isa);
-std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
-                                                  std::optional<torch::Tensor> residual);
-std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos,
-                                                torch::Tensor sin);
+#include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_small_m", &linear_small_m, "y = x @ w.T (+ bias) for few rows of x (fp32 accumulation)",
@@ -22,4 +14,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual"));
   m.def("rotary", &rotary, "(q, k) rotated by cos/sin rows, HF's rotate-half formula",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("cos"), pybind11::arg("sin"));
+  m.def("silu_mul", &silu_mul, "silu(gate) * up for gate_up [T, 2I], HF's roundings", pybind11::arg("gate_up"),
+        pybind11::arg("isa"));
+  m.def("store_kv", &store_kv, "write k [B, KVH, D] and v [B, KVH*D] rows into their cache slots",
+        pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        pybind11::arg("slots"));
+  m.def("decode_attention_block", &decode_attention_block,
+        "norm, qkv, rotary, cache write, attention, o projection for a decode-only step (decode_block.cpp)",
+        pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("norm_weight"), pybind11::arg("eps"),
+        pybind11::arg("qkv_weight"), pybind11::arg("qkv_bias"), pybind11::arg("num_heads"),
+        pybind11::arg("num_kv_heads"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("k_cache"),
+        pybind11::arg("v_cache"), pybind11::arg("slots"), pybind11::arg("spans"), pybind11::arg("ctx"),
+        pybind11::arg("scale"), pybind11::arg("o_weight"), pybind11::arg("isa"), pybind11::arg("native_rows"));
+  m.def("decode_mlp_block", &decode_mlp_block, "norm, gate/up, silu*mul, down projection for a decode-only step",
+        pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("norm_weight"), pybind11::arg("eps"),
+        pybind11::arg("gate_up_weight"), pybind11::arg("gate_up_bias"), pybind11::arg("down_weight"),
+        pybind11::arg("isa"), pybind11::arg("native_rows"));
 }

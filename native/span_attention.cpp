@@ -20,6 +20,8 @@
 #include <cstring>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
 inline float to_f(float v) { return v; }
@@ -100,41 +102,9 @@ void attend_portable(ATTEND_ARGS) { attend<T>(ATTEND_CALL); }
 // AVX-512 for head dims that are multiples of 16 (64, 128, ...): the same algorithm and roundings as
 // attend() above, written with intrinsics because the compiler's version of the loops (a horizontal
 // reduction per key and head, scalar exp) took ~260 us for 1000 keys x 12 heads x 128 dims.
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// exp(x) for x <= 0: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-7 Taylor (< 1e-8 relative)
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// fp32 -> bf16 -> fp32 with round-to-nearest-even (no NaNs here: softmax weights are in [0, 1])
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-inline __m512 round_to_bf16(__m512 v) {
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb);
-  return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
+using simd::exp_nonpositive;
+using simd::load16;
+using simd::round_to_bf16;
 
 template <typename T>
 __attribute__((target("avx512f,avx512bw,avx512vl")))

@@ -130,3 +130,110 @@ def test_rotary_equals_transformers(dtype):
         q_hf, k_hf = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None, :, 0],
                                           sin[None, :, 0])
         assert torch.equal(qo, q_hf[0].transpose(0, 1)) and torch.equal(ko, k_hf[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", isa_levels())
+def test_silu_mul_matches_transformers_mlp_activation(dtype, isa):
+    from transformers.activations import ACT2FN
+    g = torch.Generator().manual_seed(5)
+    for rows, inter in ((1, 1), (2, 15), (3, 16), (5, 17), (64, 1037), (1, 4096)):
+        gate_up = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype)
+        gate_up[0, :min(inter, 6)] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e4, -1e4])[:min(inter, 6)].to(dtype)
+        out = ops.native().silu_mul(gate_up, isa)
+        gate, up = gate_up.chunk(2, dim=-1)
+        hf = ACT2FN["silu"](gate) * up                      # LlamaMLP: act_fn(gate_proj(x)) * up_proj(x)
+        assert out.dtype == dtype and out.shape == (rows, inter) and torch.isfinite(out).all()
+        exact = torch.nn.functional.silu(gate.double()) * up.double()
+        if dtype == torch.float32:
+            assert ((out.double() - exact).abs() <= exact.abs() * 1e-6 + 1e-30).all()
+        else:
+            # silu's result is rounded to bf16 before the product, as in HF: compare with HF itself; a last-bit
+            # difference in fp32 exp may flip a rounding, so allow a rare 1-ulp (2^-7 relative) difference
+            differ = out != hf
+            assert differ.float().mean().item() <= 1e-3
+            assert ((out.double() - hf.double()).abs() <= hf.double().abs() * 2.0 ** -7).all()
+
+
+def test_store_kv_writes_each_slot():
+    g = torch.Generator().manual_seed(6)
+    for dtype in (torch.float32, torch.bfloat16):
+        k_cache = torch.zeros(9, 16, 2, 24, dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
+        qkv = torch.randn(5, (6 + 2 * 2) * 24, generator=g).to(dtype)
+        k = qkv[:, 6 * 24:8 * 24].reshape(5, 2, 24).contiguous()
+        v = qkv[:, 8 * 24:]                                  # a strided view, as in the model
+        slots = torch.randperm(9 * 16, generator=g)[:5]
+        ops.native().store_kv(k, v, k_cache, v_cache, slots)
+        k_ref, v_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+        ops.store_kv_reference(k, v, k_ref, v_ref, slots)
+        assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+        assert k_cache.flatten(0, 1)[slots].abs().sum() > 0
+        with pytest.raises(RuntimeError, match="outside the cache"):
+            ops.native().store_kv(k, v, k_cache, v_cache, torch.tensor([0, 1, 2, 3, 9 * 16]))
+
+
+def _decode_layer_case(dtype, rows, heads, kv_heads, d, bias, g):
+    hidden, inter, span_size, num_spans = heads * d + 8, 3 * d + 5, 16, 24
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+    ctx = torch.tensor([1, 17, 33, 5, 60, 2, 31, 16, 9, 40][:rows])
+    spans = torch.stack([torch.randperm(num_spans, generator=g)[:4] for _ in range(rows)])
+    slots = torch.stack([spans[b, (c - 1) // span_size] * span_size + (c - 1) % span_size for b, c in enumerate(ctx)])
+    angles = torch.rand(rows, d // 2, generator=g) * 50
+    emb = torch.cat((angles, angles), dim=-1)
+    return dict(
+        x=rand(rows, hidden), residual=rand(rows, hidden), norm1=rand(hidden).abs() + 0.5,
+        norm2=rand(hidden).abs() + 0.5, eps=1e-6, qkv_w=rand((heads + 2 * kv_heads) * d, hidden, scale=0.2),
+        qkv_b=rand((heads + 2 * kv_heads) * d) if bias else None, o_w=rand(hidden, heads * d, scale=0.2),
+        gate_up_w=rand(2 * inter, hidden, scale=0.2), gate_up_b=rand(2 * inter) if bias else None,
+        down_w=rand(hidden, inter, scale=0.2), k_cache=rand(num_spans, span_size, kv_heads, d),
+        v_cache=rand(num_spans, span_size, kv_heads, d), cos=emb.cos().to(dtype)[:, None],
+        sin=emb.sin().to(dtype)[:, None], slots=slots, spans=spans, ctx=ctx, scale=d ** -0.5)
+
+
+def _attention_block(c, fn, k_cache, v_cache, heads, kv_heads):
+    return fn(c["x"], c["residual"], c["norm1"], c["eps"], c["qkv_w"], c["qkv_b"], heads, kv_heads, c["cos"],
+              c["sin"], k_cache, v_cache, c["slots"], c["spans"], c["ctx"], c["scale"], c["o_w"])
+
+
+def _unfused_attention_block(x, residual, norm_w, eps, qkv_w, qkv_b, heads, kv_heads, cos, sin, k_cache, v_cache,
+                             slots, spans, ctx, scale, o_w):
+    """The model's unfused op sequence (each op native where it can be)."""
+    h, s = ops.rms_norm(x, norm_w, eps, residual)
+    b, d = x.shape[0], k_cache.shape[-1]
+    q, k, v = ops.linear(h, qkv_w, qkv_b).split([heads * d, kv_heads * d, kv_heads * d], -1)
+    q, k = ops.rotary(q.view(b, heads, d), k.view(b, kv_heads, d), cos, sin)
+    ops.store_kv(k, v, k_cache, v_cache, slots)
+    o = ops.decode_attention(q, k_cache, v_cache, spans, ctx, scale)
+    return ops.linear(o.reshape(b, heads * d), o_w), s
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_blocks_equal_the_unfused_ops(dtype):
+    """The fused blocks call the same kernels in the same order: bit-equal to the unfused sequence, for row
+    counts on both sides of the native-GEMV limit; and (fp32) equal to the pure-torch reference blocks."""
+    g = torch.Generator().manual_seed(7)
+    for rows, heads, kv_heads, d, bias in ((1, 4, 2, 16, False), (3, 6, 1, 24, True), (6, 4, 4, 32, False),
+                                           (9, 8, 2, 16, True)):
+        c = _decode_layer_case(dtype, rows, heads, kv_heads, d, bias, g)
+        caches = {name: (c["k_cache"].clone(), c["v_cache"].clone()) for name in ("fused", "unfused", "reference")}
+        fused = _attention_block(c, ops.decode_attention_block, *caches["fused"], heads, kv_heads)
+        unfused = _attention_block(c, _unfused_attention_block, *caches["unfused"], heads, kv_heads)
+        assert torch.equal(fused[0], unfused[0]) and torch.equal(fused[1], unfused[1])
+        assert all(torch.equal(a, b) for a, b in zip(caches["fused"], caches["unfused"]))
+        assert not torch.equal(caches["fused"][0], c["k_cache"])          # the new keys were written
+
+        mlp_args = (fused[0], fused[1], c["norm2"], c["eps"], c["gate_up_w"], c["gate_up_b"], c["down_w"])
+        mlp = ops.decode_mlp_block(*mlp_args)
+        h, s = ops.rms_norm(fused[0], c["norm2"], c["eps"], fused[1])
+        assert torch.equal(mlp[0], ops.linear(ops.silu_mul(ops.linear(h, c["gate_up_w"], c["gate_up_b"])),
+                                              c["down_w"]))
+        assert torch.equal(mlp[1], s)
+
+        if dtype == torch.float32:
+            ref = _attention_block(c, ops.decode_attention_block_reference, *caches["reference"], heads, kv_heads)
+            assert (fused[0] - ref[0]).abs().max().item() <= 1e-4 * max(1.0, ref[0].abs().max().item())
+            ref_mlp = ops.decode_mlp_block_reference(*mlp_args)
+            assert (mlp[0] - ref_mlp[0]).abs().max().item() <= 1e-4 * max(1.0, ref_mlp[0].abs().max().item())

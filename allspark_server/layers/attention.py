@@ -24,10 +24,9 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, h, D], k/v [T, kvh, D]; caches [num_spans, span_size, kvh, D]. Returns [T, h*D]."""
+        ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)   # [S*span, kvh, D]
         v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k)
-        v_flat.index_copy_(0, meta.slot_mapping, v)
         if not meta.seqs:   # decode only: row i is sequence i's one new token
             out = ops.decode_attention(q, k_cache, v_cache, meta.decode_spans, meta.decode_ctx, self.scale)
             return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -32,11 +32,15 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, in_local] -> [T, out]
-        y = ops.linear(x, self.weight)
-        self.comm.allreduce_(y)
+        return self.reduce(ops.linear(x, self.weight))
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of x_local @ W_local^T (+ b): for callers that computed their partial product
+        themselves (the fused decode blocks)."""
+        self.comm.allreduce_(partial)
         if self.bias is not None:
-            y = y + self.bias
-        return y
+            partial = partial + self.bias
+        return partial
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

@@ -8,7 +8,6 @@ single-device math on local head counts. `SPLIT_RULES` tells the loader how each
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from allspark_server import ops
@@ -63,8 +62,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, args.hidden_size, args.mlp_bias, dtype, comm)
 
     def forward(self, x):   # [T, H] -> [T, H]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)                   # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))          # silu(gate) * up: [T, I]
 
 
 class DecoderLayer(nn.Module):
@@ -78,10 +76,24 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, inputs, rope, k_cache, v_cache):
         """HF's `x + attn(norm(x))`, `x + mlp(norm(x))` with each add done inside the next norm:
         takes and returns (sublayer output, residual stream); their sum is HF's hidden state."""
+        if not inputs.attn.seqs:            # every sequence decodes one token
+            return self.decode(x, residual, inputs.attn, rope, k_cache, v_cache)
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, inputs, rope, k_cache, v_cache)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+    def decode(self, x, residual, meta, rope, k_cache, v_cache):
+        """The same math as forward, each half of the layer one fused call (ops.decode_*_block); only
+        the tensor-parallel allreduces (and row-parallel biases) run between them."""
+        attn, mlp, norm1, norm2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
+        o, residual = ops.decode_attention_block(
+            x, residual, norm1.weight, norm1.eps, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.num_heads,
+            attn.num_kv_heads, *rope, k_cache, v_cache, meta.slot_mapping, meta.decode_spans, meta.decode_ctx,
+            attn.attn.scale, attn.o_proj.weight)
+        h, residual = ops.decode_mlp_block(attn.o_proj.reduce(o), residual, norm2.weight, norm2.eps,
+                                           mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight)
+        return mlp.down_proj.reduce(h), residual
 
 
 class DecoderModel(nn.Module):
