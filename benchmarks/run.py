@@ -5,16 +5,18 @@
 Measures the machine (STREAM-like copy/triad bandwidth, fp32/bf16 matmul rate), then for each
 weight dtype, on a Llama-architecture model with random weights (about 0.5 B parameters; --quick:
 a small one): batch-1 decode tokens/s and its ratio to the roofline (copy bandwidth / bytes read
-per token; the bandwidth is measured again right before each decode run), TTFT for 128/512/2048-
+per token; the bandwidth is measured again right before each decode run, and the engines' decode
+runs are interleaved round by round so they share the machine's phases), TTFT for 128/512/2048-
 token prompts, throughput with 8 and 32 concurrent requests (128 in / 128 out, EOS ignored) and
 with Poisson arrivals (TTFT / TPOT median and p99) — for our Engine, for transformers' generate
 (static batches for the concurrent case) and for a 2-rank pool through ClientEngine on the same
-cores. Prints a table and writes JSON. Compare ratios from one
-run: absolute numbers on shared machines are noisy.
+cores. Prints a table and writes JSON. Compare ratios from one run: absolute numbers on shared
+machines are noisy.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -58,26 +60,33 @@ def bytes_per_token(hf_model, spec: dict, ctx: int) -> int:
     return total + kv
 
 
-def decode_vs_roofline(decode_once, bytes_per_tok: int, repeats: int) -> dict:
-    """Batch-1 decode, each run preceded by a copy-bandwidth measurement: the run's roofline ratio
-    uses the bandwidth of that moment (shared machines drift by tens of percent over minutes).
-    Medians over the runs."""
-    runs = []
+def decode_rounds(decoders: dict, bytes_per_tok: int, repeats: int) -> dict:
+    """Batch-1 decode of every engine, interleaved: each round runs every engine once, each run preceded
+    by a copy-bandwidth measurement, so all engines see the same phases of this shared VM (its bandwidth
+    drifts by tens of percent within minutes). Per engine: medians of tokens/s, of the per-run roofline
+    ratio and of the bandwidth, and `decode_b1_vs_allspark`, the median over rounds of its tokens/s over
+    the Engine's in the same round."""
+    runs = {name: [] for name in decoders}
     for r in range(repeats):
-        bw = machine.copy_bandwidth()
-        tps = decode_once(r)
-        runs.append((tps, tps * bytes_per_tok / (bw * 1e9), bw))
-    med = lambda i: statistics.median(run[i] for run in runs)   # noqa: E731
-    return {"decode_b1_tps": med(0), "decode_b1_roofline": med(1), "copy_gbs_at_decode": med(2)}
+        for name, decode_once in decoders.items():
+            bw = machine.copy_bandwidth()
+            tps = decode_once(r)
+            runs[name].append((tps, tps * bytes_per_tok / (bw * 1e9), bw))
+    out = {}
+    for name, rs in runs.items():
+        out[name] = {"decode_b1_tps": statistics.median(x[0] for x in rs),
+                     "decode_b1_roofline": statistics.median(x[1] for x in rs),
+                     "copy_gbs_at_decode": statistics.median(x[2] for x in rs)}
+        if name != "allspark":
+            out[name]["decode_b1_vs_allspark"] = statistics.median(
+                x[0] / ours[0] for x, ours in zip(rs, runs["allspark"]))
+    return out
 
 
-def measure_engine(engine, name: str, spec: dict, bytes_per_tok: int, decode_only: bool) -> dict:
+def engine_workloads(engine, name: str, spec: dict) -> dict:
+    """TTFT, concurrent throughput and Poisson arrivals through the Engine API."""
     vocab, n = spec["vocab"], spec["new_tokens"]
-    W.decode_tps(engine, name, vocab, 4)                                            # warm-up
-    out = decode_vs_roofline(lambda r: W.decode_tps(engine, name, vocab, n, seed=r), bytes_per_tok,
-                             spec["decode_repeats"])
-    if decode_only:
-        return out
+    out = {}
     for p in spec["prompts"]:
         out[f"ttft_{p}_s"] = W.ttft(engine, name, vocab, p, spec["repeats"])
     for c in spec["concurrency"]:
@@ -89,13 +98,9 @@ def measure_engine(engine, name: str, spec: dict, bytes_per_tok: int, decode_onl
     return out
 
 
-def measure_hf(hf_model, spec: dict, bytes_per_tok: int, decode_only: bool) -> dict:
+def hf_workloads(hf_model, spec: dict) -> dict:
     vocab, n = spec["vocab"], spec["new_tokens"]
-    W.hf_decode_tps(hf_model, vocab, 4)
-    out = decode_vs_roofline(lambda r: W.hf_decode_tps(hf_model, vocab, n, seed=r), bytes_per_tok,
-                             spec["decode_repeats"])
-    if decode_only:
-        return out
+    out = {}
     for p in spec["prompts"]:
         out[f"ttft_{p}_s"] = W.hf_ttft(hf_model, vocab, p, spec["repeats"])
     for c in spec["concurrency"]:
@@ -109,6 +114,8 @@ def runtime_cfg(loader, name: str, spec: dict, max_batch: int):
 
 
 def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only: bool) -> dict:
+    """All three engines are loaded at once (so their decode runs can interleave); then the other
+    workloads run one engine after the other."""
     from transformers import AutoModelForCausalLM
     from allspark_client import ClientEngine
     from allspark_server import Engine, HuggingFaceModel
@@ -117,27 +124,32 @@ def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval()
     loader = HuggingFaceModel(hf_dir, f"bench-{dtype}", user_set_data_type=dtype)
     loader.load_model().serialize_to_path(None, hf_dir, skip_if_exists=False).free_model()
-    max_batch = max(spec["concurrency"])
-    bpt = bytes_per_token(hf, spec, ctx=32 + spec["new_tokens"] // 2)
+    name, vocab, n = loader.model_name, spec["vocab"], spec["new_tokens"]
+    cfg = runtime_cfg(loader, name, spec, max(spec["concurrency"]))
+    bpt = bytes_per_token(hf, spec, ctx=32 + n // 2)
     result = {"params_m": sum(p.numel() for p in hf.parameters()) / 1e6, "bytes_per_token": bpt}
 
-    engine = Engine()
-    engine.install_model(runtime_cfg(loader, loader.model_name, spec, max_batch))
-    engine.start_model(loader.model_name)
-    result["allspark"] = measure_engine(engine, loader.model_name, spec, bpt, decode_only)
-    engine.stop_model(loader.model_name)
-    engine.release_model(loader.model_name)
-    engine.shutdown()
-
-    result["transformers"] = measure_hf(hf, spec, bpt, decode_only)
+    with contextlib.ExitStack() as stack:
+        engines = {"allspark": Engine()}
+        stack.callback(engines["allspark"].shutdown)
+        if with_pool:
+            engines["pool_2_ranks"] = stack.enter_context(ClientEngine(ranks=2))
+        for engine in engines.values():
+            engine.install_model(cfg)
+            engine.start_model(name)
+        decoders = {key: (lambda r, e=engine: W.decode_tps(e, name, vocab, n, seed=r)) for key, engine in engines.items()}
+        decoders["transformers"] = lambda r: W.hf_decode_tps(hf, vocab, n, seed=r)
+        for decode_once in decoders.values():
+            decode_once(99)                                                         # warm-up
+        result.update(decode_rounds(decoders, bpt, spec["decode_repeats"]))
+        if not decode_only:
+            for key, engine in engines.items():
+                result[key].update(engine_workloads(engine, name, spec))
+            result["transformers"].update(hf_workloads(hf, spec))
+        for engine in engines.values():
+            if engine.stop_model(name) == 0:
+                engine.release_model(name)
     del hf
-
-    if with_pool:
-        with ClientEngine(ranks=2) as pool:
-            pool.install_model(runtime_cfg(loader, loader.model_name, spec, max_batch))
-            pool.start_model(loader.model_name)
-            result["pool_2_ranks"] = measure_engine(pool, loader.model_name, spec, bpt, decode_only)
-            pool.release_model(loader.model_name) if pool.stop_model(loader.model_name) == 0 else None
     return result
 
 
@@ -159,12 +171,12 @@ def summarize(report: dict) -> list[str]:
         ours, hf = r["allspark"], r["transformers"]
         lines.append(f"batch-1 decode / roofline (bandwidth measured next to each run): "
                      f"{ours['decode_b1_roofline']:.2f}; vs transformers: batch 1 "
-                     f"{ours['decode_b1_tps'] / hf['decode_b1_tps']:.2f}x" +
+                     f"{1 / hf['decode_b1_vs_allspark']:.2f}x (same rounds)" +
                      "".join(f", {c} concurrent {ours[f'c{c}_tps'] / hf[f'c{c}_tps']:.2f}x"
                              for c in report["spec"]["concurrency"] if f"c{c}_tps" in ours))
         if "pool_2_ranks" in r:
-            lines.append(f"2-rank pool batch-1 decode / single Engine: "
-                         f"{r['pool_2_ranks']['decode_b1_tps'] / ours['decode_b1_tps']:.2f}")
+            lines.append(f"2-rank pool batch-1 decode / single Engine (same rounds): "
+                         f"{r['pool_2_ranks']['decode_b1_vs_allspark']:.2f}")
     return lines
 
 
