@@ -137,7 +137,8 @@ def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only
         for engine in engines.values():
             engine.install_model(cfg)
             engine.start_model(name)
-        decoders = {key: (lambda r, e=engine: W.decode_tps(e, name, vocab, n, seed=r)) for key, engine in engines.items()}
+        decoders = {key: (lambda r, e=engine: W.decode_tps(e, name, vocab, n, seed=r))
+                    for key, engine in engines.items()}
         decoders["transformers"] = lambda r: W.hf_decode_tps(hf, vocab, n, seed=r)
         for decode_once in decoders.values():
             decode_once(99)                                                         # warm-up

@@ -1,4 +1,4 @@
-"""Weights in transparent huge pages.
+"""Weights and KV cache in transparent huge pages.
 
 Batch-1 decode streams every weight once per token. In 4 KiB pages that is a TLB miss every 4 KiB;
 in 2 MiB pages almost none. torch's CPU allocator only asks for huge pages when THP_MEM_ALLOC_ENABLE is
