@@ -41,7 +41,8 @@ inline float silu_rounded(float x) {
 
 template <typename T>
 void silu_mul_scalar(const T* g, const T* u, int64_t n, T* o) {
-  for (int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(silu_rounded<T>(static_cast<float>(g[i])) * static_cast<float>(u[i]));
+  for (int64_t i = 0; i < n; ++i)
+    o[i] = static_cast<T>(silu_rounded<T>(static_cast<float>(g[i])) * static_cast<float>(u[i]));
 }
 
 template <typename T>

@@ -5,28 +5,31 @@
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_small_m", &linear_small_m, "y = x @ w.T (+ bias) for few rows of x (fp32 accumulation)",
+  // kernels run without the GIL: other Python threads (gRPC streams, readers of results) go on meanwhile
+  const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("linear_small_m", &linear_small_m, "y = x @ w.T (+ bias) for few rows of x (fp32 accumulation)", nogil,
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("isa"));
-  m.def("decode_attention", &decode_attention, "one-token attention per sequence over span KV caches",
+  m.def("decode_attention", &decode_attention, "one-token attention per sequence over span KV caches", nogil,
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("spans"),
         pybind11::arg("ctx"), pybind11::arg("scale"), pybind11::arg("isa"));
-  m.def("rms_norm", &rms_norm, "(weight * rmsnorm(x + residual), x + residual) in one pass per row",
+  m.def("rms_norm", &rms_norm, "(weight * rmsnorm(x + residual), x + residual) in one pass per row", nogil,
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual"));
-  m.def("rotary", &rotary, "(q, k) rotated by cos/sin rows, HF's rotate-half formula",
+  m.def("rotary", &rotary, "(q, k) rotated by cos/sin rows, HF's rotate-half formula", nogil,
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("cos"), pybind11::arg("sin"));
-  m.def("silu_mul", &silu_mul, "silu(gate) * up for gate_up [T, 2I], HF's roundings", pybind11::arg("gate_up"),
-        pybind11::arg("isa"));
-  m.def("store_kv", &store_kv, "write k [B, KVH, D] and v [B, KVH*D] rows into their cache slots",
+  m.def("silu_mul", &silu_mul, "silu(gate) * up for gate_up [T, 2I], HF's roundings", nogil,
+        pybind11::arg("gate_up"), pybind11::arg("isa"));
+  m.def("store_kv", &store_kv, "write k [B, KVH, D] and v [B, KVH*D] rows into their cache slots", nogil,
         pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
         pybind11::arg("slots"));
   m.def("decode_attention_block", &decode_attention_block,
-        "norm, qkv, rotary, cache write, attention, o projection for a decode-only step (decode_block.cpp)",
+        "norm, qkv, rotary, cache write, attention, o projection for a decode-only step (decode_block.cpp)", nogil,
         pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("norm_weight"), pybind11::arg("eps"),
         pybind11::arg("qkv_weight"), pybind11::arg("qkv_bias"), pybind11::arg("num_heads"),
         pybind11::arg("num_kv_heads"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("k_cache"),
         pybind11::arg("v_cache"), pybind11::arg("slots"), pybind11::arg("spans"), pybind11::arg("ctx"),
         pybind11::arg("scale"), pybind11::arg("o_weight"), pybind11::arg("isa"), pybind11::arg("native_rows"));
   m.def("decode_mlp_block", &decode_mlp_block, "norm, gate/up, silu*mul, down projection for a decode-only step",
+        nogil,
         pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("norm_weight"), pybind11::arg("eps"),
         pybind11::arg("gate_up_weight"), pybind11::arg("gate_up_bias"), pybind11::arg("down_weight"),
         pybind11::arg("isa"), pybind11::arg("native_rows"));
