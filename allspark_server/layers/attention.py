@@ -3,7 +3,8 @@
 One-token (decode) sequences go through one `ops.decode_attention` call that reads keys and
 values straight from the spans. Multi-token chunks (prefill) gather their context and run
 scaled-dot-product attention, causal and offset by the tokens already cached. Every sequence is
-computed on its own, so a request's numbers do not depend on its batch neighbours.
+computed on its own, so a request's numbers do not depend on its batch neighbours. Steps with no
+prefill chunk at all skip this module: the decoder runs them through the fused decode blocks.
 """
 from __future__ import annotations
 
@@ -27,9 +28,6 @@ class PagedAttention(nn.Module):
         ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)   # [S*span, kvh, D]
         v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        if not meta.seqs:   # decode only: row i is sequence i's one new token
-            out = ops.decode_attention(q, k_cache, v_cache, meta.decode_spans, meta.decode_ctx, self.scale)
-            return out.reshape(q.shape[0], self.num_heads * self.head_dim)
         out = torch.empty_like(q)
         if meta.decode_rows.numel():
             out[meta.decode_rows] = ops.decode_attention(q[meta.decode_rows], k_cache, v_cache, meta.decode_spans,
