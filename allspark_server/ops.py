@@ -50,6 +50,13 @@ def isa_level() -> int:
     return ISA_PORTABLE
 
 
+def describe() -> str:
+    """Which kernels this process uses (resolves the native module and the ISA level once)."""
+    if native() is None:
+        return "PyTorch path (native module unavailable)"
+    return "native, " + {ISA_AVX512: "AVX-512", ISA_AVX2: "AVX2+FMA", ISA_PORTABLE: "portable C++"}[isa_level()]
+
+
 def linear_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, w, bias)
 

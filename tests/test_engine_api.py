@@ -110,6 +110,20 @@ def test_engine_stat_info_version(served_llama):
     assert engine.get_rank_id() == 0 and engine.is_allspark_work_as_service() is False
 
 
+def test_kernel_isa_is_resolved_at_install(served_llama):
+    """py-cpuinfo's probe takes ~1 s (it runs a subprocess): install pays it, not the first request's TTFT."""
+    from allspark_server import Engine, ops
+    from helpers import start_engine
+    _, loader = served_llama
+    ops.isa_level.cache_clear()
+    engine = start_engine(loader, "llama", engine=Engine())
+    try:
+        assert ops.isa_level.cache_info().currsize == 1
+    finally:
+        assert engine.stop_model("llama") == AsStatus.ALLSPARK_SUCCESS
+        assert engine.release_model("llama") == AsStatus.ALLSPARK_SUCCESS
+
+
 def test_allspark_client_imports_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
             "import allspark_client as c\n"

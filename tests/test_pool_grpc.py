@@ -182,12 +182,13 @@ def test_idle_pool_uses_little_cpu(new_pool, loader):
 
 # ---- 3. two client processes on one pool ----------------------------------------------------------
 CLIENT_SCRIPT = textwrap.dedent("""
-    import json, sys
+    import json, sys, time
     from allspark_client import ClientEngine, GenerateRequestStatus
     address, prompts, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
     client = ClientEngine(address, start_timeout_s=60)
     print("CONNECTED", flush=True)
     sys.stdin.readline()  # wait for "go": the parent starts its long request only now
+    go = time.monotonic()
     started = []
     for ids in prompts:
         status, handle, queue = client.start_request("llama", {"input_ids": ids},
@@ -202,8 +203,9 @@ CLIENT_SCRIPT = textwrap.dedent("""
         assert queue.GenerateStatus() == GenerateRequestStatus.GenerateFinished, queue.ErrorMessage()
         client.release_request("llama", handle)
         out.append(tokens)
-    client.close()
+    print(f"{time.monotonic() - go:.2f} s from go to results", flush=True)
     print("RESULT " + json.dumps(out), flush=True)
+    client.close()
 """)
 
 
@@ -250,12 +252,19 @@ def test_second_client_process_alongside(new_pool, loader, llama):
         other.stdin.flush()
         # and a short one of ours while the other process streams
         short = client_greedy(client, theirs[0], n_theirs)
-        out, _ = other.communicate(timeout=120)
+        printed = []                      # the other's output up to its results (not its exit, which can lag)
+        for line in other.stdout:
+            printed.append(line)
+            if line.startswith("RESULT "):
+                break
+        ours_then = (queue.GenerateStatus(), queue.GeneratedLength(), queue.ErrorMessage())
+        rest_out, _ = other.communicate(timeout=120)
+        out = "".join(printed) + rest_out
     finally:
         if other.poll() is None:
             other.kill()
             other.wait()
-    overlapped = not queue.GenerateStatus().is_terminal
+    overlapped = not ours_then[0].is_terminal
     assert client.stop_request(MODEL, handle) == AsStatus.ALLSPARK_SUCCESS
     rest, _, final = collect(queue, timeout_s=30)
     tokens += rest
@@ -267,9 +276,11 @@ def test_second_client_process_alongside(new_pool, loader, llama):
     got = json.loads(result[-1][len("RESULT "):])
     assert got == [hf_greedy(llama.model, ids, n_theirs) for ids in theirs]
     assert short == got[0]
-    assert overlapped, "our long request ended before the other client finished: no concurrency was tested"
+    assert overlapped, ("our long request ended before the other client's results came: no concurrency was "
+                        f"tested; ours: status {ours_then[0].name}, {ours_then[1]} tokens, error {ours_then[2]!r}; "
+                        f"the other printed:\n{out}")
     assert final == GenerateRequestStatus.GenerateFinished
-    print(f"our long request had {len(tokens)} tokens when the other client finished")
+    print(f"our long request had {ours_then[1]} tokens when the other client's results came")
     assert tokens == hf_greedy(llama.model, mine, len(tokens))
 
     # a client process that dies mid-stream has its request released; the pool serves on

@@ -13,6 +13,7 @@ import psutil
 import torch
 
 from allspark_client.config import AsModelConfig
+from allspark_server import ops
 from allspark_server.core.messages import StepPlan
 from allspark_server.loader.model_file import ModelFile, read_model_graph, read_rank_shard
 from allspark_server.loader.sharding import TPLayout
@@ -32,6 +33,8 @@ class ModelRunner:
         self.comm = comm
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
+        # py-cpuinfo takes ~1 s (it probes in a subprocess): pay it at install, not in the first request's TTFT
+        log.info("kernels: %s", ops.describe())
         self.model_file: ModelFile = read_model_graph(cfg.model_path, cfg.weights_path)
         args = self.model_file.args
         self.args = args
