@@ -4,6 +4,8 @@
 
 #include "kernels.h"
 
+void bind_decode_stack(pybind11::module_& m);   // decode_stack.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // kernels run without the GIL: other Python threads (gRPC streams, readers of results) go on meanwhile
   const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
@@ -33,4 +35,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("norm_weight"), pybind11::arg("eps"),
         pybind11::arg("gate_up_weight"), pybind11::arg("gate_up_bias"), pybind11::arg("down_weight"),
         pybind11::arg("isa"), pybind11::arg("native_rows"));
+  bind_decode_stack(m);
 }

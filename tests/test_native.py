@@ -237,3 +237,51 @@ def test_fused_decode_blocks_equal_the_unfused_ops(dtype):
             assert (fused[0] - ref[0]).abs().max().item() <= 1e-4 * max(1.0, ref[0].abs().max().item())
             ref_mlp = ops.decode_mlp_block_reference(*mlp_args)
             assert (mlp[0] - ref_mlp[0]).abs().max().item() <= 1e-4 * max(1.0, ref_mlp[0].abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_stack_equals_the_layer_loop(dtype):
+    """DecodeStack.run (every layer in one native call) is bit-equal to the Python loop over the fused blocks,
+    with no reduce and with a reduce callable (called in layer order, o projection then down projection);
+    an exception raised by the callable reaches the caller."""
+    g = torch.Generator().manual_seed(11)
+    for rows, heads, kv_heads, d, bias in ((1, 4, 2, 16, False), (3, 6, 1, 24, True), (9, 8, 2, 16, False)):
+        layers = [_decode_layer_case(dtype, rows, heads, kv_heads, d, bias, g) for _ in range(3)]
+        first = layers[0]
+        stack = ops.decode_stack(heads, kv_heads, d, first["eps"], first["scale"], dtype)
+        stack_caches = [(c["k_cache"].clone(), c["v_cache"].clone()) for c in layers]
+        for c, (k, v) in zip(layers, stack_caches):
+            stack.add_layer(c["norm1"], c["qkv_w"], c["qkv_b"], c["o_w"], c["norm2"], c["gate_up_w"], c["gate_up_b"],
+                            c["down_w"], k, v)
+        assert stack.num_layers == 3
+
+        def scaled(t, layer, part):          # stands in for an allreduce: any function of (partial, layer, part)
+            calls.append((layer, part))
+            return t * (2 + layer + part)
+
+        for reduce in (None, scaled):
+            calls = []
+            loop_caches = [(c["k_cache"].clone(), c["v_cache"].clone()) for c in layers]
+            x, residual = first["x"], None
+            for i, (c, (k, v)) in enumerate(zip(layers, loop_caches)):
+                o, residual = ops.decode_attention_block(
+                    x, residual, c["norm1"], c["eps"], c["qkv_w"], c["qkv_b"], heads, kv_heads, first["cos"],
+                    first["sin"], k, v, first["slots"], first["spans"], first["ctx"], first["scale"], c["o_w"])
+                x, residual = ops.decode_mlp_block(o if reduce is None else reduce(o, i, 0), residual, c["norm2"],
+                                                   c["eps"], c["gate_up_w"], c["gate_up_b"], c["down_w"])
+                x = x if reduce is None else reduce(x, i, 1)
+            expected_calls, calls = calls, []
+            for c, (k, v) in zip(layers, stack_caches):        # the same starting pages as the loop's
+                k.copy_(c["k_cache"])
+                v.copy_(c["v_cache"])
+            out, res = stack.run(first["x"], first["cos"], first["sin"], first["slots"], first["spans"],
+                                 first["ctx"], reduce)
+            assert torch.equal(out, x) and torch.equal(res, residual)
+            assert all(torch.equal(a, b) for pair_s, pair_l in zip(stack_caches, loop_caches)
+                       for a, b in zip(pair_s, pair_l))
+            assert calls == expected_calls == ([] if reduce is None else [(i, p) for i in range(3) for p in (0, 1)])
+
+        def failing(t, layer, part):
+            raise ValueError(f"reduce failed at layer {layer}")
+        with pytest.raises(ValueError, match="reduce failed at layer 0"):
+            stack.run(first["x"], first["cos"], first["sin"], first["slots"], first["spans"], first["ctx"], failing)
