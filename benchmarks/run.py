@@ -31,7 +31,7 @@ import machine  # noqa: E402
 import workloads as W  # noqa: E402
 
 FULL = dict(hidden_size=1536, num_layers=16, intermediate_size=4096, num_heads=12, num_kv_heads=4, vocab=32000,
-            new_tokens=128, prompts=(128, 512, 2048), repeats=3, decode_repeats=5, concurrency=(8, 32), poisson_n=32)
+            new_tokens=128, prompts=(128, 512, 2048), repeats=3, decode_repeats=7, concurrency=(8, 32), poisson_n=32)
 QUICK = dict(hidden_size=512, num_layers=4, intermediate_size=1408, num_heads=8, num_kv_heads=4, vocab=8000,
              new_tokens=32, prompts=(128, 512), repeats=2, decode_repeats=3, concurrency=(8,), poisson_n=8)
 
@@ -61,16 +61,18 @@ def bytes_per_token(hf_model, spec: dict, ctx: int) -> int:
 
 
 def decode_rounds(decoders: dict, bytes_per_tok: int, repeats: int) -> dict:
-    """Batch-1 decode of every engine, interleaved: each round runs every engine once, each run preceded
-    by a copy-bandwidth measurement, so all engines see the same phases of this shared VM (its bandwidth
-    drifts by tens of percent within minutes). Per engine: medians of tokens/s, of the per-run roofline
-    ratio and of the bandwidth, and `decode_b1_vs_allspark`, the median over rounds of its tokens/s over
-    the Engine's in the same round."""
+    """Batch-1 decode of every engine, interleaved: each round runs every engine once, so all engines see
+    the same phases of this shared VM (its bandwidth drifts by tens of percent within minutes, sometimes
+    within seconds). Each run is bracketed by copy-bandwidth measurements and its roofline uses their mean,
+    the best estimate of the bandwidth during the run. Per engine: medians of tokens/s, of the per-run
+    roofline ratio and of the bandwidth, and `decode_b1_vs_allspark`, the median over rounds of its
+    tokens/s over the Engine's in the same round."""
     runs = {name: [] for name in decoders}
     for r in range(repeats):
         for name, decode_once in decoders.items():
-            bw = machine.copy_bandwidth()
+            before = machine.copy_bandwidth()
             tps = decode_once(r)
+            bw = (before + machine.copy_bandwidth()) / 2
             runs[name].append((tps, tps * bytes_per_tok / (bw * 1e9), bw))
     out = {}
     for name, rs in runs.items():

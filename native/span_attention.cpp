@@ -16,6 +16,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -45,6 +46,30 @@ __attribute__((always_inline)) inline void group_output(const float* acc, const 
 // the cache slot of the sequence's t-th token
 inline int64_t slot_of(const int64_t* spans, int64_t t, int64_t P) { return spans[t / P] * P + t % P; }
 
+// A sequence's key/value rows are scattered over its spans and strided by the KV heads, which the hardware
+// prefetchers follow poorly, and in a decode step the weights streamed since the previous layer have pushed
+// them out of cache. So while scoring key t, the loop asks for key t + PREFETCH_AHEAD (into L1) and value t
+// (into L2, read after the softmax). Measured between the q/k/v and o GEMVs of a 0.5 B model (12 heads,
+// 4 KV heads, D 128, 200 tokens, 2 threads): bf16 ~90 -> ~45 us per layer, fp32 ~92 -> ~72 us.
+constexpr int64_t PREFETCH_AHEAD = 16;
+
+template <int Locality, typename T>
+__attribute__((always_inline)) inline void prefetch_row(const T* row, int64_t D) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, Locality);
+}
+
+template <typename T>
+__attribute__((always_inline)) inline void prefetch_for_key(const T* k_cache, const T* v_cache, const int64_t* spans,
+                                                            int64_t t, int64_t ctx, int64_t P, int64_t KVH,
+                                                            int64_t D, int64_t g) {
+  if (t == 0)
+    for (int64_t u = 0; u < std::min(PREFETCH_AHEAD, ctx); ++u)
+      prefetch_row<3>(k_cache + (slot_of(spans, u, P) * KVH + g) * D, D);
+  if (t + PREFETCH_AHEAD < ctx) prefetch_row<3>(k_cache + (slot_of(spans, t + PREFETCH_AHEAD, P) * KVH + g) * D, D);
+  prefetch_row<2>(v_cache + (slot_of(spans, t, P) * KVH + g) * D, D);
+}
+
 template <typename T>
 __attribute__((always_inline)) inline void attend(const T* q, const T* k_cache, const T* v_cache,
                                                   const int64_t* spans, int64_t ctx, int64_t P, int64_t KVH,
@@ -52,6 +77,7 @@ __attribute__((always_inline)) inline void attend(const T* q, const T* k_cache, 
                                                   float* scores, float* qf, float* acc, float* inv_sum) {
   group_query(q, D, G, g, qf);
   for (int64_t t = 0; t < ctx; ++t) {
+    prefetch_for_key(k_cache, v_cache, spans, t, ctx, P, KVH, D, g);
     const T* kr = k_cache + (slot_of(spans, t, P) * KVH + g) * D;
     for (int64_t h = 0; h < G; ++h) {
       float s = 0.f;
@@ -112,6 +138,7 @@ void attend_avx512_d16(ATTEND_ARGS) {
   const int64_t ND = D / 16;
   group_query(q, D, G, g, qf);
   for (int64_t t = 0; t < ctx; ++t) {
+    prefetch_for_key(k_cache, v_cache, spans, t, ctx, P, KVH, D, g);
     const T* kr = k_cache + (slot_of(spans, t, P) * KVH + g) * D;
     for (int64_t h = 0; h < G; ++h) {
       const float* qh = qf + h * D;
