@@ -145,8 +145,12 @@ class ClientEngine(EngineAPI):
 
     # ---- plumbing ----------------------------------------------------------------------------
     def _unavailable(self, e: grpc.RpcError) -> PoolUnavailable:
+        """The error for a failed call; for a pool this client spawned, with the end of the pool's output
+        (where a rank's traceback is)."""
+        output = self._pool_output()
         return PoolUnavailable(AsStatus.ALLSPARK_RUNTIME_ERROR,
-                               f"pool at {self.address} is unavailable: {e.code().name}: {e.details()}")
+                               f"pool at {self.address} is unavailable: {e.code().name}: {e.details()}"
+                               + (f"\nthe pool's output ends with:\n{output}" if output else ""))
 
     def _rpc(self, method, request):
         try:

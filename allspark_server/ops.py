@@ -103,7 +103,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     if (ext is None or q.dtype not in (torch.float32, torch.bfloat16) or q.shape[-1] % 2
             or q.stride(-1) != 1 or k.stride(-1) != 1):
         return rotary_reference(q, k, cos, sin)
-    return ext.rotary(q, k, cos, sin)
+    return ext.rotary(q, k, cos, sin, isa_level())
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,

@@ -128,7 +128,7 @@ std::tuple<torch::Tensor, torch::Tensor> decode_attention_block(
   auto q = qkv.narrow(1, 0, num_heads * D).view({B, num_heads, D});
   auto k = qkv.narrow(1, num_heads * D, num_kv_heads * D).view({B, num_kv_heads, D});
   auto v = qkv.narrow(1, (num_heads + num_kv_heads) * D, num_kv_heads * D);
-  auto [qr, kr] = rotary(q, k, cos, sin);
+  auto [qr, kr] = rotary(q, k, cos, sin, isa);
   store_kv(kr, v, k_cache, v_cache, slots);
   auto o = decode_attention(qr, k_cache, v_cache, spans, ctx, scale, isa);
   return {project(o.view({B, num_heads * D}), o_weight, std::nullopt, isa, native_rows), s};

@@ -13,7 +13,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
                                                   std::optional<torch::Tensor> residual);
 std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos,
-                                                torch::Tensor sin);
+                                                torch::Tensor sin, int64_t isa);
 torch::Tensor silu_mul(torch::Tensor gate_up, int64_t isa);
 void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
 std::tuple<torch::Tensor, torch::Tensor> decode_attention_block(

@@ -17,7 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "(weight * rmsnorm(x + residual), x + residual) in one pass per row", nogil,
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual"));
   m.def("rotary", &rotary, "(q, k) rotated by cos/sin rows, HF's rotate-half formula", nogil,
-        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("cos"), pybind11::arg("sin"));
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("cos"), pybind11::arg("sin"),
+        pybind11::arg("isa"));
   m.def("silu_mul", &silu_mul, "silu(gate) * up for gate_up [T, 2I], HF's roundings", nogil,
         pybind11::arg("gate_up"), pybind11::arg("isa"));
   m.def("store_kv", &store_kv, "write k [B, KVH, D] and v [B, KVH*D] rows into their cache slots", nogil,

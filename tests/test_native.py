@@ -115,17 +115,19 @@ def test_rms_norm_matches_float64_and_rounds_like_hf(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_equals_transformers(dtype):
+@pytest.mark.parametrize("isa", isa_levels())
+def test_rotary_equals_transformers(dtype, isa):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
     g = torch.Generator().manual_seed(4)
-    for tokens, heads, kv_heads, d in ((1, 1, 1, 2), (3, 4, 2, 16), (17, 12, 4, 128), (64, 6, 1, 24)):
+    for tokens, heads, kv_heads, d in ((1, 1, 1, 2), (3, 4, 2, 16), (17, 12, 4, 128), (64, 6, 1, 24), (5, 3, 1, 96),
+                                       (2, 2, 2, 64)):
         qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
         q, k, _ = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)   # views, as the model passes them
         q, k = q.view(tokens, heads, d), k.view(tokens, kv_heads, d)
         angles = torch.rand(tokens, d // 2, generator=g) * 100
         emb = torch.cat((angles, angles), dim=-1)
         cos, sin = emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]   # [T, 1, D]
-        qo, ko = ops.native().rotary(q, k, cos, sin)
+        qo, ko = ops.native().rotary(q, k, cos, sin, isa)
         # transformers' own function on [1, heads, T, D] tensors
         q_hf, k_hf = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None, :, 0],
                                           sin[None, :, 0])
