@@ -1,15 +1,20 @@
-// DecodeStack: every decoder layer of a decode-only step in one call from Python.
+// DecodeStack: a whole decode-only step of the model in one call from Python.
 //
-// Built once per model and KV cache (the weights and cache pages never move after loading), it holds each
-// layer's tensors and runs, for every layer, the two fused halves of decode_block.cpp. Between the halves
-// the row-parallel sums happen: when the model needs them (tensor parallelism, row-parallel biases) `run`
-// is given a Python callable reduce(partial, layer, part) (part 0 = o projection, 1 = down projection)
-// and calls it with the GIL held; at world size 1 without biases there is nothing to reduce and the whole
-// stack runs without touching Python. Measured on a 0.5 B model: the Python layer loop cost ~1.3 ms per
-// decode step over the fused calls themselves (~5% of a bf16 token on 2 cores).
+// Built once per model and KV cache (the weights and cache pages never move after loading), it holds every
+// tensor a decode step reads and runs: the embedding rows of the step's tokens, the rotary cos/sin rows of
+// their positions, for every layer the two fused halves of decode_block.cpp, the final norm and this rank's
+// LM-head shard, returning fp32 logits. Between the halves the row-parallel sums happen: when the model
+// needs them (tensor parallelism, row-parallel biases) `run` is given a Python callable
+// reduce(partial, layer, part) (part 0 = o projection, 1 = down projection) and calls it with the GIL held;
+// at world size 1 without biases the whole step runs without touching Python.
 //
-// The math is exactly the per-layer fused calls' (the same functions, in the same order), so the result
-// is bit-equal to the Python loop over DecoderLayer.decode.
+// Why: a decode step streams all the weights, which evicts the interpreter's and the dispatcher's working
+// set from every cache level, so each Python-level op between kernels runs cold: measured on a 0.5 B bf16
+// model, the layer loop cost ~1.3 ms per token over the fused calls, and the embedding, rope gather, row
+// selection and final norm another ~0.3 ms, where the same ops take a few microseconds in a warm loop.
+//
+// The math is exactly the Python path's (the same functions, in the same order), so logits are bit-equal
+// to the loop over DecoderLayer.decode followed by the model's norm and LM head.
 #include <torch/extension.h>
 
 #include <optional>
@@ -42,14 +47,29 @@ class DecodeStack {
     layers_.push_back({attn_norm, qkv_w, o_w, mlp_norm, gate_up_w, down_w, k_cache, v_cache, qkv_b, gate_up_b});
   }
 
+  // embedding [V, H]; fp32 rotary tables [max positions, D]; final norm [H]; LM-head shard [V_local, H]
+  void set_ends(torch::Tensor embedding, torch::Tensor cos_table, torch::Tensor sin_table, torch::Tensor final_norm,
+                torch::Tensor lm_head) {
+    embedding_ = embedding;
+    cos_table_ = cos_table;
+    sin_table_ = sin_table;
+    final_norm_ = final_norm;
+    lm_head_ = lm_head;
+  }
+
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // x [B, H] (embeddings of the step's tokens) -> (output of the last layer, residual stream), whose sum is
-  // HF's last hidden state before the final norm.
-  std::tuple<torch::Tensor, torch::Tensor> run(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
-                                               torch::Tensor slots, torch::Tensor spans, torch::Tensor ctx,
-                                               std::optional<py::function> reduce) {
+  // ids, positions, slots [B] int64 (one new token per sequence), spans/ctx as in span_attention.cpp
+  //   -> fp32 logits [B, V_local] of this rank's LM-head shard
+  torch::Tensor run(torch::Tensor ids, torch::Tensor positions, torch::Tensor slots, torch::Tensor spans,
+                    torch::Tensor ctx, std::optional<py::function> reduce) {
+    TORCH_CHECK(embedding_.defined() && !layers_.empty(), "DecodeStack.run: call add_layer and set_ends first");
     py::gil_scoped_release nogil;
+    const auto dtype = embedding_.scalar_type();
+    // the rope rows as RotaryEmbedding.cos_sin gives them: [B, 1, D] in the activation dtype
+    const auto cos = cos_table_.index_select(0, positions).to(dtype).unsqueeze(1);
+    const auto sin = sin_table_.index_select(0, positions).to(dtype).unsqueeze(1);
+    torch::Tensor x = embedding_.index_select(0, ids);
     std::optional<torch::Tensor> residual;
     auto reduced = [&](torch::Tensor partial, int64_t layer, int64_t part) {
       if (!reduce) return partial;
@@ -66,8 +86,9 @@ class DecodeStack {
       x = reduced(h, i, 1);
       residual = s2;
     }
-    TORCH_CHECK(residual.has_value(), "DecodeStack.run: the stack has no layers");
-    return {x, *residual};
+    const auto h = std::get<0>(rms_norm(x, final_norm_, eps_, residual));
+    auto logits = h.size(0) <= native_rows_ ? linear_small_m(h, lm_head_, std::nullopt, isa_) : at::linear(h, lm_head_);
+    return logits.to(torch::kFloat);
   }
 
  private:
@@ -75,6 +96,7 @@ class DecodeStack {
   double eps_, scale_;
   int64_t isa_, native_rows_;
   std::vector<Layer> layers_;
+  torch::Tensor embedding_, cos_table_, sin_table_, final_norm_, lm_head_;
 };
 
 void bind_decode_stack(py::module_& m) {
@@ -84,8 +106,10 @@ void bind_decode_stack(py::module_& m) {
       .def("add_layer", &DecodeStack::add_layer, py::arg("attn_norm"), py::arg("qkv_weight"), py::arg("qkv_bias"),
            py::arg("o_weight"), py::arg("mlp_norm"), py::arg("gate_up_weight"), py::arg("gate_up_bias"),
            py::arg("down_weight"), py::arg("k_cache"), py::arg("v_cache"))
+      .def("set_ends", &DecodeStack::set_ends, py::arg("embedding"), py::arg("cos_table"), py::arg("sin_table"),
+           py::arg("final_norm"), py::arg("lm_head"))
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
-      .def("run", &DecodeStack::run, "(last layer output, residual) for a decode-only step; releases the GIL",
-           py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slots"), py::arg("spans"), py::arg("ctx"),
+      .def("run", &DecodeStack::run, "fp32 logits of this rank's LM-head shard for a decode-only step (no GIL)",
+           py::arg("ids"), py::arg("positions"), py::arg("slots"), py::arg("spans"), py::arg("ctx"),
            py::arg("reduce"));
 }

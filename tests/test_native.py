@@ -242,19 +242,31 @@ def test_fused_decode_blocks_equal_the_unfused_ops(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_stack_equals_the_layer_loop(dtype):
-    """DecodeStack.run (every layer in one native call) is bit-equal to the Python loop over the fused blocks,
-    with no reduce and with a reduce callable (called in layer order, o projection then down projection);
-    an exception raised by the callable reaches the caller."""
+def test_decode_stack_equals_the_python_step(dtype):
+    """DecodeStack.run (a whole decode step in one native call) gives bit-equal logits, and writes the same
+    cache pages, as the Python path: embedding and rope rows, the loop over the fused blocks, final norm,
+    LM head; with no reduce and with a reduce callable (called in layer order, o projection then down
+    projection); an exception raised by the callable reaches the caller."""
     g = torch.Generator().manual_seed(11)
+    vocab, max_pos = 50, 64
     for rows, heads, kv_heads, d, bias in ((1, 4, 2, 16, False), (3, 6, 1, 24, True), (9, 8, 2, 16, False)):
         layers = [_decode_layer_case(dtype, rows, heads, kv_heads, d, bias, g) for _ in range(3)]
         first = layers[0]
+        hidden = first["x"].shape[1]
+        embedding = torch.randn(vocab, hidden, generator=g).to(dtype)
+        angles = torch.rand(max_pos, d // 2, generator=g) * 50
+        cos_table, sin_table = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+        final_norm = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+        lm_head = (torch.randn(vocab, hidden, generator=g) * 0.2).to(dtype)
+        ids = torch.randint(0, vocab, (rows,), generator=g)
+        positions = first["ctx"] - 1
+
         stack = ops.decode_stack(heads, kv_heads, d, first["eps"], first["scale"], dtype)
         stack_caches = [(c["k_cache"].clone(), c["v_cache"].clone()) for c in layers]
         for c, (k, v) in zip(layers, stack_caches):
             stack.add_layer(c["norm1"], c["qkv_w"], c["qkv_b"], c["o_w"], c["norm2"], c["gate_up_w"], c["gate_up_b"],
                             c["down_w"], k, v)
+        stack.set_ends(embedding, cos_table, sin_table, final_norm, lm_head)
         assert stack.num_layers == 3
 
         def scaled(t, layer, part):          # stands in for an allreduce: any function of (partial, layer, part)
@@ -264,21 +276,24 @@ def test_decode_stack_equals_the_layer_loop(dtype):
         for reduce in (None, scaled):
             calls = []
             loop_caches = [(c["k_cache"].clone(), c["v_cache"].clone()) for c in layers]
-            x, residual = first["x"], None
+            cos = cos_table[positions].to(dtype).unsqueeze(1)
+            sin = sin_table[positions].to(dtype).unsqueeze(1)
+            x, residual = torch.nn.functional.embedding(ids, embedding), None
             for i, (c, (k, v)) in enumerate(zip(layers, loop_caches)):
                 o, residual = ops.decode_attention_block(
-                    x, residual, c["norm1"], c["eps"], c["qkv_w"], c["qkv_b"], heads, kv_heads, first["cos"],
-                    first["sin"], k, v, first["slots"], first["spans"], first["ctx"], first["scale"], c["o_w"])
+                    x, residual, c["norm1"], c["eps"], c["qkv_w"], c["qkv_b"], heads, kv_heads, cos, sin, k, v,
+                    first["slots"], first["spans"], first["ctx"], first["scale"], c["o_w"])
                 x, residual = ops.decode_mlp_block(o if reduce is None else reduce(o, i, 0), residual, c["norm2"],
                                                    c["eps"], c["gate_up_w"], c["gate_up_b"], c["down_w"])
                 x = x if reduce is None else reduce(x, i, 1)
+            expected = ops.linear(ops.rms_norm(x, final_norm, first["eps"], residual)[0], lm_head).float()
             expected_calls, calls = calls, []
             for c, (k, v) in zip(layers, stack_caches):        # the same starting pages as the loop's
                 k.copy_(c["k_cache"])
                 v.copy_(c["v_cache"])
-            out, res = stack.run(first["x"], first["cos"], first["sin"], first["slots"], first["spans"],
-                                 first["ctx"], reduce)
-            assert torch.equal(out, x) and torch.equal(res, residual)
+            logits = stack.run(ids, positions, first["slots"], first["spans"], first["ctx"], reduce)
+            assert logits.dtype == torch.float32 and logits.shape == (rows, vocab)
+            assert torch.equal(logits, expected)
             assert all(torch.equal(a, b) for pair_s, pair_l in zip(stack_caches, loop_caches)
                        for a, b in zip(pair_s, pair_l))
             assert calls == expected_calls == ([] if reduce is None else [(i, p) for i in range(3) for p in (0, 1)])
@@ -286,4 +301,4 @@ def test_decode_stack_equals_the_layer_loop(dtype):
         def failing(t, layer, part):
             raise ValueError(f"reduce failed at layer {layer}")
         with pytest.raises(ValueError, match="reduce failed at layer 0"):
-            stack.run(first["x"], first["cos"], first["sin"], first["slots"], first["spans"], first["ctx"], failing)
+            stack.run(ids, positions, first["slots"], first["spans"], first["ctx"], failing)

@@ -28,5 +28,8 @@ class ParallelLMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size_local, hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, h: torch.Tensor) -> Optional[torch.Tensor]:   # [N, H] -> [N, V] fp32 on rank 0
-        local = ops.linear(h, self.weight).float()                    # [N, V_local]
+        return self.gather(ops.linear(h, self.weight).float())        # [N, V_local] on each rank
+
+    def gather(self, local: torch.Tensor) -> Optional[torch.Tensor]:
+        """Every rank's fp32 [N, V_local] logits -> the full [N, V] on rank 0 (None elsewhere)."""
         return self.comm.gather_rows(local)

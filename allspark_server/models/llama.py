@@ -117,8 +117,9 @@ class LlamaForCausalLM(nn.Module):
         self._stack, self._stack_cache, self._reduce = None, None, None
 
     def decode_stack(self, kv_cache):
-        """The native DecodeStack over this model's weights and `kv_cache` (built on first use; None without
-        the native build). Weights and cache pages stay where they are once loaded, so it is built once."""
+        """The native DecodeStack (a whole decode-only step in one call) over this model's weights and
+        `kv_cache`: built on first use, None without the native build. Weights and cache pages stay where
+        they are once loaded, so it is built once."""
         if self._stack_cache is not kv_cache:
             self._stack, self._stack_cache = self._build_decode_stack(kv_cache), kv_cache
         return self._stack
@@ -126,7 +127,8 @@ class LlamaForCausalLM(nn.Module):
     def _build_decode_stack(self, kv_cache):
         layers = self.model.layers
         attn, norm = layers[0].self_attn, layers[0].input_layernorm
-        if any(w.dtype != kv_cache.k[0].dtype for w in self.parameters()):
+        if (any(w.dtype != kv_cache.k[0].dtype for w in self.parameters())
+                or self.model.norm.eps != norm.eps or not self.lm_head.weight.is_contiguous()):
             return None
         stack = ops.decode_stack(attn.num_heads, attn.num_kv_heads, attn.head_dim, norm.eps, attn.attn.scale,
                                  kv_cache.k[0].dtype)
@@ -138,6 +140,9 @@ class LlamaForCausalLM(nn.Module):
             stack.add_layer(layer.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight,
                             layer.post_attention_layernorm.weight, m.gate_up_proj.weight, m.gate_up_proj.bias,
                             m.down_proj.weight, k, v)
+        rotary = self.model.rotary
+        stack.set_ends(self.model.embed_tokens.weight, rotary.cos, rotary.sin, self.model.norm.weight,
+                       self.lm_head.weight)
         # the row-parallel sums: nothing to do at world size 1 without biases, so the stack never calls back
         if self.comm.world_size == 1 and all(layer.self_attn.o_proj.bias is None and layer.mlp.down_proj.bias is None
                                              for layer in layers):
@@ -153,16 +158,18 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, inputs: ForwardInputs, kv_cache) -> torch.Tensor:
         """Run all scheduled tokens; return fp32 logits [N, V] of the sample rows (rank 0)."""
+        meta = inputs.attn
+        # every sequence decodes one token and every row is sampled: the whole step is one native call
+        if (not meta.seqs and len(inputs.sample_request_ids) == inputs.input_ids.shape[0]
+                and (stack := self.decode_stack(kv_cache)) is not None):
+            local = stack.run(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.decode_spans,
+                              meta.decode_ctx, self._reduce)
+            return self.lm_head.gather(local)
         x = self.model.embed_tokens(inputs.input_ids)                       # [T, H]
         rope = self.model.rotary.cos_sin(inputs.positions, x.dtype)         # [T, 1, D] x 2
-        meta = inputs.attn
-        stack = self.decode_stack(kv_cache) if not meta.seqs else None   # every sequence decodes one token
-        if stack is not None:
-            x, residual = stack.run(x, *rope, meta.slot_mapping, meta.decode_spans, meta.decode_ctx, self._reduce)
-        else:
-            residual = None
-            for i, layer in enumerate(self.model.layers):
-                x, residual = layer(x, residual, inputs, rope, kv_cache.k[i], kv_cache.v[i])
+        residual = None
+        for i, layer in enumerate(self.model.layers):
+            x, residual = layer(x, residual, inputs, rope, kv_cache.k[i], kv_cache.v[i])
         rows = inputs.sample_rows
         h, _ = self.model.norm(x[rows], residual[rows])                     # [N, H]
         return self.lm_head(h)                                              # [N, V] on rank 0

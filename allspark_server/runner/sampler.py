@@ -73,10 +73,11 @@ class Sampler:
                    output_ids: list[int]) -> SampleResult:
         gen = state.gen
         raw_logprobs = torch.log_softmax(logits, -1) if gen.logprobs else None
-        x = logits.clone()
+        suppress_eos = bool(gen.min_length and len(all_ids) < gen.min_length and gen.eos_token_ids)
+        x = logits.clone() if gen.has_penalties or suppress_eos else logits   # edited in place below
         if gen.has_penalties:
             apply_penalties(x, all_ids, output_ids, gen)
-        if gen.min_length and len(all_ids) < gen.min_length and gen.eos_token_ids:
+        if suppress_eos:
             x[list(gen.eos_token_ids)] = float("-inf")
         if gen.is_greedy:
             token = int(torch.argmax(x))
