@@ -225,7 +225,9 @@ DYING_CLIENT_SCRIPT = textwrap.dedent("""
 def test_second_client_process_alongside(new_pool, loader, llama):
     pool = new_pool()
     client = pool.client()
-    install(client, loader, max_length=LONG_RUN_MAX_LENGTH)
+    # our long request must outlast the other process's whole run (one CI run saw it end first): 4x the usual
+    # long request, ~20 s alone; it is stopped as soon as the other's results are in, so it costs no time
+    install(client, loader, max_length=4 * LONG_RUN_MAX_LENGTH)
     mine = random_prompt(9, seed=51)
     theirs = [random_prompt(6, seed=52), random_prompt(11, seed=53)]
     n_theirs = 24
@@ -245,7 +247,7 @@ def test_second_client_process_alongside(new_pool, loader, llama):
         else:
             pytest.fail("the other client exited before connecting:\n" + "".join(early))
         # a long request of ours runs the whole time the other process works
-        status, handle, queue = client.start_request(MODEL, {"input_ids": mine}, greedy_cfg(LONG_RUN_TOKENS))
+        status, handle, queue = client.start_request(MODEL, {"input_ids": mine}, greedy_cfg(4 * LONG_RUN_TOKENS))
         assert status == AsStatus.ALLSPARK_SUCCESS, client.get_last_error()
         tokens = read_at_least(queue, 2)
         other.stdin.write("go\n")
