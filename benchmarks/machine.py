@@ -40,8 +40,8 @@ def stream_bandwidth(repeats: int = 7) -> dict:
 
 
 def copy_bandwidth(repeats: int = 5) -> float:
-    """Copy GB/s right now (also measured next to each decode run, so a run's roofline uses the
-    bandwidth the machine had at that moment)."""
+    """Copy GB/s right now (also measured around the decode runs of each round, so a round's roofline
+    uses the bandwidth the machine had then)."""
     a, c = _arrays(1.0, None)
     return 2 * a.numel() * 4 / _median_time(lambda: c.copy_(a), repeats) / 1e9
 

@@ -63,17 +63,21 @@ def bytes_per_token(hf_model, spec: dict, ctx: int) -> int:
 def decode_rounds(decoders: dict, bytes_per_tok: int, repeats: int) -> dict:
     """Batch-1 decode of every engine, interleaved: each round runs every engine once, so all engines see
     the same phases of this shared VM (its bandwidth drifts by tens of percent within minutes, sometimes
-    within seconds). Each run is bracketed by copy-bandwidth measurements and its roofline uses their mean,
-    the best estimate of the bandwidth during the run. Per engine: medians of tokens/s, of the per-run
-    roofline ratio and of the bandwidth, and `decode_b1_vs_allspark`, the median over rounds of its
-    tokens/s over the Engine's in the same round."""
+    within seconds). The copy bandwidth is measured before the round and after each run; the round's
+    roofline uses the median of those, for every engine alike. (Per-run brackets were tried: a single copy
+    measurement also catches what the neighbouring run leaves behind, and in one full run the Engine and the
+    pool decoded at the same speed in the same rounds yet came out 0.78 and 0.85 of "their" rooflines.)
+    Per engine: medians over rounds of tokens/s, of the roofline ratio and of the bandwidth, and
+    `decode_b1_vs_allspark`, the median over rounds of its tokens/s over the Engine's in the same round."""
     runs = {name: [] for name in decoders}
     for r in range(repeats):
+        bws, tps = [machine.copy_bandwidth()], {}
         for name, decode_once in decoders.items():
-            before = machine.copy_bandwidth()
-            tps = decode_once(r)
-            bw = (before + machine.copy_bandwidth()) / 2
-            runs[name].append((tps, tps * bytes_per_tok / (bw * 1e9), bw))
+            tps[name] = decode_once(r)
+            bws.append(machine.copy_bandwidth())
+        bw = statistics.median(bws)
+        for name, t in tps.items():
+            runs[name].append((t, t * bytes_per_tok / (bw * 1e9), bw))
     out = {}
     for name, rs in runs.items():
         out[name] = {"decode_b1_tps": statistics.median(x[0] for x in rs),
@@ -172,7 +176,7 @@ def summarize(report: dict) -> list[str]:
         for k in keys:
             lines.append(f"{k:<22}" + "".join(f"{r[e][k]:>16.3f}" if k in r[e] else f"{'-':>16}" for e in engines))
         ours, hf = r["allspark"], r["transformers"]
-        lines.append(f"batch-1 decode / roofline (bandwidth measured next to each run): "
+        lines.append(f"batch-1 decode / roofline (bandwidth measured around each round): "
                      f"{ours['decode_b1_roofline']:.2f}; vs transformers: batch 1 "
                      f"{1 / hf['decode_b1_vs_allspark']:.2f}x (same rounds)" +
                      "".join(f", {c} concurrent {ours[f'c{c}_tps'] / hf[f'c{c}_tps']:.2f}x"

@@ -4,6 +4,9 @@ Module names mirror HF's; q/k/v and gate/up are merged projections whose parts k
 (loader/weights.py concatenates a rank's slices at load time). Tensor parallelism
 lives in the layers (column/row-parallel linears, vocab-split LM head); the math here is the
 single-device math on local head counts. `SPLIT_RULES` tells the loader how each tensor is sharded.
+A decode-only step (one new token per sequence) runs as a single native call over all layers
+(`decode_stack`, native/decode_stack.cpp) when the extension is built; `DecoderLayer.decode` is the same
+math per layer in Python, used without it.
 """
 from __future__ import annotations
 
