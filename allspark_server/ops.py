@@ -203,9 +203,9 @@ def decode_mlp_block(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias
 
 
 def decode_stack(num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float, dtype: torch.dtype):
-    """A native DecodeStack (native/decode_stack.cpp: every layer of a decode-only step in one call) for a
-    model of this shape and dtype, to fill with `add_layer`; None where the fused blocks do not apply (then
-    the caller loops over the layers itself, each layer's `decode_*_block`s falling back as above)."""
+    """A native DecodeStack (native/decode_stack.cpp: a whole decode-only step in one call) for a model of
+    this shape and dtype, to fill with `add_layer` and `set_ends`; None where the fused blocks do not apply
+    (then the caller loops over the layers itself, each layer's `decode_*_block`s falling back as above)."""
     ext = native()
     if ext is None or dtype not in NATIVE_MAX_ROWS or head_dim % 2:
         return None

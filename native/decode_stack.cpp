@@ -100,7 +100,7 @@ class DecodeStack {
 };
 
 void bind_decode_stack(py::module_& m) {
-  py::class_<DecodeStack>(m, "DecodeStack", "all decoder layers of a decode-only step in one call")
+  py::class_<DecodeStack>(m, "DecodeStack", "a whole decode-only step of the model in one call")
       .def(py::init<int64_t, int64_t, double, double, int64_t, int64_t>(), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("eps"), py::arg("scale"), py::arg("isa"), py::arg("native_rows"))
       .def("add_layer", &DecodeStack::add_layer, py::arg("attn_norm"), py::arg("qkv_weight"), py::arg("qkv_bias"),
