@@ -226,7 +226,8 @@ def test_second_client_process_alongside(new_pool, loader, llama):
     pool = new_pool()
     client = pool.client()
     # our long request must outlast the other process's whole run (one CI run saw it end first): 4x the usual
-    # long request (8000 tokens take ~5 s here); it is stopped as soon as the other's results are in, so it costs no time
+    # long request (8000 tokens take ~5 s here); it is stopped as soon as the other's results are in, so it
+    # costs no time
     install(client, loader, max_length=4 * LONG_RUN_MAX_LENGTH)
     mine = random_prompt(9, seed=51)
     theirs = [random_prompt(6, seed=52), random_prompt(11, seed=53)]
