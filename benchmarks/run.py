@@ -5,8 +5,8 @@
 Measures the machine (STREAM-like copy/triad bandwidth, fp32/bf16 matmul rate), then for each
 weight dtype, on a Llama-architecture model with random weights (about 0.5 B parameters; --quick:
 a small one): batch-1 decode tokens/s and its ratio to the roofline (copy bandwidth / bytes read
-per token; the bandwidth is measured again right before each decode run, and the engines' decode
-runs are interleaved round by round so they share the machine's phases), TTFT for 128/512/2048-
+per token; the engines' decode runs are interleaved round by round so they share the machine's
+phases, and each round's bandwidth is measured around its runs), TTFT for 128/512/2048-
 token prompts, throughput with 8 and 32 concurrent requests (128 in / 128 out, EOS ignored) and
 with Poisson arrivals (TTFT / TPOT median and p99) — for our Engine, for transformers' generate
 (static batches for the concurrent case) and for a 2-rank pool through ClientEngine on the same

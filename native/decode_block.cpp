@@ -58,8 +58,7 @@ void silu_mul_avx512(const T* g, const T* u, int64_t n, T* o) {
                                         _mm512_cmp_ps_mask(ax, _mm512_set1_ps(87.f), _CMP_GT_OQ), zero);
     const __mmask16 negative = _mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ);
     __m512 s = _mm512_div_ps(_mm512_mask_mul_ps(x, negative, x, e), _mm512_add_ps(one, e));
-    if constexpr (!std::is_same_v<T, float>) s = simd::round_to_bf16(s);
-    simd::store16(o + i, _mm512_mul_ps(s, simd::load16(u + i)));
+    simd::store16(o + i, _mm512_mul_ps(simd::round_to<T>(s), simd::load16(u + i)));
   }
   silu_mul_scalar(g + i, u + i, n - i, o + i);
 }

@@ -8,19 +8,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <tuple>
-#include <type_traits>
 
 #include "simd.h"
 
 namespace {
-
-// a product rounded to the activation dtype
-template <typename T>
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-inline __m512 rounded(__m512 v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  else return simd::round_to_bf16(v);
-}
 
 // one head row: the first half gets x1 * c - x2 * s, the second x2 * c + x1 * s (x1, x2 the halves).
 // fp-contract off: for fp32 the compiler would otherwise fuse a product and the sum into one FMA, which
@@ -30,11 +21,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), optimize("fp-contract=off"))
 void rotate_row_avx512(const T* x, const T* c, const T* s, int64_t half, T* o) {
   for (int64_t d = 0; d < half; d += 16) {
     const __m512 x1 = simd::load16(x + d), x2 = simd::load16(x + half + d);
-    const __m512 a1 = rounded<T>(_mm512_mul_ps(x1, simd::load16(c + d)));
-    const __m512 b1 = rounded<T>(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), simd::load16(s + d)));
+    const __m512 a1 = simd::round_to<T>(_mm512_mul_ps(x1, simd::load16(c + d)));
+    const __m512 b1 = simd::round_to<T>(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), simd::load16(s + d)));
     simd::store16(o + d, _mm512_add_ps(a1, b1));
-    const __m512 a2 = rounded<T>(_mm512_mul_ps(x2, simd::load16(c + half + d)));
-    const __m512 b2 = rounded<T>(_mm512_mul_ps(x1, simd::load16(s + half + d)));
+    const __m512 a2 = simd::round_to<T>(_mm512_mul_ps(x2, simd::load16(c + half + d)));
+    const __m512 b2 = simd::round_to<T>(_mm512_mul_ps(x1, simd::load16(s + half + d)));
     simd::store16(o + half + d, _mm512_add_ps(a2, b2));
   }
 }

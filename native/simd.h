@@ -6,6 +6,8 @@
 #include <torch/extension.h>
 #include <immintrin.h>
 
+#include <type_traits>
+
 namespace simd {
 
 __attribute__((target("avx512f,avx512bw,avx512vl")))
@@ -42,6 +44,14 @@ inline __m512 round_to_bf16(__m512 v) {
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb);
   return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// v rounded to the activation dtype T (a no-op for fp32), as an eager op's result would be
+template <typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+inline __m512 round_to(__m512 v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return round_to_bf16(v);
 }
 
 // store 16 lanes, rounding to nearest even for bf16

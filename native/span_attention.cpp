@@ -130,7 +130,6 @@ void attend_portable(ATTEND_ARGS) { attend<T>(ATTEND_CALL); }
 // reduction per key and head, scalar exp) took ~260 us for 1000 keys x 12 heads x 128 dims.
 using simd::exp_nonpositive;
 using simd::load16;
-using simd::round_to_bf16;
 
 template <typename T>
 __attribute__((target("avx512f,avx512bw,avx512vl")))
@@ -166,7 +165,7 @@ void attend_avx512_d16(ATTEND_ARGS) {
       const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sc + t), m));
       sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
       // the weights meet V in the cache's precision (see attend())
-      _mm512_mask_storeu_ps(sc + t, mask, std::is_same_v<T, float> ? e : round_to_bf16(e));
+      _mm512_mask_storeu_ps(sc + t, mask, simd::round_to<T>(e));
     }
     inv_sum[h] = 1.f / _mm512_reduce_add_ps(sum);
   }
