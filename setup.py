@@ -15,8 +15,9 @@ def native_extensions():
         return [], {}
     ext = CppExtension("allspark_server._native", ["native/module.cpp", "native/gemv.cpp", "native/span_attention.cpp",
                                                    "native/rms_norm.cpp", "native/rotary.cpp",
-                                                   "native/decode_block.cpp", "native/decode_stack.cpp"],
-                       depends=["native/kernels.h", "native/simd.h"],      # rebuild when a header changes
+                                                   "native/decode_block.cpp", "native/decode_stack.cpp",
+                                                   "native/parallel.cpp"],
+                       depends=["native/kernels.h", "native/simd.h", "native/parallel.h"],      # rebuild when a header changes
                        extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"])
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=False)}
 

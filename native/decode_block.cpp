@@ -17,6 +17,8 @@
 // e = exp(-|x|) so the exponential never overflows.
 #include <torch/extension.h>
 
+#include "parallel.h"
+
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -68,7 +70,7 @@ void silu_mul_rows(const torch::Tensor& gu, torch::Tensor& out, int64_t isa) {
   const int64_t rows = gu.size(0), I = out.size(1);
   const T* g = gu.data_ptr<T>();
   T* o = out.data_ptr<T>();
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
+  allspark::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       if (isa >= 2) silu_mul_avx512<T>(g + r * 2 * I, g + r * 2 * I + I, I, o + r * I);
       else silu_mul_scalar<T>(g + r * 2 * I, g + r * 2 * I + I, I, o + r * I);

@@ -4,7 +4,8 @@
 // x, residual [T, H] and weight [H], all fp32 or all bf16. Returns (out, s); without a residual s = x.
 // Rows are independent and split across torch's threads (one thread for a decode step's few rows).
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
+
+#include "parallel.h"
 #include <cmath>
 #include <optional>
 #include <tuple>
@@ -15,7 +16,7 @@ namespace {
 template <typename T>
 void run(const T* x, const T* res, const T* w, int64_t rows, int64_t H, float eps, T* out, T* sum) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(H, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+  allspark::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     std::vector<float> s(H);
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * H;

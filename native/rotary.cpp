@@ -6,7 +6,8 @@
 // isa 2 (AVX-512) with D a multiple of 32 rotates 16 lanes at a time with the same roundings (a decode step's
 // q and k of 16 heads x 128 took ~9 us per layer elementwise).
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
+
+#include "parallel.h"
 #include <tuple>
 
 #include "simd.h"
@@ -37,7 +38,7 @@ void rotate(const torch::Tensor& x, const T* cos, const T* sin, torch::Tensor& o
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(heads * D, 1));
-  at::parallel_for(0, tokens, grain, [&](int64_t t0, int64_t t1) {
+  allspark::parallel_for(0, tokens, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const T* c = cos + t * D;
       const T* s = sin + t * D;

@@ -14,7 +14,8 @@
 // same in any batch. ISA: 2 = AVX-512 (intrinsics when the head dim is a multiple of 16, else the
 // generic code compiled for it), 1 = AVX2, 0 = portable (the generic code compiled per target).
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
+
+#include "parallel.h"
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
@@ -195,7 +196,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& v
   const int64_t* sp = spans.data_ptr<int64_t>();
   const int64_t* cp = ctx.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+  allspark::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), inv_sum(G), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KVH, g = task % KVH;
