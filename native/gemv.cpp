@@ -60,9 +60,11 @@ inline __m512 load16_512(const uint16_t* p, __mmask16 mask) {
 
 // One row of x (batch-1 decode): each thread reads S weight rows at once, taken from S equal parts of
 // its block of rows (S sequential streams far apart), two accumulator chains per row, one cache line of
-// bf16 (half a line of fp32) per stream and step. Measured on Zen 4 with 2 threads, reading the 0.5 B
-// model's weights: 2 streams per thread read ~12% (bf16) / ~3% (fp32) faster than one stream with four
-// chains; 3-4 streams gain nothing more, 8 lose. (Interleaving *adjacent* rows is one stream, not several.)
+// bf16 (half a line of fp32) per stream and step. Measured on Zen 4 with 2 threads over the 0.5 B
+// benchmark model's weights: a back-to-back chain of its GEMVs read ~12% (bf16) / ~3% (fp32) faster than
+// with one stream and four chains per thread (3-4 streams: no better; 8: slower); inside a whole decode
+// step, where serial work separates the GEMVs, the gain is ~1% (paired steps). (Interleaving *adjacent*
+// rows is one stream, not several.)
 template <typename W, int S>
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 void rows_m1_avx512(const float* x, int64_t K, const W* w, int64_t n0, int64_t n1, float* y) {

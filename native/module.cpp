@@ -2,9 +2,44 @@
 // its layouts). Python reaches them only through allspark_server/ops.py.
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <mutex>
+#include <string>
+#include <stdexcept>
+#include <thread>
+#include <tuple>
+#include <vector>
+
 #include "kernels.h"
+#include "parallel.h"
 
 void bind_decode_stack(pybind11::module_& m);   // decode_stack.cpp
+
+namespace {
+
+// For tests of allspark::parallel_for: the chunks it made, in order, as (begin, end, ran on the calling
+// thread, a nested call from the chunk ran whole on the same thread); a chunk holding `throw_at` throws.
+std::vector<std::tuple<int64_t, int64_t, bool, bool>> parallel_chunks(int64_t begin, int64_t end, int64_t grain,
+                                                                      int64_t throw_at) {
+  std::mutex m;
+  std::vector<std::tuple<int64_t, int64_t, bool, bool>> chunks;
+  const auto caller = std::this_thread::get_id();
+  allspark::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) {
+    if (b <= throw_at && throw_at < e) throw std::runtime_error("chunk [" + std::to_string(b) + ", " +
+                                                                std::to_string(e) + ") failed");
+    const auto me = std::this_thread::get_id();
+    bool nested_inline = true;
+    allspark::parallel_for(0, 64, 1, [&](int64_t nb, int64_t ne) {
+      nested_inline = nested_inline && nb == 0 && ne == 64 && std::this_thread::get_id() == me;
+    });
+    std::lock_guard<std::mutex> lock(m);
+    chunks.emplace_back(b, e, me == caller, nested_inline);
+  });
+  std::sort(chunks.begin(), chunks.end());
+  return chunks;
+}
+
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // kernels run without the GIL: other Python threads (gRPC streams, readers of results) go on meanwhile
@@ -37,4 +72,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("gate_up_weight"), pybind11::arg("gate_up_bias"), pybind11::arg("down_weight"),
         pybind11::arg("isa"), pybind11::arg("native_rows"));
   bind_decode_stack(m);
+  m.def("parallel_chunks", &parallel_chunks, "test hook: how allspark::parallel_for split [begin, end)", nogil,
+        pybind11::arg("begin"), pybind11::arg("end"), pybind11::arg("grain"), pybind11::arg("throw_at"));
 }
