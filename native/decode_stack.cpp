@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "parallel.h"
 
 namespace py = pybind11;
 
@@ -65,6 +66,8 @@ class DecodeStack {
                     torch::Tensor ctx, std::optional<py::function> reduce) {
     TORCH_CHECK(embedding_.defined() && !layers_.empty(), "DecodeStack.run: call add_layer and set_ends first");
     py::gil_scoped_release nogil;
+    // every GEMV native: the step's threads are allspark's own (parallel.h says why not otherwise)
+    allspark::OwnPoolScope own_pool(ids.size(0) <= native_rows_);
     const auto dtype = embedding_.scalar_type();
     // the rope rows as RotaryEmbedding.cos_sin gives them: [B, 1, D] in the activation dtype
     const auto cos = cos_table_.index_select(0, positions).to(dtype).unsqueeze(1);

@@ -17,10 +17,12 @@ void bind_decode_stack(pybind11::module_& m);   // decode_stack.cpp
 
 namespace {
 
-// For tests of allspark::parallel_for: the chunks it made, in order, as (begin, end, ran on the calling
-// thread, a nested call from the chunk ran whole on the same thread); a chunk holding `throw_at` throws.
+// For tests of allspark::parallel_for (own_pool: inside an OwnPoolScope): the chunks it made, in order, as
+// (begin, end, ran on the calling thread, a nested call from the chunk ran whole on the same thread); a
+// chunk holding `throw_at` throws.
 std::vector<std::tuple<int64_t, int64_t, bool, bool>> parallel_chunks(int64_t begin, int64_t end, int64_t grain,
-                                                                      int64_t throw_at) {
+                                                                      int64_t throw_at, bool own_pool) {
+  allspark::OwnPoolScope scope(own_pool);
   std::mutex m;
   std::vector<std::tuple<int64_t, int64_t, bool, bool>> chunks;
   const auto caller = std::this_thread::get_id();
@@ -73,5 +75,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("isa"), pybind11::arg("native_rows"));
   bind_decode_stack(m);
   m.def("parallel_chunks", &parallel_chunks, "test hook: how allspark::parallel_for split [begin, end)", nogil,
-        pybind11::arg("begin"), pybind11::arg("end"), pybind11::arg("grain"), pybind11::arg("throw_at"));
+        pybind11::arg("begin"), pybind11::arg("end"), pybind11::arg("grain"), pybind11::arg("throw_at"),
+        pybind11::arg("own_pool"));
 }

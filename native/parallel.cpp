@@ -28,6 +28,7 @@ namespace {
 constexpr int64_t SPIN_US = 2000;
 
 thread_local bool in_region = false;
+thread_local bool own_pool = false;   // OwnPoolScope
 
 class Pool {
  public:
@@ -132,12 +133,17 @@ Pool& pool() {
 
 }  // namespace
 
+OwnPoolScope::OwnPoolScope(bool on) : previous_(own_pool) { own_pool = on; }
+OwnPoolScope::~OwnPoolScope() { own_pool = previous_; }
+
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f) {
   if (begin >= end) return;
+  if (in_region) return f(begin, end);   // called from a chunk of ours
+  if (!own_pool) return at::parallel_for(begin, end, grain, f);
   const int64_t n = end - begin;
   grain = std::max<int64_t>(grain, 1);
   const int64_t chunks = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain);
-  if (chunks <= 1 || chunks > 0xFFFF || in_region || at::in_parallel_region() || !pool().run(chunks, begin, end, (n + chunks - 1) / chunks, f))
+  if (chunks <= 1 || chunks > 0xFFFF || at::in_parallel_region() || !pool().run(chunks, begin, end, (n + chunks - 1) / chunks, f))
     f(begin, end);
 }
 

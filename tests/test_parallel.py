@@ -1,5 +1,7 @@
-"""allspark::parallel_for (native/parallel.cpp), the worker pool every native kernel splits its work with:
-the split, exceptions, nested and concurrent calls, forked children, and idle workers that sleep."""
+"""allspark::parallel_for (native/parallel.cpp), how every native kernel splits its work: on allspark's
+own workers (inside an OwnPoolScope, as in decode-stack steps with native GEMVs) or on ATen's OpenMP
+threads (elsewhere), the same split either way; exceptions, nested, concurrent and forked callers, and
+idle workers that sleep."""
 from __future__ import annotations
 
 import math
@@ -24,10 +26,11 @@ def two_threads():
     torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("own_pool", [True, False])
 @pytest.mark.parametrize("begin,end,grain", [(0, 1, 1), (0, 2, 1), (5, 22, 1), (0, 1000, 16), (3, 1000, 5000),
                                              (0, 7, 4), (10, 10, 1)])
-def test_chunks_cover_the_range_like_aten(two_threads, begin, end, grain):
-    chunks = ops.native().parallel_chunks(begin, end, grain, -1)
+def test_chunks_cover_the_range_like_aten(two_threads, begin, end, grain, own_pool):
+    chunks = ops.native().parallel_chunks(begin, end, grain, -1, own_pool)
     n = end - begin
     expected_count = min(2, math.ceil(n / grain)) if n else 0
     assert len(chunks) == expected_count
@@ -40,27 +43,27 @@ def test_chunks_cover_the_range_like_aten(two_threads, begin, end, grain):
         assert nested_inline == (expected_count > 1)
 
 
-def test_an_exception_in_a_worker_chunk_reaches_the_caller(two_threads):
+@pytest.mark.parametrize("own_pool", [True, False])
+def test_an_exception_in_a_worker_chunk_reaches_the_caller(two_threads, own_pool):
     with pytest.raises(RuntimeError, match=r"chunk \[50, 100\) failed"):
-        ops.native().parallel_chunks(0, 100, 1, 77)
+        ops.native().parallel_chunks(0, 100, 1, 77, own_pool)
     with pytest.raises(RuntimeError, match=r"chunk \[0, 50\) failed"):
-        ops.native().parallel_chunks(0, 100, 1, 3)
-    assert len(ops.native().parallel_chunks(0, 100, 1, -1)) == 2   # and the pool still works
+        ops.native().parallel_chunks(0, 100, 1, 3, own_pool)
+    assert len(ops.native().parallel_chunks(0, 100, 1, -1, own_pool)) == 2   # and the pool still works
 
 
-def test_concurrent_callers_get_correct_results(two_threads):
-    """Kernels release the GIL; two Python threads calling them at once share one pool (the one that
-    finds it busy runs its range itself): both must get exactly the single-caller results."""
-    g = torch.Generator().manual_seed(0)
-    cases = [(torch.randn(1, 257, generator=g), torch.randn(1000, 257, generator=g)) for _ in range(2)]
-    expected = [ops.native().linear_small_m(x, w, None, ops.isa_level()) for x, w in cases]
+def test_concurrent_callers_share_the_pool(two_threads):
+    """Kernels release the GIL, so two threads may call them at once: the one that finds the pool busy
+    runs its whole range itself. Every call must cover its range exactly once."""
     failures = []
 
     def hammer(i):
-        x, w = cases[i]
-        for _ in range(300):
-            if not torch.equal(ops.native().linear_small_m(x, w, None, ops.isa_level()), expected[i]):
-                failures.append(i)
+        for _ in range(2000):
+            chunks = ops.native().parallel_chunks(0, 1000 + i, 1, -1, True)
+            ran_itself = [c[:3] for c in chunks] == [(0, 1000 + i, True)]
+            split = chunks == [(0, 500 + (i + 1) // 2, True, True), (500 + (i + 1) // 2, 1000 + i, False, True)]
+            if not (ran_itself or split):
+                failures.append(chunks)
                 return
 
     threads = [threading.Thread(target=hammer, args=(i,)) for i in range(2)]
@@ -72,23 +75,22 @@ def test_concurrent_callers_get_correct_results(two_threads):
     assert failures == []
 
 
-def _child_runs_a_kernel(q):
+def _child_uses_the_pool(q):
     torch.set_num_threads(2)
-    x, w = torch.ones(1, 64), torch.ones(300, 64)
-    q.put(ops.native().linear_small_m(x, w, None, ops.isa_level()).sum().item())
+    q.put(ops.native().parallel_chunks(0, 100, 1, -1, True))
 
 
 def test_a_forked_child_gets_its_own_workers(two_threads):
-    ops.native().parallel_chunks(0, 100, 1, -1)          # the parent's workers exist
+    ops.native().parallel_chunks(0, 100, 1, -1, True)    # the parent's workers exist
     ctx = multiprocessing.get_context("fork")
     q = ctx.Queue()
-    p = ctx.Process(target=_child_runs_a_kernel, args=(q,))
+    p = ctx.Process(target=_child_uses_the_pool, args=(q,))
     p.start()
     p.join(timeout=60)
     if p.is_alive():
         p.kill()
-        pytest.fail("the forked child hung in a kernel (it waited for the parent's workers)")
-    assert p.exitcode == 0 and q.get(timeout=5) == 300 * 64
+        pytest.fail("the forked child hung in parallel_for (it waited for the parent's workers)")
+    assert p.exitcode == 0 and q.get(timeout=5) == [(0, 50, True, True), (50, 100, False, True)]
 
 
 def _process_cpu_ticks() -> int:
@@ -106,7 +108,7 @@ def test_idle_workers_sleep(two_threads):
     """Workers spin only briefly after a region (parallel.cpp SPIN_US = 2 ms), then sleep: a process
     that ran kernels and then waits must not keep a core busy."""
     for _ in range(20):
-        ops.native().parallel_chunks(0, 100, 1, -1)
+        ops.native().parallel_chunks(0, 100, 1, -1, True)
     time.sleep(0.1)
     before = _process_cpu_ticks()
     time.sleep(1.0)
