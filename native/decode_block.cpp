@@ -17,13 +17,12 @@
 // e = exp(-|x|) so the exponential never overflows.
 #include <torch/extension.h>
 
-#include "parallel.h"
-
 #include <cmath>
 #include <cstring>
 #include <type_traits>
 
 #include "kernels.h"
+#include "parallel.h"
 #include "simd.h"
 
 namespace {

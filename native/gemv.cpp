@@ -8,13 +8,13 @@
 // ISA is chosen at run time by the caller (ops.py, from py-cpuinfo): 2 = AVX-512, 1 = AVX2+FMA,
 // 0 = portable C++. Tested against torch's matmul in tests/test_native.py (odd K/N, M = 1..64).
 #include <torch/extension.h>
-
-#include "parallel.h"
 #include <immintrin.h>
 #include <cstdint>
 #include <cstring>
 #include <optional>
 #include <vector>
+
+#include "parallel.h"
 
 namespace {
 

@@ -3,8 +3,8 @@
 // Workers wait on a ticket: the caller publishes a region (function, range, chunk size), then a new
 // ticket (a region counter and how many workers take part, in one atomic word, so a worker never mixes
 // two regions' answers) and runs chunk 0 itself; worker i < active runs chunk i + 1 and counts down
-// `pending`, which the caller waits for. A worker that has seen no new region for SPIN_US sleeps on a condition
-// variable; the caller wakes sleepers only when there are some. Workers are created on first use, grow
+// `pending`, which the caller waits for. A worker that has seen no new region for SPIN_US sleeps on a
+// condition variable; the caller wakes sleepers only when there are some. Workers are created on first use, grow
 // with torch's thread count and are never joined (they sleep when idle and die with the process).
 #include "parallel.h"
 
@@ -143,8 +143,9 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function
   const int64_t n = end - begin;
   grain = std::max<int64_t>(grain, 1);
   const int64_t chunks = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain);
-  if (chunks <= 1 || chunks > 0xFFFF || at::in_parallel_region() || !pool().run(chunks, begin, end, (n + chunks - 1) / chunks, f))
-    f(begin, end);
+  const bool ran = chunks > 1 && chunks <= 0xFFFF && !at::in_parallel_region() &&
+                   pool().run(chunks, begin, end, (n + chunks - 1) / chunks, f);
+  if (!ran) f(begin, end);   // one chunk, or the pool is busy with another thread's region
 }
 
 }  // namespace allspark

@@ -4,12 +4,12 @@
 // x, residual [T, H] and weight [H], all fp32 or all bf16. Returns (out, s); without a residual s = x.
 // Rows are independent and split across torch's threads (one thread for a decode step's few rows).
 #include <torch/extension.h>
-
-#include "parallel.h"
 #include <cmath>
 #include <optional>
 #include <tuple>
 #include <vector>
+
+#include "parallel.h"
 
 namespace {
 

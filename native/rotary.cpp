@@ -6,10 +6,9 @@
 // isa 2 (AVX-512) with D a multiple of 32 rotates 16 lanes at a time with the same roundings (a decode step's
 // q and k of 16 heads x 128 took ~9 us per layer elementwise).
 #include <torch/extension.h>
-
-#include "parallel.h"
 #include <tuple>
 
+#include "parallel.h"
 #include "simd.h"
 
 namespace {

@@ -14,14 +14,13 @@
 // same in any batch. ISA: 2 = AVX-512 (intrinsics when the head dim is a multiple of 16, else the
 // generic code compiled for it), 1 = AVX2, 0 = portable (the generic code compiled per target).
 #include <torch/extension.h>
-
-#include "parallel.h"
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
+#include "parallel.h"
 #include "simd.h"
 
 namespace {
