@@ -4,8 +4,8 @@
 // ticket (a region counter and how many workers take part, in one atomic word, so a worker never mixes
 // two regions' answers) and runs chunk 0 itself; worker i < active runs chunk i + 1 and counts down
 // `pending`, which the caller waits for. A worker that has seen no new region for SPIN_US sleeps on a
-// condition variable; the caller wakes sleepers only when there are some. Workers are created on first use, grow
-// with torch's thread count and are never joined (they sleep when idle and die with the process).
+// condition variable; the caller wakes sleepers only when there are some. Workers are created on first
+// use, grow with torch's thread count and are never joined (they sleep when idle and die with the process).
 #include "parallel.h"
 
 #include <ATen/Parallel.h>
@@ -18,7 +18,6 @@
 #include <exception>
 #include <mutex>
 #include <thread>
-#include <vector>
 
 namespace allspark {
 namespace {
@@ -58,8 +57,8 @@ class Pool {
 
  private:
   void grow(int64_t workers) {
-    while (static_cast<int64_t>(num_workers_) < workers) {
-      const int id = num_workers_++;
+    while (num_workers_ < workers) {
+      const int64_t id = num_workers_++;
       const uint64_t seen = ticket_.load(std::memory_order_relaxed);   // the region about to start is new to it
       std::thread([this, id, seen] { work(id, seen); }).detach();
     }
@@ -79,7 +78,7 @@ class Pool {
     in_region = false;
   }
 
-  void work(int id, uint64_t seen) {
+  void work(int64_t id, uint64_t seen) {
     for (;;) {
       uint64_t t;
       auto start = std::chrono::steady_clock::now();
@@ -103,7 +102,7 @@ class Pool {
   }
 
   std::mutex busy_;
-  int num_workers_ = 0;
+  int64_t num_workers_ = 0;
   std::atomic<uint64_t> ticket_{0};   // region counter << 16 | workers taking part
   std::atomic<int64_t> pending_{0};
   std::atomic<int> sleepers_{0};
