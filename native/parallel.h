@@ -5,10 +5,11 @@
 // threads instead of OpenMP's inside an OwnPoolScope (see the end). Why: a decode step is ~80 short
 // parallel regions separated by serial work, so what matters is how fast a sleeping worker starts.
 // libgomp lets its workers spin between regions only while it manages no more threads than there are
-// CPUs; as soon as a second thread of the process has used OpenMP (the user's main thread loading a model, say, next to the engine thread),
-// it "throttles" them to ~1000 spins, so every region waits for a futex wake-up. Measured on the 2-core
-// VM with an Engine and the 0.5 B bf16 model: a decode step took 21-28 ms throttled, 16.5-17.5 ms with
-// spinning workers (OMP_WAIT_POLICY=ACTIVE), and one warm attention call 57 us vs 17 us.
+// CPUs; as soon as a second thread of the process has used OpenMP (the user's main thread loading a
+// model, say, next to the engine thread), it "throttles" them to ~1000 spins, so every region waits
+// for a futex wake-up. Measured on the 2-core VM with an Engine and the 0.5 B bf16 model: a decode
+// step took 21-28 ms throttled, 16.5-17.5 ms with spinning workers (OMP_WAIT_POLICY=ACTIVE), and one
+// warm attention call 57 us vs 17 us.
 //
 // The workers spin for a bounded time after each region (SPIN_US, parallel.cpp), then sleep, so an idle
 // engine costs no CPU. One region runs at a time: a call made while another thread's region runs, or
