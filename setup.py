@@ -13,13 +13,17 @@ def native_extensions():
         from torch.utils.cpp_extension import BuildExtension, CppExtension
     except ImportError:
         return [], {}
-    ext = CppExtension("allspark_server._native", ["native/module.cpp", "native/gemv.cpp", "native/span_attention.cpp",
+    ext = CppExtension("allspark_server._native", ["native/module.cpp", "native/gemv.cpp", "native/gemv_quant.cpp",
+                                                   "native/span_attention.cpp",
                                                    "native/rms_norm.cpp", "native/rotary.cpp",
                                                    "native/decode_block.cpp", "native/decode_stack.cpp",
                                                    "native/parallel.cpp"],
                        depends=["native/kernels.h", "native/simd.h", "native/parallel.h"],      # rebuild when a header changes
                        extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"])
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=False)}
+    # ninja (requirements.txt) compiles the files in parallel (MAX_JOBS, default: every core); without it
+    # setuptools compiles them one after another
+    from torch.utils.cpp_extension import is_ninja_available
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=is_ninja_available())}
 
 
 EXT_MODULES, CMDCLASS = native_extensions()

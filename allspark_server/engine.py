@@ -218,6 +218,7 @@ class Engine(EngineAPI):
                            "engine_max_length": model.cfg.engine_max_length,
                            "engine_max_batch": model.cfg.engine_max_batch,
                            "kv_spans": r.num_spans, "span_size": r.span_size,
+                           "quantization": r.quant.describe() if r.quant else None,
                            "world_size": self._comm.world_size, "started": model.started})
 
     def get_as_engine_stat(self, name: str) -> AsEngineStat:

@@ -14,6 +14,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from allspark_server.quant.formats import FORMAT_IDS, QuantizedWeight
+
 log = logging.getLogger(__name__)
 
 ISA_PORTABLE, ISA_AVX2, ISA_AVX512 = 0, 1, 2
@@ -57,17 +59,42 @@ def describe() -> str:
     return "native, " + {ISA_AVX512: "AVX-512", ISA_AVX2: "AVX2+FMA", ISA_PORTABLE: "portable C++"}[isa_level()]
 
 
-def linear_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_reference(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight",
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A quantized weight is dequantized (quant/formats.py) and met in fp32, rounded once into x's dtype."""
+    if isinstance(w, QuantizedWeight):
+        y = F.linear(x.float(), w.dequantize(), None if bias is None else bias.float())
+        return y.to(x.dtype)
     return F.linear(x, w, bias)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ w.T (+ bias), x [M, K], w [N, K]; the native kernel streams w for small M."""
+def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ w.T (+ bias), x [M, K], w [N, K] dense or quantized; the native kernels stream w for small M
+    (quantized: up to QUANT_NATIVE_MAX_ROWS; more rows dequantize w once for ATen's GEMM)."""
     ext = native()
+    if isinstance(w, QuantizedWeight):
+        if ext is None or x.dim() != 2 or x.dtype not in NATIVE_MAX_ROWS:
+            return linear_reference(x, w, bias)
+        nw = native_weight(w)
+        if x.shape[0] <= ext.QUANT_NATIVE_MAX_ROWS:
+            return ext.linear_quant(x, nw, bias, isa_level())
+        return F.linear(x, ext.dequantize_weight(nw, x.dtype, isa_level()), bias)
     if (ext is None or x.dim() != 2 or x.shape[0] > NATIVE_MAX_ROWS.get(w.dtype, 0)
             or x.dtype != w.dtype or not w.is_contiguous()):
         return F.linear(x, w, bias)
     return ext.linear_small_m(x, w, bias, isa_level())
+
+
+def native_weight(w: "torch.Tensor | QuantizedWeight"):
+    """The form the native kernels take a linear weight in: a dense tensor as it is, a quantized one as a
+    `_native.QuantWeight` (which checks its tensors' shapes and dtypes)."""
+    if not isinstance(w, QuantizedWeight):
+        return w
+    return native().QuantWeight(w.qweight, w.scales, w.zeros, FORMAT_IDS[w.fmt], w.in_features)
+
+
+def _native_weight_ok(w, dtype: torch.dtype) -> bool:
+    return isinstance(w, QuantizedWeight) or w.dtype == dtype
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -179,13 +206,14 @@ def decode_attention_block(x, residual, norm_weight, eps, qkv_weight, qkv_bias, 
                            cos, sin, k_cache, v_cache, slots, spans, ctx, scale, o_weight):
     ext = native()
     if (ext is None or x.dtype not in NATIVE_MAX_ROWS or k_cache.shape[-1] % 2
-            or any(t.dtype != x.dtype for t in (qkv_weight, o_weight, k_cache, cos))):
+            or any(t.dtype != x.dtype for t in (k_cache, cos))
+            or not all(_native_weight_ok(w, x.dtype) for w in (qkv_weight, o_weight))):
         return decode_attention_block_reference(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads,
                                                 num_kv_heads, cos, sin, k_cache, v_cache, slots, spans, ctx,
                                                 scale, o_weight)
-    return ext.decode_attention_block(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads, num_kv_heads,
-                                      cos, sin, k_cache, v_cache, slots, spans, ctx, scale, o_weight, isa_level(),
-                                      NATIVE_MAX_ROWS[x.dtype])
+    return ext.decode_attention_block(x, residual, norm_weight, eps, native_weight(qkv_weight), qkv_bias, num_heads,
+                                      num_kv_heads, cos, sin, k_cache, v_cache, slots, spans, ctx, scale,
+                                      native_weight(o_weight), isa_level(), NATIVE_MAX_ROWS[x.dtype])
 
 
 def decode_mlp_block_reference(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight):
@@ -196,10 +224,11 @@ def decode_mlp_block_reference(x, residual, norm_weight, eps, gate_up_weight, ga
 
 def decode_mlp_block(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight):
     ext = native()
-    if ext is None or x.dtype not in NATIVE_MAX_ROWS or any(t.dtype != x.dtype for t in (gate_up_weight, down_weight)):
+    if (ext is None or x.dtype not in NATIVE_MAX_ROWS
+            or not all(_native_weight_ok(w, x.dtype) for w in (gate_up_weight, down_weight))):
         return decode_mlp_block_reference(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight)
-    return ext.decode_mlp_block(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight, isa_level(),
-                                NATIVE_MAX_ROWS[x.dtype])
+    return ext.decode_mlp_block(x, residual, norm_weight, eps, native_weight(gate_up_weight), gate_up_bias,
+                                native_weight(down_weight), isa_level(), NATIVE_MAX_ROWS[x.dtype])
 
 
 def decode_stack(num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float, dtype: torch.dtype):

@@ -9,8 +9,9 @@
 //                    returns (a . W_down^T, s)         -- before the allreduce and down bias
 //
 // x, residual [B, H]; caches [S, P, KVH, D]; slots [B] int64 (cache slot of each new token); spans, ctx
-// as in span_attention.cpp; cos/sin [B, 1, D]. Projections with at most `native_rows` rows use
-// linear_small_m, larger ones ATen's GEMM (the same rule as ops.linear).
+// as in span_attention.cpp; cos/sin [B, 1, D]. The projection weights are dense or quantized (`Weight`);
+// `project` (gemv_quant.cpp) picks the native GEMV for few rows and ATen's GEMM otherwise, the same rule
+// as ops.linear.
 //
 // silu_mul: a = silu(g) * u for gate_up [T, 2I] -> [T, I], rounded like HF's two eager ops (silu's
 // output, then the product, each in the activation dtype); silu(x) = x / (1 + e^-x), computed from
@@ -26,12 +27,6 @@
 #include "simd.h"
 
 namespace {
-
-torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& b,
-                      int64_t isa, int64_t native_rows) {
-  if (x.size(0) <= native_rows) return linear_small_m(x, w, b, isa);
-  return at::linear(x, w, b);
-}
 
 template <typename T>
 inline float silu_rounded(float x) {
@@ -117,9 +112,9 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 
 std::tuple<torch::Tensor, torch::Tensor> decode_attention_block(
     torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor norm_weight, double eps,
-    torch::Tensor qkv_weight, std::optional<torch::Tensor> qkv_bias, int64_t num_heads, int64_t num_kv_heads,
+    Weight qkv_weight, std::optional<torch::Tensor> qkv_bias, int64_t num_heads, int64_t num_kv_heads,
     torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-    torch::Tensor spans, torch::Tensor ctx, double scale, torch::Tensor o_weight, int64_t isa, int64_t native_rows) {
+    torch::Tensor spans, torch::Tensor ctx, double scale, Weight o_weight, int64_t isa, int64_t native_rows) {
   TORCH_CHECK(x.dim() == 2 && k_cache.dim() == 4 && k_cache.size(2) == num_kv_heads, "decode_attention_block: shapes");
   const int64_t B = x.size(0), D = k_cache.size(3);
   auto [h, s] = rms_norm(x, norm_weight, eps, residual);
@@ -135,8 +130,8 @@ std::tuple<torch::Tensor, torch::Tensor> decode_attention_block(
 }
 
 std::tuple<torch::Tensor, torch::Tensor> decode_mlp_block(
-    torch::Tensor x, torch::Tensor residual, torch::Tensor norm_weight, double eps, torch::Tensor gate_up_weight,
-    std::optional<torch::Tensor> gate_up_bias, torch::Tensor down_weight, int64_t isa, int64_t native_rows) {
+    torch::Tensor x, torch::Tensor residual, torch::Tensor norm_weight, double eps, Weight gate_up_weight,
+    std::optional<torch::Tensor> gate_up_bias, Weight down_weight, int64_t isa, int64_t native_rows) {
   auto [h, s] = rms_norm(x, norm_weight, eps, residual);
   auto a = silu_mul(project(h, gate_up_weight, gate_up_bias, isa, native_rows), isa);
   return {project(a, down_weight, std::nullopt, isa, native_rows), s};

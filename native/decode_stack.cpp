@@ -29,7 +29,11 @@ namespace py = pybind11;
 namespace {
 
 struct Layer {
-  torch::Tensor attn_norm, qkv_w, o_w, mlp_norm, gate_up_w, down_w, k_cache, v_cache;
+  torch::Tensor attn_norm;
+  Weight qkv_w, o_w;
+  torch::Tensor mlp_norm;
+  Weight gate_up_w, down_w;
+  torch::Tensor k_cache, v_cache;
   std::optional<torch::Tensor> qkv_b, gate_up_b;
 };
 
@@ -41,11 +45,13 @@ class DecodeStack {
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), eps_(eps), scale_(scale), isa_(isa),
         native_rows_(native_rows) {}
 
-  void add_layer(torch::Tensor attn_norm, torch::Tensor qkv_w, std::optional<torch::Tensor> qkv_b,
-                 torch::Tensor o_w, torch::Tensor mlp_norm, torch::Tensor gate_up_w,
-                 std::optional<torch::Tensor> gate_up_b, torch::Tensor down_w, torch::Tensor k_cache,
-                 torch::Tensor v_cache) {
+  void add_layer(torch::Tensor attn_norm, Weight qkv_w, std::optional<torch::Tensor> qkv_b, Weight o_w,
+                 torch::Tensor mlp_norm, Weight gate_up_w, std::optional<torch::Tensor> gate_up_b, Weight down_w,
+                 torch::Tensor k_cache, torch::Tensor v_cache) {
+    for (const Weight* w : {&qkv_w, &o_w, &gate_up_w, &down_w})
+      if (const auto* q = std::get_if<QuantWeight>(w)) q->check();
     layers_.push_back({attn_norm, qkv_w, o_w, mlp_norm, gate_up_w, down_w, k_cache, v_cache, qkv_b, gate_up_b});
+    quantized_ = quantized_ || std::holds_alternative<QuantWeight>(qkv_w);
   }
 
   // embedding [V, H]; fp32 rotary tables [max positions, D]; final norm [H]; LM-head shard [V_local, H]
@@ -67,7 +73,8 @@ class DecodeStack {
     TORCH_CHECK(embedding_.defined() && !layers_.empty(), "DecodeStack.run: call add_layer and set_ends first");
     py::gil_scoped_release nogil;
     // every GEMV native: the step's threads are allspark's own (parallel.h says why not otherwise)
-    allspark::OwnPoolScope own_pool(ids.size(0) <= native_rows_);
+    const int64_t rows = ids.size(0);
+    allspark::OwnPoolScope own_pool(rows <= native_rows_ && (!quantized_ || rows <= QUANT_NATIVE_MAX_ROWS));
     const auto dtype = embedding_.scalar_type();
     // the rope rows as RotaryEmbedding.cos_sin gives them: [B, 1, D] in the activation dtype
     const auto cos = cos_table_.index_select(0, positions).to(dtype).unsqueeze(1);
@@ -90,14 +97,14 @@ class DecodeStack {
       residual = s2;
     }
     const auto h = std::get<0>(rms_norm(x, final_norm_, eps_, residual));
-    auto logits = h.size(0) <= native_rows_ ? linear_small_m(h, lm_head_, std::nullopt, isa_) : at::linear(h, lm_head_);
-    return logits.to(torch::kFloat);
+    return project(h, lm_head_, std::nullopt, isa_, native_rows_).to(torch::kFloat);
   }
 
  private:
   int64_t num_heads_, num_kv_heads_;
   double eps_, scale_;
   int64_t isa_, native_rows_;
+  bool quantized_ = false;
   std::vector<Layer> layers_;
   torch::Tensor embedding_, cos_table_, sin_table_, final_norm_, lm_head_;
 };

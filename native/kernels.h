@@ -4,10 +4,38 @@
 
 #include <torch/extension.h>
 
+#include <cstdint>
 #include <optional>
 #include <tuple>
+#include <variant>
 
 torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, int64_t isa);
+
+// A quantized weight [N, K] (layout in gemv_quant.cpp); QuantView is its raw form inside the kernels.
+struct QuantView {
+  const uint8_t* codes;
+  const at::Half* scales;
+  const uint8_t* zeros;      // null for int8 / int4
+  int64_t format, rows, row_bytes, groups, group;
+};
+struct QuantWeight {
+  torch::Tensor qweight, scales;
+  std::optional<torch::Tensor> zeros;
+  int64_t format;            // 0 int8, 1 uint8, 2 int4, 3 uint4 (allspark_server/quant/formats.py)
+  int64_t in_features;       // K
+  void check() const;        // shapes and dtypes agree, else a c10::Error naming the problem
+  QuantView view() const;
+};
+// the weight of a linear layer as the fused blocks take it: dense (fp32/bf16) or quantized
+using Weight = std::variant<torch::Tensor, QuantWeight>;
+// largest number of rows of x the quantized GEMV takes; above it the weight is dequantized for ATen's GEMM
+constexpr int64_t QUANT_NATIVE_MAX_ROWS = 16;
+torch::Tensor linear_quant(torch::Tensor x, const QuantWeight& w, std::optional<torch::Tensor> bias, int64_t isa);
+torch::Tensor dequantize_weight(const QuantWeight& w, at::ScalarType dtype, int64_t isa);
+// x . w^T (+ b): the native GEMV for few rows (dense: <= native_rows, quantized: <= QUANT_NATIVE_MAX_ROWS), else
+// ATen's GEMM (on the dequantized weight for quantized ones)
+torch::Tensor project(const torch::Tensor& x, const Weight& w, const std::optional<torch::Tensor>& b, int64_t isa,
+                      int64_t native_rows);
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor spans,
                                torch::Tensor ctx, double scale, int64_t isa);
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
@@ -18,9 +46,9 @@ torch::Tensor silu_mul(torch::Tensor gate_up, int64_t isa);
 void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
 std::tuple<torch::Tensor, torch::Tensor> decode_attention_block(
     torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor norm_weight, double eps,
-    torch::Tensor qkv_weight, std::optional<torch::Tensor> qkv_bias, int64_t num_heads, int64_t num_kv_heads,
+    Weight qkv_weight, std::optional<torch::Tensor> qkv_bias, int64_t num_heads, int64_t num_kv_heads,
     torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-    torch::Tensor spans, torch::Tensor ctx, double scale, torch::Tensor o_weight, int64_t isa, int64_t native_rows);
+    torch::Tensor spans, torch::Tensor ctx, double scale, Weight o_weight, int64_t isa, int64_t native_rows);
 std::tuple<torch::Tensor, torch::Tensor> decode_mlp_block(
-    torch::Tensor x, torch::Tensor residual, torch::Tensor norm_weight, double eps, torch::Tensor gate_up_weight,
-    std::optional<torch::Tensor> gate_up_bias, torch::Tensor down_weight, int64_t isa, int64_t native_rows);
+    torch::Tensor x, torch::Tensor residual, torch::Tensor norm_weight, double eps, Weight gate_up_weight,
+    std::optional<torch::Tensor> gate_up_bias, Weight down_weight, int64_t isa, int64_t native_rows);

@@ -1,6 +1,7 @@
 // The allspark_server._native Python module: binds the kernels of this folder (each file documents
 // its layouts). Python reaches them only through allspark_server/ops.py.
 #include <torch/extension.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <mutex>
@@ -48,6 +49,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("linear_small_m", &linear_small_m, "y = x @ w.T (+ bias) for few rows of x (fp32 accumulation)", nogil,
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("isa"));
+  pybind11::class_<QuantWeight>(m, "QuantWeight", "a quantized weight [N, K] (layout in native/gemv_quant.cpp)")
+      .def(pybind11::init([](torch::Tensor qweight, torch::Tensor scales, std::optional<torch::Tensor> zeros,
+                             int64_t format, int64_t in_features) {
+             QuantWeight w{qweight, scales, zeros, format, in_features};
+             w.check();
+             return w;
+           }),
+           pybind11::arg("qweight"), pybind11::arg("scales"), pybind11::arg("zeros"), pybind11::arg("format"),
+           pybind11::arg("in_features"))
+      .def_readonly("format", &QuantWeight::format)
+      .def_readonly("in_features", &QuantWeight::in_features);
+  m.def("linear_quant", &linear_quant, "y = x @ dequant(w).T (+ bias) for few rows of x (fp32 FMAs)", nogil,
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("isa"));
+  m.def("dequantize_weight", &dequantize_weight, "the weight a QuantWeight stands for, as fp32 or bf16 [N, K]",
+        nogil, pybind11::arg("w"), pybind11::arg("dtype"), pybind11::arg("isa"));
+  m.attr("QUANT_NATIVE_MAX_ROWS") = QUANT_NATIVE_MAX_ROWS;
   m.def("decode_attention", &decode_attention, "one-token attention per sequence over span KV caches", nogil,
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("spans"),
         pybind11::arg("ctx"), pybind11::arg("scale"), pybind11::arg("isa"));

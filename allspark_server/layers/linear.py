@@ -1,6 +1,9 @@
 """Linear layers for tensor parallelism: replicated, column-parallel (output split) and row-parallel
 (input split, followed by one allreduce). Weights are [out, in] as in HF; each rank holds its shard,
 already sliced by the loader. At world size 1 these are plain linears.
+
+A layer's weight is dense (`weight`) or, after `quantize_`, InstantQuant buffers (`qweight`, `scales`,
+`zeros`; quant/formats.py has the layout); `kernel_weight` is what the ops take either way.
 """
 from __future__ import annotations
 
@@ -8,31 +11,56 @@ import torch
 from torch import nn
 
 from allspark_server import ops
+from allspark_server.quant.formats import QuantizedWeight, bits, group_count, is_asymmetric
 
 
-class ColumnParallelLinear(nn.Module):
+class ParallelLinear(nn.Module):
+    """The weight [out, in] of this rank and an optional bias [out]; dense until `quantize_`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.quant: tuple[str, int] | None = None      # (format, group size) once quantized
+
+    def quantize_(self, fmt: str, group_size: int) -> None:
+        """Replace the dense weight by empty quantized buffers of this rank's shape (the loader fills them)."""
+        del self.weight
+        n, k = self.out_features, self.in_features
+        code_dtype = torch.int8 if fmt == "int8" else torch.uint8
+        self.register_buffer("qweight", torch.empty(n, k // 2 if bits(fmt) == 4 else k, dtype=code_dtype))
+        self.register_buffer("scales", torch.empty(n, group_count(k, group_size), dtype=torch.float16))
+        self.register_buffer("zeros", torch.empty(n, group_count(k, group_size), dtype=torch.uint8)
+                             if is_asymmetric(fmt) else None)
+        self.quant = (fmt, group_size)
+
+    @property
+    def kernel_weight(self) -> "torch.Tensor | QuantizedWeight":
+        if self.quant is None:
+            return self.weight
+        return QuantizedWeight(self.qweight, self.scales, self.zeros, *self.quant, self.in_features)
+
+
+class ColumnParallelLinear(ParallelLinear):
     """y_local = x @ W_local^T (+ b_local); output features split across ranks."""
 
     def __init__(self, in_features: int, out_features_local: int, bias: bool, dtype: torch.dtype):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features_local, in_features, dtype=dtype), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features_local, dtype=dtype), requires_grad=False) if bias else None
+        super().__init__(in_features, out_features_local, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, in] -> [T, out_local]
-        return ops.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.kernel_weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(ParallelLinear):
     """y = allreduce(x_local @ W_local^T) (+ b); input features split across ranks."""
 
     def __init__(self, in_features_local: int, out_features: int, bias: bool, dtype: torch.dtype, comm):
-        super().__init__()
+        super().__init__(in_features_local, out_features, bias, dtype)
         self.comm = comm
-        self.weight = nn.Parameter(torch.empty(out_features, in_features_local, dtype=dtype), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, in_local] -> [T, out]
-        return self.reduce(ops.linear(x, self.weight))
+        return self.reduce(ops.linear(x, self.kernel_weight))
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of x_local @ W_local^T (+ b): for callers that computed their partial product

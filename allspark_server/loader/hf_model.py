@@ -17,10 +17,12 @@ from allspark_client.generation_config import ASGenerationConfigBuilder
 from allspark_server.dist.comm import LocalComm
 from allspark_server.loader.hf_reader import iter_hf_tensors, read_generation_config, read_hf_config
 from allspark_server.loader.model_file import DTYPES, write_model_files
+from allspark_server.loader.quantized import plan_scheme, quantize_tensors
 from allspark_server.loader.sharding import TPLayout, split_mode_for
 from allspark_server.loader.weights import checkpoint_shapes
 from allspark_server.models.args import ModelArgs
-from allspark_server.models.registry import model_class_and_rules, read_args
+from allspark_server.models.registry import model_class_and_rules, quantizable_weights, read_args
+from allspark_server.quant.scheme import QuantConfigError
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
@@ -97,12 +99,15 @@ class HuggingFaceModel:
         self._tensors = tensors
         return self
 
-    def _checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every checkpoint tensor this architecture needs, with its shape (from a meta-device model)."""
+    def _meta_model(self):
+        """This architecture's model on the meta device (shapes only, no memory)."""
         model_cls, _ = model_class_and_rules(self.args.architecture)
         with torch.device("meta"):
-            m = model_cls(self.args, TPLayout.for_model(self.args), LocalComm(), self.data_type, max_positions=1)
-        return checkpoint_shapes(m)
+            return model_cls(self.args, TPLayout.for_model(self.args), LocalComm(), self.data_type, max_positions=1)
+
+    def _checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every checkpoint tensor this architecture needs, with its shape."""
+        return checkpoint_shapes(self._meta_model())
 
     def read_model_config(self) -> "HuggingFaceModel":
         return self
@@ -121,8 +126,13 @@ class HuggingFaceModel:
     def serialize_to_path(self, engine=None, output_dir: str = ".", enable_quant: bool = False,
                           weight_only_quant: bool = False, customized_quant_config=None,
                           skip_if_exists: bool = False, **_ignored) -> "HuggingFaceModel":
-        if enable_quant or weight_only_quant or customized_quant_config:
-            raise ModelSerializerException("quantized serialization is not supported yet")
+        """Write `<name>.asgraph` + `<name>.asparam` into `output_dir`. With `enable_quant` (or a
+        `customized_quant_config`), the GEMM weights are quantized with InstantQuant (README: Quantization);
+        the default scheme is int8 per channel, weight-only."""
+        quantized = bool(enable_quant or weight_only_quant or customized_quant_config)
+        if customized_quant_config is not None and not isinstance(customized_quant_config, dict):
+            raise ModelSerializerException(f"customized_quant_config must be a dict, got "
+                                           f"{type(customized_quant_config).__name__}")
         safe = self.model_name.replace("/", "_")
         graph, params = (os.path.join(output_dir, safe + ext) for ext in (".asgraph", ".asparam"))
         if skip_if_exists and os.path.isfile(graph) and os.path.isfile(params):
@@ -131,11 +141,23 @@ class HuggingFaceModel:
         if self._tensors is None:
             raise ModelSerializerException("call load_model() before serialize()")
         _, rules = model_class_and_rules(self.args.architecture)
-        modes = {name: split_mode_for(name, rules) for name in self._tensors}
+        tensors = self._tensors
+        modes = {name: split_mode_for(name, rules) for name in tensors}
+        scheme = None
+        if quantized:
+            try:
+                scheme = plan_scheme(customized_quant_config, {n: tuple(t.shape) for n, t in tensors.items()},
+                                     quantizable_weights(self.args.architecture), self._meta_model())
+            except QuantConfigError as e:
+                raise ModelSerializerException(f"customized_quant_config: {e}") from None
+            tensors, modes = quantize_tensors(tensors, modes, scheme)
         eos = self.eos_token_ids()
+        serialize_args = {"source": os.path.abspath(self.path), "data_type": str(self.data_type).replace("torch.", "")}
+        if scheme is not None:
+            serialize_args["quantization"] = scheme.weight_format
         self.graph_path, self.weights_path = write_model_files(
-            output_dir, self.model_name, self.args, self.hf_config, self.data_type, self._tensors, modes, eos, eos,
-            {"source": os.path.abspath(self.path), "data_type": str(self.data_type).replace("torch.", "")})
+            output_dir, self.model_name, self.args, self.hf_config, self.data_type, tensors, modes, eos, eos,
+            serialize_args, quant=scheme)
         return self
 
     # ---- configs -----------------------------------------------------------------------------

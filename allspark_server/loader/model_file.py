@@ -17,10 +17,12 @@ import torch
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_server.loader.sharding import SplitMode, TPLayout
 from allspark_server.models.args import ModelArgs
+from allspark_server.quant.scheme import QuantScheme
 from allspark_server.version import git_info
 
 FORMAT_VERSION = 1
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}   # a model's dtype
+STORAGE_DTYPES = {**DTYPES, "int8": torch.int8, "uint8": torch.uint8}                      # a tensor's
 HASH_BYTES = 32 << 20
 
 
@@ -29,7 +31,7 @@ class ModelFileError(ValueError):
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    for name, d in DTYPES.items():
+    for name, d in STORAGE_DTYPES.items():
         if d == dtype:
             return name
     raise ModelFileError(f"unsupported dtype {dtype}")
@@ -44,7 +46,8 @@ def _md5_head(path: str) -> str:
 
 def write_model_files(out_dir: str, model_name: str, args: ModelArgs, hf_config: dict, dtype: torch.dtype,
                       tensors: dict[str, torch.Tensor], split_modes: dict[str, SplitMode],
-                      eos_ids: list[int], stop_ids: list[int], serialize_args: dict[str, str]) -> tuple[str, str]:
+                      eos_ids: list[int], stop_ids: list[int], serialize_args: dict[str, str],
+                      quant: QuantScheme | None = None) -> tuple[str, str]:
     from safetensors.torch import save_file
     from allspark_client import __version__
 
@@ -56,7 +59,7 @@ def write_model_files(out_dir: str, model_name: str, args: ModelArgs, hf_config:
 
     g = pb.ModelGraph(format_version=FORMAT_VERSION, model_name=model_name, architecture=args.architecture,
                       model_args_json=json.dumps(args.to_dict()), hf_config_json=json.dumps(hf_config),
-                      dtype=dtype_name(dtype), quantization="")
+                      dtype=dtype_name(dtype), quantization=quant.to_json() if quant else "")
     for name, t in tensors.items():
         g.tensors.add(name=name, shape=list(t.shape), dtype=dtype_name(t.dtype), split_mode=int(split_modes[name]))
     g.build_meta.allspark_version = __version__
@@ -84,6 +87,11 @@ class ModelFile:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return tuple(self.graph.generation.eos_token_ids)
+
+    @property
+    def quant(self) -> QuantScheme | None:
+        """The InstantQuant scheme the weights were serialized with (None: not quantized)."""
+        return QuantScheme.from_json(self.graph.quantization)
 
 
 def read_model_graph(graph_path: str, weights_path: str) -> ModelFile:

@@ -1,11 +1,17 @@
 """Checkpoint tensor names <-> model parameters: merged projections (MergedColumnParallelLinear)
-are stored in checkpoints as their separate parts and concatenated here, per rank, at load time."""
+are stored in checkpoints as their separate parts and concatenated here, per rank, at load time.
+Quantized weights (`<name>.qweight/.scales/.zeros`) are concatenated the same way; `quantize_layers`
+turns the model's linear layers into quantized ones before their shards are read."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from allspark_server.layers.linear import MergedColumnParallelLinear
+from allspark_server.layers.linear import MergedColumnParallelLinear, ParallelLinear, RowParallelLinear
+from allspark_server.quant.formats import check_shape
+from allspark_server.quant.scheme import QuantConfigError, QuantScheme
+
+TENSOR_SUFFIXES = ("weight", "bias", "qweight", "scales", "zeros")
 
 
 def _merged_modules(model: nn.Module):
@@ -31,8 +37,45 @@ def to_model_state(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[s
     """Rename/concatenate checkpoint tensors (this rank's slices) into the model's state dict."""
     state = dict(tensors)
     for name, module, parent in _merged_modules(model):
-        for suffix in ("weight", "bias"):
+        for suffix in TENSOR_SUFFIXES:
             keys = [f"{parent}.{part}.{suffix}" for part, _ in module.parts]
             if keys[0] in state:
                 state[f"{name}.{suffix}"] = torch.cat([state.pop(k) for k in keys], dim=0)
     return state
+
+
+def checkpoint_weight_names(model: nn.Module) -> dict[str, list[str]]:
+    """Each linear layer's module name -> the checkpoint weight names it is made of (merged: its parts)."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, MergedColumnParallelLinear):
+            parent = name.rsplit(".", 1)[0]
+            out[name] = [f"{parent}.{part}.weight" for part, _ in module.parts]
+        elif isinstance(module, ParallelLinear):
+            out[name] = [f"{name}.weight"]
+    return out
+
+
+def quantize_layers(model: nn.Module, scheme: QuantScheme, world_size: int = 1) -> None:
+    """Make every linear layer whose checkpoint weights the scheme quantized a quantized layer of this
+    rank's shape. Raises QuantConfigError where a fused projection's parts disagree, or where this
+    rank's share of a row-parallel weight's input features would split a group or a 4-bit block."""
+    for name, parts in checkpoint_weight_names(model).items():
+        groups = {scheme.groups[p] for p in parts if p in scheme.groups}
+        if not groups:
+            continue
+        if len(groups) > 1 or any(p not in scheme.groups for p in parts):
+            raise QuantConfigError(
+                f"{', '.join(parts)} are fused into one projection ({name}) and need one group size and one "
+                f"format; the scheme gives them {[scheme.groups.get(p, 'not quantized') for p in parts]}")
+        module = model.get_submodule(name)
+        group = groups.pop()
+        if isinstance(module, RowParallelLinear) and world_size > 1:
+            try:
+                check_shape(scheme.weight_format, group, module.in_features, name)
+            except ValueError as e:
+                raise QuantConfigError(
+                    f"{e}: on {world_size} ranks each holds {module.in_features} of {name}'s "
+                    f"{module.in_features * world_size} input features, so its quantization groups would straddle "
+                    f"the split (choose a group size that divides {module.in_features})") from None
+        module.quantize_(scheme.weight_format, group)

@@ -32,6 +32,8 @@ SPLIT_RULES: list[tuple[str, SplitMode]] = [
     (r"^lm_head\.weight$", SplitMode.VOCAB),
     (r".*", SplitMode.REPLICATE),   # embeddings, norms, row-parallel biases
 ]
+# the GEMM weights InstantQuant may quantize (checkpoint names)
+QUANTIZABLE = r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$"
 
 
 class Attention(nn.Module):
@@ -91,11 +93,12 @@ class DecoderLayer(nn.Module):
         the tensor-parallel allreduces (and row-parallel biases) run between them."""
         attn, mlp, norm1, norm2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
         o, residual = ops.decode_attention_block(
-            x, residual, norm1.weight, norm1.eps, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.num_heads,
+            x, residual, norm1.weight, norm1.eps, attn.qkv_proj.kernel_weight, attn.qkv_proj.bias, attn.num_heads,
             attn.num_kv_heads, *rope, k_cache, v_cache, meta.slot_mapping, meta.decode_spans, meta.decode_ctx,
-            attn.attn.scale, attn.o_proj.weight)
+            attn.attn.scale, attn.o_proj.kernel_weight)
         h, residual = ops.decode_mlp_block(attn.o_proj.reduce(o), residual, norm2.weight, norm2.eps,
-                                           mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight)
+                                           mlp.gate_up_proj.kernel_weight, mlp.gate_up_proj.bias,
+                                           mlp.down_proj.kernel_weight)
         return mlp.down_proj.reduce(h), residual
 
 
@@ -140,9 +143,10 @@ class LlamaForCausalLM(nn.Module):
         for layer, k, v in zip(layers, kv_cache.k, kv_cache.v):
             a, m = layer.self_attn, layer.mlp
             assert layer.input_layernorm.eps == layer.post_attention_layernorm.eps == norm.eps
-            stack.add_layer(layer.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight,
-                            layer.post_attention_layernorm.weight, m.gate_up_proj.weight, m.gate_up_proj.bias,
-                            m.down_proj.weight, k, v)
+            w = ops.native_weight
+            stack.add_layer(layer.input_layernorm.weight, w(a.qkv_proj.kernel_weight), a.qkv_proj.bias,
+                            w(a.o_proj.kernel_weight), layer.post_attention_layernorm.weight,
+                            w(m.gate_up_proj.kernel_weight), m.gate_up_proj.bias, w(m.down_proj.kernel_weight), k, v)
         rotary = self.model.rotary
         stack.set_ends(self.model.embed_tokens.weight, rotary.cos, rotary.sin, self.model.norm.weight,
                        self.lm_head.weight)

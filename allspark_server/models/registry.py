@@ -50,3 +50,9 @@ def read_args(hf_config: dict) -> ModelArgs:
         raise UnsupportedArchitecture(
             f"config.json has no 'architectures'; supported: {', '.join(supported_architectures())}")
     return get_arch(archs[0]).read_args(hf_config)
+
+
+def quantizable_weights(architecture: str) -> str:
+    """The regex of the checkpoint weights InstantQuant may quantize for this architecture (its GEMMs)."""
+    import importlib
+    return importlib.import_module(get_arch(architecture).model_module).QUANTIZABLE

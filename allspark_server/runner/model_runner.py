@@ -17,7 +17,7 @@ from allspark_server import ops
 from allspark_server.core.messages import StepPlan
 from allspark_server.loader.model_file import ModelFile, read_model_graph, read_rank_shard
 from allspark_server.loader.sharding import TPLayout
-from allspark_server.loader.weights import to_model_state
+from allspark_server.loader.weights import quantize_layers, to_model_state
 from allspark_server.models.registry import model_class_and_rules
 from allspark_server.runner.forward_inputs import RequestMirror, build_forward_inputs
 from allspark_server.runner.hugepages import to_hugepages
@@ -42,6 +42,9 @@ class ModelRunner:
         model_cls, _ = model_class_and_rules(args.architecture)
         self.dtype = self.model_file.dtype
         self.model = model_cls(args, self.tp, comm, self.dtype, max_positions=cfg.engine_max_length)
+        self.quant = self.model_file.quant
+        if self.quant is not None:
+            quantize_layers(self.model, self.quant, comm.world_size)
         state = to_hugepages(to_model_state(self.model, read_rank_shard(self.model_file, self.tp)))
         self.model.load_state_dict(state, strict=True, assign=True)
         self.model.eval()

@@ -1,0 +1,49 @@
+"""Serialize-time InstantQuant: validate the user's scheme against a model and replace its GEMM weights by
+their quantized tensors, each with the tensor-parallel split mode the loader will slice it by.
+
+A quantized weight `X.weight` becomes `X.qweight` / `X.scales` (/ `X.zeros`), all [N, ...] like the weight,
+so they split like it: by output rows for column-parallel weights, by input columns (codes and groups) for
+row-parallel ones; per-channel scales of a row-parallel weight hold whole rows and are replicated.
+"""
+from __future__ import annotations
+
+import torch
+
+from allspark_server.loader.sharding import SplitMode
+from allspark_server.quant.formats import quantize
+from allspark_server.quant.scheme import QuantScheme, plan_groups
+
+
+def plan_scheme(user_config, shapes: dict[str, tuple[int, ...]], quantizable: str, meta_model) -> QuantScheme:
+    """The user's customized_quant_config (None: int8 per channel) checked against this model's weights;
+    QuantConfigError names the problem. `meta_model` (on the meta device) catches fused-projection conflicts."""
+    from allspark_server.loader.weights import quantize_layers
+    scheme = plan_groups(QuantScheme.from_user(user_config or {}), shapes, quantizable)
+    quantize_layers(meta_model, scheme)
+    return scheme
+
+
+def quantize_tensors(tensors: dict[str, torch.Tensor], modes: dict[str, SplitMode], scheme: QuantScheme,
+                     progress: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, SplitMode]]:
+    """New (tensors, split modes) with every weight the scheme covers quantized."""
+    tensors, modes = dict(tensors), dict(modes)
+    names = [n for n in tensors if n in scheme.groups]
+    for name in _progress(names, progress):
+        group = scheme.groups[name]
+        base = name[:-len(".weight")]
+        mode = modes.pop(name)
+        for part, t in quantize(tensors.pop(name), scheme.weight_format, group).items():
+            tensors[f"{base}.{part}"] = t
+            per_row = part != "qweight" and group == -1 and mode == SplitMode.ROW
+            modes[f"{base}.{part}"] = SplitMode.REPLICATE if per_row else mode
+    return tensors, modes
+
+
+def _progress(items, enabled: bool):
+    if not enabled:
+        return items
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc="InstantQuant", unit="weight", disable=None)

@@ -1,0 +1,116 @@
+"""The quantization scheme of a model: the user's `customized_quant_config` validated into a QuantScheme,
+which weights it covers and with which group size, and how it travels in the `.asgraph` (JSON).
+
+It owns no tensors (formats.py quantizes; the linear layers hold the results). Every problem is a
+QuantConfigError naming the field, raised before anything is written.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+from allspark_server.quant.formats import FORMATS, GROUP_SIZES, check_shape
+
+COMPUTE_METHODS = ("weight_only",)
+KNOWN_KEYS = {"quant_method", "weight_format", "group_size", "compute_method", "group_settings", "activate_format"}
+
+
+class QuantConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    weight_format: str
+    group_size: int = -1
+    compute_method: str = "weight_only"
+    group_settings: tuple[tuple[str, int], ...] = ()     # (regex, group size), first match wins
+    groups: dict = field(default_factory=dict, compare=False)   # checkpoint weight name -> its group size
+
+    @classmethod
+    def from_user(cls, cfg) -> "QuantScheme":
+        """DashInfer's customized_quant_config dict -> a validated scheme."""
+        if not isinstance(cfg, dict):
+            raise QuantConfigError(f"customized_quant_config must be a dict, got {type(cfg).__name__}")
+        unknown = set(cfg) - KNOWN_KEYS
+        if unknown:
+            raise QuantConfigError(f"customized_quant_config: unknown keys {sorted(unknown)} "
+                                   f"(known: {sorted(KNOWN_KEYS)})")
+        method = cfg.get("quant_method", "instant_quant")
+        if method != "instant_quant":
+            raise QuantConfigError(f"quant_method {method!r} is not supported (instant_quant; GPTQ checkpoints "
+                                   f"are read from their config.json)")
+        fmt = cfg.get("weight_format", "int8")
+        if fmt not in FORMATS:
+            raise QuantConfigError(f"weight_format {fmt!r} is not one of {list(FORMATS)}")
+        group = cfg.get("group_size", -1)
+        if isinstance(group, bool) or group not in GROUP_SIZES:
+            raise QuantConfigError(f"group_size {group!r} is not one of {list(GROUP_SIZES)}")
+        compute = cfg.get("compute_method", "weight_only")
+        if compute not in COMPUTE_METHODS:
+            raise QuantConfigError(f"compute_method {compute!r} is not supported (supported: "
+                                   f"{list(COMPUTE_METHODS)})")
+        if cfg.get("activate_format", "int8") != "int8":
+            raise QuantConfigError(f"activate_format {cfg['activate_format']!r} is not supported (int8)")
+        settings = cfg.get("group_settings") or {}
+        if not isinstance(settings, dict):
+            raise QuantConfigError("group_settings must be a dict {regex: group_size}")
+        pairs = []
+        for pattern, size in settings.items():
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as e:
+                raise QuantConfigError(f"group_settings: {pattern!r} is not a regular expression ({e})") from None
+            if isinstance(size, bool) or size not in GROUP_SIZES:
+                raise QuantConfigError(f"group_settings[{pattern!r}] = {size!r} is not one of {list(GROUP_SIZES)}")
+            pairs.append((pattern, int(size)))
+        return cls(fmt, int(group), compute, tuple(pairs))
+
+    def group_for(self, name: str) -> int:
+        for pattern, size in self.group_settings:
+            if re.search(pattern, name):
+                return size
+        return self.group_size
+
+    def with_groups(self, groups: dict[str, int]) -> "QuantScheme":
+        return QuantScheme(self.weight_format, self.group_size, self.compute_method, self.group_settings,
+                           dict(groups))
+
+    # ---- the .asgraph's `quantization` field ------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps({"quant_method": "instant_quant", "weight_format": self.weight_format,
+                           "group_size": self.group_size, "compute_method": self.compute_method,
+                           "group_settings": dict(self.group_settings), "groups": self.groups})
+
+    @classmethod
+    def from_json(cls, text: str) -> "QuantScheme | None":
+        if not text:
+            return None
+        d = json.loads(text)
+        return cls(d["weight_format"], d["group_size"], d["compute_method"], tuple(d["group_settings"].items()),
+                   d["groups"])
+
+    def describe(self) -> dict:
+        """What get_model_info reports."""
+        return {"quant_method": "instant_quant", "weight_format": self.weight_format,
+                "group_size": self.group_size, "compute_method": self.compute_method,
+                "group_settings": dict(self.group_settings), "quantized_weights": len(self.groups)}
+
+
+def plan_groups(scheme: QuantScheme, shapes: dict[str, tuple[int, ...]], quantizable: str) -> QuantScheme:
+    """Decide every quantized weight's group size (checkpoint names matching `quantizable`) and check that
+    it splits the weight's input features; returns the scheme with its `groups` filled."""
+    groups = {}
+    for name, shape in shapes.items():
+        if not re.search(quantizable, name):
+            continue
+        group = scheme.group_for(name)
+        try:
+            check_shape(scheme.weight_format, group, shape[1], name)
+        except ValueError as e:
+            raise QuantConfigError(str(e)) from None
+        groups[name] = group
+    if not groups:
+        raise QuantConfigError("no weight of this model matches the quantizable GEMM weights")
+    return scheme.with_groups(groups)

@@ -1,0 +1,181 @@
+"""InstantQuant formats and kernels: hand-worked codes and packing, the round trip's error bound, and every
+native quantized kernel against a float64 dequantize-then-matmul computation (all formats, group sizes,
+odd shapes, 1..64 rows, every ISA level this CPU has)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from allspark_server import ops
+from allspark_server.quant.formats import FORMAT_IDS, FORMATS, QuantizedWeight, dequantize, pack4, quantize, unpack4
+
+needs_native = pytest.mark.skipif(os.environ.get("ALLSPARK_NO_NATIVE") == "1" or ops.native() is None,
+                                  reason="native path disabled")
+ROWS = [1, 2, 3, 4, 5, 8, 13, 16, 17, 31, 64]
+
+
+def test_int8_per_channel_codes_by_hand():
+    # the row's value of largest magnitude is -2.0: scale = -2 / -128 = 1/64, codes = w * 64
+    w = torch.tensor([[1.0, -2.0, 0.5, 0.0, 0.25]])
+    q = quantize(w, "int8", -1)
+    assert q["qweight"].dtype == torch.int8 and q["qweight"].tolist() == [[64, -128, 32, 0, 16]]
+    assert q["scales"].dtype == torch.float16 and q["scales"].tolist() == [[1 / 64]]
+    assert "zeros" not in q
+
+
+def test_uint4_codes_by_hand():
+    # lo = -1, hi = 2: scale = 3 / 15 = 0.2 (fp16: 0.199951171875), zero = round(1 / 0.19995) = 5
+    w = torch.tensor([[-1.0, 2.0, 0.0, 0.4] * 8])
+    q = quantize(w, "uint4", 32)
+    s = torch.tensor(0.2).half().item()
+    assert q["scales"].tolist() == [[s]] and q["zeros"].tolist() == [[5]]
+    codes = [min(15, max(0, round(v / s) + 5)) for v in (-1.0, 2.0, 0.0, 0.4)]
+    assert codes == [0, 15, 5, 7]
+    assert unpack4(q["qweight"]).tolist() == [codes * 8]
+
+
+def test_pack4_layout_by_hand():
+    # k = 0..15 in the low nibbles of bytes 0..15, k = 16..31 in their high nibbles
+    codes = torch.tensor([list(range(16)) + list(range(15, -1, -1))])
+    packed = pack4(codes)
+    assert packed.shape == (1, 16) and packed.dtype == torch.uint8
+    assert packed[0].tolist() == [j | ((15 - j) << 4) for j in range(16)]
+    assert torch.equal(unpack4(packed), codes.to(torch.int16))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("group", [-1, 32, 128])
+def test_round_trip_error_is_within_half_a_step(fmt, group):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(37, 256, generator=g) * torch.rand(37, 1, generator=g)      # rows of different ranges
+    q = quantize(w, fmt, group)
+    back = dequantize(q["qweight"], q["scales"], q.get("zeros"), fmt, group)
+    step = q["scales"].float().abs().repeat_interleave(256 if group == -1 else group, dim=1)
+    err = (back - w).abs()
+    # rounding: half a step; at the ends of a group's range a clamped code costs up to one step (symmetric: the
+    # side opposite the extreme; asymmetric: the integer zero point shifts the range by up to half a step)
+    assert (err <= step + 1e-6).all()
+    assert (err <= step * 0.5 + 1e-6).float().mean() > 0.99
+
+
+def test_zero_rows_quantize_to_zero():
+    w = torch.zeros(3, 64)
+    for fmt in FORMATS:
+        q = quantize(w, fmt, 32)
+        assert torch.equal(dequantize(q["qweight"], q["scales"], q.get("zeros"), fmt, 32), w)
+
+
+def _quantized(n, k, fmt, group, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    q = quantize(w, fmt, group)
+    return QuantizedWeight(q["qweight"], q["scales"], q.get("zeros"), fmt, group, k)
+
+
+def _cases():
+    for fmt in FORMATS:
+        for n, k, groups in ((7, 32, (-1, 32)), (33, 96, (-1, 32)), (130, 512, (-1, 64, 128, 256, 512)),
+                             (64, 257, (-1,)), (300, 1000, (-1,))):
+            if fmt.endswith("4") and k % 32:
+                continue
+            for group in groups:
+                yield fmt, n, k, group
+
+
+def isa_levels() -> list[int]:
+    return list(range(min(ops.isa_level(), 1) + 1))   # the quantized kernels: 1 = AVX2 (also on AVX-512), 0
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", isa_levels())
+def test_linear_quant_matches_float64(dtype, isa):
+    ext = ops.native()
+    g = torch.Generator().manual_seed(4)
+    for i, (fmt, n, k, group) in enumerate(_cases()):
+        qw = _quantized(n, k, fmt, group, seed=i)
+        w64 = qw.dequantize().double()
+        bias = torch.randn(n, generator=g).to(dtype)
+        for m in ROWS:
+            x = torch.randn(m, k, generator=g).to(dtype)
+            b = bias if m % 2 else None
+            y = ext.linear_quant(x, ops.native_weight(qw), b, isa)
+            ref = x.double() @ w64.T + (0 if b is None else b.double())
+            assert y.dtype == dtype and y.shape == (m, n)
+            tol = 1e-5 * (x.double().abs() @ w64.abs().T).max().item() + 1e-6
+            rounding = ref.abs() * (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24)
+            assert ((y.double() - ref).abs() <= tol + rounding).all(), (fmt, n, k, group, m, dtype, isa)
+
+
+@needs_native
+@pytest.mark.parametrize("isa", isa_levels())
+def test_dequantize_weight_matches_reference(isa):
+    ext = ops.native()
+    for i, (fmt, n, k, group) in enumerate(_cases()):
+        qw = _quantized(n, k, fmt, group, seed=100 + i)
+        ref = qw.dequantize()
+        assert torch.equal(ext.dequantize_weight(ops.native_weight(qw), torch.float32, isa), ref), (fmt, group)
+        assert torch.equal(ext.dequantize_weight(ops.native_weight(qw), torch.bfloat16, isa),
+                           ref.to(torch.bfloat16)), (fmt, group)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_ops_linear_on_both_sides_of_the_native_row_limit(fmt):
+    qw = _quantized(96, 128, fmt, 64, seed=7)
+    g = torch.Generator().manual_seed(8)
+    bias = torch.randn(96, generator=g)
+    for m in (1, 16, 17, 40):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, 128, generator=g).to(dtype)
+            y = ops.linear(x, qw, bias.to(dtype))
+            ref = x.double() @ qw.dequantize().double().T + bias.to(dtype).double()
+            # above the limit the weight is dequantized into x's dtype for ATen's GEMM (bf16: one more rounding)
+            tol = 1e-4 if dtype == torch.float32 else 2e-2 * ref.abs().max().item()
+            assert y.dtype == dtype and (y.double() - ref).abs().max().item() <= tol, (fmt, m, dtype)
+
+
+@needs_native
+def test_bad_quant_weights_are_refused_with_a_reason():
+    ext = ops.native()
+    qw = _quantized(8, 64, "uint4", 32, seed=9)
+    with pytest.raises(RuntimeError, match="zeros"):
+        ext.QuantWeight(qw.qweight, qw.scales, None, FORMAT_IDS["uint4"], 64)
+    with pytest.raises(RuntimeError, match="columns"):
+        ext.QuantWeight(qw.qweight, qw.scales, qw.zeros, FORMAT_IDS["uint4"], 96)
+    with pytest.raises(RuntimeError, match="scales"):
+        ext.QuantWeight(qw.qweight, qw.scales.float(), qw.zeros, FORMAT_IDS["uint4"], 64)
+    with pytest.raises(RuntimeError, match="for K"):
+        ext.linear_quant(torch.randn(1, 32), ops.native_weight(qw), None, 0)
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", ["int8", "uint8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_blocks_take_quantized_weights(fmt, dtype):
+    """The fused blocks with quantized projections: bit-equal to the unfused ops (same kernels, same order),
+    and (fp32) equal to the dequantize-then-matmul reference blocks. (Per-channel: these shapes' K are odd;
+    4-bit weights run through the whole-model tests.)"""
+    from test_native import _attention_block, _decode_layer_case, _unfused_attention_block
+    g = torch.Generator().manual_seed(12)
+    for rows, heads, kv_heads, d, bias in ((1, 4, 2, 16, False), (3, 6, 1, 24, True), (17, 4, 2, 16, True)):
+        c = _decode_layer_case(dtype, rows, heads, kv_heads, d, bias, g)
+        for key in ("qkv_w", "o_w", "gate_up_w", "down_w"):
+            w = c[key]
+            q = quantize(w, fmt, -1)
+            c[key] = QuantizedWeight(q["qweight"], q["scales"], q.get("zeros"), fmt, -1, w.shape[1])
+        caches = {name: (c["k_cache"].clone(), c["v_cache"].clone()) for name in ("fused", "unfused", "reference")}
+        fused = _attention_block(c, ops.decode_attention_block, *caches["fused"], heads, kv_heads)
+        unfused = _attention_block(c, _unfused_attention_block, *caches["unfused"], heads, kv_heads)
+        assert torch.equal(fused[0], unfused[0]) and torch.equal(fused[1], unfused[1])
+        mlp_args = (fused[0], fused[1], c["norm2"], c["eps"], c["gate_up_w"], c["gate_up_b"], c["down_w"])
+        mlp = ops.decode_mlp_block(*mlp_args)
+        h, s = ops.rms_norm(fused[0], c["norm2"], c["eps"], fused[1])
+        assert torch.equal(mlp[0], ops.linear(ops.silu_mul(ops.linear(h, c["gate_up_w"], c["gate_up_b"])),
+                                              c["down_w"]))
+        if dtype == torch.float32:
+            ref = _attention_block(c, ops.decode_attention_block_reference, *caches["reference"], heads, kv_heads)
+            assert (fused[0] - ref[0]).abs().max().item() <= 1e-4 * max(1.0, ref[0].abs().max().item())
+            ref_mlp = ops.decode_mlp_block_reference(*mlp_args)
+            assert (mlp[0] - ref_mlp[0]).abs().max().item() <= 1e-4 * max(1.0, ref_mlp[0].abs().max().item())

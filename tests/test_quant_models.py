@@ -1,0 +1,196 @@
+"""InstantQuant end to end: serialize a tiny model with quantized weights, serve it through the Engine and a
+2-rank pool, and compare with transformers running the same model whose weights were replaced by the stored
+codes dequantized *here* (numpy, from the layout in quant/formats.py); bad configs are refused whole."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from allspark_client import AsException
+from allspark_server import Engine, HuggingFaceModel
+from allspark_server.loader.hf_model import ModelSerializerException
+from helpers import greedy, hf_greedy, random_prompt, start_engine
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def serialize_quantized(hf_dir: str, name: str, out_dir: str, config: dict, dtype: str = "float32"):
+    loader = HuggingFaceModel(hf_dir, name, user_set_data_type=dtype)
+    loader.load_model().serialize(None, model_output_dir=out_dir, enable_quant=True,
+                                  customized_quant_config=config).free_model()
+    return loader
+
+
+def dequantize_here(f, base: str, fmt: str, group: int) -> torch.Tensor:
+    """The weight `base` stands for, from its stored tensors: (code - zero) * scale, written independently."""
+    q = f.get_tensor(base + ".qweight").numpy()
+    if fmt in ("int4", "uint4"):
+        n, half = q.shape
+        blocks = q.reshape(n, half // 16, 16)
+        codes = np.concatenate([blocks & 0xF, blocks >> 4], axis=2).reshape(n, 2 * half).astype(np.float64)
+        if fmt == "int4":
+            codes -= 8
+    else:
+        codes = q.astype(np.float64)
+    n, k = codes.shape
+    size = k if group == -1 else group
+    scales = f.get_tensor(base + ".scales").float().numpy().astype(np.float64)
+    zeros = (f.get_tensor(base + ".zeros").numpy().astype(np.float64) if fmt.startswith("u")
+             else np.zeros_like(scales))
+    w = (codes.reshape(n, k // size, size) - zeros[..., None]) * scales[..., None]
+    return torch.from_numpy(w.reshape(n, k)).float()
+
+
+def hf_with_stored_weights(hf_model, loader, fmt: str, group: int):
+    """A copy of the transformers model whose GEMM weights are the quantized file's, dequantized."""
+    model = copy.deepcopy(hf_model)
+    with safe_open(loader.weights_path, framework="pt") as f, torch.no_grad():
+        stored = set(f.keys())
+        for name, module in model.named_modules():
+            if name.rsplit(".", 1)[-1] in QUANTIZED:
+                assert name + ".qweight" in stored and name + ".weight" not in stored
+                module.weight.copy_(dequantize_here(f, name, fmt, group))
+    return model
+
+
+CASES = [("int8", -1), ("uint8", 32), ("int4", 64), ("uint4", 32), ("uint4", -1)]
+
+
+@pytest.mark.parametrize("fmt,group", CASES)
+def test_engine_serves_quantized_weights_like_transformers(llama, tmp_path, fmt, group):
+    name = f"q_{fmt}_{group}"
+    loader = serialize_quantized(llama.hf_dir, name, str(tmp_path), {"weight_format": fmt, "group_size": group})
+    reference = hf_with_stored_weights(llama.model, loader, fmt, group)
+    engine = start_engine(loader, name, max_batch=4, max_length=512)
+    try:
+        info = json.loads(engine.get_model_info(name))
+        assert info["quantization"]["weight_format"] == fmt and info["quantization"]["group_size"] == group
+        assert info["quantization"]["quantized_weights"] == 2 * 7
+        for seed, n in ((1, 5), (2, 40), (3, 130)):      # decode steps and chunked prefill
+            prompt = random_prompt(n, seed=seed)
+            assert greedy(engine, name, prompt, 24) == hf_greedy(reference, prompt, 24), (fmt, group, n)
+    finally:
+        engine.release_model(name)
+
+
+def test_quantized_file_is_smaller_and_keeps_other_tensors_dense(llama, tmp_path):
+    dense = HuggingFaceModel(llama.hf_dir, "d", user_set_data_type="bfloat16").load_model()
+    dense.serialize(None, model_output_dir=str(tmp_path))
+    q = serialize_quantized(llama.hf_dir, "q", str(tmp_path), {"weight_format": "uint4", "group_size": 32},
+                            dtype="bfloat16")
+    with safe_open(q.weights_path, framework="pt") as f:
+        keys = set(f.keys())
+        assert f.get_tensor("model.layers.0.mlp.down_proj.qweight").shape == (64, 64)    # [N, K/2]
+        assert f.get_tensor("model.layers.0.mlp.down_proj.scales").shape == (64, 4)
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+    assert "model.norm.weight" in keys and "lm_head.weight" in keys
+    assert os.path.getsize(q.weights_path) < os.path.getsize(dense.weights_path)
+
+
+def test_bf16_quantized_model_generates_like_its_fp32_reference(llama, tmp_path):
+    """bf16 activations over int8 weights: the greedy tokens follow the fp32 dequantized reference on most
+    positions (bf16 rounding may flip a near-tie of the random model, so the first 8 must agree)."""
+    loader = serialize_quantized(llama.hf_dir, "q_bf16", str(tmp_path), {"weight_format": "int8"}, "bfloat16")
+    engine = start_engine(loader, "q_bf16", max_batch=4, max_length=512)
+    try:
+        prompt = random_prompt(20, seed=5)
+        reference = hf_with_stored_weights(llama.model, loader, "int8", -1)
+        assert greedy(engine, "q_bf16", prompt, 8) == hf_greedy(reference.to(torch.bfloat16), prompt, 8)
+    finally:
+        engine.release_model("q_bf16")
+
+
+@pytest.mark.parametrize("config,match", [
+    ({"weight_format": "int3"}, "weight_format 'int3'"),
+    ({"weight_format": "int8", "group_size": 48}, "group_size 48"),
+    ({"weight_format": "uint4", "group_size": 256}, "group_size 256 does not divide"),
+    ({"weight_format": "int8", "group_settings": {r"\.k_proj\.": 32}}, "fused into one projection"),
+    ({"weight_format": "int8", "compute_method": "activate_quant"}, "compute_method 'activate_quant'"),
+    ({"weight_format": "int8", "bits": 4}, "unknown keys"),
+    ({"quant_method": "gptq"}, "quant_method 'gptq'"),
+])
+def test_bad_quant_configs_are_refused_and_write_nothing(llama, tmp_path, config, match):
+    loader = HuggingFaceModel(llama.hf_dir, "bad").load_model()
+    with pytest.raises(ModelSerializerException, match=match):
+        loader.serialize(None, model_output_dir=str(tmp_path), enable_quant=True, customized_quant_config=config)
+    assert os.listdir(tmp_path) == []
+
+
+def mpirun_env():
+    path = os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=path)
+
+
+@pytest.mark.parametrize("fmt,group", [("int8", -1), ("uint4", 32)])
+def test_tp_logits_of_quantized_shards_equal_single_process(llama, tmp_path, fmt, group):
+    """2 ranks, each reading its slice of the codes, scales (split or, per channel, replicated) and zeros."""
+    loader = serialize_quantized(llama.hf_dir, "tpq", str(tmp_path), {"weight_format": fmt, "group_size": group})
+    prompt = random_prompt(40, seed=21)
+    tokens = prompt + random_prompt(16, seed=22)
+    out = tmp_path / "result.json"
+    cmd = ["mpirun", "--bind-to", "none", "-n", "2", sys.executable, os.path.join(HERE, "mpi", "tp_logits.py"),
+           loader.graph_path, loader.weights_path, json.dumps(tokens), "40", str(out)]
+    proc = subprocess.run(cmd, env=mpirun_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 2 and result["max_abs_diff"] <= 1e-4 and result["argmax_equal"], result
+
+
+def test_pool_serves_quantized_model_like_engine(pool, llama, tmp_path):
+    client, _ = pool
+    loader = serialize_quantized(llama.hf_dir, "pool_q", str(tmp_path), {"weight_format": "uint4", "group_size": 32})
+    cfg = (loader.create_reference_runtime_config_builder("pool_q", "cpu", [0], max_batch=4).max_length(512)
+           .kv_cache_span_size(16).build())
+    client.install_model(cfg)
+    client.start_model("pool_q")
+    engine = start_engine(loader, "pool_q", max_batch=4, max_length=512)
+    try:
+        assert json.loads(client.get_model_info("pool_q"))["quantization"]["weight_format"] == "uint4"
+        for seed, n in ((1, 6), (2, 70)):
+            prompt = random_prompt(n, seed=seed)
+            assert greedy(client, "pool_q", prompt, 24) == greedy(engine, "pool_q", prompt, 24)
+    finally:
+        engine.release_model("pool_q")
+        assert client.stop_model("pool_q") == 0 and client.release_model("pool_q") == 0
+
+
+def test_pool_refuses_groups_that_straddle_the_split_and_keeps_serving(pool, llama, tmp_path):
+    """o_proj has 64 input features: on 2 ranks each holds 32, so groups of 64 would span both ranks."""
+    client, _ = pool
+    loader = serialize_quantized(llama.hf_dir, "pool_bad", str(tmp_path), {"weight_format": "int8", "group_size": 64})
+    cfg = (loader.create_reference_runtime_config_builder("pool_bad", "cpu", [0], max_batch=2).max_length(256)
+           .kv_cache_span_size(16).build())
+    with pytest.raises(AsException, match="group_size 64 does not divide its 32 input features.*straddle"):
+        client.install_model(cfg)
+    with pytest.raises(AsException):
+        client.get_model_info("pool_bad")          # nothing half-installed
+    assert greedy(client, "llama", random_prompt(5, seed=1), 4) == hf_greedy(llama.model, random_prompt(5, seed=1), 4)
+
+
+def test_engine_runs_the_torch_reference_path_without_native(llama, tmp_path):
+    """ALLSPARK_NO_NATIVE=1: the same quantized file through the pure-PyTorch path, same tokens as native."""
+    loader = serialize_quantized(llama.hf_dir, "q_ref", str(tmp_path), {"weight_format": "int4", "group_size": 32})
+    prompt = random_prompt(30, seed=9)
+    code = ("import json, sys; sys.path.insert(0, %r); from helpers import greedy, start_engine; "
+            "from allspark_server import HuggingFaceModel; "
+            "l = HuggingFaceModel(%r, 'q_ref'); l.graph_path, l.weights_path = %r, %r; "
+            "e = start_engine(l, 'q_ref', max_batch=2, max_length=256); "
+            "print(json.dumps(greedy(e, 'q_ref', %r, 12)))") % (HERE, llama.hf_dir, loader.graph_path,
+                                                                 loader.weights_path, prompt)
+    env = dict(mpirun_env(), ALLSPARK_NO_NATIVE="1")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    engine = start_engine(loader, "q_ref", max_batch=2, max_length=256)
+    try:
+        assert json.loads(proc.stdout.strip().splitlines()[-1]) == greedy(engine, "q_ref", prompt, 12)
+    finally:
+        engine.release_model("q_ref")
