@@ -159,7 +159,7 @@ def test_fused_decode_blocks_take_quantized_weights(fmt, dtype):
     4-bit weights run through the whole-model tests.)"""
     from test_native import _attention_block, _decode_layer_case, _unfused_attention_block
     g = torch.Generator().manual_seed(12)
-    for rows, heads, kv_heads, d, bias in ((1, 4, 2, 16, False), (3, 6, 1, 24, True), (17, 4, 2, 16, True)):
+    for rows, heads, kv_heads, d, bias in ((1, 4, 2, 16, False), (3, 6, 1, 24, True), (9, 4, 2, 16, True)):
         c = _decode_layer_case(dtype, rows, heads, kv_heads, d, bias, g)
         for key in ("qkv_w", "o_w", "gate_up_w", "down_w"):
             w = c[key]
@@ -179,3 +179,10 @@ def test_fused_decode_blocks_take_quantized_weights(fmt, dtype):
             assert (fused[0] - ref[0]).abs().max().item() <= 1e-4 * max(1.0, ref[0].abs().max().item())
             ref_mlp = ops.decode_mlp_block_reference(*mlp_args)
             assert (mlp[0] - ref_mlp[0]).abs().max().item() <= 1e-4 * max(1.0, ref_mlp[0].abs().max().item())
+
+    # more rows than the quantized GEMV takes: the blocks dequantize the weights for ATen's GEMM
+    x = torch.randn(40, c["x"].shape[1], generator=g).to(dtype)
+    mlp_args = (x, x, c["norm2"], c["eps"], c["gate_up_w"], c["gate_up_b"], c["down_w"])
+    big, ref = ops.decode_mlp_block(*mlp_args), ops.decode_mlp_block_reference(*mlp_args)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert (big[0].float() - ref[0].float()).abs().max().item() <= tol * max(1.0, ref[0].float().abs().max().item())
