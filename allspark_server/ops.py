@@ -59,11 +59,24 @@ def describe() -> str:
     return "native, " + {ISA_AVX512: "AVX-512", ISA_AVX2: "AVX2+FMA", ISA_PORTABLE: "portable C++"}[isa_level()]
 
 
+ACT_MAX = 32767.0
+
+
+def round_activations_reference(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the quantized GEMV meets it (native/gemv_quant.cpp): each row rounded to 16-bit fixed point,
+    q = round(x * 32767 / absmax) (half to even), times absmax / 32767; fp32 [M, K]."""
+    xf = x.float()
+    amax = xf.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, ACT_MAX / amax, torch.zeros_like(amax))
+    return torch.round(xf * inv) * (amax / ACT_MAX)
+
+
 def linear_reference(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight",
                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A quantized weight is dequantized (quant/formats.py) and met in fp32, rounded once into x's dtype."""
+    """A quantized weight is dequantized (quant/formats.py) and met in fp32 with x rounded as the quantized
+    GEMV rounds it; one rounding into x's dtype."""
     if isinstance(w, QuantizedWeight):
-        y = F.linear(x.float(), w.dequantize(), None if bias is None else bias.float())
+        y = F.linear(round_activations_reference(x), w.dequantize(), None if bias is None else bias.float())
         return y.to(x.dtype)
     return F.linear(x, w, bias)
 

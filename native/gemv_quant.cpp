@@ -5,23 +5,29 @@
 //   qweight  int8 [N, K] (format 0, int8) | uint8 [N, K] (1, uint8) | uint8 [N, K/2] (2 int4, 3 uint4)
 //   scales   fp16 [N, K/G]; zeros uint8 [N, K/G] for uint8/uint4 (int4's zero is 8, int8's 0)
 //   4-bit: per block of 32 k, byte j holds k = j (low nibble) and k = 16 + j (high nibble).
-// Weight-only math ("A16W8 / A16W4"): activations stay in fp32, each group's codes are widened to fp32 and
-// met with FMAs, the group's scale applied once to its partial sum:
-//   y = sum_g s_g * (sum_{k in g} x_k c_k  -  z_g * sum_{k in g} x_k)
-// (the per-group sums of x are computed once per call). Results equal the dequantize-then-matmul
-// reference up to fp32 rounding; one rounding into the activation dtype at the end, bias included.
 //
-// Why fp32 FMAs rather than int8 activations with integer dot products (llama.cpp's q8_0 . q8_0): decode
-// at batch 1 is bound by the weight bytes streamed, and widening 32 codes costs ~10 vector instructions per
-// 32 weights, which keeps up with the memory on these machines (benchmarks/ has the numbers); the integer
-// path would add an activation rounding the reference does not have.
+// Math (weight-only, "A16W8 / A16W4"): each row of x is rounded to 16-bit fixed point, q = round(x * 32767 /
+// absmax), d = absmax / 32767 (an element's rounding error is at most 1/65534 of the row's largest magnitude:
+// for every element above 1/128 of it, less than bf16's own rounding of that element, 1/512). The weight codes
+// minus their zero point are widened to int16 and met with q in exact integer multiply-adds (vpmaddwd), summed
+// in int32 over each group, then in fp32:   y = d * sum_g s_g * sum_{k in g} (c_k - z_g) q_k
+// ops.linear_reference rounds x the same way, then dequantizes and multiplies; the kernel equals it up to fp32
+// rounding. One rounding into the activation dtype at the end, bias included.
 //
-// ISA (chosen by ops.py): >= 1 AVX2+FMA+F16C (also used on AVX-512 machines), 0 portable C++. The weight
-// streams row by row; each thread owns a contiguous block of rows, up to 4 rows of x share each decoded
-// block of codes.
+// Why not fp32 FMAs on codes widened to fp32: measured on a Zen 3-class AVX2 core with the weights in L2, that
+// ran at ~4 G weights/s (int8) and ~2.8 G (4-bit) per core, and over a 0.5 B model's gate/up weights (2
+// threads) 4-bit decoded 0.84x as fast as our bf16 GEMV: the widening instructions, not the memory, were the
+// limit. The int16 path needs about half the instructions per weight and no fp32 work inside a group.
+// (Rounding x to int8 instead, llama.cpp's q8_0 . q8_0, needs a few instructions less but adds a 1/254
+// activation error.)
+//
+// ISA (chosen by ops.py): >= 1 AVX2+FMA+F16C (also used on AVX-512 machines), 0 portable C++, same rounding of
+// x in both. The weight streams row by row; each thread owns a contiguous block of rows, up to 4 rows of x
+// share each widened block of codes.
 #include <torch/extension.h>
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -31,81 +37,115 @@
 
 namespace {
 
-constexpr int64_t MR = 4;      // x rows sharing each decoded block
-constexpr int64_t BLOCK = 32;  // k per decoded block
+constexpr int64_t MR = 4;      // x rows sharing each widened block of codes
+constexpr int64_t BLOCK = 32;  // k per block of codes (and of x's 16-bit rounding)
+// k per exact int32 partial sum: |(code - zero) * q| <= 255 * 32767, and an int32 lane sums 128 of them per 1024 k
+constexpr int64_t FLUSH = 1024;
+constexpr float ACT_MAX = 32767.f;
 
 enum Format : int64_t { INT8 = 0, UINT8 = 1, INT4 = 2, UINT4 = 3 };
 
 inline float half_to_float(at::Half h) { return static_cast<float>(h); }
 
-// ---- portable ---------------------------------------------------------------------------------
+// x rounded per row to int16: q [M, padded K] (zero padded to whole blocks) and one scale d per row
+struct Act16 {
+  std::vector<int16_t> q;
+  std::vector<int32_t> block_sum;   // [M, padded K / 32]: sum of q over each block of 32 (for the zero points)
+  std::vector<float> d;
+  int64_t padded;
+};
+
 template <int F>
-inline float code_at(const uint8_t* row, int64_t k) {
-  if constexpr (F == INT8) return static_cast<float>(static_cast<int8_t>(row[k]));
-  else if constexpr (F == UINT8) return static_cast<float>(row[k]);
+inline int code_at(const uint8_t* row, int64_t k) {
+  if constexpr (F == INT8) return static_cast<int8_t>(row[k]);
+  else if constexpr (F == UINT8) return row[k];
   else {
     const uint8_t b = row[(k / BLOCK) * (BLOCK / 2) + (k % BLOCK) % (BLOCK / 2)];
-    return static_cast<float>((k % BLOCK) < BLOCK / 2 ? (b & 0xF) : (b >> 4));
+    return (k % BLOCK) < BLOCK / 2 ? (b & 0xF) : (b >> 4);
   }
 }
 
 template <int F>
-inline float zero_of(const uint8_t* zeros_row, int64_t g) {
-  if constexpr (F == UINT8 || F == UINT4) return static_cast<float>(zeros_row[g]);
-  else if constexpr (F == INT4) return 8.f;
-  else return 0.f;
+inline int zero_of(const uint8_t* zeros_row, int64_t g) {
+  if constexpr (F == UINT8 || F == UINT4) return zeros_row[g];
+  else if constexpr (F == INT4) return 8;
+  else return 0;
 }
 
+__attribute__((target("avx2,fma,f16c")))
+void round_row_avx2(const float* x, int64_t n, float inv, int16_t* q) {
+  const __m256 iv = _mm256_set1_ps(inv);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), iv));
+    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), iv));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
+  }
+  for (; i < n; ++i) q[i] = static_cast<int16_t>(std::nearbyint(x[i] * inv));
+}
+
+// the same arithmetic on every ISA: one multiply by 32767 / absmax, round half to even
+Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa) {
+  Act16 a;
+  a.padded = (K + BLOCK - 1) / BLOCK * BLOCK;
+  a.q.assign(M * a.padded, 0);
+  a.block_sum.assign(M * a.padded / BLOCK, 0);
+  a.d.assign(M, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xm[k]));
+    const float inv = amax > 0.f ? ACT_MAX / amax : 0.f;
+    int16_t* q = a.q.data() + m * a.padded;
+    if (isa >= 1) round_row_avx2(xm, K, inv, q);
+    else for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int16_t>(std::nearbyint(xm[k] * inv));
+    for (int64_t k = 0; k < K; ++k) a.block_sum[m * a.padded / BLOCK + k / BLOCK] += q[k];
+    a.d[m] = amax / ACT_MAX;
+  }
+  return a;
+}
+
+// ---- portable ---------------------------------------------------------------------------------
 template <int F>
-void rows_scalar(const float* x, const float* xsum, int64_t M, int64_t K, const QuantView& w, int64_t n0, int64_t n1,
-                 float* y, int64_t N) {
+void rows_scalar(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y, int64_t N) {
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w.codes + n * w.row_bytes;
     for (int64_t m = 0; m < M; ++m) {
+      const int16_t* q = a.q.data() + m * a.padded;
       float total = 0.f;
       for (int64_t g = 0; g < w.groups; ++g) {
+        const int z = zero_of<F>(w.zeros ? w.zeros + n * w.groups : nullptr, g);
         float acc = 0.f;
-        for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) acc += x[m * K + k] * code_at<F>(wr, k);
-        const float s = half_to_float(w.scales[n * w.groups + g]);
-        total += s * (acc - zero_of<F>(w.zeros ? w.zeros + n * w.groups : nullptr, g) * xsum[m * w.groups + g]);
+        for (int64_t k0 = g * w.group; k0 < (g + 1) * w.group; k0 += FLUSH) {   // int32 never overflows
+          int32_t dot = 0;
+          for (int64_t k = k0; k < std::min(k0 + FLUSH, (g + 1) * w.group); ++k) dot += (code_at<F>(wr, k) - z) * q[k];
+          acc += static_cast<float>(dot);
+        }
+        total += half_to_float(w.scales[n * w.groups + g]) * acc;
       }
-      y[m * N + n] = total;
+      y[m * N + n] = a.d[m] * total;
     }
   }
 }
 
 // ---- AVX2 -------------------------------------------------------------------------------------
-__attribute__((target("avx2,fma,f16c")))
-inline __m256 widen8(const uint8_t* p, bool is_signed) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
-}
-
-// the 32 codes of block [k, k + 32) as four fp32 vectors
+// the 32 codes of block [k, k + 32) minus the zero point, as int16: lo = k .. k+15, hi = k+16 .. k+31
 template <int F>
 __attribute__((target("avx2,fma,f16c")))
-inline void codes32(const uint8_t* row, int64_t k, __m256 v[4]) {
+inline void codes16(const uint8_t* row, int64_t k, __m256i zero, __m256i* lo, __m256i* hi) {
   if constexpr (F == INT4 || F == UINT4) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (k >> 1)));
     const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-    v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    *lo = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(b, mask)), zero);
+    *hi = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), mask)), zero);
   } else {
     const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
     const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k + 16));
     if constexpr (F == INT8) {
-      v[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0));
-      v[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b0, 8)));
-      v[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1));
-      v[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b1, 8)));
+      *lo = _mm256_cvtepi8_epi16(b0), *hi = _mm256_cvtepi8_epi16(b1);
     } else {
-      v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b0));
-      v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b0, 8)));
-      v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b1));
-      v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b1, 8)));
+      *lo = _mm256_sub_epi16(_mm256_cvtepu8_epi16(b0), zero);
+      *hi = _mm256_sub_epi16(_mm256_cvtepu8_epi16(b1), zero);
     }
   }
 }
@@ -118,78 +158,154 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// one weight row n against MB rows of x
+// one weight row n against MB rows of x: per group, exact int32 sums of (code - zero) * q (flushed to fp32
+// every FLUSH k so they cannot overflow), then scaled by the group's scale in fp32
 template <int F, int MB>
 __attribute__((target("avx2,fma,f16c")))
-void row_avx2(const float* x, const float* xsum, int64_t K, const QuantView& w, int64_t n, float* y, int64_t N) {
+void row_avx2(const Act16& a, int64_t m0, const QuantView& w, int64_t n, float* y, int64_t N) {
   const uint8_t* wr = w.codes + n * w.row_bytes;
   const at::Half* sr = w.scales + n * w.groups;
   const uint8_t* zr = w.zeros ? w.zeros + n * w.groups : nullptr;
   const int64_t G = w.group, G32 = G & ~(BLOCK - 1);
+  const int16_t* q[MB];
   __m256 total[MB];
-  float correction[MB];
-  for (int m = 0; m < MB; ++m) total[m] = _mm256_setzero_ps(), correction[m] = 0.f;
+  for (int m = 0; m < MB; ++m) q[m] = a.q.data() + (m0 + m) * a.padded, total[m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g) {
     const int64_t k0 = g * G;
-    __m256 acc[MB][2];
-    float tail[MB];
-    for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps(), tail[m] = 0.f;
-    int64_t k = k0;
-    for (; k < k0 + G32; k += BLOCK) {
-      if ((k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(wr + (F >= INT4 ? k / 2 : k) + 512), _MM_HINT_T0);
-      __m256 v[4];
-      codes32<F>(wr, k, v);
+    const __m256i zero = _mm256_set1_epi16(static_cast<int16_t>(zero_of<F>(zr, g)));
+    const __m256 s = _mm256_set1_ps(_cvtsh_ss(sr[g].x));
+    for (int64_t c0 = k0; c0 < k0 + G32; c0 += FLUSH) {
+      __m256i acc[MB];
+      for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_si256();
+      const int64_t c1 = std::min(c0 + FLUSH, k0 + G32);
+      for (int64_t k = c0; k < c1; k += BLOCK) {
+        if ((k & 255) == 0) _mm_prefetch(reinterpret_cast<const char*>(wr + (F >= INT4 ? k / 2 : k) + 1024), _MM_HINT_T0);
+        __m256i lo, hi;
+        codes16<F>(wr, k, zero, &lo, &hi);
 #pragma GCC unroll 4
-      for (int m = 0; m < MB; ++m) {
-        const float* xm = x + m * K + k;
-        acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xm), v[0], acc[m][0]);
-        acc[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xm + 8), v[1], acc[m][1]);
-        acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xm + 16), v[2], acc[m][0]);
-        acc[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xm + 24), v[3], acc[m][1]);
+        for (int m = 0; m < MB; ++m) {
+          acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(lo, _mm256_loadu_si256(
+                                                                  reinterpret_cast<const __m256i*>(q[m] + k))));
+          acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(hi, _mm256_loadu_si256(
+                                                                  reinterpret_cast<const __m256i*>(q[m] + k + 16))));
+        }
       }
+      for (int m = 0; m < MB; ++m) total[m] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(acc[m]), total[m]);
     }
     if constexpr (F == INT8 || F == UINT8) {   // per-channel 8-bit weights: K need not be a multiple of 32
-      for (; k + 8 <= k0 + G; k += 8) {
-        const __m256 v = widen8(wr + k, F == INT8);
-        for (int m = 0; m < MB; ++m) acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), v, acc[m][0]);
+      if (G32 < G) {
+        const int z = zero_of<F>(zr, g);
+        for (int m = 0; m < MB; ++m) {
+          int32_t dot = 0;
+          for (int64_t k = k0 + G32; k < k0 + G; ++k) dot += (code_at<F>(wr, k) - z) * q[m][k];
+          total[m] = _mm256_add_ps(total[m], _mm256_setr_ps(_cvtsh_ss(sr[g].x) * static_cast<float>(dot), 0, 0, 0,
+                                                            0, 0, 0, 0));
+        }
       }
-      for (; k < k0 + G; ++k)
-        for (int m = 0; m < MB; ++m) tail[m] += x[m * K + k] * code_at<F>(wr, k);
-    }
-    const float s = _cvtsh_ss(sr[g].x);
-    const float z = F == INT8 ? 0.f : F == INT4 ? 8.f : static_cast<float>(zr[g]);
-    for (int m = 0; m < MB; ++m) {
-      total[m] = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_add_ps(acc[m][0], acc[m][1]), total[m]);
-      correction[m] += s * (tail[m] - z * xsum[m * w.groups + g]);
     }
   }
-  for (int m = 0; m < MB; ++m) y[m * N + n] = hsum(total[m]) + correction[m];
+  for (int m = 0; m < MB; ++m) y[(m0 + m) * N + n] = a.d[m0 + m] * hsum(total[m]);
+}
+
+// One row of x (batch-1 decode) against weight row n, for small groups (G = 32 * BPG, BPG = 1 or 2): the
+// per-group work of row_avx2 (widen a scale, broadcast it, convert, one FMA) costs as much as a block of 32
+// codes at G = 32, so eight groups' int32 partials are reduced together (a horizontal-add tree puts group j's
+// sum in lane j), their zero points are taken off as z_g * sum(q over the group) in int32, and one FMA applies
+// eight scales. Measured (2 threads, 0.5 B model's gate/up weights, same rounds): int4 g32 1.07x -> 1.8x of
+// the bf16 GEMV. A generic loop over a group's blocks here (G >= 128) ran 7x slower than row_avx2: larger
+// groups stay on row_avx2, whose per-group work is spread over 4+ blocks.
+template <int F, int BPG>
+__attribute__((target("avx2,fma,f16c")))
+void row_grouped_m1_avx2(const Act16& a, int64_t m, const QuantView& w, int64_t n, float* y, int64_t N) {
+  const uint8_t* wr = w.codes + n * w.row_bytes;
+  const at::Half* sr = w.scales + n * w.groups;
+  const uint8_t* zr = w.zeros ? w.zeros + n * w.groups : nullptr;
+  const int16_t* q = a.q.data() + m * a.padded;
+  constexpr int64_t G = BPG * BLOCK;
+  const int32_t* qsum = a.block_sum.data() + m * a.padded / BLOCK;
+  const __m256i no_zero = _mm256_setzero_si256();
+  __m256 total = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= w.groups; g += 8) {
+    _mm_prefetch(reinterpret_cast<const char*>(wr + (F >= INT4 ? g * G / 2 : g * G) + 1024), _MM_HINT_T0);
+    __m256i p[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      p[j] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+      for (int b = 0; b < BPG; ++b) {
+        const int64_t k = (g + j) * G + b * BLOCK;
+        __m256i lo, hi;
+        codes16<F>(wr, k, no_zero, &lo, &hi);
+        p[j] = _mm256_add_epi32(p[j], _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k))));
+        p[j] = _mm256_add_epi32(p[j], _mm256_madd_epi16(hi, _mm256_loadu_si256(
+                                                              reinterpret_cast<const __m256i*>(q + k + 16))));
+      }
+    }
+    const __m256i s0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    const __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+    __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
+    if constexpr (F != INT8) {
+      alignas(32) int32_t group_q[8];
+      for (int j = 0; j < 8; ++j) {
+        int32_t t = 0;
+        for (int b = 0; b < BPG; ++b) t += qsum[(g + j) * BPG + b];
+        group_q[j] = t;
+      }
+      const __m256i z = F == INT4 ? _mm256_set1_epi32(8)
+                                  : _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zr + g)));
+      sums = _mm256_sub_epi32(sums, _mm256_mullo_epi32(z, _mm256_load_si256(reinterpret_cast<const __m256i*>(group_q))));
+    }
+    const __m256 scales = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + g)));
+    total = _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(sums), total);
+  }
+  float rest = 0.f;
+  for (; g < w.groups; ++g) {   // the last groups when there are not eight
+    int32_t dot = 0;
+    for (int64_t k = g * G; k < (g + 1) * G; ++k) dot += (code_at<F>(wr, k) - zero_of<F>(zr, g)) * q[k];
+    rest += _cvtsh_ss(sr[g].x) * static_cast<float>(dot);
+  }
+  y[m * N + n] = a.d[m] * (hsum(total) + rest);
 }
 
 template <int F>
 __attribute__((target("avx2,fma,f16c")))
-void rows_avx2(const float* x, const float* xsum, int64_t M, int64_t K, const QuantView& w, int64_t n0, int64_t n1,
-               float* y, int64_t N) {
+void rows_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y, int64_t N) {
+  if (M == 1 && (w.group == BLOCK || w.group == 2 * BLOCK) && w.groups > 1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      if (w.group == BLOCK) row_grouped_m1_avx2<F, 1>(a, 0, w, n, y, N);
+      else row_grouped_m1_avx2<F, 2>(a, 0, w, n, y, N);
+    }
+    return;
+  }
   for (int64_t m = 0; m < M; m += MR) {
-    const float* xm = x + m * K;
-    const float* sm = xsum + m * w.groups;
-    float* ym = y + m * N;
     for (int64_t n = n0; n < n1; ++n) {
       switch (std::min(MR, M - m)) {
-        case 1: row_avx2<F, 1>(xm, sm, K, w, n, ym, N); break;
-        case 2: row_avx2<F, 2>(xm, sm, K, w, n, ym, N); break;
-        case 3: row_avx2<F, 3>(xm, sm, K, w, n, ym, N); break;
-        default: row_avx2<F, 4>(xm, sm, K, w, n, ym, N); break;
+        case 1: row_avx2<F, 1>(a, m, w, n, y, N); break;
+        case 2: row_avx2<F, 2>(a, m, w, n, y, N); break;
+        case 3: row_avx2<F, 3>(a, m, w, n, y, N); break;
+        default: row_avx2<F, 4>(a, m, w, n, y, N); break;
       }
     }
   }
 }
 
 template <int F>
-void rows(const float* x, const float* xsum, int64_t M, int64_t K, const QuantView& w, int64_t n0, int64_t n1,
-          float* y, int64_t N, int64_t isa) {
-  if (isa >= 1) rows_avx2<F>(x, xsum, M, K, w, n0, n1, y, N);
-  else rows_scalar<F>(x, xsum, M, K, w, n0, n1, y, N);
+void rows(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y, int64_t N, int64_t isa) {
+  if (isa >= 1) rows_avx2<F>(a, M, w, n0, n1, y, N);
+  else rows_scalar<F>(a, M, w, n0, n1, y, N);
+}
+
+// fp32 vectors of codes, for the dequantization below
+template <int F>
+__attribute__((target("avx2,fma,f16c")))
+inline void codes32(const uint8_t* row, int64_t k, __m256 v[4]) {
+  __m256i lo, hi;
+  codes16<F>(row, k, _mm256_setzero_si256(), &lo, &hi);
+  v[0] = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo)));
+  v[1] = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo, 1)));
+  v[2] = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi)));
+  v[3] = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi, 1)));
 }
 
 // ---- dequantization (prefill) -------------------------------------------------------------------
@@ -220,7 +336,7 @@ void dequantize_rows_avx2(const QuantView& w, int64_t K, int64_t n0, int64_t n1,
         codes32<F>(wr, k, v);
         for (int i = 0; i < 4; ++i) store8(out + n * K + k + 8 * i, _mm256_mul_ps(_mm256_sub_ps(v[i], zv), sv));
       }
-      for (; k < (g + 1) * G; ++k) out[n * K + k] = static_cast<T>((code_at<F>(wr, k) - z) * s);
+      for (; k < (g + 1) * G; ++k) out[n * K + k] = static_cast<T>((static_cast<float>(code_at<F>(wr, k)) - z) * s);
     }
   }
 }
@@ -233,7 +349,7 @@ void dequantize_rows(const QuantView& w, int64_t K, int64_t n0, int64_t n1, T* o
     for (int64_t k = 0; k < K; ++k) {
       const int64_t g = k / w.group;
       const float z = zero_of<F>(w.zeros ? w.zeros + n * w.groups : nullptr, g);
-      out[n * K + k] = static_cast<T>((code_at<F>(wr, k) - z) * half_to_float(w.scales[n * w.groups + g]));
+      out[n * K + k] = static_cast<T>((static_cast<float>(code_at<F>(wr, k)) - z) * half_to_float(w.scales[n * w.groups + g]));
     }
   }
 }
@@ -249,14 +365,12 @@ void dequantize_rows(const QuantView& w, int64_t K, int64_t n0, int64_t n1, T* o
 template <typename O>
 void run_linear(const float* x, int64_t M, int64_t K, const QuantView& w, const O* bias, O* out, int64_t isa) {
   const int64_t N = w.rows;
-  std::vector<float> xsum(M * w.groups, 0.f);   // per row of x and group: sum of x over the group
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xsum[m * w.groups + k / w.group] += x[m * K + k];
+  const Act16 a = round_activations(x, M, K, isa);
   std::vector<float> scratch(std::is_same_v<O, float> ? 0 : M * N);
   float* y = std::is_same_v<O, float> ? reinterpret_cast<float*>(out) : scratch.data();
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(w.row_bytes, 1));   // ~64 KiB per task
   allspark::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    DISPATCH_FORMAT(w.format, rows<F>(x, xsum.data(), M, K, w, n0, n1, y, N, isa));
+    DISPATCH_FORMAT(w.format, rows<F>(a, M, w, n0, n1, y, N, isa));
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = n0; n < n1; ++n)
         out[m * N + n] = static_cast<O>(y[m * N + n] + (bias ? static_cast<float>(bias[n]) : 0.f));
