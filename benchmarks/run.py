@@ -1,6 +1,7 @@
 """allspark's benchmark: one command, one run, everything side by side on the same machine and threads.
 
-    python benchmarks/run.py [--quick] [--decode-only] [--dtypes bfloat16 float32] [--json benchmarks/results.json]
+    python benchmarks/run.py [--quick] [--decode-only] [--dtypes bfloat16 float32] [--quant int8 int4_g32]
+                             [--json benchmarks/results.json]
 
 Measures the machine (STREAM-like copy/triad bandwidth, fp32/bf16 matmul rate), then for each
 weight dtype, on a Llama-architecture model with random weights (about 0.5 B parameters; --quick:
@@ -10,8 +11,10 @@ phases, and each round's bandwidth is measured around its runs), TTFT for 128/51
 token prompts, throughput with 8 and 32 concurrent requests (128 in / 128 out, EOS ignored) and
 with Poisson arrivals (TTFT / TPOT median and p99) — for our Engine, for transformers' generate
 (static batches for the concurrent case) and for a 2-rank pool through ClientEngine on the same
-cores. Prints a table and writes JSON. Compare ratios from one run: absolute numbers on shared
-machines are noisy.
+cores. With --quant, the same weights quantized with InstantQuant (e.g. int8 = int8 per channel,
+int4_g32 = int4 in groups of 32) are served by the same Engine and join the interleaved batch-1 decode
+rounds (their roofline counts the bytes their files hold) and the TTFT rows. Prints a table and writes
+JSON. Compare ratios from one run: absolute numbers on shared machines are noisy.
 """
 from __future__ import annotations
 
@@ -69,11 +72,36 @@ def bytes_per_token(hf_model, spec: dict, ctx: int) -> int:
     return total + kv
 
 
-def decode_rounds(decoders: dict, bytes_per_tok: int, repeats: int) -> dict:
+def quant_variant(name: str) -> dict:
+    """'int8' -> int8 per channel; 'uint4_g32' -> uint4 in groups of 32 (the customized_quant_config)."""
+    fmt, _, group = name.partition("_g")
+    return {"weight_format": fmt, "group_size": int(group) if group else -1}
+
+
+def file_bytes_per_token(weights_path: str, ctx_bytes: int) -> int:
+    """Bytes a decode token reads from a serialized model: every stored tensor once, the embedding one row
+    (tied LM heads are read from it in full), plus the KV cache bytes `ctx_bytes`."""
+    from safetensors import safe_open
+    total = 0
+    with safe_open(weights_path, framework="pt") as f:
+        names = set(f.keys())
+        for name in names:
+            sl = f.get_slice(name)
+            shape, size = sl.get_shape(), sl.get_dtype()
+            elem = {"BF16": 2, "F16": 2, "F32": 4, "I8": 1, "U8": 1}[size]
+            n = 1
+            for d in shape:
+                n *= d
+            total += elem * (shape[-1] if "embed_tokens" in name and "lm_head.weight" in names else n)
+    return total + ctx_bytes
+
+
+def decode_rounds(decoders: dict, bytes_per_tok, repeats: int) -> dict:
     """Batch-1 decode of every engine, interleaved: each round runs every engine once, so all engines see
     the same phases of this shared VM (its bandwidth drifts by tens of percent within minutes, sometimes
     within seconds). The copy bandwidth is measured before the round and after each run; the round's
-    roofline uses the median of those, for every engine alike. (Per-run brackets were tried: a single copy
+    roofline uses the median of those, for every engine alike; `bytes_per_tok` is one number for all engines
+    or a dict by engine. (Per-run brackets were tried: a single copy
     measurement also catches what the neighbouring run leaves behind, and in one full run the Engine and the
     pool decoded at the same speed in the same rounds yet came out 0.78 and 0.85 of "their" rooflines.)
     Per engine: medians over rounds of tokens/s, of the roofline ratio and of the bandwidth, and
@@ -86,7 +114,8 @@ def decode_rounds(decoders: dict, bytes_per_tok: int, repeats: int) -> dict:
             bws.append(machine.copy_bandwidth())
         bw = statistics.median(bws)
         for name, t in tps.items():
-            runs[name].append((t, t * bytes_per_tok / (bw * 1e9), bw))
+            nbytes = bytes_per_tok[name] if isinstance(bytes_per_tok, dict) else bytes_per_tok
+            runs[name].append((t, t * nbytes / (bw * 1e9), bw))
     out = {}
     for name, rs in runs.items():
         out[name] = {"decode_b1_tps": statistics.median(x[0] for x in rs),
@@ -128,7 +157,8 @@ def runtime_cfg(loader, name: str, spec: dict, max_batch: int):
             .max_length(max(spec["prompts"]) + spec["new_tokens"] + 8).kv_cache_span_size(32).build())
 
 
-def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only: bool) -> dict:
+def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only: bool, quant: list[str],
+              ttft_rows: bool = False) -> dict:
     """All three engines are loaded at once (so their decode runs can interleave); then the other
     workloads run one engine after the other."""
     from transformers import AutoModelForCausalLM
@@ -143,6 +173,12 @@ def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only
     cfg = runtime_cfg(loader, name, spec, max(spec["concurrency"]))
     bpt = bytes_per_token(hf, spec, ctx=32 + n // 2)
     result = {"params_m": sum(p.numel() for p in hf.parameters()) / 1e6, "bytes_per_token": bpt}
+    quant_cfgs = {}
+    for variant in quant:                     # the same weights, quantized, served by the same Engine
+        q = HuggingFaceModel(hf_dir, f"{name}-{variant}", user_set_data_type=dtype)
+        q.load_model().serialize_to_path(None, os.path.join(hf_dir, "quant"), enable_quant=True,
+                                         customized_quant_config=quant_variant(variant)).free_model()
+        quant_cfgs[f"allspark_{variant}"] = (q, runtime_cfg(q, q.model_name, spec, max(spec["concurrency"])))
 
     with contextlib.ExitStack() as stack:
         engines = {"allspark": Engine()}
@@ -152,16 +188,36 @@ def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only
         for engine in engines.values():
             engine.install_model(cfg)
             engine.start_model(name)
+        ours = engines["allspark"]
+        for q, qcfg in quant_cfgs.values():
+            ours.install_model(qcfg)
+            ours.start_model(q.model_name)
         decoders = {key: (lambda r, e=engine: W.decode_tps(e, name, vocab, n, seed=r))
                     for key, engine in engines.items()}
+        for key, (q, _) in quant_cfgs.items():
+            decoders[key] = lambda r, qn=q.model_name: W.decode_tps(ours, qn, vocab, n, seed=r)
         decoders["transformers"] = lambda r: W.hf_decode_tps(hf, vocab, n, seed=r)
         for decode_once in decoders.values():
             decode_once(99)                                                         # warm-up
-        result.update(decode_rounds(decoders, bpt, spec["decode_repeats"]))
+        kv = bpt - file_bytes_per_token(loader.weights_path, 0)                     # the KV cache's share
+        per_engine = {key: bpt for key in decoders}
+        per_engine.update({key: file_bytes_per_token(q.weights_path, kv) for key, (q, _) in quant_cfgs.items()})
+        result.update(decode_rounds(decoders, per_engine, spec["decode_repeats"]))
+        for key in quant_cfgs:
+            result[key]["bytes_per_token"] = per_engine[key]
         if not decode_only:
             for key, engine in engines.items():
                 result[key].update(engine_workloads(engine, name, spec))
             result["transformers"].update(hf_workloads(hf, spec))
+        if not decode_only or ttft_rows:
+            for p in spec["prompts"]:
+                if decode_only:
+                    result["allspark"][f"ttft_{p}_s"] = W.ttft(ours, name, vocab, p, spec["repeats"])
+                for key, (q, _) in quant_cfgs.items():
+                    result[key][f"ttft_{p}_s"] = W.ttft(ours, q.model_name, vocab, p, spec["repeats"])
+        for q, _ in quant_cfgs.values():
+            ours.stop_model(q.model_name)
+            ours.release_model(q.model_name)
         for engine in engines.values():
             if engine.stop_model(name) == 0:
                 engine.release_model(name)
@@ -179,7 +235,7 @@ def summarize(report: dict) -> list[str]:
         roof = bw * 1e9 / r["bytes_per_token"]
         lines.append(f"\n{dtype}: {r['params_m']:.0f} M parameters, {r['bytes_per_token'] / 1e6:.0f} MB read per token, "
                      f"roofline {roof:.1f} tokens/s at the start's copy bandwidth")
-        engines = [e for e in ("allspark", "transformers", "pool_2_ranks") if e in r]
+        engines = [e for e in r if e == "allspark" or e.startswith("allspark_") or e in ("transformers", "pool_2_ranks")]
         keys = [k for k in r["allspark"] if not k.startswith("poisson_rate")]
         lines.append(f"{'metric':<22}" + "".join(f"{e:>16}" for e in engines))
         for k in keys:
@@ -193,6 +249,13 @@ def summarize(report: dict) -> list[str]:
         if "pool_2_ranks" in r:
             lines.append(f"2-rank pool batch-1 decode / single Engine (same rounds): "
                          f"{r['pool_2_ranks']['decode_b1_vs_allspark']:.2f}")
+        for e in engines:
+            if e.startswith("allspark_"):
+                ttft = "".join(f", TTFT-{p} {r[e][f'ttft_{p}_s'] / ours[f'ttft_{p}_s']:.2f}x"
+                               for p in report["spec"]["prompts"] if f"ttft_{p}_s" in r[e] and f"ttft_{p}_s" in ours)
+                lines.append(f"{e}: batch-1 decode {r[e]['decode_b1_vs_allspark']:.2f}x of {dtype} (same rounds), "
+                             f"{r[e]['decode_b1_roofline']:.2f} of its roofline ({r[e]['bytes_per_token'] / 1e6:.0f} MB "
+                             f"per token){ttft}")
     return lines
 
 
@@ -202,6 +265,9 @@ def main() -> None:
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     p.add_argument("--no-pool", action="store_true", help="skip the 2-rank pool")
     p.add_argument("--decode-only", action="store_true", help="only the batch-1 decode rows (kernel work)")
+    p.add_argument("--ttft", action="store_true", help="with --decode-only: also the Engine's TTFT rows")
+    p.add_argument("--quant", nargs="*", default=[], metavar="FORMAT[_gGROUP]",
+                   help="also serve the weights quantized, e.g. int8 int4_g32 uint4_g64 (InstantQuant)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--json", default="benchmarks/results.json")
     a = p.parse_args()
@@ -216,11 +282,12 @@ def main() -> None:
     report = {"spec": spec, "threads": a.threads, "quick": a.quick, "decode_only": a.decode_only,
               "omp_env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},
               "machine": dict(cpu=cpu, **machine.stream_bandwidth(),
-                              matmul_fp32_gflops=machine.matmul_gflops(torch.float32),
-                              matmul_bf16_gflops=machine.matmul_gflops(torch.bfloat16)),
+                              matmul_fp32_gflops=machine.matmul_gflops(torch.float32, n=512 if a.quick else 2048),
+                              matmul_bf16_gflops=machine.matmul_gflops(torch.bfloat16, n=512 if a.quick else 2048)),
               "dtypes": {}}
     for dtype in a.dtypes:
-        report["dtypes"][dtype] = run_dtype(dtype, spec, a.threads, not a.no_pool, a.decode_only)
+        report["dtypes"][dtype] = run_dtype(dtype, spec, a.threads, not a.no_pool, a.decode_only, a.quant,
+                                            a.ttft)
     report["wall_s"] = time.time() - t0
     print("\n".join(summarize(report)))
     print(f"\n({report['wall_s']:.0f} s)")

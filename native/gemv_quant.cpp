@@ -456,7 +456,10 @@ torch::Tensor project(const torch::Tensor& x, const Weight& w, const std::option
                       int64_t native_rows) {
   if (const auto* q = std::get_if<QuantWeight>(&w)) {
     if (x.size(0) <= QUANT_NATIVE_MAX_ROWS) return linear_quant(x, *q, b, isa);
-    return at::linear(x, dequantize_weight(*q, x.scalar_type(), isa), b);
+    // fp32 GEMM on the dequantized weight: without AVX-512 bf16 instructions oneDNN's bf16 GEMM is ~5x slower
+    // (ops.gemm_dtype has the numbers); these are decode batches, small next to prefill GEMMs
+    const auto bf = b ? std::optional<torch::Tensor>(b->to(torch::kFloat)) : std::nullopt;
+    return at::linear(x.to(torch::kFloat), dequantize_weight(*q, at::kFloat, isa), bf).to(x.scalar_type());
   }
   const auto& dense = std::get<torch::Tensor>(w);
   if (x.size(0) <= native_rows) return linear_small_m(x, dense, b, isa);
