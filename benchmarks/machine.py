@@ -46,9 +46,17 @@ def copy_bandwidth(repeats: int = 5) -> float:
     return 2 * a.numel() * 4 / _median_time(lambda: c.copy_(a), repeats) / 1e9
 
 
-def matmul_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 3) -> float:
-    """Square n x n matmul rate. (Without AVX-512 bf16 instructions, oneDNN's bf16 matmul runs ~50x below
-    fp32 on a Zen 3-class VM: 2048^3 took ~20 s a call; --quick uses n = 512.)"""
-    x = torch.randn(n, n).to(dtype)
-    y = torch.randn(n, n).to(dtype)
+def matmul_gflops(dtype: torch.dtype, max_n: int = 2048, repeats: int = 3) -> float:
+    """Square matmul rate, n doubled from 256 up to max_n while a call takes under 50 ms. (Without AVX-512
+    bf16 instructions, oneDNN's bf16 matmul ran ~50x below fp32 on a Zen 3-class VM: a fixed 2048^3 took
+    minutes of the benchmark.)"""
+    n = 256
+    while True:
+        x = torch.randn(n, n).to(dtype)
+        y = torch.randn(n, n).to(dtype)
+        t = time.perf_counter()
+        x @ y
+        if time.perf_counter() - t > 0.05 or n >= max_n:
+            break
+        n *= 2
     return 2 * n ** 3 / _median_time(lambda: x @ y, repeats) / 1e9

@@ -158,7 +158,7 @@ def runtime_cfg(loader, name: str, spec: dict, max_batch: int):
 
 
 def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only: bool, quant: list[str],
-              ttft_rows: bool = False) -> dict:
+              ttft_rows: bool = False, with_hf: bool = True) -> dict:
     """All three engines are loaded at once (so their decode runs can interleave); then the other
     workloads run one engine after the other."""
     from transformers import AutoModelForCausalLM
@@ -196,7 +196,8 @@ def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only
                     for key, engine in engines.items()}
         for key, (q, _) in quant_cfgs.items():
             decoders[key] = lambda r, qn=q.model_name: W.decode_tps(ours, qn, vocab, n, seed=r)
-        decoders["transformers"] = lambda r: W.hf_decode_tps(hf, vocab, n, seed=r)
+        if with_hf:
+            decoders["transformers"] = lambda r: W.hf_decode_tps(hf, vocab, n, seed=r)
         for decode_once in decoders.values():
             decode_once(99)                                                         # warm-up
         kv = bpt - file_bytes_per_token(loader.weights_path, 0)                     # the KV cache's share
@@ -208,7 +209,8 @@ def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only
         if not decode_only:
             for key, engine in engines.items():
                 result[key].update(engine_workloads(engine, name, spec))
-            result["transformers"].update(hf_workloads(hf, spec))
+            if with_hf:
+                result["transformers"].update(hf_workloads(hf, spec))
         if not decode_only or ttft_rows:
             for p in spec["prompts"]:
                 if decode_only:
@@ -237,15 +239,16 @@ def summarize(report: dict) -> list[str]:
                      f"roofline {roof:.1f} tokens/s at the start's copy bandwidth")
         engines = [e for e in r if e == "allspark" or e.startswith("allspark_") or e in ("transformers", "pool_2_ranks")]
         keys = [k for k in r["allspark"] if not k.startswith("poisson_rate")]
+        hf = r.get("transformers")
         lines.append(f"{'metric':<22}" + "".join(f"{e:>16}" for e in engines))
         for k in keys:
             lines.append(f"{k:<22}" + "".join(f"{r[e][k]:>16.3f}" if k in r[e] else f"{'-':>16}" for e in engines))
-        ours, hf = r["allspark"], r["transformers"]
+        ours = r["allspark"]
         lines.append(f"batch-1 decode / roofline (bandwidth measured around each round): "
-                     f"{ours['decode_b1_roofline']:.2f}; vs transformers: batch 1 "
-                     f"{1 / hf['decode_b1_vs_allspark']:.2f}x (same rounds)" +
+                     f"{ours['decode_b1_roofline']:.2f}" + ("" if hf is None else
+                     f"; vs transformers: batch 1 {1 / hf['decode_b1_vs_allspark']:.2f}x (same rounds)" +
                      "".join(f", {c} concurrent {ours[f'c{c}_tps'] / hf[f'c{c}_tps']:.2f}x"
-                             for c in report["spec"]["concurrency"] if f"c{c}_tps" in ours))
+                             for c in report["spec"]["concurrency"] if f"c{c}_tps" in ours)))
         if "pool_2_ranks" in r:
             lines.append(f"2-rank pool batch-1 decode / single Engine (same rounds): "
                          f"{r['pool_2_ranks']['decode_b1_vs_allspark']:.2f}")
@@ -265,6 +268,7 @@ def main() -> None:
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     p.add_argument("--no-pool", action="store_true", help="skip the 2-rank pool")
     p.add_argument("--decode-only", action="store_true", help="only the batch-1 decode rows (kernel work)")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers (kernel work on our own engines)")
     p.add_argument("--ttft", action="store_true", help="with --decode-only: also the Engine's TTFT rows")
     p.add_argument("--quant", nargs="*", default=[], metavar="FORMAT[_gGROUP]",
                    help="also serve the weights quantized, e.g. int8 int4_g32 uint4_g64 (InstantQuant)")
@@ -282,12 +286,12 @@ def main() -> None:
     report = {"spec": spec, "threads": a.threads, "quick": a.quick, "decode_only": a.decode_only,
               "omp_env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},
               "machine": dict(cpu=cpu, **machine.stream_bandwidth(),
-                              matmul_fp32_gflops=machine.matmul_gflops(torch.float32, n=512 if a.quick else 2048),
-                              matmul_bf16_gflops=machine.matmul_gflops(torch.bfloat16, n=512 if a.quick else 2048)),
+                              matmul_fp32_gflops=machine.matmul_gflops(torch.float32),
+                              matmul_bf16_gflops=machine.matmul_gflops(torch.bfloat16)),
               "dtypes": {}}
     for dtype in a.dtypes:
         report["dtypes"][dtype] = run_dtype(dtype, spec, a.threads, not a.no_pool, a.decode_only, a.quant,
-                                            a.ttft)
+                                            a.ttft, not a.no_hf)
     report["wall_s"] = time.time() - t0
     print("\n".join(summarize(report)))
     print(f"\n({report['wall_s']:.0f} s)")

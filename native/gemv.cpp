@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "simd.h"
 
 namespace {
 
@@ -189,14 +190,6 @@ inline __m256 load8_256(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-__attribute__((target("avx2,fma")))
-inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
-
 template <typename W, int MB>
 __attribute__((target("avx2,fma")))
 void row_avx2(const float* x, int64_t K, const W* wr, float* y, int64_t N) {
@@ -212,7 +205,7 @@ void row_avx2(const float* x, int64_t K, const W* wr, float* y, int64_t N) {
     }
   }
   for (int i = 0; i < MB; ++i) {
-    float s = hsum256(_mm256_add_ps(acc[i][0], acc[i][1]));
+    float s = simd::hsum8(_mm256_add_ps(acc[i][0], acc[i][1]));
     for (int64_t k = KU; k < K; ++k) s += x[i * K + k] * load_scalar(wr + k);
     y[i * N] = s;
   }

@@ -1,4 +1,4 @@
-// AVX-512 helpers shared by the kernels: 16-lane loads/stores of fp32 or bf16 rows (bf16 widened to fp32),
+// SIMD helpers shared by the kernels (AVX-512, and an AVX2 horizontal sum): 16-lane loads/stores of fp32 or bf16 rows (bf16 widened to fp32),
 // bf16 rounding, and exp for non-positive arguments. Every function carries its own target attribute, so
 // including this header does not require AVX-512 from the rest of a file; callers select at run time.
 #pragma once
@@ -44,6 +44,15 @@ inline __m512 round_to_bf16(__m512 v) {
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb);
   return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// the sum of the 8 lanes of an AVX2 vector
+__attribute__((target("avx2,fma")))
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
 }
 
 // v rounded to the activation dtype T (a no-op for fp32), as an eager op's result would be

@@ -18,6 +18,7 @@ from allspark_client import AsException
 from allspark_server import Engine, HuggingFaceModel
 from allspark_server.loader.hf_model import ModelSerializerException
 from helpers import greedy, hf_greedy, random_prompt, start_engine
+from test_tensor_parallel import mpirun_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -123,11 +124,6 @@ def test_bad_quant_configs_are_refused_and_write_nothing(llama, tmp_path, config
     with pytest.raises(ModelSerializerException, match=match):
         loader.serialize(None, model_output_dir=str(tmp_path), enable_quant=True, customized_quant_config=config)
     assert os.listdir(tmp_path) == []
-
-
-def mpirun_env():
-    path = os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))
-    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=path)
 
 
 @pytest.mark.parametrize("fmt,group", [("int8", -1), ("uint4", 32)])
