@@ -190,3 +190,97 @@ def test_engine_runs_the_torch_reference_path_without_native(llama, tmp_path):
         assert json.loads(proc.stdout.strip().splitlines()[-1]) == greedy(engine, "q_ref", prompt, 12)
     finally:
         engine.release_model("q_ref")
+
+
+# ---- GPTQ checkpoints ------------------------------------------------------------------------------------------
+
+def gptq_pack_layer(w: torch.Tensor, bits: int, group: int, sym: bool) -> tuple[dict, torch.Tensor]:
+    """Quantize w [N, K] the way GPTQ stores it (its published "classic" format: int32 words packed along K for
+    qweight and along N for qzeros, lowest bits first; the stored zero point is zero - 1) and return the
+    tensors and the weight they stand for. Written here from the format's description, not from allspark."""
+    n, k = w.shape
+    size = k if group == -1 else group
+    top = 2 ** bits - 1
+    wg = w.double().reshape(n, k // size, size)
+    if sym:
+        scale = wg.abs().amax(-1) * 2 / top
+        zero = torch.full_like(scale, 2 ** (bits - 1))
+    else:
+        lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+        scale = (hi - lo) / top
+        zero = torch.round(-lo / scale).clamp(1, top)          # >= 1: the stored zero - 1 stays non-negative
+    scale = scale.half().double()
+    codes = (torch.round(wg / scale[..., None]) + zero[..., None]).clamp(0, top).to(torch.int64)
+    dequant = ((codes - zero[..., None]) * scale[..., None]).reshape(n, k).float()
+    per = 32 // bits
+    codes_kn = codes.reshape(n, k).T.numpy().astype(np.uint64)              # [K, N]
+    qweight = np.zeros((k // per, n), dtype=np.uint64)
+    for j in range(per):
+        qweight |= codes_kn[j::per] << np.uint64(j * bits)
+    stored_zero = (zero.to(torch.int64) - 1).T.numpy().astype(np.uint64)      # [G, N]
+    qzeros = np.zeros((k // size, n // per), dtype=np.uint64)
+    for j in range(per):
+        qzeros |= stored_zero[:, j::per] << np.uint64(j * bits)
+    as_i32 = lambda a: torch.from_numpy(a.astype(np.uint32).view(np.int32))  # noqa: E731
+    return {"qweight": as_i32(qweight), "qzeros": as_i32(qzeros), "scales": scale.T.half().contiguous(),
+            "g_idx": torch.arange(k, dtype=torch.int32) // size}, dequant
+
+
+def write_gptq_folder(tm, out_dir, bits: int, group: int, sym: bool, desc_act: bool = False):
+    """The tiny model's folder with its GEMM layers as a GPTQ checkpoint; returns the dequantized HF model."""
+    import shutil
+    from safetensors.torch import save_file
+    shutil.copytree(tm.hf_dir, out_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.json"))
+    for f in os.listdir(tm.hf_dir):
+        if f.endswith(".json") and f != "config.json":
+            shutil.copy(os.path.join(tm.hf_dir, f), out_dir)
+    reference = copy.deepcopy(tm.model)
+    tensors = {}
+    with torch.no_grad():
+        for name, t in tm.model.state_dict().items():
+            base = name[:-len(".weight")]
+            if name.endswith(".weight") and base.rsplit(".", 1)[-1] in QUANTIZED:
+                parts, dequant = gptq_pack_layer(t, bits, group, sym)
+                tensors.update({f"{base}.{p}": v for p, v in parts.items()})
+                reference.get_submodule(base).weight.copy_(dequant)
+            else:
+                tensors[name] = t.contiguous()
+    if tm.model.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    with open(os.path.join(tm.hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym,
+                                  "desc_act": desc_act, "checkpoint_format": "gptq"}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return reference
+
+
+@pytest.mark.parametrize("bits,group,sym", [(4, 32, True), (4, -1, False), (8, 64, False)])
+def test_gptq_checkpoint_serves_like_its_dequantized_weights(llama, tmp_path, bits, group, sym):
+    folder = str(tmp_path / "gptq")
+    reference = write_gptq_folder(llama, folder, bits, group, sym)
+    name = f"gptq{bits}_{group}"
+    loader = HuggingFaceModel(folder, name, user_set_data_type="float32")
+    loader.load_model().serialize(None, model_output_dir=str(tmp_path / "as")).free_model()
+    engine = start_engine(loader, name, max_batch=4, max_length=512)
+    try:
+        info = json.loads(engine.get_model_info(name))["quantization"]
+        assert info["weight_format"] == ("uint4" if bits == 4 else "uint8") and info["group_size"] == group
+        for seed, n in ((1, 5), (2, 70)):
+            prompt = random_prompt(n, seed=seed)
+            assert greedy(engine, name, prompt, 24) == hf_greedy(reference, prompt, 24), (bits, group, n)
+    finally:
+        engine.release_model(name)
+
+
+def test_gptq_desc_act_and_requantizing_are_refused(llama, tmp_path):
+    write_gptq_folder(llama, str(tmp_path / "act"), 4, 32, True, desc_act=True)
+    with pytest.raises(ModelSerializerException, match="desc_act"):
+        HuggingFaceModel(str(tmp_path / "act"), "act")
+    write_gptq_folder(llama, str(tmp_path / "ok"), 4, 32, True)
+    loader = HuggingFaceModel(str(tmp_path / "ok"), "ok", user_set_data_type="float32").load_model()
+    with pytest.raises(ModelSerializerException, match="already quantized"):
+        loader.serialize(None, model_output_dir=str(tmp_path / "out"), enable_quant=True)
+    assert not os.path.exists(tmp_path / "out")

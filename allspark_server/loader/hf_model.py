@@ -8,6 +8,7 @@ config.json / generation_config.json. The tokenizer comes from the same folder.
 from __future__ import annotations
 
 import os
+import re
 from typing import Optional
 
 import torch
@@ -17,12 +18,13 @@ from allspark_client.generation_config import ASGenerationConfigBuilder
 from allspark_server.dist.comm import LocalComm
 from allspark_server.loader.hf_reader import iter_hf_tensors, read_generation_config, read_hf_config
 from allspark_server.loader.model_file import DTYPES, write_model_files
-from allspark_server.loader.quantized import plan_scheme, quantize_tensors
+from allspark_server.loader.quantized import plan_scheme, quantize_tensors, quantized_split_modes
 from allspark_server.loader.sharding import TPLayout, split_mode_for
 from allspark_server.loader.weights import checkpoint_shapes
 from allspark_server.models.args import ModelArgs
 from allspark_server.models.registry import model_class_and_rules, quantizable_weights, read_args
-from allspark_server.quant.scheme import QuantConfigError
+from allspark_server.quant import gptq
+from allspark_server.quant.scheme import QuantConfigError, QuantScheme
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
@@ -68,6 +70,13 @@ class HuggingFaceModel:
             raise ModelSerializerException(str(e)) from None
         cfg_dtype = self.hf_config.get("dtype") or self.hf_config.get("torch_dtype") or "bfloat16"
         self.data_type = _dtype_from(user_set_data_type or cfg_dtype)
+        self.gptq: Optional[gptq.GptqConfig] = None      # a GPTQ checkpoint (its config.json says so)
+        if self.hf_config.get("quantization_config"):
+            try:
+                self.gptq = gptq.GptqConfig.from_hf(self.hf_config["quantization_config"])
+            except QuantConfigError as e:
+                raise ModelSerializerException(str(e)) from None
+        self._quant: Optional[QuantScheme] = None        # the scheme of already quantized weights (GPTQ)
         self._tensors: Optional[dict[str, torch.Tensor]] = None
         self._tokenizer = None
         self.graph_path: Optional[str] = None
@@ -80,8 +89,14 @@ class HuggingFaceModel:
         shapes = self._checkpoint_shapes()
         expected = set(shapes)
         tensors = {}
+        gptq_layers: dict[str, dict[str, torch.Tensor]] = {}
+        quantizable = quantizable_weights(self.args.architecture)
         for name, t in iter_hf_tensors(self.path):
             if name.endswith(IGNORED_SUFFIXES):
+                continue
+            base, _, suffix = name.rpartition(".")
+            if self.gptq and suffix in gptq.TENSORS and re.search(quantizable, base + ".weight"):
+                gptq_layers.setdefault(base, {})[suffix] = t
                 continue
             if name not in expected:
                 raise ModelSerializerException(f"unexpected tensor {name!r} for {self.args.architecture}")
@@ -89,15 +104,39 @@ class HuggingFaceModel:
         if self.args.tie_word_embeddings:
             tensors.pop("lm_head.weight", None)
             expected.discard("lm_head.weight")
+        if self.gptq:
+            self._quant = self._repack_gptq(gptq_layers, shapes, tensors, expected)
         missing = expected - set(tensors)
         if missing:
             raise ModelSerializerException(f"checkpoint lacks tensors: {sorted(missing)[:5]}")
         for name, t in tensors.items():
-            if tuple(t.shape) != shapes[name]:
+            if name in shapes and tuple(t.shape) != shapes[name]:
                 raise ModelSerializerException(f"tensor {name!r} has shape {tuple(t.shape)}, config says "
                                                f"{shapes[name]}")
         self._tensors = tensors
         return self
+
+    def _repack_gptq(self, layers: dict, shapes: dict, tensors: dict, expected: set) -> QuantScheme:
+        """GPTQ layers -> our quantized tensors in `tensors` (their dense names leave `expected`); the scheme."""
+        groups = {}
+        for base, parts in layers.items():
+            if base + ".weight" not in shapes:
+                raise ModelSerializerException(f"unexpected GPTQ layer {base!r} for {self.args.architecture}")
+            try:
+                repacked = gptq.repack(base, parts, self.gptq)
+            except QuantConfigError as e:
+                raise ModelSerializerException(str(e)) from None
+            n, k = repacked["qweight"].shape[0], repacked["qweight"].shape[1] * (2 if self.gptq.bits == 4 else 1)
+            if (n, k) != shapes[base + ".weight"]:
+                raise ModelSerializerException(f"GPTQ layer {base} is {n} x {k}, config says "
+                                               f"{shapes[base + '.weight']}")
+            tensors.update({f"{base}.{part}": t for part, t in repacked.items()})
+            expected.discard(base + ".weight")
+            groups[base + ".weight"] = self.gptq.group_size
+        missing = sorted(n for n in expected if re.search(quantizable_weights(self.args.architecture), n))
+        if missing:
+            raise ModelSerializerException(f"GPTQ checkpoint lacks the quantized layers {missing[:5]}")
+        return self.gptq.scheme(groups)
 
     def _meta_model(self):
         """This architecture's model on the meta device (shapes only, no memory)."""
@@ -143,7 +182,12 @@ class HuggingFaceModel:
         _, rules = model_class_and_rules(self.args.architecture)
         tensors = self._tensors
         modes = {name: split_mode_for(name, rules) for name in tensors}
-        scheme = None
+        scheme = self._quant
+        if scheme is not None and quantized:
+            raise ModelSerializerException("this checkpoint is already quantized (GPTQ): serialize it without "
+                                           "enable_quant / customized_quant_config")
+        if scheme is not None:
+            modes.update(quantized_split_modes(tensors, rules, scheme))
         if quantized:
             try:
                 scheme = plan_scheme(customized_quant_config, {n: tuple(t.shape) for n, t in tensors.items()},

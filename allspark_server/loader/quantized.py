@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from allspark_server.loader.sharding import SplitMode
+from allspark_server.loader.sharding import SplitMode, split_mode_for
 from allspark_server.quant.formats import quantize
 from allspark_server.quant.scheme import QuantScheme, plan_groups
 
@@ -34,9 +34,25 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], modes: dict[str, SplitMod
         mode = modes.pop(name)
         for part, t in quantize(tensors.pop(name), scheme.weight_format, group).items():
             tensors[f"{base}.{part}"] = t
-            per_row = part != "qweight" and group == -1 and mode == SplitMode.ROW
-            modes[f"{base}.{part}"] = SplitMode.REPLICATE if per_row else mode
+            modes[f"{base}.{part}"] = split_mode(part, mode, group)
     return tensors, modes
+
+
+def split_mode(part: str, weight_mode: SplitMode, group: int) -> SplitMode:
+    """How a quantized tensor (`part`: qweight / scales / zeros) of a weight split by `weight_mode` splits."""
+    return SplitMode.REPLICATE if part != "qweight" and group == -1 and weight_mode == SplitMode.ROW else weight_mode
+
+
+def quantized_split_modes(tensors: dict[str, torch.Tensor], rules, scheme: QuantScheme) -> dict[str, SplitMode]:
+    """Split modes of the quantized tensors of checkpoints whose weights arrive quantized (GPTQ): the split
+    rules name weights as `<name>.weight`."""
+    modes = {}
+    for weight, group in scheme.groups.items():
+        base, weight_mode = weight[:-len(".weight")], split_mode_for(weight, rules)
+        for part in ("qweight", "scales", "zeros"):
+            if f"{base}.{part}" in tensors:
+                modes[f"{base}.{part}"] = split_mode(part, weight_mode, group)
+    return modes
 
 
 def _progress(items, enabled: bool):
