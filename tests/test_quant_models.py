@@ -15,10 +15,10 @@ import torch
 from safetensors import safe_open
 
 from allspark_client import AsException
-from allspark_server import Engine, HuggingFaceModel
+from allspark_server import HuggingFaceModel
 from allspark_server.loader.hf_model import ModelSerializerException
 from helpers import greedy, hf_greedy, random_prompt, start_engine
-from test_tensor_parallel import mpirun_env
+from test_tensor_parallel import mpirun_env, tp_logits
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -130,14 +130,7 @@ def test_bad_quant_configs_are_refused_and_write_nothing(llama, tmp_path, config
 def test_tp_logits_of_quantized_shards_equal_single_process(llama, tmp_path, fmt, group):
     """2 ranks, each reading its slice of the codes, scales (split or, per channel, replicated) and zeros."""
     loader = serialize_quantized(llama.hf_dir, "tpq", str(tmp_path), {"weight_format": fmt, "group_size": group})
-    prompt = random_prompt(40, seed=21)
-    tokens = prompt + random_prompt(16, seed=22)
-    out = tmp_path / "result.json"
-    cmd = ["mpirun", "--bind-to", "none", "-n", "2", sys.executable, os.path.join(HERE, "mpi", "tp_logits.py"),
-           loader.graph_path, loader.weights_path, json.dumps(tokens), "40", str(out)]
-    proc = subprocess.run(cmd, env=mpirun_env(), capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    result = json.loads(out.read_text())
+    result = tp_logits(loader, random_prompt(40, seed=21) + random_prompt(16, seed=22), 40, tmp_path)
     assert result["world_size"] == 2 and result["max_abs_diff"] <= 1e-4 and result["argmax_equal"], result
 
 

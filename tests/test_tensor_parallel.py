@@ -22,18 +22,22 @@ def mpirun_env():
     return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=path)
 
 
+def tp_logits(loader, tokens: list[int], prompt_len: int, tmp_path) -> dict:
+    """Run tests/mpi/tp_logits.py on 2 ranks over the loader's model files; its JSON result."""
+    out = tmp_path / "result.json"
+    cmd = ["mpirun", "--bind-to", "none", "-n", "2", sys.executable, os.path.join(HERE, "mpi", "tp_logits.py"),
+           loader.graph_path, loader.weights_path, json.dumps(tokens), str(prompt_len), str(out)]
+    proc = subprocess.run(cmd, env=mpirun_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
 @pytest.mark.parametrize("variant", TP_VARIANTS)
 def test_tp_logits_equal_single_process(tiny_models, tmp_path, variant):
     tm = tiny_models[variant]
     loader = serialize(tm.hf_dir, variant, str(tmp_path))
     prompt = random_prompt(64, seed=11)
-    tokens = prompt + hf_greedy(tm.model, prompt, 32)
-    out = tmp_path / "result.json"
-    cmd = ["mpirun", "--bind-to", "none", "-n", "2", sys.executable, os.path.join(HERE, "mpi", "tp_logits.py"),
-           loader.graph_path, loader.weights_path, json.dumps(tokens), "64", str(out)]
-    proc = subprocess.run(cmd, env=mpirun_env(), capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    result = json.loads(out.read_text())
+    result = tp_logits(loader, prompt + hf_greedy(tm.model, prompt, 32), 64, tmp_path)
     print(f"{variant}: 2-rank vs 1-rank max |logit diff| = {result['max_abs_diff']:.2e}")
     assert result["world_size"] == 2 and result["shape"] == [96, 512]
     assert result["max_abs_diff"] <= 1e-4, result
