@@ -73,9 +73,11 @@ def bytes_per_token(hf_model, spec: dict, ctx: int) -> int:
 
 
 def quant_variant(name: str) -> dict:
-    """'int8' -> int8 per channel; 'uint4_g32' -> uint4 in groups of 32 (the customized_quant_config)."""
+    """'int8' -> int8 per channel; 'uint4_g32' -> uint4 in groups of 32; a '+head' suffix quantizes the LM
+    head too (the customized_quant_config)."""
+    name, head, _ = name.partition("+head")
     fmt, _, group = name.partition("_g")
-    return {"weight_format": fmt, "group_size": int(group) if group else -1}
+    return {"weight_format": fmt, "group_size": int(group) if group else -1, "quantize_lm_head": bool(head)}
 
 
 def file_bytes_per_token(weights_path: str, ctx_bytes: int) -> int:
@@ -92,7 +94,8 @@ def file_bytes_per_token(weights_path: str, ctx_bytes: int) -> int:
             n = 1
             for d in shape:
                 n *= d
-            total += elem * (shape[-1] if "embed_tokens" in name and "lm_head.weight" in names else n)
+            own_head = "lm_head.weight" in names or "lm_head.qweight" in names
+            total += elem * (shape[-1] if "embed_tokens" in name and own_head else n)
     return total + ctx_bytes
 
 
@@ -271,7 +274,7 @@ def main() -> None:
     p.add_argument("--no-hf", action="store_true", help="skip transformers (kernel work on our own engines)")
     p.add_argument("--ttft", action="store_true", help="with --decode-only: also the Engine's TTFT rows")
     p.add_argument("--quant", nargs="*", default=[], metavar="FORMAT[_gGROUP]",
-                   help="also serve the weights quantized, e.g. int8 int4_g32 uint4_g64 (InstantQuant)")
+                   help="also serve the weights quantized, e.g. int8 int4_g32 uint4_g64 int8+head (InstantQuant)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--json", default="benchmarks/results.json")
     a = p.parse_args()

@@ -56,7 +56,7 @@ class DecodeStack {
 
   // embedding [V, H]; fp32 rotary tables [max positions, D]; final norm [H]; LM-head shard [V_local, H]
   void set_ends(torch::Tensor embedding, torch::Tensor cos_table, torch::Tensor sin_table, torch::Tensor final_norm,
-                torch::Tensor lm_head) {
+                Weight lm_head) {
     embedding_ = embedding;
     cos_table_ = cos_table;
     sin_table_ = sin_table;
@@ -106,7 +106,8 @@ class DecodeStack {
   int64_t isa_, native_rows_;
   bool quantized_ = false;
   std::vector<Layer> layers_;
-  torch::Tensor embedding_, cos_table_, sin_table_, final_norm_, lm_head_;
+  torch::Tensor embedding_, cos_table_, sin_table_, final_norm_;
+  Weight lm_head_;
 };
 
 void bind_decode_stack(py::module_& m) {

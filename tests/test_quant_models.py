@@ -51,8 +51,8 @@ def dequantize_here(f, base: str, fmt: str, group: int) -> torch.Tensor:
     return torch.from_numpy(w.reshape(n, k)).float()
 
 
-def hf_with_stored_weights(hf_model, loader, fmt: str, group: int):
-    """A copy of the transformers model whose GEMM weights are the quantized file's, dequantized."""
+def hf_with_stored_weights(hf_model, loader, fmt: str, group: int, lm_head: bool = False):
+    """A copy of the transformers model whose GEMM weights (and LM head) are the quantized file's, dequantized."""
     model = copy.deepcopy(hf_model)
     with safe_open(loader.weights_path, framework="pt") as f, torch.no_grad():
         stored = set(f.keys())
@@ -60,6 +60,8 @@ def hf_with_stored_weights(hf_model, loader, fmt: str, group: int):
             if name.rsplit(".", 1)[-1] in QUANTIZED:
                 assert name + ".qweight" in stored and name + ".weight" not in stored
                 module.weight.copy_(dequantize_here(f, name, fmt, group))
+        if lm_head:       # its own parameter (a tied head is untied: the embedding stays unquantized)
+            model.lm_head.weight = torch.nn.Parameter(dequantize_here(f, "lm_head", fmt, group))
     return model
 
 
@@ -81,6 +83,25 @@ def test_engine_serves_quantized_weights_like_transformers(llama, tmp_path, fmt,
             assert greedy(engine, name, prompt, 24) == hf_greedy(reference, prompt, 24), (fmt, group, n)
     finally:
         engine.release_model(name)
+
+
+@pytest.mark.parametrize("variant", ["llama_gqa_llama3", "qwen2_bias_tied"])
+def test_quantize_lm_head_option(tiny_models, tmp_path, variant):
+    """quantize_lm_head (off by default): the LM head gets codes too; a tied head its own, from the embedding."""
+    tm = tiny_models[variant]
+    cfg = {"weight_format": "int8", "group_size": 64, "quantize_lm_head": True}
+    loader = serialize_quantized(tm.hf_dir, "q_head", str(tmp_path), cfg)
+    with safe_open(loader.weights_path, framework="pt") as f:
+        assert {"lm_head.qweight", "model.embed_tokens.weight"} <= set(f.keys()) and "lm_head.weight" not in f.keys()
+    reference = hf_with_stored_weights(tm.model, loader, "int8", 64, lm_head=True)
+    engine = start_engine(loader, "q_head", max_batch=4, max_length=512)
+    try:
+        assert json.loads(engine.get_model_info("q_head"))["quantization"]["quantize_lm_head"] is True
+        for seed, n in ((1, 5), (2, 40)):
+            prompt = random_prompt(n, seed=seed)
+            assert greedy(engine, "q_head", prompt, 16) == hf_greedy(reference, prompt, 16), (variant, n)
+    finally:
+        engine.release_model("q_head")
 
 
 def test_quantized_file_is_smaller_and_keeps_other_tensors_dense(llama, tmp_path):
@@ -277,3 +298,22 @@ def test_gptq_desc_act_and_requantizing_are_refused(llama, tmp_path):
     with pytest.raises(ModelSerializerException, match="already quantized"):
         loader.serialize(None, model_output_dir=str(tmp_path / "out"), enable_quant=True)
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_pool_serves_gptq_checkpoint_like_engine(pool, llama, tmp_path):
+    """GPTQ 8-bit, groups of 32: the 2 ranks split o_proj/down_proj's codes, scales and zero points by input
+    feature (each rank's 32 or 64 features hold whole groups)."""
+    client, _ = pool
+    folder = str(tmp_path / "gptq")
+    reference = write_gptq_folder(llama, folder, 8, 32, False)
+    loader = HuggingFaceModel(folder, "pool_gptq", user_set_data_type="float32")
+    loader.load_model().serialize(None, model_output_dir=str(tmp_path / "as")).free_model()
+    cfg = (loader.create_reference_runtime_config_builder("pool_gptq", "cpu", [0], max_batch=2).max_length(256)
+           .kv_cache_span_size(16).build())
+    client.install_model(cfg)
+    client.start_model("pool_gptq")
+    try:
+        prompt = random_prompt(33, seed=4)
+        assert greedy(client, "pool_gptq", prompt, 20) == hf_greedy(reference, prompt, 20)
+    finally:
+        assert client.stop_model("pool_gptq") == 0 and client.release_model("pool_gptq") == 0

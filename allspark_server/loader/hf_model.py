@@ -180,7 +180,10 @@ class HuggingFaceModel:
         if self._tensors is None:
             raise ModelSerializerException("call load_model() before serialize()")
         _, rules = model_class_and_rules(self.args.architecture)
-        tensors = self._tensors
+        tensors = dict(self._tensors)
+        if (quantized and self.args.tie_word_embeddings and isinstance(customized_quant_config, dict)
+                and customized_quant_config.get("quantize_lm_head")):
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]   # tied: the head gets its own codes
         modes = {name: split_mode_for(name, rules) for name in tensors}
         scheme = self._quant
         if scheme is not None and quantized:

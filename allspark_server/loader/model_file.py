@@ -134,7 +134,7 @@ def _read_rank_shard(mf: ModelFile, tp: TPLayout) -> dict[str, torch.Tensor]:
             raise ModelFileError(f"{mf.weights_path!r} lacks tensors {sorted(missing)[:5]}")
         for name, info in infos.items():
             out[name] = _read_slice(f, name, SplitMode(info.split_mode), tuple(info.shape), tp)
-        if mf.args.tie_word_embeddings and "lm_head.weight" not in infos:
+        if mf.args.tie_word_embeddings and "lm_head.weight" not in infos and "lm_head.qweight" not in infos:
             emb = "model.embed_tokens.weight"
             out["lm_head.weight"] = _read_slice(f, emb, SplitMode.VOCAB, tuple(infos[emb].shape), tp)
     return out

@@ -134,7 +134,8 @@ class LlamaForCausalLM(nn.Module):
         layers = self.model.layers
         attn, norm = layers[0].self_attn, layers[0].input_layernorm
         if (any(w.dtype != kv_cache.k[0].dtype for w in self.parameters())
-                or self.model.norm.eps != norm.eps or not self.lm_head.weight.is_contiguous()):
+                or self.model.norm.eps != norm.eps
+                or (self.lm_head.quant is None and not self.lm_head.weight.is_contiguous())):
             return None
         stack = ops.decode_stack(attn.num_heads, attn.num_kv_heads, attn.head_dim, norm.eps, attn.attn.scale,
                                  kv_cache.k[0].dtype)
@@ -149,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
                             w(m.gate_up_proj.kernel_weight), m.gate_up_proj.bias, w(m.down_proj.kernel_weight), k, v)
         rotary = self.model.rotary
         stack.set_ends(self.model.embed_tokens.weight, rotary.cos, rotary.sin, self.model.norm.weight,
-                       self.lm_head.weight)
+                       ops.native_weight(self.lm_head.kernel_weight))
         # the row-parallel sums: nothing to do at world size 1 without biases, so the stack never calls back
         if self.comm.world_size == 1 and all(layer.self_attn.o_proj.bias is None and layer.mlp.down_proj.bias is None
                                              for layer in layers):

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from allspark_server.quant.formats import FORMATS, GROUP_SIZES, check_shape
 
 COMPUTE_METHODS = ("weight_only",)
-KNOWN_KEYS = {"quant_method", "weight_format", "group_size", "compute_method", "group_settings", "activate_format"}
+KNOWN_KEYS = {"quant_method", "weight_format", "group_size", "compute_method", "group_settings", "activate_format",
+              "quantize_lm_head"}
+LM_HEAD = r"^lm_head\.weight$"
 
 
 class QuantConfigError(ValueError):
@@ -27,6 +29,7 @@ class QuantScheme:
     compute_method: str = "weight_only"
     group_settings: tuple[tuple[str, int], ...] = ()     # (regex, group size), first match wins
     groups: dict = field(default_factory=dict, compare=False)   # checkpoint weight name -> its group size
+    lm_head: bool = False                                # the LM head quantized too (off by default)
 
     @classmethod
     def from_user(cls, cfg) -> "QuantScheme":
@@ -65,7 +68,10 @@ class QuantScheme:
             if isinstance(size, bool) or size not in GROUP_SIZES:
                 raise QuantConfigError(f"group_settings[{pattern!r}] = {size!r} is not one of {list(GROUP_SIZES)}")
             pairs.append((pattern, int(size)))
-        return cls(fmt, int(group), compute, tuple(pairs))
+        lm_head = cfg.get("quantize_lm_head", False)
+        if not isinstance(lm_head, bool):
+            raise QuantConfigError(f"quantize_lm_head must be true or false, got {lm_head!r}")
+        return cls(fmt, int(group), compute, tuple(pairs), lm_head=lm_head)
 
     def group_for(self, name: str) -> int:
         for pattern, size in self.group_settings:
@@ -75,13 +81,14 @@ class QuantScheme:
 
     def with_groups(self, groups: dict[str, int]) -> "QuantScheme":
         return QuantScheme(self.weight_format, self.group_size, self.compute_method, self.group_settings,
-                           dict(groups))
+                           dict(groups), self.lm_head)
 
     # ---- the .asgraph's `quantization` field ------------------------------------------------------
     def to_json(self) -> str:
         return json.dumps({"quant_method": "instant_quant", "weight_format": self.weight_format,
                            "group_size": self.group_size, "compute_method": self.compute_method,
-                           "group_settings": dict(self.group_settings), "groups": self.groups})
+                           "group_settings": dict(self.group_settings), "groups": self.groups,
+                           "quantize_lm_head": self.lm_head})
 
     @classmethod
     def from_json(cls, text: str) -> "QuantScheme | None":
@@ -89,13 +96,14 @@ class QuantScheme:
             return None
         d = json.loads(text)
         return cls(d["weight_format"], d["group_size"], d["compute_method"], tuple(d["group_settings"].items()),
-                   d["groups"])
+                   d["groups"], d.get("quantize_lm_head", False))
 
     def describe(self) -> dict:
         """What get_model_info reports."""
         return {"quant_method": "instant_quant", "weight_format": self.weight_format,
                 "group_size": self.group_size, "compute_method": self.compute_method,
-                "group_settings": dict(self.group_settings), "quantized_weights": len(self.groups)}
+                "group_settings": dict(self.group_settings), "quantized_weights": len(self.groups),
+                "quantize_lm_head": self.lm_head}
 
 
 def plan_groups(scheme: QuantScheme, shapes: dict[str, tuple[int, ...]], quantizable: str) -> QuantScheme:
@@ -103,7 +111,7 @@ def plan_groups(scheme: QuantScheme, shapes: dict[str, tuple[int, ...]], quantiz
     it splits the weight's input features; returns the scheme with its `groups` filled."""
     groups = {}
     for name, shape in shapes.items():
-        if not re.search(quantizable, name):
+        if not (re.search(quantizable, name) or (scheme.lm_head and re.search(LM_HEAD, name))):
             continue
         group = scheme.group_for(name)
         try:
