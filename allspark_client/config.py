@@ -15,6 +15,8 @@ from allspark_client.types import AsCacheMode, TargetDevice
 from allspark_client.validation import ConfigError, _check, _int as _check_int
 
 SPAN_SIZES = (16, 32, 64, 128)
+CACHE_MODE_NAMES = {"default": AsCacheMode.AsCacheDefault, "int8": AsCacheMode.AsCacheQuantI8,
+                    "uint4": AsCacheMode.AsCacheQuantU4}
 DEFAULT_PREFILL_CHUNK = 1024
 
 
@@ -46,10 +48,13 @@ class AsModelConfig:
                f"cache_span_size must be one of {SPAN_SIZES}, got {self.cache_span_size!r}")
         _check(self.matmul_precision in ("highest", "high", "medium", "medium_bf16"),
                f"matmul_precision must be highest/high/medium, got {self.matmul_precision!r}")
-        _check(self.cache_mode in {m.value for m in AsCacheMode},
+        if isinstance(self.cache_mode, str):   # DashInfer's DIConfig spelling: "int8", "uint4", "default"
+            _check(self.cache_mode.lower() in CACHE_MODE_NAMES, f"cache_mode must be one of "
+                   f"{sorted(CACHE_MODE_NAMES)} or an AsCacheMode, got {self.cache_mode!r}")
+            object.__setattr__(self, "cache_mode", CACHE_MODE_NAMES[self.cache_mode.lower()])
+        _check(not isinstance(self.cache_mode, bool) and self.cache_mode in {m.value for m in AsCacheMode},
                f"cache_mode must be one of {[m.name for m in AsCacheMode]}, got {self.cache_mode!r}")
-        _check(AsCacheMode(self.cache_mode) == AsCacheMode.AsCacheDefault,
-               "cache_mode int8/uint4 (quantized KV spans) is not supported yet; use AsCacheDefault")
+        object.__setattr__(self, "cache_mode", AsCacheMode(self.cache_mode))
         _check(not self.enable_prefix_cache, "enable_prefix_cache is not supported yet; leave it False")
         device, _ = parse_compute_unit(self.compute_unit)
         _check(device != "CUDA", "compute_unit CUDA is not supported yet; use CPU:0")
@@ -114,7 +119,9 @@ class AsModelRuntimeConfigBuilder:
         self._fields["engine_max_prefill_length"] = n
         return self
 
-    def kv_cache_mode(self, mode: AsCacheMode):
+    def kv_cache_mode(self, mode: "AsCacheMode | str"):
+        """AsCacheMode.AsCacheDefault (the model's dtype), AsCacheQuantI8 / AsCacheQuantU4 (quantized spans),
+        or their names "default" / "int8" / "uint4"."""
         self._fields["cache_mode"] = mode
         return self
 

@@ -80,8 +80,8 @@ class Engine(EngineAPI):
                 raise AsException(AsStatus.ALLSPARK_PARAM_ERROR, f"cannot install model {cfg.model_name!r}: {e}") from e
             self._requests[cfg.model_name] = {}
         runner = self._models[cfg.model_name].runner
-        log.info("installed %s: %d KV spans of %d tokens (%.1f MiB per rank)", cfg.model_name, runner.num_spans,
-                 cfg.cache_span_size, runner.kv_cache_bytes / 2**20)
+        log.info("installed %s: %d KV spans of %d tokens (%s, %.1f MiB per rank)", cfg.model_name, runner.num_spans,
+                 cfg.cache_span_size, runner.kv_mode or "unquantized", runner.kv_cache_bytes / 2**20)
         return AsStatus.ALLSPARK_SUCCESS
 
     build_model_from_config_struct = install_model
@@ -218,6 +218,7 @@ class Engine(EngineAPI):
                            "engine_max_length": model.cfg.engine_max_length,
                            "engine_max_batch": model.cfg.engine_max_batch,
                            "kv_spans": r.num_spans, "span_size": r.span_size,
+                           "kv_cache_mode": r.kv_mode or "default",
                            "quantization": r.quant.describe() if r.quant else None,
                            "world_size": self._comm.world_size, "started": model.started})
 

@@ -14,6 +14,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from allspark_server.quant import kv as kv_quant
 from allspark_server.quant.formats import FORMAT_IDS, QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -164,27 +165,52 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,
-                               ctx: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query per sequence: q [B, H, D], caches [S, P, KVH, D], spans [B, MAXS], ctx [B] -> [B, H, D]."""
-    _, span_size, kvh, d = k_cache.shape
+                               ctx: torch.Tensor, scale: float, k_param: torch.Tensor | None = None,
+                               v_param: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence: q [B, H, D], caches [S, P, KVH, D], spans [B, MAXS], ctx [B] -> [B, H, D].
+    Quantized caches (k_param/v_param given, quant/kv.py) are dequantized and attended in fp32."""
+    span_size, kvh = k_cache.shape[1:3]
+    d = q.shape[-1]
     out = torch.empty_like(q)
     offsets = torch.arange(span_size)
     for b in range(q.shape[0]):
         n = int(ctx[b])
         slots = (spans[b, :-(-n // span_size)][:, None] * span_size + offsets).reshape(-1)[:n]
-        k = k_cache.view(-1, kvh, d)[slots].transpose(0, 1)[None]          # [1, KVH, n, D]
-        v = v_cache.view(-1, kvh, d)[slots].transpose(0, 1)[None]
-        o = F.scaled_dot_product_attention(q[b][None, :, None], k, v, scale=scale, enable_gqa=kvh != q.shape[1])
-        out[b] = o[0, :, 0]
+        k, v = gather_kv(k_cache, v_cache, slots, k_param, v_param, torch.float32 if k_param is not None else q.dtype)
+        qb = q[b][None, :, None]
+        qb = qb.float() if k_param is not None else qb
+        o = F.scaled_dot_product_attention(qb, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=scale,
+                                           enable_gqa=kvh != q.shape[1])        # [1, H, 1, D]
+        out[b] = o[0, :, 0].to(q.dtype)
     return out
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,
-                     ctx: torch.Tensor, scale: float) -> torch.Tensor:
+                     ctx: torch.Tensor, scale: float, k_param: torch.Tensor | None = None,
+                     v_param: torch.Tensor | None = None) -> torch.Tensor:
     ext = native()
     if ext is None or q.dtype not in (torch.float32, torch.bfloat16):
-        return decode_attention_reference(q, k_cache, v_cache, spans, ctx, scale)
+        return decode_attention_reference(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param)
+    if k_param is not None:
+        return ext.decode_attention_quant(q, k_cache, k_param, v_cache, v_param, spans, ctx, scale, isa_level())
     return ext.decode_attention(q, k_cache, v_cache, spans, ctx, scale, isa_level())
+
+
+def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k_param: torch.Tensor | None = None,
+              v_param: torch.Tensor | None = None, dtype: torch.dtype | None = None):
+    """The K and V rows of cache slots [n] as [n, KVH, D] in `dtype` (quantized caches dequantized)."""
+    kvh = k_cache.shape[2]
+    rows = []
+    for cache, param in ((k_cache, k_param), (v_cache, v_param)):
+        x = cache.view(-1, kvh, cache.shape[-1])[slots]
+        if param is not None:
+            x = kv_quant.dequantize_rows(x, param.view(-1, kvh, 2)[slots], _kv_mode(cache))
+        rows.append(x if dtype is None else x.to(dtype))
+    return rows[0], rows[1]
+
+
+def _kv_mode(codes: torch.Tensor) -> str:
+    return "int8" if codes.dtype == torch.int8 else "uint4"
 
 
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
@@ -201,16 +227,27 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def store_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slots: torch.Tensor) -> None:
-    """Write k, v [T, KVH, D] (or [T, KVH * D]) into cache slots [T] of caches [S, P, KVH, D]."""
-    kvh, d = k_cache.shape[2:]
-    k_cache.view(-1, kvh, d).index_copy_(0, slots, k.reshape(-1, kvh, d))
-    v_cache.view(-1, kvh, d).index_copy_(0, slots, v.reshape(-1, kvh, d))
+                       slots: torch.Tensor, k_param: torch.Tensor | None = None,
+                       v_param: torch.Tensor | None = None) -> None:
+    """Write k, v [T, KVH, D] (or [T, KVH * D]) into cache slots [T] of caches [S, P, KVH, D]; quantized
+    caches (k_param/v_param given) get the rows' codes and (scale, zero) params (quant/kv.py)."""
+    kvh = k_cache.shape[2]
+    for x, cache, param in ((k, k_cache, k_param), (v, v_cache, v_param)):
+        if param is None:
+            cache.view(-1, kvh, cache.shape[-1]).index_copy_(0, slots, x.reshape(-1, kvh, cache.shape[-1]))
+            continue
+        codes, params = kv_quant.quantize_rows(x.reshape(slots.shape[0], kvh, -1), _kv_mode(cache))
+        cache.view(-1, kvh, cache.shape[-1]).index_copy_(0, slots, codes)
+        param.view(-1, kvh, 2).index_copy_(0, slots, params)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slots: torch.Tensor) -> None:
+             slots: torch.Tensor, k_param: torch.Tensor | None = None, v_param: torch.Tensor | None = None) -> None:
     ext = native()
+    if k_param is not None:
+        if ext is None or k.dtype not in (torch.float32, torch.bfloat16) or v.stride(-1) != 1:
+            return store_kv_reference(k, v, k_cache, v_cache, slots, k_param, v_param)
+        return ext.store_kv_quant(k, v.reshape(slots.shape[0], -1), k_cache, k_param, v_cache, v_param, slots)
     if ext is None or k.dtype != k_cache.dtype or v.dtype != k_cache.dtype or v.stride(-1) != 1:
         return store_kv_reference(k, v, k_cache, v_cache, slots)
     t = slots.shape[0]
@@ -220,30 +257,32 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 # ---- fused decode blocks (native/decode_block.cpp): each half of a decoder layer in one call -------------
 
 def decode_attention_block_reference(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads, num_kv_heads,
-                                     cos, sin, k_cache, v_cache, slots, spans, ctx, scale, o_weight):
+                                     cos, sin, k_cache, v_cache, slots, spans, ctx, scale, o_weight,
+                                     k_param=None, v_param=None):
     """The unfused ops in sequence: norm(x + residual), q|k|v projection, rotary, cache write, decode
     attention, o projection. Returns (o . W_o^T before any allreduce, x + residual)."""
     h, s = rms_norm_reference(x, norm_weight, eps, residual)
-    b, d = x.shape[0], k_cache.shape[-1]
+    b, d = x.shape[0], cos.shape[-1]
     q, k, v = linear_reference(h, qkv_weight, qkv_bias).split([num_heads * d, num_kv_heads * d, num_kv_heads * d], -1)
     q, k = rotary_reference(q.view(b, num_heads, d), k.view(b, num_kv_heads, d), cos, sin)
-    store_kv_reference(k, v, k_cache, v_cache, slots)
-    o = decode_attention_reference(q, k_cache, v_cache, spans, ctx, scale)
+    store_kv_reference(k, v, k_cache, v_cache, slots, k_param, v_param)
+    o = decode_attention_reference(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param)
     return linear_reference(o.reshape(b, num_heads * d), o_weight), s
 
 
 def decode_attention_block(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads, num_kv_heads,
-                           cos, sin, k_cache, v_cache, slots, spans, ctx, scale, o_weight):
+                           cos, sin, k_cache, v_cache, slots, spans, ctx, scale, o_weight, k_param=None, v_param=None):
+    """Caches are dense ([S, P, KVH, D] in x's dtype) or quantized (codes with k_param/v_param, quant/kv.py)."""
     ext = native()
-    if (ext is None or x.dtype not in NATIVE_MAX_ROWS or k_cache.shape[-1] % 2
-            or any(t.dtype != x.dtype for t in (k_cache, cos))
+    if (ext is None or x.dtype not in NATIVE_MAX_ROWS or cos.shape[-1] % 2 or cos.dtype != x.dtype
+            or (k_param is None and k_cache.dtype != x.dtype)
             or not all(_native_weight_ok(w, x.dtype) for w in (qkv_weight, o_weight))):
         return decode_attention_block_reference(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads,
                                                 num_kv_heads, cos, sin, k_cache, v_cache, slots, spans, ctx,
-                                                scale, o_weight)
+                                                scale, o_weight, k_param, v_param)
     return ext.decode_attention_block(x, residual, norm_weight, eps, native_weight(qkv_weight), qkv_bias, num_heads,
                                       num_kv_heads, cos, sin, k_cache, v_cache, slots, spans, ctx, scale,
-                                      native_weight(o_weight), isa_level(), NATIVE_MAX_ROWS[x.dtype])
+                                      native_weight(o_weight), isa_level(), NATIVE_MAX_ROWS[x.dtype], k_param, v_param)
 
 
 def decode_mlp_block_reference(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight):

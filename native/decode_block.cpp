@@ -8,7 +8,7 @@
 //   mlp block:       s = x + residual; h = RMSNorm(s); g|u = h . W_gu^T (+ b); a = silu(g) * u;
 //                    returns (a . W_down^T, s)         -- before the allreduce and down bias
 //
-// x, residual [B, H]; caches [S, P, KVH, D]; slots [B] int64 (cache slot of each new token); spans, ctx
+// x, residual [B, H]; caches [S, P, KVH, D] (or quantized codes with their params, span_attention_quant.cpp); slots [B] int64 (cache slot of each new token); spans, ctx
 // as in span_attention.cpp; cos/sin [B, 1, D]. The projection weights are dense or quantized (`Weight`);
 // `project` (gemv_quant.cpp) picks the native GEMV for few rows and ATen's GEMM otherwise, the same rule
 // as ops.linear.
@@ -114,9 +114,11 @@ std::tuple<torch::Tensor, torch::Tensor> decode_attention_block(
     torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor norm_weight, double eps,
     Weight qkv_weight, std::optional<torch::Tensor> qkv_bias, int64_t num_heads, int64_t num_kv_heads,
     torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-    torch::Tensor spans, torch::Tensor ctx, double scale, Weight o_weight, int64_t isa, int64_t native_rows) {
+    torch::Tensor spans, torch::Tensor ctx, double scale, Weight o_weight, int64_t isa, int64_t native_rows,
+    std::optional<torch::Tensor> k_param, std::optional<torch::Tensor> v_param) {
+  TORCH_CHECK(k_param.has_value() == v_param.has_value(), "decode_attention_block: params for both K and V or neither");
   TORCH_CHECK(x.dim() == 2 && k_cache.dim() == 4 && k_cache.size(2) == num_kv_heads, "decode_attention_block: shapes");
-  const int64_t B = x.size(0), D = k_cache.size(3);
+  const int64_t B = x.size(0), D = cos.size(-1);   // head dim (a uint4 cache row holds D / 2 bytes)
   auto [h, s] = rms_norm(x, norm_weight, eps, residual);
   auto qkv = project(h, qkv_weight, qkv_bias, isa, native_rows);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * D, "decode_attention_block: qkv width");
@@ -124,8 +126,14 @@ std::tuple<torch::Tensor, torch::Tensor> decode_attention_block(
   auto k = qkv.narrow(1, num_heads * D, num_kv_heads * D).view({B, num_kv_heads, D});
   auto v = qkv.narrow(1, (num_heads + num_kv_heads) * D, num_kv_heads * D);
   auto [qr, kr] = rotary(q, k, cos, sin, isa);
-  store_kv(kr, v, k_cache, v_cache, slots);
-  auto o = decode_attention(qr, k_cache, v_cache, spans, ctx, scale, isa);
+  torch::Tensor o;
+  if (k_param) {   // quantized spans (span_attention_quant.cpp)
+    store_kv_quant(kr, v, k_cache, *k_param, v_cache, *v_param, slots);
+    o = decode_attention_quant(qr, k_cache, *k_param, v_cache, *v_param, spans, ctx, scale, isa);
+  } else {
+    store_kv(kr, v, k_cache, v_cache, slots);
+    o = decode_attention(qr, k_cache, v_cache, spans, ctx, scale, isa);
+  }
   return {project(o.view({B, num_heads * D}), o_weight, std::nullopt, isa, native_rows), s};
 }
 

@@ -38,6 +38,12 @@ torch::Tensor project(const torch::Tensor& x, const Weight& w, const std::option
                       int64_t native_rows);
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor spans,
                                torch::Tensor ctx, double scale, int64_t isa);
+// quantized KV spans (span_attention_quant.cpp): codes int8 [S, P, KVH, D] or uint8 [.., D/2], params fp32 [.., 2]
+torch::Tensor decode_attention_quant(torch::Tensor q, torch::Tensor k_codes, torch::Tensor k_param,
+                                     torch::Tensor v_codes, torch::Tensor v_param, torch::Tensor spans,
+                                     torch::Tensor ctx, double scale, int64_t isa);
+void store_kv_quant(torch::Tensor k, torch::Tensor v, torch::Tensor k_codes, torch::Tensor k_param,
+                    torch::Tensor v_codes, torch::Tensor v_param, torch::Tensor slots);
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
                                                   std::optional<torch::Tensor> residual);
 std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos,
@@ -48,7 +54,8 @@ std::tuple<torch::Tensor, torch::Tensor> decode_attention_block(
     torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor norm_weight, double eps,
     Weight qkv_weight, std::optional<torch::Tensor> qkv_bias, int64_t num_heads, int64_t num_kv_heads,
     torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-    torch::Tensor spans, torch::Tensor ctx, double scale, Weight o_weight, int64_t isa, int64_t native_rows);
+    torch::Tensor spans, torch::Tensor ctx, double scale, Weight o_weight, int64_t isa, int64_t native_rows,
+    std::optional<torch::Tensor> k_param = std::nullopt, std::optional<torch::Tensor> v_param = std::nullopt);
 std::tuple<torch::Tensor, torch::Tensor> decode_mlp_block(
     torch::Tensor x, torch::Tensor residual, torch::Tensor norm_weight, double eps, Weight gate_up_weight,
     std::optional<torch::Tensor> gate_up_bias, Weight down_weight, int64_t isa, int64_t native_rows);

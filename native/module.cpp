@@ -68,6 +68,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one-token attention per sequence over span KV caches", nogil,
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("spans"),
         pybind11::arg("ctx"), pybind11::arg("scale"), pybind11::arg("isa"));
+  m.def("decode_attention_quant", &decode_attention_quant,
+        "one-token attention per sequence over quantized (int8 / uint4) span KV caches", nogil, pybind11::arg("q"),
+        pybind11::arg("k_codes"), pybind11::arg("k_param"), pybind11::arg("v_codes"), pybind11::arg("v_param"),
+        pybind11::arg("spans"), pybind11::arg("ctx"), pybind11::arg("scale"), pybind11::arg("isa"));
+  m.def("store_kv_quant", &store_kv_quant, "quantize k [B, KVH, D] and v [B, KVH*D] rows into their cache slots",
+        nogil, pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("k_codes"), pybind11::arg("k_param"),
+        pybind11::arg("v_codes"), pybind11::arg("v_param"), pybind11::arg("slots"));
   m.def("rms_norm", &rms_norm, "(weight * rmsnorm(x + residual), x + residual) in one pass per row", nogil,
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual"));
   m.def("rotary", &rotary, "(q, k) rotated by cos/sin rows, HF's rotate-half formula", nogil,
@@ -84,7 +91,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("qkv_weight"), pybind11::arg("qkv_bias"), pybind11::arg("num_heads"),
         pybind11::arg("num_kv_heads"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("k_cache"),
         pybind11::arg("v_cache"), pybind11::arg("slots"), pybind11::arg("spans"), pybind11::arg("ctx"),
-        pybind11::arg("scale"), pybind11::arg("o_weight"), pybind11::arg("isa"), pybind11::arg("native_rows"));
+        pybind11::arg("scale"), pybind11::arg("o_weight"), pybind11::arg("isa"), pybind11::arg("native_rows"),
+        pybind11::arg("k_param") = pybind11::none(), pybind11::arg("v_param") = pybind11::none());
   m.def("decode_mlp_block", &decode_mlp_block, "norm, gate/up, silu*mul, down projection for a decode-only step",
         nogil,
         pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("norm_weight"), pybind11::arg("eps"),

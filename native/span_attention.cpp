@@ -20,55 +20,16 @@
 #include <cstring>
 #include <vector>
 
+#include "attention_common.h"
 #include "parallel.h"
 #include "simd.h"
 
 namespace {
 
-inline float to_f(float v) { return v; }
-inline float to_f(at::BFloat16 v) { return static_cast<float>(v); }
-
-// the G query heads that share KV head g, as fp32 rows [G, D]
-template <typename T>
-__attribute__((always_inline)) inline void group_query(const T* q, int64_t D, int64_t G, int64_t g, float* qf) {
-  for (int64_t h = 0; h < G; ++h)
-    for (int64_t d = 0; d < D; ++d) qf[h * D + d] = to_f(q[(g * G + h) * D + d]);
-}
-
-// out rows of the group = acc / softmax sum, rounded once into the activation dtype
-template <typename T>
-__attribute__((always_inline)) inline void group_output(const float* acc, const float* inv_sum, int64_t D, int64_t G,
-                                                        int64_t g, T* out) {
-  for (int64_t h = 0; h < G; ++h)
-    for (int64_t d = 0; d < D; ++d) out[(g * G + h) * D + d] = static_cast<T>(acc[h * D + d] * inv_sum[h]);
-}
-
-// the cache slot of the sequence's t-th token
-inline int64_t slot_of(const int64_t* spans, int64_t t, int64_t P) { return spans[t / P] * P + t % P; }
-
-// A sequence's key/value rows are scattered over its spans and strided by the KV heads, which the hardware
-// prefetchers follow poorly, and in a decode step the weights streamed since the previous layer have pushed
-// them out of cache. So while scoring key t, the loop asks for key t + PREFETCH_AHEAD (into L1) and value t
-// (into L2, read after the softmax). Measured between the q/k/v and o GEMVs of a 0.5 B model (12 heads,
-// 4 KV heads, D 128, 200 tokens, 2 threads): bf16 ~90 -> ~45 us per layer, fp32 ~92 -> ~72 us.
-constexpr int64_t PREFETCH_AHEAD = 16;
-
-template <int Locality, typename T>
-__attribute__((always_inline)) inline void prefetch_row(const T* row, int64_t D) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, Locality);
-}
-
-template <typename T>
-__attribute__((always_inline)) inline void prefetch_for_key(const T* k_cache, const T* v_cache, const int64_t* spans,
-                                                            int64_t t, int64_t ctx, int64_t P, int64_t KVH,
-                                                            int64_t D, int64_t g) {
-  if (t == 0)
-    for (int64_t u = 0; u < std::min(PREFETCH_AHEAD, ctx); ++u)
-      prefetch_row<3>(k_cache + (slot_of(spans, u, P) * KVH + g) * D, D);
-  if (t + PREFETCH_AHEAD < ctx) prefetch_row<3>(k_cache + (slot_of(spans, t + PREFETCH_AHEAD, P) * KVH + g) * D, D);
-  prefetch_row<2>(v_cache + (slot_of(spans, t, P) * KVH + g) * D, D);
-}
+using attn::group_output;
+using attn::group_query;
+using attn::slot_of;
+using attn::to_f;
 
 template <typename T>
 __attribute__((always_inline)) inline void attend(const T* q, const T* k_cache, const T* v_cache,
@@ -77,7 +38,7 @@ __attribute__((always_inline)) inline void attend(const T* q, const T* k_cache, 
                                                   float* scores, float* qf, float* acc, float* inv_sum) {
   group_query(q, D, G, g, qf);
   for (int64_t t = 0; t < ctx; ++t) {
-    prefetch_for_key(k_cache, v_cache, spans, t, ctx, P, KVH, D, g);
+    attn::prefetch_for_key(k_cache, v_cache, D * sizeof(T), spans, t, ctx, P, KVH, g);
     const T* kr = k_cache + (slot_of(spans, t, P) * KVH + g) * D;
     for (int64_t h = 0; h < G; ++h) {
       float s = 0.f;
@@ -86,20 +47,9 @@ __attribute__((always_inline)) inline void attend(const T* q, const T* k_cache, 
       scores[h * ctx + t] = s * scale;
     }
   }
-  for (int64_t h = 0; h < G; ++h) {
-    float* sc = scores + h * ctx;
-    float m = -INFINITY;
-    for (int64_t t = 0; t < ctx; ++t) m = std::max(m, sc[t]);
-    float sum = 0.f;
-    for (int64_t t = 0; t < ctx; ++t) {
-      sc[t] = std::exp(sc[t] - m);
-      sum += sc[t];
-      // reduced-precision caches: the weights meet V in the cache's precision, as in PyTorch's
-      // CPU flash attention (which transformers uses), so both round at the same point
-      if constexpr (!std::is_same_v<T, float>) sc[t] = to_f(static_cast<T>(sc[t]));
-    }
-    inv_sum[h] = 1.f / sum;
-  }
+  // reduced-precision caches: the weights meet V in the cache's precision, as in PyTorch's CPU flash
+  // attention (which transformers uses), so both round at the same point
+  attn::softmax_rows<T>(scores, ctx, G, inv_sum);
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t t = 0; t < ctx; ++t) {
     const T* vr = v_cache + (slot_of(spans, t, P) * KVH + g) * D;
@@ -128,7 +78,6 @@ void attend_portable(ATTEND_ARGS) { attend<T>(ATTEND_CALL); }
 // AVX-512 for head dims that are multiples of 16 (64, 128, ...): the same algorithm and roundings as
 // attend() above, written with intrinsics because the compiler's version of the loops (a horizontal
 // reduction per key and head, scalar exp) took ~260 us for 1000 keys x 12 heads x 128 dims.
-using simd::exp_nonpositive;
 using simd::load16;
 
 template <typename T>
@@ -137,7 +86,7 @@ void attend_avx512_d16(ATTEND_ARGS) {
   const int64_t ND = D / 16;
   group_query(q, D, G, g, qf);
   for (int64_t t = 0; t < ctx; ++t) {
-    prefetch_for_key(k_cache, v_cache, spans, t, ctx, P, KVH, D, g);
+    attn::prefetch_for_key(k_cache, v_cache, D * sizeof(T), spans, t, ctx, P, KVH, g);
     const T* kr = k_cache + (slot_of(spans, t, P) * KVH + g) * D;
     for (int64_t h = 0; h < G; ++h) {
       const float* qh = qf + h * D;
@@ -151,24 +100,7 @@ void attend_avx512_d16(ATTEND_ARGS) {
       scores[h * ctx + t] = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * scale;
     }
   }
-  const int64_t C16 = ctx - ctx % 16;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (ctx - C16)) - 1);
-  for (int64_t h = 0; h < G; ++h) {
-    float* sc = scores + h * ctx;
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < C16; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sc + t));
-    if (tail) mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, sc + C16));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < ctx; t += 16) {
-      const __mmask16 mask = t < C16 ? static_cast<__mmask16>(0xFFFF) : tail;
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sc + t), m));
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
-      // the weights meet V in the cache's precision (see attend())
-      _mm512_mask_storeu_ps(sc + t, mask, simd::round_to<T>(e));
-    }
-    inv_sum[h] = 1.f / _mm512_reduce_add_ps(sum);
-  }
+  attn::softmax_rows_avx512<T>(scores, ctx, G, inv_sum);   // the weights meet V in the cache's precision
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t t = 0; t < ctx; ++t) {
     const T* vr = v_cache + (slot_of(spans, t, P) * KVH + g) * D;

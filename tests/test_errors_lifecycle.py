@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from allspark_client import AsCacheMode, AsException, AsStatus, GenerateRequestStatus, RequestHandle
+from allspark_client import AsException, AsStatus, GenerateRequestStatus, RequestHandle
 from allspark_server import AsModelRuntimeConfigBuilder, HuggingFaceModel, ModelSerializerException, TargetDevice
 from allspark_client.config import ConfigError
 from errors_helpers import (ENGINE_MAX_LENGTH, EXCEED, GOOD, HANG_S, ILLEGAL, MAIN, OK, OTHER, PARAM, PROBE_PROMPT,
@@ -235,7 +235,8 @@ BAD_RUNTIME = [
     ("max_length_2", dict(max_length=2), "engine_max_length"),
     ("max_batch_0", dict(max_batch=0), "engine_max_batch"),
     ("max_batch_bool", dict(max_batch=True), "engine_max_batch"),
-    ("cache_int8", dict(kv_cache_mode=AsCacheMode.AsCacheQuantI8), "cache_mode"),
+    ("cache_mode_name", dict(kv_cache_mode="int4"), "cache_mode"),
+    ("cache_mode_bool", dict(kv_cache_mode=True), "cache_mode"),
     ("prefix_cache", dict(prefill_cache=True), "enable_prefix_cache"),
     ("precision", dict(matmul_precision="low"), "matmul_precision"),
     ("unknown_dict_key", dict(update_from_dict={"bogus_runtime_key": 1}), "bogus_runtime_key"),

@@ -22,6 +22,7 @@ from allspark_server.layers.rotary import RotaryEmbedding
 from allspark_server.loader.sharding import SplitMode, TPLayout
 from allspark_server.models.args import ModelArgs
 from allspark_server.runner.forward_inputs import ForwardInputs
+from allspark_server.runner.kv_cache import LayerKV
 
 SPLIT_RULES: list[tuple[str, SplitMode]] = [
     (r"\.self_attn\.q_proj\.(weight|bias)$", SplitMode.HEADS),
@@ -47,14 +48,14 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(self.num_heads * d, args.hidden_size, args.o_proj_bias, dtype, comm)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d)
 
-    def forward(self, x, inputs: ForwardInputs, rope: tuple[torch.Tensor, torch.Tensor], k_cache, v_cache):
+    def forward(self, x, inputs: ForwardInputs, rope: tuple[torch.Tensor, torch.Tensor], kv: LayerKV):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.part_sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)                       # [T, h, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)                    # [T, kvh, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = ops.rotary(q, k, *rope)
-        o = self.attn(q, k, v, k_cache, v_cache, inputs.attn)              # [T, h*D]
+        o = self.attn(q, k, v, kv, inputs.attn)                            # [T, h*D]
         return self.o_proj(o)                                              # [T, H]
 
 
@@ -78,24 +79,24 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.mlp = MLP(args, tp, comm, dtype)
 
-    def forward(self, x, residual, inputs, rope, k_cache, v_cache):
+    def forward(self, x, residual, inputs, rope, kv: LayerKV):
         """HF's `x + attn(norm(x))`, `x + mlp(norm(x))` with each add done inside the next norm:
         takes and returns (sublayer output, residual stream); their sum is HF's hidden state."""
         if not inputs.attn.seqs:            # every sequence decodes one token
-            return self.decode(x, residual, inputs.attn, rope, k_cache, v_cache)
+            return self.decode(x, residual, inputs.attn, rope, kv)
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, inputs, rope, k_cache, v_cache)
+        h = self.self_attn(h, inputs, rope, kv)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
-    def decode(self, x, residual, meta, rope, k_cache, v_cache):
+    def decode(self, x, residual, meta, rope, kv: LayerKV):
         """The same math as forward, each half of the layer one fused call (ops.decode_*_block); only
         the tensor-parallel allreduces (and row-parallel biases) run between them."""
         attn, mlp, norm1, norm2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
         o, residual = ops.decode_attention_block(
             x, residual, norm1.weight, norm1.eps, attn.qkv_proj.kernel_weight, attn.qkv_proj.bias, attn.num_heads,
-            attn.num_kv_heads, *rope, k_cache, v_cache, meta.slot_mapping, meta.decode_spans, meta.decode_ctx,
-            attn.attn.scale, attn.o_proj.kernel_weight)
+            attn.num_kv_heads, *rope, kv.k, kv.v, meta.slot_mapping, meta.decode_spans, meta.decode_ctx,
+            attn.attn.scale, attn.o_proj.kernel_weight, kv.k_param, kv.v_param)
         h, residual = ops.decode_mlp_block(attn.o_proj.reduce(o), residual, norm2.weight, norm2.eps,
                                            mlp.gate_up_proj.kernel_weight, mlp.gate_up_proj.bias,
                                            mlp.down_proj.kernel_weight)
@@ -133,21 +134,23 @@ class LlamaForCausalLM(nn.Module):
     def _build_decode_stack(self, kv_cache):
         layers = self.model.layers
         attn, norm = layers[0].self_attn, layers[0].input_layernorm
-        if (any(w.dtype != kv_cache.k[0].dtype for w in self.parameters())
+        dtype = self.model.embed_tokens.weight.dtype
+        if (any(w.dtype != dtype for w in self.parameters())
                 or self.model.norm.eps != norm.eps
                 or (self.lm_head.quant is None and not self.lm_head.weight.is_contiguous())):
             return None
         stack = ops.decode_stack(attn.num_heads, attn.num_kv_heads, attn.head_dim, norm.eps, attn.attn.scale,
-                                 kv_cache.k[0].dtype)
+                                 dtype)
         if stack is None:
             return None
-        for layer, k, v in zip(layers, kv_cache.k, kv_cache.v):
+        for layer, kv in zip(layers, kv_cache.layers):
             a, m = layer.self_attn, layer.mlp
             assert layer.input_layernorm.eps == layer.post_attention_layernorm.eps == norm.eps
             w = ops.native_weight
             stack.add_layer(layer.input_layernorm.weight, w(a.qkv_proj.kernel_weight), a.qkv_proj.bias,
                             w(a.o_proj.kernel_weight), layer.post_attention_layernorm.weight,
-                            w(m.gate_up_proj.kernel_weight), m.gate_up_proj.bias, w(m.down_proj.kernel_weight), k, v)
+                            w(m.gate_up_proj.kernel_weight), m.gate_up_proj.bias, w(m.down_proj.kernel_weight),
+                            *kv)
         rotary = self.model.rotary
         stack.set_ends(self.model.embed_tokens.weight, rotary.cos, rotary.sin, self.model.norm.weight,
                        ops.native_weight(self.lm_head.kernel_weight))
@@ -177,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
         rope = self.model.rotary.cos_sin(inputs.positions, x.dtype)         # [T, 1, D] x 2
         residual = None
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, inputs, rope, kv_cache.k[i], kv_cache.v[i])
+            x, residual = layer(x, residual, inputs, rope, kv_cache.layers[i])
         rows = inputs.sample_rows
         h, _ = self.model.norm(x[rows], residual[rows])                     # [N, H]
         return self.lm_head(h)                                              # [N, V] on rank 0

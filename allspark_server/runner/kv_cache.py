@@ -1,25 +1,54 @@
 """KV cache tensors: per layer, K and V pages of shape [num_spans, span_size, kv_heads_local, head_dim].
 
-Sizes the number of spans from a byte budget. Quantized spans (int8/uint4) will add per-token,
-per-head scale and zero tensors beside each page; `bytes_per_span` is where their cost goes.
+Sizes the number of spans from a byte budget. A quantized cache (kv_cache_mode int8 / uint4,
+quant/kv.py has the row format) holds codes in the pages and a (scale, zero) pair per token and
+head beside them; `bytes_per_span` counts both, so the same budget holds ~1.9x (int8) or ~3.6x
+(uint4) the tokens of a bf16 cache at head_dim 128.
 """
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 
+from allspark_server.quant import kv as kv_quant
 from allspark_server.runner import hugepages
 
 
-def bytes_per_span(num_layers: int, span_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * span_size * num_kv_heads * head_dim * elem
+class LayerKV(NamedTuple):
+    """One layer's cache as the attention ops take it: pages k, v and, when quantized, their params."""
+    k: torch.Tensor                          # [S, P, KVH, D] activation dtype | int8 [.., D] | uint8 [.., D/2]
+    v: torch.Tensor
+    k_param: Optional[torch.Tensor] = None   # fp32 [S, P, KVH, 2]: (scale, zero) of each row
+    v_param: Optional[torch.Tensor] = None
+
+    @property
+    def mode(self) -> str | None:
+        """None (the activation dtype), 'int8' or 'uint4'."""
+        if self.k_param is None:
+            return None
+        return "int8" if self.k.dtype == torch.int8 else "uint4"
+
+
+def bytes_per_span(num_layers: int, span_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                   mode: str | None = None) -> int:
+    return 2 * num_layers * span_size * num_kv_heads * kv_quant.bytes_per_row(mode, head_dim, dtype)
 
 
 class KVCache:
     def __init__(self, num_layers: int, num_spans: int, span_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype):
-        self.num_spans, self.span_size = num_spans, span_size
-        shape = (num_spans, span_size, num_kv_heads, head_dim)
-        pages = hugepages.zeros({f"{kv}{i}": (shape, dtype) for i in range(num_layers) for kv in "kv"})
-        self.k = [pages[f"k{i}"] for i in range(num_layers)]
-        self.v = [pages[f"v{i}"] for i in range(num_layers)]
+                 dtype: torch.dtype, mode: str | None = None):
+        self.num_spans, self.span_size, self.mode = num_spans, span_size, mode
+        rows = (num_spans, span_size, num_kv_heads)
+        if mode is None:
+            specs = {f"{kv}{i}": (rows + (head_dim,), dtype) for i in range(num_layers) for kv in "kv"}
+        else:
+            code = (rows + (kv_quant.code_width(mode, head_dim),), kv_quant.code_dtype(mode))
+            specs = {}
+            for i in range(num_layers):
+                for kv in "kv":
+                    specs[f"{kv}{i}"] = code
+                    specs[f"{kv}p{i}"] = (rows + (2,), torch.float32)
+        pages = hugepages.zeros(specs)
+        self.layers = [LayerKV(pages[f"k{i}"], pages[f"v{i}"], pages.get(f"kp{i}"), pages.get(f"vp{i}"))
+                       for i in range(num_layers)]

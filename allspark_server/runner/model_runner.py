@@ -13,6 +13,7 @@ import psutil
 import torch
 
 from allspark_client.config import AsModelConfig
+from allspark_client.types import AsCacheMode
 from allspark_server import ops
 from allspark_server.core.messages import StepPlan
 from allspark_server.loader.model_file import ModelFile, read_model_graph, read_rank_shard
@@ -25,6 +26,8 @@ from allspark_server.runner.kv_cache import KVCache, bytes_per_span
 
 log = logging.getLogger(__name__)
 AUTO_KV_MAX_FRACTION = 0.4   # auto budget never takes more than this share of available RAM
+KV_MODE_NAMES = {AsCacheMode.AsCacheDefault: None, AsCacheMode.AsCacheQuantI8: "int8",
+                 AsCacheMode.AsCacheQuantU4: "uint4"}
 
 
 class ModelRunner:
@@ -49,8 +52,14 @@ class ModelRunner:
         self.model.load_state_dict(state, strict=True, assign=True)
         self.model.eval()
         self.span_size = cfg.cache_span_size
+        self.kv_mode = KV_MODE_NAMES[AsCacheMode(cfg.cache_mode)]
+        if self.kv_mode is not None and self.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"kv_cache_mode {self.kv_mode} needs a float32 or bfloat16 model, not "
+                             f"{str(self.dtype).replace('torch.', '')}")
+        if self.kv_mode == "uint4" and args.head_dim % 2:
+            raise ValueError(f"kv_cache_mode uint4 packs two codes a byte: head_dim {args.head_dim} must be even")
         self.span_bytes = bytes_per_span(args.num_layers, self.span_size, self.tp.local_kv_heads, args.head_dim,
-                                         self.dtype)
+                                         self.dtype, self.kv_mode)
         self.num_spans = 0
         self.kv = None
         self.mirrors: dict[int, RequestMirror] = {}
@@ -58,7 +67,7 @@ class ModelRunner:
     def allocate_kv(self, num_spans: int) -> None:
         self.num_spans = num_spans
         self.kv = KVCache(self.args.num_layers, num_spans, self.span_size, self.tp.local_kv_heads,
-                          self.args.head_dim, self.dtype)
+                          self.args.head_dim, self.dtype, self.kv_mode)
 
     def max_num_spans(self) -> int:
         """How many spans this rank's budget allows (explicit bytes, or max_batch x max_length capped by RAM)."""

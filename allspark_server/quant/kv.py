@@ -1,0 +1,60 @@
+"""Quantized KV spans: the int8 / uint4 row formats of the KV cache and their torch reference.
+
+Each cached row (one token, one KV head, D values) is quantized on its own when it is stored, with
+IQ's asymmetric formula (quant/formats.py) over lo = min(x, 0), hi = max(x, 0):
+  int8:  scale = (hi - lo) / 255, zero = round(-lo / scale) - 128, code = clamp(round(x / scale) + zero, -128, 127)
+  uint4: scale = (hi - lo) / 15,  zero = round(-lo / scale),       code = clamp(round(x / scale) + zero, 0, 15)
+and read back as (code - zero) * scale. x / scale is computed as x * (1 / scale) in fp32, the same
+arithmetic as the native store (native/kv_quant.h), so codes are bit-equal. A row of zeros has scale 0.
+Layout per layer (S spans, P tokens a span, KVH heads): codes int8 [S, P, KVH, D] or uint8 [S, P, KVH, D/2]
+(uint4: byte j holds element j in its low nibble and element D/2 + j in its high nibble), and params
+fp32 [S, P, KVH, 2] = (scale, zero) per row, as DashInfer's span layout (two floats per token and head).
+"""
+from __future__ import annotations
+
+import torch
+
+KV_MODES = ("int8", "uint4")
+_RANGE = {"int8": (-128, 127), "uint4": (0, 15)}
+
+
+def code_width(mode: str, head_dim: int) -> int:
+    """Bytes of one row's codes."""
+    return head_dim if mode == "int8" else head_dim // 2
+
+
+def code_dtype(mode: str) -> torch.dtype:
+    return torch.int8 if mode == "int8" else torch.uint8
+
+
+def bytes_per_row(mode: str | None, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one token's row of one KV head takes in the cache (codes + scale + zero when quantized)."""
+    if mode is None:
+        return head_dim * torch.empty((), dtype=dtype).element_size()
+    return code_width(mode, head_dim) + 2 * 4
+
+
+def quantize_rows(x: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (codes [..., D or D/2], params fp32 [..., 2])."""
+    lo_code, hi_code = _RANGE[mode]
+    levels = hi_code - lo_code
+    xf = x.float()
+    lo = xf.amin(-1, keepdim=True).clamp(max=0)
+    hi = xf.amax(-1, keepdim=True).clamp(min=0)
+    scale = (hi - lo) / levels
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    zero = torch.round(-lo * inv) + lo_code
+    codes = (torch.round(xf * inv) + zero).clamp(lo_code, hi_code)
+    params = torch.cat([scale, zero], -1)
+    if mode == "int8":
+        return codes.to(torch.int8), params
+    half = x.shape[-1] // 2
+    c = codes.to(torch.uint8)
+    return c[..., :half] | (c[..., half:] << 4), params
+
+
+def dequantize_rows(codes: torch.Tensor, params: torch.Tensor, mode: str) -> torch.Tensor:
+    """(codes, params) -> fp32 rows [..., D]."""
+    if mode == "uint4":
+        codes = torch.cat([codes & 0xF, codes >> 4], -1)
+    return (codes.float() - params[..., 1:]) * params[..., :1]
