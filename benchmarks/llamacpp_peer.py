@@ -63,14 +63,22 @@ def rotary_to_adjacent_pairs(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def rope_config(cfg: dict) -> dict:
+    """Rotary settings with the base frequency under 'rope_theta', from transformers 5's `rope_parameters`
+    or older configs' `rope_scaling` + top-level `rope_theta`."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    return rope
+
+
 def llama3_rope_factors(cfg: dict) -> np.ndarray | None:
     """llama.cpp divides each rotary frequency by `rope_freqs.weight`; for Llama 3 rope scaling these are
     the divisors that transformers applies to its inverse frequencies."""
-    rs = cfg.get("rope_scaling") or {}
+    rs = rope_config(cfg)
     if rs.get("rope_type", rs.get("type")) != "llama3":
         return None
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    theta = cfg.get("rope_theta", 10000.0)
+    theta = rs["rope_theta"]
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     factor, low, high = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
     old_ctx = rs["original_max_position_embeddings"]
@@ -118,7 +126,7 @@ def write_gguf(hf_dir: str, path: str, ftype: str) -> None:
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // heads)
-    writer.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    writer.add_rope_freq_base(float(rope_config(cfg)["rope_theta"]))
     writer.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     writer.add_vocab_size(cfg["vocab_size"])
     writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
