@@ -275,13 +275,12 @@ def summarize(report: dict) -> list[str]:
         roof = bw * 1e9 / r["bytes_per_token"]
         lines.append(f"\n{dtype}: {r['params_m']:.0f} M parameters, {r['bytes_per_token'] / 1e6:.0f} MB read per token, "
                      f"roofline {roof:.1f} tokens/s at the start's copy bandwidth")
-        engines = [e for e in r if e == "allspark" or e.startswith(("allspark_", "llamacpp_"))
-                   or e in ("transformers", "pool_2_ranks")]
+        engines = [e for e in r if isinstance(r[e], dict) and "decode_b1_tps" in r[e]]
         keys = [k for k in r["allspark"] if not k.startswith("poisson_rate")]
         hf = r.get("transformers")
-        lines.append(f"{'metric':<22}" + "".join(f"{e:>16}" for e in engines))
+        lines.append(f"{'metric':<22}" + "".join(f"{e:>18}" for e in engines))
         for k in keys:
-            lines.append(f"{k:<22}" + "".join(f"{r[e][k]:>16.3f}" if k in r[e] else f"{'-':>16}" for e in engines))
+            lines.append(f"{k:<22}" + "".join(f"{r[e][k]:>18.3f}" if k in r[e] else f"{'-':>18}" for e in engines))
         ours = r["allspark"]
         lines.append(f"batch-1 decode / roofline (bandwidth measured around each round): "
                      f"{ours['decode_b1_roofline']:.2f}" + ("" if hf is None else
