@@ -106,17 +106,18 @@ def write_vocab(writer, vocab_size: int, bos: int, eos: int) -> None:
 
 
 def write_gguf(hf_dir: str, path: str, ftype: str) -> None:
-    """Write `hf_dir` (Llama, safetensors) as a GGUF of `ftype`: 'f32', 'f16', 'q8_0', 'q4_0' or those with
-    '+head'. Norms and rope factors stay f32; the token embedding stays f16 (f32 in an f32 file: a decode
-    reads one row of it); the attention and MLP matrices get `ftype`; the output matrix too for f32/f16 and
-    '+head' files, f16 otherwise (like our InstantQuant, which keeps the LM head unless asked)."""
+    """Write `hf_dir` (Llama, safetensors) as a GGUF of `ftype`: 'f32', 'f16', 'bf16', 'q8_0', 'q4_0' or a
+    quantized one with '+head'. Norms and rope factors stay f32; the token embedding stays in the dense type
+    (f16 in quantized files: a decode reads one row of it); the attention and MLP matrices get `ftype`; the
+    output matrix too in dense and '+head' files, f16 otherwise (like our InstantQuant, which keeps the LM
+    head unless asked)."""
     import gguf
     import torch
     from safetensors import safe_open
     cfg = json.load(open(os.path.join(hf_dir, "config.json")))
     qname, head, _ = ftype.partition("+head")
     qtype = gguf.GGMLQuantizationType[qname.upper()]
-    dense = gguf.GGMLQuantizationType.F32 if qname == "f32" else gguf.GGMLQuantizationType.F16
+    dense = qtype if qname in ("f32", "f16", "bf16") else gguf.GGMLQuantizationType.F16
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     writer = gguf.GGUFWriter(path + ".tmp", "llama")
     writer.add_context_length(cfg["max_position_embeddings"])
@@ -129,8 +130,7 @@ def write_gguf(hf_dir: str, path: str, ftype: str) -> None:
     writer.add_rope_freq_base(float(rope_config(cfg)["rope_theta"]))
     writer.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     writer.add_vocab_size(cfg["vocab_size"])
-    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[qname])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if qname == "f32" else gguf.LlamaFileType[f"MOSTLY_{qname.upper()}"])
     write_vocab(writer, cfg["vocab_size"], cfg.get("bos_token_id", 0), cfg.get("eos_token_id", 1))
     if (factors := llama3_rope_factors(cfg)) is not None:
         writer.add_tensor("rope_freqs.weight", factors)

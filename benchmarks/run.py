@@ -15,7 +15,7 @@ cores. With --quant, the same weights quantized with InstantQuant (e.g. int8 = i
 int4_g32 = int4 in groups of 32) are served by the same Engine and join the interleaved batch-1 decode
 rounds (their roofline counts the bytes their files hold) and the TTFT rows. With llama-cpp-python and
 gguf installed (--no-llamacpp skips it), llama.cpp decodes the same weights as GGUF files in the same
-rounds: f16 next to bf16 (f32 next to fp32), q8_0 next to int8, q4_0 next to the 4-bit variants
+rounds: f16 and bf16 next to bf16 (f32 next to fp32), q8_0 next to int8, q4_0 next to the 4-bit variants
 (`vs_llamacpp`: ours / theirs, medians of same-round ratios). Prints a table and writes JSON. Compare
 ratios from one run: absolute numbers on shared machines are noisy.
 """
@@ -171,11 +171,12 @@ def runtime_cfg(loader, name: str, spec: dict, max_batch: int):
             .max_length(max(spec["prompts"]) + spec["new_tokens"] + 8).kv_cache_span_size(32).build())
 
 
-def llamacpp_pairs(dtype: str, quant: list[str]) -> dict:
-    """Our engine key -> the llama.cpp peer that races it on the same weights."""
-    pairs = {"allspark": "llamacpp_" + ("f32" if dtype == "float32" else "f16")}
-    pairs.update({f"allspark_{v}": f"llamacpp_{LP.peer_type(v)}" for v in quant})
-    return pairs
+def llamacpp_pairs(dtype: str, quant: list[str]) -> list[tuple[str, str]]:
+    """(our engine key, the llama.cpp peer that races it on the same weights). bf16 weights race both f16
+    (llama.cpp's usual dense type) and bf16 (the very same bytes; its AVX-512 bf16 path where there is one)."""
+    dense = {"float32": ["f32"], "bfloat16": ["f16", "bf16"]}.get(dtype, ["f16"])
+    return ([("allspark", f"llamacpp_{t}") for t in dense]
+            + [(f"allspark_{v}", f"llamacpp_{LP.peer_type(v)}") for v in quant])
 
 
 def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only: bool, quant: list[str],
@@ -201,8 +202,8 @@ def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only
         q.load_model().serialize_to_path(None, os.path.join(hf_dir, "quant"), enable_quant=True,
                                          customized_quant_config=quant_variant(variant)).free_model()
         quant_cfgs[f"allspark_{variant}"] = (q, runtime_cfg(q, q.model_name, spec, max(spec["concurrency"])))
-    pairs = llamacpp_pairs(dtype, quant) if llamacpp else {}
-    ggufs = {peer: LP.gguf_file(hf_dir, peer.removeprefix("llamacpp_")) for peer in pairs.values()}
+    pairs = llamacpp_pairs(dtype, quant) if llamacpp else []
+    ggufs = {peer: LP.gguf_file(hf_dir, peer.removeprefix("llamacpp_")) for _, peer in pairs}
     if llamacpp_check:
         result["llamacpp_check"] = LP.check_against_transformers(hf_dir, ggufs, threads)
 
@@ -243,7 +244,7 @@ def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only
             result[key].update(sizes)
         if pairs:
             result["vs_llamacpp"] = {f"{ours}/{theirs}": same_round_ratio(result["decode_b1_tps_by_round"], ours, theirs)
-                                     for ours, theirs in pairs.items()}
+                                     for ours, theirs in pairs}
         if not decode_only:
             for key, engine in engines.items():
                 result[key].update(engine_workloads(engine, name, spec))
