@@ -13,8 +13,11 @@ with Poisson arrivals (TTFT / TPOT median and p99) — for our Engine, for trans
 (static batches for the concurrent case) and for a 2-rank pool through ClientEngine on the same
 cores. With --quant, the same weights quantized with InstantQuant (e.g. int8 = int8 per channel,
 int4_g32 = int4 in groups of 32) are served by the same Engine and join the interleaved batch-1 decode
-rounds (their roofline counts the bytes their files hold) and the TTFT rows. Prints a table and writes
-JSON. Compare ratios from one run: absolute numbers on shared machines are noisy.
+rounds (their roofline counts the bytes their files hold) and the TTFT rows. With llama-cpp-python and
+gguf installed (--no-llamacpp skips it), llama.cpp decodes the same weights as GGUF files in the same
+rounds: f16 and bf16 next to bf16 (f32 next to fp32), q8_0 next to int8, q4_0 next to the 4-bit variants
+(`vs_llamacpp`: ours / theirs, medians of same-round ratios). Prints a table and writes JSON. Compare
+ratios from one run: absolute numbers on shared machines are noisy.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "300000")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import llamacpp_peer as LP  # noqa: E402
 import machine  # noqa: E402
 import workloads as W  # noqa: E402
 
@@ -108,7 +112,8 @@ def decode_rounds(decoders: dict, bytes_per_tok, repeats: int) -> dict:
     measurement also catches what the neighbouring run leaves behind, and in one full run the Engine and the
     pool decoded at the same speed in the same rounds yet came out 0.78 and 0.85 of "their" rooflines.)
     Per engine: medians over rounds of tokens/s, of the roofline ratio and of the bandwidth, and
-    `decode_b1_vs_allspark`, the median over rounds of its tokens/s over the Engine's in the same round."""
+    `decode_b1_vs_allspark`, the median over rounds of its tokens/s over the Engine's in the same round;
+    `decode_b1_tps_by_round`: every engine's tokens/s per round, for any other pairing (`same_round_ratio`)."""
     runs = {name: [] for name in decoders}
     for r in range(repeats):
         bws, tps = [machine.copy_bandwidth()], {}
@@ -127,7 +132,13 @@ def decode_rounds(decoders: dict, bytes_per_tok, repeats: int) -> dict:
         if name != "allspark":
             out[name]["decode_b1_vs_allspark"] = statistics.median(
                 x[0] / ours[0] for x, ours in zip(rs, runs["allspark"]))
+    out["decode_b1_tps_by_round"] = {name: [x[0] for x in rs] for name, rs in runs.items()}
     return out
+
+
+def same_round_ratio(by_round: dict, ours: str, theirs: str) -> float:
+    """Median over rounds of `ours` tokens/s over `theirs` in the same round (> 1: ours is faster)."""
+    return statistics.median(a / b for a, b in zip(by_round[ours], by_round[theirs]))
 
 
 def engine_workloads(engine, name: str, spec: dict) -> dict:
@@ -160,9 +171,18 @@ def runtime_cfg(loader, name: str, spec: dict, max_batch: int):
             .max_length(max(spec["prompts"]) + spec["new_tokens"] + 8).kv_cache_span_size(32).build())
 
 
+def llamacpp_pairs(dtype: str, quant: list[str]) -> list[tuple[str, str]]:
+    """(our engine key, the llama.cpp peer that races it on the same weights). bf16 weights race both f16
+    (llama.cpp's usual dense type) and bf16 (the very same bytes; its AVX-512 bf16 path where there is one)."""
+    dense = {"float32": ["f32"], "bfloat16": ["f16", "bf16"]}.get(dtype, ["f16"])
+    return ([("allspark", f"llamacpp_{t}") for t in dense]
+            + [(f"allspark_{v}", f"llamacpp_{LP.peer_type(v)}") for v in quant])
+
+
 def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only: bool, quant: list[str],
-              ttft_rows: bool = False, with_hf: bool = True) -> dict:
-    """All three engines are loaded at once (so their decode runs can interleave); then the other
+              ttft_rows: bool = False, with_hf: bool = True, llamacpp: bool = False,
+              llamacpp_check: bool = False) -> dict:
+    """All engines are loaded at once (so their decode runs can interleave); then the other
     workloads run one engine after the other."""
     from transformers import AutoModelForCausalLM
     from allspark_client import ClientEngine
@@ -174,7 +194,7 @@ def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only
     loader.load_model().serialize_to_path(None, hf_dir, skip_if_exists=False).free_model()
     name, vocab, n = loader.model_name, spec["vocab"], spec["new_tokens"]
     cfg = runtime_cfg(loader, name, spec, max(spec["concurrency"]))
-    bpt = bytes_per_token(hf, spec, ctx=32 + n // 2)
+    bpt = bytes_per_token(hf, spec, ctx=W.DECODE_PROMPT_LEN + n // 2)
     result = {"params_m": sum(p.numel() for p in hf.parameters()) / 1e6, "bytes_per_token": bpt}
     quant_cfgs = {}
     for variant in quant:                     # the same weights, quantized, served by the same Engine
@@ -182,6 +202,10 @@ def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only
         q.load_model().serialize_to_path(None, os.path.join(hf_dir, "quant"), enable_quant=True,
                                          customized_quant_config=quant_variant(variant)).free_model()
         quant_cfgs[f"allspark_{variant}"] = (q, runtime_cfg(q, q.model_name, spec, max(spec["concurrency"])))
+    pairs = llamacpp_pairs(dtype, quant) if llamacpp else []
+    ggufs = {peer: LP.gguf_file(hf_dir, peer.removeprefix("llamacpp_")) for _, peer in pairs}
+    if llamacpp_check:
+        result["llamacpp_check"] = LP.check_against_transformers(hf_dir, ggufs, threads)
 
     with contextlib.ExitStack() as stack:
         engines = {"allspark": Engine()}
@@ -201,14 +225,26 @@ def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only
             decoders[key] = lambda r, qn=q.model_name: W.decode_tps(ours, qn, vocab, n, seed=r)
         if with_hf:
             decoders["transformers"] = lambda r: W.hf_decode_tps(hf, vocab, n, seed=r)
+        for key, path in ggufs.items():
+            llm = LP.load(path, threads, n_ctx=W.DECODE_PROMPT_LEN + n + 8)
+            stack.callback(llm.close)
+            decoders[key] = lambda r, llm=llm: LP.decode_tps(llm, vocab, n, seed=r)
         for decode_once in decoders.values():
             decode_once(99)                                                         # warm-up
         kv = bpt - file_bytes_per_token(loader.weights_path, 0)                     # the KV cache's share
         per_engine = {key: bpt for key in decoders}
         per_engine.update({key: file_bytes_per_token(q.weights_path, kv) for key, (q, _) in quant_cfgs.items()})
+        gguf_sizes = {key: LP.gguf_bytes_per_token(path, LP.kv_bytes_f16(hf_dir, W.DECODE_PROMPT_LEN + n // 2))
+                      for key, path in ggufs.items()}
+        per_engine.update({key: sizes["bytes_per_token"] for key, sizes in gguf_sizes.items()})
         result.update(decode_rounds(decoders, per_engine, spec["decode_repeats"]))
         for key in quant_cfgs:
             result[key]["bytes_per_token"] = per_engine[key]
+        for key, sizes in gguf_sizes.items():
+            result[key].update(sizes)
+        if pairs:
+            result["vs_llamacpp"] = {f"{ours}/{theirs}": same_round_ratio(result["decode_b1_tps_by_round"], ours, theirs)
+                                     for ours, theirs in pairs}
         if not decode_only:
             for key, engine in engines.items():
                 result[key].update(engine_workloads(engine, name, spec))
@@ -240,12 +276,12 @@ def summarize(report: dict) -> list[str]:
         roof = bw * 1e9 / r["bytes_per_token"]
         lines.append(f"\n{dtype}: {r['params_m']:.0f} M parameters, {r['bytes_per_token'] / 1e6:.0f} MB read per token, "
                      f"roofline {roof:.1f} tokens/s at the start's copy bandwidth")
-        engines = [e for e in r if e == "allspark" or e.startswith("allspark_") or e in ("transformers", "pool_2_ranks")]
+        engines = [e for e in r if isinstance(r[e], dict) and "decode_b1_tps" in r[e]]
         keys = [k for k in r["allspark"] if not k.startswith("poisson_rate")]
         hf = r.get("transformers")
-        lines.append(f"{'metric':<22}" + "".join(f"{e:>16}" for e in engines))
+        lines.append(f"{'metric':<22}" + "".join(f"{e:>18}" for e in engines))
         for k in keys:
-            lines.append(f"{k:<22}" + "".join(f"{r[e][k]:>16.3f}" if k in r[e] else f"{'-':>16}" for e in engines))
+            lines.append(f"{k:<22}" + "".join(f"{r[e][k]:>18.3f}" if k in r[e] else f"{'-':>18}" for e in engines))
         ours = r["allspark"]
         lines.append(f"batch-1 decode / roofline (bandwidth measured around each round): "
                      f"{ours['decode_b1_roofline']:.2f}" + ("" if hf is None else
@@ -262,6 +298,14 @@ def summarize(report: dict) -> list[str]:
                 lines.append(f"{e}: batch-1 decode {r[e]['decode_b1_vs_allspark']:.2f}x of {dtype} (same rounds), "
                              f"{r[e]['decode_b1_roofline']:.2f} of its roofline ({r[e]['bytes_per_token'] / 1e6:.0f} MB "
                              f"per token){ttft}")
+        for pair, ratio in r.get("vs_llamacpp", {}).items():
+            theirs = r[pair.split("/")[1]]
+            lines.append(f"{pair}: {ratio:.2f}x batch-1 decode (ours / theirs, same rounds; llama.cpp "
+                         f"{theirs['decode_b1_roofline']:.2f} of its roofline, {theirs['bytes_per_token'] / 1e6:.0f} MB "
+                         f"per token, file {theirs['gguf_bytes'] / 1e6:.0f} MB)")
+        for key, c in r.get("llamacpp_check", {}).items():
+            lines.append(f"{key} logits vs transformers fp32: top-1 agree {c['top1_agree']:.2f}, relative L2 error "
+                         f"{c['rel_l2_err']:.2e}, min cosine {c['min_cosine']:.5f}, max |err| {c['max_abs_err_in_std']:.3f} std")
     return lines
 
 
@@ -275,10 +319,18 @@ def main() -> None:
     p.add_argument("--ttft", action="store_true", help="with --decode-only: also the Engine's TTFT rows")
     p.add_argument("--quant", nargs="*", default=[], metavar="FORMAT[_gGROUP]",
                    help="also serve the weights quantized, e.g. int8 int4_g32 uint4_g64 int8+head (InstantQuant)")
+    p.add_argument("--llamacpp", action=argparse.BooleanOptionalAction, default=None,
+                   help="race llama.cpp (llama-cpp-python) on the same weights as GGUF; default: when importable")
+    p.add_argument("--llamacpp-check", action="store_true",
+                   help="also compare llama.cpp's logits on the GGUF files with transformers' (fp32)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--json", default="benchmarks/results.json")
     a = p.parse_args()
     spec = QUICK if a.quick else FULL
+    why_not = LP.missing() if a.llamacpp is not False else None
+    if why_not:
+        print(why_not)
+    a.llamacpp = a.llamacpp is not False and why_not is None
     torch.set_num_threads(a.threads)
     t0 = time.time()
     try:
@@ -292,9 +344,14 @@ def main() -> None:
                               matmul_fp32_gflops=machine.matmul_gflops(torch.float32),
                               matmul_bf16_gflops=machine.matmul_gflops(torch.bfloat16)),
               "dtypes": {}}
+    if a.llamacpp:
+        import gguf
+        import llama_cpp
+        report["llamacpp"] = {"llama_cpp_python": llama_cpp.__version__, "flash_attn": LP.FLASH_ATTN,
+                              "gguf": getattr(gguf, "__version__", None)}
     for dtype in a.dtypes:
         report["dtypes"][dtype] = run_dtype(dtype, spec, a.threads, not a.no_pool, a.decode_only, a.quant,
-                                            a.ttft, not a.no_hf)
+                                            a.ttft, not a.no_hf, a.llamacpp, a.llamacpp and a.llamacpp_check)
     report["wall_s"] = time.time() - t0
     print("\n".join(summarize(report)))
     print(f"\n({report['wall_s']:.0f} s)")

@@ -10,6 +10,7 @@ import time
 import torch
 
 GREEDY = {"top_k": 1, "eos_token_id": []}   # ignore EOS: every request produces exactly its tokens
+DECODE_PROMPT_LEN = 32                      # the prompt before a batch-1 decode measurement (every engine)
 
 
 def prompt(n: int, seed: int, vocab: int) -> list[int]:
@@ -36,7 +37,7 @@ def _run_one(engine, name: str, ids: list[int], new_tokens: int) -> dict:
 
 def decode_tps(engine, name: str, vocab: int, new_tokens: int, seed: int = 0) -> float:
     """Batch-1 decode tokens/s of one request (from first to last token)."""
-    return 1.0 / _run_one(engine, name, prompt(32, seed, vocab), new_tokens)["tpot"]
+    return 1.0 / _run_one(engine, name, prompt(DECODE_PROMPT_LEN, seed, vocab), new_tokens)["tpot"]
 
 
 def ttft(engine, name: str, vocab: int, prompt_len: int, repeats: int) -> float:
@@ -98,7 +99,7 @@ def _hf_generate(model, batch: list[list[int]], new_tokens: int) -> float:
 
 def hf_decode_tps(model, vocab: int, new_tokens: int, seed: int = 0) -> float:
     """Decode rate = extra tokens / extra time between a 1-token and an N-token generate."""
-    ids = [prompt(32, seed, vocab)]
+    ids = [prompt(DECODE_PROMPT_LEN, seed, vocab)]
     return (new_tokens - 1) / (_hf_generate(model, ids, new_tokens) - _hf_generate(model, ids, 1))
 
 

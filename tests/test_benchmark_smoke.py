@@ -1,6 +1,7 @@
 """The benchmark harness still runs end to end (README's performance table comes from it): the quick,
-decode-only path on fp32, our Engine against transformers. Numbers are checked for sanity only;
-timings are never asserted in the test suite."""
+decode-only path on fp32, our Engine against transformers, and llama.cpp on the same weights (an f32 GGUF,
+its logits checked against transformers') when llama-cpp-python and gguf are installed. Numbers are
+checked for sanity only; timings are never asserted in the test suite."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ def test_benchmark_quick_decode_only_runs(tmp_path):
     out = tmp_path / "results.json"
     env = dict(repo_env(), HOME=str(tmp_path))          # the benchmark model is built under ~/.cache
     proc = subprocess.run([sys.executable, "benchmarks/run.py", "--quick", "--decode-only", "--no-pool",
-                           "--dtypes", "float32", "--json", str(out)],
+                           "--dtypes", "float32", "--llamacpp-check", "--json", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "batch-1 decode / roofline" in proc.stdout
@@ -33,3 +34,10 @@ def test_benchmark_quick_decode_only_runs(tmp_path):
         assert all(math.isfinite(v) and v > 0 for v in row.values()), row
         # a fraction of the bandwidth bound; well above 1 would mean bytes per token or bandwidth is miscounted
         assert row["decode_b1_roofline"] < 2.0
+    if "llamacpp_f32" in r:                                # the optional peer ran: same weights, same rounds
+        row = r["llamacpp_f32"]
+        assert all(math.isfinite(row[k]) and row[k] > 0 for k in ("decode_b1_tps", "decode_b1_vs_allspark"))
+        assert row["decode_b1_roofline"] < 2.0
+        assert r["vs_llamacpp"]["allspark/llamacpp_f32"] > 0
+        check = r["llamacpp_check"]["llamacpp_f32"]             # the GGUF conversion is right
+        assert check["rel_l2_err"] < 1e-2 and check["top1_agree"] > 0.9, check
