@@ -1,7 +1,7 @@
 """allspark's benchmark: one command, one run, everything side by side on the same machine and threads.
 
     python benchmarks/run.py [--quick] [--decode-only] [--dtypes bfloat16 float32] [--quant int8 int4_g32]
-                             [--json benchmarks/results.json]
+                             [--kv int8 uint4] [--json benchmarks/results.json]
 
 Measures the machine (STREAM-like copy/triad bandwidth, fp32/bf16 matmul rate), then for each
 weight dtype, on a Llama-architecture model with random weights (about 0.5 B parameters; --quick:
@@ -16,7 +16,8 @@ int4_g32 = int4 in groups of 32) are served by the same Engine and join the inte
 rounds (their roofline counts the bytes their files hold) and the TTFT rows. With llama-cpp-python and
 gguf installed (--no-llamacpp skips it), llama.cpp decodes the same weights as GGUF files in the same
 rounds: f16 and bf16 next to bf16 (f32 next to fp32), q8_0 next to int8, q4_0 next to the 4-bit variants
-(`vs_llamacpp`: ours / theirs, medians of same-round ratios). Prints a table and writes JSON. Compare
+(`vs_llamacpp`: ours / theirs, medians of same-round ratios). With --kv, batch-1 decode after a 2048-token
+prompt with int8 / uint4 KV spans is interleaved with the same decode on the unquantized cache. Prints a table and writes JSON. Compare
 ratios from one run: absolute numbers on shared machines are noisy.
 """
 from __future__ import annotations
@@ -48,6 +49,7 @@ import workloads as W  # noqa: E402
 
 FULL = dict(hidden_size=1536, num_layers=16, intermediate_size=4096, num_heads=12, num_kv_heads=4, vocab=32000,
             new_tokens=128, prompts=(128, 512, 2048), repeats=3, decode_repeats=7, concurrency=(8, 32), poisson_n=32)
+KV_CONTEXT = {False: 2048, True: 512}   # --kv rows' prompt length: full model, --quick
 QUICK = dict(hidden_size=512, num_layers=4, intermediate_size=1408, num_heads=8, num_kv_heads=4, vocab=8000,
              new_tokens=32, prompts=(128, 512), repeats=2, decode_repeats=3, concurrency=(8,), poisson_n=8)
 
@@ -181,7 +183,7 @@ def llamacpp_pairs(dtype: str, quant: list[str]) -> list[tuple[str, str]]:
 
 def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only: bool, quant: list[str],
               ttft_rows: bool = False, with_hf: bool = True, llamacpp: bool = False,
-              llamacpp_check: bool = False) -> dict:
+              llamacpp_check: bool = False, kv_modes: list[str] = ()) -> dict:
     """All engines are loaded at once (so their decode runs can interleave); then the other
     workloads run one engine after the other."""
     from transformers import AutoModelForCausalLM
@@ -250,6 +252,8 @@ def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only
                 result[key].update(engine_workloads(engine, name, spec))
             if with_hf:
                 result["transformers"].update(hf_workloads(hf, spec))
+        if kv_modes:
+            result["kv_modes"] = kv_mode_rounds(ours, loader, hf, spec, kv_modes, KV_CONTEXT[spec is QUICK])
         if not decode_only or ttft_rows:
             for p in spec["prompts"]:
                 if decode_only:
@@ -264,6 +268,39 @@ def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only
                 engine.release_model(name)
     del hf
     return result
+
+
+def kv_mode_rounds(engine, loader, hf, spec: dict, modes: list[str], context: int) -> dict:
+    """Batch-1 decode after a `context`-token prompt with the unquantized KV cache ("allspark") and with each
+    quantized KV mode (`allspark_kv_<mode>`), the same weights in the same Engine, interleaved like
+    decode_rounds; each roofline counts its own KV bytes."""
+    from allspark_server.quant.kv import bytes_per_row
+    vocab, n = spec["vocab"], spec["new_tokens"]
+    head_dim = spec["hidden_size"] // spec["num_heads"]
+    ctx = context + n // 2
+    weights = bytes_per_token(hf, spec, 0)
+    decoders, per_engine, names = {}, {}, []
+    for mode in ["default"] + modes:
+        key = "allspark" if mode == "default" else f"allspark_kv_{mode}"
+        name = f"{loader.model_name}-kv-{mode}"
+        cfg = (loader.create_reference_runtime_config_builder(name, "cpu", [0], max_batch=1)
+               .model_file_path(loader.graph_path, loader.weights_path).max_length(context + n + 8)
+               .kv_cache_span_size(32).kv_cache_mode(mode).build())
+        engine.install_model(cfg)
+        engine.start_model(name)
+        names.append(name)
+        decoders[key] = lambda r, nm=name: W.decode_tps(engine, nm, vocab, n, seed=r, prompt_len=context)
+        per_engine[key] = weights + 2 * spec["num_layers"] * ctx * spec["num_kv_heads"] * bytes_per_row(
+            None if mode == "default" else mode, head_dim, hf.dtype)
+    for decode_once in decoders.values():
+        decode_once(99)
+    out = decode_rounds(decoders, per_engine, spec["decode_repeats"])
+    for key in decoders:
+        out[key]["bytes_per_token"] = per_engine[key]
+    for name in names:
+        engine.stop_model(name)
+        engine.release_model(name)
+    return {"context": context, **out}
 
 
 def summarize(report: dict) -> list[str]:
@@ -306,6 +343,11 @@ def summarize(report: dict) -> list[str]:
         for key, c in r.get("llamacpp_check", {}).items():
             lines.append(f"{key} logits vs transformers fp32: top-1 agree {c['top1_agree']:.2f}, relative L2 error "
                          f"{c['rel_l2_err']:.2e}, min cosine {c['min_cosine']:.5f}, max |err| {c['max_abs_err_in_std']:.3f} std")
+        if "kv_modes" in r:
+            kv = r["kv_modes"]
+            lines.append(f"decode after a {kv['context']}-token prompt: unquantized KV {kv['allspark']['decode_b1_tps']:.1f}"
+                         " tok/s" + "".join(f", {e.removeprefix('allspark_')} {kv[e]['decode_b1_vs_allspark']:.2f}x"
+                                           for e in kv if e.startswith("allspark_")) + " (same rounds)")
     return lines
 
 
@@ -323,6 +365,9 @@ def main() -> None:
                    help="race llama.cpp (llama-cpp-python) on the same weights as GGUF; default: when importable")
     p.add_argument("--llamacpp-check", action="store_true",
                    help="also compare llama.cpp's logits on the GGUF files with transformers' (fp32)")
+    p.add_argument("--kv", nargs="*", default=[], choices=["int8", "uint4"],
+                   help="also decode after a long prompt (2048 tokens; --quick 512) with quantized KV spans, "
+                        "interleaved with the unquantized cache")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--json", default="benchmarks/results.json")
     a = p.parse_args()
@@ -351,7 +396,8 @@ def main() -> None:
                               "gguf": getattr(gguf, "__version__", None)}
     for dtype in a.dtypes:
         report["dtypes"][dtype] = run_dtype(dtype, spec, a.threads, not a.no_pool, a.decode_only, a.quant,
-                                            a.ttft, not a.no_hf, a.llamacpp, a.llamacpp and a.llamacpp_check)
+                                            a.ttft, not a.no_hf, a.llamacpp, a.llamacpp and a.llamacpp_check,
+                                            a.kv)
     report["wall_s"] = time.time() - t0
     print("\n".join(summarize(report)))
     print(f"\n({report['wall_s']:.0f} s)")

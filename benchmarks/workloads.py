@@ -35,9 +35,10 @@ def _run_one(engine, name: str, ids: list[int], new_tokens: int) -> dict:
     return {"ttft": first - t0, "tpot": (last - first) / max(1, count - 1), "end": last, "start": t0}
 
 
-def decode_tps(engine, name: str, vocab: int, new_tokens: int, seed: int = 0) -> float:
-    """Batch-1 decode tokens/s of one request (from first to last token)."""
-    return 1.0 / _run_one(engine, name, prompt(DECODE_PROMPT_LEN, seed, vocab), new_tokens)["tpot"]
+def decode_tps(engine, name: str, vocab: int, new_tokens: int, seed: int = 0,
+               prompt_len: int = DECODE_PROMPT_LEN) -> float:
+    """Batch-1 decode tokens/s of one request (from first to last token) after a prompt of `prompt_len`."""
+    return 1.0 / _run_one(engine, name, prompt(prompt_len, seed, vocab), new_tokens)["tpot"]
 
 
 def ttft(engine, name: str, vocab: int, prompt_len: int, repeats: int) -> float:

@@ -52,6 +52,8 @@ __attribute__((always_inline)) inline void attend(const T* q, const T* k_cache, 
   attn::softmax_rows<T>(scores, ctx, G, inv_sum);
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t t = 0; t < ctx; ++t) {
+    if (t + attn::PREFETCH_AHEAD < ctx)   // see span_attention_quant.cpp: the V rows asked for while scoring
+      attn::prefetch_row<3>(v_cache + (slot_of(spans, t + attn::PREFETCH_AHEAD, P) * KVH + g) * D, D * sizeof(T));
     const T* vr = v_cache + (slot_of(spans, t, P) * KVH + g) * D;
     for (int64_t h = 0; h < G; ++h) {
       const float p = scores[h * ctx + t];
@@ -103,6 +105,8 @@ void attend_avx512_d16(ATTEND_ARGS) {
   attn::softmax_rows_avx512<T>(scores, ctx, G, inv_sum);   // the weights meet V in the cache's precision
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t t = 0; t < ctx; ++t) {
+    if (t + attn::PREFETCH_AHEAD < ctx)   // see span_attention_quant.cpp: the V rows asked for while scoring
+      attn::prefetch_row<3>(v_cache + (slot_of(spans, t + attn::PREFETCH_AHEAD, P) * KVH + g) * D, D * sizeof(T));
     const T* vr = v_cache + (slot_of(spans, t, P) * KVH + g) * D;
     for (int64_t j = 0; j < ND; ++j) {
       const __m512 v = load16(vr + 16 * j);

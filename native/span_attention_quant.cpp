@@ -7,8 +7,9 @@
 //   q, spans, ctx, out as in span_attention.cpp
 //
 // Attention works on the codes: a score is s_t * (q . c_t - z_t * sum(q)) * scale_attn, and the output
-// accumulates w = p * s_t times the codes of V and, apart, w * z_t, taken off at the end. A row's codes are
-// widened to fp32 once (into an L1 buffer shared by the G query heads of the KV head). Scores, softmax and
+// accumulates w = p * s_t times the codes of V and, apart, w * z_t, taken off at the end. A key row's codes
+// are widened to fp32 once (into an L1 buffer shared by the G query heads of the KV head); on AVX-512 the
+// V sums run 16 dimensions at a time over all keys with the G heads' sums in registers. Scores, softmax and
 // sums are fp32, and the softmax weights stay fp32 (the reference is fp32 attention over the dequantized
 // rows). ISA: 2 = AVX-512 (intrinsics when D is a multiple of 16 for int8, 32 for uint4), 1 = AVX2, 0 =
 // portable (the generic code compiled per target).
@@ -101,7 +102,7 @@ inline void widen_avx512(const uint8_t* row, int64_t D, float* out) {
   }
 }
 
-// dot(a, b) and a += w * b over D fp32 values (D a multiple of 16 on the AVX-512 path)
+// dot(a, b) and y += w * x over D fp32 values (D a multiple of 16 on the AVX-512 path)
 template <bool V512>
 __attribute__((always_inline)) inline float dot(const float* a, const float* b, int64_t D);
 template <>
@@ -118,26 +119,49 @@ inline float dot<true>(const float* a, const float* b, int64_t D) {
   for (int64_t d = 0; d < D; d += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), s);
   return _mm512_reduce_add_ps(s);
 }
-template <bool V512>
-__attribute__((always_inline)) inline void axpy(float w, const float* x, float* y, int64_t D);
-template <>
-__attribute__((always_inline)) inline void axpy<false>(float w, const float* x, float* y, int64_t D) {
+__attribute__((always_inline)) inline void axpy(float w, const float* x, float* y, int64_t D) {
 #pragma omp simd
   for (int64_t d = 0; d < D; ++d) y[d] += w * x[d];
 }
-template <>
+// 16 codes of a row as fp32: elements 16j .. 16j + 15
+template <int M>
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
+inline __m512 codes16(const uint8_t* row, int64_t j, int64_t D) {
+  if constexpr (M == I8) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j))));
+  } else {
+    const int64_t half = D / 2, e = 16 * j;
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (e < half ? e : e - half)));
+    if (e >= half) b = _mm_srli_epi16(b, 4);
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F))));
+  }
+}
+
+// acc[h, 16j .. 16j + 15] = sum_t w[h, t] * codes_t[16j ..] for NH heads, the sums held in registers over all
+// t (the axpy form loads and stores the accumulators once per row and head: ~3x the instructions)
+template <int M, int NH>
 __attribute__((target("avx512f,avx512bw,avx512vl")))
-inline void axpy<true>(float w, const float* x, float* y, int64_t D) {
-  const __m512 wv = _mm512_set1_ps(w);
-  for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(y + d, _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + d), _mm512_loadu_ps(y + d)));
+void weighted_codes_avx512(const uint8_t* vc, const int64_t* rows, int64_t ctx, int64_t D, const float* w,
+                           float* acc) {
+  for (int64_t j = 0; j < D / 16; ++j) {
+    __m512 a[NH];
+    for (int h = 0; h < NH; ++h) a[h] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < ctx; ++t) {
+      if (j == 0 && t + attn::PREFETCH_AHEAD < ctx) attn::prefetch_row<3>(vc + rows[t + attn::PREFETCH_AHEAD], 64);
+      const __m512 v = codes16<M>(vc + rows[t], j, D);
+      for (int h = 0; h < NH; ++h) a[h] = _mm512_fmadd_ps(_mm512_set1_ps(w[h * ctx + t]), v, a[h]);
+    }
+    for (int h = 0; h < NH; ++h) _mm512_storeu_ps(acc + h * D + 16 * j, a[h]);
+  }
 }
 
 struct Scratch {   // per thread: [G, D] query rows and accumulators, [G, ctx] scores, one widened row
   std::vector<float> qf, acc, scores, row, qsum, zacc, inv_sum;
+  std::vector<int64_t> rows;   // [ctx]: byte offset of each key's row of this KV head
   Scratch(int64_t G, int64_t D) : qf(G * D), acc(G * D), row(D), qsum(G), zacc(G), inv_sum(G) {}
 };
 
-// one (sequence, KV head g) task; V512: the AVX-512 intrinsics (widen, dot, axpy, softmax)
+// one (sequence, KV head g) task; V512: the AVX-512 intrinsics (widen, dot, softmax, weighted_codes)
 template <int M, bool V512, typename T>
 __attribute__((always_inline)) inline void attend(const T* q, const uint8_t* kc, const float* kp, const uint8_t* vc,
                                                   const float* vp, const int64_t* spans, int64_t ctx, int64_t P,
@@ -161,15 +185,38 @@ __attribute__((always_inline)) inline void attend(const T* q, const uint8_t* kc,
   else attn::softmax_rows<float>(scores, ctx, G, s.inv_sum.data());
   std::fill(s.acc.begin(), s.acc.end(), 0.f);
   std::fill(s.zacc.begin(), s.zacc.end(), 0.f);
-  for (int64_t t = 0; t < ctx; ++t) {
-    const int64_t r = slot_of(spans, t, P) * KVH + g;
-    if constexpr (V512) widen_avx512<M>(vc + r * W, D, row);
-    else widen<M>(vc + r * W, D, row);
-    const float vs = vp[2 * r], vz = vp[2 * r + 1];
-    for (int64_t h = 0; h < G; ++h) {
-      const float w = scores[h * ctx + t] * vs;
-      s.zacc[h] += w * vz;
-      axpy<V512>(w, row, s.acc.data() + h * D, D);
+  if constexpr (V512) {
+    s.rows.resize(ctx);
+    for (int64_t t = 0; t < ctx; ++t) {   // the weights w = p * s_t, and sum_t w * z_t apart
+      const int64_t r = slot_of(spans, t, P) * KVH + g;
+      s.rows[t] = r * W;
+      for (int64_t h = 0; h < G; ++h) {
+        scores[h * ctx + t] *= vp[2 * r];
+        s.zacc[h] += scores[h * ctx + t] * vp[2 * r + 1];
+      }
+    }
+    for (int64_t h0 = 0; h0 < G; h0 += 4) {
+      const float* w = scores + h0 * ctx;
+      float* a = s.acc.data() + h0 * D;
+      switch (std::min<int64_t>(4, G - h0)) {
+        case 1: weighted_codes_avx512<M, 1>(vc, s.rows.data(), ctx, D, w, a); break;
+        case 2: weighted_codes_avx512<M, 2>(vc, s.rows.data(), ctx, D, w, a); break;
+        case 3: weighted_codes_avx512<M, 3>(vc, s.rows.data(), ctx, D, w, a); break;
+        default: weighted_codes_avx512<M, 4>(vc, s.rows.data(), ctx, D, w, a); break;
+      }
+    }
+  } else {
+    for (int64_t t = 0; t < ctx; ++t) {
+      if (t + attn::PREFETCH_AHEAD < ctx)   // the rows asked for into L2 while scoring have often left it
+        attn::prefetch_row<3>(vc + (slot_of(spans, t + attn::PREFETCH_AHEAD, P) * KVH + g) * W, W);
+      const int64_t r = slot_of(spans, t, P) * KVH + g;
+      widen<M>(vc + r * W, D, row);
+      const float vs = vp[2 * r], vz = vp[2 * r + 1];
+      for (int64_t h = 0; h < G; ++h) {
+        const float w = scores[h * ctx + t] * vs;
+        s.zacc[h] += w * vz;
+        axpy(w, row, s.acc.data() + h * D, D);
+      }
     }
   }
   for (int64_t h = 0; h < G; ++h)
@@ -182,8 +229,10 @@ __attribute__((always_inline)) inline void attend(const T* q, const uint8_t* kc,
       int64_t ctx, int64_t P, int64_t KVH, int64_t D, int64_t G, int64_t g, float scale, T *out, Scratch &s
 #define ATTEND_CALL q, kc, kp, vc, vp, spans, ctx, P, KVH, D, G, g, scale, out, s
 
+// flatten: the AVX-512 helpers (widen_avx512, dot<true>) are inlined here, where the target
+// allows it (a call per row and head cost ~20% of the kernel)
 template <int M, typename T>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void attend_avx512_v(ATTEND_ARGS) {
+__attribute__((target("avx512f,avx512bw,avx512vl"), flatten)) void attend_avx512_v(ATTEND_ARGS) {
   attend<M, true, T>(ATTEND_CALL);
 }
 template <int M, typename T>
