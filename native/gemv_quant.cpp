@@ -46,20 +46,31 @@ constexpr int64_t MR = 4;      // x rows sharing each widened block of codes
 constexpr int64_t BLOCK = 32;  // k per block of codes (and of x's 16-bit rounding)
 // k per exact int32 partial sum: |(code - zero) * q| <= 255 * 32767, and an int32 lane sums 128 of them per 1024 k
 constexpr int64_t FLUSH = 1024;
+constexpr int64_t CHUNK = 512;  // k per step of the AVX-512 kernel: 16 blocks whose sums are reduced together
 constexpr float ACT_MAX = 32767.f;
 
 enum Format : int64_t { INT8 = 0, UINT8 = 1, INT4 = 2, UINT4 = 3 };
 
 inline float half_to_float(at::Half h) { return static_cast<float>(h); }
 
-// x rounded per row to int16: q [M, padded K] (zero padded to whole blocks) and one scale d per row
+// Where a row of x sits in Act16::q. NATURAL: k in order (portable and AVX2 kernels). The AVX-512 kernel
+// reads 64 bytes of codes at a time as 32 16-bit words and isolates each word's codes with shifts and masks,
+// so x is stored in the order those codes come out (the rounding is the same, only the order differs):
+//   PAIRS (8-bit, per 64 k): word i holds k = 2i (low byte), 2i + 1 (high byte): q[2i] x 32, then q[2i + 1] x 32
+//   NIBBLES (4-bit, per 128 k = 4 blocks): word i is bytes 2j, 2j + 1 of block b = i / 8 (j = i % 8), i.e. its
+//   four nibbles are k = 32b + {2j, 16 + 2j, 2j + 1, 17 + 2j}: four vectors of 32, one per nibble position
+enum Layout { NATURAL, PAIRS, NIBBLES };
+
+// x rounded per row to int16: q [M, padded K] (zero padded) and one scale d per row
 struct Act16 {
   std::vector<int16_t> q;
-  std::vector<int32_t> block_sum;   // [M, padded K / 32]: sum of q over each block of 32 (for the zero points)
+  // [M, padded K / 32]: sum of q over each block of 32 (for the zero points); PAIRS / NIBBLES: each chunk's 16
+  // in the lane order of the AVX-512 kernel's reduction (lane 4b + s holds block 4s + b)
+  std::vector<int32_t> block_sum;
+  std::vector<int32_t> chunk_sum;   // PAIRS / NIBBLES: [M, padded K / CHUNK], sum of q over each chunk
   std::vector<float> d;
   int64_t padded;
 };
-
 template <int F>
 inline int code_at(const uint8_t* row, int64_t k) {
   if constexpr (F == INT8) return static_cast<int8_t>(row[k]);
@@ -90,22 +101,47 @@ void round_row_avx2(const float* x, int64_t n, float inv, int16_t* q) {
 }
 
 // the same arithmetic on every ISA: one multiply by 32767 / absmax, round half to even
-Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa) {
+Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, Layout layout = NATURAL) {
   Act16 a;
-  a.padded = (K + BLOCK - 1) / BLOCK * BLOCK;
+  const int64_t unit = layout == NATURAL ? BLOCK : CHUNK, nb = (K + unit - 1) / unit * unit / BLOCK;
+  a.padded = nb * BLOCK;
   a.q.assign(M * a.padded, 0);
-  a.block_sum.assign(M * a.padded / BLOCK, 0);
+  a.block_sum.assign(M * nb, 0);
+  a.chunk_sum.assign(layout == NATURAL ? 0 : M * nb / 16, 0);
   a.d.assign(M, 0.f);
+  std::vector<int16_t> nat(layout == NATURAL ? 0 : a.padded, 0);   // zero beyond K
+  std::vector<int32_t> bs(nb);
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x + m * K;
     float amax = 0.f;
     for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xm[k]));
     const float inv = amax > 0.f ? ACT_MAX / amax : 0.f;
-    int16_t* q = a.q.data() + m * a.padded;
+    int16_t* q = layout == NATURAL ? a.q.data() + m * a.padded : nat.data();
     if (isa >= 1) round_row_avx2(xm, K, inv, q);
     else for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int16_t>(std::nearbyint(xm[k] * inv));
-    for (int64_t k = 0; k < K; ++k) a.block_sum[m * a.padded / BLOCK + k / BLOCK] += q[k];
+    std::fill(bs.begin(), bs.end(), 0);
+    for (int64_t k = 0; k < K; ++k) bs[k / BLOCK] += q[k];
     a.d[m] = amax / ACT_MAX;
+    int32_t* bsum = a.block_sum.data() + m * nb;
+    if (layout == NATURAL) {
+      std::copy(bs.begin(), bs.end(), bsum);
+      continue;
+    }
+    int16_t* out = a.q.data() + m * a.padded;
+    if (layout == PAIRS) {
+      for (int64_t u = 0; u < a.padded; u += 64)
+        for (int i = 0; i < 32; ++i) out[u + i] = q[u + 2 * i], out[u + 32 + i] = q[u + 2 * i + 1];
+    } else {
+      constexpr int off[4] = {0, 16, 1, 17};
+      for (int64_t u = 0; u < a.padded; u += 128)
+        for (int v = 0; v < 4; ++v)
+          for (int i = 0; i < 32; ++i) out[u + 32 * v + i] = q[u + 32 * (i / 8) + off[v] + 2 * (i % 8)];
+    }
+    for (int64_t c = 0; c < nb / 16; ++c)
+      for (int lane = 0; lane < 16; ++lane) {
+        bsum[16 * c + lane] = bs[16 * c + 4 * (lane % 4) + lane / 4];
+        a.chunk_sum[m * nb / 16 + c] += bs[16 * c + lane];
+      }
   }
   return a;
 }
@@ -285,9 +321,178 @@ void rows_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_
   }
 }
 
+// ---- AVX-512 VNNI -----------------------------------------------------------------------------
+// Per weight row, a chunk of 512 k (16 blocks of 32) at a time. The codes come in as 64-byte loads read as
+// 32 16-bit words (x is laid out to match, see Layout): int8 codes are a word's bytes sign-extended by
+// shifts, uint8 / 4-bit codes its bytes / nibbles masked out, all still int16 lanes, so no widening
+// shuffles. vpdpwssd multiplies them with q and adds pairs into int32 lanes; every int32 lane stays inside
+// one block, so per 128 k (S[s], s = 0..3) 128-bit lane b holds four partial sums of block 4s + b. An
+// unpack/add tree turns S[0..3] into one vector of the 16 block sums (lane 4b + s = block 4s + b); the
+// zero points come off in int32 (z times the block's sum of q) and one FMA applies the 16 blocks' scales,
+// gathered into the same lane order. Groups of 512 k or more (and per-channel weights) skip the tree: the
+// chunk lies inside one group, so its S are summed and scaled by one broadcast scale.
+#define AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+AVX512_VNNI inline __mmask64 bytes_mask(int64_t bytes) {
+  return bytes >= 64 ? ~__mmask64(0) : bytes <= 0 ? __mmask64(0) : (__mmask64(1) << bytes) - 1;
+}
+
+template <bool TAIL>
+AVX512_VNNI inline __m512i load64(const uint8_t* p, int64_t bytes) {
+  if constexpr (TAIL) return _mm512_maskz_loadu_epi8(bytes_mask(bytes), p);
+  else return _mm512_loadu_si512(p);
+}
+
+AVX512_VNNI inline __m512i dp(__m512i acc, __m512i codes, const int16_t* q) {
+  return _mm512_dpwssd_epi32(acc, codes, _mm512_loadu_si512(q));
+}
+
+// the partial sums S[m][0..3] of chunk [k0, k0 + 512) for MB rows of x (TAIL: k may end inside it, K is
+// then the row's end; bytes beyond it are not read). ONE: S only needs to be summed, not kept per block.
+template <int F, int MB, bool ONE, bool TAIL>
+AVX512_VNNI inline void chunk_sums(const uint8_t* wr, const int16_t* const* q, int64_t k0, int64_t K,
+                                   __m512i S[MB][4]) {
+  for (int m = 0; m < MB; ++m)
+    for (int s = 0; s < 4; ++s) S[m][s] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+  for (int s = 0; s < 4; ++s) {
+    const int64_t k = k0 + 128 * s;
+    if (TAIL && k >= K) break;
+    if constexpr (F == INT4 || F == UINT4) {
+      const __m512i w = load64<TAIL>(wr + k / 2, (K - k) / 2), nib = _mm512_set1_epi16(0x000F);
+      const __m512i c0 = _mm512_and_si512(w, nib), c1 = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);
+      const __m512i c2 = _mm512_and_si512(_mm512_srli_epi16(w, 8), nib), c3 = _mm512_srli_epi16(w, 12);
+#pragma GCC unroll 4
+      for (int m = 0; m < MB; ++m) {
+        S[m][s] = dp(dp(S[m][s], c0, q[m] + k), c1, q[m] + k + 32);
+        S[m][s] = dp(dp(S[m][s], c2, q[m] + k + 64), c3, q[m] + k + 96);
+      }
+    } else {
+      const __m512i w0 = load64<TAIL>(wr + k, K - k), w1 = load64<TAIL>(wr + k + 64, K - k - 64);
+      __m512i c0, c1, c2, c3;
+      if constexpr (F == INT8) {
+        c0 = _mm512_srai_epi16(_mm512_slli_epi16(w0, 8), 8), c1 = _mm512_srai_epi16(w0, 8);
+        c2 = _mm512_srai_epi16(_mm512_slli_epi16(w1, 8), 8), c3 = _mm512_srai_epi16(w1, 8);
+      } else {
+        const __m512i lo = _mm512_set1_epi16(0x00FF);
+        c0 = _mm512_and_si512(w0, lo), c1 = _mm512_srli_epi16(w0, 8);
+        c2 = _mm512_and_si512(w1, lo), c3 = _mm512_srli_epi16(w1, 8);
+      }
+#pragma GCC unroll 4
+      for (int m = 0; m < MB; ++m) {
+        if constexpr (ONE) {
+          S[m][s] = dp(dp(S[m][s], c0, q[m] + k), c1, q[m] + k + 32);
+          S[m][s] = dp(dp(S[m][s], c2, q[m] + k + 64), c3, q[m] + k + 96);
+        } else {   // 256-bit half h of a load's sums is block h of its 64 k: gather 4 blocks' 128-bit lanes
+          const __m512i A0 = dp(dp(_mm512_setzero_si512(), c0, q[m] + k), c1, q[m] + k + 32);
+          const __m512i A1 = dp(dp(_mm512_setzero_si512(), c2, q[m] + k + 64), c3, q[m] + k + 96);
+          S[m][s] = _mm512_add_epi32(_mm512_shuffle_i64x2(A0, A1, 0x88), _mm512_shuffle_i64x2(A0, A1, 0xDD));
+        }
+      }
+    }
+  }
+}
+
+// S[0..3] (128-bit lane b of S[s]: four partial sums of block 4s + b) -> the 16 block sums, lane 4b + s
+AVX512_VNNI inline __m512i block_sums(const __m512i S[4]) {
+  const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(S[0], S[1]), _mm512_unpackhi_epi32(S[0], S[1]));
+  const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(S[2], S[3]), _mm512_unpackhi_epi32(S[2], S[3]));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+}
+
+// what the AVX-512 rows share, worked out once per call (no divisions per chunk)
+struct Chunking {
+  __m512i gidx;          // grouped: lane 4b + s's group, counted from the chunk's first one: (4s + b) / (G / 32)
+  int64_t per_chunk;     // grouped: groups per chunk (512 / G)
+  int64_t chunks_per_group;   // ONE: chunks of 512 k per group (per channel: all of them)
+};
+
+// weight row n against MB rows of x from m0 (x in the PAIRS / NIBBLES layout)
+template <int F, int MB, bool ONE>
+AVX512_VNNI void row_avx512(const Act16& a, int64_t m0, const QuantView& w, int64_t K, int64_t n, float* y,
+                            int64_t N, const Chunking& ch) {
+  const uint8_t* wr = w.codes + n * w.row_bytes;
+  const at::Half* sr = w.scales + n * w.groups;
+  const uint8_t* zr = w.zeros ? w.zeros + n * w.groups : nullptr;
+  const int64_t nb = a.padded / BLOCK, chunks = nb / 16, full = K / CHUNK;
+  const int16_t* q[MB];
+  __m512 total[MB];
+  float zsum[MB];   // ONE: sum over chunks of s * z * (sum of q over the chunk)
+  for (int m = 0; m < MB; ++m)
+    q[m] = a.q.data() + (m0 + m) * a.padded, total[m] = _mm512_setzero_ps(), zsum[m] = 0.f;
+  int64_t g = 0, in_group = 0;   // ONE: the chunk's group, and its place in it
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t k0 = c * CHUNK;
+    __m512i S[MB][4];
+    if (c < full) chunk_sums<F, MB, ONE, false>(wr, q, k0, K, S);
+    else chunk_sums<F, MB, ONE, true>(wr, q, k0, K, S);
+    if constexpr (ONE) {
+      const float s = _cvtsh_ss(sr[g].x);
+      const __m512 sv = _mm512_set1_ps(s);
+      for (int m = 0; m < MB; ++m) {
+        const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(S[m][0], S[m][1]), _mm512_add_epi32(S[m][2], S[m][3]));
+        total[m] = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(sum), total[m]);
+        if constexpr (F != INT8)
+          zsum[m] += s * static_cast<float>(zero_of<F>(zr, g) * a.chunk_sum[(m0 + m) * chunks + c]);
+      }
+      if (++in_group == ch.chunks_per_group) in_group = 0, ++g;
+    } else {
+      const int64_t g0 = c * ch.per_chunk, count = std::min(ch.per_chunk, w.groups - g0);   // the chunk's groups
+      const __mmask16 gm = static_cast<__mmask16>((1u << count) - 1);
+      const __m512 sv = _mm512_permutexvar_ps(ch.gidx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, sr + g0)));
+      __m512i zv = _mm512_setzero_si512();
+      if constexpr (F == INT4) zv = _mm512_set1_epi32(8);
+      if constexpr (F == UINT8 || F == UINT4)
+        zv = _mm512_permutexvar_epi32(ch.gidx, _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(gm, zr + g0)));
+      for (int m = 0; m < MB; ++m) {
+        __m512i r = block_sums(S[m]);
+        if constexpr (F != INT8)
+          r = _mm512_sub_epi32(r, _mm512_mullo_epi32(zv, _mm512_loadu_si512(a.block_sum.data() + (m0 + m) * nb + 16 * c)));
+        total[m] = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(r), total[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) y[(m0 + m) * N + n] = a.d[m0 + m] * (_mm512_reduce_add_ps(total[m]) - zsum[m]);
+}
+
+// the weights the AVX-512 kernel takes: per channel, or groups of 32, 64, 128, 256 or a multiple of 512
+inline bool avx512_fits(const QuantView& w) {
+  return w.groups == 1 || w.group % CHUNK == 0 || w.group == 32 || w.group == 64 || w.group == 128 || w.group == 256;
+}
+
+template <int F, bool ONE>
+AVX512_VNNI void rows_avx512_mode(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1,
+                                  float* y, int64_t N) {
+  Chunking ch;
+  alignas(64) int32_t idx[16];
+  for (int lane = 0; lane < 16; ++lane) idx[lane] = ONE ? 0 : (4 * (lane % 4) + lane / 4) / (w.group / BLOCK);
+  ch.gidx = _mm512_load_si512(idx);
+  ch.per_chunk = ONE ? 0 : CHUNK / w.group;
+  ch.chunks_per_group = w.groups == 1 ? a.padded / CHUNK : w.group / CHUNK;
+  for (int64_t m = 0; m < M; m += MR) {
+    for (int64_t n = n0; n < n1; ++n) {
+      switch (std::min(MR, M - m)) {
+        case 1: row_avx512<F, 1, ONE>(a, m, w, K, n, y, N, ch); break;
+        case 2: row_avx512<F, 2, ONE>(a, m, w, K, n, y, N, ch); break;
+        case 3: row_avx512<F, 3, ONE>(a, m, w, K, n, y, N, ch); break;
+        default: row_avx512<F, 4, ONE>(a, m, w, K, n, y, N, ch); break;
+      }
+    }
+  }
+}
+
 template <int F>
-void rows(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y, int64_t N, int64_t isa) {
-  if (isa >= 1) rows_avx2<F>(a, M, w, n0, n1, y, N);
+void rows_avx512(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y,
+                 int64_t N) {
+  if (w.groups == 1 || w.group % CHUNK == 0) rows_avx512_mode<F, true>(a, M, w, K, n0, n1, y, N);
+  else rows_avx512_mode<F, false>(a, M, w, K, n0, n1, y, N);
+}
+
+template <int F>
+void rows(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y, int64_t N,
+          int64_t isa, Layout layout) {
+  if (layout != NATURAL) rows_avx512<F>(a, M, w, K, n0, n1, y, N);
+  else if (isa >= 1) rows_avx2<F>(a, M, w, n0, n1, y, N);
   else rows_scalar<F>(a, M, w, n0, n1, y, N);
 }
 
@@ -336,8 +541,41 @@ void dequantize_rows_avx2(const QuantView& w, int64_t K, int64_t n0, int64_t n1,
   }
 }
 
+// the same per block on AVX-512 (any AVX-512 level): 16 codes widened straight to int32 lanes
+template <int F, typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+void dequantize_rows_avx512(const QuantView& w, int64_t K, int64_t n0, int64_t n1, T* out) {
+  const int64_t G = w.group, G32 = G & ~(BLOCK - 1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w.codes + n * w.row_bytes;
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const float s = _cvtsh_ss(w.scales[n * w.groups + g].x);
+      const float z = F == INT8 ? 0.f : F == INT4 ? 8.f : static_cast<float>(w.zeros[n * w.groups + g]);
+      const __m512 sv = _mm512_set1_ps(s), zv = _mm512_set1_ps(z);
+      int64_t k = g * G;
+      for (; k < g * G + G32; k += BLOCK) {
+        __m512i v0, v1;
+        if constexpr (F == INT4 || F == UINT4) {
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k / 2)), nib = _mm_set1_epi8(0x0F);
+          v0 = _mm512_cvtepu8_epi32(_mm_and_si128(b, nib));
+          v1 = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), nib));
+        } else {
+          const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k));
+          const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k + 16));
+          if constexpr (F == INT8) v0 = _mm512_cvtepi8_epi32(b0), v1 = _mm512_cvtepi8_epi32(b1);
+          else v0 = _mm512_cvtepu8_epi32(b0), v1 = _mm512_cvtepu8_epi32(b1);
+        }
+        simd::store16(out + n * K + k, _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(v0), zv), sv));
+        simd::store16(out + n * K + k + 16, _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(v1), zv), sv));
+      }
+      for (; k < (g + 1) * G; ++k) out[n * K + k] = static_cast<T>((static_cast<float>(code_at<F>(wr, k)) - z) * s);
+    }
+  }
+}
+
 template <int F, typename T>
 void dequantize_rows(const QuantView& w, int64_t K, int64_t n0, int64_t n1, T* out, int64_t isa) {
+  if (isa >= 2) return dequantize_rows_avx512<F, T>(w, K, n0, n1, out);
   if (isa >= 1) return dequantize_rows_avx2<F, T>(w, K, n0, n1, out);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w.codes + n * w.row_bytes;
@@ -360,12 +598,13 @@ void dequantize_rows(const QuantView& w, int64_t K, int64_t n0, int64_t n1, T* o
 template <typename O>
 void run_linear(const float* x, int64_t M, int64_t K, const QuantView& w, const O* bias, O* out, int64_t isa) {
   const int64_t N = w.rows;
-  const Act16 a = round_activations(x, M, K, isa);
+  const Layout layout = isa < 3 || !avx512_fits(w) ? NATURAL : w.format >= INT4 ? NIBBLES : PAIRS;
+  const Act16 a = round_activations(x, M, K, isa, layout);
   std::vector<float> scratch(std::is_same_v<O, float> ? 0 : M * N);
   float* y = std::is_same_v<O, float> ? reinterpret_cast<float*>(out) : scratch.data();
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(w.row_bytes, 1));   // ~64 KiB per task
   allspark::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    DISPATCH_FORMAT(w.format, rows<F>(a, M, w, n0, n1, y, N, isa));
+    DISPATCH_FORMAT(w.format, rows<F>(a, M, w, K, n0, n1, y, N, isa, layout));
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = n0; n < n1; ++n)
         out[m * N + n] = static_cast<O>(y[m * N + n] + (bias ? static_cast<float>(bias[n]) : 0.f));
