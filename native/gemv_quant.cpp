@@ -88,6 +88,22 @@ inline int zero_of(const uint8_t* zeros_row, int64_t g) {
   else return 0;
 }
 
+inline float abs_max(const float* x, int64_t n) {
+  float amax = 0.f;
+  for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(x[k]));
+  return amax;
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+inline float abs_max_avx512(const float* x, int64_t n) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t k = 0; k < n; k += 16) {
+    const __mmask16 m = n - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - k)) - 1);
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + k)));
+  }
+  return _mm512_reduce_max_ps(amax);
+}
+
 __attribute__((target("avx2,fma,f16c")))
 void round_row_avx2(const float* x, int64_t n, float inv, int16_t* q) {
   const __m256 iv = _mm256_set1_ps(inv);
@@ -100,7 +116,58 @@ void round_row_avx2(const float* x, int64_t n, float inv, int16_t* q) {
   for (; i < n; ++i) q[i] = static_cast<int16_t>(std::nearbyint(x[i] * inv));
 }
 
-// the same arithmetic on every ISA: one multiply by 32767 / absmax, round half to even
+// One row of x into the PAIRS / NIBBLES layout on AVX-512 (isa >= 3; the same rounding as round_row_avx2):
+// per chunk, the 16 blocks are rounded in order (block sums from the int32 values), then each 64 / 128 k are
+// rearranged with two-source word permutes. q: padded K; bsum: padded K / 32, in the reduction's lane order.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+void round_row_avx512(const float* x, int64_t K, int64_t padded, float inv, Layout layout, int16_t* q,
+                      int32_t* bsum, int32_t* chunk_sum) {
+  alignas(64) int16_t pidx[4][32];   // PAIRS: even / odd words of two blocks; NIBBLES: nibble v of blocks A, B
+  alignas(64) int32_t lidx[16];
+  constexpr int off[4] = {0, 16, 1, 17};
+  for (int i = 0; i < 32; ++i) {
+    for (int v = 0; v < 2; ++v) pidx[v][i] = static_cast<int16_t>(2 * i + v);
+    for (int v = 0; v < 4 && layout == NIBBLES; ++v) pidx[v][i] = static_cast<int16_t>(32 * (i / 8) + off[v] + 2 * (i % 8));
+  }
+  for (int lane = 0; lane < 16; ++lane) lidx[lane] = 4 * (lane % 4) + lane / 4;
+  const __m512 iv = _mm512_set1_ps(inv);
+  const __m512i lanes = _mm512_load_si512(lidx);
+  for (int64_t c0 = 0; c0 < padded; c0 += CHUNK) {
+    __m512i V[16];
+    alignas(64) int32_t bs[16];
+    for (int j = 0; j < 16; ++j) {
+      const int64_t k = c0 + 32 * j, left = K - k;
+      const __mmask16 m0 = left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+      const __mmask16 m1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1);
+      const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m0, x + k), iv));
+      const __m512i b = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m1, x + k + 16), iv));
+      bs[j] = _mm512_reduce_add_epi32(_mm512_add_epi32(a, b));
+      V[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(a)), _mm512_cvtepi32_epi16(b), 1);
+    }
+    int16_t* out = q + c0;
+    if (layout == PAIRS) {
+      const __m512i even = _mm512_load_si512(pidx[0]), odd = _mm512_load_si512(pidx[1]);
+      for (int u = 0; u < 8; ++u) {
+        _mm512_storeu_si512(out + 64 * u, _mm512_permutex2var_epi16(V[2 * u], even, V[2 * u + 1]));
+        _mm512_storeu_si512(out + 64 * u + 32, _mm512_permutex2var_epi16(V[2 * u], odd, V[2 * u + 1]));
+      }
+    } else {
+      for (int u = 0; u < 4; ++u)
+        for (int v = 0; v < 4; ++v) {   // lanes 0-15 from blocks A, B; 16-31 the same words of blocks C, D
+          const __m512i idx = _mm512_load_si512(pidx[v]);
+          const __m512i ab = _mm512_permutex2var_epi16(V[4 * u], idx, V[4 * u + 1]);
+          const __m512i cd = _mm512_permutex2var_epi16(V[4 * u + 2], idx, V[4 * u + 3]);
+          _mm512_storeu_si512(out + 128 * u + 32 * v, _mm512_inserti64x4(ab, _mm512_castsi512_si256(cd), 1));
+        }
+    }
+    const __m512i sums = _mm512_load_si512(bs);
+    _mm512_storeu_si512(bsum + c0 / BLOCK, _mm512_permutexvar_epi32(lanes, sums));
+    chunk_sum[c0 / CHUNK] = _mm512_reduce_add_epi32(sums);
+  }
+}
+
+// the same arithmetic on every ISA: one multiply by 32767 / absmax, round half to even (PAIRS / NIBBLES:
+// only for the AVX-512 kernel, isa >= 3)
 Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, Layout layout = NATURAL) {
   Act16 a;
   const int64_t unit = layout == NATURAL ? BLOCK : CHUNK, nb = (K + unit - 1) / unit * unit / BLOCK;
@@ -109,39 +176,20 @@ Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, Layou
   a.block_sum.assign(M * nb, 0);
   a.chunk_sum.assign(layout == NATURAL ? 0 : M * nb / 16, 0);
   a.d.assign(M, 0.f);
-  std::vector<int16_t> nat(layout == NATURAL ? 0 : a.padded, 0);   // zero beyond K
-  std::vector<int32_t> bs(nb);
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x + m * K;
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xm[k]));
+    const float amax = layout == NATURAL ? abs_max(xm, K) : abs_max_avx512(xm, K);
     const float inv = amax > 0.f ? ACT_MAX / amax : 0.f;
-    int16_t* q = layout == NATURAL ? a.q.data() + m * a.padded : nat.data();
-    if (isa >= 1) round_row_avx2(xm, K, inv, q);
-    else for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int16_t>(std::nearbyint(xm[k] * inv));
-    std::fill(bs.begin(), bs.end(), 0);
-    for (int64_t k = 0; k < K; ++k) bs[k / BLOCK] += q[k];
     a.d[m] = amax / ACT_MAX;
+    int16_t* q = a.q.data() + m * a.padded;
     int32_t* bsum = a.block_sum.data() + m * nb;
-    if (layout == NATURAL) {
-      std::copy(bs.begin(), bs.end(), bsum);
+    if (layout != NATURAL) {
+      round_row_avx512(xm, K, a.padded, inv, layout, q, bsum, a.chunk_sum.data() + m * nb / 16);
       continue;
     }
-    int16_t* out = a.q.data() + m * a.padded;
-    if (layout == PAIRS) {
-      for (int64_t u = 0; u < a.padded; u += 64)
-        for (int i = 0; i < 32; ++i) out[u + i] = q[u + 2 * i], out[u + 32 + i] = q[u + 2 * i + 1];
-    } else {
-      constexpr int off[4] = {0, 16, 1, 17};
-      for (int64_t u = 0; u < a.padded; u += 128)
-        for (int v = 0; v < 4; ++v)
-          for (int i = 0; i < 32; ++i) out[u + 32 * v + i] = q[u + 32 * (i / 8) + off[v] + 2 * (i % 8)];
-    }
-    for (int64_t c = 0; c < nb / 16; ++c)
-      for (int lane = 0; lane < 16; ++lane) {
-        bsum[16 * c + lane] = bs[16 * c + 4 * (lane % 4) + lane / 4];
-        a.chunk_sum[m * nb / 16 + c] += bs[16 * c + lane];
-      }
+    if (isa >= 1) round_row_avx2(xm, K, inv, q);
+    else for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int16_t>(std::nearbyint(xm[k] * inv));
+    for (int64_t k = 0; k < K; ++k) bsum[k / BLOCK] += q[k];
   }
   return a;
 }

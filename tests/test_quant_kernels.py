@@ -76,8 +76,11 @@ def _quantized(n, k, fmt, group, seed):
 
 def _cases():
     for fmt in FORMATS:
+        # K = 640: one whole chunk of the AVX-512 kernel (512 k) and a partial one; G = 1024: chunks inside
+        # larger groups; G = 96: a group size the AVX-512 kernel leaves to the AVX2 one
         for n, k, groups in ((7, 32, (-1, 32)), (33, 96, (-1, 32)), (130, 512, (-1, 64, 128, 256, 512)),
-                             (64, 257, (-1,)), (300, 1000, (-1,))):
+                             (64, 257, (-1,)), (300, 1000, (-1,)), (21, 640, (-1, 32, 64, 128)),
+                             (17, 2048, (1024,)), (9, 192, (96,))):
             if fmt.endswith("4") and k % 32:
                 continue
             for group in groups:
