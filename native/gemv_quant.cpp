@@ -25,9 +25,18 @@
 // from memory (int8 per channel 1.33x -> 2.03x of the bf16 GEMV without it, same rounds); the hardware
 // prefetchers follow each thread's sequential stream.
 //
-// ISA (chosen by ops.py): >= 1 AVX2+FMA+F16C (also used on AVX-512 machines), 0 portable C++, same rounding of
-// x in both. The weight streams row by row; each thread owns a contiguous block of rows, up to 4 rows of x
-// share each widened block of codes.
+// ISA (chosen by ops.py): 3 AVX-512 VNNI (the kernel below the AVX2 one: vpdpwssd, x laid out to match the
+// codes), 1 and 2 AVX2+FMA+F16C (2 = AVX-512 without VNNI: its dequantization is AVX-512), 0 portable C++;
+// the same rounding of x everywhere, so every level equals ops.linear_reference up to fp32 summation order.
+// The weight streams row by row; each thread owns a contiguous block of rows, up to 4 rows of x share each
+// block of codes.
+//
+// AVX-512: int16 x int16 (vpdpwssd, today's exact numerics) rather than int8 x uint8 (vpdpbusd, x rounded to
+// int8 as llama.cpp's q8_0 does). Measured on the 2-core Zen 4 VM (4-bit g32, M = 1, same process, same
+// rounds): with the weights in L2 the vpdpbusd loop ran 1.7-1.9x as fast (it needs half the multiply-adds and
+// half the unpacking per weight), but streaming from memory only 1.1-1.25x (1 thread), and the whole GEMV is
+// what the memory allows. %RESULTS%
+//
 #include <torch/extension.h>
 #include <immintrin.h>
 
@@ -395,46 +404,51 @@ AVX512_VNNI inline __m512i dp(__m512i acc, __m512i codes, const int16_t* q) {
   return _mm512_dpwssd_epi32(acc, codes, _mm512_loadu_si512(q));
 }
 
-// the partial sums S[m][0..3] of chunk [k0, k0 + 512) for MB rows of x (TAIL: k may end inside it, K is
-// then the row's end; bytes beyond it are not read). ONE: S only needs to be summed, not kept per block.
-template <int F, int MB, bool ONE, bool TAIL>
-AVX512_VNNI inline void chunk_sums(const uint8_t* wr, const int16_t* const* q, int64_t k0, int64_t K,
-                                   __m512i S[MB][4]) {
-  for (int m = 0; m < MB; ++m)
-    for (int s = 0; s < 4; ++s) S[m][s] = _mm512_setzero_si512();
+// the partial sums S[r * MB + m][0..3] of chunk [k0, k0 + 512) for R weight rows and MB rows of x (TAIL: k may
+// end inside it, K is then the row's end; bytes beyond it are not read). ONE: S only needs summing, not
+// keeping per block.
+template <int F, int R, int MB, bool ONE, bool TAIL>
+AVX512_VNNI inline void chunk_sums(const uint8_t* const* wr, const int16_t* const* q, int64_t k0, int64_t K,
+                                   __m512i S[R * MB][4]) {
+  for (int i = 0; i < R * MB; ++i)
+    for (int s = 0; s < 4; ++s) S[i][s] = _mm512_setzero_si512();
 #pragma GCC unroll 4
   for (int s = 0; s < 4; ++s) {
     const int64_t k = k0 + 128 * s;
     if (TAIL && k >= K) break;
-    if constexpr (F == INT4 || F == UINT4) {
-      const __m512i w = load64<TAIL>(wr + k / 2, (K - k) / 2), nib = _mm512_set1_epi16(0x000F);
-      const __m512i c0 = _mm512_and_si512(w, nib), c1 = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);
-      const __m512i c2 = _mm512_and_si512(_mm512_srli_epi16(w, 8), nib), c3 = _mm512_srli_epi16(w, 12);
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) {
+      __m512i* Sr = S[r * MB];
+      if constexpr (F == INT4 || F == UINT4) {
+        const __m512i w = load64<TAIL>(wr[r] + k / 2, (K - k) / 2), nib = _mm512_set1_epi16(0x000F);
+        const __m512i c0 = _mm512_and_si512(w, nib), c1 = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);
+        const __m512i c2 = _mm512_and_si512(_mm512_srli_epi16(w, 8), nib), c3 = _mm512_srli_epi16(w, 12);
 #pragma GCC unroll 4
-      for (int m = 0; m < MB; ++m) {
-        S[m][s] = dp(dp(S[m][s], c0, q[m] + k), c1, q[m] + k + 32);
-        S[m][s] = dp(dp(S[m][s], c2, q[m] + k + 64), c3, q[m] + k + 96);
-      }
-    } else {
-      const __m512i w0 = load64<TAIL>(wr + k, K - k), w1 = load64<TAIL>(wr + k + 64, K - k - 64);
-      __m512i c0, c1, c2, c3;
-      if constexpr (F == INT8) {
-        c0 = _mm512_srai_epi16(_mm512_slli_epi16(w0, 8), 8), c1 = _mm512_srai_epi16(w0, 8);
-        c2 = _mm512_srai_epi16(_mm512_slli_epi16(w1, 8), 8), c3 = _mm512_srai_epi16(w1, 8);
+        for (int m = 0; m < MB; ++m) {
+          Sr[4 * m + s] = dp(dp(Sr[4 * m + s], c0, q[m] + k), c1, q[m] + k + 32);
+          Sr[4 * m + s] = dp(dp(Sr[4 * m + s], c2, q[m] + k + 64), c3, q[m] + k + 96);
+        }
       } else {
-        const __m512i lo = _mm512_set1_epi16(0x00FF);
-        c0 = _mm512_and_si512(w0, lo), c1 = _mm512_srli_epi16(w0, 8);
-        c2 = _mm512_and_si512(w1, lo), c3 = _mm512_srli_epi16(w1, 8);
-      }
+        const __m512i w0 = load64<TAIL>(wr[r] + k, K - k), w1 = load64<TAIL>(wr[r] + k + 64, K - k - 64);
+        __m512i c0, c1, c2, c3;
+        if constexpr (F == INT8) {
+          c0 = _mm512_srai_epi16(_mm512_slli_epi16(w0, 8), 8), c1 = _mm512_srai_epi16(w0, 8);
+          c2 = _mm512_srai_epi16(_mm512_slli_epi16(w1, 8), 8), c3 = _mm512_srai_epi16(w1, 8);
+        } else {
+          const __m512i lo = _mm512_set1_epi16(0x00FF);
+          c0 = _mm512_and_si512(w0, lo), c1 = _mm512_srli_epi16(w0, 8);
+          c2 = _mm512_and_si512(w1, lo), c3 = _mm512_srli_epi16(w1, 8);
+        }
 #pragma GCC unroll 4
-      for (int m = 0; m < MB; ++m) {
-        if constexpr (ONE) {
-          S[m][s] = dp(dp(S[m][s], c0, q[m] + k), c1, q[m] + k + 32);
-          S[m][s] = dp(dp(S[m][s], c2, q[m] + k + 64), c3, q[m] + k + 96);
-        } else {   // 256-bit half h of a load's sums is block h of its 64 k: gather 4 blocks' 128-bit lanes
-          const __m512i A0 = dp(dp(_mm512_setzero_si512(), c0, q[m] + k), c1, q[m] + k + 32);
-          const __m512i A1 = dp(dp(_mm512_setzero_si512(), c2, q[m] + k + 64), c3, q[m] + k + 96);
-          S[m][s] = _mm512_add_epi32(_mm512_shuffle_i64x2(A0, A1, 0x88), _mm512_shuffle_i64x2(A0, A1, 0xDD));
+        for (int m = 0; m < MB; ++m) {
+          if constexpr (ONE) {
+            Sr[4 * m + s] = dp(dp(Sr[4 * m + s], c0, q[m] + k), c1, q[m] + k + 32);
+            Sr[4 * m + s] = dp(dp(Sr[4 * m + s], c2, q[m] + k + 64), c3, q[m] + k + 96);
+          } else {   // 256-bit half h of a load's sums is block h of its 64 k: gather 4 blocks' 128-bit lanes
+            const __m512i A0 = dp(dp(_mm512_setzero_si512(), c0, q[m] + k), c1, q[m] + k + 32);
+            const __m512i A1 = dp(dp(_mm512_setzero_si512(), c2, q[m] + k + 64), c3, q[m] + k + 96);
+            Sr[4 * m + s] = _mm512_add_epi32(_mm512_shuffle_i64x2(A0, A1, 0x88), _mm512_shuffle_i64x2(A0, A1, 0xDD));
+          }
         }
       }
     }
@@ -455,52 +469,62 @@ struct Chunking {
   int64_t chunks_per_group;   // ONE: chunks of 512 k per group (per channel: all of them)
 };
 
-// weight row n against MB rows of x from m0 (x in the PAIRS / NIBBLES layout)
-template <int F, int MB, bool ONE>
-AVX512_VNNI void row_avx512(const Act16& a, int64_t m0, const QuantView& w, int64_t K, int64_t n, float* y,
+// weight rows n[0..R) against MB rows of x from m0 (x in the PAIRS / NIBBLES layout)
+template <int F, int R, int MB, bool ONE>
+AVX512_VNNI void row_avx512(const Act16& a, int64_t m0, const QuantView& w, int64_t K, const int64_t* n, float* y,
                             int64_t N, const Chunking& ch) {
-  const uint8_t* wr = w.codes + n * w.row_bytes;
-  const at::Half* sr = w.scales + n * w.groups;
-  const uint8_t* zr = w.zeros ? w.zeros + n * w.groups : nullptr;
+  const uint8_t* wr[R];
+  const at::Half* sr[R];
+  const uint8_t* zr[R];
+  for (int r = 0; r < R; ++r) {
+    wr[r] = w.codes + n[r] * w.row_bytes, sr[r] = w.scales + n[r] * w.groups;
+    zr[r] = w.zeros ? w.zeros + n[r] * w.groups : nullptr;
+  }
   const int64_t nb = a.padded / BLOCK, chunks = nb / 16, full = K / CHUNK;
   const int16_t* q[MB];
-  __m512 total[MB];
-  float zsum[MB];   // ONE: sum over chunks of s * z * (sum of q over the chunk)
-  for (int m = 0; m < MB; ++m)
-    q[m] = a.q.data() + (m0 + m) * a.padded, total[m] = _mm512_setzero_ps(), zsum[m] = 0.f;
+  __m512 total[R * MB];
+  float zsum[R * MB];   // ONE: sum over chunks of s * z * (sum of q over the chunk)
+  for (int m = 0; m < MB; ++m) q[m] = a.q.data() + (m0 + m) * a.padded;
+  for (int i = 0; i < R * MB; ++i) total[i] = _mm512_setzero_ps(), zsum[i] = 0.f;
   int64_t g = 0, in_group = 0;   // ONE: the chunk's group, and its place in it
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t k0 = c * CHUNK;
-    __m512i S[MB][4];
-    if (c < full) chunk_sums<F, MB, ONE, false>(wr, q, k0, K, S);
-    else chunk_sums<F, MB, ONE, true>(wr, q, k0, K, S);
-    if constexpr (ONE) {
-      const float s = _cvtsh_ss(sr[g].x);
-      const __m512 sv = _mm512_set1_ps(s);
-      for (int m = 0; m < MB; ++m) {
-        const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(S[m][0], S[m][1]), _mm512_add_epi32(S[m][2], S[m][3]));
-        total[m] = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(sum), total[m]);
-        if constexpr (F != INT8)
-          zsum[m] += s * static_cast<float>(zero_of<F>(zr, g) * a.chunk_sum[(m0 + m) * chunks + c]);
-      }
-      if (++in_group == ch.chunks_per_group) in_group = 0, ++g;
-    } else {
-      const int64_t g0 = c * ch.per_chunk, count = std::min(ch.per_chunk, w.groups - g0);   // the chunk's groups
-      const __mmask16 gm = static_cast<__mmask16>((1u << count) - 1);
-      const __m512 sv = _mm512_permutexvar_ps(ch.gidx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, sr + g0)));
-      __m512i zv = _mm512_setzero_si512();
-      if constexpr (F == INT4) zv = _mm512_set1_epi32(8);
-      if constexpr (F == UINT8 || F == UINT4)
-        zv = _mm512_permutexvar_epi32(ch.gidx, _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(gm, zr + g0)));
-      for (int m = 0; m < MB; ++m) {
-        __m512i r = block_sums(S[m]);
-        if constexpr (F != INT8)
-          r = _mm512_sub_epi32(r, _mm512_mullo_epi32(zv, _mm512_loadu_si512(a.block_sum.data() + (m0 + m) * nb + 16 * c)));
-        total[m] = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(r), total[m]);
+    __m512i S[R * MB][4];
+    if (c < full) chunk_sums<F, R, MB, ONE, false>(wr, q, k0, K, S);
+    else chunk_sums<F, R, MB, ONE, true>(wr, q, k0, K, S);
+    for (int r = 0; r < R; ++r) {
+      if constexpr (ONE) {
+        const float s = _cvtsh_ss(sr[r][g].x);
+        const __m512 sv = _mm512_set1_ps(s);
+        for (int m = 0; m < MB; ++m) {
+          const __m512i* Si = S[r * MB + m];
+          const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(Si[0], Si[1]), _mm512_add_epi32(Si[2], Si[3]));
+          total[r * MB + m] = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(sum), total[r * MB + m]);
+          if constexpr (F != INT8)
+            zsum[r * MB + m] += s * static_cast<float>(zero_of<F>(zr[r], g) * a.chunk_sum[(m0 + m) * chunks + c]);
+        }
+      } else {
+        const int64_t g0 = c * ch.per_chunk, count = std::min(ch.per_chunk, w.groups - g0);   // the chunk's groups
+        const __mmask16 gm = static_cast<__mmask16>((1u << count) - 1);
+        const __m512 sv = _mm512_permutexvar_ps(ch.gidx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, sr[r] + g0)));
+        __m512i zv = _mm512_setzero_si512();
+        if constexpr (F == INT4) zv = _mm512_set1_epi32(8);
+        if constexpr (F == UINT8 || F == UINT4)
+          zv = _mm512_permutexvar_epi32(ch.gidx, _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(gm, zr[r] + g0)));
+        for (int m = 0; m < MB; ++m) {
+          __m512i sums = block_sums(S[r * MB + m]);
+          if constexpr (F != INT8)
+            sums = _mm512_sub_epi32(sums, _mm512_mullo_epi32(zv, _mm512_loadu_si512(a.block_sum.data() +
+                                                                                     (m0 + m) * nb + 16 * c)));
+          total[r * MB + m] = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(sums), total[r * MB + m]);
+        }
       }
     }
+    if (ONE && ++in_group == ch.chunks_per_group) in_group = 0, ++g;
   }
-  for (int m = 0; m < MB; ++m) y[(m0 + m) * N + n] = a.d[m0 + m] * (_mm512_reduce_add_ps(total[m]) - zsum[m]);
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m)
+      y[(m0 + m) * N + n[r]] = a.d[m0 + m] * (_mm512_reduce_add_ps(total[r * MB + m]) - zsum[r * MB + m]);
 }
 
 // the weights the AVX-512 kernel takes: per channel, or groups of 32, 64, 128, 256 or a multiple of 512
@@ -517,13 +541,25 @@ AVX512_VNNI void rows_avx512_mode(const Act16& a, int64_t M, const QuantView& w,
   ch.gidx = _mm512_load_si512(idx);
   ch.per_chunk = ONE ? 0 : CHUNK / w.group;
   ch.chunks_per_group = w.groups == 1 ? a.padded / CHUNK : w.group / CHUNK;
+  if (M == 1) {   // two streams per thread, as gemv.cpp's rows_m1_avx512: rows i and part + i of its block
+    const int64_t part = (n1 - n0) / 2;
+    for (int64_t i = 0; i < part; ++i) {
+      const int64_t n[2] = {n0 + i, n0 + part + i};
+      row_avx512<F, 2, 1, ONE>(a, 0, w, K, n, y, N, ch);
+    }
+    if ((n1 - n0) % 2) {
+      const int64_t last = n1 - 1;
+      row_avx512<F, 1, 1, ONE>(a, 0, w, K, &last, y, N, ch);
+    }
+    return;
+  }
   for (int64_t m = 0; m < M; m += MR) {
     for (int64_t n = n0; n < n1; ++n) {
       switch (std::min(MR, M - m)) {
-        case 1: row_avx512<F, 1, ONE>(a, m, w, K, n, y, N, ch); break;
-        case 2: row_avx512<F, 2, ONE>(a, m, w, K, n, y, N, ch); break;
-        case 3: row_avx512<F, 3, ONE>(a, m, w, K, n, y, N, ch); break;
-        default: row_avx512<F, 4, ONE>(a, m, w, K, n, y, N, ch); break;
+        case 1: row_avx512<F, 1, 1, ONE>(a, m, w, K, &n, y, N, ch); break;
+        case 2: row_avx512<F, 1, 2, ONE>(a, m, w, K, &n, y, N, ch); break;
+        case 3: row_avx512<F, 1, 3, ONE>(a, m, w, K, &n, y, N, ch); break;
+        default: row_avx512<F, 1, 4, ONE>(a, m, w, K, &n, y, N, ch); break;
       }
     }
   }
