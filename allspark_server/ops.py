@@ -64,7 +64,8 @@ def describe() -> str:
     """Which kernels this process uses (resolves the native module and the ISA level once)."""
     if native() is None:
         return "PyTorch path (native module unavailable)"
-    return "native, " + {ISA_AVX512_VNNI: "AVX-512 VNNI", ISA_AVX512: "AVX-512", ISA_AVX2: "AVX2+FMA", ISA_PORTABLE: "portable C++"}[isa_level()]
+    names = {ISA_AVX512_VNNI: "AVX-512 VNNI", ISA_AVX512: "AVX-512", ISA_AVX2: "AVX2+FMA", ISA_PORTABLE: "portable C++"}
+    return "native, " + names[isa_level()]
 
 
 ACT_MAX = 32767.0
@@ -75,7 +76,9 @@ def round_activations_reference(x: torch.Tensor) -> torch.Tensor:
     q = round(x * 32767 / absmax) (half to even), times absmax / 32767; fp32 [M, K]."""
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, ACT_MAX / amax, torch.zeros_like(amax))
+    # a true division, as the kernels compute it (torch's `scalar / tensor` is reciprocal * scalar, which rounds
+    # differently for ~1/4 of values and can then round an element of q the other way)
+    inv = torch.where(amax > 0, torch.full_like(amax, ACT_MAX) / amax, torch.zeros_like(amax))
     return torch.round(xf * inv) * (amax / ACT_MAX)
 
 

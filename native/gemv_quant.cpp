@@ -31,11 +31,25 @@
 // The weight streams row by row; each thread owns a contiguous block of rows, up to 4 rows of x share each
 // block of codes.
 //
-// AVX-512: int16 x int16 (vpdpwssd, today's exact numerics) rather than int8 x uint8 (vpdpbusd, x rounded to
-// int8 as llama.cpp's q8_0 does). Measured on the 2-core Zen 4 VM (4-bit g32, M = 1, same process, same
-// rounds): with the weights in L2 the vpdpbusd loop ran 1.7-1.9x as fast (it needs half the multiply-adds and
-// half the unpacking per weight), but streaming from memory only 1.1-1.25x (1 thread), and the whole GEMV is
-// what the memory allows. %RESULTS%
+// AVX-512: int16 x int16 (vpdpwssd, the exact numerics above) rather than uint8 x int8 (vpdpbusd, x rounded to
+// int8 as llama.cpp's q8_0 is: a 1/254 activation error, ~1% of the largest output on random 4-bit weights,
+// vs ~3e-5). Measured on the 2-core Zen 4 VM (4-bit g32, M = 1, interleaved in one process; the VM is
+// shared, so each number is a median of same-round ratios and varies between runs): a vpdpbusd variant of
+// this kernel ran 1.7x as fast with the weights in L2 (half the multiply-adds and unpacking per weight), but
+// over the 0.5 B model's 64 GEMVs streaming from memory only 1.03-1.11x (2 threads; 1.11-1.24x per shape on
+// 1 thread), and neither variant reached the bf16 GEMV's bandwidth in the runs where that one got ~35 GB/s.
+// Chains of those 64 GEMVs, 2 threads, x the bf16 GEMV chain (benchmarks/gemv_quant_micro.py, 31 rounds,
+// runs where bf16 read ~29-30 GB/s; the byte ratios allow 2.0 / 3.56 / 3.66 / 3.88):
+//                  int8 per channel   int4 g32   uint4 g64   int4 g128
+//   AVX2 path           1.93-1.94     2.52-2.60  2.64-2.69   2.85-2.87
+//   this kernel         2.02-2.05     3.36-3.49  3.41-3.49   3.71-3.75
+// In quieter runs (bf16 at ~35 GB/s) int4 g32 was 2.45-2.71x (vpdpbusd 2.75-3.05x): the 4-bit loop then reads
+// ~27 GB/s, ~15-19 GB/s a core, short of what one core's bf16 GEMV streams (~21-25 GB/s): ~11 instructions
+// per 64-byte line of codes (int16 x int16 takes 4 vpdpwssd per 128 codes) against ~6 for bf16.
+// Two weight rows per step at M = 1, from the two halves of each thread's block (two streams, as gemv.cpp's
+// bf16 kernel, sharing the loads of x): 1.36-1.44x as fast in L2; int4 g32 went from 2.68-2.88x of bf16 (one
+// row per step, earlier runs, not the same rounds) to the numbers above. Prefetching the scales of the rows
+// 8 ahead (tried) did not help (2.51x vs 2.71x, same rounds).
 //
 #include <torch/extension.h>
 #include <immintrin.h>

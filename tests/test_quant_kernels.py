@@ -115,6 +115,32 @@ def test_linear_quant_matches_float64(dtype, isa):
             assert ((y.double() - ref).abs() <= tol + rounding).all(), (fmt, n, k, group, m, dtype, isa)
 
 
+def test_isa_levels_from_cpu_flags(monkeypatch):
+    avx512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}
+    for flags, level in ((avx512 | {"avx512_vnni"}, ops.ISA_AVX512_VNNI), (avx512 | {"avx512vnni"}, 3),
+                         (avx512, ops.ISA_AVX512), ({"avx2", "fma", "avx512_vnni"}, ops.ISA_AVX2), (set(), 0)):
+        monkeypatch.setattr(ops, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert ops.isa_level.__wrapped__() == level, flags
+
+
+@needs_native
+@pytest.mark.skipif(ops.isa_level() < ops.ISA_AVX512_VNNI, reason="no AVX-512 VNNI")
+def test_vnni_gemv_equals_avx2_and_reference_up_to_fp32_order():
+    """The AVX-512 VNNI kernel meets x in the same int16 rounding with exact integer sums: against the AVX2
+    kernel and ops.linear_reference (fp32) it differs only by fp32 summation order, for M = 1..16."""
+    ext = ops.native()
+    g = torch.Generator().manual_seed(5)
+    for i, (fmt, n, k, group) in enumerate(_cases()):
+        qw = _quantized(n, k, fmt, group, seed=200 + i)
+        nw = ops.native_weight(qw)
+        for m in range(1, 17):
+            x = torch.randn(m, k, generator=g)
+            y3, y1 = ext.linear_quant(x, nw, None, ops.ISA_AVX512_VNNI), ext.linear_quant(x, nw, None, ops.ISA_AVX2)
+            scale = (x.abs() @ qw.dequantize().abs().T).max().item()
+            assert (y3 - y1).abs().max().item() <= 1e-6 * scale, (fmt, n, k, group, m)
+            assert (y3 - ops.linear_reference(x, qw)).abs().max().item() <= 2e-6 * scale, (fmt, n, k, group, m)
+
+
 @needs_native
 @pytest.mark.parametrize("isa", isa_levels())
 def test_dequantize_weight_matches_reference(isa):
