@@ -39,10 +39,11 @@
 // over the 0.5 B model's 64 GEMVs streaming from memory only 1.03-1.11x (2 threads; 1.11-1.24x per shape on
 // 1 thread), and neither variant reached the bf16 GEMV's bandwidth in the runs where that one got ~35 GB/s.
 // Chains of those 64 GEMVs, 2 threads, x the bf16 GEMV chain (benchmarks/gemv_quant_micro.py, 31 rounds,
-// runs where bf16 read ~29-30 GB/s; the byte ratios allow 2.0 / 3.56 / 3.66 / 3.88):
+// three runs where bf16 read ~27-30 GB/s; the byte ratios allow 2.0 / 3.56 / 3.66 / 3.88):
 //                  int8 per channel   int4 g32   uint4 g64   int4 g128
-//   AVX2 path           1.93-1.94     2.52-2.60  2.64-2.69   2.85-2.87
-//   this kernel         2.02-2.05     3.36-3.49  3.41-3.49   3.71-3.75
+//   AVX2 path           1.93-2.02     2.52-2.67  2.64-2.69   2.74-2.87
+//   this kernel         2.02-2.09     3.35-3.49  3.41-3.49   3.71-3.79
+// (1 thread, one run: AVX2 2.14 / 2.29 / 2.28 / 2.37, this kernel 2.28 / 3.44 / 3.56 / 3.85.)
 // In quieter runs (bf16 at ~35 GB/s) int4 g32 was 2.45-2.71x (vpdpbusd 2.75-3.05x): the 4-bit loop then reads
 // ~27 GB/s, ~15-19 GB/s a core, short of what one core's bf16 GEMV streams (~21-25 GB/s): ~11 instructions
 // per 64-byte line of codes (int16 x int16 takes 4 vpdpwssd per 128 codes) against ~6 for bf16.
