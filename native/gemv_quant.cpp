@@ -123,7 +123,8 @@ inline float abs_max_avx512(const float* x, int64_t n) {
   __m512 amax = _mm512_setzero_ps();
   for (int64_t k = 0; k < n; k += 16) {
     const __mmask16 m = n - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - k)) - 1);
-    amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + k)));
+    // abs first: a NaN element is then skipped, as std::max skips it in abs_max
+    amax = _mm512_max_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + k)), amax);
   }
   return _mm512_reduce_max_ps(amax);
 }
@@ -151,7 +152,8 @@ void round_row_avx512(const float* x, int64_t K, int64_t padded, float inv, Layo
   constexpr int off[4] = {0, 16, 1, 17};
   for (int i = 0; i < 32; ++i) {
     for (int v = 0; v < 2; ++v) pidx[v][i] = static_cast<int16_t>(2 * i + v);
-    for (int v = 0; v < 4 && layout == NIBBLES; ++v) pidx[v][i] = static_cast<int16_t>(32 * (i / 8) + off[v] + 2 * (i % 8));
+    for (int v = 0; v < 4 && layout == NIBBLES; ++v)
+      pidx[v][i] = static_cast<int16_t>(32 * (i / 8) + off[v] + 2 * (i % 8));
   }
   for (int lane = 0; lane < 16; ++lane) lidx[lane] = 4 * (lane % 4) + lane / 4;
   const __m512 iv = _mm512_set1_ps(inv);
