@@ -2,7 +2,7 @@
 
 Each op has a torch reference (`*_reference`) that the native kernel is tested against and that
 runs whenever the extension is unavailable or the shape does not suit it. The ISA level the
-kernels use is read once from py-cpuinfo (AVX-512 > AVX2+FMA > portable); ALLSPARK_NO_NATIVE=1
+kernels use is read once from py-cpuinfo (AVX-512 VNNI > AVX-512 > AVX2+FMA > portable); ALLSPARK_NO_NATIVE=1
 turns the native path off.
 """
 from __future__ import annotations
@@ -19,7 +19,9 @@ from allspark_server.quant.formats import FORMAT_IDS, QuantizedWeight
 
 log = logging.getLogger(__name__)
 
-ISA_PORTABLE, ISA_AVX2, ISA_AVX512 = 0, 1, 2
+# kernels test `isa >= ISA_AVX512` for AVX-512 code, so ISA_AVX512_VNNI (only the quantized GEMV has a VNNI
+# path, native/gemv_quant.cpp) runs every other kernel's AVX-512 path
+ISA_PORTABLE, ISA_AVX2, ISA_AVX512, ISA_AVX512_VNNI = 0, 1, 2, 3
 # largest number of rows of x the native linear takes; above it oneDNN's GEMM wins (measured on an
 # 8192 x 1536 weight, 2 Zen 4 threads: fp32 native 4.0 ms vs 5.2 ms at 8 rows, 6.0 vs 5.4 at 12;
 # bf16 1.1 vs 1.2 ms at 4 rows, 1.7 vs 1.3 at 5 — oneDNN has bf16 dot-product instructions).
@@ -52,7 +54,8 @@ def cpu_flags() -> frozenset:
 def isa_level() -> int:
     flags = cpu_flags()
     if {"avx512f", "avx512bw", "avx512vl"} <= flags:
-        return ISA_AVX512
+        # py-cpuinfo spells it avx512vnni (from cpuid) or avx512_vnni (from /proc/cpuinfo)
+        return ISA_AVX512_VNNI if {"avx512vnni", "avx512_vnni"} & flags else ISA_AVX512
     if {"avx2", "fma"} <= flags:
         return ISA_AVX2
     return ISA_PORTABLE
@@ -62,7 +65,8 @@ def describe() -> str:
     """Which kernels this process uses (resolves the native module and the ISA level once)."""
     if native() is None:
         return "PyTorch path (native module unavailable)"
-    return "native, " + {ISA_AVX512: "AVX-512", ISA_AVX2: "AVX2+FMA", ISA_PORTABLE: "portable C++"}[isa_level()]
+    names = {ISA_AVX512_VNNI: "AVX-512 VNNI", ISA_AVX512: "AVX-512", ISA_AVX2: "AVX2+FMA", ISA_PORTABLE: "portable C++"}
+    return "native, " + names[isa_level()]
 
 
 ACT_MAX = 32767.0
@@ -73,7 +77,9 @@ def round_activations_reference(x: torch.Tensor) -> torch.Tensor:
     q = round(x * 32767 / absmax) (half to even), times absmax / 32767; fp32 [M, K]."""
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, ACT_MAX / amax, torch.zeros_like(amax))
+    # a true division, as the kernels compute it (torch's `scalar / tensor` is reciprocal * scalar, which rounds
+    # differently for ~1/4 of values and can then round an element of q the other way)
+    inv = torch.where(amax > 0, torch.full_like(amax, ACT_MAX) / amax, torch.zeros_like(amax))
     return torch.round(xf * inv) * (amax / ACT_MAX)
 
 

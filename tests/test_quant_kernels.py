@@ -76,8 +76,11 @@ def _quantized(n, k, fmt, group, seed):
 
 def _cases():
     for fmt in FORMATS:
+        # K = 640: one whole chunk of the AVX-512 kernel (512 k) and a partial one; G = 1024: chunks inside
+        # larger groups; G = 96: a group size the AVX-512 kernel leaves to the AVX2 one
         for n, k, groups in ((7, 32, (-1, 32)), (33, 96, (-1, 32)), (130, 512, (-1, 64, 128, 256, 512)),
-                             (64, 257, (-1,)), (300, 1000, (-1,))):
+                             (64, 257, (-1,)), (300, 1000, (-1,)), (21, 640, (-1, 32, 64, 128)),
+                             (17, 2048, (1024,)), (9, 192, (96,))):
             if fmt.endswith("4") and k % 32:
                 continue
             for group in groups:
@@ -85,7 +88,9 @@ def _cases():
 
 
 def isa_levels() -> list[int]:
-    return list(range(min(ops.isa_level(), 1) + 1))   # the quantized kernels: 1 = AVX2 (also on AVX-512), 0
+    """Every level this CPU runs: 3 = AVX-512 VNNI (its own GEMV), 2 = AVX-512 without VNNI (the AVX2 GEMV, the
+    AVX-512 dequantization), 1 = AVX2, 0 = portable."""
+    return list(range(ops.isa_level() + 1))
 
 
 @needs_native
@@ -108,6 +113,32 @@ def test_linear_quant_matches_float64(dtype, isa):
             tol = 1e-5 * (x.double().abs() @ w64.abs().T).max().item() + 1e-6
             rounding = ref.abs() * (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24)
             assert ((y.double() - ref).abs() <= tol + rounding).all(), (fmt, n, k, group, m, dtype, isa)
+
+
+def test_isa_levels_from_cpu_flags(monkeypatch):
+    avx512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}
+    for flags, level in ((avx512 | {"avx512_vnni"}, ops.ISA_AVX512_VNNI), (avx512 | {"avx512vnni"}, 3),
+                         (avx512, ops.ISA_AVX512), ({"avx2", "fma", "avx512_vnni"}, ops.ISA_AVX2), (set(), 0)):
+        monkeypatch.setattr(ops, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert ops.isa_level.__wrapped__() == level, flags
+
+
+@needs_native
+@pytest.mark.skipif(ops.isa_level() < ops.ISA_AVX512_VNNI, reason="no AVX-512 VNNI")
+def test_vnni_gemv_equals_avx2_and_reference_up_to_fp32_order():
+    """The AVX-512 VNNI kernel meets x in the same int16 rounding with exact integer sums: against the AVX2
+    kernel and ops.linear_reference (fp32) it differs only by fp32 summation order, for M = 1..16."""
+    ext = ops.native()
+    g = torch.Generator().manual_seed(5)
+    for i, (fmt, n, k, group) in enumerate(_cases()):
+        qw = _quantized(n, k, fmt, group, seed=200 + i)
+        nw = ops.native_weight(qw)
+        for m in range(1, 17):
+            x = torch.randn(m, k, generator=g)
+            y3, y1 = ext.linear_quant(x, nw, None, ops.ISA_AVX512_VNNI), ext.linear_quant(x, nw, None, ops.ISA_AVX2)
+            scale = (x.abs() @ qw.dequantize().abs().T).max().item()
+            assert (y3 - y1).abs().max().item() <= 1e-6 * scale, (fmt, n, k, group, m)
+            assert (y3 - ops.linear_reference(x, qw)).abs().max().item() <= 2e-6 * scale, (fmt, n, k, group, m)
 
 
 @needs_native

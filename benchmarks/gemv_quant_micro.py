@@ -1,0 +1,75 @@
+"""Batch-1 GEMV chains of the 0.5 B benchmark model (16 layers of qkv [2560, 1536], o [1536, 1536], gate_up
+[8192, 1536], down [1536, 4096]): the bf16 dense GEMV against the quantized GEMV per format and ISA level.
+
+Every layer has its own weights, so a chain streams them from memory as a decode step does. The variants run
+interleaved, one chain each per round, and the report is each variant's median time and its ratio to the bf16
+chain's time in the same round (median over rounds): on a shared machine only same-round ratios mean much.
+
+    PYTHONPATH=. python benchmarks/gemv_quant_micro.py [--rounds 15] [--threads 2] [--rows 1]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from allspark_server import ops
+from allspark_server.quant.formats import QuantizedWeight
+
+SHAPES = ((2560, 1536), (1536, 1536), (8192, 1536), (1536, 4096))   # qkv, o, gate_up, down
+LAYERS = 16
+FORMATS = (("int8", -1), ("int4", 32), ("uint4", 64), ("int4", 128))
+
+
+def random_quantized(n: int, k: int, fmt: str, group: int, g: torch.Generator) -> QuantizedWeight:
+    """Random codes and scales in the stored layout (the speed does not depend on the values)."""
+    groups = 1 if group == -1 else k // group
+    cols = k // 2 if fmt.endswith("4") else k
+    codes = torch.randint(0, 256, (n, cols), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(n, groups, generator=g) * 1e-2).half()
+    zeros = torch.randint(0, 16 if fmt.endswith("4") else 256, (n, groups), generator=g,
+                          dtype=torch.uint8) if fmt.startswith("u") else None
+    return QuantizedWeight(codes.view(torch.int8) if fmt == "int8" else codes, scales, zeros, fmt, group, k)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", type=int, default=1)
+    p.add_argument("--isa", type=int, nargs="*", help="quantized ISA levels to compare (default: 1 and the CPU's)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    ext, g = ops.native(), torch.Generator().manual_seed(0)
+    levels = args.isa or sorted({ops.ISA_AVX2, ops.isa_level()})
+    xs = {k: torch.randn(args.rows, k, generator=g).bfloat16() for k in (1536, 4096)}
+
+    dense = [[torch.randn(n, k, generator=g).bfloat16() * 0.02 for n, k in SHAPES] for _ in range(LAYERS)]
+    variants = {"bf16": lambda: [ext.linear_small_m(xs[w.shape[1]], w, None, ops.isa_level())
+                                 for layer in dense for w in layer]}
+    for fmt, group in FORMATS:
+        weights = [[ops.native_weight(random_quantized(n, k, fmt, group, g)) for n, k in SHAPES]
+                   for _ in range(LAYERS)]
+        for isa in levels:
+            variants[f"{fmt} g{group} isa{isa}"] = (
+                lambda weights=weights, isa=isa: [ext.linear_quant(xs[k], w, None, isa)
+                                                  for layer in weights for w, (_, k) in zip(layer, SHAPES)])
+    times = {name: [] for name in variants}
+    for fn in variants.values():   # warm up
+        fn()
+    for _ in range(args.rounds):
+        for name, fn in variants.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    base = times["bf16"]
+    print(f"{'variant':<20} {'ms':>7} {'x bf16':>7}   (rows {args.rows}, threads {args.threads}, {args.rounds} rounds)")
+    for name, ts in times.items():
+        ratio = statistics.median(b / t for b, t in zip(base, ts))
+        print(f"{name:<20} {statistics.median(ts) * 1e3:7.2f} {ratio:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
