@@ -1,0 +1,75 @@
+// What the quantized GEMV's two files share (gemv_quant.cpp: portable, AVX2, dequantization and the entry
+// points; gemv_quant_avx512.cpp: the AVX-512 VNNI kernel): block and chunk sizes, the formats, x rounded to
+// int16 (Act16) and the order it is stored in, and reading one code. Layouts: gemv_quant.cpp's header comment.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels.h"
+
+namespace qgemv {
+
+
+constexpr int64_t MR = 4;      // x rows sharing each widened block of codes
+constexpr int64_t BLOCK = 32;  // k per block of codes (and of x's 16-bit rounding)
+// k per exact int32 partial sum: |(code - zero) * q| <= 255 * 32767, and an int32 lane sums 128 of them per 1024 k
+constexpr int64_t FLUSH = 1024;
+constexpr int64_t CHUNK = 512;  // k per step of the AVX-512 kernel: 16 blocks whose sums are reduced together
+constexpr float ACT_MAX = 32767.f;
+
+enum Format : int64_t { INT8 = 0, UINT8 = 1, INT4 = 2, UINT4 = 3 };
+
+inline float half_to_float(at::Half h) { return static_cast<float>(h); }
+
+// Where a row of x sits in Act16::q. NATURAL: k in order (portable and AVX2 kernels). The AVX-512 kernel
+// reads 64 bytes of codes at a time as 32 16-bit words and isolates each word's codes with shifts and masks,
+// so x is stored in the order those codes come out (the rounding is the same, only the order differs):
+//   PAIRS (8-bit, per 64 k): word i holds k = 2i (low byte), 2i + 1 (high byte): q[2i] x 32, then q[2i + 1] x 32
+//   NIBBLES (4-bit, per 128 k = 4 blocks): word i is bytes 2j, 2j + 1 of block b = i / 8 (j = i % 8), i.e. its
+//   four nibbles are k = 32b + {2j, 16 + 2j, 2j + 1, 17 + 2j}: four vectors of 32, one per nibble position
+enum Layout { NATURAL, PAIRS, NIBBLES };
+
+// x rounded per row to int16: q [M, padded K] (zero padded) and one scale d per row
+struct Act16 {
+  std::vector<int16_t> q;
+  // [M, padded K / 32]: sum of q over each block of 32 (for the zero points); PAIRS / NIBBLES: each chunk's 16
+  // in the lane order of the AVX-512 kernel's reduction (lane 4b + s holds block 4s + b)
+  std::vector<int32_t> block_sum;
+  std::vector<int32_t> chunk_sum;   // PAIRS / NIBBLES: [M, padded K / CHUNK], sum of q over each chunk
+  std::vector<float> d;
+  int64_t padded;
+};
+template <int F>
+inline int code_at(const uint8_t* row, int64_t k) {
+  if constexpr (F == INT8) return static_cast<int8_t>(row[k]);
+  else if constexpr (F == UINT8) return row[k];
+  else {
+    const uint8_t b = row[(k / BLOCK) * (BLOCK / 2) + (k % BLOCK) % (BLOCK / 2)];
+    return (k % BLOCK) < BLOCK / 2 ? (b & 0xF) : (b >> 4);
+  }
+}
+
+template <int F>
+inline int zero_of(const uint8_t* zeros_row, int64_t g) {
+  if constexpr (F == UINT8 || F == UINT4) return zeros_row[g];
+  else if constexpr (F == INT4) return 8;
+  else return 0;
+}
+
+// the weights the AVX-512 kernel takes: per channel, or groups of 32, 64, 128, 256 or a multiple of 512
+inline bool avx512_fits(const QuantView& w) {
+  return w.groups == 1 || w.group % CHUNK == 0 || w.group == 32 || w.group == 64 || w.group == 128 || w.group == 256;
+}
+
+// one row of x into the PAIRS / NIBBLES layout (gemv_quant_avx512.cpp)
+void round_row_avx512(const float* x, int64_t K, int64_t padded, float inv, Layout layout, int16_t* q,
+                      int32_t* bsum, int32_t* chunk_sum);
+// rows [n0, n1) of y = x . W^T with the AVX-512 VNNI kernel (x in the PAIRS / NIBBLES layout); F a Format
+template <int F>
+void rows_avx512(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y,
+                 int64_t N);
+
+}  // namespace qgemv

@@ -1,0 +1,284 @@
+// The quantized GEMV's AVX-512 VNNI kernel (ISA level 3) and the activation layout it reads; the rest of the
+// GEMV, its layout and math are in gemv_quant.cpp, the pieces both share in gemv_quant.h.
+//
+// int16 x int16 (vpdpwssd, gemv_quant.cpp's exact numerics) rather than uint8 x int8 (vpdpbusd, x rounded to
+// int8 as llama.cpp's q8_0 is: a 1/254 activation error, ~1% of the largest output on random 4-bit weights,
+// vs ~3e-5). Measured on the 2-core Zen 4 VM (4-bit g32, M = 1, interleaved in one process; the VM is
+// shared, so each number is a median of same-round ratios and varies between runs): a vpdpbusd variant of
+// this kernel ran 1.7x as fast with the weights in L2 (half the multiply-adds and unpacking per weight), but
+// over the 0.5 B model's 64 GEMVs streaming from memory only 1.03-1.11x (2 threads; 1.11-1.24x per shape on
+// 1 thread), and neither variant reached the bf16 GEMV's bandwidth in the runs where that one got ~35 GB/s.
+// Chains of those 64 GEMVs, 2 threads, x the bf16 GEMV chain (benchmarks/gemv_quant_micro.py, 31 rounds,
+// three runs where bf16 read ~27-30 GB/s; the byte ratios allow 2.0 / 3.56 / 3.66 / 3.88):
+//                  int8 per channel   int4 g32   uint4 g64   int4 g128
+//   AVX2 path           1.93-2.02     2.52-2.67  2.64-2.69   2.74-2.87
+//   this kernel         2.02-2.09     3.35-3.49  3.41-3.49   3.71-3.79
+// (1 thread, one run: AVX2 2.14 / 2.29 / 2.28 / 2.37, this kernel 2.28 / 3.44 / 3.56 / 3.85.)
+// In quieter runs (bf16 at ~35 GB/s) int4 g32 was 2.45-2.71x (vpdpbusd 2.75-3.05x): the 4-bit loop then reads
+// ~27 GB/s, ~15-19 GB/s a core, short of what one core's bf16 GEMV streams (~21-25 GB/s): ~11 instructions
+// per 64-byte line of codes (int16 x int16 takes 4 vpdpwssd per 128 codes) against ~6 for bf16.
+// Two weight rows per step at M = 1, from the two halves of each thread's block (two streams, as gemv.cpp's
+// bf16 kernel, sharing the loads of x): 1.36-1.44x as fast in L2; int4 g32 went from 2.68-2.88x of bf16 (one
+// row per step, earlier runs, not the same rounds) to the numbers above. Prefetching the scales of the rows
+// 8 ahead (tried) did not help (2.51x vs 2.71x, same rounds).
+#include <torch/extension.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "gemv_quant.h"
+
+namespace qgemv {
+
+// One row of x into the PAIRS / NIBBLES layout on AVX-512 (isa >= 3; the same rounding as round_row_avx2):
+// per chunk, the 16 blocks are rounded in order (block sums from the int32 values), then each 64 / 128 k are
+// rearranged with two-source word permutes. q: padded K; bsum: padded K / 32, in the reduction's lane order.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+void round_row_avx512(const float* x, int64_t K, int64_t padded, float inv, Layout layout, int16_t* q,
+                      int32_t* bsum, int32_t* chunk_sum) {
+  alignas(64) int16_t pidx[4][32];   // PAIRS: even / odd words of two blocks; NIBBLES: nibble v of blocks A, B
+  alignas(64) int32_t lidx[16];
+  constexpr int off[4] = {0, 16, 1, 17};
+  for (int i = 0; i < 32; ++i) {
+    for (int v = 0; v < 2; ++v) pidx[v][i] = static_cast<int16_t>(2 * i + v);
+    for (int v = 0; v < 4 && layout == NIBBLES; ++v)
+      pidx[v][i] = static_cast<int16_t>(32 * (i / 8) + off[v] + 2 * (i % 8));
+  }
+  for (int lane = 0; lane < 16; ++lane) lidx[lane] = 4 * (lane % 4) + lane / 4;
+  const __m512 iv = _mm512_set1_ps(inv);
+  const __m512i lanes = _mm512_load_si512(lidx);
+  for (int64_t c0 = 0; c0 < padded; c0 += CHUNK) {
+    __m512i V[16];
+    alignas(64) int32_t bs[16];
+    for (int j = 0; j < 16; ++j) {
+      const int64_t k = c0 + 32 * j, left = K - k;
+      const __mmask16 m0 = left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+      const __mmask16 m1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1);
+      const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m0, x + k), iv));
+      const __m512i b = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m1, x + k + 16), iv));
+      bs[j] = _mm512_reduce_add_epi32(_mm512_add_epi32(a, b));
+      V[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(a)), _mm512_cvtepi32_epi16(b), 1);
+    }
+    int16_t* out = q + c0;
+    if (layout == PAIRS) {
+      const __m512i even = _mm512_load_si512(pidx[0]), odd = _mm512_load_si512(pidx[1]);
+      for (int u = 0; u < 8; ++u) {
+        _mm512_storeu_si512(out + 64 * u, _mm512_permutex2var_epi16(V[2 * u], even, V[2 * u + 1]));
+        _mm512_storeu_si512(out + 64 * u + 32, _mm512_permutex2var_epi16(V[2 * u], odd, V[2 * u + 1]));
+      }
+    } else {
+      for (int u = 0; u < 4; ++u)
+        for (int v = 0; v < 4; ++v) {   // lanes 0-15 from blocks A, B; 16-31 the same words of blocks C, D
+          const __m512i idx = _mm512_load_si512(pidx[v]);
+          const __m512i ab = _mm512_permutex2var_epi16(V[4 * u], idx, V[4 * u + 1]);
+          const __m512i cd = _mm512_permutex2var_epi16(V[4 * u + 2], idx, V[4 * u + 3]);
+          _mm512_storeu_si512(out + 128 * u + 32 * v, _mm512_inserti64x4(ab, _mm512_castsi512_si256(cd), 1));
+        }
+    }
+    const __m512i sums = _mm512_load_si512(bs);
+    _mm512_storeu_si512(bsum + c0 / BLOCK, _mm512_permutexvar_epi32(lanes, sums));
+    chunk_sum[c0 / CHUNK] = _mm512_reduce_add_epi32(sums);
+  }
+}
+
+namespace {
+
+// ---- AVX-512 VNNI -----------------------------------------------------------------------------
+// Per weight row, a chunk of 512 k (16 blocks of 32) at a time. The codes come in as 64-byte loads read as
+// 32 16-bit words (x is laid out to match, see Layout): int8 codes are a word's bytes sign-extended by
+// shifts, uint8 / 4-bit codes its bytes / nibbles masked out, all still int16 lanes, so no widening
+// shuffles. vpdpwssd multiplies them with q and adds pairs into int32 lanes; every int32 lane stays inside
+// one block, so per 128 k (S[s], s = 0..3) 128-bit lane b holds four partial sums of block 4s + b. An
+// unpack/add tree turns S[0..3] into one vector of the 16 block sums (lane 4b + s = block 4s + b); the
+// zero points come off in int32 (z times the block's sum of q) and one FMA applies the 16 blocks' scales,
+// gathered into the same lane order. Groups of 512 k or more (and per-channel weights) skip the tree: the
+// chunk lies inside one group, so its S are summed and scaled by one broadcast scale.
+#define AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+AVX512_VNNI inline __mmask64 bytes_mask(int64_t bytes) {
+  return bytes >= 64 ? ~__mmask64(0) : bytes <= 0 ? __mmask64(0) : (__mmask64(1) << bytes) - 1;
+}
+
+template <bool TAIL>
+AVX512_VNNI inline __m512i load64(const uint8_t* p, int64_t bytes) {
+  if constexpr (TAIL) return _mm512_maskz_loadu_epi8(bytes_mask(bytes), p);
+  else return _mm512_loadu_si512(p);
+}
+
+AVX512_VNNI inline __m512i dp(__m512i acc, __m512i codes, const int16_t* q) {
+  return _mm512_dpwssd_epi32(acc, codes, _mm512_loadu_si512(q));
+}
+
+// the partial sums S[r * MB + m][0..3] of chunk [k0, k0 + 512) for R weight rows and MB rows of x (TAIL: k may
+// end inside it, K is then the row's end; bytes beyond it are not read). ONE: S only needs summing, not
+// keeping per block.
+template <int F, int R, int MB, bool ONE, bool TAIL>
+AVX512_VNNI inline void chunk_sums(const uint8_t* const* wr, const int16_t* const* q, int64_t k0, int64_t K,
+                                   __m512i S[R * MB][4]) {
+  for (int i = 0; i < R * MB; ++i)
+    for (int s = 0; s < 4; ++s) S[i][s] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+  for (int s = 0; s < 4; ++s) {
+    const int64_t k = k0 + 128 * s;
+    if (TAIL && k >= K) break;
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) {
+      __m512i* Sr = S[r * MB];
+      if constexpr (F == INT4 || F == UINT4) {
+        const __m512i w = load64<TAIL>(wr[r] + k / 2, (K - k) / 2), nib = _mm512_set1_epi16(0x000F);
+        const __m512i c0 = _mm512_and_si512(w, nib), c1 = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);
+        const __m512i c2 = _mm512_and_si512(_mm512_srli_epi16(w, 8), nib), c3 = _mm512_srli_epi16(w, 12);
+#pragma GCC unroll 4
+        for (int m = 0; m < MB; ++m) {
+          Sr[4 * m + s] = dp(dp(Sr[4 * m + s], c0, q[m] + k), c1, q[m] + k + 32);
+          Sr[4 * m + s] = dp(dp(Sr[4 * m + s], c2, q[m] + k + 64), c3, q[m] + k + 96);
+        }
+      } else {
+        const __m512i w0 = load64<TAIL>(wr[r] + k, K - k), w1 = load64<TAIL>(wr[r] + k + 64, K - k - 64);
+        __m512i c0, c1, c2, c3;
+        if constexpr (F == INT8) {
+          c0 = _mm512_srai_epi16(_mm512_slli_epi16(w0, 8), 8), c1 = _mm512_srai_epi16(w0, 8);
+          c2 = _mm512_srai_epi16(_mm512_slli_epi16(w1, 8), 8), c3 = _mm512_srai_epi16(w1, 8);
+        } else {
+          const __m512i lo = _mm512_set1_epi16(0x00FF);
+          c0 = _mm512_and_si512(w0, lo), c1 = _mm512_srli_epi16(w0, 8);
+          c2 = _mm512_and_si512(w1, lo), c3 = _mm512_srli_epi16(w1, 8);
+        }
+#pragma GCC unroll 4
+        for (int m = 0; m < MB; ++m) {
+          if constexpr (ONE) {
+            Sr[4 * m + s] = dp(dp(Sr[4 * m + s], c0, q[m] + k), c1, q[m] + k + 32);
+            Sr[4 * m + s] = dp(dp(Sr[4 * m + s], c2, q[m] + k + 64), c3, q[m] + k + 96);
+          } else {   // 256-bit half h of a load's sums is block h of its 64 k: gather 4 blocks' 128-bit lanes
+            const __m512i A0 = dp(dp(_mm512_setzero_si512(), c0, q[m] + k), c1, q[m] + k + 32);
+            const __m512i A1 = dp(dp(_mm512_setzero_si512(), c2, q[m] + k + 64), c3, q[m] + k + 96);
+            Sr[4 * m + s] = _mm512_add_epi32(_mm512_shuffle_i64x2(A0, A1, 0x88), _mm512_shuffle_i64x2(A0, A1, 0xDD));
+          }
+        }
+      }
+    }
+  }
+}
+
+// S[0..3] (128-bit lane b of S[s]: four partial sums of block 4s + b) -> the 16 block sums, lane 4b + s
+AVX512_VNNI inline __m512i block_sums(const __m512i S[4]) {
+  const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(S[0], S[1]), _mm512_unpackhi_epi32(S[0], S[1]));
+  const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(S[2], S[3]), _mm512_unpackhi_epi32(S[2], S[3]));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+}
+
+// what the AVX-512 rows share, worked out once per call (no divisions per chunk)
+struct Chunking {
+  __m512i gidx;          // grouped: lane 4b + s's group, counted from the chunk's first one: (4s + b) / (G / 32)
+  int64_t per_chunk;     // grouped: groups per chunk (512 / G)
+  int64_t chunks_per_group;   // ONE: chunks of 512 k per group (per channel: all of them)
+};
+
+// weight rows n[0..R) against MB rows of x from m0 (x in the PAIRS / NIBBLES layout)
+template <int F, int R, int MB, bool ONE>
+AVX512_VNNI void row_avx512(const Act16& a, int64_t m0, const QuantView& w, int64_t K, const int64_t* n, float* y,
+                            int64_t N, const Chunking& ch) {
+  const uint8_t* wr[R];
+  const at::Half* sr[R];
+  const uint8_t* zr[R];
+  for (int r = 0; r < R; ++r) {
+    wr[r] = w.codes + n[r] * w.row_bytes, sr[r] = w.scales + n[r] * w.groups;
+    zr[r] = w.zeros ? w.zeros + n[r] * w.groups : nullptr;
+  }
+  const int64_t nb = a.padded / BLOCK, chunks = nb / 16, full = K / CHUNK;
+  const int16_t* q[MB];
+  __m512 total[R * MB];
+  float zsum[R * MB];   // ONE: sum over chunks of s * z * (sum of q over the chunk)
+  for (int m = 0; m < MB; ++m) q[m] = a.q.data() + (m0 + m) * a.padded;
+  for (int i = 0; i < R * MB; ++i) total[i] = _mm512_setzero_ps(), zsum[i] = 0.f;
+  int64_t g = 0, in_group = 0;   // ONE: the chunk's group, and its place in it
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t k0 = c * CHUNK;
+    __m512i S[R * MB][4];
+    if (c < full) chunk_sums<F, R, MB, ONE, false>(wr, q, k0, K, S);
+    else chunk_sums<F, R, MB, ONE, true>(wr, q, k0, K, S);
+    for (int r = 0; r < R; ++r) {
+      if constexpr (ONE) {
+        const float s = _cvtsh_ss(sr[r][g].x);
+        const __m512 sv = _mm512_set1_ps(s);
+        for (int m = 0; m < MB; ++m) {
+          const __m512i* Si = S[r * MB + m];
+          const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(Si[0], Si[1]), _mm512_add_epi32(Si[2], Si[3]));
+          total[r * MB + m] = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(sum), total[r * MB + m]);
+          if constexpr (F != INT8)
+            zsum[r * MB + m] += s * static_cast<float>(zero_of<F>(zr[r], g) * a.chunk_sum[(m0 + m) * chunks + c]);
+        }
+      } else {
+        const int64_t g0 = c * ch.per_chunk, count = std::min(ch.per_chunk, w.groups - g0);   // the chunk's groups
+        const __mmask16 gm = static_cast<__mmask16>((1u << count) - 1);
+        const __m512 sv = _mm512_permutexvar_ps(ch.gidx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, sr[r] + g0)));
+        __m512i zv = _mm512_setzero_si512();
+        if constexpr (F == INT4) zv = _mm512_set1_epi32(8);
+        if constexpr (F == UINT8 || F == UINT4)
+          zv = _mm512_permutexvar_epi32(ch.gidx, _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(gm, zr[r] + g0)));
+        for (int m = 0; m < MB; ++m) {
+          __m512i sums = block_sums(S[r * MB + m]);
+          if constexpr (F != INT8)
+            sums = _mm512_sub_epi32(sums, _mm512_mullo_epi32(zv, _mm512_loadu_si512(a.block_sum.data() +
+                                                                                     (m0 + m) * nb + 16 * c)));
+          total[r * MB + m] = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(sums), total[r * MB + m]);
+        }
+      }
+    }
+    if (ONE && ++in_group == ch.chunks_per_group) in_group = 0, ++g;
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m)
+      y[(m0 + m) * N + n[r]] = a.d[m0 + m] * (_mm512_reduce_add_ps(total[r * MB + m]) - zsum[r * MB + m]);
+}
+
+
+template <int F, bool ONE>
+AVX512_VNNI void rows_avx512_mode(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1,
+                                  float* y, int64_t N) {
+  Chunking ch;
+  alignas(64) int32_t idx[16];
+  for (int lane = 0; lane < 16; ++lane) idx[lane] = ONE ? 0 : (4 * (lane % 4) + lane / 4) / (w.group / BLOCK);
+  ch.gidx = _mm512_load_si512(idx);
+  ch.per_chunk = ONE ? 0 : CHUNK / w.group;
+  ch.chunks_per_group = w.groups == 1 ? a.padded / CHUNK : w.group / CHUNK;
+  if (M == 1) {   // two streams per thread, as gemv.cpp's rows_m1_avx512: rows i and part + i of its block
+    const int64_t part = (n1 - n0) / 2;
+    for (int64_t i = 0; i < part; ++i) {
+      const int64_t n[2] = {n0 + i, n0 + part + i};
+      row_avx512<F, 2, 1, ONE>(a, 0, w, K, n, y, N, ch);
+    }
+    if ((n1 - n0) % 2) {
+      const int64_t last = n1 - 1;
+      row_avx512<F, 1, 1, ONE>(a, 0, w, K, &last, y, N, ch);
+    }
+    return;
+  }
+  for (int64_t m = 0; m < M; m += MR) {
+    for (int64_t n = n0; n < n1; ++n) {
+      switch (std::min(MR, M - m)) {
+        case 1: row_avx512<F, 1, 1, ONE>(a, m, w, K, &n, y, N, ch); break;
+        case 2: row_avx512<F, 1, 2, ONE>(a, m, w, K, &n, y, N, ch); break;
+        case 3: row_avx512<F, 1, 3, ONE>(a, m, w, K, &n, y, N, ch); break;
+        default: row_avx512<F, 1, 4, ONE>(a, m, w, K, &n, y, N, ch); break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+template <int F>
+void rows_avx512(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y,
+                 int64_t N) {
+  if (w.groups == 1 || w.group % CHUNK == 0) rows_avx512_mode<F, true>(a, M, w, K, n0, n1, y, N);
+  else rows_avx512_mode<F, false>(a, M, w, K, n0, n1, y, N);
+}
+
+template void rows_avx512<INT8>(const Act16&, int64_t, const QuantView&, int64_t, int64_t, int64_t, float*, int64_t);
+template void rows_avx512<UINT8>(const Act16&, int64_t, const QuantView&, int64_t, int64_t, int64_t, float*, int64_t);
+template void rows_avx512<INT4>(const Act16&, int64_t, const QuantView&, int64_t, int64_t, int64_t, float*, int64_t);
+template void rows_avx512<UINT4>(const Act16&, int64_t, const QuantView&, int64_t, int64_t, int64_t, float*, int64_t);
+
+}  // namespace qgemv
