@@ -52,7 +52,8 @@ class AsModelConfig:
             _check(self.cache_mode.lower() in CACHE_MODE_NAMES, f"cache_mode must be one of "
                    f"{sorted(CACHE_MODE_NAMES)} or an AsCacheMode, got {self.cache_mode!r}")
             object.__setattr__(self, "cache_mode", CACHE_MODE_NAMES[self.cache_mode.lower()])
-        _check(not isinstance(self.cache_mode, bool) and self.cache_mode in {m.value for m in AsCacheMode},
+        _check(isinstance(self.cache_mode, int) and not isinstance(self.cache_mode, bool)
+               and self.cache_mode in {m.value for m in AsCacheMode},
                f"cache_mode must be one of {[m.name for m in AsCacheMode]}, got {self.cache_mode!r}")
         object.__setattr__(self, "cache_mode", AsCacheMode(self.cache_mode))
         _check(not self.enable_prefix_cache, "enable_prefix_cache is not supported yet; leave it False")
