@@ -176,7 +176,6 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """One query per sequence: q [B, H, D], caches [S, P, KVH, D], spans [B, MAXS], ctx [B] -> [B, H, D].
     Quantized caches (k_param/v_param given, quant/kv.py) are dequantized and attended in fp32."""
     span_size, kvh = k_cache.shape[1:3]
-    d = q.shape[-1]
     out = torch.empty_like(q)
     offsets = torch.arange(span_size)
     for b in range(q.shape[0]):
@@ -210,13 +209,9 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
     for cache, param in ((k_cache, k_param), (v_cache, v_param)):
         x = cache.view(-1, kvh, cache.shape[-1])[slots]
         if param is not None:
-            x = kv_quant.dequantize_rows(x, param.view(-1, kvh, 2)[slots], _kv_mode(cache))
+            x = kv_quant.dequantize_rows(x, param.view(-1, kvh, 2)[slots], kv_quant.mode_of(cache))
         rows.append(x if dtype is None else x.to(dtype))
     return rows[0], rows[1]
-
-
-def _kv_mode(codes: torch.Tensor) -> str:
-    return "int8" if codes.dtype == torch.int8 else "uint4"
 
 
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
@@ -242,7 +237,7 @@ def store_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
         if param is None:
             cache.view(-1, kvh, cache.shape[-1]).index_copy_(0, slots, x.reshape(-1, kvh, cache.shape[-1]))
             continue
-        codes, params = kv_quant.quantize_rows(x.reshape(slots.shape[0], kvh, -1), _kv_mode(cache))
+        codes, params = kv_quant.quantize_rows(x.reshape(slots.shape[0], kvh, -1), kv_quant.mode_of(cache))
         cache.view(-1, kvh, cache.shape[-1]).index_copy_(0, slots, codes)
         param.view(-1, kvh, 2).index_copy_(0, slots, params)
 

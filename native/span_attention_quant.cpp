@@ -183,9 +183,8 @@ __attribute__((always_inline)) inline void attend(const T* q, const uint8_t* kc,
   }
   if constexpr (V512) attn::softmax_rows_avx512<float>(scores, ctx, G, s.inv_sum.data());
   else attn::softmax_rows<float>(scores, ctx, G, s.inv_sum.data());
-  std::fill(s.acc.begin(), s.acc.end(), 0.f);
   std::fill(s.zacc.begin(), s.zacc.end(), 0.f);
-  if constexpr (V512) {
+  if constexpr (V512) {   // weighted_codes_avx512 writes every accumulator
     s.rows.resize(ctx);
     for (int64_t t = 0; t < ctx; ++t) {   // the weights w = p * s_t, and sum_t w * z_t apart
       const int64_t r = slot_of(spans, t, P) * KVH + g;
@@ -206,6 +205,7 @@ __attribute__((always_inline)) inline void attend(const T* q, const uint8_t* kc,
       }
     }
   } else {
+    std::fill(s.acc.begin(), s.acc.end(), 0.f);
     for (int64_t t = 0; t < ctx; ++t) {
       if (t + attn::PREFETCH_AHEAD < ctx)   // the rows asked for into L2 while scoring have often left it
         attn::prefetch_row<3>(vc + (slot_of(spans, t + attn::PREFETCH_AHEAD, P) * KVH + g) * W, W);
@@ -229,8 +229,8 @@ __attribute__((always_inline)) inline void attend(const T* q, const uint8_t* kc,
       int64_t ctx, int64_t P, int64_t KVH, int64_t D, int64_t G, int64_t g, float scale, T *out, Scratch &s
 #define ATTEND_CALL q, kc, kp, vc, vp, spans, ctx, P, KVH, D, G, g, scale, out, s
 
-// flatten: the AVX-512 helpers (widen_avx512, dot<true>) are inlined here, where the target
-// allows it (a call per row and head cost ~20% of the kernel)
+// flatten: the AVX-512 helpers (widen_avx512, dot<true>) carry their target attribute, so they cannot be
+// always_inline into the target-less attend(); flatten inlines them here, where the target allows it
 template <int M, typename T>
 __attribute__((target("avx512f,avx512bw,avx512vl"), flatten)) void attend_avx512_v(ATTEND_ARGS) {
   attend<M, true, T>(ATTEND_CALL);

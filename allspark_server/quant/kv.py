@@ -27,6 +27,11 @@ def code_dtype(mode: str) -> torch.dtype:
     return torch.int8 if mode == "int8" else torch.uint8
 
 
+def mode_of(codes: torch.Tensor) -> str:
+    """The mode a cache of codes is in (the inverse of code_dtype)."""
+    return "int8" if codes.dtype == torch.int8 else "uint4"
+
+
 def bytes_per_row(mode: str | None, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes one token's row of one KV head takes in the cache (codes + scale + zero when quantized)."""
     if mode is None:

@@ -25,9 +25,7 @@ class LayerKV(NamedTuple):
     @property
     def mode(self) -> str | None:
         """None (the activation dtype), 'int8' or 'uint4'."""
-        if self.k_param is None:
-            return None
-        return "int8" if self.k.dtype == torch.int8 else "uint4"
+        return None if self.k_param is None else kv_quant.mode_of(self.k)
 
 
 def bytes_per_span(num_layers: int, span_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
