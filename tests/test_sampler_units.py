@@ -9,7 +9,8 @@ from transformers import (MinLengthLogitsProcessor, RepetitionPenaltyLogitsProce
                           TopKLogitsWarper, TopPLogitsWarper)
 
 from allspark_client.config import GenerationConfig
-from allspark_server.runner.sampler import Sampler, SamplingState, apply_penalties, mask_top_k, mask_top_p
+from allspark_server.runner.sampler import (Sampler, SamplingState, apply_penalties, argmax, mask_top_k,
+                                           mask_top_p)
 from helpers import hf_apply, presence_frequency_ref
 
 NEG_INF = float("-inf")
@@ -329,6 +330,23 @@ def test_greedy_is_argmax_of_processed(multinomial_spy, greedy_cfg, seed):
     # plain greedy: raw argmax
     res = sample(GenerationConfig(**greedy_cfg), x, prompt + output_ids, output_ids)
     assert res.token_id == order[0]
+
+
+@pytest.mark.parametrize("case", ["ties", "nan", "inf", "all_neg_inf", "strided", "bf16"])
+def test_argmax_is_torchs(case):
+    """The greedy fast path (numpy's argmax) picks what torch.argmax picks: the first of tied maxima, a NaN."""
+    x = torch.tensor([1.0, 3.0, -2.0, 3.0, 0.5, 3.0])
+    if case == "nan":
+        x[4] = float("nan")
+    elif case == "inf":
+        x[2] = x[5] = float("inf")
+    elif case == "all_neg_inf":
+        x = torch.full((7,), NEG_INF)
+    elif case == "strided":
+        x = torch.stack([x, -x], 1)[:, 1]
+    elif case == "bf16":
+        x = x.bfloat16()
+    assert argmax(x) == int(torch.argmax(x)) == {"nan": 4, "inf": 2, "all_neg_inf": 0, "strided": 2}.get(case, 1)
 
 
 @pytest.mark.parametrize("greedy", [True, False])

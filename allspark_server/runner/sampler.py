@@ -68,6 +68,14 @@ def mask_top_p(x: torch.Tensor, p: float) -> torch.Tensor:
     return x.masked_fill(remove, float("-inf"))
 
 
+def argmax(x: torch.Tensor) -> int:
+    """The first index of x's largest value (a NaN counts as largest, as in torch.argmax). numpy's: on a
+    32000-entry fp32 row, 2 threads, a Zen 4 VM, ~3 us against torch.argmax's ~40 us, on every greedy token."""
+    if x.dtype == torch.float32 and x.dim() == 1:
+        return int(x.numpy().argmax())
+    return int(torch.argmax(x))
+
+
 class Sampler:
     def sample_row(self, logits: torch.Tensor, state: SamplingState, all_ids: list[int],
                    output_ids: list[int]) -> SampleResult:
@@ -80,7 +88,7 @@ class Sampler:
         if suppress_eos:
             x[list(gen.eos_token_ids)] = float("-inf")
         if gen.is_greedy:
-            token = int(torch.argmax(x))
+            token = argmax(x)
         else:
             x = x / gen.temperature
             x = mask_top_k(x, gen.top_k)
