@@ -214,7 +214,8 @@ class Engine(EngineAPI):
             raise AsException(e.status, str(e)) from None
         r = model.runner
         return json.dumps({"model_name": name, "architecture": r.args.architecture,
-                           "dtype": str(r.dtype).replace("torch.", ""), "args": r.args.to_dict(),
+                           "dtype": str(r.dtype).replace("torch.", ""), "device": str(r.device),
+                           "args": r.args.to_dict(),
                            "engine_max_length": model.cfg.engine_max_length,
                            "engine_max_batch": model.cfg.engine_max_batch,
                            "kv_spans": r.num_spans, "span_size": r.span_size,

@@ -1,7 +1,8 @@
 """Compute ops with a native fast path: the only importer of the native extension (native/*.cpp).
 
 Each op has a torch reference (`*_reference`) that the native kernel is tested against and that
-runs whenever the extension is unavailable or the shape does not suit it. The ISA level the
+runs whenever the extension is unavailable or the shape does not suit it. Ops on CUDA tensors go to the
+op of the same name in the CUDA backend (allspark_server/cuda/ops.py). The ISA level the
 kernels use is read once from py-cpuinfo (AVX-512 VNNI > AVX-512 > AVX2+FMA > portable); ALLSPARK_NO_NATIVE=1
 turns the native path off.
 """
@@ -69,6 +70,12 @@ def describe() -> str:
     return "native, " + names[isa_level()]
 
 
+def cuda_backend():
+    """The CUDA backend's ops module (imported on first use: CPU ranks never load it)."""
+    from allspark_server.cuda import ops as cuda_ops
+    return cuda_ops
+
+
 ACT_MAX = 32767.0
 
 
@@ -96,6 +103,8 @@ def linear_reference(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight",
 def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ w.T (+ bias), x [M, K], w [N, K] dense or quantized; the native kernels stream w for small M
     (quantized: up to QUANT_NATIVE_MAX_ROWS; more rows dequantize w once for ATen's GEMM)."""
+    if x.is_cuda:
+        return cuda_backend().linear(x, w, bias)
     ext = native()
     if isinstance(w, QuantizedWeight):
         if ext is None or x.dim() != 2 or x.dtype not in NATIVE_MAX_ROWS:
@@ -146,6 +155,8 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add + RMSNorm in one pass per row; x [T, H]."""
+    if x.is_cuda:
+        return cuda_backend().rms_norm(x, weight, eps, residual)
     ext = native()
     if ext is None or x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype:
         return rms_norm_reference(x, weight, eps, residual)
@@ -163,6 +174,8 @@ def rotary_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Both rotations in one call (q and k may be views into the fused qkv output)."""
+    if q.is_cuda:
+        return cuda_backend().rotary(q, k, cos, sin)
     ext = native()
     if (ext is None or q.dtype not in (torch.float32, torch.bfloat16) or q.shape[-1] % 2
             or q.stride(-1) != 1 or k.stride(-1) != 1):
@@ -193,6 +206,8 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,
                      ctx: torch.Tensor, scale: float, k_param: torch.Tensor | None = None,
                      v_param: torch.Tensor | None = None) -> torch.Tensor:
+    if q.is_cuda:
+        return cuda_backend().decode_attention(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param)
     ext = native()
     if ext is None or q.dtype not in (torch.float32, torch.bfloat16):
         return decode_attention_reference(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param)
@@ -221,6 +236,8 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if gate_up.is_cuda:
+        return cuda_backend().silu_mul(gate_up)
     ext = native()
     if ext is None or gate_up.dim() != 2 or gate_up.dtype not in (torch.float32, torch.bfloat16):
         return silu_mul_reference(gate_up)
@@ -244,6 +261,8 @@ def store_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slots: torch.Tensor, k_param: torch.Tensor | None = None, v_param: torch.Tensor | None = None) -> None:
+    if k.is_cuda:
+        return cuda_backend().store_kv(k, v, k_cache, v_cache, slots, k_param, v_param)
     ext = native()
     if k_param is not None:
         if ext is None or k.dtype not in (torch.float32, torch.bfloat16) or v.stride(-1) != 1:
@@ -274,6 +293,10 @@ def decode_attention_block_reference(x, residual, norm_weight, eps, qkv_weight, 
 def decode_attention_block(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads, num_kv_heads,
                            cos, sin, k_cache, v_cache, slots, spans, ctx, scale, o_weight, k_param=None, v_param=None):
     """Caches are dense ([S, P, KVH, D] in x's dtype) or quantized (codes with k_param/v_param, quant/kv.py)."""
+    if x.is_cuda:
+        return cuda_backend().decode_attention_block(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads,
+                                                     num_kv_heads, cos, sin, k_cache, v_cache, slots, spans, ctx,
+                                                     scale, o_weight, k_param, v_param)
     ext = native()
     if (ext is None or x.dtype not in NATIVE_MAX_ROWS or cos.shape[-1] % 2 or cos.dtype != x.dtype
             or (k_param is None and k_cache.dtype != x.dtype)
@@ -293,6 +316,9 @@ def decode_mlp_block_reference(x, residual, norm_weight, eps, gate_up_weight, ga
 
 
 def decode_mlp_block(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight):
+    if x.is_cuda:
+        return cuda_backend().decode_mlp_block(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias,
+                                               down_weight)
     ext = native()
     if (ext is None or x.dtype not in NATIVE_MAX_ROWS
             or not all(_native_weight_ok(w, x.dtype) for w in (gate_up_weight, down_weight))):
@@ -301,11 +327,12 @@ def decode_mlp_block(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias
                                 native_weight(down_weight), isa_level(), NATIVE_MAX_ROWS[x.dtype])
 
 
-def decode_stack(num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float, dtype: torch.dtype):
+def decode_stack(num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float, dtype: torch.dtype,
+                 device: torch.device = torch.device("cpu")):
     """A native DecodeStack (native/decode_stack.cpp: a whole decode-only step in one call) for a model of
     this shape and dtype, to fill with `add_layer` and `set_ends`; None where the fused blocks do not apply
     (then the caller loops over the layers itself, each layer's `decode_*_block`s falling back as above)."""
     ext = native()
-    if ext is None or dtype not in NATIVE_MAX_ROWS or head_dim % 2:
+    if ext is None or device.type != "cpu" or dtype not in NATIVE_MAX_ROWS or head_dim % 2:
         return None
     return ext.DecodeStack(num_heads, num_kv_heads, eps, scale, isa_level(), NATIVE_MAX_ROWS[dtype])

@@ -368,9 +368,19 @@ def main() -> None:
     p.add_argument("--kv", nargs="*", default=[], choices=["int8", "uint4"],
                    help="also decode after a long prompt (2048 tokens; --quick 512) with quantized KV spans, "
                         "interleaved with the unquantized cache")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: the GPU benchmark instead (cuda_bench.py: one GPU, a Llama-2-7B-shaped bf16 model)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--json", default="benchmarks/results.json")
     a = p.parse_args()
+    if a.device == "cuda":
+        import cuda_bench
+        report = cuda_bench.main(a)
+        print(json.dumps({k: v for k, v in report.items() if not isinstance(v, (dict, list))}, indent=1))
+        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=2)
+        return
     spec = QUICK if a.quick else FULL
     why_not = LP.missing() if a.llamacpp is not False else None
     if why_not:

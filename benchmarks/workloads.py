@@ -41,6 +41,17 @@ def decode_tps(engine, name: str, vocab: int, new_tokens: int, seed: int = 0,
     return 1.0 / _run_one(engine, name, prompt(prompt_len, seed, vocab), new_tokens)["tpot"]
 
 
+def greedy_tokens(engine, name: str, ids: list[int], new_tokens: int) -> list[int]:
+    """The greedy continuation of `ids` (EOS ignored)."""
+    status, handle, queue = engine.start_request(name, {"input_ids": ids}, dict(GREEDY, max_new_tokens=new_tokens))
+    assert status == 0, engine.get_last_error()
+    out = []
+    while (el := queue.Get()) is not None:
+        out.extend(el.ids_from_generate)
+    engine.release_request(name, handle)
+    return out
+
+
 def ttft(engine, name: str, vocab: int, prompt_len: int, repeats: int) -> float:
     return statistics.median(_run_one(engine, name, prompt(prompt_len, 100 + r, vocab), 1)["ttft"]
                              for r in range(repeats))

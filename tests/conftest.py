@@ -15,6 +15,10 @@ logging.getLogger("allspark").setLevel(logging.ERROR)
 from allspark_server.tiny_model import VARIANTS, build_tiny_model  # noqa: E402
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+
+
 @dataclass
 class TinyModel:
     variant: str

@@ -20,9 +20,9 @@ from helpers import greedy, hf_greedy, random_prompt, serialize, start_engine
 PROMPT_LEN, DECODE_STEPS = 64, 32
 
 
-def runner_for(loader, name: str, span_size: int = 16) -> ModelRunner:
+def runner_for(loader, name: str, span_size: int = 16, device: str = "cpu", max_batch: int = 1) -> ModelRunner:
     cfg = (AsModelRuntimeConfigBuilder().model_name(name).model_file_path(loader.graph_path, loader.weights_path)
-           .max_length(256).max_batch(1).kv_cache_span_size(span_size).build())
+           .max_length(256).max_batch(max_batch).kv_cache_span_size(span_size).compute_unit(device, [0]).build())
     return install_runner(cfg, LocalComm())
 
 
@@ -38,11 +38,11 @@ def teacher_forced_logits(runner: ModelRunner, tokens: list[int], prompt_len: in
 
 
 def _all_rows(runner: ModelRunner, chunk: ScheduledChunk) -> torch.Tensor:
-    inputs = build_forward_inputs([chunk], runner.mirrors, runner.span_size)
-    inputs.sample_rows = torch.arange(chunk.num_tokens)
+    inputs = build_forward_inputs([chunk], runner.mirrors, runner.span_size).to(runner.device)
+    inputs.sample_rows = torch.arange(chunk.num_tokens, device=runner.device)
     logits = runner.model(inputs, runner.kv)
     runner.mirrors[1].num_computed_tokens += chunk.num_tokens
-    return logits
+    return logits.cpu()
 
 
 def hf_logits(model, tokens: list[int]) -> torch.Tensor:
@@ -50,15 +50,18 @@ def hf_logits(model, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens])).logits[0].float()
 
 
-@pytest.fixture(params=["native", "pytorch"])
+@pytest.fixture(params=["native", "pytorch", pytest.param("cuda", marks=pytest.mark.gpu)])
 def kernels(request, monkeypatch):
-    """Both compute paths: the native kernels, and the pure-PyTorch references that machines without
-    the native build run (ops.native() returning None is exactly that case)."""
+    """Every compute path: the native kernels, the pure-PyTorch references that machines without the native
+    build run (ops.native() returning None is exactly that case), and the CUDA backend where there is a GPU.
+    Returns the device to run on."""
     if request.param == "pytorch":
         monkeypatch.setattr(ops, "native", lambda: None)
-    elif ops.native() is None:
+    elif request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    elif request.param == "native" and ops.native() is None:
         pytest.skip("native kernels not built")
-    return request.param
+    return "cuda" if request.param == "cuda" else "cpu"
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -67,7 +70,7 @@ def test_fp32_logits_match_transformers(tiny_models, tmp_path, variant, kernels)
     prompt = random_prompt(PROMPT_LEN, seed=1)
     tokens = prompt + hf_greedy(tm.model, prompt, DECODE_STEPS)
     loader = serialize(tm.hf_dir, variant, str(tmp_path))
-    ours = teacher_forced_logits(runner_for(loader, variant), tokens, PROMPT_LEN)
+    ours = teacher_forced_logits(runner_for(loader, variant, device=kernels), tokens, PROMPT_LEN)
     ref = hf_logits(tm.model, tokens)
     assert ours.shape == ref.shape == (PROMPT_LEN + DECODE_STEPS, 512)
     assert (ours - ref).abs().max().item() <= 1e-4
@@ -92,7 +95,7 @@ def test_bf16_top1_and_logprobs_match_transformers(tmp_path, variant, kernels):
     prompt = random_prompt(PROMPT_LEN, seed=2)
     tokens = prompt + hf_greedy(model_bf16, prompt, DECODE_STEPS)
     loader = serialize(hf_dir, variant, str(tmp_path / "out"), dtype="bfloat16")
-    runner = runner_for(loader, variant)
+    runner = runner_for(loader, variant, device=kernels)
     assert runner.dtype == torch.bfloat16
     ours = teacher_forced_logits(runner, tokens, PROMPT_LEN)
     ref = hf_logits(model_bf16, tokens)

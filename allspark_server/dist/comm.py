@@ -54,14 +54,15 @@ class MpiComm:
         self.world_size = self._c.Get_size()
 
     def allreduce_(self, t: torch.Tensor) -> torch.Tensor:
-        buf = t.detach().to(torch.float32).contiguous()
+        # GPU tensors are staged through host memory (correct, not fast: NCCL is to carry them)
+        buf = t.detach().to("cpu", torch.float32).contiguous()
         self._c.Allreduce(self._mpi.IN_PLACE, buf.numpy(), op=self._mpi.SUM)
         if buf.data_ptr() != t.data_ptr():
             t.copy_(buf)
         return t
 
     def gather_rows(self, t: torch.Tensor) -> Optional[torch.Tensor]:
-        local = t.detach().to(torch.float32).contiguous()
+        local = t.detach().to("cpu", torch.float32).contiguous()
         parts = self._c.gather(local.numpy(), root=0)
         if self.rank != 0:
             return None

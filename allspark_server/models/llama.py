@@ -140,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
                 or (self.lm_head.quant is None and not self.lm_head.weight.is_contiguous())):
             return None
         stack = ops.decode_stack(attn.num_heads, attn.num_kv_heads, attn.head_dim, norm.eps, attn.attn.scale,
-                                 dtype)
+                                 dtype, self.model.embed_tokens.weight.device)
         if stack is None:
             return None
         for layer, kv in zip(layers, kv_cache.layers):

@@ -6,7 +6,7 @@ mask for a multi-token chunk. `sample_rows` are the batch rows whose logits are 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -37,6 +37,20 @@ class ForwardInputs:
     attn: AttentionMetadata
     sample_rows: torch.Tensor        # [N] long
     sample_request_ids: list[int]
+
+    def to(self, device: torch.device) -> "ForwardInputs":
+        """The same inputs with every tensor on `device` (a GPU rank's copy; host-to-device, asynchronous)."""
+        if device.type == "cpu":
+            return self
+
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=True)
+        a = self.attn
+        seqs = [replace(sq, context_slots=move(sq.context_slots), mask=move(sq.mask)) for sq in a.seqs]
+        attn = AttentionMetadata(move(a.slot_mapping), seqs, move(a.decode_rows), move(a.decode_spans),
+                                 move(a.decode_ctx))
+        return ForwardInputs(move(self.input_ids), move(self.positions), attn, move(self.sample_rows),
+                             self.sample_request_ids)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""KV cache tensors: per layer, K and V pages of shape [num_spans, span_size, kv_heads_local, head_dim].
+"""KV cache tensors: per layer, K and V pages of shape [num_spans, span_size, kv_heads_local, head_dim],
+in host memory (huge pages where the kernel gives them) or on the rank's GPU.
 
 Sizes the number of spans from a byte budget. A quantized cache (kv_cache_mode int8 / uint4,
 quant/kv.py has the row format) holds codes in the pages and a (scale, zero) pair per token and
@@ -35,7 +36,7 @@ def bytes_per_span(num_layers: int, span_size: int, num_kv_heads: int, head_dim:
 
 class KVCache:
     def __init__(self, num_layers: int, num_spans: int, span_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, mode: str | None = None):
+                 dtype: torch.dtype, mode: str | None = None, device: torch.device = torch.device("cpu")):
         self.num_spans, self.span_size, self.mode = num_spans, span_size, mode
         rows = (num_spans, span_size, num_kv_heads)
         if mode is None:
@@ -47,6 +48,9 @@ class KVCache:
                 for kv in "kv":
                     specs[f"{kv}{i}"] = code
                     specs[f"{kv}p{i}"] = (rows + (2,), torch.float32)
-        pages = hugepages.zeros(specs)
+        if device.type == "cpu":
+            pages = hugepages.zeros(specs)
+        else:
+            pages = {name: torch.zeros(shape, dtype=dt, device=device) for name, (shape, dt) in specs.items()}
         self.layers = [LayerKV(pages[f"k{i}"], pages[f"v{i}"], pages.get(f"kp{i}"), pages.get(f"vp{i}"))
                        for i in range(num_layers)]

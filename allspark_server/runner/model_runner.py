@@ -8,11 +8,12 @@ sample (full vocabulary on rank 0, None on other ranks). Decides nothing.
 from __future__ import annotations
 
 import logging
+import os
 
 import psutil
 import torch
 
-from allspark_client.config import AsModelConfig
+from allspark_client.config import AsModelConfig, parse_compute_unit
 from allspark_client.types import AsCacheMode
 from allspark_server import ops
 from allspark_server.core.messages import StepPlan
@@ -26,6 +27,9 @@ from allspark_server.runner.kv_cache import KVCache, bytes_per_span
 
 log = logging.getLogger(__name__)
 AUTO_KV_MAX_FRACTION = 0.4   # auto budget never takes more than this share of available RAM
+# GPU ranks: the auto budget takes at most this share of the GPU memory left free once the weights are loaded
+# (DashInfer's BFC_MEM_RATIO plays this part); the rest is for activations, cuBLAS workspaces and graphs
+AUTO_KV_GPU_FRACTION = 0.8
 KV_MODE_NAMES = {AsCacheMode.AsCacheDefault: None, AsCacheMode.AsCacheQuantI8: "int8",
                  AsCacheMode.AsCacheQuantU4: "uint4"}
 
@@ -36,6 +40,7 @@ class ModelRunner:
         self.comm = comm
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
+        self.device = rank_device(cfg.compute_unit, comm.rank)
         # py-cpuinfo takes ~1 s (it probes in a subprocess): pay it at install, not in the first request's TTFT
         log.info("kernels: %s", ops.describe())
         self.model_file: ModelFile = read_model_graph(cfg.model_path, cfg.weights_path)
@@ -48,8 +53,13 @@ class ModelRunner:
         self.quant = self.model_file.quant
         if self.quant is not None:
             quantize_layers(self.model, self.quant, comm.world_size)
-        state = to_hugepages(to_model_state(self.model, read_rank_shard(self.model_file, self.tp)))
+        state = to_model_state(self.model, read_rank_shard(self.model_file, self.tp))
+        if self.device.type == "cpu":
+            state = to_hugepages(state)
+        else:
+            state = {name: t.to(self.device) for name, t in state.items()}
         self.model.load_state_dict(state, strict=True, assign=True)
+        self.model.to(self.device)   # the buffers that are not loaded (rotary tables)
         self.model.eval()
         self.span_size = cfg.cache_span_size
         self.kv_mode = KV_MODE_NAMES[AsCacheMode(cfg.cache_mode)]
@@ -62,12 +72,21 @@ class ModelRunner:
                                          self.dtype, self.kv_mode)
         self.num_spans = 0
         self.kv = None
+        self.graphs = None   # GPU ranks: cuda/graphs.py
         self.mirrors: dict[int, RequestMirror] = {}
 
     def allocate_kv(self, num_spans: int) -> None:
+        """The cache; on a GPU one scratch span more (id num_spans, never handed out: the CUDA graphs' padding
+        rows write there) and the decode graphs captured over it."""
         self.num_spans = num_spans
-        self.kv = KVCache(self.args.num_layers, num_spans, self.span_size, self.tp.local_kv_heads,
-                          self.args.head_dim, self.dtype, self.kv_mode)
+        gpu = self.device.type == "cuda"
+        self.kv = KVCache(self.args.num_layers, num_spans + gpu, self.span_size, self.tp.local_kv_heads,
+                          self.args.head_dim, self.dtype, self.kv_mode, self.device)
+        if gpu and self.comm.world_size == 1 and os.environ.get("ALLSPARK_CUDA_GRAPHS", "1") != "0":
+            from allspark_server.cuda.graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(self.model, self.kv, self.cfg.engine_max_batch,
+                                       -(-self.cfg.engine_max_length // self.span_size), num_spans, self.span_size,
+                                       self.device)
 
     def max_num_spans(self) -> int:
         """How many spans this rank's budget allows (explicit bytes, or max_batch x max_length capped by RAM)."""
@@ -80,9 +99,13 @@ class ModelRunner:
             return n
         spans_per_request = -(-self.cfg.engine_max_length // self.span_size)
         wanted = spans_per_request * self.cfg.engine_max_batch
-        cap = int(psutil.virtual_memory().available * AUTO_KV_MAX_FRACTION) // per_span
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            cap, memory = int(free * AUTO_KV_GPU_FRACTION) // per_span, "GPU memory"
+        else:
+            cap, memory = int(psutil.virtual_memory().available * AUTO_KV_MAX_FRACTION) // per_span, "RAM"
         if cap < wanted:
-            log.warning("KV cache: %d spans wanted for max_batch x max_length, RAM allows %d", wanted, cap)
+            log.warning("KV cache: %d spans wanted for max_batch x max_length, %s allows %d", wanted, memory, cap)
         return max(1, min(wanted, cap))
 
     @property
@@ -101,11 +124,34 @@ class ModelRunner:
             m.span_ids.extend(r.new_span_ids)
         if plan.is_empty:
             return None, []
-        inputs = build_forward_inputs(plan.chunks, self.mirrors, self.span_size)
-        logits = self.model(inputs, self.kv)
+        inputs = build_forward_inputs(plan.chunks, self.mirrors, self.span_size).to(self.device)
+        if self.graphs is not None and self.graphs.fits(inputs):
+            logits = self.graphs.run(inputs)
+        else:
+            logits = self.model(inputs, self.kv)
+        if logits is not None and logits.is_cuda:
+            logits = logits.cpu()   # the sampler runs on the host
         for c in plan.chunks:
             self.mirrors[c.request_id].num_computed_tokens += c.num_tokens
         return logits, inputs.sample_request_ids
+
+
+def rank_device(compute_unit: str, rank: int) -> torch.device:
+    """The device of `rank` for a compute unit such as 'CPU:0' or 'CUDA:0,1' (rank r takes the r-th id);
+    a clear error when the GPU is not there."""
+    kind, ids = parse_compute_unit(compute_unit)
+    if kind == "CPU":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"compute_unit {compute_unit}: this process sees no CUDA device "
+                         f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    if rank >= len(ids):
+        raise ValueError(f"compute_unit {compute_unit} names {len(ids)} GPU(s) for a pool of more ranks (rank {rank})")
+    if ids[rank] >= torch.cuda.device_count():
+        raise ValueError(f"compute_unit {compute_unit}: GPU {ids[rank]} does not exist here "
+                         f"({torch.cuda.device_count()} visible)")
+    torch.cuda.set_device(ids[rank])
+    return torch.device("cuda", ids[rank])
 
 
 class InstallError(RuntimeError):

@@ -1,0 +1,260 @@
+"""Triton attention over the paged ("span") KV cache: decode (one query per sequence, split-KV) and varlen
+causal prefill. Caches are [S, P, KVH, D]; token t of a sequence sits in span spans[b, t // P] at offset t % P.
+Owns the kernels and their launch wrappers only: no cache writes, no quantized caches, no backend choice
+(ops decides when to call these). Launches read no tensor contents on the host (CUDA-graph safe), except
+paged_prefill_attention when max_q_len is not given."""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+# Launch shapes, from sweeps on an H100 (Triton 3.6, bf16, H 32, KVH 8, D 128, P 16): decode tiles of 64 tokens
+# beat 16 and 32; split-KV ran best at 512-1024 (sequence, kv head, split) programs for B = 1 and 8; prefill ran
+# best with 64 rows x 32 tokens, 4 warps, 2 stages.
+DECODE_BLOCK_N = 64
+TARGET_PROGRAMS = 768   # default split-KV: about this many decode programs ...
+MAX_SPLITS = 64         # ... and never more partials than this per (sequence, head)
+PREFILL_BLOCK_N = 32
+
+
+@triton.jit
+def _dot(a, b, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b in fp32; UPCAST (the interpreter with bf16, whose tl.dot multiplies the raw uint16 bits) takes
+    the operands, already rounded to the cache dtype, to fp32 first: the same products, exactly."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _attend_tiles(q, pos, acc, m_i, l_i, k_cache, v_cache, span_row, kv_head, n, tile_start, tile_end,
+                  stride_ks, stride_kp, stride_kh, stride_vs, stride_vp, stride_vh, qk_scale,
+                  P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Online softmax of rows q [M, BLOCK_D] over token tiles [tile_start, tile_end) of one sequence; row r
+    sees tokens t <= pos[r] (pos < n). Scores are in the log2 domain (qk_scale includes log2(e))."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    for tile in range(tile_start, tile_end):
+        t = tile * BLOCK_N + offs_n                                                     # [BLOCK_N]
+        t_ok = t < n
+        span = tl.load(span_row + t // P, mask=t_ok, other=0).to(tl.int64)            # [BLOCK_N]
+        k_row = span * stride_ks + (t % P) * stride_kp + kv_head * stride_kh
+        v_row = span * stride_vs + (t % P) * stride_vp + kv_head * stride_vh
+        kt = tl.load(k_cache + k_row[None, :] + offs_d[:, None],
+                     mask=t_ok[None, :] & d_ok[:, None], other=0.0)                     # [BLOCK_D, BLOCK_N]
+        s = _dot(q, kt, DOT_PREC, UPCAST) * qk_scale                                    # [M, BLOCK_N] fp32
+        s = tl.where(t[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))                                           # [M]
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])                                                 # [M, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache + v_row[:, None] + offs_d[None, :],
+                    mask=t_ok[:, None] & d_ok[None, :], other=0.0)                      # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PREC, UPCAST)           # [M, BLOCK_D] fp32
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _decode_kernel(q, k_cache, v_cache, spans, ctx, out, m_part, l_part, acc_part, qk_scale, H,
+                   stride_qb, stride_qh, stride_ks, stride_kp, stride_kh, stride_vs, stride_vp, stride_vh,
+                   stride_sb, stride_ob, stride_oh,
+                   G: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    """Program (b, kv head, split): the G query heads of that kv head over the split's share of the tiles."""
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    n = tl.load(ctx + b).to(tl.int32)
+    num_tiles = (n + BLOCK_N - 1) // BLOCK_N
+    per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
+    tile_start = split * per_split
+    tile_end = tl.minimum(tile_start + per_split, num_tiles)        # split 0 is never empty (n >= 1)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_ok = offs_g < G
+    d_ok = offs_d < D
+    head = kv_head * G + offs_g                                                         # [BLOCK_G]
+    q_ptrs = q + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh + offs_d[None, :]
+    qt = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0)               # [BLOCK_G, BLOCK_D]
+    qt = qt.to(k_cache.dtype.element_ty)
+    pos = tl.zeros([BLOCK_G], dtype=tl.int32) + (n - 1)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc, m_i, l_i = _attend_tiles(qt, pos, acc, m_i, l_i, k_cache, v_cache, spans + b.to(tl.int64) * stride_sb,
+                                  kv_head, n, tile_start, tile_end, stride_ks, stride_kp, stride_kh,
+                                  stride_vs, stride_vp, stride_vh, qk_scale, P, D, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST)
+    if NUM_SPLITS == 1:
+        o_ptrs = out + b.to(tl.int64) * stride_ob + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    else:
+        part = (b.to(tl.int64) * H + head) * NUM_SPLITS + split                         # [BLOCK_G]
+        tl.store(m_part + part, m_i, mask=g_ok)        # an empty split stores m = -inf, l = 0, acc = 0
+        tl.store(l_part + part, l_i, mask=g_ok)
+        tl.store(acc_part + part[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(m_part, l_part, acc_part, out, stride_ob, stride_oh, H,
+                    D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (b, head): merge the NUM_SPLITS partial softmaxes of one output row."""
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < NUM_SPLITS
+    d_ok = offs_d < D
+    part = (b.to(tl.int64) * H + head) * NUM_SPLITS + offs_s                            # [BLOCK_S]
+    m = tl.load(m_part + part, mask=s_ok, other=float("-inf"))
+    l = tl.load(l_part + part, mask=s_ok, other=0.0)
+    acc = tl.load(acc_part + part[:, None] * D + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                  other=0.0)                                                            # [BLOCK_S, BLOCK_D]
+    w = tl.exp2(m - tl.max(m, 0))                                                       # [BLOCK_S], 0 if empty
+    o = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)                                 # [BLOCK_D]
+    tl.store(out + b.to(tl.int64) * stride_ob + head * stride_oh + offs_d, o.to(out.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def _prefill_kernel(q, k_cache, v_cache, spans, q_start, q_len, ctx_len, out, qk_scale,
+                    stride_qt, stride_qh, stride_ks, stride_kp, stride_kh, stride_vs, stride_vp, stride_vh,
+                    stride_sb, stride_ot, stride_oh,
+                    G: tl.constexpr, P: tl.constexpr, D: tl.constexpr, QUERIES: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+                    UPCAST: tl.constexpr):
+    """Program (sequence i, query block, kv head): rows r < QUERIES * G are (query r // G, head r % G), so the
+    G heads sharing a kv head read each K/V tile once."""
+    i = tl.program_id(0)
+    first = tl.program_id(1) * QUERIES
+    kv_head = tl.program_id(2)
+    start = tl.load(q_start + i).to(tl.int64)
+    num_q = tl.load(q_len + i).to(tl.int32)
+    n = tl.load(ctx_len + i).to(tl.int32)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    qi = first + offs_m // G                                                            # [BLOCK_M] query index
+    head = kv_head * G + offs_m % G
+    row_ok = (offs_m < QUERIES * G) & (qi < num_q)
+    d_ok = offs_d < D
+    q_ptrs = q + (start + qi)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    qt = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)             # [BLOCK_M, BLOCK_D]
+    qt = qt.to(k_cache.dtype.element_ty)
+    pos = n - num_q + qi            # causal limit; >= 0, so tile 0 gives every row (padding too) a finite max
+    last = tl.minimum(first + QUERIES, num_q)                       # one past the block's last query
+    tile_end = tl.where(first < num_q, (n - num_q + last + BLOCK_N - 1) // BLOCK_N, 0)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attend_tiles(qt, pos, acc, m_i, l_i, k_cache, v_cache, spans + i.to(tl.int64) * stride_sb,
+                                  kv_head, n, 0, tile_end, stride_ks, stride_kp, stride_kh,
+                                  stride_vs, stride_vp, stride_vh, qk_scale, P, D, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST)
+    # l >= 1 on every real row (its max term is exp2(0)); the guard only keeps skipped blocks' rows finite
+    o = acc / tl.maximum(l_i, 1.0)[:, None]
+    o_ptrs = out + (start + qi)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+_INTERPRETED = not isinstance(_decode_kernel, triton.JITFunction)   # decorated under TRITON_INTERPRET=1
+
+
+def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  spans: torch.Tensor) -> tuple[int, int, int]:
+    """(G, P, D) of q [.., H, D] against caches [S, P, KVH, D]; head dims and span rows must be contiguous."""
+    span_size, kvh, d = k_cache.shape[1:]
+    assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype, "k/v caches differ"
+    assert q.shape[-1] == d and q.shape[-2] % kvh == 0, f"q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}"
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "head dim not contiguous"
+    assert spans.dim() == 2 and spans.stride(1) == 1, "span table rows must be contiguous"
+    return q.shape[-2] // kvh, span_size, d
+
+
+def _tile_config(d: int, dtype: torch.dtype) -> dict:
+    """BLOCK_D the head dim padded to a power of two (masked), fp32 dots without tf32, and UPCAST for bf16
+    under the interpreter. Token tiles (BLOCK_N) need not match the span size: each token looks up its span."""
+    return dict(BLOCK_D=max(16, triton.next_power_of_2(d)), DOT_PREC="ieee" if dtype == torch.float32 else "tf32",
+                UPCAST=_INTERPRETED and dtype == torch.bfloat16)
+
+
+def _prefill_rows(group: int) -> int:
+    """BLOCK_M, the rows (query, head) of one prefill program: at least 64, and room for >= 8 queries."""
+    return max(64, triton.next_power_of_2(8 * group))
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_spans: int, span_size: int) -> int:
+    """Split-KV count from shapes only (graph safe): fill ~TARGET_PROGRAMS programs when batch * kv heads is
+    small, at most one split per tile the span table can address, and at most MAX_SPLITS."""
+    max_tiles = -(-max_spans * span_size // DECODE_BLOCK_N)
+    return max(1, min(-(-TARGET_PROGRAMS // (batch * num_kv_heads)), max_tiles, MAX_SPLITS))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,
+                           ctx: torch.Tensor, scale: float, num_splits: int | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, D], caches [S, P, KVH, D], spans [B, MAXS] (int32/int64, padded), ctx [B] (>= 1, incl. the new
+    token) -> out [B, H, D] in q's dtype (written into `out` if given)."""
+    g, span_size, d = _check_inputs(q, k_cache, v_cache, spans)
+    batch, heads = q.shape[:2]
+    assert ctx.shape == (batch,) and ctx.is_contiguous() and spans.shape[0] == batch
+    kvh = k_cache.shape[2]
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.stride(-1) == 1
+    if batch == 0:
+        return out
+    if num_splits is None:
+        num_splits = default_num_splits(batch, kvh, spans.shape[1], span_size)
+    tiles = _tile_config(d, k_cache.dtype)
+    if num_splits > 1:
+        m_part = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)     # [B, H, NS]
+        l_part = torch.empty_like(m_part)                                                         # [B, H, NS]
+        acc_part = torch.empty(batch, heads, num_splits, d, dtype=torch.float32, device=q.device)  # [B, H, NS, D]
+    else:
+        m_part = l_part = acc_part = out        # unused: the kernel writes out directly
+    _decode_kernel[(batch, kvh, num_splits)](
+        q, k_cache, v_cache, spans, ctx, out, m_part, l_part, acc_part, scale * math.log2(math.e), heads,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], spans.stride(0),
+        out.stride(0), out.stride(1),
+        G=g, P=span_size, D=d, NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(g)),
+        BLOCK_N=DECODE_BLOCK_N, **tiles)
+    if num_splits > 1:
+        _combine_kernel[(batch, heads)](m_part, l_part, acc_part, out, out.stride(0), out.stride(1), heads,
+                                        D=d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+                                        BLOCK_D=tiles["BLOCK_D"])
+    return out
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,
+                            q_len: torch.Tensor, ctx_len: torch.Tensor, spans: torch.Tensor, scale: float,
+                            out: torch.Tensor | None = None, max_q_len: int | None = None) -> torch.Tensor:
+    """Causal attention of a varlen batch: q [T, H, D] holds sequence i's new tokens in rows q_start[i] ..
+    q_start[i] + q_len[i] - 1; its ctx_len[i] tokens (cached + new, K/V already stored) are read through
+    spans [N, MAXS]; query j sits at position ctx_len[i] - q_len[i] + j. -> out [T, H, D] in q's dtype (rows
+    of no sequence are left as they were). max_q_len sizes the grid; None reads q_len on the host."""
+    g, span_size, d = _check_inputs(q, k_cache, v_cache, spans)
+    kvh = k_cache.shape[2]
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.stride(-1) == 1
+    num_seqs = q_len.shape[0]
+    assert all(x.shape == (num_seqs,) and x.is_contiguous() for x in (q_start, q_len, ctx_len))
+    if max_q_len is None:
+        max_q_len = int(q_len.max()) if num_seqs else 0
+    if num_seqs == 0 or max_q_len == 0:
+        return out
+    block_m = _prefill_rows(g)
+    queries = block_m // g                                          # queries per program; rows = queries * G
+    tiles = _tile_config(d, k_cache.dtype)
+    _prefill_kernel[(num_seqs, -(-max_q_len // queries), kvh)](
+        q, k_cache, v_cache, spans, q_start, q_len, ctx_len, out, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], spans.stride(0),
+        out.stride(0), out.stride(1),
+        G=g, P=span_size, D=d, QUERIES=queries, BLOCK_M=block_m, BLOCK_N=PREFILL_BLOCK_N, num_stages=2, **tiles)
+    return out

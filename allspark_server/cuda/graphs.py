@@ -1,0 +1,90 @@
+"""CUDA graphs for decode-only steps on a GPU rank.
+
+At install, one decode step is captured per batch size of a ladder (1, 2, 4, 8, ... up to max_batch), all
+reading the same static input buffers and sharing one memory pool (largest captured first). A decode-only
+step of B sequences copies its inputs into the first rows of those buffers, pads them up to the next size
+of the ladder and replays that graph: a whole step is one launch from the host instead of one per kernel.
+Padding rows decode token 0 at position 0 into a scratch span that no request owns (the cache holds one
+span more than the span manager hands out), so they can never touch a request's keys and values.
+Steps with a prefill chunk run eagerly.
+"""
+from __future__ import annotations
+
+import torch
+
+from allspark_server.runner.forward_inputs import AttentionMetadata, ForwardInputs
+
+
+def batch_ladder(max_batch: int) -> list[int]:
+    """1, 2, 4, ... doubling, and max_batch itself last."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_batch]
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv_cache, max_batch: int, max_spans_per_seq: int, scratch_span: int,
+                 span_size: int, device: torch.device):
+        self.model, self.kv = model, kv_cache
+        self.sizes = batch_ladder(max_batch)
+        self.scratch_span, self.scratch_slot = scratch_span, scratch_span * span_size
+        long = dict(dtype=torch.long, device=device)
+        self.ids = torch.zeros(max_batch, **long)                       # [Bmax]
+        self.positions = torch.zeros(max_batch, **long)
+        self.slots = torch.full((max_batch,), self.scratch_slot, **long)
+        self.spans = torch.full((max_batch, max_spans_per_seq), scratch_span, **long)   # [Bmax, MAXS]
+        self.ctx = torch.ones(max_batch, **long)
+        self.rows = torch.arange(max_batch, **long)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self._capture_all()
+
+    def _inputs(self, b: int) -> ForwardInputs:
+        meta = AttentionMetadata(self.slots[:b], [], self.rows[:b], self.spans[:b], self.ctx[:b])
+        return ForwardInputs(self.ids[:b], self.positions[:b], meta, self.rows[:b], [])
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = None
+        stream = torch.cuda.Stream()
+        for b in sorted(self.sizes, reverse=True):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):      # warm-up outside the graph: Triton compiles, cuBLAS picks
+                for _ in range(2):
+                    self.model(self._inputs(b), self.kv)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[b] = self.model(self._inputs(b), self.kv)
+            pool = graph.pool()
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+
+    def fits(self, inputs: ForwardInputs) -> bool:
+        """A decode-only step (one token per sequence, every row sampled) of at most max_batch sequences whose
+        span tables fit the static buffer."""
+        b = inputs.input_ids.shape[0]
+        return (not inputs.attn.seqs and b <= self.sizes[-1] and inputs.sample_rows.shape[0] == b
+                and inputs.attn.decode_spans.shape[1] <= self.spans.shape[1])
+
+    def run(self, inputs: ForwardInputs) -> torch.Tensor:
+        """The step's fp32 logits [B, V] (a view of the graph's output: read before the next step)."""
+        b = inputs.input_ids.shape[0]
+        size = next(s for s in self.sizes if s >= b)
+        meta = inputs.attn
+        self.ids[:b].copy_(inputs.input_ids)
+        self.positions[:b].copy_(inputs.positions)
+        self.slots[:b].copy_(meta.slot_mapping)
+        width = meta.decode_spans.shape[1]
+        self.spans[:b, :width].copy_(meta.decode_spans)
+        self.ctx[:b].copy_(meta.decode_ctx)
+        if size > b:   # rows left by a larger earlier step: back to the scratch span
+            self.ids[b:size].zero_()
+            self.positions[b:size].zero_()
+            self.slots[b:size].fill_(self.scratch_slot)
+            self.ctx[b:size].fill_(1)
+            self.spans[b:size].fill_(self.scratch_span)
+        self.graphs[size].replay()
+        return self.logits[size][:b]

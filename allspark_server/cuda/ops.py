@@ -1,0 +1,54 @@
+"""CUDA implementations of `allspark_server.ops`' op names (same signatures, same math).
+
+Linear layers are cuBLAS GEMMs through torch (a quantized weight is dequantized for it); attention over
+the span cache is Triton (attention_kernels.py); norms, rotary and silu·mul are the torch references for now,
+each a few elementwise kernels. Nothing here reads a tensor's values on the host, so a decode step can be
+captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from allspark_server import ops as ref
+from allspark_server.quant.formats import QuantizedWeight
+
+
+def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(w, QuantizedWeight):
+        return F.linear(x, w.dequantize().to(x.dtype), bias)
+    return F.linear(x, w, bias)
+
+
+rms_norm = ref.rms_norm_reference
+rotary = ref.rotary_reference
+silu_mul = ref.silu_mul_reference
+gather_kv = ref.gather_kv
+store_kv = ref.store_kv_reference
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,
+                     ctx: torch.Tensor, scale: float, k_param: torch.Tensor | None = None,
+                     v_param: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, D] against each sequence's spans -> [B, H, D] (Triton; quantized spans: the torch reference)."""
+    if k_param is not None:
+        return ref.decode_attention_reference(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param)
+    from allspark_server.cuda.attention_kernels import paged_decode_attention
+    return paged_decode_attention(q, k_cache, v_cache, spans, ctx, scale)
+
+
+def decode_attention_block(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads, num_kv_heads,
+                           cos, sin, k_cache, v_cache, slots, spans, ctx, scale, o_weight, k_param=None, v_param=None):
+    """ops.decode_attention_block_reference's sequence, on this backend's ops."""
+    h, s = rms_norm(x, norm_weight, eps, residual)
+    b, d = x.shape[0], cos.shape[-1]
+    q, k, v = linear(h, qkv_weight, qkv_bias).split([num_heads * d, num_kv_heads * d, num_kv_heads * d], -1)
+    q, k = rotary(q.view(b, num_heads, d), k.view(b, num_kv_heads, d), cos, sin)
+    store_kv(k, v, k_cache, v_cache, slots, k_param, v_param)
+    o = decode_attention(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param)
+    return linear(o.reshape(b, num_heads * d), o_weight), s
+
+
+def decode_mlp_block(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight):
+    h, s = rms_norm(x, norm_weight, eps, residual)
+    return linear(silu_mul(linear(h, gate_up_weight, gate_up_bias)), down_weight), s

@@ -1,0 +1,106 @@
+"""The GPU benchmark (`python benchmarks/run.py --device cuda`): allspark's Engine on one GPU against the
+plain-PyTorch CUDA-graph decode step (torch_cuda_peer.py) on the same random Llama-2-7B-shaped bf16 weights.
+
+Measures the device's copy bandwidth (device-to-device, bytes read + written) for the roofline, checks the
+peer and the Engine against transformers, then batch-1 decode of both interleaved round by round. --quick
+shrinks the model to 8 layers so that one device call holds everything. Writes JSON.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+import torch_cuda_peer as peer_mod
+import workloads as W
+
+LLAMA2_7B = dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=11008, num_attention_heads=32,
+                 num_key_value_heads=32, vocab_size=32000)
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30, repeats: int = 20) -> float:
+    a = torch.randn(nbytes // 4, device="cuda")
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(repeats + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / statistics.median(times[3:]) / 1e9
+
+
+def build_model(out_dir: str, layers: int) -> None:
+    """A random bf16 Llama-2-7B-shaped HF folder (weights N(0, 0.02), initialized on the GPU for speed)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    if os.path.exists(os.path.join(out_dir, "config.json")):
+        return
+    cfg = LlamaConfig(**dict(LLAMA2_7B, num_hidden_layers=layers), max_position_embeddings=4096,
+                      torch_dtype="bfloat16", tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(out_dir)
+    del model
+    torch.cuda.empty_cache()
+
+
+def main(args) -> dict:
+    from transformers import AutoModelForCausalLM
+    from allspark_server import Engine, HuggingFaceModel
+    layers = 8 if args.quick else LLAMA2_7B["num_hidden_layers"]
+    new_tokens, prompt_len, rounds = (64, 32, 3) if args.quick else (128, 32, 5)
+    root = os.path.join(os.path.expanduser("~"), ".cache", "allspark", "bench-cuda", f"llama2-7b-{layers}l")
+    t0 = time.perf_counter()
+    build_model(root, layers)
+    report = {"device": torch.cuda.get_device_name(), "layers": layers, "copy_gbs": copy_bandwidth_gbs()}
+    hf = AutoModelForCausalLM.from_pretrained(root, dtype=torch.bfloat16).to("cuda").eval()
+    nbytes = sum(p.numel() * p.element_size() for n, p in hf.named_parameters() if "embed_tokens" not in n)
+    report["weight_bytes_per_token"] = nbytes
+    report["roofline_tps"] = report["copy_gbs"] * 1e9 / nbytes
+    prompt = W.prompt(prompt_len, 0, LLAMA2_7B["vocab_size"])
+    report["peer_vs_hf_rel_err"] = peer_mod.check_against_hf(hf, prompt)
+    peer = peer_mod.StaticLlama(hf, batch=1, max_len=prompt_len + new_tokens + 8)
+    peer.prefill_by_decoding(prompt)
+    peer.capture()
+
+    loader = HuggingFaceModel(root, "bench-cuda", user_set_data_type="bfloat16")
+    loader.load_model().serialize_to_path(None, os.path.join(root, "as"), skip_if_exists=True).free_model()
+    engine = Engine()
+    cfg = (loader.create_reference_runtime_config_builder("bench-cuda", "cuda", [0], max_batch=8)
+           .max_length(prompt_len + new_tokens + 16).kv_cache_span_size(32).build())
+    engine.install_model(cfg)
+    engine.start_model("bench-cuda")
+    report["setup_s"] = time.perf_counter() - t0
+
+    # our greedy tokens against transformers' (both bf16; a random model's near-ties can split them)
+    ours = W.greedy_tokens(engine, "bench-cuda", prompt, 16)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=16, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    theirs = out[0, prompt_len:].tolist()
+    report["greedy_ours_hf"] = [ours, theirs]
+    report["greedy_first_divergence"] = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), 16)
+
+    runs = {"allspark": [], "torch_cuda_graph": []}
+    W.decode_tps(engine, "bench-cuda", LLAMA2_7B["vocab_size"], 8)
+    for r in range(rounds):
+        runs["allspark"].append(W.decode_tps(engine, "bench-cuda", LLAMA2_7B["vocab_size"], new_tokens, seed=r,
+                                             prompt_len=prompt_len))
+        runs["torch_cuda_graph"].append(peer.decode_tps(prompt_len, new_tokens))
+    for name, tps in runs.items():
+        report[f"{name}_decode_b1_tps"] = statistics.median(tps)
+        report[f"{name}_decode_b1_roofline"] = statistics.median(tps) / report["roofline_tps"]
+    report["decode_b1_tps_by_round"] = runs
+    report["allspark_vs_torch_cuda_graph"] = statistics.median(a / b for a, b in zip(*runs.values()))
+    engine.stop_model("bench-cuda")
+    engine.release_model("bench-cuda")
+    return report

@@ -1,0 +1,135 @@
+"""GPU ranks: `compute_unit(TargetDevice.CUDA, ids)` through the Engine.
+
+Without a GPU: a CUDA compute unit is refused at install with ALLSPARK_PARAM_ERROR naming it, and the engine
+keeps serving. With one (marker `gpu`, skipped elsewhere): greedy output on the GPU equals transformers' and
+the CPU engine's, alone and batched (teacher-forced logits are in test_hf_parity.py's `cuda` rows).
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():   # the Triton kernels run in the interpreter on CPU tensors (set before import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from allspark_client.types import AsException, AsStatus, TargetDevice
+from allspark_server import Engine
+from helpers import greedy, hf_greedy, random_prompt, serialize, start_engine
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def cuda_engine(loader, name: str, max_batch: int = 4) -> Engine:
+    engine = Engine()
+    cfg = (loader.create_reference_runtime_config_builder(name, TargetDevice.CUDA, [0], max_batch=max_batch)
+           .max_length(256).kv_cache_span_size(16).build())
+    engine.install_model(cfg)
+    engine.start_model(name)
+    return engine
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_backend_decode_blocks_equal_the_reference(dtype):
+    """The CUDA backend's decode blocks (its ops composed, Triton attention) against ops' references, on the
+    GPU where there is one, else on CPU tensors through the Triton interpreter."""
+    pytest.importorskip("triton")
+    from allspark_server import ops
+    cuda_ops = ops.cuda_backend()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape, scale=0.1):
+        return (torch.randn(*shape, generator=g) * scale).to(dev, dtype)
+    b, hidden, heads, kvh, d, inter, span, spans = 3, 64, 4, 2, 16, 96, 16, 12
+    x, residual = rnd(b, hidden, scale=1.0), rnd(b, hidden, scale=1.0)
+    norm = rnd(hidden, scale=1.0) + 1
+    qkv_w, o_w = rnd((heads + 2 * kvh) * d, hidden), rnd(hidden, heads * d)
+    gu_w, down_w = rnd(2 * inter, hidden), rnd(hidden, inter)
+    angle = torch.rand(b, 1, d, generator=g)
+    cos, sin = angle.cos().to(dev, dtype), angle.sin().to(dev, dtype)
+    k_cache, v_cache = rnd(spans, span, kvh, d, scale=1.0), rnd(spans, span, kvh, d, scale=1.0)
+    ctx = torch.tensor([5, 16, 33], device=dev)
+    table = torch.tensor([[7, 0, 0], [3, 0, 0], [1, 9, 4]], device=dev)
+    slots = torch.stack([table[i, (ctx[i] - 1) // span] * span + (ctx[i] - 1) % span for i in range(b)])
+    args = (x, residual, norm, 1e-6, qkv_w, None, heads, kvh, cos, sin)
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    o_ref, s_ref = ops.decode_attention_block_reference(*args, *caches[0], slots, table, ctx, d ** -0.5, o_w)
+    o, s = cuda_ops.decode_attention_block(*args, *caches[1], slots, table, ctx, d ** -0.5, o_w)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(caches[1][0], caches[0][0])   # the new K/V rows went to their slots
+    torch.testing.assert_close(caches[1][1], caches[0][1])
+    torch.testing.assert_close(s, s_ref)
+    torch.testing.assert_close(o.float(), o_ref.float(), **tol)
+    h_ref, s2_ref = ops.decode_mlp_block_reference(o_ref, s_ref, norm, 1e-6, gu_w, None, down_w)
+    h, s2 = cuda_ops.decode_mlp_block(o_ref, s_ref, norm, 1e-6, gu_w, None, down_w)
+    torch.testing.assert_close(h.float(), h_ref.float(), **tol)
+    torch.testing.assert_close(s2, s2_ref)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_cuda_unit_without_a_gpu_is_a_param_error_and_the_engine_serves_on(llama, tmp_path):
+    loader = serialize(llama.hf_dir, "m", str(tmp_path))
+    engine = Engine()
+    cfg = (loader.create_reference_runtime_config_builder("m", TargetDevice.CUDA, [0], max_batch=2)
+           .max_length(128).build())
+    assert cfg.compute_unit == "CUDA:0"
+    with pytest.raises(AsException) as err:
+        engine.install_model(cfg)
+    assert err.value.status == AsStatus.ALLSPARK_PARAM_ERROR
+    assert "compute_unit CUDA:0" in str(err.value) and "no CUDA device" in str(err.value)
+    start_engine(loader, "m", engine=engine)   # the same name, now on the CPU: nothing was left half-installed
+    prompt = random_prompt(12, seed=4)
+    assert greedy(engine, "m", torch.tensor([prompt]), 8) == hf_greedy(llama.model, prompt, 8)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_greedy_on_the_gpu_equals_transformers_alone_and_batched(llama, tmp_path):
+    loader = serialize(llama.hf_dir, "g", str(tmp_path))
+    engine = cuda_engine(loader, "g")
+    prompts = [random_prompt(n, seed=20 + n) for n in (5, 17, 40)]
+    expected = [hf_greedy(llama.model, p, 24) for p in prompts]
+    assert greedy(engine, "g", torch.tensor([prompts[0]]), 24) == expected[0]
+    results = [None] * len(prompts)
+
+    def run(i):
+        results[i] = greedy(engine, "g", torch.tensor([prompts[i]]), 24)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == expected
+    assert json.loads(engine.get_model_info("g"))["device"] == "cuda:0"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("batch", [1, 3])
+def test_graph_replay_equals_the_eager_step(llama, tmp_path, batch):
+    """A decode step replayed from its CUDA graph (padded up the ladder when batch = 3) gives the eager step's
+    logits; the step rewrites the same cache slots with the same values, so both see one cache."""
+    from allspark_server.core.messages import ScheduledChunk
+    from allspark_server.runner.forward_inputs import RequestMirror, build_forward_inputs
+    from test_hf_parity import runner_for
+    loader = serialize(llama.hf_dir, "r", str(tmp_path))
+    runner = runner_for(loader, "r", device="cuda", max_batch=4)
+    assert runner.graphs is not None and 4 in runner.graphs.sizes
+    per_seq = 16 // runner.span_size + 2
+    for i in range(batch):   # each sequence's 16-token prompt, prefilled eagerly
+        spans = list(range(i * per_seq, (i + 1) * per_seq))
+        runner.mirrors[i] = RequestMirror(random_prompt(16, seed=i) + [7 + i], spans, 0)
+        inputs = build_forward_inputs([ScheduledChunk(i, 16, False)], runner.mirrors, runner.span_size)
+        runner.model(inputs.to(runner.device), runner.kv)
+        runner.mirrors[i].num_computed_tokens = 16
+    chunks = [ScheduledChunk(i, 1, True) for i in range(batch)]
+    inputs = build_forward_inputs(chunks, runner.mirrors, runner.span_size).to(runner.device)
+    assert runner.graphs.fits(inputs)
+    replayed = runner.graphs.run(inputs).clone()
+    eager = runner.model(inputs, runner.kv)
+    assert replayed.shape == eager.shape == (batch, 512)
+    torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)

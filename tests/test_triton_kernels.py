@@ -1,0 +1,212 @@
+"""Triton paged-attention kernels (allspark_server/cuda/attention_kernels.py) against float64 and torch
+references: decode (GQA, split-KV, odd head dims, `out=`) and varlen causal prefill, over shuffled span tables
+whose padding holds garbage span ids and whose unreferenced cache slots hold NaN. On a CUDA machine the tests
+run on the GPU; elsewhere on CPU tensors under the Triton interpreter (small shapes: it is slow)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")      # read when @triton.jit decorates: before the import
+pytest.importorskip("triton")
+
+import torch.nn.functional as F  # noqa: E402
+
+from allspark_server import ops  # noqa: E402
+from allspark_server.cuda import attention_kernels as ak  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}    # max error / max |reference|
+GARBAGE_SPAN = 10 ** 9          # span-table padding: any read through it faults (or reads far out of bounds)
+SCALE = 0.1
+
+
+def make_cache(lengths: list[int], kvh: int, d: int, span_size: int, dtype: torch.dtype, seed: int = 0,
+               index_dtype: torch.dtype = torch.int32):
+    """Caches [S, P, KVH, D] and spans [B, MAXS] for sequences of `lengths` tokens: spans shuffled, padding
+    entries 0 or GARBAGE_SPAN, and NaN in every slot no sequence owns (spare spans, tails of last spans):
+    a kernel that loads one of them unmasked turns its output NaN, even with a zero softmax weight."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = [-(-n // span_size) for n in lengths]
+    num_spans = sum(counts) + 3                                             # 3 spare spans nobody owns
+    k_cache = torch.randn(num_spans, span_size, kvh, d, generator=gen)    # [S, P, KVH, D]
+    v_cache = torch.randn(num_spans, span_size, kvh, d, generator=gen)    # [S, P, KVH, D]
+    spans = torch.zeros(len(lengths), max(counts) + 2, dtype=torch.int64)  # [B, MAXS]
+    spans[:, 1::2] = GARBAGE_SPAN
+    owned = torch.zeros(num_spans, span_size, dtype=torch.bool)            # [S, P]
+    order = torch.randperm(num_spans, generator=gen).tolist()
+    for b, (n, c) in enumerate(zip(lengths, counts)):
+        spans[b, :c] = torch.tensor(order[:c])
+        order = order[c:]
+        owned.view(-1)[(spans[b, :c, None] * span_size + torch.arange(span_size)).view(-1)[:n]] = True
+    for cache in (k_cache, v_cache):
+        cache[~owned] = float("nan")
+    return (k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype), spans.to(DEVICE, index_dtype))
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
+    """Every element finite and within rel * max |ref| of the reference."""
+    out = out.detach().cpu().double()
+    ref = ref.detach().cpu().double()
+    assert torch.isfinite(out).all(), "non-finite output"
+    err = (out - ref).abs().max().item()
+    assert err <= rel * ref.abs().max().item(), f"max error {err:.3g} vs max |ref| {ref.abs().max().item():.3g}"
+
+
+def decode_refs(q, k_cache, v_cache, spans, ctx):
+    """(float64 reference, torch reference in q's dtype) of decode attention, on the CPU."""
+    q, k_cache, v_cache, spans, ctx = (x.cpu() for x in (q, k_cache, v_cache, spans, ctx))
+    exact = ops.decode_attention_reference(q.double(), k_cache.double(), v_cache.double(), spans, ctx, SCALE)
+    return exact, ops.decode_attention_reference(q, k_cache, v_cache, spans, ctx, SCALE)
+
+
+def lengths_for(span_size: int) -> list[int]:
+    return [1, span_size - 1, span_size, span_size + 1, 300]
+
+
+# (dtype, head dim, span size, GQA group): together every dtype, D in {64, 128, 80, 96}, P in {16, 32} and
+# G in {1, 4, 8} (G = 1: H == KVH), without the whole product the interpreter could not afford; P = 24 puts
+# span boundaries inside the kernel's token tiles
+DECODE_CASES = [
+    (torch.float32, 64, 16, 1), (torch.float32, 128, 32, 4), (torch.float32, 80, 16, 8),
+    (torch.bfloat16, 64, 32, 8), (torch.bfloat16, 128, 16, 1), (torch.bfloat16, 96, 32, 4),
+    (torch.float16, 80, 32, 1), (torch.float32, 64, 24, 2),
+]
+
+
+def case_id(case) -> str:
+    dtype, d, span_size, group = case
+    return f"{str(dtype).split('.')[-1]}-D{d}-P{span_size}-G{group}"
+
+
+@pytest.mark.parametrize("dtype,d,span_size,group", DECODE_CASES, ids=map(case_id, DECODE_CASES))
+def test_decode_against_float64_and_torch(dtype, d, span_size, group):
+    kvh = 2
+    lengths = lengths_for(span_size)
+    k_cache, v_cache, spans = make_cache(lengths, kvh, d, span_size, dtype, seed=d + group)
+    q = torch.randn(len(lengths), kvh * group, d).to(DEVICE, dtype)               # [B, H, D]
+    ctx = torch.tensor(lengths, device=DEVICE)
+    out = ak.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE)
+    assert out.shape == q.shape and out.dtype == dtype
+    exact, ref = decode_refs(q, k_cache, v_cache, spans, ctx)
+    assert_close(out, exact, TOL[dtype])
+    assert_close(out, ref, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_decode_split_counts_agree(dtype):
+    # 5 splits of a 1-token context leave 4 splits empty; 2 splits of 300 tokens are uneven (5 tiles of 64)
+    lengths, kvh, group, d, span_size = [1, 17, 300], 1, 4, 64, 16
+    k_cache, v_cache, spans = make_cache(lengths, kvh, d, span_size, dtype, seed=1)
+    q = torch.randn(len(lengths), kvh * group, d).to(DEVICE, dtype)
+    ctx = torch.tensor(lengths, device=DEVICE)
+    exact, _ = decode_refs(q, k_cache, v_cache, spans, ctx)
+    outs = [ak.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE, num_splits=s) for s in (1, 2, 5, None)]
+    for out in outs:
+        assert_close(out, exact, TOL[dtype])
+    if dtype == torch.float32:
+        for out in outs[1:]:
+            assert_close(out, outs[0], 1e-6)
+
+
+def test_decode_writes_into_out_views_and_every_element():
+    # q is a strided view of a fused qkv tensor, out a strided view of a NaN-filled buffer; int64 span table
+    lengths, kvh, group, d, span_size = [5, 33], 2, 4, 64, 16
+    k_cache, v_cache, spans = make_cache(lengths, kvh, d, span_size, torch.float32, seed=2, index_dtype=torch.int64)
+    heads = kvh * group
+    qkv = torch.randn(len(lengths), heads + 2 * kvh, d, device=DEVICE)          # [B, H + 2 KVH, D]
+    q = qkv[:, :heads]                                                              # [B, H, D], stride(0) != H * D
+    ctx = torch.tensor(lengths, device=DEVICE, dtype=torch.int32)
+    exact, _ = decode_refs(q, k_cache, v_cache, spans, ctx)
+    for splits in (1, 3):
+        buf = torch.full((len(lengths), heads + 1, d), float("nan"), device=DEVICE)  # [B, H + 1, D]
+        out = buf[:, 1:]
+        got = ak.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE, num_splits=splits, out=out)
+        assert got.data_ptr() == out.data_ptr()
+        assert_close(out, exact, TOL[torch.float32])
+        assert torch.isnan(buf[:, 0]).all(), "wrote outside out"
+        same = ak.paged_decode_attention(q, k_cache, v_cache, spans.int(), ctx, SCALE, num_splits=splits)
+        assert torch.equal(same, out), "int32 and int64 span tables differ"
+
+
+def test_default_num_splits_depends_on_shapes_only():
+    assert ak.default_num_splits(1, 1, 1000, 16) == ak.MAX_SPLITS                # small batch: capped
+    assert ak.default_num_splits(4, 8, 1000, 16) == -(-ak.TARGET_PROGRAMS // 32)
+    tiles = 3 * 64 // ak.DECODE_BLOCK_N
+    assert ak.default_num_splits(2, 2, 3, 64) == tiles                           # one split per addressable tile
+    assert ak.default_num_splits(1024, 8, 1000, 16) == 1                         # big batch: no split
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_decode_replays_in_a_cuda_graph_with_new_contents():
+    lengths, kvh, group, d, span_size = [40, 7], 2, 4, 128, 16
+    k_cache, v_cache, spans = make_cache(lengths, kvh, d, span_size, torch.bfloat16, seed=3)
+    q = torch.randn(len(lengths), kvh * group, d, device=DEVICE, dtype=torch.bfloat16)
+    ctx = torch.tensor(lengths, device=DEVICE)
+    out = torch.empty_like(q)
+    ak.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE, out=out)     # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ak.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE, out=out)
+    ctx.copy_(torch.tensor([7, 40], device=DEVICE))
+    spans.copy_(spans.flip(0))
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    assert_close(out, decode_refs(q, k_cache, v_cache, spans, ctx)[0], TOL[torch.bfloat16])
+
+
+# ---- prefill -------------------------------------------------------------------------------------------------
+
+def prefill_ref(q, k_cache, v_cache, q_start, q_len, ctx_len, spans, dtype):
+    """Gather + SDPA with the causal-with-offset mask, per sequence, in `dtype` on the CPU -> [T, H, D]."""
+    q, k_cache, v_cache, spans = (x.cpu().to(dtype) if x.is_floating_point() else x.cpu()
+                                  for x in (q, k_cache, v_cache, spans))
+    span_size, kvh = k_cache.shape[1:3]
+    out = torch.full_like(q, float("nan"))
+    for start, m, n, row in zip(q_start.tolist(), q_len.tolist(), ctx_len.tolist(), spans):
+        slots = (row[:-(-n // span_size)][:, None] * span_size + torch.arange(span_size)).reshape(-1)[:n]
+        k, v = ops.gather_kv(k_cache, v_cache, slots)                                  # [n, KVH, D]
+        pos = n - m + torch.arange(m)                                                   # [m] query positions
+        mask = torch.arange(n)[None, :] <= pos[:, None]                                 # [m, n]
+        o = F.scaled_dot_product_attention(q[start:start + m].transpose(0, 1), k.transpose(0, 1),
+                                           v.transpose(0, 1), attn_mask=mask, scale=SCALE,
+                                           enable_gqa=kvh != q.shape[1])               # [H, m, D]
+        out[start:start + m] = o.transpose(0, 1)
+    return out
+
+
+# (q_len, ctx_len) chunks: one token, a whole prompt, a prompt just over a span, a chunk over cached context,
+# a long chunk over a long context, an empty chunk
+CHUNKS = [(1, 1), (5, 5), (17, 17), (3, 40), (70, 300), (0, 9)]
+PREFILL_CASES = [
+    (torch.float32, 64, 16, 1), (torch.float32, 80, 32, 8),
+    (torch.bfloat16, 128, 32, 4), (torch.bfloat16, 96, 16, 8), (torch.float32, 64, 24, 2),
+]
+
+
+@pytest.mark.parametrize("dtype,d,span_size,group", PREFILL_CASES, ids=map(case_id, PREFILL_CASES))
+def test_prefill_against_float64_and_torch(dtype, d, span_size, group):
+    kvh = 2 if group < 8 else 1
+    q_len = torch.tensor([m for m, _ in CHUNKS])
+    ctx_len = torch.tensor([n for _, n in CHUNKS])
+    q_start = torch.cumsum(q_len, 0) - q_len + torch.arange(len(CHUNKS))   # one unused row after each chunk
+    total = int(q_start[-1] + q_len[-1]) + 1
+    k_cache, v_cache, spans = make_cache(ctx_len.tolist(), kvh, d, span_size, dtype, seed=d + group)
+    q = torch.randn(total, kvh * group, d).to(DEVICE, dtype)                         # [T, H, D]
+    seqs = [x.to(DEVICE) for x in (q_start, q_len, ctx_len)]
+    out = torch.full_like(q, float("nan"))
+    got = ak.paged_prefill_attention(q, k_cache, v_cache, *seqs, spans, SCALE, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    covered = torch.zeros(total, dtype=torch.bool)
+    for start, m in zip(q_start.tolist(), q_len.tolist()):
+        covered[start:start + m] = True
+    assert torch.isnan(out.cpu()[~covered]).all(), "wrote a row of no sequence"
+    exact = prefill_ref(q, k_cache, v_cache, q_start, q_len, ctx_len, spans, torch.float64)
+    ref = prefill_ref(q, k_cache, v_cache, q_start, q_len, ctx_len, spans, dtype)
+    assert_close(out.cpu()[covered], exact[covered], TOL[dtype])
+    assert_close(out.cpu()[covered], ref[covered], TOL[dtype])
+    again = ak.paged_prefill_attention(q, k_cache, v_cache, *seqs, spans, SCALE, max_q_len=int(q_len.max()))
+    assert torch.equal(again.cpu()[covered], out.cpu()[covered])
