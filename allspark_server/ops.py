@@ -190,7 +190,7 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     Quantized caches (k_param/v_param given, quant/kv.py) are dequantized and attended in fp32."""
     span_size, kvh = k_cache.shape[1:3]
     out = torch.empty_like(q)
-    offsets = torch.arange(span_size)
+    offsets = torch.arange(span_size, device=k_cache.device)
     for b in range(q.shape[0]):
         n = int(ctx[b])
         slots = (spans[b, :-(-n // span_size)][:, None] * span_size + offsets).reshape(-1)[:n]
