@@ -34,6 +34,21 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30, repeats: int = 20) -> float:
     return 2 * nbytes / statistics.median(times[3:]) / 1e9
 
 
+def graph_replay_ms(graphs, batch: int, repeats: int = 50) -> float:
+    """GPU time of one replay of the Engine's decode graph for `batch` rows (diagnostic: the step's time on
+    the GPU alone, without the host's scheduling, sampling and copies; replays the last step's inputs)."""
+    g = graphs.graphs[batch]
+    for _ in range(3):
+        g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        g.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
 def build_model(out_dir: str, layers: int) -> None:
     """A random bf16 Llama-2-7B-shaped HF folder (weights N(0, 0.02), initialized on the GPU for speed)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -101,6 +116,8 @@ def main(args) -> dict:
         report[f"{name}_decode_b1_roofline"] = statistics.median(tps) / report["roofline_tps"]
     report["decode_b1_tps_by_round"] = runs
     report["allspark_vs_torch_cuda_graph"] = statistics.median(a / b for a, b in zip(*runs.values()))
+    report["graph_replay_ms_b1"] = graph_replay_ms(engine._engine.models["bench-cuda"].runner.graphs, 1)
+    report["host_overhead_ms_b1"] = 1e3 / report["allspark_decode_b1_tps"] - report["graph_replay_ms_b1"]
     engine.stop_model("bench-cuda")
     engine.release_model("bench-cuda")
     return report

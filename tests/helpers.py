@@ -64,7 +64,7 @@ def greedy(engine: Engine, name: str, ids, max_new_tokens: int) -> list[int]:
 
 
 def hf_greedy(model, ids, max_new_tokens: int) -> list[int]:
-    x = torch.tensor([list(ids)])
+    x = torch.tensor([list(ids)], device=model.device)
     out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
                          eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens)
     return out[0, x.shape[1]:].tolist()

@@ -31,11 +31,12 @@ class DecodeGraphs:
         self.sizes = batch_ladder(max_batch)
         self.scratch_span, self.scratch_slot = scratch_span, scratch_span * span_size
         long = dict(dtype=torch.long, device=device)
-        self.ids = torch.zeros(max_batch, **long)                       # [Bmax]
-        self.positions = torch.zeros(max_batch, **long)
-        self.slots = torch.full((max_batch,), self.scratch_slot, **long)
+        # ids, positions, slots and context lengths in one tensor, so a step's inputs arrive in two copies
+        self.per_row = torch.zeros(4, max_batch, **long)                                 # [4, Bmax]
+        self.ids, self.positions, self.slots, self.ctx = self.per_row
         self.spans = torch.full((max_batch, max_spans_per_seq), scratch_span, **long)   # [Bmax, MAXS]
-        self.ctx = torch.ones(max_batch, **long)
+        self._pad(0, max_batch)
+        self.filled = 0   # rows holding the last step's sequences
         self.rows = torch.arange(max_batch, **long)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -62,6 +63,14 @@ class DecodeGraphs:
             self.graphs[b] = graph
         torch.cuda.synchronize()
 
+    def _pad(self, begin: int, end: int) -> None:
+        """Rows [begin, end) decode token 0 at position 0 into the scratch span."""
+        self.ids[begin:end].zero_()
+        self.positions[begin:end].zero_()
+        self.slots[begin:end].fill_(self.scratch_slot)
+        self.ctx[begin:end].fill_(1)
+        self.spans[begin:end].fill_(self.scratch_span)
+
     def fits(self, inputs: ForwardInputs) -> bool:
         """A decode-only step (one token per sequence, every row sampled) of at most max_batch sequences whose
         span tables fit the static buffer."""
@@ -70,21 +79,16 @@ class DecodeGraphs:
                 and inputs.attn.decode_spans.shape[1] <= self.spans.shape[1])
 
     def run(self, inputs: ForwardInputs) -> torch.Tensor:
-        """The step's fp32 logits [B, V] (a view of the graph's output: read before the next step)."""
+        """The step's fp32 logits [B, V] (a view of the graph's output: read it before the next step). `inputs`
+        may be on the host: they are copied into the static buffers directly."""
         b = inputs.input_ids.shape[0]
         size = next(s for s in self.sizes if s >= b)
         meta = inputs.attn
-        self.ids[:b].copy_(inputs.input_ids)
-        self.positions[:b].copy_(inputs.positions)
-        self.slots[:b].copy_(meta.slot_mapping)
-        width = meta.decode_spans.shape[1]
-        self.spans[:b, :width].copy_(meta.decode_spans)
-        self.ctx[:b].copy_(meta.decode_ctx)
-        if size > b:   # rows left by a larger earlier step: back to the scratch span
-            self.ids[b:size].zero_()
-            self.positions[b:size].zero_()
-            self.slots[b:size].fill_(self.scratch_slot)
-            self.ctx[b:size].fill_(1)
-            self.spans[b:size].fill_(self.scratch_span)
+        self.per_row[:, :b].copy_(torch.stack([inputs.input_ids, inputs.positions, meta.slot_mapping,
+                                                meta.decode_ctx]))
+        self.spans[:b, :meta.decode_spans.shape[1]].copy_(meta.decode_spans)
+        if self.filled > b:   # rows of a larger earlier step: back to padding
+            self._pad(b, self.filled)
+        self.filled = b
         self.graphs[size].replay()
         return self.logits[size][:b]

@@ -1,9 +1,10 @@
 """CUDA implementations of `allspark_server.ops`' op names (same signatures, same math).
 
 Linear layers are cuBLAS GEMMs through torch (a quantized weight is dequantized for it); attention over
-the span cache is Triton (attention_kernels.py); norms, rotary and silu·mul are the torch references for now,
-each a few elementwise kernels. Nothing here reads a tensor's values on the host, so a decode step can be
-captured in a CUDA graph.
+the span cache, residual + RMSNorm, rotary (fused with the cache write in the decode block) and silu·mul
+are one Triton launch each (attention_kernels.py, fused_kernels.py), rounded as ops' references round.
+Quantized KV spans still take the torch references. Nothing here reads a tensor's values on the host, so
+a decode step can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from allspark_server import ops as ref
+from allspark_server.cuda import fused_kernels as fused
+from allspark_server.cuda.attention_kernels import paged_decode_attention
 from allspark_server.quant.formats import QuantizedWeight
 
 
@@ -20,9 +23,9 @@ def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Ten
     return F.linear(x, w, bias)
 
 
-rms_norm = ref.rms_norm_reference
-rotary = ref.rotary_reference
-silu_mul = ref.silu_mul_reference
+rms_norm = fused.rms_norm
+rotary = fused.rotary
+silu_mul = fused.silu_mul
 gather_kv = ref.gather_kv
 store_kv = ref.store_kv_reference
 
@@ -33,7 +36,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """q [B, H, D] against each sequence's spans -> [B, H, D] (Triton; quantized spans: the torch reference)."""
     if k_param is not None:
         return ref.decode_attention_reference(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param)
-    from allspark_server.cuda.attention_kernels import paged_decode_attention
     return paged_decode_attention(q, k_cache, v_cache, spans, ctx, scale)
 
 
@@ -43,8 +45,12 @@ def decode_attention_block(x, residual, norm_weight, eps, qkv_weight, qkv_bias, 
     h, s = rms_norm(x, norm_weight, eps, residual)
     b, d = x.shape[0], cos.shape[-1]
     q, k, v = linear(h, qkv_weight, qkv_bias).split([num_heads * d, num_kv_heads * d, num_kv_heads * d], -1)
-    q, k = rotary(q.view(b, num_heads, d), k.view(b, num_kv_heads, d), cos, sin)
-    store_kv(k, v, k_cache, v_cache, slots, k_param, v_param)
+    q, k = q.view(b, num_heads, d), k.view(b, num_kv_heads, d)
+    if k_param is None:   # rotate q and k, write k and v to their slots: one launch
+        q = fused.rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots)
+    else:
+        q, k = rotary(q, k, cos, sin)
+        store_kv(k, v, k_cache, v_cache, slots, k_param, v_param)
     o = decode_attention(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param)
     return linear(o.reshape(b, num_heads * d), o_weight), s
 

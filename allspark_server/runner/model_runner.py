@@ -124,11 +124,11 @@ class ModelRunner:
             m.span_ids.extend(r.new_span_ids)
         if plan.is_empty:
             return None, []
-        inputs = build_forward_inputs(plan.chunks, self.mirrors, self.span_size).to(self.device)
+        inputs = build_forward_inputs(plan.chunks, self.mirrors, self.span_size)
         if self.graphs is not None and self.graphs.fits(inputs):
             logits = self.graphs.run(inputs)
         else:
-            logits = self.model(inputs, self.kv)
+            logits = self.model(inputs.to(self.device), self.kv)
         if logits is not None and logits.is_cuda:
             logits = logits.cpu()   # the sampler runs on the host
         for c in plan.chunks:
