@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import threading
 import time
 
 import torch
@@ -73,6 +74,7 @@ def main(args) -> dict:
     from allspark_server import Engine, HuggingFaceModel
     layers = 8 if args.quick else LLAMA2_7B["num_hidden_layers"]
     new_tokens, prompt_len, rounds = (64, 32, 3) if args.quick else (128, 32, 5)
+    concurrency = (16,) if args.quick else (16, 64, 128)
     root = os.path.join(os.path.expanduser("~"), ".cache", "allspark", "bench-cuda", f"llama2-7b-{layers}l")
     t0 = time.perf_counter()
     build_model(root, layers)
@@ -90,8 +92,11 @@ def main(args) -> dict:
     loader = HuggingFaceModel(root, "bench-cuda", user_set_data_type="bfloat16")
     loader.load_model().serialize_to_path(None, os.path.join(root, "as"), skip_if_exists=True).free_model()
     engine = Engine()
-    cfg = (loader.create_reference_runtime_config_builder("bench-cuda", "cuda", [0], max_batch=8)
-           .max_length(prompt_len + new_tokens + 16).kv_cache_span_size(32).build())
+    max_len = max(prompt_len, CONC_PROMPT) + max(new_tokens, CONC_NEW) + 16
+    max_batch = max(concurrency)
+    kv_bytes = max_batch * -(-max_len // 32) * 32 * 2 * layers * LLAMA2_7B["hidden_size"] * 2   # just enough
+    cfg = (loader.create_reference_runtime_config_builder("bench-cuda", "cuda", [0], max_batch=max_batch)
+           .max_length(max_len).kv_cache_span_size(32).kv_cache_memory(kv_bytes).build())
     engine.install_model(cfg)
     engine.start_model("bench-cuda")
     report["setup_s"] = time.perf_counter() - t0
@@ -118,6 +123,57 @@ def main(args) -> dict:
     report["allspark_vs_torch_cuda_graph"] = statistics.median(a / b for a, b in zip(*runs.values()))
     report["graph_replay_ms_b1"] = graph_replay_ms(engine._engine.models["bench-cuda"].runner.graphs, 1)
     report["host_overhead_ms_b1"] = 1e3 / report["allspark_decode_b1_tps"] - report["graph_replay_ms_b1"]
+    del peer
+    torch.cuda.empty_cache()
+    for c in concurrency:
+        report[f"c{c}"] = concurrent_rows(engine, hf, c)
+        print(f"concurrency {c}: {report[f'c{c}']}", flush=True)
     engine.stop_model("bench-cuda")
     engine.release_model("bench-cuda")
     return report
+
+
+CONC_PROMPT, CONC_NEW = 128, 128   # the concurrent rows: 128 tokens in, 128 out
+
+
+def concurrent_rows(engine, hf, num: int) -> dict:
+    """`num` requests of 128 in / 128 out submitted together to the Engine (output tokens/s over the whole
+    run, and decode-only: tokens after the last request's first token over the time from then to the end),
+    the peer's decode-only rate at batch `num` (graph replay) and transformers' static batch (generate)."""
+    vocab = LLAMA2_7B["vocab_size"]
+    stamps = [[] for _ in range(num)]
+
+    def one(i):
+        status, handle, queue = engine.start_request("bench-cuda", {"input_ids": W.prompt(CONC_PROMPT, 500 + i, vocab)},
+                                                     dict(W.GREEDY, max_new_tokens=CONC_NEW))
+        assert status == 0, engine.get_last_error()
+        while (el := queue.Get()) is not None:
+            stamps[i].extend([time.perf_counter()] * len(el.ids_from_generate))
+        engine.release_request("bench-cuda", handle)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(num)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    end = max(s[-1] for s in stamps)
+    all_first = max(s[0] for s in stamps)
+    row = {"allspark_tps": num * CONC_NEW / (end - t0),
+           "allspark_decode_tps": sum(t > all_first for s in stamps for t in s) / (end - all_first)}
+    peer = peer_mod.StaticLlama(hf, batch=num, max_len=CONC_PROMPT + CONC_NEW + 8)
+    peer.prefill_by_decoding(W.prompt(CONC_PROMPT, 500, vocab))
+    peer.capture()
+    row["torch_cuda_graph_decode_tps"] = peer.decode_tps(CONC_PROMPT, CONC_NEW)
+    del peer
+    torch.cuda.empty_cache()
+    ids = torch.tensor([W.prompt(CONC_PROMPT, 500 + i, vocab) for i in range(num)], device="cuda")
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with torch.no_grad():
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=CONC_NEW, min_new_tokens=CONC_NEW,
+                    do_sample=False, eos_token_id=None, pad_token_id=0)
+    torch.cuda.synchronize()
+    row["hf_static_batch_tps"] = num * CONC_NEW / (time.perf_counter() - t)
+    row["allspark_decode_vs_torch_cuda_graph"] = row["allspark_decode_tps"] / row["torch_cuda_graph_decode_tps"]
+    row["allspark_vs_hf_static"] = row["allspark_tps"] / row["hf_static_batch_tps"]
+    return row

@@ -81,9 +81,11 @@ def test_fp32_logits_match_transformers(tiny_models, tmp_path, variant, kernels)
 # ulp(m) = 2^(floor(log2 m) - 7); GEMMs of different shapes (our one-token decode vs HF's full
 # forward) round differently, so a logit may move by ~1 ulp and the log-sum-exp by as much again.
 # Tolerance on logprobs: 2 ulp of the largest logit. Top-1 must agree at every position.
-def bf16_logprob_tolerance(logits: torch.Tensor) -> float:
+# On a GPU, 3 ulp: both attention kernels (HF's SDPA, our Triton one) round the softmax weights to bf16 for the
+# tensor-core P.V product, at different tile boundaries (measured on an H100: 2.3 ulp on llama_mqa).
+def bf16_logprob_tolerance(logits: torch.Tensor, ulps: int = 2) -> float:
     m = logits.abs().max().item()
-    return 2 * 2.0 ** (math.floor(math.log2(m)) - 7)
+    return ulps * 2.0 ** (math.floor(math.log2(m)) - 7)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -101,7 +103,7 @@ def test_bf16_top1_and_logprobs_match_transformers(tmp_path, variant, kernels):
     assert runner.dtype == torch.bfloat16
     ours = teacher_forced_logits(runner, tokens, PROMPT_LEN)
     ref = hf_logits(model_bf16, tokens)
-    tol = bf16_logprob_tolerance(ref)
+    tol = bf16_logprob_tolerance(ref, ulps=3 if kernels == "cuda" else 2)
     # top-1: wherever the reference's best token leads by more than the bf16 tolerance, ours is the
     # same token; everywhere, ours is a token the reference ranks first within that tolerance (bf16
     # logits tie exactly at times — gap 0.0 — and argmax then picks the lower id on each side)
