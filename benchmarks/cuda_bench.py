@@ -7,6 +7,7 @@ shrinks the model to 8 layers so that one device call holds everything. Writes J
 """
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import threading
@@ -69,7 +70,8 @@ def build_model(out_dir: str, layers: int) -> None:
     torch.cuda.empty_cache()
 
 
-def main(args) -> dict:
+def main(args, save=lambda report: None) -> dict:
+    """The report; `save(report)` is called after each section, so a failure later keeps what was measured."""
     from transformers import AutoModelForCausalLM
     from allspark_server import Engine, HuggingFaceModel
     layers = 8 if args.quick else LLAMA2_7B["num_hidden_layers"]
@@ -85,7 +87,8 @@ def main(args) -> dict:
     report["roofline_tps"] = report["copy_gbs"] * 1e9 / nbytes
     prompt = W.prompt(prompt_len, 0, LLAMA2_7B["vocab_size"])
     report["peer_vs_hf_rel_err"] = peer_mod.check_against_hf(hf, prompt)
-    peer = peer_mod.StaticLlama(hf, batch=1, max_len=prompt_len + new_tokens + 8)
+    weights = peer_mod.StaticWeights(hf)
+    peer = peer_mod.StaticLlama(weights, batch=1, max_len=prompt_len + new_tokens + 8)
     peer.prefill_by_decoding(prompt)
     peer.capture()
 
@@ -124,10 +127,12 @@ def main(args) -> dict:
     report["graph_replay_ms_b1"] = graph_replay_ms(engine._engine.models["bench-cuda"].runner.graphs, 1)
     report["host_overhead_ms_b1"] = 1e3 / report["allspark_decode_b1_tps"] - report["graph_replay_ms_b1"]
     del peer
-    torch.cuda.empty_cache()
+    free_memory()
+    save(report)
     for c in concurrency:
-        report[f"c{c}"] = concurrent_rows(engine, hf, c)
+        report[f"c{c}"] = concurrent_rows(engine, hf, weights, c)
         print(f"concurrency {c}: {report[f'c{c}']}", flush=True)
+        save(report)
     engine.stop_model("bench-cuda")
     engine.release_model("bench-cuda")
     return report
@@ -136,7 +141,12 @@ def main(args) -> dict:
 CONC_PROMPT, CONC_NEW = 128, 128   # the concurrent rows: 128 tokens in, 128 out
 
 
-def concurrent_rows(engine, hf, num: int) -> dict:
+def free_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def concurrent_rows(engine, hf, weights, num: int) -> dict:
     """`num` requests of 128 in / 128 out submitted together to the Engine (output tokens/s over the whole
     run, and decode-only: tokens after the last request's first token over the time from then to the end),
     the peer's decode-only rate at batch `num` (graph replay) and transformers' static batch (generate)."""
@@ -160,12 +170,12 @@ def concurrent_rows(engine, hf, num: int) -> dict:
     all_first = max(s[0] for s in stamps)
     row = {"allspark_tps": num * CONC_NEW / (end - t0),
            "allspark_decode_tps": sum(t > all_first for s in stamps for t in s) / (end - all_first)}
-    peer = peer_mod.StaticLlama(hf, batch=num, max_len=CONC_PROMPT + CONC_NEW + 8)
+    peer = peer_mod.StaticLlama(weights, batch=num, max_len=CONC_PROMPT + CONC_NEW + 8)
     peer.prefill_by_decoding(W.prompt(CONC_PROMPT, 500, vocab))
     peer.capture()
     row["torch_cuda_graph_decode_tps"] = peer.decode_tps(CONC_PROMPT, CONC_NEW)
     del peer
-    torch.cuda.empty_cache()
+    free_memory()
     ids = torch.tensor([W.prompt(CONC_PROMPT, 500 + i, vocab) for i in range(num)], device="cuda")
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -174,6 +184,7 @@ def concurrent_rows(engine, hf, num: int) -> dict:
                     do_sample=False, eos_token_id=None, pad_token_id=0)
     torch.cuda.synchronize()
     row["hf_static_batch_tps"] = num * CONC_NEW / (time.perf_counter() - t)
+    free_memory()
     row["allspark_decode_vs_torch_cuda_graph"] = row["allspark_decode_tps"] / row["torch_cuda_graph_decode_tps"]
     row["allspark_vs_hf_static"] = row["allspark_tps"] / row["hf_static_batch_tps"]
     return row

@@ -375,11 +375,14 @@ def main() -> None:
     a = p.parse_args()
     if a.device == "cuda":
         import cuda_bench
-        report = cuda_bench.main(a)
-        print(json.dumps({k: v for k, v in report.items() if not isinstance(v, (dict, list))}, indent=1))
-        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(report, f, indent=2)
+
+        def save(report):
+            os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+            with open(a.json, "w") as f:
+                json.dump(report, f, indent=2)
+        report = cuda_bench.main(a, save)
+        save(report)
+        print(json.dumps({k: v for k, v in report.items() if not isinstance(v, list)}, indent=1))
         return
     spec = QUICK if a.quick else FULL
     why_not = LP.missing() if a.llamacpp is not False else None

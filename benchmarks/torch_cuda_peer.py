@@ -19,15 +19,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class StaticLlama:
-    def __init__(self, hf_model, batch: int, max_len: int):
+class StaticWeights:
+    """The HF model's weights as the peer reads them (q/k/v and gate/up concatenated), built once and shared by
+    the peers of every batch size."""
+
+    def __init__(self, hf_model):
         cfg = hf_model.config
         p = dict(hf_model.named_parameters())
         self.dev, self.dtype = p["model.embed_tokens.weight"].device, p["model.embed_tokens.weight"].dtype
         self.L, self.H = cfg.num_hidden_layers, cfg.num_attention_heads
         self.KVH = cfg.num_key_value_heads
         self.D = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.H
-        self.eps, self.batch, self.max_len = cfg.rms_norm_eps, batch, max_len
+        self.eps = cfg.rms_norm_eps
         self.embed = p["model.embed_tokens.weight"]
         self.head = p.get("lm_head.weight", self.embed)
         self.final_norm = p["model.norm.weight"]
@@ -38,7 +41,16 @@ class StaticLlama:
                 n1=g("input_layernorm"), n2=g("post_attention_layernorm"),
                 qkv=torch.cat([g("self_attn.q_proj"), g("self_attn.k_proj"), g("self_attn.v_proj")]),
                 o=g("self_attn.o_proj"), gu=torch.cat([g("mlp.gate_proj"), g("mlp.up_proj")]), down=g("mlp.down_proj")))
-        rope = hf_model.model.rotary_emb
+        self.rotary_emb = hf_model.model.rotary_emb
+
+
+class StaticLlama:
+    def __init__(self, weights: "StaticWeights | object", batch: int, max_len: int):
+        if not isinstance(weights, StaticWeights):
+            weights = StaticWeights(weights)
+        self.__dict__.update({k: v for k, v in vars(weights).items() if k != "rotary_emb"})
+        self.batch, self.max_len = batch, max_len
+        rope = weights.rotary_emb
         pos = torch.arange(max_len, device=self.dev)[None]
         cos, sin = rope(torch.zeros(1, device=self.dev, dtype=self.dtype), pos)   # [1, max_len, D]
         self.cos, self.sin = cos[0], sin[0]
