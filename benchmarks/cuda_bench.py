@@ -87,6 +87,8 @@ def main(args, save=lambda report: None) -> dict:
     report["roofline_tps"] = report["copy_gbs"] * 1e9 / nbytes
     prompt = W.prompt(prompt_len, 0, LLAMA2_7B["vocab_size"])
     report["peer_vs_hf_rel_err"] = peer_mod.check_against_hf(hf, prompt)
+    report["memory_gb"] = MEMORY_GB
+    note_memory("hf")
     weights = peer_mod.StaticWeights(hf)
     peer = peer_mod.StaticLlama(weights, batch=1, max_len=prompt_len + new_tokens + 8)
     peer.prefill_by_decoding(prompt)
@@ -102,6 +104,7 @@ def main(args, save=lambda report: None) -> dict:
            .max_length(max_len).kv_cache_span_size(32).kv_cache_memory(kv_bytes).build())
     engine.install_model(cfg)
     engine.start_model("bench-cuda")
+    note_memory("hf+peer+engine")
     report["setup_s"] = time.perf_counter() - t0
 
     # our greedy tokens against transformers' (both bf16; a random model's near-ties can split them)
@@ -128,6 +131,7 @@ def main(args, save=lambda report: None) -> dict:
     report["host_overhead_ms_b1"] = 1e3 / report["allspark_decode_b1_tps"] - report["graph_replay_ms_b1"]
     del peer
     free_memory()
+    note_memory("after batch 1")
     save(report)
     for c in concurrency:
         report[f"c{c}"] = concurrent_rows(engine, hf, weights, c)
@@ -144,6 +148,13 @@ CONC_PROMPT, CONC_NEW = 128, 128   # the concurrent rows: 128 tokens in, 128 out
 def free_memory() -> None:
     gc.collect()
     torch.cuda.empty_cache()
+
+
+MEMORY_GB: dict[str, float] = {}   # GPU memory allocated after each phase (diagnostic, in the report)
+
+
+def note_memory(phase: str) -> None:
+    MEMORY_GB[phase] = round(torch.cuda.memory_allocated() / 1e9, 2)
 
 
 def concurrent_rows(engine, hf, weights, num: int) -> dict:
@@ -170,12 +181,15 @@ def concurrent_rows(engine, hf, weights, num: int) -> dict:
     all_first = max(s[0] for s in stamps)
     row = {"allspark_tps": num * CONC_NEW / (end - t0),
            "allspark_decode_tps": sum(t > all_first for s in stamps for t in s) / (end - all_first)}
+    free_memory()
+    note_memory(f"c{num} engine")
     peer = peer_mod.StaticLlama(weights, batch=num, max_len=CONC_PROMPT + CONC_NEW + 8)
     peer.prefill_by_decoding(W.prompt(CONC_PROMPT, 500, vocab))
     peer.capture()
     row["torch_cuda_graph_decode_tps"] = peer.decode_tps(CONC_PROMPT, CONC_NEW)
     del peer
     free_memory()
+    note_memory(f"c{num} peer freed")
     ids = torch.tensor([W.prompt(CONC_PROMPT, 500 + i, vocab) for i in range(num)], device="cuda")
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -185,6 +199,7 @@ def concurrent_rows(engine, hf, weights, num: int) -> dict:
     torch.cuda.synchronize()
     row["hf_static_batch_tps"] = num * CONC_NEW / (time.perf_counter() - t)
     free_memory()
+    note_memory(f"c{num} hf generate")
     row["allspark_decode_vs_torch_cuda_graph"] = row["allspark_decode_tps"] / row["torch_cuda_graph_decode_tps"]
     row["allspark_vs_hf_static"] = row["allspark_tps"] / row["hf_static_batch_tps"]
     return row
