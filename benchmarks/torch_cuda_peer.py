@@ -23,9 +23,10 @@ class StaticWeights:
     """The HF model's weights as the peer reads them (q/k/v and gate/up concatenated), built once and shared by
     the peers of every batch size."""
 
+    @torch.no_grad()
     def __init__(self, hf_model):
         cfg = hf_model.config
-        p = dict(hf_model.named_parameters())
+        p = {name: t.detach() for name, t in hf_model.named_parameters()}   # no autograd history anywhere
         self.dev, self.dtype = p["model.embed_tokens.weight"].device, p["model.embed_tokens.weight"].dtype
         self.L, self.H = cfg.num_hidden_layers, cfg.num_attention_heads
         self.KVH = cfg.num_key_value_heads
@@ -84,6 +85,7 @@ class StaticLlama:
             x = x + (F.silu(gate) * up) @ w["down"].T
         return (self._norm(x, self.final_norm) @ self.head.T).float()
 
+    @torch.no_grad()
     def prefill_by_decoding(self, prompt: list[int]) -> torch.Tensor:
         """Feed a prompt (same for every sequence) one token at a time, eagerly; returns the last logits."""
         for t, tok in enumerate(prompt):
@@ -92,6 +94,7 @@ class StaticLlama:
             logits = self.forward(self.ids, self.pos)
         return logits
 
+    @torch.no_grad()
     def capture(self) -> None:
         """Capture one decode step (reading self.ids / self.pos) as a CUDA graph."""
         s = torch.cuda.Stream()
@@ -104,6 +107,7 @@ class StaticLlama:
         with torch.cuda.graph(self.graph):
             self.logits = self.forward(self.ids, self.pos)
 
+    @torch.no_grad()
     def decode_tps(self, start: int, steps: int) -> float:
         """Greedy decode `steps` tokens per sequence from position `start` by graph replay: tokens/s of the batch."""
         torch.cuda.synchronize()
