@@ -101,14 +101,9 @@ class ServedModel:
         self.comm.bcast(StepMsg(self.cfg.model_name, plan))
         try:
             logits, rids = self.runner.execute(plan)
-            sampled = {}
-            results = {}
-            for row, rid in enumerate(rids):
-                entry = self._live[rid]
-                req = entry.request
-                res = self.sampler.sample_row(logits[row], entry.sampling, req.all_token_ids, req.output_ids)
-                sampled[rid] = res.token_id
-                results[rid] = res
+            rows = [(e.sampling, e.request.all_token_ids, e.request.output_ids) for e in map(self._live.get, rids)]
+            results = dict(zip(rids, self.sampler.sample_rows(logits, rows))) if rids else {}
+            sampled = {rid: res.token_id for rid, res in results.items()}
         except Exception as e:   # a failed step fails its requests, not the engine
             log.error("step %d failed: %s", plan.step_id, traceback.format_exc())
             if self.comm.world_size > 1:

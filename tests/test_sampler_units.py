@@ -365,3 +365,24 @@ def test_logprobs_are_of_raw_logits(greedy):
     assert [v for _, v in res.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-5)
     if greedy:   # the penalties / min_length moved the choice away from the raw top 3
         assert res.token_id not in order[:3]
+
+
+def test_sample_rows_equals_sample_row_per_row():
+    """The batched entry point: plain greedy rows take one argmax together, the rest sample_row each; every row
+    gets exactly what sample_row gives it alone (seeded draws included, each from its own generator)."""
+    vocab, n = 50, 6
+    logits = torch.stack([rand_logits(vocab, 100 + i) for i in range(n)])
+    logits[2, 7] = logits[2, 9] = logits[2].max() + 1          # a tie: the first index wins
+    cfgs = [dict(top_k=1), dict(top_k=1, repetition_penalty=1.3), dict(do_sample=False),
+            dict(top_k=1, logprobs=True, top_logprobs=2), dict(top_k=5, temperature=0.7, seed=3),
+            dict(top_k=1, min_length=10, eos_token_ids=(int(logits[5].argmax()),))]
+    histories = [([1, 2, 3], [3]) for _ in range(n)]
+
+    def states():
+        return [SamplingState.create(GenerationConfig(**c)) for c in cfgs]
+    batched = Sampler().sample_rows(logits, [(st, a, o) for st, (a, o) in zip(states(), histories)])
+    alone = [Sampler().sample_row(logits[i].clone(), st, *histories[i]) for i, st in enumerate(states())]
+    assert [r.token_id for r in batched] == [r.token_id for r in alone]
+    assert [r.logprob for r in batched] == [r.logprob for r in alone]
+    assert batched[2].token_id == 7
+    assert batched[5].token_id != int(logits[5].argmax())      # its EOS is masked until min_length

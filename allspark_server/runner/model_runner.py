@@ -113,7 +113,9 @@ class ModelRunner:
         return self.num_spans * self.span_bytes
 
     def execute(self, plan: StepPlan):
-        """Apply the plan to the mirrors and run the model: (logits [N, V] or None, request ids)."""
+        """Apply the plan to the mirrors and run the model: (logits [N, V] or None, request ids). On a GPU the
+        logits stay there (the sampler takes what it needs) and may be the CUDA graph's output buffer: use them
+        before the next step."""
         for rid in plan.dropped_ids:
             self.mirrors.pop(rid, None)
         for r in plan.new_requests:
@@ -129,8 +131,6 @@ class ModelRunner:
             logits = self.graphs.run(inputs)
         else:
             logits = self.model(inputs.to(self.device), self.kv)
-        if logits is not None and logits.is_cuda:
-            logits = logits.cpu()   # the sampler runs on the host
         for c in plan.chunks:
             self.mirrors[c.request_id].num_computed_tokens += c.num_tokens
         return logits, inputs.sample_request_ids

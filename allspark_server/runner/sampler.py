@@ -77,6 +77,30 @@ def argmax(x: torch.Tensor) -> int:
 
 
 class Sampler:
+    def sample_rows(self, logits: torch.Tensor, rows: list[tuple[SamplingState, list[int], list[int]]]
+                    ) -> list[SampleResult]:
+        """Every row of logits [N, V] (on the host or a GPU) with its (state, all_ids, output_ids). Plain greedy
+        rows (no penalties, logprobs or masked EOS) take one argmax over all of them together; on a GPU only
+        their token ids leave it. The others go through `sample_row` on the host, the same math either way."""
+        plain = [i for i, (state, all_ids, _) in enumerate(rows) if self._plain_greedy(state.gen, all_ids)]
+        results: list[SampleResult | None] = [None] * len(rows)
+        if plain:
+            x = logits if len(plain) == len(rows) else logits[plain]
+            ids = x.argmax(-1).tolist() if x.is_cuda else x.numpy().argmax(-1).tolist()
+            for i, token in zip(plain, ids):
+                results[i] = SampleResult(int(token))
+        if len(plain) < len(rows):
+            host = logits.cpu()
+            for i, (state, all_ids, output_ids) in enumerate(rows):
+                if results[i] is None:
+                    results[i] = self.sample_row(host[i], state, all_ids, output_ids)
+        return results
+
+    @staticmethod
+    def _plain_greedy(gen: GenerationConfig, all_ids: list[int]) -> bool:
+        return (gen.is_greedy and not gen.logprobs and not gen.has_penalties
+                and not (gen.min_length and len(all_ids) < gen.min_length and gen.eos_token_ids))
+
     def sample_row(self, logits: torch.Tensor, state: SamplingState, all_ids: list[int],
                    output_ids: list[int]) -> SampleResult:
         gen = state.gen
