@@ -133,6 +133,10 @@ def main(args, save=lambda report: None) -> dict:
     free_memory()
     note_memory("after batch 1")
     save(report)
+    if torch.cuda.device_count() >= 2 and not args.no_pool:
+        report["pool2"] = two_gpu_pool_rows(engine, loader, prompt_len, new_tokens, rounds)
+        print(f"2-GPU pool: {report['pool2']}", flush=True)
+        save(report)
     for c in concurrency:
         report[f"c{c}"] = concurrent_rows(engine, hf, weights, c)
         print(f"concurrency {c}: {report[f'c{c}']}", flush=True)
@@ -143,6 +147,32 @@ def main(args, save=lambda report: None) -> dict:
 
 
 CONC_PROMPT, CONC_NEW = 128, 128   # the concurrent rows: 128 tokens in, 128 out
+
+
+def two_gpu_pool_rows(engine, loader, prompt_len: int, new_tokens: int, rounds: int) -> dict:
+    """A 2-rank pool (ClientEngine, GPUs 0 and 1, NCCL) against the single-GPU Engine: batch-1 decode
+    interleaved round by round, and whether their greedy tokens agree."""
+    from allspark_client import ClientEngine
+    vocab = LLAMA2_7B["vocab_size"]
+    client = ClientEngine(ranks=2)
+    try:
+        cfg = (loader.create_reference_runtime_config_builder("bench-pool", "cuda", [0, 1], max_batch=8)
+               .max_length(prompt_len + new_tokens + 16).kv_cache_span_size(32).build())
+        client.install_model(cfg)
+        client.start_model("bench-pool")
+        prompt = W.prompt(prompt_len, 0, vocab)
+        ours_1, ours_2 = W.greedy_tokens(engine, "bench-cuda", prompt, 16), W.greedy_tokens(client, "bench-pool", prompt, 16)
+        W.decode_tps(client, "bench-pool", vocab, 8)
+        runs = {"engine_1gpu": [], "pool_2gpu": []}
+        for r in range(rounds):
+            runs["engine_1gpu"].append(W.decode_tps(engine, "bench-cuda", vocab, new_tokens, seed=r, prompt_len=prompt_len))
+            runs["pool_2gpu"].append(W.decode_tps(client, "bench-pool", vocab, new_tokens, seed=r, prompt_len=prompt_len))
+        return {"decode_b1_tps_by_round": runs,
+                "pool_2gpu_decode_b1_tps": statistics.median(runs["pool_2gpu"]),
+                "pool_vs_1gpu": statistics.median(a / b for a, b in zip(runs["pool_2gpu"], runs["engine_1gpu"])),
+                "greedy_first_divergence_vs_1gpu": next((i for i, (a, b) in enumerate(zip(ours_1, ours_2)) if a != b), 16)}
+    finally:
+        client.close()
 
 
 def free_memory() -> None:

@@ -133,3 +133,34 @@ def test_graph_replay_equals_the_eager_step(llama, tmp_path, batch):
     eager = runner.model(inputs, runner.kv)
     assert replayed.shape == eager.shape == (batch, 512)
     torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpu_pool_equals_transformers(llama, tmp_path):
+    """A 2-rank pool (mpirun), one GPU per rank, NCCL for the activations: greedy equals transformers, alone and
+    batched, with the decode graphs (NCCL inside) replayed."""
+    from allspark_client import ClientEngine
+    loader = serialize(llama.hf_dir, "p", str(tmp_path))
+    client = ClientEngine(ranks=2)
+    try:
+        cfg = (loader.create_reference_runtime_config_builder("p", TargetDevice.CUDA, [0, 1], max_batch=4)
+               .max_length(256).kv_cache_span_size(16).build())
+        client.install_model(cfg)
+        client.start_model("p")
+        assert json.loads(client.get_model_info("p"))["world_size"] == 2
+        prompts = [random_prompt(n, seed=40 + n) for n in (6, 23)]
+        expected = [hf_greedy(llama.model, p, 20) for p in prompts]
+        assert greedy(client, "p", torch.tensor([prompts[0]]), 20) == expected[0]
+        results = [None] * len(prompts)
+
+        def run(i):
+            results[i] = greedy(client, "p", torch.tensor([prompts[i]]), 20)
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == expected
+    finally:
+        client.close()

@@ -1,7 +1,9 @@
-"""The only importer of mpi4py: rank/world queries and the collectives the engine uses.
+"""The only importer of mpi4py and the only user of NCCL: rank/world queries and the collectives the engine uses.
 
 `get_comm()` returns a `LocalComm` (every collective a no-op) for a single process and an `MpiComm`
-when running under mpirun with more than one rank. Allreduce travels as fp32 (numpy has no bfloat16).
+when running under mpirun with more than one rank. Control (plans, objects) always travels over MPI. Host
+tensors' allreduce travels over MPI as fp32 (numpy has no bfloat16); GPU tensors' allreduce and gather go
+through NCCL (torch.distributed), set up by `use_gpu` with a rendezvous address that rank 0 sends over MPI.
 Every call must come from the rank's engine thread.
 """
 from __future__ import annotations
@@ -21,6 +23,9 @@ MIN_NAP_S, MAX_NAP_S = 0.0002, 0.005
 class LocalComm:
     rank = 0
     world_size = 1
+
+    def use_gpu(self, device: torch.device) -> None:
+        pass
 
     def allreduce_(self, t: torch.Tensor) -> torch.Tensor:
         return t
@@ -52,9 +57,31 @@ class MpiComm:
         self._c = MPI.COMM_WORLD
         self.rank = self._c.Get_rank()
         self.world_size = self._c.Get_size()
+        self._nccl = None   # torch.distributed, once use_gpu has set it up
+        self._shard_widths: dict[int, list[int]] = {}
+
+    def use_gpu(self, device: torch.device) -> None:
+        """Collective: start NCCL between the ranks' GPUs (rank 0 picks a free TCP port for the rendezvous and
+        broadcasts its address over MPI). Afterwards allreduce_ and gather_rows of GPU tensors use NCCL."""
+        if self._nccl is not None:
+            return
+        import socket
+        import torch.distributed as dist
+        address = None
+        if self.rank == 0:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                address = f"tcp://{socket.gethostbyname(socket.gethostname())}:{s.getsockname()[1]}"
+        address = self._c.bcast(address, root=0)
+        dist.init_process_group("nccl", init_method=address, rank=self.rank, world_size=self.world_size,
+                                device_id=device)
+        self._nccl = dist
 
     def allreduce_(self, t: torch.Tensor) -> torch.Tensor:
-        # GPU tensors are staged through host memory (correct, not fast: NCCL is to carry them)
+        if t.is_cuda and self._nccl is not None:
+            self._nccl.all_reduce(t)
+            return t
+        # without NCCL, GPU tensors are staged through host memory (correct, not fast)
         buf = t.detach().to("cpu", torch.float32).contiguous()
         self._c.Allreduce(self._mpi.IN_PLACE, buf.numpy(), op=self._mpi.SUM)
         if buf.data_ptr() != t.data_ptr():
@@ -62,6 +89,16 @@ class MpiComm:
         return t
 
     def gather_rows(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        if t.is_cuda and self._nccl is not None:   # padded to the widest shard, gathered, cut and joined on rank 0
+            widths = self._shard_widths.get(t.shape[-1])
+            if widths is None:   # once per shape (all ranks ask together; a graph replay never comes here)
+                widths = self._shard_widths[t.shape[-1]] = self._c.allgather(t.shape[-1])
+            padded = torch.nn.functional.pad(t, (0, max(widths) - t.shape[-1]))
+            parts = torch.empty((self.world_size,) + tuple(padded.shape), dtype=t.dtype, device=t.device)
+            self._nccl.all_gather_into_tensor(parts, padded.contiguous())
+            if self.rank != 0:
+                return None
+            return torch.cat([p[..., :w] for p, w in zip(parts, widths)], dim=-1)
         local = t.detach().to("cpu", torch.float32).contiguous()
         parts = self._c.gather(local.numpy(), root=0)
         if self.rank != 0:

@@ -82,7 +82,7 @@ class ModelRunner:
         gpu = self.device.type == "cuda"
         self.kv = KVCache(self.args.num_layers, num_spans + gpu, self.span_size, self.tp.local_kv_heads,
                           self.args.head_dim, self.dtype, self.kv_mode, self.device)
-        if gpu and self.comm.world_size == 1 and os.environ.get("ALLSPARK_CUDA_GRAPHS", "1") != "0":
+        if gpu and os.environ.get("ALLSPARK_CUDA_GRAPHS", "1") != "0":   # every rank captures (NCCL inside)
             from allspark_server.cuda.graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, self.kv, self.cfg.engine_max_batch,
                                        -(-self.cfg.engine_max_length // self.span_size), num_spans, self.span_size,
@@ -171,5 +171,7 @@ def install_runner(cfg: AsModelConfig, comm) -> ModelRunner:
     failed = [f"rank {r}: {msg}" if comm.world_size > 1 else msg for r, msg in enumerate(errors) if msg]
     if failed:
         raise InstallError("; ".join(failed))
+    if runner.device.type == "cuda":
+        comm.use_gpu(runner.device)   # NCCL between the ranks' GPUs (every rank got here: none failed)
     runner.allocate_kv(comm.allreduce_min(proposal))
     return runner
