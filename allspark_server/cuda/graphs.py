@@ -78,7 +78,7 @@ class DecodeGraphs:
         return (not inputs.attn.seqs and b <= self.sizes[-1] and inputs.sample_rows.shape[0] == b
                 and inputs.attn.decode_spans.shape[1] <= self.spans.shape[1])
 
-    def run(self, inputs: ForwardInputs) -> torch.Tensor:
+    def run(self, inputs: ForwardInputs) -> torch.Tensor | None:
         """The step's fp32 logits [B, V] (a view of the graph's output: read it before the next step). `inputs`
         may be on the host: they are copied into the static buffers directly."""
         b = inputs.input_ids.shape[0]
@@ -91,4 +91,5 @@ class DecodeGraphs:
             self._pad(b, self.filled)
         self.filled = b
         self.graphs[size].replay()
-        return self.logits[size][:b]
+        logits = self.logits[size]   # None on the ranks other than 0 of a pool (the LM head gathers to rank 0)
+        return None if logits is None else logits[:b]
