@@ -32,6 +32,22 @@ def cuda_engine(loader, name: str, max_batch: int = 4) -> Engine:
     return engine
 
 
+def assert_greedy_alone_and_batched(engine, name: str, hf_model, prompts: list[list[int]], new_tokens: int) -> None:
+    """Greedy output equals transformers' for the first prompt alone, then for all of them submitted together."""
+    expected = [hf_greedy(hf_model, p, new_tokens) for p in prompts]
+    assert greedy(engine, name, torch.tensor([prompts[0]]), new_tokens) == expected[0]
+    results = [None] * len(prompts)
+
+    def run(i):
+        results[i] = greedy(engine, name, torch.tensor([prompts[i]]), new_tokens)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == expected
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_backend_decode_blocks_equal_the_reference(dtype):
     """The CUDA backend's decode blocks (its ops composed, Triton attention) against ops' references, on the
@@ -91,19 +107,7 @@ def test_cuda_unit_without_a_gpu_is_a_param_error_and_the_engine_serves_on(llama
 def test_greedy_on_the_gpu_equals_transformers_alone_and_batched(llama, tmp_path):
     loader = serialize(llama.hf_dir, "g", str(tmp_path))
     engine = cuda_engine(loader, "g")
-    prompts = [random_prompt(n, seed=20 + n) for n in (5, 17, 40)]
-    expected = [hf_greedy(llama.model, p, 24) for p in prompts]
-    assert greedy(engine, "g", torch.tensor([prompts[0]]), 24) == expected[0]
-    results = [None] * len(prompts)
-
-    def run(i):
-        results[i] = greedy(engine, "g", torch.tensor([prompts[i]]), 24)
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert results == expected
+    assert_greedy_alone_and_batched(engine, "g", llama.model, [random_prompt(n, seed=20 + n) for n in (5, 17, 40)], 24)
     assert json.loads(engine.get_model_info("g"))["device"] == "cuda:0"
 
 
@@ -149,18 +153,6 @@ def test_two_gpu_pool_equals_transformers(llama, tmp_path):
         client.install_model(cfg)
         client.start_model("p")
         assert json.loads(client.get_model_info("p"))["world_size"] == 2
-        prompts = [random_prompt(n, seed=40 + n) for n in (6, 23)]
-        expected = [hf_greedy(llama.model, p, 20) for p in prompts]
-        assert greedy(client, "p", torch.tensor([prompts[0]]), 20) == expected[0]
-        results = [None] * len(prompts)
-
-        def run(i):
-            results[i] = greedy(client, "p", torch.tensor([prompts[i]]), 20)
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert results == expected
+        assert_greedy_alone_and_batched(client, "p", llama.model, [random_prompt(n, seed=40 + n) for n in (6, 23)], 20)
     finally:
         client.close()
