@@ -76,6 +76,16 @@ def cuda_backend():
     return cuda_ops
 
 
+def on_cuda(op):
+    """An op whose first argument is a CUDA tensor runs the CUDA backend's op of the same name instead."""
+    @functools.wraps(op)
+    def dispatch(x: torch.Tensor, *args, **kwargs):
+        if x.is_cuda:
+            return getattr(cuda_backend(), op.__name__)(x, *args, **kwargs)
+        return op(x, *args, **kwargs)
+    return dispatch
+
+
 ACT_MAX = 32767.0
 
 
@@ -100,11 +110,10 @@ def linear_reference(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight",
     return F.linear(x, w, bias)
 
 
+@on_cuda
 def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ w.T (+ bias), x [M, K], w [N, K] dense or quantized; the native kernels stream w for small M
     (quantized: up to QUANT_NATIVE_MAX_ROWS; more rows dequantize w once for ATen's GEMM)."""
-    if x.is_cuda:
-        return cuda_backend().linear(x, w, bias)
     ext = native()
     if isinstance(w, QuantizedWeight):
         if ext is None or x.dim() != 2 or x.dtype not in NATIVE_MAX_ROWS:
@@ -152,11 +161,10 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight * normed, s
 
 
+@on_cuda
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add + RMSNorm in one pass per row; x [T, H]."""
-    if x.is_cuda:
-        return cuda_backend().rms_norm(x, weight, eps, residual)
     ext = native()
     if ext is None or x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype:
         return rms_norm_reference(x, weight, eps, residual)
@@ -172,10 +180,9 @@ def rotary_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+@on_cuda
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Both rotations in one call (q and k may be views into the fused qkv output)."""
-    if q.is_cuda:
-        return cuda_backend().rotary(q, k, cos, sin)
     ext = native()
     if (ext is None or q.dtype not in (torch.float32, torch.bfloat16) or q.shape[-1] % 2
             or q.stride(-1) != 1 or k.stride(-1) != 1):
@@ -203,11 +210,10 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out
 
 
+@on_cuda
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,
                      ctx: torch.Tensor, scale: float, k_param: torch.Tensor | None = None,
                      v_param: torch.Tensor | None = None) -> torch.Tensor:
-    if q.is_cuda:
-        return cuda_backend().decode_attention(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param)
     ext = native()
     if ext is None or q.dtype not in (torch.float32, torch.bfloat16):
         return decode_attention_reference(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param)
@@ -235,9 +241,8 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+@on_cuda
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    if gate_up.is_cuda:
-        return cuda_backend().silu_mul(gate_up)
     ext = native()
     if ext is None or gate_up.dim() != 2 or gate_up.dtype not in (torch.float32, torch.bfloat16):
         return silu_mul_reference(gate_up)
@@ -259,10 +264,9 @@ def store_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
         param.view(-1, kvh, 2).index_copy_(0, slots, params)
 
 
+@on_cuda
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slots: torch.Tensor, k_param: torch.Tensor | None = None, v_param: torch.Tensor | None = None) -> None:
-    if k.is_cuda:
-        return cuda_backend().store_kv(k, v, k_cache, v_cache, slots, k_param, v_param)
     ext = native()
     if k_param is not None:
         if ext is None or k.dtype not in (torch.float32, torch.bfloat16) or v.stride(-1) != 1:
@@ -290,13 +294,10 @@ def decode_attention_block_reference(x, residual, norm_weight, eps, qkv_weight, 
     return linear_reference(o.reshape(b, num_heads * d), o_weight), s
 
 
+@on_cuda
 def decode_attention_block(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads, num_kv_heads,
                            cos, sin, k_cache, v_cache, slots, spans, ctx, scale, o_weight, k_param=None, v_param=None):
     """Caches are dense ([S, P, KVH, D] in x's dtype) or quantized (codes with k_param/v_param, quant/kv.py)."""
-    if x.is_cuda:
-        return cuda_backend().decode_attention_block(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads,
-                                                     num_kv_heads, cos, sin, k_cache, v_cache, slots, spans, ctx,
-                                                     scale, o_weight, k_param, v_param)
     ext = native()
     if (ext is None or x.dtype not in NATIVE_MAX_ROWS or cos.shape[-1] % 2 or cos.dtype != x.dtype
             or (k_param is None and k_cache.dtype != x.dtype)
@@ -315,10 +316,8 @@ def decode_mlp_block_reference(x, residual, norm_weight, eps, gate_up_weight, ga
     return linear_reference(silu_mul_reference(linear_reference(h, gate_up_weight, gate_up_bias)), down_weight), s
 
 
+@on_cuda
 def decode_mlp_block(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight):
-    if x.is_cuda:
-        return cuda_backend().decode_mlp_block(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias,
-                                               down_weight)
     ext = native()
     if (ext is None or x.dtype not in NATIVE_MAX_ROWS
             or not all(_native_weight_ok(w, x.dtype) for w in (gate_up_weight, down_weight))):

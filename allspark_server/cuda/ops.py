@@ -26,7 +26,6 @@ def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Ten
 rms_norm = fused.rms_norm
 rotary = fused.rotary
 silu_mul = fused.silu_mul
-gather_kv = ref.gather_kv
 store_kv = ref.store_kv_reference
 
 
