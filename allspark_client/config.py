@@ -34,8 +34,8 @@ class AsModelConfig:
     cache_mode: AsCacheMode = AsCacheMode.AsCacheDefault
     cache_span_size: int = 32
     kv_cache_memory_bytes: int = 0          # KV budget per rank; 0 = enough for max_batch x max_length
-    enable_prefix_cache: bool = False
-    prefix_cache_ttl: int = 300
+    enable_prefix_cache: bool = True        # reuse the KV of prompt prefixes seen before (DashInfer: prefill_cache)
+    prefix_cache_ttl: int = 300             # seconds a cached prefix nobody uses stays reusable
 
     def __post_init__(self):
         _check(bool(self.model_name) and isinstance(self.model_name, str), "model_name must be a non-empty string")
@@ -56,7 +56,9 @@ class AsModelConfig:
                and self.cache_mode in {m.value for m in AsCacheMode},
                f"cache_mode must be one of {[m.name for m in AsCacheMode]}, got {self.cache_mode!r}")
         object.__setattr__(self, "cache_mode", AsCacheMode(self.cache_mode))
-        _check(not self.enable_prefix_cache, "enable_prefix_cache is not supported yet; leave it False")
+        _check(isinstance(self.enable_prefix_cache, bool),
+               f"enable_prefix_cache must be a bool, got {self.enable_prefix_cache!r}")
+        _check_int("prefix_cache_ttl", self.prefix_cache_ttl, lo=1)
         parse_compute_unit(self.compute_unit)   # validates; whether the GPU exists is the rank's to say
 
     @property

@@ -121,6 +121,9 @@ class AsEngineStat:
     num_preempted: int = 0
     prefix_cache_hit_token: int = 0
     prefix_cache_miss_token: int = 0
+    prefix_cache_hit_rate: float = 0.0      # hit / (hit + miss) prompt tokens since start
+    prefix_cache_miss_rate: float = 0.0
+    prefix_cache_spans: int = 0             # spans holding cached prefixes that no request uses now
 
     @property
     def pending_request(self) -> int:

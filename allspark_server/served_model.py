@@ -18,6 +18,7 @@ from allspark_client.result_queue import ResultQueue
 from allspark_client.types import AsEngineStat, GeneratedElements, GenerateRequestStatus
 from allspark_client.config import AsModelConfig
 from allspark_server.core.messages import StepMsg
+from allspark_server.core.prefix_cache import PrefixCache
 from allspark_server.core.request import FinishReason, Request
 from allspark_server.core.scheduler import Scheduler, SchedulerConfig
 from allspark_server.core.span_manager import SpanManager
@@ -49,7 +50,11 @@ class ServedModel:
         self.cfg = cfg
         self.comm = comm
         self.runner = runner
-        self.spans = SpanManager(runner.num_spans, cfg.cache_span_size)
+        cache = None
+        if cfg.enable_prefix_cache:   # keyed by what shapes a span's K/V besides its tokens
+            cache = PrefixCache(f"{cfg.model_path}|{cfg.weights_path}|{runner.dtype}|{runner.kv_mode}",
+                                cfg.cache_span_size, cfg.prefix_cache_ttl)
+        self.spans = SpanManager(runner.num_spans, cfg.cache_span_size, cache)
         self.scheduler = Scheduler(SchedulerConfig(cfg.engine_max_batch, cfg.max_prefill_tokens), self.spans)
         self.sampler = Sampler()
         self.started = False
@@ -116,7 +121,7 @@ class ServedModel:
         for req, token, reason in events:
             entry = self._live[req.request_id]
             res = results[req.request_id]
-            el = GeneratedElements([token])
+            el = GeneratedElements([token], prefix_cache_len=req.prefix_cache_len or 0)
             if entry.sampling.gen.logprobs:
                 el.token_logprobs_list.append(res.logprob)
                 el.log_probs_list.append(res.top_logprobs)
@@ -146,6 +151,7 @@ class ServedModel:
                 proc_ps = sum(r[2] for r in rates[1:]) / dt
         used = self.spans.num_used_spans
         total = self.spans.num_spans
+        hit, miss = s.stats.prefix_cache_hit_tokens, s.stats.prefix_cache_miss_tokens
         return AsEngineStat(
             model_name=self.cfg.model_name,
             free_token=self.spans.num_free_spans * self.spans.span_size,
@@ -154,4 +160,8 @@ class ServedModel:
             total_generated_token=s.stats.num_generated_tokens, total_prefill_token=s.stats.num_prefill_tokens,
             generate_token_persec=gen_ps, process_token_persec=proc_ps,
             total_span=total, used_span=used, free_span=total - used, span_size=self.spans.span_size,
-            token_usage_percentage=100.0 * used / total, num_preempted=s.stats.num_preemptions)
+            token_usage_percentage=100.0 * used / total, num_preempted=s.stats.num_preemptions,
+            prefix_cache_hit_token=hit, prefix_cache_miss_token=miss,
+            prefix_cache_hit_rate=hit / (hit + miss) if hit + miss else 0.0,
+            prefix_cache_miss_rate=miss / (hit + miss) if hit + miss else 0.0,
+            prefix_cache_spans=self.spans.num_cached_idle)

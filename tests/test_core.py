@@ -13,7 +13,7 @@ def test_span_manager_allocate_free_refcount():
     assert sm.spans_for_tokens(1) == 1 and sm.spans_for_tokens(16) == 1 and sm.spans_for_tokens(17) == 2
     a = sm.allocate(3)
     assert len(set(a)) == 3 and sm.num_free_spans == 1 and not sm.can_allocate(2)
-    sm.add_ref(a[:1])
+    sm.share(a[:1])
     sm.free(a)
     assert sm.num_free_spans == 3 and sm.ref_count(a[0]) == 1
     sm.free(a[:1])

@@ -66,7 +66,7 @@ class GenerationDefaults(_message.Message):
     def __init__(self, eos_token_ids: _Optional[_Iterable[int]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ...) -> None: ...
 
 class ModelGraph(_message.Message):
-    __slots__ = ("format_version", "model_name", "architecture", "model_args_json", "hf_config_json", "dtype", "quantization", "tensors", "build_meta", "generation")
+    __slots__ = ("format_version", "model_name", "architecture", "model_args_json", "hf_config_json", "dtype", "quantization", "tensors", "build_meta", "generation", "tokenizer_json")
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class ModelGraph(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BUILD_META_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
     format_version: int
     model_name: str
     architecture: str
@@ -87,7 +88,8 @@ class ModelGraph(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorInfo]
     build_meta: BuildMeta
     generation: GenerationDefaults
-    def __init__(self, format_version: _Optional[int] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., model_args_json: _Optional[str] = ..., hf_config_json: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., build_meta: _Optional[_Union[BuildMeta, _Mapping]] = ..., generation: _Optional[_Union[GenerationDefaults, _Mapping]] = ...) -> None: ...
+    tokenizer_json: str
+    def __init__(self, format_version: _Optional[int] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., model_args_json: _Optional[str] = ..., hf_config_json: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., build_meta: _Optional[_Union[BuildMeta, _Mapping]] = ..., generation: _Optional[_Union[GenerationDefaults, _Mapping]] = ..., tokenizer_json: _Optional[str] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -186,7 +188,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerationConfig(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_length", "max_length", "max_new_tokens", "has_eos_token_id", "eos_token_id", "stop_words_ids", "seed", "logprobs", "top_logprobs", "do_sample")
+    __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_length", "max_length", "max_new_tokens", "has_eos_token_id", "eos_token_id", "stop_words_ids", "seed", "logprobs", "top_logprobs", "do_sample", "response_format_json")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +205,7 @@ class GenerationConfig(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMAT_JSON_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -219,7 +222,8 @@ class GenerationConfig(_message.Message):
     logprobs: bool
     top_logprobs: int
     do_sample: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_length: _Optional[int] = ..., max_length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., has_eos_token_id: _Optional[bool] = ..., eos_token_id: _Optional[_Iterable[int]] = ..., stop_words_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., do_sample: _Optional[bool] = ...) -> None: ...
+    response_format_json: str
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_length: _Optional[int] = ..., max_length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., has_eos_token_id: _Optional[bool] = ..., eos_token_id: _Optional[_Iterable[int]] = ..., stop_words_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., do_sample: _Optional[bool] = ..., response_format_json: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("model_name", "input_ids", "config")
@@ -288,7 +292,7 @@ class GenerateReply(_message.Message):
     def __init__(self, status: _Optional[int] = ..., message: _Optional[str] = ..., request_id: _Optional[int] = ..., generate_status: _Optional[int] = ..., ids: _Optional[_Iterable[int]] = ..., token_logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prefix_cache_len: _Optional[int] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ...) -> None: ...
 
 class EngineStat(_message.Message):
-    __slots__ = ("status", "message", "model_name", "free_token", "total_token", "pendding_request", "running_request", "total_generated_token", "total_prefill_token", "generate_token_persec", "process_token_persec", "total_span", "used_span", "free_span", "span_size", "token_usage_percentage", "num_preempted", "prefix_cache_hit_token", "prefix_cache_miss_token")
+    __slots__ = ("status", "message", "model_name", "free_token", "total_token", "pendding_request", "running_request", "total_generated_token", "total_prefill_token", "generate_token_persec", "process_token_persec", "total_span", "used_span", "free_span", "span_size", "token_usage_percentage", "num_preempted", "prefix_cache_hit_token", "prefix_cache_miss_token", "prefix_cache_hit_rate", "prefix_cache_miss_rate", "prefix_cache_spans")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -308,6 +312,9 @@ class EngineStat(_message.Message):
     NUM_PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_MISS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_MISS_RATE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_SPANS_FIELD_NUMBER: _ClassVar[int]
     status: int
     message: str
     model_name: str
@@ -327,4 +334,7 @@ class EngineStat(_message.Message):
     num_preempted: int
     prefix_cache_hit_token: int
     prefix_cache_miss_token: int
-    def __init__(self, status: _Optional[int] = ..., message: _Optional[str] = ..., model_name: _Optional[str] = ..., free_token: _Optional[int] = ..., total_token: _Optional[int] = ..., pendding_request: _Optional[int] = ..., running_request: _Optional[int] = ..., total_generated_token: _Optional[int] = ..., total_prefill_token: _Optional[int] = ..., generate_token_persec: _Optional[float] = ..., process_token_persec: _Optional[float] = ..., total_span: _Optional[int] = ..., used_span: _Optional[int] = ..., free_span: _Optional[int] = ..., span_size: _Optional[int] = ..., token_usage_percentage: _Optional[float] = ..., num_preempted: _Optional[int] = ..., prefix_cache_hit_token: _Optional[int] = ..., prefix_cache_miss_token: _Optional[int] = ...) -> None: ...
+    prefix_cache_hit_rate: float
+    prefix_cache_miss_rate: float
+    prefix_cache_spans: int
+    def __init__(self, status: _Optional[int] = ..., message: _Optional[str] = ..., model_name: _Optional[str] = ..., free_token: _Optional[int] = ..., total_token: _Optional[int] = ..., pendding_request: _Optional[int] = ..., running_request: _Optional[int] = ..., total_generated_token: _Optional[int] = ..., total_prefill_token: _Optional[int] = ..., generate_token_persec: _Optional[float] = ..., process_token_persec: _Optional[float] = ..., total_span: _Optional[int] = ..., used_span: _Optional[int] = ..., free_span: _Optional[int] = ..., span_size: _Optional[int] = ..., token_usage_percentage: _Optional[float] = ..., num_preempted: _Optional[int] = ..., prefix_cache_hit_token: _Optional[int] = ..., prefix_cache_miss_token: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prefix_cache_miss_rate: _Optional[float] = ..., prefix_cache_spans: _Optional[int] = ...) -> None: ...

@@ -45,6 +45,9 @@ class Request:
     num_synced_tokens: int = 0           # tokens the runners already mirror
     num_synced_spans: int = 0
     num_preemptions: int = 0
+    prefix_keys: list = field(default_factory=list)   # prefix-cache keys of its full spans, computed so far
+    num_registered_spans: int = 0        # leading spans whose prefixes are in the cache (or were offered to it)
+    prefix_cache_len: Optional[int] = None   # prompt tokens the cache supplied at first admission
     arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
 
     @property

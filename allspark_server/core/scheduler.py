@@ -6,6 +6,10 @@ budget, `max_batch` running requests and the free spans. When spans run out, the
 arrived running request is preempted: its spans are freed and it waits to be recomputed from its
 prompt plus the tokens it already produced. A request that cannot fit even alone is interrupted.
 `update()` applies sampled tokens. It owns request queues and span bookkeeping, no tensors.
+
+With a prefix cache (SpanManager.cache), a request admitted from the waiting queue first takes the longest run
+of cached full spans of its tokens (a hit: those tokens count as computed), and every span a step fills
+completely is offered to the cache. A recomputation after preemption hits the spans it left behind.
 """
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_prefill_tokens: int = 0
     num_generated_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0     # prompt tokens of first admissions taken from the cache
+    prefix_cache_miss_tokens: int = 0    # ... and computed
 
 
 class Scheduler:
@@ -41,6 +47,7 @@ class Scheduler:
         self._step_id = 0
         self._dropped: list[int] = []        # runner mirrors to forget in the next plan
         self._synced: set[int] = set()       # request ids the runners currently mirror
+        self.cache = spans.cache             # PrefixCache or None
 
     # ---- queue management --------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -70,6 +77,7 @@ class Scheduler:
         requests in arrival order, all within the token budget.
         """
         budget = self.config.max_num_batched_tokens
+        self.spans.expire_cached()
         chunks: list[tuple[Request, int]] = []
         scheduled: set[int] = set()
         interrupted: list[Request] = []
@@ -92,15 +100,22 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_batch:
             req = self.waiting[0]
+            self._take_cached_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             need = self.spans.spans_for_tokens(req.num_computed_tokens + n) - len(req.span_ids)
             if not self.spans.can_allocate(need):
+                self._release_spans(req)       # give the hit back; it is looked up again next time
+                req.num_computed_tokens = 0
                 if not self.running:           # the whole cache is free and it still does not fit
                     self.finish(req, FinishReason.INTERRUPTED)
                     interrupted.append(req)
                     continue
                 break
             self.waiting.popleft()
+            if req.prefix_cache_len is None:   # first admission: what the cache saved this prompt
+                req.prefix_cache_len = req.num_computed_tokens
+                self.stats.prefix_cache_hit_tokens += req.num_computed_tokens
+                self.stats.prefix_cache_miss_tokens += req.num_prompt_tokens - req.num_computed_tokens
             req.span_ids.extend(self.spans.allocate(need))
             req.state = RequestState.RUNNING
             self._insert_running(req)
@@ -108,6 +123,28 @@ class Scheduler:
             budget -= n
 
         return self._make_plan(chunks), interrupted
+
+    def _take_cached_prefix(self, req: Request) -> None:
+        """Give a waiting request (no spans yet) the longest cached run of its full spans, leaving at least one
+        token to compute (the step that samples needs its logits)."""
+        if self.cache is None:
+            return
+        full = (req.num_tokens - 1) // self.spans.span_size
+        hits = self.cache.lookup(self.cache.keys(req.all_token_ids, full, req.prefix_keys))
+        self.spans.share(hits)
+        req.span_ids = hits
+        req.num_computed_tokens = len(hits) * self.spans.span_size
+        req.num_registered_spans = len(hits)
+
+    def _offer_full_spans(self, req: Request) -> None:
+        """Offer the spans a step has just filled completely to the prefix cache."""
+        full = req.num_computed_tokens // self.spans.span_size
+        if self.cache is None or full <= req.num_registered_spans:
+            return
+        keys = self.cache.keys(req.all_token_ids, full, req.prefix_keys)
+        for i in range(req.num_registered_spans, full):
+            self.cache.register(req.span_ids[i], keys[i])
+        req.num_registered_spans = full
 
     def _reserve(self, req: Request, n: int, scheduled: set[int]) -> bool:
         """Get spans for `n` more tokens of a running request, preempting later arrivals if needed.
@@ -149,8 +186,9 @@ class Scheduler:
 
     def _release_spans(self, req: Request) -> None:
         if req.span_ids:
-            self.spans.free(req.span_ids)
+            self.spans.free(reversed(req.span_ids))   # a prefix's last spans become the least recently used
         req.span_ids = []
+        req.num_registered_spans = 0
         req.num_synced_spans = 0
         req.num_synced_tokens = 0
         if req.request_id in self._synced:
@@ -187,6 +225,7 @@ class Scheduler:
                 continue   # stopped by the user while this step ran
             prefilling = req.num_computed_tokens < req.num_prompt_tokens
             req.num_computed_tokens += chunk.num_tokens
+            self._offer_full_spans(req)
             if prefilling:
                 self.stats.num_prefill_tokens += min(chunk.num_tokens, req.num_prompt_tokens)
             if not chunk.needs_sample:

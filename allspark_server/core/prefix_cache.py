@@ -1,0 +1,111 @@
+"""PrefixCache: rank 0's index of full KV spans by the token prefix they complete (DashInfer's prefill cache).
+
+A full span is keyed by a hash chained over the token ids of every span before it and its own, seeded with
+what else shapes its content (the model file, the dtype, the KV mode). A new request looks up the keys of its
+prompt's full spans in order and reuses the longest run that is cached; only the rest is prefilled.
+
+The cache owns no memory and no reference counts: SpanManager hands it spans that no request holds any more
+(`park`), takes them back when a request shares them again (`unpark`) or when it needs free spans (`evict`,
+least recently used first). Idle spans older than the TTL are dropped lazily (`expire`). Workers of a pool know
+nothing of it: a hit is a request that arrives with spans and computed tokens already set in the StepPlan.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from array import array
+from collections import OrderedDict
+from typing import Callable, Iterable, Optional
+
+KEY_BYTES = 16
+
+
+def chain_keys(salt: bytes, token_ids: list[int], span_size: int, num_spans: int,
+               known: Optional[list[bytes]] = None) -> list[bytes]:
+    """Keys of the first `num_spans` full spans of `token_ids`: key_i = H(key_{i-1} || tokens of span i), key_-1 =
+    H(salt). `known` holds keys computed before for the same tokens and is extended in place (and returned)."""
+    keys = known if known is not None else []
+    prev = keys[-1] if keys else hashlib.blake2b(salt, digest_size=KEY_BYTES).digest()
+    for i in range(len(keys), num_spans):
+        h = hashlib.blake2b(prev, digest_size=KEY_BYTES)
+        h.update(array("q", token_ids[i * span_size:(i + 1) * span_size]).tobytes())
+        prev = h.digest()
+        keys.append(prev)
+    return keys
+
+
+class PrefixCache:
+    def __init__(self, salt: str, span_size: int, ttl_s: float, clock: Callable[[], float] = time.monotonic):
+        self.salt = salt.encode()
+        self.span_size = span_size
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._span_of: dict[bytes, int] = {}
+        self._key_of: dict[int, bytes] = {}
+        self._idle: OrderedDict[int, float] = OrderedDict()   # cached spans nobody holds -> when parked; LRU first
+
+    # ---- what the scheduler asks ---------------------------------------------------------------
+    def keys(self, token_ids: list[int], num_spans: int, known: Optional[list[bytes]] = None) -> list[bytes]:
+        return chain_keys(self.salt, token_ids, self.span_size, num_spans, known)
+
+    def lookup(self, keys: Iterable[bytes]) -> list[int]:
+        """Spans of the longest cached run of `keys` from the first (the caller takes references on them)."""
+        out = []
+        for key in keys:
+            span = self._span_of.get(key)
+            if span is None:
+                break
+            out.append(span)
+        return out
+
+    def register(self, span: int, key: bytes) -> bool:
+        """`span` (held by a request, fully computed) now holds the prefix `key`. A prefix cached already in another
+        span keeps that one (False)."""
+        if key in self._span_of or span in self._key_of:
+            return False
+        self._span_of[key] = span
+        self._key_of[span] = key
+        return True
+
+    # ---- what SpanManager tells it ---------------------------------------------------------------
+    def holds(self, span: int) -> bool:
+        return span in self._key_of
+
+    def park(self, span: int) -> None:
+        """A cached span lost its last holder: it stays cached, reusable by a hit or by the allocator."""
+        self._idle[span] = self.clock()
+
+    def unpark(self, span: int) -> None:
+        del self._idle[span]
+
+    @property
+    def num_idle(self) -> int:
+        return len(self._idle)
+
+    def is_idle(self, span: int) -> bool:
+        return span in self._idle
+
+    def evict(self) -> int:
+        """Forget the least recently used idle span and hand it back for reuse."""
+        span, _ = self._idle.popitem(last=False)
+        self._forget(span)
+        return span
+
+    def expire(self) -> list[int]:
+        """Forget idle spans parked longer than the TTL ago; returns them (now free)."""
+        out, limit = [], self.clock() - self.ttl_s
+        while self._idle:
+            span, parked = next(iter(self._idle.items()))
+            if parked > limit:
+                break
+            self._idle.popitem(last=False)
+            self._forget(span)
+            out.append(span)
+        return out
+
+    def _forget(self, span: int) -> None:
+        del self._span_of[self._key_of.pop(span)]
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._key_of)
