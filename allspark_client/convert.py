@@ -5,6 +5,7 @@ service (requests -> what Engine takes, Engine results -> replies). Torch-free.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import fields
 
 from allspark_client._proto import allspark_pb2 as pb
@@ -45,6 +46,8 @@ def generation_config_to_proto(raw: dict, gen: GenerationConfig) -> pb.Generatio
         msg.eos_token_id.extend(gen.eos_token_ids)
     for words in gen.stop_words_ids:
         msg.stop_words_ids.add(ids=list(words))
+    if gen.response_format is not None:
+        msg.response_format_json = gen.response_format.to_json()
     return msg
 
 
@@ -54,6 +57,11 @@ def generation_config_from_proto(msg: pb.GenerationConfig) -> dict:
         out["eos_token_id"] = list(msg.eos_token_id)
     if msg.stop_words_ids:
         out["stop_words_ids"] = [list(w.ids) for w in msg.stop_words_ids]
+    if msg.response_format_json:
+        try:   # ResponseFormat.to_json's dict; parse_generation_config validates it again
+            out["response_format"] = json.loads(msg.response_format_json)
+        except ValueError:
+            out["response_format"] = msg.response_format_json   # rejected there, naming response_format
     return out
 
 

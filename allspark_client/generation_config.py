@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from allspark_client.response_format import ResponseFormat, parse_response_format
 from allspark_client.types import AsStatus
 from allspark_client.validation import ConfigError, _check, _float, _int, _token_list
 
@@ -34,6 +35,7 @@ class GenerationConfig:
     logprobs: bool = False
     top_logprobs: int = 0
     do_sample: bool = True
+    response_format: Optional[ResponseFormat] = None   # None: plain text; otherwise guided output
 
     @property
     def is_greedy(self) -> bool:
@@ -52,7 +54,7 @@ _INERT_KEYS = {
     "vocab": None, "vocab_type": None, "enable_tensors_from_model_inference": (False,),
     "suppress_repetition_in_generation": (False,), "mm_info": (None,),
 }
-_KNOWN_KEYS = set(GenerationConfig.__dataclass_fields__) - {"eos_token_ids"} | {"eos_token_id", "response_format"}
+_KNOWN_KEYS = set(GenerationConfig.__dataclass_fields__) - {"eos_token_ids"} | {"eos_token_id"}
 
 
 def parse_generation_config(raw: Optional[dict], vocab_size: Optional[int] = None) -> GenerationConfig:
@@ -119,9 +121,7 @@ def parse_generation_config(raw: Optional[dict], vocab_size: Optional[int] = Non
         _check(isinstance(kw["do_sample"], bool), f"do_sample must be a bool, got {kw['do_sample']!r}")
         out["do_sample"] = kw["do_sample"]
     if "response_format" in kw:
-        rf = kw["response_format"]
-        _check(rf in (None, {}) or (isinstance(rf, dict) and rf.get("type") == "text"),
-               f"response_format={rf!r} is not supported yet (only {{'type': 'text'}})")
+        out["response_format"] = parse_response_format(kw["response_format"])
     return GenerationConfig(**out)
 
 

@@ -40,7 +40,9 @@ BAD_GEN = [
     ({"logprobs": 1}, "logprobs"),
     ({"do_sample": "yes"}, "do_sample"),
     ({"num_beams": 2}, "num_beams"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": "{bad"}}, "response_format"),
 ]
 
 

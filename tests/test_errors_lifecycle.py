@@ -238,7 +238,8 @@ BAD_RUNTIME = [
     ("cache_mode_name", dict(kv_cache_mode="int4"), "cache_mode"),
     ("cache_mode_bool", dict(kv_cache_mode=True), "cache_mode"),
     ("cache_mode_list", dict(kv_cache_mode=["int8"]), "cache_mode"),
-    ("prefix_cache", dict(prefill_cache=True), "enable_prefix_cache"),
+    ("prefix_cache_str", dict(prefill_cache="yes"), "enable_prefix_cache"),
+    ("prefix_cache_ttl_0", dict(prefix_cache_ttl=0), "prefix_cache_ttl"),
     ("precision", dict(matmul_precision="low"), "matmul_precision"),
     ("unknown_dict_key", dict(update_from_dict={"bogus_runtime_key": 1}), "bogus_runtime_key"),
 ]

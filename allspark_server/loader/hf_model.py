@@ -7,6 +7,7 @@ config.json / generation_config.json. The tokenizer comes from the same folder.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 from typing import Optional
@@ -26,6 +27,8 @@ from allspark_server.models.registry import model_class_and_rules, quantizable_w
 from allspark_server.quant import gptq
 from allspark_server.quant.scheme import QuantConfigError, QuantScheme
 
+log = logging.getLogger("allspark")
+
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
 
@@ -42,6 +45,23 @@ def _dtype_from(name) -> torch.dtype:
     if key not in DTYPES:
         raise ModelSerializerException(f"data type {name!r} is not supported (float32, bfloat16, float16)")
     return DTYPES[key]
+
+
+def read_tokenizer_json(path: str, trust_remote_code: bool = False) -> str:
+    """The folder's tokenizer as tokenizer.json text: the file itself, else the fast tokenizer transformers
+    builds from the folder's other tokenizer files, else "" (no tokenizer: guided output is unavailable)."""
+    file = os.path.join(path, "tokenizer.json")
+    try:
+        if os.path.isfile(file):
+            with open(file, encoding="utf-8") as f:
+                return f.read()
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, use_fast=True)
+        backend = getattr(tok, "backend_tokenizer", None)
+        return backend.to_str() if backend is not None else ""
+    except Exception as e:   # no (usable) tokenizer files: not an error, the model still serves ids
+        log.info("no fast tokenizer in %s (%s): guided output will be unavailable", path, e)
+        return ""
 
 
 def _as_list(v) -> list[int]:
@@ -204,7 +224,7 @@ class HuggingFaceModel:
             serialize_args["quantization"] = scheme.weight_format
         self.graph_path, self.weights_path = write_model_files(
             output_dir, self.model_name, self.args, self.hf_config, self.data_type, tensors, modes, eos, eos,
-            serialize_args, quant=scheme)
+            serialize_args, quant=scheme, tokenizer_json=read_tokenizer_json(self.path, self.trust_remote_code))
         return self
 
     # ---- configs -----------------------------------------------------------------------------

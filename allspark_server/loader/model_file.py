@@ -47,7 +47,7 @@ def _md5_head(path: str) -> str:
 def write_model_files(out_dir: str, model_name: str, args: ModelArgs, hf_config: dict, dtype: torch.dtype,
                       tensors: dict[str, torch.Tensor], split_modes: dict[str, SplitMode],
                       eos_ids: list[int], stop_ids: list[int], serialize_args: dict[str, str],
-                      quant: QuantScheme | None = None) -> tuple[str, str]:
+                      quant: QuantScheme | None = None, tokenizer_json: str = "") -> tuple[str, str]:
     from safetensors.torch import save_file
     from allspark_client import __version__
 
@@ -59,7 +59,8 @@ def write_model_files(out_dir: str, model_name: str, args: ModelArgs, hf_config:
 
     g = pb.ModelGraph(format_version=FORMAT_VERSION, model_name=model_name, architecture=args.architecture,
                       model_args_json=json.dumps(args.to_dict()), hf_config_json=json.dumps(hf_config),
-                      dtype=dtype_name(dtype), quantization=quant.to_json() if quant else "")
+                      dtype=dtype_name(dtype), quantization=quant.to_json() if quant else "",
+                      tokenizer_json=tokenizer_json)
     for name, t in tensors.items():
         g.tensors.add(name=name, shape=list(t.shape), dtype=dtype_name(t.dtype), split_mode=int(split_modes[name]))
     g.build_meta.allspark_version = __version__
@@ -87,6 +88,11 @@ class ModelFile:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return tuple(self.graph.generation.eos_token_ids)
+
+    @property
+    def tokenizer_json(self) -> str:
+        """The model folder's HF tokenizer as tokenizer.json text; "" if it had none (no guided output)."""
+        return self.graph.tokenizer_json
 
     @property
     def quant(self) -> QuantScheme | None:
