@@ -1,6 +1,6 @@
 """allspark's benchmark: one command, one run, everything side by side on the same machine and threads.
 
-    python benchmarks/run.py [--quick] [--decode-only] [--dtypes bfloat16 float32] [--quant int8 int4_g32]
+    python benchmarks/run.py [--quick] [--features] [--decode-only] [--dtypes bfloat16 float32] [--quant int8 int4_g32]
                              [--kv int8 uint4] [--json benchmarks/results.json]
 
 Measures the machine (STREAM-like copy/triad bandwidth, fp32/bf16 matmul rate), then for each
@@ -351,6 +351,14 @@ def summarize(report: dict) -> list[str]:
     return lines
 
 
+def machine_name() -> str:
+    try:
+        import cpuinfo
+        return cpuinfo.get_cpu_info().get("brand_raw", platform.processor())
+    except Exception:
+        return platform.processor()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a small model and fewer runs (< 3 minutes)")
@@ -370,6 +378,8 @@ def main() -> None:
                         "interleaved with the unquantized cache")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: the GPU benchmark instead (cuda_bench.py: one GPU, a Llama-2-7B-shaped bf16 model)")
+    p.add_argument("--features", action="store_true",
+                   help="the serving features instead: prefix cache and guided JSON (serving_features.py)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--json", default="benchmarks/results.json")
     a = p.parse_args()
@@ -385,17 +395,24 @@ def main() -> None:
         print(json.dumps({k: v for k, v in report.items() if not isinstance(v, list)}, indent=1))
         return
     spec = QUICK if a.quick else FULL
+    if a.features:
+        import serving_features
+
+        def save(report):
+            report["machine"] = machine_name()
+            os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+            with open(a.json, "w") as f:
+                json.dump(report, f, indent=2)
+        torch.set_num_threads(a.threads)
+        save(serving_features.main(spec, build_model, save))
+        return
     why_not = LP.missing() if a.llamacpp is not False else None
     if why_not:
         print(why_not)
     a.llamacpp = a.llamacpp is not False and why_not is None
     torch.set_num_threads(a.threads)
     t0 = time.time()
-    try:
-        import cpuinfo
-        cpu = cpuinfo.get_cpu_info().get("brand_raw", platform.processor())
-    except Exception:
-        cpu = platform.processor()
+    cpu = machine_name()
     report = {"spec": spec, "threads": a.threads, "quick": a.quick, "decode_only": a.decode_only,
               "omp_env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},
               "machine": dict(cpu=cpu, **machine.stream_bandwidth(),
