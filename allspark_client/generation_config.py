@@ -122,6 +122,8 @@ def parse_generation_config(raw: Optional[dict], vocab_size: Optional[int] = Non
         out["do_sample"] = kw["do_sample"]
     if "response_format" in kw:
         out["response_format"] = parse_response_format(kw["response_format"])
+        _check(out["response_format"] is None or not out.get("min_length"),
+               "min_length cannot be combined with response_format: the grammar decides where the output ends")
     return GenerationConfig(**out)
 
 

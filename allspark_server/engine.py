@@ -116,7 +116,9 @@ class Engine(EngineAPI):
 
         def release():
             self._comm.bcast(ReleaseModelMsg(name))
-            self._models.pop(name, None)
+            model = self._models.pop(name, None)
+            if model is not None:
+                model.close()
 
         with self._lock:
             self._engine.call(release)
@@ -143,6 +145,9 @@ class Engine(EngineAPI):
             if gen.eos_token_ids is None:
                 gen = replace(gen, eos_token_ids=model.runner.model_file.eos_token_ids)
             max_length = resolve_max_length(gen, len(ids), model.cfg.engine_max_length)
+            sampling = SamplingState.create(gen)
+            if gen.response_format is not None:   # compiled here, in the caller's thread: a bad schema fails now
+                sampling.guided = model.guided_state(gen.response_format)
         except ConfigError as e:
             raise RequestError(e.status, str(e)) from None
         capacity = model.spans.num_spans * model.spans.span_size
@@ -157,7 +162,7 @@ class Engine(EngineAPI):
             if self._models.get(name) is not model or not model.started:
                 raise RequestError(AsStatus.ALLSPARK_REQUEST_DENIED, f"model {name!r} is not started")
             self._requests[name][rid] = _LiveRequest(handle, queue)
-            self._engine.post(ForModel(name, AddRequest(req, queue, SamplingState.create(gen))))
+            self._engine.post(ForModel(name, AddRequest(req, queue, sampling)))
         return AsStatus.ALLSPARK_SUCCESS, handle, queue
 
     def _live(self, name: str, handle) -> _LiveRequest:

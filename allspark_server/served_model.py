@@ -2,7 +2,9 @@
 
 It has no thread of its own: the process's EngineThread applies commands to it and calls `step()`.
 A step plans (scheduler), broadcasts the plan to the other ranks, runs it (runner), samples and
-pushes each new token to its request's ResultQueue. Stats may be read from any thread.
+pushes each new token to its request's ResultQueue. Requests with a response_format have their token masks
+computed on a background thread while the model step runs (guided.py); their grammar state lives here, on
+rank 0 only. Stats may be read from any thread.
 """
 from __future__ import annotations
 
@@ -17,11 +19,15 @@ from typing import Optional, Union
 from allspark_client.result_queue import ResultQueue
 from allspark_client.types import AsEngineStat, GeneratedElements, GenerateRequestStatus
 from allspark_client.config import AsModelConfig
+from allspark_client.response_format import ResponseFormat
+from allspark_client.types import AsStatus
+from allspark_client.validation import ConfigError
 from allspark_server.core.messages import StepMsg
 from allspark_server.core.prefix_cache import PrefixCache
 from allspark_server.core.request import FinishReason, Request
 from allspark_server.core.scheduler import Scheduler, SchedulerConfig
 from allspark_server.core.span_manager import SpanManager
+from allspark_server.guided import GuidedState, GuidedVocabulary
 from allspark_server.runner.model_runner import ModelRunner
 from allspark_server.runner.sampler import Sampler, SamplingState
 
@@ -61,6 +67,25 @@ class ServedModel:
         self._live: dict[int, AddRequest] = {}          # engine thread only
         self._rates: deque[tuple[float, int, int]] = deque()   # (time, generated, processed) per step
         self._stat_lock = threading.Lock()
+        self._guided: Optional[GuidedVocabulary] = None   # built by the first guided request
+        self._guided_lock = threading.Lock()
+
+    def guided_state(self, fmt: ResponseFormat) -> GuidedState:
+        """A new request's grammar state (any thread); ConfigError(PARAM_ERROR) when the format does not compile
+        or the model came without a tokenizer."""
+        with self._guided_lock:
+            if self._guided is None:
+                mf = self.runner.model_file
+                try:
+                    self._guided = GuidedVocabulary(mf.tokenizer_json, self.runner.args.vocab_size, mf.eos_token_ids)
+                except ValueError as e:
+                    raise ConfigError(f"response_format needs the model's tokenizer: {e}",
+                                      AsStatus.ALLSPARK_PARAM_ERROR) from None
+        return self._guided.new_state(fmt)
+
+    def close(self) -> None:
+        if self._guided is not None:
+            self._guided.close()
 
     @property
     def has_work(self) -> bool:
@@ -105,9 +130,12 @@ class ServedModel:
             self._live[c.request_id].queue._mark_scheduled()
         self.comm.bcast(StepMsg(self.cfg.model_name, plan))
         try:
+            masks = self._start_guided_masks(plan)
             logits, rids = self.runner.execute(plan)
             rows = [(e.sampling, e.request.all_token_ids, e.request.output_ids) for e in map(self._live.get, rids)]
-            results = dict(zip(rids, self.sampler.sample_rows(logits, rows))) if rids else {}
+            if masks is not None:
+                masks = (masks[0], masks[1].result())
+            results = dict(zip(rids, self.sampler.sample_rows(logits, rows, masks))) if rids else {}
             sampled = {rid: res.token_id for rid, res in results.items()}
         except Exception as e:   # a failed step fails its requests, not the engine
             log.error("step %d failed: %s", plan.step_id, traceback.format_exc())
@@ -120,6 +148,9 @@ class ServedModel:
         events = self.scheduler.update(plan, sampled, requests)
         for req, token, reason in events:
             entry = self._live[req.request_id]
+            note = None
+            if entry.sampling.guided is not None:
+                reason, note = self._advance_grammar(entry, token, reason)
             res = results[req.request_id]
             el = GeneratedElements([token], prefix_cache_len=req.prefix_cache_len or 0)
             if entry.sampling.gen.logprobs:
@@ -130,12 +161,42 @@ class ServedModel:
             entry.queue._push(el, status)
             if reason is not None:
                 self._live.pop(req.request_id)
-                entry.queue._set_status(GenerateRequestStatus.GenerateFinished)
+                entry.queue._set_status(GenerateRequestStatus.GenerateFinished, note)
         with self._stat_lock:
             now = time.monotonic()
             self._rates.append((now, len(events), plan.num_tokens))
             while self._rates and now - self._rates[0][0] > RATE_WINDOW_S:
                 self._rates.popleft()
+
+    def _start_guided_masks(self, plan):
+        """Start the token masks of the guided requests that sample this step (on the guided worker thread, while
+        the model runs): (their rows among the sampled rows, a future of the bitmask), or None."""
+        if self._guided is None:
+            return None
+        rows, states = [], []
+        for i, rid in enumerate(c.request_id for c in plan.chunks if c.needs_sample):
+            state = self._live[rid].sampling.guided
+            if state is not None:
+                rows.append(i)
+                states.append(state)
+        return (rows, self._guided.start_masks(states)) if rows else None
+
+    def _advance_grammar(self, entry: AddRequest, token: int, reason: Optional[FinishReason]):
+        """Feed a guided request's new token to its grammar: (finish reason, a note for the caller). A grammar
+        that admits nothing more ends the request (whatever its eos_token_id says); max_length reached before the
+        grammar is complete ends it as usual, saying that the output is cut off."""
+        state, req = entry.sampling.guided, entry.request
+        if not state.accept(token):
+            reason = reason or FinishReason.STOPPED
+            self.scheduler.finish(req, reason)
+            return reason, f"response_format: the output left the grammar ({state.error})"
+        if reason is None and state.is_stopped:
+            self.scheduler.finish(req, FinishReason.EOS)
+            return FinishReason.EOS, None
+        if reason == FinishReason.LENGTH and not state.is_accepting:
+            return reason, (f"response_format: max_length ({req.max_length} tokens) was reached before the "
+                            f"{entry.sampling.gen.response_format.kind} output was complete; it is cut off")
+        return reason, None
 
     # ---- stats (any thread) ------------------------------------------------------------------
     def stat(self, queued: int = 0) -> AsEngineStat:

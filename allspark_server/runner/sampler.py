@@ -1,6 +1,7 @@
 """Sampler (rank 0 only): turns each request's logits row into its next token.
 
-Order, per row: raw logprobs (for the `logprobs` output), repetition penalty over prompt + output,
+Order, per row: the guided-output mask of requests with a response_format (disallowed tokens -inf; their
+logprobs are those of the constrained distribution), raw logprobs (for the `logprobs` output), repetition penalty over prompt + output,
 presence and frequency penalties over the output, min_length (EOS masked), then greedy argmax or
 temperature -> top_k -> top_p -> a draw from the request's own seeded generator. Rows are handled
 independently, so a request's tokens do not depend on the rest of the batch.
@@ -14,12 +15,14 @@ from typing import Optional
 import torch
 
 from allspark_client.generation_config import GenerationConfig
+from allspark_server.guided import GuidedState, apply_masks
 
 
 @dataclass
 class SamplingState:
     gen: GenerationConfig
     generator: Optional[torch.Generator] = None
+    guided: Optional["GuidedState"] = None   # allspark_server.guided: where a response_format request's output is
 
     @classmethod
     def create(cls, gen: GenerationConfig) -> "SamplingState":
@@ -83,11 +86,15 @@ def suppresses_eos(gen: GenerationConfig, all_ids: list[int]) -> bool:
 
 
 class Sampler:
-    def sample_rows(self, logits: torch.Tensor, rows: list[tuple[SamplingState, list[int], list[int]]]
-                    ) -> list[SampleResult]:
+    def sample_rows(self, logits: torch.Tensor, rows: list[tuple[SamplingState, list[int], list[int]]],
+                    guided_masks: Optional[tuple[list[int], "np.ndarray"]] = None) -> list[SampleResult]:
         """Every row of logits [N, V] (on the host or a GPU) with its (state, all_ids, output_ids). Plain greedy
         rows (no penalties, logprobs or masked EOS) take one argmax over all of them together; on a GPU only
-        their token ids leave it. The others go through `sample_row` on the host, the same math either way."""
+        their token ids leave it. The others go through `sample_row` on the host, the same math either way.
+        `guided_masks` = (row indices, their llguidance bitmask): applied to `logits` in place first."""
+        if guided_masks is not None:
+            with torch.inference_mode():   # the runner's logits are inference tensors
+                apply_masks(logits, *guided_masks)
         plain = [i for i, (state, all_ids, _) in enumerate(rows) if self._plain_greedy(state.gen, all_ids)]
         results: list[SampleResult | None] = [None] * len(rows)
         if plain:
