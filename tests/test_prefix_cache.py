@@ -117,6 +117,7 @@ def test_random_traffic_keeps_reference_counts_exact_and_contexts_true(seed):
     for req in list(live.values()):
         sched.finish(req, FinishReason.STOPPED)
     assert spans.num_used_spans == 0 and all(spans.ref_count(s) == 0 for s in range(spans.num_spans))
+    assert sched._computing == {}
 
 
 def test_hit_takes_full_spans_and_leaves_the_last_token_to_compute():
@@ -139,6 +140,23 @@ def test_hit_takes_full_spans_and_leaves_the_last_token_to_compute():
     assert {ch.request_id: ch.num_tokens for ch in plan.chunks} == {1: 4, 2: 3}
     assert sched.stats.prefix_cache_hit_tokens == 16 and sched.stats.prefix_cache_miss_tokens == 12 + 4 + 3
     assert spans.ref_count(b.span_ids[0]) == 2 and b.span_ids[:2] == c.span_ids[:2]
+
+
+def test_a_prefix_being_computed_is_waited_for_not_computed_twice():
+    sched, spans, _ = _scheduler(num_spans=16, max_batch=4, budget=8)
+    live, content, rng = {}, {}, random.Random(2)
+    shared = list(range(30, 42))                                         # 3 full spans
+    a, b = Request(0, shared + [1], max_length=20), Request(1, shared + [2], max_length=20)
+    for r in (a, b):
+        live[r.request_id] = r
+        sched.add(r)
+    plan = _run_step(sched, live, content, rng)                          # a takes the whole budget (8 of 13)
+    assert [c.request_id for c in plan.chunks] == [0]
+    plan = _run_step(sched, live, content, rng)                          # a's third span is still being computed
+    assert [c.request_id for c in plan.chunks] == [0] and b.state == RequestState.WAITING
+    plan = _run_step(sched, live, content, rng)                          # now cached: b computes its last token only
+    assert {c.request_id: c.num_tokens for c in plan.chunks} == {0: 1, 1: 1}
+    assert b.prefix_cache_len == 12 and sched.stats.prefix_cache_miss_tokens == 13 + 1
 
 
 def test_idle_spans_are_evicted_lru_only_when_needed_and_dropped_after_the_ttl():

@@ -9,7 +9,9 @@ prompt plus the tokens it already produced. A request that cannot fit even alone
 
 With a prefix cache (SpanManager.cache), a request admitted from the waiting queue first takes the longest run
 of cached full spans of its tokens (a hit: those tokens count as computed), and every span a step fills
-completely is offered to the cache. A recomputation after preemption hits the spans it left behind.
+completely is offered to the cache. A recomputation after preemption hits the spans it left behind. A request
+whose next uncached span is being computed right now by a running request (eight chats arriving together with
+one system prompt) waits for it instead of computing the same prefix again.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ class Scheduler:
         self._dropped: list[int] = []        # runner mirrors to forget in the next plan
         self._synced: set[int] = set()       # request ids the runners currently mirror
         self.cache = spans.cache             # PrefixCache or None
+        self._computing: dict[bytes, int] = {}   # prefix keys of prompt spans being computed -> by which request
 
     # ---- queue management --------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -100,7 +103,10 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_batch:
             req = self.waiting[0]
-            self._take_cached_prefix(req)
+            if not self._take_cached_prefix(req):   # its prefix is being computed: take it from the cache later
+                self._release_spans(req)
+                req.num_computed_tokens = 0
+                break
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             need = self.spans.spans_for_tokens(req.num_computed_tokens + n) - len(req.span_ids)
             if not self.spans.can_allocate(need):
@@ -117,6 +123,8 @@ class Scheduler:
                 self.stats.prefix_cache_hit_tokens += req.num_computed_tokens
                 self.stats.prefix_cache_miss_tokens += req.num_prompt_tokens - req.num_computed_tokens
             req.span_ids.extend(self.spans.allocate(need))
+            for key in req.prefix_keys[req.num_registered_spans:]:
+                self._computing.setdefault(key, req.request_id)
             req.state = RequestState.RUNNING
             self._insert_running(req)
             chunks.append((req, n))
@@ -124,17 +132,25 @@ class Scheduler:
 
         return self._make_plan(chunks), interrupted
 
-    def _take_cached_prefix(self, req: Request) -> None:
+    def _take_cached_prefix(self, req: Request) -> bool:
         """Give a waiting request (no spans yet) the longest cached run of its full spans, leaving at least one
-        token to compute (the step that samples needs its logits)."""
+        token to compute (the step that samples needs its logits). False: its next span is being computed by a
+        running request, so it should wait."""
         if self.cache is None:
-            return
+            return True
         full = (req.num_tokens - 1) // self.spans.span_size
-        hits = self.cache.lookup(self.cache.keys(req.all_token_ids, full, req.prefix_keys))
+        keys = self.cache.keys(req.all_token_ids, full, req.prefix_keys)[:full]
+        hits = self.cache.lookup(keys)
         self.spans.share(hits)
         req.span_ids = hits
         req.num_computed_tokens = len(hits) * self.spans.span_size
         req.num_registered_spans = len(hits)
+        return len(hits) == len(keys) or keys[len(hits)] not in self._computing
+
+    def _stop_computing(self, req: Request, keys) -> None:
+        for key in keys:
+            if self._computing.get(key) == req.request_id:
+                del self._computing[key]
 
     def _offer_full_spans(self, req: Request) -> None:
         """Offer the spans a step has just filled completely to the prefix cache."""
@@ -144,6 +160,7 @@ class Scheduler:
         keys = self.cache.keys(req.all_token_ids, full, req.prefix_keys)
         for i in range(req.num_registered_spans, full):
             self.cache.register(req.span_ids[i], keys[i])
+        self._stop_computing(req, keys[req.num_registered_spans:full])
         req.num_registered_spans = full
 
     def _reserve(self, req: Request, n: int, scheduled: set[int]) -> bool:
@@ -185,6 +202,7 @@ class Scheduler:
         self.waiting.insert(idx, req)
 
     def _release_spans(self, req: Request) -> None:
+        self._stop_computing(req, req.prefix_keys[req.num_registered_spans:])
         if req.span_ids:
             self.spans.free(reversed(req.span_ids))   # a prefix's last spans become the least recently used
         req.span_ids = []
