@@ -6,9 +6,10 @@ Same model as run.py (Llama architecture, random bf16 weights, ~0.5 B parameters
 process, every engine on the same cores:
 - **shared 2048-token prefix**: a request with a 2048-token prefix and its own 32-token suffix, then a second one
   sharing the prefix with another suffix: TTFT of each (median over 3 prefixes) on an Engine with the prefix cache.
-- **multi-turn chat**: a shared 1500-token system prompt, 8 conversations running at once, 4 turns each; every turn
-  appends ~100 user tokens to the conversation and the 32 answered tokens are part of the next turn's prompt.
-  TTFT median / p99 and total time, with and without the prefix cache (two Engines, run one after the other).
+- **multi-turn chat**: a shared 1500-token system prompt, 8 conversations of 4 turns; every turn appends 100 user
+  tokens to the conversation and the 32 answered tokens are part of the next turn's prompt. TTFT median / p99 and
+  total time, with and without the prefix cache, run two ways: one request at a time (turn 1 of every conversation,
+  then turn 2, ...) and the 8 conversations at once.
 - **guided JSON**: TPOT of requests constrained by a JSON schema next to unconstrained ones, at batch 1 (rounds
   interleaved) and with 8 concurrent requests.
 """
@@ -66,30 +67,41 @@ def shared_prefix(engine, name: str, vocab: int, repeats: int = 3) -> dict:
             "second_prefix_cache_len": cached}
 
 
-def multi_turn(engine, name: str, vocab: int) -> dict:
+def multi_turn(engine, name: str, vocab: int, concurrent: bool) -> dict:
+    """The chat workload: concurrent = the 8 conversations at once (each its 4 turns in order: TTFT then includes
+    waiting for the other conversations' prefills in the same steps); otherwise one request at a time, turn 1 of
+    every conversation, then turn 2 of every one, ... (TTFT is the request's own prefill)."""
     system = W.prompt(SYSTEM_TOKENS, 1, vocab)
+    histories: list[list[int]] = [[] for _ in range(CONVERSATIONS)]
     ttfts: list[float] = []
     errors: list[str] = []
     lock = threading.Lock()
 
+    def turn(c: int, t: int):
+        histories[c] += W.prompt(TURN_TOKENS, 1000 + 10 * c + t, vocab)
+        r = _timed(engine, name, system + histories[c], dict(W.GREEDY, max_new_tokens=NEW_TOKENS))
+        histories[c] += r["tokens"]
+        with lock:
+            ttfts.append(r["ttft"])
+
     def conversation(c: int):
-        history: list[int] = []
         try:
             for t in range(TURNS):
-                history += W.prompt(TURN_TOKENS, 1000 + 10 * c + t, vocab)
-                r = _timed(engine, name, system + history, dict(W.GREEDY, max_new_tokens=NEW_TOKENS))
-                history += r["tokens"]
-                with lock:
-                    ttfts.append(r["ttft"])
+                turn(c, t)
         except Exception as e:   # reported after the run
             errors.append(repr(e))
 
-    threads = [threading.Thread(target=conversation, args=(c,)) for c in range(CONVERSATIONS)]
     t0 = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    if concurrent:
+        threads = [threading.Thread(target=conversation, args=(c,)) for c in range(CONVERSATIONS)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    else:
+        for t in range(TURNS):
+            for c in range(CONVERSATIONS):
+                turn(c, t)
     assert not errors, errors
     stat = engine.get_as_engine_stat(name)
     return {"ttft_median_s": statistics.median(ttfts), "ttft_p99_s": _p99(ttfts),
@@ -105,33 +117,95 @@ def install(engine, loader, name: str, prefix_cache: bool, max_batch: int = 8) -
 
 
 def prefix_cache_section(loader, vocab: int) -> dict:
+    """Each multi-turn variant on a fresh pair of engines (with and without the cache), uncached first."""
     from allspark_server import Engine
     engine = Engine()
-    install(engine, loader, "cached", True)
-    install(engine, loader, "uncached", False)
-    out = {"shared_prefix": shared_prefix(engine, "cached", vocab)}
+    install(engine, loader, "prefix", True)
+    out = {"shared_prefix": shared_prefix(engine, "prefix", vocab)}
     print(f"shared {PREFIX_TOKENS}-token prefix: {out['shared_prefix']}", flush=True)
-    out["multi_turn_uncached"] = multi_turn(engine, "uncached", vocab)
-    print(f"multi-turn without the cache: {out['multi_turn_uncached']}", flush=True)
-    out["multi_turn_cached"] = multi_turn(engine, "cached", vocab)
-    print(f"multi-turn with the cache: {out['multi_turn_cached']}", flush=True)
-    out["multi_turn_ttft_speedup"] = (out["multi_turn_uncached"]["ttft_median_s"]
-                                      / out["multi_turn_cached"]["ttft_median_s"])
-    out["multi_turn_total_speedup"] = out["multi_turn_uncached"]["total_s"] / out["multi_turn_cached"]["total_s"]
-    for name in ("cached", "uncached"):
-        engine.stop_model(name)
-        engine.release_model(name)
+    engine.stop_model("prefix")
+    engine.release_model("prefix")
+    for mode in ("one_at_a_time", "concurrent"):
+        row = {}
+        for cached in (False, True):
+            install(engine, loader, "chat", cached)
+            row["cached" if cached else "uncached"] = multi_turn(engine, "chat", vocab, mode == "concurrent")
+            engine.stop_model("chat")
+            engine.release_model("chat")
+        row["ttft_median_speedup"] = row["uncached"]["ttft_median_s"] / row["cached"]["ttft_median_s"]
+        row["total_speedup"] = row["uncached"]["total_s"] / row["cached"]["total_s"]
+        out[f"multi_turn_{mode}"] = row
+        print(f"multi-turn chat, {mode}: {row}", flush=True)
+    return out
+
+
+JSON_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "address"],
+               "properties": {"name": {"type": "string", "maxLength": 16},
+                              "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                              "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 4},
+                              "address": {"type": "object", "additionalProperties": False,
+                                          "required": ["street", "zip"],
+                                          "properties": {"street": {"type": "string", "maxLength": 20},
+                                                         "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}}}
+GUIDED = {"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": JSON_SCHEMA}}}
+PLAIN_TOKENS = 64
+
+
+def _tpot_runs(engine, name: str, vocab: int, guided: bool, num: int, seed: int) -> list[dict]:
+    gen = dict(W.GREEDY, max_new_tokens=PLAIN_TOKENS if not guided else 256, **(GUIDED if guided else {}))
+    out: list = [None] * num
+
+    def one(i):
+        out[i] = _timed(engine, name, W.prompt(64, seed + i, vocab), gen)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(num)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return out
+
+
+def guided_section(loader, vocab: int, rounds: int) -> dict:
+    """TPOT with a JSON schema next to without, same engine, rounds interleaved (greedy both ways)."""
+    import json
+    from allspark_server import Engine
+    engine = Engine()
+    install(engine, loader, "json", True)
+    out = {"schema": JSON_SCHEMA}
+    for num in (1, 8):
+        tp = {True: [], False: []}
+        lengths = []
+        for r in range(rounds):
+            for guided in (True, False):
+                runs = _tpot_runs(engine, "json", vocab, guided, num, 5000 + 100 * r)
+                tp[guided] += [x["tpot"] for x in runs]
+                if guided:
+                    lengths += [len(x["tokens"]) for x in runs]
+                    for x in runs:   # the benchmark's own sanity check: the output is the schema's JSON
+                        json.loads(loader.get_tokenizer().decode(x["tokens"], skip_special_tokens=True))
+        g, p = statistics.median(tp[True]), statistics.median(tp[False])
+        out[f"c{num}"] = {"guided_tpot_ms": 1e3 * g, "plain_tpot_ms": 1e3 * p, "ratio": g / p,
+                          "guided_tokens_median": statistics.median(lengths)}
+        print(f"guided JSON, {num} at once: {out[f'c{num}']}", flush=True)
+    engine.stop_model("json")
+    engine.release_model("json")
     return out
 
 
 def main(spec: dict, build_model, save) -> dict:
+    import os
     from allspark_server import HuggingFaceModel
+    from allspark_server.tiny_model import build_tokenizer
     report = {"spec": spec}
     hf_dir = build_model(spec, "bfloat16")
+    if not os.path.exists(os.path.join(hf_dir, "tokenizer.json")):   # guided output needs one (512 tokens)
+        build_tokenizer(hf_dir)
     loader = HuggingFaceModel(hf_dir, "bench-features", user_set_data_type="bfloat16")
     import tempfile
     out_dir = tempfile.mkdtemp(prefix="allspark-features-")
     loader.load_model().serialize(None, model_output_dir=out_dir).free_model()
+    report["guided_json"] = guided_section(loader, spec["vocab"], rounds=3 if spec["repeats"] > 2 else 2)
+    save(report)
     report["prefix_cache"] = prefix_cache_section(loader, spec["vocab"])
     save(report)
     return report
