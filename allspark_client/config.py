@@ -36,6 +36,7 @@ class AsModelConfig:
     kv_cache_memory_bytes: int = 0          # KV budget per rank; 0 = enough for max_batch x max_length
     enable_prefix_cache: bool = True        # reuse the KV of prompt prefixes seen before (DashInfer: prefill_cache)
     prefix_cache_ttl: int = 300             # seconds a cached prefix nobody uses stays reusable
+    prefix_cache_host_bytes: int = 0        # per rank: host memory for spans evicted from the cache (0 = none)
 
     def __post_init__(self):
         _check(bool(self.model_name) and isinstance(self.model_name, str), "model_name must be a non-empty string")
@@ -59,6 +60,7 @@ class AsModelConfig:
         _check(isinstance(self.enable_prefix_cache, bool),
                f"enable_prefix_cache must be a bool, got {self.enable_prefix_cache!r}")
         _check_int("prefix_cache_ttl", self.prefix_cache_ttl, lo=1)
+        _check_int("prefix_cache_host_bytes", self.prefix_cache_host_bytes, lo=0)
         parse_compute_unit(self.compute_unit)   # validates; whether the GPU exists is the rank's to say
 
     @property
@@ -141,6 +143,12 @@ class AsModelRuntimeConfigBuilder:
 
     def prefix_cache_ttl(self, ttl: int = 300):
         self._fields["prefix_cache_ttl"] = ttl
+        return self
+
+    def prefix_cache_host_memory(self, num_bytes: int):
+        """A second tier under the prefix cache: spans it evicts are copied into this much host memory (per rank)
+        and copied back on a hit instead of being recomputed."""
+        self._fields["prefix_cache_host_bytes"] = num_bytes
         return self
 
     def matmul_precision(self, precision: str):

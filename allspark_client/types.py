@@ -124,6 +124,7 @@ class AsEngineStat:
     prefix_cache_hit_rate: float = 0.0      # hit / (hit + miss) prompt tokens since start
     prefix_cache_miss_rate: float = 0.0
     prefix_cache_spans: int = 0             # spans holding cached prefixes that no request uses now
+    prefix_cache_host_spans: int = 0        # prefixes kept in the second tier (host memory)
 
     @property
     def pending_request(self) -> int:

@@ -23,7 +23,7 @@ from allspark_client.response_format import ResponseFormat
 from allspark_client.types import AsStatus
 from allspark_client.validation import ConfigError
 from allspark_server.core.messages import StepMsg
-from allspark_server.core.prefix_cache import PrefixCache
+from allspark_server.core.prefix_cache import HostTier, PrefixCache
 from allspark_server.core.request import FinishReason, Request
 from allspark_server.core.scheduler import Scheduler, SchedulerConfig
 from allspark_server.core.span_manager import SpanManager
@@ -59,7 +59,8 @@ class ServedModel:
         cache = None
         if cfg.enable_prefix_cache:   # keyed by what shapes a span's K/V besides its tokens
             cache = PrefixCache(f"{cfg.model_path}|{cfg.weights_path}|{runner.dtype}|{runner.kv_mode}",
-                                cfg.cache_span_size, cfg.prefix_cache_ttl)
+                                cfg.cache_span_size, cfg.prefix_cache_ttl,
+                                tier=HostTier(runner.tier_slots) if runner.tier_slots else None)
         self.spans = SpanManager(runner.num_spans, cfg.cache_span_size, cache)
         self.scheduler = Scheduler(SchedulerConfig(cfg.engine_max_batch, cfg.max_prefill_tokens), self.spans)
         self.sampler = Sampler()
@@ -124,7 +125,7 @@ class ServedModel:
             entry.queue._set_status(GenerateRequestStatus.GenerateInterrupted,
                                     f"request needs more KV cache than the whole cache holds "
                                     f"({self.spans.num_spans} spans of {self.spans.span_size} tokens)")
-        if plan.is_empty:
+        if not plan.has_work:
             return
         for c in plan.chunks:
             self._live[c.request_id].queue._mark_scheduled()
@@ -225,4 +226,5 @@ class ServedModel:
             prefix_cache_hit_token=hit, prefix_cache_miss_token=miss,
             prefix_cache_hit_rate=hit / (hit + miss) if hit + miss else 0.0,
             prefix_cache_miss_rate=miss / (hit + miss) if hit + miss else 0.0,
-            prefix_cache_spans=self.spans.num_cached_idle)
+            prefix_cache_spans=self.spans.num_cached_idle,
+            prefix_cache_host_spans=len(self.spans.cache.tier) if self.spans.cache and self.spans.cache.tier else 0)

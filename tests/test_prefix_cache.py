@@ -11,7 +11,7 @@ from array import array
 
 import pytest
 
-from allspark_server.core.prefix_cache import PrefixCache, chain_keys
+from allspark_server.core.prefix_cache import HostTier, PrefixCache, chain_keys
 from allspark_server.core.request import FinishReason, Request, RequestState
 from allspark_server.core.scheduler import Scheduler, SchedulerConfig
 from allspark_server.core.span_manager import SpanManager
@@ -43,9 +43,10 @@ def test_chain_keys_equal_a_hand_computed_blake2b_chain():
     assert chain_keys(b"model-A", tokens, S, 2, known) is known and known == [k0, k1]
 
 
-def _scheduler(num_spans: int, max_batch: int = 4, budget: int = 12, ttl: float = 60.0):
+def _scheduler(num_spans: int, max_batch: int = 4, budget: int = 12, ttl: float = 60.0, tier_slots: int = 0):
     clock = Clock()
-    spans = SpanManager(num_spans, S, PrefixCache("unit", S, ttl, clock=clock))
+    tier = HostTier(tier_slots) if tier_slots else None
+    spans = SpanManager(num_spans, S, PrefixCache("unit", S, ttl, clock=clock, tier=tier))
     return Scheduler(SchedulerConfig(max_batch, budget), spans), spans, clock
 
 
@@ -56,6 +57,11 @@ def _run_step(sched: Scheduler, live: dict, content: dict, rng: random.Random):
     plan, interrupted = sched.schedule()
     for req in interrupted:
         live.pop(req.request_id)
+    tier = content.setdefault("tier", {})
+    for span, slot in plan.tier_saves:          # as the runners do: saves, then loads, then the forward pass
+        tier[slot] = dict(content[span])
+    for slot, span in plan.tier_loads:
+        content[span] = dict(tier[slot])
     for chunk in plan.chunks:
         req = live[chunk.request_id]
         toks = req.all_token_ids
@@ -91,10 +97,12 @@ def _check_books(sched: Scheduler, live: dict):
     assert {s: k for k, s in cache._span_of.items()} == cache._key_of
 
 
+@pytest.mark.parametrize("tier_slots", [0, 5], ids=["no_tier", "host_tier"])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_traffic_keeps_reference_counts_exact_and_contexts_true(seed):
+def test_random_traffic_keeps_reference_counts_exact_and_contexts_true(seed, tier_slots):
     rng = random.Random(seed)
-    sched, spans, clock = _scheduler(num_spans=14, max_batch=4, budget=rng.choice([6, 12, 40]), ttl=30.0)
+    sched, spans, clock = _scheduler(num_spans=14, max_batch=4, budget=rng.choice([6, 12, 40]), ttl=30.0,
+                                     tier_slots=tier_slots)
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(4, 14))] for _ in range(3)]
     live, content, next_id, hits = {}, {}, 0, 0
     for step in range(400):
@@ -114,6 +122,8 @@ def test_random_traffic_keeps_reference_counts_exact_and_contexts_true(seed):
         _check_books(sched, live)
         hits = sched.stats.prefix_cache_hit_tokens
     assert hits > 0 and sched.stats.num_preemptions > 0, "the traffic was meant to hit and to preempt"
+    if tier_slots:
+        assert content["tier"], "the traffic was meant to evict into the tier"
     for req in list(live.values()):
         sched.finish(req, FinishReason.STOPPED)
     assert spans.num_used_spans == 0 and all(spans.ref_count(s) == 0 for s in range(spans.num_spans))
@@ -182,6 +192,30 @@ def test_idle_spans_are_evicted_lru_only_when_needed_and_dropped_after_the_ttl()
     clock.t += 101                                                      # idle past the TTL
     sched.schedule()
     assert spans.num_cached_idle == 0 and sched.cache.num_cached == 0 and spans.num_free_spans == 6
+
+
+def test_evicted_prefixes_go_to_the_host_tier_and_come_back():
+    sched, spans, _ = _scheduler(num_spans=4, budget=40, tier_slots=4)
+    live, content, rng = {}, {}, random.Random(3)
+    first = Request(0, list(range(100, 109)), max_length=10)             # 2 full spans cached when it ends
+    live[0] = first
+    sched.add(first)
+    while live:
+        _run_step(sched, live, content, rng)
+    other = Request(1, list(range(200, 213)), max_length=14)            # needs all 4 spans: both cached evicted
+    live[1] = other
+    sched.add(other)
+    plan = _run_step(sched, live, content, rng)
+    assert len(plan.tier_saves) == 2 and sched.cache.lookup(sched.cache.keys(list(range(100, 109)), 2)) == []
+    sched.finish(other, FinishReason.STOPPED)
+    live.clear()
+    again = Request(2, list(range(100, 109)) + [7], max_length=12)       # its prefix comes back from the tier
+    live[2] = again
+    sched.add(again)
+    plan = _run_step(sched, live, content, rng)                          # (checks the copied content is true)
+    assert len(plan.tier_loads) == 2 and again.prefix_cache_len == 8
+    assert [c.num_tokens for c in plan.chunks] == [2]
+    assert len(sched.cache.tier) == 4         # and the two of the stopped request evicted to make room for it
 
 
 # ---- through the engines ------------------------------------------------------------------------------------
@@ -258,6 +292,20 @@ def test_engine_concurrent_and_preempted_requests_match_the_uncached_engine(load
     assert stat.num_preempted > 0 and stat.prefix_cache_hit_token > 0
     assert stat.used_span == 0
     engine.release_model("tight")
+
+
+def test_engine_with_a_host_tier_keeps_every_token(loader, uncached):
+    prompts = _turns(6)
+    want = [greedy(uncached, "plain", p, 20) for p in prompts]
+    args = loader.args
+    per_span = bytes_per_span(args.num_layers, 16, args.num_kv_heads, args.head_dim, loader.data_type)
+    engine = start_engine(loader, "tiered", max_batch=1, max_length=512, kv_bytes=14 * per_span,
+                          host_tier_bytes=64 * per_span)
+    for rnd in range(2):        # 14 spans hold one request: every round evicts the others' prefixes to the tier
+        assert [greedy(engine, "tiered", p, 20) for p in prompts] == want, rnd
+    stat = engine.get_as_engine_stat("tiered")
+    assert stat.prefix_cache_host_spans > 0 and stat.prefix_cache_hit_token >= 6 * 144
+    engine.release_model("tiered")
 
 
 def test_pool_serves_cache_hits_with_the_same_tokens(pool, loader, uncached):

@@ -150,7 +150,7 @@ class TextReply(_message.Message):
     def __init__(self, status: _Optional[int] = ..., message: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class RuntimeConfig(_message.Message):
-    __slots__ = ("model_name", "model_path", "weights_path", "compute_unit", "engine_max_length", "engine_max_batch", "engine_max_prefill_length", "num_threads", "matmul_precision", "cache_mode", "cache_span_size", "kv_cache_memory_bytes", "enable_prefix_cache", "prefix_cache_ttl")
+    __slots__ = ("model_name", "model_path", "weights_path", "compute_unit", "engine_max_length", "engine_max_batch", "engine_max_prefill_length", "num_threads", "matmul_precision", "cache_mode", "cache_span_size", "kv_cache_memory_bytes", "enable_prefix_cache", "prefix_cache_ttl", "prefix_cache_host_bytes")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,7 @@ class RuntimeConfig(_message.Message):
     KV_CACHE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     ENABLE_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_TTL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_path: str
     weights_path: str
@@ -179,7 +180,8 @@ class RuntimeConfig(_message.Message):
     kv_cache_memory_bytes: int
     enable_prefix_cache: bool
     prefix_cache_ttl: int
-    def __init__(self, model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., weights_path: _Optional[str] = ..., compute_unit: _Optional[str] = ..., engine_max_length: _Optional[int] = ..., engine_max_batch: _Optional[int] = ..., engine_max_prefill_length: _Optional[int] = ..., num_threads: _Optional[int] = ..., matmul_precision: _Optional[str] = ..., cache_mode: _Optional[int] = ..., cache_span_size: _Optional[int] = ..., kv_cache_memory_bytes: _Optional[int] = ..., enable_prefix_cache: _Optional[bool] = ..., prefix_cache_ttl: _Optional[int] = ...) -> None: ...
+    prefix_cache_host_bytes: int
+    def __init__(self, model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., weights_path: _Optional[str] = ..., compute_unit: _Optional[str] = ..., engine_max_length: _Optional[int] = ..., engine_max_batch: _Optional[int] = ..., engine_max_prefill_length: _Optional[int] = ..., num_threads: _Optional[int] = ..., matmul_precision: _Optional[str] = ..., cache_mode: _Optional[int] = ..., cache_span_size: _Optional[int] = ..., kv_cache_memory_bytes: _Optional[int] = ..., enable_prefix_cache: _Optional[bool] = ..., prefix_cache_ttl: _Optional[int] = ..., prefix_cache_host_bytes: _Optional[int] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -292,7 +294,7 @@ class GenerateReply(_message.Message):
     def __init__(self, status: _Optional[int] = ..., message: _Optional[str] = ..., request_id: _Optional[int] = ..., generate_status: _Optional[int] = ..., ids: _Optional[_Iterable[int]] = ..., token_logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prefix_cache_len: _Optional[int] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ...) -> None: ...
 
 class EngineStat(_message.Message):
-    __slots__ = ("status", "message", "model_name", "free_token", "total_token", "pendding_request", "running_request", "total_generated_token", "total_prefill_token", "generate_token_persec", "process_token_persec", "total_span", "used_span", "free_span", "span_size", "token_usage_percentage", "num_preempted", "prefix_cache_hit_token", "prefix_cache_miss_token", "prefix_cache_hit_rate", "prefix_cache_miss_rate", "prefix_cache_spans")
+    __slots__ = ("status", "message", "model_name", "free_token", "total_token", "pendding_request", "running_request", "total_generated_token", "total_prefill_token", "generate_token_persec", "process_token_persec", "total_span", "used_span", "free_span", "span_size", "token_usage_percentage", "num_preempted", "prefix_cache_hit_token", "prefix_cache_miss_token", "prefix_cache_hit_rate", "prefix_cache_miss_rate", "prefix_cache_spans", "prefix_cache_host_spans")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -315,6 +317,7 @@ class EngineStat(_message.Message):
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_MISS_RATE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_SPANS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HOST_SPANS_FIELD_NUMBER: _ClassVar[int]
     status: int
     message: str
     model_name: str
@@ -337,4 +340,5 @@ class EngineStat(_message.Message):
     prefix_cache_hit_rate: float
     prefix_cache_miss_rate: float
     prefix_cache_spans: int
-    def __init__(self, status: _Optional[int] = ..., message: _Optional[str] = ..., model_name: _Optional[str] = ..., free_token: _Optional[int] = ..., total_token: _Optional[int] = ..., pendding_request: _Optional[int] = ..., running_request: _Optional[int] = ..., total_generated_token: _Optional[int] = ..., total_prefill_token: _Optional[int] = ..., generate_token_persec: _Optional[float] = ..., process_token_persec: _Optional[float] = ..., total_span: _Optional[int] = ..., used_span: _Optional[int] = ..., free_span: _Optional[int] = ..., span_size: _Optional[int] = ..., token_usage_percentage: _Optional[float] = ..., num_preempted: _Optional[int] = ..., prefix_cache_hit_token: _Optional[int] = ..., prefix_cache_miss_token: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prefix_cache_miss_rate: _Optional[float] = ..., prefix_cache_spans: _Optional[int] = ...) -> None: ...
+    prefix_cache_host_spans: int
+    def __init__(self, status: _Optional[int] = ..., message: _Optional[str] = ..., model_name: _Optional[str] = ..., free_token: _Optional[int] = ..., total_token: _Optional[int] = ..., pendding_request: _Optional[int] = ..., running_request: _Optional[int] = ..., total_generated_token: _Optional[int] = ..., total_prefill_token: _Optional[int] = ..., generate_token_persec: _Optional[float] = ..., process_token_persec: _Optional[float] = ..., total_span: _Optional[int] = ..., used_span: _Optional[int] = ..., free_span: _Optional[int] = ..., span_size: _Optional[int] = ..., token_usage_percentage: _Optional[float] = ..., num_preempted: _Optional[int] = ..., prefix_cache_hit_token: _Optional[int] = ..., prefix_cache_miss_token: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prefix_cache_miss_rate: _Optional[float] = ..., prefix_cache_spans: _Optional[int] = ..., prefix_cache_host_spans: _Optional[int] = ...) -> None: ...

@@ -3,7 +3,8 @@
 A StepPlan says what to compute in one step. Requests the runner has not seen arrive in full
 (`NewRequestData`); requests it already mirrors arrive as diffs (`CachedRequestData`: tokens and
 spans appended since the previous plan). `dropped_ids` are forgotten before anything else happens
-(finished, aborted or preempted requests). No torch, no behaviour: data only.
+(finished, aborted or preempted requests); then the prefix cache's second tier copies are made (saves from spans
+to host slots, then loads back), then the chunks are computed. No torch, no behaviour: data only.
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ class StepPlan:
     new_requests: tuple[NewRequestData, ...]
     cached_requests: tuple[CachedRequestData, ...]
     chunks: tuple[ScheduledChunk, ...]  # batch order
+    tier_saves: tuple[tuple[int, int], ...] = ()   # (span, host slot): evicted prefix spans to keep
+    tier_loads: tuple[tuple[int, int], ...] = ()   # (host slot, span): cached prefixes coming back
 
     @property
     def num_tokens(self) -> int:
@@ -46,7 +49,12 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
+        """Nothing to compute (there may still be copies to make: see has_work)."""
         return not self.chunks
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.chunks or self.tier_saves or self.tier_loads)
 
 
 # ---- what rank 0 broadcasts to the worker ranks, dispatched by type --------------------------

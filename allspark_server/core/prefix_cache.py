@@ -8,6 +8,11 @@ The cache owns no memory and no reference counts: SpanManager hands it spans tha
 (`park`), takes them back when a request shares them again (`unpark`) or when it needs free spans (`evict`,
 least recently used first). Idle spans older than the TTL are dropped lazily (`expire`). Workers of a pool know
 nothing of it: a hit is a request that arrives with spans and computed tokens already set in the StepPlan.
+
+Under it may sit a second tier (`HostTier`: slots of host memory on every rank, indexed here). An evicted span is
+copied to a tier slot instead of vanishing, and a later hit copies it back into a fresh span. The copies to make
+are collected here (`take_copies`) and travel in the next StepPlan; every rank's runner makes them before the
+step's forward pass, saves before loads.
 """
 from __future__ import annotations
 
@@ -34,9 +39,53 @@ def chain_keys(salt: bytes, token_ids: list[int], span_size: int, num_spans: int
     return keys
 
 
+class HostTier:
+    """Rank 0's index of the tier's slots: which prefix key each holds, least recently used first. A slot read
+    by this step's loads is pinned (never reused by this step's saves)."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self._slot_of: OrderedDict[bytes, int] = OrderedDict()
+        self._free = list(range(num_slots))
+        self._pinned: set[int] = set()
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._slot_of
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def get(self, key: bytes) -> Optional[int]:
+        """The slot holding `key` (now the most recently used, pinned for this step), or None."""
+        slot = self._slot_of.get(key)
+        if slot is not None:
+            self._slot_of.move_to_end(key)
+            self._pinned.add(slot)
+        return slot
+
+    def put(self, key: bytes) -> Optional[int]:
+        """A slot for `key`: a free one or the least recently used unpinned one; None when all are pinned."""
+        if self._free:
+            slot = self._free.pop()
+        else:
+            victim = next((k for k, s in self._slot_of.items() if s not in self._pinned), None)
+            if victim is None:
+                return None
+            slot = self._slot_of.pop(victim)
+        self._slot_of[key] = slot
+        return slot
+
+    def unpin_all(self) -> None:
+        self._pinned.clear()
+
+
 class PrefixCache:
-    def __init__(self, salt: str, span_size: int, ttl_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, salt: str, span_size: int, ttl_s: float, clock: Callable[[], float] = time.monotonic,
+                 tier: Optional[HostTier] = None):
         self.salt = salt.encode()
+        self.tier = tier
+        self._saves: list[tuple[int, int]] = []   # (span, slot): copies to the tier this step
+        self._loads: list[tuple[int, int]] = []   # (slot, span): copies back
         self.span_size = span_size
         self.ttl_s = ttl_s
         self.clock = clock
@@ -86,10 +135,41 @@ class PrefixCache:
         return span in self._idle
 
     def evict(self) -> int:
-        """Forget the least recently used idle span and hand it back for reuse."""
+        """Forget the least recently used idle span and hand it back for reuse (its content goes to the tier, when
+        there is one and it does not hold that prefix yet)."""
         span, _ = self._idle.popitem(last=False)
+        key = self._key_of[span]
+        if self.tier is not None and key not in self.tier:
+            slot = self.tier.put(key)
+            if slot is not None:
+                self._saves.append((span, slot))
         self._forget(span)
         return span
+
+    # ---- the second tier -------------------------------------------------------------------------
+    def tier_run(self, keys: Iterable[bytes]) -> list[int]:
+        """Tier slots of the longest run of `keys` (from the first) that the tier holds."""
+        out = []
+        if self.tier is not None:
+            for key in keys:
+                slot = self.tier.get(key)
+                if slot is None:
+                    break
+                out.append(slot)
+        return out
+
+    def load(self, slot: int, span: int, key: bytes) -> None:
+        """`span` (just allocated to a request) gets the tier's copy of `key` this step and holds that prefix."""
+        self._loads.append((slot, span))
+        self.register(span, key)
+
+    def take_copies(self) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+        """The (saves, loads) collected since the last call, for the next StepPlan."""
+        saves, loads = tuple(self._saves), tuple(self._loads)
+        self._saves, self._loads = [], []
+        if self.tier is not None:
+            self.tier.unpin_all()
+        return saves, loads
 
     def expire(self) -> list[int]:
         """Forget idle spans parked longer than the TTL ago; returns them (now free)."""

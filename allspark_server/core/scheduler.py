@@ -142,6 +142,12 @@ class Scheduler:
         keys = self.cache.keys(req.all_token_ids, full, req.prefix_keys)[:full]
         hits = self.cache.lookup(keys)
         self.spans.share(hits)
+        slots = self.cache.tier_run(keys[len(hits):])
+        if slots:   # the run goes on in the second tier: fresh spans, filled by copies before the step
+            back = self.spans.allocate(min(len(slots), self.spans.num_free_spans))
+            for slot, span, key in zip(slots, back, keys[len(hits):]):
+                self.cache.load(slot, span, key)
+            hits = hits + back
         req.span_ids = hits
         req.num_computed_tokens = len(hits) * self.spans.span_size
         req.num_registered_spans = len(hits)
@@ -230,7 +236,8 @@ class Scheduler:
             out.append(ScheduledChunk(req.request_id, n, req.num_computed_tokens + n == req.num_tokens))
         self._step_id += 1
         dropped, self._dropped = tuple(self._dropped), []
-        return StepPlan(self._step_id, dropped, tuple(new), tuple(cached), tuple(out))
+        saves, loads = self.cache.take_copies() if self.cache is not None else ((), ())
+        return StepPlan(self._step_id, dropped, tuple(new), tuple(cached), tuple(out), saves, loads)
 
     # ---- results -----------------------------------------------------------------------------
     def update(self, plan: StepPlan, sampled: dict[int, int], requests: dict[int, Request]

@@ -36,7 +36,8 @@ def bytes_per_span(num_layers: int, span_size: int, num_kv_heads: int, head_dim:
 
 class KVCache:
     def __init__(self, num_layers: int, num_spans: int, span_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, mode: str | None = None, device: torch.device = torch.device("cpu")):
+                 dtype: torch.dtype, mode: str | None = None, device: torch.device = torch.device("cpu"),
+                 pinned: bool = False):
         self.num_spans, self.span_size, self.mode = num_spans, span_size, mode
         rows = (num_spans, span_size, num_kv_heads)
         if mode is None:
@@ -48,9 +49,22 @@ class KVCache:
                 for kv in "kv":
                     specs[f"{kv}{i}"] = code
                     specs[f"{kv}p{i}"] = (rows + (2,), torch.float32)
-        if device.type == "cpu":
+        if pinned:   # host memory a GPU copies to and from asynchronously
+            pages = {name: torch.zeros(shape, dtype=dt, pin_memory=True) for name, (shape, dt) in specs.items()}
+        elif device.type == "cpu":
             pages = hugepages.zeros(specs)
         else:
             pages = {name: torch.zeros(shape, dtype=dt, device=device) for name, (shape, dt) in specs.items()}
         self.layers = [LayerKV(pages[f"k{i}"], pages[f"v{i}"], pages.get(f"kp{i}"), pages.get(f"vp{i}"))
                        for i in range(num_layers)]
+
+
+def copy_spans(src: KVCache, src_ids: list[int], dst: KVCache, dst_ids: list[int]) -> None:
+    """Spans dst_ids of `dst` get the content of spans src_ids of `src` (every layer: K, V and their quantization
+    params), across devices (the prefix cache's second tier: GPU or host pages <-> host slots)."""
+    for a, b in zip(src.layers, dst.layers):
+        si = torch.tensor(src_ids, dtype=torch.long, device=a.k.device)
+        di = torch.tensor(dst_ids, dtype=torch.long, device=b.k.device)
+        for x, y in zip(a, b):
+            if x is not None:
+                y.index_copy_(0, di, x.index_select(0, si).to(y.device, non_blocking=True))

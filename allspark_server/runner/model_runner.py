@@ -23,7 +23,7 @@ from allspark_server.loader.weights import quantize_layers, to_model_state
 from allspark_server.models.registry import model_class_and_rules
 from allspark_server.runner.forward_inputs import RequestMirror, build_forward_inputs
 from allspark_server.runner.hugepages import to_hugepages
-from allspark_server.runner.kv_cache import KVCache, bytes_per_span
+from allspark_server.runner.kv_cache import KVCache, bytes_per_span, copy_spans
 
 log = logging.getLogger(__name__)
 AUTO_KV_MAX_FRACTION = 0.4   # auto budget never takes more than this share of available RAM
@@ -72,16 +72,23 @@ class ModelRunner:
                                          self.dtype, self.kv_mode)
         self.num_spans = 0
         self.kv = None
+        self.tier = None     # the prefix cache's second tier: host slots (KVCache layout), when configured
+        self.tier_slots = 0
         self.graphs = None   # GPU ranks: cuda/graphs.py
         self.mirrors: dict[int, RequestMirror] = {}
 
-    def allocate_kv(self, num_spans: int) -> None:
+    def allocate_kv(self, num_spans: int, tier_slots: int = 0) -> None:
         """The cache; on a GPU one scratch span more (id num_spans, never handed out: the CUDA graphs' padding
-        rows write there) and the decode graphs captured over it."""
+        rows write there) and the decode graphs captured over it. `tier_slots`: host slots of the prefix cache's
+        second tier (pinned memory on a GPU rank)."""
         self.num_spans = num_spans
         gpu = self.device.type == "cuda"
         self.kv = KVCache(self.args.num_layers, num_spans + gpu, self.span_size, self.tp.local_kv_heads,
                           self.args.head_dim, self.dtype, self.kv_mode, self.device)
+        if tier_slots:
+            self.tier_slots = tier_slots
+            self.tier = KVCache(self.args.num_layers, tier_slots, self.span_size, self.tp.local_kv_heads,
+                                self.args.head_dim, self.dtype, self.kv_mode, torch.device("cpu"), pinned=gpu)
         if gpu and os.environ.get("ALLSPARK_CUDA_GRAPHS", "1") != "0":   # every rank captures (NCCL inside)
             from allspark_server.cuda.graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, self.kv, self.cfg.engine_max_batch,
@@ -108,6 +115,16 @@ class ModelRunner:
             log.warning("KV cache: %d spans wanted for max_batch x max_length, %s allows %d", wanted, memory, cap)
         return max(1, min(wanted, cap))
 
+    def max_tier_slots(self) -> int:
+        """Host slots the prefix cache's second tier may have on this rank (prefix_cache_host_bytes)."""
+        if not (self.cfg.enable_prefix_cache and self.cfg.prefix_cache_host_bytes):
+            return 0
+        n = self.cfg.prefix_cache_host_bytes // self.span_bytes
+        if n < 1:
+            raise ValueError(f"prefix_cache_host_bytes {self.cfg.prefix_cache_host_bytes} is smaller than one span "
+                             f"({self.span_bytes} bytes)")
+        return n
+
     @property
     def kv_cache_bytes(self) -> int:
         return self.num_spans * self.span_bytes
@@ -124,6 +141,10 @@ class ModelRunner:
             m = self.mirrors[r.request_id]
             m.token_ids.extend(r.new_token_ids)
             m.span_ids.extend(r.new_span_ids)
+        if plan.tier_saves:
+            copy_spans(self.kv, [s for s, _ in plan.tier_saves], self.tier, [t for _, t in plan.tier_saves])
+        if plan.tier_loads:
+            copy_spans(self.tier, [t for t, _ in plan.tier_loads], self.kv, [s for _, s in plan.tier_loads])
         if plan.is_empty:
             return None, []
         inputs = build_forward_inputs(plan.chunks, self.mirrors, self.span_size)
@@ -164,14 +185,14 @@ def install_runner(cfg: AsModelConfig, comm) -> ModelRunner:
     runner, error = None, None
     try:
         runner = ModelRunner(cfg, comm)
-        proposal = runner.max_num_spans()
+        proposal, slots = runner.max_num_spans(), runner.max_tier_slots()
     except Exception as e:   # reported to every rank below, so all give up together
-        error, proposal = f"{type(e).__name__}: {e}", 0
+        error, proposal, slots = f"{type(e).__name__}: {e}", 0, 0
     errors = comm.allgather_obj(error)
     failed = [f"rank {r}: {msg}" if comm.world_size > 1 else msg for r, msg in enumerate(errors) if msg]
     if failed:
         raise InstallError("; ".join(failed))
     if runner.device.type == "cuda":
         comm.use_gpu(runner.device)   # NCCL between the ranks' GPUs (every rank got here: none failed)
-    runner.allocate_kv(comm.allreduce_min(proposal))
+    runner.allocate_kv(comm.allreduce_min(proposal), comm.allreduce_min(slots))
     return runner
