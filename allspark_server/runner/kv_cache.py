@@ -67,4 +67,5 @@ def copy_spans(src: KVCache, src_ids: list[int], dst: KVCache, dst_ids: list[int
         di = torch.tensor(dst_ids, dtype=torch.long, device=b.k.device)
         for x, y in zip(a, b):
             if x is not None:
-                y.index_copy_(0, di, x.index_select(0, si).to(y.device, non_blocking=True))
+                # to a GPU: stream-ordered before the step reads it; to the host: blocking (the slot is read later)
+                y.index_copy_(0, di, x.index_select(0, si).to(y.device, non_blocking=y.is_cuda))
