@@ -23,10 +23,15 @@ from helpers import greedy, hf_greedy, random_prompt, serialize, start_engine
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
-def cuda_engine(loader, name: str, max_batch: int = 4) -> Engine:
+def cuda_engine(loader, name: str, max_batch: int = 4, kv_bytes: int = 0, host_tier_bytes: int = 0) -> Engine:
     engine = Engine()
-    cfg = (loader.create_reference_runtime_config_builder(name, TargetDevice.CUDA, [0], max_batch=max_batch)
-           .max_length(256).kv_cache_span_size(16).build())
+    b = (loader.create_reference_runtime_config_builder(name, TargetDevice.CUDA, [0], max_batch=max_batch)
+         .max_length(256).kv_cache_span_size(16))
+    if kv_bytes:
+        b.kv_cache_memory(kv_bytes)
+    if host_tier_bytes:
+        b.prefix_cache_host_memory(host_tier_bytes)
+    cfg = b.build()
     engine.install_model(cfg)
     engine.start_model(name)
     return engine
@@ -156,3 +161,34 @@ def test_two_gpu_pool_equals_transformers(llama, tmp_path):
         assert_greedy_alone_and_batched(client, "p", llama.model, [random_prompt(n, seed=40 + n) for n in (6, 23)], 20)
     finally:
         client.close()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_prefix_cache_host_tier_and_guided_output_on_the_gpu(llama, tmp_path):
+    """Cache hits, evictions to the pinned host tier and loads back keep the GPU's greedy tokens equal to
+    transformers'; guided output on the GPU equals the CPU Engine's and validates."""
+    import jsonschema
+    from allspark_server.runner.kv_cache import bytes_per_span
+    from json_schemas import SCHEMAS
+    loader = serialize(llama.hf_dir, "pc", str(tmp_path))
+    a = loader.args
+    per_span = bytes_per_span(a.num_layers, 16, a.num_kv_heads, a.head_dim, loader.data_type)
+    engine = cuda_engine(loader, "pc", max_batch=1, kv_bytes=8 * per_span, host_tier_bytes=32 * per_span)
+    system = random_prompt(64, seed=3)
+    prompts = [system + random_prompt(5 + i, seed=30 + i) for i in range(4)]
+    expected = [hf_greedy(llama.model, p, 20) for p in prompts]
+    for rnd in range(2):   # 8 spans hold one request: the others' prefixes go to the host tier and come back
+        assert [greedy(engine, "pc", p, 20) for p in prompts] == expected, rnd
+    stat = engine.get_as_engine_stat("pc")
+    assert stat.prefix_cache_hit_token >= 7 * 64 and stat.prefix_cache_host_spans > 0
+    cpu = start_engine(loader, "pc_cpu", max_batch=1, max_length=256)
+    tok = __import__("transformers").AutoTokenizer.from_pretrained(llama.hf_dir)
+    for name in ("person", "order"):
+        schema = dict(SCHEMAS)[name]
+        gen = {"response_format": {"type": "json_schema", "json_schema": schema}, "top_k": 1, "max_new_tokens": 200}
+        from helpers import generate
+        got, _ = generate(engine, "pc", random_prompt(9, seed=1), gen)
+        want, _ = generate(cpu, "pc_cpu", random_prompt(9, seed=1), gen)
+        assert got == want
+        jsonschema.validate(json.loads(tok.decode(got, skip_special_tokens=True)), schema)
