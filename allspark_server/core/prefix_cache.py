@@ -39,6 +39,17 @@ def chain_keys(salt: bytes, token_ids: list[int], span_size: int, num_spans: int
     return keys
 
 
+def _longest_run(keys: Iterable[bytes], find: Callable[[bytes], Optional[int]]) -> list[int]:
+    """find(key) for the keys from the first, up to the first one it does not find."""
+    out = []
+    for key in keys:
+        found = find(key)
+        if found is None:
+            break
+        out.append(found)
+    return out
+
+
 class HostTier:
     """Rank 0's index of the tier's slots: which prefix key each holds, least recently used first. A slot read
     by this step's loads is pinned (never reused by this step's saves)."""
@@ -99,13 +110,7 @@ class PrefixCache:
 
     def lookup(self, keys: Iterable[bytes]) -> list[int]:
         """Spans of the longest cached run of `keys` from the first (the caller takes references on them)."""
-        out = []
-        for key in keys:
-            span = self._span_of.get(key)
-            if span is None:
-                break
-            out.append(span)
-        return out
+        return _longest_run(keys, self._span_of.get)
 
     def register(self, span: int, key: bytes) -> bool:
         """`span` (held by a request, fully computed) now holds the prefix `key`. A prefix cached already in another
@@ -149,14 +154,7 @@ class PrefixCache:
     # ---- the second tier -------------------------------------------------------------------------
     def tier_run(self, keys: Iterable[bytes]) -> list[int]:
         """Tier slots of the longest run of `keys` (from the first) that the tier holds."""
-        out = []
-        if self.tier is not None:
-            for key in keys:
-                slot = self.tier.get(key)
-                if slot is None:
-                    break
-                out.append(slot)
-        return out
+        return _longest_run(keys, self.tier.get) if self.tier is not None else []
 
     def load(self, slot: int, span: int, key: bytes) -> None:
         """`span` (just allocated to a request) gets the tier's copy of `key` this step and holds that prefix."""
