@@ -138,6 +138,8 @@ def build_command(args, placements: list[RankPlacement], flavour: str, numactl: 
         rank_args += ["--pool-config", os.path.abspath(args.pool_config)]
     if args.pid_file:
         rank_args += ["--pid-file", args.pid_file]
+    if args.max_streams:
+        rank_args += ["--max-streams", str(args.max_streams)]
     for i, pl in enumerate(placements):
         if i:
             cmd.append(":")
@@ -179,6 +181,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--python", default=sys.executable, help="python interpreter for the ranks")
     p.add_argument("--no-numactl", action="store_true", help="do not use numactl even if installed")
     p.add_argument("--topology", help="override the NUMA topology, e.g. '0:0-31;1:32-63'")
+    p.add_argument("--max-streams", type=int, default=0,
+                   help="Generate streams rank 0 serves at once (default 4096); more are refused as overload")
     p.add_argument("--pid-file", help=argparse.SUPPRESS)
     p.add_argument("--dry-run", action="store_true", help="print the mpirun command and exit")
     p.add_argument("mpirun_args", nargs="*", help="extra mpirun arguments (after --)")

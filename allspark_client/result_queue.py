@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from allspark_client.types import GenerateRequestStatus, GeneratedElements, RequestStatInfo
 
@@ -26,6 +26,13 @@ class ResultQueue:
         self._generated_length = 0
         self._error: Optional[str] = None
         self._stats = RequestStatInfo(arrival_time=now_ms(), context_token_length=context_length)
+        self._listener: Optional[Callable[[], None]] = None
+
+    def _set_listener(self, fn: Optional[Callable[[], None]]) -> None:
+        """fn() is called (on the writer's thread, quickly: it must not block) after every push and status change;
+        an asyncio reader passes loop.call_soon_threadsafe(event.set) so a stream needs no thread of its own."""
+        with self._cond:
+            self._listener = fn
 
     # ---- reader side (DashInfer names) -------------------------------------------------------
     def GenerateStatus(self) -> GenerateRequestStatus:
@@ -96,6 +103,8 @@ class ResultQueue:
                     st.generate_tps = 1000.0 * (self._generated_length - 1) / span_ms
             self._set_status_locked(status, now)
             self._cond.notify_all()
+            if self._listener is not None:
+                self._listener()
 
     def _set_status(self, status: GenerateRequestStatus, error: Optional[str] = None) -> None:
         with self._cond:
@@ -103,6 +112,8 @@ class ResultQueue:
                 self._error = error
             self._set_status_locked(status, now_ms())
             self._cond.notify_all()
+            if self._listener is not None:
+                self._listener()
 
     def _set_stats(self, stats: RequestStatInfo) -> None:
         """Replace the timing stats (ClientEngine: the server's numbers arrive with the last reply)."""

@@ -33,7 +33,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pid-file", help="rank 0 writes its pid here (the launcher sends it SIGTERM to stop)")
     p.add_argument("--threads", type=int, default=0, help="compute threads (0 = number of --cpus)")
     p.add_argument("--pool-config", help="TOML pool config: models to install and start")
-    p.add_argument("--max-streams", type=int, default=256, help="concurrent gRPC calls rank 0 serves")
+    p.add_argument("--max-streams", type=int, default=4096,
+                   help="Generate streams rank 0 serves at once (a stream is a coroutine, not a thread); more are "
+                        "refused with ALLSPARK_REQUEST_DENIED (overload)")
     p.add_argument("--log-level", default=os.environ.get("ALLSPARK_LOG_LEVEL", "INFO"))
     return p.parse_args(argv)
 
@@ -92,8 +94,8 @@ def serve(comm, args, address: str) -> int:
             engine.install_model(entry.config)
             if entry.start:
                 engine.start_model(entry.config.model_name)
-    servicer = AllsparkServicer(engine, comm.world_size)
-    server = start_server(servicer, address, args.max_streams)
+    servicer = AllsparkServicer(engine, comm.world_size, args.max_streams)
+    server = start_server(servicer, address)
     servicer.ready = True
     sd_notify("READY=1")
     print(f"allspark pool ready: {comm.world_size} rank(s), serving {address}", flush=True)
@@ -102,7 +104,7 @@ def serve(comm, args, address: str) -> int:
     sd_notify("STOPPING=1")
     stopped = server.stop(grace=STOP_GRACE_S)   # no new calls; open streams may still finish ...
     engine.shutdown()                            # ... as every request is stopped; workers are told to exit
-    stopped.wait()
+    stopped.result()
     if address.startswith("unix:") and os.path.exists(address[5:]):
         os.unlink(address[5:])
     return 0

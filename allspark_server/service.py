@@ -1,15 +1,22 @@
-"""The pool's gRPC service on rank 0: each RPC is a thin call into the Engine.
+"""The pool's gRPC service on rank 0 (grpc.aio): each RPC is a thin call into the Engine.
 
-Owns request/reply translation only; validation and all state live in the Engine. Generate is a
-server stream fed from the request's ResultQueue: a reply per batch of new tokens, then a last
-reply with the terminal status and stats. A client that goes away mid-stream has its request
-released; otherwise the client releases it (ReleaseRequest), as with Engine.
+Owns request/reply translation only; validation and all state live in the Engine. The server runs on its own
+asyncio loop in one thread, so an open stream costs a coroutine, not a thread: thousands of streams can be open
+at once. Engine calls that may block (install, stop, sync, start_request's grammar compile) run on a bounded
+thread pool. Generate is a server stream fed from the request's ResultQueue, which wakes the stream's coroutine
+when it has news (a listener hook): a reply per batch of new tokens, then a last reply with the terminal status
+and stats. A client that goes away mid-stream has its request released; otherwise the client releases it
+(ReleaseRequest), as with Engine. Past `max_streams` open Generate streams a new one is refused at once with
+ALLSPARK_REQUEST_DENIED saying so (overload, not a lost pool); other calls are never refused.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import threading
 from concurrent import futures
+from typing import Callable
 
 import grpc
 
@@ -22,109 +29,172 @@ from allspark_server.engine import Engine
 from allspark_server.version import version_full
 
 log = logging.getLogger(__name__)
-STREAM_POLL_MS = 200          # how often a stream checks that its client is still there
 MAX_MESSAGE_BYTES = 64 << 20
+ENGINE_CALL_THREADS = 64     # concurrent blocking Engine calls (a sync_request may hold one for long)
 
 
 class AllsparkServicer(pb_grpc.AllsparkServicer):
-    def __init__(self, engine: Engine, world_size: int):
+    def __init__(self, engine: Engine, world_size: int, max_streams: int = 4096):
         self.engine = engine
         self.world_size = world_size
+        self.max_streams = max_streams
         self.ready = False
+        self._open_streams = 0   # touched on the event loop's thread only
+        self._pool = futures.ThreadPoolExecutor(ENGINE_CALL_THREADS, thread_name_prefix="allspark-call")
 
-    def _status(self, status: AsStatus) -> pb.StatusReply:
+    async def _run(self, fn: Callable, *args):
+        """fn(*args) on the call pool (Engine calls block; the last error is per thread, so read it there too)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _status_of(self, fn: Callable, *args) -> pb.StatusReply:
+        status = fn(*args)
         return pb.StatusReply(status=int(status), message="" if status == 0 else self.engine.get_last_error())
 
-    def Health(self, request, context):
+    async def Health(self, request, context):
         return pb.HealthReply(ready=self.ready, protocol_version=convert.PROTOCOL_VERSION,
                               version_full=version_full(), world_size=self.world_size, pid=os.getpid())
 
-    def InstallModel(self, request, context):
+    def _install(self, request) -> pb.StatusReply:
         try:
-            cfg = convert.runtime_config_from_proto(request)
-            return self._status(self.engine.install_model(cfg))
+            return self._status_of(self.engine.install_model, convert.runtime_config_from_proto(request))
         except ConfigError as e:
             return pb.StatusReply(status=int(e.status), message=str(e))
         except AsException as e:
             return pb.StatusReply(status=int(e.status), message=e.message)
 
-    def StartModel(self, request, context):
-        return self._status(self.engine.start_model(request.model_name))
+    async def InstallModel(self, request, context):
+        return await self._run(self._install, request)
 
-    def StopModel(self, request, context):
-        return self._status(self.engine.stop_model(request.model_name))
+    async def StartModel(self, request, context):
+        return await self._run(self._status_of, self.engine.start_model, request.model_name)
 
-    def ReleaseModel(self, request, context):
-        return self._status(self.engine.release_model(request.model_name))
+    async def StopModel(self, request, context):
+        return await self._run(self._status_of, self.engine.stop_model, request.model_name)
 
-    def Generate(self, request, context):
+    async def ReleaseModel(self, request, context):
+        return await self._run(self._status_of, self.engine.release_model, request.model_name)
+
+    def _start(self, request):
         gen = convert.generation_config_from_proto(request.config)
         status, handle, queue = self.engine.start_request(request.model_name, {"input_ids": list(request.input_ids)},
                                                           gen)
-        if status != AsStatus.ALLSPARK_SUCCESS:
-            yield pb.GenerateReply(status=int(status), message=self.engine.get_last_error())
+        return status, handle, queue, ("" if status == 0 else self.engine.get_last_error())
+
+    async def Generate(self, request, context):
+        if self._open_streams >= self.max_streams:
+            yield pb.GenerateReply(status=int(AsStatus.ALLSPARK_REQUEST_DENIED),
+                                   message=f"the pool is serving its maximum of {self.max_streams} concurrent streams "
+                                           f"(allspark-launch --max-streams); retry later")
             return
-        delivered = []   # set once the last reply is out: the client owns the release from then on
-        context.add_callback(lambda: None if delivered else self._release_if_live(handle))
-        yield pb.GenerateReply(status=0, request_id=handle.request_id, generate_status=int(queue.GenerateStatus()))
-        while True:
-            el = queue.GetWithTimeout(STREAM_POLL_MS)
-            if not context.is_active():
-                return
-            gen_status = queue.GenerateStatus()
-            if el is None and not gen_status.is_terminal:
-                continue
-            reply = pb.GenerateReply(status=0, request_id=handle.request_id, generate_status=int(gen_status))
-            if el is not None:
-                convert.elements_to_reply(el, reply)
+        self._open_streams += 1
+        try:
+            async for reply in self._generate(request):
                 yield reply
-                continue
-            # terminal and drained: the last reply carries the reason (if any) and the stats
-            reply.message = queue.ErrorMessage() or ""
-            reply.stats.CopyFrom(convert.stats_to_proto(queue.RequestStatInfo()))
-            yield reply
-            delivered.append(True)
+        finally:
+            self._open_streams -= 1
+
+    async def _generate(self, request):
+        status, handle, queue, error = await self._run(self._start, request)
+        if status != AsStatus.ALLSPARK_SUCCESS:
+            yield pb.GenerateReply(status=int(status), message=error)
             return
+        loop = asyncio.get_running_loop()
+        news = asyncio.Event()
+        queue._set_listener(lambda: loop.call_soon_threadsafe(news.set))
+        delivered = False   # set once the last reply is out: the client owns the release from then on
+        try:
+            yield pb.GenerateReply(status=0, request_id=handle.request_id, generate_status=int(queue.GenerateStatus()))
+            while True:
+                news.clear()                   # cleared before looking: a push after the look sets it again
+                el = queue.GetNoWait()
+                gen_status = queue.GenerateStatus()
+                if el is None and not gen_status.is_terminal:
+                    await news.wait()
+                    continue
+                reply = pb.GenerateReply(status=0, request_id=handle.request_id, generate_status=int(gen_status))
+                if el is not None:
+                    convert.elements_to_reply(el, reply)
+                    yield reply
+                    continue
+                # terminal and drained: the last reply carries the reason (if any) and the stats
+                reply.message = queue.ErrorMessage() or ""
+                reply.stats.CopyFrom(convert.stats_to_proto(queue.RequestStatInfo()))
+                yield reply
+                delivered = True
+                return
+        finally:
+            queue._set_listener(None)
+            if not delivered:   # cancelled (the client went away): nobody else can release it now
+                self._pool.submit(self._release_if_live, handle)
 
     def _release_if_live(self, handle: RequestHandle) -> None:
-        """The stream was cancelled before its end (the client went away): nobody can read or release
-        this request any more, so release it here."""
         if self.engine.has_request(handle.model_name, handle):
             self.engine.release_request(handle.model_name, handle)
 
-    def StopRequest(self, request, context):
-        return self._status(self.engine.stop_request(request.model_name,
-                                                     RequestHandle(request.model_name, request.request_id)))
+    async def StopRequest(self, request, context):
+        return await self._run(self._status_of, self.engine.stop_request, request.model_name,
+                               RequestHandle(request.model_name, request.request_id))
 
-    def ReleaseRequest(self, request, context):
-        return self._status(self.engine.release_request(request.model_name,
-                                                        RequestHandle(request.model_name, request.request_id)))
+    async def ReleaseRequest(self, request, context):
+        return await self._run(self._status_of, self.engine.release_request, request.model_name,
+                               RequestHandle(request.model_name, request.request_id))
 
-    def SyncRequest(self, request, context):
+    async def SyncRequest(self, request, context):
         handle = RequestHandle(request.model_name, request.request_id) if request.HasField("request_id") else None
-        return self._status(self.engine.sync_request(request.model_name, handle))
+        return await self._run(self._status_of, self.engine.sync_request, request.model_name, handle)
 
-    def GetModelInfo(self, request, context):
+    def _model_info(self, name: str) -> pb.TextReply:
         try:
-            return pb.TextReply(status=0, text=self.engine.get_model_info(request.model_name))
+            return pb.TextReply(status=0, text=self.engine.get_model_info(name))
         except AsException as e:
             return pb.TextReply(status=int(e.status), message=e.message)
 
-    def GetEngineStat(self, request, context):
+    async def GetModelInfo(self, request, context):
+        return await self._run(self._model_info, request.model_name)
+
+    def _engine_stat(self, name: str) -> pb.EngineStat:
         try:
-            return convert.engine_stat_to_proto(self.engine.get_as_engine_stat(request.model_name))
+            return convert.engine_stat_to_proto(self.engine.get_as_engine_stat(name))
         except AsException as e:
             return pb.EngineStat(status=int(e.status), message=e.message)
 
+    async def GetEngineStat(self, request, context):
+        return await self._run(self._engine_stat, request.model_name)
 
-def start_server(servicer: AllsparkServicer, address: str, max_workers: int) -> grpc.Server:
+
+class PoolServer:
+    """The grpc.aio server on its own event loop thread, driven from the (synchronous) rank-0 main thread."""
+
+    def __init__(self, servicer: AllsparkServicer, address: str):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="allspark-grpc", daemon=True)
+        self._thread.start()
+        try:
+            self._server = self._submit(self._start(servicer, address)).result()
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            raise
+
+    def _submit(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    @staticmethod
+    async def _start(servicer, address: str):
+        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+        server = grpc.aio.server(options=options)
+        pb_grpc.add_AllsparkServicer_to_server(servicer, server)
+        if server.add_insecure_port(address) == 0:
+            raise OSError(f"cannot bind gRPC address {address!r}")
+        await server.start()
+        return server
+
+    def stop(self, grace: float) -> "futures.Future":
+        """Refuse new calls and end open ones after `grace` seconds; the returned future is done once stopped
+        (`.result()` / `.wait()` waits)."""
+        return self._submit(self._server.stop(grace))
+
+
+def start_server(servicer: AllsparkServicer, address: str) -> PoolServer:
     """Bind `address` ('unix:/path' or 'host:port') and start serving."""
-    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="allspark-grpc"),
-                         options=options, maximum_concurrent_rpcs=max_workers)
-    pb_grpc.add_AllsparkServicer_to_server(servicer, server)
-    if server.add_insecure_port(address) == 0:
-        raise OSError(f"cannot bind gRPC address {address!r}")
-    server.start()
-    return server
+    return PoolServer(servicer, address)

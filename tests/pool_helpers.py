@@ -52,7 +52,7 @@ class Pool:
     """One allspark-launch pool on a unix socket in a fresh short directory (socket paths are
     limited to ~107 bytes, pytest's tmp_path can be longer)."""
 
-    def __init__(self, ranks: int = 2):
+    def __init__(self, ranks: int = 2, extra_args: tuple[str, ...] = ()):
         self.dir = tempfile.mkdtemp(prefix="asfail-")
         self.socket = os.path.join(self.dir, "pool.sock")
         self.address = "unix:" + self.socket
@@ -62,7 +62,7 @@ class Pool:
         env = repo_env()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "allspark_client.launcher", "--ranks", str(ranks),
-                                          "--socket", self.socket], stdout=log, stderr=subprocess.STDOUT,
+                                          "--socket", self.socket, *extra_args], stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True, cwd=REPO, env=env)
         self.launcher = psutil.Process(self.proc.pid)
 

@@ -15,7 +15,7 @@ import pytest
 from allspark_client import GenerateRequestStatus
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client.types import AsStatus
-from helpers import LONG_RUN_MAX_LENGTH, LONG_RUN_TOKENS, collect, hf_greedy, random_prompt
+from helpers import LONG_RUN_MAX_LENGTH, LONG_RUN_TOKENS, collect, hf_greedy, hf_ref, random_prompt
 from pool_helpers import MODEL, REPO, client_greedy, greedy_cfg, install, read_at_least, repo_env, wait_until
 
 
@@ -32,6 +32,11 @@ def raw_unary(channel, method: str, payload: bytes, timeout: float = 30.0) -> by
 def raw_stream(channel, method: str, payload: bytes, timeout: float = 30.0) -> list[bytes]:
     call = channel.unary_stream(SERVICE + method, request_serializer=None, response_deserializer=None)
     return list(call(payload, timeout=timeout))
+
+
+# what gRPC answers for bytes that do not parse as the request message (grpc.aio's servers: UNKNOWN, naming the
+# DecodeError; the synchronous server's: INTERNAL)
+UNPARSEABLE = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
 
 
 def expect_rpc_error(fn, *codes) -> grpc.RpcError:
@@ -59,15 +64,15 @@ def test_raw_grpc_malformed_input(new_pool, loader, llama):
         still_serves("nothing")
 
         # (a) garbage bytes
-        expect_rpc_error(lambda: raw_unary(channel, "GetEngineStat", b"\xff\x00garbage"), grpc.StatusCode.INTERNAL)
-        expect_rpc_error(lambda: raw_stream(channel, "Generate", b"\xff\x00garbage"), grpc.StatusCode.INTERNAL)
-        expect_rpc_error(lambda: raw_unary(channel, "InstallModel", b"\xff\x00garbage"), grpc.StatusCode.INTERNAL)
+        expect_rpc_error(lambda: raw_unary(channel, "GetEngineStat", b"\xff\x00garbage"), *UNPARSEABLE)
+        expect_rpc_error(lambda: raw_stream(channel, "Generate", b"\xff\x00garbage"), *UNPARSEABLE)
+        expect_rpc_error(lambda: raw_unary(channel, "InstallModel", b"\xff\x00garbage"), *UNPARSEABLE)
         still_serves("garbage bytes")
 
         # (b) a valid GenerateRequest cut in half (inside the packed input_ids)
         whole = pb.GenerateRequest(model_name=MODEL, input_ids=list(range(3, 200)),
                                    config=pb.GenerationConfig(top_k=1, max_new_tokens=4)).SerializeToString()
-        expect_rpc_error(lambda: raw_stream(channel, "Generate", whole[:len(whole) // 2]), grpc.StatusCode.INTERNAL)
+        expect_rpc_error(lambda: raw_stream(channel, "Generate", whole[:len(whole) // 2]), *UNPARSEABLE)
         still_serves("a truncated GenerateRequest")
 
         # (c) wrong wire types: ModelRef.model_name (string, field 1) sent as a varint. protobuf keeps a
@@ -76,7 +81,7 @@ def test_raw_grpc_malformed_input(new_pool, loader, llama):
             try:
                 data = raw_unary(channel, method, b"\x08\x05")
             except grpc.RpcError as e:
-                assert e.code() == grpc.StatusCode.INTERNAL, (method, e.code(), e.details())
+                assert e.code() in UNPARSEABLE, (method, e.code(), e.details())
                 continue
             reply = {"GetEngineStat": pb.EngineStat, "GetModelInfo": pb.TextReply,
                      "StartModel": pb.StatusReply}[method].FromString(data)
@@ -87,7 +92,7 @@ def test_raw_grpc_malformed_input(new_pool, loader, llama):
         try:
             replies = raw_stream(channel, "Generate", bad_generate)
         except grpc.RpcError as e:
-            assert e.code() == grpc.StatusCode.INTERNAL, (e.code(), e.details())
+            assert e.code() in UNPARSEABLE, (e.code(), e.details())
         else:
             first = pb.GenerateReply.FromString(replies[0])
             assert len(replies) == 1 and first.status == AsStatus.ALLSPARK_EMPTY_REQUEST and first.message, replies
@@ -338,3 +343,52 @@ def test_bind_rules(tmp_path, monkeypatch):
     assert proc.returncode != 0
     assert "--allow-remote" in proc.stdout + proc.stderr
     assert "allspark pool ready" not in proc.stdout
+
+
+def test_300_concurrent_client_streams_all_complete_exactly(pool, llama):
+    """Rank 0's gRPC server holds a stream as a coroutine, not a thread: 300 streams at once (the old thread-per-
+    stream server refused all above 256 as 'pool unavailable') all finish with the tokens transformers gives."""
+    from concurrent.futures import ThreadPoolExecutor
+    client, _ = pool
+    prompts = [random_prompt(6 + i, seed=600 + i) for i in range(6)]
+    want = [hf_ref(llama.model, p, 4) for p in prompts]
+
+    def one(i):
+        status, handle, queue = client.start_request("llama", {"input_ids": prompts[i % 6]}, greedy_cfg(4))
+        if status != AsStatus.ALLSPARK_SUCCESS:
+            return f"start: {status.name} {client.get_last_error()}"
+        tokens, _, final = collect(queue, timeout_s=300)
+        client.release_request("llama", handle)
+        return tokens if final == GenerateRequestStatus.GenerateFinished else f"{final.name} {queue.ErrorMessage()}"
+
+    with ThreadPoolExecutor(300) as ex:
+        results = list(ex.map(one, range(300)))
+    wrong = [(i, r) for i, r in enumerate(results) if r != want[i % 6]]
+    assert not wrong, f"{len(wrong)} of 300 wrong, e.g. {wrong[:3]}"
+
+
+def test_streams_past_the_limit_are_refused_as_overload_and_the_pool_serves_on(new_pool, loader, llama):
+    pool = new_pool(extra_args=("--max-streams", "3"))
+    client = pool.client()
+    install(client, loader, max_length=LONG_RUN_MAX_LENGTH)
+    long = [client.start_request(MODEL, {"input_ids": [5, 6, 7]}, greedy_cfg(LONG_RUN_TOKENS)) for _ in range(3)]
+    assert all(status == AsStatus.ALLSPARK_SUCCESS for status, _, _ in long)
+    status, handle, _ = client.start_request(MODEL, {"input_ids": [5, 6]}, greedy_cfg(4))
+    assert status == AsStatus.ALLSPARK_REQUEST_DENIED and handle is None
+    assert "maximum of 3 concurrent streams" in client.get_last_error()
+    stat = client.get_as_engine_stat(MODEL)                             # unary calls are never refused
+    assert stat.running_request + stat.pendding_request == 3
+    for _, h, _ in long:
+        assert client.release_request(MODEL, h) == AsStatus.ALLSPARK_SUCCESS
+    prompt = random_prompt(9, seed=4)
+    started = []                        # their streams close just after the releases return
+
+    def admitted():
+        status, h, q = client.start_request(MODEL, {"input_ids": prompt}, greedy_cfg(6))
+        if status == AsStatus.ALLSPARK_SUCCESS:
+            started.append((h, q))
+        return bool(started)
+    assert wait_until(admitted, 30)
+    h, q = started[0]
+    assert collect(q)[0] == hf_ref(llama.model, prompt, 6)
+    assert client.release_request(MODEL, h) == AsStatus.ALLSPARK_SUCCESS
