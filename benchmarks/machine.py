@@ -7,29 +7,13 @@ import time
 
 import torch
 
-from allspark_server.runner.hugepages import to_hugepages
+from allspark_server.runner.memory_bandwidth import arrays, copy_bandwidth_gbs, median_time as _median_time
 
 ARRAY_FLOATS = 64 << 20   # 256 MiB per array: far beyond any cache
 
 
 def _arrays(*fills: float | None) -> list[torch.Tensor]:
-    """fp32 arrays in the engine's page size: it keeps weights in huge pages (runner/hugepages.py), and
-    copies run ~3-4% faster in them here, so the roofline is measured in them too."""
-    arrays = {str(i): torch.empty(ARRAY_FLOATS) if f is None else torch.full((ARRAY_FLOATS,), f)
-              for i, f in enumerate(fills)}
-    return list(to_hugepages(arrays).values())
-
-
-def _median_time(fn, repeats: int) -> float:
-    """Median, not best: on a shared machine the best run catches moments when the neighbours are
-    idle, which the engine's runs (seconds long) do not get."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return arrays(ARRAY_FLOATS, *fills)
 
 
 def stream_bandwidth(repeats: int = 7) -> dict:
@@ -42,8 +26,7 @@ def stream_bandwidth(repeats: int = 7) -> dict:
 def copy_bandwidth(repeats: int = 5) -> float:
     """Copy GB/s right now (also measured around the decode runs of each round, so a round's roofline
     uses the bandwidth the machine had then)."""
-    a, c = _arrays(1.0, None)
-    return 2 * a.numel() * 4 / _median_time(lambda: c.copy_(a), repeats) / 1e9
+    return copy_bandwidth_gbs(ARRAY_FLOATS, repeats)
 
 
 def matmul_gflops(dtype: torch.dtype, max_n: int = 2048, repeats: int = 3) -> float:

@@ -380,6 +380,7 @@ def main() -> None:
                    help="cuda: the GPU benchmark instead (cuda_bench.py: one GPU, a Llama-2-7B-shaped bf16 model)")
     p.add_argument("--features", action="store_true",
                    help="the serving features instead: prefix cache and guided JSON (serving_features.py)")
+    p.add_argument("--sections", nargs="+", default=None, help="with --features: which sections (guided prefix pool)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--json", default="benchmarks/results.json")
     a = p.parse_args()
@@ -404,7 +405,11 @@ def main() -> None:
             with open(a.json, "w") as f:
                 json.dump(report, f, indent=2)
         torch.set_num_threads(a.threads)
-        save(serving_features.main(spec, build_model, save))
+        earlier = None
+        if a.sections and os.path.exists(a.json):   # keep the sections not run now
+            with open(a.json) as f:
+                earlier = json.load(f)
+        save(serving_features.main(spec, build_model, save, a.sections or serving_features.SECTIONS, earlier))
         return
     why_not = LP.missing() if a.llamacpp is not False else None
     if why_not:

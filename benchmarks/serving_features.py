@@ -1,6 +1,6 @@
 """Benchmarks of the serving features (issue 11): the prefix cache and guided JSON output.
 
-    python benchmarks/run.py --features [--quick] [--json benchmarks/results-features.json]
+    python benchmarks/run.py --features [--quick] [--sections guided prefix pool] [--json benchmarks/results-features.json]
 
 Same model as run.py (Llama architecture, random bf16 weights, ~0.5 B parameters; --quick: the small one), one
 process, every engine on the same cores:
@@ -12,6 +12,10 @@ process, every engine on the same cores:
   then turn 2, ...) and the 8 conversations at once.
 - **guided JSON**: TPOT of requests constrained by a JSON schema next to unconstrained ones, at batch 1 (rounds
   interleaved) and with 8 concurrent requests.
+- **pool**: the shared-prefix TTFT and guided TPOT at batch 1 through a 2-rank pool (ClientEngine) on the same cores.
+- **mbu**: the engine's live memory-bandwidth utilisation (`get_as_engine_stat`) next to this harness's own
+  roofline ratio for the same batch-1 decode.
+`--sections` runs some of them and keeps the other sections' results already in the --json file.
 """
 from __future__ import annotations
 
@@ -109,6 +113,26 @@ def multi_turn(engine, name: str, vocab: int, concurrent: bool) -> dict:
             "prefix_cache_hit_rate": stat.prefix_cache_hit_rate}
 
 
+def pool_section(loader, vocab: int) -> dict:
+    """The shared-prefix TTFT and guided TPOT at batch 1 through a 2-rank pool (ClientEngine) on the same cores."""
+    from allspark_client import ClientEngine
+    out = {}
+    with ClientEngine(ranks=2) as client:
+        install(client, loader, "pool", True)
+        out["shared_prefix"] = shared_prefix(client, "pool", vocab)
+        print(f"2-rank pool, shared {PREFIX_TOKENS}-token prefix: {out['shared_prefix']}", flush=True)
+        tp = {True: [], False: []}
+        for r in range(3):
+            for guided in (True, False):
+                tp[guided] += [x["tpot"] for x in _tpot_runs(client, "pool", vocab, guided, 1, 7000 + 100 * r)]
+        g, p = statistics.median(tp[True]), statistics.median(tp[False])
+        out["guided_c1"] = {"guided_tpot_ms": 1e3 * g, "plain_tpot_ms": 1e3 * p, "ratio": g / p}
+        print(f"2-rank pool, guided JSON at batch 1: {out['guided_c1']}", flush=True)
+        client.stop_model("pool")
+        client.release_model("pool")
+    return out
+
+
 def install(engine, loader, name: str, prefix_cache: bool, max_batch: int = 8) -> None:
     cfg = (loader.create_reference_runtime_config_builder(name, "cpu", [0], max_batch=max_batch)
            .max_length(MAX_LENGTH).kv_cache_span_size(32).prefill_cache(prefix_cache).build())
@@ -192,11 +216,46 @@ def guided_section(loader, vocab: int, rounds: int) -> dict:
     return out
 
 
-def main(spec: dict, build_model, save) -> dict:
+def mbu_section(loader, vocab: int, decode_tokens: int = 128, repeats: int = 3) -> dict:
+    """The engine's own memory-bandwidth utilisation (get_as_engine_stat) next to the benchmark's roofline ratio
+    for the same batch-1 decode: tokens/s x bytes per token (from the model file's tensors, not the engine's count)
+    / the copy bandwidth measured around the run."""
+    import machine
+    from run import file_bytes_per_token
+    from allspark_server import Engine
+    engine = Engine()
+    install(engine, loader, "mbu", True)
+    a = loader.args
+    kv_token = 2 * a.num_layers * a.num_kv_heads * a.head_dim * 2                      # bf16 K and V
+    rows = []
+    for r in range(repeats):
+        bw_before = machine.copy_bandwidth()
+        x = _timed(engine, "mbu", W.prompt(W.DECODE_PROMPT_LEN, 8000 + r, vocab),
+                   dict(W.GREEDY, max_new_tokens=decode_tokens))
+        stat = engine.get_as_engine_stat("mbu")    # its window (10 s) holds this run's decode steps
+        bw = (bw_before + machine.copy_bandwidth()) / 2
+        ctx = W.DECODE_PROMPT_LEN + decode_tokens / 2                                    # mean context
+        per_token = file_bytes_per_token(loader.weights_path, int(ctx * kv_token))
+        rows.append({"engine_mbu": stat.memory_bandwidth_utilization, "engine_bandwidth_gbs": stat.memory_bandwidth_gbs,
+                     "benchmark_roofline_ratio": per_token / x["tpot"] / (bw * 1e9), "copy_gbs_around": bw})
+        time.sleep(11)                             # the next run's window starts empty
+    engine.stop_model("mbu")
+    engine.release_model("mbu")
+    out = {"runs": rows, "engine_mbu_median": statistics.median(r["engine_mbu"] for r in rows),
+           "benchmark_ratio_median": statistics.median(r["benchmark_roofline_ratio"] for r in rows)}
+    out["engine_vs_benchmark"] = out["engine_mbu_median"] / out["benchmark_ratio_median"]
+    print(f"MBU: {out}", flush=True)
+    return out
+
+
+SECTIONS = ("guided", "prefix", "pool", "mbu")
+
+
+def main(spec: dict, build_model, save, sections=SECTIONS, report=None) -> dict:
     import os
     from allspark_server import HuggingFaceModel
     from allspark_server.tiny_model import build_tokenizer
-    report = {"spec": spec}
+    report = dict(report or {}, spec=spec)
     hf_dir = build_model(spec, "bfloat16")
     if not os.path.exists(os.path.join(hf_dir, "tokenizer.json")):   # guided output needs one (512 tokens)
         build_tokenizer(hf_dir)
@@ -204,8 +263,16 @@ def main(spec: dict, build_model, save) -> dict:
     import tempfile
     out_dir = tempfile.mkdtemp(prefix="allspark-features-")
     loader.load_model().serialize(None, model_output_dir=out_dir).free_model()
-    report["guided_json"] = guided_section(loader, spec["vocab"], rounds=3 if spec["repeats"] > 2 else 2)
-    save(report)
-    report["prefix_cache"] = prefix_cache_section(loader, spec["vocab"])
-    save(report)
+    if "guided" in sections:
+        report["guided_json"] = guided_section(loader, spec["vocab"], rounds=3 if spec["repeats"] > 2 else 2)
+        save(report)
+    if "prefix" in sections:
+        report["prefix_cache"] = prefix_cache_section(loader, spec["vocab"])
+        save(report)
+    if "pool" in sections:
+        report["pool_2_ranks"] = pool_section(loader, spec["vocab"])
+        save(report)
+    if "mbu" in sections:
+        report["mbu"] = mbu_section(loader, spec["vocab"])
+        save(report)
     return report
