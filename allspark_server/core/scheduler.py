@@ -104,14 +104,12 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_batch:
             req = self.waiting[0]
             if not self._take_cached_prefix(req):   # its prefix is being computed: take it from the cache later
-                self._release_spans(req)
-                req.num_computed_tokens = 0
+                self._give_back_prefix(req)
                 break
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             need = self.spans.spans_for_tokens(req.num_computed_tokens + n) - len(req.span_ids)
             if not self.spans.can_allocate(need):
-                self._release_spans(req)       # give the hit back; it is looked up again next time
-                req.num_computed_tokens = 0
+                self._give_back_prefix(req)    # it is looked up again next time
                 if not self.running:           # the whole cache is free and it still does not fit
                     self.finish(req, FinishReason.INTERRUPTED)
                     interrupted.append(req)
@@ -152,6 +150,11 @@ class Scheduler:
         req.num_computed_tokens = len(hits) * self.spans.span_size
         req.num_registered_spans = len(hits)
         return len(hits) == len(keys) or keys[len(hits)] not in self._computing
+
+    def _give_back_prefix(self, req: Request) -> None:
+        """Undo _take_cached_prefix for a request that stays waiting."""
+        self._release_spans(req)
+        req.num_computed_tokens = 0
 
     def _stop_computing(self, req: Request, keys) -> None:
         for key in keys:
