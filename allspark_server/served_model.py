@@ -3,12 +3,13 @@
 It has no thread of its own: the process's EngineThread applies commands to it and calls `step()`.
 A step plans (scheduler), broadcasts the plan to the other ranks, runs it (runner), samples and
 pushes each new token to its request's ResultQueue. Requests with a response_format have their token masks
-computed before the step (on a GPU rank: on a background thread while the step runs) and applied by the
-sampler (guided.py); their grammar state lives here, on rank 0 only. Stats may be read from any thread.
+computed before the step (a GPU rank: on a background thread while the step runs) and applied by the sampler
+(guided.py); their grammar state lives here, on rank 0 only. Stats may be read from any thread.
 """
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import traceback
@@ -185,8 +186,8 @@ class ServedModel:
     def _start_guided_masks(self, plan):
         """The token masks of the guided requests that sample this step: (their rows among the sampled rows, a future
         of the bitmask), or None. A GPU rank computes them on the guided worker thread while the model runs (its CPU
-        is idle then); a CPU rank computes them here, now: no core is free during its step, and a second thread
-        would wait for the GIL while the step holds it (measured: +24% TPOT at batch 1 in a 2-rank pool)."""
+        is idle then); a CPU rank computes them here, before the step: no core is free during its step, and the
+        worker thread's hand-offs cost more than the masks (ALLSPARK_GUIDED_MASKS=inline|background overrides)."""
         if self._guided is None:
             return None
         rows, states = [], []
@@ -197,7 +198,8 @@ class ServedModel:
                 states.append(state)
         if not rows:
             return None
-        if self.runner.device.type == "cuda":
+        default = "background" if self.runner.device.type == "cuda" else "inline"
+        if os.environ.get("ALLSPARK_GUIDED_MASKS", default) == "background":
             return rows, self._guided.start_masks(states)
         done = Future()
         done.set_result(self._guided.fill_masks(states))
