@@ -1,0 +1,109 @@
+"""allspark-serve: command line of the OpenAI-compatible HTTP server (`python -m allspark_server.http`).
+
+Parses the flags, refuses unsafe setups before loading anything (a non-loopback bind without an API key, half
+a TLS pair), builds the backend (an in-process Engine, a running pool, or a pool of its own), and runs uvicorn
+until SIGINT / SIGTERM; then closes the backend (a pool it spawned is shut down).
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+from typing import Optional
+
+API_KEY_ENV = "ALLSPARK_API_KEY"
+GRACEFUL_SHUTDOWN_S = 10
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser("allspark-serve", description="OpenAI-compatible HTTP server for an allspark model")
+    p.add_argument("--model", required=True, help="HuggingFace model folder (weights, tokenizer, chat template)")
+    p.add_argument("--served-model-name", help="the name clients use (default: the folder's name)")
+    p.add_argument("--cache-dir", help="where the serialized model is kept (default ~/.cache/allspark/serve/NAME)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--pool", help="serve through a running pool: unix:/path.sock or host:port")
+    where.add_argument("--ranks", type=int, help="start a pool of this many ranks (allspark-launch) and serve "
+                       "through it; default: an in-process Engine")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the model's config")
+    p.add_argument("--max-batch", type=int, default=32, help="requests the engine runs at once (default 32)")
+    p.add_argument("--max-length", type=int, help="prompt + output tokens per request (default: the model's "
+                   "context length)")
+    p.add_argument("--threads", type=int, help="compute threads of an in-process Engine (default: all cores but "
+                   "one, which is left to the HTTP event loop; 0: torch's default)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; any other needs an API key)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1/* (also ${API_KEY_ENV})")
+    p.add_argument("--api-key-file", help="read the API key from this file (first line)")
+    p.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM)")
+    p.add_argument("--ssl-keyfile", help="... and this private key (PEM)")
+    p.add_argument("--max-concurrent", type=int, default=256, help="requests in the engine at once (default 256)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot; beyond: 429 (default 256)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    return p.parse_args(argv)
+
+
+def resolve_api_key(args) -> Optional[str]:
+    """--api-key, else --api-key-file, else $ALLSPARK_API_KEY; None when none is set."""
+    if args.api_key:
+        return args.api_key
+    if args.api_key_file:
+        with open(args.api_key_file) as f:
+            key = f.readline().strip()
+        if not key:
+            raise SystemExit(f"allspark-serve: {args.api_key_file} holds no API key")
+        return key
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False       # a host name: it may resolve to anything
+
+
+def check_setup(args, api_key: Optional[str]) -> None:
+    if not is_loopback(args.host) and not api_key:
+        raise SystemExit(f"allspark-serve: --host {args.host} is reachable from other machines: set an API key "
+                         f"(--api-key, --api-key-file or ${API_KEY_ENV}) or bind to 127.0.0.1")
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        raise SystemExit("allspark-serve: TLS needs both --ssl-certfile and --ssl-keyfile")
+    if args.max_concurrent < 1 or args.max_queue < 0:
+        raise SystemExit("allspark-serve: --max-concurrent must be >= 1 and --max-queue >= 0")
+    if not os.path.isdir(args.model):
+        raise SystemExit(f"allspark-serve: --model {args.model!r} is not a folder")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    api_key = resolve_api_key(args)
+    check_setup(args, api_key)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+    from allspark_server.http.app import create_app
+    from allspark_server.http.backend import BackendOptions, open_backend
+
+    backend = open_backend(BackendOptions(
+        model=args.model, served_model_name=args.served_model_name, cache_dir=args.cache_dir, pool=args.pool,
+        ranks=args.ranks, dtype=args.dtype, max_batch=args.max_batch, max_length=args.max_length,
+        threads=args.threads))
+    try:
+        app = create_app(backend, api_key=api_key, max_concurrent=args.max_concurrent, max_queue=args.max_queue)
+        scheme = "https" if args.ssl_certfile else "http"
+        logging.getLogger("allspark.http").info("serving %r (max length %d) at %s://%s:%d/v1", backend.name,
+                                                backend.engine_max_length, scheme, args.host, args.port)
+        uvicorn.run(app, host=args.host, port=args.port, ssl_certfile=args.ssl_certfile,
+                    ssl_keyfile=args.ssl_keyfile, log_level=args.log_level, access_log=args.access_log,
+                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    finally:
+        backend.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""OpenAI request validation: a JSON body of /v1/chat/completions or /v1/completions -> an ApiRequest, and
+an ApiRequest + prompt ids -> an allspark generation config.
+
+Owns the field list of each endpoint (types, the fields we ignore as OpenAI allows, the ones we refuse), the
+OpenAI -> allspark key mapping, and ApiError (OpenAI's error object). It does not tokenize, start requests or
+build responses. Value ranges the engine knows (temperature, top_p, penalties, seed...) are left to the engine,
+whose PARAM_ERROR message is turned back into a 400 naming the OpenAI field (`error_from_engine`).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from allspark_client.types import AsStatus
+
+
+class ApiError(Exception):
+    """An HTTP error with OpenAI's body {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 type_: Optional[str] = None, headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+        self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+# ---- field tables ---------------------------------------------------------------------------------------------
+# kinds: str, int, number, bool, dict, list, stop (str or list of str), prompt, any
+_SAMPLING = {"temperature": "number", "top_p": "number", "seed": "int", "presence_penalty": "number",
+             "frequency_penalty": "number", "stop": "stop", "stream": "bool", "stream_options": "dict", "n": "int",
+             # vLLM's extra sampling fields
+             "top_k": "int", "repetition_penalty": "number", "min_tokens": "int", "ignore_eos": "bool",
+             "logit_bias": "dict"}
+CHAT_FIELDS = {"model": "str", "messages": "list", "max_tokens": "int", "max_completion_tokens": "int",
+               "logprobs": "bool", "top_logprobs": "int", "response_format": "dict", "tools": "list",
+               "tool_choice": "any", "functions": "list", "function_call": "any", "modalities": "list",
+               "audio": "any", "prediction": "any", **_SAMPLING}
+COMPLETION_FIELDS = {"model": "str", "prompt": "prompt", "max_tokens": "int", "logprobs": "int", "echo": "bool",
+                     "suffix": "any", "best_of": "int", "response_format": "dict", **_SAMPLING}
+# documented by OpenAI, no effect on generation: accepted and ignored
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "parallel_tool_calls", "service_tier", "prompt_cache_key",
+                            "safety_identifier"})
+# known but unsupported: refused unless they hold their "off" value
+_OFF_VALUES = {"logit_bias": ({}, None), "tools": ([], None), "tool_choice": ("none", None), "functions": ([], None),
+               "function_call": ("none", None), "modalities": (["text"], None), "audio": (None,),
+               "prediction": (None,), "echo": (False, None), "suffix": (None, ""), "best_of": (1, None)}
+MAX_STOP_STRINGS = 16
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions (chat: up to the context length)
+
+
+def _kind_ok(value: Any, kind: str) -> bool:
+    if kind == "any":
+        return True
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "stop":
+        return isinstance(value, str) or (isinstance(value, list) and all(isinstance(s, str) for s in value))
+    if kind == "prompt":
+        return isinstance(value, (str, list))
+    return isinstance(value, {"str": str, "bool": bool, "dict": dict, "list": list}[kind])
+
+
+_KIND_NAMES = {"int": "an integer", "number": "a number", "bool": "a boolean", "str": "a string",
+               "dict": "an object", "list": "an array", "stop": "a string or an array of strings",
+               "prompt": "a string or an array of token ids"}
+
+
+@dataclass
+class ApiRequest:
+    """A validated request of either endpoint; `kind` is "chat" or "completion"."""
+    kind: str
+    model: str
+    messages: Optional[list[dict]] = None     # chat
+    prompt: Any = None                        # completion: str or list[int]
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: Optional[int] = None
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    sampling: dict = field(default_factory=dict)   # generation config keys passed through as they are
+
+
+def _fields(body: Any, table: dict) -> dict:
+    """Type-check `body` against `table`; drop ignored fields and nulls; refuse unknown fields by name."""
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(k for k in body if k not in table and k not in IGNORED_FIELDS)
+    if unknown:
+        raise bad_request(f"Unrecognized request argument(s) supplied: {', '.join(unknown)}", param=unknown[0])
+    out = {}
+    for key, value in body.items():
+        if key in IGNORED_FIELDS or value is None:
+            continue
+        kind = table[key]
+        if not _kind_ok(value, kind):
+            raise bad_request(f"'{key}' must be {_KIND_NAMES[kind]}, got {type(value).__name__} {value!r:.80}",
+                              param=key)
+        if key in _OFF_VALUES and value not in _OFF_VALUES[key]:
+            raise bad_request(f"'{key}' is not supported by this server (accepted only as "
+                              f"{_OFF_VALUES[key][0]!r})", param=key)
+        out[key] = value
+    return out
+
+
+def _common(kind: str, f: dict, served_model: str) -> ApiRequest:
+    if "model" not in f:
+        raise bad_request("you must provide a model parameter", param="model")
+    if f["model"] != served_model:
+        raise ApiError(404, f"The model '{f['model']}' does not exist (this server serves '{served_model}')",
+                       param="model", code="model_not_found")
+    if f.get("n", 1) != 1:
+        raise bad_request("only n=1 is supported", param="n")
+    stream = f.get("stream", False)
+    options = f.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+        extra = set(options) - {"include_usage", "include_obfuscation"}
+        if extra or not isinstance(options.get("include_usage", False), bool):
+            raise bad_request(f"stream_options takes only include_usage (a boolean), got {options!r:.80}",
+                              param="stream_options")
+    stop = f.get("stop", [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if len(stop) > MAX_STOP_STRINGS or any(s == "" for s in stop):
+        raise bad_request(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
+    min_tokens = f.get("min_tokens", 0)
+    if min_tokens < 0:
+        raise bad_request("min_tokens must be >= 0", param="min_tokens")
+    sampling = {k: f[k] for k in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k",
+                                  "repetition_penalty", "response_format") if k in f}
+    return ApiRequest(kind, f["model"], stream=stream, include_usage=bool(options and options.get("include_usage")),
+                      stop=tuple(dict.fromkeys(stop)), min_tokens=min_tokens, ignore_eos=f.get("ignore_eos", False),
+                      sampling=sampling)
+
+
+def _max_tokens(f: dict, *names: str) -> Optional[int]:
+    for name in names:
+        if name in f:
+            if f[name] < 1:
+                raise bad_request(f"{name} must be at least 1, got {f[name]}", param=name)
+            return f[name]
+    return None
+
+
+def parse_chat(body: Any, served_model: str) -> ApiRequest:
+    f = _fields(body, CHAT_FIELDS)
+    req = _common("chat", f, served_model)
+    req.messages = _messages(f.get("messages"))
+    req.max_tokens = _max_tokens(f, "max_completion_tokens", "max_tokens")
+    req.logprobs = f.get("logprobs", False)
+    req.top_logprobs = f.get("top_logprobs", 0)
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    return req
+
+
+def parse_completion(body: Any, served_model: str) -> ApiRequest:
+    f = _fields(body, COMPLETION_FIELDS)
+    req = _common("completion", f, served_model)
+    req.prompt = _prompt(f.get("prompt"))
+    req.max_tokens = _max_tokens(f, "max_tokens")
+    if "logprobs" in f:
+        if f["logprobs"] < 0:
+            raise bad_request("logprobs must be >= 0", param="logprobs")
+        req.logprobs, req.top_logprobs = True, f["logprobs"]
+    return req
+
+
+def _messages(messages: Any) -> list[dict]:
+    if not messages:
+        raise bad_request("messages must be a non-empty array", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_request(f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]")
+        content = m.get("content")
+        if isinstance(content, list):   # content parts: text only
+            texts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise bad_request(f"messages[{i}].content: only text parts are supported, got {part!r:.80}",
+                                      param=f"messages[{i}].content")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        elif content is not None and not isinstance(content, str):
+            raise bad_request(f"messages[{i}].content must be a string or an array of text parts",
+                              param=f"messages[{i}].content")
+        msg = {k: v for k, v in m.items() if k not in ("content",)}
+        msg["content"] = content if content is not None else ""
+        out.append(msg)
+    return out
+
+
+def _prompt(prompt: Any):
+    if prompt is None:
+        raise bad_request("you must provide a prompt", param="prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]      # a batch of one
+    if isinstance(prompt, str):
+        return prompt
+    if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise bad_request("prompt must be a string or a non-empty array of token ids (batches of several prompts "
+                          "are not supported: send one request per prompt)", param="prompt")
+    return list(prompt)
+
+
+# ---- generation config ----------------------------------------------------------------------------------------
+def max_new_tokens(req: ApiRequest, prompt_len: int, engine_max_length: int) -> int:
+    """The output budget: max_tokens, else the room left (completions: OpenAI's default of 16); 400
+    (context_length_exceeded) when the prompt leaves no room or max_tokens asks for more than is left."""
+    room = engine_max_length - prompt_len
+    if room < 1 or (req.max_tokens is not None and req.max_tokens > room):
+        asked = f"{prompt_len + (req.max_tokens or 1)} tokens ({prompt_len} in the prompt, " \
+                f"{req.max_tokens or 1} for the completion)"
+        raise bad_request(f"This model's maximum context length is {engine_max_length} tokens. However, you "
+                          f"requested {asked}. Please reduce the length of the prompt or of max_tokens.",
+                          param="messages" if req.kind == "chat" else "prompt", code="context_length_exceeded")
+    if req.max_tokens is not None:
+        return req.max_tokens
+    return min(room, COMPLETIONS_DEFAULT_MAX_TOKENS) if req.kind == "completion" else room
+
+
+def generation_config(req: ApiRequest, prompt_len: int, budget: int, defaults: dict) -> dict:
+    """The allspark generation config of a request: the model's defaults, then the request's fields."""
+    gen = dict(defaults)
+    gen.update(req.sampling)
+    if gen.get("response_format", {}).get("type") == "text":
+        gen.pop("response_format")
+    gen["max_new_tokens"] = budget
+    if req.min_tokens:
+        if req.min_tokens > budget:
+            raise bad_request(f"min_tokens ({req.min_tokens}) exceeds the output budget ({budget})",
+                              param="min_tokens")
+        gen["min_length"] = prompt_len + req.min_tokens
+    if req.ignore_eos:
+        gen["eos_token_id"] = []
+    if req.logprobs:
+        gen["logprobs"], gen["top_logprobs"] = True, req.top_logprobs
+    return gen
+
+
+# allspark generation-config key -> the OpenAI field that set it (to name `param` in an engine's error)
+_ENGINE_KEYS = {"max_new_tokens": "max_tokens", "max_length": "max_tokens", "min_length": "min_tokens",
+                "eos_token_id": "ignore_eos", "top_logprobs": "top_logprobs", "logprobs": "logprobs",
+                "input_ids": "prompt", "prompt": "prompt"}
+_CLIENT_ERRORS = {AsStatus.ALLSPARK_PARAM_ERROR, AsStatus.ALLSPARK_EXCEED_LIMIT_ERROR,
+                  AsStatus.ALLSPARK_EMPTY_REQUEST, AsStatus.ALLSPARK_CACHE_MEMORY_OUT}
+
+
+def error_from_engine(status: AsStatus, message: str, kind: str) -> ApiError:
+    """start_request's non-success status and get_last_error() -> 400 (the request's fault) or 503/500."""
+    if status in _CLIENT_ERRORS:
+        keys = list(_SAMPLING) + ["response_format"] + list(_ENGINE_KEYS)
+        m = re.search(r"\b(" + "|".join(sorted(keys, key=len, reverse=True)) + r")\b", message)
+        param = _ENGINE_KEYS.get(m.group(1), m.group(1)) if m else None
+        if param == "top_logprobs" and kind == "completion":
+            param = "logprobs"
+        code = "context_length_exceeded" if status in (AsStatus.ALLSPARK_EXCEED_LIMIT_ERROR,
+                                                       AsStatus.ALLSPARK_CACHE_MEMORY_OUT) else None
+        return bad_request(message or status.name, param=param, code=code)
+    if status == AsStatus.ALLSPARK_REQUEST_DENIED:
+        return ApiError(503, f"the model is not serving: {message}", code="unavailable")
+    return ApiError(500, f"{status.name}: {message}")

@@ -1,0 +1,211 @@
+"""One generation request from validated input to response: tokenize (chat template), admit, start, read the
+tokens, detokenize, cut at stop strings, and answer as SSE chunks or one JSON body; release the engine request
+whatever happens (finished, stop string, client gone, error) and record its metrics.
+
+Owns the per-request flow only; validation is protocol.py, bodies responses.py, the engine backend.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from allspark_client.types import AsStatus, GenerateRequestStatus
+from allspark_server.http.admission import Admission, Overloaded
+from allspark_server.http.detokenize import IncrementalDetokenizer, StopMatcher, TokenText
+from allspark_server.http.protocol import (ApiError, ApiRequest, bad_request, error_from_engine, generation_config,
+                                           max_new_tokens)
+from allspark_server.http.responses import SSE_DONE, ResponseBuilder, TokenLogprob, sse
+from allspark_server.http.stream import Generation, QueueReader
+
+log = logging.getLogger("allspark.http")
+DISCONNECT_CHECK_S = 0.5     # how often a non-streaming request checks that its client is still there
+RETRY_AFTER_S = 1
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that calls `on_close` however it ends (finished, client gone, cancelled)."""
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+@dataclass
+class Piece:
+    text: str
+    tokens: list[TokenLogprob] = field(default_factory=list)
+
+
+class Serving:
+    def __init__(self, backend, admission: Admission, reader: QueueReader, metrics):
+        self.backend, self.admission, self.reader, self.metrics = backend, admission, reader, metrics
+        self.token_text = TokenText(backend.tokenizer)
+
+    def _prompt_ids(self, req: ApiRequest) -> list[int]:
+        tok = self.backend.tokenizer
+        if req.kind == "completion":
+            return tok(req.prompt)["input_ids"] if isinstance(req.prompt, str) else req.prompt
+        if not getattr(tok, "chat_template", None):
+            raise bad_request("this model has no chat template (its tokenizer_config.json / chat_template.jinja "
+                              "defines none): use /v1/completions", param="messages", code="no_chat_template")
+        try:
+            text = tok.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:   # the template's own raise_exception (a role it does not know, ...)
+            raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from None
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    async def handle(self, request: Request, req: ApiRequest) -> Response:
+        arrival = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        b = self.backend
+        ids = await loop.run_in_executor(b.executor, self._prompt_ids, req)
+        budget = max_new_tokens(req, len(ids), b.engine_max_length)
+        gen = generation_config(req, len(ids), budget, b.gen_defaults)
+        try:
+            slot = await self.admission.acquire()
+        except Overloaded as e:
+            raise ApiError(429, f"the server is overloaded ({e}); retry later", code="server_overloaded",
+                           type_="rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        try:
+            status, handle, queue, error = await loop.run_in_executor(b.executor, b.start, ids, gen)
+        except BaseException:
+            slot.release()
+            raise
+        if status != AsStatus.ALLSPARK_SUCCESS:
+            slot.release()
+            if error.startswith("pool at"):
+                raise ApiError(503, error, code="unavailable")
+            raise error_from_engine(status, error, req.kind)
+        self.metrics.prompt_tokens.inc(len(ids))
+        run = _Run(self, req, ids, budget, Generation(b, handle, queue, self.reader), slot, arrival)
+        if req.stream:
+            return SSEResponse(run.sse(), on_close=run.close)
+        return await run.respond(request)
+
+
+class _Run:
+    """The output side of one started request."""
+
+    def __init__(self, serving: Serving, req: ApiRequest, prompt_ids: list[int], budget: int, gen: Generation,
+                 slot, arrival: float):
+        b = serving.backend
+        self.s, self.req, self.gen, self.slot, self.budget = serving, req, gen, slot, budget
+        self.prompt_tokens = len(prompt_ids)
+        self.eos = set(b.eos_token_ids)
+        self.detok = IncrementalDetokenizer(b.tokenizer, prompt_ids, skip_ids=self.eos)
+        self.stops = StopMatcher(req.stop)
+        self.out = ResponseBuilder(req.kind, b.name, serving.token_text, req.top_logprobs, req.include_usage)
+        self.arrival, self.first, self.last = arrival, None, None
+        self.n_tokens, self.last_token = 0, None
+        self.finish_reason: Optional[str] = None
+        self.error: Optional[ApiError] = None
+        self._closed = False
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """Text as it becomes final; afterwards `finish_reason` or `error` is set."""
+        while self.finish_reason is None and self.error is None:
+            el = await self.gen.next()
+            if el is None:
+                text, matched = self.stops.feed(self.detok.flush())
+                self._ended(matched)
+                yield Piece(text + self.stops.flush())
+                return
+            now = time.perf_counter()
+            self.first = self.first or now
+            self.last = now
+            ids = el.ids_from_generate
+            self.n_tokens += len(ids)
+            self.last_token = ids[-1]
+            tokens = []
+            if self.req.logprobs and len(el.token_logprobs_list) == len(ids):
+                tokens = [TokenLogprob(t, lp, list(top or [])) for t, lp, top in
+                          zip(ids, el.token_logprobs_list, el.log_probs_list or [[]] * len(ids))]
+            text, matched = self.stops.feed(self.detok.add(ids))
+            if matched:
+                self.finish_reason = "stop"
+                self.gen.close()          # stop and release it on the engine now
+            yield Piece(text, tokens)
+
+    def _ended(self, stop_matched: bool) -> None:
+        status = self.gen.status
+        if stop_matched:
+            self.finish_reason = "stop"
+        elif status == GenerateRequestStatus.GenerateFinished:
+            eos_end = self.last_token in self.eos and not self.req.ignore_eos
+            self.finish_reason = "length" if (self.n_tokens >= self.budget and not eos_end) else "stop"
+        elif self.gen.error and "client disconnected" in self.gen.error:
+            self.finish_reason = "abort"
+        else:
+            lost = "lost the pool" in (self.gen.error or "") or "closed the stream" in (self.gen.error or "")
+            self.error = ApiError(503 if lost else 500, f"generation failed ({status.name}): {self.gen.error}",
+                                  code="unavailable" if lost else None)
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        out = self.out
+        try:
+            if self.req.kind == "chat":
+                yield sse(out.chunk("", role=True))
+            try:
+                async for piece in self.pieces():
+                    if piece.text or piece.tokens:
+                        yield sse(out.chunk(piece.text, tokens=piece.tokens))
+            except Exception as e:          # headers are sent: the error can only travel as an event
+                log.exception("generation stream failed")
+                self.error = ApiError(500, f"internal error: {e!r}")
+            if self.error is not None:
+                yield sse(self.error.body())
+            else:
+                yield sse(out.chunk(None if self.req.kind == "chat" else "", finish_reason=self.finish_reason))
+                if self.req.include_usage:
+                    yield sse(out.usage_chunk(self.prompt_tokens, self.n_tokens))
+            yield SSE_DONE
+        finally:
+            self.close()
+
+    async def respond(self, request: Request) -> Response:
+        watchdog = asyncio.get_running_loop().create_task(self._watch_client(request))
+        try:
+            texts, tokens = [], []
+            async for piece in self.pieces():
+                texts.append(piece.text)
+                tokens.extend(piece.tokens)
+        finally:
+            watchdog.cancel()
+            self.close()
+        if self.error is not None:
+            raise self.error
+        if self.finish_reason == "abort":
+            return Response(status_code=499)       # nobody is listening
+        body = self.out.full("".join(texts), self.finish_reason, tokens if self.req.logprobs else None,
+                             self.prompt_tokens, self.n_tokens)
+        return JSONResponse(body)
+
+    async def _watch_client(self, request: Request) -> None:
+        while True:
+            await asyncio.sleep(DISCONNECT_CHECK_S)
+            if await request.is_disconnected():
+                self.gen.abort("client disconnected")
+                return
+
+    def close(self) -> None:
+        """Release the engine request and the admission slot, record the metrics (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.gen.close()
+        self.slot.release()
+        reason = self.finish_reason or ("error" if self.error is not None else "abort")
+        self.s.metrics.request_done(reason, self.prompt_tokens, self.n_tokens, self.arrival, self.first, self.last)

@@ -1,0 +1,195 @@
+"""Engine requests as asyncio streams: every open ResultQueue is read on the event loop, no thread per stream.
+
+A ResultQueue (Engine's or ClientEngine's) is filled by another thread (the engine thread, or a ClientEngine
+stream reader). Two ways to learn that it has news, both on the event loop and free of threads of our own:
+- event-driven, where the queue has the listener hook (`ResultQueue._set_listener`): the writer thread, after
+  each push, appends the stream to a "dirty" list and (only if no wake-up is pending already) schedules one
+  `loop.call_soon_threadsafe(drain)`; the drain reads just the dirty queues with GetNoWait() and wakes their
+  consumers. The writer's cost is a list append and a flag test; one wake-up serves a whole engine step's pushes.
+- polling, for queues without the hook: one asyncio task sweeps those queues with GetNoWait() (a lock each,
+  ~2 us) every 1 ms while tokens flow, backing off to 5 ms when none do, never sooner than twice the last
+  sweep's duration (at most a third of the loop's time however many streams are open); it sleeps when no
+  queue is polled. One task for all streams: a task per stream would wake N times as often.
+A thread blocked in Get() per stream is what this avoids; run_in_executor would cap streams at the pool's size.
+Blocking control calls (start / release) run on the backend's small executor (backend.py), never here.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import Optional
+
+from allspark_client.types import GeneratedElements, GenerateRequestStatus
+
+log = logging.getLogger("allspark.http")
+MIN_TICK_S = 0.001
+MAX_TICK_S = 0.005
+
+
+class _Watch:
+    """What the reader knows of one queue; read by its Generation."""
+    __slots__ = ("queue", "items", "event", "done", "status", "error")
+
+    def __init__(self, queue):
+        self.queue = queue
+        self.items: deque[GeneratedElements] = deque()
+        self.event = asyncio.Event()
+        self.done = False
+        self.status = GenerateRequestStatus.Init
+        self.error: Optional[str] = None
+
+    def finish(self, status: GenerateRequestStatus, error: Optional[str]) -> None:
+        if not self.done:
+            self.done, self.status, self.error = True, status, error
+            self.event.set()
+
+
+class QueueReader:
+    def __init__(self, min_tick_s: float = MIN_TICK_S, max_tick_s: float = MAX_TICK_S):
+        self._listened: set[_Watch] = set()
+        self._polled: set[_Watch] = set()
+        self._dirty: deque[_Watch] = deque()    # appended by writer threads, drained on the loop
+        self._drain_pending = False
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._min, self._max = min_tick_s, max_tick_s
+        self._tick = min_tick_s
+        self._wake: Optional[asyncio.Event] = None
+        self._task: Optional[asyncio.Task] = None
+
+    def __len__(self) -> int:
+        return len(self._polled) + len(self._listened)
+
+    def watch(self, queue) -> _Watch:
+        """Start reading `queue` (call on the event loop)."""
+        self._loop = asyncio.get_running_loop()
+        w = _Watch(queue)
+        if hasattr(queue, "_set_listener"):
+            self._listened.add(w)
+            queue._set_listener(lambda: self._notify(w))
+            self._read(w)                        # what arrived before the listener was set
+            return w
+        if self._task is None or self._task.done():
+            self._wake = asyncio.Event()
+            self._task = self._loop.create_task(self._run(), name="allspark-queue-poller")
+        self._polled.add(w)
+        self._tick = self._min
+        self._wake.set()
+        return w
+
+    def unwatch(self, w: _Watch) -> None:
+        self._polled.discard(w)
+        if w in self._listened:
+            self._listened.discard(w)
+            w.queue._set_listener(None)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for w in list(self._polled) + list(self._listened):
+            self.unwatch(w)
+            w.finish(GenerateRequestStatus.InternalError, "the server is shutting down")
+
+    # ---- event-driven -------------------------------------------------------------------------
+    def _notify(self, w: _Watch) -> None:
+        """On the writer's thread, under the queue's lock: quick, never blocks, never raises."""
+        self._dirty.append(w)
+        if not self._drain_pending:
+            self._drain_pending = True
+            try:
+                self._loop.call_soon_threadsafe(self._drain)
+            except RuntimeError:                 # the loop is closed: the server is gone
+                pass
+
+    def _drain(self) -> None:
+        self._drain_pending = False              # before reading: a push after this schedules another drain
+        while self._dirty:
+            w = self._dirty.popleft()
+            if w in self._listened:
+                self._read(w)
+
+    def _read(self, w: _Watch) -> bool:
+        q = w.queue
+        try:
+            status = q.GenerateStatus()        # before GetNoWait: a terminal status means nothing more will come
+            el = q.GetNoWait()
+        except Exception as e:                 # a broken queue ends its stream, never the reader
+            log.exception("reading a result queue failed")
+            self.unwatch(w)
+            w.finish(GenerateRequestStatus.InternalError, f"reading the result queue failed: {e!r}")
+            return False
+        got = el is not None and bool(el.ids_from_generate)
+        if got:
+            w.items.append(el)
+            w.event.set()
+        if status.is_terminal:
+            self.unwatch(w)
+            w.finish(status, q.ErrorMessage())
+        return got
+
+    # ---- polling --------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            if not self._polled:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            started = time.perf_counter()
+            got = self._sweep()
+            spent = time.perf_counter() - started
+            self._tick = self._min if got else min(self._tick * 2, self._max)
+            await asyncio.sleep(max(self._tick, 2 * spent))
+
+    def _sweep(self) -> bool:
+        got = False
+        for w in list(self._polled):
+            got = self._read(w) or got
+        return got
+
+
+class Generation:
+    """One started engine request, read as an async sequence of GeneratedElements (`next()` -> None at the end;
+    then `status` and `error` say how it ended). `close()` releases the request on the engine, at once and
+    without waiting (idempotent): call it whatever happened."""
+
+    def __init__(self, backend, handle, queue, reader: QueueReader):
+        self._backend, self.handle, self._reader = backend, handle, reader
+        self._watch = reader.watch(queue)
+        self._closed = False
+
+    async def next(self) -> Optional[GeneratedElements]:
+        w = self._watch
+        while True:
+            if w.items:
+                out = w.items.popleft()
+                while w.items:
+                    out.extend(w.items.popleft())
+                return out
+            if w.done:
+                return None
+            w.event.clear()
+            await w.event.wait()
+
+    @property
+    def status(self) -> GenerateRequestStatus:
+        return self._watch.status
+
+    @property
+    def error(self) -> Optional[str]:
+        return self._watch.error
+
+    def abort(self, reason: str) -> None:
+        """End the stream now (the client left): next() returns what was read, then None."""
+        self._reader.unwatch(self._watch)
+        self._watch.finish(GenerateRequestStatus.GenerateInterrupted, reason)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._reader.unwatch(self._watch)
+            self._backend.release_soon(self.handle)

@@ -1,0 +1,126 @@
+"""Shared by tests/test_http_*.py: an allspark-serve subprocess on a free port (waited for through /health,
+stopped with SIGTERM, every process it started killed at the end), a copy of a HF folder with a chat template,
+/metrics parsed with prometheus-client's parser, and the Engine's greedy reference decoded."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+START_TIMEOUT_S = 180.0
+API_KEY = "test-key-123"
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def with_chat_template(src_dir: str, dst_dir: str) -> str:
+    """A copy of the HF folder whose tokenizer_config.json has CHAT_TEMPLATE."""
+    shutil.copytree(src_dir, dst_dir)
+    path = os.path.join(dst_dir, "tokenizer_config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["chat_template"] = CHAT_TEMPLATE
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    return dst_dir
+
+
+class Server:
+    """`python -m allspark_server.http` on 127.0.0.1:<free port>; `url` is its root, `base_url` its /v1."""
+
+    def __init__(self, model_dir: str, *args: str, api_key: str | None = None, name: str = "llama"):
+        self.dir = tempfile.mkdtemp(prefix="as-http-")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.base_url = self.url + "/v1"
+        self.api_key = api_key
+        self.log_path = os.path.join(self.dir, "server.log")
+        cmd = [sys.executable, "-m", "allspark_server.http", "--model", model_dir, "--served-model-name", name,
+               "--cache-dir", os.path.join(self.dir, "cache"), "--dtype", "float32", "--port", str(self.port),
+               "--log-level", "warning", *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+        with open(self.log_path, "wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=self.dir)
+        self._wait_ready()
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-6000:]
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"allspark-serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"allspark-serve not ready after {START_TIMEOUT_S}s:\n{self.log()}")
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def post(self, path: str, body=None, content: bytes | None = None, headers: dict | None = None,
+             timeout: float = 60) -> httpx.Response:
+        return httpx.post(self.base_url + path, json=body if content is None else None, content=content,
+                          headers=self.headers() if headers is None else headers, timeout=timeout)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics: 'name{label="v",...}' (labels sorted) or 'name' -> value."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+    def stop(self) -> None:
+        """SIGTERM (a graceful shutdown also ends a pool the server spawned); whatever is left is killed."""
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for c in children:
+            try:
+                c.kill()
+            except psutil.NoSuchProcess:
+                pass
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def engine_greedy_text(engine, tokenizer, ids: list[int], max_tokens: int) -> tuple[str, list[int]]:
+    """The in-process Engine's greedy continuation (model EOS on) and its text as the server decodes it."""
+    from helpers import generate
+    tokens, _ = generate(engine, "llama", ids, {"top_k": 1, "max_new_tokens": max_tokens})
+    return tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False), tokens

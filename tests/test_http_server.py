@@ -1,0 +1,253 @@
+"""allspark-serve on an in-process Engine, as a real subprocess: the official `openai` client (sync and async,
+streaming and not, chat and completions) gets the Engine's greedy output; stop strings, logprobs, guided output;
+error bodies (400 / 401 / 404) through raw httpx; a client that leaves mid-stream frees its engine request at
+once; /metrics parsed with prometheus-client. One server for the module (API key set, chat template added)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from http_helpers import API_KEY, Server, engine_greedy_text, with_chat_template
+
+MAX_LENGTH = 8192            # room for requests that run until the test stops them (helpers.LONG_RUN_*)
+PROMPT = "The quick brown fox"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world!"}]
+
+
+@pytest.fixture(scope="module")
+def server(llama, tmp_path_factory):
+    hf_dir = with_chat_template(llama.hf_dir, str(tmp_path_factory.mktemp("chat") / "llama"))
+    srv = Server(hf_dir, "--max-length", str(MAX_LENGTH), "--max-batch", "8", api_key=API_KEY)
+    srv.model_dir = hf_dir
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(server):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(server.model_dir)   # the server's own folder: with the chat template
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0)
+
+
+def chat_ids(tokenizer) -> list[int]:
+    text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def expected_finish(tokens, tokenizer) -> str:
+    return "stop" if tokens[-1] == tokenizer.eos_token_id else "length"
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["llama"]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_completions_greedy_equals_engine(server, client, served_llama, tokenizer):
+    engine, _ = served_llama
+    want, tokens = engine_greedy_text(engine, tokenizer, tokenizer(PROMPT)["input_ids"], 24)
+    assert len(tokens) >= 8, tokens        # a real continuation, not an immediate EOS
+    r = client.completions.create(model="llama", prompt=PROMPT, max_tokens=24, temperature=0)
+    assert r.choices[0].text == want
+    assert r.choices[0].finish_reason == expected_finish(tokens, tokenizer)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(tokenizer(PROMPT)["input_ids"]), len(tokens))
+    chunks = list(client.completions.create(model="llama", prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected_finish(tokens, tokenizer)
+    assert chunks[-1].usage.completion_tokens == len(tokens)
+    ids = tokenizer(PROMPT)["input_ids"]            # a prompt of token ids
+    assert client.completions.create(model="llama", prompt=ids, max_tokens=24, temperature=0).choices[0].text == want
+
+
+def test_chat_greedy_equals_engine(server, client, served_llama, tokenizer):
+    engine, _ = served_llama
+    want, tokens = engine_greedy_text(engine, tokenizer, chat_ids(tokenizer), 20)
+    r = client.chat.completions.create(model="llama", messages=MESSAGES, max_completion_tokens=20, temperature=0,
+                                       user="someone")
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == expected_finish(tokens, tokenizer)
+    assert r.usage.prompt_tokens == len(chat_ids(tokenizer)) and r.usage.completion_tokens == len(tokens)
+    stream = client.chat.completions.create(model="llama", messages=MESSAGES, max_tokens=20, temperature=0,
+                                            stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == expected_finish(tokens, tokenizer)
+
+
+def test_async_client_concurrent_streams(server, served_llama, tokenizer):
+    engine, _ = served_llama
+    prompts = [PROMPT, "Hello world!", "Once upon a time", "def main():"]
+    want = [engine_greedy_text(engine, tokenizer, tokenizer(p)["input_ids"], 16)[0] for p in prompts]
+
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0)
+
+        async def one(p, stream):
+            if not stream:
+                r = await aclient.completions.create(model="llama", prompt=p, max_tokens=16, temperature=0)
+                return r.choices[0].text
+            s = await aclient.chat.completions.create(model="llama", messages=[{"role": "user", "content": p}],
+                                                      max_tokens=16, temperature=0, stream=True)
+            return "".join([c.choices[0].delta.content or "" async for c in s])
+
+        texts = await asyncio.gather(*(one(p, False) for p in prompts))
+        chats = await asyncio.gather(*(one(p, True) for p in prompts))
+        await aclient.close()
+        return texts, chats
+
+    texts, chats = asyncio.run(run())
+    assert texts == want
+    assert all(isinstance(c, str) for c in chats)
+
+
+def test_stop_string_spanning_tokens_is_cut_exactly(server, client, tokenizer):
+    r = client.completions.create(model="llama", prompt=PROMPT, max_tokens=32, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    text = r.choices[0].text
+    ids = tokenizer(PROMPT)["input_ids"]
+    # token boundaries of the output: find two neighbouring ASCII pieces and a stop string across their boundary
+    out_ids = client.completions.create(model="llama", prompt=PROMPT, max_tokens=32, temperature=0, logprobs=0,
+                                        extra_body={"ignore_eos": True}).choices[0].logprobs.tokens
+    stop, offset = None, 0
+    for a, b in zip(out_ids, out_ids[1:]):
+        if not (a + b).isascii() or not (a + b).isprintable():
+            break                                   # past a byte token offsets in the text are not the pieces'
+        offset += len(a)
+        cand = a[-2:] + b[:2]
+        if len(a) >= 2 and len(b) >= 2 and offset >= 8 and text.find(cand) == offset - 2:
+            stop = cand
+            break
+    assert stop is not None, (text, out_ids, ids)
+    want = text[:text.find(stop)]
+    assert len(want) >= 6
+    r = client.completions.create(model="llama", prompt=PROMPT, max_tokens=32, temperature=0, stop=[stop, "@@@@"],
+                                  extra_body={"ignore_eos": True})
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
+    chunks = list(client.completions.create(model="llama", prompt=PROMPT, max_tokens=32, temperature=0, stop=stop,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_logprobs(server, client):
+    r = client.chat.completions.create(model="llama", messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=3, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.logprob <= 0
+        assert e.top_logprobs[0].logprob == pytest.approx(e.logprob)     # greedy: the chosen token is the best
+    c = client.completions.create(model="llama", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert all(1 <= len(t) <= 3 for t in lp.top_logprobs)
+
+
+def test_sampling_fields_pass_through(server, client):
+    kw = dict(model="llama", prompt=PROMPT, max_tokens=12, temperature=0.9, top_p=0.9, seed=7, presence_penalty=0.5,
+              frequency_penalty=0.3)
+    extra = {"top_k": 20, "repetition_penalty": 1.1, "min_tokens": 12}
+    a = client.completions.create(**kw, extra_body=extra)
+    b = client.completions.create(**kw, extra_body=extra)
+    assert a.choices[0].text == b.choices[0].text          # same seed, same output
+    assert a.usage.completion_tokens == 12                 # min_tokens: no EOS before 12 tokens
+    r = client.completions.create(model="llama", prompt=PROMPT, max_tokens=8, temperature=0,
+                                  extra_body={"response_format": {"type": "regex", "regex": "(yes|no)"}})
+    assert r.choices[0].text in ("yes", "no") and r.choices[0].finish_reason == "stop"
+
+
+def _error(r: httpx.Response, status: int, param=None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def test_errors_are_openai_error_objects(server):
+    base = {"model": "llama", "prompt": PROMPT, "max_tokens": 4}
+    _error(server.post("/completions", content=b'{"model": "llama", "prompt": '), 400)
+    _error(server.post("/completions", {**base, "max_tokens": "four"}), 400, "max_tokens")
+    _error(server.post("/completions", {**base, "temperature": [1]}), 400, "temperature")
+    err = _error(server.post("/completions", {**base, "best_guess": 1}), 400, "best_guess")
+    assert "best_guess" in err["message"]
+    _error(server.post("/chat/completions", {"model": "llama", "messages": MESSAGES, "n": 2}), 400, "n")
+    _error(server.post("/completions", {**base, "temperature": 500}), 400, "temperature")   # the engine's check
+    _error(server.post("/completions", {**base, "model": "gpt-4"}), 404, "model")
+    long_prompt = list(range(3, 400)) * 21                                  # 8337 tokens > max length 8192
+    err = _error(server.post("/completions", {**base, "prompt": long_prompt}), 400, "prompt")
+    assert err["code"] == "context_length_exceeded"
+    _error(server.post("/chat/completions", {"model": "llama", "messages": MESSAGES}, headers={}), 401)
+    _error(server.post("/chat/completions", {"model": "llama", "messages": MESSAGES},
+                       headers={"Authorization": "Bearer wrong"}), 401)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError):
+        openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0).chat.completions.create(
+            model="llama", messages=MESSAGES, n=3)
+
+
+def _wait_idle(server, timeout_s: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = server.metrics()
+        if (m['allspark_num_requests_running{model_name="llama"}'] == 0
+                and m["allspark_server_requests_admitted"] == 0) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def test_client_disconnect_frees_the_engine_request(server):
+    body = {"model": "llama", "prompt": PROMPT, "max_tokens": MAX_LENGTH - 16, "temperature": 0, "ignore_eos": True}
+    aborted = server.metrics().get('allspark_request_finished_total{finished_reason="abort"}', 0)
+    with httpx.stream("POST", server.base_url + "/completions", json={**body, "stream": True},
+                      headers=server.headers(), timeout=60) as r:
+        assert r.status_code == 200
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 10:
+                m = server.metrics()
+                assert m['allspark_num_requests_running{model_name="llama"}'] == 1
+                break                                   # leaving the block closes the connection mid-stream
+    started = time.monotonic()
+    m = _wait_idle(server)
+    assert m['allspark_num_requests_running{model_name="llama"}'] == 0 and time.monotonic() - started < 5
+    assert m['allspark_request_finished_total{finished_reason="abort"}'] == aborted + 1
+    # a non-streaming request whose client gives up is stopped too
+    with pytest.raises(httpx.ReadTimeout):
+        server.post("/completions", body, timeout=1.0)
+    m = _wait_idle(server)
+    assert m['allspark_num_requests_running{model_name="llama"}'] == 0
+    assert m['allspark_request_finished_total{finished_reason="abort"}'] == aborted + 2
+
+
+def test_metrics(server, client):
+    client.completions.create(model="llama", prompt=PROMPT, max_tokens=4, temperature=0)
+    client.completions.create(model="llama", prompt=PROMPT, max_tokens=4, temperature=0)   # a prefix cache hit
+    m = server.metrics()
+    assert m['allspark_http_requests_total{endpoint="/v1/completions",status="200"}'] >= 2
+    assert m['allspark_http_requests_total{endpoint="/v1/completions",status="400"}'] >= 1
+    assert m['allspark_http_requests_total{endpoint="/v1/chat/completions",status="401"}'] >= 1
+    assert m["allspark_time_to_first_token_seconds_count"] >= 2
+    assert m["allspark_e2e_request_latency_seconds_count"] >= 2
+    assert m["allspark_time_per_output_token_seconds_count"] >= 1
+    assert m["allspark_prompt_tokens_total"] > 0 and m["allspark_generation_tokens_total"] > 0
+    assert m['allspark_kv_cache_spans_total{model_name="llama"}'] > 0
+    assert 0 <= m['allspark_kv_cache_usage_ratio{model_name="llama"}'] <= 1
+    assert 0 < m['allspark_prefix_cache_hit_rate{model_name="llama"}'] <= 1
+    assert m['allspark_engine_up{model_name="llama"}'] == 1
+    assert m['allspark_num_requests_waiting{model_name="llama"}'] == 0
+    assert m['allspark_memory_bandwidth_gbs{model_name="llama"}'] > 0
+    assert m['allspark_memory_bandwidth_utilization{model_name="llama"}'] >= 0

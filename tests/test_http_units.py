@@ -1,0 +1,188 @@
+"""allspark-serve's pieces without a server: incremental detokenization (multi-byte UTF-8 split across byte-level
+tokens), stop strings cut across pieces, request validation, admission, the queue reader (listener hook and
+polling) fed from another thread, API key sources, and the refusal to bind a non-loopback address without one."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from allspark_server.http.admission import Admission, Overloaded
+from allspark_server.http.detokenize import IncrementalDetokenizer, StopMatcher, TokenText
+from allspark_server.http.protocol import ApiError, generation_config, max_new_tokens, parse_chat, parse_completion
+
+TEXT = "naïve café: 世界 says 🙂 ok"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from allspark_server.tiny_model import build_tokenizer
+    return build_tokenizer(str(tmp_path_factory.mktemp("tok")))   # byte-level BPE trained on ASCII text
+
+
+def test_detokenizer_never_emits_a_broken_character(tokenizer):
+    ids = tokenizer(TEXT)["input_ids"]
+    # the ASCII-trained vocabulary splits every non-ASCII character into byte tokens
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)
+    for chunk in (1, 2, 3):                       # tokens arriving one, two, three at a time
+        detok = IncrementalDetokenizer(tokenizer, prompt_ids=tokenizer("Hello")["input_ids"])
+        pieces = [detok.add(ids[i:i + chunk]) for i in range(0, len(ids), chunk)] + [detok.flush()]
+        assert "".join(pieces) == TEXT
+        assert not any("\ufffd" in p for p in pieces), pieces
+        assert any(p == "" for p in pieces)        # held back while a character was incomplete
+
+
+def test_detokenizer_skips_eos_and_flushes_a_truncated_character(tokenizer):
+    eos = tokenizer.eos_token_id
+    ids = tokenizer("ok 🙂")["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer, skip_ids=[eos])
+    text = detok.add(ids[:-1])                     # the emoji's last byte is missing
+    assert text == "ok " and detok.add([eos]) == ""
+    assert detok.flush() == "\ufffd"              # the output ended inside a character: as a full decode shows it
+
+
+def test_token_text_gives_the_bytes_of_byte_tokens(tokenizer):
+    tt = TokenText(tokenizer)
+    ids = tokenizer("é")["input_ids"]
+    assert b"".join(tt.get(i)[1] for i in ids) == "é".encode()
+    assert tt.get(tokenizer.eos_token_id)[0] == "</s>"
+
+
+def test_stop_matcher_cuts_across_pieces_and_holds_back_prefixes():
+    m = StopMatcher(["STOP", "\n\n"])
+    assert m.feed("abc ST") == ("abc ", False)    # "ST" could start "STOP"
+    assert m.feed("x") == ("STx", False)          # it did not
+    assert m.feed("yS") == ("y", False)
+    assert m.feed("TO") == ("", False)
+    assert m.feed("P and more") == ("", True)     # cut before the stop string
+    assert m.feed("later") == ("", True) and m.flush() == ""
+    m = StopMatcher(["aab"])
+    out = [m.feed(c)[0] for c in "aaab"]
+    assert "".join(out) == "a" and m.matched
+    m = StopMatcher(["xyz"])
+    assert m.feed("abc x") == ("abc ", False) and m.flush() == "x"   # the end of the output releases the tail
+
+
+def _err(fn, *a) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        fn(*a)
+    return e.value
+
+
+def test_request_validation():
+    ok = parse_chat({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                     "user": "u1", "metadata": {"a": "b"}, "stop": "x", "max_tokens": 5, "top_k": 3,
+                     "logprobs": True, "top_logprobs": 2, "seed": None}, "m")
+    assert ok.messages == [{"role": "user", "content": "hi"}] and ok.stop == ("x",) and ok.max_tokens == 5
+    gen = generation_config(ok, 10, max_new_tokens(ok, 10, 100), {"temperature": 0.7})
+    assert gen == {"temperature": 0.7, "top_k": 3, "max_new_tokens": 5, "logprobs": True, "top_logprobs": 2}
+    e = _err(parse_chat, {"model": "m", "messages": [], "frobnicate": 1, "zap": 2}, "m")
+    assert e.status == 400 and "frobnicate" in e.message and "zap" in e.message
+    assert _err(parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "m").param == "n"
+    assert _err(parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                             "temperature": "hot"}, "m").param == "temperature"
+    assert _err(parse_chat, {"model": "other", "messages": [{"role": "user", "content": "x"}]}, "m").status == 404
+    assert _err(parse_completion, {"model": "m", "prompt": ["a", "b"]}, "m").param == "prompt"
+    assert _err(parse_completion, {"model": "m", "prompt": "a", "echo": True}, "m").param == "echo"
+    c = parse_completion({"model": "m", "prompt": [[5, 6]], "min_tokens": 2, "ignore_eos": True, "logprobs": 0}, "m")
+    gen = generation_config(c, 2, max_new_tokens(c, 2, 100), {})
+    assert c.prompt == [5, 6] and gen["min_length"] == 4 and gen["eos_token_id"] == [] and gen["max_new_tokens"] == 16
+    e = _err(max_new_tokens, parse_completion({"model": "m", "prompt": "a", "max_tokens": 50}, "m"), 60, 100)
+    assert e.code == "context_length_exceeded"
+
+
+def test_admission_queues_in_order_then_refuses():
+    async def scenario():
+        adm = Admission(max_running=1, max_queue=1)
+        first = await adm.acquire()
+        waiter = asyncio.ensure_future(adm.acquire())
+        await asyncio.sleep(0)
+        assert adm.waiting == 1
+        with pytest.raises(Overloaded):
+            await adm.acquire()
+        first.release()
+        second = await waiter                      # the slot went to the waiter
+        assert adm.running == 1 and adm.waiting == 0
+        second.release()
+        second.release()                           # idempotent
+        assert adm.running == 0
+
+    asyncio.run(scenario())
+
+
+def test_non_loopback_bind_needs_an_api_key(tmp_path, monkeypatch):
+    from allspark_server.http.cli import main
+    monkeypatch.delenv("ALLSPARK_API_KEY", raising=False)
+    with pytest.raises(SystemExit) as e:          # refused before anything is loaded
+        main(["--model", str(tmp_path), "--host", "0.0.0.0"])
+    assert "API key" in str(e.value.code)
+
+
+class _PolledQueue:
+    """A ResultQueue seen without its listener hook: the reader must fall back to polling."""
+
+    def __init__(self, q):
+        self._q = q
+
+    def GenerateStatus(self):
+        return self._q.GenerateStatus()
+
+    def GetNoWait(self):
+        return self._q.GetNoWait()
+
+    def ErrorMessage(self):
+        return self._q.ErrorMessage()
+
+
+@pytest.mark.parametrize("hook", [True, False], ids=["listener", "polling"])
+def test_queue_reader_delivers_every_token_from_another_thread(hook):
+    import threading
+    from allspark_client import GeneratedElements, GenerateRequestStatus, ResultQueue
+    from allspark_server.http.stream import Generation, QueueReader
+
+    class Backend:
+        released = []
+
+        def release_soon(self, handle):
+            self.released.append(handle)
+
+    async def scenario():
+        reader, queues = QueueReader(), [ResultQueue() for _ in range(20)]
+
+        def engine():                  # pushes tokens to every queue, a step at a time, then finishes them
+            for step in range(50):
+                for i, q in enumerate(queues):
+                    status = GenerateRequestStatus.GenerateFinished if step == 49 else GenerateRequestStatus.Generating
+                    q._push(GeneratedElements([i * 1000 + step]), status)
+
+        gens = [Generation(Backend(), i, q if hook else _PolledQueue(q), reader) for i, q in enumerate(queues)]
+        threading.Thread(target=engine).start()
+
+        async def read(g):
+            out = []
+            while (el := await g.next()) is not None:
+                out.extend(el.ids_from_generate)
+            g.close()
+            return out, g.status
+
+        results = await asyncio.wait_for(asyncio.gather(*(read(g) for g in gens)), 30)
+        assert len(reader) == 0
+        await reader.close()
+        return results
+
+    for i, (tokens, status) in enumerate(asyncio.run(scenario())):
+        assert tokens == [i * 1000 + s for s in range(50)] and status == GenerateRequestStatus.GenerateFinished
+
+
+def test_api_key_sources_and_loopback(tmp_path, monkeypatch):
+    from allspark_server.http.cli import is_loopback, parse_args, resolve_api_key
+    monkeypatch.delenv("ALLSPARK_API_KEY", raising=False)
+    assert resolve_api_key(parse_args(["--model", "m"])) is None
+    monkeypatch.setenv("ALLSPARK_API_KEY", "from-env")
+    assert resolve_api_key(parse_args(["--model", "m"])) == "from-env"
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    assert resolve_api_key(parse_args(["--model", "m", "--api-key-file", str(key_file)])) == "from-file"
+    assert resolve_api_key(parse_args(["--model", "m", "--api-key", "flag", "--api-key-file", str(key_file)])) == "flag"
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.1.2.3", "::1", "localhost"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.1", "example.com"))
