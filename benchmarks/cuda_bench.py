@@ -16,6 +16,7 @@ import time
 import torch
 
 import torch_cuda_peer as peer_mod
+from allspark_server.runner.memory_bandwidth import gpu_copy_bandwidth_gbs
 import workloads as W
 
 LLAMA2_7B = dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=11008, num_attention_heads=32,
@@ -23,17 +24,7 @@ LLAMA2_7B = dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=11008
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30, repeats: int = 20) -> float:
-    a = torch.randn(nbytes // 4, device="cuda")
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(repeats + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        b.copy_(a)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * nbytes / statistics.median(times[3:]) / 1e9
+    return gpu_copy_bandwidth_gbs(torch.device("cuda"), nbytes, repeats)
 
 
 def graph_replay_ms(graphs, batch: int, repeats: int = 50) -> float:
