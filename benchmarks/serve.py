@@ -1,0 +1,200 @@
+"""The HTTP server's benchmark: a Poisson load through allspark-serve with the official `openai` async client, next
+to the same workload through the Python `Engine` API directly.
+
+    python benchmarks/serve.py [--quick] [--requests 64] [--rate 2.0] [--json benchmarks/results-serve.json]
+
+vLLM's benchmark_serving definitions: TTFT (request sent -> first token), TPOT ((last - first token) / (output
+tokens - 1)), ITL (gaps between consecutive token arrivals), e2e latency; median and p99; request and output-token
+throughput. Prompts are token ids (the completions endpoint takes them), `max_tokens` tokens each with EOS
+ignored, so both paths do identical work. The model: the Llama-shaped random bf16 model of run.py (0.5 B; --quick:
+the small one) with a 512-token vocabulary, so every id it emits is one the trained test tokenizer can detokenize.
+The server's Engine and the direct Engine run with the same thread count (`--threads`), one after the other.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import run  # noqa: E402  (sets the OpenMP environment before torch loads)
+import workloads as W  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 512
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def summarize(results: list[dict], wall: float) -> dict:
+    itl = [g for r in results for g in r["itl"]]
+    out = {"requests": len(results), "wall_s": wall, "request_throughput": len(results) / wall,
+           "output_throughput": sum(r["tokens"] for r in results) / wall}
+    for key, xs in (("ttft", [r["ttft"] for r in results]), ("tpot", [r["tpot"] for r in results]),
+                    ("itl", itl), ("e2e", [r["e2e"] for r in results])):
+        out[f"{key}_median_ms"] = 1e3 * statistics.median(xs)
+        out[f"{key}_p99_ms"] = 1e3 * _pct(xs, 0.99)
+    return out
+
+
+def arrivals(n: int, rate: float, seed: int = 7) -> list[float]:
+    rng, at, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        at += rng.expovariate(rate)
+        out.append(at)
+    return out
+
+
+def _record(t0: float, stamps: list[float], tokens: int) -> dict:
+    """From the arrival times of the chunks (a chunk may carry several tokens) and the output token count."""
+    return {"ttft": stamps[0] - t0, "tpot": (stamps[-1] - stamps[0]) / max(1, tokens - 1), "e2e": stamps[-1] - t0,
+            "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": tokens}
+
+
+async def http_load(base_url: str, model: str, prompts: list[list[int]], at: list[float], max_tokens: int) -> dict:
+    from openai import AsyncOpenAI
+    client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+
+    async def one(prompt, delay):
+        await asyncio.sleep(delay)
+        t0 = time.perf_counter()
+        stamps, tokens = [], 0
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                                 temperature=0, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                stamps.append(time.perf_counter())
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        assert tokens == max_tokens, tokens
+        return _record(t0, stamps, tokens)
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(p, d) for p, d in zip(prompts, at)))
+    await client.close()
+    return summarize(list(results), time.perf_counter() - start)
+
+
+def engine_load(engine, name: str, prompts: list[list[int]], at: list[float], max_tokens: int) -> dict:
+    results, threads = [None] * len(prompts), []
+    gen = dict(W.GREEDY, max_new_tokens=max_tokens)
+
+    def one(i):
+        t0 = time.perf_counter()
+        status, handle, queue = engine.start_request(name, {"input_ids": prompts[i]}, gen)
+        assert status == 0, engine.get_last_error()
+        stamps, tokens = [], 0
+        while (el := queue.Get()) is not None:
+            if el.ids_from_generate:
+                stamps.append(time.perf_counter())
+                tokens += len(el.ids_from_generate)
+        engine.release_request(name, handle)
+        results[i] = _record(t0, stamps, tokens)
+
+    start = time.perf_counter()
+    for i, when in enumerate(at):
+        delay = when - (time.perf_counter() - start)
+        if delay > 0:
+            time.sleep(delay)
+        th = threading.Thread(target=one, args=(i,))
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+    return summarize(results, time.perf_counter() - start)
+
+
+def wait_ready(url: str, proc, timeout_s: float = 600) -> None:
+    import httpx
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"allspark-serve exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("allspark-serve did not become ready")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--rate", type=float, default=0.0, help="requests/s (0: measured, half the batch capacity)")
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=max(1, len(os.sched_getaffinity(0)) - 1),
+                   help="engine threads, the server's and the direct Engine's (default: all cores but one)")
+    p.add_argument("--json", default="benchmarks/results-serve.json")
+    a = p.parse_args()
+    spec = dict(run.QUICK if a.quick else run.FULL, vocab=VOCAB)
+    hf_dir = run.build_model(spec, "bfloat16")
+    from allspark_server.tiny_model import build_tokenizer
+    if not os.path.exists(os.path.join(hf_dir, "tokenizer.json")):
+        build_tokenizer(hf_dir)
+    prompts = [W.prompt(a.prompt, 100 + i, VOCAB) for i in range(a.requests)]
+    report = {"machine": run.machine_name(), "spec": spec, "threads": a.threads, "requests": a.requests,
+              "prompt": a.prompt, "max_tokens": a.max_tokens}
+
+    import torch
+    from allspark_server import Engine, HuggingFaceModel
+    torch.set_num_threads(a.threads)
+    loader = HuggingFaceModel(hf_dir, "bench-serve", user_set_data_type="bfloat16")
+    loader.load_model().serialize(None, model_output_dir=tempfile.mkdtemp(prefix="allspark-serve-")).free_model()
+    engine = Engine()
+    cfg = (loader.create_reference_runtime_config_builder("direct", "cpu", [0], max_batch=32)
+           .max_length(a.prompt + a.max_tokens + 16).build())
+    engine.install_model(cfg)
+    engine.start_model("direct")
+    rate = a.rate
+    if not rate:   # half of what a batch of 8 sustains, as run.py's Poisson rows
+        rate = 0.5 * W.concurrent_tps(engine, "direct", VOCAB, 8, a.prompt, a.max_tokens) / a.max_tokens
+    at = arrivals(a.requests, rate)
+    report["rate_rps"] = rate
+    report["engine_api"] = engine_load(engine, "direct", prompts, at, a.max_tokens)
+    print("Engine API:", json.dumps(report["engine_api"]), flush=True)
+    engine.stop_model("direct")
+    engine.release_model("direct")
+    engine.shutdown()
+
+    port = 18000 + os.getpid() % 1000
+    cmd = [sys.executable, "-m", "allspark_server.http", "--model", hf_dir, "--served-model-name", "bench",
+           "--cache-dir", tempfile.mkdtemp(prefix="allspark-serve-cache-"), "--dtype", "bfloat16",
+           "--max-batch", "32", "--max-length", str(a.prompt + a.max_tokens + 16), "--threads", str(a.threads),
+           "--port", str(port), "--log-level", "warning"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", proc)
+        report["http"] = asyncio.run(http_load(f"http://127.0.0.1:{port}/v1", "bench", prompts, at, a.max_tokens))
+        print("HTTP:      ", json.dumps(report["http"]), flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    e, h = report["engine_api"], report["http"]
+    report["http_vs_engine"] = {"tpot_median_ratio": h["tpot_median_ms"] / e["tpot_median_ms"],
+                                "ttft_median_added_ms": h["ttft_median_ms"] - e["ttft_median_ms"],
+                                "output_throughput_ratio": h["output_throughput"] / e["output_throughput"]}
+    print(json.dumps(report["http_vs_engine"], indent=1))
+    os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+    with open(a.json, "w") as f:
+        json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
