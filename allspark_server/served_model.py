@@ -169,13 +169,18 @@ class ServedModel:
             if reason is not None:
                 self._live.pop(req.request_id)
                 entry.queue._set_status(GenerateRequestStatus.GenerateFinished, note)
+        self._record_step(plan, requests, len(events), started)
+
+    def _record_step(self, plan, requests: dict, generated: int, started: float) -> None:
+        """Rates for the stats; for a decode-only step also the bytes it read (every weight once, each sequence's KV
+        cache: its context, new token included) and its wall time, for the MBU."""
         decode_only = all(c.num_tokens == 1 for c in plan.chunks) and plan.chunks
-        if decode_only:   # bytes read: every weight once, each sequence's KV cache (its context, new token included)
+        if decode_only:
             ctx = sum(requests[c.request_id].num_computed_tokens for c in plan.chunks)
             read = self.runner.pool_weight_bytes + ctx * self.runner.pool_kv_bytes_per_token
         with self._stat_lock:
             now = time.monotonic()
-            self._rates.append((now, len(events), plan.num_tokens))
+            self._rates.append((now, generated, plan.num_tokens))
             while self._rates and now - self._rates[0][0] > RATE_WINDOW_S:
                 self._rates.popleft()
             if decode_only:
