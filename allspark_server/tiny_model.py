@@ -80,3 +80,25 @@ def build_tiny_model(out_dir: str, variant: str = "llama_gqa_llama3", seed: int 
     if tokenizer:
         build_tokenizer(out_dir)
     return model
+
+
+DEMO_DIR = os.path.join(os.path.expanduser("~"), ".cache", "allspark", "demo")
+DEMO_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def demo_model(out_dir: str = DEMO_DIR) -> str:
+    """The embedded demo model (the quick start's: a small random Llama with the trained tokenizer) and a chat
+    template, created once in `out_dir`; returns the folder. Its text is gibberish, its flow is real."""
+    import json
+    if not os.path.exists(os.path.join(out_dir, "tokenizer.json")):
+        build_tiny_model(out_dir, "llama_gqa_llama3", seed=0, hidden_size=256, num_layers=4, intermediate_size=704,
+                         weight_scale=0.05)
+    path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    if cfg.get("chat_template") != DEMO_CHAT_TEMPLATE:
+        cfg["chat_template"] = DEMO_CHAT_TEMPLATE
+        with open(path, "w") as f:
+            json.dump(cfg, f, indent=2)
+    return out_dir

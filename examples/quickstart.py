@@ -15,7 +15,7 @@ import time
 
 from allspark_client import ClientEngine
 from allspark_server import HuggingFaceModel, TargetDevice
-from allspark_server.tiny_model import build_tiny_model
+from allspark_server.tiny_model import demo_model
 
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "allspark", "quickstart")
 NAME = "quickstart-llama"
@@ -25,8 +25,7 @@ def prepare_model() -> HuggingFaceModel:
     hf_dir = os.path.join(CACHE, "hf")
     if not os.path.exists(os.path.join(hf_dir, "tokenizer.json")):
         print(f"creating a small random Llama model in {hf_dir} ...", flush=True)
-        build_tiny_model(hf_dir, "llama_gqa_llama3", seed=0, hidden_size=256, num_layers=4, intermediate_size=704,
-                         weight_scale=0.05)
+    demo_model(hf_dir)
     model = HuggingFaceModel(hf_dir, NAME, user_set_data_type="float32")
     model.load_model().serialize_to_path(None, CACHE, skip_if_exists=True).free_model()
     return model

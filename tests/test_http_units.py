@@ -186,3 +186,17 @@ def test_api_key_sources_and_loopback(tmp_path, monkeypatch):
     assert resolve_api_key(parse_args(["--model", "m", "--api-key", "flag", "--api-key-file", str(key_file)])) == "flag"
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.1.2.3", "::1", "localhost"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.1", "example.com"))
+
+
+def test_the_demo_model_has_a_chat_template_and_passes_the_setup_checks(tmp_path):
+    from transformers import AutoTokenizer
+    from allspark_server.http.cli import check_setup, parse_args
+    from allspark_server.tiny_model import DEMO_CHAT_TEMPLATE, demo_model
+    folder = demo_model(str(tmp_path / "demo"))
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert tok.chat_template == DEMO_CHAT_TEMPLATE
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text == "<|user|>hi\n<|assistant|>"
+    check_setup(parse_args(["--model", "demo"]), None)          # 'demo' needs no folder of its own
+    with pytest.raises(SystemExit, match="not a folder"):
+        check_setup(parse_args(["--model", str(tmp_path / "missing")]), None)
