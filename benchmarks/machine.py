@@ -2,7 +2,6 @@
 with the thread count the engine uses."""
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch

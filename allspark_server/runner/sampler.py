@@ -87,11 +87,12 @@ def suppresses_eos(gen: GenerationConfig, all_ids: list[int]) -> bool:
 
 class Sampler:
     def sample_rows(self, logits: torch.Tensor, rows: list[tuple[SamplingState, list[int], list[int]]],
-                    guided_masks: Optional[tuple[list[int], "np.ndarray"]] = None) -> list[SampleResult]:
+                    guided_masks: Optional[tuple[list[int], object]] = None) -> list[SampleResult]:
         """Every row of logits [N, V] (on the host or a GPU) with its (state, all_ids, output_ids). Plain greedy
         rows (no penalties, logprobs or masked EOS) take one argmax over all of them together; on a GPU only
         their token ids leave it. The others go through `sample_row` on the host, the same math either way.
-        `guided_masks` = (row indices, their llguidance bitmask): applied to `logits` in place first."""
+        `guided_masks` = (row indices, their llguidance bitmask, an int32 numpy array): applied to `logits` in place
+        first."""
         if guided_masks is not None:
             with torch.inference_mode():   # the runner's logits are inference tensors
                 apply_masks(logits, *guided_masks)
