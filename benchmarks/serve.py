@@ -2,6 +2,7 @@
 to the same workload through the Python `Engine` API directly.
 
     python benchmarks/serve.py [--quick] [--requests 64] [--rate 2.0] [--json benchmarks/results-serve.json]
+    python benchmarks/serve.py --quick --burst 200 [--server-args "--max-concurrent 16 --max-queue 32"]
 
 vLLM's benchmark_serving definitions: TTFT (request sent -> first token), TPOT ((last - first token) / (output
 tokens - 1)), ITL (gaps between consecutive token arrivals), e2e latency; median and p99; request and output-token
@@ -9,6 +10,8 @@ throughput. Prompts are token ids (the completions endpoint takes them), `max_to
 ignored, so both paths do identical work. The model: the Llama-shaped random bf16 model of run.py (0.5 B; --quick:
 the small one) with a 512-token vocabulary, so every id it emits is one the trained test tokenizer can detokenize.
 The server's Engine and the direct Engine run with the same thread count (`--threads`), one after the other.
+`--burst N` instead sends N streaming requests at once through HTTP only and counts how each ended: completed with
+all its tokens, refused with 429, failed otherwise, or lost (no end within the timeout).
 """
 from __future__ import annotations
 
@@ -116,6 +119,54 @@ def engine_load(engine, name: str, prompts: list[list[int]], at: list[float], ma
     return summarize(results, time.perf_counter() - start)
 
 
+async def http_burst(base_url: str, model: str, prompts: list[list[int]], max_tokens: int,
+                     timeout_s: float = 600) -> dict:
+    """Every prompt at once, streaming: how each request ended."""
+    import openai
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=timeout_s)
+
+    async def one(prompt):
+        try:
+            stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                                     temperature=0, stream_options={"include_usage": True},
+                                                     extra_body={"ignore_eos": True})
+            tokens = 0
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+            return "completed" if tokens == max_tokens else f"short ({tokens} tokens)"
+        except openai.RateLimitError:
+            return "429"
+        except openai.APITimeoutError:
+            return "lost"
+        except openai.APIError as e:
+            return f"error: {type(e).__name__}"
+
+    start = time.perf_counter()
+    ends = await asyncio.gather(*(one(p) for p in prompts))
+    await client.close()
+    counts: dict[str, int] = {}
+    for e in ends:
+        counts[e] = counts.get(e, 0) + 1
+    return {"requests": len(prompts), "wall_s": time.perf_counter() - start, "ended": counts}
+
+
+def start_server(hf_dir: str, a, extra: list[str]):
+    port = 18000 + os.getpid() % 1000
+    cmd = [sys.executable, "-m", "allspark_server.http", "--model", hf_dir, "--served-model-name", "bench",
+           "--cache-dir", tempfile.mkdtemp(prefix="allspark-serve-cache-"), "--dtype", "bfloat16",
+           "--max-batch", "32", "--max-length", str(a.prompt + a.max_tokens + 16), "--threads", str(a.threads),
+           "--port", str(port), "--log-level", "warning", *extra]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", proc)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, f"http://127.0.0.1:{port}/v1"
+
+
 def wait_ready(url: str, proc, timeout_s: float = 600) -> None:
     import httpx
     deadline = time.time() + timeout_s
@@ -140,6 +191,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=max(1, len(os.sched_getaffinity(0)) - 1),
                    help="engine threads, the server's and the direct Engine's (default: all cores but one)")
+    p.add_argument("--burst", type=int, default=0, help="N streaming requests at once through HTTP only")
+    p.add_argument("--server-args", default="", help="extra allspark-serve flags (e.g. admission limits)")
     p.add_argument("--json", default="benchmarks/results-serve.json")
     a = p.parse_args()
     spec = dict(run.QUICK if a.quick else run.FULL, vocab=VOCAB)
@@ -147,9 +200,21 @@ def main() -> None:
     from allspark_server.tiny_model import build_tokenizer
     if not os.path.exists(os.path.join(hf_dir, "tokenizer.json")):
         build_tokenizer(hf_dir)
-    prompts = [W.prompt(a.prompt, 100 + i, VOCAB) for i in range(a.requests)]
-    report = {"machine": run.machine_name(), "spec": spec, "threads": a.threads, "requests": a.requests,
-              "prompt": a.prompt, "max_tokens": a.max_tokens}
+    prompts = [W.prompt(a.prompt, 100 + i, VOCAB) for i in range(a.burst or a.requests)]
+    report = {"machine": run.machine_name(), "spec": spec, "threads": a.threads, "requests": len(prompts),
+              "prompt": a.prompt, "max_tokens": a.max_tokens, "server_args": a.server_args}
+    if a.burst:
+        proc, base_url = start_server(hf_dir, a, a.server_args.split())
+        try:
+            report["burst"] = asyncio.run(http_burst(base_url, "bench", prompts, a.max_tokens))
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+        print(json.dumps(report["burst"]), flush=True)
+        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=2)
+        return
 
     import torch
     from allspark_server import Engine, HuggingFaceModel
@@ -172,16 +237,9 @@ def main() -> None:
     engine.release_model("direct")
     engine.shutdown()
 
-    port = 18000 + os.getpid() % 1000
-    cmd = [sys.executable, "-m", "allspark_server.http", "--model", hf_dir, "--served-model-name", "bench",
-           "--cache-dir", tempfile.mkdtemp(prefix="allspark-serve-cache-"), "--dtype", "bfloat16",
-           "--max-batch", "32", "--max-length", str(a.prompt + a.max_tokens + 16), "--threads", str(a.threads),
-           "--port", str(port), "--log-level", "warning"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO)
+    proc, base_url = start_server(hf_dir, a, a.server_args.split())
     try:
-        wait_ready(f"http://127.0.0.1:{port}", proc)
-        report["http"] = asyncio.run(http_load(f"http://127.0.0.1:{port}/v1", "bench", prompts, at, a.max_tokens))
+        report["http"] = asyncio.run(http_load(base_url, "bench", prompts, at, a.max_tokens))
         print("HTTP:      ", json.dumps(report["http"]), flush=True)
     finally:
         proc.terminate()
