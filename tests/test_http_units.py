@@ -1,6 +1,6 @@
 """allspark-serve's pieces without a server: incremental detokenization (multi-byte UTF-8 split across byte-level
-tokens), stop strings cut across pieces, request validation, admission, the queue reader (listener hook and
-polling) fed from another thread, API key sources, and the refusal to bind a non-loopback address without one."""
+tokens), stop strings cut across pieces, request validation, admission, the queue reader (listener hook) fed
+from another thread, API key sources, and the refusal to bind a non-loopback address without one."""
 from __future__ import annotations
 
 import asyncio
@@ -118,24 +118,7 @@ def test_non_loopback_bind_needs_an_api_key(tmp_path, monkeypatch):
     assert "API key" in str(e.value.code)
 
 
-class _PolledQueue:
-    """A ResultQueue seen without its listener hook: the reader must fall back to polling."""
-
-    def __init__(self, q):
-        self._q = q
-
-    def GenerateStatus(self):
-        return self._q.GenerateStatus()
-
-    def GetNoWait(self):
-        return self._q.GetNoWait()
-
-    def ErrorMessage(self):
-        return self._q.ErrorMessage()
-
-
-@pytest.mark.parametrize("hook", [True, False], ids=["listener", "polling"])
-def test_queue_reader_delivers_every_token_from_another_thread(hook):
+def test_queue_reader_delivers_every_token_from_another_thread():
     import threading
     from allspark_client import GeneratedElements, GenerateRequestStatus, ResultQueue
     from allspark_server.http.stream import Generation, QueueReader
@@ -155,7 +138,7 @@ def test_queue_reader_delivers_every_token_from_another_thread(hook):
                     status = GenerateRequestStatus.GenerateFinished if step == 49 else GenerateRequestStatus.Generating
                     q._push(GeneratedElements([i * 1000 + step]), status)
 
-        gens = [Generation(Backend(), i, q if hook else _PolledQueue(q), reader) for i, q in enumerate(queues)]
+        gens = [Generation(Backend(), i, q, reader) for i, q in enumerate(queues)]
         threading.Thread(target=engine).start()
 
         async def read(g):

@@ -117,20 +117,19 @@ def create_app(backend, *, api_key: Optional[str] = None, max_concurrent: int = 
         return {"object": "list", "data": [{"id": backend.name, "object": "model", "created": started,
                                             "owned_by": "allspark", "max_model_len": backend.engine_max_length}]}
 
+    async def engine_state(fn, unavailable):
+        """fn() on the engine executor; `unavailable` when the engine or pool cannot answer."""
+        try:
+            return await engine_call(fn)
+        except Exception:
+            return unavailable
+
     @app.get("/health")
     async def health():
-        try:
-            ready = await engine_call(backend.is_ready)
-        except Exception:
-            ready = False
-        return Response(status_code=200 if ready else 503)
+        return Response(status_code=200 if await engine_state(backend.is_ready, False) else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        try:
-            stat = await engine_call(backend.stat)
-        except Exception:
-            stat = None
-        return Response(metrics.render(stat), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.render(await engine_state(backend.stat, None)), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -47,11 +47,8 @@ class Backend:
 
     # ---- blocking calls (run them on `executor`) ---------------------------------------------
     def start(self, prompt_ids: list[int], gen: dict):
-        """start_request -> (status, handle, queue, error message)."""
-        try:
-            status, handle, queue = self.engine.start_request(self.name, {"input_ids": prompt_ids}, gen)
-        except AsException as e:            # ClientEngine: the pool is unreachable
-            return e.status, None, None, e.message
+        """start_request -> (status, handle, queue, error message); a pool that is gone raises PoolUnavailable."""
+        status, handle, queue = self.engine.start_request(self.name, {"input_ids": prompt_ids}, gen)
         return status, handle, queue, ("" if status == AsStatus.ALLSPARK_SUCCESS else self.engine.get_last_error())
 
     def release(self, handle) -> None:

@@ -15,6 +15,7 @@ from typing import AsyncIterator, Optional
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from allspark_client.client import PoolUnavailable
 from allspark_client.types import AsStatus, GenerateRequestStatus
 from allspark_server.http.admission import Admission, Overloaded
 from allspark_server.http.detokenize import IncrementalDetokenizer, StopMatcher, TokenText
@@ -81,13 +82,14 @@ class Serving:
                            type_="rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         try:
             status, handle, queue, error = await loop.run_in_executor(b.executor, b.start, ids, gen)
+        except PoolUnavailable as e:
+            slot.release()
+            raise ApiError(503, e.message, code="unavailable") from None
         except BaseException:
             slot.release()
             raise
         if status != AsStatus.ALLSPARK_SUCCESS:
             slot.release()
-            if error.startswith("pool at"):
-                raise ApiError(503, error, code="unavailable")
             raise error_from_engine(status, error, req.kind)
         self.metrics.prompt_tokens.inc(len(ids))
         run = _Run(self, req, ids, budget, Generation(b, handle, queue, self.reader), slot, arrival)

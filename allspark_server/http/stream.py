@@ -1,31 +1,24 @@
 """Engine requests as asyncio streams: every open ResultQueue is read on the event loop, no thread per stream.
 
 A ResultQueue (Engine's or ClientEngine's) is filled by another thread (the engine thread, or a ClientEngine
-stream reader). Two ways to learn that it has news, both on the event loop and free of threads of our own:
-- event-driven, where the queue has the listener hook (`ResultQueue._set_listener`): the writer thread, after
-  each push, appends the stream to a "dirty" list and (only if no wake-up is pending already) schedules one
-  `loop.call_soon_threadsafe(drain)`; the drain reads just the dirty queues with GetNoWait() and wakes their
-  consumers. The writer's cost is a list append and a flag test; one wake-up serves a whole engine step's pushes.
-- polling, for queues without the hook: one asyncio task sweeps those queues with GetNoWait() (a lock each,
-  ~2 us) every 1 ms while tokens flow, backing off to 5 ms when none do, never sooner than twice the last
-  sweep's duration (at most a third of the loop's time however many streams are open); it sleeps when no
-  queue is polled. One task for all streams: a task per stream would wake N times as often.
-A thread blocked in Get() per stream is what this avoids; run_in_executor would cap streams at the pool's size.
+stream reader). Its listener hook (`ResultQueue._set_listener`) tells the event loop, without a thread of our
+own: the writer thread, after each push, appends the stream to a "dirty" list and (only if no wake-up is pending
+already) schedules one `loop.call_soon_threadsafe(drain)`; the drain reads just the dirty queues with GetNoWait()
+and wakes their consumers. The writer's cost is a list append and a flag test; one wake-up serves a whole engine
+step's pushes. A thread blocked in Get() per stream is what this avoids; run_in_executor would cap streams at the
+pool's size.
 Blocking control calls (start / release) run on the backend's small executor (backend.py), never here.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import deque
 from typing import Optional
 
 from allspark_client.types import GeneratedElements, GenerateRequestStatus
 
 log = logging.getLogger("allspark.http")
-MIN_TICK_S = 0.001
-MAX_TICK_S = 0.005
 
 
 class _Watch:
@@ -47,55 +40,34 @@ class _Watch:
 
 
 class QueueReader:
-    def __init__(self, min_tick_s: float = MIN_TICK_S, max_tick_s: float = MAX_TICK_S):
+    def __init__(self):
         self._listened: set[_Watch] = set()
-        self._polled: set[_Watch] = set()
         self._dirty: deque[_Watch] = deque()    # appended by writer threads, drained on the loop
         self._drain_pending = False
         self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._min, self._max = min_tick_s, max_tick_s
-        self._tick = min_tick_s
-        self._wake: Optional[asyncio.Event] = None
-        self._task: Optional[asyncio.Task] = None
 
     def __len__(self) -> int:
-        return len(self._polled) + len(self._listened)
+        return len(self._listened)
 
     def watch(self, queue) -> _Watch:
         """Start reading `queue` (call on the event loop)."""
         self._loop = asyncio.get_running_loop()
         w = _Watch(queue)
-        if hasattr(queue, "_set_listener"):
-            self._listened.add(w)
-            queue._set_listener(lambda: self._notify(w))
-            self._read(w)                        # what arrived before the listener was set
-            return w
-        if self._task is None or self._task.done():
-            self._wake = asyncio.Event()
-            self._task = self._loop.create_task(self._run(), name="allspark-queue-poller")
-        self._polled.add(w)
-        self._tick = self._min
-        self._wake.set()
+        self._listened.add(w)
+        queue._set_listener(lambda: self._notify(w))
+        self._read(w)                            # what arrived before the listener was set
         return w
 
     def unwatch(self, w: _Watch) -> None:
-        self._polled.discard(w)
         if w in self._listened:
             self._listened.discard(w)
             w.queue._set_listener(None)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-        for w in list(self._polled) + list(self._listened):
+        for w in list(self._listened):
             self.unwatch(w)
             w.finish(GenerateRequestStatus.InternalError, "the server is shutting down")
 
-    # ---- event-driven -------------------------------------------------------------------------
     def _notify(self, w: _Watch) -> None:
         """On the writer's thread, under the queue's lock: quick, never blocks, never raises."""
         self._dirty.append(w)
@@ -113,7 +85,7 @@ class QueueReader:
             if w in self._listened:
                 self._read(w)
 
-    def _read(self, w: _Watch) -> bool:
+    def _read(self, w: _Watch) -> None:
         q = w.queue
         try:
             status = q.GenerateStatus()        # before GetNoWait: a terminal status means nothing more will come
@@ -122,34 +94,13 @@ class QueueReader:
             log.exception("reading a result queue failed")
             self.unwatch(w)
             w.finish(GenerateRequestStatus.InternalError, f"reading the result queue failed: {e!r}")
-            return False
-        got = el is not None and bool(el.ids_from_generate)
-        if got:
+            return
+        if el is not None and el.ids_from_generate:
             w.items.append(el)
             w.event.set()
         if status.is_terminal:
             self.unwatch(w)
             w.finish(status, q.ErrorMessage())
-        return got
-
-    # ---- polling --------------------------------------------------------------------------------
-    async def _run(self) -> None:
-        while True:
-            if not self._polled:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            started = time.perf_counter()
-            got = self._sweep()
-            spent = time.perf_counter() - started
-            self._tick = self._min if got else min(self._tick * 2, self._max)
-            await asyncio.sleep(max(self._tick, 2 * spent))
-
-    def _sweep(self) -> bool:
-        got = False
-        for w in list(self._polled):
-            got = self._read(w) or got
-        return got
 
 
 class Generation:
