@@ -95,4 +95,5 @@ def engine_stat_to_proto(stat: AsEngineStat) -> pb.EngineStat:
 
 
 def engine_stat_from_proto(msg: pb.EngineStat) -> AsEngineStat:
-    return AsEngineStat(**{f.name: getattr(msg, f.name) for f in fields(AsEngineStat)})
+    values = {f.name: getattr(msg, f.name) for f in fields(AsEngineStat)}
+    return AsEngineStat(**{k: list(v) if k.startswith("rank_") else v for k, v in values.items()})

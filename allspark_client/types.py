@@ -125,8 +125,10 @@ class AsEngineStat:
     prefix_cache_miss_rate: float = 0.0
     prefix_cache_spans: int = 0             # spans holding cached prefixes that no request uses now
     prefix_cache_host_spans: int = 0        # prefixes kept in the second tier (host memory)
-    memory_bandwidth_gbs: float = 0.0       # copy bandwidth of the memory the model decodes from (measured once)
+    memory_bandwidth_gbs: float = 0.0       # copy bandwidth of the memory the model decodes from (all ranks, once)
     memory_bandwidth_utilization: float = 0.0   # MBU of the decode-only steps of the last 10 s (0..~1)
+    rank_memory_bandwidth_gbs: list[float] = field(default_factory=list)           # the same, per rank
+    rank_memory_bandwidth_utilization: list[float] = field(default_factory=list)
 
     @property
     def pending_request(self) -> int:

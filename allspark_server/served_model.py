@@ -30,7 +30,6 @@ from allspark_server.core.request import FinishReason, Request
 from allspark_server.core.scheduler import Scheduler, SchedulerConfig
 from allspark_server.core.span_manager import SpanManager
 from allspark_server.guided import GuidedState, GuidedVocabulary
-from allspark_server.runner.memory_bandwidth import bandwidth_gbs
 from allspark_server.runner.model_runner import ModelRunner
 from allspark_server.runner.sampler import Sampler, SamplingState
 
@@ -70,8 +69,7 @@ class ServedModel:
         self.started = False
         self._live: dict[int, AddRequest] = {}          # engine thread only
         self._rates: deque[tuple[float, int, int]] = deque()   # (time, generated, processed) per step
-        self._decode_steps: deque[tuple[float, int, float]] = deque()   # (time, bytes read, seconds) per decode step
-        self.bandwidth_gbs = bandwidth_gbs(runner.device)   # the roofline of the MBU in stat()
+        self._decode_steps: deque[tuple[float, int, float]] = deque()   # (time, context tokens, seconds) per decode step
         self._stat_lock = threading.Lock()
         self._guided: Optional[GuidedVocabulary] = None   # built by the first guided request
         self._guided_lock = threading.Lock()
@@ -172,19 +170,18 @@ class ServedModel:
         self._record_step(plan, requests, len(events), started)
 
     def _record_step(self, plan, requests: dict, generated: int, started: float) -> None:
-        """Rates for the stats; for a decode-only step also the bytes it read (every weight once, each sequence's KV
-        cache: its context, new token included) and its wall time, for the MBU."""
+        """Rates for the stats; for a decode-only step also the context tokens whose KV cache it read (new tokens
+        included) and its wall time, for the MBU."""
         decode_only = all(c.num_tokens == 1 for c in plan.chunks) and plan.chunks
         if decode_only:
             ctx = sum(requests[c.request_id].num_computed_tokens for c in plan.chunks)
-            read = self.runner.pool_weight_bytes + ctx * self.runner.pool_kv_bytes_per_token
         with self._stat_lock:
             now = time.monotonic()
             self._rates.append((now, generated, plan.num_tokens))
             while self._rates and now - self._rates[0][0] > RATE_WINDOW_S:
                 self._rates.popleft()
             if decode_only:
-                self._decode_steps.append((now, read, time.perf_counter() - started))
+                self._decode_steps.append((now, ctx, time.perf_counter() - started))
             while self._decode_steps and now - self._decode_steps[0][0] > RATE_WINDOW_S:
                 self._decode_steps.popleft()
 
@@ -234,8 +231,13 @@ class ServedModel:
         with self._stat_lock:
             rates = list(self._rates)
             decode = list(self._decode_steps)
-        seconds = sum(d[2] for d in decode)
-        mbu = sum(d[1] for d in decode) / seconds / (self.bandwidth_gbs * 1e9) if seconds else 0.0
+        # MBU: per rank, the seconds its reads take at its measured bandwidth / the steps' wall time; the pool's is
+        # all bytes / all bandwidth (the ranks read in parallel)
+        seconds, ctx, steps = sum(d[2] for d in decode), sum(d[1] for d in decode), len(decode)
+        ranks = self.runner.rank_decode_bytes
+        rank_mbu = [r.read_bytes(steps, ctx) / seconds / (r.bandwidth_gbs * 1e9) if seconds else 0.0 for r in ranks]
+        bandwidth = sum(r.bandwidth_gbs for r in ranks)
+        mbu = sum(m * r.bandwidth_gbs for m, r in zip(rank_mbu, ranks)) / bandwidth if bandwidth else 0.0
         gen_ps = proc_ps = 0.0
         if len(rates) >= 2:
             dt = rates[-1][0] - rates[0][0]
@@ -259,4 +261,5 @@ class ServedModel:
             prefix_cache_miss_rate=miss / (hit + miss) if hit + miss else 0.0,
             prefix_cache_spans=self.spans.num_cached_idle,
             prefix_cache_host_spans=len(self.spans.cache.tier) if self.spans.cache and self.spans.cache.tier else 0,
-            memory_bandwidth_gbs=self.bandwidth_gbs, memory_bandwidth_utilization=mbu)
+            memory_bandwidth_gbs=bandwidth, memory_bandwidth_utilization=mbu,
+            rank_memory_bandwidth_gbs=[r.bandwidth_gbs for r in ranks], rank_memory_bandwidth_utilization=rank_mbu)

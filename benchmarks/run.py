@@ -380,10 +380,12 @@ def main() -> None:
                    help="cuda: the GPU benchmark instead (cuda_bench.py: one GPU, a Llama-2-7B-shaped bf16 model)")
     p.add_argument("--features", action="store_true",
                    help="the serving features instead: prefix cache and guided JSON (serving_features.py)")
-    p.add_argument("--sections", nargs="+", default=None, help="with --features: which sections (guided prefix pool)")
+    p.add_argument("--sections", nargs="+", default=None, help="with --features: which sections (guided prefix pool mbu)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument("--json", default="benchmarks/results.json")
+    p.add_argument("--json", default=None, help="default: benchmarks/results.json, with --features "
+                   "benchmarks/results-features.json")
     a = p.parse_args()
+    a.json = a.json or ("benchmarks/results-features.json" if a.features else "benchmarks/results.json")
     if a.device == "cuda":
         import cuda_bench
 

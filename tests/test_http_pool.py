@@ -91,6 +91,9 @@ def test_overload_gets_429_and_no_request_is_lost(server):
     m = server.metrics()
     assert m["allspark_server_requests_admitted"] == 0 and m["allspark_server_requests_queued"] == 0
     assert m['allspark_http_requests_total{endpoint="/v1/completions",status="429"}'] == len(refused)
+    for rank in "01":                              # the streams' decode steps, as each rank read them
+        assert m[f'allspark_rank_memory_bandwidth_gbs{{model_name="llama",rank="{rank}"}}'] > 0
+        assert m[f'allspark_rank_memory_bandwidth_utilization{{model_name="llama",rank="{rank}"}}'] > 0
 
 
 def test_a_pool_that_dies_ends_open_streams_with_an_error_and_health_503(server):

@@ -251,3 +251,5 @@ def test_metrics(server, client):
     assert m['allspark_num_requests_waiting{model_name="llama"}'] == 0
     assert m['allspark_memory_bandwidth_gbs{model_name="llama"}'] > 0
     assert m['allspark_memory_bandwidth_utilization{model_name="llama"}'] >= 0
+    assert m['allspark_rank_memory_bandwidth_gbs{model_name="llama",rank="0"}'] == \
+        m['allspark_memory_bandwidth_gbs{model_name="llama"}']

@@ -27,10 +27,13 @@ def test_decode_weight_bytes_equal_an_independent_count(tiny_models, tmp_path, v
     runner = engine._models["bw"].runner
     model = runner.model
     assert decode_weight_bytes(model, model.model.embed_tokens.weight) == hf_decode_bytes(tm.model)
-    assert runner.pool_weight_bytes == hf_decode_bytes(tm.model)        # one rank: the whole model
+    (rank,) = runner.rank_decode_bytes                                   # one rank: the whole model
+    assert rank.weights == hf_decode_bytes(tm.model)
     a = runner.args
-    assert runner.pool_kv_bytes_per_token == 2 * a.num_layers * a.num_kv_heads * a.head_dim * 4   # fp32 K and V
+    assert rank.kv_per_token == 2 * a.num_layers * a.num_kv_heads * a.head_dim * 4   # fp32 K and V
     greedy(engine, "bw", random_prompt(10, seed=1), 20)
     stat = engine.get_as_engine_stat("bw")
     assert stat.memory_bandwidth_gbs > 0 and stat.memory_bandwidth_utilization > 0
+    assert stat.rank_memory_bandwidth_gbs == [stat.memory_bandwidth_gbs]
+    assert stat.rank_memory_bandwidth_utilization == pytest.approx([stat.memory_bandwidth_utilization])
     engine.release_model("bw")

@@ -365,6 +365,13 @@ def test_300_concurrent_client_streams_all_complete_exactly(pool, llama):
         results = list(ex.map(one, range(300)))
     wrong = [(i, r) for i, r in enumerate(results) if r != want[i % 6]]
     assert not wrong, f"{len(wrong)} of 300 wrong, e.g. {wrong[:3]}"
+    # both ranks report their memory-bandwidth use of those decode steps; the pool's is their bandwidth-weighted mean
+    stat = client.get_as_engine_stat("llama")
+    rank_mbu, rank_gbs = stat.rank_memory_bandwidth_utilization, stat.rank_memory_bandwidth_gbs
+    assert len(rank_mbu) == len(rank_gbs) == 2 and min(rank_mbu) > 0 and min(rank_gbs) > 0
+    assert stat.memory_bandwidth_gbs == pytest.approx(sum(rank_gbs))
+    assert stat.memory_bandwidth_utilization == pytest.approx(sum(m * g for m, g in zip(rank_mbu, rank_gbs))
+                                                              / sum(rank_gbs))
 
 
 def test_streams_past_the_limit_are_refused_as_overload_and_the_pool_serves_on(new_pool, loader, llama):

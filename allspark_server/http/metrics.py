@@ -63,11 +63,19 @@ class EngineCollector:
         yield counter("allspark_num_preemptions", "requests preempted (recomputed later)", s.num_preempted)
         yield gauge("allspark_engine_generate_tokens_per_second", "the engine's generated tokens/s (10 s window)",
                     s.generate_token_persec)
-        if hasattr(s, "memory_bandwidth_utilization"):
-            yield gauge("allspark_memory_bandwidth_utilization", "bytes the decode-only steps of the last 10 s read "
-                        "/ their time / the measured copy bandwidth (MBU)", s.memory_bandwidth_utilization)
-            yield gauge("allspark_memory_bandwidth_gbs", "copy bandwidth of the memory the model decodes from "
-                        "(GB/s, measured once)", s.memory_bandwidth_gbs)
+        yield gauge("allspark_memory_bandwidth_utilization", "bytes the decode-only steps of the last 10 s read on "
+                    "all ranks / their time / all ranks' measured copy bandwidth (MBU)", s.memory_bandwidth_utilization)
+        yield gauge("allspark_memory_bandwidth_gbs", "copy bandwidth of the memory the model decodes from, all ranks "
+                    "(GB/s, measured once)", s.memory_bandwidth_gbs)
+        for name, doc, values in (
+                ("allspark_rank_memory_bandwidth_utilization", "one rank's MBU: the bytes it read in the decode-only "
+                 "steps of the last 10 s / their time / its measured copy bandwidth", s.rank_memory_bandwidth_utilization),
+                ("allspark_rank_memory_bandwidth_gbs", "one rank's copy bandwidth, measured by all ranks at once (GB/s)",
+                 s.rank_memory_bandwidth_gbs)):
+            g = GaugeMetricFamily(name, doc, labels=[*labels, "rank"])
+            for rank, value in enumerate(values):
+                g.add_metric([self.model_name, str(rank)], value)
+            yield g
 
 
 class Metrics:

@@ -3,7 +3,9 @@ decode step reads, for the live memory-bandwidth utilisation (MBU) that `get_as_
 
 MBU = bytes a decode step reads (every weight once, the embedding table one row unless the LM head reads it whole,
 plus each sequence's KV cache) / the step's wall time / the copy bandwidth measured here: the same definition as
-the benchmark's "batch-1 decode / roofline" ratio (benchmarks/run.py).
+the benchmark's "batch-1 decode / roofline" ratio (benchmarks/run.py), with the same statistic (the median copy).
+In a pool every rank measures its own, all ranks at once (install_runner), so ranks that share a memory
+controller each see their share of it and ranks on separate NUMA nodes or GPUs see their own.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import os
 import statistics
 import time
 from collections import Counter
+from dataclasses import dataclass
 from itertools import chain
 from typing import Callable, Optional
 
@@ -45,12 +48,10 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(_times(fn, repeats))
 
 
-def copy_bandwidth_gbs(floats: int = 64 << 20, repeats: int = 5, best: bool = False) -> float:
-    """GB/s moved by a copy c = a (bytes read + written, STREAM's convention) with torch's threads; the median
-    run's, or with `best` the fastest run's (what the memory can do when nothing else interferes)."""
+def copy_bandwidth_gbs(floats: int = 64 << 20, repeats: int = 5) -> float:
+    """GB/s moved by a copy c = a (bytes read + written, STREAM's convention) with torch's threads, median run."""
     a, c = arrays(floats, 1.0, None)
-    times = _times(lambda: c.copy_(a), repeats)
-    return 2 * a.numel() * 4 / (min(times) if best else statistics.median(times)) / 1e9
+    return 2 * a.numel() * 4 / median_time(lambda: c.copy_(a), repeats) / 1e9
 
 
 def gpu_copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
@@ -70,7 +71,8 @@ def gpu_copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30, repeats:
 
 def bandwidth_gbs(device: torch.device) -> float:
     """The copy bandwidth of the memory `device` decodes from, measured once per process and device (~0.5 s;
-    ALLSPARK_MEMORY_BANDWIDTH_GBS overrides)."""
+    ALLSPARK_MEMORY_BANDWIDTH_GBS overrides). The median of 9 copies, as the benchmark's roofline: the best one
+    read 3-30% above the medians the benchmark measured around its decode runs on a shared 2-core VM (stop 18)."""
     key = str(device)
     if key not in _measured:
         env = os.environ.get("ALLSPARK_MEMORY_BANDWIDTH_GBS")
@@ -79,8 +81,20 @@ def bandwidth_gbs(device: torch.device) -> float:
         elif device.type == "cuda":
             _measured[key] = gpu_copy_bandwidth_gbs(device)
         else:
-            _measured[key] = copy_bandwidth_gbs(repeats=9, best=True)
+            _measured[key] = copy_bandwidth_gbs(repeats=9)
     return _measured[key]
+
+
+@dataclass(frozen=True)
+class DecodeBytes:
+    """One rank's share of a decode step: bytes of weights it reads, KV bytes per context token, its bandwidth."""
+    weights: int
+    kv_per_token: int
+    bandwidth_gbs: float
+
+    def read_bytes(self, steps: int, context_tokens: int) -> int:
+        """What `steps` decode steps read on this rank, their sequences' contexts summing to `context_tokens`."""
+        return steps * self.weights + context_tokens * self.kv_per_token
 
 
 def decode_weight_bytes(model: torch.nn.Module, embedding: torch.Tensor) -> int:

@@ -24,7 +24,7 @@ from allspark_server.models.registry import model_class_and_rules
 from allspark_server.runner.forward_inputs import RequestMirror, build_forward_inputs
 from allspark_server.runner.hugepages import to_hugepages
 from allspark_server.runner.kv_cache import KVCache, bytes_per_span, copy_spans
-from allspark_server.runner.memory_bandwidth import decode_weight_bytes
+from allspark_server.runner.memory_bandwidth import DecodeBytes, bandwidth_gbs, decode_weight_bytes
 
 log = logging.getLogger(__name__)
 AUTO_KV_MAX_FRACTION = 0.4   # auto budget never takes more than this share of available RAM
@@ -75,9 +75,8 @@ class ModelRunner:
         self.kv = None
         self.tier = None     # the prefix cache's second tier: host slots (KVCache layout), when configured
         self.tier_slots = 0
-        # what a decode step reads on every rank together (set by install_runner): for the MBU in the engine stat
-        self.pool_weight_bytes = 0
-        self.pool_kv_bytes_per_token = 0
+        # what a decode step reads on each rank, and its memory's bandwidth (install_runner): the MBU of the stat
+        self.rank_decode_bytes: list[DecodeBytes] = []
         self.graphs = None   # GPU ranks: cuda/graphs.py
         self.mirrors: dict[int, RequestMirror] = {}
 
@@ -199,8 +198,8 @@ def install_runner(cfg: AsModelConfig, comm) -> ModelRunner:
     if runner.device.type == "cuda":
         comm.use_gpu(runner.device)   # NCCL between the ranks' GPUs (every rank got here: none failed)
     runner.allocate_kv(comm.allreduce_min(proposal), comm.allreduce_min(slots))
-    sizes = comm.allgather_obj((decode_weight_bytes(runner.model, runner.model.model.embed_tokens.weight),
-                                runner.span_bytes // runner.span_size))
-    runner.pool_weight_bytes = sum(w for w, _ in sizes)
-    runner.pool_kv_bytes_per_token = sum(k for _, k in sizes)
+    comm.barrier()                                    # every rank measures its bandwidth at the same time
+    runner.rank_decode_bytes = comm.allgather_obj(
+        DecodeBytes(decode_weight_bytes(runner.model, runner.model.model.embed_tokens.weight),
+                    runner.span_bytes // runner.span_size, bandwidth_gbs(runner.device)))
     return runner
