@@ -1,12 +1,17 @@
 """The HTTP server's benchmark: a Poisson load through allspark-serve with the official `openai` async client, next
 to the same workload through the Python `Engine` API directly.
 
-    python benchmarks/serve.py [--quick] [--requests 64] [--rate 2.0] [--json benchmarks/results-serve.json]
+    python benchmarks/serve.py [--quick] [--requests 64] [--rate 2.0] [--sequential 16] [--json benchmarks/results-serve.json]
     python benchmarks/serve.py --quick --burst 200 [--server-args "--max-concurrent 16 --max-queue 32"]
 
 vLLM's benchmark_serving definitions: TTFT (request sent -> first token), TPOT ((last - first token) / (output
 tokens - 1)), ITL (gaps between consecutive token arrivals), e2e latency; median and p99; request and output-token
-throughput. Prompts are token ids (the completions endpoint takes them), `max_tokens` tokens each with EOS
+throughput. A "token arrives" when its text does: the server streams text, and holds back a token that ends in an
+incomplete UTF-8 character (the random model emits many) until the next completes it, so the direct Engine path
+detokenizes its ids with the server's IncrementalDetokenizer and stamps the same moments (stamping ids there
+instead put a whole decode step, ~90 ms, into the server's "overhead").
+`--sequential N` first sends N requests one at a time down both paths: the server's own added latency, with no
+queueing in the numbers. Prompts are token ids (the completions endpoint takes them), `max_tokens` tokens each with EOS
 ignored, so both paths do identical work. The model: the Llama-shaped random bf16 model of run.py (0.5 B; --quick:
 the small one) with a 512-token vocabulary, so every id it emits is one the trained test tokenizer can detokenize.
 The server's Engine and the direct Engine run with the same thread count (`--threads`), one after the other.
@@ -65,24 +70,29 @@ def _record(t0: float, stamps: list[float], tokens: int) -> dict:
             "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": tokens}
 
 
+async def http_request(client, model: str, prompt: list[int], max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    stamps, tokens = [], 0
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                             temperature=0, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            stamps.append(time.perf_counter())
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    assert tokens == max_tokens, tokens
+    return _record(t0, stamps, tokens)
+
+
 async def http_load(base_url: str, model: str, prompts: list[list[int]], at: list[float], max_tokens: int) -> dict:
+    """Each prompt sent at its arrival time (`at`, seconds from the start), all concurrently."""
     from openai import AsyncOpenAI
     client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
 
     async def one(prompt, delay):
         await asyncio.sleep(delay)
-        t0 = time.perf_counter()
-        stamps, tokens = [], 0
-        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
-                                                 temperature=0, stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True})
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].text:
-                stamps.append(time.perf_counter())
-            if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
-        assert tokens == max_tokens, tokens
-        return _record(t0, stamps, tokens)
+        return await http_request(client, model, prompt, max_tokens)
 
     start = time.perf_counter()
     results = await asyncio.gather(*(one(p, d) for p, d in zip(prompts, at)))
@@ -90,21 +100,45 @@ async def http_load(base_url: str, model: str, prompts: list[list[int]], at: lis
     return summarize(list(results), time.perf_counter() - start)
 
 
-def engine_load(engine, name: str, prompts: list[list[int]], at: list[float], max_tokens: int) -> dict:
+async def http_sequential(base_url: str, model: str, prompts: list[list[int]], max_tokens: int) -> dict:
+    from openai import AsyncOpenAI
+    client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+    start = time.perf_counter()
+    results = [await http_request(client, model, p, max_tokens) for p in prompts]
+    await client.close()
+    return summarize(results, time.perf_counter() - start)
+
+
+def engine_request(engine, name: str, tokenizer, prompt: list[int], max_tokens: int) -> dict:
+    """One request through the Python Engine API, its ids detokenized as the server does (see the docstring)."""
+    from allspark_server.http.detokenize import IncrementalDetokenizer
+    t0 = time.perf_counter()
+    status, handle, queue = engine.start_request(name, {"input_ids": prompt}, dict(W.GREEDY, max_new_tokens=max_tokens))
+    assert status == 0, engine.get_last_error()
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    stamps, tokens = [], 0
+    while (el := queue.Get()) is not None:
+        if el.ids_from_generate:
+            tokens += len(el.ids_from_generate)
+            if detok.add(el.ids_from_generate):
+                stamps.append(time.perf_counter())
+    if detok.flush():
+        stamps.append(time.perf_counter())
+    engine.release_request(name, handle)
+    return _record(t0, stamps, tokens)
+
+
+def engine_sequential(engine, name: str, tokenizer, prompts: list[list[int]], max_tokens: int) -> dict:
+    start = time.perf_counter()
+    results = [engine_request(engine, name, tokenizer, p, max_tokens) for p in prompts]
+    return summarize(results, time.perf_counter() - start)
+
+
+def engine_load(engine, name: str, tokenizer, prompts: list[list[int]], at: list[float], max_tokens: int) -> dict:
     results, threads = [None] * len(prompts), []
-    gen = dict(W.GREEDY, max_new_tokens=max_tokens)
 
     def one(i):
-        t0 = time.perf_counter()
-        status, handle, queue = engine.start_request(name, {"input_ids": prompts[i]}, gen)
-        assert status == 0, engine.get_last_error()
-        stamps, tokens = [], 0
-        while (el := queue.Get()) is not None:
-            if el.ids_from_generate:
-                stamps.append(time.perf_counter())
-                tokens += len(el.ids_from_generate)
-        engine.release_request(name, handle)
-        results[i] = _record(t0, stamps, tokens)
+        results[i] = engine_request(engine, name, tokenizer, prompts[i], max_tokens)
 
     start = time.perf_counter()
     for i, when in enumerate(at):
@@ -191,6 +225,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=max(1, len(os.sched_getaffinity(0)) - 1),
                    help="engine threads, the server's and the direct Engine's (default: all cores but one)")
+    p.add_argument("--sequential", type=int, default=16, help="requests sent one at a time first (0: none)")
     p.add_argument("--burst", type=int, default=0, help="N streaming requests at once through HTTP only")
     p.add_argument("--server-args", default="", help="extra allspark-serve flags (e.g. admission limits)")
     p.add_argument("--json", default="benchmarks/results-serve.json")
@@ -201,6 +236,7 @@ def main() -> None:
     if not os.path.exists(os.path.join(hf_dir, "tokenizer.json")):
         build_tokenizer(hf_dir)
     prompts = [W.prompt(a.prompt, 100 + i, VOCAB) for i in range(a.burst or a.requests)]
+    one_by_one = [W.prompt(a.prompt, 5000 + i, VOCAB) for i in range(a.sequential)]   # not the load's: no cache hits
     report = {"machine": run.machine_name(), "spec": spec, "threads": a.threads, "requests": len(prompts),
               "prompt": a.prompt, "max_tokens": a.max_tokens, "server_args": a.server_args}
     if a.burst:
@@ -218,7 +254,9 @@ def main() -> None:
 
     import torch
     from allspark_server import Engine, HuggingFaceModel
+    from transformers import AutoTokenizer
     torch.set_num_threads(a.threads)
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     loader = HuggingFaceModel(hf_dir, "bench-serve", user_set_data_type="bfloat16")
     loader.load_model().serialize(None, model_output_dir=tempfile.mkdtemp(prefix="allspark-serve-")).free_model()
     engine = Engine()
@@ -231,7 +269,9 @@ def main() -> None:
         rate = 0.5 * W.concurrent_tps(engine, "direct", VOCAB, 8, a.prompt, a.max_tokens) / a.max_tokens
     at = arrivals(a.requests, rate)
     report["rate_rps"] = rate
-    report["engine_api"] = engine_load(engine, "direct", prompts, at, a.max_tokens)
+    if one_by_one:
+        report["engine_api_sequential"] = engine_sequential(engine, "direct", tokenizer, one_by_one, a.max_tokens)
+    report["engine_api"] = engine_load(engine, "direct", tokenizer, prompts, at, a.max_tokens)
     print("Engine API:", json.dumps(report["engine_api"]), flush=True)
     engine.stop_model("direct")
     engine.release_model("direct")
@@ -239,6 +279,8 @@ def main() -> None:
 
     proc, base_url = start_server(hf_dir, a, a.server_args.split())
     try:
+        if one_by_one:
+            report["http_sequential"] = asyncio.run(http_sequential(base_url, "bench", one_by_one, a.max_tokens))
         report["http"] = asyncio.run(http_load(base_url, "bench", prompts, at, a.max_tokens))
         print("HTTP:      ", json.dumps(report["http"]), flush=True)
     finally:
@@ -248,7 +290,11 @@ def main() -> None:
     report["http_vs_engine"] = {"tpot_median_ratio": h["tpot_median_ms"] / e["tpot_median_ms"],
                                 "ttft_median_added_ms": h["ttft_median_ms"] - e["ttft_median_ms"],
                                 "output_throughput_ratio": h["output_throughput"] / e["output_throughput"]}
-    print(json.dumps(report["http_vs_engine"], indent=1))
+    if one_by_one:
+        e, h = report["engine_api_sequential"], report["http_sequential"]
+        report["http_vs_engine_sequential"] = {"tpot_median_ratio": h["tpot_median_ms"] / e["tpot_median_ms"],
+                                               "ttft_median_added_ms": h["ttft_median_ms"] - e["ttft_median_ms"]}
+    print(json.dumps({k: v for k, v in report.items() if k.startswith("http_vs")}, indent=1))
     os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
     with open(a.json, "w") as f:
         json.dump(report, f, indent=2)

@@ -41,6 +41,16 @@ def test_detokenizer_skips_eos_and_flushes_a_truncated_character(tokenizer):
     assert detok.flush() == "\ufffd"              # the output ended inside a character: as a full decode shows it
 
 
+def test_detokenizer_streams_bytes_that_can_never_complete_a_character(tokenizer):
+    """A run of lead bytes (a random model's favourite loop) holds back at most three U+FFFD, not the whole run."""
+    lead = tokenizer("é")["input_ids"][0]          # the byte 0xC3 alone: a character's start, never completed here
+    assert tokenizer.decode([lead, lead]) == "\ufffd\ufffd"
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.add([lead]) for _ in range(8)]
+    assert pieces == [""] * 3 + ["\ufffd"] * 5
+    assert detok.flush() == "\ufffd" * 3
+
+
 def test_token_text_gives_the_bytes_of_byte_tokens(tokenizer):
     tt = TokenText(tokenizer)
     ids = tokenizer("é")["input_ids"]

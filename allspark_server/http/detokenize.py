@@ -4,7 +4,8 @@ thread).
 IncrementalDetokenizer turns token ids into text as they arrive without ever emitting a broken character: it
 decodes a short window of recent tokens twice (before and after the new ones) and emits only the new, complete
 text, holding back a trailing U+FFFD (an incomplete UTF-8 sequence of byte-level BPE or byte-fallback tokens)
-until the next token completes it. StopMatcher cuts the text at the first stop string and holds back any tail
+until the next token completes it: at most the last three (an incomplete character has at most three bytes, and
+byte-fallback decoders write one U+FFFD per byte), so a run of bytes that can never form a character streams. StopMatcher cuts the text at the first stop string and holds back any tail
 that could still become one, so no partial stop string reaches a stream. TokenText gives each token's text and
 bytes for logprobs.
 """
@@ -15,6 +16,7 @@ from functools import lru_cache
 from typing import Iterable
 
 REPLACEMENT = "\ufffd"
+MAX_INCOMPLETE = 3    # bytes of an incomplete UTF-8 character, each at most one trailing U+FFFD
 PROMPT_CONTEXT = 6    # prompt tokens decoded before the output, so the first token's leading space is right
 
 
@@ -44,13 +46,18 @@ class IncrementalDetokenizer:
             return ""
         before = self._decode(self._ids[self._prefix:self._read])
         new = self._decode(self._ids[self._prefix:])[len(before):]
-        complete = new if final else new.rstrip(REPLACEMENT)
+        complete = new if final else _without_incomplete_tail(new)
         out = complete[self._sent:]
         if complete == new:     # no incomplete character left: the next window starts where this one's text ends
             self._prefix, self._read, self._sent = self._read, len(self._ids), 0
         else:                   # hold back the trailing U+FFFD; what precedes it is final and already sent
             self._sent = max(self._sent, len(complete))
         return out
+
+
+def _without_incomplete_tail(text: str) -> str:
+    held = min(MAX_INCOMPLETE, len(text) - len(text.rstrip(REPLACEMENT)))
+    return text[:len(text) - held]
 
 
 class StopMatcher:
