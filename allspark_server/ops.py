@@ -282,13 +282,15 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def decode_attention_block_reference(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads, num_kv_heads,
                                      cos, sin, k_cache, v_cache, slots, spans, ctx, scale, o_weight,
-                                     k_param=None, v_param=None):
-    """The unfused ops in sequence: norm(x + residual), q|k|v projection, rotary, cache write, decode
-    attention, o projection. Returns (o . W_o^T before any allreduce, x + residual)."""
+                                     k_param=None, v_param=None, q_norm=None, k_norm=None):
+    """The unfused ops in sequence: norm(x + residual), q|k|v projection, (q/k norms per head,) rotary, cache
+    write, decode attention, o projection. Returns (o . W_o^T before any allreduce, x + residual)."""
     h, s = rms_norm_reference(x, norm_weight, eps, residual)
     b, d = x.shape[0], cos.shape[-1]
     q, k, v = linear_reference(h, qkv_weight, qkv_bias).split([num_heads * d, num_kv_heads * d, num_kv_heads * d], -1)
-    q, k = rotary_reference(q.view(b, num_heads, d), k.view(b, num_kv_heads, d), cos, sin)
+    if q_norm is not None:
+        q, k = rms_norm_reference(q.reshape(-1, d), q_norm, eps)[0], rms_norm_reference(k.reshape(-1, d), k_norm, eps)[0]
+    q, k = rotary_reference(q.reshape(b, num_heads, d), k.reshape(b, num_kv_heads, d), cos, sin)
     store_kv_reference(k, v, k_cache, v_cache, slots, k_param, v_param)
     o = decode_attention_reference(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param)
     return linear_reference(o.reshape(b, num_heads * d), o_weight), s
@@ -296,18 +298,21 @@ def decode_attention_block_reference(x, residual, norm_weight, eps, qkv_weight, 
 
 @on_cuda
 def decode_attention_block(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads, num_kv_heads,
-                           cos, sin, k_cache, v_cache, slots, spans, ctx, scale, o_weight, k_param=None, v_param=None):
-    """Caches are dense ([S, P, KVH, D] in x's dtype) or quantized (codes with k_param/v_param, quant/kv.py)."""
+                           cos, sin, k_cache, v_cache, slots, spans, ctx, scale, o_weight, k_param=None, v_param=None,
+                           q_norm=None, k_norm=None):
+    """Caches are dense ([S, P, KVH, D] in x's dtype) or quantized (codes with k_param/v_param, quant/kv.py);
+    q_norm/k_norm [D]: Qwen3's per-head norms (eps: the layer norm's)."""
     ext = native()
     if (ext is None or x.dtype not in NATIVE_MAX_ROWS or cos.shape[-1] % 2 or cos.dtype != x.dtype
             or (k_param is None and k_cache.dtype != x.dtype)
             or not all(_native_weight_ok(w, x.dtype) for w in (qkv_weight, o_weight))):
         return decode_attention_block_reference(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads,
                                                 num_kv_heads, cos, sin, k_cache, v_cache, slots, spans, ctx,
-                                                scale, o_weight, k_param, v_param)
+                                                scale, o_weight, k_param, v_param, q_norm, k_norm)
     return ext.decode_attention_block(x, residual, norm_weight, eps, native_weight(qkv_weight), qkv_bias, num_heads,
                                       num_kv_heads, cos, sin, k_cache, v_cache, slots, spans, ctx, scale,
-                                      native_weight(o_weight), isa_level(), NATIVE_MAX_ROWS[x.dtype], k_param, v_param)
+                                      native_weight(o_weight), isa_level(), NATIVE_MAX_ROWS[x.dtype], k_param, v_param,
+                                      q_norm, k_norm)
 
 
 def decode_mlp_block_reference(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight):

@@ -29,6 +29,26 @@ VARIANTS = {
     # multi-query attention: a single KV head, so a 2-rank pool replicates it
     "llama_mqa": dict(arch="llama", num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False),
 }
+# the other families (tests/test_model_families.py); head_dim 16 as the variants above
+FAMILY_VARIANTS = {
+    # Qwen3: q/k norms per head, no biases, explicit head_dim
+    "qwen3": dict(arch="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False),
+    # GLM-4 (HF layout): q/k/v bias, fused gate_up, rotary on the first half of each head in interleaved pairs
+    "glm": dict(arch="glm", num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                attention_bias=True, partial_rotary_factor=0.5),
+    # Llama 3.x / long-context rope scalings
+    "llama_yarn": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                       rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+    "llama_linear": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                         rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "llama_dynamic": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                          rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+    # the sources of the remote-code layouts (tests/remote_layouts.py): multi-head, untied
+    "qwen2_mha": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
+    "llama_mha": dict(arch="llama", num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
+}
+ARCH_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "glm": ("GlmConfig", "GlmForCausalLM")}
 
 
 def build_tokenizer(out_dir: str):
@@ -53,9 +73,9 @@ def build_tiny_model(out_dir: str, variant: str = "llama_gqa_llama3", seed: int 
                      vocab_size: int = VOCAB_SIZE, num_heads: Optional[int] = None, num_kv_heads: Optional[int] = None):
     """Create (or overwrite) a tiny HF model folder; returns the transformers model (eval mode)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
-    spec = dict(VARIANTS[variant])
+    spec = dict(VARIANTS.get(variant) or FAMILY_VARIANTS[variant])
     arch = spec.pop("arch")
     if num_heads is not None:
         spec["num_attention_heads"] = num_heads
@@ -64,7 +84,7 @@ def build_tiny_model(out_dir: str, variant: str = "llama_gqa_llama3", seed: int 
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
                   num_hidden_layers=num_layers, max_position_embeddings=max_position_embeddings,
                   bos_token_id=0, eos_token_id=1, pad_token_id=2, **spec)
-    cfg_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    cfg_cls, model_cls = (getattr(transformers, n) for n in ARCH_CLASSES[arch])
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**common)).eval()
     if weight_scale is not None:   # larger weights give peakier, more decisive logits

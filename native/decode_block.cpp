@@ -2,7 +2,8 @@
 // one call, so the Python and dispatcher work between the kernels (about 100 us per layer, measured on a
 // 0.5 B model) is gone; the kernels themselves are the ones the unfused path calls.
 //
-//   attention block: s = x + residual; h = RMSNorm(s); q|k|v = h . W_qkv^T (+ b); rotate q, k;
+//   attention block: s = x + residual; h = RMSNorm(s); q|k|v = h . W_qkv^T (+ b); [q, k = RMSNorm per head
+//                    with q_norm, k_norm (Qwen3)]; rotate q, k;
 //                    write k, v into their cache slots; o = attention over each sequence's spans;
 //                    returns (o . W_o^T, s)            -- before the tensor-parallel allreduce and o bias
 //   mlp block:       s = x + residual; h = RMSNorm(s); g|u = h . W_gu^T (+ b); a = silu(g) * u;
@@ -115,8 +116,10 @@ std::tuple<torch::Tensor, torch::Tensor> decode_attention_block(
     Weight qkv_weight, std::optional<torch::Tensor> qkv_bias, int64_t num_heads, int64_t num_kv_heads,
     torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
     torch::Tensor spans, torch::Tensor ctx, double scale, Weight o_weight, int64_t isa, int64_t native_rows,
-    std::optional<torch::Tensor> k_param, std::optional<torch::Tensor> v_param) {
+    std::optional<torch::Tensor> k_param, std::optional<torch::Tensor> v_param, std::optional<torch::Tensor> q_norm,
+    std::optional<torch::Tensor> k_norm) {
   TORCH_CHECK(k_param.has_value() == v_param.has_value(), "decode_attention_block: params for both K and V or neither");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "decode_attention_block: norms for both q and k or neither");
   TORCH_CHECK(x.dim() == 2 && k_cache.dim() == 4 && k_cache.size(2) == num_kv_heads, "decode_attention_block: shapes");
   const int64_t B = x.size(0), D = cos.size(-1);   // head dim (a uint4 cache row holds D / 2 bytes)
   auto [h, s] = rms_norm(x, norm_weight, eps, residual);
@@ -125,6 +128,10 @@ std::tuple<torch::Tensor, torch::Tensor> decode_attention_block(
   auto q = qkv.narrow(1, 0, num_heads * D).view({B, num_heads, D});
   auto k = qkv.narrow(1, num_heads * D, num_kv_heads * D).view({B, num_kv_heads, D});
   auto v = qkv.narrow(1, (num_heads + num_kv_heads) * D, num_kv_heads * D);
+  if (q_norm) {   // each head's row normalized: [B * heads, D] (copies: the rows are strided views)
+    q = std::get<0>(rms_norm(q.reshape({B * num_heads, D}), *q_norm, eps, std::nullopt)).view({B, num_heads, D});
+    k = std::get<0>(rms_norm(k.reshape({B * num_kv_heads, D}), *k_norm, eps, std::nullopt)).view({B, num_kv_heads, D});
+  }
   auto [qr, kr] = rotary(q, k, cos, sin, isa);
   torch::Tensor o;
   if (k_param) {   // quantized spans (span_attention_quant.cpp)

@@ -36,6 +36,7 @@ struct Layer {
   torch::Tensor k_cache, v_cache;
   std::optional<torch::Tensor> qkv_b, gate_up_b;
   std::optional<torch::Tensor> k_param, v_param;   // quantized KV spans
+  std::optional<torch::Tensor> q_norm, k_norm;     // per-head q/k norms (Qwen3)
 };
 
 }  // namespace
@@ -49,11 +50,12 @@ class DecodeStack {
   void add_layer(torch::Tensor attn_norm, Weight qkv_w, std::optional<torch::Tensor> qkv_b, Weight o_w,
                  torch::Tensor mlp_norm, Weight gate_up_w, std::optional<torch::Tensor> gate_up_b, Weight down_w,
                  torch::Tensor k_cache, torch::Tensor v_cache, std::optional<torch::Tensor> k_param,
-                 std::optional<torch::Tensor> v_param) {
+                 std::optional<torch::Tensor> v_param, std::optional<torch::Tensor> q_norm,
+                 std::optional<torch::Tensor> k_norm) {
     for (const Weight* w : {&qkv_w, &o_w, &gate_up_w, &down_w})
       if (const auto* q = std::get_if<QuantWeight>(w)) q->check();
     layers_.push_back({attn_norm, qkv_w, o_w, mlp_norm, gate_up_w, down_w, k_cache, v_cache, qkv_b, gate_up_b,
-                       k_param, v_param});
+                       k_param, v_param, q_norm, k_norm});
     quantized_ = quantized_ || std::holds_alternative<QuantWeight>(qkv_w);
   }
 
@@ -93,7 +95,7 @@ class DecodeStack {
       const Layer& l = layers_[i];
       auto [o, s] = decode_attention_block(x, residual, l.attn_norm, eps_, l.qkv_w, l.qkv_b, num_heads_,
                                            num_kv_heads_, cos, sin, l.k_cache, l.v_cache, slots, spans, ctx, scale_,
-                                           l.o_w, isa_, native_rows_, l.k_param, l.v_param);
+                                           l.o_w, isa_, native_rows_, l.k_param, l.v_param, l.q_norm, l.k_norm);
       auto [h, s2] = decode_mlp_block(reduced(o, i, 0), s, l.mlp_norm, eps_, l.gate_up_w, l.gate_up_b, l.down_w,
                                       isa_, native_rows_);
       x = reduced(h, i, 1);
@@ -120,7 +122,8 @@ void bind_decode_stack(py::module_& m) {
       .def("add_layer", &DecodeStack::add_layer, py::arg("attn_norm"), py::arg("qkv_weight"), py::arg("qkv_bias"),
            py::arg("o_weight"), py::arg("mlp_norm"), py::arg("gate_up_weight"), py::arg("gate_up_bias"),
            py::arg("down_weight"), py::arg("k_cache"), py::arg("v_cache"),
-           py::arg("k_param") = py::none(), py::arg("v_param") = py::none())
+           py::arg("k_param") = py::none(), py::arg("v_param") = py::none(), py::arg("q_norm") = py::none(),
+           py::arg("k_norm") = py::none())
       .def("set_ends", &DecodeStack::set_ends, py::arg("embedding"), py::arg("cos_table"), py::arg("sin_table"),
            py::arg("final_norm"), py::arg("lm_head"))
       .def_property_readonly("num_layers", &DecodeStack::num_layers)

@@ -55,7 +55,8 @@ std::tuple<torch::Tensor, torch::Tensor> decode_attention_block(
     Weight qkv_weight, std::optional<torch::Tensor> qkv_bias, int64_t num_heads, int64_t num_kv_heads,
     torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
     torch::Tensor spans, torch::Tensor ctx, double scale, Weight o_weight, int64_t isa, int64_t native_rows,
-    std::optional<torch::Tensor> k_param = std::nullopt, std::optional<torch::Tensor> v_param = std::nullopt);
+    std::optional<torch::Tensor> k_param = std::nullopt, std::optional<torch::Tensor> v_param = std::nullopt,
+    std::optional<torch::Tensor> q_norm = std::nullopt, std::optional<torch::Tensor> k_norm = std::nullopt);
 std::tuple<torch::Tensor, torch::Tensor> decode_mlp_block(
     torch::Tensor x, torch::Tensor residual, torch::Tensor norm_weight, double eps, Weight gate_up_weight,
     std::optional<torch::Tensor> gate_up_bias, Weight down_weight, int64_t isa, int64_t native_rows);

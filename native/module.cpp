@@ -92,7 +92,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("num_kv_heads"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("k_cache"),
         pybind11::arg("v_cache"), pybind11::arg("slots"), pybind11::arg("spans"), pybind11::arg("ctx"),
         pybind11::arg("scale"), pybind11::arg("o_weight"), pybind11::arg("isa"), pybind11::arg("native_rows"),
-        pybind11::arg("k_param") = pybind11::none(), pybind11::arg("v_param") = pybind11::none());
+        pybind11::arg("k_param") = pybind11::none(), pybind11::arg("v_param") = pybind11::none(),
+        pybind11::arg("q_norm") = pybind11::none(), pybind11::arg("k_norm") = pybind11::none());
   m.def("decode_mlp_block", &decode_mlp_block, "norm, gate/up, silu*mul, down projection for a decode-only step",
         nogil,
         pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("norm_weight"), pybind11::arg("eps"),

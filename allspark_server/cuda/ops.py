@@ -39,11 +39,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def decode_attention_block(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads, num_kv_heads,
-                           cos, sin, k_cache, v_cache, slots, spans, ctx, scale, o_weight, k_param=None, v_param=None):
+                           cos, sin, k_cache, v_cache, slots, spans, ctx, scale, o_weight, k_param=None, v_param=None,
+                           q_norm=None, k_norm=None):
     """ops.decode_attention_block_reference's sequence, on this backend's ops."""
     h, s = rms_norm(x, norm_weight, eps, residual)
     b, d = x.shape[0], cos.shape[-1]
     q, k, v = linear(h, qkv_weight, qkv_bias).split([num_heads * d, num_kv_heads * d, num_kv_heads * d], -1)
+    if q_norm is not None:
+        q, k = rms_norm(q.reshape(-1, d), q_norm, eps)[0], rms_norm(k.reshape(-1, d), k_norm, eps)[0]
     q, k = q.view(b, num_heads, d), k.view(b, num_kv_heads, d)
     if k_param is None:   # rotate q and k, write k and v to their slots: one launch
         q = fused.rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots)

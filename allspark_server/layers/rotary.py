@@ -1,4 +1,6 @@
-"""Rotary position embedding with HF's rope types: default, linear and llama3 frequency scaling.
+"""Rotary position embedding with HF's rope types: default, linear, llama3 and yarn frequency scaling, and dynamic
+NTK up to the model's context (dynamic_rope_limit); full or partial (the first rotary_dim/2 pairs, in the layout
+of models/convert.py).
 
 Builds a cos/sin table once (fp32, like HF, then cast to the activation dtype); each step looks up
 its positions' rows once and every layer applies them with `ops.rotary` (q and k in one call).
@@ -12,18 +14,51 @@ from typing import Optional
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] in fp32 for the given rope scaling dict (HF's keys)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+def _yarn(inv_freq: torch.Tensor, dim: int, theta: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension"): frequencies that turn fewer than
+    beta_slow times over the original context are interpolated (divided by `factor`), those turning more than
+    beta_fast times kept, a linear ramp over the dims between; cos and sin scaled by 0.1 ln(factor) + 1 (or the
+    config's attention_factor / mscale ratio)."""
+    factor = float(scaling["factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:     # the dim whose frequency turns `rotations` times over old_ctx
+        return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp                                            # 1: the original frequency, 0: interpolated
+    blended = (inv_freq / factor) * (1 - keep) + inv_freq * keep
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(float(m)) / mscale(float(m_all)) if m and m_all else mscale(1.0)
+    return blended, float(attention)
+
+
+def rope_frequencies(dim: int, theta: float, scaling: Optional[dict]) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dim/2] in fp32 for the given rope scaling dict (HF's keys), and the factor cos and
+    sin are multiplied by (1 but for yarn)."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (theta ** exponents)
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
+    if rope_type in ("default", "dynamic"):   # dynamic: as default up to the original context (RotaryEmbedding)
+        return inv_freq, 1.0
     if rope_type == "linear":
-        return inv_freq / float(scaling["factor"])
+        return inv_freq / float(scaling["factor"]), 1.0
+    if rope_type == "yarn":
+        return _yarn(inv_freq, dim, theta, scaling)
     if rope_type == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -34,19 +69,36 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> torch
         smooth = (old_ctx / wavelen - low) / (high - low)
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         in_band = ~(wavelen < old_ctx / high) & ~(wavelen > old_ctx / low)
-        return torch.where(in_band, blended, scaled)
-    raise ValueError(f"rope type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
+        return torch.where(in_band, blended, scaled), 1.0
+    raise ValueError(f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+
+
+def dynamic_rope_limit(scaling: Optional[dict], max_position_embeddings: int) -> Optional[int]:
+    """Dynamic NTK scaling changes every frequency as a sequence grows past the model's context, which keys
+    already in the KV cache cannot follow: such a model serves up to that context, where it is exact."""
+    if (scaling or {}).get("rope_type") == "dynamic":
+        return int(scaling.get("original_max_position_embeddings") or max_position_embeddings)
+    return None
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: Optional[dict]):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: Optional[dict],
+                 rotary_dim: int = 0):
+        """`rotary_dim` < head_dim (partial rotary): pair i < rotary_dim/2 rotates dims (i, i + head_dim/2) at the
+        frequencies of a rotary_dim-wide rope; every other dim gets cos 1, sin 0, so it passes unchanged (x * 1 +
+        y * 0 is exact in any dtype)."""
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        rotary_dim = rotary_dim or head_dim
+        inv_freq, attention_factor = rope_frequencies(rotary_dim, theta, scaling)
         pos = torch.arange(max_positions, dtype=torch.float32)
-        freqs = pos[:, None] * inv_freq[None, :]                  # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)                    # [P, D]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        freqs = pos[:, None] * inv_freq[None, :]                  # [P, R/2]
+        cos, sin = torch.ones(max_positions, head_dim), torch.zeros(max_positions, head_dim)   # [P, D]
+        half, pairs = head_dim // 2, rotary_dim // 2
+        for start in (0, half):
+            cos[:, start:start + pairs] = freqs.cos() * attention_factor if attention_factor != 1 else freqs.cos()
+            sin[:, start:start + pairs] = freqs.sin() * attention_factor if attention_factor != 1 else freqs.sin()
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The [T, 1, D] cos and sin rows of `positions`, in `dtype` (once per step, shared by all layers)."""

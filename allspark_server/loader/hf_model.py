@@ -23,7 +23,7 @@ from allspark_server.loader.quantized import plan_scheme, quantize_tensors, quan
 from allspark_server.loader.sharding import TPLayout, split_mode_for
 from allspark_server.loader.weights import checkpoint_shapes
 from allspark_server.models.args import ModelArgs
-from allspark_server.models.registry import model_class_and_rules, quantizable_weights, read_args
+from allspark_server.models.registry import get_arch, model_class_and_rules, quantizable_weights, read_args
 from allspark_server.quant import gptq
 from allspark_server.quant.scheme import QuantConfigError, QuantScheme
 
@@ -85,7 +85,7 @@ class HuggingFaceModel:
             raise ModelSerializerException(str(e)) from None
         self.hf_generation_config = read_generation_config(self.path)
         try:
-            self.args: ModelArgs = read_args(self.hf_config)
+            self.args: ModelArgs = read_args(self.hf_config, self.path)
         except ValueError as e:
             raise ModelSerializerException(str(e)) from None
         cfg_dtype = self.hf_config.get("dtype") or self.hf_config.get("torch_dtype") or "bfloat16"
@@ -111,16 +111,22 @@ class HuggingFaceModel:
         tensors = {}
         gptq_layers: dict[str, dict[str, torch.Tensor]] = {}
         quantizable = quantizable_weights(self.args.architecture)
-        for name, t in iter_hf_tensors(self.path):
-            if name.endswith(IGNORED_SUFFIXES):
+        convert = get_arch(self.args.architecture).convert
+        for checkpoint_name, raw in iter_hf_tensors(self.path):
+            if checkpoint_name.endswith(IGNORED_SUFFIXES):
                 continue
-            base, _, suffix = name.rpartition(".")
+            base, _, suffix = checkpoint_name.rpartition(".")
             if self.gptq and suffix in gptq.TENSORS and re.search(quantizable, base + ".weight"):
-                gptq_layers.setdefault(base, {})[suffix] = t
+                gptq_layers.setdefault(base, {})[suffix] = raw
                 continue
-            if name not in expected:
-                raise ModelSerializerException(f"unexpected tensor {name!r} for {self.args.architecture}")
-            tensors[name] = t.to(self.data_type) if t.is_floating_point() else t
+            try:
+                converted = list(convert(checkpoint_name, raw, self.args))
+            except ValueError as e:
+                raise ModelSerializerException(f"{self.args.architecture}: tensor {checkpoint_name!r}: {e}") from None
+            for name, t in converted:
+                if name not in expected:
+                    raise ModelSerializerException(f"unexpected tensor {checkpoint_name!r} for {self.args.architecture}")
+                tensors[name] = t.to(self.data_type) if t.is_floating_point() else t
         if self.args.tie_word_embeddings:
             tensors.pop("lm_head.weight", None)
             expected.discard("lm_head.weight")
@@ -232,7 +238,9 @@ class HuggingFaceModel:
         return _as_list(self.hf_generation_config.get("eos_token_id", self.hf_config.get("eos_token_id")))
 
     def get_model_context_length(self) -> int:
-        return self.args.max_position_embeddings
+        from allspark_server.layers.rotary import dynamic_rope_limit
+        limit = dynamic_rope_limit(self.args.rope_scaling, self.args.max_position_embeddings)
+        return min(self.args.max_position_embeddings, limit or self.args.max_position_embeddings)
 
     def create_reference_runtime_config_builder(self, engine_model_name: str, device_type, device_ids,
                                                 max_batch: int, max_context_length: int = -1

@@ -1,7 +1,9 @@
-"""ModelArgs: the architecture hyper-parameters a model file needs, read from an HF config.json dict.
+"""ModelArgs: the one layer description every architecture is read into (models/<arch>.py read their config.json),
+and what the decoder, the loader and the native decode stack build from.
 
 Handles both spellings of rope settings (`rope_scaling` + top-level `rope_theta` in older configs,
-`rope_parameters` in newer ones). Frozen and JSON-serializable so it can travel in the .asgraph.
+`rope_parameters` in newer ones). Frozen and JSON-serializable so it can travel in the .asgraph; fields added
+later have defaults, so older model files still read.
 """
 from __future__ import annotations
 
@@ -28,6 +30,14 @@ class ModelArgs:
     o_proj_bias: bool
     mlp_bias: bool
     hidden_act: str
+    qk_norm: bool = False        # Qwen3: RMSNorm over each head of q and k (weights [head_dim]) before the rotary
+    rotary_dim: int = 0          # dims of each head that rotate (0: all); our layout puts rotating pair i at dims
+                                 # (i, i + head_dim/2), the converters reorder checkpoints that pair them otherwise
+    lm_head_normalized: bool = False   # Baichuan2's NormHead: the head's rows were normalized when loaded
+
+    @property
+    def num_rotary_dims(self) -> int:
+        return self.rotary_dim or self.head_dim
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -49,13 +59,18 @@ def rope_settings(hf: dict) -> tuple[float, Optional[dict]]:
         scaling = dict(scaling)
         rope_type = scaling.pop("type", None) or scaling.get("rope_type", "default")
         scaling["rope_type"] = rope_type
+        from allspark_server.layers.rotary import SUPPORTED_ROPE_TYPES
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope type {rope_type!r} (config.json's rope_scaling / rope_parameters) is not "
+                             f"supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
         if rope_type == "default":
             scaling = None
     return theta, scaling
 
 
-def args_from_hf_config(hf: dict, qkv_bias_always: bool) -> ModelArgs:
-    """Llama: `attention_bias` sets q/k/v/o biases. Qwen2: q/k/v always biased, o_proj never."""
+def args_from_hf_config(hf: dict, qkv_bias_always: bool, **extra) -> ModelArgs:
+    """The Llama-style keys. Llama: `attention_bias` sets q/k/v/o biases. Qwen2: q/k/v always biased, o_proj
+    never. `extra`: fields the architecture sets itself."""
     llama_bias = bool(hf.get("attention_bias", False))
     num_heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
@@ -78,4 +93,5 @@ def args_from_hf_config(hf: dict, qkv_bias_always: bool) -> ModelArgs:
         o_proj_bias=llama_bias and not qkv_bias_always,
         mlp_bias=bool(hf.get("mlp_bias", False)),
         hidden_act=str(hf.get("hidden_act", "silu")),
+        **extra,
     )

@@ -1,58 +1,85 @@
-"""Architecture registry: HF `architectures[0]` -> how to read its args and which module implements it."""
+"""Architecture registry: HF `architectures[0]` -> how to read its config and its checkpoint.
+
+Every architecture runs on the one decoder (models/decoder.py); what differs is described by ModelArgs (read
+from config.json by the architecture's `read_args`) and by `convert`, which maps each checkpoint tensor onto the
+decoder's canonical (Llama) names: fused projections split, rotary dims reordered, a head normalized. One file
+per architecture under models/ registers its names here (ARCHITECTURES).
+"""
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable, Optional
 
-from allspark_server.models.args import ModelArgs, args_from_hf_config
+import torch
+
+from allspark_server.models.args import ModelArgs
+
+Converter = Callable[[str, torch.Tensor, ModelArgs], Iterable[tuple[str, torch.Tensor]]]
+ARCH_MODULES = ("llama", "qwen3", "glm", "chatglm", "baichuan", "qwen")
+
+
+def keep(name: str, tensor: torch.Tensor, args: ModelArgs) -> Iterable[tuple[str, torch.Tensor]]:
+    """Checkpoints already in the decoder's names."""
+    return ((name, tensor),)
 
 
 @dataclass(frozen=True)
 class ArchSpec:
-    read_args: Callable[[dict], ModelArgs]
-    model_module: str                 # module holding the model class and SPLIT_RULES
-    model_class: str
-
-
-_REGISTRY: dict[str, ArchSpec] = {
-    "LlamaForCausalLM": ArchSpec(lambda hf: args_from_hf_config(hf, qkv_bias_always=False),
-                                 "allspark_server.models.llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ArchSpec(lambda hf: args_from_hf_config(hf, qkv_bias_always=True),
-                                 "allspark_server.models.llama", "LlamaForCausalLM"),
-}
+    read_args: Callable[[dict, Optional[str]], ModelArgs]   # (config.json, the folder or None) -> args
+    convert: Converter = keep           # checkpoint tensor -> canonical tensors (none: ignored)
 
 
 class UnsupportedArchitecture(ValueError):
     pass
 
 
+_REGISTRY: dict[str, ArchSpec] = {}
+
+
+def _registry() -> dict[str, ArchSpec]:
+    """Filled on first use (the architecture modules import this one)."""
+    if not _REGISTRY:
+        for name in ARCH_MODULES:
+            _REGISTRY.update(importlib.import_module(f"allspark_server.models.{name}").ARCHITECTURES)
+    return _REGISTRY
+
+
 def supported_architectures() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(_registry())
 
 
 def get_arch(architecture: str) -> ArchSpec:
-    if architecture not in _REGISTRY:
+    if architecture not in _registry():
         raise UnsupportedArchitecture(
             f"architecture {architecture!r} is not supported; supported: {', '.join(supported_architectures())}")
     return _REGISTRY[architecture]
 
 
 def model_class_and_rules(architecture: str):
-    import importlib
-    spec = get_arch(architecture)
-    module = importlib.import_module(spec.model_module)
-    return getattr(module, spec.model_class), module.SPLIT_RULES
+    """The decoder class every architecture runs on, and how its tensors are sharded (checked by name first)."""
+    get_arch(architecture)
+    from allspark_server.models import decoder
+    return decoder.DecoderForCausalLM, decoder.SPLIT_RULES
 
 
-def read_args(hf_config: dict) -> ModelArgs:
+def read_args(hf_config: dict, folder: Optional[str] = None) -> ModelArgs:
+    """`folder`: the HF folder, for architectures whose files say more than config.json (Baichuan2's head)."""
     archs = hf_config.get("architectures") or []
     if not archs:
         raise UnsupportedArchitecture(
             f"config.json has no 'architectures'; supported: {', '.join(supported_architectures())}")
-    return get_arch(archs[0]).read_args(hf_config)
+    spec = get_arch(archs[0])
+    try:
+        return spec.read_args(hf_config, folder)
+    except KeyError as e:
+        raise ValueError(f"{archs[0]}: config.json lacks the key {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{archs[0]}: config.json: {e}") from None
 
 
 def quantizable_weights(architecture: str) -> str:
-    """The regex of the checkpoint weights InstantQuant may quantize for this architecture (its GEMMs)."""
-    import importlib
-    return importlib.import_module(get_arch(architecture).model_module).QUANTIZABLE
+    """The regex of the (canonical) weights InstantQuant may quantize: the decoder's GEMMs."""
+    get_arch(architecture)
+    from allspark_server.models import decoder
+    return decoder.QUANTIZABLE

@@ -1,0 +1,29 @@
+"""GLM-4 in transformers' layout (`GlmForCausalLM`): Llama's names with gate and up fused (`mlp.gate_up_proj`,
+gate rows first), q/k/v biased (`attention_bias`), o never, and a rotary over the first `partial_rotary_factor`
+of each head in interleaved pairs, which the converter reorders into the decoder's layout (models/convert.py)."""
+from __future__ import annotations
+
+from allspark_server.models.args import ModelArgs, args_from_hf_config
+from allspark_server.models.convert import reorder_rotary_rows, rotary_dim_order, split_rows
+from allspark_server.models.registry import ArchSpec
+
+
+def read_args(hf: dict, folder) -> ModelArgs:
+    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    factor = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5)))
+    head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"]))
+    return args_from_hf_config(hf, qkv_bias_always=bool(hf.get("attention_bias", True)),
+                               rotary_dim=int(head_dim * factor))
+
+
+def convert(name: str, t, args: ModelArgs):
+    if name.endswith(".mlp.gate_up_proj.weight"):
+        base = name[:-len("gate_up_proj.weight")]
+        gate, up = split_rows(t, [args.intermediate_size] * 2, name)
+        return (base + "gate_proj.weight", gate), (base + "up_proj.weight", up)
+    if ".self_attn.q_proj." in name or ".self_attn.k_proj." in name:
+        return ((name, reorder_rotary_rows(t, args.head_dim, rotary_dim_order(args.head_dim, args.rotary_dim, True))),)
+    return ((name, t),)
+
+
+ARCHITECTURES = {"GlmForCausalLM": ArchSpec(read_args, convert)}
