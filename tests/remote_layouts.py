@@ -268,7 +268,8 @@ def write_qwen1(src_qwen2_dir: str, out_dir: str, seq_length: Optional[int] = No
 
     seq_length (default: the source's max_position_embeddings) is where Qwen's dynamic NTK and logn attention
     start; below it the written model equals the source. config.json carries no eos/pad/bos ids, as the real one:
-    the source's generation_config.json is copied, or, if it has none, one is written with its eos/pad ids."""
+    they go to generation_config.json (the source's copy, given the source config's eos/pad ids where it lacks
+    them; written with chat_format "chatml" when the source has none)."""
     cfg, state = _read_config(src_qwen2_dir), _read_state(src_qwen2_dir)
     _require("Qwen2ForCausalLM" in (cfg.get("architectures") or []), "not a Qwen2ForCausalLM folder")
     heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
@@ -337,13 +338,21 @@ def write_qwen1(src_qwen2_dir: str, out_dir: str, seq_length: Optional[int] = No
     }
     # The real config has no torch_dtype key (the precision flags bf16/fp16/fp32 are all false: "auto").
     _finish(src_qwen2_dir, out_dir, config, out, config_overrides)
-    gen = os.path.join(out_dir, "generation_config.json")
-    if not os.path.exists(gen):
-        eos = cfg.get("eos_token_id")
-        with open(gen, "w") as f:
-            json.dump({"chat_format": "chatml", "eos_token_id": eos,
-                       "pad_token_id": cfg.get("pad_token_id", eos)}, f, indent=2)
-            f.write("\n")
+    # Qwen keeps its stop ids in generation_config.json (Qwen-7B: eos = pad = 151643, chat_format), and
+    # transformers 5 writes a generation_config.json without them when config.json has them: fill them in.
+    path = os.path.join(out_dir, "generation_config.json")
+    gen = {"chat_format": "chatml"}
+    if os.path.exists(path):
+        with open(path) as f:
+            gen = json.load(f)
+    eos = cfg.get("eos_token_id")
+    if gen.get("eos_token_id") is None and eos is not None:
+        gen["eos_token_id"] = eos
+    if gen.get("pad_token_id") is None and (cfg.get("pad_token_id") is not None or eos is not None):
+        gen["pad_token_id"] = cfg["pad_token_id"] if cfg.get("pad_token_id") is not None else eos
+    with open(path, "w") as f:
+        json.dump(gen, f, indent=2)
+        f.write("\n")
     return out_dir
 
 
