@@ -17,7 +17,7 @@ def native_extensions():
                                                    "native/gemv_quant_avx512.cpp",
                                                    "native/span_attention.cpp", "native/span_attention_quant.cpp",
                                                    "native/rms_norm.cpp", "native/rotary.cpp",
-                                                   "native/decode_block.cpp", "native/decode_stack.cpp",
+                                                   "native/decode_block.cpp", "native/decode_stack.cpp", "native/moe.cpp",
                                                    "native/parallel.cpp"],
                        depends=["native/kernels.h", "native/simd.h", "native/parallel.h", "native/attention_common.h",
                                 "native/gemv_quant.h"],      # rebuild when a header changes

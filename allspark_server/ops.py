@@ -15,6 +15,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from allspark_server.layers import alibi
 from allspark_server.quant import kv as kv_quant
 from allspark_server.quant.formats import FORMAT_IDS, QuantizedWeight
 
@@ -192,19 +193,24 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,
                                ctx: torch.Tensor, scale: float, k_param: torch.Tensor | None = None,
-                               v_param: torch.Tensor | None = None) -> torch.Tensor:
+                               v_param: torch.Tensor | None = None,
+                               alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence: q [B, H, D], caches [S, P, KVH, D], spans [B, MAXS], ctx [B] -> [B, H, D].
-    Quantized caches (k_param/v_param given, quant/kv.py) are dequantized and attended in fp32."""
+    Quantized caches (k_param/v_param given, quant/kv.py) are dequantized and attended in fp32. alibi_slopes
+    [H] fp32: key t's score gets slope_h * (t - (ctx - 1)) (layers/alibi.py), attended in fp32 (or q's wider
+    dtype)."""
     span_size, kvh = k_cache.shape[1:3]
     out = torch.empty_like(q)
     offsets = torch.arange(span_size, device=k_cache.device)
+    wide = k_param is not None or alibi_slopes is not None
+    work = torch.promote_types(q.dtype, torch.float32) if wide else q.dtype
     for b in range(q.shape[0]):
         n = int(ctx[b])
         slots = (spans[b, :-(-n // span_size)][:, None] * span_size + offsets).reshape(-1)[:n]
-        k, v = gather_kv(k_cache, v_cache, slots, k_param, v_param, torch.float32 if k_param is not None else q.dtype)
-        qb = q[b][None, :, None]
-        qb = qb.float() if k_param is not None else qb
-        o = F.scaled_dot_product_attention(qb, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=scale,
+        k, v = gather_kv(k_cache, v_cache, slots, k_param, v_param, work)
+        bias = None if alibi_slopes is None else alibi.decode_bias(alibi_slopes, n, work)[None]   # [1, H, 1, n]
+        o = F.scaled_dot_product_attention(q[b][None, :, None].to(work), k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], attn_mask=bias, scale=scale,
                                            enable_gqa=kvh != q.shape[1])        # [1, H, 1, D]
         out[b] = o[0, :, 0].to(q.dtype)
     return out
@@ -213,13 +219,14 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 @on_cuda
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,
                      ctx: torch.Tensor, scale: float, k_param: torch.Tensor | None = None,
-                     v_param: torch.Tensor | None = None) -> torch.Tensor:
+                     v_param: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     ext = native()
     if ext is None or q.dtype not in (torch.float32, torch.bfloat16):
-        return decode_attention_reference(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param)
+        return decode_attention_reference(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param, alibi_slopes)
     if k_param is not None:
-        return ext.decode_attention_quant(q, k_cache, k_param, v_cache, v_param, spans, ctx, scale, isa_level())
-    return ext.decode_attention(q, k_cache, v_cache, spans, ctx, scale, isa_level())
+        return ext.decode_attention_quant(q, k_cache, k_param, v_cache, v_param, spans, ctx, scale, isa_level(),
+                                          alibi_slopes)
+    return ext.decode_attention(q, k_cache, v_cache, spans, ctx, scale, isa_level(), alibi_slopes)
 
 
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k_param: torch.Tensor | None = None,
@@ -282,37 +289,43 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def decode_attention_block_reference(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads, num_kv_heads,
                                      cos, sin, k_cache, v_cache, slots, spans, ctx, scale, o_weight,
-                                     k_param=None, v_param=None, q_norm=None, k_norm=None):
+                                     k_param=None, v_param=None, q_norm=None, k_norm=None, alibi_slopes=None):
     """The unfused ops in sequence: norm(x + residual), q|k|v projection, (q/k norms per head,) rotary, cache
-    write, decode attention, o projection. Returns (o . W_o^T before any allreduce, x + residual)."""
+    write, decode attention, o projection. Returns (o . W_o^T before any allreduce, x + residual).
+    cos = sin = None: no rotary (ALiBi models, whose alibi_slopes [heads] go to the attention)."""
     h, s = rms_norm_reference(x, norm_weight, eps, residual)
-    b, d = x.shape[0], cos.shape[-1]
-    q, k, v = linear_reference(h, qkv_weight, qkv_bias).split([num_heads * d, num_kv_heads * d, num_kv_heads * d], -1)
+    qkv = linear_reference(h, qkv_weight, qkv_bias)
+    b, d = x.shape[0], qkv.shape[-1] // (num_heads + 2 * num_kv_heads)
+    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], -1)
     if q_norm is not None:
         q, k = rms_norm_reference(q.reshape(-1, d), q_norm, eps)[0], rms_norm_reference(k.reshape(-1, d), k_norm, eps)[0]
-    q, k = rotary_reference(q.reshape(b, num_heads, d), k.reshape(b, num_kv_heads, d), cos, sin)
+    q, k = q.reshape(b, num_heads, d), k.reshape(b, num_kv_heads, d)
+    if cos is not None:
+        q, k = rotary_reference(q, k, cos, sin)
     store_kv_reference(k, v, k_cache, v_cache, slots, k_param, v_param)
-    o = decode_attention_reference(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param)
+    o = decode_attention_reference(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param, alibi_slopes)
     return linear_reference(o.reshape(b, num_heads * d), o_weight), s
 
 
 @on_cuda
 def decode_attention_block(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads, num_kv_heads,
                            cos, sin, k_cache, v_cache, slots, spans, ctx, scale, o_weight, k_param=None, v_param=None,
-                           q_norm=None, k_norm=None):
+                           q_norm=None, k_norm=None, alibi_slopes=None):
     """Caches are dense ([S, P, KVH, D] in x's dtype) or quantized (codes with k_param/v_param, quant/kv.py);
-    q_norm/k_norm [D]: Qwen3's per-head norms (eps: the layer norm's)."""
+    q_norm/k_norm [D]: Qwen3's per-head norms (eps: the layer norm's); cos = sin = None and alibi_slopes [heads]
+    fp32: an ALiBi model (no rotary, a bias on the scores)."""
     ext = native()
-    if (ext is None or x.dtype not in NATIVE_MAX_ROWS or cos.shape[-1] % 2 or cos.dtype != x.dtype
+    if (ext is None or x.dtype not in NATIVE_MAX_ROWS
+            or (cos is not None and (cos.shape[-1] % 2 or cos.dtype != x.dtype))
             or (k_param is None and k_cache.dtype != x.dtype)
             or not all(_native_weight_ok(w, x.dtype) for w in (qkv_weight, o_weight))):
         return decode_attention_block_reference(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads,
                                                 num_kv_heads, cos, sin, k_cache, v_cache, slots, spans, ctx,
-                                                scale, o_weight, k_param, v_param, q_norm, k_norm)
+                                                scale, o_weight, k_param, v_param, q_norm, k_norm, alibi_slopes)
     return ext.decode_attention_block(x, residual, norm_weight, eps, native_weight(qkv_weight), qkv_bias, num_heads,
                                       num_kv_heads, cos, sin, k_cache, v_cache, slots, spans, ctx, scale,
                                       native_weight(o_weight), isa_level(), NATIVE_MAX_ROWS[x.dtype], k_param, v_param,
-                                      q_norm, k_norm)
+                                      q_norm, k_norm, alibi_slopes)
 
 
 def decode_mlp_block_reference(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight):
@@ -331,12 +344,72 @@ def decode_mlp_block(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias
                                 native_weight(down_weight), isa_level(), NATIVE_MAX_ROWS[x.dtype])
 
 
+# ---- mixture of experts (layers/moe.py) -----------------------------------------------------------------
+
+def moe_route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (fp32 weights [T, k], expert ids [T, k]): softmax in fp32, top k, renormalized."""
+    weights, ids = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def moe_with(lin, act, x, router, experts, top_k, norm_topk_prob, shared=None, shared_gate=None) -> torch.Tensor:
+    """The experts' weighted sum [T, H] (this rank's partial, before the allreduce) with the given linear and
+    activation ops. experts: [(gate_up weight, down weight)] per expert; shared: the same for the shared expert."""
+    weights, ids = moe_route(lin(x, router), top_k, norm_topk_prob)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in ids.unique().tolist():                      # ascending
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        gate_up, down = experts[e]
+        y = lin(act(lin(x[token], gate_up)), down)
+        out.index_add_(0, token, y.float() * weights[token, slot, None])
+    if shared is not None:
+        y = lin(act(lin(x, shared[0])), shared[1])
+        out += torch.sigmoid(lin(x, shared_gate).float()) * y.float()
+    return out.to(x.dtype)
+
+
+def moe_reference(x, router, experts, top_k, norm_topk_prob, shared=None, shared_gate=None) -> torch.Tensor:
+    return moe_with(linear_reference, silu_mul_reference, x, router, experts, top_k, norm_topk_prob, shared,
+                    shared_gate)
+
+
+def moe(x, router, experts, top_k, norm_topk_prob, shared=None, shared_gate=None) -> torch.Tensor:
+    """Any device: the dispatching linear and silu_mul (a prefill's tokens grouped by expert)."""
+    return moe_with(linear, silu_mul, x, router, experts, top_k, norm_topk_prob, shared, shared_gate)
+
+
+def decode_moe_block_reference(x, residual, norm_weight, eps, router, experts, top_k, norm_topk_prob, shared=None,
+                               shared_gate=None):
+    h, s = rms_norm_reference(x, norm_weight, eps, residual)
+    return moe_reference(h, router, experts, top_k, norm_topk_prob, shared, shared_gate), s
+
+
+def decode_moe_block(x, residual, norm_weight, eps, router, experts, top_k, norm_topk_prob, shared=None,
+                     shared_gate=None):
+    """norm(x + residual) and the MoE MLP for a decode-only step: (partial output, x + residual). Native: one call
+    reading only the chosen experts' weights (native/moe.cpp)."""
+    ext = native()
+    weights = [router, *(w for pair in experts for w in pair), *(shared or ())]
+    if (ext is None or x.is_cuda or x.dtype not in NATIVE_MAX_ROWS or not hasattr(ext, "decode_moe_block")
+            or not all(_native_weight_ok(w, x.dtype) for w in weights)):
+        h, s = rms_norm(x, norm_weight, eps, residual)
+        return moe(h, router, experts, top_k, norm_topk_prob, shared, shared_gate), s
+    nw = native_weight
+    return ext.decode_moe_block(x, residual, norm_weight, eps, router, [nw(g) for g, _ in experts],
+                                [nw(d) for _, d in experts], top_k, norm_topk_prob,
+                                None if shared is None else nw(shared[0]), None if shared is None else nw(shared[1]),
+                                shared_gate, isa_level(), NATIVE_MAX_ROWS[x.dtype])
+
+
 def decode_stack(num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float, dtype: torch.dtype,
-                 device: torch.device = torch.device("cpu")):
+                 device: torch.device = torch.device("cpu"), alibi_slopes: torch.Tensor | None = None):
     """A native DecodeStack (native/decode_stack.cpp: a whole decode-only step in one call) for a model of
     this shape and dtype, to fill with `add_layer` and `set_ends`; None where the fused blocks do not apply
-    (then the caller loops over the layers itself, each layer's `decode_*_block`s falling back as above)."""
+    (then the caller loops over the layers itself, each layer's `decode_*_block`s falling back as above).
+    alibi_slopes [num_heads] fp32: an ALiBi model (set_ends then takes no rotary tables)."""
     ext = native()
     if ext is None or device.type != "cpu" or dtype not in NATIVE_MAX_ROWS or head_dim % 2:
         return None
-    return ext.DecodeStack(num_heads, num_kv_heads, eps, scale, isa_level(), NATIVE_MAX_ROWS[dtype])
+    return ext.DecodeStack(num_heads, num_kv_heads, eps, scale, isa_level(), NATIVE_MAX_ROWS[dtype], alibi_slopes)

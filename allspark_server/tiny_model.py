@@ -43,12 +43,24 @@ FAMILY_VARIANTS = {
                          rope_scaling={"rope_type": "linear", "factor": 2.0}),
     "llama_dynamic": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                           rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+    # mixtures of experts: 4 experts, top 2 (Qwen2-MoE: a shared expert, layer 1 dense; Qwen3-MoE renormalizes)
+    "qwen2_moe": dict(arch="qwen2_moe", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=80, norm_topk_prob=False, mlp_only_layers=[1]),
+    "qwen3_moe": dict(arch="qwen3_moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      norm_topk_prob=True),
+    "mixtral": dict(arch="mixtral", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                    num_local_experts=4, num_experts_per_tok=2),
     # the sources of the remote-code layouts (tests/remote_layouts.py): multi-head, untied
     "qwen2_mha": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
     "llama_mha": dict(arch="llama", num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
 }
 ARCH_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-                "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "glm": ("GlmConfig", "GlmForCausalLM")}
+                "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "glm": ("GlmConfig", "GlmForCausalLM"),
+                "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+                "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+                "mixtral": ("MixtralConfig", "MixtralForCausalLM")}
 
 
 def build_tokenizer(out_dir: str):

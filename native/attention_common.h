@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <type_traits>
 
 #include "simd.h"
@@ -61,6 +62,26 @@ __attribute__((always_inline)) inline void prefetch_for_key(const void* k_cache,
   if (t + PREFETCH_AHEAD < ctx)
     prefetch_row<3>(k + (slot_of(spans, t + PREFETCH_AHEAD, P) * KVH + g) * row_bytes, row_bytes);
   prefetch_row<2>(v + (slot_of(spans, t, P) * KVH + g) * row_bytes, row_bytes);
+}
+
+// ALiBi (allspark_server/layers/alibi.py): the G score rows [ctx] of one query at position ctx - 1 get
+// slope_h * (t - (ctx - 1)) added, slopes [G] the group's; no slopes (null), no bias
+__attribute__((always_inline)) inline void add_alibi(float* scores, int64_t ctx, int64_t G, const float* slopes) {
+  if (slopes == nullptr) return;
+  for (int64_t h = 0; h < G; ++h) {
+    float* sc = scores + h * ctx;
+    const float slope = slopes[h];
+    for (int64_t t = 0; t < ctx; ++t) sc[t] += slope * static_cast<float>(t - (ctx - 1));
+  }
+}
+
+// the slopes tensor of a decode attention call: null without one, else fp32 [H] checked against the heads
+inline const float* alibi_data(const std::optional<torch::Tensor>& slopes, int64_t H) {
+  if (!slopes) return nullptr;
+  TORCH_CHECK(slopes->scalar_type() == at::kFloat && slopes->dim() == 1 && slopes->size(0) == H &&
+                  slopes->is_contiguous() && slopes->device().is_cpu(),
+              "decode_attention: alibi_slopes must be a contiguous fp32 CPU tensor [heads = ", H, "]");
+  return slopes->data_ptr<float>();
 }
 
 // Each of the G score rows [ctx] becomes exp(s - max) in place, rounded to W (the precision the weights

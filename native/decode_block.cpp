@@ -3,7 +3,8 @@
 // 0.5 B model) is gone; the kernels themselves are the ones the unfused path calls.
 //
 //   attention block: s = x + residual; h = RMSNorm(s); q|k|v = h . W_qkv^T (+ b); [q, k = RMSNorm per head
-//                    with q_norm, k_norm (Qwen3)]; rotate q, k;
+//                    with q_norm, k_norm (Qwen3)]; rotate q, k [unless cos/sin are None: ALiBi models,
+//                    whose alibi_slopes the attention adds];
 //                    write k, v into their cache slots; o = attention over each sequence's spans;
 //                    returns (o . W_o^T, s)            -- before the tensor-parallel allreduce and o bias
 //   mlp block:       s = x + residual; h = RMSNorm(s); g|u = h . W_gu^T (+ b); a = silu(g) * u;
@@ -114,17 +115,22 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 std::tuple<torch::Tensor, torch::Tensor> decode_attention_block(
     torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor norm_weight, double eps,
     Weight qkv_weight, std::optional<torch::Tensor> qkv_bias, int64_t num_heads, int64_t num_kv_heads,
-    torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+    std::optional<torch::Tensor> cos, std::optional<torch::Tensor> sin, torch::Tensor k_cache,
+    torch::Tensor v_cache, torch::Tensor slots,
     torch::Tensor spans, torch::Tensor ctx, double scale, Weight o_weight, int64_t isa, int64_t native_rows,
     std::optional<torch::Tensor> k_param, std::optional<torch::Tensor> v_param, std::optional<torch::Tensor> q_norm,
-    std::optional<torch::Tensor> k_norm) {
+    std::optional<torch::Tensor> k_norm, std::optional<torch::Tensor> alibi_slopes) {
   TORCH_CHECK(k_param.has_value() == v_param.has_value(), "decode_attention_block: params for both K and V or neither");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "decode_attention_block: norms for both q and k or neither");
+  TORCH_CHECK(cos.has_value() == sin.has_value(), "decode_attention_block: cos and sin, or neither (no rotary)");
   TORCH_CHECK(x.dim() == 2 && k_cache.dim() == 4 && k_cache.size(2) == num_kv_heads, "decode_attention_block: shapes");
-  const int64_t B = x.size(0), D = cos.size(-1);   // head dim (a uint4 cache row holds D / 2 bytes)
+  const int64_t B = x.size(0);
   auto [h, s] = rms_norm(x, norm_weight, eps, residual);
   auto qkv = project(h, qkv_weight, qkv_bias, isa, native_rows);
-  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * D, "decode_attention_block: qkv width");
+  // head dim (a uint4 cache row holds D / 2 bytes)
+  const int64_t D = qkv.size(1) / (num_heads + 2 * num_kv_heads);
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * D && (!cos || cos->size(-1) == D),
+              "decode_attention_block: qkv width");
   auto q = qkv.narrow(1, 0, num_heads * D).view({B, num_heads, D});
   auto k = qkv.narrow(1, num_heads * D, num_kv_heads * D).view({B, num_kv_heads, D});
   auto v = qkv.narrow(1, (num_heads + num_kv_heads) * D, num_kv_heads * D);
@@ -132,14 +138,15 @@ std::tuple<torch::Tensor, torch::Tensor> decode_attention_block(
     q = std::get<0>(rms_norm(q.reshape({B * num_heads, D}), *q_norm, eps, std::nullopt)).view({B, num_heads, D});
     k = std::get<0>(rms_norm(k.reshape({B * num_kv_heads, D}), *k_norm, eps, std::nullopt)).view({B, num_kv_heads, D});
   }
-  auto [qr, kr] = rotary(q, k, cos, sin, isa);
+  torch::Tensor qr = q, kr = k;   // no rotary (ALiBi): q and k as projected
+  if (cos) std::tie(qr, kr) = rotary(q, k, *cos, *sin, isa);
   torch::Tensor o;
   if (k_param) {   // quantized spans (span_attention_quant.cpp)
     store_kv_quant(kr, v, k_cache, *k_param, v_cache, *v_param, slots);
-    o = decode_attention_quant(qr, k_cache, *k_param, v_cache, *v_param, spans, ctx, scale, isa);
+    o = decode_attention_quant(qr, k_cache, *k_param, v_cache, *v_param, spans, ctx, scale, isa, alibi_slopes);
   } else {
     store_kv(kr, v, k_cache, v_cache, slots);
-    o = decode_attention(qr, k_cache, v_cache, spans, ctx, scale, isa);
+    o = decode_attention(qr, k_cache, v_cache, spans, ctx, scale, isa, alibi_slopes);
   }
   return {project(o.view({B, num_heads * D}), o_weight, std::nullopt, isa, native_rows), s};
 }

@@ -67,11 +67,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("QUANT_NATIVE_MAX_ROWS") = QUANT_NATIVE_MAX_ROWS;
   m.def("decode_attention", &decode_attention, "one-token attention per sequence over span KV caches", nogil,
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("spans"),
-        pybind11::arg("ctx"), pybind11::arg("scale"), pybind11::arg("isa"));
+        pybind11::arg("ctx"), pybind11::arg("scale"), pybind11::arg("isa"),
+        pybind11::arg("alibi_slopes") = pybind11::none());
   m.def("decode_attention_quant", &decode_attention_quant,
         "one-token attention per sequence over quantized (int8 / uint4) span KV caches", nogil, pybind11::arg("q"),
         pybind11::arg("k_codes"), pybind11::arg("k_param"), pybind11::arg("v_codes"), pybind11::arg("v_param"),
-        pybind11::arg("spans"), pybind11::arg("ctx"), pybind11::arg("scale"), pybind11::arg("isa"));
+        pybind11::arg("spans"), pybind11::arg("ctx"), pybind11::arg("scale"), pybind11::arg("isa"),
+        pybind11::arg("alibi_slopes") = pybind11::none());
   m.def("store_kv_quant", &store_kv_quant, "quantize k [B, KVH, D] and v [B, KVH*D] rows into their cache slots",
         nogil, pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("k_codes"), pybind11::arg("k_param"),
         pybind11::arg("v_codes"), pybind11::arg("v_param"), pybind11::arg("slots"));
@@ -93,12 +95,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("v_cache"), pybind11::arg("slots"), pybind11::arg("spans"), pybind11::arg("ctx"),
         pybind11::arg("scale"), pybind11::arg("o_weight"), pybind11::arg("isa"), pybind11::arg("native_rows"),
         pybind11::arg("k_param") = pybind11::none(), pybind11::arg("v_param") = pybind11::none(),
-        pybind11::arg("q_norm") = pybind11::none(), pybind11::arg("k_norm") = pybind11::none());
+        pybind11::arg("q_norm") = pybind11::none(), pybind11::arg("k_norm") = pybind11::none(),
+        pybind11::arg("alibi_slopes") = pybind11::none());
   m.def("decode_mlp_block", &decode_mlp_block, "norm, gate/up, silu*mul, down projection for a decode-only step",
         nogil,
         pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("norm_weight"), pybind11::arg("eps"),
         pybind11::arg("gate_up_weight"), pybind11::arg("gate_up_bias"), pybind11::arg("down_weight"),
         pybind11::arg("isa"), pybind11::arg("native_rows"));
+  m.def("decode_moe_block", &decode_moe_block,
+        "norm and the mixture-of-experts MLP for a decode-only step, reading only the chosen experts (moe.cpp)", nogil,
+        pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("norm_weight"), pybind11::arg("eps"),
+        pybind11::arg("router"), pybind11::arg("gate_up_weights"), pybind11::arg("down_weights"),
+        pybind11::arg("top_k"), pybind11::arg("norm_topk_prob"), pybind11::arg("shared_gate_up"),
+        pybind11::arg("shared_down"), pybind11::arg("shared_gate"), pybind11::arg("isa"), pybind11::arg("native_rows"));
   bind_decode_stack(m);
   m.def("parallel_chunks", &parallel_chunks, "test hook: how allspark::parallel_for split [begin, end)", nogil,
         pybind11::arg("begin"), pybind11::arg("end"), pybind11::arg("grain"), pybind11::arg("throw_at"),

@@ -6,6 +6,7 @@
 //   spans    [B, MAXS] int64  span ids of each sequence (padded; only the first ceil(ctx/P) are read)
 //   ctx      [B] int64        context length of each sequence (its keys 0..ctx-1, the new one included)
 //   out      [B, H, D]        same dtype as q
+//   alibi_slopes [H] fp32     optional (ALiBi models): key t's score gets slope_h * (t - (ctx - 1))
 //
 // Each (sequence, KV head) is one task over torch's threads; the query heads that share the KV head
 // are done together so each key/value row is read once. Scores, softmax and the weighted sum run in
@@ -34,8 +35,8 @@ using attn::to_f;
 template <typename T>
 __attribute__((always_inline)) inline void attend(const T* q, const T* k_cache, const T* v_cache,
                                                   const int64_t* spans, int64_t ctx, int64_t P, int64_t KVH,
-                                                  int64_t D, int64_t G, int64_t g, float scale, T* out,
-                                                  float* scores, float* qf, float* acc, float* inv_sum) {
+                                                  int64_t D, int64_t G, int64_t g, float scale, const float* slopes,
+                                                  T* out, float* scores, float* qf, float* acc, float* inv_sum) {
   group_query(q, D, G, g, qf);
   for (int64_t t = 0; t < ctx; ++t) {
     attn::prefetch_for_key(k_cache, v_cache, D * sizeof(T), spans, t, ctx, P, KVH, g);
@@ -47,6 +48,7 @@ __attribute__((always_inline)) inline void attend(const T* q, const T* k_cache, 
       scores[h * ctx + t] = s * scale;
     }
   }
+  attn::add_alibi(scores, ctx, G, slopes);
   // reduced-precision caches: the weights meet V in the cache's precision, as in PyTorch's CPU flash
   // attention (which transformers uses), so both round at the same point
   attn::softmax_rows<T>(scores, ctx, G, inv_sum);
@@ -67,8 +69,9 @@ __attribute__((always_inline)) inline void attend(const T* q, const T* k_cache, 
 
 #define ATTEND_ARGS                                                                                         \
   const T *q, const T *k_cache, const T *v_cache, const int64_t *spans, int64_t ctx, int64_t P, int64_t KVH, \
-      int64_t D, int64_t G, int64_t g, float scale, T *out, float *scores, float *qf, float *acc, float *inv_sum
-#define ATTEND_CALL q, k_cache, v_cache, spans, ctx, P, KVH, D, G, g, scale, out, scores, qf, acc, inv_sum
+      int64_t D, int64_t G, int64_t g, float scale, const float *slopes, T *out, float *scores, float *qf,         \
+      float *acc, float *inv_sum
+#define ATTEND_CALL q, k_cache, v_cache, spans, ctx, P, KVH, D, G, g, scale, slopes, out, scores, qf, acc, inv_sum
 
 template <typename T>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void attend_avx512(ATTEND_ARGS) { attend<T>(ATTEND_CALL); }
@@ -102,6 +105,7 @@ void attend_avx512_d16(ATTEND_ARGS) {
       scores[h * ctx + t] = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * scale;
     }
   }
+  attn::add_alibi(scores, ctx, G, slopes);
   attn::softmax_rows_avx512<T>(scores, ctx, G, inv_sum);   // the weights meet V in the cache's precision
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t t = 0; t < ctx; ++t) {
@@ -121,7 +125,7 @@ void attend_avx512_d16(ATTEND_ARGS) {
 
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& spans,
-         const torch::Tensor& ctx, double scale, torch::Tensor& out, int64_t isa) {
+         const torch::Tensor& ctx, double scale, const float* alibi, torch::Tensor& out, int64_t isa) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t P = kc.size(1), KVH = kc.size(2), MAXS = spans.size(1);
   const int64_t G = H / KVH;
@@ -141,15 +145,19 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& v
       T* ob = op + b * H * D;
       const int64_t* sb = sp + b * MAXS;
       const float s = static_cast<float>(scale);
+      const float* sl = alibi ? alibi + g * G : nullptr;   // the group's slopes
       if (isa >= 2 && D % 16 == 0)
-        attend_avx512_d16<T>(qb, kp, vp, sb, n, P, KVH, D, G, g, s, ob, scores.data(), qf.data(), acc.data(),
+        attend_avx512_d16<T>(qb, kp, vp, sb, n, P, KVH, D, G, g, s, sl, ob, scores.data(), qf.data(), acc.data(),
                              inv_sum.data());
       else if (isa >= 2)
-        attend_avx512<T>(qb, kp, vp, sb, n, P, KVH, D, G, g, s, ob, scores.data(), qf.data(), acc.data(), inv_sum.data());
+        attend_avx512<T>(qb, kp, vp, sb, n, P, KVH, D, G, g, s, sl, ob, scores.data(), qf.data(), acc.data(),
+                         inv_sum.data());
       else if (isa == 1)
-        attend_avx2<T>(qb, kp, vp, sb, n, P, KVH, D, G, g, s, ob, scores.data(), qf.data(), acc.data(), inv_sum.data());
+        attend_avx2<T>(qb, kp, vp, sb, n, P, KVH, D, G, g, s, sl, ob, scores.data(), qf.data(), acc.data(),
+                       inv_sum.data());
       else
-        attend_portable<T>(qb, kp, vp, sb, n, P, KVH, D, G, g, s, ob, scores.data(), qf.data(), acc.data(), inv_sum.data());
+        attend_portable<T>(qb, kp, vp, sb, n, P, KVH, D, G, g, s, sl, ob, scores.data(), qf.data(), acc.data(),
+                           inv_sum.data());
     }
   });
 }
@@ -157,7 +165,8 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& v
 }  // namespace
 
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor spans,
-                               torch::Tensor ctx, double scale, int64_t isa) {
+                               torch::Tensor ctx, double scale, int64_t isa,
+                               std::optional<torch::Tensor> alibi_slopes) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "decode_attention: shapes");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "decode_attention: q and cache dtypes differ");
@@ -168,10 +177,11 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   auto sc = spans.contiguous();
   auto cc = ctx.contiguous();
   auto out = torch::empty_like(qc);
+  const float* alibi = attn::alibi_data(alibi_slopes, qc.size(1));
   if (qc.scalar_type() == at::kFloat)
-    run<float>(qc, k_cache, v_cache, sc, cc, scale, out, isa);
+    run<float>(qc, k_cache, v_cache, sc, cc, scale, alibi, out, isa);
   else if (qc.scalar_type() == at::kBFloat16)
-    run<at::BFloat16>(qc, k_cache, v_cache, sc, cc, scale, out, isa);
+    run<at::BFloat16>(qc, k_cache, v_cache, sc, cc, scale, alibi, out, isa);
   else
     TORCH_CHECK(false, "decode_attention: fp32 or bf16 only");
   return out;

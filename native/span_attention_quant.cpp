@@ -4,7 +4,7 @@
 //   codes   int8 [S, P, KVH, D] (int8) | uint8 [S, P, KVH, D/2] (uint4: byte j = element j in the low nibble,
 //           element D/2 + j in the high nibble)
 //   params  fp32 [S, P, KVH, 2]: (scale, zero) of each row; a row reads back as (code - zero) * scale
-//   q, spans, ctx, out as in span_attention.cpp
+//   q, spans, ctx, out, alibi_slopes as in span_attention.cpp
 //
 // Attention works on the codes: a score is s_t * (q . c_t - z_t * sum(q)) * scale_attn, and the output
 // accumulates w = p * s_t times the codes of V and, apart, w * z_t, taken off at the end. A key row's codes
@@ -165,8 +165,8 @@ struct Scratch {   // per thread: [G, D] query rows and accumulators, [G, ctx] s
 template <int M, bool V512, typename T>
 __attribute__((always_inline)) inline void attend(const T* q, const uint8_t* kc, const float* kp, const uint8_t* vc,
                                                   const float* vp, const int64_t* spans, int64_t ctx, int64_t P,
-                                                  int64_t KVH, int64_t D, int64_t G, int64_t g, float scale, T* out,
-                                                  Scratch& s) {
+                                                  int64_t KVH, int64_t D, int64_t G, int64_t g, float scale,
+                                                  const float* slopes, T* out, Scratch& s) {
   const int64_t W = row_bytes<M>(D);
   float* qf = s.qf.data();
   float* row = s.row.data();
@@ -181,6 +181,7 @@ __attribute__((always_inline)) inline void attend(const T* q, const uint8_t* kc,
     const float ks = kp[2 * r] * scale, kz = kp[2 * r + 1];
     for (int64_t h = 0; h < G; ++h) scores[h * ctx + t] = (dot<V512>(qf + h * D, row, D) - kz * s.qsum[h]) * ks;
   }
+  attn::add_alibi(scores, ctx, G, slopes);
   if constexpr (V512) attn::softmax_rows_avx512<float>(scores, ctx, G, s.inv_sum.data());
   else attn::softmax_rows<float>(scores, ctx, G, s.inv_sum.data());
   std::fill(s.zacc.begin(), s.zacc.end(), 0.f);
@@ -226,8 +227,9 @@ __attribute__((always_inline)) inline void attend(const T* q, const uint8_t* kc,
 
 #define ATTEND_ARGS                                                                                            \
   const T *q, const uint8_t *kc, const float *kp, const uint8_t *vc, const float *vp, const int64_t *spans,     \
-      int64_t ctx, int64_t P, int64_t KVH, int64_t D, int64_t G, int64_t g, float scale, T *out, Scratch &s
-#define ATTEND_CALL q, kc, kp, vc, vp, spans, ctx, P, KVH, D, G, g, scale, out, s
+      int64_t ctx, int64_t P, int64_t KVH, int64_t D, int64_t G, int64_t g, float scale, const float *slopes,    \
+      T *out, Scratch &s
+#define ATTEND_CALL q, kc, kp, vc, vp, spans, ctx, P, KVH, D, G, g, scale, slopes, out, s
 
 // flatten: the AVX-512 helpers (widen_avx512, dot<true>) carry their target attribute, so they cannot be
 // always_inline into the target-less attend(); flatten inlines them here, where the target allows it
@@ -247,7 +249,7 @@ void attend_portable(ATTEND_ARGS) { attend<M, false, T>(ATTEND_CALL); }
 template <int M, typename T>
 void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& kp, const torch::Tensor& vc,
          const torch::Tensor& vp, const torch::Tensor& spans, const torch::Tensor& ctx, double scale,
-         torch::Tensor& out, int64_t isa) {
+         const float* alibi, torch::Tensor& out, int64_t isa) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t P = kc.size(1), KVH = kc.size(2), MAXS = spans.size(1), G = H / KVH;
   const bool v512 = isa >= 2 && D % (M == I8 ? 16 : 32) == 0;
@@ -268,10 +270,11 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& k
       T* ob = op + b * H * D;
       const int64_t* sb = sp + b * MAXS;
       const float sc = static_cast<float>(scale);
-      if (v512) attend_avx512_v<M, T>(qb, kcp, kpp, vcp, vpp, sb, n, P, KVH, D, G, g, sc, ob, s);
-      else if (isa >= 2) attend_avx512<M, T>(qb, kcp, kpp, vcp, vpp, sb, n, P, KVH, D, G, g, sc, ob, s);
-      else if (isa == 1) attend_avx2<M, T>(qb, kcp, kpp, vcp, vpp, sb, n, P, KVH, D, G, g, sc, ob, s);
-      else attend_portable<M, T>(qb, kcp, kpp, vcp, vpp, sb, n, P, KVH, D, G, g, sc, ob, s);
+      const float* sl = alibi ? alibi + g * G : nullptr;   // the group's slopes
+      if (v512) attend_avx512_v<M, T>(qb, kcp, kpp, vcp, vpp, sb, n, P, KVH, D, G, g, sc, sl, ob, s);
+      else if (isa >= 2) attend_avx512<M, T>(qb, kcp, kpp, vcp, vpp, sb, n, P, KVH, D, G, g, sc, sl, ob, s);
+      else if (isa == 1) attend_avx2<M, T>(qb, kcp, kpp, vcp, vpp, sb, n, P, KVH, D, G, g, sc, sl, ob, s);
+      else attend_portable<M, T>(qb, kcp, kpp, vcp, vpp, sb, n, P, KVH, D, G, g, sc, sl, ob, s);
     }
   });
 }
@@ -295,7 +298,8 @@ int check_quant_cache(const torch::Tensor& codes, const torch::Tensor& params, i
 
 torch::Tensor decode_attention_quant(torch::Tensor q, torch::Tensor k_codes, torch::Tensor k_param,
                                      torch::Tensor v_codes, torch::Tensor v_param, torch::Tensor spans,
-                                     torch::Tensor ctx, double scale, int64_t isa) {
+                                     torch::Tensor ctx, double scale, int64_t isa,
+                                     std::optional<torch::Tensor> alibi_slopes) {
   TORCH_CHECK(q.dim() == 3, "decode_attention: q must be [B, H, D]");
   const int mode = check_quant_cache(k_codes, k_param, q.size(2), "decode_attention");
   TORCH_CHECK(check_quant_cache(v_codes, v_param, q.size(2), "decode_attention") == mode &&
@@ -307,12 +311,13 @@ torch::Tensor decode_attention_quant(torch::Tensor q, torch::Tensor k_codes, tor
   auto cc = ctx.contiguous();
   auto out = torch::empty_like(qc);
   const bool i8 = mode == I8;
+  const float* al = attn::alibi_data(alibi_slopes, qc.size(1));
   if (qc.scalar_type() == at::kFloat) {
-    if (i8) run<I8, float>(qc, k_codes, k_param, v_codes, v_param, sc, cc, scale, out, isa);
-    else run<U4, float>(qc, k_codes, k_param, v_codes, v_param, sc, cc, scale, out, isa);
+    if (i8) run<I8, float>(qc, k_codes, k_param, v_codes, v_param, sc, cc, scale, al, out, isa);
+    else run<U4, float>(qc, k_codes, k_param, v_codes, v_param, sc, cc, scale, al, out, isa);
   } else if (qc.scalar_type() == at::kBFloat16) {
-    if (i8) run<I8, at::BFloat16>(qc, k_codes, k_param, v_codes, v_param, sc, cc, scale, out, isa);
-    else run<U4, at::BFloat16>(qc, k_codes, k_param, v_codes, v_param, sc, cc, scale, out, isa);
+    if (i8) run<I8, at::BFloat16>(qc, k_codes, k_param, v_codes, v_param, sc, cc, scale, al, out, isa);
+    else run<U4, at::BFloat16>(qc, k_codes, k_param, v_codes, v_param, sc, cc, scale, al, out, isa);
   } else {
     TORCH_CHECK(false, "decode_attention: fp32 or bf16 only");
   }

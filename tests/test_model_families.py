@@ -2,15 +2,19 @@
 classes), and the remote-code
 layouts ChatGLM2/3/GLM-4-chat, Qwen (v1) and Baichuan2-7B, written from an equivalent native model (GLM, Qwen2,
 Llama; tests/remote_layouts.py) and checked against that model's logits: fp32 teacher-forced logits on every
-compute path, greedy tokens through the Engine, and 2-rank tensor-parallel logits equal to one process."""
+compute path, greedy tokens through the Engine, and 2-rank tensor-parallel logits equal to one process.
+Baichuan2-13B (ALiBi) is a different function of the same weights: its reference is baichuan_reference_logits on
+the written folder."""
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 
 from allspark_server.tiny_model import build_tiny_model
 from helpers import greedy, hf_greedy, random_prompt, serialize, start_engine
-from remote_layouts import write_baichuan, write_chatglm, write_qwen1
+from remote_layouts import baichuan_reference_logits, write_baichuan, write_chatglm, write_qwen1
 from test_hf_parity import hf_logits, kernels, runner_for, teacher_forced_logits  # noqa: F401 (a fixture)
 from test_tensor_parallel import tp_logits
 
@@ -34,7 +38,28 @@ FAMILIES = {
     "llama_yarn": ("llama_yarn", None),
     "llama_linear": ("llama_linear", None),
     "llama_dynamic": ("llama_dynamic", None),
+    "qwen2_moe": ("qwen2_moe", None),
+    "qwen3_moe": ("qwen3_moe", None),
+    "mixtral": ("mixtral", None),
+    "baichuan2_13b": ("llama_mha", functools.partial(write_baichuan, alibi=True)),
 }
+# families whose reference is a function of the written folder (ids [1, n] -> logits [1, n, V]), not the source model
+FOLDER_REFERENCES = {"baichuan2_13b": baichuan_reference_logits}
+
+
+def reference_logits(family: str, folder: str, model, tokens: list[int]) -> torch.Tensor:
+    if family in FOLDER_REFERENCES:
+        return FOLDER_REFERENCES[family](folder, torch.tensor([tokens]))[0].float()
+    return hf_logits(model, tokens)
+
+
+def reference_greedy(family: str, folder: str, model, prompt: list[int], n: int) -> list[int]:
+    if family not in FOLDER_REFERENCES:
+        return hf_greedy(model, prompt, n)
+    ids = list(prompt)
+    for _ in range(n):       # the whole sequence again each step: the reference has no cache
+        ids.append(int(FOLDER_REFERENCES[family](folder, torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +80,12 @@ def families(tmp_path_factory):
 def test_fp32_logits_match_the_reference(families, tmp_path, family, kernels):
     folder, model = families[family]
     prompt = random_prompt(PROMPT_LEN, seed=5)
-    tokens = prompt + hf_greedy(model, prompt, DECODE_STEPS)
+    tokens = prompt + reference_greedy(family, folder, model, prompt, DECODE_STEPS)
     loader = serialize(folder, family, str(tmp_path))
     assert loader.args.architecture == (model.config.architectures[0] if FAMILIES[family][1] is None
                                         else loader.hf_config["architectures"][0])
     ours = teacher_forced_logits(runner_for(loader, family, device=kernels), tokens, PROMPT_LEN)
-    ref = hf_logits(model, tokens)
+    ref = reference_logits(family, folder, model, tokens)
     assert ours.shape == ref.shape
     rel = ((ours - ref).abs().max() / ref.abs().max()).item()
     assert rel <= 1e-4, rel
@@ -72,7 +97,7 @@ def test_greedy_through_the_engine_and_a_2_rank_pool(families, tmp_path, family)
     loader = serialize(folder, family, str(tmp_path))
     engine = start_engine(loader, family)
     prompts = [random_prompt(20 + 7 * i, seed=30 + i) for i in range(3)]
-    want = [hf_greedy(model, p, 16) for p in prompts]
+    want = [reference_greedy(family, folder, model, p, 16) for p in prompts]
     assert [greedy(engine, family, p, 16) for p in prompts] == want
     engine.release_model(family)
     result = tp_logits(loader, prompts[0] + want[0], len(prompts[0]), tmp_path)
@@ -92,3 +117,40 @@ def test_dynamic_rope_serves_up_to_its_context_and_says_why_not_past_it(families
     with pytest.raises(AsException, match=f"dynamic NTK.*max_length <= {context}"):
         engine.install_model(cfg)
     engine.shutdown()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_native_moe_block_equals_its_python_twin_and_a_float64_reference(dtype, rows):
+    """native/moe.cpp against ops.moe on the same kernels (bit for bit) and the plain float64 math."""
+    from allspark_server import ops
+    if ops.native() is None:
+        pytest.skip("native kernels not built")
+    g = torch.Generator().manual_seed(rows)
+    h, inter, experts, top_k = 64, 48, 6, 2
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=g) * 0.2).to(dtype)
+    x, residual, norm = rand(rows, h), rand(rows, h), 1 + rand(h)
+    weights = dict(router=rand(experts, h), experts=[(rand(2 * inter, h), rand(h, inter)) for _ in range(experts)],
+                   top_k=top_k, norm_topk_prob=True, shared=(rand(2 * inter, h), rand(h, inter)),
+                   shared_gate=rand(1, h))
+    native_out, native_sum = ops.decode_moe_block(x, residual, norm, 1e-6, **weights)
+    hn, s = ops.rms_norm(x, norm, 1e-6, residual)
+    assert torch.equal(native_out, ops.moe(hn, **weights)) and torch.equal(native_sum, s)
+    # float64: route, run the chosen experts, add the gated shared expert
+    d = {k: (v.double() if torch.is_tensor(v) else v) for k, v in weights.items()}
+    hd = hn.double()
+    probs = torch.softmax(hd @ d["router"].T, -1)
+    want = torch.zeros(rows, h, dtype=torch.float64)
+    for r in range(rows):
+        top = probs[r].topk(top_k)
+        for p, e in zip(top.values / top.values.sum(), top.indices.tolist()):
+            gu, down = (w.double() for w in weights["experts"][e])
+            a = hd[r] @ gu.T
+            want[r] += p * ((torch.nn.functional.silu(a[:inter]) * a[inter:]) @ down.T)
+        gu, down = (w.double() for w in weights["shared"])
+        a = hd[r] @ gu.T
+        want[r] += torch.sigmoid(hd[r] @ d["shared_gate"].T) * ((torch.nn.functional.silu(a[:inter]) * a[inter:]) @ down.T)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert (native_out.double() - want).abs().max().item() <= tol * want.abs().max().item()

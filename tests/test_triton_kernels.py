@@ -210,3 +210,48 @@ def test_prefill_against_float64_and_torch(dtype, d, span_size, group):
     assert_close(out.cpu()[covered], ref[covered], TOL[dtype])
     again = ak.paged_prefill_attention(q, k_cache, v_cache, *seqs, spans, SCALE, max_q_len=int(q_len.max()))
     assert torch.equal(again.cpu()[covered], out.cpu()[covered])
+
+
+# ---- ALiBi ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_decode_with_alibi_slopes(dtype):
+    """Slopes per head (layers/alibi.py) against the float64 torch reference with the same slopes (test_alibi.py
+    checks that reference by hand), for one split and several (the bias is a function of the key's position
+    only, so each split adds it on its own)."""
+    from allspark_server.layers import alibi
+    lengths, kvh, group, d, span_size = [1, 17, 300], 2, 4, 64, 16
+    k_cache, v_cache, spans = make_cache(lengths, kvh, d, span_size, dtype, seed=9)
+    q = torch.randn(len(lengths), kvh * group, d).to(DEVICE, dtype)
+    ctx = torch.tensor(lengths, device=DEVICE)
+    slopes = alibi.alibi_slopes(kvh * group)
+    exact = ops.decode_attention_reference(q.cpu().double(), k_cache.cpu().double(), v_cache.cpu().double(),
+                                           spans.cpu(), ctx.cpu(), SCALE, alibi_slopes=slopes)
+    plain, _ = decode_refs(q, k_cache, v_cache, spans, ctx)
+    assert (exact - plain).abs().max().item() > 0.05          # the bias matters at these lengths
+    for splits in (1, 3, None):
+        out = ak.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE, num_splits=splits,
+                                        alibi_slopes=slopes.to(DEVICE))
+        assert_close(out, exact, TOL[dtype])
+
+
+def test_prefill_with_alibi_slopes():
+    from allspark_server.layers import alibi
+    dtype, d, span_size, group, kvh = torch.float32, 64, 16, 4, 2
+    chunks = [(1, 1), (5, 5), (3, 40), (20, 70)]
+    q_len = torch.tensor([m for m, _ in chunks])
+    ctx_len = torch.tensor([n for _, n in chunks])
+    q_start = torch.cumsum(q_len, 0) - q_len
+    k_cache, v_cache, spans = make_cache(ctx_len.tolist(), kvh, d, span_size, dtype, seed=10)
+    q = torch.randn(int(q_len.sum()), kvh * group, d).to(DEVICE, dtype)               # [T, H, D]
+    slopes = alibi.alibi_slopes(kvh * group)
+    out = ak.paged_prefill_attention(q, k_cache, v_cache, *(x.to(DEVICE) for x in (q_start, q_len, ctx_len)), spans,
+                                     SCALE, alibi_slopes=slopes.to(DEVICE))
+    kc, vc, sp = k_cache.cpu().double(), v_cache.cpu().double(), spans.cpu()
+    for start, m, n, row in zip(q_start.tolist(), q_len.tolist(), ctx_len.tolist(), sp):
+        slots = (row[:-(-n // span_size)][:, None] * span_size + torch.arange(span_size)).reshape(-1)[:n]
+        k, v = ops.gather_kv(kc, vc, slots)                                            # [n, KVH, D]
+        want = F.scaled_dot_product_attention(
+            q.cpu().double()[start:start + m].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=alibi.prefill_bias(slopes.double(), m, n), scale=SCALE, enable_gqa=True)   # [H, m, D]
+        assert_close(out[start:start + m], want.transpose(0, 1), TOL[dtype])

@@ -1,5 +1,6 @@
 """Triton attention over the paged ("span") KV cache: decode (one query per sequence, split-KV) and varlen
 causal prefill. Caches are [S, P, KVH, D]; token t of a sequence sits in span spans[b, t // P] at offset t % P.
+Both take optional ALiBi slopes (layers/alibi.py: score += slope_h * (key position - query position)).
 Owns the kernels and their launch wrappers only: no cache writes, no quantized caches, no backend choice
 (ops decides when to call these). Launches read no tensor contents on the host (CUDA-graph safe), except
 paged_prefill_attention when max_q_len is not given."""
@@ -18,6 +19,7 @@ DECODE_BLOCK_N = 64
 TARGET_PROGRAMS = 768   # default split-KV: about this many decode programs ...
 MAX_SPLITS = 64         # ... and never more partials than this per (sequence, head)
 PREFILL_BLOCK_N = 32
+LOG2_E = math.log2(math.e)
 
 
 @triton.jit
@@ -30,12 +32,13 @@ def _dot(a, b, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _attend_tiles(q, pos, acc, m_i, l_i, k_cache, v_cache, span_row, kv_head, n, tile_start, tile_end,
+def _attend_tiles(q, pos, alibi, acc, m_i, l_i, k_cache, v_cache, span_row, kv_head, n, tile_start, tile_end,
                   stride_ks, stride_kp, stride_kh, stride_vs, stride_vp, stride_vh, qk_scale,
                   P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+                  DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """Online softmax of rows q [M, BLOCK_D] over token tiles [tile_start, tile_end) of one sequence; row r
-    sees tokens t <= pos[r] (pos < n). Scores are in the log2 domain (qk_scale includes log2(e))."""
+    sees tokens t <= pos[r] (pos < n). Scores are in the log2 domain (qk_scale includes log2(e)); HAS_ALIBI adds
+    alibi[r] * (t - pos[r]) to them (alibi [M]: the rows' slopes times log2(e))."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
@@ -48,6 +51,8 @@ def _attend_tiles(q, pos, acc, m_i, l_i, k_cache, v_cache, span_row, kv_head, n,
         kt = tl.load(k_cache + k_row[None, :] + offs_d[:, None],
                      mask=t_ok[None, :] & d_ok[:, None], other=0.0)                     # [BLOCK_D, BLOCK_N]
         s = _dot(q, kt, DOT_PREC, UPCAST) * qk_scale                                    # [M, BLOCK_N] fp32
+        if HAS_ALIBI:
+            s += alibi[:, None] * (t[None, :] - pos[:, None]).to(tl.float32)
         s = tl.where(t[None, :] <= pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))                                           # [M]
         alpha = tl.exp2(m_i - m_new)
@@ -61,12 +66,12 @@ def _attend_tiles(q, pos, acc, m_i, l_i, k_cache, v_cache, span_row, kv_head, n,
 
 
 @triton.jit
-def _decode_kernel(q, k_cache, v_cache, spans, ctx, out, m_part, l_part, acc_part, qk_scale, H,
+def _decode_kernel(q, k_cache, v_cache, spans, ctx, slopes, out, m_part, l_part, acc_part, qk_scale, H,
                    stride_qb, stride_qh, stride_ks, stride_kp, stride_kh, stride_vs, stride_vp, stride_vh,
                    stride_sb, stride_ob, stride_oh,
                    G: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-                   UPCAST: tl.constexpr):
+                   UPCAST: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """Program (b, kv head, split): the G query heads of that kv head over the split's share of the tiles."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -86,12 +91,16 @@ def _decode_kernel(q, k_cache, v_cache, spans, ctx, out, m_part, l_part, acc_par
     qt = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0)               # [BLOCK_G, BLOCK_D]
     qt = qt.to(k_cache.dtype.element_ty)
     pos = tl.zeros([BLOCK_G], dtype=tl.int32) + (n - 1)
+    alibi = tl.zeros([BLOCK_G], dtype=tl.float32)
+    if HAS_ALIBI:
+        alibi = tl.load(slopes + head, mask=g_ok, other=0.0) * 1.4426950408889634                # [BLOCK_G]
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc, m_i, l_i = _attend_tiles(qt, pos, acc, m_i, l_i, k_cache, v_cache, spans + b.to(tl.int64) * stride_sb,
-                                  kv_head, n, tile_start, tile_end, stride_ks, stride_kp, stride_kh,
-                                  stride_vs, stride_vp, stride_vh, qk_scale, P, D, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST)
+    acc, m_i, l_i = _attend_tiles(qt, pos, alibi, acc, m_i, l_i, k_cache, v_cache,
+                                  spans + b.to(tl.int64) * stride_sb, kv_head, n, tile_start, tile_end,
+                                  stride_ks, stride_kp, stride_kh, stride_vs, stride_vp, stride_vh, qk_scale,
+                                  P, D, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST, HAS_ALIBI)
     if NUM_SPLITS == 1:
         o_ptrs = out + b.to(tl.int64) * stride_ob + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
@@ -123,12 +132,12 @@ def _combine_kernel(m_part, l_part, acc_part, out, stride_ob, stride_oh, H,
 
 
 @triton.jit
-def _prefill_kernel(q, k_cache, v_cache, spans, q_start, q_len, ctx_len, out, qk_scale,
+def _prefill_kernel(q, k_cache, v_cache, spans, q_start, q_len, ctx_len, slopes, out, qk_scale,
                     stride_qt, stride_qh, stride_ks, stride_kp, stride_kh, stride_vs, stride_vp, stride_vh,
                     stride_sb, stride_ot, stride_oh,
                     G: tl.constexpr, P: tl.constexpr, D: tl.constexpr, QUERIES: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-                    UPCAST: tl.constexpr):
+                    UPCAST: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """Program (sequence i, query block, kv head): rows r < QUERIES * G are (query r // G, head r % G), so the
     G heads sharing a kv head read each K/V tile once."""
     i = tl.program_id(0)
@@ -150,12 +159,16 @@ def _prefill_kernel(q, k_cache, v_cache, spans, q_start, q_len, ctx_len, out, qk
     pos = n - num_q + qi            # causal limit; >= 0, so tile 0 gives every row (padding too) a finite max
     last = tl.minimum(first + QUERIES, num_q)                       # one past the block's last query
     tile_end = tl.where(first < num_q, (n - num_q + last + BLOCK_N - 1) // BLOCK_N, 0)
+    alibi = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_ALIBI:
+        alibi = tl.load(slopes + head, mask=row_ok, other=0.0) * 1.4426950408889634              # [BLOCK_M]
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, m_i, l_i = _attend_tiles(qt, pos, acc, m_i, l_i, k_cache, v_cache, spans + i.to(tl.int64) * stride_sb,
-                                  kv_head, n, 0, tile_end, stride_ks, stride_kp, stride_kh,
-                                  stride_vs, stride_vp, stride_vh, qk_scale, P, D, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST)
+    acc, m_i, l_i = _attend_tiles(qt, pos, alibi, acc, m_i, l_i, k_cache, v_cache,
+                                  spans + i.to(tl.int64) * stride_sb, kv_head, n, 0, tile_end,
+                                  stride_ks, stride_kp, stride_kh, stride_vs, stride_vp, stride_vh, qk_scale,
+                                  P, D, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST, HAS_ALIBI)
     # l >= 1 on every real row (its max term is exp2(0)); the guard only keeps skipped blocks' rows finite
     o = acc / tl.maximum(l_i, 1.0)[:, None]
     o_ptrs = out + (start + qi)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -195,14 +208,21 @@ def default_num_splits(batch: int, num_kv_heads: int, max_spans: int, span_size:
     return max(1, min(-(-TARGET_PROGRAMS // (batch * num_kv_heads)), max_tiles, MAX_SPLITS))
 
 
+def _check_slopes(alibi_slopes: torch.Tensor | None, heads: int) -> None:
+    assert alibi_slopes is None or (alibi_slopes.shape == (heads,) and alibi_slopes.dtype == torch.float32
+                                    and alibi_slopes.is_contiguous()), "alibi_slopes must be fp32 [H], contiguous"
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,
                            ctx: torch.Tensor, scale: float, num_splits: int | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D], caches [S, P, KVH, D], spans [B, MAXS] (int32/int64, padded), ctx [B] (>= 1, incl. the new
-    token) -> out [B, H, D] in q's dtype (written into `out` if given)."""
+    token) -> out [B, H, D] in q's dtype (written into `out` if given). alibi_slopes fp32 [H]: key t's score gets
+    slope_h * (t - (ctx - 1))."""
     g, span_size, d = _check_inputs(q, k_cache, v_cache, spans)
     batch, heads = q.shape[:2]
     assert ctx.shape == (batch,) and ctx.is_contiguous() and spans.shape[0] == batch
+    _check_slopes(alibi_slopes, heads)
     kvh = k_cache.shape[2]
     if out is None:
         out = torch.empty_like(q)
@@ -219,11 +239,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         m_part = l_part = acc_part = out        # unused: the kernel writes out directly
     _decode_kernel[(batch, kvh, num_splits)](
-        q, k_cache, v_cache, spans, ctx, out, m_part, l_part, acc_part, scale * math.log2(math.e), heads,
+        q, k_cache, v_cache, spans, ctx, ctx if alibi_slopes is None else alibi_slopes, out, m_part, l_part,
+        acc_part, scale * LOG2_E, heads,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], spans.stride(0),
         out.stride(0), out.stride(1),
         G=g, P=span_size, D=d, NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(g)),
-        BLOCK_N=DECODE_BLOCK_N, **tiles)
+        BLOCK_N=DECODE_BLOCK_N, HAS_ALIBI=alibi_slopes is not None, **tiles)
     if num_splits > 1:
         _combine_kernel[(batch, heads)](m_part, l_part, acc_part, out, out.stride(0), out.stride(1), heads,
                                         D=d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
@@ -233,12 +254,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,
                             q_len: torch.Tensor, ctx_len: torch.Tensor, spans: torch.Tensor, scale: float,
-                            out: torch.Tensor | None = None, max_q_len: int | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, max_q_len: int | None = None,
+                            alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a varlen batch: q [T, H, D] holds sequence i's new tokens in rows q_start[i] ..
     q_start[i] + q_len[i] - 1; its ctx_len[i] tokens (cached + new, K/V already stored) are read through
     spans [N, MAXS]; query j sits at position ctx_len[i] - q_len[i] + j. -> out [T, H, D] in q's dtype (rows
-    of no sequence are left as they were). max_q_len sizes the grid; None reads q_len on the host."""
+    of no sequence are left as they were). max_q_len sizes the grid; None reads q_len on the host. alibi_slopes
+    fp32 [H]: query i's score of key t gets slope_h * (t - i)."""
     g, span_size, d = _check_inputs(q, k_cache, v_cache, spans)
+    _check_slopes(alibi_slopes, q.shape[-2])
     kvh = k_cache.shape[2]
     if out is None:
         out = torch.empty_like(q)
@@ -253,8 +277,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     queries = block_m // g                                          # queries per program; rows = queries * G
     tiles = _tile_config(d, k_cache.dtype)
     _prefill_kernel[(num_seqs, -(-max_q_len // queries), kvh)](
-        q, k_cache, v_cache, spans, q_start, q_len, ctx_len, out, scale * math.log2(math.e),
+        q, k_cache, v_cache, spans, q_start, q_len, ctx_len, ctx_len if alibi_slopes is None else alibi_slopes, out,
+        scale * LOG2_E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], spans.stride(0),
         out.stride(0), out.stride(1),
-        G=g, P=span_size, D=d, QUERIES=queries, BLOCK_M=block_m, BLOCK_N=PREFILL_BLOCK_N, num_stages=2, **tiles)
+        G=g, P=span_size, D=d, QUERIES=queries, BLOCK_M=block_m, BLOCK_N=PREFILL_BLOCK_N, num_stages=2,
+        HAS_ALIBI=alibi_slopes is not None, **tiles)
     return out

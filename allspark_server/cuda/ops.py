@@ -31,29 +31,33 @@ store_kv = ref.store_kv_reference
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,
                      ctx: torch.Tensor, scale: float, k_param: torch.Tensor | None = None,
-                     v_param: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, H, D] against each sequence's spans -> [B, H, D] (Triton; quantized spans: the torch reference)."""
+                     v_param: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, D] against each sequence's spans -> [B, H, D] (Triton; quantized spans: the torch reference);
+    alibi_slopes fp32 [H]: ALiBi's bias."""
     if k_param is not None:
-        return ref.decode_attention_reference(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param)
-    return paged_decode_attention(q, k_cache, v_cache, spans, ctx, scale)
+        return ref.decode_attention_reference(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param, alibi_slopes)
+    return paged_decode_attention(q, k_cache, v_cache, spans, ctx, scale, alibi_slopes=alibi_slopes)
 
 
 def decode_attention_block(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads, num_kv_heads,
                            cos, sin, k_cache, v_cache, slots, spans, ctx, scale, o_weight, k_param=None, v_param=None,
-                           q_norm=None, k_norm=None):
-    """ops.decode_attention_block_reference's sequence, on this backend's ops."""
+                           q_norm=None, k_norm=None, alibi_slopes=None):
+    """ops.decode_attention_block_reference's sequence, on this backend's ops (cos = sin = None: no rotary)."""
     h, s = rms_norm(x, norm_weight, eps, residual)
-    b, d = x.shape[0], cos.shape[-1]
-    q, k, v = linear(h, qkv_weight, qkv_bias).split([num_heads * d, num_kv_heads * d, num_kv_heads * d], -1)
+    qkv = linear(h, qkv_weight, qkv_bias)
+    b, d = x.shape[0], qkv.shape[-1] // (num_heads + 2 * num_kv_heads)
+    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], -1)
     if q_norm is not None:
         q, k = rms_norm(q.reshape(-1, d), q_norm, eps)[0], rms_norm(k.reshape(-1, d), k_norm, eps)[0]
     q, k = q.view(b, num_heads, d), k.view(b, num_kv_heads, d)
-    if k_param is None:   # rotate q and k, write k and v to their slots: one launch
+    if cos is None:       # ALiBi: no rotary, the bias is the attention's
+        store_kv(k, v, k_cache, v_cache, slots, k_param, v_param)
+    elif k_param is None:   # rotate q and k, write k and v to their slots: one launch
         q = fused.rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots)
     else:
         q, k = rotary(q, k, cos, sin)
         store_kv(k, v, k_cache, v_cache, slots, k_param, v_param)
-    o = decode_attention(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param)
+    o = decode_attention(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param, alibi_slopes)
     return linear(o.reshape(b, num_heads * d), o_weight), s
 
 

@@ -3,8 +3,8 @@ their code: Llama's names with q|k|v fused (`self_attn.W_pack`, split here).
 
 Baichuan2's NormHead normalizes each row of the LM head before use; it is done once here, at load. A folder is
 Baichuan2 when its vocabulary is Baichuan2's (125696) or its modeling file defines NormHead. The 13B models
-replace the rotary with ALiBi; a folder without `max_position_embeddings` (13B's config has only
-`model_max_length`) is one of those.
+replace the rotary with ALiBi (layers/alibi.py); a folder without `max_position_embeddings` (13B's config has
+only `model_max_length`, read as the context) is one of those.
 """
 from __future__ import annotations
 
@@ -31,10 +31,12 @@ def has_norm_head(hf: dict, folder) -> bool:
 
 
 def read_args(hf: dict, folder) -> ModelArgs:
-    if "max_position_embeddings" not in hf:
-        raise ValueError("Baichuan 13B (ALiBi position bias: its config.json has model_max_length and no "
-                         "max_position_embeddings) is not supported yet; the 7B models (rotary) are")
-    return args_from_hf_config(hf, qkv_bias_always=False, lm_head_normalized=has_norm_head(hf, folder))
+    if "max_position_embeddings" in hf:       # 7B: rotary, base 10000
+        return args_from_hf_config(hf, qkv_bias_always=False, lm_head_normalized=has_norm_head(hf, folder))
+    # 13B: ALiBi; its context is model_max_length (4096 in the published configs)
+    hf = dict(hf, max_position_embeddings=int(hf.get("model_max_length", 4096)))
+    return args_from_hf_config(hf, qkv_bias_always=False, lm_head_normalized=has_norm_head(hf, folder),
+                               position_embedding="alibi")
 
 
 def convert(name: str, t, args: ModelArgs):

@@ -16,9 +16,11 @@ import torch
 from torch import nn
 
 from allspark_server import ops
+from allspark_server.layers import alibi
 from allspark_server.layers.attention import PagedAttention
 from allspark_server.layers.embedding import Embedding, ParallelLMHead
 from allspark_server.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from allspark_server.layers.moe import SparseMoE
 from allspark_server.layers.norm import RMSNorm
 from allspark_server.layers.rotary import RotaryEmbedding, dynamic_rope_limit
 from allspark_server.loader.sharding import SplitMode, TPLayout
@@ -27,6 +29,8 @@ from allspark_server.runner.forward_inputs import ForwardInputs
 from allspark_server.runner.kv_cache import LayerKV
 
 SPLIT_RULES: list[tuple[str, SplitMode]] = [
+    (r"\.mlp\.(experts\.\d+|shared_expert)\.(gate|up)_proj\.weight$", SplitMode.COLUMN),   # MoE (layers/moe.py)
+    (r"\.mlp\.(experts\.\d+|shared_expert)\.down_proj\.weight$", SplitMode.ROW),
     (r"\.self_attn\.q_proj\.(weight|bias)$", SplitMode.HEADS),
     (r"\.self_attn\.[kv]_proj\.(weight|bias)$", SplitMode.KV_HEADS),
     (r"\.self_attn\.o_proj\.weight$", SplitMode.ROW),
@@ -48,7 +52,10 @@ class Attention(nn.Module):
             args.hidden_size, [("q_proj", self.num_heads * d), ("k_proj", self.num_kv_heads * d),
                                ("v_proj", self.num_kv_heads * d)], args.attention_bias, dtype)
         self.o_proj = RowParallelLinear(self.num_heads * d, args.hidden_size, args.o_proj_bias, dtype, comm)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d)
+        # ALiBi models: the slopes of this rank's heads (and no rotary)
+        slopes = (alibi.local_slopes(args.num_heads, tp.rank, tp.local_heads)
+                  if args.position_embedding == "alibi" else None)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, slopes)
         # Qwen3: RMSNorm over each head's q and k, before the rotary
         self.q_norm = RMSNorm(d, args.rms_norm_eps, dtype) if args.qk_norm else None
         self.k_norm = RMSNorm(d, args.rms_norm_eps, dtype) if args.qk_norm else None
@@ -62,7 +69,8 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)                       # [T, h, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)                    # [T, kvh, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = ops.rotary(q, k, *rope)
+        if self.attn.alibi_slopes is None:                                 # ALiBi: the attention adds the bias
+            q, k = ops.rotary(q, k, *rope)
         o = self.attn(q, k, v, kv, inputs.attn)                            # [T, h*D]
         return self.o_proj(o)                                              # [T, H]
 
@@ -82,14 +90,28 @@ class MLP(nn.Module):
     def forward(self, x):   # [T, H] -> [T, H]
         return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))          # silu(gate) * up: [T, I]
 
+    def decode_block(self, x, residual, norm: RMSNorm):
+        """norm(x + residual) and this MLP in one call: (partial output before the allreduce, x + residual)."""
+        return ops.decode_mlp_block(x, residual, norm.weight, norm.eps, self.gate_up_proj.kernel_weight,
+                                    self.gate_up_proj.bias, self.down_proj.kernel_weight)
+
+    def reduce(self, partial):
+        return self.down_proj.reduce(partial)
+
+    @property
+    def adds_bias(self) -> bool:     # the reduce adds the down projection's bias
+        return self.down_proj.bias is not None
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, tp: TPLayout, comm, dtype: torch.dtype):
+    def __init__(self, args: ModelArgs, tp: TPLayout, comm, dtype: torch.dtype, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.self_attn = Attention(args, tp, comm, dtype)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.mlp = MLP(args, tp, comm, dtype)
+        # a dense MLP or a mixture of experts: both give decode_block / reduce
+        self.mlp = (SparseMoE(args, tp.world_size, dtype, comm) if index in args.moe_layers
+                    else MLP(args, tp, comm, dtype))
 
     def forward(self, x, residual, inputs, rope, kv: LayerKV):
         """HF's `x + attn(norm(x))`, `x + mlp(norm(x))` with each add done inside the next norm:
@@ -108,21 +130,20 @@ class DecoderLayer(nn.Module):
         o, residual = ops.decode_attention_block(
             x, residual, norm1.weight, norm1.eps, attn.qkv_proj.kernel_weight, attn.qkv_proj.bias, attn.num_heads,
             attn.num_kv_heads, *rope, kv.k, kv.v, meta.slot_mapping, meta.decode_spans, meta.decode_ctx,
-            attn.attn.scale, attn.o_proj.kernel_weight, kv.k_param, kv.v_param, *attn.qk_norm_weights())
-        h, residual = ops.decode_mlp_block(attn.o_proj.reduce(o), residual, norm2.weight, norm2.eps,
-                                           mlp.gate_up_proj.kernel_weight, mlp.gate_up_proj.bias,
-                                           mlp.down_proj.kernel_weight)
-        return mlp.down_proj.reduce(h), residual
+            attn.attn.scale, attn.o_proj.kernel_weight, kv.k_param, kv.v_param, *attn.qk_norm_weights(),
+            alibi_slopes=attn.attn.alibi_slopes)
+        h, residual = mlp.decode_block(attn.o_proj.reduce(o), residual, norm2)
+        return mlp.reduce(h), residual
 
 
 class DecoderModel(nn.Module):
     def __init__(self, args: ModelArgs, tp: TPLayout, comm, dtype: torch.dtype, max_positions: int):
         super().__init__()
         self.embed_tokens = Embedding(args.vocab_size, args.hidden_size, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(args, tp, comm, dtype) for _ in range(args.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, tp, comm, dtype, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling,
-                                      args.rotary_dim)
+        self.rotary = (RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling,
+                                       args.rotary_dim) if args.position_embedding == "rope" else None)   # ALiBi: none
 
 
 class DecoderForCausalLM(nn.Module):
@@ -130,6 +151,8 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         if args.hidden_act != "silu":
             raise ValueError(f"hidden_act {args.hidden_act!r} is not supported (only silu)")
+        if args.position_embedding not in ("rope", "alibi"):
+            raise ValueError(f"position_embedding {args.position_embedding!r} is not supported (rope, alibi)")
         limit = dynamic_rope_limit(args.rope_scaling, args.max_position_embeddings)
         if limit is not None and max_positions > limit:
             raise ValueError(f"max_length {max_positions} is past this model's context ({limit} tokens), where its "
@@ -158,22 +181,29 @@ class DecoderForCausalLM(nn.Module):
                 or (self.lm_head.quant is None and not self.lm_head.weight.is_contiguous())):
             return None
         stack = ops.decode_stack(attn.num_heads, attn.num_kv_heads, attn.head_dim, norm.eps, attn.attn.scale,
-                                 dtype, self.model.embed_tokens.weight.device)
+                                 dtype, self.model.embed_tokens.weight.device, attn.attn.alibi_slopes)
         if stack is None:
             return None
         for layer, kv in zip(layers, kv_cache.layers):
             a, m = layer.self_attn, layer.mlp
             assert layer.input_layernorm.eps == layer.post_attention_layernorm.eps == norm.eps
             w = ops.native_weight
+            dense = (w(m.gate_up_proj.kernel_weight), m.gate_up_proj.bias, w(m.down_proj.kernel_weight)) \
+                if isinstance(m, MLP) else (None, None, None)
             stack.add_layer(layer.input_layernorm.weight, w(a.qkv_proj.kernel_weight), a.qkv_proj.bias,
-                            w(a.o_proj.kernel_weight), layer.post_attention_layernorm.weight,
-                            w(m.gate_up_proj.kernel_weight), m.gate_up_proj.bias, w(m.down_proj.kernel_weight),
+                            w(a.o_proj.kernel_weight), layer.post_attention_layernorm.weight, *dense,
                             *kv, *a.qk_norm_weights())
-        rotary = self.model.rotary
-        stack.set_ends(self.model.embed_tokens.weight, rotary.cos, rotary.sin, self.model.norm.weight,
+            if isinstance(m, SparseMoE):               # the layer's MLP half: its experts (native/moe.cpp)
+                b = m.block_weights()
+                stack.set_moe(b["router"], [w(g) for g, _ in b["experts"]], [w(d) for _, d in b["experts"]],
+                              b["top_k"], b["norm_topk_prob"], *(map(w, b["shared"]) if b["shared"] else (None, None)),
+                              b["shared_gate"])
+        rotary = self.model.rotary                                          # None: ALiBi, no tables
+        cos_sin = (rotary.cos, rotary.sin) if rotary is not None else (None, None)
+        stack.set_ends(self.model.embed_tokens.weight, *cos_sin, self.model.norm.weight,
                        ops.native_weight(self.lm_head.kernel_weight))
         # the row-parallel sums: nothing to do at world size 1 without biases, so the stack never calls back
-        if self.comm.world_size == 1 and all(layer.self_attn.o_proj.bias is None and layer.mlp.down_proj.bias is None
+        if self.comm.world_size == 1 and all(layer.self_attn.o_proj.bias is None and not layer.mlp.adds_bias
                                              for layer in layers):
             self._reduce = None
         else:
@@ -182,7 +212,7 @@ class DecoderForCausalLM(nn.Module):
 
     def _reduce_partial(self, partial: torch.Tensor, layer: int, part: int) -> torch.Tensor:
         sub = self.model.layers[layer]
-        return (sub.self_attn.o_proj if part == 0 else sub.mlp.down_proj).reduce(partial)
+        return (sub.self_attn.o_proj if part == 0 else sub.mlp).reduce(partial)
 
     @torch.inference_mode()
     def forward(self, inputs: ForwardInputs, kv_cache) -> torch.Tensor:
@@ -195,7 +225,8 @@ class DecoderForCausalLM(nn.Module):
                               meta.decode_ctx, self._reduce)
             return self.lm_head.gather(local)
         x = self.model.embed_tokens(inputs.input_ids)                       # [T, H]
-        rope = self.model.rotary.cos_sin(inputs.positions, x.dtype)         # [T, 1, D] x 2
+        rotary = self.model.rotary                                          # None: ALiBi, no rotary
+        rope = rotary.cos_sin(inputs.positions, x.dtype) if rotary is not None else (None, None)   # [T, 1, D] x 2
         residual = None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, inputs, rope, kv_cache.layers[i])

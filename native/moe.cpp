@@ -1,0 +1,67 @@
+// Mixture-of-experts MLP for a decode-only step (layers/moe.py has the math and the Python twin, ops.moe_with):
+//
+//   s = x + residual; h = RMSNorm(s); p = softmax(h . W_router^T) in fp32; the top k of p per row (divided by
+//   their sum when norm_topk); for each expert e in increasing order, over the rows routed to it:
+//   out[rows] += (silu(g) * u . W_down[e]^T) * p[rows, e] in fp32, with g|u = h[rows] . W_gate_up[e]^T; plus the
+//   shared expert's output times sigmoid(h . w_shared_gate) when there is one; returns (out, s), out before the
+//   tensor-parallel allreduce.
+//
+// Only the experts some row chose are touched, so a batch-1 step reads k experts' weights, not all of them: the
+// active parameters. The projections are `project` (native GEMV for few rows), the same ATen ops in the same
+// order as the Python twin, so the two agree bit for bit.
+#include <torch/extension.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "kernels.h"
+
+torch::Tensor moe_experts(const torch::Tensor& h, const torch::Tensor& router, const std::vector<Weight>& gate_up,
+                          const std::vector<Weight>& down, int64_t top_k, bool norm_topk,
+                          const std::optional<Weight>& shared_gate_up, const std::optional<Weight>& shared_down,
+                          const std::optional<torch::Tensor>& shared_gate, int64_t isa, int64_t native_rows) {
+  const int64_t E = static_cast<int64_t>(gate_up.size());
+  TORCH_CHECK(E > 0 && static_cast<int64_t>(down.size()) == E && router.size(0) == E,
+              "decode_moe_block: the router and the experts disagree on the number of experts");
+  TORCH_CHECK(top_k >= 1 && top_k <= E, "decode_moe_block: top_k ", top_k, " outside 1..", E);
+  TORCH_CHECK(shared_gate_up.has_value() == shared_down.has_value() && shared_down.has_value() == shared_gate.has_value(),
+              "decode_moe_block: the shared expert needs its gate_up, down and gate weights");
+  const auto logits = project(h, router, std::nullopt, isa, native_rows);
+  auto [weights, ids] = torch::softmax(logits.to(torch::kFloat), -1).topk(top_k, -1);
+  if (norm_topk) weights = weights / weights.sum(-1, true);
+  auto out = torch::zeros(h.sizes(), h.options().dtype(torch::kFloat));
+  // rows per expert, in row order (a row picks an expert at most once)
+  std::vector<std::vector<int64_t>> rows(E), slots(E);
+  const auto id = ids.accessor<int64_t, 2>();
+  for (int64_t r = 0; r < ids.size(0); ++r)
+    for (int64_t j = 0; j < top_k; ++j) {
+      rows[id[r][j]].push_back(r);
+      slots[id[r][j]].push_back(j);
+    }
+  for (int64_t e = 0; e < E; ++e) {
+    if (rows[e].empty()) continue;
+    const auto token = torch::tensor(rows[e], torch::kLong);
+    const auto slot = torch::tensor(slots[e], torch::kLong);
+    const auto y = project(silu_mul(project(h.index_select(0, token), gate_up[e], std::nullopt, isa, native_rows), isa),
+                           down[e], std::nullopt, isa, native_rows);
+    out.index_add_(0, token, y.to(torch::kFloat) * weights.index({token, slot}).unsqueeze(1));
+  }
+  if (shared_gate_up) {
+    const auto y = project(silu_mul(project(h, *shared_gate_up, std::nullopt, isa, native_rows), isa), *shared_down,
+                           std::nullopt, isa, native_rows);
+    out += torch::sigmoid(project(h, *shared_gate, std::nullopt, isa, native_rows).to(torch::kFloat)) *
+           y.to(torch::kFloat);
+  }
+  return out.to(h.scalar_type());
+}
+
+std::tuple<torch::Tensor, torch::Tensor> decode_moe_block(
+    torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor norm_weight, double eps,
+    torch::Tensor router, std::vector<Weight> gate_up, std::vector<Weight> down, int64_t top_k, bool norm_topk,
+    std::optional<Weight> shared_gate_up, std::optional<Weight> shared_down, std::optional<torch::Tensor> shared_gate,
+    int64_t isa, int64_t native_rows) {
+  auto [h, s] = rms_norm(x, norm_weight, eps, residual);
+  return {moe_experts(h, router, gate_up, down, top_k, norm_topk, shared_gate_up, shared_down, shared_gate, isa,
+                      native_rows), s};
+}
