@@ -7,8 +7,9 @@
 //   tensor-parallel allreduce.
 //
 // Only the experts some row chose are touched, so a batch-1 step reads k experts' weights, not all of them: the
-// active parameters. The projections are `project` (native GEMV for few rows), the same ATen ops in the same
-// order as the Python twin, so the two agree bit for bit.
+// active parameters. The projections are `project` (native GEMV for few rows); routing, products and sums are
+// the Python twin's arithmetic in its order, so the two agree bit for bit. A batch of one skips the row gather,
+// and the weighted sum is a plain loop: a decode step runs three kernels per chosen expert and little else.
 #include <torch/extension.h>
 
 #include <optional>
@@ -17,35 +18,61 @@
 
 #include "kernels.h"
 
+namespace {
+
+// out[row] += w * y (fp32 rows of H), the product rounded before the sum as `y.float() * w` then index_add_ are
+template <typename T>
+__attribute__((optimize("fp-contract=off")))
+void add_weighted(float* out, const T* y, float w, int64_t H) {
+  for (int64_t i = 0; i < H; ++i) out[i] += static_cast<float>(y[i]) * w;
+}
+
+void add_rows(torch::Tensor& out, const torch::Tensor& y, const std::vector<int64_t>& rows,
+              const std::vector<float>& weights) {
+  const int64_t H = out.size(1);
+  float* o = out.data_ptr<float>();
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (y.scalar_type() == at::kBFloat16)
+      add_weighted(o + rows[i] * H, y.data_ptr<at::BFloat16>() + i * H, weights[i], H);
+    else
+      add_weighted(o + rows[i] * H, y.data_ptr<float>() + i * H, weights[i], H);
+  }
+}
+
+}  // namespace
+
 torch::Tensor moe_experts(const torch::Tensor& h, const torch::Tensor& router, const std::vector<Weight>& gate_up,
                           const std::vector<Weight>& down, int64_t top_k, bool norm_topk,
                           const std::optional<Weight>& shared_gate_up, const std::optional<Weight>& shared_down,
                           const std::optional<torch::Tensor>& shared_gate, int64_t isa, int64_t native_rows) {
-  const int64_t E = static_cast<int64_t>(gate_up.size());
+  const int64_t E = static_cast<int64_t>(gate_up.size()), B = h.size(0);
   TORCH_CHECK(E > 0 && static_cast<int64_t>(down.size()) == E && router.size(0) == E,
               "decode_moe_block: the router and the experts disagree on the number of experts");
   TORCH_CHECK(top_k >= 1 && top_k <= E, "decode_moe_block: top_k ", top_k, " outside 1..", E);
   TORCH_CHECK(shared_gate_up.has_value() == shared_down.has_value() && shared_down.has_value() == shared_gate.has_value(),
               "decode_moe_block: the shared expert needs its gate_up, down and gate weights");
+  TORCH_CHECK(h.scalar_type() == at::kBFloat16 || h.scalar_type() == at::kFloat, "decode_moe_block: fp32 or bf16");
   const auto logits = project(h, router, std::nullopt, isa, native_rows);
   auto [weights, ids] = torch::softmax(logits.to(torch::kFloat), -1).topk(top_k, -1);
   if (norm_topk) weights = weights / weights.sum(-1, true);
   auto out = torch::zeros(h.sizes(), h.options().dtype(torch::kFloat));
-  // rows per expert, in row order (a row picks an expert at most once)
-  std::vector<std::vector<int64_t>> rows(E), slots(E);
+  // rows per expert, in row order (a row picks an expert at most once), with their routing weights
+  std::vector<std::vector<int64_t>> rows(E);
+  std::vector<std::vector<float>> row_weights(E);
   const auto id = ids.accessor<int64_t, 2>();
-  for (int64_t r = 0; r < ids.size(0); ++r)
+  const auto wt = weights.accessor<float, 2>();
+  for (int64_t r = 0; r < B; ++r)
     for (int64_t j = 0; j < top_k; ++j) {
       rows[id[r][j]].push_back(r);
-      slots[id[r][j]].push_back(j);
+      row_weights[id[r][j]].push_back(wt[r][j]);
     }
-  for (int64_t e = 0; e < E; ++e) {
+  for (int64_t e = 0; e < E; ++e) {      // only the chosen experts' weights are read
     if (rows[e].empty()) continue;
-    const auto token = torch::tensor(rows[e], torch::kLong);
-    const auto slot = torch::tensor(slots[e], torch::kLong);
-    const auto y = project(silu_mul(project(h.index_select(0, token), gate_up[e], std::nullopt, isa, native_rows), isa),
-                           down[e], std::nullopt, isa, native_rows);
-    out.index_add_(0, token, y.to(torch::kFloat) * weights.index({token, slot}).unsqueeze(1));
+    const bool all_rows = static_cast<int64_t>(rows[e].size()) == B;   // a batch of one: no gather
+    const auto x = all_rows ? h : h.index_select(0, torch::tensor(rows[e], torch::kLong));
+    const auto y = project(silu_mul(project(x, gate_up[e], std::nullopt, isa, native_rows), isa), down[e],
+                           std::nullopt, isa, native_rows).contiguous();
+    add_rows(out, y, rows[e], row_weights[e]);
   }
   if (shared_gate_up) {
     const auto y = project(silu_mul(project(h, *shared_gate_up, std::nullopt, isa, native_rows), isa), *shared_down,
