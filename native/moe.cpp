@@ -7,11 +7,14 @@
 //   tensor-parallel allreduce.
 //
 // Only the experts some row chose are touched, so a batch-1 step reads k experts' weights, not all of them: the
-// active parameters. The projections are `project` (native GEMV for few rows); routing, products and sums are
-// the Python twin's arithmetic in its order, so the two agree bit for bit. A batch of one skips the row gather,
-// and the weighted sum is a plain loop: a decode step runs three kernels per chosen expert and little else.
+// active parameters. The projections are `project` (native GEMV for few rows); the routing is a few plain loops
+// over E floats (its softmax may differ from torch's in the last bit), a batch of one skips the row gather, and
+// the weighted sum is a plain loop: a decode step runs three kernels per chosen expert and little else.
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <cmath>
+#include <numeric>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -52,20 +55,31 @@ torch::Tensor moe_experts(const torch::Tensor& h, const torch::Tensor& router, c
   TORCH_CHECK(shared_gate_up.has_value() == shared_down.has_value() && shared_down.has_value() == shared_gate.has_value(),
               "decode_moe_block: the shared expert needs its gate_up, down and gate weights");
   TORCH_CHECK(h.scalar_type() == at::kBFloat16 || h.scalar_type() == at::kFloat, "decode_moe_block: fp32 or bf16");
-  const auto logits = project(h, router, std::nullopt, isa, native_rows);
-  auto [weights, ids] = torch::softmax(logits.to(torch::kFloat), -1).topk(top_k, -1);
-  if (norm_topk) weights = weights / weights.sum(-1, true);
+  const auto logits = project(h, router, std::nullopt, isa, native_rows).to(torch::kFloat).contiguous();
   auto out = torch::zeros(h.sizes(), h.options().dtype(torch::kFloat));
-  // rows per expert, in row order (a row picks an expert at most once), with their routing weights
+  // routing, per row: softmax over the E logits, the top k (the lower id first among equals), renormalized;
+  // then the rows per expert, in row order (a row picks an expert at most once), with their weights
   std::vector<std::vector<int64_t>> rows(E);
   std::vector<std::vector<float>> row_weights(E);
-  const auto id = ids.accessor<int64_t, 2>();
-  const auto wt = weights.accessor<float, 2>();
-  for (int64_t r = 0; r < B; ++r)
+  std::vector<float> p(E);
+  std::vector<int64_t> order(E);
+  const float* lg = logits.data_ptr<float>();
+  for (int64_t r = 0; r < B; ++r) {
+    const float* l = lg + r * E;
+    const float m = *std::max_element(l, l + E);
+    float sum = 0.f;
+    for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(l[e] - m));
+    for (int64_t e = 0; e < E; ++e) p[e] /= sum;
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                      [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+    float chosen = 0.f;
+    for (int64_t j = 0; j < top_k; ++j) chosen += p[order[j]];
     for (int64_t j = 0; j < top_k; ++j) {
-      rows[id[r][j]].push_back(r);
-      row_weights[id[r][j]].push_back(wt[r][j]);
+      rows[order[j]].push_back(r);
+      row_weights[order[j]].push_back(norm_topk ? p[order[j]] / chosen : p[order[j]]);
     }
+  }
   for (int64_t e = 0; e < E; ++e) {      // only the chosen experts' weights are read
     if (rows[e].empty()) continue;
     const bool all_rows = static_cast<int64_t>(rows[e].size()) == B;   // a batch of one: no gather
