@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 
+import os
+
 import pytest
 import torch
 
@@ -156,3 +158,46 @@ def test_native_moe_block_equals_its_python_twin_and_a_float64_reference(dtype, 
         want[r] += torch.sigmoid(hd[r] @ d["shared_gate"].T) * ((torch.nn.functional.silu(a[:inter]) * a[inter:]) @ down.T)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert (native_out.double() - want).abs().max().item() <= tol * want.abs().max().item()
+
+
+def _copy_folder(src: str, dst, edit_config=None, edit_tensors=None) -> str:
+    import json
+    import shutil
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    if edit_config:
+        path = os.path.join(dst, "config.json")
+        with open(path) as f:
+            cfg = json.load(f)
+        edit_config(cfg)
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+    if edit_tensors:
+        path = os.path.join(dst, "model.safetensors")
+        tensors = load_file(path)
+        edit_tensors(tensors)
+        save_file(tensors, path)
+    return str(dst)
+
+
+def test_malformed_folders_are_refused_naming_the_architecture_key_or_tensor(families, tmp_path):
+    from allspark_server import HuggingFaceModel
+    from allspark_server.loader.hf_model import ModelSerializerException
+    chatglm, _ = families["chatglm"]
+    qkv = "transformer.encoder.layers.1.self_attention.query_key_value.weight"
+    cases = [
+        (lambda c: c.pop("padded_vocab_size"), None, "ChatGLMModel: config.json lacks the key 'padded_vocab_size'"),
+        (lambda c: c.update(rmsnorm=False), None, "ChatGLMModel with rmsnorm=False is not supported"),
+        (lambda c: c.update(architectures=["GPTNeoXForCausalLM"]), None, "'GPTNeoXForCausalLM' is not supported"),
+        (None, lambda t: t.pop(qkv), r"lacks tensors .*model\.layers\.1\.self_attn\.q_proj\.weight"),
+        (None, lambda t: t.update({qkv: t[qkv][:-16]}), f"tensor '{qkv}'.*rows; the config implies"),
+        (None, lambda t: t.update(extra=t[qkv].clone()), "unexpected tensor 'extra' for ChatGLMModel"),
+    ]
+    for i, (cfg, tensors, message) in enumerate(cases):
+        folder = _copy_folder(chatglm, tmp_path / str(i), cfg, tensors)
+        with pytest.raises(ModelSerializerException, match=message):
+            HuggingFaceModel(folder, "bad", user_set_data_type="float32").load_model()
+    llama, _ = families["llama_yarn"]
+    folder = _copy_folder(llama, tmp_path / "rope", lambda c: c.update(rope_parameters={"rope_type": "su", "factor": 2, "rope_theta": 10000.0}))
+    with pytest.raises(ModelSerializerException, match="rope type 'su'.*not supported; supported: default"):
+        HuggingFaceModel(folder, "bad")

@@ -134,7 +134,8 @@ class HuggingFaceModel:
             self._quant = self._repack_gptq(gptq_layers, shapes, tensors, expected)
         missing = expected - set(tensors)
         if missing:
-            raise ModelSerializerException(f"checkpoint lacks tensors: {sorted(missing)[:5]}")
+            raise ModelSerializerException(f"{self.args.architecture} checkpoint lacks tensors (in the decoder's "
+                                           f"names): {sorted(missing)[:5]}")
         for name, t in tensors.items():
             if name in shapes and tuple(t.shape) != shapes[name]:
                 raise ModelSerializerException(f"tensor {name!r} has shape {tuple(t.shape)}, config says "
@@ -263,8 +264,15 @@ class HuggingFaceModel:
     # ---- tokenizer ---------------------------------------------------------------------------
     def init_tokenizer(self, padding_side: str = "left") -> "HuggingFaceModel":
         from transformers import AutoTokenizer
-        self._tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code,
-                                                        padding_side=padding_side)
+        try:
+            self._tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code,
+                                                            padding_side=padding_side)
+        except Exception as e:
+            remote = "" if self.trust_remote_code else (
+                " If its tokenizer is remote code (Qwen v1's tiktoken tokenizer is), HuggingFaceModel(..., "
+                "trust_remote_code=True) lets transformers run it; the model itself never needs it, and token ids "
+                "(start_request) work without a tokenizer.")
+            raise ModelSerializerException(f"cannot load the tokenizer of {self.path!r}: {e}.{remote}") from None
         return self
 
     def get_tokenizer(self):

@@ -49,4 +49,5 @@ def convert(name: str, t, args: ModelArgs):
     return ((name, t),)
 
 
-ARCHITECTURES = {"BaichuanForCausalLM": ArchSpec(read_args, convert)}
+# Baichuan-7B (version 1) spells its class BaiChuanForCausalLM
+ARCHITECTURES = {"BaichuanForCausalLM": ArchSpec(read_args, convert), "BaiChuanForCausalLM": ArchSpec(read_args, convert)}
