@@ -354,9 +354,11 @@ def moe_route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[t
     return weights, ids
 
 
-def moe_with(lin, act, x, router, experts, top_k, norm_topk_prob, shared=None, shared_gate=None) -> torch.Tensor:
-    """The experts' weighted sum [T, H] (this rank's partial, before the allreduce) with the given linear and
-    activation ops. experts: [(gate_up weight, down weight)] per expert; shared: the same for the shared expert."""
+def moe(x, router, experts, top_k, norm_topk_prob, shared=None, shared_gate=None) -> torch.Tensor:
+    """The experts' weighted sum [T, H] (this rank's partial, before the allreduce), on any device through the
+    dispatching linear and silu_mul (a prefill's tokens grouped by expert). experts: [(gate_up weight, down
+    weight)] per expert; shared: the same for the shared expert."""
+    lin, act = linear, silu_mul
     weights, ids = moe_route(lin(x, router), top_k, norm_topk_prob)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in ids.unique().tolist():                      # ascending
@@ -370,29 +372,13 @@ def moe_with(lin, act, x, router, experts, top_k, norm_topk_prob, shared=None, s
     return out.to(x.dtype)
 
 
-def moe_reference(x, router, experts, top_k, norm_topk_prob, shared=None, shared_gate=None) -> torch.Tensor:
-    return moe_with(linear_reference, silu_mul_reference, x, router, experts, top_k, norm_topk_prob, shared,
-                    shared_gate)
-
-
-def moe(x, router, experts, top_k, norm_topk_prob, shared=None, shared_gate=None) -> torch.Tensor:
-    """Any device: the dispatching linear and silu_mul (a prefill's tokens grouped by expert)."""
-    return moe_with(linear, silu_mul, x, router, experts, top_k, norm_topk_prob, shared, shared_gate)
-
-
-def decode_moe_block_reference(x, residual, norm_weight, eps, router, experts, top_k, norm_topk_prob, shared=None,
-                               shared_gate=None):
-    h, s = rms_norm_reference(x, norm_weight, eps, residual)
-    return moe_reference(h, router, experts, top_k, norm_topk_prob, shared, shared_gate), s
-
-
 def decode_moe_block(x, residual, norm_weight, eps, router, experts, top_k, norm_topk_prob, shared=None,
                      shared_gate=None):
     """norm(x + residual) and the MoE MLP for a decode-only step: (partial output, x + residual). Native: one call
     reading only the chosen experts' weights (native/moe.cpp)."""
     ext = native()
     weights = [router, *(w for pair in experts for w in pair), *(shared or ())]
-    if (ext is None or x.is_cuda or x.dtype not in NATIVE_MAX_ROWS or not hasattr(ext, "decode_moe_block")
+    if (ext is None or x.is_cuda or x.dtype not in NATIVE_MAX_ROWS
             or not all(_native_weight_ok(w, x.dtype) for w in weights)):
         h, s = rms_norm(x, norm_weight, eps, residual)
         return moe(h, router, experts, top_k, norm_topk_prob, shared, shared_gate), s

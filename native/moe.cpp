@@ -1,4 +1,4 @@
-// Mixture-of-experts MLP for a decode-only step (layers/moe.py has the math and the Python twin, ops.moe_with):
+// Mixture-of-experts MLP for a decode-only step (layers/moe.py has the math and the Python twin, ops.moe):
 //
 //   s = x + residual; h = RMSNorm(s); p = softmax(h . W_router^T) in fp32; the top k of p per row (divided by
 //   their sum when norm_topk); for each expert e in increasing order, over the rows routed to it:

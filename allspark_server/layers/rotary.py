@@ -95,8 +95,8 @@ class RotaryEmbedding(nn.Module):
         cos, sin = torch.ones(max_positions, head_dim), torch.zeros(max_positions, head_dim)   # [P, D]
         half, pairs = head_dim // 2, rotary_dim // 2
         for start in (0, half):
-            cos[:, start:start + pairs] = freqs.cos() * attention_factor if attention_factor != 1 else freqs.cos()
-            sin[:, start:start + pairs] = freqs.sin() * attention_factor if attention_factor != 1 else freqs.sin()
+            cos[:, start:start + pairs] = freqs.cos() * attention_factor      # x 1.0 (all but yarn) is exact
+            sin[:, start:start + pairs] = freqs.sin() * attention_factor
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 

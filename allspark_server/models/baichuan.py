@@ -14,7 +14,7 @@ import os
 import torch
 
 from allspark_server.models.args import ModelArgs, args_from_hf_config
-from allspark_server.models.convert import qkv_sizes, split_rows
+from allspark_server.models.convert import split_qkv
 from allspark_server.models.registry import ArchSpec
 
 BAICHUAN2_VOCAB = 125696
@@ -41,9 +41,7 @@ def read_args(hf: dict, folder) -> ModelArgs:
 
 def convert(name: str, t, args: ModelArgs):
     if name.endswith(".self_attn.W_pack.weight"):
-        base = name[:-len("W_pack.weight")]
-        q, k, v = split_rows(t, qkv_sizes(args), name)
-        return (base + "q_proj.weight", q), (base + "k_proj.weight", k), (base + "v_proj.weight", v)
+        return split_qkv(t, args, name, name[:-len("self_attn.W_pack.weight")], "weight")
     if name == "lm_head.weight" and args.lm_head_normalized:
         return ((name, torch.nn.functional.normalize(t.float(), dim=-1).to(t.dtype)),)
     return ((name, t),)

@@ -8,7 +8,7 @@ rotary over the first half of each head in interleaved pairs (reordered here, mo
 from __future__ import annotations
 
 from allspark_server.models.args import ModelArgs
-from allspark_server.models.convert import layer_index, qkv_sizes, reorder_rotary_rows, rotary_dim_order, split_rows
+from allspark_server.models.convert import layer_index, split_gate_up, split_qkv
 from allspark_server.models.registry import ArchSpec
 
 LAYERS = "transformer.encoder.layers."
@@ -58,14 +58,9 @@ def convert(name: str, t, args: ModelArgs):
         return ((prefix + LAYER_RENAMES[rest], t),)
     suffix = rest.rsplit(".", 1)[-1]
     if rest.startswith("self_attention.query_key_value."):
-        q, k, v = split_rows(t, qkv_sizes(args), name)
-        order = rotary_dim_order(args.head_dim, args.rotary_dim, interleaved=True)
-        return ((prefix + f"self_attn.q_proj.{suffix}", reorder_rotary_rows(q, args.head_dim, order)),
-                (prefix + f"self_attn.k_proj.{suffix}", reorder_rotary_rows(k, args.head_dim, order)),
-                (prefix + f"self_attn.v_proj.{suffix}", v))
+        return split_qkv(t, args, name, prefix, suffix, interleaved=True)
     if rest.startswith("mlp.dense_h_to_4h."):
-        gate, up = split_rows(t, [args.intermediate_size] * 2, name)
-        return (prefix + f"mlp.gate_proj.{suffix}", gate), (prefix + f"mlp.up_proj.{suffix}", up)
+        return split_gate_up(t, args, name, prefix, suffix)
     return ((name, t),)
 
 

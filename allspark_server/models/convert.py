@@ -25,6 +25,28 @@ def qkv_sizes(args: ModelArgs) -> list[int]:
     return [args.num_heads * d, args.num_kv_heads * d, args.num_kv_heads * d]
 
 
+def to_rotary_layout(t: torch.Tensor, args: ModelArgs, interleaved: bool) -> torch.Tensor:
+    """q or k rows (weight or bias) of a checkpoint whose rotating pairs are interleaved, or whose rotary covers
+    only the first args.rotary_dim dims, in the decoder's layout."""
+    return reorder_rotary_rows(t, args.head_dim, rotary_dim_order(args.head_dim, args.num_rotary_dims, interleaved))
+
+
+def split_qkv(t: torch.Tensor, args: ModelArgs, name: str, prefix: str, suffix: str,
+              interleaved: "bool | None" = None) -> tuple:
+    """A fused q|k|v weight or bias -> the decoder's `{prefix}self_attn.{q,k,v}_proj.{suffix}`; with `interleaved`
+    (not None) q and k are brought into the decoder's rotary layout (to_rotary_layout)."""
+    q, k, v = split_rows(t, qkv_sizes(args), name)
+    if interleaved is not None:
+        q, k = to_rotary_layout(q, args, interleaved), to_rotary_layout(k, args, interleaved)
+    return tuple((f"{prefix}self_attn.{part}_proj.{suffix}", x) for part, x in zip("qkv", (q, k, v)))
+
+
+def split_gate_up(t: torch.Tensor, args: ModelArgs, name: str, prefix: str, suffix: str) -> tuple:
+    """A fused gate|up weight or bias (gate rows first) -> `{prefix}mlp.{gate,up}_proj.{suffix}`."""
+    gate, up = split_rows(t, [args.intermediate_size] * 2, name)
+    return (f"{prefix}mlp.gate_proj.{suffix}", gate), (f"{prefix}mlp.up_proj.{suffix}", up)
+
+
 def rotary_dim_order(head_dim: int, rotary_dim: int, interleaved: bool) -> list[int]:
     """order[new] = old: the checkpoint dim each of our dims takes. Rotating pair i of the checkpoint (dims
     (2i, 2i+1) interleaved, else (i, i + rotary_dim/2)) goes to (i, i + head_dim/2); the dims that do not rotate

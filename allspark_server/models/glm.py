@@ -4,7 +4,7 @@ of each head in interleaved pairs, which the converter reorders into the decoder
 from __future__ import annotations
 
 from allspark_server.models.args import ModelArgs, args_from_hf_config
-from allspark_server.models.convert import reorder_rotary_rows, rotary_dim_order, split_rows
+from allspark_server.models.convert import split_gate_up, to_rotary_layout
 from allspark_server.models.registry import ArchSpec
 
 
@@ -18,11 +18,9 @@ def read_args(hf: dict, folder) -> ModelArgs:
 
 def convert(name: str, t, args: ModelArgs):
     if name.endswith(".mlp.gate_up_proj.weight"):
-        base = name[:-len("gate_up_proj.weight")]
-        gate, up = split_rows(t, [args.intermediate_size] * 2, name)
-        return (base + "gate_proj.weight", gate), (base + "up_proj.weight", up)
+        return split_gate_up(t, args, name, name[:-len("mlp.gate_up_proj.weight")], "weight")
     if ".self_attn.q_proj." in name or ".self_attn.k_proj." in name:
-        return ((name, reorder_rotary_rows(t, args.head_dim, rotary_dim_order(args.head_dim, args.rotary_dim, True))),)
+        return ((name, to_rotary_layout(t, args, interleaved=True)),)
     return ((name, t),)
 
 

@@ -9,7 +9,7 @@ is capped there (max_position_embeddings = seq_length): within it the model is e
 from __future__ import annotations
 
 from allspark_server.models.args import ModelArgs
-from allspark_server.models.convert import layer_index, qkv_sizes, reorder_rotary_rows, rotary_dim_order, split_rows
+from allspark_server.models.convert import layer_index, split_qkv
 from allspark_server.models.registry import ArchSpec
 
 LAYERS = "transformer.h."
@@ -40,20 +40,17 @@ def read_args(hf: dict, folder) -> ModelArgs:
 def convert(name: str, t, args: ModelArgs):
     if name in RENAMES:
         return ((RENAMES[name], t),)
-    if name.endswith("rotary_emb.inv_freq") or not name.startswith(LAYERS):
-        return () if name.endswith("inv_freq") else ((name, t),)
+    if name.endswith("rotary_emb.inv_freq"):
+        return ()
+    if not name.startswith(LAYERS):
+        return ((name, t),)                      # reported as unexpected
     i, rest = layer_index(name, LAYERS)
     prefix = f"model.layers.{i}."
     if rest in LAYER_RENAMES:
         return ((prefix + LAYER_RENAMES[rest], t),)
     if rest.startswith("attn.c_attn."):
-        suffix = rest.rsplit(".", 1)[-1]
-        q, k, v = split_rows(t, qkv_sizes(args), name)
-        if args.rotary_dim:            # rotary_pct < 1: the first rotary_dim dims rotate, halves (i, i + r/2)
-            order = rotary_dim_order(args.head_dim, args.rotary_dim, interleaved=False)
-            q, k = reorder_rotary_rows(q, args.head_dim, order), reorder_rotary_rows(k, args.head_dim, order)
-        return ((prefix + f"self_attn.q_proj.{suffix}", q), (prefix + f"self_attn.k_proj.{suffix}", k),
-                (prefix + f"self_attn.v_proj.{suffix}", v))
+        # rotary_pct < 1: the first rotary_dim dims rotate, in halves (i, i + r/2): reordered
+        return split_qkv(t, args, name, prefix, rest.rsplit(".", 1)[-1], interleaved=False if args.rotary_dim else None)
     return ((name, t),)
 
 
