@@ -2,23 +2,25 @@
 classes), and the remote-code
 layouts ChatGLM2/3/GLM-4-chat, Qwen (v1) and Baichuan2-7B, written from an equivalent native model (GLM, Qwen2,
 Llama; tests/remote_layouts.py) and checked against that model's logits: fp32 teacher-forced logits on every
-compute path, greedy tokens through the Engine, and 2-rank tensor-parallel logits equal to one process.
+compute path; greedy tokens alone and batched through the Engine and batched through the session's 2-rank pool,
+whose logprobs must equal the reference's log-softmax; bf16 greedy equal to the reference wherever the reference
+has no near tie.
 Baichuan2-13B (ALiBi) is a different function of the same weights: its reference is baichuan_reference_logits on
 the written folder."""
 from __future__ import annotations
 
+import contextlib
 import functools
-
 import os
 
 import pytest
 import torch
 
+from allspark_client import GenerateRequestStatus
 from allspark_server.tiny_model import build_tiny_model
-from helpers import greedy, hf_greedy, random_prompt, serialize, start_engine
+from helpers import collect, greedy, hf_greedy, random_prompt, serialize, start_engine
 from remote_layouts import baichuan_reference_logits, write_baichuan, write_chatglm, write_qwen1
 from test_hf_parity import hf_logits, kernels, runner_for, teacher_forced_logits  # noqa: F401 (a fixture)
-from test_tensor_parallel import tp_logits
 
 PROMPT_LEN, DECODE_STEPS = 40, 24
 
@@ -93,18 +95,94 @@ def test_fp32_logits_match_the_reference(families, tmp_path, family, kernels):
     assert rel <= 1e-4, rel
 
 
+def start_all(engine, name: str, prompts: list[list[int]], n: int, logprobs: bool = False) -> list[tuple]:
+    """Greedy continuations of all prompts, every request started before any is read (they share decode steps):
+    [(tokens, logprob of each token)]. Engine or ClientEngine alike."""
+    gen = {"top_k": 1, "max_new_tokens": n, "eos_token_id": [], "logprobs": logprobs}
+    started = []
+    for p in prompts:
+        status, handle, queue = engine.start_request(name, {"input_ids": p}, gen)
+        assert status == 0, engine.get_last_error()
+        started.append((handle, queue))
+    out = []
+    for handle, queue in started:
+        tokens, elements, final = collect(queue)
+        assert final == GenerateRequestStatus.GenerateFinished, (final, queue.ErrorMessage())
+        out.append((tokens, [lp for el in elements for lp in el.token_logprobs_list]))
+        engine.release_request(name, handle)
+    return out
+
+
+@contextlib.contextmanager
+def installed_on_pool(pool, loader, name: str):
+    """The model installed and started on the session's 2-rank pool (tests/conftest.py), released afterwards."""
+    client, _ = pool
+    cfg = (loader.create_reference_runtime_config_builder(name, "cpu", [0], max_batch=4).max_length(256)
+           .kv_cache_span_size(16).build())
+    client.install_model(cfg)
+    client.start_model(name)
+    try:
+        assert '"world_size": 2' in client.get_model_info(name)
+        yield client
+    finally:
+        assert client.stop_model(name) == 0 and client.release_model(name) == 0
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_greedy_through_the_engine_and_a_2_rank_pool(families, tmp_path, family):
+def test_greedy_through_the_engine_and_a_2_rank_pool(families, pool, tmp_path, family):
+    """fp32: greedy tokens equal the reference's alone and batched through the Engine, batched through a 2-rank
+    pool; the pool's logprobs of those tokens equal the reference's log-softmax (1e-4 of the logits' range)."""
     folder, model = families[family]
     loader = serialize(folder, family, str(tmp_path))
-    engine = start_engine(loader, family)
     prompts = [random_prompt(20 + 7 * i, seed=30 + i) for i in range(3)]
     want = [reference_greedy(family, folder, model, p, 16) for p in prompts]
-    assert [greedy(engine, family, p, 16) for p in prompts] == want
-    engine.release_model(family)
-    result = tp_logits(loader, prompts[0] + want[0], len(prompts[0]), tmp_path)
-    assert result["world_size"] == 2 and result["argmax_equal"]
-    assert result["max_abs_diff"] <= 1e-4
+    engine = start_engine(loader, family)
+    try:
+        assert [greedy(engine, family, p, 16) for p in prompts] == want
+        assert [tokens for tokens, _ in start_all(engine, family, prompts, 16)] == want
+    finally:
+        engine.shutdown()
+    with installed_on_pool(pool, loader, family) as client:
+        got = start_all(client, family, prompts, 16, logprobs=True)
+    assert [tokens for tokens, _ in got] == want
+    for p, w, (_, logprobs) in zip(prompts, want, got):
+        ref = reference_logits(family, folder, model, p + w)[len(p) - 1:-1].double()
+        ref_lp = torch.log_softmax(ref, -1)[torch.arange(len(w)), w]
+        assert (torch.tensor(logprobs, dtype=torch.float64) - ref_lp).abs().max() <= 1e-4 * ref.abs().max()
+
+
+BF16_NEAR_TIE = 0.1   # logits: bf16 weights move these tiny models' logits by up to ~0.04 (measured, transformers bf16)
+
+
+def assert_greedy_up_to_near_ties(family, folder, model, prompt: list[int], tokens: list[int]) -> None:
+    """bf16 greedy against the fp32 reference on our own sequence: each token is the reference's argmax at that
+    point, or within BF16_NEAR_TIE of it (a tie at bf16 precision, where either choice is right); the tokens
+    before the first near tie equal the reference's own greedy continuation."""
+    ref = reference_logits(family, folder, model, prompt + tokens)[len(prompt) - 1:-1].double()
+    best = ref.max(-1).values
+    chosen = ref[torch.arange(len(tokens)), tokens]
+    assert ((best - chosen) <= BF16_NEAR_TIE).all(), (best - chosen).tolist()
+    top2 = ref.topk(2, -1).values
+    tie_free = int(((top2[:, 0] - top2[:, 1]) > BF16_NEAR_TIE).to(torch.int).cumprod(0).sum())
+    assert tokens[:tie_free] == ref.argmax(-1).tolist()[:tie_free]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bf16_greedy_through_the_engine_and_a_2_rank_pool(families, pool, tmp_path, family):
+    folder, model = families[family]
+    loader = serialize(folder, family, str(tmp_path), dtype="bfloat16")
+    prompts = [random_prompt(20 + 7 * i, seed=30 + i) for i in range(3)]
+    engine = start_engine(loader, family)
+    try:
+        alone = [greedy(engine, family, p, 12) for p in prompts]
+        batched = [tokens for tokens, _ in start_all(engine, family, prompts, 12)]
+    finally:
+        engine.shutdown()
+    with installed_on_pool(pool, loader, family) as client:
+        on_pool = [tokens for tokens, _ in start_all(client, family, prompts, 12)]
+    for p, *outputs in zip(prompts, alone, batched, on_pool):
+        for tokens in outputs:
+            assert_greedy_up_to_near_ties(family, folder, model, p, tokens)
 
 
 def test_dynamic_rope_serves_up_to_its_context_and_says_why_not_past_it(families, tmp_path):
@@ -117,6 +195,22 @@ def test_dynamic_rope_serves_up_to_its_context_and_says_why_not_past_it(families
     engine = Engine()
     cfg = loader.create_reference_runtime_config_builder("dyn", "cpu", [0], max_batch=1).max_length(context + 1).build()
     with pytest.raises(AsException, match=f"dynamic NTK.*max_length <= {context}"):
+        engine.install_model(cfg)
+    engine.shutdown()
+
+
+def test_qwen1_serves_up_to_seq_length_where_its_ntk_and_logn_would_act(families, tmp_path):
+    """Qwen v1 (use_dynamic_ntk / use_logn_attn on, as released) changes past seq_length: refused there, by name."""
+    folder, _ = families["qwen1"]
+    loader = serialize(folder, "qwen1", str(tmp_path))
+    seq_length = loader.hf_config["seq_length"]
+    assert loader.get_model_context_length() == seq_length
+    from allspark_client import AsException
+    from allspark_server import Engine
+    engine = Engine()
+    cfg = loader.create_reference_runtime_config_builder("qwen1", "cpu", [0], max_batch=1).max_length(2 * seq_length).build()
+    with pytest.raises(AsException, match=f"past this model's context \\({seq_length} tokens\\), where Qwen's "
+                                          f"use_dynamic_ntk and use_logn_attn .*max_length <= {seq_length}"):
         engine.install_model(cfg)
     engine.shutdown()
 

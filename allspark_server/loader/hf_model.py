@@ -239,9 +239,8 @@ class HuggingFaceModel:
         return _as_list(self.hf_generation_config.get("eos_token_id", self.hf_config.get("eos_token_id")))
 
     def get_model_context_length(self) -> int:
-        from allspark_server.layers.rotary import dynamic_rope_limit
-        limit = dynamic_rope_limit(self.args.rope_scaling, self.args.max_position_embeddings)
-        return min(self.args.max_position_embeddings, limit or self.args.max_position_embeddings)
+        exact = self.args.exact_context()
+        return min(self.args.max_position_embeddings, exact[0] if exact else self.args.max_position_embeddings)
 
     def create_reference_runtime_config_builder(self, engine_model_name: str, device_type, device_ids,
                                                 max_batch: int, max_context_length: int = -1

@@ -45,6 +45,19 @@ class ModelArgs:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     moe_layers: tuple = ()
+    # tokens up to which the model is exact when something we do not implement acts past them (Qwen v1's dynamic
+    # NTK and logn attention past seq_length), 0: none; the reason goes into the error of a longer max_length
+    context_limit: int = 0
+    context_limit_reason: str = ""
+
+    def exact_context(self) -> Optional[tuple[int, str]]:
+        """(tokens, why) when this model may serve only up to a length: dynamic NTK rope or context_limit."""
+        from allspark_server.layers.rotary import dynamic_rope_limit
+        limit = dynamic_rope_limit(self.rope_scaling, self.max_position_embeddings)
+        if limit is not None:
+            return limit, ("its dynamic NTK rope would change every frequency as a sequence grows (keys in the KV "
+                           "cache cannot follow)")
+        return (self.context_limit, self.context_limit_reason) if self.context_limit else None
 
     @property
     def num_rotary_dims(self) -> int:

@@ -22,7 +22,7 @@ from allspark_server.layers.embedding import Embedding, ParallelLMHead
 from allspark_server.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from allspark_server.layers.moe import SparseMoE
 from allspark_server.layers.norm import RMSNorm
-from allspark_server.layers.rotary import RotaryEmbedding, dynamic_rope_limit
+from allspark_server.layers.rotary import RotaryEmbedding
 from allspark_server.loader.sharding import SplitMode, TPLayout
 from allspark_server.models.args import ModelArgs
 from allspark_server.runner.forward_inputs import ForwardInputs
@@ -153,11 +153,10 @@ class DecoderForCausalLM(nn.Module):
             raise ValueError(f"hidden_act {args.hidden_act!r} is not supported (only silu)")
         if args.position_embedding not in ("rope", "alibi"):
             raise ValueError(f"position_embedding {args.position_embedding!r} is not supported (rope, alibi)")
-        limit = dynamic_rope_limit(args.rope_scaling, args.max_position_embeddings)
-        if limit is not None and max_positions > limit:
-            raise ValueError(f"max_length {max_positions} is past this model's context ({limit} tokens), where its "
-                             f"dynamic NTK rope would change every frequency as a sequence grows (keys in the KV "
-                             f"cache cannot follow): set max_length <= {limit}")
+        exact = args.exact_context()
+        if exact is not None and max_positions > exact[0]:
+            raise ValueError(f"max_length {max_positions} is past this model's context ({exact[0]} tokens), where "
+                             f"{exact[1]}: set max_length <= {exact[0]}")
         self.args = args
         self.comm = comm
         self.model = DecoderModel(args, tp, comm, dtype, max_positions)

@@ -3,8 +3,9 @@
 GPT-2-style names (`transformer.wte`, `h.<i>.ln_1`, `attn.c_attn` = q|k|v with bias, `attn.c_proj`, `ln_2`,
 `mlp.w1`/`w2`/`c_proj`, `ln_f`) mapped onto the decoder's: the MLP is `w1(x) * silu(w2(x))`, so w2 is the gate and
 w1 the up projection, and config.json's `intermediate_size` is twice their width. The rotary is Llama's over
-`kv_channels * rotary_pct` dims. Qwen's dynamic NTK and logn attention only act past `seq_length`, so the context
-is capped there (max_position_embeddings = seq_length): within it the model is exactly this.
+`kv_channels * rotary_pct` dims. Qwen's dynamic NTK and logn attention (`use_dynamic_ntk`, `use_logn_attn`, both on
+in the released models) only act past `seq_length`, so such a model serves up to seq_length tokens (a longer
+max_length is refused, saying why): within it the model is exactly this.
 """
 from __future__ import annotations
 
@@ -34,7 +35,16 @@ def read_args(hf: dict, folder) -> ModelArgs:
         max_position_embeddings=min(seq_length, int(hf.get("max_position_embeddings", seq_length))),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=True, o_proj_bias=not hf.get("no_bias", True), mlp_bias=not hf.get("no_bias", True),
-        hidden_act="silu", rotary_dim=0 if rotary_dim == head_dim else rotary_dim)
+        hidden_act="silu", rotary_dim=0 if rotary_dim == head_dim else rotary_dim, **_context_limit(hf, seq_length))
+
+
+def _context_limit(hf: dict, seq_length: int) -> dict:
+    acting = [k for k in ("use_dynamic_ntk", "use_logn_attn") if hf.get(k, True)]   # QWenConfig defaults: on
+    if not acting:
+        return {}
+    return {"context_limit": seq_length,
+            "context_limit_reason": f"Qwen's {' and '.join(acting)} (config.json) would act, which allspark does not "
+                                    f"implement"}
 
 
 def convert(name: str, t, args: ModelArgs):
