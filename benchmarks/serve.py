@@ -1,7 +1,8 @@
 """The HTTP server's benchmark: a Poisson load through allspark-serve with the official `openai` async client, next
 to the same workload through the Python `Engine` API directly.
 
-    python benchmarks/serve.py [--quick] [--requests 64] [--rate 2.0] [--sequential 16] [--json benchmarks/results-serve.json]
+    python benchmarks/serve.py [--quick] [--requests 64] [--rate 2.0] [--repeats 3] [--sequential 16]
+                               [--json benchmarks/results-serve.json]
     python benchmarks/serve.py --quick --burst 200 [--server-args "--max-concurrent 16 --max-queue 32"]
 
 vLLM's benchmark_serving definitions: TTFT (request sent -> first token), TPOT ((last - first token) / (output
@@ -14,7 +15,10 @@ instead put a whole decode step, ~90 ms, into the server's "overhead").
 queueing in the numbers. Prompts are token ids (the completions endpoint takes them), `max_tokens` tokens each with EOS
 ignored, so both paths do identical work. The model: the Llama-shaped random bf16 model of run.py (0.5 B; --quick:
 the small one) with a 512-token vocabulary, so every id it emits is one the trained test tokenizer can detokenize.
-The server's Engine and the direct Engine run with the same thread count (`--threads`), one after the other.
+The server's Engine and the direct Engine run with the same thread count (`--threads`), never at once: both are
+up for the whole run, and the Poisson load runs `--repeats` times with other arrival times, the paths alternating
+which goes first; the medians are over every repeat's requests (one Poisson run's TTFT median moves by tens of ms
+with the arrival times: a request that lands on another's prefill waits a whole prefill).
 `--burst N` instead sends N streaming requests at once through HTTP only and counts how each ended: completed with
 all its tokens, refused with 429, failed otherwise, or lost (no end within the timeout).
 """
@@ -85,8 +89,8 @@ async def http_request(client, model: str, prompt: list[int], max_tokens: int) -
     return _record(t0, stamps, tokens)
 
 
-async def http_load(base_url: str, model: str, prompts: list[list[int]], at: list[float], max_tokens: int) -> dict:
-    """Each prompt sent at its arrival time (`at`, seconds from the start), all concurrently."""
+async def http_load(base_url: str, model: str, prompts: list[list[int]], at: list[float], max_tokens: int):
+    """Each prompt sent at its arrival time (`at`, seconds from the start), all concurrently: (results, wall)."""
     from openai import AsyncOpenAI
     client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
 
@@ -97,7 +101,7 @@ async def http_load(base_url: str, model: str, prompts: list[list[int]], at: lis
     start = time.perf_counter()
     results = await asyncio.gather(*(one(p, d) for p, d in zip(prompts, at)))
     await client.close()
-    return summarize(list(results), time.perf_counter() - start)
+    return list(results), time.perf_counter() - start
 
 
 async def http_warmup(base_url: str, model: str, vocab: int, prompt_len: int, max_tokens: int, n: int = 8) -> None:
@@ -144,7 +148,8 @@ def engine_sequential(engine, name: str, tokenizer, prompts: list[list[int]], ma
     return summarize(results, time.perf_counter() - start)
 
 
-def engine_load(engine, name: str, tokenizer, prompts: list[list[int]], at: list[float], max_tokens: int) -> dict:
+def engine_load(engine, name: str, tokenizer, prompts: list[list[int]], at: list[float], max_tokens: int):
+    """As http_load, through the Engine API: a thread per request, started at its arrival time."""
     results, threads = [None] * len(prompts), []
 
     def one(i):
@@ -160,7 +165,7 @@ def engine_load(engine, name: str, tokenizer, prompts: list[list[int]], at: list
         threads.append(th)
     for th in threads:
         th.join()
-    return summarize(results, time.perf_counter() - start)
+    return results, time.perf_counter() - start
 
 
 async def http_burst(base_url: str, model: str, prompts: list[list[int]], max_tokens: int,
@@ -235,6 +240,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=max(1, len(os.sched_getaffinity(0)) - 1),
                    help="engine threads, the server's and the direct Engine's (default: all cores but one)")
+    p.add_argument("--repeats", type=int, default=3, help="Poisson loads per path, each with other arrival times")
     p.add_argument("--sequential", type=int, default=16, help="requests sent one at a time first (0: none)")
     p.add_argument("--burst", type=int, default=0, help="N streaming requests at once through HTTP only")
     p.add_argument("--server-args", default="", help="extra allspark-serve flags (e.g. admission limits)")
@@ -245,9 +251,9 @@ def main() -> None:
     from allspark_server.tiny_model import build_tokenizer
     if not os.path.exists(os.path.join(hf_dir, "tokenizer.json")):
         build_tokenizer(hf_dir)
-    prompts = [W.prompt(a.prompt, 100 + i, VOCAB) for i in range(a.burst or a.requests)]
+    prompts = [W.prompt(a.prompt, 100 + i, VOCAB) for i in range(a.burst)]
     one_by_one = [W.prompt(a.prompt, 5000 + i, VOCAB) for i in range(a.sequential)]   # not the load's: no cache hits
-    report = {"machine": run.machine_name(), "spec": spec, "threads": a.threads, "requests": len(prompts),
+    report = {"machine": run.machine_name(), "spec": spec, "threads": a.threads, "requests": a.burst or a.requests,
               "prompt": a.prompt, "max_tokens": a.max_tokens, "server_args": a.server_args}
     if a.burst:
         proc, base_url = start_server(hf_dir, a, a.server_args.split())
@@ -277,30 +283,43 @@ def main() -> None:
     # 8 requests at once: the warm-up (the server gets the same, http_warmup) and the rate's measure
     sustained = W.concurrent_tps(engine, "direct", VOCAB, 8, a.prompt, a.max_tokens)
     rate = a.rate or 0.5 * sustained / a.max_tokens   # half of what a batch of 8 sustains, as run.py's Poisson rows
-    at = arrivals(a.requests, rate)
     report["rate_rps"] = rate
-    if one_by_one:
-        report["engine_api_sequential"] = engine_sequential(engine, "direct", tokenizer, one_by_one, a.max_tokens)
-    report["engine_api"] = engine_load(engine, "direct", tokenizer, prompts, at, a.max_tokens)
-    print("Engine API:", json.dumps(report["engine_api"]), flush=True)
-    engine.stop_model("direct")
-    engine.release_model("direct")
-    engine.shutdown()
-
     proc, base_url = start_server(hf_dir, a, a.server_args.split())
     try:
         asyncio.run(http_warmup(base_url, "bench", VOCAB, a.prompt, a.max_tokens))
         if one_by_one:
+            report["engine_api_sequential"] = engine_sequential(engine, "direct", tokenizer, one_by_one, a.max_tokens)
             report["http_sequential"] = asyncio.run(http_sequential(base_url, "bench", one_by_one, a.max_tokens))
-        report["http"] = asyncio.run(http_load(base_url, "bench", prompts, at, a.max_tokens))
-        print("HTTP:      ", json.dumps(report["http"]), flush=True)
+        # the Poisson load, `repeats` times with other arrival times, the two paths alternating which goes first
+        # (the idle one waits: the server's engine and the direct one never run at once)
+        runs = {"engine_api": [], "http": []}
+        for r in range(a.repeats):
+            at = arrivals(a.requests, rate, seed=7 + r)
+            load = [W.prompt(a.prompt, 100 + 1000 * r + i, VOCAB) for i in range(a.requests)]  # no cache hits
+            order = ("engine_api", "http") if r % 2 == 0 else ("http", "engine_api")
+            for path in order:
+                if path == "engine_api":
+                    res = engine_load(engine, "direct", tokenizer, load, at, a.max_tokens)
+                else:
+                    res = asyncio.run(http_load(base_url, "bench", load, at, a.max_tokens))
+                runs[path].append(res)
+                print(f"repeat {r} {path}:", json.dumps(summarize(*res)), flush=True)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+        engine.stop_model("direct")
+        engine.release_model("direct")
+        engine.shutdown()
+    for path, rs in runs.items():      # every repeat's requests together
+        report[path] = summarize([x for res, _ in rs for x in res], sum(wall for _, wall in rs))
+        report[path + "_repeats"] = [summarize(*res) for res in rs]
     e, h = report["engine_api"], report["http"]
     report["http_vs_engine"] = {"tpot_median_ratio": h["tpot_median_ms"] / e["tpot_median_ms"],
                                 "ttft_median_added_ms": h["ttft_median_ms"] - e["ttft_median_ms"],
-                                "output_throughput_ratio": h["output_throughput"] / e["output_throughput"]}
+                                "output_throughput_ratio": h["output_throughput"] / e["output_throughput"],
+                                "ttft_median_added_ms_per_repeat": [
+                                    hr["ttft_median_ms"] - er["ttft_median_ms"]
+                                    for er, hr in zip(report["engine_api_repeats"], report["http_repeats"])]}
     if one_by_one:
         e, h = report["engine_api_sequential"], report["http_sequential"]
         report["http_vs_engine_sequential"] = {"tpot_median_ratio": h["tpot_median_ms"] / e["tpot_median_ms"],
