@@ -55,13 +55,22 @@ def read_tokenizer_json(path: str, trust_remote_code: bool = False) -> str:
         if os.path.isfile(file):
             with open(file, encoding="utf-8") as f:
                 return f.read()
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, use_fast=True)
+        tok = load_tokenizer(path, trust_remote_code, use_fast=True)
         backend = getattr(tok, "backend_tokenizer", None)
         return backend.to_str() if backend is not None else ""
     except Exception as e:   # no (usable) tokenizer files: not an error, the model still serves ids
         log.info("no fast tokenizer in %s (%s): guided output will be unavailable", path, e)
         return ""
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False, **kwargs):
+    """The folder's tokenizer through transformers; a Qwen v1 folder's tiktoken file is read by our own reader
+    (loader/qwen_tokenizer.py) unless the caller asked for the remote code."""
+    from allspark_server.loader import qwen_tokenizer
+    if not trust_remote_code and qwen_tokenizer.is_qwen_tiktoken_folder(path):
+        return qwen_tokenizer.load_qwen_tokenizer(path, kwargs.get("padding_side", "left"))
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
 
 
 def _as_list(v) -> list[int]:
@@ -236,7 +245,9 @@ class HuggingFaceModel:
 
     # ---- configs -----------------------------------------------------------------------------
     def eos_token_ids(self) -> list[int]:
-        return _as_list(self.hf_generation_config.get("eos_token_id", self.hf_config.get("eos_token_id")))
+        from allspark_server.loader.qwen_tokenizer import chatml_stop_ids
+        ids = _as_list(self.hf_generation_config.get("eos_token_id", self.hf_config.get("eos_token_id")))
+        return ids + [i for i in chatml_stop_ids(self.path, self.hf_generation_config) if i not in ids]
 
     def get_model_context_length(self) -> int:
         exact = self.args.exact_context()
@@ -262,15 +273,12 @@ class HuggingFaceModel:
 
     # ---- tokenizer ---------------------------------------------------------------------------
     def init_tokenizer(self, padding_side: str = "left") -> "HuggingFaceModel":
-        from transformers import AutoTokenizer
         try:
-            self._tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code,
-                                                            padding_side=padding_side)
+            self._tokenizer = load_tokenizer(self.path, self.trust_remote_code, padding_side=padding_side)
         except Exception as e:
             remote = "" if self.trust_remote_code else (
-                " If its tokenizer is remote code (Qwen v1's tiktoken tokenizer is), HuggingFaceModel(..., "
-                "trust_remote_code=True) lets transformers run it; the model itself never needs it, and token ids "
-                "(start_request) work without a tokenizer.")
+                " If its tokenizer is remote code, HuggingFaceModel(..., trust_remote_code=True) lets transformers "
+                "run it; the model itself never needs it, and token ids (start_request) work without a tokenizer.")
             raise ModelSerializerException(f"cannot load the tokenizer of {self.path!r}: {e}.{remote}") from None
         return self
 
