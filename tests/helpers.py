@@ -2,6 +2,7 @@
 transformers references (greedy generate, logits, step-by-step loops) the engines are checked against."""
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import torch
@@ -36,6 +37,20 @@ def start_engine(loader: HuggingFaceModel, name: str, engine: Engine | None = No
     engine.install_model(b.build())
     engine.start_model(name)
     return engine
+
+
+@contextlib.contextmanager
+def installed_on_pool(client, loader: HuggingFaceModel, name: str, max_length: int = 256, max_batch: int = 4):
+    """The model installed and started on a 2-rank pool (the session's `pool` fixture), released afterwards."""
+    cfg = (loader.create_reference_runtime_config_builder(name, "cpu", [0], max_batch=max_batch)
+           .max_length(max_length).kv_cache_span_size(16).build())
+    client.install_model(cfg)
+    client.start_model(name)
+    try:
+        assert '"world_size": 2' in client.get_model_info(name)
+        yield client
+    finally:
+        assert client.stop_model(name) == 0 and client.release_model(name) == 0
 
 
 def collect(queue, timeout_s: float = 120.0):

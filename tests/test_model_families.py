@@ -9,7 +9,6 @@ Baichuan2-13B (ALiBi) is a different function of the same weights: its reference
 the written folder."""
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 
@@ -18,7 +17,7 @@ import torch
 
 from allspark_client import GenerateRequestStatus
 from allspark_server.tiny_model import build_tiny_model
-from helpers import collect, greedy, hf_greedy, random_prompt, serialize, start_engine
+from helpers import collect, greedy, hf_greedy, installed_on_pool, random_prompt, serialize, start_engine
 from remote_layouts import baichuan_reference_logits, write_baichuan, write_chatglm, write_qwen1
 from test_hf_parity import hf_logits, kernels, runner_for, teacher_forced_logits  # noqa: F401 (a fixture)
 
@@ -113,21 +112,6 @@ def start_all(engine, name: str, prompts: list[list[int]], n: int, logprobs: boo
     return out
 
 
-@contextlib.contextmanager
-def installed_on_pool(pool, loader, name: str):
-    """The model installed and started on the session's 2-rank pool (tests/conftest.py), released afterwards."""
-    client, _ = pool
-    cfg = (loader.create_reference_runtime_config_builder(name, "cpu", [0], max_batch=4).max_length(256)
-           .kv_cache_span_size(16).build())
-    client.install_model(cfg)
-    client.start_model(name)
-    try:
-        assert '"world_size": 2' in client.get_model_info(name)
-        yield client
-    finally:
-        assert client.stop_model(name) == 0 and client.release_model(name) == 0
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_through_the_engine_and_a_2_rank_pool(families, pool, tmp_path, family):
     """fp32: greedy tokens equal the reference's alone and batched through the Engine, batched through a 2-rank
@@ -142,7 +126,7 @@ def test_greedy_through_the_engine_and_a_2_rank_pool(families, pool, tmp_path, f
         assert [tokens for tokens, _ in start_all(engine, family, prompts, 16)] == want
     finally:
         engine.shutdown()
-    with installed_on_pool(pool, loader, family) as client:
+    with installed_on_pool(pool[0], loader, family) as client:
         got = start_all(client, family, prompts, 16, logprobs=True)
     assert [tokens for tokens, _ in got] == want
     for p, w, (_, logprobs) in zip(prompts, want, got):
@@ -178,7 +162,7 @@ def test_bf16_greedy_through_the_engine_and_a_2_rank_pool(families, pool, tmp_pa
         batched = [tokens for tokens, _ in start_all(engine, family, prompts, 12)]
     finally:
         engine.shutdown()
-    with installed_on_pool(pool, loader, family) as client:
+    with installed_on_pool(pool[0], loader, family) as client:
         on_pool = [tokens for tokens, _ in start_all(client, family, prompts, 12)]
     for p, *outputs in zip(prompts, alone, batched, on_pool):
         for tokens in outputs:

@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from allspark_client import AsException, AsStatus
-from helpers import collect, greedy, hf_greedy, random_prompt, serialize
+from helpers import collect, greedy, hf_greedy, installed_on_pool, random_prompt, serialize
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TP_VARIANTS = ["llama_gqa_llama3", "qwen2_bias_tied", "llama_mqa"]
@@ -50,17 +50,10 @@ def test_pool_greedy_equals_engine_and_transformers(pool, served_llama, tiny_mod
     tm = tiny_models[variant]
     loader = serialize(tm.hf_dir, f"tp_{variant}", str(tmp_path))
     name = f"tp_{variant}"
-    cfg = (loader.create_reference_runtime_config_builder(name, "cpu", [0], max_batch=4).max_length(512)
-           .kv_cache_span_size(16).build())
-    client.install_model(cfg)
-    client.start_model(name)
-    try:
-        assert '"world_size": 2' in client.get_model_info(name)
+    with installed_on_pool(client, loader, name, max_length=512):
         for seed, n in ((1, 5), (2, 40), (3, 130)):
             prompt = random_prompt(n, seed=seed)
             assert greedy(client, name, prompt, 40) == hf_greedy(tm.model, prompt, 40)
-    finally:
-        assert client.stop_model(name) == 0 and client.release_model(name) == 0
 
 
 def test_indivisible_heads_rejected_at_install(pool, tmp_path):
