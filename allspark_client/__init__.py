@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):   # ClientEngine pulls in grpc: import it only when asked for
-    if name in ("ClientEngine", "PoolUnavailable"):
+    if name in ("ClientEngine", "PoolUnavailable", "PoolAccessDenied"):
         from allspark_client import client
         return getattr(client, name)
     raise AttributeError(name)

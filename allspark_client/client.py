@@ -24,6 +24,7 @@ from allspark_client import convert
 from allspark_client.api import EngineAPI, StartResult
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client._proto import allspark_pb2_grpc as pb_grpc
+from allspark_client.channel import Pem, normalize_address, open_channel
 from allspark_client.config import AsModelConfig
 from allspark_client.generation_config import parse_request
 from allspark_client.validation import ConfigError
@@ -31,12 +32,15 @@ from allspark_client.result_queue import ResultQueue
 from allspark_client.types import (AsEngineStat, AsException, AsStatus, GenerateRequestStatus, RequestHandle)
 
 log = logging.getLogger("allspark.client")
-MAX_MESSAGE_BYTES = 64 << 20
 STOP_WAIT_S = 30.0   # how long stop/release wait for the stream's final reply
 
 
 class PoolUnavailable(AsException):
     """The pool cannot be reached (not started, died, or shut down)."""
+
+
+class PoolAccessDenied(PoolUnavailable):
+    """The pool refused this client: a missing or wrong token, or a client certificate it does not accept."""
 
 
 @dataclass
@@ -46,26 +50,25 @@ class _ClientRequest:
     call: Any                       # the Generate stream (cancellable)
 
 
-def normalize_address(address: str) -> str:
-    if address.startswith("/"):
-        return "unix:" + address
-    return address
-
-
 class ClientEngine(EngineAPI):
     def __init__(self, address: Optional[str] = None, *, ranks: Optional[int] = None,
                  numa_nodes: Optional[list[int]] = None, launcher_args: tuple[str, ...] = (),
-                 start_timeout_s: float = 300.0):
+                 start_timeout_s: float = 300.0, token: Optional[str] = None, root_certificates: Pem = None,
+                 certificate_chain: Pem = None, private_key: Pem = None):
         """Connect to a running pool at `address` ('unix:/path', '/path' or 'host:port'), or, without
-        an address, spawn one with allspark-launch (`ranks`, `numa_nodes`) and own it."""
+        an address, spawn one with allspark-launch (`ranks`, `numa_nodes`) and own it.
+        `token`: the pool's bearer token (default $ALLSPARK_TOKEN); `root_certificates` (PEM bytes or a path):
+        TLS, trusting that CA; `certificate_chain` + `private_key`: a client certificate (channel.py)."""
         self._pool: Optional[subprocess.Popen] = None
         self._pool_log: Optional[str] = None
         if address is None:
             address = self._spawn_pool(ranks, numa_nodes, launcher_args)
         self.address = normalize_address(address)
-        self._channel = grpc.insecure_channel(self.address, options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        try:
+            self._channel = open_channel(self.address, token, root_certificates, certificate_chain, private_key)
+        except ValueError as e:
+            raise AsException(AsStatus.ALLSPARK_PARAM_ERROR, str(e)) from None
+        self._tls = root_certificates is not None
         self._stub = pb_grpc.AllsparkStub(self._channel)
         self._live: dict[tuple[str, int], _ClientRequest] = {}
         self._lock = threading.Lock()
@@ -104,13 +107,14 @@ class ClientEngine(EngineAPI):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise PoolUnavailable(AsStatus.ALLSPARK_RUNTIME_ERROR,
-                                      f"no ready pool at {self.address} after {timeout_s:.0f}s\n{self._pool_output()}")
+                                      f"no ready pool at {self.address} after {timeout_s:.0f}s{self._why_not()}\n"
+                                      f"{self._pool_output()}")
             try:
                 reply = self._stub.Health(pb.HealthRequest(), wait_for_ready=True, timeout=min(left, 2.0))
             except grpc.RpcError as e:
                 if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
                     continue
-                raise
+                raise self._unavailable(e) from None
             if reply.protocol_version != convert.PROTOCOL_VERSION:
                 raise AsException(AsStatus.ALLSPARK_RUNTIME_ERROR,
                                   f"pool speaks protocol {reply.protocol_version}, this client "
@@ -144,9 +148,25 @@ class ClientEngine(EngineAPI):
         self.close()
 
     # ---- plumbing ----------------------------------------------------------------------------
+    def _why_not(self) -> str:
+        """After a timeout: what one call without wait_for_ready says (a TLS mismatch shows here)."""
+        try:
+            self._stub.Health(pb.HealthRequest(), timeout=2.0)
+        except grpc.RpcError as e:
+            hint = ""
+            if e.code() == grpc.StatusCode.UNAVAILABLE and self._tls:
+                hint = " (does the pool serve TLS with a certificate that root_certificates signed?)"
+            elif e.code() == grpc.StatusCode.UNAVAILABLE and not self.address.startswith("unix:"):
+                hint = " (if the pool serves TLS, pass root_certificates=...)"
+            return f": {e.code().name}: {e.details()}{hint}"
+        return ""
+
     def _unavailable(self, e: grpc.RpcError) -> PoolUnavailable:
         """The error for a failed call; for a pool this client spawned, with the end of the pool's output
         (where a rank's traceback is)."""
+        if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            return PoolAccessDenied(AsStatus.ALLSPARK_REQUEST_DENIED,
+                                    f"the pool at {self.address} refused this client: {e.code().name}: {e.details()}")
         output = self._pool_output()
         return PoolUnavailable(AsStatus.ALLSPARK_RUNTIME_ERROR,
                                f"pool at {self.address} is unavailable: {e.code().name}: {e.details()}"

@@ -1,9 +1,10 @@
 """allspark-health: exit 0 when the pool at ADDRESS is ready (every rank up), 1 otherwise.
 
-    allspark-health unix:/run/allspark/default.sock [--timeout 60]
+    allspark-health unix:/run/allspark/default.sock [--timeout 60] [--root-certificates ca.pem]
 
 Waits on the Health call (gRPC wait_for_ready) up to --timeout seconds; prints the pool's version
-and size. Usable as a systemd ExecStartPost or a monitoring probe.
+and size. Usable as a systemd ExecStartPost or a monitoring probe. A pool with a token needs it in
+$ALLSPARK_TOKEN; a TLS pool, the CA that signed its certificate (--root-certificates).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import grpc
 
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client._proto import allspark_pb2_grpc as pb_grpc
-from allspark_client.client import normalize_address
+from allspark_client.channel import normalize_address, open_channel
 
 
 def main(argv=None) -> int:
@@ -22,8 +23,9 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("address", help="unix:/path, /path or host:port")
     p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--root-certificates", help="PEM file of the CA that signed a TLS pool's certificate")
     a = p.parse_args(argv)
-    with grpc.insecure_channel(normalize_address(a.address)) as channel:
+    with open_channel(normalize_address(a.address), root_certificates=a.root_certificates) as channel:
         try:
             reply = pb_grpc.AllsparkStub(channel).Health(pb.HealthRequest(), wait_for_ready=True, timeout=a.timeout)
         except grpc.RpcError as e:

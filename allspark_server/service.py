@@ -165,12 +165,12 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
 class PoolServer:
     """The grpc.aio server on its own event loop thread, driven from the (synchronous) rank-0 main thread."""
 
-    def __init__(self, servicer: AllsparkServicer, address: str):
+    def __init__(self, servicer: AllsparkServicer, address: str, access):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="allspark-grpc", daemon=True)
         self._thread.start()
         try:
-            self._server = self._submit(self._start(servicer, address)).result()
+            self._server = self._submit(self._start(servicer, address, access)).result()
         except BaseException:
             self._loop.call_soon_threadsafe(self._loop.stop)
             raise
@@ -179,13 +179,13 @@ class PoolServer:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     @staticmethod
-    async def _start(servicer, address: str):
+    async def _start(servicer, address: str, access):
+        from allspark_server import access as acl
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-        server = grpc.aio.server(options=options)
+        server = grpc.aio.server(options=options, interceptors=acl.interceptors(access))
         pb_grpc.add_AllsparkServicer_to_server(servicer, server)
-        if server.add_insecure_port(address) == 0:
-            raise OSError(f"cannot bind gRPC address {address!r}")
+        acl.bind(server, address, access)
         await server.start()
         return server
 
@@ -195,6 +195,8 @@ class PoolServer:
         return self._submit(self._server.stop(grace))
 
 
-def start_server(servicer: AllsparkServicer, address: str) -> PoolServer:
-    """Bind `address` ('unix:/path' or 'host:port') and start serving."""
-    return PoolServer(servicer, address)
+def start_server(servicer: AllsparkServicer, address: str, access=None) -> PoolServer:
+    """Bind `address` ('unix:/path' or 'host:port') under `access` (access.py; None: no token, no TLS) and
+    start serving."""
+    from allspark_server.access import Access
+    return PoolServer(servicer, address, access or Access())

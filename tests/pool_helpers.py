@@ -52,9 +52,9 @@ class Pool:
     """One allspark-launch pool on a unix socket in a fresh short directory (socket paths are
     limited to ~107 bytes, pytest's tmp_path can be longer)."""
 
-    def __init__(self, ranks: int = 2, extra_args: tuple[str, ...] = ()):
+    def __init__(self, ranks: int = 2, extra_args: tuple[str, ...] = (), socket_name: str = "pool.sock"):
         self.dir = tempfile.mkdtemp(prefix="asfail-")
-        self.socket = os.path.join(self.dir, "pool.sock")
+        self.socket = os.path.join(self.dir, socket_name)      # socket_name may name a subdirectory
         self.address = "unix:" + self.socket
         self.log_path = os.path.join(self.dir, "pool.log")
         self.clients: list[ClientEngine] = []

