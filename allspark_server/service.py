@@ -162,6 +162,49 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
         return await self._run(self._engine_stat, request.model_name)
 
 
+class _Malformed:
+    """What a request's bytes became when they do not parse (RejectMalformed)."""
+    __slots__ = ("error",)
+
+    def __init__(self, error: str):
+        self.error = error
+
+
+class RejectMalformed(grpc.aio.ServerInterceptor):
+    """A request whose bytes do not parse as its message type ends INVALID_ARGUMENT saying so (grpc.aio itself
+    answers UNKNOWN, the code of an exception a servicer let out): the deserializer never raises, it hands the
+    method a _Malformed, which the wrapped method turns into the status."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming:
+            return handler
+        parse, method = handler.request_deserializer, handler_call_details.method
+
+        def safe_parse(data):
+            try:
+                return parse(data)
+            except Exception as e:
+                return _Malformed(f"{method}: the request does not parse as its message type ({e})")
+
+        if handler.response_streaming:
+            inner_stream = handler.unary_stream
+
+            async def stream(request, context):
+                if isinstance(request, _Malformed):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+                async for reply in inner_stream(request, context):
+                    yield reply
+            return grpc.unary_stream_rpc_method_handler(stream, safe_parse, handler.response_serializer)
+        inner = handler.unary_unary
+
+        async def unary(request, context):
+            if isinstance(request, _Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+            return await inner(request, context)
+        return grpc.unary_unary_rpc_method_handler(unary, safe_parse, handler.response_serializer)
+
+
 class PoolServer:
     """The grpc.aio server on its own event loop thread, driven from the (synchronous) rank-0 main thread."""
 
@@ -183,7 +226,7 @@ class PoolServer:
         from allspark_server import access as acl
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-        server = grpc.aio.server(options=options, interceptors=acl.interceptors(access))
+        server = grpc.aio.server(options=options, interceptors=acl.interceptors(access) + [RejectMalformed()])
         pb_grpc.add_AllsparkServicer_to_server(servicer, server)
         acl.bind(server, address, access)
         await server.start()
