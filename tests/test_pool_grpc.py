@@ -34,9 +34,9 @@ def raw_stream(channel, method: str, payload: bytes, timeout: float = 30.0) -> l
     return list(call(payload, timeout=timeout))
 
 
-# what gRPC answers for bytes that do not parse as the request message (grpc.aio's servers: UNKNOWN, naming the
-# DecodeError; the synchronous server's: INTERNAL)
-UNPARSEABLE = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+# what the pool answers for bytes that do not parse as the request message: INVALID_ARGUMENT naming its type
+# (service.RejectMalformed; grpc.aio by itself answers UNKNOWN, the code of an exception a servicer let out)
+UNPARSEABLE = (grpc.StatusCode.INVALID_ARGUMENT,)
 
 
 def expect_rpc_error(fn, *codes) -> grpc.RpcError:
