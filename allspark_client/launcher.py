@@ -234,11 +234,12 @@ def main(argv=None) -> int:
     placements = place_ranks(topo, args.ranks, nodes)
     numactl = None if args.no_numactl else shutil.which("numactl")
     try:
-        args.mpirun = find_mpirun(args.mpirun)
+        args.mpirun, found = find_mpirun(args.mpirun), True
     except SystemExit:
         if not args.dry_run:
             raise
-    flavour = mpi_flavour(args.mpirun) if not args.dry_run or shutil.which(args.mpirun) else "openmpi"
+        found = False                   # a dry run still prints the command it would run
+    flavour = mpi_flavour(args.mpirun) if found else "openmpi"
     env = dict(os.environ)
     if flavour == "openmpi" and os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")

@@ -21,8 +21,9 @@ from typing import Optional
 
 import grpc
 
+from allspark_client.channel import TOKEN_ENV
+
 log = logging.getLogger("allspark.access")
-TOKEN_ENV = "ALLSPARK_TOKEN"
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 

@@ -21,6 +21,7 @@ from typing import Callable
 import grpc
 
 from allspark_client import convert
+from allspark_client.channel import MAX_MESSAGE_BYTES
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client._proto import allspark_pb2_grpc as pb_grpc
 from allspark_client.validation import ConfigError
@@ -29,7 +30,6 @@ from allspark_server.engine import Engine
 from allspark_server.version import version_full
 
 log = logging.getLogger(__name__)
-MAX_MESSAGE_BYTES = 64 << 20
 ENGINE_CALL_THREADS = 64     # concurrent blocking Engine calls (a sync_request may hold one for long)
 
 
