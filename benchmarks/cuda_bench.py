@@ -124,6 +124,10 @@ def main(args, save=lambda report: None) -> dict:
     free_memory()
     note_memory("after batch 1")
     save(report)
+    if getattr(args, "quant", None):
+        report["quant"] = quant_rows(engine, root, args.quant, prompt_len, new_tokens, rounds, max_len, layers)
+        print(f"quantized weights: {report['quant']}", flush=True)
+        save(report)
     if torch.cuda.device_count() >= 2 and not args.no_pool:
         report["pool2"] = two_gpu_pool_rows(engine, loader, prompt_len, new_tokens, rounds)
         print(f"2-GPU pool: {report['pool2']}", flush=True)
@@ -138,6 +142,52 @@ def main(args, save=lambda report: None) -> dict:
 
 
 CONC_PROMPT, CONC_NEW = 128, 128   # the concurrent rows: 128 tokens in, 128 out
+
+
+def quant_rows(engine, root: str, variants: list[str], prompt_len: int, new_tokens: int, rounds: int,
+               max_len: int, layers: int) -> dict:
+    """The same weights quantized with InstantQuant (int8 per channel, int4_g128, ...) served by the same Engine
+    next to the bf16 model: batch-1 decode interleaved round by round with bf16's, each with its weight bytes
+    per token; greedy agreement with bf16 over 16 tokens."""
+    from allspark_server import HuggingFaceModel
+    from allspark_server.runner.memory_bandwidth import decode_weight_bytes
+    from run import quant_variant
+    vocab = LLAMA2_7B["vocab_size"]
+    prompt = W.prompt(prompt_len, 0, vocab)
+    bf16 = W.greedy_tokens(engine, "bench-cuda", prompt, 16)
+    out, names = {}, {}
+    for v in variants:
+        name = f"bench-cuda-{v}"
+        q = HuggingFaceModel(root, name, user_set_data_type="bfloat16")
+        t = time.perf_counter()
+        q.load_model().serialize_to_path(None, os.path.join(root, f"as-{v}"), enable_quant=True, skip_if_exists=True,
+                                         customized_quant_config=quant_variant(v)).free_model()
+        kv_bytes = 8 * -(-max_len // 32) * 32 * 2 * layers * LLAMA2_7B["hidden_size"] * 2    # 8 sequences
+        builder = q.create_reference_runtime_config_builder(name, "cuda", [0], max_batch=8).max_length(max_len)
+        builder = builder.kv_cache_span_size(32).kv_cache_memory(kv_bytes)
+        engine.install_model(builder.build())
+        engine.start_model(name)
+        runner = engine._engine.models[name].runner
+        out[v] = {"serialize_s": time.perf_counter() - t,
+                  "weight_bytes_per_token": decode_weight_bytes(runner.model, runner.model.model.embed_tokens.weight),
+                  "greedy_first_divergence_vs_bf16": next(
+                      (i for i, (a, b) in enumerate(zip(bf16, W.greedy_tokens(engine, name, prompt, 16))) if a != b), 16)}
+        names[v] = name
+        W.decode_tps(engine, name, vocab, 8)
+    runs = {"bfloat16": [], **{v: [] for v in variants}}
+    for r in range(rounds):
+        runs["bfloat16"].append(W.decode_tps(engine, "bench-cuda", vocab, new_tokens, seed=r, prompt_len=prompt_len))
+        for v in variants:
+            runs[v].append(W.decode_tps(engine, names[v], vocab, new_tokens, seed=r, prompt_len=prompt_len))
+    for v in variants:
+        out[v]["decode_b1_tps"] = statistics.median(runs[v])
+        out[v]["vs_bf16"] = statistics.median(a / b for a, b in zip(runs[v], runs["bfloat16"]))
+        out[v]["graph_replay_ms_b1"] = graph_replay_ms(engine._engine.models[names[v]].runner.graphs, 1)
+        engine.stop_model(names[v])
+        engine.release_model(names[v])
+    out["decode_b1_tps_by_round"] = runs
+    free_memory()
+    return out
 
 
 def two_gpu_pool_rows(engine, loader, prompt_len: int, new_tokens: int, rounds: int) -> dict:

@@ -255,3 +255,39 @@ def test_prefill_with_alibi_slopes():
             q.cpu().double()[start:start + m].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
             attn_mask=alibi.prefill_bias(slopes.double(), m, n), scale=SCALE, enable_gqa=True)   # [H, m, D]
         assert_close(out[start:start + m], want.transpose(0, 1), TOL[dtype])
+
+
+def quantize_cache(cache: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense cache's rows as quantized spans (quant/kv.py's reference): (codes, params), with NaN scales in
+    every slot the dense cache held NaN in (no sequence owns it), so an unmasked read shows."""
+    from allspark_server.quant import kv as kv_quant
+    dense = cache.cpu().float()
+    unowned = torch.isnan(dense).any(-1)                                           # [S, P, KVH]
+    codes, params = kv_quant.quantize_rows(torch.nan_to_num(dense), mode)
+    params[unowned] = float("nan")
+    return codes.to(DEVICE), params.to(DEVICE)
+
+
+@pytest.mark.parametrize("mode,d,group", [("int8", 64, 4), ("int8", 80, 1), ("uint4", 64, 2), ("uint4", 128, 1)])
+def test_decode_over_quantized_spans(mode, d, group):
+    """Codes and params against the float64 attention over the dequantized rows and against ops' reference
+    (which dequantizes and attends in fp32), split-KV and not; q in bf16 and fp32."""
+    from allspark_server.quant import kv as kv_quant
+    kvh, span_size = 2, 16
+    lengths = lengths_for(span_size)
+    k_dense, v_dense, spans = make_cache(lengths, kvh, d, span_size, torch.float32, seed=d + group)
+    (k_codes, k_param), (v_codes, v_param) = quantize_cache(k_dense, mode), quantize_cache(v_dense, mode)
+    k_deq = kv_quant.dequantize_rows(k_codes.cpu(), k_param.cpu(), mode).double()
+    v_deq = kv_quant.dequantize_rows(v_codes.cpu(), v_param.cpu(), mode).double()
+    ctx = torch.tensor(lengths, device=DEVICE)
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(len(lengths), kvh * group, d).to(DEVICE, dtype)                   # [B, H, D]
+        exact = ops.decode_attention_reference(q.cpu().double(), k_deq, v_deq, spans.cpu(), ctx.cpu(), SCALE)
+        ref = ops.decode_attention_reference(q.cpu(), k_codes.cpu(), v_codes.cpu(), spans.cpu(), ctx.cpu(), SCALE,
+                                             k_param.cpu(), v_param.cpu())
+        for splits in (1, None):
+            out = ak.paged_decode_attention(q, k_codes, v_codes, spans, ctx, SCALE, num_splits=splits,
+                                            k_param=k_param, v_param=v_param)
+            assert out.dtype == dtype
+            assert_close(out, exact, TOL[dtype])
+            assert_close(out, ref, 1e-5 if dtype == torch.float32 else TOL[dtype])

@@ -1,7 +1,9 @@
 """Triton attention over the paged ("span") KV cache: decode (one query per sequence, split-KV) and varlen
 causal prefill. Caches are [S, P, KVH, D]; token t of a sequence sits in span spans[b, t // P] at offset t % P.
 Both take optional ALiBi slopes (layers/alibi.py: score += slope_h * (key position - query position)).
-Owns the kernels and their launch wrappers only: no cache writes, no quantized caches, no backend choice
+Decode also reads quantized spans (int8 / uint4 codes with a scale and zero point per token and KV head,
+quant/kv.py), dequantized in registers and attended in fp32 as the reference does.
+Owns the kernels and their launch wrappers only: no cache writes, no backend choice
 (ops decides when to call these). Launches read no tensor contents on the host (CUDA-graph safe), except
 paged_prefill_attention when max_q_len is not given."""
 from __future__ import annotations
@@ -32,24 +34,51 @@ def _dot(a, b, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _attend_tiles(q, pos, alibi, acc, m_i, l_i, k_cache, v_cache, span_row, kv_head, n, tile_start, tile_end,
-                  stride_ks, stride_kp, stride_kh, stride_vs, stride_vp, stride_vh, qk_scale,
+def _load_rows(cache, param, row, prow, ok, offs_d, D: tl.constexpr, QUANT: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Tokens' rows of one KV head: [BLOCK_D, BLOCK_N] (TRANSPOSED, K) or [BLOCK_N, BLOCK_D] (V), row / prow [BLOCK_N]
+    the tokens' offsets into the cache and its params. QUANT 1 (int8) / 2 (uint4, element d in the low nibble of
+    byte d, element D/2 + d in its high one): dequantized as (code - zero) * scale in fp32 (quant/kv.py)."""
+    if QUANT == 2:
+        col = offs_d % (D // 2)
+        shift = (offs_d >= D // 2).to(tl.int32) * 4
+    else:
+        col = offs_d
+    if TRANSPOSED:
+        ptrs, mask = cache + row[None, :] + col[:, None], ok[None, :] & (offs_d < D)[:, None]
+    else:
+        ptrs, mask = cache + row[:, None] + col[None, :], ok[:, None] & (offs_d < D)[None, :]
+    x = tl.load(ptrs, mask=mask, other=0)
+    if QUANT == 0:
+        return x
+    codes = x.to(tl.int32)
+    if QUANT == 2:
+        codes = (codes >> (shift[:, None] if TRANSPOSED else shift[None, :])) & 15
+    scale = tl.load(param + prow, mask=ok, other=0.0)
+    zero = tl.load(param + prow + 1, mask=ok, other=0.0)
+    if TRANSPOSED:
+        return (codes.to(tl.float32) - zero[None, :]) * scale[None, :]
+    return (codes.to(tl.float32) - zero[:, None]) * scale[:, None]
+
+
+@triton.jit
+def _attend_tiles(q, pos, alibi, acc, m_i, l_i, k_cache, v_cache, k_param, v_param, span_row, kv_head, n,
+                  tile_start, tile_end, stride_ks, stride_kp, stride_kh, stride_vs, stride_vp, stride_vh,
+                  stride_ps, stride_pp, stride_ph, qk_scale,
                   P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_ALIBI: tl.constexpr):
+                  DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr):
     """Online softmax of rows q [M, BLOCK_D] over token tiles [tile_start, tile_end) of one sequence; row r
     sees tokens t <= pos[r] (pos < n). Scores are in the log2 domain (qk_scale includes log2(e)); HAS_ALIBI adds
     alibi[r] * (t - pos[r]) to them (alibi [M]: the rows' slopes times log2(e))."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
     for tile in range(tile_start, tile_end):
         t = tile * BLOCK_N + offs_n                                                     # [BLOCK_N]
         t_ok = t < n
         span = tl.load(span_row + t // P, mask=t_ok, other=0).to(tl.int64)            # [BLOCK_N]
         k_row = span * stride_ks + (t % P) * stride_kp + kv_head * stride_kh
         v_row = span * stride_vs + (t % P) * stride_vp + kv_head * stride_vh
-        kt = tl.load(k_cache + k_row[None, :] + offs_d[:, None],
-                     mask=t_ok[None, :] & d_ok[:, None], other=0.0)                     # [BLOCK_D, BLOCK_N]
+        p_row = span * stride_ps + (t % P) * stride_pp + kv_head * stride_ph
+        kt = _load_rows(k_cache, k_param, k_row, p_row, t_ok, offs_d, D, QUANT, True)   # [BLOCK_D, BLOCK_N]
         s = _dot(q, kt, DOT_PREC, UPCAST) * qk_scale                                    # [M, BLOCK_N] fp32
         if HAS_ALIBI:
             s += alibi[:, None] * (t[None, :] - pos[:, None]).to(tl.float32)
@@ -58,20 +87,19 @@ def _attend_tiles(q, pos, alibi, acc, m_i, l_i, k_cache, v_cache, span_row, kv_h
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])                                                 # [M, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache + v_row[:, None] + offs_d[None, :],
-                    mask=t_ok[:, None] & d_ok[None, :], other=0.0)                      # [BLOCK_N, BLOCK_D]
+        v = _load_rows(v_cache, v_param, v_row, p_row, t_ok, offs_d, D, QUANT, False)   # [BLOCK_N, BLOCK_D]
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PREC, UPCAST)           # [M, BLOCK_D] fp32
         m_i = m_new
     return acc, m_i, l_i
 
 
 @triton.jit
-def _decode_kernel(q, k_cache, v_cache, spans, ctx, slopes, out, m_part, l_part, acc_part, qk_scale, H,
-                   stride_qb, stride_qh, stride_ks, stride_kp, stride_kh, stride_vs, stride_vp, stride_vh,
-                   stride_sb, stride_ob, stride_oh,
+def _decode_kernel(q, k_cache, v_cache, k_param, v_param, spans, ctx, slopes, out, m_part, l_part, acc_part,
+                   qk_scale, H, stride_qb, stride_qh, stride_ks, stride_kp, stride_kh, stride_vs, stride_vp,
+                   stride_vh, stride_ps, stride_pp, stride_ph, stride_sb, stride_ob, stride_oh,
                    G: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-                   UPCAST: tl.constexpr, HAS_ALIBI: tl.constexpr):
+                   UPCAST: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr):
     """Program (b, kv head, split): the G query heads of that kv head over the split's share of the tiles."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -89,7 +117,7 @@ def _decode_kernel(q, k_cache, v_cache, spans, ctx, slopes, out, m_part, l_part,
     head = kv_head * G + offs_g                                                         # [BLOCK_G]
     q_ptrs = q + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh + offs_d[None, :]
     qt = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0)               # [BLOCK_G, BLOCK_D]
-    qt = qt.to(k_cache.dtype.element_ty)
+    qt = qt.to(k_cache.dtype.element_ty if QUANT == 0 else tl.float32)   # quantized spans: attended in fp32
     pos = tl.zeros([BLOCK_G], dtype=tl.int32) + (n - 1)
     alibi = tl.zeros([BLOCK_G], dtype=tl.float32)
     if HAS_ALIBI:
@@ -97,10 +125,11 @@ def _decode_kernel(q, k_cache, v_cache, spans, ctx, slopes, out, m_part, l_part,
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc, m_i, l_i = _attend_tiles(qt, pos, alibi, acc, m_i, l_i, k_cache, v_cache,
+    acc, m_i, l_i = _attend_tiles(qt, pos, alibi, acc, m_i, l_i, k_cache, v_cache, k_param, v_param,
                                   spans + b.to(tl.int64) * stride_sb, kv_head, n, tile_start, tile_end,
-                                  stride_ks, stride_kp, stride_kh, stride_vs, stride_vp, stride_vh, qk_scale,
-                                  P, D, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST, HAS_ALIBI)
+                                  stride_ks, stride_kp, stride_kh, stride_vs, stride_vp, stride_vh,
+                                  stride_ps, stride_pp, stride_ph, qk_scale,
+                                  P, D, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST, HAS_ALIBI, QUANT)
     if NUM_SPLITS == 1:
         o_ptrs = out + b.to(tl.int64) * stride_ob + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
@@ -165,10 +194,10 @@ def _prefill_kernel(q, k_cache, v_cache, spans, q_start, q_len, ctx_len, slopes,
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, m_i, l_i = _attend_tiles(qt, pos, alibi, acc, m_i, l_i, k_cache, v_cache,
+    acc, m_i, l_i = _attend_tiles(qt, pos, alibi, acc, m_i, l_i, k_cache, v_cache, k_cache, v_cache,
                                   spans + i.to(tl.int64) * stride_sb, kv_head, n, 0, tile_end,
-                                  stride_ks, stride_kp, stride_kh, stride_vs, stride_vp, stride_vh, qk_scale,
-                                  P, D, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST, HAS_ALIBI)
+                                  stride_ks, stride_kp, stride_kh, stride_vs, stride_vp, stride_vh, 0, 0, 0, qk_scale,
+                                  P, D, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST, HAS_ALIBI, 0)
     # l >= 1 on every real row (its max term is exp2(0)); the guard only keeps skipped blocks' rows finite
     o = acc / tl.maximum(l_i, 1.0)[:, None]
     o_ptrs = out + (start + qi)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -180,8 +209,11 @@ _INTERPRETED = not isinstance(_decode_kernel, triton.JITFunction)   # decorated 
 
 def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   spans: torch.Tensor) -> tuple[int, int, int]:
-    """(G, P, D) of q [.., H, D] against caches [S, P, KVH, D]; head dims and span rows must be contiguous."""
+    """(G, P, D) of q [.., H, D] against caches [S, P, KVH, D] (uint4 codes: [S, P, KVH, D/2]); head dims and
+    span rows must be contiguous."""
     span_size, kvh, d = k_cache.shape[1:]
+    if k_cache.dtype == torch.uint8:
+        d *= 2
     assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype, "k/v caches differ"
     assert q.shape[-1] == d and q.shape[-2] % kvh == 0, f"q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "head dim not contiguous"
@@ -190,9 +222,11 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _tile_config(d: int, dtype: torch.dtype) -> dict:
-    """BLOCK_D the head dim padded to a power of two (masked), fp32 dots without tf32, and UPCAST for bf16
-    under the interpreter. Token tiles (BLOCK_N) need not match the span size: each token looks up its span."""
-    return dict(BLOCK_D=max(16, triton.next_power_of_2(d)), DOT_PREC="ieee" if dtype == torch.float32 else "tf32",
+    """BLOCK_D the head dim padded to a power of two (masked), fp32 dots without tf32 (quantized caches too:
+    they are attended in fp32), and UPCAST for bf16 under the interpreter. Token tiles (BLOCK_N) need not
+    match the span size: each token looks up its span."""
+    wide = dtype in (torch.float32, torch.int8, torch.uint8)
+    return dict(BLOCK_D=max(16, triton.next_power_of_2(d)), DOT_PREC="ieee" if wide else "tf32",
                 UPCAST=_INTERPRETED and dtype == torch.bfloat16)
 
 
@@ -215,11 +249,18 @@ def _check_slopes(alibi_slopes: torch.Tensor | None, heads: int) -> None:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,
                            ctx: torch.Tensor, scale: float, num_splits: int | None = None,
-                           out: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
+                           k_param: torch.Tensor | None = None, v_param: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D], caches [S, P, KVH, D], spans [B, MAXS] (int32/int64, padded), ctx [B] (>= 1, incl. the new
     token) -> out [B, H, D] in q's dtype (written into `out` if given). alibi_slopes fp32 [H]: key t's score gets
-    slope_h * (t - (ctx - 1))."""
+    slope_h * (t - (ctx - 1)). Quantized caches (quant/kv.py: int8 codes, or uint4 codes [S, P, KVH, D/2]) come
+    with their params fp32 [S, P, KVH, 2] and are attended in fp32."""
     g, span_size, d = _check_inputs(q, k_cache, v_cache, spans)
+    quant = {torch.int8: 1, torch.uint8: 2}.get(k_cache.dtype, 0)
+    assert (k_param is not None) == bool(quant) and (v_param is not None) == bool(quant), "params iff quantized"
+    if quant:
+        assert k_param.shape == v_param.shape == k_cache.shape[:3] + (2,) and k_param.dtype == torch.float32
+        assert k_param.stride() == v_param.stride() and k_param.stride(-1) == 1
     batch, heads = q.shape[:2]
     assert ctx.shape == (batch,) and ctx.is_contiguous() and spans.shape[0] == batch
     _check_slopes(alibi_slopes, heads)
@@ -238,13 +279,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         acc_part = torch.empty(batch, heads, num_splits, d, dtype=torch.float32, device=q.device)  # [B, H, NS, D]
     else:
         m_part = l_part = acc_part = out        # unused: the kernel writes out directly
+    params = (k_param, v_param) if quant else (k_cache, v_cache)
     _decode_kernel[(batch, kvh, num_splits)](
-        q, k_cache, v_cache, spans, ctx, ctx if alibi_slopes is None else alibi_slopes, out, m_part, l_part,
-        acc_part, scale * LOG2_E, heads,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], spans.stride(0),
-        out.stride(0), out.stride(1),
+        q, k_cache, v_cache, *params, spans, ctx, ctx if alibi_slopes is None else alibi_slopes, out, m_part,
+        l_part, acc_part, scale * LOG2_E, heads,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        *(k_param.stride()[:3] if quant else (0, 0, 0)), spans.stride(0), out.stride(0), out.stride(1),
         G=g, P=span_size, D=d, NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(g)),
-        BLOCK_N=DECODE_BLOCK_N, HAS_ALIBI=alibi_slopes is not None, **tiles)
+        BLOCK_N=DECODE_BLOCK_N, HAS_ALIBI=alibi_slopes is not None, QUANT=quant, **tiles)
     if num_splits > 1:
         _combine_kernel[(batch, heads)](m_part, l_part, acc_part, out, out.stride(0), out.stride(1), heads,
                                         D=d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),

@@ -1,10 +1,10 @@
 """CUDA implementations of `allspark_server.ops`' op names (same signatures, same math).
 
-Linear layers are cuBLAS GEMMs through torch (a quantized weight is dequantized for it); attention over
-the span cache, residual + RMSNorm, rotary (fused with the cache write in the decode block) and silu·mul
-are one Triton launch each (attention_kernels.py, fused_kernels.py), rounded as ops' references round.
-Quantized KV spans still take the torch references. Nothing here reads a tensor's values on the host, so
-a decode step can be captured in a CUDA graph.
+Linear layers are cuBLAS GEMMs through torch; a quantized weight is one Triton matmul over its codes
+(quant_kernels.py). Attention over the span cache (quantized spans included), residual + RMSNorm, rotary
+(fused with the cache write in the decode block) and silu·mul are one Triton launch each (attention_kernels.py,
+fused_kernels.py), rounded as ops' references round. Writes into quantized spans are the torch reference's
+device ops. Nothing here reads a tensor's values on the host, so a decode step can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -14,12 +14,24 @@ import torch.nn.functional as F
 from allspark_server import ops as ref
 from allspark_server.cuda import fused_kernels as fused
 from allspark_server.cuda.attention_kernels import paged_decode_attention
+from allspark_server.cuda.quant_kernels import quant_matmul
 from allspark_server.quant.formats import QuantizedWeight
+
+
+def linear_reference(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight",
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A quantized weight dequantized into fp32 and met by x in fp32 (weight only: x is not rounded, unlike
+    the CPU's quantized GEMV), one rounding into x's dtype."""
+    if isinstance(w, QuantizedWeight):
+        return F.linear(x.float(), w.dequantize().to(x.device), None if bias is None else bias.float()).to(x.dtype)
+    return F.linear(x, w, bias)
 
 
 def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(w, QuantizedWeight):
-        return F.linear(x, w.dequantize().to(x.dtype), bias)
+        if x.dim() != 2 or x.stride(-1) != 1:
+            return linear_reference(x, w, bias)
+        return quant_matmul(x, w, bias)
     return F.linear(x, w, bias)
 
 
@@ -32,11 +44,10 @@ store_kv = ref.store_kv_reference
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,
                      ctx: torch.Tensor, scale: float, k_param: torch.Tensor | None = None,
                      v_param: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, H, D] against each sequence's spans -> [B, H, D] (Triton; quantized spans: the torch reference);
+    """q [B, H, D] against each sequence's spans -> [B, H, D] (Triton; quantized spans with their params);
     alibi_slopes fp32 [H]: ALiBi's bias."""
-    if k_param is not None:
-        return ref.decode_attention_reference(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param, alibi_slopes)
-    return paged_decode_attention(q, k_cache, v_cache, spans, ctx, scale, alibi_slopes=alibi_slopes)
+    return paged_decode_attention(q, k_cache, v_cache, spans, ctx, scale, alibi_slopes=alibi_slopes,
+                                  k_param=k_param, v_param=v_param)
 
 
 def decode_attention_block(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads, num_kv_heads,

@@ -1,0 +1,94 @@
+"""Micro-benchmark of the GPU quantized matmul (allspark_server/cuda/quant_kernels.py) on Llama-2-7B's linear
+shapes: each weight format against cuBLAS on the bf16 weight and against dequantize + cuBLAS, for decode and
+prefill row counts, each call timed as CUDA-graph replays (no launch overhead). --sweep also times launch
+configs for the decode rows (what choose_config's table comes from). Writes JSON; run on a GPU machine:
+
+    python benchmarks/cuda_quant_micro.py [--sweep] [--out results.json]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+from allspark_server.cuda import quant_kernels as qk
+from allspark_server.quant.formats import QuantizedWeight, quantize
+
+SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
+VARIANTS = [("int8", -1), ("int4", 128), ("uint4", 64), ("int4", 32)]
+ROWS = [1, 8, 16, 32, 64, 128, 512, 2048]
+
+
+def time_us(fn) -> float:
+    return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=50)
+
+
+def weight_bytes(w: QuantizedWeight) -> int:
+    return sum(t.numel() * t.element_size() for t in (w.qweight, w.scales, w.zeros) if t is not None)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--out", default="cuda_quant_micro.json")
+    a = p.parse_args()
+    torch.manual_seed(0)
+    report = {"device": torch.cuda.get_device_name(), "rows": {}, "sweep": {}}
+    for name, (n, k) in SHAPES.items():
+        w16 = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
+        quants = {}
+        for fmt, group in VARIANTS:
+            q = {key: t.cuda() for key, t in quantize(w16.float().cpu(), fmt, group).items()}
+            quants[f"{fmt}_g{group}"] = QuantizedWeight(q["qweight"], q["scales"], q.get("zeros"), fmt, group, k)
+        for m in ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row = {"bf16_cublas_us": time_us(lambda: F.linear(x, w16))}
+            row["bf16_gbs"] = n * k * 2 / row["bf16_cublas_us"] / 1e3
+            for key, w in quants.items():
+                us = time_us(lambda: qk.quant_matmul(x, w))
+                row[f"{key}_us"] = us
+                row[f"{key}_gbs"] = weight_bytes(w) / us / 1e3
+                row[f"{key}_vs_bf16"] = row["bf16_cublas_us"] / us
+                if m >= 128:
+                    row[f"{key}_dequant_cublas_us"] = time_us(lambda: F.linear(x, w.dequantize().to(x.dtype)))
+                if key == "int8_g-1" and m <= 16:
+                    ref = F.linear(x.float(), w.dequantize())
+                    got = qk.quant_matmul(x, w).float()
+                    row["int8_rel_err"] = ((got - ref).abs().max() / ref.abs().max()).item()
+            report["rows"][f"{name}_m{m}"] = row
+            print(name, m, {k2: round(v, 2) for k2, v in row.items()}, flush=True)
+        if a.sweep and name != "qkv":
+            for key in ("int8_g-1", "int4_g128"):
+                w = quants[key]
+                for m in (1, 16):
+                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                    best = []
+                    for bn, bk, split, warps, stages in itertools.product((32, 64, 128), (128, 256, 512),
+                                                                          (1, 2, 4, 8), (4,), (3, 4)):
+                        if w.group_size != -1 and bk > w.group_size:
+                            continue
+                        bm = 16 if m <= 16 else 64
+                        cfg = qk.LaunchConfig(bm, bn, bk, split, warps, stages)
+                        try:
+                            us = time_us(lambda: qk.quant_matmul(x, w, config=cfg))
+                        except Exception:   # out of shared memory and the like
+                            continue
+                        best.append((us, [bn, bk, split, warps, stages]))
+                    best.sort()
+                    chosen = qk.choose_config(m, n, k, w.group_size if w.group_size != -1 else k, x.device)
+                    report["sweep"][f"{name}_{key}_m{m}"] = {
+                        "best": best[:5], "chosen": [chosen.block_n, chosen.block_k, chosen.split_k,
+                                                     chosen.num_warps, chosen.num_stages],
+                        "chosen_us": time_us(lambda: qk.quant_matmul(x, w)),
+                        "gbs_best": weight_bytes(w) / best[0][0] / 1e3}
+                    print("sweep", name, key, m, report["sweep"][f"{name}_{key}_m{m}"], flush=True)
+        with open(a.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""The Triton matmul over InstantQuant weights (allspark_server/cuda/quant_kernels.py) against a float64
+dequantize-then-matmul of the same codes: every format and group size, decode and prefill row counts, split-K
+and not, odd N, per-channel K that the k-tiles do not divide, bias, fp32 / bf16 / fp16 activations. On a CUDA
+machine on the GPU; elsewhere on CPU tensors under the Triton interpreter."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")      # read when @triton.jit decorates: before the import
+pytest.importorskip("triton")
+
+from allspark_server.cuda import quant_kernels as qk  # noqa: E402
+from allspark_server.quant.formats import QuantizedWeight, quantize  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def quantized(n: int, k: int, fmt: str, group: int, seed: int) -> tuple[QuantizedWeight, torch.Tensor]:
+    """A weight with outlier columns (trained-like), quantized: (QuantizedWeight on DEVICE, the float64 weight
+    its codes stand for, from the published formula (code - zero) * scale written out here)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.02
+    w[:, ::7] *= 6
+    q = quantize(w, fmt, group)
+    codes = q["qweight"].to(torch.int16)
+    if fmt in ("int4", "uint4"):            # byte j of each 32-block: k = j (low nibble), k = 16 + j (high)
+        b = codes.reshape(n, k // 32, 16)
+        codes = torch.cat([b & 15, b >> 4], -1).reshape(n, k)
+    zero = {"int8": torch.zeros(1), "int4": torch.full((1,), 8.0)}.get(fmt)
+    g = k if group == -1 else group
+    zeros = zero if zero is not None else q["zeros"].double().repeat_interleave(g, 1)
+    exact = (codes.double() - zeros.double()) * q["scales"].double().repeat_interleave(g, 1)
+    dev = {name: t.to(DEVICE) for name, t in q.items()}
+    return QuantizedWeight(dev["qweight"], dev["scales"], dev.get("zeros"), fmt, group, k), exact
+
+
+def check(x: torch.Tensor, w: QuantizedWeight, exact_w: torch.Tensor, bias=None, config=None) -> None:
+    y = qk.quant_matmul(x, w, bias, config)
+    assert y.shape == (x.shape[0], w.out_features) and y.dtype == x.dtype
+    ref = x.cpu().double() @ exact_w.T
+    if bias is not None:
+        ref += bias.cpu().double()
+    ref_rounded = ref.to(x.dtype).double()
+    err = (y.cpu().double() - ref_rounded).abs()
+    ulp = torch.finfo(x.dtype).eps * ref.abs().clamp(min=1e-3)
+    # fp32 sums in another order than float64's: within a few fp32 ulps of the sum, then x's dtype rounding
+    bound = 2 * ulp + 1e-5 * ref.abs().max() * (x.dtype == torch.float32)
+    assert torch.isfinite(y).all()
+    assert (err <= bound).all(), f"max error {err.max().item():.3g} ({(err > bound).sum().item()} elements over)"
+
+
+@pytest.mark.parametrize("fmt", ["int8", "uint8", "int4", "uint4"])
+@pytest.mark.parametrize("group", [-1, 32, 128])
+def test_formats_and_groups(fmt, group):
+    n, k = 72, 256
+    w, exact = quantized(n, k, fmt, group, seed=len(fmt) + group)
+    gen = torch.Generator().manual_seed(1)
+    for m in (1, 5, 17, 70):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            check((torch.randn(m, k, generator=gen)).to(DEVICE, dtype), w, exact)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_split_k_tiles_and_bias(fmt):
+    """Explicit configs: 1 and 3 splits of an uneven number of k-tiles; a bias; x a strided row view."""
+    n, k = 40, 384
+    w, exact = quantized(n, k, fmt, 64, seed=3)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, k + 8, generator=gen)[:, 8:].to(DEVICE, torch.bfloat16)            # stride(0) = k + 8
+    bias = torch.randn(n, generator=gen).to(DEVICE, torch.bfloat16)
+    for split in (1, 3):
+        check(x, w, exact, bias, qk.LaunchConfig(block_m=16, block_n=32, block_k=64, split_k=split))
+    check(x, w, exact, bias)
+
+
+@pytest.mark.parametrize("fmt,k", [("int8", 200), ("uint8", 200), ("int4", 288), ("uint4", 288)])
+def test_per_channel_k_not_a_multiple_of_the_tile(fmt, k):
+    w, exact = quantized(24, k, fmt, -1, seed=k)
+    gen = torch.Generator().manual_seed(3)
+    for m in (1, 33):
+        check(torch.randn(m, k, generator=gen).to(DEVICE, torch.bfloat16), w, exact,
+              config=qk.LaunchConfig(block_m=16 if m == 1 else 64, block_n=16, block_k=128, split_k=2))
+        check(torch.randn(m, k, generator=gen).to(DEVICE, torch.float32), w, exact)
+
+
+def test_choose_config_splits_small_m_only():
+    dev = torch.device("cpu")
+    gemv = qk.choose_config(1, 4096, 4096, 4096, dev)
+    assert gemv.split_k > 1 and 4096 // gemv.block_k >= gemv.split_k
+    assert qk.choose_config(512, 4096, 4096, 4096, dev).split_k == 1
+    assert qk.choose_config(1, 4096, 4096, 32, dev).block_k == 32        # a k-tile never straddles a group
