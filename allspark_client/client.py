@@ -52,17 +52,19 @@ class _ClientRequest:
 
 class ClientEngine(EngineAPI):
     def __init__(self, address: Optional[str] = None, *, ranks: Optional[int] = None,
-                 numa_nodes: Optional[list[int]] = None, launcher_args: tuple[str, ...] = (),
+                 numa_nodes: Optional[list[int]] = None, gpus: Optional[list[int] | str] = None,
+                 launcher_args: tuple[str, ...] = (),
                  start_timeout_s: float = 300.0, token: Optional[str] = None, root_certificates: Pem = None,
                  certificate_chain: Pem = None, private_key: Pem = None):
         """Connect to a running pool at `address` ('unix:/path', '/path' or 'host:port'), or, without
-        an address, spawn one with allspark-launch (`ranks`, `numa_nodes`) and own it.
+        an address, spawn one with allspark-launch (`ranks`, `numa_nodes`; `gpus=[0, 1]` or "all": one rank per
+        GPU, rank r seeing only the r-th, pinned to its NUMA node) and own it.
         `token`: the pool's bearer token (default $ALLSPARK_TOKEN); `root_certificates` (PEM bytes or a path):
         TLS, trusting that CA; `certificate_chain` + `private_key`: a client certificate (channel.py)."""
         self._pool: Optional[subprocess.Popen] = None
         self._pool_log: Optional[str] = None
         if address is None:
-            address = self._spawn_pool(ranks, numa_nodes, launcher_args)
+            address = self._spawn_pool(ranks, numa_nodes, gpus, launcher_args)
         self.address = normalize_address(address)
         try:
             self._channel = open_channel(self.address, token, root_certificates, certificate_chain, private_key)
@@ -76,7 +78,7 @@ class ClientEngine(EngineAPI):
         self.health = self._wait_ready(start_timeout_s)
 
     # ---- pool process ------------------------------------------------------------------------
-    def _spawn_pool(self, ranks, numa_nodes, launcher_args) -> str:
+    def _spawn_pool(self, ranks, numa_nodes, gpus, launcher_args) -> str:
         run_dir = tempfile.mkdtemp(prefix="allspark-pool-")
         socket_path = os.path.join(run_dir, "pool.sock")
         self._pool_log = os.path.join(run_dir, "pool.log")
@@ -85,6 +87,8 @@ class ClientEngine(EngineAPI):
             cmd += ["--ranks", str(ranks)]
         if numa_nodes:
             cmd += ["--numa-nodes", ",".join(map(str, numa_nodes))]
+        if gpus is not None:       # the launcher checks the value and says what is wrong with it
+            cmd += ["--gpus", gpus if isinstance(gpus, str) else ",".join(map(str, gpus))]
         cmd += list(launcher_args)
         with open(self._pool_log, "wb") as out:
             self._pool = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

@@ -1,10 +1,12 @@
-"""allspark-launch: start a pool as one mpirun job, one rank per NUMA node (or per core group).
+"""allspark-launch: start a pool as one mpirun job, one rank per NUMA node (or core group, or GPU).
 
 Reads the topology (/sys/devices/system/node, else psutil; py-cpuinfo for the ISA), gives each
 rank its cores and memory with numactl (or, without numactl, lets the rank pin itself), and runs
-`mpirun ... : ...` (Open MPI or MPICH, as root too). The launcher stays the parent of mpirun:
-SIGTERM/SIGINT to it becomes SIGTERM to rank 0, which stops the requests and ends every rank
-cleanly. `--dry-run` prints the exact command. Torch-free (ClientEngine spawns pools with it).
+`mpirun ... : ...` (Open MPI or MPICH, as root too). `--gpus 0,1`: rank r sees only the r-th GPU
+(CUDA_VISIBLE_DEVICES, set by `env` in its part of the command), on the NUMA node nearest it. The
+launcher stays the parent of mpirun: SIGTERM/SIGINT to it becomes SIGTERM to rank 0, which stops the
+requests and ends every rank cleanly. `--dry-run` prints the exact command. Torch-free (ClientEngine
+spawns pools with it).
 """
 from __future__ import annotations
 
@@ -21,11 +23,14 @@ import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
+from allspark_client.gpu_topology import NO_NODE, gpu_numa_nodes, visible_gpus
+
 
 @dataclass(frozen=True)
 class RankPlacement:
-    node: int
-    cpus: tuple[int, ...]
+    node: int                   # NO_NODE (-1): not NUMA-pinned
+    cpus: tuple[int, ...]       # cores for the rank's compute threads
+    gpu: Optional[int] = None   # GPU ranks: the one GPU this rank sees (nvidia-smi index)
 
 
 def default_socket_path() -> str:
@@ -104,6 +109,39 @@ def place_ranks(topo: dict[int, list[int]], ranks: Optional[int], numa_nodes: Op
     return out
 
 
+def place_gpu_ranks(topo: dict[int, list[int]], gpu_nodes: dict[int, int], ranks: Optional[int]
+                    ) -> list[RankPlacement]:
+    """One rank per GPU, in the order given ({gpu: NUMA node}, gpu_topology.gpu_numa_nodes): rank r gets the
+    r-th GPU and runs on that GPU's node; the ranks sharing a node split its cores for their host threads.
+    No NUMA pinning (said on stderr) on a one-node machine or when the node is unknown or has no usable cpus."""
+    gpus = list(gpu_nodes)
+    if ranks is not None and ranks != len(gpus):
+        raise SystemExit(f"allspark-launch: --ranks {ranks} does not match --gpus {','.join(map(str, gpus))} "
+                         f"({len(gpus)} GPU(s)): a GPU pool runs one rank per GPU")
+    nodes = []
+    for r, g in enumerate(gpus):
+        node, why = gpu_nodes[g], None
+        if len(topo) < 2:
+            why = "this machine has one NUMA node"
+        elif node == NO_NODE:
+            why = "sysfs gives its PCI device no NUMA node"
+        elif node not in topo:
+            why = f"its NUMA node {node} has no cpus this process may use"
+        if why:
+            print(f"allspark-launch: rank {r} (GPU {g}) is not NUMA-pinned: {why}", file=sys.stderr)
+            node = NO_NODE
+        nodes.append(node)
+    everywhere = sorted(c for cpus in topo.values() for c in cpus)
+    out = []
+    for r, (g, node) in enumerate(zip(gpus, nodes)):
+        cpus = topo[node] if node != NO_NODE else everywhere
+        sharing = [i for i, n in enumerate(nodes) if n == node]
+        size = len(cpus) // len(sharing)
+        j = sharing.index(r)
+        out.append(RankPlacement(node, tuple(cpus[j * size:(j + 1) * size] if size else cpus), g))
+    return out
+
+
 def mpi_flavour(mpirun: str) -> str:
     try:
         out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=20)
@@ -161,7 +199,15 @@ def build_command(args, placements: list[RankPlacement], flavour: str, numactl: 
         if i:
             cmd.append(":")
         cmd += ["-n", "1"]
-        if numactl:
+        if pl.gpu is not None:      # per-rank environment: `env` works alike under Open MPI and MPICH
+            cmd += ["env", f"CUDA_VISIBLE_DEVICES={pl.gpu}", f"ALLSPARK_RANK_GPU={pl.gpu}",
+                    "CUDA_DEVICE_ORDER=PCI_BUS_ID"]   # CUDA numbers GPUs as nvidia-smi does
+        if numactl and pl.node != NO_NODE and pl.gpu is not None:
+            # --preferred, not --membind: a GPU rank's hot data is on the GPU; its host memory (weights on the
+            # way in, pinned buffers) should be near the GPU, but several ranks loading on one node must
+            # spill to another node rather than be OOM-killed
+            cmd += [numactl, "--cpunodebind", str(pl.node), "--preferred", str(pl.node)]
+        elif numactl and pl.node != NO_NODE:
             bind = (["--cpunodebind", str(pl.node)] if len(placements) == len({p.node for p in placements})
                     else ["--physcpubind", format_cpu_list(pl.cpus)])
             cmd += [numactl] + bind + ["--membind", str(pl.node)]
@@ -185,8 +231,13 @@ def _die_with_parent() -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="allspark-launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, help="number of ranks (default: one per NUMA node)")
+    p.add_argument("--ranks", type=int, help="number of ranks (default: one per NUMA node, or per GPU with --gpus)")
     p.add_argument("--numa-nodes", help="comma-separated NUMA nodes to use (default: all)")
+    p.add_argument("--gpus", nargs="?", const="all",
+                   help="GPU ranks: rank r sees only the r-th of these GPUs ('0,1'; 'all' or no value: every visible "
+                        "GPU) and runs on its NUMA node; --ranks defaults to their number")
+    p.add_argument("--nvidia-smi", default="nvidia-smi", help="with --gpus: nvidia-smi, which lists the GPUs")
+    p.add_argument("--sysfs-root", default="/sys", help=argparse.SUPPRESS)
     p.add_argument("--socket", help="unix socket for gRPC (default: $XDG_RUNTIME_DIR or /tmp/allspark-UID)")
     p.add_argument("--port", type=int, help="serve TCP on 127.0.0.1:PORT instead of a unix socket")
     p.add_argument("--bind-host", default="127.0.0.1", help="with --port: bind address (non-loopback needs --allow-remote)")
@@ -219,6 +270,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                 setattr(args, key, value)
         if pool.numa_nodes is not None and args.numa_nodes is None:
             args.numa_nodes = ",".join(map(str, pool.numa_nodes))
+        if pool.gpus is not None and args.gpus is None:
+            args.gpus = pool.gpus if isinstance(pool.gpus, str) else ",".join(map(str, pool.gpus))
         if pool.host != "127.0.0.1" and args.bind_host == "127.0.0.1":
             args.bind_host = pool.host
         args.threads_per_rank = args.threads_per_rank or pool.threads_per_rank
@@ -230,8 +283,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     topo = read_topology(args.topology)
-    nodes = [int(n) for n in args.numa_nodes.split(",")] if args.numa_nodes else None
-    placements = place_ranks(topo, args.ranks, nodes)
+    if args.gpus is not None:
+        if args.numa_nodes:
+            raise SystemExit(f"allspark-launch: --gpus {args.gpus} and --numa-nodes {args.numa_nodes} cannot be "
+                             f"combined: a GPU rank runs on its GPU's NUMA node")
+        gpu_nodes = gpu_numa_nodes(visible_gpus(args.gpus), args.sysfs_root, args.nvidia_smi)
+        placements = place_gpu_ranks(topo, gpu_nodes, args.ranks)
+    else:
+        nodes = [int(n) for n in args.numa_nodes.split(",")] if args.numa_nodes else None
+        placements = place_ranks(topo, args.ranks, nodes)
     numactl = None if args.no_numactl else shutil.which("numactl")
     try:
         args.mpirun, found = find_mpirun(args.mpirun), True
@@ -245,8 +305,10 @@ def main(argv=None) -> int:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env["ALLSPARK_ISA"] = ",".join(isa_flags())
     if args.dry_run:
+        gpus = {p.gpu: p.node for p in placements if p.gpu is not None}
         print(f"# topology {({n: format_cpu_list(c) for n, c in topo.items()})}, {flavour}, "
-              f"numactl {'yes' if numactl else 'no'}, isa {env['ALLSPARK_ISA'] or 'unknown'}")
+              f"numactl {'yes' if numactl else 'no'}, isa {env['ALLSPARK_ISA'] or 'unknown'}"
+              + (f", gpu: numa node {gpus}" if gpus else ""))
         print(shlex.join(build_command(args, placements, flavour, numactl)))
         return 0
     run_dir = tempfile.mkdtemp(prefix="allspark-launch-")

@@ -1,4 +1,4 @@
-"""Pool config files (TOML): how many ranks, where rank 0 listens, which models to load at start.
+"""Pool config files (TOML): how many ranks (or which GPUs), where rank 0 listens, which models to load at start.
 
 Read by the launcher (the [pool] table) and by rank 0 (the [[model]] tables). Example:
 launch/pool.example.toml. Torch-free.
@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import tomllib
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from allspark_client.config import AsModelConfig, ConfigError
 
-POOL_KEYS = {"ranks", "numa_nodes", "socket", "port", "host", "allow_remote", "threads_per_rank", "mpirun"}
+POOL_KEYS = {"ranks", "numa_nodes", "gpus", "socket", "port", "host", "allow_remote", "threads_per_rank", "mpirun"}
 MODEL_KEYS = {"name", "graph", "weights", "max_length", "max_batch", "max_prefill_length", "span_size",
               "kv_cache_memory_bytes", "start"}
 
@@ -26,6 +26,7 @@ class ModelEntry:
 class PoolConfig:
     ranks: Optional[int] = None
     numa_nodes: Optional[list[int]] = None
+    gpus: Optional[Union[list[int], str]] = None   # [0, 1] or "all": one rank per GPU (allspark-launch --gpus)
     socket: Optional[str] = None
     port: Optional[int] = None
     host: str = "127.0.0.1"
@@ -49,6 +50,12 @@ def load_pool_config(path: str) -> PoolConfig:
     if bad:
         raise ConfigError(f"pool config {path!r}: unknown [pool] keys {sorted(bad)}")
     cfg = PoolConfig(**pool)
+    gpus = cfg.gpus
+    if gpus is not None and gpus != "all" and not (
+            isinstance(gpus, list) and gpus and all(isinstance(g, int) and not isinstance(g, bool) and g >= 0
+                                                    for g in gpus) and len(set(gpus)) == len(gpus)):
+        raise ConfigError(f"pool config {path!r}: [pool] gpus must be distinct GPU indices like [0, 1] or \"all\", "
+                          f"got {gpus!r}")
     for m in raw.get("model", []):
         bad = set(m) - MODEL_KEYS
         if bad:

@@ -162,15 +162,25 @@ class ModelRunner:
 
 def rank_device(compute_unit: str, rank: int) -> torch.device:
     """The device of `rank` for a compute unit such as 'CPU:0' or 'CUDA:0,1' (rank r takes the r-th id);
-    a clear error when the GPU is not there."""
+    a clear error when the GPU is not there. Under `allspark-launch --gpus` ($ALLSPARK_RANK_GPU set) the rank
+    sees only its own GPU, as cuda:0: the compute unit must name that GPU for this rank."""
     kind, ids = parse_compute_unit(compute_unit)
     if kind == "CPU":
         return torch.device("cpu")
+    launcher_gpu = os.environ.get("ALLSPARK_RANK_GPU")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if not torch.cuda.is_available():
         raise ValueError(f"compute_unit {compute_unit}: this process sees no CUDA device "
-                         f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+                         f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES={visible!r})")
     if rank >= len(ids):
         raise ValueError(f"compute_unit {compute_unit} names {len(ids)} GPU(s) for a pool of more ranks (rank {rank})")
+    if launcher_gpu is not None:
+        if str(ids[rank]) != launcher_gpu.strip():
+            raise ValueError(f"compute_unit {compute_unit} gives rank {rank} GPU {ids[rank]}, but allspark-launch "
+                             f"gave this rank GPU {launcher_gpu} (ALLSPARK_RANK_GPU={launcher_gpu}, "
+                             f"CUDA_VISIBLE_DEVICES={visible!r}): name the launcher's GPUs in rank order")
+        torch.cuda.set_device(0)   # the launcher's GPU is the only one this rank sees
+        return torch.device("cuda", 0)
     if ids[rank] >= torch.cuda.device_count():
         raise ValueError(f"compute_unit {compute_unit}: GPU {ids[rank]} does not exist here "
                          f"({torch.cuda.device_count()} visible)")
