@@ -4,7 +4,8 @@ Order, per row: the guided-output mask of requests with a response_format (disal
 logprobs are those of the constrained distribution), raw logprobs (for the `logprobs` output), repetition penalty over prompt + output,
 presence and frequency penalties over the output, min_length (EOS masked), then greedy argmax or
 temperature -> top_k -> top_p -> a draw from the request's own seeded generator. Rows are handled
-independently, so a request's tokens do not depend on the rest of the batch.
+independently, so a request's tokens do not depend on the rest of the batch. Host logits go row by row here;
+GPU logits stay on the GPU (batch_sampler.py: the same chain vectorized, counter-based seeded draws).
 """
 from __future__ import annotations
 
@@ -21,16 +22,18 @@ from allspark_server.guided import GuidedState, apply_masks
 @dataclass
 class SamplingState:
     gen: GenerationConfig
-    generator: Optional[torch.Generator] = None
+    generator: Optional[torch.Generator] = None   # the host path's draws
     guided: Optional["GuidedState"] = None   # allspark_server.guided: where a response_format request's output is
+    seed: int = 0                            # gen.seed, else a random one (sampling requests); batch_sampler's draws
 
     @classmethod
     def create(cls, gen: GenerationConfig) -> "SamplingState":
-        g = None
-        if not gen.is_greedy:
-            g = torch.Generator()
-            g.manual_seed(gen.seed if gen.seed is not None else random.SystemRandom().getrandbits(63))
-        return cls(gen, g)
+        if gen.is_greedy:
+            return cls(gen)
+        seed = gen.seed if gen.seed is not None else random.SystemRandom().getrandbits(63)
+        g = torch.Generator()
+        g.manual_seed(seed)
+        return cls(gen, g, seed=seed)
 
 
 @dataclass
@@ -89,14 +92,17 @@ class Sampler:
     def sample_rows(self, logits: torch.Tensor, rows: list[tuple[SamplingState, list[int], list[int]]],
                     guided_masks: Optional[tuple[list[int], object]] = None) -> list[SampleResult]:
         """Every row of logits [N, V] (on the host or a GPU) with its (state, all_ids, output_ids). Plain greedy
-        rows (no penalties, logprobs or masked EOS) take one argmax over all of them together; on a GPU only
-        their token ids leave it. The others go through `sample_row` on the host, the same math either way.
-        `guided_masks` = (row indices, their llguidance bitmask, an int32 numpy array): applied to `logits` in place
-        first."""
+        rows (no penalties, logprobs or masked EOS) take one argmax over all of them together. On a GPU any other
+        row sends the whole batch to `batch_sampler.sample_batch` (only ids and requested logprobs leave the
+        GPU); on the host the others go through `sample_row`. `guided_masks` = (row indices, their llguidance
+        bitmask, an int32 numpy array): applied to `logits` in place first."""
         if guided_masks is not None:
             with torch.inference_mode():   # the runner's logits are inference tensors
                 apply_masks(logits, *guided_masks)
         plain = [i for i, (state, all_ids, _) in enumerate(rows) if self._plain_greedy(state.gen, all_ids)]
+        if logits.is_cuda and len(plain) < len(rows):
+            from allspark_server.runner.batch_sampler import sample_batch   # it imports this module
+            return sample_batch(logits, rows)
         results: list[SampleResult | None] = [None] * len(rows)
         if plain:
             for i, token in zip(plain, argmax(logits if len(plain) == len(rows) else logits[plain])):
