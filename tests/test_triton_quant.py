@@ -59,7 +59,7 @@ def test_formats_and_groups(fmt, group):
     n, k = 72, 256
     w, exact = quantized(n, k, fmt, group, seed=len(fmt) + group)
     gen = torch.Generator().manual_seed(1)
-    for m in (1, 5, 17, 70):
+    for m in (1, 3, 5, 17, qk.DOT_MAX_ROWS):      # the FMA GEMV, then tensor-core tiles
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             check((torch.randn(m, k, generator=gen)).to(DEVICE, dtype), w, exact)
 
@@ -87,9 +87,33 @@ def test_per_channel_k_not_a_multiple_of_the_tile(fmt, k):
         check(torch.randn(m, k, generator=gen).to(DEVICE, torch.float32), w, exact)
 
 
-def test_choose_config_splits_small_m_only():
+def test_choose_config():
     dev = torch.device("cpu")
     gemv = qk.choose_config(1, 4096, 4096, 4096, dev)
-    assert gemv.split_k > 1 and 4096 // gemv.block_k >= gemv.split_k
-    assert qk.choose_config(512, 4096, 4096, 4096, dev).split_k == 1
+    assert gemv.block_m <= qk.GEMV_MAX_ROWS and gemv.split_k > 1 and 4096 // gemv.block_k >= gemv.split_k
+    assert qk.choose_config(64, 32000, 4096, 4096, dev).split_k == 1
     assert qk.choose_config(1, 4096, 4096, 32, dev).block_k == 32        # a k-tile never straddles a group
+
+
+def bf16_cast(x32: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 as Triton casts: to nearest even on a GPU; the CPU interpreter (Triton 3.x) drops the low
+    16 bits instead."""
+    if DEVICE == "cuda":
+        return x32.to(torch.bfloat16)
+    return (x32.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt,group", [("int8", -1), ("uint8", 64), ("int4", 32), ("uint4", -1)])
+def test_prefill_rows_dequantize_for_the_gemm(fmt, group):
+    """More than DOT_MAX_ROWS rows: the Triton dequantize (into x's dtype) equals the published formula rounded
+    once, and the product equals the float64 one within that rounding."""
+    n, k = 40, 256 if group != -1 else 288
+    w, exact = quantized(n, k, fmt, group, seed=9)
+    assert torch.equal(qk.dequantize(w, torch.float32).cpu(), exact.float())
+    assert torch.equal(qk.dequantize(w, torch.bfloat16).cpu(), bf16_cast(exact.float()))
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(qk.DOT_MAX_ROWS + 3, k).to(DEVICE, dtype)
+        y = qk.quant_matmul(x, w)
+        ref = x.cpu().double() @ exact.to(dtype).double().T        # the weight rounded once into x's dtype
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        assert y.dtype == dtype and (y.cpu().double() - ref).abs().max() <= tol * ref.abs().max()

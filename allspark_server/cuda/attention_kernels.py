@@ -48,16 +48,20 @@ def _load_rows(cache, param, row, prow, ok, offs_d, D: tl.constexpr, QUANT: tl.c
     else:
         ptrs, mask = cache + row[:, None] + col[None, :], ok[:, None] & (offs_d < D)[None, :]
     x = tl.load(ptrs, mask=mask, other=0)
-    if QUANT == 0:
-        return x
-    codes = x.to(tl.int32)
-    if QUANT == 2:
-        codes = (codes >> (shift[:, None] if TRANSPOSED else shift[None, :])) & 15
-    scale = tl.load(param + prow, mask=ok, other=0.0)
-    zero = tl.load(param + prow + 1, mask=ok, other=0.0)
-    if TRANSPOSED:
-        return (codes.to(tl.float32) - zero[None, :]) * scale[None, :]
-    return (codes.to(tl.float32) - zero[:, None]) * scale[:, None]
+    if QUANT != 0:       # one return for every branch: Triton wants one return type
+        codes = x.to(tl.int32)
+        if QUANT == 2:
+            if TRANSPOSED:
+                codes = (codes >> shift[:, None]) & 15
+            else:
+                codes = (codes >> shift[None, :]) & 15
+        scale = tl.load(param + prow, mask=ok, other=0.0)
+        zero = tl.load(param + prow + 1, mask=ok, other=0.0)
+        if TRANSPOSED:
+            x = (codes.to(tl.float32) - zero[None, :]) * scale[None, :]
+        else:
+            x = (codes.to(tl.float32) - zero[:, None]) * scale[:, None]
+    return x
 
 
 @triton.jit

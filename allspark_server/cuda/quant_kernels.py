@@ -10,8 +10,11 @@ products, summed in another order (agreement within fp32 rounding of the dequant
 size). 4-bit bytes hold k = j and k = 16 + j of each 32-block (the packing of quant/formats.py), so a tile
 of bytes is two dots: the low nibbles against x's columns j, the high ones against j + 16.
 
-Small M (decode) splits K over SPLIT_K programs per tile so that a GEMV keeps every SM streaming; their fp32
-partials are summed in a fixed order (deterministic, CUDA-graph safe: nothing is read on the host).
+Three paths by the rows of x: up to GEMV_MAX_ROWS (batch-1 decode) a GEMV that dequantizes in registers and
+uses FMAs; up to DOT_MAX_ROWS tensor-core tiles as above; more rows (prefill) dequantize the weight into x's
+dtype (one Triton pass) for cuBLAS's GEMM. The first two split K over several programs per output tile so
+that every SM streams; their fp32 partials are summed in a fixed order (deterministic, CUDA-graph safe:
+nothing is read on the host).
 """
 from __future__ import annotations
 
@@ -82,6 +85,91 @@ def _quant_matmul_kernel(x, qw, scales, zeros, out, M, N, K, k_per_split,
     tl.store(dst, acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _quant_gemv_kernel(x, qw, scales, zeros, out, M, N, K, k_per_split,
+                       stride_xm, stride_qn, stride_sn, stride_zn, stride_os, stride_om,
+                       FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A few rows of x (decode): program (n tile, k split) streams its [BLOCK_N, K-range] codes with K
+    contiguous, dequantizes them in fp32 and meets all BLOCK_M rows of x with FMAs (no tensor cores: at a
+    handful of rows the weight's bytes are the whole cost) -> fp32 partial out[split, :M, n tile]."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_rows = x + offs_m.to(tl.int64)[:, None, None] * stride_xm                          # [BM, 1, 1]
+    q_rows = qw + offs_n.to(tl.int64)[:, None] * stride_qn                               # [BN, 1]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(K, k_begin + k_per_split)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        g = k0 // GROUP
+        scale = tl.load(scales + offs_n * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)   # [BN]
+        if HAS_ZERO:
+            zero = tl.load(zeros + offs_n * stride_zn + g, mask=n_ok, other=0).to(tl.float32)[:, None]
+        elif FMT == 2:
+            zero = 8.0
+        else:
+            zero = 0.0
+        if FMT <= 1:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < k_end
+            codes = tl.load(q_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)   # [BN, BK]
+            w = (codes.to(tl.float32) - zero) * scale[:, None]
+            xt = tl.load(x_rows + offs_k[None, None, :], mask=m_ok[:, None, None] & k_ok[None, None, :],
+                         other=0.0).to(tl.float32)                                              # [BM, 1, BK]
+            acc += tl.sum(xt * w[None, :, :], 2)
+        else:
+            p = tl.arange(0, BLOCK_K // 2)
+            k_lo = k0 + (p // 16) * 32 + p % 16
+            p_ok = k_lo < k_end
+            byte = tl.load(q_rows + (k0 // 2 + p)[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0)
+            byte = byte.to(tl.int32)                                                            # [BN, BK/2]
+            w_lo = ((byte & 15).to(tl.float32) - zero) * scale[:, None]
+            w_hi = (((byte >> 4) & 15).to(tl.float32) - zero) * scale[:, None]
+            x_mask = m_ok[:, None, None] & p_ok[None, None, :]
+            x_lo = tl.load(x_rows + k_lo[None, None, :], mask=x_mask, other=0.0).to(tl.float32)  # [BM, 1, BK/2]
+            x_hi = tl.load(x_rows + (k_lo + 16)[None, None, :], mask=x_mask, other=0.0).to(tl.float32)
+            acc += tl.sum(x_lo * w_lo[None, :, :] + x_hi * w_hi[None, :, :], 2)
+    dst = out + pid_k * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(dst, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _dequantize_kernel(qw, scales, zeros, out, N, K, stride_qn, stride_sn, stride_zn, stride_on,
+                       FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (n tile, k tile): out[n, k] = (code - zero) * scale in out's dtype (for a cuBLAS GEMM)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    n_ok = offs_n < N
+    g = k0 // GROUP
+    scale = tl.load(scales + offs_n * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    if HAS_ZERO:
+        zero = tl.load(zeros + offs_n * stride_zn + g, mask=n_ok, other=0).to(tl.float32)[:, None]
+    elif FMT == 2:
+        zero = 8.0
+    else:
+        zero = 0.0
+    q_rows = qw + offs_n.to(tl.int64)[:, None] * stride_qn
+    o_rows = out + offs_n.to(tl.int64)[:, None] * stride_on
+    if FMT <= 1:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        ok = n_ok[:, None] & (offs_k < K)[None, :]
+        codes = tl.load(q_rows + offs_k[None, :], mask=ok, other=0).to(tl.float32)
+        tl.store(o_rows + offs_k[None, :], ((codes - zero) * scale).to(out.dtype.element_ty), mask=ok)
+    else:
+        p = tl.arange(0, BLOCK_K // 2)
+        k_lo = k0 + (p // 16) * 32 + p % 16
+        ok = n_ok[:, None] & (k_lo < K)[None, :]
+        byte = tl.load(q_rows + (k0 // 2 + p)[None, :], mask=ok, other=0).to(tl.int32)
+        tl.store(o_rows + k_lo[None, :], (((byte & 15).to(tl.float32) - zero) * scale).to(out.dtype.element_ty),
+                 mask=ok)
+        tl.store(o_rows + (k_lo + 16)[None, :],
+                 ((((byte >> 4) & 15).to(tl.float32) - zero) * scale).to(out.dtype.element_ty), mask=ok)
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     block_m: int
@@ -93,7 +181,9 @@ class LaunchConfig:
 
 
 SM_COUNT_DEFAULT = 132          # H100 / H200; read from the device when there is one
-GEMV_TARGET_WAVES = 2           # small M: split K until about this many programs per SM
+GEMV_MAX_ROWS = 4               # up to this many rows: the FMA kernel; more: tensor-core tiles
+DOT_MAX_ROWS = 64               # above this many rows: dequantize into x's dtype and take cuBLAS's GEMM
+MIN_PROGRAMS_PER_SM = 4         # split K until a small-M launch has about this many programs per SM
 
 
 def _sm_count(device: torch.device) -> int:
@@ -103,35 +193,52 @@ def _sm_count(device: torch.device) -> int:
 
 
 def choose_config(m: int, n: int, k: int, group: int, device: torch.device) -> LaunchConfig:
-    """Tile shapes by rows of x (decode rows vs a prefill chunk); small M gets split-K so that a GEMV has
-    about GEMV_TARGET_WAVES programs per SM."""
-    if m <= 16:
-        block_m, block_n, block_k, warps, stages = 16, 64, 256, 4, 4
-    elif m <= 64:
-        block_m, block_n, block_k, warps, stages = 64, 64, 128, 4, 4
+    """Tile shapes by rows of x: the FMA GEMV (m <= GEMV_MAX_ROWS) or tensor-core tiles (m <= DOT_MAX_ROWS);
+    K split until there are about MIN_PROGRAMS_PER_SM programs per SM. Defaults from sweeps on an H100
+    (benchmarks/cuda_quant_micro.py --sweep)."""
+    if m <= GEMV_MAX_ROWS:
+        block_m, block_n, block_k, warps, stages = triton.next_power_of_2(m), 16, 512, 4, 1
+    elif m <= 16:
+        block_m, block_n, block_k, warps, stages = 16, 32, 128, 4, 3
     else:
-        block_m, block_n, block_k, warps, stages = 128, 128, 64, 8, 3
+        block_m, block_n, block_k, warps, stages = 64, 32, 128, 4, 3
     if group != k:        # grouped: a k-tile lies inside one group (group sizes are powers of two >= 32)
         block_k = min(block_k, group)
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    split = 1
-    if m <= 64:
-        want = GEMV_TARGET_WAVES * _sm_count(device)
-        k_tiles = triton.cdiv(k, block_k)
-        split = max(1, min(k_tiles // 4, want // max(tiles, 1)))
+    k_tiles = triton.cdiv(k, block_k)
+    want = MIN_PROGRAMS_PER_SM * _sm_count(device)
+    split = max(1, min(k_tiles // 2, -(-want // max(tiles, 1))))
     return LaunchConfig(block_m, block_n, block_k, split, warps, stages)
 
 
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
+def dequantize(w: QuantizedWeight, dtype: torch.dtype, block_n: int = 32, block_k: int = 256) -> torch.Tensor:
+    """The weight [N, K] the codes stand for, in `dtype` (one rounding of (code - zero) * scale)."""
+    n, k = w.out_features, w.in_features
+    group = k if w.group_size == -1 else w.group_size
+    if w.group_size != -1:
+        block_k = min(block_k, group)
+    out = torch.empty(n, k, dtype=dtype, device=w.qweight.device)
+    zeros = w.zeros
+    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        w.qweight, w.scales, w.scales if zeros is None else zeros, out, n, k, w.qweight.stride(0),
+        w.scales.stride(0), 0 if zeros is None else zeros.stride(0), out.stride(0),
+        FMT=FORMAT_IDS[w.fmt], GROUP=group, HAS_ZERO=zeros is not None, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out
+
+
 def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
                  config: LaunchConfig | None = None) -> torch.Tensor:
     """x [M, K] (fp32 / bf16 / fp16, unit stride along K) @ the dequantized w [N, K].T (+ bias) -> [M, N] in
-    x's dtype (fp32 sums, one rounding)."""
+    x's dtype (fp32 sums, one rounding). More than DOT_MAX_ROWS rows (prefill) without a config: the weight
+    dequantized into x's dtype for cuBLAS."""
     assert x.dim() == 2 and x.stride(-1) == 1 and x.shape[1] == w.in_features, (x.shape, w.in_features)
     m, k = x.shape
     n = w.out_features
+    if config is None and m > DOT_MAX_ROWS:
+        return torch.nn.functional.linear(x, dequantize(w, x.dtype), bias)
     group = k if w.group_size == -1 else w.group_size
     cfg = config or choose_config(m, n, k, group, x.device)
     fmt = FORMAT_IDS[w.fmt]
@@ -141,15 +248,18 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
     k_per_split = triton.cdiv(k_tiles, cfg.split_k) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
     partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)           # [S, M, N]
-    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)
     zeros = w.zeros
-    _quant_matmul_kernel[grid](
-        x, w.qweight, w.scales, w.scales if zeros is None else zeros, partial, m, n, k, k_per_split,
-        x.stride(0), w.qweight.stride(0), w.scales.stride(0), 0 if zeros is None else zeros.stride(0),
-        partial.stride(0), partial.stride(1),
-        FMT=fmt, GROUP=group, HAS_ZERO=zeros is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, DOT_DTYPE=_DOT_DTYPES[x.dtype], UPCAST=_INTERPRETED and x.dtype != torch.float32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    args = (x, w.qweight, w.scales, w.scales if zeros is None else zeros, partial, m, n, k, k_per_split,
+            x.stride(0), w.qweight.stride(0), w.scales.stride(0), 0 if zeros is None else zeros.stride(0),
+            partial.stride(0), partial.stride(1))
+    common = dict(FMT=fmt, GROUP=group, HAS_ZERO=zeros is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  num_warps=cfg.num_warps)
+    if cfg.block_m <= GEMV_MAX_ROWS:
+        _quant_gemv_kernel[(triton.cdiv(n, cfg.block_n), splits)](*args, BLOCK_M=cfg.block_m, **common)
+    else:
+        _quant_matmul_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)](
+            *args, BLOCK_M=cfg.block_m, DOT_DTYPE=_DOT_DTYPES[x.dtype],
+            UPCAST=_INTERPRETED and x.dtype != torch.float32, num_stages=cfg.num_stages, **common)
     y = partial[0] if splits == 1 else partial.sum(0)
     if bias is not None:
         y = y + bias.float()
