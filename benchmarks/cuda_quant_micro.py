@@ -24,11 +24,41 @@ ROWS = [1, 8, 16, 32, 64, 128, 512, 2048]
 
 
 def time_us(fn) -> float:
-    return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=50)
+    return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=20)
 
 
 def weight_bytes(w: QuantizedWeight) -> int:
     return sum(t.numel() * t.element_size() for t in (w.qweight, w.scales, w.zeros) if t is not None)
+
+
+def sweep(w: QuantizedWeight, m: int, n: int, k: int) -> dict:
+    """Time launch configs at m rows: the FMA GEMV's grid (m <= GEMV_MAX_ROWS) or the tensor-core tiles'."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    if m <= qk.GEMV_MAX_ROWS:
+        grid = itertools.product((2, 4, 8), (1024, 2048), (1,), (2, 4), (1,))
+    else:
+        grid = itertools.product((32, 64), (64, 128, 256), (1, 2, 4), (4, 8), (3, 4))
+    best, errors = [], []
+    for bn, bk, split, warps, stages in grid:
+        if w.group_size != -1 and bk > w.group_size and m > qk.GEMV_MAX_ROWS:
+            continue
+        cfg = qk.LaunchConfig(triton.next_power_of_2(m) if m <= qk.GEMV_MAX_ROWS else min(64, max(16, m)), bn, bk,
+                              split, warps, stages)
+        try:
+            qk.quant_matmul(x, w, config=cfg)       # compile outside the graph capture
+            us = time_us(lambda: qk.quant_matmul(x, w, config=cfg))
+        except Exception as e:   # out of shared memory and the like
+            errors.append(f"{[bn, bk, split, warps, stages]}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        best.append((us, [bn, bk, split, warps, stages]))
+    best.sort()
+    if not best:
+        return {"errors": errors[:3]}
+    chosen = qk.choose_config(m, n, k, w.group_size, x.device)
+    return {"best": best[:5], "chosen": [chosen.block_n, chosen.block_k, chosen.split_k, chosen.num_warps,
+                                         chosen.num_stages],
+            "chosen_us": time_us(lambda: qk.quant_matmul(x, w)), "gbs_best": weight_bytes(w) / best[0][0] / 1e3,
+            "errors": errors[:3]}
 
 
 def main() -> None:
@@ -61,30 +91,10 @@ def main() -> None:
                     row["int8_rel_err"] = ((got - ref).abs().max() / ref.abs().max()).item()
             report["rows"][f"{name}_m{m}"] = row
             print(name, m, {k2: round(v, 2) for k2, v in row.items()}, flush=True)
-        if a.sweep and name != "qkv":
+        if a.sweep and name in ("o", "gate_up"):
             for key in ("int8_g-1", "int4_g128"):
-                w = quants[key]
-                for m in (1, 16):
-                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                    best = []
-                    for bn, bk, split, warps, stages in itertools.product((32, 64, 128), (128, 256, 512),
-                                                                          (1, 2, 4, 8), (4,), (3, 4)):
-                        if w.group_size != -1 and bk > w.group_size:
-                            continue
-                        bm = 16 if m <= 16 else 64
-                        cfg = qk.LaunchConfig(bm, bn, bk, split, warps, stages)
-                        try:
-                            us = time_us(lambda: qk.quant_matmul(x, w, config=cfg))
-                        except Exception:   # out of shared memory and the like
-                            continue
-                        best.append((us, [bn, bk, split, warps, stages]))
-                    best.sort()
-                    chosen = qk.choose_config(m, n, k, w.group_size if w.group_size != -1 else k, x.device)
-                    report["sweep"][f"{name}_{key}_m{m}"] = {
-                        "best": best[:5], "chosen": [chosen.block_n, chosen.block_k, chosen.split_k,
-                                                     chosen.num_warps, chosen.num_stages],
-                        "chosen_us": time_us(lambda: qk.quant_matmul(x, w)),
-                        "gbs_best": weight_bytes(w) / best[0][0] / 1e3}
+                for m in (1,):
+                    report["sweep"][f"{name}_{key}_m{m}"] = sweep(quants[key], m, n, k)
                     print("sweep", name, key, m, report["sweep"][f"{name}_{key}_m{m}"], flush=True)
         with open(a.out, "w") as f:
             json.dump(report, f, indent=1)

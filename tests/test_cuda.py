@@ -225,7 +225,7 @@ def test_quantized_kv_spans_on_the_gpu(llama, tmp_path):
         engine.start_model(f"gkv_{mode}")
         assert engine._engine.models[f"gkv_{mode}"].runner.graphs is not None
         engines[mode] = engine
-    prompts = [random_prompt(n, seed=60 + n) for n in (5, 40, 130)]
+    prompts = [random_prompt(n, seed=seed) for seed, n in ((1, 5), (2, 40), (3, 130))]   # the CPU test's: tie-free
     assert_greedy_alone_and_batched(engines["int8"], "gkv_int8", llama.model, prompts, 24)
     int8 = [greedy(engines["int8"], "gkv_int8", p, 24) for p in prompts]
     uint4 = [greedy(engines["uint4"], "gkv_uint4", p, 24) for p in prompts]

@@ -74,6 +74,9 @@ def test_split_k_tiles_and_bias(fmt):
     bias = torch.randn(n, generator=gen).to(DEVICE, torch.bfloat16)
     for split in (1, 3):
         check(x, w, exact, bias, qk.LaunchConfig(block_m=16, block_n=32, block_k=64, split_k=split))
+        # the GEMV: k-tiles of two groups (and of half a group), split or not
+        for block_k in (128, 32):
+            check(x[:2], w, exact, bias, qk.LaunchConfig(block_m=2, block_n=8, block_k=block_k, split_k=split))
     check(x, w, exact, bias)
 
 
@@ -89,10 +92,13 @@ def test_per_channel_k_not_a_multiple_of_the_tile(fmt, k):
 
 def test_choose_config():
     dev = torch.device("cpu")
-    gemv = qk.choose_config(1, 4096, 4096, 4096, dev)
-    assert gemv.block_m <= qk.GEMV_MAX_ROWS and gemv.split_k > 1 and 4096 // gemv.block_k >= gemv.split_k
-    assert qk.choose_config(64, 32000, 4096, 4096, dev).split_k == 1
-    assert qk.choose_config(1, 4096, 4096, 32, dev).block_k == 32        # a k-tile never straddles a group
+    gemv = qk.choose_config(1, 4096, 4096, -1, dev)
+    assert gemv.block_m <= qk.GEMV_MAX_ROWS and 4096 // gemv.block_k >= gemv.split_k
+    few_columns = qk.choose_config(1, 256, 4096, -1, dev)          # too few programs: K split
+    assert few_columns.split_k > 1 and 4096 // few_columns.block_k >= few_columns.split_k
+    assert qk.choose_config(64, 128000, 4096, -1, dev).split_k == 1          # enough output tiles
+    assert qk.choose_config(16, 4096, 4096, 32, dev).block_k == 32   # a tensor-core k-tile inside one group
+    assert qk.choose_config(1, 4096, 4096, 32, dev).block_k % 32 == 0  # the GEMV's: whole groups
 
 
 def bf16_cast(x32: torch.Tensor) -> torch.Tensor:

@@ -86,54 +86,90 @@ def _quant_matmul_kernel(x, qw, scales, zeros, out, M, N, K, k_per_split,
 
 
 @triton.jit
+def _code_values(bits, zero, FMT: tl.constexpr):
+    """Unsigned codes (int32, 0..255 or 0..15) -> code - zero in fp32 by the exponent trick: OR-ing a code into
+    the mantissa of 2^23 gives the float 2^23 + code, so one integer op and one exact subtraction replace a
+    (quarter-rate) int-to-float conversion. int8's bytes are two's complement: XOR 0x80 makes them code + 128."""
+    if FMT == 0:
+        return (bits ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0       # 2^23 + 128
+    return (bits | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + zero)
+
+
+@triton.jit
 def _quant_gemv_kernel(x, qw, scales, zeros, out, M, N, K, k_per_split,
                        stride_xm, stride_qn, stride_sn, stride_zn, stride_os, stride_om,
                        FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A few rows of x (decode): program (n tile, k split) streams its [BLOCK_N, K-range] codes with K
-    contiguous, dequantizes them in fp32 and meets all BLOCK_M rows of x with FMAs (no tensor cores: at a
-    handful of rows the weight's bytes are the whole cost) -> fp32 partial out[split, :M, n tile]."""
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr):
+    """A row or two of x (decode): program (n tile, k split) streams its [BLOCK_N, K-range] codes with K
+    contiguous and meets each row of x with FMAs (no tensor cores: at a row or two the weight's bytes are the
+    whole cost). A k-tile is BLOCK_K // SUB sub-tiles of one group each (SUB = min(BLOCK_K, group)): per
+    sub-tile sum_k (code - zero) * x, times its scale -> out[split, :M, n tile] (fp32 partials, or y itself in
+    its dtype)."""
+    NSUB: tl.constexpr = BLOCK_K // SUB
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < M
     n_ok = offs_n < N
-    x_rows = x + offs_m.to(tl.int64)[:, None, None] * stride_xm                          # [BM, 1, 1]
-    q_rows = qw + offs_n.to(tl.int64)[:, None] * stride_qn                               # [BN, 1]
+    q_rows = qw.to(tl.pointer_type(tl.uint8), bitcast=True) + offs_n.to(tl.int64)[:, None] * stride_qn  # [BN, 1]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(K, k_begin + k_per_split)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        g = k0 // GROUP
-        scale = tl.load(scales + offs_n * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)   # [BN]
+        offs_g = k0 // GROUP + tl.arange(0, NSUB)
+        g_ok = n_ok[:, None] & (offs_g * GROUP < k_end)[None, :]
+        scale = tl.load(scales + offs_n[:, None] * stride_sn + offs_g[None, :], mask=g_ok, other=0.0)
+        scale = scale.to(tl.float32)                                                     # [BN, NSUB]
         if HAS_ZERO:
-            zero = tl.load(zeros + offs_n * stride_zn + g, mask=n_ok, other=0).to(tl.float32)[:, None]
+            zero = tl.load(zeros + offs_n[:, None] * stride_zn + offs_g[None, :], mask=g_ok, other=0)
+            zero = zero.to(tl.float32)                                                   # [BN, NSUB]
         elif FMT == 2:
             zero = 8.0
         else:
             zero = 0.0
+        if NSUB == 1:   # one group (or the row's one scale) per k-tile: plain [BN, K] tiles
+            scale = tl.reshape(scale, (BLOCK_N,))
+            if HAS_ZERO:
+                zero = tl.reshape(zero, (BLOCK_N, 1))
+        elif HAS_ZERO:
+            zero = zero[:, :, None]
         if FMT <= 1:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < k_end
-            codes = tl.load(q_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)   # [BN, BK]
-            w = (codes.to(tl.float32) - zero) * scale[:, None]
-            xt = tl.load(x_rows + offs_k[None, None, :], mask=m_ok[:, None, None] & k_ok[None, None, :],
-                         other=0.0).to(tl.float32)                                              # [BM, 1, BK]
-            acc += tl.sum(xt * w[None, :, :], 2)
-        else:
+            bits = tl.load(q_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0).to(tl.int32)
+            if NSUB == 1:
+                w = _code_values(bits, zero, FMT)                                        # [BN, BK]
+            else:
+                w = _code_values(tl.reshape(bits, (BLOCK_N, NSUB, SUB)), zero, FMT)     # [BN, NSUB, SUB]
+            for i in tl.static_range(BLOCK_M):
+                xi = tl.load(x + tl.minimum(i, M - 1) * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+                if NSUB == 1:
+                    part = tl.sum(w * xi[None, :], 1) * scale
+                else:
+                    part = tl.sum(tl.sum(w * tl.reshape(xi, (1, NSUB, SUB)), 2) * scale, 1)      # [BN]
+                acc = tl.where(offs_m[:, None] == i, acc + part[None, :], acc)
+        else:            # bytes [BN, BK/2]: low nibble k = 32 b + j, high nibble k + 16
             p = tl.arange(0, BLOCK_K // 2)
             k_lo = k0 + (p // 16) * 32 + p % 16
             p_ok = k_lo < k_end
             byte = tl.load(q_rows + (k0 // 2 + p)[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0)
-            byte = byte.to(tl.int32)                                                            # [BN, BK/2]
-            w_lo = ((byte & 15).to(tl.float32) - zero) * scale[:, None]
-            w_hi = (((byte >> 4) & 15).to(tl.float32) - zero) * scale[:, None]
-            x_mask = m_ok[:, None, None] & p_ok[None, None, :]
-            x_lo = tl.load(x_rows + k_lo[None, None, :], mask=x_mask, other=0.0).to(tl.float32)  # [BM, 1, BK/2]
-            x_hi = tl.load(x_rows + (k_lo + 16)[None, None, :], mask=x_mask, other=0.0).to(tl.float32)
-            acc += tl.sum(x_lo * w_lo[None, :, :] + x_hi * w_hi[None, :, :], 2)
+            byte = byte.to(tl.int32)
+            if NSUB != 1:
+                byte = tl.reshape(byte, (BLOCK_N, NSUB, SUB // 2))     # a group's bytes are contiguous
+            w_lo = _code_values(byte & 15, zero, FMT)
+            w_hi = _code_values(byte >> 4, zero, FMT)
+            for i in tl.static_range(BLOCK_M):
+                x_row = x + tl.minimum(i, M - 1) * stride_xm      # rows past M repeat the last (not stored)
+                x_lo = tl.load(x_row + k_lo, mask=p_ok, other=0.0).to(tl.float32)
+                x_hi = tl.load(x_row + k_lo + 16, mask=p_ok, other=0.0).to(tl.float32)
+                if NSUB == 1:
+                    part = tl.sum(w_lo * x_lo[None, :] + w_hi * x_hi[None, :], 1) * scale
+                else:
+                    part = tl.sum(w_lo * tl.reshape(x_lo, (1, NSUB, SUB // 2))
+                                  + w_hi * tl.reshape(x_hi, (1, NSUB, SUB // 2)), 2)
+                    part = tl.sum(part * scale, 1)
+                acc = tl.where(offs_m[:, None] == i, acc + part[None, :], acc)
     dst = out + pid_k * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(dst, acc, mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(dst, acc, mask=(offs_m < M)[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -181,7 +217,7 @@ class LaunchConfig:
 
 
 SM_COUNT_DEFAULT = 132          # H100 / H200; read from the device when there is one
-GEMV_MAX_ROWS = 4               # up to this many rows: the FMA kernel; more: tensor-core tiles
+GEMV_MAX_ROWS = 2               # up to this many rows: the FMA kernel; more: tensor-core tiles
 DOT_MAX_ROWS = 64               # above this many rows: dequantize into x's dtype and take cuBLAS's GEMM
 MIN_PROGRAMS_PER_SM = 4         # split K until a small-M launch has about this many programs per SM
 
@@ -192,18 +228,18 @@ def _sm_count(device: torch.device) -> int:
     return SM_COUNT_DEFAULT
 
 
-def choose_config(m: int, n: int, k: int, group: int, device: torch.device) -> LaunchConfig:
+def choose_config(m: int, n: int, k: int, group_size: int, device: torch.device) -> LaunchConfig:
     """Tile shapes by rows of x: the FMA GEMV (m <= GEMV_MAX_ROWS) or tensor-core tiles (m <= DOT_MAX_ROWS);
-    K split until there are about MIN_PROGRAMS_PER_SM programs per SM. Defaults from sweeps on an H100
-    (benchmarks/cuda_quant_micro.py --sweep)."""
-    if m <= GEMV_MAX_ROWS:
-        block_m, block_n, block_k, warps, stages = triton.next_power_of_2(m), 16, 512, 4, 1
+    K split until there are about MIN_PROGRAMS_PER_SM programs per SM. `group_size` as QuantizedWeight's (-1:
+    per channel). Defaults from sweeps on an H100 (benchmarks/cuda_quant_micro.py --sweep)."""
+    if m <= GEMV_MAX_ROWS:   # sweeps: thin tiles, long K runs, no split (4 rows x 1024 codes a program)
+        block_m, block_n, block_k, warps, stages = triton.next_power_of_2(m), 4, 1024, 4, 1
     elif m <= 16:
         block_m, block_n, block_k, warps, stages = 16, 32, 128, 4, 3
     else:
-        block_m, block_n, block_k, warps, stages = 64, 32, 128, 4, 3
-    if group != k:        # grouped: a k-tile lies inside one group (group sizes are powers of two >= 32)
-        block_k = min(block_k, group)
+        block_m, block_n, block_k, warps, stages = 64, 64, 128, 4, 3
+    if group_size != -1 and m > GEMV_MAX_ROWS:   # a tensor-core k-tile lies inside one group (powers of two)
+        block_k = min(block_k, group_size)
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     k_tiles = triton.cdiv(k, block_k)
     want = MIN_PROGRAMS_PER_SM * _sm_count(device)
@@ -240,22 +276,28 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
     if config is None and m > DOT_MAX_ROWS:
         return torch.nn.functional.linear(x, dequantize(w, x.dtype), bias)
     group = k if w.group_size == -1 else w.group_size
-    cfg = config or choose_config(m, n, k, group, x.device)
+    cfg = config or choose_config(m, n, k, w.group_size, x.device)
     fmt = FORMAT_IDS[w.fmt]
-    assert w.group_size == -1 or group % cfg.block_k == 0, (group, cfg.block_k)
+    gemv = cfg.block_m <= GEMV_MAX_ROWS
+    assert not gemv or m <= cfg.block_m, (m, cfg)
+    assert w.group_size == -1 or group % cfg.block_k == 0 or (gemv and cfg.block_k % group == 0), (group, cfg)
     assert fmt < INT4 or cfg.block_k % 32 == 0, cfg.block_k
     k_tiles = triton.cdiv(k, cfg.block_k)
     k_per_split = triton.cdiv(k_tiles, cfg.split_k) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
-    partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)           # [S, M, N]
+    if splits == 1 and bias is None:      # the kernel writes y itself (its store rounds once into x's dtype)
+        partial = torch.empty(1, m, n, dtype=x.dtype, device=x.device)
+    else:
+        partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)       # [S, M, N]
     zeros = w.zeros
     args = (x, w.qweight, w.scales, w.scales if zeros is None else zeros, partial, m, n, k, k_per_split,
             x.stride(0), w.qweight.stride(0), w.scales.stride(0), 0 if zeros is None else zeros.stride(0),
             partial.stride(0), partial.stride(1))
     common = dict(FMT=fmt, GROUP=group, HAS_ZERO=zeros is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   num_warps=cfg.num_warps)
-    if cfg.block_m <= GEMV_MAX_ROWS:
-        _quant_gemv_kernel[(triton.cdiv(n, cfg.block_n), splits)](*args, BLOCK_M=cfg.block_m, **common)
+    if gemv:
+        sub = cfg.block_k if w.group_size == -1 else min(cfg.block_k, w.group_size)
+        _quant_gemv_kernel[(triton.cdiv(n, cfg.block_n), splits)](*args, BLOCK_M=cfg.block_m, SUB=sub, **common)
     else:
         _quant_matmul_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)](
             *args, BLOCK_M=cfg.block_m, DOT_DTYPE=_DOT_DTYPES[x.dtype],
@@ -263,7 +305,7 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
     y = partial[0] if splits == 1 else partial.sum(0)
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 _INTERPRETED = not isinstance(_quant_matmul_kernel, triton.JITFunction)   # decorated under TRITON_INTERPRET=1
