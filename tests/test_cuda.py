@@ -213,8 +213,8 @@ def test_quantized_weights_on_the_gpu_equal_transformers_on_the_stored_codes(lla
 @needs_gpu
 def test_quantized_kv_spans_on_the_gpu(llama, tmp_path):
     """int8 KV spans on a GPU rank (Triton decode attention over the codes, inside the graphs): greedy equals
-    transformers' on the fp32 tiny model (as the CPU's int8 KV test), alone and batched; uint4 runs and its
-    greedy tokens mostly agree with int8's."""
+    transformers' on the fp32 tiny model (as the CPU's int8 KV test), alone and batched; uint4's logprobs stay
+    within the CPU uint4 test's bound of transformers'."""
     loader = serialize(llama.hf_dir, "gkv", str(tmp_path))
     engines = {}
     for mode in ("int8", "uint4"):
@@ -227,7 +227,5 @@ def test_quantized_kv_spans_on_the_gpu(llama, tmp_path):
         engines[mode] = engine
     prompts = [random_prompt(n, seed=seed) for seed, n in ((1, 5), (2, 40), (3, 130))]   # the CPU test's: tie-free
     assert_greedy_alone_and_batched(engines["int8"], "gkv_int8", llama.model, prompts, 24)
-    int8 = [greedy(engines["int8"], "gkv_int8", p, 24) for p in prompts]
-    uint4 = [greedy(engines["uint4"], "gkv_uint4", p, 24) for p in prompts]
-    agree = sum(a == b for x, y in zip(int8, uint4) for a, b in zip(x, y)) / sum(map(len, int8))
-    assert agree >= 0.5, agree
+    from test_kv_quant import assert_logprobs_close_to_transformers
+    assert_logprobs_close_to_transformers(engines["uint4"], "gkv_uint4", llama.model)

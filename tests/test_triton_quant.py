@@ -94,8 +94,8 @@ def test_choose_config():
     dev = torch.device("cpu")
     gemv = qk.choose_config(1, 4096, 4096, -1, dev)
     assert gemv.block_m <= qk.GEMV_MAX_ROWS and 4096 // gemv.block_k >= gemv.split_k
-    few_columns = qk.choose_config(1, 256, 4096, -1, dev)          # too few programs: K split
-    assert few_columns.split_k > 1 and 4096 // few_columns.block_k >= few_columns.split_k
+    few_columns = qk.choose_config(1, 256, 16384, -1, dev)          # too few programs: K split
+    assert few_columns.split_k > 1 and 16384 // few_columns.block_k >= few_columns.split_k
     assert qk.choose_config(64, 128000, 4096, -1, dev).split_k == 1          # enough output tiles
     assert qk.choose_config(16, 4096, 4096, 32, dev).block_k == 32   # a tensor-core k-tile inside one group
     assert qk.choose_config(1, 4096, 4096, 32, dev).block_k % 32 == 0  # the GEMV's: whole groups

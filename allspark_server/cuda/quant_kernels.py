@@ -232,8 +232,8 @@ def choose_config(m: int, n: int, k: int, group_size: int, device: torch.device)
     """Tile shapes by rows of x: the FMA GEMV (m <= GEMV_MAX_ROWS) or tensor-core tiles (m <= DOT_MAX_ROWS);
     K split until there are about MIN_PROGRAMS_PER_SM programs per SM. `group_size` as QuantizedWeight's (-1:
     per channel). Defaults from sweeps on an H100 (benchmarks/cuda_quant_micro.py --sweep)."""
-    if m <= GEMV_MAX_ROWS:   # sweeps: thin tiles, long K runs, no split (4 rows x 1024 codes a program)
-        block_m, block_n, block_k, warps, stages = triton.next_power_of_2(m), 4, 1024, 4, 1
+    if m <= GEMV_MAX_ROWS:   # sweeps: thin tiles, long K runs, no split (4 rows x 2048 codes a program)
+        block_m, block_n, block_k, warps, stages = triton.next_power_of_2(m), 4, 2048, 4, 1
     elif m <= 16:
         block_m, block_n, block_k, warps, stages = 16, 32, 128, 4, 3
     else:
