@@ -43,12 +43,20 @@ class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIntercepto
         return continuation(self._with_token(client_call_details), request)
 
 
+RECONNECT_BACKOFF_MS = 500
+
+
 def open_channel(address: str, token: Optional[str] = None, root_certificates: Pem = None,
                  certificate_chain: Pem = None, private_key: Pem = None) -> grpc.Channel:
     """TLS when root_certificates (the CA that signed the pool's certificate) is given; certificate_chain and
     private_key add a client certificate (pools started with --tls-client-ca require one)."""
     options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+               # a pool that went down and came back (systemd's Restart=on-failure) is found again within
+               # about a second: gRPC's default reconnect backoff grows to two minutes
+               ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+               ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+               ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS)]
     if (certificate_chain is None) != (private_key is None):
         raise ValueError("certificate_chain and private_key go together (the client certificate and its key)")
     if certificate_chain is not None and root_certificates is None:

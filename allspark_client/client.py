@@ -24,7 +24,7 @@ from allspark_client import convert
 from allspark_client.api import EngineAPI, StartResult
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client._proto import allspark_pb2_grpc as pb_grpc
-from allspark_client.channel import Pem, normalize_address, open_channel
+from allspark_client.channel import RECONNECT_BACKOFF_MS, Pem, normalize_address, open_channel
 from allspark_client.config import AsModelConfig
 from allspark_client.generation_config import parse_request
 from allspark_client.validation import ConfigError
@@ -33,6 +33,14 @@ from allspark_client.types import (AsEngineStat, AsException, AsStatus, Generate
 
 log = logging.getLogger("allspark.client")
 STOP_WAIT_S = 30.0   # how long stop/release wait for the stream's final reply
+
+
+RECONNECT_WAIT_S = 3 * RECONNECT_BACKOFF_MS / 1000
+
+
+def _never_sent(e: grpc.RpcError) -> bool:
+    """UNAVAILABLE before the call left this process (no connection): safe to send again."""
+    return e.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (e.details() or "")
 
 
 class PoolUnavailable(AsException):
@@ -178,6 +186,12 @@ class ClientEngine(EngineAPI):
 
     def _rpc(self, method, request):
         try:
+            return method(request)
+        except grpc.RpcError as e:
+            if not _never_sent(e):
+                raise self._unavailable(e) from None
+        try:   # the channel still remembers a pool that went away: wait one reconnect for one that came back
+            self._stub.Health(pb.HealthRequest(), wait_for_ready=True, timeout=RECONNECT_WAIT_S)
             return method(request)
         except grpc.RpcError as e:
             raise self._unavailable(e) from None

@@ -195,6 +195,8 @@ def build_command(args, placements: list[RankPlacement], flavour: str, numactl: 
         rank_args += ["--pid-file", args.pid_file]
     if args.max_streams:
         rank_args += ["--max-streams", str(args.max_streams)]
+    if args.step_timeout:
+        rank_args += ["--step-timeout", str(args.step_timeout)]
     for i, pl in enumerate(placements):
         if i:
             cmd.append(":")
@@ -257,6 +259,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--topology", help="override the NUMA topology, e.g. '0:0-31;1:32-63'")
     p.add_argument("--max-streams", type=int, default=0,
                    help="Generate streams rank 0 serves at once (default 4096); more are refused as overload")
+    p.add_argument("--step-timeout", type=float, default=0,
+                   help="seconds a step may take before the pool is declared hung and exits non-zero "
+                        "(default: 10 s beyond the slowest step so far)")
     p.add_argument("--pid-file", help=argparse.SUPPRESS)
     p.add_argument("--dry-run", action="store_true", help="print the mpirun command and exit")
     p.add_argument("mpirun_args", nargs="*", help="extra mpirun arguments (after --)")

@@ -44,6 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-streams", type=int, default=4096,
                    help="Generate streams rank 0 serves at once (a stream is a coroutine, not a thread); more are "
                         "refused with ALLSPARK_REQUEST_DENIED (overload)")
+    p.add_argument("--step-timeout", type=float, default=None,
+                   help="seconds a pool step may take before the pool is declared hung: every stream ends in an "
+                        "error and the pool exits non-zero (default: 10 s beyond the slowest step so far)")
     p.add_argument("--log-level", default=os.environ.get("ALLSPARK_LOG_LEVEL", "INFO"))
     return p.parse_args(argv)
 
@@ -98,7 +101,7 @@ def serve(comm, args, address: str, access) -> int:
     if args.pid_file:
         with open(args.pid_file, "w") as f:
             f.write(str(os.getpid()))
-    engine = Engine(comm)
+    engine = Engine(comm, step_timeout=args.step_timeout)
     if args.pool_config:
         for entry in load_pool_config(args.pool_config).models:
             engine.install_model(entry.config)

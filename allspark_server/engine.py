@@ -12,12 +12,13 @@ import itertools
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from allspark_client.api import EngineAPI, StartResult
 from allspark_client.result_queue import ResultQueue
-from allspark_client.types import AsEngineStat, AsException, AsStatus, RequestHandle
+from allspark_client.types import AsEngineStat, AsException, AsStatus, GenerateRequestStatus, RequestHandle
 from allspark_client.config import AsModelConfig
 from allspark_client.generation_config import parse_request, resolve_max_length
 from allspark_client.validation import ConfigError
@@ -28,6 +29,7 @@ from allspark_server.engine_thread import EngineThread, ForModel
 from allspark_server.runner.model_runner import install_runner
 from allspark_server.runner.sampler import SamplingState
 from allspark_server.served_model import AddRequest, ServedModel, StopRequest
+from allspark_server.step_watchdog import StepWatchdog
 
 log = logging.getLogger("allspark")
 
@@ -44,9 +46,16 @@ class _LiveRequest:
     queue: ResultQueue
 
 
+HANG_GRACE_S = 1.0      # after a hung step: time for the streams' errors to reach their clients before the exit
+
+
 class Engine(EngineAPI):
-    def __init__(self, comm=None):
+    def __init__(self, comm=None, step_timeout: Optional[float] = None):
+        """`step_timeout`: in a pool, seconds a step may take before the pool is declared hung (None: a few
+        seconds beyond the slowest step so far; see step_watchdog.py)."""
         self._comm = comm or get_comm()
+        self._watchdog = StepWatchdog(self._on_hung_step, step_timeout) if self._comm.world_size > 1 else None
+        self._down: Optional[str] = None       # why the pool is going down (a hung step), once it is
         self._engine = EngineThread(self._comm)
         self._models: dict[str, ServedModel] = self._engine.models   # written on the engine thread only
         self._requests: dict[str, dict[int, _LiveRequest]] = {}
@@ -72,7 +81,8 @@ class Engine(EngineAPI):
 
             def install():
                 self._comm.bcast(InstallModelMsg(cfg))
-                self._models[cfg.model_name] = ServedModel(cfg, install_runner(cfg, self._comm), self._comm)
+                self._models[cfg.model_name] = ServedModel(cfg, install_runner(cfg, self._comm), self._comm,
+                                                           self._watchdog)
 
             try:
                 self._engine.call(install)
@@ -128,6 +138,25 @@ class Engine(EngineAPI):
     def shutdown(self) -> None:
         """Stop every request, end the engine thread and (in a pool) tell the other ranks to exit."""
         self._engine.shutdown()
+
+    def down_reason(self) -> Optional[str]:
+        """None while the engine serves; once a pool step has hung, why (the pool is about to exit)."""
+        return self._down
+
+    def _on_hung_step(self, message: str) -> None:
+        """The watchdog's verdict (its own thread; the engine thread is stuck in a collective): every open
+        stream ends in InternalError with `message`, then the pool exits non-zero (mpirun ends the other ranks)."""
+        self._down = message
+        locked = self._lock.acquire(timeout=HANG_GRACE_S)     # a lifecycle call may hold it, stuck as well
+        try:
+            queues = [r.queue for reqs in list(self._requests.values()) for r in list(reqs.values())]
+        finally:
+            if locked:
+                self._lock.release()
+        for q in queues:
+            q._set_status(GenerateRequestStatus.InternalError, message)
+        time.sleep(HANG_GRACE_S)
+        self._comm.abort(1)
 
     # ---- requests ----------------------------------------------------------------------------
     def start_request(self, name: str, inputs: Any, generate_config: Any = None) -> StartResult:

@@ -8,6 +8,7 @@ computed before the step (a GPU rank: on a background thread while the step runs
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -32,6 +33,7 @@ from allspark_server.core.span_manager import SpanManager
 from allspark_server.guided import GuidedState, GuidedVocabulary
 from allspark_server.runner.model_runner import ModelRunner
 from allspark_server.runner.sampler import Sampler, SamplingState
+from allspark_server.step_watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
 RATE_WINDOW_S = 10.0
@@ -54,9 +56,10 @@ Command = Union[AddRequest, StopRequest]
 
 
 class ServedModel:
-    def __init__(self, cfg: AsModelConfig, runner: ModelRunner, comm):
+    def __init__(self, cfg: AsModelConfig, runner: ModelRunner, comm, watchdog: Optional[StepWatchdog] = None):
         self.cfg = cfg
         self.comm = comm
+        self.watchdog = watchdog                          # a pool's: times each step (step_watchdog.py)
         self.runner = runner
         cache = None
         if cfg.enable_prefix_cache:   # keyed by what shapes a span's K/V besides its tokens
@@ -121,6 +124,11 @@ class ServedModel:
             status = GenerateRequestStatus.GenerateFinished
         entry.queue._set_status(status, error)
 
+    def _watched(self, plan):
+        if self.watchdog is None:
+            return contextlib.nullcontext()
+        return self.watchdog.step(plan.step_id, sum(c.num_tokens for c in plan.chunks))
+
     def step(self) -> None:
         started = time.perf_counter()
         plan, interrupted = self.scheduler.schedule()
@@ -133,14 +141,16 @@ class ServedModel:
             return
         for c in plan.chunks:
             self._live[c.request_id].queue._mark_scheduled()
-        self.comm.bcast(StepMsg(self.cfg.model_name, plan))
         try:
-            masks = self._start_guided_masks(plan)
-            logits, rids = self.runner.execute(plan)
-            rows = [(e.sampling, e.request.all_token_ids, e.request.output_ids) for e in map(self._live.get, rids)]
-            if masks is not None:
-                masks = (masks[0], masks[1].result())
-            results = dict(zip(rids, self.sampler.sample_rows(logits, rows, masks))) if rids else {}
+            with self._watched(plan):
+                self.comm.bcast(StepMsg(self.cfg.model_name, plan))
+                masks = self._start_guided_masks(plan)
+                logits, rids = self.runner.execute(plan)
+                rows = [(e.sampling, e.request.all_token_ids, e.request.output_ids)
+                        for e in map(self._live.get, rids)]
+                if masks is not None:
+                    masks = (masks[0], masks[1].result())
+                results = dict(zip(rids, self.sampler.sample_rows(logits, rows, masks))) if rids else {}
             sampled = {rid: res.token_id for rid, res in results.items()}
         except Exception as e:   # a failed step fails its requests, not the engine
             log.error("step %d failed: %s", plan.step_id, traceback.format_exc())

@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 from concurrent import futures
-from typing import Callable
+from typing import Callable, Optional
 
 import grpc
 
@@ -163,17 +163,29 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
 
 
 class _Malformed:
-    """What a request's bytes became when they do not parse (RejectMalformed)."""
+    """What a request's bytes became when they do not parse (GuardCalls)."""
     __slots__ = ("error",)
 
     def __init__(self, error: str):
         self.error = error
 
 
-class RejectMalformed(grpc.aio.ServerInterceptor):
-    """A request whose bytes do not parse as its message type ends INVALID_ARGUMENT saying so (grpc.aio itself
-    answers UNKNOWN, the code of an exception a servicer let out): the deserializer never raises, it hands the
-    method a _Malformed, which the wrapped method turns into the status."""
+class GuardCalls(grpc.aio.ServerInterceptor):
+    """Two refusals before a method runs. A request whose bytes do not parse as its message type ends
+    INVALID_ARGUMENT saying so (grpc.aio itself answers UNKNOWN, the code of an exception a servicer let out):
+    the deserializer never raises, it hands the method a _Malformed, which the wrapped method turns into the
+    status. A pool that is going down (`down()` gives the reason: a hung step) answers UNAVAILABLE, which
+    clients raise as PoolUnavailable."""
+
+    def __init__(self, down: Callable[[], Optional[str]] = lambda: None):
+        self.down = down
+
+    async def _refuse(self, request, context) -> None:
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+        reason = self.down()
+        if reason is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -191,16 +203,14 @@ class RejectMalformed(grpc.aio.ServerInterceptor):
             inner_stream = handler.unary_stream
 
             async def stream(request, context):
-                if isinstance(request, _Malformed):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+                await self._refuse(request, context)
                 async for reply in inner_stream(request, context):
                     yield reply
             return grpc.unary_stream_rpc_method_handler(stream, safe_parse, handler.response_serializer)
         inner = handler.unary_unary
 
         async def unary(request, context):
-            if isinstance(request, _Malformed):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+            await self._refuse(request, context)
             return await inner(request, context)
         return grpc.unary_unary_rpc_method_handler(unary, safe_parse, handler.response_serializer)
 
@@ -226,7 +236,7 @@ class PoolServer:
         from allspark_server import access as acl
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-        server = grpc.aio.server(options=options, interceptors=acl.interceptors(access) + [RejectMalformed()])
+        server = grpc.aio.server(options=options, interceptors=acl.interceptors(access) + [GuardCalls(servicer.engine.down_reason)])
         pb_grpc.add_AllsparkServicer_to_server(servicer, server)
         acl.bind(server, address, access)
         await server.start()

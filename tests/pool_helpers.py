@@ -138,8 +138,8 @@ class Pool:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def install(client: ClientEngine, loader, max_length: int = 1024) -> None:
-    cfg = (loader.create_reference_runtime_config_builder(MODEL, "cpu", [0], max_batch=8)
+def install(client: ClientEngine, loader, max_length: int = 1024, max_batch: int = 8) -> None:
+    cfg = (loader.create_reference_runtime_config_builder(MODEL, "cpu", [0], max_batch=max_batch)
            .max_length(max_length).kv_cache_span_size(16).build())
     assert client.install_model(cfg) == AsStatus.ALLSPARK_SUCCESS
     assert client.start_model(MODEL) == AsStatus.ALLSPARK_SUCCESS

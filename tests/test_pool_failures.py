@@ -9,6 +9,7 @@ import subprocess
 import threading
 import time
 
+import psutil
 import pytest
 
 from allspark_client import GenerateRequestStatus
@@ -157,3 +158,92 @@ def test_launcher_killed_takes_the_pool_down(new_pool):
     pool.proc.wait(timeout=10)
     gone = wait_until(lambda: not pool.rank_processes_left(), 8.0, 0.1)
     assert gone, [(p.pid, cmdline(p)[:4]) for p in pool.rank_processes_left()]
+
+
+# ---- 4. a worker stopped (SIGSTOP: a hang, not a death) -------------------------------------------
+FAULT_STREAMS = int(os.environ.get("ALLSPARK_FAULT_STREAMS", "8"))    # the issue's load: 64 (slow runs)
+
+
+def start_streams(client, n: int = FAULT_STREAMS) -> list:
+    queues = []
+    for i in range(n):
+        status, handle, queue = client.start_request(MODEL, {"input_ids": random_prompt(8, seed=40 + i)},
+                                                     greedy_cfg(LONG_RUN_TOKENS))
+        assert status == AsStatus.ALLSPARK_SUCCESS, client.get_last_error()
+        queues.append(queue)
+    for q in queues:
+        read_at_least(q, 2)
+    assert not any(q.GenerateStatus().is_terminal for q in queues), "streams must still run at the fault"
+    return queues
+
+
+def assert_streams_fail_within(queues, since: float, bound_s: float, needle: str | None = None) -> float:
+    """Every stream ends in InternalError within bound_s of `since`; the slowest time, for the report."""
+    assert wait_until(lambda: all(q.GenerateStatus().is_terminal for q in queues), bound_s - (time.monotonic() - since)), \
+        [q.GenerateStatus().name for q in queues]
+    slowest = time.monotonic() - since
+    for q in queues:
+        assert q.GenerateStatus() == GenerateRequestStatus.InternalError, (q.GenerateStatus(), q.ErrorMessage())
+        if needle is not None:
+            assert needle in (q.ErrorMessage() or ""), q.ErrorMessage()
+    return slowest
+
+
+def assert_pool_gone(pool, client) -> int:
+    with pytest.raises(PoolUnavailable):
+        client.get_as_engine_stat(MODEL)
+    try:
+        code = pool.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the launcher did not exit within 30 s:\n{pool.log()}")
+    assert code != 0, pool.log()
+    assert wait_until(lambda: not pool.rank_processes_left(), 30.0, 0.1), \
+        [(p.pid, cmdline(p)) for p in pool.rank_processes_left()]
+    return code
+
+
+def test_stopped_worker_is_caught_by_the_step_watchdog(new_pool, loader):
+    """SIGSTOP of rank 1 under FAULT_STREAMS streams: rank 0 waits in the step's allreduce forever, so only the step
+    watchdog (--step-timeout 3) sees it: every stream ends in InternalError naming the hung step within the
+    timeout + 5 s, calls raise PoolUnavailable, the pool exits non-zero and leaves no rank behind."""
+    pool = new_pool(extra_args=("--step-timeout", "3"))
+    client = pool.client()
+    install(client, loader, max_length=LONG_RUN_MAX_LENGTH, max_batch=max(8, FAULT_STREAMS))
+    worker = [p for p in pool.ranks() if p.pid != client.health.pid]
+    assert len(worker) == 1
+    queues = start_streams(client)
+    stopped_at = time.monotonic()
+    worker[0].suspend()
+    try:
+        slowest = assert_streams_fail_within(queues, stopped_at, 3 + 5.0, needle="did not finish within")
+        code = assert_pool_gone(pool, client)
+    finally:
+        try:
+            worker[0].resume()
+        except psutil.NoSuchProcess:
+            pass
+    print(f"stopped worker: streams failed {slowest:.2f}s after SIGSTOP (timeout 3 s); exit code {code}")
+
+
+# ---- 5. rank 0 killed, the pool restarted on its socket -----------------------------------------
+def test_kill_rank0_fails_streams_and_the_client_reconnects_to_the_restarted_pool(new_pool, loader, llama):
+    """kill -9 of rank 0 under FAULT_STREAMS streams: each ends in InternalError within 5 s, calls raise PoolUnavailable,
+    the launcher exits non-zero (what systemd's Restart=on-failure acts on). A new pool on the same socket (the
+    restart) serves the same ClientEngine object again, with transformers' greedy output."""
+    pool = new_pool()
+    client = pool.client()
+    install(client, loader, max_length=LONG_RUN_MAX_LENGTH, max_batch=max(8, FAULT_STREAMS))
+    rank0 = [p for p in pool.ranks() if p.pid == client.health.pid]
+    queues = start_streams(client)
+    killed_at = time.monotonic()
+    rank0[0].kill()
+    slowest = assert_streams_fail_within(queues, killed_at, 5.0)
+    code = assert_pool_gone(pool, client)
+
+    restarted = new_pool(socket_name=pool.socket)          # an absolute path: the same socket
+    install(client, loader)
+    prompt = random_prompt(7, seed=77)
+    assert client_greedy(client, prompt, 12) == hf_greedy(llama.model, prompt, 12)
+    assert client.get_as_engine_stat(MODEL) is not None
+    assert restarted.proc.poll() is None
+    print(f"rank 0 killed: streams failed {slowest:.2f}s after; exit code {code}; the client served again")

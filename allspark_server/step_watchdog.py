@@ -1,0 +1,83 @@
+"""StepWatchdog: rank 0's guard against a pool step that never ends.
+
+A rank that dies takes the MPI job down with it, but a rank that stops (SIGSTOP, a wedged driver, a host whose
+network went away) leaves its peers blocked in a collective forever: no error reaches anyone. Each step of a
+pool runs inside `watchdog.step(step_id, tokens)`; a thread checks the open step against a time limit and, past
+it, calls `on_hang(message)`, which fails every open stream with that message and ends the pool non-zero, so
+that clients see an error and systemd (Restart=on-failure) starts the pool again.
+
+The limit is `timeout_s` when the operator sets one (`--step-timeout`); otherwise MARGIN_S beyond what the
+slowest step so far predicts for this one: max(slowest step, tokens x slowest seconds per token), so a long
+prefill after short decode steps is not mistaken for a hang. Until a step has finished the limit is
+FIRST_STEP_S. The margin is 10 s rather than 1-2: a GPU rank may compile a Triton kernel for a shape it meets
+for the first time inside a step, and a false alarm takes a whole pool down.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Optional
+
+log = logging.getLogger(__name__)
+
+MARGIN_S = 10.0
+FIRST_STEP_S = 60.0
+POLL_S = 0.1
+
+
+class StepWatchdog:
+    def __init__(self, on_hang: Callable[[str], None], timeout_s: Optional[float] = None):
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"step timeout must be > 0 seconds, got {timeout_s}")
+        self.on_hang = on_hang
+        self.timeout_s = timeout_s
+        self.slowest_s = 0.0
+        self.slowest_per_token_s = 0.0
+        self._lock = threading.Lock()
+        self._open: Optional[tuple[int, float, float]] = None     # (step id, started, limit)
+        self._fired = False
+        self._thread: Optional[threading.Thread] = None
+
+    def limit(self, tokens: int) -> float:
+        """Seconds the next step of `tokens` tokens may take."""
+        if self.timeout_s is not None:
+            return self.timeout_s
+        if self.slowest_s == 0.0:
+            return FIRST_STEP_S
+        return max(self.slowest_s, tokens * self.slowest_per_token_s) + MARGIN_S
+
+    @contextmanager
+    def step(self, step_id: int, tokens: int):
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="allspark-step-watchdog", daemon=True)
+            self._thread.start()
+        started = time.monotonic()
+        with self._lock:
+            self._open = (step_id, started, self.limit(tokens))
+        try:
+            yield
+        finally:
+            took = time.monotonic() - started
+            with self._lock:
+                self._open = None
+                self.slowest_s = max(self.slowest_s, took)
+                self.slowest_per_token_s = max(self.slowest_per_token_s, took / max(tokens, 1))
+
+    def _watch(self) -> None:
+        while not self._fired:
+            time.sleep(POLL_S)
+            with self._lock:
+                if self._open is None:
+                    continue
+                step_id, started, limit = self._open
+                if time.monotonic() - started <= limit:
+                    continue
+                self._fired = True
+            how = "--step-timeout" if self.timeout_s is not None else \
+                f"the slowest step so far took {self.slowest_s:.2f} s"
+            message = (f"pool step {step_id} did not finish within {limit:.1f} s ({how}): a rank has stopped "
+                       f"or hangs; the pool is going down")
+            log.critical(message)
+            self.on_hang(message)

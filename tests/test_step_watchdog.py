@@ -1,0 +1,44 @@
+"""StepWatchdog (allspark_server/step_watchdog.py): its time limits worked by hand, and that it calls on_hang
+for a step past its limit and not for one within it."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from allspark_server import step_watchdog as sw
+
+
+def test_limits():
+    dog = sw.StepWatchdog(lambda message: None)
+    assert dog.limit(10) == sw.FIRST_STEP_S                     # nothing measured yet
+    with dog.step(1, 4):                                        # a 4-token step of ~0.2 s: 0.05 s a token
+        time.sleep(0.2)
+    assert 0.2 <= dog.slowest_s < 0.5 and dog.slowest_per_token_s == pytest.approx(dog.slowest_s / 4)
+    assert dog.limit(1) == pytest.approx(dog.slowest_s + sw.MARGIN_S)
+    assert dog.limit(400) == pytest.approx(100 * dog.slowest_s + sw.MARGIN_S)   # a long prefill: 400 x 0.05 s
+    assert sw.StepWatchdog(lambda m: None, timeout_s=3).limit(10_000) == 3
+    with pytest.raises(ValueError, match="step timeout"):
+        sw.StepWatchdog(lambda m: None, timeout_s=0)
+
+
+def test_fires_past_the_limit_only():
+    fired: list[tuple[float, str]] = []
+    done = threading.Event()
+
+    def on_hang(message):
+        fired.append((time.monotonic(), message))
+        done.set()
+    dog = sw.StepWatchdog(on_hang, timeout_s=0.5)
+    with dog.step(1, 1):
+        time.sleep(0.3)                                          # within the limit
+    time.sleep(0.3)
+    assert not fired
+    began = time.monotonic()
+    with dog.step(2, 1):
+        assert done.wait(3.0)                                    # a step that does not end
+    at, message = fired[0]
+    assert 0.5 <= at - began < 0.5 + 5 * sw.POLL_S
+    assert "step 2 did not finish within 0.5 s" in message and "--step-timeout" in message
+    assert len(fired) == 1
