@@ -280,6 +280,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if pool.host != "127.0.0.1" and args.bind_host == "127.0.0.1":
             args.bind_host = pool.host
         args.threads_per_rank = args.threads_per_rank or pool.threads_per_rank
+        args.step_timeout = args.step_timeout or pool.step_timeout
     if args.port is None and not args.socket:
         args.socket = default_socket_path()
     return args

@@ -11,7 +11,8 @@ from typing import Optional, Union
 
 from allspark_client.config import AsModelConfig, ConfigError
 
-POOL_KEYS = {"ranks", "numa_nodes", "gpus", "socket", "port", "host", "allow_remote", "threads_per_rank", "mpirun"}
+POOL_KEYS = {"ranks", "numa_nodes", "gpus", "socket", "port", "host", "allow_remote", "threads_per_rank", "mpirun",
+             "step_timeout"}
 MODEL_KEYS = {"name", "graph", "weights", "max_length", "max_batch", "max_prefill_length", "span_size",
               "kv_cache_memory_bytes", "start"}
 
@@ -33,6 +34,7 @@ class PoolConfig:
     allow_remote: bool = False
     threads_per_rank: int = 0
     mpirun: str = "mpirun"
+    step_timeout: float = 0                        # seconds; 0: the watchdog's default (allspark-launch --step-timeout)
     models: list[ModelEntry] = field(default_factory=list)
 
 

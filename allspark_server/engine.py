@@ -51,8 +51,8 @@ HANG_GRACE_S = 1.0      # after a hung step: time for the streams' errors to rea
 
 class Engine(EngineAPI):
     def __init__(self, comm=None, step_timeout: Optional[float] = None):
-        """`step_timeout`: in a pool, seconds a step may take before the pool is declared hung (None: a few
-        seconds beyond the slowest step so far; see step_watchdog.py)."""
+        """`step_timeout`: in a pool, seconds a step may take before the pool is declared hung (None: 10 s
+        beyond what the slowest step so far predicts; see step_watchdog.py)."""
         self._comm = comm or get_comm()
         self._watchdog = StepWatchdog(self._on_hung_step, step_timeout) if self._comm.world_size > 1 else None
         self._down: Optional[str] = None       # why the pool is going down (a hung step), once it is
