@@ -236,7 +236,8 @@ class PoolServer:
         from allspark_server import access as acl
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-        server = grpc.aio.server(options=options, interceptors=acl.interceptors(access) + [GuardCalls(servicer.engine.down_reason)])
+        guards = acl.interceptors(access) + [GuardCalls(servicer.engine.down_reason)]
+        server = grpc.aio.server(options=options, interceptors=guards)
         pb_grpc.add_AllsparkServicer_to_server(servicer, server)
         acl.bind(server, address, access)
         await server.start()

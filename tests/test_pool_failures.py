@@ -170,7 +170,8 @@ def start_streams(client, n: int = FAULT_STREAMS) -> list:
 
 def assert_streams_fail_within(queues, since: float, bound_s: float, needle: str | None = None) -> float:
     """Every stream ends in InternalError within bound_s of `since`; the slowest time, for the report."""
-    assert wait_until(lambda: all(q.GenerateStatus().is_terminal for q in queues), bound_s - (time.monotonic() - since)), \
+    left = bound_s - (time.monotonic() - since)
+    assert wait_until(lambda: all(q.GenerateStatus().is_terminal for q in queues), left), \
         [q.GenerateStatus().name for q in queues]
     slowest = time.monotonic() - since
     for q in queues:
@@ -219,9 +220,9 @@ def test_stopped_worker_is_caught_by_the_step_watchdog(new_pool, loader):
 
 # ---- 5. rank 0 killed, the pool restarted on its socket -----------------------------------------
 def test_kill_rank0_fails_streams_and_the_client_reconnects_to_the_restarted_pool(new_pool, loader, llama):
-    """kill -9 of rank 0 under FAULT_STREAMS streams: each ends in InternalError within 5 s, calls raise PoolUnavailable,
-    the launcher exits non-zero (what systemd's Restart=on-failure acts on). A new pool on the same socket (the
-    restart) serves the same ClientEngine object again, with transformers' greedy output."""
+    """kill -9 of rank 0 under FAULT_STREAMS streams: each ends in InternalError within 5 s, calls raise
+    PoolUnavailable, the launcher exits non-zero (what systemd's Restart=on-failure acts on). A new pool on the
+    same socket (the restart) serves the same ClientEngine object again, with transformers' greedy output."""
     pool = new_pool()
     client = pool.client()
     install(client, loader, max_length=LONG_RUN_MAX_LENGTH, max_batch=max(8, FAULT_STREAMS))

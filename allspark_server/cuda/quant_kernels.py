@@ -12,9 +12,10 @@ of bytes is two dots: the low nibbles against x's columns j, the high ones again
 
 Three paths by the rows of x: up to GEMV_MAX_ROWS (batch-1 decode) a GEMV that dequantizes in registers and
 uses FMAs; up to DOT_MAX_ROWS tensor-core tiles as above; more rows (prefill) dequantize the weight into x's
-dtype (one Triton pass) for cuBLAS's GEMM. The first two split K over several programs per output tile so
-that every SM streams; their fp32 partials are summed in a fixed order (deterministic, CUDA-graph safe:
-nothing is read on the host).
+dtype (one Triton pass) for cuBLAS's GEMM. The first two split K over several programs per output tile when
+the output tiles alone would leave SMs idle; their fp32 partials are summed in a fixed order (deterministic,
+CUDA-graph safe: nothing is read on the host); unsplit, the kernel stores y in x's dtype itself. The GEMV and
+the dequantize turn codes into floats with `_code_values`.
 """
 from __future__ import annotations
 
@@ -188,22 +189,22 @@ def _dequantize_kernel(qw, scales, zeros, out, N, K, stride_qn, stride_sn, strid
         zero = 8.0
     else:
         zero = 0.0
-    q_rows = qw + offs_n.to(tl.int64)[:, None] * stride_qn
+    q_rows = qw.to(tl.pointer_type(tl.uint8), bitcast=True) + offs_n.to(tl.int64)[:, None] * stride_qn
     o_rows = out + offs_n.to(tl.int64)[:, None] * stride_on
     if FMT <= 1:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         ok = n_ok[:, None] & (offs_k < K)[None, :]
-        codes = tl.load(q_rows + offs_k[None, :], mask=ok, other=0).to(tl.float32)
-        tl.store(o_rows + offs_k[None, :], ((codes - zero) * scale).to(out.dtype.element_ty), mask=ok)
+        bits = tl.load(q_rows + offs_k[None, :], mask=ok, other=0).to(tl.int32)
+        tl.store(o_rows + offs_k[None, :], (_code_values(bits, zero, FMT) * scale).to(out.dtype.element_ty), mask=ok)
     else:
         p = tl.arange(0, BLOCK_K // 2)
         k_lo = k0 + (p // 16) * 32 + p % 16
         ok = n_ok[:, None] & (k_lo < K)[None, :]
         byte = tl.load(q_rows + (k0 // 2 + p)[None, :], mask=ok, other=0).to(tl.int32)
-        tl.store(o_rows + k_lo[None, :], (((byte & 15).to(tl.float32) - zero) * scale).to(out.dtype.element_ty),
+        tl.store(o_rows + k_lo[None, :], (_code_values(byte & 15, zero, FMT) * scale).to(out.dtype.element_ty),
                  mask=ok)
-        tl.store(o_rows + (k_lo + 16)[None, :],
-                 ((((byte >> 4) & 15).to(tl.float32) - zero) * scale).to(out.dtype.element_ty), mask=ok)
+        tl.store(o_rows + (k_lo + 16)[None, :], (_code_values(byte >> 4, zero, FMT) * scale).to(out.dtype.element_ty),
+                 mask=ok)
 
 
 @dataclass(frozen=True)
@@ -305,7 +306,7 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
     y = partial[0] if splits == 1 else partial.sum(0)
     if bias is not None:
         y = y + bias.float()
-    return y if y.dtype == x.dtype else y.to(x.dtype)
+    return y.to(x.dtype)
 
 
 _INTERPRETED = not isinstance(_quant_matmul_kernel, triton.JITFunction)   # decorated under TRITON_INTERPRET=1
