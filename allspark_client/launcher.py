@@ -1,6 +1,6 @@
 """allspark-launch: start a pool as one mpirun job, one rank per NUMA node (or core group, or GPU).
 
-Reads the topology (/sys/devices/system/node, else psutil; py-cpuinfo for the ISA), gives each
+Reads the topology (/sys/devices/system/node, else psutil; /proc/cpuinfo for the ISA), gives each
 rank its cores and memory with numactl (or, without numactl, lets the rank pin itself), and runs
 `mpirun ... : ...` (Open MPI or MPICH, as root too). `--gpus 0,1`: rank r sees only the r-th GPU
 (CUDA_VISIBLE_DEVICES, set by `env` in its part of the command), on the NUMA node nearest it. The
@@ -23,6 +23,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
+from allspark_client.cpu_features import cpu_flags
 from allspark_client.gpu_topology import NO_NODE, gpu_numa_nodes, visible_gpus
 
 
@@ -79,11 +80,7 @@ def read_topology(override: Optional[str] = None) -> dict[int, list[int]]:
 
 
 def isa_flags() -> list[str]:
-    try:
-        import cpuinfo
-        flags = set(cpuinfo.get_cpu_info().get("flags", []))
-    except Exception:
-        return []
+    flags = cpu_flags()
     return [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags]
 
 

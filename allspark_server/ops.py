@@ -2,9 +2,9 @@
 
 Each op has a torch reference (`*_reference`) that the native kernel is tested against and that
 runs whenever the extension is unavailable or the shape does not suit it. Ops on CUDA tensors go to the
-op of the same name in the CUDA backend (allspark_server/cuda/ops.py). The ISA level the
-kernels use is read once from py-cpuinfo (AVX-512 VNNI > AVX-512 > AVX2+FMA > portable); ALLSPARK_NO_NATIVE=1
-turns the native path off.
+op of the same name in the CUDA backend (allspark_server/cuda/ops.py). The ISA level the kernels use
+(AVX-512 VNNI > AVX-512 > AVX2+FMA > portable) is read once from the CPU's flags (allspark_client/cpu_features.py);
+ALLSPARK_NO_NATIVE=1 turns the native path off.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from allspark_client.cpu_features import cpu_flags
 from allspark_server.layers import alibi
 from allspark_server.quant import kv as kv_quant
 from allspark_server.quant.formats import FORMAT_IDS, QuantizedWeight
@@ -41,15 +42,6 @@ def native():
         log.warning("native kernels unavailable (%s); using the PyTorch path", e)
         return None
     return _native
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset:
-    try:
-        import cpuinfo
-        return frozenset(cpuinfo.get_cpu_info().get("flags", []))
-    except Exception:
-        return frozenset()
 
 
 @functools.lru_cache(maxsize=1)

@@ -8,9 +8,13 @@ that clients see an error and systemd (Restart=on-failure) starts the pool again
 
 The limit is `timeout_s` when the operator sets one (`--step-timeout`); otherwise MARGIN_S beyond what the
 slowest step so far predicts for this one: max(slowest step, tokens x slowest seconds per token), so a long
-prefill after short decode steps is not mistaken for a hang. Until a step has finished the limit is
-FIRST_STEP_S. The margin is 10 s rather than 1-2: a GPU rank may compile a Triton kernel for a shape it meets
-for the first time inside a step, and a false alarm takes a whole pool down.
+prefill after short decode steps is not mistaken for a hang. Until a step has finished the limit is at least
+FIRST_STEP_S, whatever `timeout_s` says: the first step carries one-time work (memory first touched, lazy
+initialisation, kernels compiled). The margin is 10 s rather than 1-2: a GPU rank may compile a Triton kernel
+for a shape it meets for the first time inside a step, and a false alarm takes a whole pool down.
+
+Time in which the watchdog's own thread did not run (a paused VM, a stopped rank 0, a machine so loaded that a
+0.1 s sleep took seconds) is added to the open step's limit: the pool was stalled as a whole, not hung.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ log = logging.getLogger(__name__)
 MARGIN_S = 10.0
 FIRST_STEP_S = 60.0
 POLL_S = 0.1
+STALL_S = 0.5          # a poll that wakes this much late means this process was not running
 
 
 class StepWatchdog:
@@ -35,6 +40,7 @@ class StepWatchdog:
         self.timeout_s = timeout_s
         self.slowest_s = 0.0
         self.slowest_per_token_s = 0.0
+        self.steps_done = 0
         self._lock = threading.Lock()
         self._open: Optional[tuple[int, float, float]] = None     # (step id, started, limit)
         self._fired = False
@@ -42,10 +48,10 @@ class StepWatchdog:
 
     def limit(self, tokens: int) -> float:
         """Seconds the next step of `tokens` tokens may take."""
+        if not self.steps_done:
+            return max(FIRST_STEP_S, self.timeout_s or 0.0)
         if self.timeout_s is not None:
             return self.timeout_s
-        if self.slowest_s == 0.0:
-            return FIRST_STEP_S
         return max(self.slowest_s, tokens * self.slowest_per_token_s) + MARGIN_S
 
     @contextmanager
@@ -62,21 +68,34 @@ class StepWatchdog:
             took = time.monotonic() - started
             with self._lock:
                 self._open = None
+                self.steps_done += 1
                 self.slowest_s = max(self.slowest_s, took)
                 self.slowest_per_token_s = max(self.slowest_per_token_s, took / max(tokens, 1))
 
     def _watch(self) -> None:
+        woke = time.monotonic()
         while not self._fired:
             time.sleep(POLL_S)
+            now = time.monotonic()
+            late, woke = now - woke - POLL_S, now
             with self._lock:
                 if self._open is None:
                     continue
                 step_id, started, limit = self._open
-                if time.monotonic() - started <= limit:
+                if late > STALL_S:            # we were not running: neither was the pool, do not count it
+                    limit += late
+                    self._open = (step_id, started, limit)
+                    log.warning("step watchdog: this process did not run for %.1f s; step %d's limit is now "
+                                "%.1f s", late, step_id, limit)
+                if now - started <= limit:
                     continue
                 self._fired = True
-            how = "--step-timeout" if self.timeout_s is not None else \
-                f"the slowest step so far took {self.slowest_s:.2f} s"
+            if not self.steps_done:
+                how = "the first step's limit"
+            elif self.timeout_s is not None:
+                how = "--step-timeout"
+            else:
+                how = f"the slowest step so far took {self.slowest_s:.2f} s"
             message = (f"pool step {step_id} did not finish within {limit:.1f} s ({how}): a rank has stopped "
                        f"or hangs; the pool is going down")
             log.critical(message)

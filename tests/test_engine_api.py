@@ -111,7 +111,7 @@ def test_engine_stat_info_version(served_llama):
 
 
 def test_kernel_isa_is_resolved_at_install(served_llama):
-    """py-cpuinfo's probe takes ~1 s (it runs a subprocess): install pays it, not the first request's TTFT."""
+    """The ISA is resolved at install (py-cpuinfo, where it is the source, takes ~1.5 s), not in the first TTFT."""
     from allspark_server import Engine, ops
     from helpers import start_engine
     _, loader = served_llama

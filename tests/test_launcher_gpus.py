@@ -58,7 +58,7 @@ def gpu_dry_run(capsys, tmp_path, *argv, gpus=FAKE_GPUS):
 
 @pytest.fixture
 def fake_host(monkeypatch):
-    """numactl 'installed', no CUDA_VISIBLE_DEVICES, and no py-cpuinfo probe (a second per dry run)."""
+    """numactl 'installed', no CUDA_VISIBLE_DEVICES, and fixed (no) ISA flags."""
     import allspark_client.launcher as launcher
     real_which = shutil.which
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/numactl" if name == "numactl" else real_which(name))

@@ -155,7 +155,7 @@ def test_launcher_killed_takes_the_pool_down(new_pool):
 FAULT_STREAMS = int(os.environ.get("ALLSPARK_FAULT_STREAMS", "8"))    # the load: 64 (slow runs)
 
 
-def start_streams(client, n: int = FAULT_STREAMS) -> list:
+def start_streams(client, pool, n: int = FAULT_STREAMS) -> list:
     queues = []
     for i in range(n):
         status, handle, queue = client.start_request(MODEL, {"input_ids": random_prompt(8, seed=40 + i)},
@@ -164,7 +164,9 @@ def start_streams(client, n: int = FAULT_STREAMS) -> list:
         queues.append(queue)
     for q in queues:
         read_at_least(q, 2)
-    assert not any(q.GenerateStatus().is_terminal for q in queues), "streams must still run at the fault"
+    ended = [(i, q.GenerateStatus().name, q.ErrorMessage()) for i, q in enumerate(queues)
+             if q.GenerateStatus().is_terminal]
+    assert not ended, f"streams must still run at the fault: {ended}\n{pool.log()}"
     return queues
 
 
@@ -204,7 +206,7 @@ def test_stopped_worker_is_caught_by_the_step_watchdog(new_pool, loader):
     install(client, loader, max_length=LONG_RUN_MAX_LENGTH, max_batch=max(8, FAULT_STREAMS))
     worker = [p for p in pool.ranks() if p.pid != client.health.pid]
     assert len(worker) == 1
-    queues = start_streams(client)
+    queues = start_streams(client, pool)
     stopped_at = time.monotonic()
     worker[0].suspend()
     try:
@@ -227,7 +229,7 @@ def test_kill_rank0_fails_streams_and_the_client_reconnects_to_the_restarted_poo
     client = pool.client()
     install(client, loader, max_length=LONG_RUN_MAX_LENGTH, max_batch=max(8, FAULT_STREAMS))
     rank0 = [p for p in pool.ranks() if p.pid == client.health.pid]
-    queues = start_streams(client)
+    queues = start_streams(client, pool)
     killed_at = time.monotonic()
     rank0[0].kill()
     slowest = assert_streams_fail_within(queues, killed_at, 5.0)

@@ -123,6 +123,16 @@ def test_isa_levels_from_cpu_flags(monkeypatch):
         assert ops.isa_level.__wrapped__() == level, flags
 
 
+def test_cpu_flags_from_proc_cpuinfo():
+    """A hand-written /proc/cpuinfo (two processors, x86 `flags`; ARM spells it `Features`)."""
+    from allspark_client.cpu_features import parse_proc_cpuinfo
+    text = ("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 fma avx512f avx512_vnni\n"
+            "bugs\t\t: sysret_ss_attrs\n\nprocessor\t: 1\nflags\t\t: fpu sse2\n")
+    assert parse_proc_cpuinfo(text) == {"fpu", "sse2", "avx2", "fma", "avx512f", "avx512_vnni"}
+    assert parse_proc_cpuinfo("processor\t: 0\nFeatures\t: fp asimd bf16\n") == {"fp", "asimd", "bf16"}
+    assert parse_proc_cpuinfo("processor\t: 0\n") == frozenset()
+
+
 @needs_native
 @pytest.mark.skipif(ops.isa_level() < ops.ISA_AVX512_VNNI, reason="no AVX-512 VNNI")
 def test_vnni_gemv_equals_avx2_and_reference_up_to_fp32_order():

@@ -42,7 +42,7 @@ class ModelRunner:
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
         self.device = rank_device(cfg.compute_unit, comm.rank)
-        # py-cpuinfo takes ~1 s (it probes in a subprocess): pay it at install, not in the first request's TTFT
+        # the ISA is resolved at install (where py-cpuinfo is the source, ~1.5 s), not in the first request's TTFT
         log.info("kernels: %s", ops.describe())
         self.model_file: ModelFile = read_model_graph(cfg.model_path, cfg.weights_path)
         args = self.model_file.args

@@ -1,0 +1,36 @@
+"""The CPU's feature flags (avx2, avx512f, avx512_vnni, ...), read once per process.
+
+On Linux from /proc/cpuinfo's `flags` line (microseconds); elsewhere from py-cpuinfo, whose probe runs a
+subprocess and takes ~1.5 s. Torch-free: the launcher (allspark_client) and the kernels' ISA choice
+(allspark_server/ops.py) both use it.
+"""
+from __future__ import annotations
+
+import functools
+
+PROC_CPUINFO = "/proc/cpuinfo"
+
+
+def parse_proc_cpuinfo(text: str) -> frozenset:
+    """The flags of the first processor in a /proc/cpuinfo text (x86: `flags`, ARM: `Features`)."""
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset:
+    try:
+        with open(PROC_CPUINFO) as f:
+            flags = parse_proc_cpuinfo(f.read())
+        if flags:
+            return flags
+    except OSError:
+        pass
+    try:
+        import cpuinfo
+        return frozenset(cpuinfo.get_cpu_info().get("flags", []))
+    except Exception:
+        return frozenset()
