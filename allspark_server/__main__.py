@@ -38,6 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tls-key", help="... and this PEM private key")
     p.add_argument("--tls-client-ca", help="TCP with TLS: require client certificates signed by this PEM CA")
     p.add_argument("--cpus", default="", help="cores for this rank's threads, e.g. '0-3' (or per rank: '0-3;4-7')")
+    p.add_argument("--place-on-host", action="store_true",
+                   help="multi-host pools: take this rank's NUMA node and cores from its local rank and this "
+                        "host's own topology (placement.py) instead of --cpus")
     p.add_argument("--pid-file", help="rank 0 writes its pid here (the launcher sends it SIGTERM to stop)")
     p.add_argument("--threads", type=int, default=0, help="compute threads (0 = number of --cpus)")
     p.add_argument("--pool-config", help="TOML pool config: models to install and start")
@@ -66,7 +69,7 @@ def grpc_address(args):
     return f"unix:{path}", access
 
 
-def bind_threads(args, rank: int) -> None:
+def bind_threads(args, rank: int) -> int:
     import torch
     per_rank = args.cpus.split(";")
     spec = per_rank[rank] if len(per_rank) > 1 else per_rank[0]   # one list: this rank's own cores
@@ -75,7 +78,7 @@ def bind_threads(args, rank: int) -> None:
         os.sched_setaffinity(0, cpus)
     threads = args.threads or len(cpus) or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
-    log.info("rank %d: %d threads on cpus %s", rank, threads, sorted(os.sched_getaffinity(0)))
+    return threads
 
 
 def sd_notify(state: str) -> None:
@@ -99,8 +102,11 @@ def serve(comm, args, address: str, access) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     if args.pid_file:
-        with open(args.pid_file, "w") as f:
-            f.write(str(os.getpid()))
+        try:
+            with open(args.pid_file, "w") as f:
+                f.write(str(os.getpid()))
+        except OSError as e:      # rank 0 on another host than the launcher: SIGTERM then reaches it via mpirun
+            log.warning("cannot write the pid file %s (%s)", args.pid_file, e)
     engine = Engine(comm, step_timeout=args.step_timeout)
     if args.pool_config:
         for entry in load_pool_config(args.pool_config).models:
@@ -126,12 +132,21 @@ def serve(comm, args, address: str, access) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.place_on_host:                          # before MPI starts: it may re-execute this process
+        from allspark_server.placement import PlacementError, self_place
+        try:
+            args.cpus = self_place(sys.argv[1:] if argv is None else list(argv)) or args.cpus
+        except PlacementError as e:
+            raise SystemExit(f"allspark pool: {e}") from None
     from allspark_server.dist.comm import get_comm
+    from allspark_server.placement import describe_placement
     comm = get_comm()
     try:
         address, access = grpc_address(args) if comm.rank == 0 else ("", None)   # a bad bind: refused first
-        bind_threads(args, comm.rank)
-        comm.barrier()                              # every rank is up
+        layout = comm.allgather_obj(describe_placement(comm.rank, bind_threads(args, comm.rank)))
+        if comm.rank == 0:                          # every rank is up; where each runs
+            for line in layout:
+                log.info("%s", line)
         if comm.rank == 0:
             return serve(comm, args, address, access)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)   # workers exit when rank 0 says so

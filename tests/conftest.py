@@ -119,8 +119,8 @@ def new_pool():
     from pool_helpers import Pool
     pools: list = []
 
-    def start(ranks: int = 2, extra_args: tuple[str, ...] = (), socket_name: str = "pool.sock"):
-        pool = Pool(ranks, extra_args, socket_name)
+    def start(ranks: int = 2, extra_args: tuple[str, ...] = (), socket_name: str = "pool.sock", **multi_host):
+        pool = Pool(ranks, extra_args, socket_name, **multi_host)
         pools.append(pool)
         pool.wait_ready(ranks)
         return pool

