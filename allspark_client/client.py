@@ -268,8 +268,12 @@ class ClientEngine(EngineAPI):
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.CANCELLED and queue.GenerateStatus().is_terminal:
                 return
-            queue._set_status(GenerateRequestStatus.InternalError,
-                              f"lost the pool at {self.address}: {e.code().name}: {e.details()}")
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:     # the pool is fine; it dropped this stream
+                queue._set_status(GenerateRequestStatus.InternalError,
+                                  f"the pool at {self.address} dropped the stream: {e.details()}")
+            else:
+                queue._set_status(GenerateRequestStatus.InternalError,
+                                  f"lost the pool at {self.address}: {e.code().name}: {e.details()}")
             return
         if not queue.GenerateStatus().is_terminal:   # the stream ended without a final status
             queue._set_status(GenerateRequestStatus.InternalError, f"the pool at {self.address} closed the stream")

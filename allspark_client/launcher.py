@@ -228,6 +228,8 @@ def build_command(args, placements: list[RankPlacement], flavour: str, numactl: 
         rank_args += ["--max-streams", str(args.max_streams)]
     if args.step_timeout:
         rank_args += ["--step-timeout", str(args.step_timeout)]
+    if args.stream_stall_timeout:
+        rank_args += ["--stream-stall-timeout", str(args.stream_stall_timeout)]
     if multi_host(args):     # one app context: every rank places itself on its own host (placement.py)
         threads = ["--threads", str(args.threads_per_rank)] if args.threads_per_rank else []
         return cmd + [args.python, "-m", "allspark_server", "--place-on-host"] + threads + rank_args
@@ -302,6 +304,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--step-timeout", type=float, default=0,
                    help="seconds a step may take before the pool is declared hung and exits non-zero "
                         "(default: 10 s beyond the slowest step so far)")
+    p.add_argument("--stream-stall-timeout", type=float, default=0,
+                   help="seconds a Generate stream may wait on a client that does not read it before the pool "
+                        "drops it and releases its request (default 30)")
     p.add_argument("--pid-file", help=argparse.SUPPRESS)
     p.add_argument("--dry-run", action="store_true", help="print the mpirun command and exit")
     p.add_argument("mpirun_args", nargs="*", help="extra mpirun arguments (after --)")

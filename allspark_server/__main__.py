@@ -47,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-streams", type=int, default=4096,
                    help="Generate streams rank 0 serves at once (a stream is a coroutine, not a thread); more are "
                         "refused with ALLSPARK_REQUEST_DENIED (overload)")
+    p.add_argument("--stream-stall-timeout", type=float, default=None,
+                   help="seconds a Generate stream may wait on a client that does not read it before it is "
+                        "dropped and its request released (default 30)")
     p.add_argument("--step-timeout", type=float, default=None,
                    help="seconds a pool step may take before the pool is declared hung: every stream ends in an "
                         "error and the pool exits non-zero (default: 10 s beyond the slowest step so far)")
@@ -113,7 +116,9 @@ def serve(comm, args, address: str, access) -> int:
             engine.install_model(entry.config)
             if entry.start:
                 engine.start_model(entry.config.model_name)
-    servicer = AllsparkServicer(engine, comm.world_size, args.max_streams)
+    from allspark_server.service import STREAM_STALL_S
+    servicer = AllsparkServicer(engine, comm.world_size, args.max_streams,
+                                args.stream_stall_timeout or STREAM_STALL_S)
     server = start_server(servicer, address, access)
     servicer.ready = True
     sd_notify("READY=1")

@@ -7,11 +7,13 @@ thread pool. Generate is a server stream fed from the request's ResultQueue, whi
 when it has news (a listener hook): a reply per batch of new tokens, then a last reply with the terminal status
 and stats. A client that goes away mid-stream has its request released; otherwise the client releases it
 (ReleaseRequest), as with Engine. Past `max_streams` open Generate streams a new one is refused at once with
-ALLSPARK_REQUEST_DENIED saying so (overload, not a lost pool); other calls are never refused.
+ALLSPARK_REQUEST_DENIED saying so (overload, not a lost pool); other calls are never refused. A stream whose
+client stops reading is dropped after `stream_stall_s` (DropStalledStreams), its request released.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -31,13 +33,16 @@ from allspark_server.version import version_full
 
 log = logging.getLogger(__name__)
 ENGINE_CALL_THREADS = 64     # concurrent blocking Engine calls (a sync_request may hold one for long)
+STREAM_STALL_S = 30.0        # default: a stream whose client has not taken a reply for this long is dropped
 
 
 class AllsparkServicer(pb_grpc.AllsparkServicer):
-    def __init__(self, engine: Engine, world_size: int, max_streams: int = 4096):
+    def __init__(self, engine: Engine, world_size: int, max_streams: int = 4096,
+                 stream_stall_s: float = STREAM_STALL_S):
         self.engine = engine
         self.world_size = world_size
         self.max_streams = max_streams
+        self.stream_stall_s = stream_stall_s      # DropStalledStreams
         self.ready = False
         self._open_streams = 0   # touched on the event loop's thread only
         self._pool = futures.ThreadPoolExecutor(ENGINE_CALL_THREADS, thread_name_prefix="allspark-call")
@@ -88,8 +93,9 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
             return
         self._open_streams += 1
         try:
-            async for reply in self._generate(request):
-                yield reply
+            async with contextlib.aclosing(self._generate(request)) as replies:   # closed now, not at GC
+                async for reply in replies:
+                    yield reply
         finally:
             self._open_streams -= 1
 
@@ -204,8 +210,9 @@ class GuardCalls(grpc.aio.ServerInterceptor):
 
             async def stream(request, context):
                 await self._refuse(request, context)
-                async for reply in inner_stream(request, context):
-                    yield reply
+                async with contextlib.aclosing(inner_stream(request, context)) as replies:
+                    async for reply in replies:
+                        yield reply
             return grpc.unary_stream_rpc_method_handler(stream, safe_parse, handler.response_serializer)
         inner = handler.unary_unary
 
@@ -213,6 +220,39 @@ class GuardCalls(grpc.aio.ServerInterceptor):
             await self._refuse(request, context)
             return await inner(request, context)
         return grpc.unary_unary_rpc_method_handler(unary, safe_parse, handler.response_serializer)
+
+
+class DropStalledStreams(grpc.aio.ServerInterceptor):
+    """Bounds what a client that stops reading its stream can hold. A stream's replies are written with a time
+    limit: HTTP/2 flow control makes a write wait while the client does not read, and a write still waiting
+    after `stall_s` seconds ends the stream RESOURCE_EXHAUSTED, which releases its request (its batch slot, its
+    KV spans, its undelivered tokens). Until then what waits is bounded too: one reply in the write and the
+    request's own tokens (at most max_new_tokens) in its ResultQueue."""
+
+    def __init__(self, stall_s: float = STREAM_STALL_S):
+        if stall_s <= 0:
+            raise ValueError(f"stream stall timeout must be > 0 seconds, got {stall_s}")
+        self.stall_s = stall_s
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler.response_streaming or handler.request_streaming:
+            return handler
+        replies_of, method, stall_s = handler.unary_stream, handler_call_details.method, self.stall_s
+
+        async def write_each(request, context):
+            async with contextlib.aclosing(replies_of(request, context)) as replies:   # released on the way out
+                async for reply in replies:
+                    try:
+                        await asyncio.wait_for(context.write(reply), stall_s)
+                    except asyncio.TimeoutError:
+                        log.warning("%s: the client has not read its stream for %.0f s: dropping it", method, stall_s)
+                        await replies.aclose()     # the request is released first: abort may wait on the client
+                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                            f"the client did not read its stream for {stall_s:g} s (allspark-launch "
+                                            f"--stream-stall-timeout): the pool dropped it and released its request")
+        return grpc.unary_stream_rpc_method_handler(write_each, handler.request_deserializer,
+                                                    handler.response_serializer)
 
 
 class PoolServer:
@@ -236,7 +276,9 @@ class PoolServer:
         from allspark_server import access as acl
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-        guards = acl.interceptors(access) + [GuardCalls(servicer.engine.down_reason)]
+        # the first is outermost: it writes the replies GuardCalls and the servicer produce
+        guards = ([DropStalledStreams(servicer.stream_stall_s)] + acl.interceptors(access)
+                  + [GuardCalls(servicer.engine.down_reason)])
         server = grpc.aio.server(options=options, interceptors=guards)
         pb_grpc.add_AllsparkServicer_to_server(servicer, server)
         acl.bind(server, address, access)

@@ -406,3 +406,47 @@ def test_streams_past_the_limit_are_refused_as_overload_and_the_pool_serves_on(n
     h, q = started[0]
     assert collect(q)[0] == hf_ref(llama.model, prompt, 6)
     assert client.release_request(MODEL, h) == AsStatus.ALLSPARK_SUCCESS
+
+
+# ---- 5. a client that never reads its stream -------------------------------------------------------
+def test_a_stream_nobody_reads_is_dropped_and_its_request_released(new_pool, loader, llama):
+    """A raw client starts an 8000-token stream with a 1 KiB flow-control window and never reads past the first
+    reply: the pool's writes to it wait, and after --stream-stall-timeout 2 the pool ends it RESOURCE_EXHAUSTED,
+    saying why, and releases the request (running_request back to 0, every span free) while another client is
+    served transformers' output throughout."""
+    pool = new_pool(extra_args=("--stream-stall-timeout", "2"))
+    client = pool.client()
+    install(client, loader, max_length=LONG_RUN_MAX_LENGTH)
+    idle = client.get_as_engine_stat(MODEL)
+    channel = grpc.insecure_channel(pool.address, options=[("grpc.http2.lookahead_bytes", 1024),
+                                                           ("grpc.http2.bdp_probe", 0)])
+    try:
+        stream = channel.unary_stream(SERVICE + "Generate", request_serializer=pb.GenerateRequest.SerializeToString,
+                                      response_deserializer=pb.GenerateReply.FromString)
+        call = stream(pb.GenerateRequest(model_name=MODEL, input_ids=random_prompt(8, seed=90),
+                                         config=pb.GenerationConfig(top_k=1, max_new_tokens=LONG_RUN_TOKENS)))
+        first = next(call)
+        assert first.status == 0 and first.request_id
+        started = time.monotonic()
+        assert client.get_as_engine_stat(MODEL).running_request == 1
+        prompt = random_prompt(9, seed=91)
+        assert client_greedy(client, prompt, 8) == hf_greedy(llama.model, prompt, 8)     # served meanwhile
+
+        def released():
+            stat = client.get_as_engine_stat(MODEL)
+            return stat.running_request == 0 and stat.pendding_request == 0 and stat.free_span == idle.free_span
+        assert wait_until(released, 30.0, 0.2), client.get_as_engine_stat(MODEL)
+        dropped_after = time.monotonic() - started
+        received = 0
+        with pytest.raises(grpc.RpcError) as e:
+            for reply in call:              # what was buffered, then the status
+                received += len(reply.ids)
+        assert received < LONG_RUN_TOKENS
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "did not read its stream for 2 s" in e.value.details()
+        assert client_greedy(client, prompt, 8) == hf_greedy(llama.model, prompt, 8)
+        assert pool.proc.poll() is None
+        print(f"a stream nobody read was dropped and its request released {dropped_after:.1f}s after it started; "
+              f"{received} tokens had reached the client")
+    finally:
+        channel.close()
