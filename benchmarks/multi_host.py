@@ -76,7 +76,7 @@ def main() -> None:
             print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in by_round.items()), flush=True)
         ratio = statistics.median(b / a for a, b in zip(by_round["pool_1_host"], by_round["pool_2_hosts"]))
         with open(os.path.join(hosts.dir, "pool.log"), errors="replace") as f:
-            layout = [line.split(" INFO ", 1)[-1] for line in f if " on allspark-host" in line]
+            layout = [line.split(" INFO ", 1)[-1].strip() for line in f if " on allspark-host" in line]
         report = {"machine": R.machine_name(), "python": platform.python_version(), "model": spec,
                   "dtype": a.dtype, "new_tokens": n, "rounds": rounds, "layout_2_hosts": layout,
                   "decode_b1_tps_by_round": by_round,
