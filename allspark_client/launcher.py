@@ -326,6 +326,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             args.bind_host = pool.host
         args.threads_per_rank = args.threads_per_rank or pool.threads_per_rank
         args.step_timeout = args.step_timeout or pool.step_timeout
+        args.stream_stall_timeout = args.stream_stall_timeout or pool.stream_stall_timeout
+        if pool.hosts and not (args.hosts or args.hostfile):
+            args.hosts = ",".join(pool.hosts)
+        args.ranks_per_host = args.ranks_per_host or pool.ranks_per_host
     if args.port is None and not args.socket:
         args.socket = default_socket_path()
     check_multi_host(args)

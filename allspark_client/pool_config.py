@@ -12,7 +12,7 @@ from typing import Optional, Union
 from allspark_client.config import AsModelConfig, ConfigError
 
 POOL_KEYS = {"ranks", "numa_nodes", "gpus", "socket", "port", "host", "allow_remote", "threads_per_rank", "mpirun",
-             "step_timeout"}
+             "step_timeout", "stream_stall_timeout", "hosts", "ranks_per_host"}
 MODEL_KEYS = {"name", "graph", "weights", "max_length", "max_batch", "max_prefill_length", "span_size",
               "kv_cache_memory_bytes", "start"}
 
@@ -35,6 +35,9 @@ class PoolConfig:
     threads_per_rank: int = 0
     mpirun: str = "mpirun"
     step_timeout: float = 0                        # seconds; 0: the watchdog's default (allspark-launch --step-timeout)
+    stream_stall_timeout: float = 0                # seconds; 0: the default 30 (allspark-launch --stream-stall-timeout)
+    hosts: Optional[list[str]] = None              # a multi-host pool (allspark-launch --host)
+    ranks_per_host: int = 0                        # with hosts: 0 = one per NUMA node of each host
     models: list[ModelEntry] = field(default_factory=list)
 
 
@@ -58,6 +61,10 @@ def load_pool_config(path: str) -> PoolConfig:
                                                     for g in gpus) and len(set(gpus)) == len(gpus)):
         raise ConfigError(f"pool config {path!r}: [pool] gpus must be distinct GPU indices like [0, 1] or \"all\", "
                           f"got {gpus!r}")
+    if cfg.hosts is not None and not (isinstance(cfg.hosts, list) and cfg.hosts
+                                      and all(isinstance(h, str) and h and "," not in h for h in cfg.hosts)):
+        raise ConfigError(f"pool config {path!r}: [pool] hosts must be a list of host names like [\"node1\", "
+                          f"\"node2\"], got {cfg.hosts!r}")
     for m in raw.get("model", []):
         bad = set(m) - MODEL_KEYS
         if bad:

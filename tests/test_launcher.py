@@ -181,3 +181,15 @@ def test_readme_quick_start_runs_as_written(tmp_path):
     text = out.stdout.decode(errors="replace")
     assert out.returncode == 0, text[-2000:] + out.stderr.decode(errors="replace")[-2000:]
     assert "pool of 2 ranks ready" in text and "[GenerateFinished] 128 tokens" in text and "pool shut down" in text
+
+
+def test_pool_config_multi_host_and_stall_keys(tmp_path, capsys):
+    cfg = tmp_path / "pool.toml"
+    cfg.write_text('[pool]\nhosts = ["node1", "node2"]\nranks_per_host = 2\nstream_stall_timeout = 5\n'
+                   'socket = "/tmp/p.sock"\n')
+    cmd = dry_run(capsys, "--pool-config", str(cfg))
+    assert cmd[cmd.index("--host") + 1] == "node1,node2" and cmd[cmd.index("--map-by") + 1].startswith("ppr:2:node")
+    assert float(cmd[cmd.index("--stream-stall-timeout") + 1]) == 5 and "--place-on-host" in cmd
+    cfg.write_text('[pool]\nhosts = "node1,node2"\n')
+    with pytest.raises(ConfigError, match="hosts must be a list"):
+        load_pool_config(str(cfg))
