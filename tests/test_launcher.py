@@ -7,6 +7,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -193,3 +194,25 @@ def test_pool_config_multi_host_and_stall_keys(tmp_path, capsys):
     cfg.write_text('[pool]\nhosts = "node1,node2"\n')
     with pytest.raises(ConfigError, match="hosts must be a list"):
         load_pool_config(str(cfg))
+
+
+def test_mpirun_watch_ends_a_failed_job_and_never_reports_it_as_success(tmp_path, monkeypatch, capfd):
+    """Stand-ins for mpirun: after printing Open MPI's abort banner one hangs (killed after the grace, exit 1)
+    and one exits 0 (reported as 1); a job that prints no failure keeps its own exit code, its output relayed."""
+    from allspark_client import mpirun_watch as mw
+    monkeypatch.setattr(mw, "ABORT_GRACE_S", 0.5)
+
+    def run(script: str) -> tuple[int, float]:
+        out, err = tmp_path / "out", tmp_path / "err"
+        with open(out, "wb") as o, open(err, "wb") as e:
+            proc = subprocess.Popen(["sh", "-c", script], stdout=o, stderr=e, start_new_session=True)
+        t0 = time.monotonic()
+        return mw.MpirunWatch(proc, str(out), str(err)).wait(), time.monotonic() - t0
+
+    code, took = run("echo 'MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD' >&2; sleep 60")
+    assert code == 1 and took < 10, (code, took)
+    assert "did not exit within" in capfd.readouterr().err
+    code, _ = run("echo 'PRTE has lost communication with a remote daemon.'; exit 0")
+    assert code == 1 and "exited 0 after reporting the job failed" in capfd.readouterr().err
+    code, _ = run("echo 'allspark pool ready'; exit 3")
+    assert code == 3 and "allspark pool ready" in capfd.readouterr().out
