@@ -152,7 +152,6 @@ def main(argv=None) -> int:
         if comm.rank == 0:                          # every rank is up; where each runs
             for line in layout:
                 log.info("%s", line)
-        if comm.rank == 0:
             return serve(comm, args, address, access)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)   # workers exit when rank 0 says so
         signal.signal(signal.SIGINT, signal.SIG_IGN)

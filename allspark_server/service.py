@@ -33,6 +33,7 @@ from allspark_server.version import version_full
 
 log = logging.getLogger(__name__)
 ENGINE_CALL_THREADS = 64     # concurrent blocking Engine calls (a sync_request may hold one for long)
+HANDSHAKE_TIMEOUT_MS = 10_000  # gRPC's default is 120 s
 STREAM_STALL_S = 30.0        # default: a stream whose client has not taken a reply for this long is dropped
 
 
@@ -275,7 +276,9 @@ class PoolServer:
     async def _start(servicer, address: str, access):
         from allspark_server import access as acl
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   # a connection that has not completed its handshake by then is closed (slowloris)
+                   ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS)]
         # the first is outermost: it writes the replies GuardCalls and the servicer produce
         guards = ([DropStalledStreams(servicer.stream_stall_s)] + acl.interceptors(access)
                   + [GuardCalls(servicer.engine.down_reason)])

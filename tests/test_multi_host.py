@@ -15,7 +15,7 @@ from allspark_client.client import PoolUnavailable
 from helpers import LONG_RUN_MAX_LENGTH, hf_greedy, random_prompt
 from netns_hosts import NetnsHosts
 from pool_helpers import client_greedy, cmdline, install, wait_until
-from test_pool_failures import assert_streams_fail_within, start_streams
+from test_pool_failures import FAULT_STREAMS, assert_streams_fail_within, start_streams
 
 pytestmark = pytest.mark.skipif(NetnsHosts.unavailable() is not None,
                                 reason=f"no network namespaces: {NetnsHosts.unavailable()}")
@@ -59,12 +59,12 @@ def test_two_host_pool_serves_transformers_greedy_output(new_pool, hosts, loader
 
 
 def test_host_network_loss_ends_streams_and_the_pool(new_pool, hosts, loader):
-    """Host 1's link goes down under load: rank 0 waits in an allreduce that never completes, the step
+    """Host 1's link goes down under FAULT_STREAMS streams: rank 0 waits in an allreduce that never completes, the step
     watchdog (--step-timeout 3) ends every stream within 3 + 5 s, calls raise PoolUnavailable and the launcher
     exits non-zero. When the link comes back, the cut-off host's rank finds its peer gone and exits too."""
     pool = start_two_host_pool(new_pool, hosts, "--step-timeout", "3")
     client = pool.client()
-    install(client, loader, max_length=LONG_RUN_MAX_LENGTH, max_batch=8)
+    install(client, loader, max_length=LONG_RUN_MAX_LENGTH, max_batch=max(8, FAULT_STREAMS))
     queues = start_streams(client, pool)
     cut_at = time.monotonic()
     hosts.link(1, up=False)

@@ -220,6 +220,21 @@ def test_stopped_worker_is_caught_by_the_step_watchdog(new_pool, loader):
     print(f"stopped worker: streams failed {slowest:.2f}s after SIGSTOP (timeout 3 s); exit code {code}")
 
 
+def test_kill_worker_under_streams_fails_every_stream(new_pool, loader):
+    """kill -9 of rank 1 under FAULT_STREAMS streams: each ends in InternalError within 5 s, calls raise
+    PoolUnavailable, the launcher exits non-zero and no rank is left."""
+    pool = new_pool()
+    client = pool.client()
+    install(client, loader, max_length=LONG_RUN_MAX_LENGTH, max_batch=max(8, FAULT_STREAMS))
+    worker = [p for p in pool.ranks() if p.pid != client.health.pid]
+    queues = start_streams(client, pool)
+    killed_at = time.monotonic()
+    worker[0].kill()
+    slowest = assert_streams_fail_within(queues, killed_at, 5.0)
+    code = assert_pool_gone(pool, client)
+    print(f"worker killed: {len(queues)} streams failed {slowest:.2f}s after; exit code {code}")
+
+
 # ---- 5. rank 0 killed, the pool restarted on its socket -----------------------------------------
 def test_kill_rank0_fails_streams_and_the_client_reconnects_to_the_restarted_pool(new_pool, loader, llama):
     """kill -9 of rank 0 under FAULT_STREAMS streams: each ends in InternalError within 5 s, calls raise

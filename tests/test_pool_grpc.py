@@ -450,3 +450,51 @@ def test_a_stream_nobody_reads_is_dropped_and_its_request_released(new_pool, loa
               f"{received} tokens had reached the client")
     finally:
         channel.close()
+
+
+# ---- 6. slowloris: connections that never finish their handshake ----------------------------------
+def test_idle_and_trickling_connections_do_not_starve_the_pool(new_pool, loader, llama):
+    """300 connections to the pool's socket that send nothing, and 50 that trickle the start of an HTTP/2
+    preface: the pool serves a normal client exactly meanwhile, and closes every one of them once gRPC's
+    handshake time limit (service.HANDSHAKE_TIMEOUT_MS, 10 s) has passed."""
+    import socket as socketlib
+    from allspark_server.service import HANDSHAKE_TIMEOUT_MS
+    pool = new_pool()
+    client = pool.client()
+    install(client, loader)
+    silent, trickling = [], []
+    try:
+        for i in range(350):
+            s = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+            s.connect(pool.socket)
+            (silent if i < 300 else trickling).append(s)
+        opened = time.monotonic()
+        preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+        for s in trickling:
+            s.sendall(preface[:3])
+        prompt = random_prompt(9, seed=95)
+        assert client_greedy(client, prompt, 12) == hf_greedy(llama.model, prompt, 12)
+        for s in trickling:
+            s.sendall(preface[3:6])
+        assert client_greedy(client, prompt, 12) == hf_greedy(llama.model, prompt, 12)
+
+        def closed_by_pool(s) -> bool:
+            s.settimeout(0.05)
+            try:
+                return s.recv(4096) == b""
+            except (socketlib.timeout, BlockingIOError):
+                return False
+            except OSError:
+                return True
+        bound = HANDSHAKE_TIMEOUT_MS / 1000 + 20
+        pending = silent + trickling
+        while pending and time.monotonic() - opened < bound:
+            pending = [s for s in pending if not closed_by_pool(s)]
+        assert not pending, f"{len(pending)} of 350 connections still open {bound:.0f} s after they were made"
+        closed_after = time.monotonic() - opened
+        assert client_greedy(client, prompt, 12) == hf_greedy(llama.model, prompt, 12)
+        assert pool.proc.poll() is None
+        print(f"350 stalled connections closed by the pool within {closed_after:.1f}s; it served exactly meanwhile")
+    finally:
+        for s in silent + trickling:
+            s.close()
