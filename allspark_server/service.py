@@ -223,6 +223,16 @@ class GuardCalls(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(unary, safe_parse, handler.response_serializer)
 
 
+async def write_within(context, reply, seconds: float) -> None:
+    """context.write(reply), or TimeoutError after `seconds` (asyncio.timeout: a timer handle per reply where
+    wait_for would make a task; Python 3.10 has only wait_for)."""
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(seconds):
+            await context.write(reply)
+    else:
+        await asyncio.wait_for(context.write(reply), seconds)
+
+
 class DropStalledStreams(grpc.aio.ServerInterceptor):
     """Bounds what a client that stops reading its stream can hold. A stream's replies are written with a time
     limit: HTTP/2 flow control makes a write wait while the client does not read, and a write still waiting
@@ -245,8 +255,8 @@ class DropStalledStreams(grpc.aio.ServerInterceptor):
             async with contextlib.aclosing(replies_of(request, context)) as replies:   # released on the way out
                 async for reply in replies:
                     try:
-                        await asyncio.wait_for(context.write(reply), stall_s)
-                    except asyncio.TimeoutError:
+                        await write_within(context, reply, stall_s)
+                    except (asyncio.TimeoutError, TimeoutError):
                         log.warning("%s: the client has not read its stream for %.0f s: dropping it", method, stall_s)
                         await replies.aclose()     # the request is released first: abort may wait on the client
                         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
