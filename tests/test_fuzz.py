@@ -4,7 +4,7 @@ escape as anything but a status / AsException (on the wire: no UNKNOWN, which is
 out, no UNAVAILABLE or DEADLINE_EXCEEDED, which are a dead or wedged pool), and each engine still serves exact
 greedy output afterwards, with every request released.
 
-Examples per surface: $ALLSPARK_FUZZ_EXAMPLES (CI: 150; the slow run: ALLSPARK_FUZZ_EXAMPLES=10000). Derandomized,
+Examples per surface: $ALLSPARK_FUZZ_EXAMPLES (CI: 300; the slow run: ALLSPARK_FUZZ_EXAMPLES=10000). Derandomized,
 so a CI failure reproduces; `--hypothesis-seed` / the printed example reproduce others."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from allspark_client._proto import allspark_pb2 as pb
 from helpers import greedy, random_prompt
 from pool_helpers import MODEL, install
 
-EXAMPLES = int(os.environ.get("ALLSPARK_FUZZ_EXAMPLES", "150"))
+EXAMPLES = int(os.environ.get("ALLSPARK_FUZZ_EXAMPLES", "300"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 CALL_TIMEOUT_S = 30.0
