@@ -354,7 +354,7 @@ def check_multi_host(args) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    topo = read_topology(args.topology)
+    topo = {} if multi_host(args) else read_topology(args.topology)
     if multi_host(args):
         placements = []                              # each rank places itself on its own host
     elif args.gpus is not None:
@@ -377,7 +377,6 @@ def main(argv=None) -> int:
     env = dict(os.environ)
     if flavour == "openmpi" and os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    env["ALLSPARK_ISA"] = ",".join(isa_flags())
     if multi_host(args):
         # mpirun's link to each host's daemon: notice a host gone silent in ~20 s, not Open MPI's 8 minutes
         for prefix in ("PRTE_MCA_", "OMPI_MCA_"):      # Open MPI 5 (PRRTE) and 4 (ORTE)
@@ -390,7 +389,7 @@ def main(argv=None) -> int:
                   f"its NUMA node and cores on its own host (--place-on-host)")
         else:
             print(f"# topology {({n: format_cpu_list(c) for n, c in topo.items()})}, {flavour}, "
-                  f"numactl {'yes' if numactl else 'no'}, isa {env['ALLSPARK_ISA'] or 'unknown'}"
+                  f"numactl {'yes' if numactl else 'no'}, isa {','.join(isa_flags()) or 'unknown'}"
                   + (f", gpu: numa node {gpus}" if gpus else ""))
         print(shlex.join(build_command(args, placements, flavour, numactl)))
         return 0

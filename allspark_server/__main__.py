@@ -116,9 +116,7 @@ def serve(comm, args, address: str, access) -> int:
             engine.install_model(entry.config)
             if entry.start:
                 engine.start_model(entry.config.model_name)
-    from allspark_server.service import STREAM_STALL_S
-    servicer = AllsparkServicer(engine, comm.world_size, args.max_streams,
-                                args.stream_stall_timeout or STREAM_STALL_S)
+    servicer = AllsparkServicer(engine, comm.world_size, args.max_streams, args.stream_stall_timeout)
     server = start_server(servicer, address, access)
     servicer.ready = True
     sd_notify("READY=1")

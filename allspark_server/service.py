@@ -39,11 +39,11 @@ STREAM_STALL_S = 30.0        # default: a stream whose client has not taken a re
 
 class AllsparkServicer(pb_grpc.AllsparkServicer):
     def __init__(self, engine: Engine, world_size: int, max_streams: int = 4096,
-                 stream_stall_s: float = STREAM_STALL_S):
+                 stream_stall_s: Optional[float] = None):
         self.engine = engine
         self.world_size = world_size
         self.max_streams = max_streams
-        self.stream_stall_s = stream_stall_s      # DropStalledStreams
+        self.stream_stall_s = stream_stall_s or STREAM_STALL_S      # DropStalledStreams
         self.ready = False
         self._open_streams = 0   # touched on the event loop's thread only
         self._pool = futures.ThreadPoolExecutor(ENGINE_CALL_THREADS, thread_name_prefix="allspark-call")

@@ -12,9 +12,9 @@ import time
 import pytest
 
 from allspark_client.client import PoolUnavailable
-from helpers import LONG_RUN_MAX_LENGTH, hf_greedy, random_prompt
+from helpers import LONG_RUN_MAX_LENGTH, collect, hf_greedy, random_prompt
 from netns_hosts import NetnsHosts
-from pool_helpers import client_greedy, cmdline, install, wait_until
+from pool_helpers import MODEL, client_greedy, cmdline, greedy_cfg, install, wait_until
 from test_pool_failures import FAULT_STREAMS, assert_streams_fail_within, start_streams
 
 pytestmark = pytest.mark.skipif(NetnsHosts.unavailable() is not None,
@@ -52,8 +52,6 @@ def test_two_host_pool_serves_transformers_greedy_output(new_pool, hosts, loader
         prompt = random_prompt(n, seed=seed)
         assert client_greedy(client, prompt, 16) == hf_greedy(llama.model, prompt, 16), seed
     # concurrent streams: batched decode across the hosts
-    from helpers import collect
-    from pool_helpers import greedy_cfg, MODEL
     prompts = [random_prompt(5 + i, seed=70 + i) for i in range(4)]
     queues = [client.start_request(MODEL, {"input_ids": p}, greedy_cfg(12))[2] for p in prompts]
     for p, q in zip(prompts, queues):
@@ -74,7 +72,7 @@ def test_host_network_loss_ends_streams_and_the_pool(new_pool, hosts, loader):
     try:
         slowest = assert_streams_fail_within(queues, cut_at, 3 + 5.0, needle="did not finish within")
         with pytest.raises(PoolUnavailable):
-            client.get_as_engine_stat("llama")
+            client.get_as_engine_stat(MODEL)
         code = assert_pool_gone_but_the_cut_off_rank(pool, hosts)
     finally:
         hosts.link(1, up=True)
