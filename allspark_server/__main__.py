@@ -125,10 +125,12 @@ def serve(comm, args, address: str, access) -> int:
     log.info("stopping: finishing in-flight requests")
     sd_notify("STOPPING=1")
     stopped = server.stop(grace=STOP_GRACE_S)   # no new calls; open streams may still finish ...
-    engine.shutdown()                            # ... as every request is stopped; workers are told to exit
+    lost = engine.shutdown()                     # ... as every request is stopped; workers are told to exit
     stopped.result()
     if address.startswith("unix:") and os.path.exists(address[5:]):
         os.unlink(address[5:])
+    if lost:              # a rank dead or stopped: MPI_Finalize would wait for it forever
+        comm.abort(1)
     return 0
 
 

@@ -135,9 +135,10 @@ class Engine(EngineAPI):
             self._requests.pop(name, None)
         return AsStatus.ALLSPARK_SUCCESS
 
-    def shutdown(self) -> None:
-        """Stop every request, end the engine thread and (in a pool) tell the other ranks to exit."""
-        self._engine.shutdown()
+    def shutdown(self) -> Optional[str]:
+        """Stop every request, end the engine thread and (in a pool) tell the other ranks to exit. Returns
+        None, or why a pool could not shut down cleanly (a rank did not answer; open requests then failed)."""
+        return self._engine.shutdown()
 
     def down_reason(self) -> Optional[str]:
         """None while the engine serves; once a pool step has hung, why (the pool is about to exit)."""

@@ -12,13 +12,15 @@ import threading
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 from allspark_client.types import GenerateRequestStatus
 from allspark_server.core.messages import ShutdownMsg
 from allspark_server.served_model import AddRequest, ServedModel, StopRequest
 
 log = logging.getLogger(__name__)
+
+SHUTDOWN_ANSWER_S = 5.0   # how long rank 0 waits for the other ranks to acknowledge a shutdown
 
 
 @dataclass
@@ -64,22 +66,36 @@ class EngineThread:
             return sum(isinstance(i, ForModel) and i.model_name == model_name and isinstance(i.command, AddRequest)
                        for i in self._inbox)
 
-    def shutdown(self) -> None:
-        """Stop every request, tell the other ranks to exit, end the thread."""
+    def shutdown(self) -> Optional[str]:
+        """Tell the other ranks to exit, stop every request, end the thread. Returns None, or why the pool
+        could not shut down cleanly (a rank that did not answer: its requests then end in InternalError)."""
         try:
-            self.call(self._shutdown_on_thread)
-        except RuntimeError:
-            pass
+            lost = self.call(self._shutdown_on_thread)
+        except RuntimeError:      # already shutting down
+            lost = None
         self._thread.join()
+        return lost
 
     # ---- engine thread -----------------------------------------------------------------------
-    def _shutdown_on_thread(self) -> None:
+    def _shutdown_on_thread(self) -> Optional[str]:
+        # The other ranks acknowledge first: a SIGTERM that mpirun sends because a rank died must not end
+        # open streams as if they had finished normally.
+        lost = None
+        try:
+            self.comm.bcast(ShutdownMsg())
+            if not self.comm.barrier(SHUTDOWN_ANSWER_S):
+                lost = (f"the pool lost a rank: the other {self.comm.world_size - 1} rank(s) did not answer "
+                        f"its shutdown within {SHUTDOWN_ANSWER_S:.0f} s")
+        except Exception as e:    # an MPI error: a peer is gone
+            lost = f"the pool lost a rank: shutting down failed with {e!r}"
+        if lost:
+            log.error("%s", lost)
         for m in self.models.values():
-            m.stop_all()
-        self.comm.bcast(ShutdownMsg())
+            m.stop_all(error=lost)
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
+        return lost
 
     def _run(self) -> None:
         while True:

@@ -79,18 +79,20 @@ def on_cuda(op):
     return dispatch
 
 
-ACT_MAX = 32767.0
+ACT_MAX = {16: 32767.0, 8: 127.0}     # QuantizedWeight.act_bits -> the largest |q| of a rounded row of x
 
 
-def round_activations_reference(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the quantized GEMV meets it (native/gemv_quant.cpp): each row rounded to 16-bit fixed point,
-    q = round(x * 32767 / absmax) (half to even), times absmax / 32767; fp32 [M, K]."""
+def round_activations_reference(x: torch.Tensor, act_bits: int = 16) -> torch.Tensor:
+    """x [M, K] as the quantized GEMV meets it (native/gemv_quant.cpp): each row rounded to fixed point,
+    q = round(x * A / absmax) (half to even), times absmax / A, with A = 32767 (16 bits, weight-only) or 127
+    (8 bits, activate_quant); fp32 [M, K]."""
+    act_max = ACT_MAX[act_bits]
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True)
     # a true division, as the kernels compute it (torch's `scalar / tensor` is reciprocal * scalar, which rounds
     # differently for ~1/4 of values and can then round an element of q the other way)
-    inv = torch.where(amax > 0, torch.full_like(amax, ACT_MAX) / amax, torch.zeros_like(amax))
-    return torch.round(xf * inv) * (amax / ACT_MAX)
+    inv = torch.where(amax > 0, torch.full_like(amax, act_max) / amax, torch.zeros_like(amax))
+    return torch.round(xf * inv) * (amax / act_max)
 
 
 def linear_reference(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight",
@@ -98,7 +100,8 @@ def linear_reference(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight",
     """A quantized weight is dequantized (quant/formats.py) and met in fp32 with x rounded as the quantized
     GEMV rounds it; one rounding into x's dtype."""
     if isinstance(w, QuantizedWeight):
-        y = F.linear(round_activations_reference(x), w.dequantize(), None if bias is None else bias.float())
+        y = F.linear(round_activations_reference(x, w.act_bits), w.dequantize(),
+                     None if bias is None else bias.float())
         return y.to(x.dtype)
     return F.linear(x, w, bias)
 
@@ -115,7 +118,9 @@ def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Ten
         if x.shape[0] <= ext.QUANT_NATIVE_MAX_ROWS:
             return ext.linear_quant(x, nw, bias, isa_level())
         dtype = gemm_dtype(x.dtype)
-        y = F.linear(x.to(dtype), ext.dequantize_weight(nw, dtype, isa_level()),
+        # activate_quant: x rounded to int8 per token here too, as the GEMV rounds it (fp32 until the GEMM)
+        xg = round_activations_reference(x, 8) if w.act_bits == 8 else x
+        y = F.linear(xg.to(dtype), ext.dequantize_weight(nw, dtype, isa_level()),
                      None if bias is None else bias.to(dtype))
         return y.to(x.dtype)
     if (ext is None or x.dim() != 2 or x.shape[0] > NATIVE_MAX_ROWS.get(w.dtype, 0)
@@ -138,7 +143,7 @@ def native_weight(w: "torch.Tensor | QuantizedWeight"):
     `_native.QuantWeight` (which checks its tensors' shapes and dtypes)."""
     if not isinstance(w, QuantizedWeight):
         return w
-    return native().QuantWeight(w.qweight, w.scales, w.zeros, FORMAT_IDS[w.fmt], w.in_features)
+    return native().QuantWeight(w.qweight, w.scales, w.zeros, FORMAT_IDS[w.fmt], w.in_features, w.act_bits)
 
 
 def _native_weight_ok(w, dtype: torch.dtype) -> bool:
@@ -219,6 +224,36 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return ext.decode_attention_quant(q, k_cache, k_param, v_cache, v_param, spans, ctx, scale, isa_level(),
                                           alibi_slopes)
     return ext.decode_attention(q, k_cache, v_cache, spans, ctx, scale, isa_level(), alibi_slopes)
+
+
+def prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
+                                out: torch.Tensor, k_param: torch.Tensor | None = None,
+                                v_param: torch.Tensor | None = None,
+                                alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+    """Each multi-token chunk of `meta.seqs` (runner/forward_inputs.py) on its own: q [T, H, D] rows of the chunk
+    against its context gathered from the spans (K/V already stored; quantized spans dequantized), causal and offset
+    by the tokens cached before it -> written into out [T, H, D]. ALiBi (slopes fp32 [H]): with the bias."""
+    gqa = q.shape[1] != k_cache.shape[2]
+    for seq in meta.seqs:
+        qs = q[seq.q_start:seq.q_start + seq.q_len].transpose(0, 1)[None]    # [1, h, q, D]
+        slots = seq.context_slots.to(q.device, non_blocking=True)
+        k_ctx, v_ctx = gather_kv(k_cache, v_cache, slots, k_param, v_param, q.dtype)
+        ks, vs = k_ctx.transpose(0, 1)[None], v_ctx.transpose(0, 1)[None]    # [1, kvh, ctx, D]
+        if alibi_slopes is not None:       # the causal part from the chunk's offset, plus the bias
+            o = alibi.prefill_attention(qs, ks, vs, alibi_slopes, scale)      # [1, h, q, D]
+        else:
+            mask = None if seq.mask is None else seq.mask.to(q.device, non_blocking=True)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=seq.is_causal, scale=scale,
+                                               enable_gqa=gqa)                 # [1, h, q, D]
+        out[seq.q_start:seq.q_start + seq.q_len] = o[0].transpose(0, 1)
+    return out
+
+
+@on_cuda
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
+                      out: torch.Tensor, k_param: torch.Tensor | None = None, v_param: torch.Tensor | None = None,
+                      alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+    return prefill_attention_reference(q, k_cache, v_cache, meta, scale, out, k_param, v_param, alibi_slopes)
 
 
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k_param: torch.Tensor | None = None,

@@ -2,9 +2,10 @@
 
 It has no thread of its own: the process's EngineThread applies commands to it and calls `step()`.
 A step plans (scheduler), broadcasts the plan to the other ranks, runs it (runner), samples and
-pushes each new token to its request's ResultQueue. Requests with a response_format have their token masks
-computed before the step (a GPU rank: on a background thread while the step runs) and applied by the sampler
-(guided.py); their grammar state lives here, on rank 0 only. Stats may be read from any thread.
+pushes each new token to its request's ResultQueue (a GPU rank: once the next step is launched). Requests
+with a response_format have their token masks computed before the step (a GPU rank: on a background thread
+while the step runs) and applied by the sampler (guided.py); their grammar state lives here, on rank 0 only.
+Stats may be read from any thread.
 """
 from __future__ import annotations
 
@@ -76,6 +77,10 @@ class ServedModel:
         self._stat_lock = threading.Lock()
         self._guided: Optional[GuidedVocabulary] = None   # built by the first guided request
         self._guided_lock = threading.Lock()
+        # GPU ranks hand a step's tokens to their queues after the next step's model launch (_deliver), so the
+        # consumers they wake take the GIL while the GPU computes, not while the host prepares the next step
+        self._defer_delivery = runner.device.type == "cuda"
+        self._undelivered: list[tuple] = []   # (queue, elements, status, finished, note) of the last step
 
     def guided_state(self, fmt: ResponseFormat) -> GuidedState:
         """A new request's grammar state (any thread); ConfigError(PARAM_ERROR) when the format does not compile
@@ -98,20 +103,23 @@ class ServedModel:
     def has_work(self) -> bool:
         return self.started and self.scheduler.has_work()
 
-    def stop_all(self) -> None:
+    def stop_all(self, error: Optional[str] = None) -> None:
+        """End every live request: stopped (GenerateFinished), or InternalError with `error`."""
         for rid in list(self._live):
-            self._finish(rid, FinishReason.STOPPED)
+            self._finish(rid, FinishReason.STOPPED, error=error)
 
     def apply(self, cmd: Command) -> None:
         if isinstance(cmd, AddRequest):
             self._live[cmd.request.request_id] = cmd
             self.scheduler.add(cmd.request)
         else:
+            self._deliver()   # what the request already produced, before the stop is acknowledged
             if cmd.request_id in self._live:
                 self._finish(cmd.request_id, FinishReason.STOPPED)
             cmd.done.set()
 
     def _finish(self, rid: int, reason: FinishReason, error: Optional[str] = None) -> None:
+        self._deliver()   # its earlier tokens first
         entry = self._live.pop(rid, None)
         if entry is None:
             return
@@ -132,6 +140,8 @@ class ServedModel:
     def step(self) -> None:
         started = time.perf_counter()
         plan, interrupted = self.scheduler.schedule()
+        if interrupted or not plan.has_work:
+            self._deliver()
         for req in interrupted:
             entry = self._live.pop(req.request_id)
             entry.queue._set_status(GenerateRequestStatus.GenerateInterrupted,
@@ -146,6 +156,7 @@ class ServedModel:
                 self.comm.bcast(StepMsg(self.cfg.model_name, plan))
                 masks = self._start_guided_masks(plan)
                 logits, rids = self.runner.execute(plan)
+                self._deliver()   # the previous step's tokens, while this one runs on the GPU
                 rows = [(e.sampling, e.request.all_token_ids, e.request.output_ids)
                         for e in map(self._live.get, rids)]
                 if masks is not None:
@@ -153,6 +164,7 @@ class ServedModel:
                 results = dict(zip(rids, self.sampler.sample_rows(logits, rows, masks))) if rids else {}
             sampled = {rid: res.token_id for rid, res in results.items()}
         except Exception as e:   # a failed step fails its requests, not the engine
+            self._deliver()
             log.error("step %d failed: %s", plan.step_id, traceback.format_exc())
             if self.comm.world_size > 1:
                 self.comm.abort(1)   # ranks may now disagree about the cache: the pool must die
@@ -173,11 +185,20 @@ class ServedModel:
                 el.log_probs_list.append(res.top_logprobs)
             first = len(req.output_ids) == 1
             status = GenerateRequestStatus.ContextFinished if first else GenerateRequestStatus.Generating
-            entry.queue._push(el, status)
             if reason is not None:
                 self._live.pop(req.request_id)
-                entry.queue._set_status(GenerateRequestStatus.GenerateFinished, note)
+            self._undelivered.append((entry.queue, el, status, reason is not None, note))
+        if not self._defer_delivery or not self.scheduler.has_work():
+            self._deliver()
         self._record_step(plan, requests, len(events), started)
+
+    def _deliver(self) -> None:
+        """Push the tokens (and final statuses) that the last step produced to their requests' queues."""
+        pending, self._undelivered = self._undelivered, []
+        for queue, el, status, finished, note in pending:
+            queue._push(el, status)
+            if finished:
+                queue._set_status(GenerateRequestStatus.GenerateFinished, note)
 
     def _record_step(self, plan, requests: dict, generated: int, started: float) -> None:
         """Rates for the stats; for a decode-only step also the context tokens whose KV cache it read (new tokens

@@ -28,6 +28,7 @@ def run_worker(comm) -> None:
         elif isinstance(msg, ReleaseModelMsg):
             runners.pop(msg.model_name, None)
         elif isinstance(msg, ShutdownMsg):
+            comm.barrier()      # rank 0 waits for this answer before it calls its streams cleanly ended
             return
         else:
             raise TypeError(f"worker got an unknown message {type(msg).__name__}")

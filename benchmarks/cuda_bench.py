@@ -16,6 +16,7 @@ import time
 import torch
 
 import torch_cuda_peer as peer_mod
+from step_profile import StepProfile
 from allspark_server.runner.memory_bandwidth import gpu_copy_bandwidth_gbs
 import workloads as W
 
@@ -67,7 +68,9 @@ def main(args, save=lambda report: None) -> dict:
     from allspark_server import Engine, HuggingFaceModel
     layers = 8 if args.quick else LLAMA2_7B["num_hidden_layers"]
     new_tokens, prompt_len, rounds = (64, 32, 3) if args.quick else (128, 32, 5)
-    concurrency = (16,) if args.quick else (16, 64, 128)
+    # 256 concurrent (with the peer's static cache and transformers beside) needs an H200's memory
+    big = torch.cuda.get_device_properties(0).total_memory > 120e9
+    concurrency = (16,) if args.quick else (16, 64, 128, 256) if big else (16, 64, 128)
     root = os.path.join(os.path.expanduser("~"), ".cache", "allspark", "bench-cuda", f"llama2-7b-{layers}l")
     t0 = time.perf_counter()
     build_model(root, layers)
@@ -88,9 +91,12 @@ def main(args, save=lambda report: None) -> dict:
     loader = HuggingFaceModel(root, "bench-cuda", user_set_data_type="bfloat16")
     loader.load_model().serialize_to_path(None, os.path.join(root, "as"), skip_if_exists=True).free_model()
     engine = Engine()
-    max_len = max(prompt_len, CONC_PROMPT) + max(new_tokens, CONC_NEW) + 16
+    ttft_lens = (128, 512) if args.quick else (128, 512, 2048)
+    max_len = max(max(prompt_len, CONC_PROMPT) + max(new_tokens, CONC_NEW), max(ttft_lens)) + 16
     max_batch = max(concurrency)
-    kv_bytes = max_batch * -(-max_len // 32) * 32 * 2 * layers * LLAMA2_7B["hidden_size"] * 2   # just enough
+    per_token = 2 * layers * LLAMA2_7B["hidden_size"] * 2                  # bf16 K and V of every layer
+    kv_tokens = max(max_batch * (CONC_PROMPT + CONC_NEW + 32), max_len + 32)
+    kv_bytes = kv_tokens * per_token                                       # just enough
     cfg = (loader.create_reference_runtime_config_builder("bench-cuda", "cuda", [0], max_batch=max_batch)
            .max_length(max_len).kv_cache_span_size(32).kv_cache_memory(kv_bytes).build())
     engine.install_model(cfg)
@@ -124,6 +130,9 @@ def main(args, save=lambda report: None) -> dict:
     free_memory()
     note_memory("after batch 1")
     save(report)
+    report["ttft"] = ttft_rows(engine, hf, ttft_lens)
+    print(f"TTFT: {report['ttft']}", flush=True)
+    save(report)
     if getattr(args, "quant", None):
         report["quant"] = quant_rows(engine, root, args.quant, prompt_len, new_tokens, rounds, max_len, layers)
         print(f"quantized weights: {report['quant']}", flush=True)
@@ -136,9 +145,45 @@ def main(args, save=lambda report: None) -> dict:
         report[f"c{c}"] = concurrent_rows(engine, hf, weights, c)
         print(f"concurrency {c}: {report[f'c{c}']}", flush=True)
         save(report)
+    report["poisson"] = poisson_row(engine, 32 if args.quick else 128)
+    print(f"Poisson arrivals: {report['poisson']}", flush=True)
     engine.stop_model("bench-cuda")
     engine.release_model("bench-cuda")
     return report
+
+
+def ttft_rows(engine, hf, lengths, repeats: int = 3) -> dict:
+    """Time to the first token of a lone prompt of each length: the Engine (W.ttft) and transformers' generate
+    of one token (synchronized), medians of `repeats`."""
+    vocab = LLAMA2_7B["vocab_size"]
+    out = {}
+    for n in lengths:
+        W.ttft(engine, "bench-cuda", vocab, n, 1)                                # warm-up at this length
+        ours = W.ttft(engine, "bench-cuda", vocab, n, repeats)
+        times = [hf_generate_s(hf, [W.prompt(n, 100 + r, vocab)], 1) for r in range(repeats + 1)]
+        theirs = statistics.median(times[1:])                                    # the first warms up
+        out[n] = {"allspark_s": ours, "hf_s": theirs, "hf_vs_allspark": theirs / ours}
+    return out
+
+
+def hf_generate_s(hf, batch: list[list[int]], new_tokens: int) -> float:
+    """Seconds of one greedy transformers `generate` of exactly `new_tokens` for same-length prompts (a static
+    batch), synchronized with the GPU on both sides."""
+    ids = torch.tensor(batch, device="cuda")
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with torch.no_grad():
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                    do_sample=False, eos_token_id=None, pad_token_id=0)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def poisson_row(engine, num: int, rate: float = 16.0) -> dict:
+    """`num` requests (128 in / 128 out) arriving as a Poisson process of `rate`/s: TTFT and TPOT median and p99,
+    output tokens/s (workloads.poisson)."""
+    return dict(W.poisson(engine, "bench-cuda", LLAMA2_7B["vocab_size"], num, rate, CONC_PROMPT, CONC_NEW),
+                rate_rps=rate, requests=num)
 
 
 CONC_PROMPT, CONC_NEW = 128, 128   # the concurrent rows: 128 tokens in, 128 out
@@ -216,6 +261,45 @@ def two_gpu_pool_rows(engine, loader, prompt_len: int, new_tokens: int, rounds: 
         client.close()
 
 
+def time_graph_steps(graphs, batch: int):
+    """Wrap graphs.run_decode to time each replayed step of exactly `batch` rows on the GPU (CUDA events around
+    its copies and replay, in the real run: its contexts, not the static buffers' leftovers); returns a function
+    that unwraps and gives the median milliseconds (diagnostic: the step's GPU time against its wall time)."""
+    original, events = graphs.run_decode, []
+
+    def timed(chunks, mirrors):
+        if len(chunks) != batch:
+            return original(chunks, mirrors)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = original(chunks, mirrors)
+        end.record()
+        events.append((start, end))
+        return out
+    graphs.run_decode = timed
+
+    def result():
+        del graphs.run_decode
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in events) if events else None
+    return result
+
+
+def kernel_breakdown(runner, batch: int, top: int = 12) -> list:
+    """The GPU kernels of one eager decode step of `batch` rows (the graph's static inputs) by total time:
+    [(name, ms, calls)] (diagnostic: where the step's GPU time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+    inputs = runner.graphs._inputs(batch)
+    with torch.inference_mode():
+        runner.model(inputs, runner.kv)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner.model(inputs, runner.kv)
+            torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:top]
+    return [(e.key[:80], round(e.device_time_total / 1e3, 3), e.count) for e in rows]
+
+
 def free_memory() -> None:
     gc.collect()
     torch.cuda.empty_cache()
@@ -234,6 +318,9 @@ def concurrent_rows(engine, hf, weights, num: int) -> dict:
     the peer's decode-only rate at batch `num` (graph replay) and transformers' static batch (generate)."""
     vocab = LLAMA2_7B["vocab_size"]
     stamps = [[] for _ in range(num)]
+    served = engine._engine.models["bench-cuda"]
+    profile = StepProfile(served)
+    graph_ms = time_graph_steps(served.runner.graphs, num)
 
     def one(i):
         status, handle, queue = engine.start_request("bench-cuda", {"input_ids": W.prompt(CONC_PROMPT, 500 + i, vocab)},
@@ -250,8 +337,15 @@ def concurrent_rows(engine, hf, weights, num: int) -> dict:
         t.join()
     end = max(s[-1] for s in stamps)
     all_first = max(s[0] for s in stamps)
+    profile.restore()
     row = {"allspark_tps": num * CONC_NEW / (end - t0),
-           "allspark_decode_tps": sum(t > all_first for s in stamps for t in s) / (end - all_first)}
+           "allspark_decode_tps": sum(t > all_first for s in stamps for t in s) / (end - all_first),
+           "first_tokens_s": all_first - t0, "steps": profile.summary(),
+           f"graph_step_gpu_ms_b{num}": graph_ms()}
+    graphs = served.runner.graphs
+    size = next(s for s in graphs.sizes if s >= num)
+    row["graph_replay_ms"] = graph_replay_ms(graphs, size)
+    row["kernels_top"] = kernel_breakdown(served.runner, size)
     free_memory()
     note_memory(f"c{num} engine")
     peer = peer_mod.StaticLlama(weights, batch=num, max_len=CONC_PROMPT + CONC_NEW + 8)
@@ -261,14 +355,8 @@ def concurrent_rows(engine, hf, weights, num: int) -> dict:
     del peer
     free_memory()
     note_memory(f"c{num} peer freed")
-    ids = torch.tensor([W.prompt(CONC_PROMPT, 500 + i, vocab) for i in range(num)], device="cuda")
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    with torch.no_grad():
-        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=CONC_NEW, min_new_tokens=CONC_NEW,
-                    do_sample=False, eos_token_id=None, pad_token_id=0)
-    torch.cuda.synchronize()
-    row["hf_static_batch_tps"] = num * CONC_NEW / (time.perf_counter() - t)
+    batch = [W.prompt(CONC_PROMPT, 500 + i, vocab) for i in range(num)]
+    row["hf_static_batch_tps"] = num * CONC_NEW / hf_generate_s(hf, batch, CONC_NEW)
     free_memory()
     note_memory(f"c{num} hf generate")
     row["allspark_decode_vs_torch_cuda_graph"] = row["allspark_decode_tps"] / row["torch_cuda_graph_decode_tps"]

@@ -36,11 +36,11 @@ def missing() -> str | None:
 
 def peer_type(variant: str) -> str:
     """The llama.cpp type that races one of our InstantQuant variants: int8 -> q8_0 (groups of 32),
-    4-bit (int4/uint4, any group) -> q4_0 (groups of 32); a '+head' suffix quantizes its output matrix too."""
-    name, head, _ = variant.partition("+head")
-    fmt = name.partition("_g")[0]
-    qtype = {"int8": "q8_0", "uint8": "q8_0", "int4": "q4_0", "uint4": "q4_0"}[fmt]
-    return qtype + ("+head" if head else "")
+    4-bit (int4/uint4, any group) -> q4_0 (groups of 32); a '+head' suffix quantizes its output matrix too
+    ('+a8', our int8 activations, has no llama.cpp counterpart beyond q8_0's own int8 activations)."""
+    base, *suffixes = variant.split("+")
+    qtype = {"int8": "q8_0", "uint8": "q8_0", "int4": "q4_0", "uint4": "q4_0"}[base.partition("_g")[0]]
+    return qtype + ("+head" if "head" in suffixes else "")
 
 
 def gguf_name(hf_name: str) -> str:

@@ -8,8 +8,9 @@ input features), teacher-forced over `--positions` tokens: relative logit error 
 agreement and the mean KL(p || p_q), against the unquantized fp32 model (transformers, weights replaced by the
 stored codes dequantized); the row "bf16 g0" rounds the same weights to bf16 instead, for scale (random models
 have nearly flat, near-tied output distributions, so top-1 agreement is low even there). The rows "kv int8" /
-"kv uint4" keep the weights and quantize the K (after rotary) and V rows as the quantized KV spans store them.
-Then the Engine's greedy output (bf16 model; int8 / uint4 KV, int8 per-channel weights, both) vs the
+"kv uint4" keep the weights and quantize the K (after rotary) and V rows as the quantized KV spans store them;
+the rows "... a8" are compute_method activate_quant: the same codes, each GEMM input rounded to int8 per token.
+Then the Engine's greedy output (bf16 model; int8 / uint4 KV, int8 per-channel weights, both, int8 activate_quant) vs the
 unquantized bf16 model's: the fraction of prompts whose first 32 tokens agree, over all prompts and over the
 "tie-free" ones (every top-1 logit along the fp32 greedy path leads by more than twice the largest logit change
 that bf16 rounding causes, and bf16 gives those tokens).
@@ -31,6 +32,7 @@ from run import FULL, QUICK, build_model  # noqa: E402
 
 VARIANTS = [("bf16", 0), ("int8", -1), ("int8", 128), ("uint8", -1), ("int4", 32), ("int4", 128), ("uint4", 32), ("uint4", 64),
             ("uint4", 128)]
+A8_VARIANTS = [("int8", -1), ("int8", 128)]          # compute_method activate_quant
 GEMMS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -61,6 +63,15 @@ def quantized_copy(model, fmt: str, group: int):
                 q = quantize(mod.weight, fmt, group)
                 mod.weight.copy_(dequantize(q["qweight"], q["scales"], q.get("zeros"), fmt, group))
     return m
+
+
+def with_int8_inputs(model):
+    """activate_quant's activations: every GEMM's input rounded to int8 per token, as the kernels round it."""
+    from allspark_server.ops import round_activations_reference
+    for name, mod in model.named_modules():
+        if name.rsplit(".", 1)[-1] in GEMMS:
+            mod.register_forward_pre_hook(lambda _, args: (round_activations_reference(args[0], 8).to(args[0].dtype),))
+    return model
 
 
 @torch.inference_mode()
@@ -166,6 +177,10 @@ def main():
             rows[f"{fmt} g{group}"] = compare(ref, logits(quantized_copy(model, fmt, group), ids))
             print(f"{stats:>18}  {fmt:>5} g{group:<4}  " + "  ".join(f"{k} {v:.4g}" for k, v in rows[f"{fmt} g{group}"].items()),
                   flush=True)
+        for fmt, group in A8_VARIANTS:
+            key = f"{fmt} g{group} a8"
+            rows[key] = compare(ref, logits(with_int8_inputs(quantized_copy(model, fmt, group)), ids))
+            print(f"{stats:>18}  {key:<11}  " + "  ".join(f"{k} {v:.4g}" for k, v in rows[key].items()), flush=True)
         report["stats"][stats] = rows
     for stats, model in (("random N(0, 0.02)", base), ("trained-like", trained_like(base))):
         ref = logits(model, ids)
@@ -179,7 +194,9 @@ def main():
     out = engine_greedy(bf16_dir, prompts, {"bf16": (None, "default"), "bf16_kv_int8": (None, "int8"),
                                             "bf16_kv_uint4": (None, "uint4"),
                                             "int8": ({"weight_format": "int8"}, "default"),
-                                            "int8_kv_int8": ({"weight_format": "int8"}, "int8")})
+                                            "int8_kv_int8": ({"weight_format": "int8"}, "int8"),
+                                            "int8_a8": ({"weight_format": "int8", "compute_method": "activate_quant"},
+                                                        "default")})
     # "tie-free" prompts: along the fp32 model's greedy path every top-1 logit leads the runner-up by more than
     # twice the largest logit change bf16 rounding of the weights caused in the teacher-forced run above, and
     # bf16 itself gives those 32 tokens

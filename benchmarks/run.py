@@ -48,10 +48,11 @@ import machine  # noqa: E402
 import workloads as W  # noqa: E402
 
 FULL = dict(hidden_size=1536, num_layers=16, intermediate_size=4096, num_heads=12, num_kv_heads=4, vocab=32000,
-            new_tokens=128, prompts=(128, 512, 2048), repeats=3, decode_repeats=7, concurrency=(8, 32), poisson_n=32)
-KV_CONTEXT = {False: 2048, True: 512}   # --kv rows' prompt length: full model, --quick
+            new_tokens=128, prompts=(128, 512, 2048), repeats=3, decode_repeats=7, concurrency=(8, 32), poisson_n=32,
+            kv_context=2048)   # kv_context: the --kv rows' prompt length
 QUICK = dict(hidden_size=512, num_layers=4, intermediate_size=1408, num_heads=8, num_kv_heads=4, vocab=8000,
-             new_tokens=32, prompts=(128, 512), repeats=2, decode_repeats=3, concurrency=(8,), poisson_n=8)
+             new_tokens=32, prompts=(128, 512), repeats=2, decode_repeats=3, concurrency=(8,), poisson_n=8,
+             kv_context=512)
 
 
 def build_model(spec: dict, dtype: str) -> str:
@@ -79,11 +80,15 @@ def bytes_per_token(hf_model, spec: dict, ctx: int) -> int:
 
 
 def quant_variant(name: str) -> dict:
-    """'int8' -> int8 per channel; 'uint4_g32' -> uint4 in groups of 32; a '+head' suffix quantizes the LM
-    head too (the customized_quant_config)."""
-    name, head, _ = name.partition("+head")
-    fmt, _, group = name.partition("_g")
-    return {"weight_format": fmt, "group_size": int(group) if group else -1, "quantize_lm_head": bool(head)}
+    """'int8' -> int8 per channel; 'uint4_g32' -> uint4 in groups of 32; suffixes: '+head' quantizes the LM
+    head too, '+a8' computes with int8 activations (compute_method activate_quant); the customized_quant_config."""
+    base, *suffixes = name.split("+")
+    unknown = set(suffixes) - {"head", "a8"}
+    if unknown:
+        raise SystemExit(f"--quant {name}: unknown suffix {sorted(unknown)} (known: +head, +a8)")
+    fmt, _, group = base.partition("_g")
+    return {"weight_format": fmt, "group_size": int(group) if group else -1, "quantize_lm_head": "head" in suffixes,
+            "compute_method": "activate_quant" if "a8" in suffixes else "weight_only"}
 
 
 def file_bytes_per_token(weights_path: str, ctx_bytes: int) -> int:
@@ -115,12 +120,14 @@ def decode_rounds(decoders: dict, bytes_per_tok, repeats: int) -> dict:
     pool decoded at the same speed in the same rounds yet came out 0.78 and 0.85 of "their" rooflines.)
     Per engine: medians over rounds of tokens/s, of the roofline ratio and of the bandwidth, and
     `decode_b1_vs_allspark`, the median over rounds of its tokens/s over the Engine's in the same round;
-    `decode_b1_tps_by_round`: every engine's tokens/s per round, for any other pairing (`same_round_ratio`)."""
+    `decode_b1_tps_by_round`: every engine's tokens/s per round, for any other pairing (`same_round_ratio`).
+    Round r starts with the r-th engine (the order rotates), so no engine always runs first or last."""
     runs = {name: [] for name in decoders}
+    order = list(decoders)
     for r in range(repeats):
         bws, tps = [machine.copy_bandwidth()], {}
-        for name, decode_once in decoders.items():
-            tps[name] = decode_once(r)
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            tps[name] = decoders[name](r)
             bws.append(machine.copy_bandwidth())
         bw = statistics.median(bws)
         for name, t in tps.items():
@@ -253,7 +260,7 @@ def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only
             if with_hf:
                 result["transformers"].update(hf_workloads(hf, spec))
         if kv_modes:
-            result["kv_modes"] = kv_mode_rounds(ours, loader, hf, spec, kv_modes, KV_CONTEXT[spec is QUICK])
+            result["kv_modes"] = kv_mode_rounds(ours, loader, hf, spec, kv_modes, spec["kv_context"])
         if not decode_only or ttft_rows:
             for p in spec["prompts"]:
                 if decode_only:
@@ -368,7 +375,7 @@ def main() -> None:
     p.add_argument("--no-hf", action="store_true", help="skip transformers (kernel work on our own engines)")
     p.add_argument("--ttft", action="store_true", help="with --decode-only: also the Engine's TTFT rows")
     p.add_argument("--quant", nargs="*", default=[], metavar="FORMAT[_gGROUP]",
-                   help="also serve the weights quantized, e.g. int8 int4_g32 uint4_g64 int8+head (InstantQuant)")
+                   help="also serve the weights quantized, e.g. int8 int4_g32 uint4_g64 int8+head int8+a8 (InstantQuant)")
     p.add_argument("--llamacpp", action=argparse.BooleanOptionalAction, default=None,
                    help="race llama.cpp (llama-cpp-python) on the same weights as GGUF; default: when importable")
     p.add_argument("--llamacpp-check", action="store_true",
@@ -382,6 +389,8 @@ def main() -> None:
                    help="the serving features instead: prefix cache and guided JSON (serving_features.py)")
     p.add_argument("--sections", nargs="+", default=None, help="with --features: which sections (guided prefix pool mbu)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--rounds", type=int, default=None,
+                   help="interleaved batch-1 decode rounds (default 7; --quick 3)")
     p.add_argument("--json", default=None, help="default: benchmarks/results.json, with --features "
                    "benchmarks/results-features.json")
     a = p.parse_args()
@@ -398,6 +407,8 @@ def main() -> None:
         print(json.dumps({k: v for k, v in report.items() if not isinstance(v, list)}, indent=1))
         return
     spec = QUICK if a.quick else FULL
+    if a.rounds:
+        spec = dict(spec, decode_repeats=a.rounds)
     if a.features:
         import serving_features
 

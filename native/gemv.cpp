@@ -65,7 +65,12 @@ inline __m512 load16_512(const uint16_t* p, __mmask16 mask) {
 // benchmark model's weights: a back-to-back chain of its GEMVs read ~12% (bf16) / ~3% (fp32) faster than
 // with one stream and four chains per thread (3-4 streams: no better; 8: slower); inside a whole decode
 // step, where serial work separates the GEMVs, the gain is ~1% (paired steps). (Interleaving *adjacent*
-// rows is one stream, not several.)
+// rows is one stream, not several.) Tried later on the same VM over the same chain, 2 threads (medians of
+// same-round ratios to this kernel; 57 rounds in a rotating order, the chunked rows 37 rounds): AVX512-BF16 dot
+// products on the bf16 x (vdpbf16ps: 1 load + 1 instruction per line instead of 6) 1.01 with 2 streams, 0.99
+// with 4 (0.99-1.02 in a second run); 4 streams of this kernel 1.00; rows taken dynamically in chunks of
+// 16 / 32 / 64 (llama.cpp's scheme) 0.92 / 0.97 / 0.99; software prefetch 512 / 2048 bytes ahead 0.85 / 0.94.
+// The chain is bound by the bandwidth (~31-32 GB/s then), not by instructions, so none of them was kept.
 template <typename W, int S>
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 void rows_m1_avx512(const float* x, int64_t K, const W* w, int64_t n0, int64_t n1, float* y) {

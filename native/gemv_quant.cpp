@@ -12,7 +12,8 @@
 // minus their zero point are widened to int16 and met with q in exact integer multiply-adds (vpmaddwd), summed
 // in int32 over each group, then in fp32:   y = d * sum_g s_g * sum_{k in g} (c_k - z_g) q_k
 // ops.linear_reference rounds x the same way, then dequantizes and multiplies; the kernel equals it up to fp32
-// rounding. One rounding into the activation dtype at the end, bias included.
+// rounding. One rounding into the activation dtype at the end, bias included. compute_method activate_quant
+// ("A8W8", QuantWeight::act_bits = 8) rounds x to int8 instead, q = round(x * 127 / absmax); nothing else changes.
 //
 // Why not fp32 FMAs on codes widened to fp32: measured on a Zen 3-class AVX2 core with the weights in L2, that
 // ran at ~4 G weights/s (int8) and ~2.8 G (4-bit) per core, and over a 0.5 B model's gate/up weights (2
@@ -77,9 +78,10 @@ void round_row_avx2(const float* x, int64_t n, float inv, int16_t* q) {
   for (; i < n; ++i) q[i] = static_cast<int16_t>(std::nearbyint(x[i] * inv));
 }
 
-// the same arithmetic on every ISA: one multiply by 32767 / absmax, round half to even (PAIRS / NIBBLES:
+// the same arithmetic on every ISA: one multiply by act_max / absmax (32767; 127 for activate_quant, whose q
+// then fit int8 but are stored and multiplied as int16 all the same), round half to even (PAIRS / NIBBLES:
 // only for the AVX-512 kernel, isa >= 3)
-Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, Layout layout = NATURAL) {
+Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float act_max, Layout layout = NATURAL) {
   Act16 a;
   const int64_t unit = layout == NATURAL ? BLOCK : CHUNK, nb = (K + unit - 1) / unit * unit / BLOCK;
   a.padded = nb * BLOCK;
@@ -90,8 +92,8 @@ Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, Layou
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x + m * K;
     const float amax = layout == NATURAL ? abs_max(xm, K) : abs_max_avx512(xm, K);
-    const float inv = amax > 0.f ? ACT_MAX / amax : 0.f;
-    a.d[m] = amax / ACT_MAX;
+    const float inv = amax > 0.f ? act_max / amax : 0.f;
+    a.d[m] = amax / act_max;
     int16_t* q = a.q.data() + m * a.padded;
     int32_t* bsum = a.block_sum.data() + m * nb;
     if (layout != NATURAL) {
@@ -391,7 +393,7 @@ template <typename O>
 void run_linear(const float* x, int64_t M, int64_t K, const QuantView& w, const O* bias, O* out, int64_t isa) {
   const int64_t N = w.rows;
   const Layout layout = isa < 3 || !avx512_fits(w) ? NATURAL : w.format >= INT4 ? NIBBLES : PAIRS;
-  const Act16 a = round_activations(x, M, K, isa, layout);
+  const Act16 a = round_activations(x, M, K, isa, w.act_max, layout);
   std::vector<float> scratch(std::is_same_v<O, float> ? 0 : M * N);
   float* y = std::is_same_v<O, float> ? reinterpret_cast<float*>(out) : scratch.data();
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(w.row_bytes, 1));   // ~64 KiB per task
@@ -415,11 +417,13 @@ QuantView QuantWeight::view() const {
   v.row_bytes = qweight.size(1);
   v.groups = scales.size(1);
   v.group = in_features / v.groups;
+  v.act_max = act_bits == 8 ? 127.f : ACT_MAX;
   return v;
 }
 
 void QuantWeight::check() const {
   TORCH_CHECK(format >= INT8 && format <= UINT4, "QuantWeight: unknown format ", format);
+  TORCH_CHECK(act_bits == 8 || act_bits == 16, "QuantWeight: act_bits must be 8 or 16, got ", act_bits);
   const bool four = format >= INT4;
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() &&
                   qweight.scalar_type() == (format == INT8 ? at::kChar : at::kByte),
@@ -478,6 +482,19 @@ torch::Tensor dequantize_weight(const QuantWeight& w, at::ScalarType dtype, int6
   return out;
 }
 
+namespace {
+// each row of x [M, K] rounded as the GEMV rounds it (ops.round_activations_reference): round(x * act_max /
+// absmax) * absmax / act_max, fp32; for the dequantized GEMM of activate_quant weights
+torch::Tensor round_rows(const torch::Tensor& x, double act_max) {
+  TORCH_CHECK(x.dim() == 2, "round_rows: x must be 2-D");
+  const auto xf = x.to(torch::kFloat);
+  const auto amax = xf.abs().amax(-1, true);
+  // a true division, as round_activations computes inv (not reciprocal * act_max)
+  const auto inv = torch::where(amax > 0, torch::full_like(amax, act_max) / amax, torch::zeros_like(amax));
+  return torch::round(xf * inv) * (amax / act_max);
+}
+}  // namespace
+
 torch::Tensor project(const torch::Tensor& x, const Weight& w, const std::optional<torch::Tensor>& b, int64_t isa,
                       int64_t native_rows) {
   if (const auto* q = std::get_if<QuantWeight>(&w)) {
@@ -485,7 +502,9 @@ torch::Tensor project(const torch::Tensor& x, const Weight& w, const std::option
     // fp32 GEMM on the dequantized weight: without AVX-512 bf16 instructions oneDNN's bf16 GEMM is ~5x slower
     // (ops.gemm_dtype has the numbers); these are decode batches, small next to prefill GEMMs
     const auto bf = b ? std::optional<torch::Tensor>(b->to(torch::kFloat)) : std::nullopt;
-    return at::linear(x.to(torch::kFloat), dequantize_weight(*q, at::kFloat, isa), bf).to(x.scalar_type());
+    auto xf = x.to(torch::kFloat);
+    if (q->act_bits == 8) xf = round_rows(xf, 127.f);   // activate_quant: x as the GEMV would meet it
+    return at::linear(xf, dequantize_weight(*q, at::kFloat, isa), bf).to(x.scalar_type());
   }
   const auto& dense = std::get<torch::Tensor>(w);
   if (x.size(0) <= native_rows) return linear_small_m(x, dense, b, isa);

@@ -18,7 +18,7 @@ constexpr int64_t BLOCK = 32;  // k per block of codes (and of x's 16-bit roundi
 // k per exact int32 partial sum: |(code - zero) * q| <= 255 * 32767, and an int32 lane sums 128 of them per 1024 k
 constexpr int64_t FLUSH = 1024;
 constexpr int64_t CHUNK = 512;  // k per step of the AVX-512 kernel: 16 blocks whose sums are reduced together
-constexpr float ACT_MAX = 32767.f;
+constexpr float ACT_MAX = 32767.f;     // x rounded to 16 bits (weight-only); activate_quant: 127
 
 enum Format : int64_t { INT8 = 0, UINT8 = 1, INT4 = 2, UINT4 = 3 };
 

@@ -18,12 +18,15 @@ struct QuantView {
   const at::Half* scales;
   const uint8_t* zeros;      // null for int8 / int4
   int64_t format, rows, row_bytes, groups, group;
+  float act_max;             // x is rounded per row to integers of at most this magnitude (32767 or 127)
 };
 struct QuantWeight {
   torch::Tensor qweight, scales;
   std::optional<torch::Tensor> zeros;
   int64_t format;            // 0 int8, 1 uint8, 2 int4, 3 uint4 (allspark_server/quant/formats.py)
   int64_t in_features;       // K
+  // how x is rounded before it meets the codes: 16 (weight-only, "A16W8/W4") or 8 (activate_quant, "A8W8")
+  int64_t act_bits = 16;
   void check() const;        // shapes and dtypes agree, else a c10::Error naming the problem
   QuantView view() const;
 };

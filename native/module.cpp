@@ -51,14 +51,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("isa"));
   pybind11::class_<QuantWeight>(m, "QuantWeight", "a quantized weight [N, K] (layout in native/gemv_quant.cpp)")
       .def(pybind11::init([](torch::Tensor qweight, torch::Tensor scales, std::optional<torch::Tensor> zeros,
-                             int64_t format, int64_t in_features) {
-             QuantWeight w{qweight, scales, zeros, format, in_features};
+                             int64_t format, int64_t in_features, int64_t act_bits) {
+             QuantWeight w{qweight, scales, zeros, format, in_features, act_bits};
              w.check();
              return w;
            }),
            pybind11::arg("qweight"), pybind11::arg("scales"), pybind11::arg("zeros"), pybind11::arg("format"),
-           pybind11::arg("in_features"))
+           pybind11::arg("in_features"), pybind11::arg("act_bits") = 16)
       .def_readonly("format", &QuantWeight::format)
+      .def_readonly("act_bits", &QuantWeight::act_bits)
       .def_readonly("in_features", &QuantWeight::in_features);
   m.def("linear_quant", &linear_quant, "y = x @ dequant(w).T (+ bias) for few rows of x (fp32 FMAs)", nogil,
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("isa"));

@@ -52,7 +52,9 @@ def refused(engine, inputs, gen, status: AsStatus, *mentions: str, name: str = N
 
 
 def assert_serves(engine, hf_model, name: str = NAME) -> None:
-    assert run(engine, PROBE, dict(GREEDY, max_new_tokens=8), name)[0] == hf_ref(hf_model, PROBE, 8)
+    ours, theirs = run(engine, PROBE, dict(GREEDY, max_new_tokens=8), name)[0], hf_ref(hf_model, PROBE, 8)
+    stat = engine.get_as_engine_stat(name)   # a mismatch says what the cache held (a shared pool's history)
+    assert ours == theirs, (ours, theirs, stat.prefix_cache_hit_token, stat.prefix_cache_spans, stat.used_span)
 
 
 def own_model_cfg(loader, name: str):

@@ -79,3 +79,23 @@ def test_preemption_under_tiny_kv_budget_keeps_every_token(loader, alone, llama)
     stat = engine.get_as_engine_stat("tight")
     assert stat.num_preempted > 0, "the budget was meant to force preemption"
     assert stat.used_span == 0 and stat.free_span == 36
+
+
+def test_tokens_delivered_after_the_next_launch_are_the_same_tokens(loader, alone):
+    """GPU ranks push a step's tokens once the next step is launched (ServedModel._defer_delivery); forced on here
+    on the CPU: every request still gets exactly its tokens and its final status, a stopped request ends with
+    what it had produced, and nothing is left undelivered when the engine goes idle."""
+    engine = start_engine(loader, "deferred", max_batch=8, max_length=512, prefill=96)
+    served = engine._engine.models["deferred"]
+    served._defer_delivery = True
+    assert run_concurrently(engine, "deferred") == alone
+    assert not served._undelivered
+    status, handle, queue = engine.start_request("deferred", {"input_ids": random_prompt(20, 7)},
+                                                 {"top_k": 1, "max_new_tokens": 400, "eos_token_id": []})
+    assert status == 0
+    first = queue.Get()                     # generating: stop it mid-stream
+    assert engine.stop_request("deferred", handle) == 0
+    tokens, _, final = collect(queue)
+    assert final.name == "GenerateFinished" and 0 < len(first.ids_from_generate) + len(tokens) < 400
+    engine.release_request("deferred", handle)
+    assert not served._undelivered and engine.get_as_engine_stat("deferred").used_span == 0

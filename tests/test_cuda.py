@@ -118,10 +118,11 @@ def test_greedy_on_the_gpu_equals_transformers_alone_and_batched(llama, tmp_path
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("batch", [1, 3])
-def test_graph_replay_equals_the_eager_step(llama, tmp_path, batch):
-    """A decode step replayed from its CUDA graph (padded up the ladder when batch = 3) gives the eager step's
-    logits; the step rewrites the same cache slots with the same values, so both see one cache."""
+def test_graph_replay_equals_the_eager_step(llama, tmp_path):
+    """Decode steps replayed from their CUDA graphs (inputs written from the runner's mirrors, padded up the
+    ladder for 3 rows, then fewer rows than before, then more) give the eager step's logits; each step rewrites
+    the same cache slots with the same values, so both see one cache, and a padding row left over from a larger
+    step would write into a sequence's slots and show."""
     from allspark_server.core.messages import ScheduledChunk
     from allspark_server.runner.forward_inputs import RequestMirror, build_forward_inputs
     from test_hf_parity import runner_for
@@ -129,19 +130,20 @@ def test_graph_replay_equals_the_eager_step(llama, tmp_path, batch):
     runner = runner_for(loader, "r", device="cuda", max_batch=4)
     assert runner.graphs is not None and 4 in runner.graphs.sizes
     per_seq = 16 // runner.span_size + 2
-    for i in range(batch):   # each sequence's 16-token prompt, prefilled eagerly
+    for i in range(4):   # each sequence's 16-token prompt, prefilled eagerly
         spans = list(range(i * per_seq, (i + 1) * per_seq))
         runner.mirrors[i] = RequestMirror(random_prompt(16, seed=i) + [7 + i], spans, 0)
         inputs = build_forward_inputs([ScheduledChunk(i, 16, False)], runner.mirrors, runner.span_size)
         runner.model(inputs.to(runner.device), runner.kv)
         runner.mirrors[i].num_computed_tokens = 16
-    chunks = [ScheduledChunk(i, 1, True) for i in range(batch)]
-    inputs = build_forward_inputs(chunks, runner.mirrors, runner.span_size).to(runner.device)
-    assert runner.graphs.fits(inputs)
-    replayed = runner.graphs.run(inputs).clone()
-    eager = runner.model(inputs, runner.kv)
-    assert replayed.shape == eager.shape == (batch, 512)
-    torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+    for batch in (3, 1, 4, 2):
+        chunks = [ScheduledChunk(i, 1, True) for i in range(batch)]
+        assert runner.graphs.fits_decode(chunks)
+        replayed = runner.graphs.run_decode(chunks, runner.mirrors).clone()
+        eager = runner.model(build_forward_inputs(chunks, runner.mirrors, runner.span_size).to(runner.device),
+                             runner.kv)
+        assert replayed.shape == eager.shape == (batch, 512)
+        torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
@@ -196,14 +198,19 @@ def test_prefix_cache_host_tier_and_guided_output_on_the_gpu(llama, tmp_path):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("fmt,group", [("int8", -1), ("int4", 64), ("uint4", 32)])
-def test_quantized_weights_on_the_gpu_equal_transformers_on_the_stored_codes(llama, tmp_path, fmt, group):
+@pytest.mark.parametrize("fmt,group,compute", [("int8", -1, "weight_only"), ("int4", 64, "weight_only"),
+                                               ("uint4", 32, "weight_only"), ("int8", -1, "activate_quant")])
+def test_quantized_weights_on_the_gpu_equal_transformers_on_the_stored_codes(llama, tmp_path, fmt, group, compute):
     """InstantQuant weights on a GPU rank (the Triton matmul over the codes, in the decode graphs and in
-    prefill): greedy equals transformers running the stored codes dequantized independently, alone and batched."""
-    from test_quant_models import hf_with_stored_weights, serialize_quantized
-    name = f"gq_{fmt}_{group}"
-    loader = serialize_quantized(llama.hf_dir, name, str(tmp_path), {"weight_format": fmt, "group_size": group})
+    prefill): greedy equals transformers running the stored codes dequantized independently, alone and batched
+    (activate_quant: with every quantized projection's input rounded to int8 per token there too)."""
+    from test_quant_models import hf_with_stored_weights, round_inputs_to_int8, serialize_quantized
+    name = f"gq_{fmt}_{group}_{compute}"
+    loader = serialize_quantized(llama.hf_dir, name, str(tmp_path),
+                                 {"weight_format": fmt, "group_size": group, "compute_method": compute})
     reference = hf_with_stored_weights(llama.model, loader, fmt, group)
+    if compute == "activate_quant":
+        reference = round_inputs_to_int8(reference)
     engine = cuda_engine(loader, name)
     assert engine._engine.models[name].runner.graphs is not None
     assert_greedy_alone_and_batched(engine, name, reference, [random_prompt(n, seed=50 + n) for n in (5, 40, 130)], 24)

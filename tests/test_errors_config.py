@@ -209,3 +209,13 @@ def test_prompt_larger_than_whole_kv_cache(llama, tmp_path_factory):
         engine.sync_request("errs_kv")
         assert engine.release_model("errs_kv") == OK
 
+
+
+def test_the_prefill_budget_defaults_per_device():
+    """max_prefill_length 0 means 1024 tokens a step on CPUs and 4096 on GPUs; a set value is kept on both."""
+    from allspark_client.config import AsModelConfig
+    base = dict(model_name="m", model_path="m.asgraph", weights_path="m.asparam")
+    assert AsModelConfig(compute_unit="CPU:0", **base).max_prefill_tokens == 1024
+    assert AsModelConfig(compute_unit="CUDA:0", **base).max_prefill_tokens == 4096
+    for unit in ("CPU:0", "CUDA:0,1"):
+        assert AsModelConfig(compute_unit=unit, engine_max_prefill_length=300, **base).max_prefill_tokens == 300

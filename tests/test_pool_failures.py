@@ -31,7 +31,10 @@ def test_kill_rank1_during_stream_fails_fast(new_pool, loader):
     status, handle, queue = client.start_request(MODEL, {"input_ids": random_prompt(8, seed=11)},
                                                  greedy_cfg(LONG_RUN_TOKENS))
     assert status == AsStatus.ALLSPARK_SUCCESS, client.get_last_error()
-    read_at_least(queue, 3)
+    got = read_at_least(queue, 3)
+    # rank 1 is frozen first, so rank 0 is waiting in a step's collective when rank 1 dies, wherever in a step the
+    # signal found it (rank 1 dying between two steps is the SIGTERM race of test_sigterm_with_a_rank_that_...)
+    rank1[0].send_signal(signal.SIGSTOP)
     assert not queue.GenerateStatus().is_terminal, "the request must still be running when rank 1 dies"
 
     synced: dict = {}
@@ -62,18 +65,18 @@ def test_kill_rank1_during_stream_fails_fast(new_pool, loader):
     assert syncer_all.is_alive(), f"sync_request returned while the request was running: {synced_all}"
 
     killed_at = time.monotonic()
-    rank1[0].send_signal(signal.SIGKILL)
+    rank1[0].send_signal(signal.SIGKILL)     # a stopped process dies at once
 
     # the stream ends in InternalError, naming the pool, within 5 s
     assert wait_until(lambda: queue.GenerateStatus().is_terminal, 5.0), \
         f"queue still {queue.GenerateStatus().name} 5 s after rank 1 was killed"
     ended_in = time.monotonic() - killed_at
-    assert queue.GenerateStatus() == GenerateRequestStatus.InternalError, (queue.GenerateStatus(),
-                                                                           queue.ErrorMessage())
-    assert "pool" in (queue.ErrorMessage() or ""), queue.ErrorMessage()
     # nothing blocks: Get drains what arrived and then returns None
-    while queue.GetWithTimeout(1000) is not None:
-        pass
+    while (el := queue.GetWithTimeout(1000)) is not None:
+        got.extend(el.ids_from_generate)
+    assert queue.GenerateStatus() == GenerateRequestStatus.InternalError, \
+        (queue.GenerateStatus().name, queue.ErrorMessage(), f"{len(got)} of {LONG_RUN_TOKENS} tokens")
+    assert "pool" in (queue.ErrorMessage() or ""), queue.ErrorMessage()
 
     # the thread blocked in sync_request is released within 5 s, with a failure
     syncer.join(timeout=max(0.0, killed_at + 5.0 - time.monotonic()))
@@ -141,6 +144,33 @@ def test_sigterm_idle_pool_exits_zero_and_removes_socket(new_pool, loader):
     assert not os.path.exists(pool.socket)
     with pytest.raises(PoolUnavailable):
         client.get_as_engine_stat(MODEL)
+
+
+def test_sigterm_with_a_rank_that_does_not_answer_fails_instead_of_stopping_cleanly(new_pool, loader):
+    """SIGTERM while rank 1 is stopped: what rank 0 sees when mpirun ends a pool whose rank died between two
+    steps. Rank 0 waits SHUTDOWN_ANSWER_S for rank 1 to acknowledge the shutdown, logs which ranks did not
+    answer and exits non-zero: its streams would have ended in InternalError, not as cleanly stopped."""
+    from allspark_server.engine_thread import SHUTDOWN_ANSWER_S
+    pool = new_pool()
+    client = pool.client()
+    install(client, loader)
+    assert len(client_greedy(client, random_prompt(6, seed=24), 4)) == 4
+    worker = [p for p in pool.ranks() if p.pid != client.health.pid]
+    assert len(worker) == 1
+    worker[0].suspend()
+    stopped_at = time.monotonic()
+    pool.proc.send_signal(signal.SIGTERM)
+    try:
+        code = pool.proc.wait(timeout=SHUTDOWN_ANSWER_S + 30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the launcher did not exit within {SHUTDOWN_ANSWER_S + 30} s of SIGTERM:\n{pool.log()}")
+    took = time.monotonic() - stopped_at
+    assert code != 0, pool.log()
+    assert "did not answer its shutdown" in pool.log(), pool.log()
+    assert took >= SHUTDOWN_ANSWER_S, took
+    assert wait_until(lambda: not pool.rank_processes_left(), 30.0, 0.1), \
+        [(p.pid, cmdline(p)) for p in pool.rank_processes_left()]
+    print(f"unanswered shutdown: launcher exit code {code} {took:.2f}s after SIGTERM")
 
 
 def test_launcher_killed_takes_the_pool_down(new_pool):

@@ -115,6 +115,50 @@ def test_linear_quant_matches_float64(dtype, isa):
             assert ((y.double() - ref).abs() <= tol + rounding).all(), (fmt, n, k, group, m, dtype, isa)
 
 
+def _round_to_int8_levels(x: torch.Tensor) -> torch.Tensor:
+    """activate_quant's x, written here: per row q = round(x * 127 / absmax) (fp32, half to even) times
+    absmax / 127."""
+    xf = x.float()
+    amax = xf.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xf * inv)
+    assert q.abs().max() <= 127
+    return q.double() * (amax.double() / 127.0)
+
+
+@needs_native
+@pytest.mark.parametrize("isa", isa_levels())
+def test_activate_quant_rounds_x_to_int8_per_row(isa):
+    """act_bits 8 (compute_method activate_quant): every kernel meets x rounded to int8 per row; equal to a
+    float64 product of that x with the dequantized weight, on every ISA level, below and above the native row
+    limit (the dequantized GEMM then gets the same rounded x)."""
+    ext = ops.native()
+    g = torch.Generator().manual_seed(14)
+    for i, (fmt, n, k, group) in enumerate(_cases()):
+        q = quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(300 + i)) * 0.05, fmt, group)
+        qw = QuantizedWeight(q["qweight"], q["scales"], q.get("zeros"), fmt, group, k, act_bits=8)
+        weight_only = QuantizedWeight(q["qweight"], q["scales"], q.get("zeros"), fmt, group, k)
+        nw = ops.native_weight(qw)
+        assert nw.act_bits == 8
+        w64 = qw.dequantize().double()
+        for m in (1, 3, 16):
+            x = torch.randn(m, k, generator=g)
+            ref = _round_to_int8_levels(x) @ w64.T
+            tol = 1e-5 * (x.double().abs() @ w64.abs().T).max().item() + 1e-6
+            assert (ext.linear_quant(x, nw, None, isa).double() - ref).abs().max() <= tol, (fmt, n, k, group, m)
+            # the 16-bit rounding of weight-only is a different (far finer) result
+            if m == 1 and k >= 96:
+                assert (ops.linear_reference(x, weight_only).double() - ref).abs().max() > 10 * tol
+    x = torch.randn(40, 96, generator=g)
+    q = quantize(torch.randn(24, 96, generator=g) * 0.05, "int8", -1)
+    qw = QuantizedWeight(q["qweight"], q["scales"], None, "int8", -1, 96, act_bits=8)
+    ref = _round_to_int8_levels(x) @ qw.dequantize().double().T
+    assert (ops.linear(x, qw).double() - ref).abs().max() <= 1e-4    # 40 rows: the dequantized-GEMM path
+    assert (ops.linear_reference(x, qw).double() - ref).abs().max() <= 1e-4
+    with pytest.raises(RuntimeError, match="act_bits"):
+        ext.QuantWeight(q["qweight"], q["scales"], None, FORMAT_IDS["int8"], 96, 4)
+
+
 def test_isa_levels_from_cpu_flags(monkeypatch):
     avx512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}
     for flags, level in ((avx512 | {"avx512_vnni"}, ops.ISA_AVX512_VNNI), (avx512 | {"avx512vnni"}, 3),

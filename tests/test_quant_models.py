@@ -85,6 +85,41 @@ def test_engine_serves_quantized_weights_like_transformers(llama, tmp_path, fmt,
         engine.release_model(name)
 
 
+def round_inputs_to_int8(model):
+    """Forward pre-hooks on the quantized projections: each input row rounded to int8 levels, q = round(x * 127 /
+    absmax) (fp32, half to even) times absmax / 127: activate_quant's activations, written here."""
+    def hook(_, args):
+        x = args[0]
+        amax = x.abs().amax(-1, keepdim=True)
+        inv = torch.where(amax > 0, torch.tensor(127.0, dtype=x.dtype) / amax, torch.zeros_like(amax))
+        return (torch.round(x * inv) * (amax / 127.0),) + tuple(args[1:])
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in QUANTIZED:
+            module.register_forward_pre_hook(hook)
+    return model
+
+
+def test_activate_quant_serves_like_transformers_with_int8_activations(llama, tmp_path):
+    """compute_method activate_quant (A8W8): the stored codes are weight-only int8's; every quantized
+    projection meets its input rounded to int8 per token, in decode steps and in (chunked) prefill alike."""
+    cfg = {"weight_format": "int8", "group_size": -1, "compute_method": "activate_quant"}
+    loader = serialize_quantized(llama.hf_dir, "q_a8", str(tmp_path), cfg)
+    reference = round_inputs_to_int8(hf_with_stored_weights(llama.model, loader, "int8", -1))
+    weight_only = hf_with_stored_weights(llama.model, loader, "int8", -1)
+    engine = start_engine(loader, "q_a8", max_batch=4, max_length=512)
+    try:
+        assert json.loads(engine.get_model_info("q_a8"))["quantization"]["compute_method"] == "activate_quant"
+        for seed, n in ((1, 5), (2, 40), (3, 130)):
+            prompt = random_prompt(n, seed=seed)
+            assert greedy(engine, "q_a8", prompt, 24) == hf_greedy(reference, prompt, 24), n
+        with torch.no_grad():   # the int8 rounding is really applied: the logits move off weight-only's
+            ids = torch.tensor([random_prompt(40, seed=2)])
+            gap = (reference(ids).logits - weight_only(ids).logits).abs().max().item()
+        assert gap > 1e-4, gap
+    finally:
+        engine.release_model("q_a8")
+
+
 @pytest.mark.parametrize("variant", ["llama_gqa_llama3", "qwen2_bias_tied"])
 def test_quantize_lm_head_option(tiny_models, tmp_path, variant):
     """quantize_lm_head (off by default): the LM head gets codes too; a tied head its own, from the embedding."""
@@ -136,7 +171,8 @@ def test_bf16_quantized_model_generates_like_its_fp32_reference(llama, tmp_path)
     ({"weight_format": "int8", "group_size": 48}, "group_size 48"),
     ({"weight_format": "uint4", "group_size": 256}, "group_size 256 does not divide"),
     ({"weight_format": "int8", "group_settings": {r"\.k_proj\.": 32}}, "fused into one projection"),
-    ({"weight_format": "int8", "compute_method": "activate_quant"}, "compute_method 'activate_quant'"),
+    ({"weight_format": "uint4", "compute_method": "activate_quant"}, "compute_method 'activate_quant'"),
+    ({"weight_format": "int8", "compute_method": "fp8_a8w8"}, "compute_method 'fp8_a8w8'"),
     ({"weight_format": "int8", "bits": 4}, "unknown keys"),
     ({"quant_method": "gptq"}, "quant_method 'gptq'"),
 ])
@@ -153,6 +189,18 @@ def test_tp_logits_of_quantized_shards_equal_single_process(llama, tmp_path, fmt
     loader = serialize_quantized(llama.hf_dir, "tpq", str(tmp_path), {"weight_format": fmt, "group_size": group})
     result = tp_logits(loader, random_prompt(40, seed=21) + random_prompt(16, seed=22), 40, tmp_path)
     assert result["world_size"] == 2 and result["max_abs_diff"] <= 1e-4 and result["argmax_equal"], result
+
+
+def test_tp_logits_of_activate_quant_stay_close_to_single_process(llama, tmp_path):
+    """activate_quant on 2 ranks: a row-parallel projection (o, down) rounds each rank's half of its input
+    row with that half's own int8 scale, so the logits differ from one process's by int8 rounding, not more
+    (one process vs transformers with int8 inputs is test_activate_quant_serves_like_transformers...)."""
+    cfg = {"weight_format": "int8", "compute_method": "activate_quant"}
+    loader = serialize_quantized(llama.hf_dir, "tpa8", str(tmp_path), cfg)
+    result = tp_logits(loader, random_prompt(40, seed=21) + random_prompt(16, seed=22), 40, tmp_path)
+    print(f"activate_quant 2-rank vs 1-rank: {result}")
+    assert result["world_size"] == 2 and result["argmax_equal"], result
+    assert 1e-4 < result["max_abs_diff"] <= 0.05, result
 
 
 def test_pool_serves_quantized_model_like_engine(pool, llama, tmp_path):

@@ -212,6 +212,39 @@ def test_prefill_against_float64_and_torch(dtype, d, span_size, group):
     assert torch.equal(again.cpu()[covered], out.cpu()[covered])
 
 
+def test_a_mixed_steps_chunks_through_the_gpu_wiring_equal_the_per_chunk_reference():
+    """The step's wiring (cuda/ops.prefill_attention on build_forward_inputs' prefill_* tensors): a decode row,
+    a whole prompt and a chunk after cached tokens, with span tables shuffled, against ops' per-chunk reference
+    (gather + SDPA with the chunk's mask) in float64."""
+    from allspark_server.core.messages import ScheduledChunk
+    from allspark_server.cuda import ops as cuda_ops
+    from allspark_server.runner.forward_inputs import RequestMirror, build_forward_inputs
+    span_size, kvh, group, d = 16, 2, 4, 64
+    mirrors = {1: RequestMirror(list(range(40)), [7, 2, 5], 39),      # decodes its 40th token
+               2: RequestMirror(list(range(21)), [0, 4], 0),          # a 21-token prompt, all of it
+               3: RequestMirror(list(range(50)), [6, 1, 3, 8], 30)}   # tokens 30..49 after 30 cached
+    chunks = [ScheduledChunk(1, 1, True), ScheduledChunk(2, 21, True), ScheduledChunk(3, 20, True)]
+    inputs = build_forward_inputs(chunks, mirrors, span_size)
+    meta = inputs.attn
+    assert meta.prefill_q_start.tolist() == [1, 22] and meta.prefill_q_len.tolist() == [21, 20]
+    assert meta.prefill_ctx.tolist() == [21, 50] and meta.prefill_max_q == 21
+    assert meta.prefill_spans.tolist() == [[0, 4, 0, 0], [6, 1, 3, 8]]
+    gen = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(9, span_size, kvh, d, generator=gen)
+    v_cache = torch.randn(9, span_size, kvh, d, generator=gen)
+    q = torch.randn(inputs.input_ids.shape[0], kvh * group, d, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        gpu_meta = inputs.to(torch.device(DEVICE)).attn if DEVICE == "cuda" else meta
+        out = torch.full_like(q, float("nan")).to(DEVICE, dtype)
+        cuda_ops.prefill_attention(q.to(DEVICE, dtype), k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype),
+                                   gpu_meta, SCALE, out)
+        exact = torch.full_like(q, float("nan")).double()
+        ops.prefill_attention_reference(q.to(dtype).double(), k_cache.to(dtype).double(),
+                                        v_cache.to(dtype).double(), meta, SCALE, exact)
+        assert torch.isnan(out[0].cpu()).all(), "wrote the decode row"
+        assert_close(out.cpu()[1:], exact[1:], TOL[dtype])
+
+
 # ---- ALiBi ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

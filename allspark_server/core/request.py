@@ -62,6 +62,13 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_ids_from(self, start: int) -> list[int]:
+        """all_token_ids[start:] without building all_token_ids (a decode step's one new token)."""
+        prompt = len(self.prompt_ids)
+        if start >= prompt:
+            return self.output_ids[start - prompt:]
+        return self.prompt_ids[start:] + self.output_ids
+
     @property
     def is_finished(self) -> bool:
         return self.state == RequestState.FINISHED

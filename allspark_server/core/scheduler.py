@@ -178,6 +178,8 @@ class Scheduler:
         Returns False if `req` itself was preempted (or interrupted, when it is alone).
         """
         need = self.spans.spans_for_tokens(req.num_computed_tokens + n) - len(req.span_ids)
+        if need <= 0:
+            return True                        # most decode steps: the last span has room
         while not self.spans.can_allocate(need):
             candidates = [r for r in self.running if r.request_id not in scheduled]
             victim = max(candidates, key=lambda r: r.arrival_order)
@@ -230,7 +232,7 @@ class Scheduler:
                                           req.num_computed_tokens))
                 self._synced.add(req.request_id)
             else:
-                tokens = req.all_token_ids[req.num_synced_tokens:]
+                tokens = req.token_ids_from(req.num_synced_tokens)
                 spans = req.span_ids[req.num_synced_spans:]
                 if tokens or spans:
                     cached.append(CachedRequestData(req.request_id, tuple(tokens), tuple(spans)))

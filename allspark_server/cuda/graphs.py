@@ -2,8 +2,9 @@
 
 At install, one decode step is captured per batch size of a ladder (1, 2, 4, 8, ... up to max_batch), all
 reading the same static input buffers and sharing one memory pool (largest captured first). A decode-only
-step of B sequences copies its inputs into the first rows of those buffers, pads them up to the next size
-of the ladder and replays that graph: a whole step is one launch from the host instead of one per kernel.
+step of B sequences writes its inputs, taken straight from the runner's request mirrors, into the first rows
+of those buffers, pads them up to the next size of the ladder and replays that graph: a whole step is two
+copies and one launch from the host instead of a launch per kernel.
 Padding rows decode token 0 at position 0 into a scratch span that no request owns (the cache holds one
 span more than the span manager hands out), so they can never touch a request's keys and values.
 Steps with a prefill chunk run eagerly.
@@ -31,12 +32,20 @@ class DecodeGraphs:
         self.sizes = batch_ladder(max_batch)
         self.scratch_span, self.scratch_slot = scratch_span, scratch_span * span_size
         long = dict(dtype=torch.long, device=device)
-        # ids, positions, slots and context lengths in one tensor, so a step's inputs arrive in two copies
-        self.per_row = torch.zeros(4, max_batch, **long)                                 # [4, Bmax]
+        # ids, positions, slots and context lengths of each row in one tensor, and the rows' span tables: the
+        # graphs' static inputs. A step writes them on the host into pinned copies (host_*), padding rows
+        # included, and sends each with one asynchronous copy.
+        self.host_rows = torch.zeros(4, max_batch, dtype=torch.long, pin_memory=True)        # [4, Bmax]
+        self.host_rows[2].fill_(self.scratch_slot)     # every row padding: token 0 at position 0 into the
+        self.host_rows[3].fill_(1)                     # scratch span
+        self.host_spans = torch.full((max_batch, max_spans_per_seq), scratch_span, dtype=torch.long,
+                                     pin_memory=True)                                         # [Bmax, MAXS]
+        self.per_row = self.host_rows.to(device)
         self.ids, self.positions, self.slots, self.ctx = self.per_row
-        self.spans = torch.full((max_batch, max_spans_per_seq), scratch_span, **long)   # [Bmax, MAXS]
-        self._pad(0, max_batch)
-        self.filled = 0   # rows holding the last step's sequences
+        self.spans = self.host_spans.to(device)
+        self.host_filled = 0   # host rows holding the last step's sequences
+        self.copied = torch.cuda.Event()   # the last step's copies are done with the host rows
+        self.span_size = span_size
         self.rows = torch.arange(max_batch, **long)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -63,33 +72,35 @@ class DecodeGraphs:
             self.graphs[b] = graph
         torch.cuda.synchronize()
 
-    def _pad(self, begin: int, end: int) -> None:
-        """Rows [begin, end) decode token 0 at position 0 into the scratch span."""
-        self.ids[begin:end].zero_()
-        self.positions[begin:end].zero_()
-        self.slots[begin:end].fill_(self.scratch_slot)
-        self.ctx[begin:end].fill_(1)
-        self.spans[begin:end].fill_(self.scratch_span)
+    def fits_decode(self, chunks) -> bool:
+        """A decode-only step (one token per sequence, every one sampled) of at most max_batch sequences (span
+        tables always fit: the buffer is as wide as max_length needs)."""
+        return len(chunks) <= self.sizes[-1] and all(c.num_tokens == 1 and c.needs_sample for c in chunks)
 
-    def fits(self, inputs: ForwardInputs) -> bool:
-        """A decode-only step (one token per sequence, every row sampled) of at most max_batch sequences whose
-        span tables fit the static buffer."""
-        b = inputs.input_ids.shape[0]
-        return (not inputs.attn.seqs and b <= self.sizes[-1] and inputs.sample_rows.shape[0] == b
-                and inputs.attn.decode_spans.shape[1] <= self.spans.shape[1])
-
-    def run(self, inputs: ForwardInputs) -> torch.Tensor | None:
-        """The step's fp32 logits [B, V] (a view of the graph's output: read it before the next step). `inputs`
-        may be on the host: they are copied into the static buffers directly."""
-        b = inputs.input_ids.shape[0]
+    def run_decode(self, chunks, mirrors) -> torch.Tensor | None:
+        """A decode-only step (fits_decode) from the runner's mirrors (runner/forward_inputs.py): the fp32 logits
+        [B, V], a view of the graph's output (read it before the next step); None on the ranks other than 0 of
+        a pool (the LM head gathers to rank 0)."""
+        b = len(chunks)
         size = next(s for s in self.sizes if s >= b)
-        meta = inputs.attn
-        self.per_row[:, :b].copy_(torch.stack([inputs.input_ids, inputs.positions, meta.slot_mapping,
-                                                meta.decode_ctx]))
-        self.spans[:b, :meta.decode_spans.shape[1]].copy_(meta.decode_spans)
-        if self.filled > b:   # rows of a larger earlier step: back to padding
-            self._pad(b, self.filled)
-        self.filled = b
+        self.copied.synchronize()   # the last step's copies have read the pinned rows (done long ago, mostly)
+        rows, spans, p = self.host_rows.numpy(), self.host_spans.numpy(), self.span_size
+        for i, chunk in enumerate(chunks):
+            m = mirrors[chunk.request_id]
+            pos = m.num_computed_tokens
+            need = pos // p + 1                        # spans holding positions 0..pos
+            span = m.span_ids[need - 1]
+            rows[0, i], rows[1, i], rows[2, i], rows[3, i] = m.token_ids[pos], pos, span * p + pos % p, pos + 1
+            spans[i, :need] = m.span_ids[:need]
+        if self.host_filled > b:   # host rows of a larger earlier step: back to padding
+            rows[0:2, b:self.host_filled] = 0
+            rows[2, b:self.host_filled] = self.scratch_slot
+            rows[3, b:self.host_filled] = 1
+            spans[b:self.host_filled] = self.scratch_span
+        self.host_filled = b
+        self.per_row[:, :size].copy_(self.host_rows[:, :size], non_blocking=True)
+        self.spans[:size].copy_(self.host_spans[:size], non_blocking=True)
+        self.copied.record()
         self.graphs[size].replay()
-        logits = self.logits[size]   # None on the ranks other than 0 of a pool (the LM head gathers to rank 0)
+        logits = self.logits[size]
         return None if logits is None else logits[:b]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from allspark_server import ops as ref
 from allspark_server.cuda import fused_kernels as fused
-from allspark_server.cuda.attention_kernels import paged_decode_attention
+from allspark_server.cuda.attention_kernels import paged_decode_attention, paged_prefill_attention
 from allspark_server.cuda.quant_kernels import quant_matmul
 from allspark_server.quant.formats import QuantizedWeight
 
@@ -21,9 +21,10 @@ from allspark_server.quant.formats import QuantizedWeight
 def linear_reference(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight",
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """A quantized weight dequantized into fp32 and met by x in fp32 (weight only: x is not rounded, unlike
-    the CPU's quantized GEMV), one rounding into x's dtype."""
+    the CPU's quantized GEMV; activate_quant: x rounded to int8 per token), one rounding into x's dtype."""
     if isinstance(w, QuantizedWeight):
-        return F.linear(x.float(), w.dequantize().to(x.device), None if bias is None else bias.float()).to(x.dtype)
+        xf = ref.round_activations_reference(x, 8) if w.act_bits == 8 else x.float()
+        return F.linear(xf, w.dequantize().to(x.device), None if bias is None else bias.float()).to(x.dtype)
     return F.linear(x, w, bias)
 
 
@@ -31,6 +32,8 @@ def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Ten
     if isinstance(w, QuantizedWeight):
         if x.dim() != 2 or x.stride(-1) != 1:
             return linear_reference(x, w, bias)
+        if w.act_bits == 8:   # activate_quant: x rounded to int8 per token (torch ops: graph-capturable)
+            x = ref.round_activations_reference(x, 8).to(x.dtype)
         return quant_matmul(x, w, bias)
     return F.linear(x, w, bias)
 
@@ -48,6 +51,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     alibi_slopes fp32 [H]: ALiBi's bias."""
     return paged_decode_attention(q, k_cache, v_cache, spans, ctx, scale, alibi_slopes=alibi_slopes,
                                   k_param=k_param, v_param=v_param)
+
+
+def prefill_attention(q, k_cache, v_cache, meta, scale, out, k_param=None, v_param=None, alibi_slopes=None):
+    """Every multi-token chunk of the step in one varlen causal launch (Triton) over the spans; quantized spans
+    take the reference's gather-and-SDPA per chunk."""
+    if k_param is not None:
+        return ref.prefill_attention_reference(q, k_cache, v_cache, meta, scale, out, k_param, v_param, alibi_slopes)
+    return paged_prefill_attention(q, k_cache, v_cache, meta.prefill_q_start, meta.prefill_q_len, meta.prefill_ctx,
+                                   meta.prefill_spans, scale, out=out, max_q_len=meta.prefill_max_q,
+                                   alibi_slopes=alibi_slopes)
 
 
 def decode_attention_block(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads, num_kv_heads,

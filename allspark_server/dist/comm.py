@@ -43,8 +43,8 @@ class LocalComm:
     def allreduce_min(self, value: int) -> int:
         return value
 
-    def barrier(self) -> None:
-        pass
+    def barrier(self, timeout_s: Optional[float] = None) -> bool:
+        return True
 
     def abort(self, code: int = 1) -> None:
         os._exit(code)
@@ -134,8 +134,18 @@ class MpiComm:
     def allreduce_min(self, value: int) -> int:
         return self._c.allreduce(value, op=self._mpi.MIN)
 
-    def barrier(self) -> None:
-        self._c.Barrier()
+    def barrier(self, timeout_s: Optional[float] = None) -> bool:
+        """Wait until every rank has entered the barrier; False if that took longer than `timeout_s` (a rank
+        dead or stopped). Always the non-blocking form, polled: a blocking Barrier would not match it."""
+        req = self._c.Ibarrier()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        nap = MIN_NAP_S
+        while not req.Test():
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(nap)
+            nap = min(nap * 2, MAX_NAP_S)
+        return True
 
     def abort(self, code: int = 1) -> None:
         self._c.Abort(code)

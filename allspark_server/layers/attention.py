@@ -4,18 +4,16 @@ One-token (decode) sequences go through one `ops.decode_attention` call that rea
 values straight from the spans (dense or quantized: quant/kv.py). Multi-token chunks (prefill)
 gather their context (dequantized to the activation dtype for quantized spans) and run
 scaled-dot-product attention, causal and offset by the tokens already cached (ALiBi models: with their
-bias, layers/alibi.py). Every sequence is computed on its own, so a request's numbers do not depend on
-its batch neighbours. Steps with no prefill chunk at all skip this module: the decoder runs them
-through the fused decode blocks.
+bias, layers/alibi.py); on a GPU all chunks of a step are one varlen kernel launch over the spans. Every
+sequence is computed on its own, so a request's numbers do not depend on its batch neighbours. Steps with
+no prefill chunk at all skip this module: the decoder runs them through the fused decode blocks.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from allspark_server import ops
-from allspark_server.layers import alibi
 from allspark_server.runner.forward_inputs import AttentionMetadata
 from allspark_server.runner.kv_cache import LayerKV
 
@@ -37,16 +35,6 @@ class PagedAttention(nn.Module):
             out[meta.decode_rows] = ops.decode_attention(q[meta.decode_rows], kv.k, kv.v, meta.decode_spans,
                                                          meta.decode_ctx, self.scale, kv.k_param,
                                                          kv.v_param, self.alibi_slopes)       # [B, h, D]
-        gqa = self.num_heads != self.num_kv_heads
-        for seq in meta.seqs:
-            qs = q[seq.q_start:seq.q_start + seq.q_len].transpose(0, 1)[None]   # [1, h, q, D]
-            k_ctx, v_ctx = ops.gather_kv(kv.k, kv.v, seq.context_slots, kv.k_param, kv.v_param, q.dtype)
-            ks = k_ctx.transpose(0, 1)[None]                                     # [1, kvh, ctx, D]
-            vs = v_ctx.transpose(0, 1)[None]
-            if self.alibi_slopes is not None:       # the causal part from the chunk's offset, plus the bias
-                o = alibi.prefill_attention(qs, ks, vs, self.alibi_slopes, self.scale)      # [1, h, q, D]
-            else:
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, is_causal=seq.is_causal,
-                                                   scale=self.scale, enable_gqa=gqa)  # [1, h, q, D]
-            out[seq.q_start:seq.q_start + seq.q_len] = o[0].transpose(0, 1)
+        if meta.seqs:
+            ops.prefill_attention(q, kv.k, kv.v, meta, self.scale, out, kv.k_param, kv.v_param, self.alibi_slopes)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -22,10 +22,11 @@ class ParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
-        self.quant: tuple[str, int] | None = None      # (format, group size) once quantized
+        self.quant: tuple[str, int, int] | None = None      # (format, group size, act_bits) once quantized
 
-    def quantize_(self, fmt: str, group_size: int) -> None:
-        """Replace the dense weight by empty quantized buffers of this rank's shape (the loader fills them)."""
+    def quantize_(self, fmt: str, group_size: int, act_bits: int = 16) -> None:
+        """Replace the dense weight by empty quantized buffers of this rank's shape (the loader fills them);
+        act_bits: how x is rounded before it meets the codes (QuantizedWeight)."""
         del self.weight
         n, k = self.out_features, self.in_features
         code_dtype = torch.int8 if fmt == "int8" else torch.uint8
@@ -33,13 +34,14 @@ class ParallelLinear(nn.Module):
         self.register_buffer("scales", torch.empty(n, group_count(k, group_size), dtype=torch.float16))
         self.register_buffer("zeros", torch.empty(n, group_count(k, group_size), dtype=torch.uint8)
                              if is_asymmetric(fmt) else None)
-        self.quant = (fmt, group_size)
+        self.quant = (fmt, group_size, act_bits)
 
     @property
     def kernel_weight(self) -> "torch.Tensor | QuantizedWeight":
         if self.quant is None:
             return self.weight
-        return QuantizedWeight(self.qweight, self.scales, self.zeros, *self.quant, self.in_features)
+        fmt, group_size, act_bits = self.quant
+        return QuantizedWeight(self.qweight, self.scales, self.zeros, fmt, group_size, self.in_features, act_bits)
 
 
 class ColumnParallelLinear(ParallelLinear):

@@ -78,4 +78,4 @@ def quantize_layers(model: nn.Module, scheme: QuantScheme, world_size: int = 1) 
                     f"{e}: on {world_size} ranks each holds {module.in_features} of {name}'s "
                     f"{module.in_features * world_size} input features, so its quantization groups would straddle "
                     f"the split (choose a group size that divides {module.in_features})") from None
-        module.quantize_(scheme.weight_format, group)
+        module.quantize_(scheme.weight_format, group, scheme.act_bits)

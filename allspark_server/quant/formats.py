@@ -121,14 +121,17 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
 
 class QuantizedWeight:
     """One quantized weight as the ops take it (a linear layer builds it from its buffers): the stored
-    tensors, the format and group size, and K (the input features of this rank's shard)."""
+    tensors, the format and group size, K (the input features of this rank's shard) and how x is rounded
+    before it meets the codes: act_bits 16 (weight-only) or 8 (activate_quant: int8 per token, "A8W8")."""
 
-    __slots__ = ("qweight", "scales", "zeros", "fmt", "group_size", "in_features")
+    __slots__ = ("qweight", "scales", "zeros", "fmt", "group_size", "in_features", "act_bits")
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, fmt: str,
-                 group_size: int, in_features: int):
+                 group_size: int, in_features: int, act_bits: int = 16):
+        if act_bits not in (8, 16):
+            raise ValueError(f"act_bits must be 8 or 16, got {act_bits!r}")
         self.qweight, self.scales, self.zeros = qweight, scales, zeros
-        self.fmt, self.group_size, self.in_features = fmt, group_size, in_features
+        self.fmt, self.group_size, self.in_features, self.act_bits = fmt, group_size, in_features, act_bits
 
     @property
     def out_features(self) -> int:

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 from allspark_server.quant.formats import FORMATS, GROUP_SIZES, check_shape
 
-COMPUTE_METHODS = ("weight_only",)
+# weight_only: x meets the codes rounded to 16 bits per token (A16W8 / A16W4, no visible loss); activate_quant:
+# rounded to int8 per token (DashInfer's A8W8: symmetric int8 weights only)
+COMPUTE_METHODS = ("weight_only", "activate_quant")
 KNOWN_KEYS = {"quant_method", "weight_format", "group_size", "compute_method", "group_settings", "activate_format",
               "quantize_lm_head"}
 LM_HEAD = r"^lm_head\.weight$"
@@ -54,6 +56,9 @@ class QuantScheme:
         if compute not in COMPUTE_METHODS:
             raise QuantConfigError(f"compute_method {compute!r} is not supported (supported: "
                                    f"{list(COMPUTE_METHODS)})")
+        if compute == "activate_quant" and fmt != "int8":
+            raise QuantConfigError(f"compute_method 'activate_quant' (A8W8) takes weight_format 'int8', not {fmt!r} "
+                                   f"(use compute_method 'weight_only' for {fmt!r})")
         if cfg.get("activate_format", "int8") != "int8":
             raise QuantConfigError(f"activate_format {cfg['activate_format']!r} is not supported (int8)")
         settings = cfg.get("group_settings") or {}
@@ -72,6 +77,11 @@ class QuantScheme:
         if not isinstance(lm_head, bool):
             raise QuantConfigError(f"quantize_lm_head must be true or false, got {lm_head!r}")
         return cls(fmt, int(group), compute, tuple(pairs), lm_head=lm_head)
+
+    @property
+    def act_bits(self) -> int:
+        """How the kernels round x before it meets the codes (QuantizedWeight.act_bits)."""
+        return 8 if self.compute_method == "activate_quant" else 16
 
     def group_for(self, name: str) -> int:
         for pattern, size in self.group_settings:

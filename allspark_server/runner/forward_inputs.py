@@ -6,7 +6,7 @@ mask for a multi-token chunk. `sample_rows` are the batch rows whose logits are 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -28,6 +28,12 @@ class AttentionMetadata:
     decode_rows: torch.Tensor        # [B] long: batch rows of the one-token (decode) sequences
     decode_spans: torch.Tensor       # [B, max spans] long: their span tables (padded with 0)
     decode_ctx: torch.Tensor         # [B] long: their context lengths (new token included)
+    # the multi-token chunks again as one varlen batch (the GPU's prefill kernel): rows, lengths, span tables
+    prefill_q_start: torch.Tensor | None = None   # [N] long: first batch row of chunk i
+    prefill_q_len: torch.Tensor | None = None     # [N] long: its tokens
+    prefill_ctx: torch.Tensor | None = None       # [N] long: its context (cached + new tokens)
+    prefill_spans: torch.Tensor | None = None     # [N, max spans] long: its span table (padded with 0)
+    prefill_max_q: int = 0                        # the longest chunk (sizes the kernel's grid)
 
 
 @dataclass
@@ -45,10 +51,10 @@ class ForwardInputs:
 
         def move(t):
             return None if t is None else t.to(device, non_blocking=True)
-        a = self.attn
-        seqs = [replace(sq, context_slots=move(sq.context_slots), mask=move(sq.mask)) for sq in a.seqs]
-        attn = AttentionMetadata(move(a.slot_mapping), seqs, move(a.decode_rows), move(a.decode_spans),
-                                 move(a.decode_ctx))
+        a = self.attn   # seqs stay on the host: the GPU attends chunks through the prefill_* tensors
+        attn = AttentionMetadata(move(a.slot_mapping), a.seqs, move(a.decode_rows), move(a.decode_spans),
+                                 move(a.decode_ctx), move(a.prefill_q_start), move(a.prefill_q_len),
+                                 move(a.prefill_ctx), move(a.prefill_spans), a.prefill_max_q)
         return ForwardInputs(move(self.input_ids), move(self.positions), attn, move(self.sample_rows),
                              self.sample_request_ids)
 
@@ -64,7 +70,8 @@ class RequestMirror:
 def build_forward_inputs(chunks, mirrors: dict[int, RequestMirror], span_size: int) -> ForwardInputs:
     ids, positions, slot_list, seqs, sample_rows, sample_rids = [], [], [], [], [], []
     dec_rows, dec_spans, dec_ctx = [], [], []
-    offsets = torch.arange(span_size)
+    pre_spans = []
+    offsets = None   # token offsets within a span, made by the first prefill chunk
     for chunk in chunks:
         m = mirrors[chunk.request_id]
         start, n = m.num_computed_tokens, chunk.num_tokens
@@ -78,6 +85,8 @@ def build_forward_inputs(chunks, mirrors: dict[int, RequestMirror], span_size: i
             dec_ctx.append(end)
         else:
             spans = torch.tensor(m.span_ids, dtype=torch.long)
+            if offsets is None:
+                offsets = torch.arange(span_size)
             all_slots = (spans[:, None] * span_size + offsets[None, :]).reshape(-1)[:end]   # [ctx]
             slot_list.extend(all_slots[start:end].tolist())
             mask = None
@@ -85,18 +94,29 @@ def build_forward_inputs(chunks, mirrors: dict[int, RequestMirror], span_size: i
                 q_pos = torch.arange(start, end)[:, None]
                 mask = torch.arange(end)[None, :] <= q_pos                                  # [q, ctx]
             seqs.append(SeqAttention(len(ids) - n, n, all_slots, mask, is_causal=start == 0))
+            pre_spans.append(m.span_ids[:-(-end // span_size)])
         if chunk.needs_sample:
             sample_rows.append(len(ids) - 1)
             sample_rids.append(chunk.request_id)
-    width = max((len(sp) for sp in dec_spans), default=0)
     return ForwardInputs(
         input_ids=torch.tensor(ids, dtype=torch.long),
         positions=torch.tensor(positions, dtype=torch.long),
         attn=AttentionMetadata(torch.tensor(slot_list, dtype=torch.long), seqs,
                                decode_rows=torch.tensor(dec_rows, dtype=torch.long),
-                               decode_spans=torch.tensor([sp + [0] * (width - len(sp)) for sp in dec_spans],
-                                                         dtype=torch.long).reshape(len(dec_spans), width),
-                               decode_ctx=torch.tensor(dec_ctx, dtype=torch.long)),
+                               decode_spans=padded_table(dec_spans),
+                               decode_ctx=torch.tensor(dec_ctx, dtype=torch.long),
+                               prefill_q_start=torch.tensor([sq.q_start for sq in seqs], dtype=torch.long),
+                               prefill_q_len=torch.tensor([sq.q_len for sq in seqs], dtype=torch.long),
+                               prefill_ctx=torch.tensor([sq.context_slots.shape[0] for sq in seqs], dtype=torch.long),
+                               prefill_spans=padded_table(pre_spans),
+                               prefill_max_q=max((sq.q_len for sq in seqs), default=0)),
         sample_rows=torch.tensor(sample_rows, dtype=torch.long),
         sample_request_ids=sample_rids,
     )
+
+
+def padded_table(rows: list[list[int]]) -> torch.Tensor:
+    """Span tables as one [N, longest] long tensor, short rows padded with span 0 (never read past a row's
+    context)."""
+    width = max((len(r) for r in rows), default=0)
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long).reshape(len(rows), width)

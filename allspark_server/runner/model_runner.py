@@ -150,14 +150,15 @@ class ModelRunner:
             copy_spans(self.tier, [t for t, _ in plan.tier_loads], self.kv, [s for _, s in plan.tier_loads])
         if plan.is_empty:
             return None, []
-        inputs = build_forward_inputs(plan.chunks, self.mirrors, self.span_size)
-        if self.graphs is not None and self.graphs.fits(inputs):
-            logits = self.graphs.run(inputs)
+        chunks = plan.chunks
+        if self.graphs is not None and self.graphs.fits_decode(chunks):   # no ForwardInputs to build
+            logits, sampled = self.graphs.run_decode(chunks, self.mirrors), [c.request_id for c in chunks]
         else:
-            logits = self.model(inputs.to(self.device), self.kv)
-        for c in plan.chunks:
+            inputs = build_forward_inputs(chunks, self.mirrors, self.span_size)
+            logits, sampled = self.model(inputs.to(self.device), self.kv), inputs.sample_request_ids
+        for c in chunks:
             self.mirrors[c.request_id].num_computed_tokens += c.num_tokens
-        return logits, inputs.sample_request_ids
+        return logits, sampled
 
 
 def rank_device(compute_unit: str, rank: int) -> torch.device:
