@@ -261,8 +261,8 @@ class ClientEngine(EngineAPI):
                 if reply.HasField("stats"):
                     queue._set_stats(convert.stats_from_proto(reply.stats))
                 el = convert.elements_from_reply(reply)
-                if el.ids_from_generate:
-                    queue._push(el, status)
+                if el.ids_from_generate:   # a last reply's tokens go in before its terminal status and message
+                    queue._push(el, GenerateRequestStatus.Generating if status.is_terminal else status)
                 if status.is_terminal:
                     queue._set_status(status, reply.message or None)
         except grpc.RpcError as e:

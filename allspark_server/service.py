@@ -4,8 +4,8 @@ Owns request/reply translation only; validation and all state live in the Engine
 asyncio loop in one thread, so an open stream costs a coroutine, not a thread: thousands of streams can be open
 at once. Engine calls that may block (install, stop, sync, start_request's grammar compile) run on a bounded
 thread pool. Generate is a server stream fed from the request's ResultQueue, which wakes the stream's coroutine
-when it has news (a listener hook): a reply per batch of new tokens, then a last reply with the terminal status
-and stats. A client that goes away mid-stream has its request released; otherwise the client releases it
+when it has news (a listener hook): a reply per batch of new tokens, and a last one with the terminal status, the
+tokens still left and the stats. A client that goes away mid-stream has its request released; otherwise the client releases it
 (ReleaseRequest), as with Engine. Past `max_streams` open Generate streams a new one is refused at once with
 ALLSPARK_REQUEST_DENIED saying so (overload, not a lost pool); other calls are never refused. A stream whose
 client stops reading is dropped after `stream_stall_s` (DropStalledStreams), its request released.
@@ -113,17 +113,22 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
             yield pb.GenerateReply(status=0, request_id=handle.request_id, generate_status=int(queue.GenerateStatus()))
             while True:
                 news.clear()                   # cleared before looking: a push after the look sets it again
-                el = queue.GetNoWait()
+                # The status before the tokens: the engine pushes a request's last tokens before its terminal
+                # status, so a terminal status read first means the take below holds every token that is left.
+                # (Read the other way round, a reply could say "finished" while tokens were still to come, and a
+                # reader would stop at that reply.)
                 gen_status = queue.GenerateStatus()
+                el = queue.GetNoWait()
                 if el is None and not gen_status.is_terminal:
                     await news.wait()
                     continue
                 reply = pb.GenerateReply(status=0, request_id=handle.request_id, generate_status=int(gen_status))
                 if el is not None:
                     convert.elements_to_reply(el, reply)
+                if not gen_status.is_terminal:
                     yield reply
                     continue
-                # terminal and drained: the last reply carries the reason (if any) and the stats
+                # terminal: the last reply carries the last tokens, the reason (if any) and the stats
                 reply.message = queue.ErrorMessage() or ""
                 reply.stats.CopyFrom(convert.stats_to_proto(queue.RequestStatInfo()))
                 yield reply
