@@ -83,26 +83,38 @@ void round_row_avx2(const float* x, int64_t n, float inv, int16_t* q) {
 // only for the AVX-512 kernel, isa >= 3)
 Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float act_max, Layout layout = NATURAL) {
   Act16 a;
-  const int64_t unit = layout == NATURAL ? BLOCK : CHUNK, nb = (K + unit - 1) / unit * unit / BLOCK;
+  const bool avx512 = layout == PAIRS || layout == NIBBLES;
+  const int64_t unit = avx512 ? CHUNK : layout == NIBBLES16 ? CHUNK16 : BLOCK;
+  const int64_t nb = (K + unit - 1) / unit * unit / BLOCK;
   a.padded = nb * BLOCK;
   a.q.assign(M * a.padded, 0);
   a.block_sum.assign(M * nb, 0);
-  a.chunk_sum.assign(layout == NATURAL ? 0 : M * nb / 16, 0);
+  a.chunk_sum.assign(avx512 ? M * nb / 16 : 0, 0);
   a.d.assign(M, 0.f);
+  std::vector<int16_t> natural(layout == NIBBLES16 ? a.padded : 0, 0);
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x + m * K;
-    const float amax = layout == NATURAL ? abs_max(xm, K) : abs_max_avx512(xm, K);
+    const float amax = avx512 ? abs_max_avx512(xm, K) : abs_max(xm, K);
     const float inv = amax > 0.f ? act_max / amax : 0.f;
     a.d[m] = amax / act_max;
     int16_t* q = a.q.data() + m * a.padded;
     int32_t* bsum = a.block_sum.data() + m * nb;
-    if (layout != NATURAL) {
+    if (avx512) {
       round_row_avx512(xm, K, a.padded, inv, layout, q, bsum, a.chunk_sum.data() + m * nb / 16);
       continue;
     }
-    if (isa >= 1) round_row_avx2(xm, K, inv, q);
-    else for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int16_t>(std::nearbyint(xm[k] * inv));
-    for (int64_t k = 0; k < K; ++k) bsum[k / BLOCK] += q[k];
+    int16_t* r = layout == NIBBLES16 ? natural.data() : q;   // rounded in k order, then (NIBBLES16) reordered
+    if (isa >= 1) round_row_avx2(xm, K, inv, r);
+    else for (int64_t k = 0; k < K; ++k) r[k] = static_cast<int16_t>(std::nearbyint(xm[k] * inv));
+    for (int64_t k = 0; k < K; ++k) bsum[k / BLOCK] += r[k];
+    if (layout == NIBBLES16) {
+      for (int64_t c = 0; c < a.padded; c += CHUNK16) {
+        for (int64_t i = 0; i < 16; ++i) {   // word i: block b = i / 8, byte pair j = i % 8 (gemv_quant.h)
+          const int64_t k = c + 32 * (i / 8) + 2 * (i % 8);
+          q[c + i] = r[k], q[c + 16 + i] = r[k + 16], q[c + 32 + i] = r[k + 1], q[c + 48 + i] = r[k + 17];
+        }
+      }
+    }
   }
   return a;
 }
@@ -260,6 +272,96 @@ void row_grouped_m1_avx2(const Act16& a, int64_t m, const QuantView& w, int64_t 
   y[m * N + n] = a.d[m] * (simd::hsum8(total) + rest);
 }
 
+// One row of x (batch-1 decode) against weight row n, 4-bit codes in groups of G = 32 * BPG (BPG = 1, 2 or 4),
+// x in the NIBBLES16 layout: 32 bytes of codes are loaded as 16 words and each of a word's four nibbles is
+// isolated with a shift and a mask into a vector that meets x in one vpmaddwd: about 3.5 instructions per 16
+// codes where row_grouped_m1_avx2 widens bytes to words (5). A chunk's int32 partials hold block 2c in lanes
+// 0-3 and block 2c + 1 in lanes 4-7; eight groups are reduced together as there.
+template <int F>
+__attribute__((target("avx2,fma,f16c")))
+inline __m256i chunk16_avx2(const uint8_t* codes, const int16_t* x) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+  const __m256i m4 = _mm256_set1_epi16(0x000F);
+  const __m256i* xv = reinterpret_cast<const __m256i*>(x);
+  const __m256i s0 = _mm256_madd_epi16(_mm256_and_si256(w, m4), _mm256_loadu_si256(xv));
+  const __m256i s1 = _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), m4), _mm256_loadu_si256(xv + 1));
+  const __m256i s2 = _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 8), m4), _mm256_loadu_si256(xv + 2));
+  const __m256i s3 = _mm256_madd_epi16(_mm256_srli_epi16(w, 12), _mm256_loadu_si256(xv + 3));
+  return _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));
+}
+
+// BPG >= 2: the partials of group gg (BPG / 2 chunks), all eight lanes its own
+template <int F, int BPG>
+__attribute__((target("avx2,fma,f16c")))
+inline __m256i group16_avx2(const uint8_t* wr, const int16_t* q, int64_t gg) {
+  constexpr int64_t G = BPG * BLOCK;
+  __m256i s = chunk16_avx2<F>(wr + gg * G / 2, q + gg * G);
+  for (int c = 1; c < BPG / 2; ++c) s = _mm256_add_epi32(s, chunk16_avx2<F>(wr + gg * G / 2 + 32 * c, q + gg * G + 64 * c));
+  return s;
+}
+
+template <int F, int BPG>
+__attribute__((target("avx2,fma,f16c")))
+void row_nibbles16_m1_avx2(const Act16& a, const QuantView& w, int64_t n, float* y) {
+  const uint8_t* wr = w.codes + n * w.row_bytes;
+  const at::Half* sr = w.scales + n * w.groups;
+  const uint8_t* zr = w.zeros ? w.zeros + n * w.groups : nullptr;
+  const int16_t* q = a.q.data();
+  const int32_t* qsum = a.block_sum.data();
+  constexpr int64_t G = BPG * BLOCK;
+  __m256 total = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= w.groups; g += 8) {
+    __m256i sums;
+    if constexpr (BPG == 1) {   // 4 chunks: lanes [g0 g2 g4 g6 | g1 g3 g5 g7] after the adds, then in order
+      __m256i p[4];
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) p[c] = chunk16_avx2<F>(wr + (g + 2 * c) * G / 2, q + (g + 2 * c) * G);
+      const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+      sums = _mm256_permutevar8x32_epi32(t, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    } else {                    // four groups at a time, so that few vectors are live
+      const __m256i s0 = _mm256_hadd_epi32(_mm256_hadd_epi32(group16_avx2<F, BPG>(wr, q, g), group16_avx2<F, BPG>(wr, q, g + 1)),
+                                           _mm256_hadd_epi32(group16_avx2<F, BPG>(wr, q, g + 2), group16_avx2<F, BPG>(wr, q, g + 3)));
+      const __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(group16_avx2<F, BPG>(wr, q, g + 4), group16_avx2<F, BPG>(wr, q, g + 5)),
+                                           _mm256_hadd_epi32(group16_avx2<F, BPG>(wr, q, g + 6), group16_avx2<F, BPG>(wr, q, g + 7)));
+      sums = _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
+    }
+    alignas(32) int32_t group_q[8];
+    for (int j = 0; j < 8; ++j) {
+      int32_t t = 0;
+      for (int b = 0; b < BPG; ++b) t += qsum[(g + j) * BPG + b];
+      group_q[j] = t;
+    }
+    const __m256i z = F == INT4 ? _mm256_set1_epi32(8)
+                                : _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zr + g)));
+    sums = _mm256_sub_epi32(sums, _mm256_mullo_epi32(z, _mm256_load_si256(reinterpret_cast<const __m256i*>(group_q))));
+    const __m256 scales = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + g)));
+    total = _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(sums), total);
+  }
+  // the last groups when there are not eight: a chunk (two groups of 32) or a group at a time
+  constexpr int64_t STEP = BPG == 1 ? 2 : 1, LANES = 8 / STEP;
+  float rest = 0.f;
+  for (; g < w.groups; g += STEP) {
+    alignas(32) int32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes),
+                       BPG == 1 ? chunk16_avx2<F>(wr + g * G / 2, q + g * G) : group16_avx2<F, BPG>(wr, q, g));
+    for (int64_t h = 0; h < STEP; ++h) {
+      int32_t dot = 0, gq = 0;
+      for (int64_t l = 0; l < LANES; ++l) dot += lanes[h * LANES + l];
+      for (int b = 0; b < BPG; ++b) gq += qsum[(g + h) * BPG + b];
+      rest += _cvtsh_ss(sr[g + h].x) * static_cast<float>(dot - zero_of<F>(zr, g + h) * gq);
+    }
+  }
+  y[n] = a.d[0] * (simd::hsum8(total) + rest);
+}
+
+// the AVX2 NIBBLES16 kernel's weights: 4-bit, groups of 32, 64 or 128, K a multiple of 64 (whole chunks), at
+// least 2 groups
+inline bool nibbles16_fits(const QuantView& w, int64_t K) {
+  return (w.format == INT4 || w.format == UINT4) && (w.group == BLOCK || w.group == 2 * BLOCK || w.group == 4 * BLOCK) &&
+         w.groups > 1 && K % CHUNK16 == 0;
+}
+
 template <int F>
 __attribute__((target("avx2,fma,f16c")))
 void rows_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y, int64_t N) {
@@ -285,7 +387,15 @@ void rows_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_
 template <int F>
 void rows(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y, int64_t N,
           int64_t isa, Layout layout) {
-  if (layout != NATURAL) rows_avx512<F>(a, M, w, K, n0, n1, y, N);
+  if (layout == NIBBLES16) {
+    if constexpr (F == INT4 || F == UINT4) {
+      for (int64_t n = n0; n < n1; ++n) {
+        if (w.group == BLOCK) row_nibbles16_m1_avx2<F, 1>(a, w, n, y);
+        else if (w.group == 2 * BLOCK) row_nibbles16_m1_avx2<F, 2>(a, w, n, y);
+        else row_nibbles16_m1_avx2<F, 4>(a, w, n, y);
+      }
+    }
+  } else if (layout != NATURAL) rows_avx512<F>(a, M, w, K, n0, n1, y, N);
   else if (isa >= 1) rows_avx2<F>(a, M, w, n0, n1, y, N);
   else rows_scalar<F>(a, M, w, n0, n1, y, N);
 }
@@ -392,7 +502,9 @@ void dequantize_rows(const QuantView& w, int64_t K, int64_t n0, int64_t n1, T* o
 template <typename O>
 void run_linear(const float* x, int64_t M, int64_t K, const QuantView& w, const O* bias, O* out, int64_t isa) {
   const int64_t N = w.rows;
-  const Layout layout = isa < 3 || !avx512_fits(w) ? NATURAL : w.format >= INT4 ? NIBBLES : PAIRS;
+  const Layout layout = isa >= 3 && avx512_fits(w)                  ? (w.format >= INT4 ? NIBBLES : PAIRS)
+                        : isa >= 1 && M == 1 && nibbles16_fits(w, K) ? NIBBLES16
+                                                                      : NATURAL;
   const Act16 a = round_activations(x, M, K, isa, w.act_max, layout);
   std::vector<float> scratch(std::is_same_v<O, float> ? 0 : M * N);
   float* y = std::is_same_v<O, float> ? reinterpret_cast<float*>(out) : scratch.data();

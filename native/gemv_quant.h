@@ -30,7 +30,10 @@ inline float half_to_float(at::Half h) { return static_cast<float>(h); }
 //   PAIRS (8-bit, per 64 k): word i holds k = 2i (low byte), 2i + 1 (high byte): q[2i] x 32, then q[2i + 1] x 32
 //   NIBBLES (4-bit, per 128 k = 4 blocks): word i is bytes 2j, 2j + 1 of block b = i / 8 (j = i % 8), i.e. its
 //   four nibbles are k = 32b + {2j, 16 + 2j, 2j + 1, 17 + 2j}: four vectors of 32, one per nibble position
-enum Layout { NATURAL, PAIRS, NIBBLES };
+//   NIBBLES16 (AVX2, 4-bit, per 64 k = 2 blocks): the same idea in a 256-bit vector: word i is bytes 2j, 2j + 1 of
+//   block b = i / 8 (j = i % 8), four vectors of 16, one per nibble position, k = 32b + {2j, 16 + 2j, 2j + 1, 17 + 2j}
+enum Layout { NATURAL, PAIRS, NIBBLES, NIBBLES16 };
+constexpr int64_t CHUNK16 = 64;   // k per step of the AVX2 NIBBLES16 kernel
 
 // x rounded per row to int16: q [M, padded K] (zero padded) and one scale d per row
 struct Act16 {
