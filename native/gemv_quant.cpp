@@ -30,7 +30,8 @@
 // codes), 1 and 2 AVX2+FMA+F16C (2 = AVX-512 without VNNI: its dequantization is AVX-512), 0 portable C++;
 // the same rounding of x everywhere, so every level equals ops.linear_reference up to fp32 summation order.
 // The weight streams row by row; each thread owns a contiguous block of rows, up to 4 rows of x share each
-// block of codes. The AVX-512 VNNI kernel, its activation layout and its measurements are in
+// block of codes. At batch 1, 4-bit codes in groups of 32, 64 or 128 take the AVX2 NIBBLES16 kernel
+// (row_nibbles16_m1_avx2: codes read as words, nibbles isolated in place, x reordered to match). The AVX-512 VNNI kernel, its activation layout and its measurements are in
 // gemv_quant_avx512.cpp; what both files share is in gemv_quant.h.
 #include <torch/extension.h>
 #include <immintrin.h>
