@@ -30,7 +30,7 @@
 // codes), 1 and 2 AVX2+FMA+F16C (2 = AVX-512 without VNNI: its dequantization is AVX-512), 0 portable C++;
 // the same rounding of x everywhere, so every level equals ops.linear_reference up to fp32 summation order.
 // The weight streams row by row; each thread owns a contiguous block of rows, up to 4 rows of x share each
-// block of codes. At batch 1, 4-bit codes in groups of 32, 64 or 128 take the AVX2 NIBBLES16 kernel
+// block of codes. At batch 1, 4-bit codes in groups of 32 or 64 take the AVX2 NIBBLES16 kernel
 // (row_nibbles16_m1_avx2: codes read as words, nibbles isolated in place, x reordered to match). The AVX-512 VNNI kernel, its activation layout and its measurements are in
 // gemv_quant_avx512.cpp; what both files share is in gemv_quant.h.
 #include <torch/extension.h>
@@ -273,7 +273,7 @@ void row_grouped_m1_avx2(const Act16& a, int64_t m, const QuantView& w, int64_t 
   y[m * N + n] = a.d[m] * (simd::hsum8(total) + rest);
 }
 
-// One row of x (batch-1 decode) against weight row n, 4-bit codes in groups of G = 32 * BPG (BPG = 1, 2 or 4),
+// One row of x (batch-1 decode) against weight row n, 4-bit codes in groups of G = 32 * BPG (BPG = 1 or 2),
 // x in the NIBBLES16 layout: 32 bytes of codes are loaded as 16 words and each of a word's four nibbles is
 // isolated with a shift and a mask into a vector that meets x in one vpmaddwd: about 3.5 instructions per 16
 // codes where row_grouped_m1_avx2 widens bytes to words (5). A chunk's int32 partials hold block 2c in lanes
@@ -291,7 +291,7 @@ inline __m256i chunk16_avx2(const uint8_t* codes, const int16_t* x) {
   return _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));
 }
 
-// BPG >= 2: the partials of group gg (BPG / 2 chunks), all eight lanes its own
+// BPG 2: the partials of group gg (BPG / 2 chunks), all eight lanes its own
 template <int F, int BPG>
 __attribute__((target("avx2,fma,f16c")))
 inline __m256i group16_avx2(const uint8_t* wr, const int16_t* q, int64_t gg) {
@@ -356,11 +356,13 @@ void row_nibbles16_m1_avx2(const Act16& a, const QuantView& w, int64_t n, float*
   y[n] = a.d[0] * (simd::hsum8(total) + rest);
 }
 
-// the AVX2 NIBBLES16 kernel's weights: 4-bit, groups of 32, 64 or 128, K a multiple of 64 (whole chunks), at
-// least 2 groups
+// the AVX2 NIBBLES16 kernel's weights: 4-bit, groups of 32 or 64, K a multiple of 64 (whole chunks), at least 2
+// groups. Groups of 128 ran here (BPG 4) as fast as groups of 32 with the codes in cache, but streaming them it
+// was no faster than row_avx2 (GEMV chain 1.90x of bf16 against 2.00x; the engine's decode 1.30x of bf16 where
+// groups of 32 made 1.75x, same rounds), so they stay on row_avx2.
 inline bool nibbles16_fits(const QuantView& w, int64_t K) {
-  return (w.format == INT4 || w.format == UINT4) && (w.group == BLOCK || w.group == 2 * BLOCK || w.group == 4 * BLOCK) &&
-         w.groups > 1 && K % CHUNK16 == 0;
+  return (w.format == INT4 || w.format == UINT4) && (w.group == BLOCK || w.group == 2 * BLOCK) && w.groups > 1 &&
+         K % CHUNK16 == 0;
 }
 
 template <int F>
@@ -392,8 +394,7 @@ void rows(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, 
     if constexpr (F == INT4 || F == UINT4) {
       for (int64_t n = n0; n < n1; ++n) {
         if (w.group == BLOCK) row_nibbles16_m1_avx2<F, 1>(a, w, n, y);
-        else if (w.group == 2 * BLOCK) row_nibbles16_m1_avx2<F, 2>(a, w, n, y);
-        else row_nibbles16_m1_avx2<F, 4>(a, w, n, y);
+        else row_nibbles16_m1_avx2<F, 2>(a, w, n, y);
       }
     }
   } else if (layout != NATURAL) rows_avx512<F>(a, M, w, K, n0, n1, y, N);
