@@ -213,6 +213,27 @@ void row_avx2(const Act16& a, int64_t m0, const QuantView& w, int64_t n, float* 
   for (int m = 0; m < MB; ++m) y[(m0 + m) * N + n] = a.d[m0 + m] * simd::hsum8(total[m]);
 }
 
+// Eight groups' exact sums (lane j: group g + j, BPG blocks of 32 each) added to a row's fp32 total: the zero
+// points taken off as z_g * (sum of q over the group), then the groups' scales applied in one FMA.
+template <int F, int BPG>
+__attribute__((target("avx2,fma,f16c")))
+inline __m256 add_eight_groups(__m256i sums, const int32_t* qsum, const uint8_t* zr, const at::Half* sr, int64_t g,
+                               __m256 total) {
+  if constexpr (F != INT8) {
+    alignas(32) int32_t group_q[8];
+    for (int j = 0; j < 8; ++j) {
+      int32_t t = 0;
+      for (int b = 0; b < BPG; ++b) t += qsum[(g + j) * BPG + b];
+      group_q[j] = t;
+    }
+    const __m256i z = F == INT4 ? _mm256_set1_epi32(8)
+                                : _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zr + g)));
+    sums = _mm256_sub_epi32(sums, _mm256_mullo_epi32(z, _mm256_load_si256(reinterpret_cast<const __m256i*>(group_q))));
+  }
+  const __m256 scales = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + g)));
+  return _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(sums), total);
+}
+
 // One row of x (batch-1 decode) against weight row n, for small groups (G = 32 * BPG, BPG = 1 or 2): the
 // per-group work of row_avx2 (widen a scale, broadcast it, convert, one FMA) costs as much as a block of 32
 // codes at G = 32, so eight groups' int32 partials are reduced together (a horizontal-add tree puts group j's
@@ -250,19 +271,7 @@ void row_grouped_m1_avx2(const Act16& a, int64_t m, const QuantView& w, int64_t 
     const __m256i s0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
     const __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
     __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
-    if constexpr (F != INT8) {
-      alignas(32) int32_t group_q[8];
-      for (int j = 0; j < 8; ++j) {
-        int32_t t = 0;
-        for (int b = 0; b < BPG; ++b) t += qsum[(g + j) * BPG + b];
-        group_q[j] = t;
-      }
-      const __m256i z = F == INT4 ? _mm256_set1_epi32(8)
-                                  : _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zr + g)));
-      sums = _mm256_sub_epi32(sums, _mm256_mullo_epi32(z, _mm256_load_si256(reinterpret_cast<const __m256i*>(group_q))));
-    }
-    const __m256 scales = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + g)));
-    total = _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(sums), total);
+    total = add_eight_groups<F, BPG>(sums, qsum, zr, sr, g, total);
   }
   float rest = 0.f;
   for (; g < w.groups; ++g) {   // the last groups when there are not eight
@@ -327,17 +336,7 @@ void row_nibbles16_m1_avx2(const Act16& a, const QuantView& w, int64_t n, float*
                                            _mm256_hadd_epi32(group16_avx2<F, BPG>(wr, q, g + 6), group16_avx2<F, BPG>(wr, q, g + 7)));
       sums = _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
     }
-    alignas(32) int32_t group_q[8];
-    for (int j = 0; j < 8; ++j) {
-      int32_t t = 0;
-      for (int b = 0; b < BPG; ++b) t += qsum[(g + j) * BPG + b];
-      group_q[j] = t;
-    }
-    const __m256i z = F == INT4 ? _mm256_set1_epi32(8)
-                                : _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zr + g)));
-    sums = _mm256_sub_epi32(sums, _mm256_mullo_epi32(z, _mm256_load_si256(reinterpret_cast<const __m256i*>(group_q))));
-    const __m256 scales = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + g)));
-    total = _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(sums), total);
+    total = add_eight_groups<F, BPG>(sums, qsum, zr, sr, g, total);
   }
   // the last groups when there are not eight: a chunk (two groups of 32) or a group at a time
   constexpr int64_t STEP = BPG == 1 ? 2 : 1, LANES = 8 / STEP;
