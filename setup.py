@@ -14,7 +14,7 @@ def native_extensions():
     except ImportError:
         return [], {}
     ext = CppExtension("allspark_server._native", ["native/module.cpp", "native/gemv.cpp", "native/gemv_quant.cpp",
-                                                   "native/gemv_quant_avx512.cpp",
+                                                   "native/gemv_quant_avx2.cpp", "native/gemv_quant_avx512.cpp",
                                                    "native/span_attention.cpp", "native/span_attention_quant.cpp",
                                                    "native/rms_norm.cpp", "native/rotary.cpp",
                                                    "native/decode_block.cpp", "native/decode_stack.cpp", "native/moe.cpp",

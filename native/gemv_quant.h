@@ -1,9 +1,11 @@
-// What the quantized GEMV's two files share (gemv_quant.cpp: portable, AVX2, dequantization and the entry
-// points; gemv_quant_avx512.cpp: the AVX-512 VNNI kernel): block and chunk sizes, the formats, x rounded to
-// int16 (Act16) and the order it is stored in, and reading one code. Layouts: gemv_quant.cpp's header comment.
+// What the quantized GEMV's three files share (gemv_quant.cpp: rounding x, portable kernel, dequantization and
+// the entry points; gemv_quant_avx2.cpp: the AVX2 kernels; gemv_quant_avx512.cpp: the AVX-512 VNNI kernel): block
+// and chunk sizes, the formats, x rounded to int16 (Act16) and the order it is stored in, reading codes, and the
+// kernels' entry points. Layouts: gemv_quant.cpp's header comment.
 #pragma once
 
 #include <torch/extension.h>
+#include <immintrin.h>
 
 #include <cstdint>
 #include <vector>
@@ -61,6 +63,44 @@ inline int zero_of(const uint8_t* zeros_row, int64_t g) {
   else if constexpr (F == INT4) return 8;
   else return 0;
 }
+
+// the 32 codes of block [k, k + 32) minus the zero point, as int16: lo = k .. k+15, hi = k+16 .. k+31
+template <int F>
+__attribute__((target("avx2,fma,f16c")))
+inline void codes16(const uint8_t* row, int64_t k, __m256i zero, __m256i* lo, __m256i* hi) {
+  if constexpr (F == INT4 || F == UINT4) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (k >> 1)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    *lo = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(b, mask)), zero);
+    *hi = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), mask)), zero);
+  } else {
+    const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
+    const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k + 16));
+    if constexpr (F == INT8) {
+      *lo = _mm256_cvtepi8_epi16(b0), *hi = _mm256_cvtepi8_epi16(b1);
+    } else {
+      *lo = _mm256_sub_epi16(_mm256_cvtepu8_epi16(b0), zero);
+      *hi = _mm256_sub_epi16(_mm256_cvtepu8_epi16(b1), zero);
+    }
+  }
+}
+
+// the AVX2 NIBBLES16 kernel's weights: 4-bit, groups of 32 or 64, K a multiple of 64 (whole chunks), at least 2
+// groups. Groups of 128 ran here (BPG 4) as fast as groups of 32 with the codes in cache, but streaming them it
+// was no faster than row_avx2 (GEMV chain 1.90x of bf16 against 2.00x; the engine's decode 1.30x of bf16 where
+// groups of 32 made 1.75x, same rounds), so they stay on row_avx2.
+inline bool nibbles16_fits(const QuantView& w, int64_t K) {
+  return (w.format == INT4 || w.format == UINT4) && (w.group == BLOCK || w.group == 2 * BLOCK) && w.groups > 1 &&
+         K % CHUNK16 == 0;
+}
+
+
+// rows [n0, n1) of y = x . W^T with the AVX2 kernels (gemv_quant_avx2.cpp): x in the NATURAL layout, any M
+template <int F>
+void rows_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y, int64_t N);
+// the same at M = 1 for weights that nibbles16_fits, x in the NIBBLES16 layout
+template <int F>
+void rows_nibbles16(const Act16& a, const QuantView& w, int64_t n0, int64_t n1, float* y);
 
 // the weights the AVX-512 kernel takes: per channel, or groups of 32, 64, 128, 256 or a multiple of 512
 inline bool avx512_fits(const QuantView& w) {
