@@ -5,10 +5,10 @@ asyncio loop in one thread, so an open stream costs a coroutine, not a thread: t
 at once. Engine calls that may block (install, stop, sync, start_request's grammar compile) run on a bounded
 thread pool. Generate is a server stream fed from the request's ResultQueue, which wakes the stream's coroutine
 when it has news (a listener hook): a reply per batch of new tokens, and a last one with the terminal status, the
-tokens still left and the stats. A client that goes away mid-stream has its request released; otherwise the client releases it
-(ReleaseRequest), as with Engine. Past `max_streams` open Generate streams a new one is refused at once with
-ALLSPARK_REQUEST_DENIED saying so (overload, not a lost pool); other calls are never refused. A stream whose
-client stops reading is dropped after `stream_stall_s` (DropStalledStreams), its request released.
+tokens still left and the stats. A client that goes away mid-stream has its request released; otherwise the
+client releases it (ReleaseRequest), as with Engine. Past `max_streams` open Generate streams a new one is
+refused at once with ALLSPARK_REQUEST_DENIED saying so (overload, not a lost pool); other calls are never refused.
+A stream whose client stops reading is dropped after `stream_stall_s` (DropStalledStreams), its request released.
 """
 from __future__ import annotations
 

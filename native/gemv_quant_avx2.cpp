@@ -156,8 +156,18 @@ __attribute__((target("avx2,fma,f16c")))
 inline __m256i group16_avx2(const uint8_t* wr, const int16_t* q, int64_t gg) {
   constexpr int64_t G = BPG * BLOCK;
   __m256i s = chunk16_avx2<F>(wr + gg * G / 2, q + gg * G);
-  for (int c = 1; c < BPG / 2; ++c) s = _mm256_add_epi32(s, chunk16_avx2<F>(wr + gg * G / 2 + 32 * c, q + gg * G + 64 * c));
+  for (int c = 1; c < BPG / 2; ++c)
+    s = _mm256_add_epi32(s, chunk16_avx2<F>(wr + gg * G / 2 + 32 * c, q + gg * G + 64 * c));
   return s;
+}
+
+// BPG 2: groups g .. g + 3 reduced pairwise: lanes 0-3 the sums of their low halves, lanes 4-7 of their high ones
+template <int F, int BPG>
+__attribute__((target("avx2,fma,f16c")))
+inline __m256i four_groups16_avx2(const uint8_t* wr, const int16_t* q, int64_t g) {
+  const __m256i a = group16_avx2<F, BPG>(wr, q, g), b = group16_avx2<F, BPG>(wr, q, g + 1);
+  const __m256i c = group16_avx2<F, BPG>(wr, q, g + 2), d = group16_avx2<F, BPG>(wr, q, g + 3);
+  return _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
 }
 
 template <int F, int BPG>
@@ -180,10 +190,7 @@ void row_nibbles16_m1_avx2(const Act16& a, const QuantView& w, int64_t n, float*
       const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
       sums = _mm256_permutevar8x32_epi32(t, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     } else {                    // four groups at a time, so that few vectors are live
-      const __m256i s0 = _mm256_hadd_epi32(_mm256_hadd_epi32(group16_avx2<F, BPG>(wr, q, g), group16_avx2<F, BPG>(wr, q, g + 1)),
-                                           _mm256_hadd_epi32(group16_avx2<F, BPG>(wr, q, g + 2), group16_avx2<F, BPG>(wr, q, g + 3)));
-      const __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(group16_avx2<F, BPG>(wr, q, g + 4), group16_avx2<F, BPG>(wr, q, g + 5)),
-                                           _mm256_hadd_epi32(group16_avx2<F, BPG>(wr, q, g + 6), group16_avx2<F, BPG>(wr, q, g + 7)));
+      const __m256i s0 = four_groups16_avx2<F, BPG>(wr, q, g), s1 = four_groups16_avx2<F, BPG>(wr, q, g + 4);
       sums = _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
     }
     total = add_eight_groups<F, BPG>(sums, qsum, zr, sr, g, total);
