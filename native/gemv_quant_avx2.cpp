@@ -63,6 +63,13 @@ void row_avx2(const Act16& a, int64_t m0, const QuantView& w, int64_t n, float* 
   for (int m = 0; m < MB; ++m) y[(m0 + m) * N + n] = a.d[m0 + m] * simd::hsum8(total[m]);
 }
 
+// Two hadd trees over groups g .. g + 3 and g + 4 .. g + 7 (each: lanes 0-3 the low halves' sums, 4-7 the high
+// halves') into one vector whose lane j is group g + j's whole sum.
+__attribute__((target("avx2,fma,f16c")))
+inline __m256i eight_in_order(__m256i s0, __m256i s1) {
+  return _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
+}
+
 // Eight groups' exact sums (lane j: group g + j, BPG blocks of 32 each) added to a row's fp32 total: the zero
 // points taken off as z_g * (sum of q over the group), then the groups' scales applied in one FMA.
 template <int F, int BPG>
@@ -120,7 +127,7 @@ void row_grouped_m1_avx2(const Act16& a, int64_t m, const QuantView& w, int64_t 
     }
     const __m256i s0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
     const __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
-    __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
+    const __m256i sums = eight_in_order(s0, s1);
     total = add_eight_groups<F, BPG>(sums, qsum, zr, sr, g, total);
   }
   float rest = 0.f;
@@ -150,23 +157,14 @@ inline __m256i chunk16_avx2(const uint8_t* codes, const int16_t* x) {
   return _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));
 }
 
-// BPG 2: the partials of group gg (BPG / 2 chunks), all eight lanes its own
-template <int F, int BPG>
+// groups of 64 (one chunk each), g .. g + 3 reduced pairwise: lanes 0-3 the sums of their low halves, lanes 4-7
+// of their high ones
+template <int F>
 __attribute__((target("avx2,fma,f16c")))
-inline __m256i group16_avx2(const uint8_t* wr, const int16_t* q, int64_t gg) {
-  constexpr int64_t G = BPG * BLOCK;
-  __m256i s = chunk16_avx2<F>(wr + gg * G / 2, q + gg * G);
-  for (int c = 1; c < BPG / 2; ++c)
-    s = _mm256_add_epi32(s, chunk16_avx2<F>(wr + gg * G / 2 + 32 * c, q + gg * G + 64 * c));
-  return s;
-}
-
-// BPG 2: groups g .. g + 3 reduced pairwise: lanes 0-3 the sums of their low halves, lanes 4-7 of their high ones
-template <int F, int BPG>
-__attribute__((target("avx2,fma,f16c")))
-inline __m256i four_groups16_avx2(const uint8_t* wr, const int16_t* q, int64_t g) {
-  const __m256i a = group16_avx2<F, BPG>(wr, q, g), b = group16_avx2<F, BPG>(wr, q, g + 1);
-  const __m256i c = group16_avx2<F, BPG>(wr, q, g + 2), d = group16_avx2<F, BPG>(wr, q, g + 3);
+inline __m256i four_groups64_avx2(const uint8_t* wr, const int16_t* q, int64_t g) {
+  const __m256i a = chunk16_avx2<F>(wr + 32 * g, q + 64 * g), b = chunk16_avx2<F>(wr + 32 * (g + 1), q + 64 * (g + 1));
+  const __m256i c = chunk16_avx2<F>(wr + 32 * (g + 2), q + 64 * (g + 2));
+  const __m256i d = chunk16_avx2<F>(wr + 32 * (g + 3), q + 64 * (g + 3));
   return _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
 }
 
@@ -190,8 +188,7 @@ void row_nibbles16_m1_avx2(const Act16& a, const QuantView& w, int64_t n, float*
       const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
       sums = _mm256_permutevar8x32_epi32(t, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     } else {                    // four groups at a time, so that few vectors are live
-      const __m256i s0 = four_groups16_avx2<F, BPG>(wr, q, g), s1 = four_groups16_avx2<F, BPG>(wr, q, g + 4);
-      sums = _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
+      sums = eight_in_order(four_groups64_avx2<F>(wr, q, g), four_groups64_avx2<F>(wr, q, g + 4));
     }
     total = add_eight_groups<F, BPG>(sums, qsum, zr, sr, g, total);
   }
@@ -201,7 +198,7 @@ void row_nibbles16_m1_avx2(const Act16& a, const QuantView& w, int64_t n, float*
   for (; g < w.groups; g += STEP) {
     alignas(32) int32_t lanes[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(lanes),
-                       BPG == 1 ? chunk16_avx2<F>(wr + g * G / 2, q + g * G) : group16_avx2<F, BPG>(wr, q, g));
+                       chunk16_avx2<F>(wr + g * G / 2, q + g * G));   // groups g, g + 1 (G = 32) or g
     for (int64_t h = 0; h < STEP; ++h) {
       int32_t dot = 0, gq = 0;
       for (int64_t l = 0; l < LANES; ++l) dot += lanes[h * LANES + l];
