@@ -5,11 +5,12 @@ Every layer has its own weights, so a chain streams them from memory as a decode
 interleaved, one chain each per round, and the report is each variant's median time and its ratio to the bf16
 chain's time in the same round (median over rounds): on a shared machine only same-round ratios mean much.
 
-    PYTHONPATH=. python benchmarks/gemv_quant_micro.py [--rounds 15] [--threads 2] [--rows 1]
+    PYTHONPATH=. python benchmarks/gemv_quant_micro.py [--rounds 15] [--threads 2] [--rows 1] [--a8]
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -20,10 +21,10 @@ from allspark_server.quant.formats import QuantizedWeight
 
 SHAPES = ((2560, 1536), (1536, 1536), (8192, 1536), (1536, 4096))   # qkv, o, gate_up, down
 LAYERS = 16
-FORMATS = (("int8", -1), ("int4", 32), ("uint4", 64), ("int4", 128))
+FORMATS = (("int8", -1), ("int4", 32), ("uint4", 64), ("int4", 64), ("int4", 128))
 
 
-def random_quantized(n: int, k: int, fmt: str, group: int, g: torch.Generator) -> QuantizedWeight:
+def random_quantized(n: int, k: int, fmt: str, group: int, g: torch.Generator, act_bits: int = 16) -> QuantizedWeight:
     """Random codes and scales in the stored layout (the speed does not depend on the values)."""
     groups = 1 if group == -1 else k // group
     cols = k // 2 if fmt.endswith("4") else k
@@ -31,7 +32,8 @@ def random_quantized(n: int, k: int, fmt: str, group: int, g: torch.Generator) -
     scales = (torch.rand(n, groups, generator=g) * 1e-2).half()
     zeros = torch.randint(0, 16 if fmt.endswith("4") else 256, (n, groups), generator=g,
                           dtype=torch.uint8) if fmt.startswith("u") else None
-    return QuantizedWeight(codes.view(torch.int8) if fmt == "int8" else codes, scales, zeros, fmt, group, k)
+    return QuantizedWeight(codes.view(torch.int8) if fmt == "int8" else codes, scales, zeros, fmt, group, k,
+                           act_bits=act_bits)
 
 
 def main() -> None:
@@ -40,6 +42,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--isa", type=int, nargs="*", help="quantized ISA levels to compare (default: 1 and the CPU's)")
+    p.add_argument("--a8", action="store_true", help="also activate_quant (x rounded to int8) for every format")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     ext, g = ops.native(), torch.Generator().manual_seed(0)
@@ -49,11 +52,11 @@ def main() -> None:
     dense = [[torch.randn(n, k, generator=g).bfloat16() * 0.02 for n, k in SHAPES] for _ in range(LAYERS)]
     variants = {"bf16": lambda: [ext.linear_small_m(xs[w.shape[1]], w, None, ops.isa_level())
                                  for layer in dense for w in layer]}
-    for fmt, group in FORMATS:
-        weights = [[ops.native_weight(random_quantized(n, k, fmt, group, g)) for n, k in SHAPES]
+    for (fmt, group), act_bits in itertools.product(FORMATS, (16, 8) if args.a8 else (16,)):
+        weights = [[ops.native_weight(random_quantized(n, k, fmt, group, g, act_bits)) for n, k in SHAPES]
                    for _ in range(LAYERS)]
         for isa in levels:
-            variants[f"{fmt} g{group} isa{isa}"] = (
+            variants[f"{fmt} g{group}{'+a8' if act_bits == 8 else ''} isa{isa}"] = (
                 lambda weights=weights, isa=isa: [ext.linear_quant(xs[k], w, None, isa)
                                                   for layer in weights for w, (_, k) in zip(layer, SHAPES)])
     times = {name: [] for name in variants}

@@ -31,7 +31,9 @@
 // 0 portable C++; the same rounding of x everywhere, so every level equals ops.linear_reference up to fp32
 // summation order. The weight streams row by row; each thread owns a contiguous block of rows, up to 4 rows of x
 // share each block of codes. At batch 1, 4-bit codes in groups of 32 or 64 take the AVX2 NIBBLES16 kernel (codes
-// read as words, nibbles isolated in place, x reordered to match). This file: rounding x, the portable kernel,
+// read as words, nibbles isolated in place, x reordered to match); with activate_quant's int8 x, NIBBLES8 (the
+// nibbles as bytes, vpmaddubsw; the chain of the 0.5 B model's GEMVs, 2 threads: int4 g32 2.2x -> 2.9-3.0x of the
+// bf16 GEMV, since the AVX2 VM's 256-bit multiplies, which bound the 16-bit kernel, issue at one per 2 cycles). This file: rounding x, the portable kernel,
 // the dequantization and the entry points; what the three files share is in gemv_quant.h.
 #include <torch/extension.h>
 #include <immintrin.h>
@@ -68,6 +70,18 @@ inline float abs_max_avx512(const float* x, int64_t n) {
 }
 
 __attribute__((target("avx2,fma,f16c")))
+inline float abs_max_avx2(const float* x, int64_t n) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 amax = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8)   // a NaN element is skipped, as in abs_max (max_ps returns its second operand)
+    amax = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + k), magnitude), amax);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax);
+  return std::max(abs_max(lanes, 8), abs_max(x + k, n - k));
+}
+
+__attribute__((target("avx2,fma,f16c")))
 void round_row_avx2(const float* x, int64_t n, float inv, int16_t* q) {
   const __m256 iv = _mm256_set1_ps(inv);
   int64_t i = 0;
@@ -85,29 +99,35 @@ void round_row_avx2(const float* x, int64_t n, float inv, int16_t* q) {
 Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float act_max, Layout layout = NATURAL) {
   Act16 a;
   const bool avx512 = layout == PAIRS || layout == NIBBLES;
-  const int64_t unit = avx512 ? CHUNK : layout == NIBBLES16 ? CHUNK16 : BLOCK;
+  const bool nibbles = layout == NIBBLES16 || layout == NIBBLES8;
+  const int64_t unit = avx512 ? CHUNK : nibbles ? CHUNK16 : BLOCK;
   const int64_t nb = (K + unit - 1) / unit * unit / BLOCK;
   a.padded = nb * BLOCK;
-  a.q.assign(M * a.padded, 0);
+  a.q.assign(layout == NIBBLES8 ? 0 : M * a.padded, 0);
+  a.q8.assign(layout == NIBBLES8 ? M * a.padded : 0, 0);
   a.block_sum.assign(M * nb, 0);
   a.chunk_sum.assign(avx512 ? M * nb / 16 : 0, 0);
   a.d.assign(M, 0.f);
-  std::vector<int16_t> natural(layout == NIBBLES16 ? a.padded : 0, 0);
+  std::vector<int16_t> natural(nibbles ? a.padded : 0, 0);
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x + m * K;
-    const float amax = avx512 ? abs_max_avx512(xm, K) : abs_max(xm, K);
+    const float amax = avx512 ? abs_max_avx512(xm, K) : isa >= 1 ? abs_max_avx2(xm, K) : abs_max(xm, K);
     const float inv = amax > 0.f ? act_max / amax : 0.f;
     a.d[m] = amax / act_max;
-    int16_t* q = a.q.data() + m * a.padded;
+    int16_t* q = layout == NIBBLES8 ? nullptr : a.q.data() + m * a.padded;
     int32_t* bsum = a.block_sum.data() + m * nb;
     if (avx512) {
       round_row_avx512(xm, K, a.padded, inv, layout, q, bsum, a.chunk_sum.data() + m * nb / 16);
       continue;
     }
-    int16_t* r = layout == NIBBLES16 ? natural.data() : q;   // rounded in k order, then (NIBBLES16) reordered
+    int16_t* r = nibbles ? natural.data() : q;   // rounded in k order, then (NIBBLES16 / 8) reordered
     if (isa >= 1) round_row_avx2(xm, K, inv, r);
     else for (int64_t k = 0; k < K; ++k) r[k] = static_cast<int16_t>(std::nearbyint(xm[k] * inv));
-    for (int64_t k = 0; k < K; ++k) bsum[k / BLOCK] += r[k];
+    for (int64_t b = 0; b * BLOCK < K; ++b) {
+      int32_t t = 0;
+      for (int64_t k = b * BLOCK; k < std::min(K, (b + 1) * BLOCK); ++k) t += r[k];
+      bsum[b] = t;
+    }
     if (layout == NIBBLES16) {
       for (int64_t c = 0; c < a.padded; c += CHUNK16) {
         for (int64_t i = 0; i < 16; ++i) {   // word i: block b = i / 8, byte pair j = i % 8 (gemv_quant.h)
@@ -115,6 +135,12 @@ Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float
           q[c + i] = r[k], q[c + 16 + i] = r[k + 16], q[c + 32 + i] = r[k + 1], q[c + 48 + i] = r[k + 17];
         }
       }
+    } else if (layout == NIBBLES8) {   // |r| <= 127 (act_max 127): runs of 16 k, the middle two of 4 swapped
+      int8_t* q8 = a.q8.data() + m * a.padded;
+      for (int64_t c = 0; c < a.padded; c += CHUNK16)
+        for (int64_t run = 0; run < 4; ++run)
+          for (int64_t j = 0; j < 16; ++j)
+            q8[c + 16 * ((run & 1) * 2 + (run >> 1)) + j] = static_cast<int8_t>(r[c + 16 * run + j]);
     }
   }
   return a;
@@ -146,7 +172,7 @@ void rows_scalar(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int6
 template <int F>
 void rows(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y, int64_t N,
           int64_t isa, Layout layout) {
-  if (layout == NIBBLES16) rows_nibbles16<F>(a, w, n0, n1, y);
+  if (layout == NIBBLES16 || layout == NIBBLES8) rows_nibbles16<F>(a, w, n0, n1, y, layout);
   else if (layout != NATURAL) rows_avx512<F>(a, M, w, K, n0, n1, y, N);
   else if (isa >= 1) rows_avx2<F>(a, M, w, n0, n1, y, N);
   else rows_scalar<F>(a, M, w, n0, n1, y, N);
@@ -255,7 +281,7 @@ template <typename O>
 void run_linear(const float* x, int64_t M, int64_t K, const QuantView& w, const O* bias, O* out, int64_t isa) {
   const int64_t N = w.rows;
   const Layout layout = isa >= 3 && avx512_fits(w)                  ? (w.format >= INT4 ? NIBBLES : PAIRS)
-                        : isa >= 1 && M == 1 && nibbles16_fits(w, K) ? NIBBLES16
+                        : isa >= 1 && M == 1 && nibbles16_fits(w, K) ? (w.act_max == 127.f ? NIBBLES8 : NIBBLES16)
                                                                       : NATURAL;
   const Act16 a = round_activations(x, M, K, isa, w.act_max, layout);
   std::vector<float> scratch(std::is_same_v<O, float> ? 0 : M * N);

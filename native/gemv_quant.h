@@ -34,7 +34,10 @@ inline float half_to_float(at::Half h) { return static_cast<float>(h); }
 //   four nibbles are k = 32b + {2j, 16 + 2j, 2j + 1, 17 + 2j}: four vectors of 32, one per nibble position
 //   NIBBLES16 (AVX2, 4-bit, per 64 k = 2 blocks): the same idea in a 256-bit vector: word i is bytes 2j, 2j + 1 of
 //   block b = i / 8 (j = i % 8), four vectors of 16, one per nibble position, k = 32b + {2j, 16 + 2j, 2j + 1, 17 + 2j}
-enum Layout { NATURAL, PAIRS, NIBBLES, NIBBLES16 };
+//   NIBBLES8 (AVX2, 4-bit, activate_quant's int8 x, per 64 k = 2 blocks): x as bytes in the order of 32 bytes of
+//   codes split into their low and their high nibbles: k = 32b + 16h + j at byte 32h + 16b + j (h the nibble,
+//   b the block, j < 16)
+enum Layout { NATURAL, PAIRS, NIBBLES, NIBBLES16, NIBBLES8 };
 constexpr int64_t CHUNK16 = 64;   // k per step of the AVX2 NIBBLES16 kernel
 
 // x rounded per row to int16: q [M, padded K] (zero padded) and one scale d per row
@@ -44,6 +47,7 @@ struct Act16 {
   // in the lane order of the AVX-512 kernel's reduction (lane 4b + s holds block 4s + b)
   std::vector<int32_t> block_sum;
   std::vector<int32_t> chunk_sum;   // PAIRS / NIBBLES: [M, padded K / CHUNK], sum of q over each chunk
+  std::vector<int8_t> q8;           // NIBBLES8: q as bytes (q itself then left empty)
   std::vector<float> d;
   int64_t padded;
 };
@@ -98,9 +102,9 @@ inline bool nibbles16_fits(const QuantView& w, int64_t K) {
 // rows [n0, n1) of y = x . W^T with the AVX2 kernels (gemv_quant_avx2.cpp): x in the NATURAL layout, any M
 template <int F>
 void rows_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y, int64_t N);
-// the same at M = 1 for weights that nibbles16_fits, x in the NIBBLES16 layout
+// the same at M = 1 for weights that nibbles16_fits, x in the NIBBLES16 layout (or NIBBLES8: activate_quant)
 template <int F>
-void rows_nibbles16(const Act16& a, const QuantView& w, int64_t n0, int64_t n1, float* y);
+void rows_nibbles16(const Act16& a, const QuantView& w, int64_t n0, int64_t n1, float* y, Layout layout);
 
 // the weights the AVX-512 kernel takes: per channel, or groups of 32, 64, 128, 256 or a multiple of 512
 inline bool avx512_fits(const QuantView& w) {

@@ -1,6 +1,7 @@
 // The AVX2 kernels of the quantized GEMV (isa 1 and 2): x rounded to int16 in k order (NATURAL) met with codes
 // widened to int16 in vpmaddwd sums, for any batch and group; and at batch 1 with 4-bit codes in groups of 32 or
-// 64, the NIBBLES16 kernel, which reads the codes as words and isolates their nibbles in place. The math, the
+// 64, the NIBBLES16 kernel, which reads the codes as words and isolates their nibbles in place (NIBBLES8: the
+// same with activate_quant's int8 x, in vpmaddubsw). The math, the
 // layouts and the measurements that chose them are in gemv_quant.cpp's header; the shared pieces in gemv_quant.h.
 #include <torch/extension.h>
 #include <immintrin.h>
@@ -77,15 +78,16 @@ __attribute__((target("avx2,fma,f16c")))
 inline __m256 add_eight_groups(__m256i sums, const int32_t* qsum, const uint8_t* zr, const at::Half* sr, int64_t g,
                                __m256 total) {
   if constexpr (F != INT8) {
-    alignas(32) int32_t group_q[8];
-    for (int j = 0; j < 8; ++j) {
-      int32_t t = 0;
-      for (int b = 0; b < BPG; ++b) t += qsum[(g + j) * BPG + b];
-      group_q[j] = t;
+    const __m256i* bs = reinterpret_cast<const __m256i*>(qsum + g * BPG);
+    __m256i group_q = _mm256_loadu_si256(bs);   // lane j: the sum of q over group g + j
+    if constexpr (BPG == 2)   // block sums [b0 .. b7], [b8 .. b15] -> pairs, put back in order
+      group_q = _mm256_permute4x64_epi64(_mm256_hadd_epi32(group_q, _mm256_loadu_si256(bs + 1)), 0xD8);
+    if constexpr (F == INT4) {   // zero point 8
+      sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(group_q, 3));
+    } else {
+      const __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zr + g)));
+      sums = _mm256_sub_epi32(sums, _mm256_mullo_epi32(z, group_q));
     }
-    const __m256i z = F == INT4 ? _mm256_set1_epi32(8)
-                                : _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zr + g)));
-    sums = _mm256_sub_epi32(sums, _mm256_mullo_epi32(z, _mm256_load_si256(reinterpret_cast<const __m256i*>(group_q))));
   }
   const __m256 scales = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + g)));
   return _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(sums), total);
@@ -120,7 +122,8 @@ void row_grouped_m1_avx2(const Act16& a, int64_t m, const QuantView& w, int64_t 
         const int64_t k = (g + j) * G + b * BLOCK;
         __m256i lo, hi;
         codes16<F>(wr, k, no_zero, &lo, &hi);
-        p[j] = _mm256_add_epi32(p[j], _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k))));
+        p[j] = _mm256_add_epi32(p[j], _mm256_madd_epi16(lo, _mm256_loadu_si256(
+                                                              reinterpret_cast<const __m256i*>(q + k))));
         p[j] = _mm256_add_epi32(p[j], _mm256_madd_epi16(hi, _mm256_loadu_si256(
                                                               reinterpret_cast<const __m256i*>(q + k + 16))));
       }
@@ -144,9 +147,8 @@ void row_grouped_m1_avx2(const Act16& a, int64_t m, const QuantView& w, int64_t 
 // isolated with a shift and a mask into a vector that meets x in one vpmaddwd: about 3.5 instructions per 16
 // codes where row_grouped_m1_avx2 widens bytes to words (5). A chunk's int32 partials hold block 2c in lanes
 // 0-3 and block 2c + 1 in lanes 4-7; eight groups are reduced together as there.
-template <int F>
 __attribute__((target("avx2,fma,f16c")))
-inline __m256i chunk16_avx2(const uint8_t* codes, const int16_t* x) {
+inline __m256i chunk_avx2(const uint8_t* codes, const int16_t* x) {
   const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
   const __m256i m4 = _mm256_set1_epi16(0x000F);
   const __m256i* xv = reinterpret_cast<const __m256i*>(x);
@@ -157,38 +159,64 @@ inline __m256i chunk16_avx2(const uint8_t* codes, const int16_t* x) {
   return _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));
 }
 
-// groups of 64 (one chunk each), g .. g + 3 reduced pairwise: lanes 0-3 the sums of their low halves, lanes 4-7
-// of their high ones
-template <int F>
+// The same chunk for activate_quant's int8 x (NIBBLES8), left in int16: the codes' low and high nibbles, as
+// bytes, meet x in vpmaddubsw (codes unsigned, x signed: a pair sums to at most 2 * 15 * 127), and the two
+// halves are added (lane sums at most 7620). llama.cpp's q4_0 . q8_0 dot product rests on the same instruction.
 __attribute__((target("avx2,fma,f16c")))
-inline __m256i four_groups64_avx2(const uint8_t* wr, const int16_t* q, int64_t g) {
-  const __m256i a = chunk16_avx2<F>(wr + 32 * g, q + 64 * g), b = chunk16_avx2<F>(wr + 32 * (g + 1), q + 64 * (g + 1));
-  const __m256i c = chunk16_avx2<F>(wr + 32 * (g + 2), q + 64 * (g + 2));
-  const __m256i d = chunk16_avx2<F>(wr + 32 * (g + 3), q + 64 * (g + 3));
+inline __m256i chunk_pairs_a8(const uint8_t* codes, const int8_t* x) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i* xv = reinterpret_cast<const __m256i*>(x);
+  const __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(w, m4), _mm256_loadu_si256(xv));
+  const __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), m4), _mm256_loadu_si256(xv + 1));
+  return _mm256_add_epi16(lo, hi);
+}
+
+// one chunk with int8 x as int32 partials, lanes as chunk_avx2's above
+__attribute__((target("avx2,fma,f16c")))
+inline __m256i chunk_avx2(const uint8_t* codes, const int8_t* x) {
+  return _mm256_madd_epi16(chunk_pairs_a8(codes, x), _mm256_set1_epi16(1));
+}
+
+// Four consecutive chunks (128 bytes of codes, 256 k) reduced to one vector: in each 128-bit half, lane c holds
+// chunk c's sum over that half's block (half 0: the chunk's first block of 32, half 1: its second).
+__attribute__((target("avx2,fma,f16c")))
+inline __m256i four_chunks(const uint8_t* codes, const int16_t* x) {
+  const __m256i a = chunk_avx2(codes, x), b = chunk_avx2(codes + 32, x + 64);
+  const __m256i c = chunk_avx2(codes + 64, x + 128), d = chunk_avx2(codes + 96, x + 192);
   return _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
 }
 
-template <int F, int BPG>
+// With int8 x the reduction stays in int16 until the end (lane sums at most 4 * 7620 < 32767), then one
+// vpmaddwd with ones widens it: 9 multiplies per 256 k where widening each chunk takes 12. The 256-bit
+// multiplies issue at one per 2 cycles on the Zen 3-class VM measured (vpmaddubsw 1.25 G/s at ~2.5 GHz), so
+// they are what bounds this kernel.
 __attribute__((target("avx2,fma,f16c")))
-void row_nibbles16_m1_avx2(const Act16& a, const QuantView& w, int64_t n, float* y) {
+inline __m256i four_chunks(const uint8_t* codes, const int8_t* x) {
+  const __m256i a = chunk_pairs_a8(codes, x), b = chunk_pairs_a8(codes + 32, x + 64);
+  const __m256i c = chunk_pairs_a8(codes + 64, x + 128), d = chunk_pairs_a8(codes + 96, x + 192);
+  return _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(a, b), _mm256_hadd_epi16(c, d)),
+                           _mm256_set1_epi16(1));
+}
+
+// X: int16_t (x in NIBBLES16) or int8_t (NIBBLES8)
+template <int F, int BPG, typename X>
+__attribute__((target("avx2,fma,f16c")))
+void row_nibbles16_m1_avx2(const Act16& a, const X* q, const QuantView& w, int64_t n, float* y) {
   const uint8_t* wr = w.codes + n * w.row_bytes;
   const at::Half* sr = w.scales + n * w.groups;
   const uint8_t* zr = w.zeros ? w.zeros + n * w.groups : nullptr;
-  const int16_t* q = a.q.data();
   const int32_t* qsum = a.block_sum.data();
   constexpr int64_t G = BPG * BLOCK;
   __m256 total = _mm256_setzero_ps();
   int64_t g = 0;
   for (; g + 8 <= w.groups; g += 8) {
     __m256i sums;
-    if constexpr (BPG == 1) {   // 4 chunks: lanes [g0 g2 g4 g6 | g1 g3 g5 g7] after the adds, then in order
-      __m256i p[4];
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) p[c] = chunk16_avx2<F>(wr + (g + 2 * c) * G / 2, q + (g + 2 * c) * G);
-      const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-      sums = _mm256_permutevar8x32_epi32(t, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    } else {                    // four groups at a time, so that few vectors are live
-      sums = eight_in_order(four_groups64_avx2<F>(wr, q, g), four_groups64_avx2<F>(wr, q, g + 4));
+    if constexpr (BPG == 1) {   // 4 chunks: lanes [g0 g2 g4 g6 | g1 g3 g5 g7], put in order
+      sums = _mm256_permutevar8x32_epi32(four_chunks(wr + g * G / 2, q + g * G),
+                                         _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    } else {                    // a chunk per group: the halves of groups g .. g + 3 and of g + 4 .. g + 7
+      sums = eight_in_order(four_chunks(wr + g * G / 2, q + g * G), four_chunks(wr + (g + 4) * G / 2, q + (g + 4) * G));
     }
     total = add_eight_groups<F, BPG>(sums, qsum, zr, sr, g, total);
   }
@@ -198,7 +226,7 @@ void row_nibbles16_m1_avx2(const Act16& a, const QuantView& w, int64_t n, float*
   for (; g < w.groups; g += STEP) {
     alignas(32) int32_t lanes[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(lanes),
-                       chunk16_avx2<F>(wr + g * G / 2, q + g * G));   // groups g, g + 1 (G = 32) or g
+                       chunk_avx2(wr + g * G / 2, q + g * G));   // groups g, g + 1 (G = 32) or g
     for (int64_t h = 0; h < STEP; ++h) {
       int32_t dot = 0, gq = 0;
       for (int64_t l = 0; l < LANES; ++l) dot += lanes[h * LANES + l];
@@ -207,6 +235,14 @@ void row_nibbles16_m1_avx2(const Act16& a, const QuantView& w, int64_t n, float*
     }
   }
   y[n] = a.d[0] * (simd::hsum8(total) + rest);
+}
+
+template <int F, typename X>
+void rows_nibbles_m1(const Act16& a, const X* q, const QuantView& w, int64_t n0, int64_t n1, float* y) {
+  for (int64_t n = n0; n < n1; ++n) {
+    if (w.group == BLOCK) row_nibbles16_m1_avx2<F, 1>(a, q, w, n, y);
+    else row_nibbles16_m1_avx2<F, 2>(a, q, w, n, y);
+  }
 }
 
 }  // namespace
@@ -234,18 +270,16 @@ void rows_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_
 }
 
 template <int F>
-void rows_nibbles16(const Act16& a, const QuantView& w, int64_t n0, int64_t n1, float* y) {
+void rows_nibbles16(const Act16& a, const QuantView& w, int64_t n0, int64_t n1, float* y, Layout layout) {
   if constexpr (F == INT4 || F == UINT4) {
-    for (int64_t n = n0; n < n1; ++n) {
-      if (w.group == BLOCK) row_nibbles16_m1_avx2<F, 1>(a, w, n, y);
-      else row_nibbles16_m1_avx2<F, 2>(a, w, n, y);
-    }
+    if (layout == NIBBLES8) rows_nibbles_m1<F>(a, a.q8.data(), w, n0, n1, y);
+    else rows_nibbles_m1<F>(a, a.q.data(), w, n0, n1, y);
   }
 }
 
 #define INSTANTIATE(F)                                                                                          \
   template void rows_avx2<F>(const Act16&, int64_t, const QuantView&, int64_t, int64_t, float*, int64_t); \
-  template void rows_nibbles16<F>(const Act16&, const QuantView&, int64_t, int64_t, float*);
+  template void rows_nibbles16<F>(const Act16&, const QuantView&, int64_t, int64_t, float*, Layout);
 INSTANTIATE(INT8)
 INSTANTIATE(UINT8)
 INSTANTIATE(INT4)

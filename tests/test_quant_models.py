@@ -99,13 +99,15 @@ def round_inputs_to_int8(model):
     return model
 
 
-def test_activate_quant_serves_like_transformers_with_int8_activations(llama, tmp_path):
-    """compute_method activate_quant (A8W8): the stored codes are weight-only int8's; every quantized
-    projection meets its input rounded to int8 per token, in decode steps and in (chunked) prefill alike."""
-    cfg = {"weight_format": "int8", "group_size": -1, "compute_method": "activate_quant"}
+@pytest.mark.parametrize("fmt,group", [("int8", -1), ("int4", 32)])
+def test_activate_quant_serves_like_transformers_with_int8_activations(llama, tmp_path, fmt, group):
+    """compute_method activate_quant (A8W8; A8W4 with 4-bit codes, whose batch-1 decode has its own AVX2 kernel):
+    the stored codes are weight-only's; every quantized projection meets its input rounded to int8 per token, in
+    decode steps and in (chunked) prefill alike."""
+    cfg = {"weight_format": fmt, "group_size": group, "compute_method": "activate_quant"}
     loader = serialize_quantized(llama.hf_dir, "q_a8", str(tmp_path), cfg)
-    reference = round_inputs_to_int8(hf_with_stored_weights(llama.model, loader, "int8", -1))
-    weight_only = hf_with_stored_weights(llama.model, loader, "int8", -1)
+    reference = round_inputs_to_int8(hf_with_stored_weights(llama.model, loader, fmt, group))
+    weight_only = hf_with_stored_weights(llama.model, loader, fmt, group)
     engine = start_engine(loader, "q_a8", max_batch=4, max_length=512)
     try:
         assert json.loads(engine.get_model_info("q_a8"))["quantization"]["compute_method"] == "activate_quant"
@@ -171,7 +173,6 @@ def test_bf16_quantized_model_generates_like_its_fp32_reference(llama, tmp_path)
     ({"weight_format": "int8", "group_size": 48}, "group_size 48"),
     ({"weight_format": "uint4", "group_size": 256}, "group_size 256 does not divide"),
     ({"weight_format": "int8", "group_settings": {r"\.k_proj\.": 32}}, "fused into one projection"),
-    ({"weight_format": "uint4", "compute_method": "activate_quant"}, "compute_method 'activate_quant'"),
     ({"weight_format": "int8", "compute_method": "fp8_a8w8"}, "compute_method 'fp8_a8w8'"),
     ({"weight_format": "int8", "bits": 4}, "unknown keys"),
     ({"quant_method": "gptq"}, "quant_method 'gptq'"),
