@@ -32,7 +32,7 @@ from run import FULL, QUICK, build_model  # noqa: E402
 
 VARIANTS = [("bf16", 0), ("int8", -1), ("int8", 128), ("uint8", -1), ("int4", 32), ("int4", 128), ("uint4", 32), ("uint4", 64),
             ("uint4", 128)]
-A8_VARIANTS = [("int8", -1), ("int8", 128)]          # compute_method activate_quant
+A8_VARIANTS = [("int8", -1), ("int8", 128), ("int4", 32), ("uint4", 64)]   # compute_method activate_quant
 GEMMS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -40,6 +40,7 @@ def trained_like(model, seed: int = 0):
     """Weights with the statistics of trained ones: Student-t(4) entries, output-channel scales log-normal
     (sigma 0.6), and 1% of each GEMM's input features 8x larger (the outlier features of real LLMs)."""
     g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)   # StudentT samples from the global generator: the same weights on every run
     m = copy.deepcopy(model)
     with torch.no_grad():
         for name, mod in m.named_modules():
