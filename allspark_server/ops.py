@@ -125,14 +125,18 @@ def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Ten
         return y.to(x.dtype)
     if (ext is None or x.dim() != 2 or x.shape[0] > NATIVE_MAX_ROWS.get(w.dtype, 0)
             or x.dtype != w.dtype or not w.is_contiguous()):
+        dtype = gemm_dtype(x.dtype)
+        if dtype != x.dtype and w.dtype == x.dtype:   # bf16 prefill without bf16 dot products: in fp32
+            return F.linear(x.to(dtype), w.to(dtype), None if bias is None else bias.to(dtype)).to(x.dtype)
         return F.linear(x, w, bias)
     return ext.linear_small_m(x, w, bias, isa_level())
 
 
 def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a quantized weight is dequantized into for ATen's GEMM (prefill): bf16 only where the CPU has
-    bf16 dot products; without them oneDNN's bf16 GEMM ran 5.5x slower than fp32 (a Zen 3-class VM, 2 threads,
-    [256, 1536] x [1536, 4096]: 6.6 vs 36.6 GFLOP/s), so bf16 activations are widened instead."""
+    """The dtype of ATen's GEMM for many rows (prefill; a quantized weight is dequantized into it, a bf16 weight
+    widened): bf16 only where the CPU has bf16 dot products; without them oneDNN's bf16 GEMM ran 5.5x slower than
+    fp32 (a Zen 3-class VM, 2 threads, [256, 1536] x [1536, 4096]: 6.6 vs 36.6 GFLOP/s), so bf16 activations are
+    widened instead. The products of bf16 values are exact in fp32 either way; only the summation order differs."""
     if dtype == torch.bfloat16 and not ({"avx512_bf16", "amx_bf16"} & cpu_flags()):
         return torch.float32
     return dtype

@@ -33,8 +33,9 @@
 // share each block of codes. At batch 1, 4-bit codes in groups of 32 or 64 take the AVX2 NIBBLES16 kernel (codes
 // read as words, nibbles isolated in place, x reordered to match); with activate_quant's int8 x, NIBBLES8 (the
 // nibbles as bytes, vpmaddubsw; the chain of the 0.5 B model's GEMVs, 2 threads: int4 g32 2.2x -> 2.9-3.0x of the
-// bf16 GEMV, since the AVX2 VM's 256-bit multiplies, which bound the 16-bit kernel, issue at one per 2 cycles). This file: rounding x, the portable kernel,
-// the dequantization and the entry points; what the three files share is in gemv_quant.h.
+// bf16 GEMV, since the AVX2 VM's 256-bit multiplies, which bound the 16-bit kernel, issue at one per 2 cycles).
+// This file: rounding x, the portable kernel, the dequantization and the entry points; what the three files share
+// is in gemv_quant.h.
 #include <torch/extension.h>
 #include <immintrin.h>
 
@@ -373,6 +374,12 @@ torch::Tensor dequantize_weight(const QuantWeight& w, at::ScalarType dtype, int6
 }
 
 namespace {
+// AVX-512 bf16 (vdpbf16ps; AMX machines have it too): whether oneDNN's bf16 GEMM is fast here (ops.gemm_dtype)
+bool bf16_dot_products() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
 // each row of x [M, K] rounded as the GEMV rounds it (ops.round_activations_reference): round(x * act_max /
 // absmax) * absmax / act_max, fp32; for the dequantized GEMM of activate_quant weights
 torch::Tensor round_rows(const torch::Tensor& x, double act_max) {
@@ -398,5 +405,10 @@ torch::Tensor project(const torch::Tensor& x, const Weight& w, const std::option
   }
   const auto& dense = std::get<torch::Tensor>(w);
   if (x.size(0) <= native_rows) return linear_small_m(x, dense, b, isa);
+  if (x.scalar_type() == at::kBFloat16 && dense.scalar_type() == at::kBFloat16 && !bf16_dot_products()) {
+    // widened, as ops.gemm_dtype decides for the Python path: oneDNN's bf16 GEMM is ~5x slower without them
+    const auto bf = b ? std::optional<torch::Tensor>(b->to(torch::kFloat)) : std::nullopt;
+    return at::linear(x.to(torch::kFloat), dense.to(torch::kFloat), bf).to(x.scalar_type());
+  }
   return at::linear(x, dense, b);
 }

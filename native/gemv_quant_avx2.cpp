@@ -1,8 +1,8 @@
 // The AVX2 kernels of the quantized GEMV (isa 1 and 2): x rounded to int16 in k order (NATURAL) met with codes
 // widened to int16 in vpmaddwd sums, for any batch and group; and at batch 1 with 4-bit codes in groups of 32 or
 // 64, the NIBBLES16 kernel, which reads the codes as words and isolates their nibbles in place (NIBBLES8: the
-// same with activate_quant's int8 x, in vpmaddubsw). The math, the
-// layouts and the measurements that chose them are in gemv_quant.cpp's header; the shared pieces in gemv_quant.h.
+// same with activate_quant's int8 x, in vpmaddubsw). The math, the layouts and the measurements that chose them
+// are in gemv_quant.cpp's header; the shared pieces in gemv_quant.h.
 #include <torch/extension.h>
 #include <immintrin.h>
 
@@ -216,7 +216,8 @@ void row_nibbles16_m1_avx2(const Act16& a, const X* q, const QuantView& w, int64
       sums = _mm256_permutevar8x32_epi32(four_chunks(wr + g * G / 2, q + g * G),
                                          _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     } else {                    // a chunk per group: the halves of groups g .. g + 3 and of g + 4 .. g + 7
-      sums = eight_in_order(four_chunks(wr + g * G / 2, q + g * G), four_chunks(wr + (g + 4) * G / 2, q + (g + 4) * G));
+      sums = eight_in_order(four_chunks(wr + g * G / 2, q + g * G),
+                            four_chunks(wr + (g + 4) * G / 2, q + (g + 4) * G));
     }
     total = add_eight_groups<F, BPG>(sums, qsum, zr, sr, g, total);
   }
