@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import textwrap
 import time
 import warnings
 
@@ -17,6 +16,7 @@ from allspark_client import GenerateRequestStatus
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client.types import AsStatus
 from helpers import LONG_RUN_MAX_LENGTH, LONG_RUN_TOKENS, collect, hf_greedy, hf_ref, random_prompt
+from client_scripts import CLIENT_SCRIPT, CLOSE_LIMIT_S, DYING_CLIENT_SCRIPT
 from pool_helpers import MODEL, REPO, client_greedy, greedy_cfg, install, read_at_least, repo_env, wait_until
 
 
@@ -187,53 +187,6 @@ def test_idle_pool_uses_little_cpu(new_pool, loader):
 
 
 # ---- 3. two client processes on one pool ----------------------------------------------------------
-CLOSE_LIMIT_S = 60
-CLIENT_SCRIPT = textwrap.dedent("""
-    import faulthandler, json, sys, time
-    from allspark_client import ClientEngine, GenerateRequestStatus
-    address, prompts, n, CLOSE_LIMIT_S = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    client = ClientEngine(address, start_timeout_s=60)
-    print("CONNECTED", flush=True)
-    sys.stdin.readline()  # wait for "go": the parent starts its long request only now
-    go = time.monotonic()
-    started = []
-    for ids in prompts:
-        status, handle, queue = client.start_request("llama", {"input_ids": ids},
-                                                     {"top_k": 1, "max_new_tokens": n, "eos_token_id": []})
-        assert status == 0, client.get_last_error()
-        started.append((handle, queue))
-    out = []
-    for handle, queue in started:
-        tokens = []
-        while (el := queue.Get()) is not None:
-            tokens.extend(el.ids_from_generate)
-        assert queue.GenerateStatus() == GenerateRequestStatus.GenerateFinished, queue.ErrorMessage()
-        client.release_request("llama", handle)
-        out.append(tokens)
-    print(f"{time.monotonic() - go:.2f} s from go to results", flush=True)
-    print("RESULT " + json.dumps(out), flush=True)
-    # one CI run saw this process still alive 120 s after its results: should closing hang, every thread's stack
-    # is printed and the process ends, so the test shows where
-    faulthandler.dump_traceback_later(CLOSE_LIMIT_S, exit=True)
-    client.close()
-    faulthandler.cancel_dump_traceback_later()
-    print("CLOSED", flush=True)
-""")
-
-
-DYING_CLIENT_SCRIPT = textwrap.dedent("""
-    import sys, time
-    from allspark_client import ClientEngine
-    client = ClientEngine(sys.argv[1], start_timeout_s=60)
-    status, handle, queue = client.start_request("llama", {"input_ids": [5, 6, 7]},
-                                                 {"top_k": 1, "max_new_tokens": int(sys.argv[2]), "eos_token_id": []})
-    assert status == 0, client.get_last_error()
-    queue.Get()
-    print("STREAMING", flush=True)
-    time.sleep(600)
-""")
-
-
 def test_second_client_process_alongside(new_pool, loader, llama):
     pool = new_pool()
     client = pool.client()
