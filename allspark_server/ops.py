@@ -120,16 +120,18 @@ def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Ten
         dtype = gemm_dtype(x.dtype)
         # activate_quant: x rounded to int8 per token here too, as the GEMV rounds it (fp32 until the GEMM)
         xg = round_activations_reference(x, 8) if w.act_bits == 8 else x
-        y = F.linear(xg.to(dtype), ext.dequantize_weight(nw, dtype, isa_level()),
-                     None if bias is None else bias.to(dtype))
-        return y.to(x.dtype)
+        return _gemm_in(dtype, xg, ext.dequantize_weight(nw, dtype, isa_level()), bias).to(x.dtype)
     if (ext is None or x.dim() != 2 or x.shape[0] > NATIVE_MAX_ROWS.get(w.dtype, 0)
             or x.dtype != w.dtype or not w.is_contiguous()):
-        dtype = gemm_dtype(x.dtype)
-        if dtype != x.dtype and w.dtype == x.dtype:   # bf16 prefill without bf16 dot products: in fp32
-            return F.linear(x.to(dtype), w.to(dtype), None if bias is None else bias.to(dtype)).to(x.dtype)
+        if w.dtype == x.dtype:   # bf16 prefill without bf16 dot products: in fp32
+            return _gemm_in(gemm_dtype(x.dtype), x, w, bias).to(x.dtype)
         return F.linear(x, w, bias)
     return ext.linear_small_m(x, w, bias, isa_level())
+
+
+def _gemm_in(dtype: torch.dtype, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """ATen's GEMM with x, w and the bias in `dtype` (a no-op conversion where they already are)."""
+    return F.linear(x.to(dtype), w.to(dtype), None if bias is None else bias.to(dtype))
 
 
 def gemm_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -173,7 +173,7 @@ void rows_scalar(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int6
 template <int F>
 void rows(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y, int64_t N,
           int64_t isa, Layout layout) {
-  if (layout == NIBBLES16 || layout == NIBBLES8) rows_nibbles16<F>(a, w, n0, n1, y, layout);
+  if (layout == NIBBLES16 || layout == NIBBLES8) rows_nibbles_avx2<F>(a, w, n0, n1, y, layout);
   else if (layout != NATURAL) rows_avx512<F>(a, M, w, K, n0, n1, y, N);
   else if (isa >= 1) rows_avx2<F>(a, M, w, n0, n1, y, N);
   else rows_scalar<F>(a, M, w, n0, n1, y, N);
@@ -380,6 +380,12 @@ bool bf16_dot_products() {
   return has;
 }
 
+// ATen's GEMM in fp32, x, w and the bias widened as needed
+torch::Tensor linear_fp32(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& b) {
+  const auto bf = b ? std::optional<torch::Tensor>(b->to(torch::kFloat)) : std::nullopt;
+  return at::linear(x.to(torch::kFloat), w.to(torch::kFloat), bf);
+}
+
 // each row of x [M, K] rounded as the GEMV rounds it (ops.round_activations_reference): round(x * act_max /
 // absmax) * absmax / act_max, fp32; for the dequantized GEMM of activate_quant weights
 torch::Tensor round_rows(const torch::Tensor& x, double act_max) {
@@ -398,17 +404,13 @@ torch::Tensor project(const torch::Tensor& x, const Weight& w, const std::option
     if (x.size(0) <= QUANT_NATIVE_MAX_ROWS) return linear_quant(x, *q, b, isa);
     // fp32 GEMM on the dequantized weight: without AVX-512 bf16 instructions oneDNN's bf16 GEMM is ~5x slower
     // (ops.gemm_dtype has the numbers); these are decode batches, small next to prefill GEMMs
-    const auto bf = b ? std::optional<torch::Tensor>(b->to(torch::kFloat)) : std::nullopt;
     auto xf = x.to(torch::kFloat);
     if (q->act_bits == 8) xf = round_rows(xf, 127.f);   // activate_quant: x as the GEMV would meet it
-    return at::linear(xf, dequantize_weight(*q, at::kFloat, isa), bf).to(x.scalar_type());
+    return linear_fp32(xf, dequantize_weight(*q, at::kFloat, isa), b).to(x.scalar_type());
   }
   const auto& dense = std::get<torch::Tensor>(w);
   if (x.size(0) <= native_rows) return linear_small_m(x, dense, b, isa);
-  if (x.scalar_type() == at::kBFloat16 && dense.scalar_type() == at::kBFloat16 && !bf16_dot_products()) {
-    // widened, as ops.gemm_dtype decides for the Python path: oneDNN's bf16 GEMM is ~5x slower without them
-    const auto bf = b ? std::optional<torch::Tensor>(b->to(torch::kFloat)) : std::nullopt;
-    return at::linear(x.to(torch::kFloat), dense.to(torch::kFloat), bf).to(x.scalar_type());
-  }
+  if (x.scalar_type() == at::kBFloat16 && dense.scalar_type() == at::kBFloat16 && !bf16_dot_products())
+    return linear_fp32(x, dense, b).to(x.scalar_type());   // widened, as ops.gemm_dtype decides for Python
   return at::linear(x, dense, b);
 }

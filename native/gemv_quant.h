@@ -104,7 +104,7 @@ template <int F>
 void rows_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y, int64_t N);
 // the same at M = 1 for weights that nibbles16_fits, x in the NIBBLES16 layout (or NIBBLES8: activate_quant)
 template <int F>
-void rows_nibbles16(const Act16& a, const QuantView& w, int64_t n0, int64_t n1, float* y, Layout layout);
+void rows_nibbles_avx2(const Act16& a, const QuantView& w, int64_t n0, int64_t n1, float* y, Layout layout);
 
 // the weights the AVX-512 kernel takes: per channel, or groups of 32, 64, 128, 256 or a multiple of 512
 inline bool avx512_fits(const QuantView& w) {

@@ -202,7 +202,7 @@ inline __m256i four_chunks(const uint8_t* codes, const int8_t* x) {
 // X: int16_t (x in NIBBLES16) or int8_t (NIBBLES8)
 template <int F, int BPG, typename X>
 __attribute__((target("avx2,fma,f16c")))
-void row_nibbles16_m1_avx2(const Act16& a, const X* q, const QuantView& w, int64_t n, float* y) {
+void row_nibbles_m1_avx2(const Act16& a, const X* q, const QuantView& w, int64_t n, float* y) {
   const uint8_t* wr = w.codes + n * w.row_bytes;
   const at::Half* sr = w.scales + n * w.groups;
   const uint8_t* zr = w.zeros ? w.zeros + n * w.groups : nullptr;
@@ -241,8 +241,8 @@ void row_nibbles16_m1_avx2(const Act16& a, const X* q, const QuantView& w, int64
 template <int F, typename X>
 void rows_nibbles_m1(const Act16& a, const X* q, const QuantView& w, int64_t n0, int64_t n1, float* y) {
   for (int64_t n = n0; n < n1; ++n) {
-    if (w.group == BLOCK) row_nibbles16_m1_avx2<F, 1>(a, q, w, n, y);
-    else row_nibbles16_m1_avx2<F, 2>(a, q, w, n, y);
+    if (w.group == BLOCK) row_nibbles_m1_avx2<F, 1>(a, q, w, n, y);
+    else row_nibbles_m1_avx2<F, 2>(a, q, w, n, y);
   }
 }
 
@@ -271,7 +271,7 @@ void rows_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_
 }
 
 template <int F>
-void rows_nibbles16(const Act16& a, const QuantView& w, int64_t n0, int64_t n1, float* y, Layout layout) {
+void rows_nibbles_avx2(const Act16& a, const QuantView& w, int64_t n0, int64_t n1, float* y, Layout layout) {
   if constexpr (F == INT4 || F == UINT4) {
     if (layout == NIBBLES8) rows_nibbles_m1<F>(a, a.q8.data(), w, n0, n1, y);
     else rows_nibbles_m1<F>(a, a.q.data(), w, n0, n1, y);
@@ -280,7 +280,7 @@ void rows_nibbles16(const Act16& a, const QuantView& w, int64_t n0, int64_t n1, 
 
 #define INSTANTIATE(F)                                                                                          \
   template void rows_avx2<F>(const Act16&, int64_t, const QuantView&, int64_t, int64_t, float*, int64_t); \
-  template void rows_nibbles16<F>(const Act16&, const QuantView&, int64_t, int64_t, float*, Layout);
+  template void rows_nibbles_avx2<F>(const Act16&, const QuantView&, int64_t, int64_t, float*, Layout);
 INSTANTIATE(INT8)
 INSTANTIATE(UINT8)
 INSTANTIATE(INT4)
