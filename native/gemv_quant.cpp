@@ -22,9 +22,12 @@
 // (Rounding x to int8 instead, llama.cpp's q8_0 . q8_0, needs a few instructions less but adds a 1/254
 // activation error.)
 //
-// No software prefetch: a prefetch 1 KiB ahead in the row (tried) halved the kernel's speed when streaming
-// from memory (int8 per channel 1.33x -> 2.03x of the bf16 GEMV without it, same rounds); the hardware
-// prefetchers follow each thread's sequential stream.
+// Software prefetch: none in the AVX-512 kernel (on Zen 4 a prefetch 1 KiB ahead in the row halved its speed
+// when streaming from memory: int8 per channel 1.33x -> 2.03x of the bf16 GEMV without it, same rounds). The
+// AVX2 kernels prefetch 2 KiB ahead (simd.h): on the Zen 3-class AVX2 VM the hardware prefetchers fall behind,
+// and the GEMV chain of the 0.5 B model (2 threads) went 48.1 -> 39.3-45.2 ms (bf16), 24.1 -> 19.8 ms (int8 with
+// activate_quant, BYTES8 below), 20.6 -> 14.0-15.0 ms (int4 g64 a8). The 16-bit row_avx2 kernel prefetches 8-bit
+// codes only: with 4-bit codes it is bound by its instructions, and the prefetch made int4 g128 26 -> 32 ms.
 //
 // ISA (chosen by ops.py): 3 AVX-512 VNNI (gemv_quant_avx512.cpp: vpdpwssd, x laid out to match the
 // codes), 1 and 2 AVX2+FMA+F16C (gemv_quant_avx2.cpp; 2 = AVX-512 without VNNI: its dequantization is AVX-512),
@@ -33,7 +36,8 @@
 // share each block of codes. At batch 1, 4-bit codes in groups of 32 or 64 take the AVX2 NIBBLES16 kernel (codes
 // read as words, nibbles isolated in place, x reordered to match); with activate_quant's int8 x, NIBBLES8 (the
 // nibbles as bytes, vpmaddubsw; the chain of the 0.5 B model's GEMVs, 2 threads: int4 g32 2.2x -> 2.9-3.0x of the
-// bf16 GEMV, since the AVX2 VM's 256-bit multiplies, which bound the 16-bit kernel, issue at one per 2 cycles).
+// bf16 GEMV, since the AVX2 VM's 256-bit multiplies, which bound the 16-bit kernel, issue at one per 2 cycles);
+// 8-bit codes with int8 x take BYTES8 (vpmaddubsw on the codes' magnitudes and x signed like the codes).
 // This file: rounding x, the portable kernel, the dequantization and the entry points; what the three files share
 // is in gemv_quant.h.
 #include <torch/extension.h>
@@ -101,27 +105,28 @@ Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float
   Act16 a;
   const bool avx512 = layout == PAIRS || layout == NIBBLES;
   const bool nibbles = layout == NIBBLES16 || layout == NIBBLES8;
+  const bool bytes = layout == NIBBLES8 || layout == BYTES8;   // q8 instead of q
   const int64_t unit = avx512 ? CHUNK : nibbles ? CHUNK16 : BLOCK;
   const int64_t nb = (K + unit - 1) / unit * unit / BLOCK;
   a.padded = nb * BLOCK;
-  a.q.assign(layout == NIBBLES8 ? 0 : M * a.padded, 0);
-  a.q8.assign(layout == NIBBLES8 ? M * a.padded : 0, 0);
+  a.q.assign(bytes ? 0 : M * a.padded, 0);
+  a.q8.assign(bytes ? M * a.padded : 0, 0);
   a.block_sum.assign(M * nb, 0);
   a.chunk_sum.assign(avx512 ? M * nb / 16 : 0, 0);
   a.d.assign(M, 0.f);
-  std::vector<int16_t> natural(nibbles ? a.padded : 0, 0);
+  std::vector<int16_t> natural(nibbles || bytes ? a.padded : 0, 0);
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x + m * K;
     const float amax = avx512 ? abs_max_avx512(xm, K) : isa >= 1 ? abs_max_avx2(xm, K) : abs_max(xm, K);
     const float inv = amax > 0.f ? act_max / amax : 0.f;
     a.d[m] = amax / act_max;
-    int16_t* q = layout == NIBBLES8 ? nullptr : a.q.data() + m * a.padded;
+    int16_t* q = bytes ? nullptr : a.q.data() + m * a.padded;
     int32_t* bsum = a.block_sum.data() + m * nb;
     if (avx512) {
       round_row_avx512(xm, K, a.padded, inv, layout, q, bsum, a.chunk_sum.data() + m * nb / 16);
       continue;
     }
-    int16_t* r = nibbles ? natural.data() : q;   // rounded in k order, then (NIBBLES16 / 8) reordered
+    int16_t* r = nibbles || bytes ? natural.data() : q;   // rounded in k order, then reordered / narrowed
     if (isa >= 1) round_row_avx2(xm, K, inv, r);
     else for (int64_t k = 0; k < K; ++k) r[k] = static_cast<int16_t>(std::nearbyint(xm[k] * inv));
     for (int64_t b = 0; b * BLOCK < K; ++b) {
@@ -142,6 +147,9 @@ Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float
         for (int64_t run = 0; run < 4; ++run)
           for (int64_t j = 0; j < 16; ++j)
             q8[c + 16 * ((run & 1) * 2 + (run >> 1)) + j] = static_cast<int8_t>(r[c + 16 * run + j]);
+    } else if (layout == BYTES8) {     // |r| <= 127 (act_max 127)
+      int8_t* q8 = a.q8.data() + m * a.padded;
+      for (int64_t k = 0; k < K; ++k) q8[k] = static_cast<int8_t>(r[k]);
     }
   }
   return a;
@@ -174,6 +182,7 @@ template <int F>
 void rows(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y, int64_t N,
           int64_t isa, Layout layout) {
   if (layout == NIBBLES16 || layout == NIBBLES8) rows_nibbles_avx2<F>(a, w, n0, n1, y, layout);
+  else if (layout == BYTES8) rows_bytes8_avx2<F>(a, w, n0, n1, y);
   else if (layout != NATURAL) rows_avx512<F>(a, M, w, K, n0, n1, y, N);
   else if (isa >= 1) rows_avx2<F>(a, M, w, n0, n1, y, N);
   else rows_scalar<F>(a, M, w, n0, n1, y, N);
@@ -283,6 +292,7 @@ void run_linear(const float* x, int64_t M, int64_t K, const QuantView& w, const 
   const int64_t N = w.rows;
   const Layout layout = isa >= 3 && avx512_fits(w)                  ? (w.format >= INT4 ? NIBBLES : PAIRS)
                         : isa >= 1 && M == 1 && nibbles16_fits(w, K) ? (w.act_max == 127.f ? NIBBLES8 : NIBBLES16)
+                        : isa >= 1 && M == 1 && w.act_max == 127.f && bytes8_fits(w, K) ? BYTES8
                                                                       : NATURAL;
   const Act16 a = round_activations(x, M, K, isa, w.act_max, layout);
   std::vector<float> scratch(std::is_same_v<O, float> ? 0 : M * N);

@@ -23,6 +23,8 @@ constexpr int64_t CHUNK = 512;  // k per step of the AVX-512 kernel: 16 blocks w
 constexpr float ACT_MAX = 32767.f;     // x rounded to 16 bits (weight-only); activate_quant: 127
 
 enum Format : int64_t { INT8 = 0, UINT8 = 1, INT4 = 2, UINT4 = 3 };
+// bits per code (4-bit codes: two a byte)
+template <int F> constexpr int64_t CODE_BITS = (F == INT4 || F == UINT4) ? 4 : 8;
 
 inline float half_to_float(at::Half h) { return static_cast<float>(h); }
 
@@ -37,7 +39,8 @@ inline float half_to_float(at::Half h) { return static_cast<float>(h); }
 //   NIBBLES8 (AVX2, 4-bit, activate_quant's int8 x, per 64 k = 2 blocks): x as bytes in the order of 32 bytes of
 //   codes split into their low and their high nibbles: k = 32b + 16h + j at byte 32h + 16b + j (h the nibble,
 //   b the block, j < 16)
-enum Layout { NATURAL, PAIRS, NIBBLES, NIBBLES16, NIBBLES8 };
+//   BYTES8 (AVX2, 8-bit codes, activate_quant's int8 x, batch 1): x as bytes in k order
+enum Layout { NATURAL, PAIRS, NIBBLES, NIBBLES16, NIBBLES8, BYTES8 };
 constexpr int64_t CHUNK16 = 64;   // k per step of the AVX2 NIBBLES16 kernel
 
 // x rounded per row to int16: q [M, padded K] (zero padded) and one scale d per row
@@ -47,7 +50,7 @@ struct Act16 {
   // in the lane order of the AVX-512 kernel's reduction (lane 4b + s holds block 4s + b)
   std::vector<int32_t> block_sum;
   std::vector<int32_t> chunk_sum;   // PAIRS / NIBBLES: [M, padded K / CHUNK], sum of q over each chunk
-  std::vector<int8_t> q8;           // NIBBLES8: q as bytes (q itself then left empty)
+  std::vector<int8_t> q8;           // NIBBLES8 / BYTES8: q as bytes (q itself then left empty)
   std::vector<float> d;
   int64_t padded;
 };
@@ -98,6 +101,10 @@ inline bool nibbles16_fits(const QuantView& w, int64_t K) {
          K % CHUNK16 == 0;
 }
 
+// the AVX2 BYTES8 kernel's weights: 8-bit codes per channel or in groups of a multiple of 32, K a multiple of 32
+inline bool bytes8_fits(const QuantView& w, int64_t K) {
+  return (w.format == INT8 || w.format == UINT8) && w.group % BLOCK == 0 && K % BLOCK == 0;
+}
 
 // rows [n0, n1) of y = x . W^T with the AVX2 kernels (gemv_quant_avx2.cpp): x in the NATURAL layout, any M
 template <int F>
@@ -105,6 +112,9 @@ void rows_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_
 // the same at M = 1 for weights that nibbles16_fits, x in the NIBBLES16 layout (or NIBBLES8: activate_quant)
 template <int F>
 void rows_nibbles_avx2(const Act16& a, const QuantView& w, int64_t n0, int64_t n1, float* y, Layout layout);
+// the same at M = 1 for weights that bytes8_fits, x in the BYTES8 layout (activate_quant)
+template <int F>
+void rows_bytes8_avx2(const Act16& a, const QuantView& w, int64_t n0, int64_t n1, float* y);
 
 // the weights the AVX-512 kernel takes: per channel, or groups of 32, 64, 128, 256 or a multiple of 512
 inline bool avx512_fits(const QuantView& w) {
