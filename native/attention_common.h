@@ -127,4 +127,122 @@ inline void softmax_rows_avx512(float* scores, int64_t ctx, int64_t G, float* in
   }
 }
 
+// the same with AVX2 (simd::exp_nonpositive8): the compiled softmax_rows calls std::exp once per score, which
+// made most of a 2048-token decode attention's time on the AVX2 VM
+template <typename W>
+__attribute__((target("avx2,fma")))
+inline void softmax_rows_avx2(float* scores, int64_t ctx, int64_t G, float* inv_sum) {
+  const int64_t C8 = ctx - ctx % 8;
+  for (int64_t h = 0; h < G; ++h) {
+    float* sc = scores + h * ctx;
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < C8; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sc + t));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mv);
+    float m = lanes[0];
+    for (int i = 1; i < 8; ++i) m = std::max(m, lanes[i]);
+    for (int64_t t = C8; t < ctx; ++t) m = std::max(m, sc[t]);
+    const __m256 mb = _mm256_set1_ps(m);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < C8; t += 8) {
+      const __m256 e = simd::exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), mb));
+      sum = _mm256_add_ps(sum, e);
+      _mm256_storeu_ps(sc + t, simd::round_to8<W>(e));
+    }
+    float tail = 0.f;
+    for (int64_t t = C8; t < ctx; ++t) {   // the last ctx % 8 scores, one vector with the others zero
+      alignas(32) float one[8] = {sc[t] - m, 0, 0, 0, 0, 0, 0, 0};
+      _mm256_store_ps(one, simd::exp_nonpositive8(_mm256_load_ps(one)));
+      tail += one[0];
+      sc[t] = one[0];
+      if constexpr (!std::is_same_v<W, float>) sc[t] = to_f(static_cast<W>(sc[t]));
+    }
+    inv_sum[h] = 1.f / (simd::hsum8(sum) + tail);
+  }
+}
+
+// ---- AVX2: scores and value sums over rows of any storage -------------------------------------------------
+// A Row policy reads 8 values of a cache row (elements d .. d + 7, d a multiple of 8) as fp32: dense rows
+// (bf16 / fp32) here, quantized codes (int8 / uint4) in span_attention_quant.cpp. `byte_of(d)`: where element d's
+// bytes start in the row; `LINE_ELEMS` elements make one cache line or less.
+template <typename T>
+struct DenseRow {
+  using Ptr = const T*;
+  __attribute__((target("avx2,fma"), always_inline)) static inline __m256 load8(Ptr row, int64_t d, int64_t) {
+    return simd::load8(row + d);
+  }
+  static int64_t byte_of(int64_t d, int64_t) { return d * static_cast<int64_t>(sizeof(T)); }
+};
+
+// dots[h * stride] = q_h . row for the NH query rows qf [NH, D] (D a multiple of 16), the row widened once
+template <typename Row, int NH>
+__attribute__((target("avx2,fma")))
+inline void row_dots_avx2(const float* qf, typename Row::Ptr row, int64_t D, float* dots, int64_t stride) {
+  __m256 s0[NH], s1[NH];
+  for (int h = 0; h < NH; ++h) s0[h] = _mm256_setzero_ps(), s1[h] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m256 k0 = Row::load8(row, d, D), k1 = Row::load8(row, d + 8, D);
+    for (int h = 0; h < NH; ++h) {
+      s0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + h * D + d), k0, s0[h]);
+      s1[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + h * D + d + 8), k1, s1[h]);
+    }
+  }
+  for (int h = 0; h < NH; ++h) dots[h * stride] = simd::hsum8(_mm256_add_ps(s0[h], s1[h]));
+}
+
+// acc[h, :] = sum_t w[h, t] * row_t for NH heads (w [NH, ctx]; D a multiple of 32; rows[t]: the row of key t):
+// 32 dimensions at a time over all keys with the heads' sums in registers, so each line of a row is read once
+// (the axpy form loads and stores the accumulators for every row and head)
+template <typename Row, int NH>
+__attribute__((target("avx2,fma")))
+inline void weighted_rows_avx2(const typename Row::Ptr* rows, int64_t ctx, int64_t D, const float* w, float* acc) {
+  for (int64_t j = 0; j < D; j += 32) {
+    __m256 a[NH][4];
+    for (int h = 0; h < NH; ++h)
+      for (int i = 0; i < 4; ++i) a[h][i] = _mm256_setzero_ps();
+    const int64_t at = Row::byte_of(j, D), span = Row::byte_of(j + 31, D) - at + 1;
+    for (int64_t t = 0; t < ctx; ++t) {
+      if (t + PREFETCH_AHEAD < ctx)
+        prefetch_row<3>(reinterpret_cast<const char*>(rows[t + PREFETCH_AHEAD]) + at, span);
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) v[i] = Row::load8(rows[t], j + 8 * i, D);
+      for (int h = 0; h < NH; ++h) {
+        const __m256 wt = _mm256_set1_ps(w[h * ctx + t]);
+        for (int i = 0; i < 4; ++i) a[h][i] = _mm256_fmadd_ps(wt, v[i], a[h][i]);
+      }
+    }
+    for (int h = 0; h < NH; ++h)
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(acc + h * D + j + 8 * i, a[h][i]);
+  }
+}
+
+// the two above for all G heads of a group, in blocks of up to 4 heads (registers)
+template <typename Row>
+__attribute__((target("avx2,fma")))
+inline void group_dots_avx2(const float* qf, typename Row::Ptr row, int64_t D, int64_t G, float* dots,
+                            int64_t stride) {
+  for (int64_t h0 = 0; h0 < G; h0 += 4) {
+    float* out = dots + h0 * stride;
+    switch (std::min<int64_t>(4, G - h0)) {
+      case 1: row_dots_avx2<Row, 1>(qf + h0 * D, row, D, out, stride); break;
+      case 2: row_dots_avx2<Row, 2>(qf + h0 * D, row, D, out, stride); break;
+      case 3: row_dots_avx2<Row, 3>(qf + h0 * D, row, D, out, stride); break;
+      default: row_dots_avx2<Row, 4>(qf + h0 * D, row, D, out, stride); break;
+    }
+  }
+}
+template <typename Row>
+__attribute__((target("avx2,fma")))
+inline void group_weighted_rows_avx2(const typename Row::Ptr* rows, int64_t ctx, int64_t D, int64_t G,
+                                     const float* w, float* acc) {
+  for (int64_t h0 = 0; h0 < G; h0 += 4) {
+    switch (std::min<int64_t>(4, G - h0)) {
+      case 1: weighted_rows_avx2<Row, 1>(rows, ctx, D, w + h0 * ctx, acc + h0 * D); break;
+      case 2: weighted_rows_avx2<Row, 2>(rows, ctx, D, w + h0 * ctx, acc + h0 * D); break;
+      case 3: weighted_rows_avx2<Row, 3>(rows, ctx, D, w + h0 * ctx, acc + h0 * D); break;
+      default: weighted_rows_avx2<Row, 4>(rows, ctx, D, w + h0 * ctx, acc + h0 * D); break;
+    }
+  }
+}
+
 }  // namespace attn

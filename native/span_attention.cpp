@@ -123,6 +123,26 @@ void attend_avx512_d16(ATTEND_ARGS) {
   group_output(acc, inv_sum, D, G, g, out);
 }
 
+// AVX2 for head dims that are multiples of 32: attend()'s algorithm and roundings with 8-lane intrinsics
+// (attention_common.h; the compiled loops reduce horizontally per key and head and call std::exp per score)
+template <typename T>
+__attribute__((target("avx2,fma")))
+void attend_avx2_d32(ATTEND_ARGS, std::vector<const T*>& rows) {
+  using Row = attn::DenseRow<T>;
+  group_query(q, D, G, g, qf);
+  for (int64_t t = 0; t < ctx; ++t) {
+    attn::prefetch_for_key(k_cache, v_cache, D * sizeof(T), spans, t, ctx, P, KVH, g);
+    attn::group_dots_avx2<Row>(qf, k_cache + (slot_of(spans, t, P) * KVH + g) * D, D, G, scores + t, ctx);
+    for (int64_t h = 0; h < G; ++h) scores[h * ctx + t] *= scale;
+  }
+  attn::add_alibi(scores, ctx, G, slopes);
+  attn::softmax_rows_avx2<T>(scores, ctx, G, inv_sum);   // the weights meet V in the cache's precision
+  rows.resize(ctx);
+  for (int64_t t = 0; t < ctx; ++t) rows[t] = v_cache + (slot_of(spans, t, P) * KVH + g) * D;
+  attn::group_weighted_rows_avx2<Row>(rows.data(), ctx, D, G, scores, acc);
+  group_output(acc, inv_sum, D, G, g, out);
+}
+
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& spans,
          const torch::Tensor& ctx, double scale, const float* alibi, torch::Tensor& out, int64_t isa) {
@@ -137,6 +157,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& v
   T* op = out.data_ptr<T>();
   allspark::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), inv_sum(G), scores;
+    std::vector<const T*> rows;   // attend_avx2_d32: each key's V row
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KVH, g = task % KVH;
       const int64_t n = cp[b];
@@ -152,6 +173,9 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& v
       else if (isa >= 2)
         attend_avx512<T>(qb, kp, vp, sb, n, P, KVH, D, G, g, s, sl, ob, scores.data(), qf.data(), acc.data(),
                          inv_sum.data());
+      else if (isa == 1 && D % 32 == 0)
+        attend_avx2_d32<T>(qb, kp, vp, sb, n, P, KVH, D, G, g, s, sl, ob, scores.data(), qf.data(), acc.data(),
+                           inv_sum.data(), rows);
       else if (isa == 1)
         attend_avx2<T>(qb, kp, vp, sb, n, P, KVH, D, G, g, s, sl, ob, scores.data(), qf.data(), acc.data(),
                        inv_sum.data());

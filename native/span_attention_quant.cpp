@@ -11,7 +11,8 @@
 // are widened to fp32 once (into an L1 buffer shared by the G query heads of the KV head); on AVX-512 the
 // V sums run 16 dimensions at a time over all keys with the G heads' sums in registers. Scores, softmax and
 // sums are fp32, and the softmax weights stay fp32 (the reference is fp32 attention over the dequantized
-// rows). ISA: 2 = AVX-512 (intrinsics when D is a multiple of 16 for int8, 32 for uint4), 1 = AVX2, 0 =
+// rows). ISA: 2 = AVX-512 (intrinsics when D is a multiple of 16 for int8, 32 for uint4), 1 = AVX2
+// (intrinsics when D is a multiple of 32: attention_common.h's row dots and weighted rows over the codes), 0 =
 // portable (the generic code compiled per target).
 #include <torch/extension.h>
 #include <immintrin.h>
@@ -158,15 +159,37 @@ void weighted_codes_avx512(const uint8_t* vc, const int64_t* rows, int64_t ctx, 
 struct Scratch {   // per thread: [G, D] query rows and accumulators, [G, ctx] scores, one widened row
   std::vector<float> qf, acc, scores, row, qsum, zacc, inv_sum;
   std::vector<int64_t> rows;   // [ctx]: byte offset of each key's row of this KV head
+  std::vector<const uint8_t*> row_ptrs;   // AVX2: [ctx] each key's V row
   Scratch(int64_t G, int64_t D) : qf(G * D), acc(G * D), row(D), qsum(G), zacc(G), inv_sum(G) {}
 };
 
-// one (sequence, KV head g) task; V512: the AVX-512 intrinsics (widen, dot, softmax, weighted_codes)
-template <int M, bool V512, typename T>
+// a row of codes for the AVX2 pieces of attention_common.h: 8 codes as fp32 (uint4: element d in the low
+// nibble of byte d, or in the high nibble of byte d - D/2)
+template <int M>
+struct CodesRow {
+  using Ptr = const uint8_t*;
+  __attribute__((target("avx2,fma"), always_inline)) static inline __m256 load8(Ptr row, int64_t d, int64_t D) {
+    if constexpr (M == I8) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d))));
+    } else {
+      const int64_t half = D / 2;
+      __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + (d < half ? d : d - half)));
+      if (d >= half) b = _mm_srli_epi16(b, 4);
+      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F))));
+    }
+  }
+  static int64_t byte_of(int64_t d, int64_t D) { return M == I8 || d < D / 2 ? d : d - D / 2; }
+};
+
+// one (sequence, KV head g) task. V: AVX512 the AVX-512 intrinsics (widen, dot, softmax, weighted_codes); AVX2
+// the AVX2 ones of attention_common.h (D a multiple of 32); GENERIC the loops compiled for the target
+enum Vec : int { GENERIC, AVX2, AVX512 };
+template <int M, int V, typename T>
 __attribute__((always_inline)) inline void attend(const T* q, const uint8_t* kc, const float* kp, const uint8_t* vc,
                                                   const float* vp, const int64_t* spans, int64_t ctx, int64_t P,
                                                   int64_t KVH, int64_t D, int64_t G, int64_t g, float scale,
                                                   const float* slopes, T* out, Scratch& s) {
+  constexpr bool V512 = V == AVX512;
   const int64_t W = row_bytes<M>(D);
   float* qf = s.qf.data();
   float* row = s.row.data();
@@ -176,16 +199,22 @@ __attribute__((always_inline)) inline void attend(const T* q, const uint8_t* kc,
   for (int64_t t = 0; t < ctx; ++t) {
     attn::prefetch_for_key(kc, vc, W, spans, t, ctx, P, KVH, g);
     const int64_t r = slot_of(spans, t, P) * KVH + g;
+    const float ks = kp[2 * r] * scale, kz = kp[2 * r + 1];
+    if constexpr (V == AVX2) {
+      attn::group_dots_avx2<CodesRow<M>>(qf, kc + r * W, D, G, scores + t, ctx);
+      for (int64_t h = 0; h < G; ++h) scores[h * ctx + t] = (scores[h * ctx + t] - kz * s.qsum[h]) * ks;
+      continue;
+    }
     if constexpr (V512) widen_avx512<M>(kc + r * W, D, row);
     else widen<M>(kc + r * W, D, row);
-    const float ks = kp[2 * r] * scale, kz = kp[2 * r + 1];
     for (int64_t h = 0; h < G; ++h) scores[h * ctx + t] = (dot<V512>(qf + h * D, row, D) - kz * s.qsum[h]) * ks;
   }
   attn::add_alibi(scores, ctx, G, slopes);
   if constexpr (V512) attn::softmax_rows_avx512<float>(scores, ctx, G, s.inv_sum.data());
+  else if constexpr (V == AVX2) attn::softmax_rows_avx2<float>(scores, ctx, G, s.inv_sum.data());
   else attn::softmax_rows<float>(scores, ctx, G, s.inv_sum.data());
   std::fill(s.zacc.begin(), s.zacc.end(), 0.f);
-  if constexpr (V512) {   // weighted_codes_avx512 writes every accumulator
+  if constexpr (V != GENERIC) {   // weighted_codes_avx512 / group_weighted_rows_avx2 write every accumulator
     s.rows.resize(ctx);
     for (int64_t t = 0; t < ctx; ++t) {   // the weights w = p * s_t, and sum_t w * z_t apart
       const int64_t r = slot_of(spans, t, P) * KVH + g;
@@ -195,14 +224,20 @@ __attribute__((always_inline)) inline void attend(const T* q, const uint8_t* kc,
         s.zacc[h] += scores[h * ctx + t] * vp[2 * r + 1];
       }
     }
-    for (int64_t h0 = 0; h0 < G; h0 += 4) {
-      const float* w = scores + h0 * ctx;
-      float* a = s.acc.data() + h0 * D;
-      switch (std::min<int64_t>(4, G - h0)) {
-        case 1: weighted_codes_avx512<M, 1>(vc, s.rows.data(), ctx, D, w, a); break;
-        case 2: weighted_codes_avx512<M, 2>(vc, s.rows.data(), ctx, D, w, a); break;
-        case 3: weighted_codes_avx512<M, 3>(vc, s.rows.data(), ctx, D, w, a); break;
-        default: weighted_codes_avx512<M, 4>(vc, s.rows.data(), ctx, D, w, a); break;
+    if constexpr (V == AVX2) {
+      s.row_ptrs.resize(ctx);
+      for (int64_t t = 0; t < ctx; ++t) s.row_ptrs[t] = vc + s.rows[t];
+      attn::group_weighted_rows_avx2<CodesRow<M>>(s.row_ptrs.data(), ctx, D, G, scores, s.acc.data());
+    } else {
+      for (int64_t h0 = 0; h0 < G; h0 += 4) {
+        const float* w = scores + h0 * ctx;
+        float* a = s.acc.data() + h0 * D;
+        switch (std::min<int64_t>(4, G - h0)) {
+          case 1: weighted_codes_avx512<M, 1>(vc, s.rows.data(), ctx, D, w, a); break;
+          case 2: weighted_codes_avx512<M, 2>(vc, s.rows.data(), ctx, D, w, a); break;
+          case 3: weighted_codes_avx512<M, 3>(vc, s.rows.data(), ctx, D, w, a); break;
+          default: weighted_codes_avx512<M, 4>(vc, s.rows.data(), ctx, D, w, a); break;
+        }
       }
     }
   } else {
@@ -235,16 +270,18 @@ __attribute__((always_inline)) inline void attend(const T* q, const uint8_t* kc,
 // always_inline into the target-less attend(); flatten inlines them here, where the target allows it
 template <int M, typename T>
 __attribute__((target("avx512f,avx512bw,avx512vl"), flatten)) void attend_avx512_v(ATTEND_ARGS) {
-  attend<M, true, T>(ATTEND_CALL);
+  attend<M, AVX512, T>(ATTEND_CALL);
 }
 template <int M, typename T>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void attend_avx512(ATTEND_ARGS) {
-  attend<M, false, T>(ATTEND_CALL);
+  attend<M, GENERIC, T>(ATTEND_CALL);
 }
 template <int M, typename T>
-__attribute__((target("avx2,fma"))) void attend_avx2(ATTEND_ARGS) { attend<M, false, T>(ATTEND_CALL); }
+__attribute__((target("avx2,fma"), flatten)) void attend_avx2_v(ATTEND_ARGS) { attend<M, AVX2, T>(ATTEND_CALL); }
 template <int M, typename T>
-void attend_portable(ATTEND_ARGS) { attend<M, false, T>(ATTEND_CALL); }
+__attribute__((target("avx2,fma"))) void attend_avx2(ATTEND_ARGS) { attend<M, GENERIC, T>(ATTEND_CALL); }
+template <int M, typename T>
+void attend_portable(ATTEND_ARGS) { attend<M, GENERIC, T>(ATTEND_CALL); }
 
 template <int M, typename T>
 void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& kp, const torch::Tensor& vc,
@@ -273,6 +310,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& k
       const float* sl = alibi ? alibi + g * G : nullptr;   // the group's slopes
       if (v512) attend_avx512_v<M, T>(qb, kcp, kpp, vcp, vpp, sb, n, P, KVH, D, G, g, sc, sl, ob, s);
       else if (isa >= 2) attend_avx512<M, T>(qb, kcp, kpp, vcp, vpp, sb, n, P, KVH, D, G, g, sc, sl, ob, s);
+      else if (isa == 1 && D % 32 == 0) attend_avx2_v<M, T>(qb, kcp, kpp, vcp, vpp, sb, n, P, KVH, D, G, g, sc, sl, ob, s);
       else if (isa == 1) attend_avx2<M, T>(qb, kcp, kpp, vcp, vpp, sb, n, P, KVH, D, G, g, sc, sl, ob, s);
       else attend_portable<M, T>(qb, kcp, kpp, vcp, vpp, sb, n, P, KVH, D, G, g, sc, sl, ob, s);
     }
