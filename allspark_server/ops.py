@@ -120,10 +120,14 @@ def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Ten
         dtype = gemm_dtype(x.dtype)
         # activate_quant: x rounded to int8 per token here too, as the GEMV rounds it (fp32 until the GEMM)
         xg = round_activations_reference(x, 8) if w.act_bits == 8 else x
+        if dtype == torch.float32:   # dequantized a tile at a time (native/kernels.h: linear_widened)
+            return ext.linear_widened(xg, nw, bias, isa_level()).to(x.dtype)
         return _gemm_in(dtype, xg, ext.dequantize_weight(nw, dtype, isa_level()), bias).to(x.dtype)
     if (ext is None or x.dim() != 2 or x.shape[0] > NATIVE_MAX_ROWS.get(w.dtype, 0)
             or x.dtype != w.dtype or not w.is_contiguous()):
-        if w.dtype == x.dtype:   # bf16 prefill without bf16 dot products: in fp32
+        if w.dtype == x.dtype and gemm_dtype(x.dtype) != x.dtype:   # bf16 prefill without bf16 dot products
+            if ext is not None and x.dim() == 2 and w.is_contiguous():
+                return ext.linear_widened(x, w, bias, isa_level())      # widened a tile at a time
             return _gemm_in(gemm_dtype(x.dtype), x, w, bias).to(x.dtype)
         return F.linear(x, w, bias)
     return ext.linear_small_m(x, w, bias, isa_level())

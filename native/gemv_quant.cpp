@@ -390,12 +390,6 @@ bool bf16_dot_products() {
   return has;
 }
 
-// ATen's GEMM in fp32, x, w and the bias widened as needed
-torch::Tensor linear_fp32(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& b) {
-  const auto bf = b ? std::optional<torch::Tensor>(b->to(torch::kFloat)) : std::nullopt;
-  return at::linear(x.to(torch::kFloat), w.to(torch::kFloat), bf);
-}
-
 // each row of x [M, K] rounded as the GEMV rounds it (ops.round_activations_reference): round(x * act_max /
 // absmax) * absmax / act_max, fp32; for the dequantized GEMM of activate_quant weights
 torch::Tensor round_rows(const torch::Tensor& x, double act_max) {
@@ -408,6 +402,35 @@ torch::Tensor round_rows(const torch::Tensor& x, double act_max) {
 }
 }  // namespace
 
+torch::Tensor linear_widened(const torch::Tensor& x, const Weight& w, const std::optional<torch::Tensor>& b,
+                             int64_t isa) {
+  const auto* q = std::get_if<QuantWeight>(&w);
+  if (q) q->check();
+  const torch::Tensor dense = q ? torch::Tensor() : std::get<torch::Tensor>(w);
+  const int64_t K = q ? q->in_features : dense.size(1), N = q ? q->qweight.size(0) : dense.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "linear_widened: x ", x.sizes(), " for a weight of K = ", K);
+  const auto xf = x.to(torch::kFloat).contiguous();
+  auto yt = torch::empty({N, x.size(0)}, xf.options());   // y^T: each tile fills a contiguous block of rows
+  const int64_t tile = std::max<int64_t>(16, WIDEN_TILE_BYTES / (4 * std::max<int64_t>(K, 1)));
+  for (int64_t n0 = 0; n0 < N; n0 += tile) {
+    const int64_t nt = std::min(tile, N - n0);
+    torch::Tensor wt;
+    if (q) {
+      const QuantWeight rows{q->qweight.narrow(0, n0, nt), q->scales.narrow(0, n0, nt),
+                             q->zeros ? std::optional<torch::Tensor>(q->zeros->narrow(0, n0, nt)) : std::nullopt,
+                             q->format, q->in_features, q->act_bits};
+      wt = dequantize_weight(rows, at::kFloat, isa);
+    } else {
+      wt = dense.narrow(0, n0, nt).to(torch::kFloat);
+    }
+    auto out = yt.narrow(0, n0, nt);
+    at::mm_out(out, wt, xf.t());
+  }
+  auto y = yt.t();
+  if (b) y = y + b->to(torch::kFloat);
+  return y.to(x.scalar_type()).contiguous();
+}
+
 torch::Tensor project(const torch::Tensor& x, const Weight& w, const std::optional<torch::Tensor>& b, int64_t isa,
                       int64_t native_rows) {
   if (const auto* q = std::get_if<QuantWeight>(&w)) {
@@ -416,11 +439,11 @@ torch::Tensor project(const torch::Tensor& x, const Weight& w, const std::option
     // (ops.gemm_dtype has the numbers); these are decode batches, small next to prefill GEMMs
     auto xf = x.to(torch::kFloat);
     if (q->act_bits == 8) xf = round_rows(xf, 127.f);   // activate_quant: x as the GEMV would meet it
-    return linear_fp32(xf, dequantize_weight(*q, at::kFloat, isa), b).to(x.scalar_type());
+    return linear_widened(xf, w, b, isa).to(x.scalar_type());
   }
   const auto& dense = std::get<torch::Tensor>(w);
   if (x.size(0) <= native_rows) return linear_small_m(x, dense, b, isa);
   if (x.scalar_type() == at::kBFloat16 && dense.scalar_type() == at::kBFloat16 && !bf16_dot_products())
-    return linear_fp32(x, dense, b).to(x.scalar_type());   // widened, as ops.gemm_dtype decides for Python
+    return linear_widened(x, w, b, isa);   // as ops.gemm_dtype decides for Python
   return at::linear(x, dense, b);
 }

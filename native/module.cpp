@@ -63,6 +63,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("in_features", &QuantWeight::in_features);
   m.def("linear_quant", &linear_quant, "y = x @ dequant(w).T (+ bias) for few rows of x (fp32 FMAs)", nogil,
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("isa"));
+  m.def("linear_widened", &linear_widened, "x @ w.T (+ bias) in fp32 over tiles of w widened or dequantized",
+        nogil, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("isa"));
   m.def("dequantize_weight", &dequantize_weight, "the weight a QuantWeight stands for, as fp32 or bf16 [N, K]",
         nogil, pybind11::arg("w"), pybind11::arg("dtype"), pybind11::arg("isa"));
   m.attr("QUANT_NATIVE_MAX_ROWS") = QUANT_NATIVE_MAX_ROWS;

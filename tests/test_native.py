@@ -90,6 +90,29 @@ def test_decode_attention_matches_reference(dtype, isa):
         assert torch.equal(alone[0], out[3])
 
 
+def test_linear_widened_tiles_equal_a_float64_product():
+    """linear_widened (prefill GEMMs in fp32 where the bf16 GEMM is slow, and every dequantized one): the weight
+    widened a tile of rows at a time, each tile one GEMM into its block of y^T. Against float64 for dense bf16 /
+    fp32 weights and a quantized one, with bias, over whole and partial tiles (2 MiB of fp32 rows: 512 rows at K
+    = 1024)."""
+    from allspark_server.quant.formats import QuantizedWeight, quantize
+    ext, g = ops.native(), torch.Generator().manual_seed(11)
+    x = torch.randn(37, 1024, generator=g)
+    b = torch.randn(600, generator=g)
+    w = torch.randn(600, 1024, generator=g) * 0.05
+    q = quantize(w, "uint4", 64)
+    qw = QuantizedWeight(q["qweight"], q["scales"], q["zeros"], "uint4", 64, 1024)
+    cases = ((x, w, b), (x.bfloat16(), w.bfloat16(), b.bfloat16()), (x, ops.native_weight(qw), b))
+    for (xs, ws, bs), w64 in zip(cases, (w.double(), w.bfloat16().double(), qw.dequantize().double())):
+        y = ext.linear_widened(xs, ws, bs, ops.isa_level())
+        ref = xs.double() @ w64.T + bs.double()
+        assert y.dtype == xs.dtype and y.shape == (37, 600)
+        tol = 1e-4 if xs.dtype == torch.float32 else 2 ** -8 * ref.abs().max().item()
+        assert (y.double() - ref).abs().max().item() <= tol, xs.dtype
+    with pytest.raises(RuntimeError, match="linear_widened"):
+        ext.linear_widened(x[:, :100], w, None, ops.isa_level())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_matches_float64_and_rounds_like_hf(dtype):
     g = torch.Generator().manual_seed(3)
@@ -321,8 +344,9 @@ def test_bf16_gemm_of_many_rows_is_widened_without_bf16_dot_products(monkeypatch
     real, seen = F.linear, []
     monkeypatch.setattr(F, "linear", lambda x, w, b=None: seen.append(x.dtype) or real(x, w, b))
     monkeypatch.setattr(ops, "cpu_flags", lambda: frozenset({"avx2"}))
-    assert torch.equal(ops.linear(x, w, b), real(x.float(), w.float(), b.float()).bfloat16())
-    assert seen == [torch.float32]
+    y, fp32 = ops.linear(x, w, b), real(x.float(), w.float(), b.float())
+    assert seen == [] and y.dtype == torch.bfloat16   # no bf16 GEMM: the native widened one (linear_widened)
+    assert ((y.float() - fp32).abs() <= fp32.abs() * 2 ** -8 + 1e-6).all()   # fp32 sums rounded once to bf16
     monkeypatch.setattr(ops, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
     seen.clear()
     assert torch.equal(ops.linear(x, w, b), real(x, w, b)) and seen == [torch.bfloat16]
@@ -336,7 +360,7 @@ def test_bf16_gemm_of_many_rows_is_widened_without_bf16_dot_products(monkeypatch
 
     def mlp(gemm):
         return gemm(ops.silu_mul_reference(gemm(h, gate_up)), down)
-    widened = mlp(lambda a, m: real(a.float(), m.float()).bfloat16())
+    widened = mlp(lambda a, m: ops.native().linear_widened(a, m, None, ops.isa_level()))
     in_bf16 = mlp(lambda a, m: real(a, m))
     assert not torch.equal(widened, in_bf16)   # the two GEMMs are told apart by these shapes
     out, _ = ops.native().decode_mlp_block(x, torch.zeros_like(x), norm, 1e-6, gate_up, None, down, ops.isa_level(), 0)
