@@ -27,13 +27,14 @@
 // AVX2 kernels prefetch 2 KiB ahead (simd.h): on the Zen 3-class AVX2 VM the hardware prefetchers fall behind,
 // and the GEMV chain of the 0.5 B model (2 threads) went 48.1 -> 39.3-45.2 ms (bf16), 24.1 -> 19.8 ms (int8 with
 // activate_quant, BYTES8 below), 20.6 -> 14.0-15.0 ms (int4 g64 a8). The 16-bit row_avx2 kernel prefetches 8-bit
-// codes only: with 4-bit codes it is bound by its instructions, and the prefetch made int4 g128 26 -> 32 ms.
+// codes only: with 4-bit codes it is bound by its instructions, and the prefetch made int4 g128 26 -> 32 ms
+// (groups of 128 take NIBBLES16 / 8 since: GEMV chain 1.48x -> 1.77x of bf16's, 1.45x -> 2.24x with int8 x).
 //
 // ISA (chosen by ops.py): 3 AVX-512 VNNI (gemv_quant_avx512.cpp: vpdpwssd, x laid out to match the
 // codes), 1 and 2 AVX2+FMA+F16C (gemv_quant_avx2.cpp; 2 = AVX-512 without VNNI: its dequantization is AVX-512),
 // 0 portable C++; the same rounding of x everywhere, so every level equals ops.linear_reference up to fp32
 // summation order. The weight streams row by row; each thread owns a contiguous block of rows, up to 4 rows of x
-// share each block of codes. At batch 1, 4-bit codes in groups of 32 or 64 take the AVX2 NIBBLES16 kernel (codes
+// share each block of codes. At batch 1, 4-bit codes in groups of 32, 64 or 128 take the AVX2 NIBBLES16 kernel (codes
 // read as words, nibbles isolated in place, x reordered to match); with activate_quant's int8 x, NIBBLES8 (the
 // nibbles as bytes, vpmaddubsw; the chain of the 0.5 B model's GEMVs, 2 threads: int4 g32 2.2x -> 2.9-3.0x of the
 // bf16 GEMV, since the AVX2 VM's 256-bit multiplies, which bound the 16-bit kernel, issue at one per 2 cycles);

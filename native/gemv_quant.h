@@ -92,13 +92,12 @@ inline void codes16(const uint8_t* row, int64_t k, __m256i zero, __m256i* lo, __
   }
 }
 
-// the AVX2 NIBBLES16 kernel's weights: 4-bit, groups of 32 or 64, K a multiple of 64 (whole chunks), at least 2
-// groups. Groups of 128 ran here (BPG 4) as fast as groups of 32 with the codes in cache, but streaming them it
-// was no faster than row_avx2 (GEMV chain 1.90x of bf16 against 2.00x; the engine's decode 1.30x of bf16 where
-// groups of 32 made 1.75x, same rounds), so they stay on row_avx2.
+// the AVX2 NIBBLES16 / NIBBLES8 kernels' weights: 4-bit, groups of 32, 64 or 128, K a multiple of 64 (whole
+// chunks), at least 2 groups. Groups of 128 were left to row_avx2 before the kernels prefetched their stream:
+// streaming, they ran no faster then (GEMV chain 1.90x of bf16 against row_avx2's 2.00x).
 inline bool nibbles16_fits(const QuantView& w, int64_t K) {
-  return (w.format == INT4 || w.format == UINT4) && (w.group == BLOCK || w.group == 2 * BLOCK) && w.groups > 1 &&
-         K % CHUNK16 == 0;
+  return (w.format == INT4 || w.format == UINT4) &&
+         (w.group == BLOCK || w.group == 2 * BLOCK || w.group == 4 * BLOCK) && w.groups > 1 && K % CHUNK16 == 0;
 }
 
 // the AVX2 BYTES8 kernel's weights: 8-bit codes per channel or in groups of a multiple of 32, K a multiple of 32

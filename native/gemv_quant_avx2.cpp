@@ -1,6 +1,6 @@
 // The AVX2 kernels of the quantized GEMV (isa 1 and 2): x rounded to int16 in k order (NATURAL) met with codes
-// widened to int16 in vpmaddwd sums, for any batch and group; and at batch 1 with 4-bit codes in groups of 32 or
-// 64, the NIBBLES16 kernel, which reads the codes as words and isolates their nibbles in place (NIBBLES8: the
+// widened to int16 in vpmaddwd sums, for any batch and group; and at batch 1 with 4-bit codes in groups of 32,
+// 64 or 128, the NIBBLES16 kernel, which reads the codes as words and isolates their nibbles in place (NIBBLES8: the
 // same with activate_quant's int8 x, in vpmaddubsw), and 8-bit codes with int8 x, BYTES8. Each prefetches its
 // weight stream (simd.h). The math, the layouts and the measurements that chose them are in gemv_quant.cpp's
 // header; the shared pieces in gemv_quant.h.
@@ -86,6 +86,11 @@ inline __m256 add_eight_groups(__m256i sums, const int32_t* qsum, const uint8_t*
     __m256i group_q = _mm256_loadu_si256(bs);   // lane j: the sum of q over group g + j
     if constexpr (BPG == 2)   // block sums [b0 .. b7], [b8 .. b15] -> pairs, put back in order
       group_q = _mm256_permute4x64_epi64(_mm256_hadd_epi32(group_q, _mm256_loadu_si256(bs + 1)), 0xD8);
+    if constexpr (BPG == 4) {   // b0 .. b31 -> fours: [g0 g2 g4 g6 | g1 g3 g5 g7] after two hadd levels
+      const __m256i pairs01 = _mm256_hadd_epi32(group_q, _mm256_loadu_si256(bs + 1));
+      const __m256i pairs23 = _mm256_hadd_epi32(_mm256_loadu_si256(bs + 2), _mm256_loadu_si256(bs + 3));
+      group_q = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(pairs01, pairs23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    }
     if constexpr (F == INT4) {   // zero point 8
       sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(group_q, 3));
     } else {
@@ -147,7 +152,7 @@ void row_grouped_m1_avx2(const Act16& a, int64_t m, const QuantView& w, int64_t 
   y[m * N + n] = a.d[m] * (simd::hsum8(total) + rest);
 }
 
-// One row of x (batch-1 decode) against weight row n, 4-bit codes in groups of G = 32 * BPG (BPG = 1 or 2),
+// One row of x (batch-1 decode) against weight row n, 4-bit codes in groups of G = 32 * BPG (BPG = 1, 2 or 4),
 // x in the NIBBLES16 layout: 32 bytes of codes are loaded as 16 words and each of a word's four nibbles is
 // isolated with a shift and a mask into a vector that meets x in one vpmaddwd: about 3.5 instructions per 16
 // codes where row_grouped_m1_avx2 widens bytes to words (5). A chunk's int32 partials hold block 2c in lanes
@@ -221,6 +226,12 @@ void row_nibbles_m1_avx2(const Act16& a, const X* q, const QuantView& w, int64_t
     if constexpr (BPG == 1) {   // 4 chunks: lanes [g0 g2 g4 g6 | g1 g3 g5 g7], put in order
       sums = _mm256_permutevar8x32_epi32(four_chunks(wr + g * G / 2, q + g * G),
                                          _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    } else if constexpr (BPG == 4) {   // two chunks per group: chunk sums [g g g+1 g+1 | g+2 ...] in order, then
+      const __m256i lo = eight_in_order(four_chunks(wr + g * G / 2, q + g * G),            // pairs added:
+                                        four_chunks(wr + (g + 2) * G / 2, q + (g + 2) * G));  // [g g+1 g+4 g+5 |
+      const __m256i hi = eight_in_order(four_chunks(wr + (g + 4) * G / 2, q + (g + 4) * G),   //  g+2 g+3 g+6 g+7]
+                                        four_chunks(wr + (g + 6) * G / 2, q + (g + 6) * G));
+      sums = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(lo, hi), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
     } else {                    // a chunk per group: the halves of groups g .. g + 3 and of g + 4 .. g + 7
       sums = eight_in_order(four_chunks(wr + g * G / 2, q + g * G),
                             four_chunks(wr + (g + 4) * G / 2, q + (g + 4) * G));
@@ -232,8 +243,9 @@ void row_nibbles_m1_avx2(const Act16& a, const X* q, const QuantView& w, int64_t
   float rest = 0.f;
   for (; g < w.groups; g += STEP) {
     alignas(32) int32_t lanes[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes),
-                       chunk_avx2(wr + g * G / 2, q + g * G));   // groups g, g + 1 (G = 32) or g
+    __m256i part = chunk_avx2(wr + g * G / 2, q + g * G);   // groups g, g + 1 (G = 32) or g
+    if constexpr (BPG == 4) part = _mm256_add_epi32(part, chunk_avx2(wr + g * G / 2 + 32, q + g * G + 64));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), part);
     for (int64_t h = 0; h < STEP; ++h) {
       int32_t dot = 0, gq = 0;
       for (int64_t l = 0; l < LANES; ++l) dot += lanes[h * LANES + l];
@@ -248,7 +260,8 @@ template <int F, typename X>
 void rows_nibbles_m1(const Act16& a, const X* q, const QuantView& w, int64_t n0, int64_t n1, float* y) {
   for (int64_t n = n0; n < n1; ++n) {
     if (w.group == BLOCK) row_nibbles_m1_avx2<F, 1>(a, q, w, n, y);
-    else row_nibbles_m1_avx2<F, 2>(a, q, w, n, y);
+    else if (w.group == 2 * BLOCK) row_nibbles_m1_avx2<F, 2>(a, q, w, n, y);
+    else row_nibbles_m1_avx2<F, 4>(a, q, w, n, y);
   }
 }
 
