@@ -189,15 +189,6 @@ void rows_avx512(const float* x, int64_t m_rows, int64_t K, const W* w, int64_t 
 // Each weight row is prefetched 2 KiB ahead (simd.h): on the Zen 3-class AVX2 VM that took the batch-1 chain of
 // the 0.5 B model's GEMVs from 48.1 to 39.3-45.2 ms (2 threads) and the engine's bf16 decode from 19.3 to 22.3
 // tokens/s (benchmarks/gemv_quant_micro.py, a step profile of the benchmark model).
-__attribute__((target("avx2,fma")))
-inline __m256 load8_256(const float* p) { return _mm256_loadu_ps(p); }
-
-__attribute__((target("avx2,fma")))
-inline __m256 load8_256(const uint16_t* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
 template <typename W, int MB>
 __attribute__((target("avx2,fma")))
 void row_avx2(const float* x, int64_t K, const W* wr, float* y, int64_t N) {
@@ -209,7 +200,7 @@ void row_avx2(const float* x, int64_t K, const W* wr, float* y, int64_t N) {
   for (int64_t k = 0; k < KU; k += 8 * U) {
     if ((k * static_cast<int64_t>(sizeof(W))) % 64 == 0) simd::prefetch_stream(wr + k);   // simd.h: why
     for (int u = 0; u < U; ++u) {
-      const __m256 wv = load8_256(wr + k + 8 * u);
+      const __m256 wv = simd::load8(wr + k + 8 * u);
       for (int i = 0; i < MB; ++i) acc[i][u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * K + k + 8 * u), wv, acc[i][u]);
     }
   }

@@ -1,6 +1,8 @@
-// SIMD helpers shared by the kernels (AVX-512, and an AVX2 horizontal sum): 16-lane loads/stores of fp32 or bf16 rows (bf16 widened to fp32),
-// bf16 rounding, and exp for non-positive arguments. Every function carries its own target attribute, so
-// including this header does not require AVX-512 from the rest of a file; callers select at run time.
+// SIMD helpers shared by the kernels: AVX-512 16-lane and AVX2 8-lane loads of fp32 or bf16 rows (bf16 widened
+// to fp32), bf16 rounding and exp for non-positive arguments at both widths, 16-lane stores, an AVX2 horizontal
+// sum, and the AVX2 kernels' software prefetch of a weight stream. Every function carries its own target
+// attribute, so including this header does not require AVX-512 from the rest of a file; callers select at run
+// time.
 #pragma once
 
 #include <torch/extension.h>
@@ -57,14 +59,16 @@ inline __m256 exp_nonpositive8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 
-// 8 lanes of fp32 or bf16 (widened) with AVX2
+// 8 lanes of fp32 or bf16 (widened; as at::BFloat16 or its bits) with AVX2
 __attribute__((target("avx2,fma")))
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 __attribute__((target("avx2,fma")))
-inline __m256 load8(const at::BFloat16* p) {
+inline __m256 load8(const uint16_t* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+__attribute__((target("avx2,fma")))
+inline __m256 load8(const at::BFloat16* p) { return load8(reinterpret_cast<const uint16_t*>(p)); }
 
 // fp32 -> bf16 -> fp32, round-to-nearest-even, AVX2; and v rounded to the activation dtype T
 __attribute__((target("avx2,fma")))
