@@ -2,7 +2,9 @@
 
 It has no thread of its own: the process's EngineThread applies commands to it and calls `step()`.
 A step plans (scheduler), broadcasts the plan to the other ranks, runs it (runner), samples and
-pushes each new token to its request's ResultQueue (a GPU rank: once the next step is launched). Requests
+pushes each new token to its request's ResultQueue (a GPU rank: once the next step is launched). On a GPU a
+decode step runs ahead (overlapped scheduling, `_step_behind`): the next step is planned and launched from this
+step's sampled ids on the GPU before the host reads them, so the GPU never waits for the host. Requests
 with a response_format have their token masks computed before the step (a GPU rank: on a background thread
 while the step runs) and applied by the sampler (guided.py); their grammar state lives here, on rank 0 only.
 Stats may be read from any thread.
@@ -26,14 +28,14 @@ from allspark_client.config import AsModelConfig
 from allspark_client.response_format import ResponseFormat
 from allspark_client.types import AsStatus
 from allspark_client.validation import ConfigError
-from allspark_server.core.messages import StepMsg
+from allspark_server.core.messages import StepMsg, StepPlan
 from allspark_server.core.prefix_cache import HostTier, PrefixCache
 from allspark_server.core.request import FinishReason, Request
 from allspark_server.core.scheduler import Scheduler, SchedulerConfig
 from allspark_server.core.span_manager import SpanManager
 from allspark_server.guided import GuidedState, GuidedVocabulary
 from allspark_server.runner.model_runner import ModelRunner
-from allspark_server.runner.sampler import Sampler, SamplingState
+from allspark_server.runner.sampler import PendingSample, Sampler, SamplingState
 from allspark_server.step_watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,20 @@ class StopRequest:
 
 
 Command = Union[AddRequest, StopRequest]
+
+
+@dataclass
+class LaunchedStep:
+    """A step on its way: its plan, the requests of its sampled rows (in row order), its chunks' requests (taken at
+    launch: a stop may end one meanwhile), the logits until sampling starts, then the pending sample."""
+    plan: StepPlan
+    rids: list
+    entries: dict                     # request id -> AddRequest
+    started: float
+    graph: bool                       # replayed from the decode graphs
+    logits: object = None
+    masks: object = None              # guided masks: (rows, future of the bitmask), or None
+    pending: Optional[PendingSample] = None
 
 
 class ServedModel:
@@ -81,6 +97,13 @@ class ServedModel:
         # consumers they wake take the GIL while the GPU computes, not while the host prepares the next step
         self._defer_delivery = runner.device.type == "cuda"
         self._undelivered: list[tuple] = []   # (queue, elements, status, finished, note) of the last step
+        # overlapped scheduling (GPU graphs): a decode step whose tokens are still on the GPU (_step_behind)
+        # (on by default for one GPU; a pool of GPU ranks sends the tokens by NCCL broadcast: opt in with
+        # ALLSPARK_OVERLAP=1 until that has been measured on a multi-GPU machine)
+        default = "1" if comm.world_size == 1 else "0"
+        self._overlap = runner.graphs is not None and os.environ.get("ALLSPARK_OVERLAP", default) == "1"
+        self._launched: Optional[LaunchedStep] = None
+        self._last_completed = 0.0
 
     def guided_state(self, fmt: ResponseFormat) -> GuidedState:
         """A new request's grammar state (any thread); ConfigError(PARAM_ERROR) when the format does not compile
@@ -101,7 +124,7 @@ class ServedModel:
 
     @property
     def has_work(self) -> bool:
-        return self.started and self.scheduler.has_work()
+        return self._launched is not None or (self.started and self.scheduler.has_work())
 
     def stop_all(self, error: Optional[str] = None) -> None:
         """End every live request: stopped (GenerateFinished), or InternalError with `error`."""
@@ -138,6 +161,10 @@ class ServedModel:
         return self.watchdog.step(plan.step_id, sum(c.num_tokens for c in plan.chunks))
 
     def step(self) -> None:
+        prev, self._launched = self._launched, None
+        if prev is not None:
+            self._step_behind(prev)
+            return
         started = time.perf_counter()
         plan, interrupted = self.scheduler.schedule()
         if interrupted or not plan.has_work:
@@ -149,29 +176,95 @@ class ServedModel:
                                     f"({self.spans.num_spans} spans of {self.spans.span_size} tokens)")
         if not plan.has_work:
             return
+        step = self._launch(plan, started)
+        if step is None:
+            return
+        self._deliver()   # the previous step's tokens, while this one runs on the GPU
+        if not self._sample(step):
+            return
+        if self._may_run_ahead(step):
+            self._launched = step   # the next call launches the step after it before reading its tokens
+            return
+        self._complete(step)
+
+    def _step_behind(self, prev: "LaunchedStep") -> None:
+        """`prev` is on the GPU, sampled there, its tokens unread: launch the step that continues it (when the
+        scheduler can plan it without them) with `prev`'s tokens as its input ids, then read and apply `prev`'s
+        tokens while the GPU computes, then sample the new step (after the update: penalties, min_length and
+        draws see `prev`'s tokens). So the GPU never waits for the host between decode steps."""
+        plan = self.scheduler.continue_decodes(prev.plan) if self._may_run_ahead(prev) else None
+        step = self._launch(plan, time.perf_counter(), prev.pending.tokens, behind=prev) if plan else None
+        if plan is not None and step is None:   # the launch failed: prev's requests went with it
+            return
+        # the tokens of the step before prev: the threads they wake take the GIL while this one waits for prev
+        self._deliver()
+        self._complete(prev)
+        if step is not None and self._sample(step):
+            self._launched = step
+
+    def _may_run_ahead(self, step: "LaunchedStep") -> bool:
+        """A GPU decode step replayed from the CUDA graphs with no guided request may leave its tokens on the GPU
+        for the next step (overlapped scheduling; ALLSPARK_OVERLAP=0 / 1 turns it off / on)."""
+        return (self._overlap and step.graph
+                and all(rid in self._live and self._live[rid].sampling.guided is None for rid in step.rids))
+
+    def _launch(self, plan, started: float, tokens=None, behind: Optional["LaunchedStep"] = None
+                ) -> Optional["LaunchedStep"]:
+        """Broadcast the plan and run the model: the step with its logits on the device, or None if it failed
+        (its requests, and `behind`'s, have ended with the error)."""
         for c in plan.chunks:
             self._live[c.request_id].queue._mark_scheduled()
+        entries = {c.request_id: self._live[c.request_id] for c in plan.chunks}
+        graph = self.runner.graphs is not None and self.runner.graphs.fits_decode(plan.chunks)
         try:
             with self._watched(plan):
                 self.comm.bcast(StepMsg(self.cfg.model_name, plan))
                 masks = self._start_guided_masks(plan)
-                logits, rids = self.runner.execute(plan)
-                self._deliver()   # the previous step's tokens, while this one runs on the GPU
-                rows = [(e.sampling, e.request.all_token_ids, e.request.output_ids)
-                        for e in map(self._live.get, rids)]
-                if masks is not None:
-                    masks = (masks[0], masks[1].result())
-                results = dict(zip(rids, self.sampler.sample_rows(logits, rows, masks))) if rids else {}
-            sampled = {rid: res.token_id for rid, res in results.items()}
+                logits, rids = self.runner.execute(plan, tokens)
         except Exception as e:   # a failed step fails its requests, not the engine
-            self._deliver()
-            log.error("step %d failed: %s", plan.step_id, traceback.format_exc())
-            if self.comm.world_size > 1:
-                self.comm.abort(1)   # ranks may now disagree about the cache: the pool must die
+            self._fail([plan] + ([behind.plan] if behind else []), e)
+            return None
+        return LaunchedStep(plan, rids, entries, started, graph, logits, masks)
+
+    def _sample(self, step: "LaunchedStep") -> bool:
+        """Start sampling the step's rows (on a GPU nothing waits for the model here); False if it failed."""
+        if not step.rids:
+            step.pending = PendingSample(None, results=[])
+            return True
+        try:
+            # a request that ended at the step before (a stop token) still has its row: sampled, then dropped
+            rows = [(e.sampling, e.request.all_token_ids, e.request.output_ids)
+                    for e in map(step.entries.get, step.rids)]
+            masks = step.masks
+            if masks is not None:
+                masks = (masks[0], masks[1].result())
+            step.pending = self.sampler.start_rows(step.logits, rows, masks)
+        except Exception as e:
+            self._fail([step.plan], e)
+            return False
+        step.logits = step.masks = None
+        return True
+
+    def _fail(self, plans, e: Exception) -> None:
+        self._deliver()
+        log.error("step %s failed: %s", ", ".join(str(p.step_id) for p in plans), traceback.format_exc())
+        if self.comm.world_size > 1:
+            self.comm.abort(1)   # ranks may now disagree about the cache: the pool must die
+        for plan in plans:
             for c in plan.chunks:
                 self._finish(c.request_id, FinishReason.STOPPED, error=f"internal error: {e!r}")
+
+    def _complete(self, step: "LaunchedStep") -> None:
+        """Read the step's sampled tokens (the wait for the GPU), apply them and queue what they produce."""
+        plan = step.plan
+        try:
+            with self._watched(plan):
+                results = dict(zip(step.rids, step.pending.results()))
+        except Exception as e:
+            self._fail([plan], e)
             return
-        requests = {c.request_id: self._live[c.request_id].request for c in plan.chunks}
+        sampled = {rid: res.token_id for rid, res in results.items()}
+        requests = {rid: e.request for rid, e in step.entries.items()}
         events = self.scheduler.update(plan, sampled, requests)
         for req, token, reason in events:
             entry = self._live[req.request_id]
@@ -190,7 +283,9 @@ class ServedModel:
             self._undelivered.append((entry.queue, el, status, reason is not None, note))
         if not self._defer_delivery or not self.scheduler.has_work():
             self._deliver()
-        self._record_step(plan, requests, len(events), started)
+        # a step launched while the one before it ran: its wall time starts when that one's tokens were read
+        self._record_step(plan, requests, len(events), max(step.started, self._last_completed))
+        self._last_completed = time.perf_counter()
 
     def _deliver(self) -> None:
         """Push the tokens (and final statuses) that the last step produced to their requests' queues."""

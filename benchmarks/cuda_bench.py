@@ -7,6 +7,7 @@ shrinks the model to 8 layers so that one device call holds everything. Writes J
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import statistics
@@ -113,17 +114,24 @@ def main(args, save=lambda report: None) -> dict:
     report["greedy_ours_hf"] = [ours, theirs]
     report["greedy_first_divergence"] = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), 16)
 
-    runs = {"allspark": [], "torch_cuda_graph": []}
+    runs = {"allspark": [], "torch_cuda_graph": [], "allspark_no_overlap": []}
+    served = engine._engine.models["bench-cuda"]
     W.decode_tps(engine, "bench-cuda", LLAMA2_7B["vocab_size"], 8)
     for r in range(rounds):
         runs["allspark"].append(W.decode_tps(engine, "bench-cuda", LLAMA2_7B["vocab_size"], new_tokens, seed=r,
                                              prompt_len=prompt_len))
         runs["torch_cuda_graph"].append(peer.decode_tps(prompt_len, new_tokens))
+        with overlap_off(served):   # the same engine stepping one step at a time (ALLSPARK_OVERLAP=0)
+            runs["allspark_no_overlap"].append(W.decode_tps(engine, "bench-cuda", LLAMA2_7B["vocab_size"],
+                                                            new_tokens, seed=r, prompt_len=prompt_len))
+    overlap = runs.pop("allspark_no_overlap")
     for name, tps in runs.items():
         report[f"{name}_decode_b1_tps"] = statistics.median(tps)
         report[f"{name}_decode_b1_roofline"] = statistics.median(tps) / report["roofline_tps"]
     report["decode_b1_tps_by_round"] = runs
     report["allspark_vs_torch_cuda_graph"] = statistics.median(a / b for a, b in zip(*runs.values()))
+    runs["allspark_no_overlap"] = overlap
+    report["overlap_vs_no_overlap_b1"] = statistics.median(a / b for a, b in zip(runs["allspark"], overlap))
     report["graph_replay_ms_b1"] = graph_replay_ms(engine._engine.models["bench-cuda"].runner.graphs, 1)
     report["host_overhead_ms_b1"] = 1e3 / report["allspark_decode_b1_tps"] - report["graph_replay_ms_b1"]
     del peer
@@ -267,12 +275,12 @@ def time_graph_steps(graphs, batch: int):
     that unwraps and gives the median milliseconds (diagnostic: the step's GPU time against its wall time)."""
     original, events = graphs.run_decode, []
 
-    def timed(chunks, mirrors):
+    def timed(chunks, mirrors, *ids):
         if len(chunks) != batch:
-            return original(chunks, mirrors)
+            return original(chunks, mirrors, *ids)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out = original(chunks, mirrors)
+        out = original(chunks, mirrors, *ids)
         end.record()
         events.append((start, end))
         return out
@@ -300,6 +308,16 @@ def kernel_breakdown(runner, batch: int, top: int = 12) -> list:
     return [(e.key[:80], round(e.device_time_total / 1e3, 3), e.count) for e in rows]
 
 
+@contextlib.contextmanager
+def overlap_off(served):
+    """Overlapped scheduling off for what runs inside (the model between requests: nothing in flight)."""
+    served._overlap = False
+    try:
+        yield
+    finally:
+        served._overlap = True
+
+
 def free_memory() -> None:
     gc.collect()
     torch.cuda.empty_cache()
@@ -312,10 +330,10 @@ def note_memory(phase: str) -> None:
     MEMORY_GB[phase] = round(torch.cuda.memory_allocated() / 1e9, 2)
 
 
-def concurrent_rows(engine, hf, weights, num: int) -> dict:
-    """`num` requests of 128 in / 128 out submitted together to the Engine (output tokens/s over the whole
-    run, and decode-only: tokens after the last request's first token over the time from then to the end),
-    the peer's decode-only rate at batch `num` (graph replay) and transformers' static batch (generate)."""
+def engine_concurrent(engine, num: int) -> dict:
+    """`num` requests of CONC_PROMPT in / CONC_NEW out submitted together: output tokens/s over the whole run and
+    decode-only (tokens after the last request's first token over the time from then to the end), with the
+    step profile and the GPU time of the decode steps of all `num` rows."""
     vocab = LLAMA2_7B["vocab_size"]
     stamps = [[] for _ in range(num)]
     served = engine._engine.models["bench-cuda"]
@@ -338,10 +356,23 @@ def concurrent_rows(engine, hf, weights, num: int) -> dict:
     end = max(s[-1] for s in stamps)
     all_first = max(s[0] for s in stamps)
     profile.restore()
-    row = {"allspark_tps": num * CONC_NEW / (end - t0),
-           "allspark_decode_tps": sum(t > all_first for s in stamps for t in s) / (end - all_first),
-           "first_tokens_s": all_first - t0, "steps": profile.summary(),
-           f"graph_step_gpu_ms_b{num}": graph_ms()}
+    return {"allspark_tps": num * CONC_NEW / (end - t0),
+            "allspark_decode_tps": sum(t > all_first for s in stamps for t in s) / (end - all_first),
+            "first_tokens_s": all_first - t0, "steps": profile.summary(),
+            f"graph_step_gpu_ms_b{num}": graph_ms()}
+
+
+def concurrent_rows(engine, hf, weights, num: int) -> dict:
+    """`num` requests of 128 in / 128 out submitted together to the Engine (output tokens/s over the whole
+    run, and decode-only: tokens after the last request's first token over the time from then to the end),
+    the peer's decode-only rate at batch `num` (graph replay) and transformers' static batch (generate)."""
+    vocab = LLAMA2_7B["vocab_size"]
+    served = engine._engine.models["bench-cuda"]
+    row = engine_concurrent(engine, num)
+    if num == 128:   # what overlapped scheduling gives here: the same run with it off
+        with overlap_off(served):
+            off = engine_concurrent(engine, num)
+        row["no_overlap"] = {k: off[k] for k in ("allspark_tps", "allspark_decode_tps", "steps")}
     graphs = served.runner.graphs
     size = next(s for s in graphs.sizes if s >= num)
     row["graph_replay_ms"] = graph_replay_ms(graphs, size)

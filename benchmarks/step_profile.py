@@ -1,8 +1,9 @@
 """Where a served model's steps spend their wall time (a benchmark diagnostic, not used by the engine).
 
-`StepProfile(served_model)` wraps the step and its parts on that instance: the scheduler's plan, the runner
-(mirrors, forward inputs, the model launch), the sampler (on a GPU it waits for the model: its time holds the
-GPU's work that the host did not overlap), the scheduler's update, and the rest (queues, stats). `summary()`
+`StepProfile(served_model)` wraps the step and its parts on that instance: the scheduler's plan (or its
+continuation of a decode step whose tokens are still on the GPU), the runner (mirrors, forward inputs, the model
+launch), the sampler's launch, the wait for the sampled tokens (on a GPU its time holds the GPU's work that the
+host did not overlap), the scheduler's update, and the rest (queues, stats). `summary()`
 gives per kind of step (decode-only by batch size, mixed) the count and the median milliseconds of each part.
 `restore()` unwraps.
 """
@@ -12,7 +13,10 @@ import statistics
 import time
 from collections import defaultdict
 
-PARTS = (("scheduler", "schedule"), ("runner", "execute"), ("sampler", "sample_rows"), ("scheduler", "update"))
+from allspark_server.runner.sampler import PendingSample
+
+PARTS = (("scheduler", "schedule"), ("scheduler", "continue_decodes"), ("runner", "execute"),
+         ("sampler", "start_rows"), ("pending", "results"), ("scheduler", "update"))
 
 
 class StepProfile:
@@ -21,13 +25,13 @@ class StepProfile:
         self._current: dict | None = None
         self._saved = []
         for owner_name, method in PARTS:
-            owner = getattr(served, owner_name)
+            owner = PendingSample if owner_name == "pending" else getattr(served, owner_name)
             self._wrap(owner, method, f"{owner_name}.{method}")
         self._wrap(served, "step", None)
 
     def _wrap(self, owner, method: str, part: str | None) -> None:
         original = getattr(owner, method)
-        self._saved.append((owner, method))
+        self._saved.append((owner, method, original))
 
         def timed(*args, **kwargs):
             t = time.perf_counter()
@@ -49,10 +53,15 @@ class StepProfile:
                     step[part] = step.get(part, 0.0) + dt
                     if method == "schedule" and result is not None:
                         step["kind"] = kind_of(result[0])
+                    elif method == "continue_decodes" and result is not None:
+                        step["kind"] = kind_of(result) + " ahead"
         setattr(owner, method, timed)
 
     def restore(self) -> None:
-        for owner, method in self._saved:
+        for owner, method, original in self._saved:
+            if isinstance(owner, type):
+                setattr(owner, method, original)
+                continue
             try:
                 delattr(owner, method)     # the instance attribute goes: the class's method shows again
             except AttributeError:

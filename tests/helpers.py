@@ -76,6 +76,23 @@ def generate(engine: Engine, name: str, ids, gen: dict):
     return tokens, elements
 
 
+def run_together(engine: Engine, name: str, requests: list[tuple[list[int], dict]]) -> list[tuple[list[int], list]]:
+    """Start every (input ids, generation config) at once, so that they share steps; collect each to its end:
+    [(tokens, GeneratedElements)] in the same order."""
+    started = []
+    for ids, gen in requests:
+        status, handle, queue = engine.start_request(name, {"input_ids": ids}, gen)
+        assert status == 0, engine.get_last_error()
+        started.append((handle, queue))
+    out = []
+    for handle, queue in started:
+        tokens, elements, final = collect(queue)
+        assert final == GenerateRequestStatus.GenerateFinished, (final, queue.ErrorMessage())
+        engine.release_request(name, handle)
+        out.append((tokens, elements))
+    return out
+
+
 def greedy(engine: Engine, name: str, ids, max_new_tokens: int) -> list[int]:
     return generate(engine, name, ids, {"top_k": 1, "max_new_tokens": max_new_tokens,
                                               "eos_token_id": []})[0]

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():   # the Triton kernels run in the interpreter 
 
 from allspark_client.types import AsException, AsStatus, TargetDevice
 from allspark_server import Engine
-from helpers import greedy, hf_greedy, random_prompt, serialize, start_engine
+from helpers import greedy, hf_greedy, random_prompt, run_together, serialize, start_engine
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -144,6 +144,32 @@ def test_graph_replay_equals_the_eager_step(llama, tmp_path):
                              runner.kv)
         assert replayed.shape == eager.shape == (batch, 512)
         torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_overlapped_decode_steps_equal_one_step_at_a_time(llama, tmp_path):
+    """Decode steps launched from the previous step's sampled ids on the GPU, before the host has read them (the
+    default on one GPU), give the tokens and logprobs of the same engine stepping one step at a time, for
+    penalties, seeded draws and logprobs; a stop token ends its request exactly; greedy equals transformers."""
+    from test_overlap import SAMPLING_REQUESTS, assert_same_outputs
+    loader = serialize(llama.hf_dir, "o", str(tmp_path))
+    engine = cuda_engine(loader, "o")
+    served = engine._models["o"]
+    assert served._overlap
+    prompt = random_prompt(7, 11)
+    ref = hf_greedy(llama.model, prompt, 20)
+    k = next(i for i in range(6, 20) if ref[i] not in ref[:i])
+    stop = (prompt, {"top_k": 1, "max_new_tokens": 20, "eos_token_id": [ref[k]]})
+    ahead = []
+    original = served.scheduler.continue_decodes
+    served.scheduler.continue_decodes = lambda plan: ahead.append(original(plan)) or ahead[-1]
+    ours = run_together(engine, "o", SAMPLING_REQUESTS + [stop])
+    assert any(ahead)
+    served._overlap = False
+    theirs = run_together(engine, "o", SAMPLING_REQUESTS + [stop])
+    assert ours[-1][0] == theirs[-1][0] == ref[:k + 1]
+    assert_same_outputs(ours[:-1], theirs[:-1])
 
 
 @pytest.mark.gpu

@@ -4,7 +4,11 @@ A StepPlan says what to compute in one step. Requests the runner has not seen ar
 (`NewRequestData`); requests it already mirrors arrive as diffs (`CachedRequestData`: tokens and
 spans appended since the previous plan). `dropped_ids` are forgotten before anything else happens
 (finished, aborted or preempted requests); then the prefix cache's second tier copies are made (saves from spans
-to host slots, then loads back), then the chunks are computed. No torch, no behaviour: data only.
+to host slots, then loads back), then the chunks are computed. A plan with `tokens_on_device` continues the
+previous decode step before its tokens have reached the host (GPU ranks, served_model.py): the same requests in
+the same order, one token each, every input token the one sampled for that row by the previous step, which rank 0
+sends to the other ranks on the GPUs; the mirrors learn those tokens from a later plan. No torch, no behaviour:
+data only.
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ class StepPlan:
     chunks: tuple[ScheduledChunk, ...]  # batch order
     tier_saves: tuple[tuple[int, int], ...] = ()   # (span, host slot): evicted prefix spans to keep
     tier_loads: tuple[tuple[int, int], ...] = ()   # (host slot, span): cached prefixes coming back
+    tokens_on_device: bool = False   # the chunks' input tokens: the previous step's sampled ids, on the GPU
 
     @property
     def num_tokens(self) -> int:

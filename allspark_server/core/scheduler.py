@@ -130,6 +130,40 @@ class Scheduler:
 
         return self._make_plan(chunks), interrupted
 
+    def continue_decodes(self, plan: StepPlan) -> Optional[StepPlan]:
+        """The step after a decode-only `plan` whose sampled tokens the host has not seen yet (its update is still
+        to come): the same requests in the same order, one token each, their input tokens on the device
+        (`tokens_on_device`). None unless that is what `schedule` would plan after the update whatever the tokens
+        are: no request waiting or running besides them, none ending by length at `plan`, spans free for all
+        without preempting anyone. (A request whose token at `plan` turns out to be a stop computes one token for
+        nothing; the update drops it.)"""
+        if self.waiting or len(plan.chunks) != len(self.running):
+            return None
+        running = {r.request_id: r for r in self.running}
+        reqs, need = [], []
+        for chunk in plan.chunks:
+            req = running.get(chunk.request_id)
+            if (req is None or chunk.num_tokens != 1 or not chunk.needs_sample
+                    or req.num_computed_tokens + 1 != req.num_tokens or req.num_tokens + 1 >= req.max_length):
+                return None
+            reqs.append(req)
+            need.append(self.spans.spans_for_tokens(req.num_tokens + 1) - len(req.span_ids))
+        if not self.spans.can_allocate(sum(need)):
+            return None
+        cached = []
+        for req, n in zip(reqs, need):
+            if n > 0:
+                new = self.spans.allocate(n)
+                req.span_ids.extend(new)
+                cached.append(CachedRequestData(req.request_id, (), tuple(new)))
+                req.num_synced_spans = len(req.span_ids)
+        self._step_id += 1
+        dropped, self._dropped = tuple(self._dropped), []
+        saves, loads = self.cache.take_copies() if self.cache is not None else ((), ())
+        return StepPlan(self._step_id, dropped, (), tuple(cached),
+                        tuple(ScheduledChunk(r.request_id, 1, True) for r in reqs), saves, loads,
+                        tokens_on_device=True)
+
     def _take_cached_prefix(self, req: Request) -> bool:
         """Give a waiting request (no spans yet) the longest cached run of its full spans, leaving at least one
         token to compute (the step that samples needs its logits). False: its next span is being computed by a

@@ -7,7 +7,8 @@ of those buffers, pads them up to the next size of the ladder and replays that g
 copies and one launch from the host instead of a launch per kernel.
 Padding rows decode token 0 at position 0 into a scratch span that no request owns (the cache holds one
 span more than the span manager hands out), so they can never touch a request's keys and values.
-Steps with a prefill chunk run eagerly.
+Steps with a prefill chunk run eagerly. A step that continues the previous one before the host has seen its
+tokens (a plan with `tokens_on_device`) takes its input ids from the device: one more copy, GPU to GPU.
 """
 from __future__ import annotations
 
@@ -77,10 +78,11 @@ class DecodeGraphs:
         tables always fit: the buffer is as wide as max_length needs)."""
         return len(chunks) <= self.sizes[-1] and all(c.num_tokens == 1 and c.needs_sample for c in chunks)
 
-    def run_decode(self, chunks, mirrors) -> torch.Tensor | None:
+    def run_decode(self, chunks, mirrors, device_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """A decode-only step (fits_decode) from the runner's mirrors (runner/forward_inputs.py): the fp32 logits
         [B, V], a view of the graph's output (read it before the next step); None on the ranks other than 0 of
-        a pool (the LM head gathers to rank 0)."""
+        a pool (the LM head gathers to rank 0). `device_ids` [B]: the rows' input tokens, on the GPU (the mirrors
+        do not hold them yet)."""
         b = len(chunks)
         size = next(s for s in self.sizes if s >= b)
         self.copied.synchronize()   # the last step's copies have read the pinned rows (done long ago, mostly)
@@ -90,7 +92,8 @@ class DecodeGraphs:
             pos = m.num_computed_tokens
             need = pos // p + 1                        # spans holding positions 0..pos
             span = m.span_ids[need - 1]
-            rows[0, i], rows[1, i], rows[2, i], rows[3, i] = m.token_ids[pos], pos, span * p + pos % p, pos + 1
+            token = 0 if device_ids is not None else m.token_ids[pos]
+            rows[0, i], rows[1, i], rows[2, i], rows[3, i] = token, pos, span * p + pos % p, pos + 1
             spans[i, :need] = m.span_ids[:need]
         if self.host_filled > b:   # host rows of a larger earlier step: back to padding
             rows[0:2, b:self.host_filled] = 0
@@ -100,6 +103,8 @@ class DecodeGraphs:
         self.host_filled = b
         self.per_row[:, :size].copy_(self.host_rows[:, :size], non_blocking=True)
         self.spans[:size].copy_(self.host_spans[:size], non_blocking=True)
+        if device_ids is not None:
+            self.ids[:b].copy_(device_ids)
         self.copied.record()
         self.graphs[size].replay()
         logits = self.logits[size]

@@ -2,8 +2,9 @@
 
 `get_comm()` returns a `LocalComm` (every collective a no-op) for a single process and an `MpiComm`
 when running under mpirun with more than one rank. Control (plans, objects) always travels over MPI. Host
-tensors' allreduce travels over MPI as fp32 (numpy has no bfloat16); GPU tensors' allreduce and gather go
-through NCCL (torch.distributed), set up by `use_gpu` with a rendezvous address that rank 0 sends over MPI.
+tensors' allreduce travels over MPI as fp32 (numpy has no bfloat16); GPU tensors' allreduce, gather and broadcast
+(the sampled ids of an overlapped decode step) go through NCCL (torch.distributed), set up by `use_gpu` with a
+rendezvous address that rank 0 sends over MPI.
 Every call must come from the rank's engine thread.
 """
 from __future__ import annotations
@@ -36,6 +37,10 @@ class LocalComm:
 
     def bcast(self, obj: Any) -> Any:
         return obj
+
+    def broadcast_(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's values of a GPU tensor into every rank's tensor of the same shape and dtype (in place)."""
+        return t
 
     def allgather_obj(self, obj: Any) -> list:
         return [obj]
@@ -105,6 +110,12 @@ class MpiComm:
             return None
         import numpy as np
         return torch.from_numpy(np.concatenate(parts, axis=-1))
+
+    def broadcast_(self, t: torch.Tensor) -> torch.Tensor:
+        if not (t.is_cuda and self._nccl is not None):
+            raise RuntimeError("broadcast_ needs GPU tensors and NCCL (use_gpu)")
+        self._nccl.broadcast(t, src=0)
+        return t
 
     def bcast(self, obj: Any) -> Any:
         """Rank 0 sends `obj` to every rank. Non-root ranks wait without burning a core: they poll a

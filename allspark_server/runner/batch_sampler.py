@@ -3,7 +3,8 @@
 `sample_batch` is `Sampler.sample_row`'s chain vectorized over the rows: raw log-softmax for rows with
 logprobs, repetition / presence / frequency penalties from one flat index of the rows' token ids, min_length
 EOS mask, then greedy argmax, or temperature -> top_k -> top_p (one sort) -> a draw. Only the token ids and the
-requested logprobs leave the device, in one transfer. It does not apply guided masks (the caller has).
+requested logprobs leave the device, in one asynchronous transfer (`sample_batch_start` returns at once; the
+sampled ids also stay on the device). It does not apply guided masks (the caller has).
 
 Draws are counter-based rather than a torch.Generator per row (which cannot be vectorized): token i of a
 request's n-th draw (n = len(output_ids)) gets a uniform u from an integer hash of (seed, n, i), 32-bit mixing
@@ -19,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from allspark_server.runner.sampler import SampleResult, SamplingState, suppresses_eos
+from allspark_server.runner.sampler import PendingSample, SampleResult, SamplingState, suppresses_eos
 
 Row = tuple[SamplingState, list[int], list[int]]   # (state, all_ids = prompt + output, output_ids)
 _M64 = (1 << 64) - 1
@@ -114,10 +115,15 @@ def apply_penalties_rows(x: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     return x
 
 
-@torch.inference_mode()
 def sample_batch(logits: torch.Tensor, rows: list[Row]) -> list[SampleResult]:
     """Every row of logits [N, V] (guided masks already applied) with its (state, all_ids, output_ids); the
     same results as `Sampler.sample_row` on each row, apart from the draws (see the module docstring)."""
+    return sample_batch_start(logits, rows).results()
+
+
+@torch.inference_mode()
+def sample_batch_start(logits: torch.Tensor, rows: list[Row]) -> PendingSample:
+    """sample_batch's work queued on the device: the tokens [N] there, the results when the host asks."""
     n, v = logits.shape
     dev = logits.device
     gens = [st.gen for st, _, _ in rows]
@@ -159,12 +165,18 @@ def sample_batch(logits: torch.Tensor, rows: list[Row]) -> list[SampleResult]:
         if top_n:
             top = torch.topk(raw, top_n)                                            # [L, top_n]
             parts += [top.values.double().flatten(), top.indices.double().flatten()]
-    host = torch.cat(parts).tolist()                                                # the step's one sync
+    lp_gens = [(i, gens[i].top_logprobs) for i in lp]
+    return PendingSample(tokens, torch.cat(parts), lambda host: _results(host, n, lp_gens, top_n))
+
+
+def _results(host: list[float], n: int, lp_gens: list[tuple[int, int]], top_n: int) -> list[SampleResult]:
+    """Unpack sample_batch_start's one transfer: n ids, then per logprobs row its logprob, then the top values
+    and ids (top_n per row); lp_gens: (row, its top_logprobs) of the rows with logprobs."""
     results = [SampleResult(int(t)) for t in host[:n]]
-    values, ids = host[n + len(lp):n + len(lp) * (1 + top_n)], host[n + len(lp) * (1 + top_n):]
-    for j, i in enumerate(lp):
+    nl = len(lp_gens)
+    values, ids = host[n + nl:n + nl * (1 + top_n)], host[n + nl * (1 + top_n):]
+    for j, (i, k) in enumerate(lp_gens):
         results[i].logprob = host[n + j]
-        k = gens[i].top_logprobs
         results[i].top_logprobs = [(int(t), val) for t, val in zip(ids[j * top_n:j * top_n + k],
                                                                    values[j * top_n:j * top_n + k])]
     return results

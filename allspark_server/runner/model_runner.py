@@ -132,10 +132,11 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return self.num_spans * self.span_bytes
 
-    def execute(self, plan: StepPlan):
+    def execute(self, plan: StepPlan, tokens=None):
         """Apply the plan to the mirrors and run the model: (logits [N, V] or None, request ids). On a GPU the
         logits stay there (the sampler takes what it needs) and may be the CUDA graph's output buffer: use them
-        before the next step."""
+        before the next step. A plan with `tokens_on_device`: `tokens` [N] are the input ids on rank 0's GPU (the
+        previous step's samples), sent from there to the other ranks' GPUs."""
         for rid in plan.dropped_ids:
             self.mirrors.pop(rid, None)
         for r in plan.new_requests:
@@ -151,7 +152,12 @@ class ModelRunner:
         if plan.is_empty:
             return None, []
         chunks = plan.chunks
-        if self.graphs is not None and self.graphs.fits_decode(chunks):   # no ForwardInputs to build
+        if plan.tokens_on_device:   # only ever planned when the graphs run (served_model.py)
+            if self.comm.rank != 0:
+                tokens = torch.empty(len(chunks), dtype=torch.long, device=self.device)
+            ids = self.comm.broadcast_(tokens)
+            logits, sampled = self.graphs.run_decode(chunks, self.mirrors, ids), [c.request_id for c in chunks]
+        elif self.graphs is not None and self.graphs.fits_decode(chunks):   # no ForwardInputs to build
             logits, sampled = self.graphs.run_decode(chunks, self.mirrors), [c.request_id for c in chunks]
         else:
             inputs = build_forward_inputs(chunks, self.mirrors, self.span_size)

@@ -5,13 +5,15 @@ logprobs are those of the constrained distribution), raw logprobs (for the `logp
 presence and frequency penalties over the output, min_length (EOS masked), then greedy argmax or
 temperature -> top_k -> top_p -> a draw from the request's own seeded generator. Rows are handled
 independently, so a request's tokens do not depend on the rest of the batch. Host logits go row by row here;
-GPU logits stay on the GPU (batch_sampler.py: the same chain vectorized, counter-based seeded draws).
+GPU logits stay on the GPU (batch_sampler.py: the same chain vectorized, counter-based seeded draws), and
+`start_rows` only launches their sampling: the tokens stay on the GPU (the next decode step can read them there)
+and the host learns them when it asks (`PendingSample.results`), from a copy queued at once.
 """
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -41,6 +43,30 @@ class SampleResult:
     token_id: int
     logprob: Optional[float] = None
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+class PendingSample:
+    """A step's sampling: `tokens` [N] (long, on the logits' device) and `results()`.
+    For GPU logits the values the host needs are copied to pinned memory as soon as they are computed: reading
+    them later waits for that copy only, not for work queued on the GPU after it (the next step)."""
+
+    def __init__(self, tokens: Optional[torch.Tensor], values: Optional[torch.Tensor] = None,
+                 parse: Optional[Callable[[list], list[SampleResult]]] = None,
+                 results: Optional[list[SampleResult]] = None):
+        self.tokens = tokens
+        self._results, self._parse, self._ready = results, parse, None
+        if values is not None:
+            self._host = values.to("cpu", non_blocking=True)   # pinned: an asynchronous copy
+            if values.is_cuda:
+                self._ready = torch.cuda.Event()
+                self._ready.record()
+
+    def results(self) -> list[SampleResult]:
+        if self._results is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            self._results = self._parse(self._host.tolist())
+        return self._results
 
 
 def apply_penalties(x: torch.Tensor, all_ids: list[int], output_ids: list[int], gen: GenerationConfig) -> None:
@@ -91,18 +117,27 @@ def suppresses_eos(gen: GenerationConfig, all_ids: list[int]) -> bool:
 class Sampler:
     def sample_rows(self, logits: torch.Tensor, rows: list[tuple[SamplingState, list[int], list[int]]],
                     guided_masks: Optional[tuple[list[int], object]] = None) -> list[SampleResult]:
-        """Every row of logits [N, V] (on the host or a GPU) with its (state, all_ids, output_ids). Plain greedy
-        rows (no penalties, logprobs or masked EOS) take one argmax over all of them together. On a GPU any other
-        row sends the whole batch to `batch_sampler.sample_batch` (only ids and requested logprobs leave the
-        GPU); on the host the others go through `sample_row`. `guided_masks` = (row indices, their llguidance
-        bitmask, an int32 numpy array): applied to `logits` in place first."""
+        """Every row of logits [N, V] (on the host or a GPU) with its (state, all_ids, output_ids): start_rows,
+        then its results."""
+        return self.start_rows(logits, rows, guided_masks).results()
+
+    def start_rows(self, logits: torch.Tensor, rows: list[tuple[SamplingState, list[int], list[int]]],
+                   guided_masks: Optional[tuple[list[int], object]] = None) -> PendingSample:
+        """Plain greedy rows (no penalties, logprobs or masked EOS) take one argmax over all of them together.
+        On a GPU any other row sends the whole batch to `batch_sampler.sample_batch_start` (only ids and requested
+        logprobs leave the GPU); on the host the others go through `sample_row`. `guided_masks` = (row indices,
+        their llguidance bitmask, an int32 numpy array): applied to `logits` in place first."""
         if guided_masks is not None:
             with torch.inference_mode():   # the runner's logits are inference tensors
                 apply_masks(logits, *guided_masks)
         plain = [i for i, (state, all_ids, _) in enumerate(rows) if self._plain_greedy(state.gen, all_ids)]
-        if logits.is_cuda and len(plain) < len(rows):
-            from allspark_server.runner.batch_sampler import sample_batch   # it imports this module
-            return sample_batch(logits, rows)
+        if logits.is_cuda:
+            if len(plain) < len(rows):
+                from allspark_server.runner.batch_sampler import sample_batch_start   # it imports this module
+                return sample_batch_start(logits, rows)
+            with torch.inference_mode():
+                tokens = logits.argmax(-1)
+            return PendingSample(tokens, tokens, lambda ids: [SampleResult(t) for t in ids])
         results: list[SampleResult | None] = [None] * len(rows)
         if plain:
             for i, token in zip(plain, argmax(logits if len(plain) == len(rows) else logits[plain])):
@@ -112,7 +147,7 @@ class Sampler:
             for i, (state, all_ids, output_ids) in enumerate(rows):
                 if results[i] is None:
                     results[i] = self.sample_row(host[i], state, all_ids, output_ids)
-        return results
+        return PendingSample(torch.tensor([r.token_id for r in results]), results=results)
 
     @staticmethod
     def _plain_greedy(gen: GenerationConfig, all_ids: list[int]) -> bool:
