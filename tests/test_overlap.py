@@ -9,41 +9,21 @@ sampling settings the same engine's without overlap.
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
 
-from allspark_server.cuda.graphs import DecodeGraphs, batch_ladder
-from allspark_server.runner.forward_inputs import build_forward_inputs
+from eager_graphs import EagerDecodeGraphs
 from helpers import collect, hf_ref, random_prompt, run_together, serialize, start_engine
+from test_tensor_parallel import mpirun_env
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 NAME = "llama"
-
-
-class EagerDecodeGraphs:
-    """The decode graphs' interface, run eagerly on the CPU."""
-
-    def __init__(self, runner, max_batch: int):
-        self.runner, self.sizes = runner, batch_ladder(max_batch)
-        self.device_steps = 0   # steps that took their ids from the previous step's samples
-        # the real graphs' span tables are this wide: a position past max_length has no entry there
-        self.max_spans = -(-runner.cfg.engine_max_length // runner.span_size)
-
-    fits_decode = DecodeGraphs.fits_decode
-
-    def run_decode(self, chunks, mirrors, device_ids=None):
-        for c in chunks:
-            assert mirrors[c.request_id].num_computed_tokens // self.runner.span_size < self.max_spans
-        if device_ids is not None:
-            self.device_steps += 1
-            for c in chunks:   # the mirrors do not hold these tokens yet: a placeholder, replaced below
-                mirrors[c.request_id].token_ids.append(-1)
-        inputs = build_forward_inputs(chunks, mirrors, self.runner.span_size)
-        if device_ids is not None:
-            for c in chunks:
-                mirrors[c.request_id].token_ids.pop()
-            inputs.input_ids = device_ids.clone()
-        return self.runner.model(inputs, self.runner.kv)
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +131,28 @@ def test_min_length_counts_the_token_of_the_step_before(engines, llama):
     assert tokens == ref[:k + 2]
     assert graphs.device_steps > before
 
+
+
+def test_a_pool_runs_ahead_with_the_ids_sent_to_the_other_rank(llama, tmp_path):
+    """A 2-rank pool (mpirun, CPU, ALLSPARK_OVERLAP=1): rank 0 launches decode steps ahead of their tokens and
+    the worker runs the same steps from ids that rank 0 sends it (`comm.broadcast_`), its mirrors learning the
+    tokens one plan late; greedy output equals transformers', a stop token ends its request exactly."""
+    loader = serialize(llama.hf_dir, "m", str(tmp_path / "model"))
+    prompts = [random_prompt(5 + 4 * i, 120 + i) for i in range(3)]
+    ref = hf_ref(llama.model, prompts[2], 20)
+    k = next(i for i in range(6, 20) if ref[i] not in ref[:i])
+    requests = [(prompts[0], {"top_k": 1, "max_new_tokens": 24, "eos_token_id": []}),
+                (prompts[1], {"top_k": 1, "max_new_tokens": 11, "eos_token_id": []}),
+                (prompts[2], {"top_k": 1, "max_new_tokens": 20, "eos_token_id": [ref[k]]})]
+    out = tmp_path / "out.json"
+    cmd = ["mpirun", "--bind-to", "none", "-n", "2", sys.executable, os.path.join(HERE, "mpi", "overlap_pool.py"),
+           loader.graph_path, loader.weights_path, json.dumps(requests), str(out)]
+    proc = subprocess.run(cmd, env=dict(mpirun_env(), ALLSPARK_OVERLAP="1"), capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["tokens"][0] == hf_ref(llama.model, prompts[0], 24)
+    assert result["tokens"][1] == hf_ref(llama.model, prompts[1], 11)
+    assert result["tokens"][2] == ref[:k + 1]
+    rank0, rank1 = result["device_steps"]
+    assert rank0 >= 10 and rank1 == rank0

@@ -153,10 +153,12 @@ class Scheduler:
         cached = []
         for req, n in zip(reqs, need):
             if n > 0:
-                new = self.spans.allocate(n)
-                req.span_ids.extend(new)
-                cached.append(CachedRequestData(req.request_id, (), tuple(new)))
-                req.num_synced_spans = len(req.span_ids)
+                req.span_ids.extend(self.spans.allocate(n))
+            tokens = req.token_ids_from(req.num_synced_tokens)   # known since the last plan (its update is done)
+            spans = req.span_ids[req.num_synced_spans:]
+            if tokens or spans:
+                cached.append(CachedRequestData(req.request_id, tuple(tokens), tuple(spans)))
+            req.num_synced_tokens, req.num_synced_spans = req.num_tokens, len(req.span_ids)
         self._step_id += 1
         dropped, self._dropped = tuple(self._dropped), []
         saves, loads = self.cache.take_copies() if self.cache is not None else ((), ())

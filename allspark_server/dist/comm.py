@@ -112,9 +112,12 @@ class MpiComm:
         return torch.from_numpy(np.concatenate(parts, axis=-1))
 
     def broadcast_(self, t: torch.Tensor) -> torch.Tensor:
-        if not (t.is_cuda and self._nccl is not None):
-            raise RuntimeError("broadcast_ needs GPU tensors and NCCL (use_gpu)")
-        self._nccl.broadcast(t, src=0)
+        if t.is_cuda and self._nccl is not None:
+            self._nccl.broadcast(t, src=0)
+            return t
+        if t.is_cuda or not t.is_contiguous():
+            raise RuntimeError("broadcast_ takes contiguous host tensors, or GPU tensors once NCCL is up (use_gpu)")
+        self._c.Bcast(t.numpy(), root=0)
         return t
 
     def bcast(self, obj: Any) -> Any:
