@@ -20,6 +20,11 @@ import triton.language as tl
 DECODE_BLOCK_N = 64
 TARGET_PROGRAMS = 768   # default split-KV: about this many decode programs ...
 MAX_SPLITS = 64         # ... and never more partials than this per (sequence, head)
+# 16-bit caches with batch x kv heads >= 512: 2 warps and 2 stages per program instead of Triton's 4 and 3
+# (benchmarks/decode_attention_sweep.py on an H100, results-decode-attention-sweep-h100.json: 5-16% faster at
+# B 16-128, KVH 8 and 32, contexts 192-256; smaller batches were not swept and keep Triton's defaults)
+LARGE_BATCH_PROGRAMS = 512
+LARGE_BATCH_LAUNCH = dict(num_warps=2, num_stages=2)
 PREFILL_BLOCK_N = 32
 LOG2_E = math.log2(math.e)
 
@@ -290,7 +295,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         *(k_param.stride()[:3] if quant else (0, 0, 0)), spans.stride(0), out.stride(0), out.stride(1),
         G=g, P=span_size, D=d, NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(g)),
-        BLOCK_N=DECODE_BLOCK_N, HAS_ALIBI=alibi_slopes is not None, QUANT=quant, **tiles)
+        BLOCK_N=DECODE_BLOCK_N, HAS_ALIBI=alibi_slopes is not None, QUANT=quant, **tiles,
+        **(LARGE_BATCH_LAUNCH if not quant and q.element_size() == 2 and batch * kvh >= LARGE_BATCH_PROGRAMS else {}))
     if num_splits > 1:
         _combine_kernel[(batch, heads)](m_part, l_part, acc_part, out, out.stride(0), out.stride(1), heads,
                                         D=d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
