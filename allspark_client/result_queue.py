@@ -121,6 +121,8 @@ class ResultQueue:
             self._stats = stats
 
     def _mark_scheduled(self) -> None:
+        if self._stats.time_in_queue:   # every step after the first (only the engine thread writes it)
+            return
         with self._cond:
             if not self._stats.time_in_queue:
                 self._stats.time_in_queue = now_ms() - self._stats.arrival_time

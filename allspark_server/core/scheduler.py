@@ -143,22 +143,25 @@ class Scheduler:
         reqs, need = [], []
         for chunk in plan.chunks:
             req = running.get(chunk.request_id)
-            if (req is None or chunk.num_tokens != 1 or not chunk.needs_sample
-                    or req.num_computed_tokens + 1 != req.num_tokens or req.num_tokens + 1 >= req.max_length):
+            if req is None or chunk.num_tokens != 1 or not chunk.needs_sample:
+                return None
+            total = req.num_tokens
+            if req.num_computed_tokens + 1 != total or total + 1 >= req.max_length:
                 return None
             reqs.append(req)
-            need.append(self.spans.spans_for_tokens(req.num_tokens + 1) - len(req.span_ids))
+            need.append(self.spans.spans_for_tokens(total + 1) - len(req.span_ids))
         if not self.spans.can_allocate(sum(need)):
             return None
         cached = []
         for req, n in zip(reqs, need):
             if n > 0:
                 req.span_ids.extend(self.spans.allocate(n))
-            tokens = req.token_ids_from(req.num_synced_tokens)   # known since the last plan (its update is done)
-            spans = req.span_ids[req.num_synced_spans:]
+            total = req.num_tokens
+            tokens = req.token_ids_from(req.num_synced_tokens) if req.num_synced_tokens < total else ()
+            spans = req.span_ids[req.num_synced_spans:]   # known since the last plan (its update is done)
             if tokens or spans:
                 cached.append(CachedRequestData(req.request_id, tuple(tokens), tuple(spans)))
-            req.num_synced_tokens, req.num_synced_spans = req.num_tokens, len(req.span_ids)
+            req.num_synced_tokens, req.num_synced_spans = total, len(req.span_ids)
         self._step_id += 1
         dropped, self._dropped = tuple(self._dropped), []
         saves, loads = self.cache.take_copies() if self.cache is not None else ((), ())

@@ -45,6 +45,9 @@ class DecodeGraphs:
         self.ids, self.positions, self.slots, self.ctx = self.per_row
         self.spans = self.host_spans.to(device)
         self.host_filled = 0   # host rows holding the last step's sequences
+        # per row: the mirror whose span table it holds and how many of its spans are written (a decode step
+        # rewrites a row's table only when its sequence changed or got a span)
+        self.row_spans: list[tuple] = [(None, 0)] * max_batch
         self.copied = torch.cuda.Event()   # the last step's copies are done with the host rows
         self.span_size = span_size
         self.rows = torch.arange(max_batch, **long)
@@ -87,19 +90,28 @@ class DecodeGraphs:
         size = next(s for s in self.sizes if s >= b)
         self.copied.synchronize()   # the last step's copies have read the pinned rows (done long ago, mostly)
         rows, spans, p = self.host_rows.numpy(), self.host_spans.numpy(), self.span_size
+        ids, positions, slots, ctx = [], [], [], []
         for i, chunk in enumerate(chunks):
             m = mirrors[chunk.request_id]
             pos = m.num_computed_tokens
             need = pos // p + 1                        # spans holding positions 0..pos
-            span = m.span_ids[need - 1]
-            token = 0 if device_ids is not None else m.token_ids[pos]
-            rows[0, i], rows[1, i], rows[2, i], rows[3, i] = token, pos, span * p + pos % p, pos + 1
-            spans[i, :need] = m.span_ids[:need]
+            ids.append(0 if device_ids is not None else m.token_ids[pos])
+            positions.append(pos)
+            slots.append(m.span_ids[need - 1] * p + pos % p)
+            ctx.append(pos + 1)
+            held, written = self.row_spans[i]
+            if held is not m:                          # another sequence in this row: its whole table
+                written = 0
+            if written < need:                         # a mirror's spans only grow: write the new ones
+                spans[i, written:need] = m.span_ids[written:need]
+                self.row_spans[i] = (m, need)
+        rows[:, :b] = (ids, positions, slots, ctx)
         if self.host_filled > b:   # host rows of a larger earlier step: back to padding
             rows[0:2, b:self.host_filled] = 0
             rows[2, b:self.host_filled] = self.scratch_slot
             rows[3, b:self.host_filled] = 1
             spans[b:self.host_filled] = self.scratch_span
+            self.row_spans[b:self.host_filled] = [(None, 0)] * (self.host_filled - b)
         self.host_filled = b
         self.per_row[:, :size].copy_(self.host_rows[:, :size], non_blocking=True)
         self.spans[:size].copy_(self.host_spans[:size], non_blocking=True)
