@@ -15,9 +15,8 @@ import os
 import pytest
 import torch
 
-from allspark_client import GenerateRequestStatus
 from allspark_server.tiny_model import build_tiny_model
-from helpers import collect, greedy, hf_greedy, installed_on_pool, random_prompt, serialize, start_engine
+from helpers import greedy, hf_greedy, installed_on_pool, random_prompt, run_together, serialize, start_engine
 from remote_layouts import baichuan_reference_logits, write_baichuan, write_chatglm, write_qwen1
 from test_hf_parity import hf_logits, kernels, runner_for, teacher_forced_logits  # noqa: F401 (a fixture)
 
@@ -98,18 +97,8 @@ def start_all(engine, name: str, prompts: list[list[int]], n: int, logprobs: boo
     """Greedy continuations of all prompts, every request started before any is read (they share decode steps):
     [(tokens, logprob of each token)]. Engine or ClientEngine alike."""
     gen = {"top_k": 1, "max_new_tokens": n, "eos_token_id": [], "logprobs": logprobs}
-    started = []
-    for p in prompts:
-        status, handle, queue = engine.start_request(name, {"input_ids": p}, gen)
-        assert status == 0, engine.get_last_error()
-        started.append((handle, queue))
-    out = []
-    for handle, queue in started:
-        tokens, elements, final = collect(queue)
-        assert final == GenerateRequestStatus.GenerateFinished, (final, queue.ErrorMessage())
-        out.append((tokens, [lp for el in elements for lp in el.token_logprobs_list]))
-        engine.release_request(name, handle)
-    return out
+    return [(tokens, [lp for el in elements for lp in el.token_logprobs_list])
+            for tokens, elements in run_together(engine, name, [(p, gen) for p in prompts])]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
