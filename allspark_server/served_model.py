@@ -196,11 +196,25 @@ class ServedModel:
         step = self._launch(plan, time.perf_counter(), prev.pending.tokens, behind=prev) if plan else None
         if plan is not None and step is None:   # the launch failed: prev's requests went with it
             return
+        # plain greedy rows do not depend on prev's tokens: sampled now, not between the wait and the next launch
+        early = step is not None and self._plain_greedy_whatever_comes(step)
+        if early and not self._sample(step):
+            return
         # the tokens of the step before prev: the threads they wake take the GIL while this one waits for prev
         self._deliver()
         self._complete(prev)
-        if step is not None and self._sample(step):
+        if step is not None and (early or self._sample(step)):
             self._launched = step
+
+    def _plain_greedy_whatever_comes(self, step: "LaunchedStep") -> bool:
+        """Every row greedy with no penalties, logprobs or guided mask, and past min_length already: its sampling
+        is one argmax whatever the step before it sampled."""
+        for e in map(step.entries.get, step.rids):
+            gen = e.sampling.gen
+            if (not gen.is_greedy or gen.logprobs or gen.has_penalties or e.sampling.guided is not None
+                    or (gen.min_length and gen.eos_token_ids and e.request.num_tokens < gen.min_length)):
+                return False
+        return True
 
     def _may_run_ahead(self, step: "LaunchedStep") -> bool:
         """A GPU decode step replayed from the CUDA graphs with no guided request may leave its tokens on the GPU

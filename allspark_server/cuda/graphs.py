@@ -88,7 +88,8 @@ class DecodeGraphs:
         do not hold them yet)."""
         b = len(chunks)
         size = next(s for s in self.sizes if s >= b)
-        self.copied.synchronize()   # the last step's copies have read the pinned rows (done long ago, mostly)
+        if not self.copied.query():   # the last step's copies have read the pinned rows (done long ago, mostly:
+            self.copied.synchronize()  # the query keeps the GIL, a wait would give it away)
         rows, spans, p = self.host_rows.numpy(), self.host_spans.numpy(), self.span_size
         ids, positions, slots, ctx = [], [], [], []
         for i, chunk in enumerate(chunks):
