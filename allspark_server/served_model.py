@@ -35,7 +35,7 @@ from allspark_server.core.scheduler import Scheduler, SchedulerConfig
 from allspark_server.core.span_manager import SpanManager
 from allspark_server.guided import GuidedState, GuidedVocabulary
 from allspark_server.runner.model_runner import ModelRunner
-from allspark_server.runner.sampler import PendingSample, Sampler, SamplingState
+from allspark_server.runner.sampler import PendingSample, Sampler, SamplingState, plain_greedy
 from allspark_server.step_watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
@@ -206,15 +206,11 @@ class ServedModel:
         if step is not None and (early or self._sample(step)):
             self._launched = step
 
-    def _plain_greedy_whatever_comes(self, step: "LaunchedStep") -> bool:
-        """Every row greedy with no penalties, logprobs or guided mask, and past min_length already: its sampling
-        is one argmax whatever the step before it sampled."""
-        for e in map(step.entries.get, step.rids):
-            gen = e.sampling.gen
-            if (not gen.is_greedy or gen.logprobs or gen.has_penalties or e.sampling.guided is not None
-                    or (gen.min_length and gen.eos_token_ids and e.request.num_tokens < gen.min_length)):
-                return False
-        return True
+    @staticmethod
+    def _plain_greedy_whatever_comes(step: "LaunchedStep") -> bool:
+        """Every row plain greedy already before the previous step's token is counted (so after it too): its
+        sampling is one argmax whatever that token is. (Steps that run ahead have no guided rows.)"""
+        return all(plain_greedy(e.sampling.gen, e.request.num_tokens) for e in map(step.entries.get, step.rids))
 
     def _may_run_ahead(self, step: "LaunchedStep") -> bool:
         """A GPU decode step replayed from the CUDA graphs with no guided request may leave its tokens on the GPU

@@ -25,7 +25,8 @@ def launch(q, k, v, spans, ctx, out, parts, block_n, warps, stages, splits):
     A._decode_kernel[(b, kvh, splits)](
         q, k, v, k, v, spans, ctx, ctx, out, m_part, l_part, acc_part, 0.088 * A.LOG2_E, h,
         q.stride(0), q.stride(1), *k.stride()[:3], *v.stride()[:3], 0, 0, 0, spans.stride(0), out.stride(0),
-        out.stride(1), G=h // kvh, P=k.shape[1], D=d, NUM_SPLITS=splits, BLOCK_G=max(16, triton.next_power_of_2(h // kvh)),
+        out.stride(1), G=h // kvh, P=k.shape[1], D=d, NUM_SPLITS=splits,
+        BLOCK_G=max(16, triton.next_power_of_2(h // kvh)),
         BLOCK_N=block_n, HAS_ALIBI=False, QUANT=0, num_warps=warps, num_stages=stages, **tiles)
     if splits > 1:
         A._combine_kernel[(b, h)](m_part, l_part, acc_part, out, out.stride(0), out.stride(1), h, D=d,

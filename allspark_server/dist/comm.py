@@ -39,7 +39,8 @@ class LocalComm:
         return obj
 
     def broadcast_(self, t: torch.Tensor) -> torch.Tensor:
-        """Rank 0's values of a GPU tensor into every rank's tensor of the same shape and dtype (in place)."""
+        """Rank 0's values of a tensor into every rank's tensor of the same shape and dtype, in place (GPU tensors
+        by NCCL, host tensors by MPI)."""
         return t
 
     def allgather_obj(self, obj: Any) -> list:

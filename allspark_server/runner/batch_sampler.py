@@ -135,7 +135,8 @@ def sample_batch_start(logits: torch.Tensor, rows: list[Row]) -> PendingSample:
     if pen:
         x, p = x.clone(), idx(pen)
         x[p] = apply_penalties_rows(x[p], [rows[i] for i in pen])
-    eos = [(i, t) for i, (st, a, _) in enumerate(rows) if suppresses_eos(st.gen, a) for t in st.gen.eos_token_ids]
+    eos = [(i, t) for i, (st, a, _) in enumerate(rows) if suppresses_eos(st.gen, len(a))
+           for t in st.gen.eos_token_ids]
     if eos:
         x = x.clone() if not pen else x
         x[idx([i for i, _ in eos]), idx([t for _, t in eos])] = float("-inf")

@@ -132,7 +132,7 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return self.num_spans * self.span_bytes
 
-    def execute(self, plan: StepPlan, tokens=None):
+    def execute(self, plan: StepPlan, tokens: torch.Tensor | None = None):
         """Apply the plan to the mirrors and run the model: (logits [N, V] or None, request ids). On a GPU the
         logits stay there (the sampler takes what it needs) and may be the CUDA graph's output buffer: use them
         before the next step. A plan with `tokens_on_device`: `tokens` [N] are the input ids on rank 0's GPU (the

@@ -109,9 +109,15 @@ def argmax(x: torch.Tensor) -> "int | list[int]":
     return x.argmax(-1).tolist()
 
 
-def suppresses_eos(gen: GenerationConfig, all_ids: list[int]) -> bool:
-    """min_length not reached yet: the EOS tokens are masked."""
-    return bool(gen.min_length and len(all_ids) < gen.min_length and gen.eos_token_ids)
+def suppresses_eos(gen: GenerationConfig, num_tokens: int) -> bool:
+    """min_length not reached yet by the request's `num_tokens` (prompt + output): the EOS tokens are masked."""
+    return bool(gen.min_length and num_tokens < gen.min_length and gen.eos_token_ids)
+
+
+def plain_greedy(gen: GenerationConfig, num_tokens: int) -> bool:
+    """Greedy with no penalties, logprobs or masked EOS at `num_tokens`: the row's token is its logits' argmax.
+    True at `num_tokens` means true at every later count too (min_length only stops applying)."""
+    return gen.is_greedy and not gen.logprobs and not gen.has_penalties and not suppresses_eos(gen, num_tokens)
 
 
 class Sampler:
@@ -130,7 +136,7 @@ class Sampler:
         if guided_masks is not None:
             with torch.inference_mode():   # the runner's logits are inference tensors
                 apply_masks(logits, *guided_masks)
-        plain = [i for i, (state, all_ids, _) in enumerate(rows) if self._plain_greedy(state.gen, all_ids)]
+        plain = [i for i, (state, all_ids, _) in enumerate(rows) if plain_greedy(state.gen, len(all_ids))]
         if logits.is_cuda:
             if len(plain) < len(rows):
                 from allspark_server.runner.batch_sampler import sample_batch_start   # it imports this module
@@ -149,15 +155,11 @@ class Sampler:
                     results[i] = self.sample_row(host[i], state, all_ids, output_ids)
         return PendingSample(torch.tensor([r.token_id for r in results]), results=results)
 
-    @staticmethod
-    def _plain_greedy(gen: GenerationConfig, all_ids: list[int]) -> bool:
-        return gen.is_greedy and not gen.logprobs and not gen.has_penalties and not suppresses_eos(gen, all_ids)
-
     def sample_row(self, logits: torch.Tensor, state: SamplingState, all_ids: list[int],
                    output_ids: list[int]) -> SampleResult:
         gen = state.gen
         raw_logprobs = torch.log_softmax(logits, -1) if gen.logprobs else None
-        suppress_eos = suppresses_eos(gen, all_ids)
+        suppress_eos = suppresses_eos(gen, len(all_ids))
         x = logits.clone() if gen.has_penalties or suppress_eos else logits   # edited in place below
         if gen.has_penalties:
             apply_penalties(x, all_ids, output_ids, gen)
