@@ -96,9 +96,18 @@ def sd_notify(state: str) -> None:
         s.sendall(state.encode())
 
 
-def serve(comm, args, address: str, access) -> int:
+def leave_now(message: str) -> None:
+    """Rank 0 saw a rank of the pool die (peer_watch.py): exit at once, so that every client's stream ends now
+    instead of waiting in a collective with the dead rank until mpirun comes; mpirun then ends the job non-zero."""
+    log.critical("%s: rank 0 exits, the pool cannot go on", message)
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def serve(comm, args, address: str, access, identities) -> int:
     from allspark_client.pool_config import load_pool_config
     from allspark_server.engine import Engine
+    from allspark_server.peer_watch import PeerWatch
     from allspark_server.service import AllsparkServicer, start_server
 
     stop = threading.Event()
@@ -111,6 +120,7 @@ def serve(comm, args, address: str, access) -> int:
         except OSError as e:      # rank 0 on another host than the launcher: SIGTERM then reaches it via mpirun
             log.warning("cannot write the pid file %s (%s)", args.pid_file, e)
     engine = Engine(comm, step_timeout=args.step_timeout)
+    watch = PeerWatch(identities, on_lost=leave_now)
     if args.pool_config:
         for entry in load_pool_config(args.pool_config).models:
             engine.install_model(entry.config)
@@ -122,6 +132,7 @@ def serve(comm, args, address: str, access) -> int:
     sd_notify("READY=1")
     print(f"allspark pool ready: {comm.world_size} rank(s), serving {address}", flush=True)
     stop.wait()
+    watch.stand_down()      # the workers exit on purpose from here on
     log.info("stopping: finishing in-flight requests")
     sd_notify("STOPPING=1")
     stopped = server.stop(grace=STOP_GRACE_S)   # no new calls; open streams may still finish ...
@@ -144,15 +155,16 @@ def main(argv=None) -> int:
         except PlacementError as e:
             raise SystemExit(f"allspark pool: {e}") from None
     from allspark_server.dist.comm import get_comm
+    from allspark_server.peer_watch import identity
     from allspark_server.placement import describe_placement
     comm = get_comm()
     try:
         address, access = grpc_address(args) if comm.rank == 0 else ("", None)   # a bad bind: refused first
-        layout = comm.allgather_obj(describe_placement(comm.rank, bind_threads(args, comm.rank)))
+        layout = comm.allgather_obj((describe_placement(comm.rank, bind_threads(args, comm.rank)), identity()))
         if comm.rank == 0:                          # every rank is up; where each runs
-            for line in layout:
+            for line, _ in layout:
                 log.info("%s", line)
-            return serve(comm, args, address, access)
+            return serve(comm, args, address, access, [who for _, who in layout])
         signal.signal(signal.SIGTERM, signal.SIG_IGN)   # workers exit when rank 0 says so
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         from allspark_server.worker import run_worker

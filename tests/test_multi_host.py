@@ -70,7 +70,7 @@ def test_host_network_loss_ends_streams_and_the_pool(new_pool, hosts, loader):
     cut_at = time.monotonic()
     hosts.link(1, up=False)
     try:
-        slowest = assert_streams_fail_within(queues, cut_at, 3 + 5.0, needle="did not finish within")
+        slowest = assert_streams_fail_within(queues, cut_at, 3 + 5.0, needle="did not finish within", pool=pool)
         with pytest.raises(PoolUnavailable):
             client.get_as_engine_stat(MODEL)
         code = assert_pool_gone_but_the_cut_off_rank(pool, hosts)

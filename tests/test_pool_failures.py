@@ -200,11 +200,12 @@ def start_streams(client, pool, n: int = FAULT_STREAMS) -> list:
     return queues
 
 
-def assert_streams_fail_within(queues, since: float, bound_s: float, needle: str | None = None) -> float:
+def assert_streams_fail_within(queues, since: float, bound_s: float, needle: str | None = None,
+                               pool=None) -> float:
     """Every stream ends in InternalError within bound_s of `since`; the slowest time, for the report."""
     left = bound_s - (time.monotonic() - since)
     assert wait_until(lambda: all(q.GenerateStatus().is_terminal for q in queues), left), \
-        [q.GenerateStatus().name for q in queues]
+        ([(q.GenerateStatus().name, q.ErrorMessage()) for q in queues], pool.log() if pool else "")
     slowest = time.monotonic() - since
     for q in queues:
         assert q.GenerateStatus() == GenerateRequestStatus.InternalError, (q.GenerateStatus(), q.ErrorMessage())
@@ -240,7 +241,8 @@ def test_stopped_worker_is_caught_by_the_step_watchdog(new_pool, loader):
     stopped_at = time.monotonic()
     worker[0].suspend()
     try:
-        slowest = assert_streams_fail_within(queues, stopped_at, 3 + 5.0, needle="did not finish within")
+        slowest = assert_streams_fail_within(queues, stopped_at, 3 + 5.0, needle="did not finish within",
+                                             pool=pool)
         code = assert_pool_gone(pool, client)
     finally:
         try:
@@ -260,7 +262,7 @@ def test_kill_worker_under_streams_fails_every_stream(new_pool, loader):
     queues = start_streams(client, pool)
     killed_at = time.monotonic()
     worker[0].kill()
-    slowest = assert_streams_fail_within(queues, killed_at, 5.0)
+    slowest = assert_streams_fail_within(queues, killed_at, 5.0, pool=pool)
     code = assert_pool_gone(pool, client)
     print(f"worker killed: {len(queues)} streams failed {slowest:.2f}s after; exit code {code}")
 
@@ -277,7 +279,7 @@ def test_kill_rank0_fails_streams_and_the_client_reconnects_to_the_restarted_poo
     queues = start_streams(client, pool)
     killed_at = time.monotonic()
     rank0[0].kill()
-    slowest = assert_streams_fail_within(queues, killed_at, 5.0)
+    slowest = assert_streams_fail_within(queues, killed_at, 5.0, pool=pool)
     code = assert_pool_gone(pool, client)
 
     restarted = new_pool(socket_name=pool.socket)          # an absolute path: the same socket
