@@ -96,18 +96,9 @@ def sd_notify(state: str) -> None:
         s.sendall(state.encode())
 
 
-def leave_now(message: str) -> None:
-    """Rank 0 saw a rank of the pool die (peer_watch.py): exit at once, so that every client's stream ends now
-    instead of waiting in a collective with the dead rank until mpirun comes; mpirun then ends the job non-zero."""
-    log.critical("%s: rank 0 exits, the pool cannot go on", message)
-    sys.stderr.flush()
-    os._exit(1)
-
-
-def serve(comm, args, address: str, access, identities) -> int:
+def serve(comm, args, address: str, access, ranks) -> int:
     from allspark_client.pool_config import load_pool_config
     from allspark_server.engine import Engine
-    from allspark_server.peer_watch import PeerWatch
     from allspark_server.service import AllsparkServicer, start_server
 
     stop = threading.Event()
@@ -119,8 +110,7 @@ def serve(comm, args, address: str, access, identities) -> int:
                 f.write(str(os.getpid()))
         except OSError as e:      # rank 0 on another host than the launcher: SIGTERM then reaches it via mpirun
             log.warning("cannot write the pid file %s (%s)", args.pid_file, e)
-    engine = Engine(comm, step_timeout=args.step_timeout)
-    watch = PeerWatch(identities, on_lost=leave_now)
+    engine = Engine(comm, step_timeout=args.step_timeout, ranks=ranks)
     if args.pool_config:
         for entry in load_pool_config(args.pool_config).models:
             engine.install_model(entry.config)
@@ -132,7 +122,6 @@ def serve(comm, args, address: str, access, identities) -> int:
     sd_notify("READY=1")
     print(f"allspark pool ready: {comm.world_size} rank(s), serving {address}", flush=True)
     stop.wait()
-    watch.stand_down()      # the workers exit on purpose from here on
     log.info("stopping: finishing in-flight requests")
     sd_notify("STOPPING=1")
     stopped = server.stop(grace=STOP_GRACE_S)   # no new calls; open streams may still finish ...

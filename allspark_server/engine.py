@@ -26,6 +26,7 @@ from allspark_server.core.messages import InstallModelMsg, ReleaseModelMsg
 from allspark_server.core.request import Request
 from allspark_server.dist.comm import get_comm
 from allspark_server.engine_thread import EngineThread, ForModel
+from allspark_server.peer_watch import PeerWatch, RankIdentity
 from allspark_server.runner.model_runner import install_runner
 from allspark_server.runner.sampler import SamplingState
 from allspark_server.served_model import AddRequest, ServedModel, StopRequest
@@ -50,13 +51,17 @@ HANG_GRACE_S = 1.0      # after a hung step: time for the streams' errors to rea
 
 
 class Engine(EngineAPI):
-    def __init__(self, comm=None, step_timeout: Optional[float] = None):
+    def __init__(self, comm=None, step_timeout: Optional[float] = None,
+                 ranks: Optional[list[Optional[RankIdentity]]] = None):
         """`step_timeout`: in a pool, seconds a step may take before the pool is declared hung (None: 10 s
-        beyond what the slowest step so far predicts; see step_watchdog.py)."""
+        beyond what the slowest step so far predicts; see step_watchdog.py). `ranks`: in a pool, every rank's
+        peer_watch.identity(): rank 0 exits as soon as one on its own machine dies (peer_watch.py)."""
         self._comm = comm or get_comm()
-        self._watchdog = StepWatchdog(self._on_hung_step, step_timeout) if self._comm.world_size > 1 else None
+        pool = self._comm.world_size > 1
+        self._watchdog = StepWatchdog(self._on_hung_step, step_timeout) if pool else None
+        self._peers = PeerWatch(ranks) if pool and ranks else None
         self._down: Optional[str] = None       # why the pool is going down (a hung step), once it is
-        self._engine = EngineThread(self._comm)
+        self._engine = EngineThread(self._comm, self._peers.stand_down if self._peers else None)
         self._models: dict[str, ServedModel] = self._engine.models   # written on the engine thread only
         self._requests: dict[str, dict[int, _LiveRequest]] = {}
         self._lock = threading.RLock()

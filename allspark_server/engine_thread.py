@@ -36,8 +36,10 @@ class ForModel:
 
 
 class EngineThread:
-    def __init__(self, comm):
+    def __init__(self, comm, before_workers_exit: Optional[Callable[[], None]] = None):
+        """`before_workers_exit`: called on this thread just before a shutdown tells the other ranks to exit."""
         self.comm = comm
+        self._before_workers_exit = before_workers_exit
         self.models: dict[str, ServedModel] = {}        # mutated on this thread only
         self._cv = threading.Condition()
         self._inbox: deque = deque()
@@ -81,6 +83,8 @@ class EngineThread:
         # The other ranks acknowledge first: a SIGTERM that mpirun sends because a rank died must not end
         # open streams as if they had finished normally.
         lost = None
+        if self._before_workers_exit is not None:
+            self._before_workers_exit()
         try:
             self.comm.bcast(ShutdownMsg())
             if not self.comm.barrier(SHUTDOWN_ANSWER_S):

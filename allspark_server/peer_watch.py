@@ -5,17 +5,19 @@ after 0.25 s, SIGKILL after 0.5 s). Until then rank 0 sits in a collective with 
 streams hang; if mpirun is slow to notice (a loaded machine) or cannot act, they hang longer. PeerWatch does not
 wait for that: every rank reports who it is (`identity()`: boot id, pid namespace, pid and start time), and a thread
 of rank 0 looks every POLL_S at the peers it can see (same kernel boot, same pid namespace) in /proc. A peer that is
-gone, a zombie, or a new process under its pid is a lost rank: `on_lost(message)` is called once; rank 0 then
-exits at once (__main__.py), so that its clients' streams end as they would when mpirun kills it, only sooner and
-whether or not mpirun acts. Peers on other hosts are left to mpirun and the step watchdog (step_watchdog.py).
+gone, a zombie, or a new process under its pid is a lost rank: `on_lost(message)` is called once; by default
+(`exit_now`) rank 0 exits at once, so that its clients' streams end as they would when mpirun kills it, only sooner
+and whether or not mpirun acts, and mpirun ends the job non-zero. Peers on other hosts are left to mpirun and the
+step watchdog (step_watchdog.py).
 
-`stand_down()` turns the watch off before a clean shutdown, in which the workers exit on purpose. Linux only: where
-/proc is missing, `identity()` is None and nothing is watched.
+`stand_down()` turns the watch off just before a clean shutdown tells the workers to exit (Engine wires it to the
+engine thread). Linux only: where /proc is missing, `identity()` is None and nothing is watched.
 """
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -65,8 +67,15 @@ def is_alive(peer: RankIdentity) -> bool:
     return fields is not None and fields[0] not in ("Z", "X") and fields[19] == peer.start_time
 
 
+def exit_now(message: str) -> None:
+    """A rank of the pool died: this process (rank 0) exits at once, without MPI (which would wait for the dead)."""
+    log.critical("%s: rank 0 exits, the pool cannot go on", message)
+    sys.stderr.flush()
+    os._exit(1)
+
+
 class PeerWatch:
-    def __init__(self, identities: Sequence[Optional[RankIdentity]], on_lost: Callable[[str], None]):
+    def __init__(self, identities: Sequence[Optional[RankIdentity]], on_lost: Callable[[str], None] = exit_now):
         """`identities`: every rank's identity(), by rank (this process is rank 0)."""
         me = identities[0]
         self.watched = {rank: peer for rank, peer in enumerate(identities)
