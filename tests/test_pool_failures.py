@@ -267,6 +267,28 @@ def test_kill_worker_under_streams_fails_every_stream(new_pool, loader):
     print(f"worker killed: {len(queues)} streams failed {slowest:.2f}s after; exit code {code}")
 
 
+def test_killed_worker_ends_the_streams_without_mpirun(new_pool, loader):
+    """kill -9 of rank 1 while mpirun is frozen (SIGSTOP: it cannot notice the death nor signal rank 0): rank 0's own
+    watch (peer_watch.py) still ends every stream within 5 s (without it they waited for the step watchdog, 10 s
+    past the slowest step); once mpirun runs again the job ends non-zero and no rank is left."""
+    pool = new_pool()
+    client = pool.client()
+    install(client, loader, max_length=LONG_RUN_MAX_LENGTH, max_batch=max(8, FAULT_STREAMS))
+    worker = [p for p in pool.ranks() if p.pid != client.health.pid]
+    mpirun = [p for p in pool.launcher.children(recursive=True) if p.name() in ("prterun", "mpirun", "orterun")]
+    assert len(worker) == 1 and len(mpirun) == 1, (worker, mpirun)
+    queues = start_streams(client, pool)
+    mpirun[0].suspend()
+    try:
+        killed_at = time.monotonic()
+        worker[0].kill()
+        slowest = assert_streams_fail_within(queues, killed_at, 5.0, pool=pool)
+    finally:
+        mpirun[0].resume()
+    code = assert_pool_gone(pool, client)
+    print(f"worker killed, mpirun frozen: {len(queues)} streams failed {slowest:.2f}s after; exit code {code}")
+
+
 # ---- 5. rank 0 killed, the pool restarted on its socket -----------------------------------------
 def test_kill_rank0_fails_streams_and_the_client_reconnects_to_the_restarted_pool(new_pool, loader, llama):
     """kill -9 of rank 0 under FAULT_STREAMS streams: each ends in InternalError within 5 s, calls raise
