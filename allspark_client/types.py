@@ -10,6 +10,11 @@ import enum
 from dataclasses import asdict, dataclass, field
 
 
+# How the error ends that a pool gives every open stream when it cannot go on (a hung step, a lost rank): a client
+# tells it from a request's own failure by it (ClientEngine.sync_request reports it as it does a lost connection).
+POOL_DOWN = "the pool is going down"
+
+
 class AsStatus(enum.IntEnum):
     ALLSPARK_SUCCESS = 0
     ALLSPARK_UNKNOWN_ERROR = 1

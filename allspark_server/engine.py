@@ -14,11 +14,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from allspark_client.api import EngineAPI, StartResult
 from allspark_client.result_queue import ResultQueue
-from allspark_client.types import AsEngineStat, AsException, AsStatus, GenerateRequestStatus, RequestHandle
+from allspark_client.types import (POOL_DOWN, AsEngineStat, AsException, AsStatus, GenerateRequestStatus,
+                                   RequestHandle)
 from allspark_client.config import AsModelConfig
 from allspark_client.generation_config import parse_request, resolve_max_length
 from allspark_client.validation import ConfigError
@@ -26,7 +27,7 @@ from allspark_server.core.messages import InstallModelMsg, ReleaseModelMsg
 from allspark_server.core.request import Request
 from allspark_server.dist.comm import get_comm
 from allspark_server.engine_thread import EngineThread, ForModel
-from allspark_server.peer_watch import PeerWatch, RankIdentity
+from allspark_server.peer_watch import PeerWatch, RankIdentity, exit_now
 from allspark_server.runner.model_runner import install_runner
 from allspark_server.runner.sampler import SamplingState
 from allspark_server.served_model import AddRequest, ServedModel, StopRequest
@@ -47,7 +48,7 @@ class _LiveRequest:
     queue: ResultQueue
 
 
-HANG_GRACE_S = 1.0      # after a hung step: time for the streams' errors to reach their clients before the exit
+HANG_GRACE_S = 1.0      # a pool going down: time for the streams' errors to reach their clients before the exit
 
 
 class Engine(EngineAPI):
@@ -58,9 +59,13 @@ class Engine(EngineAPI):
         peer_watch.identity(): rank 0 exits as soon as one on its own machine dies (peer_watch.py)."""
         self._comm = comm or get_comm()
         pool = self._comm.world_size > 1
-        self._watchdog = StepWatchdog(self._on_hung_step, step_timeout) if pool else None
-        self._peers = PeerWatch(ranks) if pool and ranks else None
-        self._down: Optional[str] = None       # why the pool is going down (a hung step), once it is
+        # a hung step: MPI_Abort, so that mpirun ends every rank, here or on other hosts; a dead rank on this
+        # machine: exit at once (MPI_Abort goes through mpirun, which may be what is slow)
+        self._watchdog = (StepWatchdog(lambda reason: self._pool_down(reason, lambda: self._comm.abort(1)),
+                                       step_timeout) if pool else None)
+        self._peers = (PeerWatch(ranks, lambda reason: self._pool_down(reason, lambda: exit_now(reason)))
+                       if pool and ranks else None)
+        self._down: Optional[str] = None       # why the pool is going down (a hung step, a lost rank), once it is
         self._engine = EngineThread(self._comm, self._peers.stand_down if self._peers else None)
         self._models: dict[str, ServedModel] = self._engine.models   # written on the engine thread only
         self._requests: dict[str, dict[int, _LiveRequest]] = {}
@@ -146,12 +151,15 @@ class Engine(EngineAPI):
         return self._engine.shutdown()
 
     def down_reason(self) -> Optional[str]:
-        """None while the engine serves; once a pool step has hung, why (the pool is about to exit)."""
+        """None while the engine serves; once a pool cannot go on (a hung step, a lost rank), why (it is about to
+        exit)."""
         return self._down
 
-    def _on_hung_step(self, message: str) -> None:
-        """The watchdog's verdict (its own thread; the engine thread is stuck in a collective): every open
-        stream ends in InternalError with `message`, then the pool exits non-zero (mpirun ends the other ranks)."""
+    def _pool_down(self, reason: str, leave: Callable[[], None]) -> None:
+        """The pool cannot go on (called on a watch's own thread; the engine thread may be stuck in a collective):
+        every open stream ends in InternalError with `reason` and POOL_DOWN, new calls get UNAVAILABLE, and once
+        the errors had HANG_GRACE_S to reach their clients, `leave()` ends this process non-zero."""
+        message = f"{reason}; {POOL_DOWN}"
         self._down = message
         locked = self._lock.acquire(timeout=HANG_GRACE_S)     # a lifecycle call may hold it, stuck as well
         try:
@@ -162,7 +170,7 @@ class Engine(EngineAPI):
         for q in queues:
             q._set_status(GenerateRequestStatus.InternalError, message)
         time.sleep(HANG_GRACE_S)
-        self._comm.abort(1)
+        leave()
 
     # ---- requests ----------------------------------------------------------------------------
     def start_request(self, name: str, inputs: Any, generate_config: Any = None) -> StartResult:

@@ -5,9 +5,9 @@ after 0.25 s, SIGKILL after 0.5 s). Until then rank 0 sits in a collective with 
 streams hang; if mpirun is slow to notice (a loaded machine) or cannot act, they hang longer. PeerWatch does not
 wait for that: every rank reports who it is (`identity()`: boot id, pid namespace, pid and start time), and a thread
 of rank 0 looks every POLL_S at the peers it can see (same kernel boot, same pid namespace) in /proc. A peer that is
-gone, a zombie, or a new process under its pid is a lost rank: `on_lost(message)` is called once; by default
-(`exit_now`) rank 0 exits at once, so that its clients' streams end as they would when mpirun kills it, only sooner
-and whether or not mpirun acts, and mpirun ends the job non-zero. Peers on other hosts are left to mpirun and the
+gone, a zombie, or a new process under its pid is a lost rank: `on_lost(message)` is called once. The Engine then
+ends every open stream with that message and exits (`exit_now`: not through MPI_Abort, which goes through mpirun),
+sooner than mpirun would kill it and whether or not mpirun acts; mpirun then ends the job non-zero. Peers on other hosts are left to mpirun and the
 step watchdog (step_watchdog.py).
 
 `stand_down()` turns the watch off just before a clean shutdown tells the workers to exit (Engine wires it to the

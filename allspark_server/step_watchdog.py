@@ -96,7 +96,6 @@ class StepWatchdog:
                 how = "--step-timeout"
             else:
                 how = f"the slowest step so far took {self.slowest_s:.2f} s"
-            message = (f"pool step {step_id} did not finish within {limit:.1f} s ({how}): a rank has stopped "
-                       f"or hangs; the pool is going down")
+            message = f"pool step {step_id} did not finish within {limit:.1f} s ({how}): a rank has stopped or hangs"
             log.critical(message)
             self.on_hang(message)

@@ -14,7 +14,7 @@ import pytest
 
 from allspark_client import GenerateRequestStatus
 from allspark_client.client import PoolUnavailable
-from allspark_client.types import AsStatus
+from allspark_client.types import POOL_DOWN, AsStatus
 from helpers import LONG_RUN_MAX_LENGTH, LONG_RUN_TOKENS, collect, hf_greedy, random_prompt
 from pool_helpers import MODEL, client_greedy, cmdline, greedy_cfg, install, read_at_least, wait_until
 
@@ -269,8 +269,9 @@ def test_kill_worker_under_streams_fails_every_stream(new_pool, loader):
 
 def test_killed_worker_ends_the_streams_without_mpirun(new_pool, loader):
     """kill -9 of rank 1 while mpirun is frozen (SIGSTOP: it cannot notice the death nor signal rank 0): rank 0's own
-    watch (peer_watch.py) still ends every stream within 5 s (without it they waited for the step watchdog, 10 s
-    past the slowest step); once mpirun runs again the job ends non-zero and no rank is left."""
+    watch (peer_watch.py) still ends every stream within 5 s, with an error naming the lost rank (without it they
+    waited for the step watchdog, 10 s past the slowest step); once mpirun runs again the job ends non-zero and no
+    rank is left."""
     pool = new_pool()
     client = pool.client()
     install(client, loader, max_length=LONG_RUN_MAX_LENGTH, max_batch=max(8, FAULT_STREAMS))
@@ -282,7 +283,9 @@ def test_killed_worker_ends_the_streams_without_mpirun(new_pool, loader):
     try:
         killed_at = time.monotonic()
         worker[0].kill()
-        slowest = assert_streams_fail_within(queues, killed_at, 5.0, pool=pool)
+        slowest = assert_streams_fail_within(queues, killed_at, 5.0, pool=pool,
+                                             needle=f"the pool lost rank 1: its process (pid {worker[0].pid}) exited; "
+                                                    f"{POOL_DOWN}")
     finally:
         mpirun[0].resume()
     code = assert_pool_gone(pool, client)
