@@ -29,8 +29,8 @@ from allspark_client.config import AsModelConfig
 from allspark_client.generation_config import parse_request
 from allspark_client.validation import ConfigError
 from allspark_client.result_queue import ResultQueue
-from allspark_client.types import (POOL_DOWN, AsEngineStat, AsException, AsStatus, GenerateRequestStatus,
-                                   RequestHandle)
+from allspark_client.types import (AsEngineStat, AsException, AsStatus, GenerateRequestStatus,
+                                   RequestHandle, pool_failed)
 
 log = logging.getLogger("allspark.client")
 STOP_WAIT_S = 30.0   # how long stop/release wait for the stream's final reply
@@ -331,10 +331,8 @@ class ClientEngine(EngineAPI):
                 queues = [r.queue for (model, _), r in self._live.items() if model == name]
         for q in queues:
             q._wait_terminal()
-            error = q.ErrorMessage() or ""
-            if q.GenerateStatus() == GenerateRequestStatus.InternalError and ("lost the pool" in error
-                                                                              or error.endswith(POOL_DOWN)):
-                return self._fail(AsStatus.ALLSPARK_RUNTIME_ERROR, error)
+            if q.GenerateStatus() == GenerateRequestStatus.InternalError and pool_failed(q.ErrorMessage()):
+                return self._fail(AsStatus.ALLSPARK_RUNTIME_ERROR, q.ErrorMessage())
         return AsStatus.ALLSPARK_SUCCESS
 
     # ---- information -------------------------------------------------------------------------

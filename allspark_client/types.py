@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 
 
-# How the error ends that a pool gives every open stream when it cannot go on (a hung step, a lost rank): a client
-# tells it from a request's own failure by it (ClientEngine.sync_request reports it as it does a lost connection).
+# How the error ends that a pool gives every open stream when it cannot go on (a hung step, a lost rank).
 POOL_DOWN = "the pool is going down"
+# How ClientEngine words a stream the pool took away with it (a lost connection, a stream closed without an end).
+LOST_POOL = ("lost the pool at ", "closed the stream")
+
+
+def pool_failed(error: Optional[str]) -> bool:
+    """The error a request ended with says its pool went away, not that the request itself failed (ClientEngine's
+    sync_request then fails; the HTTP server answers 503 "unavailable")."""
+    return bool(error) and (error.endswith(POOL_DOWN) or any(words in error for words in LOST_POOL))
 
 
 class AsStatus(enum.IntEnum):

@@ -7,8 +7,8 @@ wait for that: every rank reports who it is (`identity()`: boot id, pid namespac
 of rank 0 looks every POLL_S at the peers it can see (same kernel boot, same pid namespace) in /proc. A peer that is
 gone, a zombie, or a new process under its pid is a lost rank: `on_lost(message)` is called once. The Engine then
 ends every open stream with that message and exits (`exit_now`: not through MPI_Abort, which goes through mpirun),
-sooner than mpirun would kill it and whether or not mpirun acts; mpirun then ends the job non-zero. Peers on other hosts are left to mpirun and the
-step watchdog (step_watchdog.py).
+sooner than mpirun would kill it and whether or not mpirun acts; mpirun then ends the job non-zero. Peers on other
+hosts are left to mpirun and the step watchdog (step_watchdog.py).
 
 `stand_down()` turns the watch off just before a clean shutdown tells the workers to exit (Engine wires it to the
 engine thread). Linux only: where /proc is missing, `identity()` is None and nothing is watched.

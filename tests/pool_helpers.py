@@ -185,3 +185,23 @@ def wait_until(cond, timeout_s: float, step_s: float = 0.02) -> bool:
             return False
         time.sleep(step_s)
     return True
+
+
+STALL_S = 0.5   # a poll that wakes this much late means this process was not running (as step_watchdog.py)
+
+
+def wait_until_running(cond, since: float, bound_s: float, step_s: float = 0.02) -> tuple[bool, float]:
+    """cond() within bound_s of `since` (a time.monotonic()), not counting time in which this process did not run
+    (a stalled VM, a starved test process: a poll that woke STALL_S or more late); (whether it held, the time not
+    counted)."""
+    deadline, stalled = since + bound_s, 0.0
+    while not cond():
+        before = time.monotonic()
+        if before > deadline:
+            return False, stalled
+        time.sleep(step_s)
+        late = time.monotonic() - before - step_s
+        if late >= STALL_S:
+            deadline += late
+            stalled += late
+    return True, stalled

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -199,8 +200,9 @@ def test_second_client_process_alongside(new_pool, loader, llama):
     n_theirs = 24
 
     env = repo_env()
-    other = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, pool.address, json.dumps(theirs), str(n_theirs),
-                              str(CLOSE_LIMIT_S)],
+    # -X faulthandler: a crash prints every thread's stack
+    other = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", CLIENT_SCRIPT, pool.address,
+                              json.dumps(theirs), str(n_theirs), str(CLOSE_LIMIT_S)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env=env, cwd=REPO)
     try:
@@ -227,14 +229,20 @@ def test_second_client_process_alongside(new_pool, loader, llama):
             if line.startswith("RESULT "):
                 break
         ours_then = (queue.GenerateStatus(), queue.GeneratedLength(), queue.ErrorMessage())
+        # the rest through the same buffered reader: what it already holds ("CLOSED" can come in the read that
+        # brought "RESULT") would be lost to communicate(), which reads the pipe's descriptor itself
+        other.stdin.close()
+        reader = threading.Thread(target=lambda: printed.extend(other.stdout), daemon=True)
+        reader.start()
         try:
-            rest_out, _ = other.communicate(timeout=CLOSE_LIMIT_S + 30)
+            other.wait(timeout=CLOSE_LIMIT_S + 30)
             exited = True
         except subprocess.TimeoutExpired:   # close() returned, or its stacks were printed, but Python has not ended
             other.kill()
-            rest_out, _ = other.communicate()
+            other.wait()
             exited = False
-        out = "".join(printed) + rest_out
+        reader.join(timeout=10)
+        out = "".join(printed)
     finally:
         if other.poll() is None:
             other.kill()
@@ -245,7 +253,8 @@ def test_second_client_process_alongside(new_pool, loader, llama):
     tokens += rest
     assert client.release_request(MODEL, handle) == AsStatus.ALLSPARK_SUCCESS
 
-    assert "CLOSED" in out, f"the other client's close() did not return within {CLOSE_LIMIT_S} s:\n{out}"
+    assert "CLOSED" in out, (f"the other client's close() did not return within {CLOSE_LIMIT_S} s (exit status "
+                             f"{other.returncode}):\n{out}")
     if exited:
         assert other.returncode == 0, out
     else:   # after close() returned: the interpreter's own teardown (gRPC's threads), not our API; reported

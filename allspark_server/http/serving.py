@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from allspark_client.client import PoolUnavailable
-from allspark_client.types import AsStatus, GenerateRequestStatus
+from allspark_client.types import AsStatus, GenerateRequestStatus, pool_failed
 from allspark_server.http.admission import Admission, Overloaded
 from allspark_server.http.detokenize import IncrementalDetokenizer, StopMatcher, TokenText
 from allspark_server.http.protocol import (ApiError, ApiRequest, bad_request, error_from_engine, generation_config,
@@ -151,7 +151,7 @@ class _Run:
         elif self.gen.error and "client disconnected" in self.gen.error:
             self.finish_reason = "abort"
         else:
-            lost = "lost the pool" in (self.gen.error or "") or "closed the stream" in (self.gen.error or "")
+            lost = pool_failed(self.gen.error)
             self.error = ApiError(503 if lost else 500, f"generation failed ({status.name}): {self.gen.error}",
                                   code="unavailable" if lost else None)
 
