@@ -61,6 +61,27 @@ void silu_mul_avx512(const T* g, const T* u, int64_t n, T* o) {
   silu_mul_scalar(g + i, u + i, n - i, o + i);
 }
 
+// the same with AVX2 (measured in a batch-1 decode profile on the Zen 3-class AVX2 VM, where the scalar loop with
+// std::exp ran instead: 2% of all samples of a 4-bit 0.5 B model's decode, on one thread while the other waited)
+template <typename T>
+__attribute__((target("avx2,fma")))
+void silu_mul_avx2(const T* g, const T* u, int64_t n, T* o) {
+  const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.f);
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = simd::load8(g + i);
+    const __m256 ax = _mm256_and_ps(x, magnitude);
+    // as silu_mul_avx512: beyond -87, e^-|x| is taken as 0
+    const __m256 e = _mm256_blendv_ps(simd::exp_nonpositive8(_mm256_sub_ps(zero, ax)), zero,
+                                      _mm256_cmp_ps(ax, _mm256_set1_ps(87.f), _CMP_GT_OQ));
+    const __m256 numerator = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), _mm256_cmp_ps(x, zero, _CMP_LT_OQ));
+    const __m256 s = _mm256_div_ps(numerator, _mm256_add_ps(one, e));
+    simd::store8(o + i, _mm256_mul_ps(simd::round_to8<T>(s), simd::load8(u + i)));
+  }
+  silu_mul_scalar(g + i, u + i, n - i, o + i);
+}
+
 template <typename T>
 void silu_mul_rows(const torch::Tensor& gu, torch::Tensor& out, int64_t isa) {
   const int64_t rows = gu.size(0), I = out.size(1);
@@ -69,6 +90,7 @@ void silu_mul_rows(const torch::Tensor& gu, torch::Tensor& out, int64_t isa) {
   allspark::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       if (isa >= 2) silu_mul_avx512<T>(g + r * 2 * I, g + r * 2 * I + I, I, o + r * I);
+      else if (isa == 1) silu_mul_avx2<T>(g + r * 2 * I, g + r * 2 * I + I, I, o + r * I);
       else silu_mul_scalar<T>(g + r * 2 * I, g + r * 2 * I + I, I, o + r * I);
     }
   });

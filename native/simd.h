@@ -1,5 +1,5 @@
 // SIMD helpers shared by the kernels: AVX-512 16-lane and AVX2 8-lane loads of fp32 or bf16 rows (bf16 widened
-// to fp32), bf16 rounding and exp for non-positive arguments at both widths, 16-lane stores, an AVX2 horizontal
+// to fp32), bf16 rounding and exp for non-positive arguments at both widths, 16- and 8-lane stores, an AVX2 horizontal
 // sum, and the AVX2 kernels' software prefetch of a weight stream. Every function carries its own target
 // attribute, so including this header does not require AVX-512 from the rest of a file; callers select at run
 // time.
@@ -83,6 +83,16 @@ __attribute__((target("avx2,fma")))
 inline __m256 round_to8(__m256 v) {
   if constexpr (std::is_same_v<T, float>) return v;
   else return round_to_bf16_8(v);
+}
+
+// store 8 lanes with AVX2, rounding to nearest even for bf16
+__attribute__((target("avx2,fma")))
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+__attribute__((target("avx2,fma")))
+inline void store8(at::BFloat16* p, __m256 v) {
+  const __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(round_to_bf16_8(v)), 16);   // 0 .. 65535
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
 
 // fp32 -> bf16 -> fp32 with round-to-nearest-even (finite values; NaN is not preserved)
