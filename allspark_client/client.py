@@ -272,7 +272,7 @@ class ClientEngine(EngineAPI):
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:     # the pool is fine; it dropped this stream
                 queue._set_status(GenerateRequestStatus.InternalError,
                                   f"the pool at {self.address} dropped the stream: {e.details()}")
-            else:
+            else:   # this wording and the one below are what types.pool_failed (LOST_POOL) recognizes
                 queue._set_status(GenerateRequestStatus.InternalError,
                                   f"lost the pool at {self.address}: {e.code().name}: {e.details()}")
             return

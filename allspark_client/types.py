@@ -13,7 +13,8 @@ from typing import Optional
 
 # How the error ends that a pool gives every open stream when it cannot go on (a hung step, a lost rank).
 POOL_DOWN = "the pool is going down"
-# How ClientEngine words a stream the pool took away with it (a lost connection, a stream closed without an end).
+# How ClientEngine words a stream the pool took away with it (a lost connection, a stream closed without an end;
+# client.py's _read_stream).
 LOST_POOL = ("lost the pool at ", "closed the stream")
 
 
