@@ -176,7 +176,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     ext = native()
     if ext is None or x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype:
         return rms_norm_reference(x, weight, eps, residual)
-    return ext.rms_norm(x, weight, eps, residual)
+    return ext.rms_norm(x, weight, eps, residual, isa_level())
 
 
 def rotary_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,

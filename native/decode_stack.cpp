@@ -141,7 +141,7 @@ class DecodeStack {
       x = reduced(h, i, 1);
       residual = s2;
     }
-    const auto h = std::get<0>(rms_norm(x, final_norm_, eps_, residual));
+    const auto h = std::get<0>(rms_norm(x, final_norm_, eps_, residual, isa_));
     return project(h, lm_head_, std::nullopt, isa_, native_rows_).to(torch::kFloat);
   }
 

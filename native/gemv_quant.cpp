@@ -99,6 +99,42 @@ void round_row_avx2(const float* x, int64_t n, float inv, int16_t* q) {
   for (; i < n; ++i) q[i] = static_cast<int16_t>(std::nearbyint(x[i] * inv));
 }
 
+// bf16 -> fp32 (exact: the bits moved up 16)
+__attribute__((target("avx2,fma,f16c")))
+void widen_bf16_avx2(const at::BFloat16* x, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, simd::load8(x + i));
+  for (; i < n; ++i) out[i] = static_cast<float>(x[i]);
+}
+
+void widen_bf16(const at::BFloat16* x, int64_t n, float* out, int64_t isa) {
+  if (isa >= 1) return widen_bf16_avx2(x, n, out);
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(x[i]);
+}
+
+// NIBBLES8 from x rounded in k order (|r| <= 127, zero padded to `padded`, a multiple of 64): per 64 k the runs of
+// 16 in the order 0, 2, 1, 3 as bytes, and the sum of each block of 32
+__attribute__((target("avx2,fma,f16c")))
+void nibbles8_avx2(const int16_t* r, int64_t padded, int8_t* q8, int32_t* bsum) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t c = 0; c < padded; c += CHUNK16) {
+    const __m256i* v = reinterpret_cast<const __m256i*>(r + c);
+    const __m256i r0 = _mm256_loadu_si256(v), r1 = _mm256_loadu_si256(v + 1);
+    const __m256i r2 = _mm256_loadu_si256(v + 2), r3 = _mm256_loadu_si256(v + 3);
+    // packs works per 128-bit half: [r0 lo 8, r2 lo 8 | r0 hi 8, r2 hi 8], put back as [r0 | r2]
+    __m256i* out = reinterpret_cast<__m256i*>(q8 + c);
+    _mm256_storeu_si256(out, _mm256_permute4x64_epi64(_mm256_packs_epi16(r0, r2), 0xD8));
+    _mm256_storeu_si256(out + 1, _mm256_permute4x64_epi64(_mm256_packs_epi16(r1, r3), 0xD8));
+    // block c / 32: runs 0 and 1; block c / 32 + 1: runs 2 and 3
+    const __m256i s01 = _mm256_madd_epi16(_mm256_add_epi16(r0, r1), ones);
+    const __m256i s23 = _mm256_madd_epi16(_mm256_add_epi16(r2, r3), ones);
+    const __m256i h = _mm256_hadd_epi32(s01, s23);        // [s01 pairs, s23 pairs | s01 pairs, s23 pairs]
+    const __m256i quads = _mm256_hadd_epi32(h, h);         // lanes 0, 1 (and 4, 5): half sums of each block
+    bsum[c / BLOCK] = _mm256_extract_epi32(quads, 0) + _mm256_extract_epi32(quads, 4);
+    bsum[c / BLOCK + 1] = _mm256_extract_epi32(quads, 1) + _mm256_extract_epi32(quads, 5);
+  }
+}
+
 // the same arithmetic on every ISA: one multiply by act_max / absmax (32767; 127 for activate_quant, whose q
 // then fit int8 but are stored and multiplied as int16 all the same), round half to even (PAIRS / NIBBLES:
 // only for the AVX-512 kernel, isa >= 3)
@@ -130,6 +166,10 @@ Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float
     int16_t* r = nibbles || bytes ? natural.data() : q;   // rounded in k order, then reordered / narrowed
     if (isa >= 1) round_row_avx2(xm, K, inv, r);
     else for (int64_t k = 0; k < K; ++k) r[k] = static_cast<int16_t>(std::nearbyint(xm[k] * inv));
+    if (layout == NIBBLES8 && isa >= 1) {   // the block sums and the reordering below, with AVX2
+      nibbles8_avx2(r, a.padded, a.q8.data() + m * a.padded, bsum);
+      continue;
+    }
     for (int64_t b = 0; b * BLOCK < K; ++b) {
       int32_t t = 0;
       for (int64_t k = b * BLOCK; k < std::min(K, (b + 1) * BLOCK); ++k) t += r[k];
@@ -357,13 +397,19 @@ torch::Tensor linear_quant(torch::Tensor x, const QuantWeight& w, std::optional<
                 bias->scalar_type() == x.scalar_type(), "linear_quant: bias must be [N] in x's dtype");
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  auto xf = x.to(torch::kFloat).contiguous();   // x in fp32 once, shared by every weight row
-  if (x.scalar_type() == at::kFloat)
-    run_linear<float>(xf.data_ptr<float>(), M, K, v, bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
+  const auto xc = x.contiguous();
+  if (x.scalar_type() == at::kFloat) {
+    run_linear<float>(xc.data_ptr<float>(), M, K, v, bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
                       isa);
-  else
-    run_linear<at::BFloat16>(xf.data_ptr<float>(), M, K, v, bias ? bias->data_ptr<at::BFloat16>() : nullptr,
+  } else {
+    // x in fp32 once, shared by every weight row: widened here, not by an ATen op (x.to(kFloat) took ~10 us of a
+    // decode step's every GEMV on the AVX2 VM, its code cold after the weight stream)
+    thread_local std::vector<float> widened;
+    widened.resize(M * K);
+    widen_bf16(xc.data_ptr<at::BFloat16>(), M * K, widened.data(), isa);
+    run_linear<at::BFloat16>(widened.data(), M, K, v, bias ? bias->data_ptr<at::BFloat16>() : nullptr,
                              y.data_ptr<at::BFloat16>(), isa);
+  }
   return y;
 }
 

@@ -62,7 +62,7 @@ torch::Tensor decode_attention_quant(torch::Tensor q, torch::Tensor k_codes, tor
 void store_kv_quant(torch::Tensor k, torch::Tensor v, torch::Tensor k_codes, torch::Tensor k_param,
                     torch::Tensor v_codes, torch::Tensor v_param, torch::Tensor slots);
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
-                                                  std::optional<torch::Tensor> residual);
+                                                  std::optional<torch::Tensor> residual, int64_t isa);
 std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos,
                                                 torch::Tensor sin, int64_t isa);
 torch::Tensor silu_mul(torch::Tensor gate_up, int64_t isa);

@@ -81,7 +81,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil, pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("k_codes"), pybind11::arg("k_param"),
         pybind11::arg("v_codes"), pybind11::arg("v_param"), pybind11::arg("slots"));
   m.def("rms_norm", &rms_norm, "(weight * rmsnorm(x + residual), x + residual) in one pass per row", nogil,
-        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual"));
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual"),
+        pybind11::arg("isa"));
   m.def("rotary", &rotary, "(q, k) rotated by cos/sin rows, HF's rotate-half formula", nogil,
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("cos"), pybind11::arg("sin"),
         pybind11::arg("isa"));

@@ -102,7 +102,7 @@ std::tuple<torch::Tensor, torch::Tensor> decode_moe_block(
     torch::Tensor router, std::vector<Weight> gate_up, std::vector<Weight> down, int64_t top_k, bool norm_topk,
     std::optional<Weight> shared_gate_up, std::optional<Weight> shared_down, std::optional<torch::Tensor> shared_gate,
     int64_t isa, int64_t native_rows) {
-  auto [h, s] = rms_norm(x, norm_weight, eps, residual);
+  auto [h, s] = rms_norm(x, norm_weight, eps, residual, isa);
   return {moe_experts(h, router, gate_up, down, top_k, norm_topk, shared_gate_up, shared_down, shared_gate, isa,
                       native_rows), s};
 }

@@ -114,15 +114,16 @@ def test_linear_widened_tiles_equal_a_float64_product():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_matches_float64_and_rounds_like_hf(dtype):
+@pytest.mark.parametrize("isa", isa_levels())
+def test_rms_norm_matches_float64_and_rounds_like_hf(dtype, isa):
     g = torch.Generator().manual_seed(3)
     eps = 1e-6
-    for rows, hidden in ((1, 1), (1, 7), (3, 64), (5, 1537), (64, 896), (300, 33)):
+    for rows, hidden in ((1, 1), (1, 7), (3, 64), (5, 1537), (64, 896), (300, 33), (1, 1536), (2, 4100)):
         x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
         res = torch.randn(rows, hidden, generator=g).to(dtype)
         w = torch.rand(hidden, generator=g).to(dtype) + 0.5
         for residual in (None, res):
-            out, s = ops.native().rms_norm(x, w, eps, residual)
+            out, s = ops.native().rms_norm(x, w, eps, residual, isa)
             assert out.dtype == dtype and out.shape == x.shape and s.shape == x.shape
             # the sum: exactly x + residual in the activation dtype (one rounding, as torch's add)
             assert torch.equal(s, x if residual is None else x + residual)
