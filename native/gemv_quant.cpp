@@ -150,6 +150,7 @@ Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float
   a.q8.assign(bytes ? M * a.padded : 0, 0);
   a.block_sum.assign(M * nb, 0);
   a.chunk_sum.assign(avx512 ? M * nb / 16 : 0, 0);
+  a.block_sum_lanes.assign(nibbles ? M * nb : 0, 0);
   a.d.assign(M, 0.f);
   std::vector<int16_t> natural(nibbles || bytes ? a.padded : 0, 0);
   for (int64_t m = 0; m < M; ++m) {
@@ -168,13 +169,19 @@ Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float
     else for (int64_t k = 0; k < K; ++k) r[k] = static_cast<int16_t>(std::nearbyint(xm[k] * inv));
     if (layout == NIBBLES8 && isa >= 1) {   // the block sums and the reordering below, with AVX2
       nibbles8_avx2(r, a.padded, a.q8.data() + m * a.padded, bsum);
-      continue;
+    } else {
+      for (int64_t b = 0; b * BLOCK < K; ++b) {
+        int32_t t = 0;
+        for (int64_t k = b * BLOCK; k < std::min(K, (b + 1) * BLOCK); ++k) t += r[k];
+        bsum[b] = t;
+      }
     }
-    for (int64_t b = 0; b * BLOCK < K; ++b) {
-      int32_t t = 0;
-      for (int64_t k = b * BLOCK; k < std::min(K, (b + 1) * BLOCK); ++k) t += r[k];
-      bsum[b] = t;
+    if (nibbles) {
+      int32_t* lanes = a.block_sum_lanes.data() + m * nb;
+      for (int64_t b = 0; b < nb; ++b)   // (a last partial eight is read in order: the kernel's tail)
+        lanes[b] = b / 8 * 8 + 8 > nb ? bsum[b] : bsum[b / 8 * 8 + (b % 8 < 4 ? 2 * (b % 8) : 2 * (b % 8 - 4) + 1)];
     }
+    if (layout == NIBBLES8 && isa >= 1) continue;
     if (layout == NIBBLES16) {
       for (int64_t c = 0; c < a.padded; c += CHUNK16) {
         for (int64_t i = 0; i < 16; ++i) {   // word i: block b = i / 8, byte pair j = i % 8 (gemv_quant.h)

@@ -50,6 +50,9 @@ struct Act16 {
   // in the lane order of the AVX-512 kernel's reduction (lane 4b + s holds block 4s + b)
   std::vector<int32_t> block_sum;
   std::vector<int32_t> chunk_sum;   // PAIRS / NIBBLES: [M, padded K / CHUNK], sum of q over each chunk
+  // NIBBLES16 / NIBBLES8: block_sum with each 8 blocks in the order 0, 2, 4, 6, 1, 3, 5, 7, the lane order in which
+  // the batch-1 kernel's reduction leaves groups of 32 (so their sums are never permuted back)
+  std::vector<int32_t> block_sum_lanes;
   std::vector<int8_t> q8;           // NIBBLES8 / BYTES8: q as bytes (q itself then left empty)
   std::vector<float> d;
   int64_t padded;

@@ -79,11 +79,11 @@ def _cases():
         # K = 640: one whole chunk of the AVX-512 kernel (512 k) and a partial one; G = 1024: chunks inside
         # larger groups; G = 96: a group size the AVX-512 kernel leaves to the AVX2 one; K = 1024: the AVX2
         # 4-bit batch-1 kernel's runs of eight groups with no groups left over (640: with some left over; 1280:
-        # eight groups of 128 and two more)
+        # eight groups of 128 and two more; 1536: eight groups of 128 and four more, the benchmark model's width)
         for n, k, groups in ((7, 32, (-1, 32)), (33, 96, (-1, 32)), (130, 512, (-1, 64, 128, 256, 512)),
                              (64, 257, (-1,)), (300, 1000, (-1,)), (21, 640, (-1, 32, 64, 128)),
                              (11, 1024, (32, 64, 128)), (13, 1280, (128,)),
-                             (17, 2048, (1024,)), (9, 192, (96,))):
+                             (17, 2048, (1024,)), (9, 192, (96,)), (5, 1536, (32, 64, 128))):
             if fmt.endswith("4") and k % 32:
                 continue
             for group in groups:
