@@ -167,7 +167,7 @@ Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float
     int16_t* r = nibbles || bytes ? natural.data() : q;   // rounded in k order, then reordered / narrowed
     if (isa >= 1) round_row_avx2(xm, K, inv, r);
     else for (int64_t k = 0; k < K; ++k) r[k] = static_cast<int16_t>(std::nearbyint(xm[k] * inv));
-    if (layout == NIBBLES8 && isa >= 1) {   // the block sums and the reordering below, with AVX2
+    if (layout == NIBBLES8) {   // the block sums and the reordering (AVX2: run_linear picks NIBBLES8 for isa >= 1)
       nibbles8_avx2(r, a.padded, a.q8.data() + m * a.padded, bsum);
     } else {
       for (int64_t b = 0; b * BLOCK < K; ++b) {
@@ -181,7 +181,6 @@ Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float
       for (int64_t b = 0; b < nb; ++b)   // (a last partial eight is read in order: the kernel's tail)
         lanes[b] = b / 8 * 8 + 8 > nb ? bsum[b] : bsum[b / 8 * 8 + (b % 8 < 4 ? 2 * (b % 8) : 2 * (b % 8 - 4) + 1)];
     }
-    if (layout == NIBBLES8 && isa >= 1) continue;
     if (layout == NIBBLES16) {
       for (int64_t c = 0; c < a.padded; c += CHUNK16) {
         for (int64_t i = 0; i < 16; ++i) {   // word i: block b = i / 8, byte pair j = i % 8 (gemv_quant.h)
@@ -189,12 +188,6 @@ Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float
           q[c + i] = r[k], q[c + 16 + i] = r[k + 16], q[c + 32 + i] = r[k + 1], q[c + 48 + i] = r[k + 17];
         }
       }
-    } else if (layout == NIBBLES8) {   // |r| <= 127 (act_max 127): runs of 16 k, the middle two of 4 swapped
-      int8_t* q8 = a.q8.data() + m * a.padded;
-      for (int64_t c = 0; c < a.padded; c += CHUNK16)
-        for (int64_t run = 0; run < 4; ++run)
-          for (int64_t j = 0; j < 16; ++j)
-            q8[c + 16 * ((run & 1) * 2 + (run >> 1)) + j] = static_cast<int8_t>(r[c + 16 * run + j]);
     } else if (layout == BYTES8) {     // |r| <= 127 (act_max 127)
       int8_t* q8 = a.q8.data() + m * a.padded;
       for (int64_t k = 0; k < K; ++k) q8[k] = static_cast<int8_t>(r[k]);
