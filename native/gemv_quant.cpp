@@ -242,17 +242,6 @@ inline void codes32(const uint8_t* row, int64_t k, __m256 v[4]) {
 }
 
 // ---- dequantization (prefill) -------------------------------------------------------------------
-__attribute__((target("avx2,fma,f16c")))
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-__attribute__((target("avx2,fma,f16c")))
-inline void store8(at::BFloat16* p, __m256 v) {   // round to nearest even, as static_cast<BFloat16> does
-  const __m256i b = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
-}
-
 template <int F, typename T>
 __attribute__((target("avx2,fma,f16c")))
 void dequantize_rows_avx2(const QuantView& w, int64_t K, int64_t n0, int64_t n1, T* out) {
@@ -267,7 +256,7 @@ void dequantize_rows_avx2(const QuantView& w, int64_t K, int64_t n0, int64_t n1,
       for (; k < g * G + G32; k += BLOCK) {
         __m256 v[4];
         codes32<F>(wr, k, v);
-        for (int i = 0; i < 4; ++i) store8(out + n * K + k + 8 * i, _mm256_mul_ps(_mm256_sub_ps(v[i], zv), sv));
+        for (int i = 0; i < 4; ++i) simd::store8(out + n * K + k + 8 * i, _mm256_mul_ps(_mm256_sub_ps(v[i], zv), sv));
       }
       for (; k < (g + 1) * G; ++k) out[n * K + k] = static_cast<T>((static_cast<float>(code_at<F>(wr, k)) - z) * s);
     }

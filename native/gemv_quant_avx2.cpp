@@ -78,10 +78,14 @@ inline __m256i eight_in_order(__m256i s0, __m256i s1) {
 
 // Eight groups' exact sums (lane j: group g + j, BPG blocks of 32 each) added to a row's fp32 total: the zero
 // points taken off as z_g * (sum of q over the group), then the groups' scales applied in one FMA.
-template <int F, int BPG>
+// LANE_ORDER (groups of 32 only): lane j holds group g + (0, 2, 4, 6, 1, 3, 5, 7)[j], as the batch-1 NIBBLES
+// kernel's reduction leaves them; qsum is then Act16::block_sum_lanes (x's sums in that order) and the zero points
+// and scales are shuffled to it (row_nibbles_m1_avx2 says why).
+template <int F, int BPG, bool LANE_ORDER = false>
 __attribute__((target("avx2,fma,f16c")))
 inline __m256 add_eight_groups(__m256i sums, const int32_t* qsum, const uint8_t* zr, const at::Half* sr, int64_t g,
                                __m256 total) {
+  static_assert(!LANE_ORDER || BPG == 1, "lane order: groups of 32");
   if constexpr (F != INT8) {
     const __m256i* bs = reinterpret_cast<const __m256i*>(qsum + g * BPG);
     __m256i group_q = _mm256_loadu_si256(bs);   // lane j: the sum of q over group g + j
@@ -95,12 +99,15 @@ inline __m256 add_eight_groups(__m256i sums, const int32_t* qsum, const uint8_t*
     if constexpr (F == INT4) {   // zero point 8
       sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(group_q, 3));
     } else {
-      const __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zr + g)));
-      sums = _mm256_sub_epi32(sums, _mm256_mullo_epi32(z, group_q));
+      __m128i z8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(zr + g));
+      if constexpr (LANE_ORDER) z8 = _mm_shuffle_epi8(z8, _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+      sums = _mm256_sub_epi32(sums, _mm256_mullo_epi32(_mm256_cvtepu8_epi32(z8), group_q));
     }
   }
-  const __m256 scales = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + g)));
-  return _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(sums), total);
+  __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + g));
+  if constexpr (LANE_ORDER)
+    halves = _mm_shuffle_epi8(halves, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+  return _mm256_fmadd_ps(_mm256_cvtph_ps(halves), _mm256_cvtepi32_ps(sums), total);
 }
 
 // One row of x (batch-1 decode) against weight row n, for small groups (G = 32 * BPG, BPG = 1 or 2): the
@@ -210,34 +217,11 @@ inline __m256i four_chunks(const uint8_t* codes, const int8_t* x) {
                            _mm256_set1_epi16(1));
 }
 
-// Groups of 32 (BPG 1): four_chunks leaves eight groups' sums in the lane order 0, 2, 4, 6, 1, 3, 5, 7. Instead
-// of permuting them back (vpermd: one per 4 cycles on the AVX2 VM), the groups' scales and zero points are put in
-// that order with a byte shuffle, and the sums of x come in that order already (Act16::block_sum_lanes). In cache
-// that made the kernel ~7% faster on one thread of the AVX2 VM; streaming the 0.5 B model's GEMV chain (2 threads,
-// same rounds) int4 g32 1.00x, uint4 g32 1.07x of the permuting version.
-__attribute__((target("avx2,fma,f16c")))
-inline __m256 lane_order_scales(const at::Half* s) {
-  const __m128i order = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
-  return _mm256_cvtph_ps(_mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)), order));
-}
-
-template <int F>
-__attribute__((target("avx2,fma,f16c")))
-inline __m256 add_eight_groups_in_lane_order(__m256i sums, const int32_t* lane_qsum, const uint8_t* zr,
-                                             const at::Half* sr, int64_t g, __m256 total) {
-  const __m256i group_q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lane_qsum + g));
-  if constexpr (F == INT4) {   // zero point 8
-    sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(group_q, 3));
-  } else {
-    const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m128i z8 = _mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zr + g)), order);
-    sums = _mm256_sub_epi32(sums, _mm256_mullo_epi32(_mm256_cvtepu8_epi32(z8), group_q));
-  }
-  return _mm256_fmadd_ps(lane_order_scales(sr + g), _mm256_cvtepi32_ps(sums), total);
-}
-
 // One row of x (batch-1 decode) against weight row n, 4-bit codes in groups of G = 32 * BPG (BPG = 1, 2 or 4),
-// x in the NIBBLES16 layout (X = int16_t) or NIBBLES8 (X = int8_t: activate_quant). Tried and left: two weight rows
+// x in the NIBBLES16 layout (X = int16_t) or NIBBLES8 (X = int8_t: activate_quant). Groups of 32 stay in the lane
+// order four_chunks leaves them in (add_eight_groups' LANE_ORDER) instead of a vpermd on their sums (one per 4 cycles
+// on the AVX2 VM): ~7% faster in cache on one thread there; streaming the 0.5 B model's GEMV chain (2 threads, same
+// rounds) int4 g32 1.00x, uint4 g32 1.07x of the permuting version. Tried and left: two weight rows
 // sharing each load of x ran 1.3x faster in cache but 0.83x (g32) / 0.95x (g64) as fast streaming the 0.5 B
 // model's GEMV chain on the AVX2 VM (same rounds); prefetching the scales' stream as well changed nothing (1.007x,
 // 0.985x).
@@ -254,8 +238,8 @@ void row_nibbles_m1_avx2(const Act16& a, const X* q, const QuantView& w, int64_t
   for (; g + 8 <= w.groups; g += 8) {   // 128 (G = 32) or 256 bytes of codes a step: a prefetch per 64
     for (int64_t b = 0; b < G * 4; b += 64) simd::prefetch_stream(wr + g * G / 2 + b);
     if constexpr (BPG == 1) {   // 4 chunks: lanes [g0 g2 g4 g6 | g1 g3 g5 g7], left in that order
-      total = add_eight_groups_in_lane_order<F>(four_chunks(wr + g * G / 2, q + g * G), a.block_sum_lanes.data(), zr,
-                                                sr, g, total);
+      total = add_eight_groups<F, 1, true>(four_chunks(wr + g * G / 2, q + g * G), a.block_sum_lanes.data(), zr, sr,
+                                           g, total);
       continue;
     }
     __m256i sums;
