@@ -5,7 +5,12 @@ Every layer has its own weights, so a chain streams them from memory as a decode
 interleaved, one chain each per round, and the report is each variant's median time and its ratio to the bf16
 chain's time in the same round (median over rounds): on a shared machine only same-round ratios mean much.
 
-    PYTHONPATH=. python benchmarks/gemv_quant_micro.py [--rounds 15] [--threads 2] [--rows 1] [--a8]
+With --bound, "read" rows add the streaming bound of each weight layout: the same bytes (codes, then each row's
+scales and zero points) read in the same row order and thread split without any arithmetic (native
+`stream_rows`). No kernel over those bytes can beat it, so `bf16 / read <format>` is the largest GEMV-chain
+speedup that format can give over bf16 on this machine.
+
+    PYTHONPATH=. python benchmarks/gemv_quant_micro.py [--rounds 15] [--threads 2] [--rows 1] [--a8] [--bound]
 """
 from __future__ import annotations
 
@@ -36,6 +41,12 @@ def random_quantized(n: int, k: int, fmt: str, group: int, g: torch.Generator, a
                            act_bits=act_bits)
 
 
+def side_bytes(w: QuantizedWeight) -> torch.Tensor:
+    """A row's scales and zero points as one byte tensor [N, bytes] (what the GEMV reads beside the codes)."""
+    parts = [w.scales.contiguous().view(torch.uint8)] + ([w.zeros] if w.zeros is not None else [])
+    return torch.cat(parts, dim=1).contiguous()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=15)
@@ -43,6 +54,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--isa", type=int, nargs="*", help="quantized ISA levels to compare (default: 1 and the CPU's)")
     p.add_argument("--a8", action="store_true", help="also activate_quant (x rounded to int8) for every format")
+    p.add_argument("--bound", action="store_true", help="also read each layout's bytes without arithmetic")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     ext, g = ops.native(), torch.Generator().manual_seed(0)
@@ -52,9 +64,16 @@ def main() -> None:
     dense = [[torch.randn(n, k, generator=g).bfloat16() * 0.02 for n, k in SHAPES] for _ in range(LAYERS)]
     variants = {"bf16": lambda: [ext.linear_small_m(xs[w.shape[1]], w, None, ops.isa_level())
                                  for layer in dense for w in layer]}
+    if args.bound:
+        variants["read bf16"] = lambda: [ext.stream_rows(w, None, ops.isa_level()) for layer in dense for w in layer]
     for (fmt, group), act_bits in itertools.product(FORMATS, (16, 8) if args.a8 else (16,)):
-        weights = [[ops.native_weight(random_quantized(n, k, fmt, group, g, act_bits)) for n, k in SHAPES]
-                   for _ in range(LAYERS)]
+        stored = [[random_quantized(n, k, fmt, group, g, act_bits) for n, k in SHAPES] for _ in range(LAYERS)]
+        if args.bound and act_bits == 16:   # the bytes per row do not depend on how x is rounded
+            sides = [[side_bytes(w) for w in layer] for layer in stored]
+            variants[f"read {fmt} g{group}"] = (
+                lambda stored=stored, sides=sides: [ext.stream_rows(w.qweight, side, ops.isa_level())
+                                                    for layer, ls in zip(stored, sides) for w, side in zip(layer, ls)])
+        weights = [[ops.native_weight(w) for w in layer] for layer in stored]
         for isa in levels:
             variants[f"{fmt} g{group}{'+a8' if act_bits == 8 else ''} isa{isa}"] = (
                 lambda weights=weights, isa=isa: [ext.linear_quant(xs[k], w, None, isa)

@@ -9,6 +9,7 @@
 // 0 = portable C++. Tested against torch's matmul in tests/test_native.py (odd K/N, M = 1..64).
 #include <torch/extension.h>
 #include <immintrin.h>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -284,4 +285,64 @@ torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<tor
     run<uint16_t>(xf.data(), M, K, as_u16(w), N, bias ? as_u16(*bias) : nullptr, y.data_ptr<at::BFloat16>(), isa);
   }
   return y;
+}
+
+// ---- the streaming bound (a benchmark hook: benchmarks/gemv_quant_micro.py --bound) ---------------------
+// How fast a batch-1 GEMV's bytes stream with no arithmetic beside: every byte of rows [0, N) of `rows` (then that
+// row's bytes of `side`, e.g. a quantized weight's scales) loaded once in 32-byte vectors, the rows split over
+// threads as the GEMVs split them (~64 KiB per task), with the AVX2 kernels' software prefetch at isa 1 and 2.
+// Returns an XOR of what was read (read_scalar's), so that nothing is optimized away.
+namespace {
+
+// the XOR of a row's 8-byte words (from its start), then of its last bytes one at a time
+uint64_t read_scalar(const uint8_t* p, int64_t bytes) {
+  uint64_t out = 0;
+  int64_t i = 0;
+  for (; i + 8 <= bytes; i += 8) {
+    uint64_t v;
+    std::memcpy(&v, p + i, 8);
+    out ^= v;
+  }
+  for (; i < bytes; ++i) out ^= p[i];
+  return out;
+}
+
+// the same XOR, 64 bytes a step
+__attribute__((target("avx2")))
+uint64_t read_avx2(const uint8_t* p, int64_t bytes, bool prefetch) {
+  __m256i acc = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 64 <= bytes; i += 64) {
+    if (prefetch) simd::prefetch_stream(p + i);
+    acc = _mm256_xor_si256(acc, _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)),
+                                                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 32))));
+  }
+  alignas(32) uint64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
+  return lanes[0] ^ lanes[1] ^ lanes[2] ^ lanes[3] ^ read_scalar(p + i, bytes - i);
+}
+
+}  // namespace
+
+int64_t stream_rows(const torch::Tensor& rows, const std::optional<torch::Tensor>& side, int64_t isa) {
+  TORCH_CHECK(rows.dim() == 2 && rows.is_contiguous(), "stream_rows: rows must be a contiguous 2-D tensor");
+  TORCH_CHECK(!side || (side->dim() == 2 && side->is_contiguous() && side->size(0) == rows.size(0)),
+              "stream_rows: side must be a contiguous 2-D tensor with as many rows as rows");
+  const int64_t N = rows.size(0), row_bytes = rows.size(1) * rows.element_size();
+  const int64_t side_bytes = side ? side->size(1) * side->element_size() : 0;
+  const auto* base = static_cast<const uint8_t*>(rows.data_ptr());
+  const auto* side_base = side ? static_cast<const uint8_t*>(side->data_ptr()) : nullptr;
+  const bool prefetch = isa == 1 || isa == 2;
+  auto read = [&](const uint8_t* p, int64_t bytes) { return isa >= 1 ? read_avx2(p, bytes, prefetch) : read_scalar(p, bytes); };
+  std::atomic<uint64_t> total{0};
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(row_bytes + side_bytes, 1));
+  allspark::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    uint64_t mine = 0;
+    for (int64_t n = n0; n < n1; ++n) {
+      mine ^= read(base + n * row_bytes, row_bytes);
+      if (side_base) mine ^= read(side_base + n * side_bytes, side_bytes);
+    }
+    total.fetch_xor(mine);
+  });
+  return static_cast<int64_t>(total.load());
 }

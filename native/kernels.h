@@ -11,6 +11,8 @@
 #include <vector>
 
 torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, int64_t isa);
+// benchmark hook (gemv.cpp): read rows (and each row's bytes of side) as a batch-1 GEMV streams them, no arithmetic
+int64_t stream_rows(const torch::Tensor& rows, const std::optional<torch::Tensor>& side, int64_t isa);
 
 // A quantized weight [N, K] (layout in gemv_quant.cpp); QuantView is its raw form inside the kernels.
 struct QuantView {

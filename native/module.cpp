@@ -61,6 +61,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("format", &QuantWeight::format)
       .def_readonly("act_bits", &QuantWeight::act_bits)
       .def_readonly("in_features", &QuantWeight::in_features);
+  m.def("stream_rows", &stream_rows, "benchmark hook: read a weight's rows (and each row's side bytes, e.g. scales) as "
+        "a batch-1 GEMV streams them, without arithmetic; an XOR of the bytes", nogil, pybind11::arg("rows"),
+        pybind11::arg("side"), pybind11::arg("isa"));
   m.def("linear_quant", &linear_quant, "y = x @ dequant(w).T (+ bias) for few rows of x (fp32 FMAs)", nogil,
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("isa"));
   m.def("linear_widened", &linear_widened, "x @ w.T (+ bias) in fp32 over tiles of w widened or dequantized",

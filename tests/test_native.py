@@ -44,6 +44,36 @@ def test_linear_small_m_matches_float64(dtype, isa):
             assert ((y.double() - ref).abs() <= tol + rounding).all(), (dtype, isa, n, k, m)
 
 
+def _row_xor(rows) -> int:
+    """stream_rows' checksum worked by hand: per row, the XOR of its little-endian 8-byte words from the row's
+    start, then of its last (row bytes % 8) bytes one at a time; all rows XORed together."""
+    out = 0
+    for row in rows:
+        raw = bytes(row)
+        for i in range(0, len(raw) - len(raw) % 8, 8):
+            out ^= int.from_bytes(raw[i:i + 8], "little")
+        for b in raw[len(raw) - len(raw) % 8:]:
+            out ^= b
+    return out
+
+
+@pytest.mark.parametrize("isa", isa_levels())
+def test_stream_rows_reads_every_byte_once(isa):
+    """The benchmark hook that bounds a GEMV's streaming rate must read exactly the rows (and side rows) given:
+    its XOR equals one worked out in Python, for row sizes off the 64-byte step, with and without a side."""
+    g = torch.Generator().manual_seed(3)
+    for n, cols, side_cols in [(1, 1, 0), (3, 70, 5), (257, 768, 48), (600, 1536, 0), (5, 129, 3)]:
+        rows = torch.randint(0, 256, (n, cols), generator=g, dtype=torch.uint8)
+        side = torch.randint(0, 256, (n, side_cols), generator=g, dtype=torch.uint8) if side_cols else None
+        expected = _row_xor(rows.tolist()) ^ (_row_xor(side.tolist()) if side is not None else 0)
+        got = ops.native().stream_rows(rows, side, isa) & (2 ** 64 - 1)
+        assert got == expected, (isa, n, cols, side_cols)
+    with pytest.raises(RuntimeError, match="side must be"):
+        ops.native().stream_rows(torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(3, 2, dtype=torch.uint8), isa)
+    bf16 = torch.randn(33, 100, generator=g).bfloat16()   # any dtype: its bytes
+    assert ops.native().stream_rows(bf16, None, isa) & (2 ** 64 - 1) == _row_xor(bf16.view(torch.uint8).tolist())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ops_linear_dispatch_matches_reference(dtype):
     g = torch.Generator().manual_seed(1)
