@@ -137,8 +137,8 @@ void nibbles8_avx2(const int16_t* r, int64_t padded, int8_t* q8, int32_t* bsum) 
 
 // the same arithmetic on every ISA: one multiply by act_max / absmax (32767; 127 for activate_quant, whose q
 // then fit int8 but are stored and multiplied as int16 all the same), round half to even (PAIRS / NIBBLES:
-// only for the AVX-512 kernel, isa >= 3)
-Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float act_max, Layout layout = NATURAL) {
+// only for the AVX-512 kernel, isa >= 3); `group`: the weight's group size (NIBBLES16 / NIBBLES8: group sums)
+Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float act_max, Layout layout, int64_t group) {
   Act16 a;
   const bool avx512 = layout == PAIRS || layout == NIBBLES;
   const bool nibbles = layout == NIBBLES16 || layout == NIBBLES8;
@@ -174,6 +174,15 @@ Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float
         int32_t t = 0;
         for (int64_t k = b * BLOCK; k < std::min(K, (b + 1) * BLOCK); ++k) t += r[k];
         bsum[b] = t;
+      }
+    }
+    if (nibbles && group > BLOCK) {
+      const int64_t per = group / BLOCK, groups = nb / per;
+      a.group_sum.resize(M * groups);
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t t = 0;
+        for (int64_t b = 0; b < per; ++b) t += bsum[g * per + b];
+        a.group_sum[m * groups + g] = t;
       }
     }
     if (nibbles) {
@@ -324,7 +333,7 @@ void run_linear(const float* x, int64_t M, int64_t K, const QuantView& w, const 
                         : isa >= 1 && M == 1 && nibbles16_fits(w, K) ? (w.act_max == 127.f ? NIBBLES8 : NIBBLES16)
                         : isa >= 1 && M == 1 && w.act_max == 127.f && bytes8_fits(w, K) ? BYTES8
                                                                       : NATURAL;
-  const Act16 a = round_activations(x, M, K, isa, w.act_max, layout);
+  const Act16 a = round_activations(x, M, K, isa, w.act_max, layout, w.group);
   std::vector<float> scratch(std::is_same_v<O, float> ? 0 : M * N);
   float* y = std::is_same_v<O, float> ? reinterpret_cast<float*>(out) : scratch.data();
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(w.row_bytes, 1));   // ~64 KiB per task

@@ -53,6 +53,9 @@ struct Act16 {
   // NIBBLES16 / NIBBLES8: block_sum with each 8 blocks in the order 0, 2, 4, 6, 1, 3, 5, 7, the lane order in which
   // the batch-1 kernel's reduction leaves groups of 32 (so their sums are never permuted back)
   std::vector<int32_t> block_sum_lanes;
+  // NIBBLES16 / NIBBLES8 with groups of 64 or 128: [M, groups] sum of q over each group, so the batch-1 kernel
+  // takes a group's zero point off without adding up its block sums again for every weight row
+  std::vector<int32_t> group_sum;
   std::vector<int8_t> q8;           // NIBBLES8 / BYTES8: q as bytes (q itself then left empty)
   std::vector<float> d;
   int64_t padded;
