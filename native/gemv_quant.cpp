@@ -135,6 +135,27 @@ void nibbles8_avx2(const int16_t* r, int64_t padded, int8_t* q8, int32_t* bsum) 
   }
 }
 
+// NIBBLES8 with groups of 64 (gemv_quant.h): in each full eight groups, the runs of 16 bytes of each pair of groups
+// interleaved and the groups' sums put in the kernel's lane order (0, 2, 4, 6, 1, 3, 5, 7)
+void pair_groups64(int8_t* q8, int32_t* gsum, int64_t groups) {
+  constexpr int RUN = 16, ORDER[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+  for (int64_t g = 0; g + 8 <= groups; g += 8) {
+    for (int64_t p = g; p < g + 8; p += 2) {
+      int8_t* pair = q8 + p * 2 * BLOCK;   // 128 bytes: group p's four runs, then p + 1's
+      int8_t copy[4 * BLOCK];
+      std::memcpy(copy, pair, sizeof(copy));
+      for (int i = 0; i < 4; ++i) {         // out run 2i: p's run (0, 2, 1, 3)[i]; 2i + 1: p + 1's
+        const int run = i == 1 ? 2 : i == 2 ? 1 : i;
+        std::memcpy(pair + 2 * i * RUN, copy + run * RUN, RUN);
+        std::memcpy(pair + (2 * i + 1) * RUN, copy + 4 * RUN + run * RUN, RUN);
+      }
+    }
+    int32_t sums[8];
+    for (int j = 0; j < 8; ++j) sums[j] = gsum[g + ORDER[j]];
+    std::memcpy(gsum + g, sums, sizeof(sums));
+  }
+}
+
 // the same arithmetic on every ISA: one multiply by act_max / absmax (32767; 127 for activate_quant, whose q
 // then fit int8 but are stored and multiplied as int16 all the same), round half to even (PAIRS / NIBBLES:
 // only for the AVX-512 kernel, isa >= 3); `group`: the weight's group size (NIBBLES16 / NIBBLES8: group sums)
@@ -179,11 +200,13 @@ Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float
     if (nibbles && group > BLOCK) {
       const int64_t per = group / BLOCK, groups = nb / per;
       a.group_sum.resize(M * groups);
+      int32_t* gsum = a.group_sum.data() + m * groups;
       for (int64_t g = 0; g < groups; ++g) {
         int32_t t = 0;
         for (int64_t b = 0; b < per; ++b) t += bsum[g * per + b];
-        a.group_sum[m * groups + g] = t;
+        gsum[g] = t;
       }
+      if (layout == NIBBLES8 && group == 2 * BLOCK) pair_groups64(a.q8.data() + m * a.padded, gsum, groups);
     }
     if (nibbles) {
       int32_t* lanes = a.block_sum_lanes.data() + m * nb;

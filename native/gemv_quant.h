@@ -38,7 +38,9 @@ inline float half_to_float(at::Half h) { return static_cast<float>(h); }
 //   block b = i / 8 (j = i % 8), four vectors of 16, one per nibble position, k = 32b + {2j, 16 + 2j, 2j + 1, 17 + 2j}
 //   NIBBLES8 (AVX2, 4-bit, activate_quant's int8 x, per 64 k = 2 blocks): x as bytes in the order of 32 bytes of
 //   codes split into their low and their high nibbles: k = 32b + 16h + j at byte 32h + 16b + j (h the nibble,
-//   b the block, j < 16)
+//   b the block, j < 16); with groups of 64, in each full run of eight groups every pair (g, g + 1) has its runs
+//   of 16 bytes interleaved: g's run 0, g+1's run 0, g's run 2, g+1's run 2, then runs 1 and 3 the same way
+//   (the batch-1 kernel then meets the two groups' blocks b in one vector, its halves loaded separately)
 //   BYTES8 (AVX2, 8-bit codes, activate_quant's int8 x, batch 1): x as bytes in k order
 enum Layout { NATURAL, PAIRS, NIBBLES, NIBBLES16, NIBBLES8, BYTES8 };
 constexpr int64_t CHUNK16 = 64;   // k per step of the AVX2 NIBBLES16 kernel
@@ -54,7 +56,8 @@ struct Act16 {
   // the batch-1 kernel's reduction leaves groups of 32 (so their sums are never permuted back)
   std::vector<int32_t> block_sum_lanes;
   // NIBBLES16 / NIBBLES8 with groups of 64 or 128: [M, groups] sum of q over each group, so the batch-1 kernel
-  // takes a group's zero point off without adding up its block sums again for every weight row
+  // takes a group's zero point off without adding up its block sums again for every weight row (NIBBLES8 with
+  // groups of 64: each full eight in the lane order of block_sum_lanes)
   std::vector<int32_t> group_sum;
   std::vector<int8_t> q8;           // NIBBLES8 / BYTES8: q as bytes (q itself then left empty)
   std::vector<float> d;
