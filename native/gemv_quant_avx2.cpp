@@ -239,17 +239,18 @@ inline __m256i two_groups128(const uint8_t* codes, const int8_t* x) {
   return _mm256_madd_epi16(_mm256_hadd_epi16(a, b), _mm256_set1_epi16(1));
 }
 
-// Two groups of 64 (32 bytes of codes each) with NIBBLES8's paired x (gemv_quant.h): one vector holds both groups'
-// first blocks (its halves loaded separately), another their second blocks, and the two are added in int16 (lane
-// sums at most 2 * 7620): [g .. | g + 1 ..], so, as for groups of 128, a pair of groups takes one level of the tree.
-// The 0.5 B model's GEMV chain (AVX2 VM, 2 threads, 25 interleaved rounds): int4 g64 1.075x and 1.077x, uint4 g64
-// 1.046x as fast as four_chunks on one group per chunk.
+// 16 bytes at lo and 16 at hi as one vector
 __attribute__((target("avx2,fma,f16c")))
 inline __m256i halves(const uint8_t* lo, const uint8_t* hi) {
   return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo))),
                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)), 1);
 }
 
+// Two groups of 64 (32 bytes of codes each) with NIBBLES8's paired x (gemv_quant.h): one vector holds both groups'
+// first blocks (its halves loaded separately), another their second blocks, and the two are added in int16 (lane
+// sums at most 2 * 7620): [g .. | g + 1 ..], so, as for groups of 128, a pair of groups takes one level of the tree.
+// The 0.5 B model's GEMV chain (AVX2 VM, 2 threads, 25 interleaved rounds): int4 g64 1.075x and 1.077x, uint4 g64
+// 1.046x as fast as four_chunks on one group per chunk. (Groups of 128 paired the same way ran 0.97-0.99x.)
 __attribute__((target("avx2,fma,f16c")))
 inline __m256i two_groups64(const uint8_t* codes, const int8_t* x) {
   return _mm256_add_epi16(pairs_a8(halves(codes, codes + 32), x), pairs_a8(halves(codes + 16, codes + 48), x + 64));
@@ -311,9 +312,9 @@ void row_nibbles_m1_avx2(const Act16& a, const X* q, const QuantView& w, int64_t
   for (int64_t b = g * G / 2; b < w.groups * G / 2; b += 64) simd::prefetch_stream(wr + b);
   if constexpr (BPG == 4) {
     if (g + 4 <= w.groups) {   // four more groups of 128 (K = 1536: 12 groups), as above in 128-bit halves
-      const __m256i halves = _mm256_hadd_epi32(two_groups128(wr + g * G / 2, q + g * G),   // [g .. g+3 | g .. g+3]
-                                               two_groups128(wr + (g + 2) * G / 2, q + (g + 2) * G));
-      __m128i sums = _mm_add_epi32(_mm256_castsi256_si128(halves), _mm256_extracti128_si256(halves, 1));
+      const __m256i parts = _mm256_hadd_epi32(two_groups128(wr + g * G / 2, q + g * G),   // [g .. g+3 | g .. g+3]
+                                              two_groups128(wr + (g + 2) * G / 2, q + (g + 2) * G));
+      __m128i sums = _mm_add_epi32(_mm256_castsi256_si128(parts), _mm256_extracti128_si256(parts, 1));
       if constexpr (F != INT8) {
         const __m128i group_q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gsum + g));
         if constexpr (F == INT4) {
