@@ -3,6 +3,7 @@ native quantized kernel against a float64 dequantize-then-matmul computation (al
 odd shapes, 1..64 rows, every ISA level this CPU has)."""
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -160,6 +161,28 @@ def test_activate_quant_rounds_x_to_int8_per_row(isa):
     assert (ops.linear_reference(x, qw).double() - ref).abs().max() <= 1e-4
     with pytest.raises(RuntimeError, match="act_bits"):
         ext.QuantWeight(q["qweight"], q["scales"], None, FORMAT_IDS["int8"], 96, 4)
+
+
+@needs_native
+@pytest.mark.parametrize("isa", isa_levels())
+def test_int8_activations_at_the_int16_limit(isa):
+    """The batch-1 AVX2 4-bit kernel keeps int8 x's products in int16 lanes up to 4 * 2 * 15 * 127 = 30480 before
+    widening; with every code 15 and every |q| 127 each lane reaches that bound, and the result must still equal a
+    float64 product (an overflow would wrap by 65536 per lane). Every group size it takes, with full runs of eight
+    groups and groups left over (K 1536 and 640)."""
+    ext = ops.native()
+    for fmt, group, k in itertools.product(("int4", "uint4"), (32, 64, 128), (1536, 640)):
+        n = 24
+        codes = torch.full((n, k // 2), 0xFF, dtype=torch.uint8)                  # every nibble 15
+        scales = torch.full((n, k // group), 0.01).half()
+        zeros = torch.zeros(n, k // group, dtype=torch.uint8) if fmt == "uint4" else None
+        qw = QuantizedWeight(codes, scales, zeros, fmt, group, k, act_bits=8)
+        w64 = qw.dequantize().double()
+        for sign in (1.0, -1.0):
+            x = torch.full((1, k), sign)                                            # every q = +-127
+            ref = _round_to_int8_levels(x) @ w64.T
+            y = ext.linear_quant(x, ops.native_weight(qw), None, isa).double()
+            assert (y - ref).abs().max() <= 1e-6 * ref.abs().max(), (fmt, group, k, sign, isa)
 
 
 def test_isa_levels_from_cpu_flags(monkeypatch):
