@@ -7,8 +7,9 @@ chain's time in the same round (median over rounds): on a shared machine only sa
 
 With --bound, "read" rows add the streaming bound of each weight layout: the same bytes (codes, then each row's
 scales and zero points) read in the same row order and thread split without any arithmetic (native
-`stream_rows`). No kernel over those bytes can beat it, so `bf16 / read <format>` is the largest GEMV-chain
-speedup that format can give over bf16 on this machine.
+`stream_rows`). A kernel over those bytes has little to gain beyond it (the bf16 and int8 GEMVs run at it, within
+a few percent either way, on the AVX2 VM), so `bf16 / read <format>` is about the largest GEMV-chain speedup that
+format can give over bf16 on this machine.
 
     PYTHONPATH=. python benchmarks/gemv_quant_micro.py [--rounds 15] [--threads 2] [--rows 1] [--a8] [--bound]
 """
