@@ -242,7 +242,7 @@ void run(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const W* b
   using O = typename Act<W>::type;
   // grain: at least ~64 KiB of weights per task
   const int64_t row_bytes = K * static_cast<int64_t>(sizeof(W));
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(row_bytes, 1));
+  const int64_t grain = allspark::weight_rows_grain(row_bytes);
   std::vector<float> scratch(std::is_same_v<O, float> ? 0 : M * N);
   float* y = std::is_same_v<O, float> ? reinterpret_cast<float*>(out) : scratch.data();
   allspark::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
@@ -335,7 +335,7 @@ int64_t stream_rows(const torch::Tensor& rows, const std::optional<torch::Tensor
   const bool prefetch = isa == 1 || isa == 2;
   auto read = [&](const uint8_t* p, int64_t bytes) { return isa >= 1 ? read_avx2(p, bytes, prefetch) : read_scalar(p, bytes); };
   std::atomic<uint64_t> total{0};
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(row_bytes + side_bytes, 1));
+  const int64_t grain = allspark::weight_rows_grain(row_bytes + side_bytes);
   allspark::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     uint64_t mine = 0;
     for (int64_t n = n0; n < n1; ++n) {

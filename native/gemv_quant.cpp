@@ -135,24 +135,32 @@ void nibbles8_avx2(const int16_t* r, int64_t padded, int8_t* q8, int32_t* bsum) 
   }
 }
 
+// n sums in the lane order the batch-1 AVX2 kernel's reductions leave eight groups in: each full eight as 0, 2, 4,
+// 6, 1, 3, 5, 7, a last partial eight as it is (the kernel's tail reads it in order); dst may be src
+void to_lane_order(const int32_t* src, int64_t n, int32_t* dst) {
+  constexpr int ORDER[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    int32_t eight[8];
+    for (int j = 0; j < 8; ++j) eight[j] = src[i + ORDER[j]];
+    std::memcpy(dst + i, eight, sizeof(eight));
+  }
+  if (dst != src) std::memcpy(dst + i, src + i, (n - i) * sizeof(int32_t));
+}
+
 // NIBBLES8 with groups of 64 (gemv_quant.h): in each full eight groups, the runs of 16 bytes of each pair of groups
-// interleaved and the groups' sums put in the kernel's lane order (0, 2, 4, 6, 1, 3, 5, 7)
-void pair_groups64(int8_t* q8, int32_t* gsum, int64_t groups) {
-  constexpr int RUN = 16, ORDER[8] = {0, 2, 4, 6, 1, 3, 5, 7};
-  for (int64_t g = 0; g + 8 <= groups; g += 8) {
-    for (int64_t p = g; p < g + 8; p += 2) {
-      int8_t* pair = q8 + p * 2 * BLOCK;   // 128 bytes: group p's four runs, then p + 1's
-      int8_t copy[4 * BLOCK];
-      std::memcpy(copy, pair, sizeof(copy));
-      for (int i = 0; i < 4; ++i) {         // out run 2i: p's run (0, 2, 1, 3)[i]; 2i + 1: p + 1's
-        const int run = i == 1 ? 2 : i == 2 ? 1 : i;
-        std::memcpy(pair + 2 * i * RUN, copy + run * RUN, RUN);
-        std::memcpy(pair + (2 * i + 1) * RUN, copy + 4 * RUN + run * RUN, RUN);
-      }
+// interleaved
+void pair_groups64(int8_t* q8, int64_t groups) {
+  constexpr int RUN = 16;
+  for (int64_t p = 0; p + 2 <= groups / 8 * 8; p += 2) {
+    int8_t* pair = q8 + p * 2 * BLOCK;   // 128 bytes: group p's four runs, then p + 1's
+    int8_t copy[4 * BLOCK];
+    std::memcpy(copy, pair, sizeof(copy));
+    for (int i = 0; i < 4; ++i) {         // out run 2i: p's run (0, 2, 1, 3)[i]; 2i + 1: p + 1's
+      const int run = i == 1 ? 2 : i == 2 ? 1 : i;
+      std::memcpy(pair + 2 * i * RUN, copy + run * RUN, RUN);
+      std::memcpy(pair + (2 * i + 1) * RUN, copy + 4 * RUN + run * RUN, RUN);
     }
-    int32_t sums[8];
-    for (int j = 0; j < 8; ++j) sums[j] = gsum[g + ORDER[j]];
-    std::memcpy(gsum + g, sums, sizeof(sums));
   }
 }
 
@@ -172,6 +180,8 @@ Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float
   a.block_sum.assign(M * nb, 0);
   a.chunk_sum.assign(avx512 ? M * nb / 16 : 0, 0);
   a.block_sum_lanes.assign(nibbles ? M * nb : 0, 0);
+  const int64_t per_group = nibbles && group > BLOCK ? group / BLOCK : 0, groups = per_group ? nb / per_group : 0;
+  a.group_sum.assign(M * groups, 0);
   a.d.assign(M, 0.f);
   std::vector<int16_t> natural(nibbles || bytes ? a.padded : 0, 0);
   for (int64_t m = 0; m < M; ++m) {
@@ -197,22 +207,16 @@ Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float
         bsum[b] = t;
       }
     }
-    if (nibbles && group > BLOCK) {
-      const int64_t per = group / BLOCK, groups = nb / per;
-      a.group_sum.resize(M * groups);
+    if (groups) {
       int32_t* gsum = a.group_sum.data() + m * groups;
-      for (int64_t g = 0; g < groups; ++g) {
-        int32_t t = 0;
-        for (int64_t b = 0; b < per; ++b) t += bsum[g * per + b];
-        gsum[g] = t;
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t b = 0; b < per_group; ++b) gsum[g] += bsum[g * per_group + b];
+      if (layout == NIBBLES8 && group == 2 * BLOCK) {
+        pair_groups64(a.q8.data() + m * a.padded, groups);
+        to_lane_order(gsum, groups, gsum);
       }
-      if (layout == NIBBLES8 && group == 2 * BLOCK) pair_groups64(a.q8.data() + m * a.padded, gsum, groups);
     }
-    if (nibbles) {
-      int32_t* lanes = a.block_sum_lanes.data() + m * nb;
-      for (int64_t b = 0; b < nb; ++b)   // (a last partial eight is read in order: the kernel's tail)
-        lanes[b] = b / 8 * 8 + 8 > nb ? bsum[b] : bsum[b / 8 * 8 + (b % 8 < 4 ? 2 * (b % 8) : 2 * (b % 8 - 4) + 1)];
-    }
+    if (nibbles) to_lane_order(bsum, nb, a.block_sum_lanes.data() + m * nb);
     if (layout == NIBBLES16) {
       for (int64_t c = 0; c < a.padded; c += CHUNK16) {
         for (int64_t i = 0; i < 16; ++i) {   // word i: block b = i / 8, byte pair j = i % 8 (gemv_quant.h)
@@ -359,7 +363,7 @@ void run_linear(const float* x, int64_t M, int64_t K, const QuantView& w, const 
   const Act16 a = round_activations(x, M, K, isa, w.act_max, layout, w.group);
   std::vector<float> scratch(std::is_same_v<O, float> ? 0 : M * N);
   float* y = std::is_same_v<O, float> ? reinterpret_cast<float*>(out) : scratch.data();
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(w.row_bytes, 1));   // ~64 KiB per task
+  const int64_t grain = allspark::weight_rows_grain(w.row_bytes);
   allspark::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     DISPATCH_FORMAT(w.format, rows<F>(a, M, w, K, n0, n1, y, N, isa, layout));
     for (int64_t m = 0; m < M; ++m)
@@ -440,7 +444,7 @@ torch::Tensor dequantize_weight(const QuantWeight& w, at::ScalarType dtype, int6
   const QuantView v = w.view();
   const int64_t K = w.in_features;
   auto out = torch::empty({v.rows, K}, torch::TensorOptions().dtype(dtype));
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(v.row_bytes, 1));
+  const int64_t grain = allspark::weight_rows_grain(v.row_bytes);
   allspark::parallel_for(0, v.rows, grain, [&](int64_t n0, int64_t n1) {
     if (dtype == at::kFloat) {
       DISPATCH_FORMAT(v.format, dequantize_rows<F, float>(v, K, n0, n1, out.data_ptr<float>(), isa));

@@ -104,10 +104,10 @@ inline __m256 add_eight_groups(__m256i sums, __m256i group_q, const uint8_t* zr,
     if constexpr (LANE_ORDER) z8 = _mm_shuffle_epi8(z8, _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     sums = _mm256_sub_epi32(sums, _mm256_mullo_epi32(_mm256_cvtepu8_epi32(z8), group_q));
   }
-  __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + g));
+  __m128i scale_bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + g));
   if constexpr (LANE_ORDER)
-    halves = _mm_shuffle_epi8(halves, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
-  return _mm256_fmadd_ps(_mm256_cvtph_ps(halves), _mm256_cvtepi32_ps(sums), total);
+    scale_bits = _mm_shuffle_epi8(scale_bits, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+  return _mm256_fmadd_ps(_mm256_cvtph_ps(scale_bits), _mm256_cvtepi32_ps(sums), total);
 }
 
 // One row of x (batch-1 decode) against weight row n, for small groups (G = 32 * BPG, BPG = 1 or 2): the
@@ -338,9 +338,9 @@ void row_nibbles_m1_avx2(const Act16& a, const X* q, const QuantView& w, int64_t
     if constexpr (BPG == 4) part = _mm256_add_epi32(part, chunk_avx2(wr + g * G / 2 + 32, q + g * G + 64));
     _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), part);
     for (int64_t h = 0; h < STEP; ++h) {
-      int32_t dot = 0, gq = 0;
+      int32_t dot = 0;
       for (int64_t l = 0; l < LANES; ++l) dot += lanes[h * LANES + l];
-      for (int b = 0; b < BPG; ++b) gq += qsum[(g + h) * BPG + b];
+      const int32_t gq = BPG == 1 ? qsum[g + h] : gsum[g + h];   // (left-over groups: in order)
       rest += _cvtsh_ss(sr[g + h].x) * static_cast<float>(dot - zero_of<F>(zr, g + h) * gq);
     }
   }

@@ -30,6 +30,11 @@ namespace allspark {
 
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f);
 
+// the grain of a weight-streaming kernel (GEMVs, dequantization): rows of `row_bytes` making ~64 KiB per task
+inline int64_t weight_rows_grain(int64_t row_bytes) {
+  return row_bytes >= 65536 ? 1 : 65536 / (row_bytes > 0 ? row_bytes : 1);
+}
+
 // While alive, parallel_for on this thread uses allspark's workers if `on` (restores the previous choice).
 class OwnPoolScope {
  public:
