@@ -118,8 +118,8 @@ def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Ten
         if x.shape[0] <= ext.QUANT_NATIVE_MAX_ROWS:
             return ext.linear_quant(x, nw, bias, isa_level())
         dtype = gemm_dtype(x.dtype)
-        # activate_quant: x rounded to int8 per token here too, as the GEMV rounds it (fp32 until the GEMM)
-        xg = round_activations_reference(x, 8) if w.act_bits == 8 else x
+        # activate_quant: x rounded to int8 per token here too, as the GEMV rounds it, straight into the GEMM's dtype
+        xg = ext.round_rows(x, ACT_MAX[8], dtype, isa_level()) if w.act_bits == 8 else x
         if dtype == torch.float32:   # dequantized a tile at a time (native/kernels.h: linear_widened)
             return ext.linear_widened(xg, nw, bias, isa_level()).to(x.dtype)
         return _gemm_in(dtype, xg, ext.dequantize_weight(nw, dtype, isa_level()), bias).to(x.dtype)

@@ -455,22 +455,82 @@ torch::Tensor dequantize_weight(const QuantWeight& w, at::ScalarType dtype, int6
   return out;
 }
 
+
+namespace {
+// y = nearbyint(x * inv) * d for one row (the rounding of round_rows), y fp32 or bf16 (rounded to nearest even)
+template <typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void scale_row_avx512(const float* x, int64_t K, float inv, float d, T* y) {
+  const __m512 iv = _mm512_set1_ps(inv), dv = _mm512_set1_ps(d);
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(x + k), iv),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    simd::store16(y + k, _mm512_mul_ps(q, dv));
+  }
+  for (; k < K; ++k) y[k] = static_cast<T>(std::nearbyint(x[k] * inv) * d);
+}
+
+template <typename T>
+__attribute__((target("avx2,fma,f16c")))
+void scale_row_avx2(const float* x, int64_t K, float inv, float d, T* y) {
+  const __m256 iv = _mm256_set1_ps(inv), dv = _mm256_set1_ps(d);
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m256 q = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + k), iv),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    simd::store8(y + k, _mm256_mul_ps(q, dv));
+  }
+  for (; k < K; ++k) y[k] = static_cast<T>(std::nearbyint(x[k] * inv) * d);
+}
+
+template <typename X, typename T>
+void round_rows_of(const X* x, int64_t M, int64_t K, float act_max, T* y, int64_t isa) {
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (4 * std::max<int64_t>(K, 1)));
+  allspark::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+    std::vector<float> widened(std::is_same_v<X, float> ? 0 : K);
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xm;
+      if constexpr (std::is_same_v<X, float>) {
+        xm = x + m * K;
+      } else {
+        widen_bf16(x + m * K, K, widened.data(), isa);
+        xm = widened.data();
+      }
+      const float amax = isa >= 2 ? abs_max_avx512(xm, K) : isa >= 1 ? abs_max_avx2(xm, K) : abs_max(xm, K);
+      const float inv = amax > 0.f ? act_max / amax : 0.f, d = amax / act_max;
+      T* ym = y + m * K;
+      if (isa >= 2) scale_row_avx512(xm, K, inv, d, ym);
+      else if (isa >= 1) scale_row_avx2(xm, K, inv, d, ym);
+      else for (int64_t k = 0; k < K; ++k) ym[k] = static_cast<T>(std::nearbyint(xm[k] * inv) * d);
+    }
+  });
+}
+}  // namespace
+
+torch::Tensor round_rows(const torch::Tensor& x, double act_max, at::ScalarType dtype, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2, "round_rows: x must be 2-D, got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "round_rows: x must be fp32 or bf16");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "round_rows: the result is fp32 or bf16");
+  TORCH_CHECK(act_max > 0, "round_rows: act_max must be positive");
+  const auto xc = x.contiguous();
+  auto y = torch::empty(xc.sizes(), xc.options().dtype(dtype));
+  const int64_t M = xc.size(0), K = xc.size(1);
+  const float a = static_cast<float>(act_max);
+  auto run = [&](auto* xp) {
+    if (dtype == at::kFloat) round_rows_of(xp, M, K, a, y.data_ptr<float>(), isa);
+    else round_rows_of(xp, M, K, a, y.data_ptr<at::BFloat16>(), isa);
+  };
+  if (xc.scalar_type() == at::kFloat) run(xc.data_ptr<float>());
+  else run(xc.data_ptr<at::BFloat16>());
+  return y;
+}
+
 namespace {
 // AVX-512 bf16 (vdpbf16ps; AMX machines have it too): whether oneDNN's bf16 GEMM is fast here (ops.gemm_dtype)
 bool bf16_dot_products() {
   static const bool has = __builtin_cpu_supports("avx512bf16");
   return has;
-}
-
-// each row of x [M, K] rounded as the GEMV rounds it (ops.round_activations_reference): round(x * act_max /
-// absmax) * absmax / act_max, fp32; for the dequantized GEMM of activate_quant weights
-torch::Tensor round_rows(const torch::Tensor& x, double act_max) {
-  TORCH_CHECK(x.dim() == 2, "round_rows: x must be 2-D");
-  const auto xf = x.to(torch::kFloat);
-  const auto amax = xf.abs().amax(-1, true);
-  // a true division, as round_activations computes inv (not reciprocal * act_max)
-  const auto inv = torch::where(amax > 0, torch::full_like(amax, act_max) / amax, torch::zeros_like(amax));
-  return torch::round(xf * inv) * (amax / act_max);
 }
 }  // namespace
 
@@ -510,7 +570,7 @@ torch::Tensor project(const torch::Tensor& x, const Weight& w, const std::option
     // fp32 GEMM on the dequantized weight: without AVX-512 bf16 instructions oneDNN's bf16 GEMM is ~5x slower
     // (ops.gemm_dtype has the numbers); these are decode batches, small next to prefill GEMMs
     auto xf = x.to(torch::kFloat);
-    if (q->act_bits == 8) xf = round_rows(xf, 127.f);   // activate_quant: x as the GEMV would meet it
+    if (q->act_bits == 8) xf = round_rows(xf, 127.0, at::kFloat, isa);   // activate_quant: x as the GEMV meets it
     return linear_widened(xf, w, b, isa).to(x.scalar_type());
   }
   const auto& dense = std::get<torch::Tensor>(w);

@@ -38,6 +38,10 @@ using Weight = std::variant<torch::Tensor, QuantWeight>;
 constexpr int64_t QUANT_NATIVE_MAX_ROWS = 16;
 torch::Tensor linear_quant(torch::Tensor x, const QuantWeight& w, std::optional<torch::Tensor> bias, int64_t isa);
 torch::Tensor dequantize_weight(const QuantWeight& w, at::ScalarType dtype, int64_t isa);
+// each row of x [M, K] (fp32 / bf16) as the quantized GEMV rounds it (ops.round_activations_reference, bit for
+// bit): q = nearbyint(x * act_max / absmax), times absmax / act_max, returned in `dtype` (fp32, or bf16 rounded to
+// nearest even); the activations of a dequantized activate_quant GEMM (prefill, large decode batches)
+torch::Tensor round_rows(const torch::Tensor& x, double act_max, at::ScalarType dtype, int64_t isa);
 // x . w^T (+ b) in fp32 for many rows of x (prefill) where oneDNN's bf16 GEMM is slow (no bf16 dot products) or
 // w is quantized: w is widened to fp32 (bf16 rows converted, quantized rows dequantized) WIDEN_TILE_BYTES at a
 // time, each tile one ATen GEMM into its rows of y^T, so the fp32 copy stays in cache instead of going to fresh

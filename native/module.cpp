@@ -68,6 +68,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("isa"));
   m.def("linear_widened", &linear_widened, "x @ w.T (+ bias) in fp32 over tiles of w widened or dequantized",
         nogil, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("isa"));
+  m.def("round_rows", &round_rows, "each row of x rounded to int8 / int16 fixed point as the quantized GEMV "
+        "rounds it, returned as fp32 or bf16", nogil, pybind11::arg("x"), pybind11::arg("act_max"),
+        pybind11::arg("dtype"), pybind11::arg("isa"));
   m.def("dequantize_weight", &dequantize_weight, "the weight a QuantWeight stands for, as fp32 or bf16 [N, K]",
         nogil, pybind11::arg("w"), pybind11::arg("dtype"), pybind11::arg("isa"));
   m.attr("QUANT_NATIVE_MAX_ROWS") = QUANT_NATIVE_MAX_ROWS;

@@ -233,6 +233,33 @@ def test_dequantize_weight_matches_reference(isa):
                            ref.to(torch.bfloat16)), (fmt, group)
 
 
+@needs_native
+@pytest.mark.parametrize("isa", isa_levels())
+def test_round_rows_equals_the_rounding_written_out(isa):
+    """The native rounding of many rows (the x of a dequantized activate_quant GEMM) equals, bit for bit, the
+    rounding written out here in fp32 torch ops: q = round(x * A / absmax) half to even, times absmax / A, then
+    rounded once to the result's dtype; rows of every length around the vector widths, a zero row, bf16 and
+    fp32 in and out, both fixed points (A = 127 and 32767)."""
+    ext = ops.native()
+    g = torch.Generator().manual_seed(21)
+    for m, k in ((1, 7), (3, 33), (17, 1536), (40, 4096), (5, 100)):
+        x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 5
+        x[0] = 0
+        for x_dtype in (torch.float32, torch.bfloat16):
+            xf = x.to(x_dtype).float()
+            amax = xf.abs().amax(-1, keepdim=True)
+            for act_max in (127.0, 32767.0):
+                inv = torch.where(amax > 0, torch.tensor(act_max) / amax, torch.zeros_like(amax))
+                q = torch.round(xf * inv)
+                assert q.abs().max() <= act_max
+                want = q * (amax / act_max)
+                for out in (torch.float32, torch.bfloat16):
+                    got = ext.round_rows(x.to(x_dtype), act_max, out, isa)
+                    assert got.dtype == out and torch.equal(got, want.to(out)), (m, k, x_dtype, act_max, out)
+    with pytest.raises(RuntimeError, match="2-D"):
+        ext.round_rows(torch.zeros(4), 127.0, torch.float32, 0)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_ops_linear_on_both_sides_of_the_native_row_limit(fmt):
     qw = _quantized(96, 128, fmt, 64, seed=7)
