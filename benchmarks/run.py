@@ -13,7 +13,8 @@ with Poisson arrivals (TTFT / TPOT median and p99) — for our Engine, for trans
 (static batches for the concurrent case) and for a 2-rank pool through ClientEngine on the same
 cores. With --quant, the same weights quantized with InstantQuant (e.g. int8 = int8 per channel,
 int4_g32 = int4 in groups of 32) are served by the same Engine and join the interleaved batch-1 decode
-rounds (their roofline counts the bytes their files hold) and the TTFT rows. With llama-cpp-python and
+rounds (their roofline counts the bytes their files hold) and TTFT rounds interleaved the same way with the
+unquantized model's (`ttft_<p>_vs_allspark`: medians of same-round ratios). With llama-cpp-python and
 gguf installed (--no-llamacpp skips it), llama.cpp decodes the same weights as GGUF files in the same
 rounds: f16 and bf16 next to bf16 (f32 next to fp32), q8_0 next to int8, q4_0 next to the 4-bit variants
 (`vs_llamacpp`: ours / theirs, medians of same-round ratios). With --kv, batch-1 decode after a 2048-token
@@ -48,7 +49,7 @@ import machine  # noqa: E402
 import workloads as W  # noqa: E402
 
 FULL = dict(hidden_size=1536, num_layers=16, intermediate_size=4096, num_heads=12, num_kv_heads=4, vocab=32000,
-            new_tokens=128, prompts=(128, 512, 2048), repeats=3, decode_repeats=7, concurrency=(8, 32), poisson_n=32,
+            new_tokens=128, prompts=(128, 512, 2048), repeats=5, decode_repeats=7, concurrency=(8, 32), poisson_n=32,
             kv_context=2048)   # kv_context: the --kv rows' prompt length
 QUICK = dict(hidden_size=512, num_layers=4, intermediate_size=1408, num_heads=8, num_kv_heads=4, vocab=8000,
              new_tokens=32, prompts=(128, 512), repeats=2, decode_repeats=3, concurrency=(8,), poisson_n=8,
@@ -142,6 +143,26 @@ def decode_rounds(decoders: dict, bytes_per_tok, repeats: int) -> dict:
             out[name]["decode_b1_vs_allspark"] = statistics.median(
                 x[0] / ours[0] for x, ours in zip(rs, runs["allspark"]))
     out["decode_b1_tps_by_round"] = {name: [x[0] for x in rs] for name, rs in runs.items()}
+    return out
+
+
+def ttft_rounds(engine, models: dict, vocab: int, spec: dict) -> dict:
+    """TTFT of the same Engine's models ({key: model name}, "allspark" the unquantized one), interleaved like
+    `decode_rounds`: round r gives every model the same prompt, new to all of them (no prefix-cache hits, also
+    not on the Engine's own TTFT prompts of `engine_workloads`), starting with the r-th model. Per model and prompt length: the median TTFT and, for the others,
+    `ttft_<p>_vs_allspark`, the median of same-round ratios (> 1: slower than the unquantized model)."""
+    order = list(models)
+    out = {key: {} for key in models}
+    for p in spec["prompts"]:
+        runs = {key: [] for key in models}
+        for r in range(spec["repeats"]):
+            ids = W.ttft_prompt(p, r, vocab, salt=1)
+            for key in order[r % len(order):] + order[:r % len(order)]:
+                runs[key].append(W.first_token_s(engine, models[key], ids))
+        for key, ts in runs.items():
+            out[key][f"ttft_{p}_s"] = statistics.median(ts)
+            if key != "allspark":
+                out[key][f"ttft_{p}_vs_allspark"] = statistics.median(a / b for a, b in zip(ts, runs["allspark"]))
     return out
 
 
@@ -261,12 +282,14 @@ def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only
                 result["transformers"].update(hf_workloads(hf, spec))
         if kv_modes:
             result["kv_modes"] = kv_mode_rounds(ours, loader, hf, spec, kv_modes, spec["kv_context"])
-        if not decode_only or ttft_rows:
+        if quant_cfgs and (not decode_only or ttft_rows):
+            models = {"allspark": name, **{key: q.model_name for key, (q, _) in quant_cfgs.items()}}
+            for key, row in ttft_rounds(ours, models, vocab, spec).items():
+                if decode_only or key != "allspark":   # else engine_workloads has measured the Engine's own
+                    result[key].update(row)
+        elif decode_only and ttft_rows:
             for p in spec["prompts"]:
-                if decode_only:
-                    result["allspark"][f"ttft_{p}_s"] = W.ttft(ours, name, vocab, p, spec["repeats"])
-                for key, (q, _) in quant_cfgs.items():
-                    result[key][f"ttft_{p}_s"] = W.ttft(ours, q.model_name, vocab, p, spec["repeats"])
+                result["allspark"][f"ttft_{p}_s"] = W.ttft(ours, name, vocab, p, spec["repeats"])
         for q, _ in quant_cfgs.values():
             ours.stop_model(q.model_name)
             ours.release_model(q.model_name)
@@ -337,8 +360,8 @@ def summarize(report: dict) -> list[str]:
                          f"{r['pool_2_ranks']['decode_b1_vs_allspark']:.2f}")
         for e in engines:
             if e.startswith("allspark_"):
-                ttft = "".join(f", TTFT-{p} {r[e][f'ttft_{p}_s'] / ours[f'ttft_{p}_s']:.2f}x"
-                               for p in report["spec"]["prompts"] if f"ttft_{p}_s" in r[e] and f"ttft_{p}_s" in ours)
+                ttft = "".join(f", TTFT-{p} {r[e][f'ttft_{p}_vs_allspark']:.2f}x"
+                               for p in report["spec"]["prompts"] if f"ttft_{p}_vs_allspark" in r[e])
                 lines.append(f"{e}: batch-1 decode {r[e]['decode_b1_vs_allspark']:.2f}x of {dtype} (same rounds), "
                              f"{r[e]['decode_b1_roofline']:.2f} of its roofline ({r[e]['bytes_per_token'] / 1e6:.0f} MB "
                              f"per token){ttft}")

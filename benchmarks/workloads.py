@@ -52,9 +52,20 @@ def greedy_tokens(engine, name: str, ids: list[int], new_tokens: int) -> list[in
     return out
 
 
+def ttft_prompt(prompt_len: int, r: int, vocab: int, salt: int = 0) -> list[int]:
+    """The r-th TTFT prompt of a length. Its seed depends on the length: prompts of one seed are prefixes of
+    each other, so a 512-token prompt after the 128-token one of the same seed would find its first 128 tokens in
+    the prefix cache (on by default). `salt` (< 1000) keeps another series of the same length apart."""
+    return prompt(prompt_len, 1_000_000 * (1 + salt) + 1000 * prompt_len + r, vocab)
+
+
 def ttft(engine, name: str, vocab: int, prompt_len: int, repeats: int) -> float:
-    return statistics.median(_run_one(engine, name, prompt(prompt_len, 100 + r, vocab), 1)["ttft"]
-                             for r in range(repeats))
+    return statistics.median(first_token_s(engine, name, ttft_prompt(prompt_len, r, vocab)) for r in range(repeats))
+
+
+def first_token_s(engine, name: str, ids: list[int]) -> float:
+    """Seconds from submitting `ids` to its first generated token."""
+    return _run_one(engine, name, ids, 1)["ttft"]
 
 
 def concurrent_tps(engine, name: str, vocab: int, num: int, prompt_len: int, new_tokens: int) -> float:
@@ -116,7 +127,7 @@ def hf_decode_tps(model, vocab: int, new_tokens: int, seed: int = 0) -> float:
 
 
 def hf_ttft(model, vocab: int, prompt_len: int, repeats: int) -> float:
-    return statistics.median(_hf_generate(model, [prompt(prompt_len, 100 + r, vocab)], 1) for r in range(repeats))
+    return statistics.median(_hf_generate(model, [ttft_prompt(prompt_len, r, vocab)], 1) for r in range(repeats))
 
 
 def hf_concurrent_tps(model, vocab: int, num: int, prompt_len: int, new_tokens: int) -> float:
