@@ -149,8 +149,9 @@ def decode_rounds(decoders: dict, bytes_per_tok, repeats: int) -> dict:
 def ttft_rounds(engine, models: dict, vocab: int, spec: dict) -> dict:
     """TTFT of the same Engine's models ({key: model name}, "allspark" the unquantized one), interleaved like
     `decode_rounds`: round r gives every model the same prompt, new to all of them (no prefix-cache hits, also
-    not on the Engine's own TTFT prompts of `engine_workloads`), starting with the r-th model. Per model and prompt length: the median TTFT and, for the others,
-    `ttft_<p>_vs_allspark`, the median of same-round ratios (> 1: slower than the unquantized model)."""
+    not on the Engine's own TTFT prompts of `engine_workloads`), starting with the r-th model. Per model and
+    prompt length: the median TTFT and, for the others, `ttft_<p>_vs_allspark`, the median of same-round ratios
+    (> 1: slower than the unquantized model)."""
     order = list(models)
     out = {key: {} for key in models}
     for p in spec["prompts"]:

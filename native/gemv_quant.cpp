@@ -455,7 +455,6 @@ torch::Tensor dequantize_weight(const QuantWeight& w, at::ScalarType dtype, int6
   return out;
 }
 
-
 namespace {
 // y = nearbyint(x * inv) * d for one row (the rounding of round_rows), y fp32 or bf16 (rounded to nearest even)
 template <typename T>
@@ -569,8 +568,8 @@ torch::Tensor project(const torch::Tensor& x, const Weight& w, const std::option
     if (x.size(0) <= QUANT_NATIVE_MAX_ROWS) return linear_quant(x, *q, b, isa);
     // fp32 GEMM on the dequantized weight: without AVX-512 bf16 instructions oneDNN's bf16 GEMM is ~5x slower
     // (ops.gemm_dtype has the numbers); these are decode batches, small next to prefill GEMMs
-    auto xf = x.to(torch::kFloat);
-    if (q->act_bits == 8) xf = round_rows(xf, 127.0, at::kFloat, isa);   // activate_quant: x as the GEMV meets it
+    // activate_quant: x rounded as the GEMV would meet it
+    const auto xf = q->act_bits == 8 ? round_rows(x, 127.0, at::kFloat, isa) : x.to(torch::kFloat);
     return linear_widened(xf, w, b, isa).to(x.scalar_type());
   }
   const auto& dense = std::get<torch::Tensor>(w);
