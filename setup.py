@@ -14,6 +14,7 @@ def native_extensions():
     except ImportError:
         return [], {}
     ext = CppExtension("allspark_server._native", ["native/module.cpp", "native/gemv.cpp", "native/gemv_quant.cpp",
+                                                   "native/activation_rounding.cpp",
                                                    "native/gemv_quant_avx2.cpp", "native/gemv_quant_avx512.cpp",
                                                    "native/span_attention.cpp", "native/span_attention_quant.cpp",
                                                    "native/rms_norm.cpp", "native/rotary.cpp",

@@ -1,7 +1,7 @@
-// What the quantized GEMV's three files share (gemv_quant.cpp: rounding x, portable kernel, dequantization and
-// the entry points; gemv_quant_avx2.cpp: the AVX2 kernels; gemv_quant_avx512.cpp: the AVX-512 VNNI kernel): block
-// and chunk sizes, the formats, x rounded to int16 (Act16) and the order it is stored in, reading codes, and the
-// kernels' entry points. Layouts: gemv_quant.cpp's header comment.
+// What the quantized GEMV's files share (gemv_quant.cpp: portable kernel, dequantization and the entry points;
+// activation_rounding.cpp: rounding x; gemv_quant_avx2.cpp: the AVX2 kernels; gemv_quant_avx512.cpp: the AVX-512
+// VNNI kernel): block and chunk sizes, the formats, x rounded to int16 (Act16) and the order it is stored in,
+// reading codes, and the kernels' entry points. Layouts: gemv_quant.cpp's header comment.
 #pragma once
 
 #include <torch/extension.h>
@@ -136,5 +136,11 @@ void round_row_avx512(const float* x, int64_t K, int64_t padded, float inv, Layo
 template <int F>
 void rows_avx512(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y,
                  int64_t N);
+
+// activation_rounding.cpp: each row of x [M, K] rounded to fixed point (act_max 32767 or 127) in `layout`, with the
+// sums the kernels take the zero points off with (`group`: the weight's group size)
+Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float act_max, Layout layout, int64_t group);
+// bf16 -> fp32 (exact)
+void widen_bf16(const at::BFloat16* x, int64_t n, float* out, int64_t isa);
 
 }  // namespace qgemv
