@@ -283,14 +283,12 @@ def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only
                 result["transformers"].update(hf_workloads(hf, spec))
         if kv_modes:
             result["kv_modes"] = kv_mode_rounds(ours, loader, hf, spec, kv_modes, spec["kv_context"])
-        if quant_cfgs and (not decode_only or ttft_rows):
+        # without --decode-only engine_workloads has the Engine's own TTFT; the rounds then add the quantized models'
+        if ttft_rows if decode_only else quant_cfgs:
             models = {"allspark": name, **{key: q.model_name for key, (q, _) in quant_cfgs.items()}}
             for key, row in ttft_rounds(ours, models, vocab, spec).items():
-                if decode_only or key != "allspark":   # else engine_workloads has measured the Engine's own
+                if decode_only or key != "allspark":
                     result[key].update(row)
-        elif decode_only and ttft_rows:
-            for p in spec["prompts"]:
-                result["allspark"][f"ttft_{p}_s"] = W.ttft(ours, name, vocab, p, spec["repeats"])
         for q, _ in quant_cfgs.values():
             ours.stop_model(q.model_name)
             ours.release_model(q.model_name)

@@ -51,6 +51,16 @@ inline float abs_max_avx2(const float* x, int64_t n) {
   return std::max(abs_max(lanes, 8), abs_max(x + k, n - k));
 }
 
+// a row's fixed point: q = nearbyint(x * inv), x ~ q * d with d = absmax / act_max (a zero row: inv 0); the
+// largest magnitude is exact at every ISA level (a NaN element skipped by all three), so every level agrees
+struct RowScale {
+  float inv, d;
+};
+RowScale row_scale(const float* x, int64_t K, float act_max, int64_t isa) {
+  const float amax = isa >= 2 ? abs_max_avx512(x, K) : isa >= 1 ? abs_max_avx2(x, K) : abs_max(x, K);
+  return {amax > 0.f ? act_max / amax : 0.f, amax / act_max};
+}
+
 __attribute__((target("avx2,fma,f16c")))
 void round_row_avx2(const float* x, int64_t n, float inv, int16_t* q) {
   const __m256 iv = _mm256_set1_ps(inv);
@@ -180,9 +190,8 @@ Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float
   std::vector<int16_t> natural(nibbles || bytes ? a.padded : 0, 0);
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x + m * K;
-    const float amax = avx512 ? abs_max_avx512(xm, K) : isa >= 1 ? abs_max_avx2(xm, K) : abs_max(xm, K);
-    const float inv = amax > 0.f ? act_max / amax : 0.f;
-    a.d[m] = amax / act_max;
+    const auto [inv, d] = row_scale(xm, K, act_max, isa);
+    a.d[m] = d;
     int16_t* q = bytes ? nullptr : a.q.data() + m * a.padded;
     int32_t* bsum = a.block_sum.data() + m * nb;
     if (avx512) {
@@ -240,8 +249,7 @@ void round_rows_of(const X* x, int64_t M, int64_t K, float act_max, T* y, int64_
         widen_bf16(x + m * K, K, widened.data(), isa);
         xm = widened.data();
       }
-      const float amax = isa >= 2 ? abs_max_avx512(xm, K) : isa >= 1 ? abs_max_avx2(xm, K) : abs_max(xm, K);
-      const float inv = amax > 0.f ? act_max / amax : 0.f, d = amax / act_max;
+      const auto [inv, d] = row_scale(xm, K, act_max, isa);
       T* ym = y + m * K;
       if (isa >= 2) scale_row_avx512(xm, K, inv, d, ym);
       else if (isa >= 1) scale_row_avx2(xm, K, inv, d, ym);
