@@ -169,13 +169,13 @@ void widen_bf16(const at::BFloat16* x, int64_t n, float* out, int64_t isa) {
 }
 
 // the same arithmetic on every ISA: one multiply by act_max / absmax (32767; 127 for activate_quant, whose q
-// then fit int8 but are stored and multiplied as int16 all the same), round half to even (PAIRS / NIBBLES:
-// only for the AVX-512 kernel, isa >= 3); `group`: the weight's group size (NIBBLES16 / NIBBLES8: group sums)
+// then fit int8: stored as bytes for the NIBBLES8 / BYTES8 / NIBBLES8W kernels), round half to even (PAIRS /
+// NIBBLES / NIBBLES8W: only for the AVX-512 kernel, isa >= 3); `group`: the weight's group size (NIBBLES16 / NIBBLES8: group sums)
 Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float act_max, Layout layout, int64_t group) {
   Act16 a;
-  const bool avx512 = layout == PAIRS || layout == NIBBLES;
+  const bool avx512 = layout == PAIRS || layout == NIBBLES || layout == NIBBLES8W;
   const bool nibbles = layout == NIBBLES16 || layout == NIBBLES8;
-  const bool bytes = layout == NIBBLES8 || layout == BYTES8;   // q8 instead of q
+  const bool bytes = layout == NIBBLES8 || layout == BYTES8 || layout == NIBBLES8W;   // q8 instead of q
   const int64_t unit = avx512 ? CHUNK : nibbles ? CHUNK16 : BLOCK;
   const int64_t nb = (K + unit - 1) / unit * unit / BLOCK;
   a.padded = nb * BLOCK;
@@ -195,7 +195,8 @@ Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float
     int16_t* q = bytes ? nullptr : a.q.data() + m * a.padded;
     int32_t* bsum = a.block_sum.data() + m * nb;
     if (avx512) {
-      round_row_avx512(xm, K, a.padded, inv, layout, q, bsum, a.chunk_sum.data() + m * nb / 16);
+      round_row_avx512(xm, K, a.padded, inv, layout, q, bytes ? a.q8.data() + m * a.padded : nullptr, bsum,
+                       a.chunk_sum.data() + m * nb / 16);
       continue;
     }
     int16_t* r = nibbles || bytes ? natural.data() : q;   // rounded in k order, then reordered / narrowed

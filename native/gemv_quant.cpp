@@ -31,7 +31,7 @@
 // (groups of 128 take NIBBLES16 / 8 since: GEMV chain 1.48x -> 1.77x of bf16's, 1.45x -> 2.24x with int8 x).
 //
 // ISA (chosen by ops.py): 3 AVX-512 VNNI (gemv_quant_avx512.cpp: vpdpwssd, x laid out to match the
-// codes), 1 and 2 AVX2+FMA+F16C (gemv_quant_avx2.cpp; 2 = AVX-512 without VNNI: its dequantization is AVX-512),
+// codes; 4-bit codes with activate_quant's int8 x: vpdpbusd, NIBBLES8W), 1 and 2 AVX2+FMA+F16C (gemv_quant_avx2.cpp; 2 = AVX-512 without VNNI: its dequantization is AVX-512),
 // 0 portable C++; the same rounding of x everywhere, so every level equals ops.linear_reference up to fp32
 // summation order. The weight streams row by row; each thread owns a contiguous block of rows, up to 4 rows of x
 // share each block of codes. At batch 1, 4-bit codes in groups of 32, 64 or 128 take the AVX2 NIBBLES16 kernel (codes
@@ -86,7 +86,7 @@ void rows(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, 
           int64_t isa, Layout layout) {
   if (layout == NIBBLES16 || layout == NIBBLES8) rows_nibbles_avx2<F>(a, w, n0, n1, y, layout);
   else if (layout == BYTES8) rows_bytes8_avx2<F>(a, w, n0, n1, y);
-  else if (layout != NATURAL) rows_avx512<F>(a, M, w, K, n0, n1, y, N);
+  else if (layout != NATURAL) rows_avx512<F>(a, M, w, K, n0, n1, y, N, layout);
   else if (isa >= 1) rows_avx2<F>(a, M, w, n0, n1, y, N);
   else rows_scalar<F>(a, M, w, n0, n1, y, N);
 }
@@ -182,9 +182,10 @@ void dequantize_rows(const QuantView& w, int64_t K, int64_t n0, int64_t n1, T* o
 template <typename O>
 void run_linear(const float* x, int64_t M, int64_t K, const QuantView& w, const O* bias, O* out, int64_t isa) {
   const int64_t N = w.rows;
-  const Layout layout = isa >= 3 && avx512_fits(w)                  ? (w.format >= INT4 ? NIBBLES : PAIRS)
-                        : isa >= 1 && M == 1 && nibbles16_fits(w, K) ? (w.act_max == 127.f ? NIBBLES8 : NIBBLES16)
-                        : isa >= 1 && M == 1 && w.act_max == 127.f && bytes8_fits(w, K) ? BYTES8
+  const bool x8 = w.act_max == 127.f;   // activate_quant: x fits int8
+  const Layout layout = isa >= 3 && avx512_fits(w)                  ? (w.format < INT4 ? PAIRS : x8 ? NIBBLES8W : NIBBLES)
+                        : isa >= 1 && M == 1 && nibbles16_fits(w, K) ? (x8 ? NIBBLES8 : NIBBLES16)
+                        : isa >= 1 && M == 1 && x8 && bytes8_fits(w, K) ? BYTES8
                                                                       : NATURAL;
   const Act16 a = round_activations(x, M, K, isa, w.act_max, layout, w.group);
   std::vector<float> scratch(std::is_same_v<O, float> ? 0 : M * N);

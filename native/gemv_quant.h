@@ -42,16 +42,19 @@ inline float half_to_float(at::Half h) { return static_cast<float>(h); }
 //   of 16 bytes interleaved: g's run 0, g+1's run 0, g's run 2, g+1's run 2, then runs 1 and 3 the same way
 //   (the batch-1 kernel then meets the two groups' blocks b in one vector, its halves loaded separately)
 //   BYTES8 (AVX2, 8-bit codes, activate_quant's int8 x, batch 1): x as bytes in k order
-enum Layout { NATURAL, PAIRS, NIBBLES, NIBBLES16, NIBBLES8, BYTES8 };
+//   NIBBLES8W (AVX-512 VNNI, 4-bit codes, activate_quant's int8 x): NIBBLES8's order over 128 k (4 blocks): x as
+//   bytes in the order of 64 bytes of codes split into their low and their high nibbles, k = 32b + 16h + j at byte
+//   64h + 16b + j (h the nibble, b < 4 the block, j < 16), so that vpdpbusd meets each code with its x
+enum Layout { NATURAL, PAIRS, NIBBLES, NIBBLES16, NIBBLES8, BYTES8, NIBBLES8W };
 constexpr int64_t CHUNK16 = 64;   // k per step of the AVX2 NIBBLES16 kernel
 
 // x rounded per row to int16: q [M, padded K] (zero padded) and one scale d per row
 struct Act16 {
   std::vector<int16_t> q;
-  // [M, padded K / 32]: sum of q over each block of 32 (for the zero points); PAIRS / NIBBLES: each chunk's 16
+  // [M, padded K / 32]: sum of q over each block of 32 (for the zero points); PAIRS / NIBBLES / NIBBLES8W: each chunk's 16
   // in the lane order of the AVX-512 kernel's reduction (lane 4b + s holds block 4s + b)
   std::vector<int32_t> block_sum;
-  std::vector<int32_t> chunk_sum;   // PAIRS / NIBBLES: [M, padded K / CHUNK], sum of q over each chunk
+  std::vector<int32_t> chunk_sum;   // PAIRS / NIBBLES / NIBBLES8W: [M, padded K / CHUNK], sum of q over each chunk
   // NIBBLES16 / NIBBLES8: block_sum with each 8 blocks in the order 0, 2, 4, 6, 1, 3, 5, 7, the lane order in which
   // the batch-1 kernel's reduction leaves groups of 32 (so their sums are never permuted back)
   std::vector<int32_t> block_sum_lanes;
@@ -59,7 +62,7 @@ struct Act16 {
   // takes a group's zero point off without adding up its block sums again for every weight row (NIBBLES8 with
   // groups of 64: each full eight in the lane order of block_sum_lanes)
   std::vector<int32_t> group_sum;
-  std::vector<int8_t> q8;           // NIBBLES8 / BYTES8: q as bytes (q itself then left empty)
+  std::vector<int8_t> q8;           // NIBBLES8 / BYTES8 / NIBBLES8W: q as bytes (q itself then left empty)
   std::vector<float> d;
   int64_t padded;
 };
@@ -129,13 +132,13 @@ inline bool avx512_fits(const QuantView& w) {
   return w.groups == 1 || w.group % CHUNK == 0 || w.group == 32 || w.group == 64 || w.group == 128 || w.group == 256;
 }
 
-// one row of x into the PAIRS / NIBBLES layout (gemv_quant_avx512.cpp)
-void round_row_avx512(const float* x, int64_t K, int64_t padded, float inv, Layout layout, int16_t* q,
+// one row of x into the PAIRS / NIBBLES layout (q) or NIBBLES8W (q8; |x * inv| <= 127) (gemv_quant_avx512.cpp)
+void round_row_avx512(const float* x, int64_t K, int64_t padded, float inv, Layout layout, int16_t* q, int8_t* q8,
                       int32_t* bsum, int32_t* chunk_sum);
-// rows [n0, n1) of y = x . W^T with the AVX-512 VNNI kernel (x in the PAIRS / NIBBLES layout); F a Format
+// rows [n0, n1) of y = x . W^T with the AVX-512 VNNI kernel (x in the PAIRS / NIBBLES / NIBBLES8W layout); F a Format
 template <int F>
 void rows_avx512(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y,
-                 int64_t N);
+                 int64_t N, Layout layout);
 
 // activation_rounding.cpp: each row of x [M, K] rounded to fixed point (act_max 32767 or 127) in `layout`, with the
 // sums the kernels take the zero points off with (`group`: the weight's group size)

@@ -21,21 +21,28 @@
 // bf16 kernel, sharing the loads of x): 1.36-1.44x as fast in L2; int4 g32 went from 2.68-2.88x of bf16 (one
 // row per step, earlier runs, not the same rounds) to the numbers above. Prefetching the scales of the rows
 // 8 ahead (tried) did not help (2.51x vs 2.71x, same rounds).
+// activate_quant (x already rounded to int8 by the model's scheme, so nothing changes in the numbers): 4-bit codes
+// take vpdpbusd, codes as unsigned bytes times x as signed bytes (the NIBBLES8W layout), two per 64 bytes of codes
+// instead of four vpdpwssd, and half the bytes of x. GEMV chain, 2 threads, one run where bf16 read ~43 GB/s
+// (x bf16; the read bound in brackets): int4 g32 2.94 -> 3.17 (3.85), uint4 g64 3.15 -> 3.59 (4.14), int4 g64
+// 3.51 -> 3.89 (4.62), int4 g128 3.57 -> 3.87 (4.92), each weight-only -> activate_quant.
 #include <torch/extension.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "gemv_quant.h"
 
 namespace qgemv {
 
-// One row of x into the PAIRS / NIBBLES layout on AVX-512 (isa >= 3; the same rounding as round_row_avx2):
-// per chunk, the 16 blocks are rounded in order (block sums from the int32 values), then each 64 / 128 k are
-// rearranged with two-source word permutes. q: padded K; bsum: padded K / 32, in the reduction's lane order.
+// One row of x into the PAIRS / NIBBLES layout (q) or NIBBLES8W (q8) on AVX-512 (isa >= 3; the same rounding as
+// round_row_avx2): per chunk, the 16 blocks are rounded in order (block sums from the int32 values), then each 64 /
+// 128 k are rearranged with two-source word permutes (NIBBLES8W: narrowed to bytes, 128-bit lanes regrouped).
+// q / q8: padded K; bsum: padded K / 32, in the reduction's lane order.
 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
-void round_row_avx512(const float* x, int64_t K, int64_t padded, float inv, Layout layout, int16_t* q,
+void round_row_avx512(const float* x, int64_t K, int64_t padded, float inv, Layout layout, int16_t* q, int8_t* q8,
                       int32_t* bsum, int32_t* chunk_sum) {
   alignas(64) int16_t pidx[4][32];   // PAIRS: even / odd words of two blocks; NIBBLES: nibble v of blocks A, B
   alignas(64) int32_t lidx[16];
@@ -60,14 +67,24 @@ void round_row_avx512(const float* x, int64_t K, int64_t padded, float inv, Layo
       bs[j] = _mm512_reduce_add_epi32(_mm512_add_epi32(a, b));
       V[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(a)), _mm512_cvtepi32_epi16(b), 1);
     }
-    int16_t* out = q + c0;
-    if (layout == PAIRS) {
+    if (layout == NIBBLES8W) {   // per 128 k: blocks b = 0..3 as bytes, each block's first 16 (low nibbles), then last 16
+      for (int u = 0; u < 4; ++u) {
+        const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(V[4 * u])),
+                                              _mm512_cvtepi16_epi8(V[4 * u + 1]), 1);
+        const __m512i cd = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(V[4 * u + 2])),
+                                              _mm512_cvtepi16_epi8(V[4 * u + 3]), 1);
+        _mm512_storeu_si512(q8 + c0 + 128 * u, _mm512_shuffle_i64x2(ab, cd, 0x88));
+        _mm512_storeu_si512(q8 + c0 + 128 * u + 64, _mm512_shuffle_i64x2(ab, cd, 0xDD));
+      }
+    } else if (layout == PAIRS) {
+      int16_t* out = q + c0;
       const __m512i even = _mm512_load_si512(pidx[0]), odd = _mm512_load_si512(pidx[1]);
       for (int u = 0; u < 8; ++u) {
         _mm512_storeu_si512(out + 64 * u, _mm512_permutex2var_epi16(V[2 * u], even, V[2 * u + 1]));
         _mm512_storeu_si512(out + 64 * u + 32, _mm512_permutex2var_epi16(V[2 * u], odd, V[2 * u + 1]));
       }
     } else {
+      int16_t* out = q + c0;
       for (int u = 0; u < 4; ++u)
         for (int v = 0; v < 4; ++v) {   // lanes 0-15 from blocks A, B; 16-31 the same words of blocks C, D
           const __m512i idx = _mm512_load_si512(pidx[v]);
@@ -110,11 +127,17 @@ AVX512_VNNI inline __m512i dp(__m512i acc, __m512i codes, const int16_t* q) {
   return _mm512_dpwssd_epi32(acc, codes, _mm512_loadu_si512(q));
 }
 
+// NIBBLES8W: 64 unsigned 4-bit codes as bytes times 64 int8 x, four products a lane (vpdpbusd: u8 x s8, exact here)
+AVX512_VNNI inline __m512i dp(__m512i acc, __m512i codes, const int8_t* q) {
+  return _mm512_dpbusd_epi32(acc, codes, _mm512_loadu_si512(q));
+}
+
 // the partial sums S[r * MB + m][0..3] of chunk [k0, k0 + 512) for R weight rows and MB rows of x (TAIL: k may
 // end inside it, K is then the row's end; bytes beyond it are not read). ONE: S only needs summing, not
-// keeping per block.
-template <int F, int R, int MB, bool ONE, bool TAIL>
-AVX512_VNNI inline void chunk_sums(const uint8_t* const* wr, const int16_t* const* q, int64_t k0, int64_t K,
+// keeping per block. Q: int16_t (x in PAIRS / NIBBLES), or int8_t (4-bit codes, x in NIBBLES8W: a 64-byte load
+// of codes is two vpdpbusd, its low and its high nibbles as bytes, instead of four vpdpwssd on words).
+template <int F, int R, int MB, bool ONE, bool TAIL, typename Q>
+AVX512_VNNI inline void chunk_sums(const uint8_t* const* wr, const Q* const* q, int64_t k0, int64_t K,
                                    __m512i S[R * MB][4]) {
   for (int i = 0; i < R * MB; ++i)
     for (int s = 0; s < 4; ++s) S[i][s] = _mm512_setzero_si512();
@@ -125,7 +148,13 @@ AVX512_VNNI inline void chunk_sums(const uint8_t* const* wr, const int16_t* cons
 #pragma GCC unroll 2
     for (int r = 0; r < R; ++r) {
       __m512i* Sr = S[r * MB];
-      if constexpr (F == INT4 || F == UINT4) {
+      if constexpr (std::is_same_v<Q, int8_t>) {   // 128-bit lane b of a load: block b's 16 bytes of codes
+        static_assert(F == INT4 || F == UINT4, "NIBBLES8W takes 4-bit codes");
+        const __m512i w = load64<TAIL>(wr[r] + k / 2, (K - k) / 2), nib = _mm512_set1_epi8(0x0F);
+        const __m512i lo = _mm512_and_si512(w, nib), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);
+#pragma GCC unroll 4
+        for (int m = 0; m < MB; ++m) Sr[4 * m + s] = dp(dp(Sr[4 * m + s], lo, q[m] + k), hi, q[m] + k + 64);
+      } else if constexpr (F == INT4 || F == UINT4) {
         const __m512i w = load64<TAIL>(wr[r] + k / 2, (K - k) / 2), nib = _mm512_set1_epi16(0x000F);
         const __m512i c0 = _mm512_and_si512(w, nib), c1 = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);
         const __m512i c2 = _mm512_and_si512(_mm512_srli_epi16(w, 8), nib), c3 = _mm512_srli_epi16(w, 12);
@@ -175,8 +204,8 @@ struct Chunking {
   int64_t chunks_per_group;   // ONE: chunks of 512 k per group (per channel: all of them)
 };
 
-// weight rows n[0..R) against MB rows of x from m0 (x in the PAIRS / NIBBLES layout)
-template <int F, int R, int MB, bool ONE>
+// weight rows n[0..R) against MB rows of x from m0 (x in the PAIRS / NIBBLES layout, Q int16_t, or NIBBLES8W, int8_t)
+template <int F, int R, int MB, bool ONE, typename Q>
 AVX512_VNNI void row_avx512(const Act16& a, int64_t m0, const QuantView& w, int64_t K, const int64_t* n, float* y,
                             int64_t N, const Chunking& ch) {
   const uint8_t* wr[R];
@@ -187,17 +216,20 @@ AVX512_VNNI void row_avx512(const Act16& a, int64_t m0, const QuantView& w, int6
     zr[r] = w.zeros ? w.zeros + n[r] * w.groups : nullptr;
   }
   const int64_t nb = a.padded / BLOCK, chunks = nb / 16, full = K / CHUNK;
-  const int16_t* q[MB];
+  const Q* q[MB];
   __m512 total[R * MB];
   float zsum[R * MB];   // ONE: sum over chunks of s * z * (sum of q over the chunk)
-  for (int m = 0; m < MB; ++m) q[m] = a.q.data() + (m0 + m) * a.padded;
+  for (int m = 0; m < MB; ++m) {
+    if constexpr (std::is_same_v<Q, int8_t>) q[m] = a.q8.data() + (m0 + m) * a.padded;
+    else q[m] = a.q.data() + (m0 + m) * a.padded;
+  }
   for (int i = 0; i < R * MB; ++i) total[i] = _mm512_setzero_ps(), zsum[i] = 0.f;
   int64_t g = 0, in_group = 0;   // ONE: the chunk's group, and its place in it
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t k0 = c * CHUNK;
     __m512i S[R * MB][4];
-    if (c < full) chunk_sums<F, R, MB, ONE, false>(wr, q, k0, K, S);
-    else chunk_sums<F, R, MB, ONE, true>(wr, q, k0, K, S);
+    if (c < full) chunk_sums<F, R, MB, ONE, false, Q>(wr, q, k0, K, S);
+    else chunk_sums<F, R, MB, ONE, true, Q>(wr, q, k0, K, S);
     for (int r = 0; r < R; ++r) {
       if constexpr (ONE) {
         const float s = _cvtsh_ss(sr[r][g].x);
@@ -234,7 +266,7 @@ AVX512_VNNI void row_avx512(const Act16& a, int64_t m0, const QuantView& w, int6
 }
 
 
-template <int F, bool ONE>
+template <int F, bool ONE, typename Q>
 AVX512_VNNI void rows_avx512_mode(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1,
                                   float* y, int64_t N) {
   Chunking ch;
@@ -247,38 +279,48 @@ AVX512_VNNI void rows_avx512_mode(const Act16& a, int64_t M, const QuantView& w,
     const int64_t part = (n1 - n0) / 2;
     for (int64_t i = 0; i < part; ++i) {
       const int64_t n[2] = {n0 + i, n0 + part + i};
-      row_avx512<F, 2, 1, ONE>(a, 0, w, K, n, y, N, ch);
+      row_avx512<F, 2, 1, ONE, Q>(a, 0, w, K, n, y, N, ch);
     }
     if ((n1 - n0) % 2) {
       const int64_t last = n1 - 1;
-      row_avx512<F, 1, 1, ONE>(a, 0, w, K, &last, y, N, ch);
+      row_avx512<F, 1, 1, ONE, Q>(a, 0, w, K, &last, y, N, ch);
     }
     return;
   }
   for (int64_t m = 0; m < M; m += MR) {
     for (int64_t n = n0; n < n1; ++n) {
       switch (std::min(MR, M - m)) {
-        case 1: row_avx512<F, 1, 1, ONE>(a, m, w, K, &n, y, N, ch); break;
-        case 2: row_avx512<F, 1, 2, ONE>(a, m, w, K, &n, y, N, ch); break;
-        case 3: row_avx512<F, 1, 3, ONE>(a, m, w, K, &n, y, N, ch); break;
-        default: row_avx512<F, 1, 4, ONE>(a, m, w, K, &n, y, N, ch); break;
+        case 1: row_avx512<F, 1, 1, ONE, Q>(a, m, w, K, &n, y, N, ch); break;
+        case 2: row_avx512<F, 1, 2, ONE, Q>(a, m, w, K, &n, y, N, ch); break;
+        case 3: row_avx512<F, 1, 3, ONE, Q>(a, m, w, K, &n, y, N, ch); break;
+        default: row_avx512<F, 1, 4, ONE, Q>(a, m, w, K, &n, y, N, ch); break;
       }
     }
   }
+}
+
+template <int F, typename Q>
+void rows_avx512_of(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y,
+                    int64_t N) {
+  if (w.groups == 1 || w.group % CHUNK == 0) rows_avx512_mode<F, true, Q>(a, M, w, K, n0, n1, y, N);
+  else rows_avx512_mode<F, false, Q>(a, M, w, K, n0, n1, y, N);
 }
 
 }  // namespace
 
 template <int F>
 void rows_avx512(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y,
-                 int64_t N) {
-  if (w.groups == 1 || w.group % CHUNK == 0) rows_avx512_mode<F, true>(a, M, w, K, n0, n1, y, N);
-  else rows_avx512_mode<F, false>(a, M, w, K, n0, n1, y, N);
+                 int64_t N, Layout layout) {
+  if constexpr (F == INT4 || F == UINT4)
+    if (layout == NIBBLES8W) return rows_avx512_of<F, int8_t>(a, M, w, K, n0, n1, y, N);
+  rows_avx512_of<F, int16_t>(a, M, w, K, n0, n1, y, N);
 }
 
-template void rows_avx512<INT8>(const Act16&, int64_t, const QuantView&, int64_t, int64_t, int64_t, float*, int64_t);
-template void rows_avx512<UINT8>(const Act16&, int64_t, const QuantView&, int64_t, int64_t, int64_t, float*, int64_t);
-template void rows_avx512<INT4>(const Act16&, int64_t, const QuantView&, int64_t, int64_t, int64_t, float*, int64_t);
-template void rows_avx512<UINT4>(const Act16&, int64_t, const QuantView&, int64_t, int64_t, int64_t, float*, int64_t);
+#define ROWS_AVX512(F) \
+  template void rows_avx512<F>(const Act16&, int64_t, const QuantView&, int64_t, int64_t, int64_t, float*, int64_t, Layout);
+ROWS_AVX512(INT8)
+ROWS_AVX512(UINT8)
+ROWS_AVX512(INT4)
+ROWS_AVX512(UINT4)
 
 }  // namespace qgemv
