@@ -1,7 +1,7 @@
 """allspark's benchmark: one command, one run, everything side by side on the same machine and threads.
 
     python benchmarks/run.py [--quick] [--features] [--decode-only] [--dtypes bfloat16 float32] [--quant int8 int4_g32]
-                             [--kv int8 uint4] [--json benchmarks/results.json]
+                             [--kv int8 uint4 [--kv-weights int4_g64]] [--json benchmarks/results.json]
 
 Measures the machine (STREAM-like copy/triad bandwidth, fp32/bf16 matmul rate), then for each
 weight dtype, on a Llama-architecture model with random weights (about 0.5 B parameters; --quick:
@@ -18,8 +18,9 @@ unquantized model's (`ttft_<p>_vs_allspark`: medians of same-round ratios). With
 gguf installed (--no-llamacpp skips it), llama.cpp decodes the same weights as GGUF files in the same
 rounds: f16 and bf16 next to bf16 (f32 next to fp32), q8_0 next to int8, q4_0 next to the 4-bit variants
 (`vs_llamacpp`: ours / theirs, medians of same-round ratios). With --kv, batch-1 decode after a 2048-token
-prompt with int8 / uint4 KV spans is interleaved with the same decode on the unquantized cache. Prints a table and writes JSON. Compare
-ratios from one run: absolute numbers on shared machines are noisy.
+prompt with int8 / uint4 KV spans is interleaved with the same decode on the unquantized cache (--kv-weights: also
+on one of the --quant variants, where the cache is a larger share of a token's bytes). Prints a table and writes
+JSON. Compare ratios from one run: absolute numbers on shared machines are noisy.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import platform
 import statistics
 import sys
 import time
+from typing import Optional
 
 # transformers runs in this process next to the Engine, whose engine thread uses OpenMP too (prefill
 # GEMMs): libgomp then manages more threads than there are CPUs and stops letting idle workers spin, so
@@ -212,7 +214,7 @@ def llamacpp_pairs(dtype: str, quant: list[str]) -> list[tuple[str, str]]:
 
 def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only: bool, quant: list[str],
               ttft_rows: bool = False, with_hf: bool = True, llamacpp: bool = False,
-              llamacpp_check: bool = False, kv_modes: list[str] = ()) -> dict:
+              llamacpp_check: bool = False, kv_modes: list[str] = (), kv_weights: Optional[str] = None) -> dict:
     """All engines are loaded at once (so their decode runs can interleave); then the other
     workloads run one engine after the other."""
     from transformers import AutoModelForCausalLM
@@ -283,6 +285,10 @@ def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only
                 result["transformers"].update(hf_workloads(hf, spec))
         if kv_modes:
             result["kv_modes"] = kv_mode_rounds(ours, loader, hf, spec, kv_modes, spec["kv_context"])
+            if kv_weights:   # the same rows on quantized weights: the KV cache is then a larger share of the bytes
+                q = quant_cfgs[f"allspark_{kv_weights}"][0]
+                result[f"kv_modes_{kv_weights}"] = kv_mode_rounds(ours, q, hf, spec, kv_modes, spec["kv_context"],
+                                                                  file_bytes_per_token(q.weights_path, 0))
         # without --decode-only engine_workloads has the Engine's own TTFT; the rounds then add the quantized models'
         if ttft_rows if decode_only else quant_cfgs:
             models = {"allspark": name, **{key: q.model_name for key, (q, _) in quant_cfgs.items()}}
@@ -299,15 +305,17 @@ def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only
     return result
 
 
-def kv_mode_rounds(engine, loader, hf, spec: dict, modes: list[str], context: int) -> dict:
+def kv_mode_rounds(engine, loader, hf, spec: dict, modes: list[str], context: int,
+                   weights: Optional[int] = None) -> dict:
     """Batch-1 decode after a `context`-token prompt with the unquantized KV cache ("allspark") and with each
-    quantized KV mode (`allspark_kv_<mode>`), the same weights in the same Engine, interleaved like
-    decode_rounds; each roofline counts its own KV bytes."""
+    quantized KV mode (`allspark_kv_<mode>`), the same weights (`loader`'s: the dense model, or a quantized one,
+    whose bytes a token reads are then `weights`) in the same Engine, interleaved like decode_rounds; each roofline
+    counts its own KV bytes."""
     from allspark_server.quant.kv import bytes_per_row
     vocab, n = spec["vocab"], spec["new_tokens"]
     head_dim = spec["hidden_size"] // spec["num_heads"]
     ctx = context + n // 2
-    weights = bytes_per_token(hf, spec, 0)
+    weights = bytes_per_token(hf, spec, 0) if weights is None else weights
     decoders, per_engine, names = {}, {}, []
     for mode in ["default"] + modes:
         key = "allspark" if mode == "default" else f"allspark_kv_{mode}"
@@ -329,7 +337,7 @@ def kv_mode_rounds(engine, loader, hf, spec: dict, modes: list[str], context: in
     for name in names:
         engine.stop_model(name)
         engine.release_model(name)
-    return {"context": context, **out}
+    return {"context": context, "weights": loader.model_name, **out}
 
 
 def summarize(report: dict) -> list[str]:
@@ -372,11 +380,13 @@ def summarize(report: dict) -> list[str]:
         for key, c in r.get("llamacpp_check", {}).items():
             lines.append(f"{key} logits vs transformers fp32: top-1 agree {c['top1_agree']:.2f}, relative L2 error "
                          f"{c['rel_l2_err']:.2e}, min cosine {c['min_cosine']:.5f}, max |err| {c['max_abs_err_in_std']:.3f} std")
-        if "kv_modes" in r:
-            kv = r["kv_modes"]
-            lines.append(f"decode after a {kv['context']}-token prompt: unquantized KV {kv['allspark']['decode_b1_tps']:.1f}"
-                         " tok/s" + "".join(f", {e.removeprefix('allspark_')} {kv[e]['decode_b1_vs_allspark']:.2f}x"
-                                           for e in kv if e.startswith("allspark_")) + " (same rounds)")
+        for rows in (key for key in r if key.startswith("kv_modes")):
+            kv = r[rows]
+            weights = rows.removeprefix("kv_modes").removeprefix("_") or dtype
+            lines.append(f"decode after a {kv['context']}-token prompt, {weights} weights: unquantized KV "
+                         f"{kv['allspark']['decode_b1_tps']:.1f} tok/s" +
+                         "".join(f", {e.removeprefix('allspark_')} {kv[e]['decode_b1_vs_allspark']:.2f}x"
+                                 for e in kv if e.startswith("allspark_")) + " (same rounds)")
     return lines
 
 
@@ -405,6 +415,8 @@ def main() -> None:
     p.add_argument("--kv", nargs="*", default=[], choices=["int8", "uint4"],
                    help="also decode after a long prompt (2048 tokens; --quick 512) with quantized KV spans, "
                         "interleaved with the unquantized cache")
+    p.add_argument("--kv-weights", default=None, metavar="VARIANT",
+                   help="with --kv: the same rows also on one of the --quant variants (e.g. int4_g64+a8+head)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: the GPU benchmark instead (cuda_bench.py: one GPU, a Llama-2-7B-shaped bf16 model)")
     p.add_argument("--features", action="store_true",
@@ -416,6 +428,8 @@ def main() -> None:
     p.add_argument("--json", default=None, help="default: benchmarks/results.json, with --features "
                    "benchmarks/results-features.json")
     a = p.parse_args()
+    if a.kv_weights and (a.kv_weights not in a.quant or not a.kv):
+        p.error(f"--kv-weights {a.kv_weights} needs --kv and the same variant in --quant (--quant: {a.quant})")
     a.json = a.json or ("benchmarks/results-features.json" if a.features else "benchmarks/results.json")
     if a.device == "cuda":
         import cuda_bench
@@ -467,7 +481,7 @@ def main() -> None:
     for dtype in a.dtypes:
         report["dtypes"][dtype] = run_dtype(dtype, spec, a.threads, not a.no_pool, a.decode_only, a.quant,
                                             a.ttft, not a.no_hf, a.llamacpp, a.llamacpp and a.llamacpp_check,
-                                            a.kv)
+                                            a.kv, a.kv_weights)
     report["wall_s"] = time.time() - t0
     print("\n".join(summarize(report)))
     print(f"\n({report['wall_s']:.0f} s)")
