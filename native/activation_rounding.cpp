@@ -170,7 +170,8 @@ void widen_bf16(const at::BFloat16* x, int64_t n, float* out, int64_t isa) {
 
 // the same arithmetic on every ISA: one multiply by act_max / absmax (32767; 127 for activate_quant, whose q
 // then fit int8: stored as bytes for the NIBBLES8 / BYTES8 / NIBBLES8W kernels), round half to even (PAIRS /
-// NIBBLES / NIBBLES8W: only for the AVX-512 kernel, isa >= 3); `group`: the weight's group size (NIBBLES16 / NIBBLES8: group sums)
+// NIBBLES / NIBBLES8W: only for the AVX-512 kernel, isa >= 3); `group`: the weight's group size (NIBBLES16 /
+// NIBBLES8: group sums)
 Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float act_max, Layout layout, int64_t group) {
   Act16 a;
   const bool avx512 = layout == PAIRS || layout == NIBBLES || layout == NIBBLES8W;

@@ -31,7 +31,8 @@
 // (groups of 128 take NIBBLES16 / 8 since: GEMV chain 1.48x -> 1.77x of bf16's, 1.45x -> 2.24x with int8 x).
 //
 // ISA (chosen by ops.py): 3 AVX-512 VNNI (gemv_quant_avx512.cpp: vpdpwssd, x laid out to match the
-// codes; 4-bit codes with activate_quant's int8 x: vpdpbusd, NIBBLES8W), 1 and 2 AVX2+FMA+F16C (gemv_quant_avx2.cpp; 2 = AVX-512 without VNNI: its dequantization is AVX-512),
+// codes; 4-bit codes with activate_quant's int8 x: vpdpbusd, NIBBLES8W), 1 and 2 AVX2+FMA+F16C
+// (gemv_quant_avx2.cpp; 2 = AVX-512 without VNNI: its dequantization is AVX-512),
 // 0 portable C++; the same rounding of x everywhere, so every level equals ops.linear_reference up to fp32
 // summation order. The weight streams row by row; each thread owns a contiguous block of rows, up to 4 rows of x
 // share each block of codes. At batch 1, 4-bit codes in groups of 32, 64 or 128 take the AVX2 NIBBLES16 kernel (codes
@@ -183,7 +184,7 @@ template <typename O>
 void run_linear(const float* x, int64_t M, int64_t K, const QuantView& w, const O* bias, O* out, int64_t isa) {
   const int64_t N = w.rows;
   const bool x8 = w.act_max == 127.f;   // activate_quant: x fits int8
-  const Layout layout = isa >= 3 && avx512_fits(w)                  ? (w.format < INT4 ? PAIRS : x8 ? NIBBLES8W : NIBBLES)
+  const Layout layout = isa >= 3 && avx512_fits(w) ? (w.format < INT4 ? PAIRS : x8 ? NIBBLES8W : NIBBLES)
                         : isa >= 1 && M == 1 && nibbles16_fits(w, K) ? (x8 ? NIBBLES8 : NIBBLES16)
                         : isa >= 1 && M == 1 && x8 && bytes8_fits(w, K) ? BYTES8
                                                                       : NATURAL;

@@ -51,8 +51,8 @@ constexpr int64_t CHUNK16 = 64;   // k per step of the AVX2 NIBBLES16 kernel
 // x rounded per row to int16: q [M, padded K] (zero padded) and one scale d per row
 struct Act16 {
   std::vector<int16_t> q;
-  // [M, padded K / 32]: sum of q over each block of 32 (for the zero points); PAIRS / NIBBLES / NIBBLES8W: each chunk's 16
-  // in the lane order of the AVX-512 kernel's reduction (lane 4b + s holds block 4s + b)
+  // [M, padded K / 32]: sum of q over each block of 32 (for the zero points); PAIRS / NIBBLES / NIBBLES8W: each
+  // chunk's 16 in the lane order of the AVX-512 kernel's reduction (lane 4b + s holds block 4s + b)
   std::vector<int32_t> block_sum;
   std::vector<int32_t> chunk_sum;   // PAIRS / NIBBLES / NIBBLES8W: [M, padded K / CHUNK], sum of q over each chunk
   // NIBBLES16 / NIBBLES8: block_sum with each 8 blocks in the order 0, 2, 4, 6, 1, 3, 5, 7, the lane order in which

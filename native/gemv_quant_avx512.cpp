@@ -67,7 +67,7 @@ void round_row_avx512(const float* x, int64_t K, int64_t padded, float inv, Layo
       bs[j] = _mm512_reduce_add_epi32(_mm512_add_epi32(a, b));
       V[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(a)), _mm512_cvtepi32_epi16(b), 1);
     }
-    if (layout == NIBBLES8W) {   // per 128 k: blocks b = 0..3 as bytes, each block's first 16 (low nibbles), then last 16
+    if (layout == NIBBLES8W) {   // per 128 k: blocks 0..3 as bytes, each one's first 16 (low nibbles), then its last 16
       for (int u = 0; u < 4; ++u) {
         const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(V[4 * u])),
                                               _mm512_cvtepi16_epi8(V[4 * u + 1]), 1);
@@ -316,8 +316,9 @@ void rows_avx512(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64
   rows_avx512_of<F, int16_t>(a, M, w, K, n0, n1, y, N);
 }
 
-#define ROWS_AVX512(F) \
-  template void rows_avx512<F>(const Act16&, int64_t, const QuantView&, int64_t, int64_t, int64_t, float*, int64_t, Layout);
+#define ROWS_AVX512(F)                                                                                         \
+  template void rows_avx512<F>(const Act16&, int64_t, const QuantView&, int64_t, int64_t, int64_t, float*, int64_t, \
+                               Layout);
 ROWS_AVX512(INT8)
 ROWS_AVX512(UINT8)
 ROWS_AVX512(INT4)
