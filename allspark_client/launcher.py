@@ -26,6 +26,7 @@ from typing import Optional
 from allspark_client.cpu_features import cpu_flags
 from allspark_client.gpu_topology import NO_NODE, gpu_numa_nodes, visible_gpus
 from allspark_client.mpirun_watch import MpirunWatch
+from allspark_client.shm_dir import make_pool_shm_dir
 
 
 @dataclass(frozen=True)
@@ -400,6 +401,15 @@ def main(argv=None) -> int:
     # outright leaves its directory behind, where a later mpirun that happens to get the same pid
     # fails with "The PMIx server's listener thread failed to start" (seen after ~100 killed pools)
     env["TMPDIR"] = run_dir
+    # the shared-memory segments too (shm_dir.py): a pool killed outright must not leave 16 MiB a rank in /dev/shm;
+    # one host only, since the directory exists on this one. (vader: the transport's name in Open MPI 4, a synonym
+    # of sm in 5)
+    shm_dir = None
+    if flavour == "openmpi" and not multi_host(args) and not any(
+            f"OMPI_MCA_btl_{name}_backing_directory" in env for name in ("sm", "vader")):
+        shm_dir = make_pool_shm_dir()
+        if shm_dir:
+            env["OMPI_MCA_btl_vader_backing_directory"] = shm_dir
     cmd = build_command(args, placements, flavour, numactl)
     # own session: terminal signals reach us, not mpirun; parent-death signal: if the launcher is
     # killed outright, mpirun gets SIGTERM and takes the ranks down instead of orphaning the pool
@@ -421,6 +431,8 @@ def main(argv=None) -> int:
         return watch.wait()
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+        if shm_dir:
+            shutil.rmtree(shm_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -24,13 +24,24 @@ LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "se
                "mlp.down_proj": "ffn_down"}
 
 
+# llama.cpp's AMX backend (built in by -march=native on CPUs with AMX) segfaulted in its first q8_0 eval on a 2-core
+# Sapphire-Rapids-class VM here (llama-cpp-python 0.3.36; f16 / bf16 ran), as ggml-org/llama.cpp#20824 reports
+NO_AMX_BUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON '
+                '-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_INT8=OFF" pip install --force-reinstall '
+                '--no-binary llama-cpp-python llama-cpp-python')
+
+
 def missing() -> str | None:
-    """None when the peer can run, else a sentence saying what is not importable."""
+    """None when the peer can run, else a sentence saying what is not importable, or that the build would crash."""
     for module in ("llama_cpp", "gguf"):
         try:
             __import__(module)
         except ImportError:
             return f"llama.cpp peer skipped: `{module}` is not importable (pip install llama-cpp-python gguf)"
+    import llama_cpp
+    if "AMX_INT8 = 1" in llama_cpp.llama_print_system_info().decode(errors="replace"):
+        return ("llama.cpp peer skipped: this llama-cpp-python was built with llama.cpp's AMX backend, which "
+                "segfaults on q8_0 here (ggml-org/llama.cpp#20824); rebuild it without AMX: " + NO_AMX_BUILD)
     return None
 
 

@@ -477,7 +477,8 @@ def main() -> None:
         import gguf
         import llama_cpp
         report["llamacpp"] = {"llama_cpp_python": llama_cpp.__version__, "flash_attn": LP.FLASH_ATTN,
-                              "gguf": getattr(gguf, "__version__", None)}
+                              "gguf": getattr(gguf, "__version__", None),
+                              "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()}
     for dtype in a.dtypes:
         report["dtypes"][dtype] = run_dtype(dtype, spec, a.threads, not a.no_pool, a.decode_only, a.quant,
                                             a.ttft, not a.no_hf, a.llamacpp, a.llamacpp and a.llamacpp_check,

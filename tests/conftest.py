@@ -19,6 +19,14 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
 
 
+def pytest_terminal_summary(terminalreporter):
+    """A test that passed on its rerun (@pytest.mark.flaky) still shows its first failure in full: -ra lists only
+    the outcome."""
+    for report in terminalreporter.stats.get("rerun", []):
+        terminalreporter.write_sep("-", f"first attempt of {report.nodeid}, rerun")
+        terminalreporter.write_line(report.longreprtext)
+
+
 @dataclass
 class TinyModel:
     variant: str

@@ -14,6 +14,7 @@ import pytest
 from allspark_client.config import ConfigError
 from allspark_client.launcher import format_cpu_list, main as launch_main, parse_cpu_list, place_ranks, read_topology
 from allspark_client.pool_config import load_pool_config
+from allspark_client.shm_dir import make_pool_shm_dir, remove_stale
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -116,6 +117,25 @@ def test_dry_run_multi_host(capsys, tmp_path):
         with pytest.raises(SystemExit) as e:
             launch_main(argv + ["--dry-run"])
         assert needle in str(e.value.code), (argv, e.value.code)
+
+
+def test_stale_shared_memory_dirs_of_dead_launchers_are_removed(tmp_path):
+    """A launcher killed outright leaves its segment directory; the next one removes it, never a running
+    launcher's, nor anything not named by the launcher."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()                                    # a pid that no longer runs
+    stale = tmp_path / f"allspark-{gone.pid}-abc"
+    (stale / "sub").mkdir(parents=True)
+    (stale / "sm_segment.host.0.1.0").write_bytes(b"x" * 64)
+    alive = tmp_path / f"allspark-{os.getppid()}-def"      # pytest's parent runs
+    alive.mkdir()
+    other = tmp_path / "sm_segment.host.0.2.0"             # not ours: left alone
+    other.write_bytes(b"y")
+    assert remove_stale(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and alive.exists() and other.exists()
+    mine = make_pool_shm_dir(str(tmp_path))
+    assert os.path.isdir(mine) and os.path.basename(mine).startswith(f"allspark-{os.getpid()}-")
+    assert make_pool_shm_dir(str(tmp_path / "missing")) is None
 
 
 def test_openmpi_prefix_for_remote_daemons(tmp_path):
