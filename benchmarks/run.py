@@ -422,6 +422,8 @@ def main() -> None:
     p.add_argument("--features", action="store_true",
                    help="the serving features instead: prefix cache and guided JSON (serving_features.py)")
     p.add_argument("--sections", nargs="+", default=None, help="with --features: which sections (guided prefix pool mbu)")
+    p.add_argument("--ttft-repeats", type=int, default=None,
+                   help="prompts per TTFT length (default 5, --quick 2): more rounds for the interleaved TTFT ratios")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--rounds", type=int, default=None,
                    help="interleaved batch-1 decode rounds (default 7; --quick 3)")
@@ -445,6 +447,8 @@ def main() -> None:
     spec = QUICK if a.quick else FULL
     if a.rounds:
         spec = dict(spec, decode_repeats=a.rounds)
+    if a.ttft_repeats:
+        spec = dict(spec, repeats=a.ttft_repeats)
     if a.features:
         import serving_features
 
