@@ -48,6 +48,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "gemv_quant.h"
@@ -56,6 +57,12 @@
 #include "simd.h"
 
 namespace {
+// AVX-512 bf16 (vdpbf16ps; AMX machines have it too): whether oneDNN's bf16 GEMM is fast here (ops.gemm_dtype), and
+// whether the dequantization may round with vcvtne2ps2bf16
+bool bf16_dot_products() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
 
 using namespace qgemv;
 
@@ -126,9 +133,13 @@ void dequantize_rows_avx2(const QuantView& w, int64_t K, int64_t n0, int64_t n1,
   }
 }
 
-// the same per block on AVX-512 (any AVX-512 level): 16 codes widened straight to int32 lanes
-template <int F, typename T>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+// the same per block on AVX-512 (any AVX-512 level): 16 codes widened straight to int32 lanes. NE (bf16 output on a
+// CPU with AVX-512 bf16, instantiated only for it): two vectors rounded to bf16 by one vcvtne2ps2bf16 (round to
+// nearest even, as simd::store16's integer rounding: the same bits for every finite product that is not denormal)
+// instead of ~8 integer ops per 16 values; the dequantization is then bound by its writes (prefill on AMX machines,
+// where the bf16 GEMM after it is fast, paid for this).
+template <int F, typename T, bool NE = false>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
 void dequantize_rows_avx512(const QuantView& w, int64_t K, int64_t n0, int64_t n1, T* out) {
   const int64_t G = w.group, G32 = G & ~(BLOCK - 1);
   for (int64_t n = n0; n < n1; ++n) {
@@ -150,8 +161,14 @@ void dequantize_rows_avx512(const QuantView& w, int64_t K, int64_t n0, int64_t n
           if constexpr (F == INT8) v0 = _mm512_cvtepi8_epi32(b0), v1 = _mm512_cvtepi8_epi32(b1);
           else v0 = _mm512_cvtepu8_epi32(b0), v1 = _mm512_cvtepu8_epi32(b1);
         }
-        simd::store16(out + n * K + k, _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(v0), zv), sv));
-        simd::store16(out + n * K + k + 16, _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(v1), zv), sv));
+        const __m512 lo = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(v0), zv), sv);
+        const __m512 hi = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(v1), zv), sv);
+        if constexpr (NE) {
+          _mm512_storeu_si512(out + n * K + k, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+        } else {
+          simd::store16(out + n * K + k, lo);
+          simd::store16(out + n * K + k + 16, hi);
+        }
       }
       for (; k < (g + 1) * G; ++k) out[n * K + k] = static_cast<T>((static_cast<float>(code_at<F>(wr, k)) - z) * s);
     }
@@ -160,6 +177,9 @@ void dequantize_rows_avx512(const QuantView& w, int64_t K, int64_t n0, int64_t n
 
 template <int F, typename T>
 void dequantize_rows(const QuantView& w, int64_t K, int64_t n0, int64_t n1, T* out, int64_t isa) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (isa >= 2 && bf16_dot_products()) return dequantize_rows_avx512<F, T, true>(w, K, n0, n1, out);
+  }
   if (isa >= 2) return dequantize_rows_avx512<F, T>(w, K, n0, n1, out);
   if (isa >= 1) return dequantize_rows_avx2<F, T>(w, K, n0, n1, out);
   for (int64_t n = n0; n < n1; ++n) {
@@ -282,14 +302,6 @@ torch::Tensor dequantize_weight(const QuantWeight& w, at::ScalarType dtype, int6
   });
   return out;
 }
-
-namespace {
-// AVX-512 bf16 (vdpbf16ps; AMX machines have it too): whether oneDNN's bf16 GEMM is fast here (ops.gemm_dtype)
-bool bf16_dot_products() {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
-}
-}  // namespace
 
 torch::Tensor linear_widened(const torch::Tensor& x, const Weight& w, const std::optional<torch::Tensor>& b,
                              int64_t isa) {
