@@ -133,11 +133,10 @@ void dequantize_rows_avx2(const QuantView& w, int64_t K, int64_t n0, int64_t n1,
   }
 }
 
-// the same per block on AVX-512 (any AVX-512 level): 16 codes widened straight to int32 lanes. NE (bf16 output on a
-// CPU with AVX-512 bf16, instantiated only for it): two vectors rounded to bf16 by one vcvtne2ps2bf16 (round to
-// nearest even, as simd::store16's integer rounding: the same bits for every finite product that is not denormal)
-// instead of ~8 integer ops per 16 values; the dequantization is then bound by its writes (prefill on AMX machines,
-// where the bf16 GEMM after it is fast, paid for this).
+// the same per block on AVX-512 (any AVX-512 level): 16 codes widened straight to int32 lanes. NE (bf16 output, run
+// only where the CPU has AVX-512 bf16; the other instantiation executes no bf16 instruction): two vectors rounded by
+// one vcvtne2ps2bf16 instead of ~8 integer ops per 16 values. Both round to nearest even: the same bits for every
+// finite product that is not denormal. It matters where the bf16 GEMM after the dequantization is fast (AMX).
 template <int F, typename T, bool NE = false>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
 void dequantize_rows_avx512(const QuantView& w, int64_t K, int64_t n0, int64_t n1, T* out) {
