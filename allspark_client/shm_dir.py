@@ -14,18 +14,10 @@ import shutil
 import tempfile
 from typing import Optional
 
+import psutil
+
 SHM_ROOT = "/dev/shm"
 _NAME = re.compile(r"^allspark-(\d+)-")
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:     # another user's process
-        return True
-    return True
 
 
 def remove_stale(root: str = SHM_ROOT) -> list[str]:
@@ -39,7 +31,7 @@ def remove_stale(root: str = SHM_ROOT) -> list[str]:
     for name in names:
         m = _NAME.match(name)
         path = os.path.join(root, name)
-        if m and os.path.isdir(path) and not _running(int(m.group(1))):
+        if m and os.path.isdir(path) and not psutil.pid_exists(int(m.group(1))):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
@@ -48,8 +40,6 @@ def remove_stale(root: str = SHM_ROOT) -> list[str]:
 def make_pool_shm_dir(root: str = SHM_ROOT) -> Optional[str]:
     """A fresh directory for this pool's segments (stale ones removed first), or None where there is no
     writable `root` (MPI then keeps its default)."""
-    if not os.path.isdir(root) or not os.access(root, os.W_OK):
-        return None
     remove_stale(root)
     try:
         return tempfile.mkdtemp(prefix=f"allspark-{os.getpid()}-", dir=root)
