@@ -105,6 +105,19 @@ def hf_greedy(model, ids, max_new_tokens: int) -> list[int]:
     return out[0, x.shape[1]:].tolist()
 
 
+def assert_same_tokens(got: list[int], want: list[int], what: str = "") -> None:
+    """got == want, with a failure that says where they part and shows a few tokens around it: pytest's own diff
+    of two long token lists is one line per token, and on CI (no truncation there) a few thousand such lines
+    pushed the list of failed tests out of the log's tail."""
+    if list(got) == list(want):
+        return
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    lo, hi = max(0, first - 4), first + 8
+    raise AssertionError(f"{what + ': ' if what else ''}{len(got)} tokens vs {len(want)} expected, first "
+                         f"difference at index {first}: got ...{list(got[lo:hi])}..., expected "
+                         f"...{list(want[lo:hi])}... (from index {lo})")
+
+
 def random_prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=g).tolist()
