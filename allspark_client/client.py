@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -72,23 +73,30 @@ class ClientEngine(EngineAPI):
         TLS, trusting that CA; `certificate_chain` + `private_key`: a client certificate (channel.py)."""
         self._pool: Optional[subprocess.Popen] = None
         self._pool_log: Optional[str] = None
+        self._run_dir: Optional[str] = None
         if address is None:
             address = self._spawn_pool(ranks, numa_nodes, gpus, launcher_args)
-        self.address = normalize_address(address)
         try:
-            self._channel = open_channel(self.address, token, root_certificates, certificate_chain, private_key)
-        except ValueError as e:
-            raise AsException(AsStatus.ALLSPARK_PARAM_ERROR, str(e)) from None
-        self._tls = root_certificates is not None
-        self._stub = pb_grpc.AllsparkStub(self._channel)
-        self._live: dict[tuple[str, int], _ClientRequest] = {}
-        self._lock = threading.Lock()
-        self._errors = threading.local()
-        self.health = self._wait_ready(start_timeout_s)
+            self.address = normalize_address(address)
+            try:
+                self._channel = open_channel(self.address, token, root_certificates, certificate_chain, private_key)
+            except ValueError as e:
+                raise AsException(AsStatus.ALLSPARK_PARAM_ERROR, str(e)) from None
+            self._tls = root_certificates is not None
+            self._stub = pb_grpc.AllsparkStub(self._channel)
+            self._live: dict[tuple[str, int], _ClientRequest] = {}
+            self._lock = threading.Lock()
+            self._errors = threading.local()
+            self.health = self._wait_ready(start_timeout_s)
+        except BaseException:
+            # a pool spawned for this object that never became ready (it exited, or start_timeout_s passed) is not
+            # left running without an owner, nor its directory behind
+            self._end_spawned_pool()
+            raise
 
     # ---- pool process ------------------------------------------------------------------------
     def _spawn_pool(self, ranks, numa_nodes, gpus, launcher_args) -> str:
-        run_dir = tempfile.mkdtemp(prefix="allspark-pool-")
+        run_dir = self._run_dir = tempfile.mkdtemp(prefix="allspark-pool-")
         socket_path = os.path.join(run_dir, "pool.sock")
         self._pool_log = os.path.join(run_dir, "pool.log")
         cmd = [sys.executable, "-m", "allspark_client.launcher", "--socket", socket_path]
@@ -146,6 +154,11 @@ class ClientEngine(EngineAPI):
             except AsException:
                 break   # the pool is gone
         self._channel.close()
+        self._end_spawned_pool()
+
+    def _end_spawned_pool(self) -> None:
+        """A pool this client spawned: SIGTERM to its launcher (SIGKILL to its process group after 60 s), waited
+        for; then its directory (socket, log) is removed."""
         if self._pool is not None and self._pool.poll() is None:
             self._pool.send_signal(signal.SIGTERM)
             try:
@@ -153,6 +166,9 @@ class ClientEngine(EngineAPI):
             except subprocess.TimeoutExpired:
                 os.killpg(self._pool.pid, signal.SIGKILL)
                 self._pool.wait()
+        if self._run_dir is not None:
+            shutil.rmtree(self._run_dir, ignore_errors=True)
+            self._run_dir = None
 
     def __enter__(self):
         return self

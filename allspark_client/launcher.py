@@ -19,14 +19,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
 from allspark_client.cpu_features import cpu_flags
 from allspark_client.gpu_topology import NO_NODE, gpu_numa_nodes, visible_gpus
 from allspark_client.mpirun_watch import MpirunWatch
-from allspark_client.shm_dir import make_pool_shm_dir
+from allspark_client.pool_dirs import make_pool_shm_dir, make_run_dir
 
 
 @dataclass(frozen=True)
@@ -394,14 +393,14 @@ def main(argv=None) -> int:
                   + (f", gpu: numa node {gpus}" if gpus else ""))
         print(shlex.join(build_command(args, placements, flavour, numactl)))
         return 0
-    run_dir = tempfile.mkdtemp(prefix="allspark-launch-")
+    run_dir = make_run_dir()     # pool_dirs.py: those of launchers killed outright are removed first
     args.pid_file = os.path.join(run_dir, "rank0.pid")
     # MPI's session files (PMIx sockets, shared-memory segments) go in this pool's own directory,
     # removed when the pool ends: Open MPI names them /tmp/ompi.<mpirun pid>, and a pool killed
     # outright leaves its directory behind, where a later mpirun that happens to get the same pid
     # fails with "The PMIx server's listener thread failed to start" (seen after ~100 killed pools)
     env["TMPDIR"] = run_dir
-    # the shared-memory segments too (shm_dir.py): a pool killed outright must not leave 16 MiB a rank in /dev/shm;
+    # the shared-memory segments too (pool_dirs.py): a pool killed outright must not leave 16 MiB a rank in /dev/shm;
     # one host only, since the directory exists on this one. (vader: the transport's name in Open MPI 4, a synonym
     # of sm in 5)
     shm_dir = None

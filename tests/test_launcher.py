@@ -14,7 +14,7 @@ import pytest
 from allspark_client.config import ConfigError
 from allspark_client.launcher import format_cpu_list, main as launch_main, parse_cpu_list, place_ranks, read_topology
 from allspark_client.pool_config import load_pool_config
-from allspark_client.shm_dir import make_pool_shm_dir, remove_stale
+from allspark_client.pool_dirs import RUN_PREFIX, SHM_PREFIX, make_pool_dir, make_pool_shm_dir, remove_stale
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -119,22 +119,31 @@ def test_dry_run_multi_host(capsys, tmp_path):
         assert needle in str(e.value.code), (argv, e.value.code)
 
 
-def test_stale_shared_memory_dirs_of_dead_launchers_are_removed(tmp_path):
-    """A launcher killed outright leaves its segment directory; the next one removes it, never a running
-    launcher's, nor anything not named by the launcher."""
+def test_stale_pool_dirs_of_dead_launchers_are_removed(tmp_path):
+    """A launcher killed outright leaves its segment directory and its run directory; the next one removes them,
+    never a running launcher's, nor anything not named by a launcher, nor one kind for the other."""
     gone = subprocess.Popen(["true"])
     gone.wait()                                    # a pid that no longer runs
     stale = tmp_path / f"allspark-{gone.pid}-abc"
     (stale / "sub").mkdir(parents=True)
     (stale / "sm_segment.host.0.1.0").write_bytes(b"x" * 64)
+    stale_run = tmp_path / f"allspark-launch-{gone.pid}-xyz"
+    stale_run.mkdir()
+    (stale_run / "mpirun.err").write_text("killed")
     alive = tmp_path / f"allspark-{os.getppid()}-def"      # pytest's parent runs
     alive.mkdir()
     other = tmp_path / "sm_segment.host.0.2.0"             # not ours: left alone
     other.write_bytes(b"y")
-    assert remove_stale(str(tmp_path)) == [str(stale)]
-    assert not stale.exists() and alive.exists() and other.exists()
+    old_style = tmp_path / "allspark-launch-k2j4abcd"      # no pid in the name: whose it is is unknown
+    old_style.mkdir()
+    assert remove_stale(str(tmp_path), SHM_PREFIX) == [str(stale)]
+    assert not stale.exists() and stale_run.exists() and alive.exists() and other.exists()
+    assert remove_stale(str(tmp_path), RUN_PREFIX) == [str(stale_run)]
+    assert not stale_run.exists() and alive.exists() and old_style.exists()
     mine = make_pool_shm_dir(str(tmp_path))
     assert os.path.isdir(mine) and os.path.basename(mine).startswith(f"allspark-{os.getpid()}-")
+    run = make_pool_dir(str(tmp_path), RUN_PREFIX)
+    assert os.path.isdir(run) and os.path.basename(run).startswith(f"allspark-launch-{os.getpid()}-")
     assert make_pool_shm_dir(str(tmp_path / "missing")) is None
 
 

@@ -3,9 +3,11 @@ per-rank env and numactl of the mpirun command, the errors, the pool config key,
 a real mpirun giving each rank its own CUDA_VISIBLE_DEVICES, and rank_device under the launcher."""
 from __future__ import annotations
 
+import glob
 import os
 import shlex
 import shutil
+import tempfile
 
 import pytest
 
@@ -178,6 +180,8 @@ def test_client_engine_passes_gpus_to_the_launcher(tmp_path, monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     sysfs, smi = fake_machine(tmp_path)
     extra = ("--nvidia-smi", smi, "--sysfs-root", sysfs, "--topology", "0:0-3;1:4-7", "--no-numactl", "--dry-run")
+    pool_dirs = os.path.join(tempfile.gettempdir(), "allspark-pool-*")
+    before = set(glob.glob(pool_dirs))
     for gpus, want in (([1, 0], ["1", "0"]), ("all", ["0", "1", "2", "3"])):
         with pytest.raises(PoolUnavailable) as e:
             ClientEngine(gpus=gpus, launcher_args=extra, start_timeout_s=60)
@@ -185,6 +189,8 @@ def test_client_engine_passes_gpus_to_the_launcher(tmp_path, monkeypatch):
         assert [t.split("=")[1] for t in shlex.split(command) if t.startswith("ALLSPARK_RANK_GPU=")] == want
     with pytest.raises(PoolUnavailable, match="--ranks 3 does not match --gpus 0,1"):
         ClientEngine(ranks=3, gpus=[0, 1], launcher_args=extra, start_timeout_s=60)
+    # the spawned pools' directories (socket, log) are gone with them
+    assert set(glob.glob(pool_dirs)) == before
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")

@@ -7,6 +7,7 @@ import glob
 import os
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 
@@ -184,9 +185,10 @@ def test_launcher_killed_takes_the_pool_down(new_pool):
     assert gone, [(p.pid, cmdline(p)[:4]) for p in pool.rank_processes_left()]
 
 
-def test_a_pool_killed_outright_leaves_no_shared_memory_behind(new_pool):
+def test_a_pool_killed_outright_leaves_nothing_behind(new_pool):
     """Open MPI's shared-memory segments (16 MiB a rank, in /dev/shm, i.e. memory) live in the pool's own directory
-    there; a pool whose every process is killed cannot remove it, and the next pool's launcher does."""
+    there, its session files and logs in the launcher's run directory; a pool whose every process is killed cannot
+    remove them, and the next pool's launcher does."""
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm")
     pool = new_pool()
@@ -194,10 +196,12 @@ def test_a_pool_killed_outright_leaves_no_shared_memory_behind(new_pool):
     assert len(mine) == 1, mine
     segments = os.listdir(mine[0])
     assert len(segments) == 2 and all("_segment." in s for s in segments), segments   # sm_ (Open MPI 5), vader_ (4)
+    run_dir = glob.glob(os.path.join(tempfile.gettempdir(), f"allspark-launch-{pool.proc.pid}-*"))
+    assert len(run_dir) == 1 and os.path.exists(os.path.join(run_dir[0], "mpirun.err")), run_dir
     pool.kill()                                    # SIGKILL to the launcher, mpirun and both ranks
-    assert os.path.isdir(mine[0])                  # nobody was left to remove it
+    assert os.path.isdir(mine[0]) and os.path.isdir(run_dir[0])     # nobody was left to remove them
     new_pool()
-    assert not os.path.exists(mine[0])
+    assert not os.path.exists(mine[0]) and not os.path.exists(run_dir[0])
 
 
 # ---- 4. a worker stopped (SIGSTOP: a hang, not a death) -------------------------------------------
