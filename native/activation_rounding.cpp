@@ -51,11 +51,10 @@ inline float abs_max_avx2(const float* x, int64_t n) {
   return std::max(abs_max(lanes, 8), abs_max(x + k, n - k));
 }
 
-// a row's fixed point: q = nearbyint(x * inv), x ~ q * d with d = absmax / act_max (a zero row: inv 0); the
-// largest magnitude is exact at every ISA level (a NaN element skipped by all three), so every level agrees
-struct RowScale {
-  float inv, d;
-};
+}  // namespace
+
+// a zero row: inv 0; the largest magnitude is exact at every ISA level (a NaN element skipped by all three), so
+// every level agrees
 RowScale row_scale(const float* x, int64_t K, float act_max, int64_t isa) {
   const float amax = isa >= 2 ? abs_max_avx512(x, K) : isa >= 1 ? abs_max_avx2(x, K) : abs_max(x, K);
   return {amax > 0.f ? act_max / amax : 0.f, amax / act_max};
@@ -72,6 +71,8 @@ void round_row_avx2(const float* x, int64_t n, float inv, int16_t* q) {
   }
   for (; i < n; ++i) q[i] = static_cast<int16_t>(std::nearbyint(x[i] * inv));
 }
+
+namespace {
 
 // bf16 -> fp32 (exact: the bits moved up 16)
 __attribute__((target("avx2,fma,f16c")))
@@ -261,6 +262,39 @@ void round_rows_of(const X* x, int64_t M, int64_t K, float act_max, T* y, int64_
 }
 }  // namespace
 }  // namespace qgemv
+
+std::tuple<torch::Tensor, torch::Tensor> quantize_rows_int8(const torch::Tensor& x, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2, "quantize_rows_int8: x must be 2-D, got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "quantize_rows_int8: x must be fp32 or bf16");
+  const auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  auto q = torch::empty({M, K}, xc.options().dtype(torch::kChar));
+  auto d = torch::empty({M}, xc.options().dtype(torch::kFloat));
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* dp = d.data_ptr<float>();
+  const bool bf16 = xc.scalar_type() == at::kBFloat16;
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (4 * std::max<int64_t>(K, 1)));
+  allspark::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+    std::vector<float> widened(bf16 ? K : 0);
+    std::vector<int16_t> r(K);
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xm;
+      if (bf16) {
+        qgemv::widen_bf16(xc.data_ptr<at::BFloat16>() + m * K, K, widened.data(), isa);
+        xm = widened.data();
+      } else {
+        xm = xc.data_ptr<float>() + m * K;
+      }
+      const auto [inv, dm] = qgemv::row_scale(xm, K, 127.f, isa);
+      dp[m] = dm;
+      if (isa >= 1) qgemv::round_row_avx2(xm, K, inv, r.data());
+      else for (int64_t k = 0; k < K; ++k) r[k] = static_cast<int16_t>(std::nearbyint(xm[k] * inv));
+      for (int64_t k = 0; k < K; ++k) qp[m * K + k] = static_cast<int8_t>(r[k]);   // |r| <= 127
+    }
+  });
+  return {q, d};
+}
 
 torch::Tensor round_rows(const torch::Tensor& x, double act_max, at::ScalarType dtype, int64_t isa) {
   TORCH_CHECK(x.dim() == 2, "round_rows: x must be 2-D, got ", x.sizes());

@@ -145,5 +145,12 @@ void rows_avx512(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64
 Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float act_max, Layout layout, int64_t group);
 // bf16 -> fp32 (exact)
 void widen_bf16(const at::BFloat16* x, int64_t n, float* out, int64_t isa);
+// a row's fixed point (activation_rounding.cpp): q = nearbyint(x * inv), x ~ q * d, d = absmax / act_max
+struct RowScale {
+  float inv, d;
+};
+RowScale row_scale(const float* x, int64_t K, float act_max, int64_t isa);
+// q = nearbyint(x * inv) for n values (AVX2)
+__attribute__((target("avx2,fma,f16c"))) void round_row_avx2(const float* x, int64_t n, float inv, int16_t* q);
 
 }  // namespace qgemv

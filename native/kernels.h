@@ -42,6 +42,13 @@ torch::Tensor dequantize_weight(const QuantWeight& w, at::ScalarType dtype, int6
 // bit): q = nearbyint(x * act_max / absmax), times absmax / act_max, returned in `dtype` (fp32, or bf16 rounded to
 // nearest even); the activations of a dequantized activate_quant GEMM (prefill, large decode batches)
 torch::Tensor round_rows(const torch::Tensor& x, double act_max, at::ScalarType dtype, int64_t isa);
+// A8W8 prefill through an int8 GEMM (ops.linear, on CPUs with AMX int8): each row of x (fp32 / bf16) rounded to int8
+// as round_rows rounds it with act_max 127: (q int8 [M, K], d fp32 [M]), x ~ q * d
+std::tuple<torch::Tensor, torch::Tensor> quantize_rows_int8(const torch::Tensor& x, int64_t isa);
+// the int8 GEMM's epilogue: y[m, n] = acc[m, n] * (d[m] * s[n]) (+ b[n]) in fp32, one rounding into `dtype`; acc int32
+// [M, N] (torch._int_mm of quantize_rows_int8's q and int8 per-channel codes), s the weight's fp16 scales [N, 1]
+torch::Tensor scale_int_mm(const torch::Tensor& acc, const torch::Tensor& d, const torch::Tensor& scales,
+                           const std::optional<torch::Tensor>& bias, at::ScalarType dtype, int64_t isa);
 // x . w^T (+ b) in fp32 for many rows of x (prefill) where oneDNN's bf16 GEMM is slow (no bf16 dot products) or
 // w is quantized: w is widened to fp32 (bf16 rows converted, quantized rows dequantized) WIDEN_TILE_BYTES at a
 // time, each tile one ATen GEMM into its rows of y^T, so the fp32 copy stays in cache instead of going to fresh

@@ -74,6 +74,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_weight", &dequantize_weight, "the weight a QuantWeight stands for, as fp32 or bf16 [N, K]",
         nogil, pybind11::arg("w"), pybind11::arg("dtype"), pybind11::arg("isa"));
   m.attr("QUANT_NATIVE_MAX_ROWS") = QUANT_NATIVE_MAX_ROWS;
+  m.def("quantize_rows_int8", &quantize_rows_int8, "each row of x rounded to int8 as round_rows rounds it (act_max "
+        "127): (q int8 [M, K], d fp32 [M])", nogil, pybind11::arg("x"), pybind11::arg("isa"));
+  m.def("scale_int_mm", &scale_int_mm, "an int8 GEMM's epilogue: acc * (d[m] * s[n]) (+ bias) in fp32, rounded into "
+        "dtype", nogil, pybind11::arg("acc"), pybind11::arg("d"), pybind11::arg("scales"), pybind11::arg("bias"),
+        pybind11::arg("dtype"), pybind11::arg("isa"));
   m.def("decode_attention", &decode_attention, "one-token attention per sequence over span KV caches", nogil,
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("spans"),
         pybind11::arg("ctx"), pybind11::arg("scale"), pybind11::arg("isa"),

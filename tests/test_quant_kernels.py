@@ -260,6 +260,115 @@ def test_round_rows_equals_the_rounding_written_out(isa):
         ext.round_rows(torch.zeros(4), 127.0, torch.float32, 0)
 
 
+@needs_native
+@pytest.mark.parametrize("isa", isa_levels())
+def test_quantize_rows_int8_is_the_rounding_written_out(isa):
+    """The int8 GEMM's x (activate_quant prefill): q int8 and d per row with q = round(x * 127 / absmax) half to
+    even and d = absmax / 127, written out here in fp32 torch ops, bit for bit; a zero row, odd lengths, bf16 and
+    fp32 x."""
+    ext = ops.native()
+    g = torch.Generator().manual_seed(23)
+    for m, k in ((1, 7), (3, 33), (17, 1536), (5, 100)):
+        x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 5
+        x[0] = 0
+        for x_dtype in (torch.float32, torch.bfloat16):
+            xf = x.to(x_dtype).float()
+            amax = xf.abs().amax(-1)
+            inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+            q, d = ext.quantize_rows_int8(x.to(x_dtype), isa)
+            assert q.dtype == torch.int8 and d.dtype == torch.float32
+            assert torch.equal(q, torch.round(xf * inv[:, None]).to(torch.int8)), (m, k, x_dtype)
+            assert torch.equal(d, amax / 127.0)
+
+
+@needs_native
+@pytest.mark.parametrize("isa", isa_levels())
+def test_scale_int_mm_by_hand(isa):
+    """The int8 GEMM's epilogue, y = acc * (d[m] * s[n]) + b[n], on numbers worked out by hand (exact in bf16), and
+    at every length around the vector widths against the same formula in float64 (within the fp32 roundings: the
+    compiler may fuse the multiply and the add)."""
+    ext = ops.native()
+    acc = torch.tensor([[3, -4], [100, 0]], dtype=torch.int32)
+    d = torch.tensor([0.5, 0.25])
+    s = torch.tensor([[2.0], [0.125]]).half()
+    b = torch.tensor([1.0, -1.0])
+    # row 0: 3 * 0.5 * 2 + 1 = 4, -4 * 0.5 * 0.125 - 1 = -1.25; row 1: 100 * 0.25 * 2 + 1 = 51, 0 - 1 = -1
+    for dtype in (torch.float32, torch.bfloat16):
+        y = ext.scale_int_mm(acc, d, s, b.to(dtype), dtype, isa)
+        assert y.dtype == dtype and y.tolist() == [[4.0, -1.25], [51.0, -1.0]]
+    g = torch.Generator().manual_seed(24)
+    for n in (1, 7, 8, 15, 16, 17, 33):
+        acc = torch.randint(-2 ** 20, 2 ** 20, (5, n), generator=g, dtype=torch.int32)
+        d, s = torch.rand(5, generator=g), (torch.rand(n, 1, generator=g) * 0.01).half()
+        b = torch.randn(n, generator=g)
+        scale = (d[:, None] * s.float().T).double()            # d[m] * s[n] is one fp32 product in both
+        for bias in (b, None):
+            want = acc.double() * scale + (0 if bias is None else bias.double())
+            for dtype in (torch.float32, torch.bfloat16):
+                got = ext.scale_int_mm(acc, d, s, bias, dtype, isa)
+                ulps = 2 * 2.0 ** -24 + (2.0 ** -8 if dtype == torch.bfloat16 else 0)
+                bound = ulps * (acc.double().abs() * scale.abs() + (0 if bias is None else bias.double().abs()))
+                assert got.dtype == dtype and ((got.double() - want).abs() <= bound).all(), (n, dtype, bias is None)
+    with pytest.raises(RuntimeError, match="per-channel scales"):
+        ext.scale_int_mm(acc, d, torch.ones(acc.shape[1], 2).half(), None, torch.float32, isa)
+    with pytest.raises(RuntimeError, match="int32"):
+        ext.scale_int_mm(acc.float(), d, s, None, torch.float32, isa)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_gemm_matches_float64(dtype):
+    """activate_quant int8 per-channel prefill as an int8 GEMM (ops.linear_int8_gemm): x rounded as the GEMV rounds
+    it, exact integer sums, one scaling: the float64 dequantize-then-matmul of the same rounded x within fp32 (and,
+    for bf16, one final rounding); odd shapes, with and without bias."""
+    g = torch.Generator().manual_seed(25)
+    for i, (m, k, n) in enumerate(((17, 64, 40), (40, 100, 33), (64, 1536, 96), (23, 256, 1))):
+        qw = _quantized(n, k, "int8", -1, seed=30 + i)
+        qw = QuantizedWeight(qw.qweight, qw.scales, None, "int8", -1, k, act_bits=8)
+        x = torch.randn(m, k, generator=g).to(dtype)
+        b = torch.randn(n, generator=g).to(dtype) if i % 2 else None
+        y = ops.linear_int8_gemm(x, qw, b)
+        ref = _round_to_int8_levels(x) @ qw.dequantize().double().T + (0 if b is None else b.double())
+        tol = 1e-6 * (x.double().abs() @ qw.dequantize().double().abs().T).max().item()
+        rounding = ref.abs() * (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -23)
+        assert y.dtype == dtype and y.shape == (m, n)
+        assert ((y.double() - ref).abs() <= tol + rounding).all(), (m, k, n, dtype)
+
+
+@needs_native
+def test_ops_linear_takes_the_int8_gemm_only_for_int8_per_channel_activate_quant(monkeypatch):
+    """With the int8 GEMM on (the default where the CPU has AMX int8), ops.linear sends prefill rows of an
+    activate_quant int8 per-channel weight there and nothing else: grouped, weight-only, 4-bit and uint8 weights,
+    up to QUANT_NATIVE_MAX_ROWS rows (the GEMV) and more than INT8_GEMM_MAX_ROWS keep their paths."""
+    monkeypatch.setattr(ops, "INT8_GEMM", True)
+    calls = []
+    real = ops.linear_int8_gemm
+    monkeypatch.setattr(ops, "linear_int8_gemm", lambda *a: calls.append(a) or real(*a))
+    g = torch.Generator().manual_seed(26)
+    x = torch.randn(40, 128, generator=g).bfloat16()
+    for fmt, group, act_bits, taken in (("int8", -1, 8, True), ("int8", 64, 8, False), ("int8", -1, 16, False),
+                                        ("uint8", -1, 8, False), ("int4", 32, 8, False)):
+        q = _quantized(48, 128, fmt, group, seed=40)
+        qw = QuantizedWeight(q.qweight, q.scales, q.zeros, fmt, group, 128, act_bits=act_bits)
+        calls.clear()
+        y = ops.linear(x, qw)
+        assert bool(calls) == taken, (fmt, group, act_bits)
+        ref = ops.round_activations_reference(x, act_bits).double() @ qw.dequantize().double().T
+        assert (y.double() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item(), (fmt, group, act_bits)
+        calls.clear()
+        ops.linear(x[:ops.native().QUANT_NATIVE_MAX_ROWS], qw)
+        assert not calls
+    q = _quantized(48, 128, "int8", -1, seed=40)
+    qw = QuantizedWeight(q.qweight, q.scales, None, "int8", -1, 128, act_bits=8)
+    monkeypatch.setattr(ops, "INT8_GEMM_MAX_ROWS", 32)       # 40 rows: above the limit
+    ops.linear(x, qw)
+    assert not calls
+    monkeypatch.setattr(ops, "INT8_GEMM_MAX_ROWS", 64)
+    monkeypatch.setattr(ops, "INT8_GEMM", False)
+    ops.linear(x, qw)
+    assert not calls
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_ops_linear_on_both_sides_of_the_native_row_limit(fmt):
     qw = _quantized(96, 128, fmt, 64, seed=7)
