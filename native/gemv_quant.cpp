@@ -303,7 +303,14 @@ torch::Tensor dequantize_weight(const QuantWeight& w, at::ScalarType dtype, int6
 }
 
 namespace {
-// rows [m0, m1) of the int8 GEMM's epilogue (scale_int_mm); the vector loops round exactly as the scalar tail
+// one element of the int8 GEMM's epilogue (scale_int_mm); the vector loops below compute the same, up to the one
+// fp32 rounding an FMA saves where the compiler fuses the multiply and the add
+template <typename O>
+inline O scaled(int32_t acc, float d, float s, const float* b, int64_t n) {
+  return static_cast<O>(static_cast<float>(acc) * (d * s) + (b ? b[n] : 0.f));
+}
+
+// rows [m0, m1) of the epilogue
 template <typename O>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 void scale_rows_avx512(const int32_t* acc, const float* d, const float* s, const float* b, int64_t m0, int64_t m1,
@@ -316,8 +323,7 @@ void scale_rows_avx512(const int32_t* acc, const float* d, const float* s, const
       const __m512 bv = b ? _mm512_loadu_ps(b + n) : _mm512_setzero_ps();
       simd::store16(y + m * N + n, _mm512_add_ps(_mm512_mul_ps(a, _mm512_mul_ps(dm, _mm512_loadu_ps(s + n))), bv));
     }
-    for (; n < N; ++n)
-      y[m * N + n] = static_cast<O>(static_cast<float>(acc[m * N + n]) * (d[m] * s[n]) + (b ? b[n] : 0.f));
+    for (; n < N; ++n) y[m * N + n] = scaled<O>(acc[m * N + n], d[m], s[n], b, n);
   }
 }
 
@@ -333,8 +339,7 @@ void scale_rows_avx2(const int32_t* acc, const float* d, const float* s, const f
       const __m256 bv = b ? _mm256_loadu_ps(b + n) : _mm256_setzero_ps();
       simd::store8(y + m * N + n, _mm256_add_ps(_mm256_mul_ps(a, _mm256_mul_ps(dm, _mm256_loadu_ps(s + n))), bv));
     }
-    for (; n < N; ++n)
-      y[m * N + n] = static_cast<O>(static_cast<float>(acc[m * N + n]) * (d[m] * s[n]) + (b ? b[n] : 0.f));
+    for (; n < N; ++n) y[m * N + n] = scaled<O>(acc[m * N + n], d[m], s[n], b, n);
   }
 }
 
@@ -345,8 +350,7 @@ void scale_rows(const int32_t* acc, const float* d, const float* s, const float*
     if (isa >= 2) return scale_rows_avx512(acc, d, s, b, m0, m1, N, y);
     if (isa >= 1) return scale_rows_avx2(acc, d, s, b, m0, m1, N, y);
     for (int64_t m = m0; m < m1; ++m)
-      for (int64_t n = 0; n < N; ++n)
-        y[m * N + n] = static_cast<O>(static_cast<float>(acc[m * N + n]) * (d[m] * s[n]) + (b ? b[n] : 0.f));
+      for (int64_t n = 0; n < N; ++n) y[m * N + n] = scaled<O>(acc[m * N + n], d[m], s[n], b, n);
   });
 }
 }  // namespace
