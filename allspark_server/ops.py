@@ -148,8 +148,8 @@ INT8_GEMM_MAX_ROWS = 512
 def int8_gemm_suits(w: QuantizedWeight, rows: int) -> bool:
     """Prefill rows (up to INT8_GEMM_MAX_ROWS) of an activate_quant int8 weight with per-channel scales run as an
     int8 GEMM (linear_int8_gemm) on CPUs with AMX int8, where it beats dequantizing the weight for the bf16 GEMM:
-    measured on the 2-core AMX VM, int8 + a8 + head TTFT 0.97x bf16's at 128 tokens against 1.34x, 1.16x at 512
-    against 1.20x (benchmarks/int8_gemm.py)."""
+    measured on the 2-core AMX VM, int8 + a8 + head TTFT 0.96x bf16's at 128 tokens against 1.36x, 1.17x at 512
+    against 1.22x (benchmarks/int8_gemm.py, results-int8-gemm.json)."""
     if w.act_bits != 8 or w.fmt != "int8" or w.scales.shape[1] != 1 or rows > INT8_GEMM_MAX_ROWS:
         return False
     return INT8_GEMM if INT8_GEMM is not None else "amx_int8" in cpu_flags()
@@ -157,8 +157,8 @@ def int8_gemm_suits(w: QuantizedWeight, rows: int) -> bool:
 
 def linear_int8_gemm(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ dequant(w).T (+ bias) for an activate_quant int8 per-channel weight, as an int8 GEMM: x rounded per row
-    to int8 exactly as the GEMV rounds it, the integer products summed exactly (torch._int_mm: oneDNN's int8 GEMM,
-    AMX on CPUs that have it), then scaled once in fp32 (d[m] * s[n]) and rounded into x's dtype."""
+    to int8 exactly as the GEMV rounds it, the integer products summed exactly (torch._int_mm, oneDNN's int8 GEMM),
+    then scaled once in fp32 (d[m] * s[n]) and rounded into x's dtype."""
     ext = native()
     q, d = ext.quantize_rows_int8(x, isa_level())
     acc = torch._int_mm(q, w.qweight.t())
