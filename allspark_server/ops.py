@@ -114,11 +114,11 @@ def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Ten
     if isinstance(w, QuantizedWeight):
         if ext is None or x.dim() != 2 or x.dtype not in NATIVE_MAX_ROWS:
             return linear_reference(x, w, bias)
-        nw = native_weight(w)
         if x.shape[0] <= ext.QUANT_NATIVE_MAX_ROWS:
-            return ext.linear_quant(x, nw, bias, isa_level())
-        if int8_gemm_suits(w, x.shape[0]):
+            return ext.linear_quant(x, native_weight(w), bias, isa_level())
+        if int8_gemm_suits(w, x.shape[0]):        # the codes as they are: no native QuantWeight needed
             return linear_int8_gemm(x, w, bias)
+        nw = native_weight(w)
         dtype = gemm_dtype(x.dtype)
         # activate_quant: x rounded to int8 per token here too, as the GEMV rounds it, straight into the GEMM's dtype
         xg = ext.round_rows(x, ACT_MAX[8], dtype, isa_level()) if w.act_bits == 8 else x

@@ -239,25 +239,45 @@ Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float
 }
 
 namespace {
-template <typename X, typename T>
-void round_rows_of(const X* x, int64_t M, int64_t K, float act_max, T* y, int64_t isa) {
+// f(m, row m of x in fp32) for every row, rows split over the threads (bf16 rows widened into a buffer of the thread)
+template <typename X, typename F>
+void for_rows_in_fp32(const X* x, int64_t M, int64_t K, int64_t isa, const F& f) {
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (4 * std::max<int64_t>(K, 1)));
   allspark::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
     std::vector<float> widened(std::is_same_v<X, float> ? 0 : K);
     for (int64_t m = m0; m < m1; ++m) {
-      const float* xm;
       if constexpr (std::is_same_v<X, float>) {
-        xm = x + m * K;
+        f(m, x + m * K);
       } else {
         widen_bf16(x + m * K, K, widened.data(), isa);
-        xm = widened.data();
+        f(m, static_cast<const float*>(widened.data()));
       }
-      const auto [inv, d] = row_scale(xm, K, act_max, isa);
-      T* ym = y + m * K;
-      if (isa >= 2) scale_row_avx512(xm, K, inv, d, ym);
-      else if (isa >= 1) scale_row_avx2(xm, K, inv, d, ym);
-      else for (int64_t k = 0; k < K; ++k) ym[k] = static_cast<T>(std::nearbyint(xm[k] * inv) * d);
     }
+  });
+}
+
+template <typename X, typename T>
+void round_rows_of(const X* x, int64_t M, int64_t K, float act_max, T* y, int64_t isa) {
+  for_rows_in_fp32(x, M, K, isa, [&](int64_t m, const float* xm) {
+    const auto [inv, d] = row_scale(xm, K, act_max, isa);
+    T* ym = y + m * K;
+    if (isa >= 2) scale_row_avx512(xm, K, inv, d, ym);
+    else if (isa >= 1) scale_row_avx2(xm, K, inv, d, ym);
+    else for (int64_t k = 0; k < K; ++k) ym[k] = static_cast<T>(std::nearbyint(xm[k] * inv) * d);
+  });
+}
+
+// each row as int8 codes q (act_max 127) and its d
+template <typename X>
+void quantize_rows_int8_of(const X* x, int64_t M, int64_t K, int8_t* q, float* d, int64_t isa) {
+  for_rows_in_fp32(x, M, K, isa, [&](int64_t m, const float* xm) {
+    thread_local std::vector<int16_t> r;
+    r.resize(K);
+    const auto [inv, dm] = row_scale(xm, K, 127.f, isa);
+    d[m] = dm;
+    if (isa >= 1) round_row_avx2(xm, K, inv, r.data());
+    else for (int64_t k = 0; k < K; ++k) r[k] = static_cast<int16_t>(std::nearbyint(xm[k] * inv));
+    for (int64_t k = 0; k < K; ++k) q[m * K + k] = static_cast<int8_t>(r[k]);   // |r| <= 127
   });
 }
 }  // namespace
@@ -271,28 +291,10 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_rows_int8(const torch::Tensor&
   const int64_t M = xc.size(0), K = xc.size(1);
   auto q = torch::empty({M, K}, xc.options().dtype(torch::kChar));
   auto d = torch::empty({M}, xc.options().dtype(torch::kFloat));
-  int8_t* qp = q.data_ptr<int8_t>();
-  float* dp = d.data_ptr<float>();
-  const bool bf16 = xc.scalar_type() == at::kBFloat16;
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (4 * std::max<int64_t>(K, 1)));
-  allspark::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
-    std::vector<float> widened(bf16 ? K : 0);
-    std::vector<int16_t> r(K);
-    for (int64_t m = m0; m < m1; ++m) {
-      const float* xm;
-      if (bf16) {
-        qgemv::widen_bf16(xc.data_ptr<at::BFloat16>() + m * K, K, widened.data(), isa);
-        xm = widened.data();
-      } else {
-        xm = xc.data_ptr<float>() + m * K;
-      }
-      const auto [inv, dm] = qgemv::row_scale(xm, K, 127.f, isa);
-      dp[m] = dm;
-      if (isa >= 1) qgemv::round_row_avx2(xm, K, inv, r.data());
-      else for (int64_t k = 0; k < K; ++k) r[k] = static_cast<int16_t>(std::nearbyint(xm[k] * inv));
-      for (int64_t k = 0; k < K; ++k) qp[m * K + k] = static_cast<int8_t>(r[k]);   // |r| <= 127
-    }
-  });
+  if (xc.scalar_type() == at::kFloat)
+    qgemv::quantize_rows_int8_of(xc.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), isa);
+  else
+    qgemv::quantize_rows_int8_of(xc.data_ptr<at::BFloat16>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), isa);
   return {q, d};
 }
 
