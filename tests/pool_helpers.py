@@ -14,7 +14,7 @@ import psutil
 
 from allspark_client import ClientEngine, GenerateRequestStatus
 from allspark_client.types import AsStatus
-from helpers import collect
+from helpers import LONG_RUN_TOKENS, collect
 
 MODEL = "llama"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -176,6 +176,35 @@ def read_at_least(queue, n: int, timeout_s: float = 60.0) -> list[int]:
                                  f"error {queue.ErrorMessage()!r}")
         tokens.extend(el.ids_from_generate)
     return tokens
+
+
+PREMISE_TRIES = 3   # how often a set-up that a stalled test process spoiled is done again
+
+
+def start_running_streams(client: ClientEngine, prompts, min_tokens: int = 2,
+                          max_new_tokens: int = LONG_RUN_TOKENS) -> list[tuple]:
+    """One long greedy stream per prompt, each having delivered `min_tokens` and none of them ended:
+    [(ids, handle, queue, tokens read)]. The tests built on this are about what happens to *running* streams, and a
+    test process that did not run for a whole stream (seen in CI: a stall of seconds while the pool ran on) finds
+    some already finished; those are then stopped, released and started again, PREMISE_TRIES times at most."""
+    for _ in range(PREMISE_TRIES):
+        started = []
+        for ids in prompts:
+            status, handle, queue = client.start_request(MODEL, {"input_ids": ids}, greedy_cfg(max_new_tokens))
+            assert status == AsStatus.ALLSPARK_SUCCESS, client.get_last_error()
+            started.append((ids, handle, queue))
+        firsts = [read_at_least(queue, min_tokens) for _, _, queue in started]
+        if not any(queue.GenerateStatus().is_terminal for _, _, queue in started):
+            return [(ids, handle, queue, first) for (ids, handle, queue), first in zip(started, firsts)]
+        for _, handle, _ in started:
+            stop_and_release(client, handle)
+    raise AssertionError(f"streams of {max_new_tokens} tokens had ended before this process read {min_tokens} "
+                         f"tokens of each, {PREMISE_TRIES} times: the test process is stalled for whole streams")
+
+
+def stop_and_release(client: ClientEngine, handle) -> None:
+    assert client.stop_request(MODEL, handle) == AsStatus.ALLSPARK_SUCCESS, client.get_last_error()
+    assert client.release_request(MODEL, handle) == AsStatus.ALLSPARK_SUCCESS, client.get_last_error()
 
 
 def wait_until(cond, timeout_s: float, step_s: float = 0.02) -> bool:

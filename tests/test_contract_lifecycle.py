@@ -200,6 +200,7 @@ LONG = dict(GREEDY, max_new_tokens=LONG_RUN_TOKENS)      # runs until the test s
 
 
 STOP_TRIES = 3
+STOP_REACH_MS = 500     # a stop sent this close to a request's natural end may arrive after it
 
 
 def test_stop_mid_stream(api):
@@ -218,12 +219,14 @@ def test_stop_mid_stream(api):
         n = queue.GeneratedLength()
         if n < LONG_RUN_TOKENS:
             break
-        # It ran to its end. Fine only if it got there before the stop was sent: a machine that stalled this
-        # process for the whole run (the finish time is the engine's, same clock). Then try again.
+        # It ran to its end. Fine only if it got there before the stop could reach it: this process stalled for the
+        # whole run, up to about when it sent the stop (seen in CI: 25 ms before the end); the finish time is the
+        # engine's, same clock. Then try again. A stop that does not work shows as the seconds the rest of the
+        # run takes.
         finished_ms = queue.RequestStatInfo()["finished_time"]
-        assert finished_ms < stop_sent_ms, (f"stop_request reached a running request and it still ran to its end "
-                                            f"({n} tokens; finished {finished_ms - stop_sent_ms:.0f} ms after the "
-                                            f"stop was sent)")
+        assert finished_ms < stop_sent_ms + STOP_REACH_MS, (
+            f"stop_request reached a running request and it still ran to its end ({n} tokens; finished "
+            f"{finished_ms - stop_sent_ms:.0f} ms after the stop was sent)")
         assert engine.release_request(NAME, handle) == OK
     else:
         pytest.fail(f"{STOP_TRIES} requests of {LONG_RUN_TOKENS} tokens all finished before this process could "

@@ -8,6 +8,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 import allspark_server.engine as engine_module
 from allspark_client import AsStatus, GenerateRequestStatus
 from helpers import (LONG_RUN_MAX_LENGTH, LONG_RUN_TOKENS, RecordingQueue, assert_same_tokens, collect, generate,
@@ -40,16 +42,29 @@ def test_waiting_request_is_init_and_sync_waits(served_llama, tmp_path):
     _, loader = served_llama
     engine = start_engine(loader, "one", max_batch=1, max_length=LONG_RUN_MAX_LENGTH)
     gen = {"top_k": 1, "max_new_tokens": LONG_RUN_TOKENS, "eos_token_id": []}
-    _, h1, q1 = engine.start_request("one", {"input_ids": random_prompt(8, 1)}, gen)
-    _, h2, q2 = engine.start_request("one", {"input_ids": random_prompt(8, 2)}, dict(gen, max_new_tokens=3))
-    assert q2.GenerateStatus() == S.Init             # max_batch=1: it waits for the first
-    assert engine.get_as_engine_stat("one").pendding_request >= 1
-    synced = []
-    syncer = threading.Thread(target=lambda: synced.append(engine.sync_request("one", h2)))
-    syncer.start()
-    time.sleep(0.2)
-    assert not synced, "sync_request returned while its request was still waiting"
-    assert q2.GenerateStatus() == S.Init
+    for _ in range(3):
+        _, h1, q1 = engine.start_request("one", {"input_ids": random_prompt(8, 1)}, gen)
+        _, h2, q2 = engine.start_request("one", {"input_ids": random_prompt(8, 2)}, dict(gen, max_new_tokens=3))
+        seen = [q2.GenerateStatus(), engine.get_as_engine_stat("one").pendding_request]
+        synced = []
+        syncer = threading.Thread(target=lambda: synced.append(engine.sync_request("one", h2)))
+        syncer.start()
+        time.sleep(0.2)
+        seen += [list(synced), q2.GenerateStatus()]
+        if not q1.GenerateStatus().is_terminal:
+            break
+        # the first ran its whole length meanwhile: this process stalled that long, and nothing above says
+        # anything; again
+        syncer.join(HANG_S)
+        for h in (h1, h2):
+            assert engine.release_request("one", h) == AsStatus.ALLSPARK_SUCCESS
+    else:
+        pytest.fail("the first request ran to its end before the second was looked at, 3 times: stalled process")
+    # max_batch=1: the second waits for the first, and so does a sync_request on it
+    init_status, pending, synced_then, status_then = seen
+    assert init_status == S.Init and pending >= 1
+    assert not synced_then, "sync_request returned while its request was still waiting"
+    assert status_then == S.Init
     assert engine.stop_request("one", h1) == AsStatus.ALLSPARK_SUCCESS      # frees the one batch slot
     syncer.join(HANG_S)
     assert synced == [AsStatus.ALLSPARK_SUCCESS]

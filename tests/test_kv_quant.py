@@ -13,7 +13,7 @@ from allspark_client.config import ConfigError
 from allspark_server import ops
 from allspark_server.quant import kv as kv_quant
 from allspark_server.runner.kv_cache import KVCache, bytes_per_span
-from helpers import greedy, hf_greedy, hf_logits, random_prompt, serialize, start_engine
+from helpers import greedy, hf_greedy, hf_logits, random_prompt, serialize
 
 ISAS = [i for i in (ops.ISA_PORTABLE, ops.ISA_AVX2, ops.ISA_AVX512) if i <= ops.isa_level()]
 needs_native = pytest.mark.skipif(ops.native() is None, reason="native kernels not built")

@@ -18,7 +18,8 @@ from allspark_client._proto import allspark_pb2 as pb
 from allspark_client.types import AsStatus
 from helpers import LONG_RUN_MAX_LENGTH, LONG_RUN_TOKENS, assert_same_tokens, collect, hf_greedy, hf_ref, random_prompt
 from client_scripts import CLIENT_SCRIPT, CLOSE_LIMIT_S, DYING_CLIENT_SCRIPT
-from pool_helpers import MODEL, REPO, client_greedy, greedy_cfg, install, read_at_least, repo_env, wait_until
+from pool_helpers import (MODEL, PREMISE_TRIES, REPO, client_greedy, greedy_cfg, install, read_at_least, repo_env,
+                          start_running_streams, stop_and_release, wait_until)
 
 
 # ---- 1. malformed input on a raw channel ----------------------------------------------------------
@@ -365,14 +366,28 @@ def test_streams_past_the_limit_are_refused_as_overload_and_the_pool_serves_on(n
     pool = new_pool(extra_args=("--max-streams", "3"))
     client = pool.client()
     install(client, loader, max_length=LONG_RUN_MAX_LENGTH)
-    long = [client.start_request(MODEL, {"input_ids": [5, 6, 7]}, greedy_cfg(LONG_RUN_TOKENS)) for _ in range(3)]
-    assert all(status == AsStatus.ALLSPARK_SUCCESS for status, _, _ in long)
-    status, handle, _ = client.start_request(MODEL, {"input_ids": [5, 6]}, greedy_cfg(4))
+    for _ in range(PREMISE_TRIES):
+        long = start_running_streams(client, [[5, 6, 7 + i] for i in range(3)])
+        status, handle, queue = client.start_request(MODEL, {"input_ids": [5, 6]}, greedy_cfg(4))
+        if status != AsStatus.ALLSPARK_SUCCESS:
+            break
+        # Taken: fair only if one of the three long streams had already ended when the pool took it (this process
+        # stalled for a whole stream). That stream's last reply came before this one's first, on one connection.
+        collect(queue)
+        assert client.release_request(MODEL, handle) == AsStatus.ALLSPARK_SUCCESS
+        ended_first = wait_until(lambda: any(q.GenerateStatus() == GenerateRequestStatus.GenerateFinished
+                                             and q.GeneratedLength() == LONG_RUN_TOKENS for _, _, q, _ in long), 5.0)
+        assert ended_first, "a 4th stream was taken while 3 (--max-streams 3) were running"
+        for _, h, _, _ in long:
+            stop_and_release(client, h)
+    else:
+        pytest.fail(f"the long streams ended before a 4th could be started, {PREMISE_TRIES} times: this process is "
+                    f"stalled for whole streams")
     assert status == AsStatus.ALLSPARK_REQUEST_DENIED and handle is None
     assert "maximum of 3 concurrent streams" in client.get_last_error()
     stat = client.get_as_engine_stat(MODEL)                             # unary calls are never refused
-    assert stat.running_request + stat.pendding_request == 3
-    for _, h, _ in long:
+    assert stat.running_request + stat.pendding_request <= 3    # not the refused one
+    for _, h, _, _ in long:
         assert client.release_request(MODEL, h) == AsStatus.ALLSPARK_SUCCESS
     prompt = random_prompt(9, seed=4)
     started = []                        # their streams close just after the releases return
