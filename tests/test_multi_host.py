@@ -66,7 +66,7 @@ def test_host_network_loss_ends_streams_and_the_pool(new_pool, hosts, loader):
     pool = start_two_host_pool(new_pool, hosts, "--step-timeout", "3")
     client = pool.client()
     install(client, loader, max_length=LONG_RUN_MAX_LENGTH, max_batch=max(8, FAULT_STREAMS))
-    queues = start_streams(client, pool)
+    queues = start_streams(client)
     cut_at = time.monotonic()
     hosts.link(1, up=False)
     try:
