@@ -13,7 +13,6 @@ one each round; ratios are medians of same-round ratios.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -76,9 +75,7 @@ def main() -> None:
     finally:
         ops.INT8_GEMM = None
         engine.shutdown()
-    os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump(report, f, indent=2)
+    R.write_report(a.json, report)
 
 
 if __name__ == "__main__":

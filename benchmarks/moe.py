@@ -111,9 +111,7 @@ def main() -> None:
     engine.stop_model("bench-moe")
     engine.release_model("bench-moe")
     engine.shutdown()
-    os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump(report, f, indent=2)
+    run.write_report(a.json, report)
 
 
 if __name__ == "__main__":

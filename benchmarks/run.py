@@ -390,6 +390,13 @@ def summarize(report: dict) -> list[str]:
     return lines
 
 
+def write_report(path: str, report: dict) -> None:
+    """A benchmark's report as JSON at `path` (its folder made if missing)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+
+
 def machine_name() -> str:
     try:
         import cpuinfo
@@ -437,9 +444,7 @@ def main() -> None:
         import cuda_bench
 
         def save(report):
-            os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-            with open(a.json, "w") as f:
-                json.dump(report, f, indent=2)
+            write_report(a.json, report)
         report = cuda_bench.main(a, save)
         save(report)
         print(json.dumps({k: v for k, v in report.items() if not isinstance(v, list)}, indent=1))
@@ -454,9 +459,7 @@ def main() -> None:
 
         def save(report):
             report["machine"] = machine_name()
-            os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-            with open(a.json, "w") as f:
-                json.dump(report, f, indent=2)
+            write_report(a.json, report)
         torch.set_num_threads(a.threads)
         earlier = None
         if a.sections and os.path.exists(a.json):   # keep the sections not run now
@@ -490,9 +493,7 @@ def main() -> None:
     report["wall_s"] = time.time() - t0
     print("\n".join(summarize(report)))
     print(f"\n({report['wall_s']:.0f} s)")
-    os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump(report, f, indent=2)
+    write_report(a.json, report)
 
 
 if __name__ == "__main__":

@@ -263,9 +263,7 @@ def main() -> None:
             proc.terminate()
             proc.wait(timeout=60)
         print(json.dumps(report["burst"]), flush=True)
-        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(report, f, indent=2)
+        run.write_report(a.json, report)
         return
 
     import torch
@@ -325,9 +323,7 @@ def main() -> None:
         report["http_vs_engine_sequential"] = {"tpot_median_ratio": h["tpot_median_ms"] / e["tpot_median_ms"],
                                                "ttft_median_added_ms": h["ttft_median_ms"] - e["ttft_median_ms"]}
     print(json.dumps({k: v for k, v in report.items() if k.startswith("http_vs")}, indent=1))
-    os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump(report, f, indent=2)
+    run.write_report(a.json, report)
 
 
 if __name__ == "__main__":
