@@ -13,15 +13,27 @@ sys.path.insert(0, os.path.dirname(__file__))
 logging.getLogger("allspark").setLevel(logging.ERROR)
 
 from allspark_server.tiny_model import VARIANTS, build_tiny_model  # noqa: E402
+from stall_watch import StallWatch  # noqa: E402
+
+STALL_WATCH = StallWatch()
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    STALL_WATCH.current = item.nodeid
+    yield
+
+
 def pytest_terminal_summary(terminalreporter):
     """A test that passed on its rerun (@pytest.mark.flaky) still shows its first failure in full: -ra lists only
-    the outcome."""
+    the outcome. Then what tests/stall_watch.py saw of this process's own stalls."""
+    terminalreporter.write_sep("-", "stalls of the test process")
+    for line in STALL_WATCH.report():
+        terminalreporter.write_line(line)
     for report in terminalreporter.stats.get("rerun", []):
         terminalreporter.write_sep("-", f"first attempt of {report.nodeid}, rerun")
         terminalreporter.write_line(report.longreprtext)

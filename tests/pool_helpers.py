@@ -11,6 +11,7 @@ import tempfile
 import time
 
 import psutil
+import pytest
 
 from allspark_client import ClientEngine, GenerateRequestStatus
 from allspark_client.types import AsStatus
@@ -181,6 +182,16 @@ def read_at_least(queue, n: int, timeout_s: float = 60.0) -> list[int]:
 PREMISE_TRIES = 3   # how often a set-up that a stalled test process spoiled is done again
 
 
+class PremiseSpoiled(Exception):
+    """What a test acts on was provably gone when it acted (a stream it meant to cut had already generated all its
+    tokens): the test process stalled between setting up and acting, and the test says nothing about the code. Tests
+    marked REDO_SPOILED are then run again from the start (a fresh pool), PREMISE_TRIES times in all; any other
+    failure fails them at once."""
+
+
+REDO_SPOILED = pytest.mark.flaky(reruns=PREMISE_TRIES - 1, only_rerun=[PremiseSpoiled])
+
+
 def start_running_streams(client: ClientEngine, prompts, min_tokens: int = 2,
                           max_new_tokens: int = LONG_RUN_TOKENS) -> list[tuple]:
     """One long greedy stream per prompt, each having delivered `min_tokens` and none of them ended:
@@ -194,7 +205,10 @@ def start_running_streams(client: ClientEngine, prompts, min_tokens: int = 2,
             assert status == AsStatus.ALLSPARK_SUCCESS, client.get_last_error()
             started.append((ids, handle, queue))
         firsts = [read_at_least(queue, min_tokens) for _, _, queue in started]
-        if not any(queue.GenerateStatus().is_terminal for _, _, queue in started):
+        # the pool's own count as well as this process's view: a reader thread that fell behind shows a stream
+        # still running that the pool has finished
+        if (not any(queue.GenerateStatus().is_terminal for _, _, queue in started)
+                and client.get_as_engine_stat(MODEL).running_request >= len(started)):
             return [(ids, handle, queue, first) for (ids, handle, queue), first in zip(started, firsts)]
         for _, handle, _ in started:
             stop_and_release(client, handle)

@@ -14,7 +14,7 @@ import pytest
 from allspark_client.client import PoolUnavailable
 from helpers import LONG_RUN_MAX_LENGTH, collect, hf_greedy, random_prompt
 from netns_hosts import NetnsHosts
-from pool_helpers import MODEL, client_greedy, cmdline, greedy_cfg, install, wait_until
+from pool_helpers import MODEL, REDO_SPOILED, client_greedy, cmdline, greedy_cfg, install, wait_until
 from test_pool_failures import FAULT_STREAMS, assert_streams_fail_within, start_streams
 
 pytestmark = pytest.mark.skipif(NetnsHosts.unavailable() is not None,
@@ -59,6 +59,7 @@ def test_two_host_pool_serves_transformers_greedy_output(new_pool, hosts, loader
         assert tokens == hf_greedy(llama.model, p, 12)
 
 
+@REDO_SPOILED
 def test_host_network_loss_ends_streams_and_the_pool(new_pool, hosts, loader):
     """Host 1's link goes down under FAULT_STREAMS streams: rank 0 waits in an allreduce that never completes, the step
     watchdog (--step-timeout 3) ends every stream within 3 + 5 s, calls raise PoolUnavailable and the launcher

@@ -18,8 +18,8 @@ from allspark_client._proto import allspark_pb2 as pb
 from allspark_client.types import AsStatus
 from helpers import LONG_RUN_MAX_LENGTH, LONG_RUN_TOKENS, assert_same_tokens, collect, hf_greedy, hf_ref, random_prompt
 from client_scripts import CLIENT_SCRIPT, CLOSE_LIMIT_S, DYING_CLIENT_SCRIPT
-from pool_helpers import (MODEL, PREMISE_TRIES, REPO, client_greedy, greedy_cfg, install, read_at_least, repo_env,
-                          start_running_streams, stop_and_release, wait_until)
+from pool_helpers import (MODEL, PREMISE_TRIES, REDO_SPOILED, REPO, PremiseSpoiled, client_greedy, greedy_cfg, install,
+                          read_at_least, repo_env, start_running_streams, stop_and_release, wait_until)
 
 
 # ---- 1. malformed input on a raw channel ----------------------------------------------------------
@@ -404,6 +404,7 @@ def test_streams_past_the_limit_are_refused_as_overload_and_the_pool_serves_on(n
 
 
 # ---- 5. a client that never reads its stream -------------------------------------------------------
+@REDO_SPOILED
 def test_a_stream_nobody_reads_is_dropped_and_its_request_released(new_pool, loader, llama):
     """A raw client starts an 8000-token stream with a 1 KiB flow-control window and never reads past the first
     reply: the pool's writes to it wait, and after --stream-stall-timeout 2 the pool ends it RESOURCE_EXHAUSTED,
@@ -423,10 +424,12 @@ def test_a_stream_nobody_reads_is_dropped_and_its_request_released(new_pool, loa
         first = next(call)
         assert first.status == 0 and first.request_id
         started = time.monotonic()
-        # the first reply comes when the request is accepted; the engine thread schedules it at its next step
-        assert wait_until(lambda: client.get_as_engine_stat(MODEL).running_request == 1, 30)
+        # the first reply comes when the request is accepted; the engine thread schedules it at its next step, and
+        # it runs until the stall timeout drops it (~2 s): a stall of this process as long is checked for below
+        seen_running = wait_until(lambda: client.get_as_engine_stat(MODEL).running_request == 1, 30)
         prompt = random_prompt(9, seed=91)
         assert client_greedy(client, prompt, 8) == hf_greedy(llama.model, prompt, 8)     # served meanwhile
+        dropped_yet = client.get_as_engine_stat(MODEL).running_request == 0
 
         def released():
             stat = client.get_as_engine_stat(MODEL)
@@ -442,6 +445,9 @@ def test_a_stream_nobody_reads_is_dropped_and_its_request_released(new_pool, loa
         assert "did not read its stream for 2 s" in e.value.details()
         assert client_greedy(client, prompt, 8) == hf_greedy(llama.model, prompt, 8)
         assert pool.proc.poll() is None
+        if not seen_running or dropped_yet:
+            raise PremiseSpoiled(f"the request was dropped {dropped_after:.1f} s after it started, before this "
+                                 f"process {'saw it run' if not seen_running else 'was served beside it'}")
         print(f"a stream nobody read was dropped and its request released {dropped_after:.1f}s after it started; "
               f"{received} tokens had reached the client")
     finally:
