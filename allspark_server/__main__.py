@@ -14,12 +14,17 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 
 from allspark_client.launcher import default_socket_path, parse_cpu_list
 
 log = logging.getLogger("allspark.rank")
 STOP_GRACE_S = 30   # on SIGTERM, how long stopped streams get to deliver their last reply
+# ... and how long their clients then get to read it before the connections close. gRPC closes a connection as
+# soon as its last stream ends once the server is stopping, and a client that had not yet read that stream's end
+# lost it ("Stream removed", seen once in ~10 full runs of the suite), so the server is stopped only after this.
+STOP_LINGER_S = 0.5
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -124,9 +129,12 @@ def serve(comm, args, address: str, access, ranks) -> int:
     stop.wait()
     log.info("stopping: finishing in-flight requests")
     sd_notify("STOPPING=1")
-    stopped = server.stop(grace=STOP_GRACE_S)   # no new calls; open streams may still finish ...
-    lost = engine.shutdown()                     # ... as every request is stopped; workers are told to exit
-    stopped.result()
+    servicer.stopping = "the pool is stopping (SIGTERM): it takes no new calls"
+    lost = engine.shutdown()                  # every request stopped, its stream's last reply sent; workers exit
+    if not servicer.wait_streams_closed(STOP_GRACE_S):
+        log.warning("streams still open %.0f s after their requests stopped: their clients do not read", STOP_GRACE_S)
+    time.sleep(STOP_LINGER_S)                 # their clients read those last replies
+    server.stop(grace=1.0).result()           # a unary call still running gets a second
     if address.startswith("unix:") and os.path.exists(address[5:]):
         os.unlink(address[5:])
     if lost:              # a rank dead or stopped: MPI_Finalize would wait for it forever

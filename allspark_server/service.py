@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from concurrent import futures
 from typing import Callable, Optional
 
@@ -45,8 +46,22 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
         self.max_streams = max_streams
         self.stream_stall_s = stream_stall_s or STREAM_STALL_S      # DropStalledStreams
         self.ready = False
-        self._open_streams = 0   # touched on the event loop's thread only
+        self.stopping: Optional[str] = None    # set on SIGTERM: why new calls are refused (GuardCalls)
+        self._open_streams = 0   # written on the event loop's thread only
         self._pool = futures.ThreadPoolExecutor(ENGINE_CALL_THREADS, thread_name_prefix="allspark-call")
+
+    def refusal(self) -> Optional[str]:
+        """Why a new call is refused UNAVAILABLE (the pool is stopping or going down), or None."""
+        return self.stopping or self.engine.down_reason()
+
+    def wait_streams_closed(self, timeout_s: float) -> bool:
+        """Block until every open stream has handed its last reply to gRPC; False after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while self._open_streams:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
     async def _run(self, fn: Callable, *args):
         """fn(*args) on the call pool (Engine calls block; the last error is per thread, so read it there too)."""
@@ -186,8 +201,8 @@ class GuardCalls(grpc.aio.ServerInterceptor):
     """Two refusals before a method runs. A request whose bytes do not parse as its message type ends
     INVALID_ARGUMENT saying so (grpc.aio itself answers UNKNOWN, the code of an exception a servicer let out):
     the deserializer never raises, it hands the method a _Malformed, which the wrapped method turns into the
-    status. A pool that is going down (`down()` gives the reason: a hung step) answers UNAVAILABLE, which
-    clients raise as PoolUnavailable."""
+    status. A pool that is stopping or going down (`down()` gives the reason: SIGTERM, a hung step) answers
+    UNAVAILABLE, which clients raise as PoolUnavailable."""
 
     def __init__(self, down: Callable[[], Optional[str]] = lambda: None):
         self.down = down
@@ -296,7 +311,7 @@ class PoolServer:
                    ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS)]
         # the first is outermost: it writes the replies GuardCalls and the servicer produce
         guards = ([DropStalledStreams(servicer.stream_stall_s)] + acl.interceptors(access)
-                  + [GuardCalls(servicer.engine.down_reason)])
+                  + [GuardCalls(servicer.refusal)])
         server = grpc.aio.server(options=options, interceptors=guards)
         pb_grpc.add_AllsparkServicer_to_server(servicer, server)
         acl.bind(server, address, access)

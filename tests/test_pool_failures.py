@@ -149,7 +149,8 @@ def test_sigterm_idle_pool_exits_zero_and_removes_socket(new_pool, loader):
 def test_sigterm_with_a_rank_that_does_not_answer_fails_instead_of_stopping_cleanly(new_pool, loader):
     """SIGTERM while rank 1 is stopped: what rank 0 sees when mpirun ends a pool whose rank died between two
     steps. Rank 0 waits SHUTDOWN_ANSWER_S for rank 1 to acknowledge the shutdown, logs which ranks did not
-    answer and exits non-zero: its streams would have ended in InternalError, not as cleanly stopped."""
+    answer and exits non-zero: its streams would have ended in InternalError, not as cleanly stopped. Meanwhile it
+    refuses new calls UNAVAILABLE ("the pool is stopping")."""
     from allspark_server.engine_thread import SHUTDOWN_ANSWER_S
     pool = new_pool()
     client = pool.client()
@@ -160,6 +161,9 @@ def test_sigterm_with_a_rank_that_does_not_answer_fails_instead_of_stopping_clea
     worker[0].suspend()
     stopped_at = time.monotonic()
     pool.proc.send_signal(signal.SIGTERM)
+    # while rank 0 waits for the answer, new calls are refused, saying why
+    with pytest.raises(PoolUnavailable, match="the pool is stopping"):
+        wait_until(lambda: client.get_as_engine_stat(MODEL) is None, SHUTDOWN_ANSWER_S)
     try:
         code = pool.proc.wait(timeout=SHUTDOWN_ANSWER_S + 30)
     except subprocess.TimeoutExpired:
