@@ -5,6 +5,7 @@ running streams found them already ended tells why (stops 30 and 32: the pool ra
 from __future__ import annotations
 
 import gc
+import resource
 import threading
 import time
 
@@ -15,7 +16,7 @@ STALL_S = 0.5
 class StallWatch:
     def __init__(self):
         self.current = "(collection)"
-        self.stalls: list[tuple[float, str]] = []        # (seconds late, test)
+        self.stalls: list[tuple[float, str, int]] = []   # (seconds late, test, major page faults meanwhile)
         self.gc_longest = (0.0, 0, "")                    # (seconds, generation, test)
         self.gc_total_s = 0.0
         self._gc_started = 0.0
@@ -34,20 +35,22 @@ class StallWatch:
 
     def _run(self) -> None:
         while True:
-            before = time.monotonic()
+            before, faults = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
             time.sleep(STEP_S)
             late = time.monotonic() - before - STEP_S
-            if late >= STALL_S:
+            if late >= STALL_S:     # page faults that read from disk meanwhile tell a stall on I/O from one on CPU
+                faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults
                 with self._lock:
-                    self.stalls.append((late, self.current))
+                    self.stalls.append((late, self.current, faults))
 
     def report(self) -> list[str]:
         with self._lock:
             stalls = sorted(self.stalls, reverse=True)
         took, gen, test = self.gc_longest
         lines = [f"this process did not run for {STALL_S} s or more {len(stalls)} times"
-                 + (f"; longest {stalls[0][0]:.1f} s, in {stalls[0][1]}" if stalls else ""),
+                 + (f"; longest {stalls[0][0]:.1f} s ({stalls[0][2]} major page faults), in {stalls[0][1]}"
+                    if stalls else ""),
                  f"gc: {self.gc_total_s:.1f} s in all; longest collection {took:.2f} s (generation {gen}) in {test}; "
                  f"{len(gc.get_objects())} objects tracked now"]
-        lines += [f"  {late:.1f} s late in {where}" for late, where in stalls[1:10]]
+        lines += [f"  {late:.1f} s late ({faults} major page faults) in {where}" for late, where, faults in stalls[1:10]]
         return lines
