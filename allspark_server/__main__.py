@@ -23,7 +23,8 @@ log = logging.getLogger("allspark.rank")
 STOP_GRACE_S = 30   # on SIGTERM, how long stopped streams get to deliver their last reply
 # ... and how long their clients then get to read it before the connections close. gRPC closes a connection as
 # soon as its last stream ends once the server is stopping, and a client that had not yet read that stream's end
-# lost it ("Stream removed", seen once in ~10 full runs of the suite), so the server is stopped only after this.
+# lost it ("Stream removed": the SIGTERM test, once in five full runs of the suite), so the server is stopped
+# only after this.
 STOP_LINGER_S = 0.5
 
 
