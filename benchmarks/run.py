@@ -441,10 +441,10 @@ def main() -> None:
         p.error(f"--kv-weights {a.kv_weights} needs --kv and the same variant in --quant (--quant: {a.quant})")
     a.json = a.json or ("benchmarks/results-features.json" if a.features else "benchmarks/results.json")
     if a.device == "cuda":
-        import cuda_bench
+        import functools
 
-        def save(report):
-            write_report(a.json, report)
+        import cuda_bench
+        save = functools.partial(write_report, a.json)
         report = cuda_bench.main(a, save)
         save(report)
         print(json.dumps({k: v for k, v in report.items() if not isinstance(v, list)}, indent=1))

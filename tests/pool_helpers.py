@@ -1,5 +1,6 @@
-"""Shared by tests/test_pool_failures.py and tests/test_pool_grpc.py (the `loader` / `new_pool` fixtures are in
-conftest.py): a 2-rank allspark-launch pool of its own per test, which kills every process it started."""
+"""Shared by tests/test_pool_failures.py, test_pool_grpc.py and test_pool_slow_clients.py (the `loader` /
+`new_pool` fixtures are in conftest.py): a 2-rank allspark-launch pool of its own per test, which kills every
+process it started."""
 from __future__ import annotations
 
 import os
@@ -190,6 +191,12 @@ class PremiseSpoiled(Exception):
 
 
 REDO_SPOILED = pytest.mark.flaky(reruns=PREMISE_TRIES - 1, only_rerun=[PremiseSpoiled])
+
+
+def ran_out(queue, max_new_tokens: int = LONG_RUN_TOKENS) -> bool:
+    """The stream ended by itself, all its tokens generated: whatever a test did to it came after its end."""
+    return (queue.GenerateStatus() == GenerateRequestStatus.GenerateFinished
+            and queue.GeneratedLength() == max_new_tokens)
 
 
 def start_running_streams(client: ClientEngine, prompts, min_tokens: int = 2,

@@ -19,7 +19,7 @@ from allspark_client.client import PoolUnavailable
 from allspark_client.types import POOL_DOWN, AsStatus
 from helpers import LONG_RUN_MAX_LENGTH, LONG_RUN_TOKENS, assert_same_tokens, collect, hf_greedy, random_prompt
 from pool_helpers import (MODEL, PREMISE_TRIES, REDO_SPOILED, PremiseSpoiled, client_greedy, cmdline, install,
-                          start_running_streams, stop_and_release, wait_until, wait_until_running)
+                          ran_out, start_running_streams, stop_and_release, wait_until, wait_until_running)
 
 
 # ---- 1. a rank killed mid-stream ------------------------------------------------------------------
@@ -110,13 +110,13 @@ def test_sigterm_stops_streams_cleanly(new_pool, loader, llama):
 
     pool.proc.send_signal(signal.SIGTERM)
 
-    ran_out = 0
+    ended_first = 0
     for ids, handle, queue, first in started:
         rest, _, final = collect(queue, timeout_s=30)
         tokens = first + rest
         assert final == GenerateRequestStatus.GenerateFinished, (final, queue.ErrorMessage())
-        if len(tokens) == LONG_RUN_TOKENS:      # it ended by itself before the SIGTERM (see the end)
-            ran_out += 1
+        if ran_out(queue):      # it ended by itself before the SIGTERM (see the end)
+            ended_first += 1
             continue
         assert 3 <= len(tokens) < LONG_RUN_TOKENS, len(tokens)
         assert_same_tokens(tokens, hf_greedy(llama.model, ids, len(tokens)))
@@ -128,8 +128,8 @@ def test_sigterm_stops_streams_cleanly(new_pool, loader, llama):
     assert wait_until(lambda: not pool.rank_processes_left(), 10.0, 0.1), \
         [(p.pid, cmdline(p)) for p in pool.rank_processes_left()]
     assert not os.path.exists(pool.socket)
-    if ran_out:      # they ended by themselves before the SIGTERM: it stopped nothing
-        raise PremiseSpoiled(f"{ran_out} of the streams had generated all {LONG_RUN_TOKENS} tokens before SIGTERM")
+    if ended_first:      # they ended by themselves before the SIGTERM: it stopped nothing
+        raise PremiseSpoiled(f"{ended_first} of the streams had generated all {LONG_RUN_TOKENS} tokens before SIGTERM")
 
 
 def test_sigterm_idle_pool_exits_zero_and_removes_socket(new_pool, loader):
@@ -232,7 +232,7 @@ def assert_streams_fail_within(queues, since: float, bound_s: float, needle: str
     ends = [(i, q.GenerateStatus().name, q.ErrorMessage(), q.GeneratedLength()) for i, q in enumerate(queues)]
     # No step completes after the fault, so a stream with all its tokens ended before it: this process did not run
     # from setting the streams up to the fault (seen in CI, stops 30 and 32: streams of 6-30 s had ended)
-    done = [i for i, status, _, n in ends if status == "GenerateFinished" and n == LONG_RUN_TOKENS]
+    done = [i for i, q in enumerate(queues) if ran_out(q)]
     if done:
         raise PremiseSpoiled(f"streams {done} had generated all {LONG_RUN_TOKENS} tokens before the fault: {ends}")
     # every stream's end and token count, and the pool's log: a stream that ended otherwise is then explained
