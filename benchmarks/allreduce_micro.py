@@ -1,9 +1,10 @@
 """Micro-benchmark: the allreduce of one decode step's activations between 2 GPUs, as a tensor-parallel pool does it
-twice per layer: NCCL (torch.distributed) against PyTorch's symmetric-memory one-shot allreduce (each GPU reads the
-other's buffer over NVLink; no multicast), both captured in a CUDA graph of `--calls` allreduces, as in a decode
+twice per layer: NCCL (torch.distributed) against allspark's one-shot kernel over peer memory
+(allspark_server/cuda/peer_allreduce.py) and PyTorch's symmetric-memory one-shot allreduce (each GPU reads the
+other's buffer over NVLink; no multicast), each captured in a CUDA graph of `--calls` allreduces, as in a decode
 graph. Checks each result against the exact sum, then times graph replays.
 
-    python benchmarks/allreduce_micro.py [--rows 1 8 128] [--hidden 4096] [--calls 64] [--json out.json]
+    PYTHONPATH=. python benchmarks/allreduce_micro.py [--rows 1 8 128] [--hidden 4096] [--calls 64] [--json out.json]
 
 Spawns one process per GPU (2 GPUs needed). NVLink multicast stays off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 """
@@ -50,11 +51,19 @@ def replay_us(g: torch.cuda.CUDAGraph, calls: int, repeats: int = 30) -> float:
     return statistics.median(times)
 
 
+def every_rank(ok: bool) -> bool:
+    """True if `ok` on every rank (an allreduce of the flags)."""
+    flag = torch.tensor([int(ok)], device="cuda")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def worker(rank: int, world: int, args, out_path: str) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29531", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
     import torch.distributed._symmetric_memory as symm_mem
+    from allspark_server.cuda import peer_allreduce
     group = dist.group.WORLD
     results = {}
     for rows in args.rows:
@@ -76,6 +85,18 @@ def worker(rank: int, world: int, args, out_path: str) -> None:
         torch.cuda.synchronize()
         row["nccl_err"] = (t.float() - expect).abs().max().item()
         row["nccl_us"] = replay_us(g, args.calls)
+        # allspark's one-shot kernel over peer memory (allspark_server/cuda/peer_allreduce.py), in place
+        peer = peer_allreduce.start(torch.device("cuda", rank), rank, world, group.group_name, every_rank)
+        if peer is not None and peer.fits(x):
+            def ours():
+                for _ in range(args.calls):
+                    t.copy_(x)
+                    peer.allreduce_(t)
+            g = graph_of(ours)
+            g.replay()
+            torch.cuda.synchronize()
+            row["peer_kernel_err"] = (t.float() - expect).abs().max().item()
+            row["peer_kernel_us"] = replay_us(g, args.calls)
         # symmetric memory one-shot: x copied into the registered buffer, the sum written to `out`
         try:
             buf = symm_mem.empty(shape, dtype=torch.bfloat16, device="cuda")

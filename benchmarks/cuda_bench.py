@@ -11,6 +11,7 @@ import contextlib
 import gc
 import os
 import statistics
+import sys
 import threading
 import time
 
@@ -21,6 +22,8 @@ from step_profile import StepProfile
 from allspark_server.runner.memory_bandwidth import gpu_copy_bandwidth_gbs
 import workloads as W
 
+# what a run measures after the batch-1 rows (`run.py --device cuda --sections ...`; --quant adds its rows)
+SECTIONS = ("ttft", "pool", "concurrency", "poisson")
 LLAMA2_7B = dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=11008, num_attention_heads=32,
                  num_key_value_heads=32, vocab_size=32000)
 
@@ -138,23 +141,26 @@ def main(args, save=lambda report: None) -> dict:
     free_memory()
     note_memory("after batch 1")
     save(report)
-    report["ttft"] = ttft_rows(engine, hf, ttft_lens)
-    print(f"TTFT: {report['ttft']}", flush=True)
-    save(report)
+    sections = set(getattr(args, "sections", None) or SECTIONS)
+    if "ttft" in sections:
+        report["ttft"] = ttft_rows(engine, hf, ttft_lens)
+        print(f"TTFT: {report['ttft']}", flush=True)
+        save(report)
     if getattr(args, "quant", None):
         report["quant"] = quant_rows(engine, root, args.quant, prompt_len, new_tokens, rounds, max_len, layers)
         print(f"quantized weights: {report['quant']}", flush=True)
         save(report)
-    if torch.cuda.device_count() >= 2 and not args.no_pool:
+    if torch.cuda.device_count() >= 2 and not args.no_pool and "pool" in sections:
         report["pool2"] = two_gpu_pool_rows(engine, loader, prompt_len, new_tokens, rounds)
         print(f"2-GPU pool: {report['pool2']}", flush=True)
         save(report)
-    for c in concurrency:
+    for c in concurrency if "concurrency" in sections else ():
         report[f"c{c}"] = concurrent_rows(engine, hf, weights, c)
         print(f"concurrency {c}: {report[f'c{c}']}", flush=True)
         save(report)
-    report["poisson"] = poisson_row(engine, 32 if args.quick else 128)
-    print(f"Poisson arrivals: {report['poisson']}", flush=True)
+    if "poisson" in sections:
+        report["poisson"] = poisson_row(engine, 32 if args.quick else 128)
+        print(f"Poisson arrivals: {report['poisson']}", flush=True)
     engine.stop_model("bench-cuda")
     engine.release_model("bench-cuda")
     return report
@@ -244,29 +250,66 @@ def quant_rows(engine, root: str, variants: list[str], prompt_len: int, new_toke
 
 
 def two_gpu_pool_rows(engine, loader, prompt_len: int, new_tokens: int, rounds: int) -> dict:
-    """A 2-rank pool (ClientEngine, GPUs 0 and 1, NCCL) against the single-GPU Engine: batch-1 decode
-    interleaved round by round, and whether their greedy tokens agree."""
+    """2-rank pools (ClientEngine, GPUs 0 and 1, NCCL) against the single-GPU Engine: batch-1 decode interleaved
+    round by round, with a pool stepping one step at a time and one with overlapped scheduling
+    (ALLSPARK_OVERLAP=0 / 1), whether their greedy tokens agree with one GPU's, and each rank's graph replay
+    alone (pool_step_micro.py)."""
     from allspark_client import ClientEngine
     vocab = LLAMA2_7B["vocab_size"]
-    client = ClientEngine(ranks=2)
+    pools = {}
     try:
-        cfg = (loader.create_reference_runtime_config_builder("bench-pool", "cuda", [0, 1], max_batch=8)
-               .max_length(prompt_len + new_tokens + 16).kv_cache_span_size(32).build())
-        client.install_model(cfg)
-        client.start_model("bench-pool")
+        for name, overlap in (("pool_2gpu", "0"), ("pool_2gpu_overlap", "1")):
+            was = os.environ.get("ALLSPARK_OVERLAP")
+            os.environ["ALLSPARK_OVERLAP"] = overlap     # the ranks inherit mpirun's environment
+            try:
+                pools[name] = ClientEngine(ranks=2)
+            finally:
+                os.environ.pop("ALLSPARK_OVERLAP") if was is None else os.environ.update(ALLSPARK_OVERLAP=was)
+            cfg = (loader.create_reference_runtime_config_builder("bench-pool", "cuda", [0, 1], max_batch=8)
+                   .max_length(prompt_len + new_tokens + 16).kv_cache_span_size(32).build())
+            pools[name].install_model(cfg)
+            pools[name].start_model("bench-pool")
         prompt = W.prompt(prompt_len, 0, vocab)
-        ours_1, ours_2 = W.greedy_tokens(engine, "bench-cuda", prompt, 16), W.greedy_tokens(client, "bench-pool", prompt, 16)
-        W.decode_tps(client, "bench-pool", vocab, 8)
-        runs = {"engine_1gpu": [], "pool_2gpu": []}
+        one = W.greedy_tokens(engine, "bench-cuda", prompt, 16)
+        out = {}
+        for name, client in pools.items():
+            theirs = W.greedy_tokens(client, "bench-pool", prompt, 16)
+            out[f"{name}_greedy_first_divergence_vs_1gpu"] = next(
+                (i for i, (a, b) in enumerate(zip(one, theirs)) if a != b), 16)
+            W.decode_tps(client, "bench-pool", vocab, 8)
+        runs = {"engine_1gpu": [], **{name: [] for name in pools}}
         for r in range(rounds):
             runs["engine_1gpu"].append(W.decode_tps(engine, "bench-cuda", vocab, new_tokens, seed=r, prompt_len=prompt_len))
-            runs["pool_2gpu"].append(W.decode_tps(client, "bench-pool", vocab, new_tokens, seed=r, prompt_len=prompt_len))
-        return {"decode_b1_tps_by_round": runs,
-                "pool_2gpu_decode_b1_tps": statistics.median(runs["pool_2gpu"]),
-                "pool_vs_1gpu": statistics.median(a / b for a, b in zip(runs["pool_2gpu"], runs["engine_1gpu"])),
-                "greedy_first_divergence_vs_1gpu": next((i for i, (a, b) in enumerate(zip(ours_1, ours_2)) if a != b), 16)}
+            for name, client in pools.items():
+                runs[name].append(W.decode_tps(client, "bench-pool", vocab, new_tokens, seed=r, prompt_len=prompt_len))
+        out["decode_b1_tps_by_round"] = runs
+        for name in pools:
+            out[f"{name}_decode_b1_tps"] = statistics.median(runs[name])
+            out[f"{name}_vs_1gpu"] = statistics.median(a / b for a, b in zip(runs[name], runs["engine_1gpu"]))
     finally:
-        client.close()
+        for client in pools.values():
+            client.close()
+    out["graph_replay"] = pool_graph_replay(loader)
+    return out
+
+
+def pool_graph_replay(loader) -> dict:
+    """Each rank's batch-1 decode graph of a 2-rank pool replayed alone (pool_step_micro.py under mpirun)."""
+    import json
+    import subprocess
+    import tempfile
+    from allspark_client.launcher import find_mpirun
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "micro.json")
+        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        cmd = [find_mpirun("mpirun"), "-n", "2", "--bind-to", "none", sys.executable,
+               os.path.join(os.path.dirname(os.path.abspath(__file__)), "pool_step_micro.py"),
+               loader.graph_path, loader.weights_path, out]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            return {"error": (done.stdout + done.stderr)[-2000:]}
+        with open(out) as f:
+            return json.load(f)
 
 
 def time_graph_steps(graphs, batch: int):

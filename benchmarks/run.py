@@ -428,7 +428,9 @@ def main() -> None:
                    help="cuda: the GPU benchmark instead (cuda_bench.py: one GPU, a Llama-2-7B-shaped bf16 model)")
     p.add_argument("--features", action="store_true",
                    help="the serving features instead: prefix cache and guided JSON (serving_features.py)")
-    p.add_argument("--sections", nargs="+", default=None, help="with --features: which sections (guided prefix pool mbu)")
+    p.add_argument("--sections", nargs="+", default=None,
+                   help="with --features: which sections (guided prefix pool mbu); with --device cuda: which rows "
+                        "after batch 1 (ttft pool concurrency poisson)")
     p.add_argument("--ttft-repeats", type=int, default=None,
                    help="prompts per TTFT length (default 5, --quick 2): more rounds for the interleaved TTFT ratios")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))

@@ -174,10 +174,13 @@ def test_overlapped_decode_steps_equal_one_step_at_a_time(llama, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_two_gpu_pool_equals_transformers(llama, tmp_path):
+@pytest.mark.parametrize("overlap", ["0", "1"])
+def test_two_gpu_pool_equals_transformers(llama, tmp_path, monkeypatch, overlap):
     """A 2-rank pool (mpirun), one GPU per rank, NCCL for the activations: greedy equals transformers, alone and
-    batched, with the decode graphs (NCCL inside) replayed."""
+    batched, with the decode graphs (NCCL inside) replayed, stepping one step at a time and with overlapped
+    scheduling (the worker's input ids broadcast from rank 0's GPU)."""
     from allspark_client import ClientEngine
+    monkeypatch.setenv("ALLSPARK_OVERLAP", overlap)   # the ranks inherit mpirun's environment
     loader = serialize(llama.hf_dir, "p", str(tmp_path))
     client = ClientEngine(ranks=2)
     try:

@@ -4,7 +4,8 @@
 when running under mpirun with more than one rank. Control (plans, objects) always travels over MPI. Host
 tensors' allreduce travels over MPI as fp32 (numpy has no bfloat16); GPU tensors' allreduce, gather and broadcast
 (the sampled ids of an overlapped decode step) go through NCCL (torch.distributed), set up by `use_gpu` with a
-rendezvous address that rank 0 sends over MPI.
+rendezvous address that rank 0 sends over MPI, except the allreduce of small tensors between the GPUs of one
+host: a one-shot kernel over peer memory (cuda/peer_allreduce.py; ALLSPARK_PEER_ALLREDUCE=0 turns it off).
 Every call must come from the rank's engine thread.
 """
 from __future__ import annotations
@@ -64,6 +65,7 @@ class MpiComm:
         self.rank = self._c.Get_rank()
         self.world_size = self._c.Get_size()
         self._nccl = None   # torch.distributed, once use_gpu has set it up
+        self._peer = None   # the one-shot allreduce over peer memory (cuda/peer_allreduce.py), GPUs of one host
         self._shard_widths: dict[int, list[int]] = {}
 
     def use_gpu(self, device: torch.device) -> None:
@@ -82,9 +84,17 @@ class MpiComm:
         dist.init_process_group("nccl", init_method=address, rank=self.rank, world_size=self.world_size,
                                 device_id=device)
         self._nccl = dist
+        # every rank decides alike (start is collective): wanted everywhere and all GPUs in one host
+        wants = self._c.allgather((socket.gethostname(), os.environ.get("ALLSPARK_PEER_ALLREDUCE", "1") != "0"))
+        if all(want for _, want in wants) and len({host for host, _ in wants}) == 1:
+            from allspark_server.cuda import peer_allreduce
+            self._peer = peer_allreduce.start(device, self.rank, self.world_size, dist.group.WORLD.group_name,
+                                              lambda ok: all(self._c.allgather(ok)))
 
     def allreduce_(self, t: torch.Tensor) -> torch.Tensor:
         if t.is_cuda and self._nccl is not None:
+            if self._peer is not None and self._peer.fits(t):   # a decode step's rows: latency, not bytes
+                return self._peer.allreduce_(t)
             self._nccl.all_reduce(t)
             return t
         # without NCCL, GPU tensors are staged through host memory (correct, not fast)

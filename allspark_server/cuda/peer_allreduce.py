@@ -1,0 +1,146 @@
+"""One-shot allreduce of small activations between the GPUs of one host, over peer memory (NVLink or PCIe P2P).
+
+A decode step of a tensor-parallel pool allreduces two [batch, hidden] rows per layer. At batch 1 that is 8 KB,
+and the time of NCCL's allreduce there is all latency: 9.4 µs a call inside a CUDA graph on two H100s
+(benchmarks/allreduce_micro.py), 0.6 ms of a 7B step's 3.9. This kernel does it in one launch with one handshake:
+
+- every rank holds one buffer in symmetric memory (torch.distributed._symmetric_memory: each rank can address
+  every rank's buffer): a flag area and two data slots;
+- a call takes slot `calls % 2` (a counter on the GPU, bumped by the call's last program), and each program
+  copies its chunk of x into its own buffer's slot, then raises its flag (chunk, slot, own rank) in every peer's
+  flag area (release, system scope), then waits for every peer's flag in its own area and lowers it (acquire),
+  then reads the peers' chunks and writes the sum into x, adding in rank order so that every rank gets the same
+  bits;
+- consecutive calls alternate the slots, so a rank overwrites a slot only after a later handshake, which its
+  peers reach only once they have read that slot: no second barrier.
+
+Every rank must make the same sequence of calls (a pool's ranks run the same steps). Rows beyond `max_elems`
+go to NCCL (comm.py decides). CUDA-graph safe: no launch reads tensor contents on the host.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from allspark_server.cuda.fused_kernels import _INTERPRETED, _round
+
+log = logging.getLogger(__name__)
+
+BLOCK = 1024             # elements a program moves
+MAX_PROGRAMS = 64        # chunks of one call: calls of up to MAX_PROGRAMS * BLOCK elements take this path
+FLAG_BYTES = 2 * MAX_PROGRAMS * 8 * 4   # int32 flags [slot][program][source rank], up to 8 ranks
+
+
+@triton.jit
+def _peer_allreduce_kernel(x, n, buffers, calls, done, data_start, slot_elems,
+                           RANK: tl.constexpr, WORLD: tl.constexpr, MAXP: tl.constexpr, BLOCK: tl.constexpr,
+                           SOFT_BF16: tl.constexpr):
+    """Program = one chunk of BLOCK elements of x; `buffers` [WORLD] int64: each rank's symmetric buffer (int32
+    flags first, then from element data_start (in x's dtype) the two slots of slot_elems elements)."""
+    pid = tl.program_id(0)
+    slot = tl.load(calls) % 2                              # every program reads it before the last one bumps it
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    mine = tl.load(x + offs, mask=ok, other=0.0)
+    data = data_start + slot * slot_elems
+    own = tl.load(buffers + RANK).to(tl.pointer_type(x.dtype.element_ty))
+    tl.store(own + data + offs, mine, mask=ok)
+    tl.debug_barrier()                                      # the whole chunk is written before the flag goes up
+    flag = (slot * MAXP + pid) * WORLD
+    for p in tl.static_range(WORLD):
+        if p != RANK:
+            theirs = tl.load(buffers + p).to(tl.pointer_type(tl.int32))
+            while tl.atomic_cas(theirs + flag + RANK, 0, 1, sem="release", scope="sys") != 0:
+                pass
+    own_flags = tl.load(buffers + RANK).to(tl.pointer_type(tl.int32))
+    for p in tl.static_range(WORLD):
+        if p != RANK:
+            while tl.atomic_cas(own_flags + flag + p, 1, 0, sem="acquire", scope="sys") != 1:
+                pass
+    tl.debug_barrier()                                      # no thread reads a peer's chunk before its flag
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for p in tl.static_range(WORLD):                        # in rank order: the same bits on every rank
+        if p == RANK:
+            total += mine.to(tl.float32)
+        else:
+            peer = tl.load(buffers + p).to(tl.pointer_type(x.dtype.element_ty))
+            total += tl.load(peer + data + offs, mask=ok, other=0.0, cache_modifier=".cv").to(tl.float32)
+    tl.store(x + offs, _round(total, x.dtype.element_ty, SOFT_BF16).to(x.dtype.element_ty), mask=ok)
+    if tl.atomic_add(done, 1) == tl.num_programs(0) - 1:   # the last program: the next call takes the other slot
+        tl.store(calls, tl.load(calls) + 1)
+        tl.store(done, 0)
+
+
+class PeerAllreduce:
+    """The symmetric buffers of this rank and the launch; `buffers` [world] int64 addresses on this GPU."""
+
+    def __init__(self, buffers: torch.Tensor, rank: int, world: int, slot_bytes: int, keep=None):
+        if world > 8:
+            raise ValueError(f"peer allreduce takes up to 8 ranks, not {world}")
+        self.buffers, self.rank, self.world, self.slot_bytes = buffers, rank, world, slot_bytes
+        self.calls = torch.zeros(1, dtype=torch.int32, device=buffers.device)
+        self.done = torch.zeros(1, dtype=torch.int32, device=buffers.device)
+        self._keep = keep                      # what owns the memory behind `buffers`
+
+    @staticmethod
+    def buffer_bytes(slot_bytes: int) -> int:
+        return FLAG_BYTES + 2 * slot_bytes
+
+    def fits(self, t: torch.Tensor) -> bool:
+        return (t.is_contiguous() and t.numel() <= MAX_PROGRAMS * BLOCK
+                and t.numel() * t.element_size() <= self.slot_bytes)
+
+    def allreduce_(self, t: torch.Tensor) -> torch.Tensor:
+        """t summed over the ranks, in place (every rank calls it with the same shape and dtype)."""
+        n, size = t.numel(), t.element_size()
+        _peer_allreduce_kernel[(triton.cdiv(n, BLOCK),)](
+            t, n, self.buffers, self.calls, self.done, FLAG_BYTES // size, self.slot_bytes // size,
+            RANK=self.rank, WORLD=self.world, MAXP=MAX_PROGRAMS, BLOCK=BLOCK, SOFT_BF16=_INTERPRETED, num_warps=4)
+        return t
+
+
+def start(device: torch.device, rank: int, world: int, group_name: str, agree: Callable[[bool], bool],
+          slot_bytes: int = MAX_PROGRAMS * BLOCK * 4) -> Optional[PeerAllreduce]:
+    """Collective: the symmetric buffers of every rank, checked with one allreduce of known values; None (NCCL
+    then) where symmetric memory is missing or the check fails on any rank. `agree(ok)`: True if every rank's ok
+    is (over MPI)."""
+    peer, why = None, None
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+        mem = symm_mem.empty(PeerAllreduce.buffer_bytes(slot_bytes), dtype=torch.uint8, device=device)
+        mem.zero_()
+        torch.cuda.synchronize(device)
+        handle = symm_mem.rendezvous(mem, group_name)
+        buffers = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+        peer = PeerAllreduce(buffers, rank, world, slot_bytes, keep=(mem, handle))
+    except Exception as e:   # no symmetric memory here (an old torch, no P2P between the GPUs)
+        why = f"{type(e).__name__}: {e}"
+    if not agree(peer is not None):
+        log.info("allreduce between GPUs: NCCL (peer memory: %s)", why or "not on every rank")
+        return None
+    ok = self_check(peer, device)
+    if not agree(ok):
+        log.warning("allreduce between GPUs: NCCL (the peer-memory allreduce's check failed on a rank)")
+        return None
+    log.info("allreduce between GPUs: peer memory for up to %d elements a call, NCCL beyond", MAX_PROGRAMS * BLOCK)
+    return peer
+
+
+def self_check(peer: PeerAllreduce, device: torch.device) -> bool:
+    """A few allreduces of values whose sums are exact, in both slots and over several programs."""
+    try:
+        for n in (1, 4096, 3 * BLOCK + 7, 4096):
+            x = torch.full((n,), float(peer.rank + 1), dtype=torch.bfloat16, device=device)
+            peer.allreduce_(x)
+            want = peer.world * (peer.world + 1) / 2
+            if not bool((x == want).all()):
+                return False
+        torch.cuda.synchronize(device)
+        return True
+    except Exception:
+        log.exception("peer allreduce check")
+        return False

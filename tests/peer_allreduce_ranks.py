@@ -1,0 +1,21 @@
+"""A rank of the peer-memory allreduce test (test_triton_peer_allreduce.py), run in its own process: its kernels
+spin on flags that the other ranks' processes raise, so the ranks must run at the same time (the Triton
+interpreter is not thread-safe)."""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+
+def run_rank(rank: int, world: int, buffers: list, slot_bytes: int, inputs: list, outputs: list) -> None:
+    """Allreduce each of this rank's `inputs` in turn (CPU tensors: the interpreter's memory is this process's),
+    writing the results into the shared `outputs`; `buffers`: every rank's shared buffer, mapped here."""
+    import torch
+    torch.set_num_threads(1)
+    from allspark_server.cuda.peer_allreduce import PeerAllreduce
+    addresses = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)   # this process's mappings
+    peer = PeerAllreduce(addresses, rank, world, slot_bytes)
+    for x, out in zip(inputs, outputs):
+        y = x.clone()
+        assert peer.allreduce_(y) is y
+        out.copy_(y)
+    outputs[-1].copy_(torch.cat([peer.calls, peer.done]).to(outputs[-1].dtype))

@@ -1,0 +1,78 @@
+"""The one-shot allreduce over peer memory (allspark_server/cuda/peer_allreduce.py) that GPU ranks of one host use
+for a decode step's activations, run in Triton's interpreter: one process per rank, the ranks' buffers in shared
+memory standing for the GPUs' symmetric memory. Checked against the fp32 sum in rank order rounded once to the
+dtype (what the kernel promises), with the same bits on every rank, over a sequence of calls of changing shapes
+and dtypes (the two slots alternate, several programs a call), and the flags and counters it leaves."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from allspark_server.cuda import peer_allreduce as pa  # noqa: E402
+
+CALLS = [((1, 4096), torch.bfloat16), ((5,), torch.bfloat16), ((3, 1000), torch.float16),
+         ((2, 4096), torch.float32), ((1, 4096), torch.bfloat16), ((1, 4096), torch.bfloat16),
+         ((7,), torch.float32), ((4, 2048 + 3), torch.bfloat16)]
+SLOT_BYTES = 4 * 4096 * 4     # room for the largest call above in fp32
+
+
+def run_ranks(world: int, calls, timeout_s: float = 240.0):
+    """Every rank's inputs and outputs of `calls`, the ranks in spawned processes; and their final buffers."""
+    import peer_allreduce_ranks
+    mp = torch.multiprocessing.get_context("spawn")
+    g = torch.Generator().manual_seed(world)
+    buffers = [torch.zeros(pa.PeerAllreduce.buffer_bytes(SLOT_BYTES), dtype=torch.uint8).share_memory_()
+               for _ in range(world)]
+    inputs = [[(torch.randn(shape, generator=g) * (r + 1)).to(dtype) for shape, dtype in calls] for r in range(world)]
+    outputs = [[torch.full(shape, float("nan"), dtype=dtype).share_memory_() for shape, dtype in calls]
+               + [torch.full((2,), -1, dtype=torch.int64).share_memory_()] for _ in range(world)]
+    procs = [mp.Process(target=peer_allreduce_ranks.run_rank,
+                        args=(r, world, buffers, SLOT_BYTES, inputs[r], outputs[r]), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout_s)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        p.kill()
+    assert not hung, f"ranks {hung} still waiting after {timeout_s} s (a flag never raised)"
+    assert [p.exitcode for p in procs] == [0] * world
+    return inputs, outputs, buffers
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_gets_the_rank_order_sum_over_a_sequence_of_calls(world):
+    inputs, outputs, buffers = run_ranks(world, CALLS)
+    for i, (shape, dtype) in enumerate(CALLS):
+        total = torch.zeros(shape, dtype=torch.float32)
+        for r in range(world):                     # fp32, in rank order, rounded once
+            total += inputs[r][i].float()
+        want = total.to(dtype)
+        for r in range(world):
+            assert torch.equal(outputs[r][i], want), f"call {i} ({shape}, {dtype}) on rank {r}"
+    for r in range(world):
+        # every call bumped the counter once (the slots alternate), and its last program reset the arrivals
+        assert outputs[r][-1].tolist() == [len(CALLS), 0]
+        # every flag raised was lowered by the rank it was meant for
+        flags = buffers[r][:pa.FLAG_BYTES].view(torch.int32)
+        assert int(flags.count_nonzero()) == 0
+
+
+def test_what_fits_the_peer_path():
+    slot = 64 * 1024 * 4
+    peer = pa.PeerAllreduce(torch.zeros(2, dtype=torch.int64), 0, 2, slot)
+    assert peer.fits(torch.empty(1, 4096, dtype=torch.bfloat16))
+    assert peer.fits(torch.empty(16, 4096, dtype=torch.float32))            # 64 programs of 1024, 256 KiB
+    assert not peer.fits(torch.empty(17, 4096, dtype=torch.bfloat16))       # more programs than flags
+    assert not peer.fits(torch.empty(8, 4096, dtype=torch.float32)[:, ::2])  # not contiguous
+    small = pa.PeerAllreduce(torch.zeros(2, dtype=torch.int64), 0, 2, 4096)
+    assert not small.fits(torch.empty(2048, dtype=torch.float32))          # 8 KiB > the 4 KiB slot
+    with pytest.raises(ValueError, match="up to 8 ranks"):
+        pa.PeerAllreduce(torch.zeros(9, dtype=torch.int64), 0, 9, slot)
