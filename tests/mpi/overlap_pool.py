@@ -1,6 +1,6 @@
 """Run under mpirun: overlapped scheduling across a 2-rank pool, on the CPU.
 
-    ALLSPARK_OVERLAP=1 mpirun -n 2 python tests/mpi/overlap_pool.py GRAPH WEIGHTS REQUESTS_JSON OUT_JSON
+    mpirun -n 2 python tests/mpi/overlap_pool.py GRAPH WEIGHTS REQUESTS_JSON OUT_JSON
 
 Every rank's runner gets the eager stand-in for the CUDA decode graphs (tests/eager_graphs.py), so rank 0 plans
 decode steps ahead of their tokens and the worker receives plans whose input ids come from rank 0's samples
@@ -32,7 +32,7 @@ def main():
         engine.install_model(cfg)
         engine.start_model("m")
         served = engine._models["m"]
-        assert served._overlap, "ALLSPARK_OVERLAP=1 turns overlap on in a pool"
+        assert served._overlap, "overlapped scheduling is on by default in a pool of ranks with decode graphs"
         tokens = [t for t, _ in run_together(engine, "m", json.loads(requests_json))]
         counts[0] = served.runner.graphs.device_steps
         engine.shutdown()
