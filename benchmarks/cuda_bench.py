@@ -142,6 +142,11 @@ def main(args, save=lambda report: None) -> dict:
     note_memory("after batch 1")
     save(report)
     sections = set(getattr(args, "sections", None) or SECTIONS)
+    # the pools first: the quantized models leave cached GPU memory behind that a pool's rank 0 would need
+    if torch.cuda.device_count() >= 2 and not args.no_pool and "pool" in sections:
+        report["pool2"] = two_gpu_pool_rows(engine, loader, prompt_len, new_tokens, rounds)
+        print(f"2-GPU pool: {report['pool2']}", flush=True)
+        save(report)
     if "ttft" in sections:
         report["ttft"] = ttft_rows(engine, hf, ttft_lens)
         print(f"TTFT: {report['ttft']}", flush=True)
@@ -149,10 +154,6 @@ def main(args, save=lambda report: None) -> dict:
     if getattr(args, "quant", None):
         report["quant"] = quant_rows(engine, root, args.quant, prompt_len, new_tokens, rounds, max_len, layers)
         print(f"quantized weights: {report['quant']}", flush=True)
-        save(report)
-    if torch.cuda.device_count() >= 2 and not args.no_pool and "pool" in sections:
-        report["pool2"] = two_gpu_pool_rows(engine, loader, prompt_len, new_tokens, rounds)
-        print(f"2-GPU pool: {report['pool2']}", flush=True)
         save(report)
     for c in concurrency if "concurrency" in sections else ():
         report[f"c{c}"] = concurrent_rows(engine, hf, weights, c)
