@@ -1,12 +1,13 @@
 """One-shot allreduce of small activations between the GPUs of one host, over peer memory (NVLink or PCIe P2P).
 
 A decode step of a tensor-parallel pool allreduces two [batch, hidden] rows per layer. At batch 1 that is 8 KB,
-and the time of NCCL's allreduce there is all latency: 9.4 µs a call inside a CUDA graph on two H100s
-(benchmarks/allreduce_micro.py), 0.6 ms of a 7B step's 3.9. This kernel does it in one launch with one handshake:
+and NCCL's allreduce there is all latency: 8.2 µs a call inside a CUDA graph on two H100s, 64 calls in a 7B
+step. This kernel does it in one launch with one handshake: 7.5 µs (benchmarks/allreduce_micro.py), and each
+rank's 7B decode graph takes 3.71 ms instead of 3.89 (benchmarks/pool_step_micro.py).
 
 - every rank holds one buffer in symmetric memory (torch.distributed._symmetric_memory: each rank can address
   every rank's buffer): a flag area and two data slots;
-- a call takes slot `calls % 2` (a counter on the GPU, bumped by the call's last program), and each program
+- a call takes the slot that a flag on the GPU names (flipped by the call's last program), and each program
   copies its chunk of x into its own buffer's slot, then raises its flag (chunk, slot, own rank) in every peer's
   flag area (release, system scope), then waits for every peer's flag in its own area and lowers it (acquire),
   then reads the peers' chunks and writes the sum into x, adding in rank order so that every rank gets the same
@@ -14,8 +15,9 @@ and the time of NCCL's allreduce there is all latency: 9.4 µs a call inside a C
 - consecutive calls alternate the slots, so a rank overwrites a slot only after a later handshake, which its
   peers reach only once they have read that slot: no second barrier.
 
-Every rank must make the same sequence of calls (a pool's ranks run the same steps). Rows beyond `max_elems`
-go to NCCL (comm.py decides). CUDA-graph safe: no launch reads tensor contents on the host.
+Every rank must make the same sequence of calls (a pool's ranks run the same steps). Tensors of more than
+MAX_PROGRAMS x BLOCK elements go to NCCL (comm.py decides). CUDA-graph safe: no launch reads tensor contents on
+the host.
 """
 from __future__ import annotations
 
@@ -36,13 +38,13 @@ FLAG_BYTES = 2 * MAX_PROGRAMS * 8 * 4   # int32 flags [slot][program][source ran
 
 
 @triton.jit
-def _peer_allreduce_kernel(x, n, buffers, calls, done, data_start, slot_elems,
+def _peer_allreduce_kernel(x, n, buffers, slot_of_call, done, data_start, slot_elems,
                            RANK: tl.constexpr, WORLD: tl.constexpr, MAXP: tl.constexpr, BLOCK: tl.constexpr,
                            SOFT_BF16: tl.constexpr):
     """Program = one chunk of BLOCK elements of x; `buffers` [WORLD] int64: each rank's symmetric buffer (int32
     flags first, then from element data_start (in x's dtype) the two slots of slot_elems elements)."""
     pid = tl.program_id(0)
-    slot = tl.load(calls) % 2                              # every program reads it before the last one bumps it
+    slot = tl.load(slot_of_call)                           # every program reads it before the last one flips it
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     mine = tl.load(x + offs, mask=ok, other=0.0)
@@ -71,7 +73,7 @@ def _peer_allreduce_kernel(x, n, buffers, calls, done, data_start, slot_elems,
             total += tl.load(peer + data + offs, mask=ok, other=0.0, cache_modifier=".cv").to(tl.float32)
     tl.store(x + offs, _round(total, x.dtype.element_ty, SOFT_BF16).to(x.dtype.element_ty), mask=ok)
     if tl.atomic_add(done, 1) == tl.num_programs(0) - 1:   # the last program: the next call takes the other slot
-        tl.store(calls, tl.load(calls) + 1)
+        tl.store(slot_of_call, 1 - slot)
         tl.store(done, 0)
 
 
@@ -82,7 +84,7 @@ class PeerAllreduce:
         if world > 8:
             raise ValueError(f"peer allreduce takes up to 8 ranks, not {world}")
         self.buffers, self.rank, self.world, self.slot_bytes = buffers, rank, world, slot_bytes
-        self.calls = torch.zeros(1, dtype=torch.int32, device=buffers.device)
+        self.slot = torch.zeros(1, dtype=torch.int32, device=buffers.device)   # the next call's slot
         self.done = torch.zeros(1, dtype=torch.int32, device=buffers.device)
         self._keep = keep                      # what owns the memory behind `buffers`
 
@@ -98,7 +100,7 @@ class PeerAllreduce:
         """t summed over the ranks, in place (every rank calls it with the same shape and dtype)."""
         n, size = t.numel(), t.element_size()
         _peer_allreduce_kernel[(triton.cdiv(n, BLOCK),)](
-            t, n, self.buffers, self.calls, self.done, FLAG_BYTES // size, self.slot_bytes // size,
+            t, n, self.buffers, self.slot, self.done, FLAG_BYTES // size, self.slot_bytes // size,
             RANK=self.rank, WORLD=self.world, MAXP=MAX_PROGRAMS, BLOCK=BLOCK, SOFT_BF16=_INTERPRETED, num_warps=4)
         return t
 
