@@ -18,7 +18,7 @@ from allspark_server.cuda import peer_allreduce as pa  # noqa: E402
 
 CALLS = [((1, 4096), torch.bfloat16), ((5,), torch.bfloat16), ((3, 1000), torch.float16),
          ((2, 4096), torch.float32), ((1, 4096), torch.bfloat16), ((1, 4096), torch.bfloat16),
-         ((7,), torch.float32), ((4, 2048 + 3), torch.bfloat16)]
+         ((7,), torch.float32), ((4, 2048 + 3), torch.bfloat16), ((1, 64), torch.float16)]   # odd: ends on slot 1
 SLOT_BYTES = 4 * 4096 * 4     # room for the largest call above in fp32
 
 
