@@ -84,8 +84,12 @@ class MpiComm:
         dist.init_process_group("nccl", init_method=address, rank=self.rank, world_size=self.world_size,
                                 device_id=device)
         self._nccl = dist
-        # every rank decides alike (start is collective): wanted everywhere and all GPUs in one host
-        wants = self._c.allgather((socket.gethostname(), os.environ.get("ALLSPARK_PEER_ALLREDUCE", "1") != "0"))
+        # every rank decides alike (start is collective): wanted everywhere, all GPUs in one host, and each rank
+        # seeing every GPU of the pool (measured so; ranks that allspark-launch --gpus confines to their own GPU
+        # keep NCCL, which maps its peers by itself)
+        want = (os.environ.get("ALLSPARK_PEER_ALLREDUCE", "1") != "0"
+                and torch.cuda.device_count() >= self.world_size)
+        wants = self._c.allgather((socket.gethostname(), want))
         if all(want for _, want in wants) and len({host for host, _ in wants}) == 1:
             from allspark_server.cuda import peer_allreduce
             self._peer = peer_allreduce.start(device, self.rank, self.world_size, dist.group.WORLD.group_name,
