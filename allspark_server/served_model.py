@@ -98,8 +98,8 @@ class ServedModel:
         self._defer_delivery = runner.device.type == "cuda"
         self._undelivered: list[tuple] = []   # (queue, elements, status, finished, note) of the last step
         # overlapped scheduling (GPU graphs): a decode step whose tokens are still on the GPU (_step_behind); in a
-        # pool of GPU ranks rank 0 sends them to the others by NCCL broadcast (two H100s: batch-1 decode 1.56x one
-        # GPU with it, 1.33x without)
+        # pool of GPU ranks rank 0 sends them to the others by NCCL broadcast (two H100s: batch-1 decode 1.57x one
+        # GPU with it, 1.30x without)
         self._overlap = runner.graphs is not None and os.environ.get("ALLSPARK_OVERLAP", "1") == "1"
         self._launched: Optional[LaunchedStep] = None
         self._last_completed = 0.0

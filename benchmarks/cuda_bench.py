@@ -265,7 +265,10 @@ def two_gpu_pool_rows(engine, loader, prompt_len: int, new_tokens: int, rounds: 
             try:
                 pools[name] = ClientEngine(ranks=2)
             finally:
-                os.environ.pop("ALLSPARK_OVERLAP") if was is None else os.environ.update(ALLSPARK_OVERLAP=was)
+                if was is None:
+                    del os.environ["ALLSPARK_OVERLAP"]
+                else:
+                    os.environ["ALLSPARK_OVERLAP"] = was
             cfg = (loader.create_reference_runtime_config_builder("bench-pool", "cuda", [0, 1], max_batch=8)
                    .max_length(prompt_len + new_tokens + 16).kv_cache_span_size(32).build())
             pools[name].install_model(cfg)
