@@ -58,6 +58,21 @@ def every_rank(ok: bool) -> bool:
     return bool(flag.item())
 
 
+def in_place_row(row: dict, name: str, allreduce_, t: torch.Tensor, x: torch.Tensor, expect: torch.Tensor,
+                 calls: int) -> None:
+    """`calls` times t = x, allreduce_(t), captured in one graph: the result's error against `expect` and the
+    microseconds a call, into row[name + '_err'] and row[name + '_us']."""
+    def body():
+        for _ in range(calls):
+            t.copy_(x)
+            allreduce_(t)
+    g = graph_of(body)
+    g.replay()
+    torch.cuda.synchronize()
+    row[f"{name}_err"] = (t.float() - expect).abs().max().item()
+    row[f"{name}_us"] = replay_us(g, calls)
+
+
 def worker(rank: int, world: int, args, out_path: str) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29531", rank=rank, world_size=world,
@@ -65,6 +80,7 @@ def worker(rank: int, world: int, args, out_path: str) -> None:
     import torch.distributed._symmetric_memory as symm_mem
     from allspark_server.cuda import peer_allreduce
     group = dist.group.WORLD
+    peer = peer_allreduce.start(torch.device("cuda", rank), rank, world, group.group_name, every_rank)
     results = {}
     for rows in args.rows:
         shape = (rows, args.hidden)
@@ -73,30 +89,10 @@ def worker(rank: int, world: int, args, out_path: str) -> None:
         expect = sum((torch.arange(rows * args.hidden, device="cuda", dtype=torch.float32).reshape(shape) % 97
                       * (r + 1) / 64) for r in range(world))
         row = {}
-        # NCCL in place
         t = x.clone()
-
-        def nccl():
-            for _ in range(args.calls):
-                t.copy_(x)
-                dist.all_reduce(t)
-        g = graph_of(nccl)
-        g.replay()
-        torch.cuda.synchronize()
-        row["nccl_err"] = (t.float() - expect).abs().max().item()
-        row["nccl_us"] = replay_us(g, args.calls)
-        # allspark's one-shot kernel over peer memory (allspark_server/cuda/peer_allreduce.py), in place
-        peer = peer_allreduce.start(torch.device("cuda", rank), rank, world, group.group_name, every_rank)
-        if peer is not None and peer.fits(x):
-            def ours():
-                for _ in range(args.calls):
-                    t.copy_(x)
-                    peer.allreduce_(t)
-            g = graph_of(ours)
-            g.replay()
-            torch.cuda.synchronize()
-            row["peer_kernel_err"] = (t.float() - expect).abs().max().item()
-            row["peer_kernel_us"] = replay_us(g, args.calls)
+        in_place_row(row, "nccl", dist.all_reduce, t, x, expect, args.calls)
+        if peer is not None and peer.fits(x):   # allspark's one-shot kernel over peer memory, in place
+            in_place_row(row, "peer_kernel", peer.allreduce_, t, x, expect, args.calls)
         # symmetric memory one-shot: x copied into the registered buffer, the sum written to `out`
         try:
             buf = symm_mem.empty(shape, dtype=torch.bfloat16, device="cuda")

@@ -14,6 +14,7 @@ import statistics
 import sys
 import threading
 import time
+from unittest import mock
 
 import torch
 
@@ -47,6 +48,23 @@ def graph_replay_ms(graphs, batch: int, repeats: int = 50) -> float:
     return start.elapsed_time(end) / repeats
 
 
+def bench_root(layers: int) -> str:
+    """Where the benchmark's HF folder and its serialized model (as/) live."""
+    return os.path.join(os.path.expanduser("~"), ".cache", "allspark", "bench-cuda", f"llama2-7b-{layers}l")
+
+
+def serialized_bench_model(root: str):
+    """The HF folder at `root` serialized as model 'bench-cuda' into root/as (once): its loader."""
+    from allspark_server import HuggingFaceModel
+    loader = HuggingFaceModel(root, "bench-cuda", user_set_data_type="bfloat16")
+    loader.load_model().serialize_to_path(None, os.path.join(root, "as"), skip_if_exists=True).free_model()
+    return loader
+
+
+def kv_bytes_per_token(layers: int) -> int:
+    return 2 * layers * LLAMA2_7B["hidden_size"] * 2      # bf16 K and V of every layer
+
+
 def build_model(out_dir: str, layers: int) -> None:
     """A random bf16 Llama-2-7B-shaped HF folder (weights N(0, 0.02), initialized on the GPU for speed)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -69,13 +87,13 @@ def build_model(out_dir: str, layers: int) -> None:
 def main(args, save=lambda report: None) -> dict:
     """The report; `save(report)` is called after each section, so a failure later keeps what was measured."""
     from transformers import AutoModelForCausalLM
-    from allspark_server import Engine, HuggingFaceModel
+    from allspark_server import Engine
     layers = 8 if args.quick else LLAMA2_7B["num_hidden_layers"]
     new_tokens, prompt_len, rounds = (64, 32, 3) if args.quick else (128, 32, 5)
     # 256 concurrent (with the peer's static cache and transformers beside) needs an H200's memory
     big = torch.cuda.get_device_properties(0).total_memory > 120e9
     concurrency = (16,) if args.quick else (16, 64, 128, 256) if big else (16, 64, 128)
-    root = os.path.join(os.path.expanduser("~"), ".cache", "allspark", "bench-cuda", f"llama2-7b-{layers}l")
+    root = bench_root(layers)
     t0 = time.perf_counter()
     build_model(root, layers)
     report = {"device": torch.cuda.get_device_name(), "layers": layers, "copy_gbs": copy_bandwidth_gbs()}
@@ -92,15 +110,13 @@ def main(args, save=lambda report: None) -> dict:
     peer.prefill_by_decoding(prompt)
     peer.capture()
 
-    loader = HuggingFaceModel(root, "bench-cuda", user_set_data_type="bfloat16")
-    loader.load_model().serialize_to_path(None, os.path.join(root, "as"), skip_if_exists=True).free_model()
+    loader = serialized_bench_model(root)
     engine = Engine()
     ttft_lens = (128, 512) if args.quick else (128, 512, 2048)
     max_len = max(max(prompt_len, CONC_PROMPT) + max(new_tokens, CONC_NEW), max(ttft_lens)) + 16
     max_batch = max(concurrency)
-    per_token = 2 * layers * LLAMA2_7B["hidden_size"] * 2                  # bf16 K and V of every layer
     kv_tokens = max(max_batch * (CONC_PROMPT + CONC_NEW + 32), max_len + 32)
-    kv_bytes = kv_tokens * per_token                                       # just enough
+    kv_bytes = kv_tokens * kv_bytes_per_token(layers)                      # just enough
     cfg = (loader.create_reference_runtime_config_builder("bench-cuda", "cuda", [0], max_batch=max_batch)
            .max_length(max_len).kv_cache_span_size(32).kv_cache_memory(kv_bytes).build())
     engine.install_model(cfg)
@@ -222,7 +238,7 @@ def quant_rows(engine, root: str, variants: list[str], prompt_len: int, new_toke
         t = time.perf_counter()
         q.load_model().serialize_to_path(None, os.path.join(root, f"as-{v}"), enable_quant=True, skip_if_exists=True,
                                          customized_quant_config=quant_variant(v)).free_model()
-        kv_bytes = 8 * -(-max_len // 32) * 32 * 2 * layers * LLAMA2_7B["hidden_size"] * 2    # 8 sequences
+        kv_bytes = 8 * -(-max_len // 32) * 32 * kv_bytes_per_token(layers)    # 8 sequences
         builder = q.create_reference_runtime_config_builder(name, "cuda", [0], max_batch=8).max_length(max_len)
         builder = builder.kv_cache_span_size(32).kv_cache_memory(kv_bytes)
         engine.install_model(builder.build())
@@ -260,15 +276,8 @@ def two_gpu_pool_rows(engine, loader, prompt_len: int, new_tokens: int, rounds: 
     pools = {}
     try:
         for name, overlap in (("pool_2gpu", "0"), ("pool_2gpu_overlap", "1")):
-            was = os.environ.get("ALLSPARK_OVERLAP")
-            os.environ["ALLSPARK_OVERLAP"] = overlap     # the ranks inherit mpirun's environment
-            try:
+            with mock.patch.dict(os.environ, ALLSPARK_OVERLAP=overlap):   # the ranks inherit mpirun's environment
                 pools[name] = ClientEngine(ranks=2)
-            finally:
-                if was is None:
-                    del os.environ["ALLSPARK_OVERLAP"]
-                else:
-                    os.environ["ALLSPARK_OVERLAP"] = was
             cfg = (loader.create_reference_runtime_config_builder("bench-pool", "cuda", [0, 1], max_batch=8)
                    .max_length(prompt_len + new_tokens + 16).kv_cache_span_size(32).build())
             pools[name].install_model(cfg)

@@ -23,6 +23,7 @@ from allspark_client.config import AsModelRuntimeConfigBuilder  # noqa: E402
 from allspark_client.types import TargetDevice  # noqa: E402
 from allspark_server.dist.comm import get_comm  # noqa: E402
 from allspark_server.runner.model_runner import install_runner  # noqa: E402
+from cuda_bench import graph_replay_ms  # noqa: E402
 
 
 def main() -> None:
@@ -43,15 +44,7 @@ def main() -> None:
     times = []
     for _ in range(5):   # five timed series; the ranks meet at a barrier before each
         comm.barrier()
-        for _ in range(3):
-            graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(a.repeats):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / a.repeats)
+        times.append(graph_replay_ms(runner.graphs, a.batch, a.repeats))
     every = comm.allgather_obj(statistics.median(times))
     report = {"ranks": comm.world_size, "batch": a.batch, "graph_replay_ms_by_rank": every,
               "env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -428,9 +429,8 @@ def main() -> None:
                    help="cuda: the GPU benchmark instead (cuda_bench.py: one GPU, a Llama-2-7B-shaped bf16 model)")
     p.add_argument("--features", action="store_true",
                    help="the serving features instead: prefix cache and guided JSON (serving_features.py)")
-    p.add_argument("--sections", nargs="+", default=None,
-                   help="with --features: which sections (guided prefix pool mbu); with --device cuda: which rows "
-                        "after batch 1 (ttft pool concurrency poisson)")
+    p.add_argument("--sections", nargs="+", default=None, help="which sections: with --features guided prefix "
+                   "pool mbu; with --device cuda the rows after batch 1, ttft pool concurrency poisson")
     p.add_argument("--ttft-repeats", type=int, default=None,
                    help="prompts per TTFT length (default 5, --quick 2): more rounds for the interleaved TTFT ratios")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
@@ -443,8 +443,6 @@ def main() -> None:
         p.error(f"--kv-weights {a.kv_weights} needs --kv and the same variant in --quant (--quant: {a.quant})")
     a.json = a.json or ("benchmarks/results-features.json" if a.features else "benchmarks/results.json")
     if a.device == "cuda":
-        import functools
-
         import cuda_bench
         save = functools.partial(write_report, a.json)
         report = cuda_bench.main(a, save)

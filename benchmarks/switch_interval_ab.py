@@ -28,17 +28,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", default="benchmarks/results-switch-interval.json")
     a = p.parse_args()
-    from allspark_server import Engine, HuggingFaceModel
+    from allspark_server import Engine
     layers = CB.LLAMA2_7B["num_hidden_layers"]
-    root = os.path.join(os.path.expanduser("~"), ".cache", "allspark", "bench-cuda", f"llama2-7b-{layers}l")
+    root = CB.bench_root(layers)
     CB.build_model(root, layers)
-    loader = HuggingFaceModel(root, "bench-cuda", user_set_data_type="bfloat16")
-    loader.load_model().serialize_to_path(None, os.path.join(root, "as"), skip_if_exists=True).free_model()
+    loader = CB.serialized_bench_model(root)
     max_batch = max(a.num)
-    per_token = 2 * layers * CB.LLAMA2_7B["hidden_size"] * 2
     cfg = (loader.create_reference_runtime_config_builder("bench-cuda", "cuda", [0], max_batch=max_batch)
            .max_length(CB.CONC_PROMPT + CB.CONC_NEW + 16).kv_cache_span_size(32)
-           .kv_cache_memory(max_batch * (CB.CONC_PROMPT + CB.CONC_NEW + 32) * per_token).build())
+           .kv_cache_memory(max_batch * (CB.CONC_PROMPT + CB.CONC_NEW + 32) * CB.kv_bytes_per_token(layers)).build())
     engine = Engine()
     engine.install_model(cfg)
     engine.start_model("bench-cuda")
