@@ -133,26 +133,37 @@ def main(args, save=lambda report: None) -> dict:
     report["greedy_ours_hf"] = [ours, theirs]
     report["greedy_first_divergence"] = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), 16)
 
-    runs = {"allspark": [], "torch_cuda_graph": [], "allspark_no_overlap": []}
+    runs = {"allspark": [], "torch_cuda_graph": [], "allspark_no_overlap": [], "allspark_cublas": []}
     served = engine._engine.models["bench-cuda"]
+    triton_graphs, cublas_graphs = served.runner.graphs, graphs_on_cublas(served.runner)
     W.decode_tps(engine, "bench-cuda", LLAMA2_7B["vocab_size"], 8)
+
+    def ours(seed):
+        return W.decode_tps(engine, "bench-cuda", LLAMA2_7B["vocab_size"], new_tokens, seed=seed,
+                            prompt_len=prompt_len)
     for r in range(rounds):
-        runs["allspark"].append(W.decode_tps(engine, "bench-cuda", LLAMA2_7B["vocab_size"], new_tokens, seed=r,
-                                             prompt_len=prompt_len))
+        runs["allspark"].append(ours(r))
         runs["torch_cuda_graph"].append(peer.decode_tps(prompt_len, new_tokens))
         with overlap_off(served):   # the same engine stepping one step at a time (ALLSPARK_OVERLAP=0)
-            runs["allspark_no_overlap"].append(W.decode_tps(engine, "bench-cuda", LLAMA2_7B["vocab_size"],
-                                                            new_tokens, seed=r, prompt_len=prompt_len))
-    overlap = runs.pop("allspark_no_overlap")
+            runs["allspark_no_overlap"].append(ours(r))
+        served.runner.graphs = cublas_graphs      # the same engine with every linear on cuBLAS
+        runs["allspark_cublas"].append(ours(r))
+        served.runner.graphs = triton_graphs
+    overlap, cublas = runs.pop("allspark_no_overlap"), runs.pop("allspark_cublas")
+    report["triton_gemv_vs_cublas_b1"] = statistics.median(a / b for a, b in zip(runs["allspark"], cublas))
+    report["allspark_cublas_decode_b1_tps"] = statistics.median(cublas)
+    report["graph_replay_ms_b1_cublas"] = graph_replay_ms(cublas_graphs, 1)
+    del cublas_graphs
     for name, tps in runs.items():
         report[f"{name}_decode_b1_tps"] = statistics.median(tps)
         report[f"{name}_decode_b1_roofline"] = statistics.median(tps) / report["roofline_tps"]
     report["decode_b1_tps_by_round"] = runs
     report["allspark_vs_torch_cuda_graph"] = statistics.median(a / b for a, b in zip(*runs.values()))
-    runs["allspark_no_overlap"] = overlap
+    runs["allspark_no_overlap"], runs["allspark_cublas"] = overlap, cublas
     report["overlap_vs_no_overlap_b1"] = statistics.median(a / b for a, b in zip(runs["allspark"], overlap))
     report["graph_replay_ms_b1"] = graph_replay_ms(served.runner.graphs, 1)
     report["host_overhead_ms_b1"] = 1e3 / report["allspark_decode_b1_tps"] - report["graph_replay_ms_b1"]
+    report["kernels_b1"] = kernel_breakdown(served.runner, 1, top=16)
     del peer
     free_memory()
     note_memory("after batch 1")
@@ -362,6 +373,16 @@ def kernel_breakdown(runner, batch: int, top: int = 12) -> list:
             torch.cuda.synchronize()
     rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:top]
     return [(e.key[:80], round(e.device_time_total / 1e3, 3), e.count) for e in rows]
+
+
+def graphs_on_cublas(runner):
+    """The runner's decode graphs captured again with every dense linear on cuBLAS (ALLSPARK_TRITON_GEMV=0):
+    the other side of the Triton GEMV's A/B, swapped in as runner.graphs between requests."""
+    from allspark_server.cuda.graphs import DecodeGraphs
+    g = runner.graphs
+    with mock.patch.dict(os.environ, {"ALLSPARK_TRITON_GEMV": "0"}):
+        return DecodeGraphs(runner.model, runner.kv, max(g.sizes), g.spans.shape[1], g.scratch_span, g.span_size,
+                            g.spans.device)
 
 
 @contextlib.contextmanager

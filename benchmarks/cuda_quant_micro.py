@@ -21,10 +21,24 @@ from allspark_server.quant.formats import QuantizedWeight, quantize
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
 VARIANTS = [("int8", -1), ("int4", 128), ("uint4", 64), ("int4", 32)]
 ROWS = [1, 8, 16, 32, 64, 128, 512, 2048]
+SWEPT = [("int8", -1)]     # the formats whose decode configs --sweep times
 
 
 def time_us(fn) -> float:
     return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=20)
+
+
+def per_call_us(fn, ws: list) -> float:
+    """Microseconds a call of fn(w), replayed over every copy of a weight in turn (copies past L2's 50 MB: a decode
+    step reads each weight once, from memory)."""
+    return time_us(lambda: [fn(w) for w in ws]) / len(ws)
+
+
+def quant_copies(w: QuantizedWeight, nbytes: int = 600 << 20) -> list[QuantizedWeight]:
+    """w and clones of its tensors, `nbytes` in all."""
+    copies = max(2, -(-nbytes // weight_bytes(w)))
+    return [w] + [QuantizedWeight(w.qweight.clone(), w.scales.clone(), None if w.zeros is None else w.zeros.clone(),
+                                  w.fmt, w.group_size, w.in_features) for _ in range(copies - 1)]
 
 
 def weight_bytes(w: QuantizedWeight) -> int:
@@ -34,36 +48,39 @@ def weight_bytes(w: QuantizedWeight) -> int:
 def sweep(w: QuantizedWeight, m: int, n: int, k: int) -> dict:
     """Time launch configs at m rows: the FMA GEMV's grid (m <= GEMV_MAX_ROWS) or the tensor-core tiles'."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ws = quant_copies(w)
     if m <= qk.GEMV_MAX_ROWS:
-        grid = itertools.product((2, 4, 8), (1024, 2048), (1,), (2, 4), (1,))
+        grid = itertools.product((2, 4), (2048, 4096), (1,), (4, 8), (1,), ("", "evict_first"))
     else:
-        grid = itertools.product((32, 64), (64, 128, 256), (1, 2, 4), (4, 8), (3, 4))
+        grid = itertools.product((32, 64), (64, 128, 256), (1, 2, 4), (4, 8), (3, 4), ("",))
     best, errors = [], []
-    for bn, bk, split, warps, stages in grid:
+    for bn, bk, split, warps, stages, eviction in grid:
         if w.group_size != -1 and bk > w.group_size and m > qk.GEMV_MAX_ROWS:
             continue
         cfg = qk.LaunchConfig(triton.next_power_of_2(m) if m <= qk.GEMV_MAX_ROWS else min(64, max(16, m)), bn, bk,
-                              split, warps, stages)
+                              split, warps, stages, eviction)
         try:
             qk.quant_matmul(x, w, config=cfg)       # compile outside the graph capture
-            us = time_us(lambda: qk.quant_matmul(x, w, config=cfg))
+            us = per_call_us(lambda wi: qk.quant_matmul(x, wi, config=cfg), ws)
         except Exception as e:   # out of shared memory and the like
-            errors.append(f"{[bn, bk, split, warps, stages]}: {type(e).__name__}: {str(e)[:200]}")
+            errors.append(f"{[bn, bk, split, warps, stages, eviction]}: {type(e).__name__}: {str(e)[:200]}")
             continue
-        best.append((us, [bn, bk, split, warps, stages]))
+        best.append((us, [bn, bk, split, warps, stages, eviction]))
     best.sort()
     if not best:
         return {"errors": errors[:3]}
     chosen = qk.choose_config(m, n, k, w.group_size, x.device)
     return {"best": best[:5], "chosen": [chosen.block_n, chosen.block_k, chosen.split_k, chosen.num_warps,
                                          chosen.num_stages],
-            "chosen_us": time_us(lambda: qk.quant_matmul(x, w)), "gbs_best": weight_bytes(w) / best[0][0] / 1e3,
+            "chosen_us": per_call_us(lambda wi: qk.quant_matmul(x, wi), ws),
+            "gbs_best": weight_bytes(w) / best[0][0] / 1e3,
             "errors": errors[:3]}
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--sweep-only", action="store_true", help="only the decode row's config sweep, every shape")
     p.add_argument("--out", default="cuda_quant_micro.json")
     a = p.parse_args()
     torch.manual_seed(0)
@@ -71,10 +88,10 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         w16 = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
         quants = {}
-        for fmt, group in VARIANTS:
+        for fmt, group in SWEPT if a.sweep_only else VARIANTS:
             q = {key: t.cuda() for key, t in quantize(w16.float().cpu(), fmt, group).items()}
             quants[f"{fmt}_g{group}"] = QuantizedWeight(q["qweight"], q["scales"], q.get("zeros"), fmt, group, k)
-        for m in ROWS:
+        for m in () if a.sweep_only else ROWS:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {"bf16_cublas_us": time_us(lambda: F.linear(x, w16))}
             row["bf16_gbs"] = n * k * 2 / row["bf16_cublas_us"] / 1e3
@@ -91,8 +108,8 @@ def main() -> None:
                     row["int8_rel_err"] = ((got - ref).abs().max() / ref.abs().max()).item()
             report["rows"][f"{name}_m{m}"] = row
             print(name, m, {k2: round(v, 2) for k2, v in row.items()}, flush=True)
-        if a.sweep and name in ("o", "gate_up"):
-            for key in ("int8_g-1", "int4_g128"):
+        if a.sweep_only or (a.sweep and name in ("o", "gate_up")):
+            for key in (f"{fmt}_g{group}" for fmt, group in SWEPT):
                 for m in (1,):
                     report["sweep"][f"{name}_{key}_m{m}"] = sweep(quants[key], m, n, k)
                     print("sweep", name, key, m, report["sweep"][f"{name}_{key}_m{m}"], flush=True)

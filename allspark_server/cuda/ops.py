@@ -1,7 +1,8 @@
 """CUDA implementations of `allspark_server.ops`' op names (same signatures, same math).
 
-Linear layers are cuBLAS GEMMs through torch; a quantized weight is one Triton matmul over its codes
-(quant_kernels.py). Attention over the span cache (quantized spans included), residual + RMSNorm, rotary
+Linear layers are cuBLAS GEMMs through torch, except decode's row or two against a bf16 / fp16 weight: a Triton
+GEMV (gemv_kernels.py), which in the MLP also applies silu·mul; a quantized weight is one Triton matmul over its
+codes (quant_kernels.py). Attention over the span cache (quantized spans included), residual + RMSNorm, rotary
 (fused with the cache write in the decode block) and silu·mul are one Triton launch each (attention_kernels.py,
 fused_kernels.py), rounded as ops' references round. Writes into quantized spans are the torch reference's
 device ops. Nothing here reads a tensor's values on the host, so a decode step can be captured in a CUDA graph.
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from allspark_server import ops as ref
 from allspark_server.cuda import fused_kernels as fused
+from allspark_server.cuda import gemv_kernels
 from allspark_server.cuda.attention_kernels import paged_decode_attention, paged_prefill_attention
 from allspark_server.cuda.quant_kernels import quant_matmul
 from allspark_server.quant.formats import QuantizedWeight
@@ -35,6 +37,8 @@ def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Ten
         if w.act_bits == 8:   # activate_quant: x rounded to int8 per token (torch ops: graph-capturable)
             x = ref.round_activations_reference(x, 8).to(x.dtype)
         return quant_matmul(x, w, bias)
+    if gemv_kernels.fits(x, w):
+        return gemv_kernels.gemv(x, w, bias)
     return F.linear(x, w, bias)
 
 
@@ -87,4 +91,6 @@ def decode_attention_block(x, residual, norm_weight, eps, qkv_weight, qkv_bias, 
 
 def decode_mlp_block(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight):
     h, s = rms_norm(x, norm_weight, eps, residual)
+    if not isinstance(gate_up_weight, QuantizedWeight) and gemv_kernels.fits_silu_mul(h, gate_up_weight):
+        return linear(gemv_kernels.gemv_silu_mul(h, gate_up_weight, gate_up_bias), down_weight), s
     return linear(silu_mul(linear(h, gate_up_weight, gate_up_bias)), down_weight), s

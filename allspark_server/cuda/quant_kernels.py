@@ -100,12 +100,13 @@ def _code_values(bits, zero, FMT: tl.constexpr):
 def _quant_gemv_kernel(x, qw, scales, zeros, out, M, N, K, k_per_split,
                        stride_xm, stride_qn, stride_sn, stride_zn, stride_os, stride_om,
                        FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
+                       EVICTION: tl.constexpr):
     """A row or two of x (decode): program (n tile, k split) streams its [BLOCK_N, K-range] codes with K
     contiguous and meets each row of x with FMAs (no tensor cores: at a row or two the weight's bytes are the
     whole cost). A k-tile is BLOCK_K // SUB sub-tiles of one group each (SUB = min(BLOCK_K, group)): per
     sub-tile sum_k (code - zero) * x, times its scale -> out[split, :M, n tile] (fp32 partials, or y itself in
-    its dtype)."""
+    its dtype). EVICTION: the codes' cache policy ("evict_first": streamed once)."""
     NSUB: tl.constexpr = BLOCK_K // SUB
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -136,7 +137,8 @@ def _quant_gemv_kernel(x, qw, scales, zeros, out, M, N, K, k_per_split,
         if FMT <= 1:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < k_end
-            bits = tl.load(q_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0).to(tl.int32)
+            bits = tl.load(q_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0,
+                           eviction_policy=EVICTION).to(tl.int32)
             if NSUB == 1:
                 w = _code_values(bits, zero, FMT)                                        # [BN, BK]
             else:
@@ -152,7 +154,8 @@ def _quant_gemv_kernel(x, qw, scales, zeros, out, M, N, K, k_per_split,
             p = tl.arange(0, BLOCK_K // 2)
             k_lo = k0 + (p // 16) * 32 + p % 16
             p_ok = k_lo < k_end
-            byte = tl.load(q_rows + (k0 // 2 + p)[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0)
+            byte = tl.load(q_rows + (k0 // 2 + p)[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0,
+                           eviction_policy=EVICTION)
             byte = byte.to(tl.int32)
             if NSUB != 1:
                 byte = tl.reshape(byte, (BLOCK_N, NSUB, SUB // 2))     # a group's bytes are contiguous
@@ -215,6 +218,7 @@ class LaunchConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 4
+    eviction: str = ""        # the GEMV's loads of codes: "" (normal) or "evict_first"
 
 
 SM_COUNT_DEFAULT = 132          # H100 / H200; read from the device when there is one
@@ -233,7 +237,11 @@ def choose_config(m: int, n: int, k: int, group_size: int, device: torch.device)
     """Tile shapes by rows of x: the FMA GEMV (m <= GEMV_MAX_ROWS) or tensor-core tiles (m <= DOT_MAX_ROWS);
     K split until there are about MIN_PROGRAMS_PER_SM programs per SM. `group_size` as QuantizedWeight's (-1:
     per channel). Defaults from sweeps on an H100 (benchmarks/cuda_quant_micro.py --sweep)."""
-    if m <= GEMV_MAX_ROWS:   # sweeps: thin tiles, long K runs, no split (4 rows x 2048 codes a program)
+    eviction = ""
+    if m <= GEMV_MAX_ROWS and group_size == -1:   # per channel: 2 rows x 4096 codes, streamed once (int8's sweep,
+        block_m, block_n, block_k, warps, stages = triton.next_power_of_2(m), 2, 4096, 4, 1  # 3-4% over 4 x 2048:
+        eviction = "evict_first"                                     # results-cuda-quant-sweep-h100.json)
+    elif m <= GEMV_MAX_ROWS:   # sweeps: thin tiles, long K runs, no split (4 rows x 2048 codes a program)
         block_m, block_n, block_k, warps, stages = triton.next_power_of_2(m), 4, 2048, 4, 1
     elif m <= 16:
         block_m, block_n, block_k, warps, stages = 16, 32, 128, 4, 3
@@ -245,7 +253,7 @@ def choose_config(m: int, n: int, k: int, group_size: int, device: torch.device)
     k_tiles = triton.cdiv(k, block_k)
     want = MIN_PROGRAMS_PER_SM * _sm_count(device)
     split = max(1, min(k_tiles // 2, -(-want // max(tiles, 1))))
-    return LaunchConfig(block_m, block_n, block_k, split, warps, stages)
+    return LaunchConfig(block_m, block_n, block_k, split, warps, stages, eviction)
 
 
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -298,7 +306,8 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
                   num_warps=cfg.num_warps)
     if gemv:
         sub = cfg.block_k if w.group_size == -1 else min(cfg.block_k, w.group_size)
-        _quant_gemv_kernel[(triton.cdiv(n, cfg.block_n), splits)](*args, BLOCK_M=cfg.block_m, SUB=sub, **common)
+        _quant_gemv_kernel[(triton.cdiv(n, cfg.block_n), splits)](*args, BLOCK_M=cfg.block_m, SUB=sub,
+                                                                   EVICTION=cfg.eviction, **common)
     else:
         _quant_matmul_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)](
             *args, BLOCK_M=cfg.block_m, DOT_DTYPE=_DOT_DTYPES[x.dtype],

@@ -1,0 +1,136 @@
+"""Triton GEMV for decode rows with bf16 / fp16 weights: y = x @ w.T for a row or two of x, the weight streamed
+once from memory, optionally with the MLP's silu·mul as its epilogue (the merged gate_up projection in, the
+activation out: no [M, 2I] intermediate and no separate launch).
+
+Why not cuBLAS: at one row a linear layer is a pure weight stream, and cuBLAS's GEMV kernels read the 7B shapes
+at 2.5-2.7 TB/s on an H100 (benchmarks/results-cuda-quant-micro-h100.json) where the same streaming pattern in
+Triton (quant_kernels' int8 GEMV) reaches 2.8. Each program owns BLOCK_N rows of w and walks K in BLOCK_K
+tiles with K contiguous, one fp32 sum per output, rounded once into x's dtype (cuBLAS rounds once too; only the
+order of the fp32 sum differs). More rows, fp32 or other layouts stay with cuBLAS (`fits`).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from allspark_server.cuda.fused_kernels import _round
+
+# rows of x the kernel takes; more: cuBLAS. benchmarks/cuda_gemv_micro.py on an H100, against cuBLAS: 1.08-1.35x at
+# one row, 0.96-1.16x at two, 0.65-0.79x at four. The silu·mul epilogue pays at one row only (1.20x cuBLAS + silu_mul,
+# 1.02x the GEMV + silu_mul), not at two (0.90x, 0.83x): its two weight tiles a k-step load twice the registers.
+GEMV_MAX_ROWS = 2
+SILU_MUL_MAX_ROWS = 1
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _gemv_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_rows,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 SILU_MUL: tl.constexpr, EVICTION: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """Program = BLOCK_N outputs: y[:M, n] = sum_k x[:M, k] w[n, k] (+ bias[n]) in fp32, rounded once to out's
+    dtype. SILU_MUL: rows n and up_rows + n of w are a gate and an up row; out = silu(gate) * up, rounded where
+    ops.silu_mul rounds (gate, up, silu(gate), the product)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows = w + offs_n.to(tl.int64)[:, None] * stride_wn                                 # [BN, 1]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        ok = n_ok[:, None] & (offs_k < K)[None, :]
+        wt = tl.load(rows + offs_k[None, :], mask=ok, other=0.0, eviction_policy=EVICTION)
+        wt = wt.to(tl.float32)                                                          # [BN, BK]
+        if SILU_MUL:
+            wu = tl.load(rows + up_rows * stride_wn + offs_k[None, :], mask=ok, other=0.0,
+                         eviction_policy=EVICTION).to(tl.float32)                  # [BN, BK]
+        for i in tl.static_range(BLOCK_M):
+            # rows past M repeat the last (their sums are never stored)
+            xi = tl.load(x + tl.minimum(i, M - 1) * stride_xm + offs_k, mask=offs_k < K, other=0.0)
+            xi = xi.to(tl.float32)[None, :]                                             # [1, BK]
+            acc = tl.where(offs_m[:, None] == i, acc + tl.sum(wt * xi, 1)[None, :], acc)
+            if SILU_MUL:
+                acc_up = tl.where(offs_m[:, None] == i, acc_up + tl.sum(wu * xi, 1)[None, :], acc_up)
+    dt = out.dtype.element_ty
+    if HAS_BIAS:
+        acc += tl.load(bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if SILU_MUL:
+            acc_up += tl.load(bias + up_rows + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y = _round(acc, dt, SOFT_BF16)
+    if SILU_MUL:   # torch's silu on the rounded gate, rounded; times the rounded up, rounded
+        act = _round(tl.math.div_rn(y, 1.0 + tl.exp(-y)), dt, SOFT_BF16)
+        y = _round(act * _round(acc_up, dt, SOFT_BF16), dt, SOFT_BF16)
+    dst = out + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(dst, y.to(dt), mask=(offs_m < M)[:, None] & n_ok[None, :])
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int = 1
+    eviction: str = "evict_first"     # the weight's loads: streamed once ("" for the default policy)
+
+
+def choose_config(n: int, k: int) -> GemvConfig:
+    """Tile shape for an [n, k] weight. From benchmarks/cuda_gemv_micro.py's sweep on an H100 over the 7B shapes
+    and their 2-rank shards (results-cuda-gemv-micro-h100.json): two rows a program and 8 warps were best for
+    every shape, with 2048-wide k-tiles, or 4096 for K = 11008 (the best config read 2.66-3.09 TB/s, cuBLAS
+    1.96-2.67; the worst, eight rows of 1024, 1.83-2.62)."""
+    return GemvConfig(block_n=2, block_k=min(4096 if k >= 8192 else 2048, triton.next_power_of_2(k)), num_warps=8)
+
+
+def enabled() -> bool:
+    """ALLSPARK_TRITON_GEMV=0 keeps every dense linear on cuBLAS (A/B runs)."""
+    return os.environ.get("ALLSPARK_TRITON_GEMV", "1") != "0"
+
+
+def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether gemv takes x @ w.T: up to GEMV_MAX_ROWS unit-stride rows, a contiguous bf16 / fp16 weight in x's
+    dtype, and the switch on."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.stride(-1) == 1 and w.dtype in DTYPES
+            and x.dtype == w.dtype and w.dim() == 2 and w.is_contiguous() and enabled())
+
+
+def fits_silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
+    """Whether gemv_silu_mul takes the MLP's gate_up projection and activation (`fits`, at most SILU_MUL_MAX_ROWS)."""
+    return x.dim() == 2 and x.shape[0] <= SILU_MUL_MAX_ROWS and fits(x, gate_up)
+
+
+def _launch(x, w, bias, out_cols, up_rows, silu_mul, config):
+    m, k = x.shape
+    assert w.shape[1] == k and x.stride(-1) == 1 and w.is_contiguous(), (tuple(x.shape), tuple(w.shape))
+    assert bias is None or (bias.shape == (w.shape[0],) and bias.is_contiguous())
+    cfg = config or choose_config(out_cols, k)
+    out = torch.empty(m, out_cols, dtype=x.dtype, device=x.device)                       # [M, N]
+    if m == 0 or out_cols == 0:
+        return out
+    _gemv_kernel[(triton.cdiv(out_cols, cfg.block_n),)](
+        x, w, w if bias is None else bias, out, m, out_cols, k, x.stride(0), w.stride(0), out.stride(0), up_rows,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
+        SILU_MUL=silu_mul, EVICTION=cfg.eviction, SOFT_BF16=_INTERPRETED, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, enable_fp_fusion=False)
+    return out
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T (+ bias [N]) -> [M, N] in x's dtype (any M runs; `fits` says where it pays)."""
+    return _launch(x, w, bias, w.shape[0], 0, False, config)
+
+
+def gemv_silu_mul(x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor | None = None,
+                  config: GemvConfig | None = None) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for the merged gate_up [2I, K] (gate rows first, as
+    MergedColumnParallelLinear lays them out) -> [M, I]: ops.silu_mul(ops.linear(x, gate_up, bias)) in one launch."""
+    assert gate_up.shape[0] % 2 == 0, gate_up.shape
+    inter = gate_up.shape[0] // 2
+    return _launch(x, gate_up, bias, inter, inter, True, config)
+
+
+_INTERPRETED = not isinstance(_gemv_kernel, triton.JITFunction)   # decorated under TRITON_INTERPRET=1

@@ -1,0 +1,107 @@
+"""Micro-benchmark of the Triton decode GEMV (allspark_server/cuda/gemv_kernels.py) against cuBLAS (F.linear) on
+Llama-2-7B's bf16 linear shapes, whole and as a 2-rank pool's shards, at 1, 2 and 4 rows: weight bytes read per
+second, each call timed as CUDA-graph replays over enough copies of the weight that none of them stays in L2
+(a decode step reads every weight once). Also the MLP's gate_up + silu·mul: cuBLAS then fused_kernels.silu_mul,
+against the GEMV with the silu·mul epilogue. --sweep times launch configs at one row (what choose_config's
+table comes from). Writes JSON; run on a GPU machine:
+
+    python benchmarks/cuda_gemv_micro.py [--sweep] [--out results.json]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+
+from allspark_server.cuda import fused_kernels as fk
+from allspark_server.cuda import gemv_kernels as gk
+from cuda_quant_micro import per_call_us
+
+SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008),
+          "lm_head": (32000, 4096), "qkv_tp2": (6144, 4096), "o_tp2": (4096, 2048), "gate_up_tp2": (11008, 4096),
+          "down_tp2": (4096, 5504)}
+ROWS = (1, 2, 4)
+STREAM_BYTES = 600 << 20      # the copies of a weight one timed call walks through: well past the 50 MB of L2
+SWEEP = list(itertools.product((2, 4, 8), (1024, 2048, 4096), (4, 8), (1, 3)))
+SILU_SWEEP = list(itertools.product((1, 2, 4), (2048, 4096), (4, 8), (1,)))    # the fused gate_up + silu·mul
+
+
+def weight_copies(n: int, k: int) -> list[torch.Tensor]:
+    copies = max(2, -(-STREAM_BYTES // (n * k * 2)))
+    return [(torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16) for _ in range(copies)]
+
+
+def shape_rows(ws: list[torch.Tensor], name: str) -> dict:
+    n, k = ws[0].shape
+    rows = {}
+    for m in ROWS:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        row = {"cublas_us": per_call_us(lambda w: F.linear(x, w), ws)}
+        ref = F.linear(x.float(), ws[0].float())
+        row["triton_rel_err"] = ((gk.gemv(x, ws[0]).float() - ref).abs().max() / ref.abs().max()).item()
+        row["triton_us"] = per_call_us(lambda w: gk.gemv(x, w), ws)     # past GEMV_MAX_ROWS too: where to stop
+        normal = dataclasses.replace(gk.choose_config(n, k), eviction="")
+        row["triton_normal_policy_us"] = per_call_us(lambda w: gk.gemv(x, w, config=normal), ws)
+        for key in ("cublas", "triton"):
+            row[f"{key}_gbs"] = n * k * 2 / row[f"{key}_us"] / 1e3
+        row["triton_vs_cublas"] = row["cublas_us"] / row["triton_us"]
+        if name.startswith("gate_up"):
+            row["cublas_silu_mul_us"] = per_call_us(lambda w: fk.silu_mul(F.linear(x, w)), ws)
+            row["triton_silu_mul_us"] = per_call_us(lambda w: fk.silu_mul(gk.gemv(x, w)), ws)
+            row["fused_silu_mul_us"] = per_call_us(lambda w: gk.gemv_silu_mul(x, w), ws)
+            row["fused_vs_cublas_silu_mul"] = row["cublas_silu_mul_us"] / row["fused_silu_mul_us"]
+            row["fused_vs_triton_silu_mul"] = row["triton_silu_mul_us"] / row["fused_silu_mul_us"]
+        rows[f"m{m}"] = row
+    return rows
+
+
+def sweep(ws: list[torch.Tensor], kernel=gk.gemv, grid=SWEEP) -> dict:
+    """kernel(x, w, config=...) at one row over `grid`'s configs (block_n, block_k, warps, stages)."""
+    n, k = ws[0].shape
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    timed, errors = [], []
+    for bn, bk, warps, stages in grid:
+        cfg = gk.GemvConfig(bn, bk, warps, stages)
+        try:
+            kernel(x, ws[0], config=cfg)       # compile outside the graph capture
+            us = per_call_us(lambda w: kernel(x, w, config=cfg), ws)
+        except Exception as e:   # out of registers / shared memory and the like
+            errors.append(f"{[bn, bk, warps, stages]}: {type(e).__name__}: {str(e)[:160]}")
+            continue
+        timed.append((round(us, 2), round(n * k * 2 / us / 1e3, 1), [bn, bk, warps, stages]))
+    timed.sort()
+    chosen = gk.choose_config(n, k)
+    return {"best": timed[:6], "worst": timed[-2:], "errors": errors[:3],
+            "chosen": [chosen.block_n, chosen.block_k, chosen.num_warps, chosen.num_stages]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--silu-sweep", action="store_true", help="sweep the fused gate_up + silu·mul's configs only")
+    p.add_argument("--out", default="cuda_gemv_micro.json")
+    a = p.parse_args()
+    torch.manual_seed(0)
+    report = {"device": torch.cuda.get_device_name(), "rows": {}, "sweep": {}}
+    for name, (n, k) in SHAPES.items():
+        ws = weight_copies(n, k)
+        report["rows"][name] = shape_rows(ws, name)
+        print(name, json.dumps(report["rows"][name]), flush=True)
+        if a.sweep and not name.startswith("lm_head"):
+            report["sweep"][name] = sweep(ws)
+            print("sweep", name, report["sweep"][name], flush=True)
+        if (a.sweep or a.silu_sweep) and name.startswith("gate_up"):
+            report["sweep"][f"{name}_silu_mul"] = sweep(ws, gk.gemv_silu_mul, SILU_SWEEP)
+            print("sweep", name, "silu_mul", report["sweep"][f"{name}_silu_mul"], flush=True)
+        del ws
+        torch.cuda.empty_cache()
+        with open(a.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""The Triton decode GEMV (allspark_server/cuda/gemv_kernels.py) against float64 torch: y = x @ w.T rounded once
+to bf16 / fp16, with and without a bias, over odd N, K off the tile, strided rows of x, one and two rows; the
+fused silu·mul epilogue bit for bit against the GEMV followed by fused_kernels.silu_mul, and within an ulp of
+float64; which linears the CUDA backend hands it (`fits`). On a CUDA machine on the GPU; elsewhere on CPU
+tensors under the Triton interpreter (small shapes)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")      # read when @triton.jit decorates: before the import
+pytest.importorskip("triton")
+
+from allspark_server import ops  # noqa: E402
+from allspark_server.cuda import fused_kernels as fk  # noqa: E402
+from allspark_server.cuda import gemv_kernels as gk  # noqa: E402
+from test_triton_fused import DEVICE, assert_same_bits, assert_within_ulps, poisoned_empty, rows_view  # noqa: E402,F401
+
+DTYPES = [torch.bfloat16, torch.float16]
+DTYPE_IDS = ["bfloat16", "float16"]
+SMALL = gk.GemvConfig(block_n=4, block_k=64, num_warps=2)    # several k-tiles and a partial one at K = 200
+CASES = [  # (rows, N, K, config): N off the 4-row tile, K off the 64-wide k-tile, K inside one tile
+    (1, 37, 200, SMALL), (2, 37, 200, SMALL), (1, 8, 256, SMALL), (2, 19, 48, None), (1, 64, 1000, None),
+]
+
+
+def weight(n: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=gen) / k ** 0.5).to(DEVICE, dtype)
+
+
+def exact_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T (+ bias) in float64, rounded once to x's dtype."""
+    y = x.double() @ w.double().T
+    return (y if bias is None else y + bias.double()).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("rows,n,k,config", CASES)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_gemv_rounds_the_exact_product_once(dtype, rows, n, k, config, with_bias, poisoned_empty):
+    x = rows_view(rows, k, dtype, seed=k)                                                # [M, K] strided
+    w = weight(n, k, dtype, seed=n)
+    bias = weight(1, n, dtype, seed=3)[0] if with_bias else None
+    y = gk.gemv(x, w, bias, config)
+    # fp32 sums in another order than float64's: the one rounding lands on a neighbour at most, rarely
+    assert_within_ulps(y, exact_linear(x, w, bias), 1, max_mismatch=0.05)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("rows,inter,k,config", [(1, 37, 200, SMALL), (2, 21, 96, SMALL), (1, 40, 512, None)])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_gemv_silu_mul_equals_gemv_then_silu_mul(dtype, rows, inter, k, config, with_bias, poisoned_empty):
+    x = rows_view(rows, k, dtype, scale=4.0, seed=k)
+    gate_up = weight(2 * inter, k, dtype, seed=inter)                                   # [2I, K]: gate rows, up rows
+    bias = weight(1, 2 * inter, dtype, seed=5)[0] if with_bias else None
+    act = gk.gemv_silu_mul(x, gate_up, bias, config)
+    # the same sums (same tiles) and the roundings of ops.silu_mul: bit for bit
+    assert_same_bits(act, fk.silu_mul(gk.gemv(x, gate_up, bias, config)))
+    # and against float64's product, rounded as the model rounds it (linear, then silu·mul's two roundings):
+    # an ulp off in the rounded gate or up moves the result by at most ~2 ulps
+    assert_within_ulps(act, ops.silu_mul_reference(exact_linear(x, gate_up, bias)), 3, max_mismatch=0.05)
+
+
+def test_fits_only_decode_rows_of_half_precision_weights(monkeypatch):
+    w = weight(8, 64, torch.bfloat16, seed=0)
+    x = rows_view(2, 64, torch.bfloat16)
+    assert gk.fits(x[:1], w) and gk.fits(x, w)
+    assert not gk.fits(rows_view(3, 64, torch.bfloat16), w), "more than GEMV_MAX_ROWS rows: cuBLAS"
+    assert not gk.fits(x.float(), w.float()), "fp32: cuBLAS"
+    assert not gk.fits(x.half(), w), "x and w in different dtypes"
+    assert not gk.fits(x, weight(64, 8, torch.bfloat16, seed=0).T), "a transposed (non-contiguous) weight"
+    assert not gk.fits(x[:0], w), "no rows"
+    assert gk.fits_silu_mul(x[:1], w) and not gk.fits_silu_mul(x, w), "the silu·mul epilogue at one row only"
+    monkeypatch.setenv("ALLSPARK_TRITON_GEMV", "0")
+    assert not gk.fits(x, w), "switched off"
+
+
+def test_cuda_backend_routes_decode_linears_through_the_gemv(monkeypatch):
+    from allspark_server.cuda import ops as cuda_ops
+    calls = []
+    for name in ("gemv", "gemv_silu_mul"):
+        original = getattr(gk, name)
+        monkeypatch.setattr(gk, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    dtype, hidden, inter = torch.bfloat16, 64, 48
+    x, residual = rows_view(1, hidden, dtype, seed=1), rows_view(1, hidden, dtype, seed=2)
+    norm = torch.ones(hidden, device=DEVICE, dtype=dtype)
+    gate_up, down = weight(2 * inter, hidden, dtype, seed=3), weight(hidden, inter, dtype, seed=4)
+    out, s = cuda_ops.decode_mlp_block(x, residual, norm, 1e-6, gate_up, None, down)
+    assert calls == ["gemv_silu_mul", "gemv"]
+    ref, ref_s = ops.decode_mlp_block_reference(x, residual, norm, 1e-6, gate_up, None, down)
+    assert_same_bits(s, ref_s)
+    assert_within_ulps(out, ref, 4, max_mismatch=0.2)
+    calls.clear()
+    x2, residual2 = rows_view(2, hidden, dtype, seed=5), rows_view(2, hidden, dtype, seed=6)
+    out, _ = cuda_ops.decode_mlp_block(x2, residual2, norm, 1e-6, gate_up, None, down)   # 2 rows: no epilogue
+    assert calls == ["gemv", "gemv"]
+    assert_within_ulps(out, ops.decode_mlp_block_reference(x2, residual2, norm, 1e-6, gate_up, None, down)[0], 4,
+                       max_mismatch=0.2)
+    calls.clear()
+    cuda_ops.linear(rows_view(3, hidden, dtype), down.T.contiguous())                      # 3 rows: cuBLAS
+    assert calls == []
