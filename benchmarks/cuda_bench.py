@@ -234,15 +234,16 @@ CONC_PROMPT, CONC_NEW = 128, 128   # the concurrent rows: 128 tokens in, 128 out
 def quant_rows(engine, root: str, variants: list[str], prompt_len: int, new_tokens: int, rounds: int,
                max_len: int, layers: int) -> dict:
     """The same weights quantized with InstantQuant (int8 per channel, int4_g128, ...) served by the same Engine
-    next to the bf16 model: batch-1 decode interleaved round by round with bf16's, each with its weight bytes
-    per token; greedy agreement with bf16 over 16 tokens."""
+    next to the bf16 model, one variant at a time (two beside transformers, the bf16 model and its KV cache do
+    not fit an H100): batch-1 decode interleaved round by round with bf16's, each with its weight bytes per
+    token; greedy agreement with bf16 over 16 tokens."""
     from allspark_server import HuggingFaceModel
     from allspark_server.runner.memory_bandwidth import decode_weight_bytes
     from run import quant_variant
     vocab = LLAMA2_7B["vocab_size"]
     prompt = W.prompt(prompt_len, 0, vocab)
     bf16 = W.greedy_tokens(engine, "bench-cuda", prompt, 16)
-    out, names = {}, {}
+    out, by_round = {}, {}
     for v in variants:
         name = f"bench-cuda-{v}"
         q = HuggingFaceModel(root, name, user_set_data_type="bfloat16")
@@ -259,21 +260,19 @@ def quant_rows(engine, root: str, variants: list[str], prompt_len: int, new_toke
                   "weight_bytes_per_token": decode_weight_bytes(runner.model, runner.model.model.embed_tokens.weight),
                   "greedy_first_divergence_vs_bf16": next(
                       (i for i, (a, b) in enumerate(zip(bf16, W.greedy_tokens(engine, name, prompt, 16))) if a != b), 16)}
-        names[v] = name
         W.decode_tps(engine, name, vocab, 8)
-    runs = {"bfloat16": [], **{v: [] for v in variants}}
-    for r in range(rounds):
-        runs["bfloat16"].append(W.decode_tps(engine, "bench-cuda", vocab, new_tokens, seed=r, prompt_len=prompt_len))
-        for v in variants:
-            runs[v].append(W.decode_tps(engine, names[v], vocab, new_tokens, seed=r, prompt_len=prompt_len))
-    for v in variants:
+        runs = by_round[v] = {"bfloat16": [], v: []}
+        for r in range(rounds):
+            for model, tps in (("bench-cuda", runs["bfloat16"]), (name, runs[v])):
+                tps.append(W.decode_tps(engine, model, vocab, new_tokens, seed=r, prompt_len=prompt_len))
         out[v]["decode_b1_tps"] = statistics.median(runs[v])
         out[v]["vs_bf16"] = statistics.median(a / b for a, b in zip(runs[v], runs["bfloat16"]))
-        out[v]["graph_replay_ms_b1"] = graph_replay_ms(engine._engine.models[names[v]].runner.graphs, 1)
-        engine.stop_model(names[v])
-        engine.release_model(names[v])
-    out["decode_b1_tps_by_round"] = runs
-    free_memory()
+        out[v]["graph_replay_ms_b1"] = graph_replay_ms(runner.graphs, 1)
+        engine.stop_model(name)
+        engine.release_model(name)
+        del runner
+        free_memory()
+    out["decode_b1_tps_by_round"] = by_round
     return out
 
 
