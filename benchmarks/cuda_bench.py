@@ -406,29 +406,35 @@ def note_memory(phase: str) -> None:
     MEMORY_GB[phase] = round(torch.cuda.memory_allocated() / 1e9, 2)
 
 
-def engine_concurrent(engine, num: int) -> dict:
+def engine_concurrent(engine, num: int, one_loop: bool = False) -> dict:
     """`num` requests of CONC_PROMPT in / CONC_NEW out submitted together: output tokens/s over the whole run and
     decode-only (tokens after the last request's first token over the time from then to the end), with the
-    step profile and the GPU time of the decode steps of all `num` rows."""
+    step profile and the GPU time of the decode steps of all `num` rows. Each request is read by a thread of its
+    own blocked in Get() (DashInfer's examples), or with `one_loop` all on one asyncio loop as the HTTP server
+    reads them (workloads.token_times_one_loop): the engine thread shares the GIL with every woken reader."""
     vocab = LLAMA2_7B["vocab_size"]
     stamps = [[] for _ in range(num)]
     served = engine._engine.models["bench-cuda"]
     profile = StepProfile(served)
     graph_ms = time_graph_steps(served.runner.graphs, num)
+    prompts = [W.prompt(CONC_PROMPT, 500 + i, vocab) for i in range(num)]
 
     def one(i):
-        status, handle, queue = engine.start_request("bench-cuda", {"input_ids": W.prompt(CONC_PROMPT, 500 + i, vocab)},
+        status, handle, queue = engine.start_request("bench-cuda", {"input_ids": prompts[i]},
                                                      dict(W.GREEDY, max_new_tokens=CONC_NEW))
         assert status == 0, engine.get_last_error()
         while (el := queue.Get()) is not None:
             stamps[i].extend([time.perf_counter()] * len(el.ids_from_generate))
         engine.release_request("bench-cuda", handle)
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(num)]
     t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    if one_loop:
+        stamps = W.token_times_one_loop(engine, "bench-cuda", prompts, CONC_NEW)
+    else:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(num)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     end = max(s[-1] for s in stamps)
     all_first = max(s[0] for s in stamps)
     profile.restore()
@@ -449,6 +455,9 @@ def concurrent_rows(engine, hf, weights, num: int) -> dict:
         with overlap_off(served):
             off = engine_concurrent(engine, num)
         row["no_overlap"] = {k: off[k] for k in ("allspark_tps", "allspark_decode_tps", "steps")}
+    # the same requests read on one asyncio loop (the HTTP server's way): how much of the row is the readers' GIL
+    loop = engine_concurrent(engine, num, one_loop=True)
+    row["one_loop_readers"] = {k: loop[k] for k in ("allspark_tps", "allspark_decode_tps", "steps")}
     graphs = served.runner.graphs
     size = next(s for s in graphs.sizes if s >= num)
     row["graph_replay_ms"] = graph_replay_ms(graphs, size)
@@ -468,4 +477,6 @@ def concurrent_rows(engine, hf, weights, num: int) -> dict:
     note_memory(f"c{num} hf generate")
     row["allspark_decode_vs_torch_cuda_graph"] = row["allspark_decode_tps"] / row["torch_cuda_graph_decode_tps"]
     row["allspark_vs_hf_static"] = row["allspark_tps"] / row["hf_static_batch_tps"]
+    row["one_loop_readers"]["decode_vs_torch_cuda_graph"] = (row["one_loop_readers"]["allspark_decode_tps"]
+                                                             / row["torch_cuda_graph_decode_tps"])
     return row

@@ -84,6 +84,39 @@ def concurrent_tps(engine, name: str, vocab: int, num: int, prompt_len: int, new
     return num * new_tokens / (time.perf_counter() - t0)
 
 
+def token_times_one_loop(engine, name: str, prompts: list[list[int]], new_tokens: int) -> list[list[float]]:
+    """Start a request per prompt and read them all on one asyncio loop, as the HTTP server reads its streams
+    (allspark_server.http.stream.QueueReader: one wake-up of the loop per engine step, no thread per stream);
+    each request's token arrival times."""
+    import asyncio
+    from allspark_server.http.stream import QueueReader
+    stamps = [[] for _ in prompts]
+    handles = []
+
+    async def one(i, w):
+        while True:
+            while w.items:
+                stamps[i].extend([time.perf_counter()] * len(w.items.popleft().ids_from_generate))
+            if w.done:
+                return
+            w.event.clear()
+            await w.event.wait()
+
+    async def main():
+        reader, watches = QueueReader(), []
+        for ids in prompts:
+            status, handle, queue = engine.start_request(name, {"input_ids": ids},
+                                                         dict(GREEDY, max_new_tokens=new_tokens))
+            assert status == 0, engine.get_last_error()
+            handles.append(handle)
+            watches.append(reader.watch(queue))
+        await asyncio.gather(*(one(i, w) for i, w in enumerate(watches)))
+    asyncio.run(main())
+    for handle in handles:
+        engine.release_request(name, handle)
+    return stamps
+
+
 def poisson(engine, name: str, vocab: int, num: int, rate: float, prompt_len: int, new_tokens: int) -> dict:
     """Requests arriving as a Poisson process of `rate`/s; TTFT and TPOT (vLLM's definitions:
     TPOT = (last - first token) / (output tokens - 1)), median and p99, and output tokens/s."""

@@ -41,3 +41,32 @@ def test_benchmark_quick_decode_only_runs(tmp_path):
         assert r["vs_llamacpp"]["allspark/llamacpp_f32"] > 0
         check = r["llamacpp_check"]["llamacpp_f32"]             # the GGUF conversion is right
         assert check["rel_l2_err"] < 1e-2 and check["top1_agree"] > 0.9, check
+
+
+def test_one_loop_reader_times_every_token(served_llama):
+    """The concurrency rows' asyncio reader (workloads.token_times_one_loop, the HTTP server's QueueReader) sees
+    each request's every token once, in order: as many arrival times as tokens, never decreasing; and it
+    releases every request it started."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import workloads as W
+    engine, _ = served_llama
+    started, released = [], []
+
+    class Recording:     # the engine, noting which requests are started and released
+        def start_request(self, *args):
+            out = engine.start_request(*args)
+            started.append(out[1])
+            return out
+
+        def release_request(self, name, handle):
+            released.append(handle)
+            return engine.release_request(name, handle)
+
+        def get_last_error(self):
+            return engine.get_last_error()
+    prompts = [W.prompt(5 + i, 900 + i, 100) for i in range(6)]      # more than one step's admissions
+    stamps = W.token_times_one_loop(Recording(), "llama", prompts, 7)
+    assert [len(s) for s in stamps] == [7] * len(prompts)
+    assert all(s == sorted(s) for s in stamps)
+    assert len(started) == len(prompts) and released == started
+    assert not any(engine.has_request("llama", h) for h in started)
