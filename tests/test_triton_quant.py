@@ -123,3 +123,54 @@ def test_prefill_rows_dequantize_for_the_gemm(fmt, group):
         ref = x.cpu().double() @ exact.to(dtype).double().T        # the weight rounded once into x's dtype
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         assert y.dtype == dtype and (y.cpu().double() - ref).abs().max() <= tol * ref.abs().max()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "uint8", "int4", "uint4"])
+@pytest.mark.parametrize("group", [-1, 32, 128])
+def test_silu_mul_epilogue_equals_the_gemv_then_silu_mul(fmt, group):
+    """quant_matmul(silu_mul=True) on the merged gate_up [2I, K]: the GEMV's own sums for the gate and the up rows,
+    then fused_kernels.silu_mul's roundings, bit for bit (fp32 and fp16; bf16 within an ulp of the float64
+    product rounded the same way: the interpreter's plain bf16 store truncates where the epilogue rounds)."""
+    from allspark_server import ops
+    from allspark_server.cuda import fused_kernels as fk
+    inter, k = 36, 256
+    w, exact = quantized(2 * inter, k, fmt, group, seed=7 + len(fmt) + group)
+    gen = torch.Generator().manual_seed(4)
+    for m in (1, 2):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+            act = qk.quant_matmul(x, w, silu_mul=True)
+            assert act.shape == (m, inter) and act.dtype == dtype
+            if dtype != torch.bfloat16 or DEVICE == "cuda":
+                assert torch.equal(act, fk.silu_mul(qk.quant_matmul(x, w)))
+            ref = ops.silu_mul_reference((x.cpu().double() @ exact.T).to(dtype)).to(DEVICE)
+            err = (act.double() - ref.double()).abs()
+            # fp32 sums against float64's (cancellation: relative to the row's scale, as in `check`), then an ulp
+            # in the rounded gate or up, which moves the rounded result by a few ulps
+            bound = 4 * torch.finfo(dtype).eps * ref.double().abs() + 1e-5 * ref.double().abs().max()
+            assert (err <= bound).all(), f"{dtype}: max error {err.max().item():.3g}"
+
+
+def test_cuda_backend_fuses_the_quantized_gate_up_at_one_row(monkeypatch):
+    from allspark_server import ops
+    from allspark_server.cuda import ops as cuda_ops
+    calls = []
+    original = qk.quant_matmul
+    monkeypatch.setattr(cuda_ops, "quant_matmul", lambda *a, **kw: calls.append(kw.get("silu_mul", False))
+                        or original(*a, **kw))
+    hidden, inter = 64, 32
+    gate_up, _ = quantized(2 * inter, hidden, "uint4", 32, seed=11)
+    gate_up8, _ = quantized(2 * inter, hidden, "int8", -1, seed=13)
+    down, _ = quantized(hidden, inter, "int4", 32, seed=12)
+    gen = torch.Generator().manual_seed(5)
+    norm = torch.ones(hidden, device=DEVICE, dtype=torch.float16)
+    # one row: fused for 4-bit codes (SILU_MUL_QUANT_FORMATS), not for 8-bit; two rows: never
+    for rows, gate_up, fused in ((1, gate_up, [True, False]), (1, gate_up8, [False, False]),
+                                 (2, gate_up, [False, False])):
+        x, residual = (torch.randn(rows, hidden, generator=gen).to(DEVICE, torch.float16) for _ in range(2))
+        calls.clear()
+        out, _ = cuda_ops.decode_mlp_block(x, residual, norm, 1e-6, gate_up, None, down)
+        assert calls == fused
+        h, _ = ops.rms_norm_reference(x, norm, 1e-6, residual)       # the sequence on the GPU backend's references
+        want = cuda_ops.linear_reference(ops.silu_mul_reference(cuda_ops.linear_reference(h, gate_up)), down)
+        assert torch.allclose(out.float(), want.float(), rtol=2e-2, atol=2e-3), (out, want)

@@ -29,6 +29,14 @@ def _round(x, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
 
 
 @triton.jit
+def _silu_mul_rounded(gate, up, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """fp32 gate and up (each already rounded to DTYPE) -> silu(gate) * up as ops.silu_mul_reference rounds it:
+    torch's silu rounded, then the product rounded (as fp32 values)."""
+    act = _round(tl.math.div_rn(gate, 1.0 + tl.exp(-gate)), DTYPE, SOFT_BF16)
+    return _round(act * up, DTYPE, SOFT_BF16)
+
+
+@triton.jit
 def _rms_norm_kernel(x, residual, weight, out, s_out, eps, H, stride_x, stride_r, stride_o, stride_s,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr):
     """Program = one row: s = x + residual (rounded), normed = s * rsqrt(mean(s^2) + eps) (rounded), out =
@@ -162,8 +170,7 @@ def _silu_mul_kernel(gate_up, out, inter, stride_g, stride_o, BLOCK: tl.constexp
     gate = tl.load(gate_up + row * stride_g + offs, mask=ok, other=0.0).to(tl.float32)       # [BLOCK]
     up = tl.load(gate_up + row * stride_g + inter + offs, mask=ok, other=0.0).to(tl.float32)     # [BLOCK]
     dt = out.dtype.element_ty
-    act = _round(tl.math.div_rn(gate, 1.0 + tl.exp(-gate)), dt, SOFT_BF16)                  # torch's silu
-    tl.store(out + row * stride_o + offs, _round(act * up, dt, SOFT_BF16).to(dt), mask=ok)
+    tl.store(out + row * stride_o + offs, _silu_mul_rounded(gate, up, dt, SOFT_BF16).to(dt), mask=ok)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from allspark_server.cuda.fused_kernels import _round
+from allspark_server.cuda.fused_kernels import _round, _silu_mul_rounded
 
 # rows of x the kernel takes; more: cuBLAS. benchmarks/cuda_gemv_micro.py on an H100, against cuBLAS: 1.08-1.35x at
 # one row, 0.96-1.16x at two, 0.65-0.79x at four. The silu·mul epilogue pays at one row only (1.20x cuBLAS + silu_mul,
@@ -61,9 +61,8 @@ def _gemv_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_r
         if SILU_MUL:
             acc_up += tl.load(bias + up_rows + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y = _round(acc, dt, SOFT_BF16)
-    if SILU_MUL:   # torch's silu on the rounded gate, rounded; times the rounded up, rounded
-        act = _round(tl.math.div_rn(y, 1.0 + tl.exp(-y)), dt, SOFT_BF16)
-        y = _round(act * _round(acc_up, dt, SOFT_BF16), dt, SOFT_BF16)
+    if SILU_MUL:   # gate and up rounded as the linear rounds them, then silu·mul's roundings
+        y = _silu_mul_rounded(y, _round(acc_up, dt, SOFT_BF16), dt, SOFT_BF16)
     dst = out + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(dst, y.to(dt), mask=(offs_m < M)[:, None] & n_ok[None, :])
 

@@ -19,12 +19,14 @@ the dequantize turn codes into floats with `_code_values`.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from allspark_server.cuda.fused_kernels import _round, _silu_mul_rounded
 from allspark_server.quant.formats import FORMAT_IDS, QuantizedWeight
 
 INT8, UINT8, INT4, UINT4 = (FORMAT_IDS[f] for f in ("int8", "uint8", "int4", "uint4"))
@@ -97,83 +99,106 @@ def _code_values(bits, zero, FMT: tl.constexpr):
 
 
 @triton.jit
+def _gemv_tile(acc, x, qw, scales, zeros, rows, n_ok, offs_m, k0, k_end, M,
+               stride_xm, stride_qn, stride_sn, stride_zn,
+               FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, EVICTION: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] plus the k-tile [k0, k0 + BLOCK_K) of weight rows `rows` [BLOCK_N] met by each
+    row of x: per sub-tile of one group, sum_k (code - zero) * x times its scale."""
+    NSUB: tl.constexpr = BLOCK_K // SUB
+    q_rows = qw.to(tl.pointer_type(tl.uint8), bitcast=True) + rows.to(tl.int64)[:, None] * stride_qn  # [BN, 1]
+    offs_g = k0 // GROUP + tl.arange(0, NSUB)
+    g_ok = n_ok[:, None] & (offs_g * GROUP < k_end)[None, :]
+    scale = tl.load(scales + rows[:, None] * stride_sn + offs_g[None, :], mask=g_ok, other=0.0)
+    scale = scale.to(tl.float32)                                                         # [BN, NSUB]
+    if HAS_ZERO:
+        zero = tl.load(zeros + rows[:, None] * stride_zn + offs_g[None, :], mask=g_ok, other=0)
+        zero = zero.to(tl.float32)                                                       # [BN, NSUB]
+    elif FMT == 2:
+        zero = 8.0
+    else:
+        zero = 0.0
+    if NSUB == 1:   # one group (or the row's one scale) per k-tile: plain [BN, K] tiles
+        scale = tl.reshape(scale, (BLOCK_N,))
+        if HAS_ZERO:
+            zero = tl.reshape(zero, (BLOCK_N, 1))
+    elif HAS_ZERO:
+        zero = zero[:, :, None]
+    if FMT <= 1:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < k_end
+        bits = tl.load(q_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0,
+                       eviction_policy=EVICTION).to(tl.int32)
+        if NSUB == 1:
+            w = _code_values(bits, zero, FMT)                                            # [BN, BK]
+        else:
+            w = _code_values(tl.reshape(bits, (BLOCK_N, NSUB, SUB)), zero, FMT)         # [BN, NSUB, SUB]
+        for i in tl.static_range(BLOCK_M):
+            xi = tl.load(x + tl.minimum(i, M - 1) * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            if NSUB == 1:
+                part = tl.sum(w * xi[None, :], 1) * scale
+            else:
+                part = tl.sum(tl.sum(w * tl.reshape(xi, (1, NSUB, SUB)), 2) * scale, 1)          # [BN]
+            acc = tl.where(offs_m[:, None] == i, acc + part[None, :], acc)
+    else:            # bytes [BN, BK/2]: low nibble k = 32 b + j, high nibble k + 16
+        p = tl.arange(0, BLOCK_K // 2)
+        k_lo = k0 + (p // 16) * 32 + p % 16
+        p_ok = k_lo < k_end
+        byte = tl.load(q_rows + (k0 // 2 + p)[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0,
+                       eviction_policy=EVICTION)
+        byte = byte.to(tl.int32)
+        if NSUB != 1:
+            byte = tl.reshape(byte, (BLOCK_N, NSUB, SUB // 2))     # a group's bytes are contiguous
+        w_lo = _code_values(byte & 15, zero, FMT)
+        w_hi = _code_values(byte >> 4, zero, FMT)
+        for i in tl.static_range(BLOCK_M):
+            x_row = x + tl.minimum(i, M - 1) * stride_xm      # rows past M repeat the last (not stored)
+            x_lo = tl.load(x_row + k_lo, mask=p_ok, other=0.0).to(tl.float32)
+            x_hi = tl.load(x_row + k_lo + 16, mask=p_ok, other=0.0).to(tl.float32)
+            if NSUB == 1:
+                part = tl.sum(w_lo * x_lo[None, :] + w_hi * x_hi[None, :], 1) * scale
+            else:
+                part = tl.sum(w_lo * tl.reshape(x_lo, (1, NSUB, SUB // 2))
+                              + w_hi * tl.reshape(x_hi, (1, NSUB, SUB // 2)), 2)
+                part = tl.sum(part * scale, 1)
+            acc = tl.where(offs_m[:, None] == i, acc + part[None, :], acc)
+    return acc
+
+
+@triton.jit
 def _quant_gemv_kernel(x, qw, scales, zeros, out, M, N, K, k_per_split,
-                       stride_xm, stride_qn, stride_sn, stride_zn, stride_os, stride_om,
+                       stride_xm, stride_qn, stride_sn, stride_zn, stride_os, stride_om, up_rows,
                        FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-                       EVICTION: tl.constexpr):
+                       EVICTION: tl.constexpr, SILU_MUL: tl.constexpr, SOFT_BF16: tl.constexpr):
     """A row or two of x (decode): program (n tile, k split) streams its [BLOCK_N, K-range] codes with K
     contiguous and meets each row of x with FMAs (no tensor cores: at a row or two the weight's bytes are the
-    whole cost). A k-tile is BLOCK_K // SUB sub-tiles of one group each (SUB = min(BLOCK_K, group)): per
-    sub-tile sum_k (code - zero) * x, times its scale -> out[split, :M, n tile] (fp32 partials, or y itself in
-    its dtype). EVICTION: the codes' cache policy ("evict_first": streamed once)."""
-    NSUB: tl.constexpr = BLOCK_K // SUB
+    whole cost). A k-tile is BLOCK_K // SUB sub-tiles of one group each (SUB = min(BLOCK_K, group)) ->
+    out[split, :M, n tile] (fp32 partials, or y itself in its dtype). EVICTION: the codes' cache policy
+    ("evict_first": streamed once). SILU_MUL (one split): rows n and up_rows + n are the merged gate_up's gate
+    and up rows, and out = silu(gate) * up in x's dtype, rounded as ops.silu_mul rounds the linear's output."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    q_rows = qw.to(tl.pointer_type(tl.uint8), bitcast=True) + offs_n.to(tl.int64)[:, None] * stride_qn  # [BN, 1]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(K, k_begin + k_per_split)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        offs_g = k0 // GROUP + tl.arange(0, NSUB)
-        g_ok = n_ok[:, None] & (offs_g * GROUP < k_end)[None, :]
-        scale = tl.load(scales + offs_n[:, None] * stride_sn + offs_g[None, :], mask=g_ok, other=0.0)
-        scale = scale.to(tl.float32)                                                     # [BN, NSUB]
-        if HAS_ZERO:
-            zero = tl.load(zeros + offs_n[:, None] * stride_zn + offs_g[None, :], mask=g_ok, other=0)
-            zero = zero.to(tl.float32)                                                   # [BN, NSUB]
-        elif FMT == 2:
-            zero = 8.0
-        else:
-            zero = 0.0
-        if NSUB == 1:   # one group (or the row's one scale) per k-tile: plain [BN, K] tiles
-            scale = tl.reshape(scale, (BLOCK_N,))
-            if HAS_ZERO:
-                zero = tl.reshape(zero, (BLOCK_N, 1))
-        elif HAS_ZERO:
-            zero = zero[:, :, None]
-        if FMT <= 1:
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < k_end
-            bits = tl.load(q_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0,
-                           eviction_policy=EVICTION).to(tl.int32)
-            if NSUB == 1:
-                w = _code_values(bits, zero, FMT)                                        # [BN, BK]
-            else:
-                w = _code_values(tl.reshape(bits, (BLOCK_N, NSUB, SUB)), zero, FMT)     # [BN, NSUB, SUB]
-            for i in tl.static_range(BLOCK_M):
-                xi = tl.load(x + tl.minimum(i, M - 1) * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-                if NSUB == 1:
-                    part = tl.sum(w * xi[None, :], 1) * scale
-                else:
-                    part = tl.sum(tl.sum(w * tl.reshape(xi, (1, NSUB, SUB)), 2) * scale, 1)      # [BN]
-                acc = tl.where(offs_m[:, None] == i, acc + part[None, :], acc)
-        else:            # bytes [BN, BK/2]: low nibble k = 32 b + j, high nibble k + 16
-            p = tl.arange(0, BLOCK_K // 2)
-            k_lo = k0 + (p // 16) * 32 + p % 16
-            p_ok = k_lo < k_end
-            byte = tl.load(q_rows + (k0 // 2 + p)[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0,
-                           eviction_policy=EVICTION)
-            byte = byte.to(tl.int32)
-            if NSUB != 1:
-                byte = tl.reshape(byte, (BLOCK_N, NSUB, SUB // 2))     # a group's bytes are contiguous
-            w_lo = _code_values(byte & 15, zero, FMT)
-            w_hi = _code_values(byte >> 4, zero, FMT)
-            for i in tl.static_range(BLOCK_M):
-                x_row = x + tl.minimum(i, M - 1) * stride_xm      # rows past M repeat the last (not stored)
-                x_lo = tl.load(x_row + k_lo, mask=p_ok, other=0.0).to(tl.float32)
-                x_hi = tl.load(x_row + k_lo + 16, mask=p_ok, other=0.0).to(tl.float32)
-                if NSUB == 1:
-                    part = tl.sum(w_lo * x_lo[None, :] + w_hi * x_hi[None, :], 1) * scale
-                else:
-                    part = tl.sum(w_lo * tl.reshape(x_lo, (1, NSUB, SUB // 2))
-                                  + w_hi * tl.reshape(x_hi, (1, NSUB, SUB // 2)), 2)
-                    part = tl.sum(part * scale, 1)
-                acc = tl.where(offs_m[:, None] == i, acc + part[None, :], acc)
+        acc = _gemv_tile(acc, x, qw, scales, zeros, offs_n, n_ok, offs_m, k0, k_end, M, stride_xm, stride_qn,
+                         stride_sn, stride_zn, FMT, GROUP, HAS_ZERO, BLOCK_M, BLOCK_N, BLOCK_K, SUB, EVICTION)
+        if SILU_MUL:
+            acc_up = _gemv_tile(acc_up, x, qw, scales, zeros, up_rows + offs_n, n_ok, offs_m, k0, k_end, M,
+                                stride_xm, stride_qn, stride_sn, stride_zn, FMT, GROUP, HAS_ZERO, BLOCK_M, BLOCK_N,
+                                BLOCK_K, SUB, EVICTION)
     dst = out + pid_k * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(dst, acc, mask=(offs_m < M)[:, None] & n_ok[None, :])
+    if SILU_MUL:
+        dt = out.dtype.element_ty
+        y = _silu_mul_rounded(_round(acc, dt, SOFT_BF16), _round(acc_up, dt, SOFT_BF16), dt, SOFT_BF16)
+        tl.store(dst, y.to(dt), mask=(offs_m < M)[:, None] & n_ok[None, :])
+    else:
+        tl.store(dst, acc, mask=(offs_m < M)[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -275,17 +300,21 @@ def dequantize(w: QuantizedWeight, dtype: torch.dtype, block_n: int = 32, block_
 
 
 def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
-                 config: LaunchConfig | None = None) -> torch.Tensor:
+                 config: LaunchConfig | None = None, silu_mul: bool = False) -> torch.Tensor:
     """x [M, K] (fp32 / bf16 / fp16, unit stride along K) @ the dequantized w [N, K].T (+ bias) -> [M, N] in
     x's dtype (fp32 sums, one rounding). More than DOT_MAX_ROWS rows (prefill) without a config: the weight
-    dequantized into x's dtype for cuBLAS."""
+    dequantized into x's dtype for cuBLAS. silu_mul (the GEMV's rows, no bias): w is the merged gate_up [2I, K]
+    and the result ops.silu_mul of the product, [M, I], from one launch (`fits_silu_mul`)."""
     assert x.dim() == 2 and x.stride(-1) == 1 and x.shape[1] == w.in_features, (x.shape, w.in_features)
     m, k = x.shape
-    n = w.out_features
+    n = w.out_features // 2 if silu_mul else w.out_features
     if config is None and m > DOT_MAX_ROWS:
         return torch.nn.functional.linear(x, dequantize(w, x.dtype), bias)
     group = k if w.group_size == -1 else w.group_size
     cfg = config or choose_config(m, n, k, w.group_size, x.device)
+    if silu_mul:     # the epilogue needs whole sums: one split
+        assert bias is None and m <= GEMV_MAX_ROWS and w.out_features % 2 == 0, (bias is None, m, w.out_features)
+        cfg = dataclasses.replace(cfg, split_k=1)
     fmt = FORMAT_IDS[w.fmt]
     gemv = cfg.block_m <= GEMV_MAX_ROWS
     assert not gemv or m <= cfg.block_m, (m, cfg)
@@ -301,16 +330,17 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
     zeros = w.zeros
     args = (x, w.qweight, w.scales, w.scales if zeros is None else zeros, partial, m, n, k, k_per_split,
             x.stride(0), w.qweight.stride(0), w.scales.stride(0), 0 if zeros is None else zeros.stride(0),
-            partial.stride(0), partial.stride(1))
+            partial.stride(0), partial.stride(1), n)
     common = dict(FMT=fmt, GROUP=group, HAS_ZERO=zeros is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   num_warps=cfg.num_warps)
     if gemv:
         sub = cfg.block_k if w.group_size == -1 else min(cfg.block_k, w.group_size)
-        _quant_gemv_kernel[(triton.cdiv(n, cfg.block_n), splits)](*args, BLOCK_M=cfg.block_m, SUB=sub,
-                                                                   EVICTION=cfg.eviction, **common)
+        _quant_gemv_kernel[(triton.cdiv(n, cfg.block_n), splits)](
+            *args, BLOCK_M=cfg.block_m, SUB=sub, EVICTION=cfg.eviction, SILU_MUL=silu_mul,
+            SOFT_BF16=_INTERPRETED, **common)
     else:
         _quant_matmul_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)](
-            *args, BLOCK_M=cfg.block_m, DOT_DTYPE=_DOT_DTYPES[x.dtype],
+            *args[:-1], BLOCK_M=cfg.block_m, DOT_DTYPE=_DOT_DTYPES[x.dtype],
             UPCAST=_INTERPRETED and x.dtype != torch.float32, num_stages=cfg.num_stages, **common)
     y = partial[0] if splits == 1 else partial.sum(0)
     if bias is not None:
