@@ -1,9 +1,11 @@
 """Micro-benchmark of the GPU quantized matmul (allspark_server/cuda/quant_kernels.py) on Llama-2-7B's linear
 shapes: each weight format against cuBLAS on the bf16 weight and against dequantize + cuBLAS, for decode and
-prefill row counts, each call timed as CUDA-graph replays (no launch overhead). --sweep also times launch
-configs for the decode rows (what choose_config's table comes from). Writes JSON; run on a GPU machine:
+prefill row counts, each call timed as CUDA-graph replays (no launch overhead; the rows on one copy of the weight,
+so the smaller ones partly from L2). --sweep also times launch configs for the decode row over weight copies
+past L2 (what choose_config's table comes from), --sweep-only that alone for every shape. Writes JSON; run on a
+GPU machine:
 
-    python benchmarks/cuda_quant_micro.py [--sweep] [--out results.json]
+    python benchmarks/cuda_quant_micro.py [--sweep | --sweep-only] [--out results.json]
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from allspark_server.quant.formats import QuantizedWeight, quantize
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
 VARIANTS = [("int8", -1), ("int4", 128), ("uint4", 64), ("int4", 32)]
 ROWS = [1, 8, 16, 32, 64, 128, 512, 2048]
-SWEPT = [("int8", -1)]     # the formats whose decode configs --sweep times
+SWEPT = [("int8", -1), ("int4", 128)]     # the formats whose decode configs --sweep times
 
 
 def time_us(fn) -> float:
@@ -50,7 +52,7 @@ def sweep(w: QuantizedWeight, m: int, n: int, k: int) -> dict:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     ws = quant_copies(w)
     if m <= qk.GEMV_MAX_ROWS:
-        grid = itertools.product((2, 4), (2048, 4096), (1,), (4, 8), (1,), ("", "evict_first"))
+        grid = itertools.product((2, 4, 8), (1024, 2048, 4096), (1,), (4, 8), (1,), ("", "evict_first"))
     else:
         grid = itertools.product((32, 64), (64, 128, 256), (1, 2, 4), (4, 8), (3, 4), ("",))
     best, errors = [], []
