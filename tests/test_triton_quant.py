@@ -126,7 +126,7 @@ def test_prefill_rows_dequantize_for_the_gemm(fmt, group):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "uint8", "int4", "uint4"])
-@pytest.mark.parametrize("group", [-1, 32, 128])
+@pytest.mark.parametrize("group", [-1, 128])
 def test_silu_mul_epilogue_equals_the_gemv_then_silu_mul(fmt, group):
     """quant_matmul(silu_mul=True) on the merged gate_up [2I, K]: the GEMV's own sums for the gate and the up rows,
     then fused_kernels.silu_mul's roundings, bit for bit (fp32 and fp16; bf16 within an ulp of the float64
@@ -136,19 +136,18 @@ def test_silu_mul_epilogue_equals_the_gemv_then_silu_mul(fmt, group):
     inter, k = 36, 256
     w, exact = quantized(2 * inter, k, fmt, group, seed=7 + len(fmt) + group)
     gen = torch.Generator().manual_seed(4)
-    for m in (1, 2):
-        for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
-            act = qk.quant_matmul(x, w, silu_mul=True)
-            assert act.shape == (m, inter) and act.dtype == dtype
-            if dtype != torch.bfloat16 or DEVICE == "cuda":
-                assert torch.equal(act, fk.silu_mul(qk.quant_matmul(x, w)))
-            ref = ops.silu_mul_reference((x.cpu().double() @ exact.T).to(dtype)).to(DEVICE)
-            err = (act.double() - ref.double()).abs()
-            # fp32 sums against float64's (cancellation: relative to the row's scale, as in `check`), then an ulp
-            # in the rounded gate or up, which moves the rounded result by a few ulps
-            bound = 4 * torch.finfo(dtype).eps * ref.double().abs() + 1e-5 * ref.double().abs().max()
-            assert (err <= bound).all(), f"{dtype}: max error {err.max().item():.3g}"
+    for m, dtype in ((1, torch.float32), (1, torch.float16), (1, torch.bfloat16), (2, torch.float16)):
+        x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+        act = qk.quant_matmul(x, w, silu_mul=True)
+        assert act.shape == (m, inter) and act.dtype == dtype
+        if dtype != torch.bfloat16 or DEVICE == "cuda":
+            assert torch.equal(act, fk.silu_mul(qk.quant_matmul(x, w)))
+        ref = ops.silu_mul_reference((x.cpu().double() @ exact.T).to(dtype)).to(DEVICE)
+        err = (act.double() - ref.double()).abs()
+        # fp32 sums against float64's (cancellation: relative to the row's scale, as in `check`), then an ulp
+        # in the rounded gate or up, which moves the rounded result by a few ulps
+        bound = 4 * torch.finfo(dtype).eps * ref.double().abs() + 1e-5 * ref.double().abs().max()
+        assert (err <= bound).all(), f"{dtype}: max error {err.max().item():.3g}"
 
 
 def test_cuda_backend_fuses_the_quantized_gate_up_at_one_row(monkeypatch):

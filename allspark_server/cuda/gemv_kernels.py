@@ -3,10 +3,10 @@ once from memory, optionally with the MLP's silu·mul as its epilogue (the merge
 activation out: no [M, 2I] intermediate and no separate launch).
 
 Why not cuBLAS: at one row a linear layer is a pure weight stream, which cuBLAS reads at 1.94-2.78 TB/s for the
-7B shapes on an H100 and this kernel at 2.30-3.11 (benchmarks/cuda_gemv_micro.py, results-cuda-gemv-micro-h100.json;
-the whole batch-1 step 1.15x faster). Each program owns BLOCK_N rows of w and walks K in BLOCK_K
-tiles with K contiguous, one fp32 sum per output, rounded once into x's dtype (cuBLAS rounds once too; only the
-order of the fp32 sum differs). More rows, fp32 or other layouts stay with cuBLAS (`fits`).
+7B shapes and their 2-rank shards on an H100, this kernel at 2.30-3.11 (benchmarks/cuda_gemv_micro.py,
+results-cuda-gemv-micro-h100.json; the whole batch-1 step 1.15x faster). Each program owns BLOCK_N rows of w and
+walks K in BLOCK_K tiles with K contiguous, one fp32 sum per output, rounded once into x's dtype (cuBLAS rounds
+once too; only the order of the fp32 sum differs). More rows, fp32 or other layouts stay with cuBLAS (`fits`).
 """
 from __future__ import annotations
 

@@ -263,9 +263,11 @@ def choose_config(m: int, n: int, k: int, group_size: int, device: torch.device)
     K split until there are about MIN_PROGRAMS_PER_SM programs per SM. `group_size` as QuantizedWeight's (-1:
     per channel). Defaults from sweeps on an H100 (benchmarks/cuda_quant_micro.py --sweep)."""
     eviction = ""
-    if m <= GEMV_MAX_ROWS and group_size == -1:   # per channel: 2 rows x 4096 codes, streamed once (int8's sweep,
-        block_m, block_n, block_k, warps, stages = triton.next_power_of_2(m), 2, 4096, 4, 1  # 3-4% over 4 x 2048:
-        eviction = "evict_first"                                     # results-cuda-quant-sweep-h100.json)
+    if m <= GEMV_MAX_ROWS and group_size == -1:
+        # per channel: 2 rows x up to 4096 codes a program, streamed once (int8's sweep: 3-4% faster than 4 x 2048,
+        # results-cuda-quant-sweep-h100.json)
+        block_m, block_n, warps, stages = triton.next_power_of_2(m), 2, 4, 1
+        block_k, eviction = min(4096, triton.next_power_of_2(k)), "evict_first"
     elif m <= GEMV_MAX_ROWS:   # sweeps: thin tiles, long K runs, no split (4 rows x 2048 codes a program)
         block_m, block_n, block_k, warps, stages = triton.next_power_of_2(m), 4, 2048, 4, 1
     elif m <= 16:
