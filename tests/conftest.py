@@ -1,5 +1,6 @@
 """Shared fixtures: tiny HF models (built once, locally), their serialized allspark files, the shared Engine
-and pool, and the module-scoped fixtures of the split contract / errors / pool-failure suites."""
+and pool, the module-scoped fixtures of the split contract / errors / pool-failure suites, and the Triton kernel
+tests' NaN-poisoned torch.empty."""
 from __future__ import annotations
 
 import logging
@@ -44,6 +45,18 @@ class TinyModel:
     variant: str
     hf_dir: str
     model: object          # the transformers model, fp32, eval mode
+
+
+@pytest.fixture
+def poisoned_empty():
+    """torch.empty returns NaN-filled tensors meanwhile, so an output element a kernel never writes shows
+    (the Triton kernel tests)."""
+    import torch
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)            # with fill_uninitialized_memory (default): NaN fill
+    assert torch.utils.deterministic.fill_uninitialized_memory
+    yield
+    torch.use_deterministic_algorithms(before)
 
 
 @pytest.fixture(scope="session")

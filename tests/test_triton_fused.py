@@ -24,16 +24,6 @@ BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: 
 EPS = 1e-6
 
 
-@pytest.fixture
-def poisoned_empty():
-    """torch.empty returns NaN-filled tensors meanwhile, so an output element a kernel never writes shows."""
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)            # with fill_uninitialized_memory (default): NaN fill
-    assert torch.utils.deterministic.fill_uninitialized_memory
-    yield
-    torch.use_deterministic_algorithms(before)
-
-
 def assert_same_bits(out: torch.Tensor, ref: torch.Tensor) -> None:
     """Bit-for-bit equal (NaN included: a poisoned slot must stay exactly as it was)."""
     assert out.shape == ref.shape and out.dtype == ref.dtype
