@@ -78,9 +78,12 @@ def test_time_the_process_did_not_run_is_not_counted(monkeypatch, stall_s):
     dog = sw.StepWatchdog(on_hang, timeout_s=0.5)
     with dog.step(1, 1):                                        # the first step: instant
         pass
-    began = clock.now
-    clock.stalls = [stall_s] if stall_s else []
     with dog.step(2, 1):
+        # when the watchdog says step 2 began: the clock moves with its thread's polls, so a read of it here or
+        # before the step could already be some polls off on a loaded machine; and the stall queued only now,
+        # while the step is open (queued before it, a poll between the steps could take it)
+        began = dog._open[1]
+        clock.stalls = [stall_s] if stall_s else []
         assert done.wait(5.0)
     at, message = fired[0]
     limit = 0.5 + stall_s
