@@ -12,7 +12,6 @@ import gc
 import os
 import statistics
 import sys
-import threading
 import time
 from unittest import mock
 
@@ -63,6 +62,11 @@ def serialized_bench_model(root: str):
 
 def kv_bytes_per_token(layers: int) -> int:
     return 2 * layers * LLAMA2_7B["hidden_size"] * 2      # bf16 K and V of every layer
+
+
+def first_divergence(ours: list[int], theirs: list[int]) -> int:
+    """The first position where two greedy continuations differ (their length if nowhere)."""
+    return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
 
 
 def build_model(out_dir: str, layers: int) -> None:
@@ -131,7 +135,7 @@ def main(args, save=lambda report: None) -> dict:
                           eos_token_id=None, pad_token_id=0)
     theirs = out[0, prompt_len:].tolist()
     report["greedy_ours_hf"] = [ours, theirs]
-    report["greedy_first_divergence"] = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), 16)
+    report["greedy_first_divergence"] = first_divergence(ours, theirs)
 
     runs = {"allspark": [], "torch_cuda_graph": [], "allspark_no_overlap": [], "allspark_cublas": []}
     served = engine._engine.models["bench-cuda"]
@@ -258,8 +262,7 @@ def quant_rows(engine, root: str, variants: list[str], prompt_len: int, new_toke
         runner = engine._engine.models[name].runner
         out[v] = {"serialize_s": time.perf_counter() - t,
                   "weight_bytes_per_token": decode_weight_bytes(runner.model, runner.model.model.embed_tokens.weight),
-                  "greedy_first_divergence_vs_bf16": next(
-                      (i for i, (a, b) in enumerate(zip(bf16, W.greedy_tokens(engine, name, prompt, 16))) if a != b), 16)}
+                  "greedy_first_divergence_vs_bf16": first_divergence(bf16, W.greedy_tokens(engine, name, prompt, 16))}
         W.decode_tps(engine, name, vocab, 8)
         runs = by_round[v] = {"bfloat16": [], v: []}
         for r in range(rounds):
@@ -297,14 +300,13 @@ def two_gpu_pool_rows(engine, loader, prompt_len: int, new_tokens: int, rounds: 
         out = {}
         for name, client in pools.items():
             theirs = W.greedy_tokens(client, "bench-pool", prompt, 16)
-            out[f"{name}_greedy_first_divergence_vs_1gpu"] = next(
-                (i for i, (a, b) in enumerate(zip(one, theirs)) if a != b), 16)
+            out[f"{name}_greedy_first_divergence_vs_1gpu"] = first_divergence(one, theirs)
             W.decode_tps(client, "bench-pool", vocab, 8)
         runs = {"engine_1gpu": [], **{name: [] for name in pools}}
+        sides = [("engine_1gpu", engine, "bench-cuda")] + [(n, client, "bench-pool") for n, client in pools.items()]
         for r in range(rounds):
-            runs["engine_1gpu"].append(W.decode_tps(engine, "bench-cuda", vocab, new_tokens, seed=r, prompt_len=prompt_len))
-            for name, client in pools.items():
-                runs[name].append(W.decode_tps(client, "bench-pool", vocab, new_tokens, seed=r, prompt_len=prompt_len))
+            for name, e, model in sides:
+                runs[name].append(W.decode_tps(e, model, vocab, new_tokens, seed=r, prompt_len=prompt_len))
         out["decode_b1_tps_by_round"] = runs
         for name in pools:
             out[f"{name}_decode_b1_tps"] = statistics.median(runs[name])
@@ -413,28 +415,13 @@ def engine_concurrent(engine, num: int, one_loop: bool = False) -> dict:
     own blocked in Get() (DashInfer's examples), or with `one_loop` all on one asyncio loop as the HTTP server
     reads them (workloads.token_times_one_loop): the engine thread shares the GIL with every woken reader."""
     vocab = LLAMA2_7B["vocab_size"]
-    stamps = [[] for _ in range(num)]
     served = engine._engine.models["bench-cuda"]
     profile = StepProfile(served)
     graph_ms = time_graph_steps(served.runner.graphs, num)
     prompts = [W.prompt(CONC_PROMPT, 500 + i, vocab) for i in range(num)]
-
-    def one(i):
-        status, handle, queue = engine.start_request("bench-cuda", {"input_ids": prompts[i]},
-                                                     dict(W.GREEDY, max_new_tokens=CONC_NEW))
-        assert status == 0, engine.get_last_error()
-        while (el := queue.Get()) is not None:
-            stamps[i].extend([time.perf_counter()] * len(el.ids_from_generate))
-        engine.release_request("bench-cuda", handle)
+    read = W.token_times_one_loop if one_loop else W.token_times_threads
     t0 = time.perf_counter()
-    if one_loop:
-        stamps = W.token_times_one_loop(engine, "bench-cuda", prompts, CONC_NEW)
-    else:
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(num)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+    stamps = read(engine, "bench-cuda", prompts, CONC_NEW)
     end = max(s[-1] for s in stamps)
     all_first = max(s[0] for s in stamps)
     profile.restore()

@@ -19,20 +19,18 @@ import torch.nn.functional as F
 
 from allspark_server.cuda import fused_kernels as fk
 from allspark_server.cuda import gemv_kernels as gk
-from cuda_quant_micro import per_call_us
+from cuda_quant_micro import copies_past_l2, per_call_us
 
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008),
           "lm_head": (32000, 4096), "qkv_tp2": (6144, 4096), "o_tp2": (4096, 2048), "gate_up_tp2": (11008, 4096),
           "down_tp2": (4096, 5504)}
 ROWS = (1, 2, 4)
-STREAM_BYTES = 600 << 20      # the copies of a weight one timed call walks through: well past the 50 MB of L2
 SWEEP = list(itertools.product((2, 4, 8), (1024, 2048, 4096), (4, 8), (1, 3)))
 SILU_SWEEP = list(itertools.product((1, 2, 4), (2048, 4096), (4, 8), (1,)))    # the fused gate_up + silu·mul
 
 
 def weight_copies(n: int, k: int) -> list[torch.Tensor]:
-    copies = max(2, -(-STREAM_BYTES // (n * k * 2)))
-    return [(torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16) for _ in range(copies)]
+    return [(torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16) for _ in range(copies_past_l2(n * k * 2))]
 
 
 def shape_rows(ws: list[torch.Tensor], name: str) -> dict:
@@ -44,7 +42,7 @@ def shape_rows(ws: list[torch.Tensor], name: str) -> dict:
         ref = F.linear(x.float(), ws[0].float())
         row["triton_rel_err"] = ((gk.gemv(x, ws[0]).float() - ref).abs().max() / ref.abs().max()).item()
         row["triton_us"] = per_call_us(lambda w: gk.gemv(x, w), ws)     # past GEMV_MAX_ROWS too: where to stop
-        normal = dataclasses.replace(gk.choose_config(n, k), eviction="")
+        normal = dataclasses.replace(gk.choose_config(k), eviction="")
         row["triton_normal_policy_us"] = per_call_us(lambda w: gk.gemv(x, w, config=normal), ws)
         for key in ("cublas", "triton"):
             row[f"{key}_gbs"] = n * k * 2 / row[f"{key}_us"] / 1e3
@@ -74,7 +72,7 @@ def sweep(ws: list[torch.Tensor], kernel=gk.gemv, grid=SWEEP) -> dict:
             continue
         timed.append((round(us, 2), round(n * k * 2 / us / 1e3, 1), [bn, bk, warps, stages]))
     timed.sort()
-    chosen = gk.choose_config(n, k)
+    chosen = gk.choose_config(k)
     return {"best": timed[:6], "worst": timed[-2:], "errors": errors[:3],
             "chosen": [chosen.block_n, chosen.block_k, chosen.num_warps, chosen.num_stages]}
 

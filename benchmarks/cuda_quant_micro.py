@@ -36,9 +36,17 @@ def per_call_us(fn, ws: list) -> float:
     return time_us(lambda: [fn(w) for w in ws]) / len(ws)
 
 
-def quant_copies(w: QuantizedWeight, nbytes: int = 600 << 20) -> list[QuantizedWeight]:
-    """w and clones of its tensors, `nbytes` in all."""
-    copies = max(2, -(-nbytes // weight_bytes(w)))
+COPIES_BYTES = 600 << 20      # what one timed call walks through: well past the 50 MB of L2
+
+
+def copies_past_l2(one_bytes: int) -> int:
+    """How many copies of a weight of `one_bytes` make COPIES_BYTES (at least 2)."""
+    return max(2, -(-COPIES_BYTES // one_bytes))
+
+
+def quant_copies(w: QuantizedWeight) -> list[QuantizedWeight]:
+    """w and clones of its tensors, copies_past_l2 of them."""
+    copies = copies_past_l2(weight_bytes(w))
     return [w] + [QuantizedWeight(w.qweight.clone(), w.scales.clone(), None if w.zeros is None else w.zeros.clone(),
                                   w.fmt, w.group_size, w.in_features) for _ in range(copies - 1)]
 

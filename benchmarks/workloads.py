@@ -84,6 +84,26 @@ def concurrent_tps(engine, name: str, vocab: int, num: int, prompt_len: int, new
     return num * new_tokens / (time.perf_counter() - t0)
 
 
+def token_times_threads(engine, name: str, prompts: list[list[int]], new_tokens: int) -> list[list[float]]:
+    """Start a request per prompt, each read by a thread of its own blocked in Get() (DashInfer's examples); each
+    request's token arrival times."""
+    stamps = [[] for _ in prompts]
+
+    def one(i):
+        status, handle, queue = engine.start_request(name, {"input_ids": prompts[i]},
+                                                     dict(GREEDY, max_new_tokens=new_tokens))
+        assert status == 0, engine.get_last_error()
+        while (el := queue.Get()) is not None:
+            stamps[i].extend([time.perf_counter()] * len(el.ids_from_generate))
+        engine.release_request(name, handle)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return stamps
+
+
 def token_times_one_loop(engine, name: str, prompts: list[list[int]], new_tokens: int) -> list[list[float]]:
     """Start a request per prompt and read them all on one asyncio loop, as the HTTP server reads its streams
     (allspark_server.http.stream.QueueReader: one wake-up of the loop per engine step, no thread per stream);

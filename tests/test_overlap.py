@@ -134,9 +134,10 @@ def test_min_length_counts_the_token_of_the_step_before(engines, llama):
 
 
 def test_a_pool_runs_ahead_with_the_ids_sent_to_the_other_rank(llama, tmp_path):
-    """A 2-rank pool (mpirun, CPU; overlapped scheduling is a pool's default too): rank 0 launches decode steps ahead of their tokens and
-    the worker runs the same steps from ids that rank 0 sends it (`comm.broadcast_`), its mirrors learning the
-    tokens one plan late; greedy output equals transformers', a stop token ends its request exactly."""
+    """A 2-rank pool (mpirun, CPU; overlapped scheduling is a pool's default too): rank 0 launches decode steps
+    ahead of their tokens and the worker runs the same steps from ids that rank 0 sends it (`comm.broadcast_`), its
+    mirrors learning the tokens one plan late; greedy output equals transformers', a stop token ends its request
+    exactly."""
     loader = serialize(llama.hf_dir, "m", str(tmp_path / "model"))
     prompts = [random_prompt(5 + 4 * i, 120 + i) for i in range(3)]
     ref = hf_ref(llama.model, prompts[2], 20)

@@ -76,11 +76,11 @@ class GemvConfig:
     eviction: str = "evict_first"     # the weight's loads: streamed once ("" for the default policy)
 
 
-def choose_config(n: int, k: int) -> GemvConfig:
-    """Tile shape for an [n, k] weight. From benchmarks/cuda_gemv_micro.py's sweep on an H100 over the 7B shapes
-    and their 2-rank shards (results-cuda-gemv-micro-h100.json): two rows a program and 8 warps were best for
-    every shape, with 2048-wide k-tiles, or 4096 for K = 11008 (the best config read 2.32-3.09 TB/s, cuBLAS
-    1.96-2.67; the worst, eight rows of 1024, 1.73-2.62)."""
+def choose_config(k: int) -> GemvConfig:
+    """Tile shape for a weight of k columns (its row count does not matter). From benchmarks/cuda_gemv_micro.py's
+    sweep on an H100 over the 7B shapes and their 2-rank shards (results-cuda-gemv-micro-h100.json): two rows a
+    program and 8 warps were best for every shape, with 2048-wide k-tiles, or 4096 for K = 11008 (the best
+    config read 2.32-3.09 TB/s, cuBLAS 1.96-2.67; the worst, eight rows of 1024, 1.73-2.62)."""
     return GemvConfig(block_n=2, block_k=min(4096 if k >= 8192 else 2048, triton.next_power_of_2(k)), num_warps=8)
 
 
@@ -89,23 +89,28 @@ def enabled() -> bool:
     return os.environ.get("ALLSPARK_TRITON_GEMV", "1") != "0"
 
 
-def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether gemv takes x @ w.T: up to GEMV_MAX_ROWS unit-stride rows, a contiguous bf16 / fp16 weight in x's
-    dtype, and the switch on."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.stride(-1) == 1 and w.dtype in DTYPES
-            and x.dtype == w.dtype and w.dim() == 2 and w.is_contiguous() and enabled())
+def decode_rows(x: torch.Tensor, max_rows: int) -> bool:
+    """x is 1..max_rows unit-stride rows: what a GEMV (this one or the quantized one) takes."""
+    return x.dim() == 2 and 0 < x.shape[0] <= max_rows and x.stride(-1) == 1
+
+
+def fits(x: torch.Tensor, w: torch.Tensor, max_rows: int = GEMV_MAX_ROWS) -> bool:
+    """Whether gemv takes x @ w.T: up to `max_rows` decode rows, a contiguous bf16 / fp16 weight in x's dtype,
+    and the switch on."""
+    return (decode_rows(x, max_rows) and w.dtype in DTYPES and x.dtype == w.dtype and w.dim() == 2
+            and w.is_contiguous() and enabled())
 
 
 def fits_silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
     """Whether gemv_silu_mul takes the MLP's gate_up projection and activation (`fits`, at most SILU_MUL_MAX_ROWS)."""
-    return x.dim() == 2 and x.shape[0] <= SILU_MUL_MAX_ROWS and fits(x, gate_up)
+    return fits(x, gate_up, SILU_MUL_MAX_ROWS)
 
 
 def _launch(x, w, bias, out_cols, up_rows, silu_mul, config):
     m, k = x.shape
     assert w.shape[1] == k and x.stride(-1) == 1 and w.is_contiguous(), (tuple(x.shape), tuple(w.shape))
     assert bias is None or (bias.shape == (w.shape[0],) and bias.is_contiguous())
-    cfg = config or choose_config(out_cols, k)
+    cfg = config or choose_config(k)
     out = torch.empty(m, out_cols, dtype=x.dtype, device=x.device)                       # [M, N]
     if m == 0 or out_cols == 0:
         return out

@@ -103,8 +103,8 @@ def gate_up_silu_mul(h: torch.Tensor, gate_up: "torch.Tensor | QuantizedWeight",
     """silu_mul(linear(h, gate_up, bias)): at a decode row, one GEMV launch with silu·mul as its epilogue (dense
     weights, or 4-bit codes without a bias)."""
     if isinstance(gate_up, QuantizedWeight):
-        if (gate_up.fmt in SILU_MUL_QUANT_FORMATS and bias is None and h.dim() == 2 and h.stride(-1) == 1
-                and 0 < h.shape[0] <= gemv_kernels.SILU_MUL_MAX_ROWS):
+        if (gate_up.fmt in SILU_MUL_QUANT_FORMATS and bias is None
+                and gemv_kernels.decode_rows(h, gemv_kernels.SILU_MUL_MAX_ROWS)):
             return quant_matmul(_quant_input(h, gate_up), gate_up, silu_mul=True)
     elif gemv_kernels.fits_silu_mul(h, gate_up):
         return gemv_kernels.gemv_silu_mul(h, gate_up, bias)

@@ -332,17 +332,17 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
     zeros = w.zeros
     args = (x, w.qweight, w.scales, w.scales if zeros is None else zeros, partial, m, n, k, k_per_split,
             x.stride(0), w.qweight.stride(0), w.scales.stride(0), 0 if zeros is None else zeros.stride(0),
-            partial.stride(0), partial.stride(1), n)
+            partial.stride(0), partial.stride(1))
     common = dict(FMT=fmt, GROUP=group, HAS_ZERO=zeros is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   num_warps=cfg.num_warps)
     if gemv:
         sub = cfg.block_k if w.group_size == -1 else min(cfg.block_k, w.group_size)
         _quant_gemv_kernel[(triton.cdiv(n, cfg.block_n), splits)](
-            *args, BLOCK_M=cfg.block_m, SUB=sub, EVICTION=cfg.eviction, SILU_MUL=silu_mul,
+            *args, up_rows=n, BLOCK_M=cfg.block_m, SUB=sub, EVICTION=cfg.eviction, SILU_MUL=silu_mul,
             SOFT_BF16=_INTERPRETED, **common)
     else:
         _quant_matmul_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)](
-            *args[:-1], BLOCK_M=cfg.block_m, DOT_DTYPE=_DOT_DTYPES[x.dtype],
+            *args, BLOCK_M=cfg.block_m, DOT_DTYPE=_DOT_DTYPES[x.dtype],
             UPCAST=_INTERPRETED and x.dtype != torch.float32, num_stages=cfg.num_stages, **common)
     y = partial[0] if splits == 1 else partial.sum(0)
     if bias is not None:
