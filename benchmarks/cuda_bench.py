@@ -24,6 +24,8 @@ import workloads as W
 
 # what a run measures after the batch-1 rows (`run.py --device cuda --sections ...`; --quant adds its rows)
 SECTIONS = ("ttft", "pool", "concurrency", "poisson")
+# the batch-1 rounds' A/B graph variants: name -> the switch set to 0 when they are captured
+GRAPH_VARIANTS = {"cublas": "ALLSPARK_TRITON_GEMV", "no_pdl": "ALLSPARK_PDL"}
 LLAMA2_7B = dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=11008, num_attention_heads=32,
                  num_key_value_heads=32, vocab_size=32000)
 
@@ -137,9 +139,13 @@ def main(args, save=lambda report: None) -> dict:
     report["greedy_ours_hf"] = [ours, theirs]
     report["greedy_first_divergence"] = first_divergence(ours, theirs)
 
-    runs = {"allspark": [], "torch_cuda_graph": [], "allspark_no_overlap": [], "allspark_cublas": []}
+    runs = {"allspark": [], "torch_cuda_graph": [], "allspark_no_overlap": []}
     served = engine._engine.models["bench-cuda"]
-    triton_graphs, cublas_graphs = served.runner.graphs, graphs_on_cublas(served.runner)
+    # A/B: the same engine's decode graphs captured again with every dense linear on cuBLAS, and without
+    # programmatic dependent launch (cuda/pdl.py); swapped in as runner.graphs between requests
+    ours_graphs = served.runner.graphs
+    variants = {name: recaptured_graphs(served.runner, {var: "0"}) for name, var in GRAPH_VARIANTS.items()}
+    runs.update({f"allspark_{name}": [] for name in variants})
     W.decode_tps(engine, "bench-cuda", LLAMA2_7B["vocab_size"], 8)
 
     def ours(seed):
@@ -150,20 +156,23 @@ def main(args, save=lambda report: None) -> dict:
         runs["torch_cuda_graph"].append(peer.decode_tps(prompt_len, new_tokens))
         with overlap_off(served):   # the same engine stepping one step at a time (ALLSPARK_OVERLAP=0)
             runs["allspark_no_overlap"].append(ours(r))
-        served.runner.graphs = cublas_graphs      # the same engine with every linear on cuBLAS
-        runs["allspark_cublas"].append(ours(r))
-        served.runner.graphs = triton_graphs
-    overlap, cublas = runs.pop("allspark_no_overlap"), runs.pop("allspark_cublas")
-    report["triton_gemv_vs_cublas_b1"] = statistics.median(a / b for a, b in zip(runs["allspark"], cublas))
-    report["allspark_cublas_decode_b1_tps"] = statistics.median(cublas)
-    report["graph_replay_ms_b1_cublas"] = graph_replay_ms(cublas_graphs, 1)
-    del cublas_graphs
+        for name, graphs in variants.items():
+            served.runner.graphs = graphs
+            runs[f"allspark_{name}"].append(ours(r))
+        served.runner.graphs = ours_graphs
+    overlap = runs.pop("allspark_no_overlap")
+    others = {name: runs.pop(f"allspark_{name}") for name in variants}
+    for name, tps in others.items():
+        report[f"allspark_vs_{name}_b1"] = statistics.median(a / b for a, b in zip(runs["allspark"], tps))
+        report[f"allspark_{name}_decode_b1_tps"] = statistics.median(tps)
+        report[f"graph_replay_ms_b1_{name}"] = graph_replay_ms(variants[name], 1)
+    del variants
     for name, tps in runs.items():
         report[f"{name}_decode_b1_tps"] = statistics.median(tps)
         report[f"{name}_decode_b1_roofline"] = statistics.median(tps) / report["roofline_tps"]
-    report["decode_b1_tps_by_round"] = runs
+    report["decode_b1_tps_by_round"] = dict(runs, allspark_no_overlap=overlap,
+                                            **{f"allspark_{n}": t for n, t in others.items()})
     report["allspark_vs_torch_cuda_graph"] = statistics.median(a / b for a, b in zip(*runs.values()))
-    runs["allspark_no_overlap"], runs["allspark_cublas"] = overlap, cublas
     report["overlap_vs_no_overlap_b1"] = statistics.median(a / b for a, b in zip(runs["allspark"], overlap))
     report["graph_replay_ms_b1"] = graph_replay_ms(served.runner.graphs, 1)
     report["host_overhead_ms_b1"] = 1e3 / report["allspark_decode_b1_tps"] - report["graph_replay_ms_b1"]
@@ -376,12 +385,13 @@ def kernel_breakdown(runner, batch: int, top: int = 12) -> list:
     return [(e.key[:80], round(e.device_time_total / 1e3, 3), e.count) for e in rows]
 
 
-def graphs_on_cublas(runner):
-    """The runner's decode graphs captured again with every dense linear on cuBLAS (ALLSPARK_TRITON_GEMV=0):
-    the other side of the Triton GEMV's A/B, swapped in as runner.graphs between requests."""
+def recaptured_graphs(runner, env: dict):
+    """The runner's decode graphs captured again under the environment switches `env` (ALLSPARK_TRITON_GEMV=0:
+    every dense linear on cuBLAS; ALLSPARK_PDL=0: no programmatic dependent launch): the other side of an A/B,
+    swapped in as runner.graphs between requests."""
     from allspark_server.cuda.graphs import DecodeGraphs
     g = runner.graphs
-    with mock.patch.dict(os.environ, {"ALLSPARK_TRITON_GEMV": "0"}):
+    with mock.patch.dict(os.environ, env):
         return DecodeGraphs(runner.model, runner.kv, max(g.sizes), g.spans.shape[1], g.scratch_span, g.span_size,
                             g.spans.device)
 

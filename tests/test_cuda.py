@@ -148,6 +148,40 @@ def test_graph_replay_equals_the_eager_step(llama, tmp_path):
 
 @pytest.mark.gpu
 @needs_gpu
+def test_graphs_with_programmatic_dependent_launch_equal_graphs_without(llama, tmp_path, monkeypatch):
+    """The decode graphs whose Triton kernels start before the kernel ahead of them ends (PDL, cuda/pdl.py: on
+    by default on sm_90) give the same logits bit for bit, replay after replay, as graphs captured again with
+    ALLSPARK_PDL=0: a kernel touching an activation before its wait would race and show as differing bits."""
+    from unittest import mock
+    from allspark_server.core.messages import ScheduledChunk
+    from allspark_server.cuda import pdl
+    from allspark_server.cuda.graphs import DecodeGraphs
+    from allspark_server.runner.forward_inputs import RequestMirror, build_forward_inputs
+    from test_hf_parity import runner_for
+    loader = serialize(llama.hf_dir, "p", str(tmp_path))
+    runner = runner_for(loader, "p", device="cuda", max_batch=4)
+    with_pdl = runner.graphs
+    with mock.patch.dict(os.environ, {"ALLSPARK_PDL": "0"}):
+        assert not pdl.enabled(runner.device)
+        without = DecodeGraphs(runner.model, runner.kv, max(with_pdl.sizes), with_pdl.spans.shape[1],
+                               with_pdl.scratch_span, with_pdl.span_size, with_pdl.spans.device)
+    per_seq = 40 // runner.span_size + 2
+    for i in range(4):
+        runner.mirrors[i] = RequestMirror(random_prompt(40, seed=30 + i) + [5 + i], list(range(i * per_seq,
+                                                                                               (i + 1) * per_seq)), 0)
+        inputs = build_forward_inputs([ScheduledChunk(i, 40, False)], runner.mirrors, runner.span_size)
+        runner.model(inputs.to(runner.device), runner.kv)
+        runner.mirrors[i].num_computed_tokens = 40
+    for batch in (1, 2, 4):
+        chunks = [ScheduledChunk(i, 1, True) for i in range(batch)]
+        reference = without.run_decode(chunks, runner.mirrors).clone()
+        for _ in range(20):
+            assert torch.equal(with_pdl.run_decode(chunks, runner.mirrors), reference)
+    print(f"PDL on this GPU: {pdl.enabled(runner.device)}")
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_overlapped_decode_steps_equal_one_step_at_a_time(llama, tmp_path):
     """Decode steps launched from the previous step's sampled ids on the GPU, before the host has read them (the
     default on one GPU), give the tokens and logprobs of the same engine stepping one step at a time, for

@@ -14,6 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from allspark_server.cuda import pdl
+from allspark_server.cuda.pdl import allow_next, wait_for_previous
+
 # Launch shapes, from sweeps on an H100 (Triton 3.6, bf16, H 32, KVH 8, D 128, P 16): decode tiles of 64 tokens
 # beat 16 and 32; split-KV ran best at 512-1024 (sequence, kv head, split) programs for B = 1 and 8; prefill ran
 # best with 64 rows x 32 tokens, 4 warps, 2 stages.
@@ -108,8 +111,10 @@ def _decode_kernel(q, k_cache, v_cache, k_param, v_param, spans, ctx, slopes, ou
                    stride_vh, stride_ps, stride_pp, stride_ph, stride_sb, stride_ob, stride_oh,
                    G: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-                   UPCAST: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr):
+                   UPCAST: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
     """Program (b, kv head, split): the G query heads of that kv head over the split's share of the tiles."""
+    allow_next(PDL)
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -151,8 +156,11 @@ def _decode_kernel(q, k_cache, v_cache, k_param, v_param, spans, ctx, slopes, ou
 
 @triton.jit
 def _combine_kernel(m_part, l_part, acc_part, out, stride_ob, stride_oh, H,
-                    D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                    D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                    PDL: tl.constexpr):
     """Program (b, head): merge the NUM_SPLITS partial softmaxes of one output row."""
+    allow_next(PDL)
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -296,11 +304,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         *(k_param.stride()[:3] if quant else (0, 0, 0)), spans.stride(0), out.stride(0), out.stride(1),
         G=g, P=span_size, D=d, NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(g)),
         BLOCK_N=DECODE_BLOCK_N, HAS_ALIBI=alibi_slopes is not None, QUANT=quant, **tiles,
+        **pdl.launch_options(q.device),
         **(LARGE_BATCH_LAUNCH if not quant and q.element_size() == 2 and batch * kvh >= LARGE_BATCH_PROGRAMS else {}))
     if num_splits > 1:
         _combine_kernel[(batch, heads)](m_part, l_part, acc_part, out, out.stride(0), out.stride(1), heads,
                                         D=d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-                                        BLOCK_D=tiles["BLOCK_D"])
+                                        BLOCK_D=tiles["BLOCK_D"], **pdl.launch_options(q.device))
     return out
 
 

@@ -10,6 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
+from allspark_server.cuda import pdl
+from allspark_server.cuda.pdl import allow_next, wait_for_previous
+
 MAX_SILU_BLOCK = 1024   # silu·mul columns per program
 # Every launch passes enable_fp_fusion=False: with fusion, the compiler turns `round(x * c) + round(y * s)` into
 # fma(x, c, round(y * s)) (even as bf16 fma on sm_90), skipping a rounding the torch reference does.
@@ -38,9 +41,11 @@ def _silu_mul_rounded(gate, up, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(x, residual, weight, out, s_out, eps, H, stride_x, stride_r, stride_o, stride_s,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
     """Program = one row: s = x + residual (rounded), normed = s * rsqrt(mean(s^2) + eps) (rounded), out =
     weight * normed (rounded)."""
+    allow_next(PDL)
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < H
@@ -75,7 +80,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         x, x if residual is None else residual, weight, out, s, eps, h, x.stride(0),
         0 if residual is None else residual.stride(0), out.stride(0), s.stride(0),
         HAS_RESIDUAL=residual is not None, BLOCK=block, SOFT_BF16=_INTERPRETED,
-        num_warps=16 if block >= 16384 else 8 if block >= 4096 else 4, enable_fp_fusion=False)
+        num_warps=16 if block >= 16384 else 8 if block >= 4096 else 4, enable_fp_fusion=False,
+        **pdl.launch_options(x.device))
     return out, s
 
 
@@ -83,10 +89,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def _rotary_kernel(q, k, v, cos, sin, q_out, k_out, v_out, slots, H,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st,
                    stride_qot, stride_qoh, stride_kot, stride_koh, stride_vot, stride_voh,
-                   HALF: tl.constexpr, BLOCK: tl.constexpr, STORE_KV: tl.constexpr, SOFT_BF16: tl.constexpr):
+                   HALF: tl.constexpr, BLOCK: tl.constexpr, STORE_KV: tl.constexpr, SOFT_BF16: tl.constexpr,
+                   PDL: tl.constexpr):
     """Program (token t, head): heads < H rotate q[t, head] into q_out[t, head]; the rest rotate k[t, head - H]
     into k_out row t, or (STORE_KV) row slots[t] of the flat cache, where v[t, head - H] is copied too.
     out = x * cos + rotate_half(x) * sin, each product and the sum rounded to the output dtype."""
+    allow_next(PDL)
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -134,7 +143,7 @@ def _launch_rotary(q, k, v, cos, sin, q_out, k_out, v_out, slots) -> None:
         q, k, v, cos, sin, q_out, k_out, v_out, slots, heads, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
         cos.stride(0), sin.stride(0), *q_out.stride()[:2], *k_out.stride()[:2], *v_out.stride()[:2],
         HALF=d // 2, BLOCK=triton.next_power_of_2(d // 2), STORE_KV=slots is not None, SOFT_BF16=_INTERPRETED,
-        num_warps=1 if d <= 128 else 2, enable_fp_fusion=False)
+        num_warps=1 if d <= 128 else 2, enable_fp_fusion=False, **pdl.launch_options(q.device))
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
@@ -162,8 +171,11 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up, out, inter, stride_g, stride_o, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr):
+def _silu_mul_kernel(gate_up, out, inter, stride_g, stride_o, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr,
+                     PDL: tl.constexpr):
     """Program (row, column block): out = silu(gate) * up with silu(gate) rounded, then the product."""
+    allow_next(PDL)
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < inter
@@ -183,7 +195,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(MAX_SILU_BLOCK, triton.next_power_of_2(inter))
     _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
                                                         BLOCK=block, SOFT_BF16=_INTERPRETED, num_warps=4,
-                                                        enable_fp_fusion=False)
+                                                        enable_fp_fusion=False, **pdl.launch_options(out.device))
     return out
 
 

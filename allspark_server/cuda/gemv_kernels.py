@@ -17,7 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from allspark_server.cuda import pdl
 from allspark_server.cuda.fused_kernels import _round, _silu_mul_rounded
+from allspark_server.cuda.pdl import allow_next, wait_for_previous
 
 # rows of x the kernel takes; more: cuBLAS. benchmarks/cuda_gemv_micro.py on an H100, against cuBLAS: 1.08-1.35x at
 # one row, 0.96-1.16x at two, 0.65-0.79x at four. The silu·mul epilogue pays at one row only (1.20x cuBLAS + silu_mul,
@@ -28,33 +30,56 @@ DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
+def _weight_tiles(rows, up_rows, offs_k, n_ok, K, SILU_MUL: tl.constexpr, EVICTION: tl.constexpr):
+    """Columns offs_k [BLOCK_K] of the weight rows `rows` [BLOCK_N, 1] (pointers) and, with SILU_MUL, of the
+    up rows `up_rows` below them, in fp32 (0 where masked): ([BN, BK], [BN, BK]; the second unused otherwise)."""
+    ok = n_ok[:, None] & (offs_k < K)[None, :]
+    wt = tl.load(rows + offs_k[None, :], mask=ok, other=0.0, eviction_policy=EVICTION).to(tl.float32)
+    wu = wt
+    if SILU_MUL:
+        wu = tl.load(up_rows + offs_k[None, :], mask=ok, other=0.0, eviction_policy=EVICTION).to(tl.float32)
+    return wt, wu
+
+
+@triton.jit
+def _accumulate(acc, acc_up, wt, wu, x, offs_m, offs_k, M, K, stride_xm, BLOCK_M: tl.constexpr,
+                SILU_MUL: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] plus the weight tile wt [BLOCK_N, BLOCK_K] met by columns offs_k of each row of x
+    (and acc_up plus wu's, with SILU_MUL)."""
+    for i in tl.static_range(BLOCK_M):
+        # rows past M repeat the last (their sums are never stored)
+        xi = tl.load(x + tl.minimum(i, M - 1) * stride_xm + offs_k, mask=offs_k < K, other=0.0)
+        xi = xi.to(tl.float32)[None, :]                                                 # [1, BK]
+        acc = tl.where(offs_m[:, None] == i, acc + tl.sum(wt * xi, 1)[None, :], acc)
+        if SILU_MUL:
+            acc_up = tl.where(offs_m[:, None] == i, acc_up + tl.sum(wu * xi, 1)[None, :], acc_up)
+    return acc, acc_up
+
+
+@triton.jit
 def _gemv_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_rows,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 SILU_MUL: tl.constexpr, EVICTION: tl.constexpr, SOFT_BF16: tl.constexpr):
+                 SILU_MUL: tl.constexpr, EVICTION: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
     """Program = BLOCK_N outputs: y[:M, n] = sum_k x[:M, k] w[n, k] (+ bias[n]) in fp32, rounded once to out's
     dtype. SILU_MUL: rows n and up_rows + n of w are a gate and an up row; out = silu(gate) * up, rounded where
-    ops.silu_mul rounds (gate, up, silu(gate), the product)."""
+    ops.silu_mul rounds (gate, up, silu(gate), the product). PDL (pdl.py): the first k-tile of the weight is
+    loaded before waiting for the kernel that writes x."""
+    allow_next(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     rows = w + offs_n.to(tl.int64)[:, None] * stride_wn                                 # [BN, 1]
+    up = rows + up_rows * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    offs_k = tl.arange(0, BLOCK_K)
+    wt, wu = _weight_tiles(rows, up, offs_k, n_ok, K, SILU_MUL, EVICTION)
+    wait_for_previous(PDL)
+    acc, acc_up = _accumulate(acc, acc_up, wt, wu, x, offs_m, offs_k, M, K, stride_xm, BLOCK_M, SILU_MUL)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        ok = n_ok[:, None] & (offs_k < K)[None, :]
-        wt = tl.load(rows + offs_k[None, :], mask=ok, other=0.0, eviction_policy=EVICTION)
-        wt = wt.to(tl.float32)                                                          # [BN, BK]
-        if SILU_MUL:
-            wu = tl.load(rows + up_rows * stride_wn + offs_k[None, :], mask=ok, other=0.0,
-                         eviction_policy=EVICTION).to(tl.float32)                  # [BN, BK]
-        for i in tl.static_range(BLOCK_M):
-            # rows past M repeat the last (their sums are never stored)
-            xi = tl.load(x + tl.minimum(i, M - 1) * stride_xm + offs_k, mask=offs_k < K, other=0.0)
-            xi = xi.to(tl.float32)[None, :]                                             # [1, BK]
-            acc = tl.where(offs_m[:, None] == i, acc + tl.sum(wt * xi, 1)[None, :], acc)
-            if SILU_MUL:
-                acc_up = tl.where(offs_m[:, None] == i, acc_up + tl.sum(wu * xi, 1)[None, :], acc_up)
+        wt, wu = _weight_tiles(rows, up, offs_k, n_ok, K, SILU_MUL, EVICTION)
+        acc, acc_up = _accumulate(acc, acc_up, wt, wu, x, offs_m, offs_k, M, K, stride_xm, BLOCK_M, SILU_MUL)
     dt = out.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -118,7 +143,7 @@ def _launch(x, w, bias, out_cols, up_rows, silu_mul, config):
         x, w, w if bias is None else bias, out, m, out_cols, k, x.stride(0), w.stride(0), out.stride(0), up_rows,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul, EVICTION=cfg.eviction, SOFT_BF16=_INTERPRETED, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, enable_fp_fusion=False)
+        num_stages=cfg.num_stages, enable_fp_fusion=False, **pdl.launch_options(x.device))
     return out
 
 

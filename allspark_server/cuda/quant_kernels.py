@@ -26,7 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from allspark_server.cuda import pdl
 from allspark_server.cuda.fused_kernels import _round, _silu_mul_rounded
+from allspark_server.cuda.pdl import allow_next, wait_for_previous
 from allspark_server.quant.formats import FORMAT_IDS, QuantizedWeight
 
 INT8, UINT8, INT4, UINT4 = (FORMAT_IDS[f] for f in ("int8", "uint8", "int4", "uint4"))
@@ -99,14 +101,32 @@ def _code_values(bits, zero, FMT: tl.constexpr):
 
 
 @triton.jit
-def _gemv_tile(acc, x, qw, scales, zeros, rows, n_ok, offs_m, k0, k_end, M,
-               stride_xm, stride_qn, stride_sn, stride_zn,
-               FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, EVICTION: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] plus the k-tile [k0, k0 + BLOCK_K) of weight rows `rows` [BLOCK_N] met by each
-    row of x: per sub-tile of one group, sum_k (code - zero) * x times its scale."""
-    NSUB: tl.constexpr = BLOCK_K // SUB
+def _code_tile(qw, rows, n_ok, k0, k_end, stride_qn, FMT: tl.constexpr, BLOCK_K: tl.constexpr,
+               EVICTION: tl.constexpr):
+    """The codes of the k-tile [k0, k0 + BLOCK_K) of weight rows `rows` [BLOCK_N] as int32: [BN, BK] bytes for
+    8-bit codes, [BN, BK / 2] for 4-bit (two codes a byte), 0 where masked."""
     q_rows = qw.to(tl.pointer_type(tl.uint8), bitcast=True) + rows.to(tl.int64)[:, None] * stride_qn  # [BN, 1]
+    if FMT <= 1:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        bits = tl.load(q_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < k_end)[None, :], other=0,
+                       eviction_policy=EVICTION)
+    else:
+        p = tl.arange(0, BLOCK_K // 2)
+        p_ok = k0 + (p // 16) * 32 + p % 16 < k_end
+        bits = tl.load(q_rows + (k0 // 2 + p)[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0,
+                       eviction_policy=EVICTION)
+    return bits.to(tl.int32)
+
+
+@triton.jit
+def _gemv_tile(acc, bits, x, scales, zeros, rows, n_ok, offs_m, k0, k_end, M,
+               stride_xm, stride_sn, stride_zn,
+               FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] plus the k-tile [k0, k0 + BLOCK_K) of weight rows `rows` [BLOCK_N], whose codes
+    `bits` _code_tile loaded, met by each row of x: per sub-tile of one group, sum_k (code - zero) * x times its
+    scale."""
+    NSUB: tl.constexpr = BLOCK_K // SUB
     offs_g = k0 // GROUP + tl.arange(0, NSUB)
     g_ok = n_ok[:, None] & (offs_g * GROUP < k_end)[None, :]
     scale = tl.load(scales + rows[:, None] * stride_sn + offs_g[None, :], mask=g_ok, other=0.0)
@@ -127,8 +147,6 @@ def _gemv_tile(acc, x, qw, scales, zeros, rows, n_ok, offs_m, k0, k_end, M,
     if FMT <= 1:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < k_end
-        bits = tl.load(q_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0,
-                       eviction_policy=EVICTION).to(tl.int32)
         if NSUB == 1:
             w = _code_values(bits, zero, FMT)                                            # [BN, BK]
         else:
@@ -144,9 +162,7 @@ def _gemv_tile(acc, x, qw, scales, zeros, rows, n_ok, offs_m, k0, k_end, M,
         p = tl.arange(0, BLOCK_K // 2)
         k_lo = k0 + (p // 16) * 32 + p % 16
         p_ok = k_lo < k_end
-        byte = tl.load(q_rows + (k0 // 2 + p)[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0,
-                       eviction_policy=EVICTION)
-        byte = byte.to(tl.int32)
+        byte = bits
         if NSUB != 1:
             byte = tl.reshape(byte, (BLOCK_N, NSUB, SUB // 2))     # a group's bytes are contiguous
         w_lo = _code_values(byte & 15, zero, FMT)
@@ -166,17 +182,44 @@ def _gemv_tile(acc, x, qw, scales, zeros, rows, n_ok, offs_m, k0, k_end, M,
 
 
 @triton.jit
+def _code_tiles(qw, rows, up_rows, n_ok, k0, k_end, stride_qn, FMT: tl.constexpr, BLOCK_K: tl.constexpr,
+                SILU_MUL: tl.constexpr, EVICTION: tl.constexpr):
+    """_code_tile of the rows and, with SILU_MUL, of the up rows (the second is the first otherwise)."""
+    bits = _code_tile(qw, rows, n_ok, k0, k_end, stride_qn, FMT, BLOCK_K, EVICTION)
+    bits_up = bits
+    if SILU_MUL:
+        bits_up = _code_tile(qw, up_rows, n_ok, k0, k_end, stride_qn, FMT, BLOCK_K, EVICTION)
+    return bits, bits_up
+
+
+@triton.jit
+def _gemv_tiles(acc, acc_up, bits, bits_up, k0, x, scales, zeros, rows, up_rows, n_ok, offs_m, k_end, M,
+                stride_xm, stride_sn, stride_zn, FMT: tl.constexpr, GROUP: tl.constexpr,
+                HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                SUB: tl.constexpr, SILU_MUL: tl.constexpr):
+    """_gemv_tile of the rows' codes and, with SILU_MUL, of the up rows' into acc_up."""
+    acc = _gemv_tile(acc, bits, x, scales, zeros, rows, n_ok, offs_m, k0, k_end, M, stride_xm, stride_sn,
+                     stride_zn, FMT, GROUP, HAS_ZERO, BLOCK_M, BLOCK_N, BLOCK_K, SUB)
+    if SILU_MUL:
+        acc_up = _gemv_tile(acc_up, bits_up, x, scales, zeros, up_rows, n_ok, offs_m, k0, k_end, M, stride_xm,
+                            stride_sn, stride_zn, FMT, GROUP, HAS_ZERO, BLOCK_M, BLOCK_N, BLOCK_K, SUB)
+    return acc, acc_up
+
+
+@triton.jit
 def _quant_gemv_kernel(x, qw, scales, zeros, out, M, N, K, k_per_split,
                        stride_xm, stride_qn, stride_sn, stride_zn, stride_os, stride_om, up_rows,
                        FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-                       EVICTION: tl.constexpr, SILU_MUL: tl.constexpr, SOFT_BF16: tl.constexpr):
+                       EVICTION: tl.constexpr, SILU_MUL: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
     """A row or two of x (decode): program (n tile, k split) streams its [BLOCK_N, K-range] codes with K
     contiguous and meets each row of x with FMAs (no tensor cores: at a row or two the weight's bytes are the
     whole cost). A k-tile is BLOCK_K // SUB sub-tiles of one group each (SUB = min(BLOCK_K, group)) ->
     out[split, :M, n tile] (fp32 partials, or y itself in its dtype). EVICTION: the codes' cache policy
     ("evict_first": streamed once). SILU_MUL (one split): rows n and up_rows + n are the merged gate_up's gate
-    and up rows, and out = silu(gate) * up in x's dtype, rounded as ops.silu_mul rounds the linear's output."""
+    and up rows, and out = silu(gate) * up in x's dtype, rounded as ops.silu_mul rounds the linear's output.
+    PDL (pdl.py): the first k-tile's codes are loaded before waiting for the kernel that writes x."""
+    allow_next(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -185,13 +228,19 @@ def _quant_gemv_kernel(x, qw, scales, zeros, out, M, N, K, k_per_split,
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(K, k_begin + k_per_split)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        acc = _gemv_tile(acc, x, qw, scales, zeros, offs_n, n_ok, offs_m, k0, k_end, M, stride_xm, stride_qn,
-                         stride_sn, stride_zn, FMT, GROUP, HAS_ZERO, BLOCK_M, BLOCK_N, BLOCK_K, SUB, EVICTION)
-        if SILU_MUL:
-            acc_up = _gemv_tile(acc_up, x, qw, scales, zeros, up_rows + offs_n, n_ok, offs_m, k0, k_end, M,
-                                stride_xm, stride_qn, stride_sn, stride_zn, FMT, GROUP, HAS_ZERO, BLOCK_M, BLOCK_N,
-                                BLOCK_K, SUB, EVICTION)
+    # the first k-tile's codes are read before the wait (pdl.py: no kernel writes weights)
+    bits, bits_up = _code_tiles(qw, offs_n, up_rows + offs_n, n_ok, k_begin, k_end, stride_qn, FMT, BLOCK_K,
+                                SILU_MUL, EVICTION)
+    wait_for_previous(PDL)
+    acc, acc_up = _gemv_tiles(acc, acc_up, bits, bits_up, k_begin, x, scales, zeros, offs_n, up_rows + offs_n, n_ok,
+                              offs_m, k_end, M, stride_xm, stride_sn, stride_zn, FMT, GROUP, HAS_ZERO, BLOCK_M,
+                              BLOCK_N, BLOCK_K, SUB, SILU_MUL)
+    for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
+        bits, bits_up = _code_tiles(qw, offs_n, up_rows + offs_n, n_ok, k0, k_end, stride_qn, FMT, BLOCK_K,
+                                    SILU_MUL, EVICTION)
+        acc, acc_up = _gemv_tiles(acc, acc_up, bits, bits_up, k0, x, scales, zeros, offs_n, up_rows + offs_n, n_ok,
+                                  offs_m, k_end, M, stride_xm, stride_sn, stride_zn, FMT, GROUP, HAS_ZERO, BLOCK_M,
+                                  BLOCK_N, BLOCK_K, SUB, SILU_MUL)
     dst = out + pid_k * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     if SILU_MUL:
         dt = out.dtype.element_ty
@@ -339,7 +388,7 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
         sub = cfg.block_k if w.group_size == -1 else min(cfg.block_k, w.group_size)
         _quant_gemv_kernel[(triton.cdiv(n, cfg.block_n), splits)](
             *args, up_rows=n, BLOCK_M=cfg.block_m, SUB=sub, EVICTION=cfg.eviction, SILU_MUL=silu_mul,
-            SOFT_BF16=_INTERPRETED, **common)
+            SOFT_BF16=_INTERPRETED, **common, **pdl.launch_options(x.device))
     else:
         _quant_matmul_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)](
             *args, BLOCK_M=cfg.block_m, DOT_DTYPE=_DOT_DTYPES[x.dtype],
