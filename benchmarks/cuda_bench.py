@@ -25,7 +25,7 @@ import workloads as W
 # what a run measures after the batch-1 rows (`run.py --device cuda --sections ...`; --quant adds its rows)
 SECTIONS = ("ttft", "pool", "concurrency", "poisson")
 # the batch-1 rounds' A/B graph variants: name -> the switch set to 0 when they are captured
-GRAPH_VARIANTS = {"cublas": "ALLSPARK_TRITON_GEMV", "no_pdl": "ALLSPARK_PDL"}
+GRAPH_VARIANTS = {"cublas": "ALLSPARK_TRITON_GEMV", "no_pdl": "ALLSPARK_PDL", "unfused_decode": "ALLSPARK_FUSED_DECODE"}
 LLAMA2_7B = dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=11008, num_attention_heads=32,
                  num_key_value_heads=32, vocab_size=32000)
 
@@ -141,8 +141,9 @@ def main(args, save=lambda report: None) -> dict:
 
     runs = {"allspark": [], "torch_cuda_graph": [], "allspark_no_overlap": []}
     served = engine._engine.models["bench-cuda"]
-    # A/B: the same engine's decode graphs captured again with every dense linear on cuBLAS, and without
-    # programmatic dependent launch (cuda/pdl.py); swapped in as runner.graphs between requests
+    # A/B: the same engine's decode graphs captured again with every dense linear on cuBLAS, without
+    # programmatic dependent launch (cuda/pdl.py), and with rotary, attention and split combine as three
+    # launches (attention_kernels.fused_decode_enabled); swapped in as runner.graphs between requests
     ours_graphs = served.runner.graphs
     variants = {name: recaptured_graphs(served.runner, {var: "0"}) for name, var in GRAPH_VARIANTS.items()}
     runs.update({f"allspark_{name}": [] for name in variants})
@@ -386,9 +387,8 @@ def kernel_breakdown(runner, batch: int, top: int = 12) -> list:
 
 
 def recaptured_graphs(runner, env: dict):
-    """The runner's decode graphs captured again under the environment switches `env` (ALLSPARK_TRITON_GEMV=0:
-    every dense linear on cuBLAS; ALLSPARK_PDL=0: no programmatic dependent launch): the other side of an A/B,
-    swapped in as runner.graphs between requests."""
+    """The runner's decode graphs captured again under the environment switches `env` (GRAPH_VARIANTS'): the
+    other side of an A/B, swapped in as runner.graphs between requests."""
     from allspark_server.cuda.graphs import DecodeGraphs
     g = runner.graphs
     with mock.patch.dict(os.environ, env):

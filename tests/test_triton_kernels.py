@@ -132,6 +132,52 @@ def test_decode_writes_into_out_views_and_every_element():
         assert torch.equal(same, out), "int32 and int64 span tables differ"
 
 
+def test_decode_merges_its_splits_itself_as_the_combine_launch_does(monkeypatch):
+    # the last split of a (sequence, kv head) to finish merges the partials (its counter back at 0 after);
+    # without counters a second launch merges them: the same result. 1 token: one split with tiles, no merge
+    lengths, kvh, group, d, span_size = [1, 17, 300, 64, 129], 2, 4, 64, 16
+    k_cache, v_cache, spans = make_cache(lengths, kvh, d, span_size, torch.float32, seed=4)
+    q = torch.randn(len(lengths), kvh * group, d).to(DEVICE)
+    ctx = torch.tensor(lengths, device=DEVICE)
+    exact, _ = decode_refs(q, k_cache, v_cache, spans, ctx)
+    merged_inside = ak.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE, num_splits=5)
+    assert not ak._SPLIT_COUNTERS[q.device].any(), "a counter was left non-zero"
+    monkeypatch.setattr(ak, "_split_counters", lambda device, needed: None)
+    merged_apart = ak.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE, num_splits=5)
+    assert_close(merged_inside, exact, TOL[torch.float32])
+    assert_close(merged_inside, merged_apart, 1e-6)
+
+
+ROTARY_DECODE_CASES = [(torch.float32, 64, 16, 4), (torch.bfloat16, 128, 16, 1), (torch.float16, 80, 32, 2)]
+
+
+@pytest.mark.parametrize("dtype,d,span_size,group", ROTARY_DECODE_CASES, ids=map(case_id, ROTARY_DECODE_CASES))
+def test_decode_with_rotary_equals_rotary_store_kv_then_decode(dtype, d, span_size, group):
+    # q and the new token's k unrotated, k and v written into their slots by the attention launch itself: the
+    # caches end bit for bit as fused_kernels.rotary_store_kv leaves them (NaN slots untouched), and the
+    # output is the attention over them of q rotated (one split, a few, the default)
+    from allspark_server.cuda import fused_kernels as fk
+    from test_triton_fused import assert_same_bits, cos_sin, fused_qkv
+    kvh, lengths = 2, [1, span_size + 1, 300]
+    k_cache, v_cache, spans = make_cache(lengths, kvh, d, span_size, dtype, seed=d)
+    slots = torch.tensor([int(spans[b, (n - 1) // span_size]) * span_size + (n - 1) % span_size
+                          for b, n in enumerate(lengths)], device=DEVICE)
+    q, k, v = fused_qkv(len(lengths), kvh * group, kvh, d, dtype, seed=d)
+    cos, sin = cos_sin(len(lengths), d, dtype, seed=d)
+    ctx = torch.tensor(lengths, device=DEVICE)
+    for splits in (1, 3, None):
+        ref_k, ref_v = k_cache.clone(), v_cache.clone()
+        q_rotated = fk.rotary_store_kv(q, k, v, cos, sin, ref_k, ref_v, slots)
+        ref = ak.paged_decode_attention(q_rotated, ref_k, ref_v, spans, ctx, SCALE, num_splits=splits)
+        got_k, got_v = k_cache.clone(), v_cache.clone()
+        got = ak.paged_decode_attention(q, got_k, got_v, spans, ctx, SCALE, num_splits=splits,
+                                        rotary=(k, v.view(len(lengths), kvh, d), cos, sin, slots))
+        assert_same_bits(got_k, ref_k)
+        assert_same_bits(got_v, ref_v)
+        assert_close(got, ref, 1e-6 if dtype == torch.float32 else TOL[dtype] / 4)
+        assert_close(got, decode_refs(q_rotated, ref_k, ref_v, spans, ctx)[0], TOL[dtype])
+
+
 def test_default_num_splits_depends_on_shapes_only():
     assert ak.default_num_splits(1, 1, 1000, 16) == ak.MAX_SPLITS                # small batch: capped
     assert ak.default_num_splits(4, 8, 1000, 16) == -(-ak.TARGET_PROGRAMS // 32)

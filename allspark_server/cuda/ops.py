@@ -3,9 +3,10 @@
 Linear layers are cuBLAS GEMMs through torch, except decode's row or two against a bf16 / fp16 weight: a Triton
 GEMV (gemv_kernels.py), which in the MLP also applies silu·mul; a quantized weight is one Triton matmul over its
 codes (quant_kernels.py). Attention over the span cache (quantized spans included), residual + RMSNorm, rotary
-(fused with the cache write in the decode block) and silu·mul are one Triton launch each (attention_kernels.py,
-fused_kernels.py), rounded as ops' references round. Writes into quantized spans are the torch reference's
-device ops. Nothing here reads a tensor's values on the host, so a decode step can be captured in a CUDA graph.
+(fused with the cache write) and silu·mul are one Triton launch each (attention_kernels.py, fused_kernels.py),
+rounded as ops' references round; in the decode block rotary, the cache write and the attention are one
+launch. Writes into quantized spans are the torch reference's device ops. Nothing here reads a tensor's values
+on the host, so a decode step can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from allspark_server import ops as ref
 from allspark_server.cuda import fused_kernels as fused
 from allspark_server.cuda import gemv_kernels
-from allspark_server.cuda.attention_kernels import paged_decode_attention, paged_prefill_attention
+from allspark_server.cuda.attention_kernels import fused_decode_enabled, paged_decode_attention, paged_prefill_attention
 from allspark_server.cuda.quant_kernels import quant_matmul
 from allspark_server.quant.formats import QuantizedWeight
 
@@ -76,14 +77,16 @@ def decode_attention_block(x, residual, norm_weight, eps, qkv_weight, qkv_bias, 
     if q_norm is not None:
         q, k = rms_norm(q.reshape(-1, d), q_norm, eps)[0], rms_norm(k.reshape(-1, d), k_norm, eps)[0]
     q, k = q.view(b, num_heads, d), k.view(b, num_kv_heads, d)
-    if cos is None:       # ALiBi: no rotary, the bias is the attention's
-        store_kv(k, v, k_cache, v_cache, slots, k_param, v_param)
-    elif k_param is None:   # rotate q and k, write k and v to their slots: one launch
-        q = fused.rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots)
+    if cos is not None and k_param is None and fused_decode_enabled():   # rotate q, k, write k, v, attend: one launch
+        o = paged_decode_attention(q, k_cache, v_cache, spans, ctx, scale, alibi_slopes=alibi_slopes,
+                                   rotary=(k, v.view(b, num_kv_heads, d), cos, sin, slots))
     else:
-        q, k = rotary(q, k, cos, sin)
-        store_kv(k, v, k_cache, v_cache, slots, k_param, v_param)
-    o = decode_attention(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param, alibi_slopes)
+        if cos is None:       # ALiBi: no rotary, the bias is the attention's
+            store_kv(k, v, k_cache, v_cache, slots, k_param, v_param)
+        else:
+            q, k = rotary(q, k, cos, sin)
+            store_kv(k, v, k_cache, v_cache, slots, k_param, v_param)
+        o = decode_attention(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param, alibi_slopes)
     return linear(o.reshape(b, num_heads * d), o_weight), s
 
 
