@@ -143,7 +143,7 @@ def main(args, save=lambda report: None) -> dict:
     served = engine._engine.models["bench-cuda"]
     # A/B: the same engine's decode graphs captured again with every dense linear on cuBLAS, without
     # programmatic dependent launch (cuda/pdl.py), and with rotary, attention and split combine as three
-    # launches (attention_kernels.fused_decode_enabled); swapped in as runner.graphs between requests
+    # launches (decode_attention.fused_decode_enabled); swapped in as runner.graphs between requests
     ours_graphs = served.runner.graphs
     variants = {name: recaptured_graphs(served.runner, {var: "0"}) for name, var in GRAPH_VARIANTS.items()}
     runs.update({f"allspark_{name}": [] for name in variants})

@@ -1,5 +1,6 @@
-"""Triton paged-attention kernels (allspark_server/cuda/attention_kernels.py) against float64 and torch
-references: decode (GQA, split-KV, odd head dims, `out=`) and varlen causal prefill, over shuffled span tables
+"""Triton paged-attention kernels (allspark_server/cuda/decode_attention.py, attention_kernels.py) against float64
+and torch references: decode (GQA, split-KV merged in the kernel or by a second launch, rotary and the cache
+write in the same launch, odd head dims, `out=`) and varlen causal prefill, over shuffled span tables
 whose padding holds garbage span ids and whose unreferenced cache slots hold NaN. On a CUDA machine the tests
 run on the GPU; elsewhere on CPU tensors under the Triton interpreter (small shapes: it is slow)."""
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from allspark_server import ops  # noqa: E402
 from allspark_server.cuda import attention_kernels as ak  # noqa: E402
+from allspark_server.cuda import decode_attention as da  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}    # max error / max |reference|
@@ -89,7 +91,7 @@ def test_decode_against_float64_and_torch(dtype, d, span_size, group):
     k_cache, v_cache, spans = make_cache(lengths, kvh, d, span_size, dtype, seed=d + group)
     q = torch.randn(len(lengths), kvh * group, d).to(DEVICE, dtype)               # [B, H, D]
     ctx = torch.tensor(lengths, device=DEVICE)
-    out = ak.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE)
+    out = da.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE)
     assert out.shape == q.shape and out.dtype == dtype
     exact, ref = decode_refs(q, k_cache, v_cache, spans, ctx)
     assert_close(out, exact, TOL[dtype])
@@ -104,7 +106,7 @@ def test_decode_split_counts_agree(dtype):
     q = torch.randn(len(lengths), kvh * group, d).to(DEVICE, dtype)
     ctx = torch.tensor(lengths, device=DEVICE)
     exact, _ = decode_refs(q, k_cache, v_cache, spans, ctx)
-    outs = [ak.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE, num_splits=s) for s in (1, 2, 5, None)]
+    outs = [da.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE, num_splits=s) for s in (1, 2, 5, None)]
     for out in outs:
         assert_close(out, exact, TOL[dtype])
     if dtype == torch.float32:
@@ -124,11 +126,11 @@ def test_decode_writes_into_out_views_and_every_element():
     for splits in (1, 3):
         buf = torch.full((len(lengths), heads + 1, d), float("nan"), device=DEVICE)  # [B, H + 1, D]
         out = buf[:, 1:]
-        got = ak.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE, num_splits=splits, out=out)
+        got = da.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE, num_splits=splits, out=out)
         assert got.data_ptr() == out.data_ptr()
         assert_close(out, exact, TOL[torch.float32])
         assert torch.isnan(buf[:, 0]).all(), "wrote outside out"
-        same = ak.paged_decode_attention(q, k_cache, v_cache, spans.int(), ctx, SCALE, num_splits=splits)
+        same = da.paged_decode_attention(q, k_cache, v_cache, spans.int(), ctx, SCALE, num_splits=splits)
         assert torch.equal(same, out), "int32 and int64 span tables differ"
 
 
@@ -140,12 +142,24 @@ def test_decode_merges_its_splits_itself_as_the_combine_launch_does(monkeypatch)
     q = torch.randn(len(lengths), kvh * group, d).to(DEVICE)
     ctx = torch.tensor(lengths, device=DEVICE)
     exact, _ = decode_refs(q, k_cache, v_cache, spans, ctx)
-    merged_inside = ak.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE, num_splits=5)
-    assert not ak._SPLIT_COUNTERS[q.device].any(), "a counter was left non-zero"
-    monkeypatch.setattr(ak, "_split_counters", lambda device, needed: None)
-    merged_apart = ak.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE, num_splits=5)
+    merged_inside = da.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE, num_splits=5)
+    assert not da._SPLIT_COUNTERS[q.device].any(), "a counter was left non-zero"
+    monkeypatch.setattr(da, "_split_counters", lambda device, needed: None)
+    merged_apart = da.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE, num_splits=5)
     assert_close(merged_inside, exact, TOL[torch.float32])
     assert_close(merged_inside, merged_apart, 1e-6)
+
+
+def test_decode_launch_shape_override_gives_the_same_attention():
+    # benchmarks/decode_attention_sweep.py's `launch`: other token tiles and warps, the same softmax
+    lengths, kvh, group, d, span_size = [3, 100], 2, 2, 64, 16
+    k_cache, v_cache, spans = make_cache(lengths, kvh, d, span_size, torch.float32, seed=5)
+    q = torch.randn(len(lengths), kvh * group, d).to(DEVICE)
+    ctx = torch.tensor(lengths, device=DEVICE)
+    exact, _ = decode_refs(q, k_cache, v_cache, spans, ctx)
+    out = da.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE, num_splits=2,
+                                    launch=dict(BLOCK_N=16, num_warps=2, num_stages=2))
+    assert_close(out, exact, TOL[torch.float32])
 
 
 ROTARY_DECODE_CASES = [(torch.float32, 64, 16, 4), (torch.bfloat16, 128, 16, 1), (torch.float16, 80, 32, 2)]
@@ -168,9 +182,9 @@ def test_decode_with_rotary_equals_rotary_store_kv_then_decode(dtype, d, span_si
     for splits in (1, 3, None):
         ref_k, ref_v = k_cache.clone(), v_cache.clone()
         q_rotated = fk.rotary_store_kv(q, k, v, cos, sin, ref_k, ref_v, slots)
-        ref = ak.paged_decode_attention(q_rotated, ref_k, ref_v, spans, ctx, SCALE, num_splits=splits)
+        ref = da.paged_decode_attention(q_rotated, ref_k, ref_v, spans, ctx, SCALE, num_splits=splits)
         got_k, got_v = k_cache.clone(), v_cache.clone()
-        got = ak.paged_decode_attention(q, got_k, got_v, spans, ctx, SCALE, num_splits=splits,
+        got = da.paged_decode_attention(q, got_k, got_v, spans, ctx, SCALE, num_splits=splits,
                                         rotary=(k, v.view(len(lengths), kvh, d), cos, sin, slots))
         assert_same_bits(got_k, ref_k)
         assert_same_bits(got_v, ref_v)
@@ -179,11 +193,11 @@ def test_decode_with_rotary_equals_rotary_store_kv_then_decode(dtype, d, span_si
 
 
 def test_default_num_splits_depends_on_shapes_only():
-    assert ak.default_num_splits(1, 1, 1000, 16) == ak.MAX_SPLITS                # small batch: capped
-    assert ak.default_num_splits(4, 8, 1000, 16) == -(-ak.TARGET_PROGRAMS // 32)
-    tiles = 3 * 64 // ak.DECODE_BLOCK_N
-    assert ak.default_num_splits(2, 2, 3, 64) == tiles                           # one split per addressable tile
-    assert ak.default_num_splits(1024, 8, 1000, 16) == 1                         # big batch: no split
+    assert da.default_num_splits(1, 1, 1000, 16) == da.MAX_SPLITS                # small batch: capped
+    assert da.default_num_splits(4, 8, 1000, 16) == -(-da.TARGET_PROGRAMS // 32)
+    tiles = 3 * 64 // da.DECODE_BLOCK_N
+    assert da.default_num_splits(2, 2, 3, 64) == tiles                           # one split per addressable tile
+    assert da.default_num_splits(1024, 8, 1000, 16) == 1                         # big batch: no split
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
@@ -193,10 +207,10 @@ def test_decode_replays_in_a_cuda_graph_with_new_contents():
     q = torch.randn(len(lengths), kvh * group, d, device=DEVICE, dtype=torch.bfloat16)
     ctx = torch.tensor(lengths, device=DEVICE)
     out = torch.empty_like(q)
-    ak.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE, out=out)     # compile outside the capture
+    da.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE, out=out)     # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ak.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE, out=out)
+        da.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE, out=out)
     ctx.copy_(torch.tensor([7, 40], device=DEVICE))
     spans.copy_(spans.flip(0))
     q.copy_(torch.randn_like(q))
@@ -309,7 +323,7 @@ def test_decode_with_alibi_slopes(dtype):
     plain, _ = decode_refs(q, k_cache, v_cache, spans, ctx)
     assert (exact - plain).abs().max().item() > 0.05          # the bias matters at these lengths
     for splits in (1, 3, None):
-        out = ak.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE, num_splits=splits,
+        out = da.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE, num_splits=splits,
                                         alibi_slopes=slopes.to(DEVICE))
         assert_close(out, exact, TOL[dtype])
 
@@ -365,7 +379,7 @@ def test_decode_over_quantized_spans(mode, d, group):
         ref = ops.decode_attention_reference(q.cpu(), k_codes.cpu(), v_codes.cpu(), spans.cpu(), ctx.cpu(), SCALE,
                                              k_param.cpu(), v_param.cpu())
         for splits in (1, None):
-            out = ak.paged_decode_attention(q, k_codes, v_codes, spans, ctx, SCALE, num_splits=splits,
+            out = da.paged_decode_attention(q, k_codes, v_codes, spans, ctx, SCALE, num_splits=splits,
                                             k_param=k_param, v_param=v_param)
             assert out.dtype == dtype
             assert_close(out, exact, TOL[dtype])

@@ -1,37 +1,20 @@
-"""Triton attention over the paged ("span") KV cache: decode (one query per sequence, split-KV) and varlen
-causal prefill. Caches are [S, P, KVH, D]; token t of a sequence sits in span spans[b, t // P] at offset t % P.
-Both take optional ALiBi slopes (layers/alibi.py: score += slope_h * (key position - query position)).
-Decode also reads quantized spans (int8 / uint4 codes with a scale and zero point per token and KV head,
-quant/kv.py), dequantized in registers and attended in fp32 as the reference does.
-Decode can also rotate q and the new token's k and write k and v into the cache itself (rotary_store_kv and
-the attention in one launch), and merges its split-KV partials in the last split to finish (a counter per
-sequence and kv head) instead of a second launch. Owns the kernels and their launch wrappers only, no backend
-choice (ops decides when to call these). Launches read no tensor contents on the host (CUDA-graph safe), except
-paged_prefill_attention when max_q_len is not given."""
+"""Triton attention over the paged ("span") KV cache: varlen causal prefill, and the tile loop it shares with
+decode (decode_attention.py). Caches are [S, P, KVH, D]; token t of a sequence sits in span spans[b, t // P] at
+offset t % P. Both take optional ALiBi slopes (layers/alibi.py: score += slope_h * (key position - query
+position)); the tile loop also reads quantized spans (int8 / uint4 codes with a scale and zero point per token
+and KV head, quant/kv.py), dequantized in registers and attended in fp32 as the reference does. Owns kernels
+and launch wrappers only, no backend choice (ops decides when to call these). Launches read no tensor contents
+on the host (CUDA-graph safe), except paged_prefill_attention when max_q_len is not given."""
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from allspark_server.cuda import pdl
-from allspark_server.cuda.fused_kernels import _round
-from allspark_server.cuda.pdl import allow_next, wait_for_previous
-
-# Launch shapes, from sweeps on an H100 (Triton 3.6, bf16, H 32, KVH 8, D 128, P 16): decode tiles of 64 tokens
-# beat 16 and 32; split-KV ran best at 512-1024 (sequence, kv head, split) programs for B = 1 and 8; prefill ran
-# best with 64 rows x 32 tokens, 4 warps, 2 stages.
-DECODE_BLOCK_N = 64
-TARGET_PROGRAMS = 768   # default split-KV: about this many decode programs ...
-MAX_SPLITS = 64         # ... and never more partials than this per (sequence, head)
-# 16-bit caches with batch x kv heads >= 512: 2 warps and 2 stages per program instead of Triton's 4 and 3
-# (benchmarks/decode_attention_sweep.py on an H100, results-decode-attention-sweep-h100.json: 5-16% faster at
-# B 16-128, KVH 8 and 32, contexts 192-256; smaller batches were not swept and keep Triton's defaults)
-LARGE_BATCH_PROGRAMS = 512
-LARGE_BATCH_LAUNCH = dict(num_warps=2, num_stages=2)
+# Launch shape, from sweeps on an H100 (Triton 3.6, bf16, H 32, KVH 8, D 128, P 16): prefill ran best with 64 rows
+# x 32 tokens, 4 warps, 2 stages.
 PREFILL_BLOCK_N = 32
 LOG2_E = math.log2(math.e)
 
@@ -110,154 +93,6 @@ def _attend_tiles(q, pos, alibi, acc, m_i, l_i, k_cache, v_cache, k_param, v_par
 
 
 @triton.jit
-def _split_tiles(n, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Token tiles [start, end) of split `split` of a context of n >= 1 tokens, and how many splits have tiles
-    (the first `active` ones: split 0 always)."""
-    num_tiles = (n + BLOCK_N - 1) // BLOCK_N
-    per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
-    start = split * per_split
-    return start, tl.minimum(start + per_split, num_tiles), (num_tiles + per_split - 1) // per_split
-
-
-@triton.jit
-def _rotated(x, x_partner, c, s, sign, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """x * cos + rotate_half(x) * sin, elementwise in fp32, rounded to DTYPE as fused_kernels' rotary rounds
-    it: x_partner the element HALF away (rotate_half's), sign -1 on the first half of a head, +1 on the second."""
-    return _round(_round(x * c, DTYPE, SOFT_BF16) + sign * _round(x_partner * s, DTYPE, SOFT_BF16), DTYPE,
-                  SOFT_BF16)
-
-
-@triton.jit
-def _fence(FENCE: tl.constexpr):
-    """fence.acq_rel.gpu for this thread (compiled kernels: the interpreter runs programs one at a time)."""
-    if FENCE:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-
-
-@triton.jit
-def _combine_head(m_part, l_part, acc_part, out, b, head, active, stride_ob, stride_oh, H,
-                  D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Merge the partial softmaxes of the first `active` splits of output row (b, head) into out (loads from
-    L2: the partials are other programs' stores)."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < active
-    d_ok = offs_d < D
-    part = (b.to(tl.int64) * H + head) * NUM_SPLITS + offs_s                            # [BLOCK_S]
-    m = tl.load(m_part + part, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-    l = tl.load(l_part + part, mask=s_ok, other=0.0, cache_modifier=".cg")
-    acc = tl.load(acc_part + part[:, None] * D + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
-                  other=0.0, cache_modifier=".cg")                                     # [BLOCK_S, BLOCK_D]
-    w = tl.exp2(m - tl.max(m, 0))                                                       # [BLOCK_S], 0 if inactive
-    o = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)                                 # [BLOCK_D]
-    tl.store(out + b.to(tl.int64) * stride_ob + head * stride_oh + offs_d, o.to(out.dtype.element_ty), mask=d_ok)
-
-
-@triton.jit
-def _decode_kernel(q, k_cache, v_cache, k_param, v_param, spans, ctx, slopes, out, m_part, l_part, acc_part,
-                   counters, k_new, v_new, cos, sin, slots,
-                   qk_scale, H, stride_qb, stride_qh, stride_ks, stride_kp, stride_kh, stride_vs, stride_vp,
-                   stride_vh, stride_ps, stride_pp, stride_ph, stride_sb, stride_ob, stride_oh,
-                   stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb, stride_sinb,
-                   G: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-                   UPCAST: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr, ROTARY: tl.constexpr,
-                   COMBINE: tl.constexpr, BLOCK_S: tl.constexpr, FENCE: tl.constexpr, SOFT_BF16: tl.constexpr,
-                   PDL: tl.constexpr):
-    """Program (b, kv head, split): the G query heads of that kv head over the split's share of the tiles.
-    ROTARY: q comes unrotated and is rotated here, and the program of the last split with tiles rotates the new
-    token's k (k_new) and writes it and v_new into slot slots[b] of the caches before attending (rotary_store_kv
-    and the attention in one launch). Splits past the last with tiles do nothing. Several splits with tiles
-    store partial softmaxes; COMBINE: the last of them to finish (a counter per (b, kv head), left at 0 again)
-    merges them into out, else _combine_kernel does."""
-    allow_next(PDL)
-    wait_for_previous(PDL)
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    n = tl.load(ctx + b).to(tl.int32)
-    tile_start, tile_end, active = _split_tiles(n, split, NUM_SPLITS, BLOCK_N)
-    if split < active:
-        offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, BLOCK_D)
-        g_ok = offs_g < G
-        d_ok = offs_d < D
-        head = kv_head * G + offs_g                                                     # [BLOCK_G]
-        q_ptrs = q + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh             # [BLOCK_G, 1]
-        q_ok = g_ok[:, None] & d_ok[None, :]
-        if ROTARY:
-            half: tl.constexpr = D // 2
-            partner = (offs_d + half) % D                                               # rotate_half's element
-            sign = tl.where(offs_d < half, -1.0, 1.0)
-            c = tl.load(cos + b.to(tl.int64) * stride_cb + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-            sn = tl.load(sin + b.to(tl.int64) * stride_sinb + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-            qt = _rotated(tl.load(q_ptrs + offs_d[None, :], mask=q_ok, other=0.0).to(tl.float32),
-                          tl.load(q_ptrs + partner[None, :], mask=q_ok, other=0.0).to(tl.float32),
-                          c[None, :], sn[None, :], sign[None, :], q.dtype.element_ty, SOFT_BF16)
-            if split == active - 1:      # the split holding position n - 1: the new token's k and v go in first
-                slot = tl.load(slots + b).to(tl.int64)
-                k_src = k_new + b.to(tl.int64) * stride_knb + kv_head * stride_knh
-                kt = _rotated(tl.load(k_src + offs_d, mask=d_ok, other=0.0).to(tl.float32),
-                              tl.load(k_src + partner, mask=d_ok, other=0.0).to(tl.float32), c, sn, sign,
-                              k_new.dtype.element_ty, SOFT_BF16)
-                k_dst = k_cache + (slot // P) * stride_ks + (slot % P) * stride_kp + kv_head * stride_kh
-                tl.store(k_dst + offs_d, kt.to(k_cache.dtype.element_ty), mask=d_ok)
-                vt = tl.load(v_new + b.to(tl.int64) * stride_vnb + kv_head * stride_vnh + offs_d, mask=d_ok)
-                v_dst = v_cache + (slot // P) * stride_vs + (slot % P) * stride_vp + kv_head * stride_vh
-                tl.store(v_dst + offs_d, vt, mask=d_ok)
-                tl.debug_barrier()      # the writes are this program's: visible to all its threads after this
-        else:
-            qt = tl.load(q_ptrs + offs_d[None, :], mask=q_ok, other=0.0)                # [BLOCK_G, BLOCK_D]
-        qt = qt.to(k_cache.dtype.element_ty if QUANT == 0 else tl.float32)   # quantized spans: attended in fp32
-        pos = tl.zeros([BLOCK_G], dtype=tl.int32) + (n - 1)
-        alibi = tl.zeros([BLOCK_G], dtype=tl.float32)
-        if HAS_ALIBI:
-            alibi = tl.load(slopes + head, mask=g_ok, other=0.0) * 1.4426950408889634            # [BLOCK_G]
-        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-        acc, m_i, l_i = _attend_tiles(qt, pos, alibi, acc, m_i, l_i, k_cache, v_cache, k_param, v_param,
-                                      spans + b.to(tl.int64) * stride_sb, kv_head, n, tile_start, tile_end,
-                                      stride_ks, stride_kp, stride_kh, stride_vs, stride_vp, stride_vh,
-                                      stride_ps, stride_pp, stride_ph, qk_scale,
-                                      P, D, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST, HAS_ALIBI, QUANT)
-        if active == 1:
-            o_ptrs = out + b.to(tl.int64) * stride_ob + head[:, None] * stride_oh + offs_d[None, :]
-            tl.store(o_ptrs, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=q_ok)
-        else:
-            part = (b.to(tl.int64) * H + head) * NUM_SPLITS + split                     # [BLOCK_G]
-            tl.store(m_part + part, m_i, mask=g_ok)
-            tl.store(l_part + part, l_i, mask=g_ok)
-            tl.store(acc_part + part[:, None] * D + offs_d[None, :], acc, mask=q_ok)
-            if COMBINE:
-                # every thread's partials out to the GPU before the count; the last to count sees all of them
-                _fence(FENCE)
-                tl.debug_barrier()
-                counter = counters + b * (H // G) + kv_head
-                if tl.atomic_add(counter, 1, sem="acq_rel") == active - 1:
-                    tl.atomic_xchg(counter, 0)
-                    _fence(FENCE)
-                    for g in range(G):
-                        _combine_head(m_part, l_part, acc_part, out, b, kv_head * G + g, active, stride_ob,
-                                      stride_oh, H, D, NUM_SPLITS, BLOCK_S, BLOCK_D)
-
-
-@triton.jit
-def _combine_kernel(m_part, l_part, acc_part, out, ctx, stride_ob, stride_oh, H,
-                    D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-                    BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    """Program (b, head): merge the partial softmaxes of one output row (when the decode kernel could not)."""
-    allow_next(PDL)
-    wait_for_previous(PDL)
-    b = tl.program_id(0)
-    active = _split_tiles(tl.load(ctx + b).to(tl.int32), 0, NUM_SPLITS, BLOCK_N)[2]
-    if active > 1:
-        _combine_head(m_part, l_part, acc_part, out, b, tl.program_id(1), active, stride_ob, stride_oh, H, D,
-                      NUM_SPLITS, BLOCK_S, BLOCK_D)
-
-
-@triton.jit
 def _prefill_kernel(q, k_cache, v_cache, spans, q_start, q_len, ctx_len, slopes, out, qk_scale,
                     stride_qt, stride_qh, stride_ks, stride_kp, stride_kh, stride_vs, stride_vp, stride_vh,
                     stride_sb, stride_ot, stride_oh,
@@ -301,7 +136,7 @@ def _prefill_kernel(q, k_cache, v_cache, spans, q_start, q_len, ctx_len, slopes,
     tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-_INTERPRETED = not isinstance(_decode_kernel, triton.JITFunction)   # decorated under TRITON_INTERPRET=1
+_INTERPRETED = not isinstance(_prefill_kernel, triton.JITFunction)   # decorated under TRITON_INTERPRET=1
 
 
 def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -332,108 +167,9 @@ def _prefill_rows(group: int) -> int:
     return max(64, triton.next_power_of_2(8 * group))
 
 
-def default_num_splits(batch: int, num_kv_heads: int, max_spans: int, span_size: int) -> int:
-    """Split-KV count from shapes only (graph safe): fill ~TARGET_PROGRAMS programs when batch * kv heads is
-    small, at most one split per tile the span table can address, and at most MAX_SPLITS."""
-    max_tiles = -(-max_spans * span_size // DECODE_BLOCK_N)
-    return max(1, min(-(-TARGET_PROGRAMS // (batch * num_kv_heads)), max_tiles, MAX_SPLITS))
-
-
 def _check_slopes(alibi_slopes: torch.Tensor | None, heads: int) -> None:
     assert alibi_slopes is None or (alibi_slopes.shape == (heads,) and alibi_slopes.dtype == torch.float32
                                     and alibi_slopes.is_contiguous()), "alibi_slopes must be fp32 [H], contiguous"
-
-
-# split counters for the decode kernel's own combine, per device: zero between launches (the kernel leaves them so)
-MAX_SPLIT_COUNTERS = 1 << 16
-_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def fused_decode_enabled() -> bool:
-    """ALLSPARK_FUSED_DECODE=0: decode attention as three launches again (rotary_store_kv, the attention, the
-    split combine), for A/B runs."""
-    return os.environ.get("ALLSPARK_FUSED_DECODE", "1") != "0"
-
-
-def _split_counters(device: torch.device, needed: int) -> torch.Tensor | None:
-    """The device's zeroed int32 counters, one per (sequence, kv head), allocated at first use; None (the
-    separate combine launch) when more are needed than MAX_SPLIT_COUNTERS, at a first use inside a CUDA
-    graph's capture (its memory would be the graph's; a capture is always preceded by a warm-up step), or with
-    fused decode switched off."""
-    if not fused_decode_enabled():
-        return None
-    counters = _SPLIT_COUNTERS.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _SPLIT_COUNTERS[device] = torch.zeros(MAX_SPLIT_COUNTERS, dtype=torch.int32, device=device)
-    return counters if needed <= counters.numel() else None
-
-
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,
-                           ctx: torch.Tensor, scale: float, num_splits: int | None = None,
-                           out: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
-                           k_param: torch.Tensor | None = None, v_param: torch.Tensor | None = None,
-                           rotary: tuple | None = None) -> torch.Tensor:
-    """q [B, H, D], caches [S, P, KVH, D], spans [B, MAXS] (int32/int64, padded), ctx [B] (>= 1, incl. the new
-    token) -> out [B, H, D] in q's dtype (written into `out` if given). alibi_slopes fp32 [H]: key t's score gets
-    slope_h * (t - (ctx - 1)). Quantized caches (quant/kv.py: int8 codes, or uint4 codes [S, P, KVH, D/2]) come
-    with their params fp32 [S, P, KVH, 2] and are attended in fp32. rotary = (k [B, KVH, D], v [B, KVH, D],
-    cos, sin [B, (1,) D], slots [B]) (dense caches in q's dtype): q and k come unrotated; the launch rotates
-    them as fused_kernels.rotary_store_kv does and writes k and v into the caches at slots before attending."""
-    g, span_size, d = _check_inputs(q, k_cache, v_cache, spans)
-    quant = {torch.int8: 1, torch.uint8: 2}.get(k_cache.dtype, 0)
-    assert (k_param is not None) == bool(quant) and (v_param is not None) == bool(quant), "params iff quantized"
-    if quant:
-        assert k_param.shape == v_param.shape == k_cache.shape[:3] + (2,) and k_param.dtype == torch.float32
-        assert k_param.stride() == v_param.stride() and k_param.stride(-1) == 1
-    batch, heads = q.shape[:2]
-    assert ctx.shape == (batch,) and ctx.is_contiguous() and spans.shape[0] == batch
-    _check_slopes(alibi_slopes, heads)
-    kvh = k_cache.shape[2]
-    if rotary is not None:
-        k_new, v_new, cos, sin, slots = rotary
-        assert not quant and d % 2 == 0 and k_new.shape == v_new.shape == (batch, kvh, d), "rotary: k, v shapes"
-        assert k_new.dtype == v_new.dtype == cos.dtype == sin.dtype == q.dtype == k_cache.dtype, "rotary dtypes"
-        assert cos.shape[0] == sin.shape[0] == batch and cos.shape[-1] == sin.shape[-1] == d
-        assert all(x.stride(-1) == 1 for x in (k_new, v_new, cos, sin)) and slots.shape == (batch,)
-        rot_args = (k_new, v_new, cos, sin, slots, *k_new.stride()[:2], *v_new.stride()[:2], cos.stride(0),
-                    sin.stride(0))
-    else:
-        rot_args = (q, q, q, q, ctx, 0, 0, 0, 0, 0, 0)
-    if out is None:
-        out = torch.empty_like(q)
-    assert out.shape == q.shape and out.stride(-1) == 1
-    if batch == 0:
-        return out
-    if num_splits is None:
-        num_splits = default_num_splits(batch, kvh, spans.shape[1], span_size)
-    tiles = _tile_config(d, k_cache.dtype)
-    counters = None
-    if num_splits > 1:
-        m_part = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)     # [B, H, NS]
-        l_part = torch.empty_like(m_part)                                                         # [B, H, NS]
-        acc_part = torch.empty(batch, heads, num_splits, d, dtype=torch.float32, device=q.device)  # [B, H, NS, D]
-        counters = _split_counters(q.device, batch * kvh)
-    else:
-        m_part = l_part = acc_part = out        # unused: the kernel writes out directly
-    params = (k_param, v_param) if quant else (k_cache, v_cache)
-    block_s = triton.next_power_of_2(num_splits)
-    _decode_kernel[(batch, kvh, num_splits)](
-        q, k_cache, v_cache, *params, spans, ctx, ctx if alibi_slopes is None else alibi_slopes, out, m_part,
-        l_part, acc_part, ctx if counters is None else counters, *rot_args[:5], scale * LOG2_E, heads,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        *(k_param.stride()[:3] if quant else (0, 0, 0)), spans.stride(0), out.stride(0), out.stride(1),
-        *rot_args[5:], G=g, P=span_size, D=d, NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(g)),
-        BLOCK_N=DECODE_BLOCK_N, HAS_ALIBI=alibi_slopes is not None, QUANT=quant, ROTARY=rotary is not None,
-        COMBINE=counters is not None, BLOCK_S=block_s, FENCE=not _INTERPRETED, SOFT_BF16=_INTERPRETED, **tiles,
-        **pdl.launch_options(q.device), **({"enable_fp_fusion": False} if rotary is not None else {}),
-        **(LARGE_BATCH_LAUNCH if not quant and q.element_size() == 2 and batch * kvh >= LARGE_BATCH_PROGRAMS else {}))
-    if num_splits > 1 and counters is None:
-        _combine_kernel[(batch, heads)](m_part, l_part, acc_part, out, ctx, out.stride(0), out.stride(1), heads,
-                                        D=d, NUM_SPLITS=num_splits, BLOCK_N=DECODE_BLOCK_N, BLOCK_S=block_s,
-                                        BLOCK_D=tiles["BLOCK_D"], **pdl.launch_options(q.device))
-    return out
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,

@@ -3,10 +3,10 @@
 Linear layers are cuBLAS GEMMs through torch, except decode's row or two against a bf16 / fp16 weight: a Triton
 GEMV (gemv_kernels.py), which in the MLP also applies silu·mul; a quantized weight is one Triton matmul over its
 codes (quant_kernels.py). Attention over the span cache (quantized spans included), residual + RMSNorm, rotary
-(fused with the cache write) and silu·mul are one Triton launch each (attention_kernels.py, fused_kernels.py),
-rounded as ops' references round; in the decode block rotary, the cache write and the attention are one
-launch. Writes into quantized spans are the torch reference's device ops. Nothing here reads a tensor's values
-on the host, so a decode step can be captured in a CUDA graph.
+(fused with the cache write) and silu·mul are one Triton launch each (attention_kernels.py, decode_attention.py,
+fused_kernels.py), rounded as ops' references round; in the decode block rotary, the cache write and the
+attention are one launch. Writes into quantized spans are the torch reference's device ops. Nothing here reads
+a tensor's values on the host, so a decode step can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from allspark_server import ops as ref
 from allspark_server.cuda import fused_kernels as fused
 from allspark_server.cuda import gemv_kernels
-from allspark_server.cuda.attention_kernels import fused_decode_enabled, paged_decode_attention, paged_prefill_attention
+from allspark_server.cuda.attention_kernels import paged_prefill_attention
+from allspark_server.cuda.decode_attention import fused_decode_enabled, paged_decode_attention
 from allspark_server.cuda.quant_kernels import quant_matmul
 from allspark_server.quant.formats import QuantizedWeight
 
