@@ -43,12 +43,13 @@ def _silu_mul_rounded(gate, up, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
 def _rms_norm_kernel(x, residual, weight, out, s_out, eps, H, stride_x, stride_r, stride_o, stride_s,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
     """Program = one row: s = x + residual (rounded), normed = s * rsqrt(mean(s^2) + eps) (rounded), out =
-    weight * normed (rounded)."""
+    weight * normed (rounded). PDL: the norm's weight is loaded before waiting for the kernel that writes x."""
     allow_next(PDL)
-    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < H
+    w = tl.load(weight + offs, mask=ok, other=0.0).to(tl.float32)                           # [BLOCK]
+    wait_for_previous(PDL)
     s = tl.load(x + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)               # [BLOCK]
     if HAS_RESIDUAL:
         r = tl.load(residual + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32)    # [BLOCK]
@@ -56,7 +57,6 @@ def _rms_norm_kernel(x, residual, weight, out, s_out, eps, H, stride_x, stride_r
         tl.store(s_out + row * stride_s + offs, s.to(s_out.dtype.element_ty), mask=ok)
     mean_sq = tl.math.div_rn(tl.sum(s * s, 0), H * 1.0)
     normed = _round(s * tl.math.rsqrt(mean_sq + eps), s_out.dtype.element_ty, SOFT_BF16)    # [BLOCK]
-    w = tl.load(weight + offs, mask=ok, other=0.0).to(tl.float32)                           # [BLOCK]
     y = _round(w * normed, out.dtype.element_ty, SOFT_BF16)
     tl.store(out + row * stride_o + offs, y.to(out.dtype.element_ty), mask=ok)
 
