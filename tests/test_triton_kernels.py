@@ -143,7 +143,7 @@ def test_decode_merges_its_splits_itself_as_the_combine_launch_does(monkeypatch)
     ctx = torch.tensor(lengths, device=DEVICE)
     exact, _ = decode_refs(q, k_cache, v_cache, spans, ctx)
     merged_inside = da.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE, num_splits=5)
-    assert not da._SPLIT_COUNTERS[q.device].any(), "a counter was left non-zero"
+    assert not any(c.any() for c in da._SPLIT_COUNTERS.values()), "a counter was left non-zero"
     monkeypatch.setattr(da, "_split_counters", lambda device, needed: None)
     merged_apart = da.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE, num_splits=5)
     assert_close(merged_inside, exact, TOL[torch.float32])
@@ -160,6 +160,22 @@ def test_decode_launch_shape_override_gives_the_same_attention():
     out = da.paged_decode_attention(q, k_cache, v_cache, spans, ctx, SCALE, num_splits=2,
                                     launch=dict(BLOCK_N=16, num_warps=2, num_stages=2))
     assert_close(out, exact, TOL[torch.float32])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="streams need a GPU")
+def test_split_counters_are_per_stream_and_a_capture_takes_the_default_streams():
+    # a graph warm-up on a side stream must not share counters with steps running on the default stream; a
+    # graph captured (on its own stream) is replayed on the default stream, so it takes that stream's
+    device = torch.device(DEVICE, torch.cuda.current_device())
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        on_side = da._split_counters(device, 8)
+    on_default = da._split_counters(device, 8)
+    assert on_side.data_ptr() != on_default.data_ptr()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        in_capture = da._split_counters(device, 8)
+    assert in_capture.data_ptr() == on_default.data_ptr()
 
 
 ROTARY_DECODE_CASES = [(torch.float32, 64, 16, 4), (torch.bfloat16, 128, 16, 1), (torch.float16, 80, 32, 2)]

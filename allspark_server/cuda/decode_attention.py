@@ -185,9 +185,10 @@ def default_num_splits(batch: int, num_kv_heads: int, max_spans: int, span_size:
     return max(1, min(-(-TARGET_PROGRAMS // (batch * num_kv_heads)), max_tiles, MAX_SPLITS))
 
 
-# split counters for the decode kernel's own combine, per device: zero between launches (the kernel leaves them so)
+# Split counters for the decode kernel's own merge, one buffer per (device, stream): a launch leaves them at zero,
+# and launches on one stream never overlap. Never freed or replaced: a captured graph holds its buffer's address.
 MAX_SPLIT_COUNTERS = 1 << 16
-_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_SPLIT_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def fused_decode_enabled() -> bool:
@@ -197,18 +198,25 @@ def fused_decode_enabled() -> bool:
 
 
 def _split_counters(device: torch.device, needed: int) -> torch.Tensor | None:
-    """The device's zeroed int32 counters, one per (sequence, kv head), allocated at first use; None (the
-    separate combine launch) when more are needed than MAX_SPLIT_COUNTERS, at a first use inside a CUDA
-    graph's capture (its memory would be the graph's; a capture is always preceded by a warm-up step), or with
-    fused decode switched off."""
-    if not fused_decode_enabled():
+    """Zeroed int32 counters, one per (sequence, kv head), for launches on the current stream: a graph warm-up
+    on a side stream must not share them with another model's steps running meanwhile on the default stream.
+    A graph being captured gets the default stream's, where DecodeGraphs replays it (allocated with the first
+    buffer of the device: a capture is always preceded by a warm-up). None (the separate combine launch) with
+    fused decode off or more than MAX_SPLIT_COUNTERS needed."""
+    if not fused_decode_enabled() or needed > MAX_SPLIT_COUNTERS:
         return None
-    counters = _SPLIT_COUNTERS.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _SPLIT_COUNTERS[device] = torch.zeros(MAX_SPLIT_COUNTERS, dtype=torch.int32, device=device)
-    return counters if needed <= counters.numel() else None
+    default = 0
+    if device.type == "cuda":
+        default = torch.cuda.default_stream(device).cuda_stream
+        if torch.cuda.is_current_stream_capturing():
+            return _SPLIT_COUNTERS.get((device, default))
+        stream = torch.cuda.current_stream(device).cuda_stream
+    else:
+        stream = default
+    for key in {(device, default), (device, stream)}:
+        if key not in _SPLIT_COUNTERS:
+            _SPLIT_COUNTERS[key] = torch.zeros(MAX_SPLIT_COUNTERS, dtype=torch.int32, device=device)
+    return _SPLIT_COUNTERS[(device, stream)]
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,
