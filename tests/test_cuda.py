@@ -148,7 +148,7 @@ def test_graph_replay_equals_the_eager_step(llama, tmp_path):
 
 @pytest.mark.gpu
 @needs_gpu
-def test_graphs_with_programmatic_dependent_launch_equal_graphs_without(llama, tmp_path, monkeypatch):
+def test_graphs_with_programmatic_dependent_launch_equal_graphs_without(llama, tmp_path):
     """The decode graphs whose Triton kernels start before the kernel ahead of them ends (PDL, cuda/pdl.py: on
     by default on sm_90) give the same logits bit for bit, replay after replay, as graphs captured again with
     ALLSPARK_PDL=0: a kernel touching an activation before its wait would race and show as differing bits."""

@@ -60,14 +60,27 @@ def _load_rows(cache, param, row, prow, ok, offs_d, D: tl.constexpr, QUANT: tl.c
 
 
 @triton.jit
-def _attend_tiles(q, pos, alibi, acc, m_i, l_i, k_cache, v_cache, k_param, v_param, span_row, kv_head, n,
+def _alibi_log2(slopes, head, ok, HAS_ALIBI: tl.constexpr):
+    """The rows' ALiBi slopes times log2(e) (scores are in the log2 domain), 0 without ALiBi."""
+    alibi = tl.zeros(head.shape, dtype=tl.float32)
+    if HAS_ALIBI:
+        alibi = tl.load(slopes + head, mask=ok, other=0.0) * 1.4426950408889634
+    return alibi
+
+
+@triton.jit
+def _attend_tiles(q, pos, alibi, k_cache, v_cache, k_param, v_param, span_row, kv_head, n,
                   tile_start, tile_end, stride_ks, stride_kp, stride_kh, stride_vs, stride_vp, stride_vh,
                   stride_ps, stride_pp, stride_ph, qk_scale,
                   P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr):
     """Online softmax of rows q [M, BLOCK_D] over token tiles [tile_start, tile_end) of one sequence; row r
     sees tokens t <= pos[r] (pos < n). Scores are in the log2 domain (qk_scale includes log2(e)); HAS_ALIBI adds
-    alibi[r] * (t - pos[r]) to them (alibi [M]: the rows' slopes times log2(e))."""
+    alibi[r] * (t - pos[r]) to them (alibi [M]: the rows' slopes times log2(e)). From an empty state ->
+    (acc [M, BLOCK_D] fp32 unnormalized, running max m [M], running sum l [M])."""
+    acc = tl.zeros([q.shape[0], BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([q.shape[0]], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([q.shape[0]], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     for tile in range(tile_start, tile_end):
@@ -120,13 +133,8 @@ def _prefill_kernel(q, k_cache, v_cache, spans, q_start, q_len, ctx_len, slopes,
     pos = n - num_q + qi            # causal limit; >= 0, so tile 0 gives every row (padding too) a finite max
     last = tl.minimum(first + QUERIES, num_q)                       # one past the block's last query
     tile_end = tl.where(first < num_q, (n - num_q + last + BLOCK_N - 1) // BLOCK_N, 0)
-    alibi = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if HAS_ALIBI:
-        alibi = tl.load(slopes + head, mask=row_ok, other=0.0) * 1.4426950408889634              # [BLOCK_M]
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, m_i, l_i = _attend_tiles(qt, pos, alibi, acc, m_i, l_i, k_cache, v_cache, k_cache, v_cache,
+    alibi = _alibi_log2(slopes, head, row_ok, HAS_ALIBI)                                 # [BLOCK_M]
+    acc, m_i, l_i = _attend_tiles(qt, pos, alibi, k_cache, v_cache, k_cache, v_cache,
                                   spans + i.to(tl.int64) * stride_sb, kv_head, n, 0, tile_end,
                                   stride_ks, stride_kp, stride_kh, stride_vs, stride_vp, stride_vh, 0, 0, 0, qk_scale,
                                   P, D, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST, HAS_ALIBI, 0)

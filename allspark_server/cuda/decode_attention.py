@@ -13,9 +13,9 @@ import triton
 import triton.language as tl
 
 from allspark_server.cuda import pdl
-from allspark_server.cuda.attention_kernels import (LOG2_E, _attend_tiles, _check_inputs, _check_slopes,
-                                                    _INTERPRETED, _tile_config)
-from allspark_server.cuda.fused_kernels import _round
+from allspark_server.cuda.attention_kernels import (LOG2_E, _alibi_log2, _attend_tiles, _check_inputs,
+                                                    _check_slopes, _INTERPRETED, _tile_config)
+from allspark_server.cuda.fused_kernels import _rotated
 from allspark_server.cuda.pdl import allow_next, wait_for_previous
 
 # Launch shapes, from sweeps on an H100 (Triton 3.6, bf16, H 32, KVH 8, D 128, P 16): decode tiles of 64 tokens
@@ -38,14 +38,6 @@ def _split_tiles(n, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
     start = split * per_split
     return start, tl.minimum(start + per_split, num_tiles), (num_tiles + per_split - 1) // per_split
-
-
-@triton.jit
-def _rotated(x, x_partner, c, s, sign, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """x * cos + rotate_half(x) * sin, elementwise in fp32, rounded to DTYPE as fused_kernels' rotary rounds
-    it: x_partner the element HALF away (rotate_half's), sign -1 on the first half of a head, +1 on the second."""
-    return _round(_round(x * c, DTYPE, SOFT_BF16) + sign * _round(x_partner * s, DTYPE, SOFT_BF16), DTYPE,
-                  SOFT_BF16)
 
 
 @triton.jit
@@ -132,13 +124,8 @@ def _decode_kernel(q, k_cache, v_cache, k_param, v_param, spans, ctx, slopes, ou
             qt = tl.load(q_ptrs + offs_d[None, :], mask=q_ok, other=0.0)                # [BLOCK_G, BLOCK_D]
         qt = qt.to(k_cache.dtype.element_ty if QUANT == 0 else tl.float32)   # quantized spans: attended in fp32
         pos = tl.zeros([BLOCK_G], dtype=tl.int32) + (n - 1)
-        alibi = tl.zeros([BLOCK_G], dtype=tl.float32)
-        if HAS_ALIBI:
-            alibi = tl.load(slopes + head, mask=g_ok, other=0.0) * 1.4426950408889634            # [BLOCK_G]
-        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-        acc, m_i, l_i = _attend_tiles(qt, pos, alibi, acc, m_i, l_i, k_cache, v_cache, k_param, v_param,
+        alibi = _alibi_log2(slopes, head, g_ok, HAS_ALIBI)                              # [BLOCK_G]
+        acc, m_i, l_i = _attend_tiles(qt, pos, alibi, k_cache, v_cache, k_param, v_param,
                                       spans + b.to(tl.int64) * stride_sb, kv_head, n, tile_start, tile_end,
                                       stride_ks, stride_kp, stride_kh, stride_vs, stride_vp, stride_vh,
                                       stride_ps, stride_pp, stride_ph, qk_scale,
@@ -272,6 +259,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_s = triton.next_power_of_2(num_splits)
     large = not quant and q.element_size() == 2 and batch * kvh >= LARGE_BATCH_PROGRAMS
     shape = {"BLOCK_N": DECODE_BLOCK_N, **(LARGE_BATCH_LAUNCH if large else {}), **(launch or {})}
+    launch_pdl = pdl.launch_options(q.device)
     _decode_kernel[(batch, kvh, num_splits)](
         q, k_cache, v_cache, *params, spans, ctx, ctx if alibi_slopes is None else alibi_slopes, out, m_part,
         l_part, acc_part, ctx if counters is None else counters, *rot_args[:5], scale * LOG2_E, heads,
@@ -280,9 +268,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         *rot_args[5:], G=g, P=span_size, D=d, NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(g)),
         HAS_ALIBI=alibi_slopes is not None, QUANT=quant, ROTARY=rotary is not None, COMBINE=counters is not None,
         BLOCK_S=block_s, FENCE=not _INTERPRETED, SOFT_BF16=_INTERPRETED, **tiles, **shape,
-        **pdl.launch_options(q.device), **({"enable_fp_fusion": False} if rotary is not None else {}))
+        **launch_pdl, **({"enable_fp_fusion": False} if rotary is not None else {}))
     if num_splits > 1 and counters is None:
         _combine_kernel[(batch, heads)](m_part, l_part, acc_part, out, ctx, out.stride(0), out.stride(1), heads,
                                         D=d, NUM_SPLITS=num_splits, BLOCK_N=shape["BLOCK_N"], BLOCK_S=block_s,
-                                        BLOCK_D=tiles["BLOCK_D"], **pdl.launch_options(q.device))
+                                        BLOCK_D=tiles["BLOCK_D"], **launch_pdl)
     return out

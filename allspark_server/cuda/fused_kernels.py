@@ -40,6 +40,14 @@ def _silu_mul_rounded(gate, up, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
 
 
 @triton.jit
+def _rotated(x, x_partner, c, s, sign, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """x * cos + rotate_half(x) * sin, elementwise in fp32: x_partner the element D/2 away, sign -1 on the first
+    half of a head and +1 on the second; both products and the sum rounded to DTYPE, as rotary_reference does."""
+    return _round(_round(x * c, DTYPE, SOFT_BF16) + sign * _round(x_partner * s, DTYPE, SOFT_BF16), DTYPE,
+                  SOFT_BF16)
+
+
+@triton.jit
 def _rms_norm_kernel(x, residual, weight, out, s_out, eps, H, stride_x, stride_r, stride_o, stride_s,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
     """Program = one row: s = x + residual (rounded), normed = s * rsqrt(mean(s^2) + eps) (rounded), out =
@@ -122,8 +130,8 @@ def _rotary_kernel(q, k, v, cos, sin, q_out, k_out, v_out, slots, H,
     s1 = tl.load(sin + t * stride_st + offs, mask=ok, other=0.0).to(tl.float32)
     s2 = tl.load(sin + t * stride_st + HALF + offs, mask=ok, other=0.0).to(tl.float32)
     dt = dst.dtype.element_ty
-    o1 = _round(_round(x1 * c1, dt, SOFT_BF16) - _round(x2 * s1, dt, SOFT_BF16), dt, SOFT_BF16)  # + (-x2) * s1
-    o2 = _round(_round(x2 * c2, dt, SOFT_BF16) + _round(x1 * s2, dt, SOFT_BF16), dt, SOFT_BF16)
+    o1 = _rotated(x1, x2, c1, s1, -1.0, dt, SOFT_BF16)
+    o2 = _rotated(x2, x1, c2, s2, 1.0, dt, SOFT_BF16)
     tl.store(dst + offs, o1.to(dt), mask=ok)
     tl.store(dst + HALF + offs, o2.to(dt), mask=ok)
 

@@ -228,17 +228,18 @@ def _quant_gemv_kernel(x, qw, scales, zeros, out, M, N, K, k_per_split,
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(K, k_begin + k_per_split)
+    up = up_rows + offs_n                                                               # [BN] the up rows
     # the first k-tile's codes are read before the wait (pdl.py: no kernel writes weights)
-    bits, bits_up = _code_tiles(qw, offs_n, up_rows + offs_n, n_ok, k_begin, k_end, stride_qn, FMT, BLOCK_K,
+    bits, bits_up = _code_tiles(qw, offs_n, up, n_ok, k_begin, k_end, stride_qn, FMT, BLOCK_K,
                                 SILU_MUL, EVICTION)
     wait_for_previous(PDL)
-    acc, acc_up = _gemv_tiles(acc, acc_up, bits, bits_up, k_begin, x, scales, zeros, offs_n, up_rows + offs_n, n_ok,
+    acc, acc_up = _gemv_tiles(acc, acc_up, bits, bits_up, k_begin, x, scales, zeros, offs_n, up, n_ok,
                               offs_m, k_end, M, stride_xm, stride_sn, stride_zn, FMT, GROUP, HAS_ZERO, BLOCK_M,
                               BLOCK_N, BLOCK_K, SUB, SILU_MUL)
     for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
-        bits, bits_up = _code_tiles(qw, offs_n, up_rows + offs_n, n_ok, k0, k_end, stride_qn, FMT, BLOCK_K,
+        bits, bits_up = _code_tiles(qw, offs_n, up, n_ok, k0, k_end, stride_qn, FMT, BLOCK_K,
                                     SILU_MUL, EVICTION)
-        acc, acc_up = _gemv_tiles(acc, acc_up, bits, bits_up, k0, x, scales, zeros, offs_n, up_rows + offs_n, n_ok,
+        acc, acc_up = _gemv_tiles(acc, acc_up, bits, bits_up, k0, x, scales, zeros, offs_n, up, n_ok,
                                   offs_m, k_end, M, stride_xm, stride_sn, stride_zn, FMT, GROUP, HAS_ZERO, BLOCK_M,
                                   BLOCK_N, BLOCK_K, SUB, SILU_MUL)
     dst = out + pid_k * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
