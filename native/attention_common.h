@@ -40,8 +40,15 @@ __attribute__((always_inline)) inline void group_output(const float* acc, const 
 // 4 KV heads, D 128, 200 tokens, 2 threads): bf16 ~90 -> ~45 us per layer, fp32 ~92 -> ~72 us.
 constexpr int64_t PREFETCH_AHEAD = 16;
 
-// the cache slot of the sequence's t-th token
-inline int64_t slot_of(const int64_t* spans, int64_t t, int64_t P) { return spans[t / P] * P + t % P; }
+// rows[t] = the cache row (slot * KVH + g) of the sequence's key t < ctx for KV head g, filled span by span: the
+// kernels index rows by it rather than dividing t by the span size for every key (three 64-bit divisions a key
+// made ~1/4 of an AVX-512 attention's time at 2048 tokens)
+inline void key_rows(const int64_t* spans, int64_t ctx, int64_t P, int64_t KVH, int64_t g, int64_t* rows) {
+  for (int64_t t0 = 0, i = 0; t0 < ctx; t0 += P, ++i) {
+    const int64_t first = spans[i] * P, n = std::min(P, ctx - t0);
+    for (int64_t o = 0; o < n; ++o) rows[t0 + o] = (first + o) * KVH + g;
+  }
+}
 
 template <int Locality>
 __attribute__((always_inline)) inline void prefetch_row(const void* row, int64_t nbytes) {
@@ -50,18 +57,16 @@ __attribute__((always_inline)) inline void prefetch_row(const void* row, int64_t
 }
 
 
-// the prefetches made while scoring key t; a cache row (one token, KV head g) is row_bytes long
+// the prefetches made while scoring key t; a cache row (one token, KV head) is row_bytes long, rows: key_rows
 __attribute__((always_inline)) inline void prefetch_for_key(const void* k_cache, const void* v_cache,
-                                                            int64_t row_bytes, const int64_t* spans, int64_t t,
-                                                            int64_t ctx, int64_t P, int64_t KVH, int64_t g) {
+                                                            int64_t row_bytes, const int64_t* rows, int64_t t,
+                                                            int64_t ctx) {
   const char* k = static_cast<const char*>(k_cache);
   const char* v = static_cast<const char*>(v_cache);
   if (t == 0)
-    for (int64_t u = 0; u < std::min(PREFETCH_AHEAD, ctx); ++u)
-      prefetch_row<3>(k + (slot_of(spans, u, P) * KVH + g) * row_bytes, row_bytes);
-  if (t + PREFETCH_AHEAD < ctx)
-    prefetch_row<3>(k + (slot_of(spans, t + PREFETCH_AHEAD, P) * KVH + g) * row_bytes, row_bytes);
-  prefetch_row<2>(v + (slot_of(spans, t, P) * KVH + g) * row_bytes, row_bytes);
+    for (int64_t u = 0; u < std::min(PREFETCH_AHEAD, ctx); ++u) prefetch_row<3>(k + rows[u] * row_bytes, row_bytes);
+  if (t + PREFETCH_AHEAD < ctx) prefetch_row<3>(k + rows[t + PREFETCH_AHEAD] * row_bytes, row_bytes);
+  prefetch_row<2>(v + rows[t] * row_bytes, row_bytes);
 }
 
 // ALiBi (allspark_server/layers/alibi.py): the G score rows [ctx] of one query at position ctx - 1 get
@@ -161,15 +166,19 @@ inline void softmax_rows_avx2(float* scores, int64_t ctx, int64_t G, float* inv_
   }
 }
 
-// ---- AVX2: scores and value sums over rows of any storage -------------------------------------------------
-// A Row policy reads 8 values of a cache row (elements d .. d + 7, d a multiple of 8) as fp32: dense rows
-// (bf16 / fp32) here, quantized codes (int8 / uint4) in span_attention_quant.cpp. `byte_of(d)`: where element d's
+// ---- AVX2 and AVX-512: scores and value sums over rows of any storage ----------------------------------------
+// A Row policy reads 8 (load8, AVX2) or 16 (load16, AVX-512) values of a cache row (elements d .., d a multiple of
+// 8 / 16) as fp32: dense rows (bf16 / fp32) here, quantized codes (int8 / uint4) in span_attention_quant.cpp. `byte_of(d)`: where element d's
 // bytes start in the row; `LINE_ELEMS` elements make one cache line or less.
 template <typename T>
 struct DenseRow {
   using Ptr = const T*;
   __attribute__((target("avx2,fma"), always_inline)) static inline __m256 load8(Ptr row, int64_t d, int64_t) {
     return simd::load8(row + d);
+  }
+  __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) static inline __m512 load16(Ptr row, int64_t d,
+                                                                                                  int64_t) {
+    return simd::load16(row + d);
   }
   static int64_t byte_of(int64_t d, int64_t) { return d * static_cast<int64_t>(sizeof(T)); }
 };
@@ -241,6 +250,94 @@ inline void group_weighted_rows_avx2(const typename Row::Ptr* rows, int64_t ctx,
       case 2: weighted_rows_avx2<Row, 2>(rows, ctx, D, w + h0 * ctx, acc + h0 * D); break;
       case 3: weighted_rows_avx2<Row, 3>(rows, ctx, D, w + h0 * ctx, acc + h0 * D); break;
       default: weighted_rows_avx2<Row, 4>(rows, ctx, D, w + h0 * ctx, acc + h0 * D); break;
+    }
+  }
+}
+
+// ---- AVX-512 (D a multiple of 16) --------------------------------------------------------------------------
+// dots[h * stride] = q_h . row for the NH query rows qf [NH, D], each 16 values of the row widened once for all
+// NH heads (two accumulators per head: 16-blocks 0, 2, 4, ... and 1, 3, 5, ..., added, then reduced)
+template <typename Row, int NH>
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
+inline void row_dots_avx512(const float* qf, typename Row::Ptr row, int64_t D, float* dots, int64_t stride) {
+  __m512 s0[NH], s1[NH];
+  for (int h = 0; h < NH; ++h) s0[h] = _mm512_setzero_ps(), s1[h] = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32) {
+    const __m512 k0 = Row::load16(row, d, D), k1 = Row::load16(row, d + 16, D);
+    for (int h = 0; h < NH; ++h) {
+      s0[h] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + h * D + d), k0, s0[h]);
+      s1[h] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + h * D + d + 16), k1, s1[h]);
+    }
+  }
+  if (d < D) {
+    const __m512 k0 = Row::load16(row, d, D);
+    for (int h = 0; h < NH; ++h) s0[h] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + h * D + d), k0, s0[h]);
+  }
+  for (int h = 0; h < NH; ++h) dots[h * stride] = _mm512_reduce_add_ps(_mm512_add_ps(s0[h], s1[h]));
+}
+
+// acc[h, j .. j + 16 NJ) = sum_t w[h, t] * row_t[j ..] for NH heads (w [NH, ctx], rows[t]: key t's row): the NH x NJ
+// sums held in registers over all keys, so a pass reads each row's 16 NJ values once and stores nothing per key
+// (the axpy form loads and stores every accumulator for every key and head). Sums run over t in order from 0.
+template <typename Row, int NH, int NJ>
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
+inline void weighted_rows_avx512(const typename Row::Ptr* rows, int64_t ctx, int64_t D, int64_t j, const float* w,
+                                 float* acc) {
+  __m512 a[NH][NJ];
+  for (int h = 0; h < NH; ++h)
+    for (int i = 0; i < NJ; ++i) a[h][i] = _mm512_setzero_ps();
+  const int64_t at = Row::byte_of(j, D), span = Row::byte_of(j + 16 * NJ - 1, D) - at + 1;
+  for (int64_t t = 0; t < ctx; ++t) {
+    if (t + PREFETCH_AHEAD < ctx) prefetch_row<3>(reinterpret_cast<const char*>(rows[t + PREFETCH_AHEAD]) + at, span);
+    __m512 v[NJ];
+    for (int i = 0; i < NJ; ++i) v[i] = Row::load16(rows[t], j + 16 * i, D);
+    for (int h = 0; h < NH; ++h) {
+      const __m512 wt = _mm512_set1_ps(w[h * ctx + t]);
+      for (int i = 0; i < NJ; ++i) a[h][i] = _mm512_fmadd_ps(wt, v[i], a[h][i]);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int i = 0; i < NJ; ++i) _mm512_storeu_ps(acc + h * D + j + 16 * i, a[h][i]);
+}
+
+// the two above for all G heads of a group: dots in blocks of up to 4 heads; value sums in blocks of up to 3
+// heads x 8 vectors (24 of the 32 registers: one pass over the rows for D = 128 and groups of up to 3 heads)
+template <typename Row>
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+inline void group_dots_avx512(const float* qf, typename Row::Ptr row, int64_t D, int64_t G, float* dots,
+                              int64_t stride) {
+  for (int64_t h0 = 0; h0 < G; h0 += 4) {
+    float* out = dots + h0 * stride;
+    switch (std::min<int64_t>(4, G - h0)) {
+      case 1: row_dots_avx512<Row, 1>(qf + h0 * D, row, D, out, stride); break;
+      case 2: row_dots_avx512<Row, 2>(qf + h0 * D, row, D, out, stride); break;
+      case 3: row_dots_avx512<Row, 3>(qf + h0 * D, row, D, out, stride); break;
+      default: row_dots_avx512<Row, 4>(qf + h0 * D, row, D, out, stride); break;
+    }
+  }
+}
+
+template <typename Row, int NH>
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
+inline void heads_weighted_rows_avx512(const typename Row::Ptr* rows, int64_t ctx, int64_t D, const float* w,
+                                       float* acc) {
+  int64_t j = 0;
+  for (; j + 128 <= D; j += 128) weighted_rows_avx512<Row, NH, 8>(rows, ctx, D, j, w, acc);
+  if (j + 64 <= D) weighted_rows_avx512<Row, NH, 4>(rows, ctx, D, j, w, acc), j += 64;
+  if (j + 32 <= D) weighted_rows_avx512<Row, NH, 2>(rows, ctx, D, j, w, acc), j += 32;
+  if (j < D) weighted_rows_avx512<Row, NH, 1>(rows, ctx, D, j, w, acc);
+}
+
+template <typename Row>
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+inline void group_weighted_rows_avx512(const typename Row::Ptr* rows, int64_t ctx, int64_t D, int64_t G,
+                                       const float* w, float* acc) {
+  for (int64_t h0 = 0; h0 < G; h0 += 3) {
+    switch (std::min<int64_t>(3, G - h0)) {
+      case 1: heads_weighted_rows_avx512<Row, 1>(rows, ctx, D, w + h0 * ctx, acc + h0 * D); break;
+      case 2: heads_weighted_rows_avx512<Row, 2>(rows, ctx, D, w + h0 * ctx, acc + h0 * D); break;
+      default: heads_weighted_rows_avx512<Row, 3>(rows, ctx, D, w + h0 * ctx, acc + h0 * D); break;
     }
   }
 }

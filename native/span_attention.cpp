@@ -29,18 +29,17 @@ namespace {
 
 using attn::group_output;
 using attn::group_query;
-using attn::slot_of;
 using attn::to_f;
 
 template <typename T>
 __attribute__((always_inline)) inline void attend(const T* q, const T* k_cache, const T* v_cache,
-                                                  const int64_t* spans, int64_t ctx, int64_t P, int64_t KVH,
-                                                  int64_t D, int64_t G, int64_t g, float scale, const float* slopes,
-                                                  T* out, float* scores, float* qf, float* acc, float* inv_sum) {
+                                                  const int64_t* rows, int64_t ctx, int64_t D, int64_t G, int64_t g,
+                                                  float scale, const float* slopes, T* out, float* scores, float* qf,
+                                                  float* acc, float* inv_sum) {
   group_query(q, D, G, g, qf);
   for (int64_t t = 0; t < ctx; ++t) {
-    attn::prefetch_for_key(k_cache, v_cache, D * sizeof(T), spans, t, ctx, P, KVH, g);
-    const T* kr = k_cache + (slot_of(spans, t, P) * KVH + g) * D;
+    attn::prefetch_for_key(k_cache, v_cache, D * sizeof(T), rows, t, ctx);
+    const T* kr = k_cache + rows[t] * D;
     for (int64_t h = 0; h < G; ++h) {
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -55,8 +54,8 @@ __attribute__((always_inline)) inline void attend(const T* q, const T* k_cache, 
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t t = 0; t < ctx; ++t) {
     if (t + attn::PREFETCH_AHEAD < ctx)   // see span_attention_quant.cpp: the V rows asked for while scoring
-      attn::prefetch_row<3>(v_cache + (slot_of(spans, t + attn::PREFETCH_AHEAD, P) * KVH + g) * D, D * sizeof(T));
-    const T* vr = v_cache + (slot_of(spans, t, P) * KVH + g) * D;
+      attn::prefetch_row<3>(v_cache + rows[t + attn::PREFETCH_AHEAD] * D, D * sizeof(T));
+    const T* vr = v_cache + rows[t] * D;
     for (int64_t h = 0; h < G; ++h) {
       const float p = scores[h * ctx + t];
       float* a = acc + h * D;
@@ -68,10 +67,9 @@ __attribute__((always_inline)) inline void attend(const T* q, const T* k_cache, 
 }
 
 #define ATTEND_ARGS                                                                                         \
-  const T *q, const T *k_cache, const T *v_cache, const int64_t *spans, int64_t ctx, int64_t P, int64_t KVH, \
-      int64_t D, int64_t G, int64_t g, float scale, const float *slopes, T *out, float *scores, float *qf,         \
-      float *acc, float *inv_sum
-#define ATTEND_CALL q, k_cache, v_cache, spans, ctx, P, KVH, D, G, g, scale, slopes, out, scores, qf, acc, inv_sum
+  const T *q, const T *k_cache, const T *v_cache, const int64_t *rows, int64_t ctx, int64_t D, int64_t G,     \
+      int64_t g, float scale, const float *slopes, T *out, float *scores, float *qf, float *acc, float *inv_sum
+#define ATTEND_CALL q, k_cache, v_cache, rows, ctx, D, G, g, scale, slopes, out, scores, qf, acc, inv_sum
 
 template <typename T>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void attend_avx512(ATTEND_ARGS) { attend<T>(ATTEND_CALL); }
@@ -80,68 +78,38 @@ __attribute__((target("avx2,fma"))) void attend_avx2(ATTEND_ARGS) { attend<T>(AT
 template <typename T>
 void attend_portable(ATTEND_ARGS) { attend<T>(ATTEND_CALL); }
 
-// AVX-512 for head dims that are multiples of 16 (64, 128, ...): the same algorithm and roundings as
-// attend() above, written with intrinsics because the compiler's version of the loops (a horizontal
-// reduction per key and head, scalar exp) took ~260 us for 1000 keys x 12 heads x 128 dims.
-using simd::load16;
-
-template <typename T>
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-void attend_avx512_d16(ATTEND_ARGS) {
-  const int64_t ND = D / 16;
-  group_query(q, D, G, g, qf);
-  for (int64_t t = 0; t < ctx; ++t) {
-    attn::prefetch_for_key(k_cache, v_cache, D * sizeof(T), spans, t, ctx, P, KVH, g);
-    const T* kr = k_cache + (slot_of(spans, t, P) * KVH + g) * D;
-    for (int64_t h = 0; h < G; ++h) {
-      const float* qh = qf + h * D;
-      __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-      int64_t j = 0;
-      for (; j + 1 < ND; j += 2) {
-        s0 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * j), load16(kr + 16 * j), s0);
-        s1 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * j + 16), load16(kr + 16 * j + 16), s1);
-      }
-      if (j < ND) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * j), load16(kr + 16 * j), s0);
-      scores[h * ctx + t] = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * scale;
-    }
-  }
-  attn::add_alibi(scores, ctx, G, slopes);
-  attn::softmax_rows_avx512<T>(scores, ctx, G, inv_sum);   // the weights meet V in the cache's precision
-  std::fill(acc, acc + G * D, 0.f);
-  for (int64_t t = 0; t < ctx; ++t) {
-    if (t + attn::PREFETCH_AHEAD < ctx)   // see span_attention_quant.cpp: the V rows asked for while scoring
-      attn::prefetch_row<3>(v_cache + (slot_of(spans, t + attn::PREFETCH_AHEAD, P) * KVH + g) * D, D * sizeof(T));
-    const T* vr = v_cache + (slot_of(spans, t, P) * KVH + g) * D;
-    for (int64_t j = 0; j < ND; ++j) {
-      const __m512 v = load16(vr + 16 * j);
-      for (int64_t h = 0; h < G; ++h) {
-        float* a = acc + h * D + 16 * j;
-        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(scores[h * ctx + t]), v, _mm512_loadu_ps(a)));
-      }
-    }
-  }
-  group_output(acc, inv_sum, D, G, g, out);
-}
-
-// AVX2 for head dims that are multiples of 32: attend()'s algorithm and roundings with 8-lane intrinsics
-// (attention_common.h; the compiled loops reduce horizontally per key and head and call std::exp per score)
-template <typename T>
-__attribute__((target("avx2,fma")))
-void attend_avx2_d32(ATTEND_ARGS, std::vector<const T*>& rows) {
+// AVX-512 for head dims that are multiples of 16 (64, 128, ...) and AVX2 for multiples of 32: attend()'s
+// algorithm and roundings with intrinsics (attention_common.h), because the compiled loops reduce horizontally per
+// key and head, call std::exp per score (~260 us for 1000 keys x 12 heads x 128 dims), and widen each key row once
+// per head. Each key row is widened once for the group's heads; the value sums stay in registers over all keys.
+template <typename T, bool V512>
+__attribute__((always_inline)) inline void attend_rows(ATTEND_ARGS, std::vector<const T*>& v_rows) {
   using Row = attn::DenseRow<T>;
   group_query(q, D, G, g, qf);
   for (int64_t t = 0; t < ctx; ++t) {
-    attn::prefetch_for_key(k_cache, v_cache, D * sizeof(T), spans, t, ctx, P, KVH, g);
-    attn::group_dots_avx2<Row>(qf, k_cache + (slot_of(spans, t, P) * KVH + g) * D, D, G, scores + t, ctx);
+    attn::prefetch_for_key(k_cache, v_cache, D * sizeof(T), rows, t, ctx);
+    const T* kr = k_cache + rows[t] * D;
+    if constexpr (V512) attn::group_dots_avx512<Row>(qf, kr, D, G, scores + t, ctx);
+    else attn::group_dots_avx2<Row>(qf, kr, D, G, scores + t, ctx);
     for (int64_t h = 0; h < G; ++h) scores[h * ctx + t] *= scale;
   }
   attn::add_alibi(scores, ctx, G, slopes);
-  attn::softmax_rows_avx2<T>(scores, ctx, G, inv_sum);   // the weights meet V in the cache's precision
-  rows.resize(ctx);
-  for (int64_t t = 0; t < ctx; ++t) rows[t] = v_cache + (slot_of(spans, t, P) * KVH + g) * D;
-  attn::group_weighted_rows_avx2<Row>(rows.data(), ctx, D, G, scores, acc);
+  // the weights meet V in the cache's precision
+  if constexpr (V512) attn::softmax_rows_avx512<T>(scores, ctx, G, inv_sum);
+  else attn::softmax_rows_avx2<T>(scores, ctx, G, inv_sum);
+  v_rows.resize(ctx);
+  for (int64_t t = 0; t < ctx; ++t) v_rows[t] = v_cache + rows[t] * D;
+  if constexpr (V512) attn::group_weighted_rows_avx512<Row>(v_rows.data(), ctx, D, G, scores, acc);
+  else attn::group_weighted_rows_avx2<Row>(v_rows.data(), ctx, D, G, scores, acc);
   group_output(acc, inv_sum, D, G, g, out);
 }
+
+template <typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl"), flatten))
+void attend_avx512_d16(ATTEND_ARGS, std::vector<const T*>& v_rows) { attend_rows<T, true>(ATTEND_CALL, v_rows); }
+template <typename T>
+__attribute__((target("avx2,fma"), flatten))
+void attend_avx2_d32(ATTEND_ARGS, std::vector<const T*>& v_rows) { attend_rows<T, false>(ATTEND_CALL, v_rows); }
 
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& spans,
@@ -157,30 +125,33 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& v
   T* op = out.data_ptr<T>();
   allspark::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), inv_sum(G), scores;
-    std::vector<const T*> rows;   // attend_avx2_d32: each key's V row
+    std::vector<int64_t> rows;   // each key's cache row (slot * KVH + g)
+    std::vector<const T*> v_rows;   // attend_avx512_d16 / attend_avx2_d32: each key's V row
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KVH, g = task % KVH;
       const int64_t n = cp[b];
       scores.resize(G * n);
       const T* qb = qp + b * H * D;
       T* ob = op + b * H * D;
-      const int64_t* sb = sp + b * MAXS;
+      rows.resize(n);
+      attn::key_rows(sp + b * MAXS, n, P, KVH, g, rows.data());
+      const int64_t* r = rows.data();
       const float s = static_cast<float>(scale);
       const float* sl = alibi ? alibi + g * G : nullptr;   // the group's slopes
       if (isa >= 2 && D % 16 == 0)
-        attend_avx512_d16<T>(qb, kp, vp, sb, n, P, KVH, D, G, g, s, sl, ob, scores.data(), qf.data(), acc.data(),
-                             inv_sum.data());
+        attend_avx512_d16<T>(qb, kp, vp, r, n, D, G, g, s, sl, ob, scores.data(), qf.data(), acc.data(),
+                             inv_sum.data(), v_rows);
       else if (isa >= 2)
-        attend_avx512<T>(qb, kp, vp, sb, n, P, KVH, D, G, g, s, sl, ob, scores.data(), qf.data(), acc.data(),
+        attend_avx512<T>(qb, kp, vp, r, n, D, G, g, s, sl, ob, scores.data(), qf.data(), acc.data(),
                          inv_sum.data());
       else if (isa == 1 && D % 32 == 0)
-        attend_avx2_d32<T>(qb, kp, vp, sb, n, P, KVH, D, G, g, s, sl, ob, scores.data(), qf.data(), acc.data(),
-                           inv_sum.data(), rows);
+        attend_avx2_d32<T>(qb, kp, vp, r, n, D, G, g, s, sl, ob, scores.data(), qf.data(), acc.data(),
+                           inv_sum.data(), v_rows);
       else if (isa == 1)
-        attend_avx2<T>(qb, kp, vp, sb, n, P, KVH, D, G, g, s, sl, ob, scores.data(), qf.data(), acc.data(),
+        attend_avx2<T>(qb, kp, vp, r, n, D, G, g, s, sl, ob, scores.data(), qf.data(), acc.data(),
                        inv_sum.data());
       else
-        attend_portable<T>(qb, kp, vp, sb, n, P, KVH, D, G, g, s, sl, ob, scores.data(), qf.data(), acc.data(),
+        attend_portable<T>(qb, kp, vp, r, n, D, G, g, s, sl, ob, scores.data(), qf.data(), acc.data(),
                            inv_sum.data());
     }
   });

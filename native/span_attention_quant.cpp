@@ -8,8 +8,8 @@
 //
 // Attention works on the codes: a score is s_t * (q . c_t - z_t * sum(q)) * scale_attn, and the output
 // accumulates w = p * s_t times the codes of V and, apart, w * z_t, taken off at the end. A key row's codes
-// are widened to fp32 once (into an L1 buffer shared by the G query heads of the KV head); on AVX-512 the
-// V sums run 16 dimensions at a time over all keys with the G heads' sums in registers. Scores, softmax and
+// are widened to fp32 once for the G query heads of the KV head; with intrinsics the V sums run 128 (AVX-512) or
+// 32 (AVX2) dimensions at a time over all keys with the heads' sums in registers. Scores, softmax and
 // sums are fp32, and the softmax weights stay fp32 (the reference is fp32 attention over the dequantized
 // rows). ISA: 2 = AVX-512 (intrinsics when D is a multiple of 16 for int8, 32 for uint4), 1 = AVX2
 // (intrinsics when D is a multiple of 32: attention_common.h's row dots and weighted rows over the codes), 0 =
@@ -29,7 +29,6 @@
 
 namespace {
 
-using attn::slot_of;
 enum Mode : int { I8 = 0, U4 = 1 };
 
 template <int M>
@@ -84,87 +83,26 @@ __attribute__((always_inline)) inline void widen(const uint8_t* row, int64_t D, 
   }
 }
 
-template <int M>
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-inline void widen_avx512(const uint8_t* row, int64_t D, float* out) {
-  if constexpr (M == I8) {
-    for (int64_t d = 0; d < D; d += 16)
-      _mm512_storeu_ps(out + d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d)))));
-  } else {
-    const int64_t h = D / 2;
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    for (int64_t j = 0; j < h; j += 16) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j));
-      _mm512_storeu_ps(out + j, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask))));
-      _mm512_storeu_ps(out + h + j,
-                       _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask))));
-    }
-  }
-}
-
-// dot(a, b) and y += w * x over D fp32 values (D a multiple of 16 on the AVX-512 path)
-template <bool V512>
-__attribute__((always_inline)) inline float dot(const float* a, const float* b, int64_t D);
-template <>
-__attribute__((always_inline)) inline float dot<false>(const float* a, const float* b, int64_t D) {
+// dot(a, b) and y += w * x over D fp32 values (the loops compiled for the target)
+__attribute__((always_inline)) inline float dot(const float* a, const float* b, int64_t D) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
   for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
   return s;
 }
-template <>
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-inline float dot<true>(const float* a, const float* b, int64_t D) {
-  __m512 s = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), s);
-  return _mm512_reduce_add_ps(s);
-}
 __attribute__((always_inline)) inline void axpy(float w, const float* x, float* y, int64_t D) {
 #pragma omp simd
   for (int64_t d = 0; d < D; ++d) y[d] += w * x[d];
 }
-// 16 codes of a row as fp32: elements 16j .. 16j + 15
-template <int M>
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
-inline __m512 codes16(const uint8_t* row, int64_t j, int64_t D) {
-  if constexpr (M == I8) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j))));
-  } else {
-    const int64_t half = D / 2, e = 16 * j;
-    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (e < half ? e : e - half)));
-    if (e >= half) b = _mm_srli_epi16(b, 4);
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F))));
-  }
-}
-
-// acc[h, 16j .. 16j + 15] = sum_t w[h, t] * codes_t[16j ..] for NH heads, the sums held in registers over all
-// t (the axpy form loads and stores the accumulators once per row and head: ~3x the instructions)
-template <int M, int NH>
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-void weighted_codes_avx512(const uint8_t* vc, const int64_t* rows, int64_t ctx, int64_t D, const float* w,
-                           float* acc) {
-  for (int64_t j = 0; j < D / 16; ++j) {
-    __m512 a[NH];
-    for (int h = 0; h < NH; ++h) a[h] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < ctx; ++t) {
-      if (j == 0 && t + attn::PREFETCH_AHEAD < ctx) attn::prefetch_row<3>(vc + rows[t + attn::PREFETCH_AHEAD], 64);
-      const __m512 v = codes16<M>(vc + rows[t], j, D);
-      for (int h = 0; h < NH; ++h) a[h] = _mm512_fmadd_ps(_mm512_set1_ps(w[h * ctx + t]), v, a[h]);
-    }
-    for (int h = 0; h < NH; ++h) _mm512_storeu_ps(acc + h * D + 16 * j, a[h]);
-  }
-}
-
 struct Scratch {   // per thread: [G, D] query rows and accumulators, [G, ctx] scores, one widened row
   std::vector<float> qf, acc, scores, row, qsum, zacc, inv_sum;
-  std::vector<int64_t> rows;   // [ctx]: byte offset of each key's row of this KV head
-  std::vector<const uint8_t*> row_ptrs;   // AVX2: [ctx] each key's V row
+  std::vector<int64_t> rows;   // [ctx] each key's cache row (slot * KVH + g: attn::key_rows)
+  std::vector<const uint8_t*> row_ptrs;   // AVX2 / AVX-512: [ctx] each key's V row
   Scratch(int64_t G, int64_t D) : qf(G * D), acc(G * D), row(D), qsum(G), zacc(G), inv_sum(G) {}
 };
 
-// a row of codes for the AVX2 pieces of attention_common.h: 8 codes as fp32 (uint4: element d in the low
-// nibble of byte d, or in the high nibble of byte d - D/2)
+// a row of codes for the AVX2 / AVX-512 pieces of attention_common.h: 8 or 16 codes as fp32 (uint4: element d in
+// the low nibble of byte d, or in the high nibble of byte d - D/2)
 template <int M>
 struct CodesRow {
   using Ptr = const uint8_t*;
@@ -178,17 +116,28 @@ struct CodesRow {
       return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F))));
     }
   }
+  // 16 codes as fp32 (AVX-512; uint4: D a multiple of 32, so 16 elements never straddle the two halves)
+  __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) static inline __m512 load16(Ptr row, int64_t d,
+                                                                                                  int64_t D) {
+    if constexpr (M == I8) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d))));
+    } else {
+      const int64_t half = D / 2;
+      __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (d < half ? d : d - half)));
+      if (d >= half) b = _mm_srli_epi16(b, 4);
+      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F))));
+    }
+  }
   static int64_t byte_of(int64_t d, int64_t D) { return M == I8 || d < D / 2 ? d : d - D / 2; }
 };
 
-// one (sequence, KV head g) task. V: AVX512 the AVX-512 intrinsics (widen, dot, softmax, weighted_codes); AVX2
-// the AVX2 ones of attention_common.h (D a multiple of 32); GENERIC the loops compiled for the target
+// one (sequence, KV head g) task. V: AVX512 / AVX2 the intrinsics of attention_common.h (row dots, softmax,
+// weighted rows over CodesRow); GENERIC the loops compiled for the target
 enum Vec : int { GENERIC, AVX2, AVX512 };
 template <int M, int V, typename T>
 __attribute__((always_inline)) inline void attend(const T* q, const uint8_t* kc, const float* kp, const uint8_t* vc,
-                                                  const float* vp, const int64_t* spans, int64_t ctx, int64_t P,
-                                                  int64_t KVH, int64_t D, int64_t G, int64_t g, float scale,
-                                                  const float* slopes, T* out, Scratch& s) {
+                                                  const float* vp, int64_t ctx, int64_t D, int64_t G, int64_t g,
+                                                  float scale, const float* slopes, T* out, Scratch& s) {
   constexpr bool V512 = V == AVX512;
   const int64_t W = row_bytes<M>(D);
   float* qf = s.qf.data();
@@ -197,55 +146,41 @@ __attribute__((always_inline)) inline void attend(const T* q, const uint8_t* kc,
   attn::group_query(q, D, G, g, qf);
   for (int64_t h = 0; h < G; ++h) s.qsum[h] = std::accumulate(qf + h * D, qf + (h + 1) * D, 0.f);
   for (int64_t t = 0; t < ctx; ++t) {
-    attn::prefetch_for_key(kc, vc, W, spans, t, ctx, P, KVH, g);
-    const int64_t r = slot_of(spans, t, P) * KVH + g;
+    attn::prefetch_for_key(kc, vc, W, s.rows.data(), t, ctx);
+    const int64_t r = s.rows[t];
     const float ks = kp[2 * r] * scale, kz = kp[2 * r + 1];
-    if constexpr (V == AVX2) {
-      attn::group_dots_avx2<CodesRow<M>>(qf, kc + r * W, D, G, scores + t, ctx);
+    if constexpr (V != GENERIC) {
+      if constexpr (V512) attn::group_dots_avx512<CodesRow<M>>(qf, kc + r * W, D, G, scores + t, ctx);
+      else attn::group_dots_avx2<CodesRow<M>>(qf, kc + r * W, D, G, scores + t, ctx);
       for (int64_t h = 0; h < G; ++h) scores[h * ctx + t] = (scores[h * ctx + t] - kz * s.qsum[h]) * ks;
       continue;
     }
-    if constexpr (V512) widen_avx512<M>(kc + r * W, D, row);
-    else widen<M>(kc + r * W, D, row);
-    for (int64_t h = 0; h < G; ++h) scores[h * ctx + t] = (dot<V512>(qf + h * D, row, D) - kz * s.qsum[h]) * ks;
+    widen<M>(kc + r * W, D, row);
+    for (int64_t h = 0; h < G; ++h) scores[h * ctx + t] = (dot(qf + h * D, row, D) - kz * s.qsum[h]) * ks;
   }
   attn::add_alibi(scores, ctx, G, slopes);
   if constexpr (V512) attn::softmax_rows_avx512<float>(scores, ctx, G, s.inv_sum.data());
   else if constexpr (V == AVX2) attn::softmax_rows_avx2<float>(scores, ctx, G, s.inv_sum.data());
   else attn::softmax_rows<float>(scores, ctx, G, s.inv_sum.data());
   std::fill(s.zacc.begin(), s.zacc.end(), 0.f);
-  if constexpr (V != GENERIC) {   // weighted_codes_avx512 / group_weighted_rows_avx2 write every accumulator
-    s.rows.resize(ctx);
+  if constexpr (V != GENERIC) {   // group_weighted_rows_avx512 / _avx2 write every accumulator
+    s.row_ptrs.resize(ctx);
     for (int64_t t = 0; t < ctx; ++t) {   // the weights w = p * s_t, and sum_t w * z_t apart
-      const int64_t r = slot_of(spans, t, P) * KVH + g;
-      s.rows[t] = r * W;
+      const int64_t r = s.rows[t];
+      s.row_ptrs[t] = vc + r * W;
       for (int64_t h = 0; h < G; ++h) {
         scores[h * ctx + t] *= vp[2 * r];
         s.zacc[h] += scores[h * ctx + t] * vp[2 * r + 1];
       }
     }
-    if constexpr (V == AVX2) {
-      s.row_ptrs.resize(ctx);
-      for (int64_t t = 0; t < ctx; ++t) s.row_ptrs[t] = vc + s.rows[t];
-      attn::group_weighted_rows_avx2<CodesRow<M>>(s.row_ptrs.data(), ctx, D, G, scores, s.acc.data());
-    } else {
-      for (int64_t h0 = 0; h0 < G; h0 += 4) {
-        const float* w = scores + h0 * ctx;
-        float* a = s.acc.data() + h0 * D;
-        switch (std::min<int64_t>(4, G - h0)) {
-          case 1: weighted_codes_avx512<M, 1>(vc, s.rows.data(), ctx, D, w, a); break;
-          case 2: weighted_codes_avx512<M, 2>(vc, s.rows.data(), ctx, D, w, a); break;
-          case 3: weighted_codes_avx512<M, 3>(vc, s.rows.data(), ctx, D, w, a); break;
-          default: weighted_codes_avx512<M, 4>(vc, s.rows.data(), ctx, D, w, a); break;
-        }
-      }
-    }
+    if constexpr (V512) attn::group_weighted_rows_avx512<CodesRow<M>>(s.row_ptrs.data(), ctx, D, G, scores, s.acc.data());
+    else attn::group_weighted_rows_avx2<CodesRow<M>>(s.row_ptrs.data(), ctx, D, G, scores, s.acc.data());
   } else {
     std::fill(s.acc.begin(), s.acc.end(), 0.f);
     for (int64_t t = 0; t < ctx; ++t) {
       if (t + attn::PREFETCH_AHEAD < ctx)   // the rows asked for into L2 while scoring have often left it
-        attn::prefetch_row<3>(vc + (slot_of(spans, t + attn::PREFETCH_AHEAD, P) * KVH + g) * W, W);
-      const int64_t r = slot_of(spans, t, P) * KVH + g;
+        attn::prefetch_row<3>(vc + s.rows[t + attn::PREFETCH_AHEAD] * W, W);
+      const int64_t r = s.rows[t];
       widen<M>(vc + r * W, D, row);
       const float vs = vp[2 * r], vz = vp[2 * r + 1];
       for (int64_t h = 0; h < G; ++h) {
@@ -261,12 +196,11 @@ __attribute__((always_inline)) inline void attend(const T* q, const uint8_t* kc,
 }
 
 #define ATTEND_ARGS                                                                                            \
-  const T *q, const uint8_t *kc, const float *kp, const uint8_t *vc, const float *vp, const int64_t *spans,     \
-      int64_t ctx, int64_t P, int64_t KVH, int64_t D, int64_t G, int64_t g, float scale, const float *slopes,    \
-      T *out, Scratch &s
-#define ATTEND_CALL q, kc, kp, vc, vp, spans, ctx, P, KVH, D, G, g, scale, slopes, out, s
+  const T *q, const uint8_t *kc, const float *kp, const uint8_t *vc, const float *vp, int64_t ctx, int64_t D,   \
+      int64_t G, int64_t g, float scale, const float *slopes, T *out, Scratch &s
+#define ATTEND_CALL q, kc, kp, vc, vp, ctx, D, G, g, scale, slopes, out, s
 
-// flatten: the AVX-512 helpers (widen_avx512, dot<true>) carry their target attribute, so they cannot be
+// flatten: the intrinsic helpers (attention_common.h, CodesRow) carry their target attribute, so they cannot be
 // always_inline into the target-less attend(); flatten inlines them here, where the target allows it
 template <int M, typename T>
 __attribute__((target("avx512f,avx512bw,avx512vl"), flatten)) void attend_avx512_v(ATTEND_ARGS) {
@@ -305,14 +239,15 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& k
       s.scores.resize(G * n);
       const T* qb = qp + b * H * D;
       T* ob = op + b * H * D;
-      const int64_t* sb = sp + b * MAXS;
+      s.rows.resize(n);
+      attn::key_rows(sp + b * MAXS, n, P, KVH, g, s.rows.data());
       const float sc = static_cast<float>(scale);
       const float* sl = alibi ? alibi + g * G : nullptr;   // the group's slopes
-      if (v512) attend_avx512_v<M, T>(qb, kcp, kpp, vcp, vpp, sb, n, P, KVH, D, G, g, sc, sl, ob, s);
-      else if (isa >= 2) attend_avx512<M, T>(qb, kcp, kpp, vcp, vpp, sb, n, P, KVH, D, G, g, sc, sl, ob, s);
-      else if (isa == 1 && D % 32 == 0) attend_avx2_v<M, T>(qb, kcp, kpp, vcp, vpp, sb, n, P, KVH, D, G, g, sc, sl, ob, s);
-      else if (isa == 1) attend_avx2<M, T>(qb, kcp, kpp, vcp, vpp, sb, n, P, KVH, D, G, g, sc, sl, ob, s);
-      else attend_portable<M, T>(qb, kcp, kpp, vcp, vpp, sb, n, P, KVH, D, G, g, sc, sl, ob, s);
+      if (v512) attend_avx512_v<M, T>(qb, kcp, kpp, vcp, vpp, n, D, G, g, sc, sl, ob, s);
+      else if (isa >= 2) attend_avx512<M, T>(qb, kcp, kpp, vcp, vpp, n, D, G, g, sc, sl, ob, s);
+      else if (isa == 1 && D % 32 == 0) attend_avx2_v<M, T>(qb, kcp, kpp, vcp, vpp, n, D, G, g, sc, sl, ob, s);
+      else if (isa == 1) attend_avx2<M, T>(qb, kcp, kpp, vcp, vpp, n, D, G, g, sc, sl, ob, s);
+      else attend_portable<M, T>(qb, kcp, kpp, vcp, vpp, n, D, G, g, sc, sl, ob, s);
     }
   });
 }
