@@ -97,10 +97,11 @@ def test_ops_linear_dispatch_matches_reference(dtype):
 @pytest.mark.parametrize("isa", isa_levels())
 def test_decode_attention_matches_reference(dtype, isa):
     g = torch.Generator().manual_seed(2)
-    # head dims of a multiple of 32 (64, 128) take the AVX2 intrinsics, in blocks of up to 4 query heads (G = 2,
-    # 3, 4, 6); 16 and 24 the compiled loops
+    # head dims of a multiple of 32 (64, 128, 256) take the AVX2 intrinsics, in blocks of up to 4 query heads (G =
+    # 2, 3, 4, 6); 16 and 24 the compiled loops. AVX-512: multiples of 16 (16, 48, 64, 128, 256), the value sums in
+    # passes of 128 / 64 / 32 / 16 dimensions and blocks of up to 3 heads
     for heads, kv_heads, d, span_size in ((4, 4, 16, 16), (8, 2, 64, 32), (6, 1, 24, 16), (2, 1, 128, 64),
-                                          (12, 4, 128, 32), (6, 1, 64, 16)):
+                                          (12, 4, 128, 32), (6, 1, 64, 16), (4, 2, 48, 16), (2, 1, 256, 16)):
         num_spans = 40
         k_cache = torch.randn(num_spans, span_size, kv_heads, d, generator=g).to(dtype)
         v_cache = torch.randn(num_spans, span_size, kv_heads, d, generator=g).to(dtype)
@@ -118,6 +119,40 @@ def test_decode_attention_matches_reference(dtype, isa):
         # a sequence's result does not depend on the others in the batch
         alone = ops.native().decode_attention(q[3:4], k_cache, v_cache, spans[3:4], ctx[3:4], scale, isa)
         assert torch.equal(alone[0], out[3])
+
+
+@pytest.mark.parametrize("isa", isa_levels())
+@pytest.mark.parametrize("mode", [None, "int8", "uint4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_over_long_contexts(isa, mode, dtype):
+    """Contexts of up to 1029 tokens over 65 scattered spans (the value sums of many keys held in registers,
+    attention_common.h), with ALiBi slopes, over dense or quantized spans: float64 attention over the same
+    (dequantized) rows agrees, and a sequence's result is the same alone as in the batch."""
+    from allspark_server.quant import kv as kv_quant
+    g = torch.Generator().manual_seed(11)
+    heads, kv_heads, d, span, num_spans = 6, 2, 64, 16, 80
+    k = torch.randn(num_spans, span, kv_heads, d, generator=g).to(dtype)
+    v = torch.randn(num_spans, span, kv_heads, d, generator=g).to(dtype)
+    k_param = v_param = None
+    if mode is not None:
+        (k, k_param), (v, v_param) = kv_quant.quantize_rows(k, mode), kv_quant.quantize_rows(v, mode)
+    ctx = torch.tensor([255, 256, 257, 600, 1029, 3])   # 1029 tokens: 65 spans
+    spans = torch.stack([torch.randperm(num_spans, generator=g)[:65] for _ in ctx])
+    q = torch.randn(len(ctx), heads, d, generator=g).to(dtype)
+    slopes = torch.rand(heads, generator=g) * 0.05
+    scale = d ** -0.5
+
+    def attend(qq, sp, n):
+        if mode is None:
+            return ops.native().decode_attention(qq, k, v, sp, n, scale, isa, slopes)
+        return ops.native().decode_attention_quant(qq, k, k_param, v, v_param, sp, n, scale, isa, slopes)
+    out = attend(q, spans, ctx)
+    ref = ops.decode_attention_reference(q.double(), k if mode else k.double(), v if mode else v.double(), spans,
+                                         ctx, scale, k_param, v_param, slopes)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert out.dtype == dtype and (out.double() - ref).abs().max().item() <= tol, (isa, mode, dtype)
+    for i in (3, 4):
+        assert torch.equal(attend(q[i:i + 1], spans[i:i + 1], ctx[i:i + 1])[0], out[i])
 
 
 def test_linear_widened_tiles_equal_a_float64_product():
