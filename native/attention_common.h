@@ -168,8 +168,8 @@ inline void softmax_rows_avx2(float* scores, int64_t ctx, int64_t G, float* inv_
 
 // ---- AVX2 and AVX-512: scores and value sums over rows of any storage ----------------------------------------
 // A Row policy reads 8 (load8, AVX2) or 16 (load16, AVX-512) values of a cache row (elements d .., d a multiple of
-// 8 / 16) as fp32: dense rows (bf16 / fp32) here, quantized codes (int8 / uint4) in span_attention_quant.cpp. `byte_of(d)`: where element d's
-// bytes start in the row; `LINE_ELEMS` elements make one cache line or less.
+// 8 / 16) as fp32: dense rows (bf16 / fp32) here, quantized codes (int8 / uint4) in span_attention_quant.cpp.
+// `byte_of(d)`: where element d's bytes start in the row.
 template <typename T>
 struct DenseRow {
   using Ptr = const T*;

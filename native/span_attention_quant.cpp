@@ -173,8 +173,9 @@ __attribute__((always_inline)) inline void attend(const T* q, const uint8_t* kc,
         s.zacc[h] += scores[h * ctx + t] * vp[2 * r + 1];
       }
     }
-    if constexpr (V512) attn::group_weighted_rows_avx512<CodesRow<M>>(s.row_ptrs.data(), ctx, D, G, scores, s.acc.data());
-    else attn::group_weighted_rows_avx2<CodesRow<M>>(s.row_ptrs.data(), ctx, D, G, scores, s.acc.data());
+    const uint8_t* const* v_rows = s.row_ptrs.data();
+    if constexpr (V512) attn::group_weighted_rows_avx512<CodesRow<M>>(v_rows, ctx, D, G, scores, s.acc.data());
+    else attn::group_weighted_rows_avx2<CodesRow<M>>(v_rows, ctx, D, G, scores, s.acc.data());
   } else {
     std::fill(s.acc.begin(), s.acc.end(), 0.f);
     for (int64_t t = 0; t < ctx; ++t) {
