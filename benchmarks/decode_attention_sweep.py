@@ -1,8 +1,8 @@
 """Launch-shape sweep of the GPU decode attention kernel (cuda/decode_attention.py) at large batches.
 
 For each shape (batch, heads, kv heads, context) it times the decode attention over a bf16 span cache with
-every (BLOCK_N, num_warps, num_stages, splits) of a small grid (paged_decode_attention's `launch` override), CUDA-graph replays of 20 launches, and reports the
-KV bytes read per second of each; the fastest first. Diagnostic, for choosing the defaults:
+every (BLOCK_N, num_warps, num_stages, splits) of a small grid (paged_decode_attention's `launch` override),
+CUDA-graph replays of 20 launches, and reports the KV bytes read per second of each; the fastest first. Diagnostic, for choosing the defaults:
 `python benchmarks/decode_attention_sweep.py --json OUT.json`.
 """
 from __future__ import annotations

@@ -106,27 +106,27 @@ struct Scratch {   // per thread: [G, D] query rows and accumulators, [G, ctx] s
 template <int M>
 struct CodesRow {
   using Ptr = const uint8_t*;
-  __attribute__((target("avx2,fma"), always_inline)) static inline __m256 load8(Ptr row, int64_t d, int64_t D) {
-    if constexpr (M == I8) {
-      return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d))));
-    } else {
-      const int64_t half = D / 2;
-      __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + (d < half ? d : d - half)));
-      if (d >= half) b = _mm_srli_epi16(b, 4);
-      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F))));
+  // the 8 (WIDE: 16) codes of elements d .. as bytes (uint4: each in its byte's low nibble)
+  template <bool WIDE>
+  __attribute__((always_inline)) static inline __m128i code_bytes(Ptr row, int64_t d, int64_t D) {
+    const uint8_t* p = row + byte_of(d, D);
+    __m128i b = WIDE ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))
+                     : _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    if constexpr (M == U4) {
+      if (d >= D / 2) b = _mm_srli_epi16(b, 4);
+      b = _mm_and_si128(b, _mm_set1_epi8(0x0F));
     }
+    return b;
   }
-  // 16 codes as fp32 (AVX-512; uint4: D a multiple of 32, so 16 elements never straddle the two halves)
+  __attribute__((target("avx2,fma"), always_inline)) static inline __m256 load8(Ptr row, int64_t d, int64_t D) {
+    const __m128i b = code_bytes<false>(row, d, D);
+    return _mm256_cvtepi32_ps(M == I8 ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+  }
+  // 16 codes (AVX-512; uint4: D a multiple of 32, so 16 elements never straddle the two halves)
   __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) static inline __m512 load16(Ptr row, int64_t d,
                                                                                                   int64_t D) {
-    if constexpr (M == I8) {
-      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d))));
-    } else {
-      const int64_t half = D / 2;
-      __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (d < half ? d : d - half)));
-      if (d >= half) b = _mm_srli_epi16(b, 4);
-      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F))));
-    }
+    const __m128i b = code_bytes<true>(row, d, D);
+    return _mm512_cvtepi32_ps(M == I8 ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
   }
   static int64_t byte_of(int64_t d, int64_t D) { return M == I8 || d < D / 2 ? d : d - D / 2; }
 };
