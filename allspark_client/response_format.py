@@ -1,7 +1,7 @@
 """`response_format` of a generation config: validate the user's value into a ResponseFormat.
 
 Torch-free and grammar-library-free: this only checks the shape of the value (the keys, that a schema is a
-JSON object). Whether a schema, regex or grammar compiles is decided on the server (allspark_server.guided),
+JSON object). Whether a schema, regex or grammar compiles is decided on the server (allspark_server.runner.guided),
 which reports it as ALLSPARK_PARAM_ERROR too.
 
 Accepted values (None, {} and {"type": "text"} mean plain text):

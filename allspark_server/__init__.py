@@ -3,7 +3,7 @@ from allspark_client import (AsCacheMode, AsEngineStat, AsException, AsStatus, G
                              GenerateRequestStatus, RequestHandle, RequestStatInfo, ResultQueue, TargetDevice)
 from allspark_client.config import (AsModelConfig, AsModelRuntimeConfigBuilder, ASGenerationConfigBuilder,
                                     ConfigError)
-from allspark_server.engine import Engine
+from allspark_server.engine.engine import Engine
 from allspark_server.loader.hf_model import HuggingFaceModel, ModelSerializerException
 
 __all__ = ["AsCacheMode", "AsEngineStat", "AsException", "AsModelConfig", "AsModelRuntimeConfigBuilder",

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from allspark_server import ops
+from allspark_server.compute import ops
 from allspark_server.quant import kv as kv_quant
 
 LAYERS, SPAN, KV_HEADS, HEADS, HEAD_DIM = 16, 32, 4, 12, 128

@@ -389,7 +389,7 @@ def kernel_breakdown(runner, batch: int, top: int = 12) -> list:
 def recaptured_graphs(runner, env: dict):
     """The runner's decode graphs captured again under the environment switches `env` (GRAPH_VARIANTS'): the
     other side of an A/B, swapped in as runner.graphs between requests."""
-    from allspark_server.cuda.graphs import DecodeGraphs
+    from allspark_server.runner.cuda_graphs import DecodeGraphs
     g = runner.graphs
     with mock.patch.dict(os.environ, env):
         return DecodeGraphs(runner.model, runner.kv, max(g.sizes), g.spans.shape[1], g.scratch_span, g.span_size,

@@ -17,8 +17,8 @@ import json
 import torch
 import torch.nn.functional as F
 
-from allspark_server.cuda import fused_kernels as fk
-from allspark_server.cuda import gemv_kernels as gk
+from allspark_server.compute.cuda import fused_kernels as fk
+from allspark_server.compute.cuda import gemv_kernels as gk
 from cuda_quant_micro import copies_past_l2, per_call_us
 
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008),

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from allspark_server.cuda import quant_kernels as qk
+from allspark_server.compute.cuda import quant_kernels as qk
 from allspark_server.quant.formats import QuantizedWeight, quantize
 
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}

@@ -13,7 +13,7 @@ import json
 
 import torch
 
-from allspark_server.cuda import decode_attention as D
+from allspark_server.compute.cuda import decode_attention as D
 
 
 def launch(q, k, v, spans, ctx, out, block_n, warps, stages, splits):

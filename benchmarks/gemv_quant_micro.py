@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from allspark_server import ops
+from allspark_server.compute import ops
 from allspark_server.quant.formats import QuantizedWeight
 
 SHAPES = ((2560, 1536), (1536, 1536), (8192, 1536), (1536, 4096))   # qkv, o, gate_up, down

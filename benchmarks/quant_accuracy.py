@@ -68,7 +68,7 @@ def quantized_copy(model, fmt: str, group: int):
 
 def with_int8_inputs(model):
     """activate_quant's activations: every GEMM's input rounded to int8 per token, as the kernels round it."""
-    from allspark_server.ops import round_activations_reference
+    from allspark_server.compute.ops import round_activations_reference
     for name, mod in model.named_modules():
         if name.rsplit(".", 1)[-1] in GEMMS:
             mod.register_forward_pre_hook(lambda _, args: (round_activations_reference(args[0], 8).to(args[0].dtype),))

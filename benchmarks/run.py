@@ -60,7 +60,7 @@ QUICK = dict(hidden_size=512, num_layers=4, intermediate_size=1408, num_heads=8,
 
 
 def build_model(spec: dict, dtype: str) -> str:
-    from allspark_server.tiny_model import build_tiny_model
+    from allspark_server.loader.tiny_model import build_tiny_model
     key = "-".join(str(spec[k]) for k in ("hidden_size", "num_layers", "intermediate_size", "vocab"))
     d = os.path.join(os.path.expanduser("~"), ".cache", "allspark", "bench", f"{key}-{dtype}")
     if not os.path.exists(os.path.join(d, "config.json")):

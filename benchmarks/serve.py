@@ -248,7 +248,7 @@ def main() -> None:
     a = p.parse_args()
     spec = dict(run.QUICK if a.quick else run.FULL, vocab=VOCAB)
     hf_dir = run.build_model(spec, "bfloat16")
-    from allspark_server.tiny_model import build_tokenizer
+    from allspark_server.loader.tiny_model import build_tokenizer
     if not os.path.exists(os.path.join(hf_dir, "tokenizer.json")):
         build_tokenizer(hf_dir)
     prompts = [W.prompt(a.prompt, 100 + i, VOCAB) for i in range(a.burst)]

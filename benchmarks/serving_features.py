@@ -254,7 +254,7 @@ SECTIONS = ("guided", "prefix", "pool", "mbu")
 def main(spec: dict, build_model, save, sections=SECTIONS, report=None) -> dict:
     import os
     from allspark_server import HuggingFaceModel
-    from allspark_server.tiny_model import build_tokenizer
+    from allspark_server.loader.tiny_model import build_tokenizer
     report = dict(report or {}, spec=spec)
     hf_dir = build_model(spec, "bfloat16")
     if not os.path.exists(os.path.join(hf_dir, "tokenizer.json")):   # guided output needs one (512 tokens)

@@ -15,7 +15,7 @@ import time
 
 from allspark_client import ClientEngine
 from allspark_server import HuggingFaceModel, TargetDevice
-from allspark_server.tiny_model import demo_model
+from allspark_server.loader.tiny_model import demo_model
 
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "allspark", "quickstart")
 NAME = "quickstart-llama"

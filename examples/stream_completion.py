@@ -13,7 +13,7 @@ import tempfile
 import time
 
 from allspark_server import Engine, GenerateRequestStatus, HuggingFaceModel, TargetDevice
-from allspark_server.tiny_model import build_tiny_model
+from allspark_server.loader.tiny_model import build_tiny_model
 
 
 def main() -> None:

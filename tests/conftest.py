@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 logging.getLogger("allspark").setLevel(logging.ERROR)
 
-from allspark_server.tiny_model import VARIANTS, build_tiny_model  # noqa: E402
+from allspark_server.loader.tiny_model import VARIANTS, build_tiny_model  # noqa: E402
 from stall_watch import StallWatch  # noqa: E402
 
 STALL_WATCH = StallWatch()

@@ -5,8 +5,8 @@ through the runner's model. Used by tests/test_overlap.py and tests/mpi/overlap_
 """
 from __future__ import annotations
 
-from allspark_server.cuda.graphs import DecodeGraphs, batch_ladder
-from allspark_server.runner.forward_inputs import build_forward_inputs
+from allspark_server.runner.cuda_graphs import DecodeGraphs, batch_ladder
+from allspark_server.step.inputs import build_forward_inputs
 
 
 class EagerDecodeGraphs:

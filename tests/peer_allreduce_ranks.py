@@ -11,7 +11,7 @@ def run_rank(rank: int, world: int, buffers: list, slot_bytes: int, inputs: list
     writing the results into the shared `outputs`; `buffers`: every rank's shared buffer, mapped here."""
     import torch
     torch.set_num_threads(1)
-    from allspark_server.cuda.peer_allreduce import PeerAllreduce
+    from allspark_server.compute.cuda.peer_allreduce import PeerAllreduce
     addresses = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)   # this process's mappings
     peer = PeerAllreduce(addresses, rank, world, slot_bytes)
     for x, out in zip(inputs, outputs):

@@ -10,13 +10,13 @@ import os
 import pytest
 import torch
 
-from allspark_server import ops
-from allspark_server.layers import alibi
-from allspark_server.loader.sharding import TPLayout
+from allspark_server.compute import ops
+from allspark_server.compute import alibi
+from allspark_server.layers.sharding import TPLayout
 from allspark_server.models import baichuan
 from allspark_server.models.args import ModelArgs
 from allspark_server.quant import kv as kv_quant
-from allspark_server.runner.kv_cache import KVCache
+from allspark_server.step.kv_cache import KVCache
 from remote_layouts import alibi_slopes as baichuan_slopes
 
 needs_native = pytest.mark.skipif(os.environ.get("ALLSPARK_NO_NATIVE") == "1" or ops.native() is None,

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from allspark_server.runner.kv_cache import bytes_per_span
+from allspark_server.step.kv_cache import bytes_per_span
 from helpers import collect, greedy, hf_greedy, random_prompt, serialize, start_engine
 
 PROMPT_LENS = [1, 2, 3, 5, 8, 13, 16, 17, 31, 32, 33, 50, 64, 80, 100, 127, 150, 200, 250, 300, 333, 360, 399, 400]

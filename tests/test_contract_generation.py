@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import allspark_client.client as client_module
-import allspark_server.engine as engine_module
+import allspark_server.engine.engine as engine_module
 from allspark_client import AsStatus
 from contract_helpers import (ENGINE_MAX_LENGTH, EXCEED, GREEDY, HANG_S, NAME, OK, PARAM, PROBE, PROMPTS, SAMPLING,
                               VOCAB, S, assert_serves, in_process_reference, own_model_cfg, refused, run)

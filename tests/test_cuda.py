@@ -58,7 +58,7 @@ def test_cuda_backend_decode_blocks_equal_the_reference(dtype):
     """The CUDA backend's decode blocks (its ops composed, Triton attention) against ops' references, on the
     GPU where there is one, else on CPU tensors through the Triton interpreter."""
     pytest.importorskip("triton")
-    from allspark_server import ops
+    from allspark_server.compute import ops
     cuda_ops = ops.cuda_backend()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
@@ -124,7 +124,7 @@ def test_graph_replay_equals_the_eager_step(llama, tmp_path):
     the same cache slots with the same values, so both see one cache, and a padding row left over from a larger
     step would write into a sequence's slots and show."""
     from allspark_server.core.messages import ScheduledChunk
-    from allspark_server.runner.forward_inputs import RequestMirror, build_forward_inputs
+    from allspark_server.step.inputs import RequestMirror, build_forward_inputs
     from test_hf_parity import runner_for
     loader = serialize(llama.hf_dir, "r", str(tmp_path))
     runner = runner_for(loader, "r", device="cuda", max_batch=4)
@@ -154,9 +154,9 @@ def test_graphs_with_programmatic_dependent_launch_equal_graphs_without(llama, t
     ALLSPARK_PDL=0: a kernel touching an activation before its wait would race and show as differing bits."""
     from unittest import mock
     from allspark_server.core.messages import ScheduledChunk
-    from allspark_server.cuda import pdl
-    from allspark_server.cuda.graphs import DecodeGraphs
-    from allspark_server.runner.forward_inputs import RequestMirror, build_forward_inputs
+    from allspark_server.compute.cuda import pdl
+    from allspark_server.runner.cuda_graphs import DecodeGraphs
+    from allspark_server.step.inputs import RequestMirror, build_forward_inputs
     from test_hf_parity import runner_for
     loader = serialize(llama.hf_dir, "p", str(tmp_path))
     runner = runner_for(loader, "p", device="cuda", max_batch=4)
@@ -234,7 +234,7 @@ def test_prefix_cache_host_tier_and_guided_output_on_the_gpu(llama, tmp_path):
     """Cache hits, evictions to the pinned host tier and loads back keep the GPU's greedy tokens equal to
     transformers'; guided output on the GPU equals the CPU Engine's and validates."""
     import jsonschema
-    from allspark_server.runner.kv_cache import bytes_per_span
+    from allspark_server.step.kv_cache import bytes_per_span
     from json_schemas import SCHEMAS
     loader = serialize(llama.hf_dir, "pc", str(tmp_path))
     a = loader.args

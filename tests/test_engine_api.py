@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-import allspark_server.engine as engine_module
+import allspark_server.engine.engine as engine_module
 from allspark_client import AsStatus, GenerateRequestStatus
 from helpers import (LONG_RUN_MAX_LENGTH, LONG_RUN_TOKENS, RecordingQueue, assert_same_tokens, collect, generate,
                      hf_greedy, random_prompt)
@@ -129,7 +129,8 @@ def test_engine_stat_info_version(served_llama):
 
 def test_kernel_isa_is_resolved_at_install(served_llama):
     """The ISA is resolved at install (py-cpuinfo, where it is the source, takes ~1.5 s), not in the first TTFT."""
-    from allspark_server import Engine, ops
+    from allspark_server import Engine
+from allspark_server.compute import ops
     from helpers import start_engine
     _, loader = served_llama
     ops.isa_level.cache_clear()

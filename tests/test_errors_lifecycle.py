@@ -400,7 +400,7 @@ def test_concurrent_bad_and_good_requests(srv):
 
 def test_stop_model_racing_start_request(srv, monkeypatch):
     """Deterministic replay of the race: stop_model runs after start_request's is_running check."""
-    import allspark_server.engine as engine_mod
+    import allspark_server.engine.engine as engine_mod
     e, name = srv.engine, "errs_race"
     assert e.install_model(_cfg(srv, name).build()) == OK and e.start_model(name) == OK
     real_parse = engine_mod.parse_request

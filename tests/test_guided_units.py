@@ -18,8 +18,8 @@ from allspark_client.convert import generation_config_from_proto, generation_con
 from allspark_client.generation_config import parse_generation_config
 from allspark_client.response_format import ResponseFormat, parse_response_format
 from allspark_client.validation import ConfigError
-from allspark_server.guided import GuidedVocabulary, apply_masks, unpack_bitmask
-from allspark_server.tiny_model import VOCAB_SIZE, build_tiny_model, build_tokenizer
+from allspark_server.runner.guided import GuidedVocabulary, apply_masks, unpack_bitmask
+from allspark_server.loader.tiny_model import VOCAB_SIZE, build_tiny_model, build_tokenizer
 from json_schemas import SCHEMAS
 
 EOS = 1                 # the tiny models' eos_token_id ("</s>")

@@ -16,7 +16,7 @@ TEXT = "naïve café: 世界 says 🙂 ok"
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from allspark_server.tiny_model import build_tokenizer
+    from allspark_server.loader.tiny_model import build_tokenizer
     return build_tokenizer(str(tmp_path_factory.mktemp("tok")))   # byte-level BPE trained on ASCII text
 
 
@@ -184,7 +184,7 @@ def test_api_key_sources_and_loopback(tmp_path, monkeypatch):
 def test_the_demo_model_has_a_chat_template_and_passes_the_setup_checks(tmp_path):
     from transformers import AutoTokenizer
     from allspark_server.http.cli import check_setup, parse_args
-    from allspark_server.tiny_model import DEMO_CHAT_TEMPLATE, demo_model
+    from allspark_server.loader.tiny_model import DEMO_CHAT_TEMPLATE, demo_model
     folder = demo_model(str(tmp_path / "demo"))
     tok = AutoTokenizer.from_pretrained(folder)
     assert tok.chat_template == DEMO_CHAT_TEMPLATE

@@ -6,7 +6,7 @@ import mmap
 
 import torch
 
-from allspark_server.runner.hugepages import to_hugepages, zeros
+from allspark_server.step.hugepages import to_hugepages, zeros
 
 
 def vma_flags(t: torch.Tensor) -> set[str]:
@@ -56,7 +56,7 @@ def test_zeros_are_zero_and_independent():
 
 
 def test_without_huge_pages_plain_tensors(monkeypatch):
-    import allspark_server.runner.hugepages as hp
+    import allspark_server.step.hugepages as hp
     monkeypatch.delattr(mmap, "MADV_HUGEPAGE", raising=False)
     moved = hp.to_hugepages({"w": torch.ones(3, 4)})
     assert torch.equal(moved["w"], torch.ones(3, 4))

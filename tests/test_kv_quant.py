@@ -10,9 +10,9 @@ import torch
 
 from allspark_client import AsCacheMode, AsException, GenerateRequestStatus
 from allspark_client.config import ConfigError
-from allspark_server import ops
+from allspark_server.compute import ops
 from allspark_server.quant import kv as kv_quant
-from allspark_server.runner.kv_cache import KVCache, bytes_per_span
+from allspark_server.step.kv_cache import KVCache, bytes_per_span
 from helpers import greedy, hf_greedy, hf_logits, random_prompt, serialize
 
 ISAS = [i for i in (ops.ISA_PORTABLE, ops.ISA_AVX2, ops.ISA_AVX512) if i <= ops.isa_level()]

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from allspark_server.tiny_model import build_tiny_model
+from allspark_server.loader.tiny_model import build_tiny_model
 from helpers import greedy, hf_greedy, installed_on_pool, random_prompt, run_together, serialize, start_engine
 from remote_layouts import baichuan_reference_logits, write_baichuan, write_chatglm, write_qwen1
 from test_hf_parity import hf_logits, kernels, runner_for, teacher_forced_logits  # noqa: F401 (a fixture)
@@ -192,7 +192,7 @@ def test_qwen1_serves_up_to_seq_length_where_its_ntk_and_logn_would_act(families
 @pytest.mark.parametrize("rows", [1, 5])
 def test_native_moe_block_equals_its_python_twin_and_a_float64_reference(dtype, rows):
     """native/moe.cpp against ops.moe on the same kernels and the plain float64 math."""
-    from allspark_server import ops
+    from allspark_server.compute import ops
     if ops.native() is None:
         pytest.skip("native kernels not built")
     g = torch.Generator().manual_seed(rows)

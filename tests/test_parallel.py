@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from allspark_server import ops
+from allspark_server.compute import ops
 
 pytestmark = pytest.mark.skipif(os.environ.get("ALLSPARK_NO_NATIVE") == "1", reason="native path disabled")
 

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")      # read when @triton.jit decorates: before the import
 pytest.importorskip("triton")
 
-from allspark_server.cuda import pdl  # noqa: E402
+from allspark_server.compute.cuda import pdl  # noqa: E402
 
 GPU = torch.device("cuda", 0)
 

@@ -10,7 +10,7 @@ import subprocess
 import threading
 import time
 
-from allspark_server.peer_watch import PeerWatch, identity, is_alive
+from allspark_server.engine.peer_watch import PeerWatch, identity, is_alive
 
 
 def sleeper() -> subprocess.Popen:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from allspark_client.launcher import RankPlacement
-from allspark_server import placement as pl
+from allspark_server.pool import placement as pl
 
 TWO_NODES = {0: list(range(0, 8)), 1: list(range(8, 16))}
 

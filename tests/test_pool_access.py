@@ -75,7 +75,7 @@ def test_socket_group_members_are_let_in(new_pool):
 
 
 def test_a_socket_directory_others_can_write_is_refused(tmp_path):
-    from allspark_server.access import AccessError, prepare_socket_dir
+    from allspark_server.pool.access import AccessError, prepare_socket_dir
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, 0o777)
@@ -160,7 +160,7 @@ def test_client_certificates_are_required_with_tls_client_ca(new_pool, certs):
 
 
 def test_bad_access_setups_stop_the_rank_before_it_serves(tmp_path, certs):
-    from allspark_server.__main__ import grpc_address, parse_args
+    from allspark_server.pool.rank import grpc_address, parse_args
     cert, key = str(certs / "server.pem"), str(certs / "server.key")
     empty = tmp_path / "empty"
     empty.write_text("\n")

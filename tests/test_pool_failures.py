@@ -158,7 +158,7 @@ def test_sigterm_with_a_rank_that_does_not_answer_fails_instead_of_stopping_clea
     steps. Rank 0 waits SHUTDOWN_ANSWER_S for rank 1 to acknowledge the shutdown, logs which ranks did not
     answer and exits non-zero: its streams would have ended in InternalError, not as cleanly stopped. Meanwhile it
     refuses new calls UNAVAILABLE ("the pool is stopping")."""
-    from allspark_server.engine_thread import SHUTDOWN_ANSWER_S
+    from allspark_server.engine.thread import SHUTDOWN_ANSWER_S
     pool = new_pool()
     client = pool.client()
     install(client, loader)

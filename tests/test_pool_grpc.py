@@ -302,7 +302,7 @@ def test_second_client_process_alongside(new_pool, loader, llama):
 
 # ---- 4. bind rules ----------------------------------------------------------------------------------
 def test_bind_rules(tmp_path, monkeypatch):
-    from allspark_server.__main__ import default_socket_path, grpc_address, parse_args
+    from allspark_server.pool.rank import default_socket_path, grpc_address, parse_args
 
     with pytest.raises(SystemExit) as info:
         grpc_address(parse_args(["--port", "5", "--host", "0.0.0.0"]))

@@ -71,7 +71,7 @@ def test_idle_and_trickling_connections_do_not_starve_the_pool(new_pool, loader,
     preface: the pool serves a normal client exactly meanwhile, and closes every one of them once gRPC's
     handshake time limit (service.HANDSHAKE_TIMEOUT_MS, 10 s) has passed."""
     import socket as socketlib
-    from allspark_server.service import HANDSHAKE_TIMEOUT_MS
+    from allspark_server.pool.service import HANDSHAKE_TIMEOUT_MS
     pool = new_pool()
     client = pool.client()
     install(client, loader)

@@ -15,7 +15,7 @@ from allspark_server.core.prefix_cache import HostTier, PrefixCache, chain_keys
 from allspark_server.core.request import FinishReason, Request, RequestState
 from allspark_server.core.scheduler import Scheduler, SchedulerConfig
 from allspark_server.core.span_manager import SpanManager
-from allspark_server.runner.kv_cache import bytes_per_span
+from allspark_server.step.kv_cache import bytes_per_span
 from helpers import collect, greedy, random_prompt, serialize, start_engine
 
 S = 4   # span size of the unit tests

@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from allspark_server import ops
+from allspark_server.compute import ops
+from allspark_server.compute import reference
 from allspark_server.quant.formats import FORMAT_IDS, FORMATS, QuantizedWeight, dequantize, pack4, quantize, unpack4
 
 needs_native = pytest.mark.skipif(os.environ.get("ALLSPARK_NO_NATIVE") == "1" or ops.native() is None,
@@ -111,8 +112,8 @@ def test_linear_quant_matches_float64(dtype, isa):
             x = torch.randn(m, k, generator=g).to(dtype)
             b = bias if m % 2 else None
             y = ext.linear_quant(x, ops.native_weight(qw), b, isa)
-            # x as the kernel meets it: 16-bit fixed point per block of 32 (ops.round_activations_reference)
-            ref = ops.round_activations_reference(x).double() @ w64.T + (0 if b is None else b.double())
+            # x as the kernel meets it: 16-bit fixed point per block of 32 (reference.round_activations_reference)
+            ref = reference.round_activations_reference(x).double() @ w64.T + (0 if b is None else b.double())
             assert y.dtype == dtype and y.shape == (m, n)
             tol = 1e-5 * (x.double().abs() @ w64.abs().T).max().item() + 1e-6
             rounding = ref.abs() * (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24)
@@ -353,7 +354,7 @@ def test_ops_linear_takes_the_int8_gemm_only_for_int8_per_channel_activate_quant
         calls.clear()
         y = ops.linear(x, qw)
         assert bool(calls) == taken, (fmt, group, act_bits)
-        ref = ops.round_activations_reference(x, act_bits).double() @ qw.dequantize().double().T
+        ref = reference.round_activations_reference(x, act_bits).double() @ qw.dequantize().double().T
         assert (y.double() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item(), (fmt, group, act_bits)
         calls.clear()
         ops.linear(x[:ops.native().QUANT_NATIVE_MAX_ROWS], qw)

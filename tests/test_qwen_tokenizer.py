@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from tiktoken._educational import bpe_train
 
 from allspark_server.loader import qwen_tokenizer as qt
-from allspark_server.tiny_model import build_tiny_model
+from allspark_server.loader.tiny_model import build_tiny_model
 from helpers import greedy, serialize, start_engine
 from http_helpers import Server
 from remote_layouts import write_qwen1

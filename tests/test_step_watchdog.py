@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from allspark_server import step_watchdog as sw
+from allspark_server.engine import step_watchdog as sw
 
 
 def test_limits():

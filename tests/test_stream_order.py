@@ -10,7 +10,7 @@ from allspark_client import ClientEngine, GenerateRequestStatus as S
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client.result_queue import ResultQueue
 from allspark_client.types import AsStatus, GeneratedElements, RequestHandle
-from allspark_server.service import AllsparkServicer
+from allspark_server.pool.service import AllsparkServicer
 
 
 class FinishesDuringTheLook(ResultQueue):

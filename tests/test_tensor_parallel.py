@@ -57,7 +57,7 @@ def test_pool_greedy_equals_engine_and_transformers(pool, served_llama, tiny_mod
 
 
 def test_indivisible_heads_rejected_at_install(pool, tmp_path):
-    from allspark_server.tiny_model import build_tiny_model
+    from allspark_server.loader.tiny_model import build_tiny_model
     client, _ = pool
     d = str(tmp_path / "hf")
     build_tiny_model(d, "llama_mha_tied", hidden_size=48, tokenizer=False)   # 4 heads of 12 ...

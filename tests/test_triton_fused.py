@@ -14,8 +14,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")      # read when @triton.jit decorates: before the import
 pytest.importorskip("triton")
 
-from allspark_server import ops  # noqa: E402
-from allspark_server.cuda import fused_kernels as fk  # noqa: E402
+from allspark_server.compute import ops  # noqa: E402
+from allspark_server.compute.cuda import fused_kernels as fk  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

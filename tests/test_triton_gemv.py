@@ -14,9 +14,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")      # read when @triton.jit decorates: before the import
 pytest.importorskip("triton")
 
-from allspark_server import ops  # noqa: E402
-from allspark_server.cuda import fused_kernels as fk  # noqa: E402
-from allspark_server.cuda import gemv_kernels as gk  # noqa: E402
+from allspark_server.compute import ops  # noqa: E402
+from allspark_server.compute.cuda import fused_kernels as fk  # noqa: E402
+from allspark_server.compute.cuda import gemv_kernels as gk  # noqa: E402
 from test_triton_fused import DEVICE, assert_same_bits, assert_within_ulps, rows_view  # noqa: E402
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -80,7 +80,7 @@ def test_fits_only_decode_rows_of_half_precision_weights(monkeypatch):
 
 
 def test_cuda_backend_routes_decode_linears_through_the_gemv(monkeypatch):
-    from allspark_server.cuda import ops as cuda_ops
+    from allspark_server.compute.cuda import ops as cuda_ops
     calls = []
     for name in ("gemv", "gemv_silu_mul"):
         original = getattr(gk, name)

@@ -16,9 +16,10 @@ pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
 
-from allspark_server import ops  # noqa: E402
-from allspark_server.cuda import attention_kernels as ak  # noqa: E402
-from allspark_server.cuda import decode_attention as da  # noqa: E402
+from allspark_server.compute import ops  # noqa: E402
+from allspark_server.compute import reference  # noqa: E402
+from allspark_server.compute.cuda import attention_kernels as ak  # noqa: E402
+from allspark_server.compute.cuda import decode_attention as da  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}    # max error / max |reference|
@@ -186,7 +187,7 @@ def test_decode_with_rotary_equals_rotary_store_kv_then_decode(dtype, d, span_si
     # q and the new token's k unrotated, k and v written into their slots by the attention launch itself: the
     # caches end bit for bit as fused_kernels.rotary_store_kv leaves them (NaN slots untouched), and the
     # output is the attention over them of q rotated (one split, a few, the default)
-    from allspark_server.cuda import fused_kernels as fk
+    from allspark_server.compute.cuda import fused_kernels as fk
     from test_triton_fused import assert_same_bits, cos_sin, fused_qkv
     kvh, lengths = 2, [1, span_size + 1, 300]
     k_cache, v_cache, spans = make_cache(lengths, kvh, d, span_size, dtype, seed=d)
@@ -244,7 +245,7 @@ def prefill_ref(q, k_cache, v_cache, q_start, q_len, ctx_len, spans, dtype):
     out = torch.full_like(q, float("nan"))
     for start, m, n, row in zip(q_start.tolist(), q_len.tolist(), ctx_len.tolist(), spans):
         slots = (row[:-(-n // span_size)][:, None] * span_size + torch.arange(span_size)).reshape(-1)[:n]
-        k, v = ops.gather_kv(k_cache, v_cache, slots)                                  # [n, KVH, D]
+        k, v = reference.gather_kv(k_cache, v_cache, slots)                                  # [n, KVH, D]
         pos = n - m + torch.arange(m)                                                   # [m] query positions
         mask = torch.arange(n)[None, :] <= pos[:, None]                                 # [m, n]
         o = F.scaled_dot_product_attention(q[start:start + m].transpose(0, 1), k.transpose(0, 1),
@@ -293,8 +294,8 @@ def test_a_mixed_steps_chunks_through_the_gpu_wiring_equal_the_per_chunk_referen
     a whole prompt and a chunk after cached tokens, with span tables shuffled, against ops' per-chunk reference
     (gather + SDPA with the chunk's mask) in float64."""
     from allspark_server.core.messages import ScheduledChunk
-    from allspark_server.cuda import ops as cuda_ops
-    from allspark_server.runner.forward_inputs import RequestMirror, build_forward_inputs
+    from allspark_server.compute.cuda import ops as cuda_ops
+    from allspark_server.step.inputs import RequestMirror, build_forward_inputs
     span_size, kvh, group, d = 16, 2, 4, 64
     mirrors = {1: RequestMirror(list(range(40)), [7, 2, 5], 39),      # decodes its 40th token
                2: RequestMirror(list(range(21)), [0, 4], 0),          # a 21-token prompt, all of it
@@ -328,7 +329,7 @@ def test_decode_with_alibi_slopes(dtype):
     """Slopes per head (layers/alibi.py) against the float64 torch reference with the same slopes (test_alibi.py
     checks that reference by hand), for one split and several (the bias is a function of the key's position
     only, so each split adds it on its own)."""
-    from allspark_server.layers import alibi
+    from allspark_server.compute import alibi
     lengths, kvh, group, d, span_size = [1, 17, 300], 2, 4, 64, 16
     k_cache, v_cache, spans = make_cache(lengths, kvh, d, span_size, dtype, seed=9)
     q = torch.randn(len(lengths), kvh * group, d).to(DEVICE, dtype)
@@ -345,7 +346,7 @@ def test_decode_with_alibi_slopes(dtype):
 
 
 def test_prefill_with_alibi_slopes():
-    from allspark_server.layers import alibi
+    from allspark_server.compute import alibi
     dtype, d, span_size, group, kvh = torch.float32, 64, 16, 4, 2
     chunks = [(1, 1), (5, 5), (3, 40), (20, 70)]
     q_len = torch.tensor([m for m, _ in chunks])
@@ -359,7 +360,7 @@ def test_prefill_with_alibi_slopes():
     kc, vc, sp = k_cache.cpu().double(), v_cache.cpu().double(), spans.cpu()
     for start, m, n, row in zip(q_start.tolist(), q_len.tolist(), ctx_len.tolist(), sp):
         slots = (row[:-(-n // span_size)][:, None] * span_size + torch.arange(span_size)).reshape(-1)[:n]
-        k, v = ops.gather_kv(kc, vc, slots)                                            # [n, KVH, D]
+        k, v = reference.gather_kv(kc, vc, slots)                                            # [n, KVH, D]
         want = F.scaled_dot_product_attention(
             q.cpu().double()[start:start + m].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
             attn_mask=alibi.prefill_bias(slopes.double(), m, n), scale=SCALE, enable_gqa=True)   # [H, m, D]

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")      # read when @triton.jit decorates: before the import
 pytest.importorskip("triton")
 
-from allspark_server.cuda import quant_kernels as qk  # noqa: E402
+from allspark_server.compute.cuda import quant_kernels as qk  # noqa: E402
 from allspark_server.quant.formats import QuantizedWeight, quantize  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -131,8 +131,8 @@ def test_silu_mul_epilogue_equals_the_gemv_then_silu_mul(fmt, group):
     """quant_matmul(silu_mul=True) on the merged gate_up [2I, K]: the GEMV's own sums for the gate and the up rows,
     then fused_kernels.silu_mul's roundings, bit for bit (fp32 and fp16; bf16 within an ulp of the float64
     product rounded the same way: the interpreter's plain bf16 store truncates where the epilogue rounds)."""
-    from allspark_server import ops
-    from allspark_server.cuda import fused_kernels as fk
+    from allspark_server.compute import ops
+    from allspark_server.compute.cuda import fused_kernels as fk
     inter, k = 36, 256
     w, exact = quantized(2 * inter, k, fmt, group, seed=7 + len(fmt) + group)
     gen = torch.Generator().manual_seed(4)
@@ -151,8 +151,8 @@ def test_silu_mul_epilogue_equals_the_gemv_then_silu_mul(fmt, group):
 
 
 def test_cuda_backend_fuses_the_quantized_gate_up_at_one_row(monkeypatch):
-    from allspark_server import ops
-    from allspark_server.cuda import ops as cuda_ops
+    from allspark_server.compute import ops
+    from allspark_server.compute.cuda import ops as cuda_ops
     calls = []
     original = qk.quant_matmul
     monkeypatch.setattr(cuda_ops, "quant_matmul", lambda *a, **kw: calls.append(kw.get("silu_mul", False))

@@ -91,7 +91,7 @@ class MpiComm:
                 and torch.cuda.device_count() >= self.world_size)
         wants = self._c.allgather((socket.gethostname(), want))
         if all(want for _, want in wants) and len({host for host, _ in wants}) == 1:
-            from allspark_server.cuda import peer_allreduce
+            from allspark_server.compute.cuda import peer_allreduce
             self._peer = peer_allreduce.start(device, self.rank, self.world_size, dist.group.WORLD.group_name,
                                               lambda ok: all(self._c.allgather(ok)))
 

@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     check_setup(args, api_key)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.model == "demo":
-        from allspark_server.tiny_model import demo_model
+        from allspark_server.loader.tiny_model import demo_model
         args.model = demo_model()
     import uvicorn
     from allspark_server.http.app import create_app

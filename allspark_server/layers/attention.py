@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from allspark_server import ops
-from allspark_server.runner.forward_inputs import AttentionMetadata
-from allspark_server.runner.kv_cache import LayerKV
+from allspark_server.compute import ops
+from allspark_server.step.inputs import AttentionMetadata
+from allspark_server.step.kv_cache import LayerKV
 
 
 class PagedAttention(nn.Module):

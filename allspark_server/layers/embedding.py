@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from allspark_server import ops
+from allspark_server.compute import ops
 from allspark_server.layers.linear import ParallelLinear
 
 

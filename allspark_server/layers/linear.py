@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from allspark_server import ops
+from allspark_server.compute import ops
 from allspark_server.quant.formats import QuantizedWeight, bits, group_count, is_asymmetric
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from allspark_server import ops
+from allspark_server.compute import ops
 from allspark_server.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 

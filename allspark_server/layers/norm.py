@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from allspark_server import ops
+from allspark_server.compute import ops
 
 
 class RMSNorm(nn.Module):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from allspark_client._proto import allspark_pb2 as pb
-from allspark_server.loader.sharding import SplitMode, TPLayout
+from allspark_server.layers.sharding import SplitMode, TPLayout
 from allspark_server.models.args import ModelArgs
 from allspark_server.quant.scheme import QuantScheme
 from allspark_server.version import git_info

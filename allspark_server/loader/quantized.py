@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from allspark_server.loader.sharding import SplitMode, split_mode_for
+from allspark_server.layers.sharding import SplitMode, split_mode_for
 from allspark_server.quant.formats import quantize
 from allspark_server.quant.scheme import QuantScheme, plan_groups
 

@@ -15,18 +15,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from allspark_server import ops
-from allspark_server.layers import alibi
+from allspark_server.compute import ops
+from allspark_server.compute import alibi
 from allspark_server.layers.attention import PagedAttention
 from allspark_server.layers.embedding import Embedding, ParallelLMHead
 from allspark_server.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from allspark_server.layers.moe import SparseMoE
 from allspark_server.layers.norm import RMSNorm
 from allspark_server.layers.rotary import RotaryEmbedding
-from allspark_server.loader.sharding import SplitMode, TPLayout
+from allspark_server.layers.sharding import SplitMode, TPLayout
 from allspark_server.models.args import ModelArgs
-from allspark_server.runner.forward_inputs import ForwardInputs
-from allspark_server.runner.kv_cache import LayerKV
+from allspark_server.step.inputs import ForwardInputs
+from allspark_server.step.kv_cache import LayerKV
 
 SPLIT_RULES: list[tuple[str, SplitMode]] = [
     (r"\.mlp\.(experts\.\d+|shared_expert)\.(gate|up)_proj\.weight$", SplitMode.COLUMN),   # MoE (layers/moe.py)

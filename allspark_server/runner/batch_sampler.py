@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from allspark_server.runner.sampler import PendingSample, SampleResult, SamplingState, suppresses_eos
+from allspark_server.runner.sample_types import PendingSample, SampleResult, SamplingState, suppresses_eos
 
 Row = tuple[SamplingState, list[int], list[int]]   # (state, all_ids = prompt + output, output_ids)
 _M64 = (1 << 64) - 1

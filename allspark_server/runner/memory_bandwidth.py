@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
-from allspark_server.runner.hugepages import to_hugepages
+from allspark_server.step.hugepages import to_hugepages
 
 _measured: dict[str, float] = {}
 

@@ -15,15 +15,15 @@ import torch
 
 from allspark_client.config import AsModelConfig, parse_compute_unit
 from allspark_client.types import AsCacheMode
-from allspark_server import ops
+from allspark_server.compute import ops
 from allspark_server.core.messages import StepPlan
 from allspark_server.loader.model_file import ModelFile, read_model_graph, read_rank_shard
-from allspark_server.loader.sharding import TPLayout
+from allspark_server.layers.sharding import TPLayout
 from allspark_server.loader.weights import quantize_layers, to_model_state
 from allspark_server.models.registry import model_class_and_rules
-from allspark_server.runner.forward_inputs import RequestMirror, build_forward_inputs
-from allspark_server.runner.hugepages import to_hugepages
-from allspark_server.runner.kv_cache import KVCache, bytes_per_span, copy_spans
+from allspark_server.step.inputs import RequestMirror, build_forward_inputs
+from allspark_server.step.hugepages import to_hugepages
+from allspark_server.step.kv_cache import KVCache, bytes_per_span, copy_spans
 from allspark_server.runner.memory_bandwidth import DecodeBytes, bandwidth_gbs, decode_weight_bytes
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class ModelRunner:
             self.tier = KVCache(self.args.num_layers, tier_slots, self.span_size, self.tp.local_kv_heads,
                                 self.args.head_dim, self.dtype, self.kv_mode, torch.device("cpu"), pinned=gpu)
         if gpu and os.environ.get("ALLSPARK_CUDA_GRAPHS", "1") != "0":   # every rank captures (NCCL inside)
-            from allspark_server.cuda.graphs import DecodeGraphs
+            from allspark_server.runner.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, self.kv, self.cfg.engine_max_batch,
                                        -(-self.cfg.engine_max_length // self.span_size), num_spans, self.span_size,
                                        self.device)

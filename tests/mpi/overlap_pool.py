@@ -37,9 +37,9 @@ def main():
         counts[0] = served.runner.graphs.device_steps
         engine.shutdown()
     else:
-        from allspark_server.worker import run_worker
+        from allspark_server.pool.worker import run_worker
         runners = {}
-        import allspark_server.worker as worker_mod
+        import allspark_server.pool.worker as worker_mod
         install = worker_mod.install_runner
 
         def keep(cfg, c):

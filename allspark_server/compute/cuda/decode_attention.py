@@ -12,11 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
-from allspark_server.cuda import pdl
-from allspark_server.cuda.attention_kernels import (LOG2_E, _alibi_log2, _attend_tiles, _check_inputs,
+from allspark_server.compute.cuda import pdl
+from allspark_server.compute.cuda.attention_kernels import (LOG2_E, _alibi_log2, _attend_tiles, _check_inputs,
                                                     _check_slopes, _INTERPRETED, _tile_config)
-from allspark_server.cuda.fused_kernels import _rotated
-from allspark_server.cuda.pdl import allow_next, wait_for_previous
+from allspark_server.compute.cuda.fused_kernels import _rotated
+from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
 
 # Launch shapes, from sweeps on an H100 (Triton 3.6, bf16, H 32, KVH 8, D 128, P 16): decode tiles of 64 tokens
 # beat 16 and 32; split-KV ran best at 512-1024 (sequence, kv head, split) programs for B = 1 and 8.

@@ -29,7 +29,7 @@ from allspark_client._proto import allspark_pb2 as pb
 from allspark_client._proto import allspark_pb2_grpc as pb_grpc
 from allspark_client.validation import ConfigError
 from allspark_client.types import AsException, AsStatus, RequestHandle
-from allspark_server.engine import Engine
+from allspark_server.engine.engine import Engine
 from allspark_server.version import version_full
 
 log = logging.getLogger(__name__)
@@ -304,7 +304,7 @@ class PoolServer:
 
     @staticmethod
     async def _start(servicer, address: str, access):
-        from allspark_server import access as acl
+        from allspark_server.pool import access as acl
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    # a connection that has not completed its handshake by then is closed (slowloris)
@@ -327,5 +327,5 @@ class PoolServer:
 def start_server(servicer: AllsparkServicer, address: str, access=None) -> PoolServer:
     """Bind `address` ('unix:/path' or 'host:port') under `access` (access.py; None: no token, no TLS) and
     start serving."""
-    from allspark_server.access import Access
+    from allspark_server.pool.access import Access
     return PoolServer(servicer, address, access or Access())

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from allspark_server.runner.forward_inputs import AttentionMetadata, ForwardInputs
+from allspark_server.step.inputs import AttentionMetadata, ForwardInputs
 
 
 def batch_ladder(max_batch: int) -> list[int]:

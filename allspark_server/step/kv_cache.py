@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from allspark_server.quant import kv as kv_quant
-from allspark_server.runner import hugepages
+from allspark_server.step import hugepages
 
 
 class LayerKV(NamedTuple):

@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from allspark_server.cuda import pdl
-from allspark_server.cuda.pdl import allow_next, wait_for_previous
+from allspark_server.compute.cuda import pdl
+from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
 
 MAX_SILU_BLOCK = 1024   # silu·mul columns per program
 # Every launch passes enable_fp_fusion=False: with fusion, the compiler turns `round(x * c) + round(y * s)` into

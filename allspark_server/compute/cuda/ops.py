@@ -1,4 +1,4 @@
-"""CUDA implementations of `allspark_server.ops`' op names (same signatures, same math).
+"""CUDA implementations of `allspark_server.compute.ops`' op names (same signatures, same math).
 
 Linear layers are cuBLAS GEMMs through torch, except decode's row or two against a bf16 / fp16 weight: a Triton
 GEMV (gemv_kernels.py), which in the MLP also applies silu·mul; a quantized weight is one Triton matmul over its
@@ -13,12 +13,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from allspark_server import ops as ref
-from allspark_server.cuda import fused_kernels as fused
-from allspark_server.cuda import gemv_kernels
-from allspark_server.cuda.attention_kernels import paged_prefill_attention
-from allspark_server.cuda.decode_attention import fused_decode_enabled, paged_decode_attention
-from allspark_server.cuda.quant_kernels import quant_matmul
+from allspark_server.compute import reference as ref
+from allspark_server.compute.cuda import fused_kernels as fused
+from allspark_server.compute.cuda import gemv_kernels
+from allspark_server.compute.cuda.attention_kernels import paged_prefill_attention
+from allspark_server.compute.cuda.decode_attention import fused_decode_enabled, paged_decode_attention
+from allspark_server.compute.cuda.quant_kernels import quant_matmul
 from allspark_server.quant.formats import QuantizedWeight
 
 

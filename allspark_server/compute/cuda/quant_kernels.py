@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from allspark_server.cuda import pdl
-from allspark_server.cuda.fused_kernels import _round, _silu_mul_rounded
-from allspark_server.cuda.pdl import allow_next, wait_for_previous
+from allspark_server.compute.cuda import pdl
+from allspark_server.compute.cuda.fused_kernels import _round, _silu_mul_rounded
+from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
 from allspark_server.quant.formats import FORMAT_IDS, QuantizedWeight
 
 INT8, UINT8, INT4, UINT4 = (FORMAT_IDS[f] for f in ("int8", "uint8", "int4", "uint4"))

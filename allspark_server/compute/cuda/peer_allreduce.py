@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from allspark_server.cuda.fused_kernels import _INTERPRETED, _round
+from allspark_server.compute.cuda.fused_kernels import _INTERPRETED, _round
 
 log = logging.getLogger(__name__)
 

@@ -33,10 +33,10 @@ from allspark_server.core.prefix_cache import HostTier, PrefixCache
 from allspark_server.core.request import FinishReason, Request
 from allspark_server.core.scheduler import Scheduler, SchedulerConfig
 from allspark_server.core.span_manager import SpanManager
-from allspark_server.guided import GuidedState, GuidedVocabulary
+from allspark_server.runner.guided import GuidedState, GuidedVocabulary
 from allspark_server.runner.model_runner import ModelRunner
 from allspark_server.runner.sampler import PendingSample, Sampler, SamplingState, plain_greedy
-from allspark_server.step_watchdog import StepWatchdog
+from allspark_server.engine.step_watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
 RATE_WINDOW_S = 10.0

@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from allspark_server.cuda import pdl
-from allspark_server.cuda.fused_kernels import _round, _silu_mul_rounded
-from allspark_server.cuda.pdl import allow_next, wait_for_previous
+from allspark_server.compute.cuda import pdl
+from allspark_server.compute.cuda.fused_kernels import _round, _silu_mul_rounded
+from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
 
 # rows of x the kernel takes; more: cuBLAS. benchmarks/cuda_gemv_micro.py on an H100, against cuBLAS: 1.08-1.35x at
 # one row, 0.96-1.16x at two, 0.65-0.79x at four. The silu·mul epilogue pays at one row only (1.20x cuBLAS + silu_mul,

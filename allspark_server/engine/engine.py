@@ -26,12 +26,12 @@ from allspark_client.validation import ConfigError
 from allspark_server.core.messages import InstallModelMsg, ReleaseModelMsg
 from allspark_server.core.request import Request
 from allspark_server.dist.comm import get_comm
-from allspark_server.engine_thread import EngineThread, ForModel
-from allspark_server.peer_watch import PeerWatch, RankIdentity, exit_now
+from allspark_server.engine.thread import EngineThread, ForModel
+from allspark_server.engine.peer_watch import PeerWatch, RankIdentity, exit_now
 from allspark_server.runner.model_runner import install_runner
 from allspark_server.runner.sampler import SamplingState
-from allspark_server.served_model import AddRequest, ServedModel, StopRequest
-from allspark_server.step_watchdog import StepWatchdog
+from allspark_server.engine.served_model import AddRequest, ServedModel, StopRequest
+from allspark_server.engine.step_watchdog import StepWatchdog
 
 log = logging.getLogger("allspark")
 
