@@ -34,7 +34,7 @@ def main() -> None:
     p.add_argument("--json", default="benchmarks/results-int8-gemm.json")
     a = p.parse_args()
     from allspark_server import Engine, HuggingFaceModel
-from allspark_server.compute import ops
+    from allspark_server.compute import ops
     torch.set_num_threads(a.threads)
     spec = R.FULL
     hf_dir = R.build_model(spec, "bfloat16")

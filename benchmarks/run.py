@@ -258,7 +258,7 @@ def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only
         for key, (q, _) in quant_cfgs.items():
             decoders[key] = lambda r, qn=q.model_name: W.decode_tps(ours, qn, vocab, n, seed=r)
         if with_hf:
-            decoders["transformers"] = lambda r: W.hf_decode_tps(hf, vocab, n, seed=r)
+            decoders["transformers"] = lambda r, hf=hf: W.hf_decode_tps(hf, vocab, n, seed=r)
         for key, path in ggufs.items():
             llm = LP.load(path, threads, n_ctx=W.DECODE_PROMPT_LEN + n + 8)
             stack.callback(llm.close)

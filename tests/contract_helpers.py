@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from allspark_client import AsStatus, GenerateRequestStatus
-from helpers import LONG_RUN_MAX_LENGTH, LONG_RUN_TOKENS, collect, hf_ref, random_prompt
+from helpers import LONG_RUN_MAX_LENGTH, LONG_RUN_TOKENS, collect, hf_ref, random_prompt  # noqa: F401 (re-exported)
 
 NAME = "llama"
 ENGINE_MAX_LENGTH = LONG_RUN_MAX_LENGTH      # served_llama and the pool fixture

@@ -130,7 +130,7 @@ def test_engine_stat_info_version(served_llama):
 def test_kernel_isa_is_resolved_at_install(served_llama):
     """The ISA is resolved at install (py-cpuinfo, where it is the source, takes ~1.5 s), not in the first TTFT."""
     from allspark_server import Engine
-from allspark_server.compute import ops
+    from allspark_server.compute import ops
     from helpers import start_engine
     _, loader = served_llama
     ops.isa_level.cache_clear()

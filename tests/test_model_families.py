@@ -79,7 +79,7 @@ def families(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_fp32_logits_match_the_reference(families, tmp_path, family, kernels):
+def test_fp32_logits_match_the_reference(families, tmp_path, family, kernels):  # noqa: F811 (the fixture)
     folder, model = families[family]
     prompt = random_prompt(PROMPT_LEN, seed=5)
     tokens = prompt + reference_greedy(family, folder, model, prompt, DECODE_STEPS)
