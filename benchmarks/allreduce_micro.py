@@ -4,7 +4,7 @@ twice per layer: NCCL (torch.distributed) against allspark's one-shot kernel ove
 other's buffer over NVLink; no multicast), each captured in a CUDA graph of `--calls` allreduces, as in a decode
 graph. Checks each result against the exact sum, then times graph replays.
 
-    PYTHONPATH=. python benchmarks/allreduce_micro.py [--rows 1 8 128] [--hidden 4096] [--calls 64] [--json out.json]
+    PYTHONPATH=. python benchmarks/allreduce_micro.py [--rows 1 8 128] [--hidden 4096] [--calls 64] [--json PATH]
 
 Spawns one process per GPU (2 GPUs needed). NVLink multicast stays off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 """
@@ -18,6 +18,8 @@ import statistics
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+import common
 
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -151,10 +153,11 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 128])
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--calls", type=int, default=64)
-    p.add_argument("--json", default="")
+    p.add_argument("--json", default=None, help="default: benchmarks/results/allreduce-<machine>.json")
     args = p.parse_args()
     if torch.cuda.device_count() < 2:
         raise SystemExit("needs 2 GPUs")
+    args.json = args.json or common.result_path("allreduce", "cuda")
     mp.spawn(worker, args=(2, args, args.json), nprocs=2, join=True)
 
 

@@ -9,7 +9,7 @@ Two settings per context length:
 The three cache modes run interleaved, one 16-layer pass each per round; the report is each mode's median time
 and the median of its same-round ratio to bf16.
 
-    PYTHONPATH=. python benchmarks/cpu_decode_attention.py [--contexts 256 2048] [--rounds 15] [--json OUT]
+    PYTHONPATH=. python benchmarks/cpu_decode_attention.py [--contexts 256 2048] [--rounds 15] [--json PATH]
 
 To compare two builds of the kernels, run it under each (alternating runs, same machine): on a shared VM only
 ratios measured close together mean much.
@@ -23,6 +23,7 @@ import time
 
 import torch
 
+import common
 from allspark_server.compute import ops
 from allspark_server.quant import kv as kv_quant
 
@@ -73,8 +74,9 @@ def main() -> None:
     p.add_argument("--contexts", type=int, nargs="+", default=[256, 2048])
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="default: benchmarks/results/cpu-attention-<machine>.json")
     a = p.parse_args()
+    a.json = a.json or common.result_path("cpu-attention")
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
     report = {"kernels": ops.describe(), "threads": a.threads, "rounds": a.rounds, "results": {}}
@@ -85,9 +87,8 @@ def main() -> None:
             report["results"][f"{ctx} {setting}"] = row
             print(f"ctx {ctx:5d} {setting:9s} " + "  ".join(
                 f"{m} {row[m]['ms_per_step']:6.3f} ms ({row[m]['bf16_over_this']:.2f}x)" for m in MODES))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(report, f, indent=1)
+    with open(a.json, "w") as f:
+        json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ second, each call timed as CUDA-graph replays over enough copies of the weight t
 against the GEMV with the silu·mul epilogue. --sweep times launch configs at one row (what choose_config's
 table comes from). Writes JSON; run on a GPU machine:
 
-    python benchmarks/cuda_gemv_micro.py [--sweep] [--out results.json]
+    python benchmarks/cuda_gemv_micro.py [--sweep] [--out PATH]
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from allspark_server.compute.cuda import fused_kernels as fk
 from allspark_server.compute.cuda import gemv_kernels as gk
+import common
 from cuda_quant_micro import copies_past_l2, per_call_us
 
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008),
@@ -81,8 +82,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--silu-sweep", action="store_true", help="sweep the fused gate_up + silu·mul's configs only")
-    p.add_argument("--out", default="cuda_gemv_micro.json")
+    p.add_argument("--out", default=None, help="default: benchmarks/results/cuda-gemv-micro-<machine>.json")
     a = p.parse_args()
+    a.out = a.out or common.result_path("cuda-gemv-micro", "cuda")
     torch.manual_seed(0)
     report = {"device": torch.cuda.get_device_name(), "rows": {}, "sweep": {}}
     for name, (n, k) in SHAPES.items():

@@ -5,7 +5,7 @@ so the smaller ones partly from L2). --sweep also times launch configs for the d
 past L2 (what choose_config's table comes from), --sweep-only that alone for every shape. Writes JSON; run on a
 GPU machine:
 
-    python benchmarks/cuda_quant_micro.py [--sweep | --sweep-only] [--out results.json]
+    python benchmarks/cuda_quant_micro.py [--sweep | --sweep-only] [--out PATH]
 """
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import json
 import torch
 import torch.nn.functional as F
 import triton.testing
+
+import common
 
 from allspark_server.compute.cuda import quant_kernels as qk
 from allspark_server.quant.formats import QuantizedWeight, quantize
@@ -91,8 +93,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--sweep-only", action="store_true", help="only the decode row's config sweep, every shape")
-    p.add_argument("--out", default="cuda_quant_micro.json")
+    p.add_argument("--out", default=None, help="default: benchmarks/results/cuda-quant-micro-<machine>.json "
+                   "(--sweep-only: cuda-quant-sweep-<machine>.json)")
     a = p.parse_args()
+    a.out = a.out or common.result_path("cuda-quant-sweep" if a.sweep_only else "cuda-quant-micro", "cuda")
     torch.manual_seed(0)
     report = {"device": torch.cuda.get_device_name(), "rows": {}, "sweep": {}}
     for name, (n, k) in SHAPES.items():

@@ -3,7 +3,7 @@
 For each shape (batch, heads, kv heads, context) it times the decode attention over a bf16 span cache with
 every (BLOCK_N, num_warps, num_stages, splits) of a small grid (paged_decode_attention's `launch` override),
 CUDA-graph replays of 20 launches, and reports the KV bytes read per second of each; the fastest first. Diagnostic, for choosing the defaults:
-`python benchmarks/decode_attention_sweep.py --json OUT.json`.
+`python benchmarks/decode_attention_sweep.py [--json PATH]`.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import json
 
 import torch
 
+import common
 from allspark_server.compute.cuda import decode_attention as D
 
 
@@ -68,8 +69,9 @@ def sweep(batch: int, heads: int, kvh: int, ctx_len: int, d: int = 128, p: int =
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--json", required=True)
+    ap.add_argument("--json", default=None, help="default: benchmarks/results/decode-attention-sweep-<machine>.json")
     a = ap.parse_args()
+    a.json = a.json or common.result_path("decode-attention-sweep", "cuda")
     report = {}
     for shape in ((128, 32, 32, 192), (128, 32, 32, 256), (64, 32, 32, 192), (16, 32, 32, 192), (128, 32, 8, 192)):
         rows = sweep(*shape)

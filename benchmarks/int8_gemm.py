@@ -8,7 +8,7 @@ between the calls. Each round gives each of the three runs a fresh prompt of the
 quantized model runs twice a round, and a prompt it has seen would hit the prefix cache), starting with a different
 one each round; ratios are medians of same-round ratios.
 
-    python benchmarks/int8_gemm.py [--prompts 128 512 1024] [--repeats 11] [--json benchmarks/results-int8-gemm.json]
+    python benchmarks/int8_gemm.py [--prompts 128 512 1024] [--repeats 11] [--json PATH]
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+import common             # noqa: E402
 import run as R            # noqa: E402  (benchmarks/run.py: the model, its quantization and runtime config)
 import workloads as W      # noqa: E402
 
@@ -31,8 +32,9 @@ def main() -> None:
     p.add_argument("--prompts", type=int, nargs="+", default=[128, 512, 1024])
     p.add_argument("--repeats", type=int, default=11)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument("--json", default="benchmarks/results-int8-gemm.json")
+    p.add_argument("--json", default=None, help="default: benchmarks/results/int8-gemm-<machine>.json")
     a = p.parse_args()
+    a.json = a.json or common.result_path("int8-gemm")
     from allspark_server import Engine, HuggingFaceModel
     from allspark_server.compute import ops
     torch.set_num_threads(a.threads)

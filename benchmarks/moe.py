@@ -1,7 +1,7 @@
 """Mixture-of-experts decode: batch-1 tokens/s against the roofline of the *active* parameters, and 8 requests at
 once against transformers on the same model.
 
-    python benchmarks/moe.py [--quick] [--json benchmarks/results-moe.json]
+    python benchmarks/moe.py [--quick] [--json PATH]
 
 The model: Qwen3-MoE-shaped, random bf16 weights (hidden 1024, 12 layers, 32 experts of 512, top 4, 8 query / 4 KV
 heads of 128; --quick: a smaller one). A decode token reads every non-expert tensor (the embedding one row), the
@@ -19,6 +19,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 import run  # noqa: E402  (sets the OpenMP environment before torch loads)
 import workloads as W  # noqa: E402
 
@@ -76,8 +77,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument("--json", default="benchmarks/results-moe.json")
+    p.add_argument("--json", default=None, help="default: benchmarks/results/moe-<machine>.json (--quick: under "
+                   "results/quick/)")
     a = p.parse_args()
+    a.json = a.json or common.result_path("moe", quick=a.quick)
     spec = QUICK if a.quick else FULL
     import torch
     from transformers import AutoModelForCausalLM

@@ -7,7 +7,7 @@ serialized model; the report gives each round's tokens/s and the median of the s
 1-host), and checks that both pools produce the same greedy tokens. Needs root (network namespaces), iproute2
 and openssh-server.
 
-    python benchmarks/multi_host.py [--quick] [--json benchmarks/results-multi-host.json]
+    python benchmarks/multi_host.py [--quick] [--json PATH]
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+import common  # noqa: E402
 import run as R  # noqa: E402
 import workloads as W  # noqa: E402
 from netns_hosts import NetnsHosts  # noqa: E402
@@ -40,8 +41,10 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="the small model, 3 rounds")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--rounds", type=int, default=0, help="decode rounds (default: 3 quick, 7 full)")
-    p.add_argument("--json", help="write the report here")
+    p.add_argument("--json", default=None, help="default: benchmarks/results/multi-host-<machine>.json (--quick: "
+                   "under results/quick/)")
     a = p.parse_args()
+    a.json = a.json or common.result_path("multi-host", quick=a.quick)
     why = NetnsHosts.unavailable()
     if why:
         raise SystemExit(f"multi_host benchmark: {why}")
@@ -95,9 +98,7 @@ def main() -> None:
         hosts.close()
     print(json.dumps({k: v for k, v in report.items() if k != "model"}, indent=1))
     print(f"2-host / 1-host batch-1 decode (median of same-round ratios): {ratio:.3f}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(report, f, indent=1)
+    common.write_report(a.json, report)
 
 
 if __name__ == "__main__":

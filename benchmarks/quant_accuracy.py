@@ -1,6 +1,6 @@
 """InstantQuant accuracy: what quantizing the GEMM weights does to a model's predictions.
 
-    python benchmarks/quant_accuracy.py [--quick] [--positions 2048] [--json benchmarks/quant_accuracy.json]
+    python benchmarks/quant_accuracy.py [--quick] [--positions 2048] [--json PATH]
 
 For each weight format and group size, on the benchmark model (random N(0, 0.02) weights) and on the same model
 with trained-like weight statistics (heavy-tailed entries, per-channel scales spread over a decade, a few outlier
@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 from run import FULL, QUICK, build_model  # noqa: E402
 
 VARIANTS = [("bf16", 0), ("int8", -1), ("int8", 128), ("uint8", -1), ("int4", 32), ("int4", 128), ("uint4", 32), ("uint4", 64),
@@ -161,8 +162,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--positions", type=int, default=2048)
-    p.add_argument("--json", default="benchmarks/quant_accuracy.json")
+    p.add_argument("--json", default=None, help="default: benchmarks/results/quant-accuracy-<machine>.json "
+                   "(--quick: quant-accuracy-quick-<machine>.json)")
     a = p.parse_args()
+    a.json = a.json or common.result_path("quant-accuracy-quick" if a.quick else "quant-accuracy")
     from transformers import AutoModelForCausalLM
     spec = QUICK if a.quick else FULL
     hf_dir = build_model(spec, "float32")

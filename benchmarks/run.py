@@ -1,7 +1,7 @@
 """allspark's benchmark: one command, one run, everything side by side on the same machine and threads.
 
     python benchmarks/run.py [--quick] [--features] [--decode-only] [--dtypes bfloat16 float32] [--quant int8 int4_g32]
-                             [--kv int8 uint4 [--kv-weights int4_g64]] [--json benchmarks/results.json]
+                             [--kv int8 uint4 [--kv-weights int4_g64]] [--json PATH]
 
 Measures the machine (STREAM-like copy/triad bandwidth, fp32/bf16 matmul rate), then for each
 weight dtype, on a Llama-architecture model with random weights (about 0.5 B parameters; --quick:
@@ -47,6 +47,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "300000")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 import llamacpp_peer as LP  # noqa: E402
 import machine  # noqa: E402
 import workloads as W  # noqa: E402
@@ -406,6 +407,13 @@ def machine_name() -> str:
         return platform.processor()
 
 
+def measure_name(a) -> str:
+    """The measure a run's flags make, the first part of its default result file's name."""
+    if a.device == "cuda":
+        return "cuda"
+    return "features" if a.features else "quant" if a.quant else "kv" if a.kv else "engines"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a small model and fewer runs (< 3 minutes)")
@@ -436,12 +444,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--rounds", type=int, default=None,
                    help="interleaved batch-1 decode rounds (default 7; --quick 3)")
-    p.add_argument("--json", default=None, help="default: benchmarks/results.json, with --features "
-                   "benchmarks/results-features.json")
+    p.add_argument("--json", default=None, help="default: benchmarks/results/<measure>-<machine>.json, the measure "
+                   "cuda, features, quant, kv or engines (by the flags); --quick: under results/quick/")
     a = p.parse_args()
     if a.kv_weights and (a.kv_weights not in a.quant or not a.kv):
         p.error(f"--kv-weights {a.kv_weights} needs --kv and the same variant in --quant (--quant: {a.quant})")
-    a.json = a.json or ("benchmarks/results-features.json" if a.features else "benchmarks/results.json")
+    a.json = a.json or common.result_path(measure_name(a), a.device, a.quick)
     if a.device == "cuda":
         import cuda_bench
         save = functools.partial(write_report, a.json)

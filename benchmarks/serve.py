@@ -2,7 +2,7 @@
 to the same workload through the Python `Engine` API directly.
 
     python benchmarks/serve.py [--quick] [--requests 64] [--rate 2.0] [--repeats 3] [--sequential 16]
-                               [--json benchmarks/results-serve.json]
+                               [--json PATH]
     python benchmarks/serve.py --quick --burst 200 [--server-args "--max-concurrent 16 --max-queue 32"]
 
 vLLM's benchmark_serving definitions: TTFT (request sent -> first token), TPOT ((last - first token) / (output
@@ -37,6 +37,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 import run  # noqa: E402  (sets the OpenMP environment before torch loads)
 import workloads as W  # noqa: E402
 
@@ -244,8 +245,10 @@ def main() -> None:
     p.add_argument("--sequential", type=int, default=16, help="requests sent one at a time first (0: none)")
     p.add_argument("--burst", type=int, default=0, help="N streaming requests at once through HTTP only")
     p.add_argument("--server-args", default="", help="extra allspark-serve flags (e.g. admission limits)")
-    p.add_argument("--json", default="benchmarks/results-serve.json")
+    p.add_argument("--json", default=None, help="default: benchmarks/results/serve-<machine>.json "
+                   "(--burst: serve-burst-<machine>.json; --quick: under results/quick/)")
     a = p.parse_args()
+    a.json = a.json or common.result_path("serve-burst" if a.burst else "serve", quick=a.quick)
     spec = dict(run.QUICK if a.quick else run.FULL, vocab=VOCAB)
     hf_dir = run.build_model(spec, "bfloat16")
     from allspark_server.loader.tiny_model import build_tokenizer

@@ -1,6 +1,6 @@
 """Benchmarks of the serving features (issue 11): the prefix cache and guided JSON output.
 
-    python benchmarks/run.py --features [--quick] [--sections guided prefix pool] [--json benchmarks/results-features.json]
+    python benchmarks/run.py --features [--quick] [--sections guided prefix pool mbu] [--json PATH]
 
 Same model as run.py (Llama architecture, random bf16 weights, ~0.5 B parameters; --quick: the small one), one
 process, every engine on the same cores:

@@ -18,6 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import common  # noqa: E402
 import cuda_bench as CB  # noqa: E402
 
 
@@ -26,8 +27,9 @@ def main() -> None:
     p.add_argument("--intervals-ms", type=float, nargs="+", default=[5.0, 0.5])
     p.add_argument("--num", type=int, nargs="+", default=[128, 64])
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--json", default="benchmarks/results-switch-interval.json")
+    p.add_argument("--json", default=None, help="default: benchmarks/results/switch-interval-<machine>.json")
     a = p.parse_args()
+    a.json = a.json or common.result_path("switch-interval", "cuda")
     from allspark_server import Engine
     layers = CB.LLAMA2_7B["num_hidden_layers"]
     root = CB.bench_root(layers)
