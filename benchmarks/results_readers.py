@@ -1,0 +1,336 @@
+"""How RESULTS.md reads each measure's report: a reader per measure picks the key numbers, mostly same-run ratios.
+
+A reader takes the parsed JSON of one result file and returns either (what, value) pairs, which RESULTS.md shows
+with one column per machine, or dicts, one table line each (their keys are the columns). MEASURES gives each
+measure its title, the command that makes it and its reader; a measure without one gets `generic`. Only
+results_table.py imports this module.
+"""
+from __future__ import annotations
+
+MACHINES = {
+    "zen4": "2-core AMD EPYC VM (Zen 4: AVX-512 with VNNI and bf16, no AMX)",
+    "avx2": "2-core AMD EPYC VM (Zen 3-class: AVX2 only)",
+    "spr": "2-core Intel Xeon VM (Sapphire-Rapids-class: AVX-512, AMX)",
+    "h100": "1 × NVIDIA H100 80GB HBM3",
+    "h100x2": "2 × NVIDIA H100 80GB HBM3 of one host (NVLink)",
+    "h200": "1 × NVIDIA H200",
+    "h200x2": "2 × NVIDIA H200 of one host (NVLink)",
+}
+
+
+def x(v) -> str:
+    return "" if v is None else f"{v:.2f}x"
+
+
+def f(v, digits: int = 2) -> str:
+    return "" if v is None else f"{v:.{digits}f}"
+
+
+def engines(r: dict) -> list:
+    """run.py on the CPU: our Engine against transformers (and a 2-rank pool) per weight dtype."""
+    rows = []
+    for dtype, d in r["dtypes"].items():
+        ours, hf, pool = d["allspark"], d.get("transformers", {}), d.get("pool_2_ranks", {})
+        row = {"dtype": dtype, "batch-1 tok/s": f(ours["decode_b1_tps"], 1),
+               "of roofline": f(ours["decode_b1_roofline"])}
+        if "decode_b1_vs_allspark" in hf:
+            row["batch 1 x transformers"] = x(1 / hf["decode_b1_vs_allspark"])
+        for c in r["spec"]["concurrency"]:
+            if f"c{c}_tps" in ours and f"c{c}_tps" in hf:
+                row[f"{c} concurrent x transformers"] = x(ours[f"c{c}_tps"] / hf[f"c{c}_tps"])
+        for p in r["spec"]["prompts"]:
+            if f"ttft_{p}_s" in ours and f"ttft_{p}_s" in hf:
+                row[f"TTFT-{p} transformers / ours"] = x(hf[f"ttft_{p}_s"] / ours[f"ttft_{p}_s"])
+        if "decode_b1_vs_allspark" in pool:
+            row["2-rank pool / Engine, batch 1"] = x(pool["decode_b1_vs_allspark"])
+        rows.append(row)
+    return rows
+
+
+def kv_rows(d: dict, dtype: str) -> list:
+    """The --kv rows: decode after a long prompt on int8 / uint4 KV spans against the unquantized cache."""
+    rows = []
+    for key in sorted(k for k in d if k.startswith("kv_modes")):
+        kv = d[key]
+        weights = key.removeprefix("kv_modes").removeprefix("_") or dtype
+        row = {"weights": f"{weights}, KV after {kv['context']} tokens",
+               "unquantized KV tok/s": f(kv["allspark"]["decode_b1_tps"], 1)}
+        for mode in ("int8", "uint4"):
+            if f"allspark_kv_{mode}" in kv:
+                row[f"{mode} KV x unquantized"] = x(kv[f"allspark_kv_{mode}"]["decode_b1_vs_allspark"])
+        rows.append(row)
+    return rows
+
+
+def quant(r: dict) -> list:
+    """run.py --decode-only with --quant / --ttft / llama.cpp: each variant against the unquantized model."""
+    rows = []
+    for dtype, d in r["dtypes"].items():
+        peers = {}
+        for pair, ratio in d.get("vs_llamacpp", {}).items():
+            ours, theirs = pair.split("/")
+            peers.setdefault(ours, []).append(f"{x(ratio)} {theirs.removeprefix('llamacpp_')}")
+        for key, e in d.items():
+            if not (key == "allspark" or key.startswith("allspark_")) or "decode_b1_tps" not in e:
+                continue
+            row = {"weights": dtype if key == "allspark" else key.removeprefix("allspark_"),
+                   "batch-1 tok/s": f(e["decode_b1_tps"], 1), "of roofline": f(e["decode_b1_roofline"]),
+                   "x unquantized": x(e.get("decode_b1_vs_allspark", 1.0))}
+            if key in peers:
+                row["x llama.cpp"] = ", ".join(peers[key])
+            for p in r["spec"]["prompts"]:
+                base = d["allspark"].get(f"ttft_{p}_s")
+                if f"ttft_{p}_vs_allspark" in e:
+                    row[f"TTFT-{p} x unquantized"] = x(e[f"ttft_{p}_vs_allspark"])
+                elif key != "allspark" and base and f"ttft_{p}_s" in e:     # not interleaved: ratio of medians
+                    row[f"TTFT-{p} x unquantized"] = x(e[f"ttft_{p}_s"] / base)
+            rows.append(row)
+        rows += kv_rows(d, dtype)
+    return rows
+
+
+def kv(r: dict) -> list:
+    return [row for dtype, d in r["dtypes"].items() for row in kv_rows(d, dtype)]
+
+
+def features(r: dict) -> list:
+    pc, g, pool, mbu = r.get("prefix_cache", {}), r.get("guided_json", {}), r.get("pool_2_ranks", {}), r.get("mbu", {})
+    out = []
+    if pc:
+        out += [("prefix cache: second request on a shared 2048-token prefix, TTFT speedup",
+                 x(pc["shared_prefix"]["speedup"])),
+                ("prefix cache: multi-turn chat one at a time, TTFT median speedup",
+                 x(pc["multi_turn_one_at_a_time"]["ttft_median_speedup"])),
+                ("prefix cache: multi-turn chat one at a time, total time speedup",
+                 x(pc["multi_turn_one_at_a_time"]["total_speedup"])),
+                ("prefix cache: 8 conversations at once, TTFT median speedup",
+                 x(pc["multi_turn_concurrent"]["ttft_median_speedup"])),
+                ("prefix cache: 8 conversations at once, total time speedup",
+                 x(pc["multi_turn_concurrent"]["total_speedup"]))]
+    for c in ("c1", "c8"):
+        if c in g:
+            out.append((f"guided JSON TPOT / plain TPOT, {c[1:]} at once", x(g[c]["ratio"])))
+    if pool:
+        out += [("2-rank pool: shared-prefix TTFT speedup", x(pool["shared_prefix"]["speedup"])),
+                ("2-rank pool: guided JSON TPOT / plain, batch 1", x(pool["guided_c1"]["ratio"]))]
+    if mbu:
+        out.append(("engine's reported MBU / the benchmark's roofline ratio", x(mbu["engine_vs_benchmark"])))
+    return out
+
+
+def moe(r: dict) -> list:
+    d, c = r["decode_b1"], r["spec"]["concurrency"]
+    return [("batch-1 tok/s", f(d["allspark"]["decode_b1_tps"], 1)),
+            ("of active-parameter roofline", f(d["allspark"]["decode_b1_roofline"])),
+            ("batch 1 x transformers", x(1 / d["transformers"]["decode_b1_vs_allspark"])),
+            (f"{c} concurrent x transformers", x(r[f"concurrent_{c}"]["ratio"]))]
+
+
+def multi_host(r: dict) -> list:
+    return [("2-host pool / 1-host pool, batch-1 decode", x(r["two_hosts_over_one_host"])),
+            ("same greedy tokens", "yes" if r["same_greedy_tokens"] else "no")]
+
+
+def serve(r: dict) -> list:
+    out = []
+    if "http_vs_engine_sequential" in r:
+        s = r["http_vs_engine_sequential"]
+        out += [("one at a time: TTFT added by HTTP (ms)", f(s["ttft_median_added_ms"], 1)),
+                ("one at a time: TPOT HTTP / Engine API", x(s["tpot_median_ratio"]))]
+    p = r["http_vs_engine"]
+    return out + [("Poisson load: TTFT median added by HTTP (ms)", f(p["ttft_median_added_ms"], 1)),
+                  ("Poisson load: TPOT median HTTP / Engine API", x(p["tpot_median_ratio"])),
+                  ("Poisson load: output tok/s HTTP / Engine API", x(p["output_throughput_ratio"]))]
+
+
+def serve_burst(r: dict) -> list:
+    runs = {k: v for k, v in r.items() if isinstance(v, dict) and "burst" in v} or {"run": r}
+    return [{"run": name, "streams": str(v["burst"]["requests"]), "server args": v.get("server_args") or "defaults",
+             "ended": ", ".join(f"{n} {how}" for how, n in sorted(v["burst"]["ended"].items())),
+             "wall s": f(v["burst"]["wall_s"], 1)} for name, v in runs.items()]
+
+
+def cpu_attention(r: dict) -> list:
+    return [{"context": ctx, "bf16 ms per 16 layers": f(row["bf16"]["ms_per_step"], 3),
+             **{f"{m} x bf16": x(row[m]["bf16_over_this"]) for m in ("int8", "uint4") if m in row}}
+            for ctx, row in r["results"].items()]
+
+
+def int8_gemm(r: dict) -> list:
+    return [{"prompt": p, "int8 GEMM TTFT x bf16": x(t["int8_gemm_vs_bf16"]),
+             "dequantized TTFT x bf16": x(t["dequantized_vs_bf16"]),
+             "int8 GEMM / dequantized": x(t["int8_gemm_vs_dequantized"])} for p, t in r["ttft"].items()]
+
+
+def quant_accuracy(r: dict) -> list:
+    kinds = list(r["stats"])
+    rows = []
+    for variant in r["stats"][kinds[0]]:
+        row = {"variant": variant}
+        for kind in kinds:
+            s = r["stats"][kind].get(variant)
+            if s:
+                row[f"{kind}: rel. logit error"] = f"{100 * s['rel_logit_error']:.1f}%"
+                row[f"{kind}: top-1 agreement"] = f"{100 * s['top1_agreement']:.0f}%"
+        rows.append(row)
+    return rows
+
+
+def cuda(r: dict) -> list:
+    """run.py --device cuda: the Engine on the GPU against the PyTorch CUDA-graph step and transformers."""
+    out = [("batch-1 tok/s", f(r["allspark_decode_b1_tps"], 1)),
+           ("of copy roofline", f(r["allspark_decode_b1_roofline"])),
+           ("batch 1 x PyTorch CUDA-graph step", x(r["allspark_vs_torch_cuda_graph"]))]
+    for name, label in (("no_pdl", "without PDL"), ("unfused_decode", "with unfused decode attention"),
+                        ("cublas", "with cuBLAS linears")):
+        if f"allspark_vs_{name}_b1" in r:
+            out.append((f"batch 1 x the same graphs {label}", x(r[f"allspark_vs_{name}_b1"])))
+    if "overlap_vs_no_overlap_b1" in r:
+        out.append(("batch 1 overlapped x one step at a time", x(r["overlap_vs_no_overlap_b1"])))
+    for v, q in r.get("quant", {}).items():
+        if isinstance(q, dict) and "vs_bf16" in q:
+            out.append((f"batch 1 {v} x bf16", x(q["vs_bf16"])))
+    pool = r.get("pool2", {})
+    for key, label in (("pool_2gpu_overlap_vs_1gpu", "overlapped"), ("pool_2gpu_vs_1gpu", "one step at a time"),
+                       ("pool_vs_1gpu", "one step at a time")):
+        if key in pool:
+            out.append((f"2-GPU pool ({label}) x one GPU, batch 1", x(pool[key])))
+    for p, t in r.get("ttft", {}).items():
+        out.append((f"TTFT-{p} transformers / ours", x(t["hf_vs_allspark"])))
+    for c in (16, 64, 128, 256):
+        if f"c{c}" in r:
+            out.append((f"{c} concurrent, decode-only x PyTorch graph step",
+                        x(r[f"c{c}"]["allspark_decode_vs_torch_cuda_graph"])))
+            out.append((f"{c} concurrent, whole run x transformers static batch",
+                        x(r[f"c{c}"]["allspark_vs_hf_static"])))
+    return out
+
+
+def cuda_gemv_micro(r: dict) -> list:
+    rows = []
+    for shape, by_rows in r["rows"].items():
+        row = {"shape": shape, **{f"{m.removeprefix('m')} row(s): Triton GEMV x cuBLAS": x(v["triton_vs_cublas"])
+                                  for m, v in by_rows.items()}}
+        if "fused_vs_cublas_silu_mul" in by_rows.get("m1", {}):
+            row["1 row, with silu·mul: fused x cuBLAS + silu_mul"] = x(by_rows["m1"]["fused_vs_cublas_silu_mul"])
+        rows.append(row)
+    return rows
+
+
+def cuda_quant_micro(r: dict) -> list:
+    rows = []
+    for key, v in r["rows"].items():
+        shape, m = key.rsplit("_m", 1)
+        if m in ("1", "16", "2048"):
+            rows.append({"shape": shape, "rows": m, **{f"{k.removesuffix('_vs_bf16')} x cuBLAS bf16": x(val)
+                                                        for k, val in v.items() if k.endswith("_vs_bf16")}})
+    return rows
+
+
+def cuda_quant_sweep(r: dict) -> list:
+    return [{"shape and format": key, "best µs": f(v["best"][0][0]), "chosen config µs": f(v["chosen_us"]),
+             "best / chosen time": x(v["best"][0][0] / v["chosen_us"]), "best GB/s": f(v["gbs_best"], 0)}
+            for key, v in r["sweep"].items()]
+
+
+def cuda_quant_silu(r: dict) -> list:
+    return [(f"{shape}: GEMV with silu·mul epilogue x GEMV + silu_mul", x(v["fused_vs_unfused"]))
+            for shape, v in r.items()]
+
+
+def decode_attention_sweep(r: dict) -> list:
+    rows = []
+    for shape, runs in r.items():
+        best = runs[0]
+        default = next((s for s in runs if (s["block_n"], s["warps"], s["stages"], s["splits"]) == (64, 4, 3, 1)), None)
+        rows.append({"shape": shape, "best (block_n, warps, stages, splits)":
+                     f"{best['block_n']}, {best['warps']}, {best['stages']}, {best['splits']}",
+                     "best TB/s": f(best["tbs"]),
+                     "best x (64, 4, 3, 1)": x(default["ms"] / best["ms"]) if default else ""})
+    return rows
+
+
+def allreduce(r: dict) -> list:
+    out = []
+    for rows, v in r["rows"].items():
+        for key, label in (("peer_kernel", "peer-memory kernel"), ("one_shot", "PyTorch symm-mem one-shot"),
+                           ("two_shot", "PyTorch symm-mem two-shot")):
+            if f"{key}_us" in v:
+                out.append((f"[{rows}, {r['hidden']}] bf16: NCCL time / {label} time",
+                            x(v["nccl_us"] / v[f"{key}_us"])))
+    return out
+
+
+def pool_step(r: dict) -> list:
+    peer = r["peer_allreduce"]["graph_replay_ms_by_rank"][0]
+    return [("rank's graph with NCCL / with the peer-memory allreduce",
+             x(r["nccl"]["graph_replay_ms_by_rank"][0] / peer)),
+            ("one GPU's graph / a rank's graph (peer-memory allreduce)",
+             x(r["one_gpu"]["graph_replay_ms_by_rank"][0] / peer))]
+
+
+def switch_interval(r: dict) -> list:
+    m = r["medians"]
+    out = []
+    for c in sorted({k.rsplit("_c", 1)[1] for k in m}, key=int):
+        runs = {k.rsplit("ms_c", 1)[0]: v for k, v in m.items() if k.endswith(f"_c{c}")}
+        (a, va), (b, vb) = sorted(runs.items(), key=lambda kv: -float(kv[0]))[:2]
+        out.append((f"{c} concurrent, decode-only tok/s: {b} ms / {a} ms switch interval",
+                    x(vb["decode_tps"] / va["decode_tps"])))
+    return out
+
+
+def generic(r) -> list:
+    """A measure without a reader: its top-level numbers."""
+    if not isinstance(r, dict):
+        return [("entries", str(len(r)))]
+    return [(k, f(v, 3)) for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)][:20]
+
+
+# measure -> (title, what it is, reader); the order of RESULTS.md
+MEASURES = {
+    "engines": ("CPU: Engine against transformers", "`run.py`: batch-1 decode, concurrency, TTFT, 2-rank pool; "
+                "0.5 B Llama-shaped model, random weights.", engines),
+    "engines-bf16": ("CPU: Engine against transformers, bf16 only", "`run.py --dtypes bfloat16 --no-pool "
+                     "--no-llamacpp`: fresh prompts for every TTFT.", engines),
+    "llamacpp-bf16": ("CPU: bf16 against llama.cpp", "`run.py --decode-only --no-pool --no-hf --dtypes bfloat16 "
+                      "--rounds 21`: the same weights as f16 / bf16 GGUF files.", quant),
+    "quant": ("CPU: quantized weights and KV against bf16 and llama.cpp",
+              "`run.py --decode-only --quant ... --kv ...`: "
+              "InstantQuant variants in the same rounds as the bf16 model and llama.cpp's GGUF peers.", quant),
+    "quant-a8": ("CPU: int8 weights with and without int8 activations", "`run.py --decode-only --quant int8 int8+a8`.",
+                 quant),
+    "quant-a8head": ("CPU: 4-bit and 8-bit weights with int8 activations and LM head", "`run.py --decode-only "
+                     "--no-llamacpp --quant int8+a8+head int4_g32+a8+head int4_g64+a8+head int4_g128+a8+head`.", quant),
+    "quant-ttft": ("CPU: TTFT with quantized weights",
+                   "`run.py --decode-only --ttft --quant ...`: TTFT relative to the "
+                   "bf16 model's (medians of same-round ratios; where a file has none, the ratio of medians).", quant),
+    "kv": ("CPU: quantized KV cache", "`run.py --decode-only --kv int8 uint4 [--kv-weights ...]`.", kv),
+    "cpu-attention": ("CPU: decode attention kernels", "`cpu_decode_attention.py`: 16 layers, bf16 / int8 / uint4 "
+                      "spans.", cpu_attention),
+    "int8-gemm": ("CPU: AMX int8 GEMM for prefill", "`int8_gemm.py`: TTFT of int8 + a8 + head weights.", int8_gemm),
+    "moe": ("CPU: mixture of experts", "`moe.py`: Qwen3-MoE-shaped model, random weights.", moe),
+    "features": ("CPU: prefix cache and guided JSON", "`run.py --features`.", features),
+    "multi-host": ("CPU: 2-host pool", "`multi_host.py`: two network-namespace hosts against one host.", multi_host),
+    "serve": ("HTTP server against the Engine API", "`serve.py`: Poisson load through allspark-serve.", serve),
+    "serve-burst": ("HTTP server bursts", "`serve.py --burst N`: N streams at once.", serve_burst),
+    "quant-accuracy": ("Quantization accuracy, 0.5 B model", "`quant_accuracy.py`: teacher-forced against fp32.",
+                       quant_accuracy),
+    "quant-accuracy-quick": ("Quantization accuracy, small model", "`quant_accuracy.py --quick`.", quant_accuracy),
+    "cuda": ("GPU: Engine against a PyTorch CUDA-graph step and transformers", "`run.py --device cuda`: "
+             "Llama-2-7B-shaped bf16 model, random weights.", cuda),
+    "cuda-gemv-micro": ("GPU: Triton decode GEMV", "`cuda_gemv_micro.py`: Llama-2-7B shapes and 2-rank shards.",
+                        cuda_gemv_micro),
+    "cuda-quant-micro": ("GPU: quantized matmul", "`cuda_quant_micro.py`: each format against cuBLAS on bf16.",
+                         cuda_quant_micro),
+    "cuda-quant-sweep": ("GPU: quantized GEMV launch configs", "`cuda_quant_micro.py --sweep-only`.", cuda_quant_sweep),
+    "cuda-quant-silu": ("GPU: silu·mul as the quantized GEMV's epilogue", "fused against two launches, one row.",
+                        cuda_quant_silu),
+    "decode-attention-sweep": ("GPU: decode attention launch shapes", "`decode_attention_sweep.py`.",
+                               decode_attention_sweep),
+    "allreduce": ("GPU: allreduce of one decode step's activations", "`allreduce_micro.py`: in CUDA graphs of 64 "
+                  "calls.", allreduce),
+    "pool-step": ("GPU: a 2-rank pool's decode graph", "`pool_step_micro.py`: each rank's graph replayed alone.",
+                  pool_step),
+    "switch-interval": ("GPU: Python's switch interval", "`switch_interval_ab.py`.", switch_interval),
+}
