@@ -3,12 +3,12 @@ client certificate), with the pool's bearer token on every call when one is give
 $ALLSPARK_TOKEN). Shared by ClientEngine and allspark-health. The token is never logged or put in a message."""
 from __future__ import annotations
 
-import os
 from typing import Optional, Union
 
 import grpc
 
-TOKEN_ENV = "ALLSPARK_TOKEN"
+from allspark_client import settings
+
 MAX_MESSAGE_BYTES = 64 << 20
 Pem = Union[bytes, str, None]     # PEM bytes, or a path to a PEM file
 
@@ -68,7 +68,7 @@ def open_channel(address: str, token: Optional[str] = None, root_certificates: P
         channel = grpc.secure_channel(address, creds, options=options)
     else:
         channel = grpc.insecure_channel(address, options=options)
-    token = token if token is not None else os.environ.get(TOKEN_ENV)
+    token = token if token is not None else settings.TOKEN.get()
     if token:
         channel = grpc.intercept_channel(channel, _Bearer(token.strip()))
     return channel

@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
+from allspark_client import settings
 from allspark_client.cpu_features import cpu_flags
 from allspark_client.gpu_topology import NO_NODE, gpu_numa_nodes, visible_gpus
 from allspark_client.mpirun_watch import MpirunWatch
@@ -196,7 +197,7 @@ def hosts_arguments(args, flavour: str) -> list[str]:
 
 
 def build_command(args, placements: list[RankPlacement], flavour: str, numactl: Optional[str]) -> list[str]:
-    env_names = ["ALLSPARK_LOG_LEVEL", "NOTIFY_SOCKET", "PYTHONPATH", "OMP_NUM_THREADS", "ALLSPARK_TOKEN"]
+    env_names = [settings.LOG_LEVEL.name, "NOTIFY_SOCKET", "PYTHONPATH", "OMP_NUM_THREADS", settings.TOKEN.name]
     cmd = [args.mpirun]
     if flavour == "openmpi":
         cmd += ["--bind-to", "none"]
@@ -237,7 +238,7 @@ def build_command(args, placements: list[RankPlacement], flavour: str, numactl: 
             cmd.append(":")
         cmd += ["-n", "1"]
         if pl.gpu is not None:      # per-rank environment: `env` works alike under Open MPI and MPICH
-            cmd += ["env", f"CUDA_VISIBLE_DEVICES={pl.gpu}", f"ALLSPARK_RANK_GPU={pl.gpu}",
+            cmd += ["env", f"CUDA_VISIBLE_DEVICES={pl.gpu}", f"{settings.RANK_GPU.name}={pl.gpu}",
                     "CUDA_DEVICE_ORDER=PCI_BUS_ID"]   # CUDA numbers GPUs as nvidia-smi does
         if numactl and pl.node != NO_NODE and pl.gpu is not None:
             # --preferred, not --membind: a GPU rank's hot data is on the GPU; its host memory (weights on the
@@ -294,7 +295,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hostfile", help="multi-host pool: an mpirun hostfile instead of --host")
     p.add_argument("--ranks-per-host", type=int, default=0,
                    help="multi-host pool: ranks on each host (default: one per NUMA node of that host; MPICH: 1)")
-    p.add_argument("--mpirun", default=os.environ.get("ALLSPARK_MPIRUN", "mpirun"))
+    p.add_argument("--mpirun", default=settings.MPIRUN.get())
     p.add_argument("--python", default=sys.executable, help="python interpreter for the ranks")
     p.add_argument("--no-numactl", action="store_true", help="do not use numactl even if installed")
     p.add_argument("--topology", help="override the NUMA topology, e.g. '0:0-31;1:32-63'")

@@ -16,6 +16,7 @@ import torch
 if not torch.cuda.is_available():   # the Triton kernels run in the interpreter on CPU tensors (set before import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from allspark_client import settings
 from allspark_client.types import AsException, AsStatus, TargetDevice
 from allspark_server import Engine
 from helpers import greedy, hf_greedy, random_prompt, run_together, serialize, start_engine
@@ -152,7 +153,6 @@ def test_graphs_with_programmatic_dependent_launch_equal_graphs_without(llama, t
     """The decode graphs whose Triton kernels start before the kernel ahead of them ends (PDL, cuda/pdl.py: on
     by default on sm_90) give the same logits bit for bit, replay after replay, as graphs captured again with
     ALLSPARK_PDL=0: a kernel touching an activation before its wait would race and show as differing bits."""
-    from unittest import mock
     from allspark_server.core.messages import ScheduledChunk
     from allspark_server.compute.cuda import pdl
     from allspark_server.runner.cuda_graphs import DecodeGraphs
@@ -161,7 +161,7 @@ def test_graphs_with_programmatic_dependent_launch_equal_graphs_without(llama, t
     loader = serialize(llama.hf_dir, "p", str(tmp_path))
     runner = runner_for(loader, "p", device="cuda", max_batch=4)
     with_pdl = runner.graphs
-    with mock.patch.dict(os.environ, {"ALLSPARK_PDL": "0"}):
+    with settings.override(PDL=False):
         assert not pdl.enabled(runner.device)
         without = DecodeGraphs(runner.model, runner.kv, max(with_pdl.sizes), with_pdl.spans.shape[1],
                                with_pdl.scratch_span, with_pdl.span_size, with_pdl.spans.device)

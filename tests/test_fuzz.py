@@ -8,8 +8,6 @@ Examples per surface: $ALLSPARK_FUZZ_EXAMPLES (CI: 300; the slow run: ALLSPARK_F
 so a CI failure reproduces; `--hypothesis-seed` / the printed example reproduce others."""
 from __future__ import annotations
 
-import os
-
 import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,10 +15,11 @@ from hypothesis import strategies as st
 
 from allspark_client import AsException, AsStatus, GenerateRequestStatus
 from allspark_client._proto import allspark_pb2 as pb
+from allspark_client.settings import FUZZ_EXAMPLES
 from helpers import greedy, random_prompt
 from pool_helpers import MODEL, install
 
-EXAMPLES = int(os.environ.get("ALLSPARK_FUZZ_EXAMPLES", "300"))
+EXAMPLES = FUZZ_EXAMPLES.get()
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 CALL_TIMEOUT_S = 30.0

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from allspark_client import settings
 from allspark_server.http.admission import Admission, Overloaded
 from allspark_server.http.detokenize import IncrementalDetokenizer, StopMatcher, TokenText
 from allspark_server.http.protocol import ApiError, generation_config, max_new_tokens, parse_chat, parse_completion
@@ -120,10 +121,9 @@ def test_admission_queues_in_order_then_refuses():
     asyncio.run(scenario())
 
 
-def test_non_loopback_bind_needs_an_api_key(tmp_path, monkeypatch):
+def test_non_loopback_bind_needs_an_api_key(tmp_path):
     from allspark_server.http.cli import main
-    monkeypatch.delenv("ALLSPARK_API_KEY", raising=False)
-    with pytest.raises(SystemExit) as e:          # refused before anything is loaded
+    with settings.override(API_KEY=None), pytest.raises(SystemExit) as e:   # refused before anything is loaded
         main(["--model", str(tmp_path), "--host", "0.0.0.0"])
     assert "API key" in str(e.value.code)
 
@@ -167,16 +167,17 @@ def test_queue_reader_delivers_every_token_from_another_thread():
         assert tokens == [i * 1000 + s for s in range(50)] and status == GenerateRequestStatus.GenerateFinished
 
 
-def test_api_key_sources_and_loopback(tmp_path, monkeypatch):
+def test_api_key_sources_and_loopback(tmp_path):
     from allspark_server.http.cli import is_loopback, parse_args, resolve_api_key
-    monkeypatch.delenv("ALLSPARK_API_KEY", raising=False)
-    assert resolve_api_key(parse_args(["--model", "m"])) is None
-    monkeypatch.setenv("ALLSPARK_API_KEY", "from-env")
-    assert resolve_api_key(parse_args(["--model", "m"])) == "from-env"
+    with settings.override(API_KEY=None):
+        assert resolve_api_key(parse_args(["--model", "m"])) is None
     key_file = tmp_path / "key"
     key_file.write_text("from-file\n")
-    assert resolve_api_key(parse_args(["--model", "m", "--api-key-file", str(key_file)])) == "from-file"
-    assert resolve_api_key(parse_args(["--model", "m", "--api-key", "flag", "--api-key-file", str(key_file)])) == "flag"
+    with settings.override(API_KEY="from-env"):
+        assert resolve_api_key(parse_args(["--model", "m"])) == "from-env"
+        assert resolve_api_key(parse_args(["--model", "m", "--api-key-file", str(key_file)])) == "from-file"
+        flag_and_file = ["--model", "m", "--api-key", "flag", "--api-key-file", str(key_file)]
+        assert resolve_api_key(parse_args(flag_and_file)) == "flag"
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.1.2.3", "::1", "localhost"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.1", "example.com"))
 

@@ -11,6 +11,7 @@ import tempfile
 
 import pytest
 
+from allspark_client import settings
 from allspark_client.config import ConfigError
 from allspark_client.gpu_topology import gpu_numa_nodes, parse_gpu_list, sysfs_pci_address, visible_gpus
 from allspark_client.launcher import main as launch_main
@@ -219,22 +220,22 @@ def test_rank_device_under_the_launcher_is_cuda_0(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)          # the launcher's GPU only
-    monkeypatch.setenv("ALLSPARK_RANK_GPU", "1")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    assert rank_device("CUDA:0,1", 1) == torch.device("cuda", 0) and chosen == [0]
-    with pytest.raises(ValueError) as e:                               # rank 1 was given GPU 1, the unit says 3
-        rank_device("CUDA:0,3", 1)
-    assert "gives rank 1 GPU 3, but allspark-launch gave this rank GPU 1" in str(e.value)
-    with pytest.raises(ValueError, match="names 2 GPU"):
-        rank_device("CUDA:0,1", 2)
-    assert rank_device("CPU:0", 1) == torch.device("cpu")
-    monkeypatch.delenv("ALLSPARK_RANK_GPU")                            # no launcher GPU: the unit's id, as before
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    chosen.clear()
-    assert rank_device("CUDA:0,1", 1) == torch.device("cuda", 1) and chosen == [1]
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(ValueError, match="GPU 1 does not exist here"):
-        rank_device("CUDA:0,1", 1)
+    with settings.override(RANK_GPU=1):
+        assert rank_device("CUDA:0,1", 1) == torch.device("cuda", 0) and chosen == [0]
+        with pytest.raises(ValueError) as e:                           # rank 1 was given GPU 1, the unit says 3
+            rank_device("CUDA:0,3", 1)
+        assert "gives rank 1 GPU 3, but allspark-launch gave this rank GPU 1" in str(e.value)
+        with pytest.raises(ValueError, match="names 2 GPU"):
+            rank_device("CUDA:0,1", 2)
+        assert rank_device("CPU:0", 1) == torch.device("cpu")
+    with settings.override(RANK_GPU=None):                             # no launcher GPU: the unit's id, as before
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+        chosen.clear()
+        assert rank_device("CUDA:0,1", 1) == torch.device("cuda", 1) and chosen == [1]
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        with pytest.raises(ValueError, match="GPU 1 does not exist here"):
+            rank_device("CUDA:0,1", 1)
 
 
 def _cuda_count() -> int:

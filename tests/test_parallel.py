@@ -13,9 +13,10 @@ import time
 import pytest
 import torch
 
+from allspark_client import settings
 from allspark_server.compute import ops
 
-pytestmark = pytest.mark.skipif(os.environ.get("ALLSPARK_NO_NATIVE") == "1", reason="native path disabled")
+pytestmark = pytest.mark.skipif(settings.NO_NATIVE.get(), reason="native path disabled")
 
 
 @pytest.fixture

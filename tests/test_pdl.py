@@ -9,6 +9,8 @@ from unittest import mock
 import pytest
 import torch
 
+from allspark_client import settings
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")      # read when @triton.jit decorates: before the import
 pytest.importorskip("triton")
@@ -27,11 +29,7 @@ GPU = torch.device("cuda", 0)
 def test_launch_options(monkeypatch, major, env, interpreted, expected):
     pdl._capable.cache_clear()
     monkeypatch.setattr(pdl, "_INTERPRETED", interpreted)
-    if env is None:
-        monkeypatch.delenv("ALLSPARK_PDL", raising=False)
-    else:
-        monkeypatch.setenv("ALLSPARK_PDL", env)
-    with mock.patch.object(torch.cuda, "get_device_capability", return_value=(major, 0)):
+    with settings.override(PDL=env), mock.patch.object(torch.cuda, "get_device_capability", return_value=(major, 0)):
         assert pdl.enabled(GPU) is expected
         assert pdl.launch_options(GPU) == ({"PDL": True, "launch_pdl": True} if expected else {"PDL": False})
     pdl._capable.cache_clear()

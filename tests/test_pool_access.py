@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from allspark_client import AsException, AsStatus, ClientEngine
+from allspark_client import AsException, AsStatus, ClientEngine, settings
 from allspark_client.client import PoolAccessDenied, PoolUnavailable
 
 NOBODY = 65534
@@ -132,9 +132,8 @@ def test_a_remote_pool_needs_tls_and_a_token_and_checks_the_token_on_every_call(
     with pytest.raises(AsException, match="'nothing-installed' is not installed"):   # a call past Health: the
         good.get_model_info("nothing-installed")                                      # engine answered it
     good.close()
-    monkeypatch.setenv("ALLSPARK_TOKEN", TOKEN)                          # the environment's token works too
-    ClientEngine(address, root_certificates=ca, start_timeout_s=30).close()
-    monkeypatch.delenv("ALLSPARK_TOKEN")
+    with settings.override(TOKEN=TOKEN):                                 # the environment's token works too
+        ClientEngine(address, root_certificates=ca, start_timeout_s=30).close()
     for token in ("wrong-token", None):
         with pytest.raises(PoolAccessDenied) as info:
             ClientEngine(address, token=token, root_certificates=ca, start_timeout_s=30)

@@ -16,6 +16,7 @@ import pytest
 
 from allspark_client import GenerateRequestStatus
 from allspark_client.client import PoolUnavailable
+from allspark_client.settings import FAULT_STREAMS as FAULT_STREAMS_SETTING
 from allspark_client.types import POOL_DOWN, AsStatus
 from helpers import LONG_RUN_MAX_LENGTH, LONG_RUN_TOKENS, assert_same_tokens, collect, hf_greedy, random_prompt
 from pool_helpers import (MODEL, PREMISE_TRIES, REDO_SPOILED, PremiseSpoiled, client_greedy, cmdline, install,
@@ -212,7 +213,7 @@ def test_a_pool_killed_outright_leaves_nothing_behind(new_pool):
 
 
 # ---- 4. a worker stopped (SIGSTOP: a hang, not a death) -------------------------------------------
-FAULT_STREAMS = int(os.environ.get("ALLSPARK_FAULT_STREAMS", "8"))    # the load: 64 (slow runs)
+FAULT_STREAMS = FAULT_STREAMS_SETTING.get()    # the load: 64 (slow runs)
 
 
 def start_streams(client, n: int = FAULT_STREAMS) -> list:

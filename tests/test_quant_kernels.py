@@ -4,16 +4,16 @@ odd shapes, 1..64 rows, every ISA level this CPU has)."""
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 import torch
 
+from allspark_client import settings
 from allspark_server.compute import ops
 from allspark_server.compute import reference
 from allspark_server.quant.formats import FORMAT_IDS, FORMATS, QuantizedWeight, dequantize, pack4, quantize, unpack4
 
-needs_native = pytest.mark.skipif(os.environ.get("ALLSPARK_NO_NATIVE") == "1" or ops.native() is None,
+needs_native = pytest.mark.skipif(settings.NO_NATIVE.get() or ops.native() is None,
                                   reason="native path disabled")
 ROWS = [1, 2, 3, 4, 5, 8, 13, 16, 17, 31, 64]
 

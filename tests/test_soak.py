@@ -11,7 +11,6 @@ full soak, whose RSS bound is the issue's 5% (the short run allows 10%: its warm
 allocator to settle)."""
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
@@ -21,11 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 
 from allspark_client import GenerateRequestStatus
+from allspark_client.settings import SOAK_REQUESTS
 from allspark_client.types import AsStatus
 from helpers import collect, random_prompt
 from pool_helpers import MODEL, install, read_at_least, wait_until
 
-REQUESTS = int(os.environ.get("ALLSPARK_SOAK_REQUESTS", "400"))
+REQUESTS = SOAK_REQUESTS.get()
 IN_FLIGHT = 16
 WARM_UP = max(50, REQUESTS // 10)
 RSS_BOUND = 0.05 if REQUESTS >= 5000 else 0.10

@@ -10,6 +10,8 @@ import os
 import pytest
 import torch
 
+from allspark_client import settings
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")      # read when @triton.jit decorates: before the import
 pytest.importorskip("triton")
@@ -65,7 +67,7 @@ def test_gemv_silu_mul_equals_gemv_then_silu_mul(dtype, rows, inter, k, config, 
     assert_within_ulps(act, ops.silu_mul_reference(exact_linear(x, gate_up, bias)), 3, max_mismatch=0.05)
 
 
-def test_fits_only_decode_rows_of_half_precision_weights(monkeypatch):
+def test_fits_only_decode_rows_of_half_precision_weights():
     w = weight(8, 64, torch.bfloat16, seed=0)
     x = rows_view(2, 64, torch.bfloat16)
     assert gk.fits(x[:1], w) and gk.fits(x, w)
@@ -75,8 +77,9 @@ def test_fits_only_decode_rows_of_half_precision_weights(monkeypatch):
     assert not gk.fits(x, weight(64, 8, torch.bfloat16, seed=0).T), "a transposed (non-contiguous) weight"
     assert not gk.fits(x[:0], w), "no rows"
     assert gk.fits_silu_mul(x[:1], w) and not gk.fits_silu_mul(x, w), "the silu·mul epilogue at one row only"
-    monkeypatch.setenv("ALLSPARK_TRITON_GEMV", "0")
-    assert not gk.fits(x, w), "switched off"
+    with settings.override(TRITON_GEMV=False):
+        assert not gk.fits(x, w), "switched off"
+    assert gk.fits(x, w), "on again after the override"
 
 
 def test_cuda_backend_routes_decode_linears_through_the_gemv(monkeypatch):

@@ -17,6 +17,8 @@ from typing import Any, Optional
 
 import torch
 
+from allspark_client import settings
+
 
 SPIN_AFTER_MESSAGE_S = 0.02   # a worker between steps spins this long before it starts napping
 MIN_NAP_S, MAX_NAP_S = 0.0002, 0.005
@@ -87,8 +89,7 @@ class MpiComm:
         # every rank decides alike (start is collective): wanted everywhere, all GPUs in one host, and each rank
         # seeing every GPU of the pool (measured so; ranks that allspark-launch --gpus confines to their own GPU
         # keep NCCL, which maps its peers by itself)
-        want = (os.environ.get("ALLSPARK_PEER_ALLREDUCE", "1") != "0"
-                and torch.cuda.device_count() >= self.world_size)
+        want = settings.PEER_ALLREDUCE.get() and torch.cuda.device_count() >= self.world_size
         wants = self._c.allgather((socket.gethostname(), want))
         if all(want for _, want in wants) and len({host for host, _ in wants}) == 1:
             from allspark_server.compute.cuda import peer_allreduce

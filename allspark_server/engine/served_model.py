@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 import traceback
@@ -22,6 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from allspark_client import settings
 from allspark_client.result_queue import ResultQueue
 from allspark_client.types import AsEngineStat, GeneratedElements, GenerateRequestStatus
 from allspark_client.config import AsModelConfig
@@ -100,7 +100,7 @@ class ServedModel:
         # overlapped scheduling (GPU graphs): a decode step whose tokens are still on the GPU (_step_behind); in a
         # pool of GPU ranks rank 0 sends them to the others by NCCL broadcast (two H100s: batch-1 decode 1.57x one
         # GPU with it, 1.30x without)
-        self._overlap = runner.graphs is not None and os.environ.get("ALLSPARK_OVERLAP", "1") == "1"
+        self._overlap = runner.graphs is not None and settings.OVERLAP.get()
         self._launched: Optional[LaunchedStep] = None
         self._last_completed = 0.0
 
@@ -335,8 +335,8 @@ class ServedModel:
                 states.append(state)
         if not rows:
             return None
-        default = "background" if self.runner.device.type == "cuda" else "inline"
-        if os.environ.get("ALLSPARK_GUIDED_MASKS", default) == "background":
+        where = settings.GUIDED_MASKS.get() or ("background" if self.runner.device.type == "cuda" else "inline")
+        if where == "background":
             return rows, self._guided.start_masks(states)
         done = Future()
         done.set_result(self._guided.fill_masks(states))

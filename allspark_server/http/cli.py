@@ -13,7 +13,9 @@ import os
 import sys
 from typing import Optional
 
-API_KEY_ENV = "ALLSPARK_API_KEY"
+from allspark_client import settings
+
+API_KEY_ENV = settings.API_KEY.name
 GRACEFUL_SHUTDOWN_S = 10
 
 
@@ -56,7 +58,7 @@ def resolve_api_key(args) -> Optional[str]:
         if not key:
             raise SystemExit(f"allspark-serve: {args.api_key_file} holds no API key")
         return key
-    return os.environ.get(API_KEY_ENV) or None
+    return settings.API_KEY.get() or None
 
 
 def is_loopback(host: str) -> bool:

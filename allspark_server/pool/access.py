@@ -21,7 +21,7 @@ from typing import Optional
 
 import grpc
 
-from allspark_client.channel import TOKEN_ENV
+from allspark_client import settings
 
 log = logging.getLogger("allspark.access")
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
@@ -58,8 +58,8 @@ def read_token(token_file: Optional[str]) -> Optional[str]:
         token = _read(token_file, "token file").decode("utf-8", "replace").strip().splitlines()
         token = token[0].strip() if token else ""
         where = f"the token file {token_file!r}"
-    elif os.environ.get(TOKEN_ENV) is not None:
-        token, where = os.environ[TOKEN_ENV].strip(), f"${TOKEN_ENV}"
+    elif (env_token := settings.TOKEN.get()) is not None:
+        token, where = env_token.strip(), f"${settings.TOKEN.name}"
     else:
         return None
     if not token:
@@ -82,7 +82,7 @@ def access_from_args(args) -> Access:
                     tls_client_ca=_read(args.tls_client_ca, "client CA") if args.tls_client_ca else None,
                     socket_group=args.socket_group)
     if args.port is not None and args.allow_remote and not (access.tls and access.token):
-        missing = [m for m, ok in (("--tls-cert/--tls-key", access.tls), (f"--token-file or ${TOKEN_ENV}",
+        missing = [m for m, ok in (("--tls-cert/--tls-key", access.tls), (f"--token-file or ${settings.TOKEN.name}",
                                                                           access.token)) if not ok]
         raise AccessError(f"--allow-remote serves beyond this machine: it needs TLS and a token; missing "
                           f"{' and '.join(missing)}")

@@ -16,13 +16,14 @@ import socket
 import sys
 from typing import Optional
 
+from allspark_client import settings
 from allspark_client.launcher import RankPlacement, format_cpu_list, read_topology
 
 # (local rank, ranks on this host) as Open MPI, MPICH/Hydra and plain PMIx launchers set them
 LOCAL_RANK_ENV = (("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
                   ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
                   ("PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"))
-PLACED_ENV = "ALLSPARK_PLACED"      # set on the re-executed rank: it does not place itself twice
+PLACED_ENV = settings.PLACED.name      # set on the re-executed rank: it does not place itself twice
 
 
 class PlacementError(RuntimeError):
@@ -71,9 +72,9 @@ def numactl_argv(placement: RankPlacement, whole_node: bool, numactl: str, argv:
 def self_place(server_argv: list[str], env=None) -> Optional[str]:
     """Before MPI starts: pick this rank's cores; returns them as a --cpus list, or re-executes this process
     under numactl (never returns) when that keeps memory on the rank's node. None once already placed."""
-    env = os.environ if env is None else env
-    if env.get(PLACED_ENV):
+    if settings.PLACED.get() if env is None else settings.PLACED.read(env):
         return None
+    env = os.environ if env is None else env
     local_rank, local_size = local_rank_and_size(env)
     topo = read_topology()
     placement = place_on_host(local_rank, local_size, topo)

@@ -17,6 +17,7 @@ import threading
 import time
 import traceback
 
+from allspark_client import settings
 from allspark_client.launcher import default_socket_path, parse_cpu_list
 
 log = logging.getLogger("allspark.rank")
@@ -59,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--step-timeout", type=float, default=None,
                    help="seconds a pool step may take before the pool is declared hung: every stream ends in an "
                         "error and the pool exits non-zero (default: 10 s beyond the slowest step so far)")
-    p.add_argument("--log-level", default=os.environ.get("ALLSPARK_LOG_LEVEL", "INFO"))
+    p.add_argument("--log-level", default=settings.LOG_LEVEL.get())
     return p.parse_args(argv)
 
 

@@ -9,7 +9,6 @@ controller each see their share of it and ranks on separate NUMA nodes or GPUs s
 """
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections import Counter
@@ -19,6 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
+from allspark_client import settings
 from allspark_server.step.hugepages import to_hugepages
 
 _measured: dict[str, float] = {}
@@ -75,9 +75,9 @@ def bandwidth_gbs(device: torch.device) -> float:
     read 3-30% above the medians the benchmark measured around its decode runs on a shared 2-core VM (stop 18)."""
     key = str(device)
     if key not in _measured:
-        env = os.environ.get("ALLSPARK_MEMORY_BANDWIDTH_GBS")
-        if env:
-            _measured[key] = float(env)
+        given = settings.MEMORY_BANDWIDTH_GBS.get()
+        if given is not None:
+            _measured[key] = given
         elif device.type == "cuda":
             _measured[key] = gpu_copy_bandwidth_gbs(device)
         else:

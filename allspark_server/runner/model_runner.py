@@ -13,6 +13,7 @@ import os
 import psutil
 import torch
 
+from allspark_client import settings
 from allspark_client.config import AsModelConfig, parse_compute_unit
 from allspark_client.types import AsCacheMode
 from allspark_server.compute import ops
@@ -92,7 +93,7 @@ class ModelRunner:
             self.tier_slots = tier_slots
             self.tier = KVCache(self.args.num_layers, tier_slots, self.span_size, self.tp.local_kv_heads,
                                 self.args.head_dim, self.dtype, self.kv_mode, torch.device("cpu"), pinned=gpu)
-        if gpu and os.environ.get("ALLSPARK_CUDA_GRAPHS", "1") != "0":   # every rank captures (NCCL inside)
+        if gpu and settings.CUDA_GRAPHS.get():   # every rank captures (NCCL inside)
             from allspark_server.runner.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, self.kv, self.cfg.engine_max_batch,
                                        -(-self.cfg.engine_max_length // self.span_size), num_spans, self.span_size,
@@ -174,7 +175,7 @@ def rank_device(compute_unit: str, rank: int) -> torch.device:
     kind, ids = parse_compute_unit(compute_unit)
     if kind == "CPU":
         return torch.device("cpu")
-    launcher_gpu = os.environ.get("ALLSPARK_RANK_GPU")
+    launcher_gpu = settings.RANK_GPU.get()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if not torch.cuda.is_available():
         raise ValueError(f"compute_unit {compute_unit}: this process sees no CUDA device "
@@ -182,9 +183,9 @@ def rank_device(compute_unit: str, rank: int) -> torch.device:
     if rank >= len(ids):
         raise ValueError(f"compute_unit {compute_unit} names {len(ids)} GPU(s) for a pool of more ranks (rank {rank})")
     if launcher_gpu is not None:
-        if str(ids[rank]) != launcher_gpu.strip():
+        if ids[rank] != launcher_gpu:
             raise ValueError(f"compute_unit {compute_unit} gives rank {rank} GPU {ids[rank]}, but allspark-launch "
-                             f"gave this rank GPU {launcher_gpu} (ALLSPARK_RANK_GPU={launcher_gpu}, "
+                             f"gave this rank GPU {launcher_gpu} ({settings.RANK_GPU.name}={launcher_gpu}, "
                              f"CUDA_VISIBLE_DEVICES={visible!r}): name the launcher's GPUs in rank order")
         torch.cuda.set_device(0)   # the launcher's GPU is the only one this rank sees
         return torch.device("cuda", 0)

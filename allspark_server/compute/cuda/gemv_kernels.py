@@ -10,13 +10,13 @@ once too; only the order of the fp32 sum differs). More rows, fp32 or other layo
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from allspark_client import settings
 from allspark_server.compute.cuda import pdl
 from allspark_server.compute.cuda.fused_kernels import _round, _silu_mul_rounded
 from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
@@ -111,7 +111,7 @@ def choose_config(k: int) -> GemvConfig:
 
 def enabled() -> bool:
     """ALLSPARK_TRITON_GEMV=0 keeps every dense linear on cuBLAS (A/B runs)."""
-    return os.environ.get("ALLSPARK_TRITON_GEMV", "1") != "0"
+    return settings.TRITON_GEMV.get()
 
 
 def decode_rows(x: torch.Tensor, max_rows: int) -> bool:

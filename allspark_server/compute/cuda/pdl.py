@@ -15,11 +15,12 @@ interpreter never sees it.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from allspark_client import settings
 
 
 @triton.jit
@@ -45,7 +46,7 @@ def _capable(index: int) -> bool:
 def enabled(device: torch.device) -> bool:
     """Whether launches on `device` use PDL: a GPU of compute capability 9.0 or newer, compiled kernels (not
     the interpreter), and ALLSPARK_PDL not 0."""
-    if _INTERPRETED or device.type != "cuda" or os.environ.get("ALLSPARK_PDL", "1") == "0":
+    if _INTERPRETED or device.type != "cuda" or not settings.PDL.get():
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
