@@ -18,9 +18,58 @@ from stall_watch import StallWatch  # noqa: E402
 
 STALL_WATCH = StallWatch()
 
+# The test tiers (docs/testing.md): `python -m pytest -m unit` and so on. Each test file is in exactly one tier,
+# by TEST_FILE_TIERS below; the `gpu` marker also sits on single tests of other tiers' files (they skip without
+# a CUDA device).
+TIERS = {
+    "unit": "fast pure-Python units: no model built or compiled, no subprocess pool; the tier runs in under a minute",
+    "kernels": "native CPU kernels and Triton kernels (interpreted without a GPU) against references",
+    "models": "model families against transformers, the Engine end to end, quantized models",
+    "pool": "mpirun pools, gRPC, the launcher, the HTTP server end to end, multi-host, faults",
+    "gpu": "needs a CUDA device (skipped without one)",
+}
+TEST_FILE_TIERS = {
+    "test_batch_sampler.py": "unit", "test_core.py": "unit", "test_docs_commands.py": "unit",
+    "test_guided_units.py": "unit", "test_http_units.py": "unit", "test_hugepages.py": "unit", "test_lint.py": "unit",
+    "test_pdl.py": "unit", "test_peer_watch.py": "unit", "test_placement.py": "unit", "test_results_table.py": "unit",
+    "test_sampler_units.py": "unit", "test_settings.py": "unit", "test_step_watchdog.py": "unit",
+    "test_stream_order.py": "unit",
+
+    "test_alibi.py": "kernels", "test_native.py": "kernels", "test_parallel.py": "kernels",
+    "test_quant_kernels.py": "kernels", "test_triton_fused.py": "kernels", "test_triton_gemv.py": "kernels",
+    "test_triton_gemma.py": "kernels", "test_triton_kernels.py": "kernels", "test_triton_peer_allreduce.py": "kernels",
+    "test_triton_quant.py": "kernels",
+
+    "test_batching.py": "models", "test_benchmark_smoke.py": "models", "test_engine_api.py": "models",
+    "test_errors_config.py": "models", "test_errors_lifecycle.py": "models", "test_guided_engine.py": "models",
+    "test_hf_parity.py": "models", "test_kv_quant.py": "models", "test_memory_bandwidth.py": "models",
+    "test_model_families.py": "models", "test_overlap.py": "models", "test_prefix_cache.py": "models",
+    "test_quant_models.py": "models", "test_qwen_tokenizer.py": "models", "test_sampler_engine.py": "models",
+
+    "test_contract_generation.py": "pool", "test_contract_lifecycle.py": "pool", "test_fuzz.py": "pool",
+    "test_http_pool.py": "pool", "test_http_server.py": "pool", "test_launcher.py": "pool",
+    "test_launcher_gpus.py": "pool", "test_multi_host.py": "pool", "test_pool_access.py": "pool",
+    "test_pool_failures.py": "pool", "test_pool_grpc.py": "pool", "test_pool_slow_clients.py": "pool",
+    "test_soak.py": "pool", "test_tensor_parallel.py": "pool",
+
+    "test_cuda.py": "gpu",
+}
+
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    for tier, what in TIERS.items():
+        config.addinivalue_line("markers", f"{tier}: {what}")
+
+
+@pytest.hookimpl(tryfirst=True)         # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Marks every test with its file's tier; a test file that has none stops the run."""
+    untiered = sorted({item.path.name for item in items if item.path.name not in TEST_FILE_TIERS})
+    if untiered:
+        raise pytest.UsageError(f"test files without a tier: {', '.join(untiered)}; give each one in "
+                                f"TEST_FILE_TIERS (tests/conftest.py), see docs/testing.md")
+    for item in items:
+        item.add_marker(TEST_FILE_TIERS[item.path.name])
 
 
 @pytest.hookimpl(hookwrapper=True)
