@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from allspark_server.compute.cuda import fused_kernels as fk
 from allspark_server.compute.cuda import gemv_kernels as gk
 import common
-from cuda_quant_micro import copies_past_l2, per_call_us
+from cuda_common import copies_past_l2, per_call_us
 
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008),
           "lm_head": (32000, 4096), "qkv_tp2": (6144, 4096), "o_tp2": (4096, 2048), "gate_up_tp2": (11008, 4096),

@@ -15,9 +15,10 @@ import json
 
 import torch
 import torch.nn.functional as F
-import triton.testing
+import triton
 
 import common
+from cuda_common import copies_past_l2, per_call_us, time_us
 
 from allspark_server.compute.cuda import quant_kernels as qk
 from allspark_server.quant.formats import QuantizedWeight, quantize
@@ -26,24 +27,6 @@ SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "do
 VARIANTS = [("int8", -1), ("int4", 128), ("uint4", 64), ("int4", 32)]
 ROWS = [1, 8, 16, 32, 64, 128, 512, 2048]
 SWEPT = [("int8", -1), ("int4", 128)]     # the formats whose decode configs --sweep times
-
-
-def time_us(fn) -> float:
-    return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=20)
-
-
-def per_call_us(fn, ws: list) -> float:
-    """Microseconds a call of fn(w), replayed over every copy of a weight in turn (copies past L2's 50 MB: a decode
-    step reads each weight once, from memory)."""
-    return time_us(lambda: [fn(w) for w in ws]) / len(ws)
-
-
-COPIES_BYTES = 600 << 20      # what one timed call walks through: well past the 50 MB of L2
-
-
-def copies_past_l2(one_bytes: int) -> int:
-    """How many copies of a weight of `one_bytes` make COPIES_BYTES (at least 2)."""
-    return max(2, -(-COPIES_BYTES // one_bytes))
 
 
 def quant_copies(w: QuantizedWeight) -> list[QuantizedWeight]:

@@ -1,7 +1,7 @@
 """TTFT of an activate_quant int8 per-channel model (int8 + a8 + head) with and without the int8 GEMM, against the
 same weights in bf16, interleaved in one run.
 
-allspark_server/ops.py sends the prefill rows of such weights (up to INT8_GEMM_MAX_ROWS) to an int8 GEMM
+allspark_server/compute/ops.py sends the prefill rows of such weights (up to INT8_GEMM_MAX_ROWS) to an int8 GEMM
 (linear_int8_gemm) on CPUs with AMX int8, instead of dequantizing each weight into bf16 for oneDNN's bf16 GEMM. This
 measures both paths on the benchmark model of run.py, one Engine serving both models, `ops.INT8_GEMM` switched
 between the calls. Each round gives each of the three runs a fresh prompt of the same length (its own series: the
@@ -20,8 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import common             # noqa: E402
-import run as R            # noqa: E402  (benchmarks/run.py: the model, its quantization and runtime config)
+import common             # noqa: E402  (the benchmark model, its quantization and runtime config)
 import workloads as W      # noqa: E402
 
 RUNS = {"bf16": None, "int8_gemm": True, "dequantized": False}    # the value of ops.INT8_GEMM for each run
@@ -38,23 +37,23 @@ def main() -> None:
     from allspark_server import Engine, HuggingFaceModel
     from allspark_server.compute import ops
     torch.set_num_threads(a.threads)
-    spec = R.FULL
-    hf_dir = R.build_model(spec, "bfloat16")
+    spec = common.FULL
+    hf_dir = common.build_model(spec, "bfloat16")
     dense = HuggingFaceModel(hf_dir, "bench-bfloat16", user_set_data_type="bfloat16")
     dense.load_model().serialize_to_path(None, hf_dir, skip_if_exists=False).free_model()
     quant = HuggingFaceModel(hf_dir, "bench-int8-a8-head", user_set_data_type="bfloat16")
     quant.load_model().serialize_to_path(None, os.path.join(hf_dir, "quant"), enable_quant=True,
-                                         customized_quant_config=R.quant_variant("int8+a8+head")).free_model()
+                                         customized_quant_config=common.quant_variant("int8+a8+head")).free_model()
     engine = Engine()
     for loader in (dense, quant):
-        engine.install_model(R.runtime_cfg(loader, loader.model_name, spec, 8))
+        engine.install_model(common.runtime_cfg(loader, loader.model_name, spec, 8))
         engine.start_model(loader.model_name)
 
     def first_token_s(run: str, ids: list[int]) -> float:
         ops.INT8_GEMM = RUNS[run]
         return W.first_token_s(engine, dense.model_name if run == "bf16" else quant.model_name, ids)
 
-    report = {"machine": R.machine_name(), "threads": a.threads, "cpu_has_amx_int8": "amx_int8" in ops.cpu_flags(),
+    report = {"machine": common.machine_name(), "threads": a.threads, "cpu_has_amx_int8": "amx_int8" in ops.cpu_flags(),
               "repeats": a.repeats, "ttft": {}}
     try:
         order = list(RUNS)
@@ -78,7 +77,7 @@ def main() -> None:
     finally:
         ops.INT8_GEMM = None
         engine.shutdown()
-    R.write_report(a.json, report)
+    common.write_report(a.json, report)
 
 
 if __name__ == "__main__":

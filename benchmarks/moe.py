@@ -7,7 +7,7 @@ The model: Qwen3-MoE-shaped, random bf16 weights (hidden 1024, 12 layers, 32 exp
 heads of 128; --quick: a smaller one). A decode token reads every non-expert tensor (the embedding one row), the
 k experts its router picks in each MoE layer (k/E of that layer's expert bytes: every expert has the same size) and
 its KV cache; counted from the serialized model file, not from the engine. Roofline = copy bandwidth / those bytes,
-the bandwidth measured around each run (run.py's decode_rounds: the engines interleave round by round).
+the bandwidth measured around each run (cpu_rounds.decode_rounds: the engines interleave round by round).
 """
 from __future__ import annotations
 
@@ -20,8 +20,11 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-import run  # noqa: E402  (sets the OpenMP environment before torch loads)
+
+common.spin_openmp()    # before torch loads: transformers shares the process with the Engine
+
 import workloads as W  # noqa: E402
+from cpu_rounds import decode_rounds  # noqa: E402
 
 FULL = dict(hidden_size=1024, num_layers=12, num_heads=8, num_kv_heads=4, head_dim=128, num_experts=32, top_k=4,
             moe_intermediate_size=512, vocab=512, new_tokens=96, repeats=5, concurrency=8, prompt=128)
@@ -99,11 +102,11 @@ def main() -> None:
            .max_length(spec["prompt"] + n + 16).build())
     engine.install_model(cfg)
     engine.start_model("bench-moe")
-    report = {"machine": run.machine_name(), "spec": spec, "threads": a.threads,
+    report = {"machine": common.machine_name(), "spec": spec, "threads": a.threads,
               "params_m": sum(t.numel() for t in hf.parameters()) / 1e6, "bytes_per_token": nbytes}
     decoders = {"allspark": lambda r: W.decode_tps(engine, "bench-moe", vocab, n, seed=r),
                 "transformers": lambda r: W.hf_decode_tps(hf, vocab, n, seed=r)}
-    report["decode_b1"] = run.decode_rounds(decoders, nbytes["active"], spec["repeats"])
+    report["decode_b1"] = decode_rounds(decoders, nbytes["active"], spec["repeats"])
     print(json.dumps({k: v for k, v in report["decode_b1"].items() if k != "decode_b1_tps_by_round"}, indent=1),
           flush=True)
     c = spec["concurrency"]
@@ -114,7 +117,7 @@ def main() -> None:
     engine.stop_model("bench-moe")
     engine.release_model("bench-moe")
     engine.shutdown()
-    run.write_report(a.json, report)
+    common.write_report(a.json, report)
 
 
 if __name__ == "__main__":

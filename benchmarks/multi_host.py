@@ -24,7 +24,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 import common  # noqa: E402
-import run as R  # noqa: E402
+
+common.spin_openmp()    # before torch loads, as run.py (the pools started from here inherit it)
+
 import workloads as W  # noqa: E402
 from netns_hosts import NetnsHosts  # noqa: E402
 
@@ -50,13 +52,13 @@ def main() -> None:
         raise SystemExit(f"multi_host benchmark: {why}")
     from allspark_client import ClientEngine
     from allspark_server import HuggingFaceModel
-    spec = R.QUICK if a.quick else R.FULL
+    spec = common.QUICK if a.quick else common.FULL
     rounds = a.rounds or spec["decode_repeats"]
-    hf_dir = R.build_model(spec, a.dtype)
+    hf_dir = common.build_model(spec, a.dtype)
     loader = HuggingFaceModel(hf_dir, f"bench-{a.dtype}", user_set_data_type=a.dtype)
     loader.load_model().serialize_to_path(None, hf_dir, skip_if_exists=False).free_model()
     name, vocab, n = loader.model_name, spec["vocab"], spec["new_tokens"]
-    cfg = R.runtime_cfg(loader, name, spec, 4)
+    cfg = common.runtime_cfg(loader, name, spec, 4)
 
     hosts = NetnsHosts(2)
     launcher = None
@@ -80,7 +82,7 @@ def main() -> None:
         ratio = statistics.median(b / a for a, b in zip(by_round["pool_1_host"], by_round["pool_2_hosts"]))
         with open(os.path.join(hosts.dir, "pool.log"), errors="replace") as f:
             layout = [line.split(" INFO ", 1)[-1].strip() for line in f if " on allspark-host" in line]
-        report = {"machine": R.machine_name(), "python": platform.python_version(), "model": spec,
+        report = {"machine": common.machine_name(), "python": platform.python_version(), "model": spec,
                   "dtype": a.dtype, "new_tokens": n, "rounds": rounds, "layout_2_hosts": layout,
                   "decode_b1_tps_by_round": by_round,
                   "decode_b1_tps": {k: statistics.median(v) for k, v in by_round.items()},

@@ -23,7 +23,7 @@ from allspark_client.config import AsModelRuntimeConfigBuilder  # noqa: E402
 from allspark_client.types import TargetDevice  # noqa: E402
 from allspark_server.dist.comm import get_comm  # noqa: E402
 from allspark_server.runner.model_runner import install_runner  # noqa: E402
-from cuda_bench import graph_replay_ms  # noqa: E402
+from cuda_common import graph_replay_ms  # noqa: E402
 
 
 def main() -> None:

@@ -38,7 +38,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-import run  # noqa: E402  (sets the OpenMP environment before torch loads)
+
+common.spin_openmp()    # before torch loads, as run.py (the server started from here inherits it)
+
 import workloads as W  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -249,14 +251,14 @@ def main() -> None:
                    "(--burst: serve-burst-<machine>.json; --quick: under results/quick/)")
     a = p.parse_args()
     a.json = a.json or common.result_path("serve-burst" if a.burst else "serve", quick=a.quick)
-    spec = dict(run.QUICK if a.quick else run.FULL, vocab=VOCAB)
-    hf_dir = run.build_model(spec, "bfloat16")
+    spec = dict(common.QUICK if a.quick else common.FULL, vocab=VOCAB)
+    hf_dir = common.build_model(spec, "bfloat16")
     from allspark_server.loader.tiny_model import build_tokenizer
     if not os.path.exists(os.path.join(hf_dir, "tokenizer.json")):
         build_tokenizer(hf_dir)
     prompts = [W.prompt(a.prompt, 100 + i, VOCAB) for i in range(a.burst)]
     one_by_one = [W.prompt(a.prompt, 5000 + i, VOCAB) for i in range(a.sequential)]   # not the load's: no cache hits
-    report = {"machine": run.machine_name(), "spec": spec, "threads": a.threads, "requests": a.burst or a.requests,
+    report = {"machine": common.machine_name(), "spec": spec, "threads": a.threads, "requests": a.burst or a.requests,
               "prompt": a.prompt, "max_tokens": a.max_tokens, "server_args": a.server_args}
     if a.burst:
         proc, base_url = start_server(hf_dir, a, a.server_args.split())
@@ -266,7 +268,7 @@ def main() -> None:
             proc.terminate()
             proc.wait(timeout=60)
         print(json.dumps(report["burst"]), flush=True)
-        run.write_report(a.json, report)
+        common.write_report(a.json, report)
         return
 
     import torch
@@ -326,7 +328,7 @@ def main() -> None:
         report["http_vs_engine_sequential"] = {"tpot_median_ratio": h["tpot_median_ms"] / e["tpot_median_ms"],
                                                "ttft_median_added_ms": h["ttft_median_ms"] - e["ttft_median_ms"]}
     print(json.dumps({k: v for k, v in report.items() if k.startswith("http_vs")}, indent=1))
-    run.write_report(a.json, report)
+    common.write_report(a.json, report)
 
 
 if __name__ == "__main__":

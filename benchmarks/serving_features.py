@@ -23,6 +23,7 @@ import statistics
 import threading
 import time
 
+import common
 import workloads as W
 
 NEW_TOKENS = 32
@@ -221,7 +222,6 @@ def mbu_section(loader, vocab: int, decode_tokens: int = 128, repeats: int = 3) 
     for the same batch-1 decode: tokens/s x bytes per token (from the model file's tensors, not the engine's count)
     / the copy bandwidth measured around the run."""
     import machine
-    from run import file_bytes_per_token
     from allspark_server import Engine
     engine = Engine()
     install(engine, loader, "mbu", True)
@@ -235,7 +235,7 @@ def mbu_section(loader, vocab: int, decode_tokens: int = 128, repeats: int = 3) 
         stat = engine.get_as_engine_stat("mbu")    # its window (10 s) holds this run's decode steps
         bw = (bw_before + machine.copy_bandwidth()) / 2
         ctx = W.DECODE_PROMPT_LEN + decode_tokens / 2                                    # mean context
-        per_token = file_bytes_per_token(loader.weights_path, int(ctx * kv_token))
+        per_token = common.file_bytes_per_token(loader.weights_path, int(ctx * kv_token))
         rows.append({"engine_mbu": stat.memory_bandwidth_utilization, "engine_bandwidth_gbs": stat.memory_bandwidth_gbs,
                      "benchmark_roofline_ratio": per_token / x["tpot"] / (bw * 1e9), "copy_gbs_around": bw})
         time.sleep(11)                             # the next run's window starts empty
@@ -251,12 +251,13 @@ def mbu_section(loader, vocab: int, decode_tokens: int = 128, repeats: int = 3) 
 SECTIONS = ("guided", "prefix", "pool", "mbu")
 
 
-def main(spec: dict, build_model, save, sections=SECTIONS, report=None) -> dict:
+def main(spec: dict, save, sections=SECTIONS, report=None) -> dict:
+    """The sections' report (`report`'s other sections kept); `save(report)` after each section."""
     import os
     from allspark_server import HuggingFaceModel
     from allspark_server.loader.tiny_model import build_tokenizer
     report = dict(report or {}, spec=spec)
-    hf_dir = build_model(spec, "bfloat16")
+    hf_dir = common.build_model(spec, "bfloat16")
     if not os.path.exists(os.path.join(hf_dir, "tokenizer.json")):   # guided output needs one (512 tokens)
         build_tokenizer(hf_dir)
     loader = HuggingFaceModel(hf_dir, "bench-features", user_set_data_type="bfloat16")

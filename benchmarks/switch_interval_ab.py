@@ -2,7 +2,7 @@
 
 The Engine's thread gives the GIL away at every torch call (torch releases it there); with 128 consumer threads
 woken every step, getting it back can take up to the switch interval (5 ms by default) each time. This runs the
-concurrent rows of cuda_bench.py (128 in / 128 out, `--num` requests together, Llama-2-7B shape, bf16) with
+concurrent rows of cuda_rows.py (128 in / 128 out, `--num` requests together, Llama-2-7B shape, bf16) with
 each switch interval in turn, round by round, and reports decode-only tokens/s, the decode steps' GPU time and
 the step profile's wall time and sampler launch per interval.
 
@@ -18,8 +18,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import torch  # noqa: E402
+
 import common  # noqa: E402
-import cuda_bench as CB  # noqa: E402
+import cuda_common as CC  # noqa: E402
+from cuda_rows import engine_concurrent  # noqa: E402
 
 
 def main() -> None:
@@ -31,24 +34,24 @@ def main() -> None:
     a = p.parse_args()
     a.json = a.json or common.result_path("switch-interval", "cuda")
     from allspark_server import Engine
-    layers = CB.LLAMA2_7B["num_hidden_layers"]
-    root = CB.bench_root(layers)
-    CB.build_model(root, layers)
-    loader = CB.serialized_bench_model(root)
+    layers = CC.LLAMA2_7B["num_hidden_layers"]
+    root = CC.bench_root(layers)
+    CC.build_model(root, layers)
+    loader = CC.serialized_bench_model(root)
     max_batch = max(a.num)
     cfg = (loader.create_reference_runtime_config_builder("bench-cuda", "cuda", [0], max_batch=max_batch)
-           .max_length(CB.CONC_PROMPT + CB.CONC_NEW + 16).kv_cache_span_size(32)
-           .kv_cache_memory(max_batch * (CB.CONC_PROMPT + CB.CONC_NEW + 32) * CB.kv_bytes_per_token(layers)).build())
+           .max_length(CC.CONC_PROMPT + CC.CONC_NEW + 16).kv_cache_span_size(32)
+           .kv_cache_memory(max_batch * (CC.CONC_PROMPT + CC.CONC_NEW + 32) * CC.kv_bytes_per_token(layers)).build())
     engine = Engine()
     engine.install_model(cfg)
     engine.start_model("bench-cuda")
-    CB.engine_concurrent(engine, 16)   # warm-up
+    engine_concurrent(engine, 16)   # warm-up
     runs = {f"{iv}ms_c{n}": [] for iv in a.intervals_ms for n in a.num}
     for _ in range(a.rounds):
         for n in a.num:
             for iv in a.intervals_ms:
                 sys.setswitchinterval(iv / 1e3)
-                row = CB.engine_concurrent(engine, n)
+                row = engine_concurrent(engine, n)
                 ahead = row["steps"].get(f"decode b{n} ahead", {})
                 runs[f"{iv}ms_c{n}"].append({"decode_tps": row["allspark_decode_tps"], "tps": row["allspark_tps"],
                                              "gpu_ms": row[f"graph_step_gpu_ms_b{n}"],
@@ -56,7 +59,7 @@ def main() -> None:
                                              "sampler_ms": ahead.get("sampler.start_rows_ms")})
                 print(iv, n, runs[f"{iv}ms_c{n}"][-1], flush=True)
     sys.setswitchinterval(0.005)
-    report = {"device": CB.torch.cuda.get_device_name(), "runs": runs,
+    report = {"device": torch.cuda.get_device_name(), "runs": runs,
               "medians": {k: {f: statistics.median(r[f] for r in v if r[f] is not None) for f in v[0]}
                           for k, v in runs.items()}}
     with open(a.json, "w") as f:
