@@ -19,9 +19,9 @@ def decode_rounds(decoders: dict, bytes_per_tok, repeats: int) -> dict:
     the same phases of this shared VM (its bandwidth drifts by tens of percent within minutes, sometimes
     within seconds). The copy bandwidth is measured before the round and after each run; the round's
     roofline uses the median of those, for every engine alike; `bytes_per_tok` is one number for all engines
-    or a dict by engine. (Per-run brackets were tried: a single copy
-    measurement also catches what the neighbouring run leaves behind, and in one full run the Engine and the
-    pool decoded at the same speed in the same rounds yet came out 0.78 and 0.85 of "their" rooflines.)
+    or a dict by engine. (Not a bracket per run: a single copy measurement also catches what the neighbouring
+    run leaves behind, so two engines decoding at the same speed in one round could come out at different
+    fractions of "their" rooflines.)
     Per engine: medians over rounds of tokens/s, of the roofline ratio and of the bandwidth, and
     `decode_b1_vs_allspark`, the median over rounds of its tokens/s over the Engine's in the same round;
     `decode_b1_tps_by_round`: every engine's tokens/s per round, for any other pairing (`same_round_ratio`).

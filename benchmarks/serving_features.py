@@ -1,4 +1,4 @@
-"""Benchmarks of the serving features (issue 11): the prefix cache and guided JSON output.
+"""Benchmarks of the serving features: the prefix cache and guided JSON output.
 
     python benchmarks/run.py --features [--quick] [--sections guided prefix pool mbu] [--json PATH]
 

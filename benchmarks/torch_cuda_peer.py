@@ -1,4 +1,4 @@
-"""The plain-PyTorch GPU decode step that issue 10's targets are measured against (a benchmark peer).
+"""The plain-PyTorch GPU decode step the GPU benchmark measures the Engine against (a benchmark peer).
 
 A Llama decoder written the way a careful PyTorch user would (gpt-fast's recipe): the HF weights with q/k/v
 and gate/up concatenated, a static KV cache [layers, batch, kv heads, max length, head dim], cuBLAS GEMMs,
