@@ -18,10 +18,11 @@ def native_extensions():
                                                    "native/gemv_quant_avx2.cpp", "native/gemv_quant_avx512.cpp",
                                                    "native/span_attention.cpp", "native/span_attention_quant.cpp",
                                                    "native/rms_norm.cpp", "native/rotary.cpp",
-                                                   "native/decode_block.cpp", "native/decode_stack.cpp", "native/moe.cpp",
+                                                   "native/decode_steps.cpp", "native/activations.cpp",
+                                                   "native/decode_stack.cpp", "native/moe.cpp",
                                                    "native/parallel.cpp"],
                        depends=["native/kernels.h", "native/simd.h", "native/parallel.h", "native/attention_common.h",
-                                "native/gemv_quant.h"],      # rebuild when a header changes
+                                "native/gemv_quant.h", "native/steps.h"],      # rebuild when a header changes
                        extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"])
     # ninja (requirements.txt) compiles the files in parallel (MAX_JOBS, default: every core); without it
     # setuptools compiles them one after another

@@ -40,15 +40,21 @@ __attribute__((always_inline)) inline void group_output(const float* acc, const 
 // 4 KV heads, D 128, 200 tokens, 2 threads): bf16 ~90 -> ~45 us per layer, fp32 ~92 -> ~72 us.
 constexpr int64_t PREFETCH_AHEAD = 16;
 
-// rows[t] = the cache row (slot * KVH + g) of the sequence's key t < ctx for KV head g, filled span by span: the
-// kernels index rows by it rather than dividing t by the span size for every key (three 64-bit divisions a key
-// made ~1/4 of an AVX-512 attention's time at 2048 tokens)
-inline void key_rows(const int64_t* spans, int64_t ctx, int64_t P, int64_t KVH, int64_t g, int64_t* rows) {
-  for (int64_t t0 = 0, i = 0; t0 < ctx; t0 += P, ++i) {
-    const int64_t first = spans[i] * P, n = std::min(P, ctx - t0);
-    for (int64_t o = 0; o < n; ++o) rows[t0 + o] = (first + o) * KVH + g;
+// rows[t - first] = the cache row (slot * KVH + g) of the sequence's key t in [first, ctx) for KV head g, filled span
+// by span: the kernels index rows by it rather than dividing t by the span size for every key (three 64-bit
+// divisions a key made ~1/4 of an AVX-512 attention's time at 2048 tokens). first > 0 (a sliding window): the spans
+// wholly before key `first` are not looked up, so nothing of them is ever read.
+inline void key_rows(const int64_t* spans, int64_t ctx, int64_t P, int64_t KVH, int64_t g, int64_t* rows,
+                     int64_t first = 0) {
+  for (int64_t t0 = first - first % P, i = first / P; t0 < ctx; t0 += P, ++i) {
+    const int64_t base = spans[i] * P, n = std::min(P, ctx - t0);
+    for (int64_t o = std::max<int64_t>(0, first - t0); o < n; ++o) rows[t0 + o - first] = (base + o) * KVH + g;
   }
 }
+
+// The keys a query at position ctx - 1 sees: [window_start(ctx, window), ctx). window > 0 (Gemma 2's sliding
+// layers) keeps the keys t with (ctx - 1) - t < window, as HF's sliding-window mask; 0 keeps them all.
+inline int64_t window_start(int64_t ctx, int64_t window) { return window > 0 && window < ctx ? ctx - window : 0; }
 
 template <int Locality>
 __attribute__((always_inline)) inline void prefetch_row(const void* row, int64_t nbytes) {
@@ -69,8 +75,10 @@ __attribute__((always_inline)) inline void prefetch_for_key(const void* k_cache,
   prefetch_row<2>(v + rows[t] * row_bytes, row_bytes);
 }
 
-// ALiBi (allspark_server/layers/alibi.py): the G score rows [ctx] of one query at position ctx - 1 get
-// slope_h * (t - (ctx - 1)) added, slopes [G] the group's; no slopes (null), no bias
+// ALiBi (allspark_server/compute/alibi.py): the G score rows [ctx] of one query at position ctx - 1 get
+// slope_h * (t - (ctx - 1)) added, slopes [G] the group's; no slopes (null), no bias. Under a sliding window the
+// rows hold keys first .. first + ctx - 1 of a context of first + ctx tokens: score i is key first + i's, and
+// (first + i) - (first + ctx - 1) = i - (ctx - 1), so the bias is the one of the true key positions.
 __attribute__((always_inline)) inline void add_alibi(float* scores, int64_t ctx, int64_t G, const float* slopes) {
   if (slopes == nullptr) return;
   for (int64_t h = 0; h < G; ++h) {
@@ -87,6 +95,47 @@ inline const float* alibi_data(const std::optional<torch::Tensor>& slopes, int64
                   slopes->is_contiguous() && slopes->device().is_cpu(),
               "decode_attention: alibi_slopes must be a contiguous fp32 CPU tensor [heads = ", H, "]");
   return slopes->data_ptr<float>();
+}
+
+// the softcap argument of a decode attention call as the kernels take it: 0 (none) or a finite cap > 0
+inline float softcap_value(double softcap) {
+  const float cap = static_cast<float>(softcap);
+  TORCH_CHECK(softcap == 0.0 || (std::isfinite(cap) && cap > 0.f),
+              "decode_attention: softcap must be 0 (no soft-capping) or a positive fp32 number, not ", softcap);
+  return cap;
+}
+
+// Logit soft-capping (Gemma 2): each of the n scores s (already scaled) becomes cap * tanh(s / cap), as HF computes it
+// (divide, tanh, multiply, in fp32), before any bias and the softmax. The kernels call it only when cap > 0, once
+// per (sequence, KV head) task, so uncapped attention does no extra work per score. Portable: std::tanh.
+inline void softcap_scores(float* scores, int64_t n, float cap) {
+  for (int64_t i = 0; i < n; ++i) scores[i] = cap * std::tanh(scores[i] / cap);
+}
+
+// the same with simd::tanh16 (a few ulp from std::tanh)
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+inline void softcap_scores_avx512(float* scores, int64_t n, float cap) {
+  const __m512 c = _mm512_set1_ps(cap);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 s = _mm512_maskz_loadu_ps(mask, scores + i);
+    _mm512_mask_storeu_ps(scores + i, mask, _mm512_mul_ps(c, simd::tanh16(_mm512_div_ps(s, c))));
+  }
+}
+
+// the same with simd::tanh8; the last n % 8 scores as one vector with the other lanes zero
+__attribute__((target("avx2,fma")))
+inline void softcap_scores_avx2(float* scores, int64_t n, float cap) {
+  const __m256 c = _mm256_set1_ps(cap);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(scores + i, _mm256_mul_ps(c, simd::tanh8(_mm256_div_ps(_mm256_loadu_ps(scores + i), c))));
+  if (i < n) {
+    alignas(32) float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::copy(scores + i, scores + n, tail);
+    _mm256_store_ps(tail, _mm256_mul_ps(c, simd::tanh8(_mm256_div_ps(_mm256_load_ps(tail), c))));
+    std::copy(tail, tail + (n - i), scores + i);
+  }
 }
 
 // Each of the G score rows [ctx] becomes exp(s - max) in place, rounded to W (the precision the weights

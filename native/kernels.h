@@ -63,15 +63,22 @@ torch::Tensor linear_widened(const torch::Tensor& x, const Weight& w, const std:
 // ATen's GEMM (on the dequantized weight for quantized ones)
 torch::Tensor project(const torch::Tensor& x, const Weight& w, const std::optional<torch::Tensor>& b, int64_t isa,
                       int64_t native_rows);
-// alibi_slopes [H] fp32 (ALiBi models): key t's score gets slope_h * (t - (ctx - 1))
+// alibi_slopes [H] fp32 (ALiBi models): key t's score gets slope_h * (t - (ctx - 1)); softcap > 0 (Gemma 2): each
+// score s = scale * q . k becomes softcap * tanh(s / softcap) before the bias; window > 0 (Gemma 2's sliding layers):
+// only keys t >= ctx - window are attended (and read). softcap 0 / window 0: as without them, bit for bit.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor spans,
                                torch::Tensor ctx, double scale, int64_t isa,
-                               std::optional<torch::Tensor> alibi_slopes = std::nullopt);
+                               std::optional<torch::Tensor> alibi_slopes = std::nullopt, double softcap = 0.0,
+                               int64_t window = 0);
+// test hook (span_attention.cpp): cap * tanh(x / cap) for fp32 x, as the decode attention soft-caps scores at this
+// ISA level (2+: AVX-512, 1: AVX2, 0: portable)
+torch::Tensor softcap_scores(torch::Tensor x, double cap, int64_t isa);
 // quantized KV spans (span_attention_quant.cpp): codes int8 [S, P, KVH, D] or uint8 [.., D/2], params fp32 [.., 2]
 torch::Tensor decode_attention_quant(torch::Tensor q, torch::Tensor k_codes, torch::Tensor k_param,
                                      torch::Tensor v_codes, torch::Tensor v_param, torch::Tensor spans,
                                      torch::Tensor ctx, double scale, int64_t isa,
-                                     std::optional<torch::Tensor> alibi_slopes = std::nullopt);
+                                     std::optional<torch::Tensor> alibi_slopes = std::nullopt, double softcap = 0.0,
+                                     int64_t window = 0);
 void store_kv_quant(torch::Tensor k, torch::Tensor v, torch::Tensor k_codes, torch::Tensor k_param,
                     torch::Tensor v_codes, torch::Tensor v_param, torch::Tensor slots);
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
@@ -79,27 +86,11 @@ std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor
 std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos,
                                                 torch::Tensor sin, int64_t isa);
 torch::Tensor silu_mul(torch::Tensor gate_up, int64_t isa);
+// activations.cpp: gelu_tanh(gate) * up for gate_up [T, 2I] -> [T, I] (Gemma 2's MLP), HF's roundings
+torch::Tensor gelu_tanh_mul(torch::Tensor gate_up, int64_t isa);
 void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
-// cos = sin = nullopt: no rotary (ALiBi models pass their alibi_slopes instead)
-std::tuple<torch::Tensor, torch::Tensor> decode_attention_block(
-    torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor norm_weight, double eps,
-    Weight qkv_weight, std::optional<torch::Tensor> qkv_bias, int64_t num_heads, int64_t num_kv_heads,
-    std::optional<torch::Tensor> cos, std::optional<torch::Tensor> sin, torch::Tensor k_cache,
-    torch::Tensor v_cache, torch::Tensor slots,
-    torch::Tensor spans, torch::Tensor ctx, double scale, Weight o_weight, int64_t isa, int64_t native_rows,
-    std::optional<torch::Tensor> k_param = std::nullopt, std::optional<torch::Tensor> v_param = std::nullopt,
-    std::optional<torch::Tensor> q_norm = std::nullopt, std::optional<torch::Tensor> k_norm = std::nullopt,
-    std::optional<torch::Tensor> alibi_slopes = std::nullopt);
-// moe.cpp: a decode step's mixture-of-experts MLP (norm included), and the experts alone
+// moe.cpp: the experts of a mixture-of-experts MLP on a decode step's normed rows
 torch::Tensor moe_experts(const torch::Tensor& h, const torch::Tensor& router, const std::vector<Weight>& gate_up,
                           const std::vector<Weight>& down, int64_t top_k, bool norm_topk,
                           const std::optional<Weight>& shared_gate_up, const std::optional<Weight>& shared_down,
                           const std::optional<torch::Tensor>& shared_gate, int64_t isa, int64_t native_rows);
-std::tuple<torch::Tensor, torch::Tensor> decode_moe_block(
-    torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor norm_weight, double eps,
-    torch::Tensor router, std::vector<Weight> gate_up, std::vector<Weight> down, int64_t top_k, bool norm_topk,
-    std::optional<Weight> shared_gate_up, std::optional<Weight> shared_down, std::optional<torch::Tensor> shared_gate,
-    int64_t isa, int64_t native_rows);
-std::tuple<torch::Tensor, torch::Tensor> decode_mlp_block(
-    torch::Tensor x, torch::Tensor residual, torch::Tensor norm_weight, double eps, Weight gate_up_weight,
-    std::optional<torch::Tensor> gate_up_bias, Weight down_weight, int64_t isa, int64_t native_rows);

@@ -14,7 +14,7 @@
 #include "kernels.h"
 #include "parallel.h"
 
-void bind_decode_stack(pybind11::module_& m);   // decode_stack.cpp
+void bind_decode_stack(pybind11::module_& m);   // decode_stack.cpp: the step descriptors and the stack
 
 namespace {
 
@@ -82,12 +82,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one-token attention per sequence over span KV caches", nogil,
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("spans"),
         pybind11::arg("ctx"), pybind11::arg("scale"), pybind11::arg("isa"),
-        pybind11::arg("alibi_slopes") = pybind11::none());
+        pybind11::arg("alibi_slopes") = pybind11::none(), pybind11::arg("softcap") = 0.0,
+        pybind11::arg("window") = 0);
   m.def("decode_attention_quant", &decode_attention_quant,
         "one-token attention per sequence over quantized (int8 / uint4) span KV caches", nogil, pybind11::arg("q"),
         pybind11::arg("k_codes"), pybind11::arg("k_param"), pybind11::arg("v_codes"), pybind11::arg("v_param"),
         pybind11::arg("spans"), pybind11::arg("ctx"), pybind11::arg("scale"), pybind11::arg("isa"),
-        pybind11::arg("alibi_slopes") = pybind11::none());
+        pybind11::arg("alibi_slopes") = pybind11::none(), pybind11::arg("softcap") = 0.0,
+        pybind11::arg("window") = 0);
   m.def("store_kv_quant", &store_kv_quant, "quantize k [B, KVH, D] and v [B, KVH*D] rows into their cache slots",
         nogil, pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("k_codes"), pybind11::arg("k_param"),
         pybind11::arg("v_codes"), pybind11::arg("v_param"), pybind11::arg("slots"));
@@ -99,30 +101,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("isa"));
   m.def("silu_mul", &silu_mul, "silu(gate) * up for gate_up [T, 2I], HF's roundings", nogil,
         pybind11::arg("gate_up"), pybind11::arg("isa"));
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu(gate, approximate='tanh') * up for gate_up [T, 2I], HF's roundings",
+        nogil, pybind11::arg("gate_up"), pybind11::arg("isa"));
+  m.def("softcap_scores", &softcap_scores, "test hook: cap * tanh(x / cap) for fp32 x as the decode attention "
+        "soft-caps its scores at this ISA level", nogil, pybind11::arg("x"), pybind11::arg("cap"),
+        pybind11::arg("isa"));
   m.def("store_kv", &store_kv, "write k [B, KVH, D] and v [B, KVH*D] rows into their cache slots", nogil,
         pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
         pybind11::arg("slots"));
-  m.def("decode_attention_block", &decode_attention_block,
-        "norm, qkv, rotary, cache write, attention, o projection for a decode-only step (decode_block.cpp)", nogil,
-        pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("norm_weight"), pybind11::arg("eps"),
-        pybind11::arg("qkv_weight"), pybind11::arg("qkv_bias"), pybind11::arg("num_heads"),
-        pybind11::arg("num_kv_heads"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("k_cache"),
-        pybind11::arg("v_cache"), pybind11::arg("slots"), pybind11::arg("spans"), pybind11::arg("ctx"),
-        pybind11::arg("scale"), pybind11::arg("o_weight"), pybind11::arg("isa"), pybind11::arg("native_rows"),
-        pybind11::arg("k_param") = pybind11::none(), pybind11::arg("v_param") = pybind11::none(),
-        pybind11::arg("q_norm") = pybind11::none(), pybind11::arg("k_norm") = pybind11::none(),
-        pybind11::arg("alibi_slopes") = pybind11::none());
-  m.def("decode_mlp_block", &decode_mlp_block, "norm, gate/up, silu*mul, down projection for a decode-only step",
-        nogil,
-        pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("norm_weight"), pybind11::arg("eps"),
-        pybind11::arg("gate_up_weight"), pybind11::arg("gate_up_bias"), pybind11::arg("down_weight"),
-        pybind11::arg("isa"), pybind11::arg("native_rows"));
-  m.def("decode_moe_block", &decode_moe_block,
-        "norm and the mixture-of-experts MLP for a decode-only step, reading only the chosen experts (moe.cpp)", nogil,
-        pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("norm_weight"), pybind11::arg("eps"),
-        pybind11::arg("router"), pybind11::arg("gate_up_weights"), pybind11::arg("down_weights"),
-        pybind11::arg("top_k"), pybind11::arg("norm_topk_prob"), pybind11::arg("shared_gate_up"),
-        pybind11::arg("shared_down"), pybind11::arg("shared_gate"), pybind11::arg("isa"), pybind11::arg("native_rows"));
   bind_decode_stack(m);
   m.def("parallel_chunks", &parallel_chunks, "test hook: how allspark::parallel_for split [begin, end)", nogil,
         pybind11::arg("begin"), pybind11::arg("end"), pybind11::arg("grain"), pybind11::arg("throw_at"),

@@ -1,10 +1,10 @@
 // Mixture-of-experts MLP for a decode-only step (layers/moe.py has the math and the Python twin, ops.moe):
 //
-//   s = x + residual; h = RMSNorm(s); p = softmax(h . W_router^T) in fp32; the top k of p per row (divided by
+//   p = softmax(h . W_router^T) in fp32 (h: the normed hidden state); the top k of p per row (divided by
 //   their sum when norm_topk); for each expert e in increasing order, over the rows routed to it:
 //   out[rows] += (silu(g) * u . W_down[e]^T) * p[rows, e] in fp32, with g|u = h[rows] . W_gate_up[e]^T; plus the
-//   shared expert's output times sigmoid(h . w_shared_gate) when there is one; returns (out, s), out before the
-//   tensor-parallel allreduce.
+//   shared expert's output times sigmoid(h . w_shared_gate) when there is one; returns out, before the
+//   tensor-parallel allreduce (MoeStep in steps.h).
 //
 // Only the experts some row chose are touched, so a batch-1 step reads k experts' weights, not all of them: the
 // active parameters. The projections are `project` (native GEMV for few rows); the routing is a few plain loops
@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "steps.h"
 
 namespace {
 
@@ -50,11 +51,11 @@ torch::Tensor moe_experts(const torch::Tensor& h, const torch::Tensor& router, c
                           const std::optional<torch::Tensor>& shared_gate, int64_t isa, int64_t native_rows) {
   const int64_t E = static_cast<int64_t>(gate_up.size()), B = h.size(0);
   TORCH_CHECK(E > 0 && static_cast<int64_t>(down.size()) == E && router.size(0) == E,
-              "decode_moe_block: the router and the experts disagree on the number of experts");
-  TORCH_CHECK(top_k >= 1 && top_k <= E, "decode_moe_block: top_k ", top_k, " outside 1..", E);
+              "moe_experts: the router and the experts disagree on the number of experts");
+  TORCH_CHECK(top_k >= 1 && top_k <= E, "moe_experts: top_k ", top_k, " outside 1..", E);
   TORCH_CHECK(shared_gate_up.has_value() == shared_down.has_value() && shared_down.has_value() == shared_gate.has_value(),
-              "decode_moe_block: the shared expert needs its gate_up, down and gate weights");
-  TORCH_CHECK(h.scalar_type() == at::kBFloat16 || h.scalar_type() == at::kFloat, "decode_moe_block: fp32 or bf16");
+              "moe_experts: the shared expert needs its gate_up, down and gate weights");
+  TORCH_CHECK(h.scalar_type() == at::kBFloat16 || h.scalar_type() == at::kFloat, "moe_experts: fp32 or bf16");
   const auto logits = project(h, router, std::nullopt, isa, native_rows).to(torch::kFloat).contiguous();
   auto out = torch::zeros(h.sizes(), h.options().dtype(torch::kFloat));
   // routing, per row: softmax over the E logits, the top k (the lower id first among equals), renormalized;
@@ -97,12 +98,16 @@ torch::Tensor moe_experts(const torch::Tensor& h, const torch::Tensor& router, c
   return out.to(h.scalar_type());
 }
 
-std::tuple<torch::Tensor, torch::Tensor> decode_moe_block(
-    torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor norm_weight, double eps,
-    torch::Tensor router, std::vector<Weight> gate_up, std::vector<Weight> down, int64_t top_k, bool norm_topk,
-    std::optional<Weight> shared_gate_up, std::optional<Weight> shared_down, std::optional<torch::Tensor> shared_gate,
-    int64_t isa, int64_t native_rows) {
-  auto [h, s] = rms_norm(x, norm_weight, eps, residual, isa);
-  return {moe_experts(h, router, gate_up, down, top_k, norm_topk, shared_gate_up, shared_down, shared_gate, isa,
-                      native_rows), s};
+void MoeStep::check() const {
+  for (const auto* ws : {&gate_up, &down})
+    for (const Weight& w : *ws)
+      if (const auto* q = std::get_if<QuantWeight>(&w)) q->check();
+  for (const auto* w : {&shared_gate_up, &shared_down})
+    if (w->has_value())
+      if (const auto* q = std::get_if<QuantWeight>(&**w)) q->check();
+}
+
+torch::Tensor moe_step(const torch::Tensor& x, const MoeStep& m, int64_t isa, int64_t native_rows) {
+  return moe_experts(x, m.router, m.gate_up, m.down, m.top_k, m.norm_topk, m.shared_gate_up, m.shared_down,
+                     m.shared_gate, isa, native_rows);
 }

@@ -3,10 +3,15 @@
 //   q        [B, H, D]        fp32 or bf16 (the activation dtype)
 //   k_cache  [S, P, KVH, D]   same dtype as q; S spans of P tokens, KV heads local to this rank
 //   v_cache  [S, P, KVH, D]
-//   spans    [B, MAXS] int64  span ids of each sequence (padded; only the first ceil(ctx/P) are read)
+//   spans    [B, MAXS] int64  span ids of each sequence (padded; only the first ceil(ctx/P) are read, and of
+//                             those, with a window, only the ones from (ctx - window) / P on)
 //   ctx      [B] int64        context length of each sequence (its keys 0..ctx-1, the new one included)
 //   out      [B, H, D]        same dtype as q
 //   alibi_slopes [H] fp32     optional (ALiBi models): key t's score gets slope_h * (t - (ctx - 1))
+//   softcap                   > 0 (Gemma 2): each score s (scale * q . k) becomes softcap * tanh(s / softcap)
+//                             before the bias and the softmax; 0: none
+//   window                    > 0 (Gemma 2's sliding layers): only keys t >= ctx - window are attended, and the
+//                             rows and spans before them are not read; 0 (or >= ctx): all keys
 //
 // Each (sequence, KV head) is one task over torch's threads; the query heads that share the KV head
 // are done together so each key/value row is read once. Scores, softmax and the weighted sum run in
@@ -34,8 +39,8 @@ using attn::to_f;
 template <typename T>
 __attribute__((always_inline)) inline void attend(const T* q, const T* k_cache, const T* v_cache,
                                                   const int64_t* rows, int64_t ctx, int64_t D, int64_t G, int64_t g,
-                                                  float scale, const float* slopes, T* out, float* scores, float* qf,
-                                                  float* acc, float* inv_sum) {
+                                                  float scale, const float* slopes, float cap, T* out,
+                                                  float* scores, float* qf, float* acc, float* inv_sum) {
   group_query(q, D, G, g, qf);
   for (int64_t t = 0; t < ctx; ++t) {
     attn::prefetch_for_key(k_cache, v_cache, D * sizeof(T), rows, t, ctx);
@@ -47,6 +52,7 @@ __attribute__((always_inline)) inline void attend(const T* q, const T* k_cache, 
       scores[h * ctx + t] = s * scale;
     }
   }
+  if (cap > 0.f) attn::softcap_scores(scores, G * ctx, cap);
   attn::add_alibi(scores, ctx, G, slopes);
   // reduced-precision caches: the weights meet V in the cache's precision, as in PyTorch's CPU flash
   // attention (which transformers uses), so both round at the same point
@@ -68,8 +74,9 @@ __attribute__((always_inline)) inline void attend(const T* q, const T* k_cache, 
 
 #define ATTEND_ARGS                                                                                         \
   const T *q, const T *k_cache, const T *v_cache, const int64_t *rows, int64_t ctx, int64_t D, int64_t G,     \
-      int64_t g, float scale, const float *slopes, T *out, float *scores, float *qf, float *acc, float *inv_sum
-#define ATTEND_CALL q, k_cache, v_cache, rows, ctx, D, G, g, scale, slopes, out, scores, qf, acc, inv_sum
+      int64_t g, float scale, const float *slopes, float cap, T *out, float *scores, float *qf, float *acc,   \
+      float *inv_sum
+#define ATTEND_CALL q, k_cache, v_cache, rows, ctx, D, G, g, scale, slopes, cap, out, scores, qf, acc, inv_sum
 
 template <typename T>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void attend_avx512(ATTEND_ARGS) { attend<T>(ATTEND_CALL); }
@@ -93,6 +100,10 @@ __attribute__((always_inline)) inline void attend_rows(ATTEND_ARGS, std::vector<
     else attn::group_dots_avx2<Row>(qf, kr, D, G, scores + t, ctx);
     for (int64_t h = 0; h < G; ++h) scores[h * ctx + t] *= scale;
   }
+  if (cap > 0.f) {
+    if constexpr (V512) attn::softcap_scores_avx512(scores, G * ctx, cap);
+    else attn::softcap_scores_avx2(scores, G * ctx, cap);
+  }
   attn::add_alibi(scores, ctx, G, slopes);
   // the weights meet V in the cache's precision
   if constexpr (V512) attn::softmax_rows_avx512<T>(scores, ctx, G, inv_sum);
@@ -113,7 +124,8 @@ void attend_avx2_d32(ATTEND_ARGS, std::vector<const T*>& v_rows) { attend_rows<T
 
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& spans,
-         const torch::Tensor& ctx, double scale, const float* alibi, torch::Tensor& out, int64_t isa) {
+         const torch::Tensor& ctx, double scale, const float* alibi, float cap, int64_t window, torch::Tensor& out,
+         int64_t isa) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t P = kc.size(1), KVH = kc.size(2), MAXS = spans.size(1);
   const int64_t G = H / KVH;
@@ -129,29 +141,31 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& v
     std::vector<const T*> v_rows;   // attend_avx512_d16 / attend_avx2_d32: each key's V row
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KVH, g = task % KVH;
-      const int64_t n = cp[b];
+      // the keys attended: [first, cp[b]); the kernels see them as a context of n keys (attn::add_alibi: the bias
+      // of key first + i is that of i in a context of n)
+      const int64_t first = attn::window_start(cp[b], window), n = cp[b] - first;
       scores.resize(G * n);
       const T* qb = qp + b * H * D;
       T* ob = op + b * H * D;
       rows.resize(n);
-      attn::key_rows(sp + b * MAXS, n, P, KVH, g, rows.data());
+      attn::key_rows(sp + b * MAXS, cp[b], P, KVH, g, rows.data(), first);
       const int64_t* r = rows.data();
       const float s = static_cast<float>(scale);
       const float* sl = alibi ? alibi + g * G : nullptr;   // the group's slopes
       if (isa >= 2 && D % 16 == 0)
-        attend_avx512_d16<T>(qb, kp, vp, r, n, D, G, g, s, sl, ob, scores.data(), qf.data(), acc.data(),
+        attend_avx512_d16<T>(qb, kp, vp, r, n, D, G, g, s, sl, cap, ob, scores.data(), qf.data(), acc.data(),
                              inv_sum.data(), v_rows);
       else if (isa >= 2)
-        attend_avx512<T>(qb, kp, vp, r, n, D, G, g, s, sl, ob, scores.data(), qf.data(), acc.data(),
+        attend_avx512<T>(qb, kp, vp, r, n, D, G, g, s, sl, cap, ob, scores.data(), qf.data(), acc.data(),
                          inv_sum.data());
       else if (isa == 1 && D % 32 == 0)
-        attend_avx2_d32<T>(qb, kp, vp, r, n, D, G, g, s, sl, ob, scores.data(), qf.data(), acc.data(),
+        attend_avx2_d32<T>(qb, kp, vp, r, n, D, G, g, s, sl, cap, ob, scores.data(), qf.data(), acc.data(),
                            inv_sum.data(), v_rows);
       else if (isa == 1)
-        attend_avx2<T>(qb, kp, vp, r, n, D, G, g, s, sl, ob, scores.data(), qf.data(), acc.data(),
+        attend_avx2<T>(qb, kp, vp, r, n, D, G, g, s, sl, cap, ob, scores.data(), qf.data(), acc.data(),
                        inv_sum.data());
       else
-        attend_portable<T>(qb, kp, vp, r, n, D, G, g, s, sl, ob, scores.data(), qf.data(), acc.data(),
+        attend_portable<T>(qb, kp, vp, r, n, D, G, g, s, sl, cap, ob, scores.data(), qf.data(), acc.data(),
                            inv_sum.data());
     }
   });
@@ -161,7 +175,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& v
 
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor spans,
                                torch::Tensor ctx, double scale, int64_t isa,
-                               std::optional<torch::Tensor> alibi_slopes) {
+                               std::optional<torch::Tensor> alibi_slopes, double softcap, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "decode_attention: shapes");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "decode_attention: q and cache dtypes differ");
@@ -173,11 +187,26 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   auto cc = ctx.contiguous();
   auto out = torch::empty_like(qc);
   const float* alibi = attn::alibi_data(alibi_slopes, qc.size(1));
+  const float cap = attn::softcap_value(softcap);
+  TORCH_CHECK(window >= 0, "decode_attention: window must be >= 0 (0: no sliding window), not ", window);
   if (qc.scalar_type() == at::kFloat)
-    run<float>(qc, k_cache, v_cache, sc, cc, scale, alibi, out, isa);
+    run<float>(qc, k_cache, v_cache, sc, cc, scale, alibi, cap, window, out, isa);
   else if (qc.scalar_type() == at::kBFloat16)
-    run<at::BFloat16>(qc, k_cache, v_cache, sc, cc, scale, alibi, out, isa);
+    run<at::BFloat16>(qc, k_cache, v_cache, sc, cc, scale, alibi, cap, window, out, isa);
   else
     TORCH_CHECK(false, "decode_attention: fp32 or bf16 only");
+  return out;
+}
+
+torch::Tensor softcap_scores(torch::Tensor x, double cap, int64_t isa) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "softcap_scores: fp32 only");
+  const float c = attn::softcap_value(cap);
+  TORCH_CHECK(c > 0.f, "softcap_scores: cap must be > 0");
+  auto out = x.contiguous().clone();
+  float* p = out.data_ptr<float>();
+  const int64_t n = out.numel();
+  if (isa >= 2) attn::softcap_scores_avx512(p, n, c);
+  else if (isa == 1) attn::softcap_scores_avx2(p, n, c);
+  else attn::softcap_scores(p, n, c);
   return out;
 }

@@ -4,7 +4,7 @@
 //   codes   int8 [S, P, KVH, D] (int8) | uint8 [S, P, KVH, D/2] (uint4: byte j = element j in the low nibble,
 //           element D/2 + j in the high nibble)
 //   params  fp32 [S, P, KVH, 2]: (scale, zero) of each row; a row reads back as (code - zero) * scale
-//   q, spans, ctx, out, alibi_slopes as in span_attention.cpp
+//   q, spans, ctx, out, alibi_slopes, softcap, window as in span_attention.cpp
 //
 // Attention works on the codes: a score is s_t * (q . c_t - z_t * sum(q)) * scale_attn, and the output
 // accumulates w = p * s_t times the codes of V and, apart, w * z_t, taken off at the end. A key row's codes
@@ -137,7 +137,8 @@ enum Vec : int { GENERIC, AVX2, AVX512 };
 template <int M, int V, typename T>
 __attribute__((always_inline)) inline void attend(const T* q, const uint8_t* kc, const float* kp, const uint8_t* vc,
                                                   const float* vp, int64_t ctx, int64_t D, int64_t G, int64_t g,
-                                                  float scale, const float* slopes, T* out, Scratch& s) {
+                                                  float scale, const float* slopes, float cap, T* out,
+                                                  Scratch& s) {
   constexpr bool V512 = V == AVX512;
   const int64_t W = row_bytes<M>(D);
   float* qf = s.qf.data();
@@ -157,6 +158,11 @@ __attribute__((always_inline)) inline void attend(const T* q, const uint8_t* kc,
     }
     widen<M>(kc + r * W, D, row);
     for (int64_t h = 0; h < G; ++h) scores[h * ctx + t] = (dot(qf + h * D, row, D) - kz * s.qsum[h]) * ks;
+  }
+  if (cap > 0.f) {   // soft-capping (span_attention.cpp), once per task
+    if constexpr (V512) attn::softcap_scores_avx512(scores, G * ctx, cap);
+    else if constexpr (V == AVX2) attn::softcap_scores_avx2(scores, G * ctx, cap);
+    else attn::softcap_scores(scores, G * ctx, cap);
   }
   attn::add_alibi(scores, ctx, G, slopes);
   if constexpr (V512) attn::softmax_rows_avx512<float>(scores, ctx, G, s.inv_sum.data());
@@ -198,8 +204,8 @@ __attribute__((always_inline)) inline void attend(const T* q, const uint8_t* kc,
 
 #define ATTEND_ARGS                                                                                            \
   const T *q, const uint8_t *kc, const float *kp, const uint8_t *vc, const float *vp, int64_t ctx, int64_t D,   \
-      int64_t G, int64_t g, float scale, const float *slopes, T *out, Scratch &s
-#define ATTEND_CALL q, kc, kp, vc, vp, ctx, D, G, g, scale, slopes, out, s
+      int64_t G, int64_t g, float scale, const float *slopes, float cap, T *out, Scratch &s
+#define ATTEND_CALL q, kc, kp, vc, vp, ctx, D, G, g, scale, slopes, cap, out, s
 
 // flatten: the intrinsic helpers (attention_common.h, CodesRow) carry their target attribute, so they cannot be
 // always_inline into the target-less attend(); flatten inlines them here, where the target allows it
@@ -221,7 +227,7 @@ void attend_portable(ATTEND_ARGS) { attend<M, GENERIC, T>(ATTEND_CALL); }
 template <int M, typename T>
 void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& kp, const torch::Tensor& vc,
          const torch::Tensor& vp, const torch::Tensor& spans, const torch::Tensor& ctx, double scale,
-         const float* alibi, torch::Tensor& out, int64_t isa) {
+         const float* alibi, float cap, int64_t window, torch::Tensor& out, int64_t isa) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t P = kc.size(1), KVH = kc.size(2), MAXS = spans.size(1), G = H / KVH;
   const bool v512 = isa >= 2 && D % (M == I8 ? 16 : 32) == 0;
@@ -236,19 +242,21 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& k
   allspark::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     Scratch s(G, D);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / KVH, g = task % KVH, n = cp[b];
+      const int64_t b = task / KVH, g = task % KVH;
+      // the keys attended: [first, cp[b]), seen by the kernels as a context of n keys (span_attention.cpp)
+      const int64_t first = attn::window_start(cp[b], window), n = cp[b] - first;
       s.scores.resize(G * n);
       const T* qb = qp + b * H * D;
       T* ob = op + b * H * D;
       s.rows.resize(n);
-      attn::key_rows(sp + b * MAXS, n, P, KVH, g, s.rows.data());
+      attn::key_rows(sp + b * MAXS, cp[b], P, KVH, g, s.rows.data(), first);
       const float sc = static_cast<float>(scale);
       const float* sl = alibi ? alibi + g * G : nullptr;   // the group's slopes
-      if (v512) attend_avx512_v<M, T>(qb, kcp, kpp, vcp, vpp, n, D, G, g, sc, sl, ob, s);
-      else if (isa >= 2) attend_avx512<M, T>(qb, kcp, kpp, vcp, vpp, n, D, G, g, sc, sl, ob, s);
-      else if (isa == 1 && D % 32 == 0) attend_avx2_v<M, T>(qb, kcp, kpp, vcp, vpp, n, D, G, g, sc, sl, ob, s);
-      else if (isa == 1) attend_avx2<M, T>(qb, kcp, kpp, vcp, vpp, n, D, G, g, sc, sl, ob, s);
-      else attend_portable<M, T>(qb, kcp, kpp, vcp, vpp, n, D, G, g, sc, sl, ob, s);
+      if (v512) attend_avx512_v<M, T>(qb, kcp, kpp, vcp, vpp, n, D, G, g, sc, sl, cap, ob, s);
+      else if (isa >= 2) attend_avx512<M, T>(qb, kcp, kpp, vcp, vpp, n, D, G, g, sc, sl, cap, ob, s);
+      else if (isa == 1 && D % 32 == 0) attend_avx2_v<M, T>(qb, kcp, kpp, vcp, vpp, n, D, G, g, sc, sl, cap, ob, s);
+      else if (isa == 1) attend_avx2<M, T>(qb, kcp, kpp, vcp, vpp, n, D, G, g, sc, sl, cap, ob, s);
+      else attend_portable<M, T>(qb, kcp, kpp, vcp, vpp, n, D, G, g, sc, sl, cap, ob, s);
     }
   });
 }
@@ -273,7 +281,7 @@ int check_quant_cache(const torch::Tensor& codes, const torch::Tensor& params, i
 torch::Tensor decode_attention_quant(torch::Tensor q, torch::Tensor k_codes, torch::Tensor k_param,
                                      torch::Tensor v_codes, torch::Tensor v_param, torch::Tensor spans,
                                      torch::Tensor ctx, double scale, int64_t isa,
-                                     std::optional<torch::Tensor> alibi_slopes) {
+                                     std::optional<torch::Tensor> alibi_slopes, double softcap, int64_t window) {
   TORCH_CHECK(q.dim() == 3, "decode_attention: q must be [B, H, D]");
   const int mode = check_quant_cache(k_codes, k_param, q.size(2), "decode_attention");
   TORCH_CHECK(check_quant_cache(v_codes, v_param, q.size(2), "decode_attention") == mode &&
@@ -286,12 +294,14 @@ torch::Tensor decode_attention_quant(torch::Tensor q, torch::Tensor k_codes, tor
   auto out = torch::empty_like(qc);
   const bool i8 = mode == I8;
   const float* al = attn::alibi_data(alibi_slopes, qc.size(1));
+  const float cap = attn::softcap_value(softcap);
+  TORCH_CHECK(window >= 0, "decode_attention: window must be >= 0 (0: no sliding window), not ", window);
   if (qc.scalar_type() == at::kFloat) {
-    if (i8) run<I8, float>(qc, k_codes, k_param, v_codes, v_param, sc, cc, scale, al, out, isa);
-    else run<U4, float>(qc, k_codes, k_param, v_codes, v_param, sc, cc, scale, al, out, isa);
+    if (i8) run<I8, float>(qc, k_codes, k_param, v_codes, v_param, sc, cc, scale, al, cap, window, out, isa);
+    else run<U4, float>(qc, k_codes, k_param, v_codes, v_param, sc, cc, scale, al, cap, window, out, isa);
   } else if (qc.scalar_type() == at::kBFloat16) {
-    if (i8) run<I8, at::BFloat16>(qc, k_codes, k_param, v_codes, v_param, sc, cc, scale, al, out, isa);
-    else run<U4, at::BFloat16>(qc, k_codes, k_param, v_codes, v_param, sc, cc, scale, al, out, isa);
+    if (i8) run<I8, at::BFloat16>(qc, k_codes, k_param, v_codes, v_param, sc, cc, scale, al, cap, window, out, isa);
+    else run<U4, at::BFloat16>(qc, k_codes, k_param, v_codes, v_param, sc, cc, scale, al, cap, window, out, isa);
   } else {
     TORCH_CHECK(false, "decode_attention: fp32 or bf16 only");
   }

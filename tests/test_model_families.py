@@ -1,5 +1,5 @@
-"""The other model families against transformers: Qwen3, GLM-4 and Llama's rope scalings (transformers' own
-classes), and the remote-code
+"""The other model families against transformers: Qwen3, GLM-4, Gemma 2 and Llama's rope scalings (transformers'
+own classes), and the remote-code
 layouts ChatGLM2/3/GLM-4-chat, Qwen (v1) and Baichuan2-7B, written from an equivalent native model (GLM, Qwen2,
 Llama; tests/remote_layouts.py) and checked against that model's logits: fp32 teacher-forced logits on every
 compute path; greedy tokens alone and batched through the Engine and batched through the session's 2-rank pool,
@@ -44,6 +44,8 @@ FAMILIES = {
     "qwen3_moe": ("qwen3_moe", None),
     "mixtral": ("mixtral", None),
     "baichuan2_13b": ("llama_mha", functools.partial(write_baichuan, alibi=True)),
+    # sandwich norms, GELU-tanh, soft caps, embeddings scaled; a window of 16 on layer 0 under 20-47-token prompts
+    "gemma2": ("gemma2", None),
 }
 # families whose reference is a function of the written folder (ids [1, n] -> logits [1, n, V]), not the source model
 FOLDER_REFERENCES = {"baichuan2_13b": baichuan_reference_logits}
@@ -191,8 +193,9 @@ def test_qwen1_serves_up_to_seq_length_where_its_ntk_and_logn_would_act(families
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_native_moe_block_equals_its_python_twin_and_a_float64_reference(dtype, rows):
-    """native/moe.cpp against ops.moe on the same kernels and the plain float64 math."""
-    from allspark_server.compute import ops
+    """native/moe.cpp (the native MoE step after the native norm step) against ops.moe on the same kernels and
+    the plain float64 math."""
+    from allspark_server.compute import ops, step_ops, steps
     if ops.native() is None:
         pytest.skip("native kernels not built")
     g = torch.Generator().manual_seed(rows)
@@ -204,9 +207,16 @@ def test_native_moe_block_equals_its_python_twin_and_a_float64_reference(dtype, 
     weights = dict(router=rand(experts, h), experts=[(rand(2 * inter, h), rand(h, inter)) for _ in range(experts)],
                    top_k=top_k, norm_topk_prob=True, shared=(rand(2 * inter, h), rand(h, inter)),
                    shared_gate=rand(1, h))
-    native_out, native_sum = ops.decode_moe_block(x, residual, norm, 1e-6, **weights)
+    # the layer's pre-MoE norm step (the native NormStep the decode stack runs, bit-equal to ops.rms_norm), then
+    # its MoE step
+    pre_norm = steps.BoundNorm(steps.Norm("post_attention_layernorm"), norm, 1e-6)
     hn, s = ops.rms_norm(x, norm, 1e-6, residual)
-    assert torch.equal(native_sum, s)
+    native_h, native_sum = ops.native().norm_step(x, residual, step_ops.native_step(pre_norm), ops.isa_level())
+    assert torch.equal(native_h, hn) and torch.equal(native_sum, s)
+    moe = steps.BoundMoe(steps.Moe(num_experts=experts, top_k=top_k, norm_topk_prob=True, shared_expert=True),
+                         weights["router"], weights["experts"], weights["shared"], weights["shared_gate"])
+    native_out = step_ops.moe_step(hn, moe)
+    assert moe.native is not None                                           # it ran native/moe.cpp
     twin = ops.moe(hn, **weights)   # the routing's softmax may differ in the last bit: one rounding of the output
     assert (native_out.double() - twin.double()).abs().max() <= (2e-6 if dtype == torch.float32 else 1e-2) * twin.abs().max()
     # float64: route, run the chosen experts, add the gated shared expert
@@ -268,3 +278,36 @@ def test_malformed_folders_are_refused_naming_the_architecture_key_or_tensor(fam
     folder = _copy_folder(llama, tmp_path / "rope", lambda c: c.update(rope_parameters={"rope_type": "su", "factor": 2, "rope_theta": 10000.0}))
     with pytest.raises(ModelSerializerException, match="rope type 'su'.*not supported; supported: default"):
         HuggingFaceModel(folder, "bad")
+
+
+def test_gemma2_window_caps_and_norm_offsets_each_change_the_reference(families):
+    """The gemma2 family's tests prove each Gemma feature only if dropping it changes transformers' own logits on
+    their prompts: the sliding window (prompts longer than it), both soft caps, and the norms' (1 + weight)."""
+    _, model = families["gemma2"]
+    tokens = random_prompt(PROMPT_LEN, seed=5)
+    base = hf_logits(model, tokens)
+    assert len(tokens) > model.config.sliding_window
+    variants = {"sliding_window": dict(sliding_window=4096), "attn_logit_softcapping": dict(attn_logit_softcapping=None),
+                "final_logit_softcapping": dict(final_logit_softcapping=None)}
+    for what, change in variants.items():
+        saved = {k: getattr(model.config, k) for k in change}
+        for k, v in change.items():
+            setattr(model.config, k, v)
+        for layer in model.model.layers:          # the attention modules copied these at construction
+            layer.self_attn.sliding_window = (model.config.sliding_window
+                                              if model.config.layer_types[layer.self_attn.layer_idx] == "sliding_attention"
+                                              else None)
+            layer.self_attn.attn_logit_softcapping = model.config.attn_logit_softcapping
+        try:
+            changed = hf_logits(model, tokens)
+        finally:
+            for k, v in saved.items():
+                setattr(model.config, k, v)
+            for layer in model.model.layers:
+                layer.self_attn.sliding_window = (model.config.sliding_window
+                                                  if model.config.layer_types[layer.self_attn.layer_idx]
+                                                  == "sliding_attention" else None)
+                layer.self_attn.attn_logit_softcapping = model.config.attn_logit_softcapping
+        assert (changed - base).abs().max() > 1e-2 * base.abs().max(), what
+    norms = [p for name, p in model.named_parameters() if "norm" in name]
+    assert all(p.abs().max() > 0.05 for p in norms)          # 1 + w differs from 1 (and from w) everywhere

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 
+from allspark_client import settings
 from allspark_client.cpu_features import cpu_flags
-from allspark_server.compute.reference import (ACT_MAX, decode_attention_block_reference, decode_attention_reference,
-                                              decode_mlp_block_reference, linear_reference, moe_route,
+from allspark_server.compute.reference import (ACT_MAX, decode_attention_reference, gelu_tanh_mul_reference,
+                                              linear_reference, moe_route,
                                               prefill_attention_reference, rms_norm_reference, rotary_reference,
                                               silu_mul_reference, store_kv_reference)
 from allspark_server.quant.formats import FORMAT_IDS, QuantizedWeight
@@ -36,7 +36,7 @@ NATIVE_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}
 @functools.lru_cache(maxsize=1)
 def native():
     """The extension module, or None (not built, or disabled)."""
-    if os.environ.get("ALLSPARK_NO_NATIVE") == "1":
+    if settings.NO_NATIVE.get():
         return None
     try:
         from allspark_server import _native
@@ -124,7 +124,7 @@ def int8_gemm_suits(w: QuantizedWeight, rows: int) -> bool:
     """Prefill rows (up to INT8_GEMM_MAX_ROWS) of an activate_quant int8 weight with per-channel scales run as an
     int8 GEMM (linear_int8_gemm) on CPUs with AMX int8, where it beats dequantizing the weight for the bf16 GEMM:
     measured on the 2-core AMX VM, int8 + a8 + head TTFT 0.96x bf16's at 128 tokens against 1.36x, 1.17x at 512
-    against 1.22x (benchmarks/int8_gemm.py, results-int8-gemm.json)."""
+    against 1.22x (benchmarks/int8_gemm.py)."""
     if w.act_bits != 8 or w.fmt != "int8" or w.scales.shape[1] != 1 or rows > INT8_GEMM_MAX_ROWS:
         return False
     return INT8_GEMM if INT8_GEMM is not None else "amx_int8" in cpu_flags()
@@ -190,21 +190,26 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 @on_cuda
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,
                      ctx: torch.Tensor, scale: float, k_param: torch.Tensor | None = None,
-                     v_param: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                     v_param: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
+                     softcap: float = 0.0, window: int = 0) -> torch.Tensor:
+    """One query per sequence over its spans; softcap / window: compute/steps.py's Attention options."""
     ext = native()
     if ext is None or q.dtype not in (torch.float32, torch.bfloat16):
-        return decode_attention_reference(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param, alibi_slopes)
+        return decode_attention_reference(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param, alibi_slopes,
+                                          softcap=softcap, window=window)
     if k_param is not None:
         return ext.decode_attention_quant(q, k_cache, k_param, v_cache, v_param, spans, ctx, scale, isa_level(),
-                                          alibi_slopes)
-    return ext.decode_attention(q, k_cache, v_cache, spans, ctx, scale, isa_level(), alibi_slopes)
+                                          alibi_slopes, softcap=softcap, window=window)
+    return ext.decode_attention(q, k_cache, v_cache, spans, ctx, scale, isa_level(), alibi_slopes, softcap=softcap,
+                                window=window)
 
 
 @on_cuda
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
                       out: torch.Tensor, k_param: torch.Tensor | None = None, v_param: torch.Tensor | None = None,
-                      alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
-    return prefill_attention_reference(q, k_cache, v_cache, meta, scale, out, k_param, v_param, alibi_slopes)
+                      alibi_slopes: torch.Tensor | None = None, softcap: float = 0.0, window: int = 0) -> torch.Tensor:
+    return prefill_attention_reference(q, k_cache, v_cache, meta, scale, out, k_param, v_param, alibi_slopes,
+                                       softcap=softcap, window=window)
 
 
 @on_cuda
@@ -213,6 +218,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if ext is None or gate_up.dim() != 2 or gate_up.dtype not in (torch.float32, torch.bfloat16):
         return silu_mul_reference(gate_up)
     return ext.silu_mul(gate_up, isa_level())
+
+
+@on_cuda
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up on the merged [T, 2I] projection (Gemma's MLP), HF's roundings."""
+    ext = native()
+    if ext is None or gate_up.dim() != 2 or gate_up.dtype not in (torch.float32, torch.bfloat16):
+        return gelu_tanh_mul_reference(gate_up)
+    return ext.gelu_tanh_mul(gate_up, isa_level())
+
+
+def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """An Mlp step's act(gate) * up (compute/steps.py ACTIVATIONS)."""
+    return silu_mul(gate_up) if act == "silu" else gelu_tanh_mul(gate_up)
 
 
 @on_cuda
@@ -227,40 +246,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         return store_kv_reference(k, v, k_cache, v_cache, slots)
     t = slots.shape[0]
     ext.store_kv(k, v.reshape(t, -1), k_cache, v_cache, slots)
-
-
-# ---- fused decode blocks (native/decode_block.cpp): each half of a decoder layer in one call -------------
-
-
-@on_cuda
-def decode_attention_block(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads, num_kv_heads,
-                           cos, sin, k_cache, v_cache, slots, spans, ctx, scale, o_weight, k_param=None, v_param=None,
-                           q_norm=None, k_norm=None, alibi_slopes=None):
-    """Caches are dense ([S, P, KVH, D] in x's dtype) or quantized (codes with k_param/v_param, quant/kv.py);
-    q_norm/k_norm [D]: Qwen3's per-head norms (eps: the layer norm's); cos = sin = None and alibi_slopes [heads]
-    fp32: an ALiBi model (no rotary, a bias on the scores)."""
-    ext = native()
-    if (ext is None or x.dtype not in NATIVE_MAX_ROWS
-            or (cos is not None and (cos.shape[-1] % 2 or cos.dtype != x.dtype))
-            or (k_param is None and k_cache.dtype != x.dtype)
-            or not all(_native_weight_ok(w, x.dtype) for w in (qkv_weight, o_weight))):
-        return decode_attention_block_reference(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads,
-                                                num_kv_heads, cos, sin, k_cache, v_cache, slots, spans, ctx,
-                                                scale, o_weight, k_param, v_param, q_norm, k_norm, alibi_slopes)
-    return ext.decode_attention_block(x, residual, norm_weight, eps, native_weight(qkv_weight), qkv_bias, num_heads,
-                                      num_kv_heads, cos, sin, k_cache, v_cache, slots, spans, ctx, scale,
-                                      native_weight(o_weight), isa_level(), NATIVE_MAX_ROWS[x.dtype], k_param, v_param,
-                                      q_norm, k_norm, alibi_slopes)
-
-
-@on_cuda
-def decode_mlp_block(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight):
-    ext = native()
-    if (ext is None or x.dtype not in NATIVE_MAX_ROWS
-            or not all(_native_weight_ok(w, x.dtype) for w in (gate_up_weight, down_weight))):
-        return decode_mlp_block_reference(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight)
-    return ext.decode_mlp_block(x, residual, norm_weight, eps, native_weight(gate_up_weight), gate_up_bias,
-                                native_weight(down_weight), isa_level(), NATIVE_MAX_ROWS[x.dtype])
 
 
 # ---- mixture of experts (layers/moe.py) -----------------------------------------------------------------
@@ -282,32 +267,3 @@ def moe(x, router, experts, top_k, norm_topk_prob, shared=None, shared_gate=None
         y = lin(act(lin(x, shared[0])), shared[1])
         out += torch.sigmoid(lin(x, shared_gate).float()) * y.float()
     return out.to(x.dtype)
-
-
-def decode_moe_block(x, residual, norm_weight, eps, router, experts, top_k, norm_topk_prob, shared=None,
-                     shared_gate=None):
-    """norm(x + residual) and the MoE MLP for a decode-only step: (partial output, x + residual). Native: one call
-    reading only the chosen experts' weights (native/moe.cpp)."""
-    ext = native()
-    weights = [router, *(w for pair in experts for w in pair), *(shared or ())]
-    if (ext is None or x.is_cuda or x.dtype not in NATIVE_MAX_ROWS
-            or not all(_native_weight_ok(w, x.dtype) for w in weights)):
-        h, s = rms_norm(x, norm_weight, eps, residual)
-        return moe(h, router, experts, top_k, norm_topk_prob, shared, shared_gate), s
-    nw = native_weight
-    return ext.decode_moe_block(x, residual, norm_weight, eps, router, [nw(g) for g, _ in experts],
-                                [nw(d) for _, d in experts], top_k, norm_topk_prob,
-                                None if shared is None else nw(shared[0]), None if shared is None else nw(shared[1]),
-                                shared_gate, isa_level(), NATIVE_MAX_ROWS[x.dtype])
-
-
-def decode_stack(num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float, dtype: torch.dtype,
-                 device: torch.device = torch.device("cpu"), alibi_slopes: torch.Tensor | None = None):
-    """A native DecodeStack (native/decode_stack.cpp: a whole decode-only step in one call) for a model of
-    this shape and dtype, to fill with `add_layer` and `set_ends`; None where the fused blocks do not apply
-    (then the caller loops over the layers itself, each layer's `decode_*_block`s falling back as above).
-    alibi_slopes [num_heads] fp32: an ALiBi model (set_ends then takes no rotary tables)."""
-    ext = native()
-    if ext is None or device.type != "cpu" or dtype not in NATIVE_MAX_ROWS or head_dim % 2:
-        return None
-    return ext.DecodeStack(num_heads, num_kv_heads, eps, scale, isa_level(), NATIVE_MAX_ROWS[dtype], alibi_slopes)

@@ -60,11 +60,20 @@ def rotary_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,
                                ctx: torch.Tensor, scale: float, k_param: torch.Tensor | None = None,
                                v_param: torch.Tensor | None = None,
-                               alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                               alibi_slopes: torch.Tensor | None = None, *, softcap: float = 0.0,
+                               window: int = 0) -> torch.Tensor:
     """One query per sequence: q [B, H, D], caches [S, P, KVH, D], spans [B, MAXS], ctx [B] -> [B, H, D].
     Quantized caches (k_param/v_param given, quant/kv.py) are dequantized and attended in fp32. alibi_slopes
-    [H] fp32: key t's score gets slope_h * (t - (ctx - 1)) (layers/alibi.py), attended in fp32 (or q's wider
-    dtype)."""
+    [H] fp32: key t's score gets slope_h * (t - (ctx - 1)) (compute/alibi.py), attended in fp32 (or q's wider
+    dtype). Gemma 2: softcap > 0 turns each score s = scale * q.k into softcap * tanh(s / softcap) before the bias;
+    window > 0 keeps only the keys t >= ctx - window (HF's sliding window: (ctx - 1) - t < window). Either one set:
+    the attention is computed here in fp32 (or q's wider dtype), scores, softmax and the weighted sum, rather than
+    through SDPA."""
+    if softcap < 0 or window < 0:
+        raise ValueError(f"softcap and window must be >= 0, not {softcap}, {window}")
+    if softcap > 0 or window > 0:
+        return _decode_attention_explicit(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param, alibi_slopes,
+                                          softcap, window)
     span_size, kvh = k_cache.shape[1:3]
     out = torch.empty_like(q)
     offsets = torch.arange(span_size, device=k_cache.device)
@@ -82,20 +91,49 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out
 
 
+def _decode_attention_explicit(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param, alibi_slopes, softcap,
+                               window) -> torch.Tensor:
+    """decode_attention_reference with soft-capping and / or a sliding window, spelled out in fp32 (or q's wider
+    dtype): scores = scale * q.k over the keys in the window, capped, plus the ALiBi bias of the keys' true
+    positions, softmax, weighted sum of V, one rounding into q's dtype. Only the window's cache slots are read."""
+    span_size, kvh = k_cache.shape[1:3]
+    group = q.shape[1] // kvh
+    work = torch.promote_types(q.dtype, torch.float32)
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        n = int(ctx[b])
+        first = n - window if 0 < window < n else 0
+        pos = torch.arange(first, n, device=k_cache.device)                             # the keys attended
+        slots = spans[b, pos // span_size] * span_size + pos % span_size
+        k, v = gather_kv(k_cache, v_cache, slots, k_param, v_param, work)              # [m, KVH, D]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)            # [m, H, D]
+        s = torch.einsum("hd,mhd->hm", q[b].to(work), k) * scale                       # [H, m]
+        if softcap > 0:
+            s = torch.tanh(s / softcap) * softcap
+        if alibi_slopes is not None:
+            s = s + alibi.decode_bias(alibi_slopes, n, work)[:, 0, first:]
+        p = torch.softmax(s, dim=-1)
+        out[b] = torch.einsum("hm,mhd->hd", p, v).to(q.dtype)
+    return out
+
+
 def prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
                                 out: torch.Tensor, k_param: torch.Tensor | None = None,
-                                v_param: torch.Tensor | None = None,
-                                alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
-    """Each multi-token chunk of `meta.seqs` (runner/forward_inputs.py) on its own: q [T, H, D] rows of the chunk
+                                v_param: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
+                                softcap: float = 0.0, window: int = 0) -> torch.Tensor:
+    """Each multi-token chunk of `meta.seqs` (step/inputs.py) on its own: q [T, H, D] rows of the chunk
     against its context gathered from the spans (K/V already stored; quantized spans dequantized), causal and offset
-    by the tokens cached before it -> written into out [T, H, D]. ALiBi (slopes fp32 [H]): with the bias."""
+    by the tokens cached before it -> written into out [T, H, D]. ALiBi (slopes fp32 [H]): with the bias. softcap /
+    window (compute/steps.py Attention): HF's eager attention with the cap and the sliding window."""
     gqa = q.shape[1] != k_cache.shape[2]
     for seq in meta.seqs:
         qs = q[seq.q_start:seq.q_start + seq.q_len].transpose(0, 1)[None]    # [1, h, q, D]
         slots = seq.context_slots.to(q.device, non_blocking=True)
         k_ctx, v_ctx = gather_kv(k_cache, v_cache, slots, k_param, v_param, q.dtype)
         ks, vs = k_ctx.transpose(0, 1)[None], v_ctx.transpose(0, 1)[None]    # [1, kvh, ctx, D]
-        if alibi_slopes is not None:       # the causal part from the chunk's offset, plus the bias
+        if softcap or window:
+            o = capped_window_attention(qs, ks, vs, scale, softcap, window)   # [1, h, q, D]
+        elif alibi_slopes is not None:     # the causal part from the chunk's offset, plus the bias
             o = alibi.prefill_attention(qs, ks, vs, alibi_slopes, scale)      # [1, h, q, D]
         else:
             mask = None if seq.mask is None else seq.mask.to(q.device, non_blocking=True)
@@ -103,6 +141,26 @@ def prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                                enable_gqa=gqa)                 # [1, h, q, D]
         out[seq.q_start:seq.q_start + seq.q_len] = o[0].transpose(0, 1)
     return out
+
+
+def capped_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float,
+                            window: int) -> torch.Tensor:
+    """HF Gemma 2's eager attention for a chunk: q [1, h, q, D] at the last q of the n context positions, k/v
+    [1, kvh, n, D]: scores (q.k) * scale in q's dtype, soft-capped (softcap > 0), causal and within the sliding
+    window (window > 0: p - j < window), softmax in fp32 rounded to q's dtype, times v -> [1, h, q, D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale                    # [1, h, q, n]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    n, rows = k.shape[2], q.shape[2]
+    pos = torch.arange(n - rows, n, device=q.device)[:, None]              # each row's position
+    key = torch.arange(n, device=q.device)[None]
+    hidden = key > pos
+    if window:
+        hidden |= pos - key >= window
+    scores = scores.masked_fill(hidden, float("-inf"))
+    return torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype), v)
 
 
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k_param: torch.Tensor | None = None,
@@ -124,6 +182,12 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """Gemma 2's `gelu_pytorch_tanh(gate) * up` on the merged [T, 2I] projection -> [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def store_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slots: torch.Tensor, k_param: torch.Tensor | None = None,
                        v_param: torch.Tensor | None = None) -> None:
@@ -139,30 +203,35 @@ def store_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
         param.view(-1, kvh, 2).index_copy_(0, slots, params)
 
 
-def decode_attention_block_reference(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads, num_kv_heads,
-                                     cos, sin, k_cache, v_cache, slots, spans, ctx, scale, o_weight,
-                                     k_param=None, v_param=None, q_norm=None, k_norm=None, alibi_slopes=None):
-    """The unfused ops in sequence: norm(x + residual), q|k|v projection, (q/k norms per head,) rotary, cache
-    write, decode attention, o projection. Returns (o . W_o^T before any allreduce, x + residual).
-    cos = sin = None: no rotary (ALiBi models, whose alibi_slopes [heads] go to the attention)."""
-    h, s = rms_norm_reference(x, norm_weight, eps, residual)
-    qkv = linear_reference(h, qkv_weight, qkv_bias)
-    b, d = x.shape[0], qkv.shape[-1] // (num_heads + 2 * num_kv_heads)
-    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], -1)
-    if q_norm is not None:
-        q, k = rms_norm_reference(q.reshape(-1, d), q_norm, eps)[0], rms_norm_reference(k.reshape(-1, d), k_norm, eps)[0]
-    q, k = q.reshape(b, num_heads, d), k.reshape(b, num_kv_heads, d)
+def attention_step_reference(x: torch.Tensor, b, slots: torch.Tensor, spans: torch.Tensor, ctx: torch.Tensor,
+                             cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+    """A BoundAttention step (compute/steps.py) on decode rows x [B, H]: q|k|v projection, q/k norms per head,
+    rotary (cos/sin [B, 1, D]; None for ALiBi), cache write, decode attention, o projection -> the o projection's
+    output before any allreduce."""
+    a = b.step
+    qkv = linear_reference(x, b.qkv, b.qkv_bias)
+    n, d = x.shape[0], qkv.shape[-1] // (b.num_heads + 2 * b.num_kv_heads)
+    q, k, v = qkv.split([b.num_heads * d, b.num_kv_heads * d, b.num_kv_heads * d], -1)
+    if b.q_norm is not None:
+        q = rms_norm_reference(q.reshape(-1, d), b.q_norm, b.norm_eps)[0]
+        k = rms_norm_reference(k.reshape(-1, d), b.k_norm, b.norm_eps)[0]
+    q, k = q.reshape(n, b.num_heads, d), k.reshape(n, b.num_kv_heads, d)
     if cos is not None:
         q, k = rotary_reference(q, k, cos, sin)
-    store_kv_reference(k, v, k_cache, v_cache, slots, k_param, v_param)
-    o = decode_attention_reference(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param, alibi_slopes)
-    return linear_reference(o.reshape(b, num_heads * d), o_weight), s
+    store_kv_reference(k, v, b.k_cache, b.v_cache, slots, b.k_param, b.v_param)
+    o = decode_attention_reference(q, b.k_cache, b.v_cache, spans, ctx, a.scale, b.k_param, b.v_param,
+                                   b.alibi_slopes, softcap=a.softcap, window=a.window)
+    return linear_reference(o.reshape(n, b.num_heads * d), b.o)
 
 
-def decode_mlp_block_reference(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight):
-    """norm(x + residual), gate|up projection, silu(gate) * up, down projection: (down output, x + residual)."""
-    h, s = rms_norm_reference(x, norm_weight, eps, residual)
-    return linear_reference(silu_mul_reference(linear_reference(h, gate_up_weight, gate_up_bias)), down_weight), s
+def act_mul_reference(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """An Mlp step's act(gate) * up on the merged [T, 2I] projection (compute/steps.py ACTIVATIONS)."""
+    return silu_mul_reference(gate_up) if act == "silu" else gelu_tanh_mul_reference(gate_up)
+
+
+def mlp_step_reference(x: torch.Tensor, b) -> torch.Tensor:
+    """A BoundMlp step: gate|up projection, act(gate) * up, down projection (before any allreduce)."""
+    return linear_reference(act_mul_reference(linear_reference(x, b.gate_up, b.gate_up_bias), b.step.act), b.down)
 
 
 def moe_route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,8 +5,8 @@ replicated, and the sum of all experts' partial products is reduced once per lay
 
 Routing (HF's for Qwen-MoE and Mixtral): softmax over the router's logits in fp32, the top k, divided by their sum
 when norm_topk_prob. Experts run in increasing index order over the rows routed to them (a prefill groups its
-tokens by expert); their weighted outputs are summed in fp32. A decode-only step runs the whole block in one call
-(ops.decode_moe_block; native: only the chosen experts' weights are read).
+tokens by expert); their weighted outputs are summed in fp32. A decode-only step runs it as the layer description's
+Moe step (compute/step_ops.moe_step; native: one call reading only the chosen experts' weights).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from allspark_server.compute import ops
+from allspark_server.compute.steps import BoundMoe, Moe
 from allspark_server.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 
@@ -51,19 +52,17 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = Router(h, 1, dtype) if shared else None
         self.comm = comm
 
-    def block_weights(self) -> dict:
-        """What ops.moe / ops.decode_moe_block take besides the activations."""
+    def bound(self) -> BoundMoe:
+        """This MLP as the layer description's Moe step over its weights (what compute/step_ops.py runs)."""
         shared = self.shared_expert
-        return dict(router=self.gate.weight, experts=[e.weights() for e in self.experts], top_k=self.top_k,
-                    norm_topk_prob=self.norm_topk_prob, shared=None if shared is None else shared.weights(),
-                    shared_gate=None if shared is None else self.shared_expert_gate.weight)
+        step = Moe(len(self.experts), self.top_k, self.norm_topk_prob, shared is not None)
+        return BoundMoe(step, self.gate.weight, [e.weights() for e in self.experts],
+                        None if shared is None else shared.weights(),
+                        None if shared is None else self.shared_expert_gate.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:       # [T, H] -> [T, H]
-        return self.reduce(ops.moe(x, **self.block_weights()))
-
-    def decode_block(self, x, residual, norm):
-        """norm(x + residual) and the experts in one call: (partial output before the allreduce, x + residual)."""
-        return ops.decode_moe_block(x, residual, norm.weight, norm.eps, **self.block_weights())
+        b = self.bound()
+        return self.reduce(ops.moe(x, b.router, b.experts, self.top_k, self.norm_topk_prob, b.shared, b.shared_gate))
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         self.comm.allreduce_(partial)

@@ -52,6 +52,11 @@ FAMILY_VARIANTS = {
                       norm_topk_prob=True),
     "mixtral": dict(arch="mixtral", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                     num_local_experts=4, num_experts_per_tok=2),
+    # Gemma 2: sandwich norms (weights perturbed, so their 1 + w counts), GELU-tanh, a sliding window of 16 on layer 0
+    # (prompts longer than it reach past it), soft caps small enough to bend these tiny models' scores and logits
+    "gemma2": dict(arch="gemma2", num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                   sliding_window=16, query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
+                   final_logit_softcapping=8.0, norm_noise=0.2),
     # the sources of the remote-code layouts (tests/remote_layouts.py): multi-head, untied
     "qwen2_mha": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
     "llama_mha": dict(arch="llama", num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
@@ -60,7 +65,7 @@ ARCH_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Co
                 "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "glm": ("GlmConfig", "GlmForCausalLM"),
                 "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
                 "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-                "mixtral": ("MixtralConfig", "MixtralForCausalLM")}
+                "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM")}
 
 
 def build_tokenizer(out_dir: str):
@@ -89,6 +94,7 @@ def build_tiny_model(out_dir: str, variant: str = "llama_gqa_llama3", seed: int 
 
     spec = dict(VARIANTS.get(variant) or FAMILY_VARIANTS[variant])
     arch = spec.pop("arch")
+    norm_noise = spec.pop("norm_noise", None)   # norm weights drawn around their initial value (none: as initialized)
     if num_heads is not None:
         spec["num_attention_heads"] = num_heads
     if num_kv_heads is not None:
@@ -106,6 +112,11 @@ def build_tiny_model(out_dir: str, variant: str = "llama_gqa_llama3", seed: int 
                     p.normal_(0.0, weight_scale)
                 elif "bias" in name:
                     p.normal_(0.0, weight_scale)
+    if norm_noise is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.add_(torch.randn_like(p) * norm_noise)
     model = model.to(getattr(torch, dtype))
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)

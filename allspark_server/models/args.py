@@ -1,5 +1,5 @@
-"""ModelArgs: the one layer description every architecture is read into (models/<arch>.py read their config.json),
-and what the decoder, the loader and the native decode stack build from.
+"""ModelArgs: what every architecture's config.json is read into (models/<arch>.py), and what the layer description
+(models/description.py), the decoder and the loader are built from.
 
 Handles both spellings of rope settings (`rope_scaling` + top-level `rope_theta` in older configs,
 `rope_parameters` in newer ones). Frozen and JSON-serializable so it can travel in the .asgraph; fields added
@@ -45,6 +45,16 @@ class ModelArgs:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     moe_layers: tuple = ()
+    # Gemma 2 (models/gemma.py): norms around each sublayer's output too ("sandwich"), the embedding rows scaled by
+    # embed_scale, q.k scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5, attention scores and
+    # final logits soft-capped (0: not), and a sliding window of `sliding_window` positions on sliding_layers
+    sandwich_norms: bool = False
+    embed_scale: float = 0.0
+    query_pre_attn_scalar: float = 0.0
+    attn_logit_softcapping: float = 0.0
+    final_logit_softcapping: float = 0.0
+    sliding_window: int = 0
+    sliding_layers: tuple = ()
     # tokens up to which the model is exact when something we do not implement acts past them (Qwen v1's dynamic
     # NTK and logn attention past seq_length), 0: none; the reason goes into the error of a longer max_length
     context_limit: int = 0

@@ -1,22 +1,21 @@
-"""The decoder every architecture runs on (DESIGN §9: the layer sequence is written once), as plain PyTorch over
-the span KV cache. What differs between architectures is read from ModelArgs: q/k/v and o biases, q/k norms
-(Qwen3), full or partial rotary; the architecture files (models/<arch>.py) map their checkpoints onto these names.
+"""The decoder every architecture runs on, as plain PyTorch over the span KV cache: the modules of the layer
+description (models/description.py, one tuple of steps per layer, compute/steps.py) and the loop that runs them.
 
-Module names mirror HF Llama's; q/k/v and gate/up are merged projections whose parts keep HF's names
-(loader/weights.py concatenates a rank's slices at load time). Tensor parallelism
-lives in the layers (column/row-parallel linears, vocab-split LM head); the math here is the
-single-device math on local head counts. `SPLIT_RULES` tells the loader how each tensor is sharded.
-A decode-only step (one new token per sequence) runs as a single native call over all layers
-(`decode_stack`, native/decode_stack.cpp) when the extension is built; `DecoderLayer.decode` is the same
-math per layer in Python, used without it.
+Module names mirror HF's (Llama's, and Gemma 2's extra norms); q/k/v and gate/up are merged projections whose parts
+keep HF's names (loader/weights.py concatenates a rank's slices at load time). Tensor parallelism lives in the layers
+(column/row-parallel linears, vocab-split LM head); the math here is the single-device math on local head counts.
+`SPLIT_RULES` tells the loader how each tensor is sharded. A step with multi-token chunks runs each layer's steps
+through these modules; a decode-only step (one new token per sequence) runs the same steps bound to their weights
+(compute/step_ops.py): as one native call over all layers (`decode_stack`, native/decode_stack.cpp) when the
+extension is built, else layer by layer in Python (the reference ops, or the CUDA backend inside its graphs).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from allspark_server.compute import ops
-from allspark_server.compute import alibi
+from allspark_server.compute import alibi, ops, step_ops
+from allspark_server.compute import steps as spec
 from allspark_server.layers.attention import PagedAttention
 from allspark_server.layers.embedding import Embedding, ParallelLMHead
 from allspark_server.layers.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -25,6 +24,7 @@ from allspark_server.layers.norm import RMSNorm
 from allspark_server.layers.rotary import RotaryEmbedding
 from allspark_server.layers.sharding import SplitMode, TPLayout
 from allspark_server.models.args import ModelArgs
+from allspark_server.models.description import describe
 from allspark_server.step.inputs import ForwardInputs
 from allspark_server.step.kv_cache import LayerKV
 
@@ -44,21 +44,22 @@ QUANTIZABLE = r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$"
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, tp: TPLayout, comm, dtype: torch.dtype):
+    """The Attention step's module: its projections, per-head norms and the attention over the spans."""
+
+    def __init__(self, args: ModelArgs, step: spec.Attention, tp: TPLayout, comm, dtype: torch.dtype):
         super().__init__()
         d = args.head_dim
+        self.step = step
         self.num_heads, self.num_kv_heads, self.head_dim = tp.local_heads, tp.local_kv_heads, d
         self.qkv_proj = MergedColumnParallelLinear(
             args.hidden_size, [("q_proj", self.num_heads * d), ("k_proj", self.num_kv_heads * d),
-                               ("v_proj", self.num_kv_heads * d)], args.attention_bias, dtype)
-        self.o_proj = RowParallelLinear(self.num_heads * d, args.hidden_size, args.o_proj_bias, dtype, comm)
+                               ("v_proj", self.num_kv_heads * d)], step.qkv_bias, dtype)
+        self.o_proj = RowParallelLinear(self.num_heads * d, args.hidden_size, step.o_bias, dtype, comm)
         # ALiBi models: the slopes of this rank's heads (and no rotary)
-        slopes = (alibi.local_slopes(args.num_heads, tp.rank, tp.local_heads)
-                  if args.position_embedding == "alibi" else None)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, slopes)
-        # Qwen3: RMSNorm over each head's q and k, before the rotary
-        self.q_norm = RMSNorm(d, args.rms_norm_eps, dtype) if args.qk_norm else None
-        self.k_norm = RMSNorm(d, args.rms_norm_eps, dtype) if args.qk_norm else None
+        slopes = alibi.local_slopes(args.num_heads, tp.rank, tp.local_heads) if step.position == "alibi" else None
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, step, slopes)
+        self.q_norm = RMSNorm(d, args.rms_norm_eps, dtype) if step.qk_norm else None
+        self.k_norm = RMSNorm(d, args.rms_norm_eps, dtype) if step.qk_norm else None
 
     def forward(self, x, inputs: ForwardInputs, rope: tuple[torch.Tensor, torch.Tensor], kv: LayerKV):
         t = x.shape[0]
@@ -69,31 +70,40 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)                       # [T, h, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)                    # [T, kvh, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.attn.alibi_slopes is None:                                 # ALiBi: the attention adds the bias
+        if self.step.position == "rope":                                   # ALiBi: the attention adds the bias
             q, k = ops.rotary(q, k, *rope)
         o = self.attn(q, k, v, kv, inputs.attn)                            # [T, h*D]
         return self.o_proj(o)                                              # [T, H]
 
-    def qk_norm_weights(self) -> tuple:
-        """(q_norm weight, k_norm weight) for the fused decode calls, () without q/k norms."""
-        return () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+    def bound(self, kv: LayerKV) -> spec.BoundAttention:
+        b = spec.BoundAttention(self.step, self.qkv_proj.kernel_weight, self.qkv_proj.bias, self.o_proj.kernel_weight,
+                                self.num_heads, self.num_kv_heads, kv.k, kv.v, kv.k_param, kv.v_param,
+                                alibi_slopes=self.attn.alibi_slopes)
+        if self.q_norm is not None:     # the per-head norms use the layer's eps
+            b.q_norm, b.k_norm, b.norm_eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+        return b
+
+    def reduce(self, partial):
+        return self.o_proj.reduce(partial)
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs, tp: TPLayout, comm, dtype: torch.dtype):
+    """The Mlp step's module: act(gate) * up through the merged gate|up projection, then down."""
+
+    def __init__(self, args: ModelArgs, step: spec.Mlp, tp: TPLayout, comm, dtype: torch.dtype):
         super().__init__()
         inter = tp.local_intermediate
+        self.step = step
         self.gate_up_proj = MergedColumnParallelLinear(args.hidden_size, [("gate_proj", inter), ("up_proj", inter)],
-                                                       args.mlp_bias, dtype)
-        self.down_proj = RowParallelLinear(inter, args.hidden_size, args.mlp_bias, dtype, comm)
+                                                       step.bias, dtype)
+        self.down_proj = RowParallelLinear(inter, args.hidden_size, step.bias, dtype, comm)
 
     def forward(self, x):   # [T, H] -> [T, H]
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))          # silu(gate) * up: [T, I]
+        return self.down_proj(ops.act_mul(self.gate_up_proj(x), self.step.act))     # act(gate) * up: [T, I]
 
-    def decode_block(self, x, residual, norm: RMSNorm):
-        """norm(x + residual) and this MLP in one call: (partial output before the allreduce, x + residual)."""
-        return ops.decode_mlp_block(x, residual, norm.weight, norm.eps, self.gate_up_proj.kernel_weight,
-                                    self.gate_up_proj.bias, self.down_proj.kernel_weight)
+    def bound(self) -> spec.BoundMlp:
+        return spec.BoundMlp(self.step, self.gate_up_proj.kernel_weight, self.gate_up_proj.bias,
+                             self.down_proj.kernel_weight)
 
     def reduce(self, partial):
         return self.down_proj.reduce(partial)
@@ -104,43 +114,77 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, tp: TPLayout, comm, dtype: torch.dtype, index: int):
+    """One layer's modules, made from its steps and run in their order."""
+
+    def __init__(self, args: ModelArgs, steps: tuple, tp: TPLayout, comm, dtype: torch.dtype):
         super().__init__()
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.self_attn = Attention(args, tp, comm, dtype)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        # a dense MLP or a mixture of experts: both give decode_block / reduce
-        self.mlp = (SparseMoE(args, tp.world_size, dtype, comm) if index in args.moe_layers
-                    else MLP(args, tp, comm, dtype))
+        self.steps = steps
+        for step in steps:
+            if isinstance(step, spec.Norm):
+                self.add_module(step.name, RMSNorm(args.hidden_size, args.rms_norm_eps, dtype))
+            elif isinstance(step, spec.Attention):
+                self.self_attn = Attention(args, step, tp, comm, dtype)
+            elif isinstance(step, spec.Mlp):
+                self.mlp = MLP(args, step, tp, comm, dtype)
+            else:
+                self.mlp = SparseMoE(args, tp.world_size, dtype, comm)
+        # the modules that reduce each sublayer's partial output, in step order (the decode stack's `part`)
+        self.sublayers = [self.self_attn if isinstance(s, spec.Attention) else self.mlp
+                          for s in steps if not isinstance(s, spec.Norm)]
+        self._bound, self._bound_kv = None, None
 
     def forward(self, x, residual, inputs, rope, kv: LayerKV):
-        """HF's `x + attn(norm(x))`, `x + mlp(norm(x))` with each add done inside the next norm:
-        takes and returns (sublayer output, residual stream); their sum is HF's hidden state."""
+        """Takes and returns (x, residual stream); a pre-norm folds the residual add into its single pass."""
         if not inputs.attn.seqs:            # every sequence decodes one token
             return self.decode(x, residual, inputs.attn, rope, kv)
-        h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, inputs, rope, kv)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        for step in self.steps:
+            if isinstance(step, spec.Norm):
+                norm = getattr(self, step.name)
+                x, residual = norm(x, residual) if step.adds_residual else (norm(x)[0], residual)
+            elif isinstance(step, spec.Attention):
+                x = self.self_attn(x, inputs, rope, kv)
+            else:
+                x = self.mlp(x)
+        return x, residual
+
+    def bound(self, kv: LayerKV) -> list:
+        """The layer's steps bound to its weights and `kv` (compute/steps.py Bound*), made once per cache."""
+        if self._bound_kv is not kv.k:
+            out = []
+            for step in self.steps:
+                if isinstance(step, spec.Norm):
+                    norm = getattr(self, step.name)
+                    out.append(spec.BoundNorm(step, norm.weight, norm.eps))
+                elif isinstance(step, spec.Attention):
+                    out.append(self.self_attn.bound(kv))
+                else:
+                    out.append(self.mlp.bound())
+            self._bound, self._bound_kv = out, kv.k
+        return self._bound
 
     def decode(self, x, residual, meta, rope, kv: LayerKV):
-        """The same math as forward, each half of the layer one fused call (ops.decode_*_block); only
-        the tensor-parallel allreduces (and row-parallel biases) run between them."""
-        attn, mlp, norm1, norm2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
-        o, residual = ops.decode_attention_block(
-            x, residual, norm1.weight, norm1.eps, attn.qkv_proj.kernel_weight, attn.qkv_proj.bias, attn.num_heads,
-            attn.num_kv_heads, *rope, kv.k, kv.v, meta.slot_mapping, meta.decode_spans, meta.decode_ctx,
-            attn.attn.scale, attn.o_proj.kernel_weight, kv.k_param, kv.v_param, *attn.qk_norm_weights(),
-            alibi_slopes=attn.attn.alibi_slopes)
-        h, residual = mlp.decode_block(attn.o_proj.reduce(o), residual, norm2)
-        return mlp.reduce(h), residual
+        """The same steps on decode rows, each one op call (compute/step_ops.py); the sublayers' tensor-parallel
+        sums (and row-parallel biases) run after them."""
+        sub = iter(self.sublayers)
+        for b in self.bound(kv):
+            if isinstance(b, spec.BoundNorm):
+                x, residual = step_ops.norm_step(x, residual, b)
+            elif isinstance(b, spec.BoundAttention):
+                x = next(sub).reduce(step_ops.attention_step(x, b, meta.slot_mapping, meta.decode_spans,
+                                                             meta.decode_ctx, *rope))
+            elif isinstance(b, spec.BoundMlp):
+                x = next(sub).reduce(step_ops.mlp_step(x, b))
+            else:
+                x = next(sub).reduce(step_ops.moe_step(x, b))
+        return x, residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, args: ModelArgs, tp: TPLayout, comm, dtype: torch.dtype, max_positions: int):
+    def __init__(self, args: ModelArgs, model_spec: spec.ModelSpec, tp: TPLayout, comm, dtype: torch.dtype,
+                 max_positions: int):
         super().__init__()
         self.embed_tokens = Embedding(args.vocab_size, args.hidden_size, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(args, tp, comm, dtype, i) for i in range(args.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, steps, tp, comm, dtype) for steps in model_spec.layers)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.rotary = (RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling,
                                        args.rotary_dim) if args.position_embedding == "rope" else None)   # ALiBi: none
@@ -149,22 +193,19 @@ class DecoderModel(nn.Module):
 class DecoderForCausalLM(nn.Module):
     def __init__(self, args: ModelArgs, tp: TPLayout, comm, dtype: torch.dtype, max_positions: int):
         super().__init__()
-        if args.hidden_act != "silu":
-            raise ValueError(f"hidden_act {args.hidden_act!r} is not supported (only silu)")
-        if args.position_embedding not in ("rope", "alibi"):
-            raise ValueError(f"position_embedding {args.position_embedding!r} is not supported (rope, alibi)")
+        self.spec = describe(args)                  # refuses what no step can express, by name
         exact = args.exact_context()
         if exact is not None and max_positions > exact[0]:
             raise ValueError(f"max_length {max_positions} is past this model's context ({exact[0]} tokens), where "
                              f"{exact[1]}: set max_length <= {exact[0]}")
         self.args = args
         self.comm = comm
-        self.model = DecoderModel(args, tp, comm, dtype, max_positions)
+        self.model = DecoderModel(args, self.spec, tp, comm, dtype, max_positions)
         self.lm_head = ParallelLMHead(tp.local_vocab, args.hidden_size, dtype, comm)
         self._stack, self._stack_cache, self._reduce = None, None, None
 
     def decode_stack(self, kv_cache):
-        """The native DecodeStack (a whole decode-only step in one call) over this model's weights and
+        """The native DecodeStack (a whole decode-only step in one call) over this model's bound steps and
         `kv_cache`: built on first use, None without the native build. Weights and cache pages stay where
         they are once loaded, so it is built once."""
         if self._stack_cache is not kv_cache:
@@ -172,46 +213,34 @@ class DecoderForCausalLM(nn.Module):
         return self._stack
 
     def _build_decode_stack(self, kv_cache):
-        layers = self.model.layers
-        attn, norm = layers[0].self_attn, layers[0].input_layernorm
-        dtype = self.model.embed_tokens.weight.dtype
-        if (any(w.dtype != dtype for w in self.parameters())
-                or self.model.norm.eps != norm.eps
+        layers, embedding = self.model.layers, self.model.embed_tokens.weight
+        if (any(w.dtype != embedding.dtype for w in self.parameters())
                 or (self.lm_head.quant is None and not self.lm_head.weight.is_contiguous())):
             return None
-        stack = ops.decode_stack(attn.num_heads, attn.num_kv_heads, attn.head_dim, norm.eps, attn.attn.scale,
-                                 dtype, self.model.embed_tokens.weight.device, attn.attn.alibi_slopes)
-        if stack is None:
-            return None
-        for layer, kv in zip(layers, kv_cache.layers):
-            a, m = layer.self_attn, layer.mlp
-            assert layer.input_layernorm.eps == layer.post_attention_layernorm.eps == norm.eps
-            w = ops.native_weight
-            dense = (w(m.gate_up_proj.kernel_weight), m.gate_up_proj.bias, w(m.down_proj.kernel_weight)) \
-                if isinstance(m, MLP) else (None, None, None)
-            stack.add_layer(layer.input_layernorm.weight, w(a.qkv_proj.kernel_weight), a.qkv_proj.bias,
-                            w(a.o_proj.kernel_weight), layer.post_attention_layernorm.weight, *dense,
-                            *kv, *a.qk_norm_weights())
-            if isinstance(m, SparseMoE):               # the layer's MLP half: its experts (native/moe.cpp)
-                b = m.block_weights()
-                stack.set_moe(b["router"], [w(g) for g, _ in b["experts"]], [w(d) for _, d in b["experts"]],
-                              b["top_k"], b["norm_topk_prob"], *(map(w, b["shared"]) if b["shared"] else (None, None)),
-                              b["shared_gate"])
         rotary = self.model.rotary                                          # None: ALiBi, no tables
-        cos_sin = (rotary.cos, rotary.sin) if rotary is not None else (None, None)
-        stack.set_ends(self.model.embed_tokens.weight, *cos_sin, self.model.norm.weight,
-                       ops.native_weight(self.lm_head.kernel_weight))
+        final = spec.BoundNorm(spec.Norm("norm"), self.model.norm.weight, self.model.norm.eps)
+        stack = step_ops.decode_stack([layer.bound(kv) for layer, kv in zip(layers, kv_cache.layers)], final,
+                                      embedding, *((rotary.cos, rotary.sin) if rotary is not None else (None, None)),
+                                      self.lm_head.kernel_weight, self.spec.embed_scale)
         # the row-parallel sums: nothing to do at world size 1 without biases, so the stack never calls back
-        if self.comm.world_size == 1 and all(layer.self_attn.o_proj.bias is None and not layer.mlp.adds_bias
-                                             for layer in layers):
-            self._reduce = None
-        else:
-            self._reduce = self._reduce_partial
+        needs_reduce = self.comm.world_size > 1 or any(
+            layer.self_attn.o_proj.bias is not None or layer.mlp.adds_bias for layer in layers)
+        self._reduce = self._reduce_partial if needs_reduce else None
         return stack
 
     def _reduce_partial(self, partial: torch.Tensor, layer: int, part: int) -> torch.Tensor:
-        sub = self.model.layers[layer]
-        return (sub.self_attn.o_proj if part == 0 else sub.mlp).reduce(partial)
+        return self.model.layers[layer].sublayers[part].reduce(partial)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows, times the model's embed_scale in their dtype where it has one (HF Gemma's)."""
+        x = self.model.embed_tokens(ids)                                    # [T, H]
+        scale = self.spec.embed_scale
+        return x if scale is None else x * torch.tensor(scale, dtype=x.dtype, device=x.device)
+
+    def capped(self, logits):
+        """The final logits soft-capped where the model caps them (Gemma 2); rank 0's fp32 [N, V] or None."""
+        cap = self.spec.final_softcap
+        return logits if logits is None or not cap else torch.tanh(logits / cap) * cap
 
     @torch.inference_mode()
     def forward(self, inputs: ForwardInputs, kv_cache) -> torch.Tensor:
@@ -222,8 +251,8 @@ class DecoderForCausalLM(nn.Module):
                 and (stack := self.decode_stack(kv_cache)) is not None):
             local = stack.run(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.decode_spans,
                               meta.decode_ctx, self._reduce)
-            return self.lm_head.gather(local)
-        x = self.model.embed_tokens(inputs.input_ids)                       # [T, H]
+            return self.capped(self.lm_head.gather(local))
+        x = self.embed(inputs.input_ids)                                    # [T, H]
         rotary = self.model.rotary                                          # None: ALiBi, no rotary
         rope = rotary.cos_sin(inputs.positions, x.dtype) if rotary is not None else (None, None)   # [T, 1, D] x 2
         residual = None
@@ -231,4 +260,4 @@ class DecoderForCausalLM(nn.Module):
             x, residual = layer(x, residual, inputs, rope, kv_cache.layers[i])
         rows = inputs.sample_rows
         h, _ = self.model.norm(x[rows], residual[rows])                     # [N, H]
-        return self.lm_head(h)                                              # [N, V] on rank 0
+        return self.capped(self.lm_head(h))                                 # [N, V] on rank 0

@@ -16,7 +16,7 @@ import torch
 from allspark_server.models.args import ModelArgs
 
 Converter = Callable[[str, torch.Tensor, ModelArgs], Iterable[tuple[str, torch.Tensor]]]
-ARCH_MODULES = ("llama", "qwen3", "glm", "chatglm", "baichuan", "qwen", "moe")
+ARCH_MODULES = ("llama", "qwen3", "glm", "chatglm", "baichuan", "qwen", "moe", "gemma")
 
 
 def keep(name: str, tensor: torch.Tensor, args: ModelArgs) -> Iterable[tuple[str, torch.Tensor]]:

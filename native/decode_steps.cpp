@@ -1,19 +1,6 @@
-// Fused decode blocks. When every sequence of a step decodes one token, each half of a decoder layer is
-// one call, so the Python and dispatcher work between the kernels (about 100 us per layer, measured on a
-// 0.5 B model) is gone; the kernels themselves are the ones the unfused path calls.
-//
-//   attention block: s = x + residual; h = RMSNorm(s); q|k|v = h . W_qkv^T (+ b); [q, k = RMSNorm per head
-//                    with q_norm, k_norm (Qwen3)]; rotate q, k [unless cos/sin are None: ALiBi models,
-//                    whose alibi_slopes the attention adds];
-//                    write k, v into their cache slots; o = attention over each sequence's spans;
-//                    returns (o . W_o^T, s)            -- before the tensor-parallel allreduce and o bias
-//   mlp block:       s = x + residual; h = RMSNorm(s); g|u = h . W_gu^T (+ b); a = silu(g) * u;
-//                    returns (a . W_down^T, s)         -- before the allreduce and down bias
-//
-// x, residual [B, H]; caches [S, P, KVH, D] (or quantized codes with their params, span_attention_quant.cpp); slots [B] int64 (cache slot of each new token); spans, ctx
-// as in span_attention.cpp; cos/sin [B, 1, D]. The projection weights are dense or quantized (`Weight`);
-// `project` (gemv_quant.cpp) picks the native GEMV for few rows and ATen's GEMM otherwise, the same rule
-// as ops.linear.
+// The steps of a decoder layer on a decode-only batch (one new token per sequence): steps.h describes them.
+// Each runs the kernels the unfused path calls, in the same order, so a step's output is bit-equal to the Python
+// reference path's sequence on the same kernels; decode_stack.cpp chains them over all layers in one call.
 //
 // silu_mul: a = silu(g) * u for gate_up [T, 2I] -> [T, I], rounded like HF's two eager ops (silu's
 // output, then the product, each in the activation dtype); silu(x) = x / (1 + e^-x), computed from
@@ -25,6 +12,7 @@
 #include <type_traits>
 
 #include "kernels.h"
+#include "steps.h"
 #include "parallel.h"
 #include "simd.h"
 
@@ -146,49 +134,66 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   }
 }
 
-std::tuple<torch::Tensor, torch::Tensor> decode_attention_block(
-    torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor norm_weight, double eps,
-    Weight qkv_weight, std::optional<torch::Tensor> qkv_bias, int64_t num_heads, int64_t num_kv_heads,
-    std::optional<torch::Tensor> cos, std::optional<torch::Tensor> sin, torch::Tensor k_cache,
-    torch::Tensor v_cache, torch::Tensor slots,
-    torch::Tensor spans, torch::Tensor ctx, double scale, Weight o_weight, int64_t isa, int64_t native_rows,
-    std::optional<torch::Tensor> k_param, std::optional<torch::Tensor> v_param, std::optional<torch::Tensor> q_norm,
-    std::optional<torch::Tensor> k_norm, std::optional<torch::Tensor> alibi_slopes) {
-  TORCH_CHECK(k_param.has_value() == v_param.has_value(), "decode_attention_block: params for both K and V or neither");
-  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "decode_attention_block: norms for both q and k or neither");
-  TORCH_CHECK(cos.has_value() == sin.has_value(), "decode_attention_block: cos and sin, or neither (no rotary)");
-  TORCH_CHECK(x.dim() == 2 && k_cache.dim() == 4 && k_cache.size(2) == num_kv_heads, "decode_attention_block: shapes");
-  const int64_t B = x.size(0);
-  auto [h, s] = rms_norm(x, norm_weight, eps, residual, isa);
-  auto qkv = project(h, qkv_weight, qkv_bias, isa, native_rows);
-  // head dim (a uint4 cache row holds D / 2 bytes)
-  const int64_t D = qkv.size(1) / (num_heads + 2 * num_kv_heads);
-  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * D && (!cos || cos->size(-1) == D),
-              "decode_attention_block: qkv width");
-  auto q = qkv.narrow(1, 0, num_heads * D).view({B, num_heads, D});
-  auto k = qkv.narrow(1, num_heads * D, num_kv_heads * D).view({B, num_kv_heads, D});
-  auto v = qkv.narrow(1, (num_heads + num_kv_heads) * D, num_kv_heads * D);
-  if (q_norm) {   // each head's row normalized: [B * heads, D] (copies: the rows are strided views)
-    q = std::get<0>(rms_norm(q.reshape({B * num_heads, D}), *q_norm, eps, std::nullopt, isa)).view({B, num_heads, D});
-    k = std::get<0>(rms_norm(k.reshape({B * num_kv_heads, D}), *k_norm, eps, std::nullopt, isa)).view({B, num_kv_heads, D});
-  }
-  torch::Tensor qr = q, kr = k;   // no rotary (ALiBi): q and k as projected
-  if (cos) std::tie(qr, kr) = rotary(q, k, *cos, *sin, isa);
-  torch::Tensor o;
-  if (k_param) {   // quantized spans (span_attention_quant.cpp)
-    store_kv_quant(kr, v, k_cache, *k_param, v_cache, *v_param, slots);
-    o = decode_attention_quant(qr, k_cache, *k_param, v_cache, *v_param, spans, ctx, scale, isa, alibi_slopes);
-  } else {
-    store_kv(kr, v, k_cache, v_cache, slots);
-    o = decode_attention(qr, k_cache, v_cache, spans, ctx, scale, isa, alibi_slopes);
-  }
-  return {project(o.view({B, num_heads * D}), o_weight, std::nullopt, isa, native_rows), s};
+void AttentionStep::check() const {
+  TORCH_CHECK(k_param.has_value() == v_param.has_value(), "AttentionStep: params for both K and V or neither");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "AttentionStep: norms for both q and k or neither");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == num_kv_heads, "AttentionStep: the cache is not [S, P, ",
+              num_kv_heads, ", D]");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "AttentionStep: heads ", num_heads, " not a multiple of KV heads ",
+              num_kv_heads);
+  TORCH_CHECK(softcap >= 0 && window >= 0, "AttentionStep: softcap and window must be >= 0");
+  for (const Weight* w : {&qkv, &o})
+    if (const auto* q = std::get_if<QuantWeight>(w)) q->check();
 }
 
-std::tuple<torch::Tensor, torch::Tensor> decode_mlp_block(
-    torch::Tensor x, torch::Tensor residual, torch::Tensor norm_weight, double eps, Weight gate_up_weight,
-    std::optional<torch::Tensor> gate_up_bias, Weight down_weight, int64_t isa, int64_t native_rows) {
-  auto [h, s] = rms_norm(x, norm_weight, eps, residual, isa);
-  auto a = silu_mul(project(h, gate_up_weight, gate_up_bias, isa, native_rows), isa);
-  return {project(a, down_weight, std::nullopt, isa, native_rows), s};
+void MlpStep::check() const {
+  for (const Weight* w : {&gate_up, &down})
+    if (const auto* q = std::get_if<QuantWeight>(w)) q->check();
+  TORCH_CHECK(act == Activation::Silu || act == Activation::GeluTanh, "MlpStep: unknown activation");
+}
+
+std::tuple<torch::Tensor, std::optional<torch::Tensor>> norm_step(const torch::Tensor& x,
+                                                                  const std::optional<torch::Tensor>& residual,
+                                                                  const NormStep& n, int64_t isa) {
+  if (!n.adds_residual) return {std::get<0>(rms_norm(x, n.weight, n.eps, std::nullopt, isa)), residual};
+  auto [h, s] = rms_norm(x, n.weight, n.eps, residual, isa);
+  return {h, s};
+}
+
+torch::Tensor attention_step(const torch::Tensor& x, const AttentionStep& a, const DecodeRows& rows, int64_t isa,
+                             int64_t native_rows) {
+  TORCH_CHECK(x.dim() == 2, "attention_step: x must be [B, H]");
+  TORCH_CHECK(!a.rotary || (rows.cos && rows.sin), "attention_step: a rotary step needs cos and sin rows");
+  const int64_t B = x.size(0), heads = a.num_heads, kv_heads = a.num_kv_heads;
+  auto qkv = project(x, a.qkv, a.qkv_bias, isa, native_rows);
+  // head dim (a uint4 cache row holds D / 2 bytes)
+  const int64_t D = qkv.size(1) / (heads + 2 * kv_heads);
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * D && (!a.rotary || rows.cos->size(-1) == D),
+              "attention_step: qkv width");
+  auto q = qkv.narrow(1, 0, heads * D).view({B, heads, D});
+  auto k = qkv.narrow(1, heads * D, kv_heads * D).view({B, kv_heads, D});
+  auto v = qkv.narrow(1, (heads + kv_heads) * D, kv_heads * D);
+  if (a.q_norm) {   // each head's row normalized: [B * heads, D] (copies: the rows are strided views)
+    q = std::get<0>(rms_norm(q.reshape({B * heads, D}), *a.q_norm, a.norm_eps, std::nullopt, isa)).view({B, heads, D});
+    k = std::get<0>(rms_norm(k.reshape({B * kv_heads, D}), *a.k_norm, a.norm_eps, std::nullopt, isa))
+            .view({B, kv_heads, D});
+  }
+  if (a.rotary) std::tie(q, k) = rotary(q, k, *rows.cos, *rows.sin, isa);
+  torch::Tensor o;
+  if (a.k_param) {   // quantized spans (span_attention_quant.cpp)
+    store_kv_quant(k, v, a.k_cache, *a.k_param, a.v_cache, *a.v_param, rows.slots);
+    o = decode_attention_quant(q, a.k_cache, *a.k_param, a.v_cache, *a.v_param, rows.spans, rows.ctx, a.scale, isa,
+                               a.alibi_slopes, a.softcap, a.window);
+  } else {
+    store_kv(k, v, a.k_cache, a.v_cache, rows.slots);
+    o = decode_attention(q, a.k_cache, a.v_cache, rows.spans, rows.ctx, a.scale, isa, a.alibi_slopes, a.softcap,
+                         a.window);
+  }
+  return project(o.view({B, heads * D}), a.o, std::nullopt, isa, native_rows);
+}
+
+torch::Tensor mlp_step(const torch::Tensor& x, const MlpStep& m, int64_t isa, int64_t native_rows) {
+  auto gate_up = project(x, m.gate_up, m.gate_up_bias, isa, native_rows);
+  auto a = m.act == Activation::Silu ? silu_mul(gate_up, isa) : gelu_tanh_mul(gate_up, isa);
+  return project(a, m.down, std::nullopt, isa, native_rows);
 }

@@ -1,0 +1,105 @@
+"""The layer description's steps (compute/steps.py) on a decode-only batch, on every backend.
+
+A step bound to its layer's tensors (steps.Bound*) runs here as one native call over its descriptor struct
+(native/steps.h, made once per bound step), as the CUDA backend's sequence (compute/cuda/ops.py), or as the torch
+reference (compute/reference.py) where neither applies. `decode_stack` builds the native one-call decode step from
+the same bound steps, so the native stack, the Python loop over the layers and the CUDA graphs run one description.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from allspark_server.compute import ops
+from allspark_server.compute.reference import attention_step_reference, mlp_step_reference
+from allspark_server.compute.steps import ACTIVATIONS, Bound, BoundAttention, BoundMlp, BoundMoe, BoundNorm
+
+
+def _native_suits(x: torch.Tensor, *weights) -> bool:
+    return (ops.native() is not None and not x.is_cuda and x.dtype in ops.NATIVE_MAX_ROWS
+            and all(ops._native_weight_ok(w, x.dtype) for w in weights))
+
+
+def native_step(b: Bound):
+    """The native descriptor of a bound step (made on first use, then kept: weights and caches never move)."""
+    if b.native is not None:
+        return b.native
+    ext, w = ops.native(), ops.native_weight
+    if isinstance(b, BoundNorm):
+        b.native = ext.NormStep(weight=b.weight, adds_residual=b.step.adds_residual, eps=b.eps)
+    elif isinstance(b, BoundAttention):
+        a = b.step
+        b.native = ext.AttentionStep(
+            qkv=w(b.qkv), qkv_bias=b.qkv_bias, o=w(b.o), num_heads=b.num_heads, num_kv_heads=b.num_kv_heads,
+            scale=a.scale, q_norm=b.q_norm, k_norm=b.k_norm, norm_eps=b.norm_eps, rotary=a.position == "rope",
+            alibi_slopes=b.alibi_slopes, softcap=a.softcap, window=a.window, k_cache=b.k_cache, v_cache=b.v_cache,
+            k_param=b.k_param, v_param=b.v_param)
+    elif isinstance(b, BoundMlp):
+        b.native = ext.MlpStep(gate_up=w(b.gate_up), gate_up_bias=b.gate_up_bias, down=w(b.down),
+                               act=ACTIVATIONS.index(b.step.act))
+    else:
+        shared = b.shared or (None, None)
+        b.native = ext.MoeStep(router=b.router, gate_up=[w(g) for g, _ in b.experts], down=[w(d) for _, d in b.experts],
+                               top_k=b.step.top_k, norm_topk_prob=b.step.norm_topk_prob,
+                               shared_gate_up=None if shared[0] is None else w(shared[0]),
+                               shared_down=None if shared[1] is None else w(shared[1]), shared_gate=b.shared_gate)
+    return b.native
+
+
+def norm_step(x: torch.Tensor, residual: Optional[torch.Tensor], b: BoundNorm):
+    """(normed, residual stream): a pre-norm adds the residual first and returns the sum as the new stream."""
+    if b.step.adds_residual:
+        return ops.rms_norm(x, b.weight, b.eps, residual)
+    return ops.rms_norm(x, b.weight, b.eps)[0], residual
+
+
+def attention_step(x: torch.Tensor, b: BoundAttention, slots: torch.Tensor, spans: torch.Tensor, ctx: torch.Tensor,
+                   cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [B, H] (one new token per sequence) -> the o projection's output [B, H] before the allreduce."""
+    if x.is_cuda:
+        return ops.cuda_backend().attention_step(x, b, slots, spans, ctx, cos, sin)
+    if (_native_suits(x, b.qkv, b.o) and (b.k_param is not None or b.k_cache.dtype == x.dtype)
+            and (cos is None or (cos.shape[-1] % 2 == 0 and cos.dtype == x.dtype))):
+        return ops.native().attention_step(x, native_step(b), slots, spans, ctx, cos, sin, ops.isa_level(),
+                                           ops.NATIVE_MAX_ROWS[x.dtype])
+    return attention_step_reference(x, b, slots, spans, ctx, cos, sin)
+
+
+def mlp_step(x: torch.Tensor, b: BoundMlp) -> torch.Tensor:
+    """x [B, H] -> the down projection's output before the allreduce."""
+    if x.is_cuda:
+        return ops.cuda_backend().mlp_step(x, b)
+    if _native_suits(x, b.gate_up, b.down):
+        return ops.native().mlp_step(x, native_step(b), ops.isa_level(), ops.NATIVE_MAX_ROWS[x.dtype])
+    return mlp_step_reference(x, b)
+
+
+def moe_step(x: torch.Tensor, b: BoundMoe) -> torch.Tensor:
+    """x [B, H] -> the experts' weighted sum before the allreduce; native: only the chosen experts are read."""
+    weights = [b.router, *(w for pair in b.experts for w in pair), *(b.shared or ())]
+    if _native_suits(x, *weights):
+        return ops.native().moe_step(x, native_step(b), ops.isa_level(), ops.NATIVE_MAX_ROWS[x.dtype])
+    return ops.moe(x, b.router, b.experts, b.step.top_k, b.step.norm_topk_prob, b.shared, b.shared_gate)
+
+
+def decode_stack(layers: Sequence[Sequence[Bound]], final_norm: BoundNorm, embedding: torch.Tensor,
+                 cos_table: Optional[torch.Tensor], sin_table: Optional[torch.Tensor], lm_head,
+                 embed_scale: Optional[float] = None):
+    """A native DecodeStack (native/decode_stack.cpp: a whole decode-only step in one call) over the bound steps of
+    every layer; None where the native steps do not apply (then the caller loops over the layers itself, each
+    step falling back as above). cos/sin tables fp32 [positions, D], None for ALiBi models."""
+    ext, dtype = ops.native(), embedding.dtype
+    if ext is None or embedding.is_cuda or dtype not in ops.NATIVE_MAX_ROWS:
+        return None
+    for layer in layers:
+        for b in layer:
+            if isinstance(b, BoundAttention) and (b.k_param is None and b.k_cache.dtype != dtype
+                                                  or (b.step.position == "rope" and cos_table.shape[-1] % 2)):
+                return None
+    stack = ext.DecodeStack(isa=ops.isa_level(), native_rows=ops.NATIVE_MAX_ROWS[dtype], embed_scale=embed_scale)
+    for layer in layers:
+        stack.add_layer([native_step(b) for b in layer])
+    stack.set_ends(embedding=embedding, cos_table=cos_table, sin_table=sin_table, final_norm=native_step(final_norm),
+                   lm_head=ops.native_weight(lm_head))
+    return stack

@@ -1,0 +1,119 @@
+"""The layer description's vocabulary: the kinds of step a decoder layer is made of, with their options.
+
+An architecture's decoder layer is a tuple of these steps (models/description.py builds it from ModelArgs), and
+every backend runs that same tuple: the reference and CUDA paths step by step (models/decoder.py through
+compute/ops.py), the native CPU path as one descriptor struct per step (native/steps.h) inside its one-call decode
+stack. Steps apply in order to the pair (x, residual); their sum is HF's hidden state:
+  Norm       x = rmsnorm(x) * w. adds_residual: the pre-norm form, s = x + residual is normed and becomes the
+             residual stream; otherwise a sandwich norm of a sublayer's (already summed) output.
+  Attention  x = o_proj(attend(rotate(qkv_proj(x)))), summed over the ranks (a row-parallel o_proj).
+  Mlp        x = down_proj(act(gate_proj(x)) * up_proj(x)), summed over the ranks.
+  Moe        x = the router's top-k experts' Mlps, weighted (plus a gated shared expert), summed over the ranks.
+A new layer feature is an option or a step kind here, its reference op (compute/reference.py) and at most one kernel
+per backend. The Bound* classes are a step with the tensors one layer runs it on: what compute/ops.py takes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+
+ACTIVATIONS = ("silu", "gelu_tanh")     # Mlp.act; the native MlpStep's `act` is the index
+
+
+@dataclass(frozen=True)
+class Norm:
+    name: str                   # the norm's module in the layer (HF's name, e.g. input_layernorm)
+    adds_residual: bool = True
+
+
+@dataclass(frozen=True)
+class Attention:
+    scale: float                # of q.k: head_dim ** -0.5, or Gemma's query_pre_attn_scalar ** -0.5
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False       # RMSNorm over each head of q and k before the rotary (Qwen3)
+    position: str = "rope"      # "rope" (the model's rotary tables) or "alibi" (a per-head score bias, no rotary)
+    softcap: float = 0.0        # scores -> softcap * tanh(scores / softcap) before the softmax (Gemma 2); 0: none
+    window: int = 0             # sliding window: a query sees the last `window` positions, itself included; 0: all
+
+
+@dataclass(frozen=True)
+class Mlp:
+    act: str = "silu"           # one of ACTIVATIONS
+    bias: bool = False
+
+
+@dataclass(frozen=True)
+class Moe:
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
+    shared_expert: bool = False
+
+
+Step = Union[Norm, Attention, Mlp, Moe]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The whole stack: every layer's steps, and what the model does around them."""
+    layers: tuple[tuple[Step, ...], ...]
+    embed_scale: Optional[float] = None     # the embedding rows times this, in the activation dtype (Gemma)
+    final_softcap: float = 0.0              # logits -> cap * tanh(logits / cap) (Gemma 2); 0: none
+
+    def sublayers(self, layer: int) -> list[Step]:
+        """The layer's steps that end in a sum over the ranks (the `part` index the decode stack reduces by)."""
+        return [s for s in self.layers[layer] if not isinstance(s, Norm)]
+
+
+# ---- a step bound to one layer's tensors (weights dense or quant.formats.QuantizedWeight) ----------------------
+
+@dataclass
+class BoundNorm:
+    step: Norm
+    weight: torch.Tensor
+    eps: float
+    native: Any = field(default=None, repr=False)   # its native descriptor (native/steps.h), made once
+
+
+@dataclass
+class BoundAttention:
+    step: Attention
+    qkv: Any
+    qkv_bias: Optional[torch.Tensor]
+    o: Any
+    num_heads: int                          # this rank's
+    num_kv_heads: int
+    k_cache: torch.Tensor                   # the layer's KV cache (step/kv_cache.py LayerKV)
+    v_cache: torch.Tensor
+    k_param: Optional[torch.Tensor] = None
+    v_param: Optional[torch.Tensor] = None
+    q_norm: Optional[torch.Tensor] = None
+    k_norm: Optional[torch.Tensor] = None
+    norm_eps: float = 1e-6
+    alibi_slopes: Optional[torch.Tensor] = None    # fp32 [num_heads], this rank's heads
+    native: Any = field(default=None, repr=False)
+
+
+@dataclass
+class BoundMlp:
+    step: Mlp
+    gate_up: Any
+    gate_up_bias: Optional[torch.Tensor]
+    down: Any
+    native: Any = field(default=None, repr=False)
+
+
+@dataclass
+class BoundMoe:
+    step: Moe
+    router: torch.Tensor
+    experts: list                           # [(gate_up, down)] per expert
+    shared: Optional[tuple] = None          # (gate_up, down) of the shared expert
+    shared_gate: Optional[torch.Tensor] = None
+    native: Any = field(default=None, repr=False)
+
+
+Bound = Union[BoundNorm, BoundAttention, BoundMlp, BoundMoe]
