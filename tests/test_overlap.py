@@ -1,4 +1,4 @@
-"""Overlapped scheduling (served_model.py `_step_behind`), on the CPU: a decode step launched before the host has
+"""Overlapped scheduling (engine/step_loops.py, OverlappedLoop), on the CPU: a decode step launched before the host has
 read the previous step's tokens, its input ids taken from that step's sampled ids on the device.
 
 On a GPU this runs from the CUDA graphs; here the runner gets an eager stand-in for them (same `fits_decode`
@@ -17,6 +17,7 @@ import threading
 
 import pytest
 
+from allspark_server.engine.step_loops import OverlappedLoop
 from eager_graphs import EagerDecodeGraphs
 from helpers import assert_same_tokens, collect, hf_ref, random_prompt, run_together, serialize, start_engine
 from test_tensor_parallel import mpirun_env
@@ -33,7 +34,7 @@ def engines(llama, tmp_path_factory):
     overlapped, plain = start_engine(loader, NAME, max_batch=4), start_engine(loader, NAME, max_batch=4)
     served = overlapped._models[NAME]
     graphs = EagerDecodeGraphs(served.runner, 4)
-    served.runner.graphs, served._overlap = graphs, True
+    served.runner.graphs, served.loop = graphs, OverlappedLoop()
     yield overlapped, graphs, plain
     overlapped.shutdown()
     plain.shutdown()

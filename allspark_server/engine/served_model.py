@@ -2,9 +2,9 @@
 
 It has no thread of its own: the process's EngineThread applies commands to it and calls `step()`.
 A step plans (scheduler), broadcasts the plan to the other ranks, runs it (runner), samples and
-pushes each new token to its request's ResultQueue (a GPU rank: once the next step is launched). On a GPU a
-decode step runs ahead (overlapped scheduling, `_step_behind`): the next step is planned and launched from this
-step's sampled ids on the GPU before the host reads them, so the GPU never waits for the host. Requests
+pushes each new token to its request's ResultQueue (a GPU rank: once the next step is launched). How the steps
+follow each other is one of two loops chosen at install (engine/step_loops.py): one step at a time, or overlapped
+(GPU graphs: the next decode step is launched from this step's sampled ids on the GPU before the host reads them). Requests
 with a response_format have their token masks computed before the step (a GPU rank: on a background thread
 while the step runs) and applied by the sampler (guided.py); their grammar state lives here, on rank 0 only.
 Stats may be read from any thread.
@@ -28,7 +28,7 @@ from allspark_client.config import AsModelConfig
 from allspark_client.response_format import ResponseFormat
 from allspark_client.types import AsStatus
 from allspark_client.validation import ConfigError
-from allspark_server.core.messages import StepMsg, StepPlan
+from allspark_server.core.messages import StepMsg
 from allspark_server.core.prefix_cache import HostTier, PrefixCache
 from allspark_server.core.request import FinishReason, Request
 from allspark_server.core.scheduler import Scheduler, SchedulerConfig
@@ -36,6 +36,7 @@ from allspark_server.core.span_manager import SpanManager
 from allspark_server.runner.guided import GuidedState, GuidedVocabulary
 from allspark_server.runner.model_runner import ModelRunner
 from allspark_server.runner.sampler import PendingSample, Sampler, SamplingState, plain_greedy
+from allspark_server.engine.step_loops import LaunchedStep, OverlappedLoop, SerialLoop
 from allspark_server.engine.step_watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
@@ -56,20 +57,6 @@ class StopRequest:
 
 
 Command = Union[AddRequest, StopRequest]
-
-
-@dataclass
-class LaunchedStep:
-    """A step on its way: its plan, the requests of its sampled rows (in row order), its chunks' requests (taken at
-    launch: a stop may end one meanwhile), the logits until sampling starts, then the pending sample."""
-    plan: StepPlan
-    rids: list
-    entries: dict                     # request id -> AddRequest
-    started: float
-    graph: bool                       # replayed from the decode graphs
-    logits: object = None
-    masks: object = None              # guided masks: (rows, future of the bitmask), or None
-    pending: Optional[PendingSample] = None
 
 
 class ServedModel:
@@ -93,15 +80,13 @@ class ServedModel:
         self._stat_lock = threading.Lock()
         self._guided: Optional[GuidedVocabulary] = None   # built by the first guided request
         self._guided_lock = threading.Lock()
-        # GPU ranks hand a step's tokens to their queues after the next step's model launch (_deliver), so the
+        # GPU ranks hand a step's tokens to their queues after the next step's model launch (deliver), so the
         # consumers they wake take the GIL while the GPU computes, not while the host prepares the next step
         self._defer_delivery = runner.device.type == "cuda"
         self._undelivered: list[tuple] = []   # (queue, elements, status, finished, note) of the last step
-        # overlapped scheduling (GPU graphs): a decode step whose tokens are still on the GPU (_step_behind); in a
-        # pool of GPU ranks rank 0 sends them to the others by NCCL broadcast (two H100s: batch-1 decode 1.57x one
-        # GPU with it, 1.30x without)
-        self._overlap = runner.graphs is not None and settings.OVERLAP.get()
-        self._launched: Optional[LaunchedStep] = None
+        # how it steps, chosen once: overlapped where decode steps replay from CUDA graphs (a pool of GPU ranks sends
+        # the in-flight tokens to the others by NCCL broadcast), else one step at a time (engine/step_loops.py)
+        self.loop = OverlappedLoop() if runner.graphs is not None and settings.OVERLAP.get() else SerialLoop()
         self._last_completed = 0.0
 
     def guided_state(self, fmt: ResponseFormat) -> GuidedState:
@@ -123,7 +108,7 @@ class ServedModel:
 
     @property
     def has_work(self) -> bool:
-        return self._launched is not None or (self.started and self.scheduler.has_work())
+        return self.loop.in_flight is not None or (self.started and self.scheduler.has_work())
 
     def stop_all(self, error: Optional[str] = None) -> None:
         """End every live request: stopped (GenerateFinished), or InternalError with `error`."""
@@ -135,13 +120,13 @@ class ServedModel:
             self._live[cmd.request.request_id] = cmd
             self.scheduler.add(cmd.request)
         else:
-            self._deliver()   # what the request already produced, before the stop is acknowledged
+            self.deliver()   # what the request already produced, before the stop is acknowledged
             if cmd.request_id in self._live:
                 self._finish(cmd.request_id, FinishReason.STOPPED)
             cmd.done.set()
 
     def _finish(self, rid: int, reason: FinishReason, error: Optional[str] = None) -> None:
-        self._deliver()   # its earlier tokens first
+        self.deliver()   # its earlier tokens first
         entry = self._live.pop(rid, None)
         if entry is None:
             return
@@ -160,65 +145,50 @@ class ServedModel:
         return self.watchdog.step(plan.step_id, sum(c.num_tokens for c in plan.chunks))
 
     def step(self) -> None:
-        prev, self._launched = self._launched, None
-        if prev is not None:
-            self._step_behind(prev)
-            return
+        """One call of the engine thread: the loop chosen at install does the work (engine/step_loops.py)."""
+        self.loop.step(self)
+
+    def plan_and_launch(self) -> Optional[LaunchedStep]:
+        """Schedule the next step and launch it; the previous step's tokens are delivered while it runs. None when
+        there is nothing to run or the launch failed (its requests ended with the error)."""
         started = time.perf_counter()
         plan, interrupted = self.scheduler.schedule()
         if interrupted or not plan.has_work:
-            self._deliver()
+            self.deliver()
         for req in interrupted:
             entry = self._live.pop(req.request_id)
             entry.queue._set_status(GenerateRequestStatus.GenerateInterrupted,
                                     f"request needs more KV cache than the whole cache holds "
                                     f"({self.spans.num_spans} spans of {self.spans.span_size} tokens)")
         if not plan.has_work:
-            return
-        step = self._launch(plan, started)
-        if step is None:
-            return
-        self._deliver()   # the previous step's tokens, while this one runs on the GPU
-        if not self._sample(step):
-            return
-        if self._may_run_ahead(step):
-            self._launched = step   # the next call launches the step after it before reading its tokens
-            return
-        self._complete(step)
+            return None
+        step = self.launch(plan, started)
+        if step is not None:
+            self.deliver()   # the previous step's tokens, while this one runs on the GPU
+        return step
 
-    def _step_behind(self, prev: "LaunchedStep") -> None:
-        """`prev` is on the GPU, sampled there, its tokens unread: launch the step that continues it (when the
-        scheduler can plan it without them) with `prev`'s tokens as its input ids, then read and apply `prev`'s
-        tokens while the GPU computes, then sample the new step (after the update: penalties, min_length and
-        draws see `prev`'s tokens). So the GPU never waits for the host between decode steps."""
-        plan = self.scheduler.continue_decodes(prev.plan) if self._may_run_ahead(prev) else None
-        step = self._launch(plan, time.perf_counter(), prev.pending.tokens, behind=prev) if plan else None
-        if plan is not None and step is None:   # the launch failed: prev's requests went with it
-            return
-        # plain greedy rows do not depend on prev's tokens: sampled now, not between the wait and the next launch
-        early = step is not None and self._plain_greedy_whatever_comes(step)
-        if early and not self._sample(step):
-            return
-        # the tokens of the step before prev: the threads they wake take the GIL while this one waits for prev
-        self._deliver()
-        self._complete(prev)
-        if step is not None and (early or self._sample(step)):
-            self._launched = step
+    def continue_in_flight(self, prev: LaunchedStep) -> tuple[bool, Optional[LaunchedStep]]:
+        """Launch the decode step that continues `prev` (still in flight) with `prev`'s tokens as its input ids, if
+        the scheduler can plan it without them: (False when the launch failed, the new step or None)."""
+        plan = self.scheduler.continue_decodes(prev.plan) if self.may_run_ahead(prev) else None
+        if plan is None:
+            return True, None
+        step = self.launch(plan, time.perf_counter(), prev.pending.tokens, behind=prev)
+        return step is not None, step
 
     @staticmethod
-    def _plain_greedy_whatever_comes(step: "LaunchedStep") -> bool:
+    def plain_greedy_whatever_comes(step: LaunchedStep) -> bool:
         """Every row plain greedy already before the previous step's token is counted (so after it too): its
         sampling is one argmax whatever that token is. (Steps that run ahead have no guided rows.)"""
         return all(plain_greedy(e.sampling.gen, e.request.num_tokens) for e in map(step.entries.get, step.rids))
 
-    def _may_run_ahead(self, step: "LaunchedStep") -> bool:
+    def may_run_ahead(self, step: LaunchedStep) -> bool:
         """A GPU decode step replayed from the CUDA graphs with no guided request may leave its tokens on the GPU
-        for the next step (overlapped scheduling; ALLSPARK_OVERLAP=0 / 1 turns it off / on)."""
-        return (self._overlap and step.graph
-                and all(rid in self._live and self._live[rid].sampling.guided is None for rid in step.rids))
+        for the next step (the overlapped loop)."""
+        return step.graph and all(rid in self._live and self._live[rid].sampling.guided is None for rid in step.rids)
 
-    def _launch(self, plan, started: float, tokens=None, behind: Optional["LaunchedStep"] = None
-                ) -> Optional["LaunchedStep"]:
+    def launch(self, plan, started: float, tokens=None, behind: Optional[LaunchedStep] = None
+                ) -> Optional[LaunchedStep]:
         """Broadcast the plan and run the model: the step with its logits on the device, or None if it failed
         (its requests, and `behind`'s, have ended with the error)."""
         for c in plan.chunks:
@@ -235,7 +205,7 @@ class ServedModel:
             return None
         return LaunchedStep(plan, rids, entries, started, graph, logits, masks)
 
-    def _sample(self, step: "LaunchedStep") -> bool:
+    def sample(self, step: LaunchedStep) -> bool:
         """Start sampling the step's rows (on a GPU nothing waits for the model here); False if it failed."""
         if not step.rids:
             step.pending = PendingSample(None, results=[])
@@ -255,7 +225,7 @@ class ServedModel:
         return True
 
     def _fail(self, plans, e: Exception) -> None:
-        self._deliver()
+        self.deliver()
         log.error("step %s failed: %s", ", ".join(str(p.step_id) for p in plans), traceback.format_exc())
         if self.comm.world_size > 1:
             self.comm.abort(1)   # ranks may now disagree about the cache: the pool must die
@@ -263,7 +233,7 @@ class ServedModel:
             for c in plan.chunks:
                 self._finish(c.request_id, FinishReason.STOPPED, error=f"internal error: {e!r}")
 
-    def _complete(self, step: "LaunchedStep") -> None:
+    def complete(self, step: LaunchedStep) -> None:
         """Read the step's sampled tokens (the wait for the GPU), apply them and queue what they produce."""
         plan = step.plan
         try:
@@ -291,12 +261,12 @@ class ServedModel:
                 self._live.pop(req.request_id)
             self._undelivered.append((entry.queue, el, status, reason is not None, note))
         if not self._defer_delivery or not self.scheduler.has_work():
-            self._deliver()
+            self.deliver()
         # a step launched while the one before it ran: its wall time starts when that one's tokens were read
         self._record_step(plan, requests, len(events), max(step.started, self._last_completed))
         self._last_completed = time.perf_counter()
 
-    def _deliver(self) -> None:
+    def deliver(self) -> None:
         """Push the tokens (and final statuses) that the last step produced to their requests' queues."""
         pending, self._undelivered = self._undelivered, []
         for queue, el, status, finished, note in pending:

@@ -17,6 +17,7 @@ from eager_graphs import install_on_every_runner   # noqa: E402
 from helpers import run_together   # noqa: E402
 from allspark_client.config import AsModelRuntimeConfigBuilder   # noqa: E402
 from allspark_server.dist.comm import get_comm   # noqa: E402
+from allspark_server.engine.step_loops import OverlappedLoop   # noqa: E402
 
 
 def main():
@@ -32,7 +33,7 @@ def main():
         engine.install_model(cfg)
         engine.start_model("m")
         served = engine._models["m"]
-        assert served._overlap, "overlapped scheduling is on by default in a pool of ranks with decode graphs"
+        assert isinstance(served.loop, OverlappedLoop), "overlapped scheduling is on by default in a pool of ranks with decode graphs"
         tokens = [t for t, _ in run_together(engine, "m", json.loads(requests_json))]
         counts[0] = served.runner.graphs.device_steps
         engine.shutdown()
