@@ -1,5 +1,5 @@
 """EngineAPI: what Engine and ClientEngine share verbatim — error reporting and the text/ids
-conveniences built on `start_request`. Each subclass implements the rest of the API (DESIGN §3).
+conveniences built on `start_request`. Each subclass implements the rest of the API (docs/api.md).
 Torch-free.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ class EngineAPI:
 
 @runtime_checkable
 class EngineProtocol(Protocol):
-    """The public API both Engine (in process) and ClientEngine (a pool) implement (DESIGN §3)."""
+    """The public API both Engine (in process) and ClientEngine (a pool) implement (docs/api.md)."""
 
     def install_model(self, cfg) -> AsStatus: ...
     def start_model(self, name: str) -> AsStatus: ...

@@ -1,7 +1,7 @@
 """The HTTP server's engine: an in-process Engine or a ClientEngine (an existing pool, or one it spawns), the
 model's tokenizer and limits, and a small thread pool for the engine's blocking calls.
 
-The server is a client of the public API like any user (DESIGN §9): it serializes the HF folder once into a
+The server is a client of the public API like any user (docs/architecture.md): it serializes the HF folder once into a
 cache dir, installs and starts the model, then only calls start_request / release_request /
 get_as_engine_stat / get_model_info. Those calls can block (a gRPC round trip, a step of the engine thread), so
 they run on `executor` (a few threads, shared by all requests: control calls are short; streams are read by

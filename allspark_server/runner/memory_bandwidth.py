@@ -72,7 +72,7 @@ def gpu_copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30, repeats:
 def bandwidth_gbs(device: torch.device) -> float:
     """The copy bandwidth of the memory `device` decodes from, measured once per process and device (~0.5 s;
     ALLSPARK_MEMORY_BANDWIDTH_GBS overrides). The median of 9 copies, as the benchmark's roofline: the best one
-    read 3-30% above the medians the benchmark measured around its decode runs on a shared 2-core VM (stop 18)."""
+    read 3-30% above the medians the benchmark measured around its decode runs on a shared 2-core VM."""
     key = str(device)
     if key not in _measured:
         given = settings.MEMORY_BANDWIDTH_GBS.get()
