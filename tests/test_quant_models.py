@@ -366,3 +366,22 @@ def test_pool_serves_gptq_checkpoint_like_engine(pool, llama, tmp_path):
         assert greedy(client, "pool_gptq", prompt, 20) == hf_greedy(reference, prompt, 20)
     finally:
         assert client.stop_model("pool_gptq") == 0 and client.release_model("pool_gptq") == 0
+
+
+@pytest.mark.parametrize("fmt,group", [("int8", -1), ("uint4", 32)])
+def test_quantized_gemma2_serves_like_transformers(tmp_path, fmt, group):
+    """A Gemma 2 layer (sandwich norms, GELU-tanh, soft caps, a sliding window under the longer prompts) with
+    quantized weights: greedy equals transformers running the stored codes dequantized here."""
+    from allspark_server.loader.tiny_model import build_tiny_model
+    src = str(tmp_path / "gemma2")
+    model = build_tiny_model(src, "gemma2", seed=41, weight_scale=0.08)
+    name = f"g2_{fmt}"
+    loader = serialize_quantized(src, name, str(tmp_path / "out"), {"weight_format": fmt, "group_size": group})
+    reference = hf_with_stored_weights(model, loader, fmt, group)
+    engine = start_engine(loader, name, max_batch=4, max_length=256)
+    try:
+        for seed, n in ((1, 5), (2, 40)):            # shorter and longer than the window of 16
+            prompt = random_prompt(n, seed=seed)
+            assert greedy(engine, name, prompt, 24) == hf_greedy(reference, prompt, 24), (fmt, group, n)
+    finally:
+        engine.shutdown()
