@@ -3,10 +3,10 @@ once from memory, optionally with the MLP's silu·mul as its epilogue (the merge
 activation out: no [M, 2I] intermediate and no separate launch).
 
 Why not cuBLAS: at one row a linear layer is a pure weight stream, which cuBLAS reads at 1.94-2.78 TB/s for the
-7B shapes and their 2-rank shards on an H100, this kernel at 2.30-3.11 (benchmarks/cuda_gemv_micro.py,
-results-cuda-gemv-micro-h100.json; the whole batch-1 step 1.15x faster). Each program owns BLOCK_N rows of w and
-walks K in BLOCK_K tiles with K contiguous, one fp32 sum per output, rounded once into x's dtype (cuBLAS rounds
-once too; only the order of the fp32 sum differs). More rows, fp32 or other layouts stay with cuBLAS (`fits`).
+7B shapes and their 2-rank shards on an H100, this kernel at 2.30-3.11 (benchmarks/cuda_gemv_micro.py; the whole
+batch-1 step 1.15x faster). Each program owns BLOCK_N rows of w and walks K in BLOCK_K tiles with K contiguous,
+one fp32 sum per output, rounded once into x's dtype (cuBLAS rounds once too; only the order of the fp32 sum
+differs). More rows, fp32 or other layouts stay with cuBLAS (`fits`).
 """
 from __future__ import annotations
 
@@ -103,8 +103,8 @@ class GemvConfig:
 
 def choose_config(k: int) -> GemvConfig:
     """Tile shape for a weight of k columns (its row count does not matter). From benchmarks/cuda_gemv_micro.py's
-    sweep on an H100 over the 7B shapes and their 2-rank shards (results-cuda-gemv-micro-h100.json): two rows a
-    program and 8 warps were best for every shape, with 2048-wide k-tiles, or 4096 for K = 11008 (the best
+    sweep on an H100 over the 7B shapes and their 2-rank shards: two rows a program and 8 warps were best for every
+    shape, with 2048-wide k-tiles, or 4096 for K = 11008 (the best
     config read 2.32-3.09 TB/s, cuBLAS 1.96-2.67; the worst, eight rows of 1024, 1.73-2.62)."""
     return GemvConfig(block_n=2, block_k=min(4096 if k >= 8192 else 2048, triton.next_power_of_2(k)), num_warps=8)
 

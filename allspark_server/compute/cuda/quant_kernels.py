@@ -314,8 +314,7 @@ def choose_config(m: int, n: int, k: int, group_size: int, device: torch.device)
     per channel). Defaults from sweeps on an H100 (benchmarks/cuda_quant_micro.py --sweep)."""
     eviction = ""
     if m <= GEMV_MAX_ROWS and group_size == -1:
-        # per channel: 2 rows x up to 4096 codes a program, streamed once (int8's sweep: 3-4% faster than 4 x 2048,
-        # results-cuda-quant-sweep-h100.json)
+        # per channel: 2 rows x up to 4096 codes a program, streamed once (int8's sweep: 3-4% faster than 4 x 2048)
         block_m, block_n, warps, stages = triton.next_power_of_2(m), 2, 4, 1
         block_k, eviction = min(4096, triton.next_power_of_2(k)), "evict_first"
     elif m <= GEMV_MAX_ROWS:   # sweeps: thin tiles, long K runs, no split (4 rows x 2048 codes a program)
