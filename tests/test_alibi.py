@@ -1,7 +1,7 @@
 """ALiBi (allspark_server/layers/alibi.py): the slopes worked by hand, each tensor-parallel rank's share, the prefill
 bias of a chunk over cached tokens, and every decode path given slopes against float64 attention written here: the
-torch reference, the native kernel at each ISA level over dense and quantized spans, the fused decode block (no
-rotary) and the DecodeStack. The Triton kernels' ALiBi tests are in test_triton_kernels.py; Baichuan2-13B end to
+torch reference, the native kernel at each ISA level over dense and quantized spans, the native attention step
+(no rotary) and the DecodeStack. The Triton kernels' ALiBi tests are in test_triton_kernels.py; Baichuan2-13B end to
 end in test_model_families.py."""
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from allspark_client import settings
-from allspark_server.compute import ops
+from allspark_server.compute import ops, reference, step_ops
 from allspark_server.compute import alibi
+from allspark_server.compute import steps
 from allspark_server.layers.sharding import TPLayout
 from allspark_server.models import baichuan
 from allspark_server.models.args import ModelArgs
@@ -196,72 +197,74 @@ def test_native_decode_attention_over_quantized_spans_with_slopes(isa, mode, dty
         assert (ref.double() - want).abs().max().item() <= tol
 
 
-# ---- the fused decode block and the decode stack, without rotary ----------------------------------------
+# ---- the attention step and the decode stack, without rotary -------------------------------------------
 
-def _unfused_alibi_block(c, k_cache, v_cache, heads, kv_heads, slopes):
-    """The model's unfused op sequence for an ALiBi layer (no rotary), each op native where it can be."""
-    h, s = ops.rms_norm(c["x"], c["norm1"], c["eps"], c["residual"])
-    b, d = c["x"].shape[0], k_cache.shape[-1]
+def _unfused_alibi_attention(h, c, k_cache, v_cache, heads, kv_heads, slopes):
+    """The model's unfused op sequence of an ALiBi attention step (no rotary) on normed rows h, each op native
+    where it can be."""
+    b, d = h.shape[0], k_cache.shape[-1]
     q, k, v = ops.linear(h, c["qkv_w"], c["qkv_b"]).split([heads * d, kv_heads * d, kv_heads * d], -1)
     ops.store_kv(k.view(b, kv_heads, d), v, k_cache, v_cache, c["slots"])
     o = ops.decode_attention(q.view(b, heads, d), k_cache, v_cache, c["spans"], c["ctx"], c["scale"],
                              alibi_slopes=slopes)
-    return ops.linear(o.reshape(b, heads * d), c["o_w"]), s
-
-
-def _alibi_block(fn, c, k_cache, v_cache, heads, kv_heads, slopes):
-    return fn(c["x"], c["residual"], c["norm1"], c["eps"], c["qkv_w"], c["qkv_b"], heads, kv_heads, None, None,
-              k_cache, v_cache, c["slots"], c["spans"], c["ctx"], c["scale"], c["o_w"], alibi_slopes=slopes)
+    return ops.linear(o.reshape(b, heads * d), c["o_w"])
 
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_decode_block_without_rotary(dtype):
-    from test_native import _decode_layer_case
+def test_native_attention_step_without_rotary(dtype):
+    """The native attention step of an ALiBi layer (position "alibi", no cos/sin): bit-equal to the unfused ops,
+    the same cache pages written, and (fp32) equal to the reference step."""
+    from test_native import _bound_layer, _decode_layer_case
     g = torch.Generator().manual_seed(7)
     for rows, heads, kv_heads, d, bias in ((1, 4, 2, 16, False), (3, 6, 1, 24, True), (9, 8, 2, 16, True)):
         c = _decode_layer_case(dtype, rows, heads, kv_heads, d, bias, g)
         slopes = alibi.alibi_slopes(heads)
-        caches = {name: (c["k_cache"].clone(), c["v_cache"].clone()) for name in ("fused", "unfused", "reference")}
-        fused = _alibi_block(ops.decode_attention_block, c, *caches["fused"], heads, kv_heads, slopes)
-        unfused = _unfused_alibi_block(c, *caches["unfused"], heads, kv_heads, slopes)
-        assert torch.equal(fused[0], unfused[0]) and torch.equal(fused[1], unfused[1])
-        assert all(torch.equal(a, b) for a, b in zip(caches["fused"], caches["unfused"]))
-        if dtype == torch.float32:
-            ref = _alibi_block(ops.decode_attention_block_reference, c, *caches["reference"], heads, kv_heads, slopes)
-            assert (fused[0] - ref[0]).abs().max().item() <= 1e-4 * max(1.0, ref[0].abs().max().item())
+        caches = {name: (c["k_cache"].clone(), c["v_cache"].clone()) for name in ("native", "unfused", "reference")}
+        h = ops.rms_norm(c["x"], c["norm1"], c["eps"], c["residual"])[0]
+        attention = _bound_layer(c, heads, kv_heads, *caches["native"], alibi_slopes=slopes)[1]
+        o = step_ops.attention_step(h, attention, c["slots"], c["spans"], c["ctx"], None, None)
+        assert attention.native is not None                                 # it ran the native step
+        unfused = _unfused_alibi_attention(h, c, *caches["unfused"], heads, kv_heads, slopes)
+        assert torch.equal(o, unfused)
+        assert all(torch.equal(a, b) for a, b in zip(caches["native"], caches["unfused"]))
+        assert not torch.equal(caches["native"][0], c["k_cache"])          # the new keys were written
+        if dtype == torch.float32:   # the reference step on the reference norm
+            hr = reference.rms_norm_reference(c["x"], c["norm1"], c["eps"], c["residual"])[0]
+            ref_attention = _bound_layer(c, heads, kv_heads, *caches["reference"], alibi_slopes=slopes)[1]
+            ref = reference.attention_step_reference(hr, ref_attention, c["slots"], c["spans"], c["ctx"], None, None)
+            assert (o - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
 
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_stack_with_slopes_equals_the_python_step(dtype):
-    from test_native import _decode_layer_case
+    """An ALiBi model's stack (no rotary tables): logits and cache pages bit-equal to the Python loop over the
+    same bound steps."""
+    from test_native import _bound_layer, _decode_layer_case, _fresh_caches, _python_decode_step
     g = torch.Generator().manual_seed(11)
     vocab = 50
     for rows, heads, kv_heads, d, bias in ((1, 4, 4, 16, False), (3, 6, 2, 24, True)):
-        layers = [_decode_layer_case(dtype, rows, heads, kv_heads, d, bias, g) for _ in range(3)]
-        first = layers[0]
+        cases = [_decode_layer_case(dtype, rows, heads, kv_heads, d, bias, g) for _ in range(3)]
+        first = cases[0]
         hidden = first["x"].shape[1]
         slopes = alibi.alibi_slopes(heads)
         embedding = torch.randn(vocab, hidden, generator=g).to(dtype)
-        final_norm = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+        final_norm = steps.BoundNorm(steps.Norm("norm"), (torch.rand(hidden, generator=g) + 0.5).to(dtype),
+                                     first["eps"])
         lm_head = (torch.randn(vocab, hidden, generator=g) * 0.2).to(dtype)
         ids = torch.randint(0, vocab, (rows,), generator=g)
-        stack = ops.decode_stack(heads, kv_heads, d, first["eps"], first["scale"], dtype, alibi_slopes=slopes)
-        stack_caches = [(c["k_cache"].clone(), c["v_cache"].clone()) for c in layers]
-        for c, (k, v) in zip(layers, stack_caches):
-            stack.add_layer(c["norm1"], c["qkv_w"], c["qkv_b"], c["o_w"], c["norm2"], c["gate_up_w"], c["gate_up_b"],
-                            c["down_w"], k, v)
-        stack.set_ends(embedding, None, None, final_norm, lm_head)
-        loop_caches = [(c["k_cache"].clone(), c["v_cache"].clone()) for c in layers]
-        x, residual = torch.nn.functional.embedding(ids, embedding), None
-        for c, (k, v) in zip(layers, loop_caches):
-            o, residual = ops.decode_attention_block(
-                x, residual, c["norm1"], c["eps"], c["qkv_w"], c["qkv_b"], heads, kv_heads, None, None, k, v,
-                first["slots"], first["spans"], first["ctx"], first["scale"], c["o_w"], alibi_slopes=slopes)
-            x, residual = ops.decode_mlp_block(o, residual, c["norm2"], c["eps"], c["gate_up_w"], c["gate_up_b"],
-                                               c["down_w"])
-        expected = ops.linear(ops.rms_norm(x, final_norm, first["eps"], residual)[0], lm_head).float()
+        stack_caches = [(c["k_cache"].clone(), c["v_cache"].clone()) for c in cases]
+        loop_caches = [(c["k_cache"].clone(), c["v_cache"].clone()) for c in cases]
+        stack = step_ops.decode_stack([_bound_layer(c, heads, kv_heads, k, v, alibi_slopes=slopes)
+                                       for c, (k, v) in zip(cases, stack_caches)],
+                                      final_norm, embedding, None, None, lm_head)
+        assert stack is not None
+        loop_layers = [_bound_layer(c, heads, kv_heads, k, v, alibi_slopes=slopes)
+                       for c, (k, v) in zip(cases, loop_caches)]
+        expected = _python_decode_step(loop_layers, final_norm, embedding, lm_head, ids, first["ctx"] - 1, first,
+                                       None, None)
+        _fresh_caches(cases, stack_caches)
         logits = stack.run(ids, first["ctx"] - 1, first["slots"], first["spans"], first["ctx"], None)
         assert torch.equal(logits, expected)
         assert all(torch.equal(a, b) for pair_s, pair_l in zip(stack_caches, loop_caches)

@@ -55,11 +55,11 @@ def assert_greedy_alone_and_batched(engine, name: str, hf_model, prompts: list[l
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_backend_decode_blocks_equal_the_reference(dtype):
-    """The CUDA backend's decode blocks (its ops composed, Triton attention) against ops' references, on the
-    GPU where there is one, else on CPU tensors through the Triton interpreter."""
+def test_cuda_backend_decode_steps_equal_the_reference(dtype):
+    """The CUDA backend's norm, attention and MLP steps (its ops composed, Triton attention) against the reference
+    steps, on the GPU where there is one, else on CPU tensors through the Triton interpreter."""
     pytest.importorskip("triton")
-    from allspark_server.compute import ops
+    from allspark_server.compute import ops, reference, steps
     cuda_ops = ops.cuda_backend()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
@@ -77,18 +77,24 @@ def test_cuda_backend_decode_blocks_equal_the_reference(dtype):
     ctx = torch.tensor([5, 16, 33], device=dev)
     table = torch.tensor([[7, 0, 0], [3, 0, 0], [1, 9, 4]], device=dev)
     slots = torch.stack([table[i, (ctx[i] - 1) // span] * span + (ctx[i] - 1) % span for i in range(b)])
-    args = (x, residual, norm, 1e-6, qkv_w, None, heads, kvh, cos, sin)
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
-    o_ref, s_ref = ops.decode_attention_block_reference(*args, *caches[0], slots, table, ctx, d ** -0.5, o_w)
-    o, s = cuda_ops.decode_attention_block(*args, *caches[1], slots, table, ctx, d ** -0.5, o_w)
+    attention = [steps.BoundAttention(steps.Attention(scale=d ** -0.5), qkv_w, None, o_w, heads, kvh, k, v)
+                 for k, v in caches]
+    mlp = steps.BoundMlp(steps.Mlp(), gu_w, None, down_w)
+    h_ref, s_ref = reference.rms_norm_reference(x, norm, 1e-6, residual)
+    o_ref = reference.attention_step_reference(h_ref, attention[0], slots, table, ctx, cos, sin)
+    h, s = cuda_ops.rms_norm(x, norm, 1e-6, residual)
+    o = cuda_ops.attention_step(h, attention[1], slots, table, ctx, cos, sin)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(caches[1][0], caches[0][0])   # the new K/V rows went to their slots
     torch.testing.assert_close(caches[1][1], caches[0][1])
     torch.testing.assert_close(s, s_ref)
     torch.testing.assert_close(o.float(), o_ref.float(), **tol)
-    h_ref, s2_ref = ops.decode_mlp_block_reference(o_ref, s_ref, norm, 1e-6, gu_w, None, down_w)
-    h, s2 = cuda_ops.decode_mlp_block(o_ref, s_ref, norm, 1e-6, gu_w, None, down_w)
-    torch.testing.assert_close(h.float(), h_ref.float(), **tol)
+    h2_ref, s2_ref = reference.rms_norm_reference(o_ref, norm, 1e-6, s_ref)
+    out_ref = reference.mlp_step_reference(h2_ref, mlp)
+    h2, s2 = cuda_ops.rms_norm(o_ref, norm, 1e-6, s_ref)
+    out = cuda_ops.mlp_step(h2, mlp)
+    torch.testing.assert_close(out.float(), out_ref.float(), **tol)
     torch.testing.assert_close(s2, s2_ref)
 
 
@@ -187,10 +193,11 @@ def test_overlapped_decode_steps_equal_one_step_at_a_time(llama, tmp_path):
     default on one GPU), give the tokens and logprobs of the same engine stepping one step at a time, for
     penalties, seeded draws and logprobs; a stop token ends its request exactly; greedy equals transformers."""
     from test_overlap import SAMPLING_REQUESTS, assert_same_outputs
+    from allspark_server.engine.step_loops import OverlappedLoop, SerialLoop
     loader = serialize(llama.hf_dir, "o", str(tmp_path))
     engine = cuda_engine(loader, "o")
     served = engine._models["o"]
-    assert served._overlap
+    assert isinstance(served.loop, OverlappedLoop)
     prompt = random_prompt(7, 11)
     ref = hf_greedy(llama.model, prompt, 20)
     k = next(i for i in range(6, 20) if ref[i] not in ref[:i])
@@ -200,7 +207,7 @@ def test_overlapped_decode_steps_equal_one_step_at_a_time(llama, tmp_path):
     served.scheduler.continue_decodes = lambda plan: ahead.append(original(plan)) or ahead[-1]
     ours = run_together(engine, "o", SAMPLING_REQUESTS + [stop])
     assert any(ahead)
-    served._overlap = False
+    served.loop = SerialLoop()
     theirs = run_together(engine, "o", SAMPLING_REQUESTS + [stop])
     assert ours[-1][0] == theirs[-1][0] == ref[:k + 1]
     assert_same_outputs(ours[:-1], theirs[:-1])

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from allspark_client import settings
-from allspark_server.compute import ops
+from allspark_server.compute import ops, reference, step_ops
+from allspark_server.compute import steps
 
 pytestmark = pytest.mark.skipif(settings.NO_NATIVE.get(), reason="native path disabled")
 
@@ -286,79 +287,141 @@ def _decode_layer_case(dtype, rows, heads, kv_heads, d, bias, g):
         sin=emb.sin().to(dtype)[:, None], slots=slots, spans=spans, ctx=ctx, scale=d ** -0.5)
 
 
-def _attention_block(c, fn, k_cache, v_cache, heads, kv_heads):
-    return fn(c["x"], c["residual"], c["norm1"], c["eps"], c["qkv_w"], c["qkv_b"], heads, kv_heads, c["cos"],
-              c["sin"], k_cache, v_cache, c["slots"], c["spans"], c["ctx"], c["scale"], c["o_w"])
+def _bound_layer(c, heads, kv_heads, k_cache, v_cache, alibi_slopes=None):
+    """The case's layer as its layer description binds it (compute/steps.py): pre-norm, attention (rotary, or
+    ALiBi where slopes are given), pre-norm, silu MLP, over the caches given."""
+    attention = steps.Attention(scale=c["scale"], qkv_bias=c["qkv_b"] is not None,
+                                position="rope" if alibi_slopes is None else "alibi")
+    return [steps.BoundNorm(steps.Norm("input_layernorm"), c["norm1"], c["eps"]),
+            steps.BoundAttention(attention, c["qkv_w"], c["qkv_b"], c["o_w"], heads, kv_heads, k_cache, v_cache,
+                                 alibi_slopes=alibi_slopes),
+            steps.BoundNorm(steps.Norm("post_attention_layernorm"), c["norm2"], c["eps"]),
+            steps.BoundMlp(steps.Mlp(), c["gate_up_w"], c["gate_up_b"], c["down_w"])]
 
 
-def _unfused_attention_block(x, residual, norm_w, eps, qkv_w, qkv_b, heads, kv_heads, cos, sin, k_cache, v_cache,
-                             slots, spans, ctx, scale, o_w):
-    """The model's unfused op sequence (each op native where it can be)."""
-    h, s = ops.rms_norm(x, norm_w, eps, residual)
-    b, d = x.shape[0], k_cache.shape[-1]
-    q, k, v = ops.linear(h, qkv_w, qkv_b).split([heads * d, kv_heads * d, kv_heads * d], -1)
-    q, k = ops.rotary(q.view(b, heads, d), k.view(b, kv_heads, d), cos, sin)
-    ops.store_kv(k, v, k_cache, v_cache, slots)
-    o = ops.decode_attention(q, k_cache, v_cache, spans, ctx, scale)
-    return ops.linear(o.reshape(b, heads * d), o_w), s
+def _unfused_attention(h, c, k_cache, v_cache, heads, kv_heads):
+    """The model's unfused op sequence of the attention step on normed rows h (each op native where it can be)."""
+    b, d = h.shape[0], k_cache.shape[-1]
+    q, k, v = ops.linear(h, c["qkv_w"], c["qkv_b"]).split([heads * d, kv_heads * d, kv_heads * d], -1)
+    q, k = ops.rotary(q.view(b, heads, d), k.view(b, kv_heads, d), c["cos"], c["sin"])
+    ops.store_kv(k, v, k_cache, v_cache, c["slots"])
+    o = ops.decode_attention(q, k_cache, v_cache, c["spans"], c["ctx"], c["scale"])
+    return ops.linear(o.reshape(b, heads * d), c["o_w"])
+
+
+def _native_norm(x, residual, b):
+    """The native NormStep (what the DecodeStack runs) directly: (normed, residual stream)."""
+    return ops.native().norm_step(x, residual, step_ops.native_step(b), ops.isa_level())
+
+
+def _python_decode_step(layers, final_norm, embedding, lm_head, ids, positions, c, cos_table, sin_table,
+                        reduce=None, embed_scale=None):
+    """A decode step as DecoderForCausalLM runs it without the DecodeStack, over the same bound steps: embedding
+    rows (times embed_scale in their dtype), rope rows, each layer's steps through step_ops (each native where it
+    can be) with reduce(partial, layer, part) after each sublayer, final norm, LM head -> fp32 logits."""
+    x = torch.nn.functional.embedding(ids, embedding)
+    if embed_scale is not None:
+        x = x * torch.tensor(embed_scale, dtype=x.dtype)
+    cos = sin = None
+    if cos_table is not None:
+        cos, sin = (t[positions].to(x.dtype).unsqueeze(1) for t in (cos_table, sin_table))
+    residual = None
+    for i, layer in enumerate(layers):
+        part = 0
+        for b in layer:
+            if isinstance(b, steps.BoundNorm):
+                x, residual = step_ops.norm_step(x, residual, b)
+                continue
+            if isinstance(b, steps.BoundAttention):
+                x = step_ops.attention_step(x, b, c["slots"], c["spans"], c["ctx"], cos, sin)
+            else:
+                x = step_ops.mlp_step(x, b)
+            x = x if reduce is None else reduce(x, i, part)
+            part += 1
+    return ops.linear(step_ops.norm_step(x, residual, final_norm)[0], lm_head).float()
+
+
+def _fresh_caches(cases, caches):
+    """Every layer's cache pages back to the case's starting pages (in place: the bound steps hold them)."""
+    for c, (k, v) in zip(cases, caches):
+        k.copy_(c["k_cache"])
+        v.copy_(c["v_cache"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_decode_blocks_equal_the_unfused_ops(dtype):
-    """The fused blocks call the same kernels in the same order: bit-equal to the unfused sequence, for row
-    counts on both sides of the native-GEMV limit; and (fp32) equal to the pure-torch reference blocks."""
+def test_native_steps_equal_the_unfused_ops(dtype):
+    """The native steps call the same kernels in the same order: the norm step bit-equal to ops.rms_norm, the
+    attention step (and the cache pages it writes) and the MLP step bit-equal to the unfused sequence, for row
+    counts on both sides of the native-GEMV limit; and (fp32) equal to the pure-torch reference steps."""
     g = torch.Generator().manual_seed(7)
     for rows, heads, kv_heads, d, bias in ((1, 4, 2, 16, False), (3, 6, 1, 24, True), (6, 4, 4, 32, False),
                                            (9, 8, 2, 16, True)):
         c = _decode_layer_case(dtype, rows, heads, kv_heads, d, bias, g)
-        caches = {name: (c["k_cache"].clone(), c["v_cache"].clone()) for name in ("fused", "unfused", "reference")}
-        fused = _attention_block(c, ops.decode_attention_block, *caches["fused"], heads, kv_heads)
-        unfused = _attention_block(c, _unfused_attention_block, *caches["unfused"], heads, kv_heads)
-        assert torch.equal(fused[0], unfused[0]) and torch.equal(fused[1], unfused[1])
-        assert all(torch.equal(a, b) for a, b in zip(caches["fused"], caches["unfused"]))
-        assert not torch.equal(caches["fused"][0], c["k_cache"])          # the new keys were written
+        caches = {name: (c["k_cache"].clone(), c["v_cache"].clone()) for name in ("native", "unfused", "reference")}
+        norm1, attention, norm2, mlp_step = _bound_layer(c, heads, kv_heads, *caches["native"])
+        h, s = step_ops.norm_step(c["x"], c["residual"], norm1)
+        native_h, native_s = _native_norm(c["x"], c["residual"], norm1)
+        want_h, want_s = ops.rms_norm(c["x"], c["norm1"], c["eps"], c["residual"])
+        assert torch.equal(h, want_h) and torch.equal(s, want_s)
+        assert torch.equal(native_h, want_h) and torch.equal(native_s, want_s)
+        o = step_ops.attention_step(h, attention, c["slots"], c["spans"], c["ctx"], c["cos"], c["sin"])
+        assert attention.native is not None                                 # it ran the native step
+        unfused = _unfused_attention(h, c, *caches["unfused"], heads, kv_heads)
+        assert torch.equal(o, unfused)
+        assert all(torch.equal(a, b) for a, b in zip(caches["native"], caches["unfused"]))
+        assert not torch.equal(caches["native"][0], c["k_cache"])          # the new keys were written
 
-        mlp_args = (fused[0], fused[1], c["norm2"], c["eps"], c["gate_up_w"], c["gate_up_b"], c["down_w"])
-        mlp = ops.decode_mlp_block(*mlp_args)
-        h, s = ops.rms_norm(fused[0], c["norm2"], c["eps"], fused[1])
-        assert torch.equal(mlp[0], ops.linear(ops.silu_mul(ops.linear(h, c["gate_up_w"], c["gate_up_b"])),
-                                              c["down_w"]))
-        assert torch.equal(mlp[1], s)
+        h2, s2 = step_ops.norm_step(o, s, norm2)
+        mlp = step_ops.mlp_step(h2, mlp_step)
+        assert mlp_step.native is not None
+        assert torch.equal(mlp, ops.linear(ops.silu_mul(ops.linear(h2, c["gate_up_w"], c["gate_up_b"])),
+                                           c["down_w"]))
+        assert all(torch.equal(a, b) for a, b in zip(_native_norm(o, s, norm2), (h2, s2)))
+        # a sandwich norm (no residual add): the stream passes through untouched
+        sandwich = steps.BoundNorm(steps.Norm("post_attention_layernorm", adds_residual=False), c["norm2"], c["eps"])
+        normed, stream = _native_norm(o, s, sandwich)
+        assert torch.equal(normed, ops.rms_norm(o, c["norm2"], c["eps"])[0]) and torch.equal(stream, s)
+        assert all(torch.equal(a, b) for a, b in zip(step_ops.norm_step(o, s, sandwich), (normed, s)))
 
-        if dtype == torch.float32:
-            ref = _attention_block(c, ops.decode_attention_block_reference, *caches["reference"], heads, kv_heads)
-            assert (fused[0] - ref[0]).abs().max().item() <= 1e-4 * max(1.0, ref[0].abs().max().item())
-            ref_mlp = ops.decode_mlp_block_reference(*mlp_args)
-            assert (mlp[0] - ref_mlp[0]).abs().max().item() <= 1e-4 * max(1.0, ref_mlp[0].abs().max().item())
+        if dtype == torch.float32:   # the reference steps on the reference norms
+            hr, sr = reference.rms_norm_reference(c["x"], c["norm1"], c["eps"], c["residual"])
+            ref_attention = _bound_layer(c, heads, kv_heads, *caches["reference"])[1]
+            ref = reference.attention_step_reference(hr, ref_attention, c["slots"], c["spans"], c["ctx"], c["cos"],
+                                                     c["sin"])
+            assert (o - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
+            h2r = reference.rms_norm_reference(o, c["norm2"], c["eps"], s)[0]
+            ref_mlp = reference.mlp_step_reference(h2r, mlp_step)
+            assert (mlp - ref_mlp).abs().max().item() <= 1e-4 * max(1.0, ref_mlp.abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_stack_equals_the_python_step(dtype):
     """DecodeStack.run (a whole decode step in one native call) gives bit-equal logits, and writes the same
-    cache pages, as the Python path: embedding and rope rows, the loop over the fused blocks, final norm,
-    LM head; with no reduce and with a reduce callable (called in layer order, o projection then down
+    cache pages, as the Python path over the same bound steps: embedding and rope rows, the loop over the steps,
+    final norm, LM head; with no reduce and with a reduce callable (called in layer order, o projection then down
     projection); an exception raised by the callable reaches the caller."""
     g = torch.Generator().manual_seed(11)
     vocab, max_pos = 50, 64
     for rows, heads, kv_heads, d, bias in ((1, 4, 2, 16, False), (3, 6, 1, 24, True), (9, 8, 2, 16, False)):
-        layers = [_decode_layer_case(dtype, rows, heads, kv_heads, d, bias, g) for _ in range(3)]
-        first = layers[0]
+        cases = [_decode_layer_case(dtype, rows, heads, kv_heads, d, bias, g) for _ in range(3)]
+        first = cases[0]
         hidden = first["x"].shape[1]
         embedding = torch.randn(vocab, hidden, generator=g).to(dtype)
         angles = torch.rand(max_pos, d // 2, generator=g) * 50
         cos_table, sin_table = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
-        final_norm = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+        final_norm = steps.BoundNorm(steps.Norm("norm"), (torch.rand(hidden, generator=g) + 0.5).to(dtype),
+                                     first["eps"])
         lm_head = (torch.randn(vocab, hidden, generator=g) * 0.2).to(dtype)
         ids = torch.randint(0, vocab, (rows,), generator=g)
         positions = first["ctx"] - 1
 
-        stack = ops.decode_stack(heads, kv_heads, d, first["eps"], first["scale"], dtype)
-        stack_caches = [(c["k_cache"].clone(), c["v_cache"].clone()) for c in layers]
-        for c, (k, v) in zip(layers, stack_caches):
-            stack.add_layer(c["norm1"], c["qkv_w"], c["qkv_b"], c["o_w"], c["norm2"], c["gate_up_w"], c["gate_up_b"],
-                            c["down_w"], k, v)
-        stack.set_ends(embedding, cos_table, sin_table, final_norm, lm_head)
-        assert stack.num_layers == 3
+        stack_caches = [(c["k_cache"].clone(), c["v_cache"].clone()) for c in cases]
+        loop_caches = [(c["k_cache"].clone(), c["v_cache"].clone()) for c in cases]
+        stack = step_ops.decode_stack([_bound_layer(c, heads, kv_heads, k, v)
+                                       for c, (k, v) in zip(cases, stack_caches)],
+                                      final_norm, embedding, cos_table, sin_table, lm_head)
+        assert stack is not None and stack.num_layers == 3
+        loop_layers = [_bound_layer(c, heads, kv_heads, k, v) for c, (k, v) in zip(cases, loop_caches)]
 
         def scaled(t, layer, part):          # stands in for an allreduce: any function of (partial, layer, part)
             calls.append((layer, part))
@@ -366,22 +429,11 @@ def test_decode_stack_equals_the_python_step(dtype):
 
         for reduce in (None, scaled):
             calls = []
-            loop_caches = [(c["k_cache"].clone(), c["v_cache"].clone()) for c in layers]
-            cos = cos_table[positions].to(dtype).unsqueeze(1)
-            sin = sin_table[positions].to(dtype).unsqueeze(1)
-            x, residual = torch.nn.functional.embedding(ids, embedding), None
-            for i, (c, (k, v)) in enumerate(zip(layers, loop_caches)):
-                o, residual = ops.decode_attention_block(
-                    x, residual, c["norm1"], c["eps"], c["qkv_w"], c["qkv_b"], heads, kv_heads, cos, sin, k, v,
-                    first["slots"], first["spans"], first["ctx"], first["scale"], c["o_w"])
-                x, residual = ops.decode_mlp_block(o if reduce is None else reduce(o, i, 0), residual, c["norm2"],
-                                                   c["eps"], c["gate_up_w"], c["gate_up_b"], c["down_w"])
-                x = x if reduce is None else reduce(x, i, 1)
-            expected = ops.linear(ops.rms_norm(x, final_norm, first["eps"], residual)[0], lm_head).float()
+            _fresh_caches(cases, loop_caches)
+            expected = _python_decode_step(loop_layers, final_norm, embedding, lm_head, ids, positions, first,
+                                           cos_table, sin_table, reduce)
             expected_calls, calls = calls, []
-            for c, (k, v) in zip(layers, stack_caches):        # the same starting pages as the loop's
-                k.copy_(c["k_cache"])
-                v.copy_(c["v_cache"])
+            _fresh_caches(cases, stack_caches)                  # the same starting pages as the loop's
             logits = stack.run(ids, positions, first["slots"], first["spans"], first["ctx"], reduce)
             assert logits.dtype == torch.float32 and logits.shape == (rows, vocab)
             assert torch.equal(logits, expected)
@@ -395,11 +447,87 @@ def test_decode_stack_equals_the_python_step(dtype):
             stack.run(ids, positions, first["slots"], first["spans"], first["ctx"], failing)
 
 
+def _gemma_layer(c, layer, heads, kv_heads, k_cache, v_cache):
+    """A Gemma 2 decoder layer's steps over the case's tensors (norm3, norm4: its two sandwich norms): pre-norm,
+    attention (scores soft-capped at 10, a sliding window of 8 keys on even layers, a scale other than
+    head_dim ** -0.5), the post-attention sandwich norm (no residual add), the pre-MLP norm, the GELU-tanh MLP,
+    the post-MLP sandwich norm."""
+    attention = steps.Attention(scale=1.5 * c["scale"], qkv_bias=c["qkv_b"] is not None, softcap=10.0,
+                                window=8 if layer % 2 == 0 else 0)
+    return [steps.BoundNorm(steps.Norm("input_layernorm"), c["norm1"], c["eps"]),
+            steps.BoundAttention(attention, c["qkv_w"], c["qkv_b"], c["o_w"], heads, kv_heads, k_cache, v_cache),
+            steps.BoundNorm(steps.Norm("post_attention_layernorm", adds_residual=False), c["norm3"], c["eps"]),
+            steps.BoundNorm(steps.Norm("pre_feedforward_layernorm"), c["norm2"], c["eps"]),
+            steps.BoundMlp(steps.Mlp(act="gelu_tanh"), c["gate_up_w"], c["gate_up_b"], c["down_w"]),
+            steps.BoundNorm(steps.Norm("post_feedforward_layernorm", adds_residual=False), c["norm4"], c["eps"])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_stack_runs_a_gemma_layer_as_the_python_step(dtype):
+    """The stack runs whatever steps a layer is described as, not one fixed layer shape: Gemma 2's six steps
+    (sandwich NormSteps without the residual add after the attention and after the MLP, an MlpStep with
+    GELU-tanh, soft-capped and windowed attention) and its scaled embeddings give logits and cache pages bit-equal
+    to the Python loop over step_ops on the same bound steps; reduce is called once per sublayer (the norms are
+    not parts)."""
+    g = torch.Generator().manual_seed(13)
+    vocab, max_pos = 50, 64
+    for rows, heads, kv_heads, d, bias in ((1, 4, 2, 16, False), (3, 6, 1, 24, True), (9, 8, 2, 16, False)):
+        cases = [_decode_layer_case(dtype, rows, heads, kv_heads, d, bias, g) for _ in range(3)]
+        first = cases[0]
+        hidden = first["x"].shape[1]
+        for c in cases:
+            c["norm3"], c["norm4"] = ((torch.rand(hidden, generator=g) + 0.5).to(dtype) for _ in range(2))
+        embed_scale = hidden ** 0.5                                         # Gemma's sqrt(hidden)
+        embedding = (torch.randn(vocab, hidden, generator=g) / embed_scale).to(dtype)
+        angles = torch.rand(max_pos, d // 2, generator=g) * 50
+        cos_table, sin_table = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+        final_norm = steps.BoundNorm(steps.Norm("norm"), (torch.rand(hidden, generator=g) + 0.5).to(dtype),
+                                     first["eps"])
+        lm_head = (torch.randn(vocab, hidden, generator=g) * 0.2).to(dtype)
+        ids = torch.randint(0, vocab, (rows,), generator=g)
+        positions = first["ctx"] - 1
+
+        stack_caches = [(c["k_cache"].clone(), c["v_cache"].clone()) for c in cases]
+        loop_caches = [(c["k_cache"].clone(), c["v_cache"].clone()) for c in cases]
+        stack = step_ops.decode_stack([_gemma_layer(c, i, heads, kv_heads, k, v)
+                                       for i, (c, (k, v)) in enumerate(zip(cases, stack_caches))],
+                                      final_norm, embedding, cos_table, sin_table, lm_head, embed_scale)
+        assert stack is not None and stack.num_layers == 3
+        loop_layers = [_gemma_layer(c, i, heads, kv_heads, k, v)
+                       for i, (c, (k, v)) in enumerate(zip(cases, loop_caches))]
+
+        def scaled(t, layer, part):
+            calls.append((layer, part))
+            return t * (2 + layer + part)
+
+        for reduce in (None, scaled):
+            calls = []
+            _fresh_caches(cases, loop_caches)
+            expected = _python_decode_step(loop_layers, final_norm, embedding, lm_head, ids, positions, first,
+                                           cos_table, sin_table, reduce, embed_scale)
+            if reduce is None:
+                unreduced = expected
+            expected_calls, calls = calls, []
+            _fresh_caches(cases, stack_caches)
+            logits = stack.run(ids, positions, first["slots"], first["spans"], first["ctx"], reduce)
+            assert logits.dtype == torch.float32 and logits.shape == (rows, vocab)
+            assert torch.equal(logits, expected)
+            assert all(torch.equal(a, b) for pair_s, pair_l in zip(stack_caches, loop_caches)
+                       for a, b in zip(pair_s, pair_l))
+            assert calls == expected_calls == ([] if reduce is None else [(i, p) for i in range(3) for p in (0, 1)])
+        # the sandwich norms are applied: the same steps without them give other logits
+        plain = [[b for b in layer if not (isinstance(b, steps.BoundNorm) and not b.step.adds_residual)]
+                 for layer in loop_layers]
+        _fresh_caches(cases, loop_caches)
+        assert not torch.equal(_python_decode_step(plain, final_norm, embedding, lm_head, ids, positions, first,
+                                                   cos_table, sin_table, None, embed_scale), unreduced)
+
+
 def test_bf16_gemm_of_many_rows_is_widened_without_bf16_dot_products(monkeypatch):
     """Prefill-sized bf16 GEMMs: without bf16 dot products (AVX-512 bf16) oneDNN's bf16 GEMM is ~5x slower than
     fp32 (on the AVX2 VM the 0.5 B benchmark model's 128-token TTFT took 9.6 s in bf16, 2.8 s widened), so x, the
     weight and the bias are widened to fp32 and the result rounded once to bf16; with them the bf16 GEMM runs.
-    ops.linear decides from the CPU flags (patched here both ways); the native blocks decide alike (checked on
+    ops.linear decides from the CPU flags (patched here both ways); the native MLP step decides alike (checked on
     this CPU)."""
     import torch.nn.functional as F
     g = torch.Generator().manual_seed(3)
@@ -417,17 +545,18 @@ def test_bf16_gemm_of_many_rows_is_widened_without_bf16_dot_products(monkeypatch
     assert torch.equal(ops.linear(x, w, b), real(x, w, b)) and seen == [torch.bfloat16]
     monkeypatch.undo()
 
-    # the native decode MLP block with more rows than its GEMV takes: widened exactly where the CPU lacks them
+    # the native MLP step with more rows than its GEMV takes: widened exactly where the CPU lacks them
     norm = torch.ones(1024).bfloat16()
     gate_up = (torch.randn(2 * 512, 1024, generator=g) * 0.05).bfloat16()
     down = (torch.randn(1024, 512, generator=g) * 0.05).bfloat16()
-    h, _ = ops.rms_norm_reference(x, norm, 1e-6, None)
+    h, _ = ops.rms_norm_reference(x, norm, 1e-6, None)      # the MLP's input: normed rows, as in a layer
 
     def mlp(gemm):
         return gemm(ops.silu_mul_reference(gemm(h, gate_up)), down)
     widened = mlp(lambda a, m: ops.native().linear_widened(a, m, None, ops.isa_level()))
     in_bf16 = mlp(lambda a, m: real(a, m))
     assert not torch.equal(widened, in_bf16)   # the two GEMMs are told apart by these shapes
-    out, _ = ops.native().decode_mlp_block(x, torch.zeros_like(x), norm, 1e-6, gate_up, None, down, ops.isa_level(), 0)
+    step = ops.native().MlpStep(gate_up=gate_up, gate_up_bias=None, down=down, act=0)       # silu
+    out = ops.native().mlp_step(h, step, ops.isa_level(), 0)    # native_rows 0: no row count takes the native GEMV
     bf16_dots = ops.gemm_dtype(torch.bfloat16) == torch.bfloat16
     assert torch.equal(out, in_bf16 if bf16_dots else widened), bf16_dots

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from allspark_client import settings
-from allspark_server.compute import ops
+from allspark_server.compute import ops, step_ops
 from allspark_server.compute import reference
 from allspark_server.quant.formats import FORMAT_IDS, FORMATS, QuantizedWeight, dequantize, pack4, quantize, unpack4
 
@@ -402,11 +402,11 @@ def test_bad_quant_weights_are_refused_with_a_reason():
 @needs_native
 @pytest.mark.parametrize("fmt", ["int8", "uint8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_decode_blocks_take_quantized_weights(fmt, dtype):
-    """The fused blocks with quantized projections: bit-equal to the unfused ops (same kernels, same order),
-    and (fp32) equal to the dequantize-then-matmul reference blocks. (Per-channel: these shapes' K are odd;
-    4-bit weights run through the whole-model tests.)"""
-    from test_native import _attention_block, _decode_layer_case, _unfused_attention_block
+def test_native_steps_take_quantized_weights(fmt, dtype):
+    """The native attention and MLP steps with quantized projections: bit-equal to the unfused ops (same kernels,
+    same order), and (fp32) equal to the dequantize-then-matmul reference steps. (Per-channel: these shapes' K are
+    odd; 4-bit weights run through the whole-model tests.)"""
+    from test_native import _bound_layer, _decode_layer_case, _unfused_attention
     g = torch.Generator().manual_seed(12)
     for rows, heads, kv_heads, d, bias in ((1, 4, 2, 16, False), (3, 6, 1, 24, True), (9, 4, 2, 16, True)):
         c = _decode_layer_case(dtype, rows, heads, kv_heads, d, bias, g)
@@ -414,24 +414,31 @@ def test_fused_decode_blocks_take_quantized_weights(fmt, dtype):
             w = c[key]
             q = quantize(w, fmt, -1)
             c[key] = QuantizedWeight(q["qweight"], q["scales"], q.get("zeros"), fmt, -1, w.shape[1])
-        caches = {name: (c["k_cache"].clone(), c["v_cache"].clone()) for name in ("fused", "unfused", "reference")}
-        fused = _attention_block(c, ops.decode_attention_block, *caches["fused"], heads, kv_heads)
-        unfused = _attention_block(c, _unfused_attention_block, *caches["unfused"], heads, kv_heads)
-        assert torch.equal(fused[0], unfused[0]) and torch.equal(fused[1], unfused[1])
-        mlp_args = (fused[0], fused[1], c["norm2"], c["eps"], c["gate_up_w"], c["gate_up_b"], c["down_w"])
-        mlp = ops.decode_mlp_block(*mlp_args)
-        h, s = ops.rms_norm(fused[0], c["norm2"], c["eps"], fused[1])
-        assert torch.equal(mlp[0], ops.linear(ops.silu_mul(ops.linear(h, c["gate_up_w"], c["gate_up_b"])),
-                                              c["down_w"]))
-        if dtype == torch.float32:
-            ref = _attention_block(c, ops.decode_attention_block_reference, *caches["reference"], heads, kv_heads)
-            assert (fused[0] - ref[0]).abs().max().item() <= 1e-4 * max(1.0, ref[0].abs().max().item())
-            ref_mlp = ops.decode_mlp_block_reference(*mlp_args)
-            assert (mlp[0] - ref_mlp[0]).abs().max().item() <= 1e-4 * max(1.0, ref_mlp[0].abs().max().item())
+        caches = {name: (c["k_cache"].clone(), c["v_cache"].clone()) for name in ("native", "unfused", "reference")}
+        _, attention, norm2, mlp_step = _bound_layer(c, heads, kv_heads, *caches["native"])
+        h, s = ops.rms_norm(c["x"], c["norm1"], c["eps"], c["residual"])
+        o = step_ops.attention_step(h, attention, c["slots"], c["spans"], c["ctx"], c["cos"], c["sin"])
+        assert attention.native is not None                                 # it ran the native step
+        assert torch.equal(o, _unfused_attention(h, c, *caches["unfused"], heads, kv_heads))
+        assert all(torch.equal(a, b) for a, b in zip(caches["native"], caches["unfused"]))
+        h2 = step_ops.norm_step(o, s, norm2)[0]
+        mlp = step_ops.mlp_step(h2, mlp_step)
+        assert mlp_step.native is not None
+        assert torch.equal(mlp, ops.linear(ops.silu_mul(ops.linear(h2, c["gate_up_w"], c["gate_up_b"])),
+                                           c["down_w"]))
+        if dtype == torch.float32:   # the reference steps on the reference norms
+            hr = reference.rms_norm_reference(c["x"], c["norm1"], c["eps"], c["residual"])[0]
+            ref_attention = _bound_layer(c, heads, kv_heads, *caches["reference"])[1]
+            ref = reference.attention_step_reference(hr, ref_attention, c["slots"], c["spans"], c["ctx"], c["cos"],
+                                                     c["sin"])
+            assert (o - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
+            ref_mlp = reference.mlp_step_reference(reference.rms_norm_reference(o, c["norm2"], c["eps"], s)[0],
+                                                   mlp_step)
+            assert (mlp - ref_mlp).abs().max().item() <= 1e-4 * max(1.0, ref_mlp.abs().max().item())
 
-    # more rows than the quantized GEMV takes: the blocks dequantize the weights for ATen's GEMM
+    # more rows than the quantized GEMV takes: the MLP step dequantizes the weights for ATen's GEMM
     x = torch.randn(40, c["x"].shape[1], generator=g).to(dtype)
-    mlp_args = (x, x, c["norm2"], c["eps"], c["gate_up_w"], c["gate_up_b"], c["down_w"])
-    big, ref = ops.decode_mlp_block(*mlp_args), ops.decode_mlp_block_reference(*mlp_args)
+    big = step_ops.mlp_step(ops.rms_norm(x, c["norm2"], c["eps"], x)[0], mlp_step)
+    ref = reference.mlp_step_reference(reference.rms_norm_reference(x, c["norm2"], c["eps"], x)[0], mlp_step)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
-    assert (big[0].float() - ref[0].float()).abs().max().item() <= tol * max(1.0, ref[0].float().abs().max().item())
+    assert (big.float() - ref.float()).abs().max().item() <= tol * max(1.0, ref.float().abs().max().item())

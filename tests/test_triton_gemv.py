@@ -84,6 +84,8 @@ def test_fits_only_decode_rows_of_half_precision_weights():
 
 def test_cuda_backend_routes_decode_linears_through_the_gemv(monkeypatch):
     from allspark_server.compute.cuda import ops as cuda_ops
+    from allspark_server.compute.reference import mlp_step_reference
+    from allspark_server.compute.steps import BoundMlp, Mlp
     calls = []
     for name in ("gemv", "gemv_silu_mul"):
         original = getattr(gk, name)
@@ -92,17 +94,25 @@ def test_cuda_backend_routes_decode_linears_through_the_gemv(monkeypatch):
     x, residual = rows_view(1, hidden, dtype, seed=1), rows_view(1, hidden, dtype, seed=2)
     norm = torch.ones(hidden, device=DEVICE, dtype=dtype)
     gate_up, down = weight(2 * inter, hidden, dtype, seed=3), weight(hidden, inter, dtype, seed=4)
-    out, s = cuda_ops.decode_mlp_block(x, residual, norm, 1e-6, gate_up, None, down)
+    mlp = BoundMlp(Mlp(), gate_up, None, down)
+
+    def norm_then_mlp(x, residual):     # the layer's pre-MLP norm step, then its MLP step, on the CUDA backend
+        h, s = cuda_ops.rms_norm(x, norm, 1e-6, residual)
+        return cuda_ops.mlp_step(h, mlp), s
+
+    def reference_norm_then_mlp(x, residual):
+        h, s = ops.rms_norm_reference(x, norm, 1e-6, residual)
+        return mlp_step_reference(h, mlp), s
+    out, s = norm_then_mlp(x, residual)
     assert calls == ["gemv_silu_mul", "gemv"]
-    ref, ref_s = ops.decode_mlp_block_reference(x, residual, norm, 1e-6, gate_up, None, down)
+    ref, ref_s = reference_norm_then_mlp(x, residual)
     assert_same_bits(s, ref_s)
     assert_within_ulps(out, ref, 4, max_mismatch=0.2)
     calls.clear()
     x2, residual2 = rows_view(2, hidden, dtype, seed=5), rows_view(2, hidden, dtype, seed=6)
-    out, _ = cuda_ops.decode_mlp_block(x2, residual2, norm, 1e-6, gate_up, None, down)   # 2 rows: no epilogue
+    out, _ = norm_then_mlp(x2, residual2)                                                # 2 rows: no epilogue
     assert calls == ["gemv", "gemv"]
-    assert_within_ulps(out, ops.decode_mlp_block_reference(x2, residual2, norm, 1e-6, gate_up, None, down)[0], 4,
-                       max_mismatch=0.2)
+    assert_within_ulps(out, reference_norm_then_mlp(x2, residual2)[0], 4, max_mismatch=0.2)
     calls.clear()
     cuda_ops.linear(rows_view(3, hidden, dtype), down.T.contiguous())                      # 3 rows: cuBLAS
     assert calls == []

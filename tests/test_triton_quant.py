@@ -153,6 +153,7 @@ def test_silu_mul_epilogue_equals_the_gemv_then_silu_mul(fmt, group):
 def test_cuda_backend_fuses_the_quantized_gate_up_at_one_row(monkeypatch):
     from allspark_server.compute import ops
     from allspark_server.compute.cuda import ops as cuda_ops
+    from allspark_server.compute.steps import BoundMlp, Mlp
     calls = []
     original = qk.quant_matmul
     monkeypatch.setattr(cuda_ops, "quant_matmul", lambda *a, **kw: calls.append(kw.get("silu_mul", False))
@@ -168,7 +169,8 @@ def test_cuda_backend_fuses_the_quantized_gate_up_at_one_row(monkeypatch):
                                  (2, gate_up, [False, False])):
         x, residual = (torch.randn(rows, hidden, generator=gen).to(DEVICE, torch.float16) for _ in range(2))
         calls.clear()
-        out, _ = cuda_ops.decode_mlp_block(x, residual, norm, 1e-6, gate_up, None, down)
+        h, _ = cuda_ops.rms_norm(x, norm, 1e-6, residual)             # the pre-MLP norm step, then the MLP step
+        out = cuda_ops.mlp_step(h, BoundMlp(Mlp(), gate_up, None, down))
         assert calls == fused
         h, _ = ops.rms_norm_reference(x, norm, 1e-6, residual)       # the sequence on the GPU backend's references
         want = cuda_ops.linear_reference(ops.silu_mul_reference(cuda_ops.linear_reference(h, gate_up)), down)
