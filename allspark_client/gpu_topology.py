@@ -1,7 +1,7 @@
 """GPU topology for allspark-launch: which GPUs this machine has and the NUMA node nearest each.
 
 Asks nvidia-smi for each GPU's index and PCI bus id, then reads that PCI device's `numa_node` in
-sysfs. Owns nothing else: placement and the mpirun command stay in launcher.py. Torch- and CUDA-free
+sysfs. Owns nothing else: placement is rank_placement.py's, the mpirun command mpirun_command.py's. Torch- and CUDA-free
 (it runs before any rank); nvidia-smi and the sysfs root are parameters, so tests use fakes.
 """
 from __future__ import annotations

