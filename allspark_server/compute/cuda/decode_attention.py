@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from allspark_server.compute.cuda import pdl
-from allspark_server.compute.cuda.attention_kernels import (LOG2_E, _alibi_log2, _attend_tiles, _check_inputs,
-                                                    _check_slopes, _INTERPRETED, _tile_config)
+from allspark_server.compute.cuda.attention_kernels import (_alibi_log2, _attend_tiles, _check_inputs,
+                                                    _check_slopes, _gemma_args, _INTERPRETED, _tile_config)
 from allspark_server.compute.cuda.fused_kernels import _rotated
 from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
 
@@ -31,13 +31,17 @@ LARGE_BATCH_LAUNCH = dict(num_warps=2, num_stages=2)
 
 
 @triton.jit
-def _split_tiles(n, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _split_tiles(n, split, window, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Token tiles [start, end) of split `split` of a context of n >= 1 tokens, and how many splits have tiles
-    (the first `active` ones: split 0 always)."""
+    (the first `active` ones: split 0 always). HAS_WINDOW: only the tiles from the one holding key n - window
+    on are shared out (the query at n - 1 sees keys t >= n - window)."""
     num_tiles = (n + BLOCK_N - 1) // BLOCK_N
-    per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
-    start = split * per_split
-    return start, tl.minimum(start + per_split, num_tiles), (num_tiles + per_split - 1) // per_split
+    first = 0
+    if HAS_WINDOW:
+        first = tl.maximum(n - window, 0) // BLOCK_N
+    per_split = (num_tiles - first + NUM_SPLITS - 1) // NUM_SPLITS
+    start = first + split * per_split
+    return start, tl.minimum(start + per_split, num_tiles), (num_tiles - first + per_split - 1) // per_split
 
 
 @triton.jit
@@ -70,27 +74,28 @@ def _combine_head(m_part, l_part, acc_part, out, b, head, active, stride_ob, str
 @triton.jit
 def _decode_kernel(q, k_cache, v_cache, k_param, v_param, spans, ctx, slopes, out, m_part, l_part, acc_part,
                    counters, k_new, v_new, cos, sin, slots,
-                   qk_scale, H, stride_qb, stride_qh, stride_ks, stride_kp, stride_kh, stride_vs, stride_vp,
-                   stride_vh, stride_ps, stride_pp, stride_ph, stride_sb, stride_ob, stride_oh,
+                   qk_scale, cap, window, H, stride_qb, stride_qh, stride_ks, stride_kp, stride_kh, stride_vs,
+                   stride_vp, stride_vh, stride_ps, stride_pp, stride_ph, stride_sb, stride_ob, stride_oh,
                    stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb, stride_sinb,
                    G: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
                    UPCAST: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr, ROTARY: tl.constexpr,
                    COMBINE: tl.constexpr, BLOCK_S: tl.constexpr, FENCE: tl.constexpr, SOFT_BF16: tl.constexpr,
-                   PDL: tl.constexpr):
+                   PDL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Program (b, kv head, split): the G query heads of that kv head over the split's share of the tiles.
     ROTARY: q comes unrotated and is rotated here, and the program of the last split with tiles rotates the new
     token's k (k_new) and writes it and v_new into slot slots[b] of the caches before attending (rotary_store_kv
     and the attention in one launch). Splits past the last with tiles do nothing. Several splits with tiles
     store partial softmaxes; COMBINE: the last of them to finish (a counter per (b, kv head), left at 0 again)
-    merges them into out, else _combine_kernel does."""
+    merges them into out, else _combine_kernel does. HAS_SOFTCAP / HAS_WINDOW: _attend_tiles' soft cap and
+    sliding window; with a window the splits share out only the tiles the window reaches."""
     allow_next(PDL)
     wait_for_previous(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     n = tl.load(ctx + b).to(tl.int32)
-    tile_start, tile_end, active = _split_tiles(n, split, NUM_SPLITS, BLOCK_N)
+    tile_start, tile_end, active = _split_tiles(n, split, window, NUM_SPLITS, BLOCK_N, HAS_WINDOW)
     if split < active:
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
@@ -128,8 +133,9 @@ def _decode_kernel(q, k_cache, v_cache, k_param, v_param, spans, ctx, slopes, ou
         acc, m_i, l_i = _attend_tiles(qt, pos, alibi, k_cache, v_cache, k_param, v_param,
                                       spans + b.to(tl.int64) * stride_sb, kv_head, n, tile_start, tile_end,
                                       stride_ks, stride_kp, stride_kh, stride_vs, stride_vp, stride_vh,
-                                      stride_ps, stride_pp, stride_ph, qk_scale,
-                                      P, D, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST, HAS_ALIBI, QUANT)
+                                      stride_ps, stride_pp, stride_ph, qk_scale, cap, window, n - window,
+                                      P, D, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST, HAS_ALIBI, QUANT, HAS_SOFTCAP,
+                                      HAS_WINDOW)
         if active == 1:
             o_ptrs = out + b.to(tl.int64) * stride_ob + head[:, None] * stride_oh + offs_d[None, :]
             tl.store(o_ptrs, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=q_ok)
@@ -152,14 +158,14 @@ def _decode_kernel(q, k_cache, v_cache, k_param, v_param, spans, ctx, slopes, ou
 
 
 @triton.jit
-def _combine_kernel(m_part, l_part, acc_part, out, ctx, stride_ob, stride_oh, H,
+def _combine_kernel(m_part, l_part, acc_part, out, ctx, window, stride_ob, stride_oh, H,
                     D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-                    BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_D: tl.constexpr, PDL: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Program (b, head): merge the partial softmaxes of one output row (when the decode kernel could not)."""
     allow_next(PDL)
     wait_for_previous(PDL)
     b = tl.program_id(0)
-    active = _split_tiles(tl.load(ctx + b).to(tl.int32), 0, NUM_SPLITS, BLOCK_N)[2]
+    active = _split_tiles(tl.load(ctx + b).to(tl.int32), 0, window, NUM_SPLITS, BLOCK_N, HAS_WINDOW)[2]
     if active > 1:
         _combine_head(m_part, l_part, acc_part, out, b, tl.program_id(1), active, stride_ob, stride_oh, H, D,
                       NUM_SPLITS, BLOCK_S, BLOCK_D)
@@ -210,7 +216,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            ctx: torch.Tensor, scale: float, num_splits: int | None = None,
                            out: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
                            k_param: torch.Tensor | None = None, v_param: torch.Tensor | None = None,
-                           rotary: tuple | None = None, launch: dict | None = None) -> torch.Tensor:
+                           rotary: tuple | None = None, launch: dict | None = None, softcap: float = 0.0,
+                           window: int = 0) -> torch.Tensor:
     """q [B, H, D], caches [S, P, KVH, D], spans [B, MAXS] (int32/int64, padded), ctx [B] (>= 1, incl. the new
     token) -> out [B, H, D] in q's dtype (written into `out` if given). alibi_slopes fp32 [H]: key t's score gets
     slope_h * (t - (ctx - 1)). Quantized caches (quant/kv.py: int8 codes, or uint4 codes [S, P, KVH, D/2]) come
@@ -218,7 +225,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     cos, sin [B, (1,) D], slots [B]) (dense caches in q's dtype): q and k come unrotated; the launch rotates
     them as fused_kernels.rotary_store_kv does and writes k and v into the caches at slots before attending.
     launch: the launch shape instead of the defaults (benchmarks/decode_attention_sweep.py): BLOCK_N (tokens a
-    tile), num_warps, num_stages."""
+    tile), num_warps, num_stages. softcap > 0: each score s = scale * q.k becomes softcap * tanh(s / softcap)
+    before the bias (Gemma 2). window > 0: the query sees keys t >= ctx - window only (HF's sliding window); keys
+    before that are never read (nor their span ids), and the default split count covers the window's tiles."""
     g, span_size, d = _check_inputs(q, k_cache, v_cache, spans)
     quant = {torch.int8: 1, torch.uint8: 2}.get(k_cache.dtype, 0)
     assert (k_param is not None) == bool(quant) and (v_param is not None) == bool(quant), "params iff quantized"
@@ -228,6 +237,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     batch, heads = q.shape[:2]
     assert ctx.shape == (batch,) and ctx.is_contiguous() and spans.shape[0] == batch
     _check_slopes(alibi_slopes, heads)
+    gemma = _gemma_args(scale, softcap, window)
     kvh = k_cache.shape[2]
     if rotary is not None:
         k_new, v_new, cos, sin, slots = rotary
@@ -244,8 +254,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert out.shape == q.shape and out.stride(-1) == 1
     if batch == 0:
         return out
+    large = not quant and q.element_size() == 2 and batch * kvh >= LARGE_BATCH_PROGRAMS
+    shape = {"BLOCK_N": DECODE_BLOCK_N, **(LARGE_BATCH_LAUNCH if large else {}), **(launch or {})}
     if num_splits is None:
         num_splits = default_num_splits(batch, kvh, spans.shape[1], span_size)
+        if window > 0:      # no more splits than tiles the window's keys can touch
+            num_splits = min(num_splits, -(-(window - 1) // shape["BLOCK_N"]) + 1)
     tiles = _tile_config(d, k_cache.dtype)
     counters = None
     if num_splits > 1:
@@ -257,20 +271,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         m_part = l_part = acc_part = out        # unused: the kernel writes out directly
     params = (k_param, v_param) if quant else (k_cache, v_cache)
     block_s = triton.next_power_of_2(num_splits)
-    large = not quant and q.element_size() == 2 and batch * kvh >= LARGE_BATCH_PROGRAMS
-    shape = {"BLOCK_N": DECODE_BLOCK_N, **(LARGE_BATCH_LAUNCH if large else {}), **(launch or {})}
     launch_pdl = pdl.launch_options(q.device)
     _decode_kernel[(batch, kvh, num_splits)](
         q, k_cache, v_cache, *params, spans, ctx, ctx if alibi_slopes is None else alibi_slopes, out, m_part,
-        l_part, acc_part, ctx if counters is None else counters, *rot_args[:5], scale * LOG2_E, heads,
+        l_part, acc_part, ctx if counters is None else counters, *rot_args[:5], gemma["qk_scale"], gemma["cap"],
+        gemma["window"], heads,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         *(k_param.stride()[:3] if quant else (0, 0, 0)), spans.stride(0), out.stride(0), out.stride(1),
         *rot_args[5:], G=g, P=span_size, D=d, NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(g)),
         HAS_ALIBI=alibi_slopes is not None, QUANT=quant, ROTARY=rotary is not None, COMBINE=counters is not None,
-        BLOCK_S=block_s, FENCE=not _INTERPRETED, SOFT_BF16=_INTERPRETED, **tiles, **shape,
-        **launch_pdl, **({"enable_fp_fusion": False} if rotary is not None else {}))
+        BLOCK_S=block_s, FENCE=not _INTERPRETED, SOFT_BF16=_INTERPRETED, HAS_SOFTCAP=gemma["HAS_SOFTCAP"],
+        HAS_WINDOW=gemma["HAS_WINDOW"], **tiles, **shape, **launch_pdl,
+        **({"enable_fp_fusion": False} if rotary is not None else {}))
     if num_splits > 1 and counters is None:
-        _combine_kernel[(batch, heads)](m_part, l_part, acc_part, out, ctx, out.stride(0), out.stride(1), heads,
-                                        D=d, NUM_SPLITS=num_splits, BLOCK_N=shape["BLOCK_N"], BLOCK_S=block_s,
-                                        BLOCK_D=tiles["BLOCK_D"], **launch_pdl)
+        _combine_kernel[(batch, heads)](m_part, l_part, acc_part, out, ctx, gemma["window"], out.stride(0),
+                                        out.stride(1), heads, D=d, NUM_SPLITS=num_splits, BLOCK_N=shape["BLOCK_N"],
+                                        BLOCK_S=block_s, BLOCK_D=tiles["BLOCK_D"], HAS_WINDOW=gemma["HAS_WINDOW"],
+                                        **launch_pdl)
     return out

@@ -1,9 +1,9 @@
 """Fused Triton kernels for a decoder layer's elementwise ops, one launch each: residual add + RMSNorm, rotary
-(q and k together, optionally writing k and v straight into the span cache) and silu·mul. Each rounds to the
-activation dtype where its torch reference in allspark_server/ops.py does (math in fp32 in between), so the
-outputs match the references bit for bit except where the reference's own fp32 math differs (the RMSNorm
-mean's summation order, exp in silu). Owns the kernels and launch wrappers only, not the backend choice; no
-launch reads tensor contents on the host (CUDA-graph safe)."""
+(q and k together, optionally writing k and v straight into the span cache), silu·mul and gelu(tanh)·mul. Each
+rounds to the activation dtype where its torch reference in allspark_server/ops.py does (math in fp32 in
+between), so the outputs match the references bit for bit except where the reference's own fp32 math differs
+(the RMSNorm mean's summation order, exp in silu and gelu, 1 + tanh in torch's gelu). Owns the kernels and
+launch wrappers only, not the backend choice; no launch reads tensor contents on the host (CUDA-graph safe)."""
 from __future__ import annotations
 
 import torch
@@ -13,7 +13,7 @@ import triton.language as tl
 from allspark_server.compute.cuda import pdl
 from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
 
-MAX_SILU_BLOCK = 1024   # silu·mul columns per program
+MAX_SILU_BLOCK = 1024   # silu·mul (and gelu·mul) columns per program
 # Every launch passes enable_fp_fusion=False: with fusion, the compiler turns `round(x * c) + round(y * s)` into
 # fma(x, c, round(y * s)) (even as bf16 fma on sm_90), skipping a rounding the torch reference does.
 
@@ -36,6 +36,18 @@ def _silu_mul_rounded(gate, up, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
     """fp32 gate and up (each already rounded to DTYPE) -> silu(gate) * up as ops.silu_mul_reference rounds it:
     torch's silu rounded, then the product rounded (as fp32 values)."""
     act = _round(tl.math.div_rn(gate, 1.0 + tl.exp(-gate)), DTYPE, SOFT_BF16)
+    return _round(act * up, DTYPE, SOFT_BF16)
+
+
+@triton.jit
+def _gelu_tanh_mul_rounded(gate, up, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """fp32 gate and up (each already rounded to DTYPE) -> gelu(gate, approximate="tanh") * up as HF Gemma 2
+    rounds it: the gelu rounded, then the product rounded (as fp32 values). The gelu is
+    0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)), u = sqrt(2 / pi) (x + 0.044715 x^3): the same function without
+    the cancellation of 1 + tanh(u) at u << 0 (torch's fp32 loses most digits of gelu(x) for x < -4, values
+    below ~1e-6), and the limits at +-inf fall out (x, or -0 where x^3 overflows)."""
+    two_u = 1.5957691216057308 * (gate + 0.044715 * (gate * gate * gate))             # 2 sqrt(2 / pi) (..)
+    act = _round(tl.math.div_rn(gate, 1.0 + tl.exp(-two_u)), DTYPE, SOFT_BF16)
     return _round(act * up, DTYPE, SOFT_BF16)
 
 
@@ -180,8 +192,9 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
 
 @triton.jit
 def _silu_mul_kernel(gate_up, out, inter, stride_g, stride_o, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr,
-                     PDL: tl.constexpr):
-    """Program (row, column block): out = silu(gate) * up with silu(gate) rounded, then the product."""
+                     PDL: tl.constexpr, GELU: tl.constexpr):
+    """Program (row, column block): out = act(gate) * up with act(gate) rounded, then the product; act silu, or
+    GELU the tanh approximation of gelu."""
     allow_next(PDL)
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -190,11 +203,26 @@ def _silu_mul_kernel(gate_up, out, inter, stride_g, stride_o, BLOCK: tl.constexp
     gate = tl.load(gate_up + row * stride_g + offs, mask=ok, other=0.0).to(tl.float32)       # [BLOCK]
     up = tl.load(gate_up + row * stride_g + inter + offs, mask=ok, other=0.0).to(tl.float32)     # [BLOCK]
     dt = out.dtype.element_ty
-    tl.store(out + row * stride_o + offs, _silu_mul_rounded(gate, up, dt, SOFT_BF16).to(dt), mask=ok)
+    if GELU:
+        y = _gelu_tanh_mul_rounded(gate, up, dt, SOFT_BF16)
+    else:
+        y = _silu_mul_rounded(gate, up, dt, SOFT_BF16)
+    tl.store(out + row * stride_o + offs, y.to(dt), mask=ok)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """HF's act(gate) * up on the merged projection gate_up [T, 2I] (any row stride) -> [T, I]."""
+    return _act_mul(gate_up, gelu=False)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """HF Gemma 2's gelu(gate, approximate="tanh") * up on the merged projection gate_up [T, 2I] (any row
+    stride) -> [T, I], rounded as silu_mul rounds (the activation, then the product)."""
+    return _act_mul(gate_up, gelu=True)
+
+
+def _act_mul(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """act(gate) * up, act silu or (gelu) gelu's tanh approximation: one (row, column block) grid."""
     assert gate_up.dim() == 2 and gate_up.stride(-1) == 1 and gate_up.shape[1] % 2 == 0
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)                  # [T, I]
@@ -203,7 +231,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(MAX_SILU_BLOCK, triton.next_power_of_2(inter))
     _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
                                                         BLOCK=block, SOFT_BF16=_INTERPRETED, num_warps=4,
-                                                        enable_fp_fusion=False, **pdl.launch_options(out.device))
+                                                        enable_fp_fusion=False, GELU=gelu,
+                                                        **pdl.launch_options(out.device))
     return out
 
 
