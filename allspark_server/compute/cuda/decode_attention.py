@@ -6,12 +6,11 @@ launch. Owns the kernel and its launch wrapper only; launches read no tensor con
 safe)."""
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from allspark_client import settings
 from allspark_server.compute.cuda import pdl
 from allspark_server.compute.cuda.attention_kernels import (_alibi_log2, _attend_tiles, _check_inputs,
                                                     _check_slopes, _gemma_args, _INTERPRETED, _tile_config)
@@ -24,7 +23,7 @@ DECODE_BLOCK_N = 64
 TARGET_PROGRAMS = 768   # default split-KV: about this many decode programs ...
 MAX_SPLITS = 64         # ... and never more partials than this per (sequence, head)
 # 16-bit caches with batch x kv heads >= 512: 2 warps and 2 stages per program instead of Triton's 4 and 3
-# (benchmarks/decode_attention_sweep.py on an H100, results-decode-attention-sweep-h100.json: 5-16% faster at
+# (benchmarks/decode_attention_sweep.py on an H100: 5-16% faster at
 # B 16-128, KVH 8 and 32, contexts 192-256; smaller batches were not swept and keep Triton's defaults)
 LARGE_BATCH_PROGRAMS = 512
 LARGE_BATCH_LAUNCH = dict(num_warps=2, num_stages=2)
@@ -187,7 +186,7 @@ _SPLIT_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 def fused_decode_enabled() -> bool:
     """ALLSPARK_FUSED_DECODE=0: decode attention as three launches again (rotary_store_kv, the attention, the
     split combine), for A/B runs."""
-    return os.environ.get("ALLSPARK_FUSED_DECODE", "1") != "0"
+    return settings.FUSED_DECODE.get()
 
 
 def _split_counters(device: torch.device, needed: int) -> torch.Tensor | None:

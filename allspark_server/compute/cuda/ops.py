@@ -45,50 +45,52 @@ def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Ten
 rms_norm = fused.rms_norm
 rotary = fused.rotary
 silu_mul = fused.silu_mul
+gelu_tanh_mul = fused.gelu_tanh_mul
 store_kv = ref.store_kv_reference
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,
                      ctx: torch.Tensor, scale: float, k_param: torch.Tensor | None = None,
-                     v_param: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                     v_param: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
+                     softcap: float = 0.0, window: int = 0) -> torch.Tensor:
     """q [B, H, D] against each sequence's spans -> [B, H, D] (Triton; quantized spans with their params);
-    alibi_slopes fp32 [H]: ALiBi's bias."""
+    alibi_slopes fp32 [H]: ALiBi's bias; softcap / window: compute/steps.py's Attention options."""
     return paged_decode_attention(q, k_cache, v_cache, spans, ctx, scale, alibi_slopes=alibi_slopes,
-                                  k_param=k_param, v_param=v_param)
+                                  k_param=k_param, v_param=v_param, softcap=softcap, window=window)
 
 
-def prefill_attention(q, k_cache, v_cache, meta, scale, out, k_param=None, v_param=None, alibi_slopes=None):
+def prefill_attention(q, k_cache, v_cache, meta, scale, out, k_param=None, v_param=None, alibi_slopes=None,
+                      softcap=0.0, window=0):
     """Every multi-token chunk of the step in one varlen causal launch (Triton) over the spans; quantized spans
     take the reference's gather-and-SDPA per chunk."""
     if k_param is not None:
-        return ref.prefill_attention_reference(q, k_cache, v_cache, meta, scale, out, k_param, v_param, alibi_slopes)
+        return ref.prefill_attention_reference(q, k_cache, v_cache, meta, scale, out, k_param, v_param, alibi_slopes,
+                                               softcap=softcap, window=window)
     return paged_prefill_attention(q, k_cache, v_cache, meta.prefill_q_start, meta.prefill_q_len, meta.prefill_ctx,
                                    meta.prefill_spans, scale, out=out, max_q_len=meta.prefill_max_q,
-                                   alibi_slopes=alibi_slopes)
+                                   alibi_slopes=alibi_slopes, softcap=softcap, window=window)
 
 
-def decode_attention_block(x, residual, norm_weight, eps, qkv_weight, qkv_bias, num_heads, num_kv_heads,
-                           cos, sin, k_cache, v_cache, slots, spans, ctx, scale, o_weight, k_param=None, v_param=None,
-                           q_norm=None, k_norm=None, alibi_slopes=None):
-    """ops.decode_attention_block_reference's sequence, on this backend's ops (cos = sin = None: no rotary)."""
-    h, s = rms_norm(x, norm_weight, eps, residual)
-    qkv = linear(h, qkv_weight, qkv_bias)
-    b, d = x.shape[0], qkv.shape[-1] // (num_heads + 2 * num_kv_heads)
-    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], -1)
-    if q_norm is not None:
-        q, k = rms_norm(q.reshape(-1, d), q_norm, eps)[0], rms_norm(k.reshape(-1, d), k_norm, eps)[0]
-    q, k = q.view(b, num_heads, d), k.view(b, num_kv_heads, d)
-    if cos is not None and k_param is None and fused_decode_enabled():   # rotate q, k, write k, v, attend: one launch
-        o = paged_decode_attention(q, k_cache, v_cache, spans, ctx, scale, alibi_slopes=alibi_slopes,
-                                   rotary=(k, v.view(b, num_kv_heads, d), cos, sin, slots))
+def attention_step(x, b, slots, spans, ctx, cos, sin):
+    """A BoundAttention step (compute/steps.py) on this backend's ops, reference.attention_step_reference's
+    sequence (cos = sin = None: no rotary): the o projection's output before the allreduce."""
+    a, heads, kv_heads = b.step, b.num_heads, b.num_kv_heads
+    qkv = linear(x, b.qkv, b.qkv_bias)
+    n, d = x.shape[0], qkv.shape[-1] // (heads + 2 * kv_heads)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
+    if b.q_norm is not None:
+        q, k = rms_norm(q.reshape(-1, d), b.q_norm, b.norm_eps)[0], rms_norm(k.reshape(-1, d), b.k_norm, b.norm_eps)[0]
+    q, k = q.view(n, heads, d), k.view(n, kv_heads, d)
+    options = dict(alibi_slopes=b.alibi_slopes, softcap=a.softcap, window=a.window)
+    if cos is not None and b.k_param is None and fused_decode_enabled():   # rotate q, k, write k, v, attend: one launch
+        o = paged_decode_attention(q, b.k_cache, b.v_cache, spans, ctx, a.scale,
+                                   rotary=(k, v.view(n, kv_heads, d), cos, sin, slots), **options)
     else:
-        if cos is None:       # ALiBi: no rotary, the bias is the attention's
-            store_kv(k, v, k_cache, v_cache, slots, k_param, v_param)
-        else:
+        if cos is not None:   # ALiBi (cos None): no rotary, the bias is the attention's
             q, k = rotary(q, k, cos, sin)
-            store_kv(k, v, k_cache, v_cache, slots, k_param, v_param)
-        o = decode_attention(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param, alibi_slopes)
-    return linear(o.reshape(b, num_heads * d), o_weight), s
+        store_kv(k, v, b.k_cache, b.v_cache, slots, b.k_param, b.v_param)
+        o = decode_attention(q, b.k_cache, b.v_cache, spans, ctx, a.scale, b.k_param, b.v_param, **options)
+    return linear(o.reshape(n, heads * d), b.o)
 
 
 def _quant_input(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
@@ -97,7 +99,7 @@ def _quant_input(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 
 # quantized formats whose GEMV takes silu·mul as its epilogue: where it was measured faster (an H100, gate_up of
-# Llama-2-7B and its 2-rank shard, results-cuda-quant-silu-h100.json): int4 g128 1.10x / 1.14x the GEMV and
+# Llama-2-7B and its 2-rank shard): int4 g128 1.10x / 1.14x the GEMV and
 # fused_kernels.silu_mul; int8 per channel 0.96x / 1.02x, so 8-bit codes keep the two launches
 SILU_MUL_QUANT_FORMATS = ("int4", "uint4")
 
@@ -115,6 +117,11 @@ def gate_up_silu_mul(h: torch.Tensor, gate_up: "torch.Tensor | QuantizedWeight",
     return silu_mul(linear(h, gate_up, bias))
 
 
-def decode_mlp_block(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight):
-    h, s = rms_norm(x, norm_weight, eps, residual)
-    return linear(gate_up_silu_mul(h, gate_up_weight, gate_up_bias), down_weight), s
+def mlp_step(x, b):
+    """A BoundMlp step: silu's gate|up GEMV may take the activation as its epilogue; the down projection's output
+    before the allreduce."""
+    if b.step.act == "silu":
+        a = gate_up_silu_mul(x, b.gate_up, b.gate_up_bias)
+    else:
+        a = gelu_tanh_mul(linear(x, b.gate_up, b.gate_up_bias))
+    return linear(a, b.down)
