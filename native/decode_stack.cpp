@@ -64,14 +64,18 @@ class DecodeStack {
     layers_.push_back(std::move(layer));
   }
 
-  // embedding [V, H]; fp32 rotary tables [max positions, D] (None: no rotary); final norm; LM-head shard
-  // [V_local, H]
-  void set_ends(torch::Tensor embedding, std::optional<torch::Tensor> cos_table,
-                std::optional<torch::Tensor> sin_table, NormStep final_norm, Weight lm_head) {
-    TORCH_CHECK(cos_table.has_value() == sin_table.has_value(), "DecodeStack.set_ends: cos and sin, or neither");
+  // embedding [V, H]; the rotary tables, fp32 (cos, sin) [max positions, D] each, as AttentionStep.rope_table
+  // counts them (none: no rotary); final norm; LM-head shard [V_local, H]
+  void set_ends(torch::Tensor embedding, std::vector<std::tuple<torch::Tensor, torch::Tensor>> rotary_tables,
+                NormStep final_norm, Weight lm_head) {
+    for (const auto& layer : layers_)
+      for (const Step& step : layer)
+        if (const auto* a = std::get_if<AttentionStep>(&step))
+          TORCH_CHECK(!a->rotary || a->rope_table < static_cast<int64_t>(rotary_tables.size()),
+                      "DecodeStack.set_ends: an attention step rotates with table ", a->rope_table, " of ",
+                      rotary_tables.size());
     embedding_ = embedding;
-    cos_table_ = cos_table.value_or(torch::Tensor());   // undefined: no rotary
-    sin_table_ = sin_table.value_or(torch::Tensor());
+    rotary_tables_ = rotary_tables;
     final_norm_ = final_norm;
     lm_head_ = lm_head;
   }
@@ -88,12 +92,12 @@ class DecodeStack {
     const int64_t batch = ids.size(0);
     allspark::OwnPoolScope own_pool(batch <= native_rows_ && (!quantized_ || batch <= QUANT_NATIVE_MAX_ROWS));
     const auto dtype = embedding_.scalar_type();
-    DecodeRows rows{slots, spans, ctx, std::nullopt, std::nullopt};
-    // the rope rows as RotaryEmbedding.cos_sin gives them: [B, 1, D] in the activation dtype (none: no rotary)
-    if (cos_table_.defined()) {
-      rows.cos = cos_table_.index_select(0, positions).to(dtype).unsqueeze(1);
-      rows.sin = sin_table_.index_select(0, positions).to(dtype).unsqueeze(1);
-    }
+    // per rotary table, the rope rows as RotaryEmbedding.cos_sin gives them: [B, 1, D] in the activation dtype
+    std::vector<DecodeRows> rows;
+    for (const auto& [cos_table, sin_table] : rotary_tables_)
+      rows.push_back({slots, spans, ctx, cos_table.index_select(0, positions).to(dtype).unsqueeze(1),
+                      sin_table.index_select(0, positions).to(dtype).unsqueeze(1)});
+    if (rows.empty()) rows.push_back({slots, spans, ctx, std::nullopt, std::nullopt});   // no rotary
     torch::Tensor x = embedding_.index_select(0, ids);
     if (embed_scale_) x = x * torch::scalar_tensor(*embed_scale_, x.options());
     std::optional<torch::Tensor> residual;
@@ -108,7 +112,7 @@ class DecodeStack {
         if (const auto* n = std::get_if<NormStep>(&step)) {
           std::tie(x, residual) = norm_step(x, residual, *n, isa_);
         } else if (const auto* a = std::get_if<AttentionStep>(&step)) {
-          x = reduced(attention_step(x, *a, rows, isa_, native_rows_), i, part++);
+          x = reduced(attention_step(x, *a, rows[a->rotary ? a->rope_table : 0], isa_, native_rows_), i, part++);
         } else if (const auto* m = std::get_if<MlpStep>(&step)) {
           x = reduced(mlp_step(x, *m, isa_, native_rows_), i, part++);
         } else {
@@ -125,7 +129,8 @@ class DecodeStack {
   std::optional<double> embed_scale_;
   bool quantized_ = false;
   std::vector<std::vector<Step>> layers_;
-  torch::Tensor embedding_, cos_table_, sin_table_;
+  torch::Tensor embedding_;
+  std::vector<std::tuple<torch::Tensor, torch::Tensor>> rotary_tables_;
   NormStep final_norm_;
   Weight lm_head_;
 };
@@ -140,16 +145,16 @@ void bind_decode_stack(py::module_& m) {
   py::class_<AttentionStep>(m, "AttentionStep", "qkv, q/k norms, rotary, cache write, span attention, o projection")
       .def(py::init([](Weight qkv, OptT qkv_bias, Weight o, int64_t num_heads, int64_t num_kv_heads,
                        double scale, OptT q_norm, OptT k_norm, double norm_eps, bool rotary, OptT alibi_slopes,
-                       double softcap, int64_t window, torch::Tensor k_cache, torch::Tensor v_cache, OptT k_param,
-                       OptT v_param) {
-             AttentionStep a{qkv, qkv_bias, o, num_heads, num_kv_heads, scale, q_norm, k_norm,
-                             norm_eps, rotary, alibi_slopes, softcap, window, k_cache, v_cache, k_param, v_param};
+                       double softcap, int64_t window, int64_t rope_table, torch::Tensor k_cache,
+                       torch::Tensor v_cache, OptT k_param, OptT v_param) {
+             AttentionStep a{qkv, qkv_bias, o, num_heads, num_kv_heads, scale, q_norm, k_norm, norm_eps, rotary,
+                             alibi_slopes, softcap, window, rope_table, k_cache, v_cache, k_param, v_param};
              a.check();
              return a;
            }), py::kw_only(), py::arg("qkv"), py::arg("qkv_bias"), py::arg("o"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("scale"), py::arg("q_norm"), py::arg("k_norm"), py::arg("norm_eps"),
-           py::arg("rotary"), py::arg("alibi_slopes"), py::arg("softcap"), py::arg("window"), py::arg("k_cache"),
-           py::arg("v_cache"), py::arg("k_param"), py::arg("v_param"));
+           py::arg("rotary"), py::arg("alibi_slopes"), py::arg("softcap"), py::arg("window"),
+           py::arg("rope_table"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_param"), py::arg("v_param"));
   py::class_<MlpStep>(m, "MlpStep", "act(gate) * up and the down projection (act 0: silu, 1: gelu tanh)")
       .def(py::init([](Weight gate_up, OptT gate_up_bias, Weight down, int64_t act) {
              MlpStep s{gate_up, gate_up_bias, down, static_cast<Activation>(act)};
@@ -184,8 +189,8 @@ void bind_decode_stack(py::module_& m) {
       .def(py::init<int64_t, int64_t, std::optional<double>>(), py::kw_only(), py::arg("isa"), py::arg("native_rows"),
            py::arg("embed_scale") = py::none())
       .def("add_layer", &DecodeStack::add_layer, py::arg("steps"))
-      .def("set_ends", &DecodeStack::set_ends, py::kw_only(), py::arg("embedding"), py::arg("cos_table"),
-           py::arg("sin_table"), py::arg("final_norm"), py::arg("lm_head"))
+      .def("set_ends", &DecodeStack::set_ends, py::kw_only(), py::arg("embedding"), py::arg("rotary_tables"),
+           py::arg("final_norm"), py::arg("lm_head"))
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
       .def("run", &DecodeStack::run, "fp32 logits of this rank's LM-head shard for a decode-only step (no GIL)",
            py::arg("ids"), py::arg("positions"), py::arg("slots"), py::arg("spans"), py::arg("ctx"),

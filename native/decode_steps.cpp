@@ -141,7 +141,8 @@ void AttentionStep::check() const {
               num_kv_heads, ", D]");
   TORCH_CHECK(num_heads % num_kv_heads == 0, "AttentionStep: heads ", num_heads, " not a multiple of KV heads ",
               num_kv_heads);
-  TORCH_CHECK(softcap >= 0 && window >= 0, "AttentionStep: softcap and window must be >= 0");
+  TORCH_CHECK(softcap >= 0 && window >= 0 && rope_table >= 0, "AttentionStep: softcap, window and rope_table must "
+              "be >= 0");
   for (const Weight* w : {&qkv, &o})
     if (const auto* q = std::get_if<QuantWeight>(w)) q->check();
 }

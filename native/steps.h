@@ -40,6 +40,7 @@ struct AttentionStep {
   std::optional<torch::Tensor> alibi_slopes;     // fp32 [num_heads]
   double softcap;                                // 0: none
   int64_t window;                                // 0: every key
+  int64_t rope_table;                            // which of the model's rotary tables (decode_stack.cpp)
   torch::Tensor k_cache, v_cache;                // [S, P, KVH, D] dense, or codes with their params
   std::optional<torch::Tensor> k_param, v_param;
   void check() const;

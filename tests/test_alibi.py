@@ -258,7 +258,7 @@ def test_decode_stack_with_slopes_equals_the_python_step(dtype):
         loop_caches = [(c["k_cache"].clone(), c["v_cache"].clone()) for c in cases]
         stack = step_ops.decode_stack([_bound_layer(c, heads, kv_heads, k, v, alibi_slopes=slopes)
                                        for c, (k, v) in zip(cases, stack_caches)],
-                                      final_norm, embedding, None, None, lm_head)
+                                      final_norm, embedding, [], lm_head)
         assert stack is not None
         loop_layers = [_bound_layer(c, heads, kv_heads, k, v, alibi_slopes=slopes)
                        for c, (k, v) in zip(cases, loop_caches)]

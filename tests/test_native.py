@@ -419,7 +419,7 @@ def test_decode_stack_equals_the_python_step(dtype):
         loop_caches = [(c["k_cache"].clone(), c["v_cache"].clone()) for c in cases]
         stack = step_ops.decode_stack([_bound_layer(c, heads, kv_heads, k, v)
                                        for c, (k, v) in zip(cases, stack_caches)],
-                                      final_norm, embedding, cos_table, sin_table, lm_head)
+                                      final_norm, embedding, [(cos_table, sin_table)], lm_head)
         assert stack is not None and stack.num_layers == 3
         loop_layers = [_bound_layer(c, heads, kv_heads, k, v) for c, (k, v) in zip(cases, loop_caches)]
 
@@ -491,7 +491,8 @@ def test_decode_stack_runs_a_gemma_layer_as_the_python_step(dtype):
         loop_caches = [(c["k_cache"].clone(), c["v_cache"].clone()) for c in cases]
         stack = step_ops.decode_stack([_gemma_layer(c, i, heads, kv_heads, k, v)
                                        for i, (c, (k, v)) in enumerate(zip(cases, stack_caches))],
-                                      final_norm, embedding, cos_table, sin_table, lm_head, embed_scale)
+                                      final_norm, embedding, [(cos_table, sin_table)], lm_head,
+                                      embed_scale)
         assert stack is not None and stack.num_layers == 3
         loop_layers = [_gemma_layer(c, i, heads, kv_heads, k, v)
                        for i, (c, (k, v)) in enumerate(zip(cases, loop_caches))]

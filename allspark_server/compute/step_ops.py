@@ -33,8 +33,8 @@ def native_step(b: Bound):
         b.native = ext.AttentionStep(
             qkv=w(b.qkv), qkv_bias=b.qkv_bias, o=w(b.o), num_heads=b.num_heads, num_kv_heads=b.num_kv_heads,
             scale=a.scale, q_norm=b.q_norm, k_norm=b.k_norm, norm_eps=b.norm_eps, rotary=a.position == "rope",
-            alibi_slopes=b.alibi_slopes, softcap=a.softcap, window=a.window, k_cache=b.k_cache, v_cache=b.v_cache,
-            k_param=b.k_param, v_param=b.v_param)
+            alibi_slopes=b.alibi_slopes, softcap=a.softcap, window=a.window, rope_table=a.rope_table,
+            k_cache=b.k_cache, v_cache=b.v_cache, k_param=b.k_param, v_param=b.v_param)
     elif isinstance(b, BoundMlp):
         b.native = ext.MlpStep(gate_up=w(b.gate_up), gate_up_bias=b.gate_up_bias, down=w(b.down),
                                act=ACTIVATIONS.index(b.step.act))
@@ -84,22 +84,22 @@ def moe_step(x: torch.Tensor, b: BoundMoe) -> torch.Tensor:
 
 
 def decode_stack(layers: Sequence[Sequence[Bound]], final_norm: BoundNorm, embedding: torch.Tensor,
-                 cos_table: Optional[torch.Tensor], sin_table: Optional[torch.Tensor], lm_head,
-                 embed_scale: Optional[float] = None):
+                 rotary_tables: Sequence[tuple[torch.Tensor, torch.Tensor]], lm_head, embed_scale: Optional[float] = None):
     """A native DecodeStack (native/decode_stack.cpp: a whole decode-only step in one call) over the bound steps of
     every layer; None where the native steps do not apply (then the caller loops over the layers itself, each
-    step falling back as above). cos/sin tables fp32 [positions, D], None for ALiBi models."""
+    step falling back as above). rotary_tables: each table's fp32 (cos, sin) [positions, D], in the order the
+    Attention steps' rope_table counts them (none for ALiBi models)."""
     ext, dtype = ops.native(), embedding.dtype
     if ext is None or embedding.is_cuda or dtype not in ops.NATIVE_MAX_ROWS:
         return None
     for layer in layers:
         for b in layer:
-            if isinstance(b, BoundAttention) and (b.k_param is None and b.k_cache.dtype != dtype
-                                                  or (b.step.position == "rope" and cos_table.shape[-1] % 2)):
+            if isinstance(b, BoundAttention) and (b.k_param is None and b.k_cache.dtype != dtype or (
+                    b.step.position == "rope" and rotary_tables[b.step.rope_table][0].shape[-1] % 2)):
                 return None
     stack = ext.DecodeStack(isa=ops.isa_level(), native_rows=ops.NATIVE_MAX_ROWS[dtype], embed_scale=embed_scale)
     for layer in layers:
         stack.add_layer([native_step(b) for b in layer])
-    stack.set_ends(embedding=embedding, cos_table=cos_table, sin_table=sin_table, final_norm=native_step(final_norm),
+    stack.set_ends(embedding=embedding, rotary_tables=list(rotary_tables), final_norm=native_step(final_norm),
                    lm_head=ops.native_weight(lm_head))
     return stack

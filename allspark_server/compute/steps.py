@@ -37,6 +37,7 @@ class Attention:
     position: str = "rope"      # "rope" (the model's rotary tables) or "alibi" (a per-head score bias, no rotary)
     softcap: float = 0.0        # scores -> softcap * tanh(scores / softcap) before the softmax (Gemma 2); 0: none
     window: int = 0             # sliding window: a query sees the last `window` positions, itself included; 0: all
+    rope_table: int = 0         # which of the model's rotary tables rotates q and k (Gemma 3's local layers: 1)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class ModelSpec:
     """The whole stack: every layer's steps, and what the model does around them."""
     layers: tuple[tuple[Step, ...], ...]
     embed_scale: Optional[float] = None     # the embedding rows times this, in the activation dtype (Gemma)
+    rope_tables: int = 1                    # rotary tables (ModelArgs' rope, then the local one where it has one)
     final_softcap: float = 0.0              # logits -> cap * tanh(logits / cap) (Gemma 2); 0: none
 
     def sublayers(self, layer: int) -> list[Step]:

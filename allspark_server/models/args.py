@@ -55,6 +55,9 @@ class ModelArgs:
     final_logit_softcapping: float = 0.0
     sliding_window: int = 0
     sliding_layers: tuple = ()
+    # Gemma 3: the sliding layers rotate with their own base (and scaling); 0: as every other layer
+    local_rope_theta: float = 0.0
+    local_rope_scaling: Optional[dict] = None
     # tokens up to which the model is exact when something we do not implement acts past them (Qwen v1's dynamic
     # NTK and logn attention past seq_length), 0: none; the reason goes into the error of a longer max_length
     context_limit: int = 0

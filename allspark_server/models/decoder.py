@@ -133,8 +133,10 @@ class DecoderLayer(nn.Module):
                           for s in steps if not isinstance(s, spec.Norm)]
         self._bound, self._bound_kv = None, None
 
-    def forward(self, x, residual, inputs, rope, kv: LayerKV):
-        """Takes and returns (x, residual stream); a pre-norm folds the residual add into its single pass."""
+    def forward(self, x, residual, inputs, ropes: list, kv: LayerKV):
+        """Takes and returns (x, residual stream); a pre-norm folds the residual add into its single pass. ropes:
+        the (cos, sin) rows of each of the model's rotary tables ((None, None) without rotary)."""
+        rope = ropes[self.self_attn.step.rope_table]
         if not inputs.attn.seqs:            # every sequence decodes one token
             return self.decode(x, residual, inputs.attn, rope, kv)
         for step in self.steps:
@@ -186,8 +188,18 @@ class DecoderModel(nn.Module):
         self.embed_tokens = Embedding(args.vocab_size, args.hidden_size, dtype)
         self.layers = nn.ModuleList(DecoderLayer(args, steps, tp, comm, dtype) for steps in model_spec.layers)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.rotary = (RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling,
-                                       args.rotary_dim) if args.position_embedding == "rope" else None)   # ALiBi: none
+        # the rotary tables the Attention steps' rope_table picks from: the model's, then the sliding layers' own
+        # (Gemma 3); ALiBi models have none
+        tables = [(args.rope_theta, args.rope_scaling)] + ([(args.local_rope_theta, args.local_rope_scaling)]
+                                                             if args.local_rope_theta else [])
+        self.rotaries = nn.ModuleList(RotaryEmbedding(args.head_dim, max_positions, theta, scaling, args.rotary_dim)
+                                      for theta, scaling in tables) if args.position_embedding == "rope" else None
+
+    def ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list:
+        """Each table's (cos, sin) rows [T, 1, D] of `positions` ([(None, None)] without rotary)."""
+        if self.rotaries is None:
+            return [(None, None)]
+        return [r.cos_sin(positions, dtype) for r in self.rotaries]
 
 
 class DecoderForCausalLM(nn.Module):
@@ -217,11 +229,10 @@ class DecoderForCausalLM(nn.Module):
         if (any(w.dtype != embedding.dtype for w in self.parameters())
                 or (self.lm_head.quant is None and not self.lm_head.weight.is_contiguous())):
             return None
-        rotary = self.model.rotary                                          # None: ALiBi, no tables
+        tables = [(r.cos, r.sin) for r in self.model.rotaries] if self.model.rotaries is not None else []
         final = spec.BoundNorm(spec.Norm("norm"), self.model.norm.weight, self.model.norm.eps)
         stack = step_ops.decode_stack([layer.bound(kv) for layer, kv in zip(layers, kv_cache.layers)], final,
-                                      embedding, *((rotary.cos, rotary.sin) if rotary is not None else (None, None)),
-                                      self.lm_head.kernel_weight, self.spec.embed_scale)
+                                      embedding, tables, self.lm_head.kernel_weight, self.spec.embed_scale)
         # the row-parallel sums: nothing to do at world size 1 without biases, so the stack never calls back
         needs_reduce = self.comm.world_size > 1 or any(
             layer.self_attn.o_proj.bias is not None or layer.mlp.adds_bias for layer in layers)
@@ -253,11 +264,10 @@ class DecoderForCausalLM(nn.Module):
                               meta.decode_ctx, self._reduce)
             return self.capped(self.lm_head.gather(local))
         x = self.embed(inputs.input_ids)                                    # [T, H]
-        rotary = self.model.rotary                                          # None: ALiBi, no rotary
-        rope = rotary.cos_sin(inputs.positions, x.dtype) if rotary is not None else (None, None)   # [T, 1, D] x 2
+        ropes = self.model.ropes(inputs.positions, x.dtype)                 # per table: [T, 1, D] x 2
         residual = None
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, inputs, rope, kv_cache.layers[i])
+            x, residual = layer(x, residual, inputs, ropes, kv_cache.layers[i])
         rows = inputs.sample_rows
         h, _ = self.model.norm(x[rows], residual[rows])                     # [N, H]
         return self.capped(self.lm_head(h))                                 # [N, V] on rank 0

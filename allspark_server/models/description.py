@@ -3,7 +3,8 @@
 This is the one place that says what a layer computes; the decoder (models/decoder.py) makes its modules from it and
 every backend runs it. Llama-style layers: pre-norm attention, pre-norm MLP. Gemma 2 adds a norm on each sublayer's
 output (sandwich norms, HF's post_attention_layernorm / post_feedforward_layernorm, with pre_feedforward_layernorm as
-the MLP's pre-norm), a GELU-tanh MLP, soft-capped attention scores and a sliding window on alternating layers.
+the MLP's pre-norm), a GELU-tanh MLP, soft-capped attention scores and a sliding window on alternating layers;
+Gemma 3 per-head q/k norms and a rotary table of its own for the sliding layers.
 """
 from __future__ import annotations
 
@@ -24,9 +25,11 @@ def attention_step(args: ModelArgs, index: int) -> Attention:
     if args.position_embedding not in ("rope", "alibi"):
         raise ValueError(f"position_embedding {args.position_embedding!r} is not supported (rope, alibi)")
     scale = (args.query_pre_attn_scalar or args.head_dim) ** -0.5
+    sliding = index in args.sliding_layers
     return Attention(scale=scale, qkv_bias=args.attention_bias, o_bias=args.o_proj_bias, qk_norm=args.qk_norm,
                      position=args.position_embedding, softcap=args.attn_logit_softcapping,
-                     window=args.sliding_window if index in args.sliding_layers else 0)
+                     window=args.sliding_window if sliding else 0,
+                     rope_table=1 if sliding and args.local_rope_theta else 0)
 
 
 def mlp_step(args: ModelArgs, index: int) -> Step:
@@ -46,4 +49,5 @@ def layer_steps(args: ModelArgs, index: int) -> tuple[Step, ...]:
 
 def describe(args: ModelArgs) -> ModelSpec:
     return ModelSpec(layers=tuple(layer_steps(args, i) for i in range(args.num_layers)),
-                     embed_scale=args.embed_scale or None, final_softcap=args.final_logit_softcapping)
+                     embed_scale=args.embed_scale or None, final_softcap=args.final_logit_softcapping,
+                     rope_tables=2 if args.local_rope_theta else 1)
