@@ -38,10 +38,11 @@ TEST_FILE_TIERS = {
     "test_alibi.py": "kernels", "test_native.py": "kernels", "test_parallel.py": "kernels",
     "test_quant_kernels.py": "kernels", "test_triton_fused.py": "kernels", "test_triton_gemv.py": "kernels",
     "test_triton_gemma.py": "kernels", "test_triton_kernels.py": "kernels", "test_triton_peer_allreduce.py": "kernels",
-    "test_triton_quant.py": "kernels",
+    "test_triton_prefill.py": "kernels", "test_triton_quant.py": "kernels",
 
     "test_batching.py": "models", "test_benchmark_smoke.py": "models", "test_engine_api.py": "models",
-    "test_errors_config.py": "models", "test_errors_lifecycle.py": "models", "test_guided_engine.py": "models",
+    "test_errors_config.py": "models", "test_errors_lifecycle.py": "models",
+    "test_errors_models.py": "models", "test_guided_engine.py": "models",
     "test_hf_parity.py": "models", "test_kv_quant.py": "models", "test_memory_bandwidth.py": "models",
     "test_model_families.py": "models", "test_overlap.py": "models", "test_prefix_cache.py": "models",
     "test_quant_models.py": "models", "test_qwen_tokenizer.py": "models", "test_sampler_engine.py": "models",
@@ -49,8 +50,8 @@ TEST_FILE_TIERS = {
     "test_contract_generation.py": "pool", "test_contract_lifecycle.py": "pool", "test_fuzz.py": "pool",
     "test_http_pool.py": "pool", "test_http_server.py": "pool", "test_launcher.py": "pool",
     "test_launcher_gpus.py": "pool", "test_multi_host.py": "pool", "test_pool_access.py": "pool",
-    "test_pool_failures.py": "pool", "test_pool_grpc.py": "pool", "test_pool_slow_clients.py": "pool",
-    "test_soak.py": "pool", "test_tensor_parallel.py": "pool",
+    "test_pool_failures.py": "pool", "test_pool_grpc.py": "pool", "test_pool_load.py": "pool",
+    "test_pool_slow_clients.py": "pool", "test_soak.py": "pool", "test_tensor_parallel.py": "pool",
 
     "test_cuda.py": "gpu",
 }

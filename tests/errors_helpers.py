@@ -1,9 +1,10 @@
 """Shared by tests/test_errors_*.py (the `srv` fixture is in conftest.py): the models the error tests
-serve, the probe request, and the checks that a refusal names its cause and the engine still serves."""
+serve, the probe request, the checks that a refusal names its cause and the engine still serves, and a runtime
+config builder for the models those tests install."""
 from __future__ import annotations
 
 from allspark_client import AsStatus
-from allspark_server import Engine
+from allspark_server import Engine, TargetDevice
 from helpers import greedy, hf_ref, random_prompt
 
 MAIN = "errs_main"          # the model every test checks the engine still serves
@@ -39,3 +40,17 @@ def start_fail(engine: Engine, name: str, inputs, gen, status: AsStatus, *mentio
     for m in mentions:
         assert m in msg, (m, msg)
     return msg
+
+
+def wait_terminal(queue) -> None:
+    assert queue._wait_terminal(HANG_S), "request did not finish (hang?)"
+
+
+def runtime_builder(srv, name: str, max_length: int = 64, **kw):
+    """A runtime config builder for `name` on srv's loader: CPU, max_batch 2, spans of 16 tokens; each keyword
+    calls the builder's method of that name with its value."""
+    b = srv.loader.create_reference_runtime_config_builder(name, TargetDevice.CPU, [0], max_batch=2)
+    b.max_length(max_length).kv_cache_span_size(16)
+    for k, v in kw.items():
+        getattr(b, k)(v)
+    return b
