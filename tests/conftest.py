@@ -35,7 +35,8 @@ TEST_FILE_TIERS = {
     "test_sampler_units.py": "unit", "test_settings.py": "unit", "test_step_watchdog.py": "unit",
     "test_stream_order.py": "unit",
 
-    "test_alibi.py": "kernels", "test_native.py": "kernels", "test_parallel.py": "kernels",
+    "test_alibi.py": "kernels", "test_native.py": "kernels", "test_native_gemma.py": "kernels",
+    "test_parallel.py": "kernels",
     "test_quant_kernels.py": "kernels", "test_triton_fused.py": "kernels", "test_triton_gemv.py": "kernels",
     "test_triton_gemma.py": "kernels", "test_triton_kernels.py": "kernels", "test_triton_peer_allreduce.py": "kernels",
     "test_triton_prefill.py": "kernels", "test_triton_quant.py": "kernels",
