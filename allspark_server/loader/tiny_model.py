@@ -56,13 +56,13 @@ FAMILY_VARIANTS = {
     # (prompts longer than it reach past it), soft caps small enough to bend these tiny models' scores and logits
     "gemma2": dict(arch="gemma2", num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
                    sliding_window=16, query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
-                   final_logit_softcapping=8.0, norm_noise=0.2),
+                   final_logit_softcapping=8.0, norm_noise=0.2, attn_implementation="eager"),
     # Gemma 3 (text): q/k norms, a local rotary base for the sliding layers (0 and 1 of 2 here), no caps
     "gemma3": dict(arch="gemma3", num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
                    sliding_window=16, query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"],
                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}},
-                   norm_noise=0.2),
+                   norm_noise=0.2, attn_implementation="eager"),
     # the sources of the remote-code layouts (tests/remote_layouts.py): multi-head, untied
     "qwen2_mha": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
     "llama_mha": dict(arch="llama", num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),

@@ -186,6 +186,11 @@ class DecoderModel(nn.Module):
                  max_positions: int):
         super().__init__()
         self.embed_tokens = Embedding(args.vocab_size, args.hidden_size, dtype)
+        # the embedding scale as HF applies it, in the activation dtype; a buffer, so it moves with the model (a CUDA
+        # graph capture cannot copy a host scalar)
+        scale = model_spec.embed_scale
+        self.register_buffer("embed_scale", None if scale is None else torch.tensor(scale, dtype=dtype),
+                             persistent=False)
         self.layers = nn.ModuleList(DecoderLayer(args, steps, tp, comm, dtype) for steps in model_spec.layers)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         # the rotary tables the Attention steps' rope_table picks from: the model's, then the sliding layers' own
@@ -245,8 +250,7 @@ class DecoderForCausalLM(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The embedding rows, times the model's embed_scale in their dtype where it has one (HF Gemma's)."""
         x = self.model.embed_tokens(ids)                                    # [T, H]
-        scale = self.spec.embed_scale
-        return x if scale is None else x * torch.tensor(scale, dtype=x.dtype, device=x.device)
+        return x if self.model.embed_scale is None else x * self.model.embed_scale
 
     def capped(self, logits):
         """The final logits soft-capped where the model caps them (Gemma 2); rank 0's fp32 [N, V] or None."""

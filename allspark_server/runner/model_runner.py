@@ -93,7 +93,9 @@ class ModelRunner:
             self.tier_slots = tier_slots
             self.tier = KVCache(self.args.num_layers, tier_slots, self.span_size, self.tp.local_kv_heads,
                                 self.args.head_dim, self.dtype, self.kv_mode, torch.device("cpu"), pinned=gpu)
-        if gpu and settings.CUDA_GRAPHS.get():   # every rank captures (NCCL inside)
+        # every rank captures (NCCL inside); a mixture of experts routes on the host (ops.moe), which a graph cannot
+        # capture, so MoE models decode eagerly
+        if gpu and settings.CUDA_GRAPHS.get() and not self.args.moe_layers:
             from allspark_server.runner.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, self.kv, self.cfg.engine_max_batch,
                                        -(-self.cfg.engine_max_length // self.span_size), num_spans, self.span_size,
