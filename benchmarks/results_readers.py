@@ -280,6 +280,12 @@ def switch_interval(r: dict) -> list:
     return out
 
 
+def ab_trees(r: dict) -> list:
+    """ab_trees.py: each variant's median same-round ratio of the new tree's batch-1 decode over the old one's."""
+    return [(f"{v}: new / old batch-1 decode tok/s ({len(r['rounds'][v]['new'])} rounds, old {r['trees']['old']})",
+             f(ratio, 3)) for v, ratio in r["median_ratio"].items()]
+
+
 def generic(r) -> list:
     """A measure without a reader: its top-level numbers."""
     if not isinstance(r, dict):
@@ -289,6 +295,8 @@ def generic(r) -> list:
 
 # measure -> (title, what it is, reader); the order of RESULTS.md
 MEASURES = {
+    "ab-redesign": ("A/B: the layer-description redesign against the commit before it", "`ab_trees.py --old "
+                    "<checkout of 737f874>`: each tree in its own process, rounds interleaved.", ab_trees),
     "engines": ("CPU: Engine against transformers", "`run.py`: batch-1 decode, concurrency, TTFT, 2-rank pool; "
                 "0.5 B Llama-shaped model, random weights.", engines),
     "engines-bf16": ("CPU: Engine against transformers, bf16 only", "`run.py --dtypes bfloat16 --no-pool "
