@@ -31,13 +31,16 @@ TIERS = {
 TEST_FILE_TIERS = {
     "test_batch_sampler.py": "unit", "test_core.py": "unit", "test_docs_commands.py": "unit",
     "test_guided_units.py": "unit", "test_http_units.py": "unit", "test_hugepages.py": "unit", "test_lint.py": "unit",
-    "test_pdl.py": "unit", "test_peer_watch.py": "unit", "test_placement.py": "unit", "test_results_table.py": "unit",
+    "test_layering.py": "unit", "test_pdl.py": "unit", "test_peer_watch.py": "unit", "test_placement.py": "unit",
+    "test_results_table.py": "unit",
     "test_sampler_units.py": "unit", "test_settings.py": "unit", "test_step_watchdog.py": "unit",
     "test_stream_order.py": "unit",
 
     "test_alibi.py": "kernels", "test_native.py": "kernels", "test_native_gemma.py": "kernels",
+    "test_native_steps.py": "kernels",
     "test_parallel.py": "kernels",
-    "test_quant_kernels.py": "kernels", "test_triton_fused.py": "kernels", "test_triton_gemv.py": "kernels",
+    "test_quant_kernels.py": "kernels", "test_quant_formats.py": "kernels", "test_triton_fused.py": "kernels",
+    "test_triton_gemv.py": "kernels",
     "test_triton_gemma.py": "kernels", "test_triton_kernels.py": "kernels", "test_triton_peer_allreduce.py": "kernels",
     "test_triton_prefill.py": "kernels", "test_triton_quant.py": "kernels",
 
