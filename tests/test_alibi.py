@@ -1,4 +1,4 @@
-"""ALiBi (allspark_server/layers/alibi.py): the slopes worked by hand, each tensor-parallel rank's share, the prefill
+"""ALiBi (allspark_server/compute/alibi.py): the slopes worked by hand, each tensor-parallel rank's share, the prefill
 bias of a chunk over cached tokens, and every decode path given slopes against float64 attention written here: the
 torch reference, the native kernel at each ISA level over dense and quantized spans, the native attention step
 (no rotary) and the DecodeStack. The Triton kernels' ALiBi tests are in test_triton_kernels.py; Baichuan2-13B end to
@@ -215,7 +215,7 @@ def _unfused_alibi_attention(h, c, k_cache, v_cache, heads, kv_heads, slopes):
 def test_native_attention_step_without_rotary(dtype):
     """The native attention step of an ALiBi layer (position "alibi", no cos/sin): bit-equal to the unfused ops,
     the same cache pages written, and (fp32) equal to the reference step."""
-    from test_native import _bound_layer, _decode_layer_case
+    from decode_step_cases import _bound_layer, _decode_layer_case
     g = torch.Generator().manual_seed(7)
     for rows, heads, kv_heads, d, bias in ((1, 4, 2, 16, False), (3, 6, 1, 24, True), (9, 8, 2, 16, True)):
         c = _decode_layer_case(dtype, rows, heads, kv_heads, d, bias, g)
@@ -241,7 +241,7 @@ def test_native_attention_step_without_rotary(dtype):
 def test_decode_stack_with_slopes_equals_the_python_step(dtype):
     """An ALiBi model's stack (no rotary tables): logits and cache pages bit-equal to the Python loop over the
     same bound steps."""
-    from test_native import _bound_layer, _decode_layer_case, _fresh_caches, _python_decode_step
+    from decode_step_cases import _bound_layer, _decode_layer_case, _fresh_caches, _python_decode_step
     g = torch.Generator().manual_seed(11)
     vocab = 50
     for rows, heads, kv_heads, d, bias in ((1, 4, 4, 16, False), (3, 6, 2, 24, True)):

@@ -1,6 +1,5 @@
-"""InstantQuant formats and kernels: hand-worked codes and packing, the round trip's error bound, and every
-native quantized kernel against a float64 dequantize-then-matmul computation (all formats, group sizes,
-odd shapes, 1..64 rows, every ISA level this CPU has)."""
+"""InstantQuant's native kernels against a float64 dequantize-then-matmul computation (all formats, group sizes,
+odd shapes, 1..64 rows, every ISA level this CPU has); the formats themselves: test_quant_formats.py."""
 from __future__ import annotations
 
 import itertools
@@ -11,62 +10,11 @@ import torch
 from allspark_client import settings
 from allspark_server.compute import ops, step_ops
 from allspark_server.compute import reference
-from allspark_server.quant.formats import FORMAT_IDS, FORMATS, QuantizedWeight, dequantize, pack4, quantize, unpack4
+from allspark_server.quant.formats import FORMAT_IDS, FORMATS, QuantizedWeight, quantize
 
 needs_native = pytest.mark.skipif(settings.NO_NATIVE.get() or ops.native() is None,
                                   reason="native path disabled")
 ROWS = [1, 2, 3, 4, 5, 8, 13, 16, 17, 31, 64]
-
-
-def test_int8_per_channel_codes_by_hand():
-    # the row's value of largest magnitude is -2.0: scale = -2 / -128 = 1/64, codes = w * 64
-    w = torch.tensor([[1.0, -2.0, 0.5, 0.0, 0.25]])
-    q = quantize(w, "int8", -1)
-    assert q["qweight"].dtype == torch.int8 and q["qweight"].tolist() == [[64, -128, 32, 0, 16]]
-    assert q["scales"].dtype == torch.float16 and q["scales"].tolist() == [[1 / 64]]
-    assert "zeros" not in q
-
-
-def test_uint4_codes_by_hand():
-    # lo = -1, hi = 2: scale = 3 / 15 = 0.2 (fp16: 0.199951171875), zero = round(1 / 0.19995) = 5
-    w = torch.tensor([[-1.0, 2.0, 0.0, 0.4] * 8])
-    q = quantize(w, "uint4", 32)
-    s = torch.tensor(0.2).half().item()
-    assert q["scales"].tolist() == [[s]] and q["zeros"].tolist() == [[5]]
-    codes = [min(15, max(0, round(v / s) + 5)) for v in (-1.0, 2.0, 0.0, 0.4)]
-    assert codes == [0, 15, 5, 7]
-    assert unpack4(q["qweight"]).tolist() == [codes * 8]
-
-
-def test_pack4_layout_by_hand():
-    # k = 0..15 in the low nibbles of bytes 0..15, k = 16..31 in their high nibbles
-    codes = torch.tensor([list(range(16)) + list(range(15, -1, -1))])
-    packed = pack4(codes)
-    assert packed.shape == (1, 16) and packed.dtype == torch.uint8
-    assert packed[0].tolist() == [j | ((15 - j) << 4) for j in range(16)]
-    assert torch.equal(unpack4(packed), codes.to(torch.int16))
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("group", [-1, 32, 128])
-def test_round_trip_error_is_within_half_a_step(fmt, group):
-    g = torch.Generator().manual_seed(3)
-    w = torch.randn(37, 256, generator=g) * torch.rand(37, 1, generator=g)      # rows of different ranges
-    q = quantize(w, fmt, group)
-    back = dequantize(q["qweight"], q["scales"], q.get("zeros"), fmt, group)
-    step = q["scales"].float().abs().repeat_interleave(256 if group == -1 else group, dim=1)
-    err = (back - w).abs()
-    # rounding: half a step; at the ends of a group's range a clamped code costs up to one step (symmetric: the
-    # side opposite the extreme; asymmetric: the integer zero point shifts the range by up to half a step)
-    assert (err <= step + 1e-6).all()
-    assert (err <= step * 0.5 + 1e-6).float().mean() > 0.99
-
-
-def test_zero_rows_quantize_to_zero():
-    w = torch.zeros(3, 64)
-    for fmt in FORMATS:
-        q = quantize(w, fmt, 32)
-        assert torch.equal(dequantize(q["qweight"], q["scales"], q.get("zeros"), fmt, 32), w)
 
 
 def _quantized(n, k, fmt, group, seed):
@@ -406,7 +354,7 @@ def test_native_steps_take_quantized_weights(fmt, dtype):
     """The native attention and MLP steps with quantized projections: bit-equal to the unfused ops (same kernels,
     same order), and (fp32) equal to the dequantize-then-matmul reference steps. (Per-channel: these shapes' K are
     odd; 4-bit weights run through the whole-model tests.)"""
-    from test_native import _bound_layer, _decode_layer_case, _unfused_attention
+    from decode_step_cases import _bound_layer, _decode_layer_case, _unfused_attention
     g = torch.Generator().manual_seed(12)
     for rows, heads, kv_heads, d, bias in ((1, 4, 2, 16, False), (3, 6, 1, 24, True), (9, 4, 2, 16, True)):
         c = _decode_layer_case(dtype, rows, heads, kv_heads, d, bias, g)
