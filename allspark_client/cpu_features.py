@@ -2,7 +2,7 @@
 
 On Linux from /proc/cpuinfo's `flags` line (microseconds); elsewhere from py-cpuinfo, whose probe runs a
 subprocess and takes ~1.5 s. Torch-free: the launcher (allspark_client) and the kernels' ISA choice
-(allspark_server/ops.py) both use it.
+(allspark_server/compute/ops.py) both use it.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""allspark_server: the in-process Engine, the model loader and (later) the pool rank entry point."""
+"""allspark_server: the in-process Engine, the model loader, the pool rank (`python -m allspark_server`) and the
+OpenAI-compatible server (allspark_server.http)."""
 from allspark_client import (AsCacheMode, AsEngineStat, AsException, AsStatus, GeneratedElements,
                              GenerateRequestStatus, RequestHandle, RequestStatInfo, ResultQueue, TargetDevice)
 from allspark_client.config import (AsModelConfig, AsModelRuntimeConfigBuilder, ASGenerationConfigBuilder,

@@ -1,4 +1,4 @@
-// Gated MLP activations beside silu_mul (decode_block.cpp).
+// Gated MLP activations beside silu_mul (decode_steps.cpp).
 //
 // gelu_tanh_mul: a = gelu_tanh(g) * u for gate_up [T, 2I] (fp32 or bf16) -> [T, I], Gemma 2's MLP
 // (`gelu_pytorch_tanh`: F.gelu(gate, approximate="tanh") * up), rounded like HF's two eager ops: gelu's output, then
@@ -86,7 +86,7 @@ void gelu_tanh_mul_avx2(const T* g, const T* u, int64_t n, T* o) {
   }
 }
 
-// Rows are cut into pieces of GELU_PIECE columns, as silu_mul's (decode_block.cpp), so a decode step's one wide row
+// Rows are cut into pieces of GELU_PIECE columns, as silu_mul's (decode_steps.cpp), so a decode step's one wide row
 // also runs on every thread.
 constexpr int64_t GELU_PIECE = 512;
 

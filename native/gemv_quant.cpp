@@ -30,7 +30,7 @@
 // codes only: with 4-bit codes it is bound by its instructions, and the prefetch made int4 g128 26 -> 32 ms
 // (groups of 128 take NIBBLES16 / 8 since: GEMV chain 1.48x -> 1.77x of bf16's, 1.45x -> 2.24x with int8 x).
 //
-// ISA (chosen by ops.py): 3 AVX-512 VNNI (gemv_quant_avx512.cpp: vpdpwssd, x laid out to match the
+// ISA (chosen by compute/ops.py): 3 AVX-512 VNNI (gemv_quant_avx512.cpp: vpdpwssd, x laid out to match the
 // codes; 4-bit codes with activate_quant's int8 x: vpdpbusd, NIBBLES8W), 1 and 2 AVX2+FMA+F16C
 // (gemv_quant_avx2.cpp; 2 = AVX-512 without VNNI: its dequantization is AVX-512),
 // 0 portable C++; the same rounding of x everywhere, so every level equals ops.linear_reference up to fp32

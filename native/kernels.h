@@ -1,5 +1,5 @@
 // The kernels of this folder as C++ functions (each file documents its layouts): bound to Python in
-// module.cpp and composed by decode_block.cpp.
+// module.cpp and composed into the layer description's steps by decode_steps.cpp.
 #pragma once
 
 #include <torch/extension.h>

@@ -1,5 +1,5 @@
 // The allspark_server._native Python module: binds the kernels of this folder (each file documents
-// its layouts). Python reaches them only through allspark_server/ops.py.
+// its layouts). Python reaches them only through allspark_server/compute/ops.py and step_ops.py.
 #include <torch/extension.h>
 #include <pybind11/stl.h>
 

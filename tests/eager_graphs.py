@@ -1,4 +1,4 @@
-"""An eager stand-in for the CUDA decode graphs (cuda/graphs.py), so that overlapped scheduling runs on the CPU.
+"""An eager stand-in for the CUDA decode graphs (runner/cuda_graphs.py), so that overlapped scheduling runs on the CPU.
 
 Same `sizes`, `fits_decode` rule and `run_decode(chunks, mirrors, device_ids)` contract; the step runs eagerly
 through the runner's model. Used by tests/test_overlap.py and tests/mpi/overlap_pool.py.

@@ -185,7 +185,7 @@ def test_decode_replays_in_a_cuda_graph_with_new_contents():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_decode_with_alibi_slopes(dtype):
-    """Slopes per head (layers/alibi.py) against the float64 torch reference with the same slopes (test_alibi.py
+    """Slopes per head (compute/alibi.py) against the float64 torch reference with the same slopes (test_alibi.py
     checks that reference by hand), for one split and several (the bias is a function of the key's position
     only, so each split adds it on its own)."""
     from allspark_server.compute import alibi

@@ -30,7 +30,7 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
 
 def local_slopes(num_heads: int, rank: int, local_heads: int) -> torch.Tensor:
     """The slopes of one tensor-parallel rank's heads: rank r holds global heads [r * local_heads, (r + 1) *
-    local_heads) (loader/sharding.py splits q_proj's rows evenly), fp32 [local_heads]."""
+    local_heads) (layers/sharding.py splits q_proj's rows evenly), fp32 [local_heads]."""
     return alibi_slopes(num_heads)[rank * local_heads:(rank + 1) * local_heads].clone()
 
 

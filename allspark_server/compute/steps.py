@@ -10,7 +10,7 @@ stack. Steps apply in order to the pair (x, residual); their sum is HF's hidden 
   Mlp        x = down_proj(act(gate_proj(x)) * up_proj(x)), summed over the ranks.
   Moe        x = the router's top-k experts' Mlps, weighted (plus a gated shared expert), summed over the ranks.
 A new layer feature is an option or a step kind here, its reference op (compute/reference.py) and at most one kernel
-per backend. The Bound* classes are a step with the tensors one layer runs it on: what compute/ops.py takes.
+per backend. The Bound* classes are a step with the tensors one layer runs it on: what compute/step_ops.py runs.
 """
 from __future__ import annotations
 
@@ -62,12 +62,7 @@ class ModelSpec:
     """The whole stack: every layer's steps, and what the model does around them."""
     layers: tuple[tuple[Step, ...], ...]
     embed_scale: Optional[float] = None     # the embedding rows times this, in the activation dtype (Gemma)
-    rope_tables: int = 1                    # rotary tables (ModelArgs' rope, then the local one where it has one)
     final_softcap: float = 0.0              # logits -> cap * tanh(logits / cap) (Gemma 2); 0: none
-
-    def sublayers(self, layer: int) -> list[Step]:
-        """The layer's steps that end in a sum over the ranks (the `part` index the decode stack reduces by)."""
-        return [s for s in self.layers[layer] if not isinstance(s, Norm)]
 
 
 # ---- a step bound to one layer's tensors (weights dense or quant.formats.QuantizedWeight) ----------------------

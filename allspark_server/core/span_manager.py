@@ -4,7 +4,7 @@ Owns only integers: which span ids are free and how many requests hold each span
 (core/prefix_cache.py), a cached span that loses its last holder is parked in the cache instead of going back
 to the free list; `share` gives it a holder again (a prefix hit) and `allocate` evicts parked spans, least
 recently used first, when the free list runs short. Parked spans count as available. It does not own the
-tensors (runner/kv_cache.py) nor decide who gets spans (core/scheduler.py).
+tensors (step/kv_cache.py) nor decide who gets spans (core/scheduler.py).
 """
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ class ModelArgs:
     rotary_dim: int = 0          # dims of each head that rotate (0: all); our layout puts rotating pair i at dims
                                  # (i, i + head_dim/2), the converters reorder checkpoints that pair them otherwise
     lm_head_normalized: bool = False   # Baichuan2's NormHead: the head's rows were normalized when loaded
-    position_embedding: str = "rope"   # "rope", or "alibi" (Baichuan2-13B: a per-head score bias, layers/alibi.py,
+    position_embedding: str = "rope"   # "rope", or "alibi" (Baichuan2-13B: a per-head score bias, compute/alibi.py,
                                        # and no rotary)
     # mixture of experts (layers/moe.py): the layers in moe_layers route each token to num_experts_per_tok of
     # num_experts experts (softmax over the router's logits, the top k, renormalized when norm_topk_prob), plus a

@@ -3,7 +3,7 @@ their code: Llama's names with q|k|v fused (`self_attn.W_pack`, split here).
 
 Baichuan2's NormHead normalizes each row of the LM head before use; it is done once here, at load. A folder is
 Baichuan2 when its vocabulary is Baichuan2's (125696) or its modeling file defines NormHead. The 13B models
-replace the rotary with ALiBi (layers/alibi.py); a folder without `max_position_embeddings` (13B's config has
+replace the rotary with ALiBi (compute/alibi.py); a folder without `max_position_embeddings` (13B's config has
 only `model_max_length`, read as the context) is one of those.
 """
 from __future__ import annotations

@@ -49,5 +49,4 @@ def layer_steps(args: ModelArgs, index: int) -> tuple[Step, ...]:
 
 def describe(args: ModelArgs) -> ModelSpec:
     return ModelSpec(layers=tuple(layer_steps(args, i) for i in range(args.num_layers)),
-                     embed_scale=args.embed_scale or None, final_softcap=args.final_logit_softcapping,
-                     rope_tables=2 if args.local_rope_theta else 1)
+                     embed_scale=args.embed_scale or None, final_softcap=args.final_logit_softcapping)

@@ -82,7 +82,7 @@ class DecodeGraphs:
         return len(chunks) <= self.sizes[-1] and all(c.num_tokens == 1 and c.needs_sample for c in chunks)
 
     def run_decode(self, chunks, mirrors, device_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-        """A decode-only step (fits_decode) from the runner's mirrors (runner/forward_inputs.py): the fp32 logits
+        """A decode-only step (fits_decode) from the runner's mirrors (step/inputs.py): the fp32 logits
         [B, V], a view of the graph's output (read it before the next step); None on the ranks other than 0 of
         a pool (the LM head gathers to rank 0). `device_ids` [B]: the rows' input tokens, on the GPU (the mirrors
         do not hold them yet)."""

@@ -78,7 +78,7 @@ class ModelRunner:
         self.tier_slots = 0
         # what a decode step reads on each rank, and its memory's bandwidth (install_runner): the MBU of the stat
         self.rank_decode_bytes: list[DecodeBytes] = []
-        self.graphs = None   # GPU ranks: cuda/graphs.py
+        self.graphs = None   # GPU ranks: runner/cuda_graphs.py
         self.mirrors: dict[int, RequestMirror] = {}
 
     def allocate_kv(self, num_spans: int, tier_slots: int = 0) -> None:

@@ -1,6 +1,6 @@
 """Triton attention over the paged ("span") KV cache: varlen causal prefill, and the tile loop it shares with
 decode (decode_attention.py). Caches are [S, P, KVH, D]; token t of a sequence sits in span spans[b, t // P] at
-offset t % P. Both take optional ALiBi slopes (layers/alibi.py: score += slope_h * (key position - query
+offset t % P. Both take optional ALiBi slopes (compute/alibi.py: score += slope_h * (key position - query
 position)), Gemma 2's logit soft cap (score -> cap * tanh(score / cap), before the bias) and a sliding window
 (a query at position p sees keys p - window < t <= p); the tile loop also reads quantized spans (int8 / uint4
 codes with a scale and zero point per token and KV head, quant/kv.py), dequantized in registers and attended in

@@ -1,6 +1,6 @@
 """Fused Triton kernels for a decoder layer's elementwise ops, one launch each: residual add + RMSNorm, rotary
 (q and k together, optionally writing k and v straight into the span cache), silu·mul and gelu(tanh)·mul. Each
-rounds to the activation dtype where its torch reference in allspark_server/ops.py does (math in fp32 in
+rounds to the activation dtype where its torch reference in allspark_server/compute/reference.py does (math in fp32 in
 between), so the outputs match the references bit for bit except where the reference's own fp32 math differs
 (the RMSNorm mean's summation order, exp in silu and gelu, 1 + tanh in torch's gelu). Owns the kernels and
 launch wrappers only, not the backend choice; no launch reads tensor contents on the host (CUDA-graph safe)."""
