@@ -282,8 +282,13 @@ def switch_interval(r: dict) -> list:
 
 def ab_trees(r: dict) -> list:
     """ab_trees.py: each variant's median same-round ratio of the new tree's batch-1 decode over the old one's."""
-    return [(f"{v}: new / old batch-1 decode tok/s ({len(r['rounds'][v]['new'])} rounds, old {r['trees']['old']})",
+    runs = r.get("turns") or r["rounds"]
+    rows = [(f"{v}: new / old batch-1 decode tok/s ({len(runs[v]['new'])} paired runs, old {r['trees']['old']})",
              f(ratio, 3)) for v, ratio in r["median_ratio"].items()]
+    if "repeat_bf16" in r:
+        rows.append((f"bf16 again, a later run ({len(r['repeat_bf16']['turns']['new'])} paired runs)",
+                     f(r["repeat_bf16"]["median_ratio"], 3)))
+    return rows
 
 
 def generic(r) -> list:
@@ -296,7 +301,8 @@ def generic(r) -> list:
 # measure -> (title, what it is, reader); the order of RESULTS.md
 MEASURES = {
     "ab-redesign": ("A/B: the layer-description redesign against the commit before it", "`ab_trees.py --old "
-                    "<checkout of 737f874>`: each tree in its own process, rounds interleaved.", ab_trees),
+                    "<checkout of 737f874>`: each tree in its own process; the CPU rows with both engines resident, "
+                    "taking turns; the H200 row from an earlier version of the script (a process per round).", ab_trees),
     "engines": ("CPU: Engine against transformers", "`run.py`: batch-1 decode, concurrency, TTFT, 2-rank pool; "
                 "0.5 B Llama-shaped model, random weights.", engines),
     "engines-bf16": ("CPU: Engine against transformers, bf16 only", "`run.py --dtypes bfloat16 --no-pool "
