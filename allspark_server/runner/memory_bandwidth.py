@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from allspark_client import settings
+from allspark_server.layers.rotary import RotaryEmbedding
 from allspark_server.step.hugepages import to_hugepages
 
 _measured: dict[str, float] = {}
@@ -99,9 +100,11 @@ class DecodeBytes:
 
 def decode_weight_bytes(model: torch.nn.Module, embedding: torch.Tensor) -> int:
     """Bytes of weights one decode step reads on this rank: every parameter and weight buffer once (tied tensors
-    once), the embedding table one row unless another tensor (a tied LM head) reads it whole; rotary tables out."""
-    tensors = [t for name, t in chain(model.named_parameters(remove_duplicate=False), model.named_buffers())
-               if "rotary" not in name]
+    once), the embedding table one row unless another tensor (a tied LM head) reads it whole; rotary tables (of
+    which a step reads a row per token) and scalar buffers (an embedding scale) out."""
+    rotary = {id(t) for m in model.modules() if isinstance(m, RotaryEmbedding) for t in m.buffers()}
+    tensors = [t for _, t in chain(model.named_parameters(remove_duplicate=False), model.named_buffers())
+               if id(t) not in rotary and t.dim() > 0]
     uses = Counter(t.data_ptr() for t in tensors)
     total, counted = 0, set()
     for t in tensors:
