@@ -15,14 +15,16 @@ def native_extensions():
         return [], {}
     ext = CppExtension("allspark_server._native", ["native/module.cpp", "native/gemv.cpp", "native/gemv_quant.cpp",
                                                    "native/activation_rounding.cpp",
-                                                   "native/gemv_quant_avx2.cpp", "native/gemv_quant_avx512.cpp",
+                                                   "native/gemv_quant_avx2.cpp", "native/gemv_quant_avx2_m1.cpp",
+                                                   "native/gemv_quant_avx512.cpp", "native/int8_gemm_epilogue.cpp",
                                                    "native/span_attention.cpp", "native/span_attention_quant.cpp",
                                                    "native/rms_norm.cpp", "native/rotary.cpp",
                                                    "native/decode_steps.cpp", "native/activations.cpp",
                                                    "native/decode_stack.cpp", "native/moe.cpp",
                                                    "native/parallel.cpp"],
                        depends=["native/kernels.h", "native/simd.h", "native/parallel.h", "native/attention_common.h",
-                                "native/gemv_quant.h", "native/steps.h"],      # rebuild when a header changes
+                                "native/gemv_quant.h", "native/gemv_quant_avx2.h",
+                                "native/steps.h"],      # rebuild when a header changes
                        extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"])
     # ninja (requirements.txt) compiles the files in parallel (MAX_JOBS, default: every core); without it
     # setuptools compiles them one after another
