@@ -163,7 +163,8 @@ def native_weight(w: "torch.Tensor | QuantizedWeight"):
     return native().QuantWeight(w.qweight, w.scales, w.zeros, FORMAT_IDS[w.fmt], w.in_features, w.act_bits)
 
 
-def _native_weight_ok(w, dtype: torch.dtype) -> bool:
+def native_weight_ok(w, dtype: torch.dtype) -> bool:
+    """A weight the native kernels take next to activations of `dtype`: quantized, or dense in that dtype."""
     return isinstance(w, QuantizedWeight) or w.dtype == dtype
 
 

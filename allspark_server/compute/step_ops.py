@@ -18,7 +18,7 @@ from allspark_server.compute.steps import ACTIVATIONS, Bound, BoundAttention, Bo
 
 def _native_suits(x: torch.Tensor, *weights) -> bool:
     return (ops.native() is not None and not x.is_cuda and x.dtype in ops.NATIVE_MAX_ROWS
-            and all(ops._native_weight_ok(w, x.dtype) for w in weights))
+            and all(ops.native_weight_ok(w, x.dtype) for w in weights))
 
 
 def native_step(b: Bound):
