@@ -1,4 +1,4 @@
-// Gated MLP activations beside silu_mul (decode_steps.cpp).
+// Gated MLP activations beside silu_mul (decode_steps.cpp); their shared row split is gated_rows.h.
 //
 // gelu_tanh_mul: a = gelu_tanh(g) * u for gate_up [T, 2I] (fp32 or bf16) -> [T, I], Gemma 2's MLP
 // (`gelu_pytorch_tanh`: F.gelu(gate, approximate="tanh") * up), rounded like HF's two eager ops: gelu's output, then
@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "gated_rows.h"
 #include "kernels.h"
 #include "parallel.h"
 #include "simd.h"
@@ -86,37 +87,18 @@ void gelu_tanh_mul_avx2(const T* g, const T* u, int64_t n, T* o) {
   }
 }
 
-// Rows are cut into pieces of GELU_PIECE columns, as silu_mul's (decode_steps.cpp), so a decode step's one wide row
-// also runs on every thread.
-constexpr int64_t GELU_PIECE = 512;
-
-template <typename T>
-void gelu_tanh_mul_rows(const torch::Tensor& gu, torch::Tensor& out, int64_t isa) {
-  const int64_t rows = gu.size(0), I = out.size(1);
-  const int64_t pieces = (I + GELU_PIECE - 1) / GELU_PIECE;
-  const T* g = gu.data_ptr<T>();
-  T* o = out.data_ptr<T>();
-  allspark::parallel_for(0, rows * pieces, std::max<int64_t>(1, 2048 / GELU_PIECE), [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t r = p / pieces, c0 = p % pieces * GELU_PIECE, n = std::min(GELU_PIECE, I - c0);
-      const T* gate = g + r * 2 * I + c0;
-      const T* up = gate + I;
-      T* a = o + r * I + c0;
-      if (isa >= 2) gelu_tanh_mul_avx512<T>(gate, up, n, a);
-      else if (isa == 1) gelu_tanh_mul_avx2<T>(gate, up, n, a);
-      else gelu_tanh_mul_scalar<T>(gate, up, n, a);
-    }
-  });
-}
+// gelu_tanh_mul's kernels at each ISA level, for gated_rows.h
+struct GeluTanh {
+  template <typename T>
+  static void run(int64_t isa, const T* g, const T* u, int64_t n, T* a) {
+    if (isa >= 2) gelu_tanh_mul_avx512<T>(g, u, n, a);
+    else if (isa == 1) gelu_tanh_mul_avx2<T>(g, u, n, a);
+    else gelu_tanh_mul_scalar<T>(g, u, n, a);
+  }
+};
 
 }  // namespace
 
 torch::Tensor gelu_tanh_mul(torch::Tensor gate_up, int64_t isa) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gelu_tanh_mul: gate_up must be [T, 2I]");
-  auto gu = gate_up.contiguous();
-  auto out = torch::empty({gu.size(0), gu.size(1) / 2}, gu.options());
-  if (gu.scalar_type() == at::kFloat) gelu_tanh_mul_rows<float>(gu, out, isa);
-  else if (gu.scalar_type() == at::kBFloat16) gelu_tanh_mul_rows<at::BFloat16>(gu, out, isa);
-  else TORCH_CHECK(false, "gelu_tanh_mul: fp32 or bf16 only");
-  return out;
+  return gated_mul<GeluTanh>(gate_up, isa, "gelu_tanh_mul");
 }

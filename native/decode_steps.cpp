@@ -11,6 +11,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "gated_rows.h"
 #include "kernels.h"
 #include "steps.h"
 #include "parallel.h"
@@ -70,43 +71,19 @@ void silu_mul_avx2(const T* g, const T* u, int64_t n, T* o) {
   silu_mul_scalar(g + i, u + i, n - i, o + i);
 }
 
-// Rows are cut into pieces of SILU_PIECE columns, so a decode step's one row of 4096+ also runs on every thread
-// (measured on the AVX2 VM: one 4096-wide row on one thread took 27-32 us in a decode step, the gate half
-// written by one thread's GEMV rows and the up half by the other's). Pieces start at multiples of 16, so which
-// elements the vector loops leave to the scalar tail (the row's last I % 8 or I % 16) does not depend on the
-// split.
-constexpr int64_t SILU_PIECE = 512;
-
-template <typename T>
-void silu_mul_rows(const torch::Tensor& gu, torch::Tensor& out, int64_t isa) {
-  const int64_t rows = gu.size(0), I = out.size(1);
-  const int64_t pieces = (I + SILU_PIECE - 1) / SILU_PIECE;
-  const T* g = gu.data_ptr<T>();
-  T* o = out.data_ptr<T>();
-  allspark::parallel_for(0, rows * pieces, std::max<int64_t>(1, 2048 / SILU_PIECE), [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t r = p / pieces, c0 = p % pieces * SILU_PIECE, n = std::min(SILU_PIECE, I - c0);
-      const T* gate = g + r * 2 * I + c0;
-      const T* up = gate + I;
-      T* a = o + r * I + c0;
-      if (isa >= 2) silu_mul_avx512<T>(gate, up, n, a);
-      else if (isa == 1) silu_mul_avx2<T>(gate, up, n, a);
-      else silu_mul_scalar<T>(gate, up, n, a);
-    }
-  });
-}
+// silu_mul's kernels at each ISA level, for gated_rows.h
+struct Silu {
+  template <typename T>
+  static void run(int64_t isa, const T* g, const T* u, int64_t n, T* a) {
+    if (isa >= 2) silu_mul_avx512<T>(g, u, n, a);
+    else if (isa == 1) silu_mul_avx2<T>(g, u, n, a);
+    else silu_mul_scalar<T>(g, u, n, a);
+  }
+};
 
 }  // namespace
 
-torch::Tensor silu_mul(torch::Tensor gate_up, int64_t isa) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul: gate_up must be [T, 2I]");
-  auto gu = gate_up.contiguous();
-  auto out = torch::empty({gu.size(0), gu.size(1) / 2}, gu.options());
-  if (gu.scalar_type() == at::kFloat) silu_mul_rows<float>(gu, out, isa);
-  else if (gu.scalar_type() == at::kBFloat16) silu_mul_rows<at::BFloat16>(gu, out, isa);
-  else TORCH_CHECK(false, "silu_mul: fp32 or bf16 only");
-  return out;
-}
+torch::Tensor silu_mul(torch::Tensor gate_up, int64_t isa) { return gated_mul<Silu>(gate_up, isa, "silu_mul"); }
 
 // k [B, KVH, D] and v [B, KVH * D] (rows may be strided, e.g. views into the qkv output) -> their slots
 void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
