@@ -288,6 +288,9 @@ def ab_trees(r: dict) -> list:
     if "repeat_bf16" in r:
         rows.append((f"bf16 again, a later run ({len(r['repeat_bf16']['turns']['new'])} paired runs)",
                      f(r["repeat_bf16"]["median_ratio"], 3)))
+    for run in r.get("later_bf16_runs", {}).get("runs", []):
+        rows.append((f"bf16, {r['later_bf16_runs']['note']} ({len(run['turns']['new'])} paired runs)",
+                     f(run["median_ratio"], 3)))
     return rows
 
 
