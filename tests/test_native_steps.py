@@ -15,6 +15,15 @@ from decode_step_cases import (_bound_layer, _decode_layer_case, _fresh_caches, 
 pytestmark = pytest.mark.skipif(settings.NO_NATIVE.get(), reason="native path disabled")
 
 
+def _stack_ends(g, dtype, hidden, d, vocab, max_pos, rows, eps):
+    """What a stack needs around its layers, drawn from `g`: rotary tables, final norm, LM head, and the step's ids."""
+    angles = torch.rand(max_pos, d // 2, generator=g) * 50
+    cos_table, sin_table = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    final_norm = steps.BoundNorm(steps.Norm("norm"), (torch.rand(hidden, generator=g) + 0.5).to(dtype), eps)
+    lm_head = (torch.randn(vocab, hidden, generator=g) * 0.2).to(dtype)
+    return cos_table, sin_table, final_norm, lm_head, torch.randint(0, vocab, (rows,), generator=g)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_steps_equal_the_unfused_ops(dtype):
     """The native steps call the same kernels in the same order: the norm step bit-equal to ops.rms_norm, the
@@ -74,12 +83,8 @@ def test_decode_stack_equals_the_python_step(dtype):
         first = cases[0]
         hidden = first["x"].shape[1]
         embedding = torch.randn(vocab, hidden, generator=g).to(dtype)
-        angles = torch.rand(max_pos, d // 2, generator=g) * 50
-        cos_table, sin_table = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
-        final_norm = steps.BoundNorm(steps.Norm("norm"), (torch.rand(hidden, generator=g) + 0.5).to(dtype),
-                                     first["eps"])
-        lm_head = (torch.randn(vocab, hidden, generator=g) * 0.2).to(dtype)
-        ids = torch.randint(0, vocab, (rows,), generator=g)
+        cos_table, sin_table, final_norm, lm_head, ids = _stack_ends(g, dtype, hidden, d, vocab, max_pos, rows,
+                                                                     first["eps"])
         positions = first["ctx"] - 1
 
         stack_caches = [(c["k_cache"].clone(), c["v_cache"].clone()) for c in cases]
@@ -131,12 +136,8 @@ def test_decode_stack_runs_a_gemma_layer_as_the_python_step(dtype):
             c["norm3"], c["norm4"] = ((torch.rand(hidden, generator=g) + 0.5).to(dtype) for _ in range(2))
         embed_scale = hidden ** 0.5                                         # Gemma's sqrt(hidden)
         embedding = (torch.randn(vocab, hidden, generator=g) / embed_scale).to(dtype)
-        angles = torch.rand(max_pos, d // 2, generator=g) * 50
-        cos_table, sin_table = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
-        final_norm = steps.BoundNorm(steps.Norm("norm"), (torch.rand(hidden, generator=g) + 0.5).to(dtype),
-                                     first["eps"])
-        lm_head = (torch.randn(vocab, hidden, generator=g) * 0.2).to(dtype)
-        ids = torch.randint(0, vocab, (rows,), generator=g)
+        cos_table, sin_table, final_norm, lm_head, ids = _stack_ends(g, dtype, hidden, d, vocab, max_pos, rows,
+                                                                     first["eps"])
         positions = first["ctx"] - 1
 
         stack_caches = [(c["k_cache"].clone(), c["v_cache"].clone()) for c in cases]
