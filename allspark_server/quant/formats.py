@@ -5,10 +5,12 @@ Stored tensors of one quantized weight (the `.asparam` names are `<module>.qweig
   qweight  int8 [N, K] (int8) | uint8 [N, K] (uint8) | uint8 [N, K/2] (int4, uint4: two 4-bit codes a byte)
   scales   fp16 [N, K/G]  (one column for per-channel, G = -1)
   zeros    uint8 [N, K/G] (uint8 / uint4 only: the integer zero point of each group)
+  mins     fp16 [N, K/G]  (uint4_min only, in place of zeros: the value code 0 stands for)
 4-bit packing, per block of 32 consecutive k: byte j holds k = j in its low nibble and k = 16 + j in its high
 nibble (so one 16-byte load yields the block's codes with one AND and one shift). int4 codes are stored
 offset by 8 (code 0..15 = value -8..7), so every 4-bit weight dequantizes as (code - zero) * scale with
-zero = 8 for int4.
+zero = 8 for int4; uint4_min dequantizes as code * scale + min (llama.cpp's Q4_1 block, which an integer zero
+point cannot hold exactly: GGUF Q4_1 files map onto it bit for bit).
 
 Formulas (DashInfer's, ../shared/reference/dashinfer.md §3.4):
   int8 / int4 (symmetric):   scale = m / -128 (int8) or m / -8 (int4), m the group's value of largest
@@ -16,28 +18,36 @@ Formulas (DashInfer's, ../shared/reference/dashinfer.md §3.4):
                              code = clamp(round(w / scale), -128..127 or -8..7)
   uint8 / uint4 (asymmetric): lo = min(w, 0), hi = max(w, 0); scale = (hi - lo) / 255 (or / 15);
                              zero = clamp(round(-lo / scale)); code = clamp(round(w / scale) + zero)
+  uint4_min:                 min = min(w), scale = (max(w) - min) / 15 (both fp16);
+                             code = clamp(round((w - min) / scale), 0..15)
 Scales are rounded to fp16 *before* the codes are computed, so the codes fit the stored scale.
 """
 from __future__ import annotations
 
 import torch
 
-FORMATS = ("int8", "uint8", "int4", "uint4")
+FORMATS = ("int8", "uint8", "int4", "uint4", "uint4_min")
 FORMAT_IDS = {name: i for i, name in enumerate(FORMATS)}   # the native kernels' format numbers
 GROUP_SIZES = (-1, 32, 64, 128, 256, 512)
 PACK_BLOCK = 32                                            # 4-bit packing block (k elements)
 
 
 def bits(fmt: str) -> int:
-    return 4 if fmt.endswith("4") else 8
+    return 4 if "4" in fmt else 8
 
 
 def is_asymmetric(fmt: str) -> bool:
+    """Whether the format stores an offset per group (integer zeros, or mins for uint4_min)."""
     return fmt.startswith("u")
 
 
+def has_mins(fmt: str) -> bool:
+    """Whether the group offset is an fp16 min (the `mins` tensor) rather than an integer zero point."""
+    return fmt == "uint4_min"
+
+
 def _qrange(fmt: str) -> tuple[int, int]:
-    return {"int8": (-128, 127), "uint8": (0, 255), "int4": (-8, 7), "uint4": (0, 15)}[fmt]
+    return {"int8": (-128, 127), "uint8": (0, 255), "int4": (-8, 7), "uint4": (0, 15), "uint4_min": (0, 15)}[fmt]
 
 
 def group_count(in_features: int, group_size: int) -> int:
@@ -54,7 +64,7 @@ def check_shape(fmt: str, group_size: int, in_features: int, name: str = "weight
 
 
 def quantize(w: torch.Tensor, fmt: str, group_size: int) -> dict[str, torch.Tensor]:
-    """w [N, K] (any float dtype) -> {"qweight", "scales"[, "zeros"]} in the layout above."""
+    """w [N, K] (any float dtype) -> {"qweight", "scales"[, "zeros" | "mins"]} in the layout above."""
     if fmt not in FORMATS:
         raise ValueError(f"weight_format {fmt!r} is not one of {FORMATS}")
     n, k = w.shape
@@ -63,7 +73,13 @@ def quantize(w: torch.Tensor, fmt: str, group_size: int) -> dict[str, torch.Tens
     wg = w.detach().float().reshape(n, k // g, g)                             # [N, groups, G]
     qmin, qmax = _qrange(fmt)
     out = {}
-    if is_asymmetric(fmt):
+    if has_mins(fmt):
+        lo = wg.amin(-1).half().float()
+        scale = ((wg.amax(-1) - lo) / qmax).half().float()
+        safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+        codes = torch.round((wg - lo[..., None]) / safe[..., None]).clamp(qmin, qmax)
+        out["mins"] = lo.half()
+    elif is_asymmetric(fmt):
         lo = wg.amin(-1).clamp(max=0)
         hi = wg.amax(-1).clamp(min=0)
         scale = ((hi - lo) / qmax).half().float()                             # [N, groups]
@@ -104,7 +120,8 @@ def unpack4(packed: torch.Tensor) -> torch.Tensor:
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, fmt: str,
                group_size: int) -> torch.Tensor:
-    """The fp32 weight [N, K] that the stored codes stand for: (code - zero) * scale per group."""
+    """The fp32 weight [N, K] that the stored codes stand for: (code - zero) * scale per group, or for
+    uint4_min (`zeros` then holds the fp16 mins) code * scale + min, both in fp32 as GGUF readers compute it."""
     if bits(fmt) == 4:
         codes = unpack4(qweight).float()
         if fmt == "int4":
@@ -114,6 +131,8 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
     n, k = codes.shape
     g = k if group_size == -1 else group_size
     codes = codes.reshape(n, k // g, g)
+    if has_mins(fmt):
+        return (codes * scales.float()[..., None] + zeros.float()[..., None]).reshape(n, k)
     if zeros is not None:
         codes = codes - zeros.float()[..., None]
     return (codes * scales.float()[..., None]).reshape(n, k)
@@ -122,7 +141,8 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
 class QuantizedWeight:
     """One quantized weight as the ops take it (a linear layer builds it from its buffers): the stored
     tensors, the format and group size, K (the input features of this rank's shard) and how x is rounded
-    before it meets the codes: act_bits 16 (weight-only) or 8 (activate_quant: int8 per token, "A8W8")."""
+    before it meets the codes: act_bits 16 (weight-only) or 8 (activate_quant: int8 per token, "A8W8").
+    `zeros` is the group offset tensor: uint8 zero points, or the fp16 mins of uint4_min."""
 
     __slots__ = ("qweight", "scales", "zeros", "fmt", "group_size", "in_features", "act_bits")
 
