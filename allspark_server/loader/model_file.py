@@ -49,13 +49,32 @@ def write_model_files(out_dir: str, model_name: str, args: ModelArgs, hf_config:
                       eos_ids: list[int], stop_ids: list[int], serialize_args: dict[str, str],
                       quant: QuantScheme | None = None, tokenizer_json: str = "") -> tuple[str, str]:
     from safetensors.torch import save_file
-    from allspark_client import __version__
 
     os.makedirs(out_dir, exist_ok=True)
     safe = model_name.replace("/", "_")
     graph_path = os.path.join(out_dir, safe + ".asgraph")
     param_path = os.path.join(out_dir, safe + ".asparam")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, param_path, metadata={"format": "allspark"})
+    # both files are written under temporary names and renamed at the end: a failure leaves no half-written model
+    param_tmp, graph_tmp = param_path + ".tmp", graph_path + ".tmp"
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, param_tmp, metadata={"format": "allspark"})
+        _write_graph(graph_tmp, param_tmp, model_name, args, hf_config, dtype, tensors, split_modes, eos_ids,
+                     stop_ids, serialize_args, quant, tokenizer_json)
+        os.replace(param_tmp, param_path)
+        os.replace(graph_tmp, graph_path)
+    except BaseException:
+        for tmp in (param_tmp, graph_tmp):
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        raise
+    return graph_path, param_path
+
+
+def _write_graph(path: str, param_path: str, model_name: str, args: ModelArgs, hf_config: dict,
+                 dtype: torch.dtype, tensors: dict[str, torch.Tensor], split_modes: dict[str, SplitMode],
+                 eos_ids: list[int], stop_ids: list[int], serialize_args: dict[str, str],
+                 quant: QuantScheme | None, tokenizer_json: str) -> None:
+    from allspark_client import __version__
 
     g = pb.ModelGraph(format_version=FORMAT_VERSION, model_name=model_name, architecture=args.architecture,
                       model_args_json=json.dumps(args.to_dict()), hf_config_json=json.dumps(hf_config),
@@ -71,11 +90,8 @@ def write_model_files(out_dir: str, model_name: str, args: ModelArgs, hf_config:
     g.generation.eos_token_ids.extend(eos_ids)
     g.generation.stop_token_ids.extend(stop_ids)
     g.generation.context_length = args.max_position_embeddings
-    tmp = graph_path + ".tmp"
-    with open(tmp, "wb") as f:
+    with open(path, "wb") as f:
         f.write(g.SerializeToString())
-    os.replace(tmp, graph_path)
-    return graph_path, param_path
 
 
 @dataclass

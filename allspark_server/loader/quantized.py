@@ -32,24 +32,25 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], modes: dict[str, SplitMod
         group = scheme.groups[name]
         base = name[:-len(".weight")]
         mode = modes.pop(name)
-        for part, t in quantize(tensors.pop(name), scheme.weight_format, group).items():
+        for part, t in quantize(tensors.pop(name), scheme.format_for(name), group).items():
             tensors[f"{base}.{part}"] = t
             modes[f"{base}.{part}"] = split_mode(part, mode, group)
     return tensors, modes
 
 
 def split_mode(part: str, weight_mode: SplitMode, group: int) -> SplitMode:
-    """How a quantized tensor (`part`: qweight / scales / zeros) of a weight split by `weight_mode` splits."""
+    """How a quantized tensor (`part`: qweight / scales / zeros / mins) of a weight split by `weight_mode`
+    splits."""
     return SplitMode.REPLICATE if part != "qweight" and group == -1 and weight_mode == SplitMode.ROW else weight_mode
 
 
 def quantized_split_modes(tensors: dict[str, torch.Tensor], rules, scheme: QuantScheme) -> dict[str, SplitMode]:
-    """Split modes of the quantized tensors of checkpoints whose weights arrive quantized (GPTQ): the split
-    rules name weights as `<name>.weight`."""
+    """Split modes of the quantized tensors of checkpoints whose weights arrive quantized (GPTQ, GGUF): the
+    split rules name weights as `<name>.weight`."""
     modes = {}
     for weight, group in scheme.groups.items():
         base, weight_mode = weight[:-len(".weight")], split_mode_for(weight, rules)
-        for part in ("qweight", "scales", "zeros"):
+        for part in ("qweight", "scales", "zeros", "mins"):
             if f"{base}.{part}" in tensors:
                 modes[f"{base}.{part}"] = split_mode(part, weight_mode, group)
     return modes

@@ -64,18 +64,20 @@ def quantize_layers(model: nn.Module, scheme: QuantScheme, world_size: int = 1) 
         groups = {scheme.groups[p] for p in parts if p in scheme.groups}
         if not groups:
             continue
-        if len(groups) > 1 or any(p not in scheme.groups for p in parts):
+        formats = {scheme.format_for(p) for p in parts}
+        if len(groups) > 1 or len(formats) > 1 or any(p not in scheme.groups for p in parts):
             raise QuantConfigError(
                 f"{', '.join(parts)} are fused into one projection ({name}) and need one group size and one "
-                f"format; the scheme gives them {[scheme.groups.get(p, 'not quantized') for p in parts]}")
+                f"format; the scheme gives them {[scheme.groups.get(p, 'not quantized') for p in parts]}, "
+                f"formats {[scheme.format_for(p) for p in parts]}")
         module = model.get_submodule(name)
-        group = groups.pop()
+        group, fmt = groups.pop(), formats.pop()
         if isinstance(module, RowParallelLinear) and world_size > 1:
             try:
-                check_shape(scheme.weight_format, group, module.in_features, name)
+                check_shape(fmt, group, module.in_features, name)
             except ValueError as e:
                 raise QuantConfigError(
                     f"{e}: on {world_size} ranks each holds {module.in_features} of {name}'s "
                     f"{module.in_features * world_size} input features, so its quantization groups would straddle "
                     f"the split (choose a group size that divides {module.in_features})") from None
-        module.quantize_(scheme.weight_format, group, scheme.act_bits)
+        module.quantize_(fmt, group, scheme.act_bits)

@@ -33,6 +33,8 @@ class QuantScheme:
     group_settings: tuple[tuple[str, int], ...] = ()     # (regex, group size), first match wins
     groups: dict = field(default_factory=dict, compare=False)   # checkpoint weight name -> its group size
     lm_head: bool = False                                # the LM head quantized too (off by default)
+    # checkpoint weight name -> its format where weights differ (GGUF files mix types); others: weight_format
+    formats: dict = field(default_factory=dict, compare=False)
 
     @classmethod
     def from_user(cls, cfg) -> "QuantScheme":
@@ -81,6 +83,10 @@ class QuantScheme:
         """How the kernels round x before it meets the codes (QuantizedWeight.act_bits)."""
         return 8 if self.compute_method == "activate_quant" else 16
 
+    def format_for(self, name: str) -> str:
+        """The format of one quantized checkpoint weight."""
+        return self.formats.get(name, self.weight_format)
+
     def group_for(self, name: str) -> int:
         for pattern, size in self.group_settings:
             if re.search(pattern, name):
@@ -89,14 +95,14 @@ class QuantScheme:
 
     def with_groups(self, groups: dict[str, int]) -> "QuantScheme":
         return QuantScheme(self.weight_format, self.group_size, self.compute_method, self.group_settings,
-                           dict(groups), self.lm_head)
+                           dict(groups), self.lm_head, dict(self.formats))
 
     # ---- the .asgraph's `quantization` field ------------------------------------------------------
     def to_json(self) -> str:
         return json.dumps({"quant_method": "instant_quant", "weight_format": self.weight_format,
                            "group_size": self.group_size, "compute_method": self.compute_method,
                            "group_settings": dict(self.group_settings), "groups": self.groups,
-                           "quantize_lm_head": self.lm_head})
+                           "quantize_lm_head": self.lm_head, "formats": self.formats})
 
     @classmethod
     def from_json(cls, text: str) -> "QuantScheme | None":
@@ -104,14 +110,21 @@ class QuantScheme:
             return None
         d = json.loads(text)
         return cls(d["weight_format"], d["group_size"], d["compute_method"], tuple(d["group_settings"].items()),
-                   d["groups"], d.get("quantize_lm_head", False))
+                   d["groups"], d.get("quantize_lm_head", False), d.get("formats", {}))
 
     def describe(self) -> dict:
-        """What get_model_info reports."""
-        return {"quant_method": "instant_quant", "weight_format": self.weight_format,
-                "group_size": self.group_size, "compute_method": self.compute_method,
-                "group_settings": dict(self.group_settings), "quantized_weights": len(self.groups),
-                "quantize_lm_head": self.lm_head}
+        """What get_model_info reports (with `weight_formats`, how many weights each format holds, when they
+        differ)."""
+        out = {"quant_method": "instant_quant", "weight_format": self.weight_format,
+               "group_size": self.group_size, "compute_method": self.compute_method,
+               "group_settings": dict(self.group_settings), "quantized_weights": len(self.groups),
+               "quantize_lm_head": self.lm_head}
+        if self.formats:
+            counts: dict[str, int] = {}
+            for name in self.groups:
+                counts[self.format_for(name)] = counts.get(self.format_for(name), 0) + 1
+            out["weight_formats"] = counts
+        return out
 
 
 def plan_groups(scheme: QuantScheme, shapes: dict[str, tuple[int, ...]], quantizable: str) -> QuantScheme:
