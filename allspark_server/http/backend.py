@@ -96,12 +96,14 @@ def default_cache_dir(name: str) -> str:
 
 
 def _stamp(loader, dtype: str) -> dict:
-    """What the serialized files were made from: the source folder, dtype and its files' sizes and mtimes."""
+    """What the serialized files were made from: the source folder (or GGUF file), dtype and its files' sizes and
+    mtimes."""
     files = {}
-    for entry in sorted(os.scandir(loader.path), key=lambda e: e.name):
-        if entry.is_file() and entry.name.endswith((".json", ".safetensors", ".bin", ".model", ".jinja")):
-            st = entry.stat()
-            files[entry.name] = [st.st_size, int(st.st_mtime)]
+    entries = [loader.path] if os.path.isfile(loader.path) else [e.path for e in os.scandir(loader.path)]
+    for path in sorted(entries):
+        if os.path.isfile(path) and path.endswith((".json", ".safetensors", ".bin", ".model", ".jinja", ".gguf")):
+            st = os.stat(path)
+            files[os.path.basename(path)] = [st.st_size, int(st.st_mtime)]
     return {"source": os.path.abspath(loader.path), "dtype": dtype, "files": files}
 
 
@@ -131,7 +133,7 @@ def serialize_cached(loader, cache_dir: str) -> None:
 def open_backend(opts: BackendOptions) -> Backend:
     """Serialize (once), connect or start the engine, install and start the model; blocks until it serves."""
     from allspark_server import Engine, HuggingFaceModel, TargetDevice
-    name = opts.served_model_name or os.path.basename(os.path.normpath(opts.model))
+    name = opts.served_model_name or os.path.basename(os.path.normpath(opts.model)).removesuffix(".gguf")
     loader = HuggingFaceModel(opts.model, name, user_set_data_type=opts.dtype)
     serialize_cached(loader, opts.cache_dir or default_cache_dir(name))
     tokenizer = loader.get_tokenizer()

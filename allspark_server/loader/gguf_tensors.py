@@ -69,7 +69,7 @@ def exact_tensors(raw: np.ndarray, qtype) -> dict[str, torch.Tensor]:
     T = _types()
     n = raw.shape[0]
     block_bytes = {T.Q8_0: 34, T.Q4_0: 18, T.Q4_1: 20}[qtype]
-    blocks = torch.from_numpy(np.ascontiguousarray(raw, dtype=np.uint8)).reshape(n, -1, block_bytes)
+    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)).reshape(n, -1, block_bytes)   # off the map
     fp16 = lambda lo: blocks[..., lo:lo + 2].contiguous().view(torch.float16)[..., 0].contiguous()   # noqa: E731
     codes_at = 4 if qtype == T.Q4_1 else 2
     codes = blocks[..., codes_at:].reshape(n, -1).contiguous()
