@@ -3,7 +3,8 @@
 `load_model()` reads the weights (cast to the chosen dtype) and checks them against the
 architecture; `serialize()` writes `<name>.asgraph` + `<name>.asparam`; the two
 `create_reference_*_builder` methods fill runtime and generation configs from the model's own
-config.json / generation_config.json. The tokenizer comes from the same folder.
+config.json / generation_config.json. The tokenizer comes from the same folder. A GGUF file (or a folder
+holding one) stands in for the folder: loader/gguf_model.py reads it.
 """
 from __future__ import annotations
 
@@ -17,21 +18,21 @@ import torch
 from allspark_client.config import AsModelConfig, AsModelRuntimeConfigBuilder
 from allspark_client.generation_config import ASGenerationConfigBuilder
 from allspark_server.dist.comm import LocalComm
+from allspark_server.loader.gguf_reader import GGUFError, find_gguf
 from allspark_server.loader.hf_reader import iter_hf_tensors, read_generation_config, read_hf_config
 from allspark_server.loader.model_file import DTYPES, write_model_files
 from allspark_server.loader.quantized import plan_scheme, quantize_tensors, quantized_split_modes
 from allspark_server.layers.sharding import TPLayout, split_mode_for
-from allspark_server.loader.weights import checkpoint_shapes, quantize_layers
+from allspark_server.loader.weights import checkpoint_shapes
 from allspark_server.models.args import ModelArgs
 from allspark_server.models.registry import get_arch, model_class_and_rules, quantizable_weights, read_args
-from allspark_server.quant import awq, gptq
+from allspark_server.quant import gptq
 from allspark_server.quant.scheme import QuantConfigError, QuantScheme
 
 log = logging.getLogger("allspark")
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
-PREQUANTIZED = {"gptq": gptq.GptqConfig, "awq": awq.AwqConfig}   # quantization_config.quant_method -> its reader
 
 
 class ModelSerializerException(RuntimeError):
@@ -66,8 +67,11 @@ def read_tokenizer_json(path: str, trust_remote_code: bool = False) -> str:
 
 def load_tokenizer(path: str, trust_remote_code: bool = False, **kwargs):
     """The folder's tokenizer through transformers; a Qwen v1 folder's tiktoken file is read by our own reader
-    (loader/qwen_tokenizer.py) unless the caller asked for the remote code."""
+    (loader/qwen_tokenizer.py) unless the caller asked for the remote code; a GGUF file's from its metadata."""
     from allspark_server.loader import qwen_tokenizer
+    if os.path.isfile(path) and path.lower().endswith(".gguf"):
+        from allspark_server.loader.gguf_model import load_gguf_tokenizer
+        return load_gguf_tokenizer(path, **kwargs)
     if not trust_remote_code and qwen_tokenizer.is_qwen_tiktoken_folder(path):
         return qwen_tokenizer.load_qwen_tokenizer(path, kwargs.get("padding_side", "left"))
     from transformers import AutoTokenizer
@@ -82,36 +86,43 @@ def _as_list(v) -> list[int]:
 
 class HuggingFaceModel:
     def __init__(self, pretrain_model_name_or_path: str, pretrain_model_name: str, in_memory_serialize: bool = False,
-                 user_set_data_type: Optional[str] = None, trust_remote_code: bool = False):
-        if not os.path.isdir(pretrain_model_name_or_path):
-            raise ModelSerializerException(
-                f"{pretrain_model_name_or_path!r} is not a local folder (allspark never downloads models)")
-        self.path = pretrain_model_name_or_path
+                 user_set_data_type: Optional[str] = None, trust_remote_code: bool = False, gguf_requant=None):
+        """`pretrain_model_name_or_path`: a HF folder, a .gguf file or a folder holding one (and no config.json);
+        `gguf_requant`: a GGUF's format for block types without an exact mapping (loader/gguf_model.py)."""
+        try:
+            gguf_file = find_gguf(pretrain_model_name_or_path)
+        except GGUFError as e:
+            raise ModelSerializerException(str(e)) from None
+        if gguf_file is None and not os.path.isdir(pretrain_model_name_or_path):
+            raise ModelSerializerException(f"{pretrain_model_name_or_path!r} is not a local folder or .gguf file "
+                                           f"(allspark never downloads models)")
+        self.path = gguf_file or pretrain_model_name_or_path
         self.model_name = pretrain_model_name
         self.trust_remote_code = trust_remote_code
+        self.gguf = None                                 # a GGUF file's reader (loader/gguf_model.py)
         try:
-            self.hf_config = read_hf_config(self.path)
-        except ValueError as e:
+            if gguf_file:
+                from allspark_server.loader.gguf_model import GGUFModel
+                self.gguf = GGUFModel(gguf_file, gguf_requant)
+                self.hf_config, self.hf_generation_config = self.gguf.hf_config, self.gguf.generation_config
+            else:
+                self.hf_config = read_hf_config(self.path)
+                self.hf_generation_config = read_generation_config(self.path)
+        except ValueError as e:                          # CheckpointError, GGUFError
             raise ModelSerializerException(str(e)) from None
-        self.hf_generation_config = read_generation_config(self.path)
         try:
             self.args: ModelArgs = read_args(self.hf_config, self.path)
         except ValueError as e:
             raise ModelSerializerException(str(e)) from None
         cfg_dtype = self.hf_config.get("dtype") or self.hf_config.get("torch_dtype") or "bfloat16"
         self.data_type = _dtype_from(user_set_data_type or cfg_dtype)
-        self.prequant = None                             # a GPTQ / AWQ checkpoint's config (config.json says so)
-        qc = self.hf_config.get("quantization_config")
-        if qc:
-            method = qc.get("quant_method") if isinstance(qc, dict) else None
-            if method not in PREQUANTIZED:
-                raise ModelSerializerException(f"quantization_config.quant_method {method!r} is not supported "
-                                               f"({', '.join(PREQUANTIZED)})")
+        self.gptq: Optional[gptq.GptqConfig] = None      # a GPTQ checkpoint (its config.json says so)
+        if self.hf_config.get("quantization_config"):
             try:
-                self.prequant = PREQUANTIZED[method].from_hf(qc)
+                self.gptq = gptq.GptqConfig.from_hf(self.hf_config["quantization_config"])
             except QuantConfigError as e:
                 raise ModelSerializerException(str(e)) from None
-        self._quant: Optional[QuantScheme] = None        # the scheme of already quantized weights (GPTQ / AWQ)
+        self._quant: Optional[QuantScheme] = None        # the scheme of already quantized weights (GPTQ)
         self._tensors: Optional[dict[str, torch.Tensor]] = None
         self._tokenizer = None
         self.graph_path: Optional[str] = None
@@ -121,18 +132,24 @@ class HuggingFaceModel:
     def load_model(self, override_data_type=None, **_ignored) -> "HuggingFaceModel":
         if override_data_type is not None:
             self.data_type = _dtype_from(override_data_type)
+        if self.gguf is not None:
+            try:
+                self._tensors, self._quant = self.gguf.load(self.args, self._meta_model, self.data_type)
+            except ValueError as e:                      # GGUFError, QuantConfigError
+                raise ModelSerializerException(str(e)) from None
+            return self
         shapes = self._checkpoint_shapes()
         expected = set(shapes)
         tensors = {}
-        prequant_layers: dict[str, dict[str, torch.Tensor]] = {}
+        gptq_layers: dict[str, dict[str, torch.Tensor]] = {}
         quantizable = quantizable_weights(self.args.architecture)
         convert = get_arch(self.args.architecture).convert
         for checkpoint_name, raw in iter_hf_tensors(self.path):
             if checkpoint_name.endswith(IGNORED_SUFFIXES):
                 continue
             base, _, suffix = checkpoint_name.rpartition(".")
-            if self.prequant and suffix in self.prequant.tensors and re.search(quantizable, base + ".weight"):
-                prequant_layers.setdefault(base, {})[suffix] = raw
+            if self.gptq and suffix in gptq.TENSORS and re.search(quantizable, base + ".weight"):
+                gptq_layers.setdefault(base, {})[suffix] = raw
                 continue
             try:
                 converted = list(convert(checkpoint_name, raw, self.args))
@@ -145,8 +162,8 @@ class HuggingFaceModel:
         if self.args.tie_word_embeddings:
             tensors.pop("lm_head.weight", None)
             expected.discard("lm_head.weight")
-        if self.prequant:
-            self._quant = self._repack_prequantized(prequant_layers, shapes, tensors, expected)
+        if self.gptq:
+            self._quant = self._repack_gptq(gptq_layers, shapes, tensors, expected)
         missing = expected - set(tensors)
         if missing:
             raise ModelSerializerException(f"{self.args.architecture} checkpoint lacks tensors (in the decoder's "
@@ -158,35 +175,27 @@ class HuggingFaceModel:
         self._tensors = tensors
         return self
 
-    def _repack_prequantized(self, layers: dict, shapes: dict, tensors: dict, expected: set) -> QuantScheme:
-        """GPTQ / AWQ layers -> our quantized tensors in `tensors` (their dense names leave `expected`); the
-        scheme. A GEMM weight the config keeps dense (AWQ's modules_to_not_convert) arrives as an ordinary one."""
-        cfg, groups = self.prequant, {}
+    def _repack_gptq(self, layers: dict, shapes: dict, tensors: dict, expected: set) -> QuantScheme:
+        """GPTQ layers -> our quantized tensors in `tensors` (their dense names leave `expected`); the scheme."""
+        groups = {}
         for base, parts in layers.items():
             if base + ".weight" not in shapes:
-                raise ModelSerializerException(f"unexpected {cfg.method} layer {base!r} for {self.args.architecture}")
+                raise ModelSerializerException(f"unexpected GPTQ layer {base!r} for {self.args.architecture}")
             try:
-                repacked = cfg.repack(base, parts)
+                repacked = gptq.repack(base, parts, self.gptq)
             except QuantConfigError as e:
                 raise ModelSerializerException(str(e)) from None
-            n, k = repacked["qweight"].shape[0], repacked["qweight"].shape[1] * (2 if cfg.bits == 4 else 1)
+            n, k = repacked["qweight"].shape[0], repacked["qweight"].shape[1] * (2 if self.gptq.bits == 4 else 1)
             if (n, k) != shapes[base + ".weight"]:
-                raise ModelSerializerException(f"{cfg.method} layer {base} is {n} x {k}, config says "
+                raise ModelSerializerException(f"GPTQ layer {base} is {n} x {k}, config says "
                                                f"{shapes[base + '.weight']}")
             tensors.update({f"{base}.{part}": t for part, t in repacked.items()})
             expected.discard(base + ".weight")
-            groups[base + ".weight"] = cfg.group_size
-        missing = sorted(n for n in expected if re.search(quantizable_weights(self.args.architecture), n)
-                         and not (n in tensors and cfg.keeps_dense(n[:-len(".weight")])))
+            groups[base + ".weight"] = self.gptq.group_size
+        missing = sorted(n for n in expected if re.search(quantizable_weights(self.args.architecture), n))
         if missing:
-            raise ModelSerializerException(f"{cfg.method} checkpoint lacks the quantized layers {missing[:5]}")
-        scheme = cfg.scheme(groups)
-        try:
-            quantize_layers(self._meta_model(), scheme)          # the parts of a fused projection agree
-        except QuantConfigError as e:                            # only dense-kept layers can disagree
-            raise ModelSerializerException(f"{cfg.method} checkpoint: the layers it keeps unquantized "
-                                           f"(modules_to_not_convert) cannot be served: {e}") from None
-        return scheme
+            raise ModelSerializerException(f"GPTQ checkpoint lacks the quantized layers {missing[:5]}")
+        return self.gptq.scheme(groups)
 
     def _meta_model(self):
         """This architecture's model on the meta device (shapes only, no memory)."""
@@ -237,8 +246,9 @@ class HuggingFaceModel:
         modes = {name: split_mode_for(name, rules) for name in tensors}
         scheme = self._quant
         if scheme is not None and quantized:
-            raise ModelSerializerException(f"this checkpoint is already quantized ({self.prequant.method}): "
-                                           "serialize it without enable_quant / customized_quant_config")
+            kind = "GGUF" if self.gguf else "GPTQ"
+            raise ModelSerializerException(f"this checkpoint is already quantized ({kind}): serialize it without "
+                                           "enable_quant / customized_quant_config")
         if scheme is not None:
             modes.update(quantized_split_modes(tensors, rules, scheme))
         if quantized:
@@ -254,8 +264,17 @@ class HuggingFaceModel:
             serialize_args["quantization"] = scheme.weight_format
         self.graph_path, self.weights_path = write_model_files(
             output_dir, self.model_name, self.args, self.hf_config, self.data_type, tensors, modes, eos, eos,
-            serialize_args, quant=scheme, tokenizer_json=read_tokenizer_json(self.path, self.trust_remote_code))
+            serialize_args, quant=scheme, tokenizer_json=self._tokenizer_json())
         return self
+
+    def _tokenizer_json(self) -> str:
+        if self.gguf is None:
+            return read_tokenizer_json(self.path, self.trust_remote_code)
+        try:                                             # built once from the file's metadata, 10+ s
+            return self.get_tokenizer().backend_tokenizer.to_str()
+        except ModelSerializerException as e:
+            log.info("no tokenizer in %s (%s): guided output will be unavailable", self.path, e)
+            return ""
 
     # ---- configs -----------------------------------------------------------------------------
     def eos_token_ids(self) -> list[int]:
