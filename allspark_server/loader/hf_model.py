@@ -23,16 +23,17 @@ from allspark_server.loader.hf_reader import iter_hf_tensors, read_generation_co
 from allspark_server.loader.model_file import DTYPES, write_model_files
 from allspark_server.loader.quantized import plan_scheme, quantize_tensors, quantized_split_modes
 from allspark_server.layers.sharding import TPLayout, split_mode_for
-from allspark_server.loader.weights import checkpoint_shapes
+from allspark_server.loader.weights import checkpoint_shapes, quantize_layers
 from allspark_server.models.args import ModelArgs
 from allspark_server.models.registry import get_arch, model_class_and_rules, quantizable_weights, read_args
-from allspark_server.quant import gptq
+from allspark_server.quant import awq, gptq
 from allspark_server.quant.scheme import QuantConfigError, QuantScheme
 
 log = logging.getLogger("allspark")
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
+PREQUANTIZED = {"gptq": gptq.GptqConfig, "awq": awq.AwqConfig}   # quantization_config.quant_method -> its reader
 
 
 class ModelSerializerException(RuntimeError):
@@ -116,13 +117,18 @@ class HuggingFaceModel:
             raise ModelSerializerException(str(e)) from None
         cfg_dtype = self.hf_config.get("dtype") or self.hf_config.get("torch_dtype") or "bfloat16"
         self.data_type = _dtype_from(user_set_data_type or cfg_dtype)
-        self.gptq: Optional[gptq.GptqConfig] = None      # a GPTQ checkpoint (its config.json says so)
-        if self.hf_config.get("quantization_config"):
+        self.prequant = None                             # a GPTQ / AWQ checkpoint's config (config.json says so)
+        qc = self.hf_config.get("quantization_config")
+        if qc:
+            method = qc.get("quant_method") if isinstance(qc, dict) else None
+            if method not in PREQUANTIZED:
+                raise ModelSerializerException(f"quantization_config.quant_method {method!r} is not supported "
+                                               f"({', '.join(PREQUANTIZED)})")
             try:
-                self.gptq = gptq.GptqConfig.from_hf(self.hf_config["quantization_config"])
+                self.prequant = PREQUANTIZED[method].from_hf(qc)
             except QuantConfigError as e:
                 raise ModelSerializerException(str(e)) from None
-        self._quant: Optional[QuantScheme] = None        # the scheme of already quantized weights (GPTQ)
+        self._quant: Optional[QuantScheme] = None        # the scheme of already quantized weights (GPTQ / AWQ)
         self._tensors: Optional[dict[str, torch.Tensor]] = None
         self._tokenizer = None
         self.graph_path: Optional[str] = None
@@ -141,15 +147,15 @@ class HuggingFaceModel:
         shapes = self._checkpoint_shapes()
         expected = set(shapes)
         tensors = {}
-        gptq_layers: dict[str, dict[str, torch.Tensor]] = {}
+        prequant_layers: dict[str, dict[str, torch.Tensor]] = {}
         quantizable = quantizable_weights(self.args.architecture)
         convert = get_arch(self.args.architecture).convert
         for checkpoint_name, raw in iter_hf_tensors(self.path):
             if checkpoint_name.endswith(IGNORED_SUFFIXES):
                 continue
             base, _, suffix = checkpoint_name.rpartition(".")
-            if self.gptq and suffix in gptq.TENSORS and re.search(quantizable, base + ".weight"):
-                gptq_layers.setdefault(base, {})[suffix] = raw
+            if self.prequant and suffix in self.prequant.tensors and re.search(quantizable, base + ".weight"):
+                prequant_layers.setdefault(base, {})[suffix] = raw
                 continue
             try:
                 converted = list(convert(checkpoint_name, raw, self.args))
@@ -162,8 +168,8 @@ class HuggingFaceModel:
         if self.args.tie_word_embeddings:
             tensors.pop("lm_head.weight", None)
             expected.discard("lm_head.weight")
-        if self.gptq:
-            self._quant = self._repack_gptq(gptq_layers, shapes, tensors, expected)
+        if self.prequant:
+            self._quant = self._repack_prequantized(prequant_layers, shapes, tensors, expected)
         missing = expected - set(tensors)
         if missing:
             raise ModelSerializerException(f"{self.args.architecture} checkpoint lacks tensors (in the decoder's "
@@ -175,27 +181,35 @@ class HuggingFaceModel:
         self._tensors = tensors
         return self
 
-    def _repack_gptq(self, layers: dict, shapes: dict, tensors: dict, expected: set) -> QuantScheme:
-        """GPTQ layers -> our quantized tensors in `tensors` (their dense names leave `expected`); the scheme."""
-        groups = {}
+    def _repack_prequantized(self, layers: dict, shapes: dict, tensors: dict, expected: set) -> QuantScheme:
+        """GPTQ / AWQ layers -> our quantized tensors in `tensors` (their dense names leave `expected`); the
+        scheme. A GEMM weight the config keeps dense (AWQ's modules_to_not_convert) arrives as an ordinary one."""
+        cfg, groups = self.prequant, {}
         for base, parts in layers.items():
             if base + ".weight" not in shapes:
-                raise ModelSerializerException(f"unexpected GPTQ layer {base!r} for {self.args.architecture}")
+                raise ModelSerializerException(f"unexpected {cfg.method} layer {base!r} for {self.args.architecture}")
             try:
-                repacked = gptq.repack(base, parts, self.gptq)
+                repacked = cfg.repack(base, parts)
             except QuantConfigError as e:
                 raise ModelSerializerException(str(e)) from None
-            n, k = repacked["qweight"].shape[0], repacked["qweight"].shape[1] * (2 if self.gptq.bits == 4 else 1)
+            n, k = repacked["qweight"].shape[0], repacked["qweight"].shape[1] * (2 if cfg.bits == 4 else 1)
             if (n, k) != shapes[base + ".weight"]:
-                raise ModelSerializerException(f"GPTQ layer {base} is {n} x {k}, config says "
+                raise ModelSerializerException(f"{cfg.method} layer {base} is {n} x {k}, config says "
                                                f"{shapes[base + '.weight']}")
             tensors.update({f"{base}.{part}": t for part, t in repacked.items()})
             expected.discard(base + ".weight")
-            groups[base + ".weight"] = self.gptq.group_size
-        missing = sorted(n for n in expected if re.search(quantizable_weights(self.args.architecture), n))
+            groups[base + ".weight"] = cfg.group_size
+        missing = sorted(n for n in expected if re.search(quantizable_weights(self.args.architecture), n)
+                         and not (n in tensors and cfg.keeps_dense(n[:-len(".weight")])))
         if missing:
-            raise ModelSerializerException(f"GPTQ checkpoint lacks the quantized layers {missing[:5]}")
-        return self.gptq.scheme(groups)
+            raise ModelSerializerException(f"{cfg.method} checkpoint lacks the quantized layers {missing[:5]}")
+        scheme = cfg.scheme(groups)
+        try:
+            quantize_layers(self._meta_model(), scheme)          # the parts of a fused projection agree
+        except QuantConfigError as e:                            # only dense-kept layers can disagree
+            raise ModelSerializerException(f"{cfg.method} checkpoint: the layers it keeps unquantized "
+                                           f"(modules_to_not_convert) cannot be served: {e}") from None
+        return scheme
 
     def _meta_model(self):
         """This architecture's model on the meta device (shapes only, no memory)."""
@@ -246,9 +260,9 @@ class HuggingFaceModel:
         modes = {name: split_mode_for(name, rules) for name in tensors}
         scheme = self._quant
         if scheme is not None and quantized:
-            kind = "GGUF" if self.gguf else "GPTQ"
-            raise ModelSerializerException(f"this checkpoint is already quantized ({kind}): serialize it without "
-                                           "enable_quant / customized_quant_config")
+            kind = self.prequant.method if self.prequant else "GGUF"
+            raise ModelSerializerException(f"this checkpoint is already quantized ({kind}): "
+                                           "serialize it without enable_quant / customized_quant_config")
         if scheme is not None:
             modes.update(quantized_split_modes(tensors, rules, scheme))
         if quantized:

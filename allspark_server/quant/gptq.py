@@ -13,6 +13,7 @@ which is our uint4 / uint8 with zero = stored + 1 (a zero of 2^b, possible in pr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -26,6 +27,8 @@ TENSORS = ("qweight", "qzeros", "scales", "g_idx")
 class GptqConfig:
     bits: int
     group_size: int
+    method: ClassVar[str] = "GPTQ"                 # for messages
+    tensors: ClassVar[tuple[str, ...]] = TENSORS   # a layer's checkpoint tensors (`<module>.<part>`)
 
     @classmethod
     def from_hf(cls, qc: dict) -> "GptqConfig":
@@ -52,6 +55,13 @@ class GptqConfig:
 
     def scheme(self, groups: dict[str, int]) -> QuantScheme:
         return QuantScheme(self.weight_format, self.group_size, "weight_only", (), groups)
+
+    def keeps_dense(self, module: str) -> bool:
+        """Whether `module` was left unquantized: never for the GEMM layers of a GPTQ checkpoint we read."""
+        return False
+
+    def repack(self, name: str, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return repack(name, parts, self)
 
 
 def _unpack_words(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
