@@ -45,6 +45,7 @@ TEST_FILE_TIERS = {
     "test_triton_prefill.py": "kernels", "test_triton_quant.py": "kernels",
 
     "test_awq.py": "models",
+    "test_install_memory.py": "models",
     "test_batching.py": "models", "test_benchmark_smoke.py": "models", "test_engine_api.py": "models",
     "test_errors_config.py": "models", "test_errors_lifecycle.py": "models",
     "test_errors_models.py": "models", "test_guided_engine.py": "models",

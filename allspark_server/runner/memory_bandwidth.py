@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections import Counter
 from dataclasses import dataclass
 from itertools import chain
 from typing import Callable, Optional
@@ -99,19 +98,21 @@ class DecodeBytes:
 
 
 def decode_weight_bytes(model: torch.nn.Module, embedding: torch.Tensor) -> int:
-    """Bytes of weights one decode step reads on this rank: every parameter and weight buffer once (tied tensors
-    once), the embedding table one row unless another tensor (a tied LM head) reads it whole; rotary tables (of
-    which a step reads a row per token) and scalar buffers (an embedding scale) out."""
+    """Bytes of weights one decode step reads on this rank: every parameter and weight buffer once (tensors over the
+    same memory once), the embedding table one row (its lookup) and a tied LM head, which is the table or (on more
+    ranks) a slice of its rows, the rows it reads; rotary tables (of which a step reads a row per token) and scalar
+    buffers (an embedding scale) out."""
     rotary = {id(t) for m in model.modules() if isinstance(m, RotaryEmbedding) for t in m.buffers()}
     tensors = [t for _, t in chain(model.named_parameters(remove_duplicate=False), model.named_buffers())
                if id(t) not in rotary and t.dim() > 0]
-    uses = Counter(t.data_ptr() for t in tensors)
-    total, counted = 0, set()
+    total, counted, looked_up = 0, set(), False
     for t in tensors:
-        ptr = t.data_ptr()
-        if ptr in counted:
+        if t is embedding and not looked_up:
+            looked_up = True
+            total += t.shape[-1] * t.element_size()
             continue
-        counted.add(ptr)
-        one_row = t is embedding and uses[ptr] == 1
-        total += (t.shape[-1] if one_row else t.numel()) * t.element_size()
+        key = (t.data_ptr(), t.nbytes)      # a tensor is its memory: a head tied by sharing it is read in full
+        if key not in counted:
+            counted.add(key)
+            total += t.numel() * t.element_size()
     return total

@@ -18,12 +18,12 @@ from allspark_client.config import AsModelConfig, parse_compute_unit
 from allspark_client.types import AsCacheMode
 from allspark_server.compute import ops
 from allspark_server.core.messages import StepPlan
-from allspark_server.loader.model_file import ModelFile, read_model_graph, read_rank_shard
+from allspark_server.loader.model_file import ModelFile, read_model_graph
+from allspark_server.loader.rank_weights import cpu_state, device_state, read_rank_state
 from allspark_server.layers.sharding import TPLayout
-from allspark_server.loader.weights import quantize_layers, to_model_state
+from allspark_server.loader.weights import quantize_layers
 from allspark_server.models.registry import model_class_and_rules
 from allspark_server.step.inputs import RequestMirror, build_forward_inputs
-from allspark_server.step.hugepages import to_hugepages
 from allspark_server.step.kv_cache import KVCache, bytes_per_span, copy_spans
 from allspark_server.runner.memory_bandwidth import DecodeBytes, bandwidth_gbs, decode_weight_bytes
 
@@ -55,11 +55,9 @@ class ModelRunner:
         self.quant = self.model_file.quant
         if self.quant is not None:
             quantize_layers(self.model, self.quant, comm.world_size)
-        state = to_model_state(self.model, read_rank_shard(self.model_file, self.tp))
-        if self.device.type == "cpu":
-            state = to_hugepages(state)
-        else:
-            state = {name: t.to(self.device) for name, t in state.items()}
+        # each slice read from the file straight into the tensor the model keeps (loader/rank_weights.py)
+        allocate = cpu_state if self.device.type == "cpu" else device_state(self.device)
+        state = read_rank_state(self.model_file, self.tp, self.model, allocate)
         self.model.load_state_dict(state, strict=True, assign=True)
         self.model.to(self.device)   # the buffers that are not loaded (rotary tables)
         self.model.eval()
