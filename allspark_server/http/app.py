@@ -1,14 +1,14 @@
 """The FastAPI app: routes (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics), Bearer auth
-on /v1/*, HTTP status counting, and OpenAI error bodies for every error (400, 401, 404, 429, 500, 503).
+on /v1/*, HTTP status counting, and OpenAI error bodies for every error (400, 401, 404, 413, 429, 500, 503).
 
-A thin layer: requests are validated by protocol.py and served by serving.py; the engine is reached only through
-backend.py's executor. The middleware is plain ASGI (not BaseHTTPMiddleware) so streams pass through untouched.
+A thin layer: bodies are read by body.py, validated by protocol.py and served by serving.py; the engine is reached
+only through backend.py's executor. The middleware is plain ASGI (not BaseHTTPMiddleware) so streams pass through
+untouched; it also answers unhandled errors with a 500 that keeps the connection.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -19,9 +19,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
+from allspark_client import settings
 from allspark_server.http.admission import Admission
 from allspark_server.http.metrics import Metrics
-from allspark_server.http.protocol import ApiError, bad_request, parse_chat, parse_completion
+from allspark_server.http.body import read_json
+from allspark_server.http.protocol import ApiError, parse_chat, parse_completion
 from allspark_server.http.serving import Serving
 from allspark_server.http.stream import QueueReader
 
@@ -46,8 +48,12 @@ class ServerMiddleware:
         path = scope["path"]
         endpoint = self.metrics.endpoint_label(path)
 
+        started = False
+
         async def counting_send(message):
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.metrics.http_requests.labels(endpoint, str(message["status"])).inc()
             await send(message)
 
@@ -57,18 +63,19 @@ class ServerMiddleware:
                 msg = "Incorrect API key provided." if given else "Missing API key: send 'Authorization: Bearer KEY'."
                 err = ApiError(401, msg, code="invalid_api_key")
                 return await error_response(err)(scope, receive, counting_send)
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception as exc:
+            # answered here, not by Starlette's outermost handler: that one re-raises, and uvicorn then drops the
+            # client's keep-alive connection
+            if started:
+                raise
+            log.exception("unhandled error")
+            await error_response(ApiError(500, f"internal error: {exc!r}"))(scope, receive, counting_send)
 
 
-async def _read_json(request: Request):
-    body = await request.body()
-    try:
-        return json.loads(body)
-    except ValueError as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
-
-
-def create_app(backend, *, api_key: Optional[str] = None, max_concurrent: int = 256, max_queue: int = 256) -> FastAPI:
+def create_app(backend, *, api_key: Optional[str] = None, max_concurrent: int = 256, max_queue: int = 256,
+               max_body_bytes: int = int(settings.MAX_BODY_MB.default * 2**20)) -> FastAPI:
     """The ASGI app serving `backend` (a started backend.Backend). Closing the backend is the caller's job."""
     admission = Admission(max_concurrent, max_queue)
     reader = QueueReader()
@@ -99,18 +106,14 @@ def create_app(backend, *, api_key: Optional[str] = None, max_concurrent: int = 
         return error_response(ApiError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404
                                        else None))
 
-    @app.exception_handler(Exception)
-    async def _internal(_request, exc: Exception):
-        log.exception("unhandled error")
-        return error_response(ApiError(500, f"internal error: {exc!r}"))
-
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await serving.handle(request, parse_chat(await _read_json(request), backend.name))
+        return await serving.handle(request, parse_chat(await read_json(request, max_body_bytes), backend.name))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await serving.handle(request, parse_completion(await _read_json(request), backend.name))
+        return await serving.handle(request, parse_completion(await read_json(request, max_body_bytes),
+                                                              backend.name))
 
     @app.get("/v1/models")
     async def models():

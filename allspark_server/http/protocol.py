@@ -53,6 +53,8 @@ _OFF_VALUES = {"logit_bias": ({}, None), "tools": ([], None), "tool_choice": ("n
                "function_call": ("none", None), "modalities": (["text"], None), "audio": (None,),
                "prediction": (None,), "echo": (False, None), "suffix": (None, ""), "best_of": (1, None)}
 MAX_STOP_STRINGS = 16
+CHAT_ROLES = ("system", "user", "assistant", "developer")   # OpenAI's, less the two of tool calling:
+TOOL_ROLES = ("tool", "function")                          # refused with `tools` and `functions`
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions (chat: up to the context length)
 
 
@@ -82,6 +84,7 @@ class ApiRequest:
     model: str
     messages: Optional[list[dict]] = None     # chat
     prompt: Any = None                        # completion: str or list[int]
+    prompt_chars: int = 0                     # characters of text the prompt is made of (0 for token ids)
     stream: bool = False
     include_usage: bool = False
     max_tokens: Optional[int] = None
@@ -159,6 +162,7 @@ def parse_chat(body: Any, served_model: str) -> ApiRequest:
     f = _fields(body, CHAT_FIELDS)
     req = _common("chat", f, served_model)
     req.messages = _messages(f.get("messages"))
+    req.prompt_chars = sum(map(_text_chars, req.messages))
     req.max_tokens = _max_tokens(f, "max_completion_tokens", "max_tokens")
     req.logprobs = f.get("logprobs", False)
     req.top_logprobs = f.get("top_logprobs", 0)
@@ -171,6 +175,7 @@ def parse_completion(body: Any, served_model: str) -> ApiRequest:
     f = _fields(body, COMPLETION_FIELDS)
     req = _common("completion", f, served_model)
     req.prompt = _prompt(f.get("prompt"))
+    req.prompt_chars = len(req.prompt) if isinstance(req.prompt, str) else 0
     req.max_tokens = _max_tokens(f, "max_tokens")
     if "logprobs" in f:
         if f["logprobs"] < 0:
@@ -186,6 +191,12 @@ def _messages(messages: Any) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad_request(f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]")
+        if m["role"] in TOOL_ROLES:
+            raise bad_request(f"messages[{i}].role {m['role']!r} is not supported by this server (no tool calling)",
+                              param=f"messages[{i}].role")
+        if m["role"] not in CHAT_ROLES:
+            raise bad_request(f"Invalid value for messages[{i}].role: {m['role']!r:.80}. Supported values are: "
+                              + ", ".join(map(repr, CHAT_ROLES)), param=f"messages[{i}].role", code="invalid_value")
         content = m.get("content")
         if isinstance(content, list):   # content parts: text only
             texts = []
@@ -202,6 +213,17 @@ def _messages(messages: Any) -> list[dict]:
         msg["content"] = content if content is not None else ""
         out.append(msg)
     return out
+
+
+def _text_chars(value: Any) -> int:
+    """Characters in the strings of a message (content, name, ...): what its chat template can render."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_chars(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(map(_text_chars, value))
+    return 0
 
 
 def _prompt(prompt: Any):
@@ -231,6 +253,18 @@ def max_new_tokens(req: ApiRequest, prompt_len: int, engine_max_length: int) -> 
     if req.max_tokens is not None:
         return req.max_tokens
     return min(room, COMPLETIONS_DEFAULT_MAX_TOKENS) if req.kind == "completion" else room
+
+
+def check_prompt_chars(req: ApiRequest, engine_max_length: int, chars_per_token: int) -> None:
+    """Before tokenizing: 400 (context_length_exceeded) for a text prompt of more characters than
+    engine_max_length tokens of at most `chars_per_token` characters hold, so a huge prompt costs no tokenizer
+    time or memory. The exact token count is checked after tokenizing (max_new_tokens)."""
+    limit = engine_max_length * chars_per_token
+    if req.prompt_chars > limit:
+        raise bad_request(f"This model's maximum context length is {engine_max_length} tokens. However, your prompt "
+                          f"has {req.prompt_chars} characters, more than {limit} ({chars_per_token} a token): it "
+                          f"was refused before tokenizing. Please reduce the length of the prompt.",
+                          param="messages" if req.kind == "chat" else "prompt", code="context_length_exceeded")
 
 
 def generation_config(req: ApiRequest, prompt_len: int, budget: int, defaults: dict) -> dict:

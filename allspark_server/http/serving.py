@@ -19,14 +19,21 @@ from allspark_client.client import PoolUnavailable
 from allspark_client.types import AsStatus, GenerateRequestStatus, pool_failed
 from allspark_server.http.admission import Admission, Overloaded
 from allspark_server.http.detokenize import IncrementalDetokenizer, StopMatcher, TokenText
-from allspark_server.http.protocol import (ApiError, ApiRequest, bad_request, error_from_engine, generation_config,
-                                           max_new_tokens)
+from allspark_server.http.protocol import (ApiError, ApiRequest, bad_request, check_prompt_chars, error_from_engine,
+                                           generation_config, max_new_tokens)
 from allspark_server.http.responses import SSE_DONE, ResponseBuilder, TokenLogprob, sse
 from allspark_server.http.stream import Generation, QueueReader
 
 log = logging.getLogger("allspark.http")
 DISCONNECT_CHECK_S = 0.5     # how often a non-streaming request checks that its client is still there
 RETRY_AFTER_S = 1
+MAX_CHARS_PER_TOKEN = 32     # assumed by the prompt check before tokenizing; text averages 3-5 characters a token
+
+
+def chars_per_token(tokenizer) -> int:
+    """The most characters one token stands for, as the prompt check assumes: the vocabulary's longest token (a
+    byte-level token's symbols are bytes, each at least one character's worth), at most MAX_CHARS_PER_TOKEN."""
+    return max(1, min(MAX_CHARS_PER_TOKEN, max(map(len, tokenizer.get_vocab()), default=MAX_CHARS_PER_TOKEN)))
 
 
 class SSEResponse(StreamingResponse):
@@ -54,6 +61,7 @@ class Serving:
     def __init__(self, backend, admission: Admission, reader: QueueReader, metrics):
         self.backend, self.admission, self.reader, self.metrics = backend, admission, reader, metrics
         self.token_text = TokenText(backend.tokenizer)
+        self.chars_per_token = chars_per_token(backend.tokenizer)
 
     def _prompt_ids(self, req: ApiRequest) -> list[int]:
         tok = self.backend.tokenizer
@@ -62,8 +70,11 @@ class Serving:
         if not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template (its tokenizer_config.json / chat_template.jinja "
                               "defines none): use /v1/completions", param="messages", code="no_chat_template")
+        messages = req.messages
+        if "developer" not in str(tok.chat_template):   # OpenAI's newer name of the system role
+            messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         try:
-            text = tok.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:   # the template's own raise_exception (a role it does not know, ...)
             raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from None
         return tok(text, add_special_tokens=False)["input_ids"]
@@ -72,6 +83,7 @@ class Serving:
         arrival = time.perf_counter()
         loop = asyncio.get_running_loop()
         b = self.backend
+        check_prompt_chars(req, b.engine_max_length, self.chars_per_token)
         ids = await loop.run_in_executor(b.executor, self._prompt_ids, req)
         budget = max_new_tokens(req, len(ids), b.engine_max_length)
         gen = generation_config(req, len(ids), budget, b.gen_defaults)
