@@ -1,5 +1,6 @@
-"""EngineAPI: what Engine and ClientEngine share verbatim — error reporting and the text/ids
-conveniences built on `start_request`. Each subclass implements the rest of the API (docs/api.md).
+"""EngineAPI: what Engine and ClientEngine share verbatim — error reporting, the text/ids
+conveniences built on `start_request`, and `with engine:` (close() at the end). Each subclass
+implements the rest of the API (docs/api.md).
 Torch-free.
 """
 from __future__ import annotations
@@ -29,6 +30,15 @@ class EngineAPI:
 
     def start_request(self, name: str, inputs, generate_config=None) -> StartResult:
         raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def start_request_ids(self, name: str, model, input_ids, generate_config=None) -> StartResult:
         return self.start_request(name, {"input_ids": input_ids}, generate_config)
@@ -61,3 +71,4 @@ class EngineProtocol(Protocol):
     def get_version_full(self) -> str: ...
     def is_allspark_work_as_service(self) -> bool: ...
     def get_last_error(self) -> str: ...
+    def close(self) -> None: ...

@@ -46,6 +46,21 @@ class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIntercepto
 RECONNECT_BACKOFF_MS = 500
 
 
+def failure_reason(e: grpc.RpcError, address: str, tls: bool) -> str:
+    """gRPC's reason why a call to `address` failed, with a hint where a likely mistake shows."""
+    details = e.details() or ""
+    hint = ""
+    if "No such file" in details or "Connection refused" in details:
+        pass                                # nothing listens there: the reason says it all
+    elif "HTTP/2" in details or "http1.x" in details:
+        hint = " (something answers there, but not gRPC: an HTTP server, not an allspark pool?)"
+    elif e.code() == grpc.StatusCode.UNAVAILABLE and tls:
+        hint = " (does the pool serve TLS with a certificate that root_certificates signed?)"
+    elif e.code() == grpc.StatusCode.UNAVAILABLE and not address.startswith("unix:"):
+        hint = " (if the pool serves TLS, pass root_certificates=...)"
+    return f"{e.code().name}: {details}{hint}"
+
+
 def open_channel(address: str, token: Optional[str] = None, root_certificates: Pem = None,
                  certificate_chain: Pem = None, private_key: Pem = None) -> grpc.Channel:
     """TLS when root_certificates (the CA that signed the pool's certificate) is given; certificate_chain and

@@ -25,7 +25,7 @@ from allspark_client import convert
 from allspark_client.api import EngineAPI, StartResult
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client._proto import allspark_pb2_grpc as pb_grpc
-from allspark_client.channel import RECONNECT_BACKOFF_MS, Pem, normalize_address, open_channel
+from allspark_client.channel import RECONNECT_BACKOFF_MS, Pem, failure_reason, normalize_address, open_channel
 from allspark_client.config import AsModelConfig
 from allspark_client.generation_config import parse_request
 from allspark_client.validation import ConfigError
@@ -35,8 +35,10 @@ from allspark_client.types import (AsEngineStat, AsException, AsStatus, Generate
 
 log = logging.getLogger("allspark.client")
 STOP_WAIT_S = 30.0   # how long stop/release wait for the stream's final reply
-
-
+START_TIMEOUT_S = 300.0   # default wait for a pool this client spawned, or one that answers that it is starting
+CONNECT_TIMEOUT_S = 3.0   # an address given without start_timeout_s: its first answer may take this long
+READY_POLL_S = 0.1        # between Health calls while a pool that answers is not ready yet
+CLOSED = "this ClientEngine is closed: close() was called (a new ClientEngine can reach the pool again)"
 RECONNECT_WAIT_S = 3 * RECONNECT_BACKOFF_MS / 1000
 
 
@@ -64,14 +66,17 @@ class ClientEngine(EngineAPI):
     def __init__(self, address: Optional[str] = None, *, ranks: Optional[int] = None,
                  numa_nodes: Optional[list[int]] = None, gpus: Optional[list[int] | str] = None,
                  launcher_args: tuple[str, ...] = (),
-                 start_timeout_s: float = 300.0, token: Optional[str] = None, root_certificates: Pem = None,
+                 start_timeout_s: Optional[float] = None, token: Optional[str] = None, root_certificates: Pem = None,
                  certificate_chain: Pem = None, private_key: Pem = None):
         """Connect to a running pool at `address` ('unix:/path', '/path' or 'host:port'), or, without
         an address, spawn one with allspark-launch (`ranks`, `numa_nodes`; `gpus=[0, 1]` or "all": one rank per
-        GPU, rank r seeing only the r-th, pinned to its NUMA node) and own it.
+        GPU, rank r seeing only the r-th, pinned to its NUMA node) and own it. An address nothing answers on fails
+        at once with gRPC's reason; `start_timeout_s` (default 300 s) is how long a pool may take to be ready:
+        one spawned, one that answers it is starting, and, only when given, one whose address does not answer yet.
         `token`: the pool's bearer token (default $ALLSPARK_TOKEN); `root_certificates` (PEM bytes or a path):
         TLS, trusting that CA; `certificate_chain` + `private_key`: a client certificate (channel.py)."""
         self._pool: Optional[subprocess.Popen] = None
+        self._closed = False
         self._pool_log: Optional[str] = None
         self._run_dir: Optional[str] = None
         if address is None:
@@ -117,8 +122,12 @@ class ClientEngine(EngineAPI):
         with open(self._pool_log, errors="replace") as f:
             return f.read()[-4000:]
 
-    def _wait_ready(self, timeout_s: float) -> pb.HealthReply:
-        """Block on the Health call (wait_for_ready) until every rank serves, the pool dies, or timeout."""
+    def _wait_ready(self, timeout_s: Optional[float]) -> pb.HealthReply:
+        """Health calls until every rank serves, the pool dies, or timeout. They wait for a connection
+        (wait_for_ready) for a pool this client spawned or when the caller gave timeout_s; otherwise an address
+        that does not answer fails at once."""
+        patient = self._pool is not None or timeout_s is not None
+        timeout_s = START_TIMEOUT_S if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         while True:
             if self._pool is not None and self._pool.poll() is not None:
@@ -131,10 +140,16 @@ class ClientEngine(EngineAPI):
                                       f"no ready pool at {self.address} after {timeout_s:.0f}s{self._why_not()}\n"
                                       f"{self._pool_output()}")
             try:
-                reply = self._stub.Health(pb.HealthRequest(), wait_for_ready=True, timeout=min(left, 2.0))
+                reply = self._stub.Health(pb.HealthRequest(), wait_for_ready=patient,
+                                          timeout=min(left, 2.0 if patient else CONNECT_TIMEOUT_S))
             except grpc.RpcError as e:
-                if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                unreachable = e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+                if unreachable and patient:
                     continue
+                if unreachable:
+                    raise PoolUnavailable(AsStatus.ALLSPARK_RUNTIME_ERROR,
+                                          f"no pool answers at {self.address}: "
+                                          f"{failure_reason(e, self.address, self._tls)}") from None
                 raise self._unavailable(e) from None
             if reply.protocol_version != convert.PROTOCOL_VERSION:
                 raise AsException(AsStatus.ALLSPARK_RUNTIME_ERROR,
@@ -142,10 +157,14 @@ class ClientEngine(EngineAPI):
                                   f"{convert.PROTOCOL_VERSION}: upgrade one side")
             if reply.ready:
                 return reply
+            time.sleep(READY_POLL_S)
 
     def close(self) -> None:
         """Release this client's requests, close the connection; a pool this client spawned is shut
-        down (SIGTERM to its launcher, then waited for)."""
+        down (SIGTERM to its launcher, then waited for). Idempotent. Afterwards every call is refused with
+        ALLSPARK_INVALID_CALL_ERROR, returned by the calls that return a status, raised (AsException) by others."""
+        if self._closed:
+            return
         with self._lock:
             live = list(self._live.values())
         for r in live:
@@ -153,6 +172,7 @@ class ClientEngine(EngineAPI):
                 self.release_request(r.handle.model_name, r.handle)
             except AsException:
                 break   # the pool is gone
+        self._closed = True
         self._channel.close()
         self._end_spawned_pool()
 
@@ -170,24 +190,13 @@ class ClientEngine(EngineAPI):
             shutil.rmtree(self._run_dir, ignore_errors=True)
             self._run_dir = None
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
     # ---- plumbing ----------------------------------------------------------------------------
     def _why_not(self) -> str:
         """After a timeout: what one call without wait_for_ready says (a TLS mismatch shows here)."""
         try:
             self._stub.Health(pb.HealthRequest(), timeout=2.0)
         except grpc.RpcError as e:
-            hint = ""
-            if e.code() == grpc.StatusCode.UNAVAILABLE and self._tls:
-                hint = " (does the pool serve TLS with a certificate that root_certificates signed?)"
-            elif e.code() == grpc.StatusCode.UNAVAILABLE and not self.address.startswith("unix:"):
-                hint = " (if the pool serves TLS, pass root_certificates=...)"
-            return f": {e.code().name}: {e.details()}{hint}"
+            return f": {failure_reason(e, self.address, self._tls)}"
         return ""
 
     def _unavailable(self, e: grpc.RpcError) -> PoolUnavailable:
@@ -202,6 +211,8 @@ class ClientEngine(EngineAPI):
                                + (f"\nthe pool's output ends with:\n{output}" if output else ""))
 
     def _rpc(self, method, request):
+        if self._closed:
+            raise AsException(AsStatus.ALLSPARK_INVALID_CALL_ERROR, CLOSED)
         try:
             return method(request)
         except grpc.RpcError as e:
@@ -231,9 +242,13 @@ class ClientEngine(EngineAPI):
     build_model_from_config_struct = install_model
 
     def start_model(self, name: str) -> AsStatus:
+        if self._closed:
+            return self._fail(AsStatus.ALLSPARK_INVALID_CALL_ERROR, CLOSED)
         return self._status(self._rpc(self._stub.StartModel, pb.ModelRef(model_name=name)))
 
     def stop_model(self, name: str) -> AsStatus:
+        if self._closed:
+            return self._fail(AsStatus.ALLSPARK_INVALID_CALL_ERROR, CLOSED)
         with self._lock:
             mine = sum(1 for (model, _) in self._live if model == name)
         if mine:
@@ -250,6 +265,8 @@ class ClientEngine(EngineAPI):
 
     # ---- requests ----------------------------------------------------------------------------
     def start_request(self, name: str, inputs: Any, generate_config: Any = None) -> StartResult:
+        if self._closed:
+            return self._fail(AsStatus.ALLSPARK_INVALID_CALL_ERROR, CLOSED), None, None
         try:
             ids, raw, gen = parse_request(inputs, generate_config)
         except ConfigError as e:
@@ -310,6 +327,8 @@ class ClientEngine(EngineAPI):
                                 f"unknown or released request handle {handle!r} for model {name!r}")
 
     def stop_request(self, name: str, handle: RequestHandle) -> AsStatus:
+        if self._closed:
+            return self._fail(AsStatus.ALLSPARK_INVALID_CALL_ERROR, CLOSED)
         live, status = self._live_request(name, handle)
         if live is None:
             return status
@@ -322,6 +341,8 @@ class ClientEngine(EngineAPI):
         return status
 
     def release_request(self, name: str, handle: RequestHandle) -> AsStatus:
+        if self._closed:
+            return self._fail(AsStatus.ALLSPARK_INVALID_CALL_ERROR, CLOSED)
         live, status = self._live_request(name, handle)
         if live is None:
             return status
@@ -334,6 +355,8 @@ class ClientEngine(EngineAPI):
         return status
 
     def sync_request(self, name: str, handle: Optional[RequestHandle] = None) -> AsStatus:
+        if self._closed:
+            return self._fail(AsStatus.ALLSPARK_INVALID_CALL_ERROR, CLOSED)
         if handle is not None:
             live, status = self._live_request(name, handle)
             if live is None:

@@ -320,3 +320,37 @@ def test_sync_one_and_all(api):
             if st == OK:
                 assert engine.release_request(NAME, h) == OK
     assert engine.sync_request(NAME, None) == OK          # nothing live: returns at once
+
+
+def test_every_call_after_close_is_refused_with_a_status(api):
+    """After ClientEngine.close() / Engine.shutdown() (here: leaving `with`), calls that return a status return
+    INVALID_CALL_ERROR and the others raise AsException with it, as DashInfer refuses; a second close is a no-op."""
+    engine, loader, hf = api
+    if is_pool(engine):
+        own = client_module.ClientEngine(engine.address)    # a second client of the pool; closing it leaves the pool
+        name = NAME
+    else:
+        from allspark_server import Engine
+        own, name = Engine(), "contract_closed"
+        assert own.install_model(own_model_cfg(loader, name)) == OK and own.start_model(name) == OK
+    invalid = AsStatus.ALLSPARK_INVALID_CALL_ERROR
+    with own:
+        status, handle, queue = own.start_request(name, {"input_ids": PROBE}, LONG)
+        assert status == OK
+    assert queue._wait_terminal(timeout_s=HANG_S) and queue.GenerateStatus().is_terminal   # closing ended it
+    assert own.start_request(name, {"input_ids": PROBE}, GREEDY) == (invalid, None, None)
+    assert "close" in own.get_last_error()
+    calls = {"start_model": lambda: own.start_model(name), "stop_model": lambda: own.stop_model(name),
+             "release_model": lambda: own.release_model(name), "stop_request": lambda: own.stop_request(name, handle),
+             "release_request": lambda: own.release_request(name, handle),
+             "sync_request": lambda: own.sync_request(name, handle), "sync_all": lambda: own.sync_request(name)}
+    for what, call in calls.items():
+        assert call() == invalid, what
+    for call in (lambda: own.install_model(own_model_cfg(loader, "after_close")), lambda: own.get_model_info(name),
+                 lambda: own.get_as_engine_stat(name)):
+        with pytest.raises(AsException) as e:
+            call()
+        assert e.value.status == invalid and "close" in e.value.message
+    own.close()
+    if is_pool(engine):
+        assert_serves(engine, hf)                         # the pool and its first client go on

@@ -2,7 +2,8 @@
 socket 0600 in a 0700 directory (another user is refused by the kernel; a --socket-group member is let in), and
 a TCP pool with --allow-remote, which must serve TLS and check a bearer token on every RPC: right token and CA
 served, wrong or missing token refused as PoolAccessDenied, a plaintext client gets nothing, client certificates
-required with --tls-client-ca. Certificates are made with the openssl command line."""
+required with --tls-client-ca; an address where no pool answers fails at once with gRPC's reason. Certificates
+are made with the openssl command line."""
 from __future__ import annotations
 
 import errno
@@ -172,3 +173,31 @@ def test_bad_access_setups_stop_the_rank_before_it_serves(tmp_path, certs):
         with pytest.raises(SystemExit) as info:
             grpc_address(parse_args(argv))
         assert message in str(info.value.code), argv
+
+
+def test_an_address_nothing_answers_on_fails_at_once_with_grpc_reason(tmp_path):
+    """No pool to wait for: a missing socket, a closed port, an HTTP server's port fail with gRPC's reason instead
+    of waiting for start_timeout_s (300 s by default). Given start_timeout_s, an absent pool is waited for."""
+    import http.server
+    import threading
+    import time
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        for address, reason in ((f"unix:{tmp_path}/typo.sock", "No such file or directory"),
+                                (f"127.0.0.1:{closed_port}", "Connection refused"),
+                                (f"127.0.0.1:{web.server_address[1]}", "not gRPC: an HTTP server")):
+            started = time.monotonic()
+            with pytest.raises(PoolUnavailable) as info:
+                ClientEngine(address)
+            # a bound far from the 300 s this used to wait, not a speed measurement
+            assert time.monotonic() - started < 30, address
+            assert info.value.message.startswith(f"no pool answers at {address}: UNAVAILABLE") and \
+                reason in info.value.message, info.value.message
+    finally:
+        web.shutdown()
+    with pytest.raises(PoolUnavailable, match=r"no ready pool at .* after 1s: UNAVAILABLE: .*No such file"):
+        ClientEngine(f"unix:{tmp_path}/typo.sock", start_timeout_s=1.0)

@@ -49,6 +49,7 @@ class _LiveRequest:
 
 
 HANG_GRACE_S = 1.0      # a pool going down: time for the streams' errors to reach their clients before the exit
+SHUT_DOWN = "the engine is shut down: shutdown() or close() was called"
 
 
 class Engine(EngineAPI):
@@ -66,6 +67,7 @@ class Engine(EngineAPI):
         self._peers = (PeerWatch(ranks, lambda reason: self._pool_down(reason, lambda: exit_now(reason)))
                        if pool and ranks else None)
         self._down: Optional[str] = None       # why the pool is going down (a hung step, a lost rank), once it is
+        self._closed = False                   # shutdown() was called: every call is refused (INVALID_CALL_ERROR)
         self._engine = EngineThread(self._comm, self._peers.stand_down if self._peers else None)
         self._models: dict[str, ServedModel] = self._engine.models   # written on the engine thread only
         self._requests: dict[str, dict[int, _LiveRequest]] = {}
@@ -74,6 +76,8 @@ class Engine(EngineAPI):
         self._errors = threading.local()
 
     def _model(self, name: str) -> ServedModel:
+        if self._closed:
+            raise RequestError(AsStatus.ALLSPARK_INVALID_CALL_ERROR, SHUT_DOWN)
         model = self._models.get(name)
         if model is None:
             raise RequestError(AsStatus.ALLSPARK_PARAM_ERROR,
@@ -86,6 +90,8 @@ class Engine(EngineAPI):
             raise AsException(AsStatus.ALLSPARK_PARAM_ERROR,
                               f"install_model takes an AsModelConfig, got {type(cfg).__name__}")
         with self._lock:
+            if self._closed:
+                raise AsException(AsStatus.ALLSPARK_INVALID_CALL_ERROR, SHUT_DOWN)
             if cfg.model_name in self._models:
                 raise AsException(AsStatus.ALLSPARK_PARAM_ERROR, f"model {cfg.model_name!r} is already installed")
 
@@ -147,8 +153,16 @@ class Engine(EngineAPI):
 
     def shutdown(self) -> Optional[str]:
         """Stop every request, end the engine thread and (in a pool) tell the other ranks to exit. Returns
-        None, or why a pool could not shut down cleanly (a rank did not answer; open requests then failed)."""
+        None, or why a pool could not shut down cleanly (a rank did not answer; open requests then failed).
+        Afterwards every call is refused with ALLSPARK_INVALID_CALL_ERROR, returned by the calls that return a
+        status, raised (AsException) by others."""
+        with self._lock:      # a call holding it finishes first; the next one sees the flag
+            self._closed = True
         return self._engine.shutdown()
+
+    def close(self) -> None:
+        """shutdown(), as ClientEngine.close(): also what `with Engine() as engine:` calls at the end."""
+        self.shutdown()
 
     def down_reason(self) -> Optional[str]:
         """None while the engine serves; once a pool cannot go on (a hung step, a lost rank), why (it is about to
@@ -202,6 +216,7 @@ class Engine(EngineAPI):
         queue = ResultQueue(context_length=len(ids))
         req = Request(rid, ids, max_length, gen.eos_token_ids, gen.stop_words_ids, gen.min_length, sampling=gen)
         with self._lock:   # stop_model holds this lock too: a request never lands in a stopped model
+            self._model(name)                  # shut down meanwhile: INVALID_CALL_ERROR
             if self._models.get(name) is not model or not model.started:
                 raise RequestError(AsStatus.ALLSPARK_REQUEST_DENIED, f"model {name!r} is not started")
             self._requests[name][rid] = _LiveRequest(handle, queue)
