@@ -32,7 +32,7 @@ TEST_FILE_TIERS = {
     "test_batch_sampler.py": "unit", "test_core.py": "unit", "test_docs_commands.py": "unit",
     "test_guided_units.py": "unit", "test_http_units.py": "unit", "test_hugepages.py": "unit", "test_lint.py": "unit",
     "test_layering.py": "unit", "test_pdl.py": "unit", "test_peer_watch.py": "unit", "test_placement.py": "unit",
-    "test_results_table.py": "unit", "test_gguf_mapping.py": "unit", "test_gguf_files.py": "unit",
+    "test_results_table.py": "unit", "test_gguf_mapping.py": "unit",
     "test_sampler_units.py": "unit", "test_settings.py": "unit", "test_step_watchdog.py": "unit",
     "test_stream_order.py": "unit",
 
@@ -50,7 +50,7 @@ TEST_FILE_TIERS = {
     "test_errors_config.py": "models", "test_errors_lifecycle.py": "models",
     "test_errors_models.py": "models", "test_guided_engine.py": "models",
     "test_hf_parity.py": "models", "test_kv_quant.py": "models", "test_memory_bandwidth.py": "models",
-    "test_gguf_models.py": "models",
+    "test_gguf_models.py": "models", "test_gguf_smollm2.py": "models", "test_gguf_files.py": "models",
     "test_model_families.py": "models", "test_overlap.py": "models", "test_prefix_cache.py": "models",
     "test_quant_models.py": "models", "test_qwen_tokenizer.py": "models", "test_sampler_engine.py": "models",
 

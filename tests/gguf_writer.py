@@ -142,8 +142,8 @@ def write_gguf(model, path: str, weight_type=T.F32, embd_type=T.F32, head_type=N
             a = a.reshape(-1)
         qtype = T.F32
         if a.ndim >= 2 and a.shape[-1] % 32 == 0:
-            qtype = {"token_embd.weight": embd_type, "output.weight": head_type or weight_type}.get(gname,
-                                                                                                  weight_type)
+            head = weight_type if head_type is None else head_type      # (T.F32 is 0: no `or` here)
+            qtype = {"token_embd.weight": embd_type, "output.weight": head}.get(gname, weight_type)
         if type_for is not None:
             qtype = type_for(gname) or qtype
         _add(w, gname, a, qtype)
@@ -173,19 +173,27 @@ def qtype_data(a: np.ndarray, qtype) -> np.ndarray:
         return random_blocks(a.shape, qtype, seed=int(abs(a).sum() * 1000) % 2**31)
 
 
-def random_blocks(shape, qtype, seed: int = 0, scale: float = 0.02) -> np.ndarray:
-    """Random raw blocks of a K-quant type with finite, small super-block scales (d, dmin) and random codes."""
+# super-block scales that give weights of about N(0, 0.1) with random codes and sub-block scales (a K-quant weight
+# is d * sub-scale * code (- dmin * sub-min): 6-bit sub-scales and 4-6-bit codes multiply to hundreds)
+K_SCALE = {T.Q2_K: 1e-2, T.Q3_K: 2e-3, T.Q4_K: 5e-4, T.Q5_K: 3e-4, T.Q6_K: 1.5e-4}
+
+
+def random_blocks(shape, qtype, seed: int = 0, scale: float | None = None) -> np.ndarray:
+    """Random raw blocks of a K-quant type with finite, small super-block scales (d, dmin) and random codes
+    (of another type: random bytes)."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     rows = int(np.prod(shape[:-1]))
     nb = shape[-1] // block
     rng = np.random.default_rng(seed)
+    scale = K_SCALE.get(qtype, 0.02) if scale is None else scale
     raw = rng.integers(0, 256, size=(rows, nb, size), dtype=np.uint8)
     d = (rng.uniform(0.5, 1.0, size=(rows, nb)) * scale).astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
     dmin = (rng.uniform(0.0, 1.0, size=(rows, nb)) * scale).astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
     # where each K-quant keeps its fp16 scales (ggml-common.h block_q*_K)
     at = {T.Q2_K: (size - 4, size - 2), T.Q3_K: (size - 2, None), T.Q4_K: (0, 2), T.Q5_K: (0, 2),
-          T.Q6_K: (size - 2, None)}[qtype]
-    raw[..., at[0]:at[0] + 2] = d
+          T.Q6_K: (size - 2, None)}.get(qtype, (None, None))        # other types: random bytes throughout
+    if at[0] is not None:
+        raw[..., at[0]:at[0] + 2] = d
     if at[1] is not None:
         raw[..., at[1]:at[1] + 2] = dmin
     return raw.reshape(*shape[:-1], nb * size)

@@ -22,7 +22,7 @@ from allspark_server.loader import gguf_tensors as gt
 from allspark_server.loader.gguf_config import generation_config, hf_config
 from allspark_server.loader.gguf_names import permuted, targets, unpermute
 from allspark_server.loader.gguf_reader import GGUFError, GGUFFile, GGUFTensor
-from allspark_server.loader.weights import checkpoint_shapes, checkpoint_weight_names, quantize_layers
+from allspark_server.loader.weights import TENSOR_SUFFIXES, checkpoint_shapes, checkpoint_weight_names, quantize_layers
 from allspark_server.models.args import ModelArgs
 from allspark_server.models.registry import quantizable_weights
 from allspark_server.quant.formats import bits
@@ -44,10 +44,14 @@ class GGUFModel:
         self.hf_config = hf_config(self.file)
         self.generation_config = generation_config(self.file)
         self.requant_errors: dict[str, float] = {}    # "<gguf part> <type> -> <format>": relative error
-        for t in self.file.tensors.values():
-            gt.check_servable(t)
-            if not gt.is_dense(t.type) and gt.exact_format(t.type) is None:
-                gt.requant_format(t.type, requant)    # a bad gguf_requant fails here, before any work
+        self._fallbacks: set[str] = set()
+        try:
+            for t in self.file.tensors.values():
+                gt.check_servable(t)
+                if not gt.is_dense(t.type) and gt.exact_format(t.type) is None:
+                    gt.requant_format(t.type, requant)    # a bad gguf_requant fails here, before any work
+        except GGUFError as e:
+            raise GGUFError(f"{path!r}: {e}") from None
 
     # ---- tensors -------------------------------------------------------------------------------
     def load(self, args: ModelArgs, meta_model: Callable, dtype: torch.dtype
@@ -61,7 +65,10 @@ class GGUFModel:
         errors: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
         for name, (t, expert) in _progress(sorted(sources.items()), len(sources)):
             fmt = plan.get(name, DENSE)
-            converted = self._convert(t, expert, name, fmt, args, shapes[name], errors)
+            try:
+                converted = self._convert(t, expert, name, fmt, args, shapes[name], errors)
+            except GGUFError as e:
+                raise GGUFError(f"{self.path!r}: {e}") from None
             if fmt == DENSE:
                 tensors[name] = converted[DENSE].to(dtype)
             else:
@@ -106,9 +113,9 @@ class GGUFModel:
         plan = {}
         for name, (t, _) in sources.items():
             if quantizable.search(name) and not gt.is_dense(t.type) and len(shapes[name]) == 2:
-                plan[name] = gt.exact_format(t.type) or gt.requant_format(t.type, self.requant)
+                plan[name] = self._format(t)
         embd, _ = sources["model.embed_tokens.weight"]
-        if args.tie_word_embeddings and gt.exact_format(embd.type):
+        if args.tie_word_embeddings and gt.exact_format(embd.type) and self._format(embd) == gt.exact_format(embd.type):
             plan["lm_head.weight"] = gt.exact_format(embd.type)
         for module, parts in checkpoint_weight_names(meta_model()).items():
             chosen = [plan.get(p, DENSE) for p in parts]
@@ -133,6 +140,21 @@ class GGUFModel:
                 raise GGUFError(f"{self.path!r}: {e}") from None
         return plan
 
+    def _format(self, t: GGUFTensor) -> str:
+        """Our format for a quantized GEMM weight: its exact mapping, else the requantization's. Until this build's
+        layers hold uint4_min (`mins`), Q4_1 and the 4-bit default are requantized to uint4 instead (logged)."""
+        fmt = gt.exact_format(t.type) or gt.requant_format(t.type, self.requant)
+        if fmt == "uint4_min" and "mins" not in TENSOR_SUFFIXES:
+            if isinstance(self.requant, str) and self.requant == "uint4_min":
+                raise GGUFError(f"{self.path!r}: gguf_requant 'uint4_min' needs the uint4_min kernels, which this "
+                                f"build lacks")
+            if t.type_name not in self._fallbacks:
+                self._fallbacks.add(t.type_name)
+                log.warning("GGUF %s: this build cannot serve uint4_min (GGUF Q4_1's exact format): its %s "
+                            "tensors are requantized to uint4 g32", self.path, t.type_name)
+            return "uint4"
+        return fmt
+
     def _convert(self, t: GGUFTensor, expert: Optional[int], name: str, fmt: str, args: ModelArgs,
                  shape: tuple, errors: dict) -> dict[str, torch.Tensor]:
         """One decoder tensor: {DENSE: fp32 values} or our quantized parts."""
@@ -140,13 +162,11 @@ class GGUFModel:
             parts = gt.exact_tensors(gt.raw_rows(t, expert), t.type)
             k = parts["qweight"].shape[1] * (2 if bits(fmt) == 4 else 1)
             if (parts["qweight"].shape[0], k) != tuple(shape):
-                raise GGUFError(f"{self.path!r}: tensor {t.name!r} is {parts['qweight'].shape[0]} x {k}, the "
-                                f"config implies {shape}")
+                raise GGUFError(f"tensor {t.name!r} is {parts['qweight'].shape[0]} x {k}, the config implies {shape}")
         else:
             values = gt.dequantized(t, expert)
             if values.numel() != _numel(shape):
-                raise GGUFError(f"{self.path!r}: tensor {t.name!r} has shape {tuple(values.shape)}, the config "
-                                f"implies {shape}")
+                raise GGUFError(f"tensor {t.name!r} has shape {tuple(values.shape)}, the config implies {shape}")
             values = values.reshape(shape)       # e.g. a [hidden] shared-expert gate stored for [1, hidden]
             if fmt == DENSE:
                 parts = {DENSE: values}
