@@ -1,8 +1,8 @@
 """allspark model files: `<name>.asgraph` (a ModelGraph protobuf) + `<name>.asparam` (safetensors).
 
-Tensors are written whole with their split mode recorded; `read_rank_shard` reads only the slices
-one rank needs (safetensors slicing), so a rank never holds the full model. Tied LM heads are not
-stored: they are read from the embedding.
+Tensors are written whole with their split mode recorded; a rank reads only the slices it needs
+(loader/rank_weights.py), so it never holds the full model. Tied LM heads are not stored: they are
+read from the embedding.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from allspark_client._proto import allspark_pb2 as pb
-from allspark_server.layers.sharding import SplitMode, TPLayout
+from allspark_server.layers.sharding import SplitMode
 from allspark_server.models.args import ModelArgs
 from allspark_server.quant.scheme import QuantScheme
 from allspark_server.version import git_info
@@ -132,43 +132,3 @@ def read_model_graph(graph_path: str, weights_path: str) -> ModelFile:
     if g.dtype not in DTYPES:
         raise ModelFileError(f"{graph_path!r} has unknown dtype {g.dtype!r}")
     return ModelFile(g, ModelArgs.from_dict(json.loads(g.model_args_json)), DTYPES[g.dtype], weights_path)
-
-
-def read_rank_shard(mf: ModelFile, tp: TPLayout) -> dict[str, torch.Tensor]:
-    """This rank's slice of every tensor, copied into freshly allocated memory."""
-    try:
-        return _read_rank_shard(mf, tp)
-    except ModelFileError:
-        raise
-    except Exception as e:
-        raise ModelFileError(f"{mf.weights_path!r} is not a valid .asparam file: {e}") from None
-
-
-def _read_rank_shard(mf: ModelFile, tp: TPLayout) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    out: dict[str, torch.Tensor] = {}
-    infos = {t.name: t for t in mf.graph.tensors}
-    with safe_open(mf.weights_path, framework="pt") as f:
-        stored = set(f.keys())
-        missing = set(infos) - stored
-        if missing:
-            raise ModelFileError(f"{mf.weights_path!r} lacks tensors {sorted(missing)[:5]}")
-        for name, info in infos.items():
-            out[name] = _read_slice(f, name, SplitMode(info.split_mode), tuple(info.shape), tp)
-        if mf.args.tie_word_embeddings and "lm_head.weight" not in infos and "lm_head.qweight" not in infos:
-            emb = "model.embed_tokens.weight"
-            out["lm_head.weight"] = _read_slice(f, emb, SplitMode.VOCAB, tuple(infos[emb].shape), tp)
-    return out
-
-
-def _read_slice(f, name: str, mode: SplitMode, shape: tuple[int, ...], tp: TPLayout) -> torch.Tensor:
-    dim, lo, hi = tp.slice_for(mode, shape)
-    sl = f.get_slice(name)
-    if dim == -1:
-        t = sl[:]
-    elif dim == 0:
-        t = sl[lo:hi]
-    else:
-        t = sl[:, lo:hi]
-    return t.clone()

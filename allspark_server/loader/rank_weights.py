@@ -1,8 +1,8 @@
 """One rank's weights read from an allspark model file straight into the tensors the model keeps.
 
 The destination of every stored tensor is known before a byte is read: this rank's slice of it (layers/sharding.py),
-placed in its model tensor (a merged projection's parts one after the other along dim 0, as loader/weights.py
-merges them). So the tensors the model will keep are allocated once (on a CPU rank in one huge-page arena) and each
+placed in its model tensor (a merged projection's parts one after the other along dim 0, loader/weights.py's
+merged_parts). So the tensors the model will keep are allocated once (on a CPU rank in one huge-page arena) and each
 slice is copied into its place from the memory-mapped file: no intermediate copy, concatenation or move. Such
 intermediates outlive their use: glibc hands freed heap memory back to the system only from the heap's top, so a
 load that clones, concatenates and moves leaves most of those bytes resident beside the weights (the file's pages
@@ -15,10 +15,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from allspark_server.layers.linear import MergedColumnParallelLinear
 from allspark_server.layers.sharding import SplitMode, TPLayout
 from allspark_server.loader.model_file import STORAGE_DTYPES, ModelFile, ModelFileError
-from allspark_server.loader.weights import TENSOR_SUFFIXES
+from allspark_server.loader.weights import merged_parts
 
 EMBEDDING, TIED_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]   # tensor name -> (shape, dtype)
@@ -78,27 +77,22 @@ def state_layout(mf: ModelFile, slices: dict[str, tuple[str, int, int, int]], mo
         aliases[TIED_HEAD] = (EMBEDDING, *head_rows)
     places = {name: (name, 0) for name in shapes if name not in aliases}
     specs = {name: shapes[name] for name in places}
-    for module_name, module in model.named_modules():
-        if not isinstance(module, MergedColumnParallelLinear):
+    for merged, keys in merged_parts(model):
+        if keys[0] not in shapes:
             continue
-        parent = module_name.rsplit(".", 1)[0]
-        for suffix in TENSOR_SUFFIXES:
-            keys = [f"{parent}.{part}.{suffix}" for part, _ in module.parts]
-            if keys[0] not in shapes:
-                continue
-            missing = [k for k in keys if k not in shapes]
-            if missing:
-                raise ModelFileError(f"{mf.weights_path!r} lacks tensors {missing} of {module_name}.{suffix}")
-            parts = [shapes[k] for k in keys]
-            if len({(s[1:], d) for s, d in parts}) > 1:
-                raise ModelFileError(f"{mf.weights_path!r}: the parts {keys} of {module_name}.{suffix} disagree in "
-                                     f"shape or dtype: {[(tuple(s), str(d)) for s, d in parts]}")
-            merged, row = f"{module_name}.{suffix}", 0
-            for key, (shape, _) in zip(keys, parts):
-                specs.pop(key)
-                places[key] = (merged, row)
-                row += shape[0]
-            specs[merged] = ((row,) + parts[0][0][1:], parts[0][1])
+        missing = [k for k in keys if k not in shapes]
+        if missing:
+            raise ModelFileError(f"{mf.weights_path!r} lacks tensors {missing} of {merged}")
+        parts = [shapes[k] for k in keys]
+        if len({(s[1:], d) for s, d in parts}) > 1:
+            raise ModelFileError(f"{mf.weights_path!r}: the parts {keys} of {merged} disagree in shape or dtype: "
+                                 f"{[(tuple(s), str(d)) for s, d in parts]}")
+        row = 0
+        for key, (shape, _) in zip(keys, parts):
+            specs.pop(key)
+            places[key] = (merged, row)
+            row += shape[0]
+        specs[merged] = ((row,) + parts[0][0][1:], parts[0][1])
     return specs, places, aliases
 
 

@@ -1,10 +1,10 @@
 """Checkpoint tensor names <-> model parameters: merged projections (MergedColumnParallelLinear)
-are stored in checkpoints as their separate parts and concatenated here, per rank, at load time.
-Quantized weights (`<name>.qweight/.scales/.zeros`) are concatenated the same way; `quantize_layers`
-turns the model's linear layers into quantized ones before their shards are read."""
+are stored in checkpoints as their separate parts, which each rank places one after the other at load
+time (`merged_parts`; loader/rank_weights.py). Quantized weights (`<name>.qweight/.scales/.zeros`) are
+merged the same way; `quantize_layers` turns the model's linear layers into quantized ones before their
+shards are read."""
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from allspark_server.layers.linear import MergedColumnParallelLinear, ParallelLinear, RowParallelLinear
@@ -33,15 +33,12 @@ def checkpoint_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def to_model_state(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename/concatenate checkpoint tensors (this rank's slices) into the model's state dict."""
-    state = dict(tensors)
+def merged_parts(model: nn.Module):
+    """Each tensor a merged projection may have (`<module>.<suffix>`) with the checkpoint tensors it is made of,
+    in their order along dim 0 (the loader merges those that the file stores)."""
     for name, module, parent in _merged_modules(model):
         for suffix in TENSOR_SUFFIXES:
-            keys = [f"{parent}.{part}.{suffix}" for part, _ in module.parts]
-            if keys[0] in state:
-                state[f"{name}.{suffix}"] = torch.cat([state.pop(k) for k in keys], dim=0)
-    return state
+            yield f"{name}.{suffix}", [f"{parent}.{part}.{suffix}" for part, _ in module.parts]
 
 
 def checkpoint_weight_names(model: nn.Module) -> dict[str, list[str]]:
