@@ -39,7 +39,8 @@ class GGUFModel:
 
     def __init__(self, path: str, requant=None):
         self.path = path
-        self.file = GGUFFile(path)
+        self.file: Optional[GGUFFile] = GGUFFile(path)     # memory-mapped until load() is done with it
+        self.architecture = self.file.architecture
         self.requant = requant
         self.hf_config = hf_config(self.file)
         self.generation_config = generation_config(self.file)
@@ -57,7 +58,17 @@ class GGUFModel:
     def load(self, args: ModelArgs, meta_model: Callable, dtype: torch.dtype
              ) -> tuple[dict[str, torch.Tensor], Optional[QuantScheme]]:
         """The decoder's tensors (quantized weights as `<base>.qweight/.scales[/.mins]`) and their scheme
-        (None: nothing quantized). `meta_model()` builds the model on the meta device."""
+        (None: nothing quantized). `meta_model()` builds the model on the meta device. The file is unmapped
+        afterwards (the tensors are copies; its pages would stay resident while this object lives)."""
+        if self.file is None:
+            self.file = GGUFFile(self.path)
+        try:
+            return self._load(args, meta_model, dtype)
+        finally:
+            self.file = None
+
+    def _load(self, args: ModelArgs, meta_model: Callable, dtype: torch.dtype
+              ) -> tuple[dict[str, torch.Tensor], Optional[QuantScheme]]:
         shapes = checkpoint_shapes(meta_model())
         sources = self._sources(args, shapes)
         plan = self._formats(sources, shapes, meta_model, args)
@@ -91,10 +102,10 @@ class GGUFModel:
         """decoder name -> (its GGUF tensor, expert index or None); every name the decoder needs, no other."""
         sources = {}
         for t in self.file.tensors.values():
-            found = targets(t.name, self.file.architecture, args.num_experts)
+            found = targets(t.name, self.architecture, args.num_experts)
             if found is None:
                 raise GGUFError(f"{self.path!r}: unexpected tensor {t.name!r} for GGUF architecture "
-                                f"{self.file.architecture!r}")
+                                f"{self.architecture!r}")
             for target in found:
                 if target.name not in shapes:
                     raise GGUFError(f"{self.path!r}: tensor {t.name!r} (as {target.name!r}) is not part of this "
@@ -176,7 +187,7 @@ class GGUFModel:
                 norm = float(values.double().pow(2).sum())
                 errors[key][0] += err * err * norm
                 errors[key][1] += norm
-        if permuted(name, self.file.architecture):
+        if permuted(name, self.architecture):
             parts = {p: unpermute(v, args) for p, v in parts.items()}
         return parts
 
