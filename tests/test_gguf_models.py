@@ -152,6 +152,15 @@ def test_quantized_gguf_serves_its_own_codes_like_transformers_gguf(tmp_path, va
                  [random_prompt(5, seed=1), random_prompt(40, seed=2), random_prompt(130, seed=3)])
 
 
+def test_f16_and_bf16_tensors_load_dense(tmp_path):
+    folder = str(tmp_path / "hf")
+    model = build("qwen3", folder)
+    path = write(model, folder, weight_type=T.BF16, embd_type=T.F16, head_type=T.BF16)
+    loader = serve(path, "half", str(tmp_path / "as"))
+    assert loader._quant is None
+    check_greedy(loader, "half", hf_from_gguf(path, "qwen3"), [random_prompt(5, seed=1), random_prompt(40, seed=2)])
+
+
 def test_tp_shards_of_a_quantized_gguf_equal_one_process(tmp_path):
     """2 ranks each read their rows (q/k/v, gate/up, the vocab of the quantized head) or their K columns with
     whole blocks (o, down: 32 of 64 input features each). The row-parallel sums add in another order than one
