@@ -8,12 +8,6 @@ queues end in InternalError and unary calls raise PoolUnavailable. Torch-free.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +24,7 @@ from allspark_client.config import AsModelConfig
 from allspark_client.generation_config import parse_request
 from allspark_client.validation import ConfigError
 from allspark_client.result_queue import ResultQueue
+from allspark_client.spawned_pool import SpawnedPool
 from allspark_client.types import (AsEngineStat, AsException, AsStatus, GenerateRequestStatus,
                                    RequestHandle, pool_failed)
 
@@ -70,17 +65,17 @@ class ClientEngine(EngineAPI):
                  certificate_chain: Pem = None, private_key: Pem = None):
         """Connect to a running pool at `address` ('unix:/path', '/path' or 'host:port'), or, without
         an address, spawn one with allspark-launch (`ranks`, `numa_nodes`; `gpus=[0, 1]` or "all": one rank per
-        GPU, rank r seeing only the r-th, pinned to its NUMA node) and own it. An address nothing answers on fails
+        GPU, rank r seeing only the r-th, pinned to its NUMA node) and own it: it ends at close(), or with this
+        process however that ends (spawned_pool.py). An address nothing answers on fails
         at once with gRPC's reason; `start_timeout_s` (default 300 s) is how long a pool may take to be ready:
         one spawned, one that answers it is starting, and, only when given, one whose address does not answer yet.
         `token`: the pool's bearer token (default $ALLSPARK_TOKEN); `root_certificates` (PEM bytes or a path):
         TLS, trusting that CA; `certificate_chain` + `private_key`: a client certificate (channel.py)."""
-        self._pool: Optional[subprocess.Popen] = None
+        self._pool: Optional[SpawnedPool] = None    # a pool this object spawned (and ends)
         self._closed = False
-        self._pool_log: Optional[str] = None
-        self._run_dir: Optional[str] = None
         if address is None:
-            address = self._spawn_pool(ranks, numa_nodes, gpus, launcher_args)
+            self._pool = SpawnedPool(ranks, numa_nodes, gpus, launcher_args)
+            address = self._pool.address
         try:
             self.address = normalize_address(address)
             try:
@@ -100,27 +95,8 @@ class ClientEngine(EngineAPI):
             raise
 
     # ---- pool process ------------------------------------------------------------------------
-    def _spawn_pool(self, ranks, numa_nodes, gpus, launcher_args) -> str:
-        run_dir = self._run_dir = tempfile.mkdtemp(prefix="allspark-pool-")
-        socket_path = os.path.join(run_dir, "pool.sock")
-        self._pool_log = os.path.join(run_dir, "pool.log")
-        cmd = [sys.executable, "-m", "allspark_client.launcher", "--socket", socket_path]
-        if ranks:
-            cmd += ["--ranks", str(ranks)]
-        if numa_nodes:
-            cmd += ["--numa-nodes", ",".join(map(str, numa_nodes))]
-        if gpus is not None:       # the launcher checks the value and says what is wrong with it
-            cmd += ["--gpus", gpus if isinstance(gpus, str) else ",".join(map(str, gpus))]
-        cmd += list(launcher_args)
-        with open(self._pool_log, "wb") as out:
-            self._pool = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        return "unix:" + socket_path
-
     def _pool_output(self) -> str:
-        if not self._pool_log or not os.path.exists(self._pool_log):
-            return ""
-        with open(self._pool_log, errors="replace") as f:
-            return f.read()[-4000:]
+        return self._pool.output() if self._pool is not None else ""
 
     def _wait_ready(self, timeout_s: Optional[float]) -> pb.HealthReply:
         """Health calls until every rank serves, the pool dies, or timeout. They wait for a connection
@@ -130,9 +106,9 @@ class ClientEngine(EngineAPI):
         timeout_s = START_TIMEOUT_S if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         while True:
-            if self._pool is not None and self._pool.poll() is not None:
+            if self._pool is not None and self._pool.exit_code() is not None:
                 raise PoolUnavailable(AsStatus.ALLSPARK_RUNTIME_ERROR,
-                                      f"the pool exited with code {self._pool.returncode} before it was ready:\n"
+                                      f"the pool exited with code {self._pool.exit_code()} before it was ready:\n"
                                       f"{self._pool_output()}")
             left = deadline - time.monotonic()
             if left <= 0:
@@ -177,18 +153,9 @@ class ClientEngine(EngineAPI):
         self._end_spawned_pool()
 
     def _end_spawned_pool(self) -> None:
-        """A pool this client spawned: SIGTERM to its launcher (SIGKILL to its process group after 60 s), waited
-        for; then its directory (socket, log) is removed."""
-        if self._pool is not None and self._pool.poll() is None:
-            self._pool.send_signal(signal.SIGTERM)
-            try:
-                self._pool.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._pool.pid, signal.SIGKILL)
-                self._pool.wait()
-        if self._run_dir is not None:
-            shutil.rmtree(self._run_dir, ignore_errors=True)
-            self._run_dir = None
+        """A pool this client spawned: stopped (SIGTERM to its launcher, waited for), its directory removed."""
+        if self._pool is not None:
+            self._pool.end()
 
     # ---- plumbing ----------------------------------------------------------------------------
     def _why_not(self) -> str:

@@ -74,6 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds a Generate stream may wait on a client that does not read it before the pool "
                         "drops it and releases its request (default 30)")
     p.add_argument("--pid-file", help=argparse.SUPPRESS)
+    # ClientEngine's spawned pools (owner_watch.py): the spawning process, the read end of its pipe, its directory
+    p.add_argument("--owner-pid", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--owner-fd", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--owner-dir", help=argparse.SUPPRESS)
     p.add_argument("--dry-run", action="store_true", help="print the mpirun command and exit")
     p.add_argument("mpirun_args", nargs="*", help="extra mpirun arguments (after --)")
     args = p.parse_args(argv)

@@ -13,11 +13,14 @@ import signal
 import subprocess
 import sys
 
+import psutil
+
 from allspark_client.gpu_topology import gpu_numa_nodes, visible_gpus
 from allspark_client.launch_args import check_multi_host, default_socket_path, multi_host, parse_args
 from allspark_client.mpirun_command import (MULTI_HOST_KEEPALIVE, build_command, find_mpirun, hosts_arguments,
                                             mpi_flavour, openmpi_prefix)
 from allspark_client.mpirun_watch import MpirunWatch
+from allspark_client.owner_watch import OwnerWatch
 from allspark_client.pool_dirs import make_pool_shm_dir, make_run_dir
 from allspark_client.rank_placement import (RankPlacement, format_cpu_list, isa_flags, parse_cpu_list,
                                             place_gpu_ranks, place_ranks, read_topology)
@@ -38,6 +41,45 @@ def _die_with_parent() -> None:
         return
     if os.getppid() == 1:   # the launcher already died
         os._exit(1)
+
+
+OWNER_GONE_GRACE_S = 5.0   # a pool whose owner is gone: time for rank 0's clean stop before mpirun is ended
+MPIRUN_TERM_GRACE_S = 3.0  # ... and for mpirun to end its ranks after SIGTERM before its process group is killed
+
+
+def stop_pool(proc: subprocess.Popen, pid_file: str) -> None:
+    """SIGTERM to rank 0, which stops the requests and ends every rank; to mpirun while rank 0 is not up yet."""
+    try:
+        with open(pid_file) as f:
+            os.kill(int(f.read().strip()), signal.SIGTERM)
+    except (OSError, ValueError):
+        proc.terminate()                                     # rank 0 not up yet, or on another host
+
+
+def end_orphaned_pool(proc: subprocess.Popen, pid_file: str, reason: str) -> None:
+    """The owner of a spawned pool is gone (owner_watch.py): the pool stops cleanly, or is ended."""
+    print(f"allspark-launch: {reason}: stopping the pool", file=sys.stderr, flush=True)
+    stop_pool(proc, pid_file)
+    for grace, end in ((OWNER_GONE_GRACE_S, proc.terminate), (MPIRUN_TERM_GRACE_S, lambda: kill_job(proc))):
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            end()
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL to mpirun and everything under it (Open MPI puts each rank in a process group of its own)."""
+    try:
+        job = psutil.Process(proc.pid)
+        procs = job.children(recursive=True) + [job]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()                 # psutil checks the process's identity: never a reused pid
+        except psutil.NoSuchProcess:
+            pass
 
 
 def main(argv=None) -> int:
@@ -105,21 +147,19 @@ def main(argv=None) -> int:
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent,
                                 stdout=out, stderr=err)
     watch = MpirunWatch(proc, *outputs)
-
-    def forward(signum, _frame):
-        try:
-            with open(args.pid_file) as f:
-                os.kill(int(f.read().strip()), signal.SIGTERM)   # rank 0 shuts the pool down cleanly
-        except (OSError, ValueError):
-            proc.terminate()                                     # rank 0 not up yet, or on another host
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, lambda *_: stop_pool(proc, args.pid_file))   # rank 0 shuts the pool down cleanly
+    signal.signal(signal.SIGINT, lambda *_: stop_pool(proc, args.pid_file))
+    # a pool ClientEngine spawned ends with the process that spawned it (owner_watch.py)
+    owner = (OwnerWatch(args.owner_pid, args.owner_fd, lambda why: end_orphaned_pool(proc, args.pid_file, why))
+             if args.owner_pid else None)
     try:
         return watch.wait()
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
         if shm_dir:
             shutil.rmtree(shm_dir, ignore_errors=True)
+        if owner is not None and owner.gone and args.owner_dir:   # nobody else is left to remove it
+            shutil.rmtree(args.owner_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,78 @@
+"""SpawnedPool: a pool that ClientEngine started with allspark-launch for itself, in a fresh directory (its socket,
+its log), and ends with it.
+
+The pool also ends when this process ends without ending it (no close(), an exception, SIGKILL): the launcher
+watches the read end of a pipe whose write end only this process holds, and this process's pid (owner_watch.py),
+and then removes the directory itself. Torch-free.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import Optional
+
+END_WAIT_S = 60.0     # how long end() waits for a clean stop before it kills the launcher's process group
+
+
+class SpawnedPool:
+    def __init__(self, ranks: Optional[int], numa_nodes: Optional[list[int]], gpus, launcher_args: tuple[str, ...]):
+        self.dir = tempfile.mkdtemp(prefix="allspark-pool-")
+        socket_path = os.path.join(self.dir, "pool.sock")
+        self.address = "unix:" + socket_path
+        self.log = os.path.join(self.dir, "pool.log")
+        cmd = [sys.executable, "-m", "allspark_client.launcher", "--socket", socket_path]
+        if ranks:
+            cmd += ["--ranks", str(ranks)]
+        if numa_nodes:
+            cmd += ["--numa-nodes", ",".join(map(str, numa_nodes))]
+        if gpus is not None:       # the launcher checks the value and says what is wrong with it
+            cmd += ["--gpus", gpus if isinstance(gpus, str) else ",".join(map(str, gpus))]
+        cmd += list(launcher_args)
+        link, self._link = os.pipe()      # both ends non-inheritable; the launcher gets the read end only
+        cmd += ["--owner-pid", str(os.getpid()), "--owner-fd", str(link), "--owner-dir", self.dir]
+        try:
+            with open(self.log, "wb") as out:
+                self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                             pass_fds=(link,))
+        except BaseException:
+            os.close(self._link)
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
+        finally:
+            os.close(link)
+
+    @property
+    def pid(self) -> int:
+        """The launcher's pid."""
+        return self.proc.pid
+
+    def exit_code(self) -> Optional[int]:
+        """None while the launcher runs."""
+        return self.proc.poll()
+
+    def output(self) -> str:
+        """The end of the pool's output (where a rank's traceback is)."""
+        try:
+            with open(self.log, errors="replace") as f:
+                return f.read()[-4000:]
+        except OSError:
+            return ""
+
+    def end(self) -> None:
+        """SIGTERM to the launcher (SIGKILL to its process group after END_WAIT_S), waited for; then the link is
+        closed and the directory removed. Idempotent."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=END_WAIT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if self._link is not None:
+            os.close(self._link)
+            self._link = None
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,93 @@
+"""A pool that ClientEngine(ranks=2) spawned ends with the process that spawned it, however that process ends: an
+exit without close() and SIGKILL. Every process of the pool (launcher, mpirun, both ranks), found by pid while the
+owner lives, is gone within OWNER_BOUND_S, and the pool's directory (socket, log) is removed. A pool started by
+allspark-launch itself has no owner and runs on (the rest of the pool suite)."""
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from pool_helpers import REPO, _alive, repo_env, wait_until_running
+
+OWNER_BOUND_S = 10.0      # issue 38: every process of the pool gone within 10 s (stalls of this process not counted)
+START_S = 180.0
+
+OWNER = textwrap.dedent("""
+    import json, sys, time
+    from allspark_client import ClientEngine
+    client = ClientEngine(ranks=2, start_timeout_s=150)
+    print(json.dumps({"rank0": client.health.pid, "socket": client.address[len("unix:"):]}), flush=True)
+    if sys.argv[1] == "raise":
+        raise RuntimeError("the owner fails without close()")
+    if sys.argv[1] == "exit":
+        sys.exit(0)                  # without close()
+    time.sleep(600)                  # until SIGKILL
+""")
+
+
+def start_owner(how: str) -> tuple[subprocess.Popen, dict]:
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             cwd=REPO, env=repo_env())
+    ready, _, _ = select.select([owner.stdout], [], [], START_S)
+    line = owner.stdout.readline() if ready else b""
+    if not line:
+        owner.kill()
+        raise AssertionError(f"the owner did not report its pool: {owner.communicate()[1].decode()[-3000:]}")
+    info = json.loads(line)
+    info["dir"] = os.path.dirname(info["socket"])
+    return owner, info
+
+
+def pool_processes(owner: subprocess.Popen, info: dict) -> list[psutil.Process]:
+    """The launcher (the owner's child) and everything under it (mpirun, the ranks), while the owner lives."""
+    launchers = [p for p in psutil.Process(owner.pid).children() if "allspark_client.launcher" in p.cmdline()]
+    assert len(launchers) == 1, [p.cmdline() for p in psutil.Process(owner.pid).children()]
+    procs = launchers + launchers[0].children(recursive=True)
+    assert info["rank0"] in [p.pid for p in procs], [p.cmdline() for p in procs]
+    names = [" ".join(p.cmdline()) for p in procs]
+    assert sum("allspark_server" in n and "python" in os.path.basename(p.cmdline()[0])
+               for n, p in zip(names, procs)) == 2, names
+    assert any(os.path.basename(p.cmdline()[0]) in ("mpirun", "prterun", "mpiexec") for p in procs), names
+    return procs
+
+
+@pytest.mark.parametrize("how", ["exit", "raise", "sigkill"])
+def test_a_spawned_pool_ends_with_its_owner(how):
+    owner, info = start_owner(how)
+    try:
+        procs = pool_processes(owner, info)
+    except BaseException:
+        owner.kill()
+        raise
+    try:
+        assert os.path.exists(info["socket"])
+        if how == "sigkill":
+            owner.send_signal(signal.SIGKILL)
+        code = owner.wait(timeout=60)
+        since = time.monotonic()
+        assert code == {"exit": 0, "raise": 1, "sigkill": -signal.SIGKILL}[how], owner.stderr.read().decode()
+        gone, stalled = wait_until_running(lambda: not any(_alive(p) for p in procs), since, OWNER_BOUND_S, 0.05)
+        left = [" ".join(p.cmdline())[:120] for p in procs if _alive(p)]
+        assert gone, f"still running {OWNER_BOUND_S:.0f} s after the owner ended ({how}): {left}"
+        took = time.monotonic() - since - stalled
+        assert wait_until_running(lambda: not os.path.exists(info["dir"]), since, OWNER_BOUND_S, 0.05)[0], \
+            os.listdir(info["dir"])
+        print(f"owner ended ({how}): the pool's {len(procs)} processes gone after {took:.1f} s")
+    finally:
+        owner.kill()
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        shutil.rmtree(info["dir"], ignore_errors=True)
