@@ -32,7 +32,7 @@ TEST_FILE_TIERS = {
     "test_batch_sampler.py": "unit", "test_core.py": "unit", "test_docs_commands.py": "unit",
     "test_guided_units.py": "unit", "test_http_units.py": "unit", "test_hugepages.py": "unit", "test_lint.py": "unit",
     "test_layering.py": "unit", "test_pdl.py": "unit", "test_peer_watch.py": "unit", "test_placement.py": "unit",
-    "test_results_table.py": "unit", "test_gguf_mapping.py": "unit",
+    "test_results_table.py": "unit", "test_gguf_mapping.py": "unit", "test_sharding.py": "unit",
     "test_sampler_units.py": "unit", "test_settings.py": "unit", "test_step_watchdog.py": "unit",
     "test_stream_order.py": "unit",
 

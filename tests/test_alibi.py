@@ -50,7 +50,7 @@ def test_each_rank_holds_the_slopes_of_its_heads(heads, world):
     parts = []
     for rank in range(world):
         tp = TPLayout(rank, world, heads, heads, 16, 8 * world, 32)
-        parts.append(alibi.local_slopes(heads, rank, tp.local_heads))
+        parts.append(alibi.local_slopes(heads, tp.head_range()))
         assert parts[-1].shape == (tp.local_heads,)
     assert torch.equal(torch.cat(parts), alibi.alibi_slopes(heads))
 

@@ -1,5 +1,6 @@
 """2-rank tensor parallelism: logits equal the single process (fp32, <= 1e-4), greedy tokens equal
-the in-process Engine and transformers — including a model with fewer KV heads than ranks."""
+the in-process Engine and transformers — including a model with fewer KV heads than ranks, and models whose
+head counts the ranks do not divide."""
 from __future__ import annotations
 
 import json
@@ -56,15 +57,32 @@ def test_pool_greedy_equals_engine_and_transformers(pool, served_llama, tiny_mod
             assert greedy(client, name, prompt, 40) == hf_greedy(tm.model, prompt, 40)
 
 
-def test_indivisible_heads_rejected_at_install(pool, tmp_path):
+@pytest.mark.parametrize("heads,kv_heads", [(3, 3), (9, 3), (6, 3)])
+def test_heads_the_ranks_do_not_divide_split_unevenly(pool, tmp_path, heads, kv_heads):
+    """SmolLM2-135M's shape (9 query, 3 KV heads) on 2 ranks: KV groups dealt out 1 + 2; greedy tokens equal
+    transformers', and the 2-rank logits the single process's."""
+    from allspark_server.loader.tiny_model import build_tiny_model
+    client, _ = pool
+    d, name = str(tmp_path / "hf"), f"uneven_{heads}_{kv_heads}"
+    model = build_tiny_model(d, "llama_gqa_llama3", hidden_size=16 * heads, num_heads=heads, num_kv_heads=kv_heads,
+                             tokenizer=False)
+    loader = serialize(d, name, str(tmp_path / "out"))
+    with installed_on_pool(client, loader, name, max_length=256):
+        for seed, n in ((1, 5), (2, 40)):
+            prompt = random_prompt(n, seed=seed)
+            assert greedy(client, name, prompt, 24) == hf_greedy(model, prompt, 24)
+    prompt = random_prompt(32, seed=5)
+    result = tp_logits(loader, prompt + hf_greedy(model, prompt, 8), 32, tmp_path)
+    assert result["max_abs_diff"] <= 1e-4 and result["argmax_equal"], result
+
+
+def test_split_that_cannot_be_made_is_refused_at_install(pool, tmp_path):
+    """3 query heads sharing 1 KV head: each rank would need a copy of the KV head and an equal share of the
+    query heads, which 3 cannot give 2 ranks."""
     from allspark_server.loader.tiny_model import build_tiny_model
     client, _ = pool
     d = str(tmp_path / "hf")
-    build_tiny_model(d, "llama_mha_tied", hidden_size=48, tokenizer=False)   # 4 heads of 12 ...
-    cfg_path = os.path.join(d, "config.json")
-    cfg = json.load(open(cfg_path))
-    cfg.update(num_attention_heads=3, num_key_value_heads=3, head_dim=16)     # ... made 3 heads of 16
-    json.dump(cfg, open(cfg_path, "w"))
+    build_tiny_model(d, "llama_mha_tied", hidden_size=48, num_heads=3, num_kv_heads=1, tokenizer=False)
     loader = serialize(d, "three_heads", str(tmp_path / "out"))
     rt = loader.create_reference_runtime_config_builder("three_heads", "cpu", [0], max_batch=2).max_length(128).build()
     with pytest.raises(AsException) as e:

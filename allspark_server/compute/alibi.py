@@ -28,10 +28,10 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-def local_slopes(num_heads: int, rank: int, local_heads: int) -> torch.Tensor:
-    """The slopes of one tensor-parallel rank's heads: rank r holds global heads [r * local_heads, (r + 1) *
-    local_heads) (layers/sharding.py splits q_proj's rows evenly), fp32 [local_heads]."""
-    return alibi_slopes(num_heads)[rank * local_heads:(rank + 1) * local_heads].clone()
+def local_slopes(num_heads: int, heads: tuple[int, int]) -> torch.Tensor:
+    """The slopes of one tensor-parallel rank's heads [lo, hi) (layers/sharding.py TPLayout.head_range),
+    fp32 [hi - lo]."""
+    return alibi_slopes(num_heads)[heads[0]:heads[1]].clone()
 
 
 def prefill_bias(slopes: torch.Tensor, q_len: int, ctx_len: int) -> torch.Tensor:

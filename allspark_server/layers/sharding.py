@@ -1,8 +1,13 @@
 """Tensor-parallel sharding: how each tensor is split across ranks and which slice a rank reads.
 
-HEADS / COLUMN split dim 0 (output features) evenly; KV_HEADS splits dim 0 by KV head and, when
-there are fewer KV heads than ranks, gives each rank a copy of the head its query heads use; ROW
-splits dim 1 (input features); VOCAB splits dim 0 in near-even chunks; REPLICATE keeps it whole.
+COLUMN splits dim 0 (output features) evenly and ROW dim 1 (input features); HEADS splits dim 0 by this
+rank's query heads and ROW_HEADS dim 1 by them (o_proj's input); KV_HEADS splits dim 0 by KV head and, when
+there are fewer KV heads than ranks, gives each rank a copy of the head its query heads use; VOCAB splits dim
+0 in near-even chunks; REPLICATE keeps it whole.
+
+Heads are dealt out by KV group (a KV head and the query heads that read it stay on one rank), in contiguous
+near-even runs: a model whose head counts the ranks do not divide still splits (SmolLM2-135M's 9 query and 3
+KV heads on 2 ranks: 3 + 6 query heads, 1 + 2 KV heads); the MLP and the vocabulary split as before.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ class SplitMode(enum.IntEnum):
     HEADS = 3
     KV_HEADS = 4
     VOCAB = 5
+    ROW_HEADS = 6
 
 
 class ShardingError(ValueError):
@@ -42,22 +48,35 @@ class TPLayout:
 
     def __post_init__(self):
         w = self.world_size
-        if self.num_heads % w:
-            raise ShardingError(f"num_attention_heads {self.num_heads} is not divisible by {w} ranks")
-        if self.num_kv_heads >= w and self.num_kv_heads % w:
-            raise ShardingError(f"num_key_value_heads {self.num_kv_heads} is not divisible by {w} ranks")
+        if self.num_heads % self.num_kv_heads:
+            raise ShardingError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads "
+                                f"{self.num_kv_heads}")
         if self.num_kv_heads < w and w % self.num_kv_heads:
             raise ShardingError(f"{w} ranks is not a multiple of num_key_value_heads {self.num_kv_heads}")
+        if self.num_kv_heads < w and self.num_heads % w:
+            raise ShardingError(f"num_attention_heads {self.num_heads} is not divisible by {w} ranks (with "
+                                f"{self.num_kv_heads} KV heads, each rank holds a copy of one)")
         if self.intermediate_size % w:
             raise ShardingError(f"intermediate_size {self.intermediate_size} is not divisible by {w} ranks")
 
+    def head_range(self) -> tuple[int, int]:
+        """This rank's query heads [lo, hi)."""
+        if self.num_kv_heads < self.world_size:
+            per = self.num_heads // self.world_size
+            return self.rank * per, (self.rank + 1) * per
+        group = self.num_heads // self.num_kv_heads
+        lo, hi = self.kv_head_range()
+        return lo * group, hi * group
+
     @property
     def local_heads(self) -> int:
-        return self.num_heads // self.world_size
+        lo, hi = self.head_range()
+        return hi - lo
 
     @property
     def local_kv_heads(self) -> int:
-        return max(1, self.num_kv_heads // self.world_size)
+        lo, hi = self.kv_head_range()
+        return hi - lo
 
     @property
     def local_intermediate(self) -> int:
@@ -74,9 +93,9 @@ class TPLayout:
         return hi - lo
 
     def kv_head_range(self) -> tuple[int, int]:
-        if self.num_kv_heads >= self.world_size:
-            n = self.local_kv_heads
-            return self.rank * n, (self.rank + 1) * n
+        if self.num_kv_heads >= self.world_size:   # contiguous near-even runs
+            kv, w = self.num_kv_heads, self.world_size
+            return self.rank * kv // w, (self.rank + 1) * kv // w
         head = self.rank * self.num_kv_heads // self.world_size   # replicated: the head my q heads use
         return head, head + 1
 
@@ -90,6 +109,9 @@ class TPLayout:
         if mode == SplitMode.KV_HEADS:
             lo, hi = self.kv_head_range()
             return 0, lo * self.head_dim, hi * self.head_dim
+        if mode in (SplitMode.HEADS, SplitMode.ROW_HEADS):
+            lo, hi = self.head_range()
+            return int(mode == SplitMode.ROW_HEADS), lo * self.head_dim, hi * self.head_dim
         dim = 1 if mode == SplitMode.ROW else 0
         size = shape[dim]
         if size % self.world_size:

@@ -38,10 +38,13 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], modes: dict[str, SplitMod
     return tensors, modes
 
 
+ROW_MODES = (SplitMode.ROW, SplitMode.ROW_HEADS)   # split along K: per-channel scales hold whole rows
+
+
 def split_mode(part: str, weight_mode: SplitMode, group: int) -> SplitMode:
     """How a quantized tensor (`part`: qweight / scales / zeros / mins) of a weight split by `weight_mode`
     splits."""
-    return SplitMode.REPLICATE if part != "qweight" and group == -1 and weight_mode == SplitMode.ROW else weight_mode
+    return SplitMode.REPLICATE if part != "qweight" and group == -1 and weight_mode in ROW_MODES else weight_mode
 
 
 def quantized_split_modes(tensors: dict[str, torch.Tensor], rules, scheme: QuantScheme) -> dict[str, SplitMode]:

@@ -33,7 +33,7 @@ SPLIT_RULES: list[tuple[str, SplitMode]] = [
     (r"\.mlp\.(experts\.\d+|shared_expert)\.down_proj\.weight$", SplitMode.ROW),
     (r"\.self_attn\.q_proj\.(weight|bias)$", SplitMode.HEADS),
     (r"\.self_attn\.[kv]_proj\.(weight|bias)$", SplitMode.KV_HEADS),
-    (r"\.self_attn\.o_proj\.weight$", SplitMode.ROW),
+    (r"\.self_attn\.o_proj\.weight$", SplitMode.ROW_HEADS),
     (r"\.mlp\.(gate|up)_proj\.(weight|bias)$", SplitMode.COLUMN),
     (r"\.mlp\.down_proj\.weight$", SplitMode.ROW),
     (r"^lm_head\.weight$", SplitMode.VOCAB),
@@ -56,7 +56,7 @@ class Attention(nn.Module):
                                ("v_proj", self.num_kv_heads * d)], step.qkv_bias, dtype)
         self.o_proj = RowParallelLinear(self.num_heads * d, args.hidden_size, step.o_bias, dtype, comm)
         # ALiBi models: the slopes of this rank's heads (and no rotary)
-        slopes = alibi.local_slopes(args.num_heads, tp.rank, tp.local_heads) if step.position == "alibi" else None
+        slopes = alibi.local_slopes(args.num_heads, tp.head_range()) if step.position == "alibi" else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, step, slopes)
         self.q_norm = RMSNorm(d, args.rms_norm_eps, dtype) if step.qk_norm else None
         self.k_norm = RMSNorm(d, args.rms_norm_eps, dtype) if step.qk_norm else None
