@@ -21,6 +21,11 @@ def test_smollm2_shape_on_two_ranks():
     assert r1.slice_for(SplitMode.ROW_HEADS, (576, 576)) == (1, 192, 576)
     assert r0.slice_for(SplitMode.KV_HEADS, (192, 576)) == (0, 0, 64)
     assert r1.slice_for(SplitMode.ROW, (576, 1536)) == (1, 768, 1536)
+    # o_proj quantized in groups of 32: packed 4-bit codes [576, 288] and group scales [576, 18] split like K
+    assert r1.slice_for(SplitMode.ROW_HEADS, (576, 288)) == (1, 96, 288)
+    assert r1.slice_for(SplitMode.ROW_HEADS, (576, 18)) == (1, 6, 18)
+    with pytest.raises(ShardingError, match="cannot be cut at heads 3..9 of 9"):
+        r1.slice_for(SplitMode.ROW_HEADS, (576, 4))          # groups of 144 would be split at K = 192
 
 
 def test_even_splits_are_what_they_were():

@@ -110,8 +110,14 @@ class TPLayout:
             lo, hi = self.kv_head_range()
             return 0, lo * self.head_dim, hi * self.head_dim
         if mode in (SplitMode.HEADS, SplitMode.ROW_HEADS):
-            lo, hi = self.head_range()
-            return int(mode == SplitMode.ROW_HEADS), lo * self.head_dim, hi * self.head_dim
+            # the rows (or columns) of this rank's heads; a quantized weight's packed codes and groups along K
+            # split in proportion, so the heads' boundaries must fall on a byte and a group
+            dim, (lo, hi) = int(mode == SplitMode.ROW_HEADS), self.head_range()
+            size, full = shape[dim], self.num_heads * self.head_dim
+            if (lo * self.head_dim * size) % full or (hi * self.head_dim * size) % full:
+                raise ShardingError(f"dim {dim} of size {size} cannot be cut at heads {lo}..{hi} of "
+                                    f"{self.num_heads} (a quantization group or packed byte would be split)")
+            return dim, lo * self.head_dim * size // full, hi * self.head_dim * size // full
         dim = 1 if mode == SplitMode.ROW else 0
         size = shape[dim]
         if size % self.world_size:
