@@ -74,7 +74,7 @@ def quantize_layers(model: nn.Module, scheme: QuantScheme, world_size: int = 1) 
                 check_shape(fmt, group, module.in_features, name)
             except ValueError as e:
                 raise QuantConfigError(
-                    f"{e}: on {world_size} ranks each holds {module.in_features} of {name}'s "
-                    f"{module.in_features * world_size} input features, so its quantization groups would straddle "
-                    f"the split (choose a group size that divides {module.in_features})") from None
+                    f"{e}: on {world_size} ranks this rank holds {module.in_features} of {name}'s input "
+                    f"features, so its quantization groups would straddle the split (choose a group size that "
+                    f"divides {module.in_features})") from None
         module.quantize_(fmt, group, scheme.act_bits)
