@@ -94,6 +94,30 @@ def test_the_tokenizer_and_chat_template_come_from_the_file(smollm2):
     assert tok.bos_token == "<|im_start|>" and tok.eos_token == "<|im_end|>"
 
 
+def test_the_tokenizer_built_once_is_kept_and_equals_a_fresh_build(smollm2, tmp_path, monkeypatch):
+    """Building the tokenizer from the metadata takes seconds at every server start: it is saved once and read
+    back; what comes back encodes, decodes and templates like transformers' fresh build from the file."""
+    from transformers import AutoTokenizer
+    from allspark_server.loader import gguf_model
+    monkeypatch.setattr(gguf_model, "TOKENIZER_CACHE", str(tmp_path / "cache"))
+    folder, name = os.path.split(smollm2.path)
+    fresh = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    first = gguf_model.load_gguf_tokenizer(smollm2.path)
+    assert len(os.listdir(tmp_path / "cache")) == 1
+    calls, original = [], AutoTokenizer.from_pretrained.__func__
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: calls.append((a, k)) or original(cls, *a, **k)))
+    second = gguf_model.load_gguf_tokenizer(smollm2.path)
+    assert [(len(a), sorted(k)) for a, k in calls] == [(1, [])]      # read from the cache folder, no gguf_file
+    assert calls[0][0][0].startswith(str(tmp_path / "cache"))
+    messages = [{"role": "user", "content": q} for q in QUESTIONS[:3]]
+    for tok in (first, second):
+        for text in QUESTIONS + ["<|im_start|>user\nhi<|im_end|>", "naïve café — 東京"]:
+            assert tok(text)["input_ids"] == fresh(text)["input_ids"]
+        assert tok.apply_chat_template(messages, tokenize=False) == fresh.apply_chat_template(messages, tokenize=False)
+        assert (tok.bos_token, tok.eos_token, tok.pad_token) == (fresh.bos_token, fresh.eos_token, fresh.pad_token)
+
+
 HAS_MINS = "mins" in weights.TENSOR_SUFFIXES
 GEMMS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -10,9 +10,12 @@ Gemma's norms arrive as 1 + weight (llama.cpp's converter adds 1), which is what
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
+import shutil
+import tempfile
 from collections import Counter, defaultdict
 from typing import Callable, Optional
 
@@ -192,12 +195,40 @@ class GGUFModel:
         return parts
 
 
+TOKENIZER_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "allspark", "gguf-tokenizers")
+
+
 def load_gguf_tokenizer(path: str, **kwargs):
     """transformers' fast tokenizer built from the file's metadata (vocab, merges, special tokens, chat
-    template)."""
+    template). Building it takes seconds (every server start asks for it), so it is kept once built, saved by
+    transformers under ~/.cache/allspark/gguf-tokenizers, keyed by the file's path, size and mtime."""
     from transformers import AutoTokenizer
-    folder, name = os.path.split(os.path.abspath(path))
-    return AutoTokenizer.from_pretrained(folder, gguf_file=name, **kwargs)
+    path = os.path.abspath(path)
+    st = os.stat(path)
+    key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    cached = os.path.join(TOKENIZER_CACHE, key)
+    if os.path.isfile(os.path.join(cached, "tokenizer.json")):
+        try:
+            return AutoTokenizer.from_pretrained(cached, **kwargs)
+        except Exception as e:     # a damaged cache entry: build it again
+            log.warning("GGUF tokenizer cache %s unreadable (%s): rebuilding it", cached, e)
+    folder, name = os.path.split(path)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name, **kwargs)
+    tmp = None
+    try:
+        tmp = tempfile.mkdtemp(prefix=key + ".", dir=_makedirs(TOKENIZER_CACHE))
+        tok.save_pretrained(tmp)
+        os.replace(tmp, cached)         # atomic: a concurrent reader sees a whole entry or none
+    except OSError as e:                # a read-only home, or another process won the race: not an error
+        log.info("GGUF tokenizer not cached (%s)", e)
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tok
+
+
+def _makedirs(path: str) -> str:
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def _numel(shape: tuple) -> int:
