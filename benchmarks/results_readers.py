@@ -176,6 +176,18 @@ def quant_accuracy(r: dict) -> list:
     return rows
 
 
+def accuracy_smollm2(r: dict) -> list:
+    """accuracy_table.py: per weight format, perplexity, mean KL against fp32 and top-1 agreement per KV mode."""
+    rows = {"ref": {"weights": "transformers fp32 (the reference)", "PPL, dense KV": f(r["reference"]["ppl"], 3)}}
+    for e in r["rows"]:
+        row = rows.setdefault(e["weights"], {"weights": e["weights"]})
+        kv = e["kv"]   # dense (the model's dtype), int8, uint4
+        row[f"PPL, {kv} KV"] = f(e["ppl"], 3)
+        row[f"KL, {kv} KV"] = f"{e['kl_mean']:.4f}"
+        row[f"top-1, {kv} KV"] = f"{100 * e['top1_agreement']:.1f}%"
+    return list(rows.values())
+
+
 def cuda(r: dict) -> list:
     """run.py --device cuda: the Engine on the GPU against the PyTorch CUDA-graph step and transformers."""
     out = [("batch-1 tok/s", f(r["allspark_decode_b1_tps"], 1)),
@@ -334,6 +346,10 @@ MEASURES = {
     "quant-accuracy": ("Quantization accuracy, 0.5 B model", "`quant_accuracy.py`: teacher-forced against fp32.",
                        quant_accuracy),
     "quant-accuracy-quick": ("Quantization accuracy, small model", "`quant_accuracy.py --quick`.", quant_accuracy),
+    "accuracy-smollm2": ("Accuracy on SmolLM2-135M-Instruct: weight formats x KV modes", "`accuracy_table.py`: "
+                         "perplexity over 20,480 tokens of pydoc_data.topics, KL(p_fp32 || p) and top-1 agreement "
+                         "against transformers' fp32 model of the same GGUF file; dense KV is fp32 for the fp32 row, "
+                         "bf16 for the others.", accuracy_smollm2),
     "cuda": ("GPU: Engine against a PyTorch CUDA-graph step and transformers", "`run.py --device cuda`: "
              "Llama-2-7B-shaped bf16 model, random weights.", cuda),
     "cuda-gemv-micro": ("GPU: Triton decode GEMV", "`cuda_gemv_micro.py`: Llama-2-7B shapes and 2-rank shards.",
