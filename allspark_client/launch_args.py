@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Optional
 
 from allspark_client import settings
 
@@ -28,6 +29,31 @@ def default_socket_path() -> str:
     return os.path.join(base, "allspark", "pool.sock")
 
 
+def at_least(low: int, high: Optional[int] = None, number=int):
+    """An argparse type: a number (int, or float for seconds) from `low` (to `high`); argparse names the flag and
+    the value when it is not."""
+    what = "a number" if number is float else "an integer"
+    bound = f"from {low} to {high}" if high is not None else f">= {low}"
+
+    def parse(text: str):
+        try:
+            value = number(text)
+        except ValueError:
+            value = None
+        if value is None or not value >= low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {what} {bound}, got {text!r}")
+        return value
+    return parse
+
+
+def node_list(text: str) -> str:
+    """--numa-nodes: comma-separated distinct node numbers."""
+    nodes = text.split(",")
+    if not all(n.strip().isdigit() for n in nodes) or len({int(n) for n in nodes}) != len(nodes):
+        raise argparse.ArgumentTypeError(f"must be distinct NUMA node numbers like 0,1, got {text!r}")
+    return text
+
+
 def multi_host(args) -> bool:
     return bool(args.hosts or args.hostfile)
 
@@ -35,15 +61,15 @@ def multi_host(args) -> bool:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="allspark-launch", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, help="number of ranks (default: one per NUMA node, or per GPU with --gpus)")
-    p.add_argument("--numa-nodes", help="comma-separated NUMA nodes to use (default: all)")
+    p.add_argument("--ranks", type=at_least(1), help="number of ranks (default: one per NUMA node, or per GPU with --gpus)")
+    p.add_argument("--numa-nodes", type=node_list, help="comma-separated NUMA nodes to use (default: all)")
     p.add_argument("--gpus", nargs="?", const="all",
                    help="GPU ranks: rank r sees only the r-th of these GPUs ('0,1'; 'all' or no value: every visible "
                         "GPU) and runs on its NUMA node; --ranks defaults to their number")
     p.add_argument("--nvidia-smi", default="nvidia-smi", help="with --gpus: nvidia-smi, which lists the GPUs")
     p.add_argument("--sysfs-root", default="/sys", help=argparse.SUPPRESS)
     p.add_argument("--socket", help="unix socket for gRPC (default: $XDG_RUNTIME_DIR or /tmp/allspark-UID)")
-    p.add_argument("--port", type=int, help="serve TCP on 127.0.0.1:PORT instead of a unix socket")
+    p.add_argument("--port", type=at_least(1, 65535), help="serve TCP on 127.0.0.1:PORT instead of a unix socket")
     p.add_argument("--bind-host", default="127.0.0.1", help="with --port: bind address (non-loopback needs --allow-remote)")
     p.add_argument("--allow-remote", action="store_true",
                    help="with --port: listen beyond loopback (then --tls-cert/--tls-key and a token are required)")
@@ -53,24 +79,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tls-key", help="... and this PEM key")
     p.add_argument("--tls-client-ca", help="with TLS: require client certificates signed by this PEM CA")
     p.add_argument("--pool-config", help="TOML pool config ([pool] defaults these flags; [[model]] loads models)")
-    p.add_argument("--threads-per-rank", type=int, default=0, help="0 = the rank's cores")
+    p.add_argument("--threads-per-rank", type=at_least(0), default=0, help="0 = the rank's cores")
     p.add_argument("--host", "--hosts", dest="hosts",
                    help="multi-host pool: comma-separated hosts reached by mpirun over ssh; the first one runs "
                         "rank 0 and serves. Each host gets one rank per NUMA node (its own topology) unless "
                         "--ranks-per-host")
     p.add_argument("--hostfile", help="multi-host pool: an mpirun hostfile instead of --host")
-    p.add_argument("--ranks-per-host", type=int, default=0,
+    p.add_argument("--ranks-per-host", type=at_least(0), default=0,
                    help="multi-host pool: ranks on each host (default: one per NUMA node of that host; MPICH: 1)")
     p.add_argument("--mpirun", default=settings.MPIRUN.get())
     p.add_argument("--python", default=sys.executable, help="python interpreter for the ranks")
     p.add_argument("--no-numactl", action="store_true", help="do not use numactl even if installed")
     p.add_argument("--topology", help="override the NUMA topology, e.g. '0:0-31;1:32-63'")
-    p.add_argument("--max-streams", type=int, default=0,
+    p.add_argument("--max-streams", type=at_least(0), default=0,
                    help="Generate streams rank 0 serves at once (default 4096); more are refused as overload")
-    p.add_argument("--step-timeout", type=float, default=0,
+    p.add_argument("--step-timeout", type=at_least(0, number=float), default=0,
                    help="seconds a step may take before the pool is declared hung and exits non-zero "
                         "(default: 10 s beyond the slowest step so far)")
-    p.add_argument("--stream-stall-timeout", type=float, default=0,
+    p.add_argument("--stream-stall-timeout", type=at_least(0, number=float), default=0,
                    help="seconds a Generate stream may wait on a client that does not read it before the pool "
                         "drops it and releases its request (default 30)")
     p.add_argument("--pid-file", help=argparse.SUPPRESS)
@@ -82,8 +108,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("mpirun_args", nargs="*", help="extra mpirun arguments (after --)")
     args = p.parse_args(argv)
     if args.pool_config:
-        from allspark_client.pool_config import load_pool_config
-        pool = load_pool_config(args.pool_config)
+        from allspark_client.pool_config import ConfigError, load_pool_config
+        try:
+            pool = load_pool_config(args.pool_config)
+        except ConfigError as e:
+            raise SystemExit(f"allspark-launch: {e}") from None
         for key in ("ranks", "socket", "port", "allow_remote", "mpirun"):
             value = getattr(pool, key)
             if value not in (None, False) and getattr(args, key) in (None, False, "mpirun"):

@@ -12,18 +12,22 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+from typing import Optional
 
 import psutil
 
 from allspark_client.gpu_topology import gpu_numa_nodes, visible_gpus
+from allspark_client.health import describe_pool
 from allspark_client.launch_args import check_multi_host, default_socket_path, multi_host, parse_args
 from allspark_client.mpirun_command import (MULTI_HOST_KEEPALIVE, build_command, find_mpirun, hosts_arguments,
                                             mpi_flavour, openmpi_prefix)
 from allspark_client.mpirun_watch import MpirunWatch
 from allspark_client.owner_watch import OwnerWatch
-from allspark_client.pool_dirs import make_pool_shm_dir, make_run_dir
+from allspark_client.pool_dirs import RUN_PREFIX, SHM_PREFIX, SHM_ROOT, make_pool_shm_dir, make_run_dir
 from allspark_client.rank_placement import (RankPlacement, format_cpu_list, isa_flags, parse_cpu_list,
                                             place_gpu_ranks, place_ranks, read_topology)
+from allspark_client.socket_probe import ANSWERS, HTTP2, NOT_SOCKET, probe
 
 # the names this module held before its split, still importable from here
 __all__ = ["MULTI_HOST_KEEPALIVE", "RankPlacement", "build_command", "check_multi_host", "default_socket_path",
@@ -82,8 +86,64 @@ def kill_job(proc: subprocess.Popen) -> None:
             pass
 
 
+def shm_dir_wanted(args, flavour: str) -> bool:
+    """The shared-memory segments in a directory of the pool's own (pool_dirs.py), so that a pool killed outright
+    does not leave 16 MiB a rank in /dev/shm; one host only, since the directory exists on this one, and not where
+    the user chose one. (vader: the transport's name in Open MPI 4, a synonym of sm in 5.)"""
+    return flavour == "openmpi" and not multi_host(args) and not any(
+        f"OMPI_MCA_btl_{name}_backing_directory" in os.environ for name in ("sm", "vader"))
+
+
+def added_environment(args, flavour: str, run_dir: str, shm_dir: Optional[str]) -> dict[str, str]:
+    """What the launcher adds to mpirun's environment."""
+    added = {}
+    if flavour == "openmpi" and os.geteuid() == 0:
+        added.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    if multi_host(args):
+        # mpirun's link to each host's daemon: notice a host gone silent in ~20 s, not Open MPI's 8 minutes
+        for prefix in ("PRTE_MCA_", "OMPI_MCA_"):      # Open MPI 5 (PRRTE) and 4 (ORTE)
+            for name, value in MULTI_HOST_KEEPALIVE.items():
+                if prefix + name not in os.environ:
+                    added[prefix + name] = value
+    # MPI's session files (PMIx sockets, shared-memory segments) go in this pool's own directory, removed when the
+    # pool ends: Open MPI names them /tmp/ompi.<mpirun pid>, and a pool killed outright leaves its directory
+    # behind, where a later mpirun that happens to get the same pid fails with "The PMIx server's listener thread
+    # failed to start" (seen after ~100 killed pools)
+    added["TMPDIR"] = run_dir
+    if shm_dir:
+        added["OMPI_MCA_btl_vader_backing_directory"] = shm_dir
+    return added
+
+
+def dry_run_header(args, topo, placements, flavour: str, numactl: Optional[str]) -> str:
+    if multi_host(args):
+        return (f"# multi-host pool ({args.hosts or 'hostfile ' + args.hostfile}), {flavour}: each rank takes its "
+                f"NUMA node and cores on its own host (--place-on-host)")
+    gpus = {p.gpu: p.node for p in placements if p.gpu is not None}
+    return (f"# topology {({n: format_cpu_list(c) for n, c in topo.items()})}, {flavour}, "
+            f"numactl {'yes' if numactl else 'no'}, isa {','.join(isa_flags()) or 'unknown'}"
+            + (f", gpu: numa node {gpus}" if gpus else ""))
+
+
+def refuse_a_taken_address(args) -> None:
+    """A pool (or anything else) answering where this one would serve is never replaced: the launcher stops here,
+    naming it. (A stale socket is fine: rank 0 replaces it. A multi-host pool's rank 0 checks on its own host.)"""
+    if multi_host(args):
+        return
+    address = f"unix:{os.path.abspath(args.socket)}" if args.port is None else f"{args.bind_host}:{args.port}"
+    found = probe(address)
+    if found.kind not in ANSWERS + (NOT_SOCKET,):
+        return
+    what = (describe_pool(address) if found.kind == HTTP2 else None) or found.detail
+    flag = "--socket" if args.port is None else "--port"
+    raise SystemExit(f"allspark-launch: {what}: refusing to start another pool there (stop that one first, or "
+                     f"pass another {flag})")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if not args.dry_run:
+        refuse_a_taken_address(args)
     topo = {} if multi_host(args) else read_topology(args.topology)
     if multi_host(args):
         placements = []                              # each rank places itself on its own host
@@ -104,41 +164,23 @@ def main(argv=None) -> int:
             raise
         found = False                   # a dry run still prints the command it would run
     flavour = mpi_flavour(args.mpirun) if found else "openmpi"
-    env = dict(os.environ)
-    if flavour == "openmpi" and os.geteuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    if multi_host(args):
-        # mpirun's link to each host's daemon: notice a host gone silent in ~20 s, not Open MPI's 8 minutes
-        for prefix in ("PRTE_MCA_", "OMPI_MCA_"):      # Open MPI 5 (PRRTE) and 4 (ORTE)
-            for name, value in MULTI_HOST_KEEPALIVE.items():
-                env.setdefault(prefix + name, value)
     if args.dry_run:
-        gpus = {p.gpu: p.node for p in placements if p.gpu is not None}
-        if multi_host(args):
-            print(f"# multi-host pool ({args.hosts or 'hostfile ' + args.hostfile}), {flavour}: each rank takes "
-                  f"its NUMA node and cores on its own host (--place-on-host)")
-        else:
-            print(f"# topology {({n: format_cpu_list(c) for n, c in topo.items()})}, {flavour}, "
-                  f"numactl {'yes' if numactl else 'no'}, isa {','.join(isa_flags()) or 'unknown'}"
-                  + (f", gpu: numa node {gpus}" if gpus else ""))
-        print(shlex.join(build_command(args, placements, flavour, numactl)))
-        return 0
-    run_dir = make_run_dir()     # pool_dirs.py: those of launchers killed outright are removed first
+        print(dry_run_header(args, topo, placements, flavour, numactl))
+        # the directories are made at start: a dry run shows their names with mkdtemp's random part as XXXXXXXX
+        run_dir = os.path.join(tempfile.gettempdir(), f"{RUN_PREFIX}{os.getpid()}-XXXXXXXX")
+        shm_dir = (os.path.join(SHM_ROOT, f"{SHM_PREFIX}{os.getpid()}-XXXXXXXX")
+                   if os.access(SHM_ROOT, os.W_OK) and shm_dir_wanted(args, flavour) else None)
+    else:
+        run_dir = make_run_dir()     # pool_dirs.py: those of launchers killed outright are removed first
+        shm_dir = make_pool_shm_dir() if shm_dir_wanted(args, flavour) else None
     args.pid_file = os.path.join(run_dir, "rank0.pid")
-    # MPI's session files (PMIx sockets, shared-memory segments) go in this pool's own directory,
-    # removed when the pool ends: Open MPI names them /tmp/ompi.<mpirun pid>, and a pool killed
-    # outright leaves its directory behind, where a later mpirun that happens to get the same pid
-    # fails with "The PMIx server's listener thread failed to start" (seen after ~100 killed pools)
-    env["TMPDIR"] = run_dir
-    # the shared-memory segments too (pool_dirs.py): a pool killed outright must not leave 16 MiB a rank in /dev/shm;
-    # one host only, since the directory exists on this one. (vader: the transport's name in Open MPI 4, a synonym
-    # of sm in 5)
-    shm_dir = None
-    if flavour == "openmpi" and not multi_host(args) and not any(
-            f"OMPI_MCA_btl_{name}_backing_directory" in env for name in ("sm", "vader")):
-        shm_dir = make_pool_shm_dir()
-        if shm_dir:
-            env["OMPI_MCA_btl_vader_backing_directory"] = shm_dir
+    added = added_environment(args, flavour, run_dir, shm_dir)
+    if args.dry_run:     # the exact command: what the launcher adds to the environment, then mpirun's command line
+        print(shlex.join(["env", *(f"{k}={v}" for k, v in added.items()),
+                          *build_command(args, placements, flavour, numactl)]))
+        print("# XXXXXXXX: the random part of the directories the launcher makes at start and removes at the end")
+        return 0
+    env = dict(os.environ, **added)
     cmd = build_command(args, placements, flavour, numactl)
     # own session: terminal signals reach us, not mpirun; parent-death signal: if the launcher is
     # killed outright, mpirun gets SIGTERM and takes the ranks down instead of orphaning the pool

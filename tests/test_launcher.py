@@ -26,7 +26,9 @@ def dry_run(capsys, *argv) -> list[str]:
     assert launch_main(argv[:at] + ["--dry-run", "--python", "python3"] + argv[at:]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("# topology") or lines[0].startswith("# multi-host pool")
-    return shlex.split(lines[1])
+    cmd = shlex.split(lines[1])
+    assert cmd[0] == "env"         # what the launcher adds to the environment (test_pool_edges.py), then mpirun
+    return cmd[next(i for i, tok in enumerate(cmd[1:], 1) if "=" not in tok):]
 
 
 def rank_commands(cmd: list[str]) -> list[list[str]]:

@@ -3,7 +3,10 @@
 - unix socket: a directory the pool creates for it is 0700 (0710 with `--socket-group`); the socket is bound under
   a umask that leaves it 0600 (0660 with the group) from the first moment, never looser. A directory that exists
   already is used as it is unless another user could replace the socket in it (writable by others without the
-  sticky bit, or owned by another non-root user): then the pool refuses to start, saying so.
+  sticky bit, or owned by another non-root user): then the pool refuses to start, saying so. A path something
+  answers on (a live pool) or that is not a socket is never replaced (socket_probe.py): checked at start and again
+  just before the bind; only a stale socket is. At its end the pool removes the socket only if it is still the one
+  it bound (same device and inode), not one another pool bound there since.
 - TCP: loopback only, unless `--allow-remote`; then a server certificate (`--tls-cert`, `--tls-key`) and a token are
   required, and `--tls-client-ca` also requires client certificates signed by that CA.
 - the token comes from `--token-file` or the ALLSPARK_TOKEN environment variable, never the command line (every
@@ -123,22 +126,65 @@ def prepare_socket_dir(path: str, group: Optional[str]) -> None:
                           f"{' and ' if foreign and others_write else ''}"
                           f"{'writable by others' if others_write else ''}: another user could replace the socket; "
                           f"use a directory of your own (or let the pool create one)")
-    if os.path.exists(path):
+    clear_socket_path(path)
+
+
+def clear_socket_path(path: str) -> None:
+    """Remove a stale socket at `path`; AccessError when something answers there or it is not a socket."""
+    from allspark_client.socket_probe import probe
+    found = probe("unix:" + path)
+    if found.kind == "stale":
         os.unlink(path)
+    elif not found.may_become_a_pool:
+        raise AccessError(f"{found.detail}: refusing to replace it (stop that pool first, or choose another "
+                          f"--socket)")
+
+
+def socket_identity(path: str) -> Optional[tuple[int, int]]:
+    """(device, inode) of the file at `path`, or None."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def remove_own_socket(path: str, identity: Optional[tuple[int, int]]) -> None:
+    """Unlink `path` only if it is still the socket this pool bound (`identity`, from socket_identity)."""
+    if identity is not None and socket_identity(path) == identity:
+        os.unlink(path)
+    elif identity is not None and os.path.lexists(path):
+        log.warning("left %s in place: it is no longer the socket this pool bound", path)
 
 
 def bind_unix(server, path: str, group: Optional[str]) -> None:
-    """Bind the socket 0600 (0660 with a group) without a moment of looser permissions."""
+    """Bind the socket 0600 (0660 with a group) without a moment of looser permissions, and never over a file that
+    appeared at `path` meanwhile. gRPC unlinks whatever is at the bound path when it binds and again when the server
+    stops, so it binds a name of this process's own beside `path`; that socket is then hard-linked to `path` (link()
+    fails where a file exists: nothing is replaced) and its own name removed, which gRPC's unlink at stop then finds
+    gone. `path` itself is removed by remove_own_socket only while it is still this socket."""
+    clear_socket_path(path)          # again: another pool may have bound it while this one loaded its models
+    own = os.path.join(os.path.dirname(path), f".{os.getpid()}.sock")
+    if os.path.lexists(own):         # left by a process of this pid killed outright
+        os.unlink(own)
     mode = 0o660 if group else 0o600
     old = os.umask(0o777 & ~mode)
     try:
-        if server.add_insecure_port("unix:" + path) == 0:
-            raise OSError(f"cannot bind the unix socket {path!r}")
+        if server.add_insecure_port("unix:" + own) == 0:
+            raise OSError(f"cannot bind the unix socket {own!r}")
     finally:
         os.umask(old)
-    if group:
-        os.chown(path, -1, _group_id(group))
-    os.chmod(path, mode)
+    try:
+        if group:
+            os.chown(own, -1, _group_id(group))
+        os.chmod(own, mode)
+        try:
+            os.link(own, path)
+        except FileExistsError:
+            clear_socket_path(path)  # a stale socket that appeared meanwhile is replaced, a live one never
+            os.link(own, path)
+    finally:
+        os.unlink(own)
 
 
 # ---- TCP -----------------------------------------------------------------------------------------

@@ -107,6 +107,7 @@ def sd_notify(state: str) -> None:
 def serve(comm, args, address: str, access, ranks) -> int:
     from allspark_client.pool_config import load_pool_config
     from allspark_server.engine.engine import Engine
+    from allspark_server.pool.access import remove_own_socket, socket_identity
     from allspark_server.pool.service import AllsparkServicer, start_server
 
     stop = threading.Event()
@@ -126,6 +127,7 @@ def serve(comm, args, address: str, access, ranks) -> int:
                 engine.start_model(entry.config.model_name)
     servicer = AllsparkServicer(engine, comm.world_size, args.max_streams, args.stream_stall_timeout)
     server = start_server(servicer, address, access)
+    own_socket = socket_identity(address[5:]) if address.startswith("unix:") else None
     servicer.ready = True
     sd_notify("READY=1")
     print(f"allspark pool ready: {comm.world_size} rank(s), serving {address}", flush=True)
@@ -138,8 +140,8 @@ def serve(comm, args, address: str, access, ranks) -> int:
         log.warning("streams still open %.0f s after their requests stopped: their clients do not read", STOP_GRACE_S)
     time.sleep(STOP_LINGER_S)                 # their clients read those last replies
     server.stop(grace=1.0).result()           # a unary call still running gets a second
-    if address.startswith("unix:") and os.path.exists(address[5:]):
-        os.unlink(address[5:])
+    if own_socket is not None:
+        remove_own_socket(address[5:], own_socket)     # not another pool's socket bound there since
     if lost:              # a rank dead or stopped: MPI_Finalize would wait for it forever
         comm.abort(1)
     return 0
