@@ -24,6 +24,7 @@ from allspark_client.config import AsModelConfig
 from allspark_client.generation_config import parse_request
 from allspark_client.validation import ConfigError
 from allspark_client.result_queue import ResultQueue
+from allspark_client.session import ClientSession
 from allspark_client.spawned_pool import SpawnedPool
 from allspark_client.types import (AsEngineStat, AsException, AsStatus, GenerateRequestStatus,
                                    RequestHandle, pool_failed)
@@ -72,6 +73,7 @@ class ClientEngine(EngineAPI):
         `token`: the pool's bearer token (default $ALLSPARK_TOKEN); `root_certificates` (PEM bytes or a path):
         TLS, trusting that CA; `certificate_chain` + `private_key`: a client certificate (channel.py)."""
         self._pool: Optional[SpawnedPool] = None    # a pool this object spawned (and ends)
+        self._session: Optional[ClientSession] = None
         self._closed = False
         if address is None:
             self._pool = SpawnedPool(ranks, numa_nodes, gpus, launcher_args)
@@ -88,6 +90,10 @@ class ClientEngine(EngineAPI):
             self._lock = threading.Lock()
             self._errors = threading.local()
             self.health = self._wait_ready(start_timeout_s)
+            try:   # the pool releases what this client leaves unreleased if it dies (session.py)
+                self._session = ClientSession(self._stub, CONNECT_TIMEOUT_S)
+            except grpc.RpcError as e:
+                raise self._unavailable(e) from None
         except BaseException:
             # a pool spawned for this object that never became ready (it exited, or start_timeout_s passed) is not
             # left running without an owner, nor its directory behind
@@ -149,6 +155,8 @@ class ClientEngine(EngineAPI):
             except AsException:
                 break   # the pool is gone
         self._closed = True
+        if self._session is not None:
+            self._session.close()
         self._channel.close()
         self._end_spawned_pool()
 
@@ -213,22 +221,27 @@ class ClientEngine(EngineAPI):
             return self._fail(AsStatus.ALLSPARK_INVALID_CALL_ERROR, CLOSED)
         return self._status(self._rpc(self._stub.StartModel, pb.ModelRef(model_name=name)))
 
-    def stop_model(self, name: str) -> AsStatus:
+    def stop_model(self, name: str, force: bool = False) -> AsStatus:
+        """As Engine.stop_model; `force`: release the model's requests first, this client's and any other's."""
         if self._closed:
             return self._fail(AsStatus.ALLSPARK_INVALID_CALL_ERROR, CLOSED)
         with self._lock:
-            mine = sum(1 for (model, _) in self._live if model == name)
-        if mine:
+            mine = [r.handle for (model, _), r in self._live.items() if model == name]
+        if mine and force:
+            for handle in mine:
+                self.release_request(name, handle)
+        elif mine:
             return self._fail(AsStatus.ALLSPARK_RUNTIME_ERROR,
-                              f"model {name!r} has {mine} unreleased request(s); call release_request for "
-                              f"each before stop_model")
-        return self._status(self._rpc(self._stub.StopModel, pb.ModelRef(model_name=name)))
+                              f"model {name!r} has {len(mine)} unreleased request(s); call release_request for "
+                              f"each before stop_model, or stop_model / release_model with force=True to release "
+                              f"them")
+        return self._status(self._rpc(self._stub.StopModel, pb.ModelRef(model_name=name, force=force)))
 
-    def release_model(self, name: str) -> AsStatus:
-        status = self.stop_model(name)
+    def release_model(self, name: str, force: bool = False) -> AsStatus:
+        status = self.stop_model(name, force)
         if status != AsStatus.ALLSPARK_SUCCESS:
             return status
-        return self._status(self._rpc(self._stub.ReleaseModel, pb.ModelRef(model_name=name)))
+        return self._status(self._rpc(self._stub.ReleaseModel, pb.ModelRef(model_name=name, force=force)))
 
     # ---- requests ----------------------------------------------------------------------------
     def start_request(self, name: str, inputs: Any, generate_config: Any = None) -> StartResult:
@@ -238,8 +251,8 @@ class ClientEngine(EngineAPI):
             ids, raw, gen = parse_request(inputs, generate_config)
         except ConfigError as e:
             return self._fail(e.status, str(e)), None, None
-        request = pb.GenerateRequest(model_name=name, input_ids=ids,
-                                     config=convert.generation_config_to_proto(raw, gen))
+        request = pb.GenerateRequest(model_name=name, input_ids=ids, config=convert.generation_config_to_proto(raw, gen),
+                                     session_id=self._session.id if self._session is not None else "")
         call = self._stub.Generate(request)
         try:
             first = next(call)

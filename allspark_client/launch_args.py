@@ -99,6 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stream-stall-timeout", type=at_least(0, number=float), default=0,
                    help="seconds a Generate stream may wait on a client that does not read it before the pool "
                         "drops it and releases its request (default 30)")
+    p.add_argument("--orphan-grace", type=at_least(0, number=float), default=0,
+                   help="seconds after a client's connection is gone (it died without releasing its requests) "
+                        "before the pool releases its finished requests (default 30)")
     p.add_argument("--pid-file", help=argparse.SUPPRESS)
     # ClientEngine's spawned pools (owner_watch.py): the spawning process, the read end of its pipe, its directory
     p.add_argument("--owner-pid", type=int, help=argparse.SUPPRESS)
@@ -126,6 +129,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.threads_per_rank = args.threads_per_rank or pool.threads_per_rank
         args.step_timeout = args.step_timeout or pool.step_timeout
         args.stream_stall_timeout = args.stream_stall_timeout or pool.stream_stall_timeout
+        args.orphan_grace = args.orphan_grace or pool.orphan_grace
         if pool.hosts and not (args.hosts or args.hostfile):
             args.hosts = ",".join(pool.hosts)
         args.ranks_per_host = args.ranks_per_host or pool.ranks_per_host

@@ -101,6 +101,8 @@ def build_command(args, placements: list[RankPlacement], flavour: str, numactl: 
         rank_args += ["--step-timeout", str(args.step_timeout)]
     if args.stream_stall_timeout:
         rank_args += ["--stream-stall-timeout", str(args.stream_stall_timeout)]
+    if args.orphan_grace:
+        rank_args += ["--orphan-grace", str(args.orphan_grace)]
     if multi_host(args):     # one app context: every rank places itself on its own host (placement.py)
         threads = ["--threads", str(args.threads_per_rank)] if args.threads_per_rank else []
         return cmd + [args.python, "-m", "allspark_server", "--place-on-host"] + threads + rank_args

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, Union
 from allspark_client.config import AsModelConfig, ConfigError
 
 POOL_KEYS = {"ranks", "numa_nodes", "gpus", "socket", "port", "host", "allow_remote", "threads_per_rank", "mpirun",
-             "step_timeout", "stream_stall_timeout", "hosts", "ranks_per_host"}
+             "step_timeout", "stream_stall_timeout", "hosts", "ranks_per_host", "orphan_grace"}
 MODEL_KEYS = {"name", "graph", "weights", "max_length", "max_batch", "max_prefill_length", "span_size",
               "kv_cache_memory_bytes", "start"}
 
@@ -31,7 +31,8 @@ _NODES = (lambda v: isinstance(v, list) and v != [] and len(set(map(repr, v))) =
 # what each key's value must be (gpus and hosts have checks of their own below)
 POOL_TYPES = {"ranks": _integer(1), "numa_nodes": _NODES, "socket": _TEXT, "port": _integer(1, 65535),
               "host": _TEXT, "allow_remote": _BOOL, "threads_per_rank": _integer(0), "mpirun": _TEXT,
-              "step_timeout": _SECONDS, "stream_stall_timeout": _SECONDS, "ranks_per_host": _integer(0)}
+              "step_timeout": _SECONDS, "stream_stall_timeout": _SECONDS, "ranks_per_host": _integer(0),
+              "orphan_grace": _SECONDS}
 MODEL_TYPES = {"name": _TEXT, "graph": _TEXT, "weights": _TEXT, "max_length": _integer(1), "max_batch": _integer(1),
                "max_prefill_length": _integer(0), "span_size": _integer(1), "kv_cache_memory_bytes": _integer(0),
                "start": _BOOL}
@@ -68,6 +69,7 @@ class PoolConfig:
     stream_stall_timeout: float = 0                # seconds; 0: the default 30 (allspark-launch --stream-stall-timeout)
     hosts: Optional[list[str]] = None              # a multi-host pool (allspark-launch --host)
     ranks_per_host: int = 0                        # with hosts: 0 = one per NUMA node of each host
+    orphan_grace: float = 0                        # seconds; 0: the default 30 (allspark-launch --orphan-grace)
     models: list[ModelEntry] = field(default_factory=list)
 
 

@@ -59,7 +59,7 @@ TEST_FILE_TIERS = {
     "test_launcher_gpus.py": "pool", "test_multi_host.py": "pool", "test_pool_access.py": "pool",
     "test_pool_failures.py": "pool", "test_pool_grpc.py": "pool", "test_pool_load.py": "pool",
     "test_pool_slow_clients.py": "pool", "test_soak.py": "pool", "test_smollm2_serve.py": "pool", "test_tensor_parallel.py": "pool",
-    "test_pool_owner.py": "pool", "test_pool_edges.py": "pool",
+    "test_pool_owner.py": "pool", "test_pool_edges.py": "pool", "test_pool_orphans.py": "pool",
 
     "test_cuda.py": "gpu",
 }

@@ -118,10 +118,24 @@ class StatusReply(_message.Message):
     def __init__(self, status: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ModelRef(_message.Message):
-    __slots__ = ("model_name",)
+    __slots__ = ("model_name", "force")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
-    def __init__(self, model_name: _Optional[str] = ...) -> None: ...
+    force: bool
+    def __init__(self, model_name: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class AttachReply(_message.Message):
+    __slots__ = ("release_after_s",)
+    RELEASE_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    release_after_s: float
+    def __init__(self, release_after_s: _Optional[float] = ...) -> None: ...
 
 class RequestRef(_message.Message):
     __slots__ = ("model_name", "request_id")
@@ -228,14 +242,16 @@ class GenerationConfig(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_length: _Optional[int] = ..., max_length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., has_eos_token_id: _Optional[bool] = ..., eos_token_id: _Optional[_Iterable[int]] = ..., stop_words_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., do_sample: _Optional[bool] = ..., response_format_json: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model_name", "input_ids", "config")
+    __slots__ = ("model_name", "input_ids", "config", "session_id")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     config: GenerationConfig
-    def __init__(self, model_name: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., config: _Optional[_Union[GenerationConfig, _Mapping]] = ...) -> None: ...
+    session_id: str
+    def __init__(self, model_name: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., config: _Optional[_Union[GenerationConfig, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")

@@ -69,6 +69,11 @@ class AllsparkStub:
                 request_serializer=allspark__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=allspark__pb2.GenerateReply.FromString,
                 _registered_method=True)
+        self.Attach = channel.unary_stream(
+                '/allspark.v1.Allspark/Attach',
+                request_serializer=allspark__pb2.AttachRequest.SerializeToString,
+                response_deserializer=allspark__pb2.AttachReply.FromString,
+                _registered_method=True)
         self.StopRequest = channel.unary_unary(
                 '/allspark.v1.Allspark/StopRequest',
                 request_serializer=allspark__pb2.RequestRef.SerializeToString,
@@ -123,7 +128,8 @@ class AllsparkServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StopModel(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """force: release every request of the model first
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -138,6 +144,15 @@ class AllsparkServicer:
         """The first reply carries the start status and the request id; then tokens as they come; the
         last reply has a terminal generate_status and the request's stats. Cancelling the call
         releases the request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Attach(self, request, context):
+        """A client's ownership link: open while the client lives (one reply, then nothing). The requests a
+        Generate started under the same session_id are released once no Attach of that session has
+        been open for release_after_s (the client died or lost its connection and did not come back).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -205,6 +220,11 @@ def add_AllsparkServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=allspark__pb2.GenerateRequest.FromString,
                     response_serializer=allspark__pb2.GenerateReply.SerializeToString,
+            ),
+            'Attach': grpc.unary_stream_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=allspark__pb2.AttachRequest.FromString,
+                    response_serializer=allspark__pb2.AttachReply.SerializeToString,
             ),
             'StopRequest': grpc.unary_unary_rpc_method_handler(
                     servicer.StopRequest,
@@ -399,6 +419,33 @@ class Allspark:
             '/allspark.v1.Allspark/Generate',
             allspark__pb2.GenerateRequest.SerializeToString,
             allspark__pb2.GenerateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/allspark.v1.Allspark/Attach',
+            allspark__pb2.AttachRequest.SerializeToString,
+            allspark__pb2.AttachReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -121,7 +121,11 @@ class Engine(EngineAPI):
             self._engine.call(lambda: setattr(model, "started", True))
         return AsStatus.ALLSPARK_SUCCESS
 
-    def stop_model(self, name: str) -> AsStatus:
+    def stop_model(self, name: str, force: bool = False) -> AsStatus:
+        """Stop serving `name`. Refused while requests of it are unreleased, unless `force`: an operator's way
+        past requests whose holder will never release them (each is stopped and released first)."""
+        if force:
+            self._release_all(name)
         with self._lock:
             try:
                 model = self._model(name)
@@ -131,12 +135,22 @@ class Engine(EngineAPI):
             if live:
                 return self._fail(AsStatus.ALLSPARK_RUNTIME_ERROR,
                                   f"model {name!r} has {len(live)} unreleased request(s); call release_request "
-                                  f"for each before stop_model")
+                                  f"for each before stop_model, or stop_model / release_model with force=True "
+                                  f"to release them")
             self._engine.call(lambda: setattr(model, "started", False))
         return AsStatus.ALLSPARK_SUCCESS
 
-    def release_model(self, name: str) -> AsStatus:
-        status = self.stop_model(name)
+    def _release_all(self, name: str) -> None:
+        with self._lock:
+            live = [r.handle for r in self._requests.get(name, {}).values()] if name in self._models else []
+        for handle in live:
+            self.release_request(name, handle)
+        if live:
+            log.warning("model %r: released %d request(s) on force", name, len(live))
+
+    def release_model(self, name: str, force: bool = False) -> AsStatus:
+        """stop_model (with `force`: after releasing the model's requests), then drop the model."""
+        status = self.stop_model(name, force)
         if status != AsStatus.ALLSPARK_SUCCESS:
             return status
 

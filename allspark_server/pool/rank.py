@@ -58,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stream-stall-timeout", type=float, default=None,
                    help="seconds a Generate stream may wait on a client that does not read it before it is "
                         "dropped and its request released (default 30)")
+    p.add_argument("--orphan-grace", type=float, default=None,
+                   help="seconds after a client's connection is gone before the pool releases the finished "
+                        "requests it left unreleased (default 30)")
     p.add_argument("--step-timeout", type=float, default=None,
                    help="seconds a pool step may take before the pool is declared hung: every stream ends in an "
                         "error and the pool exits non-zero (default: 10 s beyond the slowest step so far)")
@@ -125,7 +128,8 @@ def serve(comm, args, address: str, access, ranks) -> int:
             engine.install_model(entry.config)
             if entry.start:
                 engine.start_model(entry.config.model_name)
-    servicer = AllsparkServicer(engine, comm.world_size, args.max_streams, args.stream_stall_timeout)
+    servicer = AllsparkServicer(engine, comm.world_size, args.max_streams, args.stream_stall_timeout,
+                                args.orphan_grace)
     server = start_server(servicer, address, access)
     own_socket = socket_identity(address[5:]) if address.startswith("unix:") else None
     servicer.ready = True

@@ -9,6 +9,9 @@ tokens still left and the stats. A client that goes away mid-stream has its requ
 client releases it (ReleaseRequest), as with Engine. Past `max_streams` open Generate streams a new one is
 refused at once with ALLSPARK_REQUEST_DENIED saying so (overload, not a lost pool); other calls are never refused.
 A stream whose client stops reading is dropped after `stream_stall_s` (DropStalledStreams), its request released.
+A request delivered to a client that then dies unreleased is released `orphan_grace_s` after the client's Attach
+stream ended, if it does not come back (sessions.py); StopModel / ReleaseModel with `force` release a model's
+requests, whoever holds them.
 """
 from __future__ import annotations
 
@@ -30,17 +33,19 @@ from allspark_client._proto import allspark_pb2_grpc as pb_grpc
 from allspark_client.validation import ConfigError
 from allspark_client.types import AsException, AsStatus, RequestHandle
 from allspark_server.engine.engine import Engine
+from allspark_server.pool.sessions import Sessions
 from allspark_server.version import version_full
 
 log = logging.getLogger(__name__)
 ENGINE_CALL_THREADS = 64     # concurrent blocking Engine calls (a sync_request may hold one for long)
 HANDSHAKE_TIMEOUT_MS = 10_000  # gRPC's default is 120 s
 STREAM_STALL_S = 30.0        # default: a stream whose client has not taken a reply for this long is dropped
+ORPHAN_GRACE_S = 30.0        # default: a gone client's finished requests are released this long after it left
 
 
 class AllsparkServicer(pb_grpc.AllsparkServicer):
     def __init__(self, engine: Engine, world_size: int, max_streams: int = 4096,
-                 stream_stall_s: Optional[float] = None):
+                 stream_stall_s: Optional[float] = None, orphan_grace_s: Optional[float] = None):
         self.engine = engine
         self.world_size = world_size
         self.max_streams = max_streams
@@ -49,6 +54,8 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
         self.stopping: Optional[str] = None    # set on SIGTERM: why new calls are refused (GuardCalls)
         self._open_streams = 0   # written on the event loop's thread only
         self._pool = futures.ThreadPoolExecutor(ENGINE_CALL_THREADS, thread_name_prefix="allspark-call")
+        self.sessions = Sessions(orphan_grace_s or ORPHAN_GRACE_S,
+                                 lambda handle, grace: self._pool.submit(self._release_orphan, handle, grace))
 
     def refusal(self) -> Optional[str]:
         """Why a new call is refused UNAVAILABLE (the pool is stopping or going down), or None."""
@@ -90,10 +97,36 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
         return await self._run(self._status_of, self.engine.start_model, request.model_name)
 
     async def StopModel(self, request, context):
-        return await self._run(self._status_of, self.engine.stop_model, request.model_name)
+        return await self._model_call(self.engine.stop_model, request)
 
     async def ReleaseModel(self, request, context):
-        return await self._run(self._status_of, self.engine.release_model, request.model_name)
+        return await self._model_call(self.engine.release_model, request)
+
+    async def _model_call(self, method, request) -> pb.StatusReply:
+        """stop_model / release_model, with `force` when the caller asked to release the model's requests."""
+        args = (request.model_name, True) if request.force else (request.model_name,)
+        reply = await self._run(self._status_of, method, *args)
+        if request.force and reply.status == 0:
+            self.sessions.forget_model(request.model_name)
+        return reply
+
+    async def Attach(self, request, context):
+        """Open while the client lives (sessions.py): one reply, then nothing until the client goes away."""
+        session_id = request.session_id
+        if not Sessions.valid(session_id):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Attach: session_id must have 1 to 128 characters")
+        self.sessions.attach(session_id)
+        try:
+            yield pb.AttachReply(release_after_s=self.sessions.grace_s)
+            await asyncio.Event().wait()       # until cancelled: the client left, or the server stops
+        finally:
+            self.sessions.detach(session_id)
+
+    def _release_orphan(self, handle: RequestHandle, grace_s: float) -> None:
+        if self.engine.has_request(handle.model_name, handle):
+            log.warning("releasing request %d of model %r: its client has been gone for %.0f s without releasing it",
+                        handle.request_id, handle.model_name, grace_s)
+            self.engine.release_request(handle.model_name, handle)
 
     def _start(self, request):
         gen = convert.generation_config_from_proto(request.config)
@@ -116,10 +149,16 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
             self._open_streams -= 1
 
     async def _generate(self, request):
+        if request.session_id and not Sessions.valid(request.session_id):
+            yield pb.GenerateReply(status=int(AsStatus.ALLSPARK_PARAM_ERROR),
+                                   message="session_id must have 1 to 128 characters")
+            return
         status, handle, queue, error = await self._run(self._start, request)
         if status != AsStatus.ALLSPARK_SUCCESS:
             yield pb.GenerateReply(status=int(status), message=error)
             return
+        if request.session_id:
+            self.sessions.own(request.session_id, handle)
         loop = asyncio.get_running_loop()
         news = asyncio.Event()
         queue._set_listener(lambda: loop.call_soon_threadsafe(news.set))
@@ -152,6 +191,7 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
         finally:
             queue._set_listener(None)
             if not delivered:   # cancelled (the client went away): nobody else can release it now
+                self.sessions.forget(handle.model_name, handle.request_id)
                 self._pool.submit(self._release_if_live, handle)
 
     def _release_if_live(self, handle: RequestHandle) -> None:
@@ -163,8 +203,10 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
                                RequestHandle(request.model_name, request.request_id))
 
     async def ReleaseRequest(self, request, context):
-        return await self._run(self._status_of, self.engine.release_request, request.model_name,
-                               RequestHandle(request.model_name, request.request_id))
+        reply = await self._run(self._status_of, self.engine.release_request, request.model_name,
+                                RequestHandle(request.model_name, request.request_id))
+        self.sessions.forget(request.model_name, request.request_id)
+        return reply
 
     async def SyncRequest(self, request, context):
         handle = RequestHandle(request.model_name, request.request_id) if request.HasField("request_id") else None
