@@ -34,7 +34,7 @@ TEST_FILE_TIERS = {
     "test_layering.py": "unit", "test_pdl.py": "unit", "test_peer_watch.py": "unit", "test_placement.py": "unit",
     "test_results_table.py": "unit", "test_gguf_mapping.py": "unit", "test_sharding.py": "unit",
     "test_sampler_units.py": "unit", "test_settings.py": "unit", "test_step_watchdog.py": "unit",
-    "test_stream_order.py": "unit",
+    "test_stream_order.py": "unit", "test_kv_budget.py": "unit",
 
     "test_alibi.py": "kernels", "test_native.py": "kernels", "test_native_gemma.py": "kernels",
     "test_native_steps.py": "kernels",
@@ -60,6 +60,7 @@ TEST_FILE_TIERS = {
     "test_pool_failures.py": "pool", "test_pool_grpc.py": "pool", "test_pool_load.py": "pool",
     "test_pool_slow_clients.py": "pool", "test_soak.py": "pool", "test_smollm2_serve.py": "pool", "test_tensor_parallel.py": "pool",
     "test_pool_owner.py": "pool", "test_pool_edges.py": "pool", "test_pool_orphans.py": "pool",
+    "test_pool_kv_budget.py": "pool",
 
     "test_cuda.py": "gpu",
 }

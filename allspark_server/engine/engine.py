@@ -295,7 +295,7 @@ class Engine(EngineAPI):
                            "args": r.args.to_dict(),
                            "engine_max_length": model.cfg.engine_max_length,
                            "engine_max_batch": model.cfg.engine_max_batch,
-                           "kv_spans": r.num_spans, "span_size": r.span_size,
+                           "kv_spans": r.num_spans, "span_size": r.span_size, "kv_cache_bytes": r.kv_cache_bytes,
                            "kv_cache_mode": r.kv_mode or "default",
                            "quantization": r.quant.describe() if r.quant else None,
                            "world_size": self._comm.world_size, "started": model.started})

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 
-import psutil
 import torch
 
 from allspark_client import settings
@@ -25,10 +24,11 @@ from allspark_server.loader.weights import quantize_layers
 from allspark_server.models.registry import model_class_and_rules
 from allspark_server.step.inputs import RequestMirror, build_forward_inputs
 from allspark_server.step.kv_cache import KVCache, bytes_per_span, copy_spans
+from allspark_server.runner import kv_budget
 from allspark_server.runner.memory_bandwidth import DecodeBytes, bandwidth_gbs, decode_weight_bytes
 
 log = logging.getLogger(__name__)
-AUTO_KV_MAX_FRACTION = 0.4   # auto budget never takes more than this share of available RAM
+# CPU ranks: the budget of every rank and model on one machine is kv_budget.py's
 # GPU ranks: the auto budget takes at most this share of the GPU memory left free once the weights are loaded
 # (DashInfer's BFC_MEM_RATIO plays this part); the rest is for activations, cuBLAS workspaces and graphs
 AUTO_KV_GPU_FRACTION = 0.8
@@ -91,6 +91,9 @@ class ModelRunner:
             self.tier_slots = tier_slots
             self.tier = KVCache(self.args.num_layers, tier_slots, self.span_size, self.tp.local_kv_heads,
                                 self.args.head_dim, self.dtype, self.kv_mode, torch.device("cpu"), pinned=gpu)
+        for cache in (self.kv, self.tier):       # host memory: counted against later installs on this machine
+            if cache is not None and cache.layers[0].k.device.type == "cpu":
+                kv_budget.hold(cache)
         # every rank captures (NCCL inside); a mixture of experts routes on the host (ops.moe), which a graph cannot
         # capture, so MoE models decode eagerly
         if gpu and settings.CUDA_GRAPHS.get() and not self.args.moe_layers:
@@ -99,9 +102,17 @@ class ModelRunner:
                                        -(-self.cfg.engine_max_length // self.span_size), num_spans, self.span_size,
                                        self.device)
 
-    def max_num_spans(self) -> int:
-        """How many spans this rank's budget allows (explicit bytes, or max_batch x max_length capped by RAM)."""
+    def max_num_spans(self, share: "kv_budget.MachineShare") -> int:
+        """How many spans this rank's budget allows (explicit bytes, or max_batch x max_length capped by memory):
+        on a CPU rank the machine's RAM as `share` of it (kv_budget.py), on a GPU rank the GPU's free memory."""
         per_span = self.span_bytes
+        if self.device.type != "cuda":
+            n = kv_budget.host_spans(self.cfg, per_span, share)
+            wanted = -(-self.cfg.engine_max_length // self.span_size) * self.cfg.engine_max_batch
+            if not self.cfg.kv_cache_memory_bytes and n < wanted:
+                log.warning("KV cache: %d spans wanted for max_batch x max_length, the machine's budget allows %d "
+                            "on each of its %d rank(s)", wanted, n, share.ranks)
+            return n
         if self.cfg.kv_cache_memory_bytes:
             n = self.cfg.kv_cache_memory_bytes // per_span
             if n < 1:
@@ -110,13 +121,10 @@ class ModelRunner:
             return n
         spans_per_request = -(-self.cfg.engine_max_length // self.span_size)
         wanted = spans_per_request * self.cfg.engine_max_batch
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            cap, memory = int(free * AUTO_KV_GPU_FRACTION) // per_span, "GPU memory"
-        else:
-            cap, memory = int(psutil.virtual_memory().available * AUTO_KV_MAX_FRACTION) // per_span, "RAM"
+        free, _ = torch.cuda.mem_get_info(self.device)
+        cap = int(free * AUTO_KV_GPU_FRACTION) // per_span
         if cap < wanted:
-            log.warning("KV cache: %d spans wanted for max_batch x max_length, %s allows %d", wanted, memory, cap)
+            log.warning("KV cache: %d spans wanted for max_batch x max_length, GPU memory allows %d", wanted, cap)
         return max(1, min(wanted, cap))
 
     def max_tier_slots(self) -> int:
@@ -200,19 +208,30 @@ class InstallError(RuntimeError):
     pass
 
 
+def _raise_failed(comm, errors: list) -> None:
+    """InstallError on every rank when any rank failed (each rank's reason, by rank)."""
+    failed = [f"rank {r}: {msg}" if comm.world_size > 1 else msg for r, msg in enumerate(errors) if msg]
+    if failed:
+        raise InstallError("; ".join(failed))
+
+
 def install_runner(cfg: AsModelConfig, comm) -> ModelRunner:
     """Collective (every rank calls it): load this rank's shard, agree that all ranks succeeded,
     then size the KV cache to the smallest budget over the ranks."""
     runner, error = None, None
     try:
         runner = ModelRunner(cfg, comm)
-        proposal, slots = runner.max_num_spans(), runner.max_tier_slots()
     except Exception as e:   # reported to every rank below, so all give up together
+        error = f"{type(e).__name__}: {e}"
+    # every rank's loaded; the KV caches each holds in host memory: the ranks on one machine share its RAM
+    loaded = comm.allgather_obj((error, kv_budget.usage()))
+    _raise_failed(comm, [e for e, _ in loaded])
+    try:
+        proposal = runner.max_num_spans(kv_budget.MachineShare.of([u for _, u in loaded], comm.rank))
+        slots = runner.max_tier_slots()
+    except Exception as e:
         error, proposal, slots = f"{type(e).__name__}: {e}", 0, 0
-    errors = comm.allgather_obj(error)
-    failed = [f"rank {r}: {msg}" if comm.world_size > 1 else msg for r, msg in enumerate(errors) if msg]
-    if failed:
-        raise InstallError("; ".join(failed))
+    _raise_failed(comm, comm.allgather_obj(error))
     if runner.device.type == "cuda":
         comm.use_gpu(runner.device)   # NCCL between the ranks' GPUs (every rank got here: none failed)
     runner.allocate_kv(comm.allreduce_min(proposal), comm.allreduce_min(slots))
