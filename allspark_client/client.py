@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -94,6 +95,7 @@ class ClientEngine(EngineAPI):
                 self._session = ClientSession(self._stub, CONNECT_TIMEOUT_S)
             except grpc.RpcError as e:
                 raise self._unavailable(e) from None
+            weakref.finalize(self, self._session.close)    # dropped without close(): its session ends too
         except BaseException:
             # a pool spawned for this object that never became ready (it exited, or start_timeout_s passed) is not
             # left running without an owner, nor its directory behind
