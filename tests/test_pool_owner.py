@@ -1,7 +1,8 @@
 """A pool that ClientEngine(ranks=2) spawned ends with the process that spawned it, however that process ends: an
 exit without close() and SIGKILL. Every process of the pool (launcher, mpirun, both ranks), found by pid while the
 owner lives, is gone within OWNER_BOUND_S, and the pool's directory (socket, log) is removed. A pool started by
-allspark-launch itself has no owner and runs on (the rest of the pool suite)."""
+allspark-launch itself has no owner and runs on (the rest of the pool suite). OwnerWatch's two signs apart: the pid
+check where the link is held open elsewhere, the link's EOF, and an owner gone before the launcher looked."""
 from __future__ import annotations
 
 import json
@@ -91,3 +92,49 @@ def test_a_spawned_pool_ends_with_its_owner(how):
             except psutil.NoSuchProcess:
                 pass
         shutil.rmtree(info["dir"], ignore_errors=True)
+
+
+def watch_until_gone(owner_pid: int, fd, expect_parent: bool = False):
+    from allspark_client.owner_watch import OwnerWatch
+    gone = []
+    watch = OwnerWatch(owner_pid, fd, gone.append, expect_parent=expect_parent)
+    return watch, gone
+
+
+def test_the_owner_pid_check_covers_a_link_held_open_elsewhere():
+    """The pipe's write end copied into another process (a child the owner forked) keeps the link open after the
+    owner died: the pid check still sees the owner go. The link alone: EOF the moment its write end closes."""
+    from pool_helpers import wait_until
+    read_end, write_end = os.pipe()                 # this test holds the write end: the link never reads EOF
+    owner = subprocess.Popen(["sleep", "60"])
+    try:
+        watch, gone = watch_until_gone(owner.pid, read_end)
+        assert not wait_until(lambda: gone, 1.5) and watch.gone is None        # the owner runs: nothing
+        owner.kill()
+        owner.wait()
+        assert wait_until(lambda: gone, 10.0), "the owner's death was not seen"
+        assert gone == [f"the process that spawned this pool (pid {owner.pid}) is gone"]
+    finally:
+        owner.kill()
+        os.close(write_end)
+        os.close(read_end)
+    read_end, write_end = os.pipe()
+    try:
+        watch, gone = watch_until_gone(os.getpid(), read_end)
+        assert not wait_until(lambda: gone, 1.0)
+        os.close(write_end)
+        assert wait_until(lambda: gone, 10.0) and "has exited" in gone[0]
+    finally:
+        os.close(read_end)
+
+
+def test_a_launcher_whose_owner_died_before_it_looked_stops_at_once():
+    """Spawned by the owner, the launcher must find it as its parent; re-parented already, the owner is gone."""
+    from pool_helpers import wait_until
+    owner = subprocess.Popen(["sleep", "60"])       # alive, but not this process's parent
+    try:
+        _, gone = watch_until_gone(owner.pid, None, expect_parent=True)
+        assert wait_until(lambda: gone, 10.0) and "is gone" in gone[0]
+    finally:
+        owner.kill()
+        owner.wait()
