@@ -20,7 +20,7 @@ import grpc
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client._proto import allspark_pb2_grpc as pb_grpc
 from allspark_client.channel import normalize_address, open_channel
-from allspark_client.socket_probe import HTTP2, probe
+from allspark_client.socket_probe import DENIED, HTTP2, probe
 
 NAME_TIMEOUT_S = 3.0
 
@@ -50,8 +50,8 @@ def main(argv=None) -> int:
     address = normalize_address(a.address)
     found = None if a.root_certificates else probe(address, min(a.timeout, 3.0))   # a TLS server: gRPC says
     if found is not None and found.kind != HTTP2:
-        if not found.may_become_a_pool:
-            print(f"not a pool: {found.detail}", file=sys.stderr)
+        if not found.may_become_a_pool:       # waiting would not change it
+            print(f"{'not ready' if found.kind == DENIED else 'not a pool'}: {found.detail}", file=sys.stderr)
             return 1
         print(f"waiting up to {a.timeout:g} s: {found.detail}", file=sys.stderr, flush=True)
     with open_channel(address, root_certificates=a.root_certificates) as channel:

@@ -350,7 +350,10 @@ class PoolServer:
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    # a connection that has not completed its handshake by then is closed (slowloris)
-                   ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS)]
+                   ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
+                   # a TCP client whose host vanished (no FIN, no RST) is found gone, and with it its session
+                   # (sessions.py): a ping every minute, unanswered for 20 s closes the connection
+                   ("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000)]
         # the first is outermost: it writes the replies GuardCalls and the servicer produce
         guards = ([DropStalledStreams(servicer.stream_stall_s)] + acl.interceptors(access)
                   + [GuardCalls(servicer.refusal)])
