@@ -15,7 +15,9 @@ format can give over bf16 on this machine.
         [--formats uint4:32 uint4_min:32] [--shape 2048 2048 --layers 1]
 
 --formats picks the quantized variants (format:group); --shape replaces the model's four weights by one of that
-shape, repeated over --layers layers (1: the same weight every round, so it may stay in cache).
+shape, repeated over --layers layers (1: the same weight every round, so it may stay in cache); --base FORMAT:GROUP
+adds a column: each variant's time over that format's at the same ISA level and rounding of x, in the same round
+(median over rounds), e.g. uint4_min against uint4.
 """
 from __future__ import annotations
 
@@ -74,6 +76,7 @@ def main() -> None:
     p.add_argument("--formats", type=format_arg, nargs="+", default=list(FORMATS), help="FORMAT:GROUP variants")
     p.add_argument("--shape", type=int, nargs=2, metavar=("N", "K"), help="one weight shape instead of the model's")
     p.add_argument("--layers", type=int, default=LAYERS, help="layers in a chain (each its own weights)")
+    p.add_argument("--base", type=format_arg, help="FORMAT:GROUP: also each variant's time over this format's")
     args = p.parse_args()
     shapes = [tuple(args.shape)] if args.shape else SHAPES
     torch.set_num_threads(args.threads)
@@ -84,6 +87,7 @@ def main() -> None:
     dense = [[torch.randn(n, k, generator=g).bfloat16() * 0.02 for n, k in shapes] for _ in range(args.layers)]
     variants = {"bf16": lambda: [ext.linear_small_m(xs[w.shape[1]], w, None, ops.isa_level())
                                  for layer in dense for w in layer]}
+    base_of = {}   # quantized variant -> the --base format's variant at its ISA level and rounding of x
     if args.bound:
         variants["read bf16"] = lambda: [ext.stream_rows(w, None, ops.isa_level()) for layer in dense for w in layer]
     for (fmt, group), act_bits in itertools.product(args.formats, (16, 8) if args.a8 else (16,)):
@@ -95,6 +99,8 @@ def main() -> None:
                                                     for layer, ls in zip(stored, sides) for w, side in zip(layer, ls)])
         weights = [[ops.native_weight(w) for w in layer] for layer in stored]
         for isa in levels:
+            base_of[f"{fmt} g{group}{'+a8' if act_bits == 8 else ''} isa{isa}"] = (
+                None if args.base is None else f"{args.base[0]} g{args.base[1]}{'+a8' if act_bits == 8 else ''} isa{isa}")
             variants[f"{fmt} g{group}{'+a8' if act_bits == 8 else ''} isa{isa}"] = (
                 lambda weights=weights, isa=isa: [ext.linear_quant(xs[k], w, None, isa)
                                                   for layer in weights for w, (_, k) in zip(layer, shapes)])
@@ -107,10 +113,14 @@ def main() -> None:
             fn()
             times[name].append(time.perf_counter() - t)
     base = times["bf16"]
-    print(f"{'variant':<24} {'ms':>7} {'x bf16':>7}   (rows {args.rows}, threads {args.threads}, {args.rounds} rounds)")
+    head = f"{'variant':<24} {'ms':>7} {'x bf16':>7}" + (f" {'t / ' + args.base[0]:>16}" if args.base else "")
+    print(f"{head}   (rows {args.rows}, threads {args.threads}, {args.rounds} rounds)")
     for name, ts in times.items():
         ratio = statistics.median(b / t for b, t in zip(base, ts))
-        print(f"{name:<24} {statistics.median(ts) * 1e3:7.3f} {ratio:7.2f}")
+        line = f"{name:<24} {statistics.median(ts) * 1e3:7.3f} {ratio:7.2f}"
+        if base_of.get(name) in times:
+            line += f" {statistics.median(t / b for t, b in zip(ts, times[base_of[name]])):16.3f}"
+        print(line)
 
 
 if __name__ == "__main__":
