@@ -2,8 +2,9 @@
 // of a whole weight for prefill (then ATen's GEMM runs on it).
 //
 // Layout (allspark_server/quant/formats.py writes it; that file's `dequantize` is the reference):
-//   qweight  int8 [N, K] (format 0, int8) | uint8 [N, K] (1, uint8) | uint8 [N, K/2] (2 int4, 3 uint4)
-//   scales   fp16 [N, K/G]; zeros uint8 [N, K/G] for uint8/uint4 (int4's zero is 8, int8's 0)
+//   qweight  int8 [N, K] (format 0, int8) | uint8 [N, K] (1, uint8) | uint8 [N, K/2] (2 int4, 3 uint4, 4 uint4_min)
+//   scales   fp16 [N, K/G]; zeros uint8 [N, K/G] for uint8/uint4 (int4's zero is 8, int8's 0); uint4_min: mins fp16
+//            [N, K/G] in their place (QuantWeight::zeros), w = code * scale + min
 //   4-bit: per block of 32 k, byte j holds k = j (low nibble) and k = 16 + j (high nibble).
 //
 // Math (weight-only, "A16W8 / A16W4"): each row of x is rounded to 16-bit fixed point, q = round(x * 32767 /
@@ -11,6 +12,9 @@
 // for every element above 1/128 of it, less than bf16's own rounding of that element, 1/512). The weight codes
 // minus their zero point are widened to int16 and met with q in exact integer multiply-adds (vpmaddwd), summed
 // in int32 over each group, then in fp32:   y = d * sum_g s_g * sum_{k in g} (c_k - z_g) q_k
+// uint4_min's fp16 min m_g is no integer, so its codes meet q as they are and the min joins in fp32:
+//                                           y = d * sum_g (s_g * sum_{k in g} c_k q_k + m_g * sum_{k in g} q_k)
+// (the sums of q over each group are the ones the zero points are taken off with; every kernel already has them)
 // ops.linear_reference rounds x the same way, then dequantizes and multiplies; the kernel equals it up to fp32
 // rounding. One rounding into the activation dtype at the end, bias included. compute_method activate_quant
 // ("A8W8", QuantWeight::act_bits = 8) rounds x to int8 instead, q = round(x * 127 / absmax); nothing else changes.
@@ -76,13 +80,18 @@ void rows_scalar(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int6
       float total = 0.f;
       for (int64_t g = 0; g < w.groups; ++g) {
         const int z = zero_of<F>(w.zeros ? w.zeros + n * w.groups : nullptr, g);
-        float acc = 0.f;
+        float acc = 0.f, qsum = 0.f;
         for (int64_t k0 = g * w.group; k0 < (g + 1) * w.group; k0 += FLUSH) {   // int32 never overflows
-          int32_t dot = 0;
-          for (int64_t k = k0; k < std::min(k0 + FLUSH, (g + 1) * w.group); ++k) dot += (code_at<F>(wr, k) - z) * q[k];
+          int32_t dot = 0, sq = 0;
+          for (int64_t k = k0; k < std::min(k0 + FLUSH, (g + 1) * w.group); ++k) {
+            dot += (code_at<F>(wr, k) - z) * q[k];
+            if constexpr (HAS_MIN<F>) sq += q[k];
+          }
           acc += static_cast<float>(dot);
+          qsum += static_cast<float>(sq);
         }
         total += half_to_float(w.scales[n * w.groups + g]) * acc;
+        if constexpr (HAS_MIN<F>) total += min_of<F>(w.mins + n * w.groups, g) * qsum;
       }
       y[m * N + n] = a.d[m] * total;
     }
@@ -112,6 +121,20 @@ inline void codes32(const uint8_t* row, int64_t k, __m256 v[4]) {
 }
 
 // ---- dequantization (prefill) -------------------------------------------------------------------
+// one weight: (code - z) * s, or (UINT4_MIN) code * s + m with the product rounded first, as the reference
+template <int F>
+inline float dequant_value(int code, float z, float s, float m) {
+  float p = (static_cast<float>(code) - z) * s;   // UINT4_MIN: z = 0
+  if constexpr (HAS_MIN<F>) no_contract(p), p += m;
+  return p;
+}
+
+// a group's zero point and min as floats (the zero of UINT4_MIN is 0, the min of the other formats 0)
+template <int F>
+inline void group_offset(const QuantView& w, int64_t n, int64_t g, float* z, float* m) {
+  *z = static_cast<float>(zero_of<F>(w.zeros ? w.zeros + n * w.groups : nullptr, g));
+  *m = min_of<F>(w.mins ? w.mins + n * w.groups : nullptr, g);
+}
 template <int F, typename T>
 __attribute__((target("avx2,fma,f16c")))
 void dequantize_rows_avx2(const QuantView& w, int64_t K, int64_t n0, int64_t n1, T* out) {
@@ -120,15 +143,24 @@ void dequantize_rows_avx2(const QuantView& w, int64_t K, int64_t n0, int64_t n1,
     const uint8_t* wr = w.codes + n * w.row_bytes;
     for (int64_t g = 0; g < w.groups; ++g) {
       const float s = _cvtsh_ss(w.scales[n * w.groups + g].x);
-      const float z = F == INT8 ? 0.f : F == INT4 ? 8.f : static_cast<float>(w.zeros[n * w.groups + g]);
-      const __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(z);
+      float z, m;
+      group_offset<F>(w, n, g, &z, &m);
+      const __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(z), mv = _mm256_set1_ps(m);
       int64_t k = g * G;
       for (; k < g * G + G32; k += BLOCK) {
         __m256 v[4];
         codes32<F>(wr, k, v);
-        for (int i = 0; i < 4; ++i) simd::store8(out + n * K + k + 8 * i, _mm256_mul_ps(_mm256_sub_ps(v[i], zv), sv));
+        for (int i = 0; i < 4; ++i) {
+          if constexpr (HAS_MIN<F>) {
+            __m256 p = _mm256_mul_ps(v[i], sv);
+            no_contract(p);
+            simd::store8(out + n * K + k + 8 * i, _mm256_add_ps(p, mv));
+          } else {
+            simd::store8(out + n * K + k + 8 * i, _mm256_mul_ps(_mm256_sub_ps(v[i], zv), sv));
+          }
+        }
       }
-      for (; k < (g + 1) * G; ++k) out[n * K + k] = static_cast<T>((static_cast<float>(code_at<F>(wr, k)) - z) * s);
+      for (; k < (g + 1) * G; ++k) out[n * K + k] = static_cast<T>(dequant_value<F>(code_at<F>(wr, k), z, s, m));
     }
   }
 }
@@ -145,12 +177,13 @@ void dequantize_rows_avx512(const QuantView& w, int64_t K, int64_t n0, int64_t n
     const uint8_t* wr = w.codes + n * w.row_bytes;
     for (int64_t g = 0; g < w.groups; ++g) {
       const float s = _cvtsh_ss(w.scales[n * w.groups + g].x);
-      const float z = F == INT8 ? 0.f : F == INT4 ? 8.f : static_cast<float>(w.zeros[n * w.groups + g]);
-      const __m512 sv = _mm512_set1_ps(s), zv = _mm512_set1_ps(z);
+      float z, m;
+      group_offset<F>(w, n, g, &z, &m);
+      const __m512 sv = _mm512_set1_ps(s), zv = _mm512_set1_ps(z), mv = _mm512_set1_ps(m);
       int64_t k = g * G;
       for (; k < g * G + G32; k += BLOCK) {
         __m512i v0, v1;
-        if constexpr (F == INT4 || F == UINT4) {
+        if constexpr (FOUR_BIT<F>) {
           const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k / 2)), nib = _mm_set1_epi8(0x0F);
           v0 = _mm512_cvtepu8_epi32(_mm_and_si128(b, nib));
           v1 = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), nib));
@@ -160,8 +193,15 @@ void dequantize_rows_avx512(const QuantView& w, int64_t K, int64_t n0, int64_t n
           if constexpr (F == INT8) v0 = _mm512_cvtepi8_epi32(b0), v1 = _mm512_cvtepi8_epi32(b1);
           else v0 = _mm512_cvtepu8_epi32(b0), v1 = _mm512_cvtepu8_epi32(b1);
         }
-        const __m512 lo = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(v0), zv), sv);
-        const __m512 hi = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(v1), zv), sv);
+        __m512 lo, hi;
+        if constexpr (HAS_MIN<F>) {
+          lo = _mm512_mul_ps(_mm512_cvtepi32_ps(v0), sv), hi = _mm512_mul_ps(_mm512_cvtepi32_ps(v1), sv);
+          no_contract(lo), no_contract(hi);
+          lo = _mm512_add_ps(lo, mv), hi = _mm512_add_ps(hi, mv);
+        } else {
+          lo = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(v0), zv), sv);
+          hi = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(v1), zv), sv);
+        }
         if constexpr (NE) {
           _mm512_storeu_si512(out + n * K + k, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
         } else {
@@ -169,7 +209,7 @@ void dequantize_rows_avx512(const QuantView& w, int64_t K, int64_t n0, int64_t n
           simd::store16(out + n * K + k + 16, hi);
         }
       }
-      for (; k < (g + 1) * G; ++k) out[n * K + k] = static_cast<T>((static_cast<float>(code_at<F>(wr, k)) - z) * s);
+      for (; k < (g + 1) * G; ++k) out[n * K + k] = static_cast<T>(dequant_value<F>(code_at<F>(wr, k), z, s, m));
     }
   }
 }
@@ -185,8 +225,10 @@ void dequantize_rows(const QuantView& w, int64_t K, int64_t n0, int64_t n1, T* o
     const uint8_t* wr = w.codes + n * w.row_bytes;
     for (int64_t k = 0; k < K; ++k) {
       const int64_t g = k / w.group;
-      const float z = zero_of<F>(w.zeros ? w.zeros + n * w.groups : nullptr, g);
-      out[n * K + k] = static_cast<T>((static_cast<float>(code_at<F>(wr, k)) - z) * half_to_float(w.scales[n * w.groups + g]));
+      float z, m;
+      group_offset<F>(w, n, g, &z, &m);
+      const float s = half_to_float(w.scales[n * w.groups + g]);
+      out[n * K + k] = static_cast<T>(dequant_value<F>(code_at<F>(wr, k), z, s, m));
     }
   }
 }
@@ -196,7 +238,8 @@ void dequantize_rows(const QuantView& w, int64_t K, int64_t n0, int64_t n1, T* o
     case INT8: { constexpr int F = INT8; __VA_ARGS__; break; }   \
     case UINT8: { constexpr int F = UINT8; __VA_ARGS__; break; } \
     case INT4: { constexpr int F = INT4; __VA_ARGS__; break; }   \
-    default: { constexpr int F = UINT4; __VA_ARGS__; break; }    \
+    case UINT4: { constexpr int F = UINT4; __VA_ARGS__; break; } \
+    default: { constexpr int F = UINT4_MIN; __VA_ARGS__; break; }    \
   }
 
 template <typename O>
@@ -225,7 +268,8 @@ QuantView QuantWeight::view() const {
   QuantView v;
   v.codes = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
   v.scales = scales.data_ptr<at::Half>();
-  v.zeros = zeros ? zeros->data_ptr<uint8_t>() : nullptr;
+  v.zeros = zeros && format != UINT4_MIN ? zeros->data_ptr<uint8_t>() : nullptr;
+  v.mins = zeros && format == UINT4_MIN ? zeros->data_ptr<at::Half>() : nullptr;
   v.format = format;
   v.rows = qweight.size(0);
   v.row_bytes = qweight.size(1);
@@ -236,7 +280,7 @@ QuantView QuantWeight::view() const {
 }
 
 void QuantWeight::check() const {
-  TORCH_CHECK(format >= INT8 && format <= UINT4, "QuantWeight: unknown format ", format);
+  TORCH_CHECK(format >= INT8 && format <= UINT4_MIN, "QuantWeight: unknown format ", format);
   TORCH_CHECK(act_bits == 8 || act_bits == 16, "QuantWeight: act_bits must be 8 or 16, got ", act_bits);
   const bool four = format >= INT4;
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() &&
@@ -251,11 +295,16 @@ void QuantWeight::check() const {
   TORCH_CHECK(!four || (in_features % BLOCK == 0 && (scales.size(1) == 1 || group % BLOCK == 0)),
               "QuantWeight: 4-bit weights need K and the group size to be multiples of 32");
   TORCH_CHECK(scales.size(1) == 1 || group % BLOCK == 0, "QuantWeight: group sizes are multiples of 32");
-  const bool has_zeros = format == UINT8 || format == UINT4;
-  TORCH_CHECK(has_zeros == zeros.has_value(), "QuantWeight: zeros are given exactly for uint8/uint4");
-  if (zeros)
+  const bool has_zeros = format == UINT8 || format == UINT4 || format == UINT4_MIN;
+  TORCH_CHECK(has_zeros == zeros.has_value(),
+              "QuantWeight: zeros are given exactly for uint8/uint4 (zero points) and uint4_min (mins)");
+  if (zeros && format == UINT4_MIN) {
+    TORCH_CHECK(zeros->scalar_type() == at::kHalf && zeros->is_contiguous() && zeros->sizes() == scales.sizes(),
+                "QuantWeight: uint4_min's zeros (its mins) must be fp16 shaped like scales");
+  } else if (zeros) {
     TORCH_CHECK(zeros->scalar_type() == at::kByte && zeros->is_contiguous() && zeros->sizes() == scales.sizes(),
                 "QuantWeight: zeros must be uint8 shaped like scales");
+  }
 }
 
 torch::Tensor linear_quant(torch::Tensor x, const QuantWeight& w, std::optional<torch::Tensor> bias, int64_t isa) {

@@ -22,9 +22,13 @@ constexpr int64_t FLUSH = 1024;
 constexpr int64_t CHUNK = 512;  // k per step of the AVX-512 kernel: 16 blocks whose sums are reduced together
 constexpr float ACT_MAX = 32767.f;     // x rounded to 16 bits (weight-only); activate_quant: 127
 
-enum Format : int64_t { INT8 = 0, UINT8 = 1, INT4 = 2, UINT4 = 3 };
+// UINT4_MIN (llama.cpp's Q4_1 block): w = code * scale + min with an fp16 min per group (QuantView::mins); its codes
+// meet x with no zero point and the kernels add min * (sum of q over the group) to each group's scaled sum
+enum Format : int64_t { INT8 = 0, UINT8 = 1, INT4 = 2, UINT4 = 3, UINT4_MIN = 4 };
 // bits per code (4-bit codes: two a byte)
-template <int F> constexpr int64_t CODE_BITS = (F == INT4 || F == UINT4) ? 4 : 8;
+template <int F> constexpr bool FOUR_BIT = F == INT4 || F == UINT4 || F == UINT4_MIN;
+template <int F> constexpr int64_t CODE_BITS = FOUR_BIT<F> ? 4 : 8;
+template <int F> constexpr bool HAS_MIN = F == UINT4_MIN;
 
 inline float half_to_float(at::Half h) { return static_cast<float>(h); }
 
@@ -83,11 +87,25 @@ inline int zero_of(const uint8_t* zeros_row, int64_t g) {
   else return 0;
 }
 
+// v unchanged, but the compiler can no longer fuse the multiply that made it into a following add: UINT4_MIN's
+// dequantization rounds code * scale before adding the min, as the reference (and GGUF's readers) do
+template <typename V>
+inline void no_contract(V& v) {
+  asm("" : "+v"(v));
+}
+
+// a group's min (UINT4_MIN), 0 for the other formats
+template <int F>
+inline float min_of(const at::Half* mins_row, int64_t g) {
+  if constexpr (HAS_MIN<F>) return static_cast<float>(mins_row[g]);
+  else return 0.f;
+}
+
 // the 32 codes of block [k, k + 32) minus the zero point, as int16: lo = k .. k+15, hi = k+16 .. k+31
 template <int F>
 __attribute__((target("avx2,fma,f16c")))
 inline void codes16(const uint8_t* row, int64_t k, __m256i zero, __m256i* lo, __m256i* hi) {
-  if constexpr (F == INT4 || F == UINT4) {
+  if constexpr (FOUR_BIT<F>) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (k >> 1)));
     const __m128i mask = _mm_set1_epi8(0x0F);
     *lo = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(b, mask)), zero);
@@ -108,7 +126,7 @@ inline void codes16(const uint8_t* row, int64_t k, __m256i zero, __m256i* lo, __
 // chunks), at least 2 groups. Groups of 128 were left to row_avx2 before the kernels prefetched their stream:
 // streaming, they ran no faster then (GEMV chain 1.90x of bf16 against row_avx2's 2.00x).
 inline bool nibbles16_fits(const QuantView& w, int64_t K) {
-  return (w.format == INT4 || w.format == UINT4) &&
+  return w.format >= INT4 &&
          (w.group == BLOCK || w.group == 2 * BLOCK || w.group == 4 * BLOCK) && w.groups > 1 && K % CHUNK16 == 0;
 }
 

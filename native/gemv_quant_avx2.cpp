@@ -19,7 +19,8 @@ namespace qgemv {
 namespace {
 
 // one weight row n against MB rows of x: per group, exact int32 sums of (code - zero) * q (flushed to fp32
-// every FLUSH k so they cannot overflow), then scaled by the group's scale in fp32
+// every FLUSH k so they cannot overflow), then scaled by the group's scale in fp32 (UINT4_MIN: plus the group's
+// min times its sum of q, from x's block sums)
 template <int F, int MB>
 __attribute__((target("avx2,fma,f16c")))
 void row_avx2(const Act16& a, int64_t m0, const QuantView& w, int64_t n, float* y, int64_t N) {
@@ -29,9 +30,19 @@ void row_avx2(const Act16& a, int64_t m0, const QuantView& w, int64_t n, float* 
   const int64_t G = w.group, G32 = G & ~(BLOCK - 1);
   const int16_t* q[MB];
   __m256 total[MB];
+  float min_terms[MB] = {};   // UINT4_MIN: sum over groups of m_g * (sum of q over the group)
   for (int m = 0; m < MB; ++m) q[m] = a.q.data() + (m0 + m) * a.padded, total[m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g) {
     const int64_t k0 = g * G;
+    if constexpr (HAS_MIN<F>) {   // 4-bit: G is a multiple of 32
+      const float mn = min_of<F>(w.mins + n * w.groups, g);
+      const int64_t nb = a.padded / BLOCK;
+      for (int m = 0; m < MB; ++m) {
+        int64_t gq = 0;
+        for (int64_t b = k0 / BLOCK; b < (k0 + G) / BLOCK; ++b) gq += a.block_sum[(m0 + m) * nb + b];
+        min_terms[m] += mn * static_cast<float>(gq);
+      }
+    }
     const __m256i zero = _mm256_set1_epi16(static_cast<int16_t>(zero_of<F>(zr, g)));
     const __m256 s = _mm256_set1_ps(_cvtsh_ss(sr[g].x));
     for (int64_t c0 = k0; c0 < k0 + G32; c0 += FLUSH) {
@@ -66,7 +77,10 @@ void row_avx2(const Act16& a, int64_t m0, const QuantView& w, int64_t n, float* 
       }
     }
   }
-  for (int m = 0; m < MB; ++m) y[(m0 + m) * N + n] = a.d[m0 + m] * simd::hsum8(total[m]);
+  for (int m = 0; m < MB; ++m) {
+    if constexpr (HAS_MIN<F>) y[(m0 + m) * N + n] = a.d[m0 + m] * (simd::hsum8(total[m]) + min_terms[m]);
+    else y[(m0 + m) * N + n] = a.d[m0 + m] * simd::hsum8(total[m]);
+  }
 }
 
 // One row of x (batch-1 decode) against weight row n, for small groups (G = 32 * BPG, BPG = 1 or 2): the
@@ -82,6 +96,7 @@ void row_grouped_m1_avx2(const Act16& a, int64_t m, const QuantView& w, int64_t 
   const uint8_t* wr = w.codes + n * w.row_bytes;
   const at::Half* sr = w.scales + n * w.groups;
   const uint8_t* zr = w.zeros ? w.zeros + n * w.groups : nullptr;
+  const at::Half* mr = w.mins ? w.mins + n * w.groups : nullptr;
   const int16_t* q = a.q.data() + m * a.padded;
   constexpr int64_t G = BPG * BLOCK;
   const int32_t* qsum = a.block_sum.data() + m * a.padded / BLOCK;
@@ -108,13 +123,14 @@ void row_grouped_m1_avx2(const Act16& a, int64_t m, const QuantView& w, int64_t 
     const __m256i s0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
     const __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
     const __m256i sums = eight_in_order(s0, s1);
-    total = add_eight_groups<F>(sums, group_sums_of_blocks<BPG>(qsum, g), zr, sr, g, total);
+    total = add_eight_groups<F>(sums, group_sums_of_blocks<BPG>(qsum, g), zr, sr, g, total, mr);
   }
   float rest = 0.f;
   for (; g < w.groups; ++g) {   // the last groups when there are not eight
-    int32_t dot = 0;
-    for (int64_t k = g * G; k < (g + 1) * G; ++k) dot += (code_at<F>(wr, k) - zero_of<F>(zr, g)) * q[k];
+    int32_t dot = 0, gq = 0;
+    for (int64_t k = g * G; k < (g + 1) * G; ++k) dot += (code_at<F>(wr, k) - zero_of<F>(zr, g)) * q[k], gq += q[k];
     rest += _cvtsh_ss(sr[g].x) * static_cast<float>(dot);
+    if constexpr (HAS_MIN<F>) rest += min_of<F>(mr, g) * static_cast<float>(gq);
   }
   y[m * N + n] = a.d[m] * (simd::hsum8(total) + rest);
 }
@@ -149,6 +165,7 @@ INSTANTIATE(INT8)
 INSTANTIATE(UINT8)
 INSTANTIATE(INT4)
 INSTANTIATE(UINT4)
+INSTANTIATE(UINT4_MIN)
 #undef INSTANTIATE
 
 }  // namespace qgemv

@@ -128,6 +128,7 @@ void row_nibbles_m1_avx2(const Act16& a, const X* q, const QuantView& w, int64_t
   const uint8_t* wr = w.codes + n * w.row_bytes;
   const at::Half* sr = w.scales + n * w.groups;
   const uint8_t* zr = w.zeros ? w.zeros + n * w.groups : nullptr;
+  const at::Half* mr = w.mins ? w.mins + n * w.groups : nullptr;   // UINT4_MIN
   const int32_t* qsum = a.block_sum.data();
   const int32_t* gsum = a.group_sum.data();   // groups of 64 and 128
   constexpr int64_t G = BPG * BLOCK;
@@ -137,7 +138,7 @@ void row_nibbles_m1_avx2(const Act16& a, const X* q, const QuantView& w, int64_t
     for (int64_t b = 0; b < G * 4; b += 64) simd::prefetch_stream(wr + g * G / 2 + b);
     if constexpr (BPG == 1) {   // 4 chunks: lanes [g0 g2 g4 g6 | g1 g3 g5 g7], left in that order
       const __m256i group_q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.block_sum_lanes.data() + g));
-      total = add_eight_groups<F, true>(four_chunks(wr + g * G / 2, q + g * G), group_q, zr, sr, g, total);
+      total = add_eight_groups<F, true>(four_chunks(wr + g * G / 2, q + g * G), group_q, zr, sr, g, total, mr);
       continue;
     }
     if constexpr (BPG == 2 && std::is_same_v<X, int8_t>) {   // pairs of groups: [g g+2 g+4 g+6 | g+1 g+3 ...]
@@ -148,7 +149,7 @@ void row_nibbles_m1_avx2(const Act16& a, const X* q, const QuantView& w, int64_t
       const __m256i hi = _mm256_madd_epi16(_mm256_hadd_epi16(two_groups64(c + 128, x + 256),
                                                              two_groups64(c + 192, x + 384)), ones);
       const __m256i group_q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gsum + g));   // in that order
-      total = add_eight_groups<F, true>(_mm256_hadd_epi32(lo, hi), group_q, zr, sr, g, total);
+      total = add_eight_groups<F, true>(_mm256_hadd_epi32(lo, hi), group_q, zr, sr, g, total, mr);
       continue;
     }
     __m256i sums;
@@ -162,7 +163,7 @@ void row_nibbles_m1_avx2(const Act16& a, const X* q, const QuantView& w, int64_t
                             four_chunks(wr + (g + 4) * G / 2, q + (g + 4) * G));
     }
     total = add_eight_groups<F>(sums, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gsum + g)), zr, sr, g,
-                                total);
+                                total, mr);
   }
   float rest = 0.f;
   // the rest of the row's codes: their lines 2 KiB ahead asked for too (without this, with 12 groups of 128 a
@@ -173,7 +174,12 @@ void row_nibbles_m1_avx2(const Act16& a, const X* q, const QuantView& w, int64_t
       const __m256i parts = _mm256_hadd_epi32(two_groups128(wr + g * G / 2, q + g * G),   // [g .. g+3 | g .. g+3]
                                               two_groups128(wr + (g + 2) * G / 2, q + (g + 2) * G));
       __m128i sums = _mm_add_epi32(_mm256_castsi256_si128(parts), _mm256_extracti128_si256(parts, 1));
-      if constexpr (F != INT8) {
+      __m128 min_terms = _mm_setzero_ps();   // UINT4_MIN: the four groups' m_g * (sum of q over the group)
+      if constexpr (HAS_MIN<F>) {
+        const __m128i group_q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gsum + g));
+        const __m128 mins = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mr + g)));
+        min_terms = _mm_mul_ps(mins, _mm_cvtepi32_ps(group_q));
+      } else if constexpr (F != INT8) {
         const __m128i group_q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gsum + g));
         if constexpr (F == INT4) {
           sums = _mm_sub_epi32(sums, _mm_slli_epi32(group_q, 3));
@@ -184,7 +190,9 @@ void row_nibbles_m1_avx2(const Act16& a, const X* q, const QuantView& w, int64_t
         }
       }
       const __m128 scales = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sr + g)));
-      total = _mm256_add_ps(total, _mm256_zextps128_ps256(_mm_mul_ps(scales, _mm_cvtepi32_ps(sums))));
+      __m128 part = _mm_mul_ps(scales, _mm_cvtepi32_ps(sums));
+      if constexpr (HAS_MIN<F>) part = _mm_add_ps(part, min_terms);
+      total = _mm256_add_ps(total, _mm256_zextps128_ps256(part));
       g += 4;
     }
   }
@@ -200,6 +208,7 @@ void row_nibbles_m1_avx2(const Act16& a, const X* q, const QuantView& w, int64_t
       for (int64_t l = 0; l < LANES; ++l) dot += lanes[h * LANES + l];
       const int32_t gq = BPG == 1 ? qsum[g + h] : gsum[g + h];   // (left-over groups: in order)
       rest += _cvtsh_ss(sr[g + h].x) * static_cast<float>(dot - zero_of<F>(zr, g + h) * gq);
+      if constexpr (HAS_MIN<F>) rest += min_of<F>(mr, g + h) * static_cast<float>(gq);
     }
   }
   y[n] = a.d[0] * (simd::hsum8(total) + rest);
@@ -260,7 +269,7 @@ void row_bytes8_m1_avx2(const Act16& a, const QuantView& w, int64_t n, float* y)
 
 template <int F>
 void rows_nibbles_avx2(const Act16& a, const QuantView& w, int64_t n0, int64_t n1, float* y, Layout layout) {
-  if constexpr (F == INT4 || F == UINT4) {
+  if constexpr (FOUR_BIT<F>) {
     if (layout == NIBBLES8) rows_nibbles_m1<F>(a, a.q8.data(), w, n0, n1, y);
     else rows_nibbles_m1<F>(a, a.q.data(), w, n0, n1, y);
   }
@@ -279,6 +288,7 @@ INSTANTIATE(INT8)
 INSTANTIATE(UINT8)
 INSTANTIATE(INT4)
 INSTANTIATE(UINT4)
+INSTANTIATE(UINT4_MIN)
 #undef INSTANTIATE
 
 }  // namespace qgemv

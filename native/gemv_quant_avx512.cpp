@@ -110,7 +110,9 @@ namespace {
 // unpack/add tree turns S[0..3] into one vector of the 16 block sums (lane 4b + s = block 4s + b); the
 // zero points come off in int32 (z times the block's sum of q) and one FMA applies the 16 blocks' scales,
 // gathered into the same lane order. Groups of 512 k or more (and per-channel weights) skip the tree: the
-// chunk lies inside one group, so its S are summed and scaled by one broadcast scale.
+// chunk lies inside one group, so its S are summed and scaled by one broadcast scale. UINT4_MIN has no zero
+// points: its codes go in as they are and each group's min times its sum of q is added in fp32 (grouped: a
+// second FMA with the mins gathered like the scales; ONE: per chunk, with the chunk's sum of q).
 #define AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
 AVX512_VNNI inline __mmask64 bytes_mask(int64_t bytes) {
@@ -149,12 +151,12 @@ AVX512_VNNI inline void chunk_sums(const uint8_t* const* wr, const Q* const* q, 
     for (int r = 0; r < R; ++r) {
       __m512i* Sr = S[r * MB];
       if constexpr (std::is_same_v<Q, int8_t>) {   // 128-bit lane b of a load: block b's 16 bytes of codes
-        static_assert(F == INT4 || F == UINT4, "NIBBLES8W takes 4-bit codes");
+        static_assert(FOUR_BIT<F>, "NIBBLES8W takes 4-bit codes");
         const __m512i w = load64<TAIL>(wr[r] + k / 2, (K - k) / 2), nib = _mm512_set1_epi8(0x0F);
         const __m512i lo = _mm512_and_si512(w, nib), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);
 #pragma GCC unroll 4
         for (int m = 0; m < MB; ++m) Sr[4 * m + s] = dp(dp(Sr[4 * m + s], lo, q[m] + k), hi, q[m] + k + 64);
-      } else if constexpr (F == INT4 || F == UINT4) {
+      } else if constexpr (FOUR_BIT<F>) {
         const __m512i w = load64<TAIL>(wr[r] + k / 2, (K - k) / 2), nib = _mm512_set1_epi16(0x000F);
         const __m512i c0 = _mm512_and_si512(w, nib), c1 = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);
         const __m512i c2 = _mm512_and_si512(_mm512_srli_epi16(w, 8), nib), c3 = _mm512_srli_epi16(w, 12);
@@ -211,14 +213,16 @@ AVX512_VNNI void row_avx512(const Act16& a, int64_t m0, const QuantView& w, int6
   const uint8_t* wr[R];
   const at::Half* sr[R];
   const uint8_t* zr[R];
+  const at::Half* mr[R];
   for (int r = 0; r < R; ++r) {
     wr[r] = w.codes + n[r] * w.row_bytes, sr[r] = w.scales + n[r] * w.groups;
     zr[r] = w.zeros ? w.zeros + n[r] * w.groups : nullptr;
+    mr[r] = w.mins ? w.mins + n[r] * w.groups : nullptr;
   }
   const int64_t nb = a.padded / BLOCK, chunks = nb / 16, full = K / CHUNK;
   const Q* q[MB];
   __m512 total[R * MB];
-  float zsum[R * MB];   // ONE: sum over chunks of s * z * (sum of q over the chunk)
+  float zsum[R * MB];   // ONE: sum over chunks of s * z * (sum of q over the chunk) (UINT4_MIN: of -m * that sum)
   for (int m = 0; m < MB; ++m) {
     if constexpr (std::is_same_v<Q, int8_t>) q[m] = a.q8.data() + (m0 + m) * a.padded;
     else q[m] = a.q.data() + (m0 + m) * a.padded;
@@ -238,7 +242,9 @@ AVX512_VNNI void row_avx512(const Act16& a, int64_t m0, const QuantView& w, int6
           const __m512i* Si = S[r * MB + m];
           const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(Si[0], Si[1]), _mm512_add_epi32(Si[2], Si[3]));
           total[r * MB + m] = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(sum), total[r * MB + m]);
-          if constexpr (F != INT8)
+          if constexpr (HAS_MIN<F>)
+            zsum[r * MB + m] -= min_of<F>(mr[r], g) * static_cast<float>(a.chunk_sum[(m0 + m) * chunks + c]);
+          else if constexpr (F != INT8)
             zsum[r * MB + m] += s * static_cast<float>(zero_of<F>(zr[r], g) * a.chunk_sum[(m0 + m) * chunks + c]);
         }
       } else {
@@ -249,11 +255,16 @@ AVX512_VNNI void row_avx512(const Act16& a, int64_t m0, const QuantView& w, int6
         if constexpr (F == INT4) zv = _mm512_set1_epi32(8);
         if constexpr (F == UINT8 || F == UINT4)
           zv = _mm512_permutexvar_epi32(ch.gidx, _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(gm, zr[r] + g0)));
+        __m512 mv = _mm512_setzero_ps();   // UINT4_MIN: each block's group's min, lanes as sv's
+        if constexpr (HAS_MIN<F>)
+          mv = _mm512_permutexvar_ps(ch.gidx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, mr[r] + g0)));
         for (int m = 0; m < MB; ++m) {
           __m512i sums = block_sums(S[r * MB + m]);
-          if constexpr (F != INT8)
-            sums = _mm512_sub_epi32(sums, _mm512_mullo_epi32(zv, _mm512_loadu_si512(a.block_sum.data() +
-                                                                                     (m0 + m) * nb + 16 * c)));
+          const __m512i bq = _mm512_loadu_si512(a.block_sum.data() + (m0 + m) * nb + 16 * c);
+          if constexpr (HAS_MIN<F>)   // a block's share of its group's min term: m * (its sum of q)
+            total[r * MB + m] = _mm512_fmadd_ps(mv, _mm512_cvtepi32_ps(bq), total[r * MB + m]);
+          else if constexpr (F != INT8)
+            sums = _mm512_sub_epi32(sums, _mm512_mullo_epi32(zv, bq));
           total[r * MB + m] = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(sums), total[r * MB + m]);
         }
       }
@@ -311,7 +322,7 @@ void rows_avx512_of(const Act16& a, int64_t M, const QuantView& w, int64_t K, in
 template <int F>
 void rows_avx512(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y,
                  int64_t N, Layout layout) {
-  if constexpr (F == INT4 || F == UINT4)
+  if constexpr (FOUR_BIT<F>)
     if (layout == NIBBLES8W) return rows_avx512_of<F, int8_t>(a, M, w, K, n0, n1, y, N);
   rows_avx512_of<F, int16_t>(a, M, w, K, n0, n1, y, N);
 }
@@ -323,5 +334,6 @@ ROWS_AVX512(INT8)
 ROWS_AVX512(UINT8)
 ROWS_AVX512(INT4)
 ROWS_AVX512(UINT4)
+ROWS_AVX512(UINT4_MIN)
 
 }  // namespace qgemv

@@ -18,14 +18,15 @@ int64_t stream_rows(const torch::Tensor& rows, const std::optional<torch::Tensor
 struct QuantView {
   const uint8_t* codes;
   const at::Half* scales;
-  const uint8_t* zeros;      // null for int8 / int4
+  const uint8_t* zeros;      // uint8 / uint4 only, else null
+  const at::Half* mins;      // uint4_min only (fp16, shaped like scales), else null
   int64_t format, rows, row_bytes, groups, group;
   float act_max;             // x is rounded per row to integers of at most this magnitude (32767 or 127)
 };
 struct QuantWeight {
   torch::Tensor qweight, scales;
-  std::optional<torch::Tensor> zeros;
-  int64_t format;            // 0 int8, 1 uint8, 2 int4, 3 uint4 (allspark_server/quant/formats.py)
+  std::optional<torch::Tensor> zeros;   // the group offsets: uint8 zero points (uint8 / uint4), fp16 mins (uint4_min)
+  int64_t format;            // 0 int8, 1 uint8, 2 int4, 3 uint4, 4 uint4_min (allspark_server/quant/formats.py)
   int64_t in_features;       // K
   // how x is rounded before it meets the codes: 16 (weight-only, "A16W8/W4") or 8 (activate_quant, "A8W8")
   int64_t act_bits = 16;

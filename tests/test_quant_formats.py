@@ -43,7 +43,7 @@ def test_round_trip_error_is_within_half_a_step(fmt, group):
     g = torch.Generator().manual_seed(3)
     w = torch.randn(37, 256, generator=g) * torch.rand(37, 1, generator=g)      # rows of different ranges
     q = quantize(w, fmt, group)
-    back = dequantize(q["qweight"], q["scales"], q.get("zeros"), fmt, group)
+    back = dequantize(q["qweight"], q["scales"], q.get("zeros", q.get("mins")), fmt, group)
     step = q["scales"].float().abs().repeat_interleave(256 if group == -1 else group, dim=1)
     err = (back - w).abs()
     # rounding: half a step; at the ends of a group's range a clamped code costs up to one step (symmetric: the
@@ -56,4 +56,4 @@ def test_zero_rows_quantize_to_zero():
     w = torch.zeros(3, 64)
     for fmt in FORMATS:
         q = quantize(w, fmt, 32)
-        assert torch.equal(dequantize(q["qweight"], q["scales"], q.get("zeros"), fmt, 32), w)
+        assert torch.equal(dequantize(q["qweight"], q["scales"], q.get("zeros", q.get("mins")), fmt, 32), w)

@@ -3,7 +3,7 @@
 already sliced by the loader. At world size 1 these are plain linears.
 
 A layer's weight is dense (`weight`) or, after `quantize_`, InstantQuant buffers (`qweight`, `scales`,
-`zeros`; quant/formats.py has the layout); `kernel_weight` is what the ops take either way.
+`zeros` or, for uint4_min, `mins`; quant/formats.py has the layout); `kernel_weight` is what the ops take either way.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from allspark_server.compute import ops
-from allspark_server.quant.formats import QuantizedWeight, bits, group_count, is_asymmetric
+from allspark_server.quant.formats import QuantizedWeight, bits, group_count, has_mins, is_asymmetric
 
 
 class ParallelLinear(nn.Module):
@@ -31,9 +31,11 @@ class ParallelLinear(nn.Module):
         n, k = self.out_features, self.in_features
         code_dtype = torch.int8 if fmt == "int8" else torch.uint8
         self.register_buffer("qweight", torch.empty(n, k // 2 if bits(fmt) == 4 else k, dtype=code_dtype))
-        self.register_buffer("scales", torch.empty(n, group_count(k, group_size), dtype=torch.float16))
-        self.register_buffer("zeros", torch.empty(n, group_count(k, group_size), dtype=torch.uint8)
-                             if is_asymmetric(fmt) else None)
+        groups = group_count(k, group_size)
+        self.register_buffer("scales", torch.empty(n, groups, dtype=torch.float16))
+        self.register_buffer("zeros", torch.empty(n, groups, dtype=torch.uint8)
+                             if is_asymmetric(fmt) and not has_mins(fmt) else None)
+        self.register_buffer("mins", torch.empty(n, groups, dtype=torch.float16) if has_mins(fmt) else None)
         self.quant = (fmt, group_size, act_bits)
 
     @property
@@ -41,7 +43,8 @@ class ParallelLinear(nn.Module):
         if self.quant is None:
             return self.weight
         fmt, group_size, act_bits = self.quant
-        return QuantizedWeight(self.qweight, self.scales, self.zeros, fmt, group_size, self.in_features, act_bits)
+        offsets = self.mins if has_mins(fmt) else self.zeros     # QuantizedWeight's group offsets
+        return QuantizedWeight(self.qweight, self.scales, offsets, fmt, group_size, self.in_features, act_bits)
 
 
 class ColumnParallelLinear(ParallelLinear):

@@ -1,9 +1,9 @@
 """Serialize-time InstantQuant: validate the user's scheme against a model and replace its GEMM weights by
 their quantized tensors, each with the tensor-parallel split mode the loader will slice it by.
 
-A quantized weight `X.weight` becomes `X.qweight` / `X.scales` (/ `X.zeros`), all [N, ...] like the weight,
-so they split like it: by output rows for column-parallel weights, by input columns (codes and groups) for
-row-parallel ones; per-channel scales of a row-parallel weight hold whole rows and are replicated.
+A quantized weight `X.weight` becomes `X.qweight` / `X.scales` (/ `X.zeros`, or `X.mins` for uint4_min), all
+[N, ...] like the weight, so they split like it: by output rows for column-parallel weights, by input columns
+(codes and groups) for row-parallel ones; per-channel scales of a row-parallel weight hold whole rows and are replicated.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Checkpoint tensor names <-> model parameters: merged projections (MergedColumnParallelLinear)
 are stored in checkpoints as their separate parts, which each rank places one after the other at load
-time (`merged_parts`; loader/rank_weights.py). Quantized weights (`<name>.qweight/.scales/.zeros`) are
-merged the same way; `quantize_layers` turns the model's linear layers into quantized ones before their
-shards are read."""
+time (`merged_parts`; loader/rank_weights.py). Quantized weights (`<name>.qweight/.scales/.zeros`, or
+`.mins` for uint4_min) are merged the same way; `quantize_layers` turns the model's linear layers into quantized
+ones before their shards are read."""
 from __future__ import annotations
 
 from torch import nn
@@ -11,7 +11,7 @@ from allspark_server.layers.linear import MergedColumnParallelLinear, ParallelLi
 from allspark_server.quant.formats import check_shape
 from allspark_server.quant.scheme import QuantConfigError, QuantScheme
 
-TENSOR_SUFFIXES = ("weight", "bias", "qweight", "scales", "zeros")
+TENSOR_SUFFIXES = ("weight", "bias", "qweight", "scales", "zeros", "mins")
 
 
 def _merged_modules(model: nn.Module):

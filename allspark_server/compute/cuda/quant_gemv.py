@@ -1,7 +1,11 @@
 """The FMA side of the InstantQuant matmul, launched by quant_kernels.py: the GEMV of a row or two of x (decode),
 which streams the codes with K contiguous and meets each row of x with FMAs (optionally silu(gate) * up in its
 epilogue), and the dequantize of a weight into x's dtype for prefill's cuBLAS GEMM. Both turn codes into floats in
-registers by the exponent trick (`_code_values`)."""
+registers by the exponent trick (`_code_values`). uint4_min (`zeros` then points at its fp16 mins), the GEMV's
+HAS_MIN: 1 adds min * (x summed over the group) to each group's scaled sum, a second reduction, which the weight
+stream hides when a program has several k-tiles (8192 x 8192 on an H100: 0.99x uint4's time) but not when it has one
+(2048 x 2048: 1.43x); 2 (one k-tile a program) turns the codes into the weights, code * scale + min, one FMA each and
+no scale after (2048 x 2048: 1.01x; 8192 x 8192: 1.11x)."""
 from __future__ import annotations
 
 import triton
@@ -42,11 +46,11 @@ def _code_tile(qw, rows, n_ok, k0, k_end, stride_qn, FMT: tl.constexpr, BLOCK_K:
 @triton.jit
 def _gemv_tile(acc, bits, x, scales, zeros, rows, n_ok, offs_m, k0, k_end, M,
                stride_xm, stride_sn, stride_zn,
-               FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr):
+               FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] plus the k-tile [k0, k0 + BLOCK_K) of weight rows `rows` [BLOCK_N], whose codes
     `bits` _code_tile loaded, met by each row of x: per sub-tile of one group, sum_k (code - zero) * x times its
-    scale."""
+    scale (uint4_min, HAS_MIN 1: plus its min times sum_k x; 2: sum_k (code * scale + min) * x)."""
     NSUB: tl.constexpr = BLOCK_K // SUB
     offs_g = k0 // GROUP + tl.arange(0, NSUB)
     g_ok = n_ok[:, None] & (offs_g * GROUP < k_end)[None, :]
@@ -59,10 +63,14 @@ def _gemv_tile(acc, bits, x, scales, zeros, rows, n_ok, offs_m, k0, k_end, M,
         zero = 8.0
     else:
         zero = 0.0
+    if HAS_MIN:
+        mn = tl.load(zeros + rows[:, None] * stride_zn + offs_g[None, :], mask=g_ok, other=0.0).to(tl.float32)
     if NSUB == 1:   # one group (or the row's one scale) per k-tile: plain [BN, K] tiles
         scale = tl.reshape(scale, (BLOCK_N,))
         if HAS_ZERO:
             zero = tl.reshape(zero, (BLOCK_N, 1))
+        if HAS_MIN:
+            mn = tl.reshape(mn, (BLOCK_N,))
     elif HAS_ZERO:
         zero = zero[:, :, None]
     if FMT <= 1:
@@ -86,18 +94,32 @@ def _gemv_tile(acc, bits, x, scales, zeros, rows, n_ok, offs_m, k0, k_end, M,
         byte = bits
         if NSUB != 1:
             byte = tl.reshape(byte, (BLOCK_N, NSUB, SUB // 2))     # a group's bytes are contiguous
-        w_lo = _code_values(byte & 15, zero, FMT)
-        w_hi = _code_values(byte >> 4, zero, FMT)
+        if HAS_MIN == 2:   # the weights: code * scale + min
+            s3, m3 = (scale[:, None], mn[:, None]) if NSUB == 1 else (scale[:, :, None], mn[:, :, None])
+            w_lo = _code_values(byte & 15, zero, FMT) * s3 + m3
+            w_hi = _code_values(byte >> 4, zero, FMT) * s3 + m3
+        else:
+            w_lo = _code_values(byte & 15, zero, FMT)
+            w_hi = _code_values(byte >> 4, zero, FMT)
         for i in tl.static_range(BLOCK_M):
             x_row = x + tl.minimum(i, M - 1) * stride_xm      # rows past M repeat the last (not stored)
             x_lo = tl.load(x_row + k_lo, mask=p_ok, other=0.0).to(tl.float32)
             x_hi = tl.load(x_row + k_lo + 16, mask=p_ok, other=0.0).to(tl.float32)
             if NSUB == 1:
-                part = tl.sum(w_lo * x_lo[None, :] + w_hi * x_hi[None, :], 1) * scale
+                part = tl.sum(w_lo * x_lo[None, :] + w_hi * x_hi[None, :], 1)
+                if HAS_MIN == 1:
+                    part = part * scale + mn * (tl.sum(x_lo, 0) + tl.sum(x_hi, 0))
+                elif HAS_MIN == 0:
+                    part = part * scale
             else:
                 part = tl.sum(w_lo * tl.reshape(x_lo, (1, NSUB, SUB // 2))
                               + w_hi * tl.reshape(x_hi, (1, NSUB, SUB // 2)), 2)
-                part = tl.sum(part * scale, 1)
+                if HAS_MIN == 1:   # each group's sum of x [1, NSUB], in the products' layout
+                    part = part * scale + mn * tl.sum(tl.reshape(x_lo, (1, NSUB, SUB // 2))
+                                                      + tl.reshape(x_hi, (1, NSUB, SUB // 2)), 2)
+                elif HAS_MIN == 0:
+                    part = part * scale
+                part = tl.sum(part, 1)
             acc = tl.where(offs_m[:, None] == i, acc + part[None, :], acc)
     return acc
 
@@ -116,21 +138,21 @@ def _code_tiles(qw, rows, up_rows, n_ok, k0, k_end, stride_qn, FMT: tl.constexpr
 @triton.jit
 def _gemv_tiles(acc, acc_up, bits, bits_up, k0, x, scales, zeros, rows, up_rows, n_ok, offs_m, k_end, M,
                 stride_xm, stride_sn, stride_zn, FMT: tl.constexpr, GROUP: tl.constexpr,
-                HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SUB: tl.constexpr, SILU_MUL: tl.constexpr):
+                HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, SUB: tl.constexpr, SILU_MUL: tl.constexpr):
     """_gemv_tile of the rows' codes and, with SILU_MUL, of the up rows' into acc_up."""
     acc = _gemv_tile(acc, bits, x, scales, zeros, rows, n_ok, offs_m, k0, k_end, M, stride_xm, stride_sn,
-                     stride_zn, FMT, GROUP, HAS_ZERO, BLOCK_M, BLOCK_N, BLOCK_K, SUB)
+                     stride_zn, FMT, GROUP, HAS_ZERO, HAS_MIN, BLOCK_M, BLOCK_N, BLOCK_K, SUB)
     if SILU_MUL:
         acc_up = _gemv_tile(acc_up, bits_up, x, scales, zeros, up_rows, n_ok, offs_m, k0, k_end, M, stride_xm,
-                            stride_sn, stride_zn, FMT, GROUP, HAS_ZERO, BLOCK_M, BLOCK_N, BLOCK_K, SUB)
+                            stride_sn, stride_zn, FMT, GROUP, HAS_ZERO, HAS_MIN, BLOCK_M, BLOCK_N, BLOCK_K, SUB)
     return acc, acc_up
 
 
 @triton.jit
 def quant_gemv_kernel(x, qw, scales, zeros, out, M, N, K, k_per_split,
                       stride_xm, stride_qn, stride_sn, stride_zn, stride_os, stride_om, up_rows,
-                      FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+                      FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
                       EVICTION: tl.constexpr, SILU_MUL: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
     """A row or two of x (decode): program (n tile, k split) streams its [BLOCK_N, K-range] codes with K
@@ -155,14 +177,14 @@ def quant_gemv_kernel(x, qw, scales, zeros, out, M, N, K, k_per_split,
                                 SILU_MUL, EVICTION)
     wait_for_previous(PDL)
     acc, acc_up = _gemv_tiles(acc, acc_up, bits, bits_up, k_begin, x, scales, zeros, offs_n, up, n_ok,
-                              offs_m, k_end, M, stride_xm, stride_sn, stride_zn, FMT, GROUP, HAS_ZERO, BLOCK_M,
-                              BLOCK_N, BLOCK_K, SUB, SILU_MUL)
+                              offs_m, k_end, M, stride_xm, stride_sn, stride_zn, FMT, GROUP, HAS_ZERO, HAS_MIN,
+                              BLOCK_M, BLOCK_N, BLOCK_K, SUB, SILU_MUL)
     for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
         bits, bits_up = _code_tiles(qw, offs_n, up, n_ok, k0, k_end, stride_qn, FMT, BLOCK_K,
                                     SILU_MUL, EVICTION)
         acc, acc_up = _gemv_tiles(acc, acc_up, bits, bits_up, k0, x, scales, zeros, offs_n, up, n_ok,
-                                  offs_m, k_end, M, stride_xm, stride_sn, stride_zn, FMT, GROUP, HAS_ZERO, BLOCK_M,
-                                  BLOCK_N, BLOCK_K, SUB, SILU_MUL)
+                                  offs_m, k_end, M, stride_xm, stride_sn, stride_zn, FMT, GROUP, HAS_ZERO, HAS_MIN,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, SUB, SILU_MUL)
     dst = out + pid_k * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     if SILU_MUL:
         dt = out.dtype.element_ty
@@ -174,9 +196,10 @@ def quant_gemv_kernel(x, qw, scales, zeros, out, M, N, K, k_per_split,
 
 @triton.jit
 def dequantize_kernel(qw, scales, zeros, out, N, K, stride_qn, stride_sn, stride_zn, stride_on,
-                      FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+                      FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program (n tile, k tile): out[n, k] = (code - zero) * scale in out's dtype (for a cuBLAS GEMM)."""
+    """Program (n tile, k tile): out[n, k] = (code - zero) * scale (HAS_MIN: code * scale + min) in out's dtype (for
+    a cuBLAS GEMM)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     n_ok = offs_n < N
@@ -188,6 +211,9 @@ def dequantize_kernel(qw, scales, zeros, out, N, K, stride_qn, stride_sn, stride
         zero = 8.0
     else:
         zero = 0.0
+    mn = 0.0
+    if HAS_MIN:
+        mn = tl.load(zeros + offs_n * stride_zn + g, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     q_rows = qw.to(tl.pointer_type(tl.uint8), bitcast=True) + offs_n.to(tl.int64)[:, None] * stride_qn
     o_rows = out + offs_n.to(tl.int64)[:, None] * stride_on
     if FMT <= 1:
@@ -200,7 +226,10 @@ def dequantize_kernel(qw, scales, zeros, out, N, K, stride_qn, stride_sn, stride
         k_lo = k0 + (p // 16) * 32 + p % 16
         ok = n_ok[:, None] & (k_lo < K)[None, :]
         byte = tl.load(q_rows + (k0 // 2 + p)[None, :], mask=ok, other=0).to(tl.int32)
-        tl.store(o_rows + k_lo[None, :], (_code_values(byte & 15, zero, FMT) * scale).to(out.dtype.element_ty),
-                 mask=ok)
-        tl.store(o_rows + (k_lo + 16)[None, :], (_code_values(byte >> 4, zero, FMT) * scale).to(out.dtype.element_ty),
-                 mask=ok)
+        lo = _code_values(byte & 15, zero, FMT) * scale
+        hi = _code_values(byte >> 4, zero, FMT) * scale
+        if HAS_MIN:   # the launch turns fused multiply-adds off: the product is rounded first, as the reference's
+            lo += mn
+            hi += mn
+        tl.store(o_rows + k_lo[None, :], lo.to(out.dtype.element_ty), mask=ok)
+        tl.store(o_rows + (k_lo + 16)[None, :], hi.to(out.dtype.element_ty), mask=ok)

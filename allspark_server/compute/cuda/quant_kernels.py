@@ -4,8 +4,11 @@ dequantized.
 
 Each program owns a [BLOCK_M, BLOCK_N] tile of y. Per k-tile it loads the codes, subtracts the zero point
 (int4: 8; uint8/uint4: the group's), which leaves small integers that bf16 and fp16 hold exactly, multiplies x
-by them on the tensor cores with fp32 sums, and scales the partial by the group's fp16 scale: the reference's
-products, summed in another order (agreement within fp32 rounding of the dequantize-then-matmul reference,
+by them on the tensor cores with fp32 sums, and scales the partial by the group's fp16 scale (uint4_min, whose
+w = code * scale + min and whose `zeros` argument holds the fp16 mins: the codes as they are, plus the group's min
+times x summed over the k-tile, that sum one more dot of the tile against ones so that it lands in the
+accumulator's layout: at 16 rows 1.05x uint4's time in groups of 32 where sums reduced in registers took 1.19x): the
+reference's products, summed in another order (agreement within fp32 rounding of the dequantize-then-matmul reference,
 `ops.linear` on a GPU quantized weight's codes). A k-tile never straddles a group (BLOCK_K divides the group
 size). 4-bit bytes hold k = j and k = 16 + j of each 32-block (the packing of quant/formats.py), so a tile
 of bytes is two dots: the low nibbles against x's columns j, the high ones against j + 16.
@@ -29,15 +32,14 @@ import triton.language as tl
 
 from allspark_server.compute.cuda import pdl
 from allspark_server.compute.cuda.quant_gemv import dequantize_kernel, quant_gemv_kernel
-from allspark_server.quant.formats import FORMAT_IDS, QuantizedWeight
+from allspark_server.quant.formats import FORMAT_IDS, QuantizedWeight, has_mins
 
-INT8, UINT8, INT4, UINT4 = (FORMAT_IDS[f] for f in ("int8", "uint8", "int4", "uint4"))
+INT8, UINT8, INT4, UINT4, UINT4_MIN = (FORMAT_IDS[f] for f in ("int8", "uint8", "int4", "uint4", "uint4_min"))
 
 
 @triton.jit
-def _codes_dot(x_ptrs, x_mask, codes, zero, DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
-    """x [BLOCK_M, KT] (loaded through x_ptrs) @ (codes - zero) [KT, BLOCK_N], fp32 sums."""
-    xt = tl.load(x_ptrs, mask=x_mask, other=0.0)
+def _codes_dot(xt, codes, zero, DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+    """x [BLOCK_M, KT] (a loaded tile) @ (codes - zero) [KT, BLOCK_N], fp32 sums."""
     if UPCAST:   # the interpreter: its bf16 dot multiplies raw bits, so fp32 operands (the same values)
         return tl.dot(xt.to(tl.float32), (codes - zero).to(tl.float32), input_precision="ieee")
     return tl.dot(xt.to(DOT_DTYPE), (codes - zero).to(DOT_DTYPE), input_precision="ieee")
@@ -46,7 +48,7 @@ def _codes_dot(x_ptrs, x_mask, codes, zero, DOT_DTYPE: tl.constexpr, UPCAST: tl.
 @triton.jit
 def _quant_matmul_kernel(x, qw, scales, zeros, out, M, N, K, k_per_split,
                          stride_xm, stride_qn, stride_sn, stride_zn, stride_os, stride_om,
-                         FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+                         FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
     """Program (n tile, m tile, k split) -> fp32 partial out[split, m tile, n tile]; K range
@@ -74,8 +76,8 @@ def _quant_matmul_kernel(x, qw, scales, zeros, out, M, N, K, k_per_split,
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < k_end
             codes = tl.load(q_cols + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0)
-            part = _codes_dot(x_rows + offs_k[None, :], m_ok[:, None] & k_ok[None, :], codes.to(tl.int32), zero,
-                              DOT_DTYPE, UPCAST)
+            xt = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            part = _codes_dot(xt, codes.to(tl.int32), zero, DOT_DTYPE, UPCAST)
         else:            # bytes [BK/2, BN]: low nibble k = 32 b + j, high nibble k + 16
             p = tl.arange(0, BLOCK_K // 2)
             k_lo = k0 + (p // 16) * 32 + p % 16
@@ -83,8 +85,15 @@ def _quant_matmul_kernel(x, qw, scales, zeros, out, M, N, K, k_per_split,
             byte = tl.load(q_cols + (k0 // 2 + p)[:, None], mask=p_ok[:, None] & n_ok[None, :], other=0)
             byte = byte.to(tl.int32)
             x_mask = m_ok[:, None] & p_ok[None, :]
-            part = _codes_dot(x_rows + k_lo[None, :], x_mask, byte & 15, zero, DOT_DTYPE, UPCAST)
-            part += _codes_dot(x_rows + (k_lo + 16)[None, :], x_mask, (byte >> 4) & 15, zero, DOT_DTYPE, UPCAST)
+            x_lo = tl.load(x_rows + k_lo[None, :], mask=x_mask, other=0.0)
+            x_hi = tl.load(x_rows + (k_lo + 16)[None, :], mask=x_mask, other=0.0)
+            part = _codes_dot(x_lo, byte & 15, zero, DOT_DTYPE, UPCAST)
+            part += _codes_dot(x_hi, (byte >> 4) & 15, zero, DOT_DTYPE, UPCAST)
+            if HAS_MIN:   # + min * (sum of x over the tile): [BM, BN], every column the sum
+                mn = tl.load(zeros + offs_n * stride_zn + g, mask=n_ok, other=0.0).to(tl.float32)       # [BN]
+                ones = tl.full((BLOCK_K // 2, BLOCK_N), 1, tl.int32)
+                x_sum = _codes_dot(x_lo, ones, 0, DOT_DTYPE, UPCAST) + _codes_dot(x_hi, ones, 0, DOT_DTYPE, UPCAST)
+                acc += x_sum * mn[None, :]
         acc += part * scale[None, :]
     dst = out + pid_k * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(dst, acc, mask=m_ok[:, None] & n_ok[None, :])
@@ -141,17 +150,20 @@ _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.flo
 
 
 def dequantize(w: QuantizedWeight, dtype: torch.dtype, block_n: int = 32, block_k: int = 256) -> torch.Tensor:
-    """The weight [N, K] the codes stand for, in `dtype` (one rounding of (code - zero) * scale)."""
+    """The weight [N, K] the codes stand for, in `dtype` (one rounding of (code - zero) * scale; uint4_min: of
+    code * scale + min, the product rounded to fp32 first as the reference does: no fused multiply-add)."""
     n, k = w.out_features, w.in_features
     group = k if w.group_size == -1 else w.group_size
     if w.group_size != -1:
         block_k = min(block_k, group)
     out = torch.empty(n, k, dtype=dtype, device=w.qweight.device)
-    zeros = w.zeros
+    zeros, has_min = w.zeros, has_mins(w.fmt)
+    no_fma = {"enable_fp_fusion": False} if has_min and not _INTERPRETED else {}
     dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         w.qweight, w.scales, w.scales if zeros is None else zeros, out, n, k, w.qweight.stride(0),
         w.scales.stride(0), 0 if zeros is None else zeros.stride(0), out.stride(0),
-        FMT=FORMAT_IDS[w.fmt], GROUP=group, HAS_ZERO=zeros is not None, BLOCK_N=block_n, BLOCK_K=block_k)
+        FMT=FORMAT_IDS[w.fmt], GROUP=group, HAS_ZERO=zeros is not None and not has_min, HAS_MIN=has_min,
+        BLOCK_N=block_n, BLOCK_K=block_k, **no_fma)
     return out
 
 
@@ -187,10 +199,12 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
     args = (x, w.qweight, w.scales, w.scales if zeros is None else zeros, partial, m, n, k, k_per_split,
             x.stride(0), w.qweight.stride(0), w.scales.stride(0), 0 if zeros is None else zeros.stride(0),
             partial.stride(0), partial.stride(1))
-    common = dict(FMT=fmt, GROUP=group, HAS_ZERO=zeros is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  num_warps=cfg.num_warps)
+    common = dict(FMT=fmt, GROUP=group, HAS_ZERO=zeros is not None and fmt != UINT4_MIN, HAS_MIN=fmt == UINT4_MIN,
+                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
     if gemv:
         sub = cfg.block_k if w.group_size == -1 else min(cfg.block_k, w.group_size)
+        # uint4_min: the min in the weights where a program has one k-tile, else min * sum(x) (quant_gemv.py)
+        common["HAS_MIN"] = 0 if fmt != UINT4_MIN else 2 if k_per_split <= cfg.block_k else 1
         quant_gemv_kernel[(triton.cdiv(n, cfg.block_n), splits)](
             *args, up_rows=n, BLOCK_M=cfg.block_m, SUB=sub, EVICTION=cfg.eviction, SILU_MUL=silu_mul,
             SOFT_BF16=_INTERPRETED, **common, **pdl.launch_options(x.device))
