@@ -48,8 +48,8 @@ def test_automatic_budgets_are_split_between_the_ranks_and_shrink_with_installed
     late = MachineShare(ranks=2, available=10 * GiB, reserved=8 * GiB, resident=0)
     assert host_spans(cfg(), MiB, late) == int(0.9 * 10 * GiB - 8 * GiB) // 2 // MiB    # only what is left
     full = MachineShare(ranks=2, available=10 * GiB, reserved=9 * GiB, resident=0)
-    with pytest.raises(ValueError, match=r"cannot hold one request of max_length 1024 \(0\.062 GiB per rank\): "
-                                         r"90% of the 10\.00 GiB .* 0\.00 GiB left for 2 rank\(s\)"):
+    with pytest.raises(ValueError, match=r"cannot hold one request of max_length 1024 \(64\.0 MiB per rank\): "
+                                         r"90% of the 10\.00 GiB .* 0\.0 MiB left for 2 rank\(s\)"):
         host_spans(cfg(), MiB, full)
 
 

@@ -58,18 +58,18 @@ def test_explicit_budgets_count_the_machines_ranks_and_installed_models(new_pool
 
 
 def test_automatic_budgets_never_add_up_beyond_the_machine(new_pool, loader):
-    """The issue's models with max_batch=10**6, installed until the pool refuses one: what they reserve on the
-    machine's two ranks stays within its RAM (it used to be 80% of it per model)."""
+    """The issue's three models with max_batch=10**6 on two ranks: what they reserve on the machine stays within its
+    RAM (each used to take 40% of it per rank), and a model asking for more than is left is refused with the
+    numbers."""
     client = new_pool().client()
     available = psutil.virtual_memory().available
-    installed, message = [], None
-    for i in range(6):
-        try:
-            client.install_model(config(loader, f"m{i}", max_batch=10**6))
-        except AsException as e:
-            message = e.message
-            break
+    installed = []
+    for i in range(3):
+        assert client.install_model(config(loader, f"m{i}", max_batch=10**6)) == AsStatus.ALLSPARK_SUCCESS
         installed.append(kv_bytes_per_rank(client, f"m{i}"))
-    assert message is not None and "cannot hold one request of max_length 1024" in message, (installed, message)
-    assert len(installed) >= 2
     assert 2 * sum(installed) <= 0.95 * available, [b / GiB for b in installed]
+    message = refusal(client, config(loader, "more", int(0.1 * available)))
+    held = float(message.split("the models already installed hold ")[1].split(" GiB")[0])
+    assert abs(held - 2 * sum(installed) / GiB) < 0.02 and "does not fit" in message, message
+    print(f"three models reserve {[round(b / GiB, 2) for b in installed]} GiB per rank, {2 * sum(installed) / GiB:.1f} "
+          f"GiB on the machine of {available / GiB:.1f} GiB available; then: {message}")

@@ -31,6 +31,10 @@ NODE_KV_FRACTION = 0.9      # every KV cache of a pool on one machine together: 
 AUTO_KV_MAX_FRACTION = 0.4  # one model's automatic budget on one machine: at most this share of `base`
 GiB = float(1 << 30)
 
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB / 10 else f"{nbytes / (1 << 20):.1f} MiB"
+
 _held: "weakref.WeakSet" = weakref.WeakSet()     # this process's KV caches in host memory (step.kv_cache.KVCache)
 
 
@@ -118,10 +122,10 @@ class MachineShare:
         return max(0, int(NODE_KV_FRACTION * self.base) - self.reserved)
 
     def explain(self) -> str:
-        return (f"{NODE_KV_FRACTION:.0%} of the {self.base / GiB:.2f} GiB available for KV caches on this machine "
-                f"({self.available / GiB:.2f} GiB MemAvailable + {self.resident / GiB:.2f} GiB of KV pages in use) "
-                f"is {NODE_KV_FRACTION * self.base / GiB:.2f} GiB, of which the models already installed hold "
-                f"{self.reserved / GiB:.2f} GiB: {self.room / GiB:.2f} GiB left for {self.ranks} rank(s)")
+        return (f"{NODE_KV_FRACTION:.0%} of the {_size(self.base)} available for KV caches on this machine "
+                f"({_size(self.available)} MemAvailable + {_size(self.resident)} of KV pages in use) is "
+                f"{_size(NODE_KV_FRACTION * self.base)}, of which the models already installed hold "
+                f"{_size(self.reserved)}: {_size(self.room)} left for {self.ranks} rank(s)")
 
 
 def host_spans(cfg, span_bytes: int, share: MachineShare) -> int:
@@ -130,8 +134,8 @@ def host_spans(cfg, span_bytes: int, share: MachineShare) -> int:
     if cfg.kv_cache_memory_bytes:
         need = cfg.kv_cache_memory_bytes * share.ranks
         if need > share.room:
-            raise ValueError(f"kv_cache_memory_bytes {cfg.kv_cache_memory_bytes / GiB:.2f} GiB per rank x "
-                             f"{share.ranks} rank(s) on this machine = {need / GiB:.2f} GiB does not fit: "
+            raise ValueError(f"kv_cache_memory_bytes {_size(cfg.kv_cache_memory_bytes)} per rank x "
+                             f"{share.ranks} rank(s) on this machine = {_size(need)} does not fit: "
                              f"{share.explain()}")
         n = cfg.kv_cache_memory_bytes // span_bytes
         if n < 1:
@@ -142,6 +146,6 @@ def host_spans(cfg, span_bytes: int, share: MachineShare) -> int:
     cap = min(int(AUTO_KV_MAX_FRACTION * share.base), share.room) // share.ranks // span_bytes
     if cap < spans_per_request:
         raise ValueError(f"the KV cache cannot hold one request of max_length {cfg.engine_max_length} "
-                         f"({spans_per_request * span_bytes / GiB:.3f} GiB per rank): {share.explain()}; lower "
+                         f"({_size(spans_per_request * span_bytes)} per rank): {share.explain()}; lower "
                          f"max_length, release a model, or free memory")
     return min(spans_per_request * cfg.engine_max_batch, cap)

@@ -211,6 +211,8 @@ class InstallError(RuntimeError):
 def _raise_failed(comm, errors: list) -> None:
     """InstallError on every rank when any rank failed (each rank's reason, by rank)."""
     failed = [f"rank {r}: {msg}" if comm.world_size > 1 else msg for r, msg in enumerate(errors) if msg]
+    if len(failed) > 1 and len(set(errors)) == 1:
+        failed = [f"every rank: {errors[0]}"]
     if failed:
         raise InstallError("; ".join(failed))
 
