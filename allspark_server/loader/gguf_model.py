@@ -25,7 +25,7 @@ from allspark_server.loader import gguf_tensors as gt
 from allspark_server.loader.gguf_config import generation_config, hf_config
 from allspark_server.loader.gguf_names import permuted, targets, unpermute
 from allspark_server.loader.gguf_reader import GGUFError, GGUFFile, GGUFTensor
-from allspark_server.loader.weights import TENSOR_SUFFIXES, checkpoint_shapes, checkpoint_weight_names, quantize_layers
+from allspark_server.loader.weights import checkpoint_shapes, checkpoint_weight_names, quantize_layers
 from allspark_server.models.args import ModelArgs
 from allspark_server.models.registry import quantizable_weights
 from allspark_server.quant.formats import bits
@@ -48,7 +48,6 @@ class GGUFModel:
         self.hf_config = hf_config(self.file)
         self.generation_config = generation_config(self.file)
         self.requant_errors: dict[str, float] = {}    # "<gguf part> <type> -> <format>": relative error
-        self._fallbacks: set[str] = set()
         try:
             for t in self.file.tensors.values():
                 gt.check_servable(t)
@@ -155,19 +154,8 @@ class GGUFModel:
         return plan
 
     def _format(self, t: GGUFTensor) -> str:
-        """Our format for a quantized GEMM weight: its exact mapping, else the requantization's. Until this build's
-        layers hold uint4_min (`mins`), Q4_1 and the 4-bit default are requantized to uint4 instead (logged)."""
-        fmt = gt.exact_format(t.type) or gt.requant_format(t.type, self.requant)
-        if fmt == "uint4_min" and "mins" not in TENSOR_SUFFIXES:
-            if isinstance(self.requant, str) and self.requant == "uint4_min":
-                raise GGUFError(f"{self.path!r}: gguf_requant 'uint4_min' needs the uint4_min kernels, which this "
-                                f"build lacks")
-            if t.type_name not in self._fallbacks:
-                self._fallbacks.add(t.type_name)
-                log.warning("GGUF %s: this build cannot serve uint4_min (GGUF Q4_1's exact format): its %s "
-                            "tensors are requantized to uint4 g32", self.path, t.type_name)
-            return "uint4"
-        return fmt
+        """Our format for a quantized GEMM weight: its exact mapping, else the requantization's."""
+        return gt.exact_format(t.type) or gt.requant_format(t.type, self.requant)
 
     def _convert(self, t: GGUFTensor, expert: Optional[int], name: str, fmt: str, args: ModelArgs,
                  shape: tuple, errors: dict) -> dict[str, torch.Tensor]:
