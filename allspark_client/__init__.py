@@ -1,10 +1,14 @@
 """allspark_client: the torch-free public surface of allspark: types, configs, ResultQueue, ClientEngine."""
+from allspark_client.compat import AsFileInfo
+from allspark_client.config import AsModelConfig, AsModelRuntimeConfigBuilder
+from allspark_client.generation_config import ASGenerationConfigBuilder
 from allspark_client.result_queue import ResultQueue
 from allspark_client.types import (AsCacheMode, AsEngineStat, AsException, AsStatus, GeneratedElements,
                                    RequestHandle,
                                    GenerateRequestStatus, RequestStatInfo, TargetDevice)
 
-__all__ = ["AsCacheMode", "AsEngineStat", "AsException", "AsStatus", "GeneratedElements",
+__all__ = ["ASGenerationConfigBuilder", "AsCacheMode", "AsEngineStat", "AsException", "AsFileInfo", "AsModelConfig",
+           "AsModelRuntimeConfigBuilder", "AsStatus", "GeneratedElements",
            "GenerateRequestStatus", "RequestHandle", "RequestStatInfo", "ResultQueue", "TargetDevice"]
 __version__ = "0.1.0"
 

@@ -56,6 +56,7 @@ TEST_FILE_TIERS = {
     "test_uint4_min.py": "models",
 
     "test_contract_generation.py": "pool", "test_contract_lifecycle.py": "pool", "test_fuzz.py": "pool",
+    "test_dashinfer_compat.py": "pool",
     "test_http_pool.py": "pool", "test_http_server.py": "pool", "test_launcher.py": "pool",
     "test_launcher_gpus.py": "pool", "test_multi_host.py": "pool", "test_pool_access.py": "pool",
     "test_pool_failures.py": "pool", "test_pool_grpc.py": "pool", "test_pool_load.py": "pool",

@@ -56,8 +56,10 @@ def write_model_files(out_dir: str, model_name: str, args: ModelArgs, hf_config:
     param_path = os.path.join(out_dir, safe + ".asparam")
     # both files are written under temporary names and renamed at the end: a failure leaves no half-written model
     param_tmp, graph_tmp = param_path + ".tmp", graph_path + ".tmp"
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, param_tmp, metadata={"format": "allspark"})
+    from allspark_client import __version__
+    try:   # the version that wrote the weights, for get_file_information (DashInfer's create_version_param)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, param_tmp,
+                  metadata={"format": "allspark", "allspark_version": __version__})
         _write_graph(graph_tmp, param_tmp, model_name, args, hf_config, dtype, tensors, split_modes, eos_ids,
                      stop_ids, serialize_args, quant, tokenizer_json)
         os.replace(param_tmp, param_path)
@@ -127,7 +129,9 @@ def read_model_graph(graph_path: str, weights_path: str) -> ModelFile:
     except Exception as e:
         raise ModelFileError(f"{graph_path!r} is not an allspark .asgraph file: {e}") from None
     if g.format_version != FORMAT_VERSION:
-        raise ModelFileError(f"{graph_path!r} has format version {g.format_version}; this allspark reads "
+        from allspark_client import __version__
+        raise ModelFileError(f"{graph_path!r} has format version {g.format_version} (written by allspark "
+                             f"{g.build_meta.allspark_version or '?'}); this allspark ({__version__}) reads format "
                              f"version {FORMAT_VERSION} (serialize the model again)")
     if g.dtype not in DTYPES:
         raise ModelFileError(f"{graph_path!r} has unknown dtype {g.dtype!r}")
