@@ -185,7 +185,7 @@ def test_serialized_files_record_split_modes_and_defaults(tmp_path, tiny_models)
     modes = {t.name: t.split_mode for t in g.tensors}
     assert modes["model.layers.0.self_attn.q_proj.bias"] == pb.SPLIT_HEADS
     assert modes["model.layers.0.self_attn.k_proj.weight"] == pb.SPLIT_KV_HEADS
-    assert modes["model.layers.0.self_attn.o_proj.weight"] == pb.SPLIT_ROW
+    assert modes["model.layers.0.self_attn.o_proj.weight"] == pb.SPLIT_ROW_HEADS
     assert modes["model.layers.1.mlp.down_proj.weight"] == pb.SPLIT_ROW
     assert modes["model.layers.1.mlp.up_proj.weight"] == pb.SPLIT_COLUMN
     assert "lm_head.weight" not in modes            # tied: read from the embedding

@@ -15,12 +15,14 @@ class SplitMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SPLIT_HEADS: _ClassVar[SplitMode]
     SPLIT_KV_HEADS: _ClassVar[SplitMode]
     SPLIT_VOCAB: _ClassVar[SplitMode]
+    SPLIT_ROW_HEADS: _ClassVar[SplitMode]
 SPLIT_REPLICATE: SplitMode
 SPLIT_COLUMN: SplitMode
 SPLIT_ROW: SplitMode
 SPLIT_HEADS: SplitMode
 SPLIT_KV_HEADS: SplitMode
 SPLIT_VOCAB: SplitMode
+SPLIT_ROW_HEADS: SplitMode
 
 class TensorInfo(_message.Message):
     __slots__ = ("name", "shape", "dtype", "split_mode")
