@@ -132,7 +132,11 @@ def test_second_client_process_alongside(new_pool, loader, llama):
                         f"{out}")
     assert final == GenerateRequestStatus.GenerateFinished
     print(f"our long request had {ours_then[1]} tokens when the other client's results came")
-    assert_same_tokens(tokens, hf_greedy(llama.model, mine, len(tokens)))
+    # the overlap is at the start (the other's 24 tokens run beside our first ones); past the tiny model's 2048
+    # positions a greedy run that long meets near-ties where our summation order and transformers' part ways
+    # (one CI run: at token 25,489 of 32,000), which says nothing about concurrency
+    checked = tokens[:LONG_RUN_TOKENS]
+    assert_same_tokens(checked, hf_greedy(llama.model, mine, len(checked)))
 
     # a client process that dies mid-stream has its request released; the pool serves on
     dying = subprocess.Popen([sys.executable, "-c", DYING_CLIENT_SCRIPT, pool.address, str(LONG_RUN_TOKENS)],
