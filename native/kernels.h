@@ -35,8 +35,12 @@ struct QuantWeight {
 };
 // the weight of a linear layer as the fused blocks take it: dense (fp32/bf16) or quantized
 using Weight = std::variant<torch::Tensor, QuantWeight>;
-// largest number of rows of x the quantized GEMV takes; above it the weight is dequantized for ATen's GEMM
-constexpr int64_t QUANT_NATIVE_MAX_ROWS = 16;
+// largest number of rows of x the quantized kernels take (decode batches; above 4 rows they go through the weight a
+// tile at a time, gemv_quant.h: tiled_rows); above it the weight is dequantized for ATen's GEMM (prefill). From
+// benchmarks/gemv_quant_micro.py --gemm on the 2-core Zen 4 VM (0.5 B model's GEMV chains, int8 / uint4_min in
+// groups of 32, bf16 x, 2 threads, ratios to the dequantized bf16 GEMM in the same rounds): the native kernel is
+// ahead up to ~100 rows, even at 128, behind from ~192 on (the GEMM's cost barely grows with rows, the kernel's does).
+constexpr int64_t QUANT_NATIVE_MAX_ROWS = 128;
 torch::Tensor linear_quant(torch::Tensor x, const QuantWeight& w, std::optional<torch::Tensor> bias, int64_t isa);
 torch::Tensor dequantize_weight(const QuantWeight& w, at::ScalarType dtype, int64_t isa);
 // each row of x [M, K] (fp32 / bf16) as the quantized GEMV rounds it (ops.round_activations_reference, bit for
