@@ -217,6 +217,21 @@ AVX512_VNNI inline void chunk_sums(const uint8_t* const* wr, const Q* const* q, 
     for (int i = 0; i < R * MB; ++i) out[i] = _mm512_add_epi32(P[i][0], P[i][1]);
 }
 
+// the sums of the 16 lanes of up to four vectors, each added up in _mm512_reduce_add_ps's order (lane i + lane i + 8,
+// then i + 4, i + 2, i + 1: the same bits), the four reductions sharing their shuffles and adds
+AVX512_VNNI inline void lane_sums(const __m512* v, int count, float* out) {
+  const __m512 zero = _mm512_setzero_ps();
+  const __m512 a = v[0], b = count > 1 ? v[1] : zero, c = count > 2 ? v[2] : zero, d = count > 3 ? v[3] : zero;
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));
+  s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xB1));   // lane 4j: vector j's sum
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, s);
+  for (int j = 0; j < count; ++j) out[j] = lanes[4 * j];
+}
+
 // what the AVX-512 rows share, worked out once per call (no divisions per chunk)
 struct Chunking {
   __m512i gidx;          // grouped: lane 4b + s's group, counted from the chunk's first one: (4s + b) / (G / 32)
@@ -287,9 +302,11 @@ AVX512_VNNI void row_avx512(const Act16& a, int64_t m0, const QuantView& w, int6
     }
     if (ONE && ++in_group == ch.chunks_per_group) in_group = 0, ++g;
   }
+  float sums[R * MB];
+  for (int i = 0; i < R * MB; i += 4) lane_sums(total + i, std::min(4, R * MB - i), sums + i);
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MB; ++m)
-      y[(m0 + m) * N + n[r]] = a.d[m0 + m] * (_mm512_reduce_add_ps(total[r * MB + m]) - zsum[r * MB + m]);
+      y[(m0 + m) * N + n[r]] = a.d[m0 + m] * (sums[r * MB + m] - zsum[r * MB + m]);
 }
 
 
