@@ -18,7 +18,7 @@ format can give over bf16 on this machine.
 shape, repeated over --layers layers (1: the same weight every round, so it may stay in cache); --base FORMAT:GROUP
 adds a column: each variant's time over that format's at the same ISA level and rounding of x, in the same round
 (median over rounds), e.g. uint4_min against uint4. --gemm adds each format's many-row paths (the weight dequantized
-for ATen's GEMM): with --rows above a few, where the native kernel stops paying (QUANT_NATIVE_MAX_ROWS).
+for ATen's GEMM): with --rows above a few, where the native kernel stops paying (native/kernels.h: quant_native_rows).
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def main() -> None:
     p.add_argument("--base", type=format_arg, help="FORMAT:GROUP: also each variant's time over this format's")
     p.add_argument("--gemm", action="store_true", help="also each format dequantized for ATen's GEMM, as ops.linear "
                    "(bf16 GEMM where the CPU has bf16 dot products) and the decode stack (fp32, widened by tiles) "
-                   "run more rows than the native kernel takes: the crossover for QUANT_NATIVE_MAX_ROWS")
+                   "run more rows than the native kernel takes: the crossover for quant_native_rows")
     args = p.parse_args()
     shapes = [tuple(args.shape)] if args.shape else SHAPES
     torch.set_num_threads(args.threads)

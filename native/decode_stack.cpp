@@ -95,7 +95,7 @@ class DecodeStack {
     // every GEMV native: the step's threads are allspark's own (parallel.h says why not otherwise)
     const int64_t batch = ids.size(0);
     allspark::OwnPoolScope own_pool((!dense_ || batch <= native_rows_) &&
-                                    (!quantized_ || batch <= QUANT_NATIVE_MAX_ROWS));
+                                    (!quantized_ || batch <= quant_native_rows(isa_)));
     const auto dtype = embedding_.scalar_type();
     // per rotary table, the rope rows as RotaryEmbedding.cos_sin gives them: [B, 1, D] in the activation dtype
     std::vector<DecodeRows> rows;

@@ -35,7 +35,7 @@ void row_avx2(const Act16& a, int64_t m0, const QuantView& w, int64_t n, float* 
   for (int64_t g = 0; g < w.groups; ++g) {
     const int64_t k0 = g * G;
     if constexpr (HAS_MIN<F>) {   // 4-bit: G is a multiple of 32
-      const float mn = min_of<F>(w.mins + n * w.groups, g);
+      const float mn = _cvtsh_ss(w.mins[n * w.groups + g].x);   // F16C: at::Half's own conversion is software
       const int64_t nb = a.padded / BLOCK;
       for (int m = 0; m < MB; ++m) {
         int64_t gq = 0;

@@ -1,6 +1,6 @@
-"""The quantized GEMV at decode batches of many streams (17..128 rows of x, up to QUANT_NATIVE_MAX_ROWS): every format
-and ISA level this CPU has against float64, weights large enough to span several of the kernels' row tiles, and
-batch invariance (a row's result does not depend on the rows next to it in the call)."""
+"""The quantized GEMV at decode batches of many streams (17..100 rows of x; ops.linear takes it up to quant_native_rows):
+every format and ISA level this CPU has against float64, weights large enough to span several of the kernels' row
+tiles, and batch invariance (a row's result does not depend on the rows next to it in the call)."""
 from __future__ import annotations
 
 import pytest
@@ -80,17 +80,17 @@ def test_a_row_is_the_same_whatever_rows_share_the_call(isa, act_bits):
 @needs_native
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_ops_linear_is_native_up_to_the_row_limit(fmt, monkeypatch):
-    """ops.linear takes the native kernel up to QUANT_NATIVE_MAX_ROWS rows (no dequantized GEMM) and the dequantized
-    GEMM above it; both match float64."""
+    """ops.linear takes the native kernel up to quant_native_rows rows (no dequantized GEMM: 64 with the AVX-512 VNNI
+    kernel, 16 with the others) and the dequantized GEMM above it; both match float64."""
     ext = ops.native()
-    limit = ext.QUANT_NATIVE_MAX_ROWS
-    assert limit >= 32
+    limit = ext.quant_native_rows(ops.isa_level())
+    assert limit == (64 if ops.isa_level() >= ops.ISA_AVX512_VNNI else 16)
     qw = _quantized(96, 128, fmt, 32, seed=9)
     calls = []
     dequantized = ops.linear_dequantized
     monkeypatch.setattr(ops, "linear_dequantized", lambda *a: calls.append(a[0].shape[0]) or dequantized(*a))
     g = torch.Generator().manual_seed(10)
-    for m in (17, limit, limit + 1):
+    for m in (min(17, limit), limit, limit + 1):
         x = torch.randn(m, 128, generator=g)
         ref = reference.round_activations_reference(x).double() @ qw.dequantize().double().T
         assert (ops.linear(x, qw).double() - ref).abs().max().item() <= 1e-4, (fmt, m)

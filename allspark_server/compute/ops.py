@@ -84,12 +84,12 @@ def on_cuda(op):
 @on_cuda
 def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ w.T (+ bias), x [M, K], w [N, K] dense or quantized; the native kernels stream w for small M
-    (quantized: up to QUANT_NATIVE_MAX_ROWS, decode batches; more rows dequantize w once for ATen's GEMM)."""
+    (quantized: up to quant_native_rows(isa), decode batches; more rows dequantize w once for ATen's GEMM)."""
     ext = native()
     if isinstance(w, QuantizedWeight):
         if ext is None or x.dim() != 2 or x.dtype not in NATIVE_MAX_ROWS:
             return linear_reference(x, w, bias)
-        if x.shape[0] <= ext.QUANT_NATIVE_MAX_ROWS:
+        if x.shape[0] <= ext.quant_native_rows(isa_level()):
             return ext.linear_quant(x, native_weight(w), bias, isa_level())
         if int8_gemm_suits(w, x.shape[0]):        # the codes as they are: no native QuantWeight needed
             return linear_int8_gemm(x, w, bias)
