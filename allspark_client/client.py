@@ -23,6 +23,7 @@ from allspark_client._proto import allspark_pb2_grpc as pb_grpc
 from allspark_client.channel import RECONNECT_BACKOFF_MS, Pem, failure_reason, normalize_address, open_channel
 from allspark_client.config import AsModelConfig
 from allspark_client.generation_config import parse_request
+from allspark_client.op_profile import OpProfileReport
 from allspark_client.validation import ConfigError
 from allspark_client.result_queue import ResultQueue
 from allspark_client.session import ClientSession
@@ -368,6 +369,12 @@ class ClientEngine(EngineAPI):
         if reply.status != 0:
             raise AsException(AsStatus(reply.status), reply.message)
         return convert.engine_stat_from_proto(reply)
+
+    def get_op_profile(self, name: str) -> OpProfileReport:
+        reply = self._rpc(self._stub.GetOpProfile, pb.ModelRef(model_name=name))
+        if reply.status != 0:
+            raise AsException(AsStatus(reply.status), reply.message)
+        return convert.op_profile_from_proto(reply)
 
     def get_rank_id(self) -> int:
         return 0

@@ -1,6 +1,6 @@
 """DashInfer calls kept for code ported from it: the deprecated ResultQueue shortcuts (`get_no_wait`,
-`get_wait`, `get_request_status`), `get_free_frame` and `get_file_information`. A mixin of EngineAPI, so
-Engine and ClientEngine answer them alike. Torch-free.
+`get_wait`, `get_request_status`), `get_free_frame`, `get_file_information` and `get_op_profiling_info` (the
+table of `get_op_profile`). A mixin of EngineAPI, so Engine and ClientEngine answer them alike. Torch-free.
 """
 from __future__ import annotations
 
@@ -76,6 +76,15 @@ class DashInferCompat:
 
     def get_model_info(self, name: str) -> str:
         raise NotImplementedError
+
+    def get_op_profile(self, name: str):
+        raise NotImplementedError
+
+    def get_op_profiling_info(self, name: str) -> str:
+        """DashInfer's op table of model `name`: per rank and op, count and min / max / average / total milliseconds
+        and the share of the step time (allspark_client/op_profile.py); with profiling off, the message that says how
+        to turn it on. AsException (PARAM_ERROR) for a model that is not installed."""
+        return self.get_op_profile(name).table()
 
     def get_no_wait(self, name: str, queue: ResultQueue) -> Optional[list[int]]:
         """Deprecated: the new token ids now (`ResultQueue.GetNoWait`), None when there are none."""

@@ -99,6 +99,11 @@ class AllsparkStub:
                 request_serializer=allspark__pb2.ModelRef.SerializeToString,
                 response_deserializer=allspark__pb2.EngineStat.FromString,
                 _registered_method=True)
+        self.GetOpProfile = channel.unary_unary(
+                '/allspark.v1.Allspark/GetOpProfile',
+                request_serializer=allspark__pb2.ModelRef.SerializeToString,
+                response_deserializer=allspark__pb2.OpProfile.FromString,
+                _registered_method=True)
 
 
 class AllsparkServicer:
@@ -188,6 +193,13 @@ class AllsparkServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetOpProfile(self, request, context):
+        """Every rank's op timings of a model installed with enable_profiling (DashInfer: get_op_profiling_info).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AllsparkServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -250,6 +262,11 @@ def add_AllsparkServicer_to_server(servicer, server):
                     servicer.GetEngineStat,
                     request_deserializer=allspark__pb2.ModelRef.FromString,
                     response_serializer=allspark__pb2.EngineStat.SerializeToString,
+            ),
+            'GetOpProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetOpProfile,
+                    request_deserializer=allspark__pb2.ModelRef.FromString,
+                    response_serializer=allspark__pb2.OpProfile.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -581,6 +598,33 @@ class Allspark:
             '/allspark.v1.Allspark/GetEngineStat',
             allspark__pb2.ModelRef.SerializeToString,
             allspark__pb2.EngineStat.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetOpProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/allspark.v1.Allspark/GetOpProfile',
+            allspark__pb2.ModelRef.SerializeToString,
+            allspark__pb2.OpProfile.FromString,
             options,
             channel_credentials,
             insecure,

@@ -81,5 +81,11 @@ class StepMsg:
 
 
 @dataclass(frozen=True)
+class OpProfileMsg:
+    """Every rank answers with its op profile of the model (comm.allgather_obj of OpProfiler.snapshot)."""
+    model_name: str
+
+
+@dataclass(frozen=True)
 class ShutdownMsg:
     pass

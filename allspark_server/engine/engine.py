@@ -16,14 +16,16 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
+from allspark_client import settings
 from allspark_client.api import EngineAPI, StartResult
+from allspark_client.op_profile import OpProfileReport
 from allspark_client.result_queue import ResultQueue
 from allspark_client.types import (POOL_DOWN, AsEngineStat, AsException, AsStatus, GenerateRequestStatus,
                                    RequestHandle)
 from allspark_client.config import AsModelConfig
 from allspark_client.generation_config import parse_request, resolve_max_length
 from allspark_client.validation import ConfigError
-from allspark_server.core.messages import InstallModelMsg, ReleaseModelMsg
+from allspark_server.core.messages import InstallModelMsg, OpProfileMsg, ReleaseModelMsg
 from allspark_server.core.request import Request
 from allspark_server.dist.comm import get_comm
 from allspark_server.engine.thread import EngineThread, ForModel
@@ -89,6 +91,11 @@ class Engine(EngineAPI):
         if not isinstance(cfg, AsModelConfig):
             raise AsException(AsStatus.ALLSPARK_PARAM_ERROR,
                               f"install_model takes an AsModelConfig, got {type(cfg).__name__}")
+        try:   # AS_PROFILE=ON: decided here, on rank 0, for every rank
+            if not cfg.enable_profiling and settings.profiling_requested():
+                cfg = replace(cfg, enable_profiling=True)
+        except settings.SettingError as e:
+            raise AsException(AsStatus.ALLSPARK_PARAM_ERROR, str(e)) from None
         with self._lock:
             if self._closed:
                 raise AsException(AsStatus.ALLSPARK_INVALID_CALL_ERROR, SHUT_DOWN)
@@ -305,6 +312,24 @@ class Engine(EngineAPI):
             return self._model(name).stat(queued=self._engine.queued_requests(name))
         except RequestError as e:
             raise AsException(e.status, str(e)) from None
+
+    def get_op_profile(self, name: str) -> OpProfileReport:
+        """Every rank's op timings of model `name` since it was installed (allspark_client/op_profile.py); a report
+        with enabled=False when it was installed without profiling."""
+        try:
+            model = self._model(name)
+        except RequestError as e:
+            raise AsException(e.status, str(e)) from None
+        if model.runner.profiler is None:
+            return OpProfileReport(name, False)
+
+        def gather():     # a collective: on the engine thread, between steps
+            self._comm.bcast(OpProfileMsg(name))
+            return self._comm.allgather_obj(model.runner.profiler.snapshot(self._comm.rank))
+
+        ranks = self._engine.call(gather)
+        return OpProfileReport(name, True, tuple(op for ops, _ in ranks for op in ops),
+                               tuple(steps for _, steps in ranks), model.runner.profiler.clock)
 
     def get_rank_id(self) -> int:
         return self._comm.rank

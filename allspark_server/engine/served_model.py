@@ -217,7 +217,11 @@ class ServedModel:
             masks = step.masks
             if masks is not None:
                 masks = (masks[0], masks[1].result())
+            prof = self.runner.profiler
+            start = prof.mark() if prof is not None else None
             step.pending = self.sampler.start_rows(step.logits, rows, masks)
+            if prof is not None:
+                prof.add("sample", start, in_step=True)
         except Exception as e:
             self._fail([step.plan], e)
             return False

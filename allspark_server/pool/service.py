@@ -230,6 +230,15 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
     async def GetEngineStat(self, request, context):
         return await self._run(self._engine_stat, request.model_name)
 
+    def _op_profile(self, name: str) -> pb.OpProfile:
+        try:
+            return convert.op_profile_to_proto(self.engine.get_op_profile(name))
+        except AsException as e:
+            return pb.OpProfile(status=int(e.status), message=e.message)
+
+    async def GetOpProfile(self, request, context):
+        return await self._run(self._op_profile, request.model_name)
+
 
 class _Malformed:
     """What a request's bytes became when they do not parse (GuardCalls)."""

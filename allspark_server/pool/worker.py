@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from allspark_server.core.messages import InstallModelMsg, ReleaseModelMsg, ShutdownMsg, StepMsg
+from allspark_server.core.messages import InstallModelMsg, OpProfileMsg, ReleaseModelMsg, ShutdownMsg, StepMsg
 from allspark_server.runner.model_runner import InstallError, ModelRunner, install_runner
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,8 @@ def run_worker(comm) -> None:
                 log.info("install of %s failed: %s", msg.config.model_name, e)
         elif isinstance(msg, ReleaseModelMsg):
             runners.pop(msg.model_name, None)
+        elif isinstance(msg, OpProfileMsg):
+            comm.allgather_obj(runners[msg.model_name].profiler.snapshot(comm.rank))
         elif isinstance(msg, ShutdownMsg):
             comm.barrier()      # rank 0 waits for this answer before it calls its streams cleanly ended
             return
