@@ -216,8 +216,6 @@ class ClientEngine(EngineAPI):
             raise AsException(AsStatus(reply.status), reply.message)
         return AsStatus.ALLSPARK_SUCCESS
 
-    build_model_from_config_struct = install_model
-
     def start_model(self, name: str) -> AsStatus:
         if self._closed:
             return self._fail(AsStatus.ALLSPARK_INVALID_CALL_ERROR, CLOSED)
@@ -368,6 +366,17 @@ class ClientEngine(EngineAPI):
         if reply.status != 0:
             raise AsException(AsStatus(reply.status), reply.message)
         return convert.engine_stat_from_proto(reply)
+
+    def _model_handles(self, name: str) -> list[RequestHandle]:
+        self.get_model_info(name)                     # an unknown model raises, as with Engine
+        with self._lock:
+            return [r.handle for (model, _), r in self._live.items() if model == name]
+
+    def _save_model(self, name: str, saved_dir: str, with_weight: bool) -> AsStatus:
+        if self._closed:
+            return self._fail(AsStatus.ALLSPARK_INVALID_CALL_ERROR, CLOSED)
+        return self._status(self._rpc(self._stub.SaveModel, pb.SaveModelRequest(
+            model_name=name, saved_dir=saved_dir, with_weight=with_weight)))
 
     def get_rank_id(self) -> int:
         return 0

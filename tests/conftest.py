@@ -53,7 +53,7 @@ TEST_FILE_TIERS = {
     "test_gguf_models.py": "models", "test_gguf_smollm2.py": "models", "test_gguf_files.py": "models",
     "test_model_families.py": "models", "test_overlap.py": "models", "test_prefix_cache.py": "models",
     "test_quant_models.py": "models", "test_qwen_tokenizer.py": "models", "test_sampler_engine.py": "models",
-    "test_uint4_min.py": "models",
+    "test_uint4_min.py": "models", "test_dashinfer_convert.py": "models",
 
     "test_contract_generation.py": "pool", "test_contract_lifecycle.py": "pool", "test_fuzz.py": "pool",
     "test_dashinfer_compat.py": "pool",

@@ -165,6 +165,16 @@ class TextReply(_message.Message):
     text: str
     def __init__(self, status: _Optional[int] = ..., message: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
+class SaveModelRequest(_message.Message):
+    __slots__ = ("model_name", "saved_dir", "with_weight")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    SAVED_DIR_FIELD_NUMBER: _ClassVar[int]
+    WITH_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    saved_dir: str
+    with_weight: bool
+    def __init__(self, model_name: _Optional[str] = ..., saved_dir: _Optional[str] = ..., with_weight: _Optional[bool] = ...) -> None: ...
+
 class RuntimeConfig(_message.Message):
     __slots__ = ("model_name", "model_path", "weights_path", "compute_unit", "engine_max_length", "engine_max_batch", "engine_max_prefill_length", "num_threads", "matmul_precision", "cache_mode", "cache_span_size", "kv_cache_memory_bytes", "enable_prefix_cache", "prefix_cache_ttl", "prefix_cache_host_bytes")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]

@@ -99,6 +99,11 @@ class AllsparkStub:
                 request_serializer=allspark__pb2.ModelRef.SerializeToString,
                 response_deserializer=allspark__pb2.EngineStat.FromString,
                 _registered_method=True)
+        self.SaveModel = channel.unary_unary(
+                '/allspark.v1.Allspark/SaveModel',
+                request_serializer=allspark__pb2.SaveModelRequest.SerializeToString,
+                response_deserializer=allspark__pb2.StatusReply.FromString,
+                _registered_method=True)
 
 
 class AllsparkServicer:
@@ -188,6 +193,13 @@ class AllsparkServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SaveModel(self, request, context):
+        """DashInfer v1's save_model: rank 0 writes the installed model's .asgraph (and a copy of its .asparam).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AllsparkServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -250,6 +262,11 @@ def add_AllsparkServicer_to_server(servicer, server):
                     servicer.GetEngineStat,
                     request_deserializer=allspark__pb2.ModelRef.FromString,
                     response_serializer=allspark__pb2.EngineStat.SerializeToString,
+            ),
+            'SaveModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveModel,
+                    request_deserializer=allspark__pb2.SaveModelRequest.FromString,
+                    response_serializer=allspark__pb2.StatusReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -581,6 +598,33 @@ class Allspark:
             '/allspark.v1.Allspark/GetEngineStat',
             allspark__pb2.ModelRef.SerializeToString,
             allspark__pb2.EngineStat.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/allspark.v1.Allspark/SaveModel',
+            allspark__pb2.SaveModelRequest.SerializeToString,
+            allspark__pb2.StatusReply.FromString,
             options,
             channel_credentials,
             insecure,

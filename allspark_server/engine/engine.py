@@ -26,6 +26,7 @@ from allspark_client.validation import ConfigError
 from allspark_server.core.messages import InstallModelMsg, ReleaseModelMsg
 from allspark_server.core.request import Request
 from allspark_server.dist.comm import get_comm
+from allspark_server.loader.model_file import save_model_files
 from allspark_server.engine.thread import EngineThread, ForModel
 from allspark_server.engine.peer_watch import PeerWatch, RankIdentity, exit_now
 from allspark_server.runner.model_runner import install_runner
@@ -109,8 +110,6 @@ class Engine(EngineAPI):
         log.info("installed %s: %d KV spans of %d tokens (%s, %.1f MiB per rank)", cfg.model_name, runner.num_spans,
                  cfg.cache_span_size, runner.kv_mode or "unquantized", runner.kv_cache_bytes / 2**20)
         return AsStatus.ALLSPARK_SUCCESS
-
-    build_model_from_config_struct = install_model
 
     def start_model(self, name: str) -> AsStatus:
         with self._lock:
@@ -245,6 +244,23 @@ class Engine(EngineAPI):
             raise RequestError(AsStatus.ALLSPARK_ILLEGAL_REQUEST_ID,
                                f"unknown or released request handle {handle!r} for model {name!r}")
         return live
+
+    def _model_handles(self, name: str) -> list[RequestHandle]:
+        with self._lock:
+            try:
+                self._model(name)
+            except RequestError as e:
+                raise AsException(e.status, str(e)) from None
+            return [r.handle for r in self._requests[name].values()]
+
+    def _save_model(self, name: str, saved_dir: str, with_weight: bool) -> AsStatus:
+        try:
+            save_model_files(self._model(name).runner.model_file, saved_dir, name, with_weight)
+        except RequestError as e:
+            return self._fail(e.status, str(e))
+        except (OSError, ValueError) as e:
+            return self._fail(AsStatus.ALLSPARK_IO_ERROR, f"save_model {name!r} to {saved_dir!r}: {e}")
+        return AsStatus.ALLSPARK_SUCCESS
 
     def has_request(self, name: str, handle: RequestHandle) -> bool:
         """True while `handle` is a live (unreleased) request of model `name`."""

@@ -230,6 +230,10 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
     async def GetEngineStat(self, request, context):
         return await self._run(self._engine_stat, request.model_name)
 
+    async def SaveModel(self, request, context):
+        return await self._run(self._status_of, self.engine.save_model, request.model_name, request.saved_dir,
+                               request.with_weight)
+
 
 class _Malformed:
     """What a request's bytes became when they do not parse (GuardCalls)."""
