@@ -285,7 +285,12 @@ class GuardCalls(grpc.aio.ServerInterceptor):
 
         async def unary(request, context):
             await self._refuse(request, context)
-            return await inner(request, context)
+            reply = await inner(request, context)
+            if getattr(reply, "status", 0) != 0 and self.down() is not None:
+                # the pool began stopping while this call ran (the engine refused it as shut down): the same
+                # UNAVAILABLE a call arriving a moment later gets
+                await context.abort(grpc.StatusCode.UNAVAILABLE, self.down())
+            return reply
         return grpc.unary_unary_rpc_method_handler(unary, safe_parse, handler.response_serializer)
 
 
