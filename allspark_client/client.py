@@ -22,6 +22,7 @@ from allspark_client._proto import allspark_pb2 as pb
 from allspark_client._proto import allspark_pb2_grpc as pb_grpc
 from allspark_client.channel import RECONNECT_BACKOFF_MS, Pem, failure_reason, normalize_address, open_channel
 from allspark_client.config import AsModelConfig
+from allspark_client.device_memory import ClientDeviceMemory
 from allspark_client.generation_config import parse_request
 from allspark_client.validation import ConfigError
 from allspark_client.result_queue import ResultQueue
@@ -59,7 +60,7 @@ class _ClientRequest:
     call: Any                       # the Generate stream (cancellable)
 
 
-class ClientEngine(EngineAPI):
+class ClientEngine(ClientDeviceMemory, EngineAPI):
     def __init__(self, address: Optional[str] = None, *, ranks: Optional[int] = None,
                  numa_nodes: Optional[list[int]] = None, gpus: Optional[list[int] | str] = None,
                  launcher_args: tuple[str, ...] = (),

@@ -104,6 +104,16 @@ class AllsparkStub:
                 request_serializer=allspark__pb2.SaveModelRequest.SerializeToString,
                 response_deserializer=allspark__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.UnloadDeviceMem = channel.unary_unary(
+                '/allspark.v1.Allspark/UnloadDeviceMem',
+                request_serializer=allspark__pb2.DeviceMemRequest.SerializeToString,
+                response_deserializer=allspark__pb2.StatusReply.FromString,
+                _registered_method=True)
+        self.LoadDeviceMem = channel.unary_unary(
+                '/allspark.v1.Allspark/LoadDeviceMem',
+                request_serializer=allspark__pb2.ModelRef.SerializeToString,
+                response_deserializer=allspark__pb2.StatusReply.FromString,
+                _registered_method=True)
 
 
 class AllsparkServicer:
@@ -200,6 +210,20 @@ class AllsparkServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UnloadDeviceMem(self, request, context):
+        """Sleep and wake (DashInfer's unload_device_mem / load_device_mem): the model's weights and KV cache leave
+        every rank's memory, its requests are stopped and new ones refused until LoadDeviceMem.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadDeviceMem(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AllsparkServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -266,6 +290,16 @@ def add_AllsparkServicer_to_server(servicer, server):
             'SaveModel': grpc.unary_unary_rpc_method_handler(
                     servicer.SaveModel,
                     request_deserializer=allspark__pb2.SaveModelRequest.FromString,
+                    response_serializer=allspark__pb2.StatusReply.SerializeToString,
+            ),
+            'UnloadDeviceMem': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadDeviceMem,
+                    request_deserializer=allspark__pb2.DeviceMemRequest.FromString,
+                    response_serializer=allspark__pb2.StatusReply.SerializeToString,
+            ),
+            'LoadDeviceMem': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadDeviceMem,
+                    request_deserializer=allspark__pb2.ModelRef.FromString,
                     response_serializer=allspark__pb2.StatusReply.SerializeToString,
             ),
     }
@@ -624,6 +658,60 @@ class Allspark:
             target,
             '/allspark.v1.Allspark/SaveModel',
             allspark__pb2.SaveModelRequest.SerializeToString,
+            allspark__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadDeviceMem(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/allspark.v1.Allspark/UnloadDeviceMem',
+            allspark__pb2.DeviceMemRequest.SerializeToString,
+            allspark__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadDeviceMem(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/allspark.v1.Allspark/LoadDeviceMem',
+            allspark__pb2.ModelRef.SerializeToString,
             allspark__pb2.StatusReply.FromString,
             options,
             channel_credentials,

@@ -27,6 +27,7 @@ from allspark_server.core.messages import InstallModelMsg, ReleaseModelMsg
 from allspark_server.core.request import Request
 from allspark_server.dist.comm import get_comm
 from allspark_server.loader.model_file import save_model_files
+from allspark_server.engine.device_memory import DeviceMemory, asleep_message
 from allspark_server.engine.thread import EngineThread, ForModel
 from allspark_server.engine.peer_watch import PeerWatch, RankIdentity, exit_now
 from allspark_server.runner.model_runner import install_runner
@@ -53,7 +54,7 @@ HANG_GRACE_S = 1.0      # a pool going down: time for the streams' errors to rea
 SHUT_DOWN = "the engine is shut down: shutdown() or close() was called"
 
 
-class Engine(EngineAPI):
+class Engine(DeviceMemory, EngineAPI):
     def __init__(self, comm=None, step_timeout: Optional[float] = None,
                  ranks: Optional[list[Optional[RankIdentity]]] = None):
         """`step_timeout`: in a pool, seconds a step may take before the pool is declared hung (None: 10 s
@@ -210,6 +211,8 @@ class Engine(EngineAPI):
         model = self._model(name)
         if not model.started:
             raise RequestError(AsStatus.ALLSPARK_REQUEST_DENIED, f"model {name!r} is not started")
+        if model.asleep:
+            raise RequestError(AsStatus.ALLSPARK_REQUEST_DENIED, asleep_message(name))
         try:
             ids, _, gen = parse_request(inputs, generate_config, model.runner.args.vocab_size)
             if gen.eos_token_ids is None:
@@ -232,6 +235,8 @@ class Engine(EngineAPI):
             self._model(name)                  # shut down meanwhile: INVALID_CALL_ERROR
             if self._models.get(name) is not model or not model.started:
                 raise RequestError(AsStatus.ALLSPARK_REQUEST_DENIED, f"model {name!r} is not started")
+            if model.asleep:
+                raise RequestError(AsStatus.ALLSPARK_REQUEST_DENIED, asleep_message(name))
             self._requests[name][rid] = _LiveRequest(handle, queue)
             self._engine.post(ForModel(name, AddRequest(req, queue, sampling)))
         return AsStatus.ALLSPARK_SUCCESS, handle, queue
@@ -314,7 +319,7 @@ class Engine(EngineAPI):
                            "kv_spans": r.num_spans, "span_size": r.span_size, "kv_cache_bytes": r.kv_cache_bytes,
                            "kv_cache_mode": r.kv_mode or "default",
                            "quantization": r.quant.describe() if r.quant else None,
-                           "world_size": self._comm.world_size, "started": model.started})
+                           "world_size": self._comm.world_size, "started": model.started, "asleep": model.asleep})
 
     def get_as_engine_stat(self, name: str) -> AsEngineStat:
         try:

@@ -234,6 +234,19 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
         return await self._run(self._status_of, self.engine.save_model, request.model_name, request.saved_dir,
                                request.with_weight)
 
+    def _device_mem(self, method, *args) -> pb.StatusReply:
+        try:
+            method(*args)
+        except AsException as e:
+            return pb.StatusReply(status=int(e.status), message=e.message)
+        return pb.StatusReply(status=0)
+
+    async def UnloadDeviceMem(self, request, context):
+        return await self._run(self._device_mem, self.engine.unload_device_mem, request.model_name, request.wake_from)
+
+    async def LoadDeviceMem(self, request, context):
+        return await self._run(self._device_mem, self.engine.load_device_mem, request.model_name)
+
 
 class _Malformed:
     """What a request's bytes became when they do not parse (GuardCalls)."""
