@@ -212,32 +212,42 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
         handle = RequestHandle(request.model_name, request.request_id) if request.HasField("request_id") else None
         return await self._run(self._status_of, self.engine.sync_request, request.model_name, handle)
 
-    def _model_info(self, name: str) -> pb.TextReply:
+    @staticmethod
+    def _reply(reply_type, get: Callable, to_reply: Callable, request):
+        """to_reply(get(the request's model)); an AsException answers reply_type(status, message)."""
         try:
-            return pb.TextReply(status=0, text=self.engine.get_model_info(name))
+            return to_reply(get(request.model_name))
         except AsException as e:
-            return pb.TextReply(status=int(e.status), message=e.message)
+            return reply_type(status=int(e.status), message=e.message)
 
     async def GetModelInfo(self, request, context):
-        return await self._run(self._model_info, request.model_name)
-
-    def _engine_stat(self, name: str) -> pb.EngineStat:
-        try:
-            return convert.engine_stat_to_proto(self.engine.get_as_engine_stat(name))
-        except AsException as e:
-            return pb.EngineStat(status=int(e.status), message=e.message)
+        return await self._run(self._reply, pb.TextReply, self.engine.get_model_info, lambda t: pb.TextReply(text=t),
+                               request)
 
     async def GetEngineStat(self, request, context):
-        return await self._run(self._engine_stat, request.model_name)
-
-    def _op_profile(self, name: str) -> pb.OpProfile:
-        try:
-            return convert.op_profile_to_proto(self.engine.get_op_profile(name))
-        except AsException as e:
-            return pb.OpProfile(status=int(e.status), message=e.message)
+        return await self._run(self._reply, pb.EngineStat, self.engine.get_as_engine_stat,
+                               convert.engine_stat_to_proto, request)
 
     async def GetOpProfile(self, request, context):
-        return await self._run(self._op_profile, request.model_name)
+        return await self._run(self._reply, pb.OpProfile, self.engine.get_op_profile, convert.op_profile_to_proto,
+                               request)
+
+    async def SaveModel(self, request, context):
+        return await self._run(self._status_of, self.engine.save_model, request.model_name, request.saved_dir,
+                               request.with_weight)
+
+    def _device_mem(self, method, *args) -> pb.StatusReply:
+        try:
+            method(*args)
+        except AsException as e:
+            return pb.StatusReply(status=int(e.status), message=e.message)
+        return pb.StatusReply(status=0)
+
+    async def UnloadDeviceMem(self, request, context):
+        return await self._run(self._device_mem, self.engine.unload_device_mem, request.model_name, request.wake_from)
+
+    async def LoadDeviceMem(self, request, context):
+        return await self._run(self._device_mem, self.engine.load_device_mem, request.model_name)
 
 
 class _Malformed:
@@ -290,7 +300,12 @@ class GuardCalls(grpc.aio.ServerInterceptor):
 
         async def unary(request, context):
             await self._refuse(request, context)
-            return await inner(request, context)
+            reply = await inner(request, context)
+            if getattr(reply, "status", 0) != 0 and self.down() is not None:
+                # the pool began stopping while this call ran (the engine refused it as shut down): the same
+                # UNAVAILABLE a call arriving a moment later gets
+                await context.abort(grpc.StatusCode.UNAVAILABLE, self.down())
+            return reply
         return grpc.unary_unary_rpc_method_handler(unary, safe_parse, handler.response_serializer)
 
 

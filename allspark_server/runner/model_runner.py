@@ -80,6 +80,7 @@ class ModelRunner:
         self.graphs = None   # GPU ranks: runner/cuda_graphs.py
         # profiling on: this rank's op timings (compute/op_profile.py), handed to the model after the graphs' capture
         self.profiler = OpProfiler(self.device) if cfg.enable_profiling else None
+        self.asleep = None   # while unload_device_mem has freed the weights: what wake restores (device_memory.py)
         self.mirrors: dict[int, RequestMirror] = {}
 
     def allocate_kv(self, num_spans: int, tier_slots: int = 0) -> None:
@@ -97,13 +98,18 @@ class ModelRunner:
         for cache in (self.kv, self.tier):       # host memory: counted against later installs on this machine
             if cache is not None and cache.layers[0].k.device.type == "cpu":
                 kv_budget.hold(cache)
-        # every rank captures (NCCL inside); a mixture of experts routes on the host (ops.moe), which a graph cannot
-        # capture, so MoE models decode eagerly
-        if gpu and settings.CUDA_GRAPHS.get() and not self.args.moe_layers:
+        self.capture_graphs()
+
+    def capture_graphs(self) -> None:
+        """GPU ranks: the decode graphs over the cache (again after a wake: its pages moved). Every rank captures
+        (NCCL inside); a mixture of experts routes on the host (ops.moe), which a graph cannot capture, so MoE models
+        decode eagerly."""
+        if self.device.type == "cuda" and settings.CUDA_GRAPHS.get() and not self.args.moe_layers:
             from allspark_server.runner.cuda_graphs import DecodeGraphs
+            self.model.profiler = None          # a capture records no op timings
             self.graphs = DecodeGraphs(self.model, self.kv, self.cfg.engine_max_batch,
-                                       -(-self.cfg.engine_max_length // self.span_size), num_spans, self.span_size,
-                                       self.device)
+                                       -(-self.cfg.engine_max_length // self.span_size), self.num_spans,
+                                       self.span_size, self.device)
         self.model.profiler = self.profiler
 
     def max_num_spans(self, share: "kv_budget.MachineShare") -> int:
