@@ -212,25 +212,32 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
         handle = RequestHandle(request.model_name, request.request_id) if request.HasField("request_id") else None
         return await self._run(self._status_of, self.engine.sync_request, request.model_name, handle)
 
-    @staticmethod
-    def _reply(reply_type, get: Callable, to_reply: Callable, request):
-        """to_reply(get(the request's model)); an AsException answers reply_type(status, message)."""
+    def _model_info(self, name: str) -> pb.TextReply:
         try:
-            return to_reply(get(request.model_name))
+            return pb.TextReply(status=0, text=self.engine.get_model_info(name))
         except AsException as e:
-            return reply_type(status=int(e.status), message=e.message)
+            return pb.TextReply(status=int(e.status), message=e.message)
 
     async def GetModelInfo(self, request, context):
-        return await self._run(self._reply, pb.TextReply, self.engine.get_model_info, lambda t: pb.TextReply(text=t),
-                               request)
+        return await self._run(self._model_info, request.model_name)
+
+    def _engine_stat(self, name: str) -> pb.EngineStat:
+        try:
+            return convert.engine_stat_to_proto(self.engine.get_as_engine_stat(name))
+        except AsException as e:
+            return pb.EngineStat(status=int(e.status), message=e.message)
 
     async def GetEngineStat(self, request, context):
-        return await self._run(self._reply, pb.EngineStat, self.engine.get_as_engine_stat,
-                               convert.engine_stat_to_proto, request)
+        return await self._run(self._engine_stat, request.model_name)
+
+    def _op_profile(self, name: str) -> pb.OpProfile:
+        try:
+            return convert.op_profile_to_proto(self.engine.get_op_profile(name))
+        except AsException as e:
+            return pb.OpProfile(status=int(e.status), message=e.message)
 
     async def GetOpProfile(self, request, context):
-        return await self._run(self._reply, pb.OpProfile, self.engine.get_op_profile, convert.op_profile_to_proto,
-                               request)
+        return await self._run(self._op_profile, request.model_name)
 
     async def SaveModel(self, request, context):
         return await self._run(self._status_of, self.engine.save_model, request.model_name, request.saved_dir,
