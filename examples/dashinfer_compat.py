@@ -153,10 +153,10 @@ class EngineCheck:
         self.engine.release_request(name or self.name, handle)
         return ids
 
-    def runtime_config(self, name: str, graph: str, params: str):
+    def runtime_config(self, name: str, graph: str, params: str, profiling: bool = False):
         from allspark_client import AsModelRuntimeConfigBuilder
         return (AsModelRuntimeConfigBuilder().model_name(name).model_file_path(graph, params).compute_unit("cpu", [0])
-                .max_length(2048).max_batch(4).kv_cache_span_size(16).build())
+                .max_length(2048).max_batch(4).kv_cache_span_size(16).profiling(profiling).build())
 
     # ---- the groups ----------------------------------------------------------------------------------------------
     def convert(self) -> None:
@@ -181,7 +181,7 @@ class EngineCheck:
         expect(dict(graph.build_meta.serialize_args) == {"model_type": "LLaMA_v3", "n": "1"}, "serialize_args")
 
     def lifecycle(self) -> None:
-        self.status("install_model", self.runtime_config(self.name, *self.files))
+        self.status("install_model", self.runtime_config(self.name, *self.files, profiling=True))
         self.status("start_model", self.name)
         info = json.loads(self.call("get_model_info", self.name))
         expect(info["architecture"] == "LlamaForCausalLM" and info["world_size"] == self.world_size, str(info))
@@ -251,8 +251,8 @@ class EngineCheck:
         version = self.call("get_version_full")
         expect(bool(VERSION_FULL.match(version)), f"get_version_full: {version!r}")
         expect(self.call("is_allspark_work_as_service") is (self.label != "Engine"), "is_allspark_work_as_service")
-        profile = self.call("get_op_profiling_info", self.name)
-        expect(isinstance(profile, str) and profile.strip() != "", f"get_op_profiling_info: {profile!r}")
+        profile = self.call("get_op_profiling_info", self.name)      # installed with profiling on: every rank's table
+        expect(isinstance(profile, str) and profile.count("(step)") == self.world_size, f"op profile:\n{profile}")
 
     def sleep_wake(self) -> None:
         before = self.run_greedy()
