@@ -1,20 +1,19 @@
 """DashInfer calls kept for code ported from it: the deprecated ResultQueue shortcuts (`get_no_wait`,
 `get_wait`, `get_request_status`) and `build_model_from_config_struct`, v1's `get_output_*`, `reset_stream` and
 `save_model`, `get_free_frame`, `get_file_information`, `get_op_profiling_info` (the table of `get_op_profile`),
-`dump_build_meta_to_proto` and `serialize_model_from_torch` (which converts in this process: it needs torch,
-imported only when called). A mixin of EngineAPI, so Engine and ClientEngine answer them alike. Torch-free.
+`dump_build_meta_to_proto` and `serialize_model_from_torch` (which converts in this process with the converter
+allspark_server registers here when imported: it needs torch). A mixin of EngineAPI, so Engine and ClientEngine answer them alike. Torch-free.
 """
 from __future__ import annotations
 
 import datetime
 import hashlib
-import importlib
 import json
 import os
 import re
 import struct
 import warnings
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 from allspark_client.result_queue import ResultQueue
 from allspark_client.types import AsException, AsStatus, GeneratedElements, GenerateRequestStatus, RequestHandle
@@ -63,7 +62,7 @@ def _param_version(param_path: str) -> str:
 def file_information(graph_path: str, param_path: str) -> AsFileInfo:
     from google.protobuf.message import DecodeError
 
-    from allspark_client import __version__
+    from allspark_client.version import __version__
     from allspark_client._proto import allspark_pb2 as pb
     for p in (graph_path, param_path):
         if not os.path.isfile(p):
@@ -180,7 +179,7 @@ class DashInferCompat:
     def dump_build_meta_to_proto(self, model_proto, weights_path: str, torch_build_param: dict):
         """Fill a ModelGraph's build_meta: this allspark's version and git sha, now, the md5 of the weights file's
         first 32 MiB, and `torch_build_param`'s scalar and list values as strings. Returns the proto."""
-        from allspark_client import __version__
+        from allspark_client.version import __version__
         from allspark_client._proto import allspark_pb2 as pb
         if not isinstance(model_proto, pb.ModelGraph):
             raise AsException(AsStatus.ALLSPARK_PARAM_ERROR, f"dump_build_meta_to_proto takes an allspark ModelGraph "
@@ -212,16 +211,18 @@ class DashInferCompat:
         unsupported arguments raise ModelSerializerException naming them. Returns (graph path, weights path)."""
         args = dict(locals())
         del args["self"]
-        return _torch_serializer().serialize_model_from_torch(**args)
+        return _torch_serializer()(**args)
 
 
-def _torch_serializer():
-    """allspark_server's converter, imported by name only when called: allspark_client itself stays torch-free."""
-    try:
-        importlib.import_module("torch")
-        return importlib.import_module("allspark_server.loader.torch_state")
-    except ImportError as e:
+# allspark_server puts its converter (loader/torch_state.py) here when it is imported: the client never imports the
+# server, the tie runs from the server down to this slot
+TORCH_SERIALIZER: Optional[Callable] = None
+
+
+def _torch_serializer() -> Callable:
+    if TORCH_SERIALIZER is None:
         raise AsException(AsStatus.ALLSPARK_RUNTIME_ERROR,
-                          f"serialize_model_from_torch converts the weights in this process, which needs torch and "
-                          f"allspark_server ({e}); install torch here, or serialize where it is installed and "
-                          f"install the files") from None
+                          "serialize_model_from_torch converts the weights in this process with allspark_server's "
+                          "loader, which needs torch: `import allspark_server` first (with torch installed), or "
+                          "serialize where it is installed and install the files")
+    return TORCH_SERIALIZER
