@@ -3,6 +3,7 @@ from allspark_client.compat import AsFileInfo
 from allspark_client.config import AsModelConfig, AsModelRuntimeConfigBuilder
 from allspark_client.generation_config import ASGenerationConfigBuilder
 from allspark_client.result_queue import ResultQueue
+from allspark_client.version import __version__  # noqa: F401 (the package's version)
 from allspark_client.types import (AsCacheMode, AsEngineStat, AsException, AsStatus, GeneratedElements,
                                    RequestHandle,
                                    GenerateRequestStatus, RequestStatInfo, TargetDevice)
@@ -10,7 +11,6 @@ from allspark_client.types import (AsCacheMode, AsEngineStat, AsException, AsSta
 __all__ = ["ASGenerationConfigBuilder", "AsCacheMode", "AsEngineStat", "AsException", "AsFileInfo", "AsModelConfig",
            "AsModelRuntimeConfigBuilder", "AsStatus", "GeneratedElements",
            "GenerateRequestStatus", "RequestHandle", "RequestStatInfo", "ResultQueue", "TargetDevice"]
-__version__ = "0.1.0"
 
 
 def __getattr__(name):   # ClientEngine pulls in grpc: import it only when asked for

@@ -22,7 +22,9 @@ from allspark_client._proto import allspark_pb2 as pb
 from allspark_client._proto import allspark_pb2_grpc as pb_grpc
 from allspark_client.channel import RECONNECT_BACKOFF_MS, Pem, failure_reason, normalize_address, open_channel
 from allspark_client.config import AsModelConfig
+from allspark_client.device_memory import ClientDeviceMemory
 from allspark_client.generation_config import parse_request
+from allspark_client.op_profile import OpProfileReport
 from allspark_client.validation import ConfigError
 from allspark_client.result_queue import ResultQueue
 from allspark_client.session import ClientSession
@@ -59,7 +61,7 @@ class _ClientRequest:
     call: Any                       # the Generate stream (cancellable)
 
 
-class ClientEngine(EngineAPI):
+class ClientEngine(ClientDeviceMemory, EngineAPI):
     def __init__(self, address: Optional[str] = None, *, ranks: Optional[int] = None,
                  numa_nodes: Optional[list[int]] = None, gpus: Optional[list[int] | str] = None,
                  launcher_args: tuple[str, ...] = (),
@@ -216,8 +218,6 @@ class ClientEngine(EngineAPI):
             raise AsException(AsStatus(reply.status), reply.message)
         return AsStatus.ALLSPARK_SUCCESS
 
-    build_model_from_config_struct = install_model
-
     def start_model(self, name: str) -> AsStatus:
         if self._closed:
             return self._fail(AsStatus.ALLSPARK_INVALID_CALL_ERROR, CLOSED)
@@ -368,6 +368,23 @@ class ClientEngine(EngineAPI):
         if reply.status != 0:
             raise AsException(AsStatus(reply.status), reply.message)
         return convert.engine_stat_from_proto(reply)
+
+    def get_op_profile(self, name: str) -> OpProfileReport:
+        reply = self._rpc(self._stub.GetOpProfile, pb.ModelRef(model_name=name))
+        if reply.status != 0:
+            raise AsException(AsStatus(reply.status), reply.message)
+        return convert.op_profile_from_proto(reply)
+
+    def _model_handles(self, name: str) -> list[RequestHandle]:
+        self.get_model_info(name)                     # an unknown model raises, as with Engine
+        with self._lock:
+            return [r.handle for (model, _), r in self._live.items() if model == name]
+
+    def _save_model(self, name: str, saved_dir: str, with_weight: bool) -> AsStatus:
+        if self._closed:
+            return self._fail(AsStatus.ALLSPARK_INVALID_CALL_ERROR, CLOSED)
+        return self._status(self._rpc(self._stub.SaveModel, pb.SaveModelRequest(
+            model_name=name, saved_dir=saved_dir, with_weight=with_weight)))
 
     def get_rank_id(self) -> int:
         return 0

@@ -40,6 +40,7 @@ class AsModelConfig:
     enable_prefix_cache: bool = True        # reuse the KV of prompt prefixes seen before (DashInfer: prefill_cache)
     prefix_cache_ttl: int = 300             # seconds a cached prefix nobody uses stays reusable
     prefix_cache_host_bytes: int = 0        # per rank: host memory for spans evicted from the cache (0 = none)
+    enable_profiling: bool = False          # time every op of every step (get_op_profiling_info; AS_PROFILE=ON)
 
     def __post_init__(self):
         _check(bool(self.model_name) and isinstance(self.model_name, str), "model_name must be a non-empty string")
@@ -64,6 +65,8 @@ class AsModelConfig:
                f"enable_prefix_cache must be a bool, got {self.enable_prefix_cache!r}")
         _check_int("prefix_cache_ttl", self.prefix_cache_ttl, lo=1)
         _check_int("prefix_cache_host_bytes", self.prefix_cache_host_bytes, lo=0)
+        _check(isinstance(self.enable_profiling, bool),
+               f"enable_profiling must be a bool, got {self.enable_profiling!r}")
         parse_compute_unit(self.compute_unit)   # validates; whether the GPU exists is the rank's to say
 
     @property
@@ -154,6 +157,12 @@ class AsModelRuntimeConfigBuilder:
         """A second tier under the prefix cache: spans it evicts are copied into this much host memory (per rank)
         and copied back on a hit instead of being recomputed."""
         self._fields["prefix_cache_host_bytes"] = num_bytes
+        return self
+
+    def profiling(self, enable: bool = True):
+        """Time the ops of every step on every rank: get_op_profiling_info(name) prints them (DashInfer: AS_PROFILE=ON,
+        which allspark reads as well)."""
+        self._fields["enable_profiling"] = enable
         return self
 
     def matmul_precision(self, precision: str):

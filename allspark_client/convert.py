@@ -11,6 +11,7 @@ from dataclasses import fields
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client.config import AsModelConfig
 from allspark_client.generation_config import GenerationConfig
+from allspark_client.op_profile import OpProfileReport, OpTiming, RankSteps
 from allspark_client.types import AsCacheMode, AsEngineStat, GeneratedElements, RequestStatInfo
 
 PROTOCOL_VERSION = 1
@@ -97,3 +98,15 @@ def engine_stat_to_proto(stat: AsEngineStat) -> pb.EngineStat:
 def engine_stat_from_proto(msg: pb.EngineStat) -> AsEngineStat:
     values = {f.name: getattr(msg, f.name) for f in fields(AsEngineStat)}
     return AsEngineStat(**{k: list(v) if k.startswith("rank_") else v for k, v in values.items()})
+
+
+def op_profile_to_proto(report: OpProfileReport) -> pb.OpProfile:
+    return pb.OpProfile(model_name=report.model_name, enabled=report.enabled, clock=report.clock,
+                        ops=[pb.OpTiming(**{f.name: getattr(o, f.name) for f in fields(OpTiming)}) for o in report.ops],
+                        steps=[pb.RankSteps(rank=s.rank, steps=s.steps, step_ms=s.step_ms) for s in report.steps])
+
+
+def op_profile_from_proto(msg: pb.OpProfile) -> OpProfileReport:
+    return OpProfileReport(msg.model_name, msg.enabled,
+                           tuple(OpTiming(**{f.name: getattr(o, f.name) for f in fields(OpTiming)}) for o in msg.ops),
+                           tuple(RankSteps(s.rank, s.steps, s.step_ms) for s in msg.steps), msg.clock)

@@ -139,6 +139,9 @@ NO_NATIVE = _declare("ALLSPARK_NO_NATIVE", bool, False, "user", """
 MEMORY_BANDWIDTH_GBS = _declare("ALLSPARK_MEMORY_BANDWIDTH_GBS", float, None, "user", """
     Memory bandwidth in GB/s that the engine's roofline statistics (memory_bandwidth_utilization) divide by,
     instead of measuring a copy once per device (about 0.5 s at the first statistics).""", minimum=0, above=True)
+PROFILE = _declare("ALLSPARK_PROFILE", bool, None, "user", """
+    1: every model installed afterwards profiles its ops, as enable_profiling=True in its runtime config does
+    (get_op_profiling_info); read by Engine, in a pool by rank 0. Unset: DashInfer's AS_PROFILE=ON/OFF decides.""")
 
 # ---- A/B switches: the default is the path allspark ships ----
 OVERLAP = _declare("ALLSPARK_OVERLAP", bool, True, "ab", """
@@ -177,6 +180,19 @@ SOAK_REQUESTS = _declare("ALLSPARK_SOAK_REQUESTS", int, 400, "test", """
     Requests of tests/test_soak.py (the slow run: 10000).""", minimum=1)
 FAULT_STREAMS = _declare("ALLSPARK_FAULT_STREAMS", int, 8, "test", """
     Concurrent streams of tests/test_pool_failures.py's fault injection (the slow run: 64).""", minimum=1)
+
+
+def profiling_requested() -> bool:
+    """ALLSPARK_PROFILE, or where it is unset DashInfer's AS_PROFILE (ON / OFF, any bool spelling)."""
+    if PROFILE.get() is not None:
+        return PROFILE.get()
+    raw = os.environ.get("AS_PROFILE")
+    if raw is None or not raw.strip():
+        return False
+    try:
+        return PROFILE.parse(raw)
+    except SettingError:
+        raise SettingError(f"AS_PROFILE={raw!r}: expected ON or OFF") from None
 
 
 def reload() -> None:

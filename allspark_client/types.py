@@ -143,6 +143,7 @@ class AsEngineStat:
     memory_bandwidth_utilization: float = 0.0   # MBU of the decode-only steps of the last 10 s (0..~1)
     rank_memory_bandwidth_gbs: list[float] = field(default_factory=list)           # the same, per rank
     rank_memory_bandwidth_utilization: list[float] = field(default_factory=list)
+    asleep: bool = False                    # unload_device_mem freed its memory; load_device_mem wakes it
 
     @property
     def pending_request(self) -> int:

@@ -4,8 +4,12 @@ from allspark_client import (AsCacheMode, AsEngineStat, AsException, AsStatus, G
                              GenerateRequestStatus, RequestHandle, RequestStatInfo, ResultQueue, TargetDevice)
 from allspark_client.config import (AsModelConfig, AsModelRuntimeConfigBuilder, ASGenerationConfigBuilder,
                                     ConfigError)
+from allspark_client import compat as _compat
 from allspark_server.engine.engine import Engine
 from allspark_server.loader.hf_model import HuggingFaceModel, ModelSerializerException
+from allspark_server.loader.torch_state import serialize_model_from_torch as _serialize_model_from_torch
+
+_compat.TORCH_SERIALIZER = _serialize_model_from_torch     # ClientEngine.serialize_model_from_torch converts here
 
 __all__ = ["AsCacheMode", "AsEngineStat", "AsException", "AsModelConfig", "AsModelRuntimeConfigBuilder",
            "ASGenerationConfigBuilder", "AsStatus", "ConfigError", "Engine", "GeneratedElements",

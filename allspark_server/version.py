@@ -5,7 +5,7 @@ import functools
 import os
 import subprocess
 
-from allspark_client import __version__
+from allspark_client.version import __version__
 
 
 @functools.lru_cache(maxsize=1)

@@ -14,18 +14,22 @@
 // model, the layer loop cost ~1.3 ms per token over the fused calls, and the embedding, rope gather, row
 // selection and final norm another ~0.3 ms, where the same ops take a few microseconds in a warm loop.
 //
+// With a profile set (a model installed with profiling on), `run` times each of its ops into it (op_profile.h).
+//
 // The math is exactly the Python path's (the same step functions, in the same order), so logits are bit-equal
 // to the loop over DecoderLayer.decode followed by the model's norm and LM head.
 #include <torch/extension.h>
 #include <pybind11/stl.h>
 
 #include <initializer_list>
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <variant>
 #include <vector>
 
 #include "kernels.h"
+#include "op_profile.h"
 #include "parallel.h"
 #include "steps.h"
 
@@ -86,12 +90,16 @@ class DecodeStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // where `run` times its ops (op_profile.h); none: profiling off
+  void set_profile(std::shared_ptr<allspark::OpProfile> profile) { profile_ = std::move(profile); }
+
   // ids, positions, slots [B] int64 (one new token per sequence), spans/ctx as in span_attention.cpp
   //   -> fp32 logits [B, V_local] of this rank's LM-head shard
   torch::Tensor run(torch::Tensor ids, torch::Tensor positions, torch::Tensor slots, torch::Tensor spans,
                     torch::Tensor ctx, std::optional<py::function> reduce) {
     TORCH_CHECK(embedding_.defined() && !layers_.empty(), "DecodeStack.run: call add_layer and set_ends first");
     py::gil_scoped_release nogil;
+    allspark::ActiveProfile active(profile_.get());   // null when profiling is off: no op reads a clock
     // every GEMV native: the step's threads are allspark's own (parallel.h says why not otherwise)
     const int64_t batch = ids.size(0);
     allspark::OwnPoolScope own_pool((!dense_ || batch <= native_rows_) &&
@@ -99,15 +107,20 @@ class DecodeStack {
     const auto dtype = embedding_.scalar_type();
     // per rotary table, the rope rows as RotaryEmbedding.cos_sin gives them: [B, 1, D] in the activation dtype
     std::vector<DecodeRows> rows;
-    for (const auto& [cos_table, sin_table] : rotary_tables_)
-      rows.push_back({slots, spans, ctx, cos_table.index_select(0, positions).to(dtype).unsqueeze(1),
-                      sin_table.index_select(0, positions).to(dtype).unsqueeze(1)});
+    allspark::timed("rope_rows", [&] {
+      for (const auto& [cos_table, sin_table] : rotary_tables_)
+        rows.push_back({slots, spans, ctx, cos_table.index_select(0, positions).to(dtype).unsqueeze(1),
+                        sin_table.index_select(0, positions).to(dtype).unsqueeze(1)});
+    });
     if (rows.empty()) rows.push_back({slots, spans, ctx, std::nullopt, std::nullopt});   // no rotary
-    torch::Tensor x = embedding_.index_select(0, ids);
-    if (embed_scale_) x = x * torch::scalar_tensor(*embed_scale_, x.options());
+    torch::Tensor x = allspark::timed("embedding", [&] {
+      auto e = embedding_.index_select(0, ids);
+      return embed_scale_ ? e * torch::scalar_tensor(*embed_scale_, e.options()) : e;
+    });
     std::optional<torch::Tensor> residual;
     auto reduced = [&](torch::Tensor partial, int64_t layer, int64_t part) {
       if (!reduce) return partial;
+      allspark::OpTimer timer("allreduce");   // the wait for the GIL included
       py::gil_scoped_acquire gil;
       return (*reduce)(partial, layer, part).cast<torch::Tensor>();
     };
@@ -115,18 +128,22 @@ class DecodeStack {
       int64_t part = 0;
       for (const Step& step : layers_[i]) {
         if (const auto* n = std::get_if<NormStep>(&step)) {
+          allspark::OpTimer timer("norm");
           std::tie(x, residual) = norm_step(x, residual, *n, isa_);
         } else if (const auto* a = std::get_if<AttentionStep>(&step)) {
           x = reduced(attention_step(x, *a, rows[a->rotary ? a->rope_table : 0], isa_, native_rows_), i, part++);
         } else if (const auto* m = std::get_if<MlpStep>(&step)) {
           x = reduced(mlp_step(x, *m, isa_, native_rows_), i, part++);
         } else {
-          x = reduced(moe_step(x, std::get<MoeStep>(step), isa_, native_rows_), i, part++);
+          x = reduced(allspark::timed("moe", [&] { return moe_step(x, std::get<MoeStep>(step), isa_, native_rows_); }),
+                      i, part++);
         }
       }
     }
-    const auto h = std::get<0>(norm_step(x, residual, final_norm_, isa_));
-    return project(h, lm_head_, std::nullopt, isa_, native_rows_).to(torch::kFloat);
+    const auto h =
+        allspark::timed("final_norm", [&] { return std::get<0>(norm_step(x, residual, final_norm_, isa_)); });
+    return allspark::timed("lm_head",
+                           [&] { return project(h, lm_head_, std::nullopt, isa_, native_rows_).to(torch::kFloat); });
   }
 
  private:
@@ -143,6 +160,7 @@ class DecodeStack {
   std::vector<std::tuple<torch::Tensor, torch::Tensor>> rotary_tables_;
   NormStep final_norm_;
   Weight lm_head_;
+  std::shared_ptr<allspark::OpProfile> profile_;
 };
 
 // the step descriptors (steps.h) and the stack; keyword arguments only, named as compute/steps.py names them
@@ -195,6 +213,11 @@ void bind_decode_stack(py::module_& m) {
         py::arg("x"), py::arg("step"), py::arg("isa"), py::arg("native_rows"));
   m.def("moe_step", &moe_step, "a MoeStep: the experts' weighted sum before the allreduce", nogil, py::arg("x"),
         py::arg("step"), py::arg("isa"), py::arg("native_rows"));
+  py::class_<allspark::OpProfile, std::shared_ptr<allspark::OpProfile>>(
+      m, "OpProfile", "per op name: count and sum / min / max seconds of the decode stack's ops (op_profile.h)")
+      .def(py::init<>())
+      .def("stats", &allspark::OpProfile::stats, "[(name, count, sum, min, max)], seconds")
+      .def("clear", &allspark::OpProfile::clear);
   py::class_<DecodeStack>(m, "DecodeStack", "a whole decode-only step of the model in one call")
       .def(py::init<int64_t, int64_t, std::optional<double>>(), py::kw_only(), py::arg("isa"), py::arg("native_rows"),
            py::arg("embed_scale") = py::none())
@@ -202,6 +225,8 @@ void bind_decode_stack(py::module_& m) {
       .def("set_ends", &DecodeStack::set_ends, py::kw_only(), py::arg("embedding"), py::arg("rotary_tables"),
            py::arg("final_norm"), py::arg("lm_head"))
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
+      .def("set_profile", &DecodeStack::set_profile, "where run times its ops (None: profiling off)",
+           py::arg("profile"))
       .def("run", &DecodeStack::run, "fp32 logits of this rank's LM-head shard for a decode-only step (no GIL)",
            py::arg("ids"), py::arg("positions"), py::arg("slots"), py::arg("spans"), py::arg("ctx"),
            py::arg("reduce"));

@@ -13,6 +13,7 @@
 
 #include "gated_rows.h"
 #include "kernels.h"
+#include "op_profile.h"
 #include "steps.h"
 #include "parallel.h"
 #include "simd.h"
@@ -143,7 +144,7 @@ torch::Tensor attention_step(const torch::Tensor& x, const AttentionStep& a, con
   TORCH_CHECK(x.dim() == 2, "attention_step: x must be [B, H]");
   TORCH_CHECK(!a.rotary || (rows.cos && rows.sin), "attention_step: a rotary step needs cos and sin rows");
   const int64_t B = x.size(0), heads = a.num_heads, kv_heads = a.num_kv_heads;
-  auto qkv = project(x, a.qkv, a.qkv_bias, isa, native_rows);
+  auto qkv = allspark::timed("qkv_proj", [&] { return project(x, a.qkv, a.qkv_bias, isa, native_rows); });
   // head dim (a uint4 cache row holds D / 2 bytes)
   const int64_t D = qkv.size(1) / (heads + 2 * kv_heads);
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * D && (!a.rotary || rows.cos->size(-1) == D),
@@ -152,26 +153,34 @@ torch::Tensor attention_step(const torch::Tensor& x, const AttentionStep& a, con
   auto k = qkv.narrow(1, heads * D, kv_heads * D).view({B, kv_heads, D});
   auto v = qkv.narrow(1, (heads + kv_heads) * D, kv_heads * D);
   if (a.q_norm) {   // each head's row normalized: [B * heads, D] (copies: the rows are strided views)
+    allspark::OpTimer timer("qk_norm");
     q = std::get<0>(rms_norm(q.reshape({B * heads, D}), *a.q_norm, a.norm_eps, std::nullopt, isa)).view({B, heads, D});
     k = std::get<0>(rms_norm(k.reshape({B * kv_heads, D}), *a.k_norm, a.norm_eps, std::nullopt, isa))
             .view({B, kv_heads, D});
   }
-  if (a.rotary) std::tie(q, k) = rotary(q, k, *rows.cos, *rows.sin, isa);
+  if (a.rotary) std::tie(q, k) = allspark::timed("rotary", [&] { return rotary(q, k, *rows.cos, *rows.sin, isa); });
   torch::Tensor o;
   if (a.k_param) {   // quantized spans (span_attention_quant.cpp)
-    store_kv_quant(k, v, a.k_cache, *a.k_param, a.v_cache, *a.v_param, rows.slots);
+    allspark::timed("kv_store",
+                    [&] { store_kv_quant(k, v, a.k_cache, *a.k_param, a.v_cache, *a.v_param, rows.slots); });
+    allspark::OpTimer timer("attention");
     o = decode_attention_quant(q, a.k_cache, *a.k_param, a.v_cache, *a.v_param, rows.spans, rows.ctx, a.scale, isa,
                                a.alibi_slopes, a.softcap, a.window);
   } else {
-    store_kv(k, v, a.k_cache, a.v_cache, rows.slots);
+    allspark::timed("kv_store", [&] { store_kv(k, v, a.k_cache, a.v_cache, rows.slots); });
+    allspark::OpTimer timer("attention");
     o = decode_attention(q, a.k_cache, a.v_cache, rows.spans, rows.ctx, a.scale, isa, a.alibi_slopes, a.softcap,
                          a.window);
   }
-  return project(o.view({B, heads * D}), a.o, std::nullopt, isa, native_rows);
+  return allspark::timed("o_proj",
+                         [&] { return project(o.view({B, heads * D}), a.o, std::nullopt, isa, native_rows); });
 }
 
 torch::Tensor mlp_step(const torch::Tensor& x, const MlpStep& m, int64_t isa, int64_t native_rows) {
-  auto gate_up = project(x, m.gate_up, m.gate_up_bias, isa, native_rows);
-  auto a = m.act == Activation::Silu ? silu_mul(gate_up, isa) : gelu_tanh_mul(gate_up, isa);
-  return project(a, m.down, std::nullopt, isa, native_rows);
+  auto gate_up = allspark::timed("gate_up_proj",
+                                 [&] { return project(x, m.gate_up, m.gate_up_bias, isa, native_rows); });
+  auto a = allspark::timed("act_mul", [&] {
+    return m.act == Activation::Silu ? silu_mul(gate_up, isa) : gelu_tanh_mul(gate_up, isa);
+  });
+  return allspark::timed("down_proj", [&] { return project(a, m.down, std::nullopt, isa, native_rows); });
 }

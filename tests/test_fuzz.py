@@ -41,6 +41,7 @@ METHODS = {
     "SyncRequest": (False, [pb.SyncRequestMsg(model_name=NOT_INSTALLED)]),
     "GetModelInfo": (False, [pb.ModelRef(model_name=MODEL)]),
     "GetEngineStat": (False, [pb.ModelRef(model_name=MODEL)]),
+    "GetOpProfile": (False, [pb.ModelRef(model_name=MODEL)]),
 }
 
 

@@ -12,28 +12,16 @@ import torch
 from gguf.quants import dequantize as gguf_dequantize
 from safetensors import safe_open
 
-from allspark_server import HuggingFaceModel
 from allspark_server.loader.gguf_names import targets
 from allspark_server.loader.gguf_reader import GGUFFile
 from allspark_server.loader.model_file import read_model_graph
 from allspark_server.quant.formats import dequantize
-from helpers import assert_same_tokens, greedy, hf_greedy, run_together, start_engine
-
-QUESTIONS = ["What is the capital of France?", "Name three colors of the rainbow.", "How many legs does a spider have?",
-             "Write a haiku about the sea.", "What is 12 times 12?", "Who wrote Romeo and Juliet?",
-             "Give me a synonym for happy.", "Why is the sky blue?"]
-
+from helpers import assert_same_tokens, greedy, run_together, start_engine
+from smollm2_case import QUESTIONS
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    from allspark_server.loader.known_models import ModelNotInstalled, smollm2_path
-    try:
-        path = smollm2_path()
-    except ModelNotInstalled as e:
-        pytest.skip(str(e))
-    loader = HuggingFaceModel(path, "smollm2", user_set_data_type="float32").load_model()
-    loader.serialize(None, model_output_dir=str(tmp_path_factory.mktemp("smollm2")))
-    return loader
+def smollm2(smollm2_case):
+    return smollm2_case.loader
 
 
 def test_every_stored_tensor_stands_for_the_files_values(smollm2):
@@ -111,33 +99,18 @@ def test_the_tokenizer_built_once_is_kept_and_equals_a_fresh_build(smollm2, tmp_
 GEMMS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def transformers_model(loader):
-    """transformers' fp32 model of the file (its GGUF loader dequantizes)."""
-    from transformers import AutoModelForCausalLM
-    folder, name = os.path.split(loader.path)
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-
-
-def check_greedy(loader, reference, questions: list[str], n: int) -> list[list[int]]:
-    """Greedy tokens of chat prompts through the Engine, alone and batched, equal the reference's."""
-    tok = loader.get_tokenizer()
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                       return_dict=True)["input_ids"] for q in questions]
-    want = [hf_greedy(reference, p, n) for p in prompts]
-    engine = start_engine(loader, "smollm2", max_batch=8, max_length=512)
+def test_greedy_equals_transformers_fp32_model_of_the_file(smollm2_case):
+    """8 chat prompts, 64 tokens each, alone and batched through the Engine, against transformers' fp32 model of
+    the same file."""
+    case, n = smollm2_case, len(smollm2_case.want[0])
+    engine = start_engine(case.loader, "smollm2", max_batch=8, max_length=512)
     try:
-        for p, w in zip(prompts, want):
+        for p, w in zip(case.prompts, case.want):
             assert_same_tokens(greedy(engine, "smollm2", p, n), w, "alone")
         together = run_together(engine, "smollm2", [(p, {"top_k": 1, "max_new_tokens": n, "eos_token_id": []})
-                                                    for p in prompts])
-        for (got, _), w in zip(together, want):
+                                                    for p in case.prompts])
+        for (got, _), w in zip(together, case.want):
             assert_same_tokens(got, w, "batched")
     finally:
         engine.release_model("smollm2")
-    return want
-
-
-def test_greedy_equals_transformers_fp32_model_of_the_file(smollm2):
-    """8 chat prompts, 64 tokens each, alone and batched, against transformers' fp32 model of the same file."""
-    want = check_greedy(smollm2, transformers_model(smollm2), QUESTIONS, 64)
-    assert "Paris" in smollm2.get_tokenizer().decode(want[0])
+    assert "Paris" in case.loader.get_tokenizer().decode(case.want[0])

@@ -38,13 +38,26 @@ def _serialize(hf_dir: str, out_dir: str, quant: dict | None) -> tuple[str, str]
     return m.graph_path, m.weights_path
 
 
-# variant -> a function (HF folder, output folder) -> the model files (graph, params) to install.
-# A GGUF variant joins here once GGUF loading lands: write the model as a .gguf (the `gguf` package, e.g. Q8_0 /
-# Q4_1) and serialize that file with HuggingFaceModel; the bound below applies to it unchanged.
+def _serialize_gguf(out_dir: str) -> tuple[str, str]:
+    """The real GGUF file of the quick start (SmolLM2-135M-Instruct, Q4_1 kept as uint4_min, Q8_0 embedding as
+    int8), serialized as a user's `HuggingFaceModel("x.gguf")` does."""
+    from allspark_server import HuggingFaceModel
+    from allspark_server.loader.known_models import ModelNotInstalled, smollm2_path
+    try:
+        path = smollm2_path()
+    except ModelNotInstalled as e:
+        pytest.skip(str(e))
+    m = HuggingFaceModel(path, "install-memory-gguf", user_set_data_type="bfloat16")
+    m.load_model().serialize_to_path(None, out_dir).free_model()
+    return m.graph_path, m.weights_path
+
+
+# variant -> a function (HF folder, output folder) -> the model files (graph, params) to install
 SOURCES = {
     "bf16": lambda hf, out: _serialize(hf, out, None),
     "int8": lambda hf, out: _serialize(hf, out, {"weight_format": "int8", "group_size": -1}),
     "uint4_g32": lambda hf, out: _serialize(hf, out, {"weight_format": "uint4", "group_size": 32}),
+    "gguf_smollm2": lambda hf, out: _serialize_gguf(out),
 }
 
 

@@ -33,7 +33,7 @@ def raw_stream(channel, method: str, payload: bytes, timeout: float = 30.0) -> l
 
 
 # what the pool answers for bytes that do not parse as the request message: INVALID_ARGUMENT naming its type
-# (service.GuardCalls; grpc.aio by itself answers UNKNOWN, the code of an exception a servicer let out)
+# (interceptors.GuardCalls; grpc.aio by itself answers UNKNOWN, the code of an exception a servicer let out)
 UNPARSEABLE = (grpc.StatusCode.INVALID_ARGUMENT,)
 
 

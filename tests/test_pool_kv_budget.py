@@ -67,6 +67,9 @@ def test_automatic_budgets_never_add_up_beyond_the_machine(new_pool, loader):
     for i in range(3):
         assert client.install_model(config(loader, f"m{i}", max_batch=10**6)) == AsStatus.ALLSPARK_SUCCESS
         installed.append(kv_bytes_per_rank(client, f"m{i}"))
+    # the ranks size against MemAvailable when each install runs, which other processes on a shared machine move
+    # between these two readings
+    available = max(available, psutil.virtual_memory().available)
     assert 2 * sum(installed) <= 0.95 * available, [b / GiB for b in installed]
     message = refusal(client, config(loader, "more", int(0.1 * available)))
     held = float(message.split("the models already installed hold ")[1].split(" GiB")[0])

@@ -22,6 +22,7 @@ NAME = re.compile(r"\bALLSPARK_[A-Z][A-Z0-9_]*")
 DEFAULTS = {   # the shipped defaults, written out again so that changing one is a visible decision
     "ALLSPARK_TOKEN": None, "ALLSPARK_API_KEY": None, "ALLSPARK_MAX_BODY_MB": 16.0, "ALLSPARK_LOG_LEVEL": "info",
     "ALLSPARK_MPIRUN": "mpirun", "ALLSPARK_NO_NATIVE": False, "ALLSPARK_MEMORY_BANDWIDTH_GBS": None,
+    "ALLSPARK_PROFILE": None,
     "ALLSPARK_OVERLAP": True, "ALLSPARK_CUDA_GRAPHS": True, "ALLSPARK_TRITON_GEMV": True, "ALLSPARK_PDL": True,
     "ALLSPARK_FUSED_DECODE": True, "ALLSPARK_PEER_ALLREDUCE": True, "ALLSPARK_GUIDED_MASKS": None,
     "ALLSPARK_RANK_GPU": None, "ALLSPARK_PLACED": False,
@@ -75,6 +76,22 @@ def test_declarations_and_defaults():
         assert setting.read({name: "  "}) == setting.default or setting.type is str, name   # blank: the default
     assert settings.NO_NATIVE.read({"ALLSPARK_NO_NATIVE": "1"}) is True
     assert settings.OVERLAP.read({"ALLSPARK_OVERLAP": "0"}) is False
+
+
+@pytest.mark.parametrize("allspark,dashinfer,value", [(None, None, False), (None, "ON", True), (None, "OFF", False),
+                                                      ("0", "ON", False), ("1", "OFF", True), (None, " ", False)])
+def test_profiling_is_allspark_profile_else_dashinfers_as_profile(monkeypatch, allspark, dashinfer, value):
+    for name, text in (("ALLSPARK_PROFILE", allspark), ("AS_PROFILE", dashinfer)):
+        if text is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, text)
+    settings.reload()
+    try:
+        assert settings.profiling_requested() is value
+    finally:
+        monkeypatch.undo()
+        settings.reload()
 
 
 @pytest.mark.parametrize("text,value", [("1", True), ("true", True), ("Yes", True), (" on ", True),

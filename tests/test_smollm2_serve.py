@@ -52,26 +52,16 @@ def test_chat_answers_in_english(server):
     assert len(words) >= 5 and sum(w.lower().strip(".,!") in english for w in words) >= 2, words
 
 
-def test_pool_greedy_equals_transformers_fp32_model_of_the_file(pool, tmp_path):
+def test_pool_greedy_equals_transformers_fp32_model_of_the_file(pool, smollm2_case):
     """The file's own Q4_1 weights (uint4_min) on the session's 2-rank pool (heads split 3 + 6): 8 chat prompts,
     64 tokens each, alone and batched, equal transformers' fp32 model of the same file (which dequantizes)."""
-    from allspark_server import HuggingFaceModel
-    from allspark_server.loader.known_models import smollm2_path
-    from helpers import assert_same_tokens, greedy, hf_greedy, installed_on_pool, run_together
-    from test_gguf_smollm2 import QUESTIONS, transformers_model
+    from helpers import assert_same_tokens, greedy, installed_on_pool, run_together
     client, _ = pool
-    loader = HuggingFaceModel(smollm2_path(), "smollm2_pool", user_set_data_type="float32").load_model()
-    loader.serialize(None, model_output_dir=str(tmp_path))
-    tok = loader.get_tokenizer()
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                       return_dict=True)["input_ids"] for q in QUESTIONS]
-    reference = transformers_model(loader)
-    want = [hf_greedy(reference, p, 64) for p in prompts]
-    with installed_on_pool(client, loader, "smollm2_pool", max_length=512, max_batch=8):
-        for p, w in zip(prompts, want):
-            assert_same_tokens(greedy(client, "smollm2_pool", p, 64), w, "alone")
-        together = run_together(client, "smollm2_pool", [(p, {"top_k": 1, "max_new_tokens": 64, "eos_token_id": []})
-                                                         for p in prompts])
-        for (got, _), w in zip(together, want):
+    case, n = smollm2_case, len(smollm2_case.want[0])
+    with installed_on_pool(client, case.loader, "smollm2_pool", max_length=512, max_batch=8):
+        for p, w in zip(case.prompts, case.want):
+            assert_same_tokens(greedy(client, "smollm2_pool", p, n), w, "alone")
+        together = run_together(client, "smollm2_pool", [(p, {"top_k": 1, "max_new_tokens": n, "eos_token_id": []})
+                                                         for p in case.prompts])
+        for (got, _), w in zip(together, case.want):
             assert_same_tokens(got, w, "batched")
-    assert "Paris" in tok.decode(want[0])

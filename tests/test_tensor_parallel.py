@@ -3,11 +3,14 @@ the in-process Engine and transformers — including a model with fewer KV heads
 head counts the ranks do not divide."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import queue
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -20,16 +23,70 @@ TP_VARIANTS = ["llama_gqa_llama3", "qwen2_bias_tied", "llama_mqa"]
 
 def mpirun_env():
     path = os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))
-    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=path)
+    # shared memory only between the two local ranks, as the launcher's single-host pools (MPI_Init then skips the
+    # ~1 s probe of the network interfaces)
+    env = {"OMPI_MCA_btl": "self,vader", **os.environ}
+    return dict(env, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=path)
+
+
+def _forward_lines(out, lines: queue.Queue) -> None:
+    for line in out:
+        lines.put(line)
+    lines.put("")                                        # the output ended
+
+
+class _LogitsWorker:
+    """tests/mpi/tp_logits.py --serve on 2 ranks, started at the first job and kept for the session's others."""
+    proc = None
+    lines: queue.Queue = queue.Queue()
+
+    @classmethod
+    def run(cls, job: list, timeout_s: float = 240) -> None:
+        if cls.proc is None or cls.proc.poll() is not None:
+            cmd = ["mpirun", "--bind-to", "none", "-n", "2", sys.executable,
+                   os.path.join(HERE, "mpi", "tp_logits.py"), "--serve"]
+            cls.proc = subprocess.Popen(cmd, env=mpirun_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True)
+            cls.lines = queue.Queue()
+            threading.Thread(target=_forward_lines, args=(cls.proc.stdout, cls.lines), daemon=True).start()
+            atexit.register(cls.close)
+        printed = []
+        cls.proc.stdin.write(json.dumps(job) + "\n")
+        cls.proc.stdin.flush()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = cls.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                cls.close(kill=True)
+                raise AssertionError(f"no answer from tp_logits.py in {timeout_s} s:\n" + "".join(printed[-40:]))
+            if line.strip() == "DONE":
+                return
+            printed.append(line)
+            if not line or line.startswith("ERROR "):       # "": the worker's output ended
+                cls.close(kill=True)
+                raise AssertionError("tp_logits.py failed:\n" + "".join(printed[-40:]))
+
+    @classmethod
+    def close(cls, kill: bool = False) -> None:
+        proc, cls.proc = cls.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        if not kill:
+            proc.stdin.close()                   # EOF: the ranks leave their loop
+            try:
+                proc.wait(timeout=30)
+                return
+            except subprocess.TimeoutExpired:
+                pass
+        proc.kill()
+        proc.wait()
 
 
 def tp_logits(loader, tokens: list[int], prompt_len: int, tmp_path) -> dict:
-    """Run tests/mpi/tp_logits.py on 2 ranks over the loader's model files; its JSON result."""
+    """tests/mpi/tp_logits.py's comparison on 2 ranks over the loader's model files; its JSON result."""
     out = tmp_path / "result.json"
-    cmd = ["mpirun", "--bind-to", "none", "-n", "2", sys.executable, os.path.join(HERE, "mpi", "tp_logits.py"),
-           loader.graph_path, loader.weights_path, json.dumps(tokens), str(prompt_len), str(out)]
-    proc = subprocess.run(cmd, env=mpirun_env(), capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    _LogitsWorker.run([loader.graph_path, loader.weights_path, list(tokens), int(prompt_len), str(out)])
     return json.loads(out.read_text())
 
 

@@ -165,8 +165,26 @@ class TextReply(_message.Message):
     text: str
     def __init__(self, status: _Optional[int] = ..., message: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
+class DeviceMemRequest(_message.Message):
+    __slots__ = ("model_name", "wake_from")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    WAKE_FROM_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    wake_from: str
+    def __init__(self, model_name: _Optional[str] = ..., wake_from: _Optional[str] = ...) -> None: ...
+
+class SaveModelRequest(_message.Message):
+    __slots__ = ("model_name", "saved_dir", "with_weight")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    SAVED_DIR_FIELD_NUMBER: _ClassVar[int]
+    WITH_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    saved_dir: str
+    with_weight: bool
+    def __init__(self, model_name: _Optional[str] = ..., saved_dir: _Optional[str] = ..., with_weight: _Optional[bool] = ...) -> None: ...
+
 class RuntimeConfig(_message.Message):
-    __slots__ = ("model_name", "model_path", "weights_path", "compute_unit", "engine_max_length", "engine_max_batch", "engine_max_prefill_length", "num_threads", "matmul_precision", "cache_mode", "cache_span_size", "kv_cache_memory_bytes", "enable_prefix_cache", "prefix_cache_ttl", "prefix_cache_host_bytes")
+    __slots__ = ("model_name", "model_path", "weights_path", "compute_unit", "engine_max_length", "engine_max_batch", "engine_max_prefill_length", "num_threads", "matmul_precision", "cache_mode", "cache_span_size", "kv_cache_memory_bytes", "enable_prefix_cache", "prefix_cache_ttl", "prefix_cache_host_bytes", "enable_profiling")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +200,7 @@ class RuntimeConfig(_message.Message):
     ENABLE_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_TTL_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_PROFILING_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_path: str
     weights_path: str
@@ -197,7 +216,8 @@ class RuntimeConfig(_message.Message):
     enable_prefix_cache: bool
     prefix_cache_ttl: int
     prefix_cache_host_bytes: int
-    def __init__(self, model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., weights_path: _Optional[str] = ..., compute_unit: _Optional[str] = ..., engine_max_length: _Optional[int] = ..., engine_max_batch: _Optional[int] = ..., engine_max_prefill_length: _Optional[int] = ..., num_threads: _Optional[int] = ..., matmul_precision: _Optional[str] = ..., cache_mode: _Optional[int] = ..., cache_span_size: _Optional[int] = ..., kv_cache_memory_bytes: _Optional[int] = ..., enable_prefix_cache: _Optional[bool] = ..., prefix_cache_ttl: _Optional[int] = ..., prefix_cache_host_bytes: _Optional[int] = ...) -> None: ...
+    enable_profiling: bool
+    def __init__(self, model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., weights_path: _Optional[str] = ..., compute_unit: _Optional[str] = ..., engine_max_length: _Optional[int] = ..., engine_max_batch: _Optional[int] = ..., engine_max_prefill_length: _Optional[int] = ..., num_threads: _Optional[int] = ..., matmul_precision: _Optional[str] = ..., cache_mode: _Optional[int] = ..., cache_span_size: _Optional[int] = ..., kv_cache_memory_bytes: _Optional[int] = ..., enable_prefix_cache: _Optional[bool] = ..., prefix_cache_ttl: _Optional[int] = ..., prefix_cache_host_bytes: _Optional[int] = ..., enable_profiling: _Optional[bool] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -312,7 +332,7 @@ class GenerateReply(_message.Message):
     def __init__(self, status: _Optional[int] = ..., message: _Optional[str] = ..., request_id: _Optional[int] = ..., generate_status: _Optional[int] = ..., ids: _Optional[_Iterable[int]] = ..., token_logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prefix_cache_len: _Optional[int] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ...) -> None: ...
 
 class EngineStat(_message.Message):
-    __slots__ = ("status", "message", "model_name", "free_token", "total_token", "pendding_request", "running_request", "total_generated_token", "total_prefill_token", "generate_token_persec", "process_token_persec", "total_span", "used_span", "free_span", "span_size", "token_usage_percentage", "num_preempted", "prefix_cache_hit_token", "prefix_cache_miss_token", "prefix_cache_hit_rate", "prefix_cache_miss_rate", "prefix_cache_spans", "prefix_cache_host_spans", "memory_bandwidth_gbs", "memory_bandwidth_utilization", "rank_memory_bandwidth_gbs", "rank_memory_bandwidth_utilization")
+    __slots__ = ("status", "message", "model_name", "free_token", "total_token", "pendding_request", "running_request", "total_generated_token", "total_prefill_token", "generate_token_persec", "process_token_persec", "total_span", "used_span", "free_span", "span_size", "token_usage_percentage", "num_preempted", "prefix_cache_hit_token", "prefix_cache_miss_token", "prefix_cache_hit_rate", "prefix_cache_miss_rate", "prefix_cache_spans", "prefix_cache_host_spans", "memory_bandwidth_gbs", "memory_bandwidth_utilization", "rank_memory_bandwidth_gbs", "rank_memory_bandwidth_utilization", "asleep")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -340,6 +360,7 @@ class EngineStat(_message.Message):
     MEMORY_BANDWIDTH_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     RANK_MEMORY_BANDWIDTH_GBS_FIELD_NUMBER: _ClassVar[int]
     RANK_MEMORY_BANDWIDTH_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    ASLEEP_FIELD_NUMBER: _ClassVar[int]
     status: int
     message: str
     model_name: str
@@ -367,4 +388,49 @@ class EngineStat(_message.Message):
     memory_bandwidth_utilization: float
     rank_memory_bandwidth_gbs: _containers.RepeatedScalarFieldContainer[float]
     rank_memory_bandwidth_utilization: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, status: _Optional[int] = ..., message: _Optional[str] = ..., model_name: _Optional[str] = ..., free_token: _Optional[int] = ..., total_token: _Optional[int] = ..., pendding_request: _Optional[int] = ..., running_request: _Optional[int] = ..., total_generated_token: _Optional[int] = ..., total_prefill_token: _Optional[int] = ..., generate_token_persec: _Optional[float] = ..., process_token_persec: _Optional[float] = ..., total_span: _Optional[int] = ..., used_span: _Optional[int] = ..., free_span: _Optional[int] = ..., span_size: _Optional[int] = ..., token_usage_percentage: _Optional[float] = ..., num_preempted: _Optional[int] = ..., prefix_cache_hit_token: _Optional[int] = ..., prefix_cache_miss_token: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prefix_cache_miss_rate: _Optional[float] = ..., prefix_cache_spans: _Optional[int] = ..., prefix_cache_host_spans: _Optional[int] = ..., memory_bandwidth_gbs: _Optional[float] = ..., memory_bandwidth_utilization: _Optional[float] = ..., rank_memory_bandwidth_gbs: _Optional[_Iterable[float]] = ..., rank_memory_bandwidth_utilization: _Optional[_Iterable[float]] = ...) -> None: ...
+    asleep: bool
+    def __init__(self, status: _Optional[int] = ..., message: _Optional[str] = ..., model_name: _Optional[str] = ..., free_token: _Optional[int] = ..., total_token: _Optional[int] = ..., pendding_request: _Optional[int] = ..., running_request: _Optional[int] = ..., total_generated_token: _Optional[int] = ..., total_prefill_token: _Optional[int] = ..., generate_token_persec: _Optional[float] = ..., process_token_persec: _Optional[float] = ..., total_span: _Optional[int] = ..., used_span: _Optional[int] = ..., free_span: _Optional[int] = ..., span_size: _Optional[int] = ..., token_usage_percentage: _Optional[float] = ..., num_preempted: _Optional[int] = ..., prefix_cache_hit_token: _Optional[int] = ..., prefix_cache_miss_token: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prefix_cache_miss_rate: _Optional[float] = ..., prefix_cache_spans: _Optional[int] = ..., prefix_cache_host_spans: _Optional[int] = ..., memory_bandwidth_gbs: _Optional[float] = ..., memory_bandwidth_utilization: _Optional[float] = ..., rank_memory_bandwidth_gbs: _Optional[_Iterable[float]] = ..., rank_memory_bandwidth_utilization: _Optional[_Iterable[float]] = ..., asleep: _Optional[bool] = ...) -> None: ...
+
+class OpTiming(_message.Message):
+    __slots__ = ("rank", "op", "count", "min_ms", "max_ms", "sum_ms")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    MIN_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MS_FIELD_NUMBER: _ClassVar[int]
+    SUM_MS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    op: str
+    count: int
+    min_ms: float
+    max_ms: float
+    sum_ms: float
+    def __init__(self, rank: _Optional[int] = ..., op: _Optional[str] = ..., count: _Optional[int] = ..., min_ms: _Optional[float] = ..., max_ms: _Optional[float] = ..., sum_ms: _Optional[float] = ...) -> None: ...
+
+class RankSteps(_message.Message):
+    __slots__ = ("rank", "steps", "step_ms")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    steps: int
+    step_ms: float
+    def __init__(self, rank: _Optional[int] = ..., steps: _Optional[int] = ..., step_ms: _Optional[float] = ...) -> None: ...
+
+class OpProfile(_message.Message):
+    __slots__ = ("status", "message", "model_name", "enabled", "ops", "steps", "clock")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    status: int
+    message: str
+    model_name: str
+    enabled: bool
+    ops: _containers.RepeatedCompositeFieldContainer[OpTiming]
+    steps: _containers.RepeatedCompositeFieldContainer[RankSteps]
+    clock: str
+    def __init__(self, status: _Optional[int] = ..., message: _Optional[str] = ..., model_name: _Optional[str] = ..., enabled: _Optional[bool] = ..., ops: _Optional[_Iterable[_Union[OpTiming, _Mapping]]] = ..., steps: _Optional[_Iterable[_Union[RankSteps, _Mapping]]] = ..., clock: _Optional[str] = ...) -> None: ...

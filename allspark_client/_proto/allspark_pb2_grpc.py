@@ -99,6 +99,26 @@ class AllsparkStub:
                 request_serializer=allspark__pb2.ModelRef.SerializeToString,
                 response_deserializer=allspark__pb2.EngineStat.FromString,
                 _registered_method=True)
+        self.SaveModel = channel.unary_unary(
+                '/allspark.v1.Allspark/SaveModel',
+                request_serializer=allspark__pb2.SaveModelRequest.SerializeToString,
+                response_deserializer=allspark__pb2.StatusReply.FromString,
+                _registered_method=True)
+        self.UnloadDeviceMem = channel.unary_unary(
+                '/allspark.v1.Allspark/UnloadDeviceMem',
+                request_serializer=allspark__pb2.DeviceMemRequest.SerializeToString,
+                response_deserializer=allspark__pb2.StatusReply.FromString,
+                _registered_method=True)
+        self.LoadDeviceMem = channel.unary_unary(
+                '/allspark.v1.Allspark/LoadDeviceMem',
+                request_serializer=allspark__pb2.ModelRef.SerializeToString,
+                response_deserializer=allspark__pb2.StatusReply.FromString,
+                _registered_method=True)
+        self.GetOpProfile = channel.unary_unary(
+                '/allspark.v1.Allspark/GetOpProfile',
+                request_serializer=allspark__pb2.ModelRef.SerializeToString,
+                response_deserializer=allspark__pb2.OpProfile.FromString,
+                _registered_method=True)
 
 
 class AllsparkServicer:
@@ -188,6 +208,34 @@ class AllsparkServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SaveModel(self, request, context):
+        """DashInfer v1's save_model: rank 0 writes the installed model's .asgraph (and a copy of its .asparam).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadDeviceMem(self, request, context):
+        """Sleep and wake (DashInfer's unload_device_mem / load_device_mem): the model's weights and KV cache leave
+        every rank's memory, its requests are stopped and new ones refused until LoadDeviceMem.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadDeviceMem(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetOpProfile(self, request, context):
+        """Every rank's op timings of a model installed with enable_profiling (DashInfer: get_op_profiling_info).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AllsparkServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -250,6 +298,26 @@ def add_AllsparkServicer_to_server(servicer, server):
                     servicer.GetEngineStat,
                     request_deserializer=allspark__pb2.ModelRef.FromString,
                     response_serializer=allspark__pb2.EngineStat.SerializeToString,
+            ),
+            'SaveModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveModel,
+                    request_deserializer=allspark__pb2.SaveModelRequest.FromString,
+                    response_serializer=allspark__pb2.StatusReply.SerializeToString,
+            ),
+            'UnloadDeviceMem': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadDeviceMem,
+                    request_deserializer=allspark__pb2.DeviceMemRequest.FromString,
+                    response_serializer=allspark__pb2.StatusReply.SerializeToString,
+            ),
+            'LoadDeviceMem': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadDeviceMem,
+                    request_deserializer=allspark__pb2.ModelRef.FromString,
+                    response_serializer=allspark__pb2.StatusReply.SerializeToString,
+            ),
+            'GetOpProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetOpProfile,
+                    request_deserializer=allspark__pb2.ModelRef.FromString,
+                    response_serializer=allspark__pb2.OpProfile.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -581,6 +649,114 @@ class Allspark:
             '/allspark.v1.Allspark/GetEngineStat',
             allspark__pb2.ModelRef.SerializeToString,
             allspark__pb2.EngineStat.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/allspark.v1.Allspark/SaveModel',
+            allspark__pb2.SaveModelRequest.SerializeToString,
+            allspark__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadDeviceMem(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/allspark.v1.Allspark/UnloadDeviceMem',
+            allspark__pb2.DeviceMemRequest.SerializeToString,
+            allspark__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadDeviceMem(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/allspark.v1.Allspark/LoadDeviceMem',
+            allspark__pb2.ModelRef.SerializeToString,
+            allspark__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetOpProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/allspark.v1.Allspark/GetOpProfile',
+            allspark__pb2.ModelRef.SerializeToString,
+            allspark__pb2.OpProfile.FromString,
             options,
             channel_credentials,
             insecure,

@@ -41,7 +41,9 @@ def native():
     try:
         from allspark_server import _native
     except ImportError as e:
-        log.warning("native kernels unavailable (%s); using the PyTorch path", e)
+        # the text, not the exception: a kept log record (pytest's capture) would keep its traceback's frames alive,
+        # the caller's too (f_back), and with them a model being installed
+        log.warning("native kernels unavailable (%s); using the PyTorch path", str(e))
         return None
     return _native
 

@@ -75,9 +75,23 @@ class ReleaseModelMsg:
 
 
 @dataclass(frozen=True)
+class DeviceMemMsg:
+    """unload_device_mem (sleep=True, with where wake reads the weights from) or load_device_mem of a model."""
+    model_name: str
+    sleep: bool
+    wake_from: str = ""
+
+
+@dataclass(frozen=True)
 class StepMsg:
     model_name: str
     plan: StepPlan
+
+
+@dataclass(frozen=True)
+class OpProfileMsg:
+    """Every rank answers with its op profile of the model (comm.allgather_obj of OpProfiler.snapshot)."""
+    model_name: str
 
 
 @dataclass(frozen=True)

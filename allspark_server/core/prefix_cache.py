@@ -181,6 +181,17 @@ class PrefixCache:
             out.append(span)
         return out
 
+    def forget_spans(self) -> list[int]:
+        """Forget every prefix the KV cache's spans hold (their content is gone: the model slept); none may be held
+        by a request. Returns the idle spans, now free; the host tier keeps its copies."""
+        if len(self._idle) != len(self._key_of):
+            raise RuntimeError(f"{len(self._key_of) - len(self._idle)} cached span(s) are still held")
+        out = list(self._idle)
+        self._idle.clear()
+        self._span_of.clear()
+        self._key_of.clear()
+        return out
+
     def _forget(self, span: int) -> None:
         del self._span_of[self._key_of.pop(span)]
 

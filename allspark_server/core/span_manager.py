@@ -79,5 +79,10 @@ class SpanManager:
         if self.cache is not None:
             self._free.extend(self.cache.expire())
 
+    def forget_cached(self) -> None:
+        """The KV cache's content is gone (the model slept, no request holds a span): cached prefixes back to free."""
+        if self.cache is not None:
+            self._free.extend(self.cache.forget_spans())
+
     def ref_count(self, span_id: int) -> int:
         return self._ref_counts[span_id]

@@ -16,16 +16,20 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
+from allspark_client import settings
 from allspark_client.api import EngineAPI, StartResult
+from allspark_client.op_profile import OpProfileReport
 from allspark_client.result_queue import ResultQueue
 from allspark_client.types import (POOL_DOWN, AsEngineStat, AsException, AsStatus, GenerateRequestStatus,
                                    RequestHandle)
 from allspark_client.config import AsModelConfig
 from allspark_client.generation_config import parse_request, resolve_max_length
 from allspark_client.validation import ConfigError
-from allspark_server.core.messages import InstallModelMsg, ReleaseModelMsg
+from allspark_server.core.messages import InstallModelMsg, OpProfileMsg, ReleaseModelMsg
 from allspark_server.core.request import Request
 from allspark_server.dist.comm import get_comm
+from allspark_server.loader.model_file import save_model_files
+from allspark_server.engine.device_memory import DeviceMemory, asleep_message
 from allspark_server.engine.thread import EngineThread, ForModel
 from allspark_server.engine.peer_watch import PeerWatch, RankIdentity, exit_now
 from allspark_server.runner.model_runner import install_runner
@@ -52,7 +56,7 @@ HANG_GRACE_S = 1.0      # a pool going down: time for the streams' errors to rea
 SHUT_DOWN = "the engine is shut down: shutdown() or close() was called"
 
 
-class Engine(EngineAPI):
+class Engine(DeviceMemory, EngineAPI):
     def __init__(self, comm=None, step_timeout: Optional[float] = None,
                  ranks: Optional[list[Optional[RankIdentity]]] = None):
         """`step_timeout`: in a pool, seconds a step may take before the pool is declared hung (None: 10 s
@@ -89,6 +93,11 @@ class Engine(EngineAPI):
         if not isinstance(cfg, AsModelConfig):
             raise AsException(AsStatus.ALLSPARK_PARAM_ERROR,
                               f"install_model takes an AsModelConfig, got {type(cfg).__name__}")
+        try:   # AS_PROFILE=ON: decided here, on rank 0, for every rank
+            if not cfg.enable_profiling and settings.profiling_requested():
+                cfg = replace(cfg, enable_profiling=True)
+        except settings.SettingError as e:
+            raise AsException(AsStatus.ALLSPARK_PARAM_ERROR, str(e)) from None
         with self._lock:
             if self._closed:
                 raise AsException(AsStatus.ALLSPARK_INVALID_CALL_ERROR, SHUT_DOWN)
@@ -109,8 +118,6 @@ class Engine(EngineAPI):
         log.info("installed %s: %d KV spans of %d tokens (%s, %.1f MiB per rank)", cfg.model_name, runner.num_spans,
                  cfg.cache_span_size, runner.kv_mode or "unquantized", runner.kv_cache_bytes / 2**20)
         return AsStatus.ALLSPARK_SUCCESS
-
-    build_model_from_config_struct = install_model
 
     def start_model(self, name: str) -> AsStatus:
         with self._lock:
@@ -211,6 +218,8 @@ class Engine(EngineAPI):
         model = self._model(name)
         if not model.started:
             raise RequestError(AsStatus.ALLSPARK_REQUEST_DENIED, f"model {name!r} is not started")
+        if model.asleep:
+            raise RequestError(AsStatus.ALLSPARK_REQUEST_DENIED, asleep_message(name))
         try:
             ids, _, gen = parse_request(inputs, generate_config, model.runner.args.vocab_size)
             if gen.eos_token_ids is None:
@@ -233,6 +242,8 @@ class Engine(EngineAPI):
             self._model(name)                  # shut down meanwhile: INVALID_CALL_ERROR
             if self._models.get(name) is not model or not model.started:
                 raise RequestError(AsStatus.ALLSPARK_REQUEST_DENIED, f"model {name!r} is not started")
+            if model.asleep:
+                raise RequestError(AsStatus.ALLSPARK_REQUEST_DENIED, asleep_message(name))
             self._requests[name][rid] = _LiveRequest(handle, queue)
             self._engine.post(ForModel(name, AddRequest(req, queue, sampling)))
         return AsStatus.ALLSPARK_SUCCESS, handle, queue
@@ -245,6 +256,23 @@ class Engine(EngineAPI):
             raise RequestError(AsStatus.ALLSPARK_ILLEGAL_REQUEST_ID,
                                f"unknown or released request handle {handle!r} for model {name!r}")
         return live
+
+    def _model_handles(self, name: str) -> list[RequestHandle]:
+        with self._lock:
+            try:
+                self._model(name)
+            except RequestError as e:
+                raise AsException(e.status, str(e)) from None
+            return [r.handle for r in self._requests[name].values()]
+
+    def _save_model(self, name: str, saved_dir: str, with_weight: bool) -> AsStatus:
+        try:
+            save_model_files(self._model(name).runner.model_file, saved_dir, name, with_weight)
+        except RequestError as e:
+            return self._fail(e.status, str(e))
+        except (OSError, ValueError) as e:
+            return self._fail(AsStatus.ALLSPARK_IO_ERROR, f"save_model {name!r} to {saved_dir!r}: {e}")
+        return AsStatus.ALLSPARK_SUCCESS
 
     def has_request(self, name: str, handle: RequestHandle) -> bool:
         """True while `handle` is a live (unreleased) request of model `name`."""
@@ -298,13 +326,31 @@ class Engine(EngineAPI):
                            "kv_spans": r.num_spans, "span_size": r.span_size, "kv_cache_bytes": r.kv_cache_bytes,
                            "kv_cache_mode": r.kv_mode or "default",
                            "quantization": r.quant.describe() if r.quant else None,
-                           "world_size": self._comm.world_size, "started": model.started})
+                           "world_size": self._comm.world_size, "started": model.started, "asleep": model.asleep})
 
     def get_as_engine_stat(self, name: str) -> AsEngineStat:
         try:
             return self._model(name).stat(queued=self._engine.queued_requests(name))
         except RequestError as e:
             raise AsException(e.status, str(e)) from None
+
+    def get_op_profile(self, name: str) -> OpProfileReport:
+        """Every rank's op timings of model `name` since it was installed (allspark_client/op_profile.py); a report
+        with enabled=False when it was installed without profiling."""
+        try:
+            model = self._model(name)
+        except RequestError as e:
+            raise AsException(e.status, str(e)) from None
+        if model.runner.profiler is None:
+            return OpProfileReport(name, False)
+
+        def gather():     # a collective: on the engine thread, between steps
+            self._comm.bcast(OpProfileMsg(name))
+            return self._comm.allgather_obj(model.runner.profiler.snapshot(self._comm.rank))
+
+        ranks = self._engine.call(gather)
+        return OpProfileReport(name, True, tuple(op for ops, _ in ranks for op in ops),
+                               tuple(steps for _, steps in ranks), model.runner.profiler.clock)
 
     def get_rank_id(self) -> int:
         return self._comm.rank

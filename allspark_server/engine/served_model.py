@@ -74,6 +74,7 @@ class ServedModel:
         self.scheduler = Scheduler(SchedulerConfig(cfg.engine_max_batch, cfg.max_prefill_tokens), self.spans)
         self.sampler = Sampler()
         self.started = False
+        self.asleep = False        # unload_device_mem freed its memory: requests are refused (engine/device_memory.py)
         self._live: dict[int, AddRequest] = {}          # engine thread only
         self._rates: deque[tuple[float, int, int]] = deque()   # (time, generated, processed) per step
         self._decode_steps: deque[tuple[float, int, float]] = deque()   # (time, context tokens, seconds) per decode step
@@ -115,6 +116,11 @@ class ServedModel:
         for rid in list(self._live):
             self._finish(rid, FinishReason.STOPPED, error=error)
 
+    def interrupt_all(self, note: str) -> None:
+        """End every live request GenerateInterrupted, saying why (`note`): the model goes to sleep."""
+        for rid in list(self._live):
+            self._finish(rid, FinishReason.INTERRUPTED, note=note)
+
     def apply(self, cmd: Command) -> None:
         if isinstance(cmd, AddRequest):
             self._live[cmd.request.request_id] = cmd
@@ -125,7 +131,8 @@ class ServedModel:
                 self._finish(cmd.request_id, FinishReason.STOPPED)
             cmd.done.set()
 
-    def _finish(self, rid: int, reason: FinishReason, error: Optional[str] = None) -> None:
+    def _finish(self, rid: int, reason: FinishReason, error: Optional[str] = None,
+                note: Optional[str] = None) -> None:
         self.deliver()   # its earlier tokens first
         entry = self._live.pop(rid, None)
         if entry is None:
@@ -137,7 +144,7 @@ class ServedModel:
             status = GenerateRequestStatus.GenerateInterrupted
         else:
             status = GenerateRequestStatus.GenerateFinished
-        entry.queue._set_status(status, error)
+        entry.queue._set_status(status, error if error is not None else note)
 
     def _watched(self, plan):
         if self.watchdog is None:
@@ -217,7 +224,11 @@ class ServedModel:
             masks = step.masks
             if masks is not None:
                 masks = (masks[0], masks[1].result())
+            prof = self.runner.profiler
+            start = prof.mark() if prof is not None else None
             step.pending = self.sampler.start_rows(step.logits, rows, masks)
+            if prof is not None:
+                prof.add("sample", start, in_step=True)
         except Exception as e:
             self._fail([step.plan], e)
             return False
@@ -366,5 +377,5 @@ class ServedModel:
             prefix_cache_miss_rate=miss / (hit + miss) if hit + miss else 0.0,
             prefix_cache_spans=self.spans.num_cached_idle,
             prefix_cache_host_spans=len(self.spans.cache.tier) if self.spans.cache and self.spans.cache.tier else 0,
-            memory_bandwidth_gbs=bandwidth, memory_bandwidth_utilization=mbu,
+            memory_bandwidth_gbs=bandwidth, memory_bandwidth_utilization=mbu, asleep=self.asleep,
             rank_memory_bandwidth_gbs=[r.bandwidth_gbs for r in ranks], rank_memory_bandwidth_utilization=rank_mbu)

@@ -114,6 +114,7 @@ class EngineThread:
             for model in list(self.models.values()):
                 if model.has_work:
                     model.step()
+            items = item = model = None   # idle until the next news: a released model must not live on here
 
     def _dispatch(self, item) -> None:
         if isinstance(item, Call):

@@ -111,6 +111,10 @@ class HuggingFaceModel:
                 self.hf_generation_config = read_generation_config(self.path)
         except ValueError as e:                          # CheckpointError, GGUFError
             raise ModelSerializerException(str(e)) from None
+        self._read_config(user_set_data_type)
+
+    def _read_config(self, user_set_data_type) -> None:
+        """The model's args, dtype and quantization from self.hf_config (self.path: its folder, or None)."""
         try:
             self.args: ModelArgs = read_args(self.hf_config, self.path)
         except ValueError as e:
@@ -150,7 +154,7 @@ class HuggingFaceModel:
         prequant_layers: dict[str, dict[str, torch.Tensor]] = {}
         quantizable = quantizable_weights(self.args.architecture)
         convert = get_arch(self.args.architecture).convert
-        for checkpoint_name, raw in iter_hf_tensors(self.path):
+        for checkpoint_name, raw in self._checkpoint_tensors():
             if checkpoint_name.endswith(IGNORED_SUFFIXES):
                 continue
             base, _, suffix = checkpoint_name.rpartition(".")
@@ -180,6 +184,10 @@ class HuggingFaceModel:
                                                f"{shapes[name]}")
         self._tensors = tensors
         return self
+
+    def _checkpoint_tensors(self):
+        """(checkpoint name, tensor) of every tensor the checkpoint holds."""
+        return iter_hf_tensors(self.path)
 
     def _repack_prequantized(self, layers: dict, shapes: dict, tensors: dict, expected: set) -> QuantScheme:
         """GPTQ / AWQ layers -> our quantized tensors in `tensors` (their dense names leave `expected`); the
@@ -245,8 +253,7 @@ class HuggingFaceModel:
         if customized_quant_config is not None and not isinstance(customized_quant_config, dict):
             raise ModelSerializerException(f"customized_quant_config must be a dict, got "
                                            f"{type(customized_quant_config).__name__}")
-        safe = self.model_name.replace("/", "_")
-        graph, params = (os.path.join(output_dir, safe + ext) for ext in (".asgraph", ".asparam"))
+        graph, params = self._output_paths(output_dir)
         if skip_if_exists and os.path.isfile(graph) and os.path.isfile(params):
             self.graph_path, self.weights_path = graph, params
             return self
@@ -273,13 +280,22 @@ class HuggingFaceModel:
                 raise ModelSerializerException(f"customized_quant_config: {e}") from None
             tensors, modes = quantize_tensors(tensors, modes, scheme)
         eos = self.eos_token_ids()
-        serialize_args = {"source": os.path.abspath(self.path), "data_type": str(self.data_type).replace("torch.", "")}
+        serialize_args = {**self._source_args(), "data_type": str(self.data_type).replace("torch.", "")}
         if scheme is not None:
             serialize_args["quantization"] = scheme.weight_format
         self.graph_path, self.weights_path = write_model_files(
             output_dir, self.model_name, self.args, self.hf_config, self.data_type, tensors, modes, eos, eos,
-            serialize_args, quant=scheme, tokenizer_json=self._tokenizer_json())
+            serialize_args, quant=scheme, tokenizer_json=self._tokenizer_json(), paths=(graph, params))
         return self
+
+    def _output_paths(self, output_dir: str) -> tuple[str, str]:
+        """Where serialize_to_path writes the .asgraph and the .asparam."""
+        safe = self.model_name.replace("/", "_")
+        return os.path.join(output_dir, safe + ".asgraph"), os.path.join(output_dir, safe + ".asparam")
+
+    def _source_args(self) -> dict[str, str]:
+        """What the .asgraph's build_meta.serialize_args records of where the weights came from."""
+        return {"source": os.path.abspath(self.path)}
 
     def _tokenizer_json(self) -> str:
         if self.gguf is None:

@@ -47,16 +47,18 @@ def _md5_head(path: str) -> str:
 def write_model_files(out_dir: str, model_name: str, args: ModelArgs, hf_config: dict, dtype: torch.dtype,
                       tensors: dict[str, torch.Tensor], split_modes: dict[str, SplitMode],
                       eos_ids: list[int], stop_ids: list[int], serialize_args: dict[str, str],
-                      quant: QuantScheme | None = None, tokenizer_json: str = "") -> tuple[str, str]:
+                      quant: QuantScheme | None = None, tokenizer_json: str = "",
+                      paths: tuple[str, str] | None = None) -> tuple[str, str]:
+    """Write `<out_dir>/<name>.asgraph` + `.asparam`, or the (graph, param) `paths` given."""
     from safetensors.torch import save_file
 
-    os.makedirs(out_dir, exist_ok=True)
     safe = model_name.replace("/", "_")
-    graph_path = os.path.join(out_dir, safe + ".asgraph")
-    param_path = os.path.join(out_dir, safe + ".asparam")
+    graph_path, param_path = paths or (os.path.join(out_dir, safe + ".asgraph"), os.path.join(out_dir, safe + ".asparam"))
+    for folder in {os.path.dirname(graph_path), os.path.dirname(param_path)}:
+        os.makedirs(folder or ".", exist_ok=True)
     # both files are written under temporary names and renamed at the end: a failure leaves no half-written model
     param_tmp, graph_tmp = param_path + ".tmp", graph_path + ".tmp"
-    from allspark_client import __version__
+    from allspark_client.version import __version__
     try:   # the version that wrote the weights, for get_file_information (DashInfer's create_version_param)
         save_file({k: v.contiguous() for k, v in tensors.items()}, param_tmp,
                   metadata={"format": "allspark", "allspark_version": __version__})
@@ -76,7 +78,7 @@ def _write_graph(path: str, param_path: str, model_name: str, args: ModelArgs, h
                  dtype: torch.dtype, tensors: dict[str, torch.Tensor], split_modes: dict[str, SplitMode],
                  eos_ids: list[int], stop_ids: list[int], serialize_args: dict[str, str],
                  quant: QuantScheme | None, tokenizer_json: str) -> None:
-    from allspark_client import __version__
+    from allspark_client.version import __version__
 
     g = pb.ModelGraph(format_version=FORMAT_VERSION, model_name=model_name, architecture=args.architecture,
                       model_args_json=json.dumps(args.to_dict()), hf_config_json=json.dumps(hf_config),
@@ -129,10 +131,33 @@ def read_model_graph(graph_path: str, weights_path: str) -> ModelFile:
     except Exception as e:
         raise ModelFileError(f"{graph_path!r} is not an allspark .asgraph file: {e}") from None
     if g.format_version != FORMAT_VERSION:
-        from allspark_client import __version__
+        from allspark_client.version import __version__
         raise ModelFileError(f"{graph_path!r} has format version {g.format_version} (written by allspark "
                              f"{g.build_meta.allspark_version or '?'}); this allspark ({__version__}) reads format "
                              f"version {FORMAT_VERSION} (serialize the model again)")
     if g.dtype not in DTYPES:
         raise ModelFileError(f"{graph_path!r} has unknown dtype {g.dtype!r}")
     return ModelFile(g, ModelArgs.from_dict(json.loads(g.model_args_json)), DTYPES[g.dtype], weights_path)
+
+
+def save_model_files(model_file: ModelFile, saved_dir: str, name: str, with_weight: bool) -> tuple[str, str | None]:
+    """An installed model's files again (DashInfer's save_model): `<saved_dir>/<name>.asgraph`, the graph as it was
+    installed, and with `with_weight` a copy of its .asparam, refused if that file changed since (its hash).
+    Returns (graph, param or None)."""
+    import shutil
+    safe = name.replace("/", "_")
+    graph_path, param_path = (os.path.join(saved_dir, safe + ext) for ext in (".asgraph", ".asparam"))
+    os.makedirs(saved_dir, exist_ok=True)
+    src = model_file.weights_path
+    if with_weight:
+        recorded = model_file.graph.build_meta.weight_hash
+        if not os.path.isfile(src) or (recorded and _md5_head(src) != recorded):
+            raise ModelFileError(f"the weights file {src!r} the model was installed from is gone or changed since, "
+                                 f"so it cannot be saved again")
+        if not (os.path.exists(param_path) and os.path.samefile(src, param_path)):
+            shutil.copyfile(src, param_path + ".tmp")
+            os.replace(param_path + ".tmp", param_path)
+    with open(graph_path + ".tmp", "wb") as f:
+        f.write(model_file.graph.SerializeToString())
+    os.replace(graph_path + ".tmp", graph_path)
+    return graph_path, param_path if with_weight else None

@@ -8,6 +8,8 @@ keep HF's names (loader/weights.py concatenates a rank's slices at load time). T
 through these modules; a decode-only step (one new token per sequence) runs the same steps bound to their weights
 (compute/step_ops.py): as one native call over all layers (`decode_stack`, native/decode_stack.cpp) when the
 extension is built, else layer by layer in Python (the reference ops, or the CUDA backend inside its graphs).
+With profiling on (`profiler`, compute/op_profile.py) every step of those loops is timed as one op, and the native
+stack times its own ops.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from torch import nn
 
 from allspark_server.compute import alibi, ops, step_ops
 from allspark_server.compute import steps as spec
+from allspark_server.compute.op_profile import timed
 from allspark_server.layers.attention import PagedAttention
 from allspark_server.layers.embedding import Embedding, ParallelLMHead
 from allspark_server.layers.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -133,20 +136,21 @@ class DecoderLayer(nn.Module):
                           for s in steps if not isinstance(s, spec.Norm)]
         self._bound, self._bound_kv = None, None
 
-    def forward(self, x, residual, inputs, ropes: list, kv: LayerKV):
+    def forward(self, x, residual, inputs, ropes: list, kv: LayerKV, prof=None):
         """Takes and returns (x, residual stream); a pre-norm folds the residual add into its single pass. ropes:
-        the (cos, sin) rows of each of the model's rotary tables ((None, None) without rotary)."""
+        the (cos, sin) rows of each of the model's rotary tables ((None, None) without rotary). `prof`: the
+        model's OpProfiler when profiling is on (here each sublayer is one op, its allreduce included)."""
         rope = ropes[self.self_attn.step.rope_table]
         if not inputs.attn.seqs:            # every sequence decodes one token
-            return self.decode(x, residual, inputs.attn, rope, kv)
+            return self.decode(x, residual, inputs.attn, rope, kv, prof)
         for step in self.steps:
             if isinstance(step, spec.Norm):
                 norm = getattr(self, step.name)
-                x, residual = norm(x, residual) if step.adds_residual else (norm(x)[0], residual)
+                x, residual = timed(prof, "norm", _norm, norm, step, x, residual)
             elif isinstance(step, spec.Attention):
-                x = self.self_attn(x, inputs, rope, kv)
+                x = timed(prof, "prefill_attention", self.self_attn, x, inputs, rope, kv)
             else:
-                x = self.mlp(x)
+                x = timed(prof, "prefill_mlp", self.mlp, x)
         return x, residual
 
     def bound(self, kv: LayerKV) -> list:
@@ -164,21 +168,28 @@ class DecoderLayer(nn.Module):
             self._bound, self._bound_kv = out, kv.k
         return self._bound
 
-    def decode(self, x, residual, meta, rope, kv: LayerKV):
+    def decode(self, x, residual, meta, rope, kv: LayerKV, prof=None):
         """The same steps on decode rows, each one op call (compute/step_ops.py); the sublayers' tensor-parallel
         sums (and row-parallel biases) run after them."""
         sub = iter(self.sublayers)
         for b in self.bound(kv):
             if isinstance(b, spec.BoundNorm):
-                x, residual = step_ops.norm_step(x, residual, b)
-            elif isinstance(b, spec.BoundAttention):
-                x = next(sub).reduce(step_ops.attention_step(x, b, meta.slot_mapping, meta.decode_spans,
-                                                             meta.decode_ctx, *rope))
+                x, residual = timed(prof, "norm", step_ops.norm_step, x, residual, b)
+                continue
+            if isinstance(b, spec.BoundAttention):
+                x = timed(prof, "attention_step", step_ops.attention_step, x, b, meta.slot_mapping, meta.decode_spans,
+                          meta.decode_ctx, *rope)
             elif isinstance(b, spec.BoundMlp):
-                x = next(sub).reduce(step_ops.mlp_step(x, b))
+                x = timed(prof, "mlp_step", step_ops.mlp_step, x, b)
             else:
-                x = next(sub).reduce(step_ops.moe_step(x, b))
+                x = timed(prof, "moe", step_ops.moe_step, x, b)
+            x = timed(prof, "allreduce", next(sub).reduce, x)
         return x, residual
+
+
+def _norm(norm: RMSNorm, step: spec.Norm, x, residual):
+    """A Norm step's module on (x, residual): a pre-norm adds the residual first and returns the new stream."""
+    return norm(x, residual) if step.adds_residual else (norm(x)[0], residual)
 
 
 class DecoderModel(nn.Module):
@@ -220,13 +231,15 @@ class DecoderForCausalLM(nn.Module):
         self.model = DecoderModel(args, self.spec, tp, comm, dtype, max_positions)
         self.lm_head = ParallelLMHead(tp.local_vocab, args.hidden_size, dtype, comm)
         self._stack, self._stack_cache, self._reduce = None, None, None
+        self.profiler = None        # an OpProfiler while profiling is on (set by the runner once its graphs exist)
 
     def decode_stack(self, kv_cache):
         """The native DecodeStack (a whole decode-only step in one call) over this model's bound steps and
         `kv_cache`: built on first use, None without the native build. Weights and cache pages stay where
         they are once loaded, so it is built once."""
         if self._stack_cache is not kv_cache:
-            self._stack, self._stack_cache = self._build_decode_stack(kv_cache), kv_cache
+            self._stack = timed(self.profiler, "build_decode_stack", self._build_decode_stack, kv_cache)
+            self._stack_cache = kv_cache
         return self._stack
 
     def _build_decode_stack(self, kv_cache):
@@ -242,6 +255,8 @@ class DecoderForCausalLM(nn.Module):
         needs_reduce = self.comm.world_size > 1 or any(
             layer.self_attn.o_proj.bias is not None or layer.mlp.adds_bias for layer in layers)
         self._reduce = self._reduce_partial if needs_reduce else None
+        if stack is not None and self.profiler is not None and self.profiler.native is not None:
+            stack.set_profile(self.profiler.native)
         return stack
 
     def _reduce_partial(self, partial: torch.Tensor, layer: int, part: int) -> torch.Tensor:
@@ -260,18 +275,18 @@ class DecoderForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, inputs: ForwardInputs, kv_cache) -> torch.Tensor:
         """Run all scheduled tokens; return fp32 logits [N, V] of the sample rows (rank 0)."""
-        meta = inputs.attn
+        meta, prof = inputs.attn, self.profiler
         # every sequence decodes one token and every row is sampled: the whole step is one native call
         if (not meta.seqs and len(inputs.sample_request_ids) == inputs.input_ids.shape[0]
                 and (stack := self.decode_stack(kv_cache)) is not None):
             local = stack.run(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.decode_spans,
                               meta.decode_ctx, self._reduce)
-            return self.capped(self.lm_head.gather(local))
-        x = self.embed(inputs.input_ids)                                    # [T, H]
-        ropes = self.model.ropes(inputs.positions, x.dtype)                 # per table: [T, 1, D] x 2
+            return self.capped(timed(prof, "lm_head_gather", self.lm_head.gather, local))
+        x = timed(prof, "embedding", self.embed, inputs.input_ids)         # [T, H]
+        ropes = timed(prof, "rope_rows", self.model.ropes, inputs.positions, x.dtype)   # per table: [T, 1, D] x 2
         residual = None
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, inputs, ropes, kv_cache.layers[i])
+            x, residual = layer(x, residual, inputs, ropes, kv_cache.layers[i], prof)
         rows = inputs.sample_rows
-        h, _ = self.model.norm(x[rows], residual[rows])                     # [N, H]
-        return self.capped(self.lm_head(h))                                 # [N, V] on rank 0
+        h, _ = timed(prof, "final_norm", self.model.norm, x[rows], residual[rows])   # [N, H]
+        return self.capped(timed(prof, "lm_head", self.lm_head, h))       # [N, V] on rank 0

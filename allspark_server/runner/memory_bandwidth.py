@@ -9,6 +9,8 @@ controller each see their share of it and ranks on separate NUMA nodes or GPUs s
 """
 from __future__ import annotations
 
+import glob
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -48,9 +50,32 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(_times(fn, repeats))
 
 
-def copy_bandwidth_gbs(floats: int = 64 << 20, repeats: int = 5) -> float:
+def last_level_cache_bytes() -> int:
+    """The machine's L3 caches together (each distinct one once, from sysfs), 0 where sysfs does not say."""
+    seen: dict[str, int] = {}
+    for index in glob.glob("/sys/devices/system/cpu/cpu[0-9]*/cache/index3"):
+        try:
+            with open(os.path.join(index, "shared_cpu_list")) as f:
+                shared = f.read().strip()
+            with open(os.path.join(index, "size")) as f:
+                size = f.read().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        seen[shared] = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+    return sum(seen.values())
+
+
+def copy_floats() -> int:
+    """Floats per array of the copy: each array twice every L3 of the machine together (the copy's two arrays are 4x
+    what the caches hold), at least 16 Mi (64 MB; the copies of 64 and 256 MB arrays read the same GB/s within 1%
+    on a 32 MB-L3 VM, the larger one taking 2 s more to fault its huge pages in at every install)."""
+    return max(16 << 20, 2 * last_level_cache_bytes() // 4)
+
+
+def copy_bandwidth_gbs(floats: Optional[int] = None, repeats: int = 5) -> float:
     """GB/s moved by a copy c = a (bytes read + written, STREAM's convention) with torch's threads, median run."""
-    a, c = arrays(floats, 1.0, None)
+    a, c = arrays(floats or copy_floats(), 1.0, None)
     return 2 * a.numel() * 4 / median_time(lambda: c.copy_(a), repeats) / 1e9
 
 
@@ -70,7 +95,7 @@ def gpu_copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30, repeats:
 
 
 def bandwidth_gbs(device: torch.device) -> float:
-    """The copy bandwidth of the memory `device` decodes from, measured once per process and device (~0.5 s;
+    """The copy bandwidth of the memory `device` decodes from, measured once per process and device (~0.2-0.5 s;
     ALLSPARK_MEMORY_BANDWIDTH_GBS overrides). The median of 9 copies, as the benchmark's roofline: the best one
     read 3-30% above the medians the benchmark measured around its decode runs on a shared 2-core VM."""
     key = str(device)

@@ -16,6 +16,7 @@ from allspark_client import settings
 from allspark_client.config import AsModelConfig, parse_compute_unit
 from allspark_client.types import AsCacheMode
 from allspark_server.compute import ops
+from allspark_server.compute.op_profile import OpProfiler, timed
 from allspark_server.core.messages import StepPlan
 from allspark_server.loader.model_file import ModelFile, read_model_graph
 from allspark_server.loader.rank_weights import cpu_state, device_state, read_rank_state
@@ -77,6 +78,9 @@ class ModelRunner:
         # what a decode step reads on each rank, and its memory's bandwidth (install_runner): the MBU of the stat
         self.rank_decode_bytes: list[DecodeBytes] = []
         self.graphs = None   # GPU ranks: runner/cuda_graphs.py
+        # profiling on: this rank's op timings (compute/op_profile.py), handed to the model after the graphs' capture
+        self.profiler = OpProfiler(self.device) if cfg.enable_profiling else None
+        self.asleep = None   # while unload_device_mem has freed the weights: what wake restores (device_memory.py)
         self.mirrors: dict[int, RequestMirror] = {}
 
     def allocate_kv(self, num_spans: int, tier_slots: int = 0) -> None:
@@ -94,13 +98,19 @@ class ModelRunner:
         for cache in (self.kv, self.tier):       # host memory: counted against later installs on this machine
             if cache is not None and cache.layers[0].k.device.type == "cpu":
                 kv_budget.hold(cache)
-        # every rank captures (NCCL inside); a mixture of experts routes on the host (ops.moe), which a graph cannot
-        # capture, so MoE models decode eagerly
-        if gpu and settings.CUDA_GRAPHS.get() and not self.args.moe_layers:
+        self.capture_graphs()
+
+    def capture_graphs(self) -> None:
+        """GPU ranks: the decode graphs over the cache (again after a wake: its pages moved). Every rank captures
+        (NCCL inside); a mixture of experts routes on the host (ops.moe), which a graph cannot capture, so MoE models
+        decode eagerly."""
+        if self.device.type == "cuda" and settings.CUDA_GRAPHS.get() and not self.args.moe_layers:
             from allspark_server.runner.cuda_graphs import DecodeGraphs
+            self.model.profiler = None          # a capture records no op timings
             self.graphs = DecodeGraphs(self.model, self.kv, self.cfg.engine_max_batch,
-                                       -(-self.cfg.engine_max_length // self.span_size), num_spans, self.span_size,
-                                       self.device)
+                                       -(-self.cfg.engine_max_length // self.span_size), self.num_spans,
+                                       self.span_size, self.device)
+        self.model.profiler = self.profiler
 
     def max_num_spans(self, share: "kv_budget.MachineShare") -> int:
         """How many spans this rank's budget allows (explicit bytes, or max_batch x max_length capped by memory):
@@ -146,6 +156,50 @@ class ModelRunner:
         logits stay there (the sampler takes what it needs) and may be the CUDA graph's output buffer: use them
         before the next step. A plan with `tokens_on_device`: `tokens` [N] are the input ids on rank 0's GPU (the
         previous step's samples), sent from there to the other ranks' GPUs."""
+        prof = self.profiler
+        if prof is None:
+            return self._execute(plan, tokens, None)
+        prof.resolve()           # a GPU's events of the steps before, those it has passed
+        start = prof.mark()
+        try:
+            return self._execute(plan, tokens, prof)
+        finally:
+            prof.add_step(start)
+
+    def _execute(self, plan: StepPlan, tokens, prof: OpProfiler | None):
+        timed(prof, "apply_plan", self._apply_plan, plan)
+        if plan.tier_saves or plan.tier_loads:
+            timed(prof, "kv_tier_copy", self._copy_tier, plan)
+        if plan.is_empty:
+            return None, []
+        chunks = plan.chunks
+        if plan.tokens_on_device:   # only ever planned when the graphs run (served_model.py)
+            if self.comm.rank != 0:
+                tokens = torch.empty(len(chunks), dtype=torch.long, device=self.device)
+            ids = timed(prof, "token_broadcast", self.comm.broadcast_, tokens)
+            logits = timed(prof, "decode_graph", self.graphs.run_decode, chunks, self.mirrors, ids)
+            sampled = [c.request_id for c in chunks]
+        elif self.graphs is not None and self.graphs.fits_decode(chunks):   # no ForwardInputs to build
+            logits = timed(prof, "decode_graph", self.graphs.run_decode, chunks, self.mirrors)
+            sampled = [c.request_id for c in chunks]
+        else:
+            inputs = timed(prof, "inputs", self._forward_inputs, chunks)
+            logits, sampled = self.model(inputs, self.kv), inputs.sample_request_ids
+        for c in chunks:
+            self.mirrors[c.request_id].num_computed_tokens += c.num_tokens
+        return logits, sampled
+
+    def _forward_inputs(self, chunks):
+        return build_forward_inputs(chunks, self.mirrors, self.span_size).to(self.device)
+
+    def _copy_tier(self, plan: StepPlan) -> None:
+        if plan.tier_saves:
+            copy_spans(self.kv, [s for s, _ in plan.tier_saves], self.tier, [t for _, t in plan.tier_saves])
+        if plan.tier_loads:
+            copy_spans(self.tier, [t for t, _ in plan.tier_loads], self.kv, [s for _, s in plan.tier_loads])
+
+    def _apply_plan(self, plan: StepPlan) -> None:
+        """The request mirrors: dropped requests forgotten, new ones taken in full, running ones' diffs applied."""
         for rid in plan.dropped_ids:
             self.mirrors.pop(rid, None)
         for r in plan.new_requests:
@@ -154,26 +208,6 @@ class ModelRunner:
             m = self.mirrors[r.request_id]
             m.token_ids.extend(r.new_token_ids)
             m.span_ids.extend(r.new_span_ids)
-        if plan.tier_saves:
-            copy_spans(self.kv, [s for s, _ in plan.tier_saves], self.tier, [t for _, t in plan.tier_saves])
-        if plan.tier_loads:
-            copy_spans(self.tier, [t for t, _ in plan.tier_loads], self.kv, [s for _, s in plan.tier_loads])
-        if plan.is_empty:
-            return None, []
-        chunks = plan.chunks
-        if plan.tokens_on_device:   # only ever planned when the graphs run (served_model.py)
-            if self.comm.rank != 0:
-                tokens = torch.empty(len(chunks), dtype=torch.long, device=self.device)
-            ids = self.comm.broadcast_(tokens)
-            logits, sampled = self.graphs.run_decode(chunks, self.mirrors, ids), [c.request_id for c in chunks]
-        elif self.graphs is not None and self.graphs.fits_decode(chunks):   # no ForwardInputs to build
-            logits, sampled = self.graphs.run_decode(chunks, self.mirrors), [c.request_id for c in chunks]
-        else:
-            inputs = build_forward_inputs(chunks, self.mirrors, self.span_size)
-            logits, sampled = self.model(inputs.to(self.device), self.kv), inputs.sample_request_ids
-        for c in chunks:
-            self.mirrors[c.request_id].num_computed_tokens += c.num_tokens
-        return logits, sampled
 
 
 def rank_device(compute_unit: str, rank: int) -> torch.device:
