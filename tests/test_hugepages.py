@@ -60,4 +60,6 @@ def test_without_huge_pages_plain_tensors(monkeypatch):
     monkeypatch.delattr(mmap, "MADV_HUGEPAGE", raising=False)
     moved = hp.to_hugepages({"w": torch.ones(3, 4)})
     assert torch.equal(moved["w"], torch.ones(3, 4))
-    assert "hg" not in vma_flags(moved["w"])                  # an ordinary torch allocation
+    # an ordinary torch allocation of its own, not a view of a page-aligned arena (the flags of the mapping that holds
+    # it say nothing here: a small tensor shares malloc's heap with whatever else the process advised)
+    assert moved["w"].untyped_storage().nbytes() == 3 * 4 * 4
