@@ -158,6 +158,8 @@ void rows_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_
     }
     return;
   }
+  // every (weight row, row of x) pair is computed alike whatever MB, so from 2 rows up a row's result does not depend
+  // on the batch (batch 1 with groups of 32 / 64 takes row_grouped_m1_avx2 or gemv_quant_avx2_m1.cpp: another order)
   tiled_rows(w, M, n0, n1, [&](int64_t m, int64_t mb, int64_t n) {   // gemv_quant.h
     switch (mb) {
       case 1: row_avx2<F, 1>(a, m, w, n, y, N); break;
