@@ -12,12 +12,13 @@ a few percent either way, on the AVX2 VM), so `bf16 / read <format>` is about th
 format can give over bf16 on this machine.
 
     PYTHONPATH=. python benchmarks/gemv_quant_micro.py [--rounds 15] [--threads 2] [--rows 1] [--a8] [--bound]
-        [--formats uint4:32 uint4_min:32] [--shape 2048 2048 --layers 1]
+        [--formats uint4:32 uint4_min:32] [--shape 2048 2048 --layers 1] [--gemm]
 
 --formats picks the quantized variants (format:group); --shape replaces the model's four weights by one of that
 shape, repeated over --layers layers (1: the same weight every round, so it may stay in cache); --base FORMAT:GROUP
 adds a column: each variant's time over that format's at the same ISA level and rounding of x, in the same round
-(median over rounds), e.g. uint4_min against uint4.
+(median over rounds), e.g. uint4_min against uint4. --gemm adds each format's many-row paths (the weight dequantized
+for ATen's GEMM): with --rows above a few, where the native kernel stops paying (native/kernels.h: quant_native_rows).
 """
 from __future__ import annotations
 
@@ -77,6 +78,9 @@ def main() -> None:
     p.add_argument("--shape", type=int, nargs=2, metavar=("N", "K"), help="one weight shape instead of the model's")
     p.add_argument("--layers", type=int, default=LAYERS, help="layers in a chain (each its own weights)")
     p.add_argument("--base", type=format_arg, help="FORMAT:GROUP: also each variant's time over this format's")
+    p.add_argument("--gemm", action="store_true", help="also each format dequantized for ATen's GEMM, as ops.linear "
+                   "(bf16 GEMM where the CPU has bf16 dot products) and the decode stack (fp32, widened by tiles) "
+                   "run more rows than the native kernel takes: the crossover for quant_native_rows")
     args = p.parse_args()
     shapes = [tuple(args.shape)] if args.shape else SHAPES
     torch.set_num_threads(args.threads)
@@ -98,6 +102,13 @@ def main() -> None:
                 lambda stored=stored, sides=sides: [ext.stream_rows(w.qweight, side, ops.isa_level())
                                                     for layer, ls in zip(stored, sides) for w, side in zip(layer, ls)])
         weights = [[ops.native_weight(w) for w in layer] for layer in stored]
+        if args.gemm:
+            name = f"{fmt} g{group}{'+a8' if act_bits == 8 else ''}"
+            variants[f"{name} deq+gemm"] = (
+                lambda stored=stored: [ops.linear_dequantized(xs[w.in_features], w) for layer in stored for w in layer])
+            variants[f"{name} widened"] = (
+                lambda weights=weights, stored=stored: [ext.linear_widened(xs[s.in_features], w, None, ops.isa_level())
+                                                        for lw, ls in zip(weights, stored) for w, s in zip(lw, ls)])
         for isa in levels:
             base_of[f"{fmt} g{group}{'+a8' if act_bits == 8 else ''} isa{isa}"] = (
                 None if args.base is None else f"{args.base[0]} g{args.base[1]}{'+a8' if act_bits == 8 else ''} isa{isa}")

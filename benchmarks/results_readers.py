@@ -306,6 +306,26 @@ def ab_trees(r: dict) -> list:
     return rows
 
 
+def race_label(metric: str) -> str:
+    """A gguf_race ratio's name, as gguf_race.label words it: what it compares and which way."""
+    if metric.startswith("ttft_"):
+        return f"TTFT of {metric[5:]} tokens, llama.cpp's time / ours"
+    n, _, kind = metric[1:].partition("_")
+    what = "batch-1 decode" if metric == "decode_b1" else f"{n} streams, {kind.replace('_', '-').replace('decode', 'decode-only')}"
+    return f"{what} tok/s, ours / llama.cpp"
+
+
+def gguf_race(r: dict) -> list:
+    """gguf_race.py: per GGUF file, ours against llama.cpp on the same file and threads (medians of same-round ratios,
+    > 1: ours faster) and the rounds they come from; the cores other processes took during the rounds."""
+    rows = []
+    for key, rep in r["files"].items():
+        rows += [(f"{key}: {race_label(m)}", x(v)) for m, v in rep["ratios"].items()]
+        rows.append((f"{key}: quiet rounds used / run", f"{len(rep.get('rounds_used', rep['rounds']))} / "
+                                                        f"{len(rep['rounds'])}"))
+    return rows + [("other processes' cores (median)", f(r.get("other processes' cores during the rounds (median)")))]
+
+
 def generic(r) -> list:
     """A measure without a reader: its top-level numbers."""
     if not isinstance(r, dict):
@@ -324,6 +344,10 @@ MEASURES = {
                      "--no-llamacpp`: fresh prompts for every TTFT.", engines),
     "llamacpp-bf16": ("CPU: bf16 against llama.cpp", "`run.py --decode-only --no-pool --no-hf --dtypes bfloat16 "
                       "--rounds 21`: the same weights as f16 / bf16 GGUF files.", quant),
+    "gguf-race": ("CPU: the same GGUF file served by allspark and llama.cpp", "`gguf_race.py --rounds 5`: "
+                  "SmolLM2-135M-Instruct Q4_1 and the 0.5 B benchmark model written as Q8_0 / Q4_0 with its LM head, "
+                  "each served by both sides on the same threads (llama-cpp-python, parallel slots for the "
+                  "streams), interleaved rounds.", gguf_race),
     "quant": ("CPU: quantized weights and KV against bf16 and llama.cpp",
               "`run.py --decode-only --quant ... --kv ...`: "
               "InstantQuant variants in the same rounds as the bf16 model and llama.cpp's GGUF peers.", quant),

@@ -21,6 +21,7 @@
 #include <torch/extension.h>
 #include <pybind11/stl.h>
 
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <tuple>
@@ -49,15 +50,17 @@ class DecodeStack {
       } else if (py::isinstance<AttentionStep>(obj)) {
         auto a = obj.cast<AttentionStep>();
         a.check();
-        quantized_ = quantized_ || std::holds_alternative<QuantWeight>(a.qkv);
+        count_weights({&a.qkv, &a.o});
         layer.emplace_back(std::move(a));
       } else if (py::isinstance<MlpStep>(obj)) {
         auto m = obj.cast<MlpStep>();
         m.check();
+        count_weights({&m.gate_up, &m.down});
         layer.emplace_back(std::move(m));
       } else if (py::isinstance<MoeStep>(obj)) {
         auto m = obj.cast<MoeStep>();
         m.check();
+        dense_ = true;   // its router is a dense GEMM
         layer.emplace_back(std::move(m));
       } else {
         TORCH_CHECK(false, "DecodeStack.add_layer: step ", layer.size(), " is not a NormStep, AttentionStep, "
@@ -82,6 +85,7 @@ class DecodeStack {
     rotary_tables_ = rotary_tables;
     final_norm_ = final_norm;
     lm_head_ = lm_head;
+    count_weights({&lm_head_});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -98,7 +102,8 @@ class DecodeStack {
     allspark::ActiveProfile active(profile_.get());   // null when profiling is off: no op reads a clock
     // every GEMV native: the step's threads are allspark's own (parallel.h says why not otherwise)
     const int64_t batch = ids.size(0);
-    allspark::OwnPoolScope own_pool(batch <= native_rows_ && (!quantized_ || batch <= QUANT_NATIVE_MAX_ROWS));
+    allspark::OwnPoolScope own_pool((!dense_ || batch <= native_rows_) &&
+                                    (!quantized_ || batch <= quant_native_rows(isa_)));
     const auto dtype = embedding_.scalar_type();
     // per rotary table, the rope rows as RotaryEmbedding.cos_sin gives them: [B, 1, D] in the activation dtype
     std::vector<DecodeRows> rows;
@@ -142,9 +147,14 @@ class DecodeStack {
   }
 
  private:
+  // which kinds of weight the step's GEMMs take: each kind is native up to its own number of rows
+  void count_weights(std::initializer_list<const Weight*> weights) {
+    for (const Weight* w : weights) (std::holds_alternative<QuantWeight>(*w) ? quantized_ : dense_) = true;
+  }
+
   int64_t isa_, native_rows_;
   std::optional<double> embed_scale_;
-  bool quantized_ = false;
+  bool quantized_ = false, dense_ = false;
   std::vector<std::vector<Step>> layers_;
   torch::Tensor embedding_;
   std::vector<std::tuple<torch::Tensor, torch::Tensor>> rotary_tables_;

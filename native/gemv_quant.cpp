@@ -246,7 +246,10 @@ template <typename O>
 void run_linear(const float* x, int64_t M, int64_t K, const QuantView& w, const O* bias, O* out, int64_t isa) {
   const int64_t N = w.rows;
   const bool x8 = w.act_max == 127.f;   // activate_quant: x fits int8
-  const Layout layout = isa >= 3 && avx512_fits(w) ? (w.format < INT4 ? PAIRS : x8 ? NIBBLES8W : NIBBLES)
+  // the AVX-512 kernel's x: 8-bit codes in groups smaller than a chunk take the NIBBLES order too (gemv_quant.h)
+  const bool per_chunk = w.groups == 1 || w.group % CHUNK == 0;
+  const Layout wide = w.format >= INT4 ? (x8 ? NIBBLES8W : NIBBLES) : per_chunk ? PAIRS : NIBBLES;
+  const Layout layout = isa >= 3 && avx512_fits(w) ? wide
                         : isa >= 1 && M == 1 && nibbles16_fits(w, K) ? (x8 ? NIBBLES8 : NIBBLES16)
                         : isa >= 1 && M == 1 && x8 && bytes8_fits(w, K) ? BYTES8
                                                                       : NATURAL;
@@ -383,12 +386,15 @@ torch::Tensor linear_widened(const torch::Tensor& x, const Weight& w, const std:
 torch::Tensor project(const torch::Tensor& x, const Weight& w, const std::optional<torch::Tensor>& b, int64_t isa,
                       int64_t native_rows) {
   if (const auto* q = std::get_if<QuantWeight>(&w)) {
-    if (x.size(0) <= QUANT_NATIVE_MAX_ROWS) return linear_quant(x, *q, b, isa);
-    // fp32 GEMM on the dequantized weight: without AVX-512 bf16 instructions oneDNN's bf16 GEMM is ~5x slower
-    // (ops.gemm_dtype has the numbers); these are decode batches, small next to prefill GEMMs
-    // activate_quant: x rounded as the GEMV would meet it
-    const auto xf = q->act_bits == 8 ? round_rows(x, 127.0, at::kFloat, isa) : x.to(torch::kFloat);
-    return linear_widened(xf, w, b, isa).to(x.scalar_type());
+    if (x.size(0) <= quant_native_rows(isa)) return linear_quant(x, *q, b, isa);
+    // ATen's GEMM on the dequantized weight, as ops.linear_dequantized: bf16 where the CPU has bf16 dot products,
+    // else fp32 (without them oneDNN's bf16 GEMM is ~5x slower, ops.gemm_dtype has the numbers), the weight then
+    // dequantized a tile at a time; activate_quant: x rounded as the GEMV would meet it
+    const bool bf16 = x.scalar_type() == at::kBFloat16 && bf16_dot_products();
+    const auto gemm_dtype = bf16 ? at::kBFloat16 : at::kFloat;
+    const auto xg = q->act_bits == 8 ? round_rows(x, 127.0, gemm_dtype, isa) : x.to(gemm_dtype);
+    if (bf16) return at::linear(xg, dequantize_weight(*q, at::kBFloat16, isa), b);
+    return linear_widened(xg, w, b, isa).to(x.scalar_type());
   }
   const auto& dense = std::get<torch::Tensor>(w);
   if (x.size(0) <= native_rows) return linear_small_m(x, dense, b, isa);

@@ -35,7 +35,7 @@ void row_avx2(const Act16& a, int64_t m0, const QuantView& w, int64_t n, float* 
   for (int64_t g = 0; g < w.groups; ++g) {
     const int64_t k0 = g * G;
     if constexpr (HAS_MIN<F>) {   // 4-bit: G is a multiple of 32
-      const float mn = min_of<F>(w.mins + n * w.groups, g);
+      const float mn = _cvtsh_ss(w.mins[n * w.groups + g].x);   // F16C: at::Half's own conversion is software
       const int64_t nb = a.padded / BLOCK;
       for (int m = 0; m < MB; ++m) {
         int64_t gq = 0;
@@ -147,16 +147,27 @@ void rows_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_
     }
     return;
   }
-  for (int64_t m = 0; m < M; m += MR) {
+  if (M <= MR) {
     for (int64_t n = n0; n < n1; ++n) {
-      switch (std::min(MR, M - m)) {
-        case 1: row_avx2<F, 1>(a, m, w, n, y, N); break;
-        case 2: row_avx2<F, 2>(a, m, w, n, y, N); break;
-        case 3: row_avx2<F, 3>(a, m, w, n, y, N); break;
-        default: row_avx2<F, 4>(a, m, w, n, y, N); break;
+      switch (M) {
+        case 1: row_avx2<F, 1>(a, 0, w, n, y, N); break;
+        case 2: row_avx2<F, 2>(a, 0, w, n, y, N); break;
+        case 3: row_avx2<F, 3>(a, 0, w, n, y, N); break;
+        default: row_avx2<F, 4>(a, 0, w, n, y, N); break;
       }
     }
+    return;
   }
+  // every (weight row, row of x) pair is computed alike whatever MB, so from 2 rows up a row's result does not depend
+  // on the batch (batch 1 with groups of 32 / 64 takes row_grouped_m1_avx2 or gemv_quant_avx2_m1.cpp: another order)
+  tiled_rows(w, M, n0, n1, [&](int64_t m, int64_t mb, int64_t n) {   // gemv_quant.h
+    switch (mb) {
+      case 1: row_avx2<F, 1>(a, m, w, n, y, N); break;
+      case 2: row_avx2<F, 2>(a, m, w, n, y, N); break;
+      case 3: row_avx2<F, 3>(a, m, w, n, y, N); break;
+      default: row_avx2<F, 4>(a, m, w, n, y, N); break;
+    }
+  });
 }
 
 #define INSTANTIATE(F) \

@@ -125,78 +125,111 @@ AVX512_VNNI inline __m512i load64(const uint8_t* p, int64_t bytes) {
   else return _mm512_loadu_si512(p);
 }
 
-AVX512_VNNI inline __m512i dp(__m512i acc, __m512i codes, const int16_t* q) {
-  return _mm512_dpwssd_epi32(acc, codes, _mm512_loadu_si512(q));
+// (P0, P1) -> one vector of the sums of their 128-bit lanes' pairs (the first level of the block-sum tree)
+AVX512_VNNI inline __m512i fold_pair(__m512i p0, __m512i p1) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi32(p0, p1), _mm512_unpackhi_epi32(p0, p1));
 }
 
-// NIBBLES8W: 64 unsigned 4-bit codes as bytes times 64 int8 x, four products a lane (vpdpbusd: u8 x s8, exact here)
-AVX512_VNNI inline __m512i dp(__m512i acc, __m512i codes, const int8_t* q) {
-  return _mm512_dpbusd_epi32(acc, codes, _mm512_loadu_si512(q));
-}
-
-// the partial sums S[r * MB + m][0..3] of chunk [k0, k0 + 512) for R weight rows and MB rows of x (TAIL: k may
-// end inside it, K is then the row's end; bytes beyond it are not read). ONE: S only needs summing, not
-// keeping per block. Q: int16_t (x in PAIRS / NIBBLES), or int8_t (4-bit codes, x in NIBBLES8W: a 64-byte load
-// of codes is two vpdpbusd, its low and its high nibbles as bytes, instead of four vpdpwssd on words).
-template <int F, int R, int MB, bool ONE, bool TAIL, typename Q>
-AVX512_VNNI inline void chunk_sums(const uint8_t* const* wr, const Q* const* q, int64_t k0, int64_t K,
-                                   __m512i S[R * MB][4]) {
-  for (int i = 0; i < R * MB; ++i)
-    for (int s = 0; s < 4; ++s) S[i][s] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-  for (int s = 0; s < 4; ++s) {
-    const int64_t k = k0 + 128 * s;
-    if (TAIL && k >= K) break;
-#pragma GCC unroll 2
-    for (int r = 0; r < R; ++r) {
-      __m512i* Sr = S[r * MB];
-      if constexpr (std::is_same_v<Q, int8_t>) {   // 128-bit lane b of a load: block b's 16 bytes of codes
-        static_assert(FOUR_BIT<F>, "NIBBLES8W takes 4-bit codes");
-        const __m512i w = load64<TAIL>(wr[r] + k / 2, (K - k) / 2), nib = _mm512_set1_epi8(0x0F);
-        const __m512i lo = _mm512_and_si512(w, nib), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);
-#pragma GCC unroll 4
-        for (int m = 0; m < MB; ++m) Sr[4 * m + s] = dp(dp(Sr[4 * m + s], lo, q[m] + k), hi, q[m] + k + 64);
-      } else if constexpr (FOUR_BIT<F>) {
-        const __m512i w = load64<TAIL>(wr[r] + k / 2, (K - k) / 2), nib = _mm512_set1_epi16(0x000F);
-        const __m512i c0 = _mm512_and_si512(w, nib), c1 = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);
-        const __m512i c2 = _mm512_and_si512(_mm512_srli_epi16(w, 8), nib), c3 = _mm512_srli_epi16(w, 12);
-#pragma GCC unroll 4
-        for (int m = 0; m < MB; ++m) {
-          Sr[4 * m + s] = dp(dp(Sr[4 * m + s], c0, q[m] + k), c1, q[m] + k + 32);
-          Sr[4 * m + s] = dp(dp(Sr[4 * m + s], c2, q[m] + k + 64), c3, q[m] + k + 96);
-        }
-      } else {
-        const __m512i w0 = load64<TAIL>(wr[r] + k, K - k), w1 = load64<TAIL>(wr[r] + k + 64, K - k - 64);
-        __m512i c0, c1, c2, c3;
-        if constexpr (F == INT8) {
-          c0 = _mm512_srai_epi16(_mm512_slli_epi16(w0, 8), 8), c1 = _mm512_srai_epi16(w0, 8);
-          c2 = _mm512_srai_epi16(_mm512_slli_epi16(w1, 8), 8), c3 = _mm512_srai_epi16(w1, 8);
-        } else {
-          const __m512i lo = _mm512_set1_epi16(0x00FF);
-          c0 = _mm512_and_si512(w0, lo), c1 = _mm512_srli_epi16(w0, 8);
-          c2 = _mm512_and_si512(w1, lo), c3 = _mm512_srli_epi16(w1, 8);
-        }
-#pragma GCC unroll 4
-        for (int m = 0; m < MB; ++m) {
-          if constexpr (ONE) {
-            Sr[4 * m + s] = dp(dp(Sr[4 * m + s], c0, q[m] + k), c1, q[m] + k + 32);
-            Sr[4 * m + s] = dp(dp(Sr[4 * m + s], c2, q[m] + k + 64), c3, q[m] + k + 96);
-          } else {   // 256-bit half h of a load's sums is block h of its 64 k: gather 4 blocks' 128-bit lanes
-            const __m512i A0 = dp(dp(_mm512_setzero_si512(), c0, q[m] + k), c1, q[m] + k + 32);
-            const __m512i A1 = dp(dp(_mm512_setzero_si512(), c2, q[m] + k + 64), c3, q[m] + k + 96);
-            Sr[4 * m + s] = _mm512_add_epi32(_mm512_shuffle_i64x2(A0, A1, 0x88), _mm512_shuffle_i64x2(A0, A1, 0xDD));
-          }
-        }
+// code vector v (of NV per 128 k) of weight row `row` at k, as int16 words (Q int16_t) or bytes (int8_t), in the
+// order of x's vectors: x vector v is at q + k + v * 64 / sizeof(Q) (PAIRS / NIBBLES / NIBBLES8W, gemv_quant.h)
+template <int F, bool ONE, bool TAIL, typename Q>
+struct Codes {
+  static constexpr int NV = std::is_same_v<Q, int8_t> ? 2 : 4;
+  __m512i w0, w1;
+  AVX512_VNNI void load(const uint8_t* row, int64_t k, int64_t K) {
+    if constexpr (FOUR_BIT<F>) {   // 128-bit lane b: block b's 16 bytes
+      w0 = load64<TAIL>(row + k / 2, (K - k) / 2);
+    } else {
+      w0 = load64<TAIL>(row + k, K - k), w1 = load64<TAIL>(row + k + 64, K - k - 64);
+      if constexpr (!ONE) {   // grouped: 128-bit lane b of w0 / w1 = the first / last 16 codes of block b
+        const __m512i first = _mm512_shuffle_i64x2(w0, w1, 0x88);
+        w1 = _mm512_shuffle_i64x2(w0, w1, 0xDD), w0 = first;
       }
     }
   }
+  AVX512_VNNI __m512i get(int v) const {
+    if constexpr (std::is_same_v<Q, int8_t>) {   // NIBBLES8W: the low, then the high nibbles as bytes
+      static_assert(FOUR_BIT<F>, "NIBBLES8W takes 4-bit codes");
+      const __m512i nib = _mm512_set1_epi8(0x0F);
+      return v == 0 ? _mm512_and_si512(w0, nib) : _mm512_and_si512(_mm512_srli_epi16(w0, 4), nib);
+    } else if constexpr (FOUR_BIT<F>) {   // NIBBLES: nibble v of each word
+      const __m512i nib = _mm512_set1_epi16(0x000F);
+      return v == 3 ? _mm512_srli_epi16(w0, 12) : _mm512_and_si512(_mm512_srli_epi16(w0, 4 * v), nib);
+    } else {   // PAIRS: low, high bytes of w0, then of w1; NIBBLES (grouped): low of w0, low of w1, high, high
+      const __m512i w = (ONE ? v < 2 : v % 2 == 0) ? w0 : w1;
+      const bool high = ONE ? v % 2 == 1 : v >= 2;
+      if constexpr (F == INT8) return high ? _mm512_srai_epi16(w, 8) : _mm512_srai_epi16(_mm512_slli_epi16(w, 8), 8);
+      else return high ? _mm512_srli_epi16(w, 8) : _mm512_and_si512(w, _mm512_set1_epi16(0x00FF));
+    }
+  }
+};
+
+AVX512_VNNI inline __m512i dpv(__m512i acc, __m512i codes, __m512i x, int16_t) {
+  return _mm512_dpwssd_epi32(acc, codes, x);
+}
+AVX512_VNNI inline __m512i dpv(__m512i acc, __m512i codes, __m512i x, int8_t) {   // u8 codes x s8 x
+  return _mm512_dpbusd_epi32(acc, codes, x);
 }
 
-// S[0..3] (128-bit lane b of S[s]: four partial sums of block 4s + b) -> the 16 block sums, lane 4b + s
-AVX512_VNNI inline __m512i block_sums(const __m512i S[4]) {
-  const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(S[0], S[1]), _mm512_unpackhi_epi32(S[0], S[1]));
-  const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(S[2], S[3]), _mm512_unpackhi_epi32(S[2], S[3]));
-  return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+// the int32 sums of chunk [k0, k0 + 512) for R weight rows and MB rows of x, out[r * MB + m] (TAIL: k may end inside
+// it, K is then the row's end; bytes beyond it are not read). ONE: the chunk's sum spread over the lanes (only its
+// total matters); else the 16 block sums, lane 4b + s = block 4s + b. Per 128 k (step s), each vector of x is loaded
+// once and meets the codes of all R weight rows; in step s, 128-bit lane b of a partial sum P holds four partial
+// sums of block 4s + b, and each pair of steps is folded as soon as it is done (the unpack/add tree, evaluated
+// early: fewer live registers). Every sum is an exact int32, so R, MB and the fold order change no bit.
+// Q: int16_t (x in PAIRS / NIBBLES: vpdpwssd), or int8_t (4-bit codes, x in NIBBLES8W: vpdpbusd, a 64-byte load of
+// codes is two of them, its low and its high nibbles as bytes, instead of four vpdpwssd on words).
+template <int F, int R, int MB, bool ONE, bool TAIL, typename Q>
+AVX512_VNNI inline void chunk_sums(const uint8_t* const* wr, const Q* const* q, int64_t k0, int64_t K,
+                                   __m512i out[R * MB]) {
+  using C = Codes<F, ONE, TAIL, Q>;
+  __m512i P[R * MB][2], T[R * MB];
+  for (int i = 0; i < R * MB; ++i) P[i][0] = P[i][1] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+  for (int s = 0; s < 4; ++s) {
+    const int64_t k = k0 + 128 * s;
+    const int h = s & 1;   // ONE: two accumulators per row pair, so twice as many independent chains
+    if (!ONE)
+      for (int i = 0; i < R * MB; ++i) P[i][h] = _mm512_setzero_si512();
+    if (!TAIL || k < K) {
+      C codes[R];
+      for (int r = 0; r < R; ++r) codes[r].load(wr[r], k, K);
+#pragma GCC unroll 4
+      for (int v = 0; v < C::NV; ++v) {
+        __m512i c[R];
+        for (int r = 0; r < R; ++r) c[r] = codes[r].get(v);
+#pragma GCC unroll 4
+        for (int m = 0; m < MB; ++m) {
+          const __m512i xv = _mm512_loadu_si512(q[m] + k + v * 64 / static_cast<int64_t>(sizeof(Q)));
+          for (int r = 0; r < R; ++r) P[r * MB + m][h] = dpv(P[r * MB + m][h], c[r], xv, Q());
+        }
+      }
+    }
+    if (!ONE && h == 1) {
+      for (int i = 0; i < R * MB; ++i) {
+        const __m512i f = fold_pair(P[i][0], P[i][1]);
+        if (s == 1) T[i] = f;
+        else out[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(T[i], f), _mm512_unpackhi_epi64(T[i], f));
+      }
+    }
+  }
+  if (ONE)
+    for (int i = 0; i < R * MB; ++i) out[i] = _mm512_add_epi32(P[i][0], P[i][1]);
+}
+
+// the sums of the 16 lanes of up to four vectors, each added up in _mm512_reduce_add_ps's order (lane i + lane i + 8,
+// then i + 4, i + 2, i + 1: the same bits), the four reductions sharing their shuffles and adds
+AVX512_VNNI inline void lane_sums(const __m512* v, int count, float* out) {
+  const __m512 zero = _mm512_setzero_ps();
+  const __m512 a = v[0], b = count > 1 ? v[1] : zero, c = count > 2 ? v[2] : zero, d = count > 3 ? v[3] : zero;
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));
+  s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xB1));   // lane 4j: vector j's sum
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, s);
+  for (int j = 0; j < count; ++j) out[j] = lanes[4 * j];
 }
 
 // what the AVX-512 rows share, worked out once per call (no divisions per chunk)
@@ -231,7 +264,7 @@ AVX512_VNNI void row_avx512(const Act16& a, int64_t m0, const QuantView& w, int6
   int64_t g = 0, in_group = 0;   // ONE: the chunk's group, and its place in it
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t k0 = c * CHUNK;
-    __m512i S[R * MB][4];
+    __m512i S[R * MB];
     if (c < full) chunk_sums<F, R, MB, ONE, false, Q>(wr, q, k0, K, S);
     else chunk_sums<F, R, MB, ONE, true, Q>(wr, q, k0, K, S);
     for (int r = 0; r < R; ++r) {
@@ -239,9 +272,7 @@ AVX512_VNNI void row_avx512(const Act16& a, int64_t m0, const QuantView& w, int6
         const float s = _cvtsh_ss(sr[r][g].x);
         const __m512 sv = _mm512_set1_ps(s);
         for (int m = 0; m < MB; ++m) {
-          const __m512i* Si = S[r * MB + m];
-          const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(Si[0], Si[1]), _mm512_add_epi32(Si[2], Si[3]));
-          total[r * MB + m] = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(sum), total[r * MB + m]);
+          total[r * MB + m] = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(S[r * MB + m]), total[r * MB + m]);
           if constexpr (HAS_MIN<F>)
             zsum[r * MB + m] -= min_of<F>(mr[r], g) * static_cast<float>(a.chunk_sum[(m0 + m) * chunks + c]);
           else if constexpr (F != INT8)
@@ -259,7 +290,7 @@ AVX512_VNNI void row_avx512(const Act16& a, int64_t m0, const QuantView& w, int6
         if constexpr (HAS_MIN<F>)
           mv = _mm512_permutexvar_ps(ch.gidx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, mr[r] + g0)));
         for (int m = 0; m < MB; ++m) {
-          __m512i sums = block_sums(S[r * MB + m]);
+          __m512i sums = S[r * MB + m];
           const __m512i bq = _mm512_loadu_si512(a.block_sum.data() + (m0 + m) * nb + 16 * c);
           if constexpr (HAS_MIN<F>)   // a block's share of its group's min term: m * (its sum of q)
             total[r * MB + m] = _mm512_fmadd_ps(mv, _mm512_cvtepi32_ps(bq), total[r * MB + m]);
@@ -271,9 +302,11 @@ AVX512_VNNI void row_avx512(const Act16& a, int64_t m0, const QuantView& w, int6
     }
     if (ONE && ++in_group == ch.chunks_per_group) in_group = 0, ++g;
   }
+  float sums[R * MB];
+  for (int i = 0; i < R * MB; i += 4) lane_sums(total + i, std::min(4, R * MB - i), sums + i);
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MB; ++m)
-      y[(m0 + m) * N + n[r]] = a.d[m0 + m] * (_mm512_reduce_add_ps(total[r * MB + m]) - zsum[r * MB + m]);
+      y[(m0 + m) * N + n[r]] = a.d[m0 + m] * (sums[r * MB + m] - zsum[r * MB + m]);
 }
 
 
@@ -298,16 +331,15 @@ AVX512_VNNI void rows_avx512_mode(const Act16& a, int64_t M, const QuantView& w,
     }
     return;
   }
-  for (int64_t m = 0; m < M; m += MR) {
-    for (int64_t n = n0; n < n1; ++n) {
-      switch (std::min(MR, M - m)) {
-        case 1: row_avx512<F, 1, 1, ONE, Q>(a, m, w, K, &n, y, N, ch); break;
-        case 2: row_avx512<F, 1, 2, ONE, Q>(a, m, w, K, &n, y, N, ch); break;
-        case 3: row_avx512<F, 1, 3, ONE, Q>(a, m, w, K, &n, y, N, ch); break;
-        default: row_avx512<F, 1, 4, ONE, Q>(a, m, w, K, &n, y, N, ch); break;
-      }
+  // more rows of x: a tile of weight rows at a time (gemv_quant.h: tiled_rows), one weight row against MR rows of x
+  tiled_rows(w, M, n0, n1, [&](int64_t m, int64_t mb, int64_t n) {
+    switch (mb) {
+      case 1: row_avx512<F, 1, 1, ONE, Q>(a, m, w, K, &n, y, N, ch); break;
+      case 2: row_avx512<F, 1, 2, ONE, Q>(a, m, w, K, &n, y, N, ch); break;
+      case 3: row_avx512<F, 1, 3, ONE, Q>(a, m, w, K, &n, y, N, ch); break;
+      default: row_avx512<F, 1, 4, ONE, Q>(a, m, w, K, &n, y, N, ch); break;
     }
-  }
+  });
 }
 
 template <int F, typename Q>

@@ -35,8 +35,17 @@ struct QuantWeight {
 };
 // the weight of a linear layer as the fused blocks take it: dense (fp32/bf16) or quantized
 using Weight = std::variant<torch::Tensor, QuantWeight>;
-// largest number of rows of x the quantized GEMV takes; above it the weight is dequantized for ATen's GEMM
-constexpr int64_t QUANT_NATIVE_MAX_ROWS = 16;
+// largest number of rows of x the quantized kernels take (decode batches; above 4 rows they go through the weight a
+// tile at a time, gemv_quant.h: tiled_rows); above it the weight is dequantized for ATen's GEMM (prefill).
+// quant_native_rows(isa): QUANT_NATIVE_MAX_ROWS with the AVX-512 VNNI kernel (isa 3), 16 with the AVX2 and portable
+// ones. From benchmarks/gemv_quant_micro.py --gemm on the 2-core Zen 4 VM (4 layers of the 0.5 B model's GEMV
+// chains, 2 threads, bf16 x, ms): int8 g32 / uint4_min g32 / uint4 g64, native VNNI against dequantized + bf16 GEMM:
+// 16 rows 18 / 16 / 17 vs 22 / 22 / 22; 32 rows 31 / 37 / 31 vs 45 / 43 / 44; 48 rows 47 / 44 / 45 vs 44 / 44 / 41;
+// 64 rows 65 / 62 vs 64 / 59; 96 rows 95 / 94 / 88 vs 73 / 74 / 74 (the GEMM's cost grows far slower with the rows).
+// The AVX2 kernel (isa 1) against the fp32 GEMM an AVX2 CPU runs instead (the weight dequantized a tile at a time):
+// 16 rows 32 / 89 / 24 vs 34 / 34 / 33, 32 rows 64 / 177 / 47 vs 59 / 59 / 59: only some formats gain above 16.
+constexpr int64_t QUANT_NATIVE_MAX_ROWS = 64;
+inline int64_t quant_native_rows(int64_t isa) { return isa >= 3 ? QUANT_NATIVE_MAX_ROWS : 16; }
 torch::Tensor linear_quant(torch::Tensor x, const QuantWeight& w, std::optional<torch::Tensor> bias, int64_t isa);
 torch::Tensor dequantize_weight(const QuantWeight& w, at::ScalarType dtype, int64_t isa);
 // each row of x [M, K] (fp32 / bf16) as the quantized GEMV rounds it (ops.round_activations_reference, bit for
@@ -60,7 +69,7 @@ torch::Tensor scale_int_mm(const torch::Tensor& acc, const torch::Tensor& d, con
 constexpr int64_t WIDEN_TILE_BYTES = 2 << 20;
 torch::Tensor linear_widened(const torch::Tensor& x, const Weight& w, const std::optional<torch::Tensor>& b,
                              int64_t isa);
-// x . w^T (+ b): the native GEMV for few rows (dense: <= native_rows, quantized: <= QUANT_NATIVE_MAX_ROWS), else
+// x . w^T (+ b): the native GEMV for few rows (dense: <= native_rows, quantized: <= quant_native_rows(isa)), else
 // ATen's GEMM (on the dequantized weight for quantized ones)
 torch::Tensor project(const torch::Tensor& x, const Weight& w, const std::optional<torch::Tensor>& b, int64_t isa,
                       int64_t native_rows);

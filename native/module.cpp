@@ -74,6 +74,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_weight", &dequantize_weight, "the weight a QuantWeight stands for, as fp32 or bf16 [N, K]",
         nogil, pybind11::arg("w"), pybind11::arg("dtype"), pybind11::arg("isa"));
   m.attr("QUANT_NATIVE_MAX_ROWS") = QUANT_NATIVE_MAX_ROWS;
+  m.def("quant_native_rows", &quant_native_rows, "most rows of x the quantized kernels take at this ISA level",
+        pybind11::arg("isa"));
   m.def("quantize_rows_int8", &quantize_rows_int8, "each row of x rounded to int8 as round_rows rounds it (act_max "
         "127): (q int8 [M, K], d fp32 [M])", nogil, pybind11::arg("x"), pybind11::arg("isa"));
   m.def("scale_int_mm", &scale_int_mm, "an int8 GEMM's epilogue: acc * (d[m] * s[n]) (+ bias) in fp32, rounded into "

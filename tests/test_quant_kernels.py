@@ -102,11 +102,11 @@ def test_activate_quant_rounds_x_to_int8_per_row(isa):
             # the 16-bit rounding of weight-only is a different (far finer) result
             if m == 1 and k >= 96:
                 assert (ops.linear_reference(x, weight_only).double() - ref).abs().max() > 10 * tol
-    x = torch.randn(40, 96, generator=g)
+    x = torch.randn(ops.native().quant_native_rows(ops.isa_level()) + 8, 96, generator=g)
     q = quantize(torch.randn(24, 96, generator=g) * 0.05, "int8", -1)
     qw = QuantizedWeight(q["qweight"], q["scales"], None, "int8", -1, 96, act_bits=8)
     ref = _round_to_int8_levels(x) @ qw.dequantize().double().T
-    assert (ops.linear(x, qw).double() - ref).abs().max() <= 1e-4    # 40 rows: the dequantized-GEMM path
+    assert (ops.linear(x, qw).double() - ref).abs().max() <= 1e-4    # above the row limit: the dequantized GEMM
     assert (ops.linear_reference(x, qw).double() - ref).abs().max() <= 1e-4
     with pytest.raises(RuntimeError, match="act_bits"):
         ext.QuantWeight(q["qweight"], q["scales"], None, FORMAT_IDS["int8"], 96, 4)
@@ -288,13 +288,13 @@ def test_int8_gemm_matches_float64(dtype):
 def test_ops_linear_takes_the_int8_gemm_only_for_int8_per_channel_activate_quant(monkeypatch):
     """With the int8 GEMM on (the default where the CPU has AMX int8), ops.linear sends prefill rows of an
     activate_quant int8 per-channel weight there and nothing else: grouped, weight-only, 4-bit and uint8 weights,
-    up to QUANT_NATIVE_MAX_ROWS rows (the GEMV) and more than INT8_GEMM_MAX_ROWS keep their paths."""
+    up to quant_native_rows rows (the GEMV) and more than INT8_GEMM_MAX_ROWS keep their paths."""
     monkeypatch.setattr(ops, "INT8_GEMM", True)
     calls = []
     real = ops.linear_int8_gemm
     monkeypatch.setattr(ops, "linear_int8_gemm", lambda *a: calls.append(a) or real(*a))
     g = torch.Generator().manual_seed(26)
-    x = torch.randn(40, 128, generator=g).bfloat16()
+    x = torch.randn(ops.native().quant_native_rows(ops.isa_level()) + 24, 128, generator=g).bfloat16()   # prefill rows
     for fmt, group, act_bits, taken in (("int8", -1, 8, True), ("int8", 64, 8, False), ("int8", -1, 16, False),
                                         ("uint8", -1, 8, False), ("int4", 32, 8, False)):
         q = _quantized(48, 128, fmt, group, seed=40)
@@ -305,14 +305,14 @@ def test_ops_linear_takes_the_int8_gemm_only_for_int8_per_channel_activate_quant
         ref = reference.round_activations_reference(x, act_bits).double() @ qw.dequantize().double().T
         assert (y.double() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item(), (fmt, group, act_bits)
         calls.clear()
-        ops.linear(x[:ops.native().QUANT_NATIVE_MAX_ROWS], qw)
+        ops.linear(x[:ops.native().quant_native_rows(ops.isa_level())], qw)
         assert not calls
     q = _quantized(48, 128, "int8", -1, seed=40)
     qw = QuantizedWeight(q.qweight, q.scales, None, "int8", -1, 128, act_bits=8)
-    monkeypatch.setattr(ops, "INT8_GEMM_MAX_ROWS", 32)       # 40 rows: above the limit
+    monkeypatch.setattr(ops, "INT8_GEMM_MAX_ROWS", x.shape[0] - 8)       # above the limit
     ops.linear(x, qw)
     assert not calls
-    monkeypatch.setattr(ops, "INT8_GEMM_MAX_ROWS", 64)
+    monkeypatch.setattr(ops, "INT8_GEMM_MAX_ROWS", x.shape[0] + 8)
     monkeypatch.setattr(ops, "INT8_GEMM", False)
     ops.linear(x, qw)
     assert not calls
@@ -323,7 +323,8 @@ def test_ops_linear_on_both_sides_of_the_native_row_limit(fmt):
     qw = _quantized(96, 128, fmt, 64, seed=7)
     g = torch.Generator().manual_seed(8)
     bias = torch.randn(96, generator=g)
-    for m in (1, 16, 17, 40):
+    limit = ops.native().quant_native_rows(ops.isa_level()) if ops.native() is not None else 16
+    for m in (1, 16, 17, limit, limit + 1):
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(m, 128, generator=g).to(dtype)
             y = ops.linear(x, qw, bias.to(dtype))
@@ -385,7 +386,7 @@ def test_native_steps_take_quantized_weights(fmt, dtype):
             assert (mlp - ref_mlp).abs().max().item() <= 1e-4 * max(1.0, ref_mlp.abs().max().item())
 
     # more rows than the quantized GEMV takes: the MLP step dequantizes the weights for ATen's GEMM
-    x = torch.randn(40, c["x"].shape[1], generator=g).to(dtype)
+    x = torch.randn(ops.native().quant_native_rows(ops.isa_level()) + 8, c["x"].shape[1], generator=g).to(dtype)
     big = step_ops.mlp_step(ops.rms_norm(x, c["norm2"], c["eps"], x)[0], mlp_step)
     ref = reference.mlp_step_reference(reference.rms_norm_reference(x, c["norm2"], c["eps"], x)[0], mlp_step)
     tol = 1e-4 if dtype == torch.float32 else 3e-2

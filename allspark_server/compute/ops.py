@@ -86,22 +86,16 @@ def on_cuda(op):
 @on_cuda
 def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ w.T (+ bias), x [M, K], w [N, K] dense or quantized; the native kernels stream w for small M
-    (quantized: up to QUANT_NATIVE_MAX_ROWS; more rows dequantize w once for ATen's GEMM)."""
+    (quantized: up to quant_native_rows(isa), decode batches; more rows dequantize w once for ATen's GEMM)."""
     ext = native()
     if isinstance(w, QuantizedWeight):
         if ext is None or x.dim() != 2 or x.dtype not in NATIVE_MAX_ROWS:
             return linear_reference(x, w, bias)
-        if x.shape[0] <= ext.QUANT_NATIVE_MAX_ROWS:
+        if x.shape[0] <= ext.quant_native_rows(isa_level()):
             return ext.linear_quant(x, native_weight(w), bias, isa_level())
         if int8_gemm_suits(w, x.shape[0]):        # the codes as they are: no native QuantWeight needed
             return linear_int8_gemm(x, w, bias)
-        nw = native_weight(w)
-        dtype = gemm_dtype(x.dtype)
-        # activate_quant: x rounded to int8 per token here too, as the GEMV rounds it, straight into the GEMM's dtype
-        xg = ext.round_rows(x, ACT_MAX[8], dtype, isa_level()) if w.act_bits == 8 else x
-        if dtype == torch.float32:   # dequantized a tile at a time (native/kernels.h: linear_widened)
-            return ext.linear_widened(xg, nw, bias, isa_level()).to(x.dtype)
-        return _gemm_in(dtype, xg, ext.dequantize_weight(nw, dtype, isa_level()), bias).to(x.dtype)
+        return linear_dequantized(x, w, bias)
     if (ext is None or x.dim() != 2 or x.shape[0] > NATIVE_MAX_ROWS.get(w.dtype, 0)
             or x.dtype != w.dtype or not w.is_contiguous()):
         if w.dtype == x.dtype and gemm_dtype(x.dtype) != x.dtype:   # bf16 prefill without bf16 dot products
@@ -110,6 +104,18 @@ def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Ten
             return _gemm_in(gemm_dtype(x.dtype), x, w, bias).to(x.dtype)
         return F.linear(x, w, bias)
     return ext.linear_small_m(x, w, bias, isa_level())
+
+
+def linear_dequantized(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ dequant(w).T (+ bias) through ATen's GEMM on the dequantized weight: linear's path for more rows than the
+    native kernel takes (prefill)."""
+    ext, nw = native(), native_weight(w)
+    dtype = gemm_dtype(x.dtype)
+    # activate_quant: x rounded to int8 per token here too, as the GEMV rounds it, straight into the GEMM's dtype
+    xg = ext.round_rows(x, ACT_MAX[8], dtype, isa_level()) if w.act_bits == 8 else x
+    if dtype == torch.float32:   # dequantized a tile at a time (native/kernels.h: linear_widened)
+        return ext.linear_widened(xg, nw, bias, isa_level()).to(x.dtype)
+    return _gemm_in(dtype, xg, ext.dequantize_weight(nw, dtype, isa_level()), bias).to(x.dtype)
 
 
 # None: the int8 GEMM serves A8W8 prefill where the CPU has AMX int8 (int8_gemm_suits); True / False force it on or
