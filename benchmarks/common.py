@@ -50,8 +50,10 @@ def build_model(spec: dict, dtype: str) -> str:
 
 
 def runtime_cfg(loader, name: str, spec: dict, max_batch: int):
-    """A CPU runtime config for `loader`'s model, long enough for the spec's longest prompt and its tokens."""
-    return (loader.create_reference_runtime_config_builder(name, "cpu", [0], max_batch=max_batch)
+    """A runtime config for `loader`'s model on one rank of the spec's "device" (CPU where it names none), long
+    enough for the spec's longest prompt and its tokens."""
+    device = spec.get("device", "cpu")
+    return (loader.create_reference_runtime_config_builder(name, device, [0], max_batch=max_batch)
             .max_length(max(spec["prompts"]) + spec["new_tokens"] + 8).kv_cache_span_size(32).build())
 
 

@@ -131,14 +131,14 @@ def served_formats(graph_path: str, weights_path: str) -> dict:
 
 # ---- llama.cpp's side ------------------------------------------------------------------------------------
 class LlamaCpp:
-    """llama-cpp-python on one GGUF: a Llama (one sequence) for batch 1 and TTFT, and for each concurrency n a
-    second context of the same model with n sequences (`streams`)."""
+    """llama-cpp-python on one GGUF (`gpu_layers` offloaded): a Llama (one sequence) for batch 1 and TTFT, and for
+    each concurrency n a second context of the same model with n sequences (`streams`)."""
 
-    def __init__(self, path: str, threads: int, concurrency: list[int]):
+    def __init__(self, path: str, threads: int, concurrency: list[int], gpu_layers: int = 0):
         from llama_cpp import _internals
         import llama_cpp
         self.lib = llama_cpp
-        self.llm = LP.load(path, threads, n_ctx=1024)
+        self.llm = LP.load(path, threads, n_ctx=1024, n_gpu_layers=gpu_layers)
         self.vocab = self.llm.n_vocab()
         self.ctxs, self.batch = {}, llama_cpp.llama_batch_init(N_BATCH, 0, 1)
         for n in concurrency:
@@ -292,7 +292,7 @@ def race(key: str, spec: dict, a, engine) -> dict:
     print(f"\n{key}: {f['gguf']} ({os.path.getsize(f['gguf']) / 1e6:.0f} MB); ours from "
           f"{'the same file' if f['variant'] is None else f['ours'] + ' as ' + f['variant']}", flush=True)
     with contextlib.ExitStack() as stack:
-        theirs = LlamaCpp(f["gguf"], a.threads, a.concurrency)
+        theirs = LlamaCpp(f["gguf"], a.threads, a.concurrency, -1 if spec.get("device") == "cuda" else 0)
         stack.callback(theirs.close)
         vocab = theirs.vocab                                 # prompts draw token ids below it
         ours = Ours(engine, f["ours"], f"race-{key}", spec, f["variant"], max(a.concurrency))

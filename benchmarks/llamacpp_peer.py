@@ -199,10 +199,11 @@ def kv_bytes_f16(hf_dir: str, ctx: int) -> int:
     return 2 * cfg["num_hidden_layers"] * ctx * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim * 2
 
 
-def load(path: str, threads: int, n_ctx: int, logits_all: bool = False):
+def load(path: str, threads: int, n_ctx: int, logits_all: bool = False, n_gpu_layers: int = 0):
+    """llama.cpp's model and one context; n_gpu_layers -1 offloads every layer and the output (a CUDA build)."""
     from llama_cpp import Llama
     return Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=512,
-                 flash_attn=FLASH_ATTN, logits_all=logits_all, verbose=False)
+                 flash_attn=FLASH_ATTN, logits_all=logits_all, n_gpu_layers=n_gpu_layers, verbose=False)
 
 
 def _next_token(llm) -> int:

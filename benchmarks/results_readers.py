@@ -344,10 +344,11 @@ MEASURES = {
                      "--no-llamacpp`: fresh prompts for every TTFT.", engines),
     "llamacpp-bf16": ("CPU: bf16 against llama.cpp", "`run.py --decode-only --no-pool --no-hf --dtypes bfloat16 "
                       "--rounds 21`: the same weights as f16 / bf16 GGUF files.", quant),
-    "gguf-race": ("CPU: the same GGUF file served by allspark and llama.cpp", "`gguf_race.py --rounds 5`: "
+    "gguf-race": ("CPU and GPU: the same GGUF file served by allspark and llama.cpp", "`gguf_race.py --rounds 5`: "
                   "SmolLM2-135M-Instruct Q4_1 and the 0.5 B benchmark model written as Q8_0 / Q4_0 with its LM head, "
                   "each served by both sides on the same threads (llama-cpp-python, parallel slots for the "
-                  "streams), interleaved rounds.", gguf_race),
+                  "streams), interleaved rounds; on a GPU `gguf_race_gpu.py --rounds 5`: ours on a CUDA rank, "
+                  "llama.cpp (a CUDA build) with every layer offloaded.", gguf_race),
     "quant": ("CPU: quantized weights and KV against bf16 and llama.cpp",
               "`run.py --decode-only --quant ... --kv ...`: "
               "InstantQuant variants in the same rounds as the bf16 model and llama.cpp's GGUF peers.", quant),
