@@ -40,6 +40,7 @@ TEST_FILE_TIERS = {
     "test_native_steps.py": "kernels",
     "test_parallel.py": "kernels",
     "test_quant_kernels.py": "kernels", "test_quant_formats.py": "kernels", "test_triton_fused.py": "kernels",
+    "test_prefill_launches.py": "kernels",
     "test_quant_midm.py": "kernels",
     "test_triton_gemv.py": "kernels",
     "test_triton_gemma.py": "kernels", "test_triton_kernels.py": "kernels", "test_triton_peer_allreduce.py": "kernels",

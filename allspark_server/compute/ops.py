@@ -197,6 +197,17 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 
 @on_cuda
+def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                    k_param: torch.Tensor | None = None, v_param: torch.Tensor | None = None) -> torch.Tensor:
+    """rotary(q, k), then store_kv of the rotated k and v into cache slots [T]: the rotated q (a prefill
+    layer's rotation and cache write; on a GPU one launch for dense caches)."""
+    q, k = rotary(q, k, cos, sin)
+    store_kv(k, v, k_cache, v_cache, slots, k_param, v_param)
+    return q
+
+
+@on_cuda
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,
                      ctx: torch.Tensor, scale: float, k_param: torch.Tensor | None = None,
                      v_param: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,

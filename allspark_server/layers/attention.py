@@ -1,4 +1,5 @@
-"""Attention over the span KV cache: write this step's K/V into their slots, then attend.
+"""Attention over the span KV cache: write this step's K/V into their slots (rotated first, in the same op), then
+attend.
 
 One-token (decode) sequences go through one `ops.decode_attention` call that reads keys and
 values straight from the spans (dense or quantized: quant/kv.py). Multi-token chunks (prefill)
@@ -31,9 +32,13 @@ class PagedAttention(nn.Module):
         self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)     # [h] or None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, h, D], k/v [T, kvh, D]; kv: this layer's cache (step/kv_cache.py). Returns [T, h*D]."""
-        ops.store_kv(k, v, kv.k, kv.v, meta.slot_mapping, kv.k_param, kv.v_param)
+                meta: AttentionMetadata, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """q [T, h, D], k/v [T, kvh, D]; kv: this layer's cache (step/kv_cache.py); rope: the rows' (cos, sin),
+        which rotate q and k first, in one op with the cache write (None: q and k as they are). Returns [T, h*D]."""
+        if rope is not None:
+            q = ops.rotary_store_kv(q, k, v, *rope, kv.k, kv.v, meta.slot_mapping, kv.k_param, kv.v_param)
+        else:
+            ops.store_kv(k, v, kv.k, kv.v, meta.slot_mapping, kv.k_param, kv.v_param)
         out = torch.empty_like(q)
         if meta.decode_rows.numel():
             out[meta.decode_rows] = ops.decode_attention(q[meta.decode_rows], kv.k, kv.v, meta.decode_spans,

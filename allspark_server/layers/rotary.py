@@ -3,7 +3,8 @@ NTK up to the model's context (dynamic_rope_limit); full or partial (the first r
 of models/convert.py).
 
 Builds a cos/sin table once (fp32, like HF, then cast to the activation dtype); each step looks up
-its positions' rows once and every layer applies them with `ops.rotary` (q and k in one call).
+its positions' rows once and every layer applies them with `ops.rotary_store_kv` (q and k in one call, with
+the cache write; decode steps: their step ops).
 Unknown rope types are rejected when the model is built.
 """
 from __future__ import annotations

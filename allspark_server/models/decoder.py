@@ -73,9 +73,8 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)                       # [T, h, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)                    # [T, kvh, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.step.position == "rope":                                   # ALiBi: the attention adds the bias
-            q, k = ops.rotary(q, k, *rope)
-        o = self.attn(q, k, v, kv, inputs.attn)                            # [T, h*D]
+        # rotary in one op with the cache write (ALiBi: none, the attention adds the bias)
+        o = self.attn(q, k, v, kv, inputs.attn, rope if self.step.position == "rope" else None)     # [T, h*D]
         return self.o_proj(o)                                              # [T, H]
 
     def bound(self, kv: LayerKV) -> spec.BoundAttention:

@@ -49,6 +49,16 @@ gelu_tanh_mul = fused.gelu_tanh_mul
 store_kv = ref.store_kv_reference
 
 
+def rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots, k_param=None, v_param=None) -> torch.Tensor:
+    """ops.rotary_store_kv: one Triton launch rotates q and k and writes k and v into a dense cache of their dtype
+    (fused_kernels.rotary_store_kv, the decode block's); quantized spans take rotary, then the reference's write."""
+    if k_param is None and k_cache.dtype == k.dtype == v.dtype:
+        return fused.rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots)
+    q, k = rotary(q, k, cos, sin)
+    store_kv(k, v, k_cache, v_cache, slots, k_param, v_param)
+    return q
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,
                      ctx: torch.Tensor, scale: float, k_param: torch.Tensor | None = None,
                      v_param: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
