@@ -78,7 +78,7 @@ def race_file(key: str, spec: dict, ours_from: str) -> dict:
     hf_dir = common.build_model(spec, "bfloat16")
     path = LP.gguf_file(hf_dir, key)
     qtype, _, head = key.partition("+")
-    if ours_from == "gguf":
+    if ours_from != "hf":
         return {"gguf": path, "ours": path, "variant": None}
     if qtype not in HF_VARIANT:
         raise SystemExit(f"--ours hf: no InstantQuant stand-in for {key} (known: {sorted(HF_VARIANT)})")
@@ -94,8 +94,8 @@ class Ours:
         self.engine, self.name = engine, name
         loader = HuggingFaceModel(source, name, user_set_data_type="bfloat16")
         out = os.path.join(os.path.expanduser("~"), ".cache", "allspark", "gguf-race")
-        quant = common.quant_variant(variant) if variant else None
-        loader.load_model().serialize_to_path(None, out, enable_quant=bool(quant), customized_quant_config=quant,
+        quant = common.quant_variant(variant) if variant else spec.get("gguf_quant_config")   # gguf-a8: x int8
+        loader.load_model().serialize_to_path(None, out, enable_quant=bool(variant), customized_quant_config=quant,
                                               skip_if_exists=False).free_model()
         self.weights_path = loader.weights_path
         self.formats = served_formats(loader.graph_path, loader.weights_path)
@@ -312,7 +312,7 @@ def race(key: str, spec: dict, a, engine) -> dict:
                       f"{m}: {rd['allspark'][m]:.3g} / {rd['llamacpp'][m]:.3g}" for m in rd["allspark"]
                       if not m.endswith("first_tokens_s")), flush=True)
         return score({"gguf": os.path.basename(f["gguf"]), "gguf_bytes": os.path.getsize(f["gguf"]),
-                      "ours_from": "gguf" if f["variant"] is None else f"hf folder, InstantQuant {f['variant']}",
+                      "ours_from": a.ours if f["variant"] is None else f"hf folder, InstantQuant {f['variant']}",
                       "ours_file_bytes": os.path.getsize(ours.weights_path), "ours_formats": ours.formats,
                       "vocab": vocab, "rounds": rounds}, a.concurrency)
 
@@ -331,8 +331,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--files", nargs="+", default=["smollm2", "q8_0+head", "q4_0+head"],
                    help="smollm2, or llamacpp_peer ftypes of the 0.5 B benchmark model (q8_0, q4_0+head, ...)")
-    p.add_argument("--ours", choices=["gguf", "hf"], default="gguf",
-                   help="what our side loads for a written file: the .gguf itself, or its HF folder quantized")
+    p.add_argument("--ours", choices=["gguf", "gguf-a8", "hf"], default="gguf", help="what our side loads for a "
+                   "written file: the .gguf itself (gguf-a8: x rounded to int8, as llama.cpp's), or its HF folder")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
@@ -355,7 +355,8 @@ def main() -> None:
     why_not = LP.missing()
     if why_not:
         raise SystemExit(why_not)
-    spec = dict(common.QUICK if a.quick else common.FULL, prompts=(CONC_PROMPT, TTFT_PROMPT))
+    spec = dict(common.QUICK if a.quick else common.FULL, prompts=(CONC_PROMPT, TTFT_PROMPT),
+                gguf_quant_config={"compute_method": "activate_quant"} if a.ours == "gguf-a8" else None)
     a.json = a.json or common.result_path("gguf-race", "cpu", a.quick)
     torch.set_num_threads(a.threads)
     import gguf

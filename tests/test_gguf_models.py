@@ -248,6 +248,51 @@ def test_k_quants_are_requantized_and_served_as_stored(tmp_path, qtype, requant,
           f"{(ours - ref).abs().max():.3f} of {ref.abs().max():.2f}")
 
 
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _x_to_int8_per_token(module, args):
+    """x as llama.cpp's q8 activations and activate_quant round it: per token, absmax / 127 steps, half to even."""
+    x = args[0].float()
+    amax = x.abs().amax(-1, keepdim=True)
+    return (torch.round(x * torch.where(amax > 0, 127 / amax, 0)) * (amax / 127),)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0])
+def test_gguf_codes_met_by_int8_activations(tmp_path, qtype):
+    """customized_quant_config={'compute_method': 'activate_quant'} on a GGUF keeps the file's codes and rounds x to
+    int8 per token before every GEMM weight: logits follow transformers' model of the file with that rounding hooked
+    in front of each projection, far closer than the weight-only rounding's; any other key is refused."""
+    folder = str(tmp_path / "hf")
+    model = build("llama_mha", folder, hidden=256, intermediate=256, num_attention_heads=8, num_key_value_heads=8)
+    path = write(model, folder, weight_type=qtype, head_type=T.F32)
+    loader = HuggingFaceModel(path, "a8", user_set_data_type="float32").load_model()
+    with pytest.raises(Exception, match="already quantized.*only compute_method"):
+        loader.serialize(None, model_output_dir=str(tmp_path / "bad"),
+                         customized_quant_config={"compute_method": "activate_quant", "weight_format": "int8"})
+    with pytest.raises(Exception, match="compute_method 'fast'"):
+        loader.serialize(None, model_output_dir=str(tmp_path / "bad"), customized_quant_config={"compute_method": "fast"})
+    loader.serialize(None, model_output_dir=str(tmp_path / "as"),
+                     customized_quant_config={"compute_method": "activate_quant"})
+    # prompt rows through the native kernel (up to its row limit) and through the dequantized GEMM, then decode steps
+    limit = ops.native().quant_native_rows(ops.isa_level()) if ops.native() is not None else 16
+    tokens = random_prompt(limit + 40, seed=6)
+    ours = teacher_forced_logits(runner_for(loader, "a8"), tokens, limit + 8)
+    file_model = hf_from_gguf(path, "llama_mha")
+    weight_only = hf_logits(file_model, tokens)
+    for name, module in file_model.named_modules():
+        if name.rsplit(".", 1)[-1] in PROJECTIONS:
+            module.register_forward_pre_hook(_x_to_int8_per_token)
+    int8_x = hf_logits(file_model, tokens)
+    gap, err = (weight_only - int8_x).abs(), (ours - int8_x).abs()
+    exact = (err.amax(-1) <= 1e-4).float().mean().item()
+    print(f"{qtype.name}: rows within 1e-4 of the int8-x reference {exact:.3f}, max {err.max():.2e}; weight-only vs "
+          f"int8-x max {gap.max():.2e}")
+    # float rounding may put an element of x on the other side of an int8 step now and then (a row off by one step
+    # of one element's contribution); every other row agrees to float rounding
+    assert gap.max() > 1e-2 and exact >= 0.95 and err.max() <= gap.max() / 4, (exact, err.max(), gap.max())
+
+
 def test_the_model_info_names_the_formats(tmp_path):
     folder = str(tmp_path / "hf")
     path = write(build("llama_mha_tied", folder), folder, weight_type=T.Q4_0, embd_type=T.Q8_0)

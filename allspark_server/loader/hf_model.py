@@ -8,6 +8,7 @@ holding one) stands in for the folder: loader/gguf_model.py reads it.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -267,9 +268,8 @@ class HuggingFaceModel:
         modes = {name: split_mode_for(name, rules) for name in tensors}
         scheme = self._quant
         if scheme is not None and quantized:
-            kind = self.prequant.method if self.prequant else "GGUF"
-            raise ModelSerializerException(f"this checkpoint is already quantized ({kind}): "
-                                           "serialize it without enable_quant / customized_quant_config")
+            scheme = self._prequantized_compute(scheme, customized_quant_config, enable_quant or weight_only_quant)
+            quantized = False
         if scheme is not None:
             modes.update(quantized_split_modes(tensors, rules, scheme))
         if quantized:
@@ -287,6 +287,21 @@ class HuggingFaceModel:
             output_dir, self.model_name, self.args, self.hf_config, self.data_type, tensors, modes, eos, eos,
             serialize_args, quant=scheme, tokenizer_json=self._tokenizer_json(), paths=(graph, params))
         return self
+
+    def _prequantized_compute(self, scheme: QuantScheme, config, flags: bool) -> QuantScheme:
+        """An already quantized checkpoint (GGUF, GPTQ, AWQ) keeps its codes: a customized_quant_config may only
+        choose how x meets them (`compute_method`: activate_quant rounds x to int8 per token, as llama.cpp's q8
+        activations do; weight_only, the default, to 16 bits)."""
+        kind = self.prequant.method if self.prequant else "GGUF"
+        if flags or not config or set(config) != {"compute_method"}:
+            raise ModelSerializerException(f"this checkpoint is already quantized ({kind}): serialize it without "
+                                           "enable_quant / customized_quant_config, or with a customized_quant_config "
+                                           "of only compute_method")
+        try:
+            method = QuantScheme.from_user({"compute_method": config["compute_method"]}).compute_method
+        except QuantConfigError as e:
+            raise ModelSerializerException(f"customized_quant_config: {e}") from None
+        return dataclasses.replace(scheme, compute_method=method)
 
     def _output_paths(self, output_dir: str) -> tuple[str, str]:
         """Where serialize_to_path writes the .asgraph and the .asparam."""
