@@ -349,6 +349,10 @@ MEASURES = {
                   "each served by both sides on the same threads (llama-cpp-python, parallel slots for the "
                   "streams), interleaved rounds; on a GPU `gguf_race_gpu.py --rounds 5`: ours on a CUDA rank, "
                   "llama.cpp (a CUDA build) with every layer offloaded.", gguf_race),
+    "gguf-race-a8": ("CPU: the same GGUF file, ours with int8 activations", "`gguf_race.py --ours gguf-a8 --files "
+                     "smollm2 q4_0+head --rounds 5`: the race above, our side serving the file's codes with x rounded "
+                     "to int8 per token (compute_method activate_quant), as llama.cpp rounds its activations.",
+                     gguf_race),
     "quant": ("CPU: quantized weights and KV against bf16 and llama.cpp",
               "`run.py --decode-only --quant ... --kv ...`: "
               "InstantQuant variants in the same rounds as the bf16 model and llama.cpp's GGUF peers.", quant),
