@@ -2,7 +2,8 @@
 `get_wait`, `get_request_status`) and `build_model_from_config_struct`, v1's `get_output_*`, `reset_stream` and
 `save_model`, `get_free_frame`, `get_file_information`, `get_op_profiling_info` (the table of `get_op_profile`),
 `dump_build_meta_to_proto` and `serialize_model_from_torch` (which converts in this process with the converter
-allspark_server registers here when imported: it needs torch). A mixin of EngineAPI, so Engine and ClientEngine answer them alike. Torch-free.
+allspark_server registers here when imported: it needs torch). A mixin of EngineAPI, so Engine and ClientEngine
+answer them alike. Torch-free.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Callable, NamedTuple, Optional
 
 from allspark_client.result_queue import ResultQueue
 from allspark_client.types import AsException, AsStatus, GeneratedElements, GenerateRequestStatus, RequestHandle
+from allspark_client.version import __version__
 
 HASH_BYTES = 32 << 20                   # build_meta.weight_hash: md5 of the weights file's first 32 MiB (DashInfer's)
 
@@ -62,7 +64,6 @@ def _param_version(param_path: str) -> str:
 def file_information(graph_path: str, param_path: str) -> AsFileInfo:
     from google.protobuf.message import DecodeError
 
-    from allspark_client.version import __version__
     from allspark_client._proto import allspark_pb2 as pb
     for p in (graph_path, param_path):
         if not os.path.isfile(p):
@@ -179,7 +180,6 @@ class DashInferCompat:
     def dump_build_meta_to_proto(self, model_proto, weights_path: str, torch_build_param: dict):
         """Fill a ModelGraph's build_meta: this allspark's version and git sha, now, the md5 of the weights file's
         first 32 MiB, and `torch_build_param`'s scalar and list values as strings. Returns the proto."""
-        from allspark_client.version import __version__
         from allspark_client._proto import allspark_pb2 as pb
         if not isinstance(model_proto, pb.ModelGraph):
             raise AsException(AsStatus.ALLSPARK_PARAM_ERROR, f"dump_build_meta_to_proto takes an allspark ModelGraph "

@@ -359,17 +359,13 @@ def main() -> None:
                 gguf_quant_config={"compute_method": "activate_quant"} if a.ours == "gguf-a8" else None)
     a.json = a.json or common.result_path("gguf-race", "cpu", a.quick)
     torch.set_num_threads(a.threads)
-    import gguf
-    import llama_cpp
     from allspark_server import Engine
     report = {"machine": common.machine_name(), "machine_kind": common.machine_kind(),
               "settings": {"threads": a.threads, "rounds": a.rounds, "new_tokens": spec["new_tokens"],
                            "concurrency": a.concurrency, "ttft_prompt": TTFT_PROMPT, "stream_prompt": CONC_PROMPT,
                            "ours": a.ours, "quiet_cores": a.quiet_cores},
-              "llamacpp": {"llama_cpp_python": llama_cpp.__version__, "flash_attn": LP.FLASH_ATTN,
-                           "gguf": getattr(gguf, "__version__", None), "n_batch": N_BATCH, "n_ubatch": N_UBATCH,
-                           "slot_ctx": SLOT, "kv_unified": False,
-                           "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()},
+              "llamacpp": {**LP.build_info(), "n_batch": N_BATCH, "n_ubatch": N_UBATCH, "slot_ctx": SLOT,
+                           "kv_unified": False},
               "omp_env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}, "files": {}}
     engine = Engine()
     try:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.metadata
 import json
 import os
 import sys
@@ -47,18 +46,11 @@ def device_info(device: str) -> dict:
             "torch": torch.__version__, "torch_cuda": torch.version.cuda}
 
 
-def llamacpp_info() -> dict:
-    import llama_cpp
-    return {"llama_cpp_python": llama_cpp.__version__, "flash_attn": LP.FLASH_ATTN, "n_gpu_layers": None,
-            "gguf": importlib.metadata.version("gguf"), "n_batch": R.N_BATCH, "n_ubatch": R.N_UBATCH,
-            "slot_ctx": R.SLOT, "kv_unified": False, "build_flags": os.environ.get("LLAMA_BUILD_FLAGS"),
-            "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()}
-
-
 def start_report(a, spec: dict) -> dict:
     """A fresh report, or (--append) the one at a.json after checking that it was run with the same settings."""
-    info = llamacpp_info()
-    info["n_gpu_layers"] = -1 if a.device == "cuda" else 0
+    info = {**LP.build_info(), "n_gpu_layers": -1 if a.device == "cuda" else 0, "n_batch": R.N_BATCH,
+            "n_ubatch": R.N_UBATCH, "slot_ctx": R.SLOT, "kv_unified": False,
+            "build_flags": os.environ.get("LLAMA_BUILD_FLAGS")}
     settings = {"device": a.device, "threads": a.threads, "rounds": a.rounds, "new_tokens": spec["new_tokens"],
                 "concurrency": a.concurrency, "ttft_prompt": R.TTFT_PROMPT, "stream_prompt": R.CONC_PROMPT,
                 "ours": a.ours}

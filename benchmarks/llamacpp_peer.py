@@ -199,6 +199,16 @@ def kv_bytes_f16(hf_dir: str, ctx: int) -> int:
     return 2 * cfg["num_hidden_layers"] * ctx * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim * 2
 
 
+def build_info() -> dict:
+    """What a report records of the llama.cpp it raced: versions, flash attention, the backends built in."""
+    import importlib.metadata
+
+    import llama_cpp
+    return {"llama_cpp_python": llama_cpp.__version__, "flash_attn": FLASH_ATTN,
+            "gguf": importlib.metadata.version("gguf"),
+            "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()}
+
+
 def load(path: str, threads: int, n_ctx: int, logits_all: bool = False, n_gpu_layers: int = 0):
     """llama.cpp's model and one context; n_gpu_layers -1 offloads every layer and the output (a CUDA build)."""
     from llama_cpp import Llama

@@ -306,21 +306,12 @@ def ab_trees(r: dict) -> list:
     return rows
 
 
-def race_label(metric: str) -> str:
-    """A gguf_race ratio's name, as gguf_race.label words it: what it compares and which way."""
-    if metric.startswith("ttft_"):
-        return f"TTFT of {metric[5:]} tokens, llama.cpp's time / ours"
-    n, _, kind = metric[1:].partition("_")
-    what = "batch-1 decode" if metric == "decode_b1" else f"{n} streams, {kind.replace('_', '-').replace('decode', 'decode-only')}"
-    return f"{what} tok/s, ours / llama.cpp"
-
-
 def gguf_race(r: dict) -> list:
     """gguf_race.py: per GGUF file, ours against llama.cpp on the same file and threads (medians of same-round ratios,
     > 1: ours faster) and the rounds they come from; the cores other processes took during the rounds."""
     rows = []
     for key, rep in r["files"].items():
-        rows += [(f"{key}: {race_label(m)}", x(v)) for m, v in rep["ratios"].items()]
+        rows += [(name, x(v)) for name, v in r.items() if name.startswith(f"{key}: ")]   # gguf_race.finish's
         rows.append((f"{key}: quiet rounds used / run", f"{len(rep.get('rounds_used', rep['rounds']))} / "
                                                         f"{len(rep['rounds'])}"))
     return rows + [("other processes' cores (median)", f(r.get("other processes' cores during the rounds (median)")))]

@@ -17,11 +17,12 @@ needs_native = pytest.mark.skipif(settings.NO_NATIVE.get() or ops.native() is No
 ROWS = [1, 2, 3, 4, 5, 8, 13, 16, 17, 31, 64]
 
 
-def _quantized(n, k, fmt, group, seed):
+def quantized_weight(n, k, fmt, group, seed, act_bits=16):
+    """A random [n, k] weight (N(0, 0.05)) quantized into `fmt` / `group`."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
     q = quantize(w, fmt, group)
-    return QuantizedWeight(q["qweight"], q["scales"], q.get("zeros", q.get("mins")), fmt, group, k)
+    return QuantizedWeight(q["qweight"], q["scales"], q.get("zeros", q.get("mins")), fmt, group, k, act_bits)
 
 
 def _cases():
@@ -50,13 +51,19 @@ def isa_levels() -> list[int]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("isa", isa_levels())
 def test_linear_quant_matches_float64(dtype, isa):
+    assert_linear_quant_matches_float64(_cases(), ROWS, dtype, isa, x_seed=4, weight_seed=0)
+
+
+def assert_linear_quant_matches_float64(cases, rows, dtype, isa, x_seed, weight_seed):
+    """ext.linear_quant at `isa` for each (fmt, n, k, group) case (weight seed weight_seed + its index) and each
+    count of rows of x (a bias on odd counts) against float64 on x as the kernel meets it."""
     ext = ops.native()
-    g = torch.Generator().manual_seed(4)
-    for i, (fmt, n, k, group) in enumerate(_cases()):
-        qw = _quantized(n, k, fmt, group, seed=i)
+    g = torch.Generator().manual_seed(x_seed)
+    for i, (fmt, n, k, group) in enumerate(cases):
+        qw = quantized_weight(n, k, fmt, group, seed=weight_seed + i)
         w64 = qw.dequantize().double()
         bias = torch.randn(n, generator=g).to(dtype)
-        for m in ROWS:
+        for m in rows:
             x = torch.randn(m, k, generator=g).to(dtype)
             b = bias if m % 2 else None
             y = ext.linear_quant(x, ops.native_weight(qw), b, isa)
@@ -160,7 +167,7 @@ def test_vnni_gemv_equals_avx2_and_reference_up_to_fp32_order():
     ext = ops.native()
     g = torch.Generator().manual_seed(5)
     for i, (fmt, n, k, group) in enumerate(_cases()):
-        qw = _quantized(n, k, fmt, group, seed=200 + i)
+        qw = quantized_weight(n, k, fmt, group, seed=200 + i)
         nw = ops.native_weight(qw)
         for m in range(1, 17):
             x = torch.randn(m, k, generator=g)
@@ -175,7 +182,7 @@ def test_vnni_gemv_equals_avx2_and_reference_up_to_fp32_order():
 def test_dequantize_weight_matches_reference(isa):
     ext = ops.native()
     for i, (fmt, n, k, group) in enumerate(_cases()):
-        qw = _quantized(n, k, fmt, group, seed=100 + i)
+        qw = quantized_weight(n, k, fmt, group, seed=100 + i)
         ref = qw.dequantize()
         assert torch.equal(ext.dequantize_weight(ops.native_weight(qw), torch.float32, isa), ref), (fmt, group)
         assert torch.equal(ext.dequantize_weight(ops.native_weight(qw), torch.bfloat16, isa),
@@ -272,7 +279,7 @@ def test_int8_gemm_matches_float64(dtype):
     for bf16, one final rounding); odd shapes, with and without bias."""
     g = torch.Generator().manual_seed(25)
     for i, (m, k, n) in enumerate(((17, 64, 40), (40, 100, 33), (64, 1536, 96), (23, 256, 1))):
-        qw = _quantized(n, k, "int8", -1, seed=30 + i)
+        qw = quantized_weight(n, k, "int8", -1, seed=30 + i)
         qw = QuantizedWeight(qw.qweight, qw.scales, None, "int8", -1, k, act_bits=8)
         x = torch.randn(m, k, generator=g).to(dtype)
         b = torch.randn(n, generator=g).to(dtype) if i % 2 else None
@@ -297,7 +304,7 @@ def test_ops_linear_takes_the_int8_gemm_only_for_int8_per_channel_activate_quant
     x = torch.randn(ops.native().quant_native_rows(ops.isa_level()) + 24, 128, generator=g).bfloat16()   # prefill rows
     for fmt, group, act_bits, taken in (("int8", -1, 8, True), ("int8", 64, 8, False), ("int8", -1, 16, False),
                                         ("uint8", -1, 8, False), ("int4", 32, 8, False)):
-        q = _quantized(48, 128, fmt, group, seed=40)
+        q = quantized_weight(48, 128, fmt, group, seed=40)
         qw = QuantizedWeight(q.qweight, q.scales, q.zeros, fmt, group, 128, act_bits=act_bits)
         calls.clear()
         y = ops.linear(x, qw)
@@ -307,7 +314,7 @@ def test_ops_linear_takes_the_int8_gemm_only_for_int8_per_channel_activate_quant
         calls.clear()
         ops.linear(x[:ops.native().quant_native_rows(ops.isa_level())], qw)
         assert not calls
-    q = _quantized(48, 128, "int8", -1, seed=40)
+    q = quantized_weight(48, 128, "int8", -1, seed=40)
     qw = QuantizedWeight(q.qweight, q.scales, None, "int8", -1, 128, act_bits=8)
     monkeypatch.setattr(ops, "INT8_GEMM_MAX_ROWS", x.shape[0] - 8)       # above the limit
     ops.linear(x, qw)
@@ -320,7 +327,7 @@ def test_ops_linear_takes_the_int8_gemm_only_for_int8_per_channel_activate_quant
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_ops_linear_on_both_sides_of_the_native_row_limit(fmt):
-    qw = _quantized(96, 128, fmt, 64, seed=7)
+    qw = quantized_weight(96, 128, fmt, 64, seed=7)
     g = torch.Generator().manual_seed(8)
     bias = torch.randn(96, generator=g)
     limit = ops.native().quant_native_rows(ops.isa_level()) if ops.native() is not None else 16
@@ -337,7 +344,7 @@ def test_ops_linear_on_both_sides_of_the_native_row_limit(fmt):
 @needs_native
 def test_bad_quant_weights_are_refused_with_a_reason():
     ext = ops.native()
-    qw = _quantized(8, 64, "uint4", 32, seed=9)
+    qw = quantized_weight(8, 64, "uint4", 32, seed=9)
     with pytest.raises(RuntimeError, match="zeros"):
         ext.QuantWeight(qw.qweight, qw.scales, None, FORMAT_IDS["uint4"], 64)
     with pytest.raises(RuntimeError, match="columns"):

@@ -6,18 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from allspark_client import settings
 from allspark_server.compute import ops, reference
-from allspark_server.quant.formats import FORMATS, QuantizedWeight, quantize
+from allspark_server.quant.formats import FORMATS
+from test_quant_kernels import assert_linear_quant_matches_float64, isa_levels, needs_native, quantized_weight
 
-needs_native = pytest.mark.skipif(settings.NO_NATIVE.get() or ops.native() is None, reason="native path disabled")
 ROWS = (17, 31, 32, 64, 100)
-
-
-def _quantized(n, k, fmt, group, seed, act_bits=16):
-    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
-    q = quantize(w, fmt, group)
-    return QuantizedWeight(q["qweight"], q["scales"], q.get("zeros", q.get("mins")), fmt, group, k, act_bits)
 
 
 def _cases():
@@ -29,29 +22,11 @@ def _cases():
                 yield fmt, n, k, group
 
 
-def isa_levels() -> list[int]:
-    return list(range(ops.isa_level() + 1))
-
-
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("isa", isa_levels())
 def test_many_rows_match_float64(dtype, isa):
-    ext = ops.native()
-    g = torch.Generator().manual_seed(40)
-    for i, (fmt, n, k, group) in enumerate(_cases()):
-        qw = _quantized(n, k, fmt, group, seed=500 + i)
-        w64 = qw.dequantize().double()
-        bias = torch.randn(n, generator=g).to(dtype)
-        for m in ROWS:
-            x = torch.randn(m, k, generator=g).to(dtype)
-            b = bias if m % 2 else None
-            y = ext.linear_quant(x, ops.native_weight(qw), b, isa)
-            ref = reference.round_activations_reference(x).double() @ w64.T + (0 if b is None else b.double())
-            assert y.dtype == dtype and y.shape == (m, n)
-            tol = 1e-5 * (x.double().abs() @ w64.abs().T).max().item() + 1e-6
-            rounding = ref.abs() * (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24)
-            assert ((y.double() - ref).abs() <= tol + rounding).all(), (fmt, n, k, group, m, dtype, isa)
+    assert_linear_quant_matches_float64(_cases(), ROWS, dtype, isa, x_seed=40, weight_seed=500)
 
 
 @needs_native
@@ -66,7 +41,7 @@ def test_a_row_is_the_same_whatever_rows_share_the_call(isa, act_bits):
     for i, (fmt, n, k, group) in enumerate(_cases()):
         if n > 100 and isa == ops.ISA_PORTABLE:
             continue   # the portable kernel is slow; the small shapes cover it
-        qw = ops.native_weight(_quantized(n, k, fmt, group, seed=600 + i, act_bits=act_bits))
+        qw = ops.native_weight(quantized_weight(n, k, fmt, group, seed=600 + i, act_bits=act_bits))
         x = torch.randn(100, k, generator=g).bfloat16()
         full = ext.linear_quant(x, qw, None, isa)
         alone = 1 if isa in (ops.ISA_PORTABLE, ops.ISA_AVX512_VNNI) else 2
@@ -85,7 +60,7 @@ def test_ops_linear_is_native_up_to_the_row_limit(fmt, monkeypatch):
     ext = ops.native()
     limit = ext.quant_native_rows(ops.isa_level())
     assert limit == (64 if ops.isa_level() >= ops.ISA_AVX512_VNNI else 16)
-    qw = _quantized(96, 128, fmt, 32, seed=9)
+    qw = quantized_weight(96, 128, fmt, 32, seed=9)
     calls = []
     dequantized = ops.linear_dequantized
     monkeypatch.setattr(ops, "linear_dequantized", lambda *a: calls.append(a[0].shape[0]) or dequantized(*a))

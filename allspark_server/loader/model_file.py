@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from allspark_client._proto import allspark_pb2 as pb
+from allspark_client.version import __version__
 from allspark_server.layers.sharding import SplitMode
 from allspark_server.models.args import ModelArgs
 from allspark_server.quant.scheme import QuantScheme
@@ -58,7 +59,6 @@ def write_model_files(out_dir: str, model_name: str, args: ModelArgs, hf_config:
         os.makedirs(folder or ".", exist_ok=True)
     # both files are written under temporary names and renamed at the end: a failure leaves no half-written model
     param_tmp, graph_tmp = param_path + ".tmp", graph_path + ".tmp"
-    from allspark_client.version import __version__
     try:   # the version that wrote the weights, for get_file_information (DashInfer's create_version_param)
         save_file({k: v.contiguous() for k, v in tensors.items()}, param_tmp,
                   metadata={"format": "allspark", "allspark_version": __version__})
@@ -78,8 +78,6 @@ def _write_graph(path: str, param_path: str, model_name: str, args: ModelArgs, h
                  dtype: torch.dtype, tensors: dict[str, torch.Tensor], split_modes: dict[str, SplitMode],
                  eos_ids: list[int], stop_ids: list[int], serialize_args: dict[str, str],
                  quant: QuantScheme | None, tokenizer_json: str) -> None:
-    from allspark_client.version import __version__
-
     g = pb.ModelGraph(format_version=FORMAT_VERSION, model_name=model_name, architecture=args.architecture,
                       model_args_json=json.dumps(args.to_dict()), hf_config_json=json.dumps(hf_config),
                       dtype=dtype_name(dtype), quantization=quant.to_json() if quant else "",
@@ -131,7 +129,6 @@ def read_model_graph(graph_path: str, weights_path: str) -> ModelFile:
     except Exception as e:
         raise ModelFileError(f"{graph_path!r} is not an allspark .asgraph file: {e}") from None
     if g.format_version != FORMAT_VERSION:
-        from allspark_client.version import __version__
         raise ModelFileError(f"{graph_path!r} has format version {g.format_version} (written by allspark "
                              f"{g.build_meta.allspark_version or '?'}); this allspark ({__version__}) reads format "
                              f"version {FORMAT_VERSION} (serialize the model again)")
