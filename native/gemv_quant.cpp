@@ -35,7 +35,7 @@
 // (groups of 128 take NIBBLES16 / 8 since: GEMV chain 1.48x -> 1.77x of bf16's, 1.45x -> 2.24x with int8 x).
 //
 // ISA (chosen by compute/ops.py): 3 AVX-512 VNNI (gemv_quant_avx512.cpp: vpdpwssd, x laid out to match the
-// codes; 4-bit codes with activate_quant's int8 x: vpdpbusd, NIBBLES8W), 1 and 2 AVX2+FMA+F16C
+// codes; with activate_quant's int8 x: vpdpbusd, NIBBLES8W), 1 and 2 AVX2+FMA+F16C
 // (gemv_quant_avx2.cpp; 2 = AVX-512 without VNNI: its dequantization is AVX-512),
 // 0 portable C++; the same rounding of x everywhere, so every level equals ops.linear_reference up to fp32
 // summation order. The weight streams row by row; each thread owns a contiguous block of rows, up to 4 rows of x
@@ -248,7 +248,7 @@ void run_linear(const float* x, int64_t M, int64_t K, const QuantView& w, const 
   const bool x8 = w.act_max == 127.f;   // activate_quant: x fits int8
   // the AVX-512 kernel's x: 8-bit codes in groups smaller than a chunk take the NIBBLES order too (gemv_quant.h)
   const bool per_chunk = w.groups == 1 || w.group % CHUNK == 0;
-  const Layout wide = w.format >= INT4 ? (x8 ? NIBBLES8W : NIBBLES) : per_chunk ? PAIRS : NIBBLES;
+  const Layout wide = x8 ? NIBBLES8W : w.format >= INT4 || !per_chunk ? NIBBLES : PAIRS;
   const Layout layout = isa >= 3 && avx512_fits(w) ? wide
                         : isa >= 1 && M == 1 && nibbles16_fits(w, K) ? (x8 ? NIBBLES8 : NIBBLES16)
                         : isa >= 1 && M == 1 && x8 && bytes8_fits(w, K) ? BYTES8

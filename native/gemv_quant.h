@@ -50,9 +50,11 @@ inline float half_to_float(at::Half h) { return static_cast<float>(h); }
 //   of 16 bytes interleaved: g's run 0, g+1's run 0, g's run 2, g+1's run 2, then runs 1 and 3 the same way
 //   (the batch-1 kernel then meets the two groups' blocks b in one vector, its halves loaded separately)
 //   BYTES8 (AVX2, 8-bit codes, activate_quant's int8 x, batch 1): x as bytes in k order
-//   NIBBLES8W (AVX-512 VNNI, 4-bit codes, activate_quant's int8 x): NIBBLES8's order over 128 k (4 blocks): x as
+//   NIBBLES8W (AVX-512 VNNI, activate_quant's int8 x): NIBBLES8's order over 128 k (4 blocks): x as
 //   bytes in the order of 64 bytes of codes split into their low and their high nibbles, k = 32b + 16h + j at byte
-//   64h + 16b + j (h the nibble, b < 4 the block, j < 16), so that vpdpbusd meets each code with its x
+//   64h + 16b + j (h the nibble, b < 4 the block, j < 16), so that vpdpbusd meets each code with its x. 8-bit codes
+//   (grouped or per channel) take it too: their two 64-byte loads per 128 k are regrouped so that 128-bit lane b
+//   holds block b's first 16 codes (h = 0), then its last 16 (h = 1)
 enum Layout { NATURAL, PAIRS, NIBBLES, NIBBLES16, NIBBLES8, BYTES8, NIBBLES8W };
 constexpr int64_t CHUNK16 = 64;   // k per step of the AVX2 NIBBLES16 kernel
 

@@ -21,11 +21,19 @@
 // bf16 kernel, sharing the loads of x): 1.36-1.44x as fast in L2; int4 g32 went from 2.68-2.88x of bf16 (one
 // row per step, earlier runs, not the same rounds) to the numbers above. Prefetching the scales of the rows
 // 8 ahead (tried) did not help (2.51x vs 2.71x, same rounds).
-// activate_quant (x already rounded to int8 by the model's scheme, so nothing changes in the numbers): 4-bit codes
-// take vpdpbusd, codes as unsigned bytes times x as signed bytes (the NIBBLES8W layout), two per 64 bytes of codes
-// instead of four vpdpwssd, and half the bytes of x. GEMV chain, 2 threads, one run where bf16 read ~43 GB/s
-// (x bf16; the read bound in brackets): int4 g32 2.94 -> 3.17 (3.85), uint4 g64 3.15 -> 3.59 (4.14), int4 g64
-// 3.51 -> 3.89 (4.62), int4 g128 3.57 -> 3.87 (4.92), each weight-only -> activate_quant.
+// activate_quant (x already rounded to int8 by the model's scheme, so nothing changes in the numbers): the codes
+// take vpdpbusd, codes as unsigned bytes times x as signed bytes (the NIBBLES8W layout): per 64 bytes of 4-bit codes
+// two instead of four vpdpwssd, per 64 bytes of 8-bit codes one instead of two (int8 codes go in as code + 128, the
+// 128 taken off with x's block sums as a zero point), and half the bytes of x. GEMV chain, 2 threads, one run where
+// bf16 read ~43 GB/s (x bf16; the read bound in brackets): int4 g32 2.94 -> 3.17 (3.85), uint4 g64 3.15 -> 3.59
+// (4.14), int4 g64 3.51 -> 3.89 (4.62), int4 g128 3.57 -> 3.87 (4.92), each weight-only -> activate_quant. 8-bit
+// codes with int8 x, vpdpbusd against the vpdpwssd kernel on the same int8 x (one process, alternating, median of 9
+// same-round ratios, the 0.5 B model's four GEMV shapes): 32 rows of x 1.22x (int8 g32) and 1.40x (per channel); one
+// row 1.00x (the weight's bytes are the bound there).
+// Tried and dropped: transposing each chunk's codes (and x) so that every int32 lane of a vpdpbusd sum stays in one
+// block, which removes the reduction tree per (weight row, row of x). With the codes transposed once per weight row
+// and block of 4-8 rows of x it ran 0.91-0.94x of this kernel at 32 rows: vpdpbusd itself is the bound (Zen 4: one
+// 512-bit vpdpbusd per ~2 cycles), and the tree's shuffles run beside it.
 #include <torch/extension.h>
 #include <immintrin.h>
 
@@ -132,24 +140,33 @@ AVX512_VNNI inline __m512i fold_pair(__m512i p0, __m512i p1) {
 
 // code vector v (of NV per 128 k) of weight row `row` at k, as int16 words (Q int16_t) or bytes (int8_t), in the
 // order of x's vectors: x vector v is at q + k + v * 64 / sizeof(Q) (PAIRS / NIBBLES / NIBBLES8W, gemv_quant.h)
+// Q int8_t (x as bytes, vpdpbusd, NIBBLES8W): 8-bit codes are regrouped per block as a grouped weight's are (also
+// per channel: x's order is NIBBLES8W's), and INT8's go in with their sign bit flipped, as the unsigned bytes code +
+// 128 that vpdpbusd takes (FIXED_ZERO takes the 128 off again)
 template <int F, bool ONE, bool TAIL, typename Q>
 struct Codes {
-  static constexpr int NV = std::is_same_v<Q, int8_t> ? 2 : 4;
+  static constexpr bool BYTES = std::is_same_v<Q, int8_t>;
+  static constexpr int NV = BYTES ? 2 : 4;
   __m512i w0, w1;
   AVX512_VNNI void load(const uint8_t* row, int64_t k, int64_t K) {
     if constexpr (FOUR_BIT<F>) {   // 128-bit lane b: block b's 16 bytes
       w0 = load64<TAIL>(row + k / 2, (K - k) / 2);
     } else {
       w0 = load64<TAIL>(row + k, K - k), w1 = load64<TAIL>(row + k + 64, K - k - 64);
-      if constexpr (!ONE) {   // grouped: 128-bit lane b of w0 / w1 = the first / last 16 codes of block b
+      if constexpr (!ONE || BYTES) {   // 128-bit lane b of w0 / w1 = the first / last 16 codes of block b
         const __m512i first = _mm512_shuffle_i64x2(w0, w1, 0x88);
         w1 = _mm512_shuffle_i64x2(w0, w1, 0xDD), w0 = first;
+      }
+      if constexpr (BYTES && F == INT8) {
+        const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+        w0 = _mm512_xor_si512(w0, sign), w1 = _mm512_xor_si512(w1, sign);
       }
     }
   }
   AVX512_VNNI __m512i get(int v) const {
-    if constexpr (std::is_same_v<Q, int8_t>) {   // NIBBLES8W: the low, then the high nibbles as bytes
-      static_assert(FOUR_BIT<F>, "NIBBLES8W takes 4-bit codes");
+    if constexpr (BYTES && !FOUR_BIT<F>) {   // NIBBLES8W, 8-bit codes: each block's first, then last 16
+      return v == 0 ? w0 : w1;
+    } else if constexpr (BYTES) {   // NIBBLES8W: the low, then the high nibbles as bytes
       const __m512i nib = _mm512_set1_epi8(0x0F);
       return v == 0 ? _mm512_and_si512(w0, nib) : _mm512_and_si512(_mm512_srli_epi16(w0, 4), nib);
     } else if constexpr (FOUR_BIT<F>) {   // NIBBLES: nibble v of each word
@@ -163,6 +180,11 @@ struct Codes {
     }
   }
 };
+
+// the zero point of every group of format F when its codes meet x as bytes (Q int8_t, see Codes) or as words: INT4's
+// 8, INT8's 128 as bytes (code + 128); 0 for the rest (per-group zero points: zero_of)
+template <int F, typename Q>
+constexpr int FIXED_ZERO = F == INT4 ? 8 : F == INT8 && std::is_same_v<Q, int8_t> ? 128 : 0;
 
 AVX512_VNNI inline __m512i dpv(__m512i acc, __m512i codes, __m512i x, int16_t) {
   return _mm512_dpwssd_epi32(acc, codes, x);
@@ -275,15 +297,15 @@ AVX512_VNNI void row_avx512(const Act16& a, int64_t m0, const QuantView& w, int6
           total[r * MB + m] = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(S[r * MB + m]), total[r * MB + m]);
           if constexpr (HAS_MIN<F>)
             zsum[r * MB + m] -= min_of<F>(mr[r], g) * static_cast<float>(a.chunk_sum[(m0 + m) * chunks + c]);
-          else if constexpr (F != INT8)
-            zsum[r * MB + m] += s * static_cast<float>(zero_of<F>(zr[r], g) * a.chunk_sum[(m0 + m) * chunks + c]);
+          else if constexpr (F != INT8 || FIXED_ZERO<F, Q> != 0)
+            zsum[r * MB + m] += s * static_cast<float>((FIXED_ZERO<F, Q> ? FIXED_ZERO<F, Q> : zero_of<F>(zr[r], g)) *
+                                                       a.chunk_sum[(m0 + m) * chunks + c]);
         }
       } else {
         const int64_t g0 = c * ch.per_chunk, count = std::min(ch.per_chunk, w.groups - g0);   // the chunk's groups
         const __mmask16 gm = static_cast<__mmask16>((1u << count) - 1);
         const __m512 sv = _mm512_permutexvar_ps(ch.gidx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, sr[r] + g0)));
         __m512i zv = _mm512_setzero_si512();
-        if constexpr (F == INT4) zv = _mm512_set1_epi32(8);
         if constexpr (F == UINT8 || F == UINT4)
           zv = _mm512_permutexvar_epi32(ch.gidx, _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(gm, zr[r] + g0)));
         __m512 mv = _mm512_setzero_ps();   // UINT4_MIN: each block's group's min, lanes as sv's
@@ -294,6 +316,8 @@ AVX512_VNNI void row_avx512(const Act16& a, int64_t m0, const QuantView& w, int6
           const __m512i bq = _mm512_loadu_si512(a.block_sum.data() + (m0 + m) * nb + 16 * c);
           if constexpr (HAS_MIN<F>)   // a block's share of its group's min term: m * (its sum of q)
             total[r * MB + m] = _mm512_fmadd_ps(mv, _mm512_cvtepi32_ps(bq), total[r * MB + m]);
+          else if constexpr (FIXED_ZERO<F, Q> != 0)   // 8 or 128: a shift
+            sums = _mm512_sub_epi32(sums, _mm512_slli_epi32(bq, __builtin_ctz(FIXED_ZERO<F, Q>)));
           else if constexpr (F != INT8)
             sums = _mm512_sub_epi32(sums, _mm512_mullo_epi32(zv, bq));
           total[r * MB + m] = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(sums), total[r * MB + m]);
@@ -354,8 +378,7 @@ void rows_avx512_of(const Act16& a, int64_t M, const QuantView& w, int64_t K, in
 template <int F>
 void rows_avx512(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y,
                  int64_t N, Layout layout) {
-  if constexpr (FOUR_BIT<F>)
-    if (layout == NIBBLES8W) return rows_avx512_of<F, int8_t>(a, M, w, K, n0, n1, y, N);
+  if (layout == NIBBLES8W) return rows_avx512_of<F, int8_t>(a, M, w, K, n0, n1, y, N);
   rows_avx512_of<F, int16_t>(a, M, w, K, n0, n1, y, N);
 }
 

@@ -141,6 +141,25 @@ def test_int8_activations_at_the_int16_limit(isa):
             assert (y - ref).abs().max() <= 1e-6 * ref.abs().max(), (fmt, group, k, sign, isa)
 
 
+@needs_native
+@pytest.mark.parametrize("isa", isa_levels())
+def test_int8_codes_at_their_extremes_meet_int8_x(isa):
+    """With int8 x, the AVX-512 kernel meets int8 codes as unsigned bytes code + 128 and takes 128 times x's block
+    sums off again. Codes -128 and 127 (a GGUF Q8_0 block may hold -128) against every |q| = 127, per channel and in
+    groups, one and several rows of x (K 640: a chunk and part of one): equal to a float64 product."""
+    ext = ops.native()
+    k, n = 640, 24
+    for group, sign, m in itertools.product((-1, 32, 128), (1.0, -1.0), (1, 5)):
+        codes = torch.where(torch.arange(n * k).reshape(n, k) % 3 == 0, -128, 127).to(torch.int8)
+        groups = 1 if group == -1 else k // group
+        qw = QuantizedWeight(codes, torch.full((n, groups), 0.01).half(), None, "int8", group, k, act_bits=8)
+        x = torch.full((m, k), sign)
+        x[:, 1::7] = -sign                                                          # every q = +-127
+        ref = _round_to_int8_levels(x) @ qw.dequantize().double().T
+        y = ext.linear_quant(x, ops.native_weight(qw), None, isa).double()
+        assert (y - ref).abs().max() <= 1e-6 * ref.abs().max(), (group, sign, m, isa)
+
+
 def test_isa_levels_from_cpu_flags(monkeypatch):
     avx512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}
     for flags, level in ((avx512 | {"avx512_vnni"}, ops.ISA_AVX512_VNNI), (avx512 | {"avx512vnni"}, 3),
