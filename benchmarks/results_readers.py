@@ -344,6 +344,9 @@ MEASURES = {
                      "smollm2 q4_0+head --rounds 5`: the race above, our side serving the file's codes with x rounded "
                      "to int8 per token (compute_method activate_quant), as llama.cpp rounds its activations.",
                      gguf_race),
+    "gguf-race-a8-bytes": ("CPU: the same GGUF file, ours with int8 activations met as bytes by 8-bit codes too",
+                           "`gguf_race.py --ours gguf-a8 --files q8_0+head q4_0+head smollm2 --rounds 3`: the race "
+                           "above after 8-bit codes met int8 x with vpdpbusd (they took vpdpwssd before).", gguf_race),
     "quant": ("CPU: quantized weights and KV against bf16 and llama.cpp",
               "`run.py --decode-only --quant ... --kv ...`: "
               "InstantQuant variants in the same rounds as the bf16 model and llama.cpp's GGUF peers.", quant),

@@ -1,0 +1,63 @@
+"""Peak rate of the AVX-512 multiply-add instructions the quantized GEMV is built on, one core: vpdpbusd (bytes, 64
+multiply-adds each), vpdpwssd (words, 32) and vpmaddubsw (bytes into int16 pairs), each over NA independent
+accumulators (enough of them to hide the latency). The GEMV's best case at many rows of x is this rate times the
+multiply-adds per instruction; the number a GEMV reaches over it says how much is left.
+
+    python benchmarks/vnni_peak.py [--iterations 20000000]
+
+Compiles a small extension with torch.utils.cpp_extension.load_inline (needs a C++ compiler; ~30 s the first time).
+Prints instructions per second and multiply-adds per second per core. AVX-512 VNNI CPUs only.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from torch.utils.cpp_extension import load_inline
+
+SOURCE = r"""
+#include <immintrin.h>
+#include <cstdint>
+template <int OP, int NA>
+__attribute__((target("avx512f,avx512bw,avx512vnni"), noinline)) int64_t loop(int64_t n) {
+  __m512i acc[NA];
+  for (int i = 0; i < NA; ++i) acc[i] = _mm512_set1_epi32(i);
+  __m512i a = _mm512_set1_epi8(3);
+  const __m512i b = _mm512_set1_epi8(5);
+  for (int64_t k = 0; k < n; ++k) {
+    for (int i = 0; i < NA; ++i) {
+      if constexpr (OP == 0) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
+      else if constexpr (OP == 1) acc[i] = _mm512_dpwssd_epi32(acc[i], a, b);
+      else acc[i] = _mm512_add_epi16(acc[i], _mm512_maddubs_epi16(a, b));
+    }
+    asm volatile("" : "+v"(a));   // the inputs stay opaque: nothing is hoisted out of the loop
+  }
+  __m512i s = acc[0];
+  for (int i = 1; i < NA; ++i) s = _mm512_add_epi32(s, acc[i]);
+  alignas(64) int32_t lanes[16];
+  _mm512_store_si512(lanes, s);
+  return lanes[0];
+}
+int64_t run(int64_t op, int64_t n) {
+  return op == 0 ? loop<0, 12>(n) : op == 1 ? loop<1, 12>(n) : loop<2, 12>(n);
+}
+"""
+ACCUMULATORS = 12
+OPS = (("vpdpbusd zmm", 64), ("vpdpwssd zmm", 32), ("vpmaddubsw zmm (+ vpaddw)", 64))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iterations", type=int, default=20_000_000)
+    args = p.parse_args()
+    ext = load_inline("vnni_peak", cpp_sources=SOURCE, functions=["run"], extra_cflags=["-O2"])
+    for op, (name, macs) in enumerate(OPS):
+        ext.run(op, 1000)   # warm up
+        t = time.perf_counter()
+        ext.run(op, args.iterations)
+        rate = args.iterations * ACCUMULATORS / (time.perf_counter() - t)
+        print(f"{name:<28} {rate / 1e9:6.2f} G instructions/s   {rate * macs / 1e9:7.1f} G multiply-adds/s (one core)")
+
+
+if __name__ == "__main__":
+    main()
