@@ -68,6 +68,13 @@ def smollm2_gguf() -> str:
     return str(path.locate())
 
 
+def race_spec(ours: str, quick: bool = False, **extra) -> dict:
+    """The benchmark model's spec for a race: its prompts, and (ours gguf-a8) the quant config that serves the file's
+    codes with x rounded to int8; `extra` adds keys (gguf_race_gpu.py: device)."""
+    return dict(common.QUICK if quick else common.FULL, prompts=(CONC_PROMPT, TTFT_PROMPT),
+                gguf_quant_config={"compute_method": "activate_quant"} if ours == "gguf-a8" else None, **extra)
+
+
 def race_file(key: str, spec: dict, ours_from: str) -> dict:
     """{'gguf': path, 'ours': what our side loads, 'variant': its InstantQuant config or None}."""
     if key == "smollm2":
@@ -355,8 +362,7 @@ def main() -> None:
     why_not = LP.missing()
     if why_not:
         raise SystemExit(why_not)
-    spec = dict(common.QUICK if a.quick else common.FULL, prompts=(CONC_PROMPT, TTFT_PROMPT),
-                gguf_quant_config={"compute_method": "activate_quant"} if a.ours == "gguf-a8" else None)
+    spec = race_spec(a.ours, a.quick)
     a.json = a.json or common.result_path("gguf-race", "cpu", a.quick)
     torch.set_num_threads(a.threads)
     from allspark_server import Engine

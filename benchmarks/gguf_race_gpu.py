@@ -96,7 +96,7 @@ def main() -> None:
         print("warning: LD_PRELOAD names no libstdc++; a CUDA build of llama.cpp may crash beside torch (see the "
               "module's docstring)", flush=True)
     a.quiet_cores, a.quiet_timeout = 0.0, 0.0       # gguf_race.one_round: no waiting for a quiet CPU
-    spec = dict(common.QUICK if a.quick else common.FULL, prompts=(R.CONC_PROMPT, R.TTFT_PROMPT), device=a.device)
+    spec = R.race_spec(a.ours, a.quick, device=a.device)
     a.json = a.json or common.result_path("gguf-race", a.device, a.quick)
     report = start_report(a, spec)
     from allspark_server import Engine

@@ -4,8 +4,10 @@ share of the CPU's multiply-add peak (benchmarks/vnni_peak.py: vpdpbusd for x as
 
     python benchmarks/stream_profile.py [--file q4_0+head] [--ours gguf-a8] [--streams 32] [--json PATH]
 
-The prompts (128 random tokens each) are prefilled first; the decode rows count only the ops of decode steps
-(prefill runs its own ops: prefill_mlp, prefill_attention), and a decode step's time is the sum of its ops' times.
+The prompts (128 random tokens each) are prefilled first. Each op's total is divided by the decode steps (the
+attention op's count over the layers; prefill attends through prefill_attention), and a decode step's time is the sum
+of those ops. The projections, attention and kv_store run only in decode steps; ops that the few prefill steps run
+too (norm, lm_head, inputs, sample, embedding) are slightly overstated.
 """
 from __future__ import annotations
 
@@ -17,11 +19,11 @@ import sys
 
 os.environ["AS_PROFILE"] = "ON"    # before the engine exists: every op of every step is timed
 
-import torch  # noqa: E402
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gguf_race as GR  # noqa: E402  (first: it sets common.spin_openmp before torch loads, as in the race)
+
 import common  # noqa: E402
-import gguf_race as GR  # noqa: E402
+import torch  # noqa: E402
 
 DECODE_OPS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head", "attention", "kv_store", "norm",
               "act_mul", "rotary", "inputs", "sample", "embedding", "rope_rows", "final_norm", "apply_plan",
@@ -50,8 +52,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    spec = dict(common.FULL, prompts=(GR.CONC_PROMPT, GR.TTFT_PROMPT),
-                gguf_quant_config={"compute_method": "activate_quant"} if a.ours == "gguf-a8" else None)
+    spec = GR.race_spec(a.ours)
     f = GR.race_file(a.file, spec, "gguf")
     from allspark_server import Engine
     engine = Engine()
