@@ -25,7 +25,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), noinline)) int64_t loop(in
   __m512i a = _mm512_set1_epi8(3);
   const __m512i b = _mm512_set1_epi8(5);
   for (int64_t k = 0; k < n; ++k) {
-    for (int i = 0; i < NA; ++i) {
+#pragma GCC unroll 16
+    for (int i = 0; i < NA; ++i) {   // unrolled, so the accumulators stay in registers (a loop keeps them on the stack)
       if constexpr (OP == 0) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
       else if constexpr (OP == 1) acc[i] = _mm512_dpwssd_epi32(acc[i], a, b);
       else acc[i] = _mm512_add_epi16(acc[i], _mm512_maddubs_epi16(a, b));

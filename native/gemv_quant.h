@@ -192,6 +192,12 @@ template <int F>
 void rows_avx512(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y,
                  int64_t N, Layout layout);
 
+// gemv_quant_lanes.cpp: rows [n0, n1) of y = x . W^T for weights in groups of 32 .. 256 (any format but UINT8) against
+// LANES_MIN_ROWS or more rows of int8 x (activate_quant, NIBBLES8W): each block's sum in one lane, no reduction tree
+constexpr int64_t LANES_MIN_ROWS = 8;
+template <int F>
+void rows_lanes(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y, int64_t N);
+
 // activation_rounding.cpp: each row of x [M, K] rounded to fixed point (act_max 32767 or 127) in `layout`, with the
 // sums the kernels take the zero points off with (`group`: the weight's group size)
 Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float act_max, Layout layout, int64_t group);

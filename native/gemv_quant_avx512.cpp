@@ -30,11 +30,12 @@
 // codes with int8 x, vpdpbusd against the vpdpwssd kernel on the same int8 x (one process, alternating, median of 9
 // same-round ratios, the 0.5 B model's four GEMV shapes): 32 rows of x 1.22x (int8 g32) and 1.40x (per channel); one
 // row 1.00x (the weight's bytes are the bound there).
-// Tried and dropped: transposing each chunk's codes (and x) so that every int32 lane of a vpdpbusd sum stays in one
-// block, which removes the reduction tree per (weight row, row of x). With the codes transposed once per weight row
-// and block of 4-8 rows of x it ran 0.91-0.94x of this kernel at 32 rows: vpdpbusd itself is the bound (Zen 4: one
-// 512-bit vpdpbusd per ~2 cycles), and the tree's shuffles run beside it. Also no gain: 8 rows of x per call with x as
-// bytes (fully unrolled, 16 accumulators) instead of 4, at 32 rows of 4096 x 1536 and 12288 x 512 weights.
+// Groups below a chunk with 8 or more rows of int8 x go to gemv_quant_lanes.cpp instead: each block's sum in one lane,
+// no reduction tree and no zero-point work per row of x. Transposing the codes per block of 4-8 rows of x (tried
+// here first) ran 0.91-0.94x of this kernel; done once per tile of weight rows there, for all rows of x, it pays.
+// Zen 4 issues one 512-bit vpdpbusd a cycle (benchmarks/vnni_peak.py); this kernel's tree, zero points and
+// unpacking take ~15 other vector instructions per 8 vpdpbusd and set its pace at many rows. No gain: 8 rows of x
+// per call with x as bytes (fully unrolled, 16 accumulators) instead of 4, at 32 rows of 4096 x 1536 and 12288 x 512.
 #include <torch/extension.h>
 #include <immintrin.h>
 
@@ -370,6 +371,9 @@ AVX512_VNNI void rows_avx512_mode(const Act16& a, int64_t M, const QuantView& w,
 template <int F, typename Q>
 void rows_avx512_of(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y,
                     int64_t N) {
+  if constexpr (std::is_same_v<Q, int8_t> && F != UINT8)   // int8 x, many rows, groups below a chunk
+    if (M >= LANES_MIN_ROWS && w.groups > 1 && w.group % CHUNK != 0)
+      return rows_lanes<F>(a, M, w, K, n0, n1, y, N);
   if (w.groups == 1 || w.group % CHUNK == 0) rows_avx512_mode<F, true, Q>(a, M, w, K, n0, n1, y, N);
   else rows_avx512_mode<F, false, Q>(a, M, w, K, n0, n1, y, N);
 }

@@ -160,6 +160,53 @@ def test_int8_codes_at_their_extremes_meet_int8_x(isa):
         assert (y - ref).abs().max() <= 1e-6 * ref.abs().max(), (group, sign, m, isa)
 
 
+@needs_native
+@pytest.mark.parametrize("isa", isa_levels())
+def test_many_rows_of_int8_x_meet_codes_at_their_extremes(isa):
+    """From 8 rows of int8 x on, grouped weights (groups of 32 .. 256) take the kernel that keeps each block's sum in
+    one lane (native/gemv_quant_lanes.cpp): codes as signed bytes code - z, x as unsigned bytes x + 128, and the
+    weight's own 128 * (sum of code - z) taken off per block. Codes at both ends of their range (zero points too)
+    against every |q| = 127, every format it takes, K with a partial chunk (640) and three whole ones (1536), 9 rows
+    (two passes of four and one row) and 32, an odd count of weight rows: equal to a float64 product."""
+    ext = ops.native()
+    n = 23
+    for fmt, group, k in itertools.product(("int8", "int4", "uint4", "uint4_min"), (32, 64, 256), (640, 1536)):
+        if k % group:
+            continue
+        four = "4" in fmt
+        top, low = (15, 0) if four else (127, -128)
+        pattern = torch.arange(n * k).reshape(n, k) % 5 < 2
+        codes = torch.where(pattern, top, low)
+        if four:
+            codes = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)   # the packing: only its values matter
+        else:
+            codes = codes.to(torch.int8)
+        groups = k // group
+        scales = torch.linspace(0.005, 0.02, n * groups).reshape(n, groups).half()
+        zeros = None
+        if fmt == "uint4":
+            zeros = torch.where(torch.arange(n * groups).reshape(n, groups) % 2 == 0, 0, 15).to(torch.uint8)
+        elif fmt == "uint4_min":
+            zeros = torch.linspace(-0.1, 0.05, n * groups).reshape(n, groups).half()
+        qw = QuantizedWeight(codes, scales, zeros, fmt, group, k, act_bits=8)
+        w64 = qw.dequantize().double()
+        for m, sign in itertools.product((9, 32), (1.0, -1.0)):
+            x = torch.full((m, k), sign)
+            x[:, 1::3] = -sign                                                      # every q = +-127
+            x[1::2, 2::5] *= 0.5
+            ref = _round_to_int8_levels(x) @ w64.T
+            y = ext.linear_quant(x, ops.native_weight(qw), None, isa).double()
+            assert (y - ref).abs().max() <= 1e-6 * ref.abs().max(), (fmt, group, k, m, sign, isa)
+    g = torch.Generator().manual_seed(21)
+    for i, (fmt, n, k, group) in enumerate(_cases()):   # random weights and x, 33 rows: 8 passes of four and one row
+        q = quantize(torch.randn(n, k, generator=g) * 0.05, fmt, group)
+        qw = QuantizedWeight(q["qweight"], q["scales"], q.get("zeros", q.get("mins")), fmt, group, k, act_bits=8)
+        x = torch.randn(33, k, generator=g)
+        ref = _round_to_int8_levels(x) @ qw.dequantize().double().T
+        tol = 1e-5 * (x.double().abs() @ qw.dequantize().double().abs().T).max().item() + 1e-6
+        assert (ext.linear_quant(x, ops.native_weight(qw), None, isa).double() - ref).abs().max() <= tol, (fmt, k, group)
+
+
 def test_isa_levels_from_cpu_flags(monkeypatch):
     avx512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}
     for flags, level in ((avx512 | {"avx512_vnni"}, ops.ISA_AVX512_VNNI), (avx512 | {"avx512vnni"}, 3),
