@@ -52,7 +52,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -270,9 +269,11 @@ void run_linear(const float* x, int64_t M, int64_t K, const QuantView& w, const 
                         : isa >= 1 && M == 1 && x8 && bytes8_fits(w, K) ? BYTES8
                                                                       : NATURAL;
   const Act16 a = round_activations(x, M, K, isa, w.act_max, layout, w.group);
-  // every element is written by the kernel before it is read: no zero fill
-  std::unique_ptr<float[]> scratch(std::is_same_v<O, float> ? nullptr : new float[M * N]);
-  float* y = std::is_same_v<O, float> ? reinterpret_cast<float*>(out) : scratch.get();
+  // bf16 out: the fp32 sums in a buffer kept by the calling thread (a fresh one would be zero filled, or page
+  // faulted in, on every call: ~8 M values per 32-row decode step); the kernel writes every element it reads
+  thread_local std::vector<float> scratch;
+  if (!std::is_same_v<O, float> && static_cast<int64_t>(scratch.size()) < M * N) scratch.resize(M * N);
+  float* y = std::is_same_v<O, float> ? reinterpret_cast<float*>(out) : scratch.data();
   const int64_t grain = allspark::weight_rows_grain(w.row_bytes);
   allspark::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     DISPATCH_FORMAT(w.format, rows<F>(a, M, w, K, n0, n1, y, N, isa, layout));

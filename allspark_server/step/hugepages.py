@@ -34,8 +34,10 @@ def _hugepage_bytes(nbytes: int) -> torch.Tensor | None:
     return torch.frombuffer(buf, dtype=torch.uint8)     # the tensor keeps the mmap alive
 
 
-def zeros(specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
-    """Zero-filled CPU tensors {name: (shape, dtype)}, all in one huge-page arena (torch.zeros if none)."""
+def zeros(specs: dict[str, tuple[tuple[int, ...], torch.dtype]], populate: bool = False) -> dict[str, torch.Tensor]:
+    """Zero-filled CPU tensors {name: (shape, dtype)}, all in one huge-page arena (torch.zeros if none). populate:
+    every page faulted in now (the KV cache: otherwise a decode step that writes a new span's rows waits for the
+    kernel to clear a fresh 2 MiB page, while torch.zeros's fallback writes every page anyway)."""
     offsets, total = {}, 0
     for name, (shape, dtype) in specs.items():
         offsets[name] = total
@@ -44,6 +46,8 @@ def zeros(specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, to
     arena = _hugepage_bytes(total)
     if arena is None:
         return {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in specs.items()}
+    if populate:
+        arena.zero_()
     return {name: arena[offsets[name]:offsets[name] + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
             for name, (shape, dtype) in specs.items()}
 

@@ -52,7 +52,7 @@ class KVCache:
         if pinned:   # host memory a GPU copies to and from asynchronously
             pages = {name: torch.zeros(shape, dtype=dt, pin_memory=True) for name, (shape, dt) in specs.items()}
         elif device.type == "cpu":
-            pages = hugepages.zeros(specs)
+            pages = hugepages.zeros(specs, populate=True)
         else:
             pages = {name: torch.zeros(shape, dtype=dt, device=device) for name, (shape, dt) in specs.items()}
         self.layers = [LayerKV(pages[f"k{i}"], pages[f"v{i}"], pages.get(f"kp{i}"), pages.get(f"vp{i}"))
