@@ -347,6 +347,11 @@ MEASURES = {
     "gguf-race-a8-bytes": ("CPU: the same GGUF file, ours with int8 activations met as bytes by 8-bit codes too",
                            "`gguf_race.py --ours gguf-a8 --files q8_0+head q4_0+head smollm2 --rounds 3`: the race "
                            "above after 8-bit codes met int8 x with vpdpbusd (they took vpdpwssd before).", gguf_race),
+    "gguf-race-a8-lanes": ("CPU: the same GGUF file, ours with int8 activations, block sums in lanes",
+                           "`gguf_race.py --ours gguf-a8 --files q4_0+head q8_0+head smollm2 --rounds 3`: the race "
+                           "above after grouped weights met 8+ rows of int8 x with each block's sum in one lane "
+                           "(native/gemv_quant_lanes.cpp) and the KV cache's pages were faulted in at creation.",
+                           gguf_race),
     "quant": ("CPU: quantized weights and KV against bf16 and llama.cpp",
               "`run.py --decode-only --quant ... --kv ...`: "
               "InstantQuant variants in the same rounds as the bf16 model and llama.cpp's GGUF peers.", quant),
