@@ -30,7 +30,7 @@
 // codes with int8 x, vpdpbusd against the vpdpwssd kernel on the same int8 x (one process, alternating, median of 9
 // same-round ratios, the 0.5 B model's four GEMV shapes): 32 rows of x 1.22x (int8 g32) and 1.40x (per channel); one
 // row 1.00x (the weight's bytes are the bound there).
-// Groups below a chunk with 8 or more rows of int8 x go to gemv_quant_lanes.cpp instead: each block's sum in one lane,
+// Groups below a chunk with LANES_MIN_ROWS or more rows of int8 x go to gemv_quant_lanes.cpp instead: each block's sum in one lane,
 // no reduction tree and no zero-point work per row of x. Transposing the codes per block of 4-8 rows of x (tried
 // here first) ran 0.91-0.94x of this kernel; done once per tile of weight rows there, for all rows of x, it pays.
 // Zen 4 issues one 512-bit vpdpbusd a cycle (benchmarks/vnni_peak.py); this kernel's tree, zero points and
