@@ -32,8 +32,6 @@
 
 namespace {
 
-constexpr int64_t WHOLE_AHEAD = 32;   // keys ahead for the whole-run prefetch
-
 using attn::group_output;
 using attn::group_query;
 using attn::to_f;
@@ -92,14 +90,10 @@ void attend_portable(ATTEND_ARGS) { attend<T>(ATTEND_CALL); }
 // key and head, call std::exp per score (~260 us for 1000 keys x 12 heads x 128 dims), and widen each key row once
 // per head. Each key row is widened once for the group's heads; the value sums stay in registers over all keys.
 template <typename T, bool V512>
-__attribute__((always_inline)) inline void attend_rows(ATTEND_ARGS, std::vector<const T*>& v_rows, int64_t whole) {
+__attribute__((always_inline)) inline void attend_rows(ATTEND_ARGS, std::vector<const T*>& v_rows) {
   using Row = attn::DenseRow<T>;
   group_query(q, D, G, g, qf);
   for (int64_t t = 0; t < ctx; ++t) {
-    if (whole && t + WHOLE_AHEAD < ctx) {   // KV head 0: every head's K and V row of the token into L2 (see run)
-      attn::prefetch_row<2>(k_cache + rows[t + WHOLE_AHEAD] * D, whole);
-      attn::prefetch_row<2>(v_cache + rows[t + WHOLE_AHEAD] * D, whole);
-    }
     attn::prefetch_for_key(k_cache, v_cache, D * sizeof(T), rows, t, ctx);
     const T* kr = k_cache + rows[t] * D;
     if constexpr (V512) attn::group_dots_avx512<Row>(qf, kr, D, G, scores + t, ctx);
@@ -123,14 +117,10 @@ __attribute__((always_inline)) inline void attend_rows(ATTEND_ARGS, std::vector<
 
 template <typename T>
 __attribute__((target("avx512f,avx512bw,avx512vl"), flatten))
-void attend_avx512_d16(ATTEND_ARGS, std::vector<const T*>& v_rows, int64_t whole) {
-  attend_rows<T, true>(ATTEND_CALL, v_rows, whole);
-}
+void attend_avx512_d16(ATTEND_ARGS, std::vector<const T*>& v_rows) { attend_rows<T, true>(ATTEND_CALL, v_rows); }
 template <typename T>
 __attribute__((target("avx2,fma"), flatten))
-void attend_avx2_d32(ATTEND_ARGS, std::vector<const T*>& v_rows, int64_t whole) {
-  attend_rows<T, false>(ATTEND_CALL, v_rows, whole);
-}
+void attend_avx2_d32(ATTEND_ARGS, std::vector<const T*>& v_rows) { attend_rows<T, false>(ATTEND_CALL, v_rows); }
 
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& spans,
@@ -162,19 +152,15 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& v
       const int64_t* r = rows.data();
       const float s = static_cast<float>(scale);
       const float* sl = alibi ? alibi + g * G : nullptr;   // the group's slopes
-      // a token's rows of all KV heads are one run of KVH * D; the tasks of one sequence run one after the other on
-      // this thread, so the first one asks for the whole runs (into L2) and the others find their rows there (32
-      // sequences of 192 tokens, 4 KV heads of 128: ~9% less time than each task fetching only its own rows)
-      const int64_t whole = g == 0 && KVH > 1 ? KVH * D * static_cast<int64_t>(sizeof(T)) : 0;
       if (isa >= 2 && D % 16 == 0)
         attend_avx512_d16<T>(qb, kp, vp, r, n, D, G, g, s, sl, cap, ob, scores.data(), qf.data(), acc.data(),
-                             inv_sum.data(), v_rows, whole);
+                             inv_sum.data(), v_rows);
       else if (isa >= 2)
         attend_avx512<T>(qb, kp, vp, r, n, D, G, g, s, sl, cap, ob, scores.data(), qf.data(), acc.data(),
                          inv_sum.data());
       else if (isa == 1 && D % 32 == 0)
         attend_avx2_d32<T>(qb, kp, vp, r, n, D, G, g, s, sl, cap, ob, scores.data(), qf.data(), acc.data(),
-                           inv_sum.data(), v_rows, whole);
+                           inv_sum.data(), v_rows);
       else if (isa == 1)
         attend_avx2<T>(qb, kp, vp, r, n, D, G, g, s, sl, cap, ob, scores.data(), qf.data(), acc.data(),
                        inv_sum.data());
