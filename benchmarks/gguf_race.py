@@ -45,6 +45,7 @@ common.spin_openmp()    # before torch loads: llama.cpp's OpenMP team shares the
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+import host_load  # noqa: E402
 import llamacpp_peer as LP  # noqa: E402
 import workloads as W  # noqa: E402
 
@@ -220,44 +221,12 @@ def stream_rates(t0: float, stamps: list[list[float]]) -> dict:
             "first_tokens_s": all_first - t0}
 
 
-class CpuMeter:
-    """Cores used over an interval by other processes (all busy time less this process's) and by steal."""
-
-    def __init__(self):
-        self.hz = os.sysconf("SC_CLK_TCK")
-        self.start = self._read()
-
-    def _read(self) -> tuple[float, float, float, float]:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        busy = v[0] + v[1] + v[2] + v[5] + v[6]         # user nice system irq softirq
-        t = os.times()
-        return time.perf_counter(), busy / self.hz, t.user + t.system, v[7] / self.hz
-
-    def cores(self) -> dict:
-        (w0, b0, o0, s0), (w1, b1, o1, s1) = self.start, self._read()
-        wall = w1 - w0
-        return {"others_cores": max(0.0, (b1 - b0) - (o1 - o0)) / wall, "steal_cores": (s1 - s0) / wall}
-
-
-def wait_quiet(max_cores: float, timeout_s: float, window_s: float = 10.0) -> dict:
-    """Wait (at most `timeout_s`) for a `window_s` window in which other processes used under `max_cores`;
-    the last window's cores and how long it waited."""
-    t0 = time.perf_counter()
-    while True:
-        meter = CpuMeter()
-        time.sleep(window_s)
-        cores = meter.cores()
-        if cores["others_cores"] < max_cores or time.perf_counter() - t0 > timeout_s:
-            return {"quiet_window_others_cores": cores["others_cores"], "waited_s": time.perf_counter() - t0}
-
-
 def one_round(r: int, sides: dict, vocab: int, spec: dict, concurrency: list[int], a) -> dict:
     """Every workload once on each side, the sides' order alternating by round; the same prompts for both."""
     order = list(sides) if r % 2 == 0 else list(sides)[::-1]
     out = {key: {} for key in sides}
-    quiet = wait_quiet(a.quiet_cores, a.quiet_timeout) if a.quiet_cores else {}
-    meter, load = CpuMeter(), os.getloadavg()[0]
+    quiet = host_load.wait_quiet(a.quiet_cores, a.quiet_timeout) if a.quiet_cores else {}
+    meter, load = host_load.CpuMeter(), os.getloadavg()[0]
     for key in order:
         out[key]["decode_b1_tps"] = sides[key].decode(vocab, spec["new_tokens"], seed=r)
     ids = W.ttft_prompt(TTFT_PROMPT, r, vocab, salt=7)

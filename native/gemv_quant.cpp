@@ -242,19 +242,26 @@ void dequantize_rows(const QuantView& w, int64_t K, int64_t n0, int64_t n1, T* o
     default: { constexpr int F = UINT4_MIN; __VA_ARGS__; break; }    \
   }
 
-// out[m, n0 .. n1) = y + bias, rounded once into O, 8 at a time (a decode step of 32 rows converts ~8 M of them)
+// out[m, n0 .. n1) = y + bias, rounded once into O (the scalar form, and the AVX2 one's last columns)
+template <typename O>
+inline void finish_rows(const float* y, const O* bias, O* out, int64_t M, int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = n0; n < n1; ++n)
+      out[m * N + n] = static_cast<O>(y[m * N + n] + (bias ? static_cast<float>(bias[n]) : 0.f));
+}
+
+// the same 8 at a time (a decode step of 32 rows converts ~8 M of them)
 template <typename O>
 __attribute__((target("avx2,fma"))) void finish_rows_avx2(const float* y, const O* bias, O* out, int64_t M, int64_t N,
                                                           int64_t n0, int64_t n1) {
-  for (int64_t m = 0; m < M; ++m) {
-    int64_t n = n0;
-    for (; n + 8 <= n1; n += 8) {
+  const int64_t n8 = n0 + (n1 - n0) / 8 * 8;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = n0; n < n8; n += 8) {
       __m256 v = _mm256_loadu_ps(y + m * N + n);
       if (bias) v = _mm256_add_ps(v, simd::load8(bias + n));
       simd::store8(out + m * N + n, v);
     }
-    for (; n < n1; ++n) out[m * N + n] = static_cast<O>(y[m * N + n] + (bias ? static_cast<float>(bias[n]) : 0.f));
-  }
+  finish_rows(y, bias, out, M, N, n8, n1);
 }
 
 template <typename O>
@@ -278,10 +285,8 @@ void run_linear(const float* x, int64_t M, int64_t K, const QuantView& w, const 
   allspark::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     DISPATCH_FORMAT(w.format, rows<F>(a, M, w, K, n0, n1, y, N, isa, layout));
     if (std::is_same_v<O, float> && !bias) return;
-    if (isa >= 1) return finish_rows_avx2(y, bias, out, M, N, n0, n1);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = n0; n < n1; ++n)
-        out[m * N + n] = static_cast<O>(y[m * N + n] + (bias ? static_cast<float>(bias[n]) : 0.f));
+    if (isa >= 1) finish_rows_avx2(y, bias, out, M, N, n0, n1);
+    else finish_rows(y, bias, out, M, N, n0, n1);
   });
 }
 

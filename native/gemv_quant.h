@@ -151,6 +151,11 @@ void rows_nibbles_avx2(const Act16& a, const QuantView& w, int64_t n0, int64_t n
 template <int F>
 void rows_bytes8_avx2(const Act16& a, const QuantView& w, int64_t n0, int64_t n1, float* y);
 
+// the mask of the first `bytes` of a 64-byte load (none if bytes <= 0, all if >= 64): the AVX-512 kernels' row ends
+inline __mmask64 bytes_mask(int64_t bytes) {
+  return bytes >= 64 ? ~__mmask64(0) : bytes <= 0 ? __mmask64(0) : (__mmask64(1) << bytes) - 1;
+}
+
 // the weights the AVX-512 kernel takes: per channel, or groups of 32, 64, 128, 256 or a multiple of 512
 inline bool avx512_fits(const QuantView& w) {
   return w.groups == 1 || w.group % CHUNK == 0 || w.group == 32 || w.group == 64 || w.group == 128 || w.group == 256;

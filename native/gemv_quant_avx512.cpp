@@ -30,8 +30,8 @@
 // codes with int8 x, vpdpbusd against the vpdpwssd kernel on the same int8 x (one process, alternating, median of 9
 // same-round ratios, the 0.5 B model's four GEMV shapes): 32 rows of x 1.22x (int8 g32) and 1.40x (per channel); one
 // row 1.00x (the weight's bytes are the bound there).
-// Groups below a chunk with LANES_MIN_ROWS or more rows of int8 x go to gemv_quant_lanes.cpp instead: each block's sum in one lane,
-// no reduction tree and no zero-point work per row of x. Transposing the codes per block of 4-8 rows of x (tried
+// Groups below a chunk with LANES_MIN_ROWS or more rows of int8 x go to gemv_quant_lanes.cpp instead: each block's
+// sum in one lane, no reduction tree and no zero-point work per row of x. Transposing the codes per block of 4-8 rows of x (tried
 // here first) ran 0.91-0.94x of this kernel; done once per tile of weight rows there, for all rows of x, it pays.
 // Zen 4 issues one 512-bit vpdpbusd a cycle (benchmarks/vnni_peak.py); this kernel's tree, zero points and
 // unpacking take ~15 other vector instructions per 8 vpdpbusd and set its pace at many rows. No gain: 8 rows of x
@@ -124,10 +124,6 @@ namespace {
 // points: its codes go in as they are and each group's min times its sum of q is added in fp32 (grouped: a
 // second FMA with the mins gathered like the scales; ONE: per chunk, with the chunk's sum of q).
 #define AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
-
-AVX512_VNNI inline __mmask64 bytes_mask(int64_t bytes) {
-  return bytes >= 64 ? ~__mmask64(0) : bytes <= 0 ? __mmask64(0) : (__mmask64(1) << bytes) - 1;
-}
 
 template <bool TAIL>
 AVX512_VNNI inline __m512i load64(const uint8_t* p, int64_t bytes) {

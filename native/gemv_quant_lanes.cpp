@@ -30,10 +30,6 @@ namespace {
 
 #define LANES_ISA __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
-LANES_ISA inline __mmask64 bytes_mask(int64_t bytes) {
-  return bytes >= 64 ? ~__mmask64(0) : bytes <= 0 ? __mmask64(0) : (__mmask64(1) << bytes) - 1;
-}
-
 // a weight row's chunk in the scratch: the 8 code vectors, the 16 corrections (int32), scales (fp32), mins (fp32)
 constexpr int64_t CORR_AT = CHUNK, SCALE_AT = CHUNK + 64, MIN_AT = CHUNK + 128;
 constexpr int64_t ROW_CHUNK_BYTES = CHUNK + 192;
@@ -106,7 +102,7 @@ LANES_ISA void transform_chunk(const QuantView& w, int64_t n, int64_t k0, int64_
   const __m512i ones = _mm512_set1_epi8(1);
   for (int j = 0; j < 8; ++j) {
     if constexpr (F == INT4 || F == UINT4) T[j] = _mm512_sub_epi8(T[j], zb);
-    T[j] = _mm512_maskz_mov_epi32(valid, T[j]);
+    if (valid != 0xFFFF) T[j] = _mm512_maskz_mov_epi32(valid, T[j]);   // the last chunk's blocks past K
     _mm512_storeu_si512(out + 64 * j, T[j]);
     codesum = _mm512_dpbusd_epi32(codesum, ones, T[j]);
   }
