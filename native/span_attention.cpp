@@ -17,8 +17,9 @@
 // are done together so each key/value row is read once. Scores, softmax and the weighted sum run in
 // fp32 (for bf16 caches the softmax weights are rounded to bf16 before meeting V, like PyTorch's SDPA).
 // The loop structure of a task never depends on the other sequences, so a sequence's result is the
-// same in any batch. ISA: 2 = AVX-512 (intrinsics when the head dim is a multiple of 16, else the
-// generic code compiled for it), 1 = AVX2, 0 = portable (the generic code compiled per target).
+// same in any batch. ISA: 4 = AVX-512 BF16 (bf16 caches with head dims a multiple of 32: bf16 dot products; else as
+// 2), 2 and 3 = AVX-512 (intrinsics when the head dim is a multiple of 16, else the generic code compiled for it),
+// 1 = AVX2, 0 = portable (the generic code compiled per target).
 #include <torch/extension.h>
 #include <immintrin.h>
 #include <algorithm>
@@ -122,6 +123,131 @@ template <typename T>
 __attribute__((target("avx2,fma"), flatten))
 void attend_avx2_d32(ATTEND_ARGS, std::vector<const T*>& v_rows) { attend_rows<T, false>(ATTEND_CALL, v_rows); }
 
+// ---- AVX-512 BF16 (bf16 caches, head dims a multiple of 32) ------------------------------------------------
+// q, the keys, the softmax weights (rounded to bf16 like attend()'s) and the values are all bf16, so every product is
+// exact in fp32 either way: vdpbf16ps takes two products per fp32 lane a cycle where vfmadd231ps takes one, and
+// leaves the rows in bf16. Scores: a key's dot with each head in one accumulator, 16 keys' accumulators reduced
+// together (a transpose-and-add, ~3 instructions a key instead of a horizontal sum's ~8). Value sums: keys t and
+// t + 1 interleaved as bf16 pairs (vpunpck{l,h}wd), met by the pair of their weights; the interleave leaves each
+// 128-bit lane's dimensions split in halves, put back in order once at the end.
+#define DP_ISA __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), always_inline)) inline
+
+// the 16 sums of v[0..16)'s lanes, element i = v[i]'s
+DP_ISA __m512 sums16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)   // each 128-bit lane: its part of the sums of v[4i .. 4i + 4)
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+// scores[h * ctx + t] = scale * q_h . key t for NH heads (q: [NH, D] bf16, D a multiple of 32)
+template <int NH>
+DP_ISA void dp_scores(const at::BFloat16* q, const at::BFloat16* k_cache, const int64_t* rows, int64_t ctx,
+                      int64_t D, float scale, float* scores, int64_t stride, const at::BFloat16* v_cache) {
+  alignas(64) __m512 acc[NH][16];
+  const int64_t row_bytes = D * 2;
+  for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, ctx - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = t0 + i;
+      if (v_cache) attn::prefetch_for_key(k_cache, v_cache, row_bytes, rows, t, ctx);
+      const at::BFloat16* kr = k_cache + rows[t] * D;
+      __m512 a[NH];
+      for (int h = 0; h < NH; ++h) a[h] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512bh kv = (__m512bh)_mm512_loadu_si512(kr + d);
+        for (int h = 0; h < NH; ++h) a[h] = _mm512_dpbf16_ps(a[h], (__m512bh)_mm512_loadu_si512(q + h * D + d), kv);
+      }
+      for (int h = 0; h < NH; ++h) acc[h][i] = a[h];
+    }
+    for (int64_t i = n; i < 16; ++i)
+      for (int h = 0; h < NH; ++h) acc[h][i] = _mm512_setzero_ps();
+    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+    for (int h = 0; h < NH; ++h)
+      _mm512_mask_storeu_ps(scores + h * stride + t0, mask, _mm512_mul_ps(sums16(acc[h]), _mm512_set1_ps(scale)));
+  }
+}
+
+// acc[h, :] = sum_t w[h, t] * value t for NH heads, dimensions j .. j + 32 NB (w [NH, ctx] fp32 holding bf16 values)
+template <int NH, int NB>
+DP_ISA void dp_values(const at::BFloat16* v_cache, const int64_t* rows, int64_t ctx, int64_t D, int64_t j,
+                      const float* w, float* out) {
+  __m512 lo[NH][NB], hi[NH][NB];
+  for (int h = 0; h < NH; ++h)
+    for (int b = 0; b < NB; ++b) lo[h][b] = hi[h][b] = _mm512_setzero_ps();
+  const int64_t span = 64 * NB;
+  auto bits = [](float f) { uint32_t u; std::memcpy(&u, &f, 4); return u >> 16; };
+  for (int64_t t = 0; t < ctx; t += 2) {
+    const bool pair = t + 1 < ctx;
+    for (int64_t u = t + attn::PREFETCH_AHEAD; u < std::min(ctx, t + attn::PREFETCH_AHEAD + 2); ++u)
+      attn::prefetch_row<3>(reinterpret_cast<const char*>(v_cache + rows[u] * D + j), span);
+    const at::BFloat16* v0 = v_cache + rows[t] * D + j;
+    const at::BFloat16* v1 = pair ? v_cache + rows[t + 1] * D + j : nullptr;
+    __m512bh wp[NH];
+    for (int h = 0; h < NH; ++h)
+      wp[h] = (__m512bh)_mm512_set1_epi32(static_cast<int>(bits(w[h * ctx + t]) |
+                                                          (pair ? bits(w[h * ctx + t + 1]) << 16 : 0u)));
+    for (int b = 0; b < NB; ++b) {
+      const __m512i a = _mm512_loadu_si512(v0 + 32 * b);
+      const __m512i c = pair ? _mm512_loadu_si512(v1 + 32 * b) : _mm512_setzero_si512();
+      const __m512bh pl = (__m512bh)_mm512_unpacklo_epi16(a, c), ph = (__m512bh)_mm512_unpackhi_epi16(a, c);
+      for (int h = 0; h < NH; ++h) {
+        lo[h][b] = _mm512_dpbf16_ps(lo[h][b], wp[h], pl);
+        hi[h][b] = _mm512_dpbf16_ps(hi[h][b], wp[h], ph);
+      }
+    }
+  }
+  // lane L of lo: dimensions 8L .. 8L + 3 of the block, of hi: 8L + 4 .. 8L + 7
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int h = 0; h < NH; ++h)
+    for (int b = 0; b < NB; ++b) {
+      _mm512_storeu_ps(out + h * D + j + 32 * b, _mm512_permutex2var_ps(lo[h][b], first, hi[h][b]));
+      _mm512_storeu_ps(out + h * D + j + 32 * b + 16, _mm512_permutex2var_ps(lo[h][b], second, hi[h][b]));
+    }
+}
+
+template <int NH>
+DP_ISA void dp_values_heads(const at::BFloat16* v_cache, const int64_t* rows, int64_t ctx, int64_t D, const float* w,
+                            float* out) {
+  int64_t j = 0;
+  for (; j + 128 <= D; j += 128) dp_values<NH, 4>(v_cache, rows, ctx, D, j, w, out);
+  for (; j < D; j += 32) dp_values<NH, 1>(v_cache, rows, ctx, D, j, w, out);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), flatten))
+void attend_bf16_dp(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
+                    const int64_t* rows, int64_t ctx, int64_t D, int64_t G, int64_t g, float scale,
+                    const float* slopes, float cap, at::BFloat16* out, float* scores, float* acc, float* inv_sum) {
+  const at::BFloat16* qg = q + g * G * D;
+  for (int64_t h0 = 0; h0 < G; h0 += 4) {
+    const at::BFloat16* vc = h0 == 0 ? v_cache : nullptr;   // the prefetches once, with the first heads
+    float* sc = scores + h0 * ctx;
+    switch (std::min<int64_t>(4, G - h0)) {
+      case 1: dp_scores<1>(qg + h0 * D, k_cache, rows, ctx, D, scale, sc, ctx, vc); break;
+      case 2: dp_scores<2>(qg + h0 * D, k_cache, rows, ctx, D, scale, sc, ctx, vc); break;
+      case 3: dp_scores<3>(qg + h0 * D, k_cache, rows, ctx, D, scale, sc, ctx, vc); break;
+      default: dp_scores<4>(qg + h0 * D, k_cache, rows, ctx, D, scale, sc, ctx, vc); break;
+    }
+  }
+  if (cap > 0.f) attn::softcap_scores_avx512(scores, G * ctx, cap);
+  attn::add_alibi(scores, ctx, G, slopes);
+  attn::softmax_rows_avx512<at::BFloat16>(scores, ctx, G, inv_sum);
+  for (int64_t h0 = 0; h0 < G; h0 += 3) {
+    switch (std::min<int64_t>(3, G - h0)) {
+      case 1: dp_values_heads<1>(v_cache, rows, ctx, D, scores + h0 * ctx, acc + h0 * D); break;
+      case 2: dp_values_heads<2>(v_cache, rows, ctx, D, scores + h0 * ctx, acc + h0 * D); break;
+      default: dp_values_heads<3>(v_cache, rows, ctx, D, scores + h0 * ctx, acc + h0 * D); break;
+    }
+  }
+  group_output(acc, inv_sum, D, G, g, out);
+}
+
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& spans,
          const torch::Tensor& ctx, double scale, const float* alibi, float cap, int64_t window, torch::Tensor& out,
@@ -152,6 +278,12 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& v
       const int64_t* r = rows.data();
       const float s = static_cast<float>(scale);
       const float* sl = alibi ? alibi + g * G : nullptr;   // the group's slopes
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        if (isa >= 4 && D % 32 == 0) {
+          attend_bf16_dp(qb, kp, vp, r, n, D, G, g, s, sl, cap, ob, scores.data(), acc.data(), inv_sum.data());
+          continue;
+        }
+      }
       if (isa >= 2 && D % 16 == 0)
         attend_avx512_d16<T>(qb, kp, vp, r, n, D, G, g, s, sl, cap, ob, scores.data(), qf.data(), acc.data(),
                              inv_sum.data(), v_rows);

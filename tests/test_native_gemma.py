@@ -15,8 +15,9 @@ from allspark_server.quant import kv as kv_quant
 pytestmark = pytest.mark.skipif(os.environ.get("ALLSPARK_NO_NATIVE") == "1" or ops.native() is None,
                                 reason="native kernels not built or disabled")
 
-# the kernel variants: portable, AVX2, AVX-512 (ISA_AVX512_VNNI runs the AVX-512 attention and activations)
-ISAS = [i for i in (ops.ISA_PORTABLE, ops.ISA_AVX2, ops.ISA_AVX512) if i <= ops.isa_level()]
+# the kernel variants: portable, AVX2, AVX-512 (ISA_AVX512_VNNI runs the AVX-512 attention and activations), and
+# AVX-512 BF16 (the decode attention's bf16 dot products)
+ISAS = [i for i in (ops.ISA_PORTABLE, ops.ISA_AVX2, ops.ISA_AVX512, ops.ISA_AVX512_BF16) if i <= ops.isa_level()]
 EPS32 = 2.0 ** -24          # fp32's unit roundoff
 EPS_BF16 = 2.0 ** -8        # bf16's (8 significant bits)
 

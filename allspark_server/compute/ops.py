@@ -25,8 +25,10 @@ from allspark_server.quant.formats import FORMAT_IDS, QuantizedWeight
 log = logging.getLogger(__name__)
 
 # kernels test `isa >= ISA_AVX512` for AVX-512 code, so ISA_AVX512_VNNI (only the quantized GEMV has a VNNI
-# path, native/gemv_quant.cpp) runs every other kernel's AVX-512 path
-ISA_PORTABLE, ISA_AVX2, ISA_AVX512, ISA_AVX512_VNNI = 0, 1, 2, 3
+# path, native/gemv_quant.cpp) runs every other kernel's AVX-512 path, and ISA_AVX512_BF16 (VNNI and bf16 dot
+# products: only the decode attention over bf16 caches has a path of its own, native/span_attention.cpp) every
+# other kernel's VNNI path
+ISA_PORTABLE, ISA_AVX2, ISA_AVX512, ISA_AVX512_VNNI, ISA_AVX512_BF16 = 0, 1, 2, 3, 4
 # largest number of rows of x the native linear takes; above it oneDNN's GEMM wins (measured on an
 # 8192 x 1536 weight, 2 Zen 4 threads: fp32 native 4.0 ms vs 5.2 ms at 8 rows, 6.0 vs 5.4 at 12;
 # bf16 1.1 vs 1.2 ms at 4 rows, 1.7 vs 1.3 at 5 — oneDNN has bf16 dot-product instructions).
@@ -53,7 +55,9 @@ def isa_level() -> int:
     flags = cpu_flags()
     if {"avx512f", "avx512bw", "avx512vl"} <= flags:
         # py-cpuinfo spells it avx512vnni (from cpuid) or avx512_vnni (from /proc/cpuinfo)
-        return ISA_AVX512_VNNI if {"avx512vnni", "avx512_vnni"} & flags else ISA_AVX512
+        if not {"avx512vnni", "avx512_vnni"} & flags:
+            return ISA_AVX512
+        return ISA_AVX512_BF16 if {"avx512bf16", "avx512_bf16"} & flags else ISA_AVX512_VNNI
     if {"avx2", "fma"} <= flags:
         return ISA_AVX2
     return ISA_PORTABLE
@@ -63,7 +67,8 @@ def describe() -> str:
     """Which kernels this process uses (resolves the native module and the ISA level once)."""
     if native() is None:
         return "PyTorch path (native module unavailable)"
-    names = {ISA_AVX512_VNNI: "AVX-512 VNNI", ISA_AVX512: "AVX-512", ISA_AVX2: "AVX2+FMA", ISA_PORTABLE: "portable C++"}
+    names = {ISA_AVX512_BF16: "AVX-512 VNNI + BF16", ISA_AVX512_VNNI: "AVX-512 VNNI", ISA_AVX512: "AVX-512",
+             ISA_AVX2: "AVX2+FMA", ISA_PORTABLE: "portable C++"}
     return "native, " + names[isa_level()]
 
 
