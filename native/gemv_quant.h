@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <new>
 #include <vector>
 
 #include "kernels.h"
@@ -59,8 +60,25 @@ enum Layout { NATURAL, PAIRS, NIBBLES, NIBBLES16, NIBBLES8, BYTES8, NIBBLES8W };
 constexpr int64_t CHUNK16 = 64;   // k per step of the AVX2 NIBBLES16 kernel
 
 // x rounded per row to int16: q [M, padded K] (zero padded) and one scale d per row
+// std::vector's storage from a cache line on: a 64-byte vector load from a buffer of them then never straddles two
+// lines, which costs it twice (malloc aligns to 16 bytes, and a large block sits 16 bytes past a page). The int8 x and
+// the GEMV scratch buffers are read a 64-byte vector at a time.
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const { return true; }
+};
+template <typename T>
+using LineVector = std::vector<T, CacheLineAllocator<T>>;
+
 struct Act16 {
-  std::vector<int16_t> q;
+  LineVector<int16_t> q;
   // [M, padded K / 32]: sum of q over each block of 32 (for the zero points); PAIRS / NIBBLES / NIBBLES8W: each
   // chunk's 16 in the lane order of the AVX-512 kernel's reduction (lane 4b + s holds block 4s + b)
   std::vector<int32_t> block_sum;
@@ -72,7 +90,7 @@ struct Act16 {
   // takes a group's zero point off without adding up its block sums again for every weight row (NIBBLES8 with
   // groups of 64: each full eight in the lane order of block_sum_lanes)
   std::vector<int32_t> group_sum;
-  std::vector<int8_t> q8;           // NIBBLES8 / BYTES8 / NIBBLES8W: q as bytes (q itself then left empty)
+  LineVector<int8_t> q8;           // NIBBLES8 / BYTES8 / NIBBLES8W: q as bytes (q itself then left empty)
   std::vector<float> d;
   int64_t padded;
 };

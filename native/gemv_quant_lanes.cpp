@@ -215,7 +215,7 @@ template <int F>
 LANES_ISA void rows_lanes_isa(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1,
                               float* y, int64_t N) {
   const int64_t chunks = a.padded / CHUNK, row_scratch = chunks * ROW_CHUNK_BYTES;
-  thread_local std::vector<uint8_t> xs, ws;
+  thread_local LineVector<uint8_t> xs, ws;   // the vectors of their rows (multiples of 64 bytes) align
   xs.resize(M * chunks * X_CHUNK_BYTES);
   for (int64_t m = 0; m < M; ++m)
     transform_x<HAS_MIN<F>>(a.q8.data() + m * a.padded, chunks, xs.data() + m * chunks * X_CHUNK_BYTES);

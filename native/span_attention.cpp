@@ -132,19 +132,6 @@ void attend_avx2_d32(ATTEND_ARGS, std::vector<const T*>& v_rows) { attend_rows<T
 // 128-bit lane's dimensions split in halves, put back in order once at the end.
 #define DP_ISA __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), always_inline)) inline
 
-// the 16 sums of v[0..16)'s lanes, element i = v[i]'s
-DP_ISA __m512 sums16(const __m512* v) {
-  __m512 t[8], u[4], w[2];
-  for (int i = 0; i < 8; ++i)
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)   // each 128-bit lane: its part of the sums of v[4i .. 4i + 4)
-    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
-  for (int i = 0; i < 2; ++i)
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-}
-
 // scores[h * ctx + t] = scale * q_h . key t for NH heads (q: [NH, D] bf16, D a multiple of 32)
 template <int NH>
 DP_ISA void dp_scores(const at::BFloat16* q, const at::BFloat16* k_cache, const int64_t* rows, int64_t ctx,
@@ -169,7 +156,7 @@ DP_ISA void dp_scores(const at::BFloat16* q, const at::BFloat16* k_cache, const 
       for (int h = 0; h < NH; ++h) acc[h][i] = _mm512_setzero_ps();
     const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
     for (int h = 0; h < NH; ++h)
-      _mm512_mask_storeu_ps(scores + h * stride + t0, mask, _mm512_mul_ps(sums16(acc[h]), _mm512_set1_ps(scale)));
+      _mm512_mask_storeu_ps(scores + h * stride + t0, mask, _mm512_mul_ps(simd::sums16(acc[h]), _mm512_set1_ps(scale)));
   }
 }
 
