@@ -352,6 +352,13 @@ MEASURES = {
                            "above after grouped weights met 8+ rows of int8 x with each block's sum in one lane "
                            "(native/gemv_quant_lanes.cpp) and the KV cache's pages were faulted in at creation.",
                            gguf_race),
+    "gguf-race-a8-dp": ("CPU: the same GGUF file, ours with int8 activations, bf16 dot-product attention",
+                        "`gguf_race.py --ours gguf-a8 --files q4_0+head q8_0+head smollm2 --rounds 3`: the race "
+                        "above after decode attention over the bf16 KV cache took vdpbf16ps (ISA level 4) and the "
+                        "lanes GEMV's scratch moved to cache-line boundaries.", gguf_race),
+    "gguf-race-a8-dp-q4_0": ("CPU: the same GGUF file, ours with int8 activations, bf16 dot-product attention, "
+                             "a second run", "`gguf_race.py --ours gguf-a8 --files q4_0+head --rounds 3`: the race "
+                             "above again on the Q4_0 file alone, minutes later.", gguf_race),
     "quant": ("CPU: quantized weights and KV against bf16 and llama.cpp",
               "`run.py --decode-only --quant ... --kv ...`: "
               "InstantQuant variants in the same rounds as the bf16 model and llama.cpp's GGUF peers.", quant),
