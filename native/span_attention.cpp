@@ -266,7 +266,8 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& v
       const float s = static_cast<float>(scale);
       const float* sl = alibi ? alibi + g * G : nullptr;   // the group's slopes
       if constexpr (std::is_same_v<T, at::BFloat16>) {
-        if (isa >= 4 && D % 32 == 0) {
+        static const bool bf16_dp = __builtin_cpu_supports("avx512bf16");   // a level 4 passed elsewhere: not run
+        if (isa >= 4 && bf16_dp && D % 32 == 0) {
           attend_bf16_dp(qb, kp, vp, r, n, D, G, g, s, sl, cap, ob, scores.data(), acc.data(), inv_sum.data());
           continue;
         }

@@ -98,7 +98,8 @@ def test_decode_attention_matches_reference(dtype, isa):
     g = torch.Generator().manual_seed(2)
     # head dims of a multiple of 32 (64, 128, 256) take the AVX2 intrinsics, in blocks of up to 4 query heads (G =
     # 2, 3, 4, 6); 16 and 24 the compiled loops. AVX-512: multiples of 16 (16, 48, 64, 128, 256), the value sums in
-    # passes of 128 / 64 / 32 / 16 dimensions and blocks of up to 3 heads
+    # passes of 128 / 64 / 32 / 16 dimensions and blocks of up to 3 heads. AVX-512 BF16 (level 4, bf16 only): multiples
+    # of 32 take bf16 dot products (scores 16 keys at a time, values two keys at a time: odd contexts end alone)
     for heads, kv_heads, d, span_size in ((4, 4, 16, 16), (8, 2, 64, 32), (6, 1, 24, 16), (2, 1, 128, 64),
                                           (12, 4, 128, 32), (6, 1, 64, 16), (4, 2, 48, 16), (2, 1, 256, 16)):
         num_spans = 40
