@@ -1,0 +1,87 @@
+"""The measures benchmarks/RESULTS.md lists: each results file's measure name -> (title, how it was run, the
+reader of results_readers.py that turns its JSON into table rows)."""
+from __future__ import annotations
+
+from results_readers import (
+    ab_trees, accuracy_smollm2, allreduce, cpu_attention, cuda, cuda_gemv_micro, cuda_quant_micro,
+    cuda_quant_silu, cuda_quant_sweep, decode_attention_sweep, engines, features, gguf_race, int8_gemm, kv, moe,
+    multi_host, pool_step, quant, quant_accuracy, serve, serve_burst, switch_interval,
+)
+
+MEASURES = {
+    "ab-redesign": ("A/B: the layer-description redesign against the commit before it", "`ab_trees.py --old "
+                    "<checkout of 737f874>`: each tree in its own process; the CPU rows with both engines resident, "
+                    "taking turns; the H200 row from an earlier version of the script (a process per round).", ab_trees),
+    "engines": ("CPU: Engine against transformers", "`run.py`: batch-1 decode, concurrency, TTFT, 2-rank pool; "
+                "0.5 B Llama-shaped model, random weights.", engines),
+    "engines-bf16": ("CPU: Engine against transformers, bf16 only", "`run.py --dtypes bfloat16 --no-pool "
+                     "--no-llamacpp`: fresh prompts for every TTFT.", engines),
+    "llamacpp-bf16": ("CPU: bf16 against llama.cpp", "`run.py --decode-only --no-pool --no-hf --dtypes bfloat16 "
+                      "--rounds 21`: the same weights as f16 / bf16 GGUF files.", quant),
+    "gguf-race": ("CPU and GPU: the same GGUF file served by allspark and llama.cpp", "`gguf_race.py --rounds 5`: "
+                  "SmolLM2-135M-Instruct Q4_1 and the 0.5 B benchmark model written as Q8_0 / Q4_0 with its LM head, "
+                  "each served by both sides on the same threads (llama-cpp-python, parallel slots for the "
+                  "streams), interleaved rounds; on a GPU `gguf_race_gpu.py --rounds 5`: ours on a CUDA rank, "
+                  "llama.cpp (a CUDA build) with every layer offloaded.", gguf_race),
+    "gguf-race-a8": ("CPU: the same GGUF file, ours with int8 activations", "`gguf_race.py --ours gguf-a8 --files "
+                     "smollm2 q4_0+head --rounds 5`: the race above, our side serving the file's codes with x rounded "
+                     "to int8 per token (compute_method activate_quant), as llama.cpp rounds its activations.",
+                     gguf_race),
+    "gguf-race-a8-bytes": ("CPU: the same GGUF file, ours with int8 activations met as bytes by 8-bit codes too",
+                           "`gguf_race.py --ours gguf-a8 --files q8_0+head q4_0+head smollm2 --rounds 3`: the race "
+                           "above after 8-bit codes met int8 x with vpdpbusd (they took vpdpwssd before).", gguf_race),
+    "gguf-race-a8-lanes": ("CPU: the same GGUF file, ours with int8 activations, block sums in lanes",
+                           "`gguf_race.py --ours gguf-a8 --files q4_0+head q8_0+head smollm2 --rounds 3`: the race "
+                           "above after grouped weights met 8+ rows of int8 x with each block's sum in one lane "
+                           "(native/gemv_quant_lanes.cpp) and the KV cache's pages were faulted in at creation.",
+                           gguf_race),
+    "gguf-race-a8-dp": ("CPU: the same GGUF file, ours with int8 activations, bf16 dot-product attention",
+                        "`gguf_race.py --ours gguf-a8 --files q4_0+head q8_0+head smollm2 --rounds 3`: the race "
+                        "above after decode attention over the bf16 KV cache took vdpbf16ps (ISA level 4) and the "
+                        "lanes GEMV's scratch moved to cache-line boundaries.", gguf_race),
+    "gguf-race-a8-dp-q4_0": ("CPU: the same GGUF file, ours with int8 activations, bf16 dot-product attention, "
+                             "a second run", "`gguf_race.py --ours gguf-a8 --files q4_0+head --rounds 3`: the race "
+                             "above again on the Q4_0 file alone, minutes later.", gguf_race),
+    "quant": ("CPU: quantized weights and KV against bf16 and llama.cpp",
+              "`run.py --decode-only --quant ... --kv ...`: "
+              "InstantQuant variants in the same rounds as the bf16 model and llama.cpp's GGUF peers.", quant),
+    "quant-a8": ("CPU: int8 weights with and without int8 activations", "`run.py --decode-only --quant int8 int8+a8`.",
+                 quant),
+    "quant-a8head": ("CPU: 4-bit and 8-bit weights with int8 activations and LM head", "`run.py --decode-only "
+                     "--no-llamacpp --quant int8+a8+head int4_g32+a8+head int4_g64+a8+head int4_g128+a8+head`.", quant),
+    "quant-ttft": ("CPU: TTFT with quantized weights",
+                   "`run.py --decode-only --ttft --quant ...`: TTFT relative to the "
+                   "bf16 model's (medians of same-round ratios; where a file has none, the ratio of medians).", quant),
+    "kv": ("CPU: quantized KV cache", "`run.py --decode-only --kv int8 uint4 [--kv-weights ...]`.", kv),
+    "cpu-attention": ("CPU: decode attention kernels", "`cpu_decode_attention.py`: 16 layers, bf16 / int8 / uint4 "
+                      "spans.", cpu_attention),
+    "int8-gemm": ("CPU: AMX int8 GEMM for prefill", "`int8_gemm.py`: TTFT of int8 + a8 + head weights.", int8_gemm),
+    "moe": ("CPU: mixture of experts", "`moe.py`: Qwen3-MoE-shaped model, random weights.", moe),
+    "features": ("CPU: prefix cache and guided JSON", "`run.py --features`.", features),
+    "multi-host": ("CPU: 2-host pool", "`multi_host.py`: two network-namespace hosts against one host.", multi_host),
+    "serve": ("HTTP server against the Engine API", "`serve.py`: Poisson load through allspark-serve.", serve),
+    "serve-burst": ("HTTP server bursts", "`serve.py --burst N`: N streams at once.", serve_burst),
+    "quant-accuracy": ("Quantization accuracy, 0.5 B model", "`quant_accuracy.py`: teacher-forced against fp32.",
+                       quant_accuracy),
+    "quant-accuracy-quick": ("Quantization accuracy, small model", "`quant_accuracy.py --quick`.", quant_accuracy),
+    "accuracy-smollm2": ("Accuracy on SmolLM2-135M-Instruct: weight formats x KV modes", "`accuracy_table.py`: "
+                         "perplexity over 20,480 tokens of pydoc_data.topics, KL(p_fp32 || p) and top-1 agreement "
+                         "against transformers' fp32 model of the same GGUF file; dense KV is fp32 for the fp32 row, "
+                         "bf16 for the others.", accuracy_smollm2),
+    "cuda": ("GPU: Engine against a PyTorch CUDA-graph step and transformers", "`run.py --device cuda`: "
+             "Llama-2-7B-shaped bf16 model, random weights.", cuda),
+    "cuda-gemv-micro": ("GPU: Triton decode GEMV", "`cuda_gemv_micro.py`: Llama-2-7B shapes and 2-rank shards.",
+                        cuda_gemv_micro),
+    "cuda-quant-micro": ("GPU: quantized matmul", "`cuda_quant_micro.py`: each format against cuBLAS on bf16.",
+                         cuda_quant_micro),
+    "cuda-quant-sweep": ("GPU: quantized GEMV launch configs", "`cuda_quant_micro.py --sweep-only`.", cuda_quant_sweep),
+    "cuda-quant-silu": ("GPU: silu·mul as the quantized GEMV's epilogue", "fused against two launches, one row.",
+                        cuda_quant_silu),
+    "decode-attention-sweep": ("GPU: decode attention launch shapes", "`decode_attention_sweep.py`.",
+                               decode_attention_sweep),
+    "allreduce": ("GPU: allreduce of one decode step's activations", "`allreduce_micro.py`: in CUDA graphs of 64 "
+                  "calls.", allreduce),
+    "pool-step": ("GPU: a 2-rank pool's decode graph", "`pool_step_micro.py`: each rank's graph replayed alone.",
+                  pool_step),
+    "switch-interval": ("GPU: Python's switch interval", "`switch_interval_ab.py`.", switch_interval),
+}
