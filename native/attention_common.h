@@ -36,13 +36,12 @@ __attribute__((always_inline)) inline void group_output(const float* acc, const 
 // A sequence's key/value rows are scattered over its spans and strided by the KV heads, which the hardware
 // prefetchers follow poorly, and in a decode step the weights streamed since the previous layer have pushed
 // them out of cache. So while scoring key t, the kernels ask for key t + PREFETCH_AHEAD (into L1) and value t
-// (into L2, read after the softmax). Measured between the q/k/v and o GEMVs of a 0.5 B model (12 heads,
-// 4 KV heads, D 128, 200 tokens, 2 threads): bf16 ~90 -> ~45 us per layer, fp32 ~92 -> ~72 us.
+// (into L2, read after the softmax); docs/performance.md, "Choices in the code", has what that saved.
 constexpr int64_t PREFETCH_AHEAD = 16;
 
 // rows[t - first] = the cache row (slot * KVH + g) of the sequence's key t in [first, ctx) for KV head g, filled span
-// by span: the kernels index rows by it rather than dividing t by the span size for every key (three 64-bit
-// divisions a key made ~1/4 of an AVX-512 attention's time at 2048 tokens). first > 0 (a sliding window): the spans
+// by span: the kernels index rows by it rather than dividing t by the span size for every key (three 64-bit divisions a
+// key were a large part of an AVX-512 attention's time at long contexts). first > 0 (a sliding window): the spans
 // wholly before key `first` are not looked up, so nothing of them is ever read.
 inline void key_rows(const int64_t* spans, int64_t ctx, int64_t P, int64_t KVH, int64_t g, int64_t* rows,
                      int64_t first = 0) {

@@ -4,8 +4,8 @@
 // row at the ISA level `isa`.
 //
 // Rows are cut into pieces of GATED_PIECE columns, so a decode step's one row of 4096+ also runs on every thread
-// (measured on the AVX2 VM: one 4096-wide row on one thread took 27-32 us in a decode step, the gate half
-// written by one thread's GEMV rows and the up half by the other's). Pieces start at multiples of 16, so which
+// (on one thread it is slow: the gate half was written by one thread's GEMV rows and the up half by the other's;
+// docs/performance.md, "Choices in the code"). Pieces start at multiples of 16, so which
 // elements the vector loops leave to the scalar tail (the row's last I % 8 or I % 16) does not depend on the
 // split.
 #pragma once

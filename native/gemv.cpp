@@ -62,16 +62,11 @@ inline __m512 load16_512(const uint16_t* p, __mmask16 mask) {
 
 // One row of x (batch-1 decode): each thread reads S weight rows at once, taken from S equal parts of
 // its block of rows (S sequential streams far apart), two accumulator chains per row, one cache line of
-// bf16 (half a line of fp32) per stream and step. Measured on Zen 4 with 2 threads over the 0.5 B
-// benchmark model's weights: a back-to-back chain of its GEMVs read ~12% (bf16) / ~3% (fp32) faster than
-// with one stream and four chains per thread (3-4 streams: no better; 8: slower); inside a whole decode
-// step, where serial work separates the GEMVs, the gain is ~1% (paired steps). (Interleaving *adjacent*
-// rows is one stream, not several.) Tried later on the same VM over the same chain, 2 threads (medians of
-// same-round ratios to this kernel; 57 rounds in a rotating order, the chunked rows 37 rounds): AVX512-BF16 dot
-// products on the bf16 x (vdpbf16ps: 1 load + 1 instruction per line instead of 6) 1.01 with 2 streams, 0.99
-// with 4 (0.99-1.02 in a second run); 4 streams of this kernel 1.00; rows taken dynamically in chunks of
-// 16 / 32 / 64 (llama.cpp's scheme) 0.92 / 0.97 / 0.99; software prefetch 512 / 2048 bytes ahead 0.85 / 0.94.
-// The chain is bound by the bandwidth (~31-32 GB/s then), not by instructions, so none of them was kept.
+// bf16 (half a line of fp32) per stream and step: on Zen 4 a few streams far apart keep more of the memory's
+// bandwidth busy than one stream with four chains (interleaving *adjacent* rows is one stream, not several).
+// The loop is bound by the bandwidth, not by instructions, so what would cut instructions (AVX512-BF16 dot
+// products), more streams, rows taken dynamically and a software prefetch were tried and not kept
+// (docs/performance.md, "Choices in the code").
 template <typename W, int S>
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 void rows_m1_avx512(const float* x, int64_t K, const W* w, int64_t n0, int64_t n1, float* y) {
@@ -107,8 +102,7 @@ void rows_m1_avx512(const float* x, int64_t K, const W* w, int64_t n0, int64_t n
 }
 
 // Several rows of x: each weight load feeds MB FMAs, so the loop is no longer purely a stream; two
-// weight rows per block (sharing the loads of x) measured faster here: at M = 4, 1.0 ms vs 1.5 ms
-// for an 8192 x 1536 bf16 weight on 2 threads.
+// weight rows per block share the loads of x, which was the faster choice here (docs/performance.md).
 template <typename W, int MB, int NB>
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 void block_avx512(const float* x, int64_t K, const W* w, int64_t n, float* y, int64_t N, int64_t n_end) {
@@ -187,9 +181,8 @@ void rows_avx512(const float* x, int64_t m_rows, int64_t K, const W* w, int64_t 
 }
 
 // ---- AVX2 -------------------------------------------------------------------------------------
-// Each weight row is prefetched 2 KiB ahead (simd.h): on the Zen 3-class AVX2 VM that took the batch-1 chain of
-// the 0.5 B model's GEMVs from 48.1 to 39.3-45.2 ms (2 threads) and the engine's bf16 decode from 19.3 to 22.3
-// tokens/s (benchmarks/gemv_quant_micro.py, a step profile of the benchmark model).
+// Each weight row is prefetched 2 KiB ahead (simd.h): the Zen 3-class AVX2 VM's hardware prefetchers fall behind a
+// thread's stream (docs/performance.md, "Choices in the code").
 template <typename W, int MB>
 __attribute__((target("avx2,fma")))
 void row_avx2(const float* x, int64_t K, const W* wr, float* y, int64_t N) {

@@ -19,20 +19,16 @@
 // rounding. One rounding into the activation dtype at the end, bias included. compute_method activate_quant
 // ("A8W8", QuantWeight::act_bits = 8) rounds x to int8 instead, q = round(x * 127 / absmax); nothing else changes.
 //
-// Why not fp32 FMAs on codes widened to fp32: measured on a Zen 3-class AVX2 core with the weights in L2, that
-// ran at ~4 G weights/s (int8) and ~2.8 G (4-bit) per core, and over a 0.5 B model's gate/up weights (2
-// threads) 4-bit decoded 0.84x as fast as our bf16 GEMV: the widening instructions, not the memory, were the
-// limit. The int16 path needs about half the instructions per weight and no fp32 work inside a group.
+// Why not fp32 FMAs on codes widened to fp32: in such a kernel the widening instructions, not the memory, are the
+// limit; the int16 path needs about half the instructions per weight and no fp32 work inside a group.
 // (Rounding x to int8 instead, llama.cpp's q8_0 . q8_0, needs a few instructions less but adds a 1/254
 // activation error.)
 //
-// Software prefetch: none in the AVX-512 kernel (on Zen 4 a prefetch 1 KiB ahead in the row halved its speed
-// when streaming from memory: int8 per channel 1.33x -> 2.03x of the bf16 GEMV without it, same rounds). The
-// AVX2 kernels prefetch 2 KiB ahead (simd.h): on the Zen 3-class AVX2 VM the hardware prefetchers fall behind,
-// and the GEMV chain of the 0.5 B model (2 threads) went 48.1 -> 39.3-45.2 ms (bf16), 24.1 -> 19.8 ms (int8 with
-// activate_quant, BYTES8 below), 20.6 -> 14.0-15.0 ms (int4 g64 a8). The 16-bit row_avx2 kernel prefetches 8-bit
-// codes only: with 4-bit codes it is bound by its instructions, and the prefetch made int4 g128 26 -> 32 ms
-// (groups of 128 take NIBBLES16 / 8 since: GEMV chain 1.48x -> 1.77x of bf16's, 1.45x -> 2.24x with int8 x).
+// Software prefetch: the AVX2 kernels prefetch 2 KiB ahead (simd.h), because the AVX2 VM's hardware prefetchers
+// fall behind a thread's stream; the AVX-512 kernel takes none, because on Zen 4 a prefetch in the row slowed it.
+// The 16-bit row_avx2 kernel prefetches 8-bit codes only: with 4-bit codes it is bound by its instructions, and
+// there the prefetch slowed it (groups of 128 take NIBBLES16 / 8, faster on them). The measurements behind these
+// choices: docs/performance.md, "Choices in the code".
 //
 // ISA (chosen by compute/ops.py): 3 AVX-512 VNNI (gemv_quant_avx512.cpp: vpdpwssd, x laid out to match the
 // codes; with activate_quant's int8 x: vpdpbusd, NIBBLES8W), 1 and 2 AVX2+FMA+F16C
@@ -41,8 +37,8 @@
 // summation order. The weight streams row by row; each thread owns a contiguous block of rows, up to 4 rows of x
 // share each block of codes. At batch 1, 4-bit codes in groups of 32, 64 or 128 take the AVX2 NIBBLES16 kernel (codes
 // read as words, nibbles isolated in place, x reordered to match); with activate_quant's int8 x, NIBBLES8 (the
-// nibbles as bytes, vpmaddubsw; the chain of the 0.5 B model's GEMVs, 2 threads: int4 g32 2.2x -> 2.9-3.0x of the
-// bf16 GEMV, since the AVX2 VM's 256-bit multiplies, which bound the 16-bit kernel, issue at one per 2 cycles);
+// nibbles as bytes, vpmaddubsw: about half the 256-bit multiplies per code, which bound the 16-bit kernel because
+// the AVX2 VM issues them at one per 2 cycles);
 // 8-bit codes with int8 x take BYTES8 (vpmaddubsw on the codes' magnitudes and x signed like the codes).
 // This file: the portable kernel, the dequantization and the entry points; rounding x is activation_rounding.cpp;
 // what the files share is in gemv_quant.h.
@@ -351,8 +347,8 @@ torch::Tensor linear_quant(torch::Tensor x, const QuantWeight& w, std::optional<
     run_linear<float>(xc.data_ptr<float>(), M, K, v, bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
                       isa);
   } else {
-    // x in fp32 once, shared by every weight row: widened here, not by an ATen op (x.to(kFloat) took ~10 us of a
-    // decode step's every GEMV on the AVX2 VM, its code cold after the weight stream)
+    // x in fp32 once, shared by every weight row: widened here, not by an ATen op, whose code is cold after the
+    // weight stream on every GEMV of a decode step
     thread_local std::vector<float> widened;
     widened.resize(M * K);
     widen_bf16(xc.data_ptr<at::BFloat16>(), M * K, widened.data(), isa);
@@ -413,7 +409,7 @@ torch::Tensor project(const torch::Tensor& x, const Weight& w, const std::option
   if (const auto* q = std::get_if<QuantWeight>(&w)) {
     if (x.size(0) <= quant_native_rows(isa)) return linear_quant(x, *q, b, isa);
     // ATen's GEMM on the dequantized weight, as ops.linear_dequantized: bf16 where the CPU has bf16 dot products,
-    // else fp32 (without them oneDNN's bf16 GEMM is ~5x slower, ops.gemm_dtype has the numbers), the weight then
+    // else fp32 (without them oneDNN's bf16 GEMM is far slower; ops.gemm_dtype says how much), the weight then
     // dequantized a tile at a time; activate_quant: x rounded as the GEMV would meet it
     const bool bf16 = x.scalar_type() == at::kBFloat16 && bf16_dot_products();
     const auto gemm_dtype = bf16 ? at::kBFloat16 : at::kFloat;

@@ -147,8 +147,7 @@ inline void codes16(const uint8_t* row, int64_t k, __m256i zero, __m256i* lo, __
 }
 
 // the AVX2 NIBBLES16 / NIBBLES8 kernels' weights: 4-bit, groups of 32, 64 or 128, K a multiple of 64 (whole
-// chunks), at least 2 groups. Groups of 128 were left to row_avx2 before the kernels prefetched their stream:
-// streaming, they ran no faster then (GEMV chain 1.90x of bf16 against row_avx2's 2.00x).
+// chunks), at least 2 groups
 inline bool nibbles16_fits(const QuantView& w, int64_t K) {
   return w.format >= INT4 &&
          (w.group == BLOCK || w.group == 2 * BLOCK || w.group == 4 * BLOCK) && w.groups > 1 && K % CHUNK16 == 0;
@@ -184,8 +183,8 @@ inline bool avx512_fits(const QuantView& w) {
 // once, not M / MR times. While pass p of P (one per block of x) runs over a tile, the lines [p / P, (p + 1) / P)
 // of each row of the next tile are prefetched into L2, so its first pass does not wait for memory. Each (weight
 // row, row of x) pair is still computed exactly as at M <= MR, so a row's result never depends on the others.
-// (Two weight rows per step, sharing each load of x, measured slower on Zen 4: the kernels are bound by their vector
-// instructions, not their loads, and 2 x 4 rows spill registers.)
+// (One weight row per step, not two sharing each load of x: the kernels are bound by their vector instructions, not
+// their loads, and 2 x 4 rows spill registers.)
 constexpr int64_t TILE_BYTES = 256 << 10;
 template <typename RowFn>
 inline void tiled_rows(const QuantView& w, int64_t M, int64_t n0, int64_t n1, RowFn row) {
@@ -217,8 +216,8 @@ void rows_avx512(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64
 
 // gemv_quant_lanes.cpp: rows [n0, n1) of y = x . W^T for weights in groups of 32 .. 256 (any format but UINT8) against
 // LANES_MIN_ROWS or more rows of int8 x (activate_quant, NIBBLES8W): each block's sum in one lane, no reduction tree.
-// Its reordering of the weight rows pays from ~10 rows (against the tree kernel, the 0.5 B model's GEMVs, 2 threads:
-// 0.95-1.04x at 8 rows, 1.07-1.11x at 12, 1.17-1.33x at 16, int4 / int8 g32)
+// Its reordering of each tile of weight rows is shared by all rows of x, so it pays only with enough of them (where it
+// starts to: docs/performance.md, "Choices in the code")
 constexpr int64_t LANES_MIN_ROWS = 12;
 template <int F>
 void rows_lanes(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y, int64_t N);

@@ -1,8 +1,8 @@
 // The AVX2 kernels of the quantized GEMV (isa 1 and 2): x rounded to int16 in k order (NATURAL) met with codes
 // widened to int16 in vpmaddwd sums, for any batch and group (batch 1 with groups of 32 or 64: eight groups reduced
 // together). The batch-1 kernels that read 4-bit codes as nibbles and 8-bit codes as bytes in place are in
-// gemv_quant_avx2_m1.cpp. Each prefetches its weight stream (simd.h). The math, the layouts and the measurements that chose them are in gemv_quant.cpp's
-// header; the shared pieces in gemv_quant.h.
+// gemv_quant_avx2_m1.cpp. Each prefetches its weight stream (simd.h). The math and the layouts are in gemv_quant.cpp's
+// header, the shared pieces in gemv_quant.h, the measurements that chose them in docs/performance.md.
 #include <torch/extension.h>
 #include <immintrin.h>
 
@@ -87,9 +87,8 @@ void row_avx2(const Act16& a, int64_t m0, const QuantView& w, int64_t n, float* 
 // per-group work of row_avx2 (widen a scale, broadcast it, convert, one FMA) costs as much as a block of 32
 // codes at G = 32, so eight groups' int32 partials are reduced together (a horizontal-add tree puts group j's
 // sum in lane j), their zero points are taken off as z_g * sum(q over the group) in int32, and one FMA applies
-// eight scales. Measured (2 threads, 0.5 B model's gate/up weights, same rounds): int4 g32 1.07x -> 1.8x of
-// the bf16 GEMV. A generic loop over a group's blocks here (G >= 128) ran 7x slower than row_avx2: larger
-// groups stay on row_avx2, whose per-group work is spread over 4+ blocks.
+// eight scales. Larger groups stay on row_avx2, whose per-group work is spread over 4+ blocks (a generic loop
+// over a group's blocks here was far slower).
 template <int F, int BPG>
 __attribute__((target("avx2,fma,f16c")))
 void row_grouped_m1_avx2(const Act16& a, int64_t m, const QuantView& w, int64_t n, float* y, int64_t N) {

@@ -1,8 +1,8 @@
 // The AVX2 quantized GEMV's batch-1 kernels that read the codes in place: NIBBLES16 (4-bit codes in groups of 32, 64
 // or 128 read as words, their nibbles isolated with a shift and a mask, against int16 x; NIBBLES8: the same with
 // activate_quant's int8 x, in vpmaddubsw) and BYTES8 (8-bit codes against int8 x). Each prefetches its weight stream
-// (simd.h). The math, the layouts and the measurements that chose them are in gemv_quant.cpp's header; the pieces
-// shared with gemv_quant_avx2.cpp in gemv_quant_avx2.h.
+// (simd.h). The math and the layouts are in gemv_quant.cpp's header, the pieces shared with gemv_quant_avx2.cpp in
+// gemv_quant_avx2.h, the measurements that chose them in docs/performance.md.
 #include <torch/extension.h>
 #include <immintrin.h>
 
@@ -69,8 +69,7 @@ inline __m256i four_chunks(const uint8_t* codes, const int16_t* x) {
 
 // With int8 x the reduction stays in int16 until the end (lane sums at most 4 * 7620 < 32767), then one
 // vpmaddwd with ones widens it: 9 multiplies per 256 k where widening each chunk takes 12. The 256-bit
-// multiplies issue at one per 2 cycles on the Zen 3-class VM measured (vpmaddubsw 1.25 G/s at ~2.5 GHz), so
-// they are what bounds this kernel.
+// multiplies issue at one per 2 cycles on the Zen 3-class AVX2 VM, so they are what bounds this kernel.
 __attribute__((target("avx2,fma,f16c")))
 inline __m256i four_chunks(const uint8_t* codes, const int8_t* x) {
   const __m256i a = chunk_pairs_a8(codes, x), b = chunk_pairs_a8(codes + 32, x + 64);
@@ -81,8 +80,7 @@ inline __m256i four_chunks(const uint8_t* codes, const int8_t* x) {
 
 // Two groups of 128 (four chunks each: 128 bytes of codes, 256 k) as int32 [a a b b | a a b b]: each group's
 // chunks are added before any horizontal add (int8 x: in int16, lane sums at most 2 * 7620), so a pair of
-// groups takes one level of the tree where four_chunks takes two per four chunks. The 0.5 B model's GEMV chain
-// with int8 x (AVX2 VM, 2 threads, 25 interleaved rounds, twice): 1.16x as fast as reducing each chunk alone.
+// groups takes one level of the tree where four_chunks takes two per four chunks.
 __attribute__((target("avx2,fma,f16c")))
 inline __m256i two_groups128(const uint8_t* codes, const int16_t* x) {
   const __m256i a = _mm256_add_epi32(chunk_avx2(codes, x), chunk_avx2(codes + 32, x + 64));
@@ -107,8 +105,7 @@ inline __m256i halves(const uint8_t* lo, const uint8_t* hi) {
 // Two groups of 64 (32 bytes of codes each) with NIBBLES8's paired x (gemv_quant.h): one vector holds both groups'
 // first blocks (its halves loaded separately), another their second blocks, and the two are added in int16 (lane
 // sums at most 2 * 7620): [g .. | g + 1 ..], so, as for groups of 128, a pair of groups takes one level of the tree.
-// The 0.5 B model's GEMV chain (AVX2 VM, 2 threads, 25 interleaved rounds): int4 g64 1.075x and 1.077x, uint4 g64
-// 1.046x as fast as four_chunks on one group per chunk. (Groups of 128 paired the same way ran 0.97-0.99x.)
+// (Groups of 128 are not paired this way: there it did not pay.)
 __attribute__((target("avx2,fma,f16c")))
 inline __m256i two_groups64(const uint8_t* codes, const int8_t* x) {
   return _mm256_add_epi16(pairs_a8(halves(codes, codes + 32), x), pairs_a8(halves(codes + 16, codes + 48), x + 64));
@@ -117,11 +114,8 @@ inline __m256i two_groups64(const uint8_t* codes, const int8_t* x) {
 // One row of x (batch-1 decode) against weight row n, 4-bit codes in groups of G = 32 * BPG (BPG = 1, 2 or 4),
 // x in the NIBBLES16 layout (X = int16_t) or NIBBLES8 (X = int8_t: activate_quant). Groups of 32 stay in the lane
 // order four_chunks leaves them in (add_eight_groups' LANE_ORDER) instead of a vpermd on their sums (one per 4 cycles
-// on the AVX2 VM): ~7% faster in cache on one thread there; streaming the 0.5 B model's GEMV chain (2 threads, same
-// rounds) int4 g32 1.00x, uint4 g32 1.07x of the permuting version. Tried and left: two weight rows
-// sharing each load of x ran 1.3x faster in cache but 0.83x (g32) / 0.95x (g64) as fast streaming the 0.5 B
-// model's GEMV chain on the AVX2 VM (same rounds); prefetching the scales' stream as well changed nothing (1.007x,
-// 0.985x).
+// on the AVX2 VM). One weight row per step and no prefetch of the scales' stream: the alternatives did not pay
+// streaming from memory (docs/performance.md, "Choices in the code").
 template <int F, int BPG, typename X>
 __attribute__((target("avx2,fma,f16c")))
 void row_nibbles_m1_avx2(const Act16& a, const X* q, const QuantView& w, int64_t n, float* y) {
@@ -167,7 +161,7 @@ void row_nibbles_m1_avx2(const Act16& a, const X* q, const QuantView& w, int64_t
   }
   float rest = 0.f;
   // the rest of the row's codes: their lines 2 KiB ahead asked for too (without this, with 12 groups of 128 a
-  // third of the stream went unprefetched: 19.4 against 25.7 G codes/s for groups of 64 on the AVX2 VM)
+  // third of the stream would go unprefetched)
   for (int64_t b = g * G / 2; b < w.groups * G / 2; b += 64) simd::prefetch_stream(wr + b);
   if constexpr (BPG == 4) {
     if (g + 4 <= w.groups) {   // four more groups of 128 (K = 1536: 12 groups), as above in 128-bit halves
@@ -227,9 +221,7 @@ void rows_nibbles_m1(const Act16& a, const X* q, const QuantView& w, int64_t n0,
 // vpmaddubsw multiplies unsigned by signed bytes: the codes' magnitudes meet x carrying the codes' signs
 // (|c| * sign(x, c) = c * x; |-128| is 128 as an unsigned byte, and |x| <= 127 keeps a pair's sum within int16),
 // llama.cpp's q8_0 . q8_0 arithmetic; uint8 codes are first made signed (c - 128, the zero point with them).
-// Two multiplies per 32 codes where the int16 x of row_avx2 takes two and two widenings. Measured on the Zen
-// 3-class VM (standalone loops, 2 threads, a 200 MB stream): 20.2-21.2 G codes/s against 18.6 for the int16 kernel
-// (both with the software prefetch); in L1 16 against 14 G/s on one thread.
+// Two multiplies per 32 codes where the int16 x of row_avx2 takes two and two widenings.
 template <int F>
 __attribute__((target("avx2,fma,f16c")))
 void row_bytes8_m1_avx2(const Act16& a, const QuantView& w, int64_t n, float* y) {

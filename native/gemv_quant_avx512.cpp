@@ -3,39 +3,24 @@
 //
 // int16 x int16 (vpdpwssd, gemv_quant.cpp's exact numerics) rather than uint8 x int8 (vpdpbusd, x rounded to
 // int8 as llama.cpp's q8_0 is: a 1/254 activation error, ~1% of the largest output on random 4-bit weights,
-// vs ~3e-5). Measured on the 2-core Zen 4 VM (4-bit g32, M = 1, interleaved in one process; the VM is
-// shared, so each number is a median of same-round ratios and varies between runs): a vpdpbusd variant of
-// this kernel ran 1.7x as fast with the weights in L2 (half the multiply-adds and unpacking per weight), but
-// over the 0.5 B model's 64 GEMVs streaming from memory only 1.03-1.11x (2 threads; 1.11-1.24x per shape on
-// 1 thread), and neither variant reached the bf16 GEMV's bandwidth in the runs where that one got ~35 GB/s.
-// Chains of those 64 GEMVs, 2 threads, x the bf16 GEMV chain (benchmarks/gemv_quant_micro.py, 31 rounds,
-// three runs where bf16 read ~27-30 GB/s; the byte ratios allow 2.0 / 3.56 / 3.66 / 3.88):
-//                  int8 per channel   int4 g32   uint4 g64   int4 g128
-//   AVX2 path           1.93-2.02     2.52-2.67  2.64-2.69   2.74-2.87
-//   this kernel         2.02-2.09     3.35-3.49  3.41-3.49   3.71-3.79
-// (1 thread, one run: AVX2 2.14 / 2.29 / 2.28 / 2.37, this kernel 2.28 / 3.44 / 3.56 / 3.85.)
-// In quieter runs (bf16 at ~35 GB/s) int4 g32 was 2.45-2.71x (vpdpbusd 2.75-3.05x): the 4-bit loop then reads
-// ~27 GB/s, ~15-19 GB/s a core, short of what one core's bf16 GEMV streams (~21-25 GB/s): ~11 instructions
-// per 64-byte line of codes (int16 x int16 takes 4 vpdpwssd per 128 codes) against ~6 for bf16.
-// Two weight rows per step at M = 1, from the two halves of each thread's block (two streams, as gemv.cpp's
-// bf16 kernel, sharing the loads of x): 1.36-1.44x as fast in L2; int4 g32 went from 2.68-2.88x of bf16 (one
-// row per step, earlier runs, not the same rounds) to the numbers above. Prefetching the scales of the rows
-// 8 ahead (tried) did not help (2.51x vs 2.71x, same rounds).
+// vs ~3e-5) by default: streaming the weights from memory, as decode does, a vpdpbusd variant of this kernel gained
+// little over it (it gains with the weights in L2), so rounding x to int8 is left to activate_quant.
+// The 4-bit loop is bound by its instructions, not the memory: ~11 per 64-byte line of codes (int16 x int16 takes
+// 4 vpdpwssd per 128 codes) against ~6 for bf16, so one core reads less than its bf16 GEMV streams. Hence, at
+// M = 1, two weight rows per step from the two halves of each thread's block (two streams, as gemv.cpp's bf16
+// kernel), sharing the loads of x.
 // activate_quant (x already rounded to int8 by the model's scheme, so nothing changes in the numbers): the codes
 // take vpdpbusd, codes as unsigned bytes times x as signed bytes (the NIBBLES8W layout): per 64 bytes of 4-bit codes
 // two instead of four vpdpwssd, per 64 bytes of 8-bit codes one instead of two (int8 codes go in as code + 128, the
-// 128 taken off with x's block sums as a zero point), and half the bytes of x. GEMV chain, 2 threads, one run where
-// bf16 read ~43 GB/s (x bf16; the read bound in brackets): int4 g32 2.94 -> 3.17 (3.85), uint4 g64 3.15 -> 3.59
-// (4.14), int4 g64 3.51 -> 3.89 (4.62), int4 g128 3.57 -> 3.87 (4.92), each weight-only -> activate_quant. 8-bit
-// codes with int8 x, vpdpbusd against the vpdpwssd kernel on the same int8 x (one process, alternating, median of 9
-// same-round ratios, the 0.5 B model's four GEMV shapes): 32 rows of x 1.22x (int8 g32) and 1.40x (per channel); one
-// row 1.00x (the weight's bytes are the bound there).
+// 128 taken off with x's block sums as a zero point), and half the bytes of x. 8-bit codes gain from it with many
+// rows of x, where the multiply-adds are the bound, not at one row, where the weight's bytes are.
 // Groups below a chunk with LANES_MIN_ROWS or more rows of int8 x go to gemv_quant_lanes.cpp instead: each block's
-// sum in one lane, no reduction tree and no zero-point work per row of x. Transposing the codes per block of 4-8 rows of x (tried
-// here first) ran 0.91-0.94x of this kernel; done once per tile of weight rows there, for all rows of x, it pays.
+// sum in one lane, no reduction tree and no zero-point work per row of x. Transposing the codes per block of rows of
+// x here did not pay; done once per tile of weight rows there, for all rows of x, it does.
 // Zen 4 issues one 512-bit vpdpbusd a cycle (benchmarks/vnni_peak.py); this kernel's tree, zero points and
-// unpacking take ~15 other vector instructions per 8 vpdpbusd and set its pace at many rows. No gain: 8 rows of x
-// per call with x as bytes (fully unrolled, 16 accumulators) instead of 4, at 32 rows of 4096 x 1536 and 12288 x 512.
+// unpacking take ~15 other vector instructions per 8 vpdpbusd and set its pace at many rows.
+// The measurements behind these choices, on the 2-core Zen 4 VM, and what was tried and dropped here (a prefetch of
+// the scales, 8 rows of x per call): docs/performance.md, "Choices in the code".
 #include <torch/extension.h>
 #include <immintrin.h>
 

@@ -38,12 +38,8 @@ using Weight = std::variant<torch::Tensor, QuantWeight>;
 // largest number of rows of x the quantized kernels take (decode batches; above 4 rows they go through the weight a
 // tile at a time, gemv_quant.h: tiled_rows); above it the weight is dequantized for ATen's GEMM (prefill).
 // quant_native_rows(isa): QUANT_NATIVE_MAX_ROWS with the AVX-512 VNNI kernel (isa 3), 16 with the AVX2 and portable
-// ones. From benchmarks/gemv_quant_micro.py --gemm on the 2-core Zen 4 VM (4 layers of the 0.5 B model's GEMV
-// chains, 2 threads, bf16 x, ms): int8 g32 / uint4_min g32 / uint4 g64, native VNNI against dequantized + bf16 GEMM:
-// 16 rows 18 / 16 / 17 vs 22 / 22 / 22; 32 rows 31 / 37 / 31 vs 45 / 43 / 44; 48 rows 47 / 44 / 45 vs 44 / 44 / 41;
-// 64 rows 65 / 62 vs 64 / 59; 96 rows 95 / 94 / 88 vs 73 / 74 / 74 (the GEMM's cost grows far slower with the rows).
-// The AVX2 kernel (isa 1) against the fp32 GEMM an AVX2 CPU runs instead (the weight dequantized a tile at a time):
-// 16 rows 32 / 89 / 24 vs 34 / 34 / 33, 32 rows 64 / 177 / 47 vs 59 / 59 / 59: only some formats gain above 16.
+// ones: the GEMM's cost grows far slower with the rows than the GEMV's, and where the two cross depends on the kernel
+// (benchmarks/gemv_quant_micro.py --gemm; its numbers: docs/performance.md, "Choices in the code").
 constexpr int64_t QUANT_NATIVE_MAX_ROWS = 64;
 inline int64_t quant_native_rows(int64_t isa) { return isa >= 3 ? QUANT_NATIVE_MAX_ROWS : 16; }
 torch::Tensor linear_quant(torch::Tensor x, const QuantWeight& w, std::optional<torch::Tensor> bias, int64_t isa);
@@ -62,10 +58,7 @@ torch::Tensor scale_int_mm(const torch::Tensor& acc, const torch::Tensor& d, con
 // x . w^T (+ b) in fp32 for many rows of x (prefill) where oneDNN's bf16 GEMM is slow (no bf16 dot products) or
 // w is quantized: w is widened to fp32 (bf16 rows converted, quantized rows dequantized) WIDEN_TILE_BYTES at a
 // time, each tile one ATen GEMM into its rows of y^T, so the fp32 copy stays in cache instead of going to fresh
-// memory and back. Measured on the AVX2 VM (2 threads, 4 layers of the 0.5 B model's bf16 weights, tiles of
-// 128 / 256 / 512 rows against the whole weight widened): 32 rows 213 / 200 / 193 ms against 297 (a weight
-// widened in advance: 197), 128 rows 487 / 465 / 471 against 578; the 0.5 B model's 128-token TTFT 2.38 -> 1.76 s.
-// Returns x's dtype.
+// memory and back (docs/performance.md, "Choices in the code", has the AVX2 VM's numbers). Returns x's dtype.
 constexpr int64_t WIDEN_TILE_BYTES = 2 << 20;
 torch::Tensor linear_widened(const torch::Tensor& x, const Weight& w, const std::optional<torch::Tensor>& b,
                              int64_t isa);

@@ -7,9 +7,8 @@
 // libgomp lets its workers spin between regions only while it manages no more threads than there are
 // CPUs; as soon as a second thread of the process has used OpenMP (the user's main thread loading a
 // model, say, next to the engine thread), it "throttles" them to ~1000 spins, so every region waits
-// for a futex wake-up. Measured on the 2-core VM with an Engine and the 0.5 B bf16 model: a decode
-// step took 21-28 ms throttled, 16.5-17.5 ms with spinning workers (OMP_WAIT_POLICY=ACTIVE), and one
-// warm attention call 57 us vs 17 us.
+// for a futex wake-up, which a decode step's many short regions pay again and again (docs/performance.md,
+// "Choices in the code", has the 2-core VM's numbers).
 //
 // The workers spin for a bounded time after each region (SPIN_US, parallel.cpp), then sleep, so an idle
 // engine costs no CPU. One region runs at a time: a call made while another thread's region runs, or
@@ -19,8 +18,8 @@
 // Only inside an OwnPoolScope(true) on the calling thread; elsewhere parallel_for is at::parallel_for.
 // Two sets of spinning workers must not take turns: where native kernels alternate with ATen's OpenMP
 // GEMMs (prefill, decode batches above the native GEMV's row limit), each set's spinning workers hold the
-// cores the other needs (measured: 32-concurrent bf16 throughput 150 -> 114 tokens/s when both ran). So
-// the decode stack turns the pool on only for steps whose every GEMV is native.
+// cores the other needs, and both lose throughput. So the decode stack turns the pool on only for steps whose every
+// GEMV is native.
 #pragma once
 
 #include <cstdint>

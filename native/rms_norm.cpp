@@ -4,8 +4,8 @@
 // x, residual [T, H] and weight [H], all fp32 or all bf16. Returns (out, s); without a residual s = x.
 // Rows are independent and split across torch's threads (one thread for a decode step's few rows).
 // isa 2 (AVX-512) and 1 (AVX2) run 16 / 8 lanes at a time with the same roundings (the sum of squares in
-// another order); the portable loop's scalar bf16 conversions took 14-19 us per 1536-wide row in a decode step
-// on the AVX2 VM (two norms per layer, ~0.6 ms of a 4-bit 0.5 B model's ~20 ms token).
+// another order), because the portable loop's scalar bf16 conversions were a visible part of a decode step
+// (docs/performance.md, "Choices in the code").
 #include <torch/extension.h>
 #include <immintrin.h>
 

@@ -3,9 +3,9 @@
 // each product and the sum rounded to the activation dtype, as the eager ops do.
 // x [T, heads, D] (any strides with a contiguous last dim: q/k may be views into the fused qkv output),
 // cos/sin [T, D] contiguous in the same dtype. Returns contiguous [T, heads, D] copies.
-// isa 2 (AVX-512) with D a multiple of 32 rotates 16 lanes at a time with the same roundings (a decode step's
-// q and k of 16 heads x 128 took ~9 us per layer elementwise); isa 1 (AVX2) with D a multiple of 16, 8 lanes
-// (the elementwise loop took 26-32 us per layer for 12 + 4 heads x 128 in a decode step on the AVX2 VM).
+// isa 2 (AVX-512) with D a multiple of 32 rotates 16 lanes at a time with the same roundings; isa 1 (AVX2) with D
+// a multiple of 16, 8 lanes: the elementwise loop was a visible part of each layer's decode step
+// (docs/performance.md, "Choices in the code").
 #include <torch/extension.h>
 #include <tuple>
 

@@ -172,11 +172,10 @@ inline float hsum8(__m256 v) {
 }
 
 // The AVX2 kernels' software prefetch of the weight stream: each 64-byte line of a row asks for the line this
-// far ahead (into the next rows, which the same thread reads next). Measured on the Zen 3-class AVX2 VM (2
-// threads, a 200 MB stream of 1536-wide rows, standalone loops): bf16 GEMV 13.3-15.2 -> 19.1-20.6 GB/s (1 / 2 /
-// 4 KiB ahead: 19.4 / 20.2 / 20.4), int8 codes with int8 x 15.2 -> 20.2-21.2, with int16 x 14.9 -> 18.6: that
-// VM's hardware prefetchers do not keep a thread's sequential stream ahead of the loads. The AVX-512 kernels
-// take none: on Zen 4 the same prefetch made the bf16 GEMV chain 6-15% slower (gemv.cpp).
+// far ahead (into the next rows, which the same thread reads next), because the Zen 3-class AVX2 VM's hardware
+// prefetchers do not keep a thread's sequential stream ahead of the loads. The AVX-512 kernels take none: on Zen 4
+// the same prefetch slowed the bf16 GEMV chain. The numbers, and how far ahead: docs/performance.md, "Choices in
+// the code".
 constexpr int64_t STREAM_PREFETCH_BYTES = 2048;
 
 __attribute__((always_inline)) inline void prefetch_stream(const void* line) {

@@ -88,7 +88,7 @@ void attend_portable(ATTEND_ARGS) { attend<T>(ATTEND_CALL); }
 
 // AVX-512 for head dims that are multiples of 16 (64, 128, ...) and AVX2 for multiples of 32: attend()'s
 // algorithm and roundings with intrinsics (attention_common.h), because the compiled loops reduce horizontally per
-// key and head, call std::exp per score (~260 us for 1000 keys x 12 heads x 128 dims), and widen each key row once
+// key and head, call std::exp per score (docs/performance.md, "Choices in the code"), and widen each key row once
 // per head. Each key row is widened once for the group's heads; the value sums stay in registers over all keys.
 template <typename T, bool V512>
 __attribute__((always_inline)) inline void attend_rows(ATTEND_ARGS, std::vector<const T*>& v_rows) {

@@ -87,8 +87,8 @@ class MpiComm:
                                 device_id=device)
         self._nccl = dist
         # every rank decides alike (start is collective): wanted everywhere, all GPUs in one host, and each rank
-        # seeing every GPU of the pool (measured so; ranks that allspark-launch --gpus confines to their own GPU
-        # keep NCCL, which maps its peers by itself)
+        # seeing every GPU of the pool (the setup of benchmarks/results/pool-step-h100x2.json; ranks that
+        # allspark-launch --gpus confines to their own GPU keep NCCL, which maps its peers by itself)
         want = settings.PEER_ALLREDUCE.get() and torch.cuda.device_count() >= self.world_size
         wants = self._c.allgather((socket.gethostname(), want))
         if all(want for _, want in wants) and len({host for host, _ in wants}) == 1:

@@ -84,8 +84,8 @@ class Backend:
 
 def engine_threads(threads: Optional[int]) -> int:
     """Compute threads of an in-process Engine. By default one core is left to the event loop (HTTP, tokenizing,
-    detokenizing): the Engine's workers spin between parallel regions. Measured on a 2-core VM, load client on
-    the same machine, tiny test model: one stream's TPOT was 6.7-10.6 ms with 2 engine threads, 0.32-0.46 ms with 1."""
+    detokenizing): the Engine's workers spin between parallel regions and would take that core from it
+    (docs/performance.md, "Choices in the code", has the TPOT this cost on a 2-core VM)."""
     if threads is not None:
         return threads
     return max(1, len(os.sched_getaffinity(0)) - 1)

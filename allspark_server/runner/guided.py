@@ -221,8 +221,9 @@ def apply_masks(logits: torch.Tensor, row_index: Sequence[int], bitmask: np.ndar
     """Set the disallowed tokens of rows `row_index` of `logits` [N, V] to -inf, in place; bitmask row i
     belongs to logits row row_index[i], tokens past the bitmask are disallowed. Returns `logits`.
 
-    fp32 logits get an additive bias of 0 / -inf built from the bits with integer ops (branch-free: a
-    masked_fill over a 150k vocab is ~5x slower on CPU); a +inf logit on a disallowed token would become NaN.
+    fp32 logits get an additive bias of 0 / -inf built from the bits with integer ops (branch-free, where a
+    masked_fill over a large vocab is far slower on CPU: docs/performance.md, "Choices in the code"); a +inf logit on a
+    disallowed token would become NaN.
     """
     n = len(row_index)
     if n == 0:

@@ -27,8 +27,8 @@ _measured: dict[str, float] = {}
 
 
 def arrays(floats: int, *fills: Optional[float]) -> list[torch.Tensor]:
-    """fp32 arrays of `floats` each in the engine's page size (weights live in huge pages, copies run ~3-4% faster
-    in them on the VMs measured, so the roofline is measured in them too). A fill of None leaves it uninitialised."""
+    """fp32 arrays of `floats` each in the engine's page size (weights live in huge pages, where copies run faster,
+    so the roofline is measured in them too). A fill of None leaves it uninitialised."""
     out = {str(i): torch.empty(floats) if f is None else torch.full((floats,), f) for i, f in enumerate(fills)}
     return list(to_hugepages(out).values())
 
@@ -68,8 +68,8 @@ def last_level_cache_bytes() -> int:
 
 def copy_floats() -> int:
     """Floats per array of the copy: each array twice every L3 of the machine together (the copy's two arrays are 4x
-    what the caches hold), at least 16 Mi (64 MB; the copies of 64 and 256 MB arrays read the same GB/s within 1%
-    on a 32 MB-L3 VM, the larger one taking 2 s more to fault its huge pages in at every install)."""
+    what the caches hold), at least 16 Mi (64 MB: larger arrays read the same GB/s but take longer to fault their
+    huge pages in at every install; docs/performance.md, "Choices in the code")."""
     return max(16 << 20, 2 * last_level_cache_bytes() // 4)
 
 
@@ -96,8 +96,9 @@ def gpu_copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30, repeats:
 
 def bandwidth_gbs(device: torch.device) -> float:
     """The copy bandwidth of the memory `device` decodes from, measured once per process and device (~0.2-0.5 s;
-    ALLSPARK_MEMORY_BANDWIDTH_GBS overrides). The median of 9 copies, as the benchmark's roofline: the best one
-    read 3-30% above the medians the benchmark measured around its decode runs on a shared 2-core VM."""
+    ALLSPARK_MEMORY_BANDWIDTH_GBS overrides). The median of 9 copies, as the benchmark's roofline: on a shared VM the
+    best one reads well above the bandwidth the decode runs around it see (docs/performance.md, "Choices in the
+    code")."""
     key = str(device)
     if key not in _measured:
         given = settings.MEMORY_BANDWIDTH_GBS.get()

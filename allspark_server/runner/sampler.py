@@ -54,8 +54,9 @@ def mask_top_p(x: torch.Tensor, p: float) -> torch.Tensor:
 
 def argmax(x: torch.Tensor) -> "int | list[int]":
     """The first index of the largest value along the last dim (a NaN counts as largest, as in torch.argmax):
-    an int for one row, a list for rows. Host fp32 goes to numpy: on a 32000-entry row, 2 threads, a Zen 4 VM,
-    ~3 us against torch.argmax's ~40 us, on every greedy token; a GPU's rows stay there, only ids come back."""
+    an int for one row, a list for rows. Host fp32 goes to numpy, far cheaper than torch.argmax on a row, which
+    every greedy token pays (docs/performance.md, "Choices in the code"); a GPU's rows stay there, only ids come
+    back."""
     if x.dtype == torch.float32 and not x.is_cuda:
         return x.numpy().argmax(-1).tolist()
     return x.argmax(-1).tolist()

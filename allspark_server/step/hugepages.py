@@ -4,8 +4,8 @@ Batch-1 decode streams every weight once per token. In 4 KiB pages that is a TLB
 in 2 MiB pages almost none. torch's CPU allocator only asks for huge pages when THP_MEM_ALLOC_ENABLE is
 set before its first allocation, which a library cannot rely on, so the runner places a shard's
 weights and its KV cache itself: one anonymous mmap advised MADV_HUGEPAGE, each tensor a 4 KiB-aligned
-view of it (measured here: GEMVs over a model's weights and plain copies both ~1-4% faster). Where huge
-pages are unavailable (not Linux, THP "never") ordinary torch tensors are used.
+view of it (docs/performance.md, "Choices in the code", has what that gains). Where huge pages are unavailable
+(not Linux, THP "never") ordinary torch tensors are used.
 """
 from __future__ import annotations
 
