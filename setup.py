@@ -55,8 +55,8 @@ setup(
     ext_modules=EXT_MODULES,
     cmdclass=CMDCLASS,
     entry_points={"console_scripts": [
-        "allspark-launch = allspark_client.launcher:main",
-        "allspark-health = allspark_client.health:main",
+        "allspark-launch = allspark_client.launch.launcher:main",
+        "allspark-health = allspark_client.launch.health:main",
         "allspark-serve = allspark_server.http.cli:main",
     ]},
 )

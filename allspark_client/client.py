@@ -28,7 +28,7 @@ from allspark_client.op_profile import OpProfileReport
 from allspark_client.validation import ConfigError
 from allspark_client.result_queue import ResultQueue
 from allspark_client.session import ClientSession
-from allspark_client.spawned_pool import SpawnedPool
+from allspark_client.launch.spawned_pool import SpawnedPool
 from allspark_client.types import (AsEngineStat, AsException, AsStatus, GenerateRequestStatus,
                                    RequestHandle, pool_failed)
 
@@ -70,7 +70,7 @@ class ClientEngine(ClientDeviceMemory, EngineAPI):
         """Connect to a running pool at `address` ('unix:/path', '/path' or 'host:port'), or, without
         an address, spawn one with allspark-launch (`ranks`, `numa_nodes`; `gpus=[0, 1]` or "all": one rank per
         GPU, rank r seeing only the r-th, pinned to its NUMA node) and own it: it ends at close(), or with this
-        process however that ends (spawned_pool.py). An address nothing answers on fails
+        process however that ends (launch/spawned_pool.py). An address nothing answers on fails
         at once with gRPC's reason; `start_timeout_s` (default 300 s) is how long a pool may take to be ready:
         one spawned, one that answers it is starting, and, only when given, one whose address does not answer yet.
         `token`: the pool's bearer token (default $ALLSPARK_TOKEN); `root_certificates` (PEM bytes or a path):

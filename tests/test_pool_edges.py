@@ -15,8 +15,8 @@ import threading
 import pytest
 
 from allspark_client import ClientEngine
-from allspark_client.health import main as health_main
-from allspark_client.launcher import main as launch_main
+from allspark_client.launch.health import main as health_main
+from allspark_client.launch.launcher import main as launch_main
 from pool_helpers import REPO, repo_env, wait_until
 
 REFUSAL_S = 90.0      # a refused launcher exits long before this; one that started a pool would run on
@@ -40,7 +40,7 @@ def run_until_exit(argv: list[str], timeout_s: float = REFUSAL_S) -> subprocess.
 def test_a_second_pool_on_a_live_socket_is_refused_naming_it(new_pool):
     pool = new_pool()
     rank0 = rank0_pid(pool.address)
-    for argv in ([sys.executable, "-m", "allspark_client.launcher", "--ranks", "2", "--socket", pool.socket],
+    for argv in ([sys.executable, "-m", "allspark_client.launch.launcher", "--ranks", "2", "--socket", pool.socket],
                  [sys.executable, "-m", "allspark_server", "--socket", pool.socket]):   # rank 0 refuses it too
         out = run_until_exit(argv)
         assert out.returncode != 0, out.stderr[-3000:]
@@ -60,7 +60,7 @@ def rank0_pid(address: str) -> int:
 
 
 def start_launcher(*argv: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "allspark_client.launcher", *argv], stdout=subprocess.DEVNULL,
+    return subprocess.Popen([sys.executable, "-m", "allspark_client.launch.launcher", *argv], stdout=subprocess.DEVNULL,
                             stderr=subprocess.STDOUT, cwd=REPO, env=repo_env(), start_new_session=True)
 
 

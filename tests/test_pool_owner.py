@@ -51,7 +51,7 @@ def start_owner(how: str) -> tuple[subprocess.Popen, dict]:
 
 def pool_processes(owner: subprocess.Popen, info: dict) -> list[psutil.Process]:
     """The launcher (the owner's child) and everything under it (mpirun, the ranks), while the owner lives."""
-    launchers = [p for p in psutil.Process(owner.pid).children() if "allspark_client.launcher" in p.cmdline()]
+    launchers = [p for p in psutil.Process(owner.pid).children() if "allspark_client.launch.launcher" in p.cmdline()]
     assert len(launchers) == 1, [p.cmdline() for p in psutil.Process(owner.pid).children()]
     procs = launchers + launchers[0].children(recursive=True)
     assert info["rank0"] in [p.pid for p in procs], [p.cmdline() for p in procs]
@@ -95,7 +95,7 @@ def test_a_spawned_pool_ends_with_its_owner(how):
 
 
 def watch_until_gone(owner_pid: int, fd, expect_parent: bool = False):
-    from allspark_client.owner_watch import OwnerWatch
+    from allspark_client.launch.owner_watch import OwnerWatch
     gone = []
     watch = OwnerWatch(owner_pid, fd, gone.append, expect_parent=expect_parent)
     return watch, gone

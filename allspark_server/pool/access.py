@@ -4,9 +4,9 @@
   a umask that leaves it 0600 (0660 with the group) from the first moment, never looser. A directory that exists
   already is used as it is unless another user could replace the socket in it (writable by others without the
   sticky bit, or owned by another non-root user): then the pool refuses to start, saying so. A path something
-  answers on (a live pool) or that is not a socket is never replaced (socket_probe.py): checked at start and again
-  just before the bind; only a stale socket is. At its end the pool removes the socket only if it is still the one
-  it bound (same device and inode), not one another pool bound there since.
+  answers on (a live pool) or that is not a socket is never replaced (allspark_client/launch/socket_probe.py):
+  checked at start and again just before the bind; only a stale socket is. At its end the pool removes the socket
+  only if it is still the one it bound (same device and inode), not one another pool bound there since.
 - TCP: loopback only, unless `--allow-remote`; then a server certificate (`--tls-cert`, `--tls-key`) and a token are
   required, and `--tls-client-ca` also requires client certificates signed by that CA.
 - the token comes from `--token-file` or the ALLSPARK_TOKEN environment variable, never the command line (every
@@ -131,7 +131,7 @@ def prepare_socket_dir(path: str, group: Optional[str]) -> None:
 
 def clear_socket_path(path: str) -> None:
     """Remove a stale socket at `path`; AccessError when something answers there or it is not a socket."""
-    from allspark_client.socket_probe import probe
+    from allspark_client.launch.socket_probe import probe
     found = probe("unix:" + path)
     if found.kind == "stale":
         os.unlink(path)

@@ -17,7 +17,7 @@ import sys
 from typing import Optional
 
 from allspark_client import settings
-from allspark_client.rank_placement import RankPlacement, format_cpu_list, read_topology
+from allspark_client.launch.rank_placement import RankPlacement, format_cpu_list, read_topology
 
 # (local rank, ranks on this host) as Open MPI, MPICH/Hydra and plain PMIx launchers set them
 LOCAL_RANK_ENV = (("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),

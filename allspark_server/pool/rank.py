@@ -18,8 +18,8 @@ import time
 import traceback
 
 from allspark_client import settings
-from allspark_client.launch_args import default_socket_path
-from allspark_client.rank_placement import parse_cpu_list
+from allspark_client.launch.options import default_socket_path
+from allspark_client.launch.rank_placement import parse_cpu_list
 
 log = logging.getLogger("allspark.rank")
 STOP_GRACE_S = 30   # on SIGTERM, how long stopped streams get to deliver their last reply
@@ -108,7 +108,7 @@ def sd_notify(state: str) -> None:
 
 
 def serve(comm, args, address: str, access, ranks) -> int:
-    from allspark_client.pool_config import load_pool_config
+    from allspark_client.launch.pool_config import load_pool_config
     from allspark_server.engine.engine import Engine
     from allspark_server.pool.access import remove_own_socket, socket_identity
     from allspark_server.pool.service import AllsparkServicer, start_server

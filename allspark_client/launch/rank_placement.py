@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from allspark_client.cpu_features import cpu_flags
-from allspark_client.gpu_topology import NO_NODE
+from allspark_client.launch.gpu_topology import NO_NODE
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import grpc
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client._proto import allspark_pb2_grpc as pb_grpc
 from allspark_client.channel import normalize_address, open_channel
-from allspark_client.socket_probe import DENIED, HTTP2, probe
+from allspark_client.launch.socket_probe import DENIED, HTTP2, probe
 
 NAME_TIMEOUT_S = 3.0
 

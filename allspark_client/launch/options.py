@@ -111,7 +111,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("mpirun_args", nargs="*", help="extra mpirun arguments (after --)")
     args = p.parse_args(argv)
     if args.pool_config:
-        from allspark_client.pool_config import ConfigError, load_pool_config
+        from allspark_client.launch.pool_config import ConfigError, load_pool_config
         try:
             pool = load_pool_config(args.pool_config)
         except ConfigError as e:

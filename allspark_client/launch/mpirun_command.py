@@ -11,9 +11,9 @@ import sys
 from typing import Optional
 
 from allspark_client import settings
-from allspark_client.gpu_topology import NO_NODE
-from allspark_client.launch_args import multi_host
-from allspark_client.rank_placement import RankPlacement, format_cpu_list
+from allspark_client.launch.gpu_topology import NO_NODE
+from allspark_client.launch.options import multi_host
+from allspark_client.launch.rank_placement import RankPlacement, format_cpu_list
 
 
 def mpi_flavour(mpirun: str) -> str:

@@ -24,7 +24,7 @@ class SpawnedPool:
         socket_path = os.path.join(self.dir, "pool.sock")
         self.address = "unix:" + socket_path
         self.log = os.path.join(self.dir, "pool.log")
-        cmd = [sys.executable, "-m", "allspark_client.launcher", "--socket", socket_path]
+        cmd = [sys.executable, "-m", "allspark_client.launch.launcher", "--socket", socket_path]
         if ranks:
             cmd += ["--ranks", str(ranks)]
         if numa_nodes:
