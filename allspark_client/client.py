@@ -16,18 +16,18 @@ from typing import Any, Optional
 
 import grpc
 
-from allspark_client import convert
+from allspark_client import wire
 from allspark_client.api import EngineAPI, StartResult
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client._proto import allspark_pb2_grpc as pb_grpc
 from allspark_client.channel import RECONNECT_BACKOFF_MS, Pem, failure_reason, normalize_address, open_channel
 from allspark_client.config import AsModelConfig
-from allspark_client.device_memory import ClientDeviceMemory
 from allspark_client.generation_config import parse_request
-from allspark_client.op_profile import OpProfileReport
+from allspark_client.op_profile_report import OpProfileReport
 from allspark_client.validation import ConfigError
 from allspark_client.result_queue import ResultQueue
 from allspark_client.session import ClientSession
+from allspark_client.sleep_wake import ClientDeviceMemory
 from allspark_client.launch.spawned_pool import SpawnedPool
 from allspark_client.types import (AsEngineStat, AsException, AsStatus, GenerateRequestStatus,
                                    RequestHandle, pool_failed)
@@ -137,10 +137,10 @@ class ClientEngine(ClientDeviceMemory, EngineAPI):
                                           f"no pool answers at {self.address}: "
                                           f"{failure_reason(e, self.address, self._tls)}") from None
                 raise self._unavailable(e) from None
-            if reply.protocol_version != convert.PROTOCOL_VERSION:
+            if reply.protocol_version != wire.PROTOCOL_VERSION:
                 raise AsException(AsStatus.ALLSPARK_RUNTIME_ERROR,
                                   f"pool speaks protocol {reply.protocol_version}, this client "
-                                  f"{convert.PROTOCOL_VERSION}: upgrade one side")
+                                  f"{wire.PROTOCOL_VERSION}: upgrade one side")
             if reply.ready:
                 return reply
             time.sleep(READY_POLL_S)
@@ -213,7 +213,7 @@ class ClientEngine(ClientDeviceMemory, EngineAPI):
         if not isinstance(cfg, AsModelConfig):
             raise AsException(AsStatus.ALLSPARK_PARAM_ERROR,
                               f"install_model takes an AsModelConfig, got {type(cfg).__name__}")
-        reply = self._rpc(self._stub.InstallModel, convert.runtime_config_to_proto(cfg))
+        reply = self._rpc(self._stub.InstallModel, wire.runtime_config_to_proto(cfg))
         if reply.status != 0:
             raise AsException(AsStatus(reply.status), reply.message)
         return AsStatus.ALLSPARK_SUCCESS
@@ -253,7 +253,7 @@ class ClientEngine(ClientDeviceMemory, EngineAPI):
             ids, raw, gen = parse_request(inputs, generate_config)
         except ConfigError as e:
             return self._fail(e.status, str(e)), None, None
-        request = pb.GenerateRequest(model_name=name, input_ids=ids, config=convert.generation_config_to_proto(raw, gen),
+        request = pb.GenerateRequest(model_name=name, input_ids=ids, config=wire.generation_config_to_proto(raw, gen),
                                      session_id=self._session.id if self._session is not None else "")
         call = self._stub.Generate(request)
         try:
@@ -275,8 +275,8 @@ class ClientEngine(ClientDeviceMemory, EngineAPI):
             for reply in call:
                 status = GenerateRequestStatus(reply.generate_status)
                 if reply.HasField("stats"):
-                    queue._set_stats(convert.stats_from_proto(reply.stats))
-                el = convert.elements_from_reply(reply)
+                    queue._set_stats(wire.stats_from_proto(reply.stats))
+                el = wire.elements_from_reply(reply)
                 if el.ids_from_generate:   # a last reply's tokens go in before its terminal status and message
                     queue._push(el, GenerateRequestStatus.Generating if status.is_terminal else status)
                 if status.is_terminal:
@@ -367,13 +367,13 @@ class ClientEngine(ClientDeviceMemory, EngineAPI):
         reply = self._rpc(self._stub.GetEngineStat, pb.ModelRef(model_name=name))
         if reply.status != 0:
             raise AsException(AsStatus(reply.status), reply.message)
-        return convert.engine_stat_from_proto(reply)
+        return wire.engine_stat_from_proto(reply)
 
     def get_op_profile(self, name: str) -> OpProfileReport:
         reply = self._rpc(self._stub.GetOpProfile, pb.ModelRef(model_name=name))
         if reply.status != 0:
             raise AsException(AsStatus(reply.status), reply.message)
-        return convert.op_profile_from_proto(reply)
+        return wire.op_profile_from_proto(reply)
 
     def _model_handles(self, name: str) -> list[RequestHandle]:
         self.get_model_info(name)                     # an unknown model raises, as with Engine

@@ -90,7 +90,7 @@ class DashInferCompat:
 
     def get_op_profiling_info(self, name: str) -> str:
         """DashInfer's op table of model `name`: per rank and op, count and min / max / average / total milliseconds
-        and the share of the step time (allspark_client/op_profile.py); with profiling off, the message that says how
+        and the share of the step time (op_profile_report.py); with profiling off, the message that says how
         to turn it on. AsException (PARAM_ERROR) for a model that is not installed."""
         return self.get_op_profile(name).table()
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from allspark_client import AsStatus
-from allspark_client.convert import generation_config_from_proto, generation_config_to_proto
+from allspark_client.wire import generation_config_from_proto, generation_config_to_proto
 from allspark_client.generation_config import parse_generation_config
 from allspark_client.response_format import ResponseFormat, parse_response_format
 from allspark_client.validation import ConfigError

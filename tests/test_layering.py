@@ -12,7 +12,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # allspark_server's packages (and top-level modules) from the bottom up: each may import only those before it
-LAYERS = ["version", "core", "quant", "compute", "dist", "step", "layers", "models", "loader", "runner", "engine",
+LAYERS = ["build_info", "core", "quant", "compute", "dist", "step", "layers", "models", "loader", "runner", "engine",
           "http", "pool", "__main__", "__init__"]
 
 

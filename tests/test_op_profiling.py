@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from allspark_client import AsException, AsStatus, TargetDevice
-from allspark_client.op_profile import STEP_ROW, UNTIMED_ROW
+from allspark_client.op_profile_report import STEP_ROW, UNTIMED_ROW
 from allspark_server import Engine
 from allspark_server.loader.tiny_model import build_tiny_model
 from helpers import greedy, hf_greedy, random_prompt, serialize

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
-from allspark_client.op_profile import OpTiming, RankSteps
+from allspark_client.op_profile_report import OpTiming, RankSteps
 from allspark_server.compute import ops
 
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 from allspark_client import settings
 from allspark_client.api import EngineAPI, StartResult
-from allspark_client.op_profile import OpProfileReport
+from allspark_client.op_profile_report import OpProfileReport
 from allspark_client.result_queue import ResultQueue
 from allspark_client.types import (POOL_DOWN, AsEngineStat, AsException, AsStatus, GenerateRequestStatus,
                                    RequestHandle)
@@ -29,7 +29,7 @@ from allspark_server.core.messages import InstallModelMsg, OpProfileMsg, Release
 from allspark_server.core.request import Request
 from allspark_server.dist.comm import get_comm
 from allspark_server.loader.model_file import save_model_files
-from allspark_server.engine.device_memory import DeviceMemory, asleep_message
+from allspark_server.engine.sleep import DeviceMemory, asleep_message
 from allspark_server.engine.thread import EngineThread, ForModel
 from allspark_server.engine.peer_watch import PeerWatch, RankIdentity, exit_now
 from allspark_server.runner.model_runner import install_runner
@@ -335,8 +335,8 @@ class Engine(DeviceMemory, EngineAPI):
             raise AsException(e.status, str(e)) from None
 
     def get_op_profile(self, name: str) -> OpProfileReport:
-        """Every rank's op timings of model `name` since it was installed (allspark_client/op_profile.py); a report
-        with enabled=False when it was installed without profiling."""
+        """Every rank's op timings of model `name` since it was installed (allspark_client/op_profile_report.py);
+        a report with enabled=False when it was installed without profiling."""
         try:
             model = self._model(name)
         except RequestError as e:
@@ -356,7 +356,7 @@ class Engine(DeviceMemory, EngineAPI):
         return self._comm.rank
 
     def get_version_full(self) -> str:
-        from allspark_server.version import version_full
+        from allspark_server.build_info import version_full
         return version_full()
 
     def is_allspark_work_as_service(self) -> bool:

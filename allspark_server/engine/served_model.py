@@ -74,7 +74,7 @@ class ServedModel:
         self.scheduler = Scheduler(SchedulerConfig(cfg.engine_max_batch, cfg.max_prefill_tokens), self.spans)
         self.sampler = Sampler()
         self.started = False
-        self.asleep = False        # unload_device_mem freed its memory: requests are refused (engine/device_memory.py)
+        self.asleep = False        # unload_device_mem freed its memory: requests are refused (engine/sleep.py)
         self._live: dict[int, AddRequest] = {}          # engine thread only
         self._rates: deque[tuple[float, int, int]] = deque()   # (time, generated, processed) per step
         self._decode_steps: deque[tuple[float, int, float]] = deque()   # (time, context tokens, seconds) per decode step

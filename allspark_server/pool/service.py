@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import grpc
 
-from allspark_client import convert
+from allspark_client import wire
 from allspark_client.channel import MAX_MESSAGE_BYTES
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client._proto import allspark_pb2_grpc as pb_grpc
@@ -35,7 +35,7 @@ from allspark_client.types import AsException, AsStatus, RequestHandle
 from allspark_server.engine.engine import Engine
 from allspark_server.pool.interceptors import STREAM_STALL_S, DropStalledStreams, GuardCalls
 from allspark_server.pool.sessions import Sessions
-from allspark_server.version import version_full
+from allspark_server.build_info import version_full
 
 log = logging.getLogger(__name__)
 ENGINE_CALL_THREADS = 64     # concurrent blocking Engine calls (a sync_request may hold one for long)
@@ -79,12 +79,12 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
         return pb.StatusReply(status=int(status), message="" if status == 0 else self.engine.get_last_error())
 
     async def Health(self, request, context):
-        return pb.HealthReply(ready=self.ready, protocol_version=convert.PROTOCOL_VERSION,
+        return pb.HealthReply(ready=self.ready, protocol_version=wire.PROTOCOL_VERSION,
                               version_full=version_full(), world_size=self.world_size, pid=os.getpid())
 
     def _install(self, request) -> pb.StatusReply:
         try:
-            return self._status_of(self.engine.install_model, convert.runtime_config_from_proto(request))
+            return self._status_of(self.engine.install_model, wire.runtime_config_from_proto(request))
         except ConfigError as e:
             return pb.StatusReply(status=int(e.status), message=str(e))
         except AsException as e:
@@ -129,7 +129,7 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
             self.engine.release_request(handle.model_name, handle)
 
     def _start(self, request):
-        gen = convert.generation_config_from_proto(request.config)
+        gen = wire.generation_config_from_proto(request.config)
         status, handle, queue = self.engine.start_request(request.model_name, {"input_ids": list(request.input_ids)},
                                                           gen)
         return status, handle, queue, ("" if status == 0 else self.engine.get_last_error())
@@ -178,13 +178,13 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
                     continue
                 reply = pb.GenerateReply(status=0, request_id=handle.request_id, generate_status=int(gen_status))
                 if el is not None:
-                    convert.elements_to_reply(el, reply)
+                    wire.elements_to_reply(el, reply)
                 if not gen_status.is_terminal:
                     yield reply
                     continue
                 # terminal: the last reply carries the last tokens, the reason (if any) and the stats
                 reply.message = queue.ErrorMessage() or ""
-                reply.stats.CopyFrom(convert.stats_to_proto(queue.RequestStatInfo()))
+                reply.stats.CopyFrom(wire.stats_to_proto(queue.RequestStatInfo()))
                 yield reply
                 delivered = True
                 return
@@ -223,7 +223,7 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
 
     def _engine_stat(self, name: str) -> pb.EngineStat:
         try:
-            return convert.engine_stat_to_proto(self.engine.get_as_engine_stat(name))
+            return wire.engine_stat_to_proto(self.engine.get_as_engine_stat(name))
         except AsException as e:
             return pb.EngineStat(status=int(e.status), message=e.message)
 
@@ -232,7 +232,7 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
 
     def _op_profile(self, name: str) -> pb.OpProfile:
         try:
-            return convert.op_profile_to_proto(self.engine.get_op_profile(name))
+            return wire.op_profile_to_proto(self.engine.get_op_profile(name))
         except AsException as e:
             return pb.OpProfile(status=int(e.status), message=e.message)
 

@@ -1,7 +1,7 @@
 """The loop of a pool's worker ranks (1..N-1): receive what rank 0 broadcasts and do it.
 
 Workers hold no scheduler state: a StepPlan says exactly what to compute; install and release
-messages load or drop a model shard; device-memory messages put one to sleep or wake it (runner/device_memory.py).
+messages load or drop a model shard; device-memory messages put one to sleep or wake it (runner/residency.py).
 Any exception propagates, and the rank's main aborts the whole MPI job — a pool is healthy or dead, never half
 alive.
 """
@@ -11,7 +11,7 @@ import logging
 
 from allspark_server.core.messages import (DeviceMemMsg, InstallModelMsg, OpProfileMsg, ReleaseModelMsg,
                                            ShutdownMsg, StepMsg)
-from allspark_server.runner import device_memory
+from allspark_server.runner import residency
 from allspark_server.runner.model_runner import InstallError, ModelRunner, install_runner
 
 log = logging.getLogger(__name__)
@@ -36,10 +36,10 @@ def run_worker(comm) -> None:
             runner = runners[msg.model_name]
             try:
                 if msg.sleep:
-                    device_memory.sleep(runner, msg.wake_from, comm)
+                    residency.sleep(runner, msg.wake_from, comm)
                 else:
-                    device_memory.wake(runner, comm)
-            except device_memory.DeviceMemError as e:   # every rank saw it; rank 0 reports it to the caller
+                    residency.wake(runner, comm)
+            except residency.DeviceMemError as e:   # every rank saw it; rank 0 reports it to the caller
                 log.info("%s", e)
         elif isinstance(msg, ShutdownMsg):
             comm.barrier()      # rank 0 waits for this answer before it calls its streams cleanly ended

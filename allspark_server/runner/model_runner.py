@@ -80,7 +80,7 @@ class ModelRunner:
         self.graphs = None   # GPU ranks: runner/cuda_graphs.py
         # profiling on: this rank's op timings (compute/op_profile.py), handed to the model after the graphs' capture
         self.profiler = OpProfiler(self.device) if cfg.enable_profiling else None
-        self.asleep = None   # while unload_device_mem has freed the weights: what wake restores (device_memory.py)
+        self.asleep = None   # while unload_device_mem has freed the weights: what wake restores (residency.py)
         self.mirrors: dict[int, RequestMirror] = {}
 
     def allocate_kv(self, num_spans: int, tier_slots: int = 0) -> None:

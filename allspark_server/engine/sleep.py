@@ -2,7 +2,7 @@
 
 Sleep: new requests are refused at once (ALLSPARK_REQUEST_DENIED, saying the model sleeps); on the engine thread the
 step in flight completes, every live request ends GenerateInterrupted saying why, the prefix cache forgets the spans
-(their content goes), and every rank frees its weights, KV cache and CUDA graphs (runner/device_memory.py). Wake
+(their content goes), and every rank frees its weights, KV cache and CUDA graphs (runner/residency.py). Wake
 restores them on every rank; requests are accepted again. Sleeping twice, or waking an awake model, does nothing.
 Both return None (DashInfer's signature) and raise AsException on failure, as install_model does.
 """
@@ -13,10 +13,10 @@ from typing import Optional
 
 from allspark_client.types import AsException, AsStatus
 from allspark_server.core.messages import DeviceMemMsg
-from allspark_server.runner import device_memory
+from allspark_server.runner import residency
 
 log = logging.getLogger("allspark")
-WAKE_FROM_OPTIONS = ("auto",) + device_memory.WAKE_FROM
+WAKE_FROM_OPTIONS = ("auto",) + residency.WAKE_FROM
 
 
 def asleep_message(name: str) -> str:
@@ -66,11 +66,11 @@ class DeviceMemory:
                 model.deliver()
                 model.spans.forget_cached()
                 self._comm.bcast(DeviceMemMsg(name, True, source))
-                device_memory.sleep(model.runner, source, self._comm)
+                residency.sleep(model.runner, source, self._comm)
 
             try:
                 self._engine.call(sleep)
-            except device_memory.DeviceMemError as e:
+            except residency.DeviceMemError as e:
                 model.asleep = False
                 raise AsException(AsStatus.ALLSPARK_MEMORY_ERROR, f"unload_device_mem({name!r}): {e}") from None
         log.info("model %r is asleep (wake from %s)", name, source)
@@ -87,11 +87,11 @@ class DeviceMemory:
 
             def wake():
                 self._comm.bcast(DeviceMemMsg(name, False))
-                device_memory.wake(model.runner, self._comm)
+                residency.wake(model.runner, self._comm)
 
             try:
                 self._engine.call(wake)
-            except device_memory.DeviceMemError as e:
+            except residency.DeviceMemError as e:
                 raise AsException(AsStatus.ALLSPARK_MEMORY_ERROR, f"load_device_mem({name!r}): {e}") from None
             model.asleep = False
         log.info("model %r is awake", name)

@@ -11,7 +11,7 @@ from dataclasses import fields
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client.config import AsModelConfig
 from allspark_client.generation_config import GenerationConfig
-from allspark_client.op_profile import OpProfileReport, OpTiming, RankSteps
+from allspark_client.op_profile_report import OpProfileReport, OpTiming, RankSteps
 from allspark_client.types import AsCacheMode, AsEngineStat, GeneratedElements, RequestStatInfo
 
 PROTOCOL_VERSION = 1

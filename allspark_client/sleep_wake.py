@@ -1,5 +1,5 @@
 """ClientEngine's sleep and wake of a pool's model (DashInfer's unload_device_mem / load_device_mem): a mixin that
-sends them to the pool, where every rank frees or restores its shard (allspark_server/engine/device_memory.py has
+sends them to the pool, where every rank frees or restores its shard (allspark_server/engine/sleep.py has
 what they do). Both return None and raise AsException with the pool's status and reason, as Engine's do.
 Torch-free.
 """
