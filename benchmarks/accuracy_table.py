@@ -132,7 +132,7 @@ class Variant:
     """One weight format's ModelRunner and a KV cache per mode: the logits of every position of a window."""
 
     def __init__(self, cfg, window: int, kv_modes: list[str]):
-        from allspark_server.dist.comm import LocalComm
+        from allspark_server.collective.comm import LocalComm
         from allspark_server.runner.model_runner import ModelRunner
         from allspark_server.step.kv_cache import KVCache
         self.runner = r = ModelRunner(cfg, LocalComm())
@@ -205,7 +205,7 @@ def report_rows(tallies: dict, ref_ppl: float) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help=f"a small corpus: {QUICK_RUN}")
     p.add_argument("--windows", type=int, help=f"windows of the corpus (default {FULL_RUN['windows']})")
@@ -217,7 +217,7 @@ def main() -> None:
     p.add_argument("--kv", nargs="+", default=KV_MODES, choices=KV_MODES, help="KV cache modes")
     p.add_argument("--json", default=None, help="default: benchmarks/results/accuracy-smollm2-<machine>.json "
                    "(--quick: under results/quick/)")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     run = dict(QUICK_RUN if a.quick else FULL_RUN)
     run.update({k: getattr(a, k) for k in run if getattr(a, k) is not None})
     if run["chunk"] < 2 or run["window"] < 2 or run["windows"] < 1 or not 1 < run["decode_tail"] < run["window"]:

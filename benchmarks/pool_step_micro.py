@@ -21,12 +21,12 @@ import torch  # noqa: E402
 
 from allspark_client.config import AsModelRuntimeConfigBuilder  # noqa: E402
 from allspark_client.types import TargetDevice  # noqa: E402
-from allspark_server.dist.comm import get_comm  # noqa: E402
+from allspark_server.collective.comm import get_comm  # noqa: E402
 from allspark_server.runner.model_runner import install_runner  # noqa: E402
 from cuda_common import graph_replay_ms  # noqa: E402
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("graph")
     p.add_argument("weights")
@@ -34,7 +34,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--profile", action="store_true", help="also rank 0's kernels of 10 replays, by total time")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     comm = get_comm()
     cfg = (AsModelRuntimeConfigBuilder().model_name("micro").model_file_path(a.graph, a.weights)
            .compute_unit(TargetDevice.CUDA, list(range(comm.world_size))).max_length(256).max_batch(a.batch)

@@ -134,7 +134,7 @@ def test_tensor_names():
 
 
 def meta_llama(intermediate: int, world_size: int = 1):
-    from allspark_server.dist.comm import LocalComm
+    from allspark_server.collective.comm import LocalComm
     from allspark_server.models.decoder import DecoderForCausalLM
     args = args_from_hf_config({"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 64,
                                 "intermediate_size": intermediate, "num_hidden_layers": 1,

@@ -27,7 +27,7 @@ from allspark_client.generation_config import parse_request, resolve_max_length
 from allspark_client.validation import ConfigError
 from allspark_server.core.messages import InstallModelMsg, OpProfileMsg, ReleaseModelMsg
 from allspark_server.core.request import Request
-from allspark_server.dist.comm import get_comm
+from allspark_server.collective.comm import get_comm
 from allspark_server.loader.model_file import save_model_files
 from allspark_server.engine.sleep import DeviceMemory, asleep_message
 from allspark_server.engine.thread import EngineThread, ForModel

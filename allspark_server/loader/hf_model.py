@@ -18,7 +18,7 @@ import torch
 
 from allspark_client.config import AsModelConfig, AsModelRuntimeConfigBuilder
 from allspark_client.generation_config import ASGenerationConfigBuilder
-from allspark_server.dist.comm import LocalComm
+from allspark_server.collective.comm import LocalComm
 from allspark_server.loader.gguf_reader import GGUFError, find_gguf
 from allspark_server.loader.hf_reader import iter_hf_tensors, read_generation_config, read_hf_config
 from allspark_server.loader.model_file import DTYPES, write_model_files

@@ -160,7 +160,7 @@ def main(argv=None) -> int:
             args.cpus = self_place(sys.argv[1:] if argv is None else list(argv)) or args.cpus
         except PlacementError as e:
             raise SystemExit(f"allspark pool: {e}") from None
-    from allspark_server.dist.comm import get_comm
+    from allspark_server.collective.comm import get_comm
     from allspark_server.engine.peer_watch import identity
     from allspark_server.pool.placement import describe_placement
     comm = get_comm()

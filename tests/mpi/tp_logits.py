@@ -17,7 +17,7 @@ import torch
 
 from allspark_client.config import AsModelRuntimeConfigBuilder
 from allspark_server.core.messages import ScheduledChunk
-from allspark_server.dist.comm import LocalComm, get_comm
+from allspark_server.collective.comm import LocalComm, get_comm
 from allspark_server.step.inputs import RequestMirror, build_forward_inputs
 from allspark_server.runner.model_runner import install_runner
 
