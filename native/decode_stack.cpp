@@ -10,9 +10,8 @@
 // at world size 1 without biases the whole step runs without touching Python.
 //
 // Why: a decode step streams all the weights, which evicts the interpreter's and the dispatcher's working
-// set from every cache level, so each Python-level op between kernels runs cold: measured on a 0.5 B bf16
-// model, the layer loop cost ~1.3 ms per token over the fused calls, and the embedding, rope gather, row
-// selection and final norm another ~0.3 ms, where the same ops take a few microseconds in a warm loop.
+// set from every cache level, so each Python-level op between kernels runs cold, far slower than the same op in
+// a warm loop (docs/performance.md, "Small decode kernels").
 //
 // With a profile set (a model installed with profiling on), `run` times each of its ops into it (op_profile.h).
 //
@@ -46,7 +45,9 @@ class DecodeStack {
     std::vector<Step> layer;
     for (const auto& obj : steps) {
       if (py::isinstance<NormStep>(obj)) {
-        layer.emplace_back(obj.cast<NormStep>());
+        auto n = obj.cast<NormStep>();
+        n.check();
+        layer.emplace_back(std::move(n));
       } else if (py::isinstance<AttentionStep>(obj)) {
         auto a = obj.cast<AttentionStep>();
         a.check();
@@ -163,41 +164,39 @@ class DecodeStack {
   std::shared_ptr<allspark::OpProfile> profile_;
 };
 
-// the step descriptors (steps.h) and the stack; keyword arguments only, named as compute/steps.py names them
+// One step descriptor's Python class from its field list (steps.h): a default constructor, each field a read/write
+// attribute of the same name, FIELDS = [(name, C++ type)] for the binder's check (compute/step_binding.py), and
+// check() for the struct's own invariants once every field is set.
+template <typename S>
+struct StepClass {
+  py::class_<S> cls;
+  py::list fields;
+  template <typename T>
+  void field(const char* name, const char* type, T S::*member) {
+    cls.def_readwrite(name, member);
+    fields.append(py::make_tuple(name, type));
+  }
+};
+
+#define ALLSPARK_BIND_FIELD(type, name) step.field(#name, #type, &Struct::name);
+#define ALLSPARK_BIND_STEP(Name, FIELDS, doc)                         \
+  {                                                                   \
+    using Struct = Name;                                              \
+    StepClass<Name> step{py::class_<Name>(m, #Name, doc), py::list()}; \
+    step.cls.def(py::init<>());                                       \
+    FIELDS(ALLSPARK_BIND_FIELD)                                       \
+    step.cls.def("check", &Name::check, "its invariants, once every field is set");  \
+    step.cls.attr("FIELDS") = step.fields;                            \
+  }
+
+// the step descriptors (steps.h), the single steps and the stack
 void bind_decode_stack(py::module_& m) {
   using OptT = std::optional<torch::Tensor>;
-  py::class_<NormStep>(m, "NormStep", "RMSNorm of the hidden state (adds_residual: x + residual first)")
-      .def(py::init([](torch::Tensor weight, bool adds_residual, double eps) {
-             return NormStep{weight, adds_residual, eps};
-           }), py::kw_only(), py::arg("weight"), py::arg("adds_residual"), py::arg("eps"));
-  py::class_<AttentionStep>(m, "AttentionStep", "qkv, q/k norms, rotary, cache write, span attention, o projection")
-      .def(py::init([](Weight qkv, OptT qkv_bias, Weight o, int64_t num_heads, int64_t num_kv_heads,
-                       double scale, OptT q_norm, OptT k_norm, double norm_eps, bool rotary, OptT alibi_slopes,
-                       double softcap, int64_t window, int64_t rope_table, torch::Tensor k_cache,
-                       torch::Tensor v_cache, OptT k_param, OptT v_param) {
-             AttentionStep a{qkv, qkv_bias, o, num_heads, num_kv_heads, scale, q_norm, k_norm, norm_eps, rotary,
-                             alibi_slopes, softcap, window, rope_table, k_cache, v_cache, k_param, v_param};
-             a.check();
-             return a;
-           }), py::kw_only(), py::arg("qkv"), py::arg("qkv_bias"), py::arg("o"), py::arg("num_heads"),
-           py::arg("num_kv_heads"), py::arg("scale"), py::arg("q_norm"), py::arg("k_norm"), py::arg("norm_eps"),
-           py::arg("rotary"), py::arg("alibi_slopes"), py::arg("softcap"), py::arg("window"),
-           py::arg("rope_table"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_param"), py::arg("v_param"));
-  py::class_<MlpStep>(m, "MlpStep", "act(gate) * up and the down projection (act 0: silu, 1: gelu tanh)")
-      .def(py::init([](Weight gate_up, OptT gate_up_bias, Weight down, int64_t act) {
-             MlpStep s{gate_up, gate_up_bias, down, static_cast<Activation>(act)};
-             s.check();
-             return s;
-           }), py::kw_only(), py::arg("gate_up"), py::arg("gate_up_bias"), py::arg("down"), py::arg("act"));
-  py::class_<MoeStep>(m, "MoeStep", "a mixture of experts: the router's top-k experts' MLPs, weighted")
-      .def(py::init([](torch::Tensor router, std::vector<Weight> gate_up, std::vector<Weight> down, int64_t top_k,
-                       bool norm_topk_prob, std::optional<Weight> shared_gate_up, std::optional<Weight> shared_down,
-                       OptT shared_gate) {
-             MoeStep s{router, gate_up, down, top_k, norm_topk_prob, shared_gate_up, shared_down, shared_gate};
-             s.check();
-             return s;
-           }), py::kw_only(), py::arg("router"), py::arg("gate_up"), py::arg("down"), py::arg("top_k"),
-           py::arg("norm_topk_prob"), py::arg("shared_gate_up"), py::arg("shared_down"), py::arg("shared_gate"));
+  ALLSPARK_BIND_STEP(NormStep, ALLSPARK_NORM_STEP_FIELDS, "RMSNorm of the hidden state (adds_residual: x + residual first)")
+  ALLSPARK_BIND_STEP(AttentionStep, ALLSPARK_ATTENTION_STEP_FIELDS,
+                     "qkv, q/k norms, rotary, cache write, span attention, o projection")
+  ALLSPARK_BIND_STEP(MlpStep, ALLSPARK_MLP_STEP_FIELDS, "act(gate) * up and the down projection")
+  ALLSPARK_BIND_STEP(MoeStep, ALLSPARK_MOE_STEP_FIELDS, "a mixture of experts: the router's top-k experts' MLPs, weighted")
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("norm_step", [](torch::Tensor x, OptT residual, const NormStep& n, int64_t isa) {
           return norm_step(x, residual, n, isa);

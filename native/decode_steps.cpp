@@ -51,8 +51,8 @@ void silu_mul_avx512(const T* g, const T* u, int64_t n, T* o) {
   silu_mul_scalar(g + i, u + i, n - i, o + i);
 }
 
-// the same with AVX2 (measured in a batch-1 decode profile on the Zen 3-class AVX2 VM, where the scalar loop with
-// std::exp ran instead: 2% of all samples of a 4-bit 0.5 B model's decode, on one thread while the other waited)
+// the same with AVX2: without it an AVX2 CPU runs the scalar loop with std::exp, on one thread while the other
+// waits (docs/performance.md, "Small decode kernels")
 template <typename T>
 __attribute__((target("avx2,fma")))
 void silu_mul_avx2(const T* g, const T* u, int64_t n, T* o) {
@@ -113,9 +113,10 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 }
 
 void AttentionStep::check() const {
+  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0, "AttentionStep: num_heads and num_kv_heads must be > 0");
   TORCH_CHECK(k_param.has_value() == v_param.has_value(), "AttentionStep: params for both K and V or neither");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "AttentionStep: norms for both q and k or neither");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == num_kv_heads, "AttentionStep: the cache is not [S, P, ",
+  TORCH_CHECK(k_cache.defined() && v_cache.defined() && k_cache.dim() == 4 && k_cache.size(2) == num_kv_heads, "AttentionStep: the cache is not [S, P, ",
               num_kv_heads, ", D]");
   TORCH_CHECK(num_heads % num_kv_heads == 0, "AttentionStep: heads ", num_heads, " not a multiple of KV heads ",
               num_kv_heads);
@@ -128,7 +129,13 @@ void AttentionStep::check() const {
 void MlpStep::check() const {
   for (const Weight* w : {&gate_up, &down})
     if (const auto* q = std::get_if<QuantWeight>(w)) q->check();
-  TORCH_CHECK(act == Activation::Silu || act == Activation::GeluTanh, "MlpStep: unknown activation");
+  TORCH_CHECK(activation == static_cast<int64_t>(Activation::Silu) ||
+              activation == static_cast<int64_t>(Activation::GeluTanh), "MlpStep: unknown activation ", activation);
+}
+
+void NormStep::check() const {
+  TORCH_CHECK(weight.defined() && weight.dim() == 1, "NormStep: the weight must be [H]");
+  TORCH_CHECK(eps > 0, "NormStep: eps must be > 0");
 }
 
 std::tuple<torch::Tensor, std::optional<torch::Tensor>> norm_step(const torch::Tensor& x,
@@ -180,7 +187,7 @@ torch::Tensor mlp_step(const torch::Tensor& x, const MlpStep& m, int64_t isa, in
   auto gate_up = allspark::timed("gate_up_proj",
                                  [&] { return project(x, m.gate_up, m.gate_up_bias, isa, native_rows); });
   auto a = allspark::timed("act_mul", [&] {
-    return m.act == Activation::Silu ? silu_mul(gate_up, isa) : gelu_tanh_mul(gate_up, isa);
+    return m.activation == static_cast<int64_t>(Activation::Silu) ? silu_mul(gate_up, isa) : gelu_tanh_mul(gate_up, isa);
   });
   return allspark::timed("down_proj", [&] { return project(a, m.down, std::nullopt, isa, native_rows); });
 }

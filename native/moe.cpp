@@ -99,6 +99,10 @@ torch::Tensor moe_experts(const torch::Tensor& h, const torch::Tensor& router, c
 }
 
 void MoeStep::check() const {
+  TORCH_CHECK(router.defined() && !gate_up.empty() && gate_up.size() == down.size(),
+              "MoeStep: a router and each expert's gate_up and down");
+  TORCH_CHECK(top_k >= 1 && top_k <= static_cast<int64_t>(gate_up.size()), "MoeStep: top_k ", top_k, " of ",
+              gate_up.size(), " experts");
   for (const auto* ws : {&gate_up, &down})
     for (const Weight& w : *ws)
       if (const auto* q = std::get_if<QuantWeight>(&w)) q->check();
@@ -108,6 +112,6 @@ void MoeStep::check() const {
 }
 
 torch::Tensor moe_step(const torch::Tensor& x, const MoeStep& m, int64_t isa, int64_t native_rows) {
-  return moe_experts(x, m.router, m.gate_up, m.down, m.top_k, m.norm_topk, m.shared_gate_up, m.shared_down,
+  return moe_experts(x, m.router, m.gate_up, m.down, m.top_k, m.norm_topk_prob, m.shared_gate_up, m.shared_down,
                      m.shared_gate, isa, native_rows);
 }

@@ -37,7 +37,7 @@ TEST_FILE_TIERS = {
     "test_stream_order.py": "unit", "test_kv_budget.py": "unit",
 
     "test_alibi.py": "kernels", "test_native.py": "kernels", "test_native_gemma.py": "kernels",
-    "test_native_steps.py": "kernels",
+    "test_native_steps.py": "kernels", "test_step_binding.py": "kernels",
     "test_parallel.py": "kernels",
     "test_quant_kernels.py": "kernels", "test_quant_formats.py": "kernels", "test_triton_fused.py": "kernels",
     "test_prefill_launches.py": "kernels",

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from allspark_client import settings
-from allspark_server.compute import ops
+from allspark_server.compute import ops, step_ops
+from allspark_server.compute.steps import BoundMlp, Mlp
 
 pytestmark = pytest.mark.skipif(settings.NO_NATIVE.get(), reason="native path disabled")
 
@@ -300,7 +301,7 @@ def test_bf16_gemm_of_many_rows_is_widened_without_bf16_dot_products(monkeypatch
     widened = mlp(lambda a, m: ops.native().linear_widened(a, m, None, ops.isa_level()))
     in_bf16 = mlp(lambda a, m: real(a, m))
     assert not torch.equal(widened, in_bf16)   # the two GEMMs are told apart by these shapes
-    step = ops.native().MlpStep(gate_up=gate_up, gate_up_bias=None, down=down, act=0)       # silu
+    step = step_ops.native_step(BoundMlp(Mlp("silu"), gate_up, None, down))
     out = ops.native().mlp_step(h, step, ops.isa_level(), 0)    # native_rows 0: no row count takes the native GEMV
     bf16_dots = ops.gemm_dtype(torch.bfloat16) == torch.bfloat16
     assert torch.equal(out, in_bf16 if bf16_dots else widened), bf16_dots

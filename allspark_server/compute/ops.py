@@ -29,9 +29,8 @@ log = logging.getLogger(__name__)
 # products: only the decode attention over bf16 caches has a path of its own, native/span_attention.cpp) every
 # other kernel's VNNI path
 ISA_PORTABLE, ISA_AVX2, ISA_AVX512, ISA_AVX512_VNNI, ISA_AVX512_BF16 = 0, 1, 2, 3, 4
-# largest number of rows of x the native linear takes; above it oneDNN's GEMM wins (measured on an
-# 8192 x 1536 weight, 2 Zen 4 threads: fp32 native 4.0 ms vs 5.2 ms at 8 rows, 6.0 vs 5.4 at 12;
-# bf16 1.1 vs 1.2 ms at 4 rows, 1.7 vs 1.3 at 5 — oneDNN has bf16 dot-product instructions).
+# largest number of rows of x the native linear takes; above it oneDNN's GEMM wins, sooner in bf16 where oneDNN
+# has bf16 dot-product instructions (docs/performance.md, "The GEMV-to-GEMM handover")
 NATIVE_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}
 
 
@@ -47,6 +46,8 @@ def native():
         # the caller's too (f_back), and with them a model being installed
         log.warning("native kernels unavailable (%s); using the PyTorch path", str(e))
         return None
+    from allspark_server.compute.step_binding import check_fields
+    check_fields(_native)       # a step option one side has and the other lacks fails here, not as a wrong answer
     return _native
 
 
@@ -128,16 +129,15 @@ def linear_dequantized(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor |
 INT8_GEMM: bool | None = None
 
 
-# most rows of x for the int8 GEMM: above them it lost to dequantize + bf16 GEMM (1024-token prompts: TTFT 1.28x
-# bf16's against 1.13x; oneDNN's int8 GEMM does not speed up with more rows as its bf16 one does)
+# most rows of x for the int8 GEMM: above them dequantize + bf16 GEMM wins, since oneDNN's int8 GEMM does not speed
+# up with more rows as its bf16 one does (benchmarks/results/int8-gemm-spr.json)
 INT8_GEMM_MAX_ROWS = 512
 
 
 def int8_gemm_suits(w: QuantizedWeight, rows: int) -> bool:
     """Prefill rows (up to INT8_GEMM_MAX_ROWS) of an activate_quant int8 weight with per-channel scales run as an
-    int8 GEMM (linear_int8_gemm) on CPUs with AMX int8, where it beats dequantizing the weight for the bf16 GEMM:
-    measured on the 2-core AMX VM, int8 + a8 + head TTFT 0.96x bf16's at 128 tokens against 1.36x, 1.17x at 512
-    against 1.22x (benchmarks/int8_gemm.py)."""
+    int8 GEMM (linear_int8_gemm) on CPUs with AMX int8, where it beats dequantizing the weight for the bf16 GEMM
+    (benchmarks/int8_gemm.py; benchmarks/results/int8-gemm-spr.json)."""
     if w.act_bits != 8 or w.fmt != "int8" or w.scales.shape[1] != 1 or rows > INT8_GEMM_MAX_ROWS:
         return False
     return INT8_GEMM if INT8_GEMM is not None else "amx_int8" in cpu_flags()
@@ -160,9 +160,8 @@ def _gemm_in(dtype: torch.dtype, x: torch.Tensor, w: torch.Tensor, bias: torch.T
 
 def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of ATen's GEMM for many rows (prefill; a quantized weight is dequantized into it, a bf16 weight
-    widened): bf16 only where the CPU has bf16 dot products; without them oneDNN's bf16 GEMM ran 5.5x slower than
-    fp32 (a Zen 3-class VM, 2 threads, [256, 1536] x [1536, 4096]: 6.6 vs 36.6 GFLOP/s), so bf16 activations are
-    widened instead. The products of bf16 values are exact in fp32 either way; only the summation order differs."""
+    widened): bf16 only where the CPU has bf16 dot products; without them oneDNN's bf16 GEMM runs far slower than
+    fp32 (docs/performance.md), so bf16 activations are widened instead. The products of bf16 values are exact in fp32 either way; only the summation order differs."""
     if dtype == torch.bfloat16 and not ({"avx512_bf16", "amx_bf16"} & cpu_flags()):
         return torch.float32
     return dtype

@@ -1,7 +1,7 @@
 """The layer description's steps (compute/steps.py) on a decode-only batch, on every backend.
 
 A step bound to its layer's tensors (steps.Bound*) runs here as one native call over its descriptor struct
-(native/steps.h, made once per bound step), as the CUDA backend's sequence (compute/cuda/ops.py), or as the torch
+(native/steps.h, filled once per bound step by compute/step_binding.py), as the CUDA backend's sequence (compute/cuda/ops.py), or as the torch
 reference (compute/reference.py) where neither applies. `decode_stack` builds the native one-call decode step from
 the same bound steps, so the native stack, the Python loop over the layers and the CUDA graphs run one description.
 """
@@ -11,9 +11,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from allspark_server.compute import ops
+from allspark_server.compute import ops, step_binding
 from allspark_server.compute.reference import attention_step_reference, mlp_step_reference
-from allspark_server.compute.steps import ACTIVATIONS, Bound, BoundAttention, BoundMlp, BoundMoe, BoundNorm
+from allspark_server.compute.steps import Bound, BoundAttention, BoundMlp, BoundMoe, BoundNorm
 
 
 def _native_suits(x: torch.Tensor, *weights) -> bool:
@@ -23,27 +23,8 @@ def _native_suits(x: torch.Tensor, *weights) -> bool:
 
 def native_step(b: Bound):
     """The native descriptor of a bound step (made on first use, then kept: weights and caches never move)."""
-    if b.native is not None:
-        return b.native
-    ext, w = ops.native(), ops.native_weight
-    if isinstance(b, BoundNorm):
-        b.native = ext.NormStep(weight=b.weight, adds_residual=b.step.adds_residual, eps=b.eps)
-    elif isinstance(b, BoundAttention):
-        a = b.step
-        b.native = ext.AttentionStep(
-            qkv=w(b.qkv), qkv_bias=b.qkv_bias, o=w(b.o), num_heads=b.num_heads, num_kv_heads=b.num_kv_heads,
-            scale=a.scale, q_norm=b.q_norm, k_norm=b.k_norm, norm_eps=b.norm_eps, rotary=a.position == "rope",
-            alibi_slopes=b.alibi_slopes, softcap=a.softcap, window=a.window, rope_table=a.rope_table,
-            k_cache=b.k_cache, v_cache=b.v_cache, k_param=b.k_param, v_param=b.v_param)
-    elif isinstance(b, BoundMlp):
-        b.native = ext.MlpStep(gate_up=w(b.gate_up), gate_up_bias=b.gate_up_bias, down=w(b.down),
-                               act=ACTIVATIONS.index(b.step.act))
-    else:
-        shared = b.shared or (None, None)
-        b.native = ext.MoeStep(router=b.router, gate_up=[w(g) for g, _ in b.experts], down=[w(d) for _, d in b.experts],
-                               top_k=b.step.top_k, norm_topk_prob=b.step.norm_topk_prob,
-                               shared_gate_up=None if shared[0] is None else w(shared[0]),
-                               shared_down=None if shared[1] is None else w(shared[1]), shared_gate=b.shared_gate)
+    if b.native is None:
+        b.native = step_binding.descriptor(b, ops.native(), ops.native_weight)
     return b.native
 
 

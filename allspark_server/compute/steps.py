@@ -11,21 +11,27 @@ stack. Steps apply in order to the pair (x, residual); their sum is HF's hidden 
   Moe        x = the router's top-k experts' Mlps, weighted (plus a gated shared expert), summed over the ranks.
 A new layer feature is an option or a step kind here, its reference op (compute/reference.py) and at most one kernel
 per backend. The Bound* classes are a step with the tensors one layer runs it on: what compute/step_ops.py runs.
+The native descriptors (native/steps.h) are filled from these fields by name (compute/step_binding.py, checked when
+the extension loads): an option the native path does not read itself is named in its class's NOT_NATIVE, with
+what carries it instead.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 import torch
 
-ACTIVATIONS = ("silu", "gelu_tanh")     # Mlp.act; the native MlpStep's `act` is the index
+ACTIVATIONS = ("silu", "gelu_tanh")     # Mlp.act; the native MlpStep's `activation` is the index
+Weight = Any                            # a dense torch.Tensor or a quant.formats.QuantizedWeight
 
 
 @dataclass(frozen=True)
 class Norm:
     name: str                   # the norm's module in the layer (HF's name, e.g. input_layernorm)
     adds_residual: bool = True
+
+    NOT_NATIVE: ClassVar[dict] = {"name": "the module the weight comes from"}
 
 
 @dataclass(frozen=True)
@@ -39,11 +45,24 @@ class Attention:
     window: int = 0             # sliding window: a query sees the last `window` positions, itself included; 0: all
     rope_table: int = 0         # which of the model's rotary tables rotates q and k (Gemma 3's local layers: 1)
 
+    NOT_NATIVE: ClassVar[dict] = {"qkv_bias": "the bound qkv_bias tensor", "qk_norm": "the bound q_norm / k_norm",
+                                  "o_bias": "the row-parallel reduce after the step", "position": "rotary, alibi_slopes"}
+
+    @property
+    def rotary(self) -> bool:
+        return self.position == "rope"
+
 
 @dataclass(frozen=True)
 class Mlp:
     act: str = "silu"           # one of ACTIVATIONS
     bias: bool = False
+
+    NOT_NATIVE: ClassVar[dict] = {"act": "activation", "bias": "gate_up_bias; the down bias in the reduce"}
+
+    @property
+    def activation(self) -> int:
+        return ACTIVATIONS.index(self.act)
 
 
 @dataclass(frozen=True)
@@ -53,6 +72,8 @@ class Moe:
     norm_topk_prob: bool
     shared_expert: bool = False
 
+    NOT_NATIVE: ClassVar[dict] = {"num_experts": "the experts' weight lists", "shared_expert": "shared_gate_up"}
+
 
 Step = Union[Norm, Attention, Mlp, Moe]
 
@@ -61,6 +82,7 @@ Step = Union[Norm, Attention, Mlp, Moe]
 class ModelSpec:
     """The whole stack: every layer's steps, and what the model does around them."""
     layers: tuple[tuple[Step, ...], ...]
+    final_norm: Norm = Norm("norm")         # after the last layer (it adds the last sublayer's output first)
     embed_scale: Optional[float] = None     # the embedding rows times this, in the activation dtype (Gemma)
     final_softcap: float = 0.0              # logits -> cap * tanh(logits / cap) (Gemma 2); 0: none
 
@@ -78,9 +100,9 @@ class BoundNorm:
 @dataclass
 class BoundAttention:
     step: Attention
-    qkv: Any
+    qkv: Weight
     qkv_bias: Optional[torch.Tensor]
-    o: Any
+    o: Weight
     num_heads: int                          # this rank's
     num_kv_heads: int
     k_cache: torch.Tensor                   # the layer's KV cache (step/kv_cache.py LayerKV)
@@ -97,9 +119,9 @@ class BoundAttention:
 @dataclass
 class BoundMlp:
     step: Mlp
-    gate_up: Any
+    gate_up: Weight
     gate_up_bias: Optional[torch.Tensor]
-    down: Any
+    down: Weight
     native: Any = field(default=None, repr=False)
 
 
@@ -111,6 +133,22 @@ class BoundMoe:
     shared: Optional[tuple] = None          # (gate_up, down) of the shared expert
     shared_gate: Optional[torch.Tensor] = None
     native: Any = field(default=None, repr=False)
+
+    @property
+    def gate_up(self) -> list[Weight]:
+        return [g for g, _ in self.experts]
+
+    @property
+    def down(self) -> list[Weight]:
+        return [d for _, d in self.experts]
+
+    @property
+    def shared_gate_up(self) -> Optional[Weight]:
+        return self.shared[0] if self.shared else None
+
+    @property
+    def shared_down(self) -> Optional[Weight]:
+        return self.shared[1] if self.shared else None
 
 
 Bound = Union[BoundNorm, BoundAttention, BoundMlp, BoundMoe]

@@ -187,8 +187,8 @@ class DecoderLayer(nn.Module):
 
 
 def _norm(norm: RMSNorm, step: spec.Norm, x, residual):
-    """A Norm step's module on (x, residual): a pre-norm adds the residual first and returns the new stream."""
-    return norm(x, residual) if step.adds_residual else (norm(x)[0], residual)
+    """A Norm step's module on (x, residual), as the decode path runs it (compute/step_ops.py norm_step)."""
+    return step_ops.norm_step(x, residual, spec.BoundNorm(step, norm.weight, norm.eps))
 
 
 class DecoderModel(nn.Module):
@@ -247,7 +247,7 @@ class DecoderForCausalLM(nn.Module):
                 or (self.lm_head.quant is None and not self.lm_head.weight.is_contiguous())):
             return None
         tables = [(r.cos, r.sin) for r in self.model.rotaries] if self.model.rotaries is not None else []
-        final = spec.BoundNorm(spec.Norm("norm"), self.model.norm.weight, self.model.norm.eps)
+        final = spec.BoundNorm(self.spec.final_norm, self.model.norm.weight, self.model.norm.eps)
         stack = step_ops.decode_stack([layer.bound(kv) for layer, kv in zip(layers, kv_cache.layers)], final,
                                       embedding, tables, self.lm_head.kernel_weight, self.spec.embed_scale)
         # the row-parallel sums: nothing to do at world size 1 without biases, so the stack never calls back
@@ -287,5 +287,5 @@ class DecoderForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, inputs, ropes, kv_cache.layers[i], prof)
         rows = inputs.sample_rows
-        h, _ = timed(prof, "final_norm", self.model.norm, x[rows], residual[rows])   # [N, H]
+        h, _ = timed(prof, "final_norm", _norm, self.model.norm, self.spec.final_norm, x[rows], residual[rows])  # [N, H]
         return self.capped(timed(prof, "lm_head", self.lm_head, h))       # [N, V] on rank 0

@@ -2,12 +2,13 @@
 
 Every architecture runs on the one decoder (models/decoder.py); what differs is described by ModelArgs (read
 from config.json by the architecture's `read_args`) and by `convert`, which maps each checkpoint tensor onto the
-decoder's canonical (Llama) names: fused projections split, rotary dims reordered, a head normalized. One file
-per architecture under models/ registers its names here (ARCHITECTURES).
+decoder's canonical (Llama) names: fused projections split, rotary dims reordered, a head normalized. A module
+under models/ that defines ARCHITECTURES (HF name -> ArchSpec) is found here by itself: a new family is its file.
 """
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
@@ -16,7 +17,6 @@ import torch
 from allspark_server.models.args import ModelArgs
 
 Converter = Callable[[str, torch.Tensor, ModelArgs], Iterable[tuple[str, torch.Tensor]]]
-ARCH_MODULES = ("llama", "qwen3", "glm", "chatglm", "baichuan", "qwen", "moe", "gemma")
 
 
 def keep(name: str, tensor: torch.Tensor, args: ModelArgs) -> Iterable[tuple[str, torch.Tensor]]:
@@ -38,10 +38,15 @@ _REGISTRY: dict[str, ArchSpec] = {}
 
 
 def _registry() -> dict[str, ArchSpec]:
-    """Filled on first use (the architecture modules import this one)."""
+    """Filled on first use from every module of this package that defines ARCHITECTURES (they import this one)."""
     if not _REGISTRY:
-        for name in ARCH_MODULES:
-            _REGISTRY.update(importlib.import_module(f"allspark_server.models.{name}").ARCHITECTURES)
+        import allspark_server.models as package
+        for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+            module = importlib.import_module(f"{package.__name__}.{info.name}")
+            for name, spec in getattr(module, "ARCHITECTURES", {}).items():
+                if name in _REGISTRY:
+                    raise RuntimeError(f"architecture {name!r} is registered twice (models/{info.name}.py)")
+                _REGISTRY[name] = spec
     return _REGISTRY
 
 

@@ -21,9 +21,8 @@ from allspark_server.compute.cuda import pdl
 from allspark_server.compute.cuda.fused_kernels import _round, _silu_mul_rounded
 from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
 
-# rows of x the kernel takes; more: cuBLAS. benchmarks/cuda_gemv_micro.py on an H100, against cuBLAS: 1.08-1.35x at
-# one row, 0.96-1.16x at two, 0.65-0.79x at four. The silu·mul epilogue pays at one row only (1.20x cuBLAS + silu_mul,
-# 1.02x the GEMV + silu_mul), not at two (0.90x, 0.83x): its two weight tiles a k-step load twice the registers.
+# rows of x the kernel takes; more: cuBLAS, which wins from four rows. The silu·mul epilogue pays at one row only:
+# its two weight tiles a k-step load twice the registers (benchmarks/results/cuda-gemv-micro-h100.json).
 GEMV_MAX_ROWS = 2
 SILU_MUL_MAX_ROWS = 1
 DTYPES = (torch.bfloat16, torch.float16)

@@ -108,10 +108,9 @@ def _quant_input(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     return ref.round_activations_reference(x, 8).to(x.dtype) if w.act_bits == 8 else x
 
 
-# quantized formats whose GEMV takes silu·mul as its epilogue: where it was measured faster (an H100, gate_up of
-# Llama-2-7B and its 2-rank shard): int4 g128 1.10x / 1.14x the GEMV and
-# fused_kernels.silu_mul; int8 per channel 0.96x / 1.02x, so 8-bit codes keep the two launches (uint4_min: the same
-# 4-bit GEMV, its mins one more load per group)
+# quantized formats whose GEMV takes silu·mul as its epilogue: the 4-bit ones, where it beats the GEMV plus
+# fused_kernels.silu_mul; 8-bit codes keep the two launches, which were as fast (uint4_min: the same 4-bit GEMV, its
+# mins one more load per group; benchmarks/results/cuda-quant-silu-h100.json)
 SILU_MUL_QUANT_FORMATS = ("int4", "uint4", "uint4_min")
 
 

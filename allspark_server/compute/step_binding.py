@@ -1,0 +1,76 @@
+"""The one binder from the layer description's steps (compute/steps.py) to the native descriptors (native/steps.h).
+
+Each native descriptor lists its fields once (steps.h's F(type, name) lists, exposed as the class's FIELDS). A field
+is filled from the attribute of the same name on the bound step, or else on its step (a dataclass field or a
+property); weights go through the caller's weight converter. `check_fields` runs when the extension loads: a native
+field with no Python attribute of a matching type, or a step option that the native path neither reads nor names
+in NOT_NATIVE, fails there, loudly, instead of becoming an option one backend silently ignores.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from allspark_server.compute.steps import (Attention, BoundAttention, BoundMlp, BoundMoe, BoundNorm, Mlp, Moe,
+                                           Norm)
+
+# bound step -> (its native descriptor's class name, its step class)
+NATIVE_STEPS = {BoundNorm: ("NormStep", Norm), BoundAttention: ("AttentionStep", Attention),
+                BoundMlp: ("MlpStep", Mlp), BoundMoe: ("MoeStep", Moe)}
+# steps.h's field types -> the annotations compute/steps.py writes for them
+PYTHON_TYPES = {"torch::Tensor": "torch.Tensor", "OptTensor": "Optional[torch.Tensor]", "Weight": "Weight",
+                "Weights": "list[Weight]", "OptWeight": "Optional[Weight]", "double": "float", "int64_t": "int",
+                "bool": "bool"}
+
+
+def _annotation(cls, name: str):
+    """The annotation of `name` on cls: a dataclass field's type or a property's return type; None: no such name."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return f.type
+    prop = getattr(cls, name, None)
+    if isinstance(prop, property):
+        return prop.fget.__annotations__.get("return")
+    return None
+
+
+def check_fields(ext) -> None:
+    """Raise when the extension's descriptors and compute/steps.py disagree (see the module docstring)."""
+    problems = []
+    for bound_cls, (native_name, step_cls) in NATIVE_STEPS.items():
+        native_fields = dict(getattr(ext, native_name).FIELDS)
+        for name, ctype in native_fields.items():
+            found = _annotation(bound_cls, name) or _annotation(step_cls, name)
+            want = PYTHON_TYPES.get(ctype)
+            if found is None:
+                problems.append(f"native/steps.h {native_name}.{name} has no attribute {name!r} on "
+                                f"{bound_cls.__name__} or {step_cls.__name__}")
+            elif found != want:
+                problems.append(f"{native_name}.{name} is {ctype} in native/steps.h (Python: {want}) but "
+                                f"{found} in compute/steps.py")
+        options = {f.name for f in dataclasses.fields(step_cls)}
+        not_native = step_cls.NOT_NATIVE
+        for name in sorted(options - set(native_fields) - set(not_native)):
+            problems.append(f"{step_cls.__name__}.{name} reaches no native {native_name} field: add it to "
+                            f"native/steps.h (and read it in the kernel), or say in {step_cls.__name__}.NOT_NATIVE "
+                            f"what carries it")
+        for name in sorted(set(not_native) - options):
+            problems.append(f"{step_cls.__name__}.NOT_NATIVE names {name!r}, which is no option of the step")
+    if problems:
+        raise RuntimeError("the native step descriptors and compute/steps.py disagree (rebuild the extension "
+                           "after changing native/steps.h):\n  " + "\n  ".join(problems))
+
+
+def descriptor(bound, ext, native_weight: Callable):
+    """A bound step's native descriptor, every field filled by name and checked by the struct itself."""
+    native_name, _ = NATIVE_STEPS[type(bound)]
+    d = getattr(ext, native_name)()
+    for name, ctype in d.FIELDS:
+        value = getattr(bound, name) if hasattr(bound, name) else getattr(bound.step, name)
+        if ctype == "Weight" or (ctype == "OptWeight" and value is not None):
+            value = native_weight(value)
+        elif ctype == "Weights":
+            value = [native_weight(w) for w in value]
+        setattr(d, name, value)
+    d.check()
+    return d
