@@ -1,7 +1,8 @@
-"""The vectorized sampler (batch_sampler.py, the path of GPU logits) on CPU tensors: greedy tokens and logprobs
-equal `sample_row`'s, penalties and top-k/top-p masks equal the per-row functions and a hand-worked example,
-seeded draws depend on the request alone, and their distribution is the processed softmax. With a GPU (marker
-`gpu`): the same results from CUDA logits, and through the Engine alone equals batched.
+"""The sampler's chain over a batch of rows of every kind, with either draw: greedy tokens, penalties and logprobs
+against per-row references (transformers' processors, float64), top-k / top-p masks against transformers' warpers
+and hand-worked ties, every row alone equal to the batch, and the counter-based draws (a GPU's; here on CPU
+tensors) depending on the request alone and following the processed softmax. With a GPU (marker `gpu`): CUDA
+logits give the CPU tensors' results, and through the Engine alone equals batched.
 """
 from __future__ import annotations
 
@@ -10,18 +11,21 @@ import threading
 
 import pytest
 import torch
-from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import (MinLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                          TopKLogitsWarper, TopPLogitsWarper)
 
 from allspark_client.config import GenerationConfig
-from allspark_server.runner.batch_sampler import (apply_penalties_rows, draw_key, gumbel_noise, mask_top_k_top_p,
-                                                  mix32, sample_batch)
-from allspark_server.runner.sampler import Sampler, SamplingState, apply_penalties, mask_top_k, mask_top_p
-from helpers import hf_apply
+from allspark_server.runner.draws import draw_key, gumbel_draws, gumbel_noise, mix32, multinomial_draws
+from allspark_server.runner.sampler import Sampler, SamplingState, apply_penalties_rows, mask_top_k_top_p
+from helpers import hf_apply, presence_frequency_ref
 
 NEG_INF = float("-inf")
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 # chi-square critical values at a false-alarm probability of 1e-6 (scipy.stats.chi2.isf(1e-6, df)), by df
 CHI2_1E6 = {1: 23.93, 2: 27.63, 3: 30.66, 4: 33.38, 5: 35.89}
+SAMPLERS = {"host": Sampler("cpu"),                           # torch.multinomial with each request's generator
+            "counter": Sampler("cpu", draw=gumbel_draws)}     # a GPU's draws, on CPU tensors
+COUNTER = SAMPLERS["counter"]
 
 
 def rand_logits(n: int, vocab: int, seed: int, scale: float = 3.0) -> torch.Tensor:
@@ -58,28 +62,50 @@ def mixed_batch(vocab: int, seed: int):
     return logits, cfgs, histories
 
 
+def processed_reference(x: torch.Tensor, gen: GenerationConfig, all_ids: list[int], output_ids: list[int]):
+    """One row's penalties and min_length EOS mask from transformers' processors (+ float64 presence/frequency)."""
+    s = x.clone()
+    if gen.repetition_penalty != 1.0:
+        s = hf_apply(RepetitionPenaltyLogitsProcessor(gen.repetition_penalty), all_ids, s)
+    if gen.presence_penalty or gen.frequency_penalty:
+        s = presence_frequency_ref(s, output_ids, gen.presence_penalty, gen.frequency_penalty).float()
+    if gen.min_length and gen.eos_token_ids:
+        s = hf_apply(MinLengthLogitsProcessor(gen.min_length, list(gen.eos_token_ids)), all_ids, s)
+    return s
+
+
 @pytest.mark.parametrize("vocab", [7, 1000])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_greedy_tokens_and_logprobs_equal_sample_row(vocab, seed):
+@pytest.mark.parametrize("draw", sorted(SAMPLERS))
+def test_batch_greedy_tokens_and_logprobs(vocab, seed, draw):
+    """Every row of the batch gets what it gets alone; greedy rows the argmax of the reference-processed row, rows
+    with logprobs those of their raw row."""
     logits, cfgs, histories = mixed_batch(vocab, seed)
-    rows = rows_of(cfgs, histories)
-    batched = sample_batch(logits.clone(), rows)
+    sampler = SAMPLERS[draw]
+    batched = sampler.sample_rows(logits.clone(), rows_of(cfgs, histories))
     moved = 0
-    for i, (state, all_ids, output_ids) in enumerate(rows):
-        alone = Sampler().sample_row(logits[i].clone(), state, all_ids, output_ids)
-        if state.gen.is_greedy:
-            assert batched[i].token_id == alone.token_id, i
+    for i, (all_ids, output_ids) in enumerate(histories):
+        alone = sampler.sample_rows(logits[i:i + 1].clone(), rows_of([cfgs[i]], [histories[i]]))[0]
+        assert (batched[i].token_id, batched[i].logprob, batched[i].top_logprobs) == \
+            (alone.token_id, alone.logprob, alone.top_logprobs), i
+        gen = GenerationConfig(**cfgs[i])
+        if gen.is_greedy:
+            assert batched[i].token_id == int(processed_reference(logits[i], gen, all_ids, output_ids).argmax()), i
             moved += batched[i].token_id != int(logits[i].argmax())
-        if state.gen.logprobs:
+        if gen.logprobs:
             raw = torch.log_softmax(logits[i].double(), -1)
             assert batched[i].logprob == pytest.approx(float(raw[batched[i].token_id]), abs=1e-5)
-            assert [t for t, _ in batched[i].top_logprobs] == [t for t, _ in alone.top_logprobs]
-            assert [v for _, v in batched[i].top_logprobs] == pytest.approx([v for _, v in alone.top_logprobs],
-                                                                            abs=1e-5)
-            assert len(batched[i].top_logprobs) == state.gen.top_logprobs
+            top = torch.topk(raw, gen.top_logprobs)
+            assert [t for t, _ in batched[i].top_logprobs] == top.indices.tolist()
+            assert [v for _, v in batched[i].top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-5)
         else:
             assert batched[i].logprob is None and batched[i].top_logprobs == []
     assert moved >= 2, "penalties / min_length should have moved some greedy rows off the raw argmax"
+
+
+def test_the_device_picks_the_draw():
+    assert Sampler("cpu").draw is multinomial_draws
+    assert Sampler(torch.device("cuda", 0)).draw is gumbel_draws     # nothing touches the GPU before sampling
 
 
 def test_penalties_hand_worked_and_rows_independent():
@@ -99,19 +125,19 @@ def test_penalties_hand_worked_and_rows_independent():
 
 
 @pytest.mark.parametrize("vocab", [7, 1000])
-def test_penalties_equal_apply_penalties_per_row(vocab):
+def test_penalties_match_references_and_rows_alone(vocab):
     logits, cfgs, histories = mixed_batch(vocab, 5)
     rows = rows_of(cfgs, histories)
     out = apply_penalties_rows(logits.clone(), rows)
     for i, (state, all_ids, output_ids) in enumerate(rows):
-        ref = logits[i].clone()
-        apply_penalties(ref, all_ids, output_ids, state.gen)
-        assert torch.equal(out[i], ref), i
+        assert torch.equal(out[i], apply_penalties_rows(logits[i:i + 1].clone(), [rows[i]])[0]), i
+        ref = processed_reference(logits[i], GenerationConfig(**dict(cfgs[i], min_length=0)), all_ids, output_ids)
+        torch.testing.assert_close(out[i], ref, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("vocab", [7, 1000])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_top_k_top_p_mask_equals_the_per_row_masks(vocab, seed):
+def test_top_k_top_p_mask_matches_the_warpers(vocab, seed):
     rng = random.Random(seed)
     ks = [0, 1, 2, 5, vocab - 1, vocab, vocab + 3]
     ps = [1e-9, 0.01, 0.2, 0.5, 0.8, 0.95, 0.999, 1.0]   # 1e-9: (1 - p) rounds to 1, the favourite still stays
@@ -123,19 +149,17 @@ def test_top_k_top_p_mask_equals_the_per_row_masks(vocab, seed):
     p = [rng.choice(ps) for _ in range(n)]
     x[5], x[5, :10] = NEG_INF, 0.0                              # ten tied: at p=0.9 the 1st cum (0.1f) is (1-p)
     k[4], p[4], k[5], p[5] = 0, 0.5, 0, 0.9
-    out = mask_top_k_top_p(x.clone(), torch.tensor(k), p)
-    for r in range(n):
-        ref = mask_top_p(mask_top_k(x[r].clone(), k[r]), p[r])
-        if r in (4, 5):   # ties at the cut: as many kept as mask_top_p keeps, the lowest ids
-            kept = int((~torch.isneginf(ref)).sum())
-            assert kept == {4: vocab // 2 + (vocab == 7), 5: min(vocab, 9)}[r]
-            assert torch.nonzero(~torch.isneginf(out[r])).flatten().tolist() == list(range(kept))
-        else:
-            assert torch.equal(out[r], ref), (r, k[r], p[r])
-    # HF's warpers agree on a row (an independent reference)
-    ref = hf_apply(TopPLogitsWarper(p[0]), [], hf_apply(TopKLogitsWarper(k[0]), [], x[0])) if k[0] else \
-        hf_apply(TopPLogitsWarper(p[0]), [], x[0])
-    assert torch.equal(torch.isneginf(out[0]), torch.isneginf(ref))
+    for top_p in (p, [1.0] * n):                                # top_p on in some rows; top_k alone
+        out = mask_top_k_top_p(x.clone(), k, top_p)
+        for r in range(n):
+            ref = hf_apply(TopKLogitsWarper(k[r]), [], x[r]) if k[r] else x[r]
+            ref = hf_apply(TopPLogitsWarper(top_p[r]), [], ref) if top_p[r] < 1.0 else ref
+            if r in (4, 5) and top_p[r] < 1.0:   # ties at the cut: as many kept as transformers keeps, the lowest ids
+                kept = int((~torch.isneginf(ref)).sum())
+                assert kept == {4: vocab // 2 + (vocab == 7), 5: min(vocab, 9)}[r]
+                assert torch.nonzero(~torch.isneginf(out[r])).flatten().tolist() == list(range(kept))
+            else:
+                assert torch.equal(out[r], ref), (r, k[r], top_p[r])
 
 
 def test_hash_is_lowbias32():
@@ -167,20 +191,20 @@ def test_seeded_draws_depend_on_the_request_alone():
     vocab = 40
     logits, cfgs, histories = mixed_batch(vocab, 9)
     rows = rows_of(cfgs, histories)
-    alone = [sample_batch(logits[i:i + 1].clone(), [row])[0].token_id for i, row in enumerate(rows)]
+    alone = [COUNTER.sample_rows(logits[i:i + 1].clone(), [row])[0].token_id for i, row in enumerate(rows)]
     rng = random.Random(1)
     for _ in range(4):   # any batch, any order
         order = list(range(len(rows)))
         rng.shuffle(order)
         sub = order[:rng.randrange(2, len(rows) + 1)]
-        got = sample_batch(logits[sub].clone(), [rows[i] for i in sub])
+        got = COUNTER.sample_rows(logits[sub].clone(), [rows[i] for i in sub])
         assert [r.token_id for r in got] == [alone[i] for i in sub]
     # the same seed at the same step draws the same; steps and seeds move the draws
     x = rand_logits(1, vocab, 3, scale=0.5)
 
     def stream(seed: int) -> list[int]:
         state = SamplingState.create(GenerationConfig(temperature=1.0, seed=seed))
-        return [sample_batch(x.clone(), [(state, [1] + [0] * s, [0] * s)])[0].token_id for s in range(40)]
+        return [COUNTER.sample_rows(x.clone(), [(state, [1] + [0] * s, [0] * s)])[0].token_id for s in range(40)]
     a, b, c = stream(7), stream(7), stream(8)
     assert a == b and a != c and len(set(a)) > 10
     # unseeded requests get a random seed each
@@ -205,7 +229,7 @@ DIST_CASES = [
 
 @pytest.mark.parametrize("case", DIST_CASES)
 def test_draw_distribution_is_the_processed_softmax(case):
-    """20,000 draws of a 6-token row: 200 seeds x steps 0..99 through sample_batch, and one seed over steps
+    """20,000 counter-based draws of a 6-token row: 200 seeds x steps 0..99 through the sampler, and one seed over steps
     0..19,999 (its key stream). A correct sampler's chi-square exceeds the bound with probability 1e-6; with
     20,000 draws a wrong temperature or a leaked masked token pushes it far past it (checked below)."""
     cfg = dict(case)
@@ -223,9 +247,9 @@ def test_draw_distribution_is_the_processed_softmax(case):
     outputs = [[0] * s for s in range(100)]
     rows = [(SamplingState.create(GenerationConfig(seed=seed, **cfg)), [5] + out, out)
             for seed in range(200) for out in outputs]
-    tokens = [r.token_id for r in sample_batch(x.expand(len(rows), -1).clone(), rows)]
+    tokens = [r.token_id for r in COUNTER.sample_rows(x.expand(len(rows), -1).clone(), rows)]
     # one request's own stream: keys of steps 0..19,999, the same processing
-    xs = mask_top_k_top_p(x / t, torch.tensor([cfg.get("top_k", 0)]), [cfg.get("top_p", 1.0)])
+    xs = mask_top_k_top_p(x / t, [cfg.get("top_k", 0)], [cfg.get("top_p", 1.0)])
     noise = gumbel_noise([draw_key(12345, s) for s in range(20_000)], 6, "cpu")
     for drawn in (torch.tensor(tokens), (xs + noise).argmax(-1)):
         counts = torch.bincount(drawn, minlength=6).double()
@@ -244,11 +268,11 @@ def test_draw_distribution_is_the_processed_softmax(case):
 @pytest.mark.gpu
 @needs_gpu
 def test_cuda_logits_give_the_cpu_results():
-    """Sampler.sample_rows on CUDA logits (the vectorized path) equals sample_batch on the same CPU logits."""
+    """A GPU's sampler on CUDA logits equals the counter-based draws on the same CPU logits."""
     logits, cfgs, histories = mixed_batch(1000, 4)
     rows = rows_of(cfgs, histories)
-    gpu = Sampler().sample_rows(logits.cuda(), rows)
-    cpu = sample_batch(logits.clone(), rows)
+    gpu = Sampler(torch.device("cuda")).sample_rows(logits.cuda(), rows)
+    cpu = COUNTER.sample_rows(logits.clone(), rows)
     assert [r.token_id for r in gpu] == [r.token_id for r in cpu]
     for g, c in zip(gpu, cpu):
         assert (g.logprob is None) == (c.logprob is None)

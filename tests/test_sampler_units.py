@@ -1,5 +1,6 @@
 """Sampler semantics at the processor level: penalties, min_length, temperature, top_k / top_p, the full
-chain and greedy, against transformers' logits processors, float64 references and hand-worked examples.
+chain and greedy, against transformers' logits processors, float64 references and hand-worked examples, on the
+host's sampler (its draws: torch.multinomial with each request's own generator).
 """
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from transformers import (MinLengthLogitsProcessor, RepetitionPenaltyLogitsProce
                           TopKLogitsWarper, TopPLogitsWarper)
 
 from allspark_client.config import GenerationConfig
-from allspark_server.runner.sampler import (Sampler, SamplingState, apply_penalties, argmax, mask_top_k,
-                                           mask_top_p)
+from allspark_server.runner.draws import multinomial_draws
+from allspark_server.runner.sampler import Sampler, SamplingState, apply_penalties_rows, argmax, mask_top_k_top_p
 from helpers import hf_apply, presence_frequency_ref
 
 NEG_INF = float("-inf")
@@ -73,8 +74,22 @@ def multinomial_spy(monkeypatch):
 
 
 def sample(gen: GenerationConfig, x: torch.Tensor, all_ids, output_ids, state: SamplingState | None = None):
+    """The host sampler on one row x [V]."""
     state = state or SamplingState.create(gen)
-    return Sampler().sample_row(x.clone(), state, list(all_ids), list(output_ids))
+    return Sampler("cpu").sample_rows(x[None].clone(), [(state, list(all_ids), list(output_ids))])[0]
+
+
+def penalized(x: torch.Tensor, all_ids, output_ids, gen: GenerationConfig) -> torch.Tensor:
+    """The sampler's penalties on one row x [V]."""
+    return apply_penalties_rows(x[None].clone(), [(SamplingState.create(gen), list(all_ids), list(output_ids))])[0]
+
+
+def mask_top_k(x: torch.Tensor, k: int) -> torch.Tensor:
+    return mask_top_k_top_p(x[None].clone(), [k], [1.0])[0]
+
+
+def mask_top_p(x: torch.Tensor, p: float) -> torch.Tensor:
+    return mask_top_k_top_p(x[None].clone(), [0], [p])[0]
 
 
 SEEDS = [0, 1, 2, 3]
@@ -92,8 +107,7 @@ def test_repetition_penalty_matches_hf(vocab, seed, penalty):
     x = rand_logits(vocab, seed)
     all_ids = rand_ids(40, vocab, seed)            # duplicates included; vocab 7 touches nearly all tokens
     output_ids = all_ids[25:]
-    ours = x.clone()
-    apply_penalties(ours, all_ids, output_ids, GenerationConfig(repetition_penalty=penalty))
+    ours = penalized(x, all_ids, output_ids, GenerationConfig(repetition_penalty=penalty))
     expected = hf_apply(RepetitionPenaltyLogitsProcessor(penalty), all_ids, x)
     torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-6)
     if penalty != 1.0:
@@ -105,8 +119,7 @@ def test_repetition_penalty_matches_hf(vocab, seed, penalty):
 def test_repetition_penalty_covers_prompt_ids():
     # hand-worked: prompt tokens are penalized too (HF semantics), each token once however often it occurs
     x = torch.tensor([1.0, -1.0, 2.0, 0.5, -0.5])
-    ours = x.clone()
-    apply_penalties(ours, [0, 1, 1, 1], [], GenerationConfig(repetition_penalty=2.0))
+    ours = penalized(x, [0, 1, 1, 1], [], GenerationConfig(repetition_penalty=2.0))
     assert ours.tolist() == [0.5, -2.0, 2.0, 0.5, -0.5]
 
 
@@ -117,9 +130,8 @@ def test_presence_frequency_match_float64(vocab, seed, presence, frequency):
     x = rand_logits(vocab, seed)
     prompt = rand_ids(20, vocab, seed + 100)
     output_ids = rand_ids(30, vocab, seed + 200)
-    ours = x.clone()
-    apply_penalties(ours, prompt + output_ids, output_ids,
-                    GenerationConfig(presence_penalty=presence, frequency_penalty=frequency))
+    ours = penalized(x, prompt + output_ids, output_ids,
+                     GenerationConfig(presence_penalty=presence, frequency_penalty=frequency))
     expected = presence_frequency_ref(x, output_ids, presence, frequency)
     torch.testing.assert_close(ours.double(), expected, rtol=0, atol=1e-5)
     # prompt-only tokens are not touched by presence/frequency
@@ -133,8 +145,7 @@ def test_repetition_then_presence_frequency_matches_reference(seed):
     x = rand_logits(vocab, seed)
     prompt, output_ids = rand_ids(50, vocab, seed), rand_ids(40, vocab, seed + 7)
     gen = GenerationConfig(repetition_penalty=1.4, presence_penalty=0.6, frequency_penalty=0.25)
-    ours = x.clone()
-    apply_penalties(ours, prompt + output_ids, output_ids, gen)
+    ours = penalized(x, prompt + output_ids, output_ids, gen)
     expected = presence_frequency_ref(hf_apply(RepetitionPenaltyLogitsProcessor(1.4), prompt + output_ids, x),
                                       output_ids, 0.6, 0.25)
     torch.testing.assert_close(ours.double(), expected, rtol=0, atol=1e-5)
@@ -143,9 +154,8 @@ def test_repetition_then_presence_frequency_matches_reference(seed):
 def test_penalties_hand_worked():
     x = torch.tensor([1.0, -1.0, 2.0, 0.5, -0.5, 0.0, 3.0])
     prompt, output_ids = [0, 1], [2, 2, 3]
-    ours = x.clone()
-    apply_penalties(ours, prompt + output_ids, output_ids,
-                    GenerationConfig(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25))
+    ours = penalized(x, prompt + output_ids, output_ids,
+                     GenerationConfig(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25))
     # repetition over {0,1,2,3}: 0.5, -2, 1, 0.25; then token 2 (count 2): 1 - 0.5 - 0.5 = 0,
     # token 3 (count 1): 0.25 - 0.25 - 0.5 = -0.5
     torch.testing.assert_close(ours, torch.tensor([0.5, -2.0, 0.0, -0.5, -0.5, 0.0, 3.0]))
@@ -202,8 +212,10 @@ def test_top_p_exact_boundary(p, n_kept):
     # a mass of exactly p already "reaches" p, so p=0.5 keeps 2 tokens, not 3
     x = torch.zeros(4)
     out = mask_top_p(x.clone(), p)
-    assert int((~torch.isneginf(out)).sum()) == n_kept
-    assert_same_masked(out, hf_apply(TopPLogitsWarper(p), [], x), atol=0)
+    hf = hf_apply(TopPLogitsWarper(p), [], x)
+    assert int((~torch.isneginf(out)).sum()) == int((~torch.isneginf(hf)).sum()) == n_kept
+    # which of the tied tokens stay: the lower ids (transformers keeps those its unstable sort puts last)
+    assert torch.nonzero(~torch.isneginf(out)).flatten().tolist() == list(range(n_kept))
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
@@ -284,11 +296,9 @@ def test_chain_distribution_statistical(case):
     state = SamplingState.create(gen)
     x = torch.tensor(case["x"])
     all_ids, output_ids = case["prompt"] + case["output"], case["output"]
-    sampler = Sampler()
-    n = 4000
-    counts = torch.zeros(len(case["x"]), dtype=torch.float64)
-    for _ in range(n):
-        counts[sampler.sample_row(x.clone(), state, all_ids, output_ids).token_id] += 1
+    n = 4000   # one batch of n rows that share the request's generator: n draws of its stream
+    drawn = Sampler("cpu").sample_rows(x.expand(n, -1).clone(), [(state, all_ids, output_ids)] * n)
+    counts = torch.bincount(torch.tensor([r.token_id for r in drawn]), minlength=len(case["x"])).double()
     freq = counts / n
     assert float((freq - ref).abs().max()) < 0.03, (freq.tolist(), ref.tolist())
     assert counts[ref == 0].sum() == 0, "drew a token that top_k / top_p / min_length removed"
@@ -300,7 +310,7 @@ def test_same_seed_same_draws_different_seed_differs():
     seqs = []
     for gen in gens:
         state = SamplingState.create(gen)
-        seqs.append([Sampler().sample_row(x.clone(), state, [], []).token_id for _ in range(40)])
+        seqs.append([sample(gen, x, [], [], state).token_id for _ in range(40)])
     assert seqs[0] == seqs[1]
     assert seqs[0] != seqs[2]
 
@@ -367,9 +377,9 @@ def test_logprobs_are_of_raw_logits(greedy):
         assert res.token_id not in order[:3]
 
 
-def test_sample_rows_equals_sample_row_per_row():
-    """The batched entry point: plain greedy rows take one argmax together, the rest sample_row each; every row
-    gets exactly what sample_row gives it alone (seeded draws included, each from its own generator)."""
+def test_batch_rows_equal_rows_alone():
+    """Rows never mix: plain greedy rows (no penalties, logprobs or masked EOS) beside others, ties, a masked EOS
+    and seeded draws (each from its own generator) give in one batch what each gives alone."""
     vocab, n = 50, 6
     logits = torch.stack([rand_logits(vocab, 100 + i) for i in range(n)])
     logits[2, 7] = logits[2, 9] = logits[2].max() + 1          # a tie: the first index wins
@@ -380,9 +390,35 @@ def test_sample_rows_equals_sample_row_per_row():
 
     def states():
         return [SamplingState.create(GenerationConfig(**c)) for c in cfgs]
-    batched = Sampler().sample_rows(logits, [(st, a, o) for st, (a, o) in zip(states(), histories)])
-    alone = [Sampler().sample_row(logits[i].clone(), st, *histories[i]) for i, st in enumerate(states())]
+    batched = Sampler("cpu").sample_rows(logits.clone(), [(st, a, o) for st, (a, o) in zip(states(), histories)])
+    alone = [sample(st.gen, logits[i], *histories[i], state=st) for i, st in enumerate(states())]
     assert [r.token_id for r in batched] == [r.token_id for r in alone]
     assert [r.logprob for r in batched] == [r.logprob for r in alone]
+    assert [r.top_logprobs for r in batched] == [r.top_logprobs for r in alone]
     assert batched[2].token_id == 7
     assert batched[5].token_id != int(logits[5].argmax())      # its EOS is masked until min_length
+    # a batch of plain greedy rows alone takes the one argmax: the same tokens
+    plain = [0, 2]
+    fast = Sampler("cpu").sample_rows(logits[plain].clone(), [(states()[i], *histories[i]) for i in plain])
+    assert [r.token_id for r in fast] == [batched[i].token_id for i in plain]
+
+
+@pytest.mark.parametrize("cfg", [dict(temperature=0.8), dict(temperature=1.3, top_k=20),
+                                 dict(temperature=0.6, top_p=0.9), dict(temperature=1.1, top_k=40, top_p=0.8)])
+def test_seeded_draws_are_the_generators_multinomial_stream(cfg):
+    """A seeded request's tokens on the host are torch.multinomial of the processed softmax (built here from
+    transformers' warpers) with a generator of its seed, step after step, whatever rows share its batches."""
+    vocab, steps = 300, 30
+    gen = GenerationConfig(seed=77, **cfg)
+    state, other = SamplingState.create(gen), SamplingState.create(GenerationConfig(temperature=1.0, seed=5))
+    reference = torch.Generator().manual_seed(77)
+    sampler = Sampler("cpu")
+    assert sampler.draw is multinomial_draws
+    for step in range(steps):
+        logits = torch.stack([rand_logits(vocab, 1000 + step), rand_logits(vocab, 2000 + step)])
+        row = 1 if step % 2 else 0
+        rows = [(state, [1], []), (other, [2], [])] if row == 0 else [(other, [2], []), (state, [1], [])]
+        got = sampler.sample_rows(logits.clone(), rows)[row].token_id
+        probs = torch.softmax(reference_processed(logits[row], [1], [], temperature=cfg["temperature"],
+                                                  top_k=cfg.get("top_k", 0), top_p=cfg.get("top_p", 1.0)), -1)
+        assert got == int(torch.multinomial(probs, 1, generator=reference)), step

@@ -72,7 +72,7 @@ class ServedModel:
                                 tier=HostTier(runner.tier_slots) if runner.tier_slots else None)
         self.spans = SpanManager(runner.num_spans, cfg.cache_span_size, cache)
         self.scheduler = Scheduler(SchedulerConfig(cfg.engine_max_batch, cfg.max_prefill_tokens), self.spans)
-        self.sampler = Sampler()
+        self.sampler = Sampler(runner.device)             # the device picks its draw (sampler.py)
         self.started = False
         self.asleep = False        # unload_device_mem freed its memory: requests are refused (engine/sleep.py)
         self._live: dict[int, AddRequest] = {}          # engine thread only

@@ -1,5 +1,5 @@
-"""What a request's sampling carries and what a step's sampling returns, shared by the host sampler (sampler.py)
-and the batched GPU one (batch_sampler.py): SamplingState, SampleResult, PendingSample, and the min_length rule."""
+"""What a request's sampling carries and what a step's sampling returns, shared by the sampler (sampler.py) and its
+draws (draws.py): SamplingState, a Row, SampleResult, PendingSample, and the min_length rule."""
 from __future__ import annotations
 
 import random
@@ -15,9 +15,9 @@ from allspark_server.runner.guided import GuidedState
 @dataclass
 class SamplingState:
     gen: GenerationConfig
-    generator: Optional[torch.Generator] = None   # the host path's draws
-    guided: Optional["GuidedState"] = None   # allspark_server.runner.guided: where a response_format request's output is
-    seed: int = 0                            # gen.seed, else a random one (sampling requests); batch_sampler's draws
+    generator: Optional[torch.Generator] = None   # the host's draws (draws.multinomial_draws)
+    guided: Optional["GuidedState"] = None   # guided.py: where a response_format request's output is in its grammar
+    seed: int = 0                            # gen.seed, else a random one (sampling requests); a GPU's draws
 
     @classmethod
     def create(cls, gen: GenerationConfig) -> "SamplingState":
@@ -29,6 +29,9 @@ class SamplingState:
         return cls(gen, g, seed=seed)
 
 
+Row = tuple[SamplingState, list[int], list[int]]   # a row to sample: (state, all_ids = prompt + output, output_ids)
+
+
 @dataclass
 class SampleResult:
     token_id: int
@@ -37,20 +40,16 @@ class SampleResult:
 
 
 class PendingSample:
-    """A step's sampling: `tokens` [N] (long, on the logits' device) and `results()`.
-    For GPU logits the values the host needs are copied to pinned memory as soon as they are computed: reading
-    them later waits for that copy only, not for work queued on the GPU after it (the next step)."""
+    """A step's sampling: `tokens` [N] (long, on the logits' device) and `results()`. What the host needs is in `host`
+    (a flat tensor that `parse` turns into the results), or already in `results`. On a GPU `host` is a copy to pinned
+    memory queued as soon as the values were computed and `ready` an event recorded after it: reading the results
+    waits for that copy only, not for work queued on the GPU after it (the next step)."""
 
-    def __init__(self, tokens: Optional[torch.Tensor], values: Optional[torch.Tensor] = None,
+    def __init__(self, tokens: Optional[torch.Tensor], host: Optional[torch.Tensor] = None, ready=None,
                  parse: Optional[Callable[[list], list[SampleResult]]] = None,
                  results: Optional[list[SampleResult]] = None):
         self.tokens = tokens
-        self._results, self._parse, self._ready = results, parse, None
-        if values is not None:
-            self._host = values.to("cpu", non_blocking=True)   # pinned: an asynchronous copy
-            if values.is_cuda:
-                self._ready = torch.cuda.Event()
-                self._ready.record()
+        self._host, self._ready, self._parse, self._results = host, ready, parse, results
 
     def results(self) -> list[SampleResult]:
         if self._results is None:
