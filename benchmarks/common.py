@@ -22,6 +22,23 @@ FULL = dict(hidden_size=1536, num_layers=16, intermediate_size=4096, num_heads=1
 QUICK = dict(hidden_size=512, num_layers=4, intermediate_size=1408, num_heads=8, num_kv_heads=4, vocab=8000,
              new_tokens=32, prompts=(128, 512), repeats=2, decode_repeats=3, concurrency=(8,), poisson_n=8,
              kv_context=512)
+# SMOKE: a tiny model and one round of everything (`--smoke`): checks that a script's every path still runs (the
+# CI smoke tests, tests/test_benchmark_smoke.py); its numbers mean nothing. The longest prompt is 128 tokens, what the
+# concurrency and Poisson rows send
+SMOKE = dict(hidden_size=128, num_layers=2, intermediate_size=256, num_heads=4, num_kv_heads=2, vocab=512,
+             new_tokens=8, prompts=(16, 128), repeats=1, decode_repeats=1, concurrency=(2,), poisson_n=2,
+             kv_context=32)
+
+
+def add_smoke_flag(p) -> None:
+    """A script's --smoke flag (see SMOKE)."""
+    p.add_argument("--smoke", action="store_true", help="a tiny model and one round: checks that the script runs "
+                   "(its numbers mean nothing; a default result path is under results/quick/, as --quick's)")
+
+
+def spec_of(a) -> dict:
+    """The benchmark model's spec for a script's flags: SMOKE, QUICK or FULL."""
+    return SMOKE if getattr(a, "smoke", False) else QUICK if getattr(a, "quick", False) else FULL
 
 
 def spin_openmp() -> None:

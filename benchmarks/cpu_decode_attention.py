@@ -17,7 +17,6 @@ ratios measured close together mean much.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -69,13 +68,13 @@ def measure(ctx: int, distinct_layers: int, rounds: int, g: torch.Generator) -> 
             for mode in MODES}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--contexts", type=int, nargs="+", default=[256, 2048])
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None, help="default: benchmarks/results/cpu-attention-<machine>.json")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     a.json = a.json or common.result_path("cpu-attention")
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
@@ -87,8 +86,7 @@ def main() -> None:
             report["results"][f"{ctx} {setting}"] = row
             print(f"ctx {ctx:5d} {setting:9s} " + "  ".join(
                 f"{m} {row[m]['ms_per_step']:6.3f} ms ({row[m]['bf16_over_this']:.2f}x)" for m in MODES))
-    with open(a.json, "w") as f:
-        json.dump(report, f, indent=1)
+    common.write_report(a.json, report)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ plain-PyTorch CUDA-graph decode step (torch_cuda_peer.py) on the same random Lla
 
 Measures the device's copy bandwidth (device-to-device, bytes read + written) for the roofline, checks the
 peer and the Engine against transformers, then batch-1 decode of both interleaved round by round. --quick
-shrinks the model to 8 layers so that one device call holds everything. Writes JSON.
+shrinks the model to 8 layers so that one device call holds everything; --smoke to two narrow layers
+(cuda_common.SMOKE_SHAPE) and one round of every row, which checks that they all run. Writes JSON.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 import torch_cuda_peer as peer_mod
 import workloads as W
 from allspark_client import settings
-from cuda_common import (CONC_NEW, CONC_PROMPT, LLAMA2_7B, MEMORY_GB, bench_root, build_model,
+from cuda_common import (CONC_NEW, CONC_PROMPT, LLAMA2_7B, MEMORY_GB, bench_root, bench_shape, build_model,
                          copy_bandwidth_gbs, first_divergence, free_memory, graph_replay_ms, kernel_breakdown,
                          kv_bytes_per_token, note_memory, overlap_off, recaptured_graphs, serialized_bench_model)
 from cuda_rows import concurrent_rows, poisson_row, quant_rows, ttft_rows, two_gpu_pool_rows
@@ -30,15 +31,17 @@ def main(args, save=lambda report: None) -> dict:
     """The report; `save(report)` is called after each section, so a failure later keeps what was measured."""
     from transformers import AutoModelForCausalLM
     from allspark_server import Engine
-    layers = 8 if args.quick else LLAMA2_7B["num_hidden_layers"]
-    new_tokens, prompt_len, rounds = (64, 32, 3) if args.quick else (128, 32, 5)
+    smoke = getattr(args, "smoke", False)
+    shape = bench_shape(8 if args.quick else LLAMA2_7B["num_hidden_layers"], smoke)
+    new_tokens, prompt_len, rounds = (8, 16, 1) if smoke else (64, 32, 3) if args.quick else (128, 32, 5)
     # 256 concurrent (with the peer's static cache and transformers beside) needs an H200's memory
     big = torch.cuda.get_device_properties(0).total_memory > 120e9
-    concurrency = (16,) if args.quick else (16, 64, 128, 256) if big else (16, 64, 128)
-    root = bench_root(layers)
+    concurrency = (4,) if smoke else (16,) if args.quick else (16, 64, 128, 256) if big else (16, 64, 128)
+    root = bench_root(shape)
     t0 = time.perf_counter()
-    build_model(root, layers)
-    report = {"device": torch.cuda.get_device_name(), "layers": layers, "copy_gbs": copy_bandwidth_gbs()}
+    build_model(root, shape)
+    report = {"device": torch.cuda.get_device_name(), "layers": shape["num_hidden_layers"],
+              "copy_gbs": copy_bandwidth_gbs(256 << 20 if smoke else 2 << 30)}
     hf = AutoModelForCausalLM.from_pretrained(root, dtype=torch.bfloat16).to("cuda").eval()
     nbytes = sum(p.numel() * p.element_size() for n, p in hf.named_parameters() if "embed_tokens" not in n)
     report["weight_bytes_per_token"] = nbytes
@@ -54,11 +57,11 @@ def main(args, save=lambda report: None) -> dict:
 
     loader = serialized_bench_model(root)
     engine = Engine()
-    ttft_lens = (128, 512) if args.quick else (128, 512, 2048)
+    ttft_lens = (16, 64) if smoke else (128, 512) if args.quick else (128, 512, 2048)
     max_len = max(max(prompt_len, CONC_PROMPT) + max(new_tokens, CONC_NEW), max(ttft_lens)) + 16
     max_batch = max(concurrency)
     kv_tokens = max(max_batch * (CONC_PROMPT + CONC_NEW + 32), max_len + 32)
-    kv_bytes = kv_tokens * kv_bytes_per_token(layers)                      # just enough
+    kv_bytes = kv_tokens * kv_bytes_per_token(shape)                       # just enough
     cfg = (loader.create_reference_runtime_config_builder("bench-cuda", "cuda", [0], max_batch=max_batch)
            .max_length(max_len).kv_cache_span_size(32).kv_cache_memory(kv_bytes).build())
     engine.install_model(cfg)
@@ -129,7 +132,7 @@ def main(args, save=lambda report: None) -> dict:
         print(f"TTFT: {report['ttft']}", flush=True)
         save(report)
     if getattr(args, "quant", None):
-        report["quant"] = quant_rows(engine, root, args.quant, prompt_len, new_tokens, rounds, max_len, layers)
+        report["quant"] = quant_rows(engine, root, args.quant, prompt_len, new_tokens, rounds, max_len, shape)
         print(f"quantized weights: {report['quant']}", flush=True)
         save(report)
     for c in concurrency if "concurrency" in sections else ():
@@ -137,7 +140,7 @@ def main(args, save=lambda report: None) -> dict:
         print(f"concurrency {c}: {report[f'c{c}']}", flush=True)
         save(report)
     if "poisson" in sections:
-        report["poisson"] = poisson_row(engine, 32 if args.quick else 128)
+        report["poisson"] = poisson_row(engine, 4 if smoke else 32 if args.quick else 128)
         print(f"Poisson arrivals: {report['poisson']}", flush=True)
     engine.stop_model("bench-cuda")
     engine.release_model("bench-cuda")

@@ -1,8 +1,9 @@
 """What the GPU benchmarks share: the Llama-2-7B-shaped benchmark model and its files, GPU timing of graph replays
 and kernel calls, the A/B helpers (graphs captured again under other settings, overlap off) and GPU memory notes.
 
-The bottom of the GPU side of benchmarks/: cuda_rows.py, cuda_bench.py, switch_interval_ab.py, pool_step_micro.py
-and the kernel micro-benchmarks import it; it imports no other benchmark module.
+The bottom of the GPU side of benchmarks/: cuda_rows.py, cuda_bench.py, pool_step_micro.py and the kernel
+micro-benchmarks import it; it imports no other benchmark module. Without a GPU (the smoke tests) `time_us` times one
+call by the wall clock: the kernels then run in Triton's interpreter on CPU tensors.
 """
 from __future__ import annotations
 
@@ -17,9 +18,14 @@ import torch
 from allspark_client import settings
 from allspark_server.runner.memory_bandwidth import gpu_copy_bandwidth_gbs
 
+if not torch.cuda.is_available():   # a smoke run: Triton's interpreter (read as @triton.jit decorates: import us first)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 LLAMA2_7B = dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=11008, num_attention_heads=32,
                  num_key_value_heads=32, vocab_size=32000)
+# `run.py --device cuda --smoke`: the same vocabulary and head size, two narrow layers (checks that every row runs)
+SMOKE_SHAPE = dict(LLAMA2_7B, hidden_size=256, num_hidden_layers=2, intermediate_size=512, num_attention_heads=2,
+                   num_key_value_heads=2)
 
 
 CONC_PROMPT, CONC_NEW = 128, 128   # the concurrent rows: 128 tokens in, 128 out
@@ -29,8 +35,18 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30, repeats: int = 20) -> float:
     return gpu_copy_bandwidth_gbs(torch.device("cuda"), nbytes, repeats)
 
 
+def device() -> str:
+    """Where the micro-benchmarks put their tensors: the GPU, else the CPU (Triton's interpreter: a smoke run)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def time_us(fn) -> float:
-    """Microseconds of one call of fn, timed as CUDA-graph replays (triton.testing.do_bench_cudagraph)."""
+    """Microseconds of one call of fn, timed as CUDA-graph replays (triton.testing.do_bench_cudagraph); without a GPU
+    one call by the wall clock (no timing meaning)."""
+    if not torch.cuda.is_available():
+        t = time.perf_counter()
+        fn()
+        return 1e6 * (time.perf_counter() - t)
     import triton.testing
     return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=20)
 
@@ -64,9 +80,17 @@ def graph_replay_ms(graphs, batch: int, repeats: int = 50) -> float:
     return start.elapsed_time(end) / repeats
 
 
-def bench_root(layers: int) -> str:
+def bench_shape(layers: int, smoke: bool = False) -> dict:
+    """The benchmark model's shape: Llama-2-7B's with `layers` layers, or SMOKE_SHAPE."""
+    return dict(SMOKE_SHAPE) if smoke else dict(LLAMA2_7B, num_hidden_layers=layers)
+
+
+def bench_root(shape: dict) -> str:
     """Where the benchmark's HF folder and its serialized model (as/) live."""
-    return os.path.join(os.path.expanduser("~"), ".cache", "allspark", "bench-cuda", f"llama2-7b-{layers}l")
+    layers = shape["num_hidden_layers"]
+    name = (f"llama2-7b-{layers}l" if shape["hidden_size"] == LLAMA2_7B["hidden_size"]
+            else f"smoke-{shape['hidden_size']}h-{layers}l")
+    return os.path.join(os.path.expanduser("~"), ".cache", "allspark", "bench-cuda", name)
 
 
 def serialized_bench_model(root: str):
@@ -77,8 +101,9 @@ def serialized_bench_model(root: str):
     return loader
 
 
-def kv_bytes_per_token(layers: int) -> int:
-    return 2 * layers * LLAMA2_7B["hidden_size"] * 2      # bf16 K and V of every layer
+def kv_bytes_per_token(shape: dict) -> int:
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * 2   # bf16 K and V, every layer
 
 
 def first_divergence(ours: list[int], theirs: list[int]) -> int:
@@ -86,12 +111,12 @@ def first_divergence(ours: list[int], theirs: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
 
 
-def build_model(out_dir: str, layers: int) -> None:
-    """A random bf16 Llama-2-7B-shaped HF folder (weights N(0, 0.02), initialized on the GPU for speed)."""
+def build_model(out_dir: str, shape: dict) -> None:
+    """A random bf16 HF folder of `shape` (weights N(0, 0.02), initialized on the GPU for speed)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return
-    cfg = LlamaConfig(**dict(LLAMA2_7B, num_hidden_layers=layers), max_position_embeddings=4096,
+    cfg = LlamaConfig(**shape, max_position_embeddings=4096,
                       torch_dtype="bfloat16", tie_word_embeddings=False)
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -169,12 +194,27 @@ def recaptured_graphs(runner, env: dict):
 
 @contextlib.contextmanager
 def overlap_off(served):
-    """Overlapped scheduling off for what runs inside (the model between requests: nothing in flight)."""
-    was, served._overlap = served._overlap, False
+    """The served model stepping one step at a time for what runs inside (as with ALLSPARK_OVERLAP=0): its step loop
+    swapped for a SerialLoop (engine/step_loops.py), between requests. A request's last decode step may still be in
+    flight when its caller has every token (the overlapped loop completes it on its next call): that is waited for
+    first, so that no step is left behind in the loop swapped out."""
+    from allspark_server.engine.step_loops import SerialLoop
+    idle(served)
+    was, served.loop = served.loop, SerialLoop()
     try:
         yield
     finally:
-        served._overlap = was
+        idle(served)
+        served.loop = was
+
+
+def idle(served, timeout_s: float = 60.0) -> None:
+    """Wait until the served model has no step in flight and nothing scheduled."""
+    deadline = time.monotonic() + timeout_s
+    while served.has_work:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the served model still has work: overlap_off needs it between requests")
+        time.sleep(0.001)
 
 
 def free_memory() -> None:

@@ -6,6 +6,9 @@ against the GEMV with the silu·mul epilogue. --sweep times launch configs at on
 table comes from). Writes JSON; run on a GPU machine:
 
     python benchmarks/cuda_gemv_micro.py [--sweep] [--out PATH]
+
+--smoke: two small shapes, one copy of each weight, two configs of a sweep; without a GPU the kernels run in
+Triton's interpreter on CPU tensors (it checks that the script runs; its numbers mean nothing).
 """
 from __future__ import annotations
 
@@ -17,10 +20,11 @@ import json
 import torch
 import torch.nn.functional as F
 
-from allspark_server.compute.cuda import fused_kernels as fk
-from allspark_server.compute.cuda import gemv_kernels as gk
 import common
-from cuda_common import copies_past_l2, per_call_us
+from cuda_common import copies_past_l2, device, per_call_us    # first: it sets Triton's interpreter without a GPU
+
+from allspark_server.compute.cuda import fused_kernels as fk  # noqa: E402
+from allspark_server.compute.cuda import gemv_kernels as gk  # noqa: E402
 
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008),
           "lm_head": (32000, 4096), "qkv_tp2": (6144, 4096), "o_tp2": (4096, 2048), "gate_up_tp2": (11008, 4096),
@@ -28,17 +32,20 @@ SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "do
 ROWS = (1, 2, 4)
 SWEEP = list(itertools.product((2, 4, 8), (1024, 2048, 4096), (4, 8), (1, 3)))
 SILU_SWEEP = list(itertools.product((1, 2, 4), (2048, 4096), (4, 8), (1,)))    # the fused gate_up + silu·mul
+SMOKE_SHAPES = {"qkv": (8, 64), "gate_up_tp2": (8, 64)}         # a few programs each: the interpreter is slow
+SMOKE_ROWS = (1, 2)
 
 
-def weight_copies(n: int, k: int) -> list[torch.Tensor]:
-    return [(torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16) for _ in range(copies_past_l2(n * k * 2))]
+def weight_copies(n: int, k: int, smoke: bool = False) -> list[torch.Tensor]:
+    copies = 1 if smoke else copies_past_l2(n * k * 2)
+    return [(torch.randn(n, k, device=device()) * 0.02).to(torch.bfloat16) for _ in range(copies)]
 
 
-def shape_rows(ws: list[torch.Tensor], name: str) -> dict:
+def shape_rows(ws: list[torch.Tensor], name: str, row_counts=ROWS) -> dict:
     n, k = ws[0].shape
     rows = {}
-    for m in ROWS:
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    for m in row_counts:
+        x = torch.randn(m, k, device=device(), dtype=torch.bfloat16)
         row = {"cublas_us": per_call_us(lambda w: F.linear(x, w), ws)}
         ref = F.linear(x.float(), ws[0].float())
         row["triton_rel_err"] = ((gk.gemv(x, ws[0]).float() - ref).abs().max() / ref.abs().max()).item()
@@ -61,7 +68,7 @@ def shape_rows(ws: list[torch.Tensor], name: str) -> dict:
 def sweep(ws: list[torch.Tensor], kernel=gk.gemv, grid=SWEEP) -> dict:
     """kernel(x, w, config=...) at one row over `grid`'s configs (block_n, block_k, warps, stages)."""
     n, k = ws[0].shape
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, k, device=device(), dtype=torch.bfloat16)
     timed, errors = [], []
     for bn, bk, warps, stages in grid:
         cfg = gk.GemvConfig(bn, bk, warps, stages)
@@ -78,29 +85,35 @@ def sweep(ws: list[torch.Tensor], kernel=gk.gemv, grid=SWEEP) -> dict:
             "chosen": [chosen.block_n, chosen.block_k, chosen.num_warps, chosen.num_stages]}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--silu-sweep", action="store_true", help="sweep the fused gate_up + silu·mul's configs only")
-    p.add_argument("--out", default=None, help="default: benchmarks/results/cuda-gemv-micro-<machine>.json")
-    a = p.parse_args()
-    a.out = a.out or common.result_path("cuda-gemv-micro", "cuda")
+    p.add_argument("--smoke", action="store_true", help="small shapes, two configs a sweep (see the docstring)")
+    p.add_argument("--out", default=None, help="default: benchmarks/results/cuda-gemv-micro-<machine>.json "
+                   "(--smoke: under results/quick/)")
+    a = p.parse_args(argv)
+    if device() != "cuda" and not a.smoke:
+        raise SystemExit("cuda_gemv_micro.py needs a GPU (--smoke runs without one)")
+    a.out = a.out or common.result_path("cuda-gemv-micro", device(), a.smoke)
     torch.manual_seed(0)
-    report = {"device": torch.cuda.get_device_name(), "rows": {}, "sweep": {}}
-    for name, (n, k) in SHAPES.items():
-        ws = weight_copies(n, k)
-        report["rows"][name] = shape_rows(ws, name)
+    report = {"device": torch.cuda.get_device_name() if device() == "cuda" else "cpu (Triton's interpreter)",
+              "rows": {}, "sweep": {}}
+    grids = (SWEEP[:2], SILU_SWEEP[:2]) if a.smoke else (SWEEP, SILU_SWEEP)
+    for name, (n, k) in (SMOKE_SHAPES if a.smoke else SHAPES).items():
+        ws = weight_copies(n, k, a.smoke)
+        report["rows"][name] = shape_rows(ws, name, SMOKE_ROWS if a.smoke else ROWS)
         print(name, json.dumps(report["rows"][name]), flush=True)
         if a.sweep and not name.startswith("lm_head"):
-            report["sweep"][name] = sweep(ws)
+            report["sweep"][name] = sweep(ws, grid=grids[0])
             print("sweep", name, report["sweep"][name], flush=True)
         if (a.sweep or a.silu_sweep) and name.startswith("gate_up"):
-            report["sweep"][f"{name}_silu_mul"] = sweep(ws, gk.gemv_silu_mul, SILU_SWEEP)
+            report["sweep"][f"{name}_silu_mul"] = sweep(ws, gk.gemv_silu_mul, grids[1])
             print("sweep", name, "silu_mul", report["sweep"][f"{name}_silu_mul"], flush=True)
         del ws
-        torch.cuda.empty_cache()
-        with open(a.out, "w") as f:
-            json.dump(report, f, indent=1)
+        if device() == "cuda":
+            torch.cuda.empty_cache()
+        common.write_report(a.out, report)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def poisson_row(engine, num: int, rate: float = 16.0) -> dict:
 
 
 def quant_rows(engine, root: str, variants: list[str], prompt_len: int, new_tokens: int, rounds: int,
-               max_len: int, layers: int) -> dict:
+               max_len: int, shape: dict) -> dict:
     """The same weights quantized with InstantQuant (int8 per channel, int4_g128, ...) served by the same Engine
     next to the bf16 model, one variant at a time (two beside transformers, the bf16 model and its KV cache do
     not fit an H100): batch-1 decode interleaved round by round with bf16's, each with its weight bytes per
@@ -60,7 +60,7 @@ def quant_rows(engine, root: str, variants: list[str], prompt_len: int, new_toke
         t = time.perf_counter()
         q.load_model().serialize_to_path(None, os.path.join(root, f"as-{v}"), enable_quant=True, skip_if_exists=True,
                                          customized_quant_config=common.quant_variant(v)).free_model()
-        kv_bytes = 8 * -(-max_len // 32) * 32 * kv_bytes_per_token(layers)    # 8 sequences
+        kv_bytes = 8 * -(-max_len // 32) * 32 * kv_bytes_per_token(shape)     # 8 sequences
         builder = q.create_reference_runtime_config_builder(name, "cuda", [0], max_batch=8).max_length(max_len)
         builder = builder.kv_cache_span_size(32).kv_cache_memory(kv_bytes)
         engine.install_model(builder.build())

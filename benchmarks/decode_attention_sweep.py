@@ -2,19 +2,27 @@
 
 For each shape (batch, heads, kv heads, context) it times the decode attention over a bf16 span cache with
 every (BLOCK_N, num_warps, num_stages, splits) of a small grid (paged_decode_attention's `launch` override),
-CUDA-graph replays of 20 launches, and reports the KV bytes read per second of each; the fastest first. Diagnostic, for choosing the defaults:
-`python benchmarks/decode_attention_sweep.py [--json PATH]`.
+CUDA-graph replays of 20 launches, and reports the KV bytes read per second of each; the fastest first. Diagnostic,
+for choosing the defaults: `python benchmarks/decode_attention_sweep.py [--json PATH]`. --smoke: one small shape and
+two launch shapes (the default among them); without a GPU in Triton's interpreter on CPU tensors, timed by the wall
+clock (it checks that the script runs; its numbers mean nothing).
 """
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
+import time
 
 import torch
 
 import common
-from allspark_server.compute.cuda import decode_attention as D
+from cuda_common import device      # first: it sets Triton's interpreter without a GPU
+
+from allspark_server.compute.cuda import decode_attention as D  # noqa: E402
+
+SHAPES = ((128, 32, 32, 192), (128, 32, 32, 256), (64, 32, 32, 192), (16, 32, 32, 192), (128, 32, 8, 192))
+SMOKE_SHAPES = ((2, 4, 2, 40),)
+DEFAULT = dict(block_n=D.DECODE_BLOCK_N, warps=4, stages=3, splits=1)
 
 
 def launch(q, k, v, spans, ctx, out, block_n, warps, stages, splits):
@@ -23,6 +31,10 @@ def launch(q, k, v, spans, ctx, out, block_n, warps, stages, splits):
 
 
 def time_ms(fn, reps: int = 20) -> float:
+    if device() != "cuda":
+        t = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t)
     fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -40,20 +52,24 @@ def time_ms(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / (5 * reps)
 
 
-def sweep(batch: int, heads: int, kvh: int, ctx_len: int, d: int = 128, p: int = 32) -> list[dict]:
+def sweep(batch: int, heads: int, kvh: int, ctx_len: int, d: int = 128, p: int = 32, smoke: bool = False) -> list[dict]:
     per_seq = -(-ctx_len // p)
     spans_n = batch * per_seq + 1
-    k = torch.randn(spans_n, p, kvh, d, device="cuda", dtype=torch.bfloat16)
+    dev = device()
+    k = torch.randn(spans_n, p, kvh, d, device=dev, dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    spans = torch.randperm(spans_n - 1, device="cuda")[:batch * per_seq].view(batch, per_seq).contiguous()
-    ctx = torch.full((batch,), ctx_len, device="cuda", dtype=torch.long)
-    q = torch.randn(batch, heads, d, device="cuda", dtype=torch.bfloat16)
+    spans = torch.randperm(spans_n - 1, device=dev)[:batch * per_seq].view(batch, per_seq).contiguous()
+    ctx = torch.full((batch,), ctx_len, device=dev, dtype=torch.long)
+    q = torch.randn(batch, heads, d, device=dev, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     ref = D.paged_decode_attention(q, k, v, spans, ctx, 0.088)
     kv_bytes = 2 * batch * ctx_len * kvh * d * 2
     rows = []
     split_options = (1,) if batch * kvh >= 2048 else (1, 2)
-    for block_n, warps, stages, splits in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), split_options):
+    grid = itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), split_options)
+    if smoke:
+        grid = [tuple(DEFAULT.values()), (32, 2, 2, max(split_options))]
+    for block_n, warps, stages, splits in grid:
         try:
             fn = lambda: launch(q, k, v, spans, ctx, out, block_n, warps, stages, splits)  # noqa: E731
             fn()
@@ -67,20 +83,22 @@ def sweep(batch: int, heads: int, kvh: int, ctx_len: int, d: int = 128, p: int =
     return sorted(rows, key=lambda r: r.get("ms", 1e9))
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default=None, help="default: benchmarks/results/decode-attention-sweep-<machine>.json")
-    a = ap.parse_args()
-    a.json = a.json or common.result_path("decode-attention-sweep", "cuda")
+    ap.add_argument("--smoke", action="store_true", help="one small shape, two launch shapes (see the docstring)")
+    ap.add_argument("--json", default=None, help="default: benchmarks/results/decode-attention-sweep-<machine>.json "
+                    "(--smoke: under results/quick/)")
+    a = ap.parse_args(argv)
+    if device() != "cuda" and not a.smoke:
+        raise SystemExit("decode_attention_sweep.py needs a GPU (--smoke runs without one)")
+    a.json = a.json or common.result_path("decode-attention-sweep", device(), a.smoke)
     report = {}
-    for shape in ((128, 32, 32, 192), (128, 32, 32, 256), (64, 32, 32, 192), (16, 32, 32, 192), (128, 32, 8, 192)):
-        rows = sweep(*shape)
+    for shape in SMOKE_SHAPES if a.smoke else SHAPES:
+        rows = sweep(*shape, smoke=a.smoke)
         report["b%d_h%d_kvh%d_ctx%d" % shape] = rows
-        default = next(r for r in rows if r.get("block_n") == D.DECODE_BLOCK_N and r.get("warps") == 4
-                       and r.get("stages") == 3 and r.get("splits") == 1)
+        default = next(r for r in rows if all(r.get(k) == v for k, v in DEFAULT.items()))
         print(shape, "best", rows[0], "default(64,4,3,1)", default, flush=True)
-        with open(a.json, "w") as f:
-            json.dump(report, f, indent=1)
+        common.write_report(a.json, report)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ def side_bytes(w: QuantizedWeight) -> torch.Tensor:
     return torch.cat(parts, dim=1).contiguous()
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--threads", type=int, default=2)
@@ -81,7 +81,7 @@ def main() -> None:
     p.add_argument("--gemm", action="store_true", help="also each format dequantized for ATen's GEMM, as ops.linear "
                    "(bf16 GEMM where the CPU has bf16 dot products) and the decode stack (fp32, widened by tiles) "
                    "run more rows than the native kernel takes: the crossover for quant_native_rows")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     shapes = [tuple(args.shape)] if args.shape else SHAPES
     torch.set_num_threads(args.threads)
     ext, g = ops.native(), torch.Generator().manual_seed(0)

@@ -69,10 +69,11 @@ def smollm2_gguf() -> str:
     return str(path.locate())
 
 
-def race_spec(ours: str, quick: bool = False, **extra) -> dict:
+def race_spec(ours: str, quick: bool = False, smoke: bool = False, **extra) -> dict:
     """The benchmark model's spec for a race: its prompts, and (ours gguf-a8) the quant config that serves the file's
     codes with x rounded to int8; `extra` adds keys (gguf_race_gpu.py: device)."""
-    return dict(common.QUICK if quick else common.FULL, prompts=(CONC_PROMPT, TTFT_PROMPT),
+    model = common.SMOKE if smoke else common.QUICK if quick else common.FULL
+    return dict(model, prompts=(CONC_PROMPT, TTFT_PROMPT),
                 gguf_quant_config={"compute_method": "activate_quant"} if ours == "gguf-a8" else None, **extra)
 
 
@@ -303,7 +304,7 @@ def label(metric: str) -> str:
     return f"{n} streams, {'decode-only' if kind == 'decode' else 'whole-run'} tok/s, ours / llama.cpp"
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--files", nargs="+", default=["smollm2", "q8_0+head", "q4_0+head"],
                    help="smollm2, or llamacpp_peer ftypes of the 0.5 B benchmark model (q8_0, q4_0+head, ...)")
@@ -315,12 +316,13 @@ def main() -> None:
     p.add_argument("--quiet-cores", type=float, default=0.0, help="before each round, wait for 10 s in which "
                    "other processes used fewer cores than this (0: do not wait)")
     p.add_argument("--quiet-timeout", type=float, default=900.0, help="the longest wait for --quiet-cores (s)")
-    p.add_argument("--quick", action="store_true", help="the small benchmark model, 32 new tokens (a smoke run)")
+    p.add_argument("--quick", action="store_true", help="the small benchmark model, 32 new tokens")
+    common.add_smoke_flag(p)
     p.add_argument("--json", default=None, help="default: benchmarks/results/gguf-race-<machine>.json "
                    "(--quick: under results/quick/)")
     p.add_argument("--rescore", default=None, metavar="JSON", help="measure nothing: recompute a report's ratios "
                    "from its rounds (e.g. after a change of QUIET_CORES) and write it to --json (default: in place)")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.rescore:
         with open(a.rescore) as fh:
             report = json.load(fh)
@@ -331,8 +333,8 @@ def main() -> None:
     why_not = LP.missing()
     if why_not:
         raise SystemExit(why_not)
-    spec = race_spec(a.ours, a.quick)
-    a.json = a.json or common.result_path("gguf-race", "cpu", a.quick)
+    spec = race_spec(a.ours, a.quick, a.smoke)
+    a.json = a.json or common.result_path("gguf-race", "cpu", a.quick or a.smoke)
     torch.set_num_threads(a.threads)
     from allspark_server import Engine
     report = {"machine": common.machine_name(), "machine_kind": common.machine_kind(),

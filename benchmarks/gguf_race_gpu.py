@@ -68,7 +68,7 @@ def start_report(a, spec: dict) -> dict:
     return {k: v for k, v in old.items() if k in fresh}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--files", nargs="+", default=["smollm2", "q8_0+head", "q4_0+head"],
                    help="smollm2, or llamacpp_peer ftypes of the 0.5 B benchmark model (q8_0+head, q4_0+head, ...)")
@@ -79,11 +79,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="llama.cpp's CPU threads (with every layer offloaded they only look up token embeddings)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
-    p.add_argument("--quick", action="store_true", help="the small benchmark model, 32 new tokens (a smoke run)")
+    p.add_argument("--quick", action="store_true", help="the small benchmark model, 32 new tokens")
+    common.add_smoke_flag(p)
     p.add_argument("--json", default=None, help="default: benchmarks/results/gguf-race-<gpu>.json "
                    "(--quick: under results/quick/)")
     p.add_argument("--append", action="store_true", help="add the files to the report at --json (same settings)")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no GPU (use --device cpu for a smoke run)")
     if why_not := LP.missing():
@@ -96,8 +97,8 @@ def main() -> None:
         print("warning: LD_PRELOAD names no libstdc++; a CUDA build of llama.cpp may crash beside torch (see the "
               "module's docstring)", flush=True)
     a.quiet_cores, a.quiet_timeout = 0.0, 0.0       # gguf_race.one_round: no waiting for a quiet CPU
-    spec = R.race_spec(a.ours, a.quick, device=a.device)
-    a.json = a.json or common.result_path("gguf-race", a.device, a.quick)
+    spec = R.race_spec(a.ours, a.quick, a.smoke, device=a.device)
+    a.json = a.json or common.result_path("gguf-race", a.device, a.quick or a.smoke)
     report = start_report(a, spec)
     from allspark_server import Engine
     engine = Engine()

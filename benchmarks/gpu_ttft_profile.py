@@ -161,7 +161,7 @@ def graph_ceiling(served, vocab: int, prompt: int, repeats: int) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", nargs="+", default=["smol-uint4_min_g32", "full-int8_g32+head", "full-bf16"])
     p.add_argument("--prompt", type=int, default=512)
@@ -170,7 +170,8 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--trace", action="store_true", help="also write each case's chrome trace")
     p.add_argument("--graph", action="store_true", help="also time the bare forward, eager and from a CUDA graph")
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
     from allspark_server import Engine
     engine, report = Engine(), {}
     try:

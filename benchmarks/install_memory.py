@@ -2,12 +2,12 @@
 
     python benchmarks/install_memory.py [--quick] [--variants bf16 int8 uint4_g32] [--json PATH]
 
-The benchmark model (common.FULL; --quick: common.QUICK) is serialized once per variant; then each variant is
-installed by a fresh `python benchmarks/install_memory.py --child GRAPH PARAMS` process (CPU, one rank, a small KV
-cache) that reports its RSS (psutil) after its imports, after `install_model` (the weights and the KV cache are in
-place then) and after `start_model`, with the bytes of the rank's weight tensors, the KV cache's bytes and
-/proc/self/smaps_rollup's split of the RSS (anonymous / file-backed). A well-behaved install holds its baseline +
-weight bytes + KV bytes and little more (tests/test_install_memory.py asserts it).
+The benchmark model (common.FULL; --quick: common.QUICK; --smoke: common.SMOKE) is serialized once per variant;
+then each variant is installed by a fresh `python benchmarks/install_memory.py --child GRAPH PARAMS` process (CPU,
+one rank, a small KV cache) that reports its RSS (psutil) after its imports, after `install_model` (the weights and
+the KV cache are in place then) and after `start_model`, with the bytes of the rank's weight tensors, the KV cache's
+bytes and /proc/self/smaps_rollup's split of the RSS (anonymous / file-backed). A well-behaved install holds its
+baseline + weight bytes + KV bytes and little more (tests/test_install_memory.py asserts it).
 """
 from __future__ import annotations
 
@@ -77,11 +77,11 @@ def child(graph: str, params: str, max_batch: int, max_length: int, prompt: int 
         smaps, peak = smaps_rollup(), peak_rss()
         assert engine.start_model("m") == 0, engine.get_last_error()
         rss["start"] = proc.memory_info().rss
+        runner = engine._models["m"].runner
         if prompt:        # one greedy request: what serving adds (activations, a prefill's dequantized weights)
-            ids = W.prompt(prompt, 0, 1000)
+            ids = W.prompt(prompt, 0, min(1000, runner.args.vocab_size))
             W.greedy_tokens(engine, "m", ids, min(16, max_length - prompt))
             rss["request"] = proc.memory_info().rss
-        runner = engine._models["m"].runner
         return {"rss": rss, "smaps_after_install": smaps, "peak_rss_install": peak, "weight_bytes": rank_tensor_bytes(runner.model),
                 "kv_bytes": runner.kv_cache_bytes, "file_bytes": os.path.getsize(params)}
     finally:
@@ -116,7 +116,7 @@ def serialize(hf_dir: str, variant: str, out_dir: str) -> tuple[str, str]:
     return m.graph_path, m.weights_path
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--child", nargs=2, metavar=("GRAPH", "PARAMS"), help=argparse.SUPPRESS)
     ap.add_argument("--max-batch", type=int, default=1)
@@ -124,13 +124,14 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128,
                     help="then one greedy request of this many prompt tokens (0: none), RSS after it")
     ap.add_argument("--quick", action="store_true")
+    common.add_smoke_flag(ap)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
     ap.add_argument("--json", help="write the report here")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.child:
         print(json.dumps(child(*a.child, a.max_batch, a.max_length, a.prompt)))
         return
-    spec = common.QUICK if a.quick else common.FULL
+    spec = common.spec_of(a)
     hf_dir = common.build_model(spec, "bfloat16")
     report = {}
     print(f"{'variant':<10} {'file MB':>8} {'weights':>8} {'KV MB':>6} {'imports':>8} {'install':>8} {'start':>8} "

@@ -26,18 +26,20 @@ import workloads as W      # noqa: E402
 RUNS = {"bf16": None, "int8_gemm": True, "dequantized": False}    # the value of ops.INT8_GEMM for each run
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", type=int, nargs="+", default=[128, 512, 1024])
     p.add_argument("--repeats", type=int, default=11)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument("--json", default=None, help="default: benchmarks/results/int8-gemm-<machine>.json")
-    a = p.parse_args()
-    a.json = a.json or common.result_path("int8-gemm")
+    p.add_argument("--json", default=None, help="default: benchmarks/results/int8-gemm-<machine>.json "
+                   "(--smoke: under results/quick/)")
+    common.add_smoke_flag(p)
+    a = p.parse_args(argv)
+    a.json = a.json or common.result_path("int8-gemm", quick=a.smoke)
     from allspark_server import Engine, HuggingFaceModel
     from allspark_server.compute import ops
     torch.set_num_threads(a.threads)
-    spec = common.FULL
+    spec = common.spec_of(a)
     hf_dir = common.build_model(spec, "bfloat16")
     dense = HuggingFaceModel(hf_dir, "bench-bfloat16", user_set_data_type="bfloat16")
     dense.load_model().serialize_to_path(None, hf_dir, skip_if_exists=False).free_model()

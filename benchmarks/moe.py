@@ -30,6 +30,8 @@ FULL = dict(hidden_size=1024, num_layers=12, num_heads=8, num_kv_heads=4, head_d
             moe_intermediate_size=512, vocab=512, new_tokens=96, repeats=5, concurrency=8, prompt=128)
 QUICK = dict(FULL, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, num_experts=8, top_k=2,
              moe_intermediate_size=256, new_tokens=32, repeats=2)
+SMOKE = dict(FULL, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=4, top_k=2,
+             moe_intermediate_size=32, new_tokens=8, repeats=1, concurrency=2, prompt=16)
 EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
 
 
@@ -76,15 +78,16 @@ def active_bytes_per_token(weights_path: str, top_k: int, num_experts: int, ctx_
     return {"all": dense + expert + ctx_bytes, "active": dense + expert * top_k // num_experts + ctx_bytes}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
+    common.add_smoke_flag(p)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--json", default=None, help="default: benchmarks/results/moe-<machine>.json (--quick: under "
                    "results/quick/)")
-    a = p.parse_args()
-    a.json = a.json or common.result_path("moe", quick=a.quick)
-    spec = QUICK if a.quick else FULL
+    a = p.parse_args(argv)
+    a.json = a.json or common.result_path("moe", quick=a.quick or a.smoke)
+    spec = SMOKE if a.smoke else QUICK if a.quick else FULL
     import torch
     from transformers import AutoModelForCausalLM
     from allspark_server import Engine, HuggingFaceModel

@@ -38,21 +38,22 @@ def start_two_host_pool(hosts: NetnsHosts, socket_path: str, log_path: str) -> s
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="the small model, 3 rounds")
+    common.add_smoke_flag(p)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--rounds", type=int, default=0, help="decode rounds (default: 3 quick, 7 full)")
     p.add_argument("--json", default=None, help="default: benchmarks/results/multi-host-<machine>.json (--quick: "
                    "under results/quick/)")
-    a = p.parse_args()
-    a.json = a.json or common.result_path("multi-host", quick=a.quick)
+    a = p.parse_args(argv)
+    a.json = a.json or common.result_path("multi-host", quick=a.quick or a.smoke)
     why = NetnsHosts.unavailable()
     if why:
         raise SystemExit(f"multi_host benchmark: {why}")
     from allspark_client import ClientEngine
     from allspark_server import HuggingFaceModel
-    spec = common.QUICK if a.quick else common.FULL
+    spec = common.spec_of(a)
     rounds = a.rounds or spec["decode_repeats"]
     hf_dir = common.build_model(spec, a.dtype)
     loader = HuggingFaceModel(hf_dir, f"bench-{a.dtype}", user_set_data_type=a.dtype)

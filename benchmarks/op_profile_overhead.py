@@ -23,7 +23,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from ab_trees import Tree  # noqa: E402
-from common import FULL, QUICK, build_model  # noqa: E402
+from common import add_smoke_flag, build_model, spec_of  # noqa: E402
 
 
 def start(tree: str, src: str, tokens: int, profiling: bool) -> Tree:
@@ -72,12 +72,13 @@ def main(argv=None) -> int:
     p.add_argument("--old", help="a checkout without op profiling (native extension built in place)")
     p.add_argument("--turns", type=int, default=15, help="timed decodes per arm")
     p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--quick", action="store_true", help="the small model (a smoke run)")
+    p.add_argument("--quick", action="store_true", help="the small model")
+    add_smoke_flag(p)
     p.add_argument("--table", action="store_true", help="print the op table of one decode instead of timing arms")
     p.add_argument("--out", help="write every turn's numbers here (JSON)")
     args = p.parse_args(argv)
 
-    src = build_model(QUICK if args.quick else FULL, "bfloat16")
+    src = build_model(spec_of(args), "bfloat16")
     if args.table:
         result = table(src, args.tokens)
         if args.out:

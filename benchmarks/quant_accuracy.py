@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import sys
 import tempfile
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from common import FULL, QUICK, build_model  # noqa: E402
+from common import build_model  # noqa: E402
 
 VARIANTS = [("bf16", 0), ("int8", -1), ("int8", 128), ("uint8", -1), ("int4", 32), ("int4", 128), ("uint4", 32), ("uint4", 64),
             ("uint4", 128)]
@@ -69,7 +68,7 @@ def quantized_copy(model, fmt: str, group: int):
 
 def with_int8_inputs(model):
     """activate_quant's activations: every GEMM's input rounded to int8 per token, as the kernels round it."""
-    from allspark_server.compute.ops import round_activations_reference
+    from allspark_server.compute.reference import round_activations_reference
     for name, mod in model.named_modules():
         if name.rsplit(".", 1)[-1] in GEMMS:
             mod.register_forward_pre_hook(lambda _, args: (round_activations_reference(args[0], 8).to(args[0].dtype),))
@@ -158,20 +157,21 @@ class FakeQuantKV:
             h.remove()
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--positions", type=int, default=2048)
+    common.add_smoke_flag(p)
+    p.add_argument("--positions", type=int, default=2048, help="a multiple of 512, or fewer")
     p.add_argument("--json", default=None, help="default: benchmarks/results/quant-accuracy-<machine>.json "
-                   "(--quick: quant-accuracy-quick-<machine>.json)")
-    a = p.parse_args()
-    a.json = a.json or common.result_path("quant-accuracy-quick" if a.quick else "quant-accuracy")
+                   "(--quick: quant-accuracy-quick-<machine>.json; --smoke: under results/quick/)")
+    a = p.parse_args(argv)
+    a.json = a.json or common.result_path("quant-accuracy-quick" if a.quick else "quant-accuracy", quick=a.smoke)
     from transformers import AutoModelForCausalLM
-    spec = QUICK if a.quick else FULL
+    spec = common.spec_of(a)
     hf_dir = build_model(spec, "float32")
     base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, spec["vocab"], (a.positions,), generator=g).view(-1, 512)
+    ids = torch.randint(0, spec["vocab"], (a.positions,), generator=g).view(-1, min(512, a.positions))
     report = {"model_params_m": sum(t.numel() for t in base.parameters()) / 1e6, "positions": a.positions,
               "stats": {}}
     for stats, model in (("random N(0, 0.02)", base), ("trained-like", trained_like(base))):
@@ -193,19 +193,20 @@ def main():
                 row = compare(ref, logits(fq, ids))
             report["stats"][stats][f"kv {mode}"] = row
             print(f"{stats:>18}  kv {mode:<6}  " + "  ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
-    prompts = [torch.randint(0, spec["vocab"], (16 + 8 * i,), generator=g).tolist() for i in range(16)]
+    n_prompts, tokens = (2, 8) if a.smoke else (16, 32)      # greedy32: the first 32 tokens (--smoke: 8)
+    prompts = [torch.randint(0, spec["vocab"], (16 + 8 * i,), generator=g).tolist() for i in range(n_prompts)]
     bf16_dir = build_model(spec, "bfloat16")
     out = engine_greedy(bf16_dir, prompts, {"bf16": (None, "default"), "bf16_kv_int8": (None, "int8"),
                                             "bf16_kv_uint4": (None, "uint4"),
                                             "int8": ({"weight_format": "int8"}, "default"),
                                             "int8_kv_int8": ({"weight_format": "int8"}, "int8"),
                                             "int8_a8": ({"weight_format": "int8", "compute_method": "activate_quant"},
-                                                        "default")})
+                                                        "default")}, tokens)
     # "tie-free" prompts: along the fp32 model's greedy path every top-1 logit leads the runner-up by more than
     # twice the largest logit change bf16 rounding of the weights caused in the teacher-forced run above, and
     # bf16 itself gives those 32 tokens
     bf16_error = (logits(quantized_copy(base, "bf16", 0), ids) - logits(base, ids)).abs().max().item()
-    fp32 = [hf_greedy_margin(base, p) for p in prompts]
+    fp32 = [hf_greedy_margin(base, p, tokens) for p in prompts]
     tie_free = [i for i, (toks, margin) in enumerate(fp32) if margin > 2 * bf16_error and out["bf16"][i] == toks]
     report["greedy32_tie_threshold_logits"] = 2 * bf16_error
     agree = lambda name, idx: sum(out[name][i] == out["bf16"][i] for i in idx) / max(1, len(idx))  # noqa: E731
@@ -219,8 +220,7 @@ def main():
     for name in out:
         if name != "bf16":
             print(f"  {name:<14} all {agree(name, everything):.2f}   tie-free {agree(name, tie_free):.2f}")
-    with open(a.json, "w") as f:
-        json.dump(report, f, indent=2)
+    common.write_report(a.json, report)
 
 
 if __name__ == "__main__":

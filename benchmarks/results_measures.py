@@ -83,5 +83,7 @@ MEASURES = {
                   "calls.", allreduce),
     "pool-step": ("GPU: a 2-rank pool's decode graph", "`pool_step_micro.py`: each rank's graph replayed alone.",
                   pool_step),
-    "switch-interval": ("GPU: Python's switch interval", "`switch_interval_ab.py`.", switch_interval),
+    "switch-interval": ("GPU: Python's switch interval", "`switch_interval_ab.py`, a one-off A/B of "
+                        "`sys.setswitchinterval` under 64 and 128 concurrent streams (the script is in git history).",
+                        switch_interval),
 }

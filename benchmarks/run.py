@@ -1,7 +1,7 @@
 """allspark's benchmark: one command, one run, everything side by side on the same machine and threads.
 
-    python benchmarks/run.py [--quick] [--features] [--decode-only] [--dtypes bfloat16 float32] [--quant int8 int4_g32]
-                             [--kv int8 uint4 [--kv-weights int4_g64]] [--json PATH]
+    python benchmarks/run.py [--quick | --smoke] [--features] [--decode-only] [--dtypes bfloat16 float32]
+                             [--quant int8 int4_g32] [--kv int8 uint4 [--kv-weights int4_g64]] [--json PATH]
 
 Measures the machine (STREAM-like copy/triad bandwidth, fp32/bf16 matmul rate), then for each
 weight dtype, on a Llama-architecture model with random weights (about 0.5 B parameters; --quick:
@@ -50,9 +50,11 @@ def measure_name(a) -> str:
     return "features" if a.features else "quant" if a.quant else "kv" if a.kv else "engines"
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a small model and fewer runs (< 3 minutes)")
+    p.add_argument("--smoke", action="store_true", help="a tiny model, one round and small bandwidth arrays: "
+                   "checks that every path runs (tests/test_benchmark_smoke.py; the numbers mean nothing)")
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     p.add_argument("--no-pool", action="store_true", help="skip the 2-rank pool")
     p.add_argument("--decode-only", action="store_true", help="only the batch-1 decode rows (kernel work)")
@@ -82,10 +84,12 @@ def main() -> None:
                    help="interleaved batch-1 decode rounds (default 7; --quick 3)")
     p.add_argument("--json", default=None, help="default: benchmarks/results/<measure>-<machine>.json, the measure "
                    "cuda, features, quant, kv or engines (by the flags); --quick: under results/quick/")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.kv_weights and (a.kv_weights not in a.quant or not a.kv):
         p.error(f"--kv-weights {a.kv_weights} needs --kv and the same variant in --quant (--quant: {a.quant})")
-    a.json = a.json or common.result_path(measure_name(a), a.device, a.quick)
+    a.json = a.json or common.result_path(measure_name(a), a.device, a.quick or a.smoke)
+    if a.smoke:
+        machine.ARRAY_FLOATS = 1 << 20      # 4 MiB arrays: the bandwidth calls run, quickly
     if a.device == "cuda":
         import cuda_bench
         save = functools.partial(common.write_report, a.json)
@@ -93,7 +97,7 @@ def main() -> None:
         save(report)
         print(json.dumps({k: v for k, v in report.items() if not isinstance(v, list)}, indent=1))
         return
-    spec = common.QUICK if a.quick else common.FULL
+    spec = common.spec_of(a)
     if a.rounds:
         spec = dict(spec, decode_repeats=a.rounds)
     if a.ttft_repeats:
@@ -109,7 +113,8 @@ def main() -> None:
         if a.sections and os.path.exists(a.json):   # keep the sections not run now
             with open(a.json) as f:
                 earlier = json.load(f)
-        save(serving_features.main(spec, save, a.sections or serving_features.SECTIONS, earlier))
+        sizes = serving_features.SMOKE_SIZES if a.smoke else serving_features.FULL_SIZES
+        save(serving_features.main(spec, save, a.sections or serving_features.SECTIONS, earlier, sizes))
         return
     why_not = LP.missing() if a.llamacpp is not False else None
     if why_not:

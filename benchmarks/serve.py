@@ -58,9 +58,16 @@ def summarize(results: list[dict], wall: float) -> dict:
            "output_throughput": sum(r["tokens"] for r in results) / wall}
     for key, xs in (("ttft", [r["ttft"] for r in results]), ("tpot", [r["tpot"] for r in results]),
                     ("itl", itl), ("e2e", [r["e2e"] for r in results])):
+        if not xs:        # no gaps: every request's text came in one piece (a short run; the detokenizer holds back)
+            continue
         out[f"{key}_median_ms"] = 1e3 * statistics.median(xs)
         out[f"{key}_p99_ms"] = 1e3 * _pct(xs, 0.99)
     return out
+
+
+def ratio(a: float, b: float) -> float:
+    """a / b; NaN where b is 0 (a short run's text can come in one piece: no time between its first and last)."""
+    return a / b if b else float("nan")
 
 
 def arrivals(n: int, rate: float, seed: int = 7) -> list[float]:
@@ -234,9 +241,10 @@ def wait_ready(url: str, proc, timeout_s: float = 600) -> None:
     raise TimeoutError("allspark-serve did not become ready")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
+    common.add_smoke_flag(p)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--rate", type=float, default=0.0, help="requests/s (0: measured, half the batch capacity)")
     p.add_argument("--prompt", type=int, default=128)
@@ -249,9 +257,9 @@ def main() -> None:
     p.add_argument("--server-args", default="", help="extra allspark-serve flags (e.g. admission limits)")
     p.add_argument("--json", default=None, help="default: benchmarks/results/serve-<machine>.json "
                    "(--burst: serve-burst-<machine>.json; --quick: under results/quick/)")
-    a = p.parse_args()
-    a.json = a.json or common.result_path("serve-burst" if a.burst else "serve", quick=a.quick)
-    spec = dict(common.QUICK if a.quick else common.FULL, vocab=VOCAB)
+    a = p.parse_args(argv)
+    a.json = a.json or common.result_path("serve-burst" if a.burst else "serve", quick=a.quick or a.smoke)
+    spec = dict(common.spec_of(a), vocab=VOCAB)
     hf_dir = common.build_model(spec, "bfloat16")
     from allspark_server.loader.tiny_model import build_tokenizer
     if not os.path.exists(os.path.join(hf_dir, "tokenizer.json")):
@@ -317,15 +325,15 @@ def main() -> None:
         report[path] = summarize([x for res, _ in rs for x in res], sum(wall for _, wall in rs))
         report[path + "_repeats"] = [summarize(*res) for res in rs]
     e, h = report["engine_api"], report["http"]
-    report["http_vs_engine"] = {"tpot_median_ratio": h["tpot_median_ms"] / e["tpot_median_ms"],
+    report["http_vs_engine"] = {"tpot_median_ratio": ratio(h["tpot_median_ms"], e["tpot_median_ms"]),
                                 "ttft_median_added_ms": h["ttft_median_ms"] - e["ttft_median_ms"],
-                                "output_throughput_ratio": h["output_throughput"] / e["output_throughput"],
+                                "output_throughput_ratio": ratio(h["output_throughput"], e["output_throughput"]),
                                 "ttft_median_added_ms_per_repeat": [
                                     hr["ttft_median_ms"] - er["ttft_median_ms"]
                                     for er, hr in zip(report["engine_api_repeats"], report["http_repeats"])]}
     if one_by_one:
         e, h = report["engine_api_sequential"], report["http_sequential"]
-        report["http_vs_engine_sequential"] = {"tpot_median_ratio": h["tpot_median_ms"] / e["tpot_median_ms"],
+        report["http_vs_engine_sequential"] = {"tpot_median_ratio": ratio(h["tpot_median_ms"], e["tpot_median_ms"]),
                                                "ttft_median_added_ms": h["ttft_median_ms"] - e["ttft_median_ms"]}
     print(json.dumps({k: v for k, v in report.items() if k.startswith("http_vs")}, indent=1))
     common.write_report(a.json, report)

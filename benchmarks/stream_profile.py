@@ -40,7 +40,7 @@ def projection_weights(args: dict) -> dict:
             "lm_head": args["vocab_size"] * hidden}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--file", default="q4_0+head", help="smollm2, q8_0+head or q4_0+head (gguf_race.py's files)")
     p.add_argument("--ours", choices=["gguf", "gguf-a8"], default="gguf-a8")
@@ -50,16 +50,22 @@ def main() -> None:
     p.add_argument("--peak-gmacs", type=float, default=None, help="the machine's multiply-add peak, all threads "
                    "(G/s; default: none, no share of it is shown); vnni_peak.py prints one core's")
     p.add_argument("--json", default=None)
-    a = p.parse_args()
+    common.add_smoke_flag(p)
+    a = p.parse_args(argv)
+    from allspark_server.compute import ops
+    if ops.native() is None:
+        raise SystemExit("stream_profile.py reads the native decode stack's op timings: the native extension is not "
+                         "built (pip install --no-build-isolation -e .)")
     torch.set_num_threads(a.threads)
-    spec = GR.race_spec(a.ours)
+    spec = GR.race_spec(a.ours, smoke=a.smoke)
     f = GR.race_file(a.file, spec, "gguf")
     from allspark_server import Engine
     engine = Engine()
     try:
         ours = GR.Ours(engine, f["ours"], "m", spec, None, a.streams + 8)
         rng = random.Random(0)
-        prompts = [[rng.randrange(100, 8000) for _ in range(GR.CONC_PROMPT)] for _ in range(a.streams)]
+        vocab = min(8000, spec["vocab"])      # below every file's vocabulary
+        prompts = [[rng.randrange(100, vocab) for _ in range(GR.CONC_PROMPT)] for _ in range(a.streams)]
         ours.streams(prompts, a.new_tokens)
         report = engine.get_op_profile("m")
         args = json.loads(engine.get_model_info("m"))["args"]

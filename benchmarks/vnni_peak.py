@@ -5,15 +5,18 @@ multiply-adds per instruction; the number a GEMV reaches over it says how much i
 
     python benchmarks/vnni_peak.py [--iterations 20000000]
 
-Compiles a small extension with torch.utils.cpp_extension.load_inline (needs a C++ compiler; ~30 s the first time).
-Prints instructions per second and multiply-adds per second per core. AVX-512 VNNI CPUs only.
+Compiles the loops below into a small shared library with the C++ compiler (g++, or $CXX; about a second) and calls
+them through ctypes. Prints instructions per second and multiply-adds per second per core. AVX-512 VNNI CPUs only:
+elsewhere it compiles, says so and exits (--compile-only stops there anyway).
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
+import subprocess
+import tempfile
 import time
-
-from torch.utils.cpp_extension import load_inline
 
 SOURCE = r"""
 #include <immintrin.h>
@@ -39,7 +42,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), noinline)) int64_t loop(in
   _mm512_store_si512(lanes, s);
   return lanes[0];
 }
-int64_t run(int64_t op, int64_t n) {
+extern "C" int64_t run(int64_t op, int64_t n) {
   return op == 0 ? loop<0, 12>(n) : op == 1 ? loop<1, 12>(n) : loop<2, 12>(n);
 }
 """
@@ -47,11 +50,37 @@ ACCUMULATORS = 12
 OPS = (("vpdpbusd zmm", 64), ("vpdpwssd zmm", 32), ("vpmaddubsw zmm (+ vpaddw)", 64))
 
 
-def main() -> None:
+def build(out_dir: str) -> ctypes.CDLL:
+    """SOURCE compiled into out_dir and loaded: its run(op, n)."""
+    src, lib = os.path.join(out_dir, "vnni_peak.cpp"), os.path.join(out_dir, "vnni_peak.so")
+    with open(src, "w") as f:
+        f.write(SOURCE)
+    subprocess.run([os.environ.get("CXX", "g++"), "-O2", "-std=c++17", "-shared", "-fPIC", src, "-o", lib], check=True)
+    dll = ctypes.CDLL(lib)
+    dll.run.argtypes, dll.run.restype = [ctypes.c_int64, ctypes.c_int64], ctypes.c_int64
+    return dll
+
+
+def has_vnni() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512_vnni" in f.read()
+    except OSError:
+        return False
+
+
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iterations", type=int, default=20_000_000)
-    args = p.parse_args()
-    ext = load_inline("vnni_peak", cpp_sources=SOURCE, functions=["run"], extra_cflags=["-O2"])
+    p.add_argument("--compile-only", action="store_true", help="build the loops, run nothing")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as d:
+        ext = build(d)
+    if args.compile_only:
+        return
+    if not has_vnni():
+        print("this CPU has no AVX-512 VNNI: nothing to measure")
+        return
     for op, (name, macs) in enumerate(OPS):
         ext.run(op, 1000)   # warm up
         t = time.perf_counter()
