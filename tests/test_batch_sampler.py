@@ -1,8 +1,9 @@
 """The sampler's chain over a batch of rows of every kind, with either draw: greedy tokens, penalties and logprobs
 against per-row references (transformers' processors, float64), top-k / top-p masks against transformers' warpers
-and hand-worked ties, every row alone equal to the batch, and the counter-based draws (a GPU's; here on CPU
-tensors) depending on the request alone and following the processed softmax. With a GPU (marker `gpu`): CUDA
-logits give the CPU tensors' results, and through the Engine alone equals batched.
+and hand-worked ties, every row alone equal to the batch; the host's draws are each seeded generator's
+torch.multinomial stream, the counter-based draws (a GPU's; here on CPU tensors) depend on the request alone and
+follow the processed softmax. With a GPU (marker `gpu`): CUDA logits give the CPU tensors' results, and through the
+Engine alone equals batched.
 """
 from __future__ import annotations
 
@@ -160,6 +161,29 @@ def test_top_k_top_p_mask_matches_the_warpers(vocab, seed):
                 assert torch.nonzero(~torch.isneginf(out[r])).flatten().tolist() == list(range(kept))
             else:
                 assert torch.equal(out[r], ref), (r, k[r], top_p[r])
+
+
+@pytest.mark.parametrize("cfg", [dict(temperature=0.8), dict(temperature=1.3, top_k=20),
+                                 dict(temperature=0.6, top_p=0.9), dict(temperature=1.1, top_k=40, top_p=0.8)])
+def test_seeded_draws_are_the_generators_multinomial_stream(cfg):
+    """A seeded request's tokens on the host are torch.multinomial of the processed softmax (built here from
+    transformers' warpers) with a generator of its seed, step after step, whatever rows share its batches."""
+    vocab, steps = 300, 30
+    gen = GenerationConfig(seed=77, **cfg)
+    state, other = SamplingState.create(gen), SamplingState.create(GenerationConfig(temperature=1.0, seed=5))
+    reference = torch.Generator().manual_seed(77)
+    sampler = Sampler("cpu")
+    assert sampler.draw is multinomial_draws
+    for step in range(steps):
+        logits = torch.stack([rand_logits(1, vocab, 1000 + step)[0], rand_logits(1, vocab, 2000 + step)[0]])
+        row = 1 if step % 2 else 0
+        rows = [(state, [1], []), (other, [2], [])] if row == 0 else [(other, [2], []), (state, [1], [])]
+        got = sampler.sample_rows(logits.clone(), rows)[row].token_id
+        ref = hf_apply(TemperatureLogitsWarper(cfg["temperature"]), [], logits[row])
+        ref = hf_apply(TopKLogitsWarper(cfg["top_k"]), [], ref) if cfg.get("top_k") else ref
+        ref = hf_apply(TopPLogitsWarper(cfg["top_p"]), [], ref) if cfg.get("top_p") else ref
+        probs = torch.softmax(ref, -1)
+        assert got == int(torch.multinomial(probs, 1, generator=reference)), step
 
 
 def test_hash_is_lowbias32():

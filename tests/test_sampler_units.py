@@ -10,7 +10,6 @@ from transformers import (MinLengthLogitsProcessor, RepetitionPenaltyLogitsProce
                           TopKLogitsWarper, TopPLogitsWarper)
 
 from allspark_client.config import GenerationConfig
-from allspark_server.runner.draws import multinomial_draws
 from allspark_server.runner.sampler import Sampler, SamplingState, apply_penalties_rows, argmax, mask_top_k_top_p
 from helpers import hf_apply, presence_frequency_ref
 
@@ -397,28 +396,3 @@ def test_batch_rows_equal_rows_alone():
     assert [r.top_logprobs for r in batched] == [r.top_logprobs for r in alone]
     assert batched[2].token_id == 7
     assert batched[5].token_id != int(logits[5].argmax())      # its EOS is masked until min_length
-    # a batch of plain greedy rows alone takes the one argmax: the same tokens
-    plain = [0, 2]
-    fast = Sampler("cpu").sample_rows(logits[plain].clone(), [(states()[i], *histories[i]) for i in plain])
-    assert [r.token_id for r in fast] == [batched[i].token_id for i in plain]
-
-
-@pytest.mark.parametrize("cfg", [dict(temperature=0.8), dict(temperature=1.3, top_k=20),
-                                 dict(temperature=0.6, top_p=0.9), dict(temperature=1.1, top_k=40, top_p=0.8)])
-def test_seeded_draws_are_the_generators_multinomial_stream(cfg):
-    """A seeded request's tokens on the host are torch.multinomial of the processed softmax (built here from
-    transformers' warpers) with a generator of its seed, step after step, whatever rows share its batches."""
-    vocab, steps = 300, 30
-    gen = GenerationConfig(seed=77, **cfg)
-    state, other = SamplingState.create(gen), SamplingState.create(GenerationConfig(temperature=1.0, seed=5))
-    reference = torch.Generator().manual_seed(77)
-    sampler = Sampler("cpu")
-    assert sampler.draw is multinomial_draws
-    for step in range(steps):
-        logits = torch.stack([rand_logits(vocab, 1000 + step), rand_logits(vocab, 2000 + step)])
-        row = 1 if step % 2 else 0
-        rows = [(state, [1], []), (other, [2], [])] if row == 0 else [(other, [2], []), (state, [1], [])]
-        got = sampler.sample_rows(logits.clone(), rows)[row].token_id
-        probs = torch.softmax(reference_processed(logits[row], [1], [], temperature=cfg["temperature"],
-                                                  top_k=cfg.get("top_k", 0), top_p=cfg.get("top_p", 1.0)), -1)
-        assert got == int(torch.multinomial(probs, 1, generator=reference)), step
