@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -138,3 +139,18 @@ def test_a_launcher_whose_owner_died_before_it_looked_stops_at_once():
     finally:
         owner.kill()
         owner.wait()
+
+
+def test_a_spawned_pool_takes_mpirun_arguments_after_the_separator():
+    """docs/pools.md: `-- ARGS` passes ARGS to mpirun. Through ClientEngine the owner's flags used to land after the
+    `--` (mpirun refused them, exit 213); now the pool starts, serves, and mpirun did take the argument:
+    --tag-output prefixes the ranks' lines in the pool's log with [job,rank] (rank 0 says the pool is ready)."""
+    from allspark_client import ClientEngine
+    client = ClientEngine(ranks=2, launcher_args=("--", "--tag-output"), start_timeout_s=START_S)
+    try:
+        assert client.get_rank_id() == 0
+        assert client.health.pid > 0
+        log = client._pool_output()
+        assert re.search(r"\[\d+,0\]<stdout>: allspark pool ready", log), log[-2000:]
+    finally:
+        client.close()

@@ -31,9 +31,10 @@ class SpawnedPool:
             cmd += ["--numa-nodes", ",".join(map(str, numa_nodes))]
         if gpus is not None:       # the launcher checks the value and says what is wrong with it
             cmd += ["--gpus", gpus if isinstance(gpus, str) else ",".join(map(str, gpus))]
-        cmd += list(launcher_args)
         link, self._link = os.pipe()      # both ends non-inheritable; the launcher gets the read end only
+        # the owner's flags before the user's: launcher_args may end in `-- <mpirun arguments>`
         cmd += ["--owner-pid", str(os.getpid()), "--owner-fd", str(link), "--owner-dir", self.dir]
+        cmd += list(launcher_args)
         try:
             with open(self.log, "wb") as out:
                 self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
