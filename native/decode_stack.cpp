@@ -178,13 +178,13 @@ struct StepClass {
   }
 };
 
-#define ALLSPARK_BIND_FIELD(type, name) step.field(#name, #type, &Struct::name);
-#define ALLSPARK_BIND_STEP(Name, FIELDS, doc)                         \
+#define BIND_STEP_FIELD(type, name) step.field(#name, #type, &Struct::name);
+#define BIND_STEP(Name, FIELDS, doc)                         \
   {                                                                   \
     using Struct = Name;                                              \
     StepClass<Name> step{py::class_<Name>(m, #Name, doc), py::list()}; \
     step.cls.def(py::init<>());                                       \
-    FIELDS(ALLSPARK_BIND_FIELD)                                       \
+    FIELDS(BIND_STEP_FIELD)                                       \
     step.cls.def("check", &Name::check, "its invariants, once every field is set");  \
     step.cls.attr("FIELDS") = step.fields;                            \
   }
@@ -192,11 +192,11 @@ struct StepClass {
 // the step descriptors (steps.h), the single steps and the stack
 void bind_decode_stack(py::module_& m) {
   using OptT = std::optional<torch::Tensor>;
-  ALLSPARK_BIND_STEP(NormStep, ALLSPARK_NORM_STEP_FIELDS, "RMSNorm of the hidden state (adds_residual: x + residual first)")
-  ALLSPARK_BIND_STEP(AttentionStep, ALLSPARK_ATTENTION_STEP_FIELDS,
+  BIND_STEP(NormStep, NORM_STEP_FIELDS, "RMSNorm of the hidden state (adds_residual: x + residual first)")
+  BIND_STEP(AttentionStep, ATTENTION_STEP_FIELDS,
                      "qkv, q/k norms, rotary, cache write, span attention, o projection")
-  ALLSPARK_BIND_STEP(MlpStep, ALLSPARK_MLP_STEP_FIELDS, "act(gate) * up and the down projection")
-  ALLSPARK_BIND_STEP(MoeStep, ALLSPARK_MOE_STEP_FIELDS, "a mixture of experts: the router's top-k experts' MLPs, weighted")
+  BIND_STEP(MlpStep, MLP_STEP_FIELDS, "act(gate) * up and the down projection")
+  BIND_STEP(MoeStep, MOE_STEP_FIELDS, "a mixture of experts: the router's top-k experts' MLPs, weighted")
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("norm_step", [](torch::Tensor x, OptT residual, const NormStep& n, int64_t isa) {
           return norm_step(x, residual, n, isa);

@@ -30,43 +30,43 @@ using OptWeight = std::optional<Weight>;
 // default constructor, one read/write attribute per field and FIELDS, the [(name, type)] list) and the binder's
 // check against compute/steps.py (compute/step_binding.py: every field there, every option here) all come from
 // these lists. A field's name is the Python name it is filled from (the bound step's attribute, or its step's).
-#define ALLSPARK_NORM_STEP_FIELDS(F) F(torch::Tensor, weight) F(bool, adds_residual) F(double, eps)
+#define NORM_STEP_FIELDS(F) F(torch::Tensor, weight) F(bool, adds_residual) F(double, eps)
 
 // k_cache, v_cache: [S, P, KVH, D] dense, or codes with their params (k_param, v_param); q_norm, k_norm: per-head
 // norms (eps: norm_eps); rotary false: no rotary (ALiBi models: alibi_slopes, fp32 [num_heads], instead);
 // softcap 0: none; window 0: every key; rope_table: which of the model's rotary tables (decode_stack.cpp)
-#define ALLSPARK_ATTENTION_STEP_FIELDS(F)                                                                   \
+#define ATTENTION_STEP_FIELDS(F)                                                                   \
   F(Weight, qkv) F(OptTensor, qkv_bias) F(Weight, o) F(int64_t, num_heads) F(int64_t, num_kv_heads)          \
   F(double, scale) F(OptTensor, q_norm) F(OptTensor, k_norm) F(double, norm_eps) F(bool, rotary)             \
   F(OptTensor, alibi_slopes) F(double, softcap) F(int64_t, window) F(int64_t, rope_table)                    \
   F(torch::Tensor, k_cache) F(torch::Tensor, v_cache) F(OptTensor, k_param) F(OptTensor, v_param)
 
 // activation: an Activation
-#define ALLSPARK_MLP_STEP_FIELDS(F) F(Weight, gate_up) F(OptTensor, gate_up_bias) F(Weight, down) F(int64_t, activation)
+#define MLP_STEP_FIELDS(F) F(Weight, gate_up) F(OptTensor, gate_up_bias) F(Weight, down) F(int64_t, activation)
 
-#define ALLSPARK_MOE_STEP_FIELDS(F)                                                                         \
+#define MOE_STEP_FIELDS(F)                                                                         \
   F(torch::Tensor, router) F(Weights, gate_up) F(Weights, down) F(int64_t, top_k) F(bool, norm_topk_prob)    \
   F(OptWeight, shared_gate_up) F(OptWeight, shared_down) F(OptTensor, shared_gate)
 
-#define ALLSPARK_DECLARE_FIELD(type, name) type name{};
+#define DECLARE_STEP_FIELD(type, name) type name{};
 
 struct NormStep {
-  ALLSPARK_NORM_STEP_FIELDS(ALLSPARK_DECLARE_FIELD)
+  NORM_STEP_FIELDS(DECLARE_STEP_FIELD)
   void check() const;
 };
 
 struct AttentionStep {
-  ALLSPARK_ATTENTION_STEP_FIELDS(ALLSPARK_DECLARE_FIELD)
+  ATTENTION_STEP_FIELDS(DECLARE_STEP_FIELD)
   void check() const;
 };
 
 struct MlpStep {
-  ALLSPARK_MLP_STEP_FIELDS(ALLSPARK_DECLARE_FIELD)
+  MLP_STEP_FIELDS(DECLARE_STEP_FIELD)
   void check() const;
 };
 
 struct MoeStep {
-  ALLSPARK_MOE_STEP_FIELDS(ALLSPARK_DECLARE_FIELD)
+  MOE_STEP_FIELDS(DECLARE_STEP_FIELD)
   void check() const;
 };
 

@@ -20,7 +20,7 @@ def header_fields() -> dict[str, list[tuple[str, str]]]:
     text = open(STEPS_H).read().replace("\\\n", " ")
     out = {}
     for struct, macro in NATIVE_NAMES.items():
-        body = re.search(rf"#define ALLSPARK_{macro}_STEP_FIELDS\(F\)(.*)", text).group(1)
+        body = re.search(rf"#define {macro}_STEP_FIELDS\(F\)(.*)", text).group(1)
         out[struct] = [(name, ctype.strip()) for ctype, name in re.findall(r"F\(([^,]+),\s*(\w+)\)", body)]
     return out
 
