@@ -63,6 +63,14 @@ FAMILY_VARIANTS = {
                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}},
                    norm_noise=0.2, attn_implementation="eager"),
+    # Granite 3 and its MoE: Llama's layer with its four multipliers at values that bend these tiny models (an
+    # attention scale twice head_dim ** -0.5, a residual share of 0.22, embeddings times 12, logits / 4)
+    "granite": dict(arch="granite", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                    embedding_multiplier=12.0, attention_multiplier=0.5, residual_multiplier=0.22,
+                    logits_scaling=4.0),
+    "granitemoe": dict(arch="granitemoe", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                       num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=12.0,
+                       attention_multiplier=0.5, residual_multiplier=0.22, logits_scaling=4.0),
     # the sources of the remote-code layouts (tests/remote_layouts.py): multi-head, untied
     "qwen2_mha": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
     "llama_mha": dict(arch="llama", num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
@@ -72,7 +80,8 @@ ARCH_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Co
                 "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
                 "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
                 "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
-                "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
+                "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "granite": ("GraniteConfig", "GraniteForCausalLM"),
+                "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM")}
 
 
 def build_tokenizer(out_dir: str):
