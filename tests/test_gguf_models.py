@@ -59,8 +59,9 @@ def build(variant: str, folder: str, seed: int = 0, hidden: int = 64, intermedia
     spec.update(OVERRIDES.get(variant, {}), **over)
     cfg_cls, model_cls = (getattr(transformers, n) for n in ARCH_CLASSES[arch])
     torch.manual_seed(seed)
+    layers = spec.pop("num_hidden_layers", LAYERS.get(variant, 2))
     model = model_cls(cfg_cls(vocab_size=512, hidden_size=hidden, intermediate_size=intermediate,
-                              num_hidden_layers=LAYERS.get(variant, 2), max_position_embeddings=2048,
+                              num_hidden_layers=layers, max_position_embeddings=2048,
                               bos_token_id=0, eos_token_id=1, pad_token_id=2, **spec)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -259,9 +260,16 @@ def _x_to_int8_per_token(module, args):
 def test_gguf_codes_met_by_int8_activations(tmp_path, qtype):
     """customized_quant_config={'compute_method': 'activate_quant'} on a GGUF keeps the file's codes and rounds x to
     int8 per token before every GEMM weight: logits follow transformers' model of the file with that rounding hooked
-    in front of each projection, far closer than the weight-only rounding's; any other key is refused."""
+    in front of each projection, far closer than the weight-only rounding's; any other key is refused.
+
+    One layer, so that the comparison is row by row: our x and the reference's differ by float rounding (other
+    summation orders in the attention and the GEMMs), which now and then puts an element on the other side of an
+    int8 step. With two layers such a flip in a layer's input changes the next layer's K/V at that position, and
+    so every later row (the cause of this test's failures on the AVX2 and Intel VMs, whichever CPU path ran). With
+    one, the K/V come from the embedding's norm, the same in both, and a flip moves only its own row."""
     folder = str(tmp_path / "hf")
-    model = build("llama_mha", folder, hidden=256, intermediate=256, num_attention_heads=8, num_key_value_heads=8)
+    model = build("llama_mha", folder, hidden=256, intermediate=256, num_attention_heads=8, num_key_value_heads=8,
+                  num_hidden_layers=1)
     path = write(model, folder, weight_type=qtype, head_type=T.F32)
     loader = HuggingFaceModel(path, "a8", user_set_data_type="float32").load_model()
     with pytest.raises(Exception, match="already quantized.*only compute_method"):
@@ -281,13 +289,14 @@ def test_gguf_codes_met_by_int8_activations(tmp_path, qtype):
         if name.rsplit(".", 1)[-1] in PROJECTIONS:
             module.register_forward_pre_hook(_x_to_int8_per_token)
     int8_x = hf_logits(file_model, tokens)
-    gap, err = (weight_only - int8_x).abs(), (ours - int8_x).abs()
-    exact = (err.amax(-1) <= 1e-4).float().mean().item()
-    print(f"{qtype.name}: rows within 1e-4 of the int8-x reference {exact:.3f}, max {err.max():.2e}; weight-only vs "
-          f"int8-x max {gap.max():.2e}")
-    # float rounding may put an element of x on the other side of an int8 step now and then (a row off by one step
-    # of one element's contribution); every other row agrees to float rounding
-    assert gap.max() > 1e-2 and exact >= 0.95 and err.max() <= gap.max() / 4, (exact, err.max(), gap.max())
+    gap, err = (weight_only - int8_x).abs().amax(-1), (ours - int8_x).abs().amax(-1)     # per row [T]
+    exact = err <= 1e-4
+    print(f"{qtype.name}: rows within 1e-4 of the int8-x reference {exact.float().mean():.3f}, max {err.max():.2e}; "
+          f"weight-only vs int8-x on those rows: min {gap[exact].min():.2e}")
+    # nearly every row agrees to float rounding, where the weight-only rounding misses by far more; a row with a
+    # flipped element is still closer to the int8-x reference than weight-only rounding is
+    assert exact.float().mean() >= 0.95 and gap[exact].min() > 1e-2, (exact.float().mean(), gap[exact].min())
+    assert (err[~exact] < gap[~exact]).all(), (err[~exact], gap[~exact])
 
 
 def test_the_model_info_names_the_formats(tmp_path):
