@@ -51,7 +51,7 @@ def caches(num_slots: int, span_size: int, kv_heads: int, d: int, dtype: torch.d
 def backend(name: str):
     if name == "ops":
         return ops.rotary_store_kv
-    from allspark_server.compute.cuda import ops as cuda_ops
+    from allspark_server.compute.cuda import cuda_ops
     return cuda_ops.rotary_store_kv
 
 

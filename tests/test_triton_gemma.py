@@ -369,5 +369,5 @@ def test_gelu_tanh_mul_extreme_inputs(dtype):
 
 
 def test_cuda_ops_exports_gelu_tanh_mul():
-    from allspark_server.compute.cuda import ops as cuda_ops
+    from allspark_server.compute.cuda import cuda_ops
     assert cuda_ops.gelu_tanh_mul is fk.gelu_tanh_mul

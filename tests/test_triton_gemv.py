@@ -83,7 +83,7 @@ def test_fits_only_decode_rows_of_half_precision_weights():
 
 
 def test_cuda_backend_routes_decode_linears_through_the_gemv(monkeypatch):
-    from allspark_server.compute.cuda import ops as cuda_ops
+    from allspark_server.compute.cuda import cuda_ops
     from allspark_server.compute.reference import mlp_step_reference
     from allspark_server.compute.steps import BoundMlp, Mlp
     calls = []

@@ -81,7 +81,7 @@ def test_a_mixed_steps_chunks_through_the_gpu_wiring_equal_the_per_chunk_referen
     a whole prompt and a chunk after cached tokens, with span tables shuffled, against ops' per-chunk reference
     (gather + SDPA with the chunk's mask) in float64."""
     from allspark_server.core.messages import ScheduledChunk
-    from allspark_server.compute.cuda import ops as cuda_ops
+    from allspark_server.compute.cuda import cuda_ops
     from allspark_server.step.inputs import RequestMirror, build_forward_inputs
     span_size, kvh, group, d = 16, 2, 4, 64
     mirrors = {1: RequestMirror(list(range(40)), [7, 2, 5], 39),      # decodes its 40th token

@@ -152,7 +152,7 @@ def test_silu_mul_epilogue_equals_the_gemv_then_silu_mul(fmt, group):
 
 def test_cuda_backend_fuses_the_quantized_gate_up_at_one_row(monkeypatch):
     from allspark_server.compute import ops
-    from allspark_server.compute.cuda import ops as cuda_ops
+    from allspark_server.compute.cuda import cuda_ops
     from allspark_server.compute.steps import BoundMlp, Mlp
     calls = []
     original = qk.quant_matmul

@@ -237,7 +237,7 @@ def test_triton_silu_mul_epilogue():
     fused_kernels.silu_mul's roundings, bit for bit against the two launches."""
     pytest.importorskip("triton")
     from allspark_server.compute.cuda import fused_kernels as fk
-    from allspark_server.compute.cuda import ops as cuda_ops
+    from allspark_server.compute.cuda import cuda_ops
     from allspark_server.compute.cuda import quant_kernels as qk
     assert FMT in cuda_ops.SILU_MUL_QUANT_FORMATS
     device = "cuda" if torch.cuda.is_available() else "cpu"

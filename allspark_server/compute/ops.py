@@ -2,7 +2,7 @@
 
 Each op has a torch reference (`*_reference`) that the native kernel is tested against and that
 runs whenever the extension is unavailable or the shape does not suit it. Ops on CUDA tensors go to the
-op of the same name in the CUDA backend (allspark_server/cuda/ops.py). The ISA level the kernels use
+op of the same name in the CUDA backend (allspark_server/compute/cuda/cuda_ops.py). The ISA level the kernels use
 (AVX-512 VNNI > AVX-512 > AVX2+FMA > portable) is read once from the CPU's flags (allspark_client/cpu_features.py);
 ALLSPARK_NO_NATIVE=1 turns the native path off.
 """
@@ -75,7 +75,7 @@ def describe() -> str:
 
 def cuda_backend():
     """The CUDA backend's ops module (imported on first use: CPU ranks never load it)."""
-    from allspark_server.compute.cuda import ops as cuda_ops
+    from allspark_server.compute.cuda import cuda_ops
     return cuda_ops
 
 
@@ -272,7 +272,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     ext.store_kv(k, v.reshape(t, -1), k_cache, v_cache, slots)
 
 
-# ---- mixture of experts (layers/moe.py) -----------------------------------------------------------------
+# ---- mixture of experts (layers/experts.py) -----------------------------------------------------------------
 
 
 def moe(x, router, experts, top_k, norm_topk_prob, shared=None, shared_gate=None) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The torch reference of every compute op: plain PyTorch on any device, the math each native and CUDA kernel is
-tested against and falls back to (compute/ops.py dispatches; compute/cuda/ops.py builds on these). Roundings follow
+tested against and falls back to (compute/ops.py dispatches; compute/cuda/cuda_ops.py builds on these). Roundings follow
 HF's eager modules: sums and normalized rows in the activation dtype, statistics in fp32.
 """
 from __future__ import annotations

@@ -36,7 +36,7 @@ class ModelArgs:
     lm_head_normalized: bool = False   # Baichuan2's NormHead: the head's rows were normalized when loaded
     position_embedding: str = "rope"   # "rope", or "alibi" (Baichuan2-13B: a per-head score bias, compute/alibi.py,
                                        # and no rotary)
-    # mixture of experts (layers/moe.py): the layers in moe_layers route each token to num_experts_per_tok of
+    # mixture of experts (layers/experts.py): the layers in moe_layers route each token to num_experts_per_tok of
     # num_experts experts (softmax over the router's logits, the top k, renormalized when norm_topk_prob), plus a
     # shared expert behind a sigmoid gate when shared_expert_intermediate_size (Qwen2-MoE)
     num_experts: int = 0

@@ -22,7 +22,7 @@ from allspark_server.compute.op_profile import timed
 from allspark_server.layers.attention import PagedAttention
 from allspark_server.layers.embedding import Embedding, ParallelLMHead
 from allspark_server.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from allspark_server.layers.moe import SparseMoE
+from allspark_server.layers.experts import SparseMoE
 from allspark_server.layers.norm import RMSNorm
 from allspark_server.layers.rotary import RotaryEmbedding
 from allspark_server.layers.sharding import SplitMode, TPLayout
@@ -32,7 +32,7 @@ from allspark_server.step.inputs import ForwardInputs
 from allspark_server.step.kv_cache import LayerKV
 
 SPLIT_RULES: list[tuple[str, SplitMode]] = [
-    (r"\.mlp\.(experts\.\d+|shared_expert)\.(gate|up)_proj\.weight$", SplitMode.COLUMN),   # MoE (layers/moe.py)
+    (r"\.mlp\.(experts\.\d+|shared_expert)\.(gate|up)_proj\.weight$", SplitMode.COLUMN),   # MoE (layers/experts.py)
     (r"\.mlp\.(experts\.\d+|shared_expert)\.down_proj\.weight$", SplitMode.ROW),
     (r"\.self_attn\.q_proj\.(weight|bias)$", SplitMode.HEADS),
     (r"\.self_attn\.[kv]_proj\.(weight|bias)$", SplitMode.KV_HEADS),
