@@ -3,10 +3,18 @@ from allspark_client.compat import AsFileInfo
 from allspark_client.config import AsModelConfig, AsModelRuntimeConfigBuilder
 from allspark_client.generation_config import ASGenerationConfigBuilder
 from allspark_client.result_queue import ResultQueue
+from allspark_client.types import (
+    AsCacheMode,
+    AsEngineStat,
+    AsException,
+    AsStatus,
+    GeneratedElements,
+    GenerateRequestStatus,
+    RequestHandle,
+    RequestStatInfo,
+    TargetDevice,
+)
 from allspark_client.version import __version__  # noqa: F401 (the package's version)
-from allspark_client.types import (AsCacheMode, AsEngineStat, AsException, AsStatus, GeneratedElements,
-                                   RequestHandle,
-                                   GenerateRequestStatus, RequestStatInfo, TargetDevice)
 
 __all__ = ["ASGenerationConfigBuilder", "AsCacheMode", "AsEngineStat", "AsException", "AsFileInfo", "AsModelConfig",
            "AsModelRuntimeConfigBuilder", "AsStatus", "GeneratedElements",

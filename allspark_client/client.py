@@ -17,20 +17,19 @@ from typing import Any, Optional
 import grpc
 
 from allspark_client import wire
-from allspark_client.api import EngineAPI, StartResult
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client._proto import allspark_pb2_grpc as pb_grpc
+from allspark_client.api import EngineAPI, StartResult
 from allspark_client.channel import RECONNECT_BACKOFF_MS, Pem, failure_reason, normalize_address, open_channel
 from allspark_client.config import AsModelConfig
 from allspark_client.generation_config import parse_request
+from allspark_client.launch.spawned_pool import SpawnedPool
 from allspark_client.op_profile_report import OpProfileReport
-from allspark_client.validation import ConfigError
 from allspark_client.result_queue import ResultQueue
 from allspark_client.session import ClientSession
 from allspark_client.sleep_wake import ClientDeviceMemory
-from allspark_client.launch.spawned_pool import SpawnedPool
-from allspark_client.types import (AsEngineStat, AsException, AsStatus, GenerateRequestStatus,
-                                   RequestHandle, pool_failed)
+from allspark_client.types import AsEngineStat, AsException, AsStatus, GenerateRequestStatus, RequestHandle, pool_failed
+from allspark_client.validation import ConfigError
 
 log = logging.getLogger("allspark.client")
 STOP_WAIT_S = 30.0   # how long stop/release wait for the stream's final reply

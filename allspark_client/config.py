@@ -9,10 +9,16 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from allspark_client.generation_config import (ASGenerationConfigBuilder, GenerationConfig, parse_generation_config,
-                                               parse_input_ids, resolve_max_length)
+from allspark_client.generation_config import (
+    ASGenerationConfigBuilder,
+    GenerationConfig,
+    parse_generation_config,
+    parse_input_ids,
+    resolve_max_length,
+)
 from allspark_client.types import AsCacheMode, TargetDevice
-from allspark_client.validation import ConfigError, _check, _int as _check_int
+from allspark_client.validation import ConfigError, _check
+from allspark_client.validation import _int as _check_int
 
 SPAN_SIZES = (16, 32, 64, 128)
 CACHE_MODE_NAMES = {"default": AsCacheMode.AsCacheDefault, "int8": AsCacheMode.AsCacheQuantI8,

@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from allspark_client.types import GenerateRequestStatus, GeneratedElements, RequestStatInfo
+from allspark_client.types import GeneratedElements, GenerateRequestStatus, RequestStatInfo
 
 
 def now_ms() -> int:

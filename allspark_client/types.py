@@ -10,7 +10,6 @@ import enum
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-
 # How the error ends that a pool gives every open stream when it cannot go on (a hung step, a lost rank).
 POOL_DOWN = "the pool is going down"
 # How ClientEngine words a stream the pool took away with it (a lost connection, a stream closed without an end;

@@ -153,6 +153,7 @@ class Variant:
         """fp32 logits [len(ids), V]: the window fed in prefill chunks through the `mode` cache; from position
         `decode_from` on, one token a step (the decode path: its kernels read the cache's codes)."""
         import torch
+
         from allspark_server.core.messages import ScheduledChunk
         from allspark_server.step.inputs import RequestMirror, build_forward_inputs
         end = len(ids) if decode_from is None else decode_from
@@ -236,6 +237,7 @@ def main(argv=None) -> None:
     a.json = a.json or common.result_path("accuracy-smollm2", quick=a.quick or a.smoke)
 
     import tempfile
+
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -15,11 +15,10 @@ import json
 import os
 import statistics
 
+import common
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-import common
 
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -80,6 +79,7 @@ def worker(rank: int, world: int, args, out_path: str) -> None:
     dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29531", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
     import torch.distributed._symmetric_memory as symm_mem
+
     from allspark_server.compute.cuda import peer_allreduce
     group = dist.group.WORLD
     peer = peer_allreduce.start(torch.device("cuda", rank), rank, world, group.group_name, every_rank)

@@ -10,12 +10,12 @@ import contextlib
 import os
 from typing import Optional
 
-import torch
-
 import common
 import llamacpp_peer as LP
+import torch
 import workloads as W
 from cpu_rounds import decode_rounds, kv_mode_rounds, same_round_ratio, ttft_rounds
+
 
 def engine_workloads(engine, name: str, spec: dict) -> dict:
     """TTFT, concurrent throughput and Poisson arrivals through the Engine API."""
@@ -56,6 +56,7 @@ def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only
     """All engines are loaded at once (so their decode runs can interleave); then the other
     workloads run one engine after the other."""
     from transformers import AutoModelForCausalLM
+
     from allspark_client import ClientEngine
     from allspark_server import Engine, HuggingFaceModel
     hf_dir = common.build_model(spec, dtype)

@@ -20,9 +20,9 @@ import argparse
 import statistics
 import time
 
+import common
 import torch
 
-import common
 from allspark_server.compute import ops
 from allspark_server.quant import kv as kv_quant
 

@@ -14,6 +14,7 @@ import common
 import machine
 import workloads as W
 
+
 def decode_rounds(decoders: dict, bytes_per_tok, repeats: int) -> dict:
     """Batch-1 decode of every engine, interleaved: each round runs every engine once, so all engines see
     the same phases of this shared VM (its bandwidth drifts by tens of percent within minutes, sometimes

@@ -12,14 +12,30 @@ import statistics
 import time
 
 import torch
-
 import torch_cuda_peer as peer_mod
 import workloads as W
-from allspark_client import settings
-from cuda_common import (CONC_NEW, CONC_PROMPT, LLAMA2_7B, MEMORY_GB, bench_root, bench_shape, build_model,
-                         copy_bandwidth_gbs, first_divergence, free_memory, graph_replay_ms, kernel_breakdown,
-                         kv_bytes_per_token, note_memory, overlap_off, recaptured_graphs, serialized_bench_model)
+from cuda_common import (
+    CONC_NEW,
+    CONC_PROMPT,
+    LLAMA2_7B,
+    MEMORY_GB,
+    bench_root,
+    bench_shape,
+    build_model,
+    copy_bandwidth_gbs,
+    first_divergence,
+    free_memory,
+    graph_replay_ms,
+    kernel_breakdown,
+    kv_bytes_per_token,
+    note_memory,
+    overlap_off,
+    recaptured_graphs,
+    serialized_bench_model,
+)
 from cuda_rows import concurrent_rows, poisson_row, quant_rows, ttft_rows, two_gpu_pool_rows
+
+from allspark_client import settings
 
 # what a run measures after the batch-1 rows (`run.py --device cuda --sections ...`; --quant adds its rows)
 SECTIONS = ("ttft", "pool", "concurrency", "poisson")
@@ -30,6 +46,7 @@ GRAPH_VARIANTS = {"cublas": settings.TRITON_GEMV, "no_pdl": settings.PDL, "unfus
 def main(args, save=lambda report: None) -> dict:
     """The report; `save(report)` is called after each section, so a failure later keeps what was measured."""
     from transformers import AutoModelForCausalLM
+
     from allspark_server import Engine
     smoke = getattr(args, "smoke", False)
     shape = bench_shape(8 if args.quick else LLAMA2_7B["num_hidden_layers"], smoke)

@@ -17,11 +17,10 @@ import dataclasses
 import itertools
 import json
 
+import common
 import torch
 import torch.nn.functional as F
-
-import common
-from cuda_common import copies_past_l2, device, per_call_us    # first: it sets Triton's interpreter without a GPU
+from cuda_common import copies_past_l2, device, per_call_us  # first: it sets Triton's interpreter without a GPU
 
 from allspark_server.compute.cuda import fused_kernels as fk  # noqa: E402
 from allspark_server.compute.cuda import gemv_kernels as gk  # noqa: E402

@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 import itertools
 
+import common
 import torch
 import torch.nn.functional as F
-
-import common
-from cuda_common import copies_past_l2, device, per_call_us, time_us   # first: Triton's interpreter without a GPU
-
 import triton  # noqa: E402
+from cuda_common import copies_past_l2, device, per_call_us, time_us  # first: Triton's interpreter without a GPU
 
 from allspark_server.compute.cuda import quant_kernels as qk  # noqa: E402
 from allspark_server.quant.formats import QuantizedWeight, quantize  # noqa: E402

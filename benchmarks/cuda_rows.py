@@ -14,11 +14,23 @@ import time
 import common
 import torch_cuda_peer as peer_mod
 import workloads as W
-from allspark_client import settings
-from cuda_common import (CONC_NEW, CONC_PROMPT, LLAMA2_7B, first_divergence, free_memory, graph_replay_ms,
-                         hf_generate_s, kernel_breakdown, kv_bytes_per_token, note_memory, overlap_off,
-                         time_graph_steps)
+from cuda_common import (
+    CONC_NEW,
+    CONC_PROMPT,
+    LLAMA2_7B,
+    first_divergence,
+    free_memory,
+    graph_replay_ms,
+    hf_generate_s,
+    kernel_breakdown,
+    kv_bytes_per_token,
+    note_memory,
+    overlap_off,
+    time_graph_steps,
+)
 from step_profile import StepProfile
+
+from allspark_client import settings
 
 
 def ttft_rows(engine, hf, lengths, repeats: int = 3) -> dict:
@@ -129,6 +141,7 @@ def pool_graph_replay(loader) -> dict:
     import json
     import subprocess
     import tempfile
+
     from allspark_client.launch.launcher import find_mpirun
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "micro.json")

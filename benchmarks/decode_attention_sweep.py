@@ -13,10 +13,9 @@ import argparse
 import itertools
 import time
 
-import torch
-
 import common
-from cuda_common import device      # first: it sets Triton's interpreter without a GPU
+import torch
+from cuda_common import device  # first: it sets Triton's interpreter without a GPU
 
 from allspark_server.compute.cuda import decode_attention as D  # noqa: E402
 

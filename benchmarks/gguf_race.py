@@ -42,11 +42,10 @@ import common  # noqa: E402
 
 common.spin_openmp()    # before torch loads: llama.cpp's OpenMP team shares the process (common.py says why)
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
 import host_load  # noqa: E402
 import llamacpp_peer as LP  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 import workloads as W  # noqa: E402
 
 CONC_PROMPT = 128
@@ -129,6 +128,7 @@ class Ours:
 def served_formats(graph_path: str, weights_path: str) -> dict:
     """How many of the model file's GEMM weights each of our formats holds ({} when none is quantized)."""
     from collections import Counter
+
     from allspark_server.loader.model_file import read_model_graph
     q = read_model_graph(graph_path, weights_path).quant
     if q is None:
@@ -144,8 +144,8 @@ class LlamaCpp:
     each concurrency n a second context of the same model with n sequences (`streams`)."""
 
     def __init__(self, path: str, threads: int, concurrency: list[int], gpu_layers: int = 0):
-        from llama_cpp import _internals
         import llama_cpp
+        from llama_cpp import _internals
         self.lib = llama_cpp
         self.llm = LP.load(path, threads, n_ctx=1024, n_gpu_layers=gpu_layers)
         self.vocab = self.llm.n_vocab()

@@ -28,9 +28,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gguf_race as R  # noqa: E402  (sets common.spin_openmp before torch loads)
-
 import common  # noqa: E402
+import gguf_race as R  # noqa: E402  (sets common.spin_openmp before torch loads)
 import llamacpp_peer as LP  # noqa: E402
 import torch  # noqa: E402
 

@@ -23,8 +23,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-import workloads as W  # noqa: E402
 import torch  # noqa: E402
+import workloads as W  # noqa: E402
 
 # SmolLM2-135M's shape (GGUF race 'smollm2'): hidden 576, 30 layers, 9 heads of 64, 3 KV heads
 SMOL = dict(hidden_size=576, num_layers=30, intermediate_size=1536, num_heads=9, num_kv_heads=3, vocab=49152)
@@ -91,7 +91,8 @@ def phases(engine, name: str, served, ids: list[int], sync: bool, py_profile: st
 
 def profile(engine, name: str, vocab: int, prompt: int, out_dir: str, trace: bool) -> dict:
     """torch.profiler around two requests: op tables written to out_dir, launch / sync counts returned."""
-    from torch.profiler import ProfilerActivity, profile as tprofile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     try:        # the forward runs on the engine thread: every thread's ops, and the CUDA syncs as events
         extra = torch._C._profiler._ExperimentalConfig(profile_all_threads=True, enable_cuda_sync_events=True)

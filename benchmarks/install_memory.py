@@ -63,9 +63,10 @@ def child(graph: str, params: str, max_batch: int, max_length: int, prompt: int 
     """Install the model files on CPU in this (fresh) process and report what it holds at each step."""
     import psutil
     proc = psutil.Process()
+    import torch
+
     from allspark_client.config import AsModelRuntimeConfigBuilder
     from allspark_server import Engine
-    import torch
     torch.set_num_threads(1)
     rss = {"imports": proc.memory_info().rss}
     cfg = (AsModelRuntimeConfigBuilder().model_name("m").model_file_path(graph, params).compute_unit("CPU", [0])

@@ -14,7 +14,6 @@ import os
 import time
 
 import numpy as np
-
 import workloads as W
 
 FLASH_ATTN = True      # what llama.cpp itself picks on CPU ("auto"); llama-cpp-python's default is off

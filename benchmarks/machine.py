@@ -6,7 +6,8 @@ import time
 
 import torch
 
-from allspark_server.runner.memory_bandwidth import arrays, copy_bandwidth_gbs, median_time as _median_time
+from allspark_server.runner.memory_bandwidth import arrays, copy_bandwidth_gbs
+from allspark_server.runner.memory_bandwidth import median_time as _median_time
 
 ARRAY_FLOATS = 64 << 20   # 256 MiB per array: far beyond any cache
 

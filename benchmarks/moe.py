@@ -90,6 +90,7 @@ def main(argv=None) -> None:
     spec = SMOKE if a.smoke else QUICK if a.quick else FULL
     import torch
     from transformers import AutoModelForCausalLM
+
     from allspark_server import Engine, HuggingFaceModel
     torch.set_num_threads(a.threads)
     hf_dir = build_moe(spec)

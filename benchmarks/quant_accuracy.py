@@ -131,6 +131,7 @@ class FakeQuantKV:
 
     def __init__(self, model, mode: str):
         import transformers.models.llama.modeling_llama as llama
+
         from allspark_server.quant import kv
         self.llama, self.model, self.mode, self.kv = llama, model, mode, kv
         self.rotary = llama.apply_rotary_pos_emb

@@ -3,9 +3,29 @@ reader of results_readers.py that turns its JSON into table rows)."""
 from __future__ import annotations
 
 from results_readers import (
-    ab_trees, accuracy_smollm2, allreduce, cpu_attention, cuda, cuda_gemv_micro, cuda_quant_micro,
-    cuda_quant_silu, cuda_quant_sweep, decode_attention_sweep, engines, features, gguf_race, int8_gemm, kv, moe,
-    multi_host, pool_step, quant, quant_accuracy, serve, serve_burst, switch_interval,
+    ab_trees,
+    accuracy_smollm2,
+    allreduce,
+    cpu_attention,
+    cuda,
+    cuda_gemv_micro,
+    cuda_quant_micro,
+    cuda_quant_silu,
+    cuda_quant_sweep,
+    decode_attention_sweep,
+    engines,
+    features,
+    gguf_race,
+    int8_gemm,
+    kv,
+    moe,
+    multi_host,
+    pool_step,
+    quant,
+    quant_accuracy,
+    serve,
+    serve_burst,
+    switch_interval,
 )
 
 MEASURES = {

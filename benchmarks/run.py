@@ -36,11 +36,10 @@ import common  # noqa: E402
 
 common.spin_openmp()    # before torch loads: transformers shares this process with the Engine (common.py says why)
 
-import torch  # noqa: E402
-
 import cpu_bench  # noqa: E402
 import llamacpp_peer as LP  # noqa: E402
 import machine  # noqa: E402
+import torch  # noqa: E402
 
 
 def measure_name(a) -> str:

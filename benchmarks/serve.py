@@ -280,8 +280,9 @@ def main(argv=None) -> None:
         return
 
     import torch
-    from allspark_server import Engine, HuggingFaceModel
     from transformers import AutoTokenizer
+
+    from allspark_server import Engine, HuggingFaceModel
     torch.set_num_threads(a.threads)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     loader = HuggingFaceModel(hf_dir, "bench-serve", user_set_data_type="bfloat16")

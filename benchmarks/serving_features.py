@@ -215,6 +215,7 @@ def _tpot_runs(engine, name: str, vocab: int, guided: bool, num: int, seed: int,
 def guided_section(loader, vocab: int, rounds: int, s: Sizes) -> dict:
     """TPOT with a JSON schema next to without, same engine, rounds interleaved (greedy both ways)."""
     import json
+
     from allspark_server import Engine
     engine = Engine()
     install(engine, loader, "json", True, s)
@@ -245,6 +246,7 @@ def mbu_section(loader, vocab: int, s: Sizes) -> dict:
     for the same batch-1 decode: tokens/s x bytes per token (from the model file's tensors, not the engine's count)
     / the copy bandwidth measured around the run."""
     import machine
+
     from allspark_server import Engine
     engine = Engine()
     install(engine, loader, "mbu", True, s)
@@ -278,6 +280,7 @@ SECTIONS = ("guided", "prefix", "pool", "mbu")
 def main(spec: dict, save, sections=SECTIONS, report=None, sizes: Sizes = FULL_SIZES) -> dict:
     """The sections' report (`report`'s other sections kept); `save(report)` after each section."""
     import os
+
     from allspark_server import HuggingFaceModel
     from allspark_server.loader.tiny_model import build_tokenizer
     report = dict(report or {}, spec=spec)

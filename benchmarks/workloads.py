@@ -109,6 +109,7 @@ def token_times_one_loop(engine, name: str, prompts: list[list[int]], new_tokens
     (allspark_server.http.stream.QueueReader: one wake-up of the loop per engine step, no thread per stream);
     each request's token arrival times."""
     import asyncio
+
     from allspark_server.http.stream import QueueReader
     stamps = [[] for _ in prompts]
     handles = []

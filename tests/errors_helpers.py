@@ -3,9 +3,10 @@ serve, the probe request, the checks that a refusal names its cause and the engi
 config builder for the models those tests install."""
 from __future__ import annotations
 
+from helpers import greedy, hf_ref, random_prompt
+
 from allspark_client import AsStatus
 from allspark_server import Engine, TargetDevice
-from helpers import greedy, hf_ref, random_prompt
 
 MAIN = "errs_main"          # the model every test checks the engine still serves
 OTHER = "errs_other"        # a second model on the same engine (for cross-model handles)

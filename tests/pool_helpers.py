@@ -13,10 +13,10 @@ import time
 
 import psutil
 import pytest
+from helpers import LONG_RUN_TOKENS, collect
 
 from allspark_client import ClientEngine, GenerateRequestStatus
 from allspark_client.types import AsStatus
-from helpers import LONG_RUN_TOKENS, collect
 
 MODEL = "llama"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

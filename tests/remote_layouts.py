@@ -36,10 +36,23 @@ from typing import Optional
 import torch
 
 # Baichuan's writer and references live in baichuan_layout.py; they are imported from here
-from baichuan_layout import (alibi_slopes, apply_normalized_head, baichuan_reference_logits, normalized_head_state,
-                             write_baichuan)
-from remote_layout_io import (dtype_name, finish_folder, num_layers, read_config, read_state, require, rope_params,
-                              source_head)
+from baichuan_layout import (
+    alibi_slopes,
+    apply_normalized_head,
+    baichuan_reference_logits,
+    normalized_head_state,
+    write_baichuan,
+)
+from remote_layout_io import (
+    dtype_name,
+    finish_folder,
+    num_layers,
+    read_config,
+    read_state,
+    require,
+    rope_params,
+    source_head,
+)
 
 __all__ = ["alibi_slopes", "apply_normalized_head", "baichuan_reference_logits", "normalized_head_state",
            "qwen_logn_scale", "qwen_ntk_alpha", "write_baichuan", "write_chatglm", "write_qwen1"]

@@ -37,8 +37,9 @@ def chat_prompts(tok, questions: list[str]) -> list[list[int]]:
 
 
 def build_case(path: str, out_dir: str) -> SmolLM2Case:
-    from allspark_server import HuggingFaceModel
     from helpers import hf_greedy
+
+    from allspark_server import HuggingFaceModel
     loader = HuggingFaceModel(path, "smollm2", user_set_data_type="float32").load_model()
     loader.serialize(None, model_output_dir=out_dir)
     prompts = chat_prompts(loader.get_tokenizer(), QUESTIONS)

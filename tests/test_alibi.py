@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from remote_layouts import alibi_slopes as baichuan_slopes
 
 from allspark_client import settings
-from allspark_server.compute import ops, reference, step_ops
-from allspark_server.compute import alibi
-from allspark_server.compute import steps
+from allspark_server.compute import alibi, ops, reference, step_ops, steps
 from allspark_server.layers.sharding import TPLayout
 from allspark_server.models import baichuan
 from allspark_server.models.args import ModelArgs
 from allspark_server.quant import kv as kv_quant
 from allspark_server.step.kv_cache import KVCache
-from remote_layouts import alibi_slopes as baichuan_slopes
 
 needs_native = pytest.mark.skipif(settings.NO_NATIVE.get() or ops.native() is None,
                                   reason="native path disabled")

@@ -11,6 +11,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from helpers import assert_same_tokens, greedy, hf_greedy, installed_on_pool, random_prompt, start_engine
 from safetensors.torch import save_file
 
 from allspark_server import HuggingFaceModel
@@ -19,7 +20,6 @@ from allspark_server.loader.tiny_model import build_tiny_model
 from allspark_server.quant import awq
 from allspark_server.quant.formats import dequantize
 from allspark_server.quant.scheme import QuantConfigError
-from helpers import assert_same_tokens, greedy, hf_greedy, installed_on_pool, random_prompt, start_engine
 
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)     # nibble i of a word holds column 8c + AWQ_ORDER[i] (the published order)

@@ -12,13 +12,18 @@ import threading
 
 import pytest
 import torch
-from transformers import (MinLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-                          TopKLogitsWarper, TopPLogitsWarper)
+from helpers import hf_apply, presence_frequency_ref
+from transformers import (
+    MinLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from allspark_client.config import GenerationConfig
 from allspark_server.runner.draws import draw_key, gumbel_draws, gumbel_noise, mix32, multinomial_draws
 from allspark_server.runner.sampler import Sampler, SamplingState, apply_penalties_rows, mask_top_k_top_p
-from helpers import hf_apply, presence_frequency_ref
 
 NEG_INF = float("-inf")
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -7,9 +7,9 @@ import threading
 import time
 
 import pytest
+from helpers import collect, greedy, hf_greedy, random_prompt, serialize, start_engine
 
 from allspark_server.step.kv_cache import bytes_per_span
-from helpers import collect, greedy, hf_greedy, random_prompt, serialize, start_engine
 
 PROMPT_LENS = [1, 2, 3, 5, 8, 13, 16, 17, 31, 32, 33, 50, 64, 80, 100, 127, 150, 200, 250, 300, 333, 360, 399, 400]
 NEW_TOKENS = [1 + (7 * i) % 48 for i in range(len(PROMPT_LENS))]   # 1..48, all different patterns

@@ -23,7 +23,6 @@ import sys
 
 import pytest
 import torch
-
 from pool_helpers import REPO, repo_env
 
 if not torch.cuda.is_available():
@@ -148,6 +147,7 @@ def test_cuda_helpers_on_a_cpu_engine(bench, served_llama, llama):
     import step_profile
     import torch_cuda_peer
     import workloads as W
+
     from allspark_server.engine.step_loops import OverlappedLoop, SerialLoop
     engine, loader = served_llama
     name = loader.model_name

@@ -9,14 +9,30 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from contract_helpers import (
+    ENGINE_MAX_LENGTH,
+    EXCEED,
+    GREEDY,
+    HANG_S,
+    NAME,
+    OK,
+    PARAM,
+    PROBE,
+    PROMPTS,
+    SAMPLING,
+    VOCAB,
+    S,
+    assert_serves,
+    in_process_reference,
+    own_model_cfg,
+    refused,
+    run,
+)
+from helpers import RecordingQueue, collect, hf_logits, hf_loop, hf_ref, random_prompt
 
 import allspark_client.client as client_module
 import allspark_server.engine.engine as engine_module
 from allspark_client import AsStatus
-from contract_helpers import (ENGINE_MAX_LENGTH, EXCEED, GREEDY, HANG_S, NAME, OK, PARAM, PROBE, PROMPTS, SAMPLING,
-                              VOCAB, S, assert_serves, in_process_reference, own_model_cfg, refused, run)
-from helpers import RecordingQueue, collect, hf_logits, hf_loop, hf_ref, random_prompt
-
 
 # ------------------------------------------------------------------------------------------------
 # streaming

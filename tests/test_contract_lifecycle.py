@@ -9,14 +9,30 @@ import threading
 import time
 
 import pytest
+from contract_helpers import (
+    ENGINE_MAX_LENGTH,
+    GREEDY,
+    HANG_S,
+    ILLEGAL,
+    LONG_RUN_TOKENS,
+    NAME,
+    OK,
+    PARAM,
+    PROBE,
+    VOCAB,
+    S,
+    assert_serves,
+    is_pool,
+    own_model_cfg,
+    refused,
+    run,
+)
+from helpers import hf_ref, random_prompt
 
 import allspark_client
 import allspark_client.client as client_module
 from allspark_client import AsException, AsStatus, RequestHandle, ResultQueue
 from allspark_client.config import AsModelRuntimeConfigBuilder
-from contract_helpers import (ENGINE_MAX_LENGTH, GREEDY, HANG_S, ILLEGAL, LONG_RUN_TOKENS, NAME, OK, PARAM, PROBE,
-                              VOCAB, S, assert_serves, is_pool, own_model_cfg, refused, run)
-from helpers import hf_ref, random_prompt
 
 
 class DelayedTerminalQueue(ResultQueue):

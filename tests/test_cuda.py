@@ -16,10 +16,11 @@ import torch
 if not torch.cuda.is_available():   # the Triton kernels run in the interpreter on CPU tensors (set before import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from helpers import greedy, hf_greedy, random_prompt, run_together, serialize, start_engine
+
 from allspark_client import settings
 from allspark_client.types import AsException, AsStatus, TargetDevice
 from allspark_server import Engine
-from helpers import greedy, hf_greedy, random_prompt, run_together, serialize, start_engine
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -130,9 +131,10 @@ def test_graph_replay_equals_the_eager_step(llama, tmp_path):
     ladder for 3 rows, then fewer rows than before, then more) give the eager step's logits; each step rewrites
     the same cache slots with the same values, so both see one cache, and a padding row left over from a larger
     step would write into a sequence's slots and show."""
+    from test_hf_parity import runner_for
+
     from allspark_server.core.messages import ScheduledChunk
     from allspark_server.step.inputs import RequestMirror, build_forward_inputs
-    from test_hf_parity import runner_for
     loader = serialize(llama.hf_dir, "r", str(tmp_path))
     runner = runner_for(loader, "r", device="cuda", max_batch=4)
     assert runner.graphs is not None and 4 in runner.graphs.sizes
@@ -159,11 +161,12 @@ def test_graphs_with_programmatic_dependent_launch_equal_graphs_without(llama, t
     """The decode graphs whose Triton kernels start before the kernel ahead of them ends (PDL, cuda/pdl.py: on
     by default on sm_90) give the same logits bit for bit, replay after replay, as graphs captured again with
     ALLSPARK_PDL=0: a kernel touching an activation before its wait would race and show as differing bits."""
-    from allspark_server.core.messages import ScheduledChunk
+    from test_hf_parity import runner_for
+
     from allspark_server.compute.cuda import pdl
+    from allspark_server.core.messages import ScheduledChunk
     from allspark_server.runner.cuda_graphs import DecodeGraphs
     from allspark_server.step.inputs import RequestMirror, build_forward_inputs
-    from test_hf_parity import runner_for
     loader = serialize(llama.hf_dir, "p", str(tmp_path))
     runner = runner_for(loader, "p", device="cuda", max_batch=4)
     with_pdl = runner.graphs
@@ -193,6 +196,7 @@ def test_overlapped_decode_steps_equal_one_step_at_a_time(llama, tmp_path):
     default on one GPU), give the tokens and logprobs of the same engine stepping one step at a time, for
     penalties, seeded draws and logprobs; a stop token ends its request exactly; greedy equals transformers."""
     from test_overlap import SAMPLING_REQUESTS, assert_same_outputs
+
     from allspark_server.engine.step_loops import OverlappedLoop, SerialLoop
     loader = serialize(llama.hf_dir, "o", str(tmp_path))
     engine = cuda_engine(loader, "o")
@@ -241,8 +245,9 @@ def test_prefix_cache_host_tier_and_guided_output_on_the_gpu(llama, tmp_path):
     """Cache hits, evictions to the pinned host tier and loads back keep the GPU's greedy tokens equal to
     transformers'; guided output on the GPU equals the CPU Engine's and validates."""
     import jsonschema
-    from allspark_server.step.kv_cache import bytes_per_span
     from json_schemas import SCHEMAS
+
+    from allspark_server.step.kv_cache import bytes_per_span
     loader = serialize(llama.hf_dir, "pc", str(tmp_path))
     a = loader.args
     per_span = bytes_per_span(a.num_layers, 16, a.num_kv_heads, a.head_dim, loader.data_type)

@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 import pytest
+from contract_helpers import GREEDY, HANG_S, NAME, OK, PROBE, S, run
 
 from allspark_client import AsException, AsFileInfo, __version__
 from allspark_client._proto import allspark_pb2 as pb
-from contract_helpers import GREEDY, HANG_S, NAME, OK, PROBE, S, run
 
 
 def test_deprecated_calls_warn_and_give_what_the_queue_gives(api):

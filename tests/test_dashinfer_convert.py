@@ -11,12 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import serialize, start_engine
 from safetensors.torch import load_file
 
 from allspark_client import AsException, AsStatus
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_server import Engine, HuggingFaceModel, ModelSerializerException
-from helpers import serialize, start_engine
 
 
 def graph(path: str) -> pb.ModelGraph:
@@ -101,8 +101,9 @@ def test_rotary_base_replaces_the_configs_when_given(tiny_models, engine, tmp_pa
 def test_qwen_v1_dynamic_ntk_follows_the_arguments(tmp_path, engine):
     """Qwen v1's NTK / logn act past seq_length; DashInfer's arguments decide: on, the model is exact up to
     model_sequence_length (a longer context is refused); off, no limit. The tensors equal the folder's."""
-    from allspark_server.loader.tiny_model import build_tiny_model
     from remote_layouts import write_qwen1
+
+    from allspark_server.loader.tiny_model import build_tiny_model
     build_tiny_model(str(tmp_path / "qwen2"), "qwen2_mha", tokenizer=False)
     folder = write_qwen1(str(tmp_path / "qwen2"), str(tmp_path / "qwen1"), seq_length=512)
     state = load_file(os.path.join(folder, "model.safetensors"))

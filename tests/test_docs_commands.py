@@ -39,9 +39,19 @@ import tempfile
 from dataclasses import dataclass
 
 import pytest
-
-from docs_commands import (README_MAX_LINES, ROOT, SHELL_BLOCKS, Command, allspark_imports, collect_commands,
-                           console_scripts, fenced_blocks, python_blocks, serve_routes, static_check)
+from docs_commands import (
+    README_MAX_LINES,
+    ROOT,
+    SHELL_BLOCKS,
+    Command,
+    allspark_imports,
+    collect_commands,
+    console_scripts,
+    fenced_blocks,
+    python_blocks,
+    serve_routes,
+    static_check,
+)
 
 PROBE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs_probe.py")
 

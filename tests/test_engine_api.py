@@ -9,11 +9,19 @@ import threading
 import time
 
 import pytest
+from helpers import (
+    LONG_RUN_MAX_LENGTH,
+    LONG_RUN_TOKENS,
+    RecordingQueue,
+    assert_same_tokens,
+    collect,
+    generate,
+    hf_greedy,
+    random_prompt,
+)
 
 import allspark_server.engine.engine as engine_module
 from allspark_client import AsStatus, GenerateRequestStatus
-from helpers import (LONG_RUN_MAX_LENGTH, LONG_RUN_TOKENS, RecordingQueue, assert_same_tokens, collect, generate,
-                     hf_greedy, random_prompt)
 
 S = GenerateRequestStatus
 HANG_S = 120.0
@@ -129,9 +137,10 @@ def test_engine_stat_info_version(served_llama):
 
 def test_kernel_isa_is_resolved_at_install(served_llama):
     """The ISA is resolved at install (py-cpuinfo, where it is the source, takes ~1.5 s), not in the first TTFT."""
+    from helpers import start_engine
+
     from allspark_server import Engine
     from allspark_server.compute import ops
-    from helpers import start_engine
     _, loader = served_llama
     ops.isa_level.cache_clear()
     engine = start_engine(loader, "llama", engine=Engine())

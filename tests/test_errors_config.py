@@ -6,13 +6,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from errors_helpers import (
+    ENGINE_MAX_LENGTH,
+    EXCEED,
+    GOOD,
+    HANG_S,
+    MAIN,
+    OK,
+    PARAM,
+    PROBE_PROMPT,
+    assert_still_serves,
+    start_fail,
+)
+from helpers import assert_same_tokens, collect, hf_ref, random_prompt, serialize, start_engine
 
 from allspark_client import AsException, AsStatus, GenerateRequestStatus
 from allspark_server import ASGenerationConfigBuilder
-from errors_helpers import (ENGINE_MAX_LENGTH, EXCEED, GOOD, HANG_S, MAIN, OK, PARAM, PROBE_PROMPT,
-                            assert_still_serves, start_fail)
-from helpers import assert_same_tokens, collect, hf_ref, random_prompt, serialize, start_engine
-
 
 # ------------------------------------------------------------------------------------------------
 # generation config

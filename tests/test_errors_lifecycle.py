@@ -7,12 +7,25 @@ from __future__ import annotations
 import threading
 
 import pytest
-
-from allspark_client import AsStatus, GenerateRequestStatus, RequestHandle
-from errors_helpers import (ENGINE_MAX_LENGTH, EXCEED, GOOD, HANG_S, ILLEGAL, MAIN, OK, OTHER, PARAM, PROBE_PROMPT,
-                            assert_still_serves, runtime_builder, start_fail, wait_terminal)
+from errors_helpers import (
+    ENGINE_MAX_LENGTH,
+    EXCEED,
+    GOOD,
+    HANG_S,
+    ILLEGAL,
+    MAIN,
+    OK,
+    OTHER,
+    PARAM,
+    PROBE_PROMPT,
+    assert_still_serves,
+    runtime_builder,
+    start_fail,
+    wait_terminal,
+)
 from helpers import greedy, hf_ref, random_prompt
 
+from allspark_client import AsStatus, GenerateRequestStatus, RequestHandle
 
 # ------------------------------------------------------------------------------------------------
 # request handles

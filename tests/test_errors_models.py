@@ -9,14 +9,22 @@ import shutil
 
 import pytest
 import torch
-
-from allspark_client import AsException, AsStatus, RequestHandle
-from allspark_server import AsModelRuntimeConfigBuilder, HuggingFaceModel, ModelSerializerException
-from allspark_client.config import ConfigError
-from errors_helpers import (GOOD, MAIN, OK, PARAM, PROBE_PROMPT, assert_still_serves, runtime_builder, start_fail,
-                            wait_terminal)
+from errors_helpers import (
+    GOOD,
+    MAIN,
+    OK,
+    PARAM,
+    PROBE_PROMPT,
+    assert_still_serves,
+    runtime_builder,
+    start_fail,
+    wait_terminal,
+)
 from helpers import greedy, hf_ref
 
+from allspark_client import AsException, AsStatus, RequestHandle
+from allspark_client.config import ConfigError
+from allspark_server import AsModelRuntimeConfigBuilder, HuggingFaceModel, ModelSerializerException
 
 # ------------------------------------------------------------------------------------------------
 # models

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from helpers import greedy, random_prompt
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pool_helpers import MODEL, install
 
 from allspark_client import AsException, AsStatus, GenerateRequestStatus
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client.settings import FUZZ_EXAMPLES
-from helpers import greedy, random_prompt
-from pool_helpers import MODEL, install
 
 EXAMPLES = FUZZ_EXAMPLES.get()
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,

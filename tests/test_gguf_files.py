@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
+from gguf_writer import write_gguf
 
 from allspark_server import HuggingFaceModel
 from allspark_server.loader import model_file
 from allspark_server.loader.gguf_reader import GGUFFile, find_gguf
 from allspark_server.loader.hf_model import ModelSerializerException
 from allspark_server.loader.tiny_model import build_tiny_model
-from gguf_writer import write_gguf
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
+from gguf_writer import permute, random_blocks
 
 from allspark_server.layers.sharding import TPLayout
 from allspark_server.loader import gguf_tensors as gt
@@ -19,7 +20,6 @@ from allspark_server.loader.weights import quantize_layers
 from allspark_server.models.args import args_from_hf_config
 from allspark_server.quant.formats import dequantize
 from allspark_server.quant.scheme import QuantConfigError, QuantScheme
-from gguf_writer import permute, random_blocks
 
 EXACT = [(T.Q8_0, "int8"), (T.Q4_0, "int4"), (T.Q4_1, "uint4_min")]
 

@@ -20,15 +20,15 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
+from gguf_writer import write_gguf
+from helpers import assert_same_tokens, greedy, hf_greedy, random_prompt, run_together, start_engine
 from safetensors import safe_open
+from test_hf_parity import hf_logits, runner_for, teacher_forced_logits
 
 from allspark_server import HuggingFaceModel
 from allspark_server.compute import ops
 from allspark_server.loader.tiny_model import ARCH_CLASSES, FAMILY_VARIANTS, VARIANTS, build_tokenizer
 from allspark_server.quant.formats import dequantize
-from gguf_writer import write_gguf
-from helpers import assert_same_tokens, greedy, hf_greedy, random_prompt, run_together, start_engine
-from test_hf_parity import hf_logits, runner_for, teacher_forced_logits
 
 # what llama.cpp assumes and GGUF does not say, built into the source models so that both agree: Gemma's q.k scale
 # is head_dim ** -0.5, Gemma 3's sliding layers are all but every sixth (local rope base 10000), Qwen2-MoE's layers

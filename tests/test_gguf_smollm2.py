@@ -10,14 +10,15 @@ import os
 import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
+from helpers import assert_same_tokens, greedy, run_together, start_engine
 from safetensors import safe_open
+from smollm2_case import QUESTIONS
 
 from allspark_server.loader.gguf_names import targets
 from allspark_server.loader.gguf_reader import GGUFFile
 from allspark_server.loader.model_file import read_model_graph
 from allspark_server.quant.formats import dequantize
-from helpers import assert_same_tokens, greedy, run_together, start_engine
-from smollm2_case import QUESTIONS
+
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_case):
@@ -76,6 +77,7 @@ def test_the_tokenizer_built_once_is_kept_and_equals_a_fresh_build(smollm2, tmp_
     """Building the tokenizer from the metadata takes seconds at every server start: it is saved once and read
     back; what comes back encodes, decodes and templates like transformers' fresh build from the file."""
     from transformers import AutoTokenizer
+
     from allspark_server.loader import gguf_model
     monkeypatch.setattr(gguf_model, "TOKENIZER_CACHE", str(tmp_path / "cache"))
     folder, name = os.path.split(smollm2.path)

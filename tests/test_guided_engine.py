@@ -9,12 +9,12 @@ import threading
 
 import jsonschema
 import pytest
+from helpers import collect, greedy, random_prompt, serialize, start_engine
+from json_schemas import SCHEMAS
 from transformers import AutoTokenizer
 
 from allspark_client import AsStatus, GenerateRequestStatus
 from allspark_server import HuggingFaceModel
-from helpers import collect, greedy, random_prompt, serialize, start_engine
-from json_schemas import SCHEMAS
 
 MAX_NEW = 300
 

@@ -12,15 +12,15 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
+from json_schemas import SCHEMAS
 
 from allspark_client import AsStatus
-from allspark_client.wire import generation_config_from_proto, generation_config_to_proto
 from allspark_client.generation_config import parse_generation_config
 from allspark_client.response_format import ResponseFormat, parse_response_format
 from allspark_client.validation import ConfigError
-from allspark_server.runner.guided import GuidedVocabulary, apply_masks, unpack_bitmask
+from allspark_client.wire import generation_config_from_proto, generation_config_to_proto
 from allspark_server.loader.tiny_model import VOCAB_SIZE, build_tiny_model, build_tokenizer
-from json_schemas import SCHEMAS
+from allspark_server.runner.guided import GuidedVocabulary, apply_masks, unpack_bitmask
 
 EOS = 1                 # the tiny models' eos_token_id ("</s>")
 MAX_TOKENS = 200

@@ -6,16 +6,16 @@ import math
 
 import pytest
 import torch
+from helpers import greedy, hf_greedy, random_prompt, serialize, start_engine
 from transformers import AutoModelForCausalLM
 
 from allspark_client.config import AsModelRuntimeConfigBuilder
+from allspark_server.collective.comm import LocalComm
 from allspark_server.compute import ops
 from allspark_server.core.messages import ScheduledChunk
-from allspark_server.collective.comm import LocalComm
-from allspark_server.step.inputs import RequestMirror, build_forward_inputs
-from allspark_server.runner.model_runner import ModelRunner, install_runner
 from allspark_server.loader.tiny_model import VARIANTS, build_tiny_model
-from helpers import greedy, hf_greedy, random_prompt, serialize, start_engine
+from allspark_server.runner.model_runner import ModelRunner, install_runner
+from allspark_server.step.inputs import RequestMirror, build_forward_inputs
 
 PROMPT_LEN, DECODE_STEPS = 64, 32
 

@@ -10,7 +10,6 @@ import json
 import httpx
 import openai
 import pytest
-
 from helpers import LONG_RUN_MAX_LENGTH
 from http_helpers import Server, engine_greedy_text
 
@@ -102,6 +101,7 @@ def test_a_pool_that_dies_ends_open_streams_with_an_error_and_health_503(server)
     """Last in the module: it kills a rank of the server's pool."""
     import os
     import time
+
     import psutil
     ranks = [p for p in psutil.Process(server.proc.pid).children(recursive=True)      # not mpirun: its ranks
              if os.path.basename(p.cmdline()[0]).startswith("python") and "allspark_server" in p.cmdline()]

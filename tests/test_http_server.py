@@ -12,7 +12,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from http_helpers import API_KEY, Server, engine_greedy_text, with_chat_template
 
 MAX_LENGTH = 8192            # room for requests that run until the test stops them (helpers.LONG_RUN_*)

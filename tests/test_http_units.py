@@ -132,6 +132,7 @@ def test_non_loopback_bind_needs_an_api_key(tmp_path):
 
 def test_queue_reader_delivers_every_token_from_another_thread():
     import threading
+
     from allspark_client import GeneratedElements, GenerateRequestStatus, ResultQueue
     from allspark_server.http.stream import Generation, QueueReader
 
@@ -186,6 +187,7 @@ def test_api_key_sources_and_loopback(tmp_path):
 
 def test_the_demo_model_has_a_chat_template_and_the_setup_checks_name_known_models(tmp_path, monkeypatch):
     from transformers import AutoTokenizer
+
     from allspark_server.http.cli import check_setup, parse_args
     from allspark_server.loader.tiny_model import DEMO_CHAT_TEMPLATE, demo_model
     folder = demo_model(str(tmp_path / "demo"))
@@ -197,6 +199,7 @@ def test_the_demo_model_has_a_chat_template_and_the_setup_checks_name_known_mode
     with pytest.raises(SystemExit, match="is not a model folder, a .gguf file or one of"):
         check_setup(parse_args(["--model", str(tmp_path / "missing")]), None)
     import importlib.metadata
+
     from allspark_server.loader import known_models
 
     def not_installed(dist):

@@ -13,7 +13,6 @@ import struct
 import sys
 
 import pytest
-
 from pool_helpers import REPO
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
@@ -122,6 +121,7 @@ def test_tied_head_shares_the_embedding(tmp_path):
     """A tied LM head that reads the embedding's slice is the embedding's tensor, not a second copy of it; both hold
     the checkpoint's table."""
     import torch
+
     from allspark_server.layers.sharding import TPLayout
     from allspark_server.loader.model_file import read_model_graph
     from allspark_server.loader.rank_weights import read_rank_state

@@ -7,13 +7,13 @@ import json
 
 import pytest
 import torch
+from helpers import greedy, hf_greedy, hf_logits, random_prompt, serialize
 
 from allspark_client import AsCacheMode, AsException, GenerateRequestStatus
 from allspark_client.config import ConfigError
 from allspark_server.compute import ops
 from allspark_server.quant import kv as kv_quant
 from allspark_server.step.kv_cache import KVCache, bytes_per_span
-from helpers import greedy, hf_greedy, hf_logits, random_prompt, serialize
 
 ISAS = [i for i in (ops.ISA_PORTABLE, ops.ISA_AVX2, ops.ISA_AVX512) if i <= ops.isa_level()]
 needs_native = pytest.mark.skipif(ops.native() is None, reason="native kernels not built")
@@ -257,6 +257,7 @@ def test_torch_reference_path_serves_quantized_kv_like_native(llama, fp32_loader
     import os
     import subprocess
     import sys
+
     from test_tensor_parallel import mpirun_env
     here = os.path.dirname(os.path.abspath(__file__))
     prompt = random_prompt(30, seed=9)

@@ -13,9 +13,9 @@ import pytest
 
 from allspark_client.config import ConfigError
 from allspark_client.launch.launcher import main as launch_main
-from allspark_client.launch.rank_placement import format_cpu_list, parse_cpu_list, place_ranks, read_topology
 from allspark_client.launch.pool_config import load_pool_config
 from allspark_client.launch.pool_dirs import RUN_PREFIX, SHM_PREFIX, make_pool_dir, make_pool_shm_dir, remove_stale
+from allspark_client.launch.rank_placement import format_cpu_list, parse_cpu_list, place_ranks, read_topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -215,6 +215,7 @@ def test_mpirun_gives_each_rank_its_own_gpu_environment(tmp_path, monkeypatch):
 
 def test_rank_device_under_the_launcher_is_cuda_0(monkeypatch):
     import torch
+
     from allspark_server.runner.model_runner import rank_device
     chosen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -249,10 +250,12 @@ def test_launcher_gpus_pool_on_real_gpus_equals_transformers(llama, tmp_path, mo
     """The real nvidia-smi and sysfs, then ClientEngine(gpus=...): each rank sees only its GPU (cuda:0) and the
     pool's greedy tokens equal transformers' (2 ranks and NCCL between isolated GPUs when there are 2)."""
     import json
+
     import torch
+    from helpers import greedy, hf_greedy, random_prompt, serialize
+
     from allspark_client import ClientEngine
     from allspark_client.types import TargetDevice
-    from helpers import greedy, hf_greedy, random_prompt, serialize
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     nodes = gpu_numa_nodes()
     assert sorted(nodes) == list(range(len(nodes))) and all(n >= -1 for n in nodes.values())

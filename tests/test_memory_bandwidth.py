@@ -3,9 +3,9 @@ tied and untied; the engine stat reports the bandwidth and a utilisation once de
 from __future__ import annotations
 
 import pytest
+from helpers import greedy, random_prompt, serialize, start_engine
 
 from allspark_server.runner.memory_bandwidth import decode_weight_bytes
-from helpers import greedy, random_prompt, serialize, start_engine
 
 
 def hf_decode_bytes(hf_model) -> int:

@@ -14,11 +14,11 @@ import os
 
 import pytest
 import torch
-
-from allspark_server.loader.tiny_model import build_tiny_model
 from helpers import greedy, hf_greedy, installed_on_pool, random_prompt, run_together, serialize, start_engine
 from remote_layouts import baichuan_reference_logits, write_baichuan, write_chatglm, write_qwen1
 from test_hf_parity import hf_logits, kernels, runner_for, teacher_forced_logits  # noqa: F401 (a fixture)
+
+from allspark_server.loader.tiny_model import build_tiny_model
 
 PROMPT_LEN, DECODE_STEPS = 40, 24
 
@@ -245,6 +245,7 @@ def test_native_moe_block_equals_its_python_twin_and_a_float64_reference(dtype, 
 def _copy_folder(src: str, dst, edit_config=None, edit_tensors=None) -> str:
     import json
     import shutil
+
     from safetensors.torch import load_file, save_file
     shutil.copytree(src, dst)
     if edit_config:

@@ -10,12 +10,12 @@ import subprocess
 import time
 
 import pytest
-
-from allspark_client.client import PoolUnavailable
 from helpers import LONG_RUN_MAX_LENGTH, collect, hf_greedy, random_prompt
 from netns_hosts import NetnsHosts
 from pool_helpers import MODEL, REDO_SPOILED, client_greedy, cmdline, greedy_cfg, install, wait_until
 from test_pool_failures import FAULT_STREAMS, assert_streams_fail_within, start_streams
+
+from allspark_client.client import PoolUnavailable
 
 pytestmark = pytest.mark.skipif(NetnsHosts.unavailable() is not None,
                                 reason=f"no network namespaces: {NetnsHosts.unavailable()}")

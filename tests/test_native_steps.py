@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decode_step_cases import (
+    _bound_layer,
+    _decode_layer_case,
+    _fresh_caches,
+    _gemma_layer,
+    _native_norm,
+    _python_decode_step,
+    _unfused_attention,
+)
 
 from allspark_client import settings
-from allspark_server.compute import ops, reference, step_ops
-from allspark_server.compute import steps
-from decode_step_cases import (_bound_layer, _decode_layer_case, _fresh_caches, _gemma_layer, _native_norm,
-                               _python_decode_step, _unfused_attention)
+from allspark_server.compute import ops, reference, step_ops, steps
 
 pytestmark = pytest.mark.skipif(settings.NO_NATIVE.get(), reason="native path disabled")
 

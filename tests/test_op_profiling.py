@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import greedy, hf_greedy, random_prompt, serialize
 
 from allspark_client import AsException, AsStatus, TargetDevice
 from allspark_client.op_profile_report import STEP_ROW, UNTIMED_ROW
 from allspark_server import Engine
 from allspark_server.loader.tiny_model import build_tiny_model
-from helpers import greedy, hf_greedy, random_prompt, serialize
 
 LAYERS, PROMPT, NEW = 3, 12, 6          # one prefill step, then NEW - 1 decode steps
 # a model whose kernels outweigh the Python between them, so the ops can cover the step

@@ -16,11 +16,11 @@ import sys
 import threading
 
 import pytest
-
-from allspark_server.engine.step_loops import OverlappedLoop
 from eager_graphs import EagerDecodeGraphs
 from helpers import assert_same_tokens, collect, hf_ref, random_prompt, run_together, serialize, start_engine
 from test_tensor_parallel import mpirun_env
+
+from allspark_server.engine.step_loops import OverlappedLoop
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

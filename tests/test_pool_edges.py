@@ -13,11 +13,11 @@ import sys
 import threading
 
 import pytest
+from pool_helpers import REPO, repo_env, wait_until
 
 from allspark_client import ClientEngine
 from allspark_client.launch.health import main as health_main
 from allspark_client.launch.launcher import main as launch_main
-from pool_helpers import REPO, repo_env, wait_until
 
 REFUSAL_S = 90.0      # a refused launcher exits long before this; one that started a pool would run on
 

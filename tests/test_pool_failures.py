@@ -13,14 +13,26 @@ import time
 
 import psutil
 import pytest
+from helpers import LONG_RUN_MAX_LENGTH, LONG_RUN_TOKENS, assert_same_tokens, collect, hf_greedy, random_prompt
+from pool_helpers import (
+    MODEL,
+    PREMISE_TRIES,
+    REDO_SPOILED,
+    PremiseSpoiled,
+    client_greedy,
+    cmdline,
+    install,
+    ran_out,
+    start_running_streams,
+    stop_and_release,
+    wait_until,
+    wait_until_running,
+)
 
 from allspark_client import GenerateRequestStatus
 from allspark_client.client import PoolUnavailable
 from allspark_client.settings import FAULT_STREAMS as FAULT_STREAMS_SETTING
 from allspark_client.types import POOL_DOWN, AsStatus
-from helpers import LONG_RUN_MAX_LENGTH, LONG_RUN_TOKENS, assert_same_tokens, collect, hf_greedy, random_prompt
-from pool_helpers import (MODEL, PREMISE_TRIES, REDO_SPOILED, PremiseSpoiled, client_greedy, cmdline, install,
-                          ran_out, start_running_streams, stop_and_release, wait_until, wait_until_running)
 
 
 # ---- 1. a rank killed mid-stream ------------------------------------------------------------------

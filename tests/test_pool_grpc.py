@@ -10,12 +10,11 @@ import sys
 
 import grpc
 import pytest
-
-from allspark_client._proto import allspark_pb2 as pb
-from allspark_client.types import AsStatus
 from helpers import hf_greedy, random_prompt
 from pool_helpers import MODEL, REPO, client_greedy, install, repo_env
 
+from allspark_client._proto import allspark_pb2 as pb
+from allspark_client.types import AsStatus
 
 # ---- 1. malformed input on a raw channel ----------------------------------------------------------
 SERVICE = "/allspark.v1.Allspark/"

@@ -9,10 +9,10 @@ import json
 
 import psutil
 import pytest
+from pool_helpers import MODEL
 
 from allspark_client import AsException
 from allspark_client.types import AsStatus
-from pool_helpers import MODEL
 
 GiB = float(1 << 30)
 

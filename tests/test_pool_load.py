@@ -12,13 +12,26 @@ import time
 import warnings
 
 import pytest
+from client_scripts import CLIENT_SCRIPT, CLOSE_LIMIT_S, DYING_CLIENT_SCRIPT
+from helpers import LONG_RUN_MAX_LENGTH, LONG_RUN_TOKENS, assert_same_tokens, collect, hf_greedy, hf_ref, random_prompt
+from pool_helpers import (
+    MODEL,
+    PREMISE_TRIES,
+    REDO_SPOILED,
+    REPO,
+    PremiseSpoiled,
+    client_greedy,
+    greedy_cfg,
+    install,
+    read_at_least,
+    repo_env,
+    start_running_streams,
+    stop_and_release,
+    wait_until,
+)
 
 from allspark_client import GenerateRequestStatus
 from allspark_client.types import AsStatus
-from helpers import LONG_RUN_MAX_LENGTH, LONG_RUN_TOKENS, assert_same_tokens, collect, hf_greedy, hf_ref, random_prompt
-from client_scripts import CLIENT_SCRIPT, CLOSE_LIMIT_S, DYING_CLIENT_SCRIPT
-from pool_helpers import (MODEL, PREMISE_TRIES, REDO_SPOILED, REPO, PremiseSpoiled, client_greedy, greedy_cfg, install,
-                          read_at_least, repo_env, start_running_streams, stop_and_release, wait_until)
 
 
 # ---- 1. an idle pool does not burn its cores ------------------------------------------------------

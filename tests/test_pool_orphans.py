@@ -11,11 +11,11 @@ import textwrap
 import time
 
 import pytest
+from helpers import collect, random_prompt
+from pool_helpers import MODEL, REPO, client_greedy, greedy_cfg, install, repo_env, start_running_streams, wait_until
 
 from allspark_client import AsException, GenerateRequestStatus
 from allspark_client.types import AsStatus
-from helpers import collect, random_prompt
-from pool_helpers import MODEL, REPO, client_greedy, greedy_cfg, install, repo_env, start_running_streams, wait_until
 
 GRACE_S = 2.0
 

@@ -18,7 +18,6 @@ import time
 
 import psutil
 import pytest
-
 from pool_helpers import REPO, _alive, repo_env, wait_until_running
 
 OWNER_BOUND_S = 10.0      # issue 38: every process of the pool gone within 10 s (stalls of this process not counted)

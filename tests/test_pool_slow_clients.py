@@ -7,11 +7,11 @@ import time
 
 import grpc
 import pytest
-
-from allspark_client._proto import allspark_pb2 as pb
 from helpers import LONG_RUN_MAX_LENGTH, LONG_RUN_TOKENS, hf_greedy, random_prompt
 from pool_helpers import MODEL, REDO_SPOILED, PremiseSpoiled, client_greedy, install, wait_until
 from test_pool_grpc import SERVICE
+
+from allspark_client._proto import allspark_pb2 as pb
 
 
 # ---- 1. a client that never reads its stream -------------------------------------------------------
@@ -71,6 +71,7 @@ def test_idle_and_trickling_connections_do_not_starve_the_pool(new_pool, loader,
     preface: the pool serves a normal client exactly meanwhile, and closes every one of them once gRPC's
     handshake time limit (service.HANDSHAKE_TIMEOUT_MS, 10 s) has passed."""
     import socket as socketlib
+
     from allspark_server.pool.service import HANDSHAKE_TIMEOUT_MS
     pool = new_pool()
     client = pool.client()

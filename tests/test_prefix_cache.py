@@ -10,13 +10,13 @@ import threading
 from array import array
 
 import pytest
+from helpers import collect, greedy, random_prompt, serialize, start_engine
 
 from allspark_server.core.prefix_cache import HostTier, PrefixCache, chain_keys
 from allspark_server.core.request import FinishReason, Request, RequestState
 from allspark_server.core.scheduler import Scheduler, SchedulerConfig
 from allspark_server.core.span_manager import SpanManager
 from allspark_server.step.kv_cache import bytes_per_span
-from helpers import collect, greedy, random_prompt, serialize, start_engine
 
 S = 4   # span size of the unit tests
 

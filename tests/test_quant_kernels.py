@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from allspark_client import settings
-from allspark_server.compute import ops, step_ops
-from allspark_server.compute import reference
+from allspark_server.compute import ops, reference, step_ops
 from allspark_server.quant.formats import FORMAT_IDS, FORMATS, QuantizedWeight, quantize
 
 needs_native = pytest.mark.skipif(settings.NO_NATIVE.get() or ops.native() is None,

@@ -12,13 +12,13 @@ import sys
 import numpy as np
 import pytest
 import torch
+from helpers import greedy, hf_greedy, random_prompt, start_engine
 from safetensors import safe_open
+from test_tensor_parallel import mpirun_env, tp_logits
 
 from allspark_client import AsException
 from allspark_server import HuggingFaceModel
 from allspark_server.loader.hf_model import ModelSerializerException
-from helpers import greedy, hf_greedy, random_prompt, start_engine
-from test_tensor_parallel import mpirun_env, tp_logits
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -292,6 +292,7 @@ def gptq_pack_layer(w: torch.Tensor, bits: int, group: int, sym: bool) -> tuple[
 def write_gptq_folder(tm, out_dir, bits: int, group: int, sym: bool, desc_act: bool = False):
     """The tiny model's folder with its GEMM layers as a GPTQ checkpoint; returns the dequantized HF model."""
     import shutil
+
     from safetensors.torch import save_file
     shutil.copytree(tm.hf_dir, out_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.json"))
     for f in os.listdir(tm.hf_dir):

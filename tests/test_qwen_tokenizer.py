@@ -11,14 +11,14 @@ import unicodedata
 
 import pytest
 import tiktoken
+from helpers import greedy, serialize, start_engine
+from http_helpers import Server
+from remote_layouts import write_qwen1
 from safetensors.torch import load_file, save_file
 from tiktoken._educational import bpe_train
 
 from allspark_server.loader import qwen_tokenizer as qt
 from allspark_server.loader.tiny_model import build_tiny_model
-from helpers import greedy, serialize, start_engine
-from http_helpers import Server
-from remote_layouts import write_qwen1
 
 CORPUS = ("The quick brown fox jumps over the lazy dog. I'm sure they've said it's 12345 times; we'll see.\n"
           "def main():\n    return 42\n\n你好，世界！通义千问是一个大语言模型。 Zürich naïve café — 2024-11-23.\n") * 4
@@ -109,7 +109,7 @@ def test_the_loader_reads_it_without_remote_code(qwen_folder, ranks, tmp_path):
     assert loader.trust_remote_code is False
     assert loader.eos_token_ids() == [len(ranks), len(ranks) + 2, len(ranks) + 1]   # endoftext, im_end, im_start
     assert loader.get_tokenizer()("你好")["input_ids"] == qt.load_qwen_tokenizer(qwen_folder)("你好")["input_ids"]
-    from allspark_server.loader.model_file import read_model_graph     # guided output's vocabulary
+    from allspark_server.loader.model_file import read_model_graph  # guided output's vocabulary
     assert json.loads(read_model_graph(loader.graph_path, loader.weights_path).tokenizer_json)["model"]["type"] == "BPE"
 
 

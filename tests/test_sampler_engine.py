@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import collect, generate, hf_apply, hf_logits, hf_loop, presence_frequency_ref, random_prompt
 from transformers import MinLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 from allspark_client import AsStatus, GenerateRequestStatus
-from helpers import collect, generate, hf_apply, hf_logits, hf_loop, presence_frequency_ref, random_prompt
-
 
 # ------------------------------------------------------------------------------------------------
 # 3. engine level

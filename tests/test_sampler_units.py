@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (MinLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-                          TopKLogitsWarper, TopPLogitsWarper)
+from helpers import hf_apply, presence_frequency_ref
+from transformers import (
+    MinLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from allspark_client.config import GenerationConfig
 from allspark_server.runner.sampler import Sampler, SamplingState, apply_penalties_rows, argmax, mask_top_k_top_p
-from helpers import hf_apply, presence_frequency_ref
 
 NEG_INF = float("-inf")
 

@@ -15,11 +15,21 @@ import time
 import psutil
 import pytest
 import torch
+from helpers import (
+    LONG_RUN_MAX_LENGTH,
+    LONG_RUN_TOKENS,
+    collect,
+    greedy,
+    hf_greedy,
+    hf_ref,
+    installed_on_pool,
+    random_prompt,
+    serialize,
+    start_engine,
+)
 
 from allspark_client.types import AsException, AsStatus, GenerateRequestStatus, TargetDevice
 from allspark_server import Engine
-from helpers import (LONG_RUN_MAX_LENGTH, LONG_RUN_TOKENS, collect, greedy, hf_greedy, hf_ref, installed_on_pool,
-                     random_prompt, serialize, start_engine)
 
 NAME = "sleepy"
 VOCAB = 16384

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import openai
 import pytest
-
 from http_helpers import Server
 
 pytest.importorskip("gguf")

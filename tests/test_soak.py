@@ -18,12 +18,12 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
+from helpers import collect, random_prompt
+from pool_helpers import MODEL, install, read_at_least, wait_until
 
 from allspark_client import GenerateRequestStatus
 from allspark_client.settings import SOAK_REQUESTS
 from allspark_client.types import AsStatus
-from helpers import collect, random_prompt
-from pool_helpers import MODEL, install, read_at_least, wait_until
 
 REQUESTS = SOAK_REQUESTS.get()
 IN_FLIGHT = 16

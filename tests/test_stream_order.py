@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from allspark_client import ClientEngine, GenerateRequestStatus as S
+from allspark_client import ClientEngine
+from allspark_client import GenerateRequestStatus as S
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client.result_queue import ResultQueue
 from allspark_client.types import AsStatus, GeneratedElements, RequestHandle

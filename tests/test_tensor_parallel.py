@@ -13,9 +13,9 @@ import threading
 import time
 
 import pytest
+from helpers import collect, greedy, hf_greedy, installed_on_pool, random_prompt, serialize
 
 from allspark_client import AsException, AsStatus
-from helpers import collect, greedy, hf_greedy, installed_on_pool, random_prompt, serialize
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TP_VARIANTS = ["llama_gqa_llama3", "qwen2_bias_tied", "llama_mqa"]

@@ -16,12 +16,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")      # read when @triton.jit decorates: before the import
 pytest.importorskip("triton")
 
+from test_triton_kernels import DEVICE, GARBAGE_SPAN, SCALE, TOL, assert_close, make_cache, quantize_cache  # noqa: E402
+
 from allspark_server.compute.cuda import attention_kernels as ak  # noqa: E402
 from allspark_server.compute.cuda import decode_attention as da  # noqa: E402
 from allspark_server.compute.cuda import fused_kernels as fk  # noqa: E402
 from allspark_server.quant import kv as kv_quant  # noqa: E402
-from test_triton_kernels import (DEVICE, GARBAGE_SPAN, SCALE, TOL, assert_close, make_cache,  # noqa: E402
-                                 quantize_cache)
 
 # decode contexts against a window of 40: shorter than it, equal, one longer (key 0 drops out), a window starting
 # mid-span (150 - 40 = 110 = 6 * 16 + 14) and one starting on a span and a 64-token tile boundary (168 - 40)

@@ -14,12 +14,22 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")      # read when @triton.jit decorates: before the import
 pytest.importorskip("triton")
 
+# GARBAGE_SPAN is not used here: test_triton_gemma.py imports it from this module
+from paged_attention_cases import (  # noqa: E402, F401
+    DEVICE,
+    GARBAGE_SPAN,
+    SCALE,
+    TOL,
+    assert_close,
+    case_id,
+    decode_refs,
+    lengths_for,
+    make_cache,
+    quantize_cache,
+)
+
 from allspark_server.compute import ops  # noqa: E402
 from allspark_server.compute.cuda import decode_attention as da  # noqa: E402
-# GARBAGE_SPAN is not used here: test_triton_gemma.py imports it from this module
-from paged_attention_cases import (DEVICE, GARBAGE_SPAN, SCALE, TOL, assert_close, case_id,  # noqa: E402, F401
-                                   decode_refs, lengths_for, make_cache, quantize_cache)
-
 
 # (dtype, head dim, span size, GQA group): together every dtype, D in {64, 128, 80, 96}, P in {16, 32} and
 # G in {1, 4, 8} (G = 1: H == KVH), without the whole product the interpreter could not afford; P = 24 puts
@@ -133,8 +143,9 @@ def test_decode_with_rotary_equals_rotary_store_kv_then_decode(dtype, d, span_si
     # q and the new token's k unrotated, k and v written into their slots by the attention launch itself: the
     # caches end bit for bit as fused_kernels.rotary_store_kv leaves them (NaN slots untouched), and the
     # output is the attention over them of q rotated (one split, a few, the default)
-    from allspark_server.compute.cuda import fused_kernels as fk
     from test_triton_fused import assert_same_bits, cos_sin, fused_qkv
+
+    from allspark_server.compute.cuda import fused_kernels as fk
     kvh, lengths = 2, [1, span_size + 1, 300]
     k_cache, v_cache, spans = make_cache(lengths, kvh, d, span_size, dtype, seed=d)
     slots = torch.tensor([int(spans[b, (n - 1) // span_size]) * span_size + (n - 1) % span_size

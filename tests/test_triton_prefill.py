@@ -15,12 +15,13 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
-
-from allspark_server.compute import ops  # noqa: E402
-from allspark_server.compute import reference  # noqa: E402
-from allspark_server.compute.cuda import attention_kernels as ak  # noqa: E402
 from paged_attention_cases import DEVICE, SCALE, TOL, assert_close, case_id, make_cache  # noqa: E402
 
+from allspark_server.compute import (
+    ops,  # noqa: E402
+    reference,  # noqa: E402
+)
+from allspark_server.compute.cuda import attention_kernels as ak  # noqa: E402
 
 # ---- prefill -------------------------------------------------------------------------------------------------
 
@@ -80,8 +81,8 @@ def test_a_mixed_steps_chunks_through_the_gpu_wiring_equal_the_per_chunk_referen
     """The step's wiring (cuda/ops.prefill_attention on build_forward_inputs' prefill_* tensors): a decode row,
     a whole prompt and a chunk after cached tokens, with span tables shuffled, against ops' per-chunk reference
     (gather + SDPA with the chunk's mask) in float64."""
-    from allspark_server.core.messages import ScheduledChunk
     from allspark_server.compute.cuda import cuda_ops
+    from allspark_server.core.messages import ScheduledChunk
     from allspark_server.step.inputs import RequestMirror, build_forward_inputs
     span_size, kvh, group, d = 16, 2, 4, 64
     mirrors = {1: RequestMirror(list(range(40)), [7, 2, 5], 39),      # decodes its 40th token

@@ -16,14 +16,14 @@ if not torch.cuda.is_available():
 
 import copy  # noqa: E402
 
+from helpers import greedy, hf_greedy, random_prompt, start_engine  # noqa: E402
 from safetensors import safe_open  # noqa: E402
+from test_quant_models import QUANTIZED, serialize_quantized  # noqa: E402
+from test_tensor_parallel import tp_logits  # noqa: E402
 
 from allspark_client import settings  # noqa: E402
 from allspark_server.compute import ops, reference  # noqa: E402
 from allspark_server.quant.formats import FORMAT_IDS, QuantizedWeight, dequantize, quantize, unpack4  # noqa: E402
-from helpers import greedy, hf_greedy, random_prompt, start_engine  # noqa: E402
-from test_quant_models import QUANTIZED, serialize_quantized  # noqa: E402
-from test_tensor_parallel import tp_logits  # noqa: E402
 
 FMT = "uint4_min"
 needs_native = pytest.mark.skipif(settings.NO_NATIVE.get() or ops.native() is None, reason="native path disabled")
@@ -236,8 +236,8 @@ def test_triton_silu_mul_epilogue():
     """The GEMV's silu·mul epilogue (SILU_MUL_QUANT_FORMATS has uint4_min): its gate and up sums, then
     fused_kernels.silu_mul's roundings, bit for bit against the two launches."""
     pytest.importorskip("triton")
-    from allspark_server.compute.cuda import fused_kernels as fk
     from allspark_server.compute.cuda import cuda_ops
+    from allspark_server.compute.cuda import fused_kernels as fk
     from allspark_server.compute.cuda import quant_kernels as qk
     assert FMT in cuda_ops.SILU_MUL_QUANT_FORMATS
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -19,14 +19,27 @@ import psutil
 
 from allspark_client.launch.gpu_topology import gpu_numa_nodes, visible_gpus
 from allspark_client.launch.health import describe_pool
-from allspark_client.launch.mpirun_command import (MULTI_HOST_KEEPALIVE, build_command, find_mpirun, hosts_arguments,
-                                                   mpi_flavour, openmpi_prefix)
+from allspark_client.launch.mpirun_command import (
+    MULTI_HOST_KEEPALIVE,
+    build_command,
+    find_mpirun,
+    hosts_arguments,
+    mpi_flavour,
+    openmpi_prefix,
+)
 from allspark_client.launch.mpirun_watch import MpirunWatch
 from allspark_client.launch.options import check_multi_host, default_socket_path, multi_host, parse_args
 from allspark_client.launch.owner_watch import OwnerWatch
 from allspark_client.launch.pool_dirs import RUN_PREFIX, SHM_PREFIX, SHM_ROOT, make_pool_shm_dir, make_run_dir
-from allspark_client.launch.rank_placement import (RankPlacement, format_cpu_list, isa_flags, parse_cpu_list,
-                                                   place_gpu_ranks, place_ranks, read_topology)
+from allspark_client.launch.rank_placement import (
+    RankPlacement,
+    format_cpu_list,
+    isa_flags,
+    parse_cpu_list,
+    place_gpu_ranks,
+    place_ranks,
+    read_topology,
+)
 from allspark_client.launch.socket_probe import ANSWERS, HTTP2, NOT_SOCKET, probe
 
 # the names this module held before its split, still importable from here

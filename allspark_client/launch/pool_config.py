@@ -5,9 +5,10 @@ launch/pool.example.toml. Torch-free.
 """
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
+
+import tomllib
 
 from allspark_client.config import AsModelConfig, ConfigError
 

@@ -19,7 +19,6 @@ import torch
 
 from allspark_client import settings
 
-
 SPIN_AFTER_MESSAGE_S = 0.02   # a worker between steps spins this long before it starts napping
 MIN_NAP_S, MAX_NAP_S = 0.0002, 0.005
 
@@ -76,6 +75,7 @@ class MpiComm:
         if self._nccl is not None:
             return
         import socket
+
         import torch.distributed as dist
         address = None
         if self.rank == 0:

@@ -16,10 +16,18 @@ import torch.nn.functional as F
 
 from allspark_client import settings
 from allspark_client.cpu_features import cpu_flags
-from allspark_server.compute.reference import (ACT_MAX, decode_attention_reference, gelu_tanh_mul_reference,
-                                              linear_reference, moe_route,
-                                              prefill_attention_reference, rms_norm_reference, rotary_reference,
-                                              silu_mul_reference, store_kv_reference)
+from allspark_server.compute.reference import (
+    ACT_MAX,
+    decode_attention_reference,
+    gelu_tanh_mul_reference,
+    linear_reference,
+    moe_route,
+    prefill_attention_reference,
+    rms_norm_reference,
+    rotary_reference,
+    silu_mul_reference,
+    store_kv_reference,
+)
 from allspark_server.quant.formats import FORMAT_IDS, QuantizedWeight
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,6 @@ from allspark_server.compute import alibi
 from allspark_server.quant import kv as kv_quant
 from allspark_server.quant.formats import QuantizedWeight
 
-
 ACT_MAX = {16: 32767.0, 8: 127.0}     # QuantizedWeight.act_bits -> the largest |q| of a rounded row of x
 
 

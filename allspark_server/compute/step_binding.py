@@ -11,8 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from allspark_server.compute.steps import (Attention, BoundAttention, BoundMlp, BoundMoe, BoundNorm, Mlp, Moe,
-                                           Norm)
+from allspark_server.compute.steps import Attention, BoundAttention, BoundMlp, BoundMoe, BoundNorm, Mlp, Moe, Norm
 
 # bound step -> (its native descriptor's class name, its step class)
 NATIVE_STEPS = {BoundNorm: ("NormStep", Norm), BoundAttention: ("AttentionStep", Attention),

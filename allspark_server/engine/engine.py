@@ -18,24 +18,23 @@ from typing import Any, Callable, Optional
 
 from allspark_client import settings
 from allspark_client.api import EngineAPI, StartResult
-from allspark_client.op_profile_report import OpProfileReport
-from allspark_client.result_queue import ResultQueue
-from allspark_client.types import (POOL_DOWN, AsEngineStat, AsException, AsStatus, GenerateRequestStatus,
-                                   RequestHandle)
 from allspark_client.config import AsModelConfig
 from allspark_client.generation_config import parse_request, resolve_max_length
+from allspark_client.op_profile_report import OpProfileReport
+from allspark_client.result_queue import ResultQueue
+from allspark_client.types import POOL_DOWN, AsEngineStat, AsException, AsStatus, GenerateRequestStatus, RequestHandle
 from allspark_client.validation import ConfigError
+from allspark_server.collective.comm import get_comm
 from allspark_server.core.messages import InstallModelMsg, OpProfileMsg, ReleaseModelMsg
 from allspark_server.core.request import Request
-from allspark_server.collective.comm import get_comm
-from allspark_server.loader.model_file import save_model_files
-from allspark_server.engine.sleep import DeviceMemory, asleep_message
-from allspark_server.engine.thread import EngineThread, ForModel
 from allspark_server.engine.peer_watch import PeerWatch, RankIdentity, exit_now
+from allspark_server.engine.served_model import AddRequest, ServedModel, StopRequest
+from allspark_server.engine.sleep import DeviceMemory, asleep_message
+from allspark_server.engine.step_watchdog import StepWatchdog
+from allspark_server.engine.thread import EngineThread, ForModel
+from allspark_server.loader.model_file import save_model_files
 from allspark_server.runner.model_runner import install_runner
 from allspark_server.runner.sampler import SamplingState
-from allspark_server.engine.served_model import AddRequest, ServedModel, StopRequest
-from allspark_server.engine.step_watchdog import StepWatchdog
 
 log = logging.getLogger("allspark")
 

@@ -22,22 +22,21 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from allspark_client import settings
-from allspark_client.result_queue import ResultQueue
-from allspark_client.types import AsEngineStat, GeneratedElements, GenerateRequestStatus
 from allspark_client.config import AsModelConfig
 from allspark_client.response_format import ResponseFormat
-from allspark_client.types import AsStatus
+from allspark_client.result_queue import ResultQueue
+from allspark_client.types import AsEngineStat, AsStatus, GeneratedElements, GenerateRequestStatus
 from allspark_client.validation import ConfigError
 from allspark_server.core.messages import StepMsg
 from allspark_server.core.prefix_cache import HostTier, PrefixCache
 from allspark_server.core.request import FinishReason, Request
 from allspark_server.core.scheduler import Scheduler, SchedulerConfig
 from allspark_server.core.span_manager import SpanManager
+from allspark_server.engine.step_loops import LaunchedStep, OverlappedLoop, SerialLoop
+from allspark_server.engine.step_watchdog import StepWatchdog
 from allspark_server.runner.guided import GuidedState, GuidedVocabulary
 from allspark_server.runner.model_runner import ModelRunner
 from allspark_server.runner.sampler import PendingSample, Sampler, SamplingState, plain_greedy
-from allspark_server.engine.step_loops import LaunchedStep, OverlappedLoop, SerialLoop
-from allspark_server.engine.step_watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
 RATE_WINDOW_S = 10.0

@@ -21,8 +21,8 @@ from starlette.responses import JSONResponse, Response
 
 from allspark_client import settings
 from allspark_server.http.admission import Admission
-from allspark_server.http.metrics import Metrics
 from allspark_server.http.body import read_json
+from allspark_server.http.metrics import Metrics
 from allspark_server.http.protocol import ApiError, parse_chat, parse_completion
 from allspark_server.http.serving import Serving
 from allspark_server.http.stream import QueueReader

@@ -103,6 +103,7 @@ def main(argv=None) -> int:
         args.served_model_name = args.model
     args.model = resolve(args.model)
     import uvicorn
+
     from allspark_server.http.app import create_app
     from allspark_server.http.backend import BackendOptions, open_backend
 

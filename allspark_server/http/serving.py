@@ -19,8 +19,15 @@ from allspark_client.client import PoolUnavailable
 from allspark_client.types import AsStatus, GenerateRequestStatus, pool_failed
 from allspark_server.http.admission import Admission, Overloaded
 from allspark_server.http.detokenize import IncrementalDetokenizer, StopMatcher, TokenText
-from allspark_server.http.protocol import (ApiError, ApiRequest, bad_request, check_prompt_chars, error_from_engine,
-                                           generation_config, max_new_tokens)
+from allspark_server.http.protocol import (
+    ApiError,
+    ApiRequest,
+    bad_request,
+    check_prompt_chars,
+    error_from_engine,
+    generation_config,
+    max_new_tokens,
+)
 from allspark_server.http.responses import SSE_DONE, ResponseBuilder, TokenLogprob, sse
 from allspark_server.http.stream import Generation, QueueReader
 

@@ -19,11 +19,11 @@ import torch
 from allspark_client.config import AsModelConfig, AsModelRuntimeConfigBuilder
 from allspark_client.generation_config import ASGenerationConfigBuilder
 from allspark_server.collective.comm import LocalComm
+from allspark_server.layers.sharding import TPLayout, split_mode_for
 from allspark_server.loader.gguf_reader import GGUFError, find_gguf
 from allspark_server.loader.hf_reader import iter_hf_tensors, read_generation_config, read_hf_config
 from allspark_server.loader.model_file import DTYPES, write_model_files
 from allspark_server.loader.quantized import plan_scheme, quantize_tensors, quantized_split_modes
-from allspark_server.layers.sharding import TPLayout, split_mode_for
 from allspark_server.loader.weights import checkpoint_shapes, quantize_layers
 from allspark_server.models.args import ModelArgs
 from allspark_server.models.registry import get_arch, model_class_and_rules, quantizable_weights, read_args

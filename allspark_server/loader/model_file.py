@@ -16,10 +16,10 @@ import torch
 
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client.version import __version__
+from allspark_server.build_info import git_info
 from allspark_server.layers.sharding import SplitMode
 from allspark_server.models.args import ModelArgs
 from allspark_server.quant.scheme import QuantScheme
-from allspark_server.build_info import git_info
 
 FORMAT_VERSION = 1
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}   # a model's dtype

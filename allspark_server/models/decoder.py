@@ -21,8 +21,8 @@ from allspark_server.compute import steps as spec
 from allspark_server.compute.op_profile import timed
 from allspark_server.layers.attention import PagedAttention
 from allspark_server.layers.embedding import Embedding, ParallelLMHead
-from allspark_server.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from allspark_server.layers.experts import SparseMoE
+from allspark_server.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from allspark_server.layers.norm import RMSNorm
 from allspark_server.layers.rotary import RotaryEmbedding
 from allspark_server.layers.sharding import SplitMode, TPLayout

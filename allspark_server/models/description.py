@@ -9,7 +9,7 @@ output before the next pre-norm adds it to the residual stream, and its logits.
 """
 from __future__ import annotations
 
-from allspark_server.compute.steps import Attention, Mlp, Moe, ModelSpec, Norm, Step
+from allspark_server.compute.steps import Attention, Mlp, ModelSpec, Moe, Norm, Step
 from allspark_server.models.args import ModelArgs
 
 # config.json's hidden_act -> compute/steps.py's activation

@@ -27,15 +27,15 @@ from typing import Callable, Optional
 import grpc
 
 from allspark_client import wire
-from allspark_client.channel import MAX_MESSAGE_BYTES
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client._proto import allspark_pb2_grpc as pb_grpc
-from allspark_client.validation import ConfigError
+from allspark_client.channel import MAX_MESSAGE_BYTES
 from allspark_client.types import AsException, AsStatus, RequestHandle
+from allspark_client.validation import ConfigError
+from allspark_server.build_info import version_full
 from allspark_server.engine.engine import Engine
 from allspark_server.pool.interceptors import STREAM_STALL_S, DropStalledStreams, GuardCalls
 from allspark_server.pool.sessions import Sessions
-from allspark_server.build_info import version_full
 
 log = logging.getLogger(__name__)
 ENGINE_CALL_THREADS = 64     # concurrent blocking Engine calls (a sync_request may hold one for long)

@@ -9,8 +9,14 @@ from __future__ import annotations
 
 import logging
 
-from allspark_server.core.messages import (DeviceMemMsg, InstallModelMsg, OpProfileMsg, ReleaseModelMsg,
-                                           ShutdownMsg, StepMsg)
+from allspark_server.core.messages import (
+    DeviceMemMsg,
+    InstallModelMsg,
+    OpProfileMsg,
+    ReleaseModelMsg,
+    ShutdownMsg,
+    StepMsg,
+)
 from allspark_server.runner import residency
 from allspark_server.runner.model_runner import InstallError, ModelRunner, install_runner
 

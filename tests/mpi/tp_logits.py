@@ -16,10 +16,10 @@ import sys
 import torch
 
 from allspark_client.config import AsModelRuntimeConfigBuilder
-from allspark_server.core.messages import ScheduledChunk
 from allspark_server.collective.comm import LocalComm, get_comm
-from allspark_server.step.inputs import RequestMirror, build_forward_inputs
+from allspark_server.core.messages import ScheduledChunk
 from allspark_server.runner.model_runner import install_runner
+from allspark_server.step.inputs import RequestMirror, build_forward_inputs
 
 
 def logits_all_steps(runner, tokens, prompt_len):

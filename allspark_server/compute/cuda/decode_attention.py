@@ -12,8 +12,15 @@ import triton.language as tl
 
 from allspark_client import settings
 from allspark_server.compute.cuda import pdl
-from allspark_server.compute.cuda.attention_kernels import (_alibi_log2, _attend_tiles, _check_inputs,
-                                                    _check_slopes, _gemma_args, _INTERPRETED, _tile_config)
+from allspark_server.compute.cuda.attention_kernels import (
+    _INTERPRETED,
+    _alibi_log2,
+    _attend_tiles,
+    _check_inputs,
+    _check_slopes,
+    _gemma_args,
+    _tile_config,
+)
 from allspark_server.compute.cuda.fused_kernels import _rotated
 from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
 
