@@ -142,8 +142,8 @@ def main(argv=None) -> int:
         print(f"{v:>10}: new/old {ratio:.3f} (median of {args.turns} per-turn ratios)")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": args.device, "turns": rows, "median_ratio": summary,
-                       "time": time.strftime("%Y-%m-%d %H:%M")}, f, indent=1)
+            json.dump({"device": args.device, "trees": {"old": args.old, "new": args.new}, "turns": rows,
+                       "median_ratio": summary, "time": time.strftime("%Y-%m-%d %H:%M")}, f, indent=1)
     return 0
 
 
