@@ -169,7 +169,8 @@ def _gemm_in(dtype: torch.dtype, x: torch.Tensor, w: torch.Tensor, bias: torch.T
 def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of ATen's GEMM for many rows (prefill; a quantized weight is dequantized into it, a bf16 weight
     widened): bf16 only where the CPU has bf16 dot products; without them oneDNN's bf16 GEMM runs far slower than
-    fp32 (docs/performance.md), so bf16 activations are widened instead. The products of bf16 values are exact in fp32 either way; only the summation order differs."""
+    fp32 (docs/performance.md), so bf16 activations are widened instead. The products of bf16 values are exact in
+    fp32 either way; only the summation order differs."""
     if dtype == torch.bfloat16 and not ({"avx512_bf16", "amx_bf16"} & cpu_flags()):
         return torch.float32
     return dtype

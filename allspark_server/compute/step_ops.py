@@ -1,8 +1,8 @@
 """The layer description's steps (compute/steps.py) on a decode-only batch, on every backend.
 
 A step bound to its layer's tensors (steps.Bound*) runs here as one native call over its descriptor struct
-(native/steps.h, filled once per bound step by compute/step_binding.py), as the CUDA backend's sequence (compute/cuda/cuda_ops.py), or as the torch
-reference (compute/reference.py) where neither applies. `decode_stack` builds the native one-call decode step from
+(native/steps.h, filled once per bound step by compute/step_binding.py), as the CUDA backend's sequence
+(compute/cuda/cuda_ops.py), or as the torch reference (compute/reference.py) where neither applies. `decode_stack` builds the native one-call decode step from
 the same bound steps, so the native stack, the Python loop over the layers and the CUDA graphs run one description.
 """
 from __future__ import annotations

@@ -47,7 +47,8 @@ class Attention:
     rope_table: int = 0         # which of the model's rotary tables rotates q and k (Gemma 3's local layers: 1)
 
     NOT_NATIVE: ClassVar[dict] = {"qkv_bias": "the bound qkv_bias tensor", "qk_norm": "the bound q_norm / k_norm",
-                                  "o_bias": "the row-parallel reduce after the step", "position": "rotary, alibi_slopes"}
+                                  "o_bias": "the row-parallel reduce after the step",
+                                  "position": "rotary, alibi_slopes"}
 
     @property
     def rotary(self) -> bool:

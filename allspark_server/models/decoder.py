@@ -292,5 +292,6 @@ class DecoderForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, inputs, ropes, kv_cache.layers[i], prof)
         rows = inputs.sample_rows
-        h, _ = timed(prof, "final_norm", _norm, self.model.norm, self.spec.final_norm, x[rows], residual[rows])  # [N, H]
+        h, _ = timed(prof, "final_norm", _norm, self.model.norm, self.spec.final_norm, x[rows],
+                     residual[rows])                                        # [N, H]
         return self.capped(timed(prof, "lm_head", self.lm_head, h))       # [N, V] on rank 0
