@@ -15,6 +15,13 @@ for a shape it meets for the first time inside a step, and a false alarm takes a
 
 Time in which the watchdog's own thread did not run (a paused VM, a stopped rank 0, a machine so loaded that a
 0.1 s sleep took seconds) is added to the open step's limit: the pool was stalled as a whole, not hung.
+
+A stall must not raise the limit of the steps after it, so what a step teaches is bounded twice: the time in
+which this process did not run is taken off its duration (also when the step ends before the watchdog's thread
+woke to see it), and past the first step a step raises the slowest step (and seconds per token) to at most
+GROWTH times what they were. A step that stalled on another rank (rank 1 stopped, then resumed within the
+limit) is then a blip, not the new normal: steps that truly grow slower are learned within a few steps, each
+of them still allowed MARGIN_S beyond the prediction.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ MARGIN_S = 10.0
 FIRST_STEP_S = 60.0
 POLL_S = 0.1
 STALL_S = 0.5          # a poll that wakes this much late means this process was not running
+GROWTH = 2.0           # past the first step, one step raises what was learned by at most this factor
 
 
 class StepWatchdog:
@@ -43,6 +51,8 @@ class StepWatchdog:
         self.steps_done = 0
         self._lock = threading.Lock()
         self._open: Optional[tuple[int, float, float]] = None     # (step id, started, limit)
+        self._stalled_s = 0.0     # seconds the open step's process did not run (not learned from)
+        self._woke = 0.0          # when the watchdog's thread last woke
         self._fired = False
         self._thread: Optional[threading.Thread] = None
 
@@ -57,33 +67,49 @@ class StepWatchdog:
     @contextmanager
     def step(self, step_id: int, tokens: int):
         if self._thread is None:
+            self._woke = time.monotonic()
             self._thread = threading.Thread(target=self._watch, name="allspark-step-watchdog", daemon=True)
             self._thread.start()
         started = time.monotonic()
         with self._lock:
             self._open = (step_id, started, self.limit(tokens))
+            self._stalled_s = 0.0
         try:
             yield
         finally:
-            took = time.monotonic() - started
+            ended = time.monotonic()
             with self._lock:
                 self._open = None
-                self.steps_done += 1
-                self.slowest_s = max(self.slowest_s, took)
-                self.slowest_per_token_s = max(self.slowest_per_token_s, took / max(tokens, 1))
+                # a stall the watchdog's thread has not woken to see yet (it may run after this thread resumes)
+                late = ended - self._woke - POLL_S
+                if late > STALL_S:
+                    self._stalled_s += min(late, ended - started)
+                    self._woke = ended
+                self._learn(max(ended - started - self._stalled_s, 0.0), tokens)
+
+    def _learn(self, took: float, tokens: int) -> None:
+        """A step that ran `took` seconds (this process's stalls taken off) ended: the slowest step and seconds per
+        token so far grow to it, by at most GROWTH times past the first step. Called under the lock."""
+        per_token = took / max(tokens, 1)
+        if self.steps_done:
+            took = min(took, GROWTH * self.slowest_s)
+            per_token = min(per_token, GROWTH * self.slowest_per_token_s)
+        self.steps_done += 1
+        self.slowest_s = max(self.slowest_s, took)
+        self.slowest_per_token_s = max(self.slowest_per_token_s, per_token)
 
     def _watch(self) -> None:
-        woke = time.monotonic()
         while not self._fired:
             time.sleep(POLL_S)
             now = time.monotonic()
-            late, woke = now - woke - POLL_S, now
             with self._lock:
+                late, self._woke = now - self._woke - POLL_S, now
                 if self._open is None:
                     continue
                 step_id, started, limit = self._open
                 if late > STALL_S:            # we were not running: neither was the pool, do not count it
                     limit += late
+                    self._stalled_s += min(late, now - started)
                     self._open = (step_id, started, limit)
                     log.warning("step watchdog: this process did not run for %.1f s; step %d's limit is now "
                                 "%.1f s", late, step_id, limit)
