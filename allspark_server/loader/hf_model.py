@@ -24,7 +24,7 @@ from allspark_server.loader.gguf_reader import GGUFError, find_gguf
 from allspark_server.loader.hf_reader import iter_hf_tensors, read_generation_config, read_hf_config
 from allspark_server.loader.model_file import DTYPES, write_model_files
 from allspark_server.loader.quantized import plan_scheme, quantize_tensors, quantized_split_modes
-from allspark_server.loader.weights import checkpoint_shapes, quantize_layers
+from allspark_server.loader.weights import checkpoint_shapes, non_finite, quantize_layers
 from allspark_server.models.args import ModelArgs
 from allspark_server.models.registry import get_arch, model_class_and_rules, quantizable_weights, read_args
 from allspark_server.quant import awq, gptq
@@ -145,9 +145,12 @@ class HuggingFaceModel:
             self.data_type = _dtype_from(override_data_type)
         if self.gguf is not None:
             try:
-                self._tensors, self._quant = self.gguf.load(self.args, self._meta_model, self.data_type)
+                tensors, quant = self.gguf.load(self.args, self._meta_model, self.data_type)
             except ValueError as e:                      # GGUFError, QuantConfigError
                 raise ModelSerializerException(str(e)) from None
+            for name, t in tensors.items():
+                self._check_finite(name, t)
+            self._tensors, self._quant = tensors, quant
             return self
         shapes = self._checkpoint_shapes()
         expected = set(shapes)
@@ -170,6 +173,7 @@ class HuggingFaceModel:
                 if name not in expected:
                     raise ModelSerializerException(f"unexpected tensor {checkpoint_name!r} for {self.args.architecture}")
                 tensors[name] = t.to(self.data_type) if t.is_floating_point() else t
+                self._check_finite(checkpoint_name, tensors[name], t)
         if self.args.tie_word_embeddings:
             tensors.pop("lm_head.weight", None)
             expected.discard("lm_head.weight")
@@ -186,6 +190,20 @@ class HuggingFaceModel:
         self._tensors = tensors
         return self
 
+    def _check_finite(self, name: str, t: torch.Tensor, source: Optional[torch.Tensor] = None) -> None:
+        """Refuse a tensor with NaN / inf values, naming it (`name`: the file's); `source`: what `t` was converted
+        from, to tell values that the file holds from finite ones beyond the range of the model's dtype."""
+        why = non_finite(t)
+        if why is None:
+            return
+        if source is not None and source is not t and non_finite(source) is None:
+            raise ModelSerializerException(
+                f"{self.path!r}: tensor {name!r} has values beyond the range of {str(t.dtype).replace('torch.', '')} "
+                f"(largest magnitude {source.abs().max().item():.4g}): {why} after the conversion; load the model "
+                f"in a wider data type (user_set_data_type 'bfloat16' or 'float32')")
+        raise ModelSerializerException(f"{self.path!r}: tensor {name!r}: {why}, and a model with such weights "
+                                       f"computes NaN logits")
+
     def _checkpoint_tensors(self):
         """(checkpoint name, tensor) of every tensor the checkpoint holds."""
         return iter_hf_tensors(self.path)
@@ -197,6 +215,8 @@ class HuggingFaceModel:
         for base, parts in layers.items():
             if base + ".weight" not in shapes:
                 raise ModelSerializerException(f"unexpected {cfg.method} layer {base!r} for {self.args.architecture}")
+            for part, t in parts.items():                        # the scales (the codes are integers)
+                self._check_finite(f"{base}.{part}", t)
             try:
                 repacked = cfg.repack(base, parts)
             except QuantConfigError as e:

@@ -6,7 +6,8 @@ merged_parts). So the tensors the model will keep are allocated once (on a CPU r
 slice is copied into its place from the memory-mapped file: no intermediate copy, concatenation or move. Such
 intermediates outlive their use: glibc hands freed heap memory back to the system only from the heap's top, so a
 load that clones, concatenates and moves leaves most of those bytes resident beside the weights (the file's pages
-count only while it is mapped). A tied LM head is a view of the embedding's rows that it reads, not a copy.
+count only while it is mapped). A tied LM head is a view of the embedding's rows that it reads, not a copy. A slice with
+NaN or inf values is refused, naming its tensor (files written before the loaders refused them, or changed since).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from torch import nn
 
 from allspark_server.layers.sharding import SplitMode, TPLayout
 from allspark_server.loader.model_file import STORAGE_DTYPES, ModelFile, ModelFileError
-from allspark_server.loader.weights import merged_parts
+from allspark_server.loader.weights import merged_parts, non_finite
 
 EMBEDDING, TIED_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]   # tensor name -> (shape, dtype)
@@ -144,6 +145,10 @@ def _copy_slices(mf: ModelFile, slices: dict[str, tuple[str, int, int, int]], st
                                      f"the file, its graph says {str(dest.dtype)}{list(dest.shape)}")
             dest.copy_(view)
             del view   # the file's mapping lives as long as a view of it does
+            why = non_finite(dest)
+            if why is not None:
+                raise ModelFileError(f"{mf.weights_path!r}: tensor {src}: {why}, and a model with such weights "
+                                     f"computes NaN logits")
 
 
 def _file_view(f, name: str, dim: int, lo: int, hi: int) -> torch.Tensor:
