@@ -8,7 +8,9 @@ The published ("classic", AutoGPTQ) format, for a linear layer of K inputs and N
   g_idx    int32 [K]                 group of each input; with desc_act false it is k // G
   w[n, k] = scales[g, n] * (code[k, n] - (qzeros[g, n] + 1)),   g = k // G
 which is our uint4 / uint8 with zero = stored + 1 (a zero of 2^b, possible in principle, does not fit uint8 for
-8 bits and is refused). desc_act true (groups in activation order) is refused.
+8 bits and is refused). desc_act true (groups in activation order) is refused. `bits` / `group_size` written as
+whole floats (4.0) are read as their integers; a group size that does not fit the packed tensors is refused naming
+their shapes.
 """
 from __future__ import annotations
 
@@ -38,12 +40,13 @@ class GptqConfig:
         if qc.get("desc_act", False):
             raise QuantConfigError("quantization_config.desc_act is true (groups in activation order): allspark "
                                    "reads GPTQ checkpoints made with desc_act false only")
-        bits = qc.get("bits")
+        bits = _whole(qc, "bits", None)
         if bits not in (4, 8):
-            raise QuantConfigError(f"quantization_config.bits {bits!r} is not supported (4 or 8)")
-        group = qc.get("group_size", -1)
+            raise QuantConfigError(f"quantization_config.bits {qc.get('bits')!r} is not supported (4 or 8)")
+        group = _whole(qc, "group_size", -1)
         if group not in GROUP_SIZES:
-            raise QuantConfigError(f"quantization_config.group_size {group!r} is not supported ({list(GROUP_SIZES)})")
+            raise QuantConfigError(f"quantization_config.group_size {qc.get('group_size')!r} is not supported "
+                                   f"({list(GROUP_SIZES)})")
         if qc.get("checkpoint_format", "gptq") != "gptq":
             raise QuantConfigError(f"quantization_config.checkpoint_format {qc['checkpoint_format']!r} is not "
                                    f"supported (gptq)")
@@ -64,6 +67,17 @@ class GptqConfig:
         return repack(name, parts, self)
 
 
+def _whole(qc: dict, key: str, default):
+    """quantization_config[key] as an int: JSON writers may store a whole number as 4.0; a fraction, a bool or
+    another type is refused naming the key."""
+    value = qc.get(key, default)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise QuantConfigError(f"quantization_config.{key} {value!r} is not a whole number")
+
+
 def _unpack_words(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """int32 words -> unsigned codes, 32 / bits per word, the lowest bits first, unpacked along `dim`."""
     per = 32 // bits
@@ -81,21 +95,53 @@ def repack(name: str, parts: dict[str, torch.Tensor], cfg: GptqConfig) -> dict[s
     for t in ("qweight", "qzeros", "scales"):
         if t not in parts:
             raise QuantConfigError(f"GPTQ layer {name} lacks {t}")
+    for t in ("qweight", "qzeros"):
+        if parts[t].dtype != torch.int32 or parts[t].dim() != 2:
+            raise QuantConfigError(f"GPTQ layer {name}: {t} is {parts[t].dtype} {tuple(parts[t].shape)}, the "
+                                   f"format stores 2-D int32 words")
     codes = _unpack_words(parts["qweight"], cfg.bits, 0)       # [K, N]
     k, n = codes.shape
     group = k if cfg.group_size == -1 else cfg.group_size
     if k % group:
-        raise QuantConfigError(f"GPTQ layer {name}: group_size {group} does not divide its {k} input features")
-    if "g_idx" in parts and not torch.equal(parts["g_idx"].to(torch.int64), torch.arange(k) // group):
-        raise QuantConfigError(f"GPTQ layer {name}: g_idx is not k // group_size (an activation-order checkpoint)")
+        raise QuantConfigError(f"GPTQ layer {name}: quantization_config.group_size {group} does not divide its {k} "
+                               f"input features (qweight {tuple(parts['qweight'].shape)})")
     zeros = _unpack_words(parts["qzeros"], cfg.bits, 1)[:, :n] + 1   # [K / G, N]
     scales = parts["scales"]
-    if scales.shape != (k // group, n) or zeros.shape != (k // group, n):
-        raise QuantConfigError(f"GPTQ layer {name}: scales {tuple(scales.shape)} / qzeros do not match "
-                               f"qweight's {k} x {n} in groups of {group}")
+    if tuple(scales.shape) != (k // group, n) or tuple(zeros.shape) != (k // group, n):
+        raise QuantConfigError(_group_mismatch(name, parts, k, n, cfg))
+    if "g_idx" in parts:
+        g_idx = parts["g_idx"].to(torch.int64).reshape(-1)
+        if not torch.equal(g_idx, torch.arange(k) // group):
+            raise QuantConfigError(_g_idx_mismatch(name, g_idx, k, group))
     if int(zeros.max()) > 255:
         raise QuantConfigError(f"GPTQ layer {name}: a zero point of 256 does not fit the uint8 format")
     out_codes = codes.T.contiguous()                           # [N, K]
     qweight = pack4(out_codes) if cfg.bits == 4 else out_codes.to(torch.uint8)
     return {"qweight": qweight, "scales": scales.to(torch.float16).T.contiguous(),
             "zeros": zeros.to(torch.uint8).T.contiguous()}
+
+
+def _group_mismatch(name: str, parts: dict[str, torch.Tensor], k: int, n: int, cfg: GptqConfig) -> str:
+    """Why a layer's scales / qzeros do not fit its qweight in the config's groups, with the group size their shapes
+    imply where there is one."""
+    groups = 1 if cfg.group_size == -1 else k // cfg.group_size
+    stored = parts["scales"].shape[0] if parts["scales"].dim() == 2 else None
+    implied = ""
+    if stored and k % stored == 0 and tuple(parts["scales"].shape) == (stored, n):
+        implied = f"; the packed data holds {stored} group(s) of {k // stored}, so its group_size is {k // stored}"
+    return (f"GPTQ layer {name}: scales {tuple(parts['scales'].shape)} / qzeros {tuple(parts['qzeros'].shape)} do "
+            f"not match qweight {tuple(parts['qweight'].shape)} ({k} inputs x {n} outputs) in "
+            f"quantization_config.group_size {cfg.group_size} ({groups} group(s) of {k // groups}: scales "
+            f"({groups}, {n})){implied}")
+
+
+def _g_idx_mismatch(name: str, g_idx: torch.Tensor, k: int, group: int) -> str:
+    """Why g_idx is not k // group: groups of another size than the scales', or inputs out of order."""
+    head = f"GPTQ layer {name}: g_idx is not k // {group}"
+    if g_idx.numel() != k:
+        return f"{head}: it has {g_idx.numel()} entries for {k} input features"
+    sizes = torch.bincount(g_idx.clamp(min=0)) if int(g_idx.min()) >= 0 else None
+    if sizes is not None and bool((g_idx[1:] >= g_idx[:-1]).all()):
+        return (f"{head}: its groups, in order, hold {sorted(set(sizes.tolist()))} inputs each, while the scales "
+                f"and quantization_config.group_size give groups of {group}")
+    return f"{head}: its inputs are out of order (an activation-order checkpoint, desc_act), which allspark cannot read"
