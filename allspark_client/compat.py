@@ -43,18 +43,25 @@ def _queue(queue) -> ResultQueue:
 
 def _param_version(param_path: str) -> str:
     """The allspark version in a .asparam (safetensors) header's metadata; '' for files that carry none."""
+    def refuse(why: str) -> AsException:
+        return AsException(AsStatus.ALLSPARK_PARAM_ERROR, f"{param_path!r} is not an allspark .asparam file: {why}")
+
     with open(param_path, "rb") as f:
         head = f.read(8)
         if len(head) != 8:
-            raise AsException(AsStatus.ALLSPARK_PARAM_ERROR, f"{param_path!r} is not an allspark .asparam file")
+            raise refuse("it is shorter than the 8 bytes that give its header's size")
         (size,) = struct.unpack("<Q", head)
         if size > os.path.getsize(param_path) - 8:
-            raise AsException(AsStatus.ALLSPARK_PARAM_ERROR, f"{param_path!r} is not an allspark .asparam file")
+            raise refuse(f"its header's size ({size} bytes) runs past the end of the file")
         try:
-            meta = json.loads(f.read(size)).get("__metadata__") or {}
+            header = json.loads(f.read(size))
         except ValueError as e:
-            raise AsException(AsStatus.ALLSPARK_PARAM_ERROR,
-                              f"{param_path!r} is not an allspark .asparam file: {e}") from None
+            raise refuse(f"its header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise refuse(f"its header is a JSON {type(header).__name__}, not an object")
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise refuse(f"its header's __metadata__ is a JSON {type(meta).__name__}, not an object")
     if meta.get("format") != "allspark":
         raise AsException(AsStatus.ALLSPARK_PARAM_ERROR,
                           f"{param_path!r} is a safetensors file but not an allspark .asparam file")
@@ -65,7 +72,10 @@ def file_information(graph_path: str, param_path: str) -> AsFileInfo:
     from google.protobuf.message import DecodeError
 
     from allspark_client._proto import allspark_pb2 as pb
-    for p in (graph_path, param_path):
+    for what, p in (("graph_path", graph_path), ("param_path", param_path)):
+        if not isinstance(p, (str, os.PathLike)):
+            raise AsException(AsStatus.ALLSPARK_PARAM_ERROR, f"get_file_information: {what} must be a path, got "
+                                                             f"{type(p).__name__}")
         if not os.path.isfile(p):
             raise AsException(AsStatus.ALLSPARK_PARAM_ERROR, f"model file {p!r} does not exist")
     g = pb.ModelGraph()
@@ -113,12 +123,18 @@ class DashInferCompat:
 
     def get_free_frame(self, name: str) -> int:
         """Free KV-cache frames of model `name`. A DashInfer frame is one span (span_size tokens) of one layer's
-        K or V cache, so a free span of ours (every layer's K and V) is 2 x layers frames."""
+        K or V cache, so a free span of ours (every layer's K and V) is 2 x layers frames. 0 while the model is
+        asleep (unload_device_mem): its KV cache is freed, so no frame can be taken until load_device_mem."""
         layers = json.loads(self.get_model_info(name))["args"]["num_layers"]
-        return self.get_as_engine_stat(name).free_span * 2 * layers
+        stat = self.get_as_engine_stat(name)
+        return 0 if stat.asleep else stat.free_span * 2 * layers
 
     def get_file_information(self, graph_path: str, param_path: str) -> AsFileInfo:
-        """The versions that wrote a model's .asgraph and .asparam, and this engine's (read here, not by a pool)."""
+        """The versions that wrote a model's .asgraph and .asparam, and this engine's (read here, not by a pool).
+        Refused (INVALID_CALL_ERROR) after shutdown() / close(), as every other call."""
+        if getattr(self, "_closed", False):
+            raise AsException(AsStatus.ALLSPARK_INVALID_CALL_ERROR,
+                              f"this {type(self).__name__} is shut down: shutdown() or close() was called")
         return file_information(graph_path, param_path)
 
     # ---- DashInfer v1 calls --------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Sleep: new requests are refused at once (ALLSPARK_REQUEST_DENIED, saying the model sleeps); on the engine thread the
 step in flight completes, every live request ends GenerateInterrupted saying why, the prefix cache forgets the spans
 (their content goes), and every rank frees its weights, KV cache and CUDA graphs (runner/residency.py). Wake
-restores them on every rank; requests are accepted again. Sleeping twice, or waking an awake model, does nothing.
+restores them on every rank; requests are accepted again, unless a weights file it reads changed since the install
+(the model then stays asleep). Sleeping twice, or waking an awake model, does nothing.
 Both return None (DashInfer's signature) and raise AsException on failure, as install_model does.
 """
 from __future__ import annotations
@@ -78,7 +79,9 @@ class DeviceMemory:
 
     def load_device_mem(self, name: str) -> None:
         """Wake model `name`: restore its weights, KV cache and (GPU) CUDA graphs on every rank; requests are accepted
-        again. A failed wake (a GPU whose memory was taken meanwhile) leaves it asleep, able to try again."""
+        again. A failed wake leaves it asleep, able to try again: a GPU whose memory was taken meanwhile
+        (ALLSPARK_MEMORY_ERROR), or a weights file that changed since the install where wake reads the files
+        (ALLSPARK_IO_ERROR, before anything is read)."""
         with self._lock:
             model = self._served(name)
             if not model.asleep:
@@ -91,8 +94,10 @@ class DeviceMemory:
 
             try:
                 self._engine.call(wake)
-            except residency.DeviceMemError as e:
-                raise AsException(AsStatus.ALLSPARK_MEMORY_ERROR, f"load_device_mem({name!r}): {e}") from None
+            except residency.DeviceMemError as e:    # a changed weights file: IO_ERROR, as save_model says it
+                status = (AsStatus.ALLSPARK_IO_ERROR if isinstance(e, residency.WeightsChangedError)
+                          else AsStatus.ALLSPARK_MEMORY_ERROR)
+                raise AsException(status, f"load_device_mem({name!r}): {e}") from None
             model.asleep = False
         log.info("model %r is awake", name)
         return None

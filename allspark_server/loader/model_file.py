@@ -102,6 +102,7 @@ class ModelFile:
     args: ModelArgs
     dtype: torch.dtype
     weights_path: str
+    weights_size: int = -1          # the weights file's size when the graph was read (install): -1 unknown
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -134,7 +135,25 @@ def read_model_graph(graph_path: str, weights_path: str) -> ModelFile:
                              f"version {FORMAT_VERSION} (serialize the model again)")
     if g.dtype not in DTYPES:
         raise ModelFileError(f"{graph_path!r} has unknown dtype {g.dtype!r}")
-    return ModelFile(g, ModelArgs.from_dict(json.loads(g.model_args_json)), DTYPES[g.dtype], weights_path)
+    return ModelFile(g, ModelArgs.from_dict(json.loads(g.model_args_json)), DTYPES[g.dtype], weights_path,
+                     os.path.getsize(weights_path))
+
+
+def weights_changed(model_file: ModelFile) -> str | None:
+    """None while the weights file is still the one the model was installed from; else what changed: it is gone,
+    its size differs, or the md5 of its first 32 MiB differs from the one its graph records (build_meta.weight_hash,
+    DashInfer's check)."""
+    path = model_file.weights_path
+    if not os.path.isfile(path):
+        return f"the weights file {path!r} is gone"
+    size = os.path.getsize(path)
+    if model_file.weights_size >= 0 and size != model_file.weights_size:
+        return f"the weights file {path!r} is {size} bytes, {model_file.weights_size} when the model was installed"
+    recorded = model_file.graph.build_meta.weight_hash
+    if recorded and _md5_head(path) != recorded:
+        return (f"the weights file {path!r} changed since it was written: the md5 of its first {HASH_BYTES >> 20} "
+                f"MiB differs from the weight_hash its .asgraph records")
+    return None
 
 
 def save_model_files(model_file: ModelFile, saved_dir: str, name: str, with_weight: bool) -> tuple[str, str | None]:
@@ -147,10 +166,9 @@ def save_model_files(model_file: ModelFile, saved_dir: str, name: str, with_weig
     os.makedirs(saved_dir, exist_ok=True)
     src = model_file.weights_path
     if with_weight:
-        recorded = model_file.graph.build_meta.weight_hash
-        if not os.path.isfile(src) or (recorded and _md5_head(src) != recorded):
-            raise ModelFileError(f"the weights file {src!r} the model was installed from is gone or changed since, "
-                                 f"so it cannot be saved again")
+        changed = weights_changed(model_file)
+        if changed:
+            raise ModelFileError(f"{changed}: the model was installed from it, so it cannot be saved again")
         if not (os.path.exists(param_path) and os.path.samefile(src, param_path)):
             shutil.copyfile(src, param_path + ".tmp")
             os.replace(param_path + ".tmp", param_path)

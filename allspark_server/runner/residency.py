@@ -9,6 +9,7 @@ addresses, hence new graphs), refills the weights, zeroes the cache and captures
 CPU rank: the pages under the weights and the KV cache go back to the OS (madvise MADV_DONTNEED, at the same
 addresses, so the native decode stack's pointers stay valid); wake reads the weights from the files into the same
 memory, and the cache's pages come back, zero, as they are written. (A CPU rank has no other copy to keep.)
+A wake that reads the files refuses, before it restores anything, where a weights file changed since the install.
 Collective: every rank of a pool runs it at once, and all agree before anything is dropped.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from allspark_server.loader.model_file import weights_changed
 from allspark_server.loader.rank_weights import read_rank_state
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,11 @@ HOST_ALIGN = 512         # each storage's copy in the host arena starts at a mul
 
 class DeviceMemError(RuntimeError):
     """A rank could not sleep or wake (every rank raises it, with each failing rank's reason)."""
+
+
+class WeightsChangedError(DeviceMemError):
+    """Wake would read the model files again, and the weights file is no longer the one the model was installed from
+    (every rank raises it before anything is restored: the model stays asleep)."""
 
 
 class HostArena:
@@ -216,11 +223,27 @@ def sleep(runner, wake_from: str, comm) -> None:
              sum(n for _, n in state.weights) / 2**20, wake_from, sum(n for _, n in state.kv) / 2**20)
 
 
+def _file_change(runner, state: Optional[Asleep]) -> Optional[str]:
+    """Where wake reads the model files: how the weights file changed since the install (None: it did not)."""
+    if state is None or not any(state.file_backed):
+        return None
+    try:
+        return weights_changed(runner.model_file)
+    except OSError as e:
+        return f"cannot read the weights file {runner.model_file.weights_path!r}: {e}"
+
+
 def wake(runner, comm) -> None:
     """Collective: restore what sleep freed. If any rank fails (a GPU whose memory was taken meanwhile), every rank
     goes back to sleep, keeping what it needs to try again, and raises DeviceMemError."""
     state: Optional[Asleep] = runner.asleep
     error = None if state is not None else "the model is not asleep on this rank"
+    changes = comm.allgather_obj(_file_change(runner, state))   # any rank's file changed: none reads, all sleep on
+    if any(changes):
+        raise WeightsChangedError(f"cannot wake: {_reasons(comm, changes)}. Wake reads the weights from the model "
+                                  f"files again and refuses others than the installed ones, so the model stays asleep: "
+                                  f"put the installed file back and call load_device_mem again, or release the model "
+                                  f"and install the new files")
     try:
         if state is not None:
             _restore(runner, state)
