@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import shutil
+import struct
 import tempfile
 from collections import Counter, defaultdict
 from typing import Callable, Optional
@@ -24,7 +25,7 @@ import torch
 from allspark_server.loader import gguf_tensors as gt
 from allspark_server.loader.gguf_config import generation_config, hf_config
 from allspark_server.loader.gguf_names import permuted, targets, unpermute
-from allspark_server.loader.gguf_reader import GGUFError, GGUFFile, GGUFTensor
+from allspark_server.loader.gguf_reader import ARRAY, MAGIC, MAX_VALUES, GGUFError, GGUFFile, GGUFTensor
 from allspark_server.loader.weights import checkpoint_shapes, checkpoint_weight_names, quantize_layers
 from allspark_server.models.args import ModelArgs
 from allspark_server.models.registry import quantizable_weights
@@ -46,7 +47,7 @@ class GGUFModel:
         self.architecture = self.file.architecture
         self.requant = requant
         self.hf_config = hf_config(self.file)
-        self.generation_config = generation_config(self.file)
+        self.generation_config = generation_config(self.file, self.hf_config["vocab_size"])
         self.requant_errors: dict[str, float] = {}    # "<gguf part> <type> -> <format>": relative error
         try:
             for t in self.file.tensors.values():
@@ -189,7 +190,9 @@ TOKENIZER_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "allspark", "g
 def load_gguf_tokenizer(path: str, **kwargs):
     """transformers' fast tokenizer built from the file's metadata (vocab, merges, special tokens, chat
     template). Building it takes seconds (every server start asks for it), so it is kept once built, saved by
-    transformers under ~/.cache/allspark/gguf-tokenizers, keyed by the file's path, size and mtime."""
+    transformers under ~/.cache/allspark/gguf-tokenizers, keyed by the file's path, size and mtime.
+    transformers reads every metadata key of the file it is given: it is given `tokenizer_file`'s copy of the
+    keys a tokenizer needs, so that what the file holds besides costs nothing here either."""
     from transformers import AutoTokenizer
     path = os.path.abspath(path)
     st = os.stat(path)
@@ -200,8 +203,10 @@ def load_gguf_tokenizer(path: str, **kwargs):
             return AutoTokenizer.from_pretrained(cached, **kwargs)
         except Exception as e:     # a damaged cache entry: build it again
             log.warning("GGUF tokenizer cache %s unreadable (%s): rebuilding it", cached, e)
-    folder, name = os.path.split(path)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name, **kwargs)
+    with tempfile.TemporaryDirectory(prefix="allspark-gguf-tokenizer.") as folder:
+        name = os.path.basename(path)
+        tokenizer_file(path, os.path.join(folder, name))
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name, **kwargs)
     tmp = None
     try:
         tmp = tempfile.mkdtemp(prefix=key + ".", dir=_makedirs(TOKENIZER_CACHE))
@@ -212,6 +217,27 @@ def load_gguf_tokenizer(path: str, **kwargs):
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     return tok
+
+
+def tokenizer_file(path: str, out: str) -> None:
+    """Write to `out` a GGUF file of `path`'s metadata that a tokenizer reads (general.architecture and .name,
+    tokenizer.* and <architecture>.*, each record copied as it is) and no tensors. Arrays of arrays are left
+    out (transformers reads none); an array longer than the reader's MAX_VALUES is refused, naming its key."""
+    f = GGUFFile(path)
+    keys = []
+    for k in f.fields:
+        if k not in ("general.architecture", "general.name") and not k.startswith(("tokenizer.",
+                                                                                  f"{f.architecture}.")):
+            continue
+        info = f.array_info(k)
+        if info is not None and info[1] > MAX_VALUES:
+            raise GGUFError(f"{path!r}: metadata {k!r} is an array of {info[1]} values, more than the {MAX_VALUES} "
+                            f"allspark reads from one key")
+        if info is None or info[0] != ARRAY:
+            keys.append(k)
+    with open(out, "wb") as w:
+        w.write(MAGIC + struct.pack("<IQQ", 3, 0, len(keys)))
+        w.write(f.metadata_bytes(keys))
 
 
 def _makedirs(path: str) -> str:
