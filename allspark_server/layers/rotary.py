@@ -2,7 +2,8 @@
 NTK up to the model's context (dynamic_rope_limit); full or partial (the first rotary_dim/2 pairs, in the layout
 of models/convert.py).
 
-Builds a cos/sin table once (fp32, like HF, then cast to the activation dtype); each step looks up
+Builds a cos/sin table once (fp32, like HF, then cast to the activation dtype), for the positions the KV
+cache can hold (`fit`), not for max_length; each step looks up
 its positions' rows once and every layer applies them with `ops.rotary_store_kv` (q and k in one call, with
 the cache write; decode steps: their step ops).
 Unknown rope types are rejected when the model is built.
@@ -87,21 +88,59 @@ class RotaryEmbedding(nn.Module):
                  rotary_dim: int = 0):
         """`rotary_dim` < head_dim (partial rotary): pair i < rotary_dim/2 rotates dims (i, i + head_dim/2) at the
         frequencies of a rotary_dim-wide rope; every other dim gets cos 1, sin 0, so it passes unchanged (x * 1 +
-        y * 0 is exact in any dtype)."""
+        y * 0 is exact in any dtype).
+
+        The table is not built here: its rows for max_positions (max_length) could be gigabytes that the KV
+        budget never counts (2^24 positions of a 64-wide head: 8 GiB). `fit(n)` builds the rows 0..n-1 (the
+        runner: the positions its KV cache can hold); a table never fitted is built for max_positions when first
+        used."""
         super().__init__()
-        rotary_dim = rotary_dim or head_dim
-        inv_freq, attention_factor = rope_frequencies(rotary_dim, theta, scaling)
-        pos = torch.arange(max_positions, dtype=torch.float32)
-        freqs = pos[:, None] * inv_freq[None, :]                  # [P, R/2]
-        cos, sin = torch.ones(max_positions, head_dim), torch.zeros(max_positions, head_dim)   # [P, D]
-        half, pairs = head_dim // 2, rotary_dim // 2
-        for start in (0, half):
-            cos[:, start:start + pairs] = freqs.cos() * attention_factor      # x 1.0 (all but yarn) is exact
-            sin[:, start:start + pairs] = freqs.sin() * attention_factor
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        self.head_dim, self.max_positions = head_dim, max_positions
+        self.rotary_dim = rotary_dim or head_dim
+        self.inv_freq, self.attention_factor = rope_frequencies(self.rotary_dim, theta, scaling)
+        self.register_buffer("_cos", torch.empty(0, head_dim), persistent=False)
+        self.register_buffer("_sin", torch.empty(0, head_dim), persistent=False)
+
+    @property
+    def cos(self) -> torch.Tensor:
+        if not len(self._cos):
+            self.fit(self.max_positions)
+        return self._cos
+
+    @property
+    def sin(self) -> torch.Tensor:
+        if not len(self._sin):
+            self.fit(self.max_positions)
+        return self._sin
+
+    def fit(self, positions: int) -> None:
+        """The table's rows for positions 0 .. min(positions, max_positions) - 1, on the table's device. Built on
+        the host in chunks (each row as the whole table's would be: the ops are elementwise), so what it costs
+        besides the table is a chunk's."""
+        n = max(1, min(positions, self.max_positions))
+        if len(self._cos) == n:
+            return
+        device = self._cos.device
+        like = {"device": device, "dtype": self._cos.dtype}
+        self._cos = self._sin = None                        # the old table goes before the new one is built
+        cos, sin = torch.ones(n, self.head_dim, **like), torch.zeros(n, self.head_dim, **like)
+        half, pairs, chunk = self.head_dim // 2, self.rotary_dim // 2, 1 << 14
+        for at in range(0, n, chunk):
+            pos = torch.arange(at, min(at + chunk, n), dtype=torch.float32)
+            freqs = pos[:, None] * self.inv_freq[None, :]                 # [P, R/2]
+            c, s = (freqs.cos() * self.attention_factor).to(**like), (freqs.sin() * self.attention_factor).to(**like)
+            for start in (0, half):                                       # x 1.0 (all but yarn) is exact
+                cos[at:at + len(pos), start:start + pairs] = c
+                sin[at:at + len(pos), start:start + pairs] = s
+        self._cos, self._sin = cos, sin
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The [T, 1, D] cos and sin rows of `positions`, in `dtype` (once per step, shared by all layers)."""
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
+
+def fit_rotary(model: nn.Module, positions: int) -> None:
+    """Build every rotary table of `model` for `positions` positions (what its KV cache can hold)."""
+    for m in model.modules():
+        if isinstance(m, RotaryEmbedding):
+            m.fit(positions)

@@ -18,6 +18,7 @@ from allspark_client.types import AsCacheMode
 from allspark_server.compute import ops
 from allspark_server.compute.op_profile import OpProfiler, timed
 from allspark_server.core.messages import StepPlan
+from allspark_server.layers.rotary import fit_rotary
 from allspark_server.layers.sharding import TPLayout
 from allspark_server.loader.model_file import ModelFile, read_model_graph
 from allspark_server.loader.rank_weights import cpu_state, device_state, read_rank_state
@@ -98,6 +99,9 @@ class ModelRunner:
         for cache in (self.kv, self.tier):       # host memory: counted against later installs on this machine
             if cache is not None and cache.layers[0].k.device.type == "cpu":
                 kv_budget.hold(cache)
+        # no sequence outgrows the cache (served_model interrupts it): rotary rows past it would be memory that
+        # grows with max_length outside the KV budget
+        fit_rotary(self.model, min(self.cfg.engine_max_length, num_spans * self.span_size))
         self.capture_graphs()
 
     def capture_graphs(self) -> None:
