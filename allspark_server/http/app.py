@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from allspark_client import settings
 from allspark_server.http.admission import Admission
 from allspark_server.http.body import read_json
+from allspark_server.http.chat_template import RENDER_TIMEOUT_S
 from allspark_server.http.metrics import Metrics
 from allspark_server.http.protocol import ApiError, parse_chat, parse_completion
 from allspark_server.http.serving import Serving
@@ -75,18 +76,23 @@ class ServerMiddleware:
 
 
 def create_app(backend, *, api_key: Optional[str] = None, max_concurrent: int = 256, max_queue: int = 256,
-               max_body_bytes: int = int(settings.MAX_BODY_MB.default * 2**20)) -> FastAPI:
+               max_body_bytes: int = int(settings.MAX_BODY_MB.default * 2**20),
+               chat_template_timeout_s: float = RENDER_TIMEOUT_S) -> FastAPI:
     """The ASGI app serving `backend` (a started backend.Backend). Closing the backend is the caller's job."""
     admission = Admission(max_concurrent, max_queue)
     reader = QueueReader()
     metrics = Metrics(backend.name, admission)
-    serving = Serving(backend, admission, reader, metrics)
+    serving = Serving(backend, admission, reader, metrics, chat_template_timeout_s)
     started = int(time.time())
 
     @asynccontextmanager
     async def lifespan(_app):
-        yield
-        await reader.close()
+        serving.warm()                  # a chat template renderer, started ahead of the first chat request
+        try:
+            yield
+        finally:
+            serving.close()
+            await reader.close()
 
     app = FastAPI(title="allspark", summary="OpenAI-compatible API of an allspark Engine or pool",
                   lifespan=lifespan, docs_url=None, redoc_url=None)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from allspark_client.types import AsException, AsStatus
+from allspark_server.http.chat_template import template_source
 
 log = logging.getLogger("allspark.http")
 CONTROL_THREADS = 8
@@ -38,8 +39,9 @@ class BackendOptions:
 
 class Backend:
     def __init__(self, engine, name: str, tokenizer, engine_max_length: int, eos_token_ids: list[int],
-                 gen_defaults: dict, owns_engine: bool = True):
+                 gen_defaults: dict, owns_engine: bool = True, template_source: str = "the model's chat template"):
         self.engine, self.name, self.tokenizer = engine, name, tokenizer
+        self.template_source = template_source          # where the chat template comes from, as errors name it
         self.engine_max_length, self.eos_token_ids, self.gen_defaults = engine_max_length, eos_token_ids, gen_defaults
         self.is_pool = engine.is_allspark_work_as_service()
         self._owns_engine = owns_engine
@@ -165,4 +167,5 @@ def open_backend(opts: BackendOptions) -> Backend:
             engine.close() if engine.is_allspark_work_as_service() else engine.shutdown()
         raise
     defaults = {k: loader.hf_generation_config[k] for k in _DEFAULT_KEYS if k in loader.hf_generation_config}
-    return Backend(engine, name, tokenizer, max_length, loader.eos_token_ids(), defaults, owns_engine=owns)
+    return Backend(engine, name, tokenizer, max_length, loader.eos_token_ids(), defaults, owns_engine=owns,
+                   template_source=template_source(opts.model))

@@ -46,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot; beyond: 429 (default 256)")
     p.add_argument("--max-body-mb", type=float, default=None, help="largest request body read, in MiB; larger: 413 "
                    f"(default ${settings.MAX_BODY_MB.name}, else {settings.MAX_BODY_MB.default:g})")
+    p.add_argument("--chat-template-timeout", type=float, default=None, help="seconds a chat template may take to "
+                   "render one request's messages; past them the request gets a 400 (default 5)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     return p.parse_args(argv)
@@ -81,6 +83,8 @@ def check_setup(args, api_key: Optional[str]) -> None:
         raise SystemExit("allspark-serve: TLS needs both --ssl-certfile and --ssl-keyfile")
     if args.max_concurrent < 1 or args.max_queue < 0:
         raise SystemExit("allspark-serve: --max-concurrent must be >= 1 and --max-queue >= 0")
+    if args.chat_template_timeout is not None and not args.chat_template_timeout > 0:
+        raise SystemExit(f"allspark-serve: --chat-template-timeout must be > 0, got {args.chat_template_timeout:g}")
     if args.max_body_mb is None:
         args.max_body_mb = settings.MAX_BODY_MB.get()
     elif not args.max_body_mb > 0:
@@ -112,8 +116,10 @@ def main(argv=None) -> int:
         ranks=args.ranks, dtype=args.dtype, max_batch=args.max_batch, max_length=args.max_length,
         threads=args.threads))
     try:
+        from allspark_server.http.chat_template import RENDER_TIMEOUT_S
         app = create_app(backend, api_key=api_key, max_concurrent=args.max_concurrent, max_queue=args.max_queue,
-                         max_body_bytes=int(args.max_body_mb * 2**20))
+                         max_body_bytes=int(args.max_body_mb * 2**20),
+                         chat_template_timeout_s=args.chat_template_timeout or RENDER_TIMEOUT_S)
         scheme = "https" if args.ssl_certfile else "http"
         logging.getLogger("allspark.http").info("serving %r (max length %d) at %s://%s:%d/v1", backend.name,
                                                 backend.engine_max_length, scheme, args.host, args.port)

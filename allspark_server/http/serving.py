@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from allspark_client.client import PoolUnavailable
 from allspark_client.types import AsStatus, GenerateRequestStatus, pool_failed
 from allspark_server.http.admission import Admission, Overloaded
+from allspark_server.http.chat_template import RENDER_TIMEOUT_S, TemplateFailed, TemplateRenderer, template_variables
 from allspark_server.http.detokenize import IncrementalDetokenizer, StopMatcher, TokenText
 from allspark_server.http.protocol import (
     ApiError,
@@ -64,26 +65,55 @@ class Piece:
     tokens: list[TokenLogprob] = field(default_factory=list)
 
 
+def _chat_template(tokenizer) -> Optional[str]:
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    try:
+        return tokenizer.get_chat_template()        # a dict of named templates: its "default"
+    except Exception:                                # no default among named templates
+        return None
+
+
 class Serving:
-    def __init__(self, backend, admission: Admission, reader: QueueReader, metrics):
+    def __init__(self, backend, admission: Admission, reader: QueueReader, metrics,
+                 chat_template_timeout_s: float = RENDER_TIMEOUT_S):
         self.backend, self.admission, self.reader, self.metrics = backend, admission, reader, metrics
         self.token_text = TokenText(backend.tokenizer)
         self.chars_per_token = chars_per_token(backend.tokenizer)
+        template = _chat_template(backend.tokenizer)
+        # rendered in worker processes, within a time budget and at most the characters a prompt can hold
+        self.templates = None if template is None else TemplateRenderer(
+            template, template_variables(backend.tokenizer), backend.engine_max_length * self.chars_per_token,
+            source=getattr(backend, "template_source", "the model's chat template"),
+            timeout_s=chat_template_timeout_s)
 
-    def _prompt_ids(self, req: ApiRequest) -> list[int]:
-        tok = self.backend.tokenizer
-        if req.kind == "completion":
-            return tok(req.prompt)["input_ids"] if isinstance(req.prompt, str) else req.prompt
-        if not getattr(tok, "chat_template", None):
+    def warm(self) -> None:
+        if self.templates is not None:
+            self.templates.warm()
+
+    def close(self) -> None:
+        if self.templates is not None:
+            self.templates.close()
+
+    async def _render(self, req: ApiRequest) -> str:
+        """The chat prompt's text, rendered off the control threads (chat_template.py); 400 naming the template
+        when it fails, runs out of time or renders more than a prompt can hold."""
+        if self.templates is None:
             raise bad_request("this model has no chat template (its tokenizer_config.json / chat_template.jinja "
                               "defines none): use /v1/completions", param="messages", code="no_chat_template")
         messages = req.messages
-        if "developer" not in str(tok.chat_template):   # OpenAI's newer name of the system role
+        if "developer" not in str(self.backend.tokenizer.chat_template):   # OpenAI's newer name of the system role
             messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]   # as apply_chat_template
         try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:   # the template's own raise_exception (a role it does not know, ...)
-            raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from None
+            return await self.templates.render_async(messages)
+        except TemplateFailed as e:
+            raise bad_request(str(e), param="messages", code="chat_template_error") from None
+
+    def _prompt_ids(self, req: ApiRequest, text: Optional[str]) -> list[int]:
+        tok = self.backend.tokenizer
+        if req.kind == "completion":
+            return tok(req.prompt)["input_ids"] if isinstance(req.prompt, str) else req.prompt
         return tok(text, add_special_tokens=False)["input_ids"]
 
     async def handle(self, request: Request, req: ApiRequest) -> Response:
@@ -91,7 +121,8 @@ class Serving:
         loop = asyncio.get_running_loop()
         b = self.backend
         check_prompt_chars(req, b.engine_max_length, self.chars_per_token)
-        ids = await loop.run_in_executor(b.executor, self._prompt_ids, req)
+        text = await self._render(req) if req.kind == "chat" else None
+        ids = await loop.run_in_executor(b.executor, self._prompt_ids, req, text)
         budget = max_new_tokens(req, len(ids), b.engine_max_length)
         gen = generation_config(req, len(ids), budget, b.gen_defaults)
         try:
