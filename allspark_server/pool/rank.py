@@ -20,6 +20,7 @@ import traceback
 from allspark_client import settings
 from allspark_client.launch.options import default_socket_path
 from allspark_client.launch.rank_placement import parse_cpu_list
+from allspark_client.types import POOL_DOWN
 
 log = logging.getLogger("allspark.rank")
 STOP_GRACE_S = 30   # on SIGTERM, how long stopped streams get to deliver their last reply
@@ -139,6 +140,11 @@ def serve(comm, args, address: str, access, ranks) -> int:
     log.info("stopping: finishing in-flight requests")
     sd_notify("STOPPING=1")
     servicer.stopping = "the pool is stopping (SIGTERM): it takes no new calls"
+    # requests still running are cut off: their clients get an error, not an end that looks complete (a stop
+    # ends them GenerateFinished); the wording ends in POOL_DOWN, so ClientEngine and allspark-serve see a lost pool
+    cut = servicer.cut_off_streams(f"the pool stopped (SIGTERM) before this request finished; {POOL_DOWN}")
+    if cut:
+        log.warning("stopping: %d request(s) still running were cut off", cut)
     lost = engine.shutdown()                  # every request stopped, its stream's last reply sent; workers exit
     if not servicer.wait_streams_closed(STOP_GRACE_S):
         log.warning("streams still open %.0f s after their requests stopped: their clients do not read", STOP_GRACE_S)

@@ -30,7 +30,7 @@ from allspark_client import wire
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client._proto import allspark_pb2_grpc as pb_grpc
 from allspark_client.channel import MAX_MESSAGE_BYTES
-from allspark_client.types import AsException, AsStatus, RequestHandle
+from allspark_client.types import AsException, AsStatus, GenerateRequestStatus, RequestHandle
 from allspark_client.validation import ConfigError
 from allspark_server.build_info import version_full
 from allspark_server.engine.engine import Engine
@@ -53,6 +53,8 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
         self.ready = False
         self.stopping: Optional[str] = None    # set on SIGTERM: why new calls are refused (GuardCalls)
         self._open_streams = 0   # written on the event loop's thread only
+        self._queues: set = set()    # the ResultQueues of open Generate streams (cut_off_streams)
+        self._queues_lock = threading.Lock()
         self._pool = futures.ThreadPoolExecutor(ENGINE_CALL_THREADS, thread_name_prefix="allspark-call")
         self.sessions = Sessions(orphan_grace_s or ORPHAN_GRACE_S,
                                  lambda handle, grace: self._pool.submit(self._release_orphan, handle, grace))
@@ -159,6 +161,8 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
             return
         if request.session_id:
             self.sessions.own(request.session_id, handle)
+        with self._queues_lock:
+            self._queues.add(queue)
         loop = asyncio.get_running_loop()
         news = asyncio.Event()
         queue._set_listener(lambda: loop.call_soon_threadsafe(news.set))
@@ -190,9 +194,24 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
                 return
         finally:
             queue._set_listener(None)
+            with self._queues_lock:
+                self._queues.discard(queue)
             if not delivered:   # cancelled (the client went away): nobody else can release it now
                 self.sessions.forget(handle.model_name, handle.request_id)
                 self._pool.submit(self._release_if_live, handle)
+
+    def cut_off_streams(self, reason: str) -> int:
+        """End every open stream whose request is still running in InternalError with `reason` (any thread): the
+        pool is stopping, and the engine's stop would end those requests GenerateFinished, so that output cut off
+        mid-way would look complete to the client. Returns how many were cut off."""
+        with self._queues_lock:
+            queues = list(self._queues)
+        cut = 0
+        for queue in queues:
+            if not queue.GenerateStatus().is_terminal:
+                queue._set_status(GenerateRequestStatus.InternalError, reason)   # a terminal status is final
+                cut += 1
+        return cut
 
     def _release_if_live(self, handle: RequestHandle) -> None:
         if self.engine.has_request(handle.model_name, handle):
