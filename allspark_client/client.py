@@ -72,14 +72,16 @@ class ClientEngine(ClientDeviceMemory, EngineAPI):
         process however that ends (launch/spawned_pool.py). An address nothing answers on fails
         at once with gRPC's reason; `start_timeout_s` (default 300 s) is how long a pool may take to be ready:
         one spawned, one that answers it is starting, and, only when given, one whose address does not answer yet.
-        `token`: the pool's bearer token (default $ALLSPARK_TOKEN); `root_certificates` (PEM bytes or a path):
+        `token`: the pool's bearer token (default $ALLSPARK_TOKEN; a pool spawned on TCP gets this one, or one made
+        for it: launch/spawned_pool.py); `root_certificates` (PEM bytes or a path):
         TLS, trusting that CA; `certificate_chain` + `private_key`: a client certificate (channel.py)."""
         self._pool: Optional[SpawnedPool] = None    # a pool this object spawned (and ends)
         self._session: Optional[ClientSession] = None
         self._closed = False
         if address is None:
-            self._pool = SpawnedPool(ranks, numa_nodes, gpus, launcher_args)
+            self._pool = SpawnedPool(ranks, numa_nodes, gpus, launcher_args, token)
             address = self._pool.address
+            token = self._pool.token or token      # a TCP pool's token (the caller's, or one made for it)
         try:
             self.address = normalize_address(address)
             try:

@@ -68,7 +68,7 @@ TEST_FILE_TIERS = {
     "test_pool_slow_clients.py": "pool", "test_soak.py": "pool", "test_smollm2_serve.py": "pool", "test_tensor_parallel.py": "pool",
     "test_pool_owner.py": "pool", "test_pool_edges.py": "pool", "test_pool_orphans.py": "pool",
     "test_pool_kv_budget.py": "pool",
-    "test_http_templates.py": "pool", "test_http_pool_cutoff.py": "pool",
+    "test_http_templates.py": "pool", "test_http_pool_cutoff.py": "pool", "test_pool_tokens.py": "pool",
     "test_sleep_wake.py": "pool", "test_sleep_compat_edges.py": "pool",
 
     "test_cuda.py": "gpu",

@@ -176,8 +176,9 @@ def test_bind_rules(tmp_path, monkeypatch):
     tls = ["--tls-cert", str(tmp_path / "cert.pem"), "--tls-key", str(tmp_path / "key.pem")]
     remote = ["--port", "5", "--host", "0.0.0.0", "--allow-remote", *tls, "--token-file", str(tmp_path / "token")]
     assert grpc_address(parse_args(remote))[0] == "0.0.0.0:5"
-    assert grpc_address(parse_args(["--port", "5"]))[0] == "127.0.0.1:5"      # TCP binds loopback by default
-    assert grpc_address(parse_args(["--port", "5", "--host", "localhost"]))[0] == "localhost:5"
+    plain = "--insecure-no-token"                                        # TCP without a token: test_pool_tokens.py
+    assert grpc_address(parse_args(["--port", "5", plain]))[0] == "127.0.0.1:5"   # TCP binds loopback by default
+    assert grpc_address(parse_args(["--port", "5", "--host", "localhost", plain]))[0] == "localhost:5"
     with pytest.raises(SystemExit):                                        # one of the two, not both
         parse_args(["--port", "5", "--socket", str(tmp_path / "s.sock")])
 

@@ -28,7 +28,13 @@ from allspark_client.launch.mpirun_command import (
     openmpi_prefix,
 )
 from allspark_client.launch.mpirun_watch import MpirunWatch
-from allspark_client.launch.options import check_multi_host, default_socket_path, multi_host, parse_args
+from allspark_client.launch.options import (
+    check_multi_host,
+    default_socket_path,
+    multi_host,
+    parse_args,
+    refuse_tcp_without_token,
+)
 from allspark_client.launch.owner_watch import OwnerWatch
 from allspark_client.launch.pool_dirs import RUN_PREFIX, SHM_PREFIX, SHM_ROOT, make_pool_shm_dir, make_run_dir
 from allspark_client.launch.rank_placement import (
@@ -156,6 +162,7 @@ def refuse_a_taken_address(args) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not args.dry_run:
+        refuse_tcp_without_token(args)
         refuse_a_taken_address(args)
     topo = {} if multi_host(args) else read_topology(args.topology)
     if multi_host(args):

@@ -93,6 +93,7 @@ def build_command(args, placements: list[RankPlacement], flavour: str, numactl: 
     rank_args = []
     if args.port is not None:
         rank_args += ["--port", str(args.port), "--host", args.bind_host] + (["--allow-remote"] if args.allow_remote else [])
+        rank_args += ["--insecure-no-token"] if getattr(args, "insecure_no_token", False) else []
     else:
         rank_args += ["--socket", args.socket]
     for flag in ("socket_group", "token_file", "tls_cert", "tls_key", "tls_client_ca"):

@@ -54,6 +54,19 @@ def node_list(text: str) -> str:
     return text
 
 
+def tcp_without_token(host: str, port: int) -> str:
+    """Why a TCP pool without a token does not start (the launcher's refusal, and the rank's: pool/access.py)."""
+    return (f"TCP port {port} on {host} can be reached by every user of this machine (a unix socket is 0600), and a "
+            f"pool's calls install models and read files as this user: set a token (--token-file, or "
+            f"${settings.TOKEN.name}), or pass --insecure-no-token to serve without one")
+
+
+def refuse_tcp_without_token(args) -> None:
+    """Before anything starts: a TCP pool needs a token, or the operator's --insecure-no-token."""
+    if args.port is not None and not (args.token_file or settings.TOKEN.get() or args.insecure_no_token):
+        raise SystemExit(f"allspark-launch: {tcp_without_token(args.bind_host, args.port)}")
+
+
 def multi_host(args) -> bool:
     return bool(args.hosts or args.hostfile)
 
@@ -74,7 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--allow-remote", action="store_true",
                    help="with --port: listen beyond loopback (then --tls-cert/--tls-key and a token are required)")
     p.add_argument("--socket-group", help="group allowed on the unix socket (default: only this user)")
-    p.add_argument("--token-file", help="bearer token every RPC must carry (or $ALLSPARK_TOKEN)")
+    p.add_argument("--token-file", help="bearer token every RPC must carry (or $ALLSPARK_TOKEN); required with --port")
+    p.add_argument("--insecure-no-token", action="store_true",
+                   help="with --port: serve without a token, callable by any user of this machine")
     p.add_argument("--tls-cert", help="with --port: serve TLS with this PEM certificate chain ...")
     p.add_argument("--tls-key", help="... and this PEM key")
     p.add_argument("--tls-client-ca", help="with TLS: require client certificates signed by this PEM CA")

@@ -8,7 +8,9 @@
   checked at start and again just before the bind; only a stale socket is. At its end the pool removes the socket
   only if it is still the one it bound (same device and inode), not one another pool bound there since.
 - TCP: loopback only, unless `--allow-remote`; then a server certificate (`--tls-cert`, `--tls-key`) and a token are
-  required, and `--tls-client-ca` also requires client certificates signed by that CA.
+  required, and `--tls-client-ca` also requires client certificates signed by that CA. Loopback TCP requires a token
+  too: every user of the machine can reach a port (a unix socket is 0600), and a pool's calls install models and
+  make rank 0 read files its user can read. `--insecure-no-token` serves without one anyway, on the operator's word.
 - the token comes from `--token-file` or the ALLSPARK_TOKEN environment variable, never the command line (every
   user sees command lines in ps), and is never logged. With a token set, every RPC without `authorization: Bearer
   <token>` metadata ends UNAUTHENTICATED; the comparison takes constant time.
@@ -25,6 +27,7 @@ from typing import Optional
 import grpc
 
 from allspark_client import settings
+from allspark_client.launch.options import tcp_without_token
 
 log = logging.getLogger("allspark.access")
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
@@ -92,7 +95,10 @@ def access_from_args(args) -> Access:
     if args.port is not None and args.host not in LOOPBACK and not args.allow_remote:
         raise AccessError(f"refusing to bind {args.host}: pass --allow-remote (with TLS and a token) to listen "
                           f"beyond loopback")
+    if args.port is not None and not access.token and not getattr(args, "insecure_no_token", False):
+        raise AccessError(tcp_without_token(args.host, args.port))
     return access
+
 
 
 # ---- unix sockets --------------------------------------------------------------------------------

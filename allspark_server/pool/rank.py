@@ -43,6 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                           "none: 0600 in 0700)")
     p.add_argument("--token-file", help="bearer token every RPC must carry (first line of the file; or "
                                         "$ALLSPARK_TOKEN; never on the command line)")
+    p.add_argument("--insecure-no-token", action="store_true",
+                   help="TCP without a token: any user of this machine may call the pool (refused otherwise)")
     p.add_argument("--tls-cert", help="TCP: serve TLS with this PEM certificate chain ...")
     p.add_argument("--tls-key", help="... and this PEM private key")
     p.add_argument("--tls-client-ca", help="TCP with TLS: require client certificates signed by this PEM CA")
