@@ -59,6 +59,7 @@ TEST_FILE_TIERS = {
     "test_uint4_min.py": "models", "test_dashinfer_convert.py": "models",
     "test_op_profiling.py": "models",
     "test_load_refusals.py": "models",
+    "test_gguf_limits.py": "models",
 
     "test_contract_generation.py": "pool", "test_contract_lifecycle.py": "pool", "test_fuzz.py": "pool",
     "test_dashinfer_compat.py": "pool",
