@@ -68,7 +68,10 @@ class _Worker:
     """One renderer process: started, told the template, and ready when this returns."""
 
     def __init__(self, setup: dict):
-        self.proc = subprocess.Popen([sys.executable, "-P", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        # run as a plain script, with neither its own directory (http/: modules named like stdlib ones could shadow
+        # them) nor the current directory on sys.path (`python -P`, but also on Python 3.10)
+        code = f"import runpy, sys; del sys.path[0]; runpy.run_path({WORKER!r}, run_name='__main__')"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      close_fds=True)
         self._buf = b""
         self.send(setup)

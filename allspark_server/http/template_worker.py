@@ -1,4 +1,4 @@
-"""A chat template renderer process (started by chat_template.py as `python -P template_worker.py`).
+"""A chat template renderer process (started by chat_template.py, which runs this file as a plain script).
 
 Reads JSON lines on stdin: first the setup ({"template", "variables", "max_chars", "timeout_s", "memory_mb"}),
 then one {"messages": [...]} per request; answers each with one JSON line on stdout: {"ready": true} after the
