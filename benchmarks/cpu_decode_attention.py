@@ -24,6 +24,7 @@ import common
 import torch
 
 from allspark_server.compute import ops
+from allspark_server.compute.steps import Attention
 from allspark_server.quant import kv as kv_quant
 
 LAYERS, SPAN, KV_HEADS, HEADS, HEAD_DIM = 16, 32, 4, 12, 128
@@ -49,12 +50,12 @@ def measure(ctx: int, distinct_layers: int, rounds: int, g: torch.Generator) -> 
     q = torch.randn(1, HEADS, HEAD_DIM, generator=g).bfloat16()
     spans = torch.arange(-(-ctx // SPAN)).reshape(1, -1)
     lengths = torch.tensor([ctx])
-    scale = HEAD_DIM ** -0.5
+    options = Attention(HEAD_DIM ** -0.5)
 
     def one_pass(mode: str) -> float:
         t0 = time.perf_counter()
         for k, v, kp, vp in cache[mode] * (LAYERS // distinct_layers):
-            ops.decode_attention(q, k, v, spans, lengths, scale, kp, vp)
+            ops.decode_attention(q, k, v, spans, lengths, options, kp, vp)
         return time.perf_counter() - t0
 
     for mode in MODES:   # warm-up

@@ -192,6 +192,7 @@ struct StepClass {
 // the step descriptors (steps.h), the single steps and the stack
 void bind_decode_stack(py::module_& m) {
   using OptT = std::optional<torch::Tensor>;
+  BIND_STEP(AttentionOptions, ATTENTION_OPTION_FIELDS, "the attention kernels' options (scale, softcap, window)")
   BIND_STEP(NormStep, NORM_STEP_FIELDS, "RMSNorm of the hidden state (adds_residual: x + residual first)")
   BIND_STEP(AttentionStep, ATTENTION_STEP_FIELDS,
                      "qkv, q/k norms, rotary, cache write, span attention, o projection")

@@ -116,12 +116,12 @@ void AttentionStep::check() const {
   TORCH_CHECK(num_heads > 0 && num_kv_heads > 0, "AttentionStep: num_heads and num_kv_heads must be > 0");
   TORCH_CHECK(k_param.has_value() == v_param.has_value(), "AttentionStep: params for both K and V or neither");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "AttentionStep: norms for both q and k or neither");
-  TORCH_CHECK(k_cache.defined() && v_cache.defined() && k_cache.dim() == 4 && k_cache.size(2) == num_kv_heads, "AttentionStep: the cache is not [S, P, ",
-              num_kv_heads, ", D]");
+  TORCH_CHECK(k_cache.defined() && v_cache.defined() && k_cache.dim() == 4 && k_cache.size(2) == num_kv_heads,
+              "AttentionStep: the cache is not [S, P, ", num_kv_heads, ", D]");
   TORCH_CHECK(num_heads % num_kv_heads == 0, "AttentionStep: heads ", num_heads, " not a multiple of KV heads ",
               num_kv_heads);
-  TORCH_CHECK(softcap >= 0 && window >= 0 && rope_table >= 0, "AttentionStep: softcap, window and rope_table must "
-              "be >= 0");
+  TORCH_CHECK(rope_table >= 0, "AttentionStep: rope_table must be >= 0");
+  options().check();
   for (const Weight* w : {&qkv, &o})
     if (const auto* q = std::get_if<QuantWeight>(w)) q->check();
 }
@@ -173,13 +173,12 @@ torch::Tensor attention_step(const torch::Tensor& x, const AttentionStep& a, con
     allspark::timed("kv_store",
                     [&] { store_kv_quant(k, v, a.k_cache, *a.k_param, a.v_cache, *a.v_param, rows.slots); });
     allspark::OpTimer timer("attention");
-    o = decode_attention_quant(q, a.k_cache, *a.k_param, a.v_cache, *a.v_param, rows.spans, rows.ctx, a.scale, isa,
-                               a.alibi_slopes, a.softcap, a.window);
+    o = decode_attention_quant(q, a.k_cache, *a.k_param, a.v_cache, *a.v_param, rows.spans, rows.ctx, a.options(),
+                               isa, a.alibi_slopes);
   } else {
     allspark::timed("kv_store", [&] { store_kv(k, v, a.k_cache, a.v_cache, rows.slots); });
     allspark::OpTimer timer("attention");
-    o = decode_attention(q, a.k_cache, a.v_cache, rows.spans, rows.ctx, a.scale, isa, a.alibi_slopes, a.softcap,
-                         a.window);
+    o = decode_attention(q, a.k_cache, a.v_cache, rows.spans, rows.ctx, a.options(), isa, a.alibi_slopes);
   }
   return allspark::timed("o_proj",
                          [&] { return project(o.view({B, heads * D}), a.o, std::nullopt, isa, native_rows); });

@@ -10,6 +10,8 @@
 #include <variant>
 #include <vector>
 
+#include "step_options.h"
+
 torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, int64_t isa);
 // benchmark hook (gemv.cpp): read rows (and each row's bytes of side) as a batch-1 GEMV streams them, no arithmetic
 int64_t stream_rows(const torch::Tensor& rows, const std::optional<torch::Tensor>& side, int64_t isa);
@@ -66,22 +68,19 @@ torch::Tensor linear_widened(const torch::Tensor& x, const Weight& w, const std:
 // ATen's GEMM (on the dequantized weight for quantized ones)
 torch::Tensor project(const torch::Tensor& x, const Weight& w, const std::optional<torch::Tensor>& b, int64_t isa,
                       int64_t native_rows);
-// alibi_slopes [H] fp32 (ALiBi models): key t's score gets slope_h * (t - (ctx - 1)); softcap > 0 (Gemma 2): each
-// score s = scale * q . k becomes softcap * tanh(s / softcap) before the bias; window > 0 (Gemma 2's sliding layers):
-// only keys t >= ctx - window are attended (and read). softcap 0 / window 0: as without them, bit for bit.
+// options: scale, softcap and window (step_options.h); alibi_slopes [H] fp32 (ALiBi models): key t's score gets
+// slope_h * (t - (ctx - 1)), after the soft cap
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor spans,
-                               torch::Tensor ctx, double scale, int64_t isa,
-                               std::optional<torch::Tensor> alibi_slopes = std::nullopt, double softcap = 0.0,
-                               int64_t window = 0);
+                               torch::Tensor ctx, const AttentionOptions& options, int64_t isa,
+                               std::optional<torch::Tensor> alibi_slopes = std::nullopt);
 // test hook (span_attention.cpp): cap * tanh(x / cap) for fp32 x, as the decode attention soft-caps scores at this
 // ISA level (2+: AVX-512, 1: AVX2, 0: portable)
 torch::Tensor softcap_scores(torch::Tensor x, double cap, int64_t isa);
 // quantized KV spans (span_attention_quant.cpp): codes int8 [S, P, KVH, D] or uint8 [.., D/2], params fp32 [.., 2]
 torch::Tensor decode_attention_quant(torch::Tensor q, torch::Tensor k_codes, torch::Tensor k_param,
                                      torch::Tensor v_codes, torch::Tensor v_param, torch::Tensor spans,
-                                     torch::Tensor ctx, double scale, int64_t isa,
-                                     std::optional<torch::Tensor> alibi_slopes = std::nullopt, double softcap = 0.0,
-                                     int64_t window = 0);
+                                     torch::Tensor ctx, const AttentionOptions& options, int64_t isa,
+                                     std::optional<torch::Tensor> alibi_slopes = std::nullopt);
 void store_kv_quant(torch::Tensor k, torch::Tensor v, torch::Tensor k_codes, torch::Tensor k_param,
                     torch::Tensor v_codes, torch::Tensor v_param, torch::Tensor slots);
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,

@@ -83,15 +83,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("dtype"), pybind11::arg("isa"));
   m.def("decode_attention", &decode_attention, "one-token attention per sequence over span KV caches", nogil,
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("spans"),
-        pybind11::arg("ctx"), pybind11::arg("scale"), pybind11::arg("isa"),
-        pybind11::arg("alibi_slopes") = pybind11::none(), pybind11::arg("softcap") = 0.0,
-        pybind11::arg("window") = 0);
+        pybind11::arg("ctx"), pybind11::arg("options"), pybind11::arg("isa"),
+        pybind11::arg("alibi_slopes") = pybind11::none());
   m.def("decode_attention_quant", &decode_attention_quant,
         "one-token attention per sequence over quantized (int8 / uint4) span KV caches", nogil, pybind11::arg("q"),
         pybind11::arg("k_codes"), pybind11::arg("k_param"), pybind11::arg("v_codes"), pybind11::arg("v_param"),
-        pybind11::arg("spans"), pybind11::arg("ctx"), pybind11::arg("scale"), pybind11::arg("isa"),
-        pybind11::arg("alibi_slopes") = pybind11::none(), pybind11::arg("softcap") = 0.0,
-        pybind11::arg("window") = 0);
+        pybind11::arg("spans"), pybind11::arg("ctx"), pybind11::arg("options"), pybind11::arg("isa"),
+        pybind11::arg("alibi_slopes") = pybind11::none());
   m.def("store_kv_quant", &store_kv_quant, "quantize k [B, KVH, D] and v [B, KVH*D] rows into their cache slots",
         nogil, pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("k_codes"), pybind11::arg("k_param"),
         pybind11::arg("v_codes"), pybind11::arg("v_param"), pybind11::arg("slots"));

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "attention_common.h"
+#include "kernels.h"
 #include "parallel.h"
 #include "simd.h"
 
@@ -294,8 +295,11 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& v
 }  // namespace
 
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor spans,
-                               torch::Tensor ctx, double scale, int64_t isa,
-                               std::optional<torch::Tensor> alibi_slopes, double softcap, int64_t window) {
+                               torch::Tensor ctx, const AttentionOptions& options, int64_t isa,
+                               std::optional<torch::Tensor> alibi_slopes) {
+  options.check();
+  const double scale = options.scale;
+  const int64_t window = options.window;
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "decode_attention: shapes");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "decode_attention: q and cache dtypes differ");
@@ -307,8 +311,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   auto cc = ctx.contiguous();
   auto out = torch::empty_like(qc);
   const float* alibi = attn::alibi_data(alibi_slopes, qc.size(1));
-  const float cap = attn::softcap_value(softcap);
-  TORCH_CHECK(window >= 0, "decode_attention: window must be >= 0 (0: no sliding window), not ", window);
+  const float cap = attn::softcap_value(options.softcap);
   if (qc.scalar_type() == at::kFloat)
     run<float>(qc, k_cache, v_cache, sc, cc, scale, alibi, cap, window, out, isa);
   else if (qc.scalar_type() == at::kBFloat16)
@@ -329,4 +332,10 @@ torch::Tensor softcap_scores(torch::Tensor x, double cap, int64_t isa) {
   else if (isa == 1) attn::softcap_scores_avx2(p, n, c);
   else attn::softcap_scores(p, n, c);
   return out;
+}
+
+void AttentionOptions::check() const {
+  TORCH_CHECK(scale > 0, "attention options: scale must be > 0, not ", scale);
+  TORCH_CHECK(softcap >= 0, "attention options: softcap must be >= 0 (0: none), not ", softcap);
+  TORCH_CHECK(window >= 0, "attention options: window must be >= 0 (0: no sliding window), not ", window);
 }

@@ -280,8 +280,11 @@ int check_quant_cache(const torch::Tensor& codes, const torch::Tensor& params, i
 
 torch::Tensor decode_attention_quant(torch::Tensor q, torch::Tensor k_codes, torch::Tensor k_param,
                                      torch::Tensor v_codes, torch::Tensor v_param, torch::Tensor spans,
-                                     torch::Tensor ctx, double scale, int64_t isa,
-                                     std::optional<torch::Tensor> alibi_slopes, double softcap, int64_t window) {
+                                     torch::Tensor ctx, const AttentionOptions& options, int64_t isa,
+                                     std::optional<torch::Tensor> alibi_slopes) {
+  options.check();
+  const double scale = options.scale;
+  const int64_t window = options.window;
   TORCH_CHECK(q.dim() == 3, "decode_attention: q must be [B, H, D]");
   const int mode = check_quant_cache(k_codes, k_param, q.size(2), "decode_attention");
   TORCH_CHECK(check_quant_cache(v_codes, v_param, q.size(2), "decode_attention") == mode &&
@@ -294,8 +297,7 @@ torch::Tensor decode_attention_quant(torch::Tensor q, torch::Tensor k_codes, tor
   auto out = torch::empty_like(qc);
   const bool i8 = mode == I8;
   const float* al = attn::alibi_data(alibi_slopes, qc.size(1));
-  const float cap = attn::softcap_value(softcap);
-  TORCH_CHECK(window >= 0, "decode_attention: window must be >= 0 (0: no sliding window), not ", window);
+  const float cap = attn::softcap_value(options.softcap);
   if (qc.scalar_type() == at::kFloat) {
     if (i8) run<I8, float>(qc, k_codes, k_param, v_codes, v_param, sc, cc, scale, al, cap, window, out, isa);
     else run<U4, float>(qc, k_codes, k_param, v_codes, v_param, sc, cc, scale, al, cap, window, out, isa);

@@ -37,11 +37,11 @@ using OptWeight = std::optional<Weight>;
 
 // k_cache, v_cache: [S, P, KVH, D] dense, or codes with their params (k_param, v_param); q_norm, k_norm: per-head
 // norms (eps: norm_eps); rotary false: no rotary (ALiBi models: alibi_slopes, fp32 [num_heads], instead);
-// softcap 0: none; window 0: every key; rope_table: which of the model's rotary tables (decode_stack.cpp)
+// scale, softcap, window: the attention kernels' options (step_options.h); rope_table: which of the model's rotary tables (decode_stack.cpp)
 #define ATTENTION_STEP_FIELDS(F)                                                                   \
   F(Weight, qkv) F(OptTensor, qkv_bias) F(Weight, o) F(int64_t, num_heads) F(int64_t, num_kv_heads)          \
-  F(double, scale) F(OptTensor, q_norm) F(OptTensor, k_norm) F(double, norm_eps) F(bool, rotary)             \
-  F(OptTensor, alibi_slopes) F(double, softcap) F(int64_t, window) F(int64_t, rope_table)                    \
+  ATTENTION_OPTION_FIELDS(F) F(OptTensor, q_norm) F(OptTensor, k_norm) F(double, norm_eps) F(bool, rotary)   \
+  F(OptTensor, alibi_slopes) F(int64_t, rope_table)                                                         \
   F(torch::Tensor, k_cache) F(torch::Tensor, v_cache) F(OptTensor, k_param) F(OptTensor, v_param)
 
 // activation: an Activation
@@ -51,8 +51,6 @@ using OptWeight = std::optional<Weight>;
   F(torch::Tensor, router) F(Weights, gate_up) F(Weights, down) F(int64_t, top_k) F(bool, norm_topk_prob)    \
   F(OptWeight, shared_gate_up) F(OptWeight, shared_down) F(OptTensor, shared_gate)
 
-#define DECLARE_STEP_FIELD(type, name) type name{};
-
 struct NormStep {
   NORM_STEP_FIELDS(DECLARE_STEP_FIELD)
   void check() const;
@@ -61,6 +59,11 @@ struct NormStep {
 struct AttentionStep {
   ATTENTION_STEP_FIELDS(DECLARE_STEP_FIELD)
   void check() const;
+  AttentionOptions options() const {   // the attention kernels' share of the fields
+    AttentionOptions out;
+    ATTENTION_OPTION_FIELDS(COPY_STEP_FIELD)
+    return out;
+  }
 };
 
 struct MlpStep {

@@ -46,7 +46,7 @@ def _unfused_attention(h, c, k_cache, v_cache, heads, kv_heads):
     q, k, v = ops.linear(h, c["qkv_w"], c["qkv_b"]).split([heads * d, kv_heads * d, kv_heads * d], -1)
     q, k = ops.rotary(q.view(b, heads, d), k.view(b, kv_heads, d), c["cos"], c["sin"])
     ops.store_kv(k, v, k_cache, v_cache, c["slots"])
-    o = ops.decode_attention(q, k_cache, v_cache, c["spans"], c["ctx"], c["scale"])
+    o = ops.decode_attention(q, k_cache, v_cache, c["spans"], c["ctx"], steps.Attention(c["scale"]))
     return ops.linear(o.reshape(b, heads * d), c["o_w"])
 
 

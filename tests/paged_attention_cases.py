@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from allspark_server.compute import ops
+from allspark_server.compute.steps import Attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}    # max error / max |reference|
@@ -50,8 +51,9 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
 def decode_refs(q, k_cache, v_cache, spans, ctx):
     """(float64 reference, torch reference in q's dtype) of decode attention, on the CPU."""
     q, k_cache, v_cache, spans, ctx = (x.cpu() for x in (q, k_cache, v_cache, spans, ctx))
-    exact = ops.decode_attention_reference(q.double(), k_cache.double(), v_cache.double(), spans, ctx, SCALE)
-    return exact, ops.decode_attention_reference(q, k_cache, v_cache, spans, ctx, SCALE)
+    exact = ops.decode_attention_reference(q.double(), k_cache.double(), v_cache.double(), spans, ctx,
+                                           Attention(SCALE))
+    return exact, ops.decode_attention_reference(q, k_cache, v_cache, spans, ctx, Attention(SCALE))
 
 
 def lengths_for(span_size: int) -> list[int]:

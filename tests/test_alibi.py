@@ -139,7 +139,8 @@ def test_decode_reference_with_slopes(dtype):
         k_cache, v_cache = dense_cache(dtype, 40, span_size, kvh, d, g)
         q, spans, ctx = decode_case(dtype, heads, kvh, d, span_size, g)
         slopes = alibi.alibi_slopes(heads)
-        out = ops.decode_attention_reference(q, k_cache, v_cache, spans, ctx, d ** -0.5, alibi_slopes=slopes)
+        out = ops.decode_attention_reference(q, k_cache, v_cache, spans, ctx, steps.Attention(d ** -0.5),
+                                              alibi_slopes=slopes)
         want = decode_float64(q, dense_rows(k_cache), dense_rows(v_cache), spans, ctx, span_size, slopes, d ** -0.5)
         assert out.dtype == dtype and (out.double() - want).abs().max().item() <= TOL[dtype]
 
@@ -154,15 +155,16 @@ def test_native_decode_attention_with_slopes(dtype, isa):
         k_cache, v_cache = dense_cache(dtype, 40, span_size, kvh, d, g)
         q, spans, ctx = decode_case(dtype, heads, kvh, d, span_size, g)
         slopes = alibi.alibi_slopes(heads)
-        out = ext.decode_attention(q, k_cache, v_cache, spans, ctx, d ** -0.5, isa, slopes)
+        out = ext.decode_attention(q, k_cache, v_cache, spans, ctx, ops.attention_options(d ** -0.5), isa, slopes)
         want = decode_float64(q, dense_rows(k_cache), dense_rows(v_cache), spans, ctx, span_size, slopes, d ** -0.5)
         assert out.dtype == dtype and (out.double() - want).abs().max().item() <= TOL[dtype], (heads, kvh, d)
-        plain = ext.decode_attention(q, k_cache, v_cache, spans, ctx, d ** -0.5, isa)
+        plain = ext.decode_attention(q, k_cache, v_cache, spans, ctx, ops.attention_options(d ** -0.5), isa)
         assert (plain.double() - want).abs().max().item() > 0.05          # the bias matters at these lengths
-        alone = ext.decode_attention(q[3:4], k_cache, v_cache, spans[3:4], ctx[3:4], d ** -0.5, isa, slopes)
+        alone = ext.decode_attention(q[3:4], k_cache, v_cache, spans[3:4], ctx[3:4], ops.attention_options(d ** -0.5),
+                                     isa, slopes)
         assert torch.equal(alone[0], out[3])                               # batch neighbours change nothing
     with pytest.raises(RuntimeError, match="alibi_slopes"):
-        ext.decode_attention(q, k_cache, v_cache, spans, ctx, 1.0, isa, slopes[:1])
+        ext.decode_attention(q, k_cache, v_cache, spans, ctx, ops.attention_options(1.0), isa, slopes[:1])
 
 
 @needs_native
@@ -187,10 +189,10 @@ def test_native_decode_attention_over_quantized_spans_with_slopes(isa, mode, dty
         want = decode_float64(q, rows(cache.k, cache.k_param), rows(cache.v, cache.v_param), spans, ctx, span_size,
                               slopes, d ** -0.5)
         out = ops.native().decode_attention_quant(q, cache.k, cache.k_param, cache.v, cache.v_param, spans, ctx,
-                                                  d ** -0.5, isa, slopes)
+                                                  ops.attention_options(d ** -0.5), isa, slopes)
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         assert out.dtype == dtype and (out.double() - want).abs().max().item() <= tol, (heads, kvh, d)
-        ref = ops.decode_attention_reference(q, cache.k, cache.v, spans, ctx, d ** -0.5, cache.k_param,
+        ref = ops.decode_attention_reference(q, cache.k, cache.v, spans, ctx, steps.Attention(d ** -0.5), cache.k_param,
                                              cache.v_param, slopes)
         assert (ref.double() - want).abs().max().item() <= tol
 
@@ -203,7 +205,7 @@ def _unfused_alibi_attention(h, c, k_cache, v_cache, heads, kv_heads, slopes):
     b, d = h.shape[0], k_cache.shape[-1]
     q, k, v = ops.linear(h, c["qkv_w"], c["qkv_b"]).split([heads * d, kv_heads * d, kv_heads * d], -1)
     ops.store_kv(k.view(b, kv_heads, d), v, k_cache, v_cache, c["slots"])
-    o = ops.decode_attention(q.view(b, heads, d), k_cache, v_cache, c["spans"], c["ctx"], c["scale"],
+    o = ops.decode_attention(q.view(b, heads, d), k_cache, v_cache, c["spans"], c["ctx"], steps.Attention(c["scale"]),
                              alibi_slopes=slopes)
     return ops.linear(o.reshape(b, heads * d), c["o_w"])
 

@@ -12,6 +12,7 @@ from helpers import greedy, hf_greedy, hf_logits, random_prompt, serialize
 from allspark_client import AsCacheMode, AsException, GenerateRequestStatus
 from allspark_client.config import ConfigError
 from allspark_server.compute import ops
+from allspark_server.compute.steps import Attention
 from allspark_server.quant import kv as kv_quant
 from allspark_server.step.kv_cache import KVCache, bytes_per_span
 
@@ -126,12 +127,14 @@ def test_native_decode_attention_over_quantized_spans(isa, mode, dtype, heads, k
     spans = torch.stack([torch.randperm(24, generator=g) for _ in ctx])[:, :19]     # 19 spans hold 300 tokens
     q = torch.randn(len(ctx), heads, d, generator=g).to(dtype)
     ext = ops.native()
-    out = ext.decode_attention_quant(q, cache.k, cache.k_param, cache.v, cache.v_param, spans, ctx, d ** -0.5, isa)
+    out = ext.decode_attention_quant(q, cache.k, cache.k_param, cache.v, cache.v_param, spans, ctx,
+                                     ops.attention_options(d ** -0.5), isa)
     expected = attention_float64(q, cache, spans, ctx, d ** -0.5)
     tol = 1e-5 if dtype == torch.float32 else 1e-2    # bf16: one rounding of the output
     assert out.dtype == dtype and torch.allclose(out.double(), expected, atol=tol, rtol=tol)
     # the torch reference the model falls back on agrees too
-    ref = ops.decode_attention_reference(q, cache.k, cache.v, spans, ctx, d ** -0.5, cache.k_param, cache.v_param)
+    ref = ops.decode_attention_reference(q, cache.k, cache.v, spans, ctx, Attention(d ** -0.5), cache.k_param,
+                                         cache.v_param)
     assert torch.allclose(ref.double(), expected, atol=tol, rtol=tol)
 
 

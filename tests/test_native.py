@@ -6,7 +6,7 @@ import torch
 
 from allspark_client import settings
 from allspark_server.compute import ops, step_ops
-from allspark_server.compute.steps import BoundMlp, Mlp
+from allspark_server.compute.steps import Attention, BoundMlp, Mlp
 
 pytestmark = pytest.mark.skipif(settings.NO_NATIVE.get(), reason="native path disabled")
 
@@ -111,14 +111,16 @@ def test_decode_attention_matches_reference(dtype, isa):
         spans = torch.stack([torch.randperm(num_spans, generator=g)[:width] for _ in ctx])   # scattered spans
         q = torch.randn(len(ctx), heads, d, generator=g).to(dtype)
         scale = d ** -0.5
-        out = ops.native().decode_attention(q, k_cache, v_cache, spans, ctx, scale, isa)
+        out = ops.native().decode_attention(q, k_cache, v_cache, spans, ctx, ops.attention_options(scale), isa)
         # float64 reference on the same inputs
-        ref = ops.decode_attention_reference(q.double(), k_cache.double(), v_cache.double(), spans, ctx, scale)
+        ref = ops.decode_attention_reference(q.double(), k_cache.double(), v_cache.double(), spans, ctx,
+                                             Attention(scale))
         assert out.dtype == dtype and out.shape == q.shape
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert (out.double() - ref).abs().max().item() <= tol, (dtype, isa, heads, kv_heads, d)
         # a sequence's result does not depend on the others in the batch
-        alone = ops.native().decode_attention(q[3:4], k_cache, v_cache, spans[3:4], ctx[3:4], scale, isa)
+        alone = ops.native().decode_attention(q[3:4], k_cache, v_cache, spans[3:4], ctx[3:4],
+                                              ops.attention_options(scale), isa)
         assert torch.equal(alone[0], out[3])
 
 
@@ -145,11 +147,12 @@ def test_decode_attention_over_long_contexts(isa, mode, dtype):
 
     def attend(qq, sp, n):
         if mode is None:
-            return ops.native().decode_attention(qq, k, v, sp, n, scale, isa, slopes)
-        return ops.native().decode_attention_quant(qq, k, k_param, v, v_param, sp, n, scale, isa, slopes)
+            return ops.native().decode_attention(qq, k, v, sp, n, ops.attention_options(scale), isa, slopes)
+        return ops.native().decode_attention_quant(qq, k, k_param, v, v_param, sp, n, ops.attention_options(scale),
+                                                  isa, slopes)
     out = attend(q, spans, ctx)
     ref = ops.decode_attention_reference(q.double(), k if mode else k.double(), v if mode else v.double(), spans,
-                                         ctx, scale, k_param, v_param, slopes)
+                                         ctx, Attention(scale), k_param, v_param, slopes)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert out.dtype == dtype and (out.double() - ref).abs().max().item() <= tol, (isa, mode, dtype)
     for i in (3, 4):

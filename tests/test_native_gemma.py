@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from allspark_server.compute import ops, reference
+from allspark_server.compute.steps import Attention
 from allspark_server.quant import kv as kv_quant
 
 pytestmark = pytest.mark.skipif(os.environ.get("ALLSPARK_NO_NATIVE") == "1" or ops.native() is None,
@@ -89,10 +90,10 @@ def attention64(q, k, v, k_param, v_param, spans, ctx, scale, mode, softcap=0.0,
 
 
 def _attend(isa, mode, q, k, v, k_param, v_param, spans, ctx, scale, slopes=None, **kw):
-    ext = ops.native()
+    ext, options = ops.native(), ops.attention_options(scale, **kw)
     if mode is None:
-        return ext.decode_attention(q, k, v, spans, ctx, scale, isa, slopes, **kw)
-    return ext.decode_attention_quant(q, k, k_param, v, v_param, spans, ctx, scale, isa, slopes, **kw)
+        return ext.decode_attention(q, k, v, spans, ctx, options, isa, slopes)
+    return ext.decode_attention_quant(q, k, k_param, v, v_param, spans, ctx, options, isa, slopes)
 
 
 def _tolerance(dtype, amax, vmax, out64):
@@ -136,8 +137,9 @@ def test_softcap_and_window_match_float64(shape, mode, dtype):
                     capped_moved = (out64 - uncapped).abs().max().item()
                 # the torch reference, in float64 (quantized spans: rows read back in fp32, then widened)
                 ref = reference.decode_attention_reference(q.double(), k.double() if mode is None else k,
-                                                           v.double() if mode is None else v, spans, ctx, scale,
-                                                           k_param, v_param, sl, softcap=softcap, window=window)
+                                                           v.double() if mode is None else v, spans, ctx,
+                                                           Attention(scale, softcap=softcap, window=window),
+                                                           k_param, v_param, sl)
                 ref_tol = 1e-10 if mode is None else 4 * EPS32 * (1 + amax.max().item()) * vmax.max().item()
                 assert ref.dtype == torch.float64 and (ref - out64).abs().max().item() <= ref_tol
     assert capped_moved > 0.1, "the scores are too small for the cap to matter"

@@ -11,18 +11,23 @@ import torch
 
 from allspark_server.compute import ops, step_binding, step_ops, steps
 
-STEPS_H = os.path.join(os.path.dirname(__file__), "..", "native", "steps.h")
-NATIVE_NAMES = {"NormStep": "NORM", "AttentionStep": "ATTENTION", "MlpStep": "MLP", "MoeStep": "MOE"}
+NATIVE = os.path.join(os.path.dirname(__file__), "..", "native")
+NATIVE_NAMES = {"NormStep": "NORM_STEP", "AttentionStep": "ATTENTION_STEP", "MlpStep": "MLP_STEP", "MoeStep": "MOE_STEP",
+                "AttentionOptions": "ATTENTION_OPTION"}
 
 
 def header_fields() -> dict[str, list[tuple[str, str]]]:
-    """Each descriptor's F(type, name) list, read from the header's text."""
-    text = open(STEPS_H).read().replace("\\\n", " ")
-    out = {}
-    for struct, macro in NATIVE_NAMES.items():
-        body = re.search(rf"#define {macro}_STEP_FIELDS\(F\)(.*)", text).group(1)
-        out[struct] = [(name, ctype.strip()) for ctype, name in re.findall(r"F\(([^,]+),\s*(\w+)\)", body)]
-    return out
+    """Each struct's F(type, name) list, read from the headers' text (steps.h, step_options.h): a list that names
+    another list (ATTENTION_OPTION_FIELDS(F) inside ATTENTION_STEP_FIELDS) holds its fields there."""
+    text = "".join(open(os.path.join(NATIVE, h)).read() for h in ("steps.h", "step_options.h")).replace("\\\n", " ")
+
+    def fields(macro: str) -> list[tuple[str, str]]:
+        body = re.search(rf"#define {macro}_FIELDS\(F\)(.*)", text).group(1)
+        out = []
+        for ctype, name, nested in re.findall(r"F\(([^,]+),\s*(\w+)\)|(\w+)_FIELDS\(F\)", body):
+            out += fields(nested) if nested else [(name, ctype.strip())]
+        return out
+    return {struct: fields(macro) for struct, macro in NATIVE_NAMES.items()}
 
 
 def fake_ext(fields: dict[str, list[tuple[str, str]]]):
@@ -33,6 +38,8 @@ def test_header_lists_every_struct_and_the_python_side_agrees():
     fields = header_fields()
     assert set(fields) == set(NATIVE_NAMES) and all(fields.values())
     assert ("softcap", "double") in fields["AttentionStep"] and ("activation", "int64_t") in fields["MlpStep"]
+    assert fields["AttentionOptions"] == [("scale", "double"), ("softcap", "double"), ("window", "int64_t")]
+    assert set(fields["AttentionOptions"]) <= set(fields["AttentionStep"])     # the step holds its kernels' options
     step_binding.check_fields(fake_ext(fields))     # compute/steps.py as it is: no complaint
 
 
@@ -78,3 +85,33 @@ def test_descriptors_are_filled_by_name_and_checked():
     norm = steps.BoundNorm(steps.Norm("n"), torch.ones(16), eps=0.0)        # the struct's own check
     with pytest.raises(RuntimeError, match="eps must be > 0"):
         step_ops.native_step(norm)
+
+
+def test_an_options_field_the_step_lacks_or_types_otherwise_fails():
+    fields = header_fields()
+    fields["AttentionOptions"].append(("logit_bias", "double"))
+    with pytest.raises(RuntimeError, match=r"AttentionOptions\.logit_bias is double .* Attention\.logit_bias is missing"):
+        step_binding.check_fields(fake_ext(fields))
+    fields = header_fields()
+    fields["AttentionOptions"] = [(n, "double" if n == "window" else t) for n, t in fields["AttentionOptions"]]
+    with pytest.raises(RuntimeError, match=r"AttentionOptions\.window is double .* Attention\.window is int"):
+        step_binding.check_fields(fake_ext(fields))
+
+
+@pytest.mark.skipif(ops.native() is None, reason="native extension not built")
+def test_the_attention_kernels_take_the_steps_options():
+    """The op takes the layer's Attention step; its options reach the kernel as one struct, filled by name, and
+    soft-capped scores and a window change the result as the float64 reference says (compute/reference.py)."""
+    g = torch.Generator().manual_seed(3)
+    heads, kvh, d, span = 4, 2, 16, 8
+    k, v = torch.randn(6, span, kvh, d, generator=g), torch.randn(6, span, kvh, d, generator=g)
+    spans, ctx = torch.tensor([[0, 1, 2, 3], [4, 5, 0, 0]]), torch.tensor([29, 11])
+    q = torch.randn(2, heads, d, generator=g) * 4
+    opts = steps.Attention(0.5, softcap=2.0, window=5)
+    assert ops.attention_options(0.5, 2.0, 5) is step_binding.options(opts, ops.native())   # one struct per step
+    got = ops.decode_attention(q, k, v, spans, ctx, opts)
+    want = ops.decode_attention_reference(q.double(), k.double(), v.double(), spans, ctx, opts)
+    plain = ops.decode_attention_reference(q.double(), k.double(), v.double(), spans, ctx, steps.Attention(0.5))
+    assert (got.double() - want).abs().max() < 1e-5 < (plain - want).abs().max()
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        ops.decode_attention(q, k, v, spans, ctx, steps.Attention(0.5, window=-1))

@@ -30,6 +30,7 @@ from paged_attention_cases import (  # noqa: E402, F401
 
 from allspark_server.compute import ops  # noqa: E402
 from allspark_server.compute.cuda import decode_attention as da  # noqa: E402
+from allspark_server.compute.steps import Attention  # noqa: E402
 
 # (dtype, head dim, span size, GQA group): together every dtype, D in {64, 128, 80, 96}, P in {16, 32} and
 # G in {1, 4, 8} (G = 1: H == KVH), without the whole product the interpreter could not afford; P = 24 puts
@@ -206,7 +207,7 @@ def test_decode_with_alibi_slopes(dtype):
     ctx = torch.tensor(lengths, device=DEVICE)
     slopes = alibi.alibi_slopes(kvh * group)
     exact = ops.decode_attention_reference(q.cpu().double(), k_cache.cpu().double(), v_cache.cpu().double(),
-                                           spans.cpu(), ctx.cpu(), SCALE, alibi_slopes=slopes)
+                                           spans.cpu(), ctx.cpu(), Attention(SCALE), alibi_slopes=slopes)
     plain, _ = decode_refs(q, k_cache, v_cache, spans, ctx)
     assert (exact - plain).abs().max().item() > 0.05          # the bias matters at these lengths
     for splits in (1, 3, None):
@@ -231,9 +232,10 @@ def test_decode_over_quantized_spans(mode, d, group):
     ctx = torch.tensor(lengths, device=DEVICE)
     for dtype in (torch.float32, torch.bfloat16):
         q = torch.randn(len(lengths), kvh * group, d).to(DEVICE, dtype)                   # [B, H, D]
-        exact = ops.decode_attention_reference(q.cpu().double(), k_deq, v_deq, spans.cpu(), ctx.cpu(), SCALE)
-        ref = ops.decode_attention_reference(q.cpu(), k_codes.cpu(), v_codes.cpu(), spans.cpu(), ctx.cpu(), SCALE,
-                                             k_param.cpu(), v_param.cpu())
+        exact = ops.decode_attention_reference(q.cpu().double(), k_deq, v_deq, spans.cpu(), ctx.cpu(),
+                                               Attention(SCALE))
+        ref = ops.decode_attention_reference(q.cpu(), k_codes.cpu(), v_codes.cpu(), spans.cpu(), ctx.cpu(),
+                                             Attention(SCALE), k_param.cpu(), v_param.cpu())
         for splits in (1, None):
             out = da.paged_decode_attention(q, k_codes, v_codes, spans, ctx, SCALE, num_splits=splits,
                                             k_param=k_param, v_param=v_param)

@@ -22,6 +22,7 @@ from allspark_server.compute import (
     reference,  # noqa: E402
 )
 from allspark_server.compute.cuda import attention_kernels as ak  # noqa: E402
+from allspark_server.compute.steps import Attention  # noqa: E402
 
 # ---- prefill -------------------------------------------------------------------------------------------------
 
@@ -102,10 +103,10 @@ def test_a_mixed_steps_chunks_through_the_gpu_wiring_equal_the_per_chunk_referen
         gpu_meta = inputs.to(torch.device(DEVICE)).attn if DEVICE == "cuda" else meta
         out = torch.full_like(q, float("nan")).to(DEVICE, dtype)
         cuda_ops.prefill_attention(q.to(DEVICE, dtype), k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype),
-                                   gpu_meta, SCALE, out)
+                                   gpu_meta, Attention(SCALE), out)
         exact = torch.full_like(q, float("nan")).double()
         ops.prefill_attention_reference(q.to(dtype).double(), k_cache.to(dtype).double(),
-                                        v_cache.to(dtype).double(), meta, SCALE, exact)
+                                        v_cache.to(dtype).double(), meta, Attention(SCALE), exact)
         assert torch.isnan(out[0].cpu()).all(), "wrote the decode row"
         assert_close(out.cpu()[1:], exact[1:], TOL[dtype])
 

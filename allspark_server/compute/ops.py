@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from allspark_client import settings
 from allspark_client.cpu_features import cpu_flags
+from allspark_server.compute import step_binding
 from allspark_server.compute.reference import (
     ACT_MAX,
     decode_attention_reference,
@@ -28,6 +29,7 @@ from allspark_server.compute.reference import (
     silu_mul_reference,
     store_kv_reference,
 )
+from allspark_server.compute.steps import Attention, Mlp
 from allspark_server.quant.formats import FORMAT_IDS, QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -54,8 +56,8 @@ def native():
         # the caller's too (f_back), and with them a model being installed
         log.warning("native kernels unavailable (%s); using the PyTorch path", str(e))
         return None
-    from allspark_server.compute.step_binding import check_fields
-    check_fields(_native)       # a step option one side has and the other lacks fails here, not as a wrong answer
+    # a step option one side has and the other lacks fails here, not as a wrong answer
+    step_binding.check_fields(_native)
     return _native
 
 
@@ -220,29 +222,32 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
     return q
 
 
+def attention_options(scale: float, softcap: float = 0.0, window: int = 0):
+    """The native attention kernels' options struct for these values (for calling the kernels directly)."""
+    return step_binding.options(Attention(scale, softcap=softcap, window=window), native())
+
+
 @on_cuda
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,
-                     ctx: torch.Tensor, scale: float, k_param: torch.Tensor | None = None,
-                     v_param: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
-                     softcap: float = 0.0, window: int = 0) -> torch.Tensor:
-    """One query per sequence over its spans; softcap / window: compute/steps.py's Attention options."""
+                     ctx: torch.Tensor, options: Attention, k_param: torch.Tensor | None = None,
+                     v_param: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence over its spans; options: the layer's Attention step (scale, softcap, window), which
+    reaches the kernel as its native AttentionOptions (compute/step_binding.py)."""
     ext = native()
     if ext is None or q.dtype not in (torch.float32, torch.bfloat16):
-        return decode_attention_reference(q, k_cache, v_cache, spans, ctx, scale, k_param, v_param, alibi_slopes,
-                                          softcap=softcap, window=window)
+        return decode_attention_reference(q, k_cache, v_cache, spans, ctx, options, k_param, v_param, alibi_slopes)
+    kernel_options = step_binding.options(options, ext)
     if k_param is not None:
-        return ext.decode_attention_quant(q, k_cache, k_param, v_cache, v_param, spans, ctx, scale, isa_level(),
-                                          alibi_slopes, softcap=softcap, window=window)
-    return ext.decode_attention(q, k_cache, v_cache, spans, ctx, scale, isa_level(), alibi_slopes, softcap=softcap,
-                                window=window)
+        return ext.decode_attention_quant(q, k_cache, k_param, v_cache, v_param, spans, ctx, kernel_options,
+                                          isa_level(), alibi_slopes)
+    return ext.decode_attention(q, k_cache, v_cache, spans, ctx, kernel_options, isa_level(), alibi_slopes)
 
 
 @on_cuda
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, options: Attention,
                       out: torch.Tensor, k_param: torch.Tensor | None = None, v_param: torch.Tensor | None = None,
-                      alibi_slopes: torch.Tensor | None = None, softcap: float = 0.0, window: int = 0) -> torch.Tensor:
-    return prefill_attention_reference(q, k_cache, v_cache, meta, scale, out, k_param, v_param, alibi_slopes,
-                                       softcap=softcap, window=window)
+                      alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+    return prefill_attention_reference(q, k_cache, v_cache, meta, options, out, k_param, v_param, alibi_slopes)
 
 
 @on_cuda
@@ -262,9 +267,9 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return ext.gelu_tanh_mul(gate_up, isa_level())
 
 
-def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
-    """An Mlp step's act(gate) * up (compute/steps.py ACTIVATIONS)."""
-    return silu_mul(gate_up) if act == "silu" else gelu_tanh_mul(gate_up)
+def act_mul(gate_up: torch.Tensor, options: Mlp) -> torch.Tensor:
+    """An Mlp step's act(gate) * up (options.act: compute/steps.py ACTIVATIONS)."""
+    return silu_mul(gate_up) if options.act == "silu" else gelu_tanh_mul(gate_up)
 
 
 @on_cuda

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from allspark_server.compute import alibi
+from allspark_server.compute.steps import Attention, Mlp
 from allspark_server.quant import kv as kv_quant
 from allspark_server.quant.formats import QuantizedWeight
 
@@ -57,17 +58,18 @@ def rotary_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,
-                               ctx: torch.Tensor, scale: float, k_param: torch.Tensor | None = None,
+                               ctx: torch.Tensor, options: Attention, k_param: torch.Tensor | None = None,
                                v_param: torch.Tensor | None = None,
-                               alibi_slopes: torch.Tensor | None = None, *, softcap: float = 0.0,
-                               window: int = 0) -> torch.Tensor:
-    """One query per sequence: q [B, H, D], caches [S, P, KVH, D], spans [B, MAXS], ctx [B] -> [B, H, D].
+                               alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence: q [B, H, D], caches [S, P, KVH, D], spans [B, MAXS], ctx [B] -> [B, H, D];
+    options: the layer's Attention step (its scale, softcap and window).
     Quantized caches (k_param/v_param given, quant/kv.py) are dequantized and attended in fp32. alibi_slopes
     [H] fp32: key t's score gets slope_h * (t - (ctx - 1)) (compute/alibi.py), attended in fp32 (or q's wider
     dtype). Gemma 2: softcap > 0 turns each score s = scale * q.k into softcap * tanh(s / softcap) before the bias;
     window > 0 keeps only the keys t >= ctx - window (HF's sliding window: (ctx - 1) - t < window). Either one set:
     the attention is computed here in fp32 (or q's wider dtype), scores, softmax and the weighted sum, rather than
     through SDPA."""
+    scale, softcap, window = options.scale, options.softcap, options.window
     if softcap < 0 or window < 0:
         raise ValueError(f"softcap and window must be >= 0, not {softcap}, {window}")
     if softcap > 0 or window > 0:
@@ -116,14 +118,15 @@ def _decode_attention_explicit(q, k_cache, v_cache, spans, ctx, scale, k_param, 
     return out
 
 
-def prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
-                                out: torch.Tensor, k_param: torch.Tensor | None = None,
-                                v_param: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
-                                softcap: float = 0.0, window: int = 0) -> torch.Tensor:
+def prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
+                                options: Attention, out: torch.Tensor, k_param: torch.Tensor | None = None,
+                                v_param: torch.Tensor | None = None,
+                                alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Each multi-token chunk of `meta.seqs` (step/inputs.py) on its own: q [T, H, D] rows of the chunk
     against its context gathered from the spans (K/V already stored; quantized spans dequantized), causal and offset
     by the tokens cached before it -> written into out [T, H, D]. ALiBi (slopes fp32 [H]): with the bias. softcap /
-    window (compute/steps.py Attention): HF's eager attention with the cap and the sliding window."""
+    window (options, the layer's Attention step): HF's eager attention with the cap and the sliding window."""
+    scale, softcap, window = options.scale, options.softcap, options.window
     gqa = q.shape[1] != k_cache.shape[2]
     for seq in meta.seqs:
         qs = q[seq.q_start:seq.q_start + seq.q_len].transpose(0, 1)[None]    # [1, h, q, D]
@@ -218,19 +221,18 @@ def attention_step_reference(x: torch.Tensor, b, slots: torch.Tensor, spans: tor
     if cos is not None:
         q, k = rotary_reference(q, k, cos, sin)
     store_kv_reference(k, v, b.k_cache, b.v_cache, slots, b.k_param, b.v_param)
-    o = decode_attention_reference(q, b.k_cache, b.v_cache, spans, ctx, a.scale, b.k_param, b.v_param,
-                                   b.alibi_slopes, softcap=a.softcap, window=a.window)
+    o = decode_attention_reference(q, b.k_cache, b.v_cache, spans, ctx, a, b.k_param, b.v_param, b.alibi_slopes)
     return linear_reference(o.reshape(n, b.num_heads * d), b.o)
 
 
-def act_mul_reference(gate_up: torch.Tensor, act: str) -> torch.Tensor:
-    """An Mlp step's act(gate) * up on the merged [T, 2I] projection (compute/steps.py ACTIVATIONS)."""
-    return silu_mul_reference(gate_up) if act == "silu" else gelu_tanh_mul_reference(gate_up)
+def act_mul_reference(gate_up: torch.Tensor, options: Mlp) -> torch.Tensor:
+    """An Mlp step's act(gate) * up on the merged [T, 2I] projection (options.act: compute/steps.py ACTIVATIONS)."""
+    return silu_mul_reference(gate_up) if options.act == "silu" else gelu_tanh_mul_reference(gate_up)
 
 
 def mlp_step_reference(x: torch.Tensor, b) -> torch.Tensor:
     """A BoundMlp step: gate|up projection, act(gate) * up, down projection (before any allreduce)."""
-    return linear_reference(act_mul_reference(linear_reference(x, b.gate_up, b.gate_up_bias), b.step.act), b.down)
+    return linear_reference(act_mul_reference(linear_reference(x, b.gate_up, b.gate_up_bias), b.step), b.down)
 
 
 def moe_route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:

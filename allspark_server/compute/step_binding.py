@@ -2,13 +2,15 @@
 
 Each native descriptor lists its fields once (steps.h's F(type, name) lists, exposed as the class's FIELDS). A field
 is filled from the attribute of the same name on the bound step, or else on its step (a dataclass field or a
-property); weights go through the caller's weight converter. `check_fields` runs when the extension loads: a native
+property); weights go through the caller's weight converter. A kernel's options struct (native/step_options.h,
+`options`) is filled the same way from the step alone. `check_fields` runs when the extension loads: a native
 field with no Python attribute of a matching type, or a step option that the native path neither reads nor names
 in NOT_NATIVE, fails there, loudly, instead of becoming an option one backend silently ignores.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 from allspark_server.compute.steps import Attention, BoundAttention, BoundMlp, BoundMoe, BoundNorm, Mlp, Moe, Norm
@@ -16,6 +18,8 @@ from allspark_server.compute.steps import Attention, BoundAttention, BoundMlp, B
 # bound step -> (its native descriptor's class name, its step class)
 NATIVE_STEPS = {BoundNorm: ("NormStep", Norm), BoundAttention: ("AttentionStep", Attention),
                 BoundMlp: ("MlpStep", Mlp), BoundMoe: ("MoeStep", Moe)}
+# a kernel's options struct (native/step_options.h) -> the step class whose fields fill it
+NATIVE_OPTIONS = {"AttentionOptions": Attention}
 # steps.h's field types -> the annotations compute/steps.py writes for them
 PYTHON_TYPES = {"torch::Tensor": "torch.Tensor", "OptTensor": "Optional[torch.Tensor]", "Weight": "Weight",
                 "Weights": "list[Weight]", "OptWeight": "Optional[Weight]", "double": "float", "int64_t": "int",
@@ -36,6 +40,12 @@ def _annotation(cls, name: str):
 def check_fields(ext) -> None:
     """Raise when the extension's descriptors and compute/steps.py disagree (see the module docstring)."""
     problems = []
+    for native_name, step_cls in NATIVE_OPTIONS.items():
+        for name, ctype in getattr(ext, native_name).FIELDS:
+            found, want = _annotation(step_cls, name), PYTHON_TYPES.get(ctype)
+            if found != want:
+                problems.append(f"native/step_options.h {native_name}.{name} is {ctype} (Python: {want}) but "
+                                f"{step_cls.__name__}.{name} is {found or 'missing'} in compute/steps.py")
     for bound_cls, (native_name, step_cls) in NATIVE_STEPS.items():
         native_fields = dict(getattr(ext, native_name).FIELDS)
         for name, ctype in native_fields.items():
@@ -71,5 +81,17 @@ def descriptor(bound, ext, native_weight: Callable):
         elif ctype == "Weights":
             value = [native_weight(w) for w in value]
         setattr(d, name, value)
+    d.check()
+    return d
+
+
+@functools.lru_cache(maxsize=None)
+def options(step, ext):
+    """A step's kernel options struct (NATIVE_OPTIONS: the kernels' share of its fields), filled by name, checked,
+    and kept for the step (steps are frozen: one struct per distinct step)."""
+    native_name = next(name for name, cls in NATIVE_OPTIONS.items() if isinstance(step, cls))
+    d = getattr(ext, native_name)()
+    for name, _ in d.FIELDS:
+        setattr(d, name, getattr(step, name))
     d.check()
     return d

@@ -28,7 +28,7 @@ class PagedAttention(nn.Module):
         [num_heads], this rank's heads' ALiBi slopes (None: no position bias)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale, self.options = step.scale, dict(softcap=step.softcap, window=step.window)
+        self.step = step
         self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)     # [h] or None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV,
@@ -42,9 +42,8 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(q)
         if meta.decode_rows.numel():
             out[meta.decode_rows] = ops.decode_attention(q[meta.decode_rows], kv.k, kv.v, meta.decode_spans,
-                                                         meta.decode_ctx, self.scale, kv.k_param,
-                                                         kv.v_param, self.alibi_slopes, **self.options)  # [B, h, D]
+                                                         meta.decode_ctx, self.step, kv.k_param,
+                                                         kv.v_param, self.alibi_slopes)  # [B, h, D]
         if meta.seqs:
-            ops.prefill_attention(q, kv.k, kv.v, meta, self.scale, out, kv.k_param, kv.v_param, self.alibi_slopes,
-                                  **self.options)
+            ops.prefill_attention(q, kv.k, kv.v, meta, self.step, out, kv.k_param, kv.v_param, self.alibi_slopes)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -101,7 +101,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, args.hidden_size, step.bias, dtype, comm)
 
     def forward(self, x):   # [T, H] -> [T, H]
-        return self.down_proj(ops.act_mul(self.gate_up_proj(x), self.step.act))     # act(gate) * up: [T, I]
+        return self.down_proj(ops.act_mul(self.gate_up_proj(x), self.step))     # act(gate) * up: [T, I]
 
     def bound(self) -> spec.BoundMlp:
         return spec.BoundMlp(self.step, self.gate_up_proj.kernel_weight, self.gate_up_proj.bias,

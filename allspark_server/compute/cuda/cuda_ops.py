@@ -19,6 +19,7 @@ from allspark_server.compute.cuda import gemv_kernels
 from allspark_server.compute.cuda.attention_kernels import paged_prefill_attention
 from allspark_server.compute.cuda.decode_attention import fused_decode_enabled, paged_decode_attention
 from allspark_server.compute.cuda.quant_kernels import quant_matmul
+from allspark_server.compute.steps import Attention
 from allspark_server.quant.formats import QuantizedWeight
 
 
@@ -60,25 +61,24 @@ def rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots, k_param=None, v_
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,
-                     ctx: torch.Tensor, scale: float, k_param: torch.Tensor | None = None,
-                     v_param: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
-                     softcap: float = 0.0, window: int = 0) -> torch.Tensor:
+                     ctx: torch.Tensor, options: Attention, k_param: torch.Tensor | None = None,
+                     v_param: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D] against each sequence's spans -> [B, H, D] (Triton; quantized spans with their params);
-    alibi_slopes fp32 [H]: ALiBi's bias; softcap / window: compute/steps.py's Attention options."""
-    return paged_decode_attention(q, k_cache, v_cache, spans, ctx, scale, alibi_slopes=alibi_slopes,
-                                  k_param=k_param, v_param=v_param, softcap=softcap, window=window)
+    alibi_slopes fp32 [H]: ALiBi's bias; options: the layer's Attention step (scale, softcap, window)."""
+    return paged_decode_attention(q, k_cache, v_cache, spans, ctx, options.scale, alibi_slopes=alibi_slopes,
+                                  k_param=k_param, v_param=v_param, softcap=options.softcap, window=options.window)
 
 
-def prefill_attention(q, k_cache, v_cache, meta, scale, out, k_param=None, v_param=None, alibi_slopes=None,
-                      softcap=0.0, window=0):
+def prefill_attention(q, k_cache, v_cache, meta, options: Attention, out, k_param=None, v_param=None,
+                      alibi_slopes=None):
     """Every multi-token chunk of the step in one varlen causal launch (Triton) over the spans; quantized spans
     take the reference's gather-and-SDPA per chunk."""
     if k_param is not None:
-        return ref.prefill_attention_reference(q, k_cache, v_cache, meta, scale, out, k_param, v_param, alibi_slopes,
-                                               softcap=softcap, window=window)
+        return ref.prefill_attention_reference(q, k_cache, v_cache, meta, options, out, k_param, v_param,
+                                               alibi_slopes)
     return paged_prefill_attention(q, k_cache, v_cache, meta.prefill_q_start, meta.prefill_q_len, meta.prefill_ctx,
-                                   meta.prefill_spans, scale, out=out, max_q_len=meta.prefill_max_q,
-                                   alibi_slopes=alibi_slopes, softcap=softcap, window=window)
+                                   meta.prefill_spans, options.scale, out=out, max_q_len=meta.prefill_max_q,
+                                   alibi_slopes=alibi_slopes, softcap=options.softcap, window=options.window)
 
 
 def attention_step(x, b, slots, spans, ctx, cos, sin):
@@ -91,15 +91,15 @@ def attention_step(x, b, slots, spans, ctx, cos, sin):
     if b.q_norm is not None:
         q, k = rms_norm(q.reshape(-1, d), b.q_norm, b.norm_eps)[0], rms_norm(k.reshape(-1, d), b.k_norm, b.norm_eps)[0]
     q, k = q.view(n, heads, d), k.view(n, kv_heads, d)
-    options = dict(alibi_slopes=b.alibi_slopes, softcap=a.softcap, window=a.window)
     if cos is not None and b.k_param is None and fused_decode_enabled():   # rotate q, k, write k, v, attend: one launch
         o = paged_decode_attention(q, b.k_cache, b.v_cache, spans, ctx, a.scale,
-                                   rotary=(k, v.view(n, kv_heads, d), cos, sin, slots), **options)
+                                   rotary=(k, v.view(n, kv_heads, d), cos, sin, slots), alibi_slopes=b.alibi_slopes,
+                                   softcap=a.softcap, window=a.window)
     else:
         if cos is not None:   # ALiBi (cos None): no rotary, the bias is the attention's
             q, k = rotary(q, k, cos, sin)
         store_kv(k, v, b.k_cache, b.v_cache, slots, b.k_param, b.v_param)
-        o = decode_attention(q, b.k_cache, b.v_cache, spans, ctx, a.scale, b.k_param, b.v_param, **options)
+        o = decode_attention(q, b.k_cache, b.v_cache, spans, ctx, a, b.k_param, b.v_param, b.alibi_slopes)
     return linear(o.reshape(n, heads * d), b.o)
 
 
