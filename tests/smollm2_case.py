@@ -1,7 +1,7 @@
 """The SmolLM2 file's test case, built once per session for the Engine test (test_gguf_smollm2.py) and the pool
 test (test_smollm2_serve.py): the file serialized by our loader (its Q4_1 weights kept as uint4_min), 8 chat
 prompts, and transformers' fp32 greedy tokens for them (its GGUF loader dequantizes the same file). Loading
-transformers' model of the file and generating 8 x 64 tokens with it is the slow part; both tests check against
+transformers' model of the file and generating 8 x 32 tokens with it is the slow part; both tests check against
 the same reference."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 QUESTIONS = ["What is the capital of France?", "Name three colors of the rainbow.", "How many legs does a spider have?",
              "Write a haiku about the sea.", "What is 12 times 12?", "Who wrote Romeo and Juliet?",
              "Give me a synonym for happy.", "Why is the sky blue?"]
-NEW_TOKENS = 64
+NEW_TOKENS = 32
 
 
 @dataclass

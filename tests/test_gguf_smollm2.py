@@ -102,7 +102,7 @@ GEMMS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 
 
 def test_greedy_equals_transformers_fp32_model_of_the_file(smollm2_case):
-    """8 chat prompts, 64 tokens each, alone and batched through the Engine, against transformers' fp32 model of
+    """8 chat prompts, 32 tokens each, alone and batched through the Engine, against transformers' fp32 model of
     the same file."""
     case, n = smollm2_case, len(smollm2_case.want[0])
     engine = start_engine(case.loader, "smollm2", max_batch=8, max_length=512)

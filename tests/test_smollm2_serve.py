@@ -52,13 +52,14 @@ def test_chat_answers_in_english(server):
 
 
 def test_pool_greedy_equals_transformers_fp32_model_of_the_file(pool, smollm2_case):
-    """The file's own Q4_1 weights (uint4_min) on the session's 2-rank pool (heads split 3 + 6): 8 chat prompts,
-    64 tokens each, alone and batched, equal transformers' fp32 model of the same file (which dequantizes)."""
+    """The file's own Q4_1 weights (uint4_min) on the session's 2-rank pool (heads split 3 + 6): 8 chat prompts
+    batched and 2 of them alone equal transformers' fp32 model of the same file (which dequantizes). Every prompt
+    alone is the Engine's test (test_gguf_smollm2.py); a pool's step is slower, so here only two."""
     from helpers import assert_same_tokens, greedy, installed_on_pool, run_together
     client, _ = pool
     case, n = smollm2_case, len(smollm2_case.want[0])
     with installed_on_pool(client, case.loader, "smollm2_pool", max_length=512, max_batch=8):
-        for p, w in zip(case.prompts, case.want):
+        for p, w in list(zip(case.prompts, case.want))[::4]:
             assert_same_tokens(greedy(client, "smollm2_pool", p, n), w, "alone")
         together = run_together(client, "smollm2_pool", [(p, {"top_k": 1, "max_new_tokens": n, "eos_token_id": []})
                                                          for p in case.prompts])
