@@ -20,6 +20,16 @@ def parse_proc_cpuinfo(text: str) -> frozenset:
     return frozenset()
 
 
+# py-cpuinfo's names (from cpuid) of the features whose /proc/cpuinfo names carry an underscore
+CPUINFO_SPELLINGS = {"avx512vnni": "avx512_vnni", "avx512bf16": "avx512_bf16", "avx512fp16": "avx512_fp16",
+                     "avxvnni": "avx_vnni", "amxbf16": "amx_bf16", "amxint8": "amx_int8", "amxtile": "amx_tile"}
+
+
+def normalized(flags) -> frozenset:
+    """The flags in /proc/cpuinfo's spelling, whichever source named them, so each consumer checks one name."""
+    return frozenset(CPUINFO_SPELLINGS.get(f, f) for f in flags)
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset:
     try:
@@ -31,6 +41,6 @@ def cpu_flags() -> frozenset:
         pass
     try:
         import cpuinfo
-        return frozenset(cpuinfo.get_cpu_info().get("flags", []))
+        return normalized(cpuinfo.get_cpu_info().get("flags", []))
     except Exception:
         return frozenset()

@@ -39,7 +39,7 @@ TEST_FILE_TIERS = {
     "test_stream_order.py": "unit", "test_kv_budget.py": "unit",
 
     "test_alibi.py": "kernels", "test_native.py": "kernels", "test_native_gemma.py": "kernels",
-    "test_native_steps.py": "kernels", "test_step_binding.py": "kernels",
+    "test_native_steps.py": "kernels", "test_step_binding.py": "kernels", "test_cpu_kinds.py": "kernels",
     "test_parallel.py": "kernels",
     "test_quant_kernels.py": "kernels", "test_quant_formats.py": "kernels", "test_triton_fused.py": "kernels",
     "test_prefill_launches.py": "kernels",
@@ -91,6 +91,15 @@ def pytest_collection_modifyitems(config, items):
                                 f"TEST_FILE_TIERS (tests/conftest.py), see docs/testing.md")
     for item in items:
         item.add_marker(TEST_FILE_TIERS[item.path.name])
+
+
+def pytest_make_parametrize_id(config, val, argname):
+    """A kernel test's ISA level is named by the CPU features that select it (isa1-avx2+fma), so a failure on
+    some machine says which path failed (tests/test_cpu_kinds.py names the machine's kind)."""
+    if argname == "isa" and isinstance(val, int):
+        from allspark_server.compute.ops import ISA_FEATURES
+        return f"isa{val}-{ISA_FEATURES.get(val, '?')}"
+    return None
 
 
 def pytest_collection_finish(session):

@@ -207,10 +207,13 @@ def test_many_rows_of_int8_x_meet_codes_at_their_extremes(isa):
 
 
 def test_isa_levels_from_cpu_flags(monkeypatch):
+    """py-cpuinfo's names (avx512vnni) reach isa_level in /proc/cpuinfo's spelling (cpu_features.normalized)."""
+    from allspark_client.cpu_features import normalized
     avx512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}
-    for flags, level in ((avx512 | {"avx512_vnni"}, ops.ISA_AVX512_VNNI), (avx512 | {"avx512vnni"}, 3),
+    for flags, level in ((avx512 | {"avx512_vnni"}, ops.ISA_AVX512_VNNI), (normalized(avx512 | {"avx512vnni"}), 3),
                          (avx512 | {"avx512_vnni", "avx512_bf16"}, ops.ISA_AVX512_BF16),
-                         (avx512 | {"avx512vnni", "avx512bf16"}, 4), (avx512 | {"avx512_bf16"}, ops.ISA_AVX512),
+                         (normalized(avx512 | {"avx512vnni", "avx512bf16"}), 4),
+                         (avx512 | {"avx512_bf16"}, ops.ISA_AVX512),
                          (avx512, ops.ISA_AVX512), ({"avx2", "fma", "avx512_vnni"}, ops.ISA_AVX2), (set(), 0)):
         monkeypatch.setattr(ops, "cpu_flags", lambda flags=flags: frozenset(flags))
         assert ops.isa_level.__wrapped__() == level, flags

@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 # products: only the decode attention over bf16 caches has a path of its own, native/span_attention.cpp) every
 # other kernel's VNNI path
 ISA_PORTABLE, ISA_AVX2, ISA_AVX512, ISA_AVX512_VNNI, ISA_AVX512_BF16 = 0, 1, 2, 3, 4
+# each level by the CPU features that select it (isa_level)
+ISA_FEATURES = {ISA_PORTABLE: "portable", ISA_AVX2: "avx2+fma", ISA_AVX512: "avx512f+bw+vl",
+                ISA_AVX512_VNNI: "avx512-vnni", ISA_AVX512_BF16: "avx512-vnni+bf16"}
 # largest number of rows of x the native linear takes; above it oneDNN's GEMM wins, sooner in bf16 where oneDNN
 # has bf16 dot-product instructions (docs/performance.md, "The GEMV-to-GEMM handover")
 NATIVE_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}
@@ -65,13 +68,23 @@ def native():
 def isa_level() -> int:
     flags = cpu_flags()
     if {"avx512f", "avx512bw", "avx512vl"} <= flags:
-        # py-cpuinfo spells it avx512vnni (from cpuid) or avx512_vnni (from /proc/cpuinfo)
-        if not {"avx512vnni", "avx512_vnni"} & flags:
+        if "avx512_vnni" not in flags:     # /proc/cpuinfo's spelling, whatever the source (cpu_features.py)
             return ISA_AVX512
-        return ISA_AVX512_BF16 if {"avx512bf16", "avx512_bf16"} & flags else ISA_AVX512_VNNI
+        return ISA_AVX512_BF16 if "avx512_bf16" in flags else ISA_AVX512_VNNI
     if {"avx2", "fma"} <= flags:
         return ISA_AVX2
     return ISA_PORTABLE
+
+
+def cpu_paths() -> dict[str, str]:
+    """Every kernel choice this CPU's features make, each named by the features behind it: the native kernels' ISA
+    level, the dtype of ATen's GEMM for bf16 prompt rows (gemm_dtype) and the int8 GEMM of activate_quant prompt
+    rows (int8_gemm_suits). The tests name their cases by these, and a combination no test run has met fails there
+    (tests/test_cpu_kinds.py)."""
+    flags = cpu_flags()
+    return {"isa": f"{isa_level()}:{ISA_FEATURES[isa_level()]}",
+            "bf16_gemm": "bf16" if gemm_dtype(torch.bfloat16) == torch.bfloat16 else "fp32-widened",
+            "int8_gemm": "amx_int8" if "amx_int8" in flags else "dequantized"}
 
 
 def describe() -> str:
