@@ -16,8 +16,9 @@ from allspark_server.compute import ops
 KNOWN_KINDS = {
     ("1:avx2+fma", "fp32-widened", "dequantized"): "Zen 2/3-class VMs (AVX2 only)",
     ("4:avx512-vnni+bf16", "bf16", "dequantized"): "the Zen 4 VM; the Intel Xeon VM (AVX-512 FP16, no AMX exposed)",
-    ("4:avx512-vnni+bf16", "bf16", "amx_int8"): "Sapphire Rapids hosts with AMX (the GPU machines' CPUs)",
 }
+# not yet: AMX hosts (the GPU machines' Sapphire Rapids CPUs, torch 2.11): the int8-activation GGUF tests pass there,
+# but a TORCH_CHECK raised in linear_widened ended the process (SIGSEGV) in test_native.py
 # features our paths or the libraries' kernels under them dispatch on: the report names the ones present
 FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni", "avx512_fp16",
             "amx_bf16", "amx_int8")
