@@ -33,8 +33,9 @@ MEASURES = {
                     "<checkout of 737f874>`: each tree in its own process; the CPU rows with both engines resident, "
                     "taking turns; the H200 row from an earlier version of the script (a process per round).", ab_trees),
     "ab-step-interface": ("A/B: the step binder, Granite's options and the one sampler against 9d3dcff",
-                          "`ab_trees.py --old <checkout of 9d3dcff> --device cuda --variants bf16 --turns 9`: "
-                          "Llama-2-7B-shaped bf16, 16 layers, each tree's Engine resident, taking turns.", ab_trees),
+                          "`ab_trees.py --old <checkout of 9d3dcff>`, each tree's Engine resident, taking turns: on "
+                          "a GPU (`--device cuda --variants bf16`) Llama-2-7B-shaped bf16 with 16 layers, on a CPU "
+                          "the 0.5 B benchmark model on 2 cores.", ab_trees),
     "engines": ("CPU: Engine against transformers", "`run.py`: batch-1 decode, concurrency, TTFT, 2-rank pool; "
                 "0.5 B Llama-shaped model, random weights.", engines),
     "engines-bf16": ("CPU: Engine against transformers, bf16 only", "`run.py --dtypes bfloat16 --no-pool "

@@ -303,6 +303,11 @@ def ab_trees(r: dict) -> list:
     for run in r.get("later_bf16_runs", {}).get("runs", []):
         rows.append((f"bf16, {r['later_bf16_runs']['note']} ({len(run['turns']['new'])} paired runs)",
                      f(run["median_ratio"], 3)))
+    for run in r.get("more_runs", []) + ([r["control"]] if "control" in r else []):
+        rows += [(f"{v}, {run['note']} ({len(run['turns'][v]['new'])} paired runs)", f(ratio, 3))
+                 for v, ratio in run["median_ratio"].items()]
+    rows += [(f"{v}: every run's paired ratios pooled ({r['pooled_turns'][v]})", f(ratio, 3))
+             for v, ratio in r.get("pooled_median_ratio", {}).items()]
     return rows
 
 
