@@ -48,6 +48,8 @@ def check_changed_weights_keep_it_asleep(engine, name: str, weights: str) -> Non
     shutil.copyfile(weights, weights + ".installed")
     engine.unload_device_mem(name)
     assert engine.get_free_frame(name) == 0
+    stat = engine.get_as_engine_stat(name)                 # the stats say the same: nothing free while asleep
+    assert stat.asleep and stat.free_span == stat.free_token == 0 and stat.total_span > 0
     rewrite_weights(weights)
     assert "md5" in wake_refused(engine, name, weights)
     os.remove(weights)

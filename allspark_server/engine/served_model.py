@@ -361,15 +361,16 @@ class ServedModel:
                 proc_ps = sum(r[2] for r in rates[1:]) / dt
         used = self.spans.num_used_spans
         total = self.spans.num_spans
+        free = 0 if self.asleep else total - used    # asleep: the KV cache is freed, no span can be taken (sleep.py)
         hit, miss = s.stats.prefix_cache_hit_tokens, s.stats.prefix_cache_miss_tokens
         return AsEngineStat(
             model_name=self.cfg.model_name,
-            free_token=self.spans.num_free_spans * self.spans.span_size,
+            free_token=free * self.spans.span_size,
             total_token=total * self.spans.span_size,
             pendding_request=len(s.waiting) + queued, running_request=len(s.running),
             total_generated_token=s.stats.num_generated_tokens, total_prefill_token=s.stats.num_prefill_tokens,
             generate_token_persec=gen_ps, process_token_persec=proc_ps,
-            total_span=total, used_span=used, free_span=total - used, span_size=self.spans.span_size,
+            total_span=total, used_span=used, free_span=free, span_size=self.spans.span_size,
             token_usage_percentage=100.0 * used / total, num_preempted=s.stats.num_preemptions,
             prefix_cache_hit_token=hit, prefix_cache_miss_token=miss,
             prefix_cache_hit_rate=hit / (hit + miss) if hit + miss else 0.0,
