@@ -175,11 +175,11 @@ PLACED = _declare("ALLSPARK_PLACED", bool, False, "internal", """
 
 # ---- test-suite knobs ----
 FUZZ_EXAMPLES = _declare("ALLSPARK_FUZZ_EXAMPLES", int, 300, "test", """
-    Examples per surface of tests/test_fuzz.py (the slow run: 10000).""", minimum=1)
+    Examples per surface of tests/pool/test_fuzz.py (the slow run: 10000).""", minimum=1)
 SOAK_REQUESTS = _declare("ALLSPARK_SOAK_REQUESTS", int, 400, "test", """
-    Requests of tests/test_soak.py (the slow run: 10000).""", minimum=1)
+    Requests of tests/pool/test_soak.py (the slow run: 10000).""", minimum=1)
 FAULT_STREAMS = _declare("ALLSPARK_FAULT_STREAMS", int, 8, "test", """
-    Concurrent streams of tests/test_pool_failures.py's fault injection (the slow run: 64).""", minimum=1)
+    Concurrent streams of tests/pool/test_pool_failures.py's fault injection (the slow run: 64).""", minimum=1)
 
 
 def profiling_requested() -> bool:

@@ -23,8 +23,8 @@ QUICK = dict(hidden_size=512, num_layers=4, intermediate_size=1408, num_heads=8,
              new_tokens=32, prompts=(128, 512), repeats=2, decode_repeats=3, concurrency=(8,), poisson_n=8,
              kv_context=512)
 # SMOKE: a tiny model and one round of everything (`--smoke`): checks that a script's every path still runs (the
-# CI smoke tests, tests/test_benchmark_smoke.py); its numbers mean nothing. The longest prompt is 128 tokens, what the
-# concurrency and Poisson rows send
+# CI smoke tests, tests/models/test_benchmark_smoke.py); its numbers mean nothing. The longest prompt is 128 tokens,
+# what the concurrency and Poisson rows send
 SMOKE = dict(hidden_size=128, num_layers=2, intermediate_size=256, num_heads=4, num_kv_heads=2, vocab=512,
              new_tokens=8, prompts=(16, 128), repeats=1, decode_repeats=1, concurrency=(2,), poisson_n=2,
              kv_context=32)

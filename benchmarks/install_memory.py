@@ -7,7 +7,7 @@ then each variant is installed by a fresh `python benchmarks/install_memory.py -
 one rank, a small KV cache) that reports its RSS (psutil) after its imports, after `install_model` (the weights and
 the KV cache are in place then) and after `start_model`, with the bytes of the rank's weight tensors, the KV cache's
 bytes and /proc/self/smaps_rollup's split of the RSS (anonymous / file-backed). A well-behaved install holds its
-baseline + weight bytes + KV bytes and little more (tests/test_install_memory.py asserts it).
+baseline + weight bytes + KV bytes and little more (tests/models/test_install_memory.py asserts it).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
 A file `results/<measure>-<machine>.json` is the current result of one measure on one machine kind (common.py).
 Each measure has a reader (results_readers.py) that picks its key numbers, mostly same-run ratios; a measure
 without one gets its top-level numbers. Each file is listed with a digest of its bytes, so any change to a result
-file shows up as a stale RESULTS.md (tests/test_results_table.py). The output depends on the files alone: same
+file shows up as a stale RESULTS.md (tests/unit/test_results_table.py). The output depends on the files alone: same
 files, same text.
 """
 from __future__ import annotations

@@ -53,7 +53,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a small model and fewer runs (< 3 minutes)")
     p.add_argument("--smoke", action="store_true", help="a tiny model, one round and small bandwidth arrays: "
-                   "checks that every path runs (tests/test_benchmark_smoke.py; the numbers mean nothing)")
+                   "checks that every path runs (tests/models/test_benchmark_smoke.py; the numbers mean nothing)")
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     p.add_argument("--no-pool", action="store_true", help="skip the 2-rank pool")
     p.add_argument("--decode-only", action="store_true", help="only the batch-1 decode rows (kernel work)")

@@ -3,7 +3,7 @@
     python proto/generate.py [OUT_DIR]
 
 grpc_tools writes `import allspark_pb2`; the stubs live in a package, so that line becomes a
-package import. tests/test_engine_api.py checks the committed stubs equal this script's output.
+package import. tests/models/test_engine_api.py checks the committed stubs equal this script's output.
 """
 import os
 import subprocess

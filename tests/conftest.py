@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, TESTS)                   # the shared helpers (helpers.py, pool_helpers.py, ...) sit here
 logging.getLogger("allspark").setLevel(logging.ERROR)
 
 from stall_watch import StallWatch  # noqa: E402
@@ -20,9 +21,8 @@ from allspark_server.loader.tiny_model import VARIANTS, build_tiny_model  # noqa
 
 STALL_WATCH = StallWatch()
 
-# The test tiers (docs/testing.md): `python -m pytest -m unit` and so on. Each test file is in exactly one tier,
-# by TEST_FILE_TIERS below; the `gpu` marker also sits on single tests of other tiers' files (they skip without
-# a CUDA device).
+# The test tiers (docs/testing.md): `python -m pytest -m unit` and so on. A test file's tier is its folder,
+# tests/<tier>/; the `gpu` marker also sits on single tests of other tiers' files (they skip without a CUDA device).
 TIERS = {
     "unit": "fast pure-Python units: no model built or compiled, no subprocess pool; the tier runs in under a minute",
     "kernels": "native CPU kernels and Triton kernels (interpreted without a GPU) against references",
@@ -30,51 +30,11 @@ TIERS = {
     "pool": "mpirun pools, gRPC, the launcher, the HTTP server end to end, multi-host, faults",
     "gpu": "needs a CUDA device (skipped without one)",
 }
-TEST_FILE_TIERS = {
-    "test_batch_sampler.py": "unit", "test_core.py": "unit", "test_docs_commands.py": "unit",
-    "test_guided_units.py": "unit", "test_http_units.py": "unit", "test_hugepages.py": "unit", "test_lint.py": "unit",
-    "test_layering.py": "unit", "test_pdl.py": "unit", "test_peer_watch.py": "unit", "test_placement.py": "unit",
-    "test_results_table.py": "unit", "test_gguf_mapping.py": "unit", "test_sharding.py": "unit",
-    "test_sampler_units.py": "unit", "test_settings.py": "unit", "test_step_watchdog.py": "unit",
-    "test_stream_order.py": "unit", "test_kv_budget.py": "unit",
-
-    "test_alibi.py": "kernels", "test_native.py": "kernels", "test_native_gemma.py": "kernels",
-    "test_native_steps.py": "kernels", "test_step_binding.py": "kernels", "test_cpu_kinds.py": "kernels",
-    "test_parallel.py": "kernels",
-    "test_quant_kernels.py": "kernels", "test_quant_formats.py": "kernels", "test_triton_fused.py": "kernels",
-    "test_prefill_launches.py": "kernels",
-    "test_quant_midm.py": "kernels",
-    "test_triton_gemv.py": "kernels",
-    "test_triton_gemma.py": "kernels", "test_triton_kernels.py": "kernels", "test_triton_peer_allreduce.py": "kernels",
-    "test_triton_prefill.py": "kernels", "test_triton_quant.py": "kernels",
-
-    "test_awq.py": "models",
-    "test_install_memory.py": "models",
-    "test_batching.py": "models", "test_benchmark_smoke.py": "models", "test_engine_api.py": "models",
-    "test_errors_config.py": "models", "test_errors_lifecycle.py": "models",
-    "test_errors_models.py": "models", "test_guided_engine.py": "models",
-    "test_hf_parity.py": "models", "test_kv_quant.py": "models", "test_memory_bandwidth.py": "models",
-    "test_gguf_models.py": "models", "test_gguf_smollm2.py": "models", "test_gguf_files.py": "models",
-    "test_model_families.py": "models", "test_overlap.py": "models", "test_prefix_cache.py": "models",
-    "test_quant_models.py": "models", "test_qwen_tokenizer.py": "models", "test_sampler_engine.py": "models",
-    "test_uint4_min.py": "models", "test_dashinfer_convert.py": "models",
-    "test_op_profiling.py": "models",
-    "test_load_refusals.py": "models",
-    "test_gguf_limits.py": "models",
-
-    "test_contract_generation.py": "pool", "test_contract_lifecycle.py": "pool", "test_fuzz.py": "pool",
-    "test_dashinfer_compat.py": "pool",
-    "test_http_pool.py": "pool", "test_http_server.py": "pool", "test_launcher.py": "pool",
-    "test_launcher_gpus.py": "pool", "test_multi_host.py": "pool", "test_pool_access.py": "pool",
-    "test_pool_failures.py": "pool", "test_pool_grpc.py": "pool", "test_pool_load.py": "pool",
-    "test_pool_slow_clients.py": "pool", "test_soak.py": "pool", "test_smollm2_serve.py": "pool", "test_tensor_parallel.py": "pool",
-    "test_pool_owner.py": "pool", "test_pool_edges.py": "pool", "test_pool_orphans.py": "pool",
-    "test_pool_kv_budget.py": "pool",
-    "test_http_templates.py": "pool", "test_http_pool_cutoff.py": "pool", "test_pool_tokens.py": "pool",
-    "test_sleep_wake.py": "pool", "test_sleep_compat_edges.py": "pool",
-
-    "test_cuda.py": "gpu",
-}
+# Test modules import one another by file name (test_cuda.py from test_hf_parity.py, test_overlap.py from
+# test_tensor_parallel.py, ...), across tiers too: every tier folder is on sys.path, so test file names are unique
+# across tests/.
+for _tier in TIERS:
+    sys.path.insert(1, os.path.join(TESTS, _tier))
 
 
 def pytest_configure(config):
@@ -82,20 +42,28 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{tier}: {what}")
 
 
+def tier_of(path) -> str | None:
+    """The tier of a test file: the folder it is in, tests/<tier>/; None elsewhere."""
+    folder = os.path.dirname(os.path.realpath(path))
+    tier = os.path.basename(folder)
+    return tier if tier in TIERS and os.path.dirname(folder) == os.path.realpath(TESTS) else None
+
+
 @pytest.hookimpl(tryfirst=True)         # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Marks every test with its file's tier; a test file that has none stops the run."""
-    untiered = sorted({item.path.name for item in items if item.path.name not in TEST_FILE_TIERS})
+    """Marks every test with its folder's tier; a test file outside the tier folders stops the run."""
+    untiered = sorted({os.path.relpath(item.path, os.path.dirname(TESTS)) for item in items
+                       if tier_of(item.path) is None})
     if untiered:
-        raise pytest.UsageError(f"test files without a tier: {', '.join(untiered)}; give each one in "
-                                f"TEST_FILE_TIERS (tests/conftest.py), see docs/testing.md")
+        raise pytest.UsageError(f"test files outside the tier folders: {', '.join(untiered)}; move each one into "
+                                f"tests/<tier>/ ({', '.join(TIERS)}), see docs/testing.md")
     for item in items:
-        item.add_marker(TEST_FILE_TIERS[item.path.name])
+        item.add_marker(tier_of(item.path))
 
 
 def pytest_make_parametrize_id(config, val, argname):
     """A kernel test's ISA level is named by the CPU features that select it (isa1-avx2+fma), so a failure on
-    some machine says which path failed (tests/test_cpu_kinds.py names the machine's kind)."""
+    some machine says which path failed (tests/kernels/test_cpu_kinds.py names the machine's kind)."""
     if argname == "isa" and isinstance(val, int):
         from allspark_server.compute.ops import ISA_FEATURES
         return f"isa{val}-{ISA_FEATURES.get(val, '?')}"
@@ -192,7 +160,7 @@ def pool(llama, tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["engine", "pool"], ids=["engine", "pool"])
 def api(request, llama):
-    """Contract suite (tests/test_contract_*.py): (engine_like, loader, hf_model), the in-process Engine
+    """Contract suite (tests/pool/test_contract_*.py): (engine_like, loader, hf_model), the in-process Engine
     (served_llama) or a ClientEngine on the 2-rank pool (pool). At teardown, nothing the module started is
     left running or holding KV spans."""
     from contract_helpers import NAME, OK
@@ -207,7 +175,7 @@ def api(request, llama):
 
 @pytest.fixture(scope="module")
 def srv(llama, tmp_path_factory):
-    """Error suite (tests/test_errors_*.py): a fresh Engine serving the GQA Llama as MAIN (and, with
+    """Error suite (tests/models/test_errors_*.py): a fresh Engine serving the GQA Llama as MAIN (and, with
     max_length 64, as OTHER), with its loader, the HF model, the vocab size and tmp_path_factory."""
     from types import SimpleNamespace
 
@@ -227,8 +195,8 @@ def srv(llama, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loader(llama, tmp_path_factory):
-    """Pool failure suite (tests/test_pool_*.py): the GQA Llama serialized as pool_helpers.MODEL.
-    (tests/test_batching.py defines its own `loader`, which takes precedence there.)"""
+    """Pool failure suite (tests/pool/test_pool_*.py): the GQA Llama serialized as pool_helpers.MODEL.
+    (tests/models/test_batching.py defines its own `loader`, which takes precedence there.)"""
     from helpers import serialize
     from pool_helpers import MODEL
     return serialize(llama.hf_dir, MODEL, str(tmp_path_factory.mktemp("pool_failures")))

@@ -1,4 +1,4 @@
-"""Shared by tests/test_contract_*.py (the `api` fixture is in conftest.py): constants and helpers for one
+"""Shared by tests/pool/test_contract_*.py (the `api` fixture is in conftest.py): constants and helpers for one
 set of test bodies run on the in-process `Engine` and on a 2-rank pool's `ClientEngine`, both serving
 the GQA Llama as "llama"; every request a test starts is released by that test."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The commands of README.md and docs/*.md and their static checks (nothing of ours imported): reading the fenced
 blocks, splitting a line into simple commands, what the repository declares (console scripts, allspark-serve's
 routes, top-level entries), and the checks of paths, pip, curl and python invocations. The rules are in
-tests/test_docs_commands.py's docstring; our parsers run in tests/docs_probe.py."""
+tests/unit/test_docs_commands.py's docstring; our parsers run in tests/docs_probe.py."""
 from __future__ import annotations
 
 import ast
@@ -81,7 +81,7 @@ def command_lines(lang: str, body):
 
 
 def split_commands(doc: str, number: int, text: str) -> list[Command]:
-    """The simple commands of one line, by the rules in tests/test_docs_commands.py's docstring."""
+    """The simple commands of one line, by the rules in tests/unit/test_docs_commands.py's docstring."""
     problems = []
     if "$(" in text or "`" in text:
         problems.append("command substitution ($(...) or backquotes) cannot be checked; write the command out")

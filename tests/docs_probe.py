@@ -1,4 +1,4 @@
-"""The subprocess of tests/test_docs_commands.py: runs each of our own command lines of the docs until its argparse
+"""The subprocess of tests/unit/test_docs_commands.py: runs each of our own command lines of the docs until its argparse
 parser has parsed the exact argv (then stops it), tries the allspark imports of the ```python blocks, and lists
 the registered pytest markers. `python tests/docs_probe.py --probe IN OUT`: IN names the probes, OUT gets the
 answers (JSON)."""

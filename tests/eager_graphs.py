@@ -1,7 +1,7 @@
 """An eager stand-in for the CUDA decode graphs (runner/cuda_graphs.py), so that overlapped scheduling runs on the CPU.
 
 Same `sizes`, `fits_decode` rule and `run_decode(chunks, mirrors, device_ids)` contract; the step runs eagerly
-through the runner's model. Used by tests/test_overlap.py and tests/mpi/overlap_pool.py.
+through the runner's model. Used by tests/models/test_overlap.py and tests/mpi/overlap_pool.py.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Shared by tests/test_errors_*.py (the `srv` fixture is in conftest.py): the models the error tests
+"""Shared by tests/models/test_errors_*.py (the `srv` fixture is in conftest.py): the models the error tests
 serve, the probe request, the checks that a refusal names its cause and the engine still serves, and a runtime
 config builder for the models those tests install."""
 from __future__ import annotations

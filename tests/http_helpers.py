@@ -1,4 +1,5 @@
-"""Shared by tests/test_http_*.py: an allspark-serve subprocess on a free port (waited for through /health,
+"""Shared by tests/pool/test_http_*.py (and test_smollm2_serve.py, tests/models/test_qwen_tokenizer.py): an
+allspark-serve subprocess on a free port (waited for through /health,
 stopped with SIGTERM, every process it started killed at the end), a copy of a HF folder with a chat template,
 /metrics parsed with prometheus-client's parser, and the Engine's greedy reference decoded."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # System packages some tests need, installed where this runs as root with apt-get (CI does); elsewhere the
 # tests that need them skip, saying why. openssh-server + iproute2: the multi-host pool tests
-# (tests/test_multi_host.py: network namespaces with sshd, reached by mpirun over ssh).
+# (tests/pool/test_multi_host.py: network namespaces with sshd, reached by mpirun over ssh).
 PACKAGES="openssh-server openssh-client iproute2"
 if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
     export DEBIAN_FRONTEND=noninteractive

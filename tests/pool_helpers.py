@@ -1,4 +1,4 @@
-"""Shared by tests/test_pool_failures.py, test_pool_grpc.py and test_pool_slow_clients.py (the `loader` /
+"""Shared by tests/pool/test_pool_failures.py, test_pool_grpc.py and test_pool_slow_clients.py (the `loader` /
 `new_pool` fixtures are in conftest.py): a 2-rank allspark-launch pool of its own per test, which kills every
 process it started."""
 from __future__ import annotations

@@ -80,7 +80,7 @@ def cpu_paths() -> dict[str, str]:
     """Every kernel choice this CPU's features make, each named by the features behind it: the native kernels' ISA
     level, the dtype of ATen's GEMM for bf16 prompt rows (gemm_dtype) and the int8 GEMM of activate_quant prompt
     rows (int8_gemm_suits). The tests name their cases by these, and a combination no test run has met fails there
-    (tests/test_cpu_kinds.py)."""
+    (tests/kernels/test_cpu_kinds.py)."""
     flags = cpu_flags()
     return {"isa": f"{isa_level()}:{ISA_FEATURES[isa_level()]}",
             "bf16_gemm": "bf16" if gemm_dtype(torch.bfloat16) == torch.bfloat16 else "fp32-widened",

@@ -1,7 +1,7 @@
 """GGUF tensor data -> our tensors: the block types with an exact mapping kept quantized, the others dequantized.
 
 Exact mappings (one GGUF block of 32 weights along K is one of our groups of 32; codes and scales are copied,
-never recomputed; tests/test_gguf_mapping.py checks each against gguf.quants.dequantize bit for bit):
+never recomputed; tests/unit/test_gguf_mapping.py checks each against gguf.quants.dequantize bit for bit):
   Q8_0  block: fp16 d, int8 q[32]           w = d * q        -> int8 g32:      qweight = q, scales = d
   Q4_0  block: fp16 d, 16 bytes             w = d * (q - 8)  -> int4 g32:      qweight = the bytes, scales = d
   Q4_1  block: fp16 d, fp16 m, 16 bytes     w = d * q + m    -> uint4_min g32: qweight = the bytes, scales = d,

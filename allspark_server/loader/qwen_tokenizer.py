@@ -7,7 +7,7 @@ Qwen's split pattern (single digits), NFC normalization of the input text, and i
 the BPE ranks in Qwen's order (<|endoftext|>, <|im_start|>, <|im_end|>, <|extra_0|> .. <|extra_204|>). Qwen-Chat
 talks ChatML; its folders carry no chat template (the remote code's `chat()` builds the prompt), so the tokenizer
 gets that format as its template, system prompt included, and a chatml generation config stops at <|im_end|> and
-<|im_start|> as `chat()` does. Tested against `tiktoken` on the same file (tests/test_qwen_tokenizer.py).
+<|im_start|> as `chat()` does. Tested against `tiktoken` on the same file (tests/models/test_qwen_tokenizer.py).
 """
 from __future__ import annotations
 

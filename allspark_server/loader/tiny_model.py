@@ -29,7 +29,7 @@ VARIANTS = {
     # multi-query attention: a single KV head, so a 2-rank pool replicates it
     "llama_mqa": dict(arch="llama", num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False),
 }
-# the other families (tests/test_model_families.py); head_dim 16 as the variants above
+# the other families (tests/models/test_model_families.py); head_dim 16 as the variants above
 FAMILY_VARIANTS = {
     # Qwen3: q/k norms per head, no biases, explicit head_dim
     "qwen3": dict(arch="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False),

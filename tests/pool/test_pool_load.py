@@ -1,6 +1,6 @@
 """A pool's clients and streams: its idle CPU use, a second client process alongside this one (and that
 process's death mid-stream), 300 streams at once, and the stream limit (--max-streams) refusing streams as
-overload while the pool serves on. Hostile input and bind rules: tests/test_pool_grpc.py. Pools come from
+overload while the pool serves on. Hostile input and bind rules: tests/pool/test_pool_grpc.py. Pools come from
 `new_pool` (one per test, every process killed at teardown) or the session's `pool`."""
 from __future__ import annotations
 

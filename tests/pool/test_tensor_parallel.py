@@ -17,12 +17,12 @@ from helpers import collect, greedy, hf_greedy, installed_on_pool, random_prompt
 
 from allspark_client import AsException, AsStatus
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TP_VARIANTS = ["llama_gqa_llama3", "qwen2_bias_tied", "llama_mqa"]
 
 
 def mpirun_env():
-    path = os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(filter(None, [os.path.dirname(TESTS), os.environ.get("PYTHONPATH")]))
     # shared memory only between the two local ranks, as the launcher's single-host pools (MPI_Init then skips the
     # ~1 s probe of the network interfaces)
     env = {"OMPI_MCA_btl": "self,vader", **os.environ}
@@ -44,7 +44,7 @@ class _LogitsWorker:
     def run(cls, job: list, timeout_s: float = 240) -> None:
         if cls.proc is None or cls.proc.poll() is not None:
             cmd = ["mpirun", "--bind-to", "none", "-n", "2", sys.executable,
-                   os.path.join(HERE, "mpi", "tp_logits.py"), "--serve"]
+                   os.path.join(TESTS, "mpi", "tp_logits.py"), "--serve"]
             cls.proc = subprocess.Popen(cmd, env=mpirun_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True)
             cls.lines = queue.Queue()

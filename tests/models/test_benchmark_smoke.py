@@ -10,7 +10,7 @@ timings never.
   transformers, the step profile, the A/B switch of overlapped scheduling); the `gpu` tests run them on a GPU.
 - What llama-cpp-python (not in requirements.txt), two GPUs, root with network namespaces or the native build are
   missing for skips, saying which.
-- results_table.py, results_readers.py and results_measures.py are tests/test_results_table.py's (unit tier).
+- results_table.py, results_readers.py and results_measures.py are tests/unit/test_results_table.py's (unit tier).
 """
 from __future__ import annotations
 

@@ -130,7 +130,8 @@ def test_config_builders_import_from_a_torch_free_client():
 def _compat_script():
     import importlib.util
     import os
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "dashinfer_compat.py")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.path.join(root, "examples", "dashinfer_compat.py")
     spec = importlib.util.spec_from_file_location("dashinfer_compat", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -27,7 +27,7 @@ from allspark_server.layers.rotary import RotaryEmbedding, rope_frequencies
 from allspark_server.loader.hf_model import ModelSerializerException
 from allspark_server.loader.tiny_model import build_tiny_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ALIGN = 32                         # GGUF's default general.alignment
 CHILD_DATA_BYTES = 3 << 30         # a child's data segment (heap and anonymous maps): a runaway fails, not the host
 CHILD_TIMEOUT_S = 240

@@ -6,7 +6,7 @@ import os
 import shutil
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCHMARKS = os.path.join(REPO, "benchmarks")
 sys.path.insert(0, BENCHMARKS)
 

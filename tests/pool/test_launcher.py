@@ -17,7 +17,7 @@ from allspark_client.launch.pool_config import load_pool_config
 from allspark_client.launch.pool_dirs import RUN_PREFIX, SHM_PREFIX, make_pool_dir, make_pool_shm_dir, remove_stale
 from allspark_client.launch.rank_placement import format_cpu_list, parse_cpu_list, place_ranks, read_topology
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def dry_run(capsys, *argv) -> list[str]:

@@ -1,7 +1,7 @@
 """The pool's gRPC surface given hostile input: malformed bytes, truncated messages, wrong wire types, oversized
 messages, unknown methods and bad values on a raw channel, each answered without harm to the pool; and the bind
 rules of `python -m allspark_server` (loopback by default, beyond it only with TLS and a token). Clients that load
-the pool: tests/test_pool_load.py; clients that stall it: tests/test_pool_slow_clients.py. Pools come from
+the pool: tests/pool/test_pool_load.py; clients that stall it: tests/pool/test_pool_slow_clients.py. Pools come from
 `new_pool` (one per test, every process killed at teardown)."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """When the GPU kernels launch with programmatic dependent launch (allspark_server/cuda/pdl.py): only compiled
 kernels on a GPU of compute capability 9.0 or newer, and never with ALLSPARK_PDL=0. (Whether kernels so launched
-give the same bits is tests/test_cuda.py's, on a GPU.)"""
+give the same bits is tests/gpu/test_cuda.py's, on a GPU.)"""
 from __future__ import annotations
 
 import os

@@ -161,8 +161,8 @@ def test_pool_config_gpus_key(capsys, tmp_path, fake_host):
     assert len(ranks) == 4
     ranks, _ = gpu_dry_run(capsys, tmp_path / "c", "--pool-config", str(good), "--gpus", "2", "--topology", "0:0-3")
     assert len(ranks) == 1 and ranks[0][3] == "CUDA_VISIBLE_DEVICES=2"       # the flag beats the file
-    shipped = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch",
-                                "pool.example.toml")).read()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    shipped = open(os.path.join(root, "launch", "pool.example.toml")).read()
     assert "\n# gpus = [0, 1]\n" in shipped                                  # the example, uncommented, is valid
     (tmp_path / "shipped.toml").write_text(shipped.replace("\n# gpus = [0, 1]\n", "\ngpus = [0, 1]\n"))
     assert load_pool_config(str(tmp_path / "shipped.toml")).gpus == [0, 1]

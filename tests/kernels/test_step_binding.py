@@ -11,7 +11,7 @@ import torch
 
 from allspark_server.compute import ops, step_binding, step_ops, steps
 
-NATIVE = os.path.join(os.path.dirname(__file__), "..", "native")
+NATIVE = os.path.join(os.path.dirname(__file__), "..", "..", "native")
 NATIVE_NAMES = {"NormStep": "NORM_STEP", "AttentionStep": "ATTENTION_STEP", "MlpStep": "MLP_STEP", "MoeStep": "MOE_STEP",
                 "AttentionOptions": "ATTENTION_OPTION"}
 

@@ -262,13 +262,13 @@ def test_torch_reference_path_serves_quantized_kv_like_native(llama, fp32_loader
     import sys
 
     from test_tensor_parallel import mpirun_env
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.abspath(__file__))             # tests/models/, and tests/ for helpers
     prompt = random_prompt(30, seed=9)
-    code = ("import json, sys; sys.path.insert(0, %r); from test_kv_quant import _start; from helpers import greedy; "
+    code = ("import json, sys; sys.path[:0] = [%r, %r]; from test_kv_quant import _start; from helpers import greedy; "
             "from allspark_server import HuggingFaceModel; "
             "l = HuggingFaceModel(%r, 'kvq'); l.graph_path, l.weights_path = %r, %r; "
             "e = _start(l, 'kvq', 'uint4'); print(json.dumps(greedy(e, 'kvq', %r, 12)))"
-            ) % (here, llama.hf_dir, fp32_loader.graph_path, fp32_loader.weights_path, prompt)
+            ) % (here, os.path.dirname(here), llama.hf_dir, fp32_loader.graph_path, fp32_loader.weights_path, prompt)
     proc = subprocess.run([sys.executable, "-c", code], env=dict(mpirun_env(), ALLSPARK_NO_NATIVE="1"),
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]

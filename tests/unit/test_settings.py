@@ -13,7 +13,7 @@ import pytest
 from allspark_client import settings
 from allspark_client.types import AsStatus
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # where a variable's name may appear: code, scripts, units and docs (result files and generated stubs aside)
 SCANNED = (".py", ".md", ".sh", ".service", ".toml", ".cfg", ".ini", ".yml", ".yaml", ".cpp", ".h", ".proto")
 SKIPPED_DIRS = {".git", "build", "dist", "__pycache__", ".venv", ".cache", ".pytest_cache", "_proto", "node_modules"}

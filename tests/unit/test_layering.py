@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # allspark_server's packages (and top-level modules) from the bottom up: each may import only those before it
 LAYERS = ["build_info", "core", "quant", "compute", "collective", "step", "layers", "models", "loader", "runner",

@@ -165,7 +165,7 @@ def test_allspark_client_imports_without_torch():
 def test_proto_stubs_match_proto(tmp_path):
     """The committed generated code is what proto/generate.py makes from proto/allspark.proto today."""
     import os
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     subprocess.run([sys.executable, os.path.join(root, "proto", "generate.py"), str(tmp_path)], check=True)
     for name in ("allspark_pb2.py", "allspark_pb2.pyi", "allspark_pb2_grpc.py"):
         with open(os.path.join(root, "allspark_client", "_proto", name)) as a, open(tmp_path / name) as b:

@@ -6,7 +6,7 @@ free: any allocation may take them), the ranks' file descriptors back to what th
 threads too (but for rank 0's bounded call pool), and their RSS within a bound of it; the client's stream
 threads and descriptors too.
 
-CI runs ALLSPARK_SOAK_REQUESTS=400 (default); `ALLSPARK_SOAK_REQUESTS=10000 pytest -s tests/test_soak.py` is the
+CI runs ALLSPARK_SOAK_REQUESTS=400 (default); `ALLSPARK_SOAK_REQUESTS=10000 pytest -s tests/pool/test_soak.py` is the
 full soak, whose RSS bound is the issue's 5% (the short run allows 10%: its warm-up is too short for the
 allocator to settle)."""
 from __future__ import annotations

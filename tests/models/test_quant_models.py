@@ -20,7 +20,7 @@ from allspark_client import AsException
 from allspark_server import HuggingFaceModel
 from allspark_server.loader.hf_model import ModelSerializerException
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -243,7 +243,7 @@ def test_engine_runs_the_torch_reference_path_without_native(llama, tmp_path):
             "from allspark_server import HuggingFaceModel; "
             "l = HuggingFaceModel(%r, 'q_ref'); l.graph_path, l.weights_path = %r, %r; "
             "e = start_engine(l, 'q_ref', max_batch=2, max_length=256); "
-            "print(json.dumps(greedy(e, 'q_ref', %r, 12)))") % (HERE, llama.hf_dir, loader.graph_path,
+            "print(json.dumps(greedy(e, 'q_ref', %r, 12)))") % (TESTS, llama.hf_dir, loader.graph_path,
                                                                  loader.weights_path, prompt)
     env = dict(mpirun_env(), ALLSPARK_NO_NATIVE="1")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)

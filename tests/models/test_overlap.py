@@ -22,7 +22,7 @@ from test_tensor_parallel import mpirun_env
 
 from allspark_server.engine.step_loops import OverlappedLoop
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 NAME = "llama"
 
@@ -147,7 +147,7 @@ def test_a_pool_runs_ahead_with_the_ids_sent_to_the_other_rank(llama, tmp_path):
                 (prompts[1], {"top_k": 1, "max_new_tokens": 11, "eos_token_id": []}),
                 (prompts[2], {"top_k": 1, "max_new_tokens": 20, "eos_token_id": [ref[k]]})]
     out = tmp_path / "out.json"
-    cmd = ["mpirun", "--bind-to", "none", "-n", "2", sys.executable, os.path.join(HERE, "mpi", "overlap_pool.py"),
+    cmd = ["mpirun", "--bind-to", "none", "-n", "2", sys.executable, os.path.join(TESTS, "mpi", "overlap_pool.py"),
            loader.graph_path, loader.weights_path, json.dumps(requests), str(out)]
     env = {k: v for k, v in mpirun_env().items() if k != "ALLSPARK_OVERLAP"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)

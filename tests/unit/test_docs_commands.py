@@ -53,7 +53,7 @@ from docs_commands import (
     static_check,
 )
 
-PROBE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs_probe.py")
+PROBE_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs_probe.py")
 
 
 # ---- the tests ---------------------------------------------------------------------------------------------------
