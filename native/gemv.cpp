@@ -6,7 +6,7 @@
 // row across torch's intra-op threads, each thread owning a contiguous block of rows (one sequential
 // stream per thread). M is processed in chunks of up to 4 rows of x sharing each weight load.
 // ISA is chosen at run time by the caller (compute/ops.py, from py-cpuinfo): 2 = AVX-512, 1 = AVX2+FMA,
-// 0 = portable C++. Tested against torch's matmul in tests/test_native.py (odd K/N, M = 1..64).
+// 0 = portable C++. Tested against torch's matmul in tests/kernels/test_native.py (odd K/N, M = 1..64).
 #include <torch/extension.h>
 #include <immintrin.h>
 #include <atomic>

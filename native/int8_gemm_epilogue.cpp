@@ -1,6 +1,6 @@
-// The epilogue of the A8W8 prefill GEMM (ops.linear on CPUs with AMX int8: torch._int_mm of x rounded to int8 per
-// row against int8 per-channel codes): y[m, n] = acc[m, n] * (d[m] * s[n]) (+ b[n]) in fp32, one rounding into the
-// output dtype, AVX-512 / AVX2 / portable. kernels.h declares it; tests/test_quant_kernels.py checks it by hand.
+// The epilogue of the A8W8 prefill GEMM (ops.linear on CPUs with AMX int8: torch._int_mm of x rounded to int8 per row
+// against int8 per-channel codes): y[m, n] = acc[m, n] * (d[m] * s[n]) (+ b[n]) in fp32, one rounding into the output
+// dtype, AVX-512 / AVX2 / portable. kernels.h declares it; tests/kernels/test_quant_kernels.py checks it by hand.
 #include <torch/extension.h>
 #include <immintrin.h>
 
