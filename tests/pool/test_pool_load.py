@@ -47,13 +47,18 @@ def test_idle_pool_uses_little_cpu(new_pool, loader):
     def cpu() -> list[float]:
         return [sum(p.cpu_times()[:2]) for p in ranks]
 
-    before, t0 = cpu(), time.monotonic()
-    time.sleep(3.0)
-    after, elapsed = cpu(), time.monotonic() - t0
-    used = [a - b for a, b in zip(after, before)]
-    print(f"idle pool: {elapsed:.2f}s wall, rank cpu (user+system) {[f'{u:.3f}s' for u in used]}, "
-          f"total {sum(used):.3f}s = {100 * sum(used) / elapsed / 2:.1f}% of 2 cores")
-    assert sum(used) < 0.3, used
+    # three windows of 1.5 s: a pool that polls or spins while idle uses CPU in every one of them; a passing
+    # disturbance (a collection, page reclaim after the previous test's large caches) in one only, which once took
+    # a full run's single 3 s window to 0.38 s against 0.06-0.07 s alone
+    windows = []
+    for _ in range(3):
+        before, t0 = cpu(), time.monotonic()
+        time.sleep(1.5)
+        after, elapsed = cpu(), time.monotonic() - t0
+        windows.append([a - b for a, b in zip(after, before)])
+        print(f"idle pool: {elapsed:.2f}s wall, rank cpu (user+system) {[f'{u:.3f}s' for u in windows[-1]]}, "
+              f"{100 * sum(windows[-1]) / elapsed / 2:.1f}% of 2 cores")
+    assert min(sum(w) for w in windows) < 0.15, windows
     # and it still serves afterwards
     assert len(client_greedy(client, random_prompt(8, seed=42), 4)) == 4
 
