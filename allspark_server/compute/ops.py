@@ -81,10 +81,10 @@ def cpu_paths() -> dict[str, str]:
     level, the dtype of ATen's GEMM for bf16 prompt rows (gemm_dtype) and the int8 GEMM of activate_quant prompt
     rows (int8_gemm_suits). The tests name their cases by these, and a combination no test run has met fails there
     (tests/kernels/test_cpu_kinds.py)."""
-    flags = cpu_flags()
-    return {"isa": f"{isa_level()}:{ISA_FEATURES[isa_level()]}",
+    level = isa_level()
+    return {"isa": f"{level}:{ISA_FEATURES[level]}",
             "bf16_gemm": "bf16" if gemm_dtype(torch.bfloat16) == torch.bfloat16 else "fp32-widened",
-            "int8_gemm": "amx_int8" if "amx_int8" in flags else "dequantized"}
+            "int8_gemm": "amx_int8" if int8_gemm_available() else "dequantized"}
 
 
 def describe() -> str:
@@ -163,6 +163,11 @@ def int8_gemm_suits(w: QuantizedWeight, rows: int) -> bool:
     (benchmarks/int8_gemm.py; benchmarks/results/int8-gemm-spr.json)."""
     if w.act_bits != 8 or w.fmt != "int8" or w.scales.shape[1] != 1 or rows > INT8_GEMM_MAX_ROWS:
         return False
+    return int8_gemm_available()
+
+
+def int8_gemm_available() -> bool:
+    """The int8 GEMM runs on this CPU: AMX int8, unless INT8_GEMM says otherwise."""
     return INT8_GEMM if INT8_GEMM is not None else "amx_int8" in cpu_flags()
 
 
