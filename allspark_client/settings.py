@@ -136,6 +136,11 @@ MPIRUN = _declare("ALLSPARK_MPIRUN", str, "mpirun", "user", """
 NO_NATIVE = _declare("ALLSPARK_NO_NATIVE", bool, False, "user", """
     1: every CPU op runs on the pure-PyTorch path; the native extension is not loaded. setup.py reads it too,
     before the package exists, and builds no extension when it is exactly 1.""")
+BATCH_INVARIANT = _declare("ALLSPARK_BATCH_INVARIANT", bool, False, "user", """
+    1: a request's output does not depend on the requests batched with it (CPU ranks): every row count takes the
+    native kernels, each row summed in the order it is alone, and prompt rows attend as decode rows do. Costs
+    decode throughput with many streams and prompt speed (docs/api.md, "Batch invariance"). Read at the first
+    kernel call of the process.""")
 MEMORY_BANDWIDTH_GBS = _declare("ALLSPARK_MEMORY_BANDWIDTH_GBS", float, None, "user", """
     Memory bandwidth in GB/s that the engine's roofline statistics (memory_bandwidth_utilization) divide by,
     instead of measuring a copy once per device (about 0.5 s at the first statistics).""", minimum=0, above=True)

@@ -15,8 +15,16 @@
 #include <optional>
 #include <vector>
 
+#include "kernels.h"
 #include "parallel.h"
 #include "simd.h"
+
+namespace {
+std::atomic<bool> invariant_rows{false};
+}  // namespace
+
+void set_batch_invariant(bool on) { invariant_rows.store(on); }
+bool batch_invariant() { return invariant_rows.load(std::memory_order_relaxed); }
 
 namespace {
 
@@ -158,13 +166,14 @@ void rows_avx512(const float* x, int64_t m_rows, int64_t K, const W* w, int64_t 
     const float* xm = x + m * K;
     float* ym = y + m * N;
     const int64_t mb = std::min(MR, m_rows - m);
-    if (mb == 1) {
+    if (mb == 1 && !batch_invariant()) {   // two weight rows a step: another summation order than block_avx512's
       rows_m1_avx512<W, 2>(xm, K, w, n0, n1, ym);
       continue;
     }
     int64_t n = n0;
     for (; n + NR <= n1; n += NR) {
       switch (mb) {
+        case 1: block_avx512<W, 1, NR>(xm, K, w, n, ym, N, n1); break;
         case 2: block_avx512<W, 2, NR>(xm, K, w, n, ym, N, n1); break;
         case 3: block_avx512<W, 3, NR>(xm, K, w, n, ym, N, n1); break;
         default: block_avx512<W, 4, NR>(xm, K, w, n, ym, N, n1); break;
@@ -172,6 +181,7 @@ void rows_avx512(const float* x, int64_t m_rows, int64_t K, const W* w, int64_t 
     }
     for (; n < n1; ++n) {
       switch (mb) {
+        case 1: block_avx512<W, 1, 1>(xm, K, w, n, ym, N, n1); break;
         case 2: block_avx512<W, 2, 1>(xm, K, w, n, ym, N, n1); break;
         case 3: block_avx512<W, 3, 1>(xm, K, w, n, ym, N, n1); break;
         default: block_avx512<W, 4, 1>(xm, K, w, n, ym, N, n1); break;

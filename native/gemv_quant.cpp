@@ -267,9 +267,11 @@ void run_linear(const float* x, int64_t M, int64_t K, const QuantView& w, const 
   // the AVX-512 kernel's x: 8-bit codes in groups smaller than a chunk take the NIBBLES order too (gemv_quant.h)
   const bool per_chunk = w.groups == 1 || w.group % CHUNK == 0;
   const Layout wide = x8 ? NIBBLES8W : w.format >= INT4 || !per_chunk ? NIBBLES : PAIRS;
+  // the batch-1 layouts feed kernels that sum a row in another order than the many-row kernel
+  const bool one = M == 1 && !batch_invariant();
   const Layout layout = isa >= 3 && avx512_fits(w) ? wide
-                        : isa >= 1 && M == 1 && nibbles16_fits(w, K) ? (x8 ? NIBBLES8 : NIBBLES16)
-                        : isa >= 1 && M == 1 && x8 && bytes8_fits(w, K) ? BYTES8
+                        : isa >= 1 && one && nibbles16_fits(w, K) ? (x8 ? NIBBLES8 : NIBBLES16)
+                        : isa >= 1 && one && x8 && bytes8_fits(w, K) ? BYTES8
                                                                       : NATURAL;
   const Act16 a = round_activations(x, M, K, isa, w.act_max, layout, w.group);
   // bf16 out: the fp32 sums in a buffer kept by the calling thread (a fresh one would be zero filled, or page

@@ -139,7 +139,7 @@ void row_grouped_m1_avx2(const Act16& a, int64_t m, const QuantView& w, int64_t 
 template <int F>
 __attribute__((target("avx2,fma,f16c")))
 void rows_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y, int64_t N) {
-  if (M == 1 && (w.group == BLOCK || w.group == 2 * BLOCK) && w.groups > 1) {
+  if (M == 1 && (w.group == BLOCK || w.group == 2 * BLOCK) && w.groups > 1 && !batch_invariant()) {
     for (int64_t n = n0; n < n1; ++n) {
       if (w.group == BLOCK) row_grouped_m1_avx2<F, 1>(a, 0, w, n, y, N);
       else row_grouped_m1_avx2<F, 2>(a, 0, w, n, y, N);

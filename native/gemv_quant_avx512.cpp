@@ -326,7 +326,7 @@ AVX512_VNNI void rows_avx512_mode(const Act16& a, int64_t M, const QuantView& w,
   ch.gidx = _mm512_load_si512(idx);
   ch.per_chunk = ONE ? 0 : CHUNK / w.group;
   ch.chunks_per_group = w.groups == 1 ? a.padded / CHUNK : w.group / CHUNK;
-  if (M == 1) {   // two streams per thread, as gemv.cpp's rows_m1_avx512: rows i and part + i of its block
+  if (M == 1 && !batch_invariant()) {   // two streams per thread, as gemv.cpp's rows_m1_avx512: rows i and part + i of its block
     const int64_t part = (n1 - n0) / 2;
     for (int64_t i = 0; i < part; ++i) {
       const int64_t n[2] = {n0 + i, n0 + part + i};
@@ -353,7 +353,7 @@ template <int F, typename Q>
 void rows_avx512_of(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y,
                     int64_t N) {
   if constexpr (std::is_same_v<Q, int8_t> && F != UINT8)   // int8 x, many rows, groups below a chunk
-    if (M >= LANES_MIN_ROWS && w.groups > 1 && w.group % CHUNK != 0)
+    if (M >= LANES_MIN_ROWS && w.groups > 1 && w.group % CHUNK != 0 && !batch_invariant())
       return rows_lanes<F>(a, M, w, K, n0, n1, y, N);
   if (w.groups == 1 || w.group % CHUNK == 0) rows_avx512_mode<F, true, Q>(a, M, w, K, n0, n1, y, N);
   else rows_avx512_mode<F, false, Q>(a, M, w, K, n0, n1, y, N);

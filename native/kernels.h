@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <tuple>
 #include <variant>
@@ -43,7 +44,14 @@ using Weight = std::variant<torch::Tensor, QuantWeight>;
 // ones: the GEMM's cost grows far slower with the rows than the GEMV's, and where the two cross depends on the kernel
 // (benchmarks/gemv_quant_micro.py --gemm; its numbers: docs/performance.md, "Choices in the code").
 constexpr int64_t QUANT_NATIVE_MAX_ROWS = 64;
-inline int64_t quant_native_rows(int64_t isa) { return isa >= 3 ? QUANT_NATIVE_MAX_ROWS : 16; }
+// Batch-invariant mode (ops.set_batch_invariant, docs/api.md): every row count takes the native kernels (no GEMM
+// handover) and none takes a batch-1 kernel that sums in another order, so each row of x comes out as it does alone.
+void set_batch_invariant(bool on);
+bool batch_invariant();
+inline int64_t quant_native_rows(int64_t isa) {
+  if (batch_invariant()) return std::numeric_limits<int64_t>::max();
+  return isa >= 3 ? QUANT_NATIVE_MAX_ROWS : 16;
+}
 torch::Tensor linear_quant(torch::Tensor x, const QuantWeight& w, std::optional<torch::Tensor> bias, int64_t isa);
 torch::Tensor dequantize_weight(const QuantWeight& w, at::ScalarType dtype, int64_t isa);
 // each row of x [M, K] (fp32 / bf16) as the quantized GEMV rounds it (ops.round_activations_reference, bit for

@@ -74,6 +74,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_weight", &dequantize_weight, "the weight a QuantWeight stands for, as fp32 or bf16 [N, K]",
         nogil, pybind11::arg("w"), pybind11::arg("dtype"), pybind11::arg("isa"));
   m.attr("QUANT_NATIVE_MAX_ROWS") = QUANT_NATIVE_MAX_ROWS;
+  m.def("set_batch_invariant", &set_batch_invariant, "every row count on the native kernels, each row summed as "
+        "alone (kernels.h)", pybind11::arg("on"));
+  m.def("batch_invariant", &batch_invariant, "whether batch-invariant mode is on");
   m.def("quant_native_rows", &quant_native_rows, "most rows of x the quantized kernels take at this ISA level",
         pybind11::arg("isa"));
   m.def("quantize_rows_int8", &quantize_rows_int8, "each row of x rounded to int8 as round_rows rounds it (act_max "

@@ -47,6 +47,38 @@ ISA_FEATURES = {ISA_PORTABLE: "portable", ISA_AVX2: "avx2+fma", ISA_AVX512: "avx
 NATIVE_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}
 
 
+# batch-invariant mode (set_batch_invariant); None until first read from settings.BATCH_INVARIANT
+_batch_invariant: bool | None = None
+
+
+def batch_invariant() -> bool:
+    """Whether a row's result must not depend on the other rows of its batch (settings.BATCH_INVARIANT)."""
+    global _batch_invariant
+    if _batch_invariant is None:
+        _batch_invariant = settings.BATCH_INVARIANT.get()
+    return _batch_invariant
+
+
+def set_batch_invariant(on: bool) -> None:
+    """Batch-invariant mode on or off for this process, from the next op on (models installed afterwards: their
+    native decode stacks take the row limit of the mode in effect). On: every row count takes the native linear
+    kernels (no GEMM handover; quantized weights: x rounded to 16 bits as in decode), no batch-1 kernel with its
+    own summation order, and prompt rows attend one by one as decode rows do."""
+    global _batch_invariant
+    _batch_invariant = bool(on)
+    ext = native()
+    if ext is not None:
+        ext.set_batch_invariant(_batch_invariant)
+
+
+def native_rows(dtype: torch.dtype) -> int:
+    """Most rows of x the native dense linear takes in `dtype` (0: none): NATIVE_MAX_ROWS, unbounded in
+    batch-invariant mode."""
+    if dtype not in NATIVE_MAX_ROWS:
+        return 0
+    return 2 ** 62 if batch_invariant() else NATIVE_MAX_ROWS[dtype]
+
+
 @functools.lru_cache(maxsize=1)
 def native():
     """The extension module, or None (not built, or disabled)."""
@@ -61,6 +93,7 @@ def native():
         return None
     # a step option one side has and the other lacks fails here, not as a wrong answer
     step_binding.check_fields(_native)
+    _native.set_batch_invariant(batch_invariant())
     return _native
 
 
@@ -125,7 +158,7 @@ def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Ten
         if int8_gemm_suits(w, x.shape[0]):        # the codes as they are: no native QuantWeight needed
             return linear_int8_gemm(x, w, bias)
         return linear_dequantized(x, w, bias)
-    if (ext is None or x.dim() != 2 or x.shape[0] > NATIVE_MAX_ROWS.get(w.dtype, 0)
+    if (ext is None or x.dim() != 2 or x.shape[0] > native_rows(w.dtype)
             or x.dtype != w.dtype or not w.is_contiguous()):
         if w.dtype == x.dtype and gemm_dtype(x.dtype) != x.dtype:   # bf16 prefill without bf16 dot products
             if ext is not None and x.dim() == 2 and w.is_contiguous():
@@ -265,6 +298,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, options: Attention,
                       out: torch.Tensor, k_param: torch.Tensor | None = None, v_param: torch.Tensor | None = None,
                       alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+    """The multi-token chunks of `meta.seqs`, each on its own (compute/reference.py); batch-invariant mode: each
+    prompt row as a decode row over its own context, so it comes out the same in any chunk, cached prefix or batch."""
+    if batch_invariant():
+        for i, seq in enumerate(meta.seqs):
+            rows = slice(seq.q_start, seq.q_start + seq.q_len)
+            end = seq.context_slots.shape[0]
+            ctx = torch.arange(end - seq.q_len + 1, end + 1)
+            spans = meta.prefill_spans[i:i + 1].expand(seq.q_len, -1).contiguous()
+            out[rows] = decode_attention(q[rows].contiguous(), k_cache, v_cache, spans, ctx, options, k_param,
+                                         v_param, alibi_slopes)
+        return out
     return prefill_attention_reference(q, k_cache, v_cache, meta, options, out, k_param, v_param, alibi_slopes)
 
 

@@ -46,7 +46,7 @@ def attention_step(x: torch.Tensor, b: BoundAttention, slots: torch.Tensor, span
     if (_native_suits(x, b.qkv, b.o) and (b.k_param is not None or b.k_cache.dtype == x.dtype)
             and (cos is None or (cos.shape[-1] % 2 == 0 and cos.dtype == x.dtype))):
         return ops.native().attention_step(x, native_step(b), slots, spans, ctx, cos, sin, ops.isa_level(),
-                                           ops.NATIVE_MAX_ROWS[x.dtype])
+                                           ops.native_rows(x.dtype))
     return attention_step_reference(x, b, slots, spans, ctx, cos, sin)
 
 
@@ -55,7 +55,7 @@ def mlp_step(x: torch.Tensor, b: BoundMlp) -> torch.Tensor:
     if x.is_cuda:
         return ops.cuda_backend().mlp_step(x, b)
     if _native_suits(x, b.gate_up, b.down):
-        return ops.native().mlp_step(x, native_step(b), ops.isa_level(), ops.NATIVE_MAX_ROWS[x.dtype])
+        return ops.native().mlp_step(x, native_step(b), ops.isa_level(), ops.native_rows(x.dtype))
     return mlp_step_reference(x, b)
 
 
@@ -63,7 +63,7 @@ def moe_step(x: torch.Tensor, b: BoundMoe) -> torch.Tensor:
     """x [B, H] -> the experts' weighted sum before the allreduce; native: only the chosen experts are read."""
     weights = [b.router, *(w for pair in b.experts for w in pair), *(b.shared or ())]
     if _native_suits(x, *weights):
-        return ops.native().moe_step(x, native_step(b), ops.isa_level(), ops.NATIVE_MAX_ROWS[x.dtype])
+        return ops.native().moe_step(x, native_step(b), ops.isa_level(), ops.native_rows(x.dtype))
     return ops.moe(x, b.router, b.experts, b.step.top_k, b.step.norm_topk_prob, b.shared, b.shared_gate)
 
 
@@ -81,7 +81,7 @@ def decode_stack(layers: Sequence[Sequence[Bound]], final_norm: BoundNorm, embed
             if isinstance(b, BoundAttention) and (b.k_param is None and b.k_cache.dtype != dtype or (
                     b.step.position == "rope" and rotary_tables[b.step.rope_table][0].shape[-1] % 2)):
                 return None
-    stack = ext.DecodeStack(isa=ops.isa_level(), native_rows=ops.NATIVE_MAX_ROWS[dtype], embed_scale=embed_scale)
+    stack = ext.DecodeStack(isa=ops.isa_level(), native_rows=ops.native_rows(dtype), embed_scale=embed_scale)
     for layer in layers:
         stack.add_layer([native_step(b) for b in layer])
     stack.set_ends(embedding=embedding, rotary_tables=list(rotary_tables), final_norm=native_step(final_norm),

@@ -293,6 +293,17 @@ def test_op_profile_table_and_ab_trees(bench, tmp_path, capsys):
     assert positive(read(out)["median_ratio"]["int8"])
 
 
+def test_batch_invariance(bench, tmp_path):
+    from allspark_server.compute import ops
+    if ops.native() is None:
+        pytest.skip("batch-invariant mode needs the native kernels")
+    out = tmp_path / "invariance.json"
+    bench("batch_invariance", "--smoke", "--json", out)
+    r = read(out)["models"]["bench"]
+    assert r["differ_from_solo"]["on"] == 0 and set(r["on_over_off"]) == {"decode_b1_tps", "c32_tps", "ttft_512_s"}
+    assert all(v > 0 for v in r["on_over_off"].values())
+
+
 def test_install_memory(bench, tmp_path):
     out = tmp_path / "memory.json"
     bench("install_memory", "--smoke", "--variants", "int8", "--prompt", "8", "--max-length", "64", "--json", out)

