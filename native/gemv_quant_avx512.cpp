@@ -326,7 +326,9 @@ AVX512_VNNI void rows_avx512_mode(const Act16& a, int64_t M, const QuantView& w,
   ch.gidx = _mm512_load_si512(idx);
   ch.per_chunk = ONE ? 0 : CHUNK / w.group;
   ch.chunks_per_group = w.groups == 1 ? a.padded / CHUNK : w.group / CHUNK;
-  if (M == 1 && !batch_invariant()) {   // two streams per thread, as gemv.cpp's rows_m1_avx512: rows i and part + i of its block
+  // two streams per thread, as gemv.cpp's rows_m1_avx512: rows i and part + i of its block (batch-invariant mode:
+  // tiled_rows' order for every row count)
+  if (M == 1 && !batch_invariant()) {
     const int64_t part = (n1 - n0) / 2;
     for (int64_t i = 0; i < part; ++i) {
       const int64_t n[2] = {n0 + i, n0 + part + i};
