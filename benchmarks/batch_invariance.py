@@ -1,7 +1,7 @@
 """What batch-invariant mode (ALLSPARK_BATCH_INVARIANT) costs on a CPU: the same model installed twice in one Engine,
 once with the mode off and once on, measured in alternating rounds (off, on, on, off, ...); the report gives the
-median of each round's on/off ratio for batch-1 decode, 32-stream decode throughput and the TTFT of a 512-token
-prompt, and counts how many of 32 concurrent greedy requests differ from their solo run with the mode off and on.
+median of each round's on/off ratio for batch-1 decode, 32-stream throughput (whole run and decode-only) and the TTFT
+of a 512-token prompt, and counts how many of 32 concurrent greedy requests differ from their solo run with the mode off and on.
 
     python benchmarks/batch_invariance.py                       # SmolLM2's Q4_1 file (bf16) and the 0.5 B bf16 model
     python benchmarks/batch_invariance.py --models smollm2 bench_q4_1 --rounds 5
@@ -71,11 +71,24 @@ def measure(engine, name: str, vocab: int, on: bool, r: int, smoke: bool) -> dic
     from allspark_server.compute import ops
     ops.set_batch_invariant(on)
     scale = 8 if smoke else 1
+    whole, decode_only = streams(engine, name, vocab, STREAMS // scale, STREAM_TOKENS // scale, r)
     return {"decode_b1_tps": workloads.decode_tps(engine, name, vocab, B1_TOKENS // scale, seed=r),
-            f"c{STREAMS}_tps": workloads.concurrent_tps(engine, name, vocab, STREAMS // scale, 32,
-                                                       STREAM_TOKENS // scale),
+            f"c{STREAMS}_tps": whole, f"c{STREAMS}_decode_tps": decode_only,
             f"ttft_{TTFT_PROMPT}_s": workloads.first_token_s(
                 engine, name, workloads.ttft_prompt(TTFT_PROMPT // scale, r, vocab, salt=int(on)))}
+
+
+def streams(engine, name: str, vocab: int, n: int, new_tokens: int, r: int) -> tuple[float, float]:
+    """n requests of 32-token prompts started together: output tokens/s over the whole run, and decode-only (the
+    tokens that arrived while every request had its first token and none had ended, over that time)."""
+    import workloads
+    prompts = [workloads.prompt(32, 10_000 * (r + 1) + i, vocab) for i in range(n)]
+    t0 = time.perf_counter()
+    stamps = workloads.token_times_threads(engine, name, prompts, new_tokens)
+    whole = n * new_tokens / (time.perf_counter() - t0)
+    lo, hi = max(s[0] for s in stamps), min(s[-1] for s in stamps)
+    inside = sum(lo < t <= hi for s in stamps for t in s)
+    return whole, (inside / (hi - lo) if hi > lo and inside else whole)
 
 
 def differing(engine, name: str, vocab: int, on: bool, smoke: bool) -> int:

@@ -6,6 +6,7 @@ from results_readers import (
     ab_trees,
     accuracy_smollm2,
     allreduce,
+    batch_invariance,
     cpu_attention,
     cuda,
     cuda_gemv_micro,
@@ -36,6 +37,9 @@ MEASURES = {
                           "`ab_trees.py --old <checkout of 9d3dcff>`, each tree's Engine resident, taking turns: on "
                           "a GPU (`--device cuda --variants bf16`) Llama-2-7B-shaped bf16 with 16 layers, on a CPU "
                           "the 0.5 B benchmark model on 2 cores.", ab_trees),
+    "batch-invariance": ("CPU: what batch-invariant mode costs", "`batch_invariance.py --rounds N`: the model installed "
+                         "twice in one Engine, mode off and on, alternating rounds on 2 cores; SmolLM2's Q4_1 file and "
+                         "the 0.5 B benchmark model as Q4_1 and in bf16.", batch_invariance),
     "engines": ("CPU: Engine against transformers", "`run.py`: batch-1 decode, concurrency, TTFT, 2-rank pool; "
                 "0.5 B Llama-shaped model, random weights.", engines),
     "engines-bf16": ("CPU: Engine against transformers, bf16 only", "`run.py --dtypes bfloat16 --no-pool "

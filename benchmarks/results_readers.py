@@ -311,6 +311,20 @@ def ab_trees(r: dict) -> list:
     return rows
 
 
+def batch_invariance(r: dict) -> list:
+    """batch_invariance.py: per model, batch-invariant mode on against off (medians of same-round ratios; TTFT as
+    on's time / off's) and how many concurrent greedy requests differ from their solo run in each mode."""
+    rows = []
+    for model, m in r["models"].items():
+        ratios, differ, n = m["on_over_off"], m["differ_from_solo"], m["of_requests"]
+        rows.append({"model": model, "batch-1 decode on / off": x(ratios["decode_b1_tps"]),
+                     f"{r['streams']} streams tok/s on / off": x(ratios[f"c{r['streams']}_tps"]),
+                     f"{r['streams']} streams decode-only on / off": x(ratios.get(f"c{r['streams']}_decode_tps")),
+                     "TTFT-512 time on / off": x(ratios["ttft_512_s"]),
+                     "differ from solo, off": f"{differ['off']}/{n}", "differ from solo, on": f"{differ['on']}/{n}"})
+    return rows
+
+
 def gguf_race(r: dict) -> list:
     """gguf_race.py: per GGUF file, ours against llama.cpp on the same file and threads (medians of same-round ratios,
     > 1: ours faster) and the rounds they come from; the cores other processes took during the rounds."""
