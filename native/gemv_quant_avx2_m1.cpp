@@ -111,9 +111,9 @@ inline __m256i two_groups64(const uint8_t* codes, const int8_t* x) {
   return _mm256_add_epi16(pairs_a8(halves(codes, codes + 32), x), pairs_a8(halves(codes + 16, codes + 48), x + 64));
 }
 
-// Row m of x against weight row n, 4-bit codes in groups of
-// G = 32 * BPG (BPG = 1, 2 or 4), x in the NIBBLES16 layout (X = int16_t) or NIBBLES8 (X = int8_t: activate_quant). Groups of 32 stay in the lane
-// order four_chunks leaves them in (add_eight_groups' LANE_ORDER) instead of a vpermd on their sums (one per 4 cycles
+// Row m of x against weight row n, 4-bit codes in groups of G = 32 * BPG (BPG = 1, 2 or 4), x in the NIBBLES16
+// layout (X = int16_t) or NIBBLES8 (X = int8_t: activate_quant). Groups of 32 stay in the lane order four_chunks
+// leaves them in (add_eight_groups' LANE_ORDER) instead of a vpermd on their sums (one per 4 cycles
 // on the AVX2 VM). One weight row per step and no prefetch of the scales' stream: the alternatives did not pay
 // streaming from memory (docs/performance.md, "Choices in the code").
 template <int F, int BPG, typename X>
