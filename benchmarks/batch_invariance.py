@@ -16,18 +16,19 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from common import (  # noqa: E402
     FULL,
+    SMOKE,
     add_smoke_flag,
     build_model,
     cpu_kind,
     machine_name,
     result_path,
-    spec_of,
     spin_openmp,
     write_report,
 )
@@ -49,7 +50,7 @@ def loaders(models: list[str], smoke: bool, out_dir: str) -> dict:
                 print(f"smollm2 skipped: {e}")
                 continue
         else:
-            path = build_model(spec_of(argparse.Namespace(smoke=smoke)) if smoke else FULL, "bfloat16")
+            path = build_model(SMOKE if smoke else FULL, "bfloat16")
         loader = HuggingFaceModel(path, m, user_set_data_type="bfloat16").load_model()
         quant = {"enable_quant": True, "customized_quant_config": Q4_1} if m == "bench_q4_1" else {}
         loader.serialize(None, model_output_dir=os.path.join(out_dir, m), **quant)
@@ -128,8 +129,6 @@ def main(argv=None) -> None:
     add_smoke_flag(p)
     a = p.parse_args(argv)
     spin_openmp()
-    import tempfile
-
     from allspark_server import Engine
     rounds = 1 if a.smoke else a.rounds
     report = {"machine": machine_name(), "kind": cpu_kind(), "rounds": rounds, "streams": STREAMS, "models": {}}

@@ -139,19 +139,11 @@ void row_grouped_m1_avx2(const Act16& a, int64_t m, const QuantView& w, int64_t 
 template <int F>
 __attribute__((target("avx2,fma,f16c")))
 void rows_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y, int64_t N) {
-  if ((w.group == BLOCK || w.group == 2 * BLOCK) && w.groups > 1) {
-    // the batch-1 kernel for every row of x (from 2 rows on a tile of weight rows at a time), as run_linear chooses
-    auto row = [&](int64_t m, int64_t n) {
+  if ((w.group == BLOCK || w.group == 2 * BLOCK) && w.groups > 1) {   // the batch-1 kernel for every row of x
+    rows_each_alone(w, M, n0, n1, [&](int64_t m, int64_t n) {
       if (w.group == BLOCK) row_grouped_m1_avx2<F, 1>(a, m, w, n, y, N);
       else row_grouped_m1_avx2<F, 2>(a, m, w, n, y, N);
-    };
-    if (M == 1) {
-      for (int64_t n = n0; n < n1; ++n) row(0, n);
-    } else {
-      tiled_rows(w, M, n0, n1, [&](int64_t m, int64_t mb, int64_t n) {
-        for (int64_t r = m; r < m + mb; ++r) row(r, n);
-      });
-    }
+    });
     return;
   }
   if (M <= MR) {

@@ -1,6 +1,6 @@
-// What the AVX2 quantized GEMV's two files share (gemv_quant_avx2.cpp: any batch, and batch 1 with the codes widened;
-// gemv_quant_avx2_m1.cpp: batch 1 on nibbles and bytes in place): the reduction of eight groups' int32 sums into
-// one vector and its zero-point and scale epilogue.
+// What the AVX2 quantized GEMV's two files share (gemv_quant_avx2.cpp: codes widened; gemv_quant_avx2_m1.cpp: nibbles
+// and bytes in place): each row of x on its own over tiles of weight rows, the reduction of eight groups' int32 sums
+// into one vector and its zero-point and scale epilogue.
 #pragma once
 
 #include <immintrin.h>
@@ -10,6 +10,20 @@
 #include "gemv_quant.h"
 
 namespace qgemv {
+
+// Rows [n0, n1) of y for M rows of x, each (row of x, weight row) pair computed by row(m, n) alone: one row of x
+// streams the weight, more go through it a tile of weight rows at a time (tiled_rows), so a row's result never
+// depends on the batch.
+template <typename RowFn>
+inline void rows_each_alone(const QuantView& w, int64_t M, int64_t n0, int64_t n1, RowFn row) {
+  if (M == 1) {
+    for (int64_t n = n0; n < n1; ++n) row(0, n);
+    return;
+  }
+  tiled_rows(w, M, n0, n1, [&](int64_t m, int64_t mb, int64_t n) {
+    for (int64_t r = m; r < m + mb; ++r) row(r, n);
+  });
+}
 
 // Two hadd trees over groups g .. g + 3 and g + 4 .. g + 7 (each: lanes 0-3 the low halves' sums, 4-7 the high
 // halves') into one vector whose lane j is group g + j's whole sum.

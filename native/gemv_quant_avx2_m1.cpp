@@ -219,18 +219,6 @@ void row_nibbles(const Act16& a, const X* q, const QuantView& w, int64_t m, int6
   else row_nibbles_m1_avx2<F, 4>(a, q, w, m, n, y, N);
 }
 
-// rows [n0, n1) for M rows of x: one row as a stream, more a tile of weight rows at a time (tiled_rows), each row of x
-// met by the batch-1 kernel as it is alone
-template <typename RowFn>
-void rows_each_alone(const QuantView& w, int64_t M, int64_t n0, int64_t n1, RowFn row) {
-  if (M == 1) {
-    for (int64_t n = n0; n < n1; ++n) row(0, n);
-    return;
-  }
-  tiled_rows(w, M, n0, n1, [&](int64_t m, int64_t mb, int64_t n) {
-    for (int64_t r = m; r < m + mb; ++r) row(r, n);
-  });
-}
 
 // Row m of x (activate_quant's int8 x in k order: BYTES8) against 8-bit weight row n.
 // vpmaddubsw multiplies unsigned by signed bytes: the codes' magnitudes meet x carrying the codes' signs

@@ -6,10 +6,10 @@ another attention kernel); the kernels' own row invariance is checked in tests/k
 from __future__ import annotations
 
 import pytest
-from helpers import collect, greedy, random_prompt, serialize, start_engine
+from helpers import greedy, random_prompt, run_together, serialize, start_engine
 from test_quant_models import serialize_quantized
 
-from allspark_client import GenerateRequestStatus, settings
+from allspark_client import settings
 from allspark_server.compute import ops
 
 pytestmark = pytest.mark.skipif(ops.native() is None, reason="batch-invariant mode needs the native kernels")
@@ -27,23 +27,12 @@ def prompts() -> list[list[int]]:
 
 def batched_vs_alone(engine, name: str) -> list[str]:
     """Each prompt alone, then all COPIES of every prompt started at once: the requests whose tokens differ."""
-    alone = [greedy(engine, name, p, NEW_TOKENS) for p in prompts()]
-    started = []
-    for i, p in enumerate(prompts()):
-        for c in range(COPIES):
-            status, handle, queue = engine.start_request(name, {"input_ids": p},
-                                                          {"top_k": 1, "max_new_tokens": NEW_TOKENS,
-                                                           "eos_token_id": []})
-            assert status == 0, engine.get_last_error()
-            started.append((i, c, handle, queue))
-    differ = []
-    for i, c, handle, queue in started:
-        tokens, _, final = collect(queue)
-        assert final == GenerateRequestStatus.GenerateFinished, (final, queue.ErrorMessage())
-        engine.release_request(name, handle)
-        if tokens != alone[i]:
-            differ.append(f"prompt {i} copy {c}: {tokens} alone {alone[i]}")
-    return differ
+    ids = prompts()
+    alone = [greedy(engine, name, p, NEW_TOKENS) for p in ids]
+    gen = {"top_k": 1, "max_new_tokens": NEW_TOKENS, "eos_token_id": []}
+    together = run_together(engine, name, [(p, gen) for p in ids for _ in range(COPIES)])
+    return [f"prompt {i // COPIES} copy {i % COPIES}: {tokens} alone {alone[i // COPIES]}"
+            for i, (tokens, _) in enumerate(together) if tokens != alone[i // COPIES]]
 
 
 @pytest.fixture
