@@ -28,7 +28,7 @@ from allspark_server.loader.gguf_names import permuted, targets, unpermute
 from allspark_server.loader.gguf_reader import ARRAY, MAGIC, MAX_VALUES, GGUFError, GGUFFile, GGUFTensor
 from allspark_server.loader.weights import checkpoint_shapes, checkpoint_weight_names, quantize_layers
 from allspark_server.models.args import ModelArgs
-from allspark_server.models.registry import quantizable_weights
+from allspark_server.models.decoder import quantizable_weights
 from allspark_server.quant.formats import bits
 from allspark_server.quant.scheme import LM_HEAD, QuantConfigError, QuantScheme
 

@@ -26,7 +26,8 @@ from allspark_server.loader.model_file import DTYPES, write_model_files
 from allspark_server.loader.quantized import plan_scheme, quantize_tensors, quantized_split_modes
 from allspark_server.loader.weights import checkpoint_shapes, non_finite, quantize_layers
 from allspark_server.models.args import ModelArgs
-from allspark_server.models.registry import get_arch, model_class_and_rules, quantizable_weights, read_args
+from allspark_server.models.decoder import model_class_and_rules, quantizable_weights
+from allspark_server.models.registry import get_arch, read_args
 from allspark_server.quant import awq, gptq
 from allspark_server.quant.scheme import QuantConfigError, QuantScheme
 

@@ -7,7 +7,7 @@ later have defaults, so older model files still read.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
 
@@ -67,6 +67,9 @@ class ModelArgs:
     # NTK and logn attention past seq_length), 0: none; the reason goes into the error of a longer max_length
     context_limit: int = 0
     context_limit_reason: str = ""
+    # values only the family's own module reads (its ArchSpec's refine and convert, models/registry.py), from
+    # config.json: a new family's scalars go here, not into a field every other family carries; JSON values
+    options: dict = field(default_factory=dict)
 
     def exact_context(self) -> Optional[tuple[int, str]]:
         """(tokens, why) when this model may serve only up to a length: dynamic NTK rope or context_limit."""
@@ -86,6 +89,10 @@ class ModelArgs:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelArgs":
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"the model file's args have fields this allspark does not know ({', '.join(unknown)}): "
+                             "it was written by another version; serialize the model again")
         return cls(**d)
 
 

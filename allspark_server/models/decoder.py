@@ -28,6 +28,7 @@ from allspark_server.layers.rotary import RotaryEmbedding
 from allspark_server.layers.sharding import SplitMode, TPLayout
 from allspark_server.models.args import ModelArgs
 from allspark_server.models.description import describe
+from allspark_server.models.registry import get_arch
 from allspark_server.step.inputs import ForwardInputs
 from allspark_server.step.kv_cache import LayerKV
 
@@ -295,3 +296,15 @@ class DecoderForCausalLM(nn.Module):
         h, _ = timed(prof, "final_norm", _norm, self.model.norm, self.spec.final_norm, x[rows],
                      residual[rows])                                        # [N, H]
         return self.capped(timed(prof, "lm_head", self.lm_head, h))       # [N, V] on rank 0
+
+
+def model_class_and_rules(architecture: str):
+    """The decoder class every architecture runs on, and how its tensors are sharded (checked by name first)."""
+    get_arch(architecture)
+    return DecoderForCausalLM, SPLIT_RULES
+
+
+def quantizable_weights(architecture: str) -> str:
+    """The regex of the (canonical) weights InstantQuant may quantize: the decoder's GEMMs."""
+    get_arch(architecture)
+    return QUANTIZABLE

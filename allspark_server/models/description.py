@@ -9,8 +9,12 @@ output before the next pre-norm adds it to the residual stream, and its logits.
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 from allspark_server.compute.steps import Attention, Mlp, ModelSpec, Moe, Norm, Step
 from allspark_server.models.args import ModelArgs
+from allspark_server.models.registry import get_arch
 
 # config.json's hidden_act -> compute/steps.py's activation
 HIDDEN_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
@@ -54,7 +58,20 @@ def layer_steps(args: ModelArgs, index: int) -> tuple[Step, ...]:
     return pre_norm(args, "input_layernorm"), attention, pre_norm(args, "post_attention_layernorm"), mlp
 
 
+def map_steps(spec: ModelSpec, change: Callable[[Step], Step]) -> ModelSpec:
+    """`spec` with `change` applied to every step of every layer and to the final norm (a family's refine)."""
+    return dataclasses.replace(spec, layers=tuple(tuple(change(s) for s in layer) for layer in spec.layers),
+                               final_norm=change(spec.final_norm))
+
+
 def describe(args: ModelArgs) -> ModelSpec:
+    """The generic description of args, then the family's own changes (its ArchSpec's refine)."""
+    refine = get_arch(args.architecture).refine
+    spec = generic_description(args)
+    return refine(args, spec) if refine else spec
+
+
+def generic_description(args: ModelArgs) -> ModelSpec:
     return ModelSpec(layers=tuple(layer_steps(args, i) for i in range(args.num_layers)),
                      final_norm=pre_norm(args, "norm"), embed_scale=args.embed_scale or None,
                      final_softcap=args.final_logit_softcapping, logits_scaling=args.logits_scaling)

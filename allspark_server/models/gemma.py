@@ -71,3 +71,17 @@ def convert(name: str, t: torch.Tensor, args: ModelArgs):
 
 ARCHITECTURES = {"Gemma2ForCausalLM": ArchSpec(read_args, convert),
                  "Gemma3ForCausalLM": ArchSpec(read_gemma3_args, convert)}
+# tiny models (loader/tiny_model.py; norm_noise: norm weights drawn around their initial value, so Gemma's 1 + w
+# counts). Gemma 2: a sliding window of 16 on layer 0 (prompts longer than it reach past it), soft caps small enough
+# to bend these tiny models' scores and logits; Gemma 3: q/k norms, a local rotary base for the sliding layer, no caps
+TINY_VARIANTS = {
+    "gemma2": dict(arch="Gemma2ForCausalLM", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   tie_word_embeddings=True, sliding_window=16, query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
+                   final_logit_softcapping=8.0, norm_noise=0.2, attn_implementation="eager"),
+    "gemma3": dict(arch="Gemma3ForCausalLM", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   tie_word_embeddings=True, sliding_window=16, query_pre_attn_scalar=24,
+                   layer_types=["sliding_attention", "full_attention"],
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}},
+                   norm_noise=0.2, attn_implementation="eager"),
+}

@@ -25,3 +25,6 @@ def convert(name: str, t, args: ModelArgs):
 
 
 ARCHITECTURES = {"GlmForCausalLM": ArchSpec(read_args, convert)}
+# its tiny model (loader/tiny_model.py): q/k/v bias, fused gate_up, rotary on the first half of each head
+TINY_VARIANTS = {"glm": dict(arch="GlmForCausalLM", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             tie_word_embeddings=False, attention_bias=True, partial_rotary_factor=0.5)}

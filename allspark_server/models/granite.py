@@ -63,3 +63,14 @@ ARCHITECTURES = {
     "GraniteForCausalLM": ArchSpec(read_granite),
     "GraniteMoeForCausalLM": ArchSpec(read_granite_moe, convert_granite_moe),
 }
+# tiny models (loader/tiny_model.py): the four multipliers at values that bend them (an attention scale twice
+# head_dim ** -0.5, a residual share of 0.22, embeddings times 12, logits / 4)
+TINY_VARIANTS = {
+    "granite": dict(arch="GraniteForCausalLM", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                    embedding_multiplier=12.0, attention_multiplier=0.5, residual_multiplier=0.22,
+                    logits_scaling=4.0),
+    "granitemoe": dict(arch="GraniteMoeForCausalLM", num_attention_heads=4, num_key_value_heads=2,
+                       tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
+                       embedding_multiplier=12.0, attention_multiplier=0.5, residual_multiplier=0.22,
+                       logits_scaling=4.0),
+}

@@ -54,3 +54,15 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": ArchSpec(lambda hf, folder: read_qwen_moe(hf, folder, qk_norm=True, qkv_bias=False)),
     "MixtralForCausalLM": ArchSpec(read_mixtral, convert_mixtral),
 }
+# tiny models (loader/tiny_model.py): 4 experts, top 2 (Qwen2-MoE: a shared expert, layer 1 dense; Qwen3-MoE
+# renormalizes)
+TINY_VARIANTS = {
+    "qwen2_moe": dict(arch="Qwen2MoeForCausalLM", num_attention_heads=4, num_key_value_heads=2,
+                      tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=80, norm_topk_prob=False, mlp_only_layers=[1]),
+    "qwen3_moe": dict(arch="Qwen3MoeForCausalLM", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      norm_topk_prob=True),
+    "mixtral": dict(arch="MixtralForCausalLM", num_attention_heads=4, num_key_value_heads=2,
+                    tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2),
+}

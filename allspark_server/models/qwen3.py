@@ -8,3 +8,6 @@ from allspark_server.models.registry import ArchSpec
 ARCHITECTURES = {
     "Qwen3ForCausalLM": ArchSpec(lambda hf, folder: args_from_hf_config(hf, qkv_bias_always=False, qk_norm=True)),
 }
+# its tiny model (loader/tiny_model.py): q/k norms per head, no biases, explicit head_dim
+TINY_VARIANTS = {"qwen3": dict(arch="Qwen3ForCausalLM", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               tie_word_embeddings=False)}

@@ -23,7 +23,7 @@ from allspark_server.layers.sharding import TPLayout
 from allspark_server.loader.model_file import ModelFile, read_model_graph
 from allspark_server.loader.rank_weights import cpu_state, device_state, read_rank_state
 from allspark_server.loader.weights import quantize_layers
-from allspark_server.models.registry import model_class_and_rules
+from allspark_server.models.decoder import model_class_and_rules
 from allspark_server.runner import kv_budget
 from allspark_server.runner.memory_bandwidth import DecodeBytes, bandwidth_gbs, decode_weight_bytes
 from allspark_server.step.inputs import RequestMirror, build_forward_inputs

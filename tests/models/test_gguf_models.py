@@ -27,7 +27,7 @@ from test_hf_parity import hf_logits, runner_for, teacher_forced_logits
 
 from allspark_server import HuggingFaceModel
 from allspark_server.compute import ops
-from allspark_server.loader.tiny_model import ARCH_CLASSES, FAMILY_VARIANTS, VARIANTS, build_tokenizer
+from allspark_server.loader.tiny_model import build_tokenizer, hf_classes, tiny_variant
 from allspark_server.quant.formats import dequantize
 
 # what llama.cpp assumes and GGUF does not say, built into the source models so that both agree: Gemma's q.k scale
@@ -54,10 +54,10 @@ HF_GGUF_KWARGS = {"qwen3": dict(head_dim=16),
 def build(variant: str, folder: str, seed: int = 0, hidden: int = 64, intermediate: int = 128, **over):
     """A tiny transformers model of `variant` (tiny_model's specs, OVERRIDES and `over` applied), saved with the
     tiny tokenizer in `folder`; weights drawn N(0, 0.08) for decisive logits."""
-    spec = dict(VARIANTS.get(variant) or FAMILY_VARIANTS[variant])
+    spec = tiny_variant(variant)
     arch, noise = spec.pop("arch"), spec.pop("norm_noise", None)
     spec.update(OVERRIDES.get(variant, {}), **over)
-    cfg_cls, model_cls = (getattr(transformers, n) for n in ARCH_CLASSES[arch])
+    cfg_cls, model_cls = hf_classes(arch)
     torch.manual_seed(seed)
     layers = spec.pop("num_hidden_layers", LAYERS.get(variant, 2))
     model = model_cls(cfg_cls(vocab_size=512, hidden_size=hidden, intermediate_size=intermediate,

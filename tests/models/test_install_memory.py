@@ -126,7 +126,7 @@ def test_tied_head_shares_the_embedding(tmp_path):
     from allspark_server.loader.model_file import read_model_graph
     from allspark_server.loader.rank_weights import read_rank_state
     from allspark_server.loader.tiny_model import build_tiny_model
-    from allspark_server.models.registry import model_class_and_rules
+    from allspark_server.models.decoder import model_class_and_rules
     hf = build_tiny_model(str(tmp_path), "qwen2_bias_tied", hidden_size=64, num_layers=1, intermediate_size=128,
                           dtype="bfloat16", tokenizer=False)
     graph, params = _serialize(str(tmp_path), str(tmp_path / "out"), None)
