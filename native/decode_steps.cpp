@@ -142,9 +142,7 @@ std::tuple<torch::Tensor, std::optional<torch::Tensor>> norm_step(const torch::T
                                                                   const std::optional<torch::Tensor>& residual,
                                                                   const NormStep& n, int64_t isa) {
   if (!n.adds_residual) return {std::get<0>(rms_norm(x, n.weight, n.eps, std::nullopt, isa)), residual};
-  // the sublayer's share scaled in x's dtype first, as the Python path does (ATen's mul by a scalar either way)
-  const auto joined = residual && n.residual_scale != 1.0 ? x.mul(n.residual_scale) : x;
-  auto [h, s] = rms_norm(joined, n.weight, n.eps, residual, isa);
+  auto [h, s] = rms_norm(x, n.weight, n.eps, residual, isa);
   return {h, s};
 }
 

@@ -58,11 +58,6 @@ class ModelArgs:
     # Gemma 3: the sliding layers rotate with their own base (and scaling); 0: as every other layer
     local_rope_theta: float = 0.0
     local_rope_scaling: Optional[dict] = None
-    # Granite: q.k times attention_multiplier (0: the scale above), each sublayer's output times
-    # residual_multiplier before it joins the residual stream, the logits divided by logits_scaling
-    attention_multiplier: float = 0.0
-    residual_multiplier: float = 1.0
-    logits_scaling: float = 1.0
     # tokens up to which the model is exact when something we do not implement acts past them (Qwen v1's dynamic
     # NTK and logn attention past seq_length), 0: none; the reason goes into the error of a longer max_length
     context_limit: int = 0

@@ -268,14 +268,9 @@ class DecoderForCausalLM(nn.Module):
         return x if self.model.embed_scale is None else x * self.model.embed_scale
 
     def capped(self, logits):
-        """The final logits scaled and soft-capped where the model does (Granite, Gemma 2); rank 0's fp32 [N, V]
-        or None."""
-        if logits is None:
-            return None
-        if self.spec.logits_scaling != 1.0:
-            logits = logits / self.spec.logits_scaling
+        """The final logits soft-capped where the model caps them (Gemma 2); rank 0's fp32 [N, V] or None."""
         cap = self.spec.final_softcap
-        return torch.tanh(logits / cap) * cap if cap else logits
+        return logits if logits is None or not cap else torch.tanh(logits / cap) * cap
 
     @torch.inference_mode()
     def forward(self, inputs: ForwardInputs, kv_cache) -> torch.Tensor:

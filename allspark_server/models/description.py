@@ -4,8 +4,7 @@ This is the one place that says what a layer computes; the decoder (models/decod
 every backend runs it. Llama-style layers: pre-norm attention, pre-norm MLP. Gemma 2 adds a norm on each sublayer's
 output (sandwich norms, HF's post_attention_layernorm / post_feedforward_layernorm, with pre_feedforward_layernorm as
 the MLP's pre-norm), a GELU-tanh MLP, soft-capped attention scores and a sliding window on alternating layers;
-Gemma 3 per-head q/k norms and a rotary table of its own for the sliding layers. Granite scales each sublayer's
-output before the next pre-norm adds it to the residual stream, and its logits.
+Gemma 3 per-head q/k norms and a rotary table of its own for the sliding layers.
 """
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ def activation(args: ModelArgs) -> str:
 def attention_step(args: ModelArgs, index: int) -> Attention:
     if args.position_embedding not in ("rope", "alibi"):
         raise ValueError(f"position_embedding {args.position_embedding!r} is not supported (rope, alibi)")
-    scale = args.attention_multiplier or (args.query_pre_attn_scalar or args.head_dim) ** -0.5
+    scale = (args.query_pre_attn_scalar or args.head_dim) ** -0.5
     sliding = index in args.sliding_layers
     return Attention(scale=scale, qkv_bias=args.attention_bias, o_bias=args.o_proj_bias, qk_norm=args.qk_norm,
                      position=args.position_embedding, softcap=args.attn_logit_softcapping,
@@ -44,18 +43,12 @@ def mlp_step(args: ModelArgs, index: int) -> Step:
     return Mlp(activation(args), args.mlp_bias)
 
 
-def pre_norm(args: ModelArgs, name: str) -> Norm:
-    """A norm that adds the sublayer output before it to the residual stream (Granite: scaled first)."""
-    return Norm(name, residual_scale=args.residual_multiplier)
-
-
 def layer_steps(args: ModelArgs, index: int) -> tuple[Step, ...]:
     attention, mlp = attention_step(args, index), mlp_step(args, index)
     if args.sandwich_norms:
-        return (pre_norm(args, "input_layernorm"), attention, Norm("post_attention_layernorm", adds_residual=False),
-                pre_norm(args, "pre_feedforward_layernorm"), mlp,
-                Norm("post_feedforward_layernorm", adds_residual=False))
-    return pre_norm(args, "input_layernorm"), attention, pre_norm(args, "post_attention_layernorm"), mlp
+        return (Norm("input_layernorm"), attention, Norm("post_attention_layernorm", adds_residual=False),
+                Norm("pre_feedforward_layernorm"), mlp, Norm("post_feedforward_layernorm", adds_residual=False))
+    return Norm("input_layernorm"), attention, Norm("post_attention_layernorm"), mlp
 
 
 def map_steps(spec: ModelSpec, change: Callable[[Step], Step]) -> ModelSpec:
@@ -73,5 +66,4 @@ def describe(args: ModelArgs) -> ModelSpec:
 
 def generic_description(args: ModelArgs) -> ModelSpec:
     return ModelSpec(layers=tuple(layer_steps(args, i) for i in range(args.num_layers)),
-                     final_norm=pre_norm(args, "norm"), embed_scale=args.embed_scale or None,
-                     final_softcap=args.final_logit_softcapping, logits_scaling=args.logits_scaling)
+                     embed_scale=args.embed_scale or None, final_softcap=args.final_logit_softcapping)
