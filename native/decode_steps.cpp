@@ -142,7 +142,9 @@ std::tuple<torch::Tensor, std::optional<torch::Tensor>> norm_step(const torch::T
                                                                   const std::optional<torch::Tensor>& residual,
                                                                   const NormStep& n, int64_t isa) {
   if (!n.adds_residual) return {std::get<0>(rms_norm(x, n.weight, n.eps, std::nullopt, isa)), residual};
-  auto [h, s] = rms_norm(x, n.weight, n.eps, residual, isa);
+  // the sublayer's share scaled in x's dtype first, as the Python path does (ATen's mul by a scalar either way)
+  const auto joined = residual && n.residual_scale != 1.0 ? x.mul(n.residual_scale) : x;
+  auto [h, s] = rms_norm(joined, n.weight, n.eps, residual, isa);
   return {h, s};
 }
 

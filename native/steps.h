@@ -3,7 +3,8 @@
 // holding the step's weights (and, for attention, its layer's KV cache). decode_steps.cpp runs each step on a
 // decode-only batch; decode_stack.cpp runs a whole model's layers, step after step, in one call.
 //
-//   NormStep       x = RMSNorm(x (+ residual)) * w; with adds_residual the sum is the new residual stream
+//   NormStep       x = RMSNorm(x (* residual_scale + residual)) * w; with adds_residual the sum is the new
+//                  residual stream
 //   AttentionStep  q|k|v = x . W_qkv^T (+ b); [per-head q/k RMSNorm]; rotate q, k (unless ALiBi); write k, v
 //                  into their cache slots; o = attention over each sequence's spans (soft-capped scores, a
 //                  sliding window); returns o . W_o^T             -- before the tensor-parallel allreduce
@@ -30,7 +31,9 @@ using OptWeight = std::optional<Weight>;
 // default constructor, one read/write attribute per field and FIELDS, the [(name, type)] list) and the binder's
 // check against compute/steps.py (compute/step_binding.py: every field there, every option here) all come from
 // these lists. A field's name is the Python name it is filled from (the bound step's attribute, or its step's).
-#define NORM_STEP_FIELDS(F) F(torch::Tensor, weight) F(bool, adds_residual) F(double, eps)
+// residual_scale: a pre-norm adds x * residual_scale (rounded to x's dtype) to the residual stream
+#define NORM_STEP_FIELDS(F) \
+  F(torch::Tensor, weight) F(bool, adds_residual) F(double, eps) F(double, residual_scale)
 
 // k_cache, v_cache: [S, P, KVH, D] dense, or codes with their params (k_param, v_param); q_norm, k_norm: per-head
 // norms (eps: norm_eps); rotary false: no rotary (ALiBi models: alibi_slopes, fp32 [num_heads], instead);

@@ -29,8 +29,11 @@ def native_step(b: Bound):
 
 
 def norm_step(x: torch.Tensor, residual: Optional[torch.Tensor], b: BoundNorm):
-    """(normed, residual stream): a pre-norm adds the residual first and returns the sum as the new stream."""
+    """(normed, residual stream): a pre-norm adds the residual first (x scaled first where the step says, in x's
+    dtype as HF's Granite does) and returns the sum as the new stream."""
     if b.step.adds_residual:
+        if residual is not None and b.step.residual_scale != 1.0:
+            x = x * b.step.residual_scale
         return ops.rms_norm(x, b.weight, b.eps, residual)
     return ops.rms_norm(x, b.weight, b.eps)[0], residual
 

@@ -4,8 +4,8 @@ An architecture's decoder layer is a tuple of these steps (models/description.py
 every backend runs that same tuple: the reference and CUDA paths step by step (models/decoder.py through
 compute/ops.py), the native CPU path as one descriptor struct per step (native/steps.h) inside its one-call decode
 stack. Steps apply in order to the pair (x, residual); their sum is HF's hidden state:
-  Norm       x = rmsnorm(x) * w. adds_residual: the pre-norm form, s = x + residual is normed and becomes the
-             residual stream; otherwise a sandwich norm of a sublayer's (already summed) output.
+  Norm       x = rmsnorm(x) * w. adds_residual: the pre-norm form, s = x * residual_scale + residual is normed
+             and becomes the residual stream; otherwise a sandwich norm of a sublayer's (already summed) output.
   Attention  x = o_proj(attend(rotate(qkv_proj(x)))), summed over the ranks (a row-parallel o_proj).
   Mlp        x = down_proj(act(gate_proj(x)) * up_proj(x)), summed over the ranks.
   Moe        x = the router's top-k experts' Mlps, weighted (plus a gated shared expert), summed over the ranks.
@@ -30,6 +30,7 @@ Weight = Any                            # a dense torch.Tensor or a quant.format
 class Norm:
     name: str                   # the norm's module in the layer (HF's name, e.g. input_layernorm)
     adds_residual: bool = True
+    residual_scale: float = 1.0     # a pre-norm adds x * this (in x's dtype) to the residual stream (Granite)
 
     NOT_NATIVE: ClassVar[dict] = {"name": "the module the weight comes from"}
 

@@ -1,4 +1,4 @@
-"""The other model families against transformers: Qwen3, GLM-4, Gemma 2 and 3 and Llama's
+"""The other model families against transformers: Qwen3, GLM-4, Gemma 2 and 3, Granite 3 and GraniteMoE and Llama's
 rope scalings (transformers' own classes), and the remote-code
 layouts ChatGLM2/3/GLM-4-chat, Qwen (v1) and Baichuan2-7B, written from an equivalent native model (GLM, Qwen2,
 Llama; tests/remote_layouts.py) and checked against that model's logits: fp32 teacher-forced logits on every
@@ -48,6 +48,9 @@ FAMILIES = {
     "gemma2": ("gemma2", None),
     # q/k norms, a second rotary table (the sliding layer's own base) beside a linear-scaled one
     "gemma3": ("gemma3", None),
+    # embedding, attention, residual and logit multipliers; the MoE's experts in 3-D checkpoint tensors
+    "granite": ("granite", None),
+    "granitemoe": ("granitemoe", None),
 }
 # families whose reference is a function of the written folder (ids [1, n] -> logits [1, n, V]), not the source model
 FOLDER_REFERENCES = {"baichuan2_13b": baichuan_reference_logits}
