@@ -16,7 +16,7 @@ import time
 import torch
 
 from allspark_client import settings
-from allspark_server.runner.memory_bandwidth import gpu_copy_bandwidth_gbs
+from allspark_server.compute.cuda.cuda_device import gpu_copy_bandwidth_gbs
 
 if not torch.cuda.is_available():   # a smoke run: Triton's interpreter (read as @triton.jit decorates: import us first)
     os.environ.setdefault("TRITON_INTERPRET", "1")

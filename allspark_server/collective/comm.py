@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from allspark_client import settings
+from allspark_server.compute.device_kind import DeviceKind, in_host_memory
 
 SPIN_AFTER_MESSAGE_S = 0.02   # a worker between steps spins this long before it starts napping
 MIN_NAP_S, MAX_NAP_S = 0.0002, 0.005
@@ -27,7 +28,7 @@ class LocalComm:
     rank = 0
     world_size = 1
 
-    def use_gpu(self, device: torch.device) -> None:
+    def use_gpu(self, kind: DeviceKind) -> None:
         pass
 
     def allreduce_(self, t: torch.Tensor) -> torch.Tensor:
@@ -69,14 +70,16 @@ class MpiComm:
         self._peer = None   # the one-shot allreduce over peer memory (cuda/peer_allreduce.py), GPUs of one host
         self._shard_widths: dict[int, list[int]] = {}
 
-    def use_gpu(self, device: torch.device) -> None:
-        """Collective: start NCCL between the ranks' GPUs (rank 0 picks a free TCP port for the rendezvous and
-        broadcasts its address over MPI). Afterwards allreduce_ and gather_rows of GPU tensors use NCCL."""
+    def use_gpu(self, kind: DeviceKind) -> None:
+        """Collective: start NCCL between the ranks' GPUs, `kind.device` on this rank (rank 0 picks a free TCP port
+        for the rendezvous and broadcasts its address over MPI). Afterwards allreduce_ and gather_rows of GPU tensors
+        use NCCL."""
         if self._nccl is not None:
             return
         import socket
 
         import torch.distributed as dist
+        device = kind.device
         address = None
         if self.rank == 0:
             with socket.socket() as s:
@@ -89,7 +92,7 @@ class MpiComm:
         # every rank decides alike (start is collective): wanted everywhere, all GPUs in one host, and each rank
         # seeing every GPU of the pool (the setup of benchmarks/results/pool-step-h100x2.json; ranks that
         # allspark-launch --gpus confines to their own GPU keep NCCL, which maps its peers by itself)
-        want = settings.PEER_ALLREDUCE.get() and torch.cuda.device_count() >= self.world_size
+        want = settings.PEER_ALLREDUCE.get() and kind.visible_device_count() >= self.world_size
         wants = self._c.allgather((socket.gethostname(), want))
         if all(want for _, want in wants) and len({host for host, _ in wants}) == 1:
             from allspark_server.compute.cuda import peer_allreduce
@@ -97,7 +100,7 @@ class MpiComm:
                                               lambda ok: all(self._c.allgather(ok)))
 
     def allreduce_(self, t: torch.Tensor) -> torch.Tensor:
-        if t.is_cuda and self._nccl is not None:
+        if self._nccl is not None and not in_host_memory(t):
             if self._peer is not None and self._peer.fits(t):   # a decode step's rows: latency, not bytes
                 return self._peer.allreduce_(t)
             self._nccl.all_reduce(t)
@@ -110,7 +113,7 @@ class MpiComm:
         return t
 
     def gather_rows(self, t: torch.Tensor) -> Optional[torch.Tensor]:
-        if t.is_cuda and self._nccl is not None:   # padded to the widest shard, gathered, cut and joined on rank 0
+        if self._nccl is not None and not in_host_memory(t):   # padded to the widest shard, gathered, cut, joined
             widths = self._shard_widths.get(t.shape[-1])
             if widths is None:   # once per shape (all ranks ask together; a graph replay never comes here)
                 widths = self._shard_widths[t.shape[-1]] = self._c.allgather(t.shape[-1])
@@ -128,10 +131,10 @@ class MpiComm:
         return torch.from_numpy(np.concatenate(parts, axis=-1))
 
     def broadcast_(self, t: torch.Tensor) -> torch.Tensor:
-        if t.is_cuda and self._nccl is not None:
+        if self._nccl is not None and not in_host_memory(t):
             self._nccl.broadcast(t, src=0)
             return t
-        if t.is_cuda or not t.is_contiguous():
+        if not in_host_memory(t) or not t.is_contiguous():
             raise RuntimeError("broadcast_ takes contiguous host tensors, or GPU tensors once NCCL is up (use_gpu)")
         self._c.Bcast(t.numpy(), root=0)
         return t

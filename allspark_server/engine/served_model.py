@@ -71,7 +71,7 @@ class ServedModel:
                                 tier=HostTier(runner.tier_slots) if runner.tier_slots else None)
         self.spans = SpanManager(runner.num_spans, cfg.cache_span_size, cache)
         self.scheduler = Scheduler(SchedulerConfig(cfg.engine_max_batch, cfg.max_prefill_tokens), self.spans)
-        self.sampler = Sampler(runner.device)             # the device picks its draw (sampler.py)
+        self.sampler = Sampler(runner.device_kind)        # the device picks its draw (sampler.py)
         self.started = False
         self.asleep = False        # unload_device_mem freed its memory: requests are refused (engine/sleep.py)
         self._live: dict[int, AddRequest] = {}          # engine thread only
@@ -82,7 +82,7 @@ class ServedModel:
         self._guided_lock = threading.Lock()
         # GPU ranks hand a step's tokens to their queues after the next step's model launch (deliver), so the
         # consumers they wake take the GIL while the GPU computes, not while the host prepares the next step
-        self._defer_delivery = runner.device.type == "cuda"
+        self._defer_delivery = runner.device_kind.defers_delivery
         self._undelivered: list[tuple] = []   # (queue, elements, status, finished, note) of the last step
         # how it steps, chosen once: overlapped where decode steps replay from CUDA graphs (a pool of GPU ranks sends
         # the in-flight tokens to the others by NCCL broadcast), else one step at a time (engine/step_loops.py)
@@ -315,7 +315,7 @@ class ServedModel:
                 states.append(state)
         if not rows:
             return None
-        where = settings.GUIDED_MASKS.get() or ("background" if self.runner.device.type == "cuda" else "inline")
+        where = settings.GUIDED_MASKS.get() or self.runner.device_kind.guided_masks_default
         if where == "background":
             return rows, self._guided.start_masks(states)
         done = Future()

@@ -46,8 +46,8 @@ class DeviceMemory:
                               f"wake_from must be one of {WAKE_FROM_OPTIONS}, got {wake_from!r}")
         with self._lock:
             model = self._served(name)
-            gpu = model.runner.device.type == "cuda"
-            if wake_from == "host" and not gpu:
+            from_host = model.runner.device_kind.can_wake_from_host   # weights apart from host memory (a GPU's)
+            if wake_from == "host" and not from_host:
                 raise AsException(AsStatus.ALLSPARK_PARAM_ERROR,
                                   "wake_from='host' keeps a GPU rank's weights in pinned host memory; a CPU rank's "
                                   "weights are host memory already: its sleep releases them and its wake reads the "
@@ -55,7 +55,7 @@ class DeviceMemory:
             if model.asleep:
                 log.info("unload_device_mem(%r): the model is asleep already", name)
                 return None
-            source = wake_from if wake_from != "auto" else ("host" if gpu else "files")
+            source = wake_from if wake_from != "auto" else ("host" if from_host else "files")
             model.asleep = True      # start_request refuses from now on (it checks under the same lock)
 
             def sleep():

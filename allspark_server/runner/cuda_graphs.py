@@ -9,11 +9,13 @@ Padding rows decode token 0 at position 0 into a scratch span that no request ow
 span more than the span manager hands out), so they can never touch a request's keys and values.
 Steps with a prefill chunk run eagerly. A step that continues the previous one before the host has seen its
 tokens (a plan with `tokens_on_device`) takes its input ids from the device: one more copy, GPU to GPU.
+The capture itself and the event that fences the copies are CUDA's (compute/cuda/graph_capture.py).
 """
 from __future__ import annotations
 
 import torch
 
+from allspark_server.compute.cuda.graph_capture import capture_each_size, copies_done_event
 from allspark_server.step.inputs import AttentionMetadata, ForwardInputs
 
 
@@ -48,33 +50,18 @@ class DecodeGraphs:
         # per row: the mirror whose span table it holds and how many of its spans are written (a decode step
         # rewrites a row's table only when its sequence changed or got a span)
         self.row_spans: list[tuple] = [(None, 0)] * max_batch
-        self.copied = torch.cuda.Event()   # the last step's copies are done with the host rows
+        self.copied = copies_done_event()   # the last step's copies are done with the host rows
         self.span_size = span_size
         self.rows = torch.arange(max_batch, **long)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        self._capture_all()
+        self.graphs, self.logits = self._capture_all()   # per ladder size: its graph, its logits buffer
 
     def _inputs(self, b: int) -> ForwardInputs:
         meta = AttentionMetadata(self.slots[:b], [], self.rows[:b], self.spans[:b], self.ctx[:b])
         return ForwardInputs(self.ids[:b], self.positions[:b], meta, self.rows[:b], [])
 
     @torch.inference_mode()
-    def _capture_all(self) -> None:
-        pool = None
-        stream = torch.cuda.Stream()
-        for b in sorted(self.sizes, reverse=True):
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):      # warm-up outside the graph: Triton compiles, cuBLAS picks
-                for _ in range(2):
-                    self.model(self._inputs(b), self.kv)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[b] = self.model(self._inputs(b), self.kv)
-            pool = graph.pool()
-            self.graphs[b] = graph
-        torch.cuda.synchronize()
+    def _capture_all(self) -> tuple[dict, dict[int, torch.Tensor]]:
+        return capture_each_size(lambda b: self.model(self._inputs(b), self.kv), self.sizes)
 
     def fits_decode(self, chunks) -> bool:
         """A decode-only step (one token per sequence, every one sampled) of at most max_batch sequences (span

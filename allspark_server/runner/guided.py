@@ -23,6 +23,7 @@ import torch
 from allspark_client.response_format import ResponseFormat
 from allspark_client.types import AsStatus
 from allspark_client.validation import ConfigError
+from allspark_server.compute.device_kind import in_host_memory
 
 # JSON output is written like Python's json.dumps: ", " and ": " and no other whitespace, so a model cannot
 # loop on whitespace. A schema may override this with llguidance's "x-guidance" key.
@@ -197,7 +198,7 @@ _NEG_INF_BITS = int(np.array(-np.inf, dtype=np.float32).view(np.int32))   # -inf
 
 def _unpack_bits(bitmask: np.ndarray, device: torch.device) -> torch.Tensor:
     """[n, words] int32 -> [n, words * 32] uint8 0/1 on `device` (bit t % 32 of word t // 32 is token t)."""
-    if device.type == "cpu":
+    if in_host_memory(device):
         le = np.ascontiguousarray(bitmask, dtype="<i4")
         return torch.from_numpy(np.unpackbits(le.view(np.uint8), axis=1, bitorder="little"))
     bm = torch.from_numpy(np.ascontiguousarray(bitmask, dtype=np.int32)).to(device)   # 1/32 of the mask's size

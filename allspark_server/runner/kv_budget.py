@@ -27,6 +27,8 @@ from typing import Optional
 
 import psutil
 
+from allspark_server.compute.device_kind import in_host_memory
+
 NODE_KV_FRACTION = 0.9      # every KV cache of a pool on one machine together: at most this share of `base`
 AUTO_KV_MAX_FRACTION = 0.4  # one model's automatic budget on one machine: at most this share of `base`
 GiB = float(1 << 30)
@@ -91,7 +93,7 @@ def usage() -> RankUsage:
     reserved = resident = 0
     for cache in list(_held):
         for t in _tensors(cache):
-            if t.device.type != "cpu":
+            if not in_host_memory(t):
                 continue
             n = t.numel() * t.element_size()
             reserved += n

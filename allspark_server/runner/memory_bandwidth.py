@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from allspark_client import settings
+from allspark_server.compute.device_kind import DeviceKind
 from allspark_server.layers.rotary import RotaryEmbedding
 from allspark_server.step.hugepages import to_hugepages
 
@@ -79,33 +80,19 @@ def copy_bandwidth_gbs(floats: Optional[int] = None, repeats: int = 5) -> float:
     return 2 * a.numel() * 4 / median_time(lambda: c.copy_(a), repeats) / 1e9
 
 
-def gpu_copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
-    """The GPU's device-to-device copy GB/s (read + written), timed with CUDA events."""
-    a = torch.ones(nbytes // 4, device=device)
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(repeats + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        b.copy_(a)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * nbytes / statistics.median(times[2:]) / 1e9
-
-
-def bandwidth_gbs(device: torch.device) -> float:
-    """The copy bandwidth of the memory `device` decodes from, measured once per process and device (~0.2-0.5 s;
-    ALLSPARK_MEMORY_BANDWIDTH_GBS overrides). The median of 9 copies, as the benchmark's roofline: on a shared VM the
-    best one reads well above the bandwidth the decode runs around it see (docs/performance.md, "Choices in the
-    code")."""
-    key = str(device)
+def bandwidth_gbs(kind: DeviceKind) -> float:
+    """The copy bandwidth of the memory a device of `kind` decodes from, measured once per process and device
+    (~0.2-0.5 s; ALLSPARK_MEMORY_BANDWIDTH_GBS overrides): a device-to-device copy timed by the device where it
+    times its own (compute/cuda/cuda_device.py), else host RAM's, the median of 9 copies, as the benchmark's
+    roofline: on a shared VM the best one reads well above the bandwidth the decode runs around it see
+    (docs/performance.md, "Choices in the code")."""
+    key = str(kind.device)
     if key not in _measured:
         given = settings.MEMORY_BANDWIDTH_GBS.get()
         if given is not None:
             _measured[key] = given
-        elif device.type == "cuda":
-            _measured[key] = gpu_copy_bandwidth_gbs(device)
+        elif kind.bandwidth_timed_on_device:
+            _measured[key] = kind.copy_bandwidth_gbs()
         else:
             _measured[key] = copy_bandwidth_gbs(repeats=9)
     return _measured[key]

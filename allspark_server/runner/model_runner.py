@@ -8,14 +8,14 @@ sample (full vocabulary on rank 0, None on other ranks). Decides nothing.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 from allspark_client import settings
-from allspark_client.config import AsModelConfig, parse_compute_unit
+from allspark_client.config import AsModelConfig
 from allspark_client.types import AsCacheMode
 from allspark_server.compute import ops
+from allspark_server.compute.device_choice import rank_device_kind
 from allspark_server.compute.op_profile import OpProfiler, timed
 from allspark_server.core.messages import StepPlan
 from allspark_server.layers.rotary import fit_rotary
@@ -44,7 +44,9 @@ class ModelRunner:
         self.comm = comm
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
-        self.device = rank_device(cfg.compute_unit, comm.rank)
+        # the device is chosen here, once: what differs on it is asked of device_kind (compute/device_kind.py)
+        self.device_kind = rank_device_kind(cfg.compute_unit, comm.rank)
+        self.device = self.device_kind.device
         # the ISA is resolved at install (where py-cpuinfo is the source, ~1.5 s), not in the first request's TTFT
         log.info("kernels: %s", ops.describe())
         self.model_file: ModelFile = read_model_graph(cfg.model_path, cfg.weights_path)
@@ -58,7 +60,7 @@ class ModelRunner:
         if self.quant is not None:
             quantize_layers(self.model, self.quant, comm.world_size)
         # each slice read from the file straight into the tensor the model keeps (loader/rank_weights.py)
-        allocate = cpu_state if self.device.type == "cpu" else device_state(self.device)
+        allocate = cpu_state if self.device_kind.weights_in_hugepages else device_state(self.device)
         state = read_rank_state(self.model_file, self.tp, self.model, allocate)
         self.model.load_state_dict(state, strict=True, assign=True)
         self.model.to(self.device)   # the buffers that are not loaded (rotary tables)
@@ -89,15 +91,17 @@ class ModelRunner:
         rows write there) and the decode graphs captured over it. `tier_slots`: host slots of the prefix cache's
         second tier (pinned memory on a GPU rank)."""
         self.num_spans = num_spans
-        gpu = self.device.type == "cuda"
-        self.kv = KVCache(self.args.num_layers, num_spans + gpu, self.span_size, self.tp.local_kv_heads,
-                          self.args.head_dim, self.dtype, self.kv_mode, self.device)
+        kind = self.device_kind
+        self.kv = KVCache(self.args.num_layers, num_spans + kind.kv_scratch_spans, self.span_size,
+                          self.tp.local_kv_heads, self.args.head_dim, self.dtype, self.kv_mode, self.device)
         if tier_slots:
             self.tier_slots = tier_slots
             self.tier = KVCache(self.args.num_layers, tier_slots, self.span_size, self.tp.local_kv_heads,
-                                self.args.head_dim, self.dtype, self.kv_mode, torch.device("cpu"), pinned=gpu)
-        for cache in (self.kv, self.tier):       # host memory: counted against later installs on this machine
-            if cache is not None and cache.layers[0].k.device.type == "cpu":
+                                self.args.head_dim, self.dtype, self.kv_mode, torch.device("cpu"),
+                                pinned=kind.pins_host_tiers)
+        # host memory, counted against later installs on this machine: the tier always, the cache where it is RAM
+        for cache in (self.kv if kind.kv_budget_from_host_ram else None, self.tier):
+            if cache is not None:
                 kv_budget.hold(cache)
         # no sequence outgrows the cache (served_model interrupts it): rotary rows past it would be memory that
         # grows with max_length outside the KV budget
@@ -108,7 +112,7 @@ class ModelRunner:
         """GPU ranks: the decode graphs over the cache (again after a wake: its pages moved). Every rank captures
         (NCCL inside); a mixture of experts routes on the host (ops.moe), which a graph cannot capture, so MoE models
         decode eagerly."""
-        if self.device.type == "cuda" and settings.CUDA_GRAPHS.get() and not self.args.moe_layers:
+        if self.device_kind.captures_decode_graphs and settings.CUDA_GRAPHS.get() and not self.args.moe_layers:
             from allspark_server.runner.cuda_graphs import DecodeGraphs
             self.model.profiler = None          # a capture records no op timings
             self.graphs = DecodeGraphs(self.model, self.kv, self.cfg.engine_max_batch,
@@ -120,7 +124,7 @@ class ModelRunner:
         """How many spans this rank's budget allows (explicit bytes, or max_batch x max_length capped by memory):
         on a CPU rank the machine's RAM as `share` of it (kv_budget.py), on a GPU rank the GPU's free memory."""
         per_span = self.span_bytes
-        if self.device.type != "cuda":
+        if self.device_kind.kv_budget_from_host_ram:
             n = kv_budget.host_spans(self.cfg, per_span, share)
             wanted = -(-self.cfg.engine_max_length // self.span_size) * self.cfg.engine_max_batch
             if not self.cfg.kv_cache_memory_bytes and n < wanted:
@@ -135,8 +139,7 @@ class ModelRunner:
             return n
         spans_per_request = -(-self.cfg.engine_max_length // self.span_size)
         wanted = spans_per_request * self.cfg.engine_max_batch
-        free, _ = torch.cuda.mem_get_info(self.device)
-        cap = int(free * AUTO_KV_GPU_FRACTION) // per_span
+        cap = int(self.device_kind.free_memory_bytes() * AUTO_KV_GPU_FRACTION) // per_span
         if cap < wanted:
             log.warning("KV cache: %d spans wanted for max_batch x max_length, GPU memory allows %d", wanted, cap)
         return max(1, min(wanted, cap))
@@ -214,34 +217,6 @@ class ModelRunner:
             m.span_ids.extend(r.new_span_ids)
 
 
-def rank_device(compute_unit: str, rank: int) -> torch.device:
-    """The device of `rank` for a compute unit such as 'CPU:0' or 'CUDA:0,1' (rank r takes the r-th id);
-    a clear error when the GPU is not there. Under `allspark-launch --gpus` ($ALLSPARK_RANK_GPU set) the rank
-    sees only its own GPU, as cuda:0: the compute unit must name that GPU for this rank."""
-    kind, ids = parse_compute_unit(compute_unit)
-    if kind == "CPU":
-        return torch.device("cpu")
-    launcher_gpu = settings.RANK_GPU.get()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if not torch.cuda.is_available():
-        raise ValueError(f"compute_unit {compute_unit}: this process sees no CUDA device "
-                         f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES={visible!r})")
-    if rank >= len(ids):
-        raise ValueError(f"compute_unit {compute_unit} names {len(ids)} GPU(s) for a pool of more ranks (rank {rank})")
-    if launcher_gpu is not None:
-        if ids[rank] != launcher_gpu:
-            raise ValueError(f"compute_unit {compute_unit} gives rank {rank} GPU {ids[rank]}, but allspark-launch "
-                             f"gave this rank GPU {launcher_gpu} ({settings.RANK_GPU.name}={launcher_gpu}, "
-                             f"CUDA_VISIBLE_DEVICES={visible!r}): name the launcher's GPUs in rank order")
-        torch.cuda.set_device(0)   # the launcher's GPU is the only one this rank sees
-        return torch.device("cuda", 0)
-    if ids[rank] >= torch.cuda.device_count():
-        raise ValueError(f"compute_unit {compute_unit}: GPU {ids[rank]} does not exist here "
-                         f"({torch.cuda.device_count()} visible)")
-    torch.cuda.set_device(ids[rank])
-    return torch.device("cuda", ids[rank])
-
-
 class InstallError(RuntimeError):
     pass
 
@@ -272,11 +247,11 @@ def install_runner(cfg: AsModelConfig, comm) -> ModelRunner:
     except Exception as e:
         error, proposal, slots = f"{type(e).__name__}: {e}", 0, 0
     _raise_failed(comm, comm.allgather_obj(error))
-    if runner.device.type == "cuda":
-        comm.use_gpu(runner.device)   # NCCL between the ranks' GPUs (every rank got here: none failed)
+    if runner.device_kind.collectives_use_nccl:
+        comm.use_gpu(runner.device_kind)   # NCCL between the ranks' GPUs (every rank got here: none failed)
     runner.allocate_kv(comm.allreduce_min(proposal), comm.allreduce_min(slots))
     comm.barrier()                                    # every rank measures its bandwidth at the same time
     runner.rank_decode_bytes = comm.allgather_obj(
         DecodeBytes(decode_weight_bytes(runner.model, runner.model.model.embed_tokens.weight),
-                    runner.span_bytes // runner.span_size, bandwidth_gbs(runner.device)))
+                    runner.span_bytes // runner.span_size, bandwidth_gbs(runner.device_kind)))
     return runner

@@ -11,20 +11,23 @@ addresses, so the native decode stack's pointers stay valid); wake reads the wei
 memory, and the cache's pages come back, zero, as they are written. (A CPU rank has no other copy to keep.)
 A wake that reads the files refuses, before it restores anything, where a weights file changed since the install.
 Collective: every rank of a pool runs it at once, and all agree before anything is dropped.
+Which of the two a rank does is its device kind's `sleep_frees_storages` (compute/device_kind.py).
 """
 from __future__ import annotations
 
 import ctypes
-import gc
 import logging
 import mmap
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from allspark_server.loader.model_file import weights_changed
 from allspark_server.loader.rank_weights import read_rank_state
+
+if TYPE_CHECKING:
+    from allspark_server.compute.cuda.host_arena import HostArena
 
 log = logging.getLogger(__name__)
 WAKE_FROM = ("host", "files")
@@ -41,37 +44,6 @@ class WeightsChangedError(DeviceMemError):
     (every rank raises it before anything is restored: the model stays asleep)."""
 
 
-class HostArena:
-    """`nbytes` of host memory pinned for the GPU at its exact size (cudaHostRegister: torch's pinned allocator would
-    round the request up to a power of two, up to twice the weights), unpinned before it is freed. Pageable memory
-    where pinning fails (the copies are then slower, not wrong)."""
-
-    def __init__(self, nbytes: int):
-        self.bytes = torch.empty(nbytes, dtype=torch.uint8)
-        try:
-            self.pinned = _cudart_ok(torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), nbytes, 0))
-        except Exception as e:   # no usable cudart binding: pageable memory still works
-            log.info("cudaHostRegister: %s", e)
-            self.pinned = False
-        if not self.pinned:
-            log.warning("cudaHostRegister of %d bytes failed: the weights wait in pageable host memory", nbytes)
-
-    def __del__(self):
-        if self.pinned:
-            self.pinned = False
-            try:
-                torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
-            except Exception:   # the process is ending and CUDA with it
-                pass
-
-
-def _cudart_ok(result) -> bool:
-    """A cudart call's result (an enum, an int or a tuple starting with one, by torch version) is cudaSuccess."""
-    if isinstance(result, tuple):
-        result = result[0]
-    return int(getattr(result, "value", result)) == 0
-
-
 @dataclass
 class Asleep:
     """A sleeping rank's state: what wake restores. `weights` / `kv`: one tensor per storage with the storage's bytes;
@@ -81,7 +53,7 @@ class Asleep:
     file_backed: list[bool]
     kv: list[tuple[torch.Tensor, int]]
     host: dict[int, torch.Tensor] = field(default_factory=dict)
-    arena: Optional[HostArena] = None
+    arena: Optional["HostArena"] = None   # the device kind's pinned_host_arena
 
 
 def _storages(tensors) -> list[tuple[torch.Tensor, int]]:
@@ -134,22 +106,18 @@ def _cpu_release(tensors: list[tuple[torch.Tensor, int]]) -> None:
         pass
 
 
-def _gpu_release(runner, state: Asleep) -> None:
+def _free_storages(runner, state: Asleep) -> None:
     runner.graphs = None                    # its private pool and static buffers go with it
-    torch.cuda.synchronize(runner.device)
+    runner.device_kind.synchronize()
     for t, _ in state.weights + state.kv:
         t.untyped_storage().resize_(0)
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)   # a workspace per stream that ran a GEMM
-    if clear is not None:
-        clear()
-    gc.collect()
-    torch.cuda.empty_cache()                # then every freed block goes back to the driver
+    runner.device_kind.release_cached_memory()   # cuBLAS's workspaces, then every freed block back to the driver
 
 
 def _release(runner, state: Asleep) -> None:
     runner.mirrors.clear()                  # every request ended before the sleep
-    if runner.device.type == "cuda":
-        _gpu_release(runner, state)
+    if runner.device_kind.sleep_frees_storages:
+        _free_storages(runner, state)
     else:
         _cpu_release(state.weights + state.kv)
 
@@ -160,25 +128,26 @@ def _prepare(runner, wake_from: str) -> Asleep:
     if wake_from not in WAKE_FROM:
         raise ValueError(f"wake_from must be one of {WAKE_FROM}, got {wake_from!r}")
     named = _file_names(runner)
-    gpu = runner.device.type == "cuda"
+    kind = runner.device_kind
+    frees = kind.sleep_frees_storages
     # a CPU rank keeps what the files do not hold (rotary tables: small, and the native stack points at them)
-    extra = list(runner.model.buffers()) if gpu else []
+    extra = list(runner.model.buffers()) if frees else []
     weights = _storages(list(named.values()) + extra)
     file_ptrs = {t.untyped_storage().data_ptr() for t in named.values()}
     file_backed = [wake_from == "files" and t.untyped_storage().data_ptr() in file_ptrs for t, _ in weights]
     state = Asleep(wake_from, weights, file_backed, _storages(_kv_tensors(runner)))
-    if gpu:
+    if frees:
         offsets, total = {}, 0
         for i, ((_, nbytes), from_file) in enumerate(zip(weights, file_backed)):
             if not from_file:
                 offsets[i] = total
                 total += -(-nbytes // HOST_ALIGN) * HOST_ALIGN
-        state.arena = HostArena(total) if total else None
+        state.arena = kind.pinned_host_arena(total) if total else None
         for i, at in offsets.items():
             t, nbytes = weights[i]
             state.host[i] = state.arena.bytes[at:at + nbytes]
             state.host[i].copy_(_bytes_of(t), non_blocking=True)
-        torch.cuda.synchronize(runner.device)
+        kind.synchronize()
     elif not all(file_backed):
         raise DeviceMemError("a CPU rank's weights are host memory already: sleep releases them and wake reads the "
                              "model files again (wake_from='files')")
@@ -186,8 +155,8 @@ def _prepare(runner, wake_from: str) -> Asleep:
 
 
 def _restore(runner, state: Asleep) -> None:
-    gpu = runner.device.type == "cuda"
-    if gpu:
+    frees = runner.device_kind.sleep_frees_storages
+    if frees:
         for t, nbytes in state.weights + state.kv:
             t.untyped_storage().resize_(nbytes)
         for i, host in state.host.items():
@@ -197,9 +166,9 @@ def _restore(runner, state: Asleep) -> None:
     if any(state.file_backed):
         named = _file_names(runner)
         read_rank_state(runner.model_file, runner.tp, runner.model, lambda specs: {n: named[n] for n in specs})
-    if gpu:
+    if frees:
         runner.capture_graphs()
-        torch.cuda.synchronize(runner.device)
+        runner.device_kind.synchronize()
 
 
 def _reasons(comm, errors: list) -> str:

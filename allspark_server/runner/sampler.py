@@ -8,11 +8,12 @@ device: the penalties from one flat index of the rows' token ids, top_k and top_
 ids and the requested logprobs leave the device, in one transfer. Rows never mix, so a request's tokens do not
 depend on the rest of its batch.
 
-The device is chosen once per model, `Sampler(device)`, and with it the little that differs: the draw (draws.py:
-on the host torch.multinomial with each request's own seeded generator, on a GPU counter-based Gumbel draws), the
-argmax of a batch of plain greedy rows (numpy's on the host), and how results reach the host: on a GPU
-`start_rows` only queues the work, the tokens stay there (the next decode step can read them there) and the host
-learns them when it asks (`PendingSample.results`), from a copy queued at once.
+The device is chosen once per model, `Sampler(device_kind)`, and with it the little that differs (its kind's
+`samples_on_host`, compute/device_kind.py): the draw (draws.py: on the host torch.multinomial with each request's
+own seeded generator, on a GPU counter-based Gumbel draws), the argmax of a batch of plain greedy rows (numpy's on
+the host), and how results reach the host (the kind's `copy_to_host`): on a GPU `start_rows` only queues the work,
+the tokens stay there (the next decode step can read them there) and the host learns them when it asks
+(`PendingSample.results`), from a copy queued at once.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from typing import Optional, Sequence
 import torch
 
 from allspark_client.generation_config import GenerationConfig
+from allspark_server.compute.device_choice import device_kind_of
+from allspark_server.compute.device_kind import DeviceKind
 from allspark_server.runner.draws import Draw, gumbel_draws, multinomial_draws
 from allspark_server.runner.guided import apply_masks
 from allspark_server.runner.sample_types import PendingSample, Row, SampleResult, SamplingState, suppresses_eos
@@ -109,13 +112,15 @@ def mask_top_k_top_p(x: torch.Tensor, top_k: Sequence[int], top_p: Sequence[floa
 
 
 class Sampler:
-    def __init__(self, device, draw: Optional[Draw] = None):
-        """`device`: the model's (rank 0's), where its logits are; it picks the draw (`draw` instead: the tests run
-        a GPU's draw on host tensors), the plain greedy argmax and how results reach the host."""
-        on_host = torch.device(device).type == "cpu"
+    def __init__(self, device: "DeviceKind | torch.device | str", draw: Optional[Draw] = None):
+        """`device`: the model's (rank 0's) device kind, or the device by name, where its logits are; it picks the
+        draw (`draw` instead: the tests run a GPU's draw on host tensors), the plain greedy argmax and how results
+        reach the host."""
+        kind = device_kind_of(device)
+        on_host = kind.samples_on_host
         self.draw: Draw = draw or (multinomial_draws if on_host else gumbel_draws)
-        self._greedy = _greedy_on_host if on_host else _greedy_on_device
-        self._to_host = _on_host if on_host else _copy_to_host
+        self._to_host = kind.copy_to_host
+        self._greedy = _greedy_on_host if on_host else self._greedy_on_device
 
     def sample_rows(self, logits: torch.Tensor, rows: list[Row],
                     guided_masks: Optional[tuple[list[int], object]] = None) -> list[SampleResult]:
@@ -192,29 +197,16 @@ class Sampler:
         host, ready = self._to_host(torch.cat(parts))
         return PendingSample(tokens, host, ready, lambda values: _results(values, n, lp, groups))
 
+    @torch.inference_mode()
+    def _greedy_on_device(self, logits: torch.Tensor) -> PendingSample:
+        tokens = logits.argmax(-1)
+        host, ready = self._to_host(tokens)
+        return PendingSample(tokens, host, ready, lambda ids: [SampleResult(t) for t in ids])
+
 
 def _greedy_on_host(logits: torch.Tensor) -> PendingSample:
     ids = argmax(logits)
     return PendingSample(torch.tensor(ids, dtype=torch.long), results=[SampleResult(t) for t in ids])
-
-
-@torch.inference_mode()
-def _greedy_on_device(logits: torch.Tensor) -> PendingSample:
-    tokens = logits.argmax(-1)
-    host, ready = _copy_to_host(tokens)
-    return PendingSample(tokens, host, ready, lambda ids: [SampleResult(t) for t in ids])
-
-
-def _on_host(values: torch.Tensor) -> tuple[torch.Tensor, None]:
-    return values, None
-
-
-def _copy_to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
-    """A GPU's values on their way to pinned host memory, and an event recorded after the copy."""
-    host = values.to("cpu", non_blocking=True)   # pinned: an asynchronous copy
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready
 
 
 def _results(host: list[float], n: int, lp: list[int], groups: list[tuple[int, list[int]]]) -> list[SampleResult]:

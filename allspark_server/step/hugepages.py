@@ -15,6 +15,8 @@ import mmap
 
 import torch
 
+from allspark_server.compute.device_kind import in_host_memory
+
 log = logging.getLogger(__name__)
 ALIGN = 4096
 
@@ -55,7 +57,7 @@ def zeros(specs: dict[str, tuple[tuple[int, ...], torch.dtype]], populate: bool 
 def to_hugepages(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The same values, contiguous, in one huge-page arena; empties `tensors` as it copies, so the
     originals are freed one by one rather than all held until the end."""
-    if any(t.device.type != "cpu" for t in tensors.values()):
+    if not all(in_host_memory(t) for t in tensors.values()):
         return tensors
     out = zeros({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()})
     for name in list(tensors):

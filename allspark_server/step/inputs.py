@@ -11,6 +11,8 @@ from typing import Optional
 
 import torch
 
+from allspark_server.compute.device_kind import in_host_memory
+
 
 @dataclass
 class SeqAttention:
@@ -48,7 +50,7 @@ class ForwardInputs:
         """The same inputs with every tensor on `device` (a GPU rank's copy): host tensors (all long) packed into
         one buffer and sent with one copy, each a view of it there (a copy from pageable memory costs tens of
         microseconds of host time whatever its size)."""
-        if device.type == "cpu":
+        if in_host_memory(device):
             return self
         a = self.attn   # seqs stay on the host: the GPU attends chunks through the prefill_* tensors
         moved = iter(move_together([self.input_ids, self.positions, a.slot_mapping, a.decode_rows, a.decode_spans,
@@ -64,7 +66,7 @@ def move_together(tensors: list, device: torch.device) -> list:
     (each a view of one buffer, starting on a 16-byte boundary as a lone allocation would: Triton specializes its
     kernels on pointer alignment), else one copy each."""
     present = [t for t in tensors if t is not None]
-    if not all(t.dtype == torch.long and t.device.type == "cpu" for t in present):
+    if not all(t.dtype == torch.long and in_host_memory(t) for t in present):
         return [None if t is None else t.to(device, non_blocking=True) for t in tensors]
     pieces, starts, end = [], [], 0
     for t in present:

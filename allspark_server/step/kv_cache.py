@@ -12,6 +12,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from allspark_server.compute.device_kind import in_host_memory
 from allspark_server.quant import kv as kv_quant
 from allspark_server.step import hugepages
 
@@ -51,7 +52,7 @@ class KVCache:
                     specs[f"{kv}p{i}"] = (rows + (2,), torch.float32)
         if pinned:   # host memory a GPU copies to and from asynchronously
             pages = {name: torch.zeros(shape, dtype=dt, pin_memory=True) for name, (shape, dt) in specs.items()}
-        elif device.type == "cpu":
+        elif in_host_memory(device):
             pages = hugepages.zeros(specs, populate=True)
         else:
             pages = {name: torch.zeros(shape, dtype=dt, device=device) for name, (shape, dt) in specs.items()}
@@ -68,4 +69,4 @@ def copy_spans(src: KVCache, src_ids: list[int], dst: KVCache, dst_ids: list[int
         for x, y in zip(a, b):
             if x is not None:
                 # to a GPU: stream-ordered before the step reads it; to the host: blocking (the slot is read later)
-                y.index_copy_(0, di, x.index_select(0, si).to(y.device, non_blocking=y.is_cuda))
+                y.index_copy_(0, di, x.index_select(0, si).to(y.device, non_blocking=not in_host_memory(y)))

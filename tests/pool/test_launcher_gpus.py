@@ -1,6 +1,7 @@
 """allspark-launch --gpus without a GPU: the NUMA lookup (a fake nvidia-smi and a fake sysfs tree), the
 per-rank env and numactl of the mpirun command, the errors, the pool config key, ClientEngine(gpus=...),
-a real mpirun giving each rank its own CUDA_VISIBLE_DEVICES, and rank_device under the launcher."""
+a real mpirun giving each rank its own CUDA_VISIBLE_DEVICES, and the rank's device under the launcher
+(compute/device_choice.py)."""
 from __future__ import annotations
 
 import glob
@@ -216,7 +217,10 @@ def test_mpirun_gives_each_rank_its_own_gpu_environment(tmp_path, monkeypatch):
 def test_rank_device_under_the_launcher_is_cuda_0(monkeypatch):
     import torch
 
-    from allspark_server.runner.model_runner import rank_device
+    from allspark_server.compute.device_choice import rank_device_kind
+
+    def rank_device(compute_unit, rank):
+        return rank_device_kind(compute_unit, rank).device
     chosen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)

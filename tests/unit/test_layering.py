@@ -1,6 +1,8 @@
 """Imports run one way: every import inside allspark_server (function-level ones included) goes from a package to one
 listed below it in LAYERS, never up; allspark_client imports neither torch nor allspark_server; benchmarks/ and the
-client have no import circles. Read from the source with ast, nothing is imported."""
+client have no import circles. And the device is asked about only inside compute/: elsewhere code asks the rank's
+DeviceKind (compute/device_kind.py) by a trait's name, never the device's type. Read from the source with ast,
+nothing is imported."""
 from __future__ import annotations
 
 import ast
@@ -100,3 +102,80 @@ def test_no_import_circles(folder):
         if m not in state:
             visit(m, [m])
     assert not cycle, "import circles:\n" + "\n".join(cycle)
+
+
+# A rank's device is chosen once, inside compute/ (compute/device_choice.py), into a DeviceKind whose traits and calls
+# say what differs between devices and why (compute/device_kind.py, compute/cuda/cuda_device.py). Outside compute/
+# no module asks a device's type, a tensor's is_cuda / is_cpu, torch.cuda, or compares a device (or its name) to
+# "cpu" / "cuda". Where only a tensor is at hand, compute.device_kind.in_host_memory says where it lives.
+DEVICE_QUESTIONS_LIVE_IN = "allspark_server.compute"
+# module -> why it may ask the device itself (none: keep it that way)
+DEVICE_CHECKS_ALLOWED: dict[str, str] = {}
+DEVICE_NAMES = {"cpu", "cuda"}
+
+
+def _names_device(node: ast.AST) -> bool:
+    """`device`, `x.device`, `torch.device(...)` or a name with "device" in it."""
+    if isinstance(node, ast.Call):
+        node = node.func
+    if isinstance(node, ast.Name):
+        return "device" in node.id.lower()
+    return isinstance(node, ast.Attribute) and "device" in node.attr.lower()
+
+
+def _device_name(node: ast.AST) -> bool:
+    """A string constant "cpu" / "cuda" (any case), or a tuple, list or set holding one."""
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_device_name(e) for e in node.elts)
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.lower() in DEVICE_NAMES
+
+
+def device_checks(source: str, path: str = "<source>") -> list[tuple[int, str]]:
+    """(line, what) of every place `source` asks which device it runs on."""
+    found = []
+    for node in ast.walk(ast.parse(source, path)):
+        if isinstance(node, ast.Attribute):
+            if node.attr == "type" and _names_device(node.value):
+                found.append((node.lineno, "a device's .type"))
+            elif node.attr in ("is_cuda", "is_cpu"):
+                found.append((node.lineno, f".{node.attr}"))
+            elif node.attr == "cuda" and isinstance(node.value, ast.Name) and node.value.id == "torch":
+                found.append((node.lineno, "torch.cuda"))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, f"import {a.name}") for a in node.names if a.name.startswith("torch.cuda")]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.startswith("torch.cuda") or (node.module == "torch" and
+                                                          any(a.name == "cuda" for a in node.names)):
+                found.append((node.lineno, f"from {node.module} import ..."))
+        elif isinstance(node, ast.Compare) and any(_device_name(x) for x in [node.left] + node.comparators):
+            found.append((node.lineno, "a comparison with a device's name"))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("startswith", "endswith") and node.args and _device_name(node.args[0])):
+            found.append((node.lineno, f".{node.func.attr}() of a device's name"))
+    return found
+
+
+def test_device_checks_are_found():
+    src = """import torch
+from torch import cuda
+if x.device.type == "cpu" or t.is_cuda or device.type != 'cuda' or torch.device(d).type in ("cpu",): pass
+torch.cuda.synchronize()
+ok = str(dev).startswith("cuda") or unit == "CPU"
+fine = t.to("cpu"), torch.device("cpu"), field.type == ARRAY, in_host_memory(t), kind.defers_delivery
+"""
+    found = device_checks(src)
+    assert sorted({line for line, _ in found}) == [2, 3, 4, 5]      # line 6 asks nothing of a device
+    assert len(found) == 11    # line 3: three .type, three comparisons, .is_cuda; line 5: startswith, == "CPU"
+
+
+def test_device_is_asked_only_inside_compute():
+    found = []
+    for module, path in python_files("allspark_server"):
+        if module == DEVICE_QUESTIONS_LIVE_IN or module.startswith(DEVICE_QUESTIONS_LIVE_IN + "."):
+            continue
+        if module in DEVICE_CHECKS_ALLOWED:
+            continue
+        found += [f"{module}:{line}: {what}" for line, what in device_checks(open(path).read(), path)]
+    assert not found, ("device checks outside compute/ (ask the rank's DeviceKind by a trait's name, or "
+                       "compute.device_kind.in_host_memory for a tensor):\n" + "\n".join(found))
+    assert all(reason for reason in DEVICE_CHECKS_ALLOWED.values()), "every allowed module says why"
