@@ -75,7 +75,7 @@ def chooses_btl(mpirun_args: list[str]) -> bool:
 def build_command(args, placements: list[RankPlacement], flavour: str, numactl: Optional[str]) -> list[str]:
     # what every rank must see alike, on other hosts too (batch-invariant mode holds only where every rank runs it)
     env_names = [settings.LOG_LEVEL.name, "NOTIFY_SOCKET", "PYTHONPATH", "OMP_NUM_THREADS", settings.TOKEN.name,
-                 settings.BATCH_INVARIANT.name]
+                 settings.BATCH_INVARIANT.name, settings.KV_PREFAULT.name]
     cmd = [args.mpirun]
     if flavour == "openmpi":
         cmd += ["--bind-to", "none"]

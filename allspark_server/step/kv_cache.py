@@ -12,6 +12,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from allspark_client import settings
 from allspark_server.compute.device_kind import in_host_memory
 from allspark_server.quant import kv as kv_quant
 from allspark_server.step import hugepages
@@ -53,7 +54,7 @@ class KVCache:
         if pinned:   # host memory a GPU copies to and from asynchronously
             pages = {name: torch.zeros(shape, dtype=dt, pin_memory=True) for name, (shape, dt) in specs.items()}
         elif in_host_memory(device):
-            pages = hugepages.zeros(specs, populate=True)
+            pages = hugepages.zeros(specs, populate=settings.KV_PREFAULT.get())
         else:
             pages = {name: torch.zeros(shape, dtype=dt, device=device) for name, (shape, dt) in specs.items()}
         self.layers = [LayerKV(pages[f"k{i}"], pages[f"v{i}"], pages.get(f"kp{i}"), pages.get(f"vp{i}"))

@@ -1,8 +1,9 @@
 """The KV budget on a 2-rank pool whose ranks share one machine (issue 38, part 8): an explicit budget that the
 machine's two ranks together cannot hold is refused naming both, one that fits alone but not beside a model already
 installed is refused naming what that model holds (and fits once it is released), and automatic budgets with
-max_batch=10**6 stop adding up beyond the machine's RAM: installs are refused with the numbers instead. The caches
-are only reserved here, never written, so none of this takes the RAM it names."""
+max_batch=10**6 stop adding up beyond the machine's RAM: installs are refused with the numbers instead. The pools
+run with ALLSPARK_KV_PREFAULT=0: the caches are only reserved here, never written, so none of this takes the RAM it
+names (written, the three automatic budgets would fill most of the machine's memory)."""
 from __future__ import annotations
 
 import json
@@ -42,8 +43,15 @@ def refusal(client, cfg) -> str:
     return e.value.message
 
 
-def test_explicit_budgets_count_the_machines_ranks_and_installed_models(new_pool, loader):
-    client = new_pool().client()
+@pytest.fixture
+def lazy_pool(new_pool, monkeypatch):
+    """A 2-rank pool whose KV caches are not written at install (the ranks inherit the launcher's environment)."""
+    monkeypatch.setenv("ALLSPARK_KV_PREFAULT", "0")
+    return new_pool()
+
+
+def test_explicit_budgets_count_the_machines_ranks_and_installed_models(lazy_pool, loader):
+    client = lazy_pool.client()
     available = psutil.virtual_memory().available
     message = refusal(client, config(loader, "both", int(0.6 * available)))      # 2 x 60% of MemAvailable
     assert "per rank x 2 rank(s) on this machine" in message and "does not fit" in message, message
@@ -57,11 +65,11 @@ def test_explicit_budgets_count_the_machines_ranks_and_installed_models(new_pool
     assert client.install_model(config(loader, "second", quarter)) == AsStatus.ALLSPARK_SUCCESS   # room again
 
 
-def test_automatic_budgets_never_add_up_beyond_the_machine(new_pool, loader):
+def test_automatic_budgets_never_add_up_beyond_the_machine(lazy_pool, loader):
     """The issue's three models with max_batch=10**6 on two ranks: what they reserve on the machine stays within its
     RAM (each used to take 40% of it per rank), and a model asking for more than is left is refused with the
     numbers."""
-    client = new_pool().client()
+    client = lazy_pool.client()
     available = psutil.virtual_memory().available
     installed = []
     for i in range(3):

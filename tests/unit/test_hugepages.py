@@ -63,3 +63,37 @@ def test_without_huge_pages_plain_tensors(monkeypatch):
     # an ordinary torch allocation of its own, not a view of a page-aligned arena (the flags of the mapping that holds
     # it say nothing here: a small tensor shares malloc's heap with whatever else the process advised)
     assert moved["w"].untyped_storage().nbytes() == 3 * 4 * 4
+
+
+def resident_bytes(t: torch.Tensor) -> int:
+    """Bytes of the mapping holding t that are in RAM now (its Rss line in /proc/self/smaps)."""
+    addr = t.data_ptr()
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no mapping holds the tensor")
+
+
+def test_the_kv_cache_is_written_at_install_unless_prefault_is_off(monkeypatch):
+    """ALLSPARK_KV_PREFAULT: on (the default) every page of a CPU rank's cache is in RAM once it is built; off, none
+    is until a span is written, and what is read is zero either way."""
+    from allspark_client import settings
+    from allspark_server.step.kv_cache import KVCache
+    size = 64 << 20
+    resident = {}
+    for value in ("1", "0"):
+        monkeypatch.setenv("ALLSPARK_KV_PREFAULT", value)
+        settings.reload()
+        cache = KVCache(1, size // (16 * 2 * 64 * 4), 16, 2, 64, torch.float32)
+        resident[value] = resident_bytes(cache.layers[0].k)
+        assert cache.layers[0].v[-1].abs().sum().item() == 0
+    monkeypatch.delenv("ALLSPARK_KV_PREFAULT")
+    settings.reload()
+    assert resident["1"] >= size, resident
+    assert resident["0"] <= size // 8, resident
