@@ -35,7 +35,10 @@ def test_a_stream_cut_off_by_a_killed_launcher_ends_in_an_error(llama):
         assert not any(reasons), f"a cut-off stream reported finish_reason {[r for r in reasons if r]}"
         error = json.loads(events[-2]).get("error")
         assert error and error["code"] == "unavailable", events[-3:]
-        assert "InternalError" in error["message"] and "stopped (SIGTERM) before this request finished" in \
-            error["message"], error
+        # rank 0 ends the stream saying the pool stopped; on a loaded machine mpirun may tear the ranks down before
+        # that reply leaves, and the client names the lost connection instead: an error saying why, either way
+        assert "InternalError" in error["message"] and any(
+            why in error["message"] for why in ("stopped (SIGTERM) before this request finished", "lost the pool")), \
+            error
     finally:
         srv.stop()

@@ -149,7 +149,13 @@ def test_a_spawned_pool_takes_mpirun_arguments_after_the_separator():
     try:
         assert client.get_rank_id() == 0
         assert client.health.pid > 0
-        log = client._pool_output()
+        # mpirun forwards the ranks' stdout on its own schedule: the line may reach the log after the socket is up
+        deadline, log = time.monotonic() + 20, ""
+        while time.monotonic() < deadline:
+            log = client._pool_output()
+            if re.search(r"\[\d+,0\]<stdout>: allspark pool ready", log):
+                break
+            time.sleep(0.2)
         assert re.search(r"\[\d+,0\]<stdout>: allspark pool ready", log), log[-2000:]
     finally:
         client.close()
