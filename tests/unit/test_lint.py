@@ -95,3 +95,25 @@ def test_no_speed_ratios_in_source_comments():
     found = [hit for path in files for hit in ratio_comments(path)]
     assert not found, ("speed ratios in comments (say why in the code; put the numbers in benchmarks/results or "
                        "docs/performance.md):\n" + "\n".join(found))
+
+
+# modules small enough to read in one sitting: the package, the client and the benchmark harness (tests may hold
+# longer tables of cases); generated gRPC stubs aside
+MAX_MODULE_LINES = 400
+
+
+def test_no_module_over_400_lines():
+    long, scanned = [], 0
+    for folder in ("allspark_server", "allspark_client", "benchmarks"):
+        for base, dirs, files in os.walk(os.path.join(ROOT, folder)):
+            dirs[:] = [d for d in dirs if d not in ("__pycache__", "_proto")]
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(base, name)
+                    with open(path) as f:
+                        lines = sum(1 for _ in f)
+                    scanned += 1
+                    if lines > MAX_MODULE_LINES:
+                        long.append(f"{os.path.relpath(path, ROOT)}: {lines} lines")
+    assert scanned > 100, scanned
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by job):\n" + "\n".join(long)
