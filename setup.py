@@ -23,9 +23,10 @@ def native_extensions():
                                                    "native/decode_steps.cpp", "native/activations.cpp",
                                                    "native/decode_stack.cpp", "native/moe.cpp",
                                                    "native/parallel.cpp"],
+                       # rebuild when a header changes
                        depends=["native/kernels.h", "native/simd.h", "native/parallel.h", "native/attention_common.h",
                                 "native/gemv_quant.h", "native/gemv_quant_avx2.h", "native/gated_rows.h",
-                                "native/steps.h", "native/step_options.h", "native/op_profile.h"],      # rebuild when a header changes
+                                "native/steps.h", "native/step_options.h", "native/op_profile.h"],
                        extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"])
     # ninja (requirements.txt) compiles the files in parallel (MAX_JOBS, default: every core); without it
     # setuptools compiles them one after another

@@ -47,7 +47,8 @@ class EngineAPI(DashInferCompat):
     def start_request_text(self, name: str, model, text: str, generate_config=None) -> StartResult:
         """Tokenize `text` with `model`'s tokenizer (a HuggingFaceModel, or any tokenizer) and start it."""
         if not isinstance(text, str):
-            return self._fail(AsStatus.ALLSPARK_PARAM_ERROR, f"text must be a str, got {type(text).__name__}"), None, None
+            return self._fail(AsStatus.ALLSPARK_PARAM_ERROR,
+                              f"text must be a str, got {type(text).__name__}"), None, None
         tokenizer = model.get_tokenizer() if hasattr(model, "get_tokenizer") else model
         return self.start_request(name, {"input_ids": tokenizer.encode(text)}, generate_config)
 

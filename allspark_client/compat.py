@@ -198,8 +198,9 @@ class DashInferCompat:
         first 32 MiB, and `torch_build_param`'s scalar and list values as strings. Returns the proto."""
         from allspark_client._proto import allspark_pb2 as pb
         if not isinstance(model_proto, pb.ModelGraph):
-            raise AsException(AsStatus.ALLSPARK_PARAM_ERROR, f"dump_build_meta_to_proto takes an allspark ModelGraph "
-                                                             f"(the .asgraph protobuf), got {type(model_proto).__name__}")
+            raise AsException(AsStatus.ALLSPARK_PARAM_ERROR,
+                              f"dump_build_meta_to_proto takes an allspark ModelGraph (the .asgraph protobuf), got "
+                              f"{type(model_proto).__name__}")
         if not os.path.isfile(weights_path):
             raise AsException(AsStatus.ALLSPARK_PARAM_ERROR, f"weights file {weights_path!r} does not exist")
         meta = model_proto.build_meta

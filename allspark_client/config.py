@@ -79,7 +79,8 @@ class AsModelConfig:
     def max_prefill_tokens(self) -> int:
         if self.engine_max_prefill_length:
             return self.engine_max_prefill_length
-        return DEFAULT_PREFILL_CHUNK_GPU if parse_compute_unit(self.compute_unit)[0] == "CUDA" else DEFAULT_PREFILL_CHUNK
+        return (DEFAULT_PREFILL_CHUNK_GPU if parse_compute_unit(self.compute_unit)[0] == "CUDA"
+                else DEFAULT_PREFILL_CHUNK)
 
 
 def parse_compute_unit(unit: str) -> tuple[str, list[int]]:

@@ -29,14 +29,16 @@ from common import add_smoke_flag, build_model, quant_variant, spec_of  # noqa: 
 WORKER = r"""
 import json, os, sys, time
 from allspark_server import Engine, HuggingFaceModel
-src, variant, tokens, cache, quant, device = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6]
+src, variant, tokens, cache, quant, device = (sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5],
+                                              sys.argv[6])
 quant = json.loads(quant)
 name = "ab"
 loader = HuggingFaceModel(src, name, user_set_data_type="bfloat16")
 out = os.path.join(cache, variant)
 if not os.path.exists(os.path.join(out, name + ".asparam")):
     loader.load_model()
-    loader.serialize(None, model_output_dir=out, **({"enable_quant": True, "customized_quant_config": quant} if quant else {}))
+    loader.serialize(None, model_output_dir=out,
+                     **({"enable_quant": True, "customized_quant_config": quant} if quant else {}))
     loader.free_model()
 else:
     loader.graph_path, loader.weights_path = os.path.join(out, name + ".asgraph"), os.path.join(out, name + ".asparam")

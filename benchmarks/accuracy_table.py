@@ -300,8 +300,9 @@ def main(argv=None) -> None:
     for r in report["rows"]:
         c = r["decode_check"]
         print(f"{r['weights']:<11} {r['kv']:<6} {r['ppl']:8.3f} {r['ppl_vs_fp32']:7.4f} {r['kl_mean']:9.5f} "
-              f"{r['kl_p99']:9.5f} {r['top1_agreement']:7.4f} {r['seconds']:6.1f}                {c['kl_prefill_decode']:12.6f} "
-              f"{c['top1_prefill_decode']:6.3f} {c['kl_fp32_prefill']:11.5f} {c['kl_fp32_decode']:11.5f}")
+              f"{r['kl_p99']:9.5f} {r['top1_agreement']:7.4f} {r['seconds']:6.1f}                "
+              f"{c['kl_prefill_decode']:12.6f} {c['top1_prefill_decode']:6.3f} {c['kl_fp32_prefill']:11.5f} "
+              f"{c['kl_fp32_decode']:11.5f}")
     print(f"wrote {a.json}")
 
 

@@ -105,7 +105,8 @@ def differing(engine, name: str, vocab: int, on: bool, smoke: bool) -> int:
     started = []
     for p in prompts:
         for _ in range(4):
-            status, handle, queue = engine.start_request(name, {"input_ids": p}, dict(workloads.GREEDY, max_new_tokens=n))
+            status, handle, queue = engine.start_request(name, {"input_ids": p},
+                                                         dict(workloads.GREEDY, max_new_tokens=n))
             assert status == 0, engine.get_last_error()
             started.append((handle, queue))
     differ = 0

@@ -117,7 +117,8 @@ def run_dtype(dtype: str, spec: dict, threads: int, with_pool: bool, decode_only
         for key, sizes in gguf_sizes.items():
             result[key].update(sizes)
         if pairs:
-            result["vs_llamacpp"] = {f"{ours}/{theirs}": same_round_ratio(result["decode_b1_tps_by_round"], ours, theirs)
+            result["vs_llamacpp"] = {f"{ours}/{theirs}": same_round_ratio(result["decode_b1_tps_by_round"],
+                                                                           ours, theirs)
                                      for ours, theirs in pairs}
         if not decode_only:
             for key, engine in engines.items():
@@ -150,12 +151,13 @@ def summarize(report: dict) -> list[str]:
     lines = []
     bw = report["machine"]["copy_gbs"]
     lines.append(f"machine: {report['machine']['cpu']}, {report['threads']} threads, copy {bw:.1f} GB/s, "
-                 f"triad {report['machine']['triad_gbs']:.1f} GB/s, matmul fp32 {report['machine']['matmul_fp32_gflops']:.0f}"
+                 f"triad {report['machine']['triad_gbs']:.1f} GB/s, "
+                 f"matmul fp32 {report['machine']['matmul_fp32_gflops']:.0f}"
                  f" / bf16 {report['machine']['matmul_bf16_gflops']:.0f} GFLOP/s")
     for dtype, r in report["dtypes"].items():
         roof = bw * 1e9 / r["bytes_per_token"]
-        lines.append(f"\n{dtype}: {r['params_m']:.0f} M parameters, {r['bytes_per_token'] / 1e6:.0f} MB read per token, "
-                     f"roofline {roof:.1f} tokens/s at the start's copy bandwidth")
+        lines.append(f"\n{dtype}: {r['params_m']:.0f} M parameters, {r['bytes_per_token'] / 1e6:.0f} MB read per "
+                     f"token, roofline {roof:.1f} tokens/s at the start's copy bandwidth")
         engines = [e for e in r if isinstance(r[e], dict) and "decode_b1_tps" in r[e]]
         keys = [k for k in r["allspark"] if not k.startswith("poisson_rate")]
         hf = r.get("transformers")
@@ -176,16 +178,17 @@ def summarize(report: dict) -> list[str]:
                 ttft = "".join(f", TTFT-{p} {r[e][f'ttft_{p}_vs_allspark']:.2f}x"
                                for p in report["spec"]["prompts"] if f"ttft_{p}_vs_allspark" in r[e])
                 lines.append(f"{e}: batch-1 decode {r[e]['decode_b1_vs_allspark']:.2f}x of {dtype} (same rounds), "
-                             f"{r[e]['decode_b1_roofline']:.2f} of its roofline ({r[e]['bytes_per_token'] / 1e6:.0f} MB "
-                             f"per token){ttft}")
+                             f"{r[e]['decode_b1_roofline']:.2f} of its roofline ({r[e]['bytes_per_token'] / 1e6:.0f} "
+                             f"MB per token){ttft}")
         for pair, ratio in r.get("vs_llamacpp", {}).items():
             theirs = r[pair.split("/")[1]]
             lines.append(f"{pair}: {ratio:.2f}x batch-1 decode (ours / theirs, same rounds; llama.cpp "
-                         f"{theirs['decode_b1_roofline']:.2f} of its roofline, {theirs['bytes_per_token'] / 1e6:.0f} MB "
-                         f"per token, file {theirs['gguf_bytes'] / 1e6:.0f} MB)")
+                         f"{theirs['decode_b1_roofline']:.2f} of its roofline, {theirs['bytes_per_token'] / 1e6:.0f} "
+                         f"MB per token, file {theirs['gguf_bytes'] / 1e6:.0f} MB)")
         for key, c in r.get("llamacpp_check", {}).items():
             lines.append(f"{key} logits vs transformers fp32: top-1 agree {c['top1_agree']:.2f}, relative L2 error "
-                         f"{c['rel_l2_err']:.2e}, min cosine {c['min_cosine']:.5f}, max |err| {c['max_abs_err_in_std']:.3f} std")
+                         f"{c['rel_l2_err']:.2e}, min cosine {c['min_cosine']:.5f}, "
+                         f"max |err| {c['max_abs_err_in_std']:.3f} std")
         for rows in (key for key in r if key.startswith("kv_modes")):
             kv = r[rows]
             weights = rows.removeprefix("kv_modes").removeprefix("_") or dtype

@@ -111,7 +111,8 @@ def main(argv=None) -> None:
                                                         for lw, ls in zip(weights, stored) for w, s in zip(lw, ls)])
         for isa in levels:
             base_of[f"{fmt} g{group}{'+a8' if act_bits == 8 else ''} isa{isa}"] = (
-                None if args.base is None else f"{args.base[0]} g{args.base[1]}{'+a8' if act_bits == 8 else ''} isa{isa}")
+                None if args.base is None
+                else f"{args.base[0]} g{args.base[1]}{'+a8' if act_bits == 8 else ''} isa{isa}")
             variants[f"{fmt} g{group}{'+a8' if act_bits == 8 else ''} isa{isa}"] = (
                 lambda weights=weights, isa=isa: [ext.linear_quant(xs[k], w, None, isa)
                                                   for layer in weights for w, (_, k) in zip(layer, shapes)])

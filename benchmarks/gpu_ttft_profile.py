@@ -9,7 +9,8 @@ wrapped to split it into phases (submit -> execute entered: the engine thread's 
 host time: the forward's launches; a synchronize after it: the GPU's tail; then sampling, completion and delivery
 to the caller's Get), then torch.profiler around two requests: the top ops by host and by device time, the kernel
 launches and the host-device syncs; --graph: the bare forward of one such prefill, eager and replayed from a CUDA
-graph (the cost without the host's per-op overhead). Writes <out>/ttft_profile.json and <out>/<case>_ops.txt; prints a table.
+graph (the cost without the host's per-op overhead). Writes <out>/ttft_profile.json and <out>/<case>_ops.txt;
+prints a table.
 --device cpu: a smoke test of this script (no timing meaning).
 """
 from __future__ import annotations
@@ -85,7 +86,8 @@ def phases(engine, name: str, served, ids: list[int], sync: bool, py_profile: st
     finally:
         del runner.execute
     ms = lambda a, b: 1e3 * (b - a)  # noqa: E731
-    return {"ttft": ms(t0, first), "to_execute": ms(t0, marks["enter"]), "execute_host": ms(marks["enter"], marks["exit"]),
+    return {"ttft": ms(t0, first), "to_execute": ms(t0, marks["enter"]),
+            "execute_host": ms(marks["enter"], marks["exit"]),
             "gpu_tail": ms(marks["exit"], marks["gpu_done"]), "after": ms(marks["gpu_done"], first)}
 
 

@@ -83,7 +83,8 @@ def child(graph: str, params: str, max_batch: int, max_length: int, prompt: int 
             ids = W.prompt(prompt, 0, min(1000, runner.args.vocab_size))
             W.greedy_tokens(engine, "m", ids, min(16, max_length - prompt))
             rss["request"] = proc.memory_info().rss
-        return {"rss": rss, "smaps_after_install": smaps, "peak_rss_install": peak, "weight_bytes": rank_tensor_bytes(runner.model),
+        return {"rss": rss, "smaps_after_install": smaps, "peak_rss_install": peak,
+                "weight_bytes": rank_tensor_bytes(runner.model),
                 "kv_bytes": runner.kv_cache_bytes, "file_bytes": os.path.getsize(params)}
     finally:
         engine.shutdown()

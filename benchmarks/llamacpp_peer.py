@@ -140,7 +140,8 @@ def write_gguf(hf_dir: str, path: str, ftype: str) -> None:
     writer.add_rope_freq_base(float(rope_config(cfg)["rope_theta"]))
     writer.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     writer.add_vocab_size(cfg["vocab_size"])
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if qname == "f32" else gguf.LlamaFileType[f"MOSTLY_{qname.upper()}"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if qname == "f32"
+                         else gguf.LlamaFileType[f"MOSTLY_{qname.upper()}"])
     write_vocab(writer, cfg["vocab_size"], cfg.get("bos_token_id", 0), cfg.get("eos_token_id", 1))
     if (factors := llama3_rope_factors(cfg)) is not None:
         writer.add_tensor("rope_freqs.weight", factors)
@@ -195,7 +196,8 @@ def kv_bytes_f16(hf_dir: str, ctx: int) -> int:
     """llama.cpp's default KV cache is f16."""
     cfg = json.load(open(os.path.join(hf_dir, "config.json")))
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return 2 * cfg["num_hidden_layers"] * ctx * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim * 2
+    return (2 * cfg["num_hidden_layers"] * ctx * cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+            * head_dim * 2)
 
 
 def build_info() -> dict:

@@ -10,8 +10,8 @@ stored codes dequantized); the row "bf16 g0" rounds the same weights to bf16 ins
 have nearly flat, near-tied output distributions, so top-1 agreement is low even there). The rows "kv int8" /
 "kv uint4" keep the weights and quantize the K (after rotary) and V rows as the quantized KV spans store them;
 the rows "... a8" are compute_method activate_quant: the same codes, each GEMM input rounded to int8 per token.
-Then the Engine's greedy output (bf16 model; int8 / uint4 KV, int8 per-channel weights, both, int8 activate_quant) vs the
-unquantized bf16 model's: the fraction of prompts whose first 32 tokens agree, over all prompts and over the
+Then the Engine's greedy output (bf16 model; int8 / uint4 KV, int8 per-channel weights, both, int8 activate_quant) vs
+the unquantized bf16 model's: the fraction of prompts whose first 32 tokens agree, over all prompts and over the
 "tie-free" ones (every top-1 logit along the fp32 greedy path leads by more than twice the largest logit change
 that bf16 rounding causes, and bf16 gives those tokens).
 """
@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from common import build_model  # noqa: E402
 
-VARIANTS = [("bf16", 0), ("int8", -1), ("int8", 128), ("uint8", -1), ("int4", 32), ("int4", 128), ("uint4", 32), ("uint4", 64),
-            ("uint4", 128)]
+VARIANTS = [("bf16", 0), ("int8", -1), ("int8", 128), ("uint8", -1), ("int4", 32), ("int4", 128), ("uint4", 32),
+            ("uint4", 64), ("uint4", 128)]
 A8_VARIANTS = [("int8", -1), ("int8", 128), ("int4", 32), ("uint4", 64)]   # compute_method activate_quant
 GEMMS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -180,8 +180,8 @@ def main(argv=None):
         rows = {}
         for fmt, group in VARIANTS:
             rows[f"{fmt} g{group}"] = compare(ref, logits(quantized_copy(model, fmt, group), ids))
-            print(f"{stats:>18}  {fmt:>5} g{group:<4}  " + "  ".join(f"{k} {v:.4g}" for k, v in rows[f"{fmt} g{group}"].items()),
-                  flush=True)
+            print(f"{stats:>18}  {fmt:>5} g{group:<4}  "
+                  + "  ".join(f"{k} {v:.4g}" for k, v in rows[f"{fmt} g{group}"].items()), flush=True)
         for fmt, group in A8_VARIANTS:
             key = f"{fmt} g{group} a8"
             rows[key] = compare(ref, logits(with_int8_inputs(quantized_copy(model, fmt, group)), ids))

@@ -60,7 +60,8 @@ def main(argv=None) -> None:
     p.add_argument("--no-hf", action="store_true", help="skip transformers (kernel work on our own engines)")
     p.add_argument("--ttft", action="store_true", help="with --decode-only: also the Engine's TTFT rows")
     p.add_argument("--quant", nargs="*", default=[], metavar="FORMAT[_gGROUP]",
-                   help="also serve the weights quantized, e.g. int8 int4_g32 uint4_g64 int8+head int8+a8 (InstantQuant)")
+                   help="also serve the weights quantized, e.g. int8 int4_g32 uint4_g64 int8+head int8+a8 "
+                        "(InstantQuant)")
     p.add_argument("--llamacpp", action=argparse.BooleanOptionalAction, default=None,
                    help="race llama.cpp (llama-cpp-python) on the same weights as GGUF; default: when importable")
     p.add_argument("--llamacpp-check", action="store_true",

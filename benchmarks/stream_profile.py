@@ -34,7 +34,8 @@ def projection_weights(args: dict) -> dict:
     hidden, inter, layers = args["hidden_size"], args["intermediate_size"], args["num_layers"]
     heads, kv_heads = args["num_heads"], args["num_kv_heads"]
     head_dim = args.get("head_dim") or hidden // heads
-    return {"qkv_proj": layers * hidden * (heads + 2 * kv_heads) * head_dim, "o_proj": layers * heads * head_dim * hidden,
+    return {"qkv_proj": layers * hidden * (heads + 2 * kv_heads) * head_dim,
+            "o_proj": layers * heads * head_dim * hidden,
             "gate_up_proj": layers * hidden * 2 * inter, "down_proj": layers * inter * hidden,
             "lm_head": args["vocab_size"] * hidden}
 

@@ -52,5 +52,6 @@ class StallWatch:
                     if stalls else ""),
                  f"gc: {self.gc_total_s:.1f} s in all; longest collection {took:.2f} s (generation {gen}) in {test}; "
                  f"{len(gc.get_objects())} objects tracked now"]
-        lines += [f"  {late:.1f} s late ({faults} major page faults) in {where}" for late, where, faults in stalls[1:10]]
+        lines += [f"  {late:.1f} s late ({faults} major page faults) in {where}"
+                  for late, where, faults in stalls[1:10]]
         return lines

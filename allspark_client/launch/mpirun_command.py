@@ -94,7 +94,8 @@ def build_command(args, placements: list[RankPlacement], flavour: str, numactl: 
     cmd += args.mpirun_args
     rank_args = []
     if args.port is not None:
-        rank_args += ["--port", str(args.port), "--host", args.bind_host] + (["--allow-remote"] if args.allow_remote else [])
+        rank_args += (["--port", str(args.port), "--host", args.bind_host]
+                      + (["--allow-remote"] if args.allow_remote else []))
         rank_args += ["--insecure-no-token"] if getattr(args, "insecure_no_token", False) else []
     else:
         rank_args += ["--socket", args.socket]

@@ -74,7 +74,8 @@ def multi_host(args) -> bool:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="allspark-launch", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=at_least(1), help="number of ranks (default: one per NUMA node, or per GPU with --gpus)")
+    p.add_argument("--ranks", type=at_least(1),
+                   help="number of ranks (default: one per NUMA node, or per GPU with --gpus)")
     p.add_argument("--numa-nodes", type=node_list, help="comma-separated NUMA nodes to use (default: all)")
     p.add_argument("--gpus", nargs="?", const="all",
                    help="GPU ranks: rank r sees only the r-th of these GPUs ('0,1'; 'all' or no value: every visible "
@@ -83,7 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sysfs-root", default="/sys", help=argparse.SUPPRESS)
     p.add_argument("--socket", help="unix socket for gRPC (default: $XDG_RUNTIME_DIR or /tmp/allspark-UID)")
     p.add_argument("--port", type=at_least(1, 65535), help="serve TCP on 127.0.0.1:PORT instead of a unix socket")
-    p.add_argument("--bind-host", default="127.0.0.1", help="with --port: bind address (non-loopback needs --allow-remote)")
+    p.add_argument("--bind-host", default="127.0.0.1",
+                   help="with --port: bind address (non-loopback needs --allow-remote)")
     p.add_argument("--allow-remote", action="store_true",
                    help="with --port: listen beyond loopback (then --tls-cert/--tls-key and a token are required)")
     p.add_argument("--socket-group", help="group allowed on the unix socket (default: only this user)")

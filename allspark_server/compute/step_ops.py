@@ -2,8 +2,9 @@
 
 A step bound to its layer's tensors (steps.Bound*) runs here as one native call over its descriptor struct
 (native/steps.h, filled once per bound step by compute/step_binding.py), as the CUDA backend's sequence
-(compute/cuda/cuda_ops.py), or as the torch reference (compute/reference.py) where neither applies. `decode_stack` builds the native one-call decode step from
-the same bound steps, so the native stack, the Python loop over the layers and the CUDA graphs run one description.
+(compute/cuda/cuda_ops.py), or as the torch reference (compute/reference.py) where neither applies. `decode_stack`
+builds the native one-call decode step from the same bound steps, so the native stack, the Python loop over the layers
+and the CUDA graphs run one description.
 """
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ def moe_step(x: torch.Tensor, b: BoundMoe) -> torch.Tensor:
 
 
 def decode_stack(layers: Sequence[Sequence[Bound]], final_norm: BoundNorm, embedding: torch.Tensor,
-                 rotary_tables: Sequence[tuple[torch.Tensor, torch.Tensor]], lm_head, embed_scale: Optional[float] = None):
+                 rotary_tables: Sequence[tuple[torch.Tensor, torch.Tensor]], lm_head,
+                 embed_scale: Optional[float] = None):
     """A native DecodeStack (native/decode_stack.cpp: a whole decode-only step in one call) over the bound steps of
     every layer; None where the native steps do not apply (then the caller loops over the layers itself, each
     step falling back as above). rotary_tables: each table's fp32 (cos, sin) [positions, D], in the order the

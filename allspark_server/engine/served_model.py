@@ -4,8 +4,8 @@ It has no thread of its own: the process's EngineThread applies commands to it a
 A step plans (scheduler), broadcasts the plan to the other ranks, runs it (runner), samples and
 pushes each new token to its request's ResultQueue (a GPU rank: once the next step is launched). How the steps
 follow each other is one of two loops chosen at install (engine/step_loops.py): one step at a time, or overlapped
-(GPU graphs: the next decode step is launched from this step's sampled ids on the GPU before the host reads them). Requests
-with a response_format have their token masks computed before the step (a GPU rank: on a background thread
+(GPU graphs: the next decode step is launched from this step's sampled ids on the GPU before the host reads them).
+Requests with a response_format have their token masks computed before the step (a GPU rank: on a background thread
 while the step runs) and applied by the sampler (guided.py); their grammar state lives here, on rank 0 only.
 Stats may be read from any thread.
 """
@@ -76,7 +76,7 @@ class ServedModel:
         self.asleep = False        # unload_device_mem freed its memory: requests are refused (engine/sleep.py)
         self._live: dict[int, AddRequest] = {}          # engine thread only
         self._rates: deque[tuple[float, int, int]] = deque()   # (time, generated, processed) per step
-        self._decode_steps: deque[tuple[float, int, float]] = deque()   # (time, context tokens, seconds) per decode step
+        self._decode_steps: deque[tuple[float, int, float]] = deque()  # (time, context tokens, seconds) per decode step
         self._stat_lock = threading.Lock()
         self._guided: Optional[GuidedVocabulary] = None   # built by the first guided request
         self._guided_lock = threading.Lock()

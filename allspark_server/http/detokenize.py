@@ -5,9 +5,9 @@ IncrementalDetokenizer turns token ids into text as they arrive without ever emi
 decodes a short window of recent tokens twice (before and after the new ones) and emits only the new, complete
 text, holding back a trailing U+FFFD (an incomplete UTF-8 sequence of byte-level BPE or byte-fallback tokens)
 until the next token completes it: at most the last three (an incomplete character has at most three bytes, and
-byte-fallback decoders write one U+FFFD per byte), so a run of bytes that can never form a character streams. StopMatcher cuts the text at the first stop string and holds back any tail
-that could still become one, so no partial stop string reaches a stream. TokenText gives each token's text and
-bytes for logprobs.
+byte-fallback decoders write one U+FFFD per byte), so a run of bytes that can never form a character streams.
+StopMatcher cuts the text at the first stop string and holds back any tail that could still become one, so no partial
+stop string reaches a stream. TokenText gives each token's text and bytes for logprobs.
 """
 from __future__ import annotations
 

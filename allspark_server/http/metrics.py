@@ -2,8 +2,8 @@
 
 Owns one CollectorRegistry per app: HTTP requests by endpoint and status, finished requests by reason, TTFT /
 TPOT / end-to-end histograms and token counters measured here at the HTTP layer, the admission gauges, and the
-engine's own numbers (running / waiting requests, KV spans, prefix cache, memory-bandwidth utilisation) read from get_as_engine_stat just
-before each scrape. Knows nothing of routes.
+engine's own numbers (running / waiting requests, KV spans, prefix cache, memory-bandwidth utilisation) read from
+get_as_engine_stat just before each scrape. Knows nothing of routes.
 """
 from __future__ import annotations
 
@@ -69,9 +69,10 @@ class EngineCollector:
                     "(GB/s, measured once)", s.memory_bandwidth_gbs)
         for name, doc, values in (
                 ("allspark_rank_memory_bandwidth_utilization", "one rank's MBU: the bytes it read in the decode-only "
-                 "steps of the last 10 s / their time / its measured copy bandwidth", s.rank_memory_bandwidth_utilization),
-                ("allspark_rank_memory_bandwidth_gbs", "one rank's copy bandwidth, measured by all ranks at once (GB/s)",
-                 s.rank_memory_bandwidth_gbs)):
+                 "steps of the last 10 s / their time / its measured copy bandwidth",
+                 s.rank_memory_bandwidth_utilization),
+                ("allspark_rank_memory_bandwidth_gbs", "one rank's copy bandwidth, measured by all ranks at once "
+                 "(GB/s)", s.rank_memory_bandwidth_gbs)):
             g = GaugeMetricFamily(name, doc, labels=[*labels, "rank"])
             for rank, value in enumerate(values):
                 g.add_metric([self.model_name, str(rank)], value)

@@ -12,8 +12,9 @@ holds plus memory_mb, a CPU-time limit (so that a child outlives neither its bud
 text longer than max_chars refused before it is sent. So this process stays small and answers every request, and a
 render that went wrong leaves nothing behind. The template is compiled here once, after a child proved that its
 compilation ends within the time limit, and under a tighter memory limit of this process's own (jinja2 folds
-constant expressions while compiling: that is template code too), so that the children inherit it. This process waits only on the server (stdin) and on a child (at most its
-budget), so it ends when the server is gone: stdin ends, or the answer finds no reader.
+constant expressions while compiling: that is template code too), so that the children inherit it. This process waits
+only on the server (stdin) and on a child (at most its budget), so it ends when the server is gone: stdin ends, or the
+answer finds no reader.
 Imports nothing of allspark: it runs as a plain script.
 """
 import json

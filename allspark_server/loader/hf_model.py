@@ -172,7 +172,8 @@ class HuggingFaceModel:
                 raise ModelSerializerException(f"{self.args.architecture}: tensor {checkpoint_name!r}: {e}") from None
             for name, t in converted:
                 if name not in expected:
-                    raise ModelSerializerException(f"unexpected tensor {checkpoint_name!r} for {self.args.architecture}")
+                    raise ModelSerializerException(f"unexpected tensor {checkpoint_name!r} for "
+                                                   f"{self.args.architecture}")
                 tensors[name] = t.to(self.data_type) if t.is_floating_point() else t
                 self._check_finite(checkpoint_name, tensors[name], t)
         if self.args.tie_word_embeddings:

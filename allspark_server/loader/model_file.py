@@ -54,7 +54,8 @@ def write_model_files(out_dir: str, model_name: str, args: ModelArgs, hf_config:
     from safetensors.torch import save_file
 
     safe = model_name.replace("/", "_")
-    graph_path, param_path = paths or (os.path.join(out_dir, safe + ".asgraph"), os.path.join(out_dir, safe + ".asparam"))
+    graph_path, param_path = paths or (os.path.join(out_dir, safe + ".asgraph"),
+                                       os.path.join(out_dir, safe + ".asparam"))
     for folder in {os.path.dirname(graph_path), os.path.dirname(param_path)}:
         os.makedirs(folder or ".", exist_ok=True)
     # both files are written under temporary names and renamed at the end: a failure leaves no half-written model

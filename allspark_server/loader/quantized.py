@@ -3,7 +3,8 @@ their quantized tensors, each with the tensor-parallel split mode the loader wil
 
 A quantized weight `X.weight` becomes `X.qweight` / `X.scales` (/ `X.zeros`, or `X.mins` for uint4_min), all
 [N, ...] like the weight, so they split like it: by output rows for column-parallel weights, by input columns
-(codes and groups) for row-parallel ones; per-channel scales of a row-parallel weight hold whole rows and are replicated.
+(codes and groups) for row-parallel ones; per-channel scales of a row-parallel weight hold whole rows and are
+replicated.
 """
 from __future__ import annotations
 

@@ -105,7 +105,8 @@ def cpu_state(specs: Specs) -> dict[str, torch.Tensor]:
 
 def device_state(device: torch.device) -> Callable[[Specs], dict[str, torch.Tensor]]:
     """An allocator of model tensors on `device` (a GPU rank's: each slice goes from the file straight there)."""
-    return lambda specs: {name: torch.empty(shape, dtype=dtype, device=device) for name, (shape, dtype) in specs.items()}
+    return lambda specs: {name: torch.empty(shape, dtype=dtype, device=device)
+                          for name, (shape, dtype) in specs.items()}
 
 
 def read_rank_state(mf: ModelFile, tp: TPLayout, model: nn.Module,

@@ -48,4 +48,5 @@ def convert(name: str, t, args: ModelArgs):
 
 
 # Baichuan-7B (version 1) spells its class BaiChuanForCausalLM
-ARCHITECTURES = {"BaichuanForCausalLM": ArchSpec(read_args, convert), "BaiChuanForCausalLM": ArchSpec(read_args, convert)}
+ARCHITECTURES = {"BaichuanForCausalLM": ArchSpec(read_args, convert),
+                 "BaiChuanForCausalLM": ArchSpec(read_args, convert)}

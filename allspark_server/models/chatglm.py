@@ -64,4 +64,5 @@ def convert(name: str, t, args: ModelArgs):
     return ((name, t),)
 
 
-ARCHITECTURES = {"ChatGLMModel": ArchSpec(read_args, convert), "ChatGLMForConditionalGeneration": ArchSpec(read_args, convert)}
+ARCHITECTURES = {"ChatGLMModel": ArchSpec(read_args, convert),
+                 "ChatGLMForConditionalGeneration": ArchSpec(read_args, convert)}

@@ -16,7 +16,8 @@ from allspark_server.models.args import ModelArgs
 def split_rows(t: torch.Tensor, sizes: list[int], what: str) -> list[torch.Tensor]:
     """A fused projection's weight [sum(sizes), in] or bias [sum(sizes)] -> its parts."""
     if t.shape[0] != sum(sizes):
-        raise ValueError(f"{what} has {t.shape[0]} rows; the config implies {sum(sizes)} ({' + '.join(map(str, sizes))})")
+        raise ValueError(f"{what} has {t.shape[0]} rows; the config implies {sum(sizes)} "
+                         f"({' + '.join(map(str, sizes))})")
     return list(t.split(sizes, dim=0))
 
 

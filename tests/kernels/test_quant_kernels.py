@@ -203,7 +203,8 @@ def test_many_rows_of_int8_x_meet_codes_at_their_extremes(isa):
         x = torch.randn(33, k, generator=g)
         ref = _round_to_int8_levels(x) @ qw.dequantize().double().T
         tol = 1e-5 * (x.double().abs() @ qw.dequantize().double().abs().T).max().item() + 1e-6
-        assert (ext.linear_quant(x, ops.native_weight(qw), None, isa).double() - ref).abs().max() <= tol, (fmt, k, group)
+        assert (ext.linear_quant(x, ops.native_weight(qw), None, isa).double()
+                - ref).abs().max() <= tol, (fmt, k, group)
 
 
 def test_isa_levels_from_cpu_flags(monkeypatch):

@@ -1,6 +1,6 @@
-"""The quantized GEMV at decode batches of many streams (17..100 rows of x; ops.linear takes it up to quant_native_rows):
-every format and ISA level this CPU has against float64, weights large enough to span several of the kernels' row
-tiles, and batch invariance (a row's result does not depend on the rows next to it in the call)."""
+"""The quantized GEMV at decode batches of many streams (17..100 rows of x; ops.linear takes it up to
+quant_native_rows): every format and ISA level this CPU has against float64, weights large enough to span several of the
+kernels' row tiles, and batch invariance (a row's result does not depend on the rows next to it in the call)."""
 from __future__ import annotations
 
 import pytest

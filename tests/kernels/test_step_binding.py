@@ -12,8 +12,8 @@ import torch
 from allspark_server.compute import ops, step_binding, step_ops, steps
 
 NATIVE = os.path.join(os.path.dirname(__file__), "..", "..", "native")
-NATIVE_NAMES = {"NormStep": "NORM_STEP", "AttentionStep": "ATTENTION_STEP", "MlpStep": "MLP_STEP", "MoeStep": "MOE_STEP",
-                "AttentionOptions": "ATTENTION_OPTION"}
+NATIVE_NAMES = {"NormStep": "NORM_STEP", "AttentionStep": "ATTENTION_STEP", "MlpStep": "MLP_STEP",
+                "MoeStep": "MOE_STEP", "AttentionOptions": "ATTENTION_OPTION"}
 
 
 def header_fields() -> dict[str, list[tuple[str, str]]]:
@@ -90,7 +90,8 @@ def test_descriptors_are_filled_by_name_and_checked():
 def test_an_options_field_the_step_lacks_or_types_otherwise_fails():
     fields = header_fields()
     fields["AttentionOptions"].append(("logit_bias", "double"))
-    with pytest.raises(RuntimeError, match=r"AttentionOptions\.logit_bias is double .* Attention\.logit_bias is missing"):
+    with pytest.raises(RuntimeError,
+                       match=r"AttentionOptions\.logit_bias is double .* Attention\.logit_bias is missing"):
         step_binding.check_fields(fake_ext(fields))
     fields = header_fields()
     fields["AttentionOptions"] = [(n, "double" if n == "window" else t) for n, t in fields["AttentionOptions"]]

@@ -60,7 +60,8 @@ def test_engine_batched_equals_alone(invariant, loaders, name):
     finally:
         engine.sync_request(name)
         engine.release_model(name)
-    assert not differ, f"{len(differ)}/{len(PROMPT_LENS) * COPIES} differ from their solo run:\n" + "\n".join(differ[:4])
+    assert not differ, (f"{len(differ)}/{len(PROMPT_LENS) * COPIES} differ from their solo run:\n"
+                        + "\n".join(differ[:4]))
 
 
 def test_pool_batched_equals_alone(loaders):

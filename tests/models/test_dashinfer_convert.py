@@ -1,6 +1,7 @@
 """DashInfer's `serialize_model_from_torch` (loader/torch_state.py) writes the files HuggingFaceModel.serialize writes
 for the same weights (tensors bit for bit, the same model args and split modes), honours or refuses each argument by
-name, and in a client without allspark_server imported (torch-free) only says what it needs; v1's save_model and reset_stream on their edges."""
+name, and in a client without allspark_server imported (torch-free) only says what it needs; v1's save_model and
+reset_stream on their edges."""
 from __future__ import annotations
 
 import json

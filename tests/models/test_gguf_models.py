@@ -146,7 +146,8 @@ def test_quantized_gguf_serves_its_own_codes_like_transformers_gguf(tmp_path, va
     assert set(quant["weight_formats"]) == formats and quant["quantize_lm_head"] == head
     assert quant["quantized_weights"] == 2 * 7 + head
     with safe_open(loader.weights_path, framework="pt") as f:
-        assert "model.embed_tokens.weight" in f.keys() and f.get_tensor("model.embed_tokens.weight").dtype == torch.float32
+        assert ("model.embed_tokens.weight" in f.keys()
+                and f.get_tensor("model.embed_tokens.weight").dtype == torch.float32)
     check_greedy(loader, variant, hf_from_gguf(path, "llama_mha" if variant.startswith("llama") else variant),
                  [random_prompt(5, seed=1), random_prompt(40, seed=2), random_prompt(130, seed=3)])
 
@@ -276,7 +277,8 @@ def test_gguf_codes_met_by_int8_activations(tmp_path, qtype):
         loader.serialize(None, model_output_dir=str(tmp_path / "bad"),
                          customized_quant_config={"compute_method": "activate_quant", "weight_format": "int8"})
     with pytest.raises(Exception, match="compute_method 'fast'"):
-        loader.serialize(None, model_output_dir=str(tmp_path / "bad"), customized_quant_config={"compute_method": "fast"})
+        loader.serialize(None, model_output_dir=str(tmp_path / "bad"),
+                         customized_quant_config={"compute_method": "fast"})
     loader.serialize(None, model_output_dir=str(tmp_path / "as"),
                      customized_quant_config={"compute_method": "activate_quant"})
     # prompt rows through the native kernel (up to its row limit) and through the dequantized GEMM, then decode steps

@@ -66,7 +66,8 @@ def file_tensor_bytes(params: str) -> int:
     with open(params, "rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(size))
-    return sum(end - begin for name, t in header.items() if name != "__metadata__" for begin, end in [t["data_offsets"]])
+    return sum(end - begin for name, t in header.items() if name != "__metadata__"
+               for begin, end in [t["data_offsets"]])
 
 
 @pytest.fixture(scope="module")

@@ -188,7 +188,8 @@ def test_qwen1_serves_up_to_seq_length_where_its_ntk_and_logn_would_act(families
     from allspark_client import AsException
     from allspark_server import Engine
     engine = Engine()
-    cfg = loader.create_reference_runtime_config_builder("qwen1", "cpu", [0], max_batch=1).max_length(2 * seq_length).build()
+    cfg = (loader.create_reference_runtime_config_builder("qwen1", "cpu", [0], max_batch=1)
+           .max_length(2 * seq_length).build())
     with pytest.raises(AsException, match=f"past this model's context \\({seq_length} tokens\\), where Qwen's "
                                           f"use_dynamic_ntk and use_logn_attn .*max_length <= {seq_length}"):
         engine.install_model(cfg)
@@ -223,7 +224,8 @@ def test_native_moe_block_equals_its_python_twin_and_a_float64_reference(dtype, 
     native_out = step_ops.moe_step(hn, moe)
     assert moe.native is not None                                           # it ran native/moe.cpp
     twin = ops.moe(hn, **weights)   # the routing's softmax may differ in the last bit: one rounding of the output
-    assert (native_out.double() - twin.double()).abs().max() <= (2e-6 if dtype == torch.float32 else 1e-2) * twin.abs().max()
+    assert ((native_out.double() - twin.double()).abs().max()
+            <= (2e-6 if dtype == torch.float32 else 1e-2) * twin.abs().max())
     # float64: route, run the chosen experts, add the gated shared expert
     d = {k: (v.double() if torch.is_tensor(v) else v) for k, v in weights.items()}
     hd = hn.double()
@@ -237,7 +239,8 @@ def test_native_moe_block_equals_its_python_twin_and_a_float64_reference(dtype, 
             want[r] += p * ((torch.nn.functional.silu(a[:inter]) * a[inter:]) @ down.T)
         gu, down = (w.double() for w in weights["shared"])
         a = hd[r] @ gu.T
-        want[r] += torch.sigmoid(hd[r] @ d["shared_gate"].T) * ((torch.nn.functional.silu(a[:inter]) * a[inter:]) @ down.T)
+        want[r] += (torch.sigmoid(hd[r] @ d["shared_gate"].T)
+                    * ((torch.nn.functional.silu(a[:inter]) * a[inter:]) @ down.T))
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert (native_out.double() - want).abs().max().item() <= tol * want.abs().max().item()
 
@@ -281,7 +284,8 @@ def test_malformed_folders_are_refused_naming_the_architecture_key_or_tensor(fam
         with pytest.raises(ModelSerializerException, match=message):
             HuggingFaceModel(folder, "bad", user_set_data_type="float32").load_model()
     llama, _ = families["llama_yarn"]
-    folder = _copy_folder(llama, tmp_path / "rope", lambda c: c.update(rope_parameters={"rope_type": "su", "factor": 2, "rope_theta": 10000.0}))
+    folder = _copy_folder(llama, tmp_path / "rope",
+                          lambda c: c.update(rope_parameters={"rope_type": "su", "factor": 2, "rope_theta": 10000.0}))
     with pytest.raises(ModelSerializerException, match="rope type 'su'.*not supported; supported: default"):
         HuggingFaceModel(folder, "bad")
 
@@ -293,16 +297,17 @@ def test_gemma2_window_caps_and_norm_offsets_each_change_the_reference(families)
     tokens = random_prompt(PROMPT_LEN, seed=5)
     base = hf_logits(model, tokens)
     assert len(tokens) > model.config.sliding_window
-    variants = {"sliding_window": dict(sliding_window=4096), "attn_logit_softcapping": dict(attn_logit_softcapping=None),
+    variants = {"sliding_window": dict(sliding_window=4096),
+                "attn_logit_softcapping": dict(attn_logit_softcapping=None),
                 "final_logit_softcapping": dict(final_logit_softcapping=None)}
     for what, change in variants.items():
         saved = {k: getattr(model.config, k) for k in change}
         for k, v in change.items():
             setattr(model.config, k, v)
         for layer in model.model.layers:          # the attention modules copied these at construction
-            layer.self_attn.sliding_window = (model.config.sliding_window
-                                              if model.config.layer_types[layer.self_attn.layer_idx] == "sliding_attention"
-                                              else None)
+            layer.self_attn.sliding_window = (
+                model.config.sliding_window
+                if model.config.layer_types[layer.self_attn.layer_idx] == "sliding_attention" else None)
             layer.self_attn.attn_logit_softcapping = model.config.attn_logit_softcapping
         try:
             changed = hf_logits(model, tokens)

@@ -24,8 +24,9 @@ CORPUS = ("The quick brown fox jumps over the lazy dog. I'm sure they've said it
           "def main():\n    return 42\n\n你好，世界！通义千问是一个大语言模型。 Zürich naïve café — 2024-11-23.\n") * 4
 MERGES = 40            # 256 byte tokens + 40 merges + 208 specials = 504 ids, within the tiny model's 512
 TEXTS = ["Hello world", "I'm here, they're not; it'd be 1234567 dogs.", "  leading and   inner   spaces\n\n\tx",
-         "你好，世界！", "emoji 🦊🚀 and ZWJ 👩‍👩‍👧", "caf\u0065\u0301 (decomposed) vs caf\u00e9", "line\r\nbreaks\n\n\n",
-         "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>", "<|extra_7|>text<|extra_204|>", "", "x" * 300]
+         "你好，世界！", "emoji 🦊🚀 and ZWJ 👩‍👩‍👧", "caf\u0065\u0301 (decomposed) vs caf\u00e9",
+         "line\r\nbreaks\n\n\n", "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>", "<|extra_7|>text<|extra_204|>", "",
+         "x" * 300]
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +133,8 @@ def test_allspark_serve_chats_with_a_qwen1_folder(qwen_folder, ranks, reference,
     server = Server(qwen_folder, name="qwen1")
     try:
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
-        r = client.chat.completions.create(model="qwen1", messages=[{"role": "user", "content": "Tell me about Zürich."}],
+        r = client.chat.completions.create(model="qwen1",
+                                           messages=[{"role": "user", "content": "Tell me about Zürich."}],
                                            max_tokens=12, temperature=0)
         assert r.usage.prompt_tokens == len(ids)
         assert sum(t < len(ranks) for t in want) >= 6          # mostly text, so the comparison says something

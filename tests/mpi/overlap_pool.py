@@ -34,7 +34,8 @@ def main():
         engine.install_model(cfg)
         engine.start_model("m")
         served = engine._models["m"]
-        assert isinstance(served.loop, OverlappedLoop), "overlapped scheduling is on by default in a pool of ranks with decode graphs"
+        assert isinstance(served.loop, OverlappedLoop), ("overlapped scheduling is on by default in a pool of ranks "
+                                                         "with decode graphs")
         tokens = [t for t, _ in run_together(engine, "m", json.loads(requests_json))]
         counts[0] = served.runner.graphs.device_steps
         engine.shutdown()

@@ -29,8 +29,9 @@ NOT_INSTALLED = "fuzz-not-installed"      # destructive methods' seed messages n
 # method -> (response is a stream, seed messages whose bytes are mutated)
 METHODS = {
     "Health": (False, [pb.HealthRequest()]),
-    "InstallModel": (False, [pb.RuntimeConfig(model_name=NOT_INSTALLED, model_path="/nonexistent/m.asgraph", engine_max_length=64,
-                                                       engine_max_batch=2, kv_cache_memory_bytes=1 << 20)]),
+    "InstallModel": (False, [pb.RuntimeConfig(model_name=NOT_INSTALLED, model_path="/nonexistent/m.asgraph",
+                                              engine_max_length=64, engine_max_batch=2,
+                                              kv_cache_memory_bytes=1 << 20)]),
     "StartModel": (False, [pb.ModelRef(model_name=NOT_INSTALLED)]),
     "StopModel": (False, [pb.ModelRef(model_name=NOT_INSTALLED)]),
     "ReleaseModel": (False, [pb.ModelRef(model_name=NOT_INSTALLED)]),
