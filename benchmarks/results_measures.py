@@ -32,14 +32,19 @@ from results_readers import (
 MEASURES = {
     "ab-redesign": ("A/B: the layer-description redesign against the commit before it", "`ab_trees.py --old "
                     "<checkout of 737f874>`: each tree in its own process; the CPU rows with both engines resident, "
-                    "taking turns; the H200 row from an earlier version of the script (a process per round).", ab_trees),
+                    "taking turns; the H200 row from an earlier version of the script (a process per round).",
+                    ab_trees),
     "ab-step-interface": ("A/B: the step binder, Granite's options and the one sampler against 9d3dcff",
                           "`ab_trees.py --old <checkout of 9d3dcff>`, each tree's Engine resident, taking turns: on "
                           "a GPU (`--device cuda --variants bf16`) Llama-2-7B-shaped bf16 with 16 layers, on a CPU "
                           "the 0.5 B benchmark model on 2 cores.", ab_trees),
-    "batch-invariance": ("CPU: what batch-invariant mode costs", "`batch_invariance.py --rounds N`: the model installed "
-                         "twice in one Engine, mode off and on, alternating rounds on 2 cores; SmolLM2's Q4_1 file and "
-                         "the 0.5 B benchmark model as Q4_1 and in bf16.", batch_invariance),
+    "ab-one-place": ("A/B: the family hooks, Granite in five files and the device chosen once against f227d4e",
+                     "`ab_trees.py --old <checkout of f227d4e>`, each tree's Engine resident, taking turns: on a GPU "
+                     "(`--device cuda --variants bf16`) Llama-2-7B-shaped bf16 with 16 layers, on a CPU the 0.5 B "
+                     "benchmark model on 2 cores.", ab_trees),
+    "batch-invariance": ("CPU: what batch-invariant mode costs", "`batch_invariance.py --rounds N`: the model "
+                         "installed twice in one Engine, mode off and on, alternating rounds on 2 cores; SmolLM2's "
+                         "Q4_1 file and the 0.5 B benchmark model as Q4_1 and in bf16.", batch_invariance),
     "engines": ("CPU: Engine against transformers", "`run.py`: batch-1 decode, concurrency, TTFT, 2-rank pool; "
                 "0.5 B Llama-shaped model, random weights.", engines),
     "engines-bf16": ("CPU: Engine against transformers, bf16 only", "`run.py --dtypes bfloat16 --no-pool "
