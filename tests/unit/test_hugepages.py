@@ -9,8 +9,8 @@ import torch
 from allspark_server.step.hugepages import to_hugepages, zeros
 
 
-def vma_flags(t: torch.Tensor) -> set[str]:
-    """VmFlags of the mapping that holds t's first byte."""
+def smaps_line(t: torch.Tensor, key: str) -> list[str]:
+    """The `key:` line's fields in /proc/self/smaps for the mapping that holds t's first byte."""
     addr = t.data_ptr()
     with open("/proc/self/smaps") as f:
         inside = False
@@ -19,9 +19,14 @@ def vma_flags(t: torch.Tensor) -> set[str]:
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= addr < hi
-            elif inside and head == "VmFlags:":
-                return set(line.split()[1:])
+            elif inside and head == key + ":":
+                return line.split()[1:]
     raise AssertionError("no mapping holds the tensor")
+
+
+def vma_flags(t: torch.Tensor) -> set[str]:
+    """VmFlags of the mapping that holds t's first byte."""
+    return set(smaps_line(t, "VmFlags"))
 
 
 def test_values_shapes_dtypes_survive_and_originals_are_released():
@@ -66,18 +71,8 @@ def test_without_huge_pages_plain_tensors(monkeypatch):
 
 
 def resident_bytes(t: torch.Tensor) -> int:
-    """Bytes of the mapping holding t that are in RAM now (its Rss line in /proc/self/smaps)."""
-    addr = t.data_ptr()
-    with open("/proc/self/smaps") as f:
-        inside = False
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside and head == "Rss:":
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no mapping holds the tensor")
+    """Bytes of the mapping holding t that are in RAM now (its Rss line)."""
+    return int(smaps_line(t, "Rss")[0]) * 1024
 
 
 def test_the_kv_cache_is_written_at_install_unless_prefault_is_off(monkeypatch):
