@@ -144,7 +144,8 @@ BATCH_INVARIANT = _declare("ALLSPARK_BATCH_INVARIANT", bool, False, "user", """
 KV_PREFAULT = _declare("ALLSPARK_KV_PREFAULT", bool, True, "user", """
     1: a CPU rank's KV cache is written once when the model is installed, so its pages exist before the first
     request (no decode step waits for the kernel to clear a fresh page). 0: pages come as spans are first written:
-    an install with a large KV budget returns at once and takes RAM only as requests fill the cache.""")
+    an install with a large KV budget returns at once and takes RAM only as requests fill the cache (where the cache
+    is in transparent huge pages; without them it is written at install either way).""")
 MEMORY_BANDWIDTH_GBS = _declare("ALLSPARK_MEMORY_BANDWIDTH_GBS", float, None, "user", """
     Memory bandwidth in GB/s that the engine's roofline statistics (memory_bandwidth_utilization) divide by,
     instead of measuring a copy once per device (about 0.5 s at the first statistics).""", minimum=0, above=True)
