@@ -23,6 +23,9 @@ from allspark_client.validation import _int as _check_int
 SPAN_SIZES = (16, 32, 64, 128)
 CACHE_MODE_NAMES = {"default": AsCacheMode.AsCacheDefault, "int8": AsCacheMode.AsCacheQuantI8,
                     "uint4": AsCacheMode.AsCacheQuantU4}
+SPECULATIVE_METHODS = ("", "ngram", "draft")
+DEFAULT_SPECULATIVE_TOKENS = {"ngram": 4, "draft": 4}
+MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_PREFILL_CHUNK = 1024
 # GPU ranks: a step of 4096 prompt tokens still takes tens of milliseconds on a 7B model, and fewer, larger
 # prefill steps save each one's eager launch overhead (128 prompts of 128 tokens: 4 steps instead of 16)
@@ -47,6 +50,15 @@ class AsModelConfig:
     prefix_cache_ttl: int = 300             # seconds a cached prefix nobody uses stays reusable
     prefix_cache_host_bytes: int = 0        # per rank: host memory for spans evicted from the cache (0 = none)
     enable_profiling: bool = False          # time every op of every step (get_op_profiling_info; AS_PROFILE=ON)
+    # speculative decoding (docs/speculative.md): "" off, "ngram" (prompt lookup) or "draft" (a smaller model)
+    speculative_method: str = ""
+    num_speculative_tokens: int = 0         # tokens proposed per step; 0 = the method's default
+    prompt_lookup_min: int = 2              # ngram: the shortest suffix looked up in the request's own tokens
+    prompt_lookup_max: int = 4              # ... and the longest (tried first)
+    draft_model: str = ""                   # draft: a HF folder, a .gguf file or an .asgraph file (+ .asparam)
+    draft_dtype: str = ""                   # draft: its dtype ("" = the file's)
+    draft_quantize: str = ""                # draft: InstantQuant weight format of its copy ("" = none, "int4", ...)
+    speculative_max_batch: int = 0          # speculate only while at most this many requests decode; 0 = auto
 
     def __post_init__(self):
         _check(bool(self.model_name) and isinstance(self.model_name, str), "model_name must be a non-empty string")
@@ -74,6 +86,29 @@ class AsModelConfig:
         _check(isinstance(self.enable_profiling, bool),
                f"enable_profiling must be a bool, got {self.enable_profiling!r}")
         parse_compute_unit(self.compute_unit)   # validates; whether the GPU exists is the rank's to say
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        _check(self.speculative_method in SPECULATIVE_METHODS,
+               f"speculative_method must be one of {SPECULATIVE_METHODS}, got {self.speculative_method!r}")
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, lo=0, hi=MAX_SPECULATIVE_TOKENS)
+        _check_int("prompt_lookup_min", self.prompt_lookup_min, lo=1)
+        _check_int("prompt_lookup_max", self.prompt_lookup_max, lo=1)
+        _check(self.prompt_lookup_min <= self.prompt_lookup_max,
+               f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
+               f"({self.prompt_lookup_max})")
+        _check_int("speculative_max_batch", self.speculative_max_batch, lo=0)
+        for key in ("draft_model", "draft_dtype", "draft_quantize"):
+            _check(isinstance(getattr(self, key), str), f"{key} must be a string")
+        _check((self.speculative_method == "draft") == bool(self.draft_model),
+               "speculative_method 'draft' needs draft_model (a path), and draft_model needs that method")
+
+    @property
+    def speculative_tokens(self) -> int:
+        """Tokens proposed per step: num_speculative_tokens, or the method's default (0: speculation off)."""
+        if not self.speculative_method:
+            return 0
+        return self.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS[self.speculative_method]
 
     @property
     def max_prefill_tokens(self) -> int:
@@ -172,6 +207,19 @@ class AsModelRuntimeConfigBuilder:
         self._fields["enable_profiling"] = enable
         return self
 
+    def speculative_decoding(self, method: str, num_speculative_tokens: int = 0, **options):
+        """Speculative decoding: `method` "ngram" (prompt lookup over each request's own tokens; options
+        prompt_lookup_min, prompt_lookup_max) or "draft" (options draft_model=PATH, draft_dtype, draft_quantize);
+        speculative_max_batch: speculate only while at most that many requests decode (0 = auto). Greedy output
+        is the same as without it; sampled output keeps the model's distribution. None or "" turns it off."""
+        allowed = {"prompt_lookup_min", "prompt_lookup_max", "draft_model", "draft_dtype", "draft_quantize",
+                   "speculative_max_batch"}
+        for key in options:
+            _check(key in allowed, f"unknown speculative_decoding option {key!r} (known: {sorted(allowed)})")
+        self._fields.update(speculative_method=method or "", num_speculative_tokens=num_speculative_tokens,
+                            **{k: str(v) if k == "draft_model" else v for k, v in options.items()})
+        return self
+
     def matmul_precision(self, precision: str):
         self._fields["matmul_precision"] = precision
         return self
@@ -194,7 +242,8 @@ class AsModelRuntimeConfigBuilder:
         return cfg
 
 
-__all__ = ["AsModelConfig", "AsModelRuntimeConfigBuilder", "ConfigError", "SPAN_SIZES", "parse_compute_unit",
+__all__ = ["AsModelConfig", "AsModelRuntimeConfigBuilder", "ConfigError", "SPAN_SIZES", "SPECULATIVE_METHODS",
+           "parse_compute_unit",
            # re-exported from generation_config
            "ASGenerationConfigBuilder", "GenerationConfig", "parse_generation_config", "parse_input_ids",
            "resolve_max_length"]

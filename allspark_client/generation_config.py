@@ -36,6 +36,7 @@ class GenerationConfig:
     top_logprobs: int = 0
     do_sample: bool = True
     response_format: Optional[ResponseFormat] = None   # None: plain text; otherwise guided output
+    speculative: bool = True                # False: no speculative decoding for this request (the model's config)
 
     @property
     def is_greedy(self) -> bool:
@@ -120,6 +121,9 @@ def parse_generation_config(raw: Optional[dict], vocab_size: Optional[int] = Non
     if "do_sample" in kw:
         _check(isinstance(kw["do_sample"], bool), f"do_sample must be a bool, got {kw['do_sample']!r}")
         out["do_sample"] = kw["do_sample"]
+    if "speculative" in kw:
+        _check(isinstance(kw["speculative"], bool), f"speculative must be a bool, got {kw['speculative']!r}")
+        out["speculative"] = kw["speculative"]
     if "response_format" in kw:
         out["response_format"] = parse_response_format(kw["response_format"])
         _check(out["response_format"] is None or not out.get("min_length"),

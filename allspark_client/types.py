@@ -143,6 +143,13 @@ class AsEngineStat:
     rank_memory_bandwidth_gbs: list[float] = field(default_factory=list)           # the same, per rank
     rank_memory_bandwidth_utilization: list[float] = field(default_factory=list)
     asleep: bool = False                    # unload_device_mem freed its memory; load_device_mem wakes it
+    # speculative decoding (docs/speculative.md), since the model was installed
+    spec_draft_tokens: int = 0              # tokens proposed and checked by a verify step
+    spec_accepted_tokens: int = 0           # ... of them taken
+    spec_emitted_tokens: int = 0            # tokens the verify steps produced (the accepted ones + one each)
+    spec_verify_steps: int = 0              # request-steps that checked a proposal
+    spec_acceptance_rate: float = 0.0       # accepted / draft
+    spec_skipped: str = ""                  # requests that ran without speculation, by reason: "reason=count, ..."
 
     @property
     def pending_request(self) -> int:

@@ -17,7 +17,8 @@ from allspark_client.types import AsCacheMode, AsEngineStat, GeneratedElements, 
 PROTOCOL_VERSION = 1
 
 _OPTIONAL_SCALARS = ("temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                     "min_length", "max_length", "max_new_tokens", "seed", "logprobs", "top_logprobs", "do_sample")
+                     "min_length", "max_length", "max_new_tokens", "seed", "logprobs", "top_logprobs", "do_sample",
+                     "speculative")
 
 
 # ---- runtime config ------------------------------------------------------------------------------

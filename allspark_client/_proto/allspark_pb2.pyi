@@ -184,7 +184,7 @@ class SaveModelRequest(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., saved_dir: _Optional[str] = ..., with_weight: _Optional[bool] = ...) -> None: ...
 
 class RuntimeConfig(_message.Message):
-    __slots__ = ("model_name", "model_path", "weights_path", "compute_unit", "engine_max_length", "engine_max_batch", "engine_max_prefill_length", "num_threads", "matmul_precision", "cache_mode", "cache_span_size", "kv_cache_memory_bytes", "enable_prefix_cache", "prefix_cache_ttl", "prefix_cache_host_bytes", "enable_profiling")
+    __slots__ = ("model_name", "model_path", "weights_path", "compute_unit", "engine_max_length", "engine_max_batch", "engine_max_prefill_length", "num_threads", "matmul_precision", "cache_mode", "cache_span_size", "kv_cache_memory_bytes", "enable_prefix_cache", "prefix_cache_ttl", "prefix_cache_host_bytes", "enable_profiling", "speculative_method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "draft_model", "draft_dtype", "draft_quantize", "speculative_max_batch")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +201,14 @@ class RuntimeConfig(_message.Message):
     PREFIX_CACHE_TTL_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
     ENABLE_PROFILING_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_METHOD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOOKUP_MIN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOOKUP_MAX_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_QUANTIZE_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_path: str
     weights_path: str
@@ -217,7 +225,15 @@ class RuntimeConfig(_message.Message):
     prefix_cache_ttl: int
     prefix_cache_host_bytes: int
     enable_profiling: bool
-    def __init__(self, model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., weights_path: _Optional[str] = ..., compute_unit: _Optional[str] = ..., engine_max_length: _Optional[int] = ..., engine_max_batch: _Optional[int] = ..., engine_max_prefill_length: _Optional[int] = ..., num_threads: _Optional[int] = ..., matmul_precision: _Optional[str] = ..., cache_mode: _Optional[int] = ..., cache_span_size: _Optional[int] = ..., kv_cache_memory_bytes: _Optional[int] = ..., enable_prefix_cache: _Optional[bool] = ..., prefix_cache_ttl: _Optional[int] = ..., prefix_cache_host_bytes: _Optional[int] = ..., enable_profiling: _Optional[bool] = ...) -> None: ...
+    speculative_method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    draft_model: str
+    draft_dtype: str
+    draft_quantize: str
+    speculative_max_batch: int
+    def __init__(self, model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., weights_path: _Optional[str] = ..., compute_unit: _Optional[str] = ..., engine_max_length: _Optional[int] = ..., engine_max_batch: _Optional[int] = ..., engine_max_prefill_length: _Optional[int] = ..., num_threads: _Optional[int] = ..., matmul_precision: _Optional[str] = ..., cache_mode: _Optional[int] = ..., cache_span_size: _Optional[int] = ..., kv_cache_memory_bytes: _Optional[int] = ..., enable_prefix_cache: _Optional[bool] = ..., prefix_cache_ttl: _Optional[int] = ..., prefix_cache_host_bytes: _Optional[int] = ..., enable_profiling: _Optional[bool] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., draft_model: _Optional[str] = ..., draft_dtype: _Optional[str] = ..., draft_quantize: _Optional[str] = ..., speculative_max_batch: _Optional[int] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -226,7 +242,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerationConfig(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_length", "max_length", "max_new_tokens", "has_eos_token_id", "eos_token_id", "stop_words_ids", "seed", "logprobs", "top_logprobs", "do_sample", "response_format_json")
+    __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_length", "max_length", "max_new_tokens", "has_eos_token_id", "eos_token_id", "stop_words_ids", "seed", "logprobs", "top_logprobs", "do_sample", "response_format_json", "speculative")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +260,7 @@ class GenerationConfig(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_JSON_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -261,7 +278,8 @@ class GenerationConfig(_message.Message):
     top_logprobs: int
     do_sample: bool
     response_format_json: str
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_length: _Optional[int] = ..., max_length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., has_eos_token_id: _Optional[bool] = ..., eos_token_id: _Optional[_Iterable[int]] = ..., stop_words_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., do_sample: _Optional[bool] = ..., response_format_json: _Optional[str] = ...) -> None: ...
+    speculative: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_length: _Optional[int] = ..., max_length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., has_eos_token_id: _Optional[bool] = ..., eos_token_id: _Optional[_Iterable[int]] = ..., stop_words_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., do_sample: _Optional[bool] = ..., response_format_json: _Optional[str] = ..., speculative: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("model_name", "input_ids", "config", "session_id")
@@ -332,7 +350,7 @@ class GenerateReply(_message.Message):
     def __init__(self, status: _Optional[int] = ..., message: _Optional[str] = ..., request_id: _Optional[int] = ..., generate_status: _Optional[int] = ..., ids: _Optional[_Iterable[int]] = ..., token_logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prefix_cache_len: _Optional[int] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ...) -> None: ...
 
 class EngineStat(_message.Message):
-    __slots__ = ("status", "message", "model_name", "free_token", "total_token", "pendding_request", "running_request", "total_generated_token", "total_prefill_token", "generate_token_persec", "process_token_persec", "total_span", "used_span", "free_span", "span_size", "token_usage_percentage", "num_preempted", "prefix_cache_hit_token", "prefix_cache_miss_token", "prefix_cache_hit_rate", "prefix_cache_miss_rate", "prefix_cache_spans", "prefix_cache_host_spans", "memory_bandwidth_gbs", "memory_bandwidth_utilization", "rank_memory_bandwidth_gbs", "rank_memory_bandwidth_utilization", "asleep")
+    __slots__ = ("status", "message", "model_name", "free_token", "total_token", "pendding_request", "running_request", "total_generated_token", "total_prefill_token", "generate_token_persec", "process_token_persec", "total_span", "used_span", "free_span", "span_size", "token_usage_percentage", "num_preempted", "prefix_cache_hit_token", "prefix_cache_miss_token", "prefix_cache_hit_rate", "prefix_cache_miss_rate", "prefix_cache_spans", "prefix_cache_host_spans", "memory_bandwidth_gbs", "memory_bandwidth_utilization", "rank_memory_bandwidth_gbs", "rank_memory_bandwidth_utilization", "asleep", "spec_draft_tokens", "spec_accepted_tokens", "spec_emitted_tokens", "spec_verify_steps", "spec_acceptance_rate", "spec_skipped")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -361,6 +379,12 @@ class EngineStat(_message.Message):
     RANK_MEMORY_BANDWIDTH_GBS_FIELD_NUMBER: _ClassVar[int]
     RANK_MEMORY_BANDWIDTH_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     ASLEEP_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_EMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     status: int
     message: str
     model_name: str
@@ -389,7 +413,13 @@ class EngineStat(_message.Message):
     rank_memory_bandwidth_gbs: _containers.RepeatedScalarFieldContainer[float]
     rank_memory_bandwidth_utilization: _containers.RepeatedScalarFieldContainer[float]
     asleep: bool
-    def __init__(self, status: _Optional[int] = ..., message: _Optional[str] = ..., model_name: _Optional[str] = ..., free_token: _Optional[int] = ..., total_token: _Optional[int] = ..., pendding_request: _Optional[int] = ..., running_request: _Optional[int] = ..., total_generated_token: _Optional[int] = ..., total_prefill_token: _Optional[int] = ..., generate_token_persec: _Optional[float] = ..., process_token_persec: _Optional[float] = ..., total_span: _Optional[int] = ..., used_span: _Optional[int] = ..., free_span: _Optional[int] = ..., span_size: _Optional[int] = ..., token_usage_percentage: _Optional[float] = ..., num_preempted: _Optional[int] = ..., prefix_cache_hit_token: _Optional[int] = ..., prefix_cache_miss_token: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prefix_cache_miss_rate: _Optional[float] = ..., prefix_cache_spans: _Optional[int] = ..., prefix_cache_host_spans: _Optional[int] = ..., memory_bandwidth_gbs: _Optional[float] = ..., memory_bandwidth_utilization: _Optional[float] = ..., rank_memory_bandwidth_gbs: _Optional[_Iterable[float]] = ..., rank_memory_bandwidth_utilization: _Optional[_Iterable[float]] = ..., asleep: _Optional[bool] = ...) -> None: ...
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_emitted_tokens: int
+    spec_verify_steps: int
+    spec_acceptance_rate: float
+    spec_skipped: str
+    def __init__(self, status: _Optional[int] = ..., message: _Optional[str] = ..., model_name: _Optional[str] = ..., free_token: _Optional[int] = ..., total_token: _Optional[int] = ..., pendding_request: _Optional[int] = ..., running_request: _Optional[int] = ..., total_generated_token: _Optional[int] = ..., total_prefill_token: _Optional[int] = ..., generate_token_persec: _Optional[float] = ..., process_token_persec: _Optional[float] = ..., total_span: _Optional[int] = ..., used_span: _Optional[int] = ..., free_span: _Optional[int] = ..., span_size: _Optional[int] = ..., token_usage_percentage: _Optional[float] = ..., num_preempted: _Optional[int] = ..., prefix_cache_hit_token: _Optional[int] = ..., prefix_cache_miss_token: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prefix_cache_miss_rate: _Optional[float] = ..., prefix_cache_spans: _Optional[int] = ..., prefix_cache_host_spans: _Optional[int] = ..., memory_bandwidth_gbs: _Optional[float] = ..., memory_bandwidth_utilization: _Optional[float] = ..., rank_memory_bandwidth_gbs: _Optional[_Iterable[float]] = ..., rank_memory_bandwidth_utilization: _Optional[_Iterable[float]] = ..., asleep: _Optional[bool] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_emitted_tokens: _Optional[int] = ..., spec_verify_steps: _Optional[int] = ..., spec_acceptance_rate: _Optional[float] = ..., spec_skipped: _Optional[str] = ...) -> None: ...
 
 class OpTiming(_message.Message):
     __slots__ = ("rank", "op", "count", "min_ms", "max_ms", "sum_ms")

@@ -7,8 +7,9 @@ spans appended since the previous plan). `dropped_ids` are forgotten before anyt
 to host slots, then loads back), then the chunks are computed. A plan with `tokens_on_device` continues the
 previous decode step before its tokens have reached the host (GPU ranks, served_model.py): the same requests in
 the same order, one token each, every input token the one sampled for that row by the previous step, which rank 0
-sends to the other ranks on the GPUs; the mirrors learn those tokens from a later plan. No torch, no behaviour:
-data only.
+sends to the other ranks on the GPUs; the mirrors learn those tokens from a later plan. A chunk with `draft_ids`
+verifies proposed tokens (speculative decoding); the positions of those rejected are taken back from the mirrors'
+computed counts by the next plan (`rolled_back`). No torch, no behaviour: data only.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class CachedRequestData:
     request_id: int
     new_token_ids: tuple[int, ...]    # appended since the previous plan (the token sampled last step)
     new_span_ids: tuple[int, ...]
+    rolled_back: int = 0              # positions a verify step computed whose proposed tokens were rejected
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,9 @@ class ScheduledChunk:
     request_id: int
     num_tokens: int                   # tokens to compute this step, starting at num_computed_tokens
     needs_sample: bool                # the chunk reaches the last known token: sample the next one
+    # speculative decoding: the tokens proposed after the last known one. The chunk is a verify step: the last
+    # known token and these (num_tokens = 1 + len(draft_ids)), each a decode row over its own context, each sampled
+    draft_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,11 @@ arrived running request is preempted: its spans are freed and it waits to be rec
 prompt plus the tokens it already produced. A request that cannot fit even alone is interrupted.
 `update()` applies sampled tokens. It owns request queues and span bookkeeping, no tensors.
 
+A decode whose request carries a proposal (`draft_ids`, set by speculation.py before `schedule`) becomes a verify
+chunk of 1 + len(draft) tokens (cut to the budget); `update` takes the tokens it emitted, and the positions of
+rejected proposals go back to the runners with the next plan (CachedRequestData.rolled_back). Only accepted tokens
+are ever offered to the prefix cache.
+
 With a prefix cache (SpanManager.cache), a request admitted from the waiting queue first takes the longest run
 of cached full spans of its tokens (a hit: those tokens count as computed), and every span a step fills
 completely is offered to the cache. A recomputation after preemption hits the spans it left behind. A request
@@ -87,13 +92,17 @@ class Scheduler:
 
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in prefills:
+            req.draft_ids = []                 # only a decode verifies a proposal
         for req in decodes + prefills:
             if budget <= 0:
                 break
             if req.state != RequestState.RUNNING:
                 continue                       # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens + len(req.draft_ids), budget)
+            del req.draft_ids[max(0, n - 1):]  # a proposal longer than the budget is cut
             if not self._reserve(req, n, scheduled):
+                req.draft_ids = []
                 if req.is_finished:
                     interrupted.append(req)
                 continue
@@ -159,9 +168,9 @@ class Scheduler:
             total = req.num_tokens
             tokens = req.token_ids_from(req.num_synced_tokens) if req.num_synced_tokens < total else ()
             spans = req.span_ids[req.num_synced_spans:]   # known since the last plan (its update is done)
-            if tokens or spans:
-                cached.append(CachedRequestData(req.request_id, tuple(tokens), tuple(spans)))
-            req.num_synced_tokens, req.num_synced_spans = total, len(req.span_ids)
+            if tokens or spans or req.num_rolled_back:
+                cached.append(CachedRequestData(req.request_id, tuple(tokens), tuple(spans), req.num_rolled_back))
+            req.num_synced_tokens, req.num_synced_spans, req.num_rolled_back = total, len(req.span_ids), 0
         self._step_id += 1
         dropped, self._dropped = tuple(self._dropped), []
         saves, loads = self.cache.take_copies() if self.cache is not None else ((), ())
@@ -259,6 +268,8 @@ class Scheduler:
         req.num_registered_spans = 0
         req.num_synced_spans = 0
         req.num_synced_tokens = 0
+        req.num_rolled_back = 0                # a mirror made again starts from the counts themselves
+        req.draft_ids = []
         if req.request_id in self._synced:
             self._synced.discard(req.request_id)
             self._dropped.append(req.request_id)
@@ -273,38 +284,54 @@ class Scheduler:
             else:
                 tokens = req.token_ids_from(req.num_synced_tokens)
                 spans = req.span_ids[req.num_synced_spans:]
-                if tokens or spans:
-                    cached.append(CachedRequestData(req.request_id, tuple(tokens), tuple(spans)))
+                if tokens or spans or req.num_rolled_back:
+                    cached.append(CachedRequestData(req.request_id, tuple(tokens), tuple(spans),
+                                                    req.num_rolled_back))
             req.num_synced_tokens = req.num_tokens
             req.num_synced_spans = len(req.span_ids)
-            out.append(ScheduledChunk(req.request_id, n, req.num_computed_tokens + n == req.num_tokens))
+            req.num_rolled_back = 0
+            draft = tuple(req.draft_ids)
+            out.append(ScheduledChunk(req.request_id, n, req.num_computed_tokens + n - len(draft) == req.num_tokens,
+                                      draft))
         self._step_id += 1
         dropped, self._dropped = tuple(self._dropped), []
         saves, loads = self.cache.take_copies() if self.cache is not None else ((), ())
         return StepPlan(self._step_id, dropped, tuple(new), tuple(cached), tuple(out), saves, loads)
 
     # ---- results -----------------------------------------------------------------------------
-    def update(self, plan: StepPlan, sampled: dict[int, int], requests: dict[int, Request]
-               ) -> list[tuple[Request, Optional[int], Optional[FinishReason]]]:
-        """Advance computed counts and append sampled tokens. Returns (request, token, finish)."""
+    def update(self, plan: StepPlan, sampled: dict[int, list[int]], requests: dict[int, Request]
+               ) -> list[tuple[Request, list[int], Optional[FinishReason]]]:
+        """Advance computed counts and append each sampled request's new tokens: one, or after a verify step those
+        of its proposal that were accepted and the model's next (speculation.py), up to where it finishes.
+        Returns (request, the tokens appended, finish)."""
         events = []
         for chunk in plan.chunks:
             req = requests[chunk.request_id]
+            req.draft_ids = []
             if req.is_finished or req.state != RequestState.RUNNING:
                 continue   # stopped by the user while this step ran
             prefilling = req.num_computed_tokens < req.num_prompt_tokens
-            req.num_computed_tokens += chunk.num_tokens
-            self._offer_full_spans(req)
+            req.num_computed_tokens += chunk.num_tokens - len(chunk.draft_ids)
             if prefilling:
                 self.stats.num_prefill_tokens += min(chunk.num_tokens, req.num_prompt_tokens)
             if not chunk.needs_sample:
+                self._offer_full_spans(req)
                 continue
-            token = sampled[chunk.request_id]
-            reason = req.append_token(token)
-            self.stats.num_generated_tokens += 1
+            appended, reason = [], None
+            for token in sampled[chunk.request_id]:
+                if appended:                   # the token before it was an accepted proposal: its K/V are in
+                    req.num_computed_tokens += 1
+                appended.append(token)
+                reason = req.append_token(token)
+                if reason is not None:
+                    break
+            # the positions computed for proposals not taken: the runners' mirrors give them back next plan
+            req.num_rolled_back += max(0, len(chunk.draft_ids) - (len(appended) - 1))
+            self._offer_full_spans(req)
+            self.stats.num_generated_tokens += len(appended)
             if reason is not None:
                 self.finish(req, reason)
-            events.append((req, token, reason))
+            events.append((req, appended, reason))
         return events
 
     def iter_requests(self) -> Iterable[Request]:

@@ -37,6 +37,7 @@ from allspark_server.engine.step_watchdog import StepWatchdog
 from allspark_server.runner.guided import GuidedState, GuidedVocabulary
 from allspark_server.runner.model_runner import ModelRunner
 from allspark_server.runner.sampler import PendingSample, Sampler, SamplingState, plain_greedy
+from allspark_server.speculative.speculation import emitted_results, make_speculation, step_rows
 
 log = logging.getLogger(__name__)
 RATE_WINDOW_S = 10.0
@@ -88,6 +89,8 @@ class ServedModel:
         # the in-flight tokens to the others by NCCL broadcast), else one step at a time (engine/step_loops.py)
         self.loop = OverlappedLoop() if runner.graphs is not None and settings.OVERLAP.get() else SerialLoop()
         self._last_completed = 0.0
+        # speculative decoding (speculative/speculation.py): proposals before each plan, verify rows after
+        self.speculation = make_speculation(cfg, runner)
 
     def guided_state(self, fmt: ResponseFormat) -> GuidedState:
         """A new request's grammar state (any thread); ConfigError(PARAM_ERROR) when the format does not compile
@@ -105,6 +108,8 @@ class ServedModel:
     def close(self) -> None:
         if self._guided is not None:
             self._guided.close()
+        if self.speculation is not None:
+            self.speculation.close()
 
     @property
     def has_work(self) -> bool:
@@ -136,6 +141,8 @@ class ServedModel:
         entry = self._live.pop(rid, None)
         if entry is None:
             return
+        if self.speculation is not None:
+            self.speculation.forget(rid)
         self.scheduler.finish(entry.request, reason)
         if error is not None:
             status = GenerateRequestStatus.InternalError
@@ -158,6 +165,8 @@ class ServedModel:
         """Schedule the next step and launch it; the previous step's tokens are delivered while it runs. None when
         there is nothing to run or the launch failed (its requests ended with the error)."""
         started = time.perf_counter()
+        if self.speculation is not None:
+            self.speculation.propose(self.scheduler.running, self._live.__getitem__)
         plan, interrupted = self.scheduler.schedule()
         if interrupted or not plan.has_work:
             self.deliver()
@@ -191,7 +200,8 @@ class ServedModel:
     def may_run_ahead(self, step: LaunchedStep) -> bool:
         """A GPU decode step replayed from the CUDA graphs with no guided request may leave its tokens on the GPU
         for the next step (the overlapped loop)."""
-        return step.graph and all(rid in self._live and self._live[rid].sampling.guided is None for rid in step.rids)
+        return step.graph and self.speculation is None and all(
+            rid in self._live and self._live[rid].sampling.guided is None for rid in step.rids)
 
     def launch(self, plan, started: float, tokens=None, behind: Optional[LaunchedStep] = None
                 ) -> Optional[LaunchedStep]:
@@ -217,9 +227,7 @@ class ServedModel:
             step.pending = PendingSample(None, results=[])
             return True
         try:
-            # a request that ended at the step before (a stop token) still has its row: sampled, then dropped
-            rows = [(e.sampling, e.request.all_token_ids, e.request.output_ids)
-                    for e in map(step.entries.get, step.rids)]
+            rows = step_rows(step.plan.chunks, step.rids, step.entries)
             masks = step.masks
             if masks is not None:
                 masks = (masks[0], masks[1].result())
@@ -248,32 +256,36 @@ class ServedModel:
         plan = step.plan
         try:
             with self._watched(plan):
-                results = dict(zip(step.rids, step.pending.results()))
+                results = emitted_results(self.speculation, step.plan.chunks, step.rids, step.pending.results())
         except Exception as e:
             self._fail([plan], e)
             return
-        sampled = {rid: res.token_id for rid, res in results.items()}
+        sampled = {rid: [res.token_id for res in emitted] for rid, emitted in results.items()}
         requests = {rid: e.request for rid, e in step.entries.items()}
         events = self.scheduler.update(plan, sampled, requests)
-        for req, token, reason in events:
+        generated = 0
+        for req, tokens, reason in events:
             entry = self._live[req.request_id]
+            generated += len(tokens)
             note = None
-            if entry.sampling.guided is not None:
-                reason, note = self._advance_grammar(entry, token, reason)
-            res = results[req.request_id]
-            el = GeneratedElements([token], prefix_cache_len=req.prefix_cache_len or 0)
+            if entry.sampling.guided is not None:     # one token: guided requests never speculate
+                reason, note = self._advance_grammar(entry, tokens[0], reason)
+            el = GeneratedElements(list(tokens), prefix_cache_len=req.prefix_cache_len or 0)
             if entry.sampling.gen.logprobs:
-                el.token_logprobs_list.append(res.logprob)
-                el.log_probs_list.append(res.top_logprobs)
-            first = len(req.output_ids) == 1
+                for res in results[req.request_id][:len(tokens)]:
+                    el.token_logprobs_list.append(res.logprob)
+                    el.log_probs_list.append(res.top_logprobs)
+            first = len(req.output_ids) == len(tokens)
             status = GenerateRequestStatus.ContextFinished if first else GenerateRequestStatus.Generating
             if reason is not None:
                 self._live.pop(req.request_id)
+                if self.speculation is not None:
+                    self.speculation.forget(req.request_id)
             self._undelivered.append((entry.queue, el, status, reason is not None, note))
         if not self._defer_delivery or not self.scheduler.has_work():
             self.deliver()
         # a step launched while the one before it ran: its wall time starts when that one's tokens were read
-        self._record_step(plan, requests, len(events), max(step.started, self._last_completed))
+        self._record_step(plan, requests, generated, max(step.started, self._last_completed))
         self._last_completed = time.perf_counter()
 
     def deliver(self) -> None:
@@ -307,12 +319,15 @@ class ServedModel:
         worker thread's hand-offs cost more than the masks (ALLSPARK_GUIDED_MASKS=inline|background overrides)."""
         if self._guided is None:
             return None
-        rows, states = [], []
-        for i, rid in enumerate(c.request_id for c in plan.chunks if c.needs_sample):
-            state = self._live[rid].sampling.guided
-            if state is not None:
+        rows, states, i = [], [], 0
+        for c in plan.chunks:
+            if not c.needs_sample:
+                continue
+            state = self._live[c.request_id].sampling.guided
+            if state is not None:               # never a verify chunk: one row
                 rows.append(i)
                 states.append(state)
+            i += 1 + len(c.draft_ids)
         if not rows:
             return None
         where = settings.GUIDED_MASKS.get() or self.runner.device_kind.guided_masks_default
@@ -378,4 +393,5 @@ class ServedModel:
             prefix_cache_spans=self.spans.num_cached_idle,
             prefix_cache_host_spans=len(self.spans.cache.tier) if self.spans.cache and self.spans.cache.tier else 0,
             memory_bandwidth_gbs=bandwidth, memory_bandwidth_utilization=mbu, asleep=self.asleep,
-            rank_memory_bandwidth_gbs=[r.bandwidth_gbs for r in ranks], rank_memory_bandwidth_utilization=rank_mbu)
+            rank_memory_bandwidth_gbs=[r.bandwidth_gbs for r in ranks], rank_memory_bandwidth_utilization=rank_mbu,
+            **(self.speculation.stat_fields() if self.speculation is not None else {}))

@@ -215,6 +215,7 @@ class ModelRunner:
             m = self.mirrors[r.request_id]
             m.token_ids.extend(r.new_token_ids)
             m.span_ids.extend(r.new_span_ids)
+            m.num_computed_tokens -= r.rolled_back      # a verify step's rejected proposals
 
 
 class InstallError(RuntimeError):

@@ -3,6 +3,10 @@
 All scheduled tokens of all requests are concatenated into one [T] batch. Attention gets, per
 sequence, where its queries sit in the batch, which cache slots hold its context and the causal
 mask for a multi-token chunk. `sample_rows` are the batch rows whose logits are needed.
+
+A verify chunk (speculative decoding: the chunk's `draft_ids`) is not a prompt chunk: each of its rows is a decode
+row over its own context (the K/V of every row are stored before any row attends), so each row is computed as a
+one-token step would compute it, and every row is sampled (its request id once per row in `sample_request_ids`).
 """
 from __future__ import annotations
 
@@ -98,6 +102,18 @@ def build_forward_inputs(chunks, mirrors: dict[int, RequestMirror], span_size: i
         m = mirrors[chunk.request_id]
         start, n = m.num_computed_tokens, chunk.num_tokens
         end = start + n
+        if chunk.draft_ids:   # a verify step: the last known token and the proposal, each a decode row
+            for i, token in enumerate((m.token_ids[start], *chunk.draft_ids)):
+                pos = start + i
+                ids.append(token)
+                positions.append(pos)
+                slot_list.append(m.span_ids[pos // span_size] * span_size + pos % span_size)
+                dec_rows.append(len(ids) - 1)
+                dec_spans.append(m.span_ids)
+                dec_ctx.append(pos + 1)
+                sample_rows.append(len(ids) - 1)
+                sample_rids.append(chunk.request_id)
+            continue
         ids.extend(m.token_ids[start:end])
         positions.extend(range(start, end))
         if n == 1:   # decode: attended by one batched call over span tables

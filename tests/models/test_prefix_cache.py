@@ -72,7 +72,7 @@ def _run_step(sched: Scheduler, live: dict, content: dict, rng: random.Random):
             span = req.span_ids[p // S]
             assert sched.spans.ref_count(span) == 1, f"span {span} written while shared"
             content.setdefault(span, {})[p % S] = toks[p]
-    sampled = {c.request_id: rng.randrange(50) for c in plan.chunks if c.needs_sample}
+    sampled = {c.request_id: [rng.randrange(50)] for c in plan.chunks if c.needs_sample}
     for req, _, reason in sched.update(plan, sampled, {c.request_id: live[c.request_id] for c in plan.chunks}):
         if reason is not None:
             live.pop(req.request_id)

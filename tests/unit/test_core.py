@@ -47,7 +47,7 @@ def test_scheduler_chunked_prefill_and_decode_first():
     assert [(c.request_id, c.num_tokens, c.needs_sample) for c in plan.chunks] == [(1, 3, True), (2, 7, False)]
     assert plan.new_requests[0].token_ids == (0, 1, 2) and len(plan.new_requests[1].span_ids) == 2
     reqs = {1: a, 2: b}
-    s.update(plan, {1: 42}, reqs)
+    s.update(plan, {1: [42]}, reqs)
     assert a.output_ids == [42] and b.num_computed_tokens == 7
     plan, _ = s.schedule()
     # the decode of request 1 comes first, then the next prefill chunk of request 2
@@ -76,8 +76,8 @@ def test_scheduler_preempts_latest_arrival_and_recomputes():
     s.add(a)
     s.add(b)
     plan, _ = s.schedule()
-    s.update(plan, {1: 1, 2: 2}, {1: a, 2: b})
-    s.update(s.schedule()[0], {1: 1, 2: 2}, {1: a, 2: b})   # 9 tokens each now, 8 cached
+    s.update(plan, {1: [1], 2: [2]}, {1: a, 2: b})
+    s.update(s.schedule()[0], {1: [1], 2: [2]}, {1: a, 2: b})   # 9 tokens each now, 8 cached
     plan, _ = s.schedule()                      # a needs a 3rd span: b (later arrival) is preempted
     assert [c.request_id for c in plan.chunks] == [1] and plan.dropped_ids == (2,)
     assert b.state == RequestState.WAITING and b.num_computed_tokens == 0 and b.output_ids == [2, 2]
