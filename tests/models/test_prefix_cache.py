@@ -50,10 +50,15 @@ def _scheduler(num_spans: int, max_batch: int = 4, budget: int = 12, ttl: float 
     return Scheduler(SchedulerConfig(max_batch, budget), spans), spans, clock
 
 
-def _run_step(sched: Scheduler, live: dict, content: dict, rng: random.Random):
+def _run_step(sched: Scheduler, live: dict, content: dict, rng: random.Random, speculate: bool = False):
     """Plan a step, 'compute' it into `content` (span -> {slot: token}) as a runner would, sample random tokens.
     Checks on the way that every request's context already holds exactly its own tokens and that nobody writes
-    a span someone else holds."""
+    a span someone else holds. `speculate`: decoding requests get random proposals (speculative decoding), of
+    which a random number is accepted: rejected positions hold wrong tokens until they are computed again."""
+    if speculate:
+        for req in sched.running:
+            if req.num_tokens - req.num_computed_tokens == 1:
+                req.draft_ids = [rng.randrange(50) for _ in range(rng.randrange(0, 4))]
     plan, interrupted = sched.schedule()
     for req in interrupted:
         live.pop(req.request_id)
@@ -68,11 +73,13 @@ def _run_step(sched: Scheduler, live: dict, content: dict, rng: random.Random):
         start = req.num_computed_tokens
         for p in range(start):    # the context: cached or computed earlier, it must be this request's prefix
             assert content[req.span_ids[p // S]].get(p % S) == toks[p], (req.request_id, p)
+        toks = toks + list(chunk.draft_ids)
         for p in range(start, start + chunk.num_tokens):
             span = req.span_ids[p // S]
             assert sched.spans.ref_count(span) == 1, f"span {span} written while shared"
             content.setdefault(span, {})[p % S] = toks[p]
-    sampled = {c.request_id: [rng.randrange(50)] for c in plan.chunks if c.needs_sample}
+    sampled = {c.request_id: (list(c.draft_ids[:rng.randrange(len(c.draft_ids) + 1)]) if c.draft_ids else [])
+               + [rng.randrange(50)] for c in plan.chunks if c.needs_sample}
     for req, _, reason in sched.update(plan, sampled, {c.request_id: live[c.request_id] for c in plan.chunks}):
         if reason is not None:
             live.pop(req.request_id)
@@ -97,9 +104,10 @@ def _check_books(sched: Scheduler, live: dict):
     assert {s: k for k, s in cache._span_of.items()} == cache._key_of
 
 
+@pytest.mark.parametrize("speculate", [False, True], ids=["", "speculative"])
 @pytest.mark.parametrize("tier_slots", [0, 5], ids=["no_tier", "host_tier"])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_traffic_keeps_reference_counts_exact_and_contexts_true(seed, tier_slots):
+def test_random_traffic_keeps_reference_counts_exact_and_contexts_true(seed, tier_slots, speculate):
     rng = random.Random(seed)
     sched, spans, clock = _scheduler(num_spans=14, max_batch=4, budget=rng.choice([6, 12, 40]), ttl=30.0,
                                      tier_slots=tier_slots)
@@ -108,7 +116,8 @@ def test_random_traffic_keeps_reference_counts_exact_and_contexts_true(seed, tie
     for step in range(400):
         if rng.random() < 0.3 and len(live) < 8:
             prompt = list(rng.choice(prefixes)) + [rng.randrange(50) for _ in range(rng.randrange(0, 6))]
-            req = Request(next_id, prompt, max_length=len(prompt) + rng.randrange(1, 12))
+            # longer outputs with speculation: they end sooner, and the traffic must still preempt
+            req = Request(next_id, prompt, max_length=len(prompt) + rng.randrange(1, 30 if speculate else 12))
             live[next_id] = req
             sched.add(req)
             next_id += 1
@@ -118,7 +127,7 @@ def test_random_traffic_keeps_reference_counts_exact_and_contexts_true(seed, tie
             live.pop(req.request_id)
         if rng.random() < 0.03:
             clock.t += 40.0                                                # past the TTL
-        _run_step(sched, live, content, rng)
+        _run_step(sched, live, content, rng, speculate)
         _check_books(sched, live)
         hits = sched.stats.prefix_cache_hit_tokens
     assert hits > 0 and sched.stats.num_preemptions > 0, "the traffic was meant to hit and to preempt"
