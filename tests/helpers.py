@@ -26,10 +26,14 @@ def serialize(hf_dir: str, name: str, out_dir: str, dtype: str = "float32") -> H
 
 def start_engine(loader: HuggingFaceModel, name: str, engine: Engine | None = None, max_batch: int = 8,
                  max_length: int = 1024, span_size: int = 16, kv_bytes: int = 0, prefill: int = 0,
-                 prefix_cache: bool = True, host_tier_bytes: int = 0) -> Engine:
+                 prefix_cache: bool = True, host_tier_bytes: int = 0, speculative: tuple = ()) -> Engine:
+    """`speculative`: (method, tokens, {options}) for speculative_decoding, or () for none."""
     engine = engine or Engine()
     b = loader.create_reference_runtime_config_builder(name, TargetDevice.CPU, [0], max_batch=max_batch)
     b.max_length(max_length).kv_cache_span_size(span_size).max_prefill_length(prefill).prefill_cache(prefix_cache)
+    if speculative:
+        method, tokens, *options = speculative
+        b.speculative_decoding(method, tokens, **(options[0] if options else {}))
     if kv_bytes:
         b.kv_cache_memory(kv_bytes)
     if host_tier_bytes:
