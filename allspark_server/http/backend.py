@@ -35,6 +35,8 @@ class BackendOptions:
     max_batch: int = 32
     max_length: Optional[int] = None
     threads: Optional[int] = None       # in-process Engine; None: all cores but one (left to the HTTP loop)
+    speculative: Optional[tuple] = None  # (method, draft model path, num_speculative_tokens): cli.speculative_spec
+    speculative_max_batch: int = 0      # 0: auto
 
 
 class Backend:
@@ -132,6 +134,17 @@ def serialize_cached(loader, cache_dir: str) -> None:
         json.dump(stamp, f)
 
 
+def speculative_config(builder, opts: BackendOptions):
+    """The builder with opts' speculative decoding (none: as it is)."""
+    if not opts.speculative:
+        return builder
+    method, draft_model, k = opts.speculative
+    options = {"speculative_max_batch": opts.speculative_max_batch}
+    if method == "draft":
+        options["draft_model"] = draft_model
+    return builder.speculative_decoding(method, k, **options)
+
+
 def open_backend(opts: BackendOptions) -> Backend:
     """Serialize (once), connect or start the engine, install and start the model; blocks until it serves."""
     from allspark_server import Engine, HuggingFaceModel, TargetDevice
@@ -152,13 +165,17 @@ def open_backend(opts: BackendOptions) -> Backend:
             info = None
         if info is None:
             threads = engine_threads(opts.threads) if not engine.is_allspark_work_as_service() else 0
-            cfg = (loader.create_reference_runtime_config_builder(name, TargetDevice.CPU, [0], max_batch=opts.max_batch)
-                   .max_length(opts.max_length or loader.get_model_context_length())
-                   .compute_unit(TargetDevice.CPU, [0], threads).build())
+            builder = (loader.create_reference_runtime_config_builder(name, TargetDevice.CPU, [0],
+                                                                      max_batch=opts.max_batch)
+                       .max_length(opts.max_length or loader.get_model_context_length())
+                       .compute_unit(TargetDevice.CPU, [0], threads))
+            cfg = speculative_config(builder, opts).build()
             engine.install_model(cfg)
             max_length = cfg.engine_max_length
         else:
             log.info("the pool already has model %r installed: using it as it is", name)
+            if opts.speculative:
+                log.warning("--speculative is ignored: the pool's model %r keeps its own config", name)
             max_length = info["engine_max_length"]
         if engine.start_model(name) != AsStatus.ALLSPARK_SUCCESS:
             raise AsException(AsStatus.ALLSPARK_RUNTIME_ERROR, f"start_model: {engine.get_last_error()}")

@@ -14,10 +14,31 @@ import sys
 from typing import Optional
 
 from allspark_client import settings
+from allspark_client.config import MAX_SPECULATIVE_TOKENS
 from allspark_server.loader.known_models import KNOWN, ModelNotInstalled, resolve
 
 API_KEY_ENV = settings.API_KEY.name
 GRACEFUL_SHUTDOWN_S = 10
+
+
+def speculative_spec(value: str) -> tuple[str, str, int]:
+    """--speculative's value -> (method, draft model path, num_speculative_tokens; 0: the method's default):
+    `ngram`, `ngram:K`, `draft:PATH` or `draft:PATH:K`."""
+    method, sep, rest = value.partition(":")
+    if method == "ngram":
+        path, k, has_k = "", rest, bool(sep)
+    elif method == "draft" and rest:
+        head, sep, tail = rest.rpartition(":")
+        path, k = (head, tail) if sep and tail.isdigit() else (rest, "")
+        has_k = bool(k)
+    elif method == "draft":
+        raise argparse.ArgumentTypeError(f"{value!r}: draft needs the draft model's path (draft:PATH[:K])")
+    else:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected ngram, ngram:K, draft:PATH or draft:PATH:K")
+    if has_k and not (k.isdigit() and 1 <= int(k) <= MAX_SPECULATIVE_TOKENS):
+        raise argparse.ArgumentTypeError(f"{value!r}: K (tokens proposed per step) must be an integer in "
+                                         f"1..{MAX_SPECULATIVE_TOKENS}")
+    return method, path, int(k or 0)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -34,6 +55,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=32, help="requests the engine runs at once (default 32)")
     p.add_argument("--max-length", type=int, help="prompt + output tokens per request (default: the model's "
                    "context length)")
+    p.add_argument("--speculative", type=speculative_spec, metavar="SPEC", help="speculative decoding "
+                   "(docs/speculative.md): ngram (prompt lookup), ngram:K, draft:PATH (a smaller model) or "
+                   "draft:PATH:K; K: tokens proposed per step (default 4)")
+    p.add_argument("--speculative-max-batch", type=int, metavar="N", help="speculate only while at most N "
+                   "requests run (default: auto, 4)")
     p.add_argument("--threads", type=int, help="compute threads of an in-process Engine (default: all cores but "
                    "one, which is left to the HTTP event loop; 0: torch's default)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; any other needs an API key)")
@@ -89,6 +115,13 @@ def check_setup(args, api_key: Optional[str]) -> None:
         args.max_body_mb = settings.MAX_BODY_MB.get()
     elif not args.max_body_mb > 0:
         raise SystemExit(f"allspark-serve: --max-body-mb must be > 0, got {args.max_body_mb:g}")
+    if args.speculative_max_batch is not None:
+        if args.speculative is None:
+            raise SystemExit("allspark-serve: --speculative-max-batch needs --speculative")
+        if args.speculative_max_batch < 1:
+            raise SystemExit(f"allspark-serve: --speculative-max-batch must be >= 1, got {args.speculative_max_batch}")
+    if args.speculative is not None and args.speculative[0] == "draft" and not os.path.exists(args.speculative[1]):
+        raise SystemExit(f"allspark-serve: --speculative draft: no such draft model {args.speculative[1]!r}")
     try:
         path = resolve(args.model)
     except ModelNotInstalled as e:
@@ -114,7 +147,8 @@ def main(argv=None) -> int:
     backend = open_backend(BackendOptions(
         model=args.model, served_model_name=args.served_model_name, cache_dir=args.cache_dir, pool=args.pool,
         ranks=args.ranks, dtype=args.dtype, max_batch=args.max_batch, max_length=args.max_length,
-        threads=args.threads))
+        threads=args.threads, speculative=args.speculative,
+        speculative_max_batch=args.speculative_max_batch or 0))
     try:
         from allspark_server.http.chat_template import RENDER_TIMEOUT_S
         app = create_app(backend, api_key=api_key, max_concurrent=args.max_concurrent, max_queue=args.max_queue,

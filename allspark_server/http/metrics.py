@@ -2,8 +2,8 @@
 
 Owns one CollectorRegistry per app: HTTP requests by endpoint and status, finished requests by reason, TTFT /
 TPOT / end-to-end histograms and token counters measured here at the HTTP layer, the admission gauges, and the
-engine's own numbers (running / waiting requests, KV spans, prefix cache, memory-bandwidth utilisation) read from
-get_as_engine_stat just before each scrape. Knows nothing of routes.
+engine's own numbers (running / waiting requests, KV spans, prefix cache, memory-bandwidth utilisation, speculative
+decoding) read from get_as_engine_stat just before each scrape. Knows nothing of routes.
 """
 from __future__ import annotations
 
@@ -67,6 +67,7 @@ class EngineCollector:
                     "all ranks / their time / all ranks' measured copy bandwidth (MBU)", s.memory_bandwidth_utilization)
         yield gauge("allspark_memory_bandwidth_gbs", "copy bandwidth of the memory the model decodes from, all ranks "
                     "(GB/s, measured once)", s.memory_bandwidth_gbs)
+        yield from speculative_metrics(s, labels, [self.model_name], counter, gauge)
         for name, doc, values in (
                 ("allspark_rank_memory_bandwidth_utilization", "one rank's MBU: the bytes it read in the decode-only "
                  "steps of the last 10 s / their time / its measured copy bandwidth",
@@ -77,6 +78,24 @@ class EngineCollector:
             for rank, value in enumerate(values):
                 g.add_metric([self.model_name, str(rank)], value)
             yield g
+
+
+def speculative_metrics(s, labels, values, counter, gauge):
+    """The AsEngineStat spec_* fields (docs/speculative.md; zeros while the model has no speculative decoding)."""
+    yield counter("allspark_spec_draft_tokens", "proposed tokens a verify step checked", s.spec_draft_tokens)
+    yield counter("allspark_spec_accepted_tokens", "proposed tokens accepted", s.spec_accepted_tokens)
+    yield counter("allspark_spec_emitted_tokens", "tokens the verify steps produced (the accepted ones and one "
+                  "of the model's own each)", s.spec_emitted_tokens)
+    yield counter("allspark_spec_verify_steps", "request-steps that checked a proposal", s.spec_verify_steps)
+    yield gauge("allspark_spec_acceptance_rate", "accepted / proposed tokens, since the model was installed",
+                s.spec_acceptance_rate)
+    skipped = CounterMetricFamily("allspark_spec_skipped_requests", "requests that ran without speculative "
+                                  "decoding, by reason (turned_off, response_format)", labels=[*labels, "reason"])
+    for part in filter(None, (p.strip() for p in s.spec_skipped.split(","))):
+        reason, _, count = part.partition("=")
+        if count.isdigit():
+            skipped.add_metric([*values, reason], int(count))
+    yield skipped
 
 
 class Metrics:

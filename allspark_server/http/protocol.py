@@ -38,7 +38,9 @@ _SAMPLING = {"temperature": "number", "top_p": "number", "seed": "int", "presenc
              "frequency_penalty": "number", "stop": "stop", "stream": "bool", "stream_options": "dict", "n": "int",
              # vLLM's extra sampling fields
              "top_k": "int", "repetition_penalty": "number", "min_tokens": "int", "ignore_eos": "bool",
-             "logit_bias": "dict"}
+             "logit_bias": "dict",
+             # allspark's: False runs the request without the server's --speculative (docs/speculative.md)
+             "speculative": "bool"}
 CHAT_FIELDS = {"model": "str", "messages": "list", "max_tokens": "int", "max_completion_tokens": "int",
                "logprobs": "bool", "top_logprobs": "int", "response_format": "dict", "tools": "list",
                "tool_choice": "any", "functions": "list", "function_call": "any", "modalities": "list",
@@ -143,7 +145,7 @@ def _common(kind: str, f: dict, served_model: str) -> ApiRequest:
     if min_tokens < 0:
         raise bad_request("min_tokens must be >= 0", param="min_tokens")
     sampling = {k: f[k] for k in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k",
-                                  "repetition_penalty", "response_format") if k in f}
+                                  "repetition_penalty", "response_format", "speculative") if k in f}
     return ApiRequest(kind, f["model"], stream=stream, include_usage=bool(options and options.get("include_usage")),
                       stop=tuple(dict.fromkeys(stop)), min_tokens=min_tokens, ignore_eos=f.get("ignore_eos", False),
                       sampling=sampling)
