@@ -25,6 +25,8 @@ CACHE_MODE_NAMES = {"default": AsCacheMode.AsCacheDefault, "int8": AsCacheMode.A
                     "uint4": AsCacheMode.AsCacheQuantU4}
 SPECULATIVE_METHODS = ("", "ngram", "draft")
 DEFAULT_SPECULATIVE_TOKENS = {"ngram": 4, "draft": 4}
+# speculate only while at most this many requests run (speculative_max_batch = 0): docs/speculative.md says why
+AUTO_SPECULATIVE_MAX_BATCH = 4
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_PREFILL_CHUNK = 1024
 # GPU ranks: a step of 4096 prompt tokens still takes tens of milliseconds on a 7B model, and fewer, larger
@@ -109,6 +111,19 @@ class AsModelConfig:
         if not self.speculative_method:
             return 0
         return self.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS[self.speculative_method]
+
+    @property
+    def speculative_batch(self) -> int:
+        """Most running requests at which proposals are still made (0: speculation off)."""
+        if not self.speculative_method:
+            return 0
+        return self.speculative_max_batch or AUTO_SPECULATIVE_MAX_BATCH
+
+    @property
+    def max_decode_rows(self) -> int:
+        """Most decode rows one step can hold: a request's, or with speculation each verify chunk's 1 + k."""
+        return max(self.engine_max_batch,
+                   min(self.engine_max_batch, self.speculative_batch) * (1 + self.speculative_tokens))
 
     @property
     def max_prefill_tokens(self) -> int:

@@ -96,15 +96,17 @@ class DecodeStack {
 
   // ids, positions, slots [B] int64 (one new token per sequence), spans/ctx as in span_attention.cpp
   //   -> fp32 logits [B, V_local] of this rank's LM-head shard
+  // all_rows_native: every GEMV native whatever the row count (a speculative verify step, kernels.h ALL_ROWS_NATIVE)
   torch::Tensor run(torch::Tensor ids, torch::Tensor positions, torch::Tensor slots, torch::Tensor spans,
-                    torch::Tensor ctx, std::optional<py::function> reduce) {
+                    torch::Tensor ctx, std::optional<py::function> reduce, bool all_rows_native) {
     TORCH_CHECK(embedding_.defined() && !layers_.empty(), "DecodeStack.run: call add_layer and set_ends first");
     py::gil_scoped_release nogil;
     allspark::ActiveProfile active(profile_.get());   // null when profiling is off: no op reads a clock
     // every GEMV native: the step's threads are allspark's own (parallel.h says why not otherwise)
     const int64_t batch = ids.size(0);
-    allspark::OwnPoolScope own_pool((!dense_ || batch <= native_rows_) &&
-                                    (!quantized_ || batch <= quant_native_rows(isa_)));
+    const int64_t native_rows = all_rows_native ? ALL_ROWS_NATIVE : native_rows_;
+    allspark::OwnPoolScope own_pool((!dense_ || batch <= native_rows) &&
+                                    (!quantized_ || all_rows_native || batch <= quant_native_rows(isa_)));
     const auto dtype = embedding_.scalar_type();
     // per rotary table, the rope rows as RotaryEmbedding.cos_sin gives them: [B, 1, D] in the activation dtype
     std::vector<DecodeRows> rows;
@@ -132,11 +134,11 @@ class DecodeStack {
           allspark::OpTimer timer("norm");
           std::tie(x, residual) = norm_step(x, residual, *n, isa_);
         } else if (const auto* a = std::get_if<AttentionStep>(&step)) {
-          x = reduced(attention_step(x, *a, rows[a->rotary ? a->rope_table : 0], isa_, native_rows_), i, part++);
+          x = reduced(attention_step(x, *a, rows[a->rotary ? a->rope_table : 0], isa_, native_rows), i, part++);
         } else if (const auto* m = std::get_if<MlpStep>(&step)) {
-          x = reduced(mlp_step(x, *m, isa_, native_rows_), i, part++);
+          x = reduced(mlp_step(x, *m, isa_, native_rows), i, part++);
         } else {
-          x = reduced(allspark::timed("moe", [&] { return moe_step(x, std::get<MoeStep>(step), isa_, native_rows_); }),
+          x = reduced(allspark::timed("moe", [&] { return moe_step(x, std::get<MoeStep>(step), isa_, native_rows); }),
                       i, part++);
         }
       }
@@ -144,7 +146,7 @@ class DecodeStack {
     const auto h =
         allspark::timed("final_norm", [&] { return std::get<0>(norm_step(x, residual, final_norm_, isa_)); });
     return allspark::timed("lm_head",
-                           [&] { return project(h, lm_head_, std::nullopt, isa_, native_rows_).to(torch::kFloat); });
+                           [&] { return project(h, lm_head_, std::nullopt, isa_, native_rows).to(torch::kFloat); });
   }
 
  private:
@@ -229,5 +231,5 @@ void bind_decode_stack(py::module_& m) {
            py::arg("profile"))
       .def("run", &DecodeStack::run, "fp32 logits of this rank's LM-head shard for a decode-only step (no GIL)",
            py::arg("ids"), py::arg("positions"), py::arg("slots"), py::arg("spans"), py::arg("ctx"),
-           py::arg("reduce"));
+           py::arg("reduce"), py::arg("all_rows_native") = false);
 }

@@ -410,7 +410,7 @@ torch::Tensor linear_widened(const torch::Tensor& x, const Weight& w, const std:
 torch::Tensor project(const torch::Tensor& x, const Weight& w, const std::optional<torch::Tensor>& b, int64_t isa,
                       int64_t native_rows) {
   if (const auto* q = std::get_if<QuantWeight>(&w)) {
-    if (x.size(0) <= quant_native_rows(isa)) return linear_quant(x, *q, b, isa);
+    if (native_rows == ALL_ROWS_NATIVE || x.size(0) <= quant_native_rows(isa)) return linear_quant(x, *q, b, isa);
     // ATen's GEMM on the dequantized weight, as ops.linear_dequantized: bf16 where the CPU has bf16 dot products,
     // else fp32 (without them oneDNN's bf16 GEMM is far slower; ops.gemm_dtype says how much), the weight then
     // dequantized a tile at a time; activate_quant: x rounded as the GEMV would meet it

@@ -73,7 +73,9 @@ constexpr int64_t WIDEN_TILE_BYTES = 2 << 20;
 torch::Tensor linear_widened(const torch::Tensor& x, const Weight& w, const std::optional<torch::Tensor>& b,
                              int64_t isa);
 // x . w^T (+ b): the native GEMV for few rows (dense: <= native_rows, quantized: <= quant_native_rows(isa)), else
-// ATen's GEMM (on the dequantized weight for quantized ones)
+// ATen's GEMM (on the dequantized weight for quantized ones). native_rows == ALL_ROWS_NATIVE: every row count on the
+// GEMV, quantized too (a speculative verify step: each row summed as a one-row step sums it)
+constexpr int64_t ALL_ROWS_NATIVE = std::numeric_limits<int64_t>::max();
 torch::Tensor project(const torch::Tensor& x, const Weight& w, const std::optional<torch::Tensor>& b, int64_t isa,
                       int64_t native_rows);
 // options: scale, softcap and window (step_options.h); alibi_slopes [H] fp32 (ALiBi models): key t's score gets

@@ -279,8 +279,10 @@ class DecoderForCausalLM(nn.Module):
         # every sequence decodes one token and every row is sampled: the whole step is one native call
         if (not meta.seqs and len(inputs.sample_request_ids) == inputs.input_ids.shape[0]
                 and (stack := self.decode_stack(kv_cache)) is not None):
+            # a verify step's rows each on the GEMV, as a one-row step computes them (speculation.py)
+            verify = {"all_rows_native": True} if inputs.verifies else {}
             local = stack.run(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.decode_spans,
-                              meta.decode_ctx, self._reduce)
+                              meta.decode_ctx, self._reduce, **verify)
             return self.capped(timed(prof, "lm_head_gather", self.lm_head.gather, local))
         x = timed(prof, "embedding", self.embed, inputs.input_ids)         # [T, H]
         ropes = timed(prof, "rope_rows", self.model.ropes, inputs.positions, x.dtype)   # per table: [T, 1, D] x 2

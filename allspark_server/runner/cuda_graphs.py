@@ -64,35 +64,40 @@ class DecodeGraphs:
         return capture_each_size(lambda b: self.model(self._inputs(b), self.kv), self.sizes)
 
     def fits_decode(self, chunks) -> bool:
-        """A decode-only step (one token per sequence, every one sampled) of at most max_batch sequences (span
-        tables always fit: the buffer is as wide as max_length needs)."""
-        return len(chunks) <= self.sizes[-1] and all(c.num_tokens == 1 and c.needs_sample for c in chunks)
+        """A decode-only step (one token per sequence, every one sampled; a speculative verify chunk counts as
+        1 + len(draft) such rows) of at most max_batch rows (span tables always fit: the buffer is as wide as
+        max_length needs)."""
+        return (sum(c.num_tokens for c in chunks) <= self.sizes[-1]
+                and all(c.needs_sample and c.num_tokens == 1 + len(c.draft_ids) for c in chunks))
 
     def run_decode(self, chunks, mirrors, device_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """A decode-only step (fits_decode) from the runner's mirrors (step/inputs.py): the fp32 logits
-        [B, V], a view of the graph's output (read it before the next step); None on the ranks other than 0 of
-        a pool (the LM head gathers to rank 0). `device_ids` [B]: the rows' input tokens, on the GPU (the mirrors
-        do not hold them yet)."""
-        b = len(chunks)
+        [B, V] of its B rows (a verify chunk's rows: its last known token and each proposed one, a decode row over
+        its own context, as step/inputs.py builds them), a view of the graph's output (read it before the next
+        step); None on the ranks other than 0 of a pool (the LM head gathers to rank 0). `device_ids` [B]: the
+        rows' input tokens, on the GPU (the mirrors do not hold them yet; never with verify chunks)."""
+        b = sum(c.num_tokens for c in chunks)
         size = next(s for s in self.sizes if s >= b)
         if not self.copied.query():   # the last step's copies have read the pinned rows (done long ago, mostly:
             self.copied.synchronize()  # the query keeps the GIL, a wait would give it away)
         rows, spans, p = self.host_rows.numpy(), self.host_spans.numpy(), self.span_size
         ids, positions, slots, ctx = [], [], [], []
-        for i, chunk in enumerate(chunks):
+        for chunk in chunks:
             m = mirrors[chunk.request_id]
-            pos = m.num_computed_tokens
-            need = pos // p + 1                        # spans holding positions 0..pos
-            ids.append(0 if device_ids is not None else m.token_ids[pos])
-            positions.append(pos)
-            slots.append(m.span_ids[need - 1] * p + pos % p)
-            ctx.append(pos + 1)
-            held, written = self.row_spans[i]
-            if held is not m:                          # another sequence in this row: its whole table
-                written = 0
-            if written < need:                         # a mirror's spans only grow: write the new ones
-                spans[i, written:need] = m.span_ids[written:need]
-                self.row_spans[i] = (m, need)
+            start = m.num_computed_tokens
+            for j, pos in enumerate(range(start, start + chunk.num_tokens)):
+                i = len(ids)
+                need = pos // p + 1                    # spans holding positions 0..pos
+                ids.append(0 if device_ids is not None else m.token_ids[pos] if j == 0 else chunk.draft_ids[j - 1])
+                positions.append(pos)
+                slots.append(m.span_ids[need - 1] * p + pos % p)
+                ctx.append(pos + 1)
+                held, written = self.row_spans[i]
+                if held is not m:                      # another sequence in this row: its whole table
+                    written = 0
+                if written < need:                     # a mirror's spans only grow: write the new ones
+                    spans[i, written:need] = m.span_ids[written:need]
+                    self.row_spans[i] = (m, need)
         rows[:, :b] = (ids, positions, slots, ctx)
         if self.host_filled > b:   # host rows of a larger earlier step: back to padding
             rows[0:2, b:self.host_filled] = 0

@@ -115,7 +115,7 @@ class ModelRunner:
         if self.device_kind.captures_decode_graphs and settings.CUDA_GRAPHS.get() and not self.args.moe_layers:
             from allspark_server.runner.cuda_graphs import DecodeGraphs
             self.model.profiler = None          # a capture records no op timings
-            self.graphs = DecodeGraphs(self.model, self.kv, self.cfg.engine_max_batch,
+            self.graphs = DecodeGraphs(self.model, self.kv, self.cfg.max_decode_rows,
                                        -(-self.cfg.engine_max_length // self.span_size), self.num_spans,
                                        self.span_size, self.device)
         self.model.profiler = self.profiler
@@ -188,7 +188,7 @@ class ModelRunner:
             sampled = [c.request_id for c in chunks]
         elif self.graphs is not None and self.graphs.fits_decode(chunks):   # no ForwardInputs to build
             logits = timed(prof, "decode_graph", self.graphs.run_decode, chunks, self.mirrors)
-            sampled = [c.request_id for c in chunks]
+            sampled = [c.request_id for c in chunks for _ in range(c.num_tokens)]   # a verify chunk: a row a token
         else:
             inputs = timed(prof, "inputs", self._forward_inputs, chunks)
             logits, sampled = self.model(inputs, self.kv), inputs.sample_request_ids

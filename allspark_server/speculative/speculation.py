@@ -25,13 +25,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Protocol, Sequence
 
-from allspark_client.config import AsModelConfig
+from allspark_client.config import AUTO_SPECULATIVE_MAX_BATCH, AsModelConfig
 from allspark_server.core.request import Request
 from allspark_server.runner.sample_types import SampleResult
 from allspark_server.speculative.ngram import propose_ngram
-
-# speculate only while at most this many requests run (speculative_max_batch = 0): see docs/speculative.md
-AUTO_MAX_BATCH = 4
 
 
 class Proposer(Protocol):
@@ -70,10 +67,10 @@ class SpeculationStats:
 
 
 class Speculation:
-    def __init__(self, k: int, proposer: Proposer, max_batch: int = 0):
+    def __init__(self, k: int, proposer: Proposer, max_batch: int = AUTO_SPECULATIVE_MAX_BATCH):
         self.k = k
         self.proposer = proposer
-        self.max_batch = max_batch or AUTO_MAX_BATCH
+        self.max_batch = max_batch
         self.stats = SpeculationStats()
         self.skipped: Counter = Counter()          # requests that ran without it, by reason
         self._counted: set[int] = set()            # request ids whose skip reason is counted
@@ -186,4 +183,4 @@ def make_speculation(cfg: AsModelConfig, runner) -> Optional[Speculation]:
     else:
         from allspark_server.speculative.draft import DraftProposer
         proposer = DraftProposer(cfg, runner)
-    return Speculation(k, proposer, cfg.speculative_max_batch)
+    return Speculation(k, proposer, cfg.speculative_batch)

@@ -49,6 +49,7 @@ class ForwardInputs:
     attn: AttentionMetadata
     sample_rows: torch.Tensor        # [N] long
     sample_request_ids: list[int]
+    verifies: bool = False           # a verify chunk is among the rows: every row takes the native GEMV (decoder.py)
 
     def to(self, device: torch.device) -> "ForwardInputs":
         """The same inputs with every tensor on `device` (a GPU rank's copy): host tensors (all long) packed into
@@ -62,7 +63,7 @@ class ForwardInputs:
                                     a.prefill_spans, self.sample_rows], device))
         ids, positions = next(moved), next(moved)
         attn = AttentionMetadata(next(moved), a.seqs, *(next(moved) for _ in range(7)), a.prefill_max_q)
-        return ForwardInputs(ids, positions, attn, next(moved), self.sample_request_ids)
+        return ForwardInputs(ids, positions, attn, next(moved), self.sample_request_ids, self.verifies)
 
 
 def move_together(tensors: list, device: torch.device) -> list:
@@ -150,6 +151,7 @@ def build_forward_inputs(chunks, mirrors: dict[int, RequestMirror], span_size: i
                                prefill_max_q=max((sq.q_len for sq in seqs), default=0)),
         sample_rows=torch.tensor(sample_rows, dtype=torch.long),
         sample_request_ids=sample_rids,
+        verifies=any(c.draft_ids for c in chunks),
     )
 
 

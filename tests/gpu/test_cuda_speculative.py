@@ -1,0 +1,44 @@
+"""Speculative decoding on a GPU rank (marker-free: skipped without CUDA): greedy output with ngram speculation
+equals greedy output without it, fp32 and bf16, alone and batched, with the verify rows replayed from the decode
+graphs (each verify chunk a run of decode rows, runner/cuda_graphs.py) and eagerly."""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import generate, random_prompt, run_together, serialize
+
+from allspark_client import settings
+from allspark_client.types import TargetDevice
+from allspark_server import Engine
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+GREEDY = {"top_k": 1, "eos_token_id": [], "max_new_tokens": 80}
+
+
+def cuda_engine(loader, name: str, speculative: bool) -> Engine:
+    engine = Engine()
+    b = (loader.create_reference_runtime_config_builder(name, TargetDevice.CUDA, [0], max_batch=4)
+         .max_length(512).kv_cache_span_size(16))
+    if speculative:
+        b.speculative_decoding("ngram", 4)
+    engine.install_model(b.build())
+    engine.start_model(name)
+    return engine
+
+
+@needs_gpu
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ngram_greedy_on_the_gpu_equals_greedy_without(llama, tmp_path, monkeypatch, dtype, graphs):
+    monkeypatch.setenv(settings.CUDA_GRAPHS.name, "1" if graphs else "0")
+    loader = serialize(llama.hf_dir, "m", str(tmp_path), dtype=dtype)
+    base, spec = cuda_engine(loader, "m", False), cuda_engine(loader, "m", True)
+    prompts = []
+    for seed in range(4):
+        p = random_prompt(36, 40 + seed)
+        prompts.append(p + p[4:24] + p[:8])
+    want = [generate(base, "m", p, GREEDY)[0] for p in prompts]
+    assert [generate(spec, "m", p, GREEDY)[0] for p in prompts] == want
+    assert [t for t, _ in run_together(spec, "m", [(p, GREEDY) for p in prompts[:3]])] == want[:3]
+    stat = spec.get_as_engine_stat("m")
+    assert stat.spec_accepted_tokens > 0, stat
