@@ -1,0 +1,120 @@
+"""What a speculative verify step costs on a GPU against a one-row decode step: the decode graphs' replay time
+(runner/cuda_graphs.py) per ladder size, for a model installed with ngram speculation (k tokens: a verify chunk at
+batch 1 is 1 + k rows, padded up to the next ladder size). Sizes missing from the ladder (1 + k itself, say) are
+captured here the way DecodeGraphs captures its own, to show what padding costs.
+
+    python benchmarks/speculative_verify_cost.py --model smollm2 --json out.json
+    python benchmarks/speculative_verify_cost.py --model 7b --layers 8          # 7B-wide random bf16 layers
+
+Every row is a padding row of the graphs (token 0, all spans the scratch span) with a context of --ctx tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from common import build_model, write_report  # noqa: E402
+
+SHAPES = {
+    "7b": dict(hidden_size=4096, num_layers=32, intermediate_size=11008, num_heads=32, num_kv_heads=8, vocab=32000),
+    "1b": dict(hidden_size=2048, num_layers=16, intermediate_size=5632, num_heads=32, num_kv_heads=4, vocab=32000),
+}
+
+
+def time_replay(graph, repeats: int) -> float:
+    """Median ms of one replay (device events around each)."""
+    import torch
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", help="smollm2, 7b or 1b (random bf16 weights)")
+    p.add_argument("--layers", type=int, default=0, help="layers of a random model (0: the shape's own)")
+    p.add_argument("--tokens", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--max-batch", type=int, default=4)
+    p.add_argument("--ctx", default="1,1024", help="context lengths of the rows")
+    p.add_argument("--extra", default="3,5,6", help="sizes to capture besides the ladder's")
+    p.add_argument("--repeats", type=int, default=300)
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    import torch
+
+    from allspark_server import Engine, HuggingFaceModel
+    from allspark_server.compute.cuda.graph_capture import capture_each_size
+    from allspark_server.loader.known_models import smollm2_path
+    t0 = time.time()
+    if a.model == "smollm2":
+        path, dtype = smollm2_path(), "bfloat16"
+    else:
+        spec = dict(SHAPES[a.model])
+        if a.layers:
+            spec["num_layers"] = a.layers
+        path, dtype = build_model(spec, "bfloat16"), "bfloat16"
+    built = time.time() - t0
+    report = {"gpu": torch.cuda.get_device_name(0), "model": a.model, "layers": a.layers or None,
+              "num_speculative_tokens": a.tokens, "max_batch": a.max_batch, "build_s": round(built, 1)}
+    with tempfile.TemporaryDirectory() as tmp:
+        loader = HuggingFaceModel(path, "m", user_set_data_type=dtype).load_model()
+        loader.serialize(None, model_output_dir=tmp)
+        engine = Engine()
+        b = (loader.create_reference_runtime_config_builder("m", "cuda", [0], max_batch=a.max_batch)
+             .max_length(2048).kv_cache_span_size(32).speculative_decoding("ngram", a.tokens))
+        engine.install_model(b.build())
+        loader.free_model()
+        report["install_s"] = round(time.time() - t0 - built, 1)
+        g = engine._models["m"].runner.graphs
+        assert g is not None, "no decode graphs (ALLSPARK_CUDA_GRAPHS off?)"
+        report["ladder"] = list(g.sizes)
+        extra = [s for s in map(int, a.extra.split(",")) if s not in g.sizes and s <= g.sizes[-1]]
+        with torch.inference_mode():
+            extra_graphs, _ = capture_each_size(lambda n: g.model(g._inputs(n), g.kv), extra) if extra else ({}, {})
+        graphs = {**g.graphs, **extra_graphs}
+        rows = {}
+        for ctx in map(int, a.ctx.split(",")):
+            n = g.ids.shape[0]
+            g.positions.fill_(ctx - 1)
+            g.slots.fill_(g.scratch_slot + (ctx - 1) % g.span_size)
+            g.ctx.fill_(ctx)
+            g.ids.copy_(torch.randint(0, 1000, (n,), device=g.ids.device))
+            times = {s: time_replay(graphs[s], a.repeats) for s in sorted(graphs)}
+            again1 = time_replay(graphs[1], a.repeats)
+            rows[ctx] = {"ms": {s: round(t, 4) for s, t in times.items()}, "ms_size1_again": round(again1, 4),
+                         "over_size1": {s: round(t / times[1], 3) for s, t in times.items()}}
+            print(f"{a.model} ctx {ctx}: " + "  ".join(f"{s}:{t:.3f}ms({t / times[1]:.2f}x)"
+                                                      for s, t in times.items()) + f"  1 again:{again1:.3f}",
+                  flush=True)
+        g.positions.zero_()
+        g.slots.fill_(g.scratch_slot)
+        g.ctx.fill_(1)
+        g.ids.zero_()
+        report["by_ctx"] = rows
+        v = 1 + a.tokens
+        report["verify_rows"] = v
+        report["verify_padded_to"] = next(s for s in g.sizes if s >= v)
+        engine.release_model("m")
+    print(json.dumps(report), flush=True)
+    if a.json:
+        write_report(a.json, report)
+
+
+if __name__ == "__main__":
+    main()
