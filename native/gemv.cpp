@@ -215,21 +215,28 @@ void row_avx2(const float* x, int64_t K, const W* wr, float* y, int64_t N) {
   }
 }
 
+// Up to MR_AVX2 rows of x share each weight vector (its load and, for bf16, its widening: what bounds this kernel
+// with several rows), so a speculative verify step's 5 rows are one block (2 x 6 accumulators, 2 weight vectors: 14
+// of the 16 registers); more rows take more blocks, each weight row meeting all of them while it is in L1. A row of
+// x is summed the same way in any block and at any row count.
+constexpr int64_t MR_AVX2 = 6;
+
 template <typename W>
 __attribute__((target("avx2,fma")))
 void rows_avx2(const float* x, int64_t m_rows, int64_t K, const W* w, int64_t n0, int64_t n1, float* y,
                int64_t N) {
-  for (int64_t m = 0; m < m_rows; m += MR) {
-    const float* xm = x + m * K;
-    float* ym = y + m * N;
-    const int64_t mb = std::min(MR, m_rows - m);
-    for (int64_t n = n0; n < n1; ++n) {
-      const W* wr = w + n * K;
-      switch (mb) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const W* wr = w + n * K;
+    for (int64_t m = 0; m < m_rows; m += MR_AVX2) {
+      const float* xm = x + m * K;
+      float* ym = y + m * N;
+      switch (std::min(MR_AVX2, m_rows - m)) {
         case 1: row_avx2<W, 1>(xm, K, wr, ym + n, N); break;
         case 2: row_avx2<W, 2>(xm, K, wr, ym + n, N); break;
         case 3: row_avx2<W, 3>(xm, K, wr, ym + n, N); break;
-        default: row_avx2<W, 4>(xm, K, wr, ym + n, N); break;
+        case 4: row_avx2<W, 4>(xm, K, wr, ym + n, N); break;
+        case 5: row_avx2<W, 5>(xm, K, wr, ym + n, N); break;
+        default: row_avx2<W, 6>(xm, K, wr, ym + n, N); break;
       }
     }
   }
