@@ -26,6 +26,8 @@ from results_readers import (
     quant_accuracy,
     serve,
     serve_burst,
+    speculative,
+    speculative_verify,
     switch_interval,
 )
 
@@ -45,6 +47,17 @@ MEASURES = {
     "batch-invariance": ("CPU: what batch-invariant mode costs", "`batch_invariance.py --rounds N`: the model "
                          "installed twice in one Engine, mode off and on, alternating rounds on 2 cores; SmolLM2's "
                          "Q4_1 file and the 0.5 B benchmark model as Q4_1 and in bf16.", batch_invariance),
+    "speculative": ("Speculative decoding against plain decoding", "`speculative.py --rounds 3` (`--device cuda` on a "
+                    "GPU): SmolLM2's Q4_1 file installed plain and with ngram speculation (k = 4) in one Engine, "
+                    "alternating rounds; ratios of output tokens/s.", speculative),
+    "speculative-dense": ("Speculative decoding against plain decoding, SmolLM2 in bf16", "`speculative.py --model "
+                          "smollm2-dense --draft smollm2 --rounds 3`: SmolLM2's weights in bf16 (dequantized from "
+                          "the Q4_1 file) plain, with ngram speculation and with the Q4_1 file itself as the draft "
+                          "model (k = 4).", speculative),
+    "speculative-verify": ("GPU: what a speculative verify step costs", "`speculative_verify_cost.py --model "
+                           "smollm2|7b --layers 8 --max-batch 4 --ctx 1,1024 --extra 3,5,6`: the decode graphs' "
+                           "replay times by row count (the 7B-wide model with 8 of its 32 layers).",
+                           speculative_verify),
     "engines": ("CPU: Engine against transformers", "`run.py`: batch-1 decode, concurrency, TTFT, 2-rank pool; "
                 "0.5 B Llama-shaped model, random weights.", engines),
     "engines-bf16": ("CPU: Engine against transformers, bf16 only", "`run.py --dtypes bfloat16 --no-pool "

@@ -336,6 +336,34 @@ def gguf_race(r: dict) -> list:
     return rows + [("other processes' cores (median)", f(r.get("other processes' cores during the rounds (median)")))]
 
 
+def speculative(r: dict) -> list:
+    """speculative.py: per speculative variant, its output tokens/s over plain decoding's (medians of same-round
+    ratios), its acceptance rate and whether its greedy outputs equalled plain decoding's."""
+    rows = []
+    for key, ratios in r.items():
+        if not key.endswith("_over_plain"):
+            continue
+        name = key[:-len("_over_plain")]
+        same = r["greedy_equal"].get(name, r["greedy_equal"])
+        unequal = [w for w, ok in same.items() if not ok]
+        rows.append({"variant": name, "model": r["model"], "rewrite, batch 1": x(ratios["rewrite_tps"]),
+                     "free text, batch 1": x(ratios["free_tps"]), "32 streams": x(ratios["streams_tps"]),
+                     "acceptance": f(r.get(f"{name}_acceptance_rate", r.get("acceptance_rate"))),
+                     "greedy equal to plain": "yes" if not unequal else "no: " + ", ".join(unequal)})
+    return rows
+
+
+def speculative_verify(r: dict) -> list:
+    """speculative_verify_cost.py: per model and context length, a decode graph's replay time at each row count over
+    one row's (a verify chunk of k + 1 rows at batch 1 replays the smallest graph that holds them)."""
+    rows = []
+    for model, m in r["models"].items():
+        for ctx, c in m["by_ctx"].items():
+            rows.append({"model": model, "context": ctx, "1 row (ms)": f(c["ms"]["1"], 3),
+                         **{f"{n} rows / 1": x(c["over_size1"][n]) for n in ("2", "3", "5", "8")}})
+    return rows
+
+
 def generic(r) -> list:
     """A measure without a reader: its top-level numbers."""
     if not isinstance(r, dict):

