@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from allspark_server.compute.cuda.graph_capture import capture_each_size, copies_done_event
+from allspark_server.compute.row_mode import alone_rows
 from allspark_server.step.inputs import AttentionMetadata, ForwardInputs
 
 
@@ -30,9 +31,12 @@ def batch_ladder(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, kv_cache, max_batch: int, max_spans_per_seq: int, scratch_span: int,
-                 span_size: int, device: torch.device):
+                 span_size: int, device: torch.device, verify_sizes: tuple[int, ...] = ()):
         self.model, self.kv = model, kv_cache
         self.sizes = batch_ladder(max_batch)
+        # speculative verify steps: graphs of their own, captured in alone-rows mode (compute/row_mode.py), so that
+        # each verify row comes out as a one-row step's; sizes: (1 + k) x requests, up to max_batch rows
+        self.verify_sizes = sorted(s for s in set(verify_sizes) if s <= max_batch)
         self.scratch_span, self.scratch_slot = scratch_span, scratch_span * span_size
         long = dict(dtype=torch.long, device=device)
         # ids, positions, slots and context lengths of each row in one tensor, and the rows' span tables: the
@@ -53,21 +57,27 @@ class DecodeGraphs:
         self.copied = copies_done_event()   # the last step's copies are done with the host rows
         self.span_size = span_size
         self.rows = torch.arange(max_batch, **long)
-        self.graphs, self.logits = self._capture_all()   # per ladder size: its graph, its logits buffer
+        self.graphs, self.logits = self._capture(self.sizes)   # per ladder size: its graph, its logits buffer
+        with alone_rows():
+            self.verify_graphs, self.verify_logits = self._capture(self.verify_sizes)
 
     def _inputs(self, b: int) -> ForwardInputs:
         meta = AttentionMetadata(self.slots[:b], [], self.rows[:b], self.spans[:b], self.ctx[:b])
         return ForwardInputs(self.ids[:b], self.positions[:b], meta, self.rows[:b], [])
 
     @torch.inference_mode()
-    def _capture_all(self) -> tuple[dict, dict[int, torch.Tensor]]:
-        return capture_each_size(lambda b: self.model(self._inputs(b), self.kv), self.sizes)
+    def _capture(self, sizes: list[int]) -> tuple[dict, dict[int, torch.Tensor]]:
+        return capture_each_size(lambda b: self.model(self._inputs(b), self.kv), sizes)
 
     def fits_decode(self, chunks) -> bool:
         """A decode-only step (one token per sequence, every one sampled; a speculative verify chunk counts as
-        1 + len(draft) such rows) of at most max_batch rows (span tables always fit: the buffer is as wide as
-        max_length needs)."""
-        return (sum(c.num_tokens for c in chunks) <= self.sizes[-1]
+        1 + len(draft) such rows, and takes a verify graph) of at most max_batch rows (span tables always fit: the
+        buffer is as wide as max_length needs)."""
+        if any(c.draft_ids for c in chunks):       # a verify step: only its own graphs compute rows as alone
+            limit = self.verify_sizes[-1] if self.verify_sizes else 0
+        else:
+            limit = self.sizes[-1]
+        return (sum(c.num_tokens for c in chunks) <= limit
                 and all(c.needs_sample and c.num_tokens == 1 + len(c.draft_ids) for c in chunks))
 
     def run_decode(self, chunks, mirrors, device_ids: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -77,7 +87,8 @@ class DecodeGraphs:
         step); None on the ranks other than 0 of a pool (the LM head gathers to rank 0). `device_ids` [B]: the
         rows' input tokens, on the GPU (the mirrors do not hold them yet; never with verify chunks)."""
         b = sum(c.num_tokens for c in chunks)
-        size = next(s for s in self.sizes if s >= b)
+        verifies = any(c.draft_ids for c in chunks)
+        size = next(s for s in (self.verify_sizes if verifies else self.sizes) if s >= b)
         if not self.copied.query():   # the last step's copies have read the pinned rows (done long ago, mostly:
             self.copied.synchronize()  # the query keeps the GIL, a wait would give it away)
         rows, spans, p = self.host_rows.numpy(), self.host_spans.numpy(), self.span_size
@@ -111,6 +122,6 @@ class DecodeGraphs:
         if device_ids is not None:
             self.ids[:b].copy_(device_ids)
         self.copied.record()
-        self.graphs[size].replay()
-        logits = self.logits[size]
+        (self.verify_graphs if verifies else self.graphs)[size].replay()
+        logits = (self.verify_logits if verifies else self.logits)[size]
         return None if logits is None else logits[:b]

@@ -17,6 +17,7 @@ from allspark_client.types import AsCacheMode
 from allspark_server.compute import ops
 from allspark_server.compute.device_choice import rank_device_kind
 from allspark_server.compute.op_profile import OpProfiler, timed
+from allspark_server.compute.row_mode import alone_rows
 from allspark_server.core.messages import StepPlan
 from allspark_server.layers.rotary import fit_rotary
 from allspark_server.layers.sharding import TPLayout
@@ -115,9 +116,12 @@ class ModelRunner:
         if self.device_kind.captures_decode_graphs and settings.CUDA_GRAPHS.get() and not self.args.moe_layers:
             from allspark_server.runner.cuda_graphs import DecodeGraphs
             self.model.profiler = None          # a capture records no op timings
+            k = self.cfg.speculative_tokens
+            verify = tuple((1 + k) * n for n in range(1, min(self.cfg.engine_max_batch,
+                                                                 self.cfg.speculative_batch) + 1)) if k else ()
             self.graphs = DecodeGraphs(self.model, self.kv, self.cfg.max_decode_rows,
                                        -(-self.cfg.engine_max_length // self.span_size), self.num_spans,
-                                       self.span_size, self.device)
+                                       self.span_size, self.device, verify)
         self.model.profiler = self.profiler
 
     def max_num_spans(self, share: "kv_budget.MachineShare") -> int:
@@ -191,7 +195,8 @@ class ModelRunner:
             sampled = [c.request_id for c in chunks for _ in range(c.num_tokens)]   # a verify chunk: a row a token
         else:
             inputs = timed(prof, "inputs", self._forward_inputs, chunks)
-            logits, sampled = self.model(inputs, self.kv), inputs.sample_request_ids
+            with alone_rows(inputs.verifies):        # a verify step's rows as one-row steps (compute/row_mode.py)
+                logits, sampled = self.model(inputs, self.kv), inputs.sample_request_ids
         for c in chunks:
             self.mirrors[c.request_id].num_computed_tokens += c.num_tokens
         return logits, sampled

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from allspark_server.compute import reference as ref
+from allspark_server.compute import row_mode
 from allspark_server.compute.cuda import fused_kernels as fused
 from allspark_server.compute.cuda import gemv_kernels
 from allspark_server.compute.cuda.attention_kernels import paged_prefill_attention
@@ -37,6 +38,8 @@ def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Ten
     if isinstance(w, QuantizedWeight):
         if x.dim() != 2 or x.stride(-1) != 1:
             return linear_reference(x, w, bias)
+        if row_mode.alone() and x.shape[0] > 1:      # each row as a one-row step computes it
+            return torch.cat([quant_matmul(_quant_input(x[i:i + 1], w), w, bias) for i in range(x.shape[0])])
         return quant_matmul(_quant_input(x, w), w, bias)
     if gemv_kernels.fits(x, w):
         return gemv_kernels.gemv(x, w, bias)
@@ -92,6 +95,10 @@ def attention_step(x, b, slots, spans, ctx, cos, sin):
         q, k = rms_norm(q.reshape(-1, d), b.q_norm, b.norm_eps)[0], rms_norm(k.reshape(-1, d), b.k_norm, b.norm_eps)[0]
     q, k = q.view(n, heads, d), k.view(n, kv_heads, d)
     if cos is not None and b.k_param is None and fused_decode_enabled():   # rotate q, k, write k, v, attend: one launch
+        if row_mode.alone() and n > 1:
+            # a verify chunk's rows are one sequence: each attends to the keys the others write, so every row's k
+            # and v go into the cache first (the same bits the attention's launch writes again)
+            fused.rotary_store_kv(q, k, v, cos, sin, b.k_cache, b.v_cache, slots)
         o = paged_decode_attention(q, b.k_cache, b.v_cache, spans, ctx, a.scale,
                                    rotary=(k, v.view(n, kv_heads, d), cos, sin, slots), alibi_slopes=b.alibi_slopes,
                                    softcap=a.softcap, window=a.window)
@@ -119,6 +126,8 @@ def gate_up_silu_mul(h: torch.Tensor, gate_up: "torch.Tensor | QuantizedWeight",
     """silu_mul(linear(h, gate_up, bias)): at a decode row, one GEMV launch with silu·mul as its epilogue (dense
     weights, or 4-bit codes without a bias)."""
     if isinstance(gate_up, QuantizedWeight):
+        if gate_up.fmt in SILU_MUL_QUANT_FORMATS and bias is None and row_mode.alone() and h.shape[0] > 1:
+            return torch.cat([gate_up_silu_mul(h[i:i + 1], gate_up) for i in range(h.shape[0])])
         if (gate_up.fmt in SILU_MUL_QUANT_FORMATS and bias is None
                 and gemv_kernels.decode_rows(h, gemv_kernels.SILU_MUL_MAX_ROWS)):
             return quant_matmul(_quant_input(h, gate_up), gate_up, silu_mul=True)

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from allspark_client import settings
+from allspark_server.compute import row_mode
 from allspark_server.compute.cuda import pdl
 from allspark_server.compute.cuda.attention_kernels import (
     _INTERPRETED,
@@ -260,10 +261,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert out.shape == q.shape and out.stride(-1) == 1
     if batch == 0:
         return out
-    large = not quant and q.element_size() == 2 and batch * kvh >= LARGE_BATCH_PROGRAMS
+    rows_as = 1 if row_mode.alone() else batch     # alone-rows mode: each row split as one sequence alone is
+    large = not quant and q.element_size() == 2 and rows_as * kvh >= LARGE_BATCH_PROGRAMS
     shape = {"BLOCK_N": DECODE_BLOCK_N, **(LARGE_BATCH_LAUNCH if large else {}), **(launch or {})}
     if num_splits is None:
-        num_splits = default_num_splits(batch, kvh, spans.shape[1], span_size)
+        num_splits = default_num_splits(rows_as, kvh, spans.shape[1], span_size)
         if window > 0:      # no more splits than tiles the window's keys can touch
             num_splits = min(num_splits, -(-(window - 1) // shape["BLOCK_N"]) + 1)
     tiles = _tile_config(d, k_cache.dtype)

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from allspark_client import settings
+from allspark_server.compute import row_mode
 from allspark_server.compute.cuda import pdl
 from allspark_server.compute.cuda.fused_kernels import _round, _silu_mul_rounded
 from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
@@ -119,8 +120,10 @@ def decode_rows(x: torch.Tensor, max_rows: int) -> bool:
 
 
 def fits(x: torch.Tensor, w: torch.Tensor, max_rows: int = GEMV_MAX_ROWS) -> bool:
-    """Whether gemv takes x @ w.T: up to `max_rows` decode rows, a contiguous bf16 / fp16 weight in x's dtype,
-    and the switch on."""
+    """Whether gemv takes x @ w.T: up to `max_rows` decode rows (any number in alone-rows mode: a row's sums do
+    not depend on the others), a contiguous bf16 / fp16 weight in x's dtype, and the switch on."""
+    if row_mode.alone():
+        max_rows = x.shape[0] if x.dim() == 2 else max_rows
     return (decode_rows(x, max_rows) and w.dtype in DTYPES and x.dtype == w.dtype and w.dim() == 2
             and w.is_contiguous() and enabled())
 

@@ -1,0 +1,67 @@
+"""Alone-rows mode (compute/row_mode.py), the GPU's way of computing a speculative verify step's rows as one-row
+steps: in it the CUDA backend's linears and the MLP's gate_up·silu give each of several rows bit for bit what the
+same row gives alone (dense: the GEMV at any row count; quantized: a launch a row), and outside it several rows take
+the multi-row kernels. On a CUDA machine on the GPU; elsewhere on CPU tensors under the Triton interpreter."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")      # read when @triton.jit decorates: before the import
+pytest.importorskip("triton")
+
+from test_triton_fused import DEVICE, assert_same_bits  # noqa: E402
+from test_triton_quant import quantized  # noqa: E402
+
+from allspark_server.compute.cuda import cuda_ops  # noqa: E402
+from allspark_server.compute.cuda import gemv_kernels as gk  # noqa: E402
+from allspark_server.compute.row_mode import alone, alone_rows  # noqa: E402
+
+ROWS, K, N = 3, 64, 8          # small: the Triton interpreter runs every program on the host
+
+
+def rows_alone(fn, x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([fn(x[i:i + 1]) for i in range(x.shape[0])])
+
+
+def x_rows(dtype=torch.bfloat16, seed: int = 3) -> torch.Tensor:
+    return torch.randn(ROWS, K, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+def test_the_mode_nests_and_ends():
+    assert not alone()
+    with alone_rows():
+        assert alone()
+        with alone_rows(False):
+            assert not alone()
+        assert alone()
+    assert not alone()
+
+
+def test_dense_rows_take_the_gemv_and_equal_each_row_alone():
+    x = x_rows()
+    w = (torch.randn(N, K, generator=torch.Generator().manual_seed(4)) / K ** 0.5).to(DEVICE, torch.bfloat16)
+    gate_up = (torch.randn(2 * N, K, generator=torch.Generator().manual_seed(5)) / K ** 0.5).to(DEVICE, torch.bfloat16)
+    assert not gk.fits(x, w)                            # three rows: the multi-row kernel
+    with alone_rows():
+        assert gk.fits(x, w) and gk.fits_silu_mul(x, gate_up)
+        assert_same_bits(cuda_ops.linear(x, w), rows_alone(lambda r: cuda_ops.linear(r, w), x))
+        assert_same_bits(cuda_ops.gate_up_silu_mul(x, gate_up),
+                         rows_alone(lambda r: cuda_ops.gate_up_silu_mul(r, gate_up), x))
+    # a row alone is what it is outside the mode: the mode changes several rows only
+    assert_same_bits(rows_alone(lambda r: cuda_ops.linear(r, w), x), torch.cat(
+        [gk.gemv(x[i:i + 1], w) for i in range(ROWS)]))
+
+
+@pytest.mark.parametrize("fmt", ["int4"])
+def test_quantized_rows_equal_each_row_alone(fmt):
+    w, _ = quantized(N, K, fmt, 32, seed=6)
+    gate_up, _ = quantized(2 * N, K, fmt, 32, seed=7)
+    x = x_rows()
+    with alone_rows():
+        assert_same_bits(cuda_ops.linear(x, w), rows_alone(lambda r: cuda_ops.linear(r, w), x))
+        assert_same_bits(cuda_ops.gate_up_silu_mul(x, gate_up),
+                         rows_alone(lambda r: cuda_ops.gate_up_silu_mul(r, gate_up), x))
