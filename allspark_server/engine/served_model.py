@@ -199,8 +199,10 @@ class ServedModel:
 
     def may_run_ahead(self, step: LaunchedStep) -> bool:
         """A GPU decode step replayed from the CUDA graphs with no guided request may leave its tokens on the GPU
-        for the next step (the overlapped loop)."""
-        return step.graph and self.speculation is None and all(
+        for the next step (the overlapped loop), unless the next step may verify proposals (speculation.py: while
+        few requests run), which the host makes from the tokens."""
+        spec = self.speculation
+        return step.graph and (spec is None or len(self.scheduler.running) > spec.max_batch) and all(
             rid in self._live and self._live[rid].sampling.guided is None for rid in step.rids)
 
     def launch(self, plan, started: float, tokens=None, behind: Optional[LaunchedStep] = None
