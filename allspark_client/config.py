@@ -120,12 +120,6 @@ class AsModelConfig:
         return self.speculative_max_batch or AUTO_SPECULATIVE_MAX_BATCH
 
     @property
-    def max_decode_rows(self) -> int:
-        """Most decode rows one step can hold: a request's, or with speculation each verify chunk's 1 + k."""
-        return max(self.engine_max_batch,
-                   min(self.engine_max_batch, self.speculative_batch) * (1 + self.speculative_tokens))
-
-    @property
     def max_prefill_tokens(self) -> int:
         if self.engine_max_prefill_length:
             return self.engine_max_prefill_length

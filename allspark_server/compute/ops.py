@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from allspark_client import settings
 from allspark_client.cpu_features import cpu_flags
-from allspark_server.compute import step_binding
+from allspark_server.compute import row_mode, step_binding
 from allspark_server.compute.reference import (
     ACT_MAX,
     decode_attention_reference,
@@ -73,10 +73,10 @@ def set_batch_invariant(on: bool) -> None:
 
 def native_rows(dtype: torch.dtype) -> int:
     """Most rows of x the native dense linear takes in `dtype` (0: none): NATIVE_MAX_ROWS, unbounded in
-    batch-invariant mode."""
+    batch-invariant and alone-rows mode (compute/row_mode.py)."""
     if dtype not in NATIVE_MAX_ROWS:
         return 0
-    return 2 ** 62 if batch_invariant() else NATIVE_MAX_ROWS[dtype]
+    return 2 ** 62 if batch_invariant() or row_mode.alone() else NATIVE_MAX_ROWS[dtype]
 
 
 @functools.lru_cache(maxsize=1)
@@ -153,7 +153,7 @@ def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Ten
     if isinstance(w, QuantizedWeight):
         if ext is None or x.dim() != 2 or x.dtype not in NATIVE_MAX_ROWS:
             return linear_reference(x, w, bias)
-        if x.shape[0] <= ext.quant_native_rows(isa_level()):
+        if x.shape[0] <= ext.quant_native_rows(isa_level()) or row_mode.alone():
             return ext.linear_quant(x, native_weight(w), bias, isa_level())
         if int8_gemm_suits(w, x.shape[0]):        # the codes as they are: no native QuantWeight needed
             return linear_int8_gemm(x, w, bias)

@@ -49,7 +49,6 @@ class Request:
     num_registered_spans: int = 0        # leading spans whose prefixes are in the cache (or were offered to it)
     prefix_cache_len: Optional[int] = None   # prompt tokens the cache supplied at first admission
     arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
-    draft_ids: list[int] = field(default_factory=list)   # tokens proposed for the next step (speculative decoding)
     num_rolled_back: int = 0             # rejected proposals' positions the runners still count as computed
 
     @property

@@ -7,8 +7,8 @@ arrived running request is preempted: its spans are freed and it waits to be rec
 prompt plus the tokens it already produced. A request that cannot fit even alone is interrupted.
 `update()` applies sampled tokens. It owns request queues and span bookkeeping, no tensors.
 
-A decode whose request carries a proposal (`draft_ids`, set by speculation.py before `schedule`) becomes a verify
-chunk of 1 + len(draft) tokens (cut to the budget); `update` takes the tokens it emitted, and the positions of
+A decode given a proposal (`schedule(drafts)`: speculation.py's, by request id) becomes a verify chunk of
+1 + len(draft) tokens (cut to the budget); `update` takes the tokens it emitted, and the positions of
 rejected proposals go back to the runners with the next plan (CachedRequestData.rolled_back). Only accepted tokens
 are ever offered to the prefix cache.
 
@@ -78,35 +78,34 @@ class Scheduler:
         req.finish_reason = reason
 
     # ---- planning ----------------------------------------------------------------------------
-    def schedule(self) -> tuple[StepPlan, list[Request]]:
+    def schedule(self, drafts: Optional[dict[int, list[int]]] = None) -> tuple[StepPlan, list[Request]]:
         """Plan one step. Also returns requests interrupted because they can never fit.
 
-        Running decodes go first (one token each), then unfinished prefills, then waiting
-        requests in arrival order, all within the token budget.
+        Running decodes go first (one token each, or a verify chunk where `drafts` proposes tokens for them), then
+        unfinished prefills, then waiting requests in arrival order, all within the token budget.
         """
         budget = self.config.max_num_batched_tokens
         self.spans.expire_cached()
-        chunks: list[tuple[Request, int]] = []
+        drafts = drafts or {}
+        chunks: list[tuple[Request, int, tuple[int, ...]]] = []   # (request, tokens, its proposal)
         scheduled: set[int] = set()
         interrupted: list[Request] = []
 
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        for req in prefills:
-            req.draft_ids = []                 # only a decode verifies a proposal
         for req in decodes + prefills:
             if budget <= 0:
                 break
             if req.state != RequestState.RUNNING:
                 continue                       # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens + len(req.draft_ids), budget)
-            del req.draft_ids[max(0, n - 1):]  # a proposal longer than the budget is cut
+            todo = req.num_tokens - req.num_computed_tokens
+            draft = drafts.get(req.request_id, ()) if todo == 1 else ()   # only a decode verifies a proposal
+            n = min(todo + len(draft), budget)
             if not self._reserve(req, n, scheduled):
-                req.draft_ids = []
                 if req.is_finished:
                     interrupted.append(req)
                 continue
-            chunks.append((req, n))
+            chunks.append((req, n, tuple(draft[:max(0, n - 1)])))   # a proposal longer than the budget is cut
             scheduled.add(req.request_id)
             budget -= n
 
@@ -134,7 +133,7 @@ class Scheduler:
                 self._computing.setdefault(key, req.request_id)
             req.state = RequestState.RUNNING
             self._insert_running(req)
-            chunks.append((req, n))
+            chunks.append((req, n, ()))
             budget -= n
 
         return self._make_plan(chunks), interrupted
@@ -269,14 +268,13 @@ class Scheduler:
         req.num_synced_spans = 0
         req.num_synced_tokens = 0
         req.num_rolled_back = 0                # a mirror made again starts from the counts themselves
-        req.draft_ids = []
         if req.request_id in self._synced:
             self._synced.discard(req.request_id)
             self._dropped.append(req.request_id)
 
-    def _make_plan(self, chunks: list[tuple[Request, int]]) -> StepPlan:
+    def _make_plan(self, chunks: list[tuple[Request, int, tuple[int, ...]]]) -> StepPlan:
         new, cached, out = [], [], []
-        for req, n in chunks:
+        for req, n, draft in chunks:
             if req.request_id not in self._synced:
                 new.append(NewRequestData(req.request_id, tuple(req.all_token_ids), tuple(req.span_ids),
                                           req.num_computed_tokens))
@@ -290,7 +288,6 @@ class Scheduler:
             req.num_synced_tokens = req.num_tokens
             req.num_synced_spans = len(req.span_ids)
             req.num_rolled_back = 0
-            draft = tuple(req.draft_ids)
             out.append(ScheduledChunk(req.request_id, n, req.num_computed_tokens + n - len(draft) == req.num_tokens,
                                       draft))
         self._step_id += 1
@@ -307,7 +304,6 @@ class Scheduler:
         events = []
         for chunk in plan.chunks:
             req = requests[chunk.request_id]
-            req.draft_ids = []
             if req.is_finished or req.state != RequestState.RUNNING:
                 continue   # stopped by the user while this step ran
             prefilling = req.num_computed_tokens < req.num_prompt_tokens

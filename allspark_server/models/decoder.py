@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from allspark_server.compute import alibi, ops, step_ops
+from allspark_server.compute import alibi, ops, row_mode, step_ops
 from allspark_server.compute import steps as spec
 from allspark_server.compute.op_profile import timed
 from allspark_server.layers.attention import PagedAttention
@@ -279,8 +279,8 @@ class DecoderForCausalLM(nn.Module):
         # every sequence decodes one token and every row is sampled: the whole step is one native call
         if (not meta.seqs and len(inputs.sample_request_ids) == inputs.input_ids.shape[0]
                 and (stack := self.decode_stack(kv_cache)) is not None):
-            # a verify step's rows each on the GEMV, as a one-row step computes them (speculation.py)
-            verify = {"all_rows_native": True} if inputs.verifies else {}
+            # alone-rows mode (a verify step): every row on the GEMV, as a one-row step computes it (row_mode.py)
+            verify = {"all_rows_native": True} if row_mode.alone() else {}
             local = stack.run(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.decode_spans,
                               meta.decode_ctx, self._reduce, **verify)
             return self.capped(timed(prof, "lm_head_gather", self.lm_head.gather, local))

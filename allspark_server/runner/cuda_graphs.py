@@ -35,17 +35,18 @@ class DecodeGraphs:
         self.model, self.kv = model, kv_cache
         self.sizes = batch_ladder(max_batch)
         # speculative verify steps: graphs of their own, captured in alone-rows mode (compute/row_mode.py), so that
-        # each verify row comes out as a one-row step's; sizes: (1 + k) x requests, up to max_batch rows
-        self.verify_sizes = sorted(s for s in set(verify_sizes) if s <= max_batch)
+        # each verify row comes out as a one-row step's; sizes: (1 + k) x requests
+        self.verify_sizes = sorted(set(verify_sizes))
+        max_rows = max([max_batch, *self.verify_sizes])      # the input buffers hold the largest of either
         self.scratch_span, self.scratch_slot = scratch_span, scratch_span * span_size
         long = dict(dtype=torch.long, device=device)
         # ids, positions, slots and context lengths of each row in one tensor, and the rows' span tables: the
         # graphs' static inputs. A step writes them on the host into pinned copies (host_*), padding rows
         # included, and sends each with one asynchronous copy.
-        self.host_rows = torch.zeros(4, max_batch, dtype=torch.long, pin_memory=True)        # [4, Bmax]
+        self.host_rows = torch.zeros(4, max_rows, dtype=torch.long, pin_memory=True)        # [4, Bmax]
         self.host_rows[2].fill_(self.scratch_slot)     # every row padding: token 0 at position 0 into the
         self.host_rows[3].fill_(1)                     # scratch span
-        self.host_spans = torch.full((max_batch, max_spans_per_seq), scratch_span, dtype=torch.long,
+        self.host_spans = torch.full((max_rows, max_spans_per_seq), scratch_span, dtype=torch.long,
                                      pin_memory=True)                                         # [Bmax, MAXS]
         self.per_row = self.host_rows.to(device)
         self.ids, self.positions, self.slots, self.ctx = self.per_row
@@ -53,10 +54,10 @@ class DecodeGraphs:
         self.host_filled = 0   # host rows holding the last step's sequences
         # per row: the mirror whose span table it holds and how many of its spans are written (a decode step
         # rewrites a row's table only when its sequence changed or got a span)
-        self.row_spans: list[tuple] = [(None, 0)] * max_batch
+        self.row_spans: list[tuple] = [(None, 0)] * max_rows
         self.copied = copies_done_event()   # the last step's copies are done with the host rows
         self.span_size = span_size
-        self.rows = torch.arange(max_batch, **long)
+        self.rows = torch.arange(max_rows, **long)
         self.graphs, self.logits = self._capture(self.sizes)   # per ladder size: its graph, its logits buffer
         with alone_rows():
             self.verify_graphs, self.verify_logits = self._capture(self.verify_sizes)

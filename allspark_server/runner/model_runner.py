@@ -119,7 +119,7 @@ class ModelRunner:
             k = self.cfg.speculative_tokens
             verify = tuple((1 + k) * n for n in range(1, min(self.cfg.engine_max_batch,
                                                                  self.cfg.speculative_batch) + 1)) if k else ()
-            self.graphs = DecodeGraphs(self.model, self.kv, self.cfg.max_decode_rows,
+            self.graphs = DecodeGraphs(self.model, self.kv, self.cfg.engine_max_batch,
                                        -(-self.cfg.engine_max_length // self.span_size), self.num_spans,
                                        self.span_size, self.device, verify)
         self.model.profiler = self.profiler

@@ -1,7 +1,7 @@
 """Speculation: rank 0's part of speculative decoding for one served model.
 
-Before each step `propose` gives every running request that decodes and may speculate a proposal (`draft_ids`: up
-to k tokens from the proposer, ngram.py or draft.py); the scheduler makes each such decode a verify chunk, whose
+Before each step `propose` gives every running request that decodes and may speculate a proposal (up to k tokens
+from the proposer, ngram.py or draft.py); the scheduler makes each such decode a verify chunk, whose
 1 + k rows the runner computes as decode rows and the sampler samples like any rows, row i with the proposal's
 first i tokens counted as the request's own (penalties, min_length and the draw's key see them). `accepted` then
 keeps the rows up to the first whose sampled token is not the proposed one: that token is the model's own, and
@@ -62,8 +62,7 @@ class NgramProposer:
 class SpeculationStats:
     draft_tokens: int = 0        # proposed tokens checked by a verify step
     accepted_tokens: int = 0
-    emitted_tokens: int = 0      # tokens verify steps produced
-    verify_steps: int = 0        # request-steps that verified a proposal
+    verify_steps: int = 0        # request-steps that verified a proposal (each emitted its accepted tokens + 1)
 
 
 class Speculation:
@@ -86,11 +85,12 @@ class Speculation:
             return "response_format"
         return None
 
-    def propose(self, running: Iterable[Request], entry_of: Callable[[int], object]) -> None:
-        """Give the running requests that decode next and may speculate a proposal (their draft_ids)."""
+    def propose(self, running: Iterable[Request], entry_of: Callable[[int], object]) -> dict[int, list[int]]:
+        """The proposals for the running requests that decode next and may speculate: request id -> tokens (what
+        Scheduler.schedule takes)."""
         running = list(running)
         if len(running) > self.max_batch:
-            return
+            return {}
         wanted, counts = [], []
         for req in running:
             if req.num_tokens - req.num_computed_tokens != 1:
@@ -107,9 +107,8 @@ class Speculation:
                 wanted.append(req)
                 counts.append(k)
         if not wanted:
-            return
-        for req, draft in zip(wanted, self.proposer.propose(wanted, counts)):
-            req.draft_ids = list(draft)
+            return {}
+        return {req.request_id: draft for req, draft in zip(wanted, self.proposer.propose(wanted, counts)) if draft}
 
     def accepted(self, draft: Sequence[int], rows: Sequence[SampleResult]) -> list[SampleResult]:
         """A verify chunk's sampled rows (1 + len(draft)) -> the results of the tokens it emits: the rows while
@@ -121,7 +120,6 @@ class Speculation:
             s = self.stats
             s.draft_tokens += len(draft)
             s.accepted_tokens += n
-            s.emitted_tokens += n + 1
             s.verify_steps += 1
         return list(rows[:n + 1])
 
@@ -138,7 +136,7 @@ class Speculation:
             s = self.stats
             skipped = ", ".join(f"{k}={v}" for k, v in sorted(self.skipped.items()))
             return dict(spec_draft_tokens=s.draft_tokens, spec_accepted_tokens=s.accepted_tokens,
-                        spec_emitted_tokens=s.emitted_tokens, spec_verify_steps=s.verify_steps,
+                        spec_emitted_tokens=s.accepted_tokens + s.verify_steps, spec_verify_steps=s.verify_steps,
                         spec_acceptance_rate=s.accepted_tokens / s.draft_tokens if s.draft_tokens else 0.0,
                         spec_skipped=skipped)
 

@@ -55,11 +55,9 @@ def _run_step(sched: Scheduler, live: dict, content: dict, rng: random.Random, s
     Checks on the way that every request's context already holds exactly its own tokens and that nobody writes
     a span someone else holds. `speculate`: decoding requests get random proposals (speculative decoding), of
     which a random number is accepted: rejected positions hold wrong tokens until they are computed again."""
-    if speculate:
-        for req in sched.running:
-            if req.num_tokens - req.num_computed_tokens == 1:
-                req.draft_ids = [rng.randrange(50) for _ in range(rng.randrange(0, 4))]
-    plan, interrupted = sched.schedule()
+    drafts = {req.request_id: [rng.randrange(50) for _ in range(rng.randrange(0, 4))]
+              for req in sched.running if req.num_tokens - req.num_computed_tokens == 1} if speculate else None
+    plan, interrupted = sched.schedule(drafts)
     for req in interrupted:
         live.pop(req.request_id)
     tier = content.setdefault("tier", {})

@@ -39,7 +39,7 @@ def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Ten
         if x.dim() != 2 or x.stride(-1) != 1:
             return linear_reference(x, w, bias)
         if row_mode.alone() and x.shape[0] > 1:      # each row as a one-row step computes it
-            return torch.cat([quant_matmul(_quant_input(x[i:i + 1], w), w, bias) for i in range(x.shape[0])])
+            return _each_row(lambda row: linear(row, w, bias), x)
         return quant_matmul(_quant_input(x, w), w, bias)
     if gemv_kernels.fits(x, w):
         return gemv_kernels.gemv(x, w, bias)
@@ -110,6 +110,11 @@ def attention_step(x, b, slots, spans, ctx, cos, sin):
     return linear(o.reshape(n, heads * d), b.o)
 
 
+def _each_row(one_row, x: torch.Tensor) -> torch.Tensor:
+    """one_row(x[i:i + 1]) for each row, stacked: quantized rows in alone-rows mode, a launch each as alone."""
+    return torch.cat([one_row(x[i:i + 1]) for i in range(x.shape[0])])
+
+
 def _quant_input(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     """x as the quantized matmul meets it: activate_quant rounds it to int8 per token (torch ops, capturable)."""
     return ref.round_activations_reference(x, 8).to(x.dtype) if w.act_bits == 8 else x
@@ -127,7 +132,7 @@ def gate_up_silu_mul(h: torch.Tensor, gate_up: "torch.Tensor | QuantizedWeight",
     weights, or 4-bit codes without a bias)."""
     if isinstance(gate_up, QuantizedWeight):
         if gate_up.fmt in SILU_MUL_QUANT_FORMATS and bias is None and row_mode.alone() and h.shape[0] > 1:
-            return torch.cat([gate_up_silu_mul(h[i:i + 1], gate_up) for i in range(h.shape[0])])
+            return _each_row(lambda row: gate_up_silu_mul(row, gate_up), h)
         if (gate_up.fmt in SILU_MUL_QUANT_FORMATS and bias is None
                 and gemv_kernels.decode_rows(h, gemv_kernels.SILU_MUL_MAX_ROWS)):
             return quant_matmul(_quant_input(h, gate_up), gate_up, silu_mul=True)
