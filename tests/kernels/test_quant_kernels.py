@@ -1,210 +1,31 @@
-"""InstantQuant's native kernels against a float64 dequantize-then-matmul computation (all formats, group sizes,
-odd shapes, 1..64 rows, every ISA level this CPU has); the formats themselves: test_quant_formats.py."""
+"""InstantQuant's native kernels against a float64 dequantize-then-matmul computation on 16-bit x (all formats, group
+sizes, odd shapes, 1..64 rows, every ISA level this CPU has), the dequantization, the int8 GEMM of activate_quant
+prefill and the native steps on quantized weights; the GEMV on int8 x: test_quant_int8_gemv.py; the formats
+themselves: test_quant_formats.py."""
 from __future__ import annotations
-
-import itertools
 
 import pytest
 import torch
+from quant_cases import (
+    assert_linear_quant_matches_float64,
+    isa_levels,
+    needs_native,
+    quant_cases,
+    quantized_weight,
+    round_to_int8_levels,
+)
 
-from allspark_client import settings
 from allspark_server.compute import ops, reference, step_ops
 from allspark_server.quant.formats import FORMAT_IDS, FORMATS, QuantizedWeight, quantize
 
-needs_native = pytest.mark.skipif(settings.NO_NATIVE.get() or ops.native() is None,
-                                  reason="native path disabled")
 ROWS = [1, 2, 3, 4, 5, 8, 13, 16, 17, 31, 64]
-
-
-def quantized_weight(n, k, fmt, group, seed, act_bits=16):
-    """A random [n, k] weight (N(0, 0.05)) quantized into `fmt` / `group`."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * 0.05
-    q = quantize(w, fmt, group)
-    return QuantizedWeight(q["qweight"], q["scales"], q.get("zeros", q.get("mins")), fmt, group, k, act_bits)
-
-
-def _cases():
-    for fmt in FORMATS:
-        # K = 640: one whole chunk of the AVX-512 kernel (512 k) and a partial one; G = 1024: chunks inside
-        # larger groups; G = 96: a group size the AVX-512 kernel leaves to the AVX2 one; K = 1024: the AVX2
-        # 4-bit batch-1 kernel's runs of eight groups with no groups left over (640: with some left over; 1280:
-        # eight groups of 128 and two more; 1536: eight groups of 128 and four more, the benchmark model's width)
-        for n, k, groups in ((7, 32, (-1, 32)), (33, 96, (-1, 32)), (130, 512, (-1, 64, 128, 256, 512)),
-                             (64, 257, (-1,)), (300, 1000, (-1,)), (21, 640, (-1, 32, 64, 128)),
-                             (11, 1024, (32, 64, 128)), (13, 1280, (128,)),
-                             (17, 2048, (1024,)), (9, 192, (96,)), (5, 1536, (32, 64, 128))):
-            if "4" in fmt and k % 32:
-                continue
-            for group in groups:
-                yield fmt, n, k, group
-
-
-def isa_levels() -> list[int]:
-    """Every level this CPU runs: 3 = AVX-512 VNNI (its own GEMV), 2 = AVX-512 without VNNI (the AVX2 GEMV, the
-    AVX-512 dequantization), 1 = AVX2, 0 = portable."""
-    return list(range(ops.isa_level() + 1))
 
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("isa", isa_levels())
 def test_linear_quant_matches_float64(dtype, isa):
-    assert_linear_quant_matches_float64(_cases(), ROWS, dtype, isa, x_seed=4, weight_seed=0)
-
-
-def assert_linear_quant_matches_float64(cases, rows, dtype, isa, x_seed, weight_seed):
-    """ext.linear_quant at `isa` for each (fmt, n, k, group) case (weight seed weight_seed + its index) and each
-    count of rows of x (a bias on odd counts) against float64 on x as the kernel meets it."""
-    ext = ops.native()
-    g = torch.Generator().manual_seed(x_seed)
-    for i, (fmt, n, k, group) in enumerate(cases):
-        qw = quantized_weight(n, k, fmt, group, seed=weight_seed + i)
-        w64 = qw.dequantize().double()
-        bias = torch.randn(n, generator=g).to(dtype)
-        for m in rows:
-            x = torch.randn(m, k, generator=g).to(dtype)
-            b = bias if m % 2 else None
-            y = ext.linear_quant(x, ops.native_weight(qw), b, isa)
-            # x as the kernel meets it: 16-bit fixed point per block of 32 (reference.round_activations_reference)
-            ref = reference.round_activations_reference(x).double() @ w64.T + (0 if b is None else b.double())
-            assert y.dtype == dtype and y.shape == (m, n)
-            tol = 1e-5 * (x.double().abs() @ w64.abs().T).max().item() + 1e-6
-            rounding = ref.abs() * (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24)
-            assert ((y.double() - ref).abs() <= tol + rounding).all(), (fmt, n, k, group, m, dtype, isa)
-
-
-def _round_to_int8_levels(x: torch.Tensor) -> torch.Tensor:
-    """activate_quant's x, written here: per row q = round(x * 127 / absmax) (fp32, half to even) times
-    absmax / 127."""
-    xf = x.float()
-    amax = xf.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
-    q = torch.round(xf * inv)
-    assert q.abs().max() <= 127
-    return q.double() * (amax.double() / 127.0)
-
-
-@needs_native
-@pytest.mark.parametrize("isa", isa_levels())
-def test_activate_quant_rounds_x_to_int8_per_row(isa):
-    """act_bits 8 (compute_method activate_quant): every kernel meets x rounded to int8 per row; equal to a
-    float64 product of that x with the dequantized weight, on every ISA level, below and above the native row
-    limit (the dequantized GEMM then gets the same rounded x)."""
-    ext = ops.native()
-    g = torch.Generator().manual_seed(14)
-    for i, (fmt, n, k, group) in enumerate(_cases()):
-        q = quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(300 + i)) * 0.05, fmt, group)
-        qw = QuantizedWeight(q["qweight"], q["scales"], q.get("zeros", q.get("mins")), fmt, group, k, act_bits=8)
-        weight_only = QuantizedWeight(q["qweight"], q["scales"], q.get("zeros", q.get("mins")), fmt, group, k)
-        nw = ops.native_weight(qw)
-        assert nw.act_bits == 8
-        w64 = qw.dequantize().double()
-        for m in (1, 3, 16):
-            x = torch.randn(m, k, generator=g)
-            ref = _round_to_int8_levels(x) @ w64.T
-            tol = 1e-5 * (x.double().abs() @ w64.abs().T).max().item() + 1e-6
-            assert (ext.linear_quant(x, nw, None, isa).double() - ref).abs().max() <= tol, (fmt, n, k, group, m)
-            # the 16-bit rounding of weight-only is a different (far finer) result
-            if m == 1 and k >= 96:
-                assert (ops.linear_reference(x, weight_only).double() - ref).abs().max() > 10 * tol
-    x = torch.randn(ops.native().quant_native_rows(ops.isa_level()) + 8, 96, generator=g)
-    q = quantize(torch.randn(24, 96, generator=g) * 0.05, "int8", -1)
-    qw = QuantizedWeight(q["qweight"], q["scales"], None, "int8", -1, 96, act_bits=8)
-    ref = _round_to_int8_levels(x) @ qw.dequantize().double().T
-    assert (ops.linear(x, qw).double() - ref).abs().max() <= 1e-4    # above the row limit: the dequantized GEMM
-    assert (ops.linear_reference(x, qw).double() - ref).abs().max() <= 1e-4
-    with pytest.raises(RuntimeError, match="act_bits"):
-        ext.QuantWeight(q["qweight"], q["scales"], None, FORMAT_IDS["int8"], 96, 4)
-
-
-@needs_native
-@pytest.mark.parametrize("isa", isa_levels())
-def test_int8_activations_at_the_int16_limit(isa):
-    """The batch-1 AVX2 4-bit kernel keeps int8 x's products in int16 lanes up to 4 * 2 * 15 * 127 = 30480 before
-    widening; with every code 15 and every |q| 127 each lane reaches that bound, and the result must still equal a
-    float64 product (an overflow would wrap by 65536 per lane). Every group size it takes, with full runs of eight
-    groups and groups left over (K 1536 and 640)."""
-    ext = ops.native()
-    for fmt, group, k in itertools.product(("int4", "uint4"), (32, 64, 128), (1536, 640)):
-        n = 24
-        codes = torch.full((n, k // 2), 0xFF, dtype=torch.uint8)                  # every nibble 15
-        scales = torch.full((n, k // group), 0.01).half()
-        zeros = torch.zeros(n, k // group, dtype=torch.uint8) if fmt == "uint4" else None
-        qw = QuantizedWeight(codes, scales, zeros, fmt, group, k, act_bits=8)
-        w64 = qw.dequantize().double()
-        for sign in (1.0, -1.0):
-            x = torch.full((1, k), sign)                                            # every q = +-127
-            ref = _round_to_int8_levels(x) @ w64.T
-            y = ext.linear_quant(x, ops.native_weight(qw), None, isa).double()
-            assert (y - ref).abs().max() <= 1e-6 * ref.abs().max(), (fmt, group, k, sign, isa)
-
-
-@needs_native
-@pytest.mark.parametrize("isa", isa_levels())
-def test_int8_codes_at_their_extremes_meet_int8_x(isa):
-    """With int8 x, the AVX-512 kernel meets int8 codes as unsigned bytes code + 128 and takes 128 times x's block
-    sums off again. Codes -128 and 127 (a GGUF Q8_0 block may hold -128) against every |q| = 127, per channel and in
-    groups, one and several rows of x (K 640: a chunk and part of one): equal to a float64 product."""
-    ext = ops.native()
-    k, n = 640, 24
-    for group, sign, m in itertools.product((-1, 32, 128), (1.0, -1.0), (1, 5)):
-        codes = torch.where(torch.arange(n * k).reshape(n, k) % 3 == 0, -128, 127).to(torch.int8)
-        groups = 1 if group == -1 else k // group
-        qw = QuantizedWeight(codes, torch.full((n, groups), 0.01).half(), None, "int8", group, k, act_bits=8)
-        x = torch.full((m, k), sign)
-        x[:, 1::7] = -sign                                                          # every q = +-127
-        ref = _round_to_int8_levels(x) @ qw.dequantize().double().T
-        y = ext.linear_quant(x, ops.native_weight(qw), None, isa).double()
-        assert (y - ref).abs().max() <= 1e-6 * ref.abs().max(), (group, sign, m, isa)
-
-
-@needs_native
-@pytest.mark.parametrize("isa", isa_levels())
-def test_many_rows_of_int8_x_meet_codes_at_their_extremes(isa):
-    """From 12 rows of int8 x on, grouped weights (groups of 32 .. 256) take the kernel that keeps each block's sum in
-    one lane (native/gemv_quant_lanes.cpp): codes as signed bytes code - z, x as unsigned bytes x + 128, and the
-    weight's own 128 * (sum of code - z) taken off per block. Codes at both ends of their range (zero points too)
-    against every |q| = 127, every format it takes, K with a partial chunk (640) and three whole ones (1536), 13 rows
-    (three passes of four and one row) and 32, an odd count of weight rows: equal to a float64 product."""
-    ext = ops.native()
-    n = 23
-    for fmt, group, k in itertools.product(("int8", "int4", "uint4", "uint4_min"), (32, 64, 256), (640, 1536)):
-        if k % group:
-            continue
-        four = "4" in fmt
-        top, low = (15, 0) if four else (127, -128)
-        pattern = torch.arange(n * k).reshape(n, k) % 5 < 2
-        codes = torch.where(pattern, top, low)
-        if four:
-            codes = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)   # the packing: only its values matter
-        else:
-            codes = codes.to(torch.int8)
-        groups = k // group
-        scales = torch.linspace(0.005, 0.02, n * groups).reshape(n, groups).half()
-        zeros = None
-        if fmt == "uint4":
-            zeros = torch.where(torch.arange(n * groups).reshape(n, groups) % 2 == 0, 0, 15).to(torch.uint8)
-        elif fmt == "uint4_min":
-            zeros = torch.linspace(-0.1, 0.05, n * groups).reshape(n, groups).half()
-        qw = QuantizedWeight(codes, scales, zeros, fmt, group, k, act_bits=8)
-        w64 = qw.dequantize().double()
-        for m, sign in itertools.product((13, 32), (1.0, -1.0)):
-            x = torch.full((m, k), sign)
-            x[:, 1::3] = -sign                                                      # every q = +-127
-            x[1::2, 2::5] *= 0.5
-            ref = _round_to_int8_levels(x) @ w64.T
-            y = ext.linear_quant(x, ops.native_weight(qw), None, isa).double()
-            assert (y - ref).abs().max() <= 1e-6 * ref.abs().max(), (fmt, group, k, m, sign, isa)
-    g = torch.Generator().manual_seed(21)
-    for i, (fmt, n, k, group) in enumerate(_cases()):   # random weights and x, 33 rows: 8 passes of four and one row
-        q = quantize(torch.randn(n, k, generator=g) * 0.05, fmt, group)
-        qw = QuantizedWeight(q["qweight"], q["scales"], q.get("zeros", q.get("mins")), fmt, group, k, act_bits=8)
-        x = torch.randn(33, k, generator=g)
-        ref = _round_to_int8_levels(x) @ qw.dequantize().double().T
-        tol = 1e-5 * (x.double().abs() @ qw.dequantize().double().abs().T).max().item() + 1e-6
-        assert (ext.linear_quant(x, ops.native_weight(qw), None, isa).double()
-                - ref).abs().max() <= tol, (fmt, k, group)
+    assert_linear_quant_matches_float64(quant_cases(), ROWS, dtype, isa, x_seed=4, weight_seed=0)
 
 
 def test_isa_levels_from_cpu_flags(monkeypatch):
@@ -237,7 +58,7 @@ def test_vnni_gemv_equals_avx2_and_reference_up_to_fp32_order():
     kernel and ops.linear_reference (fp32) it differs only by fp32 summation order, for M = 1..16."""
     ext = ops.native()
     g = torch.Generator().manual_seed(5)
-    for i, (fmt, n, k, group) in enumerate(_cases()):
+    for i, (fmt, n, k, group) in enumerate(quant_cases()):
         qw = quantized_weight(n, k, fmt, group, seed=200 + i)
         nw = ops.native_weight(qw)
         for m in range(1, 17):
@@ -252,7 +73,7 @@ def test_vnni_gemv_equals_avx2_and_reference_up_to_fp32_order():
 @pytest.mark.parametrize("isa", isa_levels())
 def test_dequantize_weight_matches_reference(isa):
     ext = ops.native()
-    for i, (fmt, n, k, group) in enumerate(_cases()):
+    for i, (fmt, n, k, group) in enumerate(quant_cases()):
         qw = quantized_weight(n, k, fmt, group, seed=100 + i)
         ref = qw.dequantize()
         assert torch.equal(ext.dequantize_weight(ops.native_weight(qw), torch.float32, isa), ref), (fmt, group)
@@ -355,7 +176,7 @@ def test_int8_gemm_matches_float64(dtype):
         x = torch.randn(m, k, generator=g).to(dtype)
         b = torch.randn(n, generator=g).to(dtype) if i % 2 else None
         y = ops.linear_int8_gemm(x, qw, b)
-        ref = _round_to_int8_levels(x) @ qw.dequantize().double().T + (0 if b is None else b.double())
+        ref = round_to_int8_levels(x) @ qw.dequantize().double().T + (0 if b is None else b.double())
         tol = 1e-6 * (x.double().abs() @ qw.dequantize().double().abs().T).max().item()
         rounding = ref.abs() * (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -23)
         assert y.dtype == dtype and y.shape == (m, n)

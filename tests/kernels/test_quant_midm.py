@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_quant_kernels import assert_linear_quant_matches_float64, isa_levels, needs_native, quantized_weight
+from quant_cases import assert_linear_quant_matches_float64, isa_levels, needs_native, quantized_weight
 
 from allspark_server.compute import ops, reference
 from allspark_server.quant.formats import FORMATS
