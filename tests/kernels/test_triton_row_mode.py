@@ -1,7 +1,8 @@
 """Alone-rows mode (compute/row_mode.py), the GPU's way of computing a speculative verify step's rows as one-row
 steps: in it the CUDA backend's linears and the MLP's gate_up·silu give each of several rows bit for bit what the
-same row gives alone (dense: the GEMV at any row count; quantized: a launch a row), and outside it several rows take
-the multi-row kernels. On a CUDA machine on the GPU; elsewhere on CPU tensors under the Triton interpreter."""
+same row gives alone (dense: the GEMV at any row count; quantized: the one-row GEMV's tiles over up to 16 rows a
+launch), and outside it several rows take the multi-row kernels. On a CUDA machine on the GPU; elsewhere on CPU
+tensors under the Triton interpreter."""
 from __future__ import annotations
 
 import os
@@ -56,12 +57,20 @@ def test_dense_rows_take_the_gemv_and_equal_each_row_alone():
         [gk.gemv(x[i:i + 1], w) for i in range(ROWS)]))
 
 
-@pytest.mark.parametrize("fmt", ["int4"])
-def test_quantized_rows_equal_each_row_alone(fmt):
-    w, _ = quantized(N, K, fmt, 32, seed=6)
-    gate_up, _ = quantized(2 * N, K, fmt, 32, seed=7)
-    x = x_rows()
+@pytest.mark.parametrize("fmt,group,rows", [("int4", 32, 3), ("uint4", 32, 5), ("uint8", 64, 5),
+                                             ("int4", -1, 2), ("int4", 32, 17)])
+def test_quantized_rows_equal_each_row_alone_from_one_launch_of_up_to_16_rows(fmt, group, rows, monkeypatch):
+    w, _ = quantized(N, K, fmt, group, seed=6)
+    gate_up, _ = quantized(2 * N, K, fmt, group, seed=7)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(DEVICE, torch.bfloat16)
+    alone_linear = rows_alone(lambda r: cuda_ops.linear(r, w), x)
+    alone_mlp = rows_alone(lambda r: cuda_ops.gate_up_silu_mul(r, gate_up), x)
+    launches = []
+    real = cuda_ops.quant_matmul
+    monkeypatch.setattr(cuda_ops, "quant_matmul", lambda x, *a, **kw: launches.append(x.shape[0]) or real(x, *a, **kw))
     with alone_rows():
-        assert_same_bits(cuda_ops.linear(x, w), rows_alone(lambda r: cuda_ops.linear(r, w), x))
-        assert_same_bits(cuda_ops.gate_up_silu_mul(x, gate_up),
-                         rows_alone(lambda r: cuda_ops.gate_up_silu_mul(r, gate_up), x))
+        assert_same_bits(cuda_ops.linear(x, w), alone_linear)
+        if fmt in cuda_ops.SILU_MUL_QUANT_FORMATS:
+            assert_same_bits(cuda_ops.gate_up_silu_mul(x, gate_up), alone_mlp)
+    per_op = [rows] if rows <= 16 else [16, rows - 16]       # quant_kernels.ALONE_MAX_ROWS rows a launch
+    assert launches == per_op * (2 if fmt in cuda_ops.SILU_MUL_QUANT_FORMATS else 1)

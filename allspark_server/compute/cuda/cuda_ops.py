@@ -19,7 +19,7 @@ from allspark_server.compute.cuda import fused_kernels as fused
 from allspark_server.compute.cuda import gemv_kernels
 from allspark_server.compute.cuda.attention_kernels import paged_prefill_attention
 from allspark_server.compute.cuda.decode_attention import fused_decode_enabled, paged_decode_attention
-from allspark_server.compute.cuda.quant_kernels import quant_matmul
+from allspark_server.compute.cuda.quant_kernels import ALONE_MAX_ROWS, alone_config, quant_matmul
 from allspark_server.compute.steps import Attention
 from allspark_server.quant.formats import QuantizedWeight
 
@@ -39,7 +39,7 @@ def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Ten
         if x.dim() != 2 or x.stride(-1) != 1:
             return linear_reference(x, w, bias)
         if row_mode.alone() and x.shape[0] > 1:      # each row as a one-row step computes it
-            return _each_row(lambda row: linear(row, w, bias), x)
+            return _rows_alone(lambda rows, cfg: quant_matmul(_quant_input(rows, w), w, bias, cfg), x, w)
         return quant_matmul(_quant_input(x, w), w, bias)
     if gemv_kernels.fits(x, w):
         return gemv_kernels.gemv(x, w, bias)
@@ -110,9 +110,14 @@ def attention_step(x, b, slots, spans, ctx, cos, sin):
     return linear(o.reshape(n, heads * d), b.o)
 
 
-def _each_row(one_row, x: torch.Tensor) -> torch.Tensor:
-    """one_row(x[i:i + 1]) for each row, stacked: quantized rows in alone-rows mode, a launch each as alone."""
-    return torch.cat([one_row(x[i:i + 1]) for i in range(x.shape[0])])
+def _rows_alone(launch, x: torch.Tensor, w: QuantizedWeight, silu_mul: bool = False) -> torch.Tensor:
+    """Quantized rows in alone-rows mode: launch(rows, config) over at most ALONE_MAX_ROWS rows at a time with the
+    one-row GEMV's config (quant_kernels.alone_config), so each row comes out as alone, the codes read once."""
+    n = w.out_features // 2 if silu_mul else w.out_features
+    parts = [launch(x[i:i + ALONE_MAX_ROWS],
+                    alone_config(min(ALONE_MAX_ROWS, x.shape[0] - i), n, w.in_features, w.group_size, x.device))
+             for i in range(0, x.shape[0], ALONE_MAX_ROWS)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _quant_input(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
@@ -132,7 +137,8 @@ def gate_up_silu_mul(h: torch.Tensor, gate_up: "torch.Tensor | QuantizedWeight",
     weights, or 4-bit codes without a bias)."""
     if isinstance(gate_up, QuantizedWeight):
         if gate_up.fmt in SILU_MUL_QUANT_FORMATS and bias is None and row_mode.alone() and h.shape[0] > 1:
-            return _each_row(lambda row: gate_up_silu_mul(row, gate_up), h)
+            return _rows_alone(lambda rows, cfg: quant_matmul(_quant_input(rows, gate_up), gate_up, config=cfg,
+                                                              silu_mul=True), h, gate_up, silu_mul=True)
         if (gate_up.fmt in SILU_MUL_QUANT_FORMATS and bias is None
                 and gemv_kernels.decode_rows(h, gemv_kernels.SILU_MUL_MAX_ROWS)):
             return quant_matmul(_quant_input(h, gate_up), gate_up, silu_mul=True)

@@ -108,12 +108,16 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 4
     eviction: str = ""        # the GEMV's loads of codes: "" (normal) or "evict_first"
+    rows_alone: bool = False  # the GEMV at block_m rows, each summed as the one-row launch sums it (alone_config)
 
 
 SM_COUNT_DEFAULT = 132          # H100 / H200; read from the device when there is one
 GEMV_MAX_ROWS = 2               # up to this many rows: the FMA kernel; more: tensor-core tiles
 DOT_MAX_ROWS = 64               # above this many rows: dequantize into x's dtype and take cuBLAS's GEMM
 MIN_PROGRAMS_PER_SM = 4         # split K until a small-M launch has about this many programs per SM
+
+
+ALONE_MAX_ROWS = 16             # alone_config's rows a launch (a verify chunk: 1 + up to 16 proposals, in two)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -144,6 +148,16 @@ def choose_config(m: int, n: int, k: int, group_size: int, device: torch.device)
     want = MIN_PROGRAMS_PER_SM * _sm_count(device)
     split = max(1, min(k_tiles // 2, -(-want // max(tiles, 1))))
     return LaunchConfig(block_m, block_n, block_k, split, warps, stages, eviction)
+
+
+def alone_config(m: int, n: int, k: int, group_size: int, device: torch.device) -> LaunchConfig:
+    """The one-row GEMV's config (its tiles, its K split) for m <= ALONE_MAX_ROWS rows of x in one launch: each row
+    meets the same codes in the same order as alone (the kernel sums every row of x on its own, quant_gemv.py), so
+    its result is the one-row launch's bit for bit, and the codes are read from memory once for all m rows
+    (compute/row_mode.py: a speculative verify chunk's rows)."""
+    assert 1 <= m <= ALONE_MAX_ROWS, m
+    one = choose_config(1, n, k, group_size, device)
+    return dataclasses.replace(one, block_m=triton.next_power_of_2(m), rows_alone=True)
 
 
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -181,10 +195,11 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
     group = k if w.group_size == -1 else w.group_size
     cfg = config or choose_config(m, n, k, w.group_size, x.device)
     if silu_mul:     # the epilogue needs whole sums: one split
-        assert bias is None and m <= GEMV_MAX_ROWS and w.out_features % 2 == 0, (bias is None, m, w.out_features)
+        assert bias is None and m <= max(GEMV_MAX_ROWS, cfg.rows_alone * cfg.block_m) and w.out_features % 2 == 0, \
+            (bias is None, m, w.out_features)
         cfg = dataclasses.replace(cfg, split_k=1)
     fmt = FORMAT_IDS[w.fmt]
-    gemv = cfg.block_m <= GEMV_MAX_ROWS
+    gemv = cfg.block_m <= GEMV_MAX_ROWS or cfg.rows_alone
     assert not gemv or m <= cfg.block_m, (m, cfg)
     assert w.group_size == -1 or group % cfg.block_k == 0 or (gemv and cfg.block_k % group == 0), (group, cfg)
     assert fmt < INT4 or cfg.block_k % 32 == 0, cfg.block_k
