@@ -1,6 +1,6 @@
 """Shared fixtures: tiny HF models (built once, locally), their serialized allspark files, the shared Engine
-and pool, the module-scoped fixtures of the split contract / errors / pool-failure suites, and the Triton kernel
-tests' NaN-poisoned torch.empty."""
+and pool, the module-scoped fixtures of the split contract / errors / pool-failure suites, the Triton kernel
+tests' NaN-poisoned torch.empty and the sampler tests' torch.multinomial spy."""
 from __future__ import annotations
 
 import gc
@@ -112,6 +112,21 @@ def poisoned_empty():
     assert torch.utils.deterministic.fill_uninitialized_memory
     yield
     torch.use_deterministic_algorithms(before)
+
+
+@pytest.fixture
+def multinomial_spy(monkeypatch):
+    """Record the probability vector handed to torch.multinomial (the draw itself is unchanged; the sampler tests)."""
+    import torch
+    seen = []
+    real = torch.multinomial
+
+    def spy(probs, *args, **kwargs):
+        seen.append(probs.detach().clone())
+        return real(probs, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "multinomial", spy)
+    return seen
 
 
 @pytest.fixture(scope="session")
