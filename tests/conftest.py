@@ -1,6 +1,7 @@
 """Shared fixtures: tiny HF models (built once, locally), their serialized allspark files, the shared Engine
 and pool, the module-scoped fixtures of the split contract / errors / pool-failure suites, the Triton kernel
-tests' NaN-poisoned torch.empty and the sampler tests' torch.multinomial spy."""
+tests' NaN-poisoned torch.empty, the sampler tests' torch.multinomial spy and the benchmark smoke tests'
+script runner."""
 from __future__ import annotations
 
 import gc
@@ -127,6 +128,36 @@ def multinomial_spy(monkeypatch):
 
     monkeypatch.setattr(torch, "multinomial", spy)
     return seen
+
+
+@pytest.fixture(scope="session")
+def bench_home(tmp_path_factory):
+    """One HOME for the benchmark smoke tests' runs (tests/models/test_benchmark_*.py): the tiny benchmark models
+    are built once, under its ~/.cache."""
+    return tmp_path_factory.mktemp("home")
+
+
+@pytest.fixture
+def bench(bench_home, tmp_path, monkeypatch):
+    """bench(script, *argv): benchmarks/<script>.py's main(argv) in this process, HOME at `bench_home`; the
+    environment (spin_openmp, AS_PROFILE) and torch's thread count are restored afterwards. Returns the module."""
+    import importlib
+
+    import torch
+    from bench_helpers import BENCH
+    saved, threads = dict(os.environ), torch.get_num_threads()
+    monkeypatch.setenv("HOME", str(bench_home))
+    monkeypatch.syspath_prepend(BENCH)
+    monkeypatch.chdir(tmp_path)
+
+    def run(script: str, *argv):
+        module = importlib.import_module(script)
+        module.main([str(a) for a in argv])
+        return module
+    yield run
+    os.environ.clear()
+    os.environ.update(saved)
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -1,16 +1,13 @@
 """Every script in benchmarks/ runs in CI, once, so that none rots unseen, on tiny shapes: its `--smoke` flag
-(common.SMOKE: a 2-layer model and one round of everything) or the smallest arguments it takes. Scripts run in this
-process (each one's main(argv)) unless their point is a process of their own; numbers are checked for sanity only,
-timings never.
+(common.SMOKE: a 2-layer model and one round of everything) or the smallest arguments it takes; numbers are checked
+for sanity only, timings never. This file: the harness and the GPU scripts; the CPU micro-benchmarks, the Engine's
+scripts, llama.cpp and 2-host pools: test_benchmark_scripts.py (both through tests/bench_helpers.py).
 
 - The harness, run.py, also runs as a user runs it (a subprocess): our Engine against transformers, and llama.cpp on
   the same weights (an f32 GGUF, its logits checked against transformers') when llama-cpp-python is installed.
 - GPU scripts: the Triton kernel micro-benchmarks run without a GPU in Triton's interpreter on CPU tensors; the rest
   import and parse their arguments here, and what of them runs on a CPU does (the peer decode step against
   transformers, the step profile, the A/B switch of overlapped scheduling); the `gpu` tests run them on a GPU.
-- What llama-cpp-python (not in requirements.txt), two GPUs, root with network namespaces or the native build are
-  missing for skips, saying which.
-- results_table.py, results_readers.py and results_measures.py are tests/unit/test_results_table.py's (unit tier).
 """
 from __future__ import annotations
 
@@ -23,56 +20,10 @@ import sys
 
 import pytest
 import torch
+from bench_helpers import BENCH, needs_gpu, positive, read
 from pool_helpers import REPO, repo_env
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")      # read when @triton.jit decorates: before any kernel import
-BENCH = os.path.join(REPO, "benchmarks")
-GPU = torch.cuda.is_available()
-needs_gpu = pytest.mark.skipif(not GPU, reason="no CUDA device")
 
-
-def llamacpp_missing() -> str | None:
-    sys.path.insert(0, BENCH)
-    import llamacpp_peer
-    return llamacpp_peer.missing()
-
-
-@pytest.fixture(scope="module")
-def home(tmp_path_factory):
-    """One HOME for the module's runs: the tiny benchmark models are built once, under its ~/.cache."""
-    return tmp_path_factory.mktemp("home")
-
-
-@pytest.fixture
-def bench(home, tmp_path, monkeypatch):
-    """bench(script, *argv): benchmarks/<script>.py's main(argv) in this process, HOME at `home`; the environment
-    (spin_openmp, AS_PROFILE) and torch's thread count are restored afterwards. Returns the module."""
-    saved, threads = dict(os.environ), torch.get_num_threads()
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.syspath_prepend(BENCH)
-    monkeypatch.chdir(tmp_path)
-
-    def run(script: str, *argv):
-        module = importlib.import_module(script)
-        module.main([str(a) for a in argv])
-        return module
-    yield run
-    os.environ.clear()
-    os.environ.update(saved)
-    torch.set_num_threads(threads)
-
-
-def read(path) -> dict:
-    with open(path) as f:
-        return json.load(f)
-
-
-def positive(*values) -> bool:
-    return all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values)
-
-
-# ---- the harness, run.py -----------------------------------------------------------------------------------------
 def test_benchmark_decode_only_runs(tmp_path):
     out = tmp_path / "results.json"
     env = dict(repo_env(), HOME=str(tmp_path))          # the benchmark model is built under ~/.cache
@@ -128,6 +79,35 @@ def test_run_serving_features(bench, tmp_path):
     assert positive(r["prefix_cache"]["multi_turn_concurrent"]["total_speedup"])
     assert positive(r["guided_json"]["c2"]["guided_tpot_ms"], r["pool_2_ranks"]["guided_c1"]["ratio"])
     assert positive(r["mbu"]["engine_vs_benchmark"])
+
+
+def test_one_loop_reader_times_every_token(served_llama):
+    """The concurrency rows' asyncio reader (workloads.token_times_one_loop, the HTTP server's QueueReader) sees
+    each request's every token once, in order: as many arrival times as tokens, never decreasing; and it
+    releases every request it started."""
+    sys.path.insert(0, BENCH)
+    import workloads as W
+    engine, _ = served_llama
+    started, released = [], []
+
+    class Recording:     # the engine, noting which requests are started and released
+        def start_request(self, *args):
+            out = engine.start_request(*args)
+            started.append(out[1])
+            return out
+
+        def release_request(self, name, handle):
+            released.append(handle)
+            return engine.release_request(name, handle)
+
+        def get_last_error(self):
+            return engine.get_last_error()
+    prompts = [W.prompt(5 + i, 900 + i, 100) for i in range(6)]      # more than one step's admissions
+    stamps = W.token_times_one_loop(Recording(), "llama", prompts, 7)
+    assert [len(s) for s in stamps] == [7] * len(prompts)
+    assert all(s == sorted(s) for s in stamps)
+    assert len(started) == len(prompts) and released == started
+    assert not any(engine.has_request("llama", h) for h in started)
 
 
 def test_run_device_cuda_parses_and_imports(bench, capsys):
@@ -228,176 +208,3 @@ def test_decode_attention_sweep(bench, tmp_path):
     bench("decode_attention_sweep", "--smoke", "--json", out)
     (rows,) = read(out).values()
     assert len(rows) == 2 and all(row["max_err"] < 2e-2 for row in rows), rows
-
-
-# ---- CPU kernels' micro-benchmarks ---------------------------------------------------------------------------------
-def test_cpu_decode_attention(bench, tmp_path):
-    out = tmp_path / "attention.json"
-    bench("cpu_decode_attention", "--contexts", "64", "--rounds", "1", "--json", out)
-    for row in read(out)["results"].values():
-        assert positive(*(row[m]["ms_per_step"] for m in ("bf16", "int8", "uint4"))), row
-
-
-def test_gemv_quant_micro(bench, capsys):
-    from allspark_server.compute import ops
-    if ops.native() is None:
-        pytest.skip("the native extension is not built")
-    bench("gemv_quant_micro", "--shape", "64", "64", "--layers", "1", "--rounds", "1", "--a8", "--bound", "--gemm",
-          "--formats", "int8:-1", "uint4_min:32", "--base", "int8:-1")
-    out = capsys.readouterr().out
-    assert "read uint4_min g32" in out and "uint4_min g32+a8 deq+gemm" in out, out
-
-
-def test_vnni_peak(bench, capsys):
-    bench("vnni_peak", "--iterations", "1000")
-    out = capsys.readouterr().out
-    assert "G multiply-adds/s" in out or "no AVX-512 VNNI" in out, out
-
-
-# ---- the Engine's scripts on the tiny model --------------------------------------------------------------------------
-def test_int8_gemm(bench, tmp_path):
-    out = tmp_path / "int8.json"
-    bench("int8_gemm", "--smoke", "--prompts", "16", "--repeats", "1", "--json", out)
-    assert positive(read(out)["ttft"]["16"]["int8_gemm_vs_bf16"])
-
-
-def test_moe(bench, tmp_path):
-    out = tmp_path / "moe.json"
-    bench("moe", "--smoke", "--json", out)
-    r = read(out)
-    assert r["bytes_per_token"]["active"] < r["bytes_per_token"]["all"] and positive(r["concurrent_2"]["ratio"])
-
-
-def test_quant_accuracy(bench, tmp_path):
-    out = tmp_path / "accuracy.json"
-    bench("quant_accuracy", "--smoke", "--positions", "64", "--json", out)
-    r = read(out)
-    assert r["stats"]["trained-like"]["int8 g-1"]["rel_logit_error"] < 0.1
-    assert 0 <= r["greedy32"]["int8_vs_bf16_all"] <= 1
-
-
-def test_gpu_ttft_profile_on_cpu(bench, tmp_path):
-    bench("gpu_ttft_profile", "--device", "cpu", "--cases", "tiny-bf16", "tiny-int8_g32", "--prompt", "16",
-          "--repeats", "1", "--out", tmp_path)
-    r = read(tmp_path / "ttft_profile.json")
-    assert positive(r["tiny-bf16"]["ttft_ms"], r["tiny-int8_g32"]["phases_ms"]["execute_host"])
-
-
-def test_op_profile_table_and_ab_trees(bench, tmp_path, capsys):
-    """op_profile_overhead.py's op table in this process, and ab_trees.py's two engines in their own processes
-    taking turns (op_profile_overhead.py's arms are the same workers)."""
-    bench("op_profile_overhead", "--smoke", "--table", "--tokens", "4")
-    assert "the ops cover" in capsys.readouterr().out
-    out = tmp_path / "ab.json"
-    bench("ab_trees", "--old", REPO, "--smoke", "--variants", "int8", "--turns", "1", "--tokens", "4", "--out", out)
-    assert positive(read(out)["median_ratio"]["int8"])
-
-
-def test_batch_invariance(bench, tmp_path):
-    from allspark_server.compute import ops
-    if ops.native() is None:
-        pytest.skip("batch-invariant mode needs the native kernels")
-    out = tmp_path / "invariance.json"
-    bench("batch_invariance", "--smoke", "--json", out)
-    r = read(out)["models"]["bench"]
-    assert r["differ_from_solo"]["on"] == 0 and set(r["on_over_off"]) == {"decode_b1_tps", "c32_tps", "c32_decode_tps",
-                                                                 "ttft_512_s"}
-    assert all(v > 0 for v in r["on_over_off"].values())
-
-
-def test_install_memory(bench, tmp_path):
-    out = tmp_path / "memory.json"
-    bench("install_memory", "--smoke", "--variants", "int8", "--prompt", "8", "--max-length", "64", "--json", out)
-    r = read(out)["variants"]["int8"]
-    assert r["rss"]["install"] > r["rss"]["imports"] and r["weight_bytes"] > 0
-
-
-def test_serve(bench, tmp_path):
-    out = tmp_path / "serve.json"
-    bench("serve", "--smoke", "--requests", "2", "--repeats", "1", "--sequential", "1", "--prompt", "8",
-          "--max-tokens", "4", "--threads", "1", "--json", out)
-    assert positive(read(out)["http_vs_engine"]["output_throughput_ratio"])
-
-
-def test_stream_profile(bench, tmp_path):
-    """Our side of the GGUF race (gguf_race.py's Ours) on a Q8_0 file llamacpp_peer.py writes, profiled."""
-    from allspark_server.compute import ops
-    if ops.native() is None:
-        pytest.skip("the native extension is not built")
-    out = tmp_path / "streams.json"
-    bench("stream_profile", "--smoke", "--file", "q8_0+head", "--streams", "2", "--new-tokens", "4", "--json", out)
-    r = read(out)
-    assert positive(r["decode_step_ms"], r["ops"]["qkv_proj"]["gmac_per_s"])
-
-
-def test_accuracy_table(bench, tmp_path):
-    """On the tiny model's Q4_1 file (SmolLM2's takes minutes to dequantize for transformers' reference)."""
-    out = tmp_path / "table.json"
-    bench("accuracy_table", "--smoke", "--weights", "bf16", "q4_1", "--kv", "dense", "int8", "--json", out)
-    rows = read(out)["rows"]
-    assert len(rows) == 4 and all(row["kl_mean"] < 1 and row["decode_check"] for row in rows), rows
-
-
-# ---- llama.cpp, 2-host pools ---------------------------------------------------------------------------------------
-def test_gguf_race_rescore(bench, tmp_path):
-    """--rescore needs no llama.cpp: a recorded race's ratios computed again from its rounds; the host-load meter
-    its rounds record."""
-    out = tmp_path / "race.json"
-    race = bench("gguf_race", "--rescore", os.path.join(BENCH, "results", "gguf-race-zen4.json"), "--json", out)
-    r = read(out)
-    assert all(positive(*rep["ratios"].values()) for rep in r["files"].values())
-    assert race.host_load.wait_quiet(max_cores=64, timeout_s=0, window_s=0.05)["quiet_window_others_cores"] >= 0
-
-
-@pytest.mark.parametrize("script", ["gguf_race", "gguf_race_gpu"])
-def test_gguf_race(bench, tmp_path, script):
-    """The race on the tiny model's Q8_0 file (gguf_race_gpu.py with --device cpu, its smoke path); without
-    llama-cpp-python the script parses its arguments and refuses, saying why."""
-    out = tmp_path / "race.json"
-    device = ["--device", "cpu"] if script == "gguf_race_gpu" else []
-    argv = ["--smoke", *device, "--files", "q8_0+head", "--rounds", "1", "--concurrency", "2", "--json", out]
-    if why := llamacpp_missing():
-        with pytest.raises(SystemExit, match="llama.cpp peer skipped"):
-            bench(script, *argv)
-        pytest.skip(why)
-    bench(script, *argv)
-    assert positive(*read(out)["files"]["q8_0+head"]["ratios"].values())
-
-
-def test_multi_host(bench, tmp_path):
-    from netns_hosts import NetnsHosts
-    if why := NetnsHosts.unavailable():
-        pytest.skip(why)
-    out = tmp_path / "hosts.json"
-    bench("multi_host", "--smoke", "--json", out)
-    r = read(out)
-    assert r["same_greedy_tokens"] and positive(r["two_hosts_over_one_host"])
-
-
-def test_one_loop_reader_times_every_token(served_llama):
-    """The concurrency rows' asyncio reader (workloads.token_times_one_loop, the HTTP server's QueueReader) sees
-    each request's every token once, in order: as many arrival times as tokens, never decreasing; and it
-    releases every request it started."""
-    sys.path.insert(0, BENCH)
-    import workloads as W
-    engine, _ = served_llama
-    started, released = [], []
-
-    class Recording:     # the engine, noting which requests are started and released
-        def start_request(self, *args):
-            out = engine.start_request(*args)
-            started.append(out[1])
-            return out
-
-        def release_request(self, name, handle):
-            released.append(handle)
-            return engine.release_request(name, handle)
-
-        def get_last_error(self):
-            return engine.get_last_error()
-    prompts = [W.prompt(5 + i, 900 + i, 100) for i in range(6)]      # more than one step's admissions
-    stamps = W.token_times_one_loop(Recording(), "llama", prompts, 7)
-    assert [len(s) for s in stamps] == [7] * len(prompts)
-    assert all(s == sorted(s) for s in stamps)
-    assert len(started) == len(prompts) and released == started
-    assert not any(engine.has_request("llama", h) for h in started)
