@@ -1,8 +1,8 @@
 """The SmolLM2 file's test case, built once per session for the Engine test (test_gguf_smollm2.py) and the pool
 test (test_smollm2_serve.py): the file serialized by our loader (its Q4_1 weights kept as uint4_min), 8 chat
 prompts, and transformers' fp32 greedy tokens for them (its GGUF loader dequantizes the same file). Loading
-transformers' model of the file and generating 8 x 32 tokens with it is the slow part; both tests check against
-the same reference."""
+transformers' model of the file and generating 8 x 32 tokens with it (as one batch) is the slow part; both tests
+check against the same reference."""
 from __future__ import annotations
 
 import gc
@@ -36,15 +36,25 @@ def chat_prompts(tok, questions: list[str]) -> list[list[int]]:
                                     return_dict=True)["input_ids"] for q in questions]
 
 
-def build_case(path: str, out_dir: str) -> SmolLM2Case:
-    from helpers import hf_greedy
+def hf_greedy_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens for every prompt, as one left-padded batch: one pass over the weights a step
+    serves all of them, and the tokens are those of each prompt alone (a row attends to its own positions only; the
+    padding is masked and its positions are counted from the first real token)."""
+    width = max(map(len, prompts))
+    x = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(x, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                         pad_token_id=0, min_new_tokens=max_new_tokens)
+    return out[:, width:].tolist()
 
+
+def build_case(path: str, out_dir: str) -> SmolLM2Case:
     from allspark_server import HuggingFaceModel
     loader = HuggingFaceModel(path, "smollm2", user_set_data_type="float32").load_model()
     loader.serialize(None, model_output_dir=out_dir)
     prompts = chat_prompts(loader.get_tokenizer(), QUESTIONS)
     reference = transformers_model(loader)
-    want = [hf_greedy(reference, p, NEW_TOKENS) for p in prompts]
+    want = hf_greedy_batch(reference, prompts, NEW_TOKENS)
     del reference
     gc.collect()
     return SmolLM2Case(loader, prompts, want)
