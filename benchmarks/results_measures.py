@@ -55,9 +55,16 @@ MEASURES = {
                           "smollm2-dense --draft smollm2 --rounds 3`: SmolLM2's weights in bf16 (dequantized from "
                           "the Q4_1 file) plain, with ngram speculation and with the Q4_1 file itself as the draft "
                           "model (k = 4).", speculative),
+    "speculative-self-draft": ("Speculative decoding with the target's own quantized copy as the draft",
+                               "`speculative.py --device cuda --model 7b --layers 8 --draft self --draft-quantize "
+                               "uint4`: a 7B-wide random bf16 model (8 of its 32 layers) plain, with ngram and with "
+                               "its own InstantQuant uint4 copy as the draft (k = 4). Random weights: the output "
+                               "repeats nothing for ngram, and 4-bit noise changes their near-flat argmax.",
+                               speculative),
     "speculative-verify": ("GPU: what a speculative verify step costs", "`speculative_verify_cost.py --model "
                            "smollm2|7b --layers 8 --max-batch 4 --ctx 1,1024 --extra 3,5,6`: the decode graphs' "
-                           "replay times by row count (the 7B-wide model with 8 of its 32 layers).",
+                           "replay times by row count (the 7B-wide model with 8 of its 32 layers) and the verify "
+                           "graph's of 5 rows (alone-rows mode: each row computed as a one-row step).",
                            speculative_verify),
     "engines": ("CPU: Engine against transformers", "`run.py`: batch-1 decode, concurrency, TTFT, 2-rank pool; "
                 "0.5 B Llama-shaped model, random weights.", engines),

@@ -355,12 +355,14 @@ def speculative(r: dict) -> list:
 
 def speculative_verify(r: dict) -> list:
     """speculative_verify_cost.py: per model and context length, a decode graph's replay time at each row count over
-    one row's (a verify chunk of k + 1 rows at batch 1 replays the smallest graph that holds them)."""
+    one row's, and the verify graph's of k + 1 = 5 rows at batch 1 (alone-rows mode), where the run has one."""
     rows = []
     for model, m in r["models"].items():
         for ctx, c in m["by_ctx"].items():
+            verify = c["over_size1"].get("v5")
             rows.append({"model": model, "context": ctx, "1 row (ms)": f(c["ms"]["1"], 3),
-                         **{f"{n} rows / 1": x(c["over_size1"][n]) for n in ("2", "3", "5", "8")}})
+                         **{f"{n} rows / 1": x(c["over_size1"].get(n)) for n in ("2", "4", "5", "8")},
+                         "verify graph, 5 rows / 1": x(verify)})
     return rows
 
 

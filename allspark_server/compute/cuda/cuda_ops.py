@@ -19,7 +19,7 @@ from allspark_server.compute.cuda import fused_kernels as fused
 from allspark_server.compute.cuda import gemv_kernels
 from allspark_server.compute.cuda.attention_kernels import paged_prefill_attention
 from allspark_server.compute.cuda.decode_attention import fused_decode_enabled, paged_decode_attention
-from allspark_server.compute.cuda.quant_kernels import ALONE_MAX_ROWS, alone_config, quant_matmul
+from allspark_server.compute.cuda.quant_kernels import alone_config, quant_matmul
 from allspark_server.compute.steps import Attention
 from allspark_server.quant.formats import QuantizedWeight
 
@@ -111,13 +111,10 @@ def attention_step(x, b, slots, spans, ctx, cos, sin):
 
 
 def _rows_alone(launch, x: torch.Tensor, w: QuantizedWeight, silu_mul: bool = False) -> torch.Tensor:
-    """Quantized rows in alone-rows mode: launch(rows, config) over at most ALONE_MAX_ROWS rows at a time with the
-    one-row GEMV's config (quant_kernels.alone_config), so each row comes out as alone, the codes read once."""
+    """Quantized rows in alone-rows mode: launch(x, config) with the one-row GEMV's config, a program per row
+    (quant_kernels.alone_config), so each row comes out as alone."""
     n = w.out_features // 2 if silu_mul else w.out_features
-    parts = [launch(x[i:i + ALONE_MAX_ROWS],
-                    alone_config(min(ALONE_MAX_ROWS, x.shape[0] - i), n, w.in_features, w.group_size, x.device))
-             for i in range(0, x.shape[0], ALONE_MAX_ROWS)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    return launch(x, alone_config(n, w.in_features, w.group_size, x.device))
 
 
 def _quant_input(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:

@@ -56,17 +56,22 @@ def _accumulate(acc, acc_up, wt, wu, x, offs_m, offs_k, M, K, stride_xm, BLOCK_M
     return acc, acc_up
 
 
-@triton.jit
-def _gemv_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_rows,
+@triton.jit(do_not_specialize=["grid_rows"])
+def _gemv_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_rows, grid_rows,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SILU_MUL: tl.constexpr, EVICTION: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
     """Program = BLOCK_N outputs: y[:M, n] = sum_k x[:M, k] w[n, k] (+ bias[n]) in fp32, rounded once to out's
     dtype. SILU_MUL: rows n and up_rows + n of w are a gate and an up row; out = silu(gate) * up, rounded where
     ops.silu_mul rounds (gate, up, silu(gate), the product). PDL (pdl.py): the first k-tile of the weight is
-    loaded before waiting for the kernel that writes x."""
+    loaded before waiting for the kernel that writes x. grid_rows: programs per BLOCK_N outputs, each on its own
+    row of x and of out (alone-rows mode: M = 1 a program; 1 otherwise), neighbours in the grid, so that a weight
+    tile read from memory for one row is in L2 for the others."""
     allow_next(PDL)
+    pid = tl.program_id(0)
+    x += (pid % grid_rows).to(tl.int64) * stride_xm
+    out += (pid % grid_rows).to(tl.int64) * stride_om
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = (pid // grid_rows) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     rows = w + offs_n.to(tl.int64)[:, None] * stride_wn                                 # [BN, 1]
     up = rows + up_rows * stride_wn
@@ -141,11 +146,14 @@ def _launch(x, w, bias, out_cols, up_rows, silu_mul, config):
     out = torch.empty(m, out_cols, dtype=x.dtype, device=x.device)                       # [M, N]
     if m == 0 or out_cols == 0:
         return out
-    _gemv_kernel[(triton.cdiv(out_cols, cfg.block_n),)](
-        x, w, w if bias is None else bias, out, m, out_cols, k, x.stride(0), w.stride(0), out.stride(0), up_rows,
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
-        SILU_MUL=silu_mul, EVICTION=cfg.eviction, SOFT_BF16=_INTERPRETED, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, enable_fp_fusion=False, **pdl.launch_options(x.device))
+    # alone-rows mode: a program a row, each the one-row launch's (M = 1, BLOCK_M = 1), so its sums are the same
+    grid_rows = m if row_mode.alone() else 1
+    rows = m // grid_rows                                                               # rows a program
+    _gemv_kernel[(triton.cdiv(out_cols, cfg.block_n) * grid_rows,)](
+        x, w, w if bias is None else bias, out, rows, out_cols, k, x.stride(0), w.stride(0), out.stride(0),
+        up_rows, grid_rows, BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVICTION=cfg.eviction, SOFT_BF16=_INTERPRETED,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **pdl.launch_options(x.device))
     return out
 
 

@@ -149,9 +149,9 @@ def _gemv_tiles(acc, acc_up, bits, bits_up, k0, x, scales, zeros, rows, up_rows,
     return acc, acc_up
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["grid_rows"])
 def quant_gemv_kernel(x, qw, scales, zeros, out, M, N, K, k_per_split,
-                      stride_xm, stride_qn, stride_sn, stride_zn, stride_os, stride_om, up_rows,
+                      stride_xm, stride_qn, stride_sn, stride_zn, stride_os, stride_om, up_rows, grid_rows,
                       FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
                       EVICTION: tl.constexpr, SILU_MUL: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
@@ -161,9 +161,13 @@ def quant_gemv_kernel(x, qw, scales, zeros, out, M, N, K, k_per_split,
     out[split, :M, n tile] (fp32 partials, or y itself in its dtype). EVICTION: the codes' cache policy
     ("evict_first": streamed once). SILU_MUL (one split): rows n and up_rows + n are the merged gate_up's gate
     and up rows, and out = silu(gate) * up in x's dtype, rounded as ops.silu_mul rounds the linear's output.
-    PDL (pdl.py): the first k-tile's codes are loaded before waiting for the kernel that writes x."""
+    PDL (pdl.py): the first k-tile's codes are loaded before waiting for the kernel that writes x. grid_rows:
+    programs per n tile, each on its own row of x and of out (alone-rows mode: M = 1 a program; 1 otherwise),
+    neighbours in the grid, so that codes read from memory for one row are in L2 for the others."""
     allow_next(PDL)
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    pid_n, pid_k = tl.program_id(0) // grid_rows, tl.program_id(1)
+    x += (tl.program_id(0) % grid_rows).to(tl.int64) * stride_xm
+    out += (tl.program_id(0) % grid_rows).to(tl.int64) * stride_om
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N

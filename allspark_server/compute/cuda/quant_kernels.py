@@ -108,16 +108,13 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 4
     eviction: str = ""        # the GEMV's loads of codes: "" (normal) or "evict_first"
-    rows_alone: bool = False  # the GEMV at block_m rows, each summed as the one-row launch sums it (alone_config)
+    rows_alone: bool = False  # the one-row GEMV, a program per row of x and tile (alone_config)
 
 
 SM_COUNT_DEFAULT = 132          # H100 / H200; read from the device when there is one
 GEMV_MAX_ROWS = 2               # up to this many rows: the FMA kernel; more: tensor-core tiles
 DOT_MAX_ROWS = 64               # above this many rows: dequantize into x's dtype and take cuBLAS's GEMM
 MIN_PROGRAMS_PER_SM = 4         # split K until a small-M launch has about this many programs per SM
-
-
-ALONE_MAX_ROWS = 16             # alone_config's rows a launch (a verify chunk: 1 + up to 16 proposals, in two)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -150,14 +147,12 @@ def choose_config(m: int, n: int, k: int, group_size: int, device: torch.device)
     return LaunchConfig(block_m, block_n, block_k, split, warps, stages, eviction)
 
 
-def alone_config(m: int, n: int, k: int, group_size: int, device: torch.device) -> LaunchConfig:
-    """The one-row GEMV's config (its tiles, its K split) for m <= ALONE_MAX_ROWS rows of x in one launch: each row
-    meets the same codes in the same order as alone (the kernel sums every row of x on its own, quant_gemv.py), so
-    its result is the one-row launch's bit for bit, and the codes are read from memory once for all m rows
-    (compute/row_mode.py: a speculative verify chunk's rows)."""
-    assert 1 <= m <= ALONE_MAX_ROWS, m
-    one = choose_config(1, n, k, group_size, device)
-    return dataclasses.replace(one, block_m=triton.next_power_of_2(m), rows_alone=True)
+def alone_config(n: int, k: int, group_size: int, device: torch.device) -> LaunchConfig:
+    """The one-row GEMV's config (its tiles, its K split) for any rows of x in one launch, a program per row and
+    tile: each row meets the same codes in the same order as alone, so its result is the one-row launch's bit for
+    bit, and neighbouring programs read a tile's codes from memory once for all rows (compute/row_mode.py: a
+    speculative verify chunk's rows)."""
+    return dataclasses.replace(choose_config(1, n, k, group_size, device), rows_alone=True)
 
 
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -195,12 +190,12 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
     group = k if w.group_size == -1 else w.group_size
     cfg = config or choose_config(m, n, k, w.group_size, x.device)
     if silu_mul:     # the epilogue needs whole sums: one split
-        assert bias is None and m <= max(GEMV_MAX_ROWS, cfg.rows_alone * cfg.block_m) and w.out_features % 2 == 0, \
+        assert bias is None and (m <= GEMV_MAX_ROWS or cfg.rows_alone) and w.out_features % 2 == 0, \
             (bias is None, m, w.out_features)
         cfg = dataclasses.replace(cfg, split_k=1)
     fmt = FORMAT_IDS[w.fmt]
-    gemv = cfg.block_m <= GEMV_MAX_ROWS or cfg.rows_alone
-    assert not gemv or m <= cfg.block_m, (m, cfg)
+    gemv = cfg.block_m <= GEMV_MAX_ROWS
+    assert not gemv or m <= cfg.block_m or cfg.rows_alone, (m, cfg)
     assert w.group_size == -1 or group % cfg.block_k == 0 or (gemv and cfg.block_k % group == 0), (group, cfg)
     assert fmt < INT4 or cfg.block_k % 32 == 0, cfg.block_k
     k_tiles = triton.cdiv(k, cfg.block_k)
@@ -211,7 +206,8 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
     else:
         partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)       # [S, M, N]
     zeros = w.zeros
-    args = (x, w.qweight, w.scales, w.scales if zeros is None else zeros, partial, m, n, k, k_per_split,
+    grid_rows = m if cfg.rows_alone else 1            # rows_alone: a program a row, each with M = 1 as alone
+    args = (x, w.qweight, w.scales, w.scales if zeros is None else zeros, partial, m // grid_rows, n, k, k_per_split,
             x.stride(0), w.qweight.stride(0), w.scales.stride(0), 0 if zeros is None else zeros.stride(0),
             partial.stride(0), partial.stride(1))
     common = dict(FMT=fmt, GROUP=group, HAS_ZERO=zeros is not None and fmt != UINT4_MIN, HAS_MIN=fmt == UINT4_MIN,
@@ -220,9 +216,9 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
         sub = cfg.block_k if w.group_size == -1 else min(cfg.block_k, w.group_size)
         # uint4_min: the min in the weights where a program has one k-tile, else min * sum(x) (quant_gemv.py)
         common["HAS_MIN"] = 0 if fmt != UINT4_MIN else 2 if k_per_split <= cfg.block_k else 1
-        quant_gemv_kernel[(triton.cdiv(n, cfg.block_n), splits)](
-            *args, up_rows=n, BLOCK_M=cfg.block_m, SUB=sub, EVICTION=cfg.eviction, SILU_MUL=silu_mul,
-            SOFT_BF16=_INTERPRETED, **common, **pdl.launch_options(x.device))
+        quant_gemv_kernel[(triton.cdiv(n, cfg.block_n) * grid_rows, splits)](
+            *args, up_rows=n, grid_rows=grid_rows, BLOCK_M=cfg.block_m, SUB=sub, EVICTION=cfg.eviction,
+            SILU_MUL=silu_mul, SOFT_BF16=_INTERPRETED, **common, **pdl.launch_options(x.device))
     else:
         _quant_matmul_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)](
             *args, BLOCK_M=cfg.block_m, DOT_DTYPE=_DOT_DTYPES[x.dtype],
