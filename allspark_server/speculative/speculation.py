@@ -17,6 +17,10 @@ distribution (tests/unit/test_speculative_sampling.py checks it by chi-square, a
 Who speculates: requests with gen.speculative (default on) and no response_format (their grammar would have to
 follow every proposed token), while at most `max_batch` requests run: a large batch is compute-bound, and the rows
 a rejected proposal costs are no longer free (docs/speculative.md gives the measurements behind the default).
+A request whose proposal was rejected whole backs off: it decodes 1, 2, 4, ... up to MAX_BACKOFF steps without
+proposals before it tries again, and one accepted token ends the back-off. Text the proposer cannot predict (a
+random model's, or free text against a poor draft) then costs a verify step about every MAX_BACKOFF steps instead
+of every step.
 """
 from __future__ import annotations
 
@@ -29,6 +33,9 @@ from allspark_client.config import AUTO_SPECULATIVE_MAX_BATCH, AsModelConfig
 from allspark_server.core.request import Request
 from allspark_server.runner.sample_types import SampleResult
 from allspark_server.speculative.ngram import propose_ngram
+
+
+MAX_BACKOFF = 16      # steps without proposals after repeated whole rejections, at most
 
 
 class Proposer(Protocol):
@@ -73,6 +80,7 @@ class Speculation:
         self.stats = SpeculationStats()
         self.skipped: Counter = Counter()          # requests that ran without it, by reason
         self._counted: set[int] = set()            # request ids whose skip reason is counted
+        self._backoff: dict[int, list[int]] = {}   # request id -> [steps left to wait, the next wait]
         self._lock = threading.Lock()
 
     @staticmethod
@@ -95,6 +103,8 @@ class Speculation:
         for req in running:
             if req.num_tokens - req.num_computed_tokens != 1:
                 continue                                   # still in its prompt
+            if self._waits(req.request_id):
+                continue
             reason = self.skip_reason(entry_of(req.request_id))
             if reason is not None:
                 if req.request_id not in self._counted:
@@ -110,12 +120,28 @@ class Speculation:
             return {}
         return {req.request_id: draft for req, draft in zip(wanted, self.proposer.propose(wanted, counts)) if draft}
 
-    def accepted(self, draft: Sequence[int], rows: Sequence[SampleResult]) -> list[SampleResult]:
+    def _waits(self, request_id: int) -> bool:
+        """Whether the request sits out this step's proposals (its back-off), counting the step."""
+        wait = self._backoff.get(request_id)
+        if wait is None or wait[0] == 0:
+            return False
+        wait[0] -= 1
+        return True
+
+    def accepted(self, draft: Sequence[int], rows: Sequence[SampleResult], request_id: Optional[int] = None
+                 ) -> list[SampleResult]:
         """A verify chunk's sampled rows (1 + len(draft)) -> the results of the tokens it emits: the rows while
-        each sampled the proposed token, then the first that did not (or the last row's, all accepted)."""
+        each sampled the proposed token, then the first that did not (or the last row's, all accepted). A proposal
+        rejected whole starts or doubles the request's back-off; an accepted token ends it."""
         n = 0
         while n < len(draft) and rows[n].token_id == draft[n]:
             n += 1
+        if request_id is not None:
+            if n:
+                self._backoff.pop(request_id, None)
+            else:
+                wait = self._backoff.setdefault(request_id, [0, 1])
+                wait[0], wait[1] = wait[1], min(2 * wait[1], MAX_BACKOFF)
         with self._lock:
             s = self.stats
             s.draft_tokens += len(draft)
@@ -125,6 +151,7 @@ class Speculation:
 
     def forget(self, request_id: int) -> None:
         self._counted.discard(request_id)
+        self._backoff.pop(request_id, None)
         self.proposer.forget(request_id)
 
     def close(self) -> None:
@@ -167,7 +194,7 @@ def emitted_results(speculation: Optional[Speculation], chunks, rids: Sequence[i
         out.setdefault(rid, []).append(res)
     for c in chunks:
         if c.draft_ids and c.request_id in out:
-            out[c.request_id] = speculation.accepted(c.draft_ids, out[c.request_id])
+            out[c.request_id] = speculation.accepted(c.draft_ids, out[c.request_id], c.request_id)
     return out
 
 

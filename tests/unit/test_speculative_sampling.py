@@ -131,3 +131,31 @@ def test_counter_based_draws_emit_the_tokens_of_one_token_steps():
         spec.extend(r.token_id for r in emitted)
     assert spec[:60] == plain and verified > 5, (spec, plain)
     assert speculation.stats.accepted_tokens > 0
+
+
+def test_a_request_whose_proposals_are_rejected_backs_off_until_one_is_accepted():
+    from types import SimpleNamespace
+
+    from allspark_server.runner.sample_types import SampleResult
+    from allspark_server.speculative.speculation import MAX_BACKOFF
+
+    class Always(NgramProposer):                   # proposes token 7 whenever asked
+        def propose(self, requests, counts):
+            return [[7] * k for k in counts]
+
+    speculation = Speculation(2, Always(1, 1))
+    req = SimpleNamespace(request_id=5, num_tokens=10, num_computed_tokens=9, max_length=1000)
+    entry = SimpleNamespace(sampling=SimpleNamespace(gen=GenerationConfig(), guided=None))
+    proposed_at = []
+    for step in range(60):
+        drafts = speculation.propose([req], lambda rid: entry)
+        if drafts:
+            proposed_at.append(step)
+            sampled = 7 if step == 36 else 3               # the proposal at step 36 has its first token accepted
+            rows = [SampleResult(sampled), SampleResult(3), SampleResult(3)]
+            speculation.accepted(drafts[5], rows, 5)
+    # waits of 1, 2, 4, 8, 16 steps after each whole rejection; the accepted token ends the back-off
+    assert MAX_BACKOFF == 16
+    assert proposed_at == [0, 2, 5, 10, 19, 36, 37, 39, 42, 47, 56], proposed_at
+    speculation.forget(5)
+    assert speculation.propose([req], lambda rid: entry) == {5: [7, 7]}
