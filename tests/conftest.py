@@ -74,9 +74,14 @@ def pytest_make_parametrize_id(config, val, argname):
 def pytest_collection_finish(session):
     """What the imports and the collection made lives for the whole run (modules, torch, transformers, the test
     items): frozen, the collector stops walking it again and again; a full collection of those objects takes seconds
-    and gc's time was a tenth of the suite's. Objects made later are collected as usual."""
+    and gc's time was a tenth of the suite's. Objects made later are collected as usual, but less often: the
+    session's fixtures (models, GGUF readers, pools' clients) keep a few hundred thousand objects alive, and at
+    Python's default thresholds (700, 10, 10) walking them again took a minute of the run. Only this process's
+    collector changes (a test that needs garbage gone calls gc.collect(); pools and servers are processes of
+    their own)."""
     gc.collect()
     gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
 
 
 @pytest.hookimpl(hookwrapper=True)
