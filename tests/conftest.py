@@ -75,8 +75,9 @@ def pytest_collection_finish(session):
     """What the imports and the collection made lives for the whole run (modules, torch, transformers, the test
     items): frozen, the collector stops walking it again and again; a full collection of those objects takes seconds
     and gc's time was a tenth of the suite's. Objects made later are collected as usual, but less often: the
-    session's fixtures (models, GGUF readers, pools' clients) keep a few hundred thousand objects alive, and at
-    Python's default thresholds (700, 10, 10) walking them again took a minute of the run. Only this process's
+    session's fixtures (models, GGUF readers, pools' clients) keep a few hundred thousand objects alive, which
+    Python's default thresholds (700, 10, 10) walk again every few thousand allocations (gc took a minute of the
+    run, explicit gc.collect() calls such as kv_budget.usage()'s included). Only this process's
     collector changes (a test that needs garbage gone calls gc.collect(); pools and servers are processes of
     their own)."""
     gc.collect()
