@@ -198,11 +198,13 @@ class ServedModel:
 
     def may_run_ahead(self, step: LaunchedStep) -> bool:
         """A GPU decode step replayed from the CUDA graphs with no guided request may leave its tokens on the GPU
-        for the next step (the overlapped loop), unless the next step may verify proposals (speculation.py: while
-        few requests run), which the host makes from the tokens."""
+        for the next step (the overlapped loop), unless the next step may verify proposals, which the host makes
+        from the tokens (speculation.py: while few requests run, none of which waits in its back-off)."""
+        if not step.graph or not all(rid in self._live and self._live[rid].sampling.guided is None
+                                     for rid in step.rids):
+            return False
         spec = self.speculation
-        return step.graph and (spec is None or len(self.scheduler.running) > spec.max_batch) and all(
-            rid in self._live and self._live[rid].sampling.guided is None for rid in step.rids)
+        return spec is None or len(self.scheduler.running) > spec.max_batch or spec.wait_out_next(step.rids)
 
     def launch(self, plan, started: float, tokens=None, behind: Optional[LaunchedStep] = None
                 ) -> Optional[LaunchedStep]:

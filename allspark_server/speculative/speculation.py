@@ -34,7 +34,6 @@ from allspark_server.core.request import Request
 from allspark_server.runner.sample_types import SampleResult
 from allspark_server.speculative.ngram import propose_ngram
 
-
 MAX_BACKOFF = 16      # steps without proposals after repeated whole rejections, at most
 
 
@@ -126,6 +125,17 @@ class Speculation:
         if wait is None or wait[0] == 0:
             return False
         wait[0] -= 1
+        return True
+
+    def wait_out_next(self, request_ids: Iterable[int]) -> bool:
+        """Whether every one of these requests waits out the next step in its back-off, so that step has no
+        proposal and may be planned before this one's tokens are known (the overlapped GPU loop); if so, that step
+        counts as waited for each."""
+        waits = [self._backoff.get(rid) for rid in set(request_ids)]
+        if not waits or not all(w is not None and w[0] > 0 for w in waits):
+            return False
+        for w in waits:
+            w[0] -= 1
         return True
 
     def accepted(self, draft: Sequence[int], rows: Sequence[SampleResult], request_id: Optional[int] = None

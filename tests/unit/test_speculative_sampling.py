@@ -157,5 +157,12 @@ def test_a_request_whose_proposals_are_rejected_backs_off_until_one_is_accepted(
     # waits of 1, 2, 4, 8, 16 steps after each whole rejection; the accepted token ends the back-off
     assert MAX_BACKOFF == 16
     assert proposed_at == [0, 2, 5, 10, 19, 36, 37, 39, 42, 47, 56], proposed_at
+    # the overlapped GPU loop plans a step ahead only while every request of it waits, and counts that step
+    assert not speculation.wait_out_next([5, 6])       # request 6 has no back-off: it may get a proposal
+    waited = 0
+    while speculation.wait_out_next([5]):
+        waited += 1
+    assert waited == 16 - 3 and speculation.propose([req], lambda rid: entry) == {5: [7, 7]}
     speculation.forget(5)
+    assert not speculation.wait_out_next([5])
     assert speculation.propose([req], lambda rid: entry) == {5: [7, 7]}
