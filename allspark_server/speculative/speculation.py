@@ -17,10 +17,11 @@ distribution (tests/unit/test_speculative_sampling.py checks it by chi-square, a
 Who speculates: requests with gen.speculative (default on) and no response_format (their grammar would have to
 follow every proposed token), while at most `max_batch` requests run: a large batch is compute-bound, and the rows
 a rejected proposal costs are no longer free (docs/speculative.md gives the measurements behind the default).
-A request whose proposal was rejected whole backs off: it decodes 1, 2, 4, ... up to MAX_BACKOFF steps without
-proposals before it tries again, and one accepted token ends the back-off. Text the proposer cannot predict (a
-random model's, or free text against a poor draft) then costs a verify step about every MAX_BACKOFF steps instead
-of every step.
+A request whose proposal was rejected whole, or for which the proposer found nothing, backs off: it decodes 1, 2,
+4, ... up to MAX_BACKOFF steps without proposals before it tries again, and one accepted token ends the back-off.
+Text the proposer cannot predict (a random model's, or free text against a poor draft) then costs a verify step
+about every MAX_BACKOFF steps instead of every step, and on a GPU the steps it waits may run ahead of the host
+(served_model.may_run_ahead).
 """
 from __future__ import annotations
 
@@ -117,7 +118,13 @@ class Speculation:
                 counts.append(k)
         if not wanted:
             return {}
-        return {req.request_id: draft for req, draft in zip(wanted, self.proposer.propose(wanted, counts)) if draft}
+        drafts = {}
+        for req, draft in zip(wanted, self.proposer.propose(wanted, counts)):
+            if draft:
+                drafts[req.request_id] = draft
+            else:                                          # nothing to propose: as a proposal rejected whole
+                self._back_off(req.request_id)
+        return drafts
 
     def _waits(self, request_id: int) -> bool:
         """Whether the request sits out this step's proposals (its back-off), counting the step."""
@@ -126,6 +133,10 @@ class Speculation:
             return False
         wait[0] -= 1
         return True
+
+    def _back_off(self, request_id: int) -> None:
+        wait = self._backoff.setdefault(request_id, [0, 1])
+        wait[0], wait[1] = wait[1], min(2 * wait[1], MAX_BACKOFF)
 
     def wait_out_next(self, request_ids: Iterable[int]) -> bool:
         """Whether every one of these requests waits out the next step in its back-off, so that step has no
@@ -150,8 +161,7 @@ class Speculation:
             if n:
                 self._backoff.pop(request_id, None)
             else:
-                wait = self._backoff.setdefault(request_id, [0, 1])
-                wait[0], wait[1] = wait[1], min(2 * wait[1], MAX_BACKOFF)
+                self._back_off(request_id)
         with self._lock:
             s = self.stats
             s.draft_tokens += len(draft)

@@ -166,3 +166,15 @@ def test_a_request_whose_proposals_are_rejected_backs_off_until_one_is_accepted(
     speculation.forget(5)
     assert not speculation.wait_out_next([5])
     assert speculation.propose([req], lambda rid: entry) == {5: [7, 7]}
+    # a request for which the proposer finds nothing backs off the same way
+    asked = []
+
+    class Nothing(NgramProposer):
+        def propose(self, requests, counts):
+            asked.append(step)
+            return [[] for _ in requests]
+
+    lookup = Speculation(2, Nothing(1, 1))
+    for step in range(40):
+        assert lookup.propose([req], lambda rid: entry) == {}
+    assert asked == [0, 2, 5, 10, 19, 36], asked
