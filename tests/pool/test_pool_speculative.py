@@ -2,7 +2,7 @@
 serves the tiny Llama as "llama" without speculation and, installed next to it for this module, as "llama_spec"
 with ngram speculation (4 tokens). Greedy tokens of both are the same, alone and three requests at once; the
 spec_* stats come back through get_as_engine_stat; a request with speculative=False runs without it and counts as
-skipped."""
+skipped. A draft model (the tiny Llama's int8 copy, on rank 0) keeps greedy output in the pool too."""
 from __future__ import annotations
 
 import pytest
@@ -99,3 +99,26 @@ def test_request_turned_off_runs_without_speculation(spec_pool):
     assert (stat.spec_draft_tokens, stat.spec_verify_steps) == (before.spec_draft_tokens, before.spec_verify_steps)
     assert "turned_off=1" in stat.spec_skipped, stat.spec_skipped
     assert "turned_off" not in before.spec_skipped, before.spec_skipped
+
+
+def test_draft_model_in_the_pool_keeps_greedy_output(pool, llama):
+    """The draft method in a 2-rank pool: rank 0 runs the draft (the tiny Llama's own InstantQuant int8 copy),
+    both ranks verify; greedy output alone and three at once equals the plain model's."""
+    client, loader = pool
+    name = "llama_draft"
+    cfg = (loader.create_reference_runtime_config_builder(name, "cpu", [0], max_batch=4)
+           .max_length(512).kv_cache_span_size(16)
+           .speculative_decoding("draft", 3, draft_model=llama.hf_dir, draft_quantize="int8").build())
+    assert client.install_model(cfg) == AsStatus.ALLSPARK_SUCCESS, client.get_last_error()
+    assert client.start_model(name) == AsStatus.ALLSPARK_SUCCESS, client.get_last_error()
+    try:
+        prompts = [random_prompt(30, seed) for seed in (41, 42, 43)]
+        want = run_all(client, PLAIN, prompts, greedy(40))
+        assert_same_tokens(run_all(client, name, prompts[:1], greedy(40))[0], want[0], "draft, one request")
+        for i, (g, w) in enumerate(zip(run_all(client, name, prompts, greedy(40)), want)):
+            assert_same_tokens(g, w, f"draft, request {i} of 3 at once")
+        stat = client.get_as_engine_stat(name)
+        assert stat.spec_verify_steps > 0 and stat.spec_acceptance_rate > 0.5, stat
+    finally:
+        assert client.stop_model(name) == AsStatus.ALLSPARK_SUCCESS
+        assert client.release_model(name) == AsStatus.ALLSPARK_SUCCESS
