@@ -1,6 +1,7 @@
 """Speculative decoding on a GPU rank (marker-free: skipped without CUDA): greedy output with ngram speculation
 equals greedy output without it, fp32 and bf16, alone and batched, with the verify rows replayed from the decode
-graphs (each verify chunk a run of decode rows, runner/cuda_graphs.py) and eagerly."""
+graphs (each verify chunk a run of decode rows, runner/cuda_graphs.py) and eagerly; and with a draft model (the
+model's own int8 copy, on the same GPU)."""
 from __future__ import annotations
 
 import pytest
@@ -15,11 +16,13 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA de
 GREEDY = {"top_k": 1, "eos_token_id": [], "max_new_tokens": 80}
 
 
-def cuda_engine(loader, name: str, speculative: bool) -> Engine:
+def cuda_engine(loader, name: str, speculative: bool, draft: dict | None = None) -> Engine:
     engine = Engine()
     b = (loader.create_reference_runtime_config_builder(name, TargetDevice.CUDA, [0], max_batch=4)
          .max_length(512).kv_cache_span_size(16))
-    if speculative:
+    if draft:
+        b.speculative_decoding("draft", 3, **draft)
+    elif speculative:
         b.speculative_decoding("ngram", 4)
     engine.install_model(b.build())
     engine.start_model(name)
@@ -42,3 +45,17 @@ def test_ngram_greedy_on_the_gpu_equals_greedy_without(llama, tmp_path, monkeypa
     assert [t for t, _ in run_together(spec, "m", [(p, GREEDY) for p in prompts[:3]])] == want[:3]
     stat = spec.get_as_engine_stat("m")
     assert stat.spec_accepted_tokens > 0, stat
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_draft_greedy_on_the_gpu_equals_greedy_without(llama, tmp_path, dtype):
+    loader = serialize(llama.hf_dir, "m", str(tmp_path), dtype=dtype)
+    base = cuda_engine(loader, "m", False)
+    spec = cuda_engine(loader, "m", True, draft={"draft_model": llama.hf_dir, "draft_quantize": "int8"})
+    prompts = [random_prompt(30, 60 + seed) for seed in range(3)]
+    want = [generate(base, "m", p, GREEDY)[0] for p in prompts]
+    assert [generate(spec, "m", p, GREEDY)[0] for p in prompts] == want
+    assert [t for t, _ in run_together(spec, "m", [(p, GREEDY) for p in prompts])] == want
+    stat = spec.get_as_engine_stat("m")
+    assert stat.spec_verify_steps > 0 and stat.spec_acceptance_rate > 0.5, stat
