@@ -7,8 +7,10 @@ of its own over a single-rank communicator, on the target's compute unit, with a
 
 Per request it keeps a mirror of what the draft has computed. Before each target step, `propose` rolls each
 request back to the longest common prefix of those tokens and the request's tokens now (the verify step rejects
-proposals), computes the missing tokens as one chunk that samples its last row, then takes counts[i] - 1 one-token
-steps: greedy argmax, every request of the call in the same draft steps. The proposals never change the output
+proposals), computes the missing tokens as one chunk that samples its last row (up to CATCH_UP_ROWS tokens, the
+usual case after a verify step, as decode rows of one sequence, the target's verify-chunk shape: a prompt chunk
+would take the prefill path, which for quantized weights dequantizes every weight), then takes counts[i] - 1
+one-token steps: greedy argmax, every request of the call in the same draft steps. The proposals never change the output
 (verification is exact, speculation.py); a better draft only makes more of them accepted.
 """
 from __future__ import annotations
@@ -34,6 +36,7 @@ from allspark_server.step.inputs import RequestMirror
 
 log = logging.getLogger(__name__)
 DRAFT_NAME = "draft"
+CATCH_UP_ROWS = 16        # tokens the draft catches up on as decode rows; more (a prompt) as a prompt chunk
 
 
 def serialize_draft(path: str, dtype: str, quantize: str, out_dir: str, target_vocab: int) -> tuple[str, str]:
@@ -138,7 +141,10 @@ class DraftProposer:
         self._used.move_to_end(rid)
         if not self._reserve(mirror, len(ids) + k - 1, keep):
             return None
-        return ScheduledChunk(rid, len(ids) - done, True)
+        n = len(ids) - done
+        if 1 < n <= CATCH_UP_ROWS:   # a few tokens: decode rows of one sequence (a verify chunk), not a prompt chunk
+            return ScheduledChunk(rid, n, True, draft_ids=tuple(ids[done + 1:]))
+        return ScheduledChunk(rid, n, True)
 
     def _reserve(self, mirror: RequestMirror, tokens: int, keep: set[int]) -> bool:
         """Spans for `tokens` positions of the request, taken from the requests least recently proposed for (not
@@ -159,8 +165,9 @@ class DraftProposer:
         """One draft step: the greedy token of each chunk's last row."""
         self._step += 1
         with torch.inference_mode():
-            logits, _ = self.runner.execute(StepPlan(self._step, (), (), (), tuple(chunks)))
-            return logits.argmax(dim=-1).tolist()
+            logits, rids = self.runner.execute(StepPlan(self._step, (), (), (), tuple(chunks)))
+            last = {rid: i for i, rid in enumerate(rids)}          # a catch-up chunk of decode rows: its last one
+            return logits[[last[c.request_id] for c in chunks]].argmax(dim=-1).tolist()
 
     # ---- lifetime ----------------------------------------------------------------------------------------------
     def forget(self, request_id: int) -> None:
