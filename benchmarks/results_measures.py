@@ -57,11 +57,12 @@ MEASURES = {
                           "the Q4_1 file) plain, with ngram speculation and with the Q4_1 file itself as the draft "
                           "model (k = 4).", speculative),
     "speculative-self-draft": ("Speculative decoding with the target's own quantized copy as the draft",
-                               "`speculative.py --device cuda --model 7b --layers 8 --draft self --draft-quantize "
-                               "uint4`: a 7B-wide random bf16 model (8 of its 32 layers) plain, with ngram and with "
-                               "its own InstantQuant uint4 copy as the draft (k = 4). Random weights: the output "
-                               "repeats nothing for ngram, and 4-bit noise changes their near-flat argmax.",
-                               speculative),
+                               "`speculative.py --draft self`, k = 4: on a CPU `--model smollm2-dense --dtype "
+                               "float32 --draft-quantize int8` (SmolLM2's weights in fp32 against their own "
+                               "InstantQuant int8 copy), on a GPU `--device cuda --model 7b --layers 8 "
+                               "--draft-quantize uint4` (a 7B-wide random bf16 model, 8 of its 32 layers, against "
+                               "its uint4 copy: random weights repeat nothing for ngram, and 4-bit noise changes "
+                               "their near-flat argmax).", speculative),
     "speculative-verify": ("GPU: what a speculative verify step costs", "`speculative_verify_cost.py --model "
                            "smollm2|7b --layers 8 --max-batch 4 --ctx 1,1024 --extra 3,5,6`: the decode graphs' "
                            "replay times by row count (the 7B-wide model with 8 of its 32 layers) and the verify "

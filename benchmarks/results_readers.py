@@ -346,7 +346,8 @@ def speculative(r: dict) -> list:
         name = key[:-len("_over_plain")]
         same = r["greedy_equal"].get(name, r["greedy_equal"])
         unequal = [w for w, ok in same.items() if not ok]
-        rows.append({"variant": name, "model": r["model"], "rewrite, batch 1": x(ratios["rewrite_tps"]),
+        model = r["model"] + (f" {r['dtype']}" if r.get("dtype", "bfloat16") != "bfloat16" else "")
+        rows.append({"variant": name, "model": model, "rewrite, batch 1": x(ratios["rewrite_tps"]),
                      "free text, batch 1": x(ratios["free_tps"]), "32 streams": x(ratios["streams_tps"]),
                      "acceptance": f(r.get(f"{name}_acceptance_rate", r.get("acceptance_rate"))),
                      "greedy equal to plain": "yes" if not unequal else "no: " + ", ".join(unequal)})
