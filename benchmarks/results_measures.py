@@ -50,8 +50,8 @@ MEASURES = {
     "speculative": ("Speculative decoding against plain decoding", "`speculative.py --rounds 3` (`--device cuda` on a "
                     "GPU): SmolLM2's Q4_1 file installed plain and with ngram speculation (k = 4) in one Engine, "
                     "alternating rounds; ratios of output tokens/s. GPU verify rows are computed as one-row steps "
-                    "(compute/row_mode.py); the H200 run also has the back-off (speculation.py), the H100 run "
-                    "predates it.", speculative),
+                    "(compute/row_mode.py); the AVX2 and H200 runs also have the back-off (speculation.py), the "
+                    "H100 run predates it.", speculative),
     "speculative-dense": ("Speculative decoding against plain decoding, SmolLM2 in bf16", "`speculative.py --model "
                           "smollm2-dense --draft smollm2 --rounds 3`: SmolLM2's weights in bf16 (dequantized from "
                           "the Q4_1 file) plain, with ngram speculation and with the Q4_1 file itself as the draft "
