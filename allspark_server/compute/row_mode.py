@@ -1,10 +1,10 @@
 """Alone-rows mode: while it is on, each row of a decode step is computed by the kernels a one-row step takes, so
 that it comes out as it would alone. A speculative verify chunk (k + 1 rows of one sequence) runs in it
 (runner/model_runner.py). On a CPU every row count takes the native GEMV (ops.native_rows, ops.linear, and the
-decode stack's `all_rows_native`). On a GPU the GEMVs take every row count (dense rows in one launch; quantized
-rows in one launch of the one-row GEMV's tiles and K split, each row summed on its own), and the decode attention
-splits the keys as it does for one sequence. Read when kernels are chosen, also while a CUDA graph is captured: the
-verify graphs are captured in it (runner/cuda_graphs.py)."""
+decode stack's `all_rows_native`). On a GPU the dense and quantized GEMVs run their one-row kernel with a program
+per row and tile (all rows in one launch, each computed as the one-row launch computes it), and the decode
+attention splits the keys as it does for one sequence. Read when kernels are chosen, also while a CUDA graph is
+captured: the verify graphs are captured in it (runner/cuda_graphs.py)."""
 from __future__ import annotations
 
 import contextlib
