@@ -63,6 +63,10 @@ MEASURES = {
                                "--draft-quantize uint4` (a 7B-wide random bf16 model, 8 of its 32 layers, against "
                                "its uint4 copy: random weights repeat nothing for ngram, and 4-bit noise changes "
                                "their near-flat argmax).", speculative),
+    "speculative-streams4": ("Speculative decoding at 4 concurrent streams", "`speculative.py --streams 4 --rounds "
+                             "2`: as above, SmolLM2's Q4_1 file, the streams workload with 4 random prompts at once "
+                             "(at most speculative_max_batch, its default 4: every request may speculate).",
+                             speculative),
     "speculative-verify": ("GPU: what a speculative verify step costs", "`speculative_verify_cost.py --model "
                            "smollm2|7b --layers 8 --max-batch 4 --ctx 1,1024 --extra 3,5,6`: the decode graphs' "
                            "replay times by row count (the 7B-wide model with 8 of its 32 layers) and the verify "

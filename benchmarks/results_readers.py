@@ -348,7 +348,8 @@ def speculative(r: dict) -> list:
         unequal = [w for w, ok in same.items() if not ok]
         model = r["model"] + (f" {r['dtype']}" if r.get("dtype", "bfloat16") != "bfloat16" else "")
         rows.append({"variant": name, "model": model, "rewrite, batch 1": x(ratios["rewrite_tps"]),
-                     "free text, batch 1": x(ratios["free_tps"]), "32 streams": x(ratios["streams_tps"]),
+                     "free text, batch 1": x(ratios["free_tps"]),
+                     f"{r.get('streams', 32)} streams": x(ratios["streams_tps"]),
                      "acceptance": f(r.get(f"{name}_acceptance_rate", r.get("acceptance_rate"))),
                      "greedy equal to plain": "yes" if not unequal else "no: " + ", ".join(unequal)})
     return rows

@@ -111,6 +111,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--streams", type=int, default=STREAMS, help="concurrent requests of the streams workload")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--model", default="smollm2", choices=["smollm2", "smollm2-dense", "7b"])
     p.add_argument("--layers", type=int, default=0, help="7b: layers of the random model (0: its 32)")
@@ -146,7 +147,7 @@ def main(argv=None) -> None:
             variants["draft"] = ("draft", {"draft_model": draft, "draft_quantize": a.draft_quantize,
                                            "draft_dtype": a.draft_dtype})
         for name, spec in variants.items():
-            b = (loader.create_reference_runtime_config_builder(name, a.device, [0], max_batch=STREAMS)
+            b = (loader.create_reference_runtime_config_builder(name, a.device, [0], max_batch=max(STREAMS, a.streams))
                  .max_length(2048).kv_cache_span_size(32))
             if spec:
                 b.speculative_decoding(spec[0], a.tokens, **(spec[1] if len(spec) > 1 else {}))
@@ -161,7 +162,8 @@ def main(argv=None) -> None:
                 rw, rw_tokens = run_one(engine, name, rewrite, REWRITE_TOKENS // scale)
                 fr, fr_tokens = run_one(engine, name, workloads.prompt(64, 77 + r, vocab), FREE_TOKENS // scale)
                 got[name] = {"rewrite_tps": rw, "free_tps": fr, "tokens": (rw_tokens, fr_tokens),
-                             "streams_tps": streams(engine, name, vocab, r, STREAMS // scale, STREAM_TOKENS // scale)}
+                             "streams_tps": streams(engine, name, vocab, r, max(1, a.streams // scale),
+                                                           STREAM_TOKENS // scale)}
             for name in same:
                 same[name]["rewrite"] &= got["plain"]["tokens"][0] == got[name]["tokens"][0]
                 same[name]["free"] &= got["plain"]["tokens"][1] == got[name]["tokens"][1]
@@ -172,6 +174,7 @@ def main(argv=None) -> None:
         report = {"machine": machine_name() if a.device == "cpu" else torch_gpu_name(), "kind": machine_kind(a.device),
                   "model": model, "layers": a.layers or None, "dtype": a.dtype, "draft": a.draft,
                   "draft_quantize": a.draft_quantize or None, "num_speculative_tokens": a.tokens, "rounds": rounds,
+                  "streams": a.streams,
                   "greedy_equal": same, "runs": runs, "measured_at": time.strftime("%Y-%m-%d")}
         for name in same:
             stat = engine.get_as_engine_stat(name)
