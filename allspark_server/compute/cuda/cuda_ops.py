@@ -38,9 +38,7 @@ def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Ten
     if isinstance(w, QuantizedWeight):
         if x.dim() != 2 or x.stride(-1) != 1:
             return linear_reference(x, w, bias)
-        if row_mode.alone() and x.shape[0] > 1:      # each row as a one-row step computes it
-            return _rows_alone(lambda rows, cfg: quant_matmul(_quant_input(rows, w), w, bias, cfg), x, w)
-        return quant_matmul(_quant_input(x, w), w, bias)
+        return quant_matmul(_quant_input(x, w), w, bias, _alone_config(x, w))
     if gemv_kernels.fits(x, w):
         return gemv_kernels.gemv(x, w, bias)
     return F.linear(x, w, bias)
@@ -110,11 +108,13 @@ def attention_step(x, b, slots, spans, ctx, cos, sin):
     return linear(o.reshape(n, heads * d), b.o)
 
 
-def _rows_alone(launch, x: torch.Tensor, w: QuantizedWeight, silu_mul: bool = False) -> torch.Tensor:
-    """Quantized rows in alone-rows mode: launch(x, config) with the one-row GEMV's config, a program per row
-    (quant_kernels.alone_config), so each row comes out as alone."""
+def _alone_config(x: torch.Tensor, w: QuantizedWeight, silu_mul: bool = False):
+    """In alone-rows mode with several rows: the one-row GEMV's config, a program per row (quant_kernels.alone_config),
+    so each row comes out as alone; otherwise None (quant_matmul chooses by the rows)."""
+    if not (row_mode.alone() and x.shape[0] > 1):
+        return None
     n = w.out_features // 2 if silu_mul else w.out_features
-    return launch(x, alone_config(n, w.in_features, w.group_size, x.device))
+    return alone_config(n, w.in_features, w.group_size, x.device)
 
 
 def _quant_input(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
@@ -133,12 +133,10 @@ def gate_up_silu_mul(h: torch.Tensor, gate_up: "torch.Tensor | QuantizedWeight",
     """silu_mul(linear(h, gate_up, bias)): at a decode row, one GEMV launch with silu·mul as its epilogue (dense
     weights, or 4-bit codes without a bias)."""
     if isinstance(gate_up, QuantizedWeight):
-        if gate_up.fmt in SILU_MUL_QUANT_FORMATS and bias is None and row_mode.alone() and h.shape[0] > 1:
-            return _rows_alone(lambda rows, cfg: quant_matmul(_quant_input(rows, gate_up), gate_up, config=cfg,
-                                                              silu_mul=True), h, gate_up, silu_mul=True)
+        alone = _alone_config(h, gate_up, silu_mul=True)
         if (gate_up.fmt in SILU_MUL_QUANT_FORMATS and bias is None
-                and gemv_kernels.decode_rows(h, gemv_kernels.SILU_MUL_MAX_ROWS)):
-            return quant_matmul(_quant_input(h, gate_up), gate_up, silu_mul=True)
+                and (alone or gemv_kernels.decode_rows(h, gemv_kernels.SILU_MUL_MAX_ROWS))):
+            return quant_matmul(_quant_input(h, gate_up), gate_up, config=alone, silu_mul=True)
     elif gemv_kernels.fits_silu_mul(h, gate_up):
         return gemv_kernels.gemv_silu_mul(h, gate_up, bias)
     return silu_mul(linear(h, gate_up, bias))
