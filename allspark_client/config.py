@@ -61,6 +61,9 @@ class AsModelConfig:
     draft_dtype: str = ""                   # draft: its dtype ("" = the file's)
     draft_quantize: str = ""                # draft: InstantQuant weight format of its copy ("" = none, "int4", ...)
     speculative_max_batch: int = 0          # speculate only while at most this many requests decode; 0 = auto
+    # LoRA adapters (docs/lora.md): how many may be loaded at once, and the largest rank one may have
+    lora_max_num: int = 5
+    lora_max_rank: int = 64
 
     def __post_init__(self):
         _check(bool(self.model_name) and isinstance(self.model_name, str), "model_name must be a non-empty string")
@@ -89,6 +92,8 @@ class AsModelConfig:
                f"enable_profiling must be a bool, got {self.enable_profiling!r}")
         parse_compute_unit(self.compute_unit)   # validates; whether the GPU exists is the rank's to say
         self._check_speculative()
+        _check_int("lora_max_num", self.lora_max_num, lo=0)
+        _check_int("lora_max_rank", self.lora_max_rank, lo=1)
 
     def _check_speculative(self) -> None:
         _check(self.speculative_method in SPECULATIVE_METHODS,
@@ -227,6 +232,16 @@ class AsModelRuntimeConfigBuilder:
             _check(key in allowed, f"unknown speculative_decoding option {key!r} (known: {sorted(allowed)})")
         self._fields.update(speculative_method=method or "", num_speculative_tokens=num_speculative_tokens,
                             **{k: str(v) if k == "draft_model" else v for k, v in options.items()})
+        return self
+
+    def lora_max_num(self, n: int):
+        """How many LoRA adapters may be loaded at once (DashInfer's default: 5; 0: none)."""
+        self._fields["lora_max_num"] = n
+        return self
+
+    def lora_max_rank(self, n: int):
+        """The largest rank a LoRA adapter may have (DashInfer's default: 64)."""
+        self._fields["lora_max_rank"] = n
         return self
 
     def matmul_precision(self, precision: str):
