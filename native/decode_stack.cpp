@@ -97,8 +97,10 @@ class DecodeStack {
   // ids, positions, slots [B] int64 (one new token per sequence), spans/ctx as in span_attention.cpp
   //   -> fp32 logits [B, V_local] of this rank's LM-head shard
   // all_rows_native: every GEMV native whatever the row count (a speculative verify step, kernels.h ALL_ROWS_NATIVE)
+  // lora_slots [B]: each row's LoRA adapter slot (-1: the base model); none: no row uses an adapter
   torch::Tensor run(torch::Tensor ids, torch::Tensor positions, torch::Tensor slots, torch::Tensor spans,
-                    torch::Tensor ctx, std::optional<py::function> reduce, bool all_rows_native) {
+                    torch::Tensor ctx, std::optional<py::function> reduce, bool all_rows_native,
+                    std::optional<torch::Tensor> lora_slots) {
     TORCH_CHECK(embedding_.defined() && !layers_.empty(), "DecodeStack.run: call add_layer and set_ends first");
     py::gil_scoped_release nogil;
     allspark::ActiveProfile active(profile_.get());   // null when profiling is off: no op reads a clock
@@ -116,6 +118,7 @@ class DecodeStack {
                         sin_table.index_select(0, positions).to(dtype).unsqueeze(1)});
     });
     if (rows.empty()) rows.push_back({slots, spans, ctx, std::nullopt, std::nullopt});   // no rotary
+    const LoraRows lora = lora_rows(lora_slots);
     torch::Tensor x = allspark::timed("embedding", [&] {
       auto e = embedding_.index_select(0, ids);
       return embed_scale_ ? e * torch::scalar_tensor(*embed_scale_, e.options()) : e;
@@ -134,9 +137,10 @@ class DecodeStack {
           allspark::OpTimer timer("norm");
           std::tie(x, residual) = norm_step(x, residual, *n, isa_);
         } else if (const auto* a = std::get_if<AttentionStep>(&step)) {
-          x = reduced(attention_step(x, *a, rows[a->rotary ? a->rope_table : 0], isa_, native_rows), i, part++);
+          x = reduced(attention_step(x, *a, rows[a->rotary ? a->rope_table : 0], isa_, native_rows, lora), i,
+                      part++);
         } else if (const auto* m = std::get_if<MlpStep>(&step)) {
-          x = reduced(mlp_step(x, *m, isa_, native_rows), i, part++);
+          x = reduced(mlp_step(x, *m, isa_, native_rows, lora), i, part++);
         } else {
           x = reduced(allspark::timed("moe", [&] { return moe_step(x, std::get<MoeStep>(step), isa_, native_rows); }),
                       i, part++);
@@ -194,6 +198,10 @@ struct StepClass {
 // the step descriptors (steps.h), the single steps and the stack
 void bind_decode_stack(py::module_& m) {
   using OptT = std::optional<torch::Tensor>;
+  py::class_<LoraSlots>(m, "LoraSlots", "one projection's LoRA adapters by slot: a [R, in], b [out, R] (None: empty)")
+      .def(py::init<>())
+      .def_readwrite("a", &LoraSlots::a)
+      .def_readwrite("b", &LoraSlots::b);
   BIND_STEP(AttentionOptions, ATTENTION_OPTION_FIELDS, "the attention kernels' options (scale, softcap, window)")
   BIND_STEP(NormStep, NORM_STEP_FIELDS, "RMSNorm of the hidden state (adds_residual: x + residual first)")
   BIND_STEP(AttentionStep, ATTENTION_STEP_FIELDS,
@@ -206,13 +214,17 @@ void bind_decode_stack(py::module_& m) {
         }, "(normed, residual) of a NormStep", nogil, py::arg("x"), py::arg("residual"), py::arg("step"),
         py::arg("isa"));
   m.def("attention_step", [](torch::Tensor x, const AttentionStep& a, torch::Tensor slots, torch::Tensor spans,
-                             torch::Tensor ctx, OptT cos, OptT sin, int64_t isa, int64_t native_rows) {
-          return attention_step(x, a, DecodeRows{slots, spans, ctx, cos, sin}, isa, native_rows);
+                             torch::Tensor ctx, OptT cos, OptT sin, int64_t isa, int64_t native_rows,
+                             OptT lora_slots) {
+          return attention_step(x, a, DecodeRows{slots, spans, ctx, cos, sin}, isa, native_rows,
+                                lora_rows(lora_slots));
         }, "an AttentionStep on a decode-only batch: the o projection's output before the allreduce", nogil,
         py::arg("x"), py::arg("step"), py::arg("slots"), py::arg("spans"), py::arg("ctx"), py::arg("cos"),
-        py::arg("sin"), py::arg("isa"), py::arg("native_rows"));
-  m.def("mlp_step", &mlp_step, "an MlpStep: the down projection's output before the allreduce", nogil,
-        py::arg("x"), py::arg("step"), py::arg("isa"), py::arg("native_rows"));
+        py::arg("sin"), py::arg("isa"), py::arg("native_rows"), py::arg("lora_slots") = py::none());
+  m.def("mlp_step", [](torch::Tensor x, const MlpStep& mlp, int64_t isa, int64_t native_rows, OptT lora_slots) {
+          return mlp_step(x, mlp, isa, native_rows, lora_rows(lora_slots));
+        }, "an MlpStep: the down projection's output before the allreduce", nogil,
+        py::arg("x"), py::arg("step"), py::arg("isa"), py::arg("native_rows"), py::arg("lora_slots") = py::none());
   m.def("moe_step", &moe_step, "a MoeStep: the experts' weighted sum before the allreduce", nogil, py::arg("x"),
         py::arg("step"), py::arg("isa"), py::arg("native_rows"));
   py::class_<allspark::OpProfile, std::shared_ptr<allspark::OpProfile>>(
@@ -231,5 +243,5 @@ void bind_decode_stack(py::module_& m) {
            py::arg("profile"))
       .def("run", &DecodeStack::run, "fp32 logits of this rank's LM-head shard for a decode-only step (no GIL)",
            py::arg("ids"), py::arg("positions"), py::arg("slots"), py::arg("spans"), py::arg("ctx"),
-           py::arg("reduce"), py::arg("all_rows_native") = false);
+           py::arg("reduce"), py::arg("all_rows_native") = false, py::arg("lora_slots") = py::none());
 }

@@ -7,6 +7,7 @@
 // e = exp(-|x|) so the exponential never overflows.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -122,11 +123,15 @@ void AttentionStep::check() const {
               num_kv_heads);
   TORCH_CHECK(rope_table >= 0, "AttentionStep: rope_table must be >= 0");
   options().check();
+  for (const OptLora* l : {&qkv_lora, &o_lora})
+    if (*l) (*l)->check();
   for (const Weight* w : {&qkv, &o})
     if (const auto* q = std::get_if<QuantWeight>(w)) q->check();
 }
 
 void MlpStep::check() const {
+  for (const OptLora* l : {&gate_up_lora, &down_lora})
+    if (*l) (*l)->check();
   for (const Weight* w : {&gate_up, &down})
     if (const auto* q = std::get_if<QuantWeight>(w)) q->check();
   TORCH_CHECK(activation == static_cast<int64_t>(Activation::Silu) ||
@@ -148,12 +153,61 @@ std::tuple<torch::Tensor, std::optional<torch::Tensor>> norm_step(const torch::T
   return {h, s};
 }
 
+void LoraSlots::check() const {
+  TORCH_CHECK(a.size() == b.size(), "LoraSlots: ", a.size(), " A slots but ", b.size(), " B slots");
+  for (size_t s = 0; s < a.size(); ++s) {
+    TORCH_CHECK(a[s].has_value() == b[s].has_value(), "LoraSlots: slot ", s, " has A or B alone");
+    if (a[s])
+      TORCH_CHECK(a[s]->dim() == 2 && b[s]->dim() == 2 && a[s]->size(0) == b[s]->size(1) && a[s]->is_contiguous() &&
+                      b[s]->is_contiguous(),
+                  "LoraSlots: slot ", s, ": A ", a[s]->sizes(), " and B ", b[s]->sizes(), " do not chain");
+  }
+}
+
+LoraRows lora_rows(const OptTensor& slots) {
+  LoraRows out;
+  if (!slots) return out;
+  const auto s = slots->to(at::kLong).contiguous();
+  const int64_t* p = s.data_ptr<int64_t>();
+  const int64_t n = s.numel();
+  std::vector<int64_t> used;
+  for (int64_t i = 0; i < n; ++i)
+    if (p[i] >= 0 && std::find(used.begin(), used.end(), p[i]) == used.end()) used.push_back(p[i]);
+  std::sort(used.begin(), used.end());
+  for (const int64_t slot : used) {
+    std::vector<int64_t> rows;
+    for (int64_t i = 0; i < n; ++i)
+      if (p[i] == slot) rows.push_back(i);
+    out.groups.emplace_back(slot, static_cast<int64_t>(rows.size()) == n
+                                      ? torch::Tensor()
+                                      : torch::tensor(rows, torch::TensorOptions().dtype(at::kLong)));
+  }
+  return out;
+}
+
+void add_lora(torch::Tensor& y, const torch::Tensor& x, const OptLora& lora, const LoraRows& rows, int64_t isa,
+              int64_t native_rows) {
+  if (!lora || rows.groups.empty()) return;
+  allspark::OpTimer timer("lora");
+  for (const auto& [slot, idx] : rows.groups) {
+    TORCH_CHECK(slot < static_cast<int64_t>(lora->a.size()), "add_lora: slot ", slot, " of ", lora->a.size());
+    const auto& a = lora->a[slot];
+    if (!a) continue;   // this adapter leaves the projection alone
+    const auto xs = idx.defined() ? x.index_select(0, idx) : x;
+    const auto delta = project(project(xs, *a, std::nullopt, isa, native_rows), *lora->b[slot], std::nullopt, isa,
+                               native_rows);
+    if (idx.defined()) y.index_add_(0, idx, delta);
+    else y.add_(delta);
+  }
+}
+
 torch::Tensor attention_step(const torch::Tensor& x, const AttentionStep& a, const DecodeRows& rows, int64_t isa,
-                             int64_t native_rows) {
+                             int64_t native_rows, const LoraRows& lora) {
   TORCH_CHECK(x.dim() == 2, "attention_step: x must be [B, H]");
   TORCH_CHECK(!a.rotary || (rows.cos && rows.sin), "attention_step: a rotary step needs cos and sin rows");
   const int64_t B = x.size(0), heads = a.num_heads, kv_heads = a.num_kv_heads;
   auto qkv = allspark::timed("qkv_proj", [&] { return project(x, a.qkv, a.qkv_bias, isa, native_rows); });
+  add_lora(qkv, x, a.qkv_lora, lora, isa, native_rows);
   // head dim (a uint4 cache row holds D / 2 bytes)
   const int64_t D = qkv.size(1) / (heads + 2 * kv_heads);
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * D && (!a.rotary || rows.cos->size(-1) == D),
@@ -180,15 +234,21 @@ torch::Tensor attention_step(const torch::Tensor& x, const AttentionStep& a, con
     allspark::OpTimer timer("attention");
     o = decode_attention(q, a.k_cache, a.v_cache, rows.spans, rows.ctx, a.options(), isa, a.alibi_slopes);
   }
-  return allspark::timed("o_proj",
-                         [&] { return project(o.view({B, heads * D}), a.o, std::nullopt, isa, native_rows); });
+  const auto attended = o.view({B, heads * D});
+  auto out = allspark::timed("o_proj", [&] { return project(attended, a.o, std::nullopt, isa, native_rows); });
+  add_lora(out, attended, a.o_lora, lora, isa, native_rows);
+  return out;
 }
 
-torch::Tensor mlp_step(const torch::Tensor& x, const MlpStep& m, int64_t isa, int64_t native_rows) {
+torch::Tensor mlp_step(const torch::Tensor& x, const MlpStep& m, int64_t isa, int64_t native_rows,
+                       const LoraRows& lora) {
   auto gate_up = allspark::timed("gate_up_proj",
                                  [&] { return project(x, m.gate_up, m.gate_up_bias, isa, native_rows); });
+  add_lora(gate_up, x, m.gate_up_lora, lora, isa, native_rows);
   auto a = allspark::timed("act_mul", [&] {
     return m.activation == static_cast<int64_t>(Activation::Silu) ? silu_mul(gate_up, isa) : gelu_tanh_mul(gate_up, isa);
   });
-  return allspark::timed("down_proj", [&] { return project(a, m.down, std::nullopt, isa, native_rows); });
+  auto out = allspark::timed("down_proj", [&] { return project(a, m.down, std::nullopt, isa, native_rows); });
+  add_lora(out, a, m.down_lora, lora, isa, native_rows);
+  return out;
 }

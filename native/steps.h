@@ -10,6 +10,8 @@
 //                  sliding window); returns o . W_o^T             -- before the tensor-parallel allreduce
 //   MlpStep        a = act(x . W_gate^T) * (x . W_up^T) (merged gate|up, + b); returns a . W_down^T  -- ditto
 //   MoeStep        the router's top-k experts' MLPs, weighted (moe.cpp)                                -- ditto
+// The projections of AttentionStep and MlpStep may carry LoRA adapters (LoraSlots): the rows of a step that use
+// one (LoraRows) gain B[s] . (A[s] . x) on that projection's output (add_lora, decode_steps.cpp).
 #pragma once
 
 #include <torch/extension.h>
@@ -27,6 +29,24 @@ using OptTensor = std::optional<torch::Tensor>;
 using Weights = std::vector<Weight>;
 using OptWeight = std::optional<Weight>;
 
+// one projection's LoRA adapters on this rank, by slot (allspark_server/compute/lora.py): a[s] [R_s, in], b[s]
+// [out, R_s] with the scale folded in; none: the slot's adapter leaves this projection alone
+struct LoraSlots {
+  std::vector<OptTensor> a, b;
+  void check() const;
+};
+using OptLora = std::optional<LoraSlots>;
+
+// a step's rows by adapter slot: (slot, its rows [n] int64; undefined: every row); empty: no row uses one
+struct LoraRows {
+  std::vector<std::pair<int64_t, torch::Tensor>> groups;
+};
+// from each row's slot [B] (-1: the base model); none: no adapters this step
+LoraRows lora_rows(const OptTensor& slots);
+// y [B, out] += each row's adapter delta, each product on `project` (kernels.h); nothing without adapters
+void add_lora(torch::Tensor& y, const torch::Tensor& x, const OptLora& lora, const LoraRows& rows, int64_t isa,
+              int64_t native_rows);
+
 // Each step's fields, written once as F(type, name): the struct, its Python binding (decode_stack.cpp: a
 // default constructor, one read/write attribute per field and FIELDS, the [(name, type)] list) and the binder's
 // check against compute/steps.py (compute/step_binding.py: every field there, every option here) all come from
@@ -42,10 +62,13 @@ using OptWeight = std::optional<Weight>;
   F(Weight, qkv) F(OptTensor, qkv_bias) F(Weight, o) F(int64_t, num_heads) F(int64_t, num_kv_heads)          \
   ATTENTION_OPTION_FIELDS(F) F(OptTensor, q_norm) F(OptTensor, k_norm) F(double, norm_eps) F(bool, rotary)   \
   F(OptTensor, alibi_slopes) F(int64_t, rope_table)                                                         \
-  F(torch::Tensor, k_cache) F(torch::Tensor, v_cache) F(OptTensor, k_param) F(OptTensor, v_param)
+  F(torch::Tensor, k_cache) F(torch::Tensor, v_cache) F(OptTensor, k_param) F(OptTensor, v_param)            \
+  F(OptLora, qkv_lora) F(OptLora, o_lora)
 
 // activation: an Activation
-#define MLP_STEP_FIELDS(F) F(Weight, gate_up) F(OptTensor, gate_up_bias) F(Weight, down) F(int64_t, activation)
+#define MLP_STEP_FIELDS(F) \
+  F(Weight, gate_up) F(OptTensor, gate_up_bias) F(Weight, down) F(int64_t, activation) F(OptLora, gate_up_lora) \
+  F(OptLora, down_lora)
 
 #define MOE_STEP_FIELDS(F)                                                                         \
   F(torch::Tensor, router) F(Weights, gate_up) F(Weights, down) F(int64_t, top_k) F(bool, norm_topk_prob)    \
@@ -90,6 +113,7 @@ std::tuple<torch::Tensor, std::optional<torch::Tensor>> norm_step(const torch::T
                                                                   const std::optional<torch::Tensor>& residual,
                                                                   const NormStep& n, int64_t isa);
 torch::Tensor attention_step(const torch::Tensor& x, const AttentionStep& a, const DecodeRows& rows, int64_t isa,
-                             int64_t native_rows);
-torch::Tensor mlp_step(const torch::Tensor& x, const MlpStep& m, int64_t isa, int64_t native_rows);
+                             int64_t native_rows, const LoraRows& lora = {});
+torch::Tensor mlp_step(const torch::Tensor& x, const MlpStep& m, int64_t isa, int64_t native_rows,
+                       const LoraRows& lora = {});
 torch::Tensor moe_step(const torch::Tensor& x, const MoeStep& m, int64_t isa, int64_t native_rows);

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from allspark_client import settings
 from allspark_client.cpu_features import cpu_flags
 from allspark_server.compute import row_mode, step_binding
+from allspark_server.compute.lora import LoraRows, LoraSlots, lora_add_reference
 from allspark_server.compute.reference import (
     ACT_MAX,
     decode_attention_reference,
@@ -166,6 +167,17 @@ def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Ten
             return _gemm_in(gemm_dtype(x.dtype), x, w, bias).to(x.dtype)
         return F.linear(x, w, bias)
     return ext.linear_small_m(x, w, bias, isa_level())
+
+
+def lora_add_(y: torch.Tensor, x: torch.Tensor, lora: LoraSlots | None, rows: LoraRows | None) -> torch.Tensor:
+    """y [T, out] += each row's adapter delta B[s] . (A[s] . x) in place (compute/lora.py); nothing when the projection
+    has no adapter or no row uses one. On the host each product is `linear`'s, as the native decode steps compute
+    it."""
+    if lora is None or rows is None or lora.is_empty:
+        return y
+    if y.is_cuda:
+        return cuda_backend().lora_add_(y, x, lora, rows)
+    return lora_add_reference(y, x, lora, rows, linear)
 
 
 def linear_dequantized(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

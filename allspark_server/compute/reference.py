@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from allspark_server.compute import alibi
+from allspark_server.compute.lora import lora_add_reference
 from allspark_server.compute.steps import Attention, Mlp
 from allspark_server.quant import kv as kv_quant
 from allspark_server.quant.formats import QuantizedWeight
@@ -205,13 +206,19 @@ def store_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
         param.view(-1, kvh, 2).index_copy_(0, slots, params)
 
 
+def _lora_linear(x: torch.Tensor, w, bias, lora, lora_rows) -> torch.Tensor:
+    """linear_reference plus each row's LoRA delta (compute/lora.py) where the projection has adapters."""
+    y = linear_reference(x, w, bias)
+    return y if lora is None or lora_rows is None else lora_add_reference(y, x, lora, lora_rows, linear_reference)
+
+
 def attention_step_reference(x: torch.Tensor, b, slots: torch.Tensor, spans: torch.Tensor, ctx: torch.Tensor,
-                             cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+                             cos: torch.Tensor | None, sin: torch.Tensor | None, lora_rows=None) -> torch.Tensor:
     """A BoundAttention step (compute/steps.py) on decode rows x [B, H]: q|k|v projection, q/k norms per head,
     rotary (cos/sin [B, 1, D]; None for ALiBi), cache write, decode attention, o projection -> the o projection's
-    output before any allreduce."""
+    output before any allreduce; lora_rows: the rows' LoRA adapters (compute/lora.py LoraRows)."""
     a = b.step
-    qkv = linear_reference(x, b.qkv, b.qkv_bias)
+    qkv = _lora_linear(x, b.qkv, b.qkv_bias, b.qkv_lora, lora_rows)
     n, d = x.shape[0], qkv.shape[-1] // (b.num_heads + 2 * b.num_kv_heads)
     q, k, v = qkv.split([b.num_heads * d, b.num_kv_heads * d, b.num_kv_heads * d], -1)
     if b.q_norm is not None:
@@ -222,7 +229,7 @@ def attention_step_reference(x: torch.Tensor, b, slots: torch.Tensor, spans: tor
         q, k = rotary_reference(q, k, cos, sin)
     store_kv_reference(k, v, b.k_cache, b.v_cache, slots, b.k_param, b.v_param)
     o = decode_attention_reference(q, b.k_cache, b.v_cache, spans, ctx, a, b.k_param, b.v_param, b.alibi_slopes)
-    return linear_reference(o.reshape(n, b.num_heads * d), b.o)
+    return _lora_linear(o.reshape(n, b.num_heads * d), b.o, None, b.o_lora, lora_rows)
 
 
 def act_mul_reference(gate_up: torch.Tensor, options: Mlp) -> torch.Tensor:
@@ -230,9 +237,10 @@ def act_mul_reference(gate_up: torch.Tensor, options: Mlp) -> torch.Tensor:
     return silu_mul_reference(gate_up) if options.act == "silu" else gelu_tanh_mul_reference(gate_up)
 
 
-def mlp_step_reference(x: torch.Tensor, b) -> torch.Tensor:
+def mlp_step_reference(x: torch.Tensor, b, lora_rows=None) -> torch.Tensor:
     """A BoundMlp step: gate|up projection, act(gate) * up, down projection (before any allreduce)."""
-    return linear_reference(act_mul_reference(linear_reference(x, b.gate_up, b.gate_up_bias), b.step), b.down)
+    a = act_mul_reference(_lora_linear(x, b.gate_up, b.gate_up_bias, b.gate_up_lora, lora_rows), b.step)
+    return _lora_linear(a, b.down, None, b.down_lora, lora_rows)
 
 
 def moe_route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:

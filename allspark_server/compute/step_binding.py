@@ -23,7 +23,7 @@ NATIVE_OPTIONS = {"AttentionOptions": Attention}
 # steps.h's field types -> the annotations compute/steps.py writes for them
 PYTHON_TYPES = {"torch::Tensor": "torch.Tensor", "OptTensor": "Optional[torch.Tensor]", "Weight": "Weight",
                 "Weights": "list[Weight]", "OptWeight": "Optional[Weight]", "double": "float", "int64_t": "int",
-                "bool": "bool"}
+                "bool": "bool", "OptLora": "Optional[LoraSlots]"}
 
 
 def _annotation(cls, name: str):
@@ -80,8 +80,17 @@ def descriptor(bound, ext, native_weight: Callable):
             value = native_weight(value)
         elif ctype == "Weights":
             value = [native_weight(w) for w in value]
+        elif ctype == "OptLora" and value is not None:
+            value = _native_lora(ext, value)
         setattr(d, name, value)
     d.check()
+    return d
+
+
+def _native_lora(ext, lora):
+    """A projection's adapters (compute/lora.py LoraSlots) as the native LoraSlots: the same tensors, by slot."""
+    d = ext.LoraSlots()
+    d.a, d.b = list(lora.a), list(lora.b)
     return d
 
 

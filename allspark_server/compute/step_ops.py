@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 from allspark_server.compute import ops, step_binding
+from allspark_server.compute.lora import LoraRows
 from allspark_server.compute.reference import attention_step_reference, mlp_step_reference
 from allspark_server.compute.steps import Bound, BoundAttention, BoundMlp, BoundMoe, BoundNorm
 
@@ -23,10 +24,16 @@ def _native_suits(x: torch.Tensor, *weights) -> bool:
 
 
 def native_step(b: Bound):
-    """The native descriptor of a bound step (made on first use, then kept: weights and caches never move)."""
-    if b.native is None:
-        b.native = step_binding.descriptor(b, ops.native(), ops.native_weight)
-    return b.native
+    """The native descriptor of a bound step (made on first use, then kept: weights and caches never move; made
+    again when its LoRA adapters change)."""
+    version = getattr(b, "lora_version", None)
+    if b.native is None or b.native[1] != version:
+        b.native = (step_binding.descriptor(b, ops.native(), ops.native_weight), version)
+    return b.native[0]
+
+
+def _lora_slots(rows: Optional[LoraRows]) -> Optional[torch.Tensor]:
+    return None if rows is None else rows.slots
 
 
 def norm_step(x: torch.Tensor, residual: Optional[torch.Tensor], b: BoundNorm):
@@ -40,24 +47,27 @@ def norm_step(x: torch.Tensor, residual: Optional[torch.Tensor], b: BoundNorm):
 
 
 def attention_step(x: torch.Tensor, b: BoundAttention, slots: torch.Tensor, spans: torch.Tensor, ctx: torch.Tensor,
-                   cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]) -> torch.Tensor:
-    """x [B, H] (one new token per sequence) -> the o projection's output [B, H] before the allreduce."""
+                   cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+                   lora_rows: Optional[LoraRows] = None) -> torch.Tensor:
+    """x [B, H] (one new token per sequence) -> the o projection's output [B, H] before the allreduce; lora_rows:
+    which rows use which LoRA adapter (None: none)."""
     if x.is_cuda:
-        return ops.cuda_backend().attention_step(x, b, slots, spans, ctx, cos, sin)
+        return ops.cuda_backend().attention_step(x, b, slots, spans, ctx, cos, sin, lora_rows)
     if (_native_suits(x, b.qkv, b.o) and (b.k_param is not None or b.k_cache.dtype == x.dtype)
             and (cos is None or (cos.shape[-1] % 2 == 0 and cos.dtype == x.dtype))):
         return ops.native().attention_step(x, native_step(b), slots, spans, ctx, cos, sin, ops.isa_level(),
-                                           ops.native_rows(x.dtype))
-    return attention_step_reference(x, b, slots, spans, ctx, cos, sin)
+                                           ops.native_rows(x.dtype), _lora_slots(lora_rows))
+    return attention_step_reference(x, b, slots, spans, ctx, cos, sin, lora_rows)
 
 
-def mlp_step(x: torch.Tensor, b: BoundMlp) -> torch.Tensor:
+def mlp_step(x: torch.Tensor, b: BoundMlp, lora_rows: Optional[LoraRows] = None) -> torch.Tensor:
     """x [B, H] -> the down projection's output before the allreduce."""
     if x.is_cuda:
-        return ops.cuda_backend().mlp_step(x, b)
+        return ops.cuda_backend().mlp_step(x, b, lora_rows)
     if _native_suits(x, b.gate_up, b.down):
-        return ops.native().mlp_step(x, native_step(b), ops.isa_level(), ops.native_rows(x.dtype))
-    return mlp_step_reference(x, b)
+        return ops.native().mlp_step(x, native_step(b), ops.isa_level(), ops.native_rows(x.dtype),
+                                     _lora_slots(lora_rows))
+    return mlp_step_reference(x, b, lora_rows)
 
 
 def moe_step(x: torch.Tensor, b: BoundMoe) -> torch.Tensor:

@@ -22,6 +22,8 @@ from typing import Any, ClassVar, Optional, Union
 
 import torch
 
+from allspark_server.compute.lora import LoraSlots
+
 ACTIVATIONS = ("silu", "gelu_tanh")     # Mlp.act; the native MlpStep's `activation` is the index
 Weight = Any                            # a dense torch.Tensor or a quant.formats.QuantizedWeight
 
@@ -115,7 +117,13 @@ class BoundAttention:
     k_norm: Optional[torch.Tensor] = None
     norm_eps: float = 1e-6
     alibi_slopes: Optional[torch.Tensor] = None    # fp32 [num_heads], this rank's heads
+    qkv_lora: Optional[LoraSlots] = None            # the projections' LoRA adapters (compute/lora.py)
+    o_lora: Optional[LoraSlots] = None
     native: Any = field(default=None, repr=False)
+
+    @property
+    def lora_version(self) -> tuple:
+        return lora_versions(self.qkv_lora, self.o_lora)
 
 
 @dataclass
@@ -124,7 +132,13 @@ class BoundMlp:
     gate_up: Weight
     gate_up_bias: Optional[torch.Tensor]
     down: Weight
+    gate_up_lora: Optional[LoraSlots] = None
+    down_lora: Optional[LoraSlots] = None
     native: Any = field(default=None, repr=False)
+
+    @property
+    def lora_version(self) -> tuple:
+        return lora_versions(self.gate_up_lora, self.down_lora)
 
 
 @dataclass
@@ -154,3 +168,8 @@ class BoundMoe:
 
 
 Bound = Union[BoundNorm, BoundAttention, BoundMlp, BoundMoe]
+
+
+def lora_versions(*loras: Optional[LoraSlots]) -> tuple:
+    """What a native descriptor built from these adapters depends on: it is rebuilt when this changes."""
+    return tuple(None if lora is None else lora.version for lora in loras)

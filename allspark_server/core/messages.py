@@ -22,6 +22,7 @@ class NewRequestData:
     token_ids: tuple[int, ...]        # every known token: prompt + output so far
     span_ids: tuple[int, ...]
     num_computed_tokens: int          # tokens whose K/V are already in the spans
+    lora_slot: int = -1               # its LoRA adapter's slot (-1: the base model)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,16 @@ class DeviceMemMsg:
     model_name: str
     sleep: bool
     wake_from: str = ""
+
+
+@dataclass(frozen=True)
+class LoraMsg:
+    """Load the adapter at `path` into `slot` of a model's runners (path "": unload the slot). Every rank answers
+    with its error or None (comm.allgather_obj), so a load succeeds everywhere or nowhere."""
+    model_name: str
+    slot: int
+    path: str = ""
+    name: str = ""
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """PrefixCache: rank 0's index of full KV spans by the token prefix they complete (DashInfer's prefill cache).
 
-A full span is keyed by a hash chained over the token ids of every span before it and its own, seeded with
-what else shapes its content (the model file, the dtype, the KV mode). A new request looks up the keys of its
-prompt's full spans in order and reuses the longest run that is cached; only the rest is prefilled.
+A full span is keyed by a hash chained over the token ids of every span before it and its own, seeded with what else
+shapes its content (the model file, the dtype, the KV mode, and the request's LoRA adapter, if any). A new request
+looks up the keys of its prompt's full spans in order and reuses the longest run that is cached; only the rest is
+prefilled.
 
 The cache owns no memory and no reference counts: SpanManager hands it spans that no request holds any more
 (`park`), takes them back when a request shares them again (`unpark`) or when it needs free spans (`evict`,
@@ -105,8 +106,11 @@ class PrefixCache:
         self._idle: OrderedDict[int, float] = OrderedDict()   # cached spans nobody holds -> when parked; LRU first
 
     # ---- what the scheduler asks ---------------------------------------------------------------
-    def keys(self, token_ids: list[int], num_spans: int, known: Optional[list[bytes]] = None) -> list[bytes]:
-        return chain_keys(self.salt, token_ids, self.span_size, num_spans, known)
+    def keys(self, token_ids: list[int], num_spans: int, known: Optional[list[bytes]] = None,
+             adapter: str = "") -> list[bytes]:
+        """adapter: what else shapes this request's K/V (its LoRA adapter's identity; "" for the base model)."""
+        salt = self.salt + b"|lora:" + adapter.encode() if adapter else self.salt
+        return chain_keys(salt, token_ids, self.span_size, num_spans, known)
 
     def lookup(self, keys: Iterable[bytes]) -> list[int]:
         """Spans of the longest cached run of `keys` from the first (the caller takes references on them)."""

@@ -50,6 +50,8 @@ class Request:
     prefix_cache_len: Optional[int] = None   # prompt tokens the cache supplied at first admission
     arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
     num_rolled_back: int = 0             # rejected proposals' positions the runners still count as computed
+    lora_slot: int = -1                  # the LoRA adapter's slot in the runners (-1: the base model)
+    adapter_key: str = ""                # the adapter's identity in prefix-cache keys ("": the base model)
 
     @property
     def num_prompt_tokens(self) -> int:

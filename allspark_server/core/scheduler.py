@@ -65,6 +65,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def requests_of_adapter(self, slot: int) -> int:
+        """How many requests, waiting or running, use the LoRA adapter in `slot`."""
+        return sum(r.lora_slot == slot for r in (*self.waiting, *self.running))
+
     def finish(self, req: Request, reason: FinishReason) -> None:
         """Take a request out of scheduling (finished, stopped or interrupted) and free its spans."""
         if req.is_finished:
@@ -184,7 +188,7 @@ class Scheduler:
         if self.cache is None:
             return True
         full = (req.num_tokens - 1) // self.spans.span_size
-        keys = self.cache.keys(req.all_token_ids, full, req.prefix_keys)[:full]
+        keys = self.cache.keys(req.all_token_ids, full, req.prefix_keys, req.adapter_key)[:full]
         hits = self.cache.lookup(keys)
         self.spans.share(hits)
         slots = self.cache.tier_run(keys[len(hits):])
@@ -213,7 +217,7 @@ class Scheduler:
         full = req.num_computed_tokens // self.spans.span_size
         if self.cache is None or full <= req.num_registered_spans:
             return
-        keys = self.cache.keys(req.all_token_ids, full, req.prefix_keys)
+        keys = self.cache.keys(req.all_token_ids, full, req.prefix_keys, req.adapter_key)
         for i in range(req.num_registered_spans, full):
             self.cache.register(req.span_ids[i], keys[i])
         self._stop_computing(req, keys[req.num_registered_spans:full])
@@ -277,7 +281,7 @@ class Scheduler:
         for req, n, draft in chunks:
             if req.request_id not in self._synced:
                 new.append(NewRequestData(req.request_id, tuple(req.all_token_ids), tuple(req.span_ids),
-                                          req.num_computed_tokens))
+                                          req.num_computed_tokens, req.lora_slot))
                 self._synced.add(req.request_id)
             else:
                 tokens = req.token_ids_from(req.num_synced_tokens)

@@ -27,6 +27,7 @@ from allspark_client.validation import ConfigError
 from allspark_server.collective.comm import get_comm
 from allspark_server.core.messages import InstallModelMsg, OpProfileMsg, ReleaseModelMsg
 from allspark_server.core.request import Request
+from allspark_server.engine.lora_api import LoraAPI
 from allspark_server.engine.peer_watch import PeerWatch, RankIdentity, exit_now
 from allspark_server.engine.served_model import AddRequest, ServedModel, StopRequest
 from allspark_server.engine.sleep import DeviceMemory, asleep_message
@@ -55,7 +56,7 @@ HANG_GRACE_S = 1.0      # a pool going down: time for the streams' errors to rea
 SHUT_DOWN = "the engine is shut down: shutdown() or close() was called"
 
 
-class Engine(DeviceMemory, EngineAPI):
+class Engine(DeviceMemory, LoraAPI, EngineAPI):
     def __init__(self, comm=None, step_timeout: Optional[float] = None,
                  ranks: Optional[list[Optional[RankIdentity]]] = None):
         """`step_timeout`: in a pool, seconds a step may take before the pool is declared hung (None: 10 s
@@ -243,6 +244,12 @@ class Engine(DeviceMemory, EngineAPI):
                 raise RequestError(AsStatus.ALLSPARK_REQUEST_DENIED, f"model {name!r} is not started")
             if model.asleep:
                 raise RequestError(AsStatus.ALLSPARK_REQUEST_DENIED, asleep_message(name))
+            try:   # unload_lora takes this lock too: the adapter stays loaded while the request lives
+                adapter = model.adapters.resolve(gen.lora_name)
+            except LookupError as e:
+                raise RequestError(AsStatus.ALLSPARK_LORA_NOT_FOUND, str(e)) from None
+            if adapter is not None:
+                req.lora_slot, req.adapter_key = adapter.slot, adapter.key
             self._requests[name][rid] = _LiveRequest(handle, queue)
             self._engine.post(ForModel(name, AddRequest(req, queue, sampling)))
         return AsStatus.ALLSPARK_SUCCESS, handle, queue

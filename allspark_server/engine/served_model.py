@@ -27,6 +27,7 @@ from allspark_client.response_format import ResponseFormat
 from allspark_client.result_queue import ResultQueue
 from allspark_client.types import AsEngineStat, AsStatus, GeneratedElements, GenerateRequestStatus
 from allspark_client.validation import ConfigError
+from allspark_server.core.adapter_table import AdapterTable
 from allspark_server.core.messages import StepMsg
 from allspark_server.core.prefix_cache import HostTier, PrefixCache
 from allspark_server.core.request import FinishReason, Request
@@ -61,14 +62,13 @@ Command = Union[AddRequest, StopRequest]
 
 class ServedModel:
     def __init__(self, cfg: AsModelConfig, runner: ModelRunner, comm, watchdog: Optional[StepWatchdog] = None):
-        self.cfg = cfg
-        self.comm = comm
+        self.cfg, self.comm = cfg, comm
         self.watchdog = watchdog                          # a pool's: times each step (step_watchdog.py)
         self.runner = runner
         cache = None
         if cfg.enable_prefix_cache:   # keyed by what shapes a span's K/V besides its tokens
-            cache = PrefixCache(f"{cfg.model_path}|{cfg.weights_path}|{runner.dtype}|{runner.kv_mode}",
-                                cfg.cache_span_size, cfg.prefix_cache_ttl,
+            salt = f"{cfg.model_path}|{cfg.weights_path}|{runner.dtype}|{runner.kv_mode}"
+            cache = PrefixCache(salt, cfg.cache_span_size, cfg.prefix_cache_ttl,
                                 tier=HostTier(runner.tier_slots) if runner.tier_slots else None)
         self.spans = SpanManager(runner.num_spans, cfg.cache_span_size, cache)
         self.scheduler = Scheduler(SchedulerConfig(cfg.engine_max_batch, cfg.max_prefill_tokens), self.spans)
@@ -91,6 +91,7 @@ class ServedModel:
         self._last_completed = 0.0
         # speculative decoding (speculative/speculation.py): proposals before each plan, verify rows after
         self.speculation = make_speculation(cfg, runner)
+        self.adapters = AdapterTable(cfg.lora_max_num)      # loaded LoRA adapters by name (engine/lora_api.py)
 
     def guided_state(self, fmt: ResponseFormat) -> GuidedState:
         """A new request's grammar state (any thread); ConfigError(PARAM_ERROR) when the format does not compile
@@ -106,10 +107,9 @@ class ServedModel:
         return self._guided.new_state(fmt)
 
     def close(self) -> None:
-        if self._guided is not None:
-            self._guided.close()
-        if self.speculation is not None:
-            self.speculation.close()
+        for part in (self._guided, self.speculation):
+            if part is not None:
+                part.close()
 
     @property
     def has_work(self) -> bool:
@@ -213,7 +213,7 @@ class ServedModel:
         for c in plan.chunks:
             self._live[c.request_id].queue._mark_scheduled()
         entries = {c.request_id: self._live[c.request_id] for c in plan.chunks}
-        graph = self.runner.graphs is not None and self.runner.graphs.fits_decode(plan.chunks)
+        graph = self.runner.replays_graph(plan.chunks, any(e.request.lora_slot >= 0 for e in entries.values()))
         try:
             with self._watched(plan):
                 self.comm.bcast(StepMsg(self.cfg.model_name, plan))

@@ -4,6 +4,8 @@ already sliced by the loader. At world size 1 these are plain linears.
 
 A layer's weight is dense (`weight`) or, after `quantize_`, InstantQuant buffers (`qweight`, `scales`,
 `zeros` or, for uint4_min, `mins`; quant/formats.py has the layout); `kernel_weight` is what the ops take either way.
+A layer may carry LoRA adapters (`lora`, compute/lora.py: this rank's A and B by slot); the rows of a step that use
+one gain its delta, a row-parallel layer's before the allreduce (its A is split by input like the weight).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 from torch import nn
 
 from allspark_server.compute import ops
+from allspark_server.compute.lora import LoraRows, LoraSlots
 from allspark_server.quant.formats import QuantizedWeight, bits, group_count, has_mins, is_asymmetric
 
 
@@ -23,6 +26,7 @@ class ParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.quant: tuple[str, int, int] | None = None      # (format, group size, act_bits) once quantized
+        self.lora: LoraSlots | None = None                   # LoRA adapters, once the model may load them
 
     def quantize_(self, fmt: str, group_size: int, act_bits: int = 16) -> None:
         """Replace the dense weight by empty quantized buffers of this rank's shape (the loader fills them);
@@ -53,8 +57,8 @@ class ColumnParallelLinear(ParallelLinear):
     def __init__(self, in_features: int, out_features_local: int, bias: bool, dtype: torch.dtype):
         super().__init__(in_features, out_features_local, bias, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, in] -> [T, out_local]
-        return ops.linear(x, self.kernel_weight, self.bias)
+    def forward(self, x: torch.Tensor, lora_rows: LoraRows | None = None) -> torch.Tensor:   # [T, in] -> [T, out_local]
+        return ops.lora_add_(ops.linear(x, self.kernel_weight, self.bias), x, self.lora, lora_rows)
 
 
 class RowParallelLinear(ParallelLinear):
@@ -64,8 +68,8 @@ class RowParallelLinear(ParallelLinear):
         super().__init__(in_features_local, out_features, bias, dtype)
         self.comm = comm
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, in_local] -> [T, out]
-        return self.reduce(ops.linear(x, self.kernel_weight))
+    def forward(self, x: torch.Tensor, lora_rows: LoraRows | None = None) -> torch.Tensor:   # [T, in_local] -> [T, out]
+        return self.reduce(ops.lora_add_(ops.linear(x, self.kernel_weight), x, self.lora, lora_rows))
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of x_local @ W_local^T (+ b): for callers that computed their partial product

@@ -66,8 +66,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, args.rms_norm_eps, dtype) if step.qk_norm else None
 
     def forward(self, x, inputs: ForwardInputs, rope: tuple[torch.Tensor, torch.Tensor], kv: LayerKV):
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.part_sizes, dim=-1)
+        t, lora_rows = x.shape[0], inputs.lora_rows
+        q, k, v = self.qkv_proj(x, lora_rows).split(self.qkv_proj.part_sizes, dim=-1)
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(t * self.num_heads, self.head_dim))[0]
             k = self.k_norm(k.reshape(t * self.num_kv_heads, self.head_dim))[0]
@@ -76,12 +76,13 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         # rotary in one op with the cache write (ALiBi: none, the attention adds the bias)
         o = self.attn(q, k, v, kv, inputs.attn, rope if self.step.position == "rope" else None)     # [T, h*D]
-        return self.o_proj(o)                                              # [T, H]
+        return self.o_proj(o, lora_rows)                                   # [T, H]
 
     def bound(self, kv: LayerKV) -> spec.BoundAttention:
         b = spec.BoundAttention(self.step, self.qkv_proj.kernel_weight, self.qkv_proj.bias, self.o_proj.kernel_weight,
                                 self.num_heads, self.num_kv_heads, kv.k, kv.v, kv.k_param, kv.v_param,
-                                alibi_slopes=self.attn.alibi_slopes)
+                                alibi_slopes=self.attn.alibi_slopes, qkv_lora=self.qkv_proj.lora,
+                                o_lora=self.o_proj.lora)
         if self.q_norm is not None:     # the per-head norms use the layer's eps
             b.q_norm, b.k_norm, b.norm_eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
         return b
@@ -101,12 +102,14 @@ class MLP(nn.Module):
                                                        step.bias, dtype)
         self.down_proj = RowParallelLinear(inter, args.hidden_size, step.bias, dtype, comm)
 
-    def forward(self, x):   # [T, H] -> [T, H]
-        return self.down_proj(ops.act_mul(self.gate_up_proj(x), self.step))     # act(gate) * up: [T, I]
+    def forward(self, x, lora_rows=None):   # [T, H] -> [T, H]
+        a = ops.act_mul(self.gate_up_proj(x, lora_rows), self.step)             # act(gate) * up: [T, I]
+        return self.down_proj(a, lora_rows)
 
     def bound(self) -> spec.BoundMlp:
         return spec.BoundMlp(self.step, self.gate_up_proj.kernel_weight, self.gate_up_proj.bias,
-                             self.down_proj.kernel_weight)
+                             self.down_proj.kernel_weight, gate_up_lora=self.gate_up_proj.lora,
+                             down_lora=self.down_proj.lora)
 
     def reduce(self, partial):
         return self.down_proj.reduce(partial)
@@ -142,13 +145,15 @@ class DecoderLayer(nn.Module):
         model's OpProfiler when profiling is on (here each sublayer is one op, its allreduce included)."""
         rope = ropes[self.self_attn.step.rope_table]
         if not inputs.attn.seqs:            # every sequence decodes one token
-            return self.decode(x, residual, inputs.attn, rope, kv, prof)
+            return self.decode(x, residual, inputs.attn, rope, kv, prof, inputs.lora_rows)
         for step in self.steps:
             if isinstance(step, spec.Norm):
                 norm = getattr(self, step.name)
                 x, residual = timed(prof, "norm", _norm, norm, step, x, residual)
             elif isinstance(step, spec.Attention):
                 x = timed(prof, "prefill_attention", self.self_attn, x, inputs, rope, kv)
+            elif isinstance(step, spec.Mlp):
+                x = timed(prof, "prefill_mlp", self.mlp, x, inputs.lora_rows)
             else:
                 x = timed(prof, "prefill_mlp", self.mlp, x)
         return x, residual
@@ -168,9 +173,9 @@ class DecoderLayer(nn.Module):
             self._bound, self._bound_kv = out, kv.k
         return self._bound
 
-    def decode(self, x, residual, meta, rope, kv: LayerKV, prof=None):
+    def decode(self, x, residual, meta, rope, kv: LayerKV, prof=None, lora_rows=None):
         """The same steps on decode rows, each one op call (compute/step_ops.py); the sublayers' tensor-parallel
-        sums (and row-parallel biases) run after them."""
+        sums (and row-parallel biases) run after them. lora_rows: the rows' LoRA adapters (None: none)."""
         sub = iter(self.sublayers)
         for b in self.bound(kv):
             if isinstance(b, spec.BoundNorm):
@@ -178,9 +183,9 @@ class DecoderLayer(nn.Module):
                 continue
             if isinstance(b, spec.BoundAttention):
                 x = timed(prof, "attention_step", step_ops.attention_step, x, b, meta.slot_mapping, meta.decode_spans,
-                          meta.decode_ctx, *rope)
+                          meta.decode_ctx, *rope, lora_rows)
             elif isinstance(b, spec.BoundMlp):
-                x = timed(prof, "mlp_step", step_ops.mlp_step, x, b)
+                x = timed(prof, "mlp_step", step_ops.mlp_step, x, b, lora_rows)
             else:
                 x = timed(prof, "moe", step_ops.moe_step, x, b)
             x = timed(prof, "allreduce", next(sub).reduce, x)
@@ -231,15 +236,17 @@ class DecoderForCausalLM(nn.Module):
         self.model = DecoderModel(args, self.spec, tp, comm, dtype, max_positions)
         self.lm_head = ParallelLMHead(tp.local_vocab, args.hidden_size, dtype, comm)
         self._stack, self._stack_cache, self._reduce = None, None, None
+        self.lora_generation = 0    # bumped when an adapter is loaded or unloaded: the native stack is built again
         self.profiler = None        # an OpProfiler while profiling is on (set by the runner once its graphs exist)
 
     def decode_stack(self, kv_cache):
         """The native DecodeStack (a whole decode-only step in one call) over this model's bound steps and
         `kv_cache`: built on first use, None without the native build. Weights and cache pages stay where
-        they are once loaded, so it is built once."""
-        if self._stack_cache is not kv_cache:
+        they are once loaded, so it is built once (and again when LoRA adapters come or go)."""
+        cached = self._stack_cache
+        if cached is None or cached[0] is not kv_cache or cached[1] != self.lora_generation:
             self._stack = timed(self.profiler, "build_decode_stack", self._build_decode_stack, kv_cache)
-            self._stack_cache = kv_cache
+            self._stack_cache = (kv_cache, self.lora_generation)
         return self._stack
 
     def _build_decode_stack(self, kv_cache):
@@ -281,8 +288,9 @@ class DecoderForCausalLM(nn.Module):
                 and (stack := self.decode_stack(kv_cache)) is not None):
             # alone-rows mode (a verify step): every row on the GEMV, as a one-row step computes it (row_mode.py)
             verify = {"all_rows_native": True} if row_mode.alone() else {}
+            lora = {"lora_slots": inputs.lora_rows.slots} if inputs.lora_rows is not None else {}
             local = stack.run(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.decode_spans,
-                              meta.decode_ctx, self._reduce, **verify)
+                              meta.decode_ctx, self._reduce, **verify, **lora)
             return self.capped(timed(prof, "lm_head_gather", self.lm_head.gather, local))
         x = timed(prof, "embedding", self.embed, inputs.input_ids)         # [T, H]
         ropes = timed(prof, "rope_rows", self.model.ropes, inputs.positions, x.dtype)   # per table: [T, 1, D] x 2

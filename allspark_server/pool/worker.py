@@ -1,7 +1,8 @@
 """The loop of a pool's worker ranks (1..N-1): receive what rank 0 broadcasts and do it.
 
 Workers hold no scheduler state: a StepPlan says exactly what to compute; install and release
-messages load or drop a model shard; device-memory messages put one to sleep or wake it (runner/residency.py).
+messages load or drop a model shard; LoRA messages load or unload an adapter (runner/adapters.py); device-memory
+messages put one to sleep or wake it (runner/residency.py).
 Any exception propagates, and the rank's main aborts the whole MPI job — a pool is healthy or dead, never half
 alive.
 """
@@ -12,12 +13,13 @@ import logging
 from allspark_server.core.messages import (
     DeviceMemMsg,
     InstallModelMsg,
+    LoraMsg,
     OpProfileMsg,
     ReleaseModelMsg,
     ShutdownMsg,
     StepMsg,
 )
-from allspark_server.runner import residency
+from allspark_server.runner import adapters, residency
 from allspark_server.runner.model_runner import InstallError, ModelRunner, install_runner
 
 log = logging.getLogger(__name__)
@@ -34,6 +36,8 @@ def run_worker(comm) -> None:
                 runners[msg.config.model_name] = install_runner(msg.config, comm)
             except InstallError as e:   # every rank saw it; rank 0 reports it to the caller
                 log.info("install of %s failed: %s", msg.config.model_name, e)
+        elif isinstance(msg, LoraMsg):
+            adapters.apply(runners[msg.model_name], msg, comm)
         elif isinstance(msg, ReleaseModelMsg):
             runners.pop(msg.model_name, None)
         elif isinstance(msg, OpProfileMsg):

@@ -25,7 +25,7 @@ from allspark_server.loader.model_file import ModelFile, read_model_graph
 from allspark_server.loader.rank_weights import cpu_state, device_state, read_rank_state
 from allspark_server.loader.weights import quantize_layers
 from allspark_server.models.decoder import model_class_and_rules
-from allspark_server.runner import kv_budget
+from allspark_server.runner import adapters, kv_budget
 from allspark_server.runner.memory_bandwidth import DecodeBytes, bandwidth_gbs, decode_weight_bytes
 from allspark_server.step.inputs import RequestMirror, build_forward_inputs
 from allspark_server.step.kv_cache import KVCache, bytes_per_span, copy_spans
@@ -66,6 +66,9 @@ class ModelRunner:
         self.model.load_state_dict(state, strict=True, assign=True)
         self.model.to(self.device)   # the buffers that are not loaded (rotary tables)
         self.model.eval()
+        # LoRA: each projection's adapter slots, filled by load_lora (runner/adapters.py)
+        self.has_dense_mlp = not args.moe_layers
+        self.lora_layers = adapters.attach(self.model, cfg.lora_max_num)
         self.span_size = cfg.cache_span_size
         self.kv_mode = KV_MODE_NAMES[AsCacheMode(cfg.cache_mode)]
         if self.kv_mode is not None and self.dtype not in (torch.float32, torch.bfloat16):
@@ -190,7 +193,7 @@ class ModelRunner:
             ids = timed(prof, "token_broadcast", self.comm.broadcast_, tokens)
             logits = timed(prof, "decode_graph", self.graphs.run_decode, chunks, self.mirrors, ids)
             sampled = [c.request_id for c in chunks]
-        elif self.graphs is not None and self.graphs.fits_decode(chunks):   # no ForwardInputs to build
+        elif self.replays_graph(chunks):   # no ForwardInputs to build
             logits = timed(prof, "decode_graph", self.graphs.run_decode, chunks, self.mirrors)
             sampled = [c.request_id for c in chunks for _ in range(c.num_tokens)]   # a verify chunk: a row a token
         else:
@@ -200,6 +203,16 @@ class ModelRunner:
         for c in chunks:
             self.mirrors[c.request_id].num_computed_tokens += c.num_tokens
         return logits, sampled
+
+    def replays_graph(self, chunks, uses_lora: bool | None = None) -> bool:
+        """The step replays a CUDA graph: a decode step that fits them and no row of which uses a LoRA adapter (the
+        graphs are captured without adapters; such steps run eagerly). uses_lora: whether one does (None: as the
+        mirrors, with the plan applied, say)."""
+        if self.graphs is None or not self.graphs.fits_decode(chunks):
+            return False
+        if uses_lora is None:
+            uses_lora = any(self.mirrors[c.request_id].lora_slot >= 0 for c in chunks)
+        return not uses_lora
 
     def _forward_inputs(self, chunks):
         return build_forward_inputs(chunks, self.mirrors, self.span_size).to(self.device)
@@ -215,7 +228,8 @@ class ModelRunner:
         for rid in plan.dropped_ids:
             self.mirrors.pop(rid, None)
         for r in plan.new_requests:
-            self.mirrors[r.request_id] = RequestMirror(list(r.token_ids), list(r.span_ids), r.num_computed_tokens)
+            self.mirrors[r.request_id] = RequestMirror(list(r.token_ids), list(r.span_ids), r.num_computed_tokens,
+                                                       r.lora_slot)
         for r in plan.cached_requests:
             m = self.mirrors[r.request_id]
             m.token_ids.extend(r.new_token_ids)

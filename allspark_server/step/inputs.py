@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from allspark_server.compute.device_kind import in_host_memory
+from allspark_server.compute.lora import LoraRows
 
 
 @dataclass
@@ -50,6 +51,7 @@ class ForwardInputs:
     sample_rows: torch.Tensor        # [N] long
     sample_request_ids: list[int]
     verifies: bool = False           # a verify chunk is among the rows: every row takes the native GEMV (decoder.py)
+    lora_rows: Optional[LoraRows] = None    # the rows' LoRA adapters (compute/lora.py); None: no row uses one
 
     def to(self, device: torch.device) -> "ForwardInputs":
         """The same inputs with every tensor on `device` (a GPU rank's copy): host tensors (all long) packed into
@@ -63,7 +65,8 @@ class ForwardInputs:
                                     a.prefill_spans, self.sample_rows], device))
         ids, positions = next(moved), next(moved)
         attn = AttentionMetadata(next(moved), a.seqs, *(next(moved) for _ in range(7)), a.prefill_max_q)
-        return ForwardInputs(ids, positions, attn, next(moved), self.sample_request_ids, self.verifies)
+        lora = None if self.lora_rows is None else self.lora_rows.to(device)
+        return ForwardInputs(ids, positions, attn, next(moved), self.sample_request_ids, self.verifies, lora)
 
 
 def move_together(tensors: list, device: torch.device) -> list:
@@ -92,17 +95,19 @@ class RequestMirror:
     token_ids: list[int]
     span_ids: list[int]
     num_computed_tokens: int
+    lora_slot: int = -1               # its LoRA adapter's slot (-1: the base model)
 
 
 def build_forward_inputs(chunks, mirrors: dict[int, RequestMirror], span_size: int) -> ForwardInputs:
     ids, positions, slot_list, seqs, sample_rows, sample_rids = [], [], [], [], [], []
     dec_rows, dec_spans, dec_ctx = [], [], []
-    pre_spans = []
+    pre_spans, row_slots = [], []
     offsets = None   # token offsets within a span, made by the first prefill chunk
     for chunk in chunks:
         m = mirrors[chunk.request_id]
         start, n = m.num_computed_tokens, chunk.num_tokens
         end = start + n
+        row_slots.extend([m.lora_slot] * n)     # a verify chunk: n = 1 + len(draft_ids) rows too
         if chunk.draft_ids:   # a verify step: the last known token and the proposal, each a decode row
             for i, token in enumerate((m.token_ids[start], *chunk.draft_ids)):
                 pos = start + i
@@ -152,6 +157,7 @@ def build_forward_inputs(chunks, mirrors: dict[int, RequestMirror], span_size: i
         sample_rows=torch.tensor(sample_rows, dtype=torch.long),
         sample_request_ids=sample_rids,
         verifies=any(c.draft_ids for c in chunks),
+        lora_rows=LoraRows.of(row_slots),
     )
 
 

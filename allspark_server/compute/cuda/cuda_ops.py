@@ -19,6 +19,7 @@ from allspark_server.compute.cuda import fused_kernels as fused
 from allspark_server.compute.cuda import gemv_kernels
 from allspark_server.compute.cuda.attention_kernels import paged_prefill_attention
 from allspark_server.compute.cuda.decode_attention import fused_decode_enabled, paged_decode_attention
+from allspark_server.compute.cuda.lora_kernels import lora_add_ as lora_add_rows
 from allspark_server.compute.cuda.quant_kernels import alone_config, quant_matmul
 from allspark_server.compute.steps import Attention
 from allspark_server.quant.formats import QuantizedWeight
@@ -82,11 +83,23 @@ def prefill_attention(q, k_cache, v_cache, meta, options: Attention, out, k_para
                                    alibi_slopes=alibi_slopes, softcap=options.softcap, window=options.window)
 
 
-def attention_step(x, b, slots, spans, ctx, cos, sin):
+def lora_add_(y, x, lora, rows):
+    """ops.lora_add_: y += each row's adapter delta, the slots' stacked A and B gathered by row (lora_kernels.py)."""
+    a_stack, b_stack = lora.stacked()
+    lora_add_rows(y, x, a_stack, b_stack, rows.slots)
+    return y
+
+
+def _lora_linear(x, w, bias, lora, lora_rows):
+    y = linear(x, w, bias)
+    return y if lora is None or lora_rows is None or lora.is_empty else lora_add_(y, x, lora, lora_rows)
+
+
+def attention_step(x, b, slots, spans, ctx, cos, sin, lora_rows=None):
     """A BoundAttention step (compute/steps.py) on this backend's ops, reference.attention_step_reference's
     sequence (cos = sin = None: no rotary): the o projection's output before the allreduce."""
     a, heads, kv_heads = b.step, b.num_heads, b.num_kv_heads
-    qkv = linear(x, b.qkv, b.qkv_bias)
+    qkv = _lora_linear(x, b.qkv, b.qkv_bias, b.qkv_lora, lora_rows)
     n, d = x.shape[0], qkv.shape[-1] // (heads + 2 * kv_heads)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
     if b.q_norm is not None:
@@ -105,7 +118,7 @@ def attention_step(x, b, slots, spans, ctx, cos, sin):
             q, k = rotary(q, k, cos, sin)
         store_kv(k, v, b.k_cache, b.v_cache, slots, b.k_param, b.v_param)
         o = decode_attention(q, b.k_cache, b.v_cache, spans, ctx, a, b.k_param, b.v_param, b.alibi_slopes)
-    return linear(o.reshape(n, heads * d), b.o)
+    return _lora_linear(o.reshape(n, heads * d), b.o, None, b.o_lora, lora_rows)
 
 
 def _alone_config(x: torch.Tensor, w: QuantizedWeight, silu_mul: bool = False):
@@ -142,11 +155,15 @@ def gate_up_silu_mul(h: torch.Tensor, gate_up: "torch.Tensor | QuantizedWeight",
     return silu_mul(linear(h, gate_up, bias))
 
 
-def mlp_step(x, b):
-    """A BoundMlp step: silu's gate|up GEMV may take the activation as its epilogue; the down projection's output
-    before the allreduce."""
-    if b.step.act == "silu":
+def mlp_step(x, b, lora_rows=None):
+    """A BoundMlp step: silu's gate|up GEMV may take the activation as its epilogue (not where an adapter adds to
+    gate|up first); the down projection's output before the allreduce."""
+    gate_up_lora = b.gate_up_lora is not None and lora_rows is not None and not b.gate_up_lora.is_empty
+    if gate_up_lora:
+        a = (silu_mul if b.step.act == "silu" else gelu_tanh_mul)(
+            _lora_linear(x, b.gate_up, b.gate_up_bias, b.gate_up_lora, lora_rows))
+    elif b.step.act == "silu":
         a = gate_up_silu_mul(x, b.gate_up, b.gate_up_bias)
     else:
         a = gelu_tanh_mul(linear(x, b.gate_up, b.gate_up_bias))
-    return linear(a, b.down)
+    return _lora_linear(a, b.down, None, b.down_lora, lora_rows)

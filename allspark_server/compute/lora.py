@@ -1,0 +1,99 @@
+"""LoRA adapters as an option of the projections: what one projection holds of them, and which rows use which.
+
+A projection (a q|k|v, o, gate|up or down linear of one layer, on one rank) may carry `LoraSlots`: for each
+adapter slot of the model, this rank's (A [R, in_local], B [out_local, R]) with the adapter's scale folded into B,
+the parts of a merged projection stacked (lora/shard.py makes them). A step's rows pick their adapter by slot
+(`LoraRows`, from the requests': -1 is the base model); the projection's output gains, on each row,
+B[s] . (A[s] . x): `lora_add_reference` here, the native decode steps' add_lora (native/decode_steps.cpp) and the
+CUDA backend's kernels (compute/cuda/lora_kernels.py), which ops.lora_add_ chooses between.
+
+The delta of a row-parallel projection (o, down: A split by input columns) is a partial sum like the base product
+and is added before the allreduce. The shrink's result is rounded to the activation dtype before the expand, as
+PEFT computes lora_B(lora_A(x)) in the module's dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+class LoraSlots:
+    """One projection's adapters on this rank, by slot. `version` counts changes: whatever was built from the
+    slots (the native descriptors, the stacked copies a GPU kernel reads) is rebuilt when it moves."""
+
+    def __init__(self, num_slots: int):
+        self.a: list[Optional[torch.Tensor]] = [None] * num_slots     # [R_s, in_local]
+        self.b: list[Optional[torch.Tensor]] = [None] * num_slots     # [out_local, R_s], the scale folded in
+        self.version = 0
+        self._stacked: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None
+
+    def set(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise ValueError(f"LoRA slot {slot}: A {tuple(a.shape)} and B {tuple(b.shape)} do not chain")
+        self.a[slot], self.b[slot] = a.contiguous(), b.contiguous()
+        self.version += 1
+
+    def clear(self, slot: int) -> None:
+        self.a[slot] = self.b[slot] = None
+        self.version += 1
+
+    @property
+    def is_empty(self) -> bool:
+        return all(a is None for a in self.a)
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A [S, R, in], B [S, out, R]): every slot's pair, ranks padded with zeros to the largest, empty slots
+        zero (what a kernel that gathers by slot reads); rebuilt after a change."""
+        if self._stacked is None or self._stacked[0] != self.version:
+            present = [(a, b) for a, b in zip(self.a, self.b) if a is not None]
+            a0, b0 = present[0]
+            rank = max(a.shape[0] for a, _ in present)
+            a_stack = a0.new_zeros(len(self.a), rank, a0.shape[1])
+            b_stack = b0.new_zeros(len(self.a), b0.shape[0], rank)
+            for s, (a, b) in enumerate(zip(self.a, self.b)):
+                if a is not None:
+                    a_stack[s, :a.shape[0]] = a
+                    b_stack[s, :, :b.shape[1]] = b
+            self._stacked = (self.version, a_stack, b_stack)
+        return self._stacked[1], self._stacked[2]
+
+
+@dataclass
+class LoraRows:
+    """A step's rows by adapter: `slots` [T] long (-1: the base model) and, per slot used, its rows
+    (None: every row of the step)."""
+    slots: torch.Tensor
+    groups: list[tuple[int, Optional[torch.Tensor]]]
+
+    @classmethod
+    def of(cls, row_slots: list[int]) -> Optional["LoraRows"]:
+        """From each row's slot; None when no row uses an adapter (the step runs as without LoRA)."""
+        used = sorted({s for s in row_slots if s >= 0})
+        if not used:
+            return None
+        if len(used) == 1 and all(s == used[0] for s in row_slots):
+            groups = [(used[0], None)]
+        else:
+            groups = [(s, torch.tensor([i for i, r in enumerate(row_slots) if r == s], dtype=torch.long))
+                      for s in used]
+        return cls(torch.tensor(row_slots, dtype=torch.long), groups)
+
+    def to(self, device: torch.device) -> "LoraRows":
+        return LoraRows(self.slots.to(device), [(s, None if i is None else i.to(device)) for s, i in self.groups])
+
+
+def lora_add_reference(y: torch.Tensor, x: torch.Tensor, lora: LoraSlots, rows: LoraRows, linear) -> torch.Tensor:
+    """y [T, out] += each row's B[s] . (A[s] . x) through `linear` (the backend's x . w^T), in place; returns y."""
+    for slot, idx in rows.groups:
+        a, b = lora.a[slot], lora.b[slot]
+        if a is None:           # this adapter leaves the projection alone
+            continue
+        xs = x if idx is None else x.index_select(0, idx)
+        delta = linear(linear(xs, a), b)
+        if idx is None:
+            y.add_(delta)
+        else:
+            y.index_add_(0, idx, delta)
+    return y
