@@ -25,6 +25,7 @@ from allspark_server.loader.hf_reader import iter_hf_tensors, read_generation_co
 from allspark_server.loader.model_file import DTYPES, write_model_files
 from allspark_server.loader.quantized import plan_scheme, quantize_tensors, quantized_split_modes
 from allspark_server.loader.weights import checkpoint_shapes, non_finite, quantize_layers
+from allspark_server.lora.adapter import LoraAdapterError, read_lora_cfg, write_adapters
 from allspark_server.models.args import ModelArgs
 from allspark_server.models.decoder import model_class_and_rules, quantizable_weights
 from allspark_server.models.registry import get_arch, read_args
@@ -261,17 +262,28 @@ class HuggingFaceModel:
 
     # ---- serialization -----------------------------------------------------------------------
     def serialize(self, engine=None, model_output_dir: str = "", enable_quant: bool = False,
-                  weight_only_quant: bool = False, customized_quant_config=None, **_ignored) -> "HuggingFaceModel":
-        return self.serialize_to_path(engine, model_output_dir or ".", enable_quant=enable_quant,
-                                      weight_only_quant=weight_only_quant,
-                                      customized_quant_config=customized_quant_config)
+                  weight_only_quant: bool = False, customized_quant_config=None, lora_cfg=None,
+                  **_ignored) -> "HuggingFaceModel":
+        return self.serialize_to_path(engine, model_output_dir or ".", enable_quant, weight_only_quant,
+                                      customized_quant_config, lora_cfg=lora_cfg)
 
     def serialize_to_path(self, engine=None, output_dir: str = ".", enable_quant: bool = False,
                           weight_only_quant: bool = False, customized_quant_config=None,
-                          skip_if_exists: bool = False, **_ignored) -> "HuggingFaceModel":
+                          skip_if_exists: bool = False, lora_cfg=None, **_ignored) -> "HuggingFaceModel":
         """Write `<name>.asgraph` + `<name>.asparam` into `output_dir`. With `enable_quant` (or a
         `customized_quant_config`), the GEMM weights are quantized with InstantQuant (README: Quantization);
-        the default scheme is int8 per channel, weight-only."""
+        the default scheme is int8 per channel, weight-only. DashInfer's `lora_cfg` (lora/adapter.py) adds
+        `<output_dir>/<lora name>.aslora` per adapter, all read first; with its `lora_only`, only those."""
+        try:
+            adapters, lora_only = read_lora_cfg(lora_cfg, self.args)
+        except LoraAdapterError as e:
+            raise ModelSerializerException(f"lora_cfg: {e}") from None
+        if not lora_only:
+            self._serialize_model(output_dir, enable_quant, weight_only_quant, customized_quant_config, skip_if_exists)
+        write_adapters(adapters, output_dir)
+        return self
+
+    def _serialize_model(self, output_dir, enable_quant, weight_only_quant, customized_quant_config, skip_if_exists):
         quantized = bool(enable_quant or weight_only_quant or customized_quant_config)
         if customized_quant_config is not None and not isinstance(customized_quant_config, dict):
             raise ModelSerializerException(f"customized_quant_config must be a dict, got "
@@ -279,7 +291,7 @@ class HuggingFaceModel:
         graph, params = self._output_paths(output_dir)
         if skip_if_exists and os.path.isfile(graph) and os.path.isfile(params):
             self.graph_path, self.weights_path = graph, params
-            return self
+            return
         if self._tensors is None:
             raise ModelSerializerException("call load_model() before serialize()")
         _, rules = model_class_and_rules(self.args.architecture)
@@ -308,7 +320,6 @@ class HuggingFaceModel:
         self.graph_path, self.weights_path = write_model_files(
             output_dir, self.model_name, self.args, self.hf_config, self.data_type, tensors, modes, eos, eos,
             serialize_args, quant=scheme, tokenizer_json=self._tokenizer_json(), paths=(graph, params))
-        return self
 
     def _prequantized_compute(self, scheme: QuantScheme, config, flags: bool) -> QuantScheme:
         """An already quantized checkpoint (GGUF, GPTQ, AWQ) keeps its codes: a customized_quant_config may only

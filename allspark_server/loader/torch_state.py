@@ -8,6 +8,7 @@ architectures here. Each argument is honoured or refused naming it; none is igno
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import replace
 from typing import Iterator, Mapping, Optional
 
@@ -15,6 +16,7 @@ import torch
 
 from allspark_server.loader.hf_model import HuggingFaceModel, ModelSerializerException, _as_list
 from allspark_server.loader.model_file import DTYPES
+from allspark_server.lora.adapter import LoraAdapterError, LoraCfg
 from allspark_server.models.registry import supported_architectures
 
 log = logging.getLogger("allspark")
@@ -154,8 +156,10 @@ def serialize_model_from_torch(model_name: str, model_type: str, torch_model, mo
         raise _refuse("model_config", f"expected a dict (the HF config), got {type(model_config).__name__}")
     if str(data_type).replace("torch.", "") not in DTYPES:
         raise _refuse("data_type", f"{data_type!r} is not one of {list(DTYPES)}")
-    if lora_cfg is not None:
-        raise _refuse("lora_cfg", "LoRA adapters are not supported yet")
+    try:
+        lora = None if lora_cfg is None else LoraCfg.from_dict(lora_cfg)   # its adapters: serialize_to_path reads them
+    except LoraAdapterError as e:
+        raise _refuse("lora_cfg", str(e)) from None
     if enable_i8cache_mha or mha_kv_cache_config is not None:
         name = "enable_i8cache_mha" if enable_i8cache_mha else "mha_kv_cache_config"
         raise _refuse(name, "the KV cache format is a runtime setting here: "
@@ -209,6 +213,10 @@ def serialize_model_from_torch(model_name: str, model_type: str, torch_model, mo
                  model.args.rope_theta)
         model.args = replace(model.args, rope_theta=float(rotary_base))
     model._paths = paths
-    model.load_model().serialize_to_path(None, save_dir or ".", enable_quant=bool(do_dynamic_quantize_convert),
-                                         customized_quant_config=quant)
+    if lora is None or not lora.lora_only:
+        model.load_model()
+    # the .aslora files go beside the model's (save_dir, or as_model_path's folder)
+    model.serialize_to_path(None, save_dir or os.path.dirname(paths[0]) or ".",
+                            enable_quant=bool(do_dynamic_quantize_convert), customized_quant_config=quant,
+                            lora_cfg=lora_cfg)
     return model.graph_path, model.weights_path

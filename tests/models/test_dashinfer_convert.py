@@ -122,7 +122,7 @@ def test_qwen_v1_dynamic_ntk_follows_the_arguments(tmp_path, engine):
 
 
 REFUSALS = [
-    (dict(lora_cfg={"lora_names": ["x"]}), "lora_cfg"),
+    (dict(lora_cfg={"input_base_dir": ".", "lora_names": ["x"], "lora_dir": "."}), "lora_cfg.*lora_dir"),  # a typo
     (dict(enable_i8cache_mha=True), "enable_i8cache_mha"),
     (dict(mha_kv_cache_config={"type": "int8"}), "mha_kv_cache_config"),
     (dict(derive_type=None), "derive_type"),
