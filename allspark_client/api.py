@@ -35,6 +35,16 @@ class EngineAPI(DashInferCompat):
     def close(self) -> None:
         raise NotImplementedError
 
+    # LoRA adapters (docs/api.md, "LoRA adapters"): each engine implements them
+    def load_lora(self, model_name: str, lora_name: str, path: Optional[str] = None) -> AsStatus:
+        raise NotImplementedError
+
+    def unload_lora(self, model_name: str, lora_name: str) -> AsStatus:
+        raise NotImplementedError
+
+    def list_loras(self, model_name: str) -> list[str]:
+        raise NotImplementedError
+
     def __enter__(self):
         return self
 
@@ -83,3 +93,6 @@ class EngineProtocol(Protocol):
     def get_file_information(self, graph_path: str, param_path: str): ...
     def unload_device_mem(self, name: str, wake_from: Optional[str] = "auto") -> None: ...
     def load_device_mem(self, name: str) -> None: ...
+    def load_lora(self, model_name: str, lora_name: str, path: Optional[str] = None) -> AsStatus: ...
+    def unload_lora(self, model_name: str, lora_name: str) -> AsStatus: ...
+    def list_loras(self, model_name: str) -> list[str]: ...

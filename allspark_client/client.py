@@ -24,6 +24,7 @@ from allspark_client.channel import RECONNECT_BACKOFF_MS, Pem, failure_reason, n
 from allspark_client.config import AsModelConfig
 from allspark_client.generation_config import parse_request
 from allspark_client.launch.spawned_pool import SpawnedPool
+from allspark_client.lora_client import ClientLora
 from allspark_client.op_profile_report import OpProfileReport
 from allspark_client.result_queue import ResultQueue
 from allspark_client.session import ClientSession
@@ -60,7 +61,9 @@ class _ClientRequest:
     call: Any                       # the Generate stream (cancellable)
 
 
-class ClientEngine(ClientDeviceMemory, EngineAPI):
+class ClientEngine(ClientDeviceMemory, ClientLora, EngineAPI):
+    _closed_reason = CLOSED      # what calls after close() are refused with (the mixins' too)
+
     def __init__(self, address: Optional[str] = None, *, ranks: Optional[int] = None,
                  numa_nodes: Optional[list[int]] = None, gpus: Optional[list[int] | str] = None,
                  launcher_args: tuple[str, ...] = (),

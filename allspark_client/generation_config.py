@@ -37,6 +37,7 @@ class GenerationConfig:
     do_sample: bool = True
     response_format: Optional[ResponseFormat] = None   # None: plain text; otherwise guided output
     speculative: bool = True                # False: no speculative decoding for this request (the model's config)
+    lora_name: Optional[str] = None         # the LoRA adapter the request runs with; None: the base model
 
     @property
     def is_greedy(self) -> bool:
@@ -51,7 +52,7 @@ class GenerationConfig:
 # DashInfer keys we accept for compatibility; each only with the value(s) that mean "off".
 _INERT_KEYS = {
     "num_beams": (1,), "num_return_sequences": (1,), "length_penalty": None, "early_stopping": None,
-    "no_repeat_ngram_size": (0,), "bad_words_ids": ([],), "uuid": None, "input_len": None, "lora_name": ("", None),
+    "no_repeat_ngram_size": (0,), "bad_words_ids": ([],), "uuid": None, "input_len": None,
     "vocab": None, "vocab_type": None, "enable_tensors_from_model_inference": (False,),
     "suppress_repetition_in_generation": (False,), "mm_info": (None,),
 }
@@ -124,6 +125,12 @@ def parse_generation_config(raw: Optional[dict], vocab_size: Optional[int] = Non
     if "speculative" in kw:
         _check(isinstance(kw["speculative"], bool), f"speculative must be a bool, got {kw['speculative']!r}")
         out["speculative"] = kw["speculative"]
+    if "lora_name" in kw:
+        name = kw["lora_name"]
+        _check(name is None or isinstance(name, str), f"lora_name must be a string (a loaded LoRA adapter's name; "
+               f"\"\" or None: the base model), got {type(name).__name__} {name!r:.80}")
+        if name:      # "" and None both mean the base model
+            out["lora_name"] = name
     if "response_format" in kw:
         out["response_format"] = parse_response_format(kw["response_format"])
         _check(out["response_format"] is None or not out.get("min_length"),

@@ -19,6 +19,8 @@ PROTOCOL_VERSION = 1
 _OPTIONAL_SCALARS = ("temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
                      "min_length", "max_length", "max_new_tokens", "seed", "logprobs", "top_logprobs", "do_sample",
                      "speculative")
+# RuntimeConfig fields sent only when set: a pool reads an absent one as AsModelConfig's default
+_OPTIONAL_RUNTIME = ("lora_max_num", "lora_max_rank")
 
 
 # ---- runtime config ------------------------------------------------------------------------------
@@ -30,7 +32,8 @@ def runtime_config_to_proto(cfg: AsModelConfig) -> pb.RuntimeConfig:
 
 def runtime_config_from_proto(msg: pb.RuntimeConfig) -> AsModelConfig:
     """May raise ConfigError (validated on construction, as everywhere)."""
-    values = {f.name: getattr(msg, f.name) for f in fields(AsModelConfig)}
+    values = {f.name: getattr(msg, f.name) for f in fields(AsModelConfig)
+              if f.name not in _OPTIONAL_RUNTIME or msg.HasField(f.name)}
     values["cache_mode"] = AsCacheMode(values["cache_mode"]) if values["cache_mode"] in \
         {m.value for m in AsCacheMode} else values["cache_mode"]
     return AsModelConfig(**values)
@@ -50,6 +53,8 @@ def generation_config_to_proto(raw: dict, gen: GenerationConfig) -> pb.Generatio
         msg.stop_words_ids.add(ids=list(words))
     if gen.response_format is not None:
         msg.response_format_json = gen.response_format.to_json()
+    if gen.lora_name:
+        msg.lora_name = gen.lora_name
     return msg
 
 
@@ -64,6 +69,8 @@ def generation_config_from_proto(msg: pb.GenerationConfig) -> dict:
             out["response_format"] = json.loads(msg.response_format_json)
         except ValueError:
             out["response_format"] = msg.response_format_json   # rejected there, naming response_format
+    if msg.lora_name:
+        out["lora_name"] = msg.lora_name
     return out
 
 

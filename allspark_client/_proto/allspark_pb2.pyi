@@ -183,8 +183,28 @@ class SaveModelRequest(_message.Message):
     with_weight: bool
     def __init__(self, model_name: _Optional[str] = ..., saved_dir: _Optional[str] = ..., with_weight: _Optional[bool] = ...) -> None: ...
 
+class LoraRequest(_message.Message):
+    __slots__ = ("model_name", "lora_name", "path")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    lora_name: str
+    path: str
+    def __init__(self, model_name: _Optional[str] = ..., lora_name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoraList(_message.Message):
+    __slots__ = ("status", "message", "lora_names")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAMES_FIELD_NUMBER: _ClassVar[int]
+    status: int
+    message: str
+    lora_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, status: _Optional[int] = ..., message: _Optional[str] = ..., lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class RuntimeConfig(_message.Message):
-    __slots__ = ("model_name", "model_path", "weights_path", "compute_unit", "engine_max_length", "engine_max_batch", "engine_max_prefill_length", "num_threads", "matmul_precision", "cache_mode", "cache_span_size", "kv_cache_memory_bytes", "enable_prefix_cache", "prefix_cache_ttl", "prefix_cache_host_bytes", "enable_profiling", "speculative_method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "draft_model", "draft_dtype", "draft_quantize", "speculative_max_batch")
+    __slots__ = ("model_name", "model_path", "weights_path", "compute_unit", "engine_max_length", "engine_max_batch", "engine_max_prefill_length", "num_threads", "matmul_precision", "cache_mode", "cache_span_size", "kv_cache_memory_bytes", "enable_prefix_cache", "prefix_cache_ttl", "prefix_cache_host_bytes", "enable_profiling", "speculative_method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "draft_model", "draft_dtype", "draft_quantize", "speculative_max_batch", "lora_max_num", "lora_max_rank")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +229,8 @@ class RuntimeConfig(_message.Message):
     DRAFT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_QUANTIZE_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    LORA_MAX_NUM_FIELD_NUMBER: _ClassVar[int]
+    LORA_MAX_RANK_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_path: str
     weights_path: str
@@ -233,7 +255,9 @@ class RuntimeConfig(_message.Message):
     draft_dtype: str
     draft_quantize: str
     speculative_max_batch: int
-    def __init__(self, model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., weights_path: _Optional[str] = ..., compute_unit: _Optional[str] = ..., engine_max_length: _Optional[int] = ..., engine_max_batch: _Optional[int] = ..., engine_max_prefill_length: _Optional[int] = ..., num_threads: _Optional[int] = ..., matmul_precision: _Optional[str] = ..., cache_mode: _Optional[int] = ..., cache_span_size: _Optional[int] = ..., kv_cache_memory_bytes: _Optional[int] = ..., enable_prefix_cache: _Optional[bool] = ..., prefix_cache_ttl: _Optional[int] = ..., prefix_cache_host_bytes: _Optional[int] = ..., enable_profiling: _Optional[bool] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., draft_model: _Optional[str] = ..., draft_dtype: _Optional[str] = ..., draft_quantize: _Optional[str] = ..., speculative_max_batch: _Optional[int] = ...) -> None: ...
+    lora_max_num: int
+    lora_max_rank: int
+    def __init__(self, model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., weights_path: _Optional[str] = ..., compute_unit: _Optional[str] = ..., engine_max_length: _Optional[int] = ..., engine_max_batch: _Optional[int] = ..., engine_max_prefill_length: _Optional[int] = ..., num_threads: _Optional[int] = ..., matmul_precision: _Optional[str] = ..., cache_mode: _Optional[int] = ..., cache_span_size: _Optional[int] = ..., kv_cache_memory_bytes: _Optional[int] = ..., enable_prefix_cache: _Optional[bool] = ..., prefix_cache_ttl: _Optional[int] = ..., prefix_cache_host_bytes: _Optional[int] = ..., enable_profiling: _Optional[bool] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., draft_model: _Optional[str] = ..., draft_dtype: _Optional[str] = ..., draft_quantize: _Optional[str] = ..., speculative_max_batch: _Optional[int] = ..., lora_max_num: _Optional[int] = ..., lora_max_rank: _Optional[int] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -242,7 +266,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerationConfig(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_length", "max_length", "max_new_tokens", "has_eos_token_id", "eos_token_id", "stop_words_ids", "seed", "logprobs", "top_logprobs", "do_sample", "response_format_json", "speculative")
+    __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_length", "max_length", "max_new_tokens", "has_eos_token_id", "eos_token_id", "stop_words_ids", "seed", "logprobs", "top_logprobs", "do_sample", "response_format_json", "speculative", "lora_name")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +285,7 @@ class GenerationConfig(_message.Message):
     DO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_JSON_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -279,7 +304,8 @@ class GenerationConfig(_message.Message):
     do_sample: bool
     response_format_json: str
     speculative: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_length: _Optional[int] = ..., max_length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., has_eos_token_id: _Optional[bool] = ..., eos_token_id: _Optional[_Iterable[int]] = ..., stop_words_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., do_sample: _Optional[bool] = ..., response_format_json: _Optional[str] = ..., speculative: _Optional[bool] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_length: _Optional[int] = ..., max_length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., has_eos_token_id: _Optional[bool] = ..., eos_token_id: _Optional[_Iterable[int]] = ..., stop_words_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., do_sample: _Optional[bool] = ..., response_format_json: _Optional[str] = ..., speculative: _Optional[bool] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("model_name", "input_ids", "config", "session_id")

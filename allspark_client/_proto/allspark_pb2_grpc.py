@@ -119,6 +119,21 @@ class AllsparkStub:
                 request_serializer=allspark__pb2.ModelRef.SerializeToString,
                 response_deserializer=allspark__pb2.OpProfile.FromString,
                 _registered_method=True)
+        self.LoadLora = channel.unary_unary(
+                '/allspark.v1.Allspark/LoadLora',
+                request_serializer=allspark__pb2.LoraRequest.SerializeToString,
+                response_deserializer=allspark__pb2.StatusReply.FromString,
+                _registered_method=True)
+        self.UnloadLora = channel.unary_unary(
+                '/allspark.v1.Allspark/UnloadLora',
+                request_serializer=allspark__pb2.LoraRequest.SerializeToString,
+                response_deserializer=allspark__pb2.StatusReply.FromString,
+                _registered_method=True)
+        self.ListLoras = channel.unary_unary(
+                '/allspark.v1.Allspark/ListLoras',
+                request_serializer=allspark__pb2.ModelRef.SerializeToString,
+                response_deserializer=allspark__pb2.LoraList.FromString,
+                _registered_method=True)
 
 
 class AllsparkServicer:
@@ -236,6 +251,26 @@ class AllsparkServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLora(self, request, context):
+        """LoRA adapters (DashInfer's load_lora / unload_lora; list_loras): every rank loads or drops its shard; a request
+        picks one with GenerationConfig.lora_name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLora(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoras(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AllsparkServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -318,6 +353,21 @@ def add_AllsparkServicer_to_server(servicer, server):
                     servicer.GetOpProfile,
                     request_deserializer=allspark__pb2.ModelRef.FromString,
                     response_serializer=allspark__pb2.OpProfile.SerializeToString,
+            ),
+            'LoadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLora,
+                    request_deserializer=allspark__pb2.LoraRequest.FromString,
+                    response_serializer=allspark__pb2.StatusReply.SerializeToString,
+            ),
+            'UnloadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLora,
+                    request_deserializer=allspark__pb2.LoraRequest.FromString,
+                    response_serializer=allspark__pb2.StatusReply.SerializeToString,
+            ),
+            'ListLoras': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoras,
+                    request_deserializer=allspark__pb2.ModelRef.FromString,
+                    response_serializer=allspark__pb2.LoraList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -757,6 +807,87 @@ class Allspark:
             '/allspark.v1.Allspark/GetOpProfile',
             allspark__pb2.ModelRef.SerializeToString,
             allspark__pb2.OpProfile.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/allspark.v1.Allspark/LoadLora',
+            allspark__pb2.LoraRequest.SerializeToString,
+            allspark__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/allspark.v1.Allspark/UnloadLora',
+            allspark__pb2.LoraRequest.SerializeToString,
+            allspark__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoras(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/allspark.v1.Allspark/ListLoras',
+            allspark__pb2.ModelRef.SerializeToString,
+            allspark__pb2.LoraList.FromString,
             options,
             channel_credentials,
             insecure,

@@ -276,6 +276,29 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
         return await self._run(self._device_mem, self.engine.load_device_mem, request.model_name)
 
 
+    def _lora_status(self, method, *args) -> pb.StatusReply:
+        try:
+            return self._status_of(method, *args)
+        except AsException as e:
+            return pb.StatusReply(status=int(e.status), message=e.message)
+
+    async def LoadLora(self, request, context):
+        path = request.path if request.HasField("path") else None
+        return await self._run(self._lora_status, self.engine.load_lora, request.model_name, request.lora_name, path)
+
+    async def UnloadLora(self, request, context):
+        return await self._run(self._lora_status, self.engine.unload_lora, request.model_name, request.lora_name)
+
+    def _list_loras(self, name: str) -> pb.LoraList:
+        try:
+            return pb.LoraList(status=0, lora_names=self.engine.list_loras(name))
+        except AsException as e:
+            return pb.LoraList(status=int(e.status), message=e.message)
+
+    async def ListLoras(self, request, context):
+        return await self._run(self._list_loras, request.model_name)
+
+
 class PoolServer:
     """The grpc.aio server on its own event loop thread, driven from the (synchronous) rank-0 main thread."""
 
