@@ -1,9 +1,11 @@
-"""The FastAPI app: routes (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics), Bearer auth
-on /v1/*, HTTP status counting, and OpenAI error bodies for every error (400, 401, 404, 413, 429, 500, 503).
+"""The FastAPI app: routes (/v1/chat/completions, /v1/completions, /v1/models, /v1/load_lora_adapter,
+/v1/unload_lora_adapter, /health, /metrics), Bearer auth on /v1/*, HTTP status counting, and OpenAI error bodies
+for every error (400, 401, 404, 409, 413, 429, 500, 503).
 
-A thin layer: bodies are read by body.py, validated by protocol.py and served by serving.py; the engine is reached
-only through backend.py's executor. The middleware is plain ASGI (not BaseHTTPMiddleware) so streams pass through
-untouched; it also answers unhandled errors with a 500 that keeps the connection.
+A thin layer: bodies are read by body.py, validated by protocol.py (lora.py: the adapters' endpoints) and served by
+serving.py; the engine is reached only through backend.py's executor. The middleware is plain ASGI (not
+BaseHTTPMiddleware) so streams pass through untouched; it also answers unhandled errors with a 500 that keeps the
+connection.
 """
 from __future__ import annotations
 
@@ -17,12 +19,15 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from allspark_client import settings
+from allspark_client.client import PoolUnavailable
+from allspark_client.types import AsStatus
 from allspark_server.http.admission import Admission
 from allspark_server.http.body import read_json
 from allspark_server.http.chat_template import RENDER_TIMEOUT_S
+from allspark_server.http.lora import loaded_message, lora_error, parse_load, parse_unload, unloaded_message
 from allspark_server.http.metrics import Metrics
 from allspark_server.http.protocol import ApiError, parse_chat, parse_completion
 from allspark_server.http.serving import Serving
@@ -112,19 +117,62 @@ def create_app(backend, *, api_key: Optional[str] = None, max_concurrent: int = 
         return error_response(ApiError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404
                                        else None))
 
+    async def refresh_loras():
+        """The engine's adapters read again (another client of a shared pool may have loaded one): the new
+        `backend.loras`, or the last one seen when the engine cannot answer."""
+        try:
+            return await engine_call(backend.refresh_loras)
+        except Exception:
+            return backend.loras
+
+    async def parse(parse_request, request: Request):
+        """The body validated; `model` is the served model or a loaded LoRA adapter (looked up again before a 404)."""
+        body = await read_json(request, max_body_bytes)
+        try:
+            return parse_request(body, backend.name, backend.loras)
+        except ApiError as e:
+            if e.code != "model_not_found":
+                raise
+        return parse_request(body, backend.name, await refresh_loras())
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await serving.handle(request, parse_chat(await read_json(request, max_body_bytes), backend.name))
+        return await serving.handle(request, await parse(parse_chat, request))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await serving.handle(request, parse_completion(await read_json(request, max_body_bytes),
-                                                              backend.name))
+        return await serving.handle(request, await parse(parse_completion, request))
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": backend.name, "object": "model", "created": started,
-                                            "owned_by": "allspark", "max_model_len": backend.engine_max_length}]}
+        entry = {"object": "model", "created": started, "owned_by": "allspark",
+                 "max_model_len": backend.engine_max_length}
+        loras = await refresh_loras()
+        return {"object": "list", "data": [{"id": backend.name, **entry}] + [
+            {"id": name, **entry, "root": path, "parent": backend.name} for name, path in sorted(loras.items())]}
+
+    async def lora_call(fn, *args):
+        """A load / unload on the engine executor (no time limit: loading reads the adapter on every rank)."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(backend.executor, fn, *args)
+        except PoolUnavailable as e:
+            raise ApiError(503, e.message, code="unavailable") from None
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        name, path = parse_load(await read_json(request, max_body_bytes), backend.name)
+        status, error = await lora_call(backend.load_lora, name, path)
+        if status != AsStatus.ALLSPARK_SUCCESS:
+            raise lora_error(status, error, name, loading=True)
+        return PlainTextResponse(loaded_message(name))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        name = parse_unload(await read_json(request, max_body_bytes), backend.name)
+        status, error = await lora_call(backend.unload_lora, name)
+        if status != AsStatus.ALLSPARK_SUCCESS:
+            raise lora_error(status, error, name, loading=False)
+        return PlainTextResponse(unloaded_message(name))
 
     async def engine_state(fn, unavailable):
         """fn() on the engine executor; `unavailable` when the engine or pool cannot answer."""

@@ -2,16 +2,18 @@
 model's tokenizer and limits, and a small thread pool for the engine's blocking calls.
 
 The server is a client of the public API like any user (docs/architecture.md): it serializes the HF folder once into a
-cache dir, installs and starts the model, then only calls start_request / release_request /
-get_as_engine_stat / get_model_info. Those calls can block (a gRPC round trip, a step of the engine thread), so
-they run on `executor` (a few threads, shared by all requests: control calls are short; streams are read by
-stream.QueueReader, not here). Owns no engine state.
+cache dir, installs and starts the model (and loads --lora-modules), then only calls start_request / release_request /
+get_as_engine_stat / get_model_info, and load_lora / unload_lora / list_loras for the adapters. Those calls can block
+(a gRPC round trip, a step of the engine thread), so they run on `executor` (a few threads, shared by all requests:
+control calls are short; streams are read by stream.QueueReader, not here). Owns no engine state but the names of the
+loaded adapters as last seen (`loras`).
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
@@ -37,6 +39,9 @@ class BackendOptions:
     threads: Optional[int] = None       # in-process Engine; None: all cores but one (left to the HTTP loop)
     speculative: Optional[tuple] = None  # (method, draft model path, num_speculative_tokens): cli.speculative_spec
     speculative_max_batch: int = 0      # 0: auto
+    lora_modules: tuple = ()            # (name, path) of the LoRA adapters loaded at start
+    max_loras: Optional[int] = None     # lora_max_num (None: the runtime config's default)
+    max_lora_rank: Optional[int] = None  # lora_max_rank (None: the default)
 
 
 class Backend:
@@ -48,6 +53,11 @@ class Backend:
         self.is_pool = engine.is_allspark_work_as_service()
         self._owns_engine = owns_engine
         self.executor = ThreadPoolExecutor(CONTROL_THREADS, thread_name_prefix="allspark-http-control")
+        # the model's loaded LoRA adapters as this server last saw them: name -> the path it loaded it from (None:
+        # loaded by someone else, a shared pool's other client). Replaced whole, never changed in place, so the event
+        # loop reads it without a lock.
+        self.loras: dict[str, Optional[str]] = {}
+        self._lora_lock = threading.Lock()
 
     # ---- blocking calls (run them on `executor`) ---------------------------------------------
     def start(self, prompt_ids: list[int], gen: dict):
@@ -70,6 +80,30 @@ class Backend:
 
     def stat(self):
         return self.engine.get_as_engine_stat(self.name)
+
+    # ---- LoRA adapters (blocking, on `executor`) ------------------------------------------------
+    def refresh_loras(self) -> dict[str, Optional[str]]:
+        """The engine's list of loaded adapters, which becomes `loras`; raises as list_loras does."""
+        names = self.engine.list_loras(self.name)
+        with self._lora_lock:
+            self.loras = {n: self.loras.get(n) for n in names}
+            return self.loras
+
+    def load_lora(self, lora_name: str, path: str) -> tuple[AsStatus, str]:
+        """load_lora -> (status, error message); a pool that is gone raises PoolUnavailable."""
+        status = self.engine.load_lora(self.name, lora_name, path)
+        if status != AsStatus.ALLSPARK_SUCCESS:
+            return status, self.engine.get_last_error()
+        with self._lora_lock:
+            self.loras = {**self.loras, lora_name: path}
+        return status, ""
+
+    def unload_lora(self, lora_name: str) -> tuple[AsStatus, str]:
+        status = self.engine.unload_lora(self.name, lora_name)
+        if status in (AsStatus.ALLSPARK_SUCCESS, AsStatus.ALLSPARK_LORA_NOT_FOUND):
+            with self._lora_lock:
+                self.loras = {n: p for n, p in self.loras.items() if n != lora_name}
+        return status, ("" if status == AsStatus.ALLSPARK_SUCCESS else self.engine.get_last_error())
 
     def is_ready(self) -> bool:
         try:
@@ -145,10 +179,37 @@ def speculative_config(builder, opts: BackendOptions):
     return builder.speculative_decoding(method, k, **options)
 
 
+def lora_config(builder, opts: BackendOptions):
+    """The builder with opts' LoRA limits (none given: the defaults)."""
+    if opts.max_loras is not None:
+        builder = builder.lora_max_num(opts.max_loras)
+    if opts.max_lora_rank is not None:
+        builder = builder.lora_max_rank(opts.max_lora_rank)
+    return builder
+
+
+def load_lora_modules(backend: Backend, modules) -> None:
+    """--lora-modules: each adapter loaded before the server listens; a failure stops the start with its reason. On a
+    shared pool an adapter of that name may be loaded already: it is used as it is."""
+    for lora_name, path in modules:
+        status, error = backend.load_lora(lora_name, path)
+        if status == AsStatus.ALLSPARK_LORA_ALREADY_LOADED:
+            log.warning("LoRA adapter %r is loaded already: using it as it is (not reloaded from %s)", lora_name, path)
+        elif status != AsStatus.ALLSPARK_SUCCESS:
+            raise AsException(status, f"--lora-modules {lora_name}={path}: {error}")
+        else:
+            log.info("loaded LoRA adapter %r from %s", lora_name, path)
+
+
+def served_name(model: str, served_model_name: Optional[str] = None) -> str:
+    """The name clients send as `model`: --served-model-name, else the folder's (or GGUF file's) name."""
+    return served_model_name or os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
+
+
 def open_backend(opts: BackendOptions) -> Backend:
     """Serialize (once), connect or start the engine, install and start the model; blocks until it serves."""
     from allspark_server import Engine, HuggingFaceModel, TargetDevice
-    name = opts.served_model_name or os.path.basename(os.path.normpath(opts.model)).removesuffix(".gguf")
+    name = served_name(opts.model, opts.served_model_name)
     loader = HuggingFaceModel(opts.model, name, user_set_data_type=opts.dtype)
     serialize_cached(loader, opts.cache_dir or default_cache_dir(name))
     tokenizer = loader.get_tokenizer()
@@ -158,6 +219,7 @@ def open_backend(opts: BackendOptions) -> Backend:
         owns = not opts.pool
     else:
         engine, owns = Engine(), True
+    backend = None
     try:
         try:
             info = json.loads(engine.get_model_info(name))       # a shared pool may serve it already
@@ -169,20 +231,29 @@ def open_backend(opts: BackendOptions) -> Backend:
                                                                       max_batch=opts.max_batch)
                        .max_length(opts.max_length or loader.get_model_context_length())
                        .compute_unit(TargetDevice.CPU, [0], threads))
-            cfg = speculative_config(builder, opts).build()
+            cfg = lora_config(speculative_config(builder, opts), opts).build()
             engine.install_model(cfg)
             max_length = cfg.engine_max_length
         else:
             log.info("the pool already has model %r installed: using it as it is", name)
             if opts.speculative:
                 log.warning("--speculative is ignored: the pool's model %r keeps its own config", name)
+            if opts.max_loras is not None or opts.max_lora_rank is not None:
+                log.warning("--max-loras / --max-lora-rank are ignored: the pool's model %r keeps its own config",
+                            name)
             max_length = info["engine_max_length"]
         if engine.start_model(name) != AsStatus.ALLSPARK_SUCCESS:
             raise AsException(AsStatus.ALLSPARK_RUNTIME_ERROR, f"start_model: {engine.get_last_error()}")
+        defaults = {k: loader.hf_generation_config[k] for k in _DEFAULT_KEYS if k in loader.hf_generation_config}
+        backend = Backend(engine, name, tokenizer, max_length, loader.eos_token_ids(), defaults, owns_engine=owns,
+                          template_source=template_source(opts.model))
+        if info is not None:
+            backend.refresh_loras()                  # a shared pool's model may have adapters loaded already
+        load_lora_modules(backend, opts.lora_modules)
     except BaseException:
+        if backend is not None:
+            backend.executor.shutdown(wait=False)
         if owns:
             engine.close() if engine.is_allspark_work_as_service() else engine.shutdown()
         raise
-    defaults = {k: loader.hf_generation_config[k] for k in _DEFAULT_KEYS if k in loader.hf_generation_config}
-    return Backend(engine, name, tokenizer, max_length, loader.eos_token_ids(), defaults, owns_engine=owns,
-                   template_source=template_source(opts.model))
+    return backend

@@ -15,6 +15,7 @@ from typing import Optional
 
 from allspark_client import settings
 from allspark_client.config import MAX_SPECULATIVE_TOKENS
+from allspark_server.http.lora import check_lora_modules, lora_module
 from allspark_server.loader.known_models import KNOWN, ModelNotInstalled, resolve
 
 API_KEY_ENV = settings.API_KEY.name
@@ -60,6 +61,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "draft:PATH:K; K: tokens proposed per step (default 4)")
     p.add_argument("--speculative-max-batch", type=int, metavar="N", help="speculate only while at most N "
                    "requests run (default: auto, 4)")
+    p.add_argument("--lora-modules", type=lora_module, nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters loaded at start, each served as a model of its own NAME: an .aslora file or a "
+                   "PEFT adapter folder (also vLLM's JSON form '{\"name\": NAME, \"path\": PATH}')")
+    p.add_argument("--max-loras", type=int, metavar="N", help="LoRA adapters loaded at once (default 5)")
+    p.add_argument("--max-lora-rank", type=int, metavar="R", help="the largest rank an adapter may have (default 64)")
     p.add_argument("--threads", type=int, help="compute threads of an in-process Engine (default: all cores but "
                    "one, which is left to the HTTP event loop; 0: torch's default)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; any other needs an API key)")
@@ -120,6 +126,7 @@ def check_setup(args, api_key: Optional[str]) -> None:
             raise SystemExit("allspark-serve: --speculative-max-batch needs --speculative")
         if args.speculative_max_batch < 1:
             raise SystemExit(f"allspark-serve: --speculative-max-batch must be >= 1, got {args.speculative_max_batch}")
+    check_lora_options(args)
     if args.speculative is not None and args.speculative[0] == "draft" and not os.path.exists(args.speculative[1]):
         raise SystemExit(f"allspark-serve: --speculative draft: no such draft model {args.speculative[1]!r}")
     try:
@@ -129,6 +136,23 @@ def check_setup(args, api_key: Optional[str]) -> None:
     if not (os.path.isdir(path) or (os.path.isfile(path) and path.endswith(".gguf"))):
         raise SystemExit(f"allspark-serve: --model {args.model!r} is not a model folder, a .gguf file or one of "
                          f"{sorted(KNOWN)}")
+
+
+def check_lora_options(args) -> None:
+    if args.max_loras is not None and args.max_loras < 0:
+        raise SystemExit(f"allspark-serve: --max-loras must be >= 0, got {args.max_loras}")
+    if args.max_lora_rank is not None and args.max_lora_rank < 1:
+        raise SystemExit(f"allspark-serve: --max-lora-rank must be >= 1, got {args.max_lora_rank}")
+    limit = 5 if args.max_loras is None else args.max_loras
+    if len(args.lora_modules) > limit:
+        raise SystemExit(f"allspark-serve: --lora-modules names {len(args.lora_modules)} adapters, more than "
+                         f"--max-loras ({limit})")
+    for _, path in args.lora_modules:
+        if not os.path.exists(path):
+            raise SystemExit(f"allspark-serve: --lora-modules: no such adapter file or folder {path!r}")
+    problem = check_lora_modules(args.lora_modules, args.served_model_name or "")
+    if problem:
+        raise SystemExit(f"allspark-serve: {problem}")
 
 
 def main(argv=None) -> int:
@@ -142,13 +166,17 @@ def main(argv=None) -> int:
     import uvicorn
 
     from allspark_server.http.app import create_app
-    from allspark_server.http.backend import BackendOptions, open_backend
+    from allspark_server.http.backend import BackendOptions, open_backend, served_name
+    problem = check_lora_modules(args.lora_modules, served_name(args.model, args.served_model_name))
+    if problem:
+        raise SystemExit(f"allspark-serve: {problem}")
 
     backend = open_backend(BackendOptions(
         model=args.model, served_model_name=args.served_model_name, cache_dir=args.cache_dir, pool=args.pool,
         ranks=args.ranks, dtype=args.dtype, max_batch=args.max_batch, max_length=args.max_length,
         threads=args.threads, speculative=args.speculative,
-        speculative_max_batch=args.speculative_max_batch or 0))
+        speculative_max_batch=args.speculative_max_batch or 0, lora_modules=tuple(args.lora_modules),
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank))
     try:
         from allspark_server.http.chat_template import RENDER_TIMEOUT_S
         app = create_app(backend, api_key=api_key, max_concurrent=args.max_concurrent, max_queue=args.max_queue,

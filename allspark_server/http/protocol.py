@@ -9,6 +9,7 @@ whose PARAM_ERROR message is turned back into a 400 naming the OpenAI field (`er
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -83,7 +84,7 @@ _KIND_NAMES = {"int": "an integer", "number": "a number", "bool": "a boolean", "
 class ApiRequest:
     """A validated request of either endpoint; `kind` is "chat" or "completion"."""
     kind: str
-    model: str
+    model: str                                # the served model's name, or a loaded LoRA adapter's
     messages: Optional[list[dict]] = None     # chat
     prompt: Any = None                        # completion: str or list[int]
     prompt_chars: int = 0                     # characters of text the prompt is made of (0 for token ids)
@@ -96,6 +97,7 @@ class ApiRequest:
     min_tokens: int = 0
     ignore_eos: bool = False
     sampling: dict = field(default_factory=dict)   # generation config keys passed through as they are
+    lora_name: str = ""                       # the adapter `model` names ("": the base model)
 
 
 def _fields(body: Any, table: dict) -> dict:
@@ -120,12 +122,18 @@ def _fields(body: Any, table: dict) -> dict:
     return out
 
 
-def _common(kind: str, f: dict, served_model: str) -> ApiRequest:
+def model_not_found(model: str, served_model: str, adapters: Collection[str] = ()) -> ApiError:
+    names = [served_model] + sorted(adapters)
+    serves = ", ".join(f"'{n}'" for n in names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return ApiError(404, f"The model '{model:.200}' does not exist (this server serves {serves})", param="model",
+                    code="model_not_found")
+
+
+def _common(kind: str, f: dict, served_model: str, adapters: Collection[str] = ()) -> ApiRequest:
     if "model" not in f:
         raise bad_request("you must provide a model parameter", param="model")
-    if f["model"] != served_model:
-        raise ApiError(404, f"The model '{f['model']}' does not exist (this server serves '{served_model}')",
-                       param="model", code="model_not_found")
+    if f["model"] != served_model and f["model"] not in adapters:
+        raise model_not_found(f["model"], served_model, adapters)
     if f.get("n", 1) != 1:
         raise bad_request("only n=1 is supported", param="n")
     stream = f.get("stream", False)
@@ -148,7 +156,7 @@ def _common(kind: str, f: dict, served_model: str) -> ApiRequest:
                                   "repetition_penalty", "response_format", "speculative") if k in f}
     return ApiRequest(kind, f["model"], stream=stream, include_usage=bool(options and options.get("include_usage")),
                       stop=tuple(dict.fromkeys(stop)), min_tokens=min_tokens, ignore_eos=f.get("ignore_eos", False),
-                      sampling=sampling)
+                      sampling=sampling, lora_name="" if f["model"] == served_model else f["model"])
 
 
 def _max_tokens(f: dict, *names: str) -> Optional[int]:
@@ -160,9 +168,10 @@ def _max_tokens(f: dict, *names: str) -> Optional[int]:
     return None
 
 
-def parse_chat(body: Any, served_model: str) -> ApiRequest:
+def parse_chat(body: Any, served_model: str, adapters: Collection[str] = ()) -> ApiRequest:
+    """`adapters`: the loaded LoRA adapters' names, which `model` may name too."""
     f = _fields(body, CHAT_FIELDS)
-    req = _common("chat", f, served_model)
+    req = _common("chat", f, served_model, adapters)
     req.messages = _messages(f.get("messages"))
     req.prompt_chars = sum(map(_text_chars, req.messages))
     req.max_tokens = _max_tokens(f, "max_completion_tokens", "max_tokens")
@@ -173,9 +182,9 @@ def parse_chat(body: Any, served_model: str) -> ApiRequest:
     return req
 
 
-def parse_completion(body: Any, served_model: str) -> ApiRequest:
+def parse_completion(body: Any, served_model: str, adapters: Collection[str] = ()) -> ApiRequest:
     f = _fields(body, COMPLETION_FIELDS)
-    req = _common("completion", f, served_model)
+    req = _common("completion", f, served_model, adapters)
     req.prompt = _prompt(f.get("prompt"))
     req.prompt_chars = len(req.prompt) if isinstance(req.prompt, str) else 0
     req.max_tokens = _max_tokens(f, "max_tokens")
@@ -285,6 +294,8 @@ def generation_config(req: ApiRequest, prompt_len: int, budget: int, defaults: d
         gen["eos_token_id"] = []
     if req.logprobs:
         gen["logprobs"], gen["top_logprobs"] = True, req.top_logprobs
+    if req.lora_name:
+        gen["lora_name"] = req.lora_name
     return gen
 
 
@@ -309,4 +320,6 @@ def error_from_engine(status: AsStatus, message: str, kind: str) -> ApiError:
         return bad_request(message or status.name, param=param, code=code)
     if status == AsStatus.ALLSPARK_REQUEST_DENIED:
         return ApiError(503, f"the model is not serving: {message}", code="unavailable")
+    if status == AsStatus.ALLSPARK_LORA_NOT_FOUND:       # the adapter was unloaded after the request was read
+        return ApiError(404, message or "the LoRA adapter is not loaded", param="model", code="model_not_found")
     return ApiError(500, f"{status.name}: {message}")

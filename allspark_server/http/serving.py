@@ -159,7 +159,7 @@ class _Run:
         self.eos = set(b.eos_token_ids)
         self.detok = IncrementalDetokenizer(b.tokenizer, prompt_ids, skip_ids=self.eos)
         self.stops = StopMatcher(req.stop)
-        self.out = ResponseBuilder(req.kind, b.name, serving.token_text, req.top_logprobs, req.include_usage)
+        self.out = ResponseBuilder(req.kind, req.model, serving.token_text, req.top_logprobs, req.include_usage)
         self.arrival, self.first, self.last = arrival, None, None
         self.n_tokens, self.last_token = 0, None
         self.finish_reason: Optional[str] = None
