@@ -48,6 +48,9 @@ class LoraAPI:
                 return self._fail(AsStatus.ALLSPARK_LORA_NOT_FOUND, f"LoRA adapter {lora_name!r}: no file or folder "
                                                                     f"at {where}")
             slot = table.free_slot()
+            if table.num_slots == 0:
+                return self._fail(AsStatus.ALLSPARK_LORA_NUM_EXCEED_LIMIT_ERROR,
+                                  f"model {name!r} takes no LoRA adapters: its lora_max_num is 0")
             if slot is None:
                 return self._fail(AsStatus.ALLSPARK_LORA_NUM_EXCEED_LIMIT_ERROR,
                                   f"model {name!r} has {len(table.loaded)} LoRA adapters loaded, its lora_max_num "
