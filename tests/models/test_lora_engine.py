@@ -200,3 +200,24 @@ def test_aslora_next_to_the_model_file_loads_by_name(lora_setup):
         assert generate(engine, "m", PROMPTS[0], gen(8, a.name))[0] == hf_greedy(a.peft, PROMPTS[0], 8)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("fmt,group", [("uint4", 32), ("int8", -1)])
+def test_quantized_base_weights_with_float_adapters(lora_setup, tmp_path, fmt, group):
+    """InstantQuant base weights + fp adapters: transformers on the stored codes dequantized independently
+    (test_quant_models.py), with PEFT's adapter on top."""
+    from peft import PeftModel
+    from test_quant_models import hf_with_stored_weights, serialize_quantized
+
+    base, adapters, _, root = lora_setup
+    loader = serialize_quantized(str(root / "base"), "m", str(tmp_path), {"weight_format": fmt, "group_size": group})
+    a = adapters["ad16"]
+    reference = PeftModel.from_pretrained(hf_with_stored_weights(base, loader, fmt, group), a.folder).eval()
+    engine = start(loader)
+    try:
+        assert engine.load_lora("m", a.name, a.folder) == AsStatus.ALLSPARK_SUCCESS, engine.get_last_error()
+        cases = [(p, a.name, hf_greedy(reference, p, 12)) for p in PROMPTS]
+        got = run_together(engine, "m", [(p, gen(12, name)) for p, name, _ in cases])
+        assert [tokens for tokens, _ in got] == [want for _, _, want in cases]
+    finally:
+        engine.shutdown()
