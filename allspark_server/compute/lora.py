@@ -21,13 +21,16 @@ import torch
 
 class LoraSlots:
     """One projection's adapters on this rank, by slot. `version` counts changes: whatever was built from the
-    slots (the native descriptors, the stacked copies a GPU kernel reads) is rebuilt when it moves."""
+    slots (the native descriptors, the stacked copies a GPU kernel reads) is rebuilt when it moves. `max_rank`: the
+    largest rank a slot may hold (lora_max_rank times the merged parts), the width of fixed stacks."""
 
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, max_rank: int):
         self.a: list[Optional[torch.Tensor]] = [None] * num_slots     # [R_s, in_local]
         self.b: list[Optional[torch.Tensor]] = [None] * num_slots     # [out_local, R_s], the scale folded in
+        self.max_rank = max_rank
         self.version = 0
         self._stacked: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None
+        self._fixed = False     # the stacks keep their storage (CUDA graphs read them): refilled in place
 
     def set(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
@@ -41,23 +44,41 @@ class LoraSlots:
 
     @property
     def is_empty(self) -> bool:
+        """No slot holds an adapter of this projection (its delta is zero for every row)."""
         return all(a is None for a in self.a)
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A [S, R, in], B [S, out, R]): every slot's pair, ranks padded with zeros to the largest, empty slots
-        zero (what a kernel that gathers by slot reads); rebuilt after a change."""
+        """(A [S, R, in], B [S, out, R]): every slot's pair, ranks padded with zeros, empty slots zero (what a kernel
+        that gathers by slot reads); made again after a change, R the largest rank present, or refilled in place at
+        R = max_rank once `fix_storage` was called."""
         if self._stacked is None or self._stacked[0] != self.version:
             present = [(a, b) for a, b in zip(self.a, self.b) if a is not None]
-            a0, b0 = present[0]
-            rank = max(a.shape[0] for a, _ in present)
-            a_stack = a0.new_zeros(len(self.a), rank, a0.shape[1])
-            b_stack = b0.new_zeros(len(self.a), b0.shape[0], rank)
+            if self._fixed:
+                a_stack, b_stack = self._stacked[1].zero_(), self._stacked[2].zero_()
+            else:
+                a0, b0 = present[0]
+                rank = max(a.shape[0] for a, _ in present)
+                a_stack = a0.new_zeros(len(self.a), rank, a0.shape[1])
+                b_stack = b0.new_zeros(len(self.a), b0.shape[0], rank)
             for s, (a, b) in enumerate(zip(self.a, self.b)):
                 if a is not None:
                     a_stack[s, :a.shape[0]] = a
                     b_stack[s, :, :b.shape[1]] = b
             self._stacked = (self.version, a_stack, b_stack)
         return self._stacked[1], self._stacked[2]
+
+    def fix_storage(self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device) -> None:
+        """From now on the stacks keep their storage, max_rank wide (zero where no adapter is): CUDA graphs captured
+        over them read what `stacked()` refills (call it after each change, before the next replay)."""
+        n = len(self.a)
+        self._stacked = (-1, torch.zeros(n, self.max_rank, in_features, dtype=dtype, device=device),
+                         torch.zeros(n, out_features, self.max_rank, dtype=dtype, device=device))
+        self._fixed = True
+        self.stacked()
+
+    @property
+    def has_fixed_storage(self) -> bool:
+        return self._fixed
 
 
 @dataclass

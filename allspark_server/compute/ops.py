@@ -173,10 +173,10 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, lora: LoraSlots | None, rows: Lo
     """y [T, out] += each row's adapter delta B[s] . (A[s] . x) in place (compute/lora.py); nothing when the projection
     has no adapter or no row uses one. On the host each product is `linear`'s, as the native decode steps compute
     it."""
+    if y.is_cuda:
+        return cuda_backend().lora_add_(y, x, lora, rows) if cuda_backend()._uses(lora, rows) else y
     if lora is None or rows is None or lora.is_empty:
         return y
-    if y.is_cuda:
-        return cuda_backend().lora_add_(y, x, lora, rows)
     return lora_add_reference(y, x, lora, rows, linear)
 
 

@@ -21,7 +21,11 @@ log = logging.getLogger(__name__)
 MISSING, TOO_LARGE, BAD = "missing", "rank", "bad"
 
 
-def attach(model, num_slots: int) -> list[dict]:
+# the parts of each projection (a slot holds one adapter's rank per part, stacked)
+PARTS = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
+
+
+def attach(model, num_slots: int, max_rank: int) -> list[dict]:
     """Per layer, {projection name: its LoraSlots} for the projections adapters may change (an MoE layer's
     experts take none); nothing when num_slots is 0."""
     if num_slots <= 0:
@@ -31,8 +35,8 @@ def attach(model, num_slots: int) -> list[dict]:
         found = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj}
         if hasattr(layer.mlp, "gate_up_proj"):
             found.update(gate_up_proj=layer.mlp.gate_up_proj, down_proj=layer.mlp.down_proj)
-        for module in found.values():
-            module.lora = LoraSlots(num_slots)
+        for name, module in found.items():
+            module.lora = LoraSlots(num_slots, max_rank * PARTS[name])
         layer._bound_kv = None            # bound steps made before carry no adapters: bind again
         layers.append({name: module.lora for name, module in found.items()})
     return layers
@@ -93,6 +97,7 @@ def apply(runner, msg: LoraMsg, comm) -> Optional[tuple[str, str]]:
     if failed is not None and msg.path and runner.lora_layers:
         _empty(runner, msg.slot)
     runner.model.lora_generation += 1     # the native decode stack is built again with the slots as they are
+    runner.adapters_changed()
     if failed is not None:
         log.info("LoRA %s in slot %d failed: %s", msg.name or msg.path, msg.slot, failed[1])
     return failed

@@ -7,6 +7,9 @@ of those buffers, pads them up to the next size of the ladder and replays that g
 copies and one launch from the host instead of a launch per kernel.
 Padding rows decode token 0 at position 0 into a scratch span that no request owns (the cache holds one
 span more than the span manager hands out), so they can never touch a request's keys and values.
+LoRA: once a model's first adapter is loaded, the ladder is captured again with the adapters' kernels
+(`capture_lora`, over adapter stacks that keep their storage: compute/lora.py), each row reading its adapter slot
+from one more static row (-1: none); steps with an adapter row replay those, the others the plain graphs.
 Steps with a prefill chunk run eagerly. A step that continues the previous one before the host has seen its
 tokens (a plan with `tokens_on_device`) takes its input ids from the device: one more copy, GPU to GPU.
 The capture itself and the event that fences the copies are CUDA's (compute/cuda/graph_capture.py).
@@ -16,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from allspark_server.compute.cuda.graph_capture import capture_each_size, copies_done_event
+from allspark_server.compute.lora import LoraRows
 from allspark_server.compute.row_mode import alone_rows
 from allspark_server.step.inputs import AttentionMetadata, ForwardInputs
 
@@ -40,16 +44,17 @@ class DecodeGraphs:
         max_rows = max([max_batch, *self.verify_sizes])      # the input buffers hold the largest of either
         self.scratch_span, self.scratch_slot = scratch_span, scratch_span * span_size
         long = dict(dtype=torch.long, device=device)
-        # ids, positions, slots and context lengths of each row in one tensor, and the rows' span tables: the
-        # graphs' static inputs. A step writes them on the host into pinned copies (host_*), padding rows
-        # included, and sends each with one asynchronous copy.
-        self.host_rows = torch.zeros(4, max_rows, dtype=torch.long, pin_memory=True)        # [4, Bmax]
+        # ids, positions, slots, context lengths and LoRA adapter slots of each row in one tensor, and the rows'
+        # span tables: the graphs' static inputs. A step writes them on the host into pinned copies (host_*),
+        # padding rows included, and sends each with one asynchronous copy.
+        self.host_rows = torch.zeros(5, max_rows, dtype=torch.long, pin_memory=True)        # [5, Bmax]
         self.host_rows[2].fill_(self.scratch_slot)     # every row padding: token 0 at position 0 into the
-        self.host_rows[3].fill_(1)                     # scratch span
+        self.host_rows[3].fill_(1)                     # scratch span, with no adapter
+        self.host_rows[4].fill_(-1)
         self.host_spans = torch.full((max_rows, max_spans_per_seq), scratch_span, dtype=torch.long,
                                      pin_memory=True)                                         # [Bmax, MAXS]
         self.per_row = self.host_rows.to(device)
-        self.ids, self.positions, self.slots, self.ctx = self.per_row
+        self.ids, self.positions, self.slots, self.ctx, self.lora_slots = self.per_row
         self.spans = self.host_spans.to(device)
         self.host_filled = 0   # host rows holding the last step's sequences
         # per row: the mirror whose span table it holds and how many of its spans are written (a decode step
@@ -61,14 +66,21 @@ class DecodeGraphs:
         self.graphs, self.logits = self._capture(self.sizes)   # per ladder size: its graph, its logits buffer
         with alone_rows():
             self.verify_graphs, self.verify_logits = self._capture(self.verify_sizes)
+        self.lora_graphs, self.lora_logits = None, None      # capture_lora
 
-    def _inputs(self, b: int) -> ForwardInputs:
+    def _inputs(self, b: int, lora: bool = False) -> ForwardInputs:
         meta = AttentionMetadata(self.slots[:b], [], self.rows[:b], self.spans[:b], self.ctx[:b])
-        return ForwardInputs(self.ids[:b], self.positions[:b], meta, self.rows[:b], [])
+        # the CUDA kernels read each row's slot (the groups are the host's)
+        lora_rows = LoraRows(self.lora_slots[:b], []) if lora else None
+        return ForwardInputs(self.ids[:b], self.positions[:b], meta, self.rows[:b], [], lora_rows=lora_rows)
 
     @torch.inference_mode()
-    def _capture(self, sizes: list[int]) -> tuple[dict, dict[int, torch.Tensor]]:
-        return capture_each_size(lambda b: self.model(self._inputs(b), self.kv), sizes)
+    def _capture(self, sizes: list[int], lora: bool = False) -> tuple[dict, dict[int, torch.Tensor]]:
+        return capture_each_size(lambda b: self.model(self._inputs(b, lora), self.kv), sizes)
+
+    def capture_lora(self) -> None:
+        """The ladder again with the LoRA adapters' kernels (each row's slot from `lora_slots`)."""
+        self.lora_graphs, self.lora_logits = self._capture(self.sizes, lora=True)
 
     def fits_decode(self, chunks) -> bool:
         """A decode-only step (one token per sequence, every one sampled; a speculative verify chunk counts as
@@ -93,10 +105,11 @@ class DecodeGraphs:
         if not self.copied.query():   # the last step's copies have read the pinned rows (done long ago, mostly:
             self.copied.synchronize()  # the query keeps the GIL, a wait would give it away)
         rows, spans, p = self.host_rows.numpy(), self.host_spans.numpy(), self.span_size
-        ids, positions, slots, ctx = [], [], [], []
+        ids, positions, slots, ctx, adapters = [], [], [], [], []
         for chunk in chunks:
             m = mirrors[chunk.request_id]
             start = m.num_computed_tokens
+            adapters += [m.lora_slot] * chunk.num_tokens
             for j, pos in enumerate(range(start, start + chunk.num_tokens)):
                 i = len(ids)
                 need = pos // p + 1                    # spans holding positions 0..pos
@@ -110,11 +123,13 @@ class DecodeGraphs:
                 if written < need:                     # a mirror's spans only grow: write the new ones
                     spans[i, written:need] = m.span_ids[written:need]
                     self.row_spans[i] = (m, need)
-        rows[:, :b] = (ids, positions, slots, ctx)
+        rows[:, :b] = (ids, positions, slots, ctx, adapters)
+        lora = any(s >= 0 for s in adapters)    # replays_graph let it here only with the adapters' graphs
         if self.host_filled > b:   # host rows of a larger earlier step: back to padding
             rows[0:2, b:self.host_filled] = 0
             rows[2, b:self.host_filled] = self.scratch_slot
             rows[3, b:self.host_filled] = 1
+            rows[4, b:self.host_filled] = -1
             spans[b:self.host_filled] = self.scratch_span
             self.row_spans[b:self.host_filled] = [(None, 0)] * (self.host_filled - b)
         self.host_filled = b
@@ -123,6 +138,8 @@ class DecodeGraphs:
         if device_ids is not None:
             self.ids[:b].copy_(device_ids)
         self.copied.record()
-        (self.verify_graphs if verifies else self.graphs)[size].replay()
-        logits = (self.verify_logits if verifies else self.logits)[size]
+        graphs, outputs = ((self.verify_graphs, self.verify_logits) if verifies else
+                           (self.lora_graphs, self.lora_logits) if lora else (self.graphs, self.logits))
+        graphs[size].replay()
+        logits = outputs[size]
         return None if logits is None else logits[:b]

@@ -68,7 +68,7 @@ class ModelRunner:
         self.model.eval()
         # LoRA: each projection's adapter slots, filled by load_lora (runner/adapters.py)
         self.has_dense_mlp = not args.moe_layers
-        self.lora_layers = adapters.attach(self.model, cfg.lora_max_num)
+        self.lora_layers = adapters.attach(self.model, cfg.lora_max_num, cfg.lora_max_rank)
         self.span_size = cfg.cache_span_size
         self.kv_mode = KV_MODE_NAMES[AsCacheMode(cfg.cache_mode)]
         if self.kv_mode is not None and self.dtype not in (torch.float32, torch.bfloat16):
@@ -205,14 +205,33 @@ class ModelRunner:
         return logits, sampled
 
     def replays_graph(self, chunks, uses_lora: bool | None = None) -> bool:
-        """The step replays a CUDA graph: a decode step that fits them and no row of which uses a LoRA adapter (the
-        graphs are captured without adapters; such steps run eagerly). uses_lora: whether one does (None: as the
-        mirrors, with the plan applied, say)."""
+        """The step replays a CUDA graph: a decode step that fits them; where a row uses a LoRA adapter, one of the
+        graphs captured with adapters (not a verify step: those run eagerly). uses_lora: whether a row does (None:
+        as the mirrors, with the plan applied, say)."""
         if self.graphs is None or not self.graphs.fits_decode(chunks):
             return False
         if uses_lora is None:
             uses_lora = any(self.mirrors[c.request_id].lora_slot >= 0 for c in chunks)
-        return not uses_lora
+        return not uses_lora or (self.graphs.lora_graphs is not None and not any(c.draft_ids for c in chunks))
+
+    def adapters_changed(self) -> None:
+        """After a LoRA load or unload: on a GPU with decode graphs, the adapters' stacks refilled in place, and the
+        graphs with adapters captured the first time (over stacks that keep their storage from then on)."""
+        if self.graphs is None:
+            return
+        first = self.graphs.lora_graphs is None
+        if first and all(lora.is_empty for slots in self.lora_layers for lora in slots.values()):
+            return
+        for layer, slots in zip(self.model.model.layers, self.lora_layers):
+            for name, lora in slots.items():
+                if first:
+                    module = getattr(layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp, name)
+                    lora.fix_storage(module.in_features, module.out_features, self.dtype, self.device)
+                lora.stacked()
+        if first:
+            self.model.profiler = None          # a capture records no op timings
+            self.graphs.capture_lora()
+            self.model.profiler = self.profiler
 
     def _forward_inputs(self, chunks):
         return build_forward_inputs(chunks, self.mirrors, self.span_size).to(self.device)

@@ -17,7 +17,7 @@ NUM_SLOTS = 3
 
 def _slots(g, dtype, out: int, inp: int, ranks: dict[int, int]) -> LoraSlots:
     """Adapters in some slots (rank per slot); the others empty."""
-    lora = LoraSlots(NUM_SLOTS)
+    lora = LoraSlots(NUM_SLOTS, max(ranks.values(), default=1))
     for slot, r in ranks.items():
         lora.set(slot, (torch.randn(r, inp, generator=g) * 0.3).to(dtype), (torch.randn(out, r, generator=g) * 0.3)
                  .to(dtype))
@@ -84,7 +84,7 @@ def test_mlp_step_with_adapters_against_float64():
 
 
 def test_lora_slots_refuse_pairs_that_do_not_chain():
-    lora = LoraSlots(2)
+    lora = LoraSlots(2, 4)
     with pytest.raises(ValueError, match="do not chain"):
         lora.set(0, torch.zeros(4, 8), torch.zeros(8, 5))
     lora.set(1, torch.ones(2, 3), torch.ones(4, 2))

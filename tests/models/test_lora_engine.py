@@ -180,7 +180,8 @@ def test_a_model_without_lora_slots_refuses_adapters(lora_setup):
     engine = start(loaders["float32"], max_num=0)
     try:
         status = engine.load_lora("m", "a", adapters["ad8"].folder)
-        assert status == AsStatus.ALLSPARK_LORA_NUM_EXCEED_LIMIT_ERROR and "lora_max_num is 0" in engine.get_last_error()
+        assert status == AsStatus.ALLSPARK_LORA_NUM_EXCEED_LIMIT_ERROR
+        assert "lora_max_num is 0" in engine.get_last_error()
     finally:
         engine.shutdown()
 

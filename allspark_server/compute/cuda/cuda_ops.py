@@ -90,9 +90,15 @@ def lora_add_(y, x, lora, rows):
     return y
 
 
+def _uses(lora, lora_rows) -> bool:
+    """The projection's adapters take part: rows use adapters, and this projection has some (or, in fixed storage,
+    may have some by the time a graph captured now replays)."""
+    return lora is not None and lora_rows is not None and (lora.has_fixed_storage or not lora.is_empty)
+
+
 def _lora_linear(x, w, bias, lora, lora_rows):
     y = linear(x, w, bias)
-    return y if lora is None or lora_rows is None or lora.is_empty else lora_add_(y, x, lora, lora_rows)
+    return lora_add_(y, x, lora, lora_rows) if _uses(lora, lora_rows) else y
 
 
 def attention_step(x, b, slots, spans, ctx, cos, sin, lora_rows=None):
@@ -158,8 +164,7 @@ def gate_up_silu_mul(h: torch.Tensor, gate_up: "torch.Tensor | QuantizedWeight",
 def mlp_step(x, b, lora_rows=None):
     """A BoundMlp step: silu's gate|up GEMV may take the activation as its epilogue (not where an adapter adds to
     gate|up first); the down projection's output before the allreduce."""
-    gate_up_lora = b.gate_up_lora is not None and lora_rows is not None and not b.gate_up_lora.is_empty
-    if gate_up_lora:
+    if _uses(b.gate_up_lora, lora_rows):
         a = (silu_mul if b.step.act == "silu" else gelu_tanh_mul)(
             _lora_linear(x, b.gate_up, b.gate_up_bias, b.gate_up_lora, lora_rows))
     elif b.step.act == "silu":
