@@ -61,7 +61,7 @@ class AsModelConfig:
     draft_dtype: str = ""                   # draft: its dtype ("" = the file's)
     draft_quantize: str = ""                # draft: InstantQuant weight format of its copy ("" = none, "int4", ...)
     speculative_max_batch: int = 0          # speculate only while at most this many requests decode; 0 = auto
-    # LoRA adapters (docs/lora.md): how many may be loaded at once, and the largest rank one may have
+    # LoRA adapters (docs/api.md, "LoRA adapters"): how many may be loaded at once, and the largest rank of one
     lora_max_num: int = 5
     lora_max_rank: int = 64
 
