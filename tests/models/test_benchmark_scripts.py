@@ -89,6 +89,18 @@ def test_batch_invariance(bench, tmp_path):
     assert all(v > 0 for v in r["on_over_off"].values())
 
 
+def test_lora(bench, tmp_path):
+    """lora.py on the tiny model: 2 random PEFT adapters loaded, batch 1 with and without one, 2 streams over them."""
+    out = tmp_path / "lora.json"
+    bench("lora", "--model", "tiny", "--dtype", "float32", "--tokens", "4", "--streams", "2", "--adapters", "2",
+          "--rounds", "1", "--out", out)
+    r = read(out)
+    d, s = r["decode_b1"], r["streams_total"]
+    assert positive(d["base_tps"], d["adapter_tps"], d["adapter_over_base"], d["lora_model_base_over_base"])
+    assert positive(s["base_tps"], s["adapters_tps"], s["adapters_over_base"]) and len(s["by_round"]) == 1
+    assert r["adapter_changes_output"] and r["lora_model_base_greedy_equal"], r    # the adapter is applied; fp32
+
+
 def test_install_memory(bench, tmp_path):
     out = tmp_path / "memory.json"
     bench("install_memory", "--smoke", "--variants", "int8", "--prompt", "8", "--max-length", "64", "--json", out)
