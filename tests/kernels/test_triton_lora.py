@@ -150,9 +150,11 @@ def test_mixed_ranks_padded_with_zeros(dtype, poisoned_empty):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_small_tiles_run_every_loop_and_mask(dtype, monkeypatch, poisoned_empty):
     # 16-wide rank blocks and 256-element tiles: R = 48 is three shrink programs a row and three expand steps,
-    # K = 72 five k-tiles (the last partial), N = 130 nine n-blocks (the last partial); ranks 40 and 48 mixed
+    # K = 72 five k-tiles (the last partial) in three 32-column chunks (the last partial), N = 130 nine n-blocks
+    # (the last partial); ranks 40 and 48 mixed
     monkeypatch.setattr(lk, "MAX_BLOCK_R", 16)
     monkeypatch.setattr(lk, "TILE", 256)
+    monkeypatch.setattr(lk, "K_CHUNK", 32)
     assert lk.blocks(48, 72, 130) == (16, 16, 16)
     slots, k, n = [1, -1, 0], 72, 130
     x = rows_view(len(slots), k, dtype, seed=10)

@@ -1,11 +1,14 @@
 """Triton kernels for multi-adapter LoRA (punica / S-LoRA style): every row of a batch picks its own adapter
 from a stack, and y += (x @ A[s].T) @ B[s].T is two launches, a "shrink" to the rank and an "expand" back.
 
-    shrink  grid (T, cdiv(R, BLOCK_R)): program (t, r-block) reads slot s = slots[t] (returns at once when
-            s < 0), sums x[t, :] * A[s, r, :] over K in BLOCK_K tiles in fp32, rounds to the activation dtype
-            (PEFT's lora_A(x) in the module dtype) and stores it in the scratch t [T, R]
-    expand  grid (T, cdiv(N, BLOCK_N)): program (t, n-block) reads s again (returns when s < 0), sums
-            t[t, :] * B[s, n, :] over R in BLOCK_R chunks in fp32, adds y[t, n] and rounds once to y's dtype
+    shrink  grid (T, cdiv(R, BLOCK_R), cdiv(K, K_CHUNK)): program (t, r-block, k-chunk) reads slot s = slots[t]
+            (returns at once when s < 0) and sums x[t, k] * A[s, r, k] over its K_CHUNK columns in BLOCK_K tiles in
+            fp32 into the scratch part [T, splits, R]: a decode row's shrink is many short programs, not one that
+            streams all of K alone (latency-bound: tens of microseconds)
+    expand  grid (T, cdiv(N, BLOCK_N)): program (t, n-block) reads s again (returns when s < 0), sums each rank's
+            partials over the chunks (one tree, the same for any batch), rounds that to the activation dtype
+            (PEFT's lora_A(x) in the module dtype), sums it times B[s, n, :] over R in BLOCK_R chunks in fp32,
+            adds y[t, n], rounds once
 
 Ranks are padded with zeros to R (<= 192: q|k|v of rank 64 each); the LoRA scale is folded into B. The grids
 come from the shapes alone and nothing is read on the host (CUDA-graph safe: new slots or adapters in the same
@@ -14,8 +17,7 @@ grid varies fastest over rows, so the rows of one tile of A or B run side by sid
 
 A faster version would: group rows by adapter (a sorted row order and per-adapter segments, as punica's SGMV
 does) so that one program multiplies a tile of A or B against many rows on the tensor cores (tl.dot) instead of
-one row at a time; split K across programs in the shrink at decode (T of 1..64 leaves most SMs idle while a
-program streams its K); and fuse the expand into the base GEMM's epilogue, or shrink and expand into one
+one row at a time; and fuse the expand into the base GEMM's epilogue, or shrink and expand into one
 launch (the rank is small enough for t to stay in registers).
 """
 from __future__ import annotations
@@ -30,15 +32,16 @@ from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_BLOCK_R = 64    # rank columns a program holds: R = 192 is three shrink programs a row, three expand steps
+K_CHUNK = 128       # input columns a shrink program sums (fixed: a row's sums never depend on the batch)
 TILE = 4096         # elements of A or B a program holds per step (BLOCK_R * BLOCK_K, BLOCK_N * BLOCK_R)
 NUM_WARPS = 4
 
 
 @triton.jit
-def _shrink_kernel(x, a, slots, t, K, R, stride_xt, stride_as, stride_ar, stride_tt,
-                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
-    """Program (row, r-block): t[row, r] = sum_k x[row, k] a[s, r, k] in fp32, rounded to t's dtype, for
-    BLOCK_R ranks r; nothing when s = slots[row] < 0."""
+def _shrink_kernel(x, a, slots, part, K, R, stride_xt, stride_as, stride_ar, stride_pt, stride_ps,
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, r-block, k-chunk): part[row, chunk, r] = sum over the chunk's k of x[row, k] a[s, r, k] in
+    fp32, for BLOCK_R ranks r; nothing when s = slots[row] < 0."""
     allow_next(PDL)
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -49,22 +52,24 @@ def _shrink_kernel(x, a, slots, t, K, R, stride_xt, stride_as, stride_ar, stride
     r_ok = offs_r < R
     rows_a = a + slot * stride_as + offs_r.to(tl.int64)[:, None] * stride_ar                  # [BR, 1]
     x += row * stride_xt
+    chunk = tl.program_id(2)
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+    for k0 in range(0, CHUNK, BLOCK_K):
+        offs_k = chunk * CHUNK + k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         xk = tl.load(x + offs_k, mask=k_ok, other=0.0).to(tl.float32)                          # [BK]
         ak = tl.load(rows_a + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # [BR, BK]
         acc += tl.sum(ak.to(tl.float32) * xk[None, :], 1)
-    dt = t.dtype.element_ty
-    tl.store(t + row * stride_tt + offs_r, _round(acc, dt, SOFT_BF16).to(dt), mask=r_ok)
+    tl.store(part + row * stride_pt + chunk * stride_ps + offs_r, acc, mask=r_ok)
 
 
 @triton.jit
-def _expand_kernel(t, b, slots, y, N, R, stride_tt, stride_bs, stride_bn, stride_yt,
-                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
-    """Program (row, n-block): y[row, n] += sum_r t[row, r] b[s, n, r] in fp32, the sum with y rounded once
-    to y's dtype, for BLOCK_N outputs n; nothing when s = slots[row] < 0."""
+def _expand_kernel(part, b, slots, y, N, R, SPLITS, stride_pt, stride_ps, stride_bs, stride_bn, stride_yt,
+                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SOFT_BF16: tl.constexpr,
+                   PDL: tl.constexpr):
+    """Program (row, n-block): t = the shrink's partials summed over its chunks in order, rounded to y's dtype;
+    y[row, n] += sum_r t[r] b[s, n, r] in fp32, the sum with y rounded once to y's dtype, for BLOCK_N outputs n;
+    nothing when s = slots[row] < 0."""
     allow_next(PDL)
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -74,16 +79,19 @@ def _expand_kernel(t, b, slots, y, N, R, stride_tt, stride_bs, stride_bn, stride
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     rows_b = b + slot * stride_bs + offs_n.to(tl.int64)[:, None] * stride_bn                  # [BN, 1]
-    t += row * stride_tt
+    part += row * stride_pt
+    dt = y.dtype.element_ty
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         r_ok = offs_r < R
-        tr = tl.load(t + offs_r, mask=r_ok, other=0.0).to(tl.float32)                          # [BR]
+        offs_s = tl.arange(0, BLOCK_S)      # every chunk's partial in one load, summed as one tree: the same
+        parts = tl.load(part + offs_s[:, None] * stride_ps + offs_r[None, :],              # sum alone or batched
+                        mask=(offs_s < SPLITS)[:, None] & r_ok[None, :], other=0.0)                # [BS, BR]
+        tr = _round(tl.sum(parts, 0), dt, SOFT_BF16).to(dt).to(tl.float32)                    # [BR]
         br = tl.load(rows_b + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)  # [BN, BR]
         acc += tl.sum(br.to(tl.float32) * tr[None, :], 1)
     y += row * stride_yt + offs_n
-    dt = y.dtype.element_ty
     out = _round(tl.load(y, mask=n_ok, other=0.0).to(tl.float32) + acc, dt, SOFT_BF16)
     tl.store(y, out.to(dt), mask=n_ok)
 
@@ -103,7 +111,8 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: 
     R, the scale folded into B); slots int64 or int32 [T], each < S (not checked: that would read it on the
     host). x, the stacks and y in one dtype (fp32, bf16, fp16); x and y any row stride, unit column stride
     (y may be a column slice of a wider output). The shrink's result is rounded to that dtype before the
-    expand, as PEFT does; the expand sums in fp32 and rounds once into y. Two launches, a scratch [T, R]."""
+    expand, as PEFT does; the expand sums in fp32 and rounds once into y. Two launches, a scratch of fp32
+    partials [T, K / K_CHUNK, R]."""
     rows, k = x.shape
     slots_n, rank, k_a = a_stack.shape
     n = y.shape[1]
@@ -118,15 +127,18 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: 
     if rows == 0 or rank == 0 or n == 0:
         return
     block_r, block_k, block_n = blocks(rank, k, n)
-    t = torch.empty(rows, rank, dtype=x.dtype, device=x.device)                                    # [T, R]
-    _shrink_kernel[(rows, triton.cdiv(rank, block_r))](
-        x, a_stack, slots, t, k, rank, x.stride(0), a_stack.stride(0), a_stack.stride(1), t.stride(0),
-        BLOCK_R=block_r, BLOCK_K=block_k, SOFT_BF16=_INTERPRETED, num_warps=NUM_WARPS,
+    chunk = max(block_k, K_CHUNK)              # a multiple of block_k (both powers of two)
+    splits = triton.cdiv(k, chunk)
+    part = torch.empty(rows, splits, rank, dtype=torch.float32, device=x.device)                  # [T, splits, R]
+    _shrink_kernel[(rows, triton.cdiv(rank, block_r), splits)](
+        x, a_stack, slots, part, k, rank, x.stride(0), a_stack.stride(0), a_stack.stride(1), part.stride(0),
+        part.stride(1), BLOCK_R=block_r, BLOCK_K=block_k, CHUNK=chunk, num_warps=NUM_WARPS,
         **pdl.launch_options(x.device))
     _expand_kernel[(rows, triton.cdiv(n, block_n))](
-        t, b_stack, slots, y, n, rank, t.stride(0), b_stack.stride(0), b_stack.stride(1), y.stride(0),
-        BLOCK_N=block_n, BLOCK_R=block_r, SOFT_BF16=_INTERPRETED, num_warps=NUM_WARPS,
-        **pdl.launch_options(y.device))
+        part, b_stack, slots, y, n, rank, splits, part.stride(0), part.stride(1), b_stack.stride(0),
+        b_stack.stride(1), y.stride(0), BLOCK_N=block_n, BLOCK_R=block_r,
+        BLOCK_S=triton.next_power_of_2(splits), SOFT_BF16=_INTERPRETED,
+        num_warps=NUM_WARPS, **pdl.launch_options(y.device))
 
 
 _INTERPRETED = not isinstance(_shrink_kernel, triton.JITFunction)   # decorated under TRITON_INTERPRET=1
