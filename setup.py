@@ -21,6 +21,7 @@ def native_extensions():
                                                    "native/span_attention.cpp", "native/span_attention_quant.cpp",
                                                    "native/rms_norm.cpp", "native/rotary.cpp",
                                                    "native/decode_steps.cpp", "native/activations.cpp",
+                                                   "native/lora.cpp",
                                                    "native/decode_stack.cpp", "native/moe.cpp",
                                                    "native/parallel.cpp"],
                        # rebuild when a header changes

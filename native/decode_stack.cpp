@@ -201,7 +201,11 @@ void bind_decode_stack(py::module_& m) {
   py::class_<LoraSlots>(m, "LoraSlots", "one projection's LoRA adapters by slot: a [R, in], b [out, R] (None: empty)")
       .def(py::init<>())
       .def_readwrite("a", &LoraSlots::a)
-      .def_readwrite("b", &LoraSlots::b);
+      .def_readwrite("b", &LoraSlots::b)
+      .def_readwrite("bt", &LoraSlots::bt);
+  m.def("lora_add", &lora_add, "y [T, out] += each row's LoRA delta (slots [T], -1: none), in place; returns y",
+        py::call_guard<py::gil_scoped_release>(), py::arg("y"), py::arg("x"), py::arg("lora"), py::arg("slots"),
+        py::arg("isa"), py::arg("native_rows"));
   BIND_STEP(AttentionOptions, ATTENTION_OPTION_FIELDS, "the attention kernels' options (scale, softcap, window)")
   BIND_STEP(NormStep, NORM_STEP_FIELDS, "RMSNorm of the hidden state (adds_residual: x + residual first)")
   BIND_STEP(AttentionStep, ATTENTION_STEP_FIELDS,

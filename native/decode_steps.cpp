@@ -7,7 +7,6 @@
 // e = exp(-|x|) so the exponential never overflows.
 #include <torch/extension.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -151,54 +150,6 @@ std::tuple<torch::Tensor, std::optional<torch::Tensor>> norm_step(const torch::T
   const auto joined = residual && n.residual_scale != 1.0 ? x.mul(n.residual_scale) : x;
   auto [h, s] = rms_norm(joined, n.weight, n.eps, residual, isa);
   return {h, s};
-}
-
-void LoraSlots::check() const {
-  TORCH_CHECK(a.size() == b.size(), "LoraSlots: ", a.size(), " A slots but ", b.size(), " B slots");
-  for (size_t s = 0; s < a.size(); ++s) {
-    TORCH_CHECK(a[s].has_value() == b[s].has_value(), "LoraSlots: slot ", s, " has A or B alone");
-    if (a[s])
-      TORCH_CHECK(a[s]->dim() == 2 && b[s]->dim() == 2 && a[s]->size(0) == b[s]->size(1) && a[s]->is_contiguous() &&
-                      b[s]->is_contiguous(),
-                  "LoraSlots: slot ", s, ": A ", a[s]->sizes(), " and B ", b[s]->sizes(), " do not chain");
-  }
-}
-
-LoraRows lora_rows(const OptTensor& slots) {
-  LoraRows out;
-  if (!slots) return out;
-  const auto s = slots->to(at::kLong).contiguous();
-  const int64_t* p = s.data_ptr<int64_t>();
-  const int64_t n = s.numel();
-  std::vector<int64_t> used;
-  for (int64_t i = 0; i < n; ++i)
-    if (p[i] >= 0 && std::find(used.begin(), used.end(), p[i]) == used.end()) used.push_back(p[i]);
-  std::sort(used.begin(), used.end());
-  for (const int64_t slot : used) {
-    std::vector<int64_t> rows;
-    for (int64_t i = 0; i < n; ++i)
-      if (p[i] == slot) rows.push_back(i);
-    out.groups.emplace_back(slot, static_cast<int64_t>(rows.size()) == n
-                                      ? torch::Tensor()
-                                      : torch::tensor(rows, torch::TensorOptions().dtype(at::kLong)));
-  }
-  return out;
-}
-
-void add_lora(torch::Tensor& y, const torch::Tensor& x, const OptLora& lora, const LoraRows& rows, int64_t isa,
-              int64_t native_rows) {
-  if (!lora || rows.groups.empty()) return;
-  allspark::OpTimer timer("lora");
-  for (const auto& [slot, idx] : rows.groups) {
-    TORCH_CHECK(slot < static_cast<int64_t>(lora->a.size()), "add_lora: slot ", slot, " of ", lora->a.size());
-    const auto& a = lora->a[slot];
-    if (!a) continue;   // this adapter leaves the projection alone
-    const auto xs = idx.defined() ? x.index_select(0, idx) : x;
-    const auto delta = project(project(xs, *a, std::nullopt, isa, native_rows), *lora->b[slot], std::nullopt, isa,
-                               native_rows);
-    if (idx.defined()) y.index_add_(0, idx, delta);
-    else y.add_(delta);
-  }
 }
 
 torch::Tensor attention_step(const torch::Tensor& x, const AttentionStep& a, const DecodeRows& rows, int64_t isa,

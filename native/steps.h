@@ -30,22 +30,33 @@ using Weights = std::vector<Weight>;
 using OptWeight = std::optional<Weight>;
 
 // one projection's LoRA adapters on this rank, by slot (allspark_server/compute/lora.py): a[s] [R_s, in], b[s]
-// [out, R_s] with the scale folded in; none: the slot's adapter leaves this projection alone
+// [out, R_s] with the scale folded in, bt[s] = b[s]^T contiguous [R_s, out] (the decode kernel's layout); none: the
+// slot's adapter leaves this projection alone
 struct LoraSlots {
-  std::vector<OptTensor> a, b;
+  std::vector<OptTensor> a, b, bt;
   void check() const;
 };
 using OptLora = std::optional<LoraSlots>;
 
-// a step's rows by adapter slot: (slot, its rows [n] int64; undefined: every row); empty: no row uses one
-struct LoraRows {
-  std::vector<std::pair<int64_t, torch::Tensor>> groups;
+// a step's rows by adapter slot, slots ascending: each slot's rows (and as an index tensor, undefined when they are
+// every row); empty: no row uses an adapter
+struct LoraGroup {
+  int64_t slot;
+  std::vector<int64_t> rows;
+  torch::Tensor index;
 };
-// from each row's slot [B] (-1: the base model); none: no adapters this step
+struct LoraRows {
+  std::vector<LoraGroup> groups;
+  int64_t num_rows = 0;
+};
+// from each row's slot [B] (-1: the base model); none: no adapters this step (lora.cpp)
 LoraRows lora_rows(const OptTensor& slots);
-// y [B, out] += each row's adapter delta, each product on `project` (kernels.h); nothing without adapters
+// y [B, out] += each row's adapter delta (lora.cpp says how); nothing without adapters
 void add_lora(torch::Tensor& y, const torch::Tensor& x, const OptLora& lora, const LoraRows& rows, int64_t isa,
               int64_t native_rows);
+// the same from each row's slot, for ops.lora_add_: returns y
+torch::Tensor lora_add(torch::Tensor y, const torch::Tensor& x, const LoraSlots& lora, const torch::Tensor& slots,
+                       int64_t isa, int64_t native_rows);
 
 // Each step's fields, written once as F(type, name): the struct, its Python binding (decode_stack.cpp: a
 // default constructor, one read/write attribute per field and FIELDS, the [(name, type)] list) and the binder's

@@ -171,12 +171,16 @@ def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Ten
 
 def lora_add_(y: torch.Tensor, x: torch.Tensor, lora: LoraSlots | None, rows: LoraRows | None) -> torch.Tensor:
     """y [T, out] += each row's adapter delta B[s] . (A[s] . x) in place (compute/lora.py); nothing when the projection
-    has no adapter or no row uses one. On the host each product is `linear`'s, as the native decode steps compute
-    it."""
+    has no adapter or no row uses one. On the host the native decode steps' add_lora (native/lora.cpp), else the
+    reference over `linear`."""
     if y.is_cuda:
         return cuda_backend().lora_add_(y, x, lora, rows) if cuda_backend()._uses(lora, rows) else y
     if lora is None or rows is None or lora.is_empty:
         return y
+    ext = native()
+    if ext is not None and x.dim() == 2 and x.dtype in NATIVE_MAX_ROWS and all(
+            a is None or a.dtype == x.dtype for a in lora.a):
+        return ext.lora_add(y, x, step_binding.native_lora(ext, lora), rows.slots, isa_level(), native_rows(x.dtype))
     return lora_add_reference(y, x, lora, rows, linear)
 
 

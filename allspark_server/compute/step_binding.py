@@ -81,17 +81,21 @@ def descriptor(bound, ext, native_weight: Callable):
         elif ctype == "Weights":
             value = [native_weight(w) for w in value]
         elif ctype == "OptLora" and value is not None:
-            value = _native_lora(ext, value)
+            value = native_lora(ext, value)
         setattr(d, name, value)
     d.check()
     return d
 
 
-def _native_lora(ext, lora):
-    """A projection's adapters (compute/lora.py LoraSlots) as the native LoraSlots: the same tensors, by slot."""
-    d = ext.LoraSlots()
-    d.a, d.b = list(lora.a), list(lora.b)
-    return d
+def native_lora(ext, lora):
+    """A projection's adapters (compute/lora.py LoraSlots) as the native LoraSlots: the same tensors, by slot (made
+    again when they change)."""
+    if lora.native is None or lora.native[0] != lora.version:
+        d = ext.LoraSlots()
+        d.a, d.b = list(lora.a), list(lora.b)
+        d.bt = [None if b is None else b.t().contiguous() for b in lora.b]     # the decode kernel's layout
+        lora.native = (lora.version, d)
+    return lora.native[1]
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,186 @@
+// LoRA adapters' deltas on a projection's output (steps.h): y[m] += B[s] . (A[s] . x[m]) for the rows m of each
+// adapter slot s a step's rows use (LoraRows).
+//
+// Decode batches (up to FUSED_ROWS rows) take one pass per slot: the shrink t = A . x on the calling thread (R x K
+// multiply-adds a row: a rank-16 q|k|v of a 576-wide model is ~28 k), rounded to the activation dtype as PEFT's
+// lora_A(x) is; then one parallel region over the output columns adds round(B[n] . t) into y, rounded once more
+// (as y + delta in the activation dtype). No tensor is allocated and no other op dispatched: at batch 1 the
+// adapter's bytes, not the calls around them, are the cost. Each row's sums run in the same order at any batch size.
+// Larger batches (prefill) go through `project` (kernels.h), two GEMMs a slot.
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "kernels.h"
+#include "op_profile.h"
+#include "parallel.h"
+#include "simd.h"
+#include "steps.h"
+
+namespace {
+
+constexpr int64_t FUSED_ROWS = 64;
+
+template <typename T>
+inline float widen(T v) { return static_cast<float>(v); }
+
+// sum_i a[i] * x[i], fp32 (a in T, widened), 16 lanes in two accumulators then the tail
+template <typename T>
+__attribute__((target("avx2,fma")))
+float dot_avx2(const T* a, const float* x, int64_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(simd::load8(a + i), _mm256_loadu_ps(x + i), acc0);
+    acc1 = _mm256_fmadd_ps(simd::load8(a + i + 8), _mm256_loadu_ps(x + i + 8), acc1);
+  }
+  if (i + 8 <= n) {
+    acc0 = _mm256_fmadd_ps(simd::load8(a + i), _mm256_loadu_ps(x + i), acc0);
+    i += 8;
+  }
+  float s = simd::hsum8(_mm256_add_ps(acc0, acc1));
+  for (; i < n; ++i) s += widen(a[i]) * x[i];
+  return s;
+}
+
+template <typename T>
+float dot_scalar(const T* a, const float* x, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += widen(a[i]) * x[i];
+  return s;
+}
+
+template <typename T>
+inline float dot(const T* a, const float* x, int64_t n, int64_t isa) {
+  return isa >= 1 ? dot_avx2(a, x, n) : dot_scalar(a, x, n);
+}
+
+// acc[i] += s * w[i] (w in T, widened)
+template <typename T>
+__attribute__((target("avx2,fma")))
+void axpy_avx2(float s, const T* w, float* acc, int64_t n) {
+  const __m256 sv = _mm256_set1_ps(s);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(sv, simd::load8(w + i), _mm256_loadu_ps(acc + i)));
+  for (; i < n; ++i) acc[i] += s * widen(w[i]);
+}
+
+template <typename T>
+inline void axpy(float s, const T* w, float* acc, int64_t n, int64_t isa) {
+  if (isa >= 1) {
+    axpy_avx2(s, w, acc, n);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) acc[i] += s * widen(w[i]);
+}
+
+// one slot's rows of y and x (row ids `rows`): the shrink on this thread, the expand over bt [R, N] in parallel
+template <typename T>
+void add_slot(torch::Tensor& y, const torch::Tensor& x, const std::vector<int64_t>& rows, const torch::Tensor& a,
+              const torch::Tensor& bt, int64_t isa) {
+  const int64_t M = static_cast<int64_t>(rows.size()), R = a.size(0), K = a.size(1), N = bt.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* ap = a.data_ptr<T>();
+  const T* btp = bt.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  const int64_t ldx = x.stride(0), ldy = y.stride(0);
+  std::vector<float> xf(K), t(M * R);
+  for (int64_t m = 0; m < M; ++m) {
+    const T* xr = xp + rows[m] * ldx;
+    for (int64_t k = 0; k < K; ++k) xf[k] = widen(xr[k]);
+    for (int64_t r = 0; r < R; ++r) t[m * R + r] = widen(static_cast<T>(dot(ap + r * K, xf.data(), K, isa)));
+  }
+  // columns n0..n1 of each row: acc[n] = sum_r t[m, r] bt[r, n] (r in order), then y += round(acc)
+  const int64_t grain = std::max<int64_t>(256, allspark::weight_rows_grain(R * static_cast<int64_t>(sizeof(T))));
+  allspark::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    std::vector<float> acc(n1 - n0);
+    for (int64_t m = 0; m < M; ++m) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t r = 0; r < R; ++r) axpy(t[m * R + r], btp + r * N + n0, acc.data(), n1 - n0, isa);
+      T* out = yp + rows[m] * ldy + n0;
+      for (int64_t n = 0; n < n1 - n0; ++n) out[n] = static_cast<T>(widen(out[n]) + widen(static_cast<T>(acc[n])));
+    }
+  });
+}
+
+}  // namespace
+
+void LoraSlots::check() const {
+  TORCH_CHECK(a.size() == b.size(), "LoraSlots: ", a.size(), " A slots but ", b.size(), " B slots");
+  TORCH_CHECK(bt.empty() || bt.size() == b.size(), "LoraSlots: ", bt.size(), " transposed B slots for ", b.size());
+  for (size_t s = 0; s < bt.size(); ++s)
+    TORCH_CHECK(bt[s].has_value() == b[s].has_value() &&
+                    (!bt[s] || (bt[s]->is_contiguous() && bt[s]->size(0) == b[s]->size(1) &&
+                                bt[s]->size(1) == b[s]->size(0) && bt[s]->scalar_type() == b[s]->scalar_type())),
+                "LoraSlots: slot ", s, ": the transposed B is not B^T");
+  for (size_t s = 0; s < a.size(); ++s) {
+    TORCH_CHECK(a[s].has_value() == b[s].has_value(), "LoraSlots: slot ", s, " has A or B alone");
+    if (a[s])
+      TORCH_CHECK(a[s]->dim() == 2 && b[s]->dim() == 2 && a[s]->size(0) == b[s]->size(1) && a[s]->is_contiguous() &&
+                      b[s]->is_contiguous(),
+                  "LoraSlots: slot ", s, ": A ", a[s]->sizes(), " and B ", b[s]->sizes(), " do not chain");
+  }
+}
+
+LoraRows lora_rows(const OptTensor& slots) {
+  LoraRows out;
+  if (!slots) return out;
+  const auto s = slots->to(at::kLong).contiguous();
+  const int64_t* p = s.data_ptr<int64_t>();
+  const int64_t n = s.numel();
+  out.num_rows = n;
+  for (int64_t i = 0; i < n; ++i) {
+    if (p[i] < 0) continue;
+    auto it = std::find_if(out.groups.begin(), out.groups.end(), [&](const auto& g) { return g.slot == p[i]; });
+    if (it == out.groups.end()) {
+      out.groups.push_back({p[i], {}, torch::Tensor()});
+      it = out.groups.end() - 1;
+    }
+    it->rows.push_back(i);
+  }
+  std::sort(out.groups.begin(), out.groups.end(), [](const auto& a, const auto& b) { return a.slot < b.slot; });
+  for (auto& g : out.groups)
+    if (static_cast<int64_t>(g.rows.size()) < n)
+      g.index = torch::tensor(g.rows, torch::TensorOptions().dtype(at::kLong));
+  return out;
+}
+
+void add_lora(torch::Tensor& y, const torch::Tensor& x, const OptLora& lora, const LoraRows& rows, int64_t isa,
+              int64_t native_rows) {
+  if (!lora || rows.groups.empty()) return;
+  allspark::OpTimer timer("lora");
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == rows.num_rows && y.size(0) == rows.num_rows,
+              "add_lora: x ", x.sizes(), " and y ", y.sizes(), " for ", rows.num_rows, " rows");
+  const bool fused = rows.num_rows <= FUSED_ROWS && x.stride(1) == 1 && y.stride(1) == 1 &&
+                     (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                     y.scalar_type() == x.scalar_type();
+  for (const auto& g : rows.groups) {
+    TORCH_CHECK(g.slot < static_cast<int64_t>(lora->a.size()), "add_lora: slot ", g.slot, " of ", lora->a.size());
+    const auto& a = lora->a[g.slot];
+    if (!a) continue;   // this adapter leaves the projection alone
+    const auto& b = *lora->b[g.slot];
+    TORCH_CHECK(a->size(1) == x.size(1) && b.size(0) == y.size(1) && a->scalar_type() == x.scalar_type() &&
+                    b.scalar_type() == x.scalar_type(),
+                "add_lora: slot ", g.slot, ": A ", a->sizes(), " and B ", b.sizes(), " do not fit x ", x.sizes(),
+                " and y ", y.sizes());
+    if (fused && lora->bt.size() == lora->a.size() && lora->bt[g.slot]) {
+      const auto& bt = *lora->bt[g.slot];
+      if (x.scalar_type() == at::kFloat) add_slot<float>(y, x, g.rows, *a, bt, isa);
+      else add_slot<at::BFloat16>(y, x, g.rows, *a, bt, isa);
+      continue;
+    }
+    const auto xs = g.index.defined() ? x.index_select(0, g.index) : x;
+    const auto delta = project(project(xs, *a, std::nullopt, isa, native_rows), b, std::nullopt, isa, native_rows);
+    if (g.index.defined()) y.index_add_(0, g.index, delta);
+    else y.add_(delta);
+  }
+}
+
+// ops.lora_add_ on the host: the same add_lora the native decode steps run, from each row's slot
+torch::Tensor lora_add(torch::Tensor y, const torch::Tensor& x, const LoraSlots& lora, const torch::Tensor& slots,
+                       int64_t isa, int64_t native_rows) {
+  lora.check();
+  add_lora(y, x, OptLora(lora), lora_rows(slots), isa, native_rows);
+  return y;
+}
