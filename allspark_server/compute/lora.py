@@ -88,6 +88,8 @@ class LoraRows:
     (None: every row of the step)."""
     slots: torch.Tensor
     groups: list[tuple[int, Optional[torch.Tensor]]]
+    # a GPU's grouping of the rows by slot (lora_kernels.group_rows), made by the step's first projection
+    device_groups: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @classmethod
     def of(cls, row_slots: list[int]) -> Optional["LoraRows"]:

@@ -16,10 +16,9 @@ import torch.nn.functional as F
 from allspark_server.compute import reference as ref
 from allspark_server.compute import row_mode
 from allspark_server.compute.cuda import fused_kernels as fused
-from allspark_server.compute.cuda import gemv_kernels
+from allspark_server.compute.cuda import gemv_kernels, lora_kernels
 from allspark_server.compute.cuda.attention_kernels import paged_prefill_attention
 from allspark_server.compute.cuda.decode_attention import fused_decode_enabled, paged_decode_attention
-from allspark_server.compute.cuda.lora_kernels import lora_add_ as lora_add_rows
 from allspark_server.compute.cuda.quant_kernels import alone_config, quant_matmul
 from allspark_server.compute.steps import Attention
 from allspark_server.quant.formats import QuantizedWeight
@@ -86,7 +85,9 @@ def prefill_attention(q, k_cache, v_cache, meta, options: Attention, out, k_para
 def lora_add_(y, x, lora, rows):
     """ops.lora_add_: y += each row's adapter delta, the slots' stacked A and B gathered by row (lora_kernels.py)."""
     a_stack, b_stack = lora.stacked()
-    lora_add_rows(y, x, a_stack, b_stack, rows.slots)
+    if rows.device_groups is None and rows.slots.shape[0] <= lora_kernels.GROUPED_MAX_ROWS:
+        rows.device_groups = lora_kernels.group_rows(rows.slots, a_stack.shape[0])   # once a step: every layer's
+    lora_kernels.lora_add_(y, x, a_stack, b_stack, rows.slots, rows.device_groups)
     return y
 
 

@@ -96,6 +96,74 @@ def _expand_kernel(part, b, slots, y, N, R, SPLITS, stride_pt, stride_ps, stride
     tl.store(y, out.to(dt), mask=n_ok)
 
 
+@triton.jit
+def _shrink_grouped_kernel(x, a, order, seg, part, K, R, stride_xt, stride_as, stride_ar, stride_pt, stride_ps,
+                           BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Program (slot, r-block, k-chunk): the slot's tile of A [BLOCK_R, CHUNK] loaded once, then for each of its rows
+    (order[seg[slot + 1]:seg[slot + 2]]) part[row, chunk, r] = sum over the chunk's k of x[row, k] a[slot, r, k]."""
+    allow_next(PDL)
+    wait_for_previous(PDL)
+    slot = tl.program_id(0)
+    lo = tl.load(seg + slot + 1)
+    hi = tl.load(seg + slot + 2)
+    if lo >= hi:
+        return
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    chunk = tl.program_id(2)
+    offs_k = chunk * CHUNK + tl.arange(0, CHUNK)
+    r_ok, k_ok = offs_r < R, offs_k < K
+    tile = tl.load(a + slot.to(tl.int64) * stride_as + offs_r.to(tl.int64)[:, None] * stride_ar + offs_k[None, :],
+                   mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)                    # [BR, CHUNK]
+    for i in range(lo, hi):
+        row = tl.load(order + i).to(tl.int64)
+        xk = tl.load(x + row * stride_xt + offs_k, mask=k_ok, other=0.0).to(tl.float32)             # [CHUNK]
+        tl.store(part + row * stride_pt + chunk * stride_ps + offs_r, tl.sum(tile * xk[None, :], 1), mask=r_ok)
+
+
+@triton.jit
+def _expand_grouped_kernel(part, b, order, seg, y, N, R, SPLITS, stride_pt, stride_ps, stride_bs, stride_bn,
+                           stride_yt, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+                           SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
+    """Program (slot, n-block): the slot's tile of B [BLOCK_N, R] (R <= BLOCK_R) loaded once, then for each of its
+    rows the expand of _expand_kernel (partials summed as one tree, rounded, times B, added to y, rounded once)."""
+    allow_next(PDL)
+    wait_for_previous(PDL)
+    slot = tl.program_id(0)
+    lo = tl.load(seg + slot + 1)
+    hi = tl.load(seg + slot + 2)
+    if lo >= hi:
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_s = tl.arange(0, BLOCK_S)
+    n_ok, r_ok = offs_n < N, offs_r < R
+    tile = tl.load(b + slot.to(tl.int64) * stride_bs + offs_n.to(tl.int64)[:, None] * stride_bn + offs_r[None, :],
+                   mask=n_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)                    # [BN, BR]
+    dt = y.dtype.element_ty
+    for i in range(lo, hi):
+        row = tl.load(order + i).to(tl.int64)
+        parts = tl.load(part + row * stride_pt + offs_s[:, None] * stride_ps + offs_r[None, :],
+                        mask=(offs_s < SPLITS)[:, None] & r_ok[None, :], other=0.0)                 # [BS, BR]
+        tr = _round(tl.sum(parts, 0), dt, SOFT_BF16).to(dt).to(tl.float32)                         # [BR]
+        acc = tl.sum(tile * tr[None, :], 1)
+        out = y + row * stride_yt + offs_n
+        tl.store(out, _round(tl.load(out, mask=n_ok, other=0.0).to(tl.float32) + acc, dt, SOFT_BF16).to(dt),
+                 mask=n_ok)
+
+
+GROUPED_MAX_ROWS = 64   # decode batches: rows grouped by slot share each tile of A and B; more rows: a program a row
+
+
+def group_rows(slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, seg) for the grouped kernels from each row's slot, with device ops only (capturable): the rows
+    sorted by slot (stable) and seg [num_slots + 2], slot s's rows being order[seg[s + 1]:seg[s + 2]] (rows
+    without an adapter, slot -1, come first)."""
+    order = torch.argsort(slots, stable=True)
+    counts = torch.zeros(num_slots + 1, dtype=torch.long, device=slots.device)
+    counts.scatter_add_(0, slots.long() + 1, torch.ones_like(slots, dtype=torch.long))
+    return order, torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+
+
 def blocks(rank: int, k: int, n: int) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_K, BLOCK_N) for rank R, input K and output N: the rank padded to a power of two up to
     MAX_BLOCK_R, and K- and N-tiles that make a tile of A or B TILE elements (fewer when K or N is smaller)."""
@@ -105,14 +173,16 @@ def blocks(rank: int, k: int, n: int) -> tuple[int, int, int]:
 
 
 def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
-              slots: torch.Tensor) -> None:
+              slots: torch.Tensor, groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """y [T, N] += (x[t] @ a_stack[s].T) @ b_stack[s].T for every row t with s = slots[t] >= 0; rows with
     slots[t] < 0 keep their bits. x [T, K]; a_stack [S, R, K]; b_stack [S, N, R] (ranks padded with zeros to
     R, the scale folded into B); slots int64 or int32 [T], each < S (not checked: that would read it on the
     host). x, the stacks and y in one dtype (fp32, bf16, fp16); x and y any row stride, unit column stride
     (y may be a column slice of a wider output). The shrink's result is rounded to that dtype before the
     expand, as PEFT does; the expand sums in fp32 and rounds once into y. Two launches, a scratch of fp32
-    partials [T, K / K_CHUNK, R]."""
+    partials [T, K / K_CHUNK, R]. `groups`: group_rows(slots, S) where the caller has it (one per step): at most
+    GROUPED_MAX_ROWS rows with R <= MAX_BLOCK_R then take the grouped kernels (each tile of A and B read once
+    per slot, not once per row); the same sums either way."""
     rows, k = x.shape
     slots_n, rank, k_a = a_stack.shape
     n = y.shape[1]
@@ -127,12 +197,25 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: 
     if rows == 0 or rank == 0 or n == 0:
         return
     block_r, block_k, block_n = blocks(rank, k, n)
-    chunk = max(block_k, K_CHUNK)              # a multiple of block_k (both powers of two)
+    # one [BLOCK_R, chunk] tile a program, grouped or not: the same sums for a row in any batch
+    chunk = max(block_k, K_CHUNK)
     splits = triton.cdiv(k, chunk)
     part = torch.empty(rows, splits, rank, dtype=torch.float32, device=x.device)                  # [T, splits, R]
+    if groups is not None and rows <= GROUPED_MAX_ROWS and rank <= MAX_BLOCK_R and chunk == K_CHUNK:
+        order, seg = groups
+        _shrink_grouped_kernel[(slots_n, 1, splits)](
+            x, a_stack, order, seg, part, k, rank, x.stride(0), a_stack.stride(0), a_stack.stride(1),
+            part.stride(0), part.stride(1), BLOCK_R=block_r, CHUNK=chunk, num_warps=NUM_WARPS,
+            **pdl.launch_options(x.device))
+        _expand_grouped_kernel[(slots_n, triton.cdiv(n, block_n))](
+            part, b_stack, order, seg, y, n, rank, splits, part.stride(0), part.stride(1), b_stack.stride(0),
+            b_stack.stride(1), y.stride(0), BLOCK_N=block_n, BLOCK_R=block_r,
+            BLOCK_S=triton.next_power_of_2(splits), SOFT_BF16=_INTERPRETED, num_warps=NUM_WARPS,
+            **pdl.launch_options(y.device))
+        return
     _shrink_kernel[(rows, triton.cdiv(rank, block_r), splits)](
         x, a_stack, slots, part, k, rank, x.stride(0), a_stack.stride(0), a_stack.stride(1), part.stride(0),
-        part.stride(1), BLOCK_R=block_r, BLOCK_K=block_k, CHUNK=chunk, num_warps=NUM_WARPS,
+        part.stride(1), BLOCK_R=block_r, BLOCK_K=chunk, CHUNK=chunk, num_warps=NUM_WARPS,
         **pdl.launch_options(x.device))
     _expand_kernel[(rows, triton.cdiv(n, block_n))](
         part, b_stack, slots, y, n, rank, splits, part.stride(0), part.stride(1), b_stack.stride(0),
