@@ -1,10 +1,9 @@
 // LoRA adapters' deltas on a projection's output (steps.h): y[m] += B[s] . (A[s] . x[m]) for the rows m of each
 // adapter slot s a step's rows use (LoraRows).
 //
-// Decode batches (up to FUSED_ROWS rows) take one pass per slot: the shrink t = A . x on the calling thread (R x K
-// multiply-adds a row: a rank-16 q|k|v of a 576-wide model is ~28 k), rounded to the activation dtype as PEFT's
-// lora_A(x) is; then one parallel region over the output columns adds round(B[n] . t) into y, rounded once more
-// (as y + delta in the activation dtype). No tensor is allocated and no other op dispatched: at batch 1 the
+// Decode batches (up to FUSED_ROWS rows) take two parallel regions per slot: the shrink t = A . x, its dot products
+// split over the threads, rounded to the activation dtype as PEFT's lora_A(x) is; then the expand over the output
+// columns, adding round(B[n] . t) into y, rounded once more (as y + delta in the activation dtype). No tensor is allocated and no other op dispatched: at batch 1 the
 // adapter's bytes, not the calls around them, are the cost. Each row's sums run in the same order at any batch size.
 // Larger batches (prefill) go through `project` (kernels.h), two GEMMs a slot.
 #include <torch/extension.h>
@@ -21,6 +20,7 @@
 namespace {
 
 constexpr int64_t FUSED_ROWS = 64;
+constexpr int64_t EXPAND_GRAIN = 64;   // output columns: a 576-wide projection is still split over the threads
 
 template <typename T>
 inline float widen(T v) { return static_cast<float>(v); }
@@ -85,15 +85,16 @@ void add_slot(torch::Tensor& y, const torch::Tensor& x, const std::vector<int64_
   const T* btp = bt.data_ptr<T>();
   T* yp = y.data_ptr<T>();
   const int64_t ldx = x.stride(0), ldy = y.stride(0);
-  std::vector<float> xf(K), t(M * R);
-  for (int64_t m = 0; m < M; ++m) {
-    const T* xr = xp + rows[m] * ldx;
-    for (int64_t k = 0; k < K; ++k) xf[k] = widen(xr[k]);
-    for (int64_t r = 0; r < R; ++r) t[m * R + r] = widen(static_cast<T>(dot(ap + r * K, xf.data(), K, isa)));
-  }
+  std::vector<float> xf(M * K), t(M * R);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xf[m * K + k] = widen(xp[rows[m] * ldx + k]);
+  // the shrink, its (row, rank) dot products split over the threads: each reads its ranks' rows of A
+  allspark::parallel_for(0, M * R, std::max<int64_t>(1, (M * R) / 8), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      t[i] = widen(static_cast<T>(dot(ap + (i % R) * K, xf.data() + (i / R) * K, K, isa)));
+  });
   // columns n0..n1 of each row: acc[n] = sum_r t[m, r] bt[r, n] (r in order), then y += round(acc)
-  const int64_t grain = std::max<int64_t>(256, allspark::weight_rows_grain(R * static_cast<int64_t>(sizeof(T))));
-  allspark::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  allspark::parallel_for(0, N, EXPAND_GRAIN, [&](int64_t n0, int64_t n1) {
     std::vector<float> acc(n1 - n0);
     for (int64_t m = 0; m < M; ++m) {
       std::fill(acc.begin(), acc.end(), 0.f);
