@@ -14,7 +14,7 @@ a transformers LlamaConfig model of the served model's shapes (built on the meta
 matching shapes, which is also how SmolLM2's GGUF file gets one), LoRA on all seven projections (q, k, v, o, gate,
 up, down), lora_alpha = 2 * rank. Their weights are RANDOM (A uniform in +-1/sqrt(in), B the same times 0.2):
 outputs are meaningless, only the cost is measured. Round 0 is a short warm-up and is dropped. On GPUs, steps
-with adapter rows run eagerly (the decode graphs are captured without adapters): the ratios include that.
+with adapter rows replay the decode graphs captured with the adapters' kernels (runner/cuda_graphs.py).
 
     python benchmarks/lora.py --out                                           # SmolLM2's Q4_1 GGUF file (default)
     python benchmarks/lora.py --model smollm2-dense --dtype float32 --out     # SmolLM2 fp32 weights on the CPU

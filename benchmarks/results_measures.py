@@ -19,6 +19,7 @@ from results_readers import (
     gguf_race,
     int8_gemm,
     kv,
+    lora,
     moe,
     multi_host,
     pool_step,
@@ -52,6 +53,17 @@ MEASURES = {
                     "alternating rounds; ratios of output tokens/s. GPU verify rows are computed as one-row steps "
                     "(compute/row_mode.py); the AVX2 and H200 runs also have the back-off (speculation.py), the "
                     "H100 run predates it.", speculative),
+    "lora": ("LoRA adapters against the base model", "`lora.py --device cuda --model 7b --rounds 3`: a random "
+             "Llama-2-7B-shaped bf16 model installed plain and with 8 rank-16 adapters (all seven projections) in "
+             "one Engine, alternating rounds; the decode steps replay CUDA graphs (those captured with adapters "
+             "where a row has one). The H100 run predates the grouping of decode rows by adapter slot in "
+             "lora_kernels.py.", lora),
+    "lora-dense": ("LoRA adapters against the base model, SmolLM2 on a CPU", "`lora.py --model smollm2-dense "
+                   "--dtype D --rounds 4` on 2 cores: SmolLM2's weights (dequantized from the Q4_1 file) plain and "
+                   "with 8 rank-16 adapters, alternating rounds. At this size 8 fp32 adapters are ~30% of the base "
+                   "model's bytes.", lora),
+    "lora-dense-fp32": ("LoRA adapters against the base model, SmolLM2 in fp32 on a CPU", "As above, `--dtype "
+                        "float32`.", lora),
     "speculative-dense": ("Speculative decoding against plain decoding, SmolLM2 in bf16", "`speculative.py --model "
                           "smollm2-dense --draft smollm2 --rounds 3`: SmolLM2's weights in bf16 (dequantized from "
                           "the Q4_1 file) plain, with ngram speculation and with the Q4_1 file itself as the draft "

@@ -355,6 +355,19 @@ def speculative(r: dict) -> list:
     return rows
 
 
+def lora(r: dict) -> list:
+    """lora.py: a request with a rank-r adapter on all seven projections over the base model's batch-1 tokens/s, the
+    LoRA-enabled model without an adapter over the base, and N streams over M adapters over the same streams on the
+    base (medians of same-round ratios)."""
+    d, s = r["decode_b1"], r["streams_total"]
+    model = r["model"] + (f" ({r['layers']} layers)" if r.get("layers") else "")
+    return [{"model": model, "dtype": r["dtype"], "rank": r["rank"],
+             "batch 1, adapter": x(d["adapter_over_base"]), "batch 1, no adapter": x(d["lora_model_base_over_base"]),
+             f"{r['streams']} streams over {r['adapters']} adapters": x(s["adapters_over_base"]),
+             "adapter changes the output": "yes" if r["adapter_changes_output"] else "no",
+             "greedy equal without adapter": "yes" if r["lora_model_base_greedy_equal"] else "no"}]
+
+
 def speculative_verify(r: dict) -> list:
     """speculative_verify_cost.py: per model and context length, a decode graph's replay time at each row count over
     one row's, and the verify graph's of k + 1 = 5 rows at batch 1 (alone-rows mode), where the run has one."""
