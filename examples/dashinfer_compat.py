@@ -1,15 +1,15 @@
-"""DashInfer compatibility check: every method of DashInfer's Engine and ClientEngine (LoRA aside) called on allspark's
-Engine and on a ClientEngine of a 2-rank pool, and what each returns checked.
+"""DashInfer compatibility check: every method of DashInfer's Engine and ClientEngine called on allspark's Engine and on
+a ClientEngine of a 2-rank pool, and what each returns checked.
 
     python examples/dashinfer_compat.py [--ranks 2] [--address ADDR] [--engine-only] [--tokens 8]
 
 A tiny random Llama is built with transformers (nothing is downloaded) and converted with
 serialize_model_from_torch, as DashInfer's converter is called (model_type "LLaMA_v3", the HF config as a dict).
 Greedy output is compared with transformers' greedy generate, through every way of reading it (ResultQueue, the
-deprecated get_wait / get_no_wait, get_output_*), before and after unload_device_mem / load_device_mem, and from
-the files save_model writes. Deprecated calls must warn (DeprecationWarning). Prints a table, method -> ok /
-MISSING (the engine lacks it) / FAILED (the reason) / NOT RUN (an earlier check of its group failed), and exits 1
-unless every call is ok.
+deprecated get_wait / get_no_wait, get_output_*), before and after unload_device_mem / load_device_mem, and from the
+files save_model writes; a LoRA adapter (made here with peft) against transformers + PEFT. Deprecated calls must
+warn (DeprecationWarning). Prints a table, method -> ok / MISSING (the engine lacks it) / FAILED (the reason) / NOT
+RUN (an earlier check of its group failed), and exits 1 unless every call is ok.
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ METHODS = [   # DashInfer's Engine and ClientEngine methods (reference: docs/api
     "get_no_wait", "get_output_wait", "get_output_no_wait", "sync_request", "release_request", "stop_request",
     "reset_stream", "get_as_engine_stat", "get_free_frame", "get_op_profiling_info", "get_rank_id",
     "get_version_full", "is_allspark_work_as_service", "unload_device_mem", "load_device_mem", "save_model",
-    "build_model_from_config_struct", "stop_model", "release_model"]
-SKIPPED = {"load_lora": "skipped (LoRA)", "unload_lora": "skipped (LoRA)"}
+    "build_model_from_config_struct", "load_lora", "unload_lora", "stop_model", "release_model"]
+SKIPPED: dict[str, str] = {}
 OK, MISSING, NOT_RUN = "ok", "MISSING", "NOT RUN"
 VERSION_FULL = re.compile(r"^\d+\.\d+\.\d+\S*/\(GitSha1:[^)]*\)/\(Build:[^)]*\)$")
 
@@ -71,6 +71,21 @@ class Reference:
             out = self.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=self.tokens,
                                       min_new_tokens=self.tokens, eos_token_id=None, pad_token_id=0)
         return out[0, len(ids):].tolist()
+
+    def make_adapter(self, work_dir: str) -> None:
+        """A random LoRA adapter of the model (PEFT folder `adapter_dir`) and transformers + PEFT's greedy answer."""
+        import torch
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+        torch.manual_seed(3)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(self.hf_dir),
+                               LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
+                                          target_modules=["q_proj", "v_proj", "o_proj", "down_proj"])).eval()
+        self.adapter_dir = os.path.join(work_dir, "adapter")
+        model.save_pretrained(self.adapter_dir)
+        base, self.model = self.model, model
+        self.lora_greedy = self.generate(self.prompt)
+        self.model = base
 
     def logprobs(self, ids: list[int], new: list[int]) -> list[float]:
         """log p(new[i] | ids + new[:i]) under transformers' model."""
@@ -146,8 +161,9 @@ class EngineCheck:
             ids += el.ids_from_generate
         return ids
 
-    def run_greedy(self, name: str | None = None) -> list[int]:
-        st, handle, queue = self.engine.start_request(name or self.name, {"input_ids": self.ref.prompt}, self.greedy)
+    def run_greedy(self, name: str | None = None, gen: dict | None = None) -> list[int]:
+        st, handle, queue = self.engine.start_request(name or self.name, {"input_ids": self.ref.prompt},
+                                                      gen or self.greedy)
         expect(st == self.S.ALLSPARK_SUCCESS, f"start_request: {st!r} {self.engine.get_last_error()}")
         ids = self.read(queue)
         self.engine.release_request(name or self.name, handle)
@@ -262,6 +278,16 @@ class EngineCheck:
         after = self.run_greedy()
         expect(before == after == self.ref.greedy, f"greedy before {before} / after {after} sleep")
 
+    def lora(self) -> None:
+        adapter = "compat-lora"
+        self.status("load_lora", self.name, adapter, self.ref.adapter_dir)
+        self.status("load_lora", self.name, adapter, self.ref.adapter_dir, want=self.S.ALLSPARK_LORA_ALREADY_LOADED)
+        ids = self.run_greedy(gen={**self.greedy, "lora_name": adapter})
+        expect(ids == self.ref.lora_greedy != self.ref.greedy, f"with the adapter: {ids}, transformers + PEFT: "
+                                                               f"{self.ref.lora_greedy}, base: {self.ref.greedy}")
+        self.status("unload_lora", self.name, adapter)
+        self.status("unload_lora", self.name, adapter, want=self.S.ALLSPARK_LORA_NOT_FOUND)
+
     def save(self) -> None:
         saved, second = os.path.join(self.dir, "saved"), self.name + "-saved"
         self.status("save_model", self.name, saved, is_text_graph=True, want=self.S.ALLSPARK_PARAM_ERROR)
@@ -283,7 +309,7 @@ class EngineCheck:
         if self.group(self.convert):
             installed = self.group(self.lifecycle) or self.rows.get("install_model") == OK
         if installed:
-            for fn in (self.generation, self.stopping, self.information, self.sleep_wake, self.save):
+            for fn in (self.generation, self.stopping, self.information, self.sleep_wake, self.lora, self.save):
                 self.group(fn)
             self.group(lambda: (self.status("stop_model", self.name), self.status("release_model", self.name)))
         rows = {m: self.rows.get(m) or (NOT_RUN if hasattr(self.engine, m) else MISSING) for m in METHODS}
@@ -292,6 +318,7 @@ class EngineCheck:
 
 def run_all(engines: dict, ref: Reference, work_dir: str, world_sizes: dict) -> dict[str, dict[str, str]]:
     """{label: {method: result}} for each engine."""
+    ref.make_adapter(work_dir)
     return {label: EngineCheck(engine, label, ref, work_dir, world_sizes[label]).run()
             for label, engine in engines.items()}
 

@@ -140,8 +140,9 @@ def _compat_script():
 
 def test_compat_script_calls_every_method_clean_on_engine_and_pool(llama, pool, tmp_path):
     """examples/dashinfer_compat.py on an in-process Engine and on the shared 2-rank pool's ClientEngine: every
-    DashInfer method (LoRA aside) is there and gives what it should (greedy output equal to transformers', before and
-    after unload_device_mem / load_device_mem, and from save_model's files)."""
+    DashInfer method is there and gives what it should (greedy output equal to transformers', before and after
+    unload_device_mem / load_device_mem, from save_model's files, and with a LoRA adapter equal to transformers +
+    PEFT's)."""
     from allspark_server import Engine
     script = _compat_script()
     client, _ = pool

@@ -192,11 +192,11 @@ def test_lora_calls_after_close_are_refused(fake_pool):
 # ---- end to end: a 2-rank pool, transformers + PEFT as the reference ----------------------------------------------
 @pytest.fixture(scope="module")
 def adapters(llama, tmp_path_factory):
-    """Two PEFT adapters of the tiny Llama (ranks 8 and 16) and their transformers + PEFT greedy tokens."""
+    """Three PEFT adapters of the tiny Llama (ranks 8, 16 and 64) and their transformers + PEFT greedy tokens."""
     from helpers import hf_greedy
     root = tmp_path_factory.mktemp("peft")
     out = {}
-    for name, rank, seed in (("ad8", 8, 1), ("ad16", 16, 2)):
+    for name, rank, seed in (("ad8", 8, 1), ("ad16", 16, 2), ("ad64", 64, 3)):
         peft_model = make_peft_adapter(llama.model, str(root / name), rank=rank, seed=seed)
         out[name] = (str(root / name), hf_greedy(peft_model, PROMPT, TOKENS))
     return str(root), out
@@ -231,7 +231,7 @@ def test_peft_adapters_on_a_two_rank_pool_equal_transformers(pool, llama, adapte
         # both adapters and the base model in one batch
         from helpers import collect
         started = []
-        for lora in ("ad8", None, "ad16"):
+        for lora in ("ad8", None, "ad16", "ad64"):
             gen = {"top_k": 1, "max_new_tokens": TOKENS, "eos_token_id": [], "lora_name": lora}
             status, handle, queue = client.start_request("llama", {"input_ids": PROMPT}, gen)
             assert status == AsStatus.ALLSPARK_SUCCESS, client.get_last_error()
@@ -285,3 +285,41 @@ def test_aslora_files_and_the_limits_on_a_two_rank_pool(pool, llama, adapters, t
     finally:
         client.stop_model(name, force=True)
         client.release_model(name, force=True)
+
+
+BF16_NEAR_TIE = 0.1   # as tests/models/test_model_families.py: bf16 weights move these tiny models' logits ~0.04
+
+
+@needs_engine_lora
+def test_bf16_adapters_on_a_two_rank_pool_up_to_near_ties(pool, llama, tmp_path):
+    """bf16 by the families' rule: each token transformers + PEFT's (fp32) argmax at that point or within a near tie
+    of it, the tokens before the first near tie its own greedy ones; two adapters and the base model in one batch."""
+    import torch
+    from helpers import collect, installed_on_pool, serialize
+    client, _ = pool
+    name = "llama-bf16-lora"
+    loader = serialize(llama.hf_dir, name, str(tmp_path), dtype="bfloat16")
+    models = {lora: make_peft_adapter(llama.model, str(tmp_path / lora), rank=r, seed=s)
+              for lora, r, s in (("b8", 8, 4), ("b64", 64, 5))}
+    with installed_on_pool(client, loader, name) as c:
+        for lora in models:
+            assert c.load_lora(name, lora, str(tmp_path / lora)) == AsStatus.ALLSPARK_SUCCESS, c.get_last_error()
+        started = []
+        for lora in (*models, None):
+            gen = {"top_k": 1, "max_new_tokens": TOKENS, "eos_token_id": [], "lora_name": lora}
+            status, handle, queue = c.start_request(name, {"input_ids": PROMPT}, gen)
+            assert status == AsStatus.ALLSPARK_SUCCESS, c.get_last_error()
+            started.append((lora, handle, queue))
+        got = {}
+        for lora, handle, queue in started:
+            got[lora] = collect(queue, timeout_s=60)[0]
+            assert c.release_request(name, handle) == AsStatus.ALLSPARK_SUCCESS
+    for lora, tokens in got.items():
+        model = models[lora] if lora else llama.model
+        with torch.no_grad():
+            ref = model(torch.tensor([PROMPT + tokens])).logits[0].double()[len(PROMPT) - 1:-1]
+        best, chosen = ref.max(-1).values, ref[torch.arange(len(tokens)), tokens]
+        assert ((best - chosen) <= BF16_NEAR_TIE).all(), (lora, (best - chosen).tolist())
+        top2 = ref.topk(2, -1).values
+        tie_free = int(((top2[:, 0] - top2[:, 1]) > BF16_NEAR_TIE).to(torch.int).cumprod(0).sum())
+        assert tokens[:tie_free] == ref.argmax(-1).tolist()[:tie_free], lora
