@@ -222,3 +222,21 @@ def test_quantized_base_weights_with_float_adapters(lora_setup, tmp_path, fmt, g
         assert [tokens for tokens, _ in got] == [want for _, _, want in cases]
     finally:
         engine.shutdown()
+
+
+def test_a_mixture_of_experts_model_takes_attention_adapters(tmp_path):
+    """Mixtral: an adapter of the attention projections (its experts take none) equals transformers + PEFT."""
+    base_dir = str(tmp_path / "moe")
+    a = make_adapter(base_dir, str(tmp_path / "ad"), "attn", 8, seed=9,
+                     targets=["q_proj", "k_proj", "v_proj", "o_proj"], variant="mixtral")
+    base = make_base(base_dir, "mixtral")
+    engine = start(serialize(base_dir, "m", str(tmp_path / "as")))
+    try:
+        assert engine.load_lora("m", a.name, a.folder) == AsStatus.ALLSPARK_SUCCESS, engine.get_last_error()
+        cases = [(p, a.name, hf_greedy(a.peft, p, 12)) for p in PROMPTS[:2]]
+        cases.append((PROMPTS[0], "", hf_greedy(base, PROMPTS[0], 12)))
+        assert cases[0][2] != cases[2][2]
+        got = run_together(engine, "m", [(p, gen(12, name)) for p, name, _ in cases])
+        assert [tokens for tokens, _ in got] == [want for _, _, want in cases]
+    finally:
+        engine.shutdown()
