@@ -29,7 +29,7 @@ using OptTensor = std::optional<torch::Tensor>;
 using Weights = std::vector<Weight>;
 using OptWeight = std::optional<Weight>;
 
-// one projection's LoRA adapters on this rank, by slot (allspark_server/compute/lora.py): a[s] [R_s, in], b[s]
+// one projection's LoRA adapters on this rank, by slot (allspark_server/compute/lora_slots.py): a[s] [R_s, in], b[s]
 // [out, R_s] with the scale folded in, bt[s] = b[s]^T contiguous [R_s, out] (the decode kernel's layout); none: the
 // slot's adapter leaves this projection alone
 struct LoraSlots {

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from allspark_client import settings
 from allspark_client.cpu_features import cpu_flags
 from allspark_server.compute import row_mode, step_binding
-from allspark_server.compute.lora import LoraRows, LoraSlots, lora_add_reference
+from allspark_server.compute.lora_slots import LoraRows, LoraSlots, lora_add_reference
 from allspark_server.compute.reference import (
     ACT_MAX,
     decode_attention_reference,
@@ -170,11 +170,11 @@ def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Ten
 
 
 def lora_add_(y: torch.Tensor, x: torch.Tensor, lora: LoraSlots | None, rows: LoraRows | None) -> torch.Tensor:
-    """y [T, out] += each row's adapter delta B[s] . (A[s] . x) in place (compute/lora.py); nothing when the projection
-    has no adapter or no row uses one. On the host the native decode steps' add_lora (native/lora.cpp), else the
-    reference over `linear`."""
+    """y [T, out] += each row's adapter delta B[s] . (A[s] . x) in place (compute/lora_slots.py); nothing when the
+    projection has no adapter or no row uses one. On the host the native decode steps' add_lora (native/lora.cpp),
+    else the reference over `linear`."""
     if y.is_cuda:
-        return cuda_backend().lora_add_(y, x, lora, rows) if cuda_backend()._uses(lora, rows) else y
+        return cuda_backend().lora_add_(y, x, lora, rows) if cuda_backend().takes_lora(lora, rows) else y
     if lora is None or rows is None or lora.is_empty:
         return y
     ext = native()

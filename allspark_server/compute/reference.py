@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from allspark_server.compute import alibi
-from allspark_server.compute.lora import lora_add_reference
+from allspark_server.compute.lora_slots import lora_add_reference
 from allspark_server.compute.steps import Attention, Mlp
 from allspark_server.quant import kv as kv_quant
 from allspark_server.quant.formats import QuantizedWeight
@@ -207,7 +207,7 @@ def store_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
 
 
 def _lora_linear(x: torch.Tensor, w, bias, lora, lora_rows) -> torch.Tensor:
-    """linear_reference plus each row's LoRA delta (compute/lora.py) where the projection has adapters."""
+    """linear_reference plus each row's LoRA delta (compute/lora_slots.py) where the projection has adapters."""
     y = linear_reference(x, w, bias)
     return y if lora is None or lora_rows is None else lora_add_reference(y, x, lora, lora_rows, linear_reference)
 
@@ -216,7 +216,7 @@ def attention_step_reference(x: torch.Tensor, b, slots: torch.Tensor, spans: tor
                              cos: torch.Tensor | None, sin: torch.Tensor | None, lora_rows=None) -> torch.Tensor:
     """A BoundAttention step (compute/steps.py) on decode rows x [B, H]: q|k|v projection, q/k norms per head,
     rotary (cos/sin [B, 1, D]; None for ALiBi), cache write, decode attention, o projection -> the o projection's
-    output before any allreduce; lora_rows: the rows' LoRA adapters (compute/lora.py LoraRows)."""
+    output before any allreduce; lora_rows: the rows' LoRA adapters (compute/lora_slots.py LoraRows)."""
     a = b.step
     qkv = _lora_linear(x, b.qkv, b.qkv_bias, b.qkv_lora, lora_rows)
     n, d = x.shape[0], qkv.shape[-1] // (b.num_heads + 2 * b.num_kv_heads)

@@ -88,8 +88,8 @@ def descriptor(bound, ext, native_weight: Callable):
 
 
 def native_lora(ext, lora):
-    """A projection's adapters (compute/lora.py LoraSlots) as the native LoraSlots: the same tensors, by slot (made
-    again when they change)."""
+    """A projection's adapters (compute/lora_slots.py LoraSlots) as the native LoraSlots: the same tensors, by slot
+    (made again when they change)."""
     if lora.native is None or lora.native[0] != lora.version:
         d = ext.LoraSlots()
         d.a, d.b = list(lora.a), list(lora.b)

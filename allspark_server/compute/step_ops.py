@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 from allspark_server.compute import ops, step_binding
-from allspark_server.compute.lora import LoraRows
+from allspark_server.compute.lora_slots import LoraRows
 from allspark_server.compute.reference import attention_step_reference, mlp_step_reference
 from allspark_server.compute.steps import Bound, BoundAttention, BoundMlp, BoundMoe, BoundNorm
 

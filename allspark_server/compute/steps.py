@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Optional, Union
 
 import torch
 
-from allspark_server.compute.lora import LoraSlots
+from allspark_server.compute.lora_slots import LoraSlots
 
 ACTIVATIONS = ("silu", "gelu_tanh")     # Mlp.act; the native MlpStep's `activation` is the index
 Weight = Any                            # a dense torch.Tensor or a quant.formats.QuantizedWeight
@@ -117,7 +117,7 @@ class BoundAttention:
     k_norm: Optional[torch.Tensor] = None
     norm_eps: float = 1e-6
     alibi_slopes: Optional[torch.Tensor] = None    # fp32 [num_heads], this rank's heads
-    qkv_lora: Optional[LoraSlots] = None            # the projections' LoRA adapters (compute/lora.py)
+    qkv_lora: Optional[LoraSlots] = None            # the projections' LoRA adapters (compute/lora_slots.py)
     o_lora: Optional[LoraSlots] = None
     native: Any = field(default=None, repr=False)
 

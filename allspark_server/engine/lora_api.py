@@ -1,10 +1,9 @@
 """LoRA adapters, Engine's side (DashInfer's load_lora / unload_lora, and list_loras): a mixin.
 
-Rank 0 keeps, per model, which adapter sits in which slot of the runners (`AdapterTable`); the runners hold the
-tensors (runner/adapters.py). Loading and unloading run on the engine thread between steps, as a collective every
-rank takes part in, so requests of other adapters and of the base model go on around them. Which adapter sits
-in which slot is rank 0's (core/adapter_table.py). A request names its
-adapter with the generation config's `lora_name`; it is resolved to a slot when the request is accepted, and an
+Rank 0 keeps, per model, which adapter sits in which slot of the runners (core/adapter_table.py); the runners hold
+the tensors (runner/adapters.py). Loading and unloading run on the engine thread between steps, as a collective
+every rank takes part in, so requests of other adapters and of the base model go on around them. A request names
+its adapter with the generation config's `lora_name`; it is resolved to a slot when the request is accepted, and an
 adapter that a live request uses cannot be unloaded (ALLSPARK_LORA_IN_USE). Each load gets a new identity in the
 prefix cache's keys, so K/V computed under an adapter are never reused under another (or a reloaded one).
 """
@@ -28,6 +27,13 @@ STATUS_OF = {adapters.MISSING: AsStatus.ALLSPARK_LORA_NOT_FOUND,
 class LoraAPI:
     """Engine's load_lora / unload_lora / list_loras (it provides _lock, _model, _engine, _comm and _fail)."""
 
+    def _served(self, name: str):
+        """The installed model, or AsException with _model's status and reason (not installed, shut down)."""
+        try:
+            return self._model(name)
+        except Exception as e:   # RequestError
+            raise AsException(getattr(e, "status", AsStatus.ALLSPARK_PARAM_ERROR), str(e)) from None
+
     def load_lora(self, name: str, lora_name: str, path: Optional[str] = None) -> AsStatus:
         """Load adapter `lora_name` into model `name`: from `path` (a PEFT folder or an .aslora file) or, as
         DashInfer does, from `<the model file's folder>/<lora_name>.aslora`."""
@@ -36,9 +42,9 @@ class LoraAPI:
                                                              f"got {lora_name!r}, {path!r}")
         with self._lock:
             try:
-                model = self._model(name)
-            except Exception as e:   # RequestError: not installed, or shut down
-                return self._fail(getattr(e, "status", AsStatus.ALLSPARK_PARAM_ERROR), str(e))
+                model = self._served(name)
+            except AsException as e:
+                return self._fail(e.status, str(e))
             table = model.adapters
             where = path or os.path.join(os.path.dirname(os.path.abspath(model.cfg.model_path)), f"{lora_name}.aslora")
             if lora_name in table.loaded:
@@ -47,10 +53,10 @@ class LoraAPI:
             if not os.path.exists(where):
                 return self._fail(AsStatus.ALLSPARK_LORA_NOT_FOUND, f"LoRA adapter {lora_name!r}: no file or folder "
                                                                     f"at {where}")
-            slot = table.free_slot()
             if table.num_slots == 0:
                 return self._fail(AsStatus.ALLSPARK_LORA_NUM_EXCEED_LIMIT_ERROR,
                                   f"model {name!r} takes no LoRA adapters: its lora_max_num is 0")
+            slot = table.free_slot()
             if slot is None:
                 return self._fail(AsStatus.ALLSPARK_LORA_NUM_EXCEED_LIMIT_ERROR,
                                   f"model {name!r} has {len(table.loaded)} LoRA adapters loaded, its lora_max_num "
@@ -71,9 +77,9 @@ class LoraAPI:
         """Unload adapter `lora_name` from model `name`; refused (ALLSPARK_LORA_IN_USE) while a request uses it."""
         with self._lock:
             try:
-                model = self._model(name)
-            except Exception as e:
-                return self._fail(getattr(e, "status", AsStatus.ALLSPARK_PARAM_ERROR), str(e))
+                model = self._served(name)
+            except AsException as e:
+                return self._fail(e.status, str(e))
             adapter = model.adapters.loaded.get(lora_name) if isinstance(lora_name, str) else None
             if adapter is None:
                 return self._fail(AsStatus.ALLSPARK_LORA_NOT_FOUND,
@@ -100,7 +106,4 @@ class LoraAPI:
     def list_loras(self, name: str) -> list[str]:
         """The names of the adapters loaded into model `name`, sorted."""
         with self._lock:
-            try:
-                return sorted(self._model(name).adapters.loaded)
-            except Exception as e:   # RequestError: not installed, or shut down
-                raise AsException(getattr(e, "status", AsStatus.ALLSPARK_PARAM_ERROR), str(e)) from None
+            return sorted(self._served(name).adapters.loaded)

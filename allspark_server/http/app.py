@@ -27,7 +27,7 @@ from allspark_client.types import AsStatus
 from allspark_server.http.admission import Admission
 from allspark_server.http.body import read_json
 from allspark_server.http.chat_template import RENDER_TIMEOUT_S
-from allspark_server.http.lora import loaded_message, lora_error, parse_load, parse_unload, unloaded_message
+from allspark_server.http.lora_requests import loaded_message, lora_error, parse_load, parse_unload, unloaded_message
 from allspark_server.http.metrics import Metrics
 from allspark_server.http.protocol import ApiError, parse_chat, parse_completion
 from allspark_server.http.serving import Serving

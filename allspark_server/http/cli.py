@@ -15,7 +15,7 @@ from typing import Optional
 
 from allspark_client import settings
 from allspark_client.config import MAX_SPECULATIVE_TOKENS
-from allspark_server.http.lora import check_lora_modules, lora_module
+from allspark_server.http.lora_requests import check_lora_modules, lora_module
 from allspark_server.loader.known_models import KNOWN, ModelNotInstalled, resolve
 
 API_KEY_ENV = settings.API_KEY.name

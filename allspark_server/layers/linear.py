@@ -4,8 +4,8 @@ already sliced by the loader. At world size 1 these are plain linears.
 
 A layer's weight is dense (`weight`) or, after `quantize_`, InstantQuant buffers (`qweight`, `scales`,
 `zeros` or, for uint4_min, `mins`; quant/formats.py has the layout); `kernel_weight` is what the ops take either way.
-A layer may carry LoRA adapters (`lora`, compute/lora.py: this rank's A and B by slot); the rows of a step that use
-one gain its delta, a row-parallel layer's before the allreduce (its A is split by input like the weight).
+A layer may carry LoRA adapters (`lora`, compute/lora_slots.py: this rank's A and B by slot); the rows of a step
+that use one gain its delta, a row-parallel layer's before the allreduce (its A is split by input like the weight).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from allspark_server.compute import ops
-from allspark_server.compute.lora import LoraRows, LoraSlots
+from allspark_server.compute.lora_slots import LoraRows, LoraSlots
 from allspark_server.quant.formats import QuantizedWeight, bits, group_count, has_mins, is_asymmetric
 
 

@@ -1,7 +1,7 @@
 """LoRA adapters on one rank: the adapter slots of a model's projections, filled and emptied as rank 0 says.
 
 A model that may load adapters (lora_max_num > 0) gives each projection of its dense layers a LoraSlots
-(compute/lora.py) at install. `apply` runs a LoraMsg on every rank (a collective): the rank reads the adapter from
+(compute/lora_slots.py) at install. `apply` runs a LoraMsg on every rank (a collective): the rank reads the adapter from
 its file (lora/: a PEFT folder or an .aslora file), cuts its own shard of each projection's A and B and puts them in
 the slot; a message without a path empties the slot. The ranks then agree: if one failed, every rank empties the
 slot again and all return the same error, so a pool never serves an adapter some ranks lack.
@@ -11,18 +11,15 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from allspark_server.compute.lora import LoraSlots
+from allspark_server.compute.lora_slots import LoraSlots
 from allspark_server.core.messages import LoraMsg
-from allspark_server.lora.adapter import PROJECTIONS, LoraAdapterError, fused_rank_shard, load_adapter
+from allspark_server.lora.adapter import LoraAdapterError, fused_rank_shard, load_adapter
+from allspark_server.lora.shard import PROJECTION_PARTS
 
 log = logging.getLogger(__name__)
 
 # the reasons a load fails, as rank 0 turns them into statuses (engine/lora_api.py)
 MISSING, TOO_LARGE, BAD = "missing", "rank", "bad"
-
-
-# the parts of each projection (a slot holds one adapter's rank per part, stacked)
-PARTS = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
 
 
 def attach(model, num_slots: int, max_rank: int) -> list[dict]:
@@ -35,8 +32,9 @@ def attach(model, num_slots: int, max_rank: int) -> list[dict]:
         found = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj}
         if hasattr(layer.mlp, "gate_up_proj"):
             found.update(gate_up_proj=layer.mlp.gate_up_proj, down_proj=layer.mlp.down_proj)
-        for name, module in found.items():
-            module.lora = LoraSlots(num_slots, max_rank * PARTS[name])
+        for name, module in found.items():   # a slot holds one adapter's rank per merged part
+            module.lora = LoraSlots(num_slots, max_rank * len(PROJECTION_PARTS[name][1]), module.in_features,
+                                    module.out_features)
         layer._bound_kv = None            # bound steps made before carry no adapters: bind again
         layers.append({name: module.lora for name, module in found.items()})
     return layers
@@ -49,18 +47,12 @@ def _fill(runner, msg: LoraMsg) -> None:
         raise _Refused(TOO_LARGE, f"adapter {adapter.name!r} has rank {adapter.rank}, over lora_max_rank "
                                   f"{runner.cfg.lora_max_rank}")
     for i, slots in enumerate(runner.lora_layers):
-        for name in PROJECTIONS:
-            if name not in slots:
-                continue
+        for name, lora in slots.items():
             pair = fused_rank_shard(adapter, runner.tp, i, name, runner.dtype)
             if pair is None:
-                slots[name].clear(msg.slot)
+                lora.clear(msg.slot)
             else:
-                slots[name].set(msg.slot, pair[0].to(runner.device), pair[1].to(runner.device))
-    targeted = {m.split(".")[-1] for m in adapter.modules}
-    if not runner.has_dense_mlp and targeted & {"gate_proj", "up_proj", "down_proj"}:
-        raise _Refused(BAD, f"adapter {adapter.name!r} targets MLP modules, which a mixture-of-experts model "
-                            f"does not have as such")
+                lora.set(msg.slot, pair[0].to(runner.device), pair[1].to(runner.device))
 
 
 class _Refused(Exception):

@@ -8,7 +8,7 @@ copies and one launch from the host instead of a launch per kernel.
 Padding rows decode token 0 at position 0 into a scratch span that no request owns (the cache holds one
 span more than the span manager hands out), so they can never touch a request's keys and values.
 LoRA: once a model's first adapter is loaded, the ladder is captured again with the adapters' kernels
-(`capture_lora`, over adapter stacks that keep their storage: compute/lora.py), each row reading its adapter slot
+(`capture_lora`, over adapter stacks that keep their storage: compute/lora_slots.py), each row reading its adapter slot
 from one more static row (-1: none); steps with an adapter row replay those, the others the plain graphs.
 Steps with a prefill chunk run eagerly. A step that continues the previous one before the host has seen its
 tokens (a plan with `tokens_on_device`) takes its input ids from the device: one more copy, GPU to GPU.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from allspark_server.compute.cuda.graph_capture import capture_each_size, copies_done_event
-from allspark_server.compute.lora import LoraRows
+from allspark_server.compute.lora_slots import LoraRows
 from allspark_server.compute.row_mode import alone_rows
 from allspark_server.step.inputs import AttentionMetadata, ForwardInputs
 
@@ -70,8 +70,7 @@ class DecodeGraphs:
 
     def _inputs(self, b: int, lora: bool = False) -> ForwardInputs:
         meta = AttentionMetadata(self.slots[:b], [], self.rows[:b], self.spans[:b], self.ctx[:b])
-        # the CUDA kernels read each row's slot (the groups are the host's)
-        lora_rows = LoraRows(self.lora_slots[:b], []) if lora else None
+        lora_rows = LoraRows(self.lora_slots[:b]) if lora else None
         return ForwardInputs(self.ids[:b], self.positions[:b], meta, self.rows[:b], [], lora_rows=lora_rows)
 
     @torch.inference_mode()

@@ -67,7 +67,6 @@ class ModelRunner:
         self.model.to(self.device)   # the buffers that are not loaded (rotary tables)
         self.model.eval()
         # LoRA: each projection's adapter slots, filled by load_lora (runner/adapters.py)
-        self.has_dense_mlp = not args.moe_layers
         self.lora_layers = adapters.attach(self.model, cfg.lora_max_num, cfg.lora_max_rank)
         self.span_size = cfg.cache_span_size
         self.kv_mode = KV_MODE_NAMES[AsCacheMode(cfg.cache_mode)]
@@ -222,11 +221,10 @@ class ModelRunner:
         first = self.graphs.lora_graphs is None
         if first and all(lora.is_empty for slots in self.lora_layers for lora in slots.values()):
             return
-        for layer, slots in zip(self.model.model.layers, self.lora_layers):
-            for name, lora in slots.items():
+        for slots in self.lora_layers:
+            for lora in slots.values():
                 if first:
-                    module = getattr(layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp, name)
-                    lora.fix_storage(module.in_features, module.out_features, self.dtype, self.device)
+                    lora.fix_storage(self.dtype, self.device)
                 lora.stacked()
         if first:
             self.model.profiler = None          # a capture records no op timings

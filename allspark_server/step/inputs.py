@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from allspark_server.compute.device_kind import in_host_memory
-from allspark_server.compute.lora import LoraRows
+from allspark_server.compute.lora_slots import LoraRows
 
 
 @dataclass
@@ -51,7 +51,7 @@ class ForwardInputs:
     sample_rows: torch.Tensor        # [N] long
     sample_request_ids: list[int]
     verifies: bool = False           # a verify chunk is among the rows: every row takes the native GEMV (decoder.py)
-    lora_rows: Optional[LoraRows] = None    # the rows' LoRA adapters (compute/lora.py); None: no row uses one
+    lora_rows: Optional[LoraRows] = None    # the rows' LoRA adapters (compute/lora_slots.py); None: no row uses one
 
     def to(self, device: torch.device) -> "ForwardInputs":
         """The same inputs with every tensor on `device` (a GPU rank's copy): host tensors (all long) packed into

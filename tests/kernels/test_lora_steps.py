@@ -1,4 +1,4 @@
-"""LoRA adapters on the decode steps (compute/lora.py, native/decode_steps.cpp add_lora): rows of several adapters
+"""LoRA adapters on the decode steps (compute/lora_slots.py, native/decode_steps.cpp add_lora): rows of several adapters
 and of the base model in one batch. The native steps equal the Python sequence on the same kernels (ops.linear plus
 ops.lora_add_) bit for bit; the MLP step equals a float64 computation written here; the reference steps agree."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from decode_step_cases import _bound_layer, _decode_layer_case
 
 from allspark_client import settings
 from allspark_server.compute import ops, reference, step_ops
-from allspark_server.compute.lora import LoraRows, LoraSlots
+from allspark_server.compute.lora_slots import LoraRows, LoraSlots
 
 pytestmark = pytest.mark.skipif(settings.NO_NATIVE.get(), reason="native path disabled")
 NUM_SLOTS = 3
@@ -17,7 +17,7 @@ NUM_SLOTS = 3
 
 def _slots(g, dtype, out: int, inp: int, ranks: dict[int, int]) -> LoraSlots:
     """Adapters in some slots (rank per slot); the others empty."""
-    lora = LoraSlots(NUM_SLOTS, max(ranks.values(), default=1))
+    lora = LoraSlots(NUM_SLOTS, max(ranks.values(), default=1), inp, out)
     for slot, r in ranks.items():
         lora.set(slot, (torch.randn(r, inp, generator=g) * 0.3).to(dtype), (torch.randn(out, r, generator=g) * 0.3)
                  .to(dtype))
@@ -84,7 +84,7 @@ def test_mlp_step_with_adapters_against_float64():
 
 
 def test_lora_slots_refuse_pairs_that_do_not_chain():
-    lora = LoraSlots(2, 4)
+    lora = LoraSlots(2, 4, 3, 4)
     with pytest.raises(ValueError, match="do not chain"):
         lora.set(0, torch.zeros(4, 8), torch.zeros(8, 5))
     lora.set(1, torch.ones(2, 3), torch.ones(4, 2))

@@ -14,7 +14,7 @@ from http_helpers import API_KEY
 from test_lora_client import PROMPT, TOKENS, make_peft_adapter, needs_engine_lora
 
 from allspark_client import AsStatus, GeneratedElements, GenerateRequestStatus, ResultQueue
-from allspark_server.http.lora import check_lora_modules, lora_module
+from allspark_server.http.lora_requests import check_lora_modules, lora_module
 
 BASE = "base"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

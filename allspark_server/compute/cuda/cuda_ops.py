@@ -91,7 +91,7 @@ def lora_add_(y, x, lora, rows):
     return y
 
 
-def _uses(lora, lora_rows) -> bool:
+def takes_lora(lora, lora_rows) -> bool:
     """The projection's adapters take part: rows use adapters, and this projection has some (or, in fixed storage,
     may have some by the time a graph captured now replays)."""
     return lora is not None and lora_rows is not None and (lora.has_fixed_storage or not lora.is_empty)
@@ -99,7 +99,7 @@ def _uses(lora, lora_rows) -> bool:
 
 def _lora_linear(x, w, bias, lora, lora_rows):
     y = linear(x, w, bias)
-    return lora_add_(y, x, lora, lora_rows) if _uses(lora, lora_rows) else y
+    return lora_add_(y, x, lora, lora_rows) if takes_lora(lora, lora_rows) else y
 
 
 def attention_step(x, b, slots, spans, ctx, cos, sin, lora_rows=None):
@@ -165,7 +165,7 @@ def gate_up_silu_mul(h: torch.Tensor, gate_up: "torch.Tensor | QuantizedWeight",
 def mlp_step(x, b, lora_rows=None):
     """A BoundMlp step: silu's gate|up GEMV may take the activation as its epilogue (not where an adapter adds to
     gate|up first); the down projection's output before the allreduce."""
-    if _uses(b.gate_up_lora, lora_rows):
+    if takes_lora(b.gate_up_lora, lora_rows):
         a = (silu_mul if b.step.act == "silu" else gelu_tanh_mul)(
             _lora_linear(x, b.gate_up, b.gate_up_bias, b.gate_up_lora, lora_rows))
     elif b.step.act == "silu":

@@ -24,10 +24,10 @@ class LoraSlots:
     slots (the native descriptors, the stacked copies a GPU kernel reads) is rebuilt when it moves. `max_rank`: the
     largest rank a slot may hold (lora_max_rank times the merged parts), the width of fixed stacks."""
 
-    def __init__(self, num_slots: int, max_rank: int):
+    def __init__(self, num_slots: int, max_rank: int, in_features: int, out_features: int):
         self.a: list[Optional[torch.Tensor]] = [None] * num_slots     # [R_s, in_local]
         self.b: list[Optional[torch.Tensor]] = [None] * num_slots     # [out_local, R_s], the scale folded in
-        self.max_rank = max_rank
+        self.max_rank, self.in_features, self.out_features = max_rank, in_features, out_features
         self.version = 0
         self._stacked: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None
         self._fixed = False     # the stacks keep their storage (CUDA graphs read them): refilled in place
@@ -68,12 +68,12 @@ class LoraSlots:
             self._stacked = (self.version, a_stack, b_stack)
         return self._stacked[1], self._stacked[2]
 
-    def fix_storage(self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device) -> None:
+    def fix_storage(self, dtype: torch.dtype, device: torch.device) -> None:
         """From now on the stacks keep their storage, max_rank wide (zero where no adapter is): CUDA graphs captured
         over them read what `stacked()` refills (call it after each change, before the next replay)."""
         n = len(self.a)
-        self._stacked = (-1, torch.zeros(n, self.max_rank, in_features, dtype=dtype, device=device),
-                         torch.zeros(n, out_features, self.max_rank, dtype=dtype, device=device))
+        self._stacked = (-1, torch.zeros(n, self.max_rank, self.in_features, dtype=dtype, device=device),
+                         torch.zeros(n, self.out_features, self.max_rank, dtype=dtype, device=device))
         self._fixed = True
         self.stacked()
 
@@ -84,33 +84,33 @@ class LoraSlots:
 
 @dataclass
 class LoraRows:
-    """A step's rows by adapter: `slots` [T] long (-1: the base model) and, per slot used, its rows
-    (None: every row of the step)."""
+    """A step's rows by adapter: `slots` [T] long, each row's slot (-1: the base model)."""
     slots: torch.Tensor
-    groups: list[tuple[int, Optional[torch.Tensor]]]
     # a GPU's grouping of the rows by slot (lora_kernels.group_rows), made by the step's first projection
     device_groups: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @classmethod
     def of(cls, row_slots: list[int]) -> Optional["LoraRows"]:
         """From each row's slot; None when no row uses an adapter (the step runs as without LoRA)."""
-        used = sorted({s for s in row_slots if s >= 0})
-        if not used:
+        if all(s < 0 for s in row_slots):
             return None
-        if len(used) == 1 and all(s == used[0] for s in row_slots):
-            groups = [(used[0], None)]
-        else:
-            groups = [(s, torch.tensor([i for i, r in enumerate(row_slots) if r == s], dtype=torch.long))
-                      for s in used]
-        return cls(torch.tensor(row_slots, dtype=torch.long), groups)
+        return cls(torch.tensor(row_slots, dtype=torch.long))
 
     def to(self, device: torch.device) -> "LoraRows":
-        return LoraRows(self.slots.to(device), [(s, None if i is None else i.to(device)) for s, i in self.groups])
+        return LoraRows(self.slots.to(device))
+
+
+def _groups(slots: torch.Tensor) -> list[tuple[int, Optional[torch.Tensor]]]:
+    """(slot, its rows; None: every row) for each slot the rows use, ascending."""
+    used = sorted({s for s in slots.tolist() if s >= 0})
+    if len(used) == 1 and bool((slots == used[0]).all()):
+        return [(used[0], None)]
+    return [(s, (slots == s).nonzero().flatten().cpu()) for s in used]
 
 
 def lora_add_reference(y: torch.Tensor, x: torch.Tensor, lora: LoraSlots, rows: LoraRows, linear) -> torch.Tensor:
     """y [T, out] += each row's B[s] . (A[s] . x) through `linear` (the backend's x . w^T), in place; returns y."""
-    for slot, idx in rows.groups:
+    for slot, idx in _groups(rows.slots):
         a, b = lora.a[slot], lora.b[slot]
         if a is None:           # this adapter leaves the projection alone
             continue
