@@ -116,13 +116,26 @@ class Serving:
             return tok(req.prompt)["input_ids"] if isinstance(req.prompt, str) else req.prompt
         return tok(text, add_special_tokens=False)["input_ids"]
 
-    async def handle(self, request: Request, req: ApiRequest) -> Response:
-        arrival = time.perf_counter()
-        loop = asyncio.get_running_loop()
+    async def prompt_ids(self, req: ApiRequest) -> list[int]:
+        """The prompt's token ids: a chat rendered by the chat template and tokenized, or the completion's prompt."""
         b = self.backend
         check_prompt_chars(req, b.engine_max_length, self.chars_per_token)
         text = await self._render(req) if req.kind == "chat" else None
-        ids = await loop.run_in_executor(b.executor, self._prompt_ids, req, text)
+        return await asyncio.get_running_loop().run_in_executor(b.executor, self._prompt_ids, req, text)
+
+    async def handle(self, request: Request, req: ApiRequest) -> Response:
+        run = await self.start(req)
+        if req.stream:
+            return SSEResponse(run.sse(), on_close=run.close)
+        return await run.respond(request)
+
+    async def start(self, req: ApiRequest) -> "_Run":
+        """The request tokenized, admitted and started on the engine: its output side (read `pieces()` or `collect()`
+        and `close()` it, or hand `sse()` to an SSEResponse)."""
+        arrival = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        b = self.backend
+        ids = await self.prompt_ids(req)
         budget = max_new_tokens(req, len(ids), b.engine_max_length)
         gen = generation_config(req, len(ids), budget, b.gen_defaults)
         try:
@@ -142,10 +155,7 @@ class Serving:
             slot.release()
             raise error_from_engine(status, error, req.kind)
         self.metrics.prompt_tokens.inc(len(ids))
-        run = _Run(self, req, ids, budget, Generation(b, handle, queue, self.reader), slot, arrival)
-        if req.stream:
-            return SSEResponse(run.sse(), on_close=run.close)
-        return await run.respond(request)
+        return _Run(self, req, ids, budget, Generation(b, handle, queue, self.reader), slot, arrival)
 
 
 class _Run:
@@ -227,7 +237,9 @@ class _Run:
         finally:
             self.close()
 
-    async def respond(self, request: Request) -> Response:
+    async def collect(self, request: Request) -> tuple[str, list[TokenLogprob]]:
+        """The whole output (text, logprobs), read while watching that the client is still there; closes the run.
+        Raises the generation's error; `finish_reason` "abort": the client left."""
         watchdog = asyncio.get_running_loop().create_task(self._watch_client(request))
         try:
             texts, tokens = [], []
@@ -239,9 +251,13 @@ class _Run:
             self.close()
         if self.error is not None:
             raise self.error
+        return "".join(texts), tokens
+
+    async def respond(self, request: Request) -> Response:
+        text, tokens = await self.collect(request)
         if self.finish_reason == "abort":
             return Response(status_code=499)       # nobody is listening
-        body = self.out.full("".join(texts), self.finish_reason, tokens if self.req.logprobs else None,
+        body = self.out.full(text, self.finish_reason, tokens if self.req.logprobs else None,
                              self.prompt_tokens, self.n_tokens)
         return JSONResponse(body)
 
