@@ -11,9 +11,11 @@ from typing import Any, Optional
 
 from allspark_client.response_format import ResponseFormat, parse_response_format
 from allspark_client.types import AsStatus
-from allspark_client.validation import ConfigError, _check, _float, _int, _token_list
+from allspark_client.validation import ConfigError, _check, _float, _int, _is_int, _token_list
 
 MAX_TOP_LOGPROBS = 10
+MAX_LOGIT_BIAS = 300       # logit_bias entries a request may carry (OpenAI's limit)
+LOGIT_BIAS_RANGE = 100.0   # each bias in [-100, 100]
 INT64_MAX = 2**63 - 1   # integers travel as int64 to a pool
 
 
@@ -38,6 +40,13 @@ class GenerationConfig:
     response_format: Optional[ResponseFormat] = None   # None: plain text; otherwise guided output
     speculative: bool = True                # False: no speculative decoding for this request (the model's config)
     lora_name: Optional[str] = None         # the LoRA adapter the request runs with; None: the base model
+    # vLLM's: None off; k >= 0: each prompt token's logprob (position 0 has none) and the top k at each position
+    prompt_logprobs: Optional[int] = None
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit), ids ascending
+
+    def __post_init__(self):
+        if isinstance(self.logit_bias, dict):   # built directly with a dict: the same pairs, by id
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
 
     @property
     def is_greedy(self) -> bool:
@@ -119,6 +128,8 @@ def parse_generation_config(raw: Optional[dict], vocab_size: Optional[int] = Non
         out["logprobs"] = kw["logprobs"]
     if "top_logprobs" in kw:
         out["top_logprobs"] = _int("top_logprobs", kw["top_logprobs"], lo=0, hi=MAX_TOP_LOGPROBS)
+    if "prompt_logprobs" in kw and kw["prompt_logprobs"] is not None:
+        out["prompt_logprobs"] = _int("prompt_logprobs", kw["prompt_logprobs"], lo=0, hi=MAX_TOP_LOGPROBS)
     if "do_sample" in kw:
         _check(isinstance(kw["do_sample"], bool), f"do_sample must be a bool, got {kw['do_sample']!r}")
         out["do_sample"] = kw["do_sample"]
@@ -131,11 +142,34 @@ def parse_generation_config(raw: Optional[dict], vocab_size: Optional[int] = Non
                f"\"\" or None: the base model), got {type(name).__name__} {name!r:.80}")
         if name:      # "" and None both mean the base model
             out["lora_name"] = name
+    if "logit_bias" in kw:
+        out["logit_bias"] = _logit_bias(kw["logit_bias"], vocab_size)
     if "response_format" in kw:
         out["response_format"] = parse_response_format(kw["response_format"])
         _check(out["response_format"] is None or not out.get("min_length"),
                "min_length cannot be combined with response_format: the grammar decides where the output ends")
     return GenerationConfig(**out)
+
+
+def _logit_bias(raw: Any, vocab_size: Optional[int]) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} (or (id, bias) pairs) -> (id, bias) pairs by id: at most MAX_LOGIT_BIAS ids of the
+    vocabulary, each bias a number in [-100, 100]; None or {} -> ()."""
+    if raw is None:
+        return ()
+    if isinstance(raw, dict):
+        pairs = list(raw.items())
+    else:
+        _check(isinstance(raw, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in raw),
+               f"logit_bias must be a dict of token id -> bias, got {type(raw).__name__} {raw!r:.80}")
+        pairs = [tuple(p) for p in raw]
+    _check(len(pairs) <= MAX_LOGIT_BIAS, f"logit_bias may hold at most {MAX_LOGIT_BIAS} token ids, got {len(pairs)}")
+    out = {}
+    for t, b in pairs:
+        _check(_is_int(t) and 0 <= int(t) < (vocab_size or 2**63),
+               f"logit_bias keys must be token ids in [0, {vocab_size or '2^63'}), got {t!r}")
+        _check(int(t) not in out, f"logit_bias names token id {int(t)} twice")
+        out[int(t)] = _float(f"logit_bias[{int(t)}]", b, lo=-LOGIT_BIAS_RANGE, hi=LOGIT_BIAS_RANGE)
+    return tuple(sorted(out.items()))
 
 
 def parse_input_ids(raw: Any, vocab_size: Optional[int] = None) -> list[int]:

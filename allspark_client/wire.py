@@ -55,6 +55,8 @@ def generation_config_to_proto(raw: dict, gen: GenerationConfig) -> pb.Generatio
         msg.response_format_json = gen.response_format.to_json()
     if gen.lora_name:
         msg.lora_name = gen.lora_name
+    for t, b in gen.logit_bias:
+        msg.logit_bias[t] = b
     return msg
 
 
@@ -71,6 +73,8 @@ def generation_config_from_proto(msg: pb.GenerationConfig) -> dict:
             out["response_format"] = msg.response_format_json   # rejected there, naming response_format
     if msg.lora_name:
         out["lora_name"] = msg.lora_name
+    if msg.logit_bias:
+        out["logit_bias"] = dict(msg.logit_bias)
     return out
 
 

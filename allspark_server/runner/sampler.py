@@ -1,12 +1,12 @@
 """Sampler (rank 0 only): turns the logits rows of a step into their next tokens, on the host or a GPU alike.
 
 Order, per row: the guided-output mask of requests with a response_format (disallowed tokens -inf; their
-logprobs are those of the constrained distribution), raw logprobs (for the `logprobs` output), repetition penalty
-over prompt + output, presence and frequency penalties over the output, min_length (EOS masked), then greedy argmax
-or temperature -> top_k -> top_p -> a draw. The chain runs on all of a step's rows together, on the logits'
-device: the penalties from one flat index of the rows' token ids, top_k and top_p from one sort, and only the token
-ids and the requested logprobs leave the device, in one transfer. Rows never mix, so a request's tokens do not
-depend on the rest of its batch.
+logprobs are those of the constrained distribution), the request's logit_bias (added: the logprobs include it),
+raw logprobs (for the `logprobs` output), repetition penalty over prompt + output, presence and frequency
+penalties over the output, min_length (EOS masked), then greedy argmax or temperature -> top_k -> top_p -> a draw.
+The chain runs on all of a step's rows together, on the logits' device: the penalties from one flat index of the
+rows' token ids, top_k and top_p from one sort, and only the token ids and the requested logprobs leave the device,
+in one transfer. Rows never mix, so a request's tokens do not depend on the rest of its batch.
 
 The device is chosen once per model, `Sampler(device_kind)`, and with it the little that differs (its kind's
 `samples_on_host`, compute/device_kind.py): the draw (draws.py: on the host torch.multinomial with each request's
@@ -27,6 +27,7 @@ from allspark_server.compute.device_choice import device_kind_of
 from allspark_server.compute.device_kind import DeviceKind
 from allspark_server.runner.draws import Draw, gumbel_draws, multinomial_draws
 from allspark_server.runner.guided import apply_masks
+from allspark_server.runner.logit_bias import apply_logit_bias
 from allspark_server.runner.sample_types import PendingSample, Row, SampleResult, SamplingState, suppresses_eos
 
 __all__ = ["PendingSample", "SampleResult", "Sampler", "SamplingState", "apply_penalties_rows", "argmax",
@@ -131,10 +132,12 @@ class Sampler:
                    guided_masks: Optional[tuple[list[int], object]] = None) -> PendingSample:
         """A batch of plain greedy rows (no penalties, logprobs or masked EOS) takes one argmax; any other row sends
         the whole batch through the chain. `guided_masks` = (row indices, their llguidance bitmask, an int32 numpy
-        array): applied to `logits` in place first. `logits` are not changed otherwise."""
+        array): applied to `logits` in place first, then the rows' logit_bias (logit_bias.py). `logits` are not
+        changed otherwise."""
         if guided_masks is not None:
             with torch.inference_mode():   # the runner's logits are inference tensors
                 apply_masks(logits, *guided_masks)
+        apply_logit_bias(logits, rows)     # in place too: every later stage (logprobs included) sees the bias
         if all(plain_greedy(state.gen, len(all_ids)) for state, all_ids, _ in rows):
             return self._greedy(logits)
         return self._chain(logits, rows)

@@ -60,7 +60,9 @@ def llama_pair(tiny_models, tmp_path_factory):
     {"min_length": 90, "eos_token_id": [7, 9, 11, 13, 15, 17, 19, 21, 23, 25]},
     {"logprobs": True, "top_logprobs": 3},
     {"max_new_tokens": 9},
-], ids=["penalties", "min_length", "logprobs", "max_new_tokens"])
+    # bans tokens the prompts repeat (what prompt lookup proposes), so verify rows must see the bias
+    {"logit_bias": {t: -100 for t in repeating_prompts(2, seed=3)[0][4:12]} | {7: 4.0}},
+], ids=["penalties", "min_length", "logprobs", "max_new_tokens", "logit_bias"])
 def test_generation_options_behave_as_without_speculation(gen, llama_pair):
     base, spec = llama_pair
     gen = {**GREEDY, "max_new_tokens": 60, **gen}
