@@ -15,6 +15,14 @@ from allspark_client.types import AsStatus, RequestHandle
 
 log = logging.getLogger("allspark")
 StartResult = tuple[AsStatus, Optional[RequestHandle], Optional[ResultQueue]]
+MAX_CHOICES = 128                 # OpenAI's bound on `n`
+_GOLDEN = 0x9E3779B97F4A7C15      # 2^64 / golden ratio: seeds of neighbouring choices land far apart
+_M64 = 2**64 - 1
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded with `seed` (start_choices); choice 0 keeps `seed`."""
+    return (seed + index * _GOLDEN) & _M64
 
 
 class EngineAPI(DashInferCompat):
@@ -51,6 +59,35 @@ class EngineAPI(DashInferCompat):
     def __exit__(self, *exc):
         self.close()
 
+    def start_choices(self, name: str, inputs, generate_config=None, n: int = 1
+                      ) -> tuple[AsStatus, list[tuple[RequestHandle, ResultQueue]]]:
+        """`n` requests of one prompt (OpenAI's and vLLM's `n`): (status, [(handle, queue)] of each choice).
+
+        Each choice is an ordinary request (stop, release and read it as any other). With a `seed`, choice i draws
+        with `choice_seed(seed, i)` (choice 0 with `seed` itself), so the set is reproducible and the choices
+        differ; without one each draws its own. With the prefix cache on (the default) the prompt's full spans are
+        computed once: the other choices wait for them and take them from the cache (docs/api.md, "n choices").
+        All or nothing: if one fails to start, those started are released and (its status, []) returned."""
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+            message = f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}"
+            return self._fail(AsStatus.ALLSPARK_PARAM_ERROR, message), []
+        raw = generate_config.build() if hasattr(generate_config, "build") else generate_config
+        if raw is not None and not isinstance(raw, dict):
+            return self._fail(AsStatus.ALLSPARK_PARAM_ERROR,
+                              f"generate_config must be a dict or a builder, got {type(raw).__name__}"), []
+        raw = dict(raw or {})
+        started: list[tuple[RequestHandle, ResultQueue]] = []
+        for i in range(n):
+            config = raw if i == 0 or raw.get("seed") is None else {**raw, "seed": choice_seed(raw["seed"], i)}
+            status, handle, queue = self.start_request(name, inputs, config)
+            if status != AsStatus.ALLSPARK_SUCCESS:
+                message = self.get_last_error()
+                for h, _ in started:
+                    self.release_request(name, h)
+                return self._fail(status, message), []
+            started.append((handle, queue))
+        return AsStatus.ALLSPARK_SUCCESS, started
+
     def start_request_ids(self, name: str, model, input_ids, generate_config=None) -> StartResult:
         return self.start_request(name, {"input_ids": input_ids}, generate_config)
 
@@ -73,6 +110,7 @@ class EngineProtocol(Protocol):
     def release_model(self, name: str) -> AsStatus: ...
     def start_request(self, name: str, inputs, generate_config=None) -> StartResult: ...
     def start_request_ids(self, name: str, model, input_ids, generate_config=None) -> StartResult: ...
+    def start_choices(self, name: str, inputs, generate_config=None, n: int = 1): ...
     def start_request_text(self, name: str, model, text: str, generate_config=None) -> StartResult: ...
     def stop_request(self, name: str, handle: RequestHandle) -> AsStatus: ...
     def release_request(self, name: str, handle: RequestHandle) -> AsStatus: ...

@@ -14,10 +14,12 @@ from contract_helpers import (
     HANG_S,
     NAME,
     OK,
+    PARAM,
     PROMPTS,
     SAMPLING,
     VOCAB,
     S,
+    assert_serves,
     in_process_reference,
     run,
 )
@@ -131,6 +133,39 @@ def test_seed_reproducible(api, request):
     assert a == in_process_reference(request, prompt, dict(SAMPLING, seed=1))
 
 
+def _choices(engine, prompt, gen, n):
+    status, started = engine.start_choices(NAME, {"input_ids": prompt}, gen, n)
+    assert status == OK and len(started) == n, engine.get_last_error()
+    try:
+        return [collect(q, HANG_S)[0] for _, q in started]
+    finally:
+        for handle, _ in started:
+            assert engine.release_request(NAME, handle) == OK
+
+
+def test_choices_compute_the_prompt_once_and_draw_their_own_seeds(api, request):
+    engine, _, hf = api
+    # 70 tokens: 64 of them in full spans at every span size below 128, so the count below does not depend on it
+    prompt = random_prompt(70, seed=7202)
+    before = engine.get_as_engine_stat(NAME)
+    outs = _choices(engine, prompt, dict(GREEDY, max_new_tokens=12), 3)
+    after = engine.get_as_engine_stat(NAME)
+    assert outs == [hf_ref(hf, prompt, 12)] * 3
+    # the first choice computes all 70 tokens; the others take its 64 from the cache and compute the last 6
+    assert after.prefix_cache_hit_token - before.prefix_cache_hit_token == 2 * 64
+    assert after.prefix_cache_miss_token - before.prefix_cache_miss_token == 70 + 2 * 6
+    seeded = _choices(engine, prompt[:12], dict(SAMPLING, seed=11), 3)
+    assert seeded == _choices(engine, prompt[:12], dict(SAMPLING, seed=11), 3)     # reproducible as a set
+    assert len({tuple(t) for t in seeded}) == 3                                   # each choice its own draws
+    assert seeded[0] == in_process_reference(request, prompt[:12], dict(SAMPLING, seed=11))   # choice 0: the seed
+    for bad in (0, -1, 129, 2.0, True):
+        status, started = engine.start_choices(NAME, {"input_ids": prompt}, GREEDY, bad)
+        assert status == PARAM and started == [] and "n must be" in engine.get_last_error()
+    status, started = engine.start_choices(NAME, {"input_ids": [VOCAB + 5]}, GREEDY, 2)   # nothing left started
+    assert status == PARAM and started == []
+    assert_serves(engine, hf)
+
+
 EOS_HALF = list(range(0, VOCAB, 2))        # every even token ends the request (unless min_length forbids it)
 
 
@@ -193,6 +228,31 @@ def test_greedy_presence_frequency_match_hf_loop(api):
     tokens = run(engine, prompt, {"do_sample": False, "presence_penalty": 0.5, "frequency_penalty": 0.3,
                                   "max_new_tokens": 24, "eos_token_id": []})[0]
     assert tokens == ref
+
+
+def test_logit_bias_matches_hf_loop_and_bans(api, request):
+    """Greedy with a bias: transformers' greedy loop over logits + bias; seeded sampling with -100 on the tokens an
+    unbiased run drew: none of them again, and the pool draws what the Engine draws; +100 forces its token."""
+    engine, _, hf = api
+    prompt = random_prompt(10, seed=47)
+    plain = hf_ref(hf, prompt, 16)
+    bias = {plain[0]: -100.0, plain[3]: 2.0, 77: 1.5}
+
+    def biased(ids, out, lg):
+        lg = lg.clone()
+        for tok, b in bias.items():
+            lg[tok] += b
+        return lg
+
+    ref = hf_loop(hf, prompt, 16, biased)
+    assert ref != plain
+    assert run(engine, prompt, dict(GREEDY, max_new_tokens=16, logit_bias=bias))[0] == ref
+    drawn = run(engine, prompt, dict(SAMPLING, seed=13))[0]
+    gen = dict(SAMPLING, seed=13, logit_bias={t: -100 for t in drawn})
+    ours = run(engine, prompt, gen)[0]
+    assert len(ours) == len(drawn) and not set(ours) & set(drawn)
+    assert ours == in_process_reference(request, prompt, gen)
+    assert run(engine, prompt, dict(SAMPLING, seed=13, logit_bias={321: 100}))[0] == [321] * len(drawn)
 
 
 def test_min_length_matches_hf_loop(api):
