@@ -87,17 +87,24 @@ class GeneratedElements:
 
     log_probs_list[i] holds the top_logprobs (token_id, logprob) pairs of the i-th new token;
     token_logprobs_list[i] the logprob of the token actually chosen.
+    With the generation config's `prompt_logprobs`, the first elements of a request carry the prompt's, once:
+    prompt_logprobs[i] = log P(prompt[i] | prompt[:i]) (None at position 0), prompt_top_logprobs[i] the top
+    (token_id, logprob) pairs of position i's distribution ([] at position 0); both None otherwise.
     """
     ids_from_generate: list[int] = field(default_factory=list)
     log_probs_list: list[list[tuple[int, float]]] = field(default_factory=list)
     token_logprobs_list: list[float] = field(default_factory=list)
     prefix_cache_len: int = 0
+    prompt_logprobs: Optional[list[Optional[float]]] = None
+    prompt_top_logprobs: Optional[list[list[tuple[int, float]]]] = None
 
     def extend(self, other: "GeneratedElements") -> None:
         self.ids_from_generate.extend(other.ids_from_generate)
         self.log_probs_list.extend(other.log_probs_list)
         self.token_logprobs_list.extend(other.token_logprobs_list)
         self.prefix_cache_len = max(self.prefix_cache_len, other.prefix_cache_len)
+        if other.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_top_logprobs = other.prompt_logprobs, other.prompt_top_logprobs
 
 
 @dataclass

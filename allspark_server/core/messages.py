@@ -41,6 +41,8 @@ class ScheduledChunk:
     # speculative decoding: the tokens proposed after the last known one. The chunk is a verify step: the last
     # known token and these (num_tokens = 1 + len(draft_ids)), each a decode row over its own context, each sampled
     draft_ids: tuple[int, ...] = ()
+    prompt_rows: bool = False         # also the logits of its rows before the last prompt token (prompt_logprobs)
+    hidden_rows: bool = False         # an embedding chunk: its rows' final-norm hidden states, no logits
 
 
 @dataclass(frozen=True)

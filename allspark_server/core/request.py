@@ -52,6 +52,9 @@ class Request:
     num_rolled_back: int = 0             # rejected proposals' positions the runners still count as computed
     lora_slot: int = -1                  # the LoRA adapter's slot in the runners (-1: the base model)
     adapter_key: str = ""                # the adapter's identity in prefix-cache keys ("": the base model)
+    # the logits of every prompt row are wanted (prompt_logprobs) until the prompt is computed: no prefix-cache hit
+    prompt_logprobs_pending: bool = False
+    embedding: bool = False              # an embedding request: its rows' hidden states, nothing sampled
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -17,6 +17,10 @@ of cached full spans of its tokens (a hit: those tokens count as computed), and 
 completely is offered to the cache. A recomputation after preemption hits the spans it left behind. A request
 whose next uncached span is being computed right now by a running request (eight chats arriving together with
 one system prompt) waits for it instead of computing the same prefix again.
+
+A request that wants rows besides the sampled one (prompt logprobs until its prompt is computed, an embedding
+request) takes no cached prefix: its chunks are marked (`prompt_rows`, `hidden_rows`) and every row is computed. An
+embedding request samples nothing and finishes once its input is computed.
 """
 from __future__ import annotations
 
@@ -103,7 +107,8 @@ class Scheduler:
             if req.state != RequestState.RUNNING:
                 continue                       # preempted earlier in this loop
             todo = req.num_tokens - req.num_computed_tokens
-            draft = drafts.get(req.request_id, ()) if todo == 1 else ()   # only a decode verifies a proposal
+            # only a decode verifies a proposal (not a prompt's last token whose rows are wanted)
+            draft = drafts.get(req.request_id, ()) if todo == 1 and not _wants_rows(req) else ()
             n = min(todo + len(draft), budget)
             if not self._reserve(req, n, scheduled):
                 if req.is_finished:
@@ -185,7 +190,7 @@ class Scheduler:
         """Give a waiting request (no spans yet) the longest cached run of its full spans, leaving at least one
         token to compute (the step that samples needs its logits). False: its next span is being computed by a
         running request, so it should wait."""
-        if self.cache is None:
+        if self.cache is None or _wants_rows(req):   # every row is computed (what it computes is still offered)
             return True
         full = (req.num_tokens - 1) // self.spans.span_size
         keys = self.cache.keys(req.all_token_ids, full, req.prefix_keys, req.adapter_key)[:full]
@@ -292,8 +297,9 @@ class Scheduler:
             req.num_synced_tokens = req.num_tokens
             req.num_synced_spans = len(req.span_ids)
             req.num_rolled_back = 0
-            out.append(ScheduledChunk(req.request_id, n, req.num_computed_tokens + n - len(draft) == req.num_tokens,
-                                      draft))
+            out.append(ScheduledChunk(req.request_id, n,
+                                      not req.embedding and req.num_computed_tokens + n - len(draft) == req.num_tokens,
+                                      draft, prompt_rows=req.prompt_logprobs_pending, hidden_rows=req.embedding))
         self._step_id += 1
         dropped, self._dropped = tuple(self._dropped), []
         saves, loads = self.cache.take_copies() if self.cache is not None else ((), ())
@@ -314,8 +320,13 @@ class Scheduler:
             req.num_computed_tokens += chunk.num_tokens - len(chunk.draft_ids)
             if prefilling:
                 self.stats.num_prefill_tokens += min(chunk.num_tokens, req.num_prompt_tokens)
+            if req.num_computed_tokens >= req.num_prompt_tokens:
+                req.prompt_logprobs_pending = False      # every prompt row's logits were computed
             if not chunk.needs_sample:
                 self._offer_full_spans(req)
+                if req.embedding and req.num_computed_tokens == req.num_tokens:   # its last rows are out
+                    self.finish(req, FinishReason.EOS)
+                    events.append((req, [], FinishReason.EOS))
                 continue
             appended, reason = [], None
             for token in sampled[chunk.request_id]:
@@ -337,3 +348,9 @@ class Scheduler:
     def iter_requests(self) -> Iterable[Request]:
         yield from self.running
         yield from self.waiting
+
+
+def _wants_rows(req: Request) -> bool:
+    """Rows besides the sampled one are wanted from every position (prompt_logprobs, embeddings): no prefix-cache
+    hit can stand in for them, and no proposal is verified in their place."""
+    return req.prompt_logprobs_pending or req.embedding

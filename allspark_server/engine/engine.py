@@ -27,6 +27,7 @@ from allspark_client.validation import ConfigError
 from allspark_server.collective.comm import get_comm
 from allspark_server.core.messages import InstallModelMsg, OpProfileMsg, ReleaseModelMsg
 from allspark_server.core.request import Request
+from allspark_server.engine.embed_api import EmbedAPI
 from allspark_server.engine.lora_api import LoraAPI
 from allspark_server.engine.peer_watch import PeerWatch, RankIdentity, exit_now
 from allspark_server.engine.served_model import AddRequest, ServedModel, StopRequest
@@ -56,7 +57,8 @@ HANG_GRACE_S = 1.0      # a pool going down: time for the streams' errors to rea
 SHUT_DOWN = "the engine is shut down: shutdown() or close() was called"
 
 
-class Engine(DeviceMemory, LoraAPI, EngineAPI):
+class Engine(DeviceMemory, LoraAPI, EmbedAPI, EngineAPI):
+    _live_request = _LiveRequest     # EmbedAPI's record of a request
     def __init__(self, comm=None, step_timeout: Optional[float] = None,
                  ranks: Optional[list[Optional[RankIdentity]]] = None):
         """`step_timeout`: in a pool, seconds a step may take before the pool is declared hung (None: 10 s
@@ -237,7 +239,8 @@ class Engine(DeviceMemory, LoraAPI, EngineAPI):
         rid = next(self._ids)
         handle = RequestHandle(name, rid)
         queue = ResultQueue(context_length=len(ids))
-        req = Request(rid, ids, max_length, gen.eos_token_ids, gen.stop_words_ids, gen.min_length, sampling=gen)
+        req = Request(rid, ids, max_length, gen.eos_token_ids, gen.stop_words_ids, gen.min_length, sampling=gen,
+                      prompt_logprobs_pending=gen.prompt_logprobs is not None)
         with self._lock:   # stop_model holds this lock too: a request never lands in a stopped model
             self._model(name)                  # shut down meanwhile: INVALID_CALL_ERROR
             if self._models.get(name) is not model or not model.started:
@@ -251,7 +254,8 @@ class Engine(DeviceMemory, LoraAPI, EngineAPI):
             if adapter is not None:
                 req.lora_slot, req.adapter_key = adapter.slot, adapter.key
             self._requests[name][rid] = _LiveRequest(handle, queue)
-            self._engine.post(ForModel(name, AddRequest(req, queue, sampling)))
+            self._engine.post(ForModel(name, AddRequest(req, queue, sampling,
+                                                        prompt_rows={} if req.prompt_logprobs_pending else None)))
         return AsStatus.ALLSPARK_SUCCESS, handle, queue
 
     def _live(self, name: str, handle) -> _LiveRequest:

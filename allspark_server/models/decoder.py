@@ -280,11 +280,14 @@ class DecoderForCausalLM(nn.Module):
         return logits if logits is None or not cap else torch.tanh(logits / cap) * cap
 
     @torch.inference_mode()
-    def forward(self, inputs: ForwardInputs, kv_cache) -> torch.Tensor:
-        """Run all scheduled tokens; return fp32 logits [N, V] of the sample rows (rank 0)."""
+    def forward(self, inputs: ForwardInputs, kv_cache):
+        """Run all scheduled tokens; return fp32 logits [N, V] of the sample rows (rank 0). With extra rows
+        (`inputs.has_extra_rows`): (logits [N + P, V] of the sample rows then the logit rows, final-norm hidden
+        states [E, H] of the hidden rows), on every rank (the logits None but on rank 0)."""
         meta, prof = inputs.attn, self.profiler
         # every sequence decodes one token and every row is sampled: the whole step is one native call
         if (not meta.seqs and len(inputs.sample_request_ids) == inputs.input_ids.shape[0]
+                and not inputs.has_extra_rows
                 and (stack := self.decode_stack(kv_cache)) is not None):
             # alone-rows mode (a verify step): every row on the GEMV, as a one-row step computes it (row_mode.py)
             verify = {"all_rows_native": True} if row_mode.alone() else {}
@@ -298,9 +301,14 @@ class DecoderForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, inputs, ropes, kv_cache.layers[i], prof)
         rows = inputs.sample_rows
+        if inputs.has_extra_rows:   # prompt logprobs' rows after the sampled ones, then embeddings' rows
+            rows = torch.cat([r for r in (rows, inputs.logit_rows, inputs.hidden_rows) if r is not None])
         h, _ = timed(prof, "final_norm", _norm, self.model.norm, self.spec.final_norm, x[rows],
-                     residual[rows])                                        # [N, H]
-        return self.capped(timed(prof, "lm_head", self.lm_head, h))       # [N, V] on rank 0
+                     residual[rows])                                        # [N (+ P + E), H]
+        if not inputs.has_extra_rows:
+            return self.capped(timed(prof, "lm_head", self.lm_head, h))   # [N, V] on rank 0
+        n = rows.shape[0] - len(inputs.hidden_request_ids)
+        return self.capped(timed(prof, "lm_head", self.lm_head, h[:n])), h[n:]   # [N + P, V], [E, H]
 
 
 def model_class_and_rules(architecture: str):

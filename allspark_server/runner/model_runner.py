@@ -27,6 +27,7 @@ from allspark_server.loader.weights import quantize_layers
 from allspark_server.models.decoder import model_class_and_rules
 from allspark_server.runner import adapters, kv_budget
 from allspark_server.runner.memory_bandwidth import DecodeBytes, bandwidth_gbs, decode_weight_bytes
+from allspark_server.runner.row_outputs import StepRows, split_rows
 from allspark_server.step.inputs import RequestMirror, build_forward_inputs
 from allspark_server.step.kv_cache import KVCache, bytes_per_span, copy_spans
 
@@ -88,6 +89,7 @@ class ModelRunner:
         self.profiler = OpProfiler(self.device) if cfg.enable_profiling else None
         self.asleep = None   # while unload_device_mem has freed the weights: what wake restores (residency.py)
         self.mirrors: dict[int, RequestMirror] = {}
+        self.last_rows: StepRows | None = None   # rank 0: the last step's rows besides the sampled (row_outputs.py)
 
     def allocate_kv(self, num_spans: int, tier_slots: int = 0) -> None:
         """The cache; on a GPU one scratch span more (id num_spans, never handed out: the CUDA graphs' padding
@@ -180,6 +182,7 @@ class ModelRunner:
             prof.add_step(start)
 
     def _execute(self, plan: StepPlan, tokens, prof: OpProfiler | None):
+        self.last_rows = None
         timed(prof, "apply_plan", self._apply_plan, plan)
         if plan.tier_saves or plan.tier_loads:
             timed(prof, "kv_tier_copy", self._copy_tier, plan)
@@ -199,6 +202,11 @@ class ModelRunner:
             inputs = timed(prof, "inputs", self._forward_inputs, chunks)
             with alone_rows(inputs.verifies):        # a verify step's rows as one-row steps (compute/row_mode.py)
                 logits, sampled = self.model(inputs, self.kv), inputs.sample_request_ids
+            if inputs.has_extra_rows:                # prompt logprobs' or embeddings' rows too
+                logits, hidden = logits
+                if logits is not None:               # rank 0
+                    logits, self.last_rows = split_rows(logits, hidden, len(sampled), inputs.logit_targets,
+                                                        inputs.hidden_request_ids)
         for c in chunks:
             self.mirrors[c.request_id].num_computed_tokens += c.num_tokens
         return logits, sampled
@@ -207,7 +215,8 @@ class ModelRunner:
         """The step replays a CUDA graph: a decode step that fits them; where a row uses a LoRA adapter, one of the
         graphs captured with adapters (not a verify step: those run eagerly). uses_lora: whether a row does (None:
         as the mirrors, with the plan applied, say)."""
-        if self.graphs is None or not self.graphs.fits_decode(chunks):
+        if self.graphs is None or not self.graphs.fits_decode(chunks) \
+                or any(c.prompt_rows or c.hidden_rows for c in chunks):
             return False
         if uses_lora is None:
             uses_lora = any(self.mirrors[c.request_id].lora_slot >= 0 for c in chunks)

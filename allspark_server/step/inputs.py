@@ -7,6 +7,10 @@ mask for a multi-token chunk. `sample_rows` are the batch rows whose logits are 
 A verify chunk (speculative decoding: the chunk's `draft_ids`) is not a prompt chunk: each of its rows is a decode
 row over its own context (the K/V of every row are stored before any row attends), so each row is computed as a
 one-token step would compute it, and every row is sampled (its request id once per row in `sample_request_ids`).
+
+A chunk with `prompt_rows` also wants the logits of its rows before the prompt's last token (`logit_rows`, each with
+its request, the position it predicts and that position's token in `logit_targets`); an embedding chunk
+(`hidden_rows`) wants the final-norm hidden states of all its rows and no logits.
 """
 from __future__ import annotations
 
@@ -52,6 +56,14 @@ class ForwardInputs:
     sample_request_ids: list[int]
     verifies: bool = False           # a verify chunk is among the rows: every row takes the native GEMV (decoder.py)
     lora_rows: Optional[LoraRows] = None    # the rows' LoRA adapters (compute/lora_slots.py); None: no row uses one
+    logit_rows: Optional[torch.Tensor] = None    # [P] long: rows whose logits are wanted besides the sampled ones
+    logit_targets: tuple = ()                    # (request id, position, token id) each logit row predicts
+    hidden_rows: Optional[torch.Tensor] = None   # [E] long: rows whose final-norm hidden states are wanted
+    hidden_request_ids: tuple = ()               # their requests
+
+    @property
+    def has_extra_rows(self) -> bool:
+        return bool(self.logit_targets or self.hidden_request_ids)
 
     def to(self, device: torch.device) -> "ForwardInputs":
         """The same inputs with every tensor on `device` (a GPU rank's copy): host tensors (all long) packed into
@@ -62,11 +74,13 @@ class ForwardInputs:
         a = self.attn   # seqs stay on the host: the GPU attends chunks through the prefill_* tensors
         moved = iter(move_together([self.input_ids, self.positions, a.slot_mapping, a.decode_rows, a.decode_spans,
                                     a.decode_ctx, a.prefill_q_start, a.prefill_q_len, a.prefill_ctx,
-                                    a.prefill_spans, self.sample_rows], device))
+                                    a.prefill_spans, self.sample_rows, self.logit_rows, self.hidden_rows], device))
         ids, positions = next(moved), next(moved)
         attn = AttentionMetadata(next(moved), a.seqs, *(next(moved) for _ in range(7)), a.prefill_max_q)
         lora = None if self.lora_rows is None else self.lora_rows.to(device)
-        return ForwardInputs(ids, positions, attn, next(moved), self.sample_request_ids, self.verifies, lora)
+        sample_rows = next(moved)
+        return ForwardInputs(ids, positions, attn, sample_rows, self.sample_request_ids, self.verifies, lora,
+                             next(moved), self.logit_targets, next(moved), self.hidden_request_ids)
 
 
 def move_together(tensors: list, device: torch.device) -> list:
@@ -102,6 +116,7 @@ def build_forward_inputs(chunks, mirrors: dict[int, RequestMirror], span_size: i
     ids, positions, slot_list, seqs, sample_rows, sample_rids = [], [], [], [], [], []
     dec_rows, dec_spans, dec_ctx = [], [], []
     pre_spans, row_slots = [], []
+    logit_rows, logit_targets, hidden_rows, hidden_rids = [], [], [], []
     offsets = None   # token offsets within a span, made by the first prefill chunk
     for chunk in chunks:
         m = mirrors[chunk.request_id]
@@ -122,6 +137,14 @@ def build_forward_inputs(chunks, mirrors: dict[int, RequestMirror], span_size: i
             continue
         ids.extend(m.token_ids[start:end])
         positions.extend(range(start, end))
+        first = len(ids) - n                   # the chunk's first batch row
+        if chunk.prompt_rows:   # pending prompt logprobs: the mirror's tokens are the prompt
+            for pos in range(start, min(end, len(m.token_ids) - 1)):
+                logit_rows.append(first + pos - start)
+                logit_targets.append((chunk.request_id, pos + 1, m.token_ids[pos + 1]))
+        if chunk.hidden_rows:
+            hidden_rows.extend(range(first, len(ids)))
+            hidden_rids.extend([chunk.request_id] * n)
         if n == 1:   # decode: attended by one batched call over span tables
             slot_list.append(m.span_ids[start // span_size] * span_size + start % span_size)
             dec_rows.append(len(ids) - 1)
@@ -158,6 +181,10 @@ def build_forward_inputs(chunks, mirrors: dict[int, RequestMirror], span_size: i
         sample_request_ids=sample_rids,
         verifies=any(c.draft_ids for c in chunks),
         lora_rows=LoraRows.of(row_slots),
+        logit_rows=torch.tensor(logit_rows, dtype=torch.long) if logit_rows else None,
+        logit_targets=tuple(logit_targets),
+        hidden_rows=torch.tensor(hidden_rows, dtype=torch.long) if hidden_rows else None,
+        hidden_request_ids=tuple(hidden_rids),
     )
 
 
