@@ -25,6 +25,9 @@ from allspark_client import settings
 from allspark_client.client import PoolUnavailable
 from allspark_client.types import AsStatus
 from allspark_server.http.admission import Admission
+from allspark_server.http.anthropic_request import error_body as anthropic_error_body
+from allspark_server.http.anthropic_request import is_anthropic_path
+from allspark_server.http.anthropic_routes import add_messages_routes
 from allspark_server.http.body import read_json
 from allspark_server.http.chat_template import RENDER_TIMEOUT_S
 from allspark_server.http.lora_requests import loaded_message, lora_error, parse_load, parse_unload, unloaded_message
@@ -37,8 +40,10 @@ log = logging.getLogger("allspark.http")
 ENGINE_CALL_TIMEOUT_S = 5.0    # /health and /metrics give up on the engine after this long
 
 
-def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+def error_response(err: ApiError, path: str = "") -> JSONResponse:
+    """The error's body: Anthropic's shape on the Messages API's paths, OpenAI's elsewhere."""
+    body = anthropic_error_body(err) if is_anthropic_path(path) else err.body()
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
 class ServerMiddleware:
@@ -47,6 +52,7 @@ class ServerMiddleware:
     def __init__(self, app, api_key: Optional[str], metrics: Metrics):
         self.app, self.metrics = app, metrics
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected_key = api_key.encode() if api_key else None      # Anthropic's clients: `x-api-key: KEY`
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -64,11 +70,15 @@ class ServerMiddleware:
             await send(message)
 
         if self.expected is not None and path.startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                msg = "Incorrect API key provided." if given else "Missing API key: send 'Authorization: Bearer KEY'."
-                err = ApiError(401, msg, code="invalid_api_key")
-                return await error_response(err)(scope, receive, counting_send)
+            headers = dict(scope["headers"])
+            given, given_key = headers.get(b"authorization", b""), headers.get(b"x-api-key")
+            ok = (hmac.compare_digest(given_key, self.expected_key) if given_key is not None
+                  else hmac.compare_digest(given, self.expected))
+            if not ok:
+                msg = ("Incorrect API key provided." if given or given_key is not None
+                       else "Missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'.")
+                err = ApiError(401, msg, code="invalid_api_key", type_="authentication_error")
+                return await error_response(err, path)(scope, receive, counting_send)
         try:
             await self.app(scope, receive, counting_send)
         except Exception as exc:
@@ -87,7 +97,7 @@ def create_app(backend, *, api_key: Optional[str] = None, max_concurrent: int = 
     admission = Admission(max_concurrent, max_queue)
     reader = QueueReader()
     metrics = Metrics(backend.name, admission)
-    serving = Serving(backend, admission, reader, metrics, chat_template_timeout_s)
+    serving = Serving(backend, admission, reader, metrics, chat_template_timeout_s, tool_call_parser)
     started = int(time.time())
 
     @asynccontextmanager
@@ -109,13 +119,13 @@ def create_app(backend, *, api_key: Optional[str] = None, max_concurrent: int = 
         return await asyncio.wait_for(loop.run_in_executor(backend.executor, fn), ENGINE_CALL_TIMEOUT_S)
 
     @app.exception_handler(ApiError)
-    async def _api_error(_request, err: ApiError):
-        return error_response(err)
+    async def _api_error(request: Request, err: ApiError):
+        return error_response(err, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request, exc: StarletteHTTPException):
+    async def _http_error(request: Request, exc: StarletteHTTPException):
         return error_response(ApiError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404
-                                       else None))
+                                       else None), request.url.path)
 
     async def refresh_loras():
         """The engine's adapters read again (another client of a shared pool may have loaded one): the new
@@ -142,6 +152,8 @@ def create_app(backend, *, api_key: Optional[str] = None, max_concurrent: int = 
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await serving.handle(request, await parse(parse_completion, request))
+
+    add_messages_routes(app, serving, parse)       # /v1/messages, /v1/messages/count_tokens
 
     @app.get("/v1/models")
     async def models():

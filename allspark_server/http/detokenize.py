@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
-from typing import Iterable
+from typing import Iterable, Optional
 
 REPLACEMENT = "\ufffd"
 MAX_INCOMPLETE = 3    # bytes of an incomplete UTF-8 character, each at most one trailing U+FFFD
@@ -68,15 +68,17 @@ class StopMatcher:
         self.stops = tuple(stops)
         self._held = ""
         self.matched = False
+        self.matched_stop: Optional[str] = None     # the stop string that cut the text (the earliest one)
 
     def feed(self, text: str) -> tuple[str, bool]:
         if not self.stops or self.matched:
             return ("" if self.matched else text), self.matched
         buf = self._held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
+            at, self.matched_stop = min(hits, key=lambda hit: hit[0])
             self._held, self.matched = "", True
-            return buf[:min(hits)], True
+            return buf[:at], True
         keep = 0     # the longest tail of buf that is the start of some stop string
         for s in self.stops:
             for k in range(min(len(s) - 1, len(buf)), keep, -1):
