@@ -22,6 +22,7 @@ from allspark_client._proto import allspark_pb2_grpc as pb_grpc
 from allspark_client.api import EngineAPI, StartResult
 from allspark_client.channel import RECONNECT_BACKOFF_MS, Pem, failure_reason, normalize_address, open_channel
 from allspark_client.config import AsModelConfig
+from allspark_client.embed_client import ClientEmbed
 from allspark_client.generation_config import parse_request
 from allspark_client.launch.spawned_pool import SpawnedPool
 from allspark_client.lora_client import ClientLora
@@ -61,7 +62,7 @@ class _ClientRequest:
     call: Any                       # the Generate stream (cancellable)
 
 
-class ClientEngine(ClientDeviceMemory, ClientLora, EngineAPI):
+class ClientEngine(ClientDeviceMemory, ClientLora, ClientEmbed, EngineAPI):
     _closed_reason = CLOSED      # what calls after close() are refused with (the mixins' too)
 
     def __init__(self, address: Optional[str] = None, *, ranks: Optional[int] = None,

@@ -18,7 +18,7 @@ PROTOCOL_VERSION = 1
 
 _OPTIONAL_SCALARS = ("temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
                      "min_length", "max_length", "max_new_tokens", "seed", "logprobs", "top_logprobs", "do_sample",
-                     "speculative")
+                     "speculative", "prompt_logprobs")
 # RuntimeConfig fields sent only when set: a pool reads an absent one as AsModelConfig's default
 _OPTIONAL_RUNTIME = ("lora_max_num", "lora_max_rank")
 
@@ -85,14 +85,37 @@ def elements_to_reply(el: GeneratedElements, reply: pb.GenerateReply) -> None:
     for top in el.log_probs_list:
         reply.top_logprobs.add(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
     reply.prefix_cache_len = el.prefix_cache_len
+    if el.prompt_logprobs is not None:
+        reply.has_prompt_logprobs = True
+        reply.prompt_token_logprobs.extend(el.prompt_logprobs[1:])
+        for top in el.prompt_top_logprobs[1:]:
+            reply.prompt_top_logprobs.add(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
 
 
 def elements_from_reply(reply: pb.GenerateReply) -> GeneratedElements:
-    return GeneratedElements(
+    el = GeneratedElements(
         ids_from_generate=list(reply.ids),
         log_probs_list=[list(zip(t.token_ids, t.logprobs)) for t in reply.top_logprobs],
         token_logprobs_list=list(reply.token_logprobs),
         prefix_cache_len=reply.prefix_cache_len)
+    if reply.has_prompt_logprobs:
+        el.prompt_logprobs = [None] + list(reply.prompt_token_logprobs)
+        el.prompt_top_logprobs = [[]] + [list(zip(t.token_ids, t.logprobs)) for t in reply.prompt_top_logprobs]
+    return el
+
+
+def embeddings_to_bytes(vectors: list) -> tuple[int, bytes]:
+    """float32 vectors of one size (numpy arrays) -> (their size, their values one after another, little-endian)."""
+    dim = len(vectors[0]) if vectors else 0
+    return dim, b"".join(v.astype("<f4", copy=False).tobytes() for v in vectors)
+
+
+def embeddings_from_bytes(dim: int, data: bytes) -> list:
+    """embeddings_to_bytes' inverse: numpy float32 arrays of `dim` (numpy is imported here only: a client that
+    never embeds does not need it)."""
+    import numpy as np
+    flat = np.frombuffer(data, dtype="<f4").astype(np.float32)
+    return [flat[i:i + dim].copy() for i in range(0, len(flat), dim)] if dim else []
 
 
 def stats_to_proto(stats: dict) -> pb.RequestStats:

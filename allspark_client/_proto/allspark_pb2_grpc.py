@@ -134,6 +134,11 @@ class AllsparkStub:
                 request_serializer=allspark__pb2.ModelRef.SerializeToString,
                 response_deserializer=allspark__pb2.LoraList.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/allspark.v1.Allspark/Embed',
+                request_serializer=allspark__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=allspark__pb2.EmbedReply.FromString,
+                _registered_method=True)
 
 
 class AllsparkServicer:
@@ -271,6 +276,13 @@ class AllsparkServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeddings: the final-norm hidden states of each input, pooled (Engine.embed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AllsparkServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -368,6 +380,11 @@ def add_AllsparkServicer_to_server(servicer, server):
                     servicer.ListLoras,
                     request_deserializer=allspark__pb2.ModelRef.FromString,
                     response_serializer=allspark__pb2.LoraList.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=allspark__pb2.EmbedRequest.FromString,
+                    response_serializer=allspark__pb2.EmbedReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -888,6 +905,33 @@ class Allspark:
             '/allspark.v1.Allspark/ListLoras',
             allspark__pb2.ModelRef.SerializeToString,
             allspark__pb2.LoraList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/allspark.v1.Allspark/Embed',
+            allspark__pb2.EmbedRequest.SerializeToString,
+            allspark__pb2.EmbedReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -130,6 +130,18 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
                         handle.request_id, handle.model_name, grace_s)
             self.engine.release_request(handle.model_name, handle)
 
+    def _embed(self, request) -> pb.EmbedReply:
+        try:
+            vectors = self.engine.embed(request.model_name, [list(t.ids) for t in request.inputs],
+                                        request.pooling, request.normalize)
+        except AsException as e:
+            return pb.EmbedReply(status=int(e.status), message=e.message)
+        dim, data = wire.embeddings_to_bytes(vectors)
+        return pb.EmbedReply(status=0, dim=dim, data=data)
+
+    async def Embed(self, request, context):
+        return await self._run(self._embed, request)
+
     def _start(self, request):
         gen = wire.generation_config_from_proto(request.config)
         status, handle, queue = self.engine.start_request(request.model_name, {"input_ids": list(request.input_ids)},
