@@ -65,6 +65,11 @@ class Backend:
         status, handle, queue = self.engine.start_request(self.name, {"input_ids": prompt_ids}, gen)
         return status, handle, queue, ("" if status == AsStatus.ALLSPARK_SUCCESS else self.engine.get_last_error())
 
+    def start_choices(self, prompt_ids: list[int], gen: dict, n: int):
+        """start_choices (n requests of one prompt) -> (status, [(handle, queue)], error message)."""
+        status, started = self.engine.start_choices(self.name, {"input_ids": prompt_ids}, gen, n)
+        return status, started, ("" if status == AsStatus.ALLSPARK_SUCCESS else self.engine.get_last_error())
+
     def release(self, handle) -> None:
         try:
             self.engine.release_request(self.name, handle)

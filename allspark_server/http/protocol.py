@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from allspark_client.types import AsStatus
+from allspark_server.http.token_fields import TokenFieldError, parse_logit_bias, parse_stop_token_ids, stop_words_of
 
 
 class ApiError(Exception):
@@ -39,7 +40,7 @@ _SAMPLING = {"temperature": "number", "top_p": "number", "seed": "int", "presenc
              "frequency_penalty": "number", "stop": "stop", "stream": "bool", "stream_options": "dict", "n": "int",
              # vLLM's extra sampling fields
              "top_k": "int", "repetition_penalty": "number", "min_tokens": "int", "ignore_eos": "bool",
-             "logit_bias": "dict",
+             "logit_bias": "dict", "stop_token_ids": "list",
              # allspark's: False runs the request without the server's --speculative (docs/speculative.md)
              "speculative": "bool"}
 CHAT_FIELDS = {"model": "str", "messages": "list", "max_tokens": "int", "max_completion_tokens": "int",
@@ -52,12 +53,13 @@ COMPLETION_FIELDS = {"model": "str", "prompt": "prompt", "max_tokens": "int", "l
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "parallel_tool_calls", "service_tier", "prompt_cache_key",
                             "safety_identifier"})
 # known but unsupported: refused unless they hold their "off" value
-_OFF_VALUES = {"logit_bias": ({}, None), "tools": ([], None), "tool_choice": ("none", None), "functions": ([], None),
+_OFF_VALUES = {"functions": ([], None),
                "function_call": ("none", None), "modalities": (["text"], None), "audio": (None,),
-               "prediction": (None,), "echo": (False, None), "suffix": (None, ""), "best_of": (1, None)}
+               "prediction": (None,), "echo": (False, None), "suffix": (None, "")}
 MAX_STOP_STRINGS = 16
-CHAT_ROLES = ("system", "user", "assistant", "developer")   # OpenAI's, less the two of tool calling:
-TOOL_ROLES = ("tool", "function")                          # refused with `tools` and `functions`
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")   # OpenAI's, less the deprecated one:
+TOOL_ROLES = ("function",)                                         # refused with `functions`
+MAX_CHOICES = 128                     # OpenAI's bound on n and best_of
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions (chat: up to the context length)
 
 
@@ -98,6 +100,11 @@ class ApiRequest:
     ignore_eos: bool = False
     sampling: dict = field(default_factory=dict)   # generation config keys passed through as they are
     lora_name: str = ""                       # the adapter `model` names ("": the base model)
+    tools: list = field(default_factory=list)  # chat: ToolSpecs (http/tools/spec.py)
+    tool_choice: Any = None                   # chat: a ToolChoice, None without tools
+    n: int = 1                                # choices returned
+    best_of: int = 0                          # completions: choices generated, the n best returned (0: n)
+    stop_token_ids: tuple[int, ...] = ()      # vLLM's: token ids that end the output (left out of its text)
 
 
 def _fields(body: Any, table: dict) -> dict:
@@ -134,8 +141,9 @@ def _common(kind: str, f: dict, served_model: str, adapters: Collection[str] = (
         raise bad_request("you must provide a model parameter", param="model")
     if f["model"] != served_model and f["model"] not in adapters:
         raise model_not_found(f["model"], served_model, adapters)
-    if f.get("n", 1) != 1:
-        raise bad_request("only n=1 is supported", param="n")
+    n = f.get("n", 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"n must be in [1, {MAX_CHOICES}], got {n}", param="n")
     stream = f.get("stream", False)
     options = f.get("stream_options")
     if options is not None:
@@ -154,9 +162,16 @@ def _common(kind: str, f: dict, served_model: str, adapters: Collection[str] = (
         raise bad_request("min_tokens must be >= 0", param="min_tokens")
     sampling = {k: f[k] for k in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k",
                                   "repetition_penalty", "response_format", "speculative") if k in f}
+    try:                                              # token_fields.py: logit_bias and stop_token_ids
+        if "logit_bias" in f:
+            sampling["logit_bias"] = parse_logit_bias(f["logit_bias"])
+        stop_token_ids = parse_stop_token_ids(f.get("stop_token_ids", []))
+    except TokenFieldError as e:
+        raise bad_request(e.message, param=e.param) from None
     return ApiRequest(kind, f["model"], stream=stream, include_usage=bool(options and options.get("include_usage")),
                       stop=tuple(dict.fromkeys(stop)), min_tokens=min_tokens, ignore_eos=f.get("ignore_eos", False),
-                      sampling=sampling, lora_name="" if f["model"] == served_model else f["model"])
+                      sampling=sampling, lora_name="" if f["model"] == served_model else f["model"], n=n,
+                      stop_token_ids=stop_token_ids)
 
 
 def _max_tokens(f: dict, *names: str) -> Optional[int]:
@@ -173,6 +188,7 @@ def parse_chat(body: Any, served_model: str, adapters: Collection[str] = ()) -> 
     f = _fields(body, CHAT_FIELDS)
     req = _common("chat", f, served_model, adapters)
     req.messages = _messages(f.get("messages"))
+    req.tools, req.tool_choice = _tools(f, (req.sampling.get("response_format") or {}).get("type", "text") != "text")
     req.prompt_chars = sum(map(_text_chars, req.messages))
     req.max_tokens = _max_tokens(f, "max_completion_tokens", "max_tokens")
     req.logprobs = f.get("logprobs", False)
@@ -192,6 +208,14 @@ def parse_completion(body: Any, served_model: str, adapters: Collection[str] = (
         if f["logprobs"] < 0:
             raise bad_request("logprobs must be >= 0", param="logprobs")
         req.logprobs, req.top_logprobs = True, f["logprobs"]
+    if f.get("best_of") is not None:
+        best_of = f["best_of"]
+        if not req.n <= best_of <= MAX_CHOICES:
+            raise bad_request(f"best_of must be in [n, {MAX_CHOICES}] (n is {req.n}), got {best_of}", param="best_of")
+        if best_of > req.n and req.stream:
+            raise bad_request("best_of cannot be used with stream (the best choices are known only at the end)",
+                              param="best_of")
+        req.best_of = best_of if best_of > req.n else 0
     return req
 
 
@@ -203,7 +227,7 @@ def _messages(messages: Any) -> list[dict]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad_request(f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]")
         if m["role"] in TOOL_ROLES:
-            raise bad_request(f"messages[{i}].role {m['role']!r} is not supported by this server (no tool calling)",
+            raise bad_request(f"messages[{i}].role {m['role']!r} is not supported by this server (use 'tool')",
                               param=f"messages[{i}].role")
         if m["role"] not in CHAT_ROLES:
             raise bad_request(f"Invalid value for messages[{i}].role: {m['role']!r:.80}. Supported values are: "
@@ -220,10 +244,42 @@ def _messages(messages: Any) -> list[dict]:
         elif content is not None and not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string or an array of text parts",
                               param=f"messages[{i}].content")
+        if m.get("tool_calls") is not None:
+            if m["role"] != "assistant":
+                raise bad_request(f"messages[{i}].tool_calls: only assistant messages carry tool calls",
+                                  param=f"messages[{i}].tool_calls")
+            _tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
         msg = {k: v for k, v in m.items() if k not in ("content",)}
         msg["content"] = content if content is not None else ""
         out.append(msg)
     return out
+
+
+def _tools(f: dict, guided: bool) -> tuple[list, Any]:
+    """`tools` and `tool_choice` validated (http/tools/spec.py), as 400s naming the bad field."""
+    from allspark_server.http.tools import ToolError, parse_tool_choice, validate_tools
+    try:
+        specs = validate_tools(f.get("tools", []))
+        choice = parse_tool_choice(f.get("tool_choice"), specs)
+    except ToolError as e:
+        raise bad_request(e.message, param=e.param) from None
+    if guided and choice.mode in ("required", "named"):
+        raise bad_request(f"tool_choice {'required' if choice.mode == 'required' else 'naming a function'} cannot "
+                          "be combined with response_format (both constrain the output)", param="tool_choice")
+    return specs, choice
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict]:
+    """An assistant message's tool_calls: [{"id", "type": "function", "function": {"name", "arguments"}}]."""
+    if not isinstance(calls, list):
+        raise bad_request(f"{where} must be an array", param=where)
+    for k, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                and isinstance(fn.get("arguments", ""), (str, dict)) and c.get("type", "function") == "function"):
+            raise bad_request(f"{where}[{k}] must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                              f"\"arguments\"}}}}, got {c!r:.80}", param=f"{where}[{k}]")
+    return calls
 
 
 def _text_chars(value: Any) -> int:
@@ -292,6 +348,8 @@ def generation_config(req: ApiRequest, prompt_len: int, budget: int, defaults: d
         gen["min_length"] = prompt_len + req.min_tokens
     if req.ignore_eos:
         gen["eos_token_id"] = []
+    if req.stop_token_ids:
+        gen["stop_words_ids"] = stop_words_of(req.stop_token_ids)
     if req.logprobs:
         gen["logprobs"], gen["top_logprobs"] = True, req.top_logprobs
     if req.lora_name:
@@ -302,7 +360,7 @@ def generation_config(req: ApiRequest, prompt_len: int, budget: int, defaults: d
 # allspark generation-config key -> the OpenAI field that set it (to name `param` in an engine's error)
 _ENGINE_KEYS = {"max_new_tokens": "max_tokens", "max_length": "max_tokens", "min_length": "min_tokens",
                 "eos_token_id": "ignore_eos", "top_logprobs": "top_logprobs", "logprobs": "logprobs",
-                "input_ids": "prompt", "prompt": "prompt"}
+                "input_ids": "prompt", "prompt": "prompt", "stop_words_ids": "stop_token_ids"}
 _CLIENT_ERRORS = {AsStatus.ALLSPARK_PARAM_ERROR, AsStatus.ALLSPARK_EXCEED_LIMIT_ERROR,
                   AsStatus.ALLSPARK_EMPTY_REQUEST, AsStatus.ALLSPARK_CACHE_MEMORY_OUT}
 

@@ -5,6 +5,7 @@ Field names and shapes follow the OpenAI API reference, so the official `openai`
 """
 from __future__ import annotations
 
+import copy
 import json
 import time
 import uuid
@@ -43,6 +44,13 @@ class ResponseBuilder:
         self.created = int(time.time())
         self._include_usage = include_usage
         self._offset = 0               # completions' text_offset of the next token
+        self.index = 0                 # the choice this builder's chunks and choice bodies belong to
+
+    def for_choice(self, index: int) -> "ResponseBuilder":
+        """A builder of the same response (id, creation time) for choice `index` (n > 1), with its own offsets."""
+        other = copy.copy(self)
+        other.index, other._offset = index, 0
+        return other
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -76,10 +84,10 @@ class ResponseBuilder:
             delta = {} if text is None else {"content": text}
             if role:
                 delta = {"role": "assistant", **delta}
-            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+            choice = {"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
             body = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
+            choice = {"index": self.index, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
             body = {**self._head("text_completion"), "choices": [choice]}
         if self._include_usage:
             body["usage"] = None
@@ -90,14 +98,19 @@ class ResponseBuilder:
         return {**self._head(obj), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
 
     # ---- whole response ----------------------------------------------------------------------
-    def full(self, text: str, finish_reason: str, tokens: Optional[list[TokenLogprob]], prompt_tokens: int,
-             completion_tokens: int) -> dict:
+    def choice(self, text: str, finish_reason: str, tokens: Optional[list[TokenLogprob]]) -> dict:
+        """This builder's choice of a whole (non-streamed) response."""
         lp = self.logprobs(tokens) if tokens is not None else None
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                      "logprobs": lp, "finish_reason": finish_reason}
-            head = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
-            head = self._head("text_completion")
-        return {**head, "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+            return {"index": self.index, "message": {"role": "assistant", "content": text, "refusal": None},
+                    "logprobs": lp, "finish_reason": finish_reason}
+        return {"index": self.index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+
+    def body(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+        """The whole response: its choices (each from `choice`), usage counting the prompt once."""
+        head = self._head("chat.completion" if self.kind == "chat" else "text_completion")
+        return {**head, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+    def full(self, text: str, finish_reason: str, tokens: Optional[list[TokenLogprob]], prompt_tokens: int,
+             completion_tokens: int) -> dict:
+        return self.body([self.choice(text, finish_reason, tokens)], prompt_tokens, completion_tokens)

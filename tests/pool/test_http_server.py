@@ -169,6 +169,37 @@ def test_sampling_fields_pass_through(server, client):
     assert r.choices[0].text in ("yes", "no") and r.choices[0].finish_reason == "stop"
 
 
+def test_n_choices(server, client, served_llama, tokenizer):
+    engine, _ = served_llama
+    ids = tokenizer(PROMPT)["input_ids"]
+    want, tokens = engine_greedy_text(engine, tokenizer, ids, 16)
+    r = client.completions.create(model="llama", prompt=PROMPT, max_tokens=16, temperature=0, n=4)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3] and all(c.text == want for c in r.choices)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 4 * len(tokens))   # the prompt once
+    kw = dict(model="llama", messages=MESSAGES, max_completion_tokens=12, temperature=1.0, seed=5, n=3)
+    texts = [c.message.content for c in client.chat.completions.create(**kw).choices]
+    assert texts == [c.message.content for c in client.chat.completions.create(**kw).choices]   # seeded: the same
+    assert len(set(texts)) > 1                                                   # each choice its own draws
+    assert client.chat.completions.create(**{**kw, "n": 1}).choices[0].message.content == texts[0]
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    streamed, finished = [""] * 3, [None] * 3
+    for c in chunks:
+        for choice in c.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            finished[choice.index] = choice.finish_reason or finished[choice.index]
+    assert streamed == texts and None not in finished
+    assert chunks[-1].usage.prompt_tokens == len(chat_ids(tokenizer))
+    # best_of: the choice of the highest mean logprob among those the same seed draws
+    kw = dict(model="llama", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=9)
+    three = client.completions.create(**kw, n=3, logprobs=0)
+    means = [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in three.choices]
+    best = client.completions.create(**kw, n=1, best_of=3)
+    assert len(best.choices) == 1 and best.choices[0].logprobs is None
+    assert best.choices[0].text == three.choices[means.index(max(means))].text
+    assert best.usage.completion_tokens == three.usage.completion_tokens      # every token generated counts
+    _error(server.post("/completions", {**kw, "n": 257}), 400, "n")
+
+
 def _error(r: httpx.Response, status: int, param=None) -> dict:
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -185,7 +216,10 @@ def test_errors_are_openai_error_objects(server):
     _error(server.post("/completions", {**base, "temperature": [1]}), 400, "temperature")
     err = _error(server.post("/completions", {**base, "best_guess": 1}), 400, "best_guess")
     assert "best_guess" in err["message"]
-    _error(server.post("/chat/completions", {"model": "llama", "messages": MESSAGES, "n": 2}), 400, "n")
+    for n in (0, 129):
+        _error(server.post("/chat/completions", {"model": "llama", "messages": MESSAGES, "n": n}), 400, "n")
+    _error(server.post("/completions", {**base, "n": 3, "best_of": 2}), 400, "best_of")
+    _error(server.post("/completions", {**base, "best_of": 2, "stream": True}), 400, "best_of")
     _error(server.post("/completions", {**base, "temperature": 500}), 400, "temperature")   # the engine's check
     _error(server.post("/completions", {**base, "model": "gpt-4"}), 404, "model")
     long_prompt = list(range(3, 400)) * 21                                  # 8337 tokens > max length 8192
@@ -198,7 +232,7 @@ def test_errors_are_openai_error_objects(server):
         openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0).models.list()
     with pytest.raises(openai.BadRequestError):
         openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0).chat.completions.create(
-            model="llama", messages=MESSAGES, n=3)
+            model="llama", messages=MESSAGES, n=0)
 
 
 def _client_port(r: httpx.Response):

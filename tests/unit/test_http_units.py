@@ -91,7 +91,8 @@ def test_request_validation():
     assert gen == {"temperature": 0.7, "top_k": 3, "max_new_tokens": 5, "logprobs": True, "top_logprobs": 2}
     e = _err(parse_chat, {"model": "m", "messages": [], "frobnicate": 1, "zap": 2}, "m")
     assert e.status == 400 and "frobnicate" in e.message and "zap" in e.message
-    assert _err(parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "m").param == "n"
+    assert _err(parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 0}, "m").param == "n"
+    assert parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "m").n == 2
     assert _err(parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}],
                              "temperature": "hot"}, "m").param == "temperature"
     assert _err(parse_chat, {"model": "other", "messages": [{"role": "user", "content": "x"}]}, "m").status == 404
@@ -118,6 +119,43 @@ def test_admission_queues_in_order_then_refuses():
         assert adm.running == 1 and adm.waiting == 0
         second.release()
         second.release()                           # idempotent
+        assert adm.running == 0
+
+    asyncio.run(scenario())
+
+
+def test_admission_gives_a_request_of_many_choices_its_places_together():
+    async def scenario():
+        adm = Admission(max_running=4, max_queue=4)
+        one = await adm.acquire(1)
+        three = await adm.acquire(3)                 # n = 3 fits beside it
+        four = asyncio.ensure_future(adm.acquire(4))
+        small = asyncio.ensure_future(adm.acquire(1))
+        await asyncio.sleep(0)
+        assert adm.waiting == 2 and adm.running == 4
+        one.release()                                # one place free: the 4 waits, and the 1 behind it too (FIFO)
+        await asyncio.sleep(0)
+        assert not four.done() and not small.done() and adm.running == 3
+        three.release()
+        got = await four                             # all four places at once
+        assert adm.running == 4 and not small.done()
+        got.release()
+        (await small).release()
+        assert adm.running == 0 and adm.waiting == 0
+        with pytest.raises(ValueError):
+            await adm.acquire(5)                     # more than the whole admission (the server answers 400 first)
+        blocker = await adm.acquire(1)
+        waiter_then_cancelled = asyncio.ensure_future(adm.acquire(4))
+        await asyncio.sleep(0)
+        behind = asyncio.ensure_future(adm.acquire(1))
+        await asyncio.sleep(0)
+        assert not behind.done()                     # three places free, but it queues behind the 4
+        waiter_then_cancelled.cancel()               # the one ahead leaves the line: the one behind it gets in
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert behind.done()
+        blocker.release()
+        behind.result().release()
         assert adm.running == 0
 
     asyncio.run(scenario())
