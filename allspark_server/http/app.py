@@ -87,12 +87,12 @@ class ServerMiddleware:
             if started:
                 raise
             log.exception("unhandled error")
-            await error_response(ApiError(500, f"internal error: {exc!r}"))(scope, receive, counting_send)
+            await error_response(ApiError(500, f"internal error: {exc!r}"), path)(scope, receive, counting_send)
 
 
 def create_app(backend, *, api_key: Optional[str] = None, max_concurrent: int = 256, max_queue: int = 256,
                max_body_bytes: int = int(settings.MAX_BODY_MB.default * 2**20),
-               chat_template_timeout_s: float = RENDER_TIMEOUT_S) -> FastAPI:
+               chat_template_timeout_s: float = RENDER_TIMEOUT_S, tool_call_parser: Optional[str] = None) -> FastAPI:
     """The ASGI app serving `backend` (a started backend.Backend). Closing the backend is the caller's job."""
     admission = Admission(max_concurrent, max_queue)
     reader = QueueReader()

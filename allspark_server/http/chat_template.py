@@ -184,11 +184,15 @@ class TemplateRenderer:
         except RuntimeError:          # closed
             pass
 
-    def render(self, messages: list[dict]) -> str:
-        """The prompt text of `messages` (generation prompt added); TemplateFailed when the template fails, takes
-        longer than timeout_s, runs out of memory or renders more than max_chars characters."""
+    def render(self, messages: list[dict], tools: Optional[list[dict]] = None, add_generation_prompt: bool = True
+               ) -> str:
+        """The prompt text of `messages` (generation prompt added; `tools`: the template's `tools` variable);
+        TemplateFailed when the template fails, takes longer than timeout_s, runs out of memory or renders more
+        than max_chars characters."""
         w = self._take()
-        reply = w.receive(time.monotonic() + self.timeout_s + GRACE_S) if w.send({"messages": messages}) else None
+        ask = {"messages": messages, **({"tools": tools} if tools else {}),
+               **({} if add_generation_prompt else {"add_generation_prompt": False})}   # /tokenize may leave it out
+        reply = w.receive(time.monotonic() + self.timeout_s + GRACE_S) if w.send(ask) else None
         if reply is None:                         # the worker itself failed: not the template's doing, as far as
             ended = w._ended()                    # we know; a new one takes its place
             self._drop(w)
@@ -199,8 +203,10 @@ class TemplateRenderer:
             raise TemplateFailed(f"{self.source} failed on these messages: {reply['error']}")
         return reply["text"]
 
-    async def render_async(self, messages: list[dict]) -> str:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, self.render, messages)
+    async def render_async(self, messages: list[dict], tools: Optional[list[dict]] = None,
+                           add_generation_prompt: bool = True) -> str:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, self.render, messages, tools,
+                                                                add_generation_prompt)
 
     def close(self) -> None:
         with self._lock:

@@ -16,6 +16,7 @@ from typing import Optional
 from allspark_client import settings
 from allspark_client.config import MAX_SPECULATIVE_TOKENS
 from allspark_server.http.lora_requests import check_lora_modules, lora_module
+from allspark_server.http.tools import PARSERS
 from allspark_server.loader.known_models import KNOWN, ModelNotInstalled, resolve
 
 API_KEY_ENV = settings.API_KEY.name
@@ -80,6 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    f"(default ${settings.MAX_BODY_MB.name}, else {settings.MAX_BODY_MB.default:g})")
     p.add_argument("--chat-template-timeout", type=float, default=None, help="seconds a chat template may take to "
                    "render one request's messages; past them the request gets a 400 (default 5)")
+    p.add_argument("--tool-call-parser", choices=sorted(PARSERS), help="how tool calls are read from the model's "
+                   "output (default: from its chat template's call syntax, else hermes)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     return p.parse_args(argv)
@@ -181,7 +184,8 @@ def main(argv=None) -> int:
         from allspark_server.http.chat_template import RENDER_TIMEOUT_S
         app = create_app(backend, api_key=api_key, max_concurrent=args.max_concurrent, max_queue=args.max_queue,
                          max_body_bytes=int(args.max_body_mb * 2**20),
-                         chat_template_timeout_s=args.chat_template_timeout or RENDER_TIMEOUT_S)
+                         chat_template_timeout_s=args.chat_template_timeout or RENDER_TIMEOUT_S,
+                         tool_call_parser=args.tool_call_parser)
         scheme = "https" if args.ssl_certfile else "http"
         logging.getLogger("allspark.http").info("serving %r (max length %d) at %s://%s:%d/v1", backend.name,
                                                 backend.engine_max_length, scheme, args.host, args.port)

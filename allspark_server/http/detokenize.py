@@ -21,16 +21,19 @@ PROMPT_CONTEXT = 6    # prompt tokens decoded before the output, so the first to
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_ids: Iterable[int] = (), skip_ids: Iterable[int] = ()):
+    def __init__(self, tokenizer, prompt_ids: Iterable[int] = (), skip_ids: Iterable[int] = (),
+                 keep_special: bool = False):
+        """`keep_special`: special tokens are text too (tool-call markers), but for `skip_ids`."""
         self._tokenizer = tokenizer
         self._skip = frozenset(skip_ids)
+        self._skip_special = not keep_special
         self._ids = [i for i in list(prompt_ids)[-PROMPT_CONTEXT:] if i not in self._skip]
         self._prefix = 0                 # the window starts here
         self._read = len(self._ids)      # text up to here has been emitted
         self._sent = 0                   # characters after `_read`'s text already emitted (before an incomplete one)
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False)
 
     def add(self, ids: Iterable[int]) -> str:
         """Append generated ids; return the new text that is complete (may be "")."""

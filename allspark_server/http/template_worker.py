@@ -1,10 +1,11 @@
 """A chat template renderer process (started by chat_template.py, which runs this file as a plain script).
 
 Reads JSON lines on stdin: first the setup ({"template", "variables", "max_chars", "timeout_s", "memory_mb"}),
-then one {"messages": [...]} per request; answers each with one JSON line on stdout: {"ready": true} after the
-setup, then {"text": ...} or {"error": ...} per request. Renders with transformers' render_jinja_template
-(what tokenizer.apply_chat_template calls: its sandboxed jinja2 environment, its filters, the tokenizer's special
-tokens as variables), so the prompt is the tokenizer's own.
+then one {"messages": [...], "tools": [...], "add_generation_prompt": bool (both optional)} per request;
+answers each with one JSON line on stdout: {"ready": true} after the setup, then {"text": ...} or {"error": ...}
+per request. Renders with transformers' render_jinja_template (what tokenizer.apply_chat_template calls: its
+sandboxed jinja2 environment, its filters, the tokenizer's special tokens as variables), so the prompt is the
+tokenizer's own.
 
 This process never runs the template itself: each render runs in a child forked for it (a few milliseconds:
 transformers is imported here once), under limits: killed past timeout_s, an address space of what this process
@@ -103,10 +104,10 @@ def _in_child(fn, setup: dict) -> dict:
         return {"error": f"it needed more than the {setup['memory_mb']} MiB of memory a render may use"}
 
 
-def _render(render, messages, setup) -> dict:
+def _render(render, messages, setup, tools=None, add_generation_prompt=True) -> dict:
     try:
-        rendered, _ = render(conversations=[messages], chat_template=setup["template"], add_generation_prompt=True,
-                             **setup["variables"])
+        rendered, _ = render(conversations=[messages], tools=tools, chat_template=setup["template"],
+                             add_generation_prompt=add_generation_prompt, **setup["variables"])
         text = rendered[0]
     except MemoryError:
         return {"error": f"it needed more than the {setup['memory_mb']} MiB of memory a render may use"}
@@ -138,9 +139,10 @@ def main() -> int:
         _compiles(compile_template, setup["template"])
     _send({"ready": True})
     for line in sys.stdin.buffer:
-        messages = json.loads(line)["messages"]
+        ask = json.loads(line)
+        messages, tools, add = ask["messages"], ask.get("tools"), ask.get("add_generation_prompt", True)
         try:
-            _send(_in_child(lambda: _render(render, messages, setup), setup))
+            _send(_in_child(lambda: _render(render, messages, setup, tools, add), setup))
         except BrokenPipeError:      # the server is gone
             return 1
     return 0
