@@ -1,5 +1,6 @@
-"""The FastAPI app: routes (/v1/chat/completions, /v1/completions, /v1/models, /v1/load_lora_adapter,
-/v1/unload_lora_adapter, /health, /metrics), Bearer auth on /v1/*, HTTP status counting, and OpenAI error bodies
+"""The FastAPI app: routes (/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models, /v1/load_lora_adapter,
+/v1/unload_lora_adapter, /health, /metrics; /tokenize and /detokenize: tokenize_routes.py), Bearer auth on /v1/*
+and the tokenize routes, HTTP status counting, and OpenAI error bodies
 for every error (400, 401, 404, 409, 413, 429, 500, 503).
 
 A thin layer: bodies are read by body.py, validated by protocol.py (lora.py: the adapters' endpoints) and served by
@@ -30,11 +31,14 @@ from allspark_server.http.anthropic_request import is_anthropic_path
 from allspark_server.http.anthropic_routes import add_messages_routes
 from allspark_server.http.body import read_json
 from allspark_server.http.chat_template import RENDER_TIMEOUT_S
+from allspark_server.http.embeddings import DEFAULT_POOLING, add_embeddings_route
 from allspark_server.http.lora_requests import loaded_message, lora_error, parse_load, parse_unload, unloaded_message
 from allspark_server.http.metrics import Metrics
 from allspark_server.http.protocol import ApiError, parse_chat, parse_completion
 from allspark_server.http.serving import Serving
 from allspark_server.http.stream import QueueReader
+from allspark_server.http.tokenize_routes import PATHS as TOKENIZE_PATHS
+from allspark_server.http.tokenize_routes import add_tokenize_routes
 
 log = logging.getLogger("allspark.http")
 ENGINE_CALL_TIMEOUT_S = 5.0    # /health and /metrics give up on the engine after this long
@@ -69,7 +73,7 @@ class ServerMiddleware:
                 self.metrics.http_requests.labels(endpoint, str(message["status"])).inc()
             await send(message)
 
-        if self.expected is not None and path.startswith("/v1"):
+        if self.expected is not None and (path.startswith("/v1") or path in TOKENIZE_PATHS):
             headers = dict(scope["headers"])
             given, given_key = headers.get(b"authorization", b""), headers.get(b"x-api-key")
             ok = (hmac.compare_digest(given_key, self.expected_key) if given_key is not None
@@ -92,7 +96,8 @@ class ServerMiddleware:
 
 def create_app(backend, *, api_key: Optional[str] = None, max_concurrent: int = 256, max_queue: int = 256,
                max_body_bytes: int = int(settings.MAX_BODY_MB.default * 2**20),
-               chat_template_timeout_s: float = RENDER_TIMEOUT_S, tool_call_parser: Optional[str] = None) -> FastAPI:
+               chat_template_timeout_s: float = RENDER_TIMEOUT_S, tool_call_parser: Optional[str] = None,
+               embedding_pooling: str = DEFAULT_POOLING) -> FastAPI:
     """The ASGI app serving `backend` (a started backend.Backend). Closing the backend is the caller's job."""
     admission = Admission(max_concurrent, max_queue)
     reader = QueueReader()
@@ -154,6 +159,8 @@ def create_app(backend, *, api_key: Optional[str] = None, max_concurrent: int = 
         return await serving.handle(request, await parse(parse_completion, request))
 
     add_messages_routes(app, serving, parse)       # /v1/messages, /v1/messages/count_tokens
+    add_embeddings_route(app, backend, max_body_bytes, embedding_pooling)   # /v1/embeddings
+    add_tokenize_routes(app, serving, parse)       # /tokenize, /detokenize
 
     @app.get("/v1/models")
     async def models():

@@ -83,6 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "render one request's messages; past them the request gets a 400 (default 5)")
     p.add_argument("--tool-call-parser", choices=sorted(PARSERS), help="how tool calls are read from the model's "
                    "output (default: from its chat template's call syntax, else hermes)")
+    p.add_argument("--embedding-pooling", choices=["last", "mean"], default="last", help="how /v1/embeddings pools "
+                   "the final-norm hidden states of an input: the last token's (default) or the mean of all")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     return p.parse_args(argv)
@@ -185,7 +187,7 @@ def main(argv=None) -> int:
         app = create_app(backend, api_key=api_key, max_concurrent=args.max_concurrent, max_queue=args.max_queue,
                          max_body_bytes=int(args.max_body_mb * 2**20),
                          chat_template_timeout_s=args.chat_template_timeout or RENDER_TIMEOUT_S,
-                         tool_call_parser=args.tool_call_parser)
+                         tool_call_parser=args.tool_call_parser, embedding_pooling=args.embedding_pooling)
         scheme = "https" if args.ssl_certfile else "http"
         logging.getLogger("allspark.http").info("serving %r (max length %d) at %s://%s:%d/v1", backend.name,
                                                 backend.engine_max_length, scheme, args.host, args.port)

@@ -55,7 +55,7 @@ IGNORED_FIELDS = frozenset({"user", "metadata", "store", "parallel_tool_calls", 
 # known but unsupported: refused unless they hold their "off" value
 _OFF_VALUES = {"functions": ([], None),
                "function_call": ("none", None), "modalities": (["text"], None), "audio": (None,),
-               "prediction": (None,), "echo": (False, None), "suffix": (None, "")}
+               "prediction": (None,), "suffix": (None, "")}
 MAX_STOP_STRINGS = 16
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")   # OpenAI's, less the deprecated one:
 TOOL_ROLES = ("function",)                                         # refused with `functions`
@@ -96,6 +96,7 @@ class ApiRequest:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    echo: bool = False                        # completion: the prompt first (with logprobs: prompt_logprobs)
     min_tokens: int = 0
     ignore_eos: bool = False
     sampling: dict = field(default_factory=dict)   # generation config keys passed through as they are
@@ -203,7 +204,9 @@ def parse_completion(body: Any, served_model: str, adapters: Collection[str] = (
     req = _common("completion", f, served_model, adapters)
     req.prompt = _prompt(f.get("prompt"))
     req.prompt_chars = len(req.prompt) if isinstance(req.prompt, str) else 0
-    req.max_tokens = _max_tokens(f, "max_tokens")
+    req.echo = f.get("echo", False)
+    # max_tokens 0 with echo: the prompt's logprobs alone (lm-evaluation-harness's loglikelihood)
+    req.max_tokens = 0 if req.echo and f.get("max_tokens") == 0 else _max_tokens(f, "max_tokens")
     if "logprobs" in f:
         if f["logprobs"] < 0:
             raise bad_request("logprobs must be >= 0", param="logprobs")
@@ -340,7 +343,9 @@ def generation_config(req: ApiRequest, prompt_len: int, budget: int, defaults: d
     gen.update(req.sampling)
     if gen.get("response_format", {}).get("type") == "text":
         gen.pop("response_format")
-    gen["max_new_tokens"] = budget
+    gen["max_new_tokens"] = max(budget, 1)     # max_tokens 0 (echo): one token made, none returned (serving.py)
+    if req.echo and req.logprobs:
+        gen["prompt_logprobs"] = req.top_logprobs
     if req.min_tokens:
         if req.min_tokens > budget:
             raise bad_request(f"min_tokens ({req.min_tokens}) exceeds the output budget ({budget})",
@@ -360,6 +365,7 @@ def generation_config(req: ApiRequest, prompt_len: int, budget: int, defaults: d
 # allspark generation-config key -> the OpenAI field that set it (to name `param` in an engine's error)
 _ENGINE_KEYS = {"max_new_tokens": "max_tokens", "max_length": "max_tokens", "min_length": "min_tokens",
                 "eos_token_id": "ignore_eos", "top_logprobs": "top_logprobs", "logprobs": "logprobs",
+                "prompt_logprobs": "logprobs",
                 "input_ids": "prompt", "prompt": "prompt", "stop_words_ids": "stop_token_ids"}
 _CLIENT_ERRORS = {AsStatus.ALLSPARK_PARAM_ERROR, AsStatus.ALLSPARK_EXCEED_LIMIT_ERROR,
                   AsStatus.ALLSPARK_EMPTY_REQUEST, AsStatus.ALLSPARK_CACHE_MEMORY_OUT}

@@ -71,7 +71,7 @@ class ResponseBuilder:
             out["token_logprobs"].append(t.logprob)
             top = {self._text.get(i)[0]: lp for i, lp in t.top[:self.top_n]}
             top.setdefault(text, t.logprob)        # the sampled token is always listed (as vLLM does)
-            out["top_logprobs"].append(top)
+            out["top_logprobs"].append(None if t.logprob is None else top)   # an echoed prompt's first: none
             out["text_offset"].append(self._offset)
             self._offset += len(text)
         return out

@@ -21,6 +21,7 @@ from allspark_server.http.admission import Admission, Overloaded
 from allspark_server.http.chat_template import RENDER_TIMEOUT_S, TemplateFailed, TemplateRenderer, template_variables
 from allspark_server.http.choices import ChoiceGroup, SharedSlot
 from allspark_server.http.detokenize import IncrementalDetokenizer, StopMatcher, TokenText
+from allspark_server.http.echo import echo_text, echo_tokens
 from allspark_server.http.protocol import (
     ApiError,
     ApiRequest,
@@ -191,6 +192,7 @@ class _Run:
         b = serving.backend
         self.s, self.req, self.gen, self.slot, self.budget = serving, req, gen, slot, budget
         self.prompt_tokens = len(prompt_ids)
+        self.prompt_ids, self.echo_pending = prompt_ids, req.echo     # completions' echo: the prompt comes first
         self.eos = set(b.eos_token_ids) | set(req.stop_token_ids)   # ends left out of the text
         self.tool_out = ChatToolOutput(serving.tools.parser(req.tools)) if tools_active(req.tools, req.tool_choice) \
             else None                           # tool calls read from the text (tools/chat.py)
@@ -215,6 +217,12 @@ class _Run:
                 self._ended(matched)
                 yield Piece(text + self.stops.flush())
                 return
+            if self.echo_pending:           # the first element carries the prompt's logprobs (echo.py)
+                self.echo_pending = False
+                yield Piece(echo_text(self.s.backend.tokenizer, self.req.prompt, self.prompt_ids),
+                            echo_tokens(self.prompt_ids, el, self.req.logprobs))
+            if self.budget == 0:            # max_tokens 0 with echo: the one token made is not returned
+                continue
             now = time.perf_counter()
             self.first = self.first or now
             self.last = now
