@@ -20,16 +20,19 @@ MESSAGES = [{"role": "user", "content": "Hello world!"}]
 OPENAI_MESSAGES = [{"role": "system", "content": SYSTEM}, *MESSAGES]
 MAX_TOKENS = 20
 GREEDY = {"temperature": 0}        # sampling fields this SDK no longer names: sent as older clients send them
-WEATHER = {"name": "get_weather", "description": "The weather in a city",
-           "input_schema": {"type": "object", "properties": {"city": {"type": "string"},
-                                                             "days": {"type": "integer", "minimum": 1}},
-                            "required": ["city", "days"]}}
+WEATHER = {"name": "get_weather", "description": "The weather in a city",   # finite: a random model's call ends
+           "input_schema": {"type": "object", "properties": {
+               "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
+               "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+               "required": ["city", "unit"], "additionalProperties": False}}
+CLOCK = {"name": "get_time", "input_schema": {"type": "object", "properties": {}, "additionalProperties": False}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
 def server(llama, tmp_path_factory):
     hf_dir = with_chat_template(llama.hf_dir, str(tmp_path_factory.mktemp("chat") / "llama"))
-    srv = Server(hf_dir, "--max-length", "512", "--max-batch", "4", api_key=API_KEY)
+    srv = Server(hf_dir, "--max-length", "2048", "--max-batch", "4", api_key=API_KEY)
     srv.model_dir = hf_dir
     yield srv
     srv.stop()
@@ -173,3 +176,62 @@ def test_sdk_raises_bad_request(client):
     assert e.value.body["error"]["type"] == "invalid_request_error" and "max_tokens" in e.value.message
     with pytest.raises(anthropic.BadRequestError):
         client.messages.count_tokens(model="llama", messages=[{"role": "user", "content": 5}])
+
+
+def forced_call(client, **kw):
+    return client.messages.create(model="llama", messages=ASK, max_tokens=160, tools=[CLOCK, WEATHER],
+                                  tool_choice={"type": "tool", "name": "get_weather"}, extra_body=GREEDY, **kw)
+
+
+def test_tool_use_round_trip(server, client):
+    r = forced_call(client)
+    assert r.stop_reason == "tool_use", repr(r.content[0].text)
+    uses = [b for b in r.content if b.type == "tool_use"]
+    assert len(uses) == 1 and uses[0].name == "get_weather" and uses[0].id.startswith("toolu_")
+    jsonschema.validate(uses[0].input, WEATHER["input_schema"])
+    # streamed: the same call, its input streamed as input_json_delta and put together by the SDK
+    with client.messages.stream(model="llama", messages=ASK, max_tokens=160, tools=[CLOCK, WEATHER],
+                                tool_choice={"type": "tool", "name": "get_weather"}, extra_body=GREEDY) as stream:
+        kinds = [(e.type, getattr(getattr(e, "delta", None), "type", None)) for e in stream]
+        final = stream.get_final_message()
+    assert ("content_block_delta", "input_json_delta") in kinds and final.stop_reason == "tool_use"
+    streamed = [b for b in final.content if b.type == "tool_use"]
+    assert [(b.name, b.input) for b in streamed] == [("get_weather", uses[0].input)]
+    # `any`: some tool is called
+    r_any = client.messages.create(model="llama", messages=ASK, max_tokens=160, tools=[WEATHER],
+                                   tool_choice={"type": "any"}, extra_body=GREEDY)
+    assert r_any.stop_reason == "tool_use" and [b.name for b in r_any.content if b.type == "tool_use"] == [
+        "get_weather"]
+    # the result goes back as a tool_result block: the answer equals the OpenAI side's on the same conversation
+    history = ASK + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
+                                                   "content": [{"type": "text", "text": "Sunny, 21 C"}]}]}]
+    answer = client.messages.create(model="llama", messages=history, max_tokens=16, tools=[CLOCK, WEATHER],
+                                    extra_body=GREEDY)
+    oai = openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0)
+    tools = [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
+                                               "parameters": t["input_schema"]}} for t in (CLOCK, WEATHER)]
+    call = {"id": uses[0].id, "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps(uses[0].input)}}
+    want = oai.chat.completions.create(model="llama", max_tokens=16, temperature=0, tools=tools, messages=ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": uses[0].id, "content": "Sunny, 21 C"}])
+    msg = want.choices[0].message
+    assert "".join(b.text for b in answer.content if b.type == "text") == (msg.content or "")
+    assert [(b.name, b.input) for b in answer.content if b.type == "tool_use"] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls or []]
+    assert answer.usage.input_tokens == want.usage.prompt_tokens
+    counted = client.messages.count_tokens(model="llama", messages=history, tools=[CLOCK, WEATHER])
+    assert counted.input_tokens == want.usage.prompt_tokens
+
+
+def test_disable_parallel_tool_use_and_none(client):
+    r = forced_call(client)
+    r_none = client.messages.create(model="llama", messages=ASK, max_tokens=8, tools=[WEATHER],
+                                    tool_choice={"type": "none"}, extra_body=GREEDY)
+    assert all(b.type == "text" for b in r_none.content) and r_none.stop_reason != "tool_use"
+    single = client.messages.create(model="llama", messages=ASK, max_tokens=160, tools=[CLOCK, WEATHER],
+                                    tool_choice={"type": "tool", "name": "get_weather",
+                                                 "disable_parallel_tool_use": True}, extra_body=GREEDY)
+    assert [(b.name, b.input) for b in single.content if b.type == "tool_use"] == [
+        (b.name, b.input) for b in r.content if b.type == "tool_use"]
