@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # allspark_server's packages (and top-level modules) from the bottom up: each may import only those before it
 LAYERS = ["build_info", "core", "quant", "compute", "collective", "step", "layers", "models", "lora", "loader",
-          "runner", "speculative", "engine", "http", "pool", "__main__", "__init__"]
+          "vision", "runner", "speculative", "engine", "http", "pool", "__main__", "__init__"]
 
 
 def python_files(folder: str):
