@@ -35,9 +35,12 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
 
 
 def error_body(err: ApiError) -> dict:
-    """Anthropic's error object for an ApiError: {"type": "error", "error": {"type", "message"}}."""
+    """Anthropic's error object for an ApiError: {"type": "error", "error": {"type", "message"}}; the message names
+    the field (`param`, which Anthropic's object has no place for) where it does not already."""
     kind = _ERROR_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": err.message}}
+    named = not err.param or err.param in err.message
+    return {"type": "error", "error": {"type": kind, "message": err.message if named else
+                                       f"{err.param}: {err.message}"}}
 
 
 def is_anthropic_path(path: str) -> bool:
