@@ -16,7 +16,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.
                    80.0, 160.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/load_lora_adapter",
-             "/v1/unload_lora_adapter", "/health", "/metrics", "/tokenize", "/detokenize")
+             "/v1/unload_lora_adapter", "/health", "/metrics", "/tokenize", "/detokenize", "/v1/messages",
+             "/v1/messages/count_tokens")
 
 
 class EngineCollector:
