@@ -156,9 +156,9 @@ class Serving:
         ids = await self.prompt_ids(req)
         budget = max_new_tokens(req, len(ids), b.engine_max_length)
         gen = generation_config(req, len(ids), budget, b.gen_defaults)
-        forced_call = self.tools.response_format(req.tools, req.tool_choice)    # tool_choice required / named
-        if forced_call is not None:
-            gen["response_format"] = forced_call
+        calls_format = self.tools.response_format(req.tools, req.tool_choice)   # tools/chat.py
+        if calls_format is not None and "response_format" not in gen:   # auto leaves the user's format alone
+            gen["response_format"] = calls_format
         if req.best_of:
             gen["logprobs"] = True             # choices are ranked by their tokens' mean logprob
         try:

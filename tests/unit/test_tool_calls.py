@@ -199,12 +199,11 @@ def test_a_call_cut_short_is_text_whole_and_a_started_call_streamed():
 def test_forcing_grammars_compile_and_parse_back(parser):
     """Each grammar is valid Lark for llguidance and a text it admits (checked with llguidance's matcher,
     independent of our parser) parses back to the forced call."""
-    import llguidance
     from llguidance import LLMatcher
     specs = t.validate_tools([WEATHER, TIME])
     g = t.tool_grammar(specs, t.ToolChoice("named", "get_weather"), parser)
-    assert t.tool_grammar(specs, t.ToolChoice("auto"), parser) is None
-    tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokenizer()))
+    assert t.tool_grammar(specs, t.ToolChoice("none"), parser) is None
+    tok = _byte_tokenizer()
     grammar = LLMatcher.grammar_from_lark(g)
     is_error, msgs = LLMatcher.validate_grammar_with_warnings(grammar, tok)
     assert not is_error, msgs
@@ -224,13 +223,54 @@ def test_forcing_grammars_compile_and_parse_back(parser):
 
 
 class _ByteTokenizer:
-    """A tokenizer of one token per byte (and EOS 256), as llguidance's TokenizerWrapper takes one."""
+    """A tokenizer of one token per byte, EOS 256 and a special token [TOOL_CALLS] 257 (llguidance writes a
+    special token's bytes after 0xFF), as llguidance's TokenizerWrapper takes one."""
     eos_token_id = 256
     bos_token_id = None
-    tokens = [bytes([b]) for b in range(256)] + [b"<eos>"]
+    tokens = [bytes([b]) for b in range(256)] + [b"<eos>", b"\xff[TOOL_CALLS]"]
+    special_token_ids = [256, 257]
 
     def __call__(self, s):
         return list(s.encode() if isinstance(s, str) else s)
+
+
+def _byte_tokenizer():
+    import llguidance
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokenizer()))
+
+
+def _accepts(grammar_lark: str, tokens: list[int]) -> bool:
+    from llguidance import LLMatcher
+    m = LLMatcher(_byte_tokenizer(), LLMatcher.grammar_from_lark(grammar_lark))
+    return m.consume_tokens(tokens) and m.is_accepting()
+
+
+CALL = '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}'
+
+
+def test_auto_constrains_a_call_once_its_marker_is_written():
+    """Hermes `auto`: any text, and calls after <tool_call> must name a tool and match its schema (llguidance's
+    matcher decides, byte by byte)."""
+    specs = t.validate_tools([WEATHER, TIME])
+    g = t.tool_grammar(specs, t.ToolChoice("auto"), "hermes")
+    free = "Any text at all, {braces} and <tags> too.\n"
+    assert _accepts(g, list(free.encode()))
+    assert _accepts(g, list((free + "<tool_call>\n" + CALL + "\n</tool_call> more text").encode()))
+    assert not _accepts(g, list((free + '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>').encode()))
+    assert not _accepts(g, list((free + '<tool_call>\n{"name": "get_weather", "arguments": {"town": "x"}}'
+                                        "\n</tool_call>").encode()))
+    assert t.tool_grammar(specs, t.ToolChoice("auto"), "llama3_json") is None   # no marker: nothing to wait for
+
+
+def test_a_special_token_marker_is_written_as_that_token():
+    """Mistral's [TOOL_CALLS] as a special token (id 257): the grammars ask for the token, not its spelling."""
+    specs = t.validate_tools([WEATHER])
+    body = list(("[" + CALL + "]").encode())
+    for choice in (t.ToolChoice("auto"), t.ToolChoice("required")):
+        g = t.tool_grammar(specs, choice, "mistral", {"[TOOL_CALLS]": 257})
+        assert _accepts(g, ([] if choice.mode == "required" else list(b"Sure. ")) + [257] + body)
+        # forced, the spelling is refused; in auto it is mere text (the special token alone opens a call)
+        assert _accepts(g, list(b"[TOOL_CALLS]") + body) == (choice.mode == "auto")
 
 
 # ---- template input --------------------------------------------------------------------------------------------

@@ -32,7 +32,8 @@ class ServerTools:
         self.parser_name = parser_name_for(template_text, flag) if (flag or self.template_reads_tools) else "hermes"
         markers = PARSERS[self.parser_name].markers
         special = {t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
-        self.marker_ids = frozenset(special[m] for m in markers if m in special)
+        self.special_markers = {m: special[m] for m in markers if m in special}   # written as those tokens
+        self.marker_ids = frozenset(self.special_markers.values())
         self.special_ids = frozenset(special.values())
 
     def template_input(self, messages: list[dict], specs: Sequence[ToolSpec],
@@ -49,10 +50,11 @@ class ServerTools:
         return template_messages(messages), tools
 
     def response_format(self, specs: Sequence[ToolSpec], choice: Optional[ToolChoice]) -> Optional[dict]:
-        """The guided-output format forcing a call (tool_choice required or named), else None."""
+        """The guided-output format of a request's calls (tools/grammar.py): forcing one (tool_choice required or
+        named), or constraining those the model starts (auto, formats with a call marker); else None."""
         if not tools_active(specs, choice):
             return None
-        grammar = tool_grammar(list(specs), choice, self.parser_name)
+        grammar = tool_grammar(list(specs), choice, self.parser_name, self.special_markers)
         return None if grammar is None else {"type": "lark", "lark": grammar}
 
     def parser(self, specs: Sequence[ToolSpec]) -> ToolCallParser:
