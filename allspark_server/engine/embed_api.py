@@ -18,7 +18,7 @@ from allspark_client.result_queue import ResultQueue
 from allspark_client.types import AsException, AsStatus, GenerateRequestStatus, RequestHandle
 from allspark_client.validation import ConfigError
 from allspark_server.core.request import Request
-from allspark_server.engine.served_model import AddRequest
+from allspark_server.engine.commands import AddRequest
 from allspark_server.engine.sleep import asleep_message
 from allspark_server.engine.thread import ForModel
 from allspark_server.runner.row_outputs import EmbedJob

@@ -18,49 +18,30 @@ import time
 import traceback
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional
 
 from allspark_client import settings
 from allspark_client.config import AsModelConfig
 from allspark_client.response_format import ResponseFormat
-from allspark_client.result_queue import ResultQueue
 from allspark_client.types import AsEngineStat, AsStatus, GeneratedElements, GenerateRequestStatus
 from allspark_client.validation import ConfigError
 from allspark_server.core.adapter_table import AdapterTable
 from allspark_server.core.messages import StepMsg
 from allspark_server.core.prefix_cache import HostTier, PrefixCache
-from allspark_server.core.request import FinishReason, Request
+from allspark_server.core.request import FinishReason
 from allspark_server.core.scheduler import Scheduler, SchedulerConfig
 from allspark_server.core.span_manager import SpanManager
+from allspark_server.engine.commands import AddRequest, Command
+from allspark_server.engine.row_results import attach_rows, take_rows
 from allspark_server.engine.step_loops import LaunchedStep, OverlappedLoop, SerialLoop
 from allspark_server.engine.step_watchdog import StepWatchdog
 from allspark_server.runner.guided import GuidedState, GuidedVocabulary
 from allspark_server.runner.model_runner import ModelRunner
-from allspark_server.runner.row_outputs import EmbedJob, prompt_logprobs
-from allspark_server.runner.sampler import PendingSample, Sampler, SamplingState, plain_greedy
+from allspark_server.runner.sampler import PendingSample, Sampler, plain_greedy
 from allspark_server.speculative.speculation import emitted_results, make_speculation, step_rows
 
 log = logging.getLogger(__name__)
 RATE_WINDOW_S = 10.0
-
-
-@dataclass
-class AddRequest:
-    request: Request
-    queue: ResultQueue
-    sampling: SamplingState
-    prompt_rows: Optional[dict] = None    # prompt_logprobs: position -> (logprob, top), until delivered
-    embed: Optional[EmbedJob] = None      # an embedding request's pooling and result
-
-
-@dataclass
-class StopRequest:
-    request_id: int
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-Command = Union[AddRequest, StopRequest]
 
 
 class ServedModel:
@@ -222,8 +203,7 @@ class ServedModel:
                 self.comm.bcast(StepMsg(self.cfg.model_name, plan))
                 masks = self._start_guided_masks(plan)
                 logits, rids = self.runner.execute(plan, tokens)
-                if self.runner.last_rows is not None:
-                    self._take_rows(self.runner.last_rows)
+                take_rows(self._live, self.runner.last_rows)    # prompt logprobs', embeddings' rows, if any
         except Exception as e:   # a failed step fails its requests, not the engine
             self._fail([plan] + ([behind.plan] if behind else []), e)
             return None
@@ -279,13 +259,7 @@ class ServedModel:
             if entry.sampling.guided is not None:     # one token: guided requests never speculate
                 reason, note = self._advance_grammar(entry, tokens[0], reason)
             el = GeneratedElements(list(tokens), prefix_cache_len=req.prefix_cache_len or 0)
-            if entry.prompt_rows is not None and not req.prompt_logprobs_pending:   # once, with its first token
-                got = [entry.prompt_rows[p] for p in range(1, req.num_prompt_tokens)]
-                el.prompt_logprobs = [None] + [lp for lp, _ in got]
-                el.prompt_top_logprobs = [[]] + [top for _, top in got]
-                entry.prompt_rows = None
-            if entry.embed is not None:
-                entry.embed.finish()
+            attach_rows(entry, el)                          # prompt logprobs (once), an embedding
             if entry.sampling.gen.logprobs:
                 for res in results[req.request_id][:len(tokens)]:
                     el.token_logprobs_list.append(res.logprob)
@@ -302,18 +276,6 @@ class ServedModel:
         # a step launched while the one before it ran: its wall time starts when that one's tokens were read
         self._record_step(plan, requests, generated, max(step.started, self._last_completed))
         self._last_completed = time.perf_counter()
-
-    def _take_rows(self, rows) -> None:
-        """Keep what a step computed besides its sampled rows (row_outputs.py): prompt logprobs by position,
-        embedding rows by their chunk's start (the requests' computed counts are not updated yet)."""
-        def top_k(rid: int) -> int:
-            return self._live[rid].sampling.gen.prompt_logprobs or 0
-        for rid, got in prompt_logprobs(rows, top_k).items():
-            for pos, lp, top in got:
-                self._live[rid].prompt_rows[pos] = (lp, top)
-        for rid, hidden in rows.hidden.items():
-            entry = self._live[rid]
-            entry.embed.add(entry.request.num_computed_tokens, hidden)
 
     def deliver(self) -> None:
         """Push the tokens (and final statuses) that the last step produced to their requests' queues."""

@@ -16,7 +16,8 @@ from typing import Any, Callable, Optional, Union
 
 from allspark_client.types import GenerateRequestStatus
 from allspark_server.core.messages import ShutdownMsg
-from allspark_server.engine.served_model import AddRequest, ServedModel, StopRequest
+from allspark_server.engine.commands import AddRequest, StopRequest
+from allspark_server.engine.served_model import ServedModel
 
 log = logging.getLogger(__name__)
 
