@@ -100,3 +100,20 @@ def test_sampled_bans_and_forces(draw):
     assert seen[0] == set(range(vocab))
     assert seen[1] == set(range(vocab)) - set(banned)
     assert seen[2] == {6}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_logits_take_the_bias_as_the_host_does(dtype):
+    """A GPU's sampler on CUDA logits: the counter draws' tokens on the host (fp32), the bias's bans and force."""
+    logits = (torch.randn(4, 300, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+    top = logits.float().argmax(-1).tolist()
+    cfgs = [dict(top_k=1, logit_bias={top[0]: -100, 17: 5.0}), dict(top_k=1),
+            dict(temperature=1.0, seed=2, logit_bias={top[2]: -100}),
+            dict(temperature=0.7, seed=3, logit_bias={9: 100})]
+    gpu = Sampler(torch.device("cuda")).sample_rows(logits.cuda(), _rows(cfgs))
+    cpu = SAMPLERS["counter"].sample_rows(logits.clone(), _rows(cfgs))
+    if dtype == torch.float32:    # bf16 draws may round apart; the bias's effects below hold either way
+        assert [r.token_id for r in gpu] == [r.token_id for r in cpu]
+    assert gpu[0].token_id == cpu[0].token_id != top[0] and gpu[1].token_id == top[1] and gpu[2].token_id != top[2]
+    assert gpu[3].token_id == 9
