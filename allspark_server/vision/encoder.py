@@ -33,9 +33,14 @@ class VisionEncoder(nn.Module):
 
     @classmethod
     def from_hf(cls, config: dict | str, weights: str | Mapping[str, torch.Tensor] | None = None,
-                dtype: torch.dtype = torch.float32, device=None) -> "VisionEncoder":
+                dtype: torch.dtype | str = torch.float32, device=None) -> "VisionEncoder":
         """From config.json's dict or the model folder, and the weights: a folder (default: the config's
-        folder) or a state dict (`model.visual.*`, `visual.*` or bare names)."""
+        folder) or a state dict (`model.visual.*`, `visual.*` or bare names). `dtype`: a torch dtype or its name
+        ("float32", "bfloat16", ...)."""
+        if isinstance(dtype, str):
+            if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise ValueError(f"unknown dtype {dtype!r} for the vision encoder")
+            dtype = getattr(torch, dtype)
         if weights is None:
             if not isinstance(config, str):
                 raise ValueError("VisionEncoder.from_hf: give the weights (a folder or a state dict) with a config "
