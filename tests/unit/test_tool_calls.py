@@ -281,3 +281,25 @@ def test_template_without_tools_gets_a_system_prompt():
     assert msgs[0]["role"] == "system" and "get_weather" in msgs[0]["content"] and "<tool_call>" in msgs[0]["content"]
     assert not t.template_uses_tools("{% for m in messages %}{{ m.content }}{% endfor %}")
     assert t.template_uses_tools("{% if tools %}{{ tools | tojson }}{% endif %}")
+
+
+def test_a_template_without_tools_gets_the_history_as_text():
+    """A template that reads no `tools`: the user's system message is kept (the tools' description in front of it
+    unless tool_choice is none), calls and results become Hermes text a plain template renders."""
+    from allspark_server.http.tools.chat import ServerTools
+
+    class Tok:
+        added_tokens_decoder = {}
+    server = ServerTools(Tok(), "{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert server.parser_name == "hermes"
+    history = [{"role": "system", "content": "Be nice."}, {"role": "user", "content": "hi"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": '{"a": 1}'}}]},
+               {"role": "tool", "tool_call_id": "c", "content": "42"}]
+    specs = t.validate_tools([TIME])
+    for mode in ("none", "auto"):
+        msgs, tools = server.template_input(history, specs, t.ToolChoice(mode))
+        assert tools is None and [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
+        assert msgs[0]["content"].endswith("Be nice.") and ("get_time" in msgs[0]["content"]) == (mode == "auto")
+        assert msgs[2]["content"] == '<tool_call>{"name": "get_time", "arguments": {"a": 1}}</tool_call>'
+        assert msgs[3]["content"] == "<tool_response>\n42\n</tool_response>"

@@ -14,6 +14,7 @@ from allspark_server.http.tools.grammar import tool_grammar
 from allspark_server.http.tools.parsers import PARSERS, ToolCallParser, parser_name_for
 from allspark_server.http.tools.spec import ToolChoice, ToolSpec
 from allspark_server.http.tools.template import (
+    history_as_text,
     template_messages,
     template_tools,
     template_uses_tools,
@@ -44,7 +45,7 @@ class ServerTools:
             if tools_active(specs, choice):
                 return with_tools_prompt(messages, list(specs)), None
             if has_history:                          # the calls and results as plain text
-                return with_tools_prompt(messages, [])[1:], None
+                return history_as_text(messages), None
             return messages, None
         tools = template_tools(list(specs)) if tools_active(specs, choice) else None
         return template_messages(messages), tools

@@ -57,10 +57,8 @@ def tools_system_prompt(specs: list[ToolSpec]) -> str:
     return "\n".join(lines)
 
 
-def with_tools_prompt(messages: list[dict], specs: list[ToolSpec]) -> list[dict]:
-    """The messages with the tools' description as (or in front of) the system message; tool results and calls
-    written as text, which any template renders."""
-    prompt = tools_system_prompt(specs)
+def history_as_text(messages: list[dict]) -> list[dict]:
+    """The history's tool results as user messages and assistant calls as Hermes text: what any template renders."""
     out = []
     for m in messages:
         if m.get("role") == "tool":
@@ -72,6 +70,13 @@ def with_tools_prompt(messages: list[dict], specs: list[ToolSpec]) -> list[dict]
                               for c in m["tool_calls"])
             m = {"role": "assistant", "content": ((m.get("content") or "") + "\n" + calls).strip()}
         out.append(m)
+    return out
+
+
+def with_tools_prompt(messages: list[dict], specs: list[ToolSpec]) -> list[dict]:
+    """The messages with the tools' description as (or in front of) the system message, the history as text."""
+    prompt = tools_system_prompt(specs)
+    out = history_as_text(messages)
     if out and out[0].get("role") == "system":
         return [{**out[0], "content": prompt + "\n\n" + (out[0].get("content") or "")}] + out[1:]
     return [{"role": "system", "content": prompt}] + out
