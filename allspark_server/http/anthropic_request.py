@@ -143,13 +143,22 @@ def _conversation(f: dict, served_model: str, adapters: Collection[str]) -> Mess
     model = _model(f, served_model, adapters)
     messages = _template_messages(f.get("system"), _required(f, "messages"))
     req = ApiRequest("chat", model, messages=messages, lora_name="" if model == served_model else model)
-    req.prompt_chars = sum(len(json.dumps(m, ensure_ascii=False)) for m in messages)
+    req.prompt_chars = _chars(messages)
     out = MessagesRequest(req)
     if f.get("tools"):
         _tools(out, f["tools"], f.get("tool_choice"))
     elif f.get("tool_choice") not in (None, {"type": "none"}, {"type": "auto"}):
         raise bad_request("tool_choice: needs tools", param="tool_choice")
     return out
+
+
+def _chars(value: Any) -> int:
+    """Characters in the strings of the messages: what their chat template can render (the prompt check's)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(map(_chars, value.values()))
+    return sum(map(_chars, value)) if isinstance(value, list) else 0
 
 
 # ---- content blocks -> the chat template's messages --------------------------------------------------------------

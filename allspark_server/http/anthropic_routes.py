@@ -133,8 +133,9 @@ async def _events(run, m: MessagesRequest, msg_id: str, parser) -> AsyncIterator
                 out = tools.feed(piece.text) if tools is not None else es.text(piece.text)
                 if out:
                     yield out
-            if tools is not None and run.error is None:
-                yield tools.finish()
+            out = tools.finish() if tools is not None and run.error is None else b""
+            if out:
+                yield out
         except Exception as e:          # headers are sent: the error can only travel as an event
             log.exception("generation stream failed")
             run.error = ApiError(500, f"internal error: {e!r}")

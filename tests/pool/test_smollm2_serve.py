@@ -51,6 +51,30 @@ def test_chat_answers_in_english(server):
     assert len(words) >= 5 and sum(w.lower().strip(".,!") in english for w in words) >= 2, words
 
 
+def test_anthropic_client_round_trip(server):
+    """The Messages API on a real model: the `anthropic` client's answer, streamed and not, is the chat endpoint's
+    greedy answer; a forced tool call's input matches its schema."""
+    anthropic = pytest.importorskip("anthropic")
+    import jsonschema
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    want = ask(openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0),
+               messages[0]["content"]).choices[0].message.content
+    r = client.messages.create(model="smollm2", messages=messages, max_tokens=48, extra_body={"temperature": 0})
+    assert r.content[0].text == want and "Paris" in want and r.stop_reason == "end_turn"
+    with client.messages.stream(model="smollm2", messages=messages, max_tokens=48,
+                                extra_body={"temperature": 0}) as stream:
+        assert "".join(stream.text_stream) == want
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+              "required": ["city"], "additionalProperties": False}
+    r = client.messages.create(model="smollm2", messages=messages, max_tokens=64, extra_body={"temperature": 0},
+                               tools=[{"name": "lookup", "description": "Look a city up", "input_schema": schema}],
+                               tool_choice={"type": "tool", "name": "lookup"})
+    [call] = [b for b in r.content if b.type == "tool_use"]
+    assert r.stop_reason == "tool_use" and call.name == "lookup"
+    jsonschema.validate(call.input, schema)
+
+
 def test_pool_greedy_equals_transformers_fp32_model_of_the_file(pool, smollm2_case):
     """The file's own Q4_1 weights (uint4_min) on the session's 2-rank pool (heads split 3 + 6): 8 chat prompts
     batched and 2 of them alone equal transformers' fp32 model of the same file (which dequantizes). Every prompt
