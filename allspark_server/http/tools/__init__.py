@@ -9,9 +9,10 @@ API (used by the OpenAI chat route and by the Anthropic Messages route):
     parse_tool_choice(value, specs, param="tool_choice") -> ToolChoice
         "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}} -> ToolChoice(mode, name);
         mode is "none", "auto", "required" or "named"; ToolError for an unknown mode or a name not in specs.
-    parser_for(template_text, flag=None) -> ToolCallParser
+    parser_for(template_text, flag=None, names=()) -> ToolCallParser
         The parser named by `flag` (--tool-call-parser: hermes, llama3_json, mistral, glm4), else the one the
-        chat template's text suggests, else hermes. PARSERS: the registry (name -> class).
+        chat template's text suggests, else hermes; `names`: the request's tool names (glm4 checks them).
+        PARSERS: the registry (name -> class).
     ToolCallParser.parse(text) -> (content: str, calls: list[ToolCall])
         A complete output: the text outside calls ("" when none) and the calls in order.
     ToolCallParser.stream() -> StreamingToolParser
@@ -19,10 +20,11 @@ API (used by the OpenAI chat route and by the Anthropic Messages route):
         Events: TextDelta(text) | ToolCallStart(index, id, name) | ToolArgsDelta(index, arguments) (a piece of
         the arguments' JSON text; the pieces of one call concatenate to its ToolCall.arguments).
     ToolCall(id, name, arguments): arguments is the JSON text of an object; id "call_<hex>" (new_call_id()).
-    tool_grammar(specs, choice, parser) -> Optional[str]
+    tool_grammar(specs, choice, parser, special=None) -> Optional[str]
         The llguidance Lark grammar that forces `required` (any one of the tools) or a named tool, in the
-        parser's own call syntax, the arguments following the tool's schema; None for "none" / "auto".
-        The server passes it as response_format {"type": "lark", "lark": grammar}.
+        parser's own call syntax, the arguments following the tool's schema; for "auto" (hermes, mistral) one
+        that leaves text free up to a call's marker and constrains the call; None otherwise. `special`: call
+        markers that are special tokens -> their ids. Run as response_format {"type": "lark", "lark": grammar}.
     template_tools(specs) -> list[dict]
         The `tools` a chat template receives (OpenAI's {"type": "function", "function": {...}} shape).
     template_messages(messages) -> list[dict]
@@ -30,6 +32,10 @@ API (used by the OpenAI chat route and by the Anthropic Messages route):
         kept (tool_call_id, name).
     template_uses_tools(template_text) -> bool;  tools_system_prompt(specs, parser) -> str
         A template that ignores `tools` gets the tools described in a system message (Hermes format).
+
+On the server (chat.py): `Serving.tools` is a ServerTools (the model's parser, template input, the guided format of
+a request's calls, the detokenizer's special-token handling); an ApiRequest's `tools` / `tool_choice` (ToolSpecs, a
+ToolChoice) are rendered and guided by Serving itself; `ChatToolOutput` turns a choice's text into OpenAI deltas.
 
 This package owns no HTTP: errors are ToolError (message, param); each route turns them into its own error shape.
 """
