@@ -20,10 +20,18 @@ from allspark_client import wire
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client._proto import allspark_pb2_grpc as pb_grpc
 from allspark_client.api import EngineAPI, StartResult
-from allspark_client.channel import RECONNECT_BACKOFF_MS, Pem, failure_reason, normalize_address, open_channel
+from allspark_client.channel import (
+    MAX_MESSAGE_BYTES,
+    RECONNECT_BACKOFF_MS,
+    Pem,
+    failure_reason,
+    normalize_address,
+    open_channel,
+)
 from allspark_client.config import AsModelConfig
 from allspark_client.embed_client import ClientEmbed
 from allspark_client.generation_config import parse_request
+from allspark_client.image_inputs import images_to_proto, parse_image_inputs
 from allspark_client.launch.spawned_pool import SpawnedPool
 from allspark_client.lora_client import ClientLora
 from allspark_client.op_profile_report import OpProfileReport
@@ -256,10 +264,13 @@ class ClientEngine(ClientDeviceMemory, ClientLora, ClientEmbed, EngineAPI):
             return self._fail(AsStatus.ALLSPARK_INVALID_CALL_ERROR, CLOSED), None, None
         try:
             ids, raw, gen = parse_request(inputs, generate_config)
+            images = parse_image_inputs(inputs)
+            images = images_to_proto(pb, images, MAX_MESSAGE_BYTES) if images is not None else None
         except ConfigError as e:
             return self._fail(e.status, str(e)), None, None
         request = pb.GenerateRequest(model_name=name, input_ids=ids, config=wire.generation_config_to_proto(raw, gen),
-                                     session_id=self._session.id if self._session is not None else "")
+                                     session_id=self._session.id if self._session is not None else "",
+                                     images=images)
         call = self._stub.Generate(request)
         try:
             first = next(call)

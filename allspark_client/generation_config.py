@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from allspark_client.image_inputs import IMAGE_KEYS
 from allspark_client.response_format import ResponseFormat, parse_response_format
 from allspark_client.types import AsStatus
 from allspark_client.validation import ConfigError, _check, _float, _int, _is_int, _token_list
@@ -200,7 +201,7 @@ def parse_request(inputs: Any, generate_config: Any, vocab_size: Optional[int] =
     """start_request's checks, shared by Engine and ClientEngine: `inputs` is {"input_ids": ...}
     (an attention_mask is tolerated), the config a dict or builder. Returns (ids, raw dict, config)."""
     _check(isinstance(inputs, dict) and "input_ids" in inputs, "inputs must be a dict with key 'input_ids'")
-    extra = set(inputs) - {"input_ids", "attention_mask"}
+    extra = set(inputs) - {"input_ids", "attention_mask", *IMAGE_KEYS}
     _check(not extra, f"unknown inputs keys {sorted(extra)}")
     raw = generate_config.build() if isinstance(generate_config, ASGenerationConfigBuilder) else generate_config
     raw = {} if raw is None else raw

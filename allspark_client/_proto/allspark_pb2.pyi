@@ -319,16 +319,28 @@ class GenerationConfig(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_length: _Optional[int] = ..., max_length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., has_eos_token_id: _Optional[bool] = ..., eos_token_id: _Optional[_Iterable[int]] = ..., stop_words_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., do_sample: _Optional[bool] = ..., response_format_json: _Optional[str] = ..., speculative: _Optional[bool] = ..., lora_name: _Optional[str] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model_name", "input_ids", "config", "session_id")
+    __slots__ = ("model_name", "input_ids", "config", "session_id", "images")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     config: GenerationConfig
     session_id: str
-    def __init__(self, model_name: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., config: _Optional[_Union[GenerationConfig, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    images: PromptImageInputs
+    def __init__(self, model_name: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., config: _Optional[_Union[GenerationConfig, _Mapping]] = ..., session_id: _Optional[str] = ..., images: _Optional[_Union[PromptImageInputs, _Mapping]] = ...) -> None: ...
+
+class PromptImageInputs(_message.Message):
+    __slots__ = ("pixel_values", "patch_dim", "image_grid_thw")
+    PIXEL_VALUES_FIELD_NUMBER: _ClassVar[int]
+    PATCH_DIM_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_GRID_THW_FIELD_NUMBER: _ClassVar[int]
+    pixel_values: bytes
+    patch_dim: int
+    image_grid_thw: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pixel_values: _Optional[bytes] = ..., patch_dim: _Optional[int] = ..., image_grid_thw: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")

@@ -14,6 +14,7 @@ computed counts by the next plan (`rolled_back`). No torch, no behaviour: data o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class NewRequestData:
     span_ids: tuple[int, ...]
     num_computed_tokens: int          # tokens whose K/V are already in the spans
     lora_slot: int = -1               # its LoRA adapter's slot (-1: the base model)
+    images: Any = None                # core/multimodal.py's PromptImages (a prompt with images), else None
 
 
 @dataclass(frozen=True)

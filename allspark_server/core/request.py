@@ -51,7 +51,8 @@ class Request:
     arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
     num_rolled_back: int = 0             # rejected proposals' positions the runners still count as computed
     lora_slot: int = -1                  # the LoRA adapter's slot in the runners (-1: the base model)
-    adapter_key: str = ""                # the adapter's identity in prefix-cache keys ("": the base model)
+    cache_salt: str = ""                 # the adapter's and the images' identity in prefix-cache keys ("": none)
+    images: Any = None                   # core/multimodal.py's PromptImages of a prompt with images, else None
     # the logits of every prompt row are wanted (prompt_logprobs) until the prompt is computed: no prefix-cache hit
     prompt_logprobs_pending: bool = False
     embedding: bool = False              # an embedding request: its rows' hidden states, nothing sampled

@@ -193,7 +193,7 @@ class Scheduler:
         if self.cache is None or _wants_rows(req):   # every row is computed (what it computes is still offered)
             return True
         full = (req.num_tokens - 1) // self.spans.span_size
-        keys = self.cache.keys(req.all_token_ids, full, req.prefix_keys, req.adapter_key)[:full]
+        keys = self.cache.keys(req.all_token_ids, full, req.prefix_keys, req.cache_salt)[:full]
         hits = self.cache.lookup(keys)
         self.spans.share(hits)
         slots = self.cache.tier_run(keys[len(hits):])
@@ -222,7 +222,7 @@ class Scheduler:
         full = req.num_computed_tokens // self.spans.span_size
         if self.cache is None or full <= req.num_registered_spans:
             return
-        keys = self.cache.keys(req.all_token_ids, full, req.prefix_keys, req.adapter_key)
+        keys = self.cache.keys(req.all_token_ids, full, req.prefix_keys, req.cache_salt)
         for i in range(req.num_registered_spans, full):
             self.cache.register(req.span_ids[i], keys[i])
         self._stop_computing(req, keys[req.num_registered_spans:full])
@@ -286,7 +286,7 @@ class Scheduler:
         for req, n, draft in chunks:
             if req.request_id not in self._synced:
                 new.append(NewRequestData(req.request_id, tuple(req.all_token_ids), tuple(req.span_ids),
-                                          req.num_computed_tokens, req.lora_slot))
+                                          req.num_computed_tokens, req.lora_slot, req.images))
                 self._synced.add(req.request_id)
             else:
                 tokens = req.token_ids_from(req.num_synced_tokens)

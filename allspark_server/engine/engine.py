@@ -20,6 +20,7 @@ from allspark_client import settings
 from allspark_client.api import EngineAPI, StartResult
 from allspark_client.config import AsModelConfig
 from allspark_client.generation_config import parse_request, resolve_max_length
+from allspark_client.image_inputs import parse_image_inputs
 from allspark_client.op_profile_report import OpProfileReport
 from allspark_client.result_queue import ResultQueue
 from allspark_client.types import POOL_DOWN, AsEngineStat, AsException, AsStatus, GenerateRequestStatus, RequestHandle
@@ -29,6 +30,7 @@ from allspark_server.core.messages import InstallModelMsg, OpProfileMsg, Release
 from allspark_server.core.request import Request
 from allspark_server.engine.commands import AddRequest, StopRequest
 from allspark_server.engine.embed_api import EmbedAPI
+from allspark_server.engine.images import tower_of
 from allspark_server.engine.lora_api import LoraAPI
 from allspark_server.engine.peer_watch import PeerWatch, RankIdentity, exit_now
 from allspark_server.engine.served_model import ServedModel
@@ -231,6 +233,8 @@ class Engine(DeviceMemory, LoraAPI, EmbedAPI, EngineAPI):
             sampling = SamplingState.create(gen)
             if gen.response_format is not None:   # compiled here, in the caller's thread: a bad schema fails now
                 sampling.guided = model.guided_state(gen.response_format)
+            images = parse_image_inputs(inputs)  # encoded here too (engine/images.py): a bad image fails now
+            images = tower_of(model).prompt_images(ids, *images) if images is not None else None
         except ConfigError as e:
             raise RequestError(e.status, str(e)) from None
         capacity = model.spans.num_spans * model.spans.span_size
@@ -241,7 +245,8 @@ class Engine(DeviceMemory, LoraAPI, EmbedAPI, EngineAPI):
         handle = RequestHandle(name, rid)
         queue = ResultQueue(context_length=len(ids))
         req = Request(rid, ids, max_length, gen.eos_token_ids, gen.stop_words_ids, gen.min_length, sampling=gen,
-                      prompt_logprobs_pending=gen.prompt_logprobs is not None)
+                      prompt_logprobs_pending=gen.prompt_logprobs is not None, images=images,
+                      cache_salt="" if images is None else "images:" + images.key)
         with self._lock:   # stop_model holds this lock too: a request never lands in a stopped model
             self._model(name)                  # shut down meanwhile: INVALID_CALL_ERROR
             if self._models.get(name) is not model or not model.started:
@@ -253,7 +258,7 @@ class Engine(DeviceMemory, LoraAPI, EmbedAPI, EngineAPI):
             except LookupError as e:
                 raise RequestError(AsStatus.ALLSPARK_LORA_NOT_FOUND, str(e)) from None
             if adapter is not None:
-                req.lora_slot, req.adapter_key = adapter.slot, adapter.key
+                req.lora_slot, req.cache_salt = adapter.slot, adapter.key + req.cache_salt
             self._requests[name][rid] = _LiveRequest(handle, queue)
             self._engine.post(ForModel(name, AddRequest(req, queue, sampling,
                                                         prompt_rows={} if req.prompt_logprobs_pending else None)))

@@ -85,7 +85,7 @@ def dynamic_rope_limit(scaling: Optional[dict], max_position_embeddings: int) ->
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: Optional[dict],
-                 rotary_dim: int = 0):
+                 rotary_dim: int = 0, mrope_section: tuple = ()):
         """`rotary_dim` < head_dim (partial rotary): pair i < rotary_dim/2 rotates dims (i, i + head_dim/2) at the
         frequencies of a rotary_dim-wide rope; every other dim gets cos 1, sin 0, so it passes unchanged (x * 1 +
         y * 0 is exact in any dtype).
@@ -98,6 +98,12 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.max_positions = head_dim, max_positions
         self.rotary_dim = rotary_dim or head_dim
         self.inv_freq, self.attention_factor = rope_frequencies(self.rotary_dim, theta, scaling)
+        # M-RoPE: which of a 3-D position's components (temporal, height, width) turns each column ([D] long)
+        self.mrope_sections = None
+        if mrope_section:
+            pairs = [i for i, n in enumerate(mrope_section) for _ in range(n)]
+            pairs += [0] * (head_dim // 2 - len(pairs))               # columns past the rotary dims: cos 1, sin 0
+            self.mrope_sections = torch.tensor(pairs + pairs, dtype=torch.long, device="cpu")
         self.register_buffer("_cos", torch.empty(0, head_dim), persistent=False)
         self.register_buffer("_sin", torch.empty(0, head_dim), persistent=False)
 
@@ -135,8 +141,20 @@ class RotaryEmbedding(nn.Module):
         self._cos, self._sin = cos, sin
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The [T, 1, D] cos and sin rows of `positions`, in `dtype` (once per step, shared by all layers)."""
+        """The [T, 1, D] cos and sin rows of `positions`, in `dtype` (once per step, shared by all layers).
+
+        `positions` [T], or [3, T] for M-RoPE: each column takes the row of its section's component (a token whose
+        three components are equal gets the plain row of that position)."""
+        if positions.dim() == 2:
+            return self._mrope_rows(self.cos, positions, dtype), self._mrope_rows(self.sin, positions, dtype)
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+    def _mrope_rows(self, table: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.mrope_sections is None:
+            raise ValueError("3-D rotary positions given to a model without M-RoPE (mrope_section)")
+        rows = table[positions]                                                   # [3, T, D]
+        sections = self.mrope_sections.to(rows.device)[None, None, :].expand(1, *rows.shape[1:])
+        return rows.gather(0, sections)[0].to(dtype).unsqueeze(1)                 # [T, 1, D]
 
 
 def fit_rotary(model: nn.Module, positions: int) -> None:

@@ -159,9 +159,15 @@ class HuggingFaceModel:
         tensors = {}
         prequant_layers: dict[str, dict[str, torch.Tensor]] = {}
         quantizable = quantizable_weights(self.args.architecture)
-        convert = get_arch(self.args.architecture).convert
+        convert, side = get_arch(self.args.architecture).convert, get_arch(self.args.architecture).side
+        self._side_tensors = {}
         for checkpoint_name, raw in self._checkpoint_tensors():
             if checkpoint_name.endswith(IGNORED_SUFFIXES):
+                continue
+            side_name = side(checkpoint_name) if side is not None else None
+            if side_name is not None:         # a vision tower's: kept as it is, in the model's dtype
+                self._side_tensors[side_name] = raw.to(self.data_type) if raw.is_floating_point() else raw
+                self._check_finite(checkpoint_name, self._side_tensors[side_name], raw)
                 continue
             base, _, suffix = checkpoint_name.rpartition(".")
             if self.prequant and suffix in self.prequant.tensors and re.search(quantizable, base + ".weight"):
@@ -319,7 +325,8 @@ class HuggingFaceModel:
             serialize_args["quantization"] = scheme.weight_format
         self.graph_path, self.weights_path = write_model_files(
             output_dir, self.model_name, self.args, self.hf_config, self.data_type, tensors, modes, eos, eos,
-            serialize_args, quant=scheme, tokenizer_json=self._tokenizer_json(), paths=(graph, params))
+            serialize_args, quant=scheme, tokenizer_json=self._tokenizer_json(), paths=(graph, params),
+            side_tensors=getattr(self, "_side_tensors", None))
 
     def _prequantized_compute(self, scheme: QuantScheme, config, flags: bool) -> QuantScheme:
         """An already quantized checkpoint (GGUF, GPTQ, AWQ) keeps its codes: a customized_quant_config may only

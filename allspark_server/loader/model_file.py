@@ -49,8 +49,10 @@ def write_model_files(out_dir: str, model_name: str, args: ModelArgs, hf_config:
                       tensors: dict[str, torch.Tensor], split_modes: dict[str, SplitMode],
                       eos_ids: list[int], stop_ids: list[int], serialize_args: dict[str, str],
                       quant: QuantScheme | None = None, tokenizer_json: str = "",
-                      paths: tuple[str, str] | None = None) -> tuple[str, str]:
-    """Write `<out_dir>/<name>.asgraph` + `.asparam`, or the (graph, param) `paths` given."""
+                      paths: tuple[str, str] | None = None,
+                      side_tensors: dict[str, torch.Tensor] | None = None) -> tuple[str, str]:
+    """Write `<out_dir>/<name>.asgraph` + `.asparam`, or the (graph, param) `paths` given. `side_tensors` (a vision
+    tower's) go into the .asparam under their own names, outside the graph: ranks never load them."""
     from safetensors.torch import save_file
 
     safe = model_name.replace("/", "_")
@@ -61,7 +63,10 @@ def write_model_files(out_dir: str, model_name: str, args: ModelArgs, hf_config:
     # both files are written under temporary names and renamed at the end: a failure leaves no half-written model
     param_tmp, graph_tmp = param_path + ".tmp", graph_path + ".tmp"
     try:   # the version that wrote the weights, for get_file_information (DashInfer's create_version_param)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, param_tmp,
+        clash = set(side_tensors or ()) & set(tensors)
+        if clash:
+            raise ModelFileError(f"side tensors named as the decoder's: {sorted(clash)[:3]}")
+        save_file({k: v.contiguous() for k, v in {**tensors, **(side_tensors or {})}.items()}, param_tmp,
                   metadata={"format": "allspark", "allspark_version": __version__})
         _write_graph(graph_tmp, param_tmp, model_name, args, hf_config, dtype, tensors, split_modes, eos_ids,
                      stop_ids, serialize_args, quant, tokenizer_json)
@@ -113,6 +118,13 @@ class ModelFile:
     def tokenizer_json(self) -> str:
         """The model folder's HF tokenizer as tokenizer.json text; "" if it had none (no guided output)."""
         return self.graph.tokenizer_json
+
+    def side_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The tensors stored beside the decoder's whose names start with `prefix` (write_model_files)."""
+        from safetensors import safe_open
+        listed = {t.name for t in self.graph.tensors}
+        with safe_open(self.weights_path, "pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys() if k.startswith(prefix) and k not in listed}
 
     @property
     def quant(self) -> QuantScheme | None:

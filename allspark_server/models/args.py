@@ -33,6 +33,9 @@ class ModelArgs:
     qk_norm: bool = False        # Qwen3: RMSNorm over each head of q and k (weights [head_dim]) before the rotary
     rotary_dim: int = 0          # dims of each head that rotate (0: all); our layout puts rotating pair i at dims
                                  # (i, i + head_dim/2), the converters reorder checkpoints that pair them otherwise
+    # M-RoPE (Qwen2-VL): the rotating pairs split into sections (temporal, height, width: pair counts summing to
+    # rotary_dim/2), each rotated by its own component of a token's 3-D position (layers/rotary.py); () = 1-D rope
+    mrope_section: tuple = ()
     lm_head_normalized: bool = False   # Baichuan2's NormHead: the head's rows were normalized when loaded
     position_embedding: str = "rope"   # "rope", or "alibi" (Baichuan2-13B: a per-head score bias, compute/alibi.py,
                                        # and no rotary)

@@ -213,7 +213,8 @@ class DecoderModel(nn.Module):
         # (Gemma 3); ALiBi models have none
         tables = [(args.rope_theta, args.rope_scaling)] + ([(args.local_rope_theta, args.local_rope_scaling)]
                                                              if args.local_rope_theta else [])
-        self.rotaries = nn.ModuleList(RotaryEmbedding(args.head_dim, max_positions, theta, scaling, args.rotary_dim)
+        self.rotaries = nn.ModuleList(RotaryEmbedding(args.head_dim, max_positions, theta, scaling, args.rotary_dim,
+                                                      args.mrope_section)
                                       for theta, scaling in tables) if args.position_embedding == "rope" else None
 
     def ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list:
@@ -287,7 +288,7 @@ class DecoderForCausalLM(nn.Module):
         meta, prof = inputs.attn, self.profiler
         # every sequence decodes one token and every row is sampled: the whole step is one native call
         if (not meta.seqs and len(inputs.sample_request_ids) == inputs.input_ids.shape[0]
-                and not inputs.has_extra_rows
+                and not inputs.has_extra_rows and inputs.embed_rows is None and inputs.rope_positions is None
                 and (stack := self.decode_stack(kv_cache)) is not None):
             # alone-rows mode (a verify step): every row on the GEMV, as a one-row step computes it (row_mode.py)
             verify = {"all_rows_native": True} if row_mode.alone() else {}
@@ -296,7 +297,10 @@ class DecoderForCausalLM(nn.Module):
                               meta.decode_ctx, self._reduce, **verify, **lora)
             return self.capped(timed(prof, "lm_head_gather", self.lm_head.gather, local))
         x = timed(prof, "embedding", self.embed, inputs.input_ids)         # [T, H]
-        ropes = timed(prof, "rope_rows", self.model.ropes, inputs.positions, x.dtype)   # per table: [T, 1, D] x 2
+        if inputs.embed_rows is not None:                                   # image tokens: the images' embeddings
+            x[inputs.embed_rows] = inputs.embed_values.to(x.dtype)
+        rope_positions = inputs.positions if inputs.rope_positions is None else inputs.rope_positions
+        ropes = timed(prof, "rope_rows", self.model.ropes, rope_positions, x.dtype)   # per table: [T, 1, D] x 2
         residual = None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, inputs, ropes, kv_cache.layers[i], prof)

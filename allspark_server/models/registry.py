@@ -33,6 +33,9 @@ class ArchSpec:
     convert: Converter = keep           # checkpoint tensor -> canonical tensors (none: ignored)
     # (args, the generic description) -> this family's: its steps' options set from args.options
     refine: Optional[Callable[[ModelArgs, ModelSpec], ModelSpec]] = None
+    # checkpoint tensors that are not the decoder's but travel with it (a vision tower): name -> its name in the
+    # model file (stored beside the decoder's weights, not in the graph), None for the decoder's own tensors
+    side: Optional[Callable[[str], Optional[str]]] = None
 
 
 class UnsupportedArchitecture(ValueError):

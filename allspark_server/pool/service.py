@@ -30,6 +30,7 @@ from allspark_client import wire
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client._proto import allspark_pb2_grpc as pb_grpc
 from allspark_client.channel import MAX_MESSAGE_BYTES
+from allspark_client.image_inputs import images_from_proto
 from allspark_client.types import AsException, AsStatus, GenerateRequestStatus, RequestHandle
 from allspark_client.validation import ConfigError
 from allspark_server.build_info import version_full
@@ -144,8 +145,13 @@ class AllsparkServicer(pb_grpc.AllsparkServicer):
 
     def _start(self, request):
         gen = wire.generation_config_from_proto(request.config)
-        status, handle, queue = self.engine.start_request(request.model_name, {"input_ids": list(request.input_ids)},
-                                                          gen)
+        inputs = {"input_ids": list(request.input_ids)}
+        if request.HasField("images"):
+            try:
+                inputs.update(images_from_proto(request.images))
+            except ConfigError as e:
+                return e.status, None, None, str(e)
+        status, handle, queue = self.engine.start_request(request.model_name, inputs, gen)
         return status, handle, queue, ("" if status == 0 else self.engine.get_last_error())
 
     async def Generate(self, request, context):

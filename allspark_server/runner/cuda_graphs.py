@@ -113,7 +113,7 @@ class DecodeGraphs:
                 i = len(ids)
                 need = pos // p + 1                    # spans holding positions 0..pos
                 ids.append(0 if device_ids is not None else m.token_ids[pos] if j == 0 else chunk.draft_ids[j - 1])
-                positions.append(pos)
+                positions.append(pos if m.images is None else m.images.position(pos))   # M-RoPE: text after images
                 slots.append(m.span_ids[need - 1] * p + pos % p)
                 ctx.append(pos + 1)
                 held, written = self.row_spans[i]

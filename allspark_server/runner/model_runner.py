@@ -255,7 +255,7 @@ class ModelRunner:
             self.mirrors.pop(rid, None)
         for r in plan.new_requests:
             self.mirrors[r.request_id] = RequestMirror(list(r.token_ids), list(r.span_ids), r.num_computed_tokens,
-                                                       r.lora_slot)
+                                                       r.lora_slot, r.images)
         for r in plan.cached_requests:
             m = self.mirrors[r.request_id]
             m.token_ids.extend(r.new_token_ids)

@@ -15,7 +15,7 @@ its request, the position it predicts and that position's token in `logit_target
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -60,6 +60,11 @@ class ForwardInputs:
     logit_targets: tuple = ()                    # (request id, position, token id) each logit row predicts
     hidden_rows: Optional[torch.Tensor] = None   # [E] long: rows whose final-norm hidden states are wanted
     hidden_request_ids: tuple = ()               # their requests
+    # prompts with images (core/multimodal.py): M-RoPE positions [3, T] when a row's components differ, and the
+    # rows whose token embeddings the images' embeddings replace
+    rope_positions: Optional[torch.Tensor] = None
+    embed_rows: Optional[torch.Tensor] = None    # [E] long
+    embed_values: Optional[torch.Tensor] = None  # [E, hidden]
 
     @property
     def has_extra_rows(self) -> bool:
@@ -79,8 +84,14 @@ class ForwardInputs:
         attn = AttentionMetadata(next(moved), a.seqs, *(next(moved) for _ in range(7)), a.prefill_max_q)
         lora = None if self.lora_rows is None else self.lora_rows.to(device)
         sample_rows = next(moved)
+        logit_rows, hidden_rows = next(moved), next(moved)
+        images = {}
+        if self.rope_positions is not None or self.embed_rows is not None:
+            images = {k: None if t is None else t.to(device, non_blocking=True) for k, t in
+                      (("rope_positions", self.rope_positions), ("embed_rows", self.embed_rows),
+                       ("embed_values", self.embed_values))}
         return ForwardInputs(ids, positions, attn, sample_rows, self.sample_request_ids, self.verifies, lora,
-                             next(moved), self.logit_targets, next(moved), self.hidden_request_ids)
+                             logit_rows, self.logit_targets, hidden_rows, self.hidden_request_ids, **images)
 
 
 def move_together(tensors: list, device: torch.device) -> list:
@@ -110,6 +121,7 @@ class RequestMirror:
     span_ids: list[int]
     num_computed_tokens: int
     lora_slot: int = -1               # its LoRA adapter's slot (-1: the base model)
+    images: Any = None                # core/multimodal.py's PromptImages (a prompt with images), else None
 
 
 def build_forward_inputs(chunks, mirrors: dict[int, RequestMirror], span_size: int) -> ForwardInputs:
@@ -118,6 +130,7 @@ def build_forward_inputs(chunks, mirrors: dict[int, RequestMirror], span_size: i
     pre_spans, row_slots = [], []
     logit_rows, logit_targets, hidden_rows, hidden_rids = [], [], [], []
     offsets = None   # token offsets within a span, made by the first prefill chunk
+    image_chunks = []   # (first row, start, end, PromptImages): chunks computing prompt tokens of prompts with images
     for chunk in chunks:
         m = mirrors[chunk.request_id]
         start, n = m.num_computed_tokens, chunk.num_tokens
@@ -127,7 +140,7 @@ def build_forward_inputs(chunks, mirrors: dict[int, RequestMirror], span_size: i
             for i, token in enumerate((m.token_ids[start], *chunk.draft_ids)):
                 pos = start + i
                 ids.append(token)
-                positions.append(pos)
+                positions.append(pos if m.images is None else m.images.position(pos))
                 slot_list.append(m.span_ids[pos // span_size] * span_size + pos % span_size)
                 dec_rows.append(len(ids) - 1)
                 dec_spans.append(m.span_ids)
@@ -136,8 +149,13 @@ def build_forward_inputs(chunks, mirrors: dict[int, RequestMirror], span_size: i
                 sample_rids.append(chunk.request_id)
             continue
         ids.extend(m.token_ids[start:end])
-        positions.extend(range(start, end))
         first = len(ids) - n                   # the chunk's first batch row
+        if m.images is None:
+            positions.extend(range(start, end))
+        else:
+            positions.extend(map(m.images.position, range(start, end)))
+            if start < m.images.rope_positions.shape[1]:
+                image_chunks.append((first, start, end, m.images))
         if chunk.prompt_rows:   # pending prompt logprobs: the mirror's tokens are the prompt
             for pos in range(start, min(end, len(m.token_ids) - 1)):
                 logit_rows.append(first + pos - start)
@@ -165,9 +183,10 @@ def build_forward_inputs(chunks, mirrors: dict[int, RequestMirror], span_size: i
         if chunk.needs_sample:
             sample_rows.append(len(ids) - 1)
             sample_rids.append(chunk.request_id)
+    positions = torch.tensor(positions, dtype=torch.long)
     return ForwardInputs(
         input_ids=torch.tensor(ids, dtype=torch.long),
-        positions=torch.tensor(positions, dtype=torch.long),
+        positions=positions,
         attn=AttentionMetadata(torch.tensor(slot_list, dtype=torch.long), seqs,
                                decode_rows=torch.tensor(dec_rows, dtype=torch.long),
                                decode_spans=padded_table(dec_spans),
@@ -185,7 +204,26 @@ def build_forward_inputs(chunks, mirrors: dict[int, RequestMirror], span_size: i
         logit_targets=tuple(logit_targets),
         hidden_rows=torch.tensor(hidden_rows, dtype=torch.long) if hidden_rows else None,
         hidden_request_ids=tuple(hidden_rids),
+        **(image_inputs(image_chunks, positions) if image_chunks else {}),
     )
+
+
+def image_inputs(image_chunks: list, positions: torch.Tensor) -> dict:
+    """ForwardInputs' M-RoPE positions and image embedding rows for the chunks that compute prompt tokens of prompts
+    with images; every other row turns with its 1-D position in all three sections."""
+    rope = positions.repeat(3, 1)                                       # [3, T]
+    rows, values = [], []
+    for first, start, end, images in image_chunks:
+        upto = min(end, images.rope_positions.shape[1])
+        rope[:, first:first + upto - start] = images.rope_positions[:, start:upto]
+        at = images.embed_positions
+        inside = (at >= start) & (at < end)
+        rows.append(at[inside] - start + first)
+        values.append(images.embeds[inside])
+    positions.copy_(rope[0])                                            # the temporal component, as 1-D position
+    found = torch.cat(rows)
+    return {"rope_positions": rope, "embed_rows": found if len(found) else None,
+            "embed_values": torch.cat(values) if len(found) else None}
 
 
 def padded_table(rows: list[list[int]]) -> torch.Tensor:

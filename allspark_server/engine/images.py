@@ -1,0 +1,102 @@
+"""Images of a request's prompt turned into what the decoder needs (core/multimodal.py's PromptImages), on rank 0
+when the request starts: the vision tower's embeddings of each image (vision/encoder.py, kept by image hash so a
+chat that sends the same image again does not encode it again), the prompt's M-RoPE positions (vision/mrope.py)
+and where the image tokens are. The tower is built on first use from the tensors stored beside the decoder's
+(models/qwen2_vl.py) and runs in the caller's thread, one request at a time.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from allspark_client.validation import ConfigError
+from allspark_server.core.multimodal import PromptImages
+from allspark_server.models.qwen2_vl import VISION_PREFIX
+from allspark_server.vision.encoder import VisionEncoder
+from allspark_server.vision.mrope import rope_index
+
+CACHED_IMAGES = 64          # images whose embeddings stay cached (least recently used go first)
+
+
+class ImageTower:
+    """A served vision-language model's encoder, its config and its cache of image embeddings."""
+
+    def __init__(self, model_file, device: torch.device):
+        self.config = json.loads(model_file.graph.hf_config_json)
+        self.image_token_id = int(self.config["image_token_id"])
+        tensors = model_file.side_tensors(VISION_PREFIX)
+        if not tensors:
+            raise ConfigError(f"the model file has no vision tower ({VISION_PREFIX}* tensors): serialize the "
+                              "model folder again with this allspark")
+        self.encoder = VisionEncoder.from_hf(self.config, tensors, model_file.dtype, device)
+        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def prompt_images(self, ids: list[int], pixels: np.ndarray, grid: np.ndarray) -> PromptImages:
+        """PromptImages of a prompt whose image tokens stand for the images of `pixels` / `grid`; ConfigError
+        (PARAM_ERROR) naming what does not fit."""
+        cfg = self.encoder.cfg
+        if pixels.shape[1] != cfg.patch_dim:
+            raise ConfigError(f"pixel_values rows have {pixels.shape[1]} values, this model's patches "
+                              f"{cfg.patch_dim} (channels x temporal patch x patch x patch)")
+        merge = cfg.spatial_merge_size
+        if (grid[:, 1:] % merge).any():
+            raise ConfigError(f"image_grid_thw heights and widths must be multiples of {merge}, got {grid.tolist()}")
+        tokens = [int(t * h * w) // (merge * merge) for t, h, w in grid.tolist()]
+        ids_t = torch.tensor(ids, dtype=torch.long)
+        at = torch.nonzero(ids_t == self.image_token_id).flatten()
+        if len(at) != sum(tokens):
+            raise ConfigError(f"the prompt has {len(at)} image tokens (id {self.image_token_id}) but its "
+                              f"{len(tokens)} image(s) make {sum(tokens)}: give input_ids as the model's processor "
+                              "expands them")
+        embeds, keys = [], []
+        offset = 0
+        for (t, h, w), n in zip(grid.tolist(), tokens):
+            size = t * h * w
+            one = pixels[offset:offset + size]
+            offset += size
+            key = hashlib.sha256(np.asarray([t, h, w], dtype=np.int64).tobytes() + one.tobytes()).hexdigest()
+            embeds.append(self._embed(key, one, [[t, h, w]]))
+            keys.append(key)
+        try:
+            positions, delta = rope_index(ids, grid, self.config)
+        except ValueError as e:
+            raise ConfigError(f"image tokens: {e}") from None
+        return PromptImages(torch.as_tensor(positions, dtype=torch.long), int(delta), at,
+                            torch.cat(embeds).to("cpu"), hashlib.sha256("|".join(keys).encode()).hexdigest())
+
+    def _embed(self, key: str, pixels: np.ndarray, grid: list) -> torch.Tensor:
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+            try:
+                out = self.encoder(torch.from_numpy(pixels), torch.tensor(grid, dtype=torch.long))
+            except ValueError as e:            # what the encoder checks: named for the caller
+                raise ConfigError(f"image: {e}") from None
+            self._cache[key] = out
+            while len(self._cache) > CACHED_IMAGES:
+                self._cache.popitem(last=False)
+            return out
+
+
+_towers_lock = threading.Lock()
+
+
+def tower_of(model) -> ImageTower:
+    """The served model's ImageTower, built by its first request with images; ConfigError for a text-only model."""
+    tower = getattr(model, "_image_tower", None)
+    if tower is not None:
+        return tower
+    if not model.runner.args.mrope_section:
+        raise ConfigError(f"{model.runner.args.architecture} takes no images (pixel_values / image_grid_thw)")
+    with _towers_lock:
+        if getattr(model, "_image_tower", None) is None:
+            model._image_tower = ImageTower(model.runner.model_file, model.runner.device)
+        return model._image_tower
