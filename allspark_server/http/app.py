@@ -81,7 +81,7 @@ class ServerMiddleware:
             if not ok:
                 msg = ("Incorrect API key provided." if given or given_key is not None
                        else "Missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'.")
-                err = ApiError(401, msg, code="invalid_api_key", type_="authentication_error")
+                err = ApiError(401, msg, code="invalid_api_key")
                 return await error_response(err, path)(scope, receive, counting_send)
         try:
             await self.app(scope, receive, counting_send)
