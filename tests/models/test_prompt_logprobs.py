@@ -85,3 +85,33 @@ def test_embed_refusals_name_the_argument(engine, args, what):
     with pytest.raises(AsException) as e:
         engine.embed("rows", *args)
     assert what in str(e.value)
+
+
+def test_prompt_rows_survive_preemption(loader, llama):
+    """8 spans of 16 tokens: three 40-token prompts decoding 40 tokens each and two embeddings cannot all fit, so
+    requests are preempted (some in the middle of their prompt) and computed again; every prompt logprob and
+    embedding still equals transformers'."""
+    import threading
+
+    from allspark_server.step.kv_cache import bytes_per_span
+    args = loader.args
+    budget = 8 * bytes_per_span(args.num_layers, 16, args.num_kv_heads, args.head_dim, loader.data_type)
+    engine = start_engine(loader, "tight", max_batch=8, max_length=256, span_size=16, kv_bytes=budget, prefill=16)
+    try:
+        prompts = [random_prompt(40, seed=60 + i) for i in range(3)]
+        inputs = [random_prompt(40, seed=70 + i) for i in range(2)]
+        got = {}
+        embedder = threading.Thread(target=lambda: got.setdefault("v", engine.embed("tight", inputs, "mean")))
+        embedder.start()
+        gen = {"top_k": 1, "max_new_tokens": 40, "eos_token_id": [], "prompt_logprobs": 1}
+        out = run_together(engine, "tight", [(p, gen) for p in prompts])
+        embedder.join(timeout=300)
+        for ids, (_, elements) in zip(prompts, out):
+            check_prompt_logprobs(llama.model, ids, elements[0], 1)
+        for ids, v in zip(inputs, got["v"]):
+            np.testing.assert_allclose(v, hf_embedding(llama.model, ids, "mean", False), atol=2e-5, rtol=1e-5)
+        stat = engine.get_as_engine_stat("tight")
+        assert stat.num_preempted > 0, "the budget was meant to force preemption"
+        assert stat.used_span == 0
+    finally:
+        engine.release_model("tight")
