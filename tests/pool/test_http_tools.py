@@ -195,8 +195,8 @@ def random_schemas(n: int, seed: int) -> list[dict]:
 
 
 def test_forced_calls_match_fifty_random_schemas(family):
-    """50 random tools, each forced (named, or required among it and a decoy), 50 requests at once: every call
-    parses and validates against its schema."""
+    """50 random tools, each forced (named, or required among it and a decoy, get_time), 50 requests at once: every
+    call parses and validates against its tool's schema."""
     n = 50 if family.family == "hermes" else 8
     schemas = random_schemas(n, seed=len(family.family))
     client = client_of(family)
@@ -205,17 +205,21 @@ def test_forced_calls_match_fifty_random_schemas(family):
         tool = {"type": "function", "function": {"name": f"tool_{i}", "parameters": schemas[i]}}
         choice = "required" if i % 2 else {"type": "function", "function": {"name": f"tool_{i}"}}
         r = client.chat.completions.create(model="llama", messages=[{"role": "user", "content": f"call {i}"}],
-                                           tools=[tool], tool_choice=choice, max_tokens=400, temperature=1.0,
-                                           seed=i)
+                                           tools=[tool, CLOCK] if i % 2 else [CLOCK, tool], tool_choice=choice,
+                                           max_tokens=400, temperature=1.0, seed=i)
         return r.choices[0]
 
     with ThreadPoolExecutor(16) as pool:
         choices = list(pool.map(one, range(n)))
+    names = []
     for i, c in enumerate(choices):
         assert c.finish_reason == "tool_calls", (i, c)
         (call,) = c.message.tool_calls
-        assert call.function.name == f"tool_{i}"
-        jsonschema.validate(json.loads(call.function.arguments), schemas[i])
+        names.append(call.function.name)
+        schema = schema_of(CLOCK) if call.function.name == "get_time" else schemas[i]
+        assert call.function.name in (f"tool_{i}", "get_time" if i % 2 else None)
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+    assert names.count("get_time") < n // 2          # the named half never picks the decoy
 
 
 @pytest.mark.parametrize("tools, choice, param", [
