@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 FAMILIES = {"Qwen2VLForConditionalGeneration": "qwen2_vl", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
             "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl"}
+DEFAULT_TOKENS_PER_SECOND = 4   # Qwen2.5-VL's, where config.json has none (transformers' default)
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ class VisionConfig:
                       hidden_act=v.get("hidden_act", "silu"), out_dim=int(v["out_hidden_size"]),
                       window_size=int(v.get("window_size", 112)),
                       fullatt_block_indexes=tuple(int(i) for i in v.get("fullatt_block_indexes", ())),
-                      tokens_per_second=int(v.get("tokens_per_second", 2)), **common)
+                      tokens_per_second=int(v.get("tokens_per_second", DEFAULT_TOKENS_PER_SECOND)), **common)
         out.check()
         return out
 

@@ -4,6 +4,7 @@ image_grid_thw in, one embedding per image token of the prompt out (the language
     encoder = VisionEncoder.from_hf(folder)                 # or (config dict, state dict), dtype, device
     embeds = encoder(pixel_values, image_grid_thw)          # [sum of tokens_per_image, out_dim]
     per_image = encoder.split(embeds, image_grid_thw)       # one [tokens, out_dim] tensor an image
+    per_request = encoder.encode_batch([(pv1, grid1), (pv2, grid2)])   # several requests in one forward
 
 Steps: patch embedding (a Linear over each flattened patch), the blocks with 2-D rotary attention inside each
 frame (Qwen2.5-VL: inside windows, except the fullatt_block_indexes blocks, with the patches reordered window by
@@ -11,7 +12,7 @@ window for the whole tower), the merger (merge x merge patches -> one token), an
 processor's order. Images never attend to each other, so an image's embeddings do not depend on its batch."""
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -83,6 +84,20 @@ class VisionEncoder(nn.Module):
     def split(self, embeds: torch.Tensor, image_grid_thw) -> list[torch.Tensor]:
         """The forward's output cut into one tensor an image."""
         return list(torch.split(embeds, self.tokens_per_image(image_grid_thw)))
+
+    def encode_batch(self, requests: Sequence[tuple]) -> list[list[torch.Tensor]]:
+        """Several requests' (pixel_values, image_grid_thw) in one forward: each request's list of per-image
+        embeddings (equal to encoding each request alone: images never attend to each other)."""
+        if not requests:
+            return []
+        pixels = torch.cat([torch.as_tensor(p) for p, _ in requests])
+        grids = [torch.as_tensor(g, dtype=torch.long).reshape(-1, 3) for _, g in requests]
+        images = self.split(self(pixels, torch.cat(grids)), torch.cat(grids))
+        out, at = [], 0
+        for g in grids:
+            out.append(images[at:at + len(g)])
+            at += len(g)
+        return out
 
     @torch.inference_mode()
     def forward(self, pixel_values, image_grid_thw) -> torch.Tensor:

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
+from allspark_server.vision.config import DEFAULT_TOKENS_PER_SECOND, family_of
 from allspark_server.vision.geometry import grid_rows
 
 
@@ -79,13 +80,15 @@ def mrope_positions(input_ids: Sequence[int], image_grid_thw=None, video_grid_th
 
 def rope_index(input_ids: Sequence[int], image_grid_thw, config: dict, video_grid_thw=None,
                second_per_grid_ts: Sequence[float] | None = None) -> tuple[np.ndarray, int]:
-    """mrope_positions with the token ids, merge size and tokens_per_second of config.json's dict."""
+    """mrope_positions with the token ids, merge size and (Qwen2.5-VL) tokens_per_second of config.json's dict."""
     vision = config.get("vision_config") or {}
+    per_second = 0
+    if family_of(config) == "qwen2_5_vl":      # transformers' default when the file has none
+        per_second = int(vision.get("tokens_per_second", DEFAULT_TOKENS_PER_SECOND))
     return mrope_positions(input_ids, image_grid_thw, video_grid_thw, image_token_id=int(config["image_token_id"]),
                            video_token_id=config.get("video_token_id"),
                            spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
-                           tokens_per_second=int(vision.get("tokens_per_second", 0) or 0),
-                           second_per_grid_ts=second_per_grid_ts)
+                           tokens_per_second=per_second, second_per_grid_ts=second_per_grid_ts)
 
 
 def generated_position(index: int, rope_delta: int) -> int:

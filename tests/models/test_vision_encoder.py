@@ -62,6 +62,12 @@ def test_encoder_matches_transformers(case, encoder, names):
     assert [len(e) for e in per_image] == encoder.tokens_per_image(grid) == [int(np.prod(g)) // 4 for g in grid]
     alone = encoder(pv[:int(np.prod(grid[0]))], grid[:1])      # an image's embeddings do not depend on its batch
     assert_close(per_image[0], alone, 1e-6)
+    if len(names) == 2:                                         # two requests of one image each, in one forward
+        first = int(np.prod(grid[0]))
+        batched = encoder.encode_batch([(pv[:first], grid[:1]), (pv[first:], grid[1:])])
+        assert [len(r) for r in batched] == [1, 1]
+        assert_close(batched[0][0], per_image[0], 1e-6)
+        assert_close(batched[1][0], per_image[1], 1e-6)
 
 
 def test_encoder_frames_and_state_dict(case, encoder):
