@@ -1,0 +1,44 @@
+"""Qwen2-VL through ClientEngine on a real 2-rank pool: images travel in the request (GenerateRequest.images), rank 0
+encodes them and both ranks place the embeddings; greedy output equals transformers' `generate` with 1 and 2
+images batched with a text-only request, and a bad image input comes back as PARAM_ERROR naming the problem while
+the pool keeps serving."""
+from __future__ import annotations
+
+import numpy as np
+from helpers import collect, installed_on_pool, random_prompt, serialize
+from test_vl_engine import GREEDY, engine_inputs, hf_greedy, processed
+from vl_cases import build_vl_model, hf_processor
+
+from allspark_client.types import AsStatus
+
+NAME = "vl-pool"
+
+
+def test_images_through_a_pool_equal_transformers(pool, tmp_path):
+    client, _ = pool
+    folder = str(tmp_path / "qwen2_vl")
+    hf = build_vl_model(folder, "qwen2_vl")
+    processor = hf_processor(folder)
+    loader = serialize(folder, NAME, folder + "/out")
+    cases = [processed(folder, processor, n, seed=7) for n in (1, 2)]
+    want = [hf_greedy(hf, c) for c in cases]
+    text = random_prompt(20, seed=9, vocab=400)
+    with installed_on_pool(client, loader, NAME, max_length=512):
+        requests = [engine_inputs(c) for c in cases] + [{"input_ids": text}]
+        started = [client.start_request(NAME, r, GREEDY) for r in requests]
+        try:
+            assert all(st == AsStatus.ALLSPARK_SUCCESS for st, _, _ in started), client.get_last_error()
+            outs = [collect(q)[0] for _, _, q in started]
+        finally:
+            for st, handle, _ in started:
+                if st == AsStatus.ALLSPARK_SUCCESS:
+                    client.release_request(NAME, handle)
+        assert outs == want + [hf_greedy(hf, {"input_ids": np.asarray([text])})]
+        bad = {**requests[0], "pixel_values": np.asarray(requests[0]["pixel_values"])[:, :-3]}
+        status, handle, _ = client.start_request(NAME, bad, GREEDY)
+        assert status == AsStatus.ALLSPARK_PARAM_ERROR and handle is None
+        assert "values" in client.get_last_error()
+        status, handle, queue = client.start_request(NAME, requests[0], GREEDY)
+        assert status == AsStatus.ALLSPARK_SUCCESS
+        assert collect(queue)[0] == want[0]
+        client.release_request(NAME, handle)
