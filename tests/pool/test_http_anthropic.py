@@ -170,6 +170,22 @@ def test_errors_in_anthropic_shape(server, body, status, words):
     assert r.json()["error"]["type"] == want_type and words in r.json()["error"]["message"], r.json()
 
 
+def test_limits_in_anthropic_shape_and_metrics(server):
+    def chunks():                                   # no Content-Length: refused once 16 MiB have arrived
+        for _ in range(20):
+            yield b"x" * 1_000_000
+    r = server.post("/messages", content=chunks(), headers={"x-api-key": API_KEY})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+    text = "x y " * 500_000                         # far more than 2048 tokens can hold: refused before tokenizing
+    for path, extra in (("/messages", {"max_tokens": 4}), ("/messages/count_tokens", {})):
+        r = server.post(path, {"model": "llama", "messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t", "content": text}]}], **extra}, headers={"x-api-key": API_KEY})
+        assert r.status_code == 400 and "before tokenizing" in r.json()["error"]["message"], r.text
+    m = server.metrics()
+    assert m['allspark_http_requests_total{endpoint="/v1/messages",status="413"}'] >= 1
+    assert m['allspark_http_requests_total{endpoint="/v1/messages/count_tokens",status="400"}'] >= 1
+
+
 def test_sdk_raises_bad_request(client):
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model="llama", messages=MESSAGES, max_tokens=0)
