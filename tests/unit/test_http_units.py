@@ -97,7 +97,8 @@ def test_request_validation():
                              "temperature": "hot"}, "m").param == "temperature"
     assert _err(parse_chat, {"model": "other", "messages": [{"role": "user", "content": "x"}]}, "m").status == 404
     assert _err(parse_completion, {"model": "m", "prompt": ["a", "b"]}, "m").param == "prompt"
-    assert _err(parse_completion, {"model": "m", "prompt": "a", "echo": True}, "m").param == "echo"
+    assert parse_completion({"model": "m", "prompt": "a", "echo": True, "max_tokens": 0}, "m").echo   # lm-eval's
+    assert _err(parse_completion, {"model": "m", "prompt": "a", "max_tokens": 0}, "m").param == "max_tokens"
     c = parse_completion({"model": "m", "prompt": [[5, 6]], "min_tokens": 2, "ignore_eos": True, "logprobs": 0}, "m")
     gen = generation_config(c, 2, max_new_tokens(c, 2, 100), {})
     assert c.prompt == [5, 6] and gen["min_length"] == 4 and gen["eos_token_id"] == [] and gen["max_new_tokens"] == 16
@@ -308,14 +309,13 @@ def test_deep_nesting_and_lone_surrogates_are_named():
 def test_chat_roles():
     def chat(role):
         return {"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": role, "content": "x"}]}
-    for role in ("system", "user", "assistant", "developer"):
+    for role in ("system", "user", "assistant", "developer", "tool"):
         assert parse_chat(chat(role), "m").messages[1]["role"] == role
     for role in ("robot", "System", ""):
         e = _err(parse_chat, chat(role), "m")
         assert e.param == "messages[1].role" and e.code == "invalid_value" and repr(role) in e.message
-    for role in ("tool", "function"):              # OpenAI's, but tool calling is not supported
-        e = _err(parse_chat, chat(role), "m")
-        assert e.param == "messages[1].role" and "tool calling" in e.message
+    e = _err(parse_chat, chat("function"), "m")      # OpenAI's deprecated role of function calling
+    assert e.param == "messages[1].role" and "use 'tool'" in e.message
 
 
 def test_long_prompts_are_refused_by_characters_before_tokenizing(tokenizer):
