@@ -50,15 +50,15 @@ def engine_inputs(inputs: dict) -> dict:
     return out
 
 
-def run_all(engine, requests: list[dict]) -> list[list[int]]:
-    started = [engine.start_request(NAME, r, GREEDY) for r in requests]
+def run_all(engine, requests: list[dict], name: str = NAME) -> list[list[int]]:
+    started = [engine.start_request(name, r, GREEDY) for r in requests]
     try:
         assert all(st == AsStatus.ALLSPARK_SUCCESS for st, _, _ in started), engine.get_last_error()
         return [collect(q)[0] for _, _, q in started]
     finally:
         for st, handle, _ in started:
             if st == AsStatus.ALLSPARK_SUCCESS:
-                engine.release_request(NAME, handle)
+                engine.release_request(name, handle)
 
 
 def test_greedy_equals_transformers_with_0_1_2_images_alone_and_batched(vl):
@@ -66,13 +66,45 @@ def test_greedy_equals_transformers_with_0_1_2_images_alone_and_batched(vl):
     cases = [processed(folder, processor, n) for n in IMAGE_SETS]
     want = [hf_greedy(hf, c) for c in cases]
     text = random_prompt(30, seed=3, vocab=400)
-    want_text = hf.generate(torch.tensor([text]), attention_mask=torch.ones(1, 30, dtype=torch.long),
-                            max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)[0, 30:].tolist()
+    want_text = hf_text_greedy(hf, text)
     for case, expected in zip(cases, want):            # alone
         assert run_all(engine, [engine_inputs(case)]) == [expected]
     # together, with a text-only request among them
     assert run_all(engine, [engine_inputs(c) for c in cases] + [{"input_ids": text}]) == want + [want_text]
+
+
+def hf_text_greedy(hf, ids: list[int]) -> list[int]:
+    return hf_greedy(hf, {"input_ids": np.asarray([ids])})
+
+
+BF16_NEAR_TIE = 0.1   # as the text families' rule (test_model_families.py): bf16 moves these logits by up to ~0.04
+
+
+def test_bf16_greedy_up_to_near_ties_with_images(vl, tmp_path):
+    """bf16 weights: each token is the fp32 reference's argmax at that point or within BF16_NEAR_TIE of it, and
+    the tokens before the first near tie are the reference's greedy ones (teacher-forced, with the images)."""
+    hf, _, folder, processor = vl
+    engine = start_engine(serialize(folder, "vl16", str(tmp_path), dtype="bfloat16"), "vl16", max_length=512)
+    try:
+        cases = [processed(folder, processor, n, seed=60) for n in (1, 2)]
+        got = run_all(engine, [engine_inputs(c) for c in cases], "vl16")
+    finally:
+        engine.close()
+    for case, tokens in zip(cases, got):
+        prompt = case["input_ids"].shape[1]
+        kw = {k: torch.as_tensor(v) for k, v in case.items()}
+        kw["input_ids"] = torch.cat([kw["input_ids"], torch.tensor([tokens])], 1)
+        kw["attention_mask"] = torch.ones_like(kw["input_ids"])
+        if "mm_token_type_ids" in kw:
+            kw["mm_token_type_ids"] = torch.cat([kw["mm_token_type_ids"],
+                                                 torch.zeros(1, len(tokens), dtype=kw["mm_token_type_ids"].dtype)], 1)
+        with torch.no_grad():
+            ref = hf(**kw).logits[0, prompt - 1:-1].double()
+        best, chosen = ref.max(-1).values, ref[torch.arange(len(tokens)), tokens]
+        assert ((best - chosen) <= BF16_NEAR_TIE).all(), (best - chosen).tolist()
+        top2 = ref.topk(2, -1).values
+        tie_free = int(((top2[:, 0] - top2[:, 1]) > BF16_NEAR_TIE).to(torch.int).cumprod(0).sum())
+        assert tokens[:tie_free] == ref.argmax(-1).tolist()[:tie_free]
 
 
 def test_the_same_image_hits_the_prefix_cache_and_another_image_does_not(vl):
