@@ -165,6 +165,16 @@ def hf_inputs(folder: str, images: list, messages: list[dict] | None = None, pro
     return dict(processor(text=[text], images=images or None, return_tensors="np"))
 
 
+def hf_greedy(model, inputs: dict, max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation (new token ids) of one prompt's processor output (hf_inputs)."""
+    import torch
+
+    batch = {k: torch.as_tensor(v) for k, v in inputs.items()}
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens)
+    return out[0, batch["input_ids"].shape[1]:].tolist()
+
+
 def make_image(width: int, height: int, seed: int = 0, mode: str = "RGB"):
     """A deterministic random-noise PIL image of `width` x `height` pixels."""
     import numpy as np

@@ -99,7 +99,7 @@ class VisionEncoder(nn.Module):
             at += len(g)
         return out
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward(self, pixel_values, image_grid_thw) -> torch.Tensor:
         """pixel_values [N patches, C*T*P*P] (tensor or numpy), image_grid_thw [n images, 3] ->
         [N / merge^2, out_dim] in the order of the image tokens."""
