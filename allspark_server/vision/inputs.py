@@ -43,7 +43,7 @@ class VisionProcessor:
 
     def __init__(self, tokenizer, image_processor, chat_template: str | None = None,
                  max_image_bytes: int = MAX_IMAGE_BYTES, max_image_pixels: int = MAX_IMAGE_PIXELS,
-                 max_images: int = 16):
+                 max_images: int = 64):
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)

@@ -204,6 +204,23 @@ def test_bad_images_are_refused(source, message):
         load_image(source)
 
 
+def _png_claiming(width: int, height: int) -> bytes:
+    """A small PNG whose header says `width` x `height` pixels (its IHDR rewritten, the CRC fixed)."""
+    import struct
+    import zlib
+    data = bytearray(V.image_bytes(V.make_image(8, 8, 8)))
+    ihdr = data.index(b"IHDR")
+    data[ihdr + 4:ihdr + 12] = struct.pack(">II", width, height)
+    data[ihdr + 17:ihdr + 21] = struct.pack(">I", zlib.crc32(bytes(data[ihdr:ihdr + 17])))
+    return bytes(data)
+
+
+@pytest.mark.parametrize("side", [9000, 20000])     # over our bound; over Pillow's own (it raises in open)
+def test_decompression_bomb_is_refused_from_the_header(side):
+    with pytest.raises(ImageError, match="pixels"):
+        load_image(_png_claiming(side, side))
+
+
 def test_image_limits():
     big = V.make_image(40, 30, 6)
     with pytest.raises(ImageError, match="1200 pixels is over the limit of 1000"):
@@ -217,6 +234,27 @@ def test_image_limits():
     with pytest.raises(ImageError, match="aspect ratio over 200"):
         load_image(V.make_image(402, 2, 7))
     assert load_image(V.data_url(big)).size == (40, 30)
+
+
+def test_config_of_older_files():
+    """config.json as transformers 4 wrote it: flat text keys, no rope_parameters in vision_config, in_chans."""
+    from allspark_server.vision.config import VisionConfig
+    old2 = {"architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl", "hidden_size": 1536,
+            "image_token_id": 151655, "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16,
+            "in_chans": 3, "hidden_size": 1536, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}}
+    cfg = VisionConfig.from_hf(old2)
+    assert (cfg.family, cfg.dim, cfg.mlp_dim, cfg.hidden_act, cfg.out_dim, cfg.head_dim, cfg.patch_dim,
+            cfg.window_size) == ("qwen2_vl", 1280, 5120, "quick_gelu", 1536, 80, 1176, 0)
+    old25 = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "image_token_id": 151655,
+             "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+                               "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
+                               "spatial_merge_size": 2, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31],
+                               "tokens_per_second": 2, "temporal_patch_size": 2}}
+    cfg = VisionConfig.from_hf(old25)
+    assert (cfg.family, cfg.mlp_dim, cfg.out_dim, cfg.window_size, cfg.fullatt_block_indexes, cfg.tokens_per_second,
+            cfg.is_windowed(7), cfg.is_windowed(8)) == ("qwen2_5_vl", 3420, 3584, 112, (7, 15, 23, 31), 2, False, True)
+    with pytest.raises(ValueError, match="not a Qwen2-VL"):
+        VisionConfig.from_hf({"architectures": ["LlamaForCausalLM"]})
 
 
 def test_inputs_name_the_bad_part(case):
