@@ -2,18 +2,17 @@
 (an ApiRequest of kind "chat" whose messages are what the chat template receives, plus the tools), and the
 Anthropic error object.
 
-Owns the Messages API's field list, its content blocks (text, tool_use, tool_result; images refused) turned into the
-template's messages (tool_result blocks become `tool` messages, tool_use blocks an assistant's `tool_calls`), and
-`tools` / `tool_choice` mapped onto the tools package's specs. Errors are protocol.ApiError (status, message,
-param); `error_body` gives them Anthropic's shape. It does not tokenize, start requests or build responses.
+Owns the Messages API's top-level field list and values; content blocks and tools are anthropic_content.py's.
+Errors are protocol.ApiError (status, message, param); `error_body` gives them Anthropic's shape. It does not
+tokenize, start requests or build responses.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from allspark_server.http.anthropic_content import template_messages, tool_specs
 from allspark_server.http.protocol import MAX_STOP_STRINGS, ApiError, ApiRequest, bad_request, model_not_found
 
 # kinds: str, int, number, bool, dict, list, system (a string or an array of text blocks)
@@ -28,7 +27,6 @@ IGNORED_FIELDS = frozenset({"metadata", "service_tier", "thinking", "container",
                             "diagnostics"})
 _KIND_NAMES = {"int": "an integer", "number": "a number", "bool": "a boolean", "str": "a string",
                "dict": "an object", "list": "an array", "system": "a string or an array of text blocks"}
-ROLES = ("user", "assistant")
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
                 503: "overloaded_error", 529: "overloaded_error"}
@@ -141,12 +139,12 @@ def parse_count_tokens(body: Any, served_model: str, adapters: Collection[str] =
 
 def _conversation(f: dict, served_model: str, adapters: Collection[str]) -> MessagesRequest:
     model = _model(f, served_model, adapters)
-    messages = _template_messages(f.get("system"), _required(f, "messages"))
+    messages = template_messages(f.get("system"), _required(f, "messages"))
     req = ApiRequest("chat", model, messages=messages, lora_name="" if model == served_model else model)
     req.prompt_chars = _chars(messages)
     out = MessagesRequest(req)
     if f.get("tools"):
-        _tools(out, f["tools"], f.get("tool_choice"))
+        out.tools, out.tool_choice, out.disable_parallel_tool_use = tool_specs(f["tools"], f.get("tool_choice"))
     elif f.get("tool_choice") not in (None, {"type": "none"}, {"type": "auto"}):
         raise bad_request("tool_choice: needs tools", param="tool_choice")
     return out
@@ -159,151 +157,3 @@ def _chars(value: Any) -> int:
     if isinstance(value, dict):
         return sum(map(_chars, value.values()))
     return sum(map(_chars, value)) if isinstance(value, list) else 0
-
-
-# ---- content blocks -> the chat template's messages --------------------------------------------------------------
-def _text_of(blocks: Any, where: str, what: str = "text") -> str:
-    """A string, or the text of an array of text blocks (joined with newlines)."""
-    if isinstance(blocks, str):
-        return blocks
-    if not isinstance(blocks, list):
-        raise bad_request(f"{where}: must be a string or an array of {what} blocks", param=where)
-    texts = []
-    for i, block in enumerate(blocks):
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind in ("image", "document"):
-            raise bad_request(f"{where}.{i}: {kind} content blocks are not supported by this server (text only)",
-                              param=f"{where}.{i}")
-        if kind != "text" or not isinstance(block.get("text"), str):
-            raise bad_request(f"{where}.{i}: expected a text block ({{\"type\": \"text\", \"text\": ...}}), got "
-                              f"{block!r:.80}", param=f"{where}.{i}")
-        texts.append(block["text"])
-    return "\n".join(texts)
-
-
-def _template_messages(system: Optional[Any], messages: list) -> list[dict]:
-    out = []
-    if system is not None:
-        text = _text_of(system, "system")
-        if text:
-            out.append({"role": "system", "content": text})
-    if not messages:
-        raise bad_request("messages: at least one message is required", param="messages")
-    tool_names: dict[str, str] = {}       # tool_use id -> the tool's name, for the tool_result that answers it
-    for i, m in enumerate(messages):
-        where = f"messages.{i}"
-        if not isinstance(m, dict):
-            raise bad_request(f"{where}: must be an object with 'role' and 'content'", param=where)
-        extra = set(m) - {"role", "content"}
-        if extra:
-            raise bad_request(f"{where}.{sorted(extra)[0]}: Extra inputs are not permitted", param=where)
-        role, content = m.get("role"), m.get("content")
-        if role not in ROLES:
-            raise bad_request(f"{where}.role: must be 'user' or 'assistant' (a system prompt goes in 'system'), got "
-                              f"{role!r:.80}", param=f"{where}.role")
-        if isinstance(content, str):
-            out.append({"role": role, "content": content})
-        elif isinstance(content, list):
-            out.extend(_blocks(role, content, where, tool_names))
-        else:
-            raise bad_request(f"{where}.content: must be a string or an array of content blocks",
-                              param=f"{where}.content")
-    if messages[-1].get("role") == "assistant":
-        raise bad_request("messages: the last message must be the user's (continuing a partial assistant message is "
-                          "not supported by this server)", param=f"messages.{len(messages) - 1}")
-    return out
-
-
-def _blocks(role: str, blocks: list, where: str, tool_names: dict) -> list[dict]:
-    """One message's content blocks -> template messages: text joined into one message of `role`; an assistant's
-    tool_use blocks become its `tool_calls`; a user's tool_result blocks become `tool` messages (before its text)."""
-    texts, calls, results = [], [], []
-    for j, block in enumerate(blocks):
-        at = f"{where}.content.{j}"
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text":
-            if not isinstance(block.get("text"), str):
-                raise bad_request(f"{at}.text: must be a string", param=f"{at}.text")
-            texts.append(block["text"])
-        elif kind in ("image", "document"):
-            raise bad_request(f"{at}: {kind} content blocks are not supported by this server (text only)", param=at)
-        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-            continue                                   # earlier thinking is not shown to the model again
-        elif kind == "tool_use" and role == "assistant":
-            call_id, name, args = block.get("id"), block.get("name"), block.get("input", {})
-            if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(args, dict):
-                raise bad_request(f"{at}: a tool_use block needs 'id' and 'name' (strings) and 'input' (an object)",
-                                  param=at)
-            tool_names[call_id] = name
-            calls.append({"id": call_id, "type": "function",
-                          "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}})
-        elif kind == "tool_result" and role == "user":
-            call_id = block.get("tool_use_id")
-            if not isinstance(call_id, str):
-                raise bad_request(f"{at}.tool_use_id: must be a string", param=f"{at}.tool_use_id")
-            text = _text_of(block.get("content", ""), f"{at}.content")
-            msg = {"role": "tool", "tool_call_id": call_id, "content": text}
-            if call_id in tool_names:
-                msg["name"] = tool_names[call_id]
-            results.append(msg)
-        else:
-            allowed = "text, tool_use" if role == "assistant" else "text, tool_result"
-            raise bad_request(f"{at}: content block type {kind!r:.40} is not accepted in a {role} message "
-                              f"(accepted: {allowed})", param=at)
-    out = list(results)
-    if texts or calls or not results:
-        msg = {"role": role, "content": "\n".join(texts)}
-        if calls:
-            msg["tool_calls"] = calls
-        out.append(msg)
-    return out
-
-
-# ---- tools ---------------------------------------------------------------------------------------------------
-def _tool_error(e) -> ApiError:
-    """A tools.ToolError, its OpenAI field names turned into the Messages API's."""
-    def anthropic(text: str) -> str:
-        return (text.replace(".function.parameters", ".input_schema").replace(".function.name", ".name")
-                .replace(".function.description", ".description").replace("[", ".").replace("]", ""))
-    return bad_request(anthropic(e.message), param=anthropic(e.param) if e.param else None)
-
-
-def _tools(out: MessagesRequest, tools: list, choice: Optional[dict]) -> None:
-    from allspark_server.http.tools import ToolError, parse_tool_choice, validate_tools
-    as_openai = []
-    for i, tool in enumerate(tools):
-        where = f"tools.{i}"
-        if not isinstance(tool, dict):
-            raise bad_request(f"{where}: must be an object with 'name' and 'input_schema'", param=where)
-        if tool.get("type") not in (None, "custom"):
-            raise bad_request(f"{where}.type: {tool['type']!r:.60} is not supported by this server (only custom "
-                              "tools, with 'name', 'description' and 'input_schema')", param=f"{where}.type")
-        extra = set(tool) - {"type", "name", "description", "input_schema", "cache_control"}
-        if extra:
-            raise bad_request(f"{where}.{sorted(extra)[0]}: Extra inputs are not permitted", param=where)
-        if "input_schema" not in tool:
-            raise bad_request(f"{where}.input_schema: Field required", param=f"{where}.input_schema")
-        fn = {"name": tool.get("name"), "parameters": tool["input_schema"]}
-        if tool.get("description") is not None:
-            fn["description"] = tool["description"]
-        as_openai.append({"type": "function", "function": fn})
-    try:
-        out.tools = validate_tools(as_openai, param="tools")
-        out.tool_choice = parse_tool_choice(_openai_choice(choice), out.tools, param="tool_choice")
-    except ToolError as e:
-        raise _tool_error(e) from None
-    out.disable_parallel_tool_use = bool((choice or {}).get("disable_parallel_tool_use", False))
-
-
-def _openai_choice(choice: Optional[dict]) -> Any:
-    """Anthropic's tool_choice -> OpenAI's: auto, any (= required), tool (a named function), none."""
-    if choice is None:
-        return None
-    kind = choice.get("type")
-    extra = set(choice) - {"type", "name", "disable_parallel_tool_use"}
-    if extra or kind not in ("auto", "any", "tool", "none") or (kind == "tool") != ("name" in choice):
-        raise bad_request("tool_choice: must be {\"type\": \"auto\"}, {\"type\": \"any\"}, {\"type\": \"none\"} or "
-                          f"{{\"type\": \"tool\", \"name\": ...}}, got {choice!r:.80}", param="tool_choice")
-    if kind == "tool":
-        return {"type": "function", "function": {"name": choice["name"]}}
-    return {"auto": "auto", "any": "required", "none": "none"}[kind]
