@@ -76,8 +76,8 @@ class ServerMiddleware:
         if self.expected is not None and (path.startswith("/v1") or path in TOKENIZE_PATHS):
             headers = dict(scope["headers"])
             given, given_key = headers.get(b"authorization", b""), headers.get(b"x-api-key")
-            ok = (hmac.compare_digest(given_key, self.expected_key) if given_key is not None
-                  else hmac.compare_digest(given, self.expected))
+            ok = hmac.compare_digest(given, self.expected) | (    # either header with the key will do
+                given_key is not None and hmac.compare_digest(given_key, self.expected_key))
             if not ok:
                 msg = ("Incorrect API key provided." if given or given_key is not None
                        else "Missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'.")

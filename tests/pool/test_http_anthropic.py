@@ -131,8 +131,9 @@ def test_count_tokens(client, greedy):
 
 def test_bearer_and_wrong_key(server):
     body = {"model": "llama", "messages": MESSAGES, "max_tokens": 2}
-    assert httpx.post(server.base_url + "/messages", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
-                      timeout=60).status_code == 200
+    for headers in ({"Authorization": f"Bearer {API_KEY}"},                # either header with the key will do
+                    {"Authorization": "Bearer wrong", "x-api-key": API_KEY}):
+        assert httpx.post(server.base_url + "/messages", json=body, headers=headers, timeout=60).status_code == 200
     bad = anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as e:
         bad.messages.create(model="llama", messages=MESSAGES, max_tokens=2)
