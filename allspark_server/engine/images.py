@@ -18,6 +18,7 @@ from allspark_client.validation import ConfigError
 from allspark_server.core.multimodal import PromptImages
 from allspark_server.models.qwen2_vl import VISION_PREFIX
 from allspark_server.vision.encoder import VisionEncoder
+from allspark_server.vision.images import image_hashes
 from allspark_server.vision.mrope import rope_index
 
 CACHED_IMAGES = 64          # images whose embeddings stay cached (least recently used go first)
@@ -54,15 +55,10 @@ class ImageTower:
             raise ConfigError(f"the prompt has {len(at)} image tokens (id {self.image_token_id}) but its "
                               f"{len(tokens)} image(s) make {sum(tokens)}: give input_ids as the model's processor "
                               "expands them")
-        embeds, keys = [], []
-        offset = 0
-        for (t, h, w), n in zip(grid.tolist(), tokens):
-            size = t * h * w
-            one = pixels[offset:offset + size]
-            offset += size
-            key = hashlib.sha256(np.asarray([t, h, w], dtype=np.int64).tobytes() + one.tobytes()).hexdigest()
-            embeds.append(self._embed(key, one, [[t, h, w]]))
-            keys.append(key)
+        keys, embeds, offset = image_hashes(pixels, grid), [], 0
+        for (t, h, w), key in zip(grid.tolist(), keys):
+            embeds.append(self._embed(key, pixels[offset:offset + t * h * w], [[t, h, w]]))
+            offset += t * h * w
         try:
             positions, delta = rope_index(ids, grid, self.config)
         except ValueError as e:
