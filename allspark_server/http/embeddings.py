@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from allspark_server.http.body import read_json
 from allspark_server.http.protocol import ApiError, bad_request, model_not_found
 
 DEFAULT_POOLING = "last"      # a decoder's last token has seen the whole input
+EMBED_THREADS = 4             # embeddings calls waiting on the engine at once (beside the backend's control calls)
 FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
 
 
@@ -83,6 +85,8 @@ def add_embeddings_route(app: FastAPI, backend, max_body_bytes: int, pooling: st
     if pooling not in POOLINGS:
         raise ValueError(f"embedding pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
     hidden_size = None
+    # its own threads: a long embed must not hold the threads that start and release generation requests
+    executor = ThreadPoolExecutor(EMBED_THREADS, thread_name_prefix="allspark-http-embed")
 
     def run(req: EmbeddingsRequest):
         nonlocal hidden_size
@@ -111,7 +115,7 @@ def add_embeddings_route(app: FastAPI, backend, max_body_bytes: int, pooling: st
         req = parse_embeddings(await read_json(request, max_body_bytes), backend.name)
         if req.dimensions and hidden_size is not None and req.dimensions != hidden_size:
             raise _dimensions_error(req.dimensions, hidden_size)
-        vectors, n = await asyncio.get_running_loop().run_in_executor(backend.executor, run, req)
+        vectors, n = await asyncio.get_running_loop().run_in_executor(executor, run, req)
         if req.dimensions and req.dimensions != len(vectors[0]):
             raise _dimensions_error(req.dimensions, len(vectors[0]))
         return embeddings_body(req, vectors, n)
