@@ -238,6 +238,12 @@ def test_tool_use_round_trip(server, client):
     assert [(b.name, b.input) for b in answer.content if b.type == "tool_use"] == [
         (c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls or []]
     assert answer.usage.input_tokens == want.usage.prompt_tokens
+    with client.messages.stream(model="llama", messages=history, max_tokens=16, tools=[CLOCK, WEATHER],
+                                extra_body=GREEDY) as stream:                    # `auto`, streamed: the same answer
+        final = stream.get_final_message()
+    assert [b.model_dump(exclude={"id"}) for b in final.content] == [b.model_dump(exclude={"id"})
+                                                                     for b in answer.content]
+    assert final.stop_reason == answer.stop_reason
     counted = client.messages.count_tokens(model="llama", messages=history, tools=[CLOCK, WEATHER])
     assert counted.input_tokens == want.usage.prompt_tokens
 
