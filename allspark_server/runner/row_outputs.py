@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
+LOGPROB_BLOCK_ROWS = 256     # prompt rows turned into logprobs at once
 
 @dataclass
 class StepRows:
@@ -38,15 +39,17 @@ def prompt_logprobs(rows: StepRows, top_k: Callable[[int], int]) -> dict:
     log-softmax of the raw logits (before any sampling rule), fp32."""
     if rows.logits is None:
         return {}
-    lp = torch.log_softmax(rows.logits.float(), -1)                          # [P, V]
-    tokens = torch.tensor([t for _, _, t in rows.targets], dtype=torch.long, device=lp.device)
-    own = lp.gather(1, tokens[:, None]).flatten().tolist()                  # [P]
+    tokens = torch.tensor([t for _, _, t in rows.targets], dtype=torch.long, device=rows.logits.device)
     ks = [top_k(rid) for rid, _, _ in rows.targets]
     k_max = max(ks, default=0)
-    top_values, top_ids = ([], [])
-    if k_max:
-        top = torch.topk(lp, k_max)
-        top_values, top_ids = top.values.tolist(), top.indices.tolist()
+    own, top_values, top_ids = [], [], []
+    for i in range(0, len(ks), LOGPROB_BLOCK_ROWS):      # a long prompt's rows a block at a time: one [B, V] copy
+        lp = torch.log_softmax(rows.logits[i:i + LOGPROB_BLOCK_ROWS].float(), -1)      # [B, V]
+        own += lp.gather(1, tokens[i:i + LOGPROB_BLOCK_ROWS, None]).flatten().tolist()
+        if k_max:
+            top = torch.topk(lp, k_max)
+            top_values += top.values.tolist()
+            top_ids += top.indices.tolist()
     out: dict[int, list] = {}
     for i, (rid, pos, _) in enumerate(rows.targets):
         k = ks[i]

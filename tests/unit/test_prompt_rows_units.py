@@ -121,3 +121,21 @@ def test_echo_tokens_carry_the_prompt_logprobs():
     assert [(t.token_id, t.logprob, t.top) for t in tokens] == [(3, None, []), (5, -1.5, [(4, -1.0)]),
                                                                (6, -0.25, [(6, -0.25)])]
     assert echo_tokens([3, 5, 6], el, False) == [] and echo_tokens([3], GeneratedElements([9]), True) == []
+
+
+def test_prompt_logprobs_in_blocks_equal_a_float64_log_softmax(monkeypatch):
+    from allspark_server.runner import row_outputs
+    monkeypatch.setattr(row_outputs, "LOGPROB_BLOCK_ROWS", 3)              # 7 rows: blocks of 3, 3 and 1
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(7, 50, generator=g) * 4
+    targets = tuple((1 if i < 4 else 2, i + 1, (i * 7) % 50) for i in range(7))
+    got = row_outputs.prompt_logprobs(row_outputs.StepRows(logits, targets, {}), {1: 2, 2: 0}.get)
+    ref = torch.log_softmax(logits.double(), -1)
+    assert [p for p, _, _ in got[1]] == [1, 2, 3, 4] and [p for p, _, _ in got[2]] == [5, 6, 7]
+    for i, (rid, _, token) in enumerate(targets):
+        _, lp, top = got[rid][i if rid == 1 else i - 4]
+        assert abs(lp - ref[i, token].item()) < 1e-5
+        want = torch.topk(ref[i], 2)
+        assert len(top) == (2 if rid == 1 else 0)
+        assert [t for t, _ in top] == want.indices.tolist()[:len(top)]
+        assert np.allclose([v for _, v in top], want.values.numpy()[:len(top)], atol=1e-5)
