@@ -1,5 +1,6 @@
 """Anthropic Messages API response bodies: the `message` object and the server-sent events of a streamed one
-(message_start, content_block_start / _delta / _stop per block, message_delta, message_stop; `error` mid-stream).
+(message_start, content_block_start / _delta / _stop per block, message_delta, message_stop; `error` mid-stream),
+and GET /v1/models in the shape Anthropic's clients read.
 
 Pure functions of what a request produced (text, tool calls, stop reason, token counts); no I/O, no engine. Field
 names and shapes follow Anthropic's API reference, so the official `anthropic` client parses them.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from datetime import datetime, timezone
 from typing import Optional
 
 
@@ -38,6 +40,14 @@ def message(msg_id: str, model: str, content: list[dict], stop_reason: Optional[
             input_tokens: int, output_tokens: int) -> dict:
     return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage(input_tokens, output_tokens)}
+
+
+def model_list(names: list[str], created: int, max_length: int) -> dict:
+    """GET /v1/models as Anthropic's clients read it (a page of ModelInfo); `created` in Unix seconds."""
+    at = datetime.fromtimestamp(created, timezone.utc).isoformat().replace("+00:00", "Z")
+    data = [{"type": "model", "id": n, "display_name": n, "created_at": at, "lifecycle": "active",
+             "max_input_tokens": max_length, "max_tokens": max_length} for n in names]
+    return {"data": data, "has_more": False, "first_id": names[0], "last_id": names[-1]}
 
 
 class EventStream:

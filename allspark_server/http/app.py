@@ -26,6 +26,7 @@ from allspark_client import settings
 from allspark_client.client import PoolUnavailable
 from allspark_client.types import AsStatus
 from allspark_server.http.admission import Admission
+from allspark_server.http.anthropic_events import model_list as anthropic_model_list
 from allspark_server.http.anthropic_request import error_body as anthropic_error_body
 from allspark_server.http.anthropic_request import is_anthropic_path
 from allspark_server.http.anthropic_routes import add_messages_routes
@@ -163,10 +164,12 @@ def create_app(backend, *, api_key: Optional[str] = None, max_concurrent: int = 
     add_tokenize_routes(app, serving, parse)       # /tokenize, /detokenize
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
         entry = {"object": "model", "created": started, "owned_by": "allspark",
                  "max_model_len": backend.engine_max_length}
         loras = await refresh_loras()
+        if "anthropic-version" in request.headers:      # Anthropic's clients send it: their list's shape
+            return anthropic_model_list([backend.name, *sorted(loras)], started, backend.engine_max_length)
         return {"object": "list", "data": [{"id": backend.name, **entry}] + [
             {"id": name, **entry, "root": path, "parent": backend.name} for name, path in sorted(loras.items())]}
 

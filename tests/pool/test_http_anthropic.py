@@ -82,6 +82,13 @@ def test_message_equals_engine_and_openai_chat(server, client, greedy, tokenizer
     assert r2.content[0].text == want
 
 
+def test_models_list(server, client):
+    models = list(client.models.list())                   # GET /v1/models, as Anthropic's clients read it
+    assert [(m.id, m.type, m.max_input_tokens) for m in models] == [("llama", "model", 2048)]
+    oai = openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0)
+    assert [m.id for m in oai.models.list().data] == ["llama"]      # the OpenAI side's shape is unchanged
+
+
 def test_stream_equals_engine(server, client, greedy, tokenizer):
     want, tokens, ids = greedy
     with client.messages.stream(model="llama", system=SYSTEM, messages=MESSAGES, max_tokens=MAX_TOKENS,
