@@ -141,7 +141,7 @@ def _conversation(f: dict, served_model: str, adapters: Collection[str]) -> Mess
     model = _model(f, served_model, adapters)
     messages = template_messages(f.get("system"), _required(f, "messages"))
     req = ApiRequest("chat", model, messages=messages, lora_name="" if model == served_model else model)
-    req.prompt_chars = _chars(messages)
+    req.prompt_chars = _chars(messages) + _chars(f.get("tools"))     # tools reach the prompt too
     out = MessagesRequest(req)
     if f.get("tools"):
         out.tools, out.tool_choice, out.disable_parallel_tool_use = tool_specs(f["tools"], f.get("tool_choice"))
