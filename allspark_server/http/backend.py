@@ -20,6 +20,7 @@ from typing import Optional
 
 from allspark_client.types import AsException, AsStatus
 from allspark_server.http.chat_template import template_source
+from allspark_server.http.images import ChatImages
 
 log = logging.getLogger("allspark.http")
 CONTROL_THREADS = 8
@@ -45,6 +46,8 @@ class BackendOptions:
 
 
 class Backend:
+    images = None         # http/images.py's ChatImages of a vision-language model (set by the builder)
+
     def __init__(self, engine, name: str, tokenizer, engine_max_length: int, eos_token_ids: list[int],
                  gen_defaults: dict, owns_engine: bool = True, template_source: str = "the model's chat template"):
         self.engine, self.name, self.tokenizer = engine, name, tokenizer
@@ -65,9 +68,10 @@ class Backend:
         status, handle, queue = self.engine.start_request(self.name, {"input_ids": prompt_ids}, gen)
         return status, handle, queue, ("" if status == AsStatus.ALLSPARK_SUCCESS else self.engine.get_last_error())
 
-    def start_choices(self, prompt_ids: list[int], gen: dict, n: int):
-        """start_choices (n requests of one prompt) -> (status, [(handle, queue)], error message)."""
-        status, started = self.engine.start_choices(self.name, {"input_ids": prompt_ids}, gen, n)
+    def start_choices(self, prompt_ids: list[int], gen: dict, n: int, images: Optional[dict] = None):
+        """start_choices (n requests of one prompt; `images`: its pixel_values / image_grid_thw) -> (status,
+        [(handle, queue)], error message)."""
+        status, started = self.engine.start_choices(self.name, {"input_ids": prompt_ids, **(images or {})}, gen, n)
         return status, started, ("" if status == AsStatus.ALLSPARK_SUCCESS else self.engine.get_last_error())
 
     def release(self, handle) -> None:
@@ -252,6 +256,7 @@ def open_backend(opts: BackendOptions) -> Backend:
         defaults = {k: loader.hf_generation_config[k] for k in _DEFAULT_KEYS if k in loader.hf_generation_config}
         backend = Backend(engine, name, tokenizer, max_length, loader.eos_token_ids(), defaults, owns_engine=owns,
                           template_source=template_source(opts.model))
+        backend.images = ChatImages.for_model(opts.model)     # None unless a vision-language folder
         if info is not None:
             backend.refresh_loras()                  # a shared pool's model may have adapters loaded already
         load_lora_modules(backend, opts.lora_modules)

@@ -103,6 +103,8 @@ class ApiRequest:
     lora_name: str = ""                       # the adapter `model` names ("": the base model)
     tools: list = field(default_factory=list)  # chat: ToolSpecs (http/tools/spec.py)
     tool_choice: Any = None                   # chat: a ToolChoice, None without tools
+    images: list = field(default_factory=list)   # chat: the image_url parts' data: URLs, in order
+    image_inputs: Optional[dict] = None          # ... as pixel_values / image_grid_thw (serving.py, http/images.py)
     n: int = 1                                # choices returned
     best_of: int = 0                          # completions: choices generated, the n best returned (0: n)
     stop_token_ids: tuple[int, ...] = ()      # vLLM's: token ids that end the output (left out of its text)
@@ -188,7 +190,7 @@ def parse_chat(body: Any, served_model: str, adapters: Collection[str] = ()) -> 
     """`adapters`: the loaded LoRA adapters' names, which `model` may name too."""
     f = _fields(body, CHAT_FIELDS)
     req = _common("chat", f, served_model, adapters)
-    req.messages = _messages(f.get("messages"))
+    req.messages = _messages(f.get("messages"), req.images)
     req.tools, req.tool_choice = _tools(f, (req.sampling.get("response_format") or {}).get("type", "text") != "text")
     req.prompt_chars = sum(map(_text_chars, req.messages))
     req.max_tokens = _max_tokens(f, "max_completion_tokens", "max_tokens")
@@ -222,9 +224,34 @@ def parse_completion(body: Any, served_model: str, adapters: Collection[str] = (
     return req
 
 
-def _messages(messages: Any) -> list[dict]:
+def _content_parts(parts: list, where: str, images: list[str]) -> Any:
+    """Text parts joined into one string; with image_url parts (data: URLs, appended to `images` in order), the
+    parts as a chat template of a vision-language model takes them: text parts and {"type": "image"}."""
+    out, has_image = [], False
+    for p, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+            continue
+        if kind != "image_url":
+            raise bad_request(f"{where}[{p}]: parts must be text or image_url, got {part!r:.80}", param=where)
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str) or not url.startswith("data:"):
+            raise bad_request(f"{where}[{p}].image_url: only data: URLs (the image inline, base64) are accepted; "
+                              f"this server fetches no remote images, got {str(url)[:80]!r}", param=where,
+                              code="image_url_not_allowed")
+        images.append(url)
+        out.append({"type": "image"})
+        has_image = True
+    return out if has_image else "\n".join(part["text"] for part in out)
+
+
+def _messages(messages: Any, images: Optional[list] = None) -> list[dict]:
+    """The chat's messages checked; the image_url parts' data: URLs are appended to `images`."""
     if not messages:
         raise bad_request("messages must be a non-empty array", param="messages")
+    images = [] if images is None else images
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -236,14 +263,8 @@ def _messages(messages: Any) -> list[dict]:
             raise bad_request(f"Invalid value for messages[{i}].role: {m['role']!r:.80}. Supported values are: "
                               + ", ".join(map(repr, CHAT_ROLES)), param=f"messages[{i}].role", code="invalid_value")
         content = m.get("content")
-        if isinstance(content, list):   # content parts: text only
-            texts = []
-            for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise bad_request(f"messages[{i}].content: only text parts are supported, got {part!r:.80}",
-                                      param=f"messages[{i}].content")
-                texts.append(part["text"])
-            content = "\n".join(texts)
+        if isinstance(content, list):   # content parts: text, and images for vision-language models
+            content = _content_parts(content, f"messages[{i}].content", images)
         elif content is not None and not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string or an array of text parts",
                               param=f"messages[{i}].content")

@@ -119,12 +119,17 @@ class Serving:
         tok = self.backend.tokenizer
         if req.kind == "completion":
             return tok(req.prompt)["input_ids"] if isinstance(req.prompt, str) else req.prompt
+        if req.images:                         # a vision-language model's (http/images.py)
+            text, req.image_inputs = self.backend.images.inputs(text, req.images)
         return tok(text, add_special_tokens=False)["input_ids"]
 
     async def prompt_ids(self, req: ApiRequest) -> list[int]:
         """The prompt's token ids: a chat rendered by the chat template and tokenized, or the completion's prompt."""
         b = self.backend
         check_prompt_chars(req, b.engine_max_length, self.chars_per_token)
+        if req.images and b.images is None:
+            raise bad_request(f"model '{req.model}' takes no images: send text parts only", param="messages",
+                              code="images_not_supported")
         text = await self._render(req) if req.kind == "chat" else None
         return await asyncio.get_running_loop().run_in_executor(b.executor, self._prompt_ids, req, text)
 
@@ -167,7 +172,8 @@ class Serving:
             raise ApiError(429, f"the server is overloaded ({e}); retry later", code="server_overloaded",
                            type_="rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         try:
-            status, started, error = await loop.run_in_executor(b.executor, b.start_choices, ids, gen, k)
+            status, started, error = await loop.run_in_executor(b.executor, b.start_choices, ids, gen, k,
+                                                                req.image_inputs)
         except PoolUnavailable as e:
             slot.release()
             raise ApiError(503, e.message, code="unavailable") from None
