@@ -2,26 +2,25 @@
 when the request starts: the vision tower's embeddings of each image (vision/encoder.py, kept by image hash so a
 chat that sends the same image again does not encode it again), the prompt's M-RoPE positions (vision/mrope.py)
 and where the image tokens are. The tower is built on first use from the tensors stored beside the decoder's
-(models/qwen2_vl.py) and runs in the caller's thread, one request at a time.
+(models/qwen2_vl.py); it runs in the callers' threads, the images of requests that start together in shared
+forwards (image_batcher.py).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import threading
-from collections import OrderedDict
 
 import numpy as np
 import torch
 
 from allspark_client.validation import ConfigError
 from allspark_server.core.multimodal import PromptImages
+from allspark_server.engine.image_batcher import ImageBatcher
 from allspark_server.models.qwen2_vl import VISION_PREFIX
 from allspark_server.vision.encoder import VisionEncoder
 from allspark_server.vision.images import image_hashes
 from allspark_server.vision.mrope import rope_index
-
-CACHED_IMAGES = 64          # images whose embeddings stay cached (least recently used go first)
 
 
 class ImageTower:
@@ -35,8 +34,7 @@ class ImageTower:
             raise ConfigError(f"the model file has no vision tower ({VISION_PREFIX}* tensors): serialize the "
                               "model folder again with this allspark")
         self.encoder = VisionEncoder.from_hf(self.config, tensors, model_file.dtype, device)
-        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self._lock = threading.Lock()
+        self.batcher = ImageBatcher(self.encoder)   # concurrent requests' images in shared forwards, cached
 
     def prompt_images(self, ids: list[int], pixels: np.ndarray, grid: np.ndarray) -> PromptImages:
         """PromptImages of a prompt whose image tokens stand for the images of `pixels` / `grid`; ConfigError
@@ -55,31 +53,20 @@ class ImageTower:
             raise ConfigError(f"the prompt has {len(at)} image tokens (id {self.image_token_id}) but its "
                               f"{len(tokens)} image(s) make {sum(tokens)}: give input_ids as the model's processor "
                               "expands them")
-        keys, embeds, offset = image_hashes(pixels, grid), [], 0
+        keys, items, offset = image_hashes(pixels, grid), [], 0
         for (t, h, w), key in zip(grid.tolist(), keys):
-            embeds.append(self._embed(key, pixels[offset:offset + t * h * w], [[t, h, w]]))
+            items.append((key, pixels[offset:offset + t * h * w], [t, h, w]))
             offset += t * h * w
+        try:
+            embeds = self.batcher.embed(items)
+        except ValueError as e:                # what the encoder checks: named for the caller
+            raise ConfigError(f"image: {e}") from None
         try:
             positions, delta = rope_index(ids, grid, self.config)
         except ValueError as e:
             raise ConfigError(f"image tokens: {e}") from None
         return PromptImages(torch.as_tensor(positions, dtype=torch.long), int(delta), at,
                             torch.cat(embeds).to("cpu"), hashlib.sha256("|".join(keys).encode()).hexdigest())
-
-    def _embed(self, key: str, pixels: np.ndarray, grid: list) -> torch.Tensor:
-        with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                return hit
-            try:
-                out = self.encoder(torch.from_numpy(pixels), torch.tensor(grid, dtype=torch.long))
-            except ValueError as e:            # what the encoder checks: named for the caller
-                raise ConfigError(f"image: {e}") from None
-            self._cache[key] = out
-            while len(self._cache) > CACHED_IMAGES:
-                self._cache.popitem(last=False)
-            return out
 
 
 _towers_lock = threading.Lock()
