@@ -63,9 +63,11 @@ def template_messages(system: Optional[Any], messages: list) -> list[dict]:
         else:
             raise bad_request(f"{where}.content: must be a string or an array of content blocks",
                               param=f"{where}.content")
-    if messages[-1].get("role") == "assistant":
-        raise bad_request("messages: the last message must be the user's (continuing a partial assistant message is "
-                          "not supported by this server)", param=f"messages.{len(messages) - 1}")
+    if messages[-1].get("role") == "assistant":           # a prefill: the answer goes on from its text
+        final = out[-1]
+        if final.get("tool_calls") or not final["content"] or final["content"] != final["content"].rstrip():
+            raise bad_request(f"messages.{len(messages) - 1}: a final assistant message (a prefill) must be text that "
+                              "does not end with whitespace", param=f"messages.{len(messages) - 1}")
     return out
 
 

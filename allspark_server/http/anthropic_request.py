@@ -140,7 +140,8 @@ def parse_count_tokens(body: Any, served_model: str, adapters: Collection[str] =
 def _conversation(f: dict, served_model: str, adapters: Collection[str]) -> MessagesRequest:
     model = _model(f, served_model, adapters)
     messages = template_messages(f.get("system"), _required(f, "messages"))
-    req = ApiRequest("chat", model, messages=messages, lora_name="" if model == served_model else model)
+    req = ApiRequest("chat", model, messages=messages, lora_name="" if model == served_model else model,
+                     continue_final=messages[-1]["role"] == "assistant")
     req.prompt_chars = _chars(messages) + _chars(f.get("tools"))     # tools reach the prompt too
     out = MessagesRequest(req)
     if f.get("tools"):

@@ -44,6 +44,17 @@ class TemplateFailed(Exception):
     """The chat template failed, ran out of time or memory, or rendered too much, on one request's messages."""
 
 
+def continued(text: str, final: str) -> str:
+    """A rendering (without generation prompt) cut right after the final message's text, so that the model goes on
+    writing that message (transformers' continue_final_message does the same); TemplateFailed when the template
+    did not render that text as it is."""
+    at = text.rfind(final.strip()) if final.strip() else -1
+    if at < 0:
+        raise TemplateFailed("the chat template does not render the final assistant message's text as it is, so it "
+                             "cannot be continued")
+    return text[:at + len(final.strip())]
+
+
 def template_source(model_path: str) -> str:
     """Where a model's chat template comes from, as error messages name it."""
     if model_path.endswith(".gguf"):

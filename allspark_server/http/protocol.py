@@ -108,6 +108,7 @@ class ApiRequest:
     n: int = 1                                # choices returned
     best_of: int = 0                          # completions: choices generated, the n best returned (0: n)
     stop_token_ids: tuple[int, ...] = ()      # vLLM's: token ids that end the output (left out of its text)
+    continue_final: bool = False              # chat: the last (assistant) message is continued, not answered
 
 
 def _fields(body: Any, table: dict) -> dict:

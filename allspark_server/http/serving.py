@@ -18,7 +18,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from allspark_client.client import PoolUnavailable
 from allspark_client.types import AsStatus, GenerateRequestStatus, pool_failed
 from allspark_server.http.admission import Admission, Overloaded
-from allspark_server.http.chat_template import RENDER_TIMEOUT_S, TemplateFailed, TemplateRenderer, template_variables
+from allspark_server.http.chat_template import (
+    RENDER_TIMEOUT_S,
+    TemplateFailed,
+    TemplateRenderer,
+    continued,
+    template_variables,
+)
 from allspark_server.http.choices import ChoiceGroup, SharedSlot
 from allspark_server.http.detokenize import IncrementalDetokenizer, StopMatcher, TokenText
 from allspark_server.http.echo import echo_text, echo_tokens
@@ -111,6 +117,8 @@ class Serving:
         messages, tools = self.tools.template_input(messages, req.tools, req.tool_choice)
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]   # as apply_chat_template
         try:
+            if req.continue_final:                   # Anthropic's prefill: the last message goes on
+                return continued(await self.templates.render_async(messages, tools, False), messages[-1]["content"])
             return await self.templates.render_async(messages, tools, add_generation_prompt)
         except TemplateFailed as e:
             raise bad_request(str(e), param="messages", code="chat_template_error") from None

@@ -130,6 +130,19 @@ def test_stop_sequence(client, greedy):
     assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
 
 
+def test_prefill_is_continued(client, served_llama, tokenizer):
+    """A final assistant message is continued, as transformers' continue_final_message renders it."""
+    history = [*OPENAI_MESSAGES, {"role": "assistant", "content": "Sure, here"}]
+    text = tokenizer.apply_chat_template(history, tokenize=False, continue_final_message=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    want, _ = engine_greedy_text(served_llama[0], tokenizer, ids, 12)
+    r = client.messages.create(model="llama", system=SYSTEM, max_tokens=12, extra_body=GREEDY,
+                               messages=[*MESSAGES, {"role": "assistant", "content": "Sure, here"}])
+    assert "".join(b.text for b in r.content) == want and r.usage.input_tokens == len(ids)
+    assert client.messages.count_tokens(model="llama", system=SYSTEM, messages=[
+        *MESSAGES, {"role": "assistant", "content": "Sure, here"}]).input_tokens == len(ids)
+
+
 def test_count_tokens(client, greedy):
     _, _, ids = greedy
     r = client.messages.count_tokens(model="llama", system=SYSTEM, messages=MESSAGES)

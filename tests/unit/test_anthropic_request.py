@@ -70,7 +70,7 @@ def test_tool_choice(choice, mode, name):
     ({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": [
         {"type": "tool_use", "id": "a", "name": "f", "input": {}}]}]}, 400, "messages.0.content.0"),
     ({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"},
-                                                  {"role": "assistant", "content": "y"}]}, 400, "last message"),
+                                                  {"role": "assistant", "content": "y "}]}, 400, "prefill"),
     ({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}],
       "tools": [WEATHER, WEATHER]}, 400, "tools.1.name"),
     ({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}],
@@ -84,6 +84,21 @@ def test_bad_bodies(body, status, where):
         parse_messages(body, "m")
     message = error_body(e.value)["error"]["message"]
     assert e.value.status == status and where in message, message
+
+
+def test_a_final_assistant_message_is_continued():
+    m = parse(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": [
+        {"type": "text", "text": "The answer"}]}])
+    assert m.api.continue_final and m.api.messages[-1] == {"role": "assistant", "content": "The answer"}
+    assert not parse(messages=[{"role": "user", "content": "x"}]).api.continue_final
+
+
+def test_continued_cuts_after_the_final_text():
+    from allspark_server.http.chat_template import TemplateFailed, continued
+    rendered = "<|user|>The answer\n<|assistant|>The answer\n"      # hand-rendered; the text occurs twice
+    assert continued(rendered, "The answer") == "<|user|>The answer\n<|assistant|>The answer"
+    with pytest.raises(TemplateFailed):
+        continued(rendered, "Something else")
 
 
 def test_count_tokens_needs_no_max_tokens():
