@@ -20,18 +20,12 @@ from allspark_client import wire
 from allspark_client._proto import allspark_pb2 as pb
 from allspark_client._proto import allspark_pb2_grpc as pb_grpc
 from allspark_client.api import EngineAPI, StartResult
-from allspark_client.channel import (
-    MAX_MESSAGE_BYTES,
-    RECONNECT_BACKOFF_MS,
-    Pem,
-    failure_reason,
-    normalize_address,
-    open_channel,
-)
+from allspark_client.channel import RECONNECT_BACKOFF_MS, Pem, failure_reason, normalize_address, open_channel
 from allspark_client.config import AsModelConfig
 from allspark_client.embed_client import ClientEmbed
+from allspark_client.generate_stream import read_generate_stream
 from allspark_client.generation_config import parse_request
-from allspark_client.image_inputs import images_to_proto, parse_image_inputs
+from allspark_client.image_inputs import request_images
 from allspark_client.launch.spawned_pool import SpawnedPool
 from allspark_client.lora_client import ClientLora
 from allspark_client.op_profile_report import OpProfileReport
@@ -264,8 +258,7 @@ class ClientEngine(ClientDeviceMemory, ClientLora, ClientEmbed, EngineAPI):
             return self._fail(AsStatus.ALLSPARK_INVALID_CALL_ERROR, CLOSED), None, None
         try:
             ids, raw, gen = parse_request(inputs, generate_config)
-            images = parse_image_inputs(inputs)
-            images = images_to_proto(pb, images, MAX_MESSAGE_BYTES) if images is not None else None
+            images = request_images(pb, inputs)
         except ConfigError as e:
             return self._fail(e.status, str(e)), None, None
         request = pb.GenerateRequest(model_name=name, input_ids=ids, config=wire.generation_config_to_proto(raw, gen),
@@ -282,33 +275,9 @@ class ClientEngine(ClientDeviceMemory, ClientLora, ClientEmbed, EngineAPI):
         queue = ResultQueue(context_length=len(ids))
         with self._lock:
             self._live[(name, first.request_id)] = _ClientRequest(handle, queue, call)
-        threading.Thread(target=self._read_stream, args=(call, queue), daemon=True,
+        threading.Thread(target=read_generate_stream, args=(call, queue, self.address), daemon=True,
                          name=f"allspark-stream-{first.request_id}").start()
         return AsStatus.ALLSPARK_SUCCESS, handle, queue
-
-    def _read_stream(self, call, queue: ResultQueue) -> None:
-        try:
-            for reply in call:
-                status = GenerateRequestStatus(reply.generate_status)
-                if reply.HasField("stats"):
-                    queue._set_stats(wire.stats_from_proto(reply.stats))
-                el = wire.elements_from_reply(reply)
-                if el.ids_from_generate:   # a last reply's tokens go in before its terminal status and message
-                    queue._push(el, GenerateRequestStatus.Generating if status.is_terminal else status)
-                if status.is_terminal:
-                    queue._set_status(status, reply.message or None)
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.CANCELLED and queue.GenerateStatus().is_terminal:
-                return
-            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:     # the pool is fine; it dropped this stream
-                queue._set_status(GenerateRequestStatus.InternalError,
-                                  f"the pool at {self.address} dropped the stream: {e.details()}")
-            else:   # this wording and the one below are what types.pool_failed (LOST_POOL) recognizes
-                queue._set_status(GenerateRequestStatus.InternalError,
-                                  f"lost the pool at {self.address}: {e.code().name}: {e.details()}")
-            return
-        if not queue.GenerateStatus().is_terminal:   # the stream ended without a final status
-            queue._set_status(GenerateRequestStatus.InternalError, f"the pool at {self.address} closed the stream")
 
     def _live_request(self, name: str, handle) -> tuple[Optional[_ClientRequest], AsStatus]:
         """This client's live request for `handle`, or None with the status Engine would give

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from allspark_client.channel import MAX_MESSAGE_BYTES
 from allspark_client.validation import ConfigError, _check
 
 IMAGE_KEYS = ("pixel_values", "image_grid_thw")
@@ -50,8 +51,12 @@ def parse_image_inputs(inputs: dict) -> Optional[tuple[np.ndarray, np.ndarray]]:
     return np.ascontiguousarray(pixels, dtype=np.float32), grid.astype(np.int64)
 
 
-def images_to_proto(pb, images: tuple[np.ndarray, np.ndarray], limit_bytes: int):
-    """A GenerateRequest's PromptImageInputs; ConfigError when the pixels would not fit one gRPC message."""
+def request_images(pb, inputs: dict, limit_bytes: int = MAX_MESSAGE_BYTES):
+    """A GenerateRequest's PromptImageInputs of the inputs (None without images); ConfigError when they are bad or
+    the pixels would not fit one gRPC message."""
+    images = parse_image_inputs(inputs)
+    if images is None:
+        return None
     pixels, grid = images
     _check(pixels.nbytes < limit_bytes - (1 << 20), f"pixel_values is {pixels.nbytes >> 20} MiB: a pool takes "
                                                     f"images of at most {(limit_bytes >> 20) - 1} MiB a request")

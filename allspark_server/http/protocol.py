@@ -1,10 +1,11 @@
 """OpenAI request validation: a JSON body of /v1/chat/completions or /v1/completions -> an ApiRequest, and
 an ApiRequest + prompt ids -> an allspark generation config.
 
-Owns the field list of each endpoint (types, the fields we ignore as OpenAI allows, the ones we refuse), the
-OpenAI -> allspark key mapping, and ApiError (OpenAI's error object). It does not tokenize, start requests or
-build responses. Value ranges the engine knows (temperature, top_p, penalties, seed...) are left to the engine,
-whose PARAM_ERROR message is turned back into a 400 naming the OpenAI field (`error_from_engine`).
+Owns the field list of each endpoint (types, the fields we ignore as OpenAI allows, the ones we refuse) and the
+OpenAI -> allspark key mapping; chat messages are checked by chat_messages.py, ApiError (OpenAI's error object) is
+errors.py's. It does not tokenize, start requests or build responses. Value ranges the engine knows (temperature,
+top_p, penalties, seed...) are left to the engine, whose PARAM_ERROR message is turned back into a 400 naming the
+OpenAI field (`error_from_engine`).
 """
 from __future__ import annotations
 
@@ -14,25 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from allspark_client.types import AsStatus
+from allspark_server.http.chat_messages import messages_of, text_chars
+from allspark_server.http.errors import ApiError, bad_request
 from allspark_server.http.token_fields import TokenFieldError, parse_logit_bias, parse_stop_token_ids, stop_words_of
-
-
-class ApiError(Exception):
-    """An HTTP error with OpenAI's body {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 type_: Optional[str] = None, headers: Optional[dict] = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
-        self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
-
 
 # ---- field tables ---------------------------------------------------------------------------------------------
 # kinds: str, int, number, bool, dict, list, stop (str or list of str), prompt, any
@@ -57,8 +42,6 @@ _OFF_VALUES = {"functions": ([], None),
                "function_call": ("none", None), "modalities": (["text"], None), "audio": (None,),
                "prediction": (None,), "suffix": (None, "")}
 MAX_STOP_STRINGS = 16
-CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")   # OpenAI's, less the deprecated one:
-TOOL_ROLES = ("function",)                                         # refused with `functions`
 MAX_CHOICES = 128                     # OpenAI's bound on n and best_of
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions (chat: up to the context length)
 
@@ -191,9 +174,9 @@ def parse_chat(body: Any, served_model: str, adapters: Collection[str] = ()) -> 
     """`adapters`: the loaded LoRA adapters' names, which `model` may name too."""
     f = _fields(body, CHAT_FIELDS)
     req = _common("chat", f, served_model, adapters)
-    req.messages = _messages(f.get("messages"), req.images)
+    req.messages = messages_of(f.get("messages"), req.images)
     req.tools, req.tool_choice = _tools(f, (req.sampling.get("response_format") or {}).get("type", "text") != "text")
-    req.prompt_chars = sum(map(_text_chars, req.messages))
+    req.prompt_chars = sum(map(text_chars, req.messages))
     req.max_tokens = _max_tokens(f, "max_completion_tokens", "max_tokens")
     req.logprobs = f.get("logprobs", False)
     req.top_logprobs = f.get("top_logprobs", 0)
@@ -225,61 +208,6 @@ def parse_completion(body: Any, served_model: str, adapters: Collection[str] = (
     return req
 
 
-def _content_parts(parts: list, where: str, images: list[str]) -> Any:
-    """Text parts joined into one string; with image_url parts (data: URLs, appended to `images` in order), the
-    parts as a chat template of a vision-language model takes them: text parts and {"type": "image"}."""
-    out, has_image = [], False
-    for p, part in enumerate(parts):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text" and isinstance(part.get("text"), str):
-            out.append({"type": "text", "text": part["text"]})
-            continue
-        if kind != "image_url":
-            raise bad_request(f"{where}[{p}]: parts must be text or image_url, got {part!r:.80}", param=where)
-        url = part.get("image_url")
-        url = url.get("url") if isinstance(url, dict) else url
-        if not isinstance(url, str) or not url.startswith("data:"):
-            raise bad_request(f"{where}[{p}].image_url: only data: URLs (the image inline, base64) are accepted; "
-                              f"this server fetches no remote images, got {str(url)[:80]!r}", param=where,
-                              code="image_url_not_allowed")
-        images.append(url)
-        out.append({"type": "image"})
-        has_image = True
-    return out if has_image else "\n".join(part["text"] for part in out)
-
-
-def _messages(messages: Any, images: Optional[list] = None) -> list[dict]:
-    """The chat's messages checked; the image_url parts' data: URLs are appended to `images`."""
-    if not messages:
-        raise bad_request("messages must be a non-empty array", param="messages")
-    images = [] if images is None else images
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad_request(f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]")
-        if m["role"] in TOOL_ROLES:
-            raise bad_request(f"messages[{i}].role {m['role']!r} is not supported by this server (use 'tool')",
-                              param=f"messages[{i}].role")
-        if m["role"] not in CHAT_ROLES:
-            raise bad_request(f"Invalid value for messages[{i}].role: {m['role']!r:.80}. Supported values are: "
-                              + ", ".join(map(repr, CHAT_ROLES)), param=f"messages[{i}].role", code="invalid_value")
-        content = m.get("content")
-        if isinstance(content, list):   # content parts: text, and images for vision-language models
-            content = _content_parts(content, f"messages[{i}].content", images)
-        elif content is not None and not isinstance(content, str):
-            raise bad_request(f"messages[{i}].content must be a string or an array of text parts",
-                              param=f"messages[{i}].content")
-        if m.get("tool_calls") is not None:
-            if m["role"] != "assistant":
-                raise bad_request(f"messages[{i}].tool_calls: only assistant messages carry tool calls",
-                                  param=f"messages[{i}].tool_calls")
-            _tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
-        msg = {k: v for k, v in m.items() if k not in ("content",)}
-        msg["content"] = content if content is not None else ""
-        out.append(msg)
-    return out
-
-
 def _tools(f: dict, guided: bool) -> tuple[list, Any]:
     """`tools` and `tool_choice` validated (http/tools/spec.py), as 400s naming the bad field."""
     from allspark_server.http.tools import ToolError, parse_tool_choice, validate_tools
@@ -292,30 +220,6 @@ def _tools(f: dict, guided: bool) -> tuple[list, Any]:
         raise bad_request(f"tool_choice {'required' if choice.mode == 'required' else 'naming a function'} cannot "
                           "be combined with response_format (both constrain the output)", param="tool_choice")
     return specs, choice
-
-
-def _tool_calls(calls: Any, where: str) -> list[dict]:
-    """An assistant message's tool_calls: [{"id", "type": "function", "function": {"name", "arguments"}}]."""
-    if not isinstance(calls, list):
-        raise bad_request(f"{where} must be an array", param=where)
-    for k, c in enumerate(calls):
-        fn = c.get("function") if isinstance(c, dict) else None
-        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
-                and isinstance(fn.get("arguments", ""), (str, dict)) and c.get("type", "function") == "function"):
-            raise bad_request(f"{where}[{k}] must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
-                              f"\"arguments\"}}}}, got {c!r:.80}", param=f"{where}[{k}]")
-    return calls
-
-
-def _text_chars(value: Any) -> int:
-    """Characters in the strings of a message (content, name, ...): what its chat template can render."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(_text_chars(v) for v in value.values())
-    if isinstance(value, list):
-        return sum(map(_text_chars, value))
-    return 0
 
 
 def _prompt(prompt: Any):

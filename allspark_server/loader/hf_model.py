@@ -24,6 +24,7 @@ from allspark_server.loader.gguf_reader import GGUFError, find_gguf
 from allspark_server.loader.hf_reader import iter_hf_tensors, read_generation_config, read_hf_config
 from allspark_server.loader.model_file import DTYPES, write_model_files
 from allspark_server.loader.quantized import plan_scheme, quantize_tensors, quantized_split_modes
+from allspark_server.loader.tokenizer_files import load_tokenizer, read_tokenizer_json
 from allspark_server.loader.weights import checkpoint_shapes, non_finite, quantize_layers
 from allspark_server.lora.adapter import LoraAdapterError, read_lora_cfg, write_adapters
 from allspark_server.models.args import ModelArgs
@@ -51,35 +52,6 @@ def _dtype_from(name) -> torch.dtype:
     if key not in DTYPES:
         raise ModelSerializerException(f"data type {name!r} is not supported (float32, bfloat16, float16)")
     return DTYPES[key]
-
-
-def read_tokenizer_json(path: str, trust_remote_code: bool = False) -> str:
-    """The folder's tokenizer as tokenizer.json text: the file itself, else the fast tokenizer transformers
-    builds from the folder's other tokenizer files, else "" (no tokenizer: guided output is unavailable)."""
-    file = os.path.join(path, "tokenizer.json")
-    try:
-        if os.path.isfile(file):
-            with open(file, encoding="utf-8") as f:
-                return f.read()
-        tok = load_tokenizer(path, trust_remote_code, use_fast=True)
-        backend = getattr(tok, "backend_tokenizer", None)
-        return backend.to_str() if backend is not None else ""
-    except Exception as e:   # no (usable) tokenizer files: not an error, the model still serves ids
-        log.info("no fast tokenizer in %s (%s): guided output will be unavailable", path, e)
-        return ""
-
-
-def load_tokenizer(path: str, trust_remote_code: bool = False, **kwargs):
-    """The folder's tokenizer through transformers; a Qwen v1 folder's tiktoken file is read by our own reader
-    (loader/qwen_tokenizer.py) unless the caller asked for the remote code; a GGUF file's from its metadata."""
-    from allspark_server.loader import qwen_tokenizer
-    if os.path.isfile(path) and path.lower().endswith(".gguf"):
-        from allspark_server.loader.gguf_model import load_gguf_tokenizer
-        return load_gguf_tokenizer(path, **kwargs)
-    if not trust_remote_code and qwen_tokenizer.is_qwen_tiktoken_folder(path):
-        return qwen_tokenizer.load_qwen_tokenizer(path, kwargs.get("padding_side", "left"))
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
 
 
 def _as_list(v) -> list[int]:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
-from allspark_client import ClientEngine
 from allspark_client import GenerateRequestStatus as S
 from allspark_client._proto import allspark_pb2 as pb
+from allspark_client.generate_stream import read_generate_stream
 from allspark_client.result_queue import ResultQueue
 from allspark_client.types import AsStatus, GeneratedElements, RequestHandle
 from allspark_server.pool.service import AllsparkServicer
@@ -70,9 +70,7 @@ def seen_by_a_reader(replies) -> list[tuple]:
     """(status, tokens in, error message) each time the reader's queue changes while the client reads `replies`."""
     queue, seen = ResultQueue(), []
     queue._set_listener(lambda: seen.append((queue.GenerateStatus(), queue.GeneratedLength(), queue.ErrorMessage())))
-    client = ClientEngine.__new__(ClientEngine)        # only the stream reader: no pool, no channel
-    client.address = "unix:/nowhere"
-    client._read_stream(FakeCall(replies), queue)
+    read_generate_stream(FakeCall(replies), queue, "unix:/nowhere")     # ClientEngine's stream reader
     return seen
 
 
