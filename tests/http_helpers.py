@@ -25,6 +25,21 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
+def chat_server(llama, tmp_path_factory, *args: str) -> "Server":
+    """allspark-serve on a copy of the tiny Llama folder with CHAT_TEMPLATE, behind API_KEY; `model_dir` is the copy
+    (its tokenizer: `folder_tokenizer`). `args`: the server's options."""
+    hf_dir = with_chat_template(llama.hf_dir, str(tmp_path_factory.mktemp("chat") / "llama"))
+    srv = Server(hf_dir, *args, api_key=API_KEY)
+    srv.model_dir = hf_dir
+    return srv
+
+
+def folder_tokenizer(server: "Server"):
+    """The tokenizer of the server's own folder (with the chat template)."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(server.model_dir)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

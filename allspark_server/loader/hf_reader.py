@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -51,7 +51,10 @@ def weight_files(model_dir: str) -> tuple[str, list[str]]:
                           f"pytorch_model.bin or {BIN_INDEX})")
 
 
-def iter_hf_tensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(model_dir: str, keep: Optional[Callable[[str], bool]] = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor of the folder's checkpoint; with `keep`, safetensors files read only the
+    tensors it keeps (a .bin file is read whole either way, and its tensors are yielded unfiltered)."""
     kind, files = weight_files(model_dir)
     for path in files:
         if not os.path.isfile(path):
@@ -60,7 +63,8 @@ def iter_hf_tensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
             from safetensors import safe_open
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if keep is None or keep(name):
+                        yield name, f.get_tensor(name)
         else:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             yield from state.items()

@@ -8,12 +8,11 @@ convolution whose stride is its kernel is a matrix product over flattened patche
 `mlp.0` / `mlp.2` become `fc1` / `fc2`."""
 from __future__ import annotations
 
-import os
-from typing import Iterator, Mapping
+from typing import Mapping
 
 import torch
 
-from allspark_server.loader.hf_reader import CheckpointError, weight_files
+from allspark_server.loader.hf_reader import CheckpointError, iter_hf_tensors
 from allspark_server.loader.weights import non_finite
 
 PREFIXES = ("model.visual.", "visual.")
@@ -31,25 +30,10 @@ def strip_prefix(name: str, bare: bool) -> str | None:
     return name if bare else None
 
 
-def _folder_tensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    kind, files = weight_files(folder)
-    for path in files:
-        if not os.path.isfile(path):
-            raise CheckpointError(f"weight file {path!r} listed in the index is missing")
-        if kind == "safetensors":
-            from safetensors import safe_open
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():
-                    if strip_prefix(name, False) is not None:
-                        yield name, f.get_tensor(name)
-        else:
-            yield from torch.load(path, map_location="cpu", weights_only=True, mmap=True).items()
-
-
 def vision_state(source: str | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """{VisionEncoder parameter name: tensor} from a model folder or a state dict (prefixed or bare)."""
     if isinstance(source, str):
-        items, bare = _folder_tensors(source), False
+        items, bare = iter_hf_tensors(source, lambda n: strip_prefix(n, False) is not None), False
     else:
         bare = not any(strip_prefix(n, False) is not None for n in source)
         items = source.items()

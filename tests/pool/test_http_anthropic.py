@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from http_helpers import API_KEY, Server, engine_greedy_text, with_chat_template
+from http_helpers import API_KEY, chat_server, engine_greedy_text, folder_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("error")
 SYSTEM = "Be brief."
@@ -31,17 +31,14 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(llama, tmp_path_factory):
-    hf_dir = with_chat_template(llama.hf_dir, str(tmp_path_factory.mktemp("chat") / "llama"))
-    srv = Server(hf_dir, "--max-length", "2048", "--max-batch", "4", api_key=API_KEY)
-    srv.model_dir = hf_dir
+    srv = chat_server(llama, tmp_path_factory, "--max-length", "2048", "--max-batch", "4")
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
 def tokenizer(server):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(server.model_dir)
+    return folder_tokenizer(server)                  # the server's own folder: with the chat template
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import time
 import httpx
 import openai
 import pytest
-from http_helpers import API_KEY, Server, engine_greedy_text, with_chat_template
+from http_helpers import API_KEY, chat_server, engine_greedy_text, folder_tokenizer
 
 MAX_LENGTH = 8192            # room for requests that run until the test stops them (helpers.LONG_RUN_*)
 PROMPT = "The quick brown fox"
@@ -21,17 +21,14 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 @pytest.fixture(scope="module")
 def server(llama, tmp_path_factory):
-    hf_dir = with_chat_template(llama.hf_dir, str(tmp_path_factory.mktemp("chat") / "llama"))
-    srv = Server(hf_dir, "--max-length", str(MAX_LENGTH), "--max-batch", "8", api_key=API_KEY)
-    srv.model_dir = hf_dir
+    srv = chat_server(llama, tmp_path_factory, "--max-length", str(MAX_LENGTH), "--max-batch", "8")
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
 def tokenizer(server):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(server.model_dir)   # the server's own folder: with the chat template
+    return folder_tokenizer(server)                  # the server's own folder: with the chat template
 
 
 @pytest.fixture(scope="module")

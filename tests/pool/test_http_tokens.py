@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 from helpers import hf_logits, hf_loop
-from http_helpers import API_KEY, Server, with_chat_template
+from http_helpers import API_KEY, chat_server, folder_tokenizer
 
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world!"}]
@@ -22,17 +22,14 @@ NO_EOS = {"ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def server(llama, tmp_path_factory):
-    hf_dir = with_chat_template(llama.hf_dir, str(tmp_path_factory.mktemp("tokens") / "llama"))
-    srv = Server(hf_dir, "--max-length", "512", "--max-batch", "4", api_key=API_KEY)
-    srv.model_dir = hf_dir
+    srv = chat_server(llama, tmp_path_factory, "--max-length", "512", "--max-batch", "4")
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
 def tokenizer(server):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(server.model_dir)
+    return folder_tokenizer(server)                  # the server's own folder: with the chat template
 
 
 @pytest.fixture(scope="module")

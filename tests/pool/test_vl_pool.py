@@ -1,10 +1,11 @@
-"""Qwen2-VL through ClientEngine on a real 2-rank pool: images travel in the request (GenerateRequest.images), rank 0
-encodes them and both ranks place the embeddings; greedy output equals transformers' `generate` with 1 and 2
-images batched with a text-only request, and a bad image input comes back as PARAM_ERROR naming the problem while
-the pool keeps serving."""
+"""Qwen2-VL and Qwen2.5-VL through ClientEngine on a real 2-rank pool: images travel in the request
+(GenerateRequest.images), rank 0 encodes them and both ranks place the embeddings; greedy output equals
+transformers' `generate` with 1 and 2 images batched with a text-only request, and a bad image input comes back as
+PARAM_ERROR naming the problem while the pool keeps serving."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from helpers import collect, installed_on_pool, random_prompt, serialize
 from test_vl_engine import GREEDY, engine_inputs, hf_greedy, processed
 from vl_cases import build_vl_model, hf_processor
@@ -14,10 +15,11 @@ from allspark_client.types import AsStatus
 NAME = "vl-pool"
 
 
-def test_images_through_a_pool_equal_transformers(pool, tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_images_through_a_pool_equal_transformers(pool, tmp_path, family):
     client, _ = pool
-    folder = str(tmp_path / "qwen2_vl")
-    hf = build_vl_model(folder, "qwen2_vl")
+    folder = str(tmp_path / family)
+    hf = build_vl_model(folder, family)
     processor = hf_processor(folder)
     loader = serialize(folder, NAME, folder + "/out")
     cases = [processed(folder, processor, n, seed=7) for n in (1, 2)]
