@@ -30,6 +30,7 @@ from results_readers import (
     speculative,
     speculative_verify,
     switch_interval,
+    vl,
 )
 
 MEASURES = {
@@ -64,6 +65,12 @@ MEASURES = {
                    "model's bytes.", lora),
     "lora-dense-fp32": ("LoRA adapters against the base model, SmolLM2 in fp32 on a CPU", "As above, `--dtype "
                         "float32`.", lora),
+    "vl-2b": ("Qwen2-VL-2B-shaped model: concurrent image requests and multi-turn against transformers",
+              "`vl.py --device cuda --model 2b`: a random Qwen2-VL-2B-shaped bf16 model; 32 single-image chats "
+              "started together (448x448 noise images, 64 greedy tokens each) through the Engine against "
+              "transformers' generate on the same prompts as one left-padded batch, alternating rounds (5 after a "
+              "warm-up); then one chat's turn 2 after turn 1 with the same image against the same ids with a fresh "
+              "image. See docs/performance.md.", vl),
     "speculative-dense": ("Speculative decoding against plain decoding, SmolLM2 in bf16", "`speculative.py --model "
                           "smollm2-dense --draft smollm2 --rounds 3`: SmolLM2's weights in bf16 (dequantized from "
                           "the Q4_1 file) plain, with ngram speculation and with the Q4_1 file itself as the draft "

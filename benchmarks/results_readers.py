@@ -368,6 +368,25 @@ def lora(r: dict) -> list:
              "greedy equal without adapter": "yes" if r["lora_model_base_greedy_equal"] else "no"}]
 
 
+def vl(r: dict) -> list:
+    """vl.py: N concurrent single-image requests, our Engine against transformers' batched generate in the same run
+    (TTFT: ours per request, transformers' the batch's generate(max_new_tokens=1); throughput: all generated tokens
+    over wall time; ratios are medians of same-round ratios), and the turn-2 TTFT of a multi-turn chat about the same
+    image (a prefix-cache hit) against the same ids with a fresh image."""
+    c, m = r["concurrent"], r["multi_turn"]
+    ours, hf = c["allspark"], c["transformers"]
+    return [{"model": r["model"], "workload": f"{r['requests']} x {r['image_size']}px image, {r['tokens']} tokens",
+             "TTFT median / p90 (ms)": f"{ours['ttft_median_s'] * 1e3:.0f} / {ours['ttft_p90_s'] * 1e3:.0f}",
+             "transformers TTFT (ms)": f(hf["ttft_median_s"] * 1e3, 0),
+             "TTFT transformers / ours": x(c["transformers_ttft_over_allspark_median"]),
+             "tok/s": f(ours["tokens_per_s"], 0), "transformers tok/s": f(hf["tokens_per_s"], 0),
+             "tok/s ours / transformers": x(c["allspark_tps_over_transformers"]),
+             "turn-2 TTFT hit / fresh image (ms)": f"{m['turn2_ttft_hit_s'] * 1e3:.0f} / "
+                                                   f"{m['turn2_ttft_miss_s'] * 1e3:.0f}",
+             "fresh / hit": x(m["miss_over_hit"]),
+             "cached tokens on the hit": str(int(m["hit_prefix_cache_tokens"]))}]
+
+
 def speculative_verify(r: dict) -> list:
     """speculative_verify_cost.py: per model and context length, a decode graph's replay time at each row count over
     one row's, and the verify graph's of k + 1 = 5 rows at batch 1 (alone-rows mode), where the run has one."""

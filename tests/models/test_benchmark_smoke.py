@@ -208,3 +208,20 @@ def test_decode_attention_sweep(bench, tmp_path):
     bench("decode_attention_sweep", "--smoke", "--json", out)
     (rows,) = read(out).values()
     assert len(rows) == 2 and all(row["max_err"] < 2e-2 for row in rows), rows
+
+
+# ---- vl.py: the Qwen2-VL benchmark on tests/vl_cases' tiny model ----------------------------------------------------
+def test_vl_tiny_runs(bench, tmp_path):
+    """vl.py --model tiny: concurrent image requests against transformers' batched generate, the text-only prefill,
+    multi-turn with the same image (a prefix-cache hit) and with a fresh one (none), the tower alone."""
+    out = tmp_path / "vl.json"
+    bench("vl", "--model", "tiny", "--rounds", "1", "--requests", "3", "--tokens", "3", "--image-size", "56",
+          "--out", out)
+    r = read(out)
+    c, m = r["concurrent"], r["multi_turn"]
+    for v in ("allspark", "transformers", "allspark_text_only"):
+        assert positive(c[v]["ttft_median_s"], c[v]["ttft_p90_s"], c[v]["tokens_per_s"]), c[v]
+    assert positive(c["transformers_ttft_over_allspark_median"], c["allspark_tps_over_transformers"])
+    assert c["first_tokens_equal"] == [3]                   # fp32: the same first tokens as transformers
+    assert m["hit_prefix_cache_tokens"] > 0 and m["miss_prefix_cache_tokens"] == 0, m
+    assert positive(m["turn2_ttft_hit_s"], m["turn2_ttft_miss_s"], *r["vision_tower"].values())
