@@ -2,15 +2,17 @@
 have their images encoded in shared forwards of the vision tower instead of one by one.
 
 Each caller queues the images it needs (by hash; an image already cached or already queued is not encoded again)
-and waits. Whichever waiting caller finds the encoder free becomes the leader: it takes queued images up to
-`max_patches` patches, runs one forward over them (images never attend to each other, so each image's embeddings
-are what it would get alone), hands each its result, and goes on while images are queued. The patch budget keeps
-each forward short, so the decode steps of running requests (on the engine thread) interleave between forwards
-rather than wait for a whole burst of images.
+and waits. Whichever waiting caller finds the encoder free becomes the leader: it waits a few milliseconds while
+images are still arriving, then takes queued images up to `max_patches` patches, runs one forward over them (images
+never attend to each other, so each image's embeddings are what it would get alone), hands each its result, and
+goes on while images are queued. The patch budget (by device: a GPU's forward of many images is short, a CPU's is
+not) keeps each forward short, so the decode steps of running requests (on the engine thread) interleave between
+forwards rather than wait for a whole burst of images.
 """
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict, deque
 from typing import Callable, Optional
 
@@ -18,6 +20,8 @@ import numpy as np
 import torch
 
 MAX_PATCHES = 16384          # patches a forward takes (a 2B model's 1344 x 1344 image is 9216)
+GATHER_QUIET_S = 0.003       # a leader starts its first forward once no image arrived for this long ...
+GATHER_MAX_S = 0.015         # ... or after this, so that requests arriving together share it
 CACHED_IMAGES = 64           # images whose embeddings stay cached (least recently used go first)
 
 
@@ -75,7 +79,20 @@ class ImageBatcher:
         if pending.error is not None:
             raise pending.error
 
+    def _gather(self) -> None:
+        """Wait (briefly) while images are still arriving: thirty-two requests started together reach the queue
+        over some milliseconds, and one forward over all of them costs far less than several."""
+        deadline, seen = time.monotonic() + GATHER_MAX_S, -1
+        while time.monotonic() < deadline:
+            with self._lock:
+                queued = sum(len(p.pixels) for p in self._queue)
+            if queued == seen or queued >= self.max_patches:
+                return
+            seen = queued
+            time.sleep(GATHER_QUIET_S)
+
     def _drain(self) -> None:
+        self._gather()
         while True:
             with self._lock:
                 batch, patches = [], 0

@@ -22,6 +22,8 @@ from allspark_server.vision.encoder import VisionEncoder
 from allspark_server.vision.images import image_hashes
 from allspark_server.vision.mrope import rope_index
 
+GPU_PATCHES, CPU_PATCHES = 65536, 4096    # patches a forward takes (448 x 448 pixels: 1024 patches)
+
 
 class ImageTower:
     """A served vision-language model's encoder, its config and its cache of image embeddings."""
@@ -34,7 +36,8 @@ class ImageTower:
             raise ConfigError(f"the model file has no vision tower ({VISION_PREFIX}* tensors): serialize the "
                               "model folder again with this allspark")
         self.encoder = VisionEncoder.from_hf(self.config, tensors, model_file.dtype, device)
-        self.batcher = ImageBatcher(self.encoder)   # concurrent requests' images in shared forwards, cached
+        # concurrent requests' images in shared forwards, cached; a GPU runs many images in one short forward
+        self.batcher = ImageBatcher(self.encoder, max_patches=GPU_PATCHES if device.type == "cuda" else CPU_PATCHES)
 
     def prompt_images(self, ids: list[int], pixels: np.ndarray, grid: np.ndarray) -> PromptImages:
         """PromptImages of a prompt whose image tokens stand for the images of `pixels` / `grid`; ConfigError

@@ -113,7 +113,9 @@ def image_hashes(pixel_values, image_grid_thw) -> list[str]:
     for t, h, w in np.asarray(image_grid_thw, dtype=np.int64).reshape(-1, 3).tolist():
         rows = pixels[offset:offset + t * h * w]
         offset += t * h * w
-        out.append(hashlib.sha256(np.asarray([t, h, w], dtype=np.int64).tobytes() + rows.tobytes()).hexdigest())
+        digest = hashlib.sha256(np.asarray([t, h, w], dtype=np.int64).tobytes())
+        digest.update(memoryview(rows).cast("B"))          # the rows as they are: no copy
+        out.append(digest.hexdigest())
     if offset != len(pixels):
         raise ValueError(f"image_grid_thw covers {offset} patches but pixel_values has {len(pixels)} rows")
     return out
