@@ -5,15 +5,8 @@ from __future__ import annotations
 from results_readers import (
     ab_trees,
     accuracy_smollm2,
-    allreduce,
     batch_invariance,
     cpu_attention,
-    cuda,
-    cuda_gemv_micro,
-    cuda_quant_micro,
-    cuda_quant_silu,
-    cuda_quant_sweep,
-    decode_attention_sweep,
     engines,
     features,
     gguf_race,
@@ -22,7 +15,6 @@ from results_readers import (
     lora,
     moe,
     multi_host,
-    pool_step,
     quant,
     quant_accuracy,
     serve,
@@ -31,6 +23,16 @@ from results_readers import (
     speculative_verify,
     switch_interval,
     vl,
+)
+from results_readers_gpu import (
+    allreduce,
+    cuda,
+    cuda_gemv_micro,
+    cuda_quant_micro,
+    cuda_quant_silu,
+    cuda_quant_sweep,
+    decode_attention_sweep,
+    pool_step,
 )
 
 MEASURES = {

@@ -49,6 +49,8 @@ class DeviceKind:
                              (a worker thread, while the device runs the step) or "inline" (before the step: no core
                              is free during it)
     collectives_use_nccl     the pool's tensor collectives run over NCCL between the ranks' devices (comm.use_gpu)
+    vision_forward_patches   image patches one forward of a vision tower takes (engine/image_batcher.py): a GPU's
+                             forward over many images is short, a CPU's is not (running decodes wait for it)
     """
     device: torch.device
 
@@ -63,6 +65,7 @@ class DeviceKind:
     samples_on_host: ClassVar[bool]
     defers_delivery: ClassVar[bool]
     guided_masks_default: ClassVar[str]
+    vision_forward_patches: ClassVar[int]
     collectives_use_nccl: ClassVar[bool]
 
     def synchronize(self) -> None:
@@ -106,4 +109,5 @@ class HostDevice(DeviceKind):
     samples_on_host: ClassVar[bool] = True
     defers_delivery: ClassVar[bool] = False
     guided_masks_default: ClassVar[str] = "inline"
+    vision_forward_patches: ClassVar[int] = 4096
     collectives_use_nccl: ClassVar[bool] = False

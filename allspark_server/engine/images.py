@@ -22,22 +22,20 @@ from allspark_server.vision.encoder import VisionEncoder
 from allspark_server.vision.images import image_hashes
 from allspark_server.vision.mrope import rope_index
 
-GPU_PATCHES, CPU_PATCHES = 65536, 4096    # patches a forward takes (448 x 448 pixels: 1024 patches)
-
 
 class ImageTower:
     """A served vision-language model's encoder, its config and its cache of image embeddings."""
 
-    def __init__(self, model_file, device: torch.device):
+    def __init__(self, model_file, device_kind):
         self.config = json.loads(model_file.graph.hf_config_json)
         self.image_token_id = int(self.config["image_token_id"])
         tensors = model_file.side_tensors(VISION_PREFIX)
         if not tensors:
             raise ConfigError(f"the model file has no vision tower ({VISION_PREFIX}* tensors): serialize the "
                               "model folder again with this allspark")
-        self.encoder = VisionEncoder.from_hf(self.config, tensors, model_file.dtype, device)
+        self.encoder = VisionEncoder.from_hf(self.config, tensors, model_file.dtype, device_kind.device)
         # concurrent requests' images in shared forwards, cached; a GPU runs many images in one short forward
-        self.batcher = ImageBatcher(self.encoder, max_patches=GPU_PATCHES if device.type == "cuda" else CPU_PATCHES)
+        self.batcher = ImageBatcher(self.encoder, max_patches=device_kind.vision_forward_patches)
 
     def prompt_images(self, ids: list[int], pixels: np.ndarray, grid: np.ndarray) -> PromptImages:
         """PromptImages of a prompt whose image tokens stand for the images of `pixels` / `grid`; ConfigError
@@ -84,5 +82,5 @@ def tower_of(model) -> ImageTower:
         raise ConfigError(f"{model.runner.args.architecture} takes no images (pixel_values / image_grid_thw)")
     with _towers_lock:
         if getattr(model, "_image_tower", None) is None:
-            model._image_tower = ImageTower(model.runner.model_file, model.runner.device)
+            model._image_tower = ImageTower(model.runner.model_file, model.runner.device_kind)
         return model._image_tower

@@ -63,15 +63,15 @@ class Backend:
         self._lora_lock = threading.Lock()
 
     # ---- blocking calls (run them on `executor`) ---------------------------------------------
-    def start(self, prompt_ids: list[int], gen: dict):
-        """start_request -> (status, handle, queue, error message); a pool that is gone raises PoolUnavailable."""
-        status, handle, queue = self.engine.start_request(self.name, {"input_ids": prompt_ids}, gen)
-        return status, handle, queue, ("" if status == AsStatus.ALLSPARK_SUCCESS else self.engine.get_last_error())
-
     def start_choices(self, prompt_ids: list[int], gen: dict, n: int, images: Optional[dict] = None):
-        """start_choices (n requests of one prompt; `images`: its pixel_values / image_grid_thw) -> (status,
-        [(handle, queue)], error message)."""
-        status, started = self.engine.start_choices(self.name, {"input_ids": prompt_ids, **(images or {})}, gen, n)
+        """n requests of one prompt (start_request for one; `images`: its pixel_values / image_grid_thw) ->
+        (status, [(handle, queue)], error message); a pool that is gone raises PoolUnavailable."""
+        inputs = {"input_ids": prompt_ids, **(images or {})}
+        if n == 1:
+            status, handle, queue = self.engine.start_request(self.name, inputs, gen)
+            started = [(handle, queue)] if status == AsStatus.ALLSPARK_SUCCESS else []
+        else:
+            status, started = self.engine.start_choices(self.name, inputs, gen, n)
         return status, started, ("" if status == AsStatus.ALLSPARK_SUCCESS else self.engine.get_last_error())
 
     def release(self, handle) -> None:

@@ -28,6 +28,7 @@ class CudaDevice(DeviceKind):
     samples_on_host: ClassVar[bool] = False
     defers_delivery: ClassVar[bool] = True
     guided_masks_default: ClassVar[str] = "background"
+    vision_forward_patches: ClassVar[int] = 65536
     collectives_use_nccl: ClassVar[bool] = True
 
     def synchronize(self) -> None:

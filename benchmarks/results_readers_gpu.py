@@ -1,0 +1,97 @@
+"""The results table's readers of the GPU measures (results_readers.py has the others and the shared formatting)."""
+from __future__ import annotations
+
+from results_readers import f, x
+
+
+def cuda(r: dict) -> list:
+    """run.py --device cuda: the Engine on the GPU against the PyTorch CUDA-graph step and transformers."""
+    out = [("batch-1 tok/s", f(r["allspark_decode_b1_tps"], 1)),
+           ("of copy roofline", f(r["allspark_decode_b1_roofline"])),
+           ("batch 1 x PyTorch CUDA-graph step", x(r["allspark_vs_torch_cuda_graph"]))]
+    for name, label in (("no_pdl", "without PDL"), ("unfused_decode", "with unfused decode attention"),
+                        ("cublas", "with cuBLAS linears")):
+        if f"allspark_vs_{name}_b1" in r:
+            out.append((f"batch 1 x the same graphs {label}", x(r[f"allspark_vs_{name}_b1"])))
+    if "overlap_vs_no_overlap_b1" in r:
+        out.append(("batch 1 overlapped x one step at a time", x(r["overlap_vs_no_overlap_b1"])))
+    for v, q in r.get("quant", {}).items():
+        if isinstance(q, dict) and "vs_bf16" in q:
+            out.append((f"batch 1 {v} x bf16", x(q["vs_bf16"])))
+    pool = r.get("pool2", {})
+    for key, label in (("pool_2gpu_overlap_vs_1gpu", "overlapped"), ("pool_2gpu_vs_1gpu", "one step at a time"),
+                       ("pool_vs_1gpu", "one step at a time")):
+        if key in pool:
+            out.append((f"2-GPU pool ({label}) x one GPU, batch 1", x(pool[key])))
+    for p, t in r.get("ttft", {}).items():
+        out.append((f"TTFT-{p} transformers / ours", x(t["hf_vs_allspark"])))
+    for c in (16, 64, 128, 256):
+        if f"c{c}" in r:
+            out.append((f"{c} concurrent, decode-only x PyTorch graph step",
+                        x(r[f"c{c}"]["allspark_decode_vs_torch_cuda_graph"])))
+            out.append((f"{c} concurrent, whole run x transformers static batch",
+                        x(r[f"c{c}"]["allspark_vs_hf_static"])))
+    return out
+
+
+def cuda_gemv_micro(r: dict) -> list:
+    rows = []
+    for shape, by_rows in r["rows"].items():
+        row = {"shape": shape, **{f"{m.removeprefix('m')} row(s): Triton GEMV x cuBLAS": x(v["triton_vs_cublas"])
+                                  for m, v in by_rows.items()}}
+        if "fused_vs_cublas_silu_mul" in by_rows.get("m1", {}):
+            row["1 row, with silu·mul: fused x cuBLAS + silu_mul"] = x(by_rows["m1"]["fused_vs_cublas_silu_mul"])
+        rows.append(row)
+    return rows
+
+
+def cuda_quant_micro(r: dict) -> list:
+    rows = []
+    for key, v in r["rows"].items():
+        shape, m = key.rsplit("_m", 1)
+        if m in ("1", "16", "2048"):
+            rows.append({"shape": shape, "rows": m, **{f"{k.removesuffix('_vs_bf16')} x cuBLAS bf16": x(val)
+                                                        for k, val in v.items() if k.endswith("_vs_bf16")}})
+    return rows
+
+
+def cuda_quant_sweep(r: dict) -> list:
+    return [{"shape and format": key, "best µs": f(v["best"][0][0]), "chosen config µs": f(v["chosen_us"]),
+             "best / chosen time": x(v["best"][0][0] / v["chosen_us"]), "best GB/s": f(v["gbs_best"], 0)}
+            for key, v in r["sweep"].items()]
+
+
+def cuda_quant_silu(r: dict) -> list:
+    return [(f"{shape}: GEMV with silu·mul epilogue x GEMV + silu_mul", x(v["fused_vs_unfused"]))
+            for shape, v in r.items()]
+
+
+def decode_attention_sweep(r: dict) -> list:
+    rows = []
+    for shape, runs in r.items():
+        best = runs[0]
+        default = next((s for s in runs if (s["block_n"], s["warps"], s["stages"], s["splits"]) == (64, 4, 3, 1)), None)
+        rows.append({"shape": shape, "best (block_n, warps, stages, splits)":
+                     f"{best['block_n']}, {best['warps']}, {best['stages']}, {best['splits']}",
+                     "best TB/s": f(best["tbs"]),
+                     "best x (64, 4, 3, 1)": x(default["ms"] / best["ms"]) if default else ""})
+    return rows
+
+
+def allreduce(r: dict) -> list:
+    out = []
+    for rows, v in r["rows"].items():
+        for key, label in (("peer_kernel", "peer-memory kernel"), ("one_shot", "PyTorch symm-mem one-shot"),
+                           ("two_shot", "PyTorch symm-mem two-shot")):
+            if f"{key}_us" in v:
+                out.append((f"[{rows}, {r['hidden']}] bf16: NCCL time / {label} time",
+                            x(v["nccl_us"] / v[f"{key}_us"])))
+    return out
+
+
+def pool_step(r: dict) -> list:
+    peer = r["peer_allreduce"]["graph_replay_ms_by_rank"][0]
+    return [("rank's graph with NCCL / with the peer-memory allreduce",
+             x(r["nccl"]["graph_replay_ms_by_rank"][0] / peer)),
+            ("one GPU's graph / a rank's graph (peer-memory allreduce)",
+             x(r["one_gpu"]["graph_replay_ms_by_rank"][0] / peer))]
