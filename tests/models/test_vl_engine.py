@@ -91,20 +91,26 @@ def test_bf16_greedy_up_to_near_ties_with_images(vl, tmp_path):
     finally:
         engine.close()
     for case, tokens in zip(cases, got):
-        prompt = case["input_ids"].shape[1]
-        kw = {k: torch.as_tensor(v) for k, v in case.items()}
-        kw["input_ids"] = torch.cat([kw["input_ids"], torch.tensor([tokens])], 1)
-        kw["attention_mask"] = torch.ones_like(kw["input_ids"])
-        if "mm_token_type_ids" in kw:
-            kw["mm_token_type_ids"] = torch.cat([kw["mm_token_type_ids"],
-                                                 torch.zeros(1, len(tokens), dtype=kw["mm_token_type_ids"].dtype)], 1)
-        with torch.no_grad():
-            ref = hf(**kw).logits[0, prompt - 1:-1].double()
-        best, chosen = ref.max(-1).values, ref[torch.arange(len(tokens)), tokens]
-        assert ((best - chosen) <= BF16_NEAR_TIE).all(), (best - chosen).tolist()
-        top2 = ref.topk(2, -1).values
-        tie_free = int(((top2[:, 0] - top2[:, 1]) > BF16_NEAR_TIE).to(torch.int).cumprod(0).sum())
-        assert tokens[:tie_free] == ref.argmax(-1).tolist()[:tie_free]
+        assert_greedy_up_to_near_ties(hf, case, tokens)
+
+
+def assert_greedy_up_to_near_ties(hf, case: dict, tokens: list[int]) -> None:
+    """Each token is the fp32 reference's argmax at that point (teacher-forced, with the images) or within
+    BF16_NEAR_TIE of it; the tokens before the first near tie are the reference's greedy ones."""
+    prompt = case["input_ids"].shape[1]
+    kw = {k: torch.as_tensor(v) for k, v in case.items()}
+    kw["input_ids"] = torch.cat([kw["input_ids"], torch.tensor([tokens])], 1)
+    kw["attention_mask"] = torch.ones_like(kw["input_ids"])
+    if "mm_token_type_ids" in kw:
+        kw["mm_token_type_ids"] = torch.cat([kw["mm_token_type_ids"],
+                                             torch.zeros(1, len(tokens), dtype=kw["mm_token_type_ids"].dtype)], 1)
+    with torch.no_grad():
+        ref = hf(**kw).logits[0, prompt - 1:-1].double()
+    best, chosen = ref.max(-1).values, ref[torch.arange(len(tokens)), tokens]
+    assert ((best - chosen) <= BF16_NEAR_TIE).all(), (best - chosen).tolist()
+    top2 = ref.topk(2, -1).values
+    tie_free = int(((top2[:, 0] - top2[:, 1]) > BF16_NEAR_TIE).to(torch.int).cumprod(0).sum())
+    assert tokens[:tie_free] == ref.argmax(-1).tolist()[:tie_free]
 
 
 def test_the_same_image_hits_the_prefix_cache_and_another_image_does_not(vl):
