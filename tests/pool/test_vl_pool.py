@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers import collect, installed_on_pool, random_prompt, serialize
-from test_vl_engine import GREEDY, assert_greedy_up_to_near_ties, engine_inputs, hf_greedy, processed
+from test_vl_engine import GREEDY, assert_greedy_up_to_near_ties, engine_inputs, hf_greedy, processed, run_all
 from vl_cases import build_vl_model, hf_processor
 
 from allspark_client.types import AsStatus
@@ -27,14 +27,7 @@ def test_images_through_a_pool_equal_transformers(pool, tmp_path, family):
     text = random_prompt(20, seed=9, vocab=400)
     with installed_on_pool(client, loader, NAME, max_length=512):
         requests = [engine_inputs(c) for c in cases] + [{"input_ids": text}]
-        started = [client.start_request(NAME, r, GREEDY) for r in requests]
-        try:
-            assert all(st == AsStatus.ALLSPARK_SUCCESS for st, _, _ in started), client.get_last_error()
-            outs = [collect(q)[0] for _, _, q in started]
-        finally:
-            for st, handle, _ in started:
-                if st == AsStatus.ALLSPARK_SUCCESS:
-                    client.release_request(NAME, handle)
+        outs = run_all(client, requests, NAME)
         assert outs == want + [hf_greedy(hf, {"input_ids": np.asarray([text])})]
         bad = {**requests[0], "pixel_values": np.asarray(requests[0]["pixel_values"])[:, :-3]}
         status, handle, _ = client.start_request(NAME, bad, GREEDY)
@@ -54,13 +47,6 @@ def test_bf16_images_through_a_pool_up_to_near_ties(pool, tmp_path):
     processor = hf_processor(folder)
     cases = [processed(folder, processor, n, seed=70) for n in (1, 2)]
     with installed_on_pool(client, serialize(folder, NAME, folder + "/out", dtype="bfloat16"), NAME, max_length=512):
-        started = [client.start_request(NAME, engine_inputs(c), GREEDY) for c in cases]
-        try:
-            assert all(st == AsStatus.ALLSPARK_SUCCESS for st, _, _ in started), client.get_last_error()
-            outs = [collect(q)[0] for _, _, q in started]
-        finally:
-            for st, handle, _ in started:
-                if st == AsStatus.ALLSPARK_SUCCESS:
-                    client.release_request(NAME, handle)
+        outs = run_all(client, [engine_inputs(c) for c in cases], NAME)
     for case, tokens in zip(cases, outs):
         assert_greedy_up_to_near_ties(hf, case, tokens)
