@@ -6,7 +6,7 @@ from typing import Any
 
 from allspark_client import wire
 from allspark_client._proto import allspark_pb2 as pb
-from allspark_client.embedding import parse_embed_args
+from allspark_client.embed_args import parse_embed_args
 from allspark_client.types import AsException, AsStatus
 from allspark_client.validation import ConfigError
 

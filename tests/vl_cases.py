@@ -146,7 +146,7 @@ def build_vl_model(out_dir: str, family: str = "qwen2_vl", seed: int = 0, dtype:
 
 def hf_processor(folder: str):
     """The folder's processor as transformers loads it (image processor and tokenizer from the folder's files;
-    the reference for allspark_server.vision.inputs). Its output has `mm_token_type_ids`, which transformers'
+    the reference for allspark_server.vision.processor). Its output has `mm_token_type_ids`, which transformers'
     `generate` needs beside `input_ids`, `pixel_values` and `image_grid_thw`."""
     import json
 

@@ -1,7 +1,7 @@
 """What a prompt with images brings besides its token ids (Qwen2-VL and Qwen2.5-VL): the embeddings that replace its
 image tokens' rows, the 3-D rotary positions (M-RoPE) of its tokens, and a key naming its images.
 
-Made once when the request starts (engine/images.py, on rank 0), then carried as it is by the scheduler's plans to
+Made once when the request starts (engine/image_tower.py, on rank 0), then carried as it is by the scheduler's plans to
 every rank's runner, which places the embeddings and positions into the steps that compute those prompt tokens
 (step/inputs.py). Generated tokens are text: all three components of their position are the same, `rope_delta`
 after their index (as transformers' `rope_deltas`).

@@ -4,7 +4,7 @@ Each input runs as a request of its own through the scheduler (batched with gene
 any), marked `embedding`: its steps return its rows' final-norm hidden states instead of logits, nothing is sampled,
 and it finishes once its input is computed; rank 0 pools the rows (runner/row_outputs.py). It takes no prefix-cache
 hit (every row is computed), though the spans it fills are offered to the cache. Argument checks are the client's
-(allspark_client/embedding.py), so ClientEngine refuses the same things.
+(allspark_client/embed_args.py), so ClientEngine refuses the same things.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from allspark_client.embedding import parse_embed_args
+from allspark_client.embed_args import parse_embed_args
 from allspark_client.generation_config import GenerationConfig
 from allspark_client.result_queue import ResultQueue
 from allspark_client.types import AsException, AsStatus, GenerateRequestStatus, RequestHandle

@@ -30,7 +30,7 @@ from allspark_server.core.messages import InstallModelMsg, OpProfileMsg, Release
 from allspark_server.core.request import Request
 from allspark_server.engine.commands import AddRequest, StopRequest
 from allspark_server.engine.embed_api import EmbedAPI
-from allspark_server.engine.images import tower_of
+from allspark_server.engine.image_tower import tower_of
 from allspark_server.engine.lora_api import LoraAPI
 from allspark_server.engine.peer_watch import PeerWatch, RankIdentity, exit_now
 from allspark_server.engine.served_model import ServedModel
@@ -233,7 +233,7 @@ class Engine(DeviceMemory, LoraAPI, EmbedAPI, EngineAPI):
             sampling = SamplingState.create(gen)
             if gen.response_format is not None:   # compiled here, in the caller's thread: a bad schema fails now
                 sampling.guided = model.guided_state(gen.response_format)
-            images = parse_image_inputs(inputs)  # encoded here too (engine/images.py): a bad image fails now
+            images = parse_image_inputs(inputs)  # encoded here too (engine/image_tower.py): a bad image fails now
             images = tower_of(model).prompt_images(ids, *images) if images is not None else None
         except ConfigError as e:
             raise RequestError(e.status, str(e)) from None

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from allspark_client.types import AsException, AsStatus
+from allspark_server.http.chat_images import ChatImages
 from allspark_server.http.chat_template import template_source
-from allspark_server.http.images import ChatImages
 
 log = logging.getLogger("allspark.http")
 CONTROL_THREADS = 8
@@ -46,7 +46,7 @@ class BackendOptions:
 
 
 class Backend:
-    images = None         # http/images.py's ChatImages of a vision-language model (set by the builder)
+    images = None         # http/chat_images.py's ChatImages of a vision-language model (set by the builder)
 
     def __init__(self, engine, name: str, tokenizer, engine_max_length: int, eos_token_ids: list[int],
                  gen_defaults: dict, owns_engine: bool = True, template_source: str = "the model's chat template"):

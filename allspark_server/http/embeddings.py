@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from allspark_client.client import PoolUnavailable
-from allspark_client.embedding import MAX_EMBED_INPUTS, POOLINGS
+from allspark_client.embed_args import MAX_EMBED_INPUTS, POOLINGS
 from allspark_client.types import AsException, AsStatus
 from allspark_server.http.body import read_json
 from allspark_server.http.protocol import ApiError, bad_request, model_not_found

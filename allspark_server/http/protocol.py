@@ -87,7 +87,7 @@ class ApiRequest:
     tools: list = field(default_factory=list)  # chat: ToolSpecs (http/tools/spec.py)
     tool_choice: Any = None                   # chat: a ToolChoice, None without tools
     images: list = field(default_factory=list)   # chat: the image_url parts' data: URLs, in order
-    image_inputs: Optional[dict] = None          # ... as pixel_values / image_grid_thw (serving.py, http/images.py)
+    image_inputs: Optional[dict] = None          # ... as pixel_values / image_grid_thw (http/chat_images.py)
     n: int = 1                                # choices returned
     best_of: int = 0                          # completions: choices generated, the n best returned (0: n)
     stop_token_ids: tuple[int, ...] = ()      # vLLM's: token ids that end the output (left out of its text)

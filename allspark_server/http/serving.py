@@ -127,7 +127,7 @@ class Serving:
         tok = self.backend.tokenizer
         if req.kind == "completion":
             return tok(req.prompt)["input_ids"] if isinstance(req.prompt, str) else req.prompt
-        if req.images:                         # a vision-language model's (http/images.py)
+        if req.images:                         # a vision-language model's (http/chat_images.py)
             text, req.image_inputs = self.backend.images.inputs(text, req.images)
         return tok(text, add_special_tokens=False)["input_ids"]
 

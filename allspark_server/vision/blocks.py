@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from allspark_server.vision.config import VisionConfig
+from allspark_server.vision.tower_config import VisionConfig
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:

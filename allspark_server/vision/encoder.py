@@ -19,8 +19,8 @@ from torch import nn
 
 from allspark_server.vision.blocks import Block, PatchMerger, rotary_tables
 from allspark_server.vision.checkpoint import vision_state
-from allspark_server.vision.config import VisionConfig
 from allspark_server.vision.geometry import check_grid, frame_bounds, patch_positions, tokens_per_image, window_order
+from allspark_server.vision.tower_config import VisionConfig
 
 
 class VisionEncoder(nn.Module):

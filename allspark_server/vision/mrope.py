@@ -15,8 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
-from allspark_server.vision.config import DEFAULT_TOKENS_PER_SECOND, family_of
 from allspark_server.vision.geometry import grid_rows
+from allspark_server.vision.tower_config import DEFAULT_TOKENS_PER_SECOND, family_of
 
 
 def mrope_positions(input_ids: Sequence[int], image_grid_thw=None, video_grid_thw=None, *, image_token_id: int,

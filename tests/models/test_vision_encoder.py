@@ -13,9 +13,9 @@ import torch
 import vl_cases as V
 
 from allspark_server.vision.encoder import VisionEncoder
-from allspark_server.vision.images import ImageError, decode_data_url, image_hashes, load_image
-from allspark_server.vision.inputs import VisionProcessor
+from allspark_server.vision.image_files import ImageError, decode_data_url, image_hashes, load_image
 from allspark_server.vision.mrope import generated_position, rope_index
+from allspark_server.vision.processor import VisionProcessor
 
 IMAGES = {"wide": (84, 56, 1), "tall": (56, 112, 2)}        # (width, height, seed): 56x84 and 112x56 pixels
 
@@ -238,7 +238,7 @@ def test_image_limits():
 
 def test_config_of_older_files():
     """config.json as transformers 4 wrote it: flat text keys, no rope_parameters in vision_config, in_chans."""
-    from allspark_server.vision.config import VisionConfig
+    from allspark_server.vision.tower_config import VisionConfig
     old2 = {"architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl", "hidden_size": 1536,
             "image_token_id": 151655, "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16,
             "in_chans": 3, "hidden_size": 1536, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}}

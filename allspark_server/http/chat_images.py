@@ -1,6 +1,6 @@
 """Images in chat messages for vision-language models (Qwen2-VL, Qwen2.5-VL): the `image_url` parts' data: URLs
 (protocol.py takes them out of the messages, which keep a {"type": "image"} part in their place) decoded and checked
-(vision/images.py), resized and normalised by the model folder's image processor, and each image token the chat
+(vision/image_files.py), resized and normalised by the model folder's image processor, and each image token the chat
 template wrote repeated once per merged patch block: the text to tokenize and the request's `pixel_values` /
 `image_grid_thw`. A bad image is a 400 naming it; the server keeps serving.
 """
@@ -11,8 +11,8 @@ import os
 from typing import Optional
 
 from allspark_server.http.protocol import bad_request
-from allspark_server.vision.images import ImageError
-from allspark_server.vision.inputs import VisionProcessor
+from allspark_server.vision.image_files import ImageError
+from allspark_server.vision.processor import VisionProcessor
 
 VISION_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 

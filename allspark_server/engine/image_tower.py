@@ -19,7 +19,7 @@ from allspark_server.core.multimodal import PromptImages
 from allspark_server.engine.image_batcher import ImageBatcher
 from allspark_server.models.qwen2_vl import VISION_PREFIX
 from allspark_server.vision.encoder import VisionEncoder
-from allspark_server.vision.images import image_hashes
+from allspark_server.vision.image_files import image_hashes
 from allspark_server.vision.mrope import rope_index
 
 

@@ -6,7 +6,7 @@
 `messages` are OpenAI-style chat messages whose `content` is a string or a list of parts: {"type": "text", "text"},
 {"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}} (or the URL string itself), or
 {"type": "image", "image": <PIL image | bytes | data: URL>}; an {"type": "image"} part without a payload takes the
-next of `images`. Each image is decoded and checked (images.py: ImageError, a ValueError, says what is wrong),
+next of `images`. Each image is decoded and checked (image_files.py: ImageError, a ValueError, says what is wrong),
 resized and normalised by the folder's own image processor (preprocessor_config.json: min / max pixels, patch and
 merge sizes, mean and std), the chat is rendered by the folder's chat template, and each image's placeholder token
 is repeated once per merged patch block (t * h * w / merge^2) before tokenizing. input_ids is 1-D int64;
@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from allspark_server.vision.images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, ImageError, load_image
+from allspark_server.vision.image_files import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, ImageError, load_image
 
 IMAGE_TOKEN = "<|image_pad|>"
 
