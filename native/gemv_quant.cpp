@@ -306,6 +306,12 @@ QuantView QuantWeight::view() const {
   return v;
 }
 
+bool QuantWeight::native_at_any_rows(int64_t isa) const {
+  if (isa < 3 || act_bits != 8 || format == UINT8 || scales.size(1) == 1) return false;
+  const int64_t group = in_features / scales.size(1);
+  return group % CHUNK != 0 && group <= 256;   // the lanes kernel's groups (gemv_quant_avx512.cpp: rows_avx512_of)
+}
+
 void QuantWeight::check() const {
   TORCH_CHECK(format >= INT8 && format <= UINT4_MIN, "QuantWeight: unknown format ", format);
   TORCH_CHECK(act_bits == 8 || act_bits == 16, "QuantWeight: act_bits must be 8 or 16, got ", act_bits);
@@ -410,7 +416,7 @@ torch::Tensor linear_widened(const torch::Tensor& x, const Weight& w, const std:
 torch::Tensor project(const torch::Tensor& x, const Weight& w, const std::optional<torch::Tensor>& b, int64_t isa,
                       int64_t native_rows) {
   if (const auto* q = std::get_if<QuantWeight>(&w)) {
-    if (native_rows == ALL_ROWS_NATIVE || x.size(0) <= quant_native_rows(isa)) return linear_quant(x, *q, b, isa);
+    if (native_rows == ALL_ROWS_NATIVE || x.size(0) <= quant_native_rows(isa, *q)) return linear_quant(x, *q, b, isa);
     // ATen's GEMM on the dequantized weight, as ops.linear_dequantized: bf16 where the CPU has bf16 dot products,
     // else fp32 (without them oneDNN's bf16 GEMM is far slower; ops.gemm_dtype says how much), the weight then
     // dequantized a tile at a time; activate_quant: x rounded as the GEMV would meet it

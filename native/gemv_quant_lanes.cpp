@@ -10,9 +10,9 @@
 // (weight row, row of x) gathers the chunk's 16 block sums with no tree. Weight rows are brought into that order a
 // tile at a time (in-lane dword transposes), once for all rows of x, as signed bytes with the zero point taken off
 // (code - z: INT4's 8, UINT4's zero point; INT8 and UINT4_MIN's codes as they are), beside the 16 block scales in
-// fp32 and the row's own correction: x goes in as unsigned bytes x + 128, so each block sum holds 128 times the
-// block's sum of codes too, which the weight row knows. Per (weight row, row of x) and chunk that leaves one
-// subtraction, one conversion and one FMA (UINT4_MIN: a second FMA, its mins times x's block sums). Every block sum is
+// fp32 and the row's own correction: x goes in as unsigned bytes x + 128, so each block sum would hold 128 times the
+// block's sum of codes too, which the weight row knows: the sums start from minus that. Per (weight row, row of x)
+// and chunk that leaves one conversion and one FMA (UINT4_MIN: a second FMA, its mins times x's block sums). Every block sum is
 // an exact int32 as in the other kernels (|code - z| <= 128, x + 128 <= 255); only the fp32 order of adding the
 // blocks differs, so a row's result does not depend on how many other rows there are, from LANES_MIN_ROWS on.
 // UINT8's code - z does not fit a byte: it stays with the other kernel.
@@ -30,7 +30,8 @@ namespace {
 
 #define LANES_ISA __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
-// a weight row's chunk in the scratch: the 8 code vectors, the 16 corrections (int32), scales (fp32), mins (fp32)
+// a weight row's chunk in the scratch: the 8 code vectors, the 16 corrections (int32, what each block sum starts
+// from), scales (fp32), mins (fp32)
 constexpr int64_t CORR_AT = CHUNK, SCALE_AT = CHUNK + 64, MIN_AT = CHUNK + 128;
 constexpr int64_t ROW_CHUNK_BYTES = CHUNK + 192;
 // a row of x's chunk: the 8 vectors of x + 128, then (UINT4_MIN) its 16 block sums in fp32
@@ -106,7 +107,8 @@ LANES_ISA void transform_chunk(const QuantView& w, int64_t n, int64_t k0, int64_
     _mm512_storeu_si512(out + 64 * j, T[j]);
     codesum = _mm512_dpbusd_epi32(codesum, ones, T[j]);
   }
-  _mm512_storeu_si512(out + CORR_AT, _mm512_slli_epi32(codesum, 7));
+  // minus 128 times each block's sum of codes: the accumulators of x + 128 start from it
+  _mm512_storeu_si512(out + CORR_AT, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(codesum, 7)));
   _mm512_storeu_ps(out + SCALE_AT, per_block(w.scales + n * w.groups, g0, w.groups, gidx));
   if constexpr (HAS_MIN<F>) _mm512_storeu_ps(out + MIN_AT, per_block(w.mins + n * w.groups, g0, w.groups, gidx));
 }
@@ -147,53 +149,72 @@ LANES_ISA inline void lane_sums8(const __m512* v, float* out) {
   for (int l = 0; l < 4; ++l) out[l] = lanes[4 * l], out[4 + l] = lanes[4 * l + 1];
 }
 
-// rows [0, rows) of a tile's scratch (row_scratch bytes apart) against rows xr[0..MB) of x (lanes of blocks), two
-// weight rows at a time: y[m * N + r] = d[m] * (the sum over the chunks of each block's scaled sum)
+// the sums of the 16 lanes of each of n vectors (eight at a time)
+LANES_ISA inline void lane_sums(const __m512* v, int n, float* out) {
+  for (int i = 0; i < n; i += 8) {
+    __m512 eight[8];
+    for (int j = 0; j < 8; ++j) eight[j] = i + j < n ? v[i + j] : _mm512_setzero_ps();
+    float sums[8];
+    lane_sums8(eight, sums);
+    for (int j = 0; j < 8 && i + j < n; ++j) out[i + j] = sums[j];
+  }
+}
+
+// weight rows met per step of a pass: R rows of a tile against MB <= MR rows of x keep R * MB int32 block sums and
+// as many fp32 totals in registers (3 x 4: 24 of the 32 vectors, beside R codes and one x)
+constexpr int R_ROWS = 3;
+
+// rows [0, rows) of a tile's scratch (row_scratch bytes apart) against rows xr[0..MB) of x (lanes of blocks), R_ROWS
+// weight rows at a time: y[m * N + r] = d[m] * (the sum over the chunks of each block's scaled sum). Per chunk and
+// (weight row, row of x): 8 vpdpbusd from the row's correction, one conversion and one FMA (UINT4_MIN: a second)
 template <int F, int MB>
 LANES_ISA void dot_pass(const uint8_t* ws, int64_t row_scratch, int64_t rows, const uint8_t* const* xr, int64_t chunks,
                         const float* d, float* y, int64_t N, const uint8_t* pf, int64_t pf_lines) {
-  constexpr int R = 2;
-  const int64_t pairs = (rows + R - 1) / R, per_pair = (pf_lines + pairs - 1) / pairs;
+  constexpr int R = R_ROWS;
+  const int64_t steps = (rows + R - 1) / R, per_step = (pf_lines + steps - 1) / steps;
   for (int64_t n = 0; n < rows; n += R) {
-    for (int64_t l = 0; l < per_pair && pf_lines > 0; ++l, --pf_lines, pf += 64)
+    for (int64_t l = 0; l < per_step && pf_lines > 0; ++l, --pf_lines, pf += 64)
       _mm_prefetch(reinterpret_cast<const char*>(pf), _MM_HINT_T1);
-    const uint8_t* wr[R] = {ws + n * row_scratch, ws + std::min(n + 1, rows - 1) * row_scratch};
-    __m512 total[8];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) total[i] = _mm512_setzero_ps();
+    const uint8_t* wr[R];
+    for (int r = 0; r < R; ++r) wr[r] = ws + std::min<int64_t>(n + r, rows - 1) * row_scratch;
+    __m512 total[R * MB];
+#pragma GCC unroll 12
+    for (int i = 0; i < R * MB; ++i) total[i] = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; ++c) {
       __m512i S[R * MB];
-#pragma GCC unroll 8
-      for (int i = 0; i < R * MB; ++i) S[i] = _mm512_setzero_si512();
+#pragma GCC unroll 3
+      for (int r = 0; r < R; ++r) {
+        const __m512i corr = _mm512_loadu_si512(wr[r] + c * ROW_CHUNK_BYTES + CORR_AT);
+#pragma GCC unroll 4
+        for (int m = 0; m < MB; ++m) S[r * MB + m] = corr;
+      }
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
         __m512i codes[R];
-#pragma GCC unroll 2
+#pragma GCC unroll 3
         for (int r = 0; r < R; ++r) codes[r] = _mm512_loadu_si512(wr[r] + c * ROW_CHUNK_BYTES + 64 * j);
 #pragma GCC unroll 4
         for (int m = 0; m < MB; ++m) {
           const __m512i xv = _mm512_loadu_si512(xr[m] + c * X_CHUNK_BYTES + 64 * j);
-#pragma GCC unroll 2
+#pragma GCC unroll 3
           for (int r = 0; r < R; ++r) S[r * MB + m] = _mm512_dpbusd_epi32(S[r * MB + m], xv, codes[r]);
         }
       }
-#pragma GCC unroll 2
+#pragma GCC unroll 3
       for (int r = 0; r < R; ++r) {
         const uint8_t* rc = wr[r] + c * ROW_CHUNK_BYTES;
-        const __m512i corr = _mm512_loadu_si512(rc + CORR_AT);
         const __m512 scale = _mm512_loadu_ps(rc + SCALE_AT);
 #pragma GCC unroll 4
         for (int m = 0; m < MB; ++m) {
-          const __m512i sums = _mm512_sub_epi32(S[r * MB + m], corr);
-          total[r * MB + m] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), total[r * MB + m]);
+          total[r * MB + m] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(S[r * MB + m]), total[r * MB + m]);
           if constexpr (HAS_MIN<F>)
             total[r * MB + m] = _mm512_fmadd_ps(_mm512_loadu_ps(rc + MIN_AT),
                                                 _mm512_loadu_ps(xr[m] + c * X_CHUNK_BYTES + CHUNK), total[r * MB + m]);
         }
       }
     }
-    float sums[8];
-    lane_sums8(total, sums);
+    float sums[R * MB];
+    lane_sums(total, R * MB, sums);
     for (int r = 0; r < std::min<int64_t>(R, rows - n); ++r)
       for (int m = 0; m < MB; ++m) y[m * N + n + r] = d[m] * sums[r * MB + m];
   }
@@ -211,35 +232,41 @@ LANES_ISA void dot_pass_mb(int64_t mb, const uint8_t* ws, int64_t row_scratch, i
   }
 }
 
+// rows of x per block: each block's x in lanes (M_BLOCK * chunks * X_CHUNK_BYTES) is made once and met by every tile
+// of weight rows, which are brought into lanes again for every block (a few percent of a block's multiply-adds)
+constexpr int64_t M_BLOCK = 256;
+
 template <int F>
 LANES_ISA void rows_lanes_isa(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1,
                               float* y, int64_t N) {
   const int64_t chunks = a.padded / CHUNK, row_scratch = chunks * ROW_CHUNK_BYTES;
   thread_local LineVector<uint8_t> xs, ws;   // the vectors of their rows (multiples of 64 bytes) align
-  xs.resize(M * chunks * X_CHUNK_BYTES);
-  for (int64_t m = 0; m < M; ++m)
-    transform_x<HAS_MIN<F>>(a.q8.data() + m * a.padded, chunks, xs.data() + m * chunks * X_CHUNK_BYTES);
-  const int64_t tile = std::max<int64_t>(2, LANES_TILE_BYTES / row_scratch / 2 * 2);
+  const int64_t tile = std::max<int64_t>(R_ROWS, LANES_TILE_BYTES / row_scratch / R_ROWS * R_ROWS);
   ws.resize(std::min(tile, n1 - n0) * row_scratch);
+  xs.resize(std::min(M, M_BLOCK) * chunks * X_CHUNK_BYTES);
   alignas(64) int32_t idx[16];
   for (int lane = 0; lane < 16; ++lane) idx[lane] = (4 * (lane % 4) + lane / 4) / static_cast<int>(w.group / BLOCK);
   const __m512i gidx = _mm512_load_si512(idx);
-  const int64_t passes = (M + MR - 1) / MR;
-  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
-    const int64_t t1 = std::min(n1, t0 + tile), next = std::min(n1, t1 + tile) - t1;
-    for (int64_t n = t0; n < t1; ++n)
-      for (int64_t c = 0; c < chunks; ++c)
-        transform_chunk<F>(w, n, c * CHUNK, K, gidx, ws.data() + (n - t0) * row_scratch + c * ROW_CHUNK_BYTES);
-    for (int64_t p = 0; p < passes; ++p) {
-      const int64_t m0 = p * MR, mb = std::min(MR, M - m0);
-      // the next tile's codes (one run of memory) into L2, a share per pass, spread over this pass's rows
-      const uint8_t* ahead = w.codes + t1 * w.row_bytes;
-      const int64_t bytes = next * w.row_bytes, pf0 = bytes * p / passes / 64 * 64;
-      const int64_t pf1 = bytes * (p + 1) / passes / 64 * 64;
-      const uint8_t* xr[MR];
-      for (int64_t m = 0; m < mb; ++m) xr[m] = xs.data() + (m0 + m) * chunks * X_CHUNK_BYTES;
-      dot_pass_mb<F>(mb, ws.data(), row_scratch, t1 - t0, xr, chunks, a.d.data() + m0, y + m0 * N + t0, N,
-                     ahead + pf0, (pf1 - pf0) / 64);
+  for (int64_t b0 = 0; b0 < M; b0 += M_BLOCK) {
+    const int64_t bm = std::min(M_BLOCK, M - b0), passes = (bm + MR - 1) / MR;
+    for (int64_t m = 0; m < bm; ++m)
+      transform_x<HAS_MIN<F>>(a.q8.data() + (b0 + m) * a.padded, chunks, xs.data() + m * chunks * X_CHUNK_BYTES);
+    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+      const int64_t t1 = std::min(n1, t0 + tile), next = std::min(n1, t1 + tile) - t1;
+      for (int64_t n = t0; n < t1; ++n)
+        for (int64_t c = 0; c < chunks; ++c)
+          transform_chunk<F>(w, n, c * CHUNK, K, gidx, ws.data() + (n - t0) * row_scratch + c * ROW_CHUNK_BYTES);
+      for (int64_t p = 0; p < passes; ++p) {
+        const int64_t m0 = p * MR, mb = std::min(MR, bm - m0);
+        // the next tile's codes (one run of memory) into L2, a share per pass, spread over this pass's rows
+        const uint8_t* ahead = w.codes + t1 * w.row_bytes;
+        const int64_t bytes = next * w.row_bytes, pf0 = bytes * p / passes / 64 * 64;
+        const int64_t pf1 = bytes * (p + 1) / passes / 64 * 64;
+        const uint8_t* xr[MR];
+        for (int64_t m = 0; m < mb; ++m) xr[m] = xs.data() + (m0 + m) * chunks * X_CHUNK_BYTES;
+        dot_pass_mb<F>(mb, ws.data(), row_scratch, t1 - t0, xr, chunks, a.d.data() + b0 + m0,
+                       y + (b0 + m0) * N + t0, N, ahead + pf0, (pf1 - pf0) / 64);
+      }
     }
   }
 }

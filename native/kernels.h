@@ -35,6 +35,11 @@ struct QuantWeight {
   int64_t act_bits = 16;
   void check() const;        // shapes and dtypes agree, else a c10::Error naming the problem
   QuantView view() const;
+  // every row count of x takes the native kernel at this ISA level, prompt rows too: activate_quant weights in
+  // groups of 32 .. 256 on AVX-512 VNNI CPUs, where the lanes kernel (gemv_quant_lanes.cpp) multiplies int8 x with
+  // the codes as they are faster than ATen's GEMM meets the dequantized weight at every row count measured
+  // (benchmarks/prefill_gemm.py; docs/performance.md, "Choices in the code")
+  bool native_at_any_rows(int64_t isa) const;
 };
 // the weight of a linear layer as the fused blocks take it: dense (fp32/bf16) or quantized
 using Weight = std::variant<torch::Tensor, QuantWeight>;
@@ -51,6 +56,10 @@ bool batch_invariant();
 inline int64_t quant_native_rows(int64_t isa) {
   if (batch_invariant()) return std::numeric_limits<int64_t>::max();
   return isa >= 3 ? QUANT_NATIVE_MAX_ROWS : 16;
+}
+// the rows of x above which w is dequantized for ATen's GEMM: quant_native_rows(isa), or none
+inline int64_t quant_native_rows(int64_t isa, const QuantWeight& w) {
+  return w.native_at_any_rows(isa) ? std::numeric_limits<int64_t>::max() : quant_native_rows(isa);
 }
 torch::Tensor linear_quant(torch::Tensor x, const QuantWeight& w, std::optional<torch::Tensor> bias, int64_t isa);
 torch::Tensor dequantize_weight(const QuantWeight& w, at::ScalarType dtype, int64_t isa);

@@ -60,7 +60,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("in_features"), pybind11::arg("act_bits") = 16)
       .def_readonly("format", &QuantWeight::format)
       .def_readonly("act_bits", &QuantWeight::act_bits)
-      .def_readonly("in_features", &QuantWeight::in_features);
+      .def_readonly("in_features", &QuantWeight::in_features)
+      .def("native_at_any_rows", &QuantWeight::native_at_any_rows,
+           "every row count of x (prompt rows too) takes the native kernel at this ISA level", pybind11::arg("isa"));
   m.def("stream_rows", &stream_rows, "benchmark hook: read a weight's rows (and each row's side bytes, e.g. scales) as "
         "a batch-1 GEMV streams them, without arithmetic; an XOR of the bytes", nogil, pybind11::arg("rows"),
         pybind11::arg("side"), pybind11::arg("isa"));
@@ -77,7 +79,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_batch_invariant", &set_batch_invariant, "every row count on the native kernels, each row summed as "
         "alone (kernels.h)", pybind11::arg("on"));
   m.def("batch_invariant", &batch_invariant, "whether batch-invariant mode is on");
-  m.def("quant_native_rows", &quant_native_rows, "most rows of x the quantized kernels take at this ISA level",
+  m.def("quant_native_rows", static_cast<int64_t (*)(int64_t)>(&quant_native_rows), "most rows of x the quantized kernels take at this ISA level",
         pybind11::arg("isa"));
   m.def("quantize_rows_int8", &quantize_rows_int8, "each row of x rounded to int8 as round_rows rounds it (act_max "
         "127): (q int8 [M, K], d fp32 [M])", nogil, pybind11::arg("x"), pybind11::arg("isa"));

@@ -149,13 +149,15 @@ def on_cuda(op):
 @on_cuda
 def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ w.T (+ bias), x [M, K], w [N, K] dense or quantized; the native kernels stream w for small M
-    (quantized: up to quant_native_rows(isa), decode batches; more rows dequantize w once for ATen's GEMM)."""
+    (quantized: up to quant_native_rows(isa), decode batches, or every row count where the weight is
+    native_at_any_rows (native/kernels.h); more rows dequantize w once for ATen's GEMM)."""
     ext = native()
     if isinstance(w, QuantizedWeight):
         if ext is None or x.dim() != 2 or x.dtype not in NATIVE_MAX_ROWS:
             return linear_reference(x, w, bias)
-        if x.shape[0] <= ext.quant_native_rows(isa_level()) or row_mode.alone():
-            return ext.linear_quant(x, native_weight(w), bias, isa_level())
+        nw = native_weight(w)
+        if x.shape[0] <= ext.quant_native_rows(isa_level()) or row_mode.alone() or nw.native_at_any_rows(isa_level()):
+            return ext.linear_quant(x, nw, bias, isa_level())
         if int8_gemm_suits(w, x.shape[0]):        # the codes as they are: no native QuantWeight needed
             return linear_int8_gemm(x, w, bias)
         return linear_dequantized(x, w, bias)

@@ -1,0 +1,106 @@
+"""Prompt rows against quantized weights: the native kernels (int8 x with vpdpbusd, 16-bit x with vpdpwssd, the AVX2
+ones) against the weight dequantized for ATen's GEMM, per format and row count, with the int8 multiply-adds per
+second each reaches and, on AVX-512 VNNI CPUs, their share of the machine's vpdpbusd peak (benchmarks/vnni_peak.py,
+measured in the same run, one core, times the threads).
+
+The weights are the CPU benchmark model's (common.FULL: qkv [2560, 1536], o [1536, 1536], gate_up [8192, 1536], down
+[1536, 4096]) over --layers layers, each its own weights. Variants run interleaved, one pass each per round; reported:
+each one's median ms and its speed over the dequantized GEMM's in the same round (median of the rounds' ratios).
+
+    PYTHONPATH=. python benchmarks/prefill_gemm.py [--rows 128 512 2048] [--formats int8:32 int4:32 uint4_min:32]
+        [--act-bits 8] [--isa 3 1] [--layers 2] [--rounds 5] [--threads 2] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+import vnni_peak  # noqa: E402
+from gemv_quant_micro import SHAPES, format_arg, random_quantized  # noqa: E402
+
+from allspark_server.compute import ops  # noqa: E402
+
+
+def peak_macs_per_core(iterations: int = 5_000_000) -> float | None:
+    """vpdpbusd multiply-adds per second of one core (vnni_peak's loop), None without AVX-512 VNNI."""
+    if not vnni_peak.has_vnni():
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        lib = vnni_peak.build(d)
+        lib.run(0, 1000)
+        t = time.perf_counter()
+        lib.run(0, iterations)
+        return iterations * vnni_peak.ACCUMULATORS * 64 / (time.perf_counter() - t)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[128, 512, 2048])
+    p.add_argument("--formats", type=format_arg, nargs="+",
+                   default=[("int8", 32), ("int4", 32), ("uint4_min", 32)])
+    p.add_argument("--act-bits", type=int, choices=(8, 16), default=8,
+                   help="8: activate_quant (int8 x); 16: x in int16")
+    p.add_argument("--isa", type=int, nargs="*", help="native ISA levels (default: the CPU's)")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", help="write the results here too")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    ext, g = ops.native(), torch.Generator().manual_seed(0)
+    levels = args.isa or [ops.isa_level()]
+    peak = peak_macs_per_core()
+    macs_per_row = sum(n * k for n, k in SHAPES) * args.layers
+    out = {"machine": common.machine_name(), "machine_kind": common.cpu_kind(), "threads": args.threads,
+           "act_bits": args.act_bits, "layers": args.layers, "peak_macs_per_core": peak, "rows": {}}
+    for rows in args.rows:
+        xs = {k: torch.randn(rows, k, generator=g).bfloat16() for k in {k for _, k in SHAPES}}
+        variants = {}
+        for fmt, group in args.formats:
+            stored = [[random_quantized(n, k, fmt, group, g, args.act_bits) for n, k in SHAPES]
+                      for _ in range(args.layers)]
+            native = [[ops.native_weight(w) for w in layer] for layer in stored]
+            name = f"{fmt} g{group}"
+            variants[f"{name} dequantized"] = (
+                lambda stored=stored: [ops.linear_dequantized(xs[w.in_features], w) for ly in stored for w in ly])
+            for isa in levels:
+                variants[f"{name} native isa{isa}"] = (
+                    lambda native=native, stored=stored, isa=isa: [
+                        ext.linear_quant(xs[s.in_features], w, None, isa)
+                        for lw, ls in zip(native, stored) for w, s in zip(lw, ls)])
+        times = {name: [] for name in variants}
+        for fn in variants.values():
+            fn()
+        for _ in range(args.rounds):
+            for name, fn in variants.items():
+                t = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t)
+        print(f"rows {rows}, threads {args.threads}, act_bits {args.act_bits}, {args.rounds} rounds"
+              + (f", vpdpbusd peak {peak * args.threads / 1e9:.0f} G multiply-adds/s" if peak else ""))
+        out["rows"][rows] = {}
+        for name, ts in times.items():
+            base = times[name.rsplit(" ", 2)[0] + " dequantized"] if "native" in name else ts
+            ms = statistics.median(ts) * 1e3
+            rate = macs_per_row * rows / statistics.median(ts)
+            speed = statistics.median(b / t for b, t in zip(base, ts))
+            share = rate / (peak * args.threads) if peak else None
+            out["rows"][rows][name] = {"ms": ms, "macs_per_s": rate, "over_dequantized": speed, "of_peak": share}
+            print(f"  {name:<28} {ms:9.2f} ms {rate / 1e9:7.1f} GMAC/s  x{speed:5.2f}"
+                  + (f"  {share:6.1%} of peak" if share else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

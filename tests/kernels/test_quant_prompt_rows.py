@@ -1,0 +1,88 @@
+"""Prompt rows (hundreds of rows of x) against quantized weights with int8 x (activate_quant): the native kernel at
+every ISA level this CPU has against float64, with row counts past the kernels' blocks of rows and weight rows that
+are no multiple of their tiles; which weights ops.linear keeps native at every row count (QuantWeight
+native_at_any_rows), and that a row's bits do not depend on the rows beside it there."""
+from __future__ import annotations
+
+import pytest
+import torch
+from quant_cases import isa_levels, needs_native, quantized_weight, round_to_int8_levels
+
+from allspark_server.compute import ops
+
+# (fmt, n, k, group): K = 640 and 1088 end inside a 512-wide chunk; 700 x 1024 spans two tiles of weight rows per
+# thread (native/gemv_quant_lanes.cpp: LANES_TILE_BYTES); 97 rows is no multiple of the 3 weight rows per step
+CASES = (("int4", 97, 640, 32), ("uint4_min", 97, 640, 64), ("int8", 97, 1088, 32), ("uint4", 97, 640, 128),
+         ("int4", 700, 1024, 256), ("uint4_min", 700, 1024, 32))
+ROWS = (300, 517)   # past M_BLOCK (256) rows, no multiple of 4 rows per pass
+
+
+def _weight(case, seed):
+    fmt, n, k, group = case
+    return quantized_weight(n, k, fmt, group, seed=seed, act_bits=8)
+
+
+@needs_native
+@pytest.mark.parametrize("isa", isa_levels())
+def test_prompt_rows_of_int8_x_match_float64(isa):
+    ext = ops.native()
+    g = torch.Generator().manual_seed(70)
+    for i, case in enumerate(CASES):
+        if isa == ops.ISA_PORTABLE and case[1] > 100:
+            continue   # the portable kernel is slow; the small shapes cover it
+        qw = _weight(case, 800 + i)
+        w64 = qw.dequantize().double()
+        bias = torch.randn(case[1], generator=g)
+        for m, dtype in zip(ROWS, (torch.float32, torch.bfloat16)):
+            x = torch.randn(m, case[2], generator=g).to(dtype)
+            y = ext.linear_quant(x, ops.native_weight(qw), bias.to(dtype), isa)
+            ref = round_to_int8_levels(x) @ w64.T + bias.to(dtype).double()
+            # integer sums per block are exact; only the fp32 sum over the blocks and the output rounding remain
+            tol = 1e-5 * (x.double().abs() @ w64.abs().T).max().item() + 1e-6
+            rounding = ref.abs() * (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24)
+            assert y.dtype == dtype and y.shape == (m, case[1])
+            assert ((y.double() - ref).abs() <= tol + rounding).all(), (case, m, dtype, isa)
+
+
+@needs_native
+def test_ops_linear_keeps_grouped_int8_x_weights_native_at_every_row_count(monkeypatch):
+    """On AVX-512 VNNI CPUs activate_quant weights in groups of 32 .. 256 (not uint8) meet prompt rows in the native
+    kernel; per-channel, 512-wide groups, uint8 and weight-only ones are dequantized for ATen's GEMM as before, and
+    so is everything on other CPUs."""
+    ext, isa = ops.native(), ops.isa_level()
+    calls = []
+    dequantized = ops.linear_dequantized
+    monkeypatch.setattr(ops, "linear_dequantized", lambda *a: calls.append(a[0].shape[0]) or dequantized(*a))
+    monkeypatch.setattr(ops, "INT8_GEMM", False)
+    g = torch.Generator().manual_seed(71)
+    x = torch.randn(ext.QUANT_NATIVE_MAX_ROWS + 40, 1024, generator=g)
+    expected = {("int8", 32, 8): True, ("int4", 64, 8): True, ("uint4", 128, 8): True, ("uint4_min", 256, 8): True,
+                ("uint8", 32, 8): False, ("int8", -1, 8): False, ("int4", 512, 8): False, ("int4", 32, 16): False,
+                ("uint4_min", 32, 16): False}
+    for (fmt, group, act_bits), native in expected.items():
+        qw = quantized_weight(48, 1024, fmt, group, seed=72, act_bits=act_bits)
+        native &= isa >= ops.ISA_AVX512_VNNI
+        assert ops.native_weight(qw).native_at_any_rows(isa) == native, (fmt, group, act_bits)
+        calls.clear()
+        y = ops.linear(x, qw)
+        assert calls == ([] if native else [x.shape[0]]), (fmt, group, act_bits)
+        rounded = round_to_int8_levels(x) if act_bits == 8 else x.double()
+        ref = rounded @ qw.dequantize().double().T
+        # the dequantized GEMM runs in x's dtype here (fp32); the native kernel sums exactly per block
+        assert (y.double() - ref).abs().max().item() <= 1e-4 * ref.abs().max().item(), (fmt, group, act_bits)
+
+
+@needs_native
+def test_a_prompt_row_is_the_same_whatever_rows_share_the_call():
+    """Bit for bit at the AVX-512 VNNI level: rows of a 600-row call (three blocks of rows) equal the same rows in
+    calls of 12 (the lanes kernel's fewest) and 200 rows."""
+    if ops.isa_level() < ops.ISA_AVX512_VNNI:
+        pytest.skip("the lanes kernel needs AVX-512 VNNI")
+    ext, isa = ops.native(), ops.ISA_AVX512_VNNI
+    g = torch.Generator().manual_seed(73)
+    for i, case in enumerate(CASES):
+        qw = ops.native_weight(_weight(case, 900 + i))
+        x = torch.randn(600, case[2], generator=g).bfloat16()
+        full = ext.linear_quant(x, qw, None, isa)
+        for start, m in ((0, 12), (250, 12), (391, 200), (588, 12)):
+            assert torch.equal(ext.linear_quant(x[start:start + m], qw, None, isa), full[start:start + m]), (case, m)
