@@ -354,8 +354,10 @@ AVX512_VNNI void rows_avx512_mode(const Act16& a, int64_t M, const QuantView& w,
 template <int F, typename Q>
 void rows_avx512_of(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y,
                     int64_t N) {
-  if constexpr (std::is_same_v<Q, int8_t> && F != UINT8)   // int8 x, many rows, groups below a chunk
-    if (M >= LANES_MIN_ROWS && w.groups > 1 && w.group % CHUNK != 0 && !batch_invariant())
+  // int8 x, many rows, groups below a chunk; batch-invariant mode too: the lanes kernel's bits are this one's
+  // (tests/kernels/test_quant_prompt_rows.py)
+  if constexpr (std::is_same_v<Q, int8_t> && F != UINT8)
+    if (M >= LANES_MIN_ROWS && w.groups > 1 && w.group % CHUNK != 0)
       return rows_lanes<F>(a, M, w, K, n0, n1, y, N);
   if (w.groups == 1 || w.group % CHUNK == 0) rows_avx512_mode<F, true, Q>(a, M, w, K, n0, n1, y, N);
   else rows_avx512_mode<F, false, Q>(a, M, w, K, n0, n1, y, N);

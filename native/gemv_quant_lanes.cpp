@@ -205,11 +205,11 @@ LANES_ISA void dot_pass(const uint8_t* ws, int64_t row_scratch, int64_t rows, co
         const uint8_t* rc = wr[r] + c * ROW_CHUNK_BYTES;
         const __m512 scale = _mm512_loadu_ps(rc + SCALE_AT);
 #pragma GCC unroll 4
-        for (int m = 0; m < MB; ++m) {
-          total[r * MB + m] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(S[r * MB + m]), total[r * MB + m]);
+        for (int m = 0; m < MB; ++m) {   // the min term first, then the codes': gemv_quant_avx512.cpp's order
           if constexpr (HAS_MIN<F>)
             total[r * MB + m] = _mm512_fmadd_ps(_mm512_loadu_ps(rc + MIN_AT),
                                                 _mm512_loadu_ps(xr[m] + c * X_CHUNK_BYTES + CHUNK), total[r * MB + m]);
+          total[r * MB + m] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(S[r * MB + m]), total[r * MB + m]);
         }
       }
     }

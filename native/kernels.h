@@ -36,7 +36,8 @@ struct QuantWeight {
   void check() const;        // shapes and dtypes agree, else a c10::Error naming the problem
   QuantView view() const;
   // every row count of x takes the native kernel at this ISA level, prompt rows too: activate_quant weights in
-  // groups of 32 .. 256 on AVX-512 VNNI CPUs, where the lanes kernel (gemv_quant_lanes.cpp) multiplies int8 x with
+  // groups of 32 .. 256 on AVX-512 VNNI CPUs (K padded to chunks of 512 by at most a quarter), where the lanes
+  // kernel (gemv_quant_lanes.cpp) multiplies int8 x with
   // the codes as they are faster than ATen's GEMM meets the dequantized weight at every row count measured
   // (benchmarks/prefill_gemm.py; docs/performance.md, "Choices in the code")
   bool native_at_any_rows(int64_t isa) const;
@@ -44,7 +45,8 @@ struct QuantWeight {
 // the weight of a linear layer as the fused blocks take it: dense (fp32/bf16) or quantized
 using Weight = std::variant<torch::Tensor, QuantWeight>;
 // largest number of rows of x the quantized kernels take (decode batches; above 4 rows they go through the weight a
-// tile at a time, gemv_quant.h: tiled_rows); above it the weight is dequantized for ATen's GEMM (prefill).
+// tile at a time, gemv_quant.h: tiled_rows); above it the weight is dequantized for ATen's GEMM (prefill), unless
+// QuantWeight::native_at_any_rows.
 // quant_native_rows(isa): QUANT_NATIVE_MAX_ROWS with the AVX-512 VNNI kernel (isa 3), 16 with the AVX2 and portable
 // ones: the GEMM's cost grows far slower with the rows than the GEMV's, and where the two cross depends on the kernel
 // (benchmarks/gemv_quant_micro.py --gemm; its numbers: docs/performance.md, "Choices in the code").

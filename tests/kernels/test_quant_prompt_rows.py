@@ -47,8 +47,8 @@ def test_prompt_rows_of_int8_x_match_float64(isa):
 @needs_native
 def test_ops_linear_keeps_grouped_int8_x_weights_native_at_every_row_count(monkeypatch):
     """On AVX-512 VNNI CPUs activate_quant weights in groups of 32 .. 256 (not uint8) meet prompt rows in the native
-    kernel; per-channel, 512-wide groups, uint8 and weight-only ones are dequantized for ATen's GEMM as before, and
-    so is everything on other CPUs."""
+    kernel unless it would pad K by more than a quarter; per-channel, 512-wide groups, uint8 and weight-only ones are
+    dequantized for ATen's GEMM as before, and so is everything on other CPUs."""
     ext, isa = ops.native(), ops.isa_level()
     calls = []
     dequantized = ops.linear_dequantized
@@ -61,6 +61,10 @@ def test_ops_linear_keeps_grouped_int8_x_weights_native_at_every_row_count(monke
                 ("uint4_min", 32, 16): False}
     for (fmt, group, act_bits), native in expected.items():
         qw = quantized_weight(48, 1024, fmt, group, seed=72, act_bits=act_bits)
+        # K = 576 pads to 1024 in the kernel's chunks (1.78x): dequantized; 640 (1.6x) too; 1280 (to 1536: 1.2x) native
+        for k, padded_ok in ((576, False), (640, False), (1280, True)):
+            other = quantized_weight(8, k, "int4", 32, seed=73, act_bits=8)
+            assert ops.native_weight(other).native_at_any_rows(isa) == (padded_ok and isa >= ops.ISA_AVX512_VNNI)
         native &= isa >= ops.ISA_AVX512_VNNI
         assert ops.native_weight(qw).native_at_any_rows(isa) == native, (fmt, group, act_bits)
         calls.clear()
@@ -74,8 +78,10 @@ def test_ops_linear_keeps_grouped_int8_x_weights_native_at_every_row_count(monke
 
 @needs_native
 def test_a_prompt_row_is_the_same_whatever_rows_share_the_call():
-    """Bit for bit at the AVX-512 VNNI level: rows of a 600-row call (three blocks of rows) equal the same rows in
-    calls of 12 (the lanes kernel's fewest) and 200 rows."""
+    """Bit for bit at the AVX-512 VNNI level: rows of a 600-row call (three blocks of rows of the lanes kernel) equal
+    the same rows in calls of 12 (its fewest) and 200 rows, and alone or in fives, where the other AVX-512 kernel
+    takes them: both sum each block exactly, scale the blocks in the same lanes in the same order (UINT4_MIN's min
+    term first) and add the lanes up the same way."""
     if ops.isa_level() < ops.ISA_AVX512_VNNI:
         pytest.skip("the lanes kernel needs AVX-512 VNNI")
     ext, isa = ops.native(), ops.ISA_AVX512_VNNI
@@ -84,5 +90,5 @@ def test_a_prompt_row_is_the_same_whatever_rows_share_the_call():
         qw = ops.native_weight(_weight(case, 900 + i))
         x = torch.randn(600, case[2], generator=g).bfloat16()
         full = ext.linear_quant(x, qw, None, isa)
-        for start, m in ((0, 12), (250, 12), (391, 200), (588, 12)):
+        for start, m in ((0, 12), (250, 12), (391, 200), (588, 12), (0, 1), (257, 1), (599, 1), (300, 5)):
             assert torch.equal(ext.linear_quant(x[start:start + m], qw, None, isa), full[start:start + m]), (case, m)
