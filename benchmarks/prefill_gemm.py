@@ -1,7 +1,9 @@
 """Prompt rows against quantized weights: the native kernels (int8 x with vpdpbusd, 16-bit x with vpdpwssd, the AVX2
 ones) against the weight dequantized for ATen's GEMM, per format and row count, with the int8 multiply-adds per
 second each reaches and, on AVX-512 VNNI CPUs, their share of the machine's vpdpbusd peak (benchmarks/vnni_peak.py,
-measured in the same run, one core, times the threads).
+measured in the same run, one core, times the threads). A dense bf16 weight's GEMM (ATen's: oneDNN) runs beside them,
+with its share of the vdpbf16ps peak on AVX-512 BF16 CPUs: how near the library's bf16 GEMM comes to the instruction
+a kernel of our own would be built on.
 
 The weights are the CPU benchmark model's (common.FULL: qkv [2560, 1536], o [1536, 1536], gate_up [8192, 1536], down
 [1536, 4096]) over --layers layers, each its own weights. Variants run interleaved, one pass each per round; reported:
@@ -30,16 +32,17 @@ from gemv_quant_micro import SHAPES, format_arg, random_quantized  # noqa: E402
 from allspark_server.compute import ops  # noqa: E402
 
 
-def peak_macs_per_core(iterations: int = 5_000_000) -> float | None:
-    """vpdpbusd multiply-adds per second of one core (vnni_peak's loop), None without AVX-512 VNNI."""
+def peak_macs_per_core(iterations: int = 5_000_000) -> dict:
+    """Multiply-adds per second of one core (vnni_peak's loops): 'int8' (vpdpbusd) on AVX-512 VNNI CPUs, 'bf16'
+    (vdpbf16ps) on AVX-512 BF16 ones; {} without either."""
     if not vnni_peak.has_vnni():
-        return None
+        return {}
     with tempfile.TemporaryDirectory() as d:
         lib = vnni_peak.build(d)
-        lib.run(0, 1000)
-        t = time.perf_counter()
-        lib.run(0, iterations)
-        return iterations * vnni_peak.ACCUMULATORS * 64 / (time.perf_counter() - t)
+        out = {"int8": vnni_peak.rate(lib, 0, iterations) * 64}
+        if vnni_peak.has_flag("avx512_bf16"):
+            out["bf16"] = vnni_peak.rate(lib, vnni_peak.BF16_OP, iterations) * 32
+        return out
 
 
 def main(argv=None) -> None:
@@ -58,13 +61,16 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     ext, g = ops.native(), torch.Generator().manual_seed(0)
     levels = args.isa or [ops.isa_level()]
-    peak = peak_macs_per_core()
+    peaks = peak_macs_per_core()
+    peak = peaks.get("int8")
     macs_per_row = sum(n * k for n, k in SHAPES) * args.layers
     out = {"machine": common.machine_name(), "machine_kind": common.cpu_kind(), "threads": args.threads,
-           "act_bits": args.act_bits, "layers": args.layers, "peak_macs_per_core": peak, "rows": {}}
+           "act_bits": args.act_bits, "layers": args.layers, "peak_macs_per_core": peaks, "rows": {}}
     for rows in args.rows:
         xs = {k: torch.randn(rows, k, generator=g).bfloat16() for k in {k for _, k in SHAPES}}
-        variants = {}
+        dense = [[torch.randn(n, k, generator=g).bfloat16() * 0.02 for n, k in SHAPES] for _ in range(args.layers)]
+        variants = {"bf16 dense gemm": lambda dense=dense: [torch.nn.functional.linear(xs[w.shape[1]], w)
+                                                            for ly in dense for w in ly]}
         for fmt, group in args.formats:
             stored = [[random_quantized(n, k, fmt, group, g, args.act_bits) for n, k in SHAPES]
                       for _ in range(args.layers)]
@@ -89,14 +95,16 @@ def main(argv=None) -> None:
               + (f", vpdpbusd peak {peak * args.threads / 1e9:.0f} G multiply-adds/s" if peak else ""))
         out["rows"][rows] = {}
         for name, ts in times.items():
-            base = times[name.rsplit(" ", 2)[0] + " dequantized"] if "native" in name else ts
+            base = times[name.rsplit(" ", 2)[0] + " dequantized"] if "native" in name else ts   # x itself
             ms = statistics.median(ts) * 1e3
             rate = macs_per_row * rows / statistics.median(ts)
             speed = statistics.median(b / t for b, t in zip(base, ts))
-            share = rate / (peak * args.threads) if peak else None
+            top = peaks.get("bf16" if name.startswith("bf16") else "int8")
+            share = rate / (top * args.threads) if top else None
             out["rows"][rows][name] = {"ms": ms, "macs_per_s": rate, "over_dequantized": speed, "of_peak": share}
             print(f"  {name:<28} {ms:9.2f} ms {rate / 1e9:7.1f} GMAC/s  x{speed:5.2f}"
-                  + (f"  {share:6.1%} of peak" if share else ""))
+                  + (f"  {share:6.1%} of the {'vdpbf16ps' if name.startswith('bf16') else 'vpdpbusd'} peak"
+                     if share else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

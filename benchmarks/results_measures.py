@@ -15,6 +15,7 @@ from results_readers import (
     lora,
     moe,
     multi_host,
+    prefill_gemm,
     quant,
     quant_accuracy,
     serve,
@@ -123,6 +124,15 @@ MEASURES = {
     "gguf-race-a8-dp-q4_0": ("CPU: the same GGUF file, ours with int8 activations, bf16 dot-product attention, "
                              "a second run", "`gguf_race.py --ours gguf-a8 --files q4_0+head --rounds 3`: the race "
                              "above again on the Q4_0 file alone, minutes later.", gguf_race),
+    "gguf-race-a8-prefill": ("CPU: the same GGUF file, ours with int8 activations, prompt rows on the int8 kernel",
+                             "`gguf_race.py --ours gguf-a8 --rounds 3 --quiet-cores 0.15 --ttft-prompts 512 2048 "
+                             "3960`: the race above after prompt rows of grouped int8-x weights stayed on the native "
+                             "lanes kernel (QuantWeight::native_at_any_rows), TTFT at three prompt lengths.",
+                             gguf_race),
+    "prefill-gemm": ("CPU: prompt rows against quantized weights, native int8 kernel against the dequantized GEMM",
+                     "`prefill_gemm.py --rows 128 512 2048 --layers 2 --rounds 5`: the 0.5 B model's four weight "
+                     "shapes, int8 x; multiply-adds per second against the vpdpbusd (vdpbf16ps for the dense bf16 "
+                     "GEMM) peak measured in the same run.", prefill_gemm),
     "quant": ("CPU: quantized weights and KV against bf16 and llama.cpp",
               "`run.py --decode-only --quant ... --kv ...`: "
               "InstantQuant variants in the same rounds as the bf16 model and llama.cpp's GGUF peers.", quant),

@@ -243,6 +243,15 @@ def gguf_race(r: dict) -> list:
     return rows + [("other processes' cores (median)", f(r.get("other processes' cores during the rounds (median)")))]
 
 
+def prefill_gemm(r: dict) -> list:
+    """prefill_gemm.py: per row count and variant, multiply-adds per second, speed over the dequantized GEMM of the
+    same format (same rounds) and share of the instruction's peak."""
+    return [{"rows": rows, "variant": name, "GMAC/s": f(v["macs_per_s"] / 1e9, 0),
+             "x dequantized": x(v["over_dequantized"]) if "native" in name else "",
+             "of peak": "" if v["of_peak"] is None else f"{v['of_peak']:.0%}"}
+            for rows, variants in r["rows"].items() for name, v in variants.items()]
+
+
 def speculative(r: dict) -> list:
     """speculative.py: per speculative variant, its output tokens/s over plain decoding's (medians of same-round
     ratios), its acceptance rate and whether its greedy outputs equalled plain decoding's."""

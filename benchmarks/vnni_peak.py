@@ -1,5 +1,6 @@
 """Peak rate of the AVX-512 multiply-add instructions the quantized GEMV is built on, one core: vpdpbusd (bytes, 64
-multiply-adds each), vpdpwssd (words, 32) and vpmaddubsw (bytes into int16 pairs), each over NA independent
+multiply-adds each), vpdpwssd (words, 32), vpmaddubsw (bytes into int16 pairs) and, on AVX-512 BF16 CPUs, vdpbf16ps
+(bf16 pairs into fp32, 32: the dense bf16 GEMM's), each over NA independent
 accumulators (enough of them to hide the latency). The GEMV's best case at many rows of x is this rate times the
 multiply-adds per instruction; the number a GEMV reaches over it says how much is left.
 
@@ -42,12 +43,29 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), noinline)) int64_t loop(in
   _mm512_store_si512(lanes, s);
   return lanes[0];
 }
+// vdpbf16ps: bf16 pairs into fp32 (AVX-512 BF16), the dense bf16 GEMM's instruction
+template <int NA>
+__attribute__((target("avx512f,avx512bw,avx512bf16"), noinline)) int64_t loop_bf16(int64_t n) {
+  __m512 acc[NA];
+  for (int i = 0; i < NA; ++i) acc[i] = _mm512_set1_ps(i);
+  __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80);
+  const __m512bh b = (__m512bh)_mm512_set1_epi16(0x3f80);
+  for (int64_t k = 0; k < n; ++k) {
+#pragma GCC unroll 16
+    for (int i = 0; i < NA; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+    asm volatile("" : "+v"(a));
+  }
+  __m512 s = acc[0];
+  for (int i = 1; i < NA; ++i) s = _mm512_add_ps(s, acc[i]);
+  return static_cast<int64_t>(_mm512_reduce_add_ps(s));
+}
 extern "C" int64_t run(int64_t op, int64_t n) {
-  return op == 0 ? loop<0, 12>(n) : op == 1 ? loop<1, 12>(n) : loop<2, 12>(n);
+  return op == 0 ? loop<0, 12>(n) : op == 1 ? loop<1, 12>(n) : op == 2 ? loop<2, 12>(n) : loop_bf16<12>(n);
 }
 """
 ACCUMULATORS = 12
-OPS = (("vpdpbusd zmm", 64), ("vpdpwssd zmm", 32), ("vpmaddubsw zmm (+ vpaddw)", 64))
+OPS = (("vpdpbusd zmm", 64), ("vpdpwssd zmm", 32), ("vpmaddubsw zmm (+ vpaddw)", 64), ("vdpbf16ps zmm", 32))
+BF16_OP = 3   # measured only where the CPU has AVX-512 BF16
 
 
 def build(out_dir: str) -> ctypes.CDLL:
@@ -61,12 +79,24 @@ def build(out_dir: str) -> ctypes.CDLL:
     return dll
 
 
-def has_vnni() -> bool:
+def has_flag(flag: str) -> bool:
     try:
         with open("/proc/cpuinfo") as f:
-            return "avx512_vnni" in f.read()
+            return flag in f.read().split()
     except OSError:
         return False
+
+
+def has_vnni() -> bool:
+    return has_flag("avx512_vnni")
+
+
+def rate(lib: ctypes.CDLL, op: int, iterations: int) -> float:
+    """Instructions per second of loop `op` on one core."""
+    lib.run(op, 1000)   # warm up
+    t = time.perf_counter()
+    lib.run(op, iterations)
+    return iterations * ACCUMULATORS / (time.perf_counter() - t)
 
 
 def main(argv=None) -> None:
@@ -82,11 +112,10 @@ def main(argv=None) -> None:
         print("this CPU has no AVX-512 VNNI: nothing to measure")
         return
     for op, (name, macs) in enumerate(OPS):
-        ext.run(op, 1000)   # warm up
-        t = time.perf_counter()
-        ext.run(op, args.iterations)
-        rate = args.iterations * ACCUMULATORS / (time.perf_counter() - t)
-        print(f"{name:<28} {rate / 1e9:6.2f} G instructions/s   {rate * macs / 1e9:7.1f} G multiply-adds/s (one core)")
+        if op == BF16_OP and not has_flag("avx512_bf16"):
+            continue
+        r = rate(ext, op, args.iterations)
+        print(f"{name:<28} {r / 1e9:6.2f} G instructions/s   {r * macs / 1e9:7.1f} G multiply-adds/s (one core)")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,17 @@ def test_vnni_peak(bench, capsys):
     assert "G multiply-adds/s" in out or "no AVX-512 VNNI" in out, out
 
 
+def test_prefill_gemm(bench, tmp_path):
+    from allspark_server.compute import ops
+    if ops.native() is None:
+        pytest.skip("the native extension is not built")
+    out = tmp_path / "prefill.json"
+    bench("prefill_gemm", "--rows", "13", "--layers", "1", "--rounds", "1", "--formats", "int4:32", "--json", out)
+    rows = read(out)["rows"]["13"]
+    assert {"bf16 dense gemm", "int4 g32 dequantized", f"int4 g32 native isa{ops.isa_level()}"} == set(rows), rows
+    assert positive(*(v["macs_per_s"] for v in rows.values()))
+
+
 # ---- the Engine's scripts on the tiny model --------------------------------------------------------------------------
 def test_int8_gemm(bench, tmp_path):
     out = tmp_path / "int8.json"
