@@ -66,6 +66,19 @@ def side_bytes(w: QuantizedWeight) -> torch.Tensor:
     return torch.cat(parts, dim=1).contiguous()
 
 
+def interleaved_times(variants: dict, rounds: int) -> dict:
+    """Each variant (a callable) once to warm up, then `rounds` rounds of one call each in turn: {name: seconds}."""
+    times = {name: [] for name in variants}
+    for fn in variants.values():
+        fn()
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return times
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=15)
@@ -116,14 +129,7 @@ def main(argv=None) -> None:
             variants[f"{fmt} g{group}{'+a8' if act_bits == 8 else ''} isa{isa}"] = (
                 lambda weights=weights, isa=isa: [ext.linear_quant(xs[k], w, None, isa)
                                                   for layer in weights for w, (_, k) in zip(layer, shapes)])
-    times = {name: [] for name in variants}
-    for fn in variants.values():   # warm up
-        fn()
-    for _ in range(args.rounds):
-        for name, fn in variants.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
+    times = interleaved_times(variants, args.rounds)
     base = times["bf16"]
     head = f"{'variant':<24} {'ms':>7} {'x bf16':>7}" + (f" {'t / ' + args.base[0]:>16}" if args.base else "")
     print(f"{head}   (rows {args.rows}, threads {args.threads}, {args.rounds} rounds)")

@@ -20,14 +20,13 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 import vnni_peak  # noqa: E402
-from gemv_quant_micro import SHAPES, format_arg, random_quantized  # noqa: E402
+from gemv_quant_micro import SHAPES, format_arg, interleaved_times, random_quantized  # noqa: E402
 
 from allspark_server.compute import ops  # noqa: E402
 
@@ -83,14 +82,7 @@ def main(argv=None) -> None:
                     lambda native=native, stored=stored, isa=isa: [
                         ext.linear_quant(xs[s.in_features], w, None, isa)
                         for lw, ls in zip(native, stored) for w, s in zip(lw, ls)])
-        times = {name: [] for name in variants}
-        for fn in variants.values():
-            fn()
-        for _ in range(args.rounds):
-            for name, fn in variants.items():
-                t = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t)
+        times = interleaved_times(variants, args.rounds)
         print(f"rows {rows}, threads {args.threads}, act_bits {args.act_bits}, {args.rounds} rounds"
               + (f", vpdpbusd peak {peak * args.threads / 1e9:.0f} G multiply-adds/s" if peak else ""))
         out["rows"][rows] = {}
