@@ -12,9 +12,10 @@
 // (code - z: INT4's 8, UINT4's zero point; INT8 and UINT4_MIN's codes as they are), beside the 16 block scales in
 // fp32 and the row's own correction: x goes in as unsigned bytes x + 128, so each block sum would hold 128 times the
 // block's sum of codes too, which the weight row knows: the sums start from minus that. Per (weight row, row of x)
-// and chunk that leaves one conversion and one FMA (UINT4_MIN: a second FMA, its mins times x's block sums). Every block sum is
-// an exact int32 as in the other kernels (|code - z| <= 128, x + 128 <= 255); only the fp32 order of adding the
-// blocks differs, so a row's result does not depend on how many other rows there are, from LANES_MIN_ROWS on.
+// and chunk that leaves one conversion and one FMA (UINT4_MIN: a second FMA, its mins times x's block sums, first).
+// Every block sum is an exact int32 as in the other kernels (|code - z| <= 128, x + 128 <= 255), each lane scales
+// its blocks chunk after chunk and the lanes are added up as gemv_quant_avx512.cpp does, so a row's result is the
+// same bits as that kernel's at fewer rows: it does not depend on how many other rows there are.
 // UINT8's code - z does not fit a byte: it stays with the other kernel.
 #include <torch/extension.h>
 #include <immintrin.h>

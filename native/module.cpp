@@ -79,8 +79,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_batch_invariant", &set_batch_invariant, "every row count on the native kernels, each row summed as "
         "alone (kernels.h)", pybind11::arg("on"));
   m.def("batch_invariant", &batch_invariant, "whether batch-invariant mode is on");
-  m.def("quant_native_rows", static_cast<int64_t (*)(int64_t)>(&quant_native_rows), "most rows of x the quantized kernels take at this ISA level",
-        pybind11::arg("isa"));
+  m.def("quant_native_rows", static_cast<int64_t (*)(int64_t)>(&quant_native_rows),
+        "most rows of x the quantized kernels take at this ISA level", pybind11::arg("isa"));
   m.def("quantize_rows_int8", &quantize_rows_int8, "each row of x rounded to int8 as round_rows rounds it (act_max "
         "127): (q int8 [M, K], d fp32 [M])", nogil, pybind11::arg("x"), pybind11::arg("isa"));
   m.def("scale_int_mm", &scale_int_mm, "an int8 GEMM's epilogue: acc * (d[m] * s[n]) (+ bias) in fp32, rounded into "
