@@ -51,7 +51,7 @@ class Sizes:
 
 FULL_SIZES = Sizes()
 SMOKE_SIZES = Sizes(prefix=64, suffix=8, system=32, turns=2, conversations=2, turn_tokens=8, new_tokens=4,
-                    plain_tokens=8, concurrent=2, repeats=1, mbu_tokens=8, mbu_repeats=1, mbu_pause_s=0.0,
+                    plain_tokens=8, concurrent=2, repeats=1, mbu_tokens=48, mbu_repeats=1, mbu_pause_s=0.0,
                     max_length=512)
 
 
@@ -74,9 +74,15 @@ def _timed(engine, name: str, ids: list[int], gen: dict) -> dict:
             last = now
             tokens.extend(el.ids_from_generate)
             cached = max(cached, el.prefix_cache_len)
+    stats = queue.RequestStatInfo()
     engine.release_request(name, handle)
-    return {"ttft": first - t0, "tpot": (last - first) / max(1, len(tokens) - 1), "tokens": tokens,
-            "prefix_cache_len": cached}
+    gaps = max(1, len(tokens) - 1)
+    tpot = (last - first) / gaps
+    if tpot <= 0 and len(tokens) > 1:
+        # This thread was off the CPU while the request decoded and took every token in one element: the engine's
+        # own arrival stamps (milliseconds) still tell the decode's length.
+        tpot = (stats["last_token_time"] - stats["first_token_time"]) / 1000 / gaps
+    return {"ttft": first - t0, "tpot": tpot, "tokens": tokens, "prefix_cache_len": cached}
 
 
 def shared_prefix(engine, name: str, vocab: int, s: Sizes) -> dict:
@@ -257,6 +263,9 @@ def mbu_section(loader, vocab: int, s: Sizes) -> dict:
         bw_before = machine.copy_bandwidth()
         x = _timed(engine, "mbu", W.prompt(W.DECODE_PROMPT_LEN, 8000 + r, vocab),
                    dict(W.GREEDY, max_new_tokens=s.mbu_tokens))
+        if x["tpot"] <= 0:
+            raise RuntimeError(f"MBU run {r}: {len(x['tokens'])} tokens decoded within one millisecond; "
+                               "raise mbu_tokens to time them")
         stat = engine.get_as_engine_stat("mbu")    # its window (10 s) holds this run's decode steps
         bw = (bw_before + machine.copy_bandwidth()) / 2
         ctx = W.DECODE_PROMPT_LEN + s.mbu_tokens / 2                                    # mean context
