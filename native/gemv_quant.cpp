@@ -97,7 +97,8 @@ void rows_scalar(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int6
 template <int F>
 void rows(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y, int64_t N,
           int64_t isa, Layout layout) {
-  if (layout == NIBBLES16 || layout == NIBBLES8) rows_nibbles_avx2<F>(a, M, w, n0, n1, y, N, layout);
+  if (layout == NIBBLES8 && w.group == BLOCK && M >= AVX2_LANES_MIN_ROWS) rows_lanes_avx2<F>(a, M, w, K, n0, n1, y, N);
+  else if (layout == NIBBLES16 || layout == NIBBLES8) rows_nibbles_avx2<F>(a, M, w, n0, n1, y, N, layout);
   else if (layout == BYTES8) rows_bytes8_avx2<F>(a, M, w, n0, n1, y, N);
   else if (layout != NATURAL) rows_avx512<F>(a, M, w, K, n0, n1, y, N, layout);
   else if (isa >= 1) rows_avx2<F>(a, M, w, n0, n1, y, N);
@@ -307,8 +308,10 @@ QuantView QuantWeight::view() const {
 }
 
 bool QuantWeight::native_at_any_rows(int64_t isa) const {
-  if (isa < 3 || act_bits != 8 || format == UINT8 || scales.size(1) == 1) return false;
+  if (isa < 1 || act_bits != 8 || format == UINT8 || scales.size(1) == 1) return false;
   const int64_t group = in_features / scales.size(1);
+  // AVX2: the lanes kernel's 4-bit codes in groups of 32 over whole runs of 64 k (gemv_quant_avx2_lanes.cpp)
+  if (isa < 3) return format >= INT4 && group == BLOCK && in_features % CHUNK16 == 0;
   // the lanes kernel's groups (gemv_quant_avx512.cpp: rows_avx512_of); its x is padded to whole chunks of 512 k,
   // and where that pads K by more than a quarter (SmolLM2's 576: 1024) the dequantized GEMM is faster again
   const int64_t padded = (in_features + CHUNK - 1) / CHUNK * CHUNK;

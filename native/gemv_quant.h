@@ -223,6 +223,15 @@ constexpr int64_t LANES_MIN_ROWS = 12;
 template <int F>
 void rows_lanes(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y, int64_t N);
 
+// gemv_quant_avx2_lanes.cpp: rows [n0, n1) of y = x . W^T for 4-bit weights in groups of 32 (nibbles16_fits) against
+// AVX2_LANES_MIN_ROWS or more rows of int8 x (activate_quant, NIBBLES8): each group's sum in one int32 lane, a tile of
+// weight rows reordered once for all rows of x; every row's bits as the batch-1 kernel's. Below 8 rows the batch-1
+// kernel row by row was as fast (every call reorders the weight rows it meets; benchmarks/prefill_gemm.py --as-avx2)
+constexpr int64_t AVX2_LANES_MIN_ROWS = 8;
+template <int F>
+void rows_lanes_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y,
+                     int64_t N);
+
 // activation_rounding.cpp: each row of x [M, K] rounded to fixed point (act_max 32767 or 127) in `layout`, with the
 // sums the kernels take the zero points off with (`group`: the weight's group size)
 Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float act_max, Layout layout, int64_t group);

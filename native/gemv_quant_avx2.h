@@ -72,4 +72,16 @@ inline __m256 add_eight_groups(__m256i sums, __m256i group_q, const uint8_t* zr,
   return _mm256_fmadd_ps(_mm256_cvtph_ps(scale_bits), _mm256_cvtepi32_ps(sums), total);
 }
 
+// A left-over group (after the runs of eight) added to a row's scalar rest: its exact sum of codes times q (dot) with
+// the zero point taken off as z * (sum of q over the group), scaled; UINT4_MIN: plus its min times that sum. Shared
+// by the batch-1 kernel and the many-row one (gemv_quant_avx2_lanes.cpp) so that both round alike.
+template <int F>
+__attribute__((target("avx2,fma,f16c")))
+inline float add_left_over_group(float rest, int32_t dot, int32_t gq, const at::Half* sr, const uint8_t* zr,
+                                 const at::Half* mr, int64_t g) {
+  rest += _cvtsh_ss(sr[g].x) * static_cast<float>(dot - zero_of<F>(zr, g) * gq);
+  if constexpr (HAS_MIN<F>) rest += min_of<F>(mr, g) * static_cast<float>(gq);
+  return rest;
+}
+
 }  // namespace qgemv

@@ -205,8 +205,7 @@ void row_nibbles_m1_avx2(const Act16& a, const X* rows_q, const QuantView& w, in
       int32_t dot = 0;
       for (int64_t l = 0; l < LANES; ++l) dot += lanes[h * LANES + l];
       const int32_t gq = BPG == 1 ? qsum[g + h] : gsum[g + h];   // (left-over groups: in order)
-      rest += _cvtsh_ss(sr[g + h].x) * static_cast<float>(dot - zero_of<F>(zr, g + h) * gq);
-      if constexpr (HAS_MIN<F>) rest += min_of<F>(mr, g + h) * static_cast<float>(gq);
+      rest = add_left_over_group<F>(rest, dot, gq, sr, zr, mr, g + h);
     }
   }
   y[m * N + n] = a.d[m] * (simd::hsum8(total) + rest);

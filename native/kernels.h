@@ -36,10 +36,10 @@ struct QuantWeight {
   void check() const;        // shapes and dtypes agree, else a c10::Error naming the problem
   QuantView view() const;
   // every row count of x takes the native kernel at this ISA level, prompt rows too: activate_quant weights in
-  // groups of 32 .. 256 on AVX-512 VNNI CPUs (K padded to chunks of 512 by at most a quarter), where the lanes
-  // kernel (gemv_quant_lanes.cpp) multiplies int8 x with
-  // the codes as they are faster than ATen's GEMM meets the dequantized weight at every row count measured
-  // (benchmarks/prefill_gemm.py; docs/performance.md, "Choices in the code")
+  // groups of 32 .. 256 on AVX-512 VNNI CPUs (K padded to chunks of 512 by at most a quarter), and 4-bit ones in
+  // groups of 32 on AVX2 CPUs, where the lanes kernels (gemv_quant_lanes.cpp, gemv_quant_avx2_lanes.cpp) multiply
+  // int8 x with the codes as they are faster than ATen's GEMM meets the dequantized weight at every row count
+  // measured (benchmarks/prefill_gemm.py; docs/performance.md, "Choices in the code")
   bool native_at_any_rows(int64_t isa) const;
 };
 // the weight of a linear layer as the fused blocks take it: dense (fp32/bf16) or quantized

@@ -44,11 +44,28 @@ def test_prompt_rows_of_int8_x_match_float64(isa):
             assert ((y.double() - ref).abs() <= tol + rounding).all(), (case, m, dtype, isa)
 
 
+# which activate_quant / weight-only weights (fmt, group, act_bits) meet every row count natively, K = 1024, by ISA
+# level: AVX-512 VNNI's lanes kernel takes groups of 32 .. 256 (not uint8), AVX2's 4-bit codes in groups of 32
+NATIVE_AT_ANY_ROWS = {
+    ("int8", 32, 8): (False, True), ("int4", 64, 8): (False, True), ("uint4", 128, 8): (False, True),
+    ("uint4_min", 256, 8): (False, True), ("int4", 32, 8): (True, True), ("uint4", 32, 8): (True, True),
+    ("uint4_min", 32, 8): (True, True), ("uint8", 32, 8): (False, False), ("int8", -1, 8): (False, False),
+    ("int4", 512, 8): (False, False), ("int4", 32, 16): (False, False), ("uint4_min", 32, 16): (False, False)}
+# int4 g32 with int8 x by K: the VNNI kernel pads K to chunks of 512 (576 -> 1024: 1.78x, 640: 1.6x, dequantized;
+# 1280 -> 1536: 1.2x, native); the AVX2 one needs whole runs of 64 k (608 has 19 groups of 32)
+NATIVE_BY_K = {576: (True, False), 640: (True, False), 1280: (True, True), 608: (False, False)}
+
+
+def _native_expected(table_entry, isa):
+    avx2, vnni = table_entry
+    return vnni if isa >= ops.ISA_AVX512_VNNI else avx2 if isa >= ops.ISA_AVX2 else False
+
+
 @needs_native
 def test_ops_linear_keeps_grouped_int8_x_weights_native_at_every_row_count(monkeypatch):
-    """On AVX-512 VNNI CPUs activate_quant weights in groups of 32 .. 256 (not uint8) meet prompt rows in the native
-    kernel unless it would pad K by more than a quarter; per-channel, 512-wide groups, uint8 and weight-only ones are
-    dequantized for ATen's GEMM as before, and so is everything on other CPUs."""
+    """The weights QuantWeight.native_at_any_rows keeps native, at every ISA level this CPU runs (the table above),
+    and ops.linear's routing at the CPU's own: those meet prompt rows in the native kernel, the others are
+    dequantized for ATen's GEMM."""
     ext, isa = ops.native(), ops.isa_level()
     calls = []
     dequantized = ops.linear_dequantized
@@ -56,17 +73,15 @@ def test_ops_linear_keeps_grouped_int8_x_weights_native_at_every_row_count(monke
     monkeypatch.setattr(ops, "INT8_GEMM", False)
     g = torch.Generator().manual_seed(71)
     x = torch.randn(ext.QUANT_NATIVE_MAX_ROWS + 40, 1024, generator=g)
-    expected = {("int8", 32, 8): True, ("int4", 64, 8): True, ("uint4", 128, 8): True, ("uint4_min", 256, 8): True,
-                ("uint8", 32, 8): False, ("int8", -1, 8): False, ("int4", 512, 8): False, ("int4", 32, 16): False,
-                ("uint4_min", 32, 16): False}
-    for (fmt, group, act_bits), native in expected.items():
+    for k, entry in NATIVE_BY_K.items():
+        other = ops.native_weight(quantized_weight(8, k, "int4", 32, seed=73, act_bits=8))
+        for level in range(isa + 1):
+            assert other.native_at_any_rows(level) == _native_expected(entry, level), (k, level)
+    for (fmt, group, act_bits), entry in NATIVE_AT_ANY_ROWS.items():
         qw = quantized_weight(48, 1024, fmt, group, seed=72, act_bits=act_bits)
-        # K = 576 pads to 1024 in the kernel's chunks (1.78x): dequantized; 640 (1.6x) too; 1280 (to 1536: 1.2x) native
-        for k, padded_ok in ((576, False), (640, False), (1280, True)):
-            other = quantized_weight(8, k, "int4", 32, seed=73, act_bits=8)
-            assert ops.native_weight(other).native_at_any_rows(isa) == (padded_ok and isa >= ops.ISA_AVX512_VNNI)
-        native &= isa >= ops.ISA_AVX512_VNNI
-        assert ops.native_weight(qw).native_at_any_rows(isa) == native, (fmt, group, act_bits)
+        for level in range(isa + 1):
+            assert ops.native_weight(qw).native_at_any_rows(level) == _native_expected(entry, level), (fmt, level)
+        native = _native_expected(entry, isa)
         calls.clear()
         y = ops.linear(x, qw)
         assert calls == ([] if native else [x.shape[0]]), (fmt, group, act_bits)
