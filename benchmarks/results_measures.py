@@ -133,6 +133,11 @@ MEASURES = {
                      "`prefill_gemm.py --rows 128 512 2048 --layers 2 --rounds 5`: the 0.5 B model's four weight "
                      "shapes, int8 x; multiply-adds per second against the vpdpbusd (vdpbf16ps for the dense bf16 "
                      "GEMM) peak measured in the same run.", prefill_gemm),
+    "prefill-gemm-as-avx2": ("CPU: prompt rows against quantized weights on AVX2 code paths",
+                             "`prefill_gemm.py --as-avx2 --rows 128 512 2048 --layers 2 --rounds 5`: as above with "
+                             "ATen, oneDNN and MKL capped at AVX2 and the native kernels at ISA level 1 (the AVX2 "
+                             "lanes kernel for 4-bit codes in groups of 32; BYTES8 row by row for int8), ATen's GEMM "
+                             "in fp32: an indication for AVX2-only machines from a newer one.", prefill_gemm),
     "quant": ("CPU: quantized weights and KV against bf16 and llama.cpp",
               "`run.py --decode-only --quant ... --kv ...`: "
               "InstantQuant variants in the same rounds as the bf16 model and llama.cpp's GGUF peers.", quant),
