@@ -74,6 +74,10 @@ MEASURES = {
               "transformers' generate on the same prompts as one left-padded batch, alternating rounds (5 after a "
               "warm-up); then one chat's turn 2 after turn 1 with the same image against the same ids with a fresh "
               "image. See docs/performance.md.", vl),
+    "speculative-a8": ("Speculative decoding against plain decoding, SmolLM2's codes met by int8 x",
+                       "`speculative.py --a8 --rounds 3`: as above, the Q4_1 file served with activate_quant (x "
+                       "rounded to int8 per row, as `gguf_race.py --ours gguf-a8`): the verify rows meet the codes "
+                       "in vpdpbusd on AVX-512 VNNI CPUs.", speculative),
     "speculative-dense": ("Speculative decoding against plain decoding, SmolLM2 in bf16", "`speculative.py --model "
                           "smollm2-dense --draft smollm2 --rounds 3`: SmolLM2's weights in bf16 (dequantized from "
                           "the Q4_1 file) plain, with ngram speculation and with the Q4_1 file itself as the draft "

@@ -116,6 +116,8 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="smollm2", choices=["smollm2", "smollm2-dense", "7b"])
     p.add_argument("--layers", type=int, default=0, help="7b: layers of the random model (0: its 32)")
     p.add_argument("--dtype", default="bfloat16", help="the target's dtype")
+    p.add_argument("--a8", action="store_true", help="a GGUF target's codes met by x rounded to int8 (activate_quant, "
+                   "as gguf_race.py --ours gguf-a8)")
     p.add_argument("--draft", choices=["smollm2", "smollm2-dense", "self"],
                    help="also a variant with this draft model (self: the target's own file)")
     p.add_argument("--draft-quantize", default="", help="the draft's InstantQuant weight format (int8, uint4, ...)")
@@ -136,7 +138,8 @@ def main(argv=None) -> None:
         target = model_path(model, a.layers)
         loader = HuggingFaceModel(target, "m", user_set_data_type="float32" if a.smoke else a.dtype)
         loader.load_model()
-        loader.serialize(None, model_output_dir=tmp)
+        loader.serialize(None, model_output_dir=tmp,
+                         customized_quant_config={"compute_method": "activate_quant"} if a.a8 else None)
         vocab = loader.args.vocab_size
         files = (os.path.join(tmp, "m.asgraph"), os.path.join(tmp, "m.asparam"))
         tokenizer_json = read_model_graph(*files).tokenizer_json if not a.smoke else ""
@@ -172,7 +175,7 @@ def main(argv=None) -> None:
                     runs[name].append({k: v for k, v in got[name].items() if k != "tokens"})
             print(r, {n: {k: round(v, 2) for k, v in g.items() if k != "tokens"} for n, g in got.items()}, flush=True)
         report = {"machine": machine_name() if a.device == "cpu" else torch_gpu_name(), "kind": machine_kind(a.device),
-                  "model": model, "layers": a.layers or None, "dtype": a.dtype, "draft": a.draft,
+                  "model": model, "layers": a.layers or None, "dtype": a.dtype, "a8": a.a8, "draft": a.draft,
                   "draft_quantize": a.draft_quantize or None, "num_speculative_tokens": a.tokens, "rounds": rounds,
                   "streams": a.streams,
                   "greedy_equal": same, "runs": runs, "measured_at": time.strftime("%Y-%m-%d")}
