@@ -160,7 +160,7 @@ def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Ten
             return ext.linear_quant(x, nw, bias, isa_level())
         if int8_gemm_suits(w, x.shape[0]):        # the codes as they are: no native QuantWeight needed
             return linear_int8_gemm(x, w, bias)
-        return linear_dequantized(x, w, bias)
+        return linear_dequantized(x, w, bias, nw)
     if (ext is None or x.dim() != 2 or x.shape[0] > native_rows(w.dtype)
             or x.dtype != w.dtype or not w.is_contiguous()):
         if w.dtype == x.dtype and gemm_dtype(x.dtype) != x.dtype:   # bf16 prefill without bf16 dot products
@@ -186,10 +186,12 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, lora: LoraSlots | None, rows: Lo
     return lora_add_reference(y, x, lora, rows, linear)
 
 
-def linear_dequantized(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_dequantized(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
+                       nw=None) -> torch.Tensor:
     """x @ dequant(w).T (+ bias) through ATen's GEMM on the dequantized weight: linear's path for more rows than the
-    native kernel takes (prefill)."""
-    ext, nw = native(), native_weight(w)
+    native kernel takes (prefill). `nw`: w's native form where the caller made it already."""
+    ext = native()
+    nw = native_weight(w) if nw is None else nw
     dtype = gemm_dtype(x.dtype)
     # activate_quant: x rounded to int8 per token here too, as the GEMV rounds it, straight into the GEMM's dtype
     xg = ext.round_rows(x, ACT_MAX[8], dtype, isa_level()) if w.act_bits == 8 else x
