@@ -78,6 +78,8 @@ MEASURES = {
                        "`speculative.py --a8 --rounds 3`: as above, the Q4_1 file served with activate_quant (x "
                        "rounded to int8 per row, as `gguf_race.py --ours gguf-a8`): the verify rows meet the codes "
                        "in vpdpbusd on AVX-512 VNNI CPUs.", speculative),
+    "speculative-a8-k8": ("Speculative decoding with int8 x, 8 proposed tokens",
+                          "`speculative.py --a8 --tokens 8 --rounds 3`: as above with k = 8.", speculative),
     "speculative-dense": ("Speculative decoding against plain decoding, SmolLM2 in bf16", "`speculative.py --model "
                           "smollm2-dense --draft smollm2 --rounds 3`: SmolLM2's weights in bf16 (dequantized from "
                           "the Q4_1 file) plain, with ngram speculation and with the Q4_1 file itself as the draft "
