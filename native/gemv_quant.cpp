@@ -310,8 +310,8 @@ QuantView QuantWeight::view() const {
 bool QuantWeight::native_at_any_rows(int64_t isa) const {
   if (isa < 1 || act_bits != 8 || format == UINT8 || scales.size(1) == 1) return false;
   const int64_t group = in_features / scales.size(1);
-  // AVX2: the lanes kernel's 4-bit codes in groups of 32 over whole runs of 64 k (gemv_quant_avx2_lanes.cpp)
-  if (isa < 3) return format >= INT4 && group == BLOCK && in_features % CHUNK16 == 0;
+  // AVX2: the lanes kernel's weights, the NIBBLES8 kernel's in groups of 32 (gemv_quant_avx2_lanes.cpp)
+  if (isa < 3) return group == BLOCK && nibbles16_fits(view(), in_features);
   // the lanes kernel's groups (gemv_quant_avx512.cpp: rows_avx512_of); its x is padded to whole chunks of 512 k,
   // and where that pads K by more than a quarter (SmolLM2's 576: 1024) the dequantized GEMM is faster again
   const int64_t padded = (in_features + CHUNK - 1) / CHUNK * CHUNK;

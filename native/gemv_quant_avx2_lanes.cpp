@@ -9,9 +9,11 @@
 // (0, 2, 4, 6, 1, 3, 5, 7)[j] (vector q < 4: the low nibbles of the group's bytes 4q .. 4q + 3, 4 + q: their high
 // nibbles), and each row of x the same way: one vpmaddubsw per vector pair, the eight added in int16 (a pair's sum is
 // at most 2 * 15 * 128, eight of them 30720) and one vpmaddwd by ones leave each group's exact int32 sum in its lane,
-// in the batch-1 kernel's lane order. From those exact sums on, every (weight row, row of x) takes the batch-1
-// kernel's own epilogue (add_eight_groups, then the left-over groups one at a time, then hsum8), so a row's result
-// is the same bits as alone: it does not depend on how many rows share the call.
+// in the batch-1 kernel's lane order. From those exact sums on, every (weight row, row of x) runs the batch-1 kernel's
+// epilogue: add_eight_groups' operations on the same values (add_unit; its scales, zero points and mins converted and
+// put in lane order once per weight row instead of once per pair), then the left-over groups one at a time
+// (add_left_over_group), then hsum8, so a row's result is the same bits as alone: it does not depend on how many
+// rows share the call.
 #include <torch/extension.h>
 #include <immintrin.h>
 
@@ -245,12 +247,11 @@ AVX2_ISA void dot_pass(const Act16& a, const QuantView& w, const Pass& p, float*
 
 template <int F>
 AVX2_ISA void dot_pass_mb(int64_t mb, const Act16& a, const QuantView& w, const Pass& p, float* y, int64_t N) {
-  static_assert(MB_MAX <= 4, "dot_pass_mb: one case per pass size");
+  static_assert(MB_MAX == 3, "dot_pass_mb: one case per pass size");
   switch (mb) {
     case 1: dot_pass<F, 1>(a, w, p, y, N); break;
-    case 2: dot_pass<F, std::min(2, MB_MAX)>(a, w, p, y, N); break;
-    case 3: dot_pass<F, std::min(3, MB_MAX)>(a, w, p, y, N); break;
-    default: dot_pass<F, MB_MAX>(a, w, p, y, N); break;
+    case 2: dot_pass<F, 2>(a, w, p, y, N); break;
+    default: dot_pass<F, 3>(a, w, p, y, N); break;
   }
 }
 

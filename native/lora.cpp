@@ -57,10 +57,9 @@ inline float dot(const T* a, const float* x, int64_t n, int64_t isa) {
 
 // One slot's rows in a step: A [R, K], B^T [R, N] (bt), the rows of x / y it takes, where its rows of x (widened)
 // and its shrink results start in the shared buffers
-template <typename T>
 struct SlotRows {
-  const T* a;
-  const T* bt;
+  const void* a;    // in the activation dtype, as is bt
+  const void* bt;
   int64_t R;
   const std::vector<int64_t>* rows;
   int64_t x_at, t_at;
@@ -89,7 +88,7 @@ inline void axpy(float s, const T* w, float* acc, int64_t n, int64_t isa) {
 // dot products split over the threads, rounded to the activation dtype as PEFT's lora_A(x) is; then the expands
 // over the output columns. A row's sums run in the same order whatever other rows and slots share the step.
 template <typename T>
-void add_slots(torch::Tensor& y, const torch::Tensor& x, const std::vector<SlotRows<T>>& slots, int64_t isa) {
+void add_slots(torch::Tensor& y, const torch::Tensor& x, const std::vector<SlotRows>& slots, int64_t isa) {
   const int64_t K = x.size(1), N = y.size(1);
   const T* xp = x.data_ptr<T>();
   T* yp = y.data_ptr<T>();
@@ -112,7 +111,7 @@ void add_slots(torch::Tensor& y, const torch::Tensor& x, const std::vector<SlotR
       while (i >= slots[g].t_at + static_cast<int64_t>(slots[g].rows->size()) * slots[g].R) ++g;
       const auto& s = slots[g];
       const int64_t j = i - s.t_at, m = j / s.R, r = j % s.R;
-      t[i] = widen(static_cast<T>(dot(s.a + r * K, xf + (s.x_at + m) * K, K, isa)));
+      t[i] = widen(static_cast<T>(dot(static_cast<const T*>(s.a) + r * K, xf + (s.x_at + m) * K, K, isa)));
     }
   });
   // columns n0..n1 of each row: acc[n] = sum_r t[m, r] bt[r, n] (r in order, each row of bt swept in turn), then
@@ -123,7 +122,8 @@ void add_slots(torch::Tensor& y, const torch::Tensor& x, const std::vector<SlotR
       for (size_t m = 0; m < s.rows->size(); ++m) {
         std::fill(acc.begin(), acc.end(), 0.f);
         const float* tm = t + s.t_at + m * s.R;
-        for (int64_t r = 0; r < s.R; ++r) axpy(tm[r], s.bt + r * N + n0, acc.data(), n1 - n0, isa);
+        const T* bt = static_cast<const T*>(s.bt);
+        for (int64_t r = 0; r < s.R; ++r) axpy(tm[r], bt + r * N + n0, acc.data(), n1 - n0, isa);
         T* out = yp + (*s.rows)[m] * ldy + n0;
         for (int64_t n = 0; n < n1 - n0; ++n) out[n] = static_cast<T>(widen(out[n]) + widen(static_cast<T>(acc[n])));
       }
@@ -181,8 +181,7 @@ void add_lora(torch::Tensor& y, const torch::Tensor& x, const OptLora& lora, con
   const bool fused = rows.num_rows <= FUSED_ROWS && x.stride(1) == 1 && y.stride(1) == 1 &&
                      (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                      y.scalar_type() == x.scalar_type();
-  std::vector<SlotRows<float>> fused_f;
-  std::vector<SlotRows<at::BFloat16>> fused_bf;
+  std::vector<SlotRows> fused_slots;
   int64_t x_at = 0, t_at = 0;
   for (const auto& g : rows.groups) {
     TORCH_CHECK(g.slot < static_cast<int64_t>(lora->a.size()), "add_lora: slot ", g.slot, " of ", lora->a.size());
@@ -194,12 +193,8 @@ void add_lora(torch::Tensor& y, const torch::Tensor& x, const OptLora& lora, con
                 "add_lora: slot ", g.slot, ": A ", a->sizes(), " and B ", b.sizes(), " do not fit x ", x.sizes(),
                 " and y ", y.sizes());
     if (fused && lora->bt.size() == lora->a.size() && lora->bt[g.slot]) {
-      const auto& bt = *lora->bt[g.slot];
       const int64_t R = a->size(0);
-      if (x.scalar_type() == at::kFloat)
-        fused_f.push_back({a->data_ptr<float>(), bt.data_ptr<float>(), R, &g.rows, x_at, t_at});
-      else
-        fused_bf.push_back({a->data_ptr<at::BFloat16>(), bt.data_ptr<at::BFloat16>(), R, &g.rows, x_at, t_at});
+      fused_slots.push_back({a->data_ptr(), lora->bt[g.slot]->data_ptr(), R, &g.rows, x_at, t_at});
       x_at += g.rows.size(), t_at += g.rows.size() * R;
       continue;
     }
@@ -208,8 +203,9 @@ void add_lora(torch::Tensor& y, const torch::Tensor& x, const OptLora& lora, con
     if (g.index.defined()) y.index_add_(0, g.index, delta);
     else y.add_(delta);
   }
-  if (!fused_f.empty()) add_slots<float>(y, x, fused_f, isa);
-  if (!fused_bf.empty()) add_slots<at::BFloat16>(y, x, fused_bf, isa);
+  if (fused_slots.empty()) return;
+  if (x.scalar_type() == at::kFloat) add_slots<float>(y, x, fused_slots, isa);
+  else add_slots<at::BFloat16>(y, x, fused_slots, isa);
 }
 
 // ops.lora_add_ on the host: the same add_lora the native decode steps run, from each row's slot
