@@ -13,9 +13,10 @@ import psutil
 from helpers import LONG_RUN_MAX_LENGTH
 from http_helpers import Server
 
-# four long runs: ~30 s of decoding, so that a stream can end by its length only if the kill never stopped the pool
-# (with one, a CI run saw a stream reach its length: the pool had outrun the kill on a loaded machine)
-MAX_LENGTH = 4 * LONG_RUN_MAX_LENGTH
+# sixteen long runs: minutes of decoding (~3 min on 2 cores), so that a stream can end by its length only if the kill
+# never stopped the pool. Shorter runs (one, then four long runs: ~45 s) were seen to reach their length on a loaded
+# machine, with the kill sent seconds before the end: the first events had reached the client that late.
+MAX_LENGTH = 16 * LONG_RUN_MAX_LENGTH
 
 
 def test_a_stream_cut_off_by_a_killed_launcher_ends_in_an_error(llama, monkeypatch):
@@ -27,6 +28,7 @@ def test_a_stream_cut_off_by_a_killed_launcher_ends_in_an_error(llama, monkeypat
         assert len(launchers) == 1, [p.cmdline() for p in psutil.Process(srv.proc.pid).children()]
         body = {"model": "llama", "prompt": "Hello world!", "max_tokens": MAX_LENGTH - 64,
                 "temperature": 0, "ignore_eos": True, "stream": True}
+        sent = time.monotonic()
         with httpx.stream("POST", srv.base_url + "/completions", json=body, timeout=60) as r:
             lines = (line for line in r.iter_lines() if line)
             for _ in range(3):                           # streaming
@@ -39,7 +41,9 @@ def test_a_stream_cut_off_by_a_killed_launcher_ends_in_an_error(llama, monkeypat
         assert events[-1] == "[DONE]" and len(events) >= 2, events[-3:]
         reasons = [c.get("finish_reason") for e in events[:-1] for c in json.loads(e).get("choices", [])]
         assert not any(reasons), (f"a cut-off stream reported finish_reason {[r for r in reasons if r]} "
-                                  f"{took:.1f} s after the kill, {len(events)} events\n{srv.log()}")
+                                  f"{took:.1f} s after the kill ({killed - sent:.1f} s after the request), "
+                                  f"{len(events)} events\n"
+                                  f"{srv.log()}")
         error = json.loads(events[-2]).get("error")
         assert error and error["code"] == "unavailable", events[-3:]
         # rank 0 ends the stream saying the pool stopped; on a loaded machine mpirun may tear the ranks down before
