@@ -202,7 +202,8 @@ void bind_decode_stack(py::module_& m) {
       .def(py::init<>())
       .def_readwrite("a", &LoraSlots::a)
       .def_readwrite("b", &LoraSlots::b)
-      .def_readwrite("bt", &LoraSlots::bt);
+      .def_readwrite("b_panels", &LoraSlots::b_panels)
+      .def_readwrite("b_panel_index", &LoraSlots::b_panel_index);
   m.def("lora_add", &lora_add, "y [T, out] += each row's LoRA delta (slots [T], -1: none), in place; returns y",
         py::call_guard<py::gil_scoped_release>(), py::arg("y"), py::arg("x"), py::arg("lora"), py::arg("slots"),
         py::arg("isa"), py::arg("native_rows"));

@@ -1,13 +1,14 @@
 // LoRA adapters' deltas on a projection's output (steps.h): y[m] += B[s] . (A[s] . x[m]) for the rows m of each
 // adapter slot s a step's rows use (LoraRows).
 //
-// Decode batches (up to FUSED_ROWS rows) take two parallel regions for all their slots together: the shrinks t = A . x,
-// their dot products split over the threads, rounded to the activation dtype as PEFT's lora_A(x) is; then the expands
-// over the output columns, adding round(B[n] . t) into y, rounded once more (as y + delta in the activation dtype).
-// No tensor is allocated and no other op dispatched: at
-// batch 1 the adapter's bytes, not the calls around them, are the cost. Each row's sums run in the same order at any
-// batch size and with any other slots beside it.
-// Larger batches (prefill) go through `project` (kernels.h), two GEMMs a slot.
+// Steps of up to FUSED_ROWS rows (decode batches, prompts) take two parallel regions for all their slots together: the shrinks t = A . x,
+// their ranks split over the threads (each row of A read once for all the slot's rows), rounded to the activation
+// dtype as PEFT's lora_A(x) is; then the expands over the output columns, adding round(B[n] . t) into y, rounded once
+// more (as y + delta in the activation dtype), in registers for up to 4 rows at a time and skipping the zero blocks of
+// a fused projection's block-diagonal B. No tensor is allocated and no other op dispatched: at batch 1 the adapter's
+// bytes, not the calls around them, are the cost. Each row's sums run in the same order at any batch size and with
+// any other slots beside it.
+// Larger steps go through `project` (kernels.h), two GEMMs a slot.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -22,111 +23,181 @@
 
 namespace {
 
-constexpr int64_t FUSED_ROWS = 64;
+constexpr int64_t FUSED_ROWS = 8192;        // above: two GEMMs a slot (the row buffers grow with the rows)
+constexpr int64_t SHRINK_ROW_BLOCK = 32;    // even: the shrink pairs rows
 constexpr int64_t EXPAND_GRAIN = 64;   // output columns: a 576-wide projection is still split over the threads
 
 template <typename T>
 inline float widen(T v) { return static_cast<float>(v); }
 
-// sum_i a[i] * x[i], fp32 (a in T, widened), 32 lanes in four accumulators (a chain of FMAs each: four keep the
-// FMA units busy where two left the shrink bound by their latency), then 8 at a time into the first, then the tail
-template <typename T>
+// sum_i a[i] * x_m[i] for MR rows of x at once (fp32, a in T widened, each element of a loaded once for all of them):
+// per row 32 lanes in four accumulators (a chain of FMAs each: four keep the FMA units busy), then 8 at a time into
+// the first, then the lanes summed, then the tail by FMAs. A row's sum runs in this order whatever MR is.
+template <typename T, int MR>
 __attribute__((target("avx2,fma")))
-float dot_avx2(const T* a, const float* x, int64_t n) {
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+void dot_rows_avx2(const T* a, const float* const* x, int64_t n, float* out) {
+  __m256 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 32 <= n; i += 32)
-    for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(simd::load8(a + i + 8 * j), _mm256_loadu_ps(x + i + 8 * j), acc[j]);
-  for (; i + 8 <= n; i += 8) acc[0] = _mm256_fmadd_ps(simd::load8(a + i), _mm256_loadu_ps(x + i), acc[0]);
-  float s = simd::hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-  for (; i < n; ++i) s += widen(a[i]) * x[i];
-  return s;
+  for (; i + 32 <= n; i += 32) {
+    simd::prefetch_stream(a + i);                  // the adapter is cold: the base weights' stream evicted it
+    if constexpr (sizeof(T) == 4) simd::prefetch_stream(a + i + 16);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 w = simd::load8(a + i + 8 * j);
+      for (int m = 0; m < MR; ++m) acc[m][j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x[m] + i + 8 * j), acc[m][j]);
+    }
+  }
+  for (; i + 8 <= n; i += 8) {
+    const __m256 w = simd::load8(a + i);
+    for (int m = 0; m < MR; ++m) acc[m][0] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x[m] + i), acc[m][0]);
+  }
+  for (int m = 0; m < MR; ++m) {
+    float s = simd::hsum8(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3])));
+    for (int64_t k = i; k < n; ++k) s = std::fma(widen(a[k]), x[m][k], s);
+    out[m] = s;
+  }
 }
 
 template <typename T>
 float dot_scalar(const T* a, const float* x, int64_t n) {
   float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += widen(a[i]) * x[i];
+  for (int64_t i = 0; i < n; ++i) s = std::fma(widen(a[i]), x[i], s);
   return s;
 }
 
-template <typename T>
-inline float dot(const T* a, const float* x, int64_t n, int64_t isa) {
-  return isa >= 1 ? dot_avx2(a, x, n) : dot_scalar(a, x, n);
-}
-
-// One slot's rows in a step: A [R, K], B^T [R, N] (bt), the rows of x / y it takes, where its rows of x (widened)
-// and its shrink results start in the shared buffers
+// One slot's rows in a step: A [R, K], B in panels (steps.h LoraSlots), the rows of x / y it takes, where its rows of
+// x (widened) and its shrink results start in the shared buffers
 struct SlotRows {
-  const void* a;    // in the activation dtype, as is bt
-  const void* bt;
+  const void* a;          // in the activation dtype, as are the panels
+  const void* panels;
+  const int64_t* index;   // [panels, 3]: lo, hi, start
   int64_t R;
   const std::vector<int64_t>* rows;
   int64_t x_at, t_at;
 };
 
-// acc[i] += s * w[i] (w in T, widened): one FMA per element
-template <typename T>
+// y[m, c0 : c0 + LORA_PANEL] of MB rows at once, in registers, from one panel (its ranks lo..hi-1, LORA_PANEL values
+// each, read in sequence): acc = sum_r t[m, r] B[c, r] (one FMA per rank in order r, each value loaded once for the
+// MB rows; the ranks outside [lo, hi) are zero in these columns and would add nothing), then y = round(y + round(acc))
+template <typename T, int MB>
 __attribute__((target("avx2,fma")))
-void axpy_avx2(float s, const T* w, float* acc, int64_t n) {
-  const __m256 sv = _mm256_set1_ps(s);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(sv, simd::load8(w + i), _mm256_loadu_ps(acc + i)));
-  for (; i < n; ++i) acc[i] = std::fma(s, widen(w[i]), acc[i]);
-}
-
-template <typename T>
-inline void axpy(float s, const T* w, float* acc, int64_t n, int64_t isa) {
-  if (isa >= 1) {
-    axpy_avx2(s, w, acc, n);
-    return;
+void expand_panel(const T* panel, int64_t lo, int64_t hi, const float* const* t, T* const* y, int64_t c0) {
+  constexpr int NV = LORA_PANEL / 8;
+  __m256 acc[MB][NV];
+  for (int m = 0; m < MB; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_setzero_ps();
+  for (int64_t r = lo; r < hi; ++r, panel += LORA_PANEL) {
+    simd::prefetch_stream(panel);
+    __m256 w[NV];
+    for (int v = 0; v < NV; ++v) w[v] = simd::load8(panel + 8 * v);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 tm = _mm256_set1_ps(t[m][r]);
+      for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_fmadd_ps(tm, w[v], acc[m][v]);
+    }
   }
-  for (int64_t i = 0; i < n; ++i) acc[i] = std::fma(s, widen(w[i]), acc[i]);
+  for (int m = 0; m < MB; ++m)
+    for (int v = 0; v < NV; ++v) {
+      T* out = y[m] + c0 + 8 * v;
+      simd::store8(out, _mm256_add_ps(simd::load8(out), simd::round_to8<T>(acc[m][v])));
+    }
 }
 
-// every slot's rows of a step in two parallel regions, whatever the number of slots: the shrinks, their (row, rank)
-// dot products split over the threads, rounded to the activation dtype as PEFT's lora_A(x) is; then the expands
-// over the output columns. A row's sums run in the same order whatever other rows and slots share the step.
+// the same for the first `width` columns of a panel, one at a time, any ISA (the last panel, or no AVX2)
+template <typename T>
+void expand_panel_columns(const T* panel, int64_t lo, int64_t hi, const float* t, T* y, int64_t c0, int64_t width) {
+  for (int64_t c = 0; c < width; ++c) {
+    float acc = 0.f;
+    for (int64_t r = lo; r < hi; ++r) acc = std::fma(t[r], widen(panel[(r - lo) * LORA_PANEL + c]), acc);
+    y[c0 + c] = static_cast<T>(widen(y[c0 + c]) + widen(static_cast<T>(acc)));
+  }
+}
+
+// panels [p0, p1) of MB rows of one slot
+template <typename T, int MB>
+void expand_rows(const SlotRows& s, int64_t N, const float* const* t, T* const* y, int64_t p0, int64_t p1,
+                 int64_t isa) {
+  const T* panels = static_cast<const T*>(s.panels);
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t lo = s.index[3 * p], hi = s.index[3 * p + 1], c0 = p * LORA_PANEL;
+    const T* panel = panels + s.index[3 * p + 2];
+    const int64_t width = std::min(LORA_PANEL, N - c0);
+    if (isa >= 1 && width == LORA_PANEL) {
+      expand_panel<T, MB>(panel, lo, hi, t, y, c0);
+    } else {
+      for (int m = 0; m < MB; ++m) expand_panel_columns(panel, lo, hi, t[m], y[m], c0, width);
+    }
+  }
+}
+
+// the shrink of one rank r of a slot for its rows [m0, m1): t[m, r] = round(A[r] . x[m]), rows two at a time
+template <typename T>
+void shrink_rank(const SlotRows& s, int64_t r, int64_t m0, int64_t m1, const float* xf, int64_t K, float* t,
+                 int64_t isa) {
+  const T* a = static_cast<const T*>(s.a) + r * K;
+  float out[2];
+  for (int64_t m = m0; m < m1;) {
+    const float* x[2] = {xf + (s.x_at + m) * K, xf + (s.x_at + std::min(m + 1, m1 - 1)) * K};
+    const int take = isa >= 1 && m + 1 < m1 ? 2 : 1;
+    if (isa >= 1 && take == 2) dot_rows_avx2<T, 2>(a, x, K, out);
+    else if (isa >= 1) dot_rows_avx2<T, 1>(a, x, K, out);
+    else out[0] = dot_scalar(a, x[0], K);
+    for (int j = 0; j < take; ++j) t[s.t_at + (m + j) * s.R + r] = widen(static_cast<T>(out[j]));
+    m += take;
+  }
+}
+
+// every slot's rows of a step in two parallel regions, whatever the number of slots: the shrinks, their ranks split
+// over the threads, rounded to the activation dtype as PEFT's lora_A(x) is; then the expands over the output
+// columns. A row's sums run in the same order whatever other rows and slots share the step.
 template <typename T>
 void add_slots(torch::Tensor& y, const torch::Tensor& x, const std::vector<SlotRows>& slots, int64_t isa) {
   const int64_t K = x.size(1), N = y.size(1);
   const T* xp = x.data_ptr<T>();
   T* yp = y.data_ptr<T>();
   const int64_t ldx = x.stride(0), ldy = y.stride(0);
-  int64_t x_rows = 0, items = 0;
-  for (const auto& s : slots) x_rows += s.rows->size(), items += s.rows->size() * s.R;
+  int64_t x_rows = 0, ranks = 0, t_items = 0, max_rows = 0;
+  for (const auto& s : slots) {
+    const int64_t M = static_cast<int64_t>(s.rows->size());
+    x_rows += M, ranks += s.R, t_items += M * s.R, max_rows = std::max(max_rows, M);
+  }
   // the calling thread's buffers, grown as needed (no allocation per call); the workers reach them through the
   // pointers (a thread_local named inside the lambdas would be each worker's own)
   thread_local std::vector<float> x_buf, t_buf;
   if (static_cast<int64_t>(x_buf.size()) < x_rows * K) x_buf.resize(x_rows * K);
-  if (static_cast<int64_t>(t_buf.size()) < items) t_buf.resize(items);
+  if (static_cast<int64_t>(t_buf.size()) < t_items) t_buf.resize(t_items);
   float* xf = x_buf.data();
   float* t = t_buf.data();
   for (const auto& s : slots)
     for (size_t m = 0; m < s.rows->size(); ++m)
       for (int64_t k = 0; k < K; ++k) xf[(s.x_at + m) * K + k] = widen(xp[(*s.rows)[m] * ldx + k]);
-  allspark::parallel_for(0, items, std::max<int64_t>(1, items / 8), [&](int64_t i0, int64_t i1) {
-    size_t g = 0;
-    for (int64_t i = i0; i < i1; ++i) {
-      while (i >= slots[g].t_at + static_cast<int64_t>(slots[g].rows->size()) * slots[g].R) ++g;
-      const auto& s = slots[g];
-      const int64_t j = i - s.t_at, m = j / s.R, r = j % s.R;
-      t[i] = widen(static_cast<T>(dot(static_cast<const T*>(s.a) + r * K, xf + (s.x_at + m) * K, K, isa)));
+  allspark::parallel_for(0, ranks, std::max<int64_t>(1, ranks / 8), [&](int64_t i0, int64_t i1) {
+    // blocks of rows (a prompt's), so that each block's x stays in cache while the ranks sweep over it
+    for (int64_t m0 = 0; m0 < max_rows; m0 += SHRINK_ROW_BLOCK) {
+      size_t g = 0;
+      int64_t first = 0;     // the first rank of slots[g]
+      for (int64_t i = i0; i < i1; ++i) {
+        while (i >= first + slots[g].R) first += slots[g++].R;
+        const int64_t M = static_cast<int64_t>(slots[g].rows->size());
+        if (m0 < M) shrink_rank<T>(slots[g], i - first, m0, std::min(M, m0 + SHRINK_ROW_BLOCK), xf, K, t, isa);
+      }
     }
   });
-  // columns n0..n1 of each row: acc[n] = sum_r t[m, r] bt[r, n] (r in order, each row of bt swept in turn), then
-  // y += round(acc)
-  allspark::parallel_for(0, N, EXPAND_GRAIN, [&](int64_t n0, int64_t n1) {
-    std::vector<float> acc(n1 - n0);
-    for (const auto& s : slots)
-      for (size_t m = 0; m < s.rows->size(); ++m) {
-        std::fill(acc.begin(), acc.end(), 0.f);
-        const float* tm = t + s.t_at + m * s.R;
-        const T* bt = static_cast<const T*>(s.bt);
-        for (int64_t r = 0; r < s.R; ++r) axpy(tm[r], bt + r * N + n0, acc.data(), n1 - n0, isa);
-        T* out = yp + (*s.rows)[m] * ldy + n0;
-        for (int64_t n = 0; n < n1 - n0; ++n) out[n] = static_cast<T>(widen(out[n]) + widen(static_cast<T>(acc[n])));
+  const int64_t panels = (N + LORA_PANEL - 1) / LORA_PANEL;
+  allspark::parallel_for(0, panels, EXPAND_GRAIN / LORA_PANEL, [&](int64_t p0, int64_t p1) {
+    for (const auto& s : slots) {
+      const int64_t M = static_cast<int64_t>(s.rows->size());
+      for (int64_t m = 0; m < M;) {
+        const int64_t take = M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
+        const float* tm[4];
+        T* ym[4];
+        for (int64_t j = 0; j < take; ++j) tm[j] = t + s.t_at + (m + j) * s.R, ym[j] = yp + (*s.rows)[m + j] * ldy;
+        if (take == 4) expand_rows<T, 4>(s, N, tm, ym, p0, p1, isa);
+        else if (take == 2) expand_rows<T, 2>(s, N, tm, ym, p0, p1, isa);
+        else expand_rows<T, 1>(s, N, tm, ym, p0, p1, isa);
+        m += take;
       }
+    }
   });
 }
 
@@ -134,12 +205,26 @@ void add_slots(torch::Tensor& y, const torch::Tensor& x, const std::vector<SlotR
 
 void LoraSlots::check() const {
   TORCH_CHECK(a.size() == b.size(), "LoraSlots: ", a.size(), " A slots but ", b.size(), " B slots");
-  TORCH_CHECK(bt.empty() || bt.size() == b.size(), "LoraSlots: ", bt.size(), " transposed B slots for ", b.size());
-  for (size_t s = 0; s < bt.size(); ++s)
-    TORCH_CHECK(bt[s].has_value() == b[s].has_value() &&
-                    (!bt[s] || (bt[s]->is_contiguous() && bt[s]->size(0) == b[s]->size(1) &&
-                                bt[s]->size(1) == b[s]->size(0) && bt[s]->scalar_type() == b[s]->scalar_type())),
-                "LoraSlots: slot ", s, ": the transposed B is not B^T");
+  TORCH_CHECK(b_panels.size() == b_panel_index.size() && (b_panels.empty() || b_panels.size() == b.size()),
+              "LoraSlots: ", b_panels.size(), " panelled B and ", b_panel_index.size(), " panel indexes for ",
+              b.size(), " slots");
+  for (size_t s = 0; s < b_panels.size(); ++s) {
+    const auto &p = b_panels[s], &i = b_panel_index[s];
+    TORCH_CHECK(p.has_value() == b[s].has_value() && i.has_value() == b[s].has_value(), "LoraSlots: slot ", s,
+                " has B without its panels or panels without B");
+    if (!p) continue;
+    const int64_t panels = (b[s]->size(0) + LORA_PANEL - 1) / LORA_PANEL;
+    TORCH_CHECK(p->is_contiguous() && p->dim() == 2 && p->size(1) == LORA_PANEL &&
+                    p->scalar_type() == b[s]->scalar_type() && i->is_contiguous() && i->scalar_type() == at::kLong &&
+                    i->dim() == 2 && i->size(0) == panels && i->size(1) == 3,
+                "LoraSlots: slot ", s, ": panels ", p->sizes(), " and index ", i->sizes(), " do not lay out B ",
+                b[s]->sizes(), " in panels of ", LORA_PANEL, " columns");
+    const int64_t* ip = i->data_ptr<int64_t>();
+    for (int64_t q = 0; q < panels; ++q)
+      TORCH_CHECK(0 <= ip[3 * q] && ip[3 * q] <= ip[3 * q + 1] && ip[3 * q + 1] <= b[s]->size(1) &&
+                      0 <= ip[3 * q + 2] && ip[3 * q + 2] + (ip[3 * q + 1] - ip[3 * q]) * LORA_PANEL <= p->numel(),
+                  "LoraSlots: slot ", s, ": panel ", q, " lies outside its ranks or its panels");
+  }
   for (size_t s = 0; s < a.size(); ++s) {
     TORCH_CHECK(a[s].has_value() == b[s].has_value(), "LoraSlots: slot ", s, " has A or B alone");
     if (a[s])
@@ -192,9 +277,10 @@ void add_lora(torch::Tensor& y, const torch::Tensor& x, const OptLora& lora, con
                     b.scalar_type() == x.scalar_type(),
                 "add_lora: slot ", g.slot, ": A ", a->sizes(), " and B ", b.sizes(), " do not fit x ", x.sizes(),
                 " and y ", y.sizes());
-    if (fused && lora->bt.size() == lora->a.size() && lora->bt[g.slot]) {
+    if (fused && lora->b_panels.size() == lora->a.size() && lora->b_panels[g.slot]) {
       const int64_t R = a->size(0);
-      fused_slots.push_back({a->data_ptr(), lora->bt[g.slot]->data_ptr(), R, &g.rows, x_at, t_at});
+      fused_slots.push_back({a->data_ptr(), lora->b_panels[g.slot]->data_ptr(),
+                             lora->b_panel_index[g.slot]->data_ptr<int64_t>(), R, &g.rows, x_at, t_at});
       x_at += g.rows.size(), t_at += g.rows.size() * R;
       continue;
     }

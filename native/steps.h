@@ -30,10 +30,13 @@ using Weights = std::vector<Weight>;
 using OptWeight = std::optional<Weight>;
 
 // one projection's LoRA adapters on this rank, by slot (allspark_server/compute/lora_slots.py): a[s] [R_s, in], b[s]
-// [out, R_s] with the scale folded in, bt[s] = b[s]^T contiguous [R_s, out] (the decode kernel's layout); none: the
-// slot's adapter leaves this projection alone
+// [out, R_s] with the scale folded in, and b[s] in the decode kernel's layout (compute/step_binding.py lora_panels):
+// panels of LORA_PANEL output columns, each holding only its nonzero ranks [lo, hi) rank after rank (b_panels[s]
+// [sum of hi - lo, LORA_PANEL]; b_panel_index[s] [panels, 3] int64: lo, hi, where the panel starts in elements);
+// none: the slot's adapter leaves this projection alone
+constexpr int64_t LORA_PANEL = 16;
 struct LoraSlots {
-  std::vector<OptTensor> a, b, bt;
+  std::vector<OptTensor> a, b, b_panels, b_panel_index;
   void check() const;
 };
 using OptLora = std::optional<LoraSlots>;

@@ -13,6 +13,8 @@ import dataclasses
 import functools
 from typing import Callable
 
+import torch
+
 from allspark_server.compute.steps import Attention, BoundAttention, BoundMlp, BoundMoe, BoundNorm, Mlp, Moe, Norm
 
 # bound step -> (its native descriptor's class name, its step class)
@@ -87,13 +89,37 @@ def descriptor(bound, ext, native_weight: Callable):
     return d
 
 
+LORA_PANEL = 16   # output columns of a panel of B (native/lora.cpp's PANEL)
+
+
+def lora_panels(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """B [N, R] as the native expand reads it: panels of LORA_PANEL output columns (the last padded with zeros), each
+    holding only the ranks [lo, hi) that are nonzero in its columns (a fused projection's B is block-diagonal over its
+    parts), rank after rank: (packed [sum of hi - lo, LORA_PANEL], index [panels, 3] int64 of lo, hi and where the
+    panel starts in `packed`, in elements)."""
+    n, r = b.shape
+    panels = -(-n // LORA_PANEL)
+    bt = torch.nn.functional.pad(b.t(), (0, panels * LORA_PANEL - n)).reshape(r, panels, LORA_PANEL)
+    nz = (bt != 0).any(2)                                                   # [R, panels]
+    ranks = torch.arange(r)[:, None]
+    hi = torch.where(nz, ranks + 1, 0).max(0).values
+    lo = torch.minimum(torch.where(nz, ranks, r).min(0).values, hi)
+    lens = hi - lo
+    start = torch.cumsum(lens, 0) - lens
+    panel_of = torch.repeat_interleave(torch.arange(panels), lens)
+    rank_of = lo[panel_of] + torch.arange(int(lens.sum())) - start[panel_of]
+    return bt[rank_of, panel_of].contiguous(), torch.stack([lo, hi, start * LORA_PANEL], 1).contiguous()
+
+
 def native_lora(ext, lora):
     """A projection's adapters (compute/lora_slots.py LoraSlots) as the native LoraSlots: the same tensors, by slot
     (made again when they change)."""
     if lora.native is None or lora.native[0] != lora.version:
         d = ext.LoraSlots()
         d.a, d.b = list(lora.a), list(lora.b)
-        d.bt = [None if b is None else b.t().contiguous() for b in lora.b]     # the decode kernel's layout
+        panels = [None if b is None else lora_panels(b) for b in lora.b]      # the decode kernel's layout
+        d.b_panels = [None if p is None else p[0] for p in panels]
+        d.b_panel_index = [None if p is None else p[1] for p in panels]
         lora.native = (lora.version, d)
     return lora.native[1]
 
