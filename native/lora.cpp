@@ -1,13 +1,12 @@
 // LoRA adapters' deltas on a projection's output (steps.h): y[m] += B[s] . (A[s] . x[m]) for the rows m of each
 // adapter slot s a step's rows use (LoraRows).
 //
-// Steps of up to FUSED_ROWS rows (decode batches, prompts) take two parallel regions for all their slots together: the shrinks t = A . x,
-// their ranks split over the threads (each row of A read once for all the slot's rows), rounded to the activation
-// dtype as PEFT's lora_A(x) is; then the expands over the output columns, adding round(B[n] . t) into y, rounded once
-// more (as y + delta in the activation dtype), in registers for up to 4 rows at a time and skipping the zero blocks of
-// a fused projection's block-diagonal B. No tensor is allocated and no other op dispatched: at batch 1 the adapter's
-// bytes, not the calls around them, are the cost. Each row's sums run in the same order at any batch size and with
-// any other slots beside it.
+// Steps of up to FUSED_ROWS rows (decode batches, prompts) take two parallel regions for all their slots together:
+// the shrinks t = A . x, their ranks split over the threads (each row of A read once for two rows of x), rounded to the
+// activation dtype as PEFT's lora_A(x) is; then the expands over the output columns, adding round(B[n] . t) into y,
+// rounded once more (as y + delta in the activation dtype), in registers for up to 4 rows at a time, from B's panels
+// (steps.h: a fused projection's zero blocks are never read). No tensor is allocated and no other op dispatched. Each
+// row's sums run in the same order at any batch size and with any other slots beside it.
 // Larger steps go through `project` (kernels.h), two GEMMs a slot.
 #include <torch/extension.h>
 
