@@ -4,7 +4,8 @@
 // Layout: W is row-major [N, K] (HF's [out, in]); x is [M, K] (converted to fp32 once, in the call).
 // Decode is memory-bound: every weight byte is read once per step, so the kernel streams W row by
 // row across torch's intra-op threads, each thread owning a contiguous block of rows (one sequential
-// stream per thread). M is processed in chunks of up to 4 rows of x sharing each weight load.
+// stream per thread). M is processed in chunks of up to 6 rows of x sharing each weight load, each row summed
+// in one order at any M (so a row of a batch equals the row alone).
 // ISA is chosen at run time by the caller (compute/ops.py, from py-cpuinfo): 2 = AVX-512, 1 = AVX2+FMA,
 // 0 = portable C++. Tested against torch's matmul in tests/kernels/test_native.py (odd K/N, M = 1..64).
 #include <torch/extension.h>
@@ -28,7 +29,6 @@ bool batch_invariant() { return invariant_rows.load(std::memory_order_relaxed); 
 
 namespace {
 
-constexpr int64_t MR = 4;     // x rows per micro-kernel
 constexpr int NR = 2;         // weight rows per block when x has several rows
 
 inline float bf16_to_float(uint16_t v) {
@@ -111,37 +111,43 @@ void rows_m1_avx512(const float* x, int64_t K, const W* w, int64_t n0, int64_t n
 
 // Several rows of x: each weight load feeds MB FMAs, so the loop is no longer purely a stream; two
 // weight rows per block share the loads of x, which was the faster choice here (docs/performance.md).
+// Each (row of x, weight row) sums as rows_m1_avx512 does: two chains over alternate 16-blocks of each 32, the blocks
+// past the last whole 32 into the first, then the chains added and reduced. So a row comes out the same whatever
+// rows share its step: a speculative verify step's rows (MR_AVX512 in one block) equal one-row steps bit for bit.
 template <typename W, int MB, int NB>
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 void block_avx512(const float* x, int64_t K, const W* w, int64_t n, float* y, int64_t N, int64_t n_end) {
-  __m512 acc[MB][NB];
+  __m512 acc[MB][NB][2];
 #pragma GCC unroll 16
   for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NB; ++j) acc[i][j][0] = acc[i][j][1] = _mm512_setzero_ps();
   const W* wr[NB];
 #pragma GCC unroll 4
   for (int j = 0; j < NB; ++j) wr[j] = w + (n + j) * K;
   const bool prefetch_next = n + NB + NB <= n_end;   // the next block is ours too
-  const int64_t K16 = K & ~int64_t(15);
+  const int64_t K32 = K & ~int64_t(31);
   int64_t k = 0;
-  for (; k < K16; k += 16) {
-    if (prefetch_next && (k & 31) == 0) {
+  for (; k < K32; k += 32) {
+    if (prefetch_next) {
 #pragma GCC unroll 4
       for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + NB * K + k), _MM_HINT_T0);
     }
-    __m512 wv[NB];
+#pragma GCC unroll 2
+    for (int c = 0; c < 2; ++c) {
+      __m512 wv[NB];
 #pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) wv[j] = load16_512(wr[j] + k, (__mmask16)0xFFFF);
+      for (int j = 0; j < NB; ++j) wv[j] = load16_512(wr[j] + k + 16 * c, (__mmask16)0xFFFF);
 #pragma GCC unroll 16
-    for (int i = 0; i < MB; ++i) {
-      const __m512 xv = _mm512_loadu_ps(x + i * K + k);
+      for (int i = 0; i < MB; ++i) {
+        const __m512 xv = _mm512_loadu_ps(x + i * K + k + 16 * c);
 #pragma GCC unroll 4
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+        for (int j = 0; j < NB; ++j) acc[i][j][c] = _mm512_fmadd_ps(xv, wv[j], acc[i][j][c]);
+      }
     }
   }
-  if (k < K) {
-    const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);
+  for (; k < K; k += 16) {   // a whole 16-block left over, then a masked tail
+    const __mmask16 mask = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
     __m512 wv[NB];
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) wv[j] = load16_512(wr[j] + k, mask);
@@ -149,42 +155,48 @@ void block_avx512(const float* x, int64_t K, const W* w, int64_t n, float* y, in
     for (int i = 0; i < MB; ++i) {
       const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * K + k);
 #pragma GCC unroll 4
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+      for (int j = 0; j < NB; ++j) acc[i][j][0] = _mm512_fmadd_ps(xv, wv[j], acc[i][j][0]);
     }
   }
 #pragma GCC unroll 16
   for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) y[i * N + n + j] = _mm512_reduce_add_ps(acc[i][j]);
+    for (int j = 0; j < NB; ++j) y[i * N + n + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][j][0], acc[i][j][1]));
 }
+
+// Up to MR_AVX512 rows of x share each weight load: a speculative verify step's k + 1 = 5 rows take the weight once
+// (2 weight rows x 6 rows x 2 chains: 24 accumulators of the 32 registers)
+constexpr int64_t MR_AVX512 = 6;
 
 template <typename W>
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 void rows_avx512(const float* x, int64_t m_rows, int64_t K, const W* w, int64_t n0, int64_t n1, float* y,
                  int64_t N) {
-  for (int64_t m = 0; m < m_rows; m += MR) {
+  for (int64_t m = 0; m < m_rows; m += MR_AVX512) {
     const float* xm = x + m * K;
     float* ym = y + m * N;
-    const int64_t mb = std::min(MR, m_rows - m);
-    if (mb == 1 && !batch_invariant()) {   // two weight rows a step: another summation order than block_avx512's
+    const int64_t mb = std::min(MR_AVX512, m_rows - m);
+    if (mb == 1) {   // two weight rows a step from streams far apart (the same sums as block_avx512's)
       rows_m1_avx512<W, 2>(xm, K, w, n0, n1, ym);
       continue;
     }
     int64_t n = n0;
     for (; n + NR <= n1; n += NR) {
       switch (mb) {
-        case 1: block_avx512<W, 1, NR>(xm, K, w, n, ym, N, n1); break;
         case 2: block_avx512<W, 2, NR>(xm, K, w, n, ym, N, n1); break;
         case 3: block_avx512<W, 3, NR>(xm, K, w, n, ym, N, n1); break;
-        default: block_avx512<W, 4, NR>(xm, K, w, n, ym, N, n1); break;
+        case 4: block_avx512<W, 4, NR>(xm, K, w, n, ym, N, n1); break;
+        case 5: block_avx512<W, 5, NR>(xm, K, w, n, ym, N, n1); break;
+        default: block_avx512<W, 6, NR>(xm, K, w, n, ym, N, n1); break;
       }
     }
     for (; n < n1; ++n) {
       switch (mb) {
-        case 1: block_avx512<W, 1, 1>(xm, K, w, n, ym, N, n1); break;
         case 2: block_avx512<W, 2, 1>(xm, K, w, n, ym, N, n1); break;
         case 3: block_avx512<W, 3, 1>(xm, K, w, n, ym, N, n1); break;
-        default: block_avx512<W, 4, 1>(xm, K, w, n, ym, N, n1); break;
+        case 4: block_avx512<W, 4, 1>(xm, K, w, n, ym, N, n1); break;
+        case 5: block_avx512<W, 5, 1>(xm, K, w, n, ym, N, n1); break;
+        default: block_avx512<W, 6, 1>(xm, K, w, n, ym, N, n1); break;
       }
     }
   }

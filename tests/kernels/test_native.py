@@ -44,6 +44,20 @@ def test_linear_small_m_matches_float64(dtype, isa):
             assert ((y.double() - ref).abs() <= tol + rounding).all(), (dtype, isa, n, k, m)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", isa_levels())
+def test_linear_small_m_rows_equal_the_rows_alone(dtype, isa):
+    """Outside batch-invariant mode too: a speculative verify step's k + 1 rows must come out as one-row steps."""
+    assert not ops.native().batch_invariant()
+    g = torch.Generator().manual_seed(3)
+    for n, k in [(33, 1000), (64, 48), (17, 33), (100, 1537), (9, 576)]:   # K: tails of 8, 16, 1, 1 and none past 32s
+        w = torch.randn(n, k, generator=g).to(dtype)
+        x = torch.randn(13, k, generator=g).to(dtype)
+        alone = torch.cat([ops.native().linear_small_m(x[i:i + 1], w, None, isa) for i in range(13)])
+        for m in (2, 3, 4, 5, 6, 7, 9, 13):
+            assert torch.equal(ops.native().linear_small_m(x[:m], w, None, isa), alone[:m]), (dtype, isa, n, k, m)
+
+
 def _row_xor(rows) -> int:
     """stream_rows' checksum worked by hand: per row, the XOR of its little-endian 8-byte words from the row's
     start, then of its last (row bytes % 8) bytes one at a time; all rows XORed together."""
