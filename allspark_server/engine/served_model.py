@@ -149,7 +149,8 @@ class ServedModel:
         """Schedule the next step and launch it; the previous step's tokens are delivered while it runs. None when
         there is nothing to run or the launch failed (its requests ended with the error)."""
         started = time.perf_counter()
-        drafts = self.speculation.propose(self.scheduler.running, self._live.__getitem__) if self.speculation else None
+        drafts = (self.speculation.propose(self.scheduler.running, self._live.__getitem__, bool(self.scheduler.waiting))
+                  if self.speculation else None)
         plan, interrupted = self.scheduler.schedule(drafts)
         if interrupted or not plan.has_work:
             self.deliver()

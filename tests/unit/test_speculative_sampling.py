@@ -178,3 +178,20 @@ def test_a_request_whose_proposals_are_rejected_backs_off_until_one_is_accepted(
     for step in range(40):
         assert lookup.propose([req], lambda rid: entry) == {}
     assert asked == [0, 2, 5, 10, 19, 36], asked
+
+
+def test_no_proposals_while_prompt_rows_may_join_the_step():
+    """A verify step computes every row as a one-row step would: prompt rows beside it would all go to the GEMV."""
+    from types import SimpleNamespace
+
+    class Always(NgramProposer):
+        def propose(self, requests, counts):
+            return [[7] * k for k in counts]
+
+    speculation = Speculation(2, Always(1, 1))
+    entry = SimpleNamespace(sampling=SimpleNamespace(gen=GenerationConfig(), guided=None))
+    decoding = SimpleNamespace(request_id=5, num_tokens=10, num_computed_tokens=9, max_length=1000)
+    prefilling = SimpleNamespace(request_id=6, num_tokens=40, num_computed_tokens=16, max_length=1000)
+    assert speculation.propose([decoding, prefilling], lambda rid: entry) == {}
+    assert speculation.propose([decoding], lambda rid: entry, prompts_waiting=True) == {}
+    assert speculation.propose([decoding], lambda rid: entry) == {5: [7, 7]}
