@@ -72,12 +72,15 @@ def set_batch_invariant(on: bool) -> None:
         ext.set_batch_invariant(_batch_invariant)
 
 
-def native_rows(dtype: torch.dtype) -> int:
+def native_rows(dtype: torch.dtype, alone: bool | None = None) -> int:
     """Most rows of x the native dense linear takes in `dtype` (0: none): NATIVE_MAX_ROWS, unbounded in
-    batch-invariant and alone-rows mode (compute/row_mode.py)."""
+    batch-invariant and alone-rows mode (compute/row_mode.py). `alone`: whether alone-rows mode counts (None:
+    whether it is on now); the decode stack, built once and run in both modes, is built with False and told per
+    call (all_rows_native)."""
     if dtype not in NATIVE_MAX_ROWS:
         return 0
-    return 2 ** 62 if batch_invariant() or row_mode.alone() else NATIVE_MAX_ROWS[dtype]
+    alone = row_mode.alone() if alone is None else alone
+    return 2 ** 62 if batch_invariant() or alone else NATIVE_MAX_ROWS[dtype]
 
 
 @functools.lru_cache(maxsize=1)

@@ -93,7 +93,9 @@ def decode_stack(layers: Sequence[Sequence[Bound]], final_norm: BoundNorm, embed
             if isinstance(b, BoundAttention) and (b.k_param is None and b.k_cache.dtype != dtype or (
                     b.step.position == "rope" and rotary_tables[b.step.rope_table][0].shape[-1] % 2)):
                 return None
-    stack = ext.DecodeStack(isa=ops.isa_level(), native_rows=ops.native_rows(dtype), embed_scale=embed_scale)
+    # its row limit outside alone-rows mode, even if a verify step builds it: verify steps say so per call
+    stack = ext.DecodeStack(isa=ops.isa_level(), native_rows=ops.native_rows(dtype, alone=False),
+                            embed_scale=embed_scale)
     for layer in layers:
         stack.add_layer([native_step(b) for b in layer])
     stack.set_ends(embedding=embedding, rotary_tables=list(rotary_tables), final_norm=native_step(final_norm),

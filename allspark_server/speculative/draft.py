@@ -42,8 +42,8 @@ CATCH_UP_ROWS = 16        # tokens the draft catches up on as decode rows; more 
 def serialize_draft(path: str, dtype: str, quantize: str, out_dir: str, target_vocab: int) -> tuple[str, str]:
     """(graph, weights) of the draft: an `.asgraph` (its `.asparam` beside it) as it is, else the HF folder or GGUF
     file serialized into out_dir with `dtype` ("" = the file's) and InstantQuant weight format `quantize`. A draft
-    the registry does not know or whose vocabulary exceeds the target's is refused before any weight is read. A quantized
-    copy has its LM head quantized too."""
+    the registry does not know or whose vocabulary exceeds the target's is refused before any weight is read. A
+    quantized copy has its LM head quantized too."""
     if path.endswith(".asgraph"):
         if dtype or quantize:
             raise ValueError(f"draft_dtype / draft_quantize apply while serializing a HF folder or GGUF file; "
