@@ -89,7 +89,7 @@ def descriptor(bound, ext, native_weight: Callable):
     return d
 
 
-LORA_PANEL = 16   # output columns of a panel of B (native/lora.cpp's PANEL)
+LORA_PANEL = 16   # output columns of a panel of B (native/steps.h's LORA_PANEL, which LoraSlots::check holds it to)
 
 
 def lora_panels(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

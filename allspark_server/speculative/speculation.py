@@ -96,10 +96,10 @@ class Speculation:
     def propose(self, running: Iterable[Request], entry_of: Callable[[int], object],
                 prompts_waiting: bool = False) -> dict[int, list[int]]:
         """The proposals for the running requests that decode next and may speculate: request id -> tokens (what
-        Scheduler.schedule takes). None while prompt rows may join the step (`prompts_waiting`: requests waiting to
-        be admitted; or a running request still in its prompt): a step with a verify chunk computes every row as
-        a one-row step would (compute/row_mode.py), which on a CPU puts its prompt rows on the GEMV, each weight
-        read again for every few rows, far dearer than what the proposals save."""
+        Scheduler.schedule takes). None at all while prompt rows may join the step (`prompts_waiting`: requests
+        waiting to be admitted; or a running request still in its prompt): a step with a verify chunk computes every
+        row as a one-row step would (compute/row_mode.py), which on a CPU puts its prompt rows on the GEMV, each
+        weight read again for every few rows, far dearer than what the proposals save."""
         running = list(running)
         if (len(running) > self.max_batch or prompts_waiting
                 or any(req.num_tokens - req.num_computed_tokens != 1 for req in running)):
