@@ -244,15 +244,12 @@ LoraRows lora_rows(const OptTensor& slots) {
     if (p[i] < 0) continue;
     auto it = std::find_if(out.groups.begin(), out.groups.end(), [&](const auto& g) { return g.slot == p[i]; });
     if (it == out.groups.end()) {
-      out.groups.push_back({p[i], {}, torch::Tensor()});
+      out.groups.push_back({p[i], {}});
       it = out.groups.end() - 1;
     }
     it->rows.push_back(i);
   }
   std::sort(out.groups.begin(), out.groups.end(), [](const auto& a, const auto& b) { return a.slot < b.slot; });
-  for (auto& g : out.groups)
-    if (static_cast<int64_t>(g.rows.size()) < n)
-      g.index = torch::tensor(g.rows, torch::TensorOptions().dtype(at::kLong));
   return out;
 }
 
@@ -283,9 +280,12 @@ void add_lora(torch::Tensor& y, const torch::Tensor& x, const OptLora& lora, con
       x_at += g.rows.size(), t_at += g.rows.size() * R;
       continue;
     }
-    const auto xs = g.index.defined() ? x.index_select(0, g.index) : x;
+    // the slot's rows gathered (unless they are every row), two GEMMs, the delta added back
+    const bool some = static_cast<int64_t>(g.rows.size()) < rows.num_rows;
+    const auto index = some ? torch::tensor(g.rows, torch::TensorOptions().dtype(at::kLong)) : torch::Tensor();
+    const auto xs = some ? x.index_select(0, index) : x;
     const auto delta = project(project(xs, *a, std::nullopt, isa, native_rows), b, std::nullopt, isa, native_rows);
-    if (g.index.defined()) y.index_add_(0, g.index, delta);
+    if (some) y.index_add_(0, index, delta);
     else y.add_(delta);
   }
   if (fused_slots.empty()) return;

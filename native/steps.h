@@ -41,12 +41,10 @@ struct LoraSlots {
 };
 using OptLora = std::optional<LoraSlots>;
 
-// a step's rows by adapter slot, slots ascending: each slot's rows (and as an index tensor, undefined when they are
-// every row); empty: no row uses an adapter
+// a step's rows by adapter slot, slots ascending: each slot's rows; empty: no row uses an adapter
 struct LoraGroup {
   int64_t slot;
   std::vector<int64_t> rows;
-  torch::Tensor index;
 };
 struct LoraRows {
   std::vector<LoraGroup> groups;

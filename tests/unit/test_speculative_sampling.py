@@ -133,17 +133,20 @@ def test_counter_based_draws_emit_the_tokens_of_one_token_steps():
     assert speculation.stats.accepted_tokens > 0
 
 
+class AlwaysSeven(NgramProposer):
+    """Proposes token 7 whenever asked."""
+
+    def propose(self, requests, counts):
+        return [[7] * k for k in counts]
+
+
 def test_a_request_whose_proposals_are_rejected_backs_off_until_one_is_accepted():
     from types import SimpleNamespace
 
     from allspark_server.runner.sample_types import SampleResult
     from allspark_server.speculative.speculation import MAX_BACKOFF
 
-    class Always(NgramProposer):                   # proposes token 7 whenever asked
-        def propose(self, requests, counts):
-            return [[7] * k for k in counts]
-
-    speculation = Speculation(2, Always(1, 1))
+    speculation = Speculation(2, AlwaysSeven(1, 1))
     req = SimpleNamespace(request_id=5, num_tokens=10, num_computed_tokens=9, max_length=1000)
     entry = SimpleNamespace(sampling=SimpleNamespace(gen=GenerationConfig(), guided=None))
     proposed_at = []
@@ -184,11 +187,7 @@ def test_no_proposals_while_prompt_rows_may_join_the_step():
     """A verify step computes every row as a one-row step would: prompt rows beside it would all go to the GEMV."""
     from types import SimpleNamespace
 
-    class Always(NgramProposer):
-        def propose(self, requests, counts):
-            return [[7] * k for k in counts]
-
-    speculation = Speculation(2, Always(1, 1))
+    speculation = Speculation(2, AlwaysSeven(1, 1))
     entry = SimpleNamespace(sampling=SimpleNamespace(gen=GenerationConfig(), guided=None))
     decoding = SimpleNamespace(request_id=5, num_tokens=10, num_computed_tokens=9, max_length=1000)
     prefilling = SimpleNamespace(request_id=6, num_tokens=40, num_computed_tokens=16, max_length=1000)
