@@ -219,9 +219,11 @@ def stream_rates(t0: float, stamps: list[list[float]]) -> dict:
     """Whole-run output tokens/s, and decode-only: tokens after the last stream's first token over the time from
     then to the end (cuda_rows.engine_concurrent's definition)."""
     end, all_first = max(s[-1] for s in stamps), max(s[0] for s in stamps)
-    return {"tps": sum(len(s) for s in stamps) / (end - t0),
-            "decode_tps": sum(t > all_first for s in stamps for t in s) / (end - all_first),
-            "first_tokens_s": all_first - t0}
+    tps = sum(len(s) for s in stamps) / (end - t0)
+    # a reader that was off the CPU may take a stream's every token at once (a smoke run's few tokens): then no
+    # token comes after the last first one, the decode-only window is empty, and the whole-run rate stands in
+    decode = sum(t > all_first for s in stamps for t in s) / (end - all_first) if end > all_first else tps
+    return {"tps": tps, "decode_tps": decode, "first_tokens_s": all_first - t0}
 
 
 def one_round(r: int, sides: dict, vocab: int, spec: dict, concurrency: list[int], a) -> dict:
