@@ -45,6 +45,13 @@ def cuda_gemv_micro(r: dict) -> list:
     return rows
 
 
+def lora_kernels_micro(r: dict) -> list:
+    """A row per batch: the projections' graph replay time without adapters, and base / each variant."""
+    return [{"rows": key.removeprefix("rows_"), "base ms": f"{v['ms']['base']:.3f}",
+             **{f"{name}: base / it": x(ratio) for name, ratio in v["base_over"].items() if name != "base"}}
+            for key, v in r.items() if key.startswith("rows_")]
+
+
 def cuda_quant_micro(r: dict) -> list:
     rows = []
     for key, v in r["rows"].items():

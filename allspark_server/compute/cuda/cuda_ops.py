@@ -48,6 +48,7 @@ rms_norm = fused.rms_norm
 rotary = fused.rotary
 silu_mul = fused.silu_mul
 gelu_tanh_mul = fused.gelu_tanh_mul
+ACTIVATIONS = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
 store_kv = ref.store_kv_reference
 
 
@@ -97,9 +98,19 @@ def takes_lora(lora, lora_rows) -> bool:
     return lora is not None and lora_rows is not None and (lora.has_fixed_storage or not lora.is_empty)
 
 
-def _lora_linear(x, w, bias, lora, lora_rows):
-    y = linear(x, w, bias)
-    return lora_add_(y, x, lora, lora_rows) if takes_lora(lora, lora_rows) else y
+def _lora_linear(x, w, bias, lora, lora_rows, act=None):
+    """linear(x, w, bias) plus the rows' adapter deltas, then act(gate) * up where `act` ("silu", "gelu_tanh")
+    names the MLP's activation of a gate|up projection. Decode rows of a dense weight the GEMV takes get the shrink
+    inside the GEMV's launch and the expand (with the activation) in one more; other rows lora_add_'s two."""
+    if not takes_lora(lora, lora_rows):
+        y = linear(x, w, bias)
+    elif isinstance(w, torch.Tensor) and gemv_kernels.fits(x, w):
+        a_stack, b_stack = lora.stacked()
+        y, t = gemv_kernels.gemv_shrink(x, w, bias, a_stack, lora_rows.slots)
+        return lora_kernels.expand_rows_(y, t, b_stack, lora_rows.slots, act)
+    else:
+        y = lora_add_(linear(x, w, bias), x, lora, lora_rows)
+    return y if act is None else ACTIVATIONS[act](y)
 
 
 def attention_step(x, b, slots, spans, ctx, cos, sin, lora_rows=None):
@@ -166,8 +177,7 @@ def mlp_step(x, b, lora_rows=None):
     """A BoundMlp step: silu's gate|up GEMV may take the activation as its epilogue (not where an adapter adds to
     gate|up first); the down projection's output before the allreduce."""
     if takes_lora(b.gate_up_lora, lora_rows):
-        a = (silu_mul if b.step.act == "silu" else gelu_tanh_mul)(
-            _lora_linear(x, b.gate_up, b.gate_up_bias, b.gate_up_lora, lora_rows))
+        a = _lora_linear(x, b.gate_up, b.gate_up_bias, b.gate_up_lora, lora_rows, b.step.act)
     elif b.step.act == "silu":
         a = gate_up_silu_mul(x, b.gate_up, b.gate_up_bias)
     else:

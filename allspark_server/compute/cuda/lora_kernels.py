@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from allspark_server.compute.cuda import pdl
-from allspark_server.compute.cuda.fused_kernels import _round
+from allspark_server.compute.cuda.fused_kernels import _gelu_tanh_mul_rounded, _round, _silu_mul_rounded
 from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -149,6 +149,92 @@ def _expand_grouped_kernel(part, b, order, seg, y, N, R, SPLITS, stride_pt, stri
         out = y + row * stride_yt + offs_n
         tl.store(out, _round(tl.load(out, mask=n_ok, other=0.0).to(tl.float32) + acc, dt, SOFT_BF16).to(dt),
                  mask=n_ok)
+
+
+@triton.jit
+def _expand_rows_kernel(t, b, slots, y, out, N, R, up_cols, stride_tm, stride_bs, stride_bn, stride_ym, stride_om,
+                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ACT: tl.constexpr, SOFT_BF16: tl.constexpr,
+                        PDL: tl.constexpr):
+    """Program (row, n-block): y[row, n] += sum_r t[row, r] b[s, n, r] in fp32, the sum with y rounded once to y's
+    dtype, for BLOCK_N outputs n, s = slots[row] (t: the shrink, already rounded); nothing when s < 0. ACT (1 silu,
+    2 gelu-tanh): y [M, 2 up_cols] is a gate|up projection, both halves get their deltas, and out[row, n] =
+    act(gate) * up is written (rounded as ops.silu_mul / gelu_tanh_mul round), y left as it was. The slot and the
+    first BLOCK_R ranks of B are read before the PDL wait (slots: written by the step's host-to-device copies)."""
+    allow_next(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    slot = tl.load(slots + row).to(tl.int64)
+    rows_b = b + tl.maximum(slot, 0) * stride_bs + offs_n.to(tl.int64)[:, None] * stride_bn        # [BN, 1]
+    offs_r = tl.arange(0, BLOCK_R)
+    live = n_ok & ((offs_n * 0 + slot) >= 0)                                           # nothing to read: s < 0
+    ok = live[:, None] & (offs_r < R)[None, :]
+    b_first = tl.load(rows_b + offs_r[None, :], mask=ok, other=0.0)                                  # [BN, BR]
+    b_first_up = b_first
+    if ACT != 0:
+        b_first_up = tl.load(rows_b + up_cols * stride_bn + offs_r[None, :], mask=ok, other=0.0)
+    wait_for_previous(PDL)
+    dt = y.dtype.element_ty
+    y += row * stride_ym + offs_n
+    gate = tl.load(y, mask=n_ok, other=0.0).to(tl.float32)
+    up = gate
+    if ACT != 0:
+        up = tl.load(y + up_cols, mask=n_ok, other=0.0).to(tl.float32)
+    if slot >= 0:
+        t += row * stride_tm
+        tr = tl.load(t + offs_r, mask=offs_r < R, other=0.0).to(tl.float32)[None, :]                  # [1, BR]
+        acc = tl.sum(b_first.to(tl.float32) * tr, 1)
+        acc_up = tl.sum(b_first_up.to(tl.float32) * tr, 1)
+        for r0 in range(BLOCK_R, R, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            r_ok = offs_r < R
+            tr = tl.load(t + offs_r, mask=r_ok, other=0.0).to(tl.float32)[None, :]
+            ok = n_ok[:, None] & r_ok[None, :]
+            acc += tl.sum(tl.load(rows_b + offs_r[None, :], mask=ok, other=0.0).to(tl.float32) * tr, 1)
+            if ACT != 0:
+                acc_up += tl.sum(tl.load(rows_b + up_cols * stride_bn + offs_r[None, :], mask=ok,
+                                         other=0.0).to(tl.float32) * tr, 1)
+        gate = _round(gate + acc, dt, SOFT_BF16)
+        if ACT == 0:
+            tl.store(y, gate.to(dt), mask=n_ok)
+        else:
+            up = _round(up + acc_up, dt, SOFT_BF16)
+    if ACT == 1:
+        tl.store(out + row * stride_om + offs_n, _silu_mul_rounded(gate, up, dt, SOFT_BF16).to(dt), mask=n_ok)
+    if ACT == 2:
+        tl.store(out + row * stride_om + offs_n, _gelu_tanh_mul_rounded(gate, up, dt, SOFT_BF16).to(dt), mask=n_ok)
+
+
+EXPAND_ACTS = {None: 0, "silu": 1, "gelu_tanh": 2}
+
+
+def expand_rows_(y: torch.Tensor, t: torch.Tensor, b_stack: torch.Tensor, slots: torch.Tensor,
+                 act: str | None = None) -> torch.Tensor:
+    """The expand after gemv_kernels.gemv_shrink: y [M, N] += t[m] @ b_stack[slots[m]].T for the rows with an
+    adapter (the sums and roundings of lora_add_'s expand; rows with slots[m] < 0 keep their bits); returns y.
+    act "silu" / "gelu_tanh": y is a gate|up projection [M, 2I]; returns act(gate) * up [M, I] (ops.silu_mul /
+    gelu_tanh_mul of the updated y, in the same launch; y itself is not written). One launch, a program per row
+    and BLOCK_N outputs; slots written by a host-to-device copy (read before the PDL wait), never on the host."""
+    rows, n = y.shape
+    slots_n, n_b, rank = b_stack.shape
+    assert n_b == n and t.shape == (rows, rank) and slots.shape == (rows,), \
+        f"y {tuple(y.shape)}, t {tuple(t.shape)}, b_stack {tuple(b_stack.shape)}, slots {tuple(slots.shape)}"
+    assert y.dtype == t.dtype == b_stack.dtype and y.dtype in DTYPES and slots.dtype in (torch.int64, torch.int32)
+    for z in (y, t, b_stack):
+        assert z.stride(-1) == 1, "unit stride in the last dim"
+    code = EXPAND_ACTS[act]
+    assert not code or n % 2 == 0, f"gate|up of odd width {n}"
+    cols = n // 2 if code else n
+    out = torch.empty(rows, cols, dtype=y.dtype, device=y.device) if code else y
+    if rows == 0 or cols == 0:
+        return out
+    block_r = max(16, min(MAX_BLOCK_R, triton.next_power_of_2(rank)))
+    block_n = min(triton.next_power_of_2(cols), max(16, TILE // block_r))
+    _expand_rows_kernel[(rows, triton.cdiv(cols, block_n))](
+        t, b_stack, slots, y, out, cols, rank, n // 2, t.stride(0), b_stack.stride(0), b_stack.stride(1),
+        y.stride(0), out.stride(0), BLOCK_N=block_n, BLOCK_R=block_r, ACT=code, SOFT_BF16=_INTERPRETED,
+        num_warps=NUM_WARPS, **pdl.launch_options(y.device))
+    return out
 
 
 GROUPED_MAX_ROWS = 64   # decode batches: rows grouped by slot share each tile of A and B; more rows: a program a row

@@ -6,7 +6,8 @@ The contract every kernel launched with `launch_options(device)` keeps (its PDL 
   1. `allow_next(PDL)` first: the next kernel may launch once every program of this one has reached it;
   2. `wait_for_previous(PDL)` before it reads or writes anything an earlier kernel writes or reads
      (activations, the span cache, its own output buffer): it returns once the kernel before has completed and
-     its writes are visible. Only memory no kernel of the step writes (weights, their scales) is read before it.
+     its writes are visible. Only memory no kernel of the step writes is read before it: weights, their scales,
+     and inputs the step's host-to-device copies wrote before its first kernel (a LoRA row's adapter slot).
 Since each kernel completes only after its wait, a kernel past its wait has every earlier kernel complete behind
 it; torch's, cuBLAS's and NCCL's launches carry no flag and wait for completion as always. The flag is part of
 a CUDA graph's capture (programmatic edges). ALLSPARK_PDL=0 launches everything without it (A/B runs); the

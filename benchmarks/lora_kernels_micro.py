@@ -1,0 +1,109 @@
+"""What LoRA adds to a decode step's projections on a GPU, kernels alone: the four projections of every layer of a
+Llama-2-7B-shaped bf16 model (q|k|v, o, gate|up with silu·mul, down; distinct weights per layer, 13 GB, so nothing
+stays in L2) captured in one CUDA graph and replayed, with and without rank-16 adapters on all seven modules.
+
+- rows 1: "base" (the GEMV, silu·mul in gate|up's epilogue), "two_launches" (the GEMV, then lora_kernels.lora_add_'s
+  shrink and expand, then silu·mul), "in_gemv" (gemv_kernels.gemv_shrink: the shrink inside the GEMV's launch, then
+  lora_kernels.expand_rows_ with the activation: what cuda_ops takes now).
+- rows 32 over 8 adapters: "base" (cuBLAS, then silu·mul) and "grouped" (lora_add_ with the rows grouped by slot).
+
+Reports the median replay time of each (ms) and the ratios base / variant: the step's share that the projections
+are. Needs a CUDA device.
+
+    python benchmarks/lora_kernels_micro.py [--layers 32] [--out PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+HIDDEN, INTER, RANK, ADAPTERS = 4096, 11008, 16, 8
+
+
+def projections(layers: int, gen: torch.Generator):
+    """Per layer: {name: (weight [N, K], A stack [S, R, K], B stack [S, N, R], act)} with R the parts' ranks."""
+    def w(n, k):
+        return (torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5).bfloat16()
+    out = []
+    for _ in range(layers):
+        layer = {}
+        for name, n, k, parts, act in (("qkv", 3 * HIDDEN, HIDDEN, 3, None), ("o", HIDDEN, HIDDEN, 1, None),
+                                       ("gate_up", 2 * INTER, HIDDEN, 2, "silu"), ("down", HIDDEN, INTER, 1, None)):
+            r = RANK * parts
+            layer[name] = (w(n, k), w(ADAPTERS * r, k).view(ADAPTERS, r, k), w(ADAPTERS * n, r).view(ADAPTERS, n, r),
+                           act)
+        out.append(layer)
+    return out
+
+
+def step(variant: str, xs: dict, layers, slots, groups):
+    from allspark_server.compute.cuda import fused_kernels as fused
+    from allspark_server.compute.cuda import gemv_kernels as gk
+    from allspark_server.compute.cuda import lora_kernels as lk
+    for layer in layers:
+        for name, (w, a, b, act) in layer.items():
+            x = xs[name]
+            if variant == "base":
+                if act and x.shape[0] == 1:
+                    gk.gemv_silu_mul(x, w)
+                    continue
+                y = gk.gemv(x, w) if x.shape[0] <= 2 else torch.nn.functional.linear(x, w)
+            elif variant == "in_gemv":
+                y, t = gk.gemv_shrink(x, w, None, a, slots)
+                lk.expand_rows_(y, t, b, slots, act)
+                continue
+            else:
+                y = gk.gemv(x, w) if x.shape[0] <= 2 else torch.nn.functional.linear(x, w)
+                lk.lora_add_(y, x, a, b, slots, groups)
+            if act:
+                fused.silu_mul(y)
+
+
+def replay_ms(fn, repeats: int) -> float:
+    fn()                                                    # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[2:])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--out", default=None, help="write the numbers as JSON here")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("lora_kernels_micro.py needs a CUDA device")
+    from allspark_server.compute.cuda import lora_kernels as lk
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layers = projections(args.layers, gen)
+    report = {"device": torch.cuda.get_device_name(), "layers": args.layers, "rank": RANK, "adapters": ADAPTERS}
+    for rows, variants in ((1, ("base", "two_launches", "in_gemv")), (32, ("base", "grouped"))):
+        xs = {name: torch.randn(rows, INTER if name == "down" else HIDDEN, generator=gen, device="cuda").bfloat16()
+              for name in ("qkv", "o", "gate_up", "down")}
+        slots = (torch.arange(rows, device="cuda") % ADAPTERS)
+        groups = lk.group_rows(slots, ADAPTERS)
+        ms = {v: replay_ms(lambda v=v: step(v, xs, layers, slots, groups), args.repeats) for v in variants}
+        report[f"rows_{rows}"] = {"ms": ms, "base_over": {v: ms["base"] / t for v, t in ms.items()}}
+        print(f"rows {rows}: " + ", ".join(f"{v} {t:.3f} ms ({ms['base'] / t:.3f}x)" for v, t in ms.items()))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
