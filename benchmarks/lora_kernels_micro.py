@@ -2,10 +2,9 @@
 Llama-2-7B-shaped bf16 model (q|k|v, o, gate|up with silu·mul, down; distinct weights per layer, 13 GB, so nothing
 stays in L2) captured in one CUDA graph and replayed, with and without rank-16 adapters on all seven modules.
 
-- rows 1: "base" (the GEMV, silu·mul in gate|up's epilogue), "two_launches" (the GEMV, then lora_kernels.lora_add_'s
-  shrink and expand, then silu·mul), "in_gemv" (gemv_kernels.gemv_shrink: the shrink inside the GEMV's launch, then
-  lora_kernels.expand_rows_ with the activation: what cuda_ops takes now).
-- rows 32 over 8 adapters: "base" (cuBLAS, then silu·mul) and "grouped" (lora_add_ with the rows grouped by slot).
+- "base": the GEMV (silu·mul in gate|up's epilogue) at one row, cuBLAS then silu·mul at 32;
+- "lora": the same projections, then lora_kernels.lora_add_'s shrink and expand after each (and silu·mul after
+  gate|up's): what cuda_ops runs; at 32 rows the rows use 8 adapters in turn.
 
 Reports the median replay time of each (ms) and the ratios base / variant: the step's share that the projections
 are. Needs a CUDA device.
@@ -40,25 +39,19 @@ def projections(layers: int, gen: torch.Generator):
     return out
 
 
-def step(variant: str, xs: dict, layers, slots, groups):
+def step(variant: str, xs: dict, layers, slots):
     from allspark_server.compute.cuda import fused_kernels as fused
     from allspark_server.compute.cuda import gemv_kernels as gk
     from allspark_server.compute.cuda import lora_kernels as lk
     for layer in layers:
         for name, (w, a, b, act) in layer.items():
             x = xs[name]
-            if variant == "base":
-                if act and x.shape[0] == 1:
-                    gk.gemv_silu_mul(x, w)
-                    continue
-                y = gk.gemv(x, w) if x.shape[0] <= 2 else torch.nn.functional.linear(x, w)
-            elif variant == "in_gemv":
-                y, t = gk.gemv_shrink(x, w, None, a, slots)
-                lk.expand_rows_(y, t, b, slots, act)
+            if variant == "base" and act and x.shape[0] == 1:
+                gk.gemv_silu_mul(x, w)
                 continue
-            else:
-                y = gk.gemv(x, w) if x.shape[0] <= 2 else torch.nn.functional.linear(x, w)
-                lk.lora_add_(y, x, a, b, slots, groups)
+            y = gk.gemv(x, w) if x.shape[0] <= 2 else torch.nn.functional.linear(x, w)
+            if variant == "lora":
+                lk.lora_add_(y, x, a, b, slots)
             if act:
                 fused.silu_mul(y)
 
@@ -88,16 +81,14 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("lora_kernels_micro.py needs a CUDA device")
-    from allspark_server.compute.cuda import lora_kernels as lk
     gen = torch.Generator(device="cuda").manual_seed(0)
     layers = projections(args.layers, gen)
     report = {"device": torch.cuda.get_device_name(), "layers": args.layers, "rank": RANK, "adapters": ADAPTERS}
-    for rows, variants in ((1, ("base", "two_launches", "in_gemv")), (32, ("base", "grouped"))):
+    for rows in (1, 32):
         xs = {name: torch.randn(rows, INTER if name == "down" else HIDDEN, generator=gen, device="cuda").bfloat16()
               for name in ("qkv", "o", "gate_up", "down")}
         slots = (torch.arange(rows, device="cuda") % ADAPTERS)
-        groups = lk.group_rows(slots, ADAPTERS)
-        ms = {v: replay_ms(lambda v=v: step(v, xs, layers, slots, groups), args.repeats) for v in variants}
+        ms = {v: replay_ms(lambda v=v: step(v, xs, layers, slots), args.repeats) for v in ("base", "lora")}
         report[f"rows_{rows}"] = {"ms": ms, "base_over": {v: ms["base"] / t for v, t in ms.items()}}
         print(f"rows {rows}: " + ", ".join(f"{v} {t:.3f} ms ({ms['base'] / t:.3f}x)" for v, t in ms.items()))
     if args.out:

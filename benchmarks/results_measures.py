@@ -62,14 +62,12 @@ MEASURES = {
              "Llama-2-7B-shaped bf16 model installed plain and with 8 rank-16 adapters (all seven projections) in "
              "one Engine, alternating rounds; the decode steps replay CUDA graphs (those captured with adapters "
              "where a row has one). The H100 run predates the grouping of decode rows by adapter slot in "
-             "lora_kernels.py; the H200 run has a decode row's shrink inside the GEMV's launch (lora_in_gemv.py).",
-             lora),
+             "lora_kernels.py; the H200 run has a program a row, its slot and first tile read before the PDL "
+             "wait.", lora),
     "lora-kernels-micro": ("LoRA's kernels alone: a 7B-shaped step's projections in one CUDA graph",
                            "`lora_kernels_micro.py`: the four projections of 32 layers (bf16, distinct weights) "
-                           "replayed without adapters and with rank-16 adapters on all seven modules; one row: the "
-                           "shrink and expand as two launches after the GEMV, or the shrink inside the GEMV's launch "
-                           "and the expand (silu·mul with it) after it; 32 rows over 8 adapters: the grouped "
-                           "kernels after cuBLAS.", lora_kernels_micro),
+                           "replayed without adapters and with rank-16 adapters on all seven modules (lora_add_'s "
+                           "two launches after each projection); 32 rows use 8 adapters in turn.", lora_kernels_micro),
     "lora-dense": ("LoRA adapters against the base model, SmolLM2 on a CPU", "`lora.py --model smollm2-dense "
                    "--dtype D --rounds 4` on 2 cores: SmolLM2's weights (dequantized from the Q4_1 file) plain and "
                    "with 8 rank-16 adapters, alternating rounds. At this size 8 fp32 adapters are ~30% of the base "

@@ -86,8 +86,6 @@ class LoraSlots:
 class LoraRows:
     """A step's rows by adapter: `slots` [T] long, each row's slot (-1: the base model)."""
     slots: torch.Tensor
-    # a GPU's grouping of the rows by slot (lora_kernels.group_rows), made by the step's first projection
-    device_groups: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @classmethod
     def of(cls, row_slots: list[int]) -> Optional["LoraRows"]:

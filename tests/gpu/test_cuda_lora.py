@@ -72,8 +72,7 @@ def test_fp32_greedy_equals_peft_alone_and_mixed(made, monkeypatch, graphs):
 
 @needs_gpu
 def test_bf16_greedy_up_to_near_ties(made):
-    # alone, a decode row takes the GEMV with the shrink in its launch (gemv_kernels.gemv_shrink); together, the
-    # grouped kernels (lora_kernels.lora_add_)
+    # single requests too: batch-1 steps take the one-row GEMV (gemv_kernels) before the adapter's kernels
     _, adapters, loaders = made
     engine = cuda_engine(loaders["bfloat16"])
     try:

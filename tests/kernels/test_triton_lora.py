@@ -209,25 +209,3 @@ def test_replays_in_a_cuda_graph_with_new_slots_and_adapters():
     ref, bound = reference(before, x, unpadded, slots)
     assert_within_bound(y, ref, bound)
     assert_same_bits(y[2], before[2])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("slots,k,n,rank,count", CASES[:3])
-def test_grouped_rows_give_the_same_bits(dtype, slots, k, n, rank, count, poisoned_empty):
-    """A decode batch's rows grouped by slot (each tile of A and B read once per slot): the same bits as a program
-    a row, and within the bound of the float64 reference; rows without an adapter untouched."""
-    rows = len(slots)
-    x = rows_view(rows, k, dtype, seed=k)
-    y = rows_view(rows, n, dtype, seed=n)
-    a_stack, b_stack, unpadded = adapters(count, [rank] * count, rank, k, n, dtype, seed=rank)
-    before, per_row = y.clone(), y.clone()
-    ids = slot_tensor(slots)
-    order, seg = lk.group_rows(ids, count)
-    # slot s's rows are order[seg[s + 1]:seg[s + 2]], rows without an adapter first: as counted here
-    for s in range(-1, count):
-        assert sorted(order[seg[s + 1]:seg[s + 2]].tolist()) == [i for i, v in enumerate(slots) if v == s]
-    lk.lora_add_(y, x, a_stack, b_stack, ids, (order, seg))
-    lk.lora_add_(per_row, x, a_stack, b_stack, ids)
-    assert_same_bits(y, per_row)
-    ref, bound = reference(before, x, unpadded, slots)
-    assert_within_bound(y, ref, bound)

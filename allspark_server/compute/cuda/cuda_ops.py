@@ -48,7 +48,6 @@ rms_norm = fused.rms_norm
 rotary = fused.rotary
 silu_mul = fused.silu_mul
 gelu_tanh_mul = fused.gelu_tanh_mul
-ACTIVATIONS = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
 store_kv = ref.store_kv_reference
 
 
@@ -86,9 +85,7 @@ def prefill_attention(q, k_cache, v_cache, meta, options: Attention, out, k_para
 def lora_add_(y, x, lora, rows):
     """ops.lora_add_: y += each row's adapter delta, the slots' stacked A and B gathered by row (lora_kernels.py)."""
     a_stack, b_stack = lora.stacked()
-    if rows.device_groups is None and rows.slots.shape[0] <= lora_kernels.GROUPED_MAX_ROWS:
-        rows.device_groups = lora_kernels.group_rows(rows.slots, a_stack.shape[0])   # once a step: every layer's
-    lora_kernels.lora_add_(y, x, a_stack, b_stack, rows.slots, rows.device_groups)
+    lora_kernels.lora_add_(y, x, a_stack, b_stack, rows.slots)
     return y
 
 
@@ -98,19 +95,9 @@ def takes_lora(lora, lora_rows) -> bool:
     return lora is not None and lora_rows is not None and (lora.has_fixed_storage or not lora.is_empty)
 
 
-def _lora_linear(x, w, bias, lora, lora_rows, act=None):
-    """linear(x, w, bias) plus the rows' adapter deltas, then act(gate) * up where `act` ("silu", "gelu_tanh")
-    names the MLP's activation of a gate|up projection. Decode rows of a dense weight the GEMV takes get the shrink
-    inside the GEMV's launch and the expand (with the activation) in one more; other rows lora_add_'s two."""
-    if not takes_lora(lora, lora_rows):
-        y = linear(x, w, bias)
-    elif isinstance(w, torch.Tensor) and gemv_kernels.fits(x, w):
-        a_stack, b_stack = lora.stacked()
-        y, t = gemv_kernels.gemv_shrink(x, w, bias, a_stack, lora_rows.slots)
-        return lora_kernels.expand_rows_(y, t, b_stack, lora_rows.slots, act)
-    else:
-        y = lora_add_(linear(x, w, bias), x, lora, lora_rows)
-    return y if act is None else ACTIVATIONS[act](y)
+def _lora_linear(x, w, bias, lora, lora_rows):
+    y = linear(x, w, bias)
+    return lora_add_(y, x, lora, lora_rows) if takes_lora(lora, lora_rows) else y
 
 
 def attention_step(x, b, slots, spans, ctx, cos, sin, lora_rows=None):
@@ -177,7 +164,8 @@ def mlp_step(x, b, lora_rows=None):
     """A BoundMlp step: silu's gate|up GEMV may take the activation as its epilogue (not where an adapter adds to
     gate|up first); the down projection's output before the allreduce."""
     if takes_lora(b.gate_up_lora, lora_rows):
-        a = _lora_linear(x, b.gate_up, b.gate_up_bias, b.gate_up_lora, lora_rows, b.step.act)
+        a = (silu_mul if b.step.act == "silu" else gelu_tanh_mul)(
+            _lora_linear(x, b.gate_up, b.gate_up_bias, b.gate_up_lora, lora_rows))
     elif b.step.act == "silu":
         a = gate_up_silu_mul(x, b.gate_up, b.gate_up_bias)
     else:

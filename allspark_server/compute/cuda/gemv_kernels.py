@@ -18,7 +18,7 @@ import triton.language as tl
 
 from allspark_client import settings
 from allspark_server.compute import row_mode
-from allspark_server.compute.cuda import lora_in_gemv, pdl
+from allspark_server.compute.cuda import pdl
 from allspark_server.compute.cuda.fused_kernels import _round, _silu_mul_rounded
 from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
 
@@ -58,25 +58,16 @@ def _accumulate(acc, acc_up, wt, wu, x, offs_m, offs_k, M, K, stride_xm, BLOCK_M
 
 @triton.jit(do_not_specialize=["grid_rows"])
 def _gemv_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_rows, grid_rows,
-                 a_stack, slots, t_buf, R, stride_as, stride_ar, stride_tm, shrink_programs,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 SILU_MUL: tl.constexpr, SHRINK: tl.constexpr, EVICTION: tl.constexpr, SOFT_BF16: tl.constexpr,
-                 PDL: tl.constexpr):
+                 SILU_MUL: tl.constexpr, EVICTION: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
     """Program = BLOCK_N outputs: y[:M, n] = sum_k x[:M, k] w[n, k] (+ bias[n]) in fp32, rounded once to out's
     dtype. SILU_MUL: rows n and up_rows + n of w are a gate and an up row; out = silu(gate) * up, rounded where
     ops.silu_mul rounds (gate, up, silu(gate), the product). PDL (pdl.py): the first k-tile of the weight is
     loaded before waiting for the kernel that writes x. grid_rows: programs per BLOCK_N outputs, each on its own
     row of x and of out (alone-rows mode: M = 1 a program; 1 otherwise), neighbours in the grid, so that a weight
-    tile read from memory for one row is in L2 for the others. SHRINK: the first shrink_programs programs are
-    lora_in_gemv.shrink_program's, a LoRA shrink of each row of x into t_buf [M, R] (lora_in_gemv.py)."""
+    tile read from memory for one row is in L2 for the others."""
     allow_next(PDL)
     pid = tl.program_id(0)
-    if SHRINK:
-        if pid < shrink_programs:
-            lora_in_gemv.shrink_program(pid, x, a_stack, slots, t_buf, K, R, stride_xm, stride_as, stride_ar,
-                                        stride_tm, BLOCK_N, BLOCK_K, EVICTION, SOFT_BF16, PDL)
-            return
-        pid -= shrink_programs
     x += (pid % grid_rows).to(tl.int64) * stride_xm
     out += (pid % grid_rows).to(tl.int64) * stride_om
     offs_m = tl.arange(0, BLOCK_M)
@@ -147,7 +138,7 @@ def fits_silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
     return fits(x, gate_up, SILU_MUL_MAX_ROWS)
 
 
-def _launch(x, w, bias, out_cols, up_rows, silu_mul, config, shrink=None):
+def _launch(x, w, bias, out_cols, up_rows, silu_mul, config):
     m, k = x.shape
     assert w.shape[1] == k and x.stride(-1) == 1 and w.is_contiguous(), (tuple(x.shape), tuple(w.shape))
     assert bias is None or (bias.shape == (w.shape[0],) and bias.is_contiguous())
@@ -158,16 +149,11 @@ def _launch(x, w, bias, out_cols, up_rows, silu_mul, config, shrink=None):
     # alone-rows mode: a program a row, each the one-row launch's (M = 1, BLOCK_M = 1), so its sums are the same
     grid_rows = m if row_mode.alone() else 1
     rows = m // grid_rows                                                               # rows a program
-    a_stack, slots, t_buf = shrink if shrink is not None else (w, w, w)
-    rank = a_stack.shape[1] if shrink is not None else 0
-    shrink_programs = m * triton.cdiv(rank, cfg.block_n)
-    _gemv_kernel[(shrink_programs + triton.cdiv(out_cols, cfg.block_n) * grid_rows,)](
+    _gemv_kernel[(triton.cdiv(out_cols, cfg.block_n) * grid_rows,)](
         x, w, w if bias is None else bias, out, rows, out_cols, k, x.stride(0), w.stride(0), out.stride(0),
-        up_rows, grid_rows, a_stack, slots, t_buf, rank, a_stack.stride(0), a_stack.stride(-2), t_buf.stride(0),
-        shrink_programs, BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, SHRINK=shrink is not None, EVICTION=cfg.eviction,
-        SOFT_BF16=_INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
-        **pdl.launch_options(x.device))
+        up_rows, grid_rows, BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVICTION=cfg.eviction, SOFT_BF16=_INTERPRETED,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **pdl.launch_options(x.device))
     return out
 
 
@@ -175,20 +161,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
          config: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K].T (+ bias [N]) -> [M, N] in x's dtype (any M runs; `fits` says where it pays)."""
     return _launch(x, w, bias, w.shape[0], 0, False, config)
-
-
-def gemv_shrink(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a_stack: torch.Tensor,
-                slots: torch.Tensor, config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gemv(x, w, bias), t) in one launch (lora_in_gemv.py), t [M, R] each row's LoRA shrink x[m] @ a_stack[s].T,
-    s = slots[m], rounded to x's dtype (rows with s < 0 left unwritten): a_stack [S, R, K] contiguous in x's dtype;
-    slots int32 / int64 [M] on x's device, written by a host-to-device copy (read before the PDL wait), never read
-    on the host (capturable). lora_kernels.expand_rows_ takes t on."""
-    m, k = x.shape
-    assert a_stack.dim() == 3 and a_stack.shape[2] == k and a_stack.is_contiguous() and a_stack.dtype == x.dtype, \
-        f"a_stack {tuple(a_stack.shape)} {a_stack.dtype} for x {tuple(x.shape)} {x.dtype}"
-    assert slots.shape == (m,) and slots.dtype in (torch.int32, torch.int64), f"slots {tuple(slots.shape)}"
-    t = torch.empty(m, a_stack.shape[1], dtype=x.dtype, device=x.device)
-    return _launch(x, w, bias, w.shape[0], 0, False, config, shrink=(a_stack, slots, t)), t
 
 
 def gemv_silu_mul(x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor | None = None,
