@@ -127,8 +127,8 @@ def machine_name() -> str:
 
 
 def cpu_kind() -> str:
-    """The CPU's short name from its flags: 'spr' (AMX), 'zen4' (AMD with AVX-512), 'avx512' (other AVX-512),
-    'avx2', else the architecture (platform.machine())."""
+    """The CPU's short name from its flags: 'spr' (AMX), 'zen4' / 'zen5' (AMD with AVX-512: CPU family 25 / 26),
+    'avx512' (other AVX-512), 'avx2', else the architecture (platform.machine())."""
     try:
         with open("/proc/cpuinfo") as f:
             info = f.read()
@@ -138,7 +138,10 @@ def cpu_kind() -> str:
     if {"amx_bf16", "amx_int8"} & flags:
         return "spr"
     if "avx512f" in flags:
-        return "zen4" if "AuthenticAMD" in info else "avx512"
+        if "AuthenticAMD" not in info:
+            return "avx512"
+        family = re.search(r"^cpu family\s*:\s*(\d+)", info, re.M)
+        return "zen5" if family and int(family.group(1)) >= 26 else "zen4"
     if "avx2" in flags:
         return "avx2"
     return platform.machine().lower() or "cpu"

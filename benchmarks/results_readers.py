@@ -9,6 +9,7 @@ from __future__ import annotations
 
 MACHINES = {
     "zen4": "2-core AMD EPYC VM (Zen 4: AVX-512 with VNNI and bf16, no AMX)",
+    "zen5": "2-core AMD EPYC VM (Zen 5, CPU family 26: AVX-512 with VNNI, bf16 and VP2INTERSECT, AVX-VNNI, no AMX)",
     "avx2": "2-core AMD EPYC VM (Zen 3-class: AVX2 only)",
     "spr": "2-core Intel Xeon VM (Sapphire-Rapids-class: AVX-512, AMX)",
     "h100": "1 × NVIDIA H100 80GB HBM3",
