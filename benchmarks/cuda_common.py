@@ -65,6 +65,22 @@ def copies_past_l2(one_bytes: int) -> int:
     return max(2, -(-COPIES_BYTES // one_bytes))
 
 
+def replay_median_ms(graph, repeats: int, warmup: int = 10) -> float:
+    """Median ms of one replay of a CUDA graph (device events around each, after `warmup` replays)."""
+    for _ in range(warmup):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
 def graph_replay_ms(graphs, batch: int, repeats: int = 50) -> float:
     """GPU time of one replay of the Engine's decode graph for `batch` rows (diagnostic: the step's time on
     the GPU alone, without the host's scheduling, sampling and copies; replays the last step's inputs)."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
@@ -57,20 +56,14 @@ def step(variant: str, xs: dict, layers, slots):
 
 
 def replay_ms(fn, repeats: int) -> float:
-    fn()                                                    # compile outside the capture
+    """Median ms of a replay of `fn` captured in a CUDA graph (compiled outside the capture)."""
+    from cuda_common import replay_median_ms
+    fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[2:])
+    return replay_median_ms(graph, repeats)
 
 
 def main() -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -29,23 +28,6 @@ SHAPES = {
 }
 
 
-def time_replay(graph, repeats: int) -> float:
-    """Median ms of one replay (device events around each)."""
-    import torch
-    for _ in range(10):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", help="smollm2, 7b or 1b (random bf16 weights)")
@@ -58,6 +40,7 @@ def main(argv=None) -> None:
     p.add_argument("--json")
     a = p.parse_args(argv)
     import torch
+    from cuda_common import replay_median_ms
 
     from allspark_server import Engine, HuggingFaceModel
     from allspark_server.compute.cuda.graph_capture import capture_each_size
@@ -98,8 +81,8 @@ def main(argv=None) -> None:
             g.slots.fill_(g.scratch_slot + (ctx - 1) % g.span_size)
             g.ctx.fill_(ctx)
             g.ids.copy_(torch.randint(0, 1000, (n,), device=g.ids.device))
-            times = {s: time_replay(graphs[s], a.repeats) for s in order}
-            again1 = time_replay(graphs["1"], a.repeats)
+            times = {s: replay_median_ms(graphs[s], a.repeats) for s in order}
+            again1 = replay_median_ms(graphs["1"], a.repeats)
             rows[ctx] = {"ms": {s: round(t, 4) for s, t in times.items()}, "ms_size1_again": round(again1, 4),
                          "over_size1": {s: round(t / times["1"], 3) for s, t in times.items()}}
             print(f"{a.model} ctx {ctx}: " + "  ".join(f"{s}:{t:.3f}ms({t / times['1']:.2f}x)"
