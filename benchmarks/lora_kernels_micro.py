@@ -4,7 +4,8 @@ stays in L2) captured in one CUDA graph and replayed, with and without rank-16 a
 
 - "base": the GEMV (silu·mul in gate|up's epilogue) at one row, cuBLAS then silu·mul at 32;
 - "lora": the same projections, then lora_kernels.lora_add_'s shrink and expand after each (and silu·mul after
-  gate|up's): what cuda_ops runs; at 32 rows the rows use 8 adapters in turn.
+  gate|up's): at 32 rows the rows use 8 adapters in turn;
+- "in_gemv" (one row): the shrink's programs inside the GEMV's launch, then the expand: what cuda_ops runs there.
 
 Reports the median replay time of each (ms) and the ratios base / variant: the step's share that the projections
 are. Needs a CUDA device.
@@ -48,7 +49,12 @@ def step(variant: str, xs: dict, layers, slots):
             if variant == "base" and act and x.shape[0] == 1:
                 gk.gemv_silu_mul(x, w)
                 continue
-            y = gk.gemv(x, w) if x.shape[0] <= 2 else torch.nn.functional.linear(x, w)
+            if variant == "in_gemv":
+                shrink = lk.Shrink.of(x, a, b, slots)
+                y = gk.gemv(x, w, shrink=shrink)
+                lk.expand_(y, shrink)
+            else:
+                y = gk.gemv(x, w) if x.shape[0] <= 2 else torch.nn.functional.linear(x, w)
             if variant == "lora":
                 lk.lora_add_(y, x, a, b, slots)
             if act:
@@ -81,7 +87,8 @@ def main() -> None:
         xs = {name: torch.randn(rows, INTER if name == "down" else HIDDEN, generator=gen, device="cuda").bfloat16()
               for name in ("qkv", "o", "gate_up", "down")}
         slots = (torch.arange(rows, device="cuda") % ADAPTERS)
-        ms = {v: replay_ms(lambda v=v: step(v, xs, layers, slots), args.repeats) for v in ("base", "lora")}
+        variants = ("base", "lora", "in_gemv") if rows == 1 else ("base", "lora")
+        ms = {v: replay_ms(lambda v=v: step(v, xs, layers, slots), args.repeats) for v in variants}
         report[f"rows_{rows}"] = {"ms": ms, "base_over": {v: ms["base"] / t for v, t in ms.items()}}
         print(f"rows {rows}: " + ", ".join(f"{v} {t:.3f} ms ({ms['base'] / t:.3f}x)" for v, t in ms.items()))
     if args.out:

@@ -66,8 +66,9 @@ MEASURES = {
              "wait.", lora),
     "lora-kernels-micro": ("LoRA's kernels alone: a 7B-shaped step's projections in one CUDA graph",
                            "`lora_kernels_micro.py`: the four projections of 32 layers (bf16, distinct weights) "
-                           "replayed without adapters and with rank-16 adapters on all seven modules (lora_add_'s "
-                           "two launches after each projection); 32 rows use 8 adapters in turn.", lora_kernels_micro),
+                           "replayed without adapters and with rank-16 adapters on all seven modules: lora_add_'s "
+                           "two launches after each projection, or (one row) the shrink inside the GEMV's launch "
+                           "and the expand after it; 32 rows use 8 adapters in turn.", lora_kernels_micro),
     "lora-dense": ("LoRA adapters against the base model, SmolLM2 on a CPU", "`lora.py --model smollm2-dense "
                    "--dtype D --rounds 4` on 2 cores: SmolLM2's weights (dequantized from the Q4_1 file) plain and "
                    "with 8 rank-16 adapters, alternating rounds. At this size 8 fp32 adapters are ~30% of the base "

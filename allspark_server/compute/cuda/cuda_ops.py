@@ -96,8 +96,18 @@ def takes_lora(lora, lora_rows) -> bool:
 
 
 def _lora_linear(x, w, bias, lora, lora_rows):
-    y = linear(x, w, bias)
-    return lora_add_(y, x, lora, lora_rows) if takes_lora(lora, lora_rows) else y
+    """linear(x, w, bias) plus the rows' adapter deltas: where the GEMV takes the rows, the adapter's shrink runs in
+    the GEMV's own launch and only its expand in one more; elsewhere lora_add_'s two launches."""
+    if not takes_lora(lora, lora_rows):
+        return linear(x, w, bias)
+    if isinstance(w, torch.Tensor) and gemv_kernels.fits(x, w):
+        a_stack, b_stack = lora.stacked()
+        shrink = lora_kernels.Shrink.of(x, a_stack, b_stack, lora_rows.slots)
+        y = gemv_kernels.gemv(x, w, bias, shrink=shrink)
+        if not shrink.empty:
+            lora_kernels.expand_(y, shrink)
+        return y
+    return lora_add_(linear(x, w, bias), x, lora, lora_rows)
 
 
 def attention_step(x, b, slots, spans, ctx, cos, sin, lora_rows=None):

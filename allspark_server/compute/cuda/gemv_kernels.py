@@ -18,7 +18,7 @@ import triton.language as tl
 
 from allspark_client import settings
 from allspark_server.compute import row_mode
-from allspark_server.compute.cuda import pdl
+from allspark_server.compute.cuda import lora_kernels, pdl
 from allspark_server.compute.cuda.fused_kernels import _round, _silu_mul_rounded
 from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
 
@@ -58,16 +58,28 @@ def _accumulate(acc, acc_up, wt, wu, x, offs_m, offs_k, M, K, stride_xm, BLOCK_M
 
 @triton.jit(do_not_specialize=["grid_rows"])
 def _gemv_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_rows, grid_rows,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 SILU_MUL: tl.constexpr, EVICTION: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
+                 a_stack, slots, part, R, stride_as, stride_ar, stride_pt, stride_ps, shrink_programs, r_blocks,
+                 splits, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 SILU_MUL: tl.constexpr, SHRINK: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
+                 EVICTION: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
     """Program = BLOCK_N outputs: y[:M, n] = sum_k x[:M, k] w[n, k] (+ bias[n]) in fp32, rounded once to out's
     dtype. SILU_MUL: rows n and up_rows + n of w are a gate and an up row; out = silu(gate) * up, rounded where
     ops.silu_mul rounds (gate, up, silu(gate), the product). PDL (pdl.py): the first k-tile of the weight is
     loaded before waiting for the kernel that writes x. grid_rows: programs per BLOCK_N outputs, each on its own
     row of x and of out (alone-rows mode: M = 1 a program; 1 otherwise), neighbours in the grid, so that a weight
-    tile read from memory for one row is in L2 for the others."""
+    tile read from memory for one row is in L2 for the others. SHRINK: the first shrink_programs programs are a
+    LoRA adapter's shrink (lora_kernels.shrink_program, (row, r-block, k-chunk) with the chunk fastest), so that
+    only its expand needs a launch of its own."""
     allow_next(PDL)
     pid = tl.program_id(0)
+    if SHRINK:
+        if pid < shrink_programs:
+            per_row = r_blocks * splits
+            lora_kernels.shrink_program(pid // per_row, pid % per_row // splits, pid % splits, x, a_stack, slots, part,
+                                        K, R, stride_xm, stride_as, stride_ar, stride_pt, stride_ps, BLOCK_R, CHUNK,
+                                        CHUNK, PDL)
+            return
+        pid -= shrink_programs
     x += (pid % grid_rows).to(tl.int64) * stride_xm
     out += (pid % grid_rows).to(tl.int64) * stride_om
     offs_m = tl.arange(0, BLOCK_M)
@@ -138,7 +150,7 @@ def fits_silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
     return fits(x, gate_up, SILU_MUL_MAX_ROWS)
 
 
-def _launch(x, w, bias, out_cols, up_rows, silu_mul, config):
+def _launch(x, w, bias, out_cols, up_rows, silu_mul, config, shrink=None):
     m, k = x.shape
     assert w.shape[1] == k and x.stride(-1) == 1 and w.is_contiguous(), (tuple(x.shape), tuple(w.shape))
     assert bias is None or (bias.shape == (w.shape[0],) and bias.is_contiguous())
@@ -149,18 +161,29 @@ def _launch(x, w, bias, out_cols, up_rows, silu_mul, config):
     # alone-rows mode: a program a row, each the one-row launch's (M = 1, BLOCK_M = 1), so its sums are the same
     grid_rows = m if row_mode.alone() else 1
     rows = m // grid_rows                                                               # rows a program
-    _gemv_kernel[(triton.cdiv(out_cols, cfg.block_n) * grid_rows,)](
+    if shrink is None or shrink.empty:
+        a_stack, slots, part, rank, r_blocks, splits, programs = w, w, w, 0, 1, 1, 0
+        block_r, chunk = 16, 16
+    else:
+        a_stack, slots, part, rank, splits = shrink.a_stack, shrink.slots, shrink.part, shrink.rank, shrink.splits
+        r_blocks, programs = triton.cdiv(rank, shrink.block_r), shrink.programs
+        block_r, chunk = shrink.block_r, shrink.chunk
+    _gemv_kernel[(programs + triton.cdiv(out_cols, cfg.block_n) * grid_rows,)](
         x, w, w if bias is None else bias, out, rows, out_cols, k, x.stride(0), w.stride(0), out.stride(0),
-        up_rows, grid_rows, BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVICTION=cfg.eviction, SOFT_BF16=_INTERPRETED,
+        up_rows, grid_rows, a_stack, slots, part, rank, a_stack.stride(0), a_stack.stride(-2), part.stride(0),
+        part.stride(1) if part.dim() > 2 else 0, programs, r_blocks, splits, BLOCK_M=triton.next_power_of_2(rows),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        SHRINK=programs > 0, BLOCK_R=block_r, CHUNK=chunk, EVICTION=cfg.eviction, SOFT_BF16=_INTERPRETED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **pdl.launch_options(x.device))
     return out
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
-    """x [M, K] @ w [N, K].T (+ bias [N]) -> [M, N] in x's dtype (any M runs; `fits` says where it pays)."""
-    return _launch(x, w, bias, w.shape[0], 0, False, config)
+         config: GemvConfig | None = None, shrink: "lora_kernels.Shrink | None" = None) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T (+ bias [N]) -> [M, N] in x's dtype (any M runs; `fits` says where it pays).
+    shrink (lora_kernels.Shrink.of(x, a_stack, b_stack, slots)): the adapter's shrink of x runs in the same launch, into
+    shrink.part; lora_kernels.expand_(y, shrink) then adds the deltas."""
+    return _launch(x, w, bias, w.shape[0], 0, False, config, shrink)
 
 
 def gemv_silu_mul(x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor | None = None,

@@ -19,11 +19,14 @@ What a decode step pays for them is latency, not bytes: each launch's programs w
 then run a chain of dependent loads. So each program reads its row's slot and its first tile of A or B before the
 wait (`slots` comes from the step's host-to-device copies, never from a kernel: pdl.py's contract), leaving one
 load of x or of the partials after it. On an H200 (7B shape, rank 16 on all seven modules) that took the batch-1
-adapter step from 0.82x to 0.90x the base model's, where grouping a batch's rows by adapter (each tile read once
-per adapter, the rows in a loop), or running the shrink inside the GEMV's own launch with one expand launch after
-it, gave 0.82x and 0.89x (benchmarks/lora_kernels_micro.py, lora.py).
+adapter step from 0.82x to 0.90x the base model's; grouping a batch's rows by adapter (each tile read once per
+adapter, the rows in a loop) gave 0.82x (benchmarks/lora_kernels_micro.py, lora.py). Decode rows the Triton GEMV
+takes carry the shrink's programs in the GEMV's own launch (`Shrink`, gemv_kernels.gemv), so only the expand needs
+a launch of its own.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -38,37 +41,47 @@ MAX_BLOCK_R = 64    # rank columns a program holds: R = 192 is three shrink prog
 K_CHUNK = 128       # input columns a shrink program sums (fixed: a row's sums never depend on the batch)
 TILE = 4096         # elements of A or B a program holds per step (BLOCK_R * BLOCK_K, BLOCK_N * BLOCK_R)
 NUM_WARPS = 4
+# the shrink's warps: those of the GEMV launch that may carry it (gemv_kernels.choose_config), so that a shrink
+# program's tile is laid out, and its sum taken, the same in either launch
+SHRINK_WARPS = 8
+
+
+@triton.jit
+def shrink_program(row, r_block, chunk, x, a, slots, part, K, R, stride_xt, stride_as, stride_ar, stride_pt,
+                   stride_ps, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Shrink program (row, r-block, k-chunk): part[row, chunk, r] = sum over the chunk's k of x[row, k] a[s, r, k]
+    in fp32, for BLOCK_R ranks r; nothing when s = slots[row] < 0. The slot and the first tile of A are read before
+    the PDL wait (slots: written by the step's host-to-device copies, pdl.py). _shrink_kernel's programs, and the
+    first programs of a GEMV launch that carries the shrink (gemv_kernels)."""
+    row = row.to(tl.int64)
+    slot = tl.load(slots + row).to(tl.int64)
+    offs_r = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = offs_r < R
+    rows_a = a + tl.maximum(slot, 0) * stride_as + offs_r.to(tl.int64)[:, None] * stride_ar    # [BR, 1]
+    offs_k = chunk * CHUNK + tl.arange(0, BLOCK_K)
+    live = r_ok & ((offs_r * 0 + slot) >= 0)                                            # nothing to read: s < 0
+    ak = tl.load(rows_a + offs_k[None, :], mask=live[:, None] & (offs_k < K)[None, :], other=0.0)  # [BR, BK]
+    wait_for_previous(PDL)
+    if slot >= 0:
+        x += row * stride_xt
+        acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for k0 in range(0, CHUNK, BLOCK_K):
+            offs_k = chunk * CHUNK + k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            if k0 > 0:
+                ak = tl.load(rows_a + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            xk = tl.load(x + offs_k, mask=k_ok, other=0.0).to(tl.float32)                      # [BK]
+            acc += tl.sum(ak.to(tl.float32) * xk[None, :], 1)
+        tl.store(part + row * stride_pt + chunk * stride_ps + offs_r, acc, mask=r_ok)
 
 
 @triton.jit
 def _shrink_kernel(x, a, slots, part, K, R, stride_xt, stride_as, stride_ar, stride_pt, stride_ps,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
-    """Program (row, r-block, k-chunk): part[row, chunk, r] = sum over the chunk's k of x[row, k] a[s, r, k] in
-    fp32, for BLOCK_R ranks r; nothing when s = slots[row] < 0. The slot and the first tile of A are read before
-    the PDL wait (slots: written by the step's host-to-device copies, pdl.py)."""
+    """Program (row, r-block, k-chunk): shrink_program's."""
     allow_next(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots + row).to(tl.int64)
-    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = offs_r < R
-    rows_a = a + tl.maximum(slot, 0) * stride_as + offs_r.to(tl.int64)[:, None] * stride_ar    # [BR, 1]
-    chunk = tl.program_id(2)
-    offs_k = chunk * CHUNK + tl.arange(0, BLOCK_K)
-    live = r_ok & ((offs_r * 0 + slot) >= 0)                                            # nothing to read: s < 0
-    ak = tl.load(rows_a + offs_k[None, :], mask=live[:, None] & (offs_k < K)[None, :], other=0.0)  # [BR, BK]
-    wait_for_previous(PDL)
-    if slot < 0:
-        return
-    x += row * stride_xt
-    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for k0 in range(0, CHUNK, BLOCK_K):
-        offs_k = chunk * CHUNK + k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        if k0 > 0:
-            ak = tl.load(rows_a + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        xk = tl.load(x + offs_k, mask=k_ok, other=0.0).to(tl.float32)                          # [BK]
-        acc += tl.sum(ak.to(tl.float32) * xk[None, :], 1)
-    tl.store(part + row * stride_pt + chunk * stride_ps + offs_r, acc, mask=r_ok)
+    shrink_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), x, a, slots, part, K, R, stride_xt,
+                   stride_as, stride_ar, stride_pt, stride_ps, BLOCK_R, BLOCK_K, CHUNK, PDL)
 
 
 @triton.jit
@@ -116,6 +129,72 @@ def blocks(rank: int, k: int, n: int) -> tuple[int, int, int]:
             min(triton.next_power_of_2(n), max(16, TILE // block_r)))
 
 
+@dataclass(frozen=True)
+class Shrink:
+    """One projection's LoRA rows between the shrink and the expand: the stacks, each row's slot, the fp32 partials
+    part [T, splits, R] the shrink programs write, and the tiles both halves use."""
+    a_stack: torch.Tensor
+    b_stack: torch.Tensor
+    slots: torch.Tensor
+    part: torch.Tensor
+    block_r: int
+    block_n: int
+    chunk: int
+
+    @property
+    def rank(self) -> int:
+        return self.a_stack.shape[1]
+
+    @property
+    def splits(self) -> int:
+        return self.part.shape[1]
+
+    @property
+    def programs(self) -> int:
+        """Shrink programs: (row, r-block, k-chunk), the chunk fastest."""
+        return self.part.shape[0] * triton.cdiv(self.rank, self.block_r) * self.splits
+
+    @classmethod
+    def of(cls, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, slots: torch.Tensor) -> "Shrink":
+        """The plan of (x[t] @ a_stack[s].T) @ b_stack[s].T for x [T, K] (lora_add_'s arguments, checked)."""
+        rows, k = x.shape
+        slots_n, rank, k_a = a_stack.shape
+        n = b_stack.shape[1]
+        assert k_a == k and b_stack.shape == (slots_n, n, rank), \
+            f"x {tuple(x.shape)}, a_stack {tuple(a_stack.shape)}, b_stack {tuple(b_stack.shape)}"
+        assert x.dtype == a_stack.dtype == b_stack.dtype and x.dtype in DTYPES, "one float dtype"
+        assert slots.shape == (rows,) and slots.dtype in (torch.int64, torch.int32), "slots: int32 / int64 [T]"
+        for z in (x, a_stack, b_stack):
+            assert z.stride(-1) == 1, "unit stride in the last dim"
+        assert slots.device == x.device == a_stack.device == b_stack.device
+        block_r, block_k, block_n = blocks(max(rank, 1), k, max(n, 1))
+        chunk = max(block_k, K_CHUNK)    # one [BLOCK_R, chunk] tile a program: a row's sums the same in any batch
+        part = torch.empty(rows, triton.cdiv(k, chunk), rank, dtype=torch.float32, device=x.device)
+        return cls(a_stack, b_stack, slots, part, block_r, block_n, chunk)
+
+    @property
+    def empty(self) -> bool:
+        return self.part.numel() == 0 or self.b_stack.shape[1] == 0
+
+
+def shrink_(x: torch.Tensor, s: Shrink) -> None:
+    """The shrink's launch: s.part from x."""
+    _shrink_kernel[(x.shape[0], triton.cdiv(s.rank, s.block_r), s.splits)](
+        x, s.a_stack, s.slots, s.part, x.shape[1], s.rank, x.stride(0), s.a_stack.stride(0), s.a_stack.stride(1),
+        s.part.stride(0), s.part.stride(1), BLOCK_R=s.block_r, BLOCK_K=s.chunk, CHUNK=s.chunk,
+        num_warps=SHRINK_WARPS, **pdl.launch_options(x.device))
+
+
+def expand_(y: torch.Tensor, s: Shrink) -> None:
+    """The expand's launch: y += each row's partials summed, rounded, times its slot's B."""
+    n = y.shape[1]
+    _expand_kernel[(y.shape[0], triton.cdiv(n, s.block_n))](
+        s.part, s.b_stack, s.slots, y, n, s.rank, s.splits, s.part.stride(0), s.part.stride(1), s.b_stack.stride(0),
+        s.b_stack.stride(1), y.stride(0), BLOCK_N=s.block_n, BLOCK_R=s.block_r,
+        BLOCK_S=triton.next_power_of_2(s.splits), SOFT_BF16=_INTERPRETED, num_warps=NUM_WARPS,
+        **pdl.launch_options(y.device))
+
+
 def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
               slots: torch.Tensor) -> None:
     """y [T, N] += (x[t] @ a_stack[s].T) @ b_stack[s].T for every row t with s = slots[t] >= 0; rows with
@@ -125,32 +204,13 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: 
     and y in one dtype (fp32, bf16, fp16); x and y any row stride, unit column stride (y may be a column slice
     of a wider output). The shrink's result is rounded to that dtype before the expand, as PEFT does; the
     expand sums in fp32 and rounds once into y. Two launches, a scratch of fp32 partials [T, K / K_CHUNK, R]."""
-    rows, k = x.shape
-    slots_n, rank, k_a = a_stack.shape
-    n = y.shape[1]
-    assert y.dim() == 2 and y.shape[0] == rows, f"y {tuple(y.shape)} vs x {tuple(x.shape)}"
-    assert k_a == k and b_stack.shape == (slots_n, n, rank), \
-        f"x {tuple(x.shape)}, a_stack {tuple(a_stack.shape)}, b_stack {tuple(b_stack.shape)}, y {tuple(y.shape)}"
-    assert x.dtype == a_stack.dtype == b_stack.dtype == y.dtype and x.dtype in DTYPES, "one float dtype"
-    assert slots.shape == (rows,) and slots.dtype in (torch.int64, torch.int32), "slots: int32 / int64 [T]"
-    for z in (x, a_stack, b_stack, y):
-        assert z.stride(-1) == 1, "unit stride in the last dim"
-    assert slots.device == x.device == y.device == a_stack.device == b_stack.device
-    if rows == 0 or rank == 0 or n == 0:
-        return
-    block_r, block_k, block_n = blocks(rank, k, n)
-    chunk = max(block_k, K_CHUNK)       # one [BLOCK_R, chunk] tile a program: a row's sums the same in any batch
-    splits = triton.cdiv(k, chunk)
-    part = torch.empty(rows, splits, rank, dtype=torch.float32, device=x.device)                  # [T, splits, R]
-    _shrink_kernel[(rows, triton.cdiv(rank, block_r), splits)](
-        x, a_stack, slots, part, k, rank, x.stride(0), a_stack.stride(0), a_stack.stride(1), part.stride(0),
-        part.stride(1), BLOCK_R=block_r, BLOCK_K=chunk, CHUNK=chunk, num_warps=NUM_WARPS,
-        **pdl.launch_options(x.device))
-    _expand_kernel[(rows, triton.cdiv(n, block_n))](
-        part, b_stack, slots, y, n, rank, splits, part.stride(0), part.stride(1), b_stack.stride(0),
-        b_stack.stride(1), y.stride(0), BLOCK_N=block_n, BLOCK_R=block_r,
-        BLOCK_S=triton.next_power_of_2(splits), SOFT_BF16=_INTERPRETED,
-        num_warps=NUM_WARPS, **pdl.launch_options(y.device))
+    s = Shrink.of(x, a_stack, b_stack, slots)
+    assert y.dim() == 2 and y.shape == (x.shape[0], b_stack.shape[1]) and y.dtype == x.dtype, \
+        f"y {tuple(y.shape)} {y.dtype} for x {tuple(x.shape)}, b_stack {tuple(b_stack.shape)}"
+    assert y.stride(-1) == 1 and y.device == x.device, "y: unit stride in the last dim, on x's device"
+    if not s.empty:
+        shrink_(x, s)
+        expand_(y, s)
 
 
 _INTERPRETED = not isinstance(_shrink_kernel, triton.JITFunction)   # decorated under TRITON_INTERPRET=1
