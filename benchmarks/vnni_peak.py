@@ -27,13 +27,14 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), noinline)) int64_t loop(in
   __m512i acc[NA];
   for (int i = 0; i < NA; ++i) acc[i] = _mm512_set1_epi32(i);
   __m512i a = _mm512_set1_epi8(3);
-  const __m512i b = _mm512_set1_epi8(5);
+  __m512i b[NA];   // one second operand per accumulator: no two products are the same value (the compiler would
+  for (int i = 0; i < NA; ++i) b[i] = _mm512_set1_epi8(static_cast<char>(5 + i));   // compute a shared one once)
   for (int64_t k = 0; k < n; ++k) {
 #pragma GCC unroll 16
     for (int i = 0; i < NA; ++i) {   // unrolled, so the accumulators stay in registers (a loop keeps them on the stack)
-      if constexpr (OP == 0) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
-      else if constexpr (OP == 1) acc[i] = _mm512_dpwssd_epi32(acc[i], a, b);
-      else acc[i] = _mm512_add_epi16(acc[i], _mm512_maddubs_epi16(a, b));
+      if constexpr (OP == 0) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b[i]);
+      else if constexpr (OP == 1) acc[i] = _mm512_dpwssd_epi32(acc[i], a, b[i]);
+      else acc[i] = _mm512_add_epi16(acc[i], _mm512_maddubs_epi16(a, b[i]));
     }
     asm volatile("" : "+v"(a));   // the inputs stay opaque: nothing is hoisted out of the loop
   }
@@ -49,10 +50,11 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"), noinline)) int64_t loop_bf
   __m512 acc[NA];
   for (int i = 0; i < NA; ++i) acc[i] = _mm512_set1_ps(i);
   __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80);
-  const __m512bh b = (__m512bh)_mm512_set1_epi16(0x3f80);
+  __m512bh b[NA];
+  for (int i = 0; i < NA; ++i) b[i] = (__m512bh)_mm512_set1_epi16(static_cast<short>(0x3f80 + i));
   for (int64_t k = 0; k < n; ++k) {
 #pragma GCC unroll 16
-    for (int i = 0; i < NA; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+    for (int i = 0; i < NA; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b[i]);
     asm volatile("" : "+v"(a));
   }
   __m512 s = acc[0];
