@@ -161,20 +161,19 @@ def _launch(x, w, bias, out_cols, up_rows, silu_mul, config, shrink=None):
     # alone-rows mode: a program a row, each the one-row launch's (M = 1, BLOCK_M = 1), so its sums are the same
     grid_rows = m if row_mode.alone() else 1
     rows = m // grid_rows                                                               # rows a program
-    if shrink is None or shrink.empty:
-        a_stack, slots, part, rank, r_blocks, splits, programs = w, w, w, 0, 1, 1, 0
-        block_r, chunk = 16, 16
-    else:
-        a_stack, slots, part, rank, splits = shrink.a_stack, shrink.slots, shrink.part, shrink.rank, shrink.splits
-        r_blocks, programs = triton.cdiv(rank, shrink.block_r), shrink.programs
-        block_r, chunk = shrink.block_r, shrink.chunk
+    s = shrink if shrink is not None and not shrink.empty else None
+    # the shrink's programs sum as in their own launch only with its warps (lora_kernels.SHRINK_WARPS)
+    assert s is None or cfg.num_warps == lora_kernels.SHRINK_WARPS, (cfg.num_warps, lora_kernels.SHRINK_WARPS)
+    a_stack, slots, part = (s.a_stack, s.slots, s.part) if s else (w, w, w)     # unread without a shrink
+    programs = s.programs if s else 0
     _gemv_kernel[(programs + triton.cdiv(out_cols, cfg.block_n) * grid_rows,)](
         x, w, w if bias is None else bias, out, rows, out_cols, k, x.stride(0), w.stride(0), out.stride(0),
-        up_rows, grid_rows, a_stack, slots, part, rank, a_stack.stride(0), a_stack.stride(-2), part.stride(0),
-        part.stride(1) if part.dim() > 2 else 0, programs, r_blocks, splits, BLOCK_M=triton.next_power_of_2(rows),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
-        SHRINK=programs > 0, BLOCK_R=block_r, CHUNK=chunk, EVICTION=cfg.eviction, SOFT_BF16=_INTERPRETED,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **pdl.launch_options(x.device))
+        up_rows, grid_rows, a_stack, slots, part, s.rank if s else 0, a_stack.stride(0), a_stack.stride(-2),
+        part.stride(0), part.stride(1), programs, s.r_blocks if s else 1, s.splits if s else 1,
+        BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
+        SILU_MUL=silu_mul, SHRINK=s is not None, BLOCK_R=s.block_r if s else 16, CHUNK=s.chunk if s else 16,
+        EVICTION=cfg.eviction, SOFT_BF16=_INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        enable_fp_fusion=False, **pdl.launch_options(x.device))
     return out
 
 

@@ -42,7 +42,7 @@ K_CHUNK = 128       # input columns a shrink program sums (fixed: a row's sums n
 TILE = 4096         # elements of A or B a program holds per step (BLOCK_R * BLOCK_K, BLOCK_N * BLOCK_R)
 NUM_WARPS = 4
 # the shrink's warps: those of the GEMV launch that may carry it (gemv_kernels.choose_config), so that a shrink
-# program's tile is laid out, and its sum taken, the same in either launch
+# program's tile is laid out, and its sum taken, the same in either launch (gemv_kernels._launch checks it)
 SHRINK_WARPS = 8
 
 
@@ -150,9 +150,13 @@ class Shrink:
         return self.part.shape[1]
 
     @property
+    def r_blocks(self) -> int:
+        return triton.cdiv(self.rank, self.block_r)
+
+    @property
     def programs(self) -> int:
         """Shrink programs: (row, r-block, k-chunk), the chunk fastest."""
-        return self.part.shape[0] * triton.cdiv(self.rank, self.block_r) * self.splits
+        return self.part.shape[0] * self.r_blocks * self.splits
 
     @classmethod
     def of(cls, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, slots: torch.Tensor) -> "Shrink":
@@ -179,7 +183,7 @@ class Shrink:
 
 def shrink_(x: torch.Tensor, s: Shrink) -> None:
     """The shrink's launch: s.part from x."""
-    _shrink_kernel[(x.shape[0], triton.cdiv(s.rank, s.block_r), s.splits)](
+    _shrink_kernel[(x.shape[0], s.r_blocks, s.splits)](
         x, s.a_stack, s.slots, s.part, x.shape[1], s.rank, x.stride(0), s.a_stack.stride(0), s.a_stack.stride(1),
         s.part.stride(0), s.part.stride(1), BLOCK_R=s.block_r, BLOCK_K=s.chunk, CHUNK=s.chunk,
         num_warps=SHRINK_WARPS, **pdl.launch_options(x.device))
