@@ -20,6 +20,7 @@ def native_extensions():
                                                    "native/gemv_quant_avx512.cpp", "native/gemv_quant_lanes.cpp",
                                                    "native/int8_gemm_epilogue.cpp",
                                                    "native/span_attention.cpp", "native/span_attention_quant.cpp",
+                                                   "native/prefill_attention.cpp",
                                                    "native/rms_norm.cpp", "native/rotary.cpp",
                                                    "native/decode_steps.cpp", "native/activations.cpp",
                                                    "native/lora.cpp",

@@ -97,6 +97,12 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
 // test hook (span_attention.cpp): cap * tanh(x / cap) for fp32 x, as the decode attention soft-caps scores at this
 // ISA level (2+: AVX-512, 1: AVX2, 0: portable)
 torch::Tensor softcap_scores(torch::Tensor x, double cap, int64_t isa);
+// prefill_attention.cpp: a prompt chunk's causal attention, q [T, H, D] (row i at position ctx - T + i) over the cache
+// slots [ctx] of its context, written into out [T, H, D]; AVX-512 (isa >= 2), fp32 or bf16, head dims of
+// prefill_attention_supports
+bool prefill_attention_supports(int64_t head_dim);
+void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                       torch::Tensor out, double scale, int64_t isa);
 // quantized KV spans (span_attention_quant.cpp): codes int8 [S, P, KVH, D] or uint8 [.., D/2], params fp32 [.., 2]
 torch::Tensor decode_attention_quant(torch::Tensor q, torch::Tensor k_codes, torch::Tensor k_param,
                                      torch::Tensor v_codes, torch::Tensor v_param, torch::Tensor spans,

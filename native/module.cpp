@@ -90,6 +90,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("spans"),
         pybind11::arg("ctx"), pybind11::arg("options"), pybind11::arg("isa"),
         pybind11::arg("alibi_slopes") = pybind11::none());
+  m.def("prefill_attention", &prefill_attention, "a prompt chunk's causal attention over its context's cache slots, "
+        "into out", nogil, pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        pybind11::arg("slots"), pybind11::arg("out"), pybind11::arg("scale"), pybind11::arg("isa"));
+  m.def("prefill_attention_supports", &prefill_attention_supports, "whether prefill_attention takes this head dim",
+        pybind11::arg("head_dim"));
   m.def("decode_attention_quant", &decode_attention_quant,
         "one-token attention per sequence over quantized (int8 / uint4) span KV caches", nogil, pybind11::arg("q"),
         pybind11::arg("k_codes"), pybind11::arg("k_param"), pybind11::arg("v_codes"), pybind11::arg("v_param"),

@@ -1,0 +1,249 @@
+// Causal attention of a prompt chunk over its context in the span KV cache (the multi-token rows of a prefill
+// step), with AVX-512; what ops.prefill_attention takes instead of ATen's scaled_dot_product_attention where it can.
+//
+//   q        [T, H, D]       fp32 or bf16 (the activation dtype); D a multiple of 16 (DV = D / 16 in SUPPORTED_DV)
+//   k_cache  [S, P, KVH, D]  same dtype as q
+//   v_cache  [S, P, KVH, D]
+//   slots    [ctx] int64     the cache slot (span * P + offset) of each context position, the chunk's own last
+//   out      [T, H, D]       same dtype as q, written
+//
+// Query row i sits at position ctx - T + i and attends keys 0 .. ctx - T + i (a chunk after a cached prefix or an
+// earlier chunk included). A task is one KV head g and a block of QB query positions: its G * QB rows (the G query
+// heads that share g) meet each block of KB keys once. The block's keys and values are copied into fp32 scratch;
+// scores come 4 rows x 4 keys at a time as dot products along D (16 vector accumulators, summed across lanes by
+// simd::sums16); each row keeps a running max and sum (online softmax: its accumulator is rescaled when the max
+// grows); the weights meet the values 24 / DV rows at a time. Everything runs in fp32 and the output is rounded once
+// into the activation dtype. Tasks cost what their keys cost, so they are dealt to the threads from both ends of the
+// chunk at once (early and late query blocks alternate), which splits a causal chunk's work evenly.
+// A row's result depends on its own query and keys only, and its sums run in the same order whatever the chunk's
+// other rows are, but not in a decode step's order: batch-invariant mode keeps the decode kernel for prompt rows.
+#include <torch/extension.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "kernels.h"
+#include "parallel.h"
+#include "simd.h"
+
+namespace {
+
+#define PA_ISA __attribute__((target("avx512f,avx512bw,avx512vl")))
+
+constexpr int64_t KB = 32;        // keys per block (two vectors of scores per row)
+constexpr int64_t ROW_PAD = 12;   // rows are padded to a multiple of this (the 4-row score steps, the PV row groups)
+constexpr int64_t TARGET_ROWS = 24;
+
+struct Scratch {
+  std::vector<float> q, o, s, k, v, m, l, alpha;
+  std::vector<int64_t> pos;
+};
+
+// one key block's K and V rows [KB, D] in fp32; rows past `n` zeroed (their weights are 0, and 0 * garbage may be NaN)
+template <typename T>
+PA_ISA void pack_keys(const T* k_cache, const T* v_cache, const int64_t* slots, int64_t t0, int64_t n, int64_t KVH,
+                      int64_t g, int64_t D, float* ks, float* vs) {
+  for (int64_t j = 0; j < KB; ++j) {
+    float* kd = ks + j * D;
+    float* vd = vs + j * D;
+    if (j >= n) {
+      for (int64_t d = 0; d < D; d += 16) {
+        _mm512_storeu_ps(kd + d, _mm512_setzero_ps());
+        _mm512_storeu_ps(vd + d, _mm512_setzero_ps());
+      }
+      continue;
+    }
+    const int64_t row = (slots[t0 + j] * KVH + g) * D;
+    for (int64_t d = 0; d < D; d += 16) {
+      _mm512_storeu_ps(kd + d, simd::load16(k_cache + row + d));
+      _mm512_storeu_ps(vd + d, simd::load16(v_cache + row + d));
+    }
+  }
+}
+
+// scores s[r][j] = scale * q_r . k_j for rows [0, rows) (a multiple of 4) and the block's KB keys
+template <int DV>
+PA_ISA void scores(const float* q, const float* ks, int64_t rows, float scale, float* s) {
+  constexpr int64_t D = 16 * DV;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    for (int64_t j0 = 0; j0 < KB; j0 += 4) {
+      __m512 acc[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+      for (int dv = 0; dv < DV; ++dv) {
+        __m512 kv[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) kv[j] = _mm512_loadu_ps(ks + (j0 + j) * D + 16 * dv);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+          const __m512 qv = _mm512_loadu_ps(q + (r0 + r) * D + 16 * dv);
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j) acc[4 * r + j] = _mm512_fmadd_ps(qv, kv[j], acc[4 * r + j]);
+        }
+      }
+      // lane 4r + j: row r0 + r's score of key j0 + j
+      alignas(64) float out[16];
+      _mm512_store_ps(out, _mm512_mul_ps(simd::sums16(acc), vscale));
+      for (int r = 0; r < 4; ++r)
+        for (int j = 0; j < 4; ++j) s[(r0 + r) * KB + j0 + j] = out[4 * r + j];
+    }
+  }
+}
+
+// each row's scores -> its weights exp(s - max) in place (keys past the row's position: 0), with the running max,
+// sum and the factor alpha its accumulator is rescaled by
+PA_ISA void online_softmax(float* s, int64_t rows, const int64_t* pos, int64_t t0, float* m, float* l, float* alpha) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = s + r * KB;
+    const __m512i last = _mm512_set1_epi32(static_cast<int>(pos[r] - t0));   // keys t0 + j with j <= last attend
+    const __mmask16 v0 = _mm512_cmple_epi32_mask(lane, last);
+    const __mmask16 v1 = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), last);
+    const __m512 s0 = _mm512_mask_blend_ps(v0, minus_inf, _mm512_loadu_ps(sr));
+    const __m512 s1 = _mm512_mask_blend_ps(v1, minus_inf, _mm512_loadu_ps(sr + 16));
+    const float mx = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+    const float m_new = std::max(m[r], mx);   // finite: every row's first block holds key 0
+    alpha[r] = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[r] - m_new);
+    const __m512 mv = _mm512_set1_ps(m_new);
+    const __m512 p0 = _mm512_maskz_mov_ps(v0, simd::exp_nonpositive(_mm512_sub_ps(s0, mv)));
+    const __m512 p1 = _mm512_maskz_mov_ps(v1, simd::exp_nonpositive(_mm512_sub_ps(s1, mv)));
+    l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+    m[r] = m_new;
+    _mm512_storeu_ps(sr, p0);
+    _mm512_storeu_ps(sr + 16, p1);
+  }
+}
+
+// o[r] = alpha[r] * o[r] + sum_j p[r][j] v_j, PR rows at a time (PR * DV accumulators)
+template <int DV>
+PA_ISA void weighted_values(const float* p, const float* vs, const float* alpha, int64_t rows, float* o) {
+  constexpr int64_t D = 16 * DV;
+  constexpr int PR = DV >= 24 ? 1 : (24 / DV > ROW_PAD ? ROW_PAD : 24 / DV);
+  for (int64_t r0 = 0; r0 < rows; r0 += PR) {
+    __m512 acc[PR * DV];
+#pragma GCC unroll 12
+    for (int r = 0; r < PR; ++r) {
+      const __m512 a = _mm512_set1_ps(alpha[r0 + r]);
+#pragma GCC unroll 16
+      for (int dv = 0; dv < DV; ++dv) acc[r * DV + dv] = _mm512_mul_ps(a, _mm512_loadu_ps(o + (r0 + r) * D + 16 * dv));
+    }
+    for (int64_t j = 0; j < KB; ++j) {
+#pragma GCC unroll 16
+      for (int dv = 0; dv < DV; ++dv) {
+        const __m512 vv = _mm512_loadu_ps(vs + j * D + 16 * dv);
+#pragma GCC unroll 12
+        for (int r = 0; r < PR; ++r)
+          acc[r * DV + dv] = _mm512_fmadd_ps(_mm512_set1_ps(p[(r0 + r) * KB + j]), vv, acc[r * DV + dv]);
+      }
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < PR; ++r)
+#pragma GCC unroll 16
+      for (int dv = 0; dv < DV; ++dv) _mm512_storeu_ps(o + (r0 + r) * D + 16 * dv, acc[r * DV + dv]);
+  }
+}
+
+template <typename T, int DV>
+PA_ISA void run_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots, T* out, int64_t T_rows,
+                     int64_t H, int64_t KVH, int64_t ctx, int64_t g, int64_t q0, int64_t qb, float scale,
+                     Scratch& w) {
+  constexpr int64_t D = 16 * DV;
+  const int64_t G = H / KVH, n_pos = std::min(qb, T_rows - q0), rows = G * n_pos;
+  const int64_t padded = (rows + ROW_PAD - 1) / ROW_PAD * ROW_PAD;
+  w.q.resize(padded * D), w.o.assign(padded * D, 0.f), w.s.resize(padded * KB), w.k.resize(KB * D),
+      w.v.resize(KB * D), w.m.assign(padded, -std::numeric_limits<float>::infinity()), w.l.assign(padded, 0.f),
+      w.alpha.resize(padded), w.pos.resize(padded);
+  for (int64_t r = 0; r < padded; ++r) {   // row i * G + h: position q0 + i, head g * G + h; padding repeats row 0
+    const int64_t src = r < rows ? r : 0, i = src / G, h = src % G;
+    const T* qr = q + ((q0 + i) * H + g * G + h) * D;
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(w.q.data() + r * D + d, simd::load16(qr + d));
+    w.pos[r] = ctx - T_rows + q0 + i;
+  }
+  const int64_t kend = ctx - T_rows + q0 + n_pos;   // the block's last position + 1
+  for (int64_t t0 = 0; t0 < kend; t0 += KB) {
+    pack_keys(k_cache, v_cache, slots, t0, std::min(KB, kend - t0), KVH, g, D, w.k.data(), w.v.data());
+    scores<DV>(w.q.data(), w.k.data(), padded, scale, w.s.data());
+    online_softmax(w.s.data(), padded, w.pos.data(), t0, w.m.data(), w.l.data(), w.alpha.data());
+    weighted_values<DV>(w.s.data(), w.v.data(), w.alpha.data(), padded, w.o.data());
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = r / G, h = r % G;
+    T* orow = out + ((q0 + i) * H + g * G + h) * D;
+    const __m512 inv = _mm512_set1_ps(1.f / w.l[r]);
+    for (int64_t d = 0; d < D; d += 16)
+      simd::store16(orow + d, _mm512_mul_ps(_mm512_loadu_ps(w.o.data() + r * D + d), inv));
+  }
+}
+
+template <typename T, int DV>
+void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+         const torch::Tensor& slots, torch::Tensor& out, float scale) {
+  const int64_t T_rows = q.size(0), H = q.size(1), KVH = k_cache.size(2), ctx = slots.size(0), G = H / KVH;
+  const int64_t qb = std::max<int64_t>(1, TARGET_ROWS / G), blocks = (T_rows + qb - 1) / qb;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  // task k: query block order[k / KVH] (0, last, 1, last - 1, ...: any run of tasks mixes cheap and dear ones)
+  allspark::parallel_for(0, blocks * KVH, 1, [&](int64_t begin, int64_t end) {
+    thread_local Scratch w;
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t slot = k / KVH, g = k % KVH;
+      const int64_t b = slot % 2 == 0 ? slot / 2 : blocks - 1 - slot / 2;
+      run_task<T, DV>(qp, kp, vp, sp, op, T_rows, H, KVH, ctx, g, b * qb, qb, scale, w);
+    }
+  });
+}
+
+template <typename T>
+void run_dv(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+            const torch::Tensor& slots, torch::Tensor& out, float scale) {
+  switch (q.size(2) / 16) {
+    case 1: return run<T, 1>(q, k_cache, v_cache, slots, out, scale);
+    case 2: return run<T, 2>(q, k_cache, v_cache, slots, out, scale);
+    case 4: return run<T, 4>(q, k_cache, v_cache, slots, out, scale);
+    case 5: return run<T, 5>(q, k_cache, v_cache, slots, out, scale);
+    case 6: return run<T, 6>(q, k_cache, v_cache, slots, out, scale);
+    case 8: return run<T, 8>(q, k_cache, v_cache, slots, out, scale);
+    case 16: return run<T, 16>(q, k_cache, v_cache, slots, out, scale);
+    default: TORCH_CHECK(false, "prefill_attention: head dim ", q.size(2), " is not supported");
+  }
+}
+
+}  // namespace
+
+bool prefill_attention_supports(int64_t head_dim) {
+  if (head_dim % 16 != 0) return false;
+  const int64_t dv = head_dim / 16;
+  return dv == 1 || dv == 2 || dv == 4 || dv == 5 || dv == 6 || dv == 8 || dv == 16;
+}
+
+void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                       torch::Tensor out, double scale, int64_t isa) {
+  TORCH_CHECK(isa >= 2, "prefill_attention: AVX-512 kernels only (ISA level 2+), not level ", isa);
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "prefill_attention: shapes");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
+                  out.scalar_type() == q.scalar_type(), "prefill_attention: q, caches and out differ in dtype");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3), "prefill_attention: heads");
+  TORCH_CHECK(prefill_attention_supports(q.size(2)), "prefill_attention: head dim ", q.size(2), " is not supported");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) >= q.size(0),
+              "prefill_attention: slots must be int64 [ctx] with ctx >= the chunk's rows");
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(), "prefill_attention: contiguous q, out and caches");
+  TORCH_CHECK(scale > 0, "prefill_attention: scale must be > 0");
+  auto sc = slots.contiguous();
+  if (q.size(0) == 0) return;
+  if (q.scalar_type() == at::kFloat)
+    run_dv<float>(q, k_cache, v_cache, sc, out, static_cast<float>(scale));
+  else if (q.scalar_type() == at::kBFloat16)
+    run_dv<at::BFloat16>(q, k_cache, v_cache, sc, out, static_cast<float>(scale));
+  else
+    TORCH_CHECK(false, "prefill_attention: fp32 or bf16 only");
+}
