@@ -35,11 +35,31 @@ namespace {
 
 constexpr int64_t KB = 32;        // keys per block (two vectors of scores per row)
 constexpr int64_t ROW_PAD = 12;   // rows are padded to a multiple of this (the 4-row score steps, the PV row groups)
-constexpr int64_t TARGET_ROWS = 24;
+constexpr int64_t TARGET_ROWS = 48;   // rows a task gives each key block (G x QB)
 
+// A thread's buffers, in one allocation: each starts at its own offset within a 4 KiB page (STAGGER floats apart), so
+// the loads of one and the stores of another never alias in the low 12 address bits (a separately allocated set
+// did, depending on the heap's history, and then ran ~25% slower)
 struct Scratch {
-  std::vector<float> q, o, s, k, v, m, l, alpha;
+  std::vector<float> arena;
+  float *q, *o, *s, *k, *v, *m, *l, *alpha;
   std::vector<int64_t> pos;
+
+  void size(int64_t rows, int64_t D) {
+    constexpr int64_t PAGE = 1024, STAGGER = 80;   // floats
+    const int64_t sizes[8] = {rows * D, rows * D, rows * KB, KB * D, KB * D, rows, rows, rows};
+    float** at[8] = {&q, &o, &s, &k, &v, &m, &l, &alpha};
+    int64_t offsets[8], end = 0;
+    for (int i = 0; i < 8; ++i) {
+      offsets[i] = (end + PAGE - 1) / PAGE * PAGE + i * STAGGER;
+      end = offsets[i] + sizes[i];
+    }
+    if (static_cast<int64_t>(arena.size()) < end + 16) arena.resize(end + 16);
+    float* base = arena.data();
+    base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64 / sizeof(float);   // 64-byte aligned
+    for (int i = 0; i < 8; ++i) *at[i] = base + offsets[i];
+    pos.resize(rows);
+  }
 };
 
 // one key block's K and V rows [KB, D] in fp32; rows past `n` zeroed (their weights are 0, and 0 * garbage may be NaN)
@@ -156,28 +176,29 @@ PA_ISA void run_task(const T* q, const T* k_cache, const T* v_cache, const int64
   constexpr int64_t D = 16 * DV;
   const int64_t G = H / KVH, n_pos = std::min(qb, T_rows - q0), rows = G * n_pos;
   const int64_t padded = (rows + ROW_PAD - 1) / ROW_PAD * ROW_PAD;
-  w.q.resize(padded * D), w.o.assign(padded * D, 0.f), w.s.resize(padded * KB), w.k.resize(KB * D),
-      w.v.resize(KB * D), w.m.assign(padded, -std::numeric_limits<float>::infinity()), w.l.assign(padded, 0.f),
-      w.alpha.resize(padded), w.pos.resize(padded);
+  w.size(padded, D);
+  std::fill(w.o, w.o + padded * D, 0.f);
+  std::fill(w.m, w.m + padded, -std::numeric_limits<float>::infinity());
+  std::fill(w.l, w.l + padded, 0.f);
   for (int64_t r = 0; r < padded; ++r) {   // row i * G + h: position q0 + i, head g * G + h; padding repeats row 0
     const int64_t src = r < rows ? r : 0, i = src / G, h = src % G;
     const T* qr = q + ((q0 + i) * H + g * G + h) * D;
-    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(w.q.data() + r * D + d, simd::load16(qr + d));
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(w.q + r * D + d, simd::load16(qr + d));
     w.pos[r] = ctx - T_rows + q0 + i;
   }
   const int64_t kend = ctx - T_rows + q0 + n_pos;   // the block's last position + 1
   for (int64_t t0 = 0; t0 < kend; t0 += KB) {
-    pack_keys(k_cache, v_cache, slots, t0, std::min(KB, kend - t0), KVH, g, D, w.k.data(), w.v.data());
-    scores<DV>(w.q.data(), w.k.data(), padded, scale, w.s.data());
-    online_softmax(w.s.data(), padded, w.pos.data(), t0, w.m.data(), w.l.data(), w.alpha.data());
-    weighted_values<DV>(w.s.data(), w.v.data(), w.alpha.data(), padded, w.o.data());
+    pack_keys(k_cache, v_cache, slots, t0, std::min(KB, kend - t0), KVH, g, D, w.k, w.v);
+    scores<DV>(w.q, w.k, padded, scale, w.s);
+    online_softmax(w.s, padded, w.pos.data(), t0, w.m, w.l, w.alpha);
+    weighted_values<DV>(w.s, w.v, w.alpha, padded, w.o);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = r / G, h = r % G;
     T* orow = out + ((q0 + i) * H + g * G + h) * D;
     const __m512 inv = _mm512_set1_ps(1.f / w.l[r]);
     for (int64_t d = 0; d < D; d += 16)
-      simd::store16(orow + d, _mm512_mul_ps(_mm512_loadu_ps(w.o.data() + r * D + d), inv));
+      simd::store16(orow + d, _mm512_mul_ps(_mm512_loadu_ps(w.o + r * D + d), inv));
   }
 }
 
