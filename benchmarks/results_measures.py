@@ -15,6 +15,7 @@ from results_readers import (
     lora,
     moe,
     multi_host,
+    prefill_attention,
     prefill_gemm,
     quant,
     quant_accuracy,
@@ -142,6 +143,9 @@ MEASURES = {
                              "3960`: the race above after prompt rows of grouped int8-x weights stayed on the native "
                              "lanes kernel (QuantWeight::native_at_any_rows), TTFT at three prompt lengths.",
                              gguf_race),
+    "prefill-attention": ("CPU: a prompt chunk's causal attention, native kernel against ATen's SDPA",
+                          "`prefill_attention_micro.py --rounds 5`: one layer of the 0.5 B model's heads (12 over 4 "
+                          "KV heads, D 128), the context scattered over spans, 2 threads.", prefill_attention),
     "prefill-gemm": ("CPU: prompt rows against quantized weights, native int8 kernel against the dequantized GEMM",
                      "`prefill_gemm.py --rows 128 512 2048 --layers 2 --rounds 5`: the 0.5 B model's four weight "
                      "shapes, int8 x; multiply-adds per second against the vpdpbusd (vdpbf16ps for the dense bf16 "

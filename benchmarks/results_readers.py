@@ -244,6 +244,13 @@ def gguf_race(r: dict) -> list:
     return rows + [("other processes' cores (median)", f(r.get("other processes' cores during the rounds (median)")))]
 
 
+def prefill_attention(r: dict) -> list:
+    """prefill_attention_micro.py: per dtype and prompt length, the native kernel against ATen's SDPA."""
+    return [{"case": case, "native ms": f(v["native_ms"], 2), "SDPA ms": f(v["sdpa_ms"], 2),
+             "SDPA / native": x(v["sdpa_over_native"]), "native GFLOP/s": f(v["native_gflops"], 0)}
+            for case, v in r["results"].items()]
+
+
 def prefill_gemm(r: dict) -> list:
     """prefill_gemm.py: per row count and variant, multiply-adds per second, speed over the dequantized GEMM of the
     same format (same rounds) and share of the instruction's peak."""
