@@ -321,28 +321,26 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, options: Attention,
                       out: torch.Tensor, k_param: torch.Tensor | None = None, v_param: torch.Tensor | None = None,
                       alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
-    """The multi-token chunks of `meta.seqs`, each on its own: with AVX-512 the native kernel (fp32 / bf16 caches, no
+    """The multi-token chunks of `meta.seqs`, each on its own: the native kernel on AVX-512 (fp32 / bf16 caches, no
     ALiBi, soft cap or window), else ATen's SDPA (compute/reference.py); batch-invariant mode: each prompt row as a
     decode row over its own context, so it comes out the same in any chunk, cached prefix or batch."""
-    if batch_invariant():
-        for i, seq in enumerate(meta.seqs):
-            rows = slice(seq.q_start, seq.q_start + seq.q_len)
-            end = seq.context_slots.shape[0]
-            ctx = torch.arange(end - seq.q_len + 1, end + 1)
-            spans = meta.prefill_spans[i:i + 1].expand(seq.q_len, -1).contiguous()
-            out[rows] = decode_attention(q[rows].contiguous(), k_cache, v_cache, spans, ctx, options, k_param,
-                                         v_param, alibi_slopes)
-        return out
-    ext = native()
-    if (ext is not None and isa_level() >= ISA_AVX512 and k_param is None and alibi_slopes is None
+    ext, invariant = native(), batch_invariant()
+    fast = (ext is not None and isa_level() >= ISA_AVX512 and k_param is None and alibi_slopes is None
             and not options.softcap and not options.window and q.dtype in (torch.float32, torch.bfloat16)
-            and k_cache.dtype == q.dtype and ext.prefill_attention_supports(q.shape[-1]) and out.is_contiguous()):
-        for seq in meta.seqs:   # native/prefill_attention.cpp: row i of a chunk at position ctx - q_len + i
-            rows = slice(seq.q_start, seq.q_start + seq.q_len)
+            and k_cache.dtype == q.dtype and ext.prefill_attention_supports(q.shape[-1]) and out.is_contiguous())
+    if not (fast or invariant):
+        return prefill_attention_reference(q, k_cache, v_cache, meta, options, out, k_param, v_param, alibi_slopes)
+    for i, seq in enumerate(meta.seqs):
+        rows, end = slice(seq.q_start, seq.q_start + seq.q_len), seq.context_slots.shape[0]
+        if invariant:
+            spans = meta.prefill_spans[i:i + 1].expand(seq.q_len, -1).contiguous()
+            out[rows] = decode_attention(q[rows].contiguous(), k_cache, v_cache, spans,
+                                         torch.arange(end - seq.q_len + 1, end + 1), options, k_param, v_param,
+                                         alibi_slopes)
+        else:   # native/prefill_attention.cpp: row i of a chunk at position ctx - q_len + i
             ext.prefill_attention(q[rows].contiguous(), k_cache, v_cache, seq.context_slots, out[rows], options.scale,
                                   isa_level())
-        return out
-    return prefill_attention_reference(q, k_cache, v_cache, meta, options, out, k_param, v_param, alibi_slopes)
+    return out
 
 
 @on_cuda
