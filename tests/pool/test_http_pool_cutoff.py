@@ -17,7 +17,7 @@ from pool_helpers import _is_rank
 
 # The ranks are frozen (SIGSTOP) before the launcher is killed and thawed after, so no token is made between the
 # first events and the kill: a stream can end by its length only if the kill never stopped the pool, however late
-# its first events reach this process (CI saw them arrive ~45 s after the request, a 32768-token run then nearly done)
+# its first events reach this process (on a loaded machine they came when a 32768-token run was nearly done)
 MAX_LENGTH = 2 * LONG_RUN_MAX_LENGTH
 THAW_AFTER_S = 1.0   # mpirun has the SIGTERM by then (the launcher's parent-death signal): it waits for the thaw
 HEADERS_S = 180      # the response's headers come once the pool has taken the request; a stalled machine is slow

@@ -214,12 +214,12 @@ def _greedy(client, model, lora_name=None, max_new=TOKENS, prompt=PROMPT):
     return tokens
 
 
-IN_USE_TOKENS = 4000   # ~2 s of decoding on 2 cores: running when unload_lora comes, unless this process stalls
+IN_USE_TOKENS = 4000   # a second or two of decoding: running when unload_lora comes, unless this process stalls
 
 
 def _unload_refused_while_in_use(client, ad8_path: str) -> None:
     """unload_lora of an adapter a running request uses is LORA_IN_USE. An unload that succeeds is accepted only
-    after a request that had generated all its tokens (this process stalled past its end, as CI saw once): then
+    after a request that had generated all its tokens (this process stalled past its end on a loaded machine): then
     the adapter is loaded again and the premise set up anew, PREMISE_TRIES times in all."""
     from pool_helpers import PREMISE_TRIES, ran_out
     gen = {"top_k": 1, "max_new_tokens": IN_USE_TOKENS, "eos_token_id": [], "lora_name": "ad8"}
