@@ -3,20 +3,27 @@ scaled_dot_product_attention over the same context gathered from the span cache 
 one layer of the CPU benchmark model's heads (12 query heads over 4 KV heads, head dim 128), the chunk starting at
 position 0, per prompt length and dtype. Interleaved: each round times both, each over `--reps` calls; reported: the
 median ms of each and the median of the rounds' ratios (SDPA's time / the kernel's), with the kernel's GFLOP/s
-(4 H D n^2 / 2: the causal half of QK and PV). Needs AVX-512.
+(4 H D n^2 / 2: the causal half of QK and PV). Needs AVX2 or AVX-512.
 
     PYTHONPATH=. python benchmarks/prefill_attention_micro.py [--lengths 128 512 2048] [--rounds 5] [--threads 2]
-        [--json PATH]
+        [--as-avx2] [--json PATH]
+
+--as-avx2 runs the kernel's AVX2 code (ISA level 1) and ATen capped at AVX2 (ATEN_CPU_CAPABILITY, set before torch
+loads): an indication for AVX2-only machines from a newer one; their own cores' rates differ.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 
-import torch
-import torch.nn.functional as F
+if "--as-avx2" in sys.argv[1:] and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":   # before torch loads
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"})
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import common  # noqa: E402
@@ -33,7 +40,7 @@ def timed(fn, reps: int) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def case(n: int, dtype: torch.dtype, reps: int, rounds: int) -> dict:
+def case(n: int, dtype: torch.dtype, reps: int, rounds: int, isa: int) -> dict:
     ext = ops.native()
     gen = torch.Generator().manual_seed(n)
     spans = -(-n // SPAN)
@@ -44,7 +51,7 @@ def case(n: int, dtype: torch.dtype, reps: int, rounds: int) -> dict:
     out = torch.empty_like(q)
 
     def native():
-        ext.prefill_attention(q, k_cache, v_cache, slots, out, D ** -0.5, ops.isa_level())
+        ext.prefill_attention(q, k_cache, v_cache, slots, out, D ** -0.5, isa)
 
     def sdpa():
         k = k_cache.view(-1, KVH, D)[slots].transpose(0, 1)[None]
@@ -64,29 +71,33 @@ def case(n: int, dtype: torch.dtype, reps: int, rounds: int) -> dict:
             "native_gflops": flops / (ms["native"] / 1e3) / 1e9, "sdpa_gflops": flops / (ms["sdpa"] / 1e3) / 1e9}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--as-avx2", action="store_true", help="the AVX2 code, ATen capped at AVX2 (docstring)")
     p.add_argument("--json", default=None)
-    args = p.parse_args()
-    if ops.native() is None or ops.isa_level() < ops.ISA_AVX512:
-        raise SystemExit("the native prefill attention needs the native extension and an AVX-512 CPU")
+    args = p.parse_args(argv)
+    if ops.native() is None or ops.isa_level() < ops.ISA_AVX2:
+        raise SystemExit("the native prefill attention needs the native extension and an AVX2 or AVX-512 CPU")
+    isa = ops.ISA_AVX2 if args.as_avx2 else ops.isa_level()
     torch.set_num_threads(args.threads)
     results = {}
     for dtype in args.dtypes:
         for n in args.lengths:
-            row = case(n, getattr(torch, dtype), args.reps, args.rounds)
+            row = case(n, getattr(torch, dtype), args.reps, args.rounds, isa)
             results[f"{dtype} {n}"] = row
             print(f"{dtype} {n:5d} rows: native {row['native_ms']:.2f} ms ({row['native_gflops']:.0f} GFLOP/s), "
                   f"SDPA {row['sdpa_ms']:.2f} ms ({row['sdpa_gflops']:.0f}): {row['sdpa_over_native']:.2f}x",
                   flush=True)
-    report = {"machine": common.machine_name(), "machine_kind": common.cpu_kind(), "threads": args.threads,
+    report = {"machine": common.machine_name(), "machine_kind": common.cpu_kind(), "threads": args.threads, "isa": isa,
+              "aten_capability": os.environ.get("ATEN_CPU_CAPABILITY", "default"),
               "heads": [H, KVH, D], "rounds": args.rounds, "reps": args.reps, "results": results}
-    common.write_report(args.json or common.result_path("prefill-attention"), report)
+    measure = "prefill-attention-as-avx2" if args.as_avx2 else "prefill-attention"
+    common.write_report(args.json or common.result_path(measure), report)
 
 
 if __name__ == "__main__":

@@ -146,6 +146,10 @@ MEASURES = {
     "prefill-attention": ("CPU: a prompt chunk's causal attention, native kernel against ATen's SDPA",
                           "`prefill_attention_micro.py --rounds 5`: one layer of the 0.5 B model's heads (12 over 4 "
                           "KV heads, D 128), the context scattered over spans, 2 threads.", prefill_attention),
+    "prefill-attention-as-avx2": ("CPU: a prompt chunk's causal attention on AVX2 code paths",
+                                  "`prefill_attention_micro.py --as-avx2 --rounds 5`: as above with the kernel's AVX2 "
+                                  "code and ATen capped at AVX2: an indication for AVX2-only machines from a newer "
+                                  "one.", prefill_attention),
     "prefill-gemm": ("CPU: prompt rows against quantized weights, native int8 kernel against the dequantized GEMM",
                      "`prefill_gemm.py --rows 128 512 2048 --layers 2 --rounds 5`: the 0.5 B model's four weight "
                      "shapes, int8 x; multiply-adds per second against the vpdpbusd (vdpbf16ps for the dense bf16 "

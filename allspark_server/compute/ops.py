@@ -321,11 +321,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, options: Attention,
                       out: torch.Tensor, k_param: torch.Tensor | None = None, v_param: torch.Tensor | None = None,
                       alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
-    """The multi-token chunks of `meta.seqs`, each on its own: the native kernel on AVX-512 (fp32 / bf16 caches, no
-    ALiBi, soft cap or window), else ATen's SDPA (compute/reference.py); batch-invariant mode: each prompt row as a
+    """The multi-token chunks of `meta.seqs`, each on its own: the native kernel on AVX2 / AVX-512 (fp32 / bf16 caches,
+    no ALiBi, soft cap or window), else ATen's SDPA (compute/reference.py); batch-invariant mode: each prompt row as a
     decode row over its own context, so it comes out the same in any chunk, cached prefix or batch."""
     ext, invariant = native(), batch_invariant()
-    fast = (ext is not None and isa_level() >= ISA_AVX512 and k_param is None and alibi_slopes is None
+    fast = (ext is not None and isa_level() >= ISA_AVX2 and k_param is None and alibi_slopes is None
             and not options.softcap and not options.window and q.dtype in (torch.float32, torch.bfloat16)
             and k_cache.dtype == q.dtype and ext.prefill_attention_supports(q.shape[-1]) and out.is_contiguous())
     if not (fast or invariant):

@@ -1,7 +1,7 @@
-"""The native prefill attention (native/prefill_attention.cpp) against a float64 computation of causal attention:
-a prompt chunk's rows over its context scattered through the span cache, chunks that follow a cached prefix, GQA
-ratios from 1 to 7, every head dim it takes, row and key counts off its blocks; and ops.prefill_attention taking it
-for a step's chunks."""
+"""The native prefill attention (native/prefill_attention.cpp) against a float64 computation of causal attention, at
+every ISA level this CPU has of the two it is written for (AVX2, AVX-512): a prompt chunk's rows over its context
+scattered through the span cache, chunks that follow a cached prefix, GQA ratios from 1 to 7, every head dim it takes,
+row and key counts off its blocks; and ops.prefill_attention taking it for a step's chunks."""
 from __future__ import annotations
 
 import pytest
@@ -13,8 +13,10 @@ from allspark_server.compute.steps import Attention
 from allspark_server.step.inputs import SeqAttention
 
 EXT = ops.native()
-pytestmark = pytest.mark.skipif(EXT is None or ops.isa_level() < ops.ISA_AVX512,
-                                reason="the native prefill attention is AVX-512 only")
+pytestmark = pytest.mark.skipif(EXT is None or ops.isa_level() < ops.ISA_AVX2,
+                                reason="the native prefill attention needs AVX2 or AVX-512")
+# AVX2 (Narrow) and, where the CPU has it, AVX-512 (Wide)
+LEVELS = [level for level in (ops.ISA_AVX2, ops.ISA_AVX512) if level <= ops.isa_level()]
 SPAN = 8
 # fp32: summation-order differences; bf16: one rounding of the output (|out| < ~3, bf16's relative step 2^-8)
 TOL = {torch.float32: 5e-6, torch.bfloat16: 2e-2}
@@ -42,6 +44,7 @@ def make_case(T, ctx, H, KVH, D, dtype, seed=0):
     return q, k_cache, v_cache, slots
 
 
+@pytest.mark.parametrize("isa", LEVELS, ids=lambda level: f"isa{level}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("T, ctx, H, KVH, D", [
     (1, 1, 2, 1, 16),        # one row, one key
@@ -54,24 +57,24 @@ def make_case(T, ctx, H, KVH, D, dtype, seed=0):
     (9, 41, 6, 2, 80),
     (40, 40, 4, 2, 32),
 ])
-def test_equals_float64_causal_attention(T, ctx, H, KVH, D, dtype):
+def test_equals_float64_causal_attention(T, ctx, H, KVH, D, dtype, isa):
     q, k_cache, v_cache, slots = make_case(T, ctx, H, KVH, D, dtype)
     out = torch.full_like(q, float("nan"))
-    EXT.prefill_attention(q, k_cache, v_cache, slots, out, D ** -0.5, ops.isa_level())
+    EXT.prefill_attention(q, k_cache, v_cache, slots, out, D ** -0.5, isa)
     want = causal_attention_f64(q, k_cache, v_cache, slots, D ** -0.5)
     err = (out.double() - want).abs().max().item()
     assert err < TOL[dtype], err
 
 
-def test_a_rows_result_does_not_depend_on_the_chunks_other_rows():
+@pytest.mark.parametrize("isa", LEVELS, ids=lambda level: f"isa{level}")
+def test_a_rows_result_does_not_depend_on_the_chunks_other_rows(isa):
     """Row i of a 50-row chunk equals the same query as the only row of a chunk ending at its position."""
     q, k_cache, v_cache, slots = make_case(50, 80, 12, 4, 128, torch.bfloat16, seed=3)
     out = torch.empty_like(q)
-    EXT.prefill_attention(q, k_cache, v_cache, slots, out, 0.1, ops.isa_level())
+    EXT.prefill_attention(q, k_cache, v_cache, slots, out, 0.1, isa)
     for i in (0, 17, 49):
         alone = torch.empty_like(q[i:i + 1])
-        EXT.prefill_attention(q[i:i + 1].contiguous(), k_cache, v_cache, slots[:80 - 50 + i + 1], alone, 0.1,
-                              ops.isa_level())
+        EXT.prefill_attention(q[i:i + 1].contiguous(), k_cache, v_cache, slots[:80 - 50 + i + 1], alone, 0.1, isa)
         assert torch.equal(alone[0], out[i])
 
 
@@ -79,7 +82,7 @@ def test_bad_calls_are_refused_naming_the_problem():
     q, k_cache, v_cache, slots = make_case(4, 4, 4, 2, 16, torch.float32)
     out = torch.empty_like(q)
     with pytest.raises(RuntimeError, match="ISA level"):
-        EXT.prefill_attention(q, k_cache, v_cache, slots, out, 0.25, 1)
+        EXT.prefill_attention(q, k_cache, v_cache, slots, out, 0.25, ops.ISA_PORTABLE)
     with pytest.raises(RuntimeError, match="dtype"):
         EXT.prefill_attention(q.bfloat16(), k_cache, v_cache, slots, out, 0.25, ops.isa_level())
     with pytest.raises(RuntimeError, match="slots"):

@@ -49,6 +49,17 @@ def test_prefill_gemm(bench, tmp_path):
     assert positive(*(v["macs_per_s"] for v in rows.values()))
 
 
+def test_prefill_attention_micro(bench, tmp_path):
+    from allspark_server.compute import ops
+    if ops.native() is None or ops.isa_level() < ops.ISA_AVX2:
+        pytest.skip("the native prefill attention needs the native extension and AVX2")
+    out = tmp_path / "attention.json"
+    bench("prefill_attention_micro", "--lengths", "40", "--dtypes", "float32", "--rounds", "1", "--reps", "1",
+          "--json", out)
+    row = read(out)["results"]["float32 40"]
+    assert positive(row["native_ms"], row["sdpa_ms"], row["sdpa_over_native"]), row
+
+
 # ---- the Engine's scripts on the tiny model --------------------------------------------------------------------------
 def test_int8_gemm(bench, tmp_path):
     out = tmp_path / "int8.json"
