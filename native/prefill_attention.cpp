@@ -78,28 +78,6 @@ PA_ISA static void store_row(const float* src, float inv, int64_t D, T* dst) {
   for (int64_t d = 0; d < D; d += 16) simd::store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(src + d), vinv));
 }
 
-// one key block's K and V rows [KB, D] in fp32; rows past `n` zeroed (their weights are 0, and 0 * garbage may be NaN)
-template <typename T>
-PA_ISA static void pack_keys(const T* k_cache, const T* v_cache, const int64_t* slots, int64_t t0, int64_t n,
-                             int64_t KVH, int64_t g, int64_t D, float* ks, float* vs) {
-  for (int64_t j = 0; j < KB; ++j) {
-    float* kd = ks + j * D;
-    float* vd = vs + j * D;
-    if (j >= n) {
-      for (int64_t d = 0; d < D; d += 16) {
-        _mm512_storeu_ps(kd + d, _mm512_setzero_ps());
-        _mm512_storeu_ps(vd + d, _mm512_setzero_ps());
-      }
-      continue;
-    }
-    const int64_t row = (slots[t0 + j] * KVH + g) * D;
-    for (int64_t d = 0; d < D; d += 16) {
-      _mm512_storeu_ps(kd + d, simd::load16(k_cache + row + d));
-      _mm512_storeu_ps(vd + d, simd::load16(v_cache + row + d));
-    }
-  }
-}
-
 // scores s[r][j] = scale * q_r . k_j for rows [0, rows) (a multiple of 4) and the block's KB keys
 template <int DV>
 PA_ISA static void scores(const float* q, const float* ks, int64_t rows, float scale, float* s) {
@@ -200,21 +178,6 @@ PA_AVX2 static void store_row(const float* src, float inv, int64_t D, T* dst) {
   for (int64_t d = 0; d < D; d += 8) simd::store8(dst + d, _mm256_mul_ps(_mm256_loadu_ps(src + d), vinv));
 }
 
-template <typename T>
-PA_AVX2 static void pack_keys(const T* k_cache, const T* v_cache, const int64_t* slots, int64_t t0, int64_t n,
-                              int64_t KVH, int64_t g, int64_t D, float* ks, float* vs) {
-  for (int64_t j = 0; j < KB; ++j) {
-    if (j >= n) {
-      std::fill(ks + j * D, ks + (j + 1) * D, 0.f);
-      std::fill(vs + j * D, vs + (j + 1) * D, 0.f);
-      continue;
-    }
-    const int64_t row = (slots[t0 + j] * KVH + g) * D;
-    load_row(k_cache + row, D, ks + j * D);
-    load_row(v_cache + row, D, vs + j * D);
-  }
-}
-
 // lane i: the sum of v[i]'s lanes
 PA_AVX2 static inline __m256 sums8(const __m256* v) {
   const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -305,6 +268,22 @@ PA_AVX2 static void weighted_values(const float* p, const float* vs, const float
 }
 };
 
+// one key block's K and V rows [KB, D] in fp32; rows past `n` zeroed (their weights are 0, and 0 * garbage may be NaN)
+template <typename K, typename T>
+void pack_keys(const T* k_cache, const T* v_cache, const int64_t* slots, int64_t t0, int64_t n, int64_t KVH, int64_t g,
+               int64_t D, float* ks, float* vs) {
+  for (int64_t j = 0; j < KB; ++j) {
+    if (j >= n) {
+      std::fill(ks + j * D, ks + (j + 1) * D, 0.f);
+      std::fill(vs + j * D, vs + (j + 1) * D, 0.f);
+      continue;
+    }
+    const int64_t row = (slots[t0 + j] * KVH + g) * D;
+    K::load_row(k_cache + row, D, ks + j * D);
+    K::load_row(v_cache + row, D, vs + j * D);
+  }
+}
+
 template <typename T, int DV, typename K>
 void run_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots, T* out, int64_t T_rows, int64_t H,
               int64_t KVH, int64_t ctx, int64_t g, int64_t q0, int64_t qb, float scale, Scratch& w) {
@@ -322,7 +301,7 @@ void run_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* slo
   }
   const int64_t kend = ctx - T_rows + q0 + n_pos;   // the block's last position + 1
   for (int64_t t0 = 0; t0 < kend; t0 += KB) {
-    K::pack_keys(k_cache, v_cache, slots, t0, std::min(KB, kend - t0), KVH, g, D, w.k, w.v);
+    pack_keys<K>(k_cache, v_cache, slots, t0, std::min(KB, kend - t0), KVH, g, D, w.k, w.v);
     K::template scores<DV>(w.q, w.k, padded, scale, w.s);
     K::online_softmax(w.s, padded, w.pos.data(), t0, w.m, w.l, w.alpha);
     K::template weighted_values<DV>(w.s, w.v, w.alpha, padded, w.o);
