@@ -31,16 +31,24 @@ def hosts():
     made.close()
 
 
+LAYOUT_WAIT_S = 30
+
+
 def start_two_host_pool(new_pool, hosts, *extra_args):
     return new_pool(extra_args=extra_args, hosts=hosts.addresses, mpirun_args=tuple(hosts.mpirun_args()))
 
 
 def test_two_host_pool_serves_transformers_greedy_output(new_pool, hosts, loader, llama):
     pool = start_two_host_pool(new_pool, hosts)
-    log = pool.log()
-    # each rank reports where it runs: its own host (hostname), node and cores, read on that host
-    layout = dict(re.findall(r"rank (\d) on (allspark-host\d): NUMA node", log))
-    assert layout == {"0": "allspark-host0", "1": "allspark-host1"}, log
+    # each rank reports where it runs: its own host (hostname), node and cores, read on that host. mpirun forwards
+    # the ranks' output when it gets to it, so those lines may reach the log after the launcher's "ready"
+    want = {"0": "allspark-host0", "1": "allspark-host1"}
+
+    def layout() -> dict:
+        return dict(re.findall(r"rank (\d) on (allspark-host\d): NUMA node", pool.log()))
+
+    wait_until(lambda: layout() == want, LAYOUT_WAIT_S, step_s=0.1)
+    assert layout() == want, pool.log()
     ranks = pool.ranks()
     assert sorted(hosts.host_of(p.pid) for p in ranks) == [0, 1]                # one rank in each namespace
     assert len({tuple(p.cpu_affinity()) for p in ranks}) == 2                  # on that host's own cores
