@@ -17,7 +17,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 if "--as-avx2" in sys.argv[1:] and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":   # before torch loads
     os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"})
@@ -27,17 +26,11 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import common  # noqa: E402
+from gemv_quant_micro import interleaved_times  # noqa: E402
 
 from allspark_server.compute import ops  # noqa: E402
 
 H, KVH, D, SPAN = 12, 4, 128, 16
-
-
-def timed(fn, reps: int) -> float:
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps
 
 
 def case(n: int, dtype: torch.dtype, reps: int, rounds: int, isa: int) -> dict:
@@ -59,11 +52,11 @@ def case(n: int, dtype: torch.dtype, reps: int, rounds: int, isa: int) -> dict:
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True, enable_gqa=True)
         out.copy_(o[0].transpose(0, 1))
 
-    native(), sdpa()
-    times = {"native": [], "sdpa": []}
-    for r in range(rounds):
-        for name in (("native", "sdpa") if r % 2 == 0 else ("sdpa", "native")):
-            times[name].append(timed(native if name == "native" else sdpa, reps))
+    def repeated(fn):
+        return lambda: [fn() for _ in range(reps)]
+
+    totals = interleaved_times({"native": repeated(native), "sdpa": repeated(sdpa)}, rounds)
+    times = {name: [t / reps for t in ts] for name, ts in totals.items()}
     flops = 4 * H * D * n * n / 2
     ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     return {"native_ms": ms["native"], "sdpa_ms": ms["sdpa"],
