@@ -203,24 +203,34 @@ def start_running_streams(client: ClientEngine, prompts, min_tokens: int = 2,
                           max_new_tokens: int = LONG_RUN_TOKENS) -> list[tuple]:
     """One long greedy stream per prompt, each having delivered `min_tokens` and none of them ended:
     [(ids, handle, queue, tokens read)]. The tests built on this are about what happens to *running* streams, and a
-    test process that did not run for a whole stream (seen in CI: a stall of seconds while the pool ran on) finds
-    some already finished; those are then stopped, released and started again, PREMISE_TRIES times at most."""
+    test process that did not run for a whole stream (seen in CI: stalls of 8-14 s while the pool ran on) finds
+    some already finished; those are then stopped, released and started again, PREMISE_TRIES times at most, and
+    then the test is spoiled (PremiseSpoiled: REDO_SPOILED runs it again on a fresh pool). A stream that ended any
+    other way than with all its tokens fails at once."""
+    tries = []
     for _ in range(PREMISE_TRIES):
-        started = []
+        started, since = [], time.monotonic()
         for ids in prompts:
             status, handle, queue = client.start_request(MODEL, {"input_ids": ids}, greedy_cfg(max_new_tokens))
             assert status == AsStatus.ALLSPARK_SUCCESS, client.get_last_error()
             started.append((ids, handle, queue))
         firsts = [read_at_least(queue, min_tokens) for _, _, queue in started]
+        ended = [queue for _, _, queue in started if queue.GenerateStatus().is_terminal]
+        for queue in ended:
+            assert ran_out(queue, max_new_tokens), (f"a stream ended {queue.GenerateStatus().name} after "
+                                                    f"{queue.GeneratedLength()} tokens: {queue.ErrorMessage()!r}")
         # the pool's own count as well as this process's view: a reader thread that fell behind shows a stream
         # still running that the pool has finished
-        if (not any(queue.GenerateStatus().is_terminal for _, _, queue in started)
-                and client.get_as_engine_stat(MODEL).running_request >= len(started)):
+        running = client.get_as_engine_stat(MODEL).running_request
+        if not ended and running >= len(started):
             return [(ids, handle, queue, first) for (ids, handle, queue), first in zip(started, firsts)]
+        tries.append(f"{len(ended)} ended and {running} running of {len(started)} after "
+                     f"{time.monotonic() - since:.1f} s")
         for _, handle, _ in started:
             stop_and_release(client, handle)
-    raise AssertionError(f"streams of {max_new_tokens} tokens had ended before this process read {min_tokens} "
-                         f"tokens of each, {PREMISE_TRIES} times: the test process is stalled for whole streams")
+    raise PremiseSpoiled(f"streams of {max_new_tokens} tokens had all their tokens before this process read "
+                         f"{min_tokens} of each, {PREMISE_TRIES} times ({'; '.join(tries)}): the test process was "
+                         f"stalled for whole streams")
 
 
 def stop_and_release(client: ClientEngine, handle) -> None:

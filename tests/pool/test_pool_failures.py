@@ -36,6 +36,7 @@ from allspark_client.types import POOL_DOWN, AsStatus
 
 
 # ---- 1. a rank killed mid-stream ------------------------------------------------------------------
+@REDO_SPOILED
 def test_kill_rank1_during_stream_fails_fast(new_pool, loader):
     pool = new_pool()
     client = pool.client()

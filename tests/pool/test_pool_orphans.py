@@ -12,7 +12,17 @@ import time
 
 import pytest
 from helpers import collect, random_prompt
-from pool_helpers import MODEL, REPO, client_greedy, greedy_cfg, install, repo_env, start_running_streams, wait_until
+from pool_helpers import (
+    MODEL,
+    REDO_SPOILED,
+    REPO,
+    client_greedy,
+    greedy_cfg,
+    install,
+    repo_env,
+    start_running_streams,
+    wait_until,
+)
 
 from allspark_client import AsException, GenerateRequestStatus
 from allspark_client.types import AsStatus
@@ -72,6 +82,7 @@ def test_a_dead_clients_finished_requests_are_released_after_the_grace(new_pool,
     assert operator.stop_model(MODEL) == AsStatus.ALLSPARK_SUCCESS, operator.get_last_error()
 
 
+@REDO_SPOILED
 def test_an_operator_force_releases_a_models_requests(new_pool, loader):
     pool = new_pool()
     operator, holder = pool.client(), pool.client()
