@@ -94,15 +94,20 @@ void rows_scalar(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int6
   }
 }
 
+// rows [n0, n1) of y = x . W^T by the kernel of `layout`; true where the kernel rounded them into the output itself
+// (through `finish`, FinishBlock), y left untouched
 template <int F>
-void rows(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y, int64_t N,
-          int64_t isa, Layout layout) {
-  if (layout == NIBBLES8 && w.group == BLOCK && M >= AVX2_LANES_MIN_ROWS) rows_lanes_avx2<F>(a, M, w, K, n0, n1, y, N);
-  else if (layout == NIBBLES16 || layout == NIBBLES8) rows_nibbles_avx2<F>(a, M, w, n0, n1, y, N, layout);
+bool rows(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y, int64_t N,
+          int64_t isa, Layout layout, const FinishBlock* finish) {
+  if (layout == NIBBLES8 && w.group == BLOCK && M >= AVX2_LANES_MIN_ROWS) {
+    rows_lanes_avx2<F>(a, M, w, K, n0, n1, y, N, finish);
+    return finish != nullptr;
+  } else if (layout == NIBBLES16 || layout == NIBBLES8) rows_nibbles_avx2<F>(a, M, w, n0, n1, y, N, layout);
   else if (layout == BYTES8) rows_bytes8_avx2<F>(a, M, w, n0, n1, y, N);
-  else if (layout != NATURAL) rows_avx512<F>(a, M, w, K, n0, n1, y, N, layout);
+  else if (layout != NATURAL) return rows_avx512<F>(a, M, w, K, n0, n1, y, N, layout, finish);
   else if (isa >= 1) rows_avx2<F>(a, M, w, n0, n1, y, N);
   else rows_scalar<F>(a, M, w, n0, n1, y, N);
+  return false;
 }
 
 // fp32 vectors of codes, for the dequantization below
@@ -239,26 +244,35 @@ void dequantize_rows(const QuantView& w, int64_t K, int64_t n0, int64_t n1, T* o
     default: { constexpr int F = UINT4_MIN; __VA_ARGS__; break; }    \
   }
 
-// out[m, n0 .. n1) = y + bias, rounded once into O (the scalar form, and the AVX2 one's last columns)
+// out[m, c] = y[m * ldy + c] + bias[c], rounded once into O, for m < rows, c < cols (the scalar form, and the AVX2
+// one's last columns)
 template <typename O>
-inline void finish_rows(const float* y, const O* bias, O* out, int64_t M, int64_t N, int64_t n0, int64_t n1) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = n0; n < n1; ++n)
-      out[m * N + n] = static_cast<O>(y[m * N + n] + (bias ? static_cast<float>(bias[n]) : 0.f));
+inline void finish_block(const float* y, int64_t ldy, const O* bias, O* out, int64_t ldo, int64_t rows, int64_t cols,
+                         int64_t c0 = 0) {
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t c = c0; c < cols; ++c)
+      out[m * ldo + c] = static_cast<O>(y[m * ldy + c] + (bias ? static_cast<float>(bias[c]) : 0.f));
 }
 
 // the same 8 at a time (a decode step of 32 rows converts ~8 M of them)
 template <typename O>
-__attribute__((target("avx2,fma"))) void finish_rows_avx2(const float* y, const O* bias, O* out, int64_t M, int64_t N,
-                                                          int64_t n0, int64_t n1) {
-  const int64_t n8 = n0 + (n1 - n0) / 8 * 8;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = n0; n < n8; n += 8) {
-      __m256 v = _mm256_loadu_ps(y + m * N + n);
-      if (bias) v = _mm256_add_ps(v, simd::load8(bias + n));
-      simd::store8(out + m * N + n, v);
+__attribute__((target("avx2,fma"))) void finish_block_avx2(const float* y, int64_t ldy, const O* bias, O* out,
+                                                           int64_t ldo, int64_t rows, int64_t cols) {
+  const int64_t c8 = cols / 8 * 8;
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t c = 0; c < c8; c += 8) {
+      __m256 v = _mm256_loadu_ps(y + m * ldy + c);
+      if (bias) v = _mm256_add_ps(v, simd::load8(bias + c));
+      simd::store8(out + m * ldo + c, v);
     }
-  finish_rows(y, bias, out, M, N, n8, n1);
+  finish_block(y, ldy, bias, out, ldo, rows, cols, c8);
+}
+
+template <typename O>
+void finish_block_of(const float* y, int64_t ldy, const O* bias, O* out, int64_t ldo, int64_t rows, int64_t cols,
+                     int64_t isa) {
+  if (isa >= 1) finish_block_avx2(y, ldy, bias, out, ldo, rows, cols);
+  else finish_block(y, ldy, bias, out, ldo, rows, cols);
 }
 
 template <typename O>
@@ -281,12 +295,17 @@ void run_linear(const float* x, int64_t M, int64_t K, const QuantView& w, const 
   thread_local std::vector<float> scratch;
   if (!std::is_same_v<O, float> && static_cast<int64_t>(scratch.size()) < M * N) scratch.resize(M * N);
   float* y = std::is_same_v<O, float> ? reinterpret_cast<float*>(out) : scratch.data();
+  const bool direct = std::is_same_v<O, float> && !bias;   // y is the output
+  // a kernel keeping its sums in a tile rounds them a block at a time, while they are in cache
+  const FinishBlock finish = [&](const float* tile, int64_t ld, int64_t m0, int64_t m1, int64_t c0, int64_t c1) {
+    finish_block_of(tile, ld, bias ? bias + c0 : nullptr, out + m0 * N + c0, N, m1 - m0, c1 - c0, isa);
+  };
   const int64_t grain = allspark::weight_rows_grain(w.row_bytes);
   allspark::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    DISPATCH_FORMAT(w.format, rows<F>(a, M, w, K, n0, n1, y, N, isa, layout));
-    if (std::is_same_v<O, float> && !bias) return;
-    if (isa >= 1) finish_rows_avx2(y, bias, out, M, N, n0, n1);
-    else finish_rows(y, bias, out, M, N, n0, n1);
+    bool finished = false;
+    DISPATCH_FORMAT(w.format, finished = rows<F>(a, M, w, K, n0, n1, y, N, isa, layout, direct ? nullptr : &finish));
+    if (direct || finished) return;
+    finish_block_of(y + n0, N, bias ? bias + n0 : nullptr, out + n0, N, M, n1 - n0, isa);
   });
 }
 

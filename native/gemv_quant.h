@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <new>
 #include <vector>
 
@@ -210,18 +211,25 @@ inline void tiled_rows(const QuantView& w, int64_t M, int64_t n0, int64_t n1, Ro
 // one row of x into the PAIRS / NIBBLES layout (q) or NIBBLES8W (q8; |x * inv| <= 127) (gemv_quant_avx512.cpp)
 void round_row_avx512(const float* x, int64_t K, int64_t padded, float inv, Layout layout, int16_t* q, int8_t* q8,
                       int32_t* bsum, int32_t* chunk_sum);
-// rows [n0, n1) of y = x . W^T with the AVX-512 VNNI kernel (x in the PAIRS / NIBBLES / NIBBLES8W layout); F a Format
+// Where a kernel that keeps its sums in a small tile rounds a block of them into the output while they are in cache:
+// out[m, c] = tile[(m - m0) * ld + c - c0] (+ bias) for m in [m0, m1), c in [c0, c1), as run_linear rounds y
+using FinishBlock = std::function<void(const float* tile, int64_t ld, int64_t m0, int64_t m1, int64_t c0, int64_t c1)>;
+
+// rows [n0, n1) of y = x . W^T with the AVX-512 VNNI kernel (x in the PAIRS / NIBBLES / NIBBLES8W layout); F a
+// Format. With `finish` the lanes kernel may round its blocks itself (then true, y untouched)
 template <int F>
-void rows_avx512(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y,
-                 int64_t N, Layout layout);
+bool rows_avx512(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y,
+                 int64_t N, Layout layout, const FinishBlock* finish = nullptr);
 
 // gemv_quant_lanes.cpp: rows [n0, n1) of y = x . W^T for weights in groups of 32 .. 256 (any format but UINT8) against
 // LANES_MIN_ROWS or more rows of int8 x (activate_quant, NIBBLES8W): each block's sum in one lane, no reduction tree.
 // Its reordering of each tile of weight rows is shared by all rows of x, so it pays only with enough of them (where it
 // starts to: docs/performance.md, "Choices in the code")
 constexpr int64_t LANES_MIN_ROWS = 12;
+// `finish`: each block of sums goes to a tile of the calling thread and then to finish, not to y
 template <int F>
-void rows_lanes(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y, int64_t N);
+void rows_lanes(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y, int64_t N,
+                const FinishBlock* finish = nullptr);
 
 // gemv_quant_avx2_lanes.cpp: rows [n0, n1) of y = x . W^T for 4-bit weights in groups of 32 (nibbles16_fits) against
 // AVX2_LANES_MIN_ROWS or more rows of int8 x (activate_quant, NIBBLES8): each group's sum in one int32 lane, a tile of
@@ -230,7 +238,7 @@ void rows_lanes(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_
 constexpr int64_t AVX2_LANES_MIN_ROWS = 8;
 template <int F>
 void rows_lanes_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y,
-                     int64_t N);
+                     int64_t N, const FinishBlock* finish = nullptr);
 
 // activation_rounding.cpp: each row of x [M, K] rounded to fixed point (act_max 32767 or 127) in `layout`, with the
 // sums the kernels take the zero points off with (`group`: the weight's group size)

@@ -191,11 +191,13 @@ struct Pass {
   const uint8_t* xr[MB_MAX];      // the pass's rows of x in lanes
   int64_t xm[MB_MAX];             // ... and their indices in x
   int64_t full, tail;             // whole units, and groups after them (0, 2, 4 or 6)
+  float* y;                       // where (row of x y_row0, weight row n0)'s result goes; rows ld apart
+  int64_t ld, y_row0;
 };
 
 // rows [0, rows) of a tile against the pass's MB rows of x, R_ROWS weight rows at a time
 template <int F, int MB>
-AVX2_ISA void dot_pass(const Act16& a, const QuantView& w, const Pass& p, float* y, int64_t N) {
+AVX2_ISA void dot_pass(const Act16& a, const QuantView& w, const Pass& p) {
   constexpr int R = R_ROWS;
   const int64_t nb = a.padded / BLOCK;
   for (int64_t i = 0; i < p.rows; i += R) {
@@ -239,31 +241,33 @@ AVX2_ISA void dot_pass(const Act16& a, const QuantView& w, const Pass& p, float*
           rest = add_left_over_group<F>(rest, tail[r * MB + m][(h % 2) * 4 + h / 2],
                                         a.block_sum[p.xm[m] * nb + g], sr, zr, mr, g);
         }
-        y[p.xm[m] * N + n[r]] = a.d[p.xm[m]] * (simd::hsum8(total[r * MB + m]) + rest);
+        p.y[(p.xm[m] - p.y_row0) * p.ld + n[r] - p.n0] = a.d[p.xm[m]] * (simd::hsum8(total[r * MB + m]) + rest);
       }
     }
   }
 }
 
 template <int F>
-AVX2_ISA void dot_pass_mb(int64_t mb, const Act16& a, const QuantView& w, const Pass& p, float* y, int64_t N) {
+AVX2_ISA void dot_pass_mb(int64_t mb, const Act16& a, const QuantView& w, const Pass& p) {
   static_assert(MB_MAX == 3, "dot_pass_mb: one case per pass size");
   switch (mb) {
-    case 1: dot_pass<F, 1>(a, w, p, y, N); break;
-    case 2: dot_pass<F, 2>(a, w, p, y, N); break;
-    default: dot_pass<F, 3>(a, w, p, y, N); break;
+    case 1: dot_pass<F, 1>(a, w, p); break;
+    case 2: dot_pass<F, 2>(a, w, p); break;
+    default: dot_pass<F, 3>(a, w, p); break;
   }
 }
 
 template <int F>
 AVX2_ISA void rows_lanes_avx2_isa(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y,
-                                  int64_t N) {
+                                  int64_t N, const FinishBlock* finish) {
   const int64_t full = w.groups / 8, tail = w.groups % 8, units = full + (tail ? 1 : 0);
   const int64_t w_row = units * W_UNIT_BYTES, x_row = units * X_UNIT_BYTES;
   thread_local LineVector<uint8_t> xs, ws;
+  thread_local LineVector<float> ys;   // with finish: a block's sums for a tile (gemv_quant_lanes.cpp says why)
   const int64_t tile = std::max<int64_t>(R_ROWS, AVX2_TILE_BYTES / w_row / R_ROWS * R_ROWS);
   ws.resize(std::min(tile, n1 - n0) * w_row);
   xs.resize(std::min(M, X_BLOCK) * x_row);
+  if (finish) ys.resize(std::min(M, X_BLOCK) * tile);
   for (int64_t b0 = 0; b0 < M; b0 += X_BLOCK) {
     const int64_t bm = std::min(X_BLOCK, M - b0);
     for (int64_t m = 0; m < bm; ++m)
@@ -274,10 +278,12 @@ AVX2_ISA void rows_lanes_avx2_isa(const Act16& a, int64_t M, const QuantView& w,
         for (int64_t u = 0; u < units; ++u) weight_unit<F>(w, n, u, ws.data() + (n - t0) * w_row + u * W_UNIT_BYTES);
       for (int64_t m0 = 0; m0 < bm; m0 += MB_MAX) {
         const int64_t mb = std::min<int64_t>(MB_MAX, bm - m0);
-        Pass p{ws.data(), w_row, x_row, t1 - t0, t0, {}, {}, full, tail};
+        Pass p{ws.data(), w_row, x_row, t1 - t0, t0, {}, {}, full, tail,
+               finish ? ys.data() : y + t0, finish ? tile : N, finish ? b0 : 0};
         for (int64_t m = 0; m < mb; ++m) p.xr[m] = xs.data() + (m0 + m) * x_row, p.xm[m] = b0 + m0 + m;
-        dot_pass_mb<F>(mb, a, w, p, y, N);
+        dot_pass_mb<F>(mb, a, w, p);
       }
+      if (finish) (*finish)(ys.data(), tile, b0, b0 + bm, t0, t1);
     }
   }
 }
@@ -286,13 +292,13 @@ AVX2_ISA void rows_lanes_avx2_isa(const Act16& a, int64_t M, const QuantView& w,
 
 template <int F>
 void rows_lanes_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y,
-                     int64_t N) {
-  if constexpr (FOUR_BIT<F>) rows_lanes_avx2_isa<F>(a, M, w, n0, n1, y, N);
+                     int64_t N, const FinishBlock* finish) {
+  if constexpr (FOUR_BIT<F>) rows_lanes_avx2_isa<F>(a, M, w, n0, n1, y, N, finish);
 }
 
 #define ROWS_LANES_AVX2(F)                                                                                     \
   template void rows_lanes_avx2<F>(const Act16&, int64_t, const QuantView&, int64_t, int64_t, int64_t, float*, \
-                                   int64_t);
+                                   int64_t, const FinishBlock*);
 ROWS_LANES_AVX2(INT8)
 ROWS_LANES_AVX2(UINT8)
 ROWS_LANES_AVX2(INT4)

@@ -352,29 +352,32 @@ AVX512_VNNI void rows_avx512_mode(const Act16& a, int64_t M, const QuantView& w,
 }
 
 template <int F, typename Q>
-void rows_avx512_of(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y,
-                    int64_t N) {
+bool rows_avx512_of(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y,
+                    int64_t N, const FinishBlock* finish) {
   // int8 x, many rows, groups below a chunk; batch-invariant mode too: the lanes kernel's bits are this one's
   // (tests/kernels/test_quant_prompt_rows.py)
   if constexpr (std::is_same_v<Q, int8_t> && F != UINT8)
-    if (M >= LANES_MIN_ROWS && w.groups > 1 && w.group % CHUNK != 0)
-      return rows_lanes<F>(a, M, w, K, n0, n1, y, N);
+    if (M >= LANES_MIN_ROWS && w.groups > 1 && w.group % CHUNK != 0) {
+      rows_lanes<F>(a, M, w, K, n0, n1, y, N, finish);
+      return finish != nullptr;
+    }
   if (w.groups == 1 || w.group % CHUNK == 0) rows_avx512_mode<F, true, Q>(a, M, w, K, n0, n1, y, N);
   else rows_avx512_mode<F, false, Q>(a, M, w, K, n0, n1, y, N);
+  return false;
 }
 
 }  // namespace
 
 template <int F>
-void rows_avx512(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y,
-                 int64_t N, Layout layout) {
-  if (layout == NIBBLES8W) return rows_avx512_of<F, int8_t>(a, M, w, K, n0, n1, y, N);
-  rows_avx512_of<F, int16_t>(a, M, w, K, n0, n1, y, N);
+bool rows_avx512(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y,
+                 int64_t N, Layout layout, const FinishBlock* finish) {
+  if (layout == NIBBLES8W) return rows_avx512_of<F, int8_t>(a, M, w, K, n0, n1, y, N, finish);
+  return rows_avx512_of<F, int16_t>(a, M, w, K, n0, n1, y, N, finish);
 }
 
 #define ROWS_AVX512(F)                                                                                         \
-  template void rows_avx512<F>(const Act16&, int64_t, const QuantView&, int64_t, int64_t, int64_t, float*, int64_t, \
-                               Layout);
+  template bool rows_avx512<F>(const Act16&, int64_t, const QuantView&, int64_t, int64_t, int64_t, float*, int64_t, \
+                               Layout, const FinishBlock*);
 ROWS_AVX512(INT8)
 ROWS_AVX512(UINT8)
 ROWS_AVX512(INT4)

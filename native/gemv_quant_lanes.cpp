@@ -239,12 +239,16 @@ constexpr int64_t M_BLOCK = 256;
 
 template <int F>
 LANES_ISA void rows_lanes_isa(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1,
-                              float* y, int64_t N) {
+                              float* y, int64_t N, const FinishBlock* finish) {
   const int64_t chunks = a.padded / CHUNK, row_scratch = chunks * ROW_CHUNK_BYTES;
   thread_local LineVector<uint8_t> xs, ws;   // the vectors of their rows (multiples of 64 bytes) align
+  // with finish: a block's sums for a tile (at most M_BLOCK x tile fp32, in L2) instead of y's M x N, which a
+  // prompt step of 1024 rows and 8192 columns would write to memory and read back to round them
+  thread_local LineVector<float> ys;
   const int64_t tile = std::max<int64_t>(R_ROWS, LANES_TILE_BYTES / row_scratch / R_ROWS * R_ROWS);
   ws.resize(std::min(tile, n1 - n0) * row_scratch);
   xs.resize(std::min(M, M_BLOCK) * chunks * X_CHUNK_BYTES);
+  if (finish) ys.resize(std::min(M, M_BLOCK) * tile);
   alignas(64) int32_t idx[16];
   for (int lane = 0; lane < 16; ++lane) idx[lane] = (4 * (lane % 4) + lane / 4) / static_cast<int>(w.group / BLOCK);
   const __m512i gidx = _mm512_load_si512(idx);
@@ -265,9 +269,11 @@ LANES_ISA void rows_lanes_isa(const Act16& a, int64_t M, const QuantView& w, int
         const int64_t pf1 = bytes * (p + 1) / passes / 64 * 64;
         const uint8_t* xr[MR];
         for (int64_t m = 0; m < mb; ++m) xr[m] = xs.data() + (m0 + m) * chunks * X_CHUNK_BYTES;
-        dot_pass_mb<F>(mb, ws.data(), row_scratch, t1 - t0, xr, chunks, a.d.data() + b0 + m0,
-                       y + (b0 + m0) * N + t0, N, ahead + pf0, (pf1 - pf0) / 64);
+        float* out = finish ? ys.data() + m0 * tile : y + (b0 + m0) * N + t0;
+        dot_pass_mb<F>(mb, ws.data(), row_scratch, t1 - t0, xr, chunks, a.d.data() + b0 + m0, out,
+                       finish ? tile : N, ahead + pf0, (pf1 - pf0) / 64);
       }
+      if (finish) (*finish)(ys.data(), tile, b0, b0 + bm, t0, t1);
     }
   }
 }
@@ -276,12 +282,13 @@ LANES_ISA void rows_lanes_isa(const Act16& a, int64_t M, const QuantView& w, int
 
 template <int F>
 void rows_lanes(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y,
-                int64_t N) {
-  rows_lanes_isa<F>(a, M, w, K, n0, n1, y, N);
+                int64_t N, const FinishBlock* finish) {
+  rows_lanes_isa<F>(a, M, w, K, n0, n1, y, N, finish);
 }
 
-#define ROWS_LANES(F) \
-  template void rows_lanes<F>(const Act16&, int64_t, const QuantView&, int64_t, int64_t, int64_t, float*, int64_t);
+#define ROWS_LANES(F)                                                                                            \
+  template void rows_lanes<F>(const Act16&, int64_t, const QuantView&, int64_t, int64_t, int64_t, float*, int64_t, \
+                              const FinishBlock*);
 ROWS_LANES(INT8)
 ROWS_LANES(INT4)
 ROWS_LANES(UINT4)
