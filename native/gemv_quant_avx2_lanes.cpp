@@ -195,9 +195,11 @@ struct Pass {
   int64_t ld, y_row0;
 };
 
-// rows [0, rows) of a tile against the pass's MB rows of x, R_ROWS weight rows at a time
+// rows [0, rows) of a tile against the pass's MB rows of x, R_ROWS weight rows at a time. Not inlined: inlined into
+// rows_lanes_avx2_isa, GCC 12 spilled its vectors to the stack in the inner loop (111 against 263 G multiply-adds/s
+// at 512 rows of the model's shapes, run as AVX2 on a Zen 5 core)
 template <int F, int MB>
-AVX2_ISA void dot_pass(const Act16& a, const QuantView& w, const Pass& p) {
+AVX2_ISA __attribute__((noinline)) void dot_pass(const Act16& a, const QuantView& w, const Pass& p) {
   constexpr int R = R_ROWS;
   const int64_t nb = a.padded / BLOCK;
   for (int64_t i = 0; i < p.rows; i += R) {
