@@ -8,7 +8,6 @@ import sys
 import threading
 import time
 
-import pytest
 from helpers import (
     LONG_RUN_MAX_LENGTH,
     LONG_RUN_TOKENS,
@@ -19,6 +18,7 @@ from helpers import (
     hf_greedy,
     random_prompt,
 )
+from pool_helpers import REDO_SPOILED, PremiseSpoiled
 
 import allspark_server.engine.engine as engine_module
 from allspark_client import AsStatus, GenerateRequestStatus
@@ -45,6 +45,7 @@ def test_status_sequence_and_stat_info(served_llama, monkeypatch):
     assert engine.release_request("llama", handle) == AsStatus.ALLSPARK_SUCCESS
 
 
+@REDO_SPOILED
 def test_waiting_request_is_init_and_sync_waits(served_llama, tmp_path):
     from helpers import start_engine
     _, loader = served_llama
@@ -67,7 +68,8 @@ def test_waiting_request_is_init_and_sync_waits(served_llama, tmp_path):
         for h in (h1, h2):
             assert engine.release_request("one", h) == AsStatus.ALLSPARK_SUCCESS
     else:
-        pytest.fail("the first request ran to its end before the second was looked at, 3 times: stalled process")
+        raise PremiseSpoiled("the first request ran to its end before the second was looked at, 3 times: stalled "
+                             "process")
     # max_batch=1: the second waits for the first, and so does a sync_request on it
     init_status, pending, synced_then, status_then = seen
     assert init_status == S.Init and pending >= 1

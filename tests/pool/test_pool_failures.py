@@ -55,7 +55,8 @@ def test_kill_rank1_during_stream_fails_fast(new_pool, loader):
         rank1[0].send_signal(signal.SIGCONT)     # it ended first (this process stalled): again
         stop_and_release(client, handle)
     else:
-        pytest.fail(f"the request ended before rank 1 was stopped, {PREMISE_TRIES} times: this process is stalled")
+        raise PremiseSpoiled(f"the request ended before rank 1 was stopped, {PREMISE_TRIES} times: this process is "
+                             "stalled")
 
     synced: dict = {}
 
