@@ -31,7 +31,8 @@ class LoraSlots:
         self.version = 0
         self._stacked: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None
         self._fixed = False     # the stacks keep their storage (CUDA graphs read them): refilled in place
-        self.native = None      # (version, the native LoraSlots) once the native kernels took them (step_binding)
+        self.native = None      # (version, the native LoraSlots, each slot's (B, panels)) once the native kernels
+                                # took them (step_binding.native_lora)
 
     def set(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:

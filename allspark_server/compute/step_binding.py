@@ -113,14 +113,18 @@ def lora_panels(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def native_lora(ext, lora):
     """A projection's adapters (compute/lora_slots.py LoraSlots) as the native LoraSlots: the same tensors, by slot
-    (made again when they change)."""
+    (made again when they change). Each B's panels are laid out once: a slot whose B is the same tensor as at the
+    last build keeps them, so loading or unloading one adapter does not lay out every other one again (with 8
+    adapters on SmolLM2's 30 layers that took ~0.45 s of the next decode step)."""
     if lora.native is None or lora.native[0] != lora.version:
+        kept = lora.native[2] if lora.native is not None else [None] * len(lora.b)
+        panels = [None if b is None else k[1] if k is not None and k[0] is b else lora_panels(b)
+                  for b, k in zip(lora.b, kept)]                           # the decode kernel's layout
         d = ext.LoraSlots()
         d.a, d.b = list(lora.a), list(lora.b)
-        panels = [None if b is None else lora_panels(b) for b in lora.b]      # the decode kernel's layout
         d.b_panels = [None if p is None else p[0] for p in panels]
         d.b_panel_index = [None if p is None else p[1] for p in panels]
-        lora.native = (lora.version, d)
+        lora.native = (lora.version, d, [None if b is None else (b, p) for b, p in zip(lora.b, panels)])
     return lora.native[1]
 
 

@@ -109,3 +109,26 @@ def test_panels_that_do_not_lay_out_b_are_refused():
     x, y = torch.zeros(1, 24), torch.zeros(1, sum(PARTS))
     with pytest.raises(RuntimeError, match="panel 1 lies outside"):
         ext.lora_add(y, x, bad, torch.tensor([0]), ops.isa_level(), 64)
+
+
+def test_a_changed_slot_lays_out_its_own_panels_and_the_others_keep_theirs(monkeypatch):
+    """native_lora after set / clear of one slot: only that slot's B is laid out again (the others' panels are the
+    same tensors as before), and every slot's panels equal a fresh layout of its B."""
+    import allspark_server.compute.step_binding as binding
+    ext, g = ops.native(), torch.Generator().manual_seed(31)
+    lora = _slots(24, torch.float32)
+    first = native_lora(ext, lora)
+    laid_out = []
+    monkeypatch.setattr(binding, "lora_panels", lambda b: laid_out.append(b) or lora_panels(b))
+    b2 = block_diagonal_b(g, torch.float32)
+    lora.set(2, torch.randn(PART_RANK * len(PARTS), 24, generator=g), b2)
+    second = native_lora(ext, lora)
+    assert len(laid_out) == 1 and laid_out[0] is lora.b[2]
+    for s in (0, 1, 3):
+        assert second.b_panels[s] is first.b_panels[s] and second.b_panel_index[s] is first.b_panel_index[s]
+    lora.clear(1)
+    third = native_lora(ext, lora)
+    assert len(laid_out) == 1 and third.b_panels[1] is None and third.b_panel_index[1] is None
+    for s in (0, 2, 3):
+        packed, index = lora_panels(lora.b[s])
+        assert torch.equal(third.b_panels[s], packed) and torch.equal(third.b_panel_index[s], index), s
