@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import struct
 import subprocess
 import sys
@@ -116,6 +115,7 @@ def refused(path: str, *parts: str) -> str:
 
 CHILD = textwrap.dedent("""
     import json, resource, sys, time
+    resource.setrlimit(resource.RLIMIT_DATA, (int(sys.argv[5]), int(sys.argv[5])))
     from allspark_server import HuggingFaceModel
     from allspark_server.loader.hf_model import ModelSerializerException
     path, what = sys.argv[1], sys.argv[2]
@@ -142,13 +142,15 @@ CHILD = textwrap.dedent("""
 
 def in_child(path: str, tmp_path, what: str = "config") -> dict:
     """Load `path` (`what`: the config, also the tokenizer, or an Engine install with a 64 MiB KV budget at the
-    file's context) in a child process bounded in time and data; its result (ok, error, grew: peak RSS growth)."""
-    def limit():
-        resource.setrlimit(resource.RLIMIT_DATA, (CHILD_DATA_BYTES, CHILD_DATA_BYTES))
+    file's context) in a child process bounded in time and data; its result (ok, error, grew: peak RSS growth). The
+    child sets its own data limit first thing: with a preexec_fn the fork runs Python's at-fork handlers in the child
+    (gRPC's among them, this process having loaded gRPC), and once such a child aborted in gRPC's poller (EBADF in
+    epoll_wait, rc -6)."""
     env = dict(os.environ, PYTHONPATH=ROOT, HOME=str(tmp_path))      # a tokenizer cache of its own
-    args = [sys.executable, "-c", CHILD, path, what, os.path.join(ROOT, "tests"), str(tmp_path / "out")]
+    args = [sys.executable, "-c", CHILD, path, what, os.path.join(ROOT, "tests"), str(tmp_path / "out"),
+            str(CHILD_DATA_BYTES)]
     try:
-        p = subprocess.run(args, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, preexec_fn=limit)
+        p = subprocess.run(args, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         pytest.fail(f"loading {path} ran past {CHILD_TIMEOUT_S} s")
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
