@@ -54,16 +54,24 @@ __all__ = ["MULTI_HOST_KEEPALIVE", "RankPlacement", "build_command", "check_mult
            "openmpi_prefix", "parse_args", "parse_cpu_list", "place_gpu_ranks", "place_ranks", "read_topology"]
 
 
-def _die_with_parent() -> None:
-    """In the mpirun child before exec (Linux): SIGTERM when the launcher dies."""
-    import ctypes
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:   # the launcher already died
-        os._exit(1)
+# What mpirun's process runs first (Linux), then becomes mpirun: SIGTERM when the launcher dies, and an exit at once if
+# it already has. Not a preexec_fn: one makes subprocess run Python's at-fork handlers in the forked child, gRPC's among
+# them, and a child doing that has aborted in gRPC's poller before its exec (tests/models/test_gguf_limits.py)
+DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))   # PR_SET_PDEATHSIG, kept across exec
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def dying_with_this_process(cmd: list[str]) -> list[str]:
+    """`cmd` started so that it gets SIGTERM when this process dies (DIE_WITH_PARENT)."""
+    return [sys.executable, "-S", "-c", DIE_WITH_PARENT, str(os.getpid()), *cmd]
 
 
 OWNER_GONE_GRACE_S = 5.0   # a pool whose owner is gone: time for rank 0's clean stop before mpirun is ended
@@ -206,8 +214,8 @@ def main(argv=None) -> int:
     # killed outright, mpirun gets SIGTERM and takes the ranks down instead of orphaning the pool
     outputs = [os.path.join(run_dir, name) for name in ("mpirun.out", "mpirun.err")]
     with open(outputs[0], "wb") as out, open(outputs[1], "wb") as err:
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent,
-                                stdout=out, stderr=err)
+        proc = subprocess.Popen(dying_with_this_process(cmd), env=env, start_new_session=True, stdout=out,
+                                stderr=err)
     watch = MpirunWatch(proc, *outputs)
     signal.signal(signal.SIGTERM, lambda *_: stop_pool(proc, args.pid_file))   # rank 0 shuts the pool down cleanly
     signal.signal(signal.SIGINT, lambda *_: stop_pool(proc, args.pid_file))
