@@ -55,13 +55,6 @@ inline void key_rows(const int64_t* spans, int64_t ctx, int64_t P, int64_t KVH, 
 // layers) keeps the keys t with (ctx - 1) - t < window, as HF's sliding-window mask; 0 keeps them all.
 inline int64_t window_start(int64_t ctx, int64_t window) { return window > 0 && window < ctx ? ctx - window : 0; }
 
-template <int Locality>
-__attribute__((always_inline)) inline void prefetch_row(const void* row, int64_t nbytes) {
-  const char* p = static_cast<const char*>(row);
-  for (int64_t b = 0; b < nbytes; b += 64) __builtin_prefetch(p + b, 0, Locality);
-}
-
-
 // the prefetches made while scoring key t; a cache row (one token, KV head) is row_bytes long, rows: key_rows
 __attribute__((always_inline)) inline void prefetch_for_key(const void* k_cache, const void* v_cache,
                                                             int64_t row_bytes, const int64_t* rows, int64_t t,
@@ -69,9 +62,9 @@ __attribute__((always_inline)) inline void prefetch_for_key(const void* k_cache,
   const char* k = static_cast<const char*>(k_cache);
   const char* v = static_cast<const char*>(v_cache);
   if (t == 0)
-    for (int64_t u = 0; u < std::min(PREFETCH_AHEAD, ctx); ++u) prefetch_row<3>(k + rows[u] * row_bytes, row_bytes);
-  if (t + PREFETCH_AHEAD < ctx) prefetch_row<3>(k + rows[t + PREFETCH_AHEAD] * row_bytes, row_bytes);
-  prefetch_row<2>(v + rows[t] * row_bytes, row_bytes);
+    for (int64_t u = 0; u < std::min(PREFETCH_AHEAD, ctx); ++u) simd::prefetch_row<3>(k + rows[u] * row_bytes, row_bytes);
+  if (t + PREFETCH_AHEAD < ctx) simd::prefetch_row<3>(k + rows[t + PREFETCH_AHEAD] * row_bytes, row_bytes);
+  simd::prefetch_row<2>(v + rows[t] * row_bytes, row_bytes);
 }
 
 // ALiBi (allspark_server/compute/alibi.py): the G score rows [ctx] of one query at position ctx - 1 get
@@ -260,7 +253,7 @@ inline void weighted_rows_avx2(const typename Row::Ptr* rows, int64_t ctx, int64
     const int64_t at = Row::byte_of(j, D), span = Row::byte_of(j + 31, D) - at + 1;
     for (int64_t t = 0; t < ctx; ++t) {
       if (t + PREFETCH_AHEAD < ctx)
-        prefetch_row<3>(reinterpret_cast<const char*>(rows[t + PREFETCH_AHEAD]) + at, span);
+        simd::prefetch_row<3>(reinterpret_cast<const char*>(rows[t + PREFETCH_AHEAD]) + at, span);
       __m256 v[4];
       for (int i = 0; i < 4; ++i) v[i] = Row::load8(rows[t], j + 8 * i, D);
       for (int h = 0; h < NH; ++h) {
@@ -337,7 +330,7 @@ inline void weighted_rows_avx512(const typename Row::Ptr* rows, int64_t ctx, int
     for (int i = 0; i < NJ; ++i) a[h][i] = _mm512_setzero_ps();
   const int64_t at = Row::byte_of(j, D), span = Row::byte_of(j + 16 * NJ - 1, D) - at + 1;
   for (int64_t t = 0; t < ctx; ++t) {
-    if (t + PREFETCH_AHEAD < ctx) prefetch_row<3>(reinterpret_cast<const char*>(rows[t + PREFETCH_AHEAD]) + at, span);
+    if (t + PREFETCH_AHEAD < ctx) simd::prefetch_row<3>(reinterpret_cast<const char*>(rows[t + PREFETCH_AHEAD]) + at, span);
     __m512 v[NJ];
     for (int i = 0; i < NJ; ++i) v[i] = Row::load16(rows[t], j + 16 * i, D);
     for (int h = 0; h < NH; ++h) {

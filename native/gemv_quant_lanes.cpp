@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "gemv_quant.h"
+#include "simd.h"
 
 namespace qgemv {
 namespace {
@@ -233,20 +234,14 @@ LANES_ISA void dot_pass_mb(int64_t mb, const uint8_t* ws, int64_t row_scratch, i
   }
 }
 
-// lines [p, p + bytes) into L2
-LANES_ISA inline void prefetch_l2(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
-}
-
 // weight rows [r0, r1)'s per-group values (scales; zero points or mins) into L2 ahead of their transform: they lie
 // apart from the codes, which dot_pass brings in a tile ahead, and waiting for them took a fifth of the transform's
 // time at 32 rows of x
 LANES_ISA inline void prefetch_groups(const QuantView& w, int64_t r0, int64_t r1) {
   if (r1 <= r0) return;
-  prefetch_l2(w.scales + r0 * w.groups, (r1 - r0) * w.groups * 2);
-  if (w.zeros) prefetch_l2(w.zeros + r0 * w.groups, (r1 - r0) * w.groups);
-  if (w.mins) prefetch_l2(w.mins + r0 * w.groups, (r1 - r0) * w.groups * 2);
+  simd::prefetch_row<2>(w.scales + r0 * w.groups, (r1 - r0) * w.groups * 2);
+  if (w.zeros) simd::prefetch_row<2>(w.zeros + r0 * w.groups, (r1 - r0) * w.groups);
+  if (w.mins) simd::prefetch_row<2>(w.mins + r0 * w.groups, (r1 - r0) * w.groups * 2);
 }
 
 // rows of x per block: each block's x in lanes (M_BLOCK * chunks * X_CHUNK_BYTES) is made once and met by every tile
@@ -269,7 +264,7 @@ LANES_ISA void rows_lanes_isa(const Act16& a, int64_t M, const QuantView& w, int
   for (int lane = 0; lane < 16; ++lane) idx[lane] = (4 * (lane % 4) + lane / 4) / static_cast<int>(w.group / BLOCK);
   const __m512i gidx = _mm512_load_si512(idx);
   // the first tile's codes and groups come in while x is brought into lanes; each later one's a tile ahead
-  prefetch_l2(w.codes + n0 * w.row_bytes, (std::min(n1, n0 + tile) - n0) * w.row_bytes);
+  simd::prefetch_row<2>(w.codes + n0 * w.row_bytes, (std::min(n1, n0 + tile) - n0) * w.row_bytes);
   prefetch_groups(w, n0, std::min(n1, n0 + tile));
   for (int64_t b0 = 0; b0 < M; b0 += M_BLOCK) {
     const int64_t bm = std::min(M_BLOCK, M - b0), passes = (bm + MR - 1) / MR;

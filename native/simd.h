@@ -1,6 +1,6 @@
 // SIMD helpers shared by the kernels: AVX-512 16-lane and AVX2 8-lane loads of fp32 or bf16 rows (bf16 widened
 // to fp32), 16 horizontal sums at once, bf16 rounding, exp for non-positive arguments and tanh at both widths, 16- and 8-lane stores, an AVX2
-// horizontal sum, and the AVX2 kernels' software prefetch of a weight stream. Every function carries its own target
+// horizontal sum, the AVX2 kernels' software prefetch of a weight stream, and a range of lines prefetched at once. Every function carries its own target
 // attribute, so including this header does not require AVX-512 from the rest of a file; callers select at run
 // time.
 #pragma once
@@ -180,6 +180,13 @@ constexpr int64_t STREAM_PREFETCH_BYTES = 2048;
 
 __attribute__((always_inline)) inline void prefetch_stream(const void* line) {
   __builtin_prefetch(static_cast<const char*>(line) + STREAM_PREFETCH_BYTES, 0, 3);
+}
+
+// every 64-byte line of [row, row + nbytes) asked for at __builtin_prefetch's Locality (3: all levels, 2: L2)
+template <int Locality>
+__attribute__((always_inline)) inline void prefetch_row(const void* row, int64_t nbytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int64_t b = 0; b < nbytes; b += 64) __builtin_prefetch(p + b, 0, Locality);
 }
 
 // v rounded to the activation dtype T (a no-op for fp32), as an eager op's result would be

@@ -62,7 +62,7 @@ __attribute__((always_inline)) inline void attend(const T* q, const T* k_cache, 
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t t = 0; t < ctx; ++t) {
     if (t + attn::PREFETCH_AHEAD < ctx)   // see span_attention_quant.cpp: the V rows asked for while scoring
-      attn::prefetch_row<3>(v_cache + rows[t + attn::PREFETCH_AHEAD] * D, D * sizeof(T));
+      simd::prefetch_row<3>(v_cache + rows[t + attn::PREFETCH_AHEAD] * D, D * sizeof(T));
     const T* vr = v_cache + rows[t] * D;
     for (int64_t h = 0; h < G; ++h) {
       const float p = scores[h * ctx + t];
@@ -173,7 +173,7 @@ DP_ISA void dp_values(const at::BFloat16* v_cache, const int64_t* rows, int64_t 
   for (int64_t t = 0; t < ctx; t += 2) {
     const bool pair = t + 1 < ctx;
     for (int64_t u = t + attn::PREFETCH_AHEAD; u < std::min(ctx, t + attn::PREFETCH_AHEAD + 2); ++u)
-      attn::prefetch_row<3>(reinterpret_cast<const char*>(v_cache + rows[u] * D + j), span);
+      simd::prefetch_row<3>(reinterpret_cast<const char*>(v_cache + rows[u] * D + j), span);
     const at::BFloat16* v0 = v_cache + rows[t] * D + j;
     const at::BFloat16* v1 = pair ? v_cache + rows[t + 1] * D + j : nullptr;
     __m512bh wp[NH];

@@ -186,7 +186,7 @@ __attribute__((always_inline)) inline void attend(const T* q, const uint8_t* kc,
     std::fill(s.acc.begin(), s.acc.end(), 0.f);
     for (int64_t t = 0; t < ctx; ++t) {
       if (t + attn::PREFETCH_AHEAD < ctx)   // the rows asked for into L2 while scoring have often left it
-        attn::prefetch_row<3>(vc + s.rows[t + attn::PREFETCH_AHEAD] * W, W);
+        simd::prefetch_row<3>(vc + s.rows[t + attn::PREFETCH_AHEAD] * W, W);
       const int64_t r = s.rows[t];
       widen<M>(vc + r * W, D, row);
       const float vs = vp[2 * r], vz = vp[2 * r + 1];

@@ -118,8 +118,12 @@ def native_lora(ext, lora):
     adapters on SmolLM2's 30 layers that took ~0.45 s of the next decode step)."""
     if lora.native is None or lora.native[0] != lora.version:
         kept = lora.native[2] if lora.native is not None else [None] * len(lora.b)
-        panels = [None if b is None else k[1] if k is not None and k[0] is b else lora_panels(b)
-                  for b, k in zip(lora.b, kept)]                           # the decode kernel's layout
+
+        def laid_out(b, k):                     # the decode kernel's layout of B, or the one kept for that very B
+            if b is None:
+                return None
+            return k[1] if k is not None and k[0] is b else lora_panels(b)
+        panels = [laid_out(b, k) for b, k in zip(lora.b, kept)]
         d = ext.LoraSlots()
         d.a, d.b = list(lora.a), list(lora.b)
         d.b_panels = [None if p is None else p[0] for p in panels]
