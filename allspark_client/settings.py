@@ -139,8 +139,9 @@ NO_NATIVE = _declare("ALLSPARK_NO_NATIVE", bool, False, "user", """
 BATCH_INVARIANT = _declare("ALLSPARK_BATCH_INVARIANT", bool, False, "user", """
     1: a request's output does not depend on the requests batched with it (CPU ranks): every row count takes the
     native kernels, each row summed in the order it is alone, and prompt rows attend as decode rows do. Costs
-    decode throughput with many streams and prompt speed (docs/api.md, "Batch invariance"). Read at the first
-    kernel call of the process.""")
+    decode throughput with many streams and prompt speed (docs/api.md, "Batch invariance"). GPU ranks: only the
+    invariant bf16 / fp16 GEMV of up to 16 rows. Read at the first kernel call of the process (GPU ranks: as a model
+    is installed).""")
 KV_PREFAULT = _declare("ALLSPARK_KV_PREFAULT", bool, True, "user", """
     1: a CPU rank's KV cache is written once when the model is installed, so its pages exist before the first
     request (no decode step waits for the kernel to clear a fresh page). 0: pages come as spans are first written:

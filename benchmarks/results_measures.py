@@ -106,7 +106,9 @@ MEASURES = {
     "speculative-verify": ("GPU: what a speculative verify step costs", "`speculative_verify_cost.py --model "
                            "smollm2|7b --layers 8 --max-batch 4 --ctx 1,1024 --extra 3,5,6`: the decode graphs' "
                            "replay times by row count (the 7B-wide model with 8 of its 32 layers) and the verify "
-                           "graph's of 5 rows (alone-rows mode: each row computed as a one-row step).",
+                           "graph's of 5 rows (alone-rows mode: each row computed as a one-row step; a speculating "
+                           "model of hidden size >= 2048 in invariant-rows mode, against its own and a plain model's "
+                           "one-row graph).",
                            speculative_verify),
     "engines": ("CPU: Engine against transformers", "`run.py`: batch-1 decode, concurrency, TTFT, 2-rank pool; "
                 "0.5 B Llama-shaped model, random weights.", engines),

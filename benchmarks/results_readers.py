@@ -318,9 +318,11 @@ def speculative_verify(r: dict) -> list:
     for model, m in r["models"].items():
         for ctx, c in m["by_ctx"].items():
             verify = c["over_size1"].get("v5")
+            plain = c.get("over_plain_size1", {}).get("v5")
             rows.append({"model": model, "context": ctx, "1 row (ms)": f(c["ms"]["1"], 3),
                          **{f"{n} rows / 1": x(c["over_size1"].get(n)) for n in ("2", "4", "5", "8")},
-                         "verify graph, 5 rows / 1": x(verify)})
+                         "verify graph, 5 rows / 1": x(verify),
+                         "verify / plain model's 1 row": x(plain) if plain else "-"})
     return rows
 
 

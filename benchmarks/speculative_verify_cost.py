@@ -2,7 +2,9 @@
 (runner/cuda_graphs.py) per ladder size and of the verify graphs (captured in alone-rows mode, 1 + k rows per
 request: "v5" is a verify chunk of batch 1 at k = 4), for a model installed with ngram speculation. Plain sizes
 missing from the ladder (1 + k itself, say) are captured here the way DecodeGraphs captures its own, to show what
-a verify step of plain decode rows would cost.
+a verify step of plain decode rows would cost. The same model installed without speculation ("plain": its decode
+GEMVs are not the batch-invariant ones a speculating model takes, compute/row_mode.py) gives the one-row graph the
+verify graph is also set against.
 
     python benchmarks/speculative_verify_cost.py --model smollm2 --json out.json
     python benchmarks/speculative_verify_cost.py --model 7b --layers 8          # 7B-wide random bf16 layers
@@ -60,10 +62,12 @@ def main(argv=None) -> None:
         loader = HuggingFaceModel(path, "m", user_set_data_type=dtype).load_model()
         loader.serialize(None, model_output_dir=tmp)
         engine = Engine()
-        b = (loader.create_reference_runtime_config_builder("m", "cuda", [0], max_batch=a.max_batch)
-             .max_length(2048).kv_cache_span_size(32).speculative_decoding("ngram", a.tokens))
-        engine.install_model(b.build())
+        for name in ("m", "plain"):
+            b = (loader.create_reference_runtime_config_builder(name, "cuda", [0], max_batch=a.max_batch)
+                 .max_length(2048).kv_cache_span_size(32))
+            engine.install_model((b.speculative_decoding("ngram", a.tokens) if name == "m" else b).build())
         loader.free_model()
+        plain = engine._models["plain"].runner.graphs
         report["install_s"] = round(time.time() - t0 - built, 1)
         g = engine._models["m"].runner.graphs
         assert g is not None, "no decode graphs (ALLSPARK_CUDA_GRAPHS off?)"
@@ -81,23 +85,32 @@ def main(argv=None) -> None:
             g.slots.fill_(g.scratch_slot + (ctx - 1) % g.span_size)
             g.ctx.fill_(ctx)
             g.ids.copy_(torch.randint(0, 1000, (n,), device=g.ids.device))
+            plain.positions.fill_(ctx - 1)
+            plain.slots.fill_(plain.scratch_slot + (ctx - 1) % plain.span_size)
+            plain.ctx.fill_(ctx)
             times = {s: replay_median_ms(graphs[s], a.repeats) for s in order}
+            plain1 = replay_median_ms(plain.graphs[1], a.repeats)
             again1 = replay_median_ms(graphs["1"], a.repeats)
             rows[ctx] = {"ms": {s: round(t, 4) for s, t in times.items()}, "ms_size1_again": round(again1, 4),
-                         "over_size1": {s: round(t / times["1"], 3) for s, t in times.items()}}
+                         "over_size1": {s: round(t / times["1"], 3) for s, t in times.items()},
+                         "plain_model_size1_ms": round(plain1, 4),
+                         "over_plain_size1": {s: round(t / plain1, 3) for s, t in times.items()}}
             print(f"{a.model} ctx {ctx}: " + "  ".join(f"{s}:{t:.3f}ms({t / times['1']:.2f}x)"
                                                       for s, t in times.items()) + f"  1 again:{again1:.3f}",
                   flush=True)
-        g.positions.zero_()
-        g.slots.fill_(g.scratch_slot)
-        g.ctx.fill_(1)
-        g.ids.zero_()
+        for pg in (g, plain):   # the padding rows' state again
+            pg.positions.zero_()
+            pg.slots.fill_(pg.scratch_slot)
+            pg.ctx.fill_(1)
+            pg.ids.zero_()
         report["by_ctx"] = rows
         v = 1 + a.tokens
         report["verify_rows"] = v
         report["verify_padded_to"] = next((s for s in g.sizes if s >= v), None)   # None: only a verify graph holds it
         report["verify_graph_over_size1"] = {ctx: r["over_size1"].get(f"v{v}") for ctx, r in rows.items()}
+        report["verify_graph_over_plain_size1"] = {ctx: r["over_plain_size1"].get(f"v{v}") for ctx, r in rows.items()}
         engine.release_model("m")
+        engine.release_model("plain")
     print(json.dumps(report), flush=True)
     if a.json:
         write_report(a.json, report)

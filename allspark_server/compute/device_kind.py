@@ -51,10 +51,13 @@ class DeviceKind:
     collectives_use_nccl     the pool's tensor collectives run over NCCL between the ranks' devices (comm.use_gpu)
     vision_forward_patches   image patches one forward of a vision tower takes (engine/image_batcher.py): a GPU's
                              forward over many images is short, a CPU's is not (running decodes wait for it)
+    has_invariant_rows_mode  row_mode.invariant_rows selects kernels here (a GPU's tensor-core GEMV), which a
+                             speculating model's runner turns on; a CPU's alone-rows kernels are invariant already
     """
     device: torch.device
 
     captures_decode_graphs: ClassVar[bool]
+    has_invariant_rows_mode: ClassVar[bool]
     kv_scratch_spans: ClassVar[int]
     pins_host_tiers: ClassVar[bool]
     kv_budget_from_host_ram: ClassVar[bool]
@@ -99,6 +102,7 @@ class DeviceKind:
 class HostDevice(DeviceKind):
     """A CPU rank: every tensor in host RAM, the native kernels, nothing queued (synchronize has nothing to wait on)."""
     captures_decode_graphs: ClassVar[bool] = False
+    has_invariant_rows_mode: ClassVar[bool] = False
     kv_scratch_spans: ClassVar[int] = 0
     pins_host_tiers: ClassVar[bool] = False
     kv_budget_from_host_ram: ClassVar[bool] = True

@@ -17,7 +17,7 @@ from allspark_client.types import AsCacheMode
 from allspark_server.compute import ops
 from allspark_server.compute.device_choice import rank_device_kind
 from allspark_server.compute.op_profile import OpProfiler, timed
-from allspark_server.compute.row_mode import alone_rows
+from allspark_server.compute.row_mode import alone_rows, invariant_rows
 from allspark_server.core.messages import StepPlan
 from allspark_server.layers.rotary import fit_rotary
 from allspark_server.layers.sharding import TPLayout
@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 # GPU ranks: the auto budget takes at most this share of the GPU memory left free once the weights are loaded
 # (DashInfer's BFC_MEM_RATIO plays this part); the rest is for activations, cuBLAS workspaces and graphs
 AUTO_KV_GPU_FRACTION = 0.8
+# the hidden size from which a speculating GPU model takes invariant rows. Below it one-row steps are latency-bound
+# and the tensor-core GEMV's longer chain of loads costs them more than its one-read verify steps win back (measured
+# on SmolLM2 and a 7B-wide model: docs/speculative.md, "On a GPU")
+INVARIANT_MIN_HIDDEN = 2048
 KV_MODE_NAMES = {AsCacheMode.AsCacheDefault: None, AsCacheMode.AsCacheQuantI8: "int8",
                  AsCacheMode.AsCacheQuantU4: "uint4"}
 
@@ -85,6 +89,11 @@ class ModelRunner:
         # what a decode step reads on each rank, and its memory's bandwidth (install_runner): the MBU of the stat
         self.rank_decode_bytes: list[DecodeBytes] = []
         self.graphs = None   # GPU ranks: runner/cuda_graphs.py
+        # a speculating model on a GPU, from INVARIANT_MIN_HIDDEN, runs every step and capture in invariant-rows mode
+        # (compute/row_mode.py): its one-row steps then take the kernel whose rows a verify chunk reproduces from one
+        # weight read
+        speculating = cfg.speculative_tokens > 0 and args.hidden_size >= INVARIANT_MIN_HIDDEN
+        self.invariant_rows = self.device_kind.has_invariant_rows_mode and (speculating or ops.batch_invariant())
         # profiling on: this rank's op timings (compute/op_profile.py), handed to the model after the graphs' capture
         self.profiler = OpProfiler(self.device) if cfg.enable_profiling else None
         self.asleep = None   # while unload_device_mem has freed the weights: what wake restores (residency.py)
@@ -123,9 +132,10 @@ class ModelRunner:
             k = self.cfg.speculative_tokens
             verify = tuple((1 + k) * n for n in range(1, min(self.cfg.engine_max_batch,
                                                                  self.cfg.speculative_batch) + 1)) if k else ()
-            self.graphs = DecodeGraphs(self.model, self.kv, self.cfg.engine_max_batch,
-                                       -(-self.cfg.engine_max_length // self.span_size), self.num_spans,
-                                       self.span_size, self.device, verify)
+            with invariant_rows(self.invariant_rows):
+                self.graphs = DecodeGraphs(self.model, self.kv, self.cfg.engine_max_batch,
+                                           -(-self.cfg.engine_max_length // self.span_size), self.num_spans,
+                                           self.span_size, self.device, verify)
         self.model.profiler = self.profiler
 
     def max_num_spans(self, share: "kv_budget.MachineShare") -> int:
@@ -172,14 +182,15 @@ class ModelRunner:
         before the next step. A plan with `tokens_on_device`: `tokens` [N] are the input ids on rank 0's GPU (the
         previous step's samples), sent from there to the other ranks' GPUs."""
         prof = self.profiler
-        if prof is None:
-            return self._execute(plan, tokens, None)
-        prof.resolve()           # a GPU's events of the steps before, those it has passed
-        start = prof.mark()
-        try:
-            return self._execute(plan, tokens, prof)
-        finally:
-            prof.add_step(start)
+        with invariant_rows(self.invariant_rows):
+            if prof is None:
+                return self._execute(plan, tokens, None)
+            prof.resolve()           # a GPU's events of the steps before, those it has passed
+            start = prof.mark()
+            try:
+                return self._execute(plan, tokens, prof)
+            finally:
+                prof.add_step(start)
 
     def _execute(self, plan: StepPlan, tokens, prof: OpProfiler | None):
         self.last_rows = None
@@ -237,7 +248,8 @@ class ModelRunner:
                 lora.stacked()
         if first:
             self.model.profiler = None          # a capture records no op timings
-            self.graphs.capture_lora()
+            with invariant_rows(self.invariant_rows):
+                self.graphs.capture_lora()
             self.model.profiler = self.profiler
 
     def _forward_inputs(self, chunks):

@@ -19,7 +19,7 @@ from test_triton_quant import quantized  # noqa: E402
 
 from allspark_server.compute.cuda import cuda_ops  # noqa: E402
 from allspark_server.compute.cuda import gemv_kernels as gk  # noqa: E402
-from allspark_server.compute.row_mode import alone, alone_rows  # noqa: E402
+from allspark_server.compute.row_mode import alone, alone_rows, invariant, invariant_rows  # noqa: E402
 
 ROWS, K, N = 3, 64, 8          # small: the Triton interpreter runs every program on the host
 
@@ -40,6 +40,55 @@ def test_the_mode_nests_and_ends():
             assert not alone()
         assert alone()
     assert not alone()
+
+
+def test_invariant_mode_nests_and_ends():
+    assert not invariant()
+    with invariant_rows():
+        assert invariant() and not alone()
+        with invariant_rows(False):
+            assert not invariant()
+        assert invariant()
+    assert not invariant()
+
+
+def weight(n: int, k: int, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
+    return (torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) / k ** 0.5).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5, 16, 21])
+def test_invariant_rows_equal_each_row_alone_and_float64(dtype, rows):
+    """Invariant rows (the tensor-core GEMV): each of up to 16 rows (and, in alone-rows mode, of any number: blocks
+    of 16) is bit for bit what it is alone, linear with and without a bias and gate_up·silu; the sums against a
+    float64 reference within the output's rounding (k = 200: a partial k-tile, n = 40: a partial n tile)."""
+    n, k = 40, 200
+    w, gate_up = weight(n, k, 11, dtype), weight(2 * n, k, 12, dtype)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(13)).to(DEVICE, dtype)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(DEVICE, dtype)
+    with invariant_rows(), alone_rows(rows > gk.INVARIANT_MAX_ROWS):
+        assert gk.fits(x, w) and gk.fits_silu_mul(x, gate_up)
+        y, y_bias, mlp = cuda_ops.linear(x, w), cuda_ops.linear(x, w, bias), cuda_ops.gate_up_silu_mul(x, gate_up)
+        assert_same_bits(y, rows_alone(lambda r: cuda_ops.linear(r, w), x))
+        assert_same_bits(y_bias, rows_alone(lambda r: cuda_ops.linear(r, w, bias), x))
+        assert_same_bits(mlp, rows_alone(lambda r: cuda_ops.gate_up_silu_mul(r, gate_up), x))
+    want = x.double() @ w.double().T
+    tol = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+    assert ((y.double() - want).abs() <= tol * want.abs() + 1e-3).all()
+    assert ((y_bias.double() - want - bias.double()).abs() <= tol * (want + bias.double()).abs() + 1e-3).all()
+    g, u = (x.double() @ gate_up.double().T).split(n, -1)
+    want_mlp = torch.nn.functional.silu(g) * u
+    assert ((mlp.double() - want_mlp).abs() <= 4 * tol * want_mlp.abs() + 2e-3).all()
+
+
+def test_invariant_rows_past_the_block_take_cublas_outside_alone_rows():
+    x, w = x_rows(), weight(N, K, 4)
+    wide = torch.randn(gk.INVARIANT_MAX_ROWS + 1, K).to(DEVICE, torch.bfloat16)
+    with invariant_rows():
+        assert gk.fits(x, w) and not gk.fits(wide, w)
+        assert not gk.fits(x.float(), w.float())         # fp32: cuBLAS
+        with alone_rows():
+            assert gk.fits(wide, w)
 
 
 def test_dense_rows_take_the_gemv_and_equal_each_row_alone():

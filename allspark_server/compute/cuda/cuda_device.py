@@ -18,6 +18,7 @@ from allspark_server.compute.device_kind import DeviceKind
 class CudaDevice(DeviceKind):
     """A GPU rank: weights and KV cache in device memory, work queued on streams, decode steps in CUDA graphs."""
     captures_decode_graphs: ClassVar[bool] = True
+    has_invariant_rows_mode: ClassVar[bool] = True
     kv_scratch_spans: ClassVar[int] = 1
     pins_host_tiers: ClassVar[bool] = True
     kv_budget_from_host_ram: ClassVar[bool] = False

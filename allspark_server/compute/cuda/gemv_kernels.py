@@ -7,6 +7,13 @@ Why not cuBLAS: at one row a linear layer is a pure weight stream, which cuBLAS 
 batch-1 step 1.15x faster). Each program owns BLOCK_N rows of w and walks K in BLOCK_K tiles with K contiguous,
 one fp32 sum per output, rounded once into x's dtype (cuBLAS rounds once too; only the order of the fp32 sum
 differs). More rows, fp32 or other layouts stay with cuBLAS (`fits`).
+
+Batch-invariant rows (row_mode.invariant(): a speculating model on a GPU): `_rows_dot_kernel` instead, on tensor
+cores. A program takes BLOCK_N weight rows as the MMA's M side and up to 16 rows of x, padded with zeros, as its N
+side, so one compiled kernel runs the same instructions for 1 to 16 rows and a row's sums never depend on the others:
+a verify chunk's k + 1 rows read the weight once and come out as each would alone. At one row it streams the weight
+~6% slower than the FMA kernel (7B shapes, H200: benchmarks/results/exact-rows-micro-h200.json), at five rows
+~3.5x faster than a program per row.
 """
 from __future__ import annotations
 
@@ -109,6 +116,64 @@ def _gemv_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_r
     tl.store(dst, y.to(dt), mask=(offs_m < M)[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _dot_tiles(acc, acc_up, rows, up, x, offs_m, m_ok, n_ok, k0, K, stride_xm, SILU_MUL: tl.constexpr,
+               BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr, FIRST: tl.constexpr, PDL: tl.constexpr):
+    """acc [BN, 16] plus the k-tile [k0, k0 + BLOCK_K) of the weight rows met by x's rows (and acc_up the up rows',
+    with SILU_MUL) on tensor cores. FIRST: the tile the program starts with, its weight read before the PDL wait."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    ok = n_ok[:, None] & k_ok[None, :]
+    wt = tl.load(rows + offs_k[None, :], mask=ok, other=0.0, eviction_policy="evict_first")      # [BN, BK]
+    wu = wt
+    if SILU_MUL:
+        wu = tl.load(up + offs_k[None, :], mask=ok, other=0.0, eviction_policy="evict_first")
+    if FIRST:
+        wait_for_previous(PDL)
+    xt = tl.load(x + offs_m[None, :] * stride_xm + offs_k[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+    if SOFT_BF16:   # the interpreter's dot of 16-bit floats is wrong: theirs in fp32 (products and sums exact)
+        wt, wu, xt = wt.to(tl.float32), wu.to(tl.float32), xt.to(tl.float32)
+    acc = tl.dot(wt, xt, acc)
+    if SILU_MUL:
+        acc_up = tl.dot(wu, xt, acc_up)
+    return acc, acc_up
+
+
+@triton.jit
+def _rows_dot_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_rows, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, SOFT_BF16: tl.constexpr,
+                     PDL: tl.constexpr):
+    """Program (n tile, block of 16 rows of x): out[rows, n] = sum_k x[rows, k] w[n, k] (+ bias[n]) as
+    tl.dot(w tile [BN, BK], x^T tile [BK, 16]) over the k-tiles, rows past M zero; rounded and, with SILU_MUL,
+    silu(gate) * up as _gemv_kernel does. Every block of rows runs the same instructions: batch invariant."""
+    allow_next(PDL)
+    row0 = tl.program_id(1) * 16
+    offs_m = tl.arange(0, 16)
+    m_ok = offs_m < M - row0
+    x += row0.to(tl.int64) * stride_xm
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows = w + offs_n.to(tl.int64)[:, None] * stride_wn                                 # [BN, 1]
+    up = rows + up_rows * stride_wn
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    acc, acc_up = _dot_tiles(acc, acc_up, rows, up, x, offs_m, m_ok, n_ok, 0, K, stride_xm, SILU_MUL, BLOCK_K,
+                             SOFT_BF16, True, PDL)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        acc, acc_up = _dot_tiles(acc, acc_up, rows, up, x, offs_m, m_ok, n_ok, k0, K, stride_xm, SILU_MUL, BLOCK_K,
+                                 SOFT_BF16, False, PDL)
+    dt = out.dtype.element_ty
+    if HAS_BIAS:
+        acc += tl.load(bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        if SILU_MUL:
+            acc_up += tl.load(bias + up_rows + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    y = _round(acc, dt, SOFT_BF16)
+    if SILU_MUL:
+        y = _silu_mul_rounded(y, _round(acc_up, dt, SOFT_BF16), dt, SOFT_BF16)
+    dst = out + (row0 + offs_m).to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+    tl.store(dst, y.to(dt), mask=m_ok[None, :] & n_ok[:, None])
+
+
 @dataclass(frozen=True)
 class GemvConfig:
     block_n: int
@@ -126,6 +191,20 @@ def choose_config(k: int) -> GemvConfig:
     return GemvConfig(block_n=2, block_k=min(4096 if k >= 8192 else 2048, triton.next_power_of_2(k)), num_warps=8)
 
 
+# batch-invariant rows: up to INVARIANT_MAX_ROWS (one block of the kernel's 16) take _rows_dot_kernel
+INVARIANT_MAX_ROWS = 16
+
+
+def choose_dot_config(n: int) -> GemvConfig:
+    """_rows_dot_kernel's tile for n outputs, from benchmarks/exact_rows_micro.py's sweep on an H200 over the 7B
+    shapes: 64 weight rows a program with 4 warps where n is 2048..8191 (the o and down projections), 32 with 2
+    warps where more programs pay (qkv, gate_up, the LM head, and small models); 128-wide k-tiles, 6 stages. It
+    depends on the weight alone, never on the rows: that is what keeps them invariant."""
+    if 2048 <= n < 8192:
+        return GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=6)
+    return GemvConfig(block_n=32, block_k=128, num_warps=2, num_stages=6)
+
+
 def enabled() -> bool:
     """ALLSPARK_TRITON_GEMV=0 keeps every dense linear on cuBLAS (A/B runs)."""
     return settings.TRITON_GEMV.get()
@@ -137,8 +216,11 @@ def decode_rows(x: torch.Tensor, max_rows: int) -> bool:
 
 
 def fits(x: torch.Tensor, w: torch.Tensor, max_rows: int = GEMV_MAX_ROWS) -> bool:
-    """Whether gemv takes x @ w.T: up to `max_rows` decode rows (any number in alone-rows mode: a row's sums do
-    not depend on the others), a contiguous bf16 / fp16 weight in x's dtype, and the switch on."""
+    """Whether gemv takes x @ w.T: up to `max_rows` decode rows (invariant rows: INVARIANT_MAX_ROWS; any number in
+    alone-rows mode: a row's sums do not depend on the others), a contiguous bf16 / fp16 weight in x's dtype, and
+    the switch on."""
+    if row_mode.invariant():
+        max_rows = INVARIANT_MAX_ROWS
     if row_mode.alone():
         max_rows = x.shape[0] if x.dim() == 2 else max_rows
     return (decode_rows(x, max_rows) and w.dtype in DTYPES and x.dtype == w.dtype and w.dim() == 2
@@ -146,7 +228,8 @@ def fits(x: torch.Tensor, w: torch.Tensor, max_rows: int = GEMV_MAX_ROWS) -> boo
 
 
 def fits_silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
-    """Whether gemv_silu_mul takes the MLP's gate_up projection and activation (`fits`, at most SILU_MUL_MAX_ROWS)."""
+    """Whether gemv_silu_mul takes the MLP's gate_up projection and activation (`fits`, at most SILU_MUL_MAX_ROWS;
+    invariant rows: INVARIANT_MAX_ROWS)."""
     return fits(x, gate_up, SILU_MUL_MAX_ROWS)
 
 
@@ -154,10 +237,13 @@ def _launch(x, w, bias, out_cols, up_rows, silu_mul, config, shrink=None):
     m, k = x.shape
     assert w.shape[1] == k and x.stride(-1) == 1 and w.is_contiguous(), (tuple(x.shape), tuple(w.shape))
     assert bias is None or (bias.shape == (w.shape[0],) and bias.is_contiguous())
-    cfg = config or choose_config(k)
     out = torch.empty(m, out_cols, dtype=x.dtype, device=x.device)                       # [M, N]
     if m == 0 or out_cols == 0:
         return out
+    if row_mode.invariant():
+        assert shrink is None or shrink.empty, "invariant rows take an adapter's shrink in its own launch"
+        return _launch_invariant(x, w, bias, out, up_rows, silu_mul, config or choose_dot_config(out_cols))
+    cfg = config or choose_config(k)
     # alone-rows mode: a program a row, each the one-row launch's (M = 1, BLOCK_M = 1), so its sums are the same
     grid_rows = m if row_mode.alone() else 1
     rows = m // grid_rows                                                               # rows a program
@@ -174,6 +260,16 @@ def _launch(x, w, bias, out_cols, up_rows, silu_mul, config, shrink=None):
         SILU_MUL=silu_mul, SHRINK=s is not None, BLOCK_R=s.block_r if s else 16, CHUNK=s.chunk if s else 16,
         EVICTION=cfg.eviction, SOFT_BF16=_INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         enable_fp_fusion=False, **pdl.launch_options(x.device))
+    return out
+
+
+def _launch_invariant(x, w, bias, out, up_rows, silu_mul, cfg):
+    m, k = x.shape
+    _rows_dot_kernel[(triton.cdiv(out.shape[1], cfg.block_n), triton.cdiv(m, 16))](
+        x, w, w if bias is None else bias, out, m, out.shape[1], k, x.stride(0), w.stride(0), out.stride(0), up_rows,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        SOFT_BF16=_INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+        **pdl.launch_options(x.device))
     return out
 
 
