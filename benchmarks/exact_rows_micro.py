@@ -285,14 +285,14 @@ def pdl_round(args):
         json.dump(result, f, indent=1)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="exact_rows_micro.json")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 5])
     ap.add_argument("--pdl-round", action="store_true")
     ap.add_argument("--tma-only", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.pdl_round:
         return pdl_round(args)
     shapes = {"qkv": (64, 256), "down": (32, 320)} if args.smoke else SHAPES

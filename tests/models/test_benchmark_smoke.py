@@ -195,6 +195,18 @@ def test_cuda_gemv_micro(bench, tmp_path):
     assert all(sweep["best"] and not sweep["errors"] for sweep in r["sweep"].values()), r["sweep"]
 
 
+def test_exact_rows_micro(bench, tmp_path):
+    """The invariant-rows race runs; its FMA rows are near float64 and every kernel's 5 rows equal each row alone (the
+    tensor-core rows' sums are not checked here: the interpreter's 16-bit tl.dot is wrong, the GPU run checks them)."""
+    out = tmp_path / "exact.json"
+    bench("exact_rows_micro", "--smoke", "--out", out)
+    for shape, row in read(out).items():
+        errs = {k: v for k, v in row.items() if k.startswith("fma") and k.endswith("_err")}
+        exact = {k: v for k, v in row.items() if k.endswith("_exact")}
+        assert errs and all(v < 2e-2 for v in errs.values()), (shape, errs)
+        assert exact and all(v is True for v in exact.values()), (shape, exact)
+
+
 def test_cuda_quant_micro(bench, tmp_path):
     out = tmp_path / "quant.json"
     bench("cuda_quant_micro", "--smoke", "--sweep", "--out", out)
