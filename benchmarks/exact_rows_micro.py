@@ -1,11 +1,14 @@
-"""Prototype race: GEMV kernels whose rows come out bit for bit as they would alone, for a speculative verify
-chunk (k + 1 rows of one sequence) at the cost of about one weight read.
+"""The race behind invariant rows (gemv_kernels._rows_dot_kernel): GEMV kernels whose rows come out bit for bit as
+they would alone, for a speculative verify chunk (k + 1 rows of one sequence) at the cost of about one weight read
+(exact_rows_protos.py's prototypes), against the FMA GEMV at one row and in alone-rows mode (a program per row),
+and cuBLAS; weight bytes per call over copies past L2, CUDA-graph replays. Run on a GPU machine:
 
-  fma: each row keeps an elementwise fp32 accumulator [BN, BK] across the k-tiles, reduced once at the end
-       (the weight tile is loaded once and met by every row; the per-row tree does not depend on ROWS).
-  dot: tensor cores, swap-AB: out^T [BN, 16] = w [BN, BK] @ x^T [BK, 16], x padded to 16 rows, so the compiled
-       kernel and its instruction sequence are the same for 1..16 rows.
-Against the production kernel at one row and in alone-rows mode (a program per row), and cuBLAS.
+    python benchmarks/exact_rows_micro.py [--out PATH]        # per 7B shape: FMA and tensor-core tiles, 1 and 5 rows
+    python benchmarks/exact_rows_micro.py --pdl-round [--tma-only]   # PDL and TMA variants, 8 layers in sequence
+    python benchmarks/exact_rows_micro.py --small PATH        # SmolLM2's 30 layers in sequence, its LM head
+    python benchmarks/exact_rows_micro.py --production PATH   # gemv_kernels' own launches in invariant rows by tile
+
+--smoke: two small shapes under Triton's interpreter without a GPU (the script runs; its numbers mean nothing).
 """
 from __future__ import annotations
 
@@ -15,192 +18,13 @@ import json
 import torch
 import torch.nn.functional as F
 from cuda_common import copies_past_l2, device, per_call_us  # first: it sets Triton's interpreter without a GPU
-
-ON_GPU = device() == "cuda"     # below: Triton, read once the interpreter is set
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+from exact_rows_protos import dot_pdl, dot_rows, dot_tma, fma_rows  # noqa: E402
 
 from allspark_server.compute import row_mode  # noqa: E402
 from allspark_server.compute.cuda import gemv_kernels as gk  # noqa: E402
-from allspark_server.compute.cuda import pdl  # noqa: E402
-from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous  # noqa: E402
 
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008),
           "lm_head": (32000, 4096)}
-
-
-@triton.jit
-def _row_acc(acc, wt, x, i, M, offs_k, K, stride_xm):
-    xi = tl.load(x + tl.minimum(i, M - 1) * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-    return acc + wt * xi[None, :]
-
-
-@triton.jit
-def _row_store(acc, out, i, M, offs_n, n_ok, stride_om):
-    if i < M:
-        tl.store(out + i * stride_om + offs_n, tl.sum(acc, 1).to(out.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
-def fma_rows_kernel(x, w, out, M, N, K, stride_xm, stride_wn, stride_om, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    rows = w + offs_n.to(tl.int64)[:, None] * stride_wn
-    a0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    a1 = a0
-    a2 = a0
-    a3 = a0
-    a4 = a0
-    a5 = a0
-    a6 = a0
-    a7 = a0
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        wt = tl.load(rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0,
-                     eviction_policy="evict_first").to(tl.float32)
-        a0 = _row_acc(a0, wt, x, 0, M, offs_k, K, stride_xm)
-        if ROWS > 1:
-            a1 = _row_acc(a1, wt, x, 1, M, offs_k, K, stride_xm)
-        if ROWS > 2:
-            a2 = _row_acc(a2, wt, x, 2, M, offs_k, K, stride_xm)
-        if ROWS > 3:
-            a3 = _row_acc(a3, wt, x, 3, M, offs_k, K, stride_xm)
-        if ROWS > 4:
-            a4 = _row_acc(a4, wt, x, 4, M, offs_k, K, stride_xm)
-        if ROWS > 5:
-            a5 = _row_acc(a5, wt, x, 5, M, offs_k, K, stride_xm)
-        if ROWS > 6:
-            a6 = _row_acc(a6, wt, x, 6, M, offs_k, K, stride_xm)
-        if ROWS > 7:
-            a7 = _row_acc(a7, wt, x, 7, M, offs_k, K, stride_xm)
-    _row_store(a0, out, 0, M, offs_n, n_ok, stride_om)
-    if ROWS > 1:
-        _row_store(a1, out, 1, M, offs_n, n_ok, stride_om)
-    if ROWS > 2:
-        _row_store(a2, out, 2, M, offs_n, n_ok, stride_om)
-    if ROWS > 3:
-        _row_store(a3, out, 3, M, offs_n, n_ok, stride_om)
-    if ROWS > 4:
-        _row_store(a4, out, 4, M, offs_n, n_ok, stride_om)
-    if ROWS > 5:
-        _row_store(a5, out, 5, M, offs_n, n_ok, stride_om)
-    if ROWS > 6:
-        _row_store(a6, out, 6, M, offs_n, n_ok, stride_om)
-    if ROWS > 7:
-        _row_store(a7, out, 7, M, offs_n, n_ok, stride_om)
-
-
-@triton.jit
-def dot_rows_kernel(x, w, out, M, N, K, stride_xm, stride_wn, stride_om, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, 16)
-    n_ok = offs_n < N
-    m_ok = offs_m < M
-    rows = w + offs_n.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        if EVICT:
-            wt = tl.load(rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
-                         eviction_policy="evict_first")
-        else:
-            wt = tl.load(rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        xt = tl.load(x + offs_m[None, :] * stride_xm + offs_k[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = tl.dot(wt, xt, acc)
-    tl.store(out + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out.dtype.element_ty),
-             mask=m_ok[None, :] & n_ok[:, None])
-
-
-@triton.jit
-def dot_rows_pdl_kernel(x, w, out, M, N, K, stride_xm, stride_wn, stride_om, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    allow_next(PDL)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, 16)
-    n_ok = offs_n < N
-    m_ok = offs_m < M
-    rows = w + offs_n.to(tl.int64)[:, None] * stride_wn
-    offs_k = tl.arange(0, BLOCK_K)
-    k_ok = offs_k < K
-    wt = tl.load(rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-    wait_for_previous(PDL)
-    xt = tl.load(x + offs_m[None, :] * stride_xm + offs_k[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-    acc = tl.dot(wt, xt)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        wt = tl.load(rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
-                     eviction_policy="evict_first")
-        xt = tl.load(x + offs_m[None, :] * stride_xm + offs_k[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = tl.dot(wt, xt, acc)
-    tl.store(out + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out.dtype.element_ty),
-             mask=m_ok[None, :] & n_ok[:, None])
-
-
-@triton.jit
-def dot_tma_kernel(x_desc, w_desc, out, M, N, K, stride_om, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PDL: tl.constexpr):
-    allow_next(PDL)
-    n0 = tl.program_id(0) * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, 16)
-    wt = w_desc.load([n0, 0])
-    wait_for_previous(PDL)
-    xt = x_desc.load([0, 0])
-    acc = tl.dot(wt, tl.trans(xt))
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        wt = w_desc.load([n0, k0])
-        xt = x_desc.load([0, k0])
-        acc = tl.dot(wt, tl.trans(xt), acc)
-    tl.store(out + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out.dtype.element_ty),
-             mask=(offs_m < M)[None, :] & (offs_n < N)[:, None])
-
-
-def dot_tma(x, w, bn, bk, warps, stages):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    m, k = x.shape
-    out = torch.empty(m, w.shape[0], dtype=x.dtype, device=x.device)
-    dot_tma_kernel[(triton.cdiv(w.shape[0], bn),)](TensorDescriptor.from_tensor(x, [16, bk]),
-                                                  TensorDescriptor.from_tensor(w, [bn, bk]), out, m, w.shape[0], k,
-                                                  out.stride(0), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                                                  num_stages=stages, **pdl.launch_options(x.device))
-    return out
-
-
-def dot_pdl(x, w, bn, bk, warps, stages):
-    m, k = x.shape
-    out = torch.empty(m, w.shape[0], dtype=x.dtype, device=x.device)
-    dot_rows_pdl_kernel[(triton.cdiv(w.shape[0], bn),)](x, w, out, m, w.shape[0], k, x.stride(0), w.stride(0),
-                                                       out.stride(0), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                                                       num_stages=stages, **pdl.launch_options(x.device))
-    return out
-
-
-def fma_rows(x, w, bn, bk, warps, rows_per_program=8):
-    m, k = x.shape
-    out = torch.empty(m, w.shape[0], dtype=x.dtype, device=x.device)
-    rows = min(rows_per_program, triton.next_power_of_2(m)) if m > 1 else 1
-    for r0 in range(0, m, rows):
-        xs, os = x[r0:r0 + rows], out[r0:r0 + rows]
-        fma_rows_kernel[(triton.cdiv(w.shape[0], bn),)](xs, w, os, xs.shape[0], w.shape[0], k, xs.stride(0),
-                                                       w.stride(0), os.stride(0), ROWS=rows, BLOCK_N=bn,
-                                                       BLOCK_K=bk, num_warps=warps, num_stages=1,
-                                                       enable_fp_fusion=False)
-    return out
-
-
-def dot_rows(x, w, bn, bk, warps, stages, evict=True):
-    m, k = x.shape
-    assert m <= 16
-    out = torch.empty(m, w.shape[0], dtype=x.dtype, device=x.device)
-    dot_rows_kernel[(triton.cdiv(w.shape[0], bn),)](x, w, out, m, w.shape[0], k, x.stride(0), w.stride(0),
-                                                   out.stride(0), BLOCK_N=bn, BLOCK_K=bk, EVICT=evict,
-                                                   num_warps=warps, num_stages=stages)
-    return out
 
 
 def alone_gemv(x, w):
@@ -338,7 +162,7 @@ def main(argv=None):
         json.dump(result, f, indent=1)
 
 
-if __name__ == "__main__" and "--small" not in __import__("sys").argv:
+if __name__ == "__main__" and not {"--small", "--production"} & set(__import__("sys").argv):
     main()
 
 
@@ -386,5 +210,35 @@ def small_round(out):
         json.dump(res, f, indent=1)
 
 
+PROD_CONFIGS = [(32, 128, 2, 6), (64, 128, 4, 6), (64, 128, 4, 4), (32, 128, 2, 4), (64, 64, 4, 8), (128, 128, 8, 4),
+                (32, 256, 2, 4), (64, 128, 8, 6), (32, 64, 2, 8)]
+
+
+def production_round(out):
+    """gemv_kernels' own launches in invariant-rows mode, by config, against the plain GEMV: the 7B shapes and
+    the MLP's gate_up with silu·mul."""
+    from allspark_server.compute.row_mode import invariant_rows
+    res = {}
+    for name, (n, k) in SHAPES.items():
+        ws = [(torch.randn(n, k, device=device()) * 0.02).to(torch.bfloat16) for _ in range(copies_past_l2(n * k * 2))]
+        x = torch.randn(1, k, device=device(), dtype=torch.bfloat16)
+        fns = {"": gk.gemv} if name != "gate_up" else {"": gk.gemv, "silu_": gk.gemv_silu_mul}
+        for tag, fn in fns.items():
+            res[f"{tag}{name}_plain"] = per_call_us(lambda w: fn(x, w), ws)
+            for cfg in PROD_CONFIGS:
+                c = gk.GemvConfig(*cfg)
+                try:
+                    with invariant_rows():
+                        res[f"{tag}{name}_{'_'.join(map(str, cfg))}"] = per_call_us(lambda w: fn(x, w, config=c), ws)
+                except Exception as e:  # noqa: BLE001 (out of shared memory, say: recorded)
+                    res[f"{tag}{name}_{'_'.join(map(str, cfg))}"] = repr(e)[:120]
+        print(name, {k: v if isinstance(v, str) else round(v, 2) for k, v in res.items() if name in k}, flush=True)
+        ws = None  # noqa: F841
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
 if __name__ == "__main__" and len(__import__("sys").argv) > 1 and __import__("sys").argv[1] == "--small":
     small_round(__import__("sys").argv[2])
+if __name__ == "__main__" and len(__import__("sys").argv) > 1 and __import__("sys").argv[1] == "--production":
+    production_round(__import__("sys").argv[2])

@@ -117,61 +117,54 @@ def _gemv_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_r
 
 
 @triton.jit
-def _dot_tiles(acc, acc_up, rows, up, x, offs_m, m_ok, n_ok, k0, K, stride_xm, SILU_MUL: tl.constexpr,
-               BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr, FIRST: tl.constexpr, PDL: tl.constexpr):
-    """acc [BN, 16] plus the k-tile [k0, k0 + BLOCK_K) of the weight rows met by x's rows (and acc_up the up rows',
-    with SILU_MUL) on tensor cores. FIRST: the tile the program starts with, its weight read before the PDL wait."""
+def _dot_tile(acc, rows, w_ok, x, offs_m, m_ok, k0, K, stride_xm, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr,
+              FIRST: tl.constexpr, PDL: tl.constexpr):
+    """acc [W, 16] plus the k-tile [k0, k0 + BLOCK_K) of the weight rows `rows` [W, 1] (pointers) met by x's rows
+    on tensor cores. FIRST: the tile the program starts with, its weight read before the PDL wait."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
-    ok = n_ok[:, None] & k_ok[None, :]
-    wt = tl.load(rows + offs_k[None, :], mask=ok, other=0.0, eviction_policy="evict_first")      # [BN, BK]
-    wu = wt
-    if SILU_MUL:
-        wu = tl.load(up + offs_k[None, :], mask=ok, other=0.0, eviction_policy="evict_first")
+    wt = tl.load(rows + offs_k[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0,
+                 eviction_policy="evict_first")                                          # [W, BK]
     if FIRST:
         wait_for_previous(PDL)
     xt = tl.load(x + offs_m[None, :] * stride_xm + offs_k[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
     if SOFT_BF16:   # the interpreter's dot of 16-bit floats is wrong: theirs in fp32 (products and sums exact)
-        wt, wu, xt = wt.to(tl.float32), wu.to(tl.float32), xt.to(tl.float32)
-    acc = tl.dot(wt, xt, acc)
-    if SILU_MUL:
-        acc_up = tl.dot(wu, xt, acc_up)
-    return acc, acc_up
+        wt, xt = wt.to(tl.float32), xt.to(tl.float32)
+    return tl.dot(wt, xt, acc)
 
 
 @triton.jit
 def _rows_dot_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_rows, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, SOFT_BF16: tl.constexpr,
-                     PDL: tl.constexpr):
+                     W_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+                     SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
     """Program (n tile, block of 16 rows of x): out[rows, n] = sum_k x[rows, k] w[n, k] (+ bias[n]) as
-    tl.dot(w tile [BN, BK], x^T tile [BK, 16]) over the k-tiles, rows past M zero; rounded and, with SILU_MUL,
-    silu(gate) * up as _gemv_kernel does. Every block of rows runs the same instructions: batch invariant."""
+    tl.dot(w tile [W_ROWS, BK], x^T tile [BK, 16]) over the k-tiles, rows past M zero; rounded and, with SILU_MUL,
+    silu(gate) * up as _gemv_kernel does, the BLOCK_N gate rows and their up rows one tile of W_ROWS = 2 BLOCK_N.
+    Every block of rows runs the same instructions: batch invariant."""
     allow_next(PDL)
     row0 = tl.program_id(1) * 16
     offs_m = tl.arange(0, 16)
     m_ok = offs_m < M - row0
     x += row0.to(tl.int64) * stride_xm
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    rows = w + offs_n.to(tl.int64)[:, None] * stride_wn                                 # [BN, 1]
-    up = rows + up_rows * stride_wn
-    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    acc, acc_up = _dot_tiles(acc, acc_up, rows, up, x, offs_m, m_ok, n_ok, 0, K, stride_xm, SILU_MUL, BLOCK_K,
-                             SOFT_BF16, True, PDL)
+    offs_w = tl.arange(0, W_ROWS)
+    n_w = tl.program_id(0) * BLOCK_N + offs_w % BLOCK_N                                 # each weight row's output
+    w_ok = n_w < N
+    rows = w + (n_w + (offs_w // BLOCK_N) * up_rows).to(tl.int64)[:, None] * stride_wn  # [W, 1]
+    acc = tl.zeros((W_ROWS, 16), dtype=tl.float32)
+    acc = _dot_tile(acc, rows, w_ok, x, offs_m, m_ok, 0, K, stride_xm, BLOCK_K, SOFT_BF16, True, PDL)
     for k0 in range(BLOCK_K, K, BLOCK_K):
-        acc, acc_up = _dot_tiles(acc, acc_up, rows, up, x, offs_m, m_ok, n_ok, k0, K, stride_xm, SILU_MUL, BLOCK_K,
-                                 SOFT_BF16, False, PDL)
-    dt = out.dtype.element_ty
+        acc = _dot_tile(acc, rows, w_ok, x, offs_m, m_ok, k0, K, stride_xm, BLOCK_K, SOFT_BF16, False, PDL)
     if HAS_BIAS:
-        acc += tl.load(bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        if SILU_MUL:
-            acc_up += tl.load(bias + up_rows + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    y = _round(acc, dt, SOFT_BF16)
-    if SILU_MUL:
-        y = _silu_mul_rounded(y, _round(acc_up, dt, SOFT_BF16), dt, SOFT_BF16)
+        acc += tl.load(bias + n_w + (offs_w // BLOCK_N) * up_rows, mask=w_ok, other=0.0).to(tl.float32)[:, None]
+    dt = out.dtype.element_ty
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SILU_MUL:   # [2 BN, 16] -> gate, up [BN, 16], rounded as the linear rounds them, then silu·mul's roundings
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, 16)), (1, 2, 0)))
+        y = _silu_mul_rounded(_round(gate, dt, SOFT_BF16), _round(up, dt, SOFT_BF16), dt, SOFT_BF16)
+    else:
+        y = _round(acc, dt, SOFT_BF16)
     dst = out + (row0 + offs_m).to(tl.int64)[None, :] * stride_om + offs_n[:, None]
-    tl.store(dst, y.to(dt), mask=m_ok[None, :] & n_ok[:, None])
+    tl.store(dst, y.to(dt), mask=m_ok[None, :] & (offs_n < N)[:, None])
 
 
 @dataclass(frozen=True)
@@ -195,11 +188,17 @@ def choose_config(k: int) -> GemvConfig:
 INVARIANT_MAX_ROWS = 16
 
 
-def choose_dot_config(n: int) -> GemvConfig:
-    """_rows_dot_kernel's tile for n outputs, from benchmarks/exact_rows_micro.py's sweep on an H200 over the 7B
-    shapes: 64 weight rows a program with 4 warps where n is 2048..8191 (the o and down projections), 32 with 2
-    warps where more programs pay (qkv, gate_up, the LM head, and small models); 128-wide k-tiles, 6 stages. It
-    depends on the weight alone, never on the rows: that is what keeps them invariant."""
+def choose_dot_config(n: int, silu_mul: bool = False) -> GemvConfig:
+    """_rows_dot_kernel's tile for n outputs (silu_mul: n gate and n up rows), from benchmarks/exact_rows_micro.py's
+    sweeps on an H200 over the 7B shapes: 128-wide k-tiles; 64 weight rows a program, 4 warps, 6 stages where n is
+    2048..8191 (the o and down projections), 4 stages from 16384 (the LM head); 32 rows, 2 warps, 6 stages where more
+    programs pay (qkv, small models); gate_up·silu's 32 gate and 32 up rows with 2 warps and 4 stages (the 6-stage
+    64 + 64 row tile is more than the shared memory). It depends on the weight alone, never on the rows: that is
+    what keeps them invariant."""
+    if silu_mul:
+        return GemvConfig(block_n=32, block_k=128, num_warps=2, num_stages=4)
+    if n >= 16384:
+        return GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
     if 2048 <= n < 8192:
         return GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=6)
     return GemvConfig(block_n=32, block_k=128, num_warps=2, num_stages=6)
@@ -242,7 +241,7 @@ def _launch(x, w, bias, out_cols, up_rows, silu_mul, config, shrink=None):
         return out
     if row_mode.invariant():
         assert shrink is None or shrink.empty, "invariant rows take an adapter's shrink in its own launch"
-        return _launch_invariant(x, w, bias, out, up_rows, silu_mul, config or choose_dot_config(out_cols))
+        return _launch_invariant(x, w, bias, out, up_rows, silu_mul, config or choose_dot_config(out_cols, silu_mul))
     cfg = config or choose_config(k)
     # alone-rows mode: a program a row, each the one-row launch's (M = 1, BLOCK_M = 1), so its sums are the same
     grid_rows = m if row_mode.alone() else 1
@@ -267,7 +266,8 @@ def _launch_invariant(x, w, bias, out, up_rows, silu_mul, cfg):
     m, k = x.shape
     _rows_dot_kernel[(triton.cdiv(out.shape[1], cfg.block_n), triton.cdiv(m, 16))](
         x, w, w if bias is None else bias, out, m, out.shape[1], k, x.stride(0), w.stride(0), out.stride(0), up_rows,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        BLOCK_N=cfg.block_n, W_ROWS=cfg.block_n * (2 if silu_mul else 1), BLOCK_K=cfg.block_k,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         SOFT_BF16=_INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
         **pdl.launch_options(x.device))
     return out
