@@ -5,7 +5,8 @@
 // the shrinks t = A . x, their ranks split over the threads (each row of A read once for two rows of x), rounded to the
 // activation dtype as PEFT's lora_A(x) is; then the expands over the output columns, adding round(B[n] . t) into y,
 // rounded once more (as y + delta in the activation dtype), in registers for up to 4 rows at a time, from B's panels
-// (steps.h: a fused projection's zero blocks are never read). No tensor is allocated and no other op dispatched. Each
+// (steps.h: a fused projection's zero blocks are never read). With at least as many slots as threads, one region:
+// each thread takes whole slots, shrink then expand (a step spread over adapters pays one region start, not two). No tensor is allocated and no other op dispatched. Each
 // row's sums run in the same order at any batch size and with any other slots beside it.
 // Larger steps go through `project` (kernels.h), two GEMMs a slot.
 #include <torch/extension.h>
@@ -129,6 +130,23 @@ void expand_rows(const SlotRows& s, int64_t N, const float* const* t, T* const* 
   }
 }
 
+// panels [p0, p1) of every row of one slot, 4, 2 or 1 rows at a time
+template <typename T>
+void expand_slot(const SlotRows& s, int64_t N, const float* t, T* yp, int64_t ldy, int64_t p0, int64_t p1,
+                 int64_t isa) {
+  const int64_t M = static_cast<int64_t>(s.rows->size());
+  for (int64_t m = 0; m < M;) {
+    const int64_t take = M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
+    const float* tm[4];
+    T* ym[4];
+    for (int64_t j = 0; j < take; ++j) tm[j] = t + s.t_at + (m + j) * s.R, ym[j] = yp + (*s.rows)[m + j] * ldy;
+    if (take == 4) expand_rows<T, 4>(s, N, tm, ym, p0, p1, isa);
+    else if (take == 2) expand_rows<T, 2>(s, N, tm, ym, p0, p1, isa);
+    else expand_rows<T, 1>(s, N, tm, ym, p0, p1, isa);
+    m += take;
+  }
+}
+
 // the shrink of one rank r of a slot for its rows [m0, m1): t[m, r] = round(A[r] . x[m]), rows two at a time
 template <typename T>
 void shrink_rank(const SlotRows& s, int64_t r, int64_t m0, int64_t m1, const float* xf, int64_t K, float* t,
@@ -170,6 +188,21 @@ void add_slots(torch::Tensor& y, const torch::Tensor& x, const std::vector<SlotR
   for (const auto& s : slots)
     for (size_t m = 0; m < s.rows->size(); ++m)
       for (int64_t k = 0; k < K; ++k) xf[(s.x_at + m) * K + k] = widen(xp[(*s.rows)[m] * ldx + k]);
+  if (static_cast<int64_t>(slots.size()) >= at::get_num_threads()) {
+    // as many slots as threads or more (a batch spread over adapters): one region, a thread taking whole slots,
+    // their shrinks and then their expands (no barrier: a slot's expand needs only its own shrinks)
+    allspark::parallel_for(0, static_cast<int64_t>(slots.size()), 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const SlotRows& s = slots[g];
+        const int64_t M = static_cast<int64_t>(s.rows->size());
+        for (int64_t m0 = 0; m0 < M; m0 += SHRINK_ROW_BLOCK)
+          for (int64_t r = 0; r < s.R; ++r)
+            shrink_rank<T>(s, r, m0, std::min(M, m0 + SHRINK_ROW_BLOCK), xf, K, t, isa);
+        expand_slot<T>(s, N, t, yp, ldy, 0, (N + LORA_PANEL - 1) / LORA_PANEL, isa);
+      }
+    });
+    return;
+  }
   allspark::parallel_for(0, ranks, std::max<int64_t>(1, ranks / 8), [&](int64_t i0, int64_t i1) {
     // blocks of rows (a prompt's), so that each block's x stays in cache while the ranks sweep over it
     for (int64_t m0 = 0; m0 < max_rows; m0 += SHRINK_ROW_BLOCK) {
@@ -184,19 +217,7 @@ void add_slots(torch::Tensor& y, const torch::Tensor& x, const std::vector<SlotR
   });
   const int64_t panels = (N + LORA_PANEL - 1) / LORA_PANEL;
   allspark::parallel_for(0, panels, EXPAND_GRAIN / LORA_PANEL, [&](int64_t p0, int64_t p1) {
-    for (const auto& s : slots) {
-      const int64_t M = static_cast<int64_t>(s.rows->size());
-      for (int64_t m = 0; m < M;) {
-        const int64_t take = M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
-        const float* tm[4];
-        T* ym[4];
-        for (int64_t j = 0; j < take; ++j) tm[j] = t + s.t_at + (m + j) * s.R, ym[j] = yp + (*s.rows)[m + j] * ldy;
-        if (take == 4) expand_rows<T, 4>(s, N, tm, ym, p0, p1, isa);
-        else if (take == 2) expand_rows<T, 2>(s, N, tm, ym, p0, p1, isa);
-        else expand_rows<T, 1>(s, N, tm, ym, p0, p1, isa);
-        m += take;
-      }
-    }
+    for (const auto& s : slots) expand_slot<T>(s, N, t, yp, ldy, p0, p1, isa);
   });
 }
 
