@@ -42,6 +42,22 @@ def exact_rows(fn, x) -> bool:
     return all(torch.equal(y[i:i + 1], fn(x[i:i + 1])) for i in range(x.shape[0]))
 
 
+def race(row: dict, name: str, cfgs, kernel, x, ws, err=None, *extra) -> None:
+    """row[name_cfg_m]: microseconds of kernel(x, w, *cfg, *extra) over the copies ws; with err its error, and
+    for several rows whether each equals itself alone; a config that does not compile: the error."""
+    m = x.shape[0]
+    for cfg in cfgs:
+        key = f"{name}_{'_'.join(map(str, cfg))}_{m}"
+        try:
+            row[key] = per_call_us(lambda w: kernel(x, w, *cfg, *extra), ws)
+            if err is not None:
+                row[key + "_err"] = err(kernel(x, ws[0], *cfg, *extra))
+            if m > 1:
+                row[key + "_exact"] = exact_rows(lambda t: kernel(t, ws[0], *cfg, *extra), x)
+        except Exception as e:  # noqa: BLE001 (recorded)
+            row[key] = repr(e)[:200]
+
+
 TMA_CONFIGS = [(64, 128, 4, 6), (64, 128, 4, 4), (64, 256, 4, 4), (128, 128, 4, 4), (128, 128, 8, 4), (64, 64, 4, 8),
                (32, 128, 4, 6), (128, 64, 4, 8), (64, 256, 4, 3)]
 PDL_CONFIGS = [(64, 128, 4, 6), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 8, 4), (32, 128, 2, 6), (32, 256, 2, 4),
@@ -69,23 +85,8 @@ def pdl_round(args):
             x = torch.randn(m, k, device=device(), dtype=torch.bfloat16)
             row[f"prod_{m}"] = per_call_us(lambda w: gk.gemv(x, w), ws) if m <= 2 else None
             row[f"prod_alone_{m}"] = per_call_us(lambda w: alone_gemv(x, w), ws)
-            for cfg in TMA_CONFIGS:
-                key = f"tma_{'_'.join(map(str, cfg))}_{m}"
-                try:
-                    row[key] = per_call_us(lambda w: dot_tma(x, w, *cfg), ws)
-                    if m > 1:
-                        row[key + "_exact"] = exact_rows(lambda t: dot_tma(t, ws[0], *cfg), x)
-                        row[key + "_same_as_pdl"] = torch.equal(dot_tma(x, ws[0], *cfg), dot_pdl(x, ws[0], *cfg))
-                except Exception as e:  # noqa: BLE001
-                    row[key] = repr(e)[:300]
-            for cfg in PDL_CONFIGS[:2] if args.tma_only else PDL_CONFIGS:
-                key = f"pdl_{'_'.join(map(str, cfg))}_{m}"
-                try:
-                    row[key] = per_call_us(lambda w: dot_pdl(x, w, *cfg), ws)
-                    if m > 1:
-                        row[key + "_exact"] = exact_rows(lambda t: dot_pdl(t, ws[0], *cfg), x)
-                except Exception as e:  # noqa: BLE001
-                    row[key] = repr(e)[:200]
+            race(row, "tma", TMA_CONFIGS, dot_tma, x, ws)
+            race(row, "pdl", PDL_CONFIGS[:2] if args.tma_only else PDL_CONFIGS, dot_pdl, x, ws)
         print(name, json.dumps(row), flush=True)
         ws = None  # noqa: F841 (the copies freed before the next shape's)
     torch.cuda.empty_cache()
@@ -136,25 +137,9 @@ def main(argv=None):
             row[f"cublas_{m}"] = per_call_us(lambda w: F.linear(x, w), ws)
             row[f"prod_{m}"] = per_call_us(lambda w: gk.gemv(x, w), ws) if m <= 2 else None
             row[f"prod_alone_{m}"] = per_call_us(lambda w: alone_gemv(x, w), ws)
-            for cfg in fma_cfgs:
-                key = f"fma_{'_'.join(map(str, cfg))}_{m}"
-                try:
-                    row[key] = per_call_us(lambda w: fma_rows(x, w, *cfg), ws)
-                    row[key + "_err"] = err(fma_rows(x, ws[0], *cfg))
-                    if m > 1:
-                        row[key + "_exact"] = exact_rows(lambda t: fma_rows(t, ws[0], *cfg), x)
-                except Exception as e:  # noqa: BLE001 (a config that does not compile: recorded)
-                    row[key] = repr(e)[:200]
-            for cfg in dot_cfgs:
-                for evict in (True, False):
-                    key = f"dot_{'_'.join(map(str, cfg))}{'' if evict else '_noev'}_{m}"
-                    try:
-                        row[key] = per_call_us(lambda w: dot_rows(x, w, *cfg, evict), ws)
-                        row[key + "_err"] = err(dot_rows(x, ws[0], *cfg, evict))
-                        if m > 1:
-                            row[key + "_exact"] = exact_rows(lambda t: dot_rows(t, ws[0], *cfg, evict), x)
-                    except Exception as e:  # noqa: BLE001
-                        row[key] = repr(e)[:200]
+            race(row, "fma", fma_cfgs, fma_rows, x, ws, err)
+            race(row, "dot", dot_cfgs, dot_rows, x, ws, err, True)
+            race(row, "dot_noev", dot_cfgs, dot_rows, x, ws, err, False)
         print(name, json.dumps(row), flush=True)
         ws = None  # noqa: F841 (the copies freed before the next shape's)
         torch.cuda.empty_cache() if torch.cuda.is_available() else None

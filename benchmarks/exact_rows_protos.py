@@ -18,65 +18,47 @@ from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous  # no
 
 
 @triton.jit
-def _row_acc(acc, wt, x, i, M, offs_k, K, stride_xm):
-    xi = tl.load(x + tl.minimum(i, M - 1) * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-    return acc + wt * xi[None, :]
+def _row_acc(acc, wt, x, i: tl.constexpr, ROWS: tl.constexpr, M, offs_k, K, stride_xm):
+    """Row i's elementwise accumulator plus the tile's products (unchanged past ROWS)."""
+    if i < ROWS:
+        xi = tl.load(x + tl.minimum(i, M - 1) * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        acc = acc + wt * xi[None, :]
+    return acc
 
 
 @triton.jit
-def _row_store(acc, out, i, M, offs_n, n_ok, stride_om):
-    if i < M:
-        tl.store(out + i * stride_om + offs_n, tl.sum(acc, 1).to(out.dtype.element_ty), mask=n_ok)
+def _row_store(acc, out, i: tl.constexpr, ROWS: tl.constexpr, M, offs_n, n_ok, stride_om):
+    if i < ROWS:
+        if i < M:
+            tl.store(out + i * stride_om + offs_n, tl.sum(acc, 1).to(out.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
 def fma_rows_kernel(x, w, out, M, N, K, stride_xm, stride_wn, stride_om, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr):
+    """Up to 8 rows a program, each an fp32 accumulator per element of the tile (a0..a7), reduced once at the end:
+    a row's tree is the same whatever ROWS is."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     rows = w + offs_n.to(tl.int64)[:, None] * stride_wn
     a0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    a1 = a0
-    a2 = a0
-    a3 = a0
-    a4 = a0
-    a5 = a0
-    a6 = a0
-    a7 = a0
+    a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         wt = tl.load(rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0,
                      eviction_policy="evict_first").to(tl.float32)
-        a0 = _row_acc(a0, wt, x, 0, M, offs_k, K, stride_xm)
-        if ROWS > 1:
-            a1 = _row_acc(a1, wt, x, 1, M, offs_k, K, stride_xm)
-        if ROWS > 2:
-            a2 = _row_acc(a2, wt, x, 2, M, offs_k, K, stride_xm)
-        if ROWS > 3:
-            a3 = _row_acc(a3, wt, x, 3, M, offs_k, K, stride_xm)
-        if ROWS > 4:
-            a4 = _row_acc(a4, wt, x, 4, M, offs_k, K, stride_xm)
-        if ROWS > 5:
-            a5 = _row_acc(a5, wt, x, 5, M, offs_k, K, stride_xm)
-        if ROWS > 6:
-            a6 = _row_acc(a6, wt, x, 6, M, offs_k, K, stride_xm)
-        if ROWS > 7:
-            a7 = _row_acc(a7, wt, x, 7, M, offs_k, K, stride_xm)
-    _row_store(a0, out, 0, M, offs_n, n_ok, stride_om)
-    if ROWS > 1:
-        _row_store(a1, out, 1, M, offs_n, n_ok, stride_om)
-    if ROWS > 2:
-        _row_store(a2, out, 2, M, offs_n, n_ok, stride_om)
-    if ROWS > 3:
-        _row_store(a3, out, 3, M, offs_n, n_ok, stride_om)
-    if ROWS > 4:
-        _row_store(a4, out, 4, M, offs_n, n_ok, stride_om)
-    if ROWS > 5:
-        _row_store(a5, out, 5, M, offs_n, n_ok, stride_om)
-    if ROWS > 6:
-        _row_store(a6, out, 6, M, offs_n, n_ok, stride_om)
-    if ROWS > 7:
-        _row_store(a7, out, 7, M, offs_n, n_ok, stride_om)
+        a0, a1 = _row_acc(a0, wt, x, 0, ROWS, M, offs_k, K, stride_xm), _row_acc(a1, wt, x, 1, ROWS, M, offs_k, K,
+                                                                                stride_xm)
+        a2, a3 = _row_acc(a2, wt, x, 2, ROWS, M, offs_k, K, stride_xm), _row_acc(a3, wt, x, 3, ROWS, M, offs_k, K,
+                                                                                stride_xm)
+        a4, a5 = _row_acc(a4, wt, x, 4, ROWS, M, offs_k, K, stride_xm), _row_acc(a5, wt, x, 5, ROWS, M, offs_k, K,
+                                                                                stride_xm)
+        a6, a7 = _row_acc(a6, wt, x, 6, ROWS, M, offs_k, K, stride_xm), _row_acc(a7, wt, x, 7, ROWS, M, offs_k, K,
+                                                                                stride_xm)
+    _row_store(a0, out, 0, ROWS, M, offs_n, n_ok, stride_om), _row_store(a1, out, 1, ROWS, M, offs_n, n_ok, stride_om)
+    _row_store(a2, out, 2, ROWS, M, offs_n, n_ok, stride_om), _row_store(a3, out, 3, ROWS, M, offs_n, n_ok, stride_om)
+    _row_store(a4, out, 4, ROWS, M, offs_n, n_ok, stride_om), _row_store(a5, out, 5, ROWS, M, offs_n, n_ok, stride_om)
+    _row_store(a6, out, 6, ROWS, M, offs_n, n_ok, stride_om), _row_store(a7, out, 7, ROWS, M, offs_n, n_ok, stride_om)
 
 
 @triton.jit
