@@ -160,11 +160,12 @@ def main(argv=None) -> None:
                  .max_length(2048).kv_cache_span_size(32))
             if spec:
                 b.speculative_decoding(spec[0], a.tokens, **(spec[1] if len(spec) > 1 else {}))
-            ops.set_batch_invariant(name == "invariant")     # read as the model's runner is built
+            before = ops.batch_invariant()
+            ops.set_batch_invariant(before or name == "invariant")     # read as the model's runner is built
             try:
                 engine.install_model(b.build())
             finally:
-                ops.set_batch_invariant(False)
+                ops.set_batch_invariant(before)
             engine.start_model(name)
         rewrite = rewrite_prompt(tokenizer_json) if tokenizer_json else workloads.prompt(40, 1, vocab) * 3
         runs = {name: [] for name in variants}

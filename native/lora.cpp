@@ -6,8 +6,9 @@
 // activation dtype as PEFT's lora_A(x) is; then the expands over the output columns, adding round(B[n] . t) into y,
 // rounded once more (as y + delta in the activation dtype), in registers for up to 4 rows at a time, from B's panels
 // (steps.h: a fused projection's zero blocks are never read). With at least as many slots as threads, one region:
-// each thread takes whole slots, shrink then expand (a step spread over adapters pays one region start, not two). No tensor is allocated and no other op dispatched. Each
-// row's sums run in the same order at any batch size and with any other slots beside it.
+// each thread takes whole slots, shrink then expand (a step spread over adapters pays one region start, not two).
+// No tensor is allocated and no other op dispatched. Each row's sums run in the same order at any batch size and with
+// any other slots beside it.
 // Larger steps go through `project` (kernels.h), two GEMMs a slot.
 #include <torch/extension.h>
 
