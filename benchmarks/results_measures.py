@@ -99,6 +99,11 @@ MEASURES = {
                                "--draft-quantize uint4` (a 7B-wide random bf16 model, 8 of its 32 layers, against "
                                "its uint4 copy: random weights repeat nothing for ngram, and 4-bit noise changes "
                                "their near-flat argmax).", speculative),
+    "speculative-7b": ("GPU: speculative decoding where nothing is accepted, invariant rows", "`speculative.py "
+                       "--device cuda --model 7b --layers 8 --rounds 2`: a 7B-wide random bf16 model (8 of its 32 "
+                       "layers) plain, in batch-invariant mode (the GEMVs a speculating model of its size takes) "
+                       "and with ngram speculation (random weights repeat nothing: what a step pays when lookup "
+                       "finds nothing).", speculative),
     "speculative-streams4": ("Speculative decoding at 4 concurrent streams", "`speculative.py --streams 4 --rounds "
                              "2`: as above, SmolLM2's Q4_1 file, the streams workload with 4 random prompts at once "
                              "(at most speculative_max_batch, its default 4: every request may speculate).",

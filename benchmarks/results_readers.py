@@ -268,14 +268,18 @@ def speculative(r: dict) -> list:
         if not key.endswith("_over_plain"):
             continue
         name = key[:-len("_over_plain")]
-        same = r["greedy_equal"].get(name, r["greedy_equal"])
-        unequal = [w for w, ok in same.items() if not ok]
+        ref = r.get("greedy_compared_with", "plain")      # on a GPU: the plain model in batch-invariant mode
         model = r["model"] + (f" {r['dtype']}" if r.get("dtype", "bfloat16") != "bfloat16" else "")
+        if name == ref:
+            equal = "(the reference)"
+        else:
+            unequal = [w for w, ok in r["greedy_equal"].get(name, r["greedy_equal"]).items() if not ok]
+            equal = ("yes" if not unequal else "no: " + ", ".join(unequal)) + (f" ({ref})" if ref != "plain" else "")
         rows.append({"variant": name, "model": model, "rewrite, batch 1": x(ratios["rewrite_tps"]),
                      "free text, batch 1": x(ratios["free_tps"]),
                      f"{r.get('streams', 32)} streams": x(ratios["streams_tps"]),
                      "acceptance": f(r.get(f"{name}_acceptance_rate", r.get("acceptance_rate"))),
-                     "greedy equal to plain": "yes" if not unequal else "no: " + ", ".join(unequal)})
+                     "greedy equal to plain": equal})
     return rows
 
 
