@@ -6,6 +6,7 @@ against the GEMV with the silu·mul epilogue. --sweep times launch configs at on
 table comes from). Writes JSON; run on a GPU machine:
 
     python benchmarks/cuda_gemv_micro.py [--sweep] [--out PATH]
+    python benchmarks/cuda_gemv_micro.py --shapes smollm2 --sweep     # SmolLM2's shapes over small-K tiles
 
 --smoke: two small shapes, one copy of each weight, two configs of a sweep; without a GPU the kernels run in
 Triton's interpreter on CPU tensors (it checks that the script runs; its numbers mean nothing).
@@ -31,6 +32,10 @@ SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "do
 ROWS = (1, 2, 4)
 SWEEP = list(itertools.product((2, 4, 8), (1024, 2048, 4096), (4, 8), (1, 3)))
 SILU_SWEEP = list(itertools.product((1, 2, 4), (2048, 4096), (4, 8), (1,)))    # the fused gate_up + silu·mul
+# --shapes smollm2: SmolLM2-135M's bf16 shapes (K = 576 or 1536), and the sweep grid for such small K
+SMOLLM2_SHAPES = {"qkv_smollm2": (960, 576), "o_smollm2": (576, 576), "gate_up_smollm2": (3072, 576),
+                  "down_smollm2": (576, 1536), "lm_head_smollm2": (49152, 576)}
+SMALL_K_SWEEP = list(itertools.product((2, 4, 8, 16), (512, 1024), (4, 8), (1,)))
 SMOKE_SHAPES = {"qkv": (8, 64), "gate_up_tp2": (8, 64)}         # a few programs each: the interpreter is slow
 SMOKE_ROWS = (1, 2)
 
@@ -49,7 +54,7 @@ def shape_rows(ws: list[torch.Tensor], name: str, row_counts=ROWS) -> dict:
         ref = F.linear(x.float(), ws[0].float())
         row["triton_rel_err"] = ((gk.gemv(x, ws[0]).float() - ref).abs().max() / ref.abs().max()).item()
         row["triton_us"] = per_call_us(lambda w: gk.gemv(x, w), ws)     # past GEMV_MAX_ROWS too: where to stop
-        normal = dataclasses.replace(gk.choose_config(k), eviction="")
+        normal = dataclasses.replace(gk.choose_config(k, n), eviction="")
         row["triton_normal_policy_us"] = per_call_us(lambda w: gk.gemv(x, w, config=normal), ws)
         for key in ("cublas", "triton"):
             row[f"{key}_gbs"] = n * k * 2 / row[f"{key}_us"] / 1e3
@@ -79,7 +84,7 @@ def sweep(ws: list[torch.Tensor], kernel=gk.gemv, grid=SWEEP) -> dict:
             continue
         timed.append((round(us, 2), round(n * k * 2 / us / 1e3, 1), [bn, bk, warps, stages]))
     timed.sort()
-    chosen = gk.choose_config(k)
+    chosen = gk.choose_config(k, n, kernel is gk.gemv_silu_mul)
     return {"best": timed[:6], "worst": timed[-2:], "errors": errors[:3],
             "chosen": [chosen.block_n, chosen.block_k, chosen.num_warps, chosen.num_stages]}
 
@@ -89,21 +94,25 @@ def main(argv=None) -> None:
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--silu-sweep", action="store_true", help="sweep the fused gate_up + silu·mul's configs only")
     p.add_argument("--smoke", action="store_true", help="small shapes, two configs a sweep (see the docstring)")
+    p.add_argument("--shapes", choices=["7b", "smollm2"], default="7b",
+                   help="smollm2: SmolLM2's shapes, the LM head swept too, over SMALL_K_SWEEP")
     p.add_argument("--out", default=None, help="default: benchmarks/results/cuda-gemv-micro-<machine>.json "
                    "(--smoke: under results/quick/)")
     a = p.parse_args(argv)
     if device() != "cuda" and not a.smoke:
         raise SystemExit("cuda_gemv_micro.py needs a GPU (--smoke runs without one)")
-    a.out = a.out or common.result_path("cuda-gemv-micro", device(), a.smoke)
+    a.out = a.out or common.result_path("cuda-gemv-micro" + ("-smollm2" if a.shapes == "smollm2" else ""), device(),
+                                         a.smoke)
     torch.manual_seed(0)
     report = {"device": torch.cuda.get_device_name() if device() == "cuda" else "cpu (Triton's interpreter)",
               "rows": {}, "sweep": {}}
-    grids = (SWEEP[:2], SILU_SWEEP[:2]) if a.smoke else (SWEEP, SILU_SWEEP)
-    for name, (n, k) in (SMOKE_SHAPES if a.smoke else SHAPES).items():
+    small = a.shapes == "smollm2"
+    grids = (SWEEP[:2], SILU_SWEEP[:2]) if a.smoke else (SMALL_K_SWEEP, SMALL_K_SWEEP) if small else (SWEEP, SILU_SWEEP)
+    for name, (n, k) in (SMOKE_SHAPES if a.smoke else SMOLLM2_SHAPES if small else SHAPES).items():
         ws = weight_copies(n, k, a.smoke)
         report["rows"][name] = shape_rows(ws, name, SMOKE_ROWS if a.smoke else ROWS)
         print(name, json.dumps(report["rows"][name]), flush=True)
-        if a.sweep and not name.startswith("lm_head"):
+        if a.sweep and (small or not name.startswith("lm_head")):
             report["sweep"][name] = sweep(ws, grid=grids[0])
             print("sweep", name, report["sweep"][name], flush=True)
         if (a.sweep or a.silu_sweep) and name.startswith("gate_up"):

@@ -30,6 +30,7 @@ from results_readers_gpu import (
     allreduce,
     cuda,
     cuda_gemv_micro,
+    cuda_gemv_sweep,
     cuda_quant_micro,
     cuda_quant_silu,
     cuda_quant_sweep,
@@ -196,6 +197,10 @@ MEASURES = {
              "Llama-2-7B-shaped bf16 model, random weights.", cuda),
     "cuda-gemv-micro": ("GPU: Triton decode GEMV", "`cuda_gemv_micro.py`: Llama-2-7B shapes and 2-rank shards.",
                         cuda_gemv_micro),
+    "cuda-gemv-micro-smollm2": ("GPU: Triton decode GEMV tiles for small K", "`cuda_gemv_micro.py --shapes smollm2 "
+                                "--sweep`: SmolLM2's bf16 shapes, one row, over 2-16 rows a program, 512- or "
+                                "1024-wide k-tiles and 4 or 8 warps (where choose_config's wide-weight tile came "
+                                "from: the LM head).", cuda_gemv_sweep),
     "cuda-quant-micro": ("GPU: quantized matmul", "`cuda_quant_micro.py`: each format against cuBLAS on bf16.",
                          cuda_quant_micro),
     "cuda-quant-sweep": ("GPU: quantized GEMV launch configs", "`cuda_quant_micro.py --sweep-only`.", cuda_quant_sweep),

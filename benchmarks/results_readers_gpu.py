@@ -45,6 +45,20 @@ def cuda_gemv_micro(r: dict) -> list:
     return rows
 
 
+def cuda_gemv_sweep(r: dict) -> list:
+    """cuda_gemv_micro.py --sweep: per shape, the tile choose_config gave when it ran and its time, and the best."""
+    rows = []
+    for shape, sw in r["sweep"].items():
+        timed = {tuple(cfg): us for us, _, cfg in sw["best"] + sw["worst"]}
+        chosen = tuple(sw["chosen"])
+        m1 = r["rows"].get(shape.removesuffix("_silu_mul"), {}).get("m1", {})
+        us = timed.get(chosen, m1.get("fused_silu_mul_us" if shape.endswith("_silu_mul") else "triton_us"))
+        best_us, _, best = sw["best"][0]
+        rows.append({"shape": shape, "tile then (rows, k, warps, stages)": str(list(chosen)),
+                     "its µs": f(us, 2), "best tile": str(best), "best µs": f(best_us, 2)})
+    return rows
+
+
 def lora_kernels_micro(r: dict) -> list:
     """A row per batch: the projections' graph replay time without adapters, and base / each variant."""
     return [{"rows": key.removeprefix("rows_"), "base ms": f"{v['ms']['base']:.3f}",

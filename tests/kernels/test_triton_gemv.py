@@ -117,3 +117,31 @@ def test_cuda_backend_routes_decode_linears_through_the_gemv(monkeypatch):
     calls.clear()
     cuda_ops.linear(rows_view(3, hidden, dtype), down.T.contiguous())                      # 3 rows: cuBLAS
     assert calls == []
+
+
+def test_a_wide_weight_of_few_columns_takes_more_rows_a_program(poisoned_empty):
+    """A small model's LM head (k <= 1024, n >= 16384) takes 8 rows a program and 4 warps (choose_config). That tile
+    (on a narrower weight here: the interpreter runs every program) still rounds the exact product once, and in
+    alone-rows mode each of several rows is what it is alone; an adapter's shrink, whose programs a launch of 4 warps
+    cannot carry, runs in its own launch with the same bits."""
+    from allspark_server.compute.cuda import lora_kernels as lk
+    from allspark_server.compute.row_mode import alone_rows
+    n, k = 40, 48
+    cfg = gk.choose_config(k, 16384)
+    assert (cfg.block_n, cfg.block_k, cfg.num_warps) == (8, 64, 4)
+    assert gk.choose_config(k, 16384, silu_mul=True).num_warps == 8
+    assert gk.choose_config(4096, 16384).num_warps == 8 and gk.choose_config(k, 8192).num_warps == 8
+    w = weight(n, k, torch.bfloat16, seed=31)
+    x = rows_view(3, k, torch.bfloat16, seed=32)
+    assert_within_ulps(gk.gemv(x[:1], w, config=cfg), exact_linear(x[:1], w, None), 1, max_mismatch=0.05)
+    with alone_rows():
+        assert_same_bits(gk.gemv(x, w, config=cfg), torch.cat([gk.gemv(x[i:i + 1], w, config=cfg) for i in range(3)]))
+    a_stack = weight(2 * 8, k, torch.bfloat16, seed=33).view(2, 8, k)
+    b_stack = weight(2 * n, 8, torch.bfloat16, seed=34).view(2, n, 8)
+    slots = torch.tensor([1, -1, 0], device=DEVICE)
+    want = gk.gemv(x, w, config=cfg)
+    lk.lora_add_(want, x, a_stack, b_stack, slots)
+    shrink = lk.Shrink.of(x, a_stack, b_stack, slots)
+    got = gk.gemv(x, w, config=cfg, shrink=shrink)
+    lk.expand_(got, shrink)
+    assert_same_bits(got, want)

@@ -176,11 +176,16 @@ class GemvConfig:
     eviction: str = "evict_first"     # the weight's loads: streamed once ("" for the default policy)
 
 
-def choose_config(k: int) -> GemvConfig:
-    """Tile shape for a weight of k columns (its row count does not matter). From benchmarks/cuda_gemv_micro.py's
-    sweep on an H100 over the 7B shapes and their 2-rank shards: two rows a program and 8 warps were best for every
-    shape, with 2048-wide k-tiles, or 4096 for K = 11008 (the best
-    config read 2.32-3.09 TB/s, cuBLAS 1.96-2.67; the worst, eight rows of 1024, 1.73-2.62)."""
+def choose_config(k: int, n: int = 0, silu_mul: bool = False) -> GemvConfig:
+    """Tile shape for a weight of k columns and n rows (n outputs; silu_mul: gate_up's). From
+    benchmarks/cuda_gemv_micro.py's sweep on an H100 over the 7B shapes and their 2-rank shards: two rows a program
+    and 8 warps were best for every shape, with 2048-wide k-tiles, or 4096 for K = 11008 (the best config read
+    2.32-3.09 TB/s, cuBLAS 1.96-2.67; the worst, eight rows of 1024, 1.73-2.62). A wide weight of few columns (a small
+    model's LM head: k <= 1024, n >= 16384) takes 8 rows a program and 4 warps: two rows made 24576 programs of a
+    few kilobytes each for SmolLM2's 49152 x 576 head, which read 1.4 TB/s against 3.4 (H200, `--shapes smollm2`).
+    The rows of x never choose: each comes out as it would alone."""
+    if k <= 1024 and n >= 16384 and not silu_mul:
+        return GemvConfig(block_n=8, block_k=triton.next_power_of_2(k), num_warps=4)
     return GemvConfig(block_n=2, block_k=min(4096 if k >= 8192 else 2048, triton.next_power_of_2(k)), num_warps=8)
 
 
@@ -242,13 +247,14 @@ def _launch(x, w, bias, out_cols, up_rows, silu_mul, config, shrink=None):
     if row_mode.invariant():
         assert shrink is None or shrink.empty, "invariant rows take an adapter's shrink in its own launch"
         return _launch_invariant(x, w, bias, out, up_rows, silu_mul, config or choose_dot_config(out_cols, silu_mul))
-    cfg = config or choose_config(k)
+    cfg = config or choose_config(k, out_cols, silu_mul)
     # alone-rows mode: a program a row, each the one-row launch's (M = 1, BLOCK_M = 1), so its sums are the same
     grid_rows = m if row_mode.alone() else 1
     rows = m // grid_rows                                                               # rows a program
     s = shrink if shrink is not None and not shrink.empty else None
-    # the shrink's programs sum as in their own launch only with its warps (lora_kernels.SHRINK_WARPS)
-    assert s is None or cfg.num_warps == lora_kernels.SHRINK_WARPS, (cfg.num_warps, lora_kernels.SHRINK_WARPS)
+    if s is not None and cfg.num_warps != lora_kernels.SHRINK_WARPS:
+        lora_kernels.shrink_(x, s)        # its own launch: the GEMV's tile stays what it is without an adapter
+        s = None
     a_stack, slots, part = (s.a_stack, s.slots, s.part) if s else (w, w, w)     # unread without a shrink
     programs = s.programs if s else 0
     _gemv_kernel[(programs + triton.cdiv(out_cols, cfg.block_n) * grid_rows,)](
