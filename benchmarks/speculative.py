@@ -192,14 +192,15 @@ def main(argv=None) -> None:
                   "streams": a.streams,
                   "greedy_equal": same, "greedy_compared_with": ref, "runs": runs,
                   "measured_at": time.strftime("%Y-%m-%d")}
+
+        def over_plain(name: str) -> dict:
+            return {k: statistics.median(s[k] / p[k] for s, p in zip(runs[name], runs["plain"]))
+                    for k in runs["plain"][0]}
         if invariant:
-            report["invariant_over_plain"] = {k: statistics.median(s[k] / p[k] for s, p in
-                                                                   zip(runs["invariant"], runs["plain"]))
-                                              for k in runs["plain"][0]}
+            report["invariant_over_plain"] = over_plain("invariant")
         for name in same:
             stat = engine.get_as_engine_stat(name)
-            report[f"{name}_over_plain"] = {k: statistics.median(s[k] / p[k] for s, p in zip(runs[name], runs["plain"]))
-                                            for k in runs["plain"][0]}
+            report[f"{name}_over_plain"] = over_plain(name)
             report[f"{name}_acceptance_rate"] = stat.spec_acceptance_rate
             report[f"{name}_accepted_per_verify"] = stat.spec_accepted_tokens / max(1, stat.spec_verify_steps)
             print(name, report[f"{name}_over_plain"], same[name], round(stat.spec_acceptance_rate, 3), flush=True)

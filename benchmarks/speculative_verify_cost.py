@@ -80,14 +80,11 @@ def main(argv=None) -> None:
         order = sorted(graphs, key=lambda s: (s.startswith("v"), int(s.lstrip("v"))))
         rows = {}
         for ctx in map(int, a.ctx.split(",")):
-            n = g.ids.shape[0]
-            g.positions.fill_(ctx - 1)
-            g.slots.fill_(g.scratch_slot + (ctx - 1) % g.span_size)
-            g.ctx.fill_(ctx)
-            g.ids.copy_(torch.randint(0, 1000, (n,), device=g.ids.device))
-            plain.positions.fill_(ctx - 1)
-            plain.slots.fill_(plain.scratch_slot + (ctx - 1) % plain.span_size)
-            plain.ctx.fill_(ctx)
+            for pg in (g, plain):   # every row a padding row at this context
+                pg.positions.fill_(ctx - 1)
+                pg.slots.fill_(pg.scratch_slot + (ctx - 1) % pg.span_size)
+                pg.ctx.fill_(ctx)
+            g.ids.copy_(torch.randint(0, 1000, (g.ids.shape[0],), device=g.ids.device))
             times = {s: replay_median_ms(graphs[s], a.repeats) for s in order}
             plain1 = replay_median_ms(plain.graphs[1], a.repeats)
             again1 = replay_median_ms(graphs["1"], a.repeats)

@@ -62,7 +62,8 @@ __attribute__((always_inline)) inline void prefetch_for_key(const void* k_cache,
   const char* k = static_cast<const char*>(k_cache);
   const char* v = static_cast<const char*>(v_cache);
   if (t == 0)
-    for (int64_t u = 0; u < std::min(PREFETCH_AHEAD, ctx); ++u) simd::prefetch_row<3>(k + rows[u] * row_bytes, row_bytes);
+    for (int64_t u = 0; u < std::min(PREFETCH_AHEAD, ctx); ++u)
+      simd::prefetch_row<3>(k + rows[u] * row_bytes, row_bytes);
   if (t + PREFETCH_AHEAD < ctx) simd::prefetch_row<3>(k + rows[t + PREFETCH_AHEAD] * row_bytes, row_bytes);
   simd::prefetch_row<2>(v + rows[t] * row_bytes, row_bytes);
 }
@@ -330,7 +331,8 @@ inline void weighted_rows_avx512(const typename Row::Ptr* rows, int64_t ctx, int
     for (int i = 0; i < NJ; ++i) a[h][i] = _mm512_setzero_ps();
   const int64_t at = Row::byte_of(j, D), span = Row::byte_of(j + 16 * NJ - 1, D) - at + 1;
   for (int64_t t = 0; t < ctx; ++t) {
-    if (t + PREFETCH_AHEAD < ctx) simd::prefetch_row<3>(reinterpret_cast<const char*>(rows[t + PREFETCH_AHEAD]) + at, span);
+    if (t + PREFETCH_AHEAD < ctx)
+      simd::prefetch_row<3>(reinterpret_cast<const char*>(rows[t + PREFETCH_AHEAD]) + at, span);
     __m512 v[NJ];
     for (int i = 0; i < NJ; ++i) v[i] = Row::load16(rows[t], j + 16 * i, D);
     for (int h = 0; h < NH; ++h) {

@@ -1,8 +1,8 @@
 // SIMD helpers shared by the kernels: AVX-512 16-lane and AVX2 8-lane loads of fp32 or bf16 rows (bf16 widened
-// to fp32), 16 horizontal sums at once, bf16 rounding, exp for non-positive arguments and tanh at both widths, 16- and 8-lane stores, an AVX2
-// horizontal sum, the AVX2 kernels' software prefetch of a weight stream, and a range of lines prefetched at once. Every function carries its own target
-// attribute, so including this header does not require AVX-512 from the rest of a file; callers select at run
-// time.
+// to fp32), 16 horizontal sums at once, bf16 rounding, exp for non-positive arguments and tanh at both widths, 16-
+// and 8-lane stores, an AVX2 horizontal sum, the AVX2 kernels' software prefetch of a weight stream, and a range of
+// lines prefetched at once. Every function carries its own target attribute, so including this header does not
+// require AVX-512 from the rest of a file; callers select at run time.
 #pragma once
 
 #include <torch/extension.h>

@@ -97,10 +97,11 @@ def takes_lora(lora, lora_rows) -> bool:
 
 def _lora_linear(x, w, bias, lora, lora_rows):
     """linear(x, w, bias) plus the rows' adapter deltas: where the GEMV takes the rows, the adapter's shrink runs in
-    the GEMV's own launch and only its expand in one more; elsewhere (invariant rows too) lora_add_'s two launches."""
+    the GEMV's own launch where it can (gemv_kernels._launch) and only its expand in one more; elsewhere lora_add_'s
+    two launches."""
     if not takes_lora(lora, lora_rows):
         return linear(x, w, bias)
-    if isinstance(w, torch.Tensor) and gemv_kernels.fits(x, w) and not row_mode.invariant():
+    if isinstance(w, torch.Tensor) and gemv_kernels.fits(x, w):
         a_stack, b_stack = lora.stacked()
         shrink = lora_kernels.Shrink.of(x, a_stack, b_stack, lora_rows.slots)
         y = gemv_kernels.gemv(x, w, bias, shrink=shrink)

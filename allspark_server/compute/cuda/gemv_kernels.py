@@ -119,7 +119,7 @@ def _gemv_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_r
 @triton.jit
 def _dot_tile(acc, rows, w_ok, x, offs_m, m_ok, k0, K, stride_xm, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr,
               FIRST: tl.constexpr, PDL: tl.constexpr):
-    """acc [W, 16] plus the k-tile [k0, k0 + BLOCK_K) of the weight rows `rows` [W, 1] (pointers) met by x's rows
+    """acc [W, BLOCK_M] plus the k-tile [k0, k0 + BLOCK_K) of the weight rows `rows` [W, 1] (pointers) met by x's rows
     on tensor cores. FIRST: the tile the program starts with, its weight read before the PDL wait."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
@@ -134,23 +134,23 @@ def _dot_tile(acc, rows, w_ok, x, offs_m, m_ok, k0, K, stride_xm, BLOCK_K: tl.co
 
 
 @triton.jit
-def _rows_dot_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_rows, BLOCK_N: tl.constexpr,
-                     W_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-                     SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
-    """Program (n tile, block of 16 rows of x): out[rows, n] = sum_k x[rows, k] w[n, k] (+ bias[n]) as
-    tl.dot(w tile [W_ROWS, BK], x^T tile [BK, 16]) over the k-tiles, rows past M zero; rounded and, with SILU_MUL,
+def _rows_dot_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_rows, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, W_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     SILU_MUL: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
+    """Program (n tile, block of BLOCK_M rows of x): out[rows, n] = sum_k x[rows, k] w[n, k] (+ bias[n]) as
+    tl.dot(w tile [W_ROWS, BK], x^T tile [BK, BLOCK_M]) over the k-tiles, rows past M zero; rounded and, with SILU_MUL,
     silu(gate) * up as _gemv_kernel does, the BLOCK_N gate rows and their up rows one tile of W_ROWS = 2 BLOCK_N.
     Every block of rows runs the same instructions: batch invariant."""
     allow_next(PDL)
-    row0 = tl.program_id(1) * 16
-    offs_m = tl.arange(0, 16)
+    row0 = tl.program_id(1) * BLOCK_M
+    offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M - row0
     x += row0.to(tl.int64) * stride_xm
     offs_w = tl.arange(0, W_ROWS)
     n_w = tl.program_id(0) * BLOCK_N + offs_w % BLOCK_N                                 # each weight row's output
     w_ok = n_w < N
     rows = w + (n_w + (offs_w // BLOCK_N) * up_rows).to(tl.int64)[:, None] * stride_wn  # [W, 1]
-    acc = tl.zeros((W_ROWS, 16), dtype=tl.float32)
+    acc = tl.zeros((W_ROWS, BLOCK_M), dtype=tl.float32)
     acc = _dot_tile(acc, rows, w_ok, x, offs_m, m_ok, 0, K, stride_xm, BLOCK_K, SOFT_BF16, True, PDL)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         acc = _dot_tile(acc, rows, w_ok, x, offs_m, m_ok, k0, K, stride_xm, BLOCK_K, SOFT_BF16, False, PDL)
@@ -158,8 +158,8 @@ def _rows_dot_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, 
         acc += tl.load(bias + n_w + (offs_w // BLOCK_N) * up_rows, mask=w_ok, other=0.0).to(tl.float32)[:, None]
     dt = out.dtype.element_ty
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if SILU_MUL:   # [2 BN, 16] -> gate, up [BN, 16], rounded as the linear rounds them, then silu·mul's roundings
-        gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, 16)), (1, 2, 0)))
+    if SILU_MUL:   # [2 BN, BM] -> gate, up [BN, BM], rounded as the linear rounds them, then silu·mul's roundings
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
         y = _silu_mul_rounded(_round(gate, dt, SOFT_BF16), _round(up, dt, SOFT_BF16), dt, SOFT_BF16)
     else:
         y = _round(acc, dt, SOFT_BF16)
@@ -189,7 +189,7 @@ def choose_config(k: int, n: int = 0, silu_mul: bool = False) -> GemvConfig:
     return GemvConfig(block_n=2, block_k=min(4096 if k >= 8192 else 2048, triton.next_power_of_2(k)), num_warps=8)
 
 
-# batch-invariant rows: up to INVARIANT_MAX_ROWS (one block of the kernel's 16) take _rows_dot_kernel
+# batch-invariant rows: up to INVARIANT_MAX_ROWS (one block of _rows_dot_kernel's rows) take that kernel
 INVARIANT_MAX_ROWS = 16
 
 
@@ -244,17 +244,19 @@ def _launch(x, w, bias, out_cols, up_rows, silu_mul, config, shrink=None):
     out = torch.empty(m, out_cols, dtype=x.dtype, device=x.device)                       # [M, N]
     if m == 0 or out_cols == 0:
         return out
-    if row_mode.invariant():
-        assert shrink is None or shrink.empty, "invariant rows take an adapter's shrink in its own launch"
-        return _launch_invariant(x, w, bias, out, up_rows, silu_mul, config or choose_dot_config(out_cols, silu_mul))
-    cfg = config or choose_config(k, out_cols, silu_mul)
+    invariant = row_mode.invariant()
+    cfg = config or (choose_dot_config(out_cols, silu_mul) if invariant else choose_config(k, out_cols, silu_mul))
+    s = shrink if shrink is not None and not shrink.empty else None
+    if s is not None and (invariant or cfg.num_warps != lora_kernels.SHRINK_WARPS):
+        # a launch that cannot carry the shrink's programs (the tensor-core kernel, or other warps than the shrink's
+        # own): the shrink in its own launch, and the GEMV's tile what it is without an adapter
+        lora_kernels.shrink_(x, s)
+        s = None
+    if invariant:
+        return _launch_invariant(x, w, bias, out, up_rows, silu_mul, cfg)
     # alone-rows mode: a program a row, each the one-row launch's (M = 1, BLOCK_M = 1), so its sums are the same
     grid_rows = m if row_mode.alone() else 1
     rows = m // grid_rows                                                               # rows a program
-    s = shrink if shrink is not None and not shrink.empty else None
-    if s is not None and cfg.num_warps != lora_kernels.SHRINK_WARPS:
-        lora_kernels.shrink_(x, s)        # its own launch: the GEMV's tile stays what it is without an adapter
-        s = None
     a_stack, slots, part = (s.a_stack, s.slots, s.part) if s else (w, w, w)     # unread without a shrink
     programs = s.programs if s else 0
     _gemv_kernel[(programs + triton.cdiv(out_cols, cfg.block_n) * grid_rows,)](
@@ -270,12 +272,11 @@ def _launch(x, w, bias, out_cols, up_rows, silu_mul, config, shrink=None):
 
 def _launch_invariant(x, w, bias, out, up_rows, silu_mul, cfg):
     m, k = x.shape
-    _rows_dot_kernel[(triton.cdiv(out.shape[1], cfg.block_n), triton.cdiv(m, 16))](
+    _rows_dot_kernel[(triton.cdiv(out.shape[1], cfg.block_n), triton.cdiv(m, INVARIANT_MAX_ROWS))](
         x, w, w if bias is None else bias, out, m, out.shape[1], k, x.stride(0), w.stride(0), out.stride(0), up_rows,
-        BLOCK_N=cfg.block_n, W_ROWS=cfg.block_n * (2 if silu_mul else 1), BLOCK_K=cfg.block_k,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
-        SOFT_BF16=_INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
-        **pdl.launch_options(x.device))
+        BLOCK_M=INVARIANT_MAX_ROWS, BLOCK_N=cfg.block_n, W_ROWS=cfg.block_n * (2 if silu_mul else 1),
+        BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, SOFT_BF16=_INTERPRETED,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **pdl.launch_options(x.device))
     return out
 
 
