@@ -5,7 +5,8 @@ so the smaller ones partly from L2). --sweep also times launch configs for the d
 past L2 (what choose_config's table comes from), --sweep-only that alone for every shape. Writes JSON; run on a
 GPU machine:
 
-    python benchmarks/cuda_quant_micro.py [--sweep | --sweep-only] [--out PATH]
+    python benchmarks/cuda_quant_micro.py [--sweep | --sweep-only] [--formats FMT:GROUP ...] [--rows M ...]
+                                          [--out PATH]
 
 --smoke: one small shape, two row counts, one copy of each weight, two configs a sweep; without a GPU the
 kernels run in Triton's interpreter on CPU tensors (it checks that the script runs; its numbers mean nothing).
@@ -76,18 +77,28 @@ def sweep(w: QuantizedWeight, m: int, n: int, k: int) -> dict:
             "errors": errors[:3]}
 
 
+def group_size_of(key: str) -> int:
+    return int(key.rsplit("_g", 1)[1])
+
+
 def main(argv=None) -> None:
     global SMOKE
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--sweep-only", action="store_true", help="only the decode row's config sweep, every shape")
     p.add_argument("--smoke", action="store_true", help="small shapes, two configs a sweep (see the docstring)")
+    p.add_argument("--formats", nargs="+", default=None, metavar="FMT:GROUP",
+                   help="the formats timed and swept (default: VARIANTS timed, SWEPT swept)")
+    p.add_argument("--rows", nargs="+", type=int, default=None, help=f"row counts (default {ROWS})")
     p.add_argument("--out", default=None, help="default: benchmarks/results/cuda-quant-micro-<machine>.json "
                    "(--sweep-only: cuda-quant-sweep-<machine>.json; --smoke: under results/quick/)")
     a = p.parse_args(argv)
     if device() != "cuda" and not a.smoke:
         raise SystemExit("cuda_quant_micro.py needs a GPU (--smoke runs without one)")
     SMOKE = a.smoke
+    variants, swept, rows = VARIANTS, SWEPT, a.rows or (SMOKE_ROWS if a.smoke else ROWS)
+    if a.formats:
+        variants = swept = [(f, int(g)) for f, _, g in (text.partition(":") for text in a.formats)]
     a.out = a.out or common.result_path("cuda-quant-sweep" if a.sweep_only else "cuda-quant-micro", device(), a.smoke)
     torch.manual_seed(0)
     report = {"device": torch.cuda.get_device_name() if device() == "cuda" else "cpu (Triton's interpreter)",
@@ -95,10 +106,10 @@ def main(argv=None) -> None:
     for name, (n, k) in (SMOKE_SHAPES if a.smoke else SHAPES).items():
         w16 = (torch.randn(n, k, device=device()) * 0.02).to(torch.bfloat16)
         quants = {}
-        for fmt, group in SWEPT if a.sweep_only else VARIANTS:
+        for fmt, group in swept if a.sweep_only else variants:
             q = {key: t.to(device()) for key, t in quantize(w16.float().cpu(), fmt, group).items()}
             quants[f"{fmt}_g{group}"] = QuantizedWeight(q["qweight"], q["scales"], q.get("zeros"), fmt, group, k)
-        for m in () if a.sweep_only else SMOKE_ROWS if a.smoke else ROWS:
+        for m in () if a.sweep_only else rows:
             x = torch.randn(m, k, device=device(), dtype=torch.bfloat16)
             row = {"bf16_cublas_us": time_us(lambda: F.linear(x, w16))}
             row["bf16_gbs"] = n * k * 2 / row["bf16_cublas_us"] / 1e3
@@ -109,14 +120,14 @@ def main(argv=None) -> None:
                 row[f"{key}_vs_bf16"] = row["bf16_cublas_us"] / us
                 if m >= 128:
                     row[f"{key}_dequant_cublas_us"] = time_us(lambda: F.linear(x, w.dequantize().to(x.dtype)))
-                if key == "int8_g-1" and m <= 16:
+                if group_size_of(key) == -1 and m <= 16:
                     ref = F.linear(x.float(), w.dequantize())
                     got = qk.quant_matmul(x, w).float()
-                    row["int8_rel_err"] = ((got - ref).abs().max() / ref.abs().max()).item()
+                    row[f"{key.split('_g')[0]}_rel_err"] = ((got - ref).abs().max() / ref.abs().max()).item()
             report["rows"][f"{name}_m{m}"] = row
             print(name, m, {k2: round(v, 2) for k2, v in row.items()}, flush=True)
         if a.sweep_only or (a.sweep and name in ("o", "gate_up")):
-            for key in (f"{fmt}_g{group}" for fmt, group in SWEPT):
+            for key in (f"{fmt}_g{group}" for fmt, group in swept):
                 for m in (1,):
                     report["sweep"][f"{name}_{key}_m{m}"] = sweep(quants[key], m, n, k)
                     print("sweep", name, key, m, report["sweep"][f"{name}_{key}_m{m}"], flush=True)

@@ -97,6 +97,10 @@ class DeviceKind:
         """Devices of this kind the process sees (a pool's ranks that see every one can share peer memory)."""
         return 0
 
+    def float8_refusal(self) -> Optional[str]:
+        """Why fp8 (e4m3) weights cannot be served here, or None where they can."""
+        return "this rank runs on a CPU, whose kernels have no fp8 path"
+
 
 @dataclass(frozen=True)
 class HostDevice(DeviceKind):

@@ -14,7 +14,7 @@ from torch import nn
 
 from allspark_server.compute import ops
 from allspark_server.compute.lora_slots import LoraRows, LoraSlots
-from allspark_server.quant.formats import QuantizedWeight, bits, group_count, has_mins, is_asymmetric
+from allspark_server.quant.formats import QuantizedWeight, bits, group_count, has_mins, is_asymmetric, is_float
 
 
 class ParallelLinear(nn.Module):
@@ -36,7 +36,8 @@ class ParallelLinear(nn.Module):
         code_dtype = torch.int8 if fmt == "int8" else torch.uint8
         self.register_buffer("qweight", torch.empty(n, k // 2 if bits(fmt) == 4 else k, dtype=code_dtype))
         groups = group_count(k, group_size)
-        self.register_buffer("scales", torch.empty(n, groups, dtype=torch.float16))
+        scale_dtype = torch.float32 if is_float(fmt) else torch.float16
+        self.register_buffer("scales", torch.empty(n, groups, dtype=scale_dtype))
         self.register_buffer("zeros", torch.empty(n, groups, dtype=torch.uint8)
                              if is_asymmetric(fmt) and not has_mins(fmt) else None)
         self.register_buffer("mins", torch.empty(n, groups, dtype=torch.float16) if has_mins(fmt) else None)

@@ -2,8 +2,9 @@
 torch reference that dequantizes it again (what every native quantized kernel is tested against).
 
 Stored tensors of one quantized weight (the `.asparam` names are `<module>.qweight/.scales/.zeros`):
-  qweight  int8 [N, K] (int8) | uint8 [N, K] (uint8) | uint8 [N, K/2] (int4, uint4: two 4-bit codes a byte)
-  scales   fp16 [N, K/G]  (one column for per-channel, G = -1)
+  qweight  int8 [N, K] (int8) | uint8 [N, K] (uint8; fp8_e4m3: the bytes of float8_e4m3fn values)
+           | uint8 [N, K/2] (int4, uint4: two 4-bit codes a byte)
+  scales   fp16 [N, K/G]  (one column for per-channel, G = -1; fp32 for fp8_e4m3)
   zeros    uint8 [N, K/G] (uint8 / uint4 only: the integer zero point of each group)
   mins     fp16 [N, K/G]  (uint4_min only, in place of zeros: the value code 0 stands for)
 4-bit packing, per block of 32 consecutive k: byte j holds k = j in its low nibble and k = 16 + j in its high
@@ -20,20 +21,31 @@ Formulas (DashInfer's, ../shared/reference/dashinfer.md §3.4):
                              zero = clamp(round(-lo / scale)); code = clamp(round(w / scale) + zero)
   uint4_min:                 min = min(w), scale = (max(w) - min) / 15 (both fp16);
                              code = clamp(round((w - min) / scale), 0..15)
+  fp8_e4m3 (GPU only):       scale = max|w| / 448 (fp32, 448 = e4m3's largest finite value);
+                             code = float8_e4m3fn(w / scale), rounded to nearest even; w = code * scale.
+                             OCP FP8's E4M3: sign, 4 exponent bits (bias 7), 3 mantissa bits, no infinities
 Scales are rounded to fp16 *before* the codes are computed, so the codes fit the stored scale.
 """
 from __future__ import annotations
 
 import torch
 
-FORMATS = ("int8", "uint8", "int4", "uint4", "uint4_min")
-FORMAT_IDS = {name: i for i, name in enumerate(FORMATS)}   # the native kernels' format numbers
+FORMATS = ("int8", "uint8", "int4", "uint4", "uint4_min")   # every device: the native CPU kernels and Triton's
+GPU_FORMATS = ("fp8_e4m3",)                                # Triton's alone (GPUs of compute capability 8.9+)
+ALL_FORMATS = FORMATS + GPU_FORMATS
+FORMAT_IDS = {name: i for i, name in enumerate(ALL_FORMATS)}   # the kernels' format numbers
+FP8_MAX = 448.0                                            # e4m3's largest finite value
 GROUP_SIZES = (-1, 32, 64, 128, 256, 512)
 PACK_BLOCK = 32                                            # 4-bit packing block (k elements)
 
 
 def bits(fmt: str) -> int:
-    return 4 if "4" in fmt else 8
+    return 4 if fmt in ("int4", "uint4", "uint4_min") else 8
+
+
+def is_float(fmt: str) -> bool:
+    """Whether the codes are floating-point values (fp8) rather than integers."""
+    return fmt in GPU_FORMATS
 
 
 def is_asymmetric(fmt: str) -> bool:
@@ -65,12 +77,14 @@ def check_shape(fmt: str, group_size: int, in_features: int, name: str = "weight
 
 def quantize(w: torch.Tensor, fmt: str, group_size: int) -> dict[str, torch.Tensor]:
     """w [N, K] (any float dtype) -> {"qweight", "scales"[, "zeros" | "mins"]} in the layout above."""
-    if fmt not in FORMATS:
-        raise ValueError(f"weight_format {fmt!r} is not one of {FORMATS}")
+    if fmt not in ALL_FORMATS:
+        raise ValueError(f"weight_format {fmt!r} is not one of {ALL_FORMATS}")
     n, k = w.shape
     check_shape(fmt, group_size, k)
     g = k if group_size == -1 else group_size
     wg = w.detach().float().reshape(n, k // g, g)                             # [N, groups, G]
+    if is_float(fmt):
+        return _quantize_fp8(wg)
     qmin, qmax = _qrange(fmt)
     out = {}
     if has_mins(fmt):
@@ -104,6 +118,15 @@ def quantize(w: torch.Tensor, fmt: str, group_size: int) -> dict[str, torch.Tens
     return {name: t.contiguous() for name, t in out.items()}
 
 
+def _quantize_fp8(wg: torch.Tensor) -> dict[str, torch.Tensor]:
+    """[N, groups, G] fp32 -> fp8_e4m3's qweight (the codes' bytes) and fp32 scales."""
+    scale = wg.abs().amax(-1) / FP8_MAX                                      # [N, groups]
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    codes = (wg / safe[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return {"qweight": codes.view(torch.uint8).reshape(wg.shape[0], -1).contiguous(),
+            "scales": scale.contiguous()}
+
+
 def pack4(codes: torch.Tensor) -> torch.Tensor:
     """Unsigned 4-bit codes [N, K] (0..15) -> bytes [N, K/2], per 32-block: low nibble k = j, high k = 16 + j."""
     n, k = codes.shape
@@ -122,7 +145,9 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
                group_size: int) -> torch.Tensor:
     """The fp32 weight [N, K] that the stored codes stand for: (code - zero) * scale per group, or for
     uint4_min (`zeros` then holds the fp16 mins) code * scale + min, both in fp32 as GGUF readers compute it."""
-    if bits(fmt) == 4:
+    if is_float(fmt):
+        codes = qweight.view(torch.float8_e4m3fn).float()
+    elif bits(fmt) == 4:
         codes = unpack4(qweight).float()
         if fmt == "int4":
             codes = codes - 8

@@ -10,7 +10,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from allspark_server.quant.formats import FORMATS, GROUP_SIZES, check_shape
+from allspark_server.quant.formats import ALL_FORMATS, GROUP_SIZES, check_shape, is_float
 
 # weight_only: x meets the codes rounded to 16 bits per token (A16W8 / A16W4, no visible loss); activate_quant:
 # rounded to int8 per token (DashInfer's A8W8, there for int8 weights only; here any format: A8W4 is the
@@ -50,8 +50,8 @@ class QuantScheme:
             raise QuantConfigError(f"quant_method {method!r} is not supported (instant_quant; GPTQ checkpoints "
                                    f"are read from their config.json)")
         fmt = cfg.get("weight_format", "int8")
-        if fmt not in FORMATS:
-            raise QuantConfigError(f"weight_format {fmt!r} is not one of {list(FORMATS)}")
+        if fmt not in ALL_FORMATS:
+            raise QuantConfigError(f"weight_format {fmt!r} is not one of {list(ALL_FORMATS)}")
         group = cfg.get("group_size", -1)
         if isinstance(group, bool) or group not in GROUP_SIZES:
             raise QuantConfigError(f"group_size {group!r} is not one of {list(GROUP_SIZES)}")
@@ -59,6 +59,9 @@ class QuantScheme:
         if compute not in COMPUTE_METHODS:
             raise QuantConfigError(f"compute_method {compute!r} is not supported (supported: "
                                    f"{list(COMPUTE_METHODS)})")
+        if compute == "activate_quant" and is_float(fmt):
+            raise QuantConfigError(f"compute_method activate_quant rounds activations to int8; {fmt} weights are "
+                                   f"served weight-only (compute_method weight_only)")
         if cfg.get("activate_format", "int8") != "int8":
             raise QuantConfigError(f"activate_format {cfg['activate_format']!r} is not supported (int8)")
         settings = cfg.get("group_settings") or {}
@@ -86,6 +89,10 @@ class QuantScheme:
     def format_for(self, name: str) -> str:
         """The format of one quantized checkpoint weight."""
         return self.formats.get(name, self.weight_format)
+
+    def float_formats(self) -> list[str]:
+        """The floating-point formats (fp8) among its weights: served on GPUs of compute capability 8.9+ alone."""
+        return sorted({f for f in (self.weight_format, *self.formats.values()) if is_float(f)})
 
     def group_for(self, name: str) -> int:
         for pattern, size in self.group_settings:

@@ -274,7 +274,8 @@ def test_prefix_cache_host_tier_and_guided_output_on_the_gpu(llama, tmp_path):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("fmt,group,compute", [("int8", -1, "weight_only"), ("int4", 64, "weight_only"),
-                                               ("uint4", 32, "weight_only"), ("int8", -1, "activate_quant")])
+                                               ("uint4", 32, "weight_only"), ("int8", -1, "activate_quant"),
+                                               ("fp8_e4m3", -1, "weight_only"), ("fp8_e4m3", 32, "weight_only")])
 def test_quantized_weights_on_the_gpu_equal_transformers_on_the_stored_codes(llama, tmp_path, fmt, group, compute):
     """InstantQuant weights on a GPU rank (the Triton matmul over the codes, in the decode graphs and in
     prefill): greedy equals transformers running the stored codes dequantized independently, alone and batched

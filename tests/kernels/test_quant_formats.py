@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from allspark_server.quant.formats import FORMATS, dequantize, pack4, quantize, unpack4
+from allspark_server.quant.formats import ALL_FORMATS, FORMATS, dequantize, pack4, quantize, unpack4
 
 
 def test_int8_per_channel_codes_by_hand():
@@ -15,6 +15,21 @@ def test_int8_per_channel_codes_by_hand():
     assert q["qweight"].dtype == torch.int8 and q["qweight"].tolist() == [[64, -128, 32, 0, 16]]
     assert q["scales"].dtype == torch.float16 and q["scales"].tolist() == [[1 / 64]]
     assert "zeros" not in q
+
+
+def test_fp8_e4m3_codes_by_hand():
+    """OCP E4M3 (sign, 4 exponent bits of bias 7, 3 mantissa bits): max |w| = 2 gives scale 2 / 448 = 1/224, so
+    w / scale = 224 (1.75 * 2^7: exponent 14, mantissa 6), -448 (1.75 * 2^8 with the sign), 112 (1.75 * 2^6),
+    0, 67.2 (1.05 * 2^6: mantissa 0.4 / 8 rounds to 0, the value 64) and 0.00672 (below 2^-6: a subnormal,
+    3.44 steps of 2^-9, code 3)."""
+    w = torch.tensor([[1.0, -2.0, 0.5, 0.0, 0.3, 0.00003]])
+    q = quantize(w, "fp8_e4m3", -1)
+    assert q["qweight"].dtype == torch.uint8 and "zeros" not in q
+    assert q["qweight"].tolist() == [[0b0_1110_110, 0b1_1111_110, 0b0_1101_110, 0, 0b0_1101_000, 0b0_0000_011]]
+    assert q["scales"].dtype == torch.float32 and q["scales"].tolist() == [[torch.tensor(2 / 448).item()]]
+    back = dequantize(q["qweight"], q["scales"], None, "fp8_e4m3", -1)
+    values = torch.tensor([[224, -448, 112, 0, 64, 3 * 2.0 ** -9]])
+    assert torch.equal(back, values * q["scales"])          # code * scale, in fp32
 
 
 def test_uint4_codes_by_hand():
@@ -52,8 +67,21 @@ def test_round_trip_error_is_within_half_a_step(fmt, group):
     assert (err <= step * 0.5 + 1e-6).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("group", [-1, 32])
+def test_fp8_round_trip_error_is_within_half_an_e4m3_step(group):
+    """e4m3 keeps 3 mantissa bits: |w - back| <= 2^-4 |w| for normal values (half a step of 2^-3), and half the
+    subnormal step (2^-10 of the scale) below 2^-6 of the scale."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(37, 256, generator=g) * torch.rand(37, 1, generator=g)
+    q = quantize(w, "fp8_e4m3", group)
+    back = dequantize(q["qweight"], q["scales"], None, "fp8_e4m3", group)
+    scale = q["scales"].repeat_interleave(256 if group == -1 else group, dim=1)
+    bound = torch.maximum(w.abs() * 2.0 ** -4, scale * 2.0 ** -10) * (1 + 1e-6)
+    assert ((back - w).abs() <= bound).all()
+
+
 def test_zero_rows_quantize_to_zero():
     w = torch.zeros(3, 64)
-    for fmt in FORMATS:
+    for fmt in ALL_FORMATS:
         q = quantize(w, fmt, 32)
         assert torch.equal(dequantize(q["qweight"], q["scales"], q.get("zeros", q.get("mins")), fmt, 32), w)

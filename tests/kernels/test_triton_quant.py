@@ -26,12 +26,19 @@ def quantized(n: int, k: int, fmt: str, group: int, seed: int) -> tuple[Quantize
     w = torch.randn(n, k, generator=gen) * 0.02
     w[:, ::7] *= 6
     q = quantize(w, fmt, group)
+    g = k if group == -1 else group
+    if fmt == "fp8_e4m3":      # OCP E4M3 bytes: sign, 4 exponent bits (bias 7), 3 mantissa bits, written out here
+        b = q["qweight"].to(torch.int64)
+        e, mant = (b >> 3) & 15, (b & 7).double()
+        value = torch.where(e == 0, mant / 8 * 2.0 ** -6, (1 + mant / 8) * 2.0 ** (e - 7).double())
+        exact = torch.where(b >= 128, -value, value) * q["scales"].double().repeat_interleave(g, 1)
+        dev = {name: t.to(DEVICE) for name, t in q.items()}
+        return QuantizedWeight(dev["qweight"], dev["scales"], None, fmt, group, k), exact
     codes = q["qweight"].to(torch.int16)
     if fmt in ("int4", "uint4"):            # byte j of each 32-block: k = j (low nibble), k = 16 + j (high)
         b = codes.reshape(n, k // 32, 16)
         codes = torch.cat([b & 15, b >> 4], -1).reshape(n, k)
     zero = {"int8": torch.zeros(1), "int4": torch.full((1,), 8.0)}.get(fmt)
-    g = k if group == -1 else group
     zeros = zero if zero is not None else q["zeros"].double().repeat_interleave(g, 1)
     exact = (codes.double() - zeros.double()) * q["scales"].double().repeat_interleave(g, 1)
     dev = {name: t.to(DEVICE) for name, t in q.items()}
@@ -53,7 +60,7 @@ def check(x: torch.Tensor, w: QuantizedWeight, exact_w: torch.Tensor, bias=None,
     assert (err <= bound).all(), f"max error {err.max().item():.3g} ({(err > bound).sum().item()} elements over)"
 
 
-@pytest.mark.parametrize("fmt", ["int8", "uint8", "int4", "uint4"])
+@pytest.mark.parametrize("fmt", ["int8", "uint8", "int4", "uint4", "fp8_e4m3"])
 @pytest.mark.parametrize("group", [-1, 32, 128])
 def test_formats_and_groups(fmt, group):
     n, k = 72, 256
@@ -64,7 +71,7 @@ def test_formats_and_groups(fmt, group):
             check((torch.randn(m, k, generator=gen)).to(DEVICE, dtype), w, exact)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8_e4m3"])
 def test_split_k_tiles_and_bias(fmt):
     """Explicit configs: 1 and 3 splits of an uneven number of k-tiles; a bias; x a strided row view."""
     n, k = 40, 384
@@ -109,7 +116,8 @@ def bf16_cast(x32: torch.Tensor) -> torch.Tensor:
     return (x32.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("fmt,group", [("int8", -1), ("uint8", 64), ("int4", 32), ("uint4", -1)])
+@pytest.mark.parametrize("fmt,group", [("int8", -1), ("uint8", 64), ("int4", 32), ("uint4", -1), ("fp8_e4m3", -1),
+                                       ("fp8_e4m3", 64)])
 def test_prefill_rows_dequantize_for_the_gemm(fmt, group):
     """More than DOT_MAX_ROWS rows: the Triton dequantize (into x's dtype) equals the published formula rounded
     once, and the product equals the float64 one within that rounding."""

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from test_tensor_parallel import mpirun_env, tp_logits
 
 from allspark_client import AsException
-from allspark_server import HuggingFaceModel
+from allspark_server import Engine, HuggingFaceModel
 from allspark_server.loader.hf_model import ModelSerializerException
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +34,11 @@ def serialize_quantized(hf_dir: str, name: str, out_dir: str, config: dict, dtyp
 def dequantize_here(f, base: str, fmt: str, group: int) -> torch.Tensor:
     """The weight `base` stands for, from its stored tensors: (code - zero) * scale, written independently."""
     q = f.get_tensor(base + ".qweight").numpy()
-    if fmt in ("int4", "uint4"):
+    if fmt == "fp8_e4m3":      # OCP E4M3 bytes: sign, 4 exponent bits (bias 7), 3 mantissa bits
+        e, mant = (q >> 3) & 15, (q & 7).astype(np.float64)
+        codes = np.where(e == 0, mant / 8 * 2.0 ** -6, (1 + mant / 8) * 2.0 ** (e.astype(np.float64) - 7))
+        codes = np.where(q >= 128, -codes, codes)
+    elif fmt in ("int4", "uint4"):
         n, half = q.shape
         blocks = q.reshape(n, half // 16, 16)
         codes = np.concatenate([blocks & 0xF, blocks >> 4], axis=2).reshape(n, 2 * half).astype(np.float64)
@@ -174,6 +178,7 @@ def test_bf16_quantized_model_generates_like_its_fp32_reference(llama, tmp_path)
     ({"weight_format": "uint4", "group_size": 256}, "group_size 256 does not divide"),
     ({"weight_format": "int8", "group_settings": {r"\.k_proj\.": 32}}, "fused into one projection"),
     ({"weight_format": "int8", "compute_method": "fp8_a8w8"}, "compute_method 'fp8_a8w8'"),
+    ({"weight_format": "fp8_e4m3", "compute_method": "activate_quant"}, "fp8_e4m3 weights are served weight-only"),
     ({"weight_format": "int8", "bits": 4}, "unknown keys"),
     ({"quant_method": "gptq"}, "quant_method 'gptq'"),
 ])
@@ -182,6 +187,25 @@ def test_bad_quant_configs_are_refused_and_write_nothing(llama, tmp_path, config
     with pytest.raises(ModelSerializerException, match=match):
         loader.serialize(None, model_output_dir=str(tmp_path), enable_quant=True, customized_quant_config=config)
     assert os.listdir(tmp_path) == []
+
+
+def test_fp8_weights_are_refused_on_a_cpu_rank_and_the_engine_keeps_serving(llama, tmp_path):
+    """fp8_e4m3 serializes anywhere (the codes are data) but is served on GPUs of compute capability 8.9+ only:
+    a CPU rank refuses it at install, naming the format and why, and the engine serves the next model."""
+    loader = serialize_quantized(llama.hf_dir, "q_fp8", str(tmp_path), {"weight_format": "fp8_e4m3"})
+    engine = Engine()
+    cfg = (loader.create_reference_runtime_config_builder("q_fp8", "cpu", [0], max_batch=2).max_length(128)
+           .kv_cache_span_size(16).build())
+    with pytest.raises(AsException, match="fp8_e4m3 weights cannot be served here: this rank runs on a CPU"):
+        engine.install_model(cfg)
+    dense = HuggingFaceModel(llama.hf_dir, "after_fp8")
+    dense.load_model().serialize(None, model_output_dir=str(tmp_path / "dense")).free_model()
+    start_engine(dense, "after_fp8", engine=engine, max_batch=2, max_length=128)
+    try:
+        prompt = random_prompt(6, seed=3)
+        assert greedy(engine, "after_fp8", prompt, 6) == hf_greedy(llama.model, prompt, 6)
+    finally:
+        engine.release_model("after_fp8")
 
 
 @pytest.mark.parametrize("fmt,group", [("int8", -1), ("uint4", 32)])

@@ -13,6 +13,8 @@ import torch
 from allspark_client import settings
 from allspark_server.compute.device_kind import DeviceKind
 
+FLOAT8_MIN_CAPABILITY = (8, 9)    # e4m3 conversions in hardware (Triton's float8e4nv): Ada and newer
+
 
 @dataclass(frozen=True)
 class CudaDevice(DeviceKind):
@@ -62,6 +64,13 @@ class CudaDevice(DeviceKind):
 
     def visible_device_count(self) -> int:
         return torch.cuda.device_count()
+
+    def float8_refusal(self) -> str | None:
+        major, minor = torch.cuda.get_device_capability(self.device)
+        if (major, minor) < FLOAT8_MIN_CAPABILITY:
+            return (f"{torch.cuda.get_device_name(self.device)} is of compute capability {major}.{minor}; fp8 "
+                    f"needs {FLOAT8_MIN_CAPABILITY[0]}.{FLOAT8_MIN_CAPABILITY[1]} or newer (Ada, Hopper, Blackwell)")
+        return None
 
 
 def gpu_copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:

@@ -5,7 +5,8 @@ registers by the exponent trick (`_code_values`). uint4_min (`zeros` then points
 HAS_MIN: 1 adds min * (x summed over the group) to each group's scaled sum, a second reduction, which the weight
 stream hides when a program has several k-tiles (8192 x 8192 on an H100: 0.99x uint4's time) but not when it has one
 (2048 x 2048: 1.43x); 2 (one k-tile a program) turns the codes into the weights, code * scale + min, one FMA each and
-no scale after (2048 x 2048: 1.01x; 8192 x 8192: 1.11x)."""
+no scale after (2048 x 2048: 1.01x; 8192 x 8192: 1.11x). fp8_e4m3's bytes (FMT_FP8) become floats by the
+hardware's e4m3 conversion instead, with no zero point."""
 from __future__ import annotations
 
 import triton
@@ -14,12 +15,17 @@ import triton.language as tl
 from allspark_server.compute.cuda.fused_kernels import _round, _silu_mul_rounded
 from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
 
+FMT_FP8 = tl.constexpr(5)      # formats.FORMAT_IDS["fp8_e4m3"]: byte codes that are e4m3 floats
+
 
 @triton.jit
 def _code_values(bits, zero, FMT: tl.constexpr):
     """Unsigned codes (int32, 0..255 or 0..15) -> code - zero in fp32 by the exponent trick: OR-ing a code into
     the mantissa of 2^23 gives the float 2^23 + code, so one integer op and one exact subtraction replace a
-    (quarter-rate) int-to-float conversion. int8's bytes are two's complement: XOR 0x80 makes them code + 128."""
+    (quarter-rate) int-to-float conversion. int8's bytes are two's complement: XOR 0x80 makes them code + 128.
+    fp8_e4m3's bytes (uint8, as _code_tile leaves them) are the values themselves."""
+    if FMT == FMT_FP8:
+        return bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     if FMT == 0:
         return (bits ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0       # 2^23 + 128
     return (bits | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + zero)
@@ -29,8 +35,12 @@ def _code_values(bits, zero, FMT: tl.constexpr):
 def _code_tile(qw, rows, n_ok, k0, k_end, stride_qn, FMT: tl.constexpr, BLOCK_K: tl.constexpr,
                EVICTION: tl.constexpr):
     """The codes of the k-tile [k0, k0 + BLOCK_K) of weight rows `rows` [BLOCK_N] as int32: [BN, BK] bytes for
-    8-bit codes, [BN, BK / 2] for 4-bit (two codes a byte), 0 where masked."""
+    8-bit codes, [BN, BK / 2] for 4-bit (two codes a byte), 0 where masked; fp8's bytes as uint8."""
     q_rows = qw.to(tl.pointer_type(tl.uint8), bitcast=True) + rows.to(tl.int64)[:, None] * stride_qn  # [BN, 1]
+    if FMT == FMT_FP8:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(q_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < k_end)[None, :], other=0,
+                       eviction_policy=EVICTION)
     if FMT <= 1:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         bits = tl.load(q_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < k_end)[None, :], other=0,
@@ -73,7 +83,7 @@ def _gemv_tile(acc, bits, x, scales, zeros, rows, n_ok, offs_m, k0, k_end, M,
             mn = tl.reshape(mn, (BLOCK_N,))
     elif HAS_ZERO:
         zero = zero[:, :, None]
-    if FMT <= 1:
+    if FMT <= 1 or FMT == FMT_FP8:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < k_end
         if NSUB == 1:
@@ -220,10 +230,12 @@ def dequantize_kernel(qw, scales, zeros, out, N, K, stride_qn, stride_sn, stride
         mn = tl.load(zeros + offs_n * stride_zn + g, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     q_rows = qw.to(tl.pointer_type(tl.uint8), bitcast=True) + offs_n.to(tl.int64)[:, None] * stride_qn
     o_rows = out + offs_n.to(tl.int64)[:, None] * stride_on
-    if FMT <= 1:
+    if FMT <= 1 or FMT == FMT_FP8:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         ok = n_ok[:, None] & (offs_k < K)[None, :]
-        bits = tl.load(q_rows + offs_k[None, :], mask=ok, other=0).to(tl.int32)
+        bits = tl.load(q_rows + offs_k[None, :], mask=ok, other=0)
+        if FMT != FMT_FP8:
+            bits = bits.to(tl.int32)
         tl.store(o_rows + offs_k[None, :], (_code_values(bits, zero, FMT) * scale).to(out.dtype.element_ty), mask=ok)
     else:
         p = tl.arange(0, BLOCK_K // 2)

@@ -31,10 +31,11 @@ import triton
 import triton.language as tl
 
 from allspark_server.compute.cuda import pdl
-from allspark_server.compute.cuda.quant_gemv import dequantize_kernel, quant_gemv_kernel
-from allspark_server.quant.formats import FORMAT_IDS, QuantizedWeight, has_mins
+from allspark_server.compute.cuda.quant_gemv import FMT_FP8, dequantize_kernel, quant_gemv_kernel
+from allspark_server.quant.formats import FORMAT_IDS, QuantizedWeight, bits, has_mins
 
 INT8, UINT8, INT4, UINT4, UINT4_MIN = (FORMAT_IDS[f] for f in ("int8", "uint8", "int4", "uint4", "uint4_min"))
+assert FORMAT_IDS["fp8_e4m3"] == FMT_FP8.value
 
 
 @triton.jit
@@ -72,12 +73,15 @@ def _quant_matmul_kernel(x, qw, scales, zeros, out, M, N, K, k_per_split,
             zero = 8
         else:
             zero = 0
-        if FMT <= 1:     # 8-bit codes [BK, BN]
+        if FMT <= 1 or FMT == FMT_FP8:     # 8-bit codes [BK, BN]
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < k_end
             codes = tl.load(q_cols + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0)
             xt = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            part = _codes_dot(xt, codes.to(tl.int32), zero, DOT_DTYPE, UPCAST)
+            if FMT == FMT_FP8:  # e4m3 values: exact in bf16 and fp16 (3 mantissa bits, exponents 2^-9 .. 2^8)
+                part = _codes_dot(xt, codes.to(tl.float8e4nv, bitcast=True).to(tl.float32), 0, DOT_DTYPE, UPCAST)
+            else:
+                part = _codes_dot(xt, codes.to(tl.int32), zero, DOT_DTYPE, UPCAST)
         else:            # bytes [BK/2, BN]: low nibble k = 32 b + j, high nibble k + 16
             p = tl.arange(0, BLOCK_K // 2)
             k_lo = k0 + (p // 16) * 32 + p % 16
@@ -197,7 +201,7 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
     gemv = cfg.block_m <= GEMV_MAX_ROWS
     assert not gemv or m <= cfg.block_m or cfg.rows_alone, (m, cfg)
     assert w.group_size == -1 or group % cfg.block_k == 0 or (gemv and cfg.block_k % group == 0), (group, cfg)
-    assert fmt < INT4 or cfg.block_k % 32 == 0, cfg.block_k
+    assert bits(w.fmt) == 8 or cfg.block_k % 32 == 0, cfg.block_k
     k_tiles = triton.cdiv(k, cfg.block_k)
     k_per_split = triton.cdiv(k_tiles, cfg.split_k) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
