@@ -25,10 +25,12 @@ def _code_values(bits, zero, FMT: tl.constexpr):
     (quarter-rate) int-to-float conversion. int8's bytes are two's complement: XOR 0x80 makes them code + 128.
     fp8_e4m3's bytes (uint8, as _code_tile leaves them) are the values themselves."""
     if FMT == FMT_FP8:
-        return bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    if FMT == 0:
-        return (bits ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0       # 2^23 + 128
-    return (bits | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + zero)
+        values = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    elif FMT == 0:
+        values = (bits ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0       # 2^23 + 128
+    else:
+        values = (bits | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + zero)
+    return values
 
 
 @triton.jit
@@ -37,11 +39,7 @@ def _code_tile(qw, rows, n_ok, k0, k_end, stride_qn, FMT: tl.constexpr, BLOCK_K:
     """The codes of the k-tile [k0, k0 + BLOCK_K) of weight rows `rows` [BLOCK_N] as int32: [BN, BK] bytes for
     8-bit codes, [BN, BK / 2] for 4-bit (two codes a byte), 0 where masked; fp8's bytes as uint8."""
     q_rows = qw.to(tl.pointer_type(tl.uint8), bitcast=True) + rows.to(tl.int64)[:, None] * stride_qn  # [BN, 1]
-    if FMT == FMT_FP8:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        return tl.load(q_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < k_end)[None, :], other=0,
-                       eviction_policy=EVICTION)
-    if FMT <= 1:
+    if FMT <= 1 or FMT == FMT_FP8:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         bits = tl.load(q_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < k_end)[None, :], other=0,
                        eviction_policy=EVICTION)
@@ -50,7 +48,9 @@ def _code_tile(qw, rows, n_ok, k0, k_end, stride_qn, FMT: tl.constexpr, BLOCK_K:
         p_ok = k0 + (p // 16) * 32 + p % 16 < k_end
         bits = tl.load(q_rows + (k0 // 2 + p)[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0,
                        eviction_policy=EVICTION)
-    return bits.to(tl.int32)
+    if FMT != FMT_FP8:
+        bits = bits.to(tl.int32)
+    return bits
 
 
 @triton.jit

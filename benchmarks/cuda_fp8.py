@@ -1,0 +1,69 @@
+"""FP8 on one GPU against bf16, on the random Llama-2-7B-shaped model of the GPU benchmark (cuda_common.py):
+
+    python benchmarks/cuda_fp8.py [--layers 32] [--rounds 3] [--variants fp8_e4m3+head int8+head] [--smoke]
+
+Batch-1 decode of each quantized variant (cuda_rows.quant_rows: the same Engine, rounds interleaved with the bf16
+model, greedy agreement with bf16 over 16 tokens, each step's weight bytes and graph replay time). --smoke: two
+narrow layers and one round (checks that it runs; needs a GPU of compute capability 8.9+ for fp8). Writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import common
+import torch
+from cuda_common import (
+    LLAMA2_7B,
+    bench_root,
+    bench_shape,
+    build_model,
+    copy_bandwidth_gbs,
+    kv_bytes_per_token,
+    serialized_bench_model,
+)
+from cuda_rows import quant_rows
+
+PROMPT_LEN = 32
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=LLAMA2_7B["num_hidden_layers"])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--variants", nargs="+", default=["fp8_e4m3+head", "int8+head"],
+                   help="InstantQuant variants (common.quant_variant's names)")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", default=None, help="default: benchmarks/results/cuda-fp8-<machine>.json")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("cuda_fp8.py needs a GPU")
+    from allspark_server import Engine
+    shape = bench_shape(a.layers, a.smoke)
+    rounds, new_tokens = (1, 8) if a.smoke else (a.rounds, a.new_tokens)
+    root = bench_root(shape)
+    t0 = time.perf_counter()
+    build_model(root, shape)
+    out = a.out or common.result_path("cuda-fp8", "cuda", a.smoke)
+    report = {"device": torch.cuda.get_device_name(), "layers": shape["num_hidden_layers"],
+              "copy_gbs": copy_bandwidth_gbs(256 << 20 if a.smoke else 2 << 30)}
+    loader = serialized_bench_model(root)
+    engine = Engine()
+    max_len = PROMPT_LEN + new_tokens + 64
+    cfg = (loader.create_reference_runtime_config_builder("bench-cuda", "cuda", [0], max_batch=8)
+           .max_length(max_len).kv_cache_span_size(32).kv_cache_memory(8 * max_len * kv_bytes_per_token(shape))
+           .build())
+    engine.install_model(cfg)
+    engine.start_model("bench-cuda")
+    report["setup_s"] = time.perf_counter() - t0
+    report["b1"] = quant_rows(engine, root, a.variants, PROMPT_LEN, new_tokens, rounds, max_len, shape)
+    print(f"batch 1: {report['b1']}", flush=True)
+    common.write_report(out, report)
+    engine.stop_model("bench-cuda")
+    engine.release_model("bench-cuda")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Compiles the quantized-weight Triton kernels for a Hopper GPU (sm_90) without one, run as a script in a process
+whose kernels are not interpreted (TRITON_INTERPRET unset): Triton's compiler and the ptxas its wheel ships turn
+each variant into a cubin. Prints one line per variant, `ok NAME` or `FAIL NAME: error`; exit status 1 on a
+failure (test_triton_compile_sm90.py runs it)."""
+from __future__ import annotations
+
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from allspark_server.compute.cuda import quant_gemv, quant_kernels
+from allspark_server.quant.formats import FORMAT_IDS
+
+HOPPER = GPUTarget("cuda", 90, 32)
+POINTERS = {"x": "*bf16", "qw": "*u8", "scales": "*fp32", "zeros": "*fp32", "out": "*fp32"}
+
+
+def compile_for_hopper(kernel, pointers: dict[str, str], constants: dict) -> str:
+    """The kernel's PTX for sm_90 (the cubin assembled too); arguments not in `pointers` or `constants`: i32."""
+    signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in kernel.arg_names}
+    src = ASTSource(fn=kernel, signature=signature,
+                    constexprs={(kernel.arg_names.index(c),): v for c, v in constants.items()})
+    compiled = triton.compile(src, target=HOPPER)
+    assert compiled.asm["cubin"], "no cubin"
+    return compiled.asm["ptx"]
+
+
+def gemv(fmt: str, group: int) -> str:
+    k = 4096
+    block_k = k if group == -1 else 2048
+    return compile_for_hopper(quant_gemv.quant_gemv_kernel, POINTERS, dict(
+        FMT=FORMAT_IDS[fmt], GROUP=k if group == -1 else group, HAS_ZERO=fmt == "uint4", HAS_MIN=0, BLOCK_M=1,
+        BLOCK_N=2, BLOCK_K=block_k, SUB=min(block_k, k if group == -1 else group), EVICTION="evict_first",
+        SILU_MUL=False, SOFT_BF16=False, PDL=True))
+
+
+def tensor_core_tiles(fmt: str) -> str:
+    return compile_for_hopper(quant_kernels._quant_matmul_kernel, POINTERS, dict(
+        FMT=FORMAT_IDS[fmt], GROUP=4096, HAS_ZERO=False, HAS_MIN=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
+        DOT_DTYPE=triton.language.bfloat16, UPCAST=False))
+
+
+def dequantize(fmt: str) -> str:
+    return compile_for_hopper(quant_gemv.dequantize_kernel, dict(POINTERS, out="*bf16"), dict(
+        FMT=FORMAT_IDS[fmt], GROUP=4096, HAS_ZERO=False, HAS_MIN=False, BLOCK_N=32, BLOCK_K=256))
+
+
+# name -> (build, what its PTX must contain)
+VARIANTS = {
+    "gemv fp8_e4m3 per channel": (lambda: gemv("fp8_e4m3", -1), "e4m3"),
+    "gemv fp8_e4m3 g128": (lambda: gemv("fp8_e4m3", 128), "e4m3"),
+    "gemv int8 per channel": (lambda: gemv("int8", -1), ""),
+    "gemv uint4 g64": (lambda: gemv("uint4", 64), ""),
+    "tensor-core tiles fp8_e4m3": (lambda: tensor_core_tiles("fp8_e4m3"), "mma"),
+    "tensor-core tiles int8": (lambda: tensor_core_tiles("int8"), "mma"),
+    "dequantize fp8_e4m3": (lambda: dequantize("fp8_e4m3"), "e4m3"),
+    "dequantize int8": (lambda: dequantize("int8"), ""),
+}
+
+
+def main() -> int:
+    failed = 0
+    for name, (build, must_contain) in VARIANTS.items():
+        try:
+            ptx = build()
+            assert must_contain in ptx, f"the PTX has no {must_contain!r}"
+            print(f"ok {name}", flush=True)
+        except Exception as e:      # noqa: BLE001 - every variant is reported, then the status says
+            cause = e
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            print(f"FAIL {name}: {type(cause).__name__}: {str(cause)[-600:]}", flush=True)
+            failed += 1
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
