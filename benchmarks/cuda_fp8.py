@@ -1,9 +1,11 @@
 """FP8 on one GPU against bf16, on the random Llama-2-7B-shaped model of the GPU benchmark (cuda_common.py):
 
-    python benchmarks/cuda_fp8.py [--layers 32] [--rounds 3] [--variants fp8_e4m3+head int8+head] [--smoke]
+    python benchmarks/cuda_fp8.py [--layers 32] [--rounds 3] [--variants fp8_e4m3+head int8+head] [--ab-silu]
+                                  [--smoke]
 
 Batch-1 decode of each quantized variant (cuda_rows.quant_rows: the same Engine, rounds interleaved with the bf16
-model, greedy agreement with bf16 over 16 tokens, each step's weight bytes and graph replay time). --smoke: two
+model, greedy agreement with bf16 over 16 tokens, each step's weight bytes, graph replay time and the kernels of
+one step). --smoke: two
 narrow layers and one round (checks that it runs; needs a GPU of compute capability 8.9+ for fp8). Writes JSON.
 """
 from __future__ import annotations
@@ -13,12 +15,15 @@ import time
 
 import common
 import torch
+import workloads as W
 from cuda_common import (
     LLAMA2_7B,
     bench_root,
     bench_shape,
     build_model,
     copy_bandwidth_gbs,
+    graph_replay_ms,
+    kernel_breakdown,
     kv_bytes_per_token,
     serialized_bench_model,
 )
@@ -34,6 +39,8 @@ def main(argv=None) -> dict:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--variants", nargs="+", default=["fp8_e4m3+head", "int8+head"],
                    help="InstantQuant variants (common.quant_variant's names)")
+    p.add_argument("--ab-silu", action="store_true", help="the fp8 variant again with silu·mul a launch of its own "
+                   "(fp8 out of cuda_ops.SILU_MUL_QUANT_FORMATS): the A/B of the gate_up GEMV's epilogue")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None, help="default: benchmarks/results/cuda-fp8-<machine>.json")
     a = p.parse_args(argv)
@@ -57,9 +64,27 @@ def main(argv=None) -> dict:
     engine.install_model(cfg)
     engine.start_model("bench-cuda")
     report["setup_s"] = time.perf_counter() - t0
-    report["b1"] = quant_rows(engine, root, a.variants, PROMPT_LEN, new_tokens, rounds, max_len, shape)
+    runner = engine._engine.models["bench-cuda"].runner
+    W.decode_tps(engine, "bench-cuda", LLAMA2_7B["vocab_size"], 8)
+    report["bf16"] = {"graph_replay_ms_b1": graph_replay_ms(runner.graphs, 1),
+                      "kernels_b1": kernel_breakdown(runner, 1, top=14)}
+    del runner
+    report["b1"] = quant_rows(engine, root, a.variants, PROMPT_LEN, new_tokens, rounds, max_len, shape,
+                              breakdown=True)
     print(f"batch 1: {report['b1']}", flush=True)
     common.write_report(out, report)
+    fp8 = [v for v in a.variants if v.startswith("fp8")]
+    if a.ab_silu and fp8:
+        from allspark_server.compute.cuda import cuda_ops
+        fused = cuda_ops.SILU_MUL_QUANT_FORMATS
+        cuda_ops.SILU_MUL_QUANT_FORMATS = tuple(f for f in fused if f != "fp8_e4m3")
+        try:
+            report["b1_silu_unfused"] = quant_rows(engine, root, fp8[:1], PROMPT_LEN, new_tokens, rounds, max_len,
+                                                   shape, breakdown=True)
+        finally:
+            cuda_ops.SILU_MUL_QUANT_FORMATS = fused
+        print(f"batch 1, silu·mul unfused: {report['b1_silu_unfused']}", flush=True)
+        common.write_report(out, report)
     engine.stop_model("bench-cuda")
     engine.release_model("bench-cuda")
     return report

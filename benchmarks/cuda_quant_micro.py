@@ -69,7 +69,7 @@ def sweep(w: QuantizedWeight, m: int, n: int, k: int) -> dict:
     best.sort()
     if not best:
         return {"errors": errors[:3]}
-    chosen = qk.choose_config(m, n, k, w.group_size, x.device)
+    chosen = qk.choose_config(m, n, k, w.group_size, x.device, w.fmt)
     return {"best": best[:5], "chosen": [chosen.block_n, chosen.block_k, chosen.split_k, chosen.num_warps,
                                          chosen.num_stages],
             "chosen_us": per_call_us(lambda wi: qk.quant_matmul(x, wi), ws),

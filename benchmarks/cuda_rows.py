@@ -55,7 +55,7 @@ def poisson_row(engine, num: int, rate: float = 16.0) -> dict:
 
 
 def quant_rows(engine, root: str, variants: list[str], prompt_len: int, new_tokens: int, rounds: int,
-               max_len: int, shape: dict) -> dict:
+               max_len: int, shape: dict, breakdown: bool = False) -> dict:
     """The same weights quantized with InstantQuant (int8 per channel, int4_g128, ...) served by the same Engine
     next to the bf16 model, one variant at a time (two beside transformers, the bf16 model and its KV cache do
     not fit an H100): batch-1 decode interleaved round by round with bf16's, each with its weight bytes per
@@ -89,6 +89,8 @@ def quant_rows(engine, root: str, variants: list[str], prompt_len: int, new_toke
         out[v]["decode_b1_tps"] = statistics.median(runs[v])
         out[v]["vs_bf16"] = statistics.median(a / b for a, b in zip(runs[v], runs["bfloat16"]))
         out[v]["graph_replay_ms_b1"] = graph_replay_ms(runner.graphs, 1)
+        if breakdown:
+            out[v]["kernels_b1"] = kernel_breakdown(runner, 1, top=14)
         engine.stop_model(name)
         engine.release_model(name)
         del runner

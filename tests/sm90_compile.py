@@ -27,13 +27,13 @@ def compile_for_hopper(kernel, pointers: dict[str, str], constants: dict) -> str
     return compiled.asm["ptx"]
 
 
-def gemv(fmt: str, group: int) -> str:
+def gemv(fmt: str, group: int, silu_mul: bool = False) -> str:
     k = 4096
     block_k = k if group == -1 else 2048
-    return compile_for_hopper(quant_gemv.quant_gemv_kernel, POINTERS, dict(
+    return compile_for_hopper(quant_gemv.quant_gemv_kernel, dict(POINTERS, out="*bf16") if silu_mul else POINTERS, dict(
         FMT=FORMAT_IDS[fmt], GROUP=k if group == -1 else group, HAS_ZERO=fmt == "uint4", HAS_MIN=0, BLOCK_M=1,
-        BLOCK_N=2, BLOCK_K=block_k, SUB=min(block_k, k if group == -1 else group), EVICTION="evict_first",
-        SILU_MUL=False, SOFT_BF16=False, PDL=True))
+        BLOCK_N=4, BLOCK_K=block_k, SUB=min(block_k, k if group == -1 else group), EVICTION="evict_first",
+        SILU_MUL=silu_mul, SOFT_BF16=False, PDL=True))
 
 
 def tensor_core_tiles(fmt: str) -> str:
@@ -51,6 +51,7 @@ def dequantize(fmt: str) -> str:
 VARIANTS = {
     "gemv fp8_e4m3 per channel": (lambda: gemv("fp8_e4m3", -1), "e4m3"),
     "gemv fp8_e4m3 g128": (lambda: gemv("fp8_e4m3", 128), "e4m3"),
+    "gemv fp8_e4m3 silu_mul": (lambda: gemv("fp8_e4m3", -1, silu_mul=True), "e4m3"),
     "gemv int8 per channel": (lambda: gemv("int8", -1), ""),
     "gemv uint4 g64": (lambda: gemv("uint4", 64), ""),
     "tensor-core tiles fp8_e4m3": (lambda: tensor_core_tiles("fp8_e4m3"), "mma"),

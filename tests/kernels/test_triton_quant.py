@@ -106,6 +106,11 @@ def test_choose_config():
     assert qk.choose_config(64, 128000, 4096, -1, dev).split_k == 1          # enough output tiles
     assert qk.choose_config(16, 4096, 4096, 32, dev).block_k == 32   # a tensor-core k-tile inside one group
     assert qk.choose_config(1, 4096, 4096, 32, dev).block_k % 32 == 0  # the GEMV's: whole groups
+    wide = qk.choose_config(1, 11008, 4096, -1, dev, "fp8_e4m3")     # fp8's wide programs on a wide weight
+    assert (wide.block_n, wide.block_k) == (8, 4096)
+    silu = qk.choose_config(1, 11008, 4096, -1, dev, "fp8_e4m3", silu_mul=True)    # a gate and an up row a column
+    assert (silu.block_n, silu.block_k) == (4, 4096)
+    assert qk.choose_config(1, 4096, 576, -1, dev, "fp8_e4m3").block_k == 1024
 
 
 def bf16_cast(x32: torch.Tensor) -> torch.Tensor:
@@ -133,7 +138,7 @@ def test_prefill_rows_dequantize_for_the_gemm(fmt, group):
         assert y.dtype == dtype and (y.cpu().double() - ref).abs().max() <= tol * ref.abs().max()
 
 
-@pytest.mark.parametrize("fmt", ["int8", "uint8", "int4", "uint4"])
+@pytest.mark.parametrize("fmt", ["int8", "uint8", "int4", "uint4", "fp8_e4m3"])
 @pytest.mark.parametrize("group", [-1, 128])
 def test_silu_mul_epilogue_equals_the_gemv_then_silu_mul(fmt, group):
     """quant_matmul(silu_mul=True) on the merged gate_up [2I, K]: the GEMV's own sums for the gate and the up rows,

@@ -143,7 +143,7 @@ def _alone_config(x: torch.Tensor, w: QuantizedWeight, silu_mul: bool = False):
     if not (row_mode.alone() and x.shape[0] > 1):
         return None
     n = w.out_features // 2 if silu_mul else w.out_features
-    return alone_config(n, w.in_features, w.group_size, x.device)
+    return alone_config(n, w.in_features, w.group_size, x.device, w.fmt, silu_mul)
 
 
 def _quant_input(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
@@ -152,9 +152,9 @@ def _quant_input(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 
 # quantized formats whose GEMV takes silu·mul as its epilogue: the 4-bit ones, where it beats the GEMV plus
-# fused_kernels.silu_mul; 8-bit codes keep the two launches, which were as fast (uint4_min: the same 4-bit GEMV, its
-# mins one more load per group; benchmarks/results/cuda-quant-silu-h100.json)
-SILU_MUL_QUANT_FORMATS = ("int4", "uint4", "uint4_min")
+# fused_kernels.silu_mul; int8 keeps the two launches, which were as fast (uint4_min: the same 4-bit GEMV, its
+# mins one more load per group; benchmarks/results/cuda-quant-silu-h100.json); fp8: benchmarks/cuda_fp8.py --ab-silu
+SILU_MUL_QUANT_FORMATS = ("int4", "uint4", "uint4_min", "fp8_e4m3")
 
 
 def gate_up_silu_mul(h: torch.Tensor, gate_up: "torch.Tensor | QuantizedWeight",

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from allspark_server.compute.cuda import pdl
 from allspark_server.compute.cuda.quant_gemv import FMT_FP8, dequantize_kernel, quant_gemv_kernel
-from allspark_server.quant.formats import FORMAT_IDS, QuantizedWeight, bits, has_mins
+from allspark_server.quant.formats import FORMAT_IDS, QuantizedWeight, bits, has_mins, is_float
 
 INT8, UINT8, INT4, UINT4, UINT4_MIN = (FORMAT_IDS[f] for f in ("int8", "uint8", "int4", "uint4", "uint4_min"))
 assert FORMAT_IDS["fp8_e4m3"] == FMT_FP8.value
@@ -119,6 +119,7 @@ SM_COUNT_DEFAULT = 132          # H100 / H200; read from the device when there i
 GEMV_MAX_ROWS = 2               # up to this many rows: the FMA kernel; more: tensor-core tiles
 DOT_MAX_ROWS = 64               # above this many rows: dequantize into x's dtype and take cuBLAS's GEMM
 MIN_PROGRAMS_PER_SM = 4         # split K until a small-M launch has about this many programs per SM
+FP8_WIDE_CODES = 32 << 20       # fp8 weights of this many codes or more: the GEMV's wide programs
 
 
 def _sm_count(device: torch.device) -> int:
@@ -127,12 +128,21 @@ def _sm_count(device: torch.device) -> int:
     return SM_COUNT_DEFAULT
 
 
-def choose_config(m: int, n: int, k: int, group_size: int, device: torch.device) -> LaunchConfig:
+def choose_config(m: int, n: int, k: int, group_size: int, device: torch.device, fmt: str = "int8",
+                  silu_mul: bool = False) -> LaunchConfig:
     """Tile shapes by rows of x: the FMA GEMV (m <= GEMV_MAX_ROWS) or tensor-core tiles (m <= DOT_MAX_ROWS);
     K split until there are about MIN_PROGRAMS_PER_SM programs per SM. `group_size` as QuantizedWeight's (-1:
-    per channel). Defaults from sweeps on an H100 (benchmarks/cuda_quant_micro.py --sweep)."""
+    per channel); `n` the output columns (silu_mul: of the activation, each a gate and an up row of the weight).
+    Defaults from sweeps on an H100, fp8's on an H200 (benchmarks/cuda_quant_micro.py --sweep)."""
     eviction = ""
-    if m <= GEMV_MAX_ROWS and group_size == -1:
+    if m <= GEMV_MAX_ROWS and group_size == -1 and is_float(fmt):
+        # fp8's sweep: 8 rows x 4096 codes a program on weights of FP8_WIDE_CODES or more, else 4 x 2048 (silu_mul
+        # loads a gate and an up row for each column: half as many columns)
+        wide = n * k * (2 if silu_mul else 1) >= FP8_WIDE_CODES
+        block_m, warps, stages, eviction = triton.next_power_of_2(m), 4, 1, "evict_first"
+        block_n, block_k = (8, 4096) if wide else (4, 2048)
+        block_n, block_k = block_n // (2 if silu_mul else 1), min(block_k, triton.next_power_of_2(k))
+    elif m <= GEMV_MAX_ROWS and group_size == -1:
         # per channel: 2 rows x up to 4096 codes a program, streamed once (int8's sweep: 3-4% faster than 4 x 2048)
         block_m, block_n, warps, stages = triton.next_power_of_2(m), 2, 4, 1
         block_k, eviction = min(4096, triton.next_power_of_2(k)), "evict_first"
@@ -151,12 +161,13 @@ def choose_config(m: int, n: int, k: int, group_size: int, device: torch.device)
     return LaunchConfig(block_m, block_n, block_k, split, warps, stages, eviction)
 
 
-def alone_config(n: int, k: int, group_size: int, device: torch.device) -> LaunchConfig:
+def alone_config(n: int, k: int, group_size: int, device: torch.device, fmt: str = "int8",
+                 silu_mul: bool = False) -> LaunchConfig:
     """The one-row GEMV's config (its tiles, its K split) for any rows of x in one launch, a program per row and
     tile: each row meets the same codes in the same order as alone, so its result is the one-row launch's bit for
     bit, and neighbouring programs read a tile's codes from memory once for all rows (compute/row_mode.py: a
     speculative verify chunk's rows)."""
-    return dataclasses.replace(choose_config(1, n, k, group_size, device), rows_alone=True)
+    return dataclasses.replace(choose_config(1, n, k, group_size, device, fmt, silu_mul), rows_alone=True)
 
 
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -192,7 +203,7 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
     if config is None and m > DOT_MAX_ROWS:
         return torch.nn.functional.linear(x, dequantize(w, x.dtype), bias)
     group = k if w.group_size == -1 else w.group_size
-    cfg = config or choose_config(m, n, k, w.group_size, x.device)
+    cfg = config or choose_config(m, n, k, w.group_size, x.device, w.fmt, silu_mul)
     if silu_mul:     # the epilogue needs whole sums: one split
         assert bias is None and (m <= GEMV_MAX_ROWS or cfg.rows_alone) and w.out_features % 2 == 0, \
             (bias is None, m, w.out_features)
