@@ -30,14 +30,16 @@ from allspark_server.lora.adapter import LoraAdapterError, read_lora_cfg, write_
 from allspark_server.models.args import ModelArgs
 from allspark_server.models.decoder import model_class_and_rules, quantizable_weights
 from allspark_server.models.registry import get_arch, read_args
-from allspark_server.quant import awq, gptq
+from allspark_server.quant import awq, fp8_checkpoint, gptq
 from allspark_server.quant.scheme import QuantConfigError, QuantScheme
 
 log = logging.getLogger("allspark")
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
-PREQUANTIZED = {"gptq": gptq.GptqConfig, "awq": awq.AwqConfig}   # quantization_config.quant_method -> its reader
+# quantization_config.quant_method -> its reader
+PREQUANTIZED = {"gptq": gptq.GptqConfig, "awq": awq.AwqConfig, "fp8": fp8_checkpoint.Fp8Config,
+                "compressed-tensors": fp8_checkpoint.Fp8Config, "fbgemm_fp8": fp8_checkpoint.Fp8Config}
 
 
 class ModelSerializerException(RuntimeError):
@@ -96,7 +98,7 @@ class HuggingFaceModel:
             raise ModelSerializerException(str(e)) from None
         cfg_dtype = self.hf_config.get("dtype") or self.hf_config.get("torch_dtype") or "bfloat16"
         self.data_type = _dtype_from(user_set_data_type or cfg_dtype)
-        self.prequant = None                             # a GPTQ / AWQ checkpoint's config (config.json says so)
+        self.prequant = None                             # a GPTQ / AWQ / FP8 checkpoint's config (config.json says so)
         qc = self.hf_config.get("quantization_config")
         if qc:
             method = qc.get("quant_method") if isinstance(qc, dict) else None
@@ -107,7 +109,7 @@ class HuggingFaceModel:
                 self.prequant = PREQUANTIZED[method].from_hf(qc)
             except QuantConfigError as e:
                 raise ModelSerializerException(str(e)) from None
-        self._quant: Optional[QuantScheme] = None        # the scheme of already quantized weights (GPTQ / AWQ)
+        self._quant: Optional[QuantScheme] = None        # the scheme of already quantized weights (GPTQ / AWQ / FP8)
         self._tensors: Optional[dict[str, torch.Tensor]] = None
         self._tokenizer = None
         self.graph_path: Optional[str] = None
@@ -142,7 +144,8 @@ class HuggingFaceModel:
                 self._check_finite(checkpoint_name, self._side_tensors[side_name], raw)
                 continue
             base, _, suffix = checkpoint_name.rpartition(".")
-            if self.prequant and suffix in self.prequant.tensors and re.search(quantizable, base + ".weight"):
+            if (self.prequant and suffix in self.prequant.tensors and re.search(quantizable, base + ".weight")
+                    and not self.prequant.keeps_dense(base)):
                 prequant_layers.setdefault(base, {})[suffix] = raw
                 continue
             try:
@@ -190,7 +193,7 @@ class HuggingFaceModel:
         return iter_hf_tensors(self.path)
 
     def _repack_prequantized(self, layers: dict, shapes: dict, tensors: dict, expected: set) -> QuantScheme:
-        """GPTQ / AWQ layers -> our quantized tensors in `tensors` (their dense names leave `expected`); the
+        """GPTQ / AWQ / FP8 layers -> our quantized tensors in `tensors` (their dense names leave `expected`); the
         scheme. A GEMM weight the config keeps dense (AWQ's modules_to_not_convert) arrives as an ordinary one."""
         cfg, groups = self.prequant, {}
         for base, parts in layers.items():
@@ -301,7 +304,7 @@ class HuggingFaceModel:
             side_tensors=getattr(self, "_side_tensors", None))
 
     def _prequantized_compute(self, scheme: QuantScheme, config, flags: bool) -> QuantScheme:
-        """An already quantized checkpoint (GGUF, GPTQ, AWQ) keeps its codes: a customized_quant_config may only
+        """An already quantized checkpoint (GGUF, GPTQ, AWQ, FP8) keeps its codes: a customized_quant_config may only
         choose how x meets them (`compute_method`: activate_quant rounds x to int8 per token, as llama.cpp's q8
         activations do; weight_only, the default, to 16 bits)."""
         kind = self.prequant.method if self.prequant else "GGUF"
@@ -310,7 +313,8 @@ class HuggingFaceModel:
                                            "enable_quant / customized_quant_config, or with a customized_quant_config "
                                            "of only compute_method")
         try:
-            method = QuantScheme.from_user({"compute_method": config["compute_method"]}).compute_method
+            method = QuantScheme.from_user({"compute_method": config["compute_method"],
+                                            "weight_format": scheme.weight_format}).compute_method
         except QuantConfigError as e:
             raise ModelSerializerException(f"customized_quant_config: {e}") from None
         return dataclasses.replace(scheme, compute_method=method)

@@ -21,6 +21,8 @@ def non_finite(t: torch.Tensor) -> str | None:
     the first one is. One weight of NaN makes every logit NaN, and greedy decoding then emits token 0 forever.
     The check is a sum, through which NaN and inf propagate: on a CPU it costs a tenth of a copy of the tensor, an
     isfinite pass 3-20 times more; only a sum that is not finite (or overflowed) is followed by the exact pass."""
+    if t.is_floating_point() and t.element_size() == 1:   # fp8: no sum or isfinite of its own
+        t = t.float()
     if not t.is_floating_point() or t.numel() == 0 or bool(torch.isfinite(t.sum())):
         return None
     bad = ~torch.isfinite(t)

@@ -20,7 +20,7 @@ from helpers import greedy, hf_greedy, random_prompt, run_together, serialize, s
 
 from allspark_client import settings
 from allspark_client.types import AsException, AsStatus, TargetDevice
-from allspark_server import Engine
+from allspark_server import Engine, HuggingFaceModel
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -290,6 +290,22 @@ def test_quantized_weights_on_the_gpu_equal_transformers_on_the_stored_codes(lla
     engine = cuda_engine(loader, name)
     assert engine._engine.models[name].runner.graphs is not None
     assert_greedy_alone_and_batched(engine, name, reference, [random_prompt(n, seed=50 + n) for n in (5, 40, 130)], 24)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("layout,method", [("block", "fp8"), ("channel", "compressed-tensors")])
+def test_published_fp8_checkpoints_on_the_gpu_equal_transformers_on_their_weights(llama, tmp_path, layout, method):
+    """An FP8 checkpoint as published (written by test_fp8_checkpoints' packer: block scales or one a row) served
+    with its codes as they are: greedy equals transformers running the weights the checkpoint stands for."""
+    from test_fp8_checkpoints import write_fp8_folder
+    folder = str(tmp_path / "fp8")
+    reference, _ = write_fp8_folder(llama, folder, layout, method)
+    name = f"gfp8_{layout}"
+    loader = HuggingFaceModel(folder, name, user_set_data_type="float32")
+    loader.load_model().serialize(None, model_output_dir=str(tmp_path / "as")).free_model()
+    engine = cuda_engine(loader, name)
+    assert_greedy_alone_and_batched(engine, name, reference, [random_prompt(n, seed=60 + n) for n in (5, 40, 130)], 24)
 
 
 @pytest.mark.gpu
