@@ -22,7 +22,7 @@ from allspark_client.validation import _int as _check_int
 
 SPAN_SIZES = (16, 32, 64, 128)
 CACHE_MODE_NAMES = {"default": AsCacheMode.AsCacheDefault, "int8": AsCacheMode.AsCacheQuantI8,
-                    "uint4": AsCacheMode.AsCacheQuantU4}
+                    "uint4": AsCacheMode.AsCacheQuantU4, "fp8": AsCacheMode.AsCacheQuantFp8}
 SPECULATIVE_METHODS = ("", "ngram", "draft")
 DEFAULT_SPECULATIVE_TOKENS = {"ngram": 4, "draft": 4}
 # speculate only while at most this many requests run (speculative_max_batch = 0): docs/speculative.md says why
@@ -188,8 +188,9 @@ class AsModelRuntimeConfigBuilder:
         return self
 
     def kv_cache_mode(self, mode: "AsCacheMode | str"):
-        """AsCacheMode.AsCacheDefault (the model's dtype), AsCacheQuantI8 / AsCacheQuantU4 (quantized spans),
-        or their names "default" / "int8" / "uint4"."""
+        """AsCacheMode.AsCacheDefault (the model's dtype), AsCacheQuantI8 / AsCacheQuantU4 / AsCacheQuantFp8
+        (quantized spans; fp8 on GPUs of compute capability 8.9+), or their names "default" / "int8" / "uint4" /
+        "fp8"."""
         self._fields["cache_mode"] = mode
         return self
 

@@ -61,6 +61,7 @@ class AsCacheMode(enum.IntEnum):
     AsCacheDefault = 0
     AsCacheQuantI8 = 1
     AsCacheQuantU4 = 2
+    AsCacheQuantFp8 = 3     # allspark's: e4m3 spans on GPUs of compute capability 8.9+ (DashInfer has none)
 
 
 class TargetDevice(enum.Enum):

@@ -1,16 +1,17 @@
 """FP8 on one GPU against bf16, on the random Llama-2-7B-shaped model of the GPU benchmark (cuda_common.py):
 
     python benchmarks/cuda_fp8.py [--layers 32] [--rounds 3] [--variants fp8_e4m3+head int8+head] [--ab-silu]
-                                  [--smoke]
+                                  [--kv [--kv-batch 32 --kv-context 4096]] [--no-b1] [--smoke]
 
 Batch-1 decode of each quantized variant (cuda_rows.quant_rows: the same Engine, rounds interleaved with the bf16
 model, greedy agreement with bf16 over 16 tokens, each step's weight bytes, graph replay time and the kernels of
-one step). --smoke: two
+one step). --kv: bf16 against fp8 KV spans at --kv-batch requests of --kv-context tokens (kv_rows). --smoke: two
 narrow layers and one round (checks that it runs; needs a GPU of compute capability 8.9+ for fp8). Writes JSON.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import common
@@ -22,6 +23,8 @@ from cuda_common import (
     bench_shape,
     build_model,
     copy_bandwidth_gbs,
+    first_divergence,
+    free_memory,
     graph_replay_ms,
     kernel_breakdown,
     kv_bytes_per_token,
@@ -30,6 +33,44 @@ from cuda_common import (
 from cuda_rows import quant_rows
 
 PROMPT_LEN = 32
+
+
+def kv_rows(engine, loader, shape: dict, batch: int, context: int, new: int, rounds: int) -> dict:
+    """`batch` requests of `context` prompt tokens then `new` tokens each, submitted together, on bf16 spans and
+    on fp8 spans (kv_cache_mode "fp8"; each installed alone, the rounds alternating): decode-only tokens/s (tokens
+    after the last request's first over the time from then on), the decode graph's replay at `batch` rows over
+    the last step's contexts, and greedy agreement of the first request's tokens with bf16's."""
+    vocab = LLAMA2_7B["vocab_size"]
+    max_len = context + new + 32
+    prompts = [W.prompt(context, 900 + i, vocab) for i in range(batch)]
+    runs: dict = {"default": [], "fp8": []}
+    out: dict = {"batch": batch, "context": context, "new_tokens": new}
+    for r in range(rounds):
+        for mode in runs:
+            name = f"bench-kv-{mode}"
+            per_token = kv_bytes_per_token(shape) // (2 if mode == "fp8" else 1)   # + fp8's scales: 8 B a row
+            cfg = (loader.create_reference_runtime_config_builder(name, "cuda", [0], max_batch=batch)
+                   .max_length(max_len).kv_cache_span_size(32).kv_cache_mode(mode)
+                   .kv_cache_memory(batch * (max_len + 64) * per_token * 17 // 16).prefill_cache(False).build())
+            engine.install_model(cfg)
+            engine.start_model(name)
+            stamps = W.token_times_threads(engine, name, prompts, new)
+            all_first, end = max(t[0] for t in stamps), max(t[-1] for t in stamps)
+            runs[mode].append(sum(t > all_first for s_ in stamps for t in s_) / (end - all_first))
+            runner = engine._engine.models[name].runner
+            out.setdefault(f"{mode}_graph_replay_ms", []).append(graph_replay_ms(runner.graphs, batch))
+            if r == 0:
+                out[f"{mode}_greedy"] = W.greedy_tokens(engine, name, prompts[0], 16)
+            del runner
+            engine.stop_model(name)
+            engine.release_model(name)
+            free_memory()
+    out["decode_tps_by_round"] = runs
+    out["fp8_vs_bf16_decode"] = statistics.median(a / b for a, b in zip(runs["fp8"], runs["default"]))
+    out["fp8_vs_bf16_graph"] = statistics.median(
+        b / a for a, b in zip(out["fp8_graph_replay_ms"], out["default_graph_replay_ms"]))
+    out["greedy_first_divergence"] = first_divergence(out.pop("default_greedy"), out.pop("fp8_greedy"))
+    return out
 
 
 def main(argv=None) -> dict:
@@ -41,6 +82,13 @@ def main(argv=None) -> dict:
                    help="InstantQuant variants (common.quant_variant's names)")
     p.add_argument("--ab-silu", action="store_true", help="the fp8 variant again with silu·mul a launch of its own "
                    "(fp8 out of cuda_ops.SILU_MUL_QUANT_FORMATS): the A/B of the gate_up GEMV's epilogue")
+    p.add_argument("--kv", action="store_true", help="also the KV rows: --kv-batch requests of --kv-context prompt "
+                   "tokens decoding together, bf16 spans against fp8 spans")
+    p.add_argument("--kv-batch", type=int, default=32)
+    p.add_argument("--kv-context", type=int, default=4096)
+    p.add_argument("--kv-new", type=int, default=64)
+    p.add_argument("--kv-rounds", type=int, default=2)
+    p.add_argument("--no-b1", action="store_true", help="skip the batch-1 rows")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None, help="default: benchmarks/results/cuda-fp8-<machine>.json")
     a = p.parse_args(argv)
@@ -57,6 +105,13 @@ def main(argv=None) -> dict:
               "copy_gbs": copy_bandwidth_gbs(256 << 20 if a.smoke else 2 << 30)}
     loader = serialized_bench_model(root)
     engine = Engine()
+    if a.kv:
+        report["kv"] = kv_rows(engine, loader, shape, a.kv_batch, 64 if a.smoke else a.kv_context,
+                               4 if a.smoke else a.kv_new, 1 if a.smoke else a.kv_rounds)
+        print(f"KV spans: {report['kv']}", flush=True)
+        common.write_report(out, report)
+    if a.no_b1:
+        return report
     max_len = PROMPT_LEN + new_tokens + 64
     cfg = (loader.create_reference_runtime_config_builder("bench-cuda", "cuda", [0], max_batch=8)
            .max_length(max_len).kv_cache_span_size(32).kv_cache_memory(8 * max_len * kv_bytes_per_token(shape))

@@ -10,7 +10,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from allspark_server.compute.cuda import quant_gemv, quant_kernels
+from allspark_server.compute.cuda import decode_attention, quant_gemv, quant_kernels
 from allspark_server.quant.formats import FORMAT_IDS
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -47,6 +47,19 @@ def dequantize(fmt: str) -> str:
         FMT=FORMAT_IDS[fmt], GROUP=4096, HAS_ZERO=False, HAS_MIN=False, BLOCK_N=32, BLOCK_K=256))
 
 
+def decode_over_spans(quant: int) -> str:
+    """The decode attention over quantized spans (QUANT 1 int8, 3 fp8's bytes), 4 query heads a KV head, D 128."""
+    cache = "*i8" if quant == 1 else "*u8"
+    pointers = {"q": "*bf16", "k_cache": cache, "v_cache": cache, "k_param": "*fp32", "v_param": "*fp32",
+                "spans": "*i32", "ctx": "*i32", "slopes": "*i32", "out": "*bf16", "m_part": "*fp32",
+                "l_part": "*fp32", "acc_part": "*fp32", "counters": "*i32", "k_new": "*bf16", "v_new": "*bf16",
+                "cos": "*bf16", "sin": "*bf16", "slots": "*i32", "qk_scale": "fp32", "cap": "fp32"}
+    return compile_for_hopper(decode_attention._decode_kernel, pointers, dict(
+        G=4, P=32, D=128, NUM_SPLITS=4, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, DOT_PREC="tf32", UPCAST=False,
+        HAS_ALIBI=False, QUANT=quant, ROTARY=False, COMBINE=True, BLOCK_S=4, FENCE=True, SOFT_BF16=False, PDL=True,
+        HAS_SOFTCAP=False, HAS_WINDOW=False))
+
+
 # name -> (build, what its PTX must contain)
 VARIANTS = {
     "gemv fp8_e4m3 per channel": (lambda: gemv("fp8_e4m3", -1), "e4m3"),
@@ -58,6 +71,8 @@ VARIANTS = {
     "tensor-core tiles int8": (lambda: tensor_core_tiles("int8"), "mma"),
     "dequantize fp8_e4m3": (lambda: dequantize("fp8_e4m3"), "e4m3"),
     "dequantize int8": (lambda: dequantize("int8"), ""),
+    "decode attention over fp8 spans": (lambda: decode_over_spans(3), "e4m3"),
+    "decode attention over int8 spans": (lambda: decode_over_spans(1), "mma"),
 }
 
 

@@ -1,4 +1,4 @@
-"""Quantized KV spans: the int8 / uint4 row formats of the KV cache and their torch reference.
+"""Quantized KV spans: the int8 / uint4 / fp8 row formats of the KV cache and their torch reference.
 
 Each cached row (one token, one KV head, D values) is quantized on its own when it is stored, with
 IQ's asymmetric formula (quant/formats.py) over lo = min(x, 0), hi = max(x, 0):
@@ -6,6 +6,8 @@ IQ's asymmetric formula (quant/formats.py) over lo = min(x, 0), hi = max(x, 0):
   uint4: scale = (hi - lo) / 15,  zero = round(-lo / scale),       code = clamp(round(x / scale) + zero, 0, 15)
 and read back as (code - zero) * scale. x / scale is computed as x * (1 / scale) in fp32, the same
 arithmetic as the native store (native/kv_quant.h), so codes are bit-equal. A row of zeros has scale 0.
+fp8 (GPUs of compute capability 8.9+ only): scale = max|x| / 448, zero = 0, code = float8_e4m3fn(x * (1 / scale))
+rounded to nearest even, codes float8_e4m3fn [S, P, KVH, D]; read back as code * scale.
 Layout per layer (S spans, P tokens a span, KVH heads): codes int8 [S, P, KVH, D] or uint8 [S, P, KVH, D/2]
 (uint4: byte j holds element j in its low nibble and element D/2 + j in its high nibble), and params
 fp32 [S, P, KVH, 2] = (scale, zero) per row, as DashInfer's span layout (two floats per token and head).
@@ -14,22 +16,24 @@ from __future__ import annotations
 
 import torch
 
-KV_MODES = ("int8", "uint4")
+KV_MODES = ("int8", "uint4", "fp8")
+NATIVE_KV_MODES = ("int8", "uint4")        # the CPU kernels' (fp8 spans: GPU ranks only)
 _RANGE = {"int8": (-128, 127), "uint4": (0, 15)}
+FP8_MAX = 448.0                 # e4m3's largest finite value
 
 
 def code_width(mode: str, head_dim: int) -> int:
     """Bytes of one row's codes."""
-    return head_dim if mode == "int8" else head_dim // 2
+    return head_dim // 2 if mode == "uint4" else head_dim
 
 
 def code_dtype(mode: str) -> torch.dtype:
-    return torch.int8 if mode == "int8" else torch.uint8
+    return {"int8": torch.int8, "uint4": torch.uint8, "fp8": torch.float8_e4m3fn}[mode]
 
 
 def mode_of(codes: torch.Tensor) -> str:
     """The mode a cache of codes is in (the inverse of code_dtype)."""
-    return "int8" if codes.dtype == torch.int8 else "uint4"
+    return {torch.int8: "int8", torch.uint8: "uint4", torch.float8_e4m3fn: "fp8"}[codes.dtype]
 
 
 def bytes_per_row(mode: str | None, head_dim: int, dtype: torch.dtype) -> int:
@@ -41,6 +45,12 @@ def bytes_per_row(mode: str | None, head_dim: int, dtype: torch.dtype) -> int:
 
 def quantize_rows(x: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (codes [..., D or D/2], params fp32 [..., 2])."""
+    if mode == "fp8":
+        xf = x.float()
+        scale = xf.abs().amax(-1, keepdim=True) / FP8_MAX
+        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+        codes = (xf * inv).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return codes, torch.cat([scale, torch.zeros_like(scale)], -1)
     lo_code, hi_code = _RANGE[mode]
     levels = hi_code - lo_code
     xf = x.float()

@@ -41,7 +41,7 @@ AUTO_KV_GPU_FRACTION = 0.8
 # on SmolLM2 and a 7B-wide model: docs/speculative.md, "On a GPU")
 INVARIANT_MIN_HIDDEN = 2048
 KV_MODE_NAMES = {AsCacheMode.AsCacheDefault: None, AsCacheMode.AsCacheQuantI8: "int8",
-                 AsCacheMode.AsCacheQuantU4: "uint4"}
+                 AsCacheMode.AsCacheQuantU4: "uint4", AsCacheMode.AsCacheQuantFp8: "fp8"}
 
 
 class ModelRunner:
@@ -81,6 +81,9 @@ class ModelRunner:
         if self.kv_mode is not None and self.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"kv_cache_mode {self.kv_mode} needs a float32 or bfloat16 model, not "
                              f"{str(self.dtype).replace('torch.', '')}")
+        refusal = self.device_kind.float8_refusal() if self.kv_mode == "fp8" else None
+        if refusal:
+            raise ValueError(f"kv_cache_mode fp8 cannot be used here: {refusal}")
         if self.kv_mode == "uint4" and args.head_dim % 2:
             raise ValueError(f"kv_cache_mode uint4 packs two codes a byte: head_dim {args.head_dim} must be even")
         self.span_bytes = bytes_per_span(args.num_layers, self.span_size, self.tp.local_kv_heads, args.head_dim,

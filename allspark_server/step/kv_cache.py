@@ -1,9 +1,9 @@
 """KV cache tensors: per layer, K and V pages of shape [num_spans, span_size, kv_heads_local, head_dim],
 in host memory (huge pages where the kernel gives them) or on the rank's GPU.
 
-Sizes the number of spans from a byte budget. A quantized cache (kv_cache_mode int8 / uint4,
+Sizes the number of spans from a byte budget. A quantized cache (kv_cache_mode int8 / uint4 / fp8,
 quant/kv.py has the row format) holds codes in the pages and a (scale, zero) pair per token and
-head beside them; `bytes_per_span` counts both, so the same budget holds ~1.9x (int8) or ~3.6x
+head beside them; `bytes_per_span` counts both, so the same budget holds ~1.9x (int8, fp8) or ~3.6x
 (uint4) the tokens of a bf16 cache at head_dim 128.
 """
 from __future__ import annotations
@@ -20,14 +20,14 @@ from allspark_server.step import hugepages
 
 class LayerKV(NamedTuple):
     """One layer's cache as the attention ops take it: pages k, v and, when quantized, their params."""
-    k: torch.Tensor                          # [S, P, KVH, D] activation dtype | int8 [.., D] | uint8 [.., D/2]
+    k: torch.Tensor                          # [S, P, KVH, D] activation dtype | int8 / fp8 [.., D] | uint8 [.., D/2]
     v: torch.Tensor
     k_param: Optional[torch.Tensor] = None   # fp32 [S, P, KVH, 2]: (scale, zero) of each row
     v_param: Optional[torch.Tensor] = None
 
     @property
     def mode(self) -> str | None:
-        """None (the activation dtype), 'int8' or 'uint4'."""
+        """None (the activation dtype), 'int8', 'uint4' or 'fp8'."""
         return None if self.k_param is None else kv_quant.mode_of(self.k)
 
 
@@ -61,6 +61,11 @@ class KVCache:
                        for i in range(num_layers)]
 
 
+def _indexable(x: torch.Tensor) -> torch.Tensor:
+    """fp8 codes as their bytes: index_select / index_copy_ have no fp8 kernels."""
+    return x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
+
+
 def copy_spans(src: KVCache, src_ids: list[int], dst: KVCache, dst_ids: list[int]) -> None:
     """Spans dst_ids of `dst` get the content of spans src_ids of `src` (every layer: K, V and their quantization
     params), across devices (the prefix cache's second tier: GPU or host pages <-> host slots)."""
@@ -69,5 +74,6 @@ def copy_spans(src: KVCache, src_ids: list[int], dst: KVCache, dst_ids: list[int
         di = torch.tensor(dst_ids, dtype=torch.long, device=b.k.device)
         for x, y in zip(a, b):
             if x is not None:
+                x, y = _indexable(x), _indexable(y)
                 # to a GPU: stream-ordered before the step reads it; to the host: blocking (the slot is read later)
                 y.index_copy_(0, di, x.index_select(0, si).to(y.device, non_blocking=not in_host_memory(y)))

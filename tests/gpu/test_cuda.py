@@ -312,11 +312,11 @@ def test_published_fp8_checkpoints_on_the_gpu_equal_transformers_on_their_weight
 @needs_gpu
 def test_quantized_kv_spans_on_the_gpu(llama, tmp_path):
     """int8 KV spans on a GPU rank (Triton decode attention over the codes, inside the graphs): greedy equals
-    transformers' on the fp32 tiny model (as the CPU's int8 KV test), alone and batched; uint4's logprobs stay
-    within the CPU uint4 test's bound of transformers'."""
+    transformers' on the fp32 tiny model (as the CPU's int8 KV test), alone and batched; uint4's and fp8's logprobs
+    stay within the CPU uint4 test's bound of transformers'."""
     loader = serialize(llama.hf_dir, "gkv", str(tmp_path))
     engines = {}
-    for mode in ("int8", "uint4"):
+    for mode in ("int8", "uint4", "fp8"):
         engine = Engine()
         cfg = (loader.create_reference_runtime_config_builder(f"gkv_{mode}", TargetDevice.CUDA, [0], max_batch=4)
                .max_length(256).kv_cache_span_size(16).kv_cache_mode(mode).build())
@@ -328,3 +328,4 @@ def test_quantized_kv_spans_on_the_gpu(llama, tmp_path):
     assert_greedy_alone_and_batched(engines["int8"], "gkv_int8", llama.model, prompts, 24)
     from test_kv_quant import assert_logprobs_close_to_transformers
     assert_logprobs_close_to_transformers(engines["uint4"], "gkv_uint4", llama.model)
+    assert_logprobs_close_to_transformers(engines["fp8"], "gkv_fp8", llama.model)

@@ -169,7 +169,7 @@ def test_native_decode_attention_with_slopes(dtype, isa):
 
 @needs_native
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("mode", kv_quant.KV_MODES)
+@pytest.mark.parametrize("mode", kv_quant.NATIVE_KV_MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_decode_attention_over_quantized_spans_with_slopes(isa, mode, dtype):
     g = torch.Generator().manual_seed(6)

@@ -218,7 +218,8 @@ def test_decode_with_alibi_slopes(dtype):
 
 # ---- quantized spans -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode,d,group", [("int8", 64, 4), ("int8", 80, 1), ("uint4", 64, 2), ("uint4", 128, 1)])
+@pytest.mark.parametrize("mode,d,group", [("int8", 64, 4), ("int8", 80, 1), ("uint4", 64, 2), ("uint4", 128, 1),
+                                          ("fp8", 64, 4), ("fp8", 128, 1)])
 def test_decode_over_quantized_spans(mode, d, group):
     """Codes and params against the float64 attention over the dequantized rows and against ops' reference
     (which dequantizes and attends in fp32), split-KV and not; q in bf16 and fp32."""

@@ -38,6 +38,18 @@ def test_uint4_row_by_hand():
     assert kv_quant.dequantize_rows(codes, params, "uint4").tolist() == [[-1.5, 0.0, 3.0, 6.0]]
 
 
+def test_fp8_row_by_hand():
+    # max |x| = 2: scale = 2 / 448; x / scale = 224 (1.75 * 2^7), -448, 112, 0, 67.2 (rounds to 64: e4m3 keeps 3
+    # mantissa bits); OCP E4M3 bytes: sign, exponent (bias 7), mantissa
+    codes, params = kv_quant.quantize_rows(torch.tensor([[1.0, -2.0, 0.5, 0.0, 0.3]]), "fp8")
+    assert codes.dtype == torch.float8_e4m3fn
+    assert codes.view(torch.uint8).tolist() == [[0b0_1110_110, 0b1_1111_110, 0b0_1101_110, 0, 0b0_1101_000]]
+    scale = torch.tensor(2 / 448).item()
+    assert params.tolist() == [[scale, 0.0]]
+    back = kv_quant.dequantize_rows(codes, params, "fp8")
+    assert torch.equal(back, torch.tensor([[224.0, -448, 112, 0, 64]]) * params[:, :1])
+
+
 def test_zero_row_and_one_sided_rows():
     for mode in kv_quant.KV_MODES:
         codes, params = kv_quant.quantize_rows(torch.zeros(1, 8), mode)
@@ -80,7 +92,7 @@ def _filled_cache(mode, dtype, num_spans, span, kvh, d, seed):
 
 
 @needs_native
-@pytest.mark.parametrize("mode", kv_quant.KV_MODES)
+@pytest.mark.parametrize("mode", kv_quant.NATIVE_KV_MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_store_equals_reference_bit_for_bit(mode, dtype):
     g = torch.Generator().manual_seed(1)
@@ -116,7 +128,7 @@ def attention_float64(q, cache, spans, ctx, scale):
 
 @needs_native
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("mode", kv_quant.KV_MODES)
+@pytest.mark.parametrize("mode", kv_quant.NATIVE_KV_MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kvh,d", [(4, 4, 64), (12, 4, 128), (6, 2, 48), (2, 1, 32)])
 def test_native_decode_attention_over_quantized_spans(isa, mode, dtype, heads, kvh, d):
@@ -234,7 +246,26 @@ def test_kv_mode_refused_for_fp16_and_engine_keeps_serving(llama, tmp_path):
     finally:
         engine.shutdown()
     with pytest.raises(ConfigError, match="cache_mode"):
-        loader.create_reference_runtime_config_builder("kv16", "cpu", [0], max_batch=2).kv_cache_mode("fp8").build()
+        loader.create_reference_runtime_config_builder("kv16", "cpu", [0], max_batch=2).kv_cache_mode("int4").build()
+
+
+def test_fp8_kv_is_refused_on_a_cpu_rank_and_engine_keeps_serving(llama, fp32_loader):
+    from allspark_server import Engine
+    engine = Engine()
+    try:
+        cfg = (fp32_loader.create_reference_runtime_config_builder("kvfp8", "cpu", [0], max_batch=2).max_length(128)
+               .kv_cache_mode("fp8").build())
+        assert cfg.cache_mode == AsCacheMode.AsCacheQuantFp8
+        with pytest.raises(AsException, match="kv_cache_mode fp8 cannot be used here: this rank runs on a CPU"):
+            engine.install_model(cfg)
+        cfg = (fp32_loader.create_reference_runtime_config_builder("kv16", "cpu", [0], max_batch=2).max_length(128)
+               .build())
+        engine.install_model(cfg)
+        engine.start_model("kv16")
+        prompt = random_prompt(7, seed=4)
+        assert greedy(engine, "kv16", prompt, 6) == hf_greedy(llama.model, prompt, 6)
+    finally:
+        engine.shutdown()
 
 
 def test_pool_serves_quantized_kv_like_engine(pool, fp32_loader):

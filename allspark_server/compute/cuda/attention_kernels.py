@@ -34,7 +34,8 @@ def _dot(a, b, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
 def _load_rows(cache, param, row, prow, ok, offs_d, D: tl.constexpr, QUANT: tl.constexpr, TRANSPOSED: tl.constexpr):
     """Tokens' rows of one KV head: [BLOCK_D, BLOCK_N] (TRANSPOSED, K) or [BLOCK_N, BLOCK_D] (V), row / prow [BLOCK_N]
     the tokens' offsets into the cache and its params. QUANT 1 (int8) / 2 (uint4, element d in the low nibble of
-    byte d, element D/2 + d in its high one): dequantized as (code - zero) * scale in fp32 (quant/kv.py)."""
+    byte d, element D/2 + d in its high one) / 3 (the bytes of fp8 e4m3 values, zero 0): dequantized as
+    (code - zero) * scale in fp32 (quant/kv.py)."""
     if QUANT == 2:
         col = offs_d % (D // 2)
         shift = (offs_d >= D // 2).to(tl.int32) * 4
@@ -46,7 +47,10 @@ def _load_rows(cache, param, row, prow, ok, offs_d, D: tl.constexpr, QUANT: tl.c
         ptrs, mask = cache + row[:, None] + col[None, :], ok[:, None] & (offs_d < D)[None, :]
     x = tl.load(ptrs, mask=mask, other=0)
     if QUANT != 0:       # one return for every branch: Triton wants one return type
-        codes = x.to(tl.int32)
+        if QUANT == 3:   # the bytes of e4m3 values
+            codes = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            codes = x.to(tl.int32)
         if QUANT == 2:
             if TRANSPOSED:
                 codes = (codes >> shift[:, None]) & 15

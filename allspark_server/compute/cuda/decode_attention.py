@@ -227,7 +227,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            window: int = 0) -> torch.Tensor:
     """q [B, H, D], caches [S, P, KVH, D], spans [B, MAXS] (int32/int64, padded), ctx [B] (>= 1, incl. the new
     token) -> out [B, H, D] in q's dtype (written into `out` if given). alibi_slopes fp32 [H]: key t's score gets
-    slope_h * (t - (ctx - 1)). Quantized caches (quant/kv.py: int8 codes, or uint4 codes [S, P, KVH, D/2]) come
+    slope_h * (t - (ctx - 1)). Quantized caches (quant/kv.py: int8 or fp8 codes, or uint4 codes [S, P, KVH, D/2]) come
     with their params fp32 [S, P, KVH, 2] and are attended in fp32. rotary = (k [B, KVH, D], v [B, KVH, D],
     cos, sin [B, (1,) D], slots [B]) (dense caches in q's dtype): q and k come unrotated; the launch rotates
     them as fused_kernels.rotary_store_kv does and writes k and v into the caches at slots before attending.
@@ -236,7 +236,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     before the bias (Gemma 2). window > 0: the query sees keys t >= ctx - window only (HF's sliding window); keys
     before that are never read (nor their span ids), and the default split count covers the window's tiles."""
     g, span_size, d = _check_inputs(q, k_cache, v_cache, spans)
-    quant = {torch.int8: 1, torch.uint8: 2}.get(k_cache.dtype, 0)
+    quant = {torch.int8: 1, torch.uint8: 2, torch.float8_e4m3fn: 3}.get(k_cache.dtype, 0)
     assert (k_param is not None) == bool(quant) and (v_param is not None) == bool(quant), "params iff quantized"
     if quant:
         assert k_param.shape == v_param.shape == k_cache.shape[:3] + (2,) and k_param.dtype == torch.float32
@@ -278,6 +278,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         m_part = l_part = acc_part = out        # unused: the kernel writes out directly
     params = (k_param, v_param) if quant else (k_cache, v_cache)
+    if quant == 3:    # fp8 codes as bytes (the kernel bitcasts them): the interpreter cannot load fp8 with a fill
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     block_s = triton.next_power_of_2(num_splits)
     launch_pdl = pdl.launch_options(q.device)
     _decode_kernel[(batch, kvh, num_splits)](
