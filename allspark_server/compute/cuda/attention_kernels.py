@@ -34,8 +34,7 @@ def _dot(a, b, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
 def _load_rows(cache, param, row, prow, ok, offs_d, D: tl.constexpr, QUANT: tl.constexpr, TRANSPOSED: tl.constexpr):
     """Tokens' rows of one KV head: [BLOCK_D, BLOCK_N] (TRANSPOSED, K) or [BLOCK_N, BLOCK_D] (V), row / prow [BLOCK_N]
     the tokens' offsets into the cache and its params. QUANT 1 (int8) / 2 (uint4, element d in the low nibble of
-    byte d, element D/2 + d in its high one) / 3 (the bytes of fp8 e4m3 values, zero 0): dequantized as
-    (code - zero) * scale in fp32 (quant/kv.py)."""
+    byte d, element D/2 + d in its high one): dequantized as (code - zero) * scale in fp32 (quant/kv.py)."""
     if QUANT == 2:
         col = offs_d % (D // 2)
         shift = (offs_d >= D // 2).to(tl.int32) * 4
@@ -47,10 +46,7 @@ def _load_rows(cache, param, row, prow, ok, offs_d, D: tl.constexpr, QUANT: tl.c
         ptrs, mask = cache + row[:, None] + col[None, :], ok[:, None] & (offs_d < D)[None, :]
     x = tl.load(ptrs, mask=mask, other=0)
     if QUANT != 0:       # one return for every branch: Triton wants one return type
-        if QUANT == 3:   # the bytes of e4m3 values
-            codes = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        else:
-            codes = x.to(tl.int32)
+        codes = x.to(tl.int32)
         if QUANT == 2:
             if TRANSPOSED:
                 codes = (codes >> shift[:, None]) & 15
@@ -63,6 +59,18 @@ def _load_rows(cache, param, row, prow, ok, offs_d, D: tl.constexpr, QUANT: tl.c
         else:
             x = (codes.to(tl.float32) - zero[:, None]) * scale[:, None]
     return x
+
+
+@triton.jit
+def _fp8_rows(cache, row, ok, offs_d, D: tl.constexpr, TRANSPOSED: tl.constexpr, dtype: tl.constexpr):
+    """fp8 spans' rows as _load_rows lays them out, their codes (the bytes of e4m3 values) in `dtype` unscaled:
+    e4m3 values are exact in bf16, fp16 and fp32, so the tensor cores meet them as they are and the rows' scales
+    multiply the scores (K) and the probabilities (V) instead."""
+    if TRANSPOSED:
+        ptrs, mask = cache + row[None, :] + offs_d[:, None], ok[None, :] & (offs_d < D)[:, None]
+    else:
+        ptrs, mask = cache + row[:, None] + offs_d[None, :], ok[:, None] & (offs_d < D)[None, :]
+    return tl.load(ptrs, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32).to(dtype)
 
 
 @triton.jit
@@ -117,11 +125,16 @@ def _attend_tiles(q, pos, alibi, k_cache, v_cache, k_param, v_param, span_row, k
         k_row = span * stride_ks + (t % P) * stride_kp + kv_head * stride_kh
         v_row = span * stride_vs + (t % P) * stride_vp + kv_head * stride_vh
         p_row = span * stride_ps + (t % P) * stride_pp + kv_head * stride_ph
-        kt = _load_rows(k_cache, k_param, k_row, p_row, t_ok, offs_d, D, QUANT, True)   # [BLOCK_D, BLOCK_N]
-        if HAS_SOFTCAP:
-            s = cap * _tanh(_dot(q, kt, DOT_PREC, UPCAST) * qk_scale)                   # [M, BLOCK_N] fp32
+        if QUANT == 3:      # fp8 codes in q's dtype, each key's scale on its scores
+            kt = _fp8_rows(k_cache, k_row, t_ok, offs_d, D, True, q.dtype)             # [BLOCK_D, BLOCK_N]
+            qk = _dot(q, kt, DOT_PREC, UPCAST) * tl.load(k_param + p_row, mask=t_ok, other=0.0)[None, :]
         else:
-            s = _dot(q, kt, DOT_PREC, UPCAST) * qk_scale                                # [M, BLOCK_N] fp32
+            kt = _load_rows(k_cache, k_param, k_row, p_row, t_ok, offs_d, D, QUANT, True)   # [BLOCK_D, BLOCK_N]
+            qk = _dot(q, kt, DOT_PREC, UPCAST)                                          # [M, BLOCK_N] fp32
+        if HAS_SOFTCAP:
+            s = cap * _tanh(qk * qk_scale)
+        else:
+            s = qk * qk_scale
         if HAS_ALIBI:
             s += alibi[:, None] * (t[None, :] - pos[:, None]).to(tl.float32)
         if HAS_WINDOW:
@@ -139,8 +152,13 @@ def _attend_tiles(q, pos, alibi, k_cache, v_cache, k_param, v_param, span_row, k
         alpha = tl.exp2(m_i - m_sub)
         p = tl.exp2(s - m_sub[:, None])                                                 # [M, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_rows(v_cache, v_param, v_row, p_row, t_ok, offs_d, D, QUANT, False)   # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PREC, UPCAST)           # [M, BLOCK_D] fp32
+        if QUANT == 3:      # each value row's scale on its probabilities
+            v = _fp8_rows(v_cache, v_row, t_ok, offs_d, D, False, q.dtype)             # [BLOCK_N, BLOCK_D]
+            p_v = p * tl.load(v_param + p_row, mask=t_ok, other=0.0)[None, :]
+        else:
+            v = _load_rows(v_cache, v_param, v_row, p_row, t_ok, offs_d, D, QUANT, False)   # [BLOCK_N, BLOCK_D]
+            p_v = p
+        acc = acc * alpha[:, None] + _dot(p_v.to(v.dtype), v, DOT_PREC, UPCAST)         # [M, BLOCK_D] fp32
         m_i = m_new
     return acc, m_i, l_i
 
@@ -211,9 +229,9 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _tile_config(d: int, dtype: torch.dtype) -> dict:
-    """BLOCK_D the head dim padded to a power of two (masked), fp32 dots without tf32 (quantized caches too:
-    they are attended in fp32), and UPCAST for bf16 under the interpreter. Token tiles (BLOCK_N) need not
-    match the span size: each token looks up its span."""
+    """BLOCK_D the head dim padded to a power of two (masked), fp32 dots without tf32 (int8 / uint4 caches too:
+    they are attended in fp32; fp8 caches pass q's dtype), and UPCAST for bf16 under the interpreter. Token tiles
+    (BLOCK_N) need not match the span size: each token looks up its span."""
     wide = dtype in (torch.float32, torch.int8, torch.uint8)
     return dict(BLOCK_D=max(16, triton.next_power_of_2(d)), DOT_PREC="ieee" if wide else "tf32",
                 UPCAST=_INTERPRETED and dtype == torch.bfloat16)

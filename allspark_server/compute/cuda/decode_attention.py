@@ -134,7 +134,10 @@ def _decode_kernel(q, k_cache, v_cache, k_param, v_param, spans, ctx, slopes, ou
                 tl.debug_barrier()      # the writes are this program's: visible to all its threads after this
         else:
             qt = tl.load(q_ptrs + offs_d[None, :], mask=q_ok, other=0.0)                # [BLOCK_G, BLOCK_D]
-        qt = qt.to(k_cache.dtype.element_ty if QUANT == 0 else tl.float32)   # quantized spans: attended in fp32
+        if QUANT == 0:
+            qt = qt.to(k_cache.dtype.element_ty)
+        elif QUANT != 3:      # int8 / uint4 spans: attended in fp32; fp8's codes meet q in its own dtype
+            qt = qt.to(tl.float32)
         pos = tl.zeros([BLOCK_G], dtype=tl.int32) + (n - 1)
         alibi = _alibi_log2(slopes, head, g_ok, HAS_ALIBI)                              # [BLOCK_G]
         acc, m_i, l_i = _attend_tiles(qt, pos, alibi, k_cache, v_cache, k_param, v_param,
@@ -227,10 +230,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            window: int = 0) -> torch.Tensor:
     """q [B, H, D], caches [S, P, KVH, D], spans [B, MAXS] (int32/int64, padded), ctx [B] (>= 1, incl. the new
     token) -> out [B, H, D] in q's dtype (written into `out` if given). alibi_slopes fp32 [H]: key t's score gets
-    slope_h * (t - (ctx - 1)). Quantized caches (quant/kv.py: int8 or fp8 codes, or uint4 codes [S, P, KVH, D/2]) come
-    with their params fp32 [S, P, KVH, 2] and are attended in fp32. rotary = (k [B, KVH, D], v [B, KVH, D],
-    cos, sin [B, (1,) D], slots [B]) (dense caches in q's dtype): q and k come unrotated; the launch rotates
-    them as fused_kernels.rotary_store_kv does and writes k and v into the caches at slots before attending.
+    slope_h * (t - (ctx - 1)). Quantized caches (quant/kv.py: int8 or fp8 codes, or uint4 codes [S, P, KVH, D/2])
+    come with their params fp32 [S, P, KVH, 2]; int8 and uint4 are attended in fp32, fp8's codes (exact in q's
+    dtype) meet q on the tensor cores with the rows' scales on the scores and the probabilities.
+    rotary = (k [B, KVH, D], v [B, KVH, D], cos, sin [B, (1,) D], slots [B]) (dense caches in q's dtype): q and k
+    come unrotated; the launch rotates them as fused_kernels.rotary_store_kv does and writes k and v into the
+    caches at slots before attending.
     launch: the launch shape instead of the defaults (benchmarks/decode_attention_sweep.py): BLOCK_N (tokens a
     tile), num_warps, num_stages. softcap > 0: each score s = scale * q.k becomes softcap * tanh(s / softcap)
     before the bias (Gemma 2). window > 0: the query sees keys t >= ctx - window only (HF's sliding window); keys
@@ -268,7 +273,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_splits = default_num_splits(rows_as, kvh, spans.shape[1], span_size)
         if window > 0:      # no more splits than tiles the window's keys can touch
             num_splits = min(num_splits, -(-(window - 1) // shape["BLOCK_N"]) + 1)
-    tiles = _tile_config(d, k_cache.dtype)
+    tiles = _tile_config(d, q.dtype if quant == 3 else k_cache.dtype)   # fp8 codes meet q in its dtype
     counters = None
     if num_splits > 1:
         m_part = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)     # [B, H, NS]
