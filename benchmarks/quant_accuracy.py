@@ -9,7 +9,8 @@ agreement and the mean KL(p || p_q), against the unquantized fp32 model (transfo
 stored codes dequantized); the row "bf16 g0" rounds the same weights to bf16 instead, for scale (random models
 have nearly flat, near-tied output distributions, so top-1 agreement is low even there). The rows "kv int8" /
 "kv uint4" keep the weights and quantize the K (after rotary) and V rows as the quantized KV spans store them;
-the rows "... a8" are compute_method activate_quant: the same codes, each GEMM input rounded to int8 per token.
+the rows "kv fp8" the same with fp8 spans (GPU ranks only: no Engine row); fp8_e4m3 weights too (teacher-forced
+only); the rows "... a8" are compute_method activate_quant: the same codes, each GEMM input rounded to int8 per token.
 Then the Engine's greedy output (bf16 model; int8 / uint4 KV, int8 per-channel weights, both, int8 activate_quant) vs
 the unquantized bf16 model's: the fraction of prompts whose first 32 tokens agree, over all prompts and over the
 "tie-free" ones (every top-1 logit along the fp32 greedy path leads by more than twice the largest logit change
@@ -31,7 +32,7 @@ import common  # noqa: E402
 from common import build_model  # noqa: E402
 
 VARIANTS = [("bf16", 0), ("int8", -1), ("int8", 128), ("uint8", -1), ("int4", 32), ("int4", 128), ("uint4", 32),
-            ("uint4", 64), ("uint4", 128)]
+            ("uint4", 64), ("uint4", 128), ("fp8_e4m3", -1), ("fp8_e4m3", 128)]
 A8_VARIANTS = [("int8", -1), ("int8", 128), ("int4", 32), ("uint4", 64)]   # compute_method activate_quant
 GEMMS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -127,7 +128,7 @@ def hf_greedy_margin(model, prompt: list[int], tokens: int = 32) -> tuple[list[i
 
 class FakeQuantKV:
     """transformers' Llama attention with its K (after rotary) and V rows quantized per token and head as
-    allspark's int8 / uint4 KV spans store them (quant/kv.py), for teacher-forced accuracy."""
+    allspark's int8 / uint4 / fp8 KV spans store them (quant/kv.py), for teacher-forced accuracy."""
 
     def __init__(self, model, mode: str):
         import transformers.models.llama.modeling_llama as llama
@@ -189,7 +190,7 @@ def main(argv=None):
         report["stats"][stats] = rows
     for stats, model in (("random N(0, 0.02)", base), ("trained-like", trained_like(base))):
         ref = logits(model, ids)
-        for mode in ("int8", "uint4"):
+        for mode in ("int8", "uint4", "fp8"):
             with FakeQuantKV(model, mode) as fq:
                 row = compare(ref, logits(fq, ids))
             report["stats"][stats][f"kv {mode}"] = row

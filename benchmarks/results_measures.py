@@ -29,6 +29,7 @@ from results_readers import (
 from results_readers_gpu import (
     allreduce,
     cuda,
+    cuda_fp8,
     cuda_gemv_micro,
     cuda_gemv_sweep,
     cuda_quant_micro,
@@ -201,6 +202,8 @@ MEASURES = {
                                 "--sweep`: SmolLM2's bf16 shapes, one row, over 2-16 rows a program, 512- or "
                                 "1024-wide k-tiles and 4 or 8 warps (where choose_config's wide-weight tile came "
                                 "from: the LM head).", cuda_gemv_sweep),
+    "cuda-fp8": ("GPU: FP8 weights and KV spans against bf16", "`cuda_fp8.py --kv --ab-silu`: the 7B shape, "
+                 "one engine, rounds interleaved.", cuda_fp8),
     "cuda-quant-micro": ("GPU: quantized matmul", "`cuda_quant_micro.py`: each format against cuBLAS on bf16.",
                          cuda_quant_micro),
     "cuda-quant-sweep": ("GPU: quantized GEMV launch configs", "`cuda_quant_micro.py --sweep-only`.", cuda_quant_sweep),

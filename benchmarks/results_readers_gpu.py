@@ -76,6 +76,30 @@ def cuda_quant_micro(r: dict) -> list:
     return rows
 
 
+def cuda_fp8(r: dict) -> list:
+    """fp8 weights at batch 1 and fp8 KV spans at 32 x 4k against bf16, and the fp8 GEMV's silu·mul A/B."""
+    rows = []
+    bf16_ms = r.get("bf16", {}).get("graph_replay_ms_b1")
+    for name, v in r.get("b1", {}).items():
+        if name == "decode_b1_tps_by_round":
+            continue
+        rows.append((f"batch 1, {name} weights: tokens/s x bf16 ({f(v['decode_b1_tps'], 0)} tokens/s)",
+                     x(v["vs_bf16"])))
+        if bf16_ms:
+            rows.append((f"batch 1, {name}: graph replay, bf16's / its", x(bf16_ms / v["graph_replay_ms_b1"])))
+        rows.append((f"batch 1, {name}: first greedy token that differs from bf16's",
+                     str(v["greedy_first_divergence_vs_bf16"])))
+    if "kv" in r:
+        kv = r["kv"]
+        rows.append((f"fp8 KV spans x bf16 spans: decode tokens/s, {kv['batch']} requests of {kv['context']} tokens",
+                     x(kv["fp8_vs_bf16_decode"])))
+    if "silu_ab" in r:
+        ab = r["silu_ab"]
+        rows.append(("fp8 gate_up GEMV with silu·mul epilogue x two launches (batch 1, tokens/s)",
+                     x(ab["fused_vs_bf16"] / ab["unfused_vs_bf16"])))
+    return rows
+
+
 def cuda_quant_sweep(r: dict) -> list:
     return [{"shape and format": key, "best µs": f(v["best"][0][0]), "chosen config µs": f(v["chosen_us"]),
              "best / chosen time": x(v["best"][0][0] / v["chosen_us"]), "best GB/s": f(v["gbs_best"], 0)}

@@ -29,8 +29,9 @@ def e4m3(values: torch.Tensor) -> torch.Tensor:
     return values.clamp(-448, 448).to(torch.float8_e4m3fn)
 
 
-def fp8_layer(w: torch.Tensor, layout: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """w [N, K] as a published FP8 layer: (its tensors, the fp32 weight they stand for, computed here)."""
+def fp8_layer(w: torch.Tensor, layout: str, block_scale: str = "weight_scale_inv") -> tuple[dict, torch.Tensor]:
+    """w [N, K] as a published FP8 layer: (its tensors, the fp32 weight they stand for, computed here); block
+    scales are named `block_scale` (FineGrainedFP8's weight_scale_inv, compressed-tensors' weight_scale)."""
     n, k = w.shape
     if layout == "block":
         bn, bk = BLOCK
@@ -38,7 +39,7 @@ def fp8_layer(w: torch.Tensor, layout: str) -> tuple[dict[str, torch.Tensor], to
         scale = blocks.abs().amax((1, 3)) / 448                                   # [N / bn, K / bk]
         full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)         # each element's block scale
         weight = e4m3(w / full)
-        return {"weight": weight, "weight_scale_inv": scale}, weight.float() * full
+        return {"weight": weight, block_scale: scale}, weight.float() * full
     scale = w.abs().amax(1, keepdim=True) / 448 if layout == "channel" else w.abs().amax().reshape(1) / 448
     weight = e4m3(w / scale)
     return {"weight": weight, "weight_scale": scale}, weight.float() * scale
@@ -51,6 +52,8 @@ def quant_config(layout: str, method: str, ignore: list[str]) -> dict:
     if method == "fbgemm_fp8":
         return {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": ignore}
     weights = {"num_bits": 8, "type": "float", "strategy": layout, "symmetric": True, "dynamic": False}
+    if layout == "block":
+        weights["block_structure"] = list(BLOCK)
     return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ignore,
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
                                           "input_activations": {"num_bits": 8, "type": "float",
@@ -68,7 +71,8 @@ def write_fp8_folder(tm, out_dir: str, layout: str, method: str, ignore: tuple[s
             base = name[:-len(".weight")]
             if name.endswith(".weight") and base.rsplit(".", 1)[-1] in QUANTIZED and \
                     not any(base.endswith(i) for i in ignore):
-                parts, dequant = fp8_layer(t.float(), layout)
+                parts, dequant = fp8_layer(t.float(), layout,
+                                           "weight_scale_inv" if method == "fp8" else "weight_scale")
                 if mutate:
                     mutate(base, parts)
                 layers[base] = parts
@@ -88,7 +92,7 @@ def write_fp8_folder(tm, out_dir: str, layout: str, method: str, ignore: tuple[s
 
 
 CASES = [("block", "fp8"), ("channel", "compressed-tensors"), ("tensor", "compressed-tensors"),
-         ("channel", "fbgemm_fp8")]
+         ("block", "compressed-tensors"), ("channel", "fbgemm_fp8")]
 
 
 @pytest.mark.parametrize("layout,method", CASES)
