@@ -29,6 +29,22 @@ def round_activations_reference(x: torch.Tensor, act_bits: int = 16) -> torch.Te
     return torch.round(xf * inv) * (amax / act_max)
 
 
+FP8_MAX = 448.0                       # e4m3's largest finite value
+
+
+def fp8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as an FP8 x FP8 matmul meets it (fp8_e4m3 weights with activate_quant): (codes float8_e4m3fn
+    [M, K], scales fp32 [M, 1]), each row's scale the power of two 2^ceil(log2(max|x| / 448)) (1 for a row of
+    zeros). A power of two keeps e4m3's relative precision (its grid is a float's) and makes code x scale, x
+    rounded to that grid to nearest even, exact in bf16, fp16 and fp32: a GEMV fed those values computes the
+    products a scaled matmul of the codes does."""
+    xf = x.float()
+    mantissa, exponent = torch.frexp(xf.abs().amax(-1, keepdim=True) / FP8_MAX)    # m in [0.5, 1) (0 for 0)
+    exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)                  # an exact power of two
+    scale = torch.where(mantissa == 0, torch.ones_like(xf[:, :1]), torch.ldexp(torch.ones_like(xf[:, :1]), exponent))
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
 def linear_reference(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight",
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """A quantized weight is dequantized (quant/formats.py) and met in fp32 with x rounded as the quantized

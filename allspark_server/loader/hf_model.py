@@ -306,7 +306,8 @@ class HuggingFaceModel:
     def _prequantized_compute(self, scheme: QuantScheme, config, flags: bool) -> QuantScheme:
         """An already quantized checkpoint (GGUF, GPTQ, AWQ, FP8) keeps its codes: a customized_quant_config may only
         choose how x meets them (`compute_method`: activate_quant rounds x to int8 per token, as llama.cpp's q8
-        activations do; weight_only, the default, to 16 bits)."""
+        activations do, or to e4m3 for FP8 checkpoints of per-channel scales; weight_only, the default, to 16
+        bits)."""
         kind = self.prequant.method if self.prequant else "GGUF"
         if flags or not config or set(config) != {"compute_method"}:
             raise ModelSerializerException(f"this checkpoint is already quantized ({kind}): serialize it without "
@@ -315,9 +316,11 @@ class HuggingFaceModel:
         try:
             method = QuantScheme.from_user({"compute_method": config["compute_method"],
                                             "weight_format": scheme.weight_format}).compute_method
+            scheme = dataclasses.replace(scheme, compute_method=method)
+            scheme.check_float_activations(scheme.groups)
         except QuantConfigError as e:
             raise ModelSerializerException(f"customized_quant_config: {e}") from None
-        return dataclasses.replace(scheme, compute_method=method)
+        return scheme
 
     def _output_paths(self, output_dir: str) -> tuple[str, str]:
         """Where serialize_to_path writes the .asgraph and the .asparam."""

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from allspark_server.quant.formats import ALL_FORMATS, GROUP_SIZES, check_shape, is_float
 
 # weight_only: x meets the codes rounded to 16 bits per token (A16W8 / A16W4, no visible loss); activate_quant:
-# rounded to int8 per token (DashInfer's A8W8, there for int8 weights only; here any format: A8W4 is the
-# fastest 4-bit batch-1 GEMV on AVX2, llama.cpp's q4_0 . q8_0 arithmetic)
+# rounded to int8 per token (DashInfer's A8W8, there for int8 weights only; here any integer format: A8W4 is the
+# fastest 4-bit batch-1 GEMV on AVX2, llama.cpp's q4_0 . q8_0 arithmetic), or to e4m3 for fp8_e4m3 weights
 COMPUTE_METHODS = ("weight_only", "activate_quant")
+FLOAT_ACTIVATIONS = "fp8_e4m3"      # activate_quant's activations with fp8 weights (W8A8-FP8): e4m3 per row
 KNOWN_KEYS = {"quant_method", "weight_format", "group_size", "compute_method", "group_settings", "activate_format",
               "quantize_lm_head"}
 LM_HEAD = r"^lm_head\.weight$"
@@ -59,11 +60,10 @@ class QuantScheme:
         if compute not in COMPUTE_METHODS:
             raise QuantConfigError(f"compute_method {compute!r} is not supported (supported: "
                                    f"{list(COMPUTE_METHODS)})")
-        if compute == "activate_quant" and is_float(fmt):
-            raise QuantConfigError(f"compute_method activate_quant rounds activations to int8; {fmt} weights are "
-                                   f"served weight-only (compute_method weight_only)")
-        if cfg.get("activate_format", "int8") != "int8":
-            raise QuantConfigError(f"activate_format {cfg['activate_format']!r} is not supported (int8)")
+        act = cfg.get("activate_format", FLOAT_ACTIVATIONS if is_float(fmt) else "int8")
+        if act != (FLOAT_ACTIVATIONS if is_float(fmt) else "int8"):
+            raise QuantConfigError(f"activate_format {act!r} is not supported with {fmt} weights (int8 with integer "
+                                   f"formats, {FLOAT_ACTIVATIONS} with {FLOAT_ACTIVATIONS})")
         settings = cfg.get("group_settings") or {}
         if not isinstance(settings, dict):
             raise QuantConfigError("group_settings must be a dict {regex: group_size}")
@@ -79,7 +79,9 @@ class QuantScheme:
         lm_head = cfg.get("quantize_lm_head", False)
         if not isinstance(lm_head, bool):
             raise QuantConfigError(f"quantize_lm_head must be true or false, got {lm_head!r}")
-        return cls(fmt, int(group), compute, tuple(pairs), lm_head=lm_head)
+        scheme = cls(fmt, int(group), compute, tuple(pairs), lm_head=lm_head)
+        scheme.check_float_activations({"group_size": int(group), **{p: s for p, s in pairs}})
+        return scheme
 
     @property
     def act_bits(self) -> int:
@@ -89,6 +91,16 @@ class QuantScheme:
     def format_for(self, name: str) -> str:
         """The format of one quantized checkpoint weight."""
         return self.formats.get(name, self.weight_format)
+
+    def check_float_activations(self, groups: dict[str, int]) -> None:
+        """activate_quant with fp8 weights (W8A8) scales x per row and the weight per output channel (the FP8 GEMM's
+        row-wise scaling): refused, naming the first, where `groups` (name -> group size) has another size."""
+        if self.compute_method != "activate_quant" or not self.float_formats():
+            return
+        grouped = next((name for name, size in groups.items() if size != -1), None)
+        if grouped is not None:
+            raise QuantConfigError(f"compute_method activate_quant with {self.weight_format} weights needs per-channel "
+                                   f"scales (group_size -1); {grouped} gives groups of {groups[grouped]}")
 
     def float_formats(self) -> list[str]:
         """The floating-point formats (fp8) among its weights: served on GPUs of compute capability 8.9+ alone."""

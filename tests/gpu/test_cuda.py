@@ -275,18 +275,19 @@ def test_prefix_cache_host_tier_and_guided_output_on_the_gpu(llama, tmp_path):
 @needs_gpu
 @pytest.mark.parametrize("fmt,group,compute", [("int8", -1, "weight_only"), ("int4", 64, "weight_only"),
                                                ("uint4", 32, "weight_only"), ("int8", -1, "activate_quant"),
-                                               ("fp8_e4m3", -1, "weight_only"), ("fp8_e4m3", 32, "weight_only")])
+                                               ("fp8_e4m3", -1, "weight_only"), ("fp8_e4m3", 32, "weight_only"),
+                                               ("fp8_e4m3", -1, "activate_quant")])
 def test_quantized_weights_on_the_gpu_equal_transformers_on_the_stored_codes(llama, tmp_path, fmt, group, compute):
     """InstantQuant weights on a GPU rank (the Triton matmul over the codes, in the decode graphs and in
     prefill): greedy equals transformers running the stored codes dequantized independently, alone and batched
     (activate_quant: with every quantized projection's input rounded to int8 per token there too)."""
-    from test_quant_models import hf_with_stored_weights, round_inputs_to_int8, serialize_quantized
+    from test_quant_models import hf_with_stored_weights, round_inputs_to_fp8, round_inputs_to_int8, serialize_quantized
     name = f"gq_{fmt}_{group}_{compute}"
     loader = serialize_quantized(llama.hf_dir, name, str(tmp_path),
                                  {"weight_format": fmt, "group_size": group, "compute_method": compute})
     reference = hf_with_stored_weights(llama.model, loader, fmt, group)
     if compute == "activate_quant":
-        reference = round_inputs_to_int8(reference)
+        reference = (round_inputs_to_fp8 if fmt == "fp8_e4m3" else round_inputs_to_int8)(reference)
     engine = cuda_engine(loader, name)
     assert engine._engine.models[name].runner.graphs is not None
     assert_greedy_alone_and_batched(engine, name, reference, [random_prompt(n, seed=50 + n) for n in (5, 40, 130)], 24)

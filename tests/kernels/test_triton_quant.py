@@ -190,3 +190,39 @@ def test_cuda_backend_fuses_the_quantized_gate_up_at_one_row(monkeypatch):
         h, _ = ops.rms_norm_reference(x, norm, 1e-6, residual)       # the sequence on the GPU backend's references
         want = cuda_ops.linear_reference(ops.silu_mul_reference(cuda_ops.linear_reference(h, gate_up)), down)
         assert torch.allclose(out.float(), want.float(), rtol=2e-2, atol=2e-3), (out, want)
+
+
+def test_fp8_activations_by_hand():
+    """max |x| = 2: 2 / 448 lies in (2^-8, 2^-7], scale 2^-7; x / scale = 128, -256 and 38.4, which e4m3 (3 mantissa
+    bits, 1.25 * 2^5 or 1.125 * 2^5 nearest) holds as 40. A row of zeros keeps scale 1."""
+    from allspark_server.compute.reference import fp8_activations
+    codes, scale = fp8_activations(torch.tensor([[1.0, -2.0, 0.3], [0.0, 0.0, 0.0]]))
+    assert codes.dtype == torch.float8_e4m3fn and codes.float().tolist() == [[128, -256, 40], [0, 0, 0]]
+    assert scale.tolist() == [[2.0 ** -7], [1.0]]
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 70])
+def test_fp8_weights_with_fp8_activations(m):
+    """activate_quant with fp8_e4m3 weights: x's rows rounded to e4m3 with a power-of-two scale (written out here),
+    then the exact product with the weight the codes stand for, within bf16 rounding: the GEMV on the rounded rows
+    (1-2 rows) and torch._scaled_mm on the codes (more rows)."""
+    import math
+
+    from allspark_server.compute.cuda import cuda_ops, fp8_matmul
+    n, k = 48, 128
+    w8, exact = quantized(n, k, "fp8_e4m3", -1, seed=21 + m)
+    w = QuantizedWeight(w8.qweight, w8.scales, None, "fp8_e4m3", -1, k, act_bits=8)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, torch.bfloat16)
+    xd = x.cpu().double()
+    rows = []
+    for row in xd:
+        scale = 2.0 ** math.ceil(math.log2(row.abs().max().item() / 448))
+        rows.append((row / scale).float().to(torch.float8_e4m3fn).double() * scale)
+    ref = torch.stack(rows) @ exact.T
+    for y in (fp8_matmul.fp8_linear(x, w), cuda_ops.linear(x, w)):
+        assert y.shape == (m, n) and y.dtype == torch.bfloat16
+        err = (y.cpu().double() - ref).abs()
+        bound = 2 * torch.finfo(torch.bfloat16).eps * ref.abs() + 1e-3 * ref.abs().max()
+        assert (err <= bound).all(), f"max error {err.max().item():.3g}"
+    rounded = fp8_matmul.rounded_rows(x).cpu().double()
+    assert torch.equal(rounded, torch.stack(rows))             # the GEMV's input: exact in bf16

@@ -103,6 +103,21 @@ def round_inputs_to_int8(model):
     return model
 
 
+def round_inputs_to_fp8(model):
+    """Forward pre-hooks on the quantized projections: each input row rounded to e4m3 (torch's cast, to nearest even)
+    after division by the power of two 2^ceil(log2(max|x| / 448)), then multiplied back: activate_quant's
+    activations with fp8 weights, written here."""
+    def hook(_, args):
+        x = args[0]
+        amax = x.abs().amax(-1, keepdim=True).double()
+        scale = torch.where(amax > 0, 2.0 ** torch.ceil(torch.log2(amax / 448)), torch.ones_like(amax)).to(x.dtype)
+        return ((x / scale).to(torch.float8_e4m3fn).to(x.dtype) * scale,) + tuple(args[1:])
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in QUANTIZED:
+            module.register_forward_pre_hook(hook)
+    return model
+
+
 @pytest.mark.parametrize("fmt,group", [("int8", -1), ("int4", 32)])
 def test_activate_quant_serves_like_transformers_with_int8_activations(llama, tmp_path, fmt, group):
     """compute_method activate_quant (A8W8; A8W4 with 4-bit codes, whose batch-1 decode has its own AVX2 kernel):
@@ -178,7 +193,10 @@ def test_bf16_quantized_model_generates_like_its_fp32_reference(llama, tmp_path)
     ({"weight_format": "uint4", "group_size": 256}, "group_size 256 does not divide"),
     ({"weight_format": "int8", "group_settings": {r"\.k_proj\.": 32}}, "fused into one projection"),
     ({"weight_format": "int8", "compute_method": "fp8_a8w8"}, "compute_method 'fp8_a8w8'"),
-    ({"weight_format": "fp8_e4m3", "compute_method": "activate_quant"}, "fp8_e4m3 weights are served weight-only"),
+    ({"weight_format": "fp8_e4m3", "compute_method": "activate_quant", "group_size": 128},
+     "activate_quant with fp8_e4m3 weights needs per-channel scales"),
+    ({"weight_format": "fp8_e4m3", "compute_method": "activate_quant", "activate_format": "int8"},
+     "activate_format 'int8' is not supported with fp8_e4m3 weights"),
     ({"weight_format": "int8", "bits": 4}, "unknown keys"),
     ({"quant_method": "gptq"}, "quant_method 'gptq'"),
 ])

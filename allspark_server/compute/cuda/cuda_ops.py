@@ -19,6 +19,7 @@ from allspark_server.compute.cuda import fused_kernels as fused
 from allspark_server.compute.cuda import gemv_kernels, lora_kernels
 from allspark_server.compute.cuda.attention_kernels import paged_prefill_attention
 from allspark_server.compute.cuda.decode_attention import fused_decode_enabled, paged_decode_attention
+from allspark_server.compute.cuda.fp8_matmul import fp8_linear, rounded_rows, takes_fp8_activations
 from allspark_server.compute.cuda.quant_kernels import alone_config, quant_matmul
 from allspark_server.compute.steps import Attention
 from allspark_server.quant.formats import QuantizedWeight
@@ -27,9 +28,13 @@ from allspark_server.quant.formats import QuantizedWeight
 def linear_reference(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight",
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """A quantized weight dequantized into fp32 and met by x in fp32 (weight only: x is not rounded, unlike
-    the CPU's quantized GEMV; activate_quant: x rounded to int8 per token), one rounding into x's dtype."""
+    the CPU's quantized GEMV; activate_quant: x rounded to int8 per token, or to e4m3 for fp8 weights), one
+    rounding into x's dtype."""
     if isinstance(w, QuantizedWeight):
-        xf = ref.round_activations_reference(x, 8) if w.act_bits == 8 else x.float()
+        if takes_fp8_activations(w):
+            xf = rounded_rows(x.reshape(-1, x.shape[-1])).float().reshape(x.shape)
+        else:
+            xf = ref.round_activations_reference(x, 8) if w.act_bits == 8 else x.float()
         return F.linear(xf, w.dequantize().to(x.device), None if bias is None else bias.float()).to(x.dtype)
     return F.linear(x, w, bias)
 
@@ -38,6 +43,8 @@ def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Ten
     if isinstance(w, QuantizedWeight):
         if x.dim() != 2 or x.stride(-1) != 1:
             return linear_reference(x, w, bias)
+        if takes_fp8_activations(w):
+            return fp8_linear(x, w, bias, _alone_config(x, w))
         return quant_matmul(_quant_input(x, w), w, bias, _alone_config(x, w))
     if gemv_kernels.fits(x, w):
         return gemv_kernels.gemv(x, w, bias)
@@ -147,7 +154,10 @@ def _alone_config(x: torch.Tensor, w: QuantizedWeight, silu_mul: bool = False):
 
 
 def _quant_input(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    """x as the quantized matmul meets it: activate_quant rounds it to int8 per token (torch ops, capturable)."""
+    """x as the quantized matmul meets it: activate_quant rounds it to int8 per token, or to e4m3 for fp8 weights
+    (torch ops, capturable)."""
+    if takes_fp8_activations(w):
+        return rounded_rows(x)
     return ref.round_activations_reference(x, 8).to(x.dtype) if w.act_bits == 8 else x
 
 
