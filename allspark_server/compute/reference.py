@@ -11,7 +11,7 @@ from allspark_server.compute import alibi
 from allspark_server.compute.lora_slots import lora_add_reference
 from allspark_server.compute.steps import Attention, Mlp
 from allspark_server.quant import kv as kv_quant
-from allspark_server.quant.formats import QuantizedWeight
+from allspark_server.quant.formats import FP8_MAX, QuantizedWeight
 
 ACT_MAX = {16: 32767.0, 8: 127.0}     # QuantizedWeight.act_bits -> the largest |q| of a rounded row of x
 
@@ -27,9 +27,6 @@ def round_activations_reference(x: torch.Tensor, act_bits: int = 16) -> torch.Te
     # differently for ~1/4 of values and can then round an element of q the other way)
     inv = torch.where(amax > 0, torch.full_like(amax, act_max) / amax, torch.zeros_like(amax))
     return torch.round(xf * inv) * (amax / act_max)
-
-
-FP8_MAX = 448.0                       # e4m3's largest finite value
 
 
 def fp8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

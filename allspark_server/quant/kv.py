@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import torch
 
+from allspark_server.quant.formats import FP8_MAX
+
 KV_MODES = ("int8", "uint4", "fp8")
 NATIVE_KV_MODES = ("int8", "uint4")        # the CPU kernels' (fp8 spans: GPU ranks only)
 _RANGE = {"int8": (-128, 127), "uint4": (0, 15)}
-FP8_MAX = 448.0                 # e4m3's largest finite value
 
 
 def code_width(mode: str, head_dim: int) -> int:

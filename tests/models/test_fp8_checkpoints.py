@@ -6,15 +6,12 @@ naming them. Serving on a GPU (greedy against transformers on the same weights):
 from __future__ import annotations
 
 import copy
-import json
-import os
 import shutil
 
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
-from test_quant_models import QUANTIZED, dequantize_here
+from test_quant_models import QUANTIZED, dequantize_here, save_quantized_folder, update_quantization_config
 
 from allspark_client import AsException
 from allspark_server import Engine, HuggingFaceModel
@@ -80,14 +77,7 @@ def write_fp8_folder(tm, out_dir: str, layout: str, method: str, ignore: tuple[s
                 reference.get_submodule(base).weight.copy_(dequant)
             else:
                 tensors[name] = t.contiguous()
-    if tm.model.config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
-    with open(os.path.join(tm.hf_dir, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = quant_config(layout, method, list(ignore))
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    save_quantized_folder(tm, out_dir, tensors, quant_config(layout, method, list(ignore)))
     return reference, layers
 
 
@@ -164,11 +154,6 @@ def test_broken_fp8_layers_are_refused_naming_them(llama, tmp_path, mutate, matc
 def test_unsupported_fp8_configs_are_refused(llama, tmp_path, change, match):
     folder = str(tmp_path / "fp8")
     write_fp8_folder(llama, folder, "block", "fp8")
-    path = os.path.join(folder, "config.json")
-    with open(path) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"].update(change)
-    with open(path, "w") as f:
-        json.dump(cfg, f)
+    update_quantization_config(folder, **change)
     with pytest.raises(ModelSerializerException, match=match):
         HuggingFaceModel(folder, "bad")

@@ -5,7 +5,6 @@ floats (4.0, 64.0) load as their integers, other values are refused naming the k
 the packed data names the shapes, not activation order. Nothing is written for a refused model."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from types import SimpleNamespace
@@ -17,7 +16,7 @@ from gguf_writer import write_gguf
 from helpers import serialize
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from test_quant_models import write_gptq_folder
+from test_quant_models import update_quantization_config, write_gptq_folder
 
 from allspark_client import AsException, AsStatus, TargetDevice
 from allspark_server import Engine, HuggingFaceModel
@@ -129,12 +128,7 @@ def test_an_asparam_with_a_nan_weight_is_refused_at_install(tiny, tmp_path):
 def gptq_with(tiny, folder: str, group: int, **config) -> str:
     """A GPTQ 4-bit folder packed in groups of `group`, its quantization_config then updated with `config`."""
     write_gptq_folder(tiny, folder, 4, group, True)
-    path = os.path.join(folder, "config.json")
-    with open(path) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"].update(config)
-    with open(path, "w") as f:
-        json.dump(cfg, f)
+    update_quantization_config(folder, **config)
     return folder
 
 

@@ -331,11 +331,33 @@ def gptq_pack_layer(w: torch.Tensor, bits: int, group: int, sym: bool) -> tuple[
             "g_idx": torch.arange(k, dtype=torch.int32) // size}, dequant
 
 
+def save_quantized_folder(tm, out_dir: str, tensors: dict, quantization_config: dict) -> None:
+    """The checkpoint `tensors` (a tied LM head dropped) and the tiny model's config.json with `quantization_config`
+    into `out_dir`."""
+    from safetensors.torch import save_file
+    if tm.model.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    with open(os.path.join(tm.hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = quantization_config
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+def update_quantization_config(folder: str, **change) -> None:
+    """The folder's config.json with `change` merged into its quantization_config."""
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"].update(change)
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+
+
 def write_gptq_folder(tm, out_dir, bits: int, group: int, sym: bool, desc_act: bool = False):
     """The tiny model's folder with its GEMM layers as a GPTQ checkpoint; returns the dequantized HF model."""
     import shutil
-
-    from safetensors.torch import save_file
     shutil.copytree(tm.hf_dir, out_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.json"))
     for f in os.listdir(tm.hf_dir):
         if f.endswith(".json") and f != "config.json":
@@ -351,15 +373,8 @@ def write_gptq_folder(tm, out_dir, bits: int, group: int, sym: bool, desc_act: b
                 reference.get_submodule(base).weight.copy_(dequant)
             else:
                 tensors[name] = t.contiguous()
-    if tm.model.config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
-    with open(os.path.join(tm.hf_dir, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym,
-                                  "desc_act": desc_act, "checkpoint_format": "gptq"}
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    save_quantized_folder(tm, out_dir, tensors, {"quant_method": "gptq", "bits": bits, "group_size": group,
+                                                 "sym": sym, "desc_act": desc_act, "checkpoint_format": "gptq"})
     return reference
 
 
