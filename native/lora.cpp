@@ -60,6 +60,35 @@ void dot_rows_avx2(const T* a, const float* const* x, int64_t n, float* out) {
   }
 }
 
+// the same with AVX-512: per row 64 lanes in four accumulators, then 16 at a time into the first, then the lanes
+// summed, then the tail by FMAs (its own order, the same at any MR)
+template <typename T, int MR>
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void dot_rows_avx512(const T* a, const float* const* x, int64_t n, float* out) {
+  __m512 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    for (int64_t b = 0; b < 64 * static_cast<int64_t>(sizeof(T)); b += 64) simd::prefetch_stream(
+        reinterpret_cast<const char*>(a + i) + b);
+    for (int j = 0; j < 4; ++j) {
+      const __m512 w = simd::load16(a + i + 16 * j);
+      for (int m = 0; m < MR; ++m) acc[m][j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x[m] + i + 16 * j), acc[m][j]);
+    }
+  }
+  for (; i + 16 <= n; i += 16) {
+    const __m512 w = simd::load16(a + i);
+    for (int m = 0; m < MR; ++m) acc[m][0] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x[m] + i), acc[m][0]);
+  }
+  for (int m = 0; m < MR; ++m) {
+    float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]),
+                                                 _mm512_add_ps(acc[m][2], acc[m][3])));
+    for (int64_t k = i; k < n; ++k) s = std::fma(widen(a[k]), x[m][k], s);
+    out[m] = s;
+  }
+}
+
 template <typename T>
 float dot_scalar(const T* a, const float* x, int64_t n) {
   float s = 0.f;
@@ -104,6 +133,24 @@ void expand_panel(const T* panel, int64_t lo, int64_t hi, const float* const* t,
     }
 }
 
+// the same with AVX-512: a panel row is one vector (LORA_PANEL = 16); the same FMAs in the same order, the same bits
+template <typename T, int MB>
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void expand_panel_avx512(const T* panel, int64_t lo, int64_t hi, const float* const* t, T* const* y, int64_t c0) {
+  static_assert(LORA_PANEL == 16, "one AVX-512 vector a panel row");
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t r = lo; r < hi; ++r, panel += LORA_PANEL) {
+    simd::prefetch_stream(panel);
+    const __m512 w = simd::load16(panel);
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(t[m][r]), w, acc[m]);
+  }
+  for (int m = 0; m < MB; ++m) {
+    T* out = y[m] + c0;
+    simd::store16(out, _mm512_add_ps(simd::load16(out), simd::round_to<T>(acc[m])));
+  }
+}
+
 // the same for the first `width` columns of a panel, one at a time, any ISA (the last panel, or no AVX2)
 template <typename T>
 void expand_panel_columns(const T* panel, int64_t lo, int64_t hi, const float* t, T* y, int64_t c0, int64_t width) {
@@ -123,7 +170,9 @@ void expand_rows(const SlotRows& s, int64_t N, const float* const* t, T* const* 
     const int64_t lo = s.index[3 * p], hi = s.index[3 * p + 1], c0 = p * LORA_PANEL;
     const T* panel = panels + s.index[3 * p + 2];
     const int64_t width = std::min(LORA_PANEL, N - c0);
-    if (isa >= 1 && width == LORA_PANEL) {
+    if (isa >= 2 && width == LORA_PANEL) {
+      expand_panel_avx512<T, MB>(panel, lo, hi, t, y, c0);
+    } else if (isa >= 1 && width == LORA_PANEL) {
       expand_panel<T, MB>(panel, lo, hi, t, y, c0);
     } else {
       for (int m = 0; m < MB; ++m) expand_panel_columns(panel, lo, hi, t[m], y[m], c0, width);
@@ -157,7 +206,9 @@ void shrink_rank(const SlotRows& s, int64_t r, int64_t m0, int64_t m1, const flo
   for (int64_t m = m0; m < m1;) {
     const float* x[2] = {xf + (s.x_at + m) * K, xf + (s.x_at + std::min(m + 1, m1 - 1)) * K};
     const int take = isa >= 1 && m + 1 < m1 ? 2 : 1;
-    if (isa >= 1 && take == 2) dot_rows_avx2<T, 2>(a, x, K, out);
+    if (isa >= 2 && take == 2) dot_rows_avx512<T, 2>(a, x, K, out);
+    else if (isa >= 2) dot_rows_avx512<T, 1>(a, x, K, out);
+    else if (isa >= 1 && take == 2) dot_rows_avx2<T, 2>(a, x, K, out);
     else if (isa >= 1) dot_rows_avx2<T, 1>(a, x, K, out);
     else out[0] = dot_scalar(a, x[0], K);
     for (int j = 0; j < take; ++j) t[s.t_at + (m + j) * s.R + r] = widen(static_cast<T>(out[j]));
