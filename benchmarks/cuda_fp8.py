@@ -35,6 +35,15 @@ from cuda_rows import quant_rows
 PROMPT_LEN = 32
 
 
+def kv_row_bytes_per_token(shape: dict, mode: str) -> int:
+    """Bytes of K and V one token takes in every layer's spans of `mode` ("default": bf16; codes and params
+    otherwise, as the engine sizes them)."""
+    from allspark_server.quant import kv as kv_quant
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    row = kv_quant.bytes_per_row(None if mode == "default" else mode, head_dim, torch.bfloat16)
+    return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * row
+
+
 def kv_rows(engine, loader, shape: dict, batch: int, context: int, new: int, rounds: int) -> dict:
     """`batch` requests of `context` prompt tokens then `new` tokens each, submitted together, on bf16 spans and
     on fp8 spans (kv_cache_mode "fp8"; each installed alone, the rounds alternating): decode-only tokens/s (tokens
@@ -48,10 +57,10 @@ def kv_rows(engine, loader, shape: dict, batch: int, context: int, new: int, rou
     for r in range(rounds):
         for mode in runs:
             name = f"bench-kv-{mode}"
-            per_token = kv_bytes_per_token(shape) // (2 if mode == "fp8" else 1)   # + fp8's scales: 8 B a row
+            per_token = kv_row_bytes_per_token(shape, mode)
             cfg = (loader.create_reference_runtime_config_builder(name, "cuda", [0], max_batch=batch)
                    .max_length(max_len).kv_cache_span_size(32).kv_cache_mode(mode)
-                   .kv_cache_memory(batch * (max_len + 64) * per_token * 17 // 16).prefill_cache(False).build())
+                   .kv_cache_memory(batch * (max_len + 64) * per_token).prefill_cache(False).build())
             engine.install_model(cfg)
             engine.start_model(name)
             stamps = W.token_times_threads(engine, name, prompts, new)

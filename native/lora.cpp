@@ -70,8 +70,7 @@ void dot_rows_avx512(const T* a, const float* const* x, int64_t n, float* out) {
     for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 64 <= n; i += 64) {
-    for (int64_t b = 0; b < 64 * static_cast<int64_t>(sizeof(T)); b += 64) simd::prefetch_stream(
-        reinterpret_cast<const char*>(a + i) + b);
+    for (int64_t j = 0; j < 64; j += 64 / static_cast<int64_t>(sizeof(T))) simd::prefetch_stream(a + i + j);
     for (int j = 0; j < 4; ++j) {
       const __m512 w = simd::load16(a + i + 16 * j);
       for (int m = 0; m < MR; ++m) acc[m][j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x[m] + i + 16 * j), acc[m][j]);

@@ -38,7 +38,8 @@ def fp8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     mantissa, exponent = torch.frexp(xf.abs().amax(-1, keepdim=True) / FP8_MAX)    # m in [0.5, 1) (0 for 0)
     exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)                  # an exact power of two
-    scale = torch.where(mantissa == 0, torch.ones_like(xf[:, :1]), torch.ldexp(torch.ones_like(xf[:, :1]), exponent))
+    one = torch.ones_like(mantissa)
+    scale = torch.where(mantissa == 0, one, torch.ldexp(one, exponent))
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
@@ -185,10 +186,7 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
     kvh = k_cache.shape[2]
     rows = []
     for cache, param in ((k_cache, k_param), (v_cache, v_param)):
-        if cache.dtype == torch.float8_e4m3fn:        # fp8 codes indexed as their bytes (no fp8 index kernels)
-            x = cache.view(torch.uint8).view(-1, kvh, cache.shape[-1])[slots].view(torch.float8_e4m3fn)
-        else:
-            x = cache.view(-1, kvh, cache.shape[-1])[slots]
+        x = kv_quant.byte_view(cache).view(-1, kvh, cache.shape[-1])[slots].view(cache.dtype)
         if param is not None:
             x = kv_quant.dequantize_rows(x, param.view(-1, kvh, 2)[slots], kv_quant.mode_of(cache))
         rows.append(x if dtype is None else x.to(dtype))
@@ -218,9 +216,7 @@ def store_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
             cache.view(-1, kvh, cache.shape[-1]).index_copy_(0, slots, x.reshape(-1, kvh, cache.shape[-1]))
             continue
         codes, params = kv_quant.quantize_rows(x.reshape(slots.shape[0], kvh, -1), kv_quant.mode_of(cache))
-        if cache.dtype == torch.float8_e4m3fn:        # index_copy_ has no fp8 kernels: the same bytes as uint8
-            cache, codes = cache.view(torch.uint8), codes.view(torch.uint8)
-        cache.view(-1, kvh, cache.shape[-1]).index_copy_(0, slots, codes)
+        kv_quant.byte_view(cache).view(-1, kvh, cache.shape[-1]).index_copy_(0, slots, kv_quant.byte_view(codes))
         param.view(-1, kvh, 2).index_copy_(0, slots, params)
 
 

@@ -56,16 +56,22 @@ class Fp8Config:
         fmt = qc.get("fmt", "e4m3")
         if fmt != "e4m3":
             raise QuantConfigError(f"quantization_config.fmt {fmt!r} is not supported (e4m3)")
+        not_converted = _names(qc, "modules_to_not_convert")
         block = qc.get("weight_block_size")
         if block is None:
-            return cls("fp8", -1, 1, _names(qc, "modules_to_not_convert"))
+            return cls("fp8", -1, 1, not_converted)
+        return cls._blocks("fp8", block, "weight_block_size", not_converted)
+
+    @classmethod
+    def _blocks(cls, method: str, block, key: str, not_converted: tuple[str, ...]) -> "Fp8Config":
+        """Scales a block of [rows, inputs] = `block` (quantization_config.`key`, for messages)."""
         if (not isinstance(block, (list, tuple)) or len(block) != 2
                 or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-            raise QuantConfigError(f"quantization_config.weight_block_size {block!r} is not two positive integers")
+            raise QuantConfigError(f"quantization_config.{key} {block!r} is not two positive integers")
         if block[1] not in GROUP_SIZES:
-            raise QuantConfigError(f"quantization_config.weight_block_size {list(block)}: a block's {block[1]} "
+            raise QuantConfigError(f"quantization_config.{key} {list(block)}: a block's {block[1]} "
                                    f"inputs are not one of allspark's group sizes {list(GROUP_SIZES[1:])}")
-        return cls("fp8", block[1], block[0], _names(qc, "modules_to_not_convert"))
+        return cls(method, block[1], block[0], not_converted)
 
     @classmethod
     def _compressed_tensors(cls, qc: dict) -> "Fp8Config":
@@ -87,14 +93,10 @@ class Fp8Config:
         if strategy in ("channel", "tensor"):
             return cls("compressed-tensors", -1, 1, _names(qc, "ignore"))
         if strategy == "block":
-            block = weights.get("block_structure")
-            return cls._fine_grained({"weight_block_size": block, "modules_to_not_convert": qc.get("ignore")}) \
-                .with_method("compressed-tensors")
+            return cls._blocks("compressed-tensors", weights.get("block_structure"),
+                               f"config_groups.{name}.weights.block_structure", _names(qc, "ignore"))
         raise QuantConfigError(f"quantization_config.config_groups.{name}.weights.strategy {strategy!r} is not "
                                f"supported (channel, tensor, block)")
-
-    def with_method(self, method: str) -> "Fp8Config":
-        return Fp8Config(method, self.group_size, self.block_rows, self.not_converted)
 
     def keeps_dense(self, module: str) -> bool:
         """Whether `module` was left unquantized (a listed name is one of the module's dotted parts or its dotted

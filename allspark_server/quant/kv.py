@@ -37,6 +37,12 @@ def mode_of(codes: torch.Tensor) -> str:
     return {torch.int8: "int8", torch.uint8: "uint4", torch.float8_e4m3fn: "fp8"}[codes.dtype]
 
 
+def byte_view(codes: torch.Tensor) -> torch.Tensor:
+    """fp8 codes as their bytes (torch's index ops have no fp8 kernels, nor can Triton's interpreter fill an fp8
+    load); other caches as they are."""
+    return codes.view(torch.uint8) if codes.dtype == torch.float8_e4m3fn else codes
+
+
 def bytes_per_row(mode: str | None, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes one token's row of one KV head takes in the cache (codes + scale + zero when quantized)."""
     if mode is None:

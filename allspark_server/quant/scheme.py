@@ -60,8 +60,9 @@ class QuantScheme:
         if compute not in COMPUTE_METHODS:
             raise QuantConfigError(f"compute_method {compute!r} is not supported (supported: "
                                    f"{list(COMPUTE_METHODS)})")
-        act = cfg.get("activate_format", FLOAT_ACTIVATIONS if is_float(fmt) else "int8")
-        if act != (FLOAT_ACTIVATIONS if is_float(fmt) else "int8"):
+        expected_act = FLOAT_ACTIVATIONS if is_float(fmt) else "int8"
+        act = cfg.get("activate_format", expected_act)
+        if act != expected_act:
             raise QuantConfigError(f"activate_format {act!r} is not supported with {fmt} weights (int8 with integer "
                                    f"formats, {FLOAT_ACTIVATIONS} with {FLOAT_ACTIVATIONS})")
         settings = cfg.get("group_settings") or {}

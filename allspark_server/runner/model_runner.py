@@ -64,9 +64,10 @@ class ModelRunner:
         self.model = model_cls(args, self.tp, comm, self.dtype, max_positions=cfg.engine_max_length)
         self.quant = self.model_file.quant
         if self.quant is not None:
-            refusal = self.device_kind.float8_refusal() if self.quant.float_formats() else None
+            float_formats = self.quant.float_formats()
+            refusal = self.device_kind.float8_refusal() if float_formats else None
             if refusal:
-                raise ValueError(f"{'/'.join(self.quant.float_formats())} weights cannot be served here: {refusal}")
+                raise ValueError(f"{'/'.join(float_formats)} weights cannot be served here: {refusal}")
             quantize_layers(self.model, self.quant, comm.world_size)
         # each slice read from the file straight into the tensor the model keeps (loader/rank_weights.py)
         allocate = cpu_state if self.device_kind.weights_in_hugepages else device_state(self.device)

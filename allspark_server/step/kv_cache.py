@@ -61,11 +61,6 @@ class KVCache:
                        for i in range(num_layers)]
 
 
-def _indexable(x: torch.Tensor) -> torch.Tensor:
-    """fp8 codes as their bytes: index_select / index_copy_ have no fp8 kernels."""
-    return x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
-
-
 def copy_spans(src: KVCache, src_ids: list[int], dst: KVCache, dst_ids: list[int]) -> None:
     """Spans dst_ids of `dst` get the content of spans src_ids of `src` (every layer: K, V and their quantization
     params), across devices (the prefix cache's second tier: GPU or host pages <-> host slots)."""
@@ -74,6 +69,6 @@ def copy_spans(src: KVCache, src_ids: list[int], dst: KVCache, dst_ids: list[int
         di = torch.tensor(dst_ids, dtype=torch.long, device=b.k.device)
         for x, y in zip(a, b):
             if x is not None:
-                x, y = _indexable(x), _indexable(y)
+                x, y = kv_quant.byte_view(x), kv_quant.byte_view(y)
                 # to a GPU: stream-ordered before the step reads it; to the host: blocking (the slot is read later)
                 y.index_copy_(0, di, x.index_select(0, si).to(y.device, non_blocking=not in_host_memory(y)))

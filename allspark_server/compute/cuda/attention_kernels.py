@@ -31,6 +31,17 @@ def _dot(a, b, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _row_tile(cache, row, col, ok, offs_d, D: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The cache's elements `col` of the tokens' rows `row` (offsets) as stored: [BLOCK_D, BLOCK_N] (TRANSPOSED) or
+    [BLOCK_N, BLOCK_D], 0 past D and for tokens not `ok`."""
+    if TRANSPOSED:
+        ptrs, mask = cache + row[None, :] + col[:, None], ok[None, :] & (offs_d < D)[:, None]
+    else:
+        ptrs, mask = cache + row[:, None] + col[None, :], ok[:, None] & (offs_d < D)[None, :]
+    return tl.load(ptrs, mask=mask, other=0)
+
+
+@triton.jit
 def _load_rows(cache, param, row, prow, ok, offs_d, D: tl.constexpr, QUANT: tl.constexpr, TRANSPOSED: tl.constexpr):
     """Tokens' rows of one KV head: [BLOCK_D, BLOCK_N] (TRANSPOSED, K) or [BLOCK_N, BLOCK_D] (V), row / prow [BLOCK_N]
     the tokens' offsets into the cache and its params. QUANT 1 (int8) / 2 (uint4, element d in the low nibble of
@@ -40,11 +51,7 @@ def _load_rows(cache, param, row, prow, ok, offs_d, D: tl.constexpr, QUANT: tl.c
         shift = (offs_d >= D // 2).to(tl.int32) * 4
     else:
         col = offs_d
-    if TRANSPOSED:
-        ptrs, mask = cache + row[None, :] + col[:, None], ok[None, :] & (offs_d < D)[:, None]
-    else:
-        ptrs, mask = cache + row[:, None] + col[None, :], ok[:, None] & (offs_d < D)[None, :]
-    x = tl.load(ptrs, mask=mask, other=0)
+    x = _row_tile(cache, row, col, ok, offs_d, D, TRANSPOSED)
     if QUANT != 0:       # one return for every branch: Triton wants one return type
         codes = x.to(tl.int32)
         if QUANT == 2:
@@ -66,11 +73,8 @@ def _fp8_rows(cache, row, ok, offs_d, D: tl.constexpr, TRANSPOSED: tl.constexpr,
     """fp8 spans' rows as _load_rows lays them out, their codes (the bytes of e4m3 values) in `dtype` unscaled:
     e4m3 values are exact in bf16, fp16 and fp32, so the tensor cores meet them as they are and the rows' scales
     multiply the scores (K) and the probabilities (V) instead."""
-    if TRANSPOSED:
-        ptrs, mask = cache + row[None, :] + offs_d[:, None], ok[None, :] & (offs_d < D)[:, None]
-    else:
-        ptrs, mask = cache + row[:, None] + offs_d[None, :], ok[:, None] & (offs_d < D)[None, :]
-    return tl.load(ptrs, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32).to(dtype)
+    codes = _row_tile(cache, row, offs_d, ok, offs_d, D, TRANSPOSED)
+    return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32).to(dtype)
 
 
 @triton.jit

@@ -24,6 +24,7 @@ from allspark_server.compute.cuda.attention_kernels import (
 )
 from allspark_server.compute.cuda.fused_kernels import _rotated
 from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
+from allspark_server.quant import kv as kv_quant
 
 # Launch shapes, from sweeps on an H100 (Triton 3.6, bf16, H 32, KVH 8, D 128, P 16): decode tiles of 64 tokens
 # beat 16 and 32; split-KV ran best at 512-1024 (sequence, kv head, split) programs for B = 1 and 8.
@@ -283,8 +284,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         m_part = l_part = acc_part = out        # unused: the kernel writes out directly
     params = (k_param, v_param) if quant else (k_cache, v_cache)
-    if quant == 3:    # fp8 codes as bytes (the kernel bitcasts them): the interpreter cannot load fp8 with a fill
-        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    k_cache, v_cache = kv_quant.byte_view(k_cache), kv_quant.byte_view(v_cache)   # fp8: the kernel bitcasts them
     block_s = triton.next_power_of_2(num_splits)
     launch_pdl = pdl.launch_options(q.device)
     _decode_kernel[(batch, kvh, num_splits)](
