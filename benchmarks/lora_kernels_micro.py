@@ -5,10 +5,13 @@ stays in L2) captured in one CUDA graph and replayed, with and without rank-16 a
 - "base": the GEMV (silu·mul in gate|up's epilogue) at one row, cuBLAS then silu·mul at 32;
 - "lora": the same projections, then lora_kernels.lora_add_'s shrink and expand after each (and silu·mul after
   gate|up's): at 32 rows the rows use 8 adapters in turn;
-- "in_gemv" (one row): the shrink's programs inside the GEMV's launch, then the expand: what cuda_ops runs there.
+- "side" (32 rows): the shrink on a second stream beside the GEMM (branches of the graph), the expand after both;
+- "epilogue" (one row): the shrink's launch, then the GEMV with the expand as its epilogue (silu·mul after the
+  deltas in gate|up's): what cuda_ops runs there.
 
 Reports the median replay time of each (ms) and the ratios base / variant: the step's share that the projections
-are. Needs a CUDA device.
+are; and, per variant, the GPU time of its kernels in one replay by kind (from the profiler), against the replay's
+time: what the launches themselves cost, and what is gaps between them. Needs a CUDA device.
 
     python benchmarks/lora_kernels_micro.py [--layers 32] [--out PATH]
 """
@@ -19,6 +22,7 @@ import json
 import sys
 
 import torch
+from cuda_common import replay_median_ms
 
 HIDDEN, INTER, RANK, ADAPTERS = 4096, 11008, 16, 8
 
@@ -49,10 +53,21 @@ def step(variant: str, xs: dict, layers, slots):
             if variant == "base" and act and x.shape[0] == 1:
                 gk.gemv_silu_mul(x, w)
                 continue
-            if variant == "in_gemv":
-                shrink = lk.Shrink.of(x, a, b, slots)
-                y = gk.gemv(x, w, shrink=shrink)
-                lk.expand_(y, shrink)
+            if variant == "epilogue":
+                plan = lk.Shrink.of(x, a, b, slots)
+                if act:
+                    gk.gemv_silu_mul(x, w, lora=plan)
+                    continue
+                y = gk.gemv(x, w, lora=plan)
+            elif variant == "side":     # the shrink on a side stream, beside the GEMM; the expand after both
+                plan = lk.Shrink.of(x, a, b, slots)
+                main = torch.cuda.current_stream()
+                SIDE.wait_stream(main)
+                with torch.cuda.stream(SIDE):
+                    lk.shrink_(x, plan)
+                y = torch.nn.functional.linear(x, w)
+                main.wait_stream(SIDE)
+                lk.expand_(y, plan)
             else:
                 y = gk.gemv(x, w) if x.shape[0] <= 2 else torch.nn.functional.linear(x, w)
             if variant == "lora":
@@ -61,15 +76,38 @@ def step(variant: str, xs: dict, layers, slots):
                 fused.silu_mul(y)
 
 
-def replay_ms(fn, repeats: int) -> float:
-    """Median ms of a replay of `fn` captured in a CUDA graph (compiled outside the capture)."""
-    from cuda_common import replay_median_ms
+SIDE = None    # the side stream of the "side" variant
+
+
+KINDS = ("shrink", "expand", "gemv", "silu", "gemm")     # a kernel's kind: the first of these in its name
+
+
+def captured(fn) -> torch.cuda.CUDAGraph:
+    """`fn` captured in a CUDA graph (compiled outside the capture)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return replay_median_ms(graph, repeats)
+    return graph
+
+
+def kernel_ms(graph) -> dict:
+    """GPU time of one replay's kernels by kind (ms; cuBLAS's under "gemm", the rest "other")."""
+    from torch.profiler import ProfilerActivity, profile
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    out: dict = {}
+    for e in prof.key_averages():
+        if e.device_time_total <= 0:
+            continue
+        name = e.key.lower()
+        kind = next((k for k in KINDS if k in name), "gemm" if ("gemm" in name or "sm90" in name) else "other")
+        out[kind] = out.get(kind, 0.0) + e.device_time_total / 1e3
+    return {k: round(v, 4) for k, v in sorted(out.items())}
 
 
 def main() -> None:
@@ -80,6 +118,8 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("lora_kernels_micro.py needs a CUDA device")
+    global SIDE
+    SIDE = torch.cuda.Stream()
     gen = torch.Generator(device="cuda").manual_seed(0)
     layers = projections(args.layers, gen)
     report = {"device": torch.cuda.get_device_name(), "layers": args.layers, "rank": RANK, "adapters": ADAPTERS}
@@ -87,10 +127,16 @@ def main() -> None:
         xs = {name: torch.randn(rows, INTER if name == "down" else HIDDEN, generator=gen, device="cuda").bfloat16()
               for name in ("qkv", "o", "gate_up", "down")}
         slots = (torch.arange(rows, device="cuda") % ADAPTERS)
-        variants = ("base", "lora", "in_gemv") if rows == 1 else ("base", "lora")
-        ms = {v: replay_ms(lambda v=v: step(v, xs, layers, slots), args.repeats) for v in variants}
-        report[f"rows_{rows}"] = {"ms": ms, "base_over": {v: ms["base"] / t for v, t in ms.items()}}
+        variants = ("base", "lora", "epilogue") if rows == 1 else ("base", "lora", "side")
+        graphs = {v: captured(lambda v=v: step(v, xs, layers, slots)) for v in variants}
+        ms = {v: replay_median_ms(g, args.repeats) for v, g in graphs.items()}
+        kernels = {v: kernel_ms(g) for v, g in graphs.items()}
+        report[f"rows_{rows}"] = {"ms": ms, "base_over": {v: ms["base"] / t for v, t in ms.items()},
+                                  "kernel_ms": kernels}
         print(f"rows {rows}: " + ", ".join(f"{v} {t:.3f} ms ({ms['base'] / t:.3f}x)" for v, t in ms.items()))
+        for v, k in kernels.items():
+            print(f"  {v} kernels: " + ", ".join(f"{kind} {t:.3f}" for kind, t in k.items())
+                  + f" (sum {sum(k.values()):.3f} of {ms[v]:.3f} ms)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

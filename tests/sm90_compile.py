@@ -1,6 +1,7 @@
-"""Compiles the quantized-weight Triton kernels for a Hopper GPU (sm_90) without one, run as a script in a process
-whose kernels are not interpreted (TRITON_INTERPRET unset): Triton's compiler and the ptxas its wheel ships turn
-each variant into a cubin. Prints one line per variant, `ok NAME` or `FAIL NAME: error`; exit status 1 on a
+"""Compiles the decode GEMVs (quantized, and dense with and without a LoRA epilogue), the LoRA launches and the
+decode attention's Triton kernels for a Hopper GPU (sm_90) without one, run as a script in a process whose kernels
+are not interpreted (TRITON_INTERPRET unset): Triton's compiler and the ptxas its wheel ships turn each variant into
+a cubin. Prints one line per variant, `ok NAME` or `FAIL NAME: error`; exit status 1 on a
 failure (test_triton_compile_sm90.py runs it)."""
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from allspark_server.compute.cuda import decode_attention, quant_gemv, quant_kernels
+from allspark_server.compute.cuda import decode_attention, gemv_kernels, lora_kernels, quant_gemv, quant_kernels
 from allspark_server.quant.formats import FORMAT_IDS
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -60,8 +61,29 @@ def decode_over_spans(quant: int) -> str:
         HAS_SOFTCAP=False, HAS_WINDOW=False))
 
 
+def dense_gemv(silu_mul: bool, expand: bool, block_m: int = 1) -> str:
+    """The bf16 decode GEMV, with a LoRA adapter's expand as its epilogue or without (7B's gate_up tile)."""
+    pointers = {"x": "*bf16", "w": "*bf16", "bias": "*bf16", "out": "*bf16", "slots": "*i64", "part": "*fp32",
+                "b_stack": "*bf16"}
+    return compile_for_hopper(gemv_kernels._gemv_kernel, pointers, dict(
+        BLOCK_M=block_m, BLOCK_N=2, BLOCK_K=2048, HAS_BIAS=False, SILU_MUL=silu_mul, EXPAND=expand, BLOCK_R=32,
+        BLOCK_S=32, EVICTION="evict_first", SOFT_BF16=False, PDL=True))
+
+
+def lora_launches() -> str:
+    pointers = {"x": "*bf16", "a": "*bf16", "b": "*bf16", "y": "*bf16", "slots": "*i64", "part": "*fp32"}
+    shrink = compile_for_hopper(lora_kernels._shrink_kernel, pointers, dict(BLOCK_R=16, BLOCK_K=256, CHUNK=256,
+                                                                            PDL=True))
+    return shrink + compile_for_hopper(lora_kernels._expand_kernel, pointers, dict(
+        BLOCK_N=256, BLOCK_R=16, BLOCK_S=32, SOFT_BF16=False, PDL=True))
+
+
 # name -> (build, what its PTX must contain)
 VARIANTS = {
+    "gemv bf16": (lambda: dense_gemv(False, False), "griddepcontrol"),
+    "gemv bf16 with a LoRA expand, two rows": (lambda: dense_gemv(False, True, 2), "griddepcontrol"),
+    "gemv bf16 silu_mul with a LoRA expand": (lambda: dense_gemv(True, True), "griddepcontrol"),
+    "LoRA shrink and expand launches": (lora_launches, "griddepcontrol"),
     "gemv fp8_e4m3 per channel": (lambda: gemv("fp8_e4m3", -1), "e4m3"),
     "gemv fp8_e4m3 g128": (lambda: gemv("fp8_e4m3", 128), "e4m3"),
     "gemv fp8_e4m3 silu_mul": (lambda: gemv("fp8_e4m3", -1, silu_mul=True), "e4m3"),

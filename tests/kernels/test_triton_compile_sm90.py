@@ -1,4 +1,4 @@
-"""The quantized-weight Triton kernels compiled for a Hopper GPU (sm_90) without one (tests/sm90_compile.py, in a
+"""The decode GEMV, LoRA, quantized-weight and attention Triton kernels compiled for a Hopper GPU (sm_90) without one (tests/sm90_compile.py, in a
 process of its own: kernels decorated under TRITON_INTERPRET=1, as other tests here make them, cannot be
 compiled). The interpreter (test_triton_quant.py) checks the values; this catches what only the compiler rejects
 (return types that differ between branches, fp8 casts), so that a GPU run does not find it first."""
@@ -23,5 +23,5 @@ def test_quantized_weight_kernels_compile_for_hopper():
     run = subprocess.run([sys.executable, os.path.join(TESTS, "sm90_compile.py")], env=env, capture_output=True,
                          text=True, timeout=600)
     lines = run.stdout.splitlines()
-    assert run.returncode == 0 and len(lines) == 11 and all(line.startswith("ok ") for line in lines), \
+    assert run.returncode == 0 and len(lines) == 15 and all(line.startswith("ok ") for line in lines), \
         run.stdout + run.stderr[-3000:]

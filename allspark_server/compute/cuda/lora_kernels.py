@@ -21,8 +21,9 @@ wait (`slots` comes from the step's host-to-device copies, never from a kernel: 
 load of x or of the partials after it. On an H200 (7B shape, rank 16 on all seven modules) that took the batch-1
 adapter step from 0.82x to 0.90x the base model's; grouping a batch's rows by adapter (each tile read once per
 adapter, the rows in a loop) gave 0.82x (benchmarks/lora_kernels_micro.py, lora.py). Decode rows the Triton GEMV
-takes carry the shrink's programs in the GEMV's own launch (`Shrink`, gemv_kernels.gemv), so only the expand needs
-a launch of its own.
+takes run the shrink first and the expand as the GEMV's epilogue (`row_deltas`, gemv_kernels.gemv's `lora`): the
+GEMV's wait covers the shrink, its programs load their partials and B tiles ahead of the weight stream, and the
+expand's own launch, whose dependent loads sat on the step's critical path, is gone.
 """
 from __future__ import annotations
 
@@ -41,21 +42,20 @@ MAX_BLOCK_R = 64    # rank columns a program holds: R = 192 is three shrink prog
 K_CHUNK = 128       # input columns a shrink program sums (fixed: a row's sums never depend on the batch)
 TILE = 4096         # elements of A or B a program holds per step (BLOCK_R * BLOCK_K, BLOCK_N * BLOCK_R)
 NUM_WARPS = 4
-# the shrink's warps: those of the GEMV launch that may carry it (gemv_kernels.choose_config), so that a shrink
-# program's tile is laid out, and its sum taken, the same in either launch (gemv_kernels._launch checks it)
 SHRINK_WARPS = 8
 
 
 @triton.jit
-def shrink_program(row, r_block, chunk, x, a, slots, part, K, R, stride_xt, stride_as, stride_ar, stride_pt,
-                   stride_ps, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
-    """Shrink program (row, r-block, k-chunk): part[row, chunk, r] = sum over the chunk's k of x[row, k] a[s, r, k]
-    in fp32, for BLOCK_R ranks r; nothing when s = slots[row] < 0. The slot and the first tile of A are read before
-    the PDL wait (slots: written by the step's host-to-device copies, pdl.py). _shrink_kernel's programs, and the
-    first programs of a GEMV launch that carries the shrink (gemv_kernels)."""
-    row = row.to(tl.int64)
+def _shrink_kernel(x, a, slots, part, K, R, stride_xt, stride_as, stride_ar, stride_pt, stride_ps,
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, r-block, k-chunk): part[row, chunk, r] = sum over the chunk's k of x[row, k] a[s, r, k] in
+    fp32, for BLOCK_R ranks r; nothing when s = slots[row] < 0. The slot and the first tile of A are read before
+    the PDL wait (slots: written by the step's host-to-device copies, pdl.py)."""
+    allow_next(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(2)
     slot = tl.load(slots + row).to(tl.int64)
-    offs_r = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < R
     rows_a = a + tl.maximum(slot, 0) * stride_as + offs_r.to(tl.int64)[:, None] * stride_ar    # [BR, 1]
     offs_k = chunk * CHUNK + tl.arange(0, BLOCK_K)
@@ -76,49 +76,78 @@ def shrink_program(row, r_block, chunk, x, a, slots, part, K, R, stride_xt, stri
 
 
 @triton.jit
-def _shrink_kernel(x, a, slots, part, K, R, stride_xt, stride_as, stride_ar, stride_pt, stride_ps,
-                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
-    """Program (row, r-block, k-chunk): shrink_program's."""
-    allow_next(PDL)
-    shrink_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), x, a, slots, part, K, R, stride_xt,
-                   stride_as, stride_ar, stride_pt, stride_ps, BLOCK_R, BLOCK_K, CHUNK, PDL)
+def b_rows(b, slot, offs_n, stride_bs, stride_bn):
+    """Pointers [BN, 1] to the rows offs_n of slot `slot`'s B (slot 0's when s < 0: never read then)."""
+    return b + tl.maximum(slot, 0).to(tl.int64) * stride_bs + offs_n.to(tl.int64)[:, None] * stride_bn
+
+
+@triton.jit
+def b_tile(rows_b, offs_r, n_ok, slot, R):
+    """B's tile [BN, BR] of ranks offs_r on the rows rows_b (zeros past R, past N, and everywhere when s < 0)."""
+    live = n_ok & ((n_ok.to(tl.int32) * 0 + slot) >= 0)
+    return tl.load(rows_b + offs_r[None, :], mask=live[:, None] & (offs_r < R)[None, :], other=0.0)
+
+
+@triton.jit
+def parts_tile(part_row, offs_r, R, SPLITS, stride_ps, BLOCK_S: tl.constexpr):
+    """A row's shrink partials [BS, BR] of ranks offs_r, every chunk's (zeros past SPLITS and R)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    return tl.load(part_row + offs_s[:, None] * stride_ps + offs_r[None, :],
+                   mask=(offs_s < SPLITS)[:, None] & (offs_r < R)[None, :], other=0.0)
+
+
+@triton.jit
+def row_deltas(rows_b, up_shift, part_row, parts, bg, bu, n_ok, slot, R, SPLITS, stride_ps, stride_bn, dt,
+               BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PAIR: tl.constexpr,
+               SOFT_BF16: tl.constexpr):
+    """A row's adapter deltas for BN outputs, in fp32: d[n] = sum_r t[r] b[s, n, r], t the shrink's partials summed
+    over the chunks as one tree (the same sum alone or batched) and rounded to dt (PEFT's lora_A(x) in the module
+    dtype). parts, bg: the first BLOCK_R ranks' partials and B tile, loaded by the caller (ahead of need); later
+    rank blocks are loaded here. PAIR: bu and the rows up_shift below rows_b are an up projection's, sharing t
+    (gate_up: (gate deltas, up deltas)); otherwise the second is the first."""
+    dg = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    du = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        if r0 > 0:
+            parts = parts_tile(part_row, offs_r, R, SPLITS, stride_ps, BLOCK_S)
+            bg = b_tile(rows_b, offs_r, n_ok, slot, R)
+            if PAIR:
+                bu = b_tile(rows_b + up_shift * stride_bn, offs_r, n_ok, slot, R)
+        tr = _round(tl.sum(parts, 0), dt, SOFT_BF16).to(dt).to(tl.float32)                    # [BR]
+        dg += tl.sum(bg.to(tl.float32) * tr[None, :], 1)
+        if PAIR:
+            du += tl.sum(bu.to(tl.float32) * tr[None, :], 1)
+    if not PAIR:
+        du = dg
+    return dg, du
 
 
 @triton.jit
 def _expand_kernel(part, b, slots, y, N, R, SPLITS, stride_pt, stride_ps, stride_bs, stride_bn, stride_yt,
                    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SOFT_BF16: tl.constexpr,
                    PDL: tl.constexpr):
-    """Program (row, n-block): t = the shrink's partials summed over its chunks in order, rounded to y's dtype;
-    y[row, n] += sum_r t[r] b[s, n, r] in fp32, the sum with y rounded once to y's dtype, for BLOCK_N outputs n;
-    nothing when s = slots[row] < 0. The slot and the first BLOCK_R ranks of B are read before the PDL wait."""
+    """Program (row, n-block): y[row, n] += row_deltas' d[n], the sum with y rounded once to y's dtype, for
+    BLOCK_N outputs n; nothing when s = slots[row] < 0. The slot and the first BLOCK_R ranks of B are read before
+    the PDL wait."""
     allow_next(PDL)
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots + row).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    rows_b = b + tl.maximum(slot, 0) * stride_bs + offs_n.to(tl.int64)[:, None] * stride_bn    # [BN, 1]
+    rows_b = b_rows(b, slot, offs_n, stride_bs, stride_bn)
     offs_r = tl.arange(0, BLOCK_R)
-    live = n_ok & ((offs_n * 0 + slot) >= 0)                                            # nothing to read: s < 0
-    br = tl.load(rows_b + offs_r[None, :], mask=live[:, None] & (offs_r < R)[None, :], other=0.0)  # [BN, BR]
+    br = b_tile(rows_b, offs_r, n_ok, slot, R)
     wait_for_previous(PDL)
-    if slot < 0:
-        return
-    part += row * stride_pt
-    dt = y.dtype.element_ty
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_ok = offs_r < R
-        offs_s = tl.arange(0, BLOCK_S)      # every chunk's partial in one load, summed as one tree: the same
-        parts = tl.load(part + offs_s[:, None] * stride_ps + offs_r[None, :],              # sum alone or batched
-                        mask=(offs_s < SPLITS)[:, None] & r_ok[None, :], other=0.0)                # [BS, BR]
-        tr = _round(tl.sum(parts, 0), dt, SOFT_BF16).to(dt).to(tl.float32)                    # [BR]
-        if r0 > 0:
-            br = tl.load(rows_b + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-        acc += tl.sum(br.to(tl.float32) * tr[None, :], 1)
-    y += row * stride_yt + offs_n
-    out = _round(tl.load(y, mask=n_ok, other=0.0).to(tl.float32) + acc, dt, SOFT_BF16)
-    tl.store(y, out.to(dt), mask=n_ok)
+    if slot >= 0:
+        part_row = part + row * stride_pt
+        parts = parts_tile(part_row, offs_r, R, SPLITS, stride_ps, BLOCK_S)
+        dt = y.dtype.element_ty
+        d, _ = row_deltas(rows_b, 0, part_row, parts, br, br, n_ok, slot, R, SPLITS, stride_ps, stride_bn, dt,
+                          BLOCK_N, BLOCK_R, BLOCK_S, False, SOFT_BF16)
+        dst = y + row * stride_yt + offs_n
+        out = _round(tl.load(dst, mask=n_ok, other=0.0).to(tl.float32) + d, dt, SOFT_BF16)
+        tl.store(dst, out.to(dt), mask=n_ok)
 
 
 def blocks(rank: int, k: int, n: int) -> tuple[int, int, int]:
@@ -132,7 +161,8 @@ def blocks(rank: int, k: int, n: int) -> tuple[int, int, int]:
 @dataclass(frozen=True)
 class Shrink:
     """One projection's LoRA rows between the shrink and the expand: the stacks, each row's slot, the fp32 partials
-    part [T, splits, R] the shrink programs write, and the tiles both halves use."""
+    part [T, splits, R] the shrink programs write, and the tiles both halves use (the expand's: its own launch's,
+    expand_, or the GEMV epilogue's, gemv_kernels.gemv)."""
     a_stack: torch.Tensor
     b_stack: torch.Tensor
     slots: torch.Tensor
@@ -150,13 +180,13 @@ class Shrink:
         return self.part.shape[1]
 
     @property
-    def r_blocks(self) -> int:
-        return triton.cdiv(self.rank, self.block_r)
+    def block_s(self) -> int:
+        """The expand's tile of chunks: every chunk's partial in one load, summed as one tree."""
+        return triton.next_power_of_2(self.splits)
 
     @property
-    def programs(self) -> int:
-        """Shrink programs: (row, r-block, k-chunk), the chunk fastest."""
-        return self.part.shape[0] * self.r_blocks * self.splits
+    def r_blocks(self) -> int:
+        return triton.cdiv(self.rank, self.block_r)
 
     @classmethod
     def of(cls, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, slots: torch.Tensor) -> "Shrink":
@@ -195,7 +225,7 @@ def expand_(y: torch.Tensor, s: Shrink) -> None:
     _expand_kernel[(y.shape[0], triton.cdiv(n, s.block_n))](
         s.part, s.b_stack, s.slots, y, n, s.rank, s.splits, s.part.stride(0), s.part.stride(1), s.b_stack.stride(0),
         s.b_stack.stride(1), y.stride(0), BLOCK_N=s.block_n, BLOCK_R=s.block_r,
-        BLOCK_S=triton.next_power_of_2(s.splits), SOFT_BF16=_INTERPRETED, num_warps=NUM_WARPS,
+        BLOCK_S=s.block_s, SOFT_BF16=_INTERPRETED, num_warps=NUM_WARPS,
         **pdl.launch_options(y.device))
 
 
