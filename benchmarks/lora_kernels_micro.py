@@ -18,10 +18,11 @@ time: what the launches themselves cost, and what is gaps between them. Needs a 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+import time
 
 import torch
+from common import gpu_kind, result_path, write_report
 from cuda_common import replay_median_ms
 
 HIDDEN, INTER, RANK, ADAPTERS = 4096, 11008, 16, 8
@@ -114,7 +115,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--out", default=None, help="write the numbers as JSON here")
+    p.add_argument("--out", default=None, help="default: benchmarks/results/lora-kernels-micro-<gpu>.json")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("lora_kernels_micro.py needs a CUDA device")
@@ -122,7 +123,8 @@ def main() -> None:
     SIDE = torch.cuda.Stream()
     gen = torch.Generator(device="cuda").manual_seed(0)
     layers = projections(args.layers, gen)
-    report = {"device": torch.cuda.get_device_name(), "layers": args.layers, "rank": RANK, "adapters": ADAPTERS}
+    report = {"measure": "lora-kernels-micro", "machine": torch.cuda.get_device_name(), "kind": gpu_kind(),
+              "layers": args.layers, "rank": RANK, "adapters": ADAPTERS, "measured_at": time.strftime("%Y-%m-%d")}
     for rows in (1, 32):
         xs = {name: torch.randn(rows, INTER if name == "down" else HIDDEN, generator=gen, device="cuda").bfloat16()
               for name in ("qkv", "o", "gate_up", "down")}
@@ -137,9 +139,9 @@ def main() -> None:
         for v, k in kernels.items():
             print(f"  {v} kernels: " + ", ".join(f"{kind} {t:.3f}" for kind, t in k.items())
                   + f" (sum {sum(k.values()):.3f} of {ms[v]:.3f} ms)")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    path = args.out or result_path("lora-kernels-micro", "cuda")
+    write_report(path, report)
+    print("wrote", path)
 
 
 if __name__ == "__main__":
