@@ -5,7 +5,6 @@ stays in L2) captured in one CUDA graph and replayed, with and without rank-16 a
 - "base": the GEMV (silu·mul in gate|up's epilogue) at one row, cuBLAS then silu·mul at 32;
 - "lora": the same projections, then lora_kernels.lora_add_'s shrink and expand after each (and silu·mul after
   gate|up's): at 32 rows the rows use 8 adapters in turn;
-- "side" (32 rows): the shrink on a second stream beside the GEMM (branches of the graph), the expand after both;
 - "epilogue" (one row): the shrink's launch, then the GEMV with the expand as its epilogue (silu·mul after the
   deltas in gate|up's): what cuda_ops runs there.
 
@@ -60,24 +59,12 @@ def step(variant: str, xs: dict, layers, slots):
                     gk.gemv_silu_mul(x, w, lora=plan)
                     continue
                 y = gk.gemv(x, w, lora=plan)
-            elif variant == "side":     # the shrink on a side stream, beside the GEMM; the expand after both
-                plan = lk.Shrink.of(x, a, b, slots)
-                main = torch.cuda.current_stream()
-                SIDE.wait_stream(main)
-                with torch.cuda.stream(SIDE):
-                    lk.shrink_(x, plan)
-                y = torch.nn.functional.linear(x, w)
-                main.wait_stream(SIDE)
-                lk.expand_(y, plan)
             else:
                 y = gk.gemv(x, w) if x.shape[0] <= 2 else torch.nn.functional.linear(x, w)
             if variant == "lora":
                 lk.lora_add_(y, x, a, b, slots)
             if act:
                 fused.silu_mul(y)
-
-
-SIDE = None    # the side stream of the "side" variant
 
 
 KINDS = ("shrink", "expand", "gemv", "silu", "gemm")     # a kernel's kind: the first of these in its name
@@ -119,8 +106,6 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("lora_kernels_micro.py needs a CUDA device")
-    global SIDE
-    SIDE = torch.cuda.Stream()
     gen = torch.Generator(device="cuda").manual_seed(0)
     layers = projections(args.layers, gen)
     report = {"measure": "lora-kernels-micro", "machine": torch.cuda.get_device_name(), "kind": gpu_kind(),
@@ -129,7 +114,7 @@ def main() -> None:
         xs = {name: torch.randn(rows, INTER if name == "down" else HIDDEN, generator=gen, device="cuda").bfloat16()
               for name in ("qkv", "o", "gate_up", "down")}
         slots = (torch.arange(rows, device="cuda") % ADAPTERS)
-        variants = ("base", "lora", "epilogue") if rows == 1 else ("base", "lora", "side")
+        variants = ("base", "lora", "epilogue") if rows == 1 else ("base", "lora")
         graphs = {v: captured(lambda v=v: step(v, xs, layers, slots)) for v in variants}
         ms = {v: replay_median_ms(g, args.repeats) for v, g in graphs.items()}
         kernels = {v: kernel_ms(g) for v, g in graphs.items()}

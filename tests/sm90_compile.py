@@ -72,10 +72,9 @@ def dense_gemv(silu_mul: bool, expand: bool, block_m: int = 1) -> str:
 
 def lora_launches() -> str:
     pointers = {"x": "*bf16", "a": "*bf16", "b": "*bf16", "y": "*bf16", "slots": "*i64", "part": "*fp32"}
-    shrink = compile_for_hopper(lora_kernels._shrink_kernel, pointers, dict(BLOCK_R=16, BLOCK_K=256, CHUNK=256,
-                                                                            PDL=True))
+    shrink = compile_for_hopper(lora_kernels._shrink_kernel, pointers, dict(ROWS=4, BLOCK_R=16, CHUNK=256, PDL=True))
     return shrink + compile_for_hopper(lora_kernels._expand_kernel, pointers, dict(
-        BLOCK_N=256, BLOCK_R=16, BLOCK_S=32, SOFT_BF16=False, PDL=True))
+        ROWS=4, BLOCK_N=64, BLOCK_R=16, BLOCK_S=32, SOFT_BF16=False, PDL=True))
 
 
 # name -> (build, what its PTX must contain)

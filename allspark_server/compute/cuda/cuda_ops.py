@@ -112,9 +112,12 @@ def _lora_linear(x, w, bias, lora, lora_rows):
     GEMV with the expand as its epilogue (gemv_kernels.gemv); elsewhere lora_add_'s two launches after the linear."""
     if not takes_lora(lora, lora_rows):
         return linear(x, w, bias)
-    if isinstance(w, torch.Tensor) and gemv_kernels.fits(x, w):
+    if EPILOGUE and isinstance(w, torch.Tensor) and gemv_kernels.fits(x, w):
         return gemv_kernels.gemv(x, w, bias, lora=_lora_plan(x, lora, lora_rows))
     return lora_add_(linear(x, w, bias), x, lora, lora_rows)
+
+
+EPILOGUE = True
 
 
 def attention_step(x, b, slots, spans, ctx, cos, sin, lora_rows=None):
@@ -184,7 +187,8 @@ def mlp_step(x, b, lora_rows=None):
     """A BoundMlp step: silu's gate|up GEMV may take the activation as its epilogue, after an adapter's deltas where
     rows use one; the down projection's output before the allreduce."""
     if takes_lora(b.gate_up_lora, lora_rows):
-        if b.step.act == "silu" and isinstance(b.gate_up, torch.Tensor) and gemv_kernels.fits_silu_mul(x, b.gate_up):
+        if (EPILOGUE and b.step.act == "silu" and isinstance(b.gate_up, torch.Tensor)
+                and gemv_kernels.fits_silu_mul(x, b.gate_up)):
             plan = _lora_plan(x, b.gate_up_lora, lora_rows)
             a = gemv_kernels.gemv_silu_mul(x, b.gate_up, b.gate_up_bias, lora=plan)
         else:

@@ -91,7 +91,9 @@ def _gemv_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_r
     up = rows + up_rows * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if EXPAND:   # the first row's slot and first B tiles: host-written slots and weights, read before the wait
+    offs_k = tl.arange(0, BLOCK_K)
+    wt, wu = _weight_tiles(rows, up, offs_k, n_ok, K, SILU_MUL, EVICTION)
+    if EXPAND:   # the first row's slot and first B tiles (host-written slots and weights) while the weight comes
         offs_r = tl.arange(0, BLOCK_R)
         slot0 = tl.load(slots + row0).to(tl.int64)
         rows_b0 = lora_kernels.b_rows(b_stack, slot0, offs_n, stride_bs, stride_bn)
@@ -99,8 +101,6 @@ def _gemv_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_r
         bu0 = bg0
         if SILU_MUL:
             bu0 = lora_kernels.b_tile(rows_b0 + up_rows * stride_bn, offs_r, n_ok, slot0, R)
-    offs_k = tl.arange(0, BLOCK_K)
-    wt, wu = _weight_tiles(rows, up, offs_k, n_ok, K, SILU_MUL, EVICTION)
     wait_for_previous(PDL)
     if EXPAND:   # written by the shrink's launch, complete behind the wait; used only in the epilogue
         parts0 = lora_kernels.parts_tile(part + row0 * stride_pt, offs_r, R, SPLITS, stride_ps, BLOCK_S)

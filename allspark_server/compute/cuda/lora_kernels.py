@@ -46,33 +46,29 @@ SHRINK_WARPS = 8
 
 
 @triton.jit
-def _shrink_kernel(x, a, slots, part, K, R, stride_xt, stride_as, stride_ar, stride_pt, stride_ps,
-                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
-    """Program (row, r-block, k-chunk): part[row, chunk, r] = sum over the chunk's k of x[row, k] a[s, r, k] in
-    fp32, for BLOCK_R ranks r; nothing when s = slots[row] < 0. The slot and the first tile of A are read before
-    the PDL wait (slots: written by the step's host-to-device copies, pdl.py)."""
+def _shrink_kernel(x, a, slots, part, T, K, R, stride_xt, stride_as, stride_ar, stride_pt, stride_ps,
+                   ROWS: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Program (block of ROWS rows, r-block, k-chunk): part[t, chunk, r] = sum over the chunk's k of x[t, k]
+    a[s, r, k] in fp32, for BLOCK_R ranks r, each row t of the block with its own slot s = slots[t] (nothing where
+    s < 0 or t >= T). The slots and the first tiles of A are read before the PDL wait (slots: written by the step's
+    host-to-device copies, pdl.py); the block's rows are independent loads in flight together."""
     allow_next(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(2)
-    slot = tl.load(slots + row).to(tl.int64)
+    offs_t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    slot = tl.load(slots + offs_t, mask=offs_t < T, other=-1).to(tl.int64)                 # [RB]
+    live = slot >= 0
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < R
-    rows_a = a + tl.maximum(slot, 0) * stride_as + offs_r.to(tl.int64)[:, None] * stride_ar    # [BR, 1]
-    offs_k = chunk * CHUNK + tl.arange(0, BLOCK_K)
-    live = r_ok & ((offs_r * 0 + slot) >= 0)                                            # nothing to read: s < 0
-    ak = tl.load(rows_a + offs_k[None, :], mask=live[:, None] & (offs_k < K)[None, :], other=0.0)  # [BR, BK]
+    offs_k = tl.program_id(2) * CHUNK + tl.arange(0, CHUNK)
+    k_ok = offs_k < K
+    rows_a = (a + tl.maximum(slot, 0)[:, None, None] * stride_as
+              + offs_r.to(tl.int64)[None, :, None] * stride_ar + offs_k[None, None, :])        # [RB, BR, CHUNK]
+    ak = tl.load(rows_a, mask=live[:, None, None] & r_ok[None, :, None] & k_ok[None, None, :], other=0.0)
     wait_for_previous(PDL)
-    if slot >= 0:
-        x += row * stride_xt
-        acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        for k0 in range(0, CHUNK, BLOCK_K):
-            offs_k = chunk * CHUNK + k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < K
-            if k0 > 0:
-                ak = tl.load(rows_a + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-            xk = tl.load(x + offs_k, mask=k_ok, other=0.0).to(tl.float32)                      # [BK]
-            acc += tl.sum(ak.to(tl.float32) * xk[None, :], 1)
-        tl.store(part + row * stride_pt + chunk * stride_ps + offs_r, acc, mask=r_ok)
+    xk = tl.load(x + offs_t.to(tl.int64)[:, None] * stride_xt + offs_k[None, :],
+                 mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)                  # [RB, CHUNK]
+    acc = tl.sum(ak.to(tl.float32) * xk[:, None, :], 2)                                     # [RB, BR]
+    dst = part + offs_t.to(tl.int64)[:, None] * stride_pt + tl.program_id(2) * stride_ps + offs_r[None, :]
+    tl.store(dst, acc, mask=live[:, None] & r_ok[None, :])
 
 
 @triton.jit
@@ -124,38 +120,59 @@ def row_deltas(rows_b, up_shift, part_row, parts, bg, bu, n_ok, slot, R, SPLITS,
 
 
 @triton.jit
-def _expand_kernel(part, b, slots, y, N, R, SPLITS, stride_pt, stride_ps, stride_bs, stride_bn, stride_yt,
-                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SOFT_BF16: tl.constexpr,
-                   PDL: tl.constexpr):
-    """Program (row, n-block): y[row, n] += row_deltas' d[n], the sum with y rounded once to y's dtype, for
-    BLOCK_N outputs n; nothing when s = slots[row] < 0. The slot and the first BLOCK_R ranks of B are read before
-    the PDL wait."""
+def _expand_kernel(part, b, slots, y, T, N, R, SPLITS, stride_pt, stride_ps, stride_bs, stride_bn, stride_yt,
+                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+                   SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
+    """Program (block of ROWS rows, n-block): for each row t of the block with s = slots[t] >= 0, t's ranks
+    t_r = its partials summed over the chunks as one tree, rounded to y's dtype (PEFT's lora_A(x) in the module
+    dtype), and y[t, n] = round(y[t, n] + sum_r t_r b[s, n, r]) with the sum in fp32, for BLOCK_N outputs n; rows
+    with s < 0 keep their bits. The slots and the first BLOCK_R ranks of B are read before the PDL wait; the
+    block's partials and outputs are loaded together after it."""
     allow_next(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots + row).to(tl.int64)
+    offs_t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    slot = tl.load(slots + offs_t, mask=offs_t < T, other=-1).to(tl.int64)                 # [RB]
+    live = slot >= 0
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    rows_b = b_rows(b, slot, offs_n, stride_bs, stride_bn)
+    rows_b = (b + tl.maximum(slot, 0)[:, None, None] * stride_bs
+              + offs_n.to(tl.int64)[None, :, None] * stride_bn)                               # [RB, BN, 1]
+    live_n = live[:, None, None] & n_ok[None, :, None]
     offs_r = tl.arange(0, BLOCK_R)
-    br = b_tile(rows_b, offs_r, n_ok, slot, R)
+    br = tl.load(rows_b + offs_r[None, None, :], mask=live_n & (offs_r < R)[None, None, :], other=0.0)
     wait_for_previous(PDL)
-    if slot >= 0:
-        part_row = part + row * stride_pt
-        parts = parts_tile(part_row, offs_r, R, SPLITS, stride_ps, BLOCK_S)
-        dt = y.dtype.element_ty
-        d, _ = row_deltas(rows_b, 0, part_row, parts, br, br, n_ok, slot, R, SPLITS, stride_ps, stride_bn, dt,
-                          BLOCK_N, BLOCK_R, BLOCK_S, False, SOFT_BF16)
-        dst = y + row * stride_yt + offs_n
-        out = _round(tl.load(dst, mask=n_ok, other=0.0).to(tl.float32) + d, dt, SOFT_BF16)
-        tl.store(dst, out.to(dt), mask=n_ok)
+    offs_s = tl.arange(0, BLOCK_S)
+    part_rows = part + offs_t.to(tl.int64)[:, None, None] * stride_pt + offs_s[None, :, None] * stride_ps
+    live_s = live[:, None, None] & (offs_s < SPLITS)[None, :, None]
+    parts = tl.load(part_rows + offs_r[None, None, :], mask=live_s & (offs_r < R)[None, None, :], other=0.0)
+    dst = y + offs_t.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]                    # [RB, BN]
+    out_ok = live[:, None] & n_ok[None, :]
+    yv = tl.load(dst, mask=out_ok, other=0.0).to(tl.float32)
+    dt = y.dtype.element_ty
+    d = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        if r0 > 0:
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            br = tl.load(rows_b + offs_r[None, None, :], mask=live_n & (offs_r < R)[None, None, :], other=0.0)
+            parts = tl.load(part_rows + offs_r[None, None, :], mask=live_s & (offs_r < R)[None, None, :],
+                            other=0.0)
+        tr = _round(tl.sum(parts, 1), dt, SOFT_BF16).to(dt).to(tl.float32)                    # [RB, BR]
+        d += tl.sum(br.to(tl.float32) * tr[:, None, :], 2)
+    tl.store(dst, _round(yv + d, dt, SOFT_BF16).to(dt), mask=out_ok)
+
+
+def rows_a_program(block_r: int) -> int:
+    """Rows a shrink or expand program takes: 4 up to 16-wide rank blocks, fewer for wider ones (the tiles'
+    registers). From the rank alone: a row's sums are the same in any batch."""
+    return max(1, min(4, 64 // block_r))
 
 
 def blocks(rank: int, k: int, n: int) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_K, BLOCK_N) for rank R, input K and output N: the rank padded to a power of two up to
-    MAX_BLOCK_R, and K- and N-tiles that make a tile of A or B TILE elements (fewer when K or N is smaller)."""
+    MAX_BLOCK_R, and K- and N-tiles that make a row's tile of A, and a program's tiles of B, TILE elements (fewer
+    when K or N is smaller)."""
     block_r = min(MAX_BLOCK_R, triton.next_power_of_2(rank))
     return (block_r, min(triton.next_power_of_2(k), max(16, TILE // block_r)),
-            min(triton.next_power_of_2(n), max(16, TILE // block_r)))
+            min(triton.next_power_of_2(n), max(16, TILE // (block_r * rows_a_program(block_r)))))
 
 
 @dataclass(frozen=True)
@@ -213,20 +230,20 @@ class Shrink:
 
 def shrink_(x: torch.Tensor, s: Shrink) -> None:
     """The shrink's launch: s.part from x."""
-    _shrink_kernel[(x.shape[0], s.r_blocks, s.splits)](
-        x, s.a_stack, s.slots, s.part, x.shape[1], s.rank, x.stride(0), s.a_stack.stride(0), s.a_stack.stride(1),
-        s.part.stride(0), s.part.stride(1), BLOCK_R=s.block_r, BLOCK_K=s.chunk, CHUNK=s.chunk,
+    rows = rows_a_program(s.block_r)
+    _shrink_kernel[(triton.cdiv(x.shape[0], rows), s.r_blocks, s.splits)](
+        x, s.a_stack, s.slots, s.part, x.shape[0], x.shape[1], s.rank, x.stride(0), s.a_stack.stride(0),
+        s.a_stack.stride(1), s.part.stride(0), s.part.stride(1), ROWS=rows, BLOCK_R=s.block_r, CHUNK=s.chunk,
         num_warps=SHRINK_WARPS, **pdl.launch_options(x.device))
 
 
 def expand_(y: torch.Tensor, s: Shrink) -> None:
     """The expand's launch: y += each row's partials summed, rounded, times its slot's B."""
-    n = y.shape[1]
-    _expand_kernel[(y.shape[0], triton.cdiv(n, s.block_n))](
-        s.part, s.b_stack, s.slots, y, n, s.rank, s.splits, s.part.stride(0), s.part.stride(1), s.b_stack.stride(0),
-        s.b_stack.stride(1), y.stride(0), BLOCK_N=s.block_n, BLOCK_R=s.block_r,
-        BLOCK_S=s.block_s, SOFT_BF16=_INTERPRETED, num_warps=NUM_WARPS,
-        **pdl.launch_options(y.device))
+    n, rows = y.shape[1], rows_a_program(s.block_r)
+    _expand_kernel[(triton.cdiv(y.shape[0], rows), triton.cdiv(n, s.block_n))](
+        s.part, s.b_stack, s.slots, y, y.shape[0], n, s.rank, s.splits, s.part.stride(0), s.part.stride(1),
+        s.b_stack.stride(0), s.b_stack.stride(1), y.stride(0), ROWS=rows, BLOCK_N=s.block_n, BLOCK_R=s.block_r,
+        BLOCK_S=s.block_s, SOFT_BF16=_INTERPRETED, num_warps=NUM_WARPS, **pdl.launch_options(y.device))
 
 
 def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
