@@ -63,18 +63,20 @@ def decode_over_spans(quant: int) -> str:
 
 def dense_gemv(silu_mul: bool, expand: bool, block_m: int = 1) -> str:
     """The bf16 decode GEMV, with a LoRA adapter's expand as its epilogue or without (7B's gate_up tile)."""
-    pointers = {"x": "*bf16", "w": "*bf16", "bias": "*bf16", "out": "*bf16", "slots": "*i64", "part": "*fp32",
+    pointers = {"x": "*bf16", "w": "*bf16", "bias": "*bf16", "out": "*bf16", "slots": "*i64", "t": "*bf16",
                 "b_stack": "*bf16"}
     return compile_for_hopper(gemv_kernels._gemv_kernel, pointers, dict(
         BLOCK_M=block_m, BLOCK_N=2, BLOCK_K=2048, HAS_BIAS=False, SILU_MUL=silu_mul, EXPAND=expand, BLOCK_R=32,
-        BLOCK_S=32, EVICTION="evict_first", SOFT_BF16=False, PDL=True))
+        EVICTION="evict_first", SOFT_BF16=False, PDL=True))
 
 
 def lora_launches() -> str:
-    pointers = {"x": "*bf16", "a": "*bf16", "b": "*bf16", "y": "*bf16", "slots": "*i64", "part": "*fp32"}
-    shrink = compile_for_hopper(lora_kernels._shrink_kernel, pointers, dict(ROWS=4, BLOCK_R=16, CHUNK=256, PDL=True))
+    pointers = {"x": "*bf16", "a": "*bf16", "b": "*bf16", "y": "*bf16", "slots": "*i64", "part": "*fp32",
+                "t": "*bf16", "counters": "*i32"}
+    shrink = compile_for_hopper(lora_kernels._shrink_kernel, pointers, dict(BLOCK_R=16, CHUNK=256, BLOCK_S=16,
+                                                                            SOFT_BF16=False, PDL=True))
     return shrink + compile_for_hopper(lora_kernels._expand_kernel, pointers, dict(
-        ROWS=4, BLOCK_N=64, BLOCK_R=16, BLOCK_S=32, SOFT_BF16=False, PDL=True))
+        BLOCK_N=256, BLOCK_R=16, SOFT_BF16=False, PDL=True))
 
 
 # name -> (build, what its PTX must contain)

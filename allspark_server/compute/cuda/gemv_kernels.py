@@ -66,9 +66,9 @@ def _accumulate(acc, acc_up, wt, wu, x, offs_m, offs_k, M, K, stride_xm, BLOCK_M
 
 @triton.jit(do_not_specialize=["grid_rows"])
 def _gemv_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_rows, grid_rows,
-                 slots, part, b_stack, R, SPLITS, stride_pt, stride_ps, stride_bs, stride_bn,
+                 slots, t, b_stack, R, stride_tt, stride_bs, stride_bn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 SILU_MUL: tl.constexpr, EXPAND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+                 SILU_MUL: tl.constexpr, EXPAND: tl.constexpr, BLOCK_R: tl.constexpr,
                  EVICTION: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
     """Program = BLOCK_N outputs: y[:M, n] = sum_k x[:M, k] w[n, k] (+ bias[n]) in fp32, rounded once to out's
     dtype. SILU_MUL: rows n and up_rows + n of w are a gate and an up row; out = silu(gate) * up, rounded where
@@ -76,9 +76,9 @@ def _gemv_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_r
     loaded before waiting for the kernel that writes x. grid_rows: programs per BLOCK_N outputs, each on its own
     row of x and of out (alone-rows mode: M = 1 a program; 1 otherwise), neighbours in the grid, so that a weight
     tile read from memory for one row is in L2 for the others. EXPAND: a LoRA adapter's expand as the epilogue
-    (lora_kernels.row_deltas over the partials `part` the shrink's launch just wrote; rows with slot < 0 keep their
-    bits): each rounded output plus its row's delta, rounded once, before silu·mul. The first row's slot and B tiles
-    are read before the wait, its partials right after it: the epilogue waits on nothing."""
+    (lora_kernels.deltas over the t the shrink's launch just wrote; rows with slot < 0 keep their bits): each
+    rounded output plus its row's delta, rounded once, before silu·mul. The first row's slot and B tiles are read
+    while the first weight tile comes, its t right after the wait: the epilogue waits on nothing."""
     allow_next(PDL)
     pid = tl.program_id(0)
     row0 = (pid % grid_rows).to(tl.int64)
@@ -103,7 +103,7 @@ def _gemv_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_r
             bu0 = lora_kernels.b_tile(rows_b0 + up_rows * stride_bn, offs_r, n_ok, slot0, R)
     wait_for_previous(PDL)
     if EXPAND:   # written by the shrink's launch, complete behind the wait; used only in the epilogue
-        parts0 = lora_kernels.parts_tile(part + row0 * stride_pt, offs_r, R, SPLITS, stride_ps, BLOCK_S)
+        tt0 = lora_kernels.t_tile(t + row0 * stride_tt, offs_r, n_ok, R)
     acc, acc_up = _accumulate(acc, acc_up, wt, wu, x, offs_m, offs_k, M, K, stride_xm, BLOCK_M, SILU_MUL)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -118,23 +118,23 @@ def _gemv_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_r
     y_up = _round(acc_up, dt, SOFT_BF16)
     if EXPAND:
         for i in tl.static_range(BLOCK_M):
+            row = row0 + tl.minimum(i, M - 1)       # rows past M repeat the last (their sums are never stored)
+            t_row = t + row * stride_tt
             if i == 0:
-                slot, rows_b, parts, bg, bu = slot0, rows_b0, parts0, bg0, bu0
-            else:   # rows past M repeat the last (their sums are never stored)
-                row = row0 + tl.minimum(i, M - 1)
+                slot, rows_b, bg, bu, tt = slot0, rows_b0, bg0, bu0, tt0
+            else:
                 slot = tl.load(slots + row).to(tl.int64)
                 rows_b = lora_kernels.b_rows(b_stack, slot, offs_n, stride_bs, stride_bn)
-                parts = lora_kernels.parts_tile(part + row * stride_pt, offs_r, R, SPLITS, stride_ps, BLOCK_S)
                 bg = lora_kernels.b_tile(rows_b, offs_r, n_ok, slot, R)
                 bu = bg
                 if SILU_MUL:
                     bu = lora_kernels.b_tile(rows_b + up_rows * stride_bn, offs_r, n_ok, slot, R)
-            dg, du = lora_kernels.row_deltas(rows_b, up_rows, part + (row0 + tl.minimum(i, M - 1)) * stride_pt,
-                                             parts, bg, bu, n_ok, slot, R, SPLITS, stride_ps, stride_bn, dt,
-                                             BLOCK_N, BLOCK_R, BLOCK_S, SILU_MUL, SOFT_BF16)
+                tt = lora_kernels.t_tile(t_row, offs_r, n_ok, R)
             take = (offs_m[:, None] == i) & (slot >= 0)
+            dg = lora_kernels.deltas(rows_b, t_row, bg, tt, n_ok, slot, R, BLOCK_N, BLOCK_R)
             y = tl.where(take, _round(y + dg[None, :], dt, SOFT_BF16), y)
             if SILU_MUL:
+                du = lora_kernels.deltas(rows_b + up_rows * stride_bn, t_row, bu, tt, n_ok, slot, R, BLOCK_N, BLOCK_R)
                 y_up = tl.where(take, _round(y_up + du[None, :], dt, SOFT_BF16), y_up)
     if SILU_MUL:   # gate and up rounded as the linear rounds them, then silu·mul's roundings
         y = _silu_mul_rounded(y, y_up, dt, SOFT_BF16)
@@ -286,13 +286,12 @@ def _launch(x, w, bias, out_cols, up_rows, silu_mul, config, lora=None):
     # alone-rows mode: a program a row, each the one-row launch's (M = 1, BLOCK_M = 1), so its sums are the same
     grid_rows = m if row_mode.alone() else 1
     rows = m // grid_rows                                                               # rows a program
-    slots, part, b_stack = (s.slots, s.part, s.b_stack) if s else (w, w, w)     # unread without an adapter
+    slots, t, b_stack = (s.slots, s.t, s.b_stack) if s else (w, w, w)     # unread without an adapter
     _gemv_kernel[(triton.cdiv(out_cols, cfg.block_n) * grid_rows,)](
         x, w, w if bias is None else bias, out, rows, out_cols, k, x.stride(0), w.stride(0), out.stride(0),
-        up_rows, grid_rows, slots, part, b_stack, s.rank if s else 0, s.splits if s else 1, part.stride(0),
-        part.stride(-2), b_stack.stride(0), b_stack.stride(-2),
-        BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
-        SILU_MUL=silu_mul, EXPAND=s is not None, BLOCK_R=s.block_r if s else 16, BLOCK_S=s.block_s if s else 1,
+        up_rows, grid_rows, slots, t, b_stack, s.rank if s else 0, t.stride(0), b_stack.stride(0),
+        b_stack.stride(-2), BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EXPAND=s is not None, BLOCK_R=s.block_r if s else 16,
         EVICTION=cfg.eviction, SOFT_BF16=_INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         enable_fp_fusion=False, **pdl.launch_options(x.device))
     return out

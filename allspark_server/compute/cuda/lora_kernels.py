@@ -27,6 +27,7 @@ expand's own launch, whose dependent loads sat on the step's critical path, is g
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -46,29 +47,40 @@ SHRINK_WARPS = 8
 
 
 @triton.jit
-def _shrink_kernel(x, a, slots, part, T, K, R, stride_xt, stride_as, stride_ar, stride_pt, stride_ps,
-                   ROWS: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
-    """Program (block of ROWS rows, r-block, k-chunk): part[t, chunk, r] = sum over the chunk's k of x[t, k]
-    a[s, r, k] in fp32, for BLOCK_R ranks r, each row t of the block with its own slot s = slots[t] (nothing where
-    s < 0 or t >= T). The slots and the first tiles of A are read before the PDL wait (slots: written by the step's
-    host-to-device copies, pdl.py); the block's rows are independent loads in flight together."""
+def _shrink_kernel(x, a, slots, part, t, counters, K, R, SPLITS, stride_xt, stride_as, stride_ar, stride_pt,
+                   stride_ps, stride_tt, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
+                   SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, r-block, k-chunk): part[row, chunk, r] = sum over the chunk's k of x[row, k] a[s, r, k] in
+    fp32, for BLOCK_R ranks r; nothing when s = slots[row] < 0. The last of a (row, r-block)'s chunk programs to
+    finish (a counter, left at zero again) sums every chunk's partial as one tree, the same whichever program it is,
+    and writes t[row, r] rounded to x's dtype: PEFT's lora_A(x) in the module dtype, which the expand only reads.
+    The slot and the first tile of A are read before the PDL wait (slots: written by the step's host-to-device
+    copies, pdl.py)."""
     allow_next(PDL)
-    offs_t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    slot = tl.load(slots + offs_t, mask=offs_t < T, other=-1).to(tl.int64)                 # [RB]
-    live = slot >= 0
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(2)
+    slot = tl.load(slots + row).to(tl.int64)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < R
-    offs_k = tl.program_id(2) * CHUNK + tl.arange(0, CHUNK)
+    rows_a = a + tl.maximum(slot, 0) * stride_as + offs_r.to(tl.int64)[:, None] * stride_ar    # [BR, 1]
+    offs_k = chunk * CHUNK + tl.arange(0, CHUNK)
     k_ok = offs_k < K
-    rows_a = (a + tl.maximum(slot, 0)[:, None, None] * stride_as
-              + offs_r.to(tl.int64)[None, :, None] * stride_ar + offs_k[None, None, :])        # [RB, BR, CHUNK]
-    ak = tl.load(rows_a, mask=live[:, None, None] & r_ok[None, :, None] & k_ok[None, None, :], other=0.0)
+    live = r_ok & ((offs_r * 0 + slot) >= 0)                                            # nothing to read: s < 0
+    ak = tl.load(rows_a + offs_k[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)  # [BR, CHUNK]
     wait_for_previous(PDL)
-    xk = tl.load(x + offs_t.to(tl.int64)[:, None] * stride_xt + offs_k[None, :],
-                 mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)                  # [RB, CHUNK]
-    acc = tl.sum(ak.to(tl.float32) * xk[:, None, :], 2)                                     # [RB, BR]
-    dst = part + offs_t.to(tl.int64)[:, None] * stride_pt + tl.program_id(2) * stride_ps + offs_r[None, :]
-    tl.store(dst, acc, mask=live[:, None] & r_ok[None, :])
+    if slot >= 0:
+        xk = tl.load(x + row * stride_xt + offs_k, mask=k_ok, other=0.0).to(tl.float32)     # [CHUNK]
+        part += row * stride_pt
+        tl.store(part + chunk * stride_ps + offs_r, tl.sum(ak.to(tl.float32) * xk[None, :], 1), mask=r_ok)
+        tl.debug_barrier()                  # every thread's partial stored before the count says so
+        counter = counters + row * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
+            offs_s = tl.arange(0, BLOCK_S)
+            parts = tl.load(part + offs_s[:, None] * stride_ps + offs_r[None, :],
+                            mask=(offs_s < SPLITS)[:, None] & r_ok[None, :], other=0.0, cache_modifier=".cg")
+            dt = t.dtype.element_ty
+            tl.store(t + row * stride_tt + offs_r, _round(tl.sum(parts, 0), dt, SOFT_BF16).to(dt), mask=r_ok)
+            tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
@@ -85,105 +97,69 @@ def b_tile(rows_b, offs_r, n_ok, slot, R):
 
 
 @triton.jit
-def parts_tile(part_row, offs_r, R, SPLITS, stride_ps, BLOCK_S: tl.constexpr):
-    """A row's shrink partials [BS, BR] of ranks offs_r, every chunk's (zeros past SPLITS and R)."""
-    offs_s = tl.arange(0, BLOCK_S)
-    return tl.load(part_row + offs_s[:, None] * stride_ps + offs_r[None, :],
-                   mask=(offs_s < SPLITS)[:, None] & (offs_r < R)[None, :], other=0.0)
+def t_tile(t_row, offs_r, n_ok, R):
+    """A row's t at ranks offs_r, repeated on each of the BN rows of B's tile [BN, BR] (one load in that tile's
+    layout, no exchange between threads), in fp32."""
+    ptrs = t_row + offs_r[None, :] + (n_ok.to(tl.int32) * 0)[:, None]
+    return tl.load(ptrs, mask=(offs_r < R)[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
-def row_deltas(rows_b, up_shift, part_row, parts, bg, bu, n_ok, slot, R, SPLITS, stride_ps, stride_bn, dt,
-               BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PAIR: tl.constexpr,
-               SOFT_BF16: tl.constexpr):
-    """A row's adapter deltas for BN outputs, in fp32: d[n] = sum_r t[r] b[s, n, r], t the shrink's partials summed
-    over the chunks as one tree (the same sum alone or batched) and rounded to dt (PEFT's lora_A(x) in the module
-    dtype). parts, bg: the first BLOCK_R ranks' partials and B tile, loaded by the caller (ahead of need); later
-    rank blocks are loaded here. PAIR: bu and the rows up_shift below rows_b are an up projection's, sharing t
-    (gate_up: (gate deltas, up deltas)); otherwise the second is the first."""
-    dg = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    du = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        if r0 > 0:
-            parts = parts_tile(part_row, offs_r, R, SPLITS, stride_ps, BLOCK_S)
-            bg = b_tile(rows_b, offs_r, n_ok, slot, R)
-            if PAIR:
-                bu = b_tile(rows_b + up_shift * stride_bn, offs_r, n_ok, slot, R)
-        tr = _round(tl.sum(parts, 0), dt, SOFT_BF16).to(dt).to(tl.float32)                    # [BR]
-        dg += tl.sum(bg.to(tl.float32) * tr[None, :], 1)
-        if PAIR:
-            du += tl.sum(bu.to(tl.float32) * tr[None, :], 1)
-    if not PAIR:
-        du = dg
-    return dg, du
-
-
-@triton.jit
-def _expand_kernel(part, b, slots, y, T, N, R, SPLITS, stride_pt, stride_ps, stride_bs, stride_bn, stride_yt,
-                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
-                   SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
-    """Program (block of ROWS rows, n-block): for each row t of the block with s = slots[t] >= 0, t's ranks
-    t_r = its partials summed over the chunks as one tree, rounded to y's dtype (PEFT's lora_A(x) in the module
-    dtype), and y[t, n] = round(y[t, n] + sum_r t_r b[s, n, r]) with the sum in fp32, for BLOCK_N outputs n; rows
-    with s < 0 keep their bits. The slots and the first BLOCK_R ranks of B are read before the PDL wait; the
-    block's partials and outputs are loaded together after it."""
-    allow_next(PDL)
-    offs_t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    slot = tl.load(slots + offs_t, mask=offs_t < T, other=-1).to(tl.int64)                 # [RB]
-    live = slot >= 0
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    rows_b = (b + tl.maximum(slot, 0)[:, None, None] * stride_bs
-              + offs_n.to(tl.int64)[None, :, None] * stride_bn)                               # [RB, BN, 1]
-    live_n = live[:, None, None] & n_ok[None, :, None]
-    offs_r = tl.arange(0, BLOCK_R)
-    br = tl.load(rows_b + offs_r[None, None, :], mask=live_n & (offs_r < R)[None, None, :], other=0.0)
-    wait_for_previous(PDL)
-    offs_s = tl.arange(0, BLOCK_S)
-    part_rows = part + offs_t.to(tl.int64)[:, None, None] * stride_pt + offs_s[None, :, None] * stride_ps
-    live_s = live[:, None, None] & (offs_s < SPLITS)[None, :, None]
-    parts = tl.load(part_rows + offs_r[None, None, :], mask=live_s & (offs_r < R)[None, None, :], other=0.0)
-    dst = y + offs_t.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]                    # [RB, BN]
-    out_ok = live[:, None] & n_ok[None, :]
-    yv = tl.load(dst, mask=out_ok, other=0.0).to(tl.float32)
-    dt = y.dtype.element_ty
-    d = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+def deltas(rows_b, t_row, bt, tt, n_ok, slot, R, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """A row's adapter deltas d[n] = sum_r t[r] b[s, n, r] for BN outputs, in fp32, over BLOCK_R ranks at a time.
+    bt, tt: the first block's tiles of B and t, loaded by the caller ahead of need; later blocks are loaded here."""
+    d = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
         if r0 > 0:
             offs_r = r0 + tl.arange(0, BLOCK_R)
-            br = tl.load(rows_b + offs_r[None, None, :], mask=live_n & (offs_r < R)[None, None, :], other=0.0)
-            parts = tl.load(part_rows + offs_r[None, None, :], mask=live_s & (offs_r < R)[None, None, :],
-                            other=0.0)
-        tr = _round(tl.sum(parts, 1), dt, SOFT_BF16).to(dt).to(tl.float32)                    # [RB, BR]
-        d += tl.sum(br.to(tl.float32) * tr[:, None, :], 2)
-    tl.store(dst, _round(yv + d, dt, SOFT_BF16).to(dt), mask=out_ok)
+            bt = b_tile(rows_b, offs_r, n_ok, slot, R)
+            tt = t_tile(t_row, offs_r, n_ok, R)
+        d += tl.sum(bt.to(tl.float32) * tt, 1)
+    return d
 
 
-def rows_a_program(block_r: int) -> int:
-    """Rows a shrink or expand program takes: 4 up to 16-wide rank blocks, fewer for wider ones (the tiles'
-    registers). From the rank alone: a row's sums are the same in any batch."""
-    return max(1, min(4, 64 // block_r))
+@triton.jit
+def _expand_kernel(t, b, slots, y, N, R, stride_tt, stride_bs, stride_bn, stride_yt, BLOCK_N: tl.constexpr,
+                   BLOCK_R: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, n-block): y[row, n] = round(y[row, n] + deltas' d[n]) in y's dtype for BLOCK_N outputs n;
+    nothing when s = slots[row] < 0. The slot and the first BLOCK_R ranks of B are read before the PDL wait, t and
+    y together after it."""
+    allow_next(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots + row).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows_b = b_rows(b, slot, offs_n, stride_bs, stride_bn)
+    offs_r = tl.arange(0, BLOCK_R)
+    bt = b_tile(rows_b, offs_r, n_ok, slot, R)
+    wait_for_previous(PDL)
+    if slot >= 0:
+        t += row * stride_tt
+        tt = t_tile(t, offs_r, n_ok, R)
+        dst = y + row * stride_yt + offs_n
+        yv = tl.load(dst, mask=n_ok, other=0.0).to(tl.float32)
+        d = deltas(rows_b, t, bt, tt, n_ok, slot, R, BLOCK_N, BLOCK_R)
+        tl.store(dst, _round(yv + d, y.dtype.element_ty, SOFT_BF16).to(y.dtype.element_ty), mask=n_ok)
 
 
 def blocks(rank: int, k: int, n: int) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_K, BLOCK_N) for rank R, input K and output N: the rank padded to a power of two up to
-    MAX_BLOCK_R, and K- and N-tiles that make a row's tile of A, and a program's tiles of B, TILE elements (fewer
-    when K or N is smaller)."""
+    MAX_BLOCK_R, and K- and N-tiles that make a tile of A or B TILE elements (fewer when K or N is smaller)."""
     block_r = min(MAX_BLOCK_R, triton.next_power_of_2(rank))
     return (block_r, min(triton.next_power_of_2(k), max(16, TILE // block_r)),
-            min(triton.next_power_of_2(n), max(16, TILE // (block_r * rows_a_program(block_r)))))
+            min(triton.next_power_of_2(n), max(16, TILE // block_r)))
 
 
 @dataclass(frozen=True)
 class Shrink:
     """One projection's LoRA rows between the shrink and the expand: the stacks, each row's slot, the fp32 partials
-    part [T, splits, R] the shrink programs write, and the tiles both halves use (the expand's: its own launch's,
-    expand_, or the GEMV epilogue's, gemv_kernels.gemv)."""
+    part [T, splits, R] the shrink programs write, t [T, R] (their sums, rounded) that the expand reads, and the
+    tiles both halves use (the expand: its own launch, expand_, or the GEMV's epilogue, gemv_kernels.gemv)."""
     a_stack: torch.Tensor
     b_stack: torch.Tensor
     slots: torch.Tensor
     part: torch.Tensor
+    t: torch.Tensor
     block_r: int
     block_n: int
     chunk: int
@@ -198,7 +174,7 @@ class Shrink:
 
     @property
     def block_s(self) -> int:
-        """The expand's tile of chunks: every chunk's partial in one load, summed as one tree."""
+        """The shrink's last program's tile of chunks: every chunk's partial in one load, summed as one tree."""
         return triton.next_power_of_2(self.splits)
 
     @property
@@ -221,29 +197,42 @@ class Shrink:
         block_r, block_k, block_n = blocks(max(rank, 1), k, max(n, 1))
         chunk = max(block_k, K_CHUNK)    # one [BLOCK_R, chunk] tile a program: a row's sums the same in any batch
         part = torch.empty(rows, triton.cdiv(k, chunk), rank, dtype=torch.float32, device=x.device)
-        return cls(a_stack, b_stack, slots, part, block_r, block_n, chunk)
+        t = torch.empty(rows, rank, dtype=x.dtype, device=x.device)
+        return cls(a_stack, b_stack, slots, part, t, block_r, block_n, chunk)
 
     @property
     def empty(self) -> bool:
         return self.part.numel() == 0 or self.b_stack.shape[1] == 0
 
 
+COUNTERS = 1 << 16    # (row, r-block) counters of the shrink's last program, shared by every launch on a device
+
+
+@functools.lru_cache(maxsize=None)
+def _counters(device: torch.device) -> torch.Tensor:
+    """The device's counters: zeros, and each shrink leaves those it used at zero again (its launches run one after
+    another in a stream, each past its PDL wait before it counts, so one buffer serves them all). Made by the
+    first shrink on the device, before any graph's capture (a warm-up step runs eagerly first)."""
+    return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+
+
 def shrink_(x: torch.Tensor, s: Shrink) -> None:
-    """The shrink's launch: s.part from x."""
-    rows = rows_a_program(s.block_r)
-    _shrink_kernel[(triton.cdiv(x.shape[0], rows), s.r_blocks, s.splits)](
-        x, s.a_stack, s.slots, s.part, x.shape[0], x.shape[1], s.rank, x.stride(0), s.a_stack.stride(0),
-        s.a_stack.stride(1), s.part.stride(0), s.part.stride(1), ROWS=rows, BLOCK_R=s.block_r, CHUNK=s.chunk,
-        num_warps=SHRINK_WARPS, **pdl.launch_options(x.device))
+    """The shrink's launch: s.part and s.t from x."""
+    assert x.shape[0] * s.r_blocks <= COUNTERS, f"{x.shape[0]} rows: more than the shrink's counters cover"
+    _shrink_kernel[(x.shape[0], s.r_blocks, s.splits)](
+        x, s.a_stack, s.slots, s.part, s.t, _counters(x.device), x.shape[1], s.rank, s.splits, x.stride(0),
+        s.a_stack.stride(0), s.a_stack.stride(1), s.part.stride(0), s.part.stride(1), s.t.stride(0),
+        BLOCK_R=s.block_r, CHUNK=s.chunk, BLOCK_S=s.block_s, SOFT_BF16=_INTERPRETED, num_warps=SHRINK_WARPS,
+        **pdl.launch_options(x.device))
 
 
 def expand_(y: torch.Tensor, s: Shrink) -> None:
-    """The expand's launch: y += each row's partials summed, rounded, times its slot's B."""
-    n, rows = y.shape[1], rows_a_program(s.block_r)
-    _expand_kernel[(triton.cdiv(y.shape[0], rows), triton.cdiv(n, s.block_n))](
-        s.part, s.b_stack, s.slots, y, y.shape[0], n, s.rank, s.splits, s.part.stride(0), s.part.stride(1),
-        s.b_stack.stride(0), s.b_stack.stride(1), y.stride(0), ROWS=rows, BLOCK_N=s.block_n, BLOCK_R=s.block_r,
-        BLOCK_S=s.block_s, SOFT_BF16=_INTERPRETED, num_warps=NUM_WARPS, **pdl.launch_options(y.device))
+    """The expand's launch: y += each row's t times its slot's B."""
+    n = y.shape[1]
+    _expand_kernel[(y.shape[0], triton.cdiv(n, s.block_n))](
+        s.t, s.b_stack, s.slots, y, n, s.rank, s.t.stride(0), s.b_stack.stride(0), s.b_stack.stride(1), y.stride(0),
+        BLOCK_N=s.block_n, BLOCK_R=s.block_r, SOFT_BF16=_INTERPRETED, num_warps=NUM_WARPS,
+        **pdl.launch_options(y.device))
 
 
 def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
