@@ -5,8 +5,9 @@ stays in L2) captured in one CUDA graph and replayed, with and without rank-16 a
 - "base": the GEMV (silu·mul in gate|up's epilogue) at one row, cuBLAS then silu·mul at 32;
 - "lora": the same projections, then lora_kernels.lora_add_'s shrink and expand after each (and silu·mul after
   gate|up's): at 32 rows the rows use 8 adapters in turn;
-- "epilogue" (one row): the shrink's launch, then the GEMV with the expand as its epilogue (silu·mul after the
-  deltas in gate|up's): what cuda_ops runs there.
+- "in_gemv" (one row): the shrink's programs inside the GEMV's launch, then the expand: what cuda_ops runs there;
+- "grouped" (32 rows): the shrink, its last programs writing the rounded ranks, then the expand a program an
+  adapter and n-block on tensor cores: what cuda_ops runs there.
 
 Reports the median replay time of each (ms) and the ratios base / variant: the step's share that the projections
 are; and, per variant, the GPU time of its kernels in one replay by kind (from the profiler), against the replay's
@@ -53,14 +54,14 @@ def step(variant: str, xs: dict, layers, slots):
             if variant == "base" and act and x.shape[0] == 1:
                 gk.gemv_silu_mul(x, w)
                 continue
-            if variant == "epilogue":
-                plan = lk.Shrink.of(x, a, b, slots)
-                if act:
-                    gk.gemv_silu_mul(x, w, lora=plan)
-                    continue
-                y = gk.gemv(x, w, lora=plan)
+            if variant == "in_gemv":
+                shrink = lk.Shrink.of(x, a, b, slots)
+                y = gk.gemv(x, w, shrink=shrink)
+                lk.expand_(y, shrink)
             else:
                 y = gk.gemv(x, w) if x.shape[0] <= 2 else torch.nn.functional.linear(x, w)
+            if variant == "grouped":
+                lk.lora_add_(y, x, a, b, slots, grouped=True)
             if variant == "lora":
                 lk.lora_add_(y, x, a, b, slots)
             if act:
@@ -114,7 +115,7 @@ def main() -> None:
         xs = {name: torch.randn(rows, INTER if name == "down" else HIDDEN, generator=gen, device="cuda").bfloat16()
               for name in ("qkv", "o", "gate_up", "down")}
         slots = (torch.arange(rows, device="cuda") % ADAPTERS)
-        variants = ("base", "lora", "epilogue") if rows == 1 else ("base", "lora")
+        variants = ("base", "lora", "in_gemv") if rows == 1 else ("base", "lora", "grouped")
         graphs = {v: captured(lambda v=v: step(v, xs, layers, slots)) for v in variants}
         ms = {v: replay_median_ms(g, args.repeats) for v, g in graphs.items()}
         kernels = {v: kernel_ms(g) for v, g in graphs.items()}

@@ -1,4 +1,4 @@
-"""Compiles the decode GEMVs (quantized, and dense with and without a LoRA epilogue), the LoRA launches and the
+"""Compiles the decode GEMVs (quantized, and dense with and without a LoRA shrink), the LoRA launches and the
 decode attention's Triton kernels for a Hopper GPU (sm_90) without one, run as a script in a process whose kernels
 are not interpreted (TRITON_INTERPRET unset): Triton's compiler and the ptxas its wheel ships turn each variant into
 a cubin. Prints one line per variant, `ok NAME` or `FAIL NAME: error`; exit status 1 on a
@@ -61,29 +61,34 @@ def decode_over_spans(quant: int) -> str:
         HAS_SOFTCAP=False, HAS_WINDOW=False))
 
 
-def dense_gemv(silu_mul: bool, expand: bool, block_m: int = 1) -> str:
-    """The bf16 decode GEMV, with a LoRA adapter's expand as its epilogue or without (7B's gate_up tile)."""
-    pointers = {"x": "*bf16", "w": "*bf16", "bias": "*bf16", "out": "*bf16", "slots": "*i64", "t": "*bf16",
-                "b_stack": "*bf16"}
+def dense_gemv(silu_mul: bool, shrink: bool) -> str:
+    """The bf16 decode GEMV, carrying a LoRA adapter's shrink programs or not (7B's tile)."""
+    pointers = {"x": "*bf16", "w": "*bf16", "bias": "*bf16", "out": "*bf16", "a_stack": "*bf16", "slots": "*i64",
+                "part": "*fp32"}
     return compile_for_hopper(gemv_kernels._gemv_kernel, pointers, dict(
-        BLOCK_M=block_m, BLOCK_N=2, BLOCK_K=2048, HAS_BIAS=False, SILU_MUL=silu_mul, EXPAND=expand, BLOCK_R=32,
+        BLOCK_M=1, BLOCK_N=2, BLOCK_K=2048, HAS_BIAS=False, SILU_MUL=silu_mul, SHRINK=shrink, BLOCK_R=16, CHUNK=256,
         EVICTION="evict_first", SOFT_BF16=False, PDL=True))
 
 
 def lora_launches() -> str:
+    """The shrink with its last program's sum, the expand a row a program, and the grouped expand on tensor cores."""
     pointers = {"x": "*bf16", "a": "*bf16", "b": "*bf16", "y": "*bf16", "slots": "*i64", "part": "*fp32",
                 "t": "*bf16", "counters": "*i32"}
-    shrink = compile_for_hopper(lora_kernels._shrink_kernel, pointers, dict(BLOCK_R=16, CHUNK=256, BLOCK_S=16,
-                                                                            SOFT_BF16=False, PDL=True))
-    return shrink + compile_for_hopper(lora_kernels._expand_kernel, pointers, dict(
-        BLOCK_N=256, BLOCK_R=16, SOFT_BF16=False, PDL=True))
+    shrink = compile_for_hopper(lora_kernels._shrink_kernel, pointers, dict(
+        BLOCK_R=16, BLOCK_K=256, CHUNK=256, BLOCK_S=16, LAST=True, SOFT_BF16=False, PDL=True))
+    expand = compile_for_hopper(lora_kernels._expand_kernel, pointers, dict(
+        BLOCK_N=256, BLOCK_R=16, BLOCK_S=16, SOFT_BF16=False, PDL=True))
+    grouped = compile_for_hopper(lora_kernels._grouped_expand_kernel, pointers, dict(
+        BLOCK_T=32, BLOCK_N=128, BLOCK_R=16, DOT_PREC="tf32", SOFT_BF16=False, PDL=True))
+    assert "mma" in grouped, "the grouped expand's product is not on tensor cores"
+    return shrink + expand + grouped
 
 
 # name -> (build, what its PTX must contain)
 VARIANTS = {
     "gemv bf16": (lambda: dense_gemv(False, False), "griddepcontrol"),
-    "gemv bf16 with a LoRA expand, two rows": (lambda: dense_gemv(False, True, 2), "griddepcontrol"),
-    "gemv bf16 silu_mul with a LoRA expand": (lambda: dense_gemv(True, True), "griddepcontrol"),
+    "gemv bf16 carrying a LoRA shrink": (lambda: dense_gemv(False, True), "griddepcontrol"),
+    "gemv bf16 silu_mul": (lambda: dense_gemv(True, False), "griddepcontrol"),
     "LoRA shrink and expand launches": (lora_launches, "griddepcontrol"),
     "gemv fp8_e4m3 per channel": (lambda: gemv("fp8_e4m3", -1), "e4m3"),
     "gemv fp8_e4m3 g128": (lambda: gemv("fp8_e4m3", 128), "e4m3"),

@@ -122,8 +122,8 @@ def test_cuda_backend_routes_decode_linears_through_the_gemv(monkeypatch):
 def test_a_wide_weight_of_few_columns_takes_more_rows_a_program(poisoned_empty):
     """A small model's LM head (k <= 1024, n >= 16384) takes 8 rows a program and 4 warps (choose_config). That tile
     (on a narrower weight here: the interpreter runs every program) still rounds the exact product once, and in
-    alone-rows mode each of several rows is what it is alone; an adapter's expand as that tile's epilogue gives
-    lora_add_'s bits (the interpreter's sums do not depend on the tile's layout)."""
+    alone-rows mode each of several rows is what it is alone; an adapter's shrink, whose programs a launch of 4 warps
+    cannot carry, runs in its own launch with the same bits."""
     from allspark_server.compute.cuda import lora_kernels as lk
     from allspark_server.compute.row_mode import alone_rows
     n, k = 40, 48
@@ -141,5 +141,7 @@ def test_a_wide_weight_of_few_columns_takes_more_rows_a_program(poisoned_empty):
     slots = torch.tensor([1, -1, 0], device=DEVICE)
     want = gk.gemv(x, w, config=cfg)
     lk.lora_add_(want, x, a_stack, b_stack, slots)
-    got = gk.gemv(x, w, config=cfg, lora=lk.Shrink.of(x, a_stack, b_stack, slots))
+    shrink = lk.Shrink.of(x, a_stack, b_stack, slots)
+    got = gk.gemv(x, w, config=cfg, shrink=shrink)
+    lk.expand_(got, shrink)
     assert_same_bits(got, want)

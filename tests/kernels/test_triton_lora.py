@@ -77,15 +77,16 @@ def slot_tensor(slots, dtype=torch.int64):
     return torch.tensor(slots, dtype=dtype, device=DEVICE)
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["a-row-a-program", "grouped"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("slots,k,n,rank,count", CASES)
-def test_lora_add_against_float64(dtype, slots, k, n, rank, count, poisoned_empty):
+def test_lora_add_against_float64(dtype, slots, k, n, rank, count, grouped, poisoned_empty):
     rows = len(slots)
     x = rows_view(rows, k, dtype, seed=k)                                                   # [T, K] strided
     y = rows_view(rows, n, dtype, seed=n)                                                   # [T, N] strided
     a_stack, b_stack, unpadded = adapters(count, [rank] * count, rank, k, n, dtype, seed=rank)
     before = y.clone()
-    lk.lora_add_(y, x, a_stack, b_stack, slot_tensor(slots))
+    lk.lora_add_(y, x, a_stack, b_stack, slot_tensor(slots), grouped=grouped)
     ref, bound = reference(before, x, unpadded, slots)
     assert_within_bound(y, ref, bound)
     if dtype != torch.float32:
@@ -97,22 +98,37 @@ def test_lora_add_against_float64(dtype, slots, k, n, rank, count, poisoned_empt
     assert_same_bits(y[skipped], before[skipped])
 
 
-@pytest.mark.parametrize("rank", [16, 64, 192], ids=["rank16", "rank64", "rank192"])
-def test_each_row_as_alone_in_any_batch(rank, poisoned_empty):
-    # each of seven rows comes out bit for bit as when it is the only row (192: three rank blocks, each with its
-    # own counter of the shrink's last program)
+@pytest.mark.parametrize("grouped", [False, True], ids=["a-row-a-program", "grouped"])
+@pytest.mark.parametrize("rank", [16, 192], ids=["rank16", "rank192"])
+def test_each_row_as_alone_in_any_batch(rank, grouped, poisoned_empty):
+    # each of seven rows comes out bit for bit as when it is the only row: a program a row, or grouped by adapter
+    # on tensor cores (192: three rank blocks, each with its own counter of the shrink's last program)
     dtype, slots, k, n = torch.bfloat16, [1, -1, 0, 2, 2, 0, 1], 200, 72
     x = rows_view(len(slots), k, dtype, seed=41)
     y = rows_view(len(slots), n, dtype, seed=42)
     a_stack, b_stack, _ = adapters(3, [rank, 8, rank], rank, k, n, dtype, seed=43)
     ids = slot_tensor(slots)
     batched = y.clone()
-    lk.lora_add_(batched, x, a_stack, b_stack, ids)
+    lk.lora_add_(batched, x, a_stack, b_stack, ids, grouped=grouped)
     for t in range(len(slots)):
         alone = y[t:t + 1].clone()
-        lk.lora_add_(alone, x[t:t + 1], a_stack, b_stack, ids[t:t + 1])
+        lk.lora_add_(alone, x[t:t + 1], a_stack, b_stack, ids[t:t + 1], grouped=grouped)
         assert_same_bits(batched[t:t + 1], alone)
     assert not lk._counters(x.device).any(), "the shrink's counters are left at zero for the next launch"
+
+
+def test_grouped_expand_takes_the_rounded_shrink(poisoned_empty):
+    # the grouped expand multiplies B by t, the shrink's sums rounded to the dtype once (by its last program): the
+    # same t as the expand a row a program rounds, so the two differ only in the order of B's fp32 sums
+    dtype, slots, k, n, rank = torch.bfloat16, [0, 1, -1, 1], 300, 48, 16
+    x = rows_view(len(slots), k, dtype, seed=44)
+    a_stack, b_stack, unpadded = adapters(2, [rank, rank], rank, k, n, dtype, seed=45)
+    s = lk.Shrink.of(x, a_stack, b_stack, slot_tensor(slots))
+    lk.shrink_(x, s, last=True)
+    sums = s.part.sum(1)            # the partials' sum (one chunk order; the kernel's tree is within an ulp of it)
+    for row, slot in enumerate(slots):
+        if slot >= 0:
+            assert_within_ulps(s.t[row], sums[row].to(dtype), 1, max_mismatch=0.1)
 
 
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
@@ -231,54 +247,26 @@ def test_replays_in_a_cuda_graph_with_new_slots_and_adapters():
     assert_same_bits(y[2], before[2])
 
 
-EPILOGUE_CASES = [  # (slots, K, N, rank, count): K = 300 is two chunks of 256, the last partial; rank 48 with
-    # 16-wide rank blocks (below) runs every block of row_deltas' loop; the second row of a two-row program is loaded
-    # in the epilogue, the first ahead of the weight stream
-    ([1, -1, 0], 300, 72, 16, 2), ([0, 1], 200, 40, 48, 2), ([-1, 1], 96, 24, 8, 2),
-]
-
-
-def expected_with_lora(x, w, bias, a_stack, b_stack, ids, silu):
-    """The plain GEMV, lora_add_'s two launches, then silu·mul: what the epilogue must give."""
-    from allspark_server.compute.cuda import fused_kernels as fused
-    plain = gk.gemv(x, w, bias)
-    want = plain.clone()
-    lk.lora_add_(want, x, a_stack, b_stack, ids)
-    return plain, want, (fused.silu_mul(want) if silu else want)
-
-
-@pytest.mark.parametrize("silu", [False, True], ids=["linear", "gate_up-silu"])
 @pytest.mark.parametrize("alone", [False, True], ids=["batched", "alone-rows"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
-@pytest.mark.parametrize("slots,k,n,rank,count", EPILOGUE_CASES)
-def test_expand_as_the_gemv_epilogue(dtype, alone, silu, slots, k, n, rank, count, monkeypatch, poisoned_empty):
-    # the shrink's launch, then the decode GEMV with the expand as its epilogue (cuda_ops._lora_linear, and the
-    # MLP's gate_up with silu·mul after the deltas): each row within the bound of float64, rows without an adapter
-    # as the plain GEMV makes them, each row the same alone as in its batch; under the interpreter, whose sums do
-    # not depend on a tile's layout, the same bits as the plain GEMV followed by lora_add_'s two launches
-    monkeypatch.setattr(lk, "MAX_BLOCK_R", 16)
+def test_shrink_inside_the_gemv_launch_gives_the_same_bits(dtype, alone, poisoned_empty):
+    # the decode GEMV carrying the shrink's programs (cuda_ops._lora_linear), then the expand: the same bits as the
+    # plain GEMV followed by lora_add_'s two launches; K = 300 is two chunks of 256, the last partial
+    slots, k, n, rank = [1, -1, 0], 300, 72, 16
     x = rows_view(len(slots), k, dtype, seed=17)
     gen = torch.Generator().manual_seed(18)
     w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(DEVICE, dtype)
-    bias = (torch.randn(n, generator=gen) / 4).to(DEVICE, dtype)
-    a_stack, b_stack, unpadded = adapters(count, [rank] + [8] * (count - 1), rank, k, n, dtype, seed=19)
+    a_stack, b_stack, unpadded = adapters(2, [rank, 8], rank, k, n, dtype, seed=19)
     ids = slot_tensor(slots)
-    run = (lambda x, ids: gk.gemv_silu_mul(x, w, bias, lora=lk.Shrink.of(x, a_stack, b_stack, ids))) if silu else \
-        (lambda x, ids: gk.gemv(x, w, bias, lora=lk.Shrink.of(x, a_stack, b_stack, ids)))
     with row_mode.alone_rows(alone):
-        plain, with_deltas, want = expected_with_lora(x, w, bias, a_stack, b_stack, ids, silu)
-        got = run(x, ids)
-        alone_got = torch.cat([run(x[i:i + 1], ids[i:i + 1]) for i in range(len(slots))])
-    assert_same_bits(got, alone_got)
-    if DEVICE != "cuda":
-        assert_same_bits(got, want)
-    if not silu:
-        ref, bound = reference(plain, x, unpadded, slots)
-        assert_within_bound(got, ref, bound)
-    else:
-        # the deltas within their bound before the activation: the gate_up product with deltas, recovered by the
-        # epilogue-free launch on the same rows, against float64; the activation's roundings as fused.silu_mul's
-        assert_within_ulps(got, want, 2, max_mismatch=0.1)
-    for row, s in enumerate(slots):
-        if s < 0:
-            assert_same_bits(got[row], (plain if not silu else want)[row])
+        want = gk.gemv(x, w)
+        plain = want.clone()
+        lk.lora_add_(want, x, a_stack, b_stack, ids)
+        shrink = lk.Shrink.of(x, a_stack, b_stack, ids)
+        assert shrink.splits == 2 and shrink.programs == len(slots) * 2
+        y = gk.gemv(x, w, shrink=shrink)
+        lk.expand_(y, shrink)
+    assert_same_bits(y, want)
+    ref, bound = reference(plain, x, unpadded, slots)
+    assert_within_bound(y, ref, bound)
+

@@ -90,9 +90,12 @@ def prefill_attention(q, k_cache, v_cache, meta, options: Attention, out, k_para
 
 
 def lora_add_(y, x, lora, rows):
-    """ops.lora_add_: y += each row's adapter delta, the slots' stacked A and B gathered by row (lora_kernels.py)."""
+    """ops.lora_add_: y += each row's adapter delta, the slots' stacked A and B gathered by row (lora_kernels.py):
+    rows past the GEMV's take the grouped expand (B read once an adapter), except in the row modes, whose rows must
+    come out as the GEMV's one-row launches make them."""
     a_stack, b_stack = lora.stacked()
-    lora_kernels.lora_add_(y, x, a_stack, b_stack, rows.slots)
+    grouped = x.shape[0] > gemv_kernels.GEMV_MAX_ROWS and not (row_mode.alone() or row_mode.invariant())
+    lora_kernels.lora_add_(y, x, a_stack, b_stack, rows.slots, grouped=grouped)
     return y
 
 
@@ -102,22 +105,20 @@ def takes_lora(lora, lora_rows) -> bool:
     return lora is not None and lora_rows is not None and (lora.has_fixed_storage or not lora.is_empty)
 
 
-def _lora_plan(x, lora, lora_rows) -> lora_kernels.Shrink:
-    a_stack, b_stack = lora.stacked()
-    return lora_kernels.Shrink.of(x, a_stack, b_stack, lora_rows.slots)
-
-
 def _lora_linear(x, w, bias, lora, lora_rows):
-    """linear(x, w, bias) plus the rows' adapter deltas: where the GEMV takes the rows, the shrink's launch and the
-    GEMV with the expand as its epilogue (gemv_kernels.gemv); elsewhere lora_add_'s two launches after the linear."""
+    """linear(x, w, bias) plus the rows' adapter deltas: where the GEMV takes the rows, the adapter's shrink runs in
+    the GEMV's own launch where it can (gemv_kernels._launch) and only its expand in one more; elsewhere lora_add_'s
+    two launches."""
     if not takes_lora(lora, lora_rows):
         return linear(x, w, bias)
-    if EPILOGUE and isinstance(w, torch.Tensor) and gemv_kernels.fits(x, w):
-        return gemv_kernels.gemv(x, w, bias, lora=_lora_plan(x, lora, lora_rows))
+    if isinstance(w, torch.Tensor) and gemv_kernels.fits(x, w):
+        a_stack, b_stack = lora.stacked()
+        shrink = lora_kernels.Shrink.of(x, a_stack, b_stack, lora_rows.slots)
+        y = gemv_kernels.gemv(x, w, bias, shrink=shrink)
+        if not shrink.empty:
+            lora_kernels.expand_(y, shrink)
+        return y
     return lora_add_(linear(x, w, bias), x, lora, lora_rows)
-
-
-EPILOGUE = True
 
 
 def attention_step(x, b, slots, spans, ctx, cos, sin, lora_rows=None):
@@ -184,16 +185,11 @@ def gate_up_silu_mul(h: torch.Tensor, gate_up: "torch.Tensor | QuantizedWeight",
 
 
 def mlp_step(x, b, lora_rows=None):
-    """A BoundMlp step: silu's gate|up GEMV may take the activation as its epilogue, after an adapter's deltas where
-    rows use one; the down projection's output before the allreduce."""
+    """A BoundMlp step: silu's gate|up GEMV may take the activation as its epilogue (not where an adapter adds to
+    gate|up first); the down projection's output before the allreduce."""
     if takes_lora(b.gate_up_lora, lora_rows):
-        if (EPILOGUE and b.step.act == "silu" and isinstance(b.gate_up, torch.Tensor)
-                and gemv_kernels.fits_silu_mul(x, b.gate_up)):
-            plan = _lora_plan(x, b.gate_up_lora, lora_rows)
-            a = gemv_kernels.gemv_silu_mul(x, b.gate_up, b.gate_up_bias, lora=plan)
-        else:
-            a = (silu_mul if b.step.act == "silu" else gelu_tanh_mul)(
-                _lora_linear(x, b.gate_up, b.gate_up_bias, b.gate_up_lora, lora_rows))
+        a = (silu_mul if b.step.act == "silu" else gelu_tanh_mul)(
+            _lora_linear(x, b.gate_up, b.gate_up_bias, b.gate_up_lora, lora_rows))
     elif b.step.act == "silu":
         a = gate_up_silu_mul(x, b.gate_up, b.gate_up_bias)
     else:

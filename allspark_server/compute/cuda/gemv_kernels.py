@@ -25,7 +25,6 @@ import triton.language as tl
 
 from allspark_client import settings
 from allspark_server.compute import row_mode
-from allspark_server.compute.cuda import fused_kernels as fused
 from allspark_server.compute.cuda import lora_kernels, pdl
 from allspark_server.compute.cuda.fused_kernels import _round, _silu_mul_rounded
 from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
@@ -66,24 +65,30 @@ def _accumulate(acc, acc_up, wt, wu, x, offs_m, offs_k, M, K, stride_xm, BLOCK_M
 
 @triton.jit(do_not_specialize=["grid_rows"])
 def _gemv_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_rows, grid_rows,
-                 slots, t, b_stack, R, stride_tt, stride_bs, stride_bn,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 SILU_MUL: tl.constexpr, EXPAND: tl.constexpr, BLOCK_R: tl.constexpr,
+                 a_stack, slots, part, R, stride_as, stride_ar, stride_pt, stride_ps, shrink_programs, r_blocks,
+                 splits, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 SILU_MUL: tl.constexpr, SHRINK: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
                  EVICTION: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
     """Program = BLOCK_N outputs: y[:M, n] = sum_k x[:M, k] w[n, k] (+ bias[n]) in fp32, rounded once to out's
     dtype. SILU_MUL: rows n and up_rows + n of w are a gate and an up row; out = silu(gate) * up, rounded where
     ops.silu_mul rounds (gate, up, silu(gate), the product). PDL (pdl.py): the first k-tile of the weight is
     loaded before waiting for the kernel that writes x. grid_rows: programs per BLOCK_N outputs, each on its own
     row of x and of out (alone-rows mode: M = 1 a program; 1 otherwise), neighbours in the grid, so that a weight
-    tile read from memory for one row is in L2 for the others. EXPAND: a LoRA adapter's expand as the epilogue
-    (lora_kernels.deltas over the t the shrink's launch just wrote; rows with slot < 0 keep their bits): each
-    rounded output plus its row's delta, rounded once, before silu·mul. The first row's slot and B tiles are read
-    while the first weight tile comes, its t right after the wait: the epilogue waits on nothing."""
+    tile read from memory for one row is in L2 for the others. SHRINK: the first shrink_programs programs are a
+    LoRA adapter's shrink (lora_kernels.shrink_program, (row, r-block, k-chunk) with the chunk fastest), so that
+    only its expand needs a launch of its own."""
     allow_next(PDL)
     pid = tl.program_id(0)
-    row0 = (pid % grid_rows).to(tl.int64)
-    x += row0 * stride_xm
-    out += row0 * stride_om
+    if SHRINK:
+        if pid < shrink_programs:
+            per_row = r_blocks * splits
+            lora_kernels.shrink_program(pid // per_row, pid % per_row // splits, pid % splits, x, a_stack, slots, part,
+                                        K, R, stride_xm, stride_as, stride_ar, stride_pt, stride_ps, BLOCK_R, CHUNK,
+                                        CHUNK, PDL)
+            return
+        pid -= shrink_programs
+    x += (pid % grid_rows).to(tl.int64) * stride_xm
+    out += (pid % grid_rows).to(tl.int64) * stride_om
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = (pid // grid_rows) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -93,17 +98,7 @@ def _gemv_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_r
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
     wt, wu = _weight_tiles(rows, up, offs_k, n_ok, K, SILU_MUL, EVICTION)
-    if EXPAND:   # the first row's slot and first B tiles (host-written slots and weights) while the weight comes
-        offs_r = tl.arange(0, BLOCK_R)
-        slot0 = tl.load(slots + row0).to(tl.int64)
-        rows_b0 = lora_kernels.b_rows(b_stack, slot0, offs_n, stride_bs, stride_bn)
-        bg0 = lora_kernels.b_tile(rows_b0, offs_r, n_ok, slot0, R)
-        bu0 = bg0
-        if SILU_MUL:
-            bu0 = lora_kernels.b_tile(rows_b0 + up_rows * stride_bn, offs_r, n_ok, slot0, R)
     wait_for_previous(PDL)
-    if EXPAND:   # written by the shrink's launch, complete behind the wait; used only in the epilogue
-        tt0 = lora_kernels.t_tile(t + row0 * stride_tt, offs_r, n_ok, R)
     acc, acc_up = _accumulate(acc, acc_up, wt, wu, x, offs_m, offs_k, M, K, stride_xm, BLOCK_M, SILU_MUL)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -115,29 +110,8 @@ def _gemv_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_r
         if SILU_MUL:
             acc_up += tl.load(bias + up_rows + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y = _round(acc, dt, SOFT_BF16)
-    y_up = _round(acc_up, dt, SOFT_BF16)
-    if EXPAND:
-        for i in tl.static_range(BLOCK_M):
-            row = row0 + tl.minimum(i, M - 1)       # rows past M repeat the last (their sums are never stored)
-            t_row = t + row * stride_tt
-            if i == 0:
-                slot, rows_b, bg, bu, tt = slot0, rows_b0, bg0, bu0, tt0
-            else:
-                slot = tl.load(slots + row).to(tl.int64)
-                rows_b = lora_kernels.b_rows(b_stack, slot, offs_n, stride_bs, stride_bn)
-                bg = lora_kernels.b_tile(rows_b, offs_r, n_ok, slot, R)
-                bu = bg
-                if SILU_MUL:
-                    bu = lora_kernels.b_tile(rows_b + up_rows * stride_bn, offs_r, n_ok, slot, R)
-                tt = lora_kernels.t_tile(t_row, offs_r, n_ok, R)
-            take = (offs_m[:, None] == i) & (slot >= 0)
-            dg = lora_kernels.deltas(rows_b, t_row, bg, tt, n_ok, slot, R, BLOCK_N, BLOCK_R)
-            y = tl.where(take, _round(y + dg[None, :], dt, SOFT_BF16), y)
-            if SILU_MUL:
-                du = lora_kernels.deltas(rows_b + up_rows * stride_bn, t_row, bu, tt, n_ok, slot, R, BLOCK_N, BLOCK_R)
-                y_up = tl.where(take, _round(y_up + du[None, :], dt, SOFT_BF16), y_up)
     if SILU_MUL:   # gate and up rounded as the linear rounds them, then silu·mul's roundings
-        y = _silu_mul_rounded(y, y_up, dt, SOFT_BF16)
+        y = _silu_mul_rounded(y, _round(acc_up, dt, SOFT_BF16), dt, SOFT_BF16)
     dst = out + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(dst, y.to(dt), mask=(offs_m < M)[:, None] & n_ok[None, :])
 
@@ -263,35 +237,34 @@ def fits_silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
     return fits(x, gate_up, SILU_MUL_MAX_ROWS)
 
 
-def _launch(x, w, bias, out_cols, up_rows, silu_mul, config, lora=None):
+def _launch(x, w, bias, out_cols, up_rows, silu_mul, config, shrink=None):
     m, k = x.shape
     assert w.shape[1] == k and x.stride(-1) == 1 and w.is_contiguous(), (tuple(x.shape), tuple(w.shape))
     assert bias is None or (bias.shape == (w.shape[0],) and bias.is_contiguous())
     out = torch.empty(m, out_cols, dtype=x.dtype, device=x.device)                       # [M, N]
     if m == 0 or out_cols == 0:
         return out
-    s = lora if lora is not None and not lora.empty else None
-    if s is not None:
+    invariant = row_mode.invariant()
+    cfg = config or (choose_dot_config(out_cols, silu_mul) if invariant else choose_config(k, out_cols, silu_mul))
+    s = shrink if shrink is not None and not shrink.empty else None
+    if s is not None and (invariant or cfg.num_warps != lora_kernels.SHRINK_WARPS):
+        # a launch that cannot carry the shrink's programs (the tensor-core kernel, or other warps than the shrink's
+        # own): the shrink in its own launch, and the GEMV's tile what it is without an adapter
         lora_kernels.shrink_(x, s)
-    if row_mode.invariant():
-        cfg = config or choose_dot_config(out_cols, silu_mul)
-        if s is None:
-            return _launch_invariant(x, w, bias, out, up_rows, silu_mul, cfg)
-        # the tensor-core kernel has no expand epilogue: its own launch, and silu·mul after the adapters' deltas
-        both = _launch_invariant(x, w, bias, torch.empty(m, w.shape[0], dtype=x.dtype, device=x.device), 0, False,
-                                 config or choose_dot_config(w.shape[0]))
-        lora_kernels.expand_(both, s)
-        return fused.silu_mul(both) if silu_mul else both
-    cfg = config or choose_config(k, out_cols, silu_mul)
+        s = None
+    if invariant:
+        return _launch_invariant(x, w, bias, out, up_rows, silu_mul, cfg)
     # alone-rows mode: a program a row, each the one-row launch's (M = 1, BLOCK_M = 1), so its sums are the same
     grid_rows = m if row_mode.alone() else 1
     rows = m // grid_rows                                                               # rows a program
-    slots, t, b_stack = (s.slots, s.t, s.b_stack) if s else (w, w, w)     # unread without an adapter
-    _gemv_kernel[(triton.cdiv(out_cols, cfg.block_n) * grid_rows,)](
+    a_stack, slots, part = (s.a_stack, s.slots, s.part) if s else (w, w, w)     # unread without a shrink
+    programs = s.programs if s else 0
+    _gemv_kernel[(programs + triton.cdiv(out_cols, cfg.block_n) * grid_rows,)](
         x, w, w if bias is None else bias, out, rows, out_cols, k, x.stride(0), w.stride(0), out.stride(0),
-        up_rows, grid_rows, slots, t, b_stack, s.rank if s else 0, t.stride(0), b_stack.stride(0),
-        b_stack.stride(-2), BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EXPAND=s is not None, BLOCK_R=s.block_r if s else 16,
+        up_rows, grid_rows, a_stack, slots, part, s.rank if s else 0, a_stack.stride(0), a_stack.stride(-2),
+        part.stride(0), part.stride(1), programs, s.r_blocks if s else 1, s.splits if s else 1,
+        BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
+        SILU_MUL=silu_mul, SHRINK=s is not None, BLOCK_R=s.block_r if s else 16, CHUNK=s.chunk if s else 16,
         EVICTION=cfg.eviction, SOFT_BF16=_INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         enable_fp_fusion=False, **pdl.launch_options(x.device))
     return out
@@ -308,21 +281,20 @@ def _launch_invariant(x, w, bias, out, up_rows, silu_mul, cfg):
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None, lora: "lora_kernels.Shrink | None" = None) -> torch.Tensor:
+         config: GemvConfig | None = None, shrink: "lora_kernels.Shrink | None" = None) -> torch.Tensor:
     """x [M, K] @ w [N, K].T (+ bias [N]) -> [M, N] in x's dtype (any M runs; `fits` says where it pays).
-    lora (lora_kernels.Shrink.of(x, a_stack, b_stack, slots)): each row's adapter delta added, as lora_add_ adds it
-    to the plain product: the shrink's launch, then this one with the expand as its epilogue."""
-    return _launch(x, w, bias, w.shape[0], 0, False, config, lora)
+    shrink (lora_kernels.Shrink.of(x, a_stack, b_stack, slots)): the adapter's shrink of x runs in the same launch, into
+    shrink.part; lora_kernels.expand_(y, shrink) then adds the deltas."""
+    return _launch(x, w, bias, w.shape[0], 0, False, config, shrink)
 
 
 def gemv_silu_mul(x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: GemvConfig | None = None, lora: "lora_kernels.Shrink | None" = None) -> torch.Tensor:
+                  config: GemvConfig | None = None) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) for the merged gate_up [2I, K] (gate rows first, as
-    MergedColumnParallelLinear lays them out) -> [M, I]: ops.silu_mul(ops.linear(x, gate_up, bias)) in one launch
-    (lora: the adapter deltas added to gate and up before the activation, as `gemv` adds them)."""
+    MergedColumnParallelLinear lays them out) -> [M, I]: ops.silu_mul(ops.linear(x, gate_up, bias)) in one launch."""
     assert gate_up.shape[0] % 2 == 0, gate_up.shape
     inter = gate_up.shape[0] // 2
-    return _launch(x, gate_up, bias, inter, inter, True, config, lora)
+    return _launch(x, gate_up, bias, inter, inter, True, config)
 
 
 _INTERPRETED = not isinstance(_gemv_kernel, triton.JITFunction)   # decorated under TRITON_INTERPRET=1

@@ -21,9 +21,8 @@ wait (`slots` comes from the step's host-to-device copies, never from a kernel: 
 load of x or of the partials after it. On an H200 (7B shape, rank 16 on all seven modules) that took the batch-1
 adapter step from 0.82x to 0.90x the base model's; grouping a batch's rows by adapter (each tile read once per
 adapter, the rows in a loop) gave 0.82x (benchmarks/lora_kernels_micro.py, lora.py). Decode rows the Triton GEMV
-takes run the shrink first and the expand as the GEMV's epilogue (`row_deltas`, gemv_kernels.gemv's `lora`): the
-GEMV's wait covers the shrink, its programs load their partials and B tiles ahead of the weight stream, and the
-expand's own launch, whose dependent loads sat on the step's critical path, is gone.
+takes carry the shrink's programs in the GEMV's own launch (`Shrink`, gemv_kernels.gemv), so only the expand needs
+a launch of its own.
 """
 from __future__ import annotations
 
@@ -43,103 +42,144 @@ MAX_BLOCK_R = 64    # rank columns a program holds: R = 192 is three shrink prog
 K_CHUNK = 128       # input columns a shrink program sums (fixed: a row's sums never depend on the batch)
 TILE = 4096         # elements of A or B a program holds per step (BLOCK_R * BLOCK_K, BLOCK_N * BLOCK_R)
 NUM_WARPS = 4
+# the shrink's warps: those of the GEMV launch that may carry it (gemv_kernels.choose_config), so that a shrink
+# program's tile is laid out, and its sum taken, the same in either launch (gemv_kernels._launch checks it)
 SHRINK_WARPS = 8
 
 
 @triton.jit
-def _shrink_kernel(x, a, slots, part, t, counters, K, R, SPLITS, stride_xt, stride_as, stride_ar, stride_pt,
-                   stride_ps, stride_tt, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
-                   SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
-    """Program (row, r-block, k-chunk): part[row, chunk, r] = sum over the chunk's k of x[row, k] a[s, r, k] in
-    fp32, for BLOCK_R ranks r; nothing when s = slots[row] < 0. The last of a (row, r-block)'s chunk programs to
-    finish (a counter, left at zero again) sums every chunk's partial as one tree, the same whichever program it is,
-    and writes t[row, r] rounded to x's dtype: PEFT's lora_A(x) in the module dtype, which the expand only reads.
-    The slot and the first tile of A are read before the PDL wait (slots: written by the step's host-to-device
-    copies, pdl.py)."""
-    allow_next(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(2)
+def shrink_program(row, r_block, chunk, x, a, slots, part, K, R, stride_xt, stride_as, stride_ar, stride_pt,
+                   stride_ps, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Shrink program (row, r-block, k-chunk): part[row, chunk, r] = sum over the chunk's k of x[row, k] a[s, r, k]
+    in fp32, for BLOCK_R ranks r; nothing when s = slots[row] < 0. The slot and the first tile of A are read before
+    the PDL wait (slots: written by the step's host-to-device copies, pdl.py). _shrink_kernel's programs, and the
+    first programs of a GEMV launch that carries the shrink (gemv_kernels)."""
+    row = row.to(tl.int64)
     slot = tl.load(slots + row).to(tl.int64)
-    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_r = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < R
     rows_a = a + tl.maximum(slot, 0) * stride_as + offs_r.to(tl.int64)[:, None] * stride_ar    # [BR, 1]
-    offs_k = chunk * CHUNK + tl.arange(0, CHUNK)
-    k_ok = offs_k < K
+    offs_k = chunk * CHUNK + tl.arange(0, BLOCK_K)
     live = r_ok & ((offs_r * 0 + slot) >= 0)                                            # nothing to read: s < 0
-    ak = tl.load(rows_a + offs_k[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)  # [BR, CHUNK]
+    ak = tl.load(rows_a + offs_k[None, :], mask=live[:, None] & (offs_k < K)[None, :], other=0.0)  # [BR, BK]
     wait_for_previous(PDL)
     if slot >= 0:
-        xk = tl.load(x + row * stride_xt + offs_k, mask=k_ok, other=0.0).to(tl.float32)     # [CHUNK]
-        part += row * stride_pt
-        tl.store(part + chunk * stride_ps + offs_r, tl.sum(ak.to(tl.float32) * xk[None, :], 1), mask=r_ok)
-        tl.debug_barrier()                  # every thread's partial stored before the count says so
-        counter = counters + row * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
-            offs_s = tl.arange(0, BLOCK_S)
-            parts = tl.load(part + offs_s[:, None] * stride_ps + offs_r[None, :],
-                            mask=(offs_s < SPLITS)[:, None] & r_ok[None, :], other=0.0, cache_modifier=".cg")
-            dt = t.dtype.element_ty
-            tl.store(t + row * stride_tt + offs_r, _round(tl.sum(parts, 0), dt, SOFT_BF16).to(dt), mask=r_ok)
-            tl.atomic_xchg(counter, 0)
+        x += row * stride_xt
+        acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for k0 in range(0, CHUNK, BLOCK_K):
+            offs_k = chunk * CHUNK + k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            if k0 > 0:
+                ak = tl.load(rows_a + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            xk = tl.load(x + offs_k, mask=k_ok, other=0.0).to(tl.float32)                      # [BK]
+            acc += tl.sum(ak.to(tl.float32) * xk[None, :], 1)
+        tl.store(part + row * stride_pt + chunk * stride_ps + offs_r, acc, mask=r_ok)
 
 
 @triton.jit
-def b_rows(b, slot, offs_n, stride_bs, stride_bn):
-    """Pointers [BN, 1] to the rows offs_n of slot `slot`'s B (slot 0's when s < 0: never read then)."""
-    return b + tl.maximum(slot, 0).to(tl.int64) * stride_bs + offs_n.to(tl.int64)[:, None] * stride_bn
+def _shrink_kernel(x, a, slots, part, t, counters, K, R, SPLITS, stride_xt, stride_as, stride_ar, stride_pt,
+                   stride_ps, stride_tt, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
+                   BLOCK_S: tl.constexpr, LAST: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, r-block, k-chunk): shrink_program's. LAST: the last of a (row, r-block)'s chunk programs to
+    finish (a counter, which it leaves at zero again) sums every chunk's partial as one tree, the same whichever
+    program it is, and writes t[row, r] rounded to x's dtype (PEFT's lora_A(x) in the module dtype) for the grouped
+    expand, which only reads it."""
+    allow_next(PDL)
+    row, r_block = tl.program_id(0), tl.program_id(1)
+    shrink_program(row, r_block, tl.program_id(2), x, a, slots, part, K, R, stride_xt, stride_as, stride_ar,
+                   stride_pt, stride_ps, BLOCK_R, BLOCK_K, CHUNK, PDL)
+    if LAST:
+        row = row.to(tl.int64)
+        if tl.load(slots + row) >= 0:
+            tl.debug_barrier()                  # every thread's partial stored before the count says so
+            counter = counters + row * tl.num_programs(1) + r_block
+            if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
+                offs_r = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
+                offs_s = tl.arange(0, BLOCK_S)
+                parts = tl.load(part + row * stride_pt + offs_s[:, None] * stride_ps + offs_r[None, :],
+                                mask=(offs_s < SPLITS)[:, None] & (offs_r < R)[None, :], other=0.0,
+                                cache_modifier=".cg")
+                dt = t.dtype.element_ty
+                tl.store(t + row * stride_tt + offs_r, _round(tl.sum(parts, 0), dt, SOFT_BF16).to(dt),
+                         mask=offs_r < R)
+                tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
-def b_tile(rows_b, offs_r, n_ok, slot, R):
-    """B's tile [BN, BR] of ranks offs_r on the rows rows_b (zeros past R, past N, and everywhere when s < 0)."""
-    live = n_ok & ((n_ok.to(tl.int32) * 0 + slot) >= 0)
-    return tl.load(rows_b + offs_r[None, :], mask=live[:, None] & (offs_r < R)[None, :], other=0.0)
-
-
-@triton.jit
-def t_tile(t_row, offs_r, n_ok, R):
-    """A row's t at ranks offs_r, repeated on each of the BN rows of B's tile [BN, BR] (one load in that tile's
-    layout, no exchange between threads), in fp32."""
-    ptrs = t_row + offs_r[None, :] + (n_ok.to(tl.int32) * 0)[:, None]
-    return tl.load(ptrs, mask=(offs_r < R)[None, :], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def deltas(rows_b, t_row, bt, tt, n_ok, slot, R, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    """A row's adapter deltas d[n] = sum_r t[r] b[s, n, r] for BN outputs, in fp32, over BLOCK_R ranks at a time.
-    bt, tt: the first block's tiles of B and t, loaded by the caller ahead of need; later blocks are loaded here."""
-    d = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        if r0 > 0:
-            offs_r = r0 + tl.arange(0, BLOCK_R)
-            bt = b_tile(rows_b, offs_r, n_ok, slot, R)
-            tt = t_tile(t_row, offs_r, n_ok, R)
-        d += tl.sum(bt.to(tl.float32) * tt, 1)
-    return d
-
-
-@triton.jit
-def _expand_kernel(t, b, slots, y, N, R, stride_tt, stride_bs, stride_bn, stride_yt, BLOCK_N: tl.constexpr,
-                   BLOCK_R: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
-    """Program (row, n-block): y[row, n] = round(y[row, n] + deltas' d[n]) in y's dtype for BLOCK_N outputs n;
-    nothing when s = slots[row] < 0. The slot and the first BLOCK_R ranks of B are read before the PDL wait, t and
-    y together after it."""
+def _expand_kernel(part, b, slots, y, N, R, SPLITS, stride_pt, stride_ps, stride_bs, stride_bn, stride_yt,
+                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SOFT_BF16: tl.constexpr,
+                   PDL: tl.constexpr):
+    """Program (row, n-block): t = the shrink's partials summed over its chunks in order, rounded to y's dtype;
+    y[row, n] += sum_r t[r] b[s, n, r] in fp32, the sum with y rounded once to y's dtype, for BLOCK_N outputs n;
+    nothing when s = slots[row] < 0. The slot and the first BLOCK_R ranks of B are read before the PDL wait."""
     allow_next(PDL)
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots + row).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    rows_b = b_rows(b, slot, offs_n, stride_bs, stride_bn)
+    rows_b = b + tl.maximum(slot, 0) * stride_bs + offs_n.to(tl.int64)[:, None] * stride_bn    # [BN, 1]
     offs_r = tl.arange(0, BLOCK_R)
-    bt = b_tile(rows_b, offs_r, n_ok, slot, R)
+    live = n_ok & ((offs_n * 0 + slot) >= 0)                                            # nothing to read: s < 0
+    br = tl.load(rows_b + offs_r[None, :], mask=live[:, None] & (offs_r < R)[None, :], other=0.0)  # [BN, BR]
     wait_for_previous(PDL)
-    if slot >= 0:
-        t += row * stride_tt
-        tt = t_tile(t, offs_r, n_ok, R)
-        dst = y + row * stride_yt + offs_n
-        yv = tl.load(dst, mask=n_ok, other=0.0).to(tl.float32)
-        d = deltas(rows_b, t, bt, tt, n_ok, slot, R, BLOCK_N, BLOCK_R)
-        tl.store(dst, _round(yv + d, y.dtype.element_ty, SOFT_BF16).to(y.dtype.element_ty), mask=n_ok)
+    if slot < 0:
+        return
+    part += row * stride_pt
+    dst = y + row * stride_yt + offs_n
+    yv = tl.load(dst, mask=n_ok, other=0.0).to(tl.float32)         # with the partials: both wait on the same kernel
+    dt = y.dtype.element_ty
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_ok = offs_r < R
+        offs_s = tl.arange(0, BLOCK_S)      # every chunk's partial in one load, summed as one tree: the same
+        parts = tl.load(part + offs_s[:, None] * stride_ps + offs_r[None, :],              # sum alone or batched
+                        mask=(offs_s < SPLITS)[:, None] & r_ok[None, :], other=0.0)                # [BS, BR]
+        tr = _round(tl.sum(parts, 0), dt, SOFT_BF16).to(dt).to(tl.float32)                    # [BR]
+        if r0 > 0:
+            br = tl.load(rows_b + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        acc += tl.sum(br.to(tl.float32) * tr[None, :], 1)
+    tl.store(dst, _round(yv + acc, dt, SOFT_BF16).to(dt), mask=n_ok)
+
+
+@triton.jit
+def _grouped_expand_kernel(t, b, slots, y, T, N, R, stride_tt, stride_bs, stride_bn, stride_yt,
+                           BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                           DOT_PREC: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
+    """Program (slot s, n-block): the rows t < T with slots[t] == s (none: nothing but the wait) take
+    y[t, n] = round(y[t, n] + sum_r B[s, n, r] t[t, r]) for BLOCK_N outputs n, as one tensor-core product of s's
+    tile of B [BN, BR] and those rows' t [BR, BLOCK_T] (other rows' columns zero): each tile of B is read once for
+    all its rows, not once a row. A row's sums never depend on the other rows (an MMA's output element sums its own
+    column). DOT_PREC: "ieee" for fp32 (no tf32)."""
+    allow_next(PDL)
+    s = tl.program_id(0)
+    offs_t = tl.arange(0, BLOCK_T)
+    mine = tl.load(slots + offs_t, mask=offs_t < T, other=-1) == s                          # [BT]
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows_b = b + s.to(tl.int64) * stride_bs + offs_n.to(tl.int64)[:, None] * stride_bn      # [BN, 1]
+    offs_r = tl.arange(0, BLOCK_R)
+    any_row = tl.max(mine.to(tl.int32), 0) > 0
+    live_n = n_ok & ((offs_n * 0 + any_row.to(tl.int32)) > 0)                          # nothing to read: no row
+    bt = tl.load(rows_b + offs_r[None, :], mask=live_n[:, None] & (offs_r < R)[None, :], other=0.0)
+    wait_for_previous(PDL)          # every program waits: this kernel completes only after the one before
+    if any_row:
+        t_cols = t + offs_t.to(tl.int64)[None, :] * stride_tt                                # [1, BT]
+        dst = y + offs_t.to(tl.int64)[None, :] * stride_yt + offs_n[:, None]                # [BN, BT]
+        out_ok = n_ok[:, None] & mine[None, :]
+        yv = tl.load(dst, mask=out_ok, other=0.0).to(tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+        for r0 in range(0, R, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            if r0 > 0:
+                bt = tl.load(rows_b + offs_r[None, :], mask=n_ok[:, None] & (offs_r < R)[None, :], other=0.0)
+            tt = tl.load(t_cols + offs_r[:, None], mask=(offs_r < R)[:, None] & mine[None, :], other=0.0)
+            if SOFT_BF16:   # the interpreter's dot of 16-bit floats is wrong: theirs in fp32 (products exact)
+                acc = tl.dot(bt.to(tl.float32), tt.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(bt, tt, acc, input_precision=DOT_PREC)
+        dt = y.dtype.element_ty
+        tl.store(dst, _round(yv + acc, dt, SOFT_BF16).to(dt), mask=out_ok)
 
 
 def blocks(rank: int, k: int, n: int) -> tuple[int, int, int]:
@@ -153,8 +193,8 @@ def blocks(rank: int, k: int, n: int) -> tuple[int, int, int]:
 @dataclass(frozen=True)
 class Shrink:
     """One projection's LoRA rows between the shrink and the expand: the stacks, each row's slot, the fp32 partials
-    part [T, splits, R] the shrink programs write, t [T, R] (their sums, rounded) that the expand reads, and the
-    tiles both halves use (the expand: its own launch, expand_, or the GEMV's epilogue, gemv_kernels.gemv)."""
+    part [T, splits, R] the shrink programs write, t [T, R] (their sums, rounded: written only for the grouped
+    expand), and the tiles both halves use."""
     a_stack: torch.Tensor
     b_stack: torch.Tensor
     slots: torch.Tensor
@@ -174,12 +214,17 @@ class Shrink:
 
     @property
     def block_s(self) -> int:
-        """The shrink's last program's tile of chunks: every chunk's partial in one load, summed as one tree."""
+        """Every chunk's partial in one tile, summed as one tree."""
         return triton.next_power_of_2(self.splits)
 
     @property
     def r_blocks(self) -> int:
         return triton.cdiv(self.rank, self.block_r)
+
+    @property
+    def programs(self) -> int:
+        """Shrink programs: (row, r-block, k-chunk), the chunk fastest."""
+        return self.part.shape[0] * self.r_blocks * self.splits
 
     @classmethod
     def of(cls, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, slots: torch.Tensor) -> "Shrink":
@@ -206,51 +251,69 @@ class Shrink:
 
 
 COUNTERS = 1 << 16    # (row, r-block) counters of the shrink's last program, shared by every launch on a device
+GROUPED_BLOCK_N = 128    # outputs a grouped expand program takes
+GROUPED_MAX_ROWS = 256   # rows a grouped expand takes (one tile of t); more: the expand a row a program
 
 
 @functools.lru_cache(maxsize=None)
 def _counters(device: torch.device) -> torch.Tensor:
     """The device's counters: zeros, and each shrink leaves those it used at zero again (its launches run one after
     another in a stream, each past its PDL wait before it counts, so one buffer serves them all). Made by the
-    first shrink on the device, before any graph's capture (a warm-up step runs eagerly first)."""
+    first grouped shrink on a device, before any graph's capture (a warm-up step runs eagerly first)."""
     return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
 
 
-def shrink_(x: torch.Tensor, s: Shrink) -> None:
-    """The shrink's launch: s.part and s.t from x."""
-    assert x.shape[0] * s.r_blocks <= COUNTERS, f"{x.shape[0]} rows: more than the shrink's counters cover"
+def shrink_(x: torch.Tensor, s: Shrink, last: bool = False) -> None:
+    """The shrink's launch: s.part from x (last: and s.t, for the grouped expand)."""
+    assert not last or x.shape[0] * s.r_blocks <= COUNTERS, f"{x.shape[0]} rows: more than the counters cover"
+    counters = _counters(x.device) if last else s.part
     _shrink_kernel[(x.shape[0], s.r_blocks, s.splits)](
-        x, s.a_stack, s.slots, s.part, s.t, _counters(x.device), x.shape[1], s.rank, s.splits, x.stride(0),
-        s.a_stack.stride(0), s.a_stack.stride(1), s.part.stride(0), s.part.stride(1), s.t.stride(0),
-        BLOCK_R=s.block_r, CHUNK=s.chunk, BLOCK_S=s.block_s, SOFT_BF16=_INTERPRETED, num_warps=SHRINK_WARPS,
+        x, s.a_stack, s.slots, s.part, s.t, counters, x.shape[1], s.rank, s.splits, x.stride(0), s.a_stack.stride(0),
+        s.a_stack.stride(1), s.part.stride(0), s.part.stride(1), s.t.stride(0), BLOCK_R=s.block_r, BLOCK_K=s.chunk,
+        CHUNK=s.chunk, BLOCK_S=s.block_s, LAST=last, SOFT_BF16=_INTERPRETED, num_warps=SHRINK_WARPS,
         **pdl.launch_options(x.device))
 
 
 def expand_(y: torch.Tensor, s: Shrink) -> None:
-    """The expand's launch: y += each row's t times its slot's B."""
+    """The expand's launch, a program a row: y += each row's partials summed, rounded, times its slot's B."""
     n = y.shape[1]
     _expand_kernel[(y.shape[0], triton.cdiv(n, s.block_n))](
-        s.t, s.b_stack, s.slots, y, n, s.rank, s.t.stride(0), s.b_stack.stride(0), s.b_stack.stride(1), y.stride(0),
-        BLOCK_N=s.block_n, BLOCK_R=s.block_r, SOFT_BF16=_INTERPRETED, num_warps=NUM_WARPS,
-        **pdl.launch_options(y.device))
+        s.part, s.b_stack, s.slots, y, n, s.rank, s.splits, s.part.stride(0), s.part.stride(1), s.b_stack.stride(0),
+        s.b_stack.stride(1), y.stride(0), BLOCK_N=s.block_n, BLOCK_R=s.block_r, BLOCK_S=s.block_s,
+        SOFT_BF16=_INTERPRETED, num_warps=NUM_WARPS, **pdl.launch_options(y.device))
+
+
+def grouped_expand_(y: torch.Tensor, s: Shrink) -> None:
+    """The grouped expand's launch (after shrink_(x, s, last=True)): a program an adapter slot and n-block."""
+    rows, n = y.shape
+    _grouped_expand_kernel[(s.b_stack.shape[0], triton.cdiv(n, GROUPED_BLOCK_N))](
+        s.t, s.b_stack, s.slots, y, rows, n, s.rank, s.t.stride(0), s.b_stack.stride(0), s.b_stack.stride(1),
+        y.stride(0), BLOCK_T=max(16, triton.next_power_of_2(rows)), BLOCK_N=GROUPED_BLOCK_N,
+        BLOCK_R=max(16, s.block_r), DOT_PREC="ieee" if y.dtype == torch.float32 else "tf32",
+        SOFT_BF16=_INTERPRETED, num_warps=NUM_WARPS, **pdl.launch_options(y.device))
 
 
 def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
-              slots: torch.Tensor) -> None:
+              slots: torch.Tensor, grouped: bool = False) -> None:
     """y [T, N] += (x[t] @ a_stack[s].T) @ b_stack[s].T for every row t with s = slots[t] >= 0; rows with
     slots[t] < 0 keep their bits. x [T, K]; a_stack [S, R, K]; b_stack [S, N, R] (ranks padded with zeros to
     R, the scale folded into B); slots int64 or int32 [T], each < S (not checked: that would read it on the
     host), written by a host-to-device copy (the kernels read it before the PDL wait: pdl.py). x, the stacks
     and y in one dtype (fp32, bf16, fp16); x and y any row stride, unit column stride (y may be a column slice
     of a wider output). The shrink's result is rounded to that dtype before the expand, as PEFT does; the
-    expand sums in fp32 and rounds once into y. Two launches, a scratch of fp32 partials [T, K / K_CHUNK, R]."""
+    expand sums in fp32 and rounds once into y. Two launches, a scratch of fp32 partials [T, K / K_CHUNK, R].
+    grouped (up to GROUPED_MAX_ROWS rows): the expand a program an adapter and n-block on tensor cores, each tile
+    of B read once for all its rows (batches of many rows; a row's sums in another order than the expand a row a
+    program takes, each row still the same in any batch)."""
     s = Shrink.of(x, a_stack, b_stack, slots)
     assert y.dim() == 2 and y.shape == (x.shape[0], b_stack.shape[1]) and y.dtype == x.dtype, \
         f"y {tuple(y.shape)} {y.dtype} for x {tuple(x.shape)}, b_stack {tuple(b_stack.shape)}"
     assert y.stride(-1) == 1 and y.device == x.device, "y: unit stride in the last dim, on x's device"
-    if not s.empty:
-        shrink_(x, s)
-        expand_(y, s)
+    if s.empty:
+        return
+    grouped = grouped and x.shape[0] <= GROUPED_MAX_ROWS
+    shrink_(x, s, last=grouped)
+    (grouped_expand_ if grouped else expand_)(y, s)
 
 
 _INTERPRETED = not isinstance(_shrink_kernel, triton.JITFunction)   # decorated under TRITON_INTERPRET=1
