@@ -1,16 +1,19 @@
 """FP8 on one GPU against bf16, on the random Llama-2-7B-shaped model of the GPU benchmark (cuda_common.py):
 
     python benchmarks/cuda_fp8.py [--layers 32] [--rounds 3] [--variants fp8_e4m3+head int8+head] [--ab-silu]
-                                  [--kv [--kv-batch 32 --kv-context 4096]] [--no-b1] [--smoke]
+                                  [--kv [--kv-batch 32 --kv-context 4096]] [--w8a8 [--w8a8-batch 128]] [--no-b1]
+                                  [--smoke]
 
 Batch-1 decode of each quantized variant (cuda_rows.quant_rows: the same Engine, rounds interleaved with the bf16
 model, greedy agreement with bf16 over 16 tokens, each step's weight bytes, graph replay time and the kernels of
-one step). --kv: bf16 against fp8 KV spans at --kv-batch requests of --kv-context tokens (kv_rows). --smoke: two
+one step). --kv: bf16 against fp8 KV spans at --kv-batch requests of --kv-context tokens (kv_rows). --w8a8: bf16
+against fp8 weights with fp8 activations at --w8a8-batch concurrent requests (w8a8_rows). --smoke: two
 narrow layers and one round (checks that it runs; needs a GPU of compute capability 8.9+ for fp8). Writes JSON.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -82,6 +85,50 @@ def kv_rows(engine, loader, shape: dict, batch: int, context: int, new: int, rou
     return out
 
 
+def w8a8_rows(engine, loader, root: str, shape: dict, batch: int, new: int, rounds: int) -> dict:
+    """`batch` requests of PROMPT_LEN prompt tokens then `new` tokens each, submitted together, on the bf16 model
+    and on its fp8 copy with fp8 activations (W8A8: `fp8_e4m3+a8`; each installed alone, the rounds alternating):
+    decode-only tokens/s as kv_rows counts them, the decode graph's replay at `batch` rows, and greedy agreement
+    of the first request's tokens with bf16's."""
+    from allspark_server import HuggingFaceModel
+    vocab = LLAMA2_7B["vocab_size"]
+    max_len = PROMPT_LEN + new + 32
+    prompts = [W.prompt(PROMPT_LEN, 700 + i, vocab) for i in range(batch)]
+    variant = "fp8_e4m3+a8"
+    q = HuggingFaceModel(root, "bench-w8a8", user_set_data_type="bfloat16")
+    q.load_model().serialize_to_path(None, os.path.join(root, f"as-{variant}"), enable_quant=True,
+                                     skip_if_exists=True, customized_quant_config=common.quant_variant(variant))
+    q.free_model()
+    loaders = {"bfloat16": loader, variant: q}
+    runs: dict = {m: [] for m in loaders}
+    out: dict = {"batch": batch, "prompt_len": PROMPT_LEN, "new_tokens": new, "variant": variant}
+    for r in range(rounds):
+        for mode, source in loaders.items():
+            name = f"bench-w8a8-{mode}"
+            cfg = (source.create_reference_runtime_config_builder(name, "cuda", [0], max_batch=batch)
+                   .max_length(max_len).kv_cache_span_size(32)
+                   .kv_cache_memory(batch * (max_len + 64) * kv_bytes_per_token(shape)).prefill_cache(False).build())
+            engine.install_model(cfg)
+            engine.start_model(name)
+            stamps = W.token_times_threads(engine, name, prompts, new)
+            all_first, end = max(t[0] for t in stamps), max(t[-1] for t in stamps)
+            runs[mode].append(sum(t > all_first for s_ in stamps for t in s_) / (end - all_first))
+            runner = engine._engine.models[name].runner
+            out.setdefault(f"{mode}_graph_replay_ms", []).append(graph_replay_ms(runner.graphs, batch))
+            if r == 0:
+                out[f"{mode}_greedy"] = W.greedy_tokens(engine, name, prompts[0], 16)
+            del runner
+            engine.stop_model(name)
+            engine.release_model(name)
+            free_memory()
+    out["decode_tps_by_round"] = runs
+    out["w8a8_vs_bf16_decode"] = statistics.median(a / b for a, b in zip(runs[variant], runs["bfloat16"]))
+    out["w8a8_vs_bf16_graph"] = statistics.median(
+        b / a for a, b in zip(out[f"{variant}_graph_replay_ms"], out["bfloat16_graph_replay_ms"]))
+    out["greedy_first_divergence"] = first_divergence(out.pop("bfloat16_greedy"), out.pop(f"{variant}_greedy"))
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=LLAMA2_7B["num_hidden_layers"])
@@ -97,6 +144,9 @@ def main(argv=None) -> dict:
     p.add_argument("--kv-context", type=int, default=4096)
     p.add_argument("--kv-new", type=int, default=64)
     p.add_argument("--kv-rounds", type=int, default=2)
+    p.add_argument("--w8a8", action="store_true", help="also W8A8 (fp8 weights and activations) against bf16 at "
+                   "--w8a8-batch concurrent requests of --new-tokens tokens")
+    p.add_argument("--w8a8-batch", type=int, default=128)
     p.add_argument("--no-b1", action="store_true", help="skip the batch-1 rows")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None, help="default: benchmarks/results/cuda-fp8-<machine>.json")
@@ -118,6 +168,11 @@ def main(argv=None) -> dict:
         report["kv"] = kv_rows(engine, loader, shape, a.kv_batch, 64 if a.smoke else a.kv_context,
                                4 if a.smoke else a.kv_new, 1 if a.smoke else a.kv_rounds)
         print(f"KV spans: {report['kv']}", flush=True)
+        common.write_report(out, report)
+    if a.w8a8:
+        report["w8a8"] = w8a8_rows(engine, loader, root, shape, 4 if a.smoke else a.w8a8_batch, new_tokens,
+                                   1 if a.smoke else max(2, rounds - 1))
+        print(f"W8A8: {report['w8a8']}", flush=True)
         common.write_report(out, report)
     if a.no_b1:
         return report
