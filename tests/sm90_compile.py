@@ -11,7 +11,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from allspark_server.compute.cuda import decode_attention, gemv_kernels, lora_kernels, quant_gemv, quant_kernels
+from allspark_server.compute.cuda import (
+    decode_attention,
+    fp8_matmul,
+    gemv_kernels,
+    lora_kernels,
+    quant_gemv,
+    quant_kernels,
+)
 from allspark_server.quant.formats import FORMAT_IDS
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -84,12 +91,18 @@ def lora_launches() -> str:
     return shrink + expand + grouped
 
 
+def fp8_rows() -> str:
+    return compile_for_hopper(fp8_matmul._round_rows_kernel, {"x": "*bf16", "codes": "*u8", "scales": "*fp32",
+                                                              "rounded": "*u8"}, dict(BLOCK_K=2048, CODES=True))
+
+
 # name -> (build, what its PTX must contain)
 VARIANTS = {
     "gemv bf16": (lambda: dense_gemv(False, False), "griddepcontrol"),
     "gemv bf16 carrying a LoRA shrink": (lambda: dense_gemv(False, True), "griddepcontrol"),
     "gemv bf16 silu_mul": (lambda: dense_gemv(True, False), "griddepcontrol"),
     "LoRA shrink and expand launches": (lora_launches, "griddepcontrol"),
+    "W8A8 rows rounded to e4m3": (fp8_rows, "div.rn.f32"),
     "gemv fp8_e4m3 per channel": (lambda: gemv("fp8_e4m3", -1), "e4m3"),
     "gemv fp8_e4m3 g128": (lambda: gemv("fp8_e4m3", 128), "e4m3"),
     "gemv fp8_e4m3 silu_mul": (lambda: gemv("fp8_e4m3", -1, silu_mul=True), "e4m3"),

@@ -201,6 +201,52 @@ def test_fp8_activations_by_hand():
     assert scale.tolist() == [[2.0 ** -7], [1.0]]
 
 
+def activation_rows() -> torch.Tensor:
+    """Rows that reach every case of the rounding to e4m3: random at several magnitudes, a row of zeros, values on
+    e4m3's ties (x / scale = 1.0625, 17, 0.0146 = 7.5 quanta below 2^-6), values that round up into the next
+    binade and to 448, -0, values too small for e4m3 (to 0), a row so small that max / 448 is below fp32's normals,
+    one near bf16's largest, and K off the kernel's block."""
+    gen = torch.Generator().manual_seed(5)
+    k = 2100
+    rows = [torch.randn(k, generator=gen) * 10.0 ** p for p in (-3, 0, 2)]
+    rows.append(torch.zeros(k))
+    ties = torch.zeros(k)
+    ties[:8] = torch.tensor([448.0, 1.0625, -17.0, 7.5 * 2 ** -9, 1.9375 + 2 ** -5, 447.0, -0.0, 2.0 ** -12])
+    rows.append(ties)
+    # max / 448 below fp32's normals, the elements normal (fp32 subnormals in x are not checked: the interpreter's
+    # half-precision loads do not keep them)
+    rows.append((torch.rand(k, generator=gen) + 1) * torch.randn(k, generator=gen).sign() * 1e-37)
+    big = torch.randn(k, generator=gen)
+    big[3] = 3.0e38
+    rows.append(big)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_fp8_rows_in_one_launch_equal_the_reference_bit_for_bit(dtype):
+    """fp8_matmul's kernel against reference.fp8_activations (torch's own e4m3 conversion): the same scale and the
+    same code byte for every element; rounded_rows = code x scale in x's dtype. A row with inf takes scale 1."""
+    from allspark_server.compute.cuda import fp8_matmul
+    from allspark_server.compute.reference import fp8_activations
+    x = activation_rows()
+    if dtype == torch.float16:
+        x = x.clamp(-6e4, 6e4)
+    x = x.to(dtype)
+    if dtype != torch.float16:
+        x[-1, 5] = float("inf")
+    x = x.to(DEVICE)
+    want_codes, want_scale = fp8_activations(x)
+    codes, scale = fp8_matmul.fp8_rows(x)
+    assert torch.equal(scale.cpu(), want_scale.cpu()), (scale.flatten(), want_scale.flatten())
+    got, want = codes.view(torch.uint8).cpu(), want_codes.view(torch.uint8).cpu()
+    bad = (got != want).nonzero()
+    assert bad.numel() == 0, f"{len(bad)} codes differ, first at {bad[:4].tolist()}: {got[tuple(bad[0])]} vs " \
+        f"{want[tuple(bad[0])]} for x = {x[tuple(bad[0])].item()}"
+    rounded = fp8_matmul.rounded_rows(x)
+    assert rounded.dtype == dtype
+    assert torch.equal(rounded.cpu(), (want_codes.float() * want_scale).to(dtype).cpu())
+
+
 @pytest.mark.parametrize("m", [1, 2, 5, 70])
 def test_fp8_weights_with_fp8_activations(m):
     """activate_quant with fp8_e4m3 weights: x's rows rounded to e4m3 with a power-of-two scale (written out here),
