@@ -1,7 +1,8 @@
-"""The decode GEMV, LoRA, quantized-weight and attention Triton kernels compiled for a Hopper GPU (sm_90) without one (tests/sm90_compile.py, in a
-process of its own: kernels decorated under TRITON_INTERPRET=1, as other tests here make them, cannot be
-compiled). The interpreter (test_triton_quant.py) checks the values; this catches what only the compiler rejects
-(return types that differ between branches, fp8 casts), so that a GPU run does not find it first."""
+"""The decode GEMV, LoRA, W8A8, quantized-weight and attention Triton kernels compiled for a Hopper GPU (sm_90)
+without one (tests/sm90_compile.py, in a process of its own: kernels decorated under TRITON_INTERPRET=1, as other
+tests here make them, cannot be compiled). The interpreter (test_triton_quant.py) checks the values; this catches
+what only the compiler rejects (return types that differ between branches, fp8 casts), so that a GPU run does not
+find it first."""
 from __future__ import annotations
 
 import importlib.util
