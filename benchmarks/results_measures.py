@@ -65,13 +65,14 @@ MEASURES = {
              "Llama-2-7B-shaped bf16 model installed plain and with 8 rank-16 adapters (all seven projections) in "
              "one Engine, alternating rounds; the decode steps replay CUDA graphs (those captured with adapters "
              "where a row has one). The H100 run predates the grouping of decode rows by adapter slot in "
-             "lora_kernels.py; the H200 run has a program a row, its slot and first tile read before the PDL "
-             "wait.", lora),
+             "lora_kernels.py; the H200 run has a program a row at one or two rows (its slot and first tile read "
+             "before the PDL wait) and the grouped expand (a program an adapter) at 32.", lora),
     "lora-kernels-micro": ("LoRA's kernels alone: a 7B-shaped step's projections in one CUDA graph",
                            "`lora_kernels_micro.py`: the four projections of 32 layers (bf16, distinct weights) "
                            "replayed without adapters and with rank-16 adapters on all seven modules: lora_add_'s "
                            "two launches after each projection, or (one row) the shrink inside the GEMV's launch "
-                           "and the expand after it; 32 rows use 8 adapters in turn.", lora_kernels_micro),
+                           "and the expand after it, or (32 rows, over 8 adapters in turn) the grouped expand.",
+                           lora_kernels_micro),
     "lora-dense": ("LoRA adapters against the base model, SmolLM2 on a CPU", "`lora.py --model smollm2-dense "
                    "--dtype D --rounds 4` on 2 cores: SmolLM2's weights (dequantized from the Q4_1 file) plain and "
                    "with 8 rank-16 adapters, alternating rounds. At this size 8 fp32 adapters are ~30% of the base "
@@ -202,8 +203,8 @@ MEASURES = {
                                 "--sweep`: SmolLM2's bf16 shapes, one row, over 2-16 rows a program, 512- or "
                                 "1024-wide k-tiles and 4 or 8 warps (where choose_config's wide-weight tile came "
                                 "from: the LM head).", cuda_gemv_sweep),
-    "cuda-fp8": ("GPU: FP8 weights and KV spans against bf16", "`cuda_fp8.py --kv --ab-silu`: the 7B shape, "
-                 "one engine, rounds interleaved.", cuda_fp8),
+    "cuda-fp8": ("GPU: FP8 weights, KV spans and W8A8 against bf16", "`cuda_fp8.py --kv --ab-silu` (and "
+                 "`--w8a8`): the 7B shape, one engine, rounds interleaved.", cuda_fp8),
     "cuda-quant-micro": ("GPU: quantized matmul", "`cuda_quant_micro.py`: each format against cuBLAS on bf16.",
                          cuda_quant_micro),
     "cuda-quant-sweep": ("GPU: quantized GEMV launch configs", "`cuda_quant_micro.py --sweep-only`.", cuda_quant_sweep),

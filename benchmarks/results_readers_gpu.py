@@ -77,7 +77,8 @@ def cuda_quant_micro(r: dict) -> list:
 
 
 def cuda_fp8(r: dict) -> list:
-    """fp8 weights at batch 1 and fp8 KV spans at 32 x 4k against bf16, and the fp8 GEMV's silu·mul A/B."""
+    """fp8 weights at batch 1, fp8 KV spans at 32 x 4k and W8A8 at 128 requests against bf16, and the fp8 GEMV's
+    silu·mul A/B."""
     rows = []
     bf16_ms = r.get("bf16", {}).get("graph_replay_ms_b1")
     for name, v in r.get("b1", {}).items():
@@ -93,6 +94,11 @@ def cuda_fp8(r: dict) -> list:
         kv = r["kv"]
         rows.append((f"fp8 KV spans x bf16 spans: decode tokens/s, {kv['batch']} requests of {kv['context']} tokens",
                      x(kv["fp8_vs_bf16_decode"])))
+    if "w8a8" in r:
+        w = r["w8a8"]
+        rows.append((f"W8A8 (fp8 weights and activations) x bf16, {w['batch']} requests: decode tokens/s",
+                     x(w["w8a8_vs_bf16_decode"])))
+        rows.append((f"W8A8 x bf16, {w['batch']} requests: graph replay, bf16's / its", x(w["w8a8_vs_bf16_graph"])))
     if "silu_ab" in r:
         ab = r["silu_ab"]
         rows.append(("fp8 gate_up GEMV with silu·mul epilogue x two launches (batch 1, tokens/s)",
