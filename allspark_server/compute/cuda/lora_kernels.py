@@ -9,6 +9,10 @@ from a stack, and y += (x @ A[s].T) @ B[s].T is two launches, a "shrink" to the 
             partials over the chunks (one tree, the same for any batch), rounds that to the activation dtype
             (PEFT's lora_A(x) in the module dtype), sums it times B[s, n, :] over R in BLOCK_R chunks in fp32,
             adds y[t, n], rounds once
+    grouped expand (many rows: lora_add_'s `grouped`) grid (S, cdiv(N, 128)): program (slot s, n-block) takes the
+            rows of slot s together, s's tile of B times their ranks on tensor cores, so a tile of B is read once
+            a step, not once a row; the ranks come summed and rounded from the shrink's last chunk program of
+            each (row, r-block) (an atomic counter, left at zero again)
 
 Ranks are padded with zeros to R (<= 192: q|k|v of rank 64 each); the LoRA scale is folded into B. The grids
 come from the shapes alone and nothing is read on the host (CUDA-graph safe: new slots or adapters in the same
