@@ -47,6 +47,27 @@ def kv_row_bytes_per_token(shape: dict, mode: str) -> int:
     return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * row
 
 
+def concurrent_run(engine, name: str, cfg, prompts: list[list[int]], new: int, out: dict, key: str,
+                   first: bool) -> float:
+    """Installs `cfg`, runs `prompts` together for `new` tokens each and releases it: the decode-only tokens/s
+    (tokens after the last request's first over the time from then on); the decode graph's replay at their
+    batch goes to out[key + "_graph_replay_ms"], and on the first round the first prompt's greedy tokens to
+    out[key + "_greedy"]."""
+    engine.install_model(cfg)
+    engine.start_model(name)
+    stamps = W.token_times_threads(engine, name, prompts, new)
+    all_first, end = max(t[0] for t in stamps), max(t[-1] for t in stamps)
+    runner = engine._engine.models[name].runner
+    out.setdefault(f"{key}_graph_replay_ms", []).append(graph_replay_ms(runner.graphs, len(prompts)))
+    if first:
+        out[f"{key}_greedy"] = W.greedy_tokens(engine, name, prompts[0], 16)
+    del runner
+    engine.stop_model(name)
+    engine.release_model(name)
+    free_memory()
+    return sum(t > all_first for s_ in stamps for t in s_) / (end - all_first)
+
+
 def kv_rows(engine, loader, shape: dict, batch: int, context: int, new: int, rounds: int) -> dict:
     """`batch` requests of `context` prompt tokens then `new` tokens each, submitted together, on bf16 spans and
     on fp8 spans (kv_cache_mode "fp8"; each installed alone, the rounds alternating): decode-only tokens/s (tokens
@@ -64,19 +85,7 @@ def kv_rows(engine, loader, shape: dict, batch: int, context: int, new: int, rou
             cfg = (loader.create_reference_runtime_config_builder(name, "cuda", [0], max_batch=batch)
                    .max_length(max_len).kv_cache_span_size(32).kv_cache_mode(mode)
                    .kv_cache_memory(batch * (max_len + 64) * per_token).prefill_cache(False).build())
-            engine.install_model(cfg)
-            engine.start_model(name)
-            stamps = W.token_times_threads(engine, name, prompts, new)
-            all_first, end = max(t[0] for t in stamps), max(t[-1] for t in stamps)
-            runs[mode].append(sum(t > all_first for s_ in stamps for t in s_) / (end - all_first))
-            runner = engine._engine.models[name].runner
-            out.setdefault(f"{mode}_graph_replay_ms", []).append(graph_replay_ms(runner.graphs, batch))
-            if r == 0:
-                out[f"{mode}_greedy"] = W.greedy_tokens(engine, name, prompts[0], 16)
-            del runner
-            engine.stop_model(name)
-            engine.release_model(name)
-            free_memory()
+            runs[mode].append(concurrent_run(engine, name, cfg, prompts, new, out, mode, r == 0))
     out["decode_tps_by_round"] = runs
     out["fp8_vs_bf16_decode"] = statistics.median(a / b for a, b in zip(runs["fp8"], runs["default"]))
     out["fp8_vs_bf16_graph"] = statistics.median(
@@ -108,19 +117,7 @@ def w8a8_rows(engine, loader, root: str, shape: dict, batch: int, new: int, roun
             cfg = (source.create_reference_runtime_config_builder(name, "cuda", [0], max_batch=batch)
                    .max_length(max_len).kv_cache_span_size(32)
                    .kv_cache_memory(batch * (max_len + 64) * kv_bytes_per_token(shape)).prefill_cache(False).build())
-            engine.install_model(cfg)
-            engine.start_model(name)
-            stamps = W.token_times_threads(engine, name, prompts, new)
-            all_first, end = max(t[0] for t in stamps), max(t[-1] for t in stamps)
-            runs[mode].append(sum(t > all_first for s_ in stamps for t in s_) / (end - all_first))
-            runner = engine._engine.models[name].runner
-            out.setdefault(f"{mode}_graph_replay_ms", []).append(graph_replay_ms(runner.graphs, batch))
-            if r == 0:
-                out[f"{mode}_greedy"] = W.greedy_tokens(engine, name, prompts[0], 16)
-            del runner
-            engine.stop_model(name)
-            engine.release_model(name)
-            free_memory()
+            runs[mode].append(concurrent_run(engine, name, cfg, prompts, new, out, mode, r == 0))
     out["decode_tps_by_round"] = runs
     out["w8a8_vs_bf16_decode"] = statistics.median(a / b for a, b in zip(runs[variant], runs["bfloat16"]))
     out["w8a8_vs_bf16_graph"] = statistics.median(

@@ -82,28 +82,27 @@ def _round_rows_kernel(x, codes, scales, rounded, K, stride_xm, stride_cm, strid
 ROUND_BLOCK = 2048
 
 
-def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ref.fp8_activations in one launch: (codes float8_e4m3fn [M, K], scales fp32 [M, 1])."""
+def _round_rows(x: torch.Tensor, codes: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes as bytes [M, K], or the rounded rows in x's dtype; scales fp32 [M, 1]): one launch."""
     m, k = x.shape
-    codes = torch.empty(m, k, dtype=torch.uint8, device=x.device)
+    out = torch.empty(m, k, dtype=torch.uint8 if codes else x.dtype, device=x.device)
     scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:
-        _round_rows_kernel[(m,)](x, codes, scales, codes, k, x.stride(0), codes.stride(0), codes.stride(0),
-                                 BLOCK_K=min(ROUND_BLOCK, triton.next_power_of_2(k)), CODES=True, num_warps=4,
+        _round_rows_kernel[(m,)](x, out, scales, out, k, x.stride(0), out.stride(0), out.stride(0),
+                                 BLOCK_K=min(ROUND_BLOCK, triton.next_power_of_2(k)), CODES=codes, num_warps=4,
                                  enable_fp_fusion=False)
+    return out, scales
+
+
+def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ref.fp8_activations in one launch: (codes float8_e4m3fn [M, K], scales fp32 [M, 1])."""
+    codes, scales = _round_rows(x, codes=True)
     return codes.view(torch.float8_e4m3fn), scales
 
 
 def rounded_rows(x: torch.Tensor) -> torch.Tensor:
     """x's rows rounded as fp8_activations rounds them, in x's dtype (exact there), in one launch."""
-    m, k = x.shape
-    out = torch.empty(m, k, dtype=x.dtype, device=x.device)
-    scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-    if m:
-        _round_rows_kernel[(m,)](x, out, scales, out, k, x.stride(0), out.stride(0), out.stride(0),
-                                 BLOCK_K=min(ROUND_BLOCK, triton.next_power_of_2(k)), CODES=False, num_warps=4,
-                                 enable_fp_fusion=False)
-    return out
+    return _round_rows(x, codes=False)[0]
 
 
 def scaled_mm_fits(x: torch.Tensor, w: QuantizedWeight) -> bool:
