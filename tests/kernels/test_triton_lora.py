@@ -114,7 +114,26 @@ def test_each_row_as_alone_in_any_batch(rank, grouped, poisoned_empty):
         alone = y[t:t + 1].clone()
         lk.lora_add_(alone, x[t:t + 1], a_stack, b_stack, ids[t:t + 1], grouped=grouped)
         assert_same_bits(batched[t:t + 1], alone)
-    assert not lk._counters(x.device).any(), "the shrink's counters are left at zero for the next launch"
+    assert not lk._counters(x.device, 1).any(), "the shrink's counters are left at zero for the next launch"
+
+
+def test_grouped_expand_over_several_blocks_of_rows(poisoned_empty):
+    # 150 rows: three blocks of 64 rows a program (the last partial), rows of one adapter in every block; each row
+    # within the bound of float64, and a row alone bit-equal to itself in the batch
+    dtype, k, n, rank = torch.bfloat16, 96, 40, 16
+    slots = [(i % 4) - 1 for i in range(150)]                                  # -1, 0, 1, 2 in turn
+    x = rows_view(len(slots), k, dtype, seed=46)
+    y = rows_view(len(slots), n, dtype, seed=47)
+    a_stack, b_stack, unpadded = adapters(3, [rank] * 3, rank, k, n, dtype, seed=48)
+    ids = slot_tensor(slots)
+    before = y.clone()
+    lk.lora_add_(y, x, a_stack, b_stack, ids, grouped=True)
+    ref, bound = reference(before, x, unpadded, slots)
+    assert_within_bound(y, ref, bound)
+    for t in (0, 1, 130, 149):
+        alone = before[t:t + 1].clone()
+        lk.lora_add_(alone, x[t:t + 1], a_stack, b_stack, ids[t:t + 1], grouped=True)
+        assert_same_bits(y[t:t + 1], alone)
 
 
 def test_grouped_expand_takes_the_rounded_shrink(poisoned_empty):

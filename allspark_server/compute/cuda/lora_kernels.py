@@ -9,10 +9,10 @@ from a stack, and y += (x @ A[s].T) @ B[s].T is two launches, a "shrink" to the 
             partials over the chunks (one tree, the same for any batch), rounds that to the activation dtype
             (PEFT's lora_A(x) in the module dtype), sums it times B[s, n, :] over R in BLOCK_R chunks in fp32,
             adds y[t, n], rounds once
-    grouped expand (many rows: lora_add_'s `grouped`) grid (S, cdiv(N, 128)): program (slot s, n-block) takes the
-            rows of slot s together, s's tile of B times their ranks on tensor cores, so a tile of B is read once
-            a step, not once a row; the ranks come summed and rounded from the shrink's last chunk program of
-            each (row, r-block) (an atomic counter, left at zero again)
+    grouped expand (many rows: lora_add_'s `grouped`) grid (S, cdiv(N, 128), cdiv(T, 64)): program (slot s,
+            n-block, rows) takes the rows of slot s together, s's tile of B times their ranks on tensor cores, so a
+            tile of B is read once for up to 64 rows, not once a row; the ranks come summed and rounded from the
+            shrink's last chunk program of each (row, r-block) (an atomic counter, left at zero again)
 
 Ranks are padded with zeros to R (<= 192: q|k|v of rank 64 each); the LoRA scale is folded into B. The grids
 come from the shapes alone and nothing is read on the host (CUDA-graph safe: new slots or adapters in the same
@@ -30,7 +30,6 @@ a launch of its own.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -150,14 +149,14 @@ def _expand_kernel(part, b, slots, y, N, R, SPLITS, stride_pt, stride_ps, stride
 def _grouped_expand_kernel(t, b, slots, y, T, N, R, stride_tt, stride_bs, stride_bn, stride_yt,
                            BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                            DOT_PREC: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
-    """Program (slot s, n-block): the rows t < T with slots[t] == s (none: nothing but the wait) take
-    y[t, n] = round(y[t, n] + sum_r B[s, n, r] t[t, r]) for BLOCK_N outputs n, as one tensor-core product of s's
-    tile of B [BN, BR] and those rows' t [BR, BLOCK_T] (other rows' columns zero): each tile of B is read once for
-    all its rows, not once a row. A row's sums never depend on the other rows (an MMA's output element sums its own
-    column). DOT_PREC: "ieee" for fp32 (no tf32)."""
+    """Program (slot s, n-block, block of BLOCK_T rows): the block's rows t < T with slots[t] == s (none: nothing
+    but the wait) take y[t, n] = round(y[t, n] + sum_r B[s, n, r] t[t, r]) for BLOCK_N outputs n, as one
+    tensor-core product of s's tile of B [BN, BR] and those rows' t [BR, BLOCK_T] (other rows' columns zero): each
+    tile of B is read once for a block's rows, not once a row. A row's sums never depend on the other rows (an
+    MMA's output element sums its own column). DOT_PREC: "ieee" for fp32 (no tf32)."""
     allow_next(PDL)
     s = tl.program_id(0)
-    offs_t = tl.arange(0, BLOCK_T)
+    offs_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     mine = tl.load(slots + offs_t, mask=offs_t < T, other=-1) == s                          # [BT]
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -254,23 +253,26 @@ class Shrink:
         return self.part.numel() == 0 or self.b_stack.shape[1] == 0
 
 
-COUNTERS = 1 << 16    # (row, r-block) counters of the shrink's last program, shared by every launch on a device
+COUNTERS = 1 << 16       # (row, r-block) counters of the shrink's last program, at least, on a device
 GROUPED_BLOCK_N = 128    # outputs a grouped expand program takes
-GROUPED_MAX_ROWS = 256   # rows a grouped expand takes (one tile of t); more: the expand a row a program
+GROUPED_BLOCK_T = 64     # rows it takes at most (its accumulator: BLOCK_N x BLOCK_T fp32)
+_COUNTERS: dict = {}     # device -> its counter buffers, the largest last (the older stay alive: graphs use them)
 
 
-@functools.lru_cache(maxsize=None)
-def _counters(device: torch.device) -> torch.Tensor:
-    """The device's counters: zeros, and each shrink leaves those it used at zero again (its launches run one after
-    another in a stream, each past its PDL wait before it counts, so one buffer serves them all). Made by the
-    first grouped shrink on a device, before any graph's capture (a warm-up step runs eagerly first)."""
-    return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+def _counters(device: torch.device, needed: int) -> torch.Tensor:
+    """Zeros, at least `needed`; each shrink leaves those it used at zero again (its launches run one after another
+    in a stream, each past its PDL wait before it counts, so one buffer serves them all). Made by the first grouped
+    shrink on a device, before any graph's capture (capture_each_size runs each step eagerly first, the largest
+    batch first); a prefill of more rows makes a larger one, eagerly too (prefill steps are not captured)."""
+    buffers = _COUNTERS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < needed:
+        buffers.append(torch.zeros(max(COUNTERS, 2 * needed), dtype=torch.int32, device=device))
+    return buffers[-1]
 
 
 def shrink_(x: torch.Tensor, s: Shrink, last: bool = False) -> None:
     """The shrink's launch: s.part from x (last: and s.t, for the grouped expand)."""
-    assert not last or x.shape[0] * s.r_blocks <= COUNTERS, f"{x.shape[0]} rows: more than the counters cover"
-    counters = _counters(x.device) if last else s.part
+    counters = _counters(x.device, x.shape[0] * s.r_blocks) if last else s.part
     _shrink_kernel[(x.shape[0], s.r_blocks, s.splits)](
         x, s.a_stack, s.slots, s.part, s.t, counters, x.shape[1], s.rank, s.splits, x.stride(0), s.a_stack.stride(0),
         s.a_stack.stride(1), s.part.stride(0), s.part.stride(1), s.t.stride(0), BLOCK_R=s.block_r, BLOCK_K=s.chunk,
@@ -288,13 +290,15 @@ def expand_(y: torch.Tensor, s: Shrink) -> None:
 
 
 def grouped_expand_(y: torch.Tensor, s: Shrink) -> None:
-    """The grouped expand's launch (after shrink_(x, s, last=True)): a program an adapter slot and n-block."""
+    """The grouped expand's launch (after shrink_(x, s, last=True)): a program an adapter slot, n-block and block of
+    rows."""
     rows, n = y.shape
-    _grouped_expand_kernel[(s.b_stack.shape[0], triton.cdiv(n, GROUPED_BLOCK_N))](
+    block_t = min(GROUPED_BLOCK_T, max(16, triton.next_power_of_2(rows)))
+    _grouped_expand_kernel[(s.b_stack.shape[0], triton.cdiv(n, GROUPED_BLOCK_N), triton.cdiv(rows, block_t))](
         s.t, s.b_stack, s.slots, y, rows, n, s.rank, s.t.stride(0), s.b_stack.stride(0), s.b_stack.stride(1),
-        y.stride(0), BLOCK_T=max(16, triton.next_power_of_2(rows)), BLOCK_N=GROUPED_BLOCK_N,
-        BLOCK_R=max(16, s.block_r), DOT_PREC="ieee" if y.dtype == torch.float32 else "tf32",
-        SOFT_BF16=_INTERPRETED, num_warps=NUM_WARPS, **pdl.launch_options(y.device))
+        y.stride(0), BLOCK_T=block_t, BLOCK_N=GROUPED_BLOCK_N, BLOCK_R=max(16, s.block_r),
+        DOT_PREC="ieee" if y.dtype == torch.float32 else "tf32", SOFT_BF16=_INTERPRETED, num_warps=NUM_WARPS,
+        **pdl.launch_options(y.device))
 
 
 def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
@@ -306,16 +310,15 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: 
     and y in one dtype (fp32, bf16, fp16); x and y any row stride, unit column stride (y may be a column slice
     of a wider output). The shrink's result is rounded to that dtype before the expand, as PEFT does; the
     expand sums in fp32 and rounds once into y. Two launches, a scratch of fp32 partials [T, K / K_CHUNK, R].
-    grouped (up to GROUPED_MAX_ROWS rows): the expand a program an adapter and n-block on tensor cores, each tile
-    of B read once for all its rows (batches of many rows; a row's sums in another order than the expand a row a
-    program takes, each row still the same in any batch)."""
+    grouped: the expand a program an adapter, n-block and block of rows on tensor cores, each tile of B read once
+    for a block's rows (batches of many rows; a row's sums in another order than the expand a row a program takes,
+    each row still the same in any batch)."""
     s = Shrink.of(x, a_stack, b_stack, slots)
     assert y.dim() == 2 and y.shape == (x.shape[0], b_stack.shape[1]) and y.dtype == x.dtype, \
         f"y {tuple(y.shape)} {y.dtype} for x {tuple(x.shape)}, b_stack {tuple(b_stack.shape)}"
     assert y.stride(-1) == 1 and y.device == x.device, "y: unit stride in the last dim, on x's device"
     if s.empty:
         return
-    grouped = grouped and x.shape[0] <= GROUPED_MAX_ROWS
     shrink_(x, s, last=grouped)
     (grouped_expand_ if grouped else expand_)(y, s)
 
