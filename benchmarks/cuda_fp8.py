@@ -47,16 +47,23 @@ def kv_row_bytes_per_token(shape: dict, mode: str) -> int:
     return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * row
 
 
+def decode_tps(stamps: list[list[float]]) -> float:
+    """Tokens after the last request's first over the time from then on."""
+    all_first, end = max(t[0] for t in stamps), max(t[-1] for t in stamps)
+    return sum(t > all_first for s_ in stamps for t in s_) / (end - all_first)
+
+
 def concurrent_run(engine, name: str, cfg, prompts: list[list[int]], new: int, out: dict, key: str,
                    first: bool) -> float:
-    """Installs `cfg`, runs `prompts` together for `new` tokens each and releases it: the decode-only tokens/s
-    (tokens after the last request's first over the time from then on); the decode graph's replay at their
-    batch goes to out[key + "_graph_replay_ms"], and on the first round the first prompt's greedy tokens to
-    out[key + "_greedy"]."""
+    """Installs `cfg`, runs `prompts` together for `new` tokens each, each read by a thread of its own, and
+    releases it: the decode-only tokens/s (decode_tps). Also into `out`: the same requests read on one asyncio
+    loop, as the HTTP server reads its streams (key + "_one_loop_tps": threads woken every step share the GIL with
+    the engine's), the decode graph's replay at their batch (key + "_graph_replay_ms"), and on the first round
+    the first prompt's greedy tokens (key + "_greedy")."""
     engine.install_model(cfg)
     engine.start_model(name)
-    stamps = W.token_times_threads(engine, name, prompts, new)
-    all_first, end = max(t[0] for t in stamps), max(t[-1] for t in stamps)
+    tps = decode_tps(W.token_times_threads(engine, name, prompts, new))
+    out.setdefault(f"{key}_one_loop_tps", []).append(decode_tps(W.token_times_one_loop(engine, name, prompts, new)))
     runner = engine._engine.models[name].runner
     out.setdefault(f"{key}_graph_replay_ms", []).append(graph_replay_ms(runner.graphs, len(prompts)))
     if first:
@@ -65,7 +72,7 @@ def concurrent_run(engine, name: str, cfg, prompts: list[list[int]], new: int, o
     engine.stop_model(name)
     engine.release_model(name)
     free_memory()
-    return sum(t > all_first for s_ in stamps for t in s_) / (end - all_first)
+    return tps
 
 
 def kv_rows(engine, loader, shape: dict, batch: int, context: int, new: int, rounds: int) -> dict:
@@ -88,6 +95,8 @@ def kv_rows(engine, loader, shape: dict, batch: int, context: int, new: int, rou
             runs[mode].append(concurrent_run(engine, name, cfg, prompts, new, out, mode, r == 0))
     out["decode_tps_by_round"] = runs
     out["fp8_vs_bf16_decode"] = statistics.median(a / b for a, b in zip(runs["fp8"], runs["default"]))
+    out["fp8_vs_bf16_decode_one_loop"] = statistics.median(
+        a / b for a, b in zip(out["fp8_one_loop_tps"], out["default_one_loop_tps"]))
     out["fp8_vs_bf16_graph"] = statistics.median(
         b / a for a, b in zip(out["fp8_graph_replay_ms"], out["default_graph_replay_ms"]))
     out["greedy_first_divergence"] = first_divergence(out.pop("default_greedy"), out.pop("fp8_greedy"))
@@ -120,6 +129,8 @@ def w8a8_rows(engine, loader, root: str, shape: dict, batch: int, new: int, roun
             runs[mode].append(concurrent_run(engine, name, cfg, prompts, new, out, mode, r == 0))
     out["decode_tps_by_round"] = runs
     out["w8a8_vs_bf16_decode"] = statistics.median(a / b for a, b in zip(runs[variant], runs["bfloat16"]))
+    out["w8a8_vs_bf16_decode_one_loop"] = statistics.median(
+        a / b for a, b in zip(out[f"{variant}_one_loop_tps"], out["bfloat16_one_loop_tps"]))
     out["w8a8_vs_bf16_graph"] = statistics.median(
         b / a for a, b in zip(out[f"{variant}_graph_replay_ms"], out["bfloat16_graph_replay_ms"]))
     out["greedy_first_divergence"] = first_divergence(out.pop("bfloat16_greedy"), out.pop(f"{variant}_greedy"))

@@ -96,8 +96,12 @@ def cuda_fp8(r: dict) -> list:
                      x(kv["fp8_vs_bf16_decode"])))
     if "w8a8" in r:
         w = r["w8a8"]
-        rows.append((f"W8A8 (fp8 weights and activations) x bf16, {w['batch']} requests: decode tokens/s",
+        rows.append((f"W8A8 (fp8 weights and activations) x bf16, {w['batch']} requests, a thread each: decode "
+                     "tokens/s",
                      x(w["w8a8_vs_bf16_decode"])))
+        if "w8a8_vs_bf16_decode_one_loop" in w:
+            rows.append((f"W8A8 x bf16, {w['batch']} requests read on one loop: decode tokens/s",
+                         x(w["w8a8_vs_bf16_decode_one_loop"])))
         rows.append((f"W8A8 x bf16, {w['batch']} requests: graph replay, bf16's / its", x(w["w8a8_vs_bf16_graph"])))
     if "silu_ab" in r:
         ab = r["silu_ab"]
