@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 
 from test_triton_fused import DEVICE, assert_same_bits, assert_within_ulps, rows_view  # noqa: E402
 
+from allspark_client import settings  # noqa: E402
 from allspark_server.compute import row_mode  # noqa: E402
 from allspark_server.compute.cuda import gemv_kernels as gk  # noqa: E402
 from allspark_server.compute.cuda import lora_kernels as lk  # noqa: E402
@@ -114,7 +115,7 @@ def test_each_row_as_alone_in_any_batch(rank, grouped, poisoned_empty):
         alone = y[t:t + 1].clone()
         lk.lora_add_(alone, x[t:t + 1], a_stack, b_stack, ids[t:t + 1], grouped=grouped)
         assert_same_bits(batched[t:t + 1], alone)
-    assert not lk._counters(x.device, 1).any(), "the shrink's counters are left at zero for the next launch"
+    assert not lk.counters(x.device, 1).any(), "the shrink's counters are left at zero for the next launch"
 
 
 def test_grouped_expand_over_several_blocks_of_rows(poisoned_empty):
@@ -266,26 +267,38 @@ def test_replays_in_a_cuda_graph_with_new_slots_and_adapters():
     assert_same_bits(y[2], before[2])
 
 
+@pytest.mark.parametrize("tail", [False, True], ids=["expand-launch", "expand-in-the-gemv"])
 @pytest.mark.parametrize("alone", [False, True], ids=["batched", "alone-rows"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
-def test_shrink_inside_the_gemv_launch_gives_the_same_bits(dtype, alone, poisoned_empty):
-    # the decode GEMV carrying the shrink's programs (cuda_ops._lora_linear), then the expand: the same bits as the
-    # plain GEMV followed by lora_add_'s two launches; K = 300 is two chunks of 256, the last partial
+def test_shrink_inside_the_gemv_launch_gives_the_same_bits(dtype, alone, tail, poisoned_empty):
+    # the decode GEMV carrying the shrink's programs (cuda_ops._lora_linear), then the expand in a launch of its own
+    # or (ALLSPARK_LORA_EXPAND_IN_GEMV) as the launch's last programs: the same bits as the plain GEMV followed by
+    # lora_add_'s two launches; K = 300 is two chunks of 256, the last partial
     slots, k, n, rank = [1, -1, 0], 300, 72, 16
     x = rows_view(len(slots), k, dtype, seed=17)
     gen = torch.Generator().manual_seed(18)
     w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(DEVICE, dtype)
     a_stack, b_stack, unpadded = adapters(2, [rank, 8], rank, k, n, dtype, seed=19)
     ids = slot_tensor(slots)
-    with row_mode.alone_rows(alone):
+    with row_mode.alone_rows(alone), settings.override(LORA_EXPAND_IN_GEMV=tail):
         want = gk.gemv(x, w)
         plain = want.clone()
         lk.lora_add_(want, x, a_stack, b_stack, ids)
         shrink = lk.Shrink.of(x, a_stack, b_stack, ids)
         assert shrink.splits == 2 and shrink.programs == len(slots) * 2
-        y = gk.gemv(x, w, shrink=shrink)
-        lk.expand_(y, shrink)
+        y = gk.gemv(x, w, lora=shrink)
     assert_same_bits(y, want)
     ref, bound = reference(plain, x, unpadded, slots)
     assert_within_bound(y, ref, bound)
+    assert not lk.counters(x.device, 2).any(), "the expand's tail leaves its counters at zero"
 
+
+def test_counters_grow_and_keep_the_old_buffers(poisoned_empty):
+    # a prefill of more rows than the counters cover makes a larger buffer; the old one stays (graphs use it)
+    from allspark_server.compute.cuda import stream_counters
+    device = torch.device(DEVICE, torch.cuda.current_device()) if DEVICE == "cuda" else torch.device("cpu")
+    small = lk.counters(device, 8)
+    big = lk.counters(device, small.numel() + 1)
+    assert big.numel() > small.numel() and not big.any()
+    buffers = [b for (use, dev, _), bufs in stream_counters._BUFFERS.items() if use == "lora" for b in bufs]
+    assert any(b is small for b in buffers) and any(b is big for b in buffers)

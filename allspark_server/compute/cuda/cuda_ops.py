@@ -106,18 +106,14 @@ def takes_lora(lora, lora_rows) -> bool:
 
 
 def _lora_linear(x, w, bias, lora, lora_rows):
-    """linear(x, w, bias) plus the rows' adapter deltas: where the GEMV takes the rows, the adapter's shrink runs in
-    the GEMV's own launch where it can (gemv_kernels._launch) and only its expand in one more; elsewhere lora_add_'s
-    two launches."""
+    """linear(x, w, bias) plus the rows' adapter deltas: where the GEMV takes the rows, it carries the adapter's
+    shrink in its own launch where it can (gemv_kernels.gemv) and the expand follows; elsewhere lora_add_'s
+    launches after the linear."""
     if not takes_lora(lora, lora_rows):
         return linear(x, w, bias)
     if isinstance(w, torch.Tensor) and gemv_kernels.fits(x, w):
         a_stack, b_stack = lora.stacked()
-        shrink = lora_kernels.Shrink.of(x, a_stack, b_stack, lora_rows.slots)
-        y = gemv_kernels.gemv(x, w, bias, shrink=shrink)
-        if not shrink.empty:
-            lora_kernels.expand_(y, shrink)
-        return y
+        return gemv_kernels.gemv(x, w, bias, lora=lora_kernels.Shrink.of(x, a_stack, b_stack, lora_rows.slots))
     return lora_add_(linear(x, w, bias), x, lora, lora_rows)
 
 

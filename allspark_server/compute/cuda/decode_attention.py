@@ -24,6 +24,7 @@ from allspark_server.compute.cuda.attention_kernels import (
 )
 from allspark_server.compute.cuda.fused_kernels import _rotated
 from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
+from allspark_server.compute.cuda.stream_counters import stream_counters
 from allspark_server.quant import kv as kv_quant
 
 # Launch shapes, from sweeps on an H100 (Triton 3.6, bf16, H 32, KVH 8, D 128, P 16): decode tiles of 64 tokens
@@ -192,9 +193,6 @@ def default_num_splits(batch: int, num_kv_heads: int, max_spans: int, span_size:
 # Split counters for the decode kernel's own merge, one buffer per (device, stream): a launch leaves them at zero,
 # and launches on one stream never overlap. Never freed or replaced: a captured graph holds its buffer's address.
 MAX_SPLIT_COUNTERS = 1 << 16
-_SPLIT_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
 def fused_decode_enabled() -> bool:
     """ALLSPARK_FUSED_DECODE=0: decode attention as three launches again (rotary_store_kv, the attention, the
     split combine), for A/B runs."""
@@ -202,25 +200,11 @@ def fused_decode_enabled() -> bool:
 
 
 def _split_counters(device: torch.device, needed: int) -> torch.Tensor | None:
-    """Zeroed int32 counters, one per (sequence, kv head), for launches on the current stream: a graph warm-up
-    on a side stream must not share them with another model's steps running meanwhile on the default stream.
-    A graph being captured gets the default stream's, where DecodeGraphs replays it (allocated with the first
-    buffer of the device: a capture is always preceded by a warm-up). None (the separate combine launch) with
-    fused decode off or more than MAX_SPLIT_COUNTERS needed."""
+    """Zeroed int32 counters, one per (sequence, kv head), for launches on the current stream (stream_counters.py).
+    None (the separate combine launch) with fused decode off or more than MAX_SPLIT_COUNTERS needed."""
     if not fused_decode_enabled() or needed > MAX_SPLIT_COUNTERS:
         return None
-    default = 0
-    if device.type == "cuda":
-        default = torch.cuda.default_stream(device).cuda_stream
-        if torch.cuda.is_current_stream_capturing():
-            return _SPLIT_COUNTERS.get((device, default))
-        stream = torch.cuda.current_stream(device).cuda_stream
-    else:
-        stream = default
-    for key in {(device, default), (device, stream)}:
-        if key not in _SPLIT_COUNTERS:
-            _SPLIT_COUNTERS[key] = torch.zeros(MAX_SPLIT_COUNTERS, dtype=torch.int32, device=device)
-    return _SPLIT_COUNTERS[(device, stream)]
+    return stream_counters("split-combine", device, needed, MAX_SPLIT_COUNTERS)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,

@@ -39,6 +39,7 @@ import triton.language as tl
 from allspark_server.compute.cuda import pdl
 from allspark_server.compute.cuda.fused_kernels import _round
 from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
+from allspark_server.compute.cuda.stream_counters import stream_counters
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_BLOCK_R = 64    # rank columns a program holds: R = 192 is three shrink programs a row, three expand steps
@@ -109,40 +110,60 @@ def _shrink_kernel(x, a, slots, part, t, counters, K, R, SPLITS, stride_xt, stri
 
 
 @triton.jit
-def _expand_kernel(part, b, slots, y, N, R, SPLITS, stride_pt, stride_ps, stride_bs, stride_bn, stride_yt,
-                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SOFT_BF16: tl.constexpr,
-                   PDL: tl.constexpr):
-    """Program (row, n-block): t = the shrink's partials summed over its chunks in order, rounded to y's dtype;
-    y[row, n] += sum_r t[r] b[s, n, r] in fp32, the sum with y rounded once to y's dtype, for BLOCK_N outputs n;
-    nothing when s = slots[row] < 0. The slot and the first BLOCK_R ranks of B are read before the PDL wait."""
-    allow_next(PDL)
-    row = tl.program_id(0).to(tl.int64)
+def expand_program(row, n_block, part, b, slots, y, N, R, SPLITS, stride_pt, stride_ps, stride_bs, stride_bn,
+                   stride_yt, counters, producers, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_S: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr, TAIL: tl.constexpr):
+    """Expand program (row, n-block): t = the shrink's partials summed over its chunks in order, rounded to y's
+    dtype; y[row, n] += sum_r t[r] b[s, n, r] in fp32, the sum with y rounded once to y's dtype, for BLOCK_N outputs
+    n; nothing when s = slots[row] < 0. The slot and the first BLOCK_R ranks of B are read before the PDL wait.
+    TAIL (the last programs of a GEMV launch that carries the shrink, gemv_kernels): it first waits until
+    counters[0] says the launch's `producers` programs (shrink and GEMV) have stored, reads what they wrote past L1,
+    and the last tail program to finish (counters[1]) leaves both counters at zero for the next launch."""
+    row = row.to(tl.int64)
     slot = tl.load(slots + row).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     rows_b = b + tl.maximum(slot, 0) * stride_bs + offs_n.to(tl.int64)[:, None] * stride_bn    # [BN, 1]
     offs_r = tl.arange(0, BLOCK_R)
     live = n_ok & ((offs_n * 0 + slot) >= 0)                                            # nothing to read: s < 0
     br = tl.load(rows_b + offs_r[None, :], mask=live[:, None] & (offs_r < R)[None, :], other=0.0)  # [BN, BR]
     wait_for_previous(PDL)
-    if slot < 0:
-        return
-    part += row * stride_pt
-    dst = y + row * stride_yt + offs_n
-    yv = tl.load(dst, mask=n_ok, other=0.0).to(tl.float32)         # with the partials: both wait on the same kernel
-    dt = y.dtype.element_ty
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_ok = offs_r < R
-        offs_s = tl.arange(0, BLOCK_S)      # every chunk's partial in one load, summed as one tree: the same
-        parts = tl.load(part + offs_s[:, None] * stride_ps + offs_r[None, :],              # sum alone or batched
-                        mask=(offs_s < SPLITS)[:, None] & r_ok[None, :], other=0.0)                # [BS, BR]
-        tr = _round(tl.sum(parts, 0), dt, SOFT_BF16).to(dt).to(tl.float32)                    # [BR]
-        if r0 > 0:
-            br = tl.load(rows_b + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-        acc += tl.sum(br.to(tl.float32) * tr[None, :], 1)
-    tl.store(dst, _round(yv + acc, dt, SOFT_BF16).to(dt), mask=n_ok)
+    if TAIL:
+        while tl.atomic_add(counters, 0, sem="acquire") < producers:
+            pass
+    if slot >= 0:
+        part += row * stride_pt
+        dst = y + row * stride_yt + offs_n
+        yv = tl.load(dst, mask=n_ok, other=0.0, cache_modifier=".cg" if TAIL else "").to(tl.float32)
+        dt = y.dtype.element_ty
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for r0 in range(0, R, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            r_ok = offs_r < R
+            offs_s = tl.arange(0, BLOCK_S)      # every chunk's partial in one load, summed as one tree: the same
+            parts = tl.load(part + offs_s[:, None] * stride_ps + offs_r[None, :],          # sum alone or batched
+                            mask=(offs_s < SPLITS)[:, None] & r_ok[None, :], other=0.0,
+                            cache_modifier=".cg" if TAIL else "")                                  # [BS, BR]
+            tr = _round(tl.sum(parts, 0), dt, SOFT_BF16).to(dt).to(tl.float32)                    # [BR]
+            if r0 > 0:
+                br = tl.load(rows_b + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+            acc += tl.sum(br.to(tl.float32) * tr[None, :], 1)
+        tl.store(dst, _round(yv + acc, dt, SOFT_BF16).to(dt), mask=n_ok)
+    if TAIL:
+        tl.debug_barrier()
+        if tl.atomic_add(counters + 1, 1, sem="acq_rel") == tl.num_programs(0) - producers - 1:
+            tl.atomic_xchg(counters, 0)
+            tl.atomic_xchg(counters + 1, 0)
+
+
+@triton.jit
+def _expand_kernel(part, b, slots, y, N, R, SPLITS, stride_pt, stride_ps, stride_bs, stride_bn, stride_yt,
+                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SOFT_BF16: tl.constexpr,
+                   PDL: tl.constexpr):
+    """Program (row, n-block): expand_program's."""
+    allow_next(PDL)
+    expand_program(tl.program_id(0), tl.program_id(1), part, b, slots, y, N, R, SPLITS, stride_pt, stride_ps,
+                   stride_bs, stride_bn, stride_yt, slots, 0, BLOCK_N, BLOCK_R, BLOCK_S, SOFT_BF16, PDL, False)
 
 
 @triton.jit
@@ -253,28 +274,24 @@ class Shrink:
         return self.part.numel() == 0 or self.b_stack.shape[1] == 0
 
 
-COUNTERS = 1 << 16       # (row, r-block) counters of the shrink's last program, at least, on a device
+COUNTERS = 1 << 16       # counters made at a time (the grouped shrink's: one a (row, r-block))
 GROUPED_BLOCK_N = 128    # outputs a grouped expand program takes
 GROUPED_BLOCK_T = 64     # rows it takes at most (its accumulator: BLOCK_N x BLOCK_T fp32)
-_COUNTERS: dict = {}     # device -> its counter buffers, the largest last (the older stay alive: graphs use them)
 
 
-def _counters(device: torch.device, needed: int) -> torch.Tensor:
-    """Zeros, at least `needed`; each shrink leaves those it used at zero again (its launches run one after another
-    in a stream, each past its PDL wait before it counts, so one buffer serves them all). Made by the first grouped
-    shrink on a device, before any graph's capture (capture_each_size runs each step eagerly first, the largest
-    batch first); a prefill of more rows makes a larger one, eagerly too (prefill steps are not captured)."""
-    buffers = _COUNTERS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < needed:
-        buffers.append(torch.zeros(max(COUNTERS, 2 * needed), dtype=torch.int32, device=device))
-    return buffers[-1]
+def counters(device: torch.device, needed: int) -> torch.Tensor:
+    """At least `needed` zeroed counters for the launches of the current stream (stream_counters.py): the grouped
+    shrink's, a GEMV's expand tail's."""
+    out = stream_counters("lora", device, needed, COUNTERS)
+    assert out is not None, f"{needed} LoRA counters in a graph's capture: more than its warm-up made"
+    return out
 
 
 def shrink_(x: torch.Tensor, s: Shrink, last: bool = False) -> None:
     """The shrink's launch: s.part from x (last: and s.t, for the grouped expand)."""
-    counters = _counters(x.device, x.shape[0] * s.r_blocks) if last else s.part
+    counts = counters(x.device, x.shape[0] * s.r_blocks) if last else s.part
     _shrink_kernel[(x.shape[0], s.r_blocks, s.splits)](
-        x, s.a_stack, s.slots, s.part, s.t, counters, x.shape[1], s.rank, s.splits, x.stride(0), s.a_stack.stride(0),
+        x, s.a_stack, s.slots, s.part, s.t, counts, x.shape[1], s.rank, s.splits, x.stride(0), s.a_stack.stride(0),
         s.a_stack.stride(1), s.part.stride(0), s.part.stride(1), s.t.stride(0), BLOCK_R=s.block_r, BLOCK_K=s.chunk,
         CHUNK=s.chunk, BLOCK_S=s.block_s, LAST=last, SOFT_BF16=_INTERPRETED, num_warps=SHRINK_WARPS,
         **pdl.launch_options(x.device))
