@@ -117,6 +117,19 @@ def serialized_bench_model(root: str):
     return loader
 
 
+def quantized_bench_model(root: str, variant: str):
+    """The HF folder at `root` quantized as common.quant_variant(`variant`) says, serialized as model
+    'bench-cuda-<variant>' into root/as-<variant> (once): its loader."""
+    import common
+
+    from allspark_server import HuggingFaceModel
+    loader = HuggingFaceModel(root, f"bench-cuda-{variant}", user_set_data_type="bfloat16")
+    loader.load_model().serialize_to_path(None, os.path.join(root, f"as-{variant}"), enable_quant=True,
+                                          skip_if_exists=True,
+                                          customized_quant_config=common.quant_variant(variant)).free_model()
+    return loader
+
+
 def kv_bytes_per_token(shape: dict) -> int:
     head_dim = shape["hidden_size"] // shape["num_attention_heads"]
     return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * 2   # bf16 K and V, every layer

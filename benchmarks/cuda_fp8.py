@@ -13,7 +13,6 @@ narrow layers and one round (checks that it runs; needs a GPU of compute capabil
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -31,6 +30,7 @@ from cuda_common import (
     graph_replay_ms,
     kernel_breakdown,
     kv_bytes_per_token,
+    quantized_bench_model,
     serialized_bench_model,
 )
 from cuda_rows import quant_rows
@@ -47,23 +47,18 @@ def kv_row_bytes_per_token(shape: dict, mode: str) -> int:
     return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * row
 
 
-def decode_tps(stamps: list[list[float]]) -> float:
-    """Tokens after the last request's first over the time from then on."""
-    all_first, end = max(t[0] for t in stamps), max(t[-1] for t in stamps)
-    return sum(t > all_first for s_ in stamps for t in s_) / (end - all_first)
-
-
 def concurrent_run(engine, name: str, cfg, prompts: list[list[int]], new: int, out: dict, key: str,
                    first: bool) -> float:
     """Installs `cfg`, runs `prompts` together for `new` tokens each, each read by a thread of its own, and
-    releases it: the decode-only tokens/s (decode_tps). Also into `out`: the same requests read on one asyncio
-    loop, as the HTTP server reads its streams (key + "_one_loop_tps": threads woken every step share the GIL with
-    the engine's), the decode graph's replay at their batch (key + "_graph_replay_ms"), and on the first round
-    the first prompt's greedy tokens (key + "_greedy")."""
+    releases it: the decode-only tokens/s (workloads.decode_only_tps). Also into `out`: the same requests read on
+    one asyncio loop, as the HTTP server reads its streams (key + "_one_loop_tps": threads woken every step share
+    the GIL with the engine's), the decode graph's replay at their batch (key + "_graph_replay_ms"), and on the
+    first round the first prompt's greedy tokens (key + "_greedy")."""
     engine.install_model(cfg)
     engine.start_model(name)
-    tps = decode_tps(W.token_times_threads(engine, name, prompts, new))
-    out.setdefault(f"{key}_one_loop_tps", []).append(decode_tps(W.token_times_one_loop(engine, name, prompts, new)))
+    tps = W.decode_only_tps(W.token_times_threads(engine, name, prompts, new))
+    one_loop = W.decode_only_tps(W.token_times_one_loop(engine, name, prompts, new))
+    out.setdefault(f"{key}_one_loop_tps", []).append(one_loop)
     runner = engine._engine.models[name].runner
     out.setdefault(f"{key}_graph_replay_ms", []).append(graph_replay_ms(runner.graphs, len(prompts)))
     if first:
@@ -73,6 +68,20 @@ def concurrent_run(engine, name: str, cfg, prompts: list[list[int]], new: int, o
     engine.release_model(name)
     free_memory()
     return tps
+
+
+def compared(out: dict, runs: dict, new: str, base: str, prefix: str) -> dict:
+    """`out` (concurrent_run's keys for both) with the medians of same-round ratios `new` / `base`: decode
+    tokens/s read by threads (prefix + "_decode") and on one loop ("_decode_one_loop"), the graph's speed
+    ("_graph"); and the first greedy token where they differ."""
+    def median_ratio(a: list, b: list) -> float:
+        return statistics.median(x / y for x, y in zip(a, b))
+    out["decode_tps_by_round"] = runs
+    out[f"{prefix}_decode"] = median_ratio(runs[new], runs[base])
+    out[f"{prefix}_decode_one_loop"] = median_ratio(out[f"{new}_one_loop_tps"], out[f"{base}_one_loop_tps"])
+    out[f"{prefix}_graph"] = median_ratio(out[f"{base}_graph_replay_ms"], out[f"{new}_graph_replay_ms"])
+    out["greedy_first_divergence"] = first_divergence(out.pop(f"{base}_greedy"), out.pop(f"{new}_greedy"))
+    return out
 
 
 def kv_rows(engine, loader, shape: dict, batch: int, context: int, new: int, rounds: int) -> dict:
@@ -93,14 +102,7 @@ def kv_rows(engine, loader, shape: dict, batch: int, context: int, new: int, rou
                    .max_length(max_len).kv_cache_span_size(32).kv_cache_mode(mode)
                    .kv_cache_memory(batch * (max_len + 64) * per_token).prefill_cache(False).build())
             runs[mode].append(concurrent_run(engine, name, cfg, prompts, new, out, mode, r == 0))
-    out["decode_tps_by_round"] = runs
-    out["fp8_vs_bf16_decode"] = statistics.median(a / b for a, b in zip(runs["fp8"], runs["default"]))
-    out["fp8_vs_bf16_decode_one_loop"] = statistics.median(
-        a / b for a, b in zip(out["fp8_one_loop_tps"], out["default_one_loop_tps"]))
-    out["fp8_vs_bf16_graph"] = statistics.median(
-        b / a for a, b in zip(out["fp8_graph_replay_ms"], out["default_graph_replay_ms"]))
-    out["greedy_first_divergence"] = first_divergence(out.pop("default_greedy"), out.pop("fp8_greedy"))
-    return out
+    return compared(out, runs, "fp8", "default", "fp8_vs_bf16")
 
 
 def w8a8_rows(engine, loader, root: str, shape: dict, batch: int, new: int, rounds: int) -> dict:
@@ -108,16 +110,11 @@ def w8a8_rows(engine, loader, root: str, shape: dict, batch: int, new: int, roun
     and on its fp8 copy with fp8 activations (W8A8: `fp8_e4m3+a8`; each installed alone, the rounds alternating):
     decode-only tokens/s as kv_rows counts them, the decode graph's replay at `batch` rows, and greedy agreement
     of the first request's tokens with bf16's."""
-    from allspark_server import HuggingFaceModel
     vocab = LLAMA2_7B["vocab_size"]
     max_len = PROMPT_LEN + new + 32
     prompts = [W.prompt(PROMPT_LEN, 700 + i, vocab) for i in range(batch)]
     variant = "fp8_e4m3+a8"
-    q = HuggingFaceModel(root, "bench-w8a8", user_set_data_type="bfloat16")
-    q.load_model().serialize_to_path(None, os.path.join(root, f"as-{variant}"), enable_quant=True,
-                                     skip_if_exists=True, customized_quant_config=common.quant_variant(variant))
-    q.free_model()
-    loaders = {"bfloat16": loader, variant: q}
+    loaders = {"bfloat16": loader, variant: quantized_bench_model(root, variant)}
     runs: dict = {m: [] for m in loaders}
     out: dict = {"batch": batch, "prompt_len": PROMPT_LEN, "new_tokens": new, "variant": variant}
     for r in range(rounds):
@@ -127,14 +124,7 @@ def w8a8_rows(engine, loader, root: str, shape: dict, batch: int, new: int, roun
                    .max_length(max_len).kv_cache_span_size(32)
                    .kv_cache_memory(batch * (max_len + 64) * kv_bytes_per_token(shape)).prefill_cache(False).build())
             runs[mode].append(concurrent_run(engine, name, cfg, prompts, new, out, mode, r == 0))
-    out["decode_tps_by_round"] = runs
-    out["w8a8_vs_bf16_decode"] = statistics.median(a / b for a, b in zip(runs[variant], runs["bfloat16"]))
-    out["w8a8_vs_bf16_decode_one_loop"] = statistics.median(
-        a / b for a, b in zip(out[f"{variant}_one_loop_tps"], out["bfloat16_one_loop_tps"]))
-    out["w8a8_vs_bf16_graph"] = statistics.median(
-        b / a for a, b in zip(out[f"{variant}_graph_replay_ms"], out["bfloat16_graph_replay_ms"]))
-    out["greedy_first_divergence"] = first_divergence(out.pop("bfloat16_greedy"), out.pop(f"{variant}_greedy"))
-    return out
+    return compared(out, runs, variant, "bfloat16", "w8a8_vs_bf16")
 
 
 def main(argv=None) -> dict:

@@ -11,7 +11,6 @@ import statistics
 import sys
 import time
 
-import common
 import torch_cuda_peer as peer_mod
 import workloads as W
 from cuda_common import (
@@ -26,6 +25,7 @@ from cuda_common import (
     kv_bytes_per_token,
     note_memory,
     overlap_off,
+    quantized_bench_model,
     time_graph_steps,
 )
 from step_profile import StepProfile
@@ -60,7 +60,6 @@ def quant_rows(engine, root: str, variants: list[str], prompt_len: int, new_toke
     next to the bf16 model, one variant at a time (two beside transformers, the bf16 model and its KV cache do
     not fit an H100): batch-1 decode interleaved round by round with bf16's, each with its weight bytes per
     token; greedy agreement with bf16 over 16 tokens."""
-    from allspark_server import HuggingFaceModel
     from allspark_server.runner.memory_bandwidth import decode_weight_bytes
     vocab = LLAMA2_7B["vocab_size"]
     prompt = W.prompt(prompt_len, 0, vocab)
@@ -68,10 +67,8 @@ def quant_rows(engine, root: str, variants: list[str], prompt_len: int, new_toke
     out, by_round = {}, {}
     for v in variants:
         name = f"bench-cuda-{v}"
-        q = HuggingFaceModel(root, name, user_set_data_type="bfloat16")
         t = time.perf_counter()
-        q.load_model().serialize_to_path(None, os.path.join(root, f"as-{v}"), enable_quant=True, skip_if_exists=True,
-                                         customized_quant_config=common.quant_variant(v)).free_model()
+        q = quantized_bench_model(root, v)
         kv_bytes = 8 * -(-max_len // 32) * 32 * kv_bytes_per_token(shape)     # 8 sequences
         builder = q.create_reference_runtime_config_builder(name, "cuda", [0], max_batch=8).max_length(max_len)
         builder = builder.kv_cache_span_size(32).kv_cache_memory(kv_bytes)
@@ -176,7 +173,7 @@ def engine_concurrent(engine, num: int, one_loop: bool = False) -> dict:
     all_first = max(s[0] for s in stamps)
     profile.restore()
     return {"allspark_tps": num * CONC_NEW / (end - t0),
-            "allspark_decode_tps": sum(t > all_first for s in stamps for t in s) / (end - all_first),
+            "allspark_decode_tps": W.decode_only_tps(stamps),
             "first_tokens_s": all_first - t0, "steps": profile.summary(),
             f"graph_step_gpu_ms_b{num}": graph_ms()}
 

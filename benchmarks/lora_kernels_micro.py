@@ -95,7 +95,7 @@ def kernel_ms(graph) -> dict:
         if e.device_time_total <= 0:
             continue
         name = e.key.lower()
-        kind = next((k for k in KINDS if k in name), "gemm" if ("gemm" in name or "sm90" in name) else "other")
+        kind = next((k for k in KINDS if k in name), "gemm" if "sm90" in name else "other")   # sm90_*: cuBLAS's
         out[kind] = out.get(kind, 0.0) + e.device_time_total / 1e3
     return {k: round(v, 4) for k, v in sorted(out.items())}
 

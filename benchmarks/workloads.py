@@ -87,6 +87,13 @@ def concurrent_tps(engine, name: str, vocab: int, num: int, prompt_len: int, new
     return num * new_tokens / (time.perf_counter() - t0)
 
 
+def decode_only_tps(stamps: list[list[float]]) -> float:
+    """From requests' token arrival times (token_times_threads / token_times_one_loop): the tokens after the last
+    request's first token over the time from then to the end."""
+    all_first, end = max(t[0] for t in stamps), max(t[-1] for t in stamps)
+    return sum(t > all_first for s in stamps for t in s) / (end - all_first)
+
+
 def token_times_threads(engine, name: str, prompts: list[list[int]], new_tokens: int) -> list[list[float]]:
     """Start a request per prompt, each read by a thread of its own blocked in Get() (DashInfer's examples); each
     request's token arrival times."""

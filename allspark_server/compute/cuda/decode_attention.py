@@ -190,9 +190,9 @@ def default_num_splits(batch: int, num_kv_heads: int, max_spans: int, span_size:
     return max(1, min(-(-TARGET_PROGRAMS // (batch * num_kv_heads)), max_tiles, MAX_SPLITS))
 
 
-# Split counters for the decode kernel's own merge, one buffer per (device, stream): a launch leaves them at zero,
-# and launches on one stream never overlap. Never freed or replaced: a captured graph holds its buffer's address.
-MAX_SPLIT_COUNTERS = 1 << 16
+MAX_SPLIT_COUNTERS = 1 << 16      # the decode kernel's own merge: a counter a (sequence, kv head) at most
+
+
 def fused_decode_enabled() -> bool:
     """ALLSPARK_FUSED_DECODE=0: decode attention as three launches again (rotary_store_kv, the attention, the
     split combine), for A/B runs."""

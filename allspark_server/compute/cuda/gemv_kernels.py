@@ -263,6 +263,7 @@ def _launch(x, w, bias, out_cols, up_rows, silu_mul, config, lora=None):
     m, k = x.shape
     assert w.shape[1] == k and x.stride(-1) == 1 and w.is_contiguous(), (tuple(x.shape), tuple(w.shape))
     assert bias is None or (bias.shape == (w.shape[0],) and bias.is_contiguous())
+    assert lora is None or not silu_mul, "an adapter's deltas go in before the activation: no silu·mul epilogue"
     out = torch.empty(m, out_cols, dtype=x.dtype, device=x.device)                       # [M, N]
     if m == 0 or out_cols == 0:
         return out
@@ -287,7 +288,7 @@ def _launch(x, w, bias, out_cols, up_rows, silu_mul, config, lora=None):
     b_stack = s.b_stack if s else w
     programs = s.programs if s else 0
     producers = programs + triton.cdiv(out_cols, cfg.block_n) * grid_rows
-    tail = s is not None and not silu_mul and settings.LORA_EXPAND_IN_GEMV.get()
+    tail = s is not None and settings.LORA_EXPAND_IN_GEMV.get()
     tail_n_blocks = triton.cdiv(out_cols, s.block_n) if tail else 1
     counters = lora_kernels.counters(x.device, 2) if tail else slots   # unread without the tail
     _gemv_kernel[(producers + (m * tail_n_blocks if tail else 0),)](

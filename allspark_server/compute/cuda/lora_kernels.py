@@ -217,13 +217,11 @@ def blocks(rank: int, k: int, n: int) -> tuple[int, int, int]:
 @dataclass(frozen=True)
 class Shrink:
     """One projection's LoRA rows between the shrink and the expand: the stacks, each row's slot, the fp32 partials
-    part [T, splits, R] the shrink programs write, t [T, R] (their sums, rounded: written only for the grouped
-    expand), and the tiles both halves use."""
+    part [T, splits, R] the shrink programs write, and the tiles both halves use."""
     a_stack: torch.Tensor
     b_stack: torch.Tensor
     slots: torch.Tensor
     part: torch.Tensor
-    t: torch.Tensor
     block_r: int
     block_n: int
     chunk: int
@@ -266,8 +264,7 @@ class Shrink:
         block_r, block_k, block_n = blocks(max(rank, 1), k, max(n, 1))
         chunk = max(block_k, K_CHUNK)    # one [BLOCK_R, chunk] tile a program: a row's sums the same in any batch
         part = torch.empty(rows, triton.cdiv(k, chunk), rank, dtype=torch.float32, device=x.device)
-        t = torch.empty(rows, rank, dtype=x.dtype, device=x.device)
-        return cls(a_stack, b_stack, slots, part, t, block_r, block_n, chunk)
+        return cls(a_stack, b_stack, slots, part, block_r, block_n, chunk)
 
     @property
     def empty(self) -> bool:
@@ -287,12 +284,15 @@ def counters(device: torch.device, needed: int) -> torch.Tensor:
     return out
 
 
-def shrink_(x: torch.Tensor, s: Shrink, last: bool = False) -> None:
-    """The shrink's launch: s.part from x (last: and s.t, for the grouped expand)."""
-    counts = counters(x.device, x.shape[0] * s.r_blocks) if last else s.part
+def shrink_(x: torch.Tensor, s: Shrink, t: torch.Tensor | None = None) -> None:
+    """The shrink's launch: s.part from x (given t [T, R] in x's dtype: and the partials' rounded sums into it, for
+    the grouped expand)."""
+    last = t is not None
+    counts = counters(x.device, x.shape[0] * s.r_blocks) if last else s.part      # unread without `last`
+    t = t if last else s.part
     _shrink_kernel[(x.shape[0], s.r_blocks, s.splits)](
-        x, s.a_stack, s.slots, s.part, s.t, counts, x.shape[1], s.rank, s.splits, x.stride(0), s.a_stack.stride(0),
-        s.a_stack.stride(1), s.part.stride(0), s.part.stride(1), s.t.stride(0), BLOCK_R=s.block_r, BLOCK_K=s.chunk,
+        x, s.a_stack, s.slots, s.part, t, counts, x.shape[1], s.rank, s.splits, x.stride(0), s.a_stack.stride(0),
+        s.a_stack.stride(1), s.part.stride(0), s.part.stride(1), t.stride(0), BLOCK_R=s.block_r, BLOCK_K=s.chunk,
         CHUNK=s.chunk, BLOCK_S=s.block_s, LAST=last, SOFT_BF16=_INTERPRETED, num_warps=SHRINK_WARPS,
         **pdl.launch_options(x.device))
 
@@ -306,13 +306,12 @@ def expand_(y: torch.Tensor, s: Shrink) -> None:
         SOFT_BF16=_INTERPRETED, num_warps=NUM_WARPS, **pdl.launch_options(y.device))
 
 
-def grouped_expand_(y: torch.Tensor, s: Shrink) -> None:
-    """The grouped expand's launch (after shrink_(x, s, last=True)): a program an adapter slot, n-block and block of
-    rows."""
+def grouped_expand_(y: torch.Tensor, s: Shrink, t: torch.Tensor) -> None:
+    """The grouped expand's launch (after shrink_(x, s, t)): a program an adapter slot, n-block and block of rows."""
     rows, n = y.shape
     block_t = min(GROUPED_BLOCK_T, max(16, triton.next_power_of_2(rows)))
     _grouped_expand_kernel[(s.b_stack.shape[0], triton.cdiv(n, GROUPED_BLOCK_N), triton.cdiv(rows, block_t))](
-        s.t, s.b_stack, s.slots, y, rows, n, s.rank, s.t.stride(0), s.b_stack.stride(0), s.b_stack.stride(1),
+        t, s.b_stack, s.slots, y, rows, n, s.rank, t.stride(0), s.b_stack.stride(0), s.b_stack.stride(1),
         y.stride(0), BLOCK_T=block_t, BLOCK_N=GROUPED_BLOCK_N, BLOCK_R=max(16, s.block_r),
         DOT_PREC="ieee" if y.dtype == torch.float32 else "tf32", SOFT_BF16=_INTERPRETED, num_warps=NUM_WARPS,
         **pdl.launch_options(y.device))
@@ -336,8 +335,13 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: 
     assert y.stride(-1) == 1 and y.device == x.device, "y: unit stride in the last dim, on x's device"
     if s.empty:
         return
-    shrink_(x, s, last=grouped)
-    (grouped_expand_ if grouped else expand_)(y, s)
+    if grouped:
+        t = torch.empty(x.shape[0], s.rank, dtype=x.dtype, device=x.device)
+        shrink_(x, s, t)
+        grouped_expand_(y, s, t)
+    else:
+        shrink_(x, s)
+        expand_(y, s)
 
 
 _INTERPRETED = not isinstance(_shrink_kernel, triton.JITFunction)   # decorated under TRITON_INTERPRET=1

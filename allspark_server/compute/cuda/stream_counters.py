@@ -25,11 +25,8 @@ def stream_counters(use: str, device: torch.device, needed: int, minimum: int) -
             buffers = _BUFFERS.get((use, device, default))
             return buffers[-1] if buffers and buffers[-1].numel() >= needed else None
         stream = torch.cuda.current_stream(device).cuda_stream
-    out = None
     for key in {(use, device, default), (use, device, stream)}:
         buffers = _BUFFERS.setdefault(key, [])
         if not buffers or buffers[-1].numel() < needed:
             buffers.append(torch.zeros(max(minimum, 2 * needed), dtype=torch.int32, device=device))
-        if key[2] == stream:
-            out = buffers[-1]
-    return out
+    return _BUFFERS[(use, device, stream)][-1]
