@@ -11,21 +11,22 @@ import time
 
 import httpx
 import psutil
-from helpers import LONG_RUN_MAX_LENGTH
 from http_helpers import Server
 from pool_helpers import _is_rank
 
 # The ranks are frozen (SIGSTOP) before the launcher is killed and thawed after, so no token is made between the
-# first events and the kill: a stream can end by its length only if the kill never stopped the pool, however late
-# its first events reach this process (on a loaded machine they came when a 32768-token run was nearly done)
-MAX_LENGTH = 2 * LONG_RUN_MAX_LENGTH
+# first events and the kill. The ranks can still run far ahead of this process before it freezes them: on a loaded
+# machine its third event came after a whole 16384-token run was made. So the run asks for half a million tokens,
+# whose attention over the growing context takes many minutes even at full speed: a stream can end by its length
+# only if the kill never stopped the pool. One request at a time keeps its lazy KV cache at one such sequence.
+MAX_LENGTH = 1 << 19
 THAW_AFTER_S = 1.0   # mpirun has the SIGTERM by then (the launcher's parent-death signal): it waits for the thaw
 HEADERS_S = 180      # the response's headers come once the pool has taken the request; a stalled machine is slow
 
 
 def test_a_stream_cut_off_by_a_killed_launcher_ends_in_an_error(llama, monkeypatch):
     monkeypatch.setenv("ALLSPARK_KV_PREFAULT", "0")     # its KV cache left lazy: most of it is never written
-    srv = Server(llama.hf_dir, "--ranks", "2", "--max-length", str(MAX_LENGTH))
+    srv = Server(llama.hf_dir, "--ranks", "2", "--max-length", str(MAX_LENGTH), "--max-batch", "1")
     try:
         _cut_off_stream(srv)
     except BaseException as e:
