@@ -136,6 +136,12 @@ MPIRUN = _declare("ALLSPARK_MPIRUN", str, "mpirun", "user", """
 NO_NATIVE = _declare("ALLSPARK_NO_NATIVE", bool, False, "user", """
     1: every CPU op runs on the pure-PyTorch path; the native extension is not loaded. setup.py reads it too,
     before the package exists, and builds no extension when it is exactly 1.""")
+CPU_ISA = _declare("ALLSPARK_CPU_ISA", str, "auto", "user", """
+    The newest CPU features allspark's kernels may use: auto, what the CPU reports; a lower level (portable, avx2,
+    avx512, avx512_vnni, avx512_bf16) hides the features above it, so this CPU runs the kernels and GEMM dtypes an
+    older kind of CPU would (a cap: a level above the CPU's changes nothing). ATen, oneDNN and MKL have caps of
+    their own (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS).""",
+                  choices=("auto", "portable", "avx2", "avx512", "avx512_vnni", "avx512_bf16"))
 BATCH_INVARIANT = _declare("ALLSPARK_BATCH_INVARIANT", bool, False, "user", """
     1: a request's output does not depend on the requests batched with it (CPU ranks): every row count takes the
     native kernels, each row summed in the order it is alone, and prompt rows attend as decode rows do. Costs

@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import re
+import sys
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -51,6 +52,28 @@ def spin_openmp() -> None:
     allspark's own worker pool and do not depend on it. An explicit setting in the environment wins."""
     os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
     os.environ.setdefault("GOMP_SPINCOUNT", "300000")
+
+
+# what runs a process as on an AVX2-only CPU: ATen, oneDNN and MKL capped at AVX2, and allspark's kernels and GEMM
+# dtypes chosen as for one (ALLSPARK_CPU_ISA)
+AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+             "ALLSPARK_CPU_ISA": "avx2"}
+
+
+def as_avx2_if_asked(flag: str = "--as-avx2") -> None:
+    """With `flag` on the command line, run this script again under AVX2_CAPS unless it already is; call before
+    torch loads (the libraries read their caps once). An indication for AVX2-only machines from a newer one: their
+    own cores and memory differ."""
+    if flag in sys.argv[1:] and any(os.environ.get(k) != v for k, v in AVX2_CAPS.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_CAPS})
+
+
+def check_as_avx2(asked: bool) -> None:
+    """A main() called with --as-avx2 from another process's code (not through as_avx2_if_asked) is refused: the
+    caps must be set before torch loads."""
+    if asked and any(os.environ.get(k) != v for k, v in AVX2_CAPS.items()):
+        raise SystemExit("--as-avx2 takes effect as the script starts: run it as a script, or set common.AVX2_CAPS "
+                         "in the environment before torch loads")
 
 
 def build_model(spec: dict, dtype: str) -> str:

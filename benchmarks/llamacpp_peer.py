@@ -28,6 +28,10 @@ LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "se
 NO_AMX_BUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON '
                 '-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_INT8=OFF" pip install --force-reinstall '
                 '--no-binary llama-cpp-python llama-cpp-python')
+# llama.cpp built as for an AVX2-only CPU (gguf_race.py --as-avx2), into a folder of its own (--llama-cpp)
+AVX2_BUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX_VNNI=OFF '
+              '-DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF" pip install '
+              '--no-cache-dir --no-deps --no-binary llama-cpp-python --target DIR llama-cpp-python')
 
 
 def missing() -> str | None:
@@ -198,6 +202,14 @@ def kv_bytes_f16(hf_dir: str, ctx: int) -> int:
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     return (2 * cfg["num_hidden_layers"] * ctx * cfg.get("num_key_value_heads", cfg["num_attention_heads"])
             * head_dim * 2)
+
+
+def features_above_avx2() -> list[str]:
+    """The SIMD features past AVX2 that this llama-cpp-python's build uses (its system info's `NAME = 1`)."""
+    import llama_cpp
+    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    return [f for f in ("AVX_VNNI", "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16", "AMX_INT8")
+            if f"{f} = 1" in info]
 
 
 def build_info() -> dict:

@@ -8,7 +8,7 @@ median ms of each and the median of the rounds' ratios (SDPA's time / the kernel
     PYTHONPATH=. python benchmarks/prefill_attention_micro.py [--lengths 128 512 2048] [--rounds 5] [--threads 2]
         [--as-avx2] [--json PATH]
 
---as-avx2 runs the kernel's AVX2 code (ISA level 1) and ATen capped at AVX2 (ATEN_CPU_CAPABILITY, set before torch
+--as-avx2 runs the kernel's AVX2 code (ISA level 1) and ATen capped at AVX2 (common.AVX2_CAPS, set before torch
 loads): an indication for AVX2-only machines from a newer one; their own cores' rates differ.
 """
 from __future__ import annotations
@@ -18,14 +18,13 @@ import os
 import statistics
 import sys
 
-if "--as-avx2" in sys.argv[1:] and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":   # before torch loads
-    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"})
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import common  # noqa: E402
+
+common.as_avx2_if_asked()   # before torch loads
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-import common  # noqa: E402
 from gemv_quant_micro import interleaved_times  # noqa: E402
 
 from allspark_server.compute import ops  # noqa: E402
@@ -74,6 +73,7 @@ def main(argv=None) -> None:
     p.add_argument("--as-avx2", action="store_true", help="the AVX2 code, ATen capped at AVX2 (docstring)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    common.check_as_avx2(args.as_avx2)
     if ops.native() is None or ops.isa_level() < ops.ISA_AVX2:
         raise SystemExit("the native prefill attention needs the native extension and an AVX2 or AVX-512 CPU")
     isa = ops.ISA_AVX2 if args.as_avx2 else ops.isa_level()

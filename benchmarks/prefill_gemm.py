@@ -12,9 +12,9 @@ each one's median ms and its speed over the dequantized GEMM's in the same round
     PYTHONPATH=. python benchmarks/prefill_gemm.py [--rows 128 512 2048] [--formats int8:32 int4:32 uint4_min:32]
         [--act-bits 8] [--isa 3 1] [--layers 2] [--rounds 5] [--threads 2] [--as-avx2] [--json PATH]
 
---as-avx2 runs everything as on an AVX2-only CPU: ATen, oneDNN and MKL capped at AVX2 (their environment variables,
-set before torch loads), the native kernels at ISA level 1 and ATen's GEMM in fp32 (no bf16 dot products). An
-indication for that kind of machine from a newer one; its own cores' rates differ.
+--as-avx2 runs everything as on an AVX2-only CPU (common.AVX2_CAPS): ATen, oneDNN and MKL capped at AVX2, the native
+kernels at ISA level 1 and ATen's GEMM in fp32 (no bf16 dot products). An indication for that kind of machine from a
+newer one; its own cores' rates differ.
 """
 from __future__ import annotations
 
@@ -25,14 +25,12 @@ import statistics
 import sys
 import tempfile
 
-AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
-if "--as-avx2" in sys.argv[1:] and any(os.environ.get(k) != v for k, v in AVX2_CAPS.items()):
-    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_CAPS})   # before torch loads
-
-import torch  # noqa: E402
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+
+common.as_avx2_if_asked()   # before torch loads
+
+import torch  # noqa: E402
 import vnni_peak  # noqa: E402
 from gemv_quant_micro import SHAPES, format_arg, interleaved_times, random_quantized  # noqa: E402
 
@@ -66,10 +64,7 @@ def main(argv=None) -> None:
     p.add_argument("--as-avx2", action="store_true", help="as on an AVX2-only CPU (the docstring says how)")
     p.add_argument("--json", help="write the results here too")
     args = p.parse_args(argv)
-    if args.as_avx2:
-        avx2_only = frozenset(f for f in ops.cpu_flags() if not f.startswith(("avx512", "amx")))
-        ops.cpu_flags = lambda: avx2_only     # ops' view of the CPU: ISA level 1, fp32 GEMM for bf16 rows
-        ops.isa_level.cache_clear()
+    common.check_as_avx2(args.as_avx2)
     torch.set_num_threads(args.threads)
     ext, g = ops.native(), torch.Generator().manual_seed(0)
     levels = args.isa or [ops.isa_level()]

@@ -153,6 +153,11 @@ MEASURES = {
                              "3960`: the race above after prompt rows of grouped int8-x weights stayed on the native "
                              "lanes kernel (QuantWeight::native_at_any_rows), TTFT at three prompt lengths.",
                              gguf_race),
+    "gguf-race-as-avx2": ("CPU: the same GGUF file, both sides on AVX2 code paths",
+                          "`gguf_race.py --as-avx2 --llama-cpp DIR --ours gguf-a8 --rounds 3 --quiet-cores 0.15 "
+                          "--ttft-prompts 512 2048`: the race above with ours capped at AVX2 (ALLSPARK_CPU_ISA, ATen, "
+                          "oneDNN and MKL) against llama.cpp built without AVX-512 and AVX-VNNI: an indication for "
+                          "AVX2-only machines from a newer one.", gguf_race),
     "prefill-attention": ("CPU: a prompt chunk's causal attention, native kernel against ATen's SDPA",
                           "`prefill_attention_micro.py --rounds 5`: one layer of the 0.5 B model's heads (12 over 4 "
                           "KV heads, D 128), the context scattered over spans, 2 threads.", prefill_attention),

@@ -57,11 +57,12 @@
 #include "simd.h"
 
 namespace {
-// AVX-512 bf16 (vdpbf16ps; AMX machines have it too): whether oneDNN's bf16 GEMM is fast here (ops.gemm_dtype), and
-// whether the dequantization may round with vcvtne2ps2bf16
-bool bf16_dot_products() {
+// AVX-512 bf16 (vdpbf16ps; AMX machines have it too) at the ISA level the caller runs (ops.isa_level, which
+// ALLSPARK_CPU_ISA may cap below the CPU's): whether oneDNN's bf16 GEMM is fast here (ops.gemm_dtype), and whether
+// the dequantization may round with vcvtne2ps2bf16
+bool bf16_dot_products(int64_t isa) {
   static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
+  return isa >= 4 && has;
 }
 
 using namespace qgemv;
@@ -219,7 +220,7 @@ void dequantize_rows_avx512(const QuantView& w, int64_t K, int64_t n0, int64_t n
 template <int F, typename T>
 void dequantize_rows(const QuantView& w, int64_t K, int64_t n0, int64_t n1, T* out, int64_t isa) {
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (isa >= 2 && bf16_dot_products()) return dequantize_rows_avx512<F, T, true>(w, K, n0, n1, out);
+    if (bf16_dot_products(isa)) return dequantize_rows_avx512<F, T, true>(w, K, n0, n1, out);
   }
   if (isa >= 2) return dequantize_rows_avx512<F, T>(w, K, n0, n1, out);
   if (isa >= 1) return dequantize_rows_avx2<F, T>(w, K, n0, n1, out);
@@ -445,7 +446,7 @@ torch::Tensor project(const torch::Tensor& x, const Weight& w, const std::option
     // ATen's GEMM on the dequantized weight, as ops.linear_dequantized: bf16 where the CPU has bf16 dot products,
     // else fp32 (without them oneDNN's bf16 GEMM is far slower; ops.gemm_dtype says how much), the weight then
     // dequantized a tile at a time; activate_quant: x rounded as the GEMV would meet it
-    const bool bf16 = x.scalar_type() == at::kBFloat16 && bf16_dot_products();
+    const bool bf16 = x.scalar_type() == at::kBFloat16 && bf16_dot_products(isa);
     const auto gemm_dtype = bf16 ? at::kBFloat16 : at::kFloat;
     const auto xg = q->act_bits == 8 ? round_rows(x, 127.0, gemm_dtype, isa) : x.to(gemm_dtype);
     if (bf16) return at::linear(xg, dequantize_weight(*q, at::kBFloat16, isa), b);
@@ -453,7 +454,7 @@ torch::Tensor project(const torch::Tensor& x, const Weight& w, const std::option
   }
   const auto& dense = std::get<torch::Tensor>(w);
   if (x.size(0) <= native_rows) return linear_small_m(x, dense, b, isa);
-  if (x.scalar_type() == at::kBFloat16 && dense.scalar_type() == at::kBFloat16 && !bf16_dot_products())
+  if (x.scalar_type() == at::kBFloat16 && dense.scalar_type() == at::kBFloat16 && !bf16_dot_products(isa))
     return linear_widened(x, w, b, isa);   // as ops.gemm_dtype decides for Python
   return at::linear(x, dense, b);
 }

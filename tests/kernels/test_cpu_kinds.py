@@ -56,3 +56,65 @@ def test_each_feature_set_picks_its_paths(monkeypatch, flags, want):
         assert (paths["isa"], paths["bf16_gemm"], paths["int8_gemm"]) == want
     finally:
         ops.isa_level.cache_clear()
+
+
+# a Sapphire Rapids host's flags (the GPU machines' CPUs): every level of ALLSPARK_CPU_ISA hides some of them
+SAPPHIRE_RAPIDS = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512cd",
+                             "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+                             "amx_int8"})
+
+
+@pytest.mark.parametrize("level, want", [
+    ("auto", ("4:avx512-vnni+bf16", "bf16", "amx_int8")),
+    ("avx512_bf16", ("4:avx512-vnni+bf16", "bf16", "dequantized")),
+    ("avx512_vnni", ("3:avx512-vnni", "fp32-widened", "dequantized")),
+    ("avx512", ("2:avx512f+bw+vl", "fp32-widened", "dequantized")),
+    ("avx2", ("1:avx2+fma", "fp32-widened", "dequantized")),
+    ("portable", ("0:portable", "fp32-widened", "dequantized")),
+])
+def test_a_cpu_isa_cap_runs_the_paths_of_an_older_kind(monkeypatch, level, want):
+    """ALLSPARK_CPU_ISA: the flags above the level are hidden, and the paths are those of a CPU without them."""
+    from allspark_client.cpu_features import capped
+    flags = capped(SAPPHIRE_RAPIDS, level)
+    assert flags <= SAPPHIRE_RAPIDS and "sse4_2" in flags
+    if level == "avx2":     # an AVX2-only kind: neither AVX-512 nor AVX-VNNI nor AMX
+        assert flags == {"sse4_2", "avx", "avx2", "fma", "f16c"}
+    monkeypatch.setattr(ops, "cpu_flags", lambda: flags)
+    ops.isa_level.cache_clear()
+    try:
+        paths = ops.cpu_paths()
+        assert (paths["isa"], paths["bf16_gemm"], paths["int8_gemm"]) == want
+    finally:
+        ops.isa_level.cache_clear()
+
+
+CAPPED_RUN = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from helpers import greedy, serialize, start_engine
+from allspark_server.compute import ops
+engine = start_engine(serialize({hf_dir!r}, "m", {out!r}), "m", max_batch=2)
+tokens = greedy(engine, "m", {ids!r}, 12)
+print(json.dumps({{"paths": ops.cpu_paths(), "kernels": ops.describe(), "tokens": tokens}}))
+"""
+
+
+@pytest.mark.skipif(ops.native() is None or ops.isa_level() < ops.ISA_AVX512, reason="the CPU is AVX2 or older")
+def test_an_engine_capped_at_avx2_runs_the_avx2_kernels_and_matches_transformers(llama, tmp_path):
+    """The cap end to end, where the CPU has AVX-512: an Engine in a process with ALLSPARK_CPU_ISA=avx2 says it runs
+    the AVX2 kernels, and its greedy tokens are transformers' (fp32)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from helpers import hf_greedy, random_prompt
+    ids = random_prompt(24, seed=7)
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = CAPPED_RUN.format(tests=tests, hf_dir=llama.hf_dir, out=str(tmp_path), ids=ids)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "ALLSPARK_CPU_ISA": "avx2"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["kernels"] == "native, AVX2+FMA" and got["paths"]["isa"] == "1:avx2+fma", got
+    assert got["tokens"] == hf_greedy(llama.model, ids, 12)

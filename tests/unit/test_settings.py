@@ -21,7 +21,7 @@ NAME = re.compile(r"\bALLSPARK_[A-Z][A-Z0-9_]*")
 
 DEFAULTS = {   # the shipped defaults, written out again so that changing one is a visible decision
     "ALLSPARK_TOKEN": None, "ALLSPARK_API_KEY": None, "ALLSPARK_MAX_BODY_MB": 16.0, "ALLSPARK_LOG_LEVEL": "info",
-    "ALLSPARK_BATCH_INVARIANT": False, "ALLSPARK_KV_PREFAULT": True,
+    "ALLSPARK_CPU_ISA": "auto", "ALLSPARK_BATCH_INVARIANT": False, "ALLSPARK_KV_PREFAULT": True,
     "ALLSPARK_MPIRUN": "mpirun", "ALLSPARK_NO_NATIVE": False, "ALLSPARK_MEMORY_BANDWIDTH_GBS": None,
     "ALLSPARK_PROFILE": None,
     "ALLSPARK_OVERLAP": True, "ALLSPARK_CUDA_GRAPHS": True, "ALLSPARK_TRITON_GEMV": True, "ALLSPARK_PDL": True,
