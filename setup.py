@@ -17,6 +17,7 @@ def native_extensions():
                                                    "native/activation_rounding.cpp",
                                                    "native/gemv_quant_avx2.cpp", "native/gemv_quant_avx2_m1.cpp",
                                                    "native/gemv_quant_avx2_lanes.cpp",
+                                                   "native/gemv_quant_avx2_bytes8.cpp",
                                                    "native/gemv_quant_avx512.cpp", "native/gemv_quant_lanes.cpp",
                                                    "native/int8_gemm_epilogue.cpp",
                                                    "native/span_attention.cpp", "native/span_attention_quant.cpp",

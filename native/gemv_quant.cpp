@@ -104,6 +104,8 @@ bool rows(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, 
     rows_lanes_avx2<F>(a, M, w, K, n0, n1, y, N, finish);
     return finish != nullptr;
   } else if (layout == NIBBLES16 || layout == NIBBLES8) rows_nibbles_avx2<F>(a, M, w, n0, n1, y, N, layout);
+  else if (layout == BYTES8 && F == INT8 && M >= AVX2_BYTES8_MIN_ROWS)
+    rows_bytes8_blocked_avx2<F>(a, M, w, n0, n1, y, N);
   else if (layout == BYTES8) rows_bytes8_avx2<F>(a, M, w, n0, n1, y, N);
   else if (layout != NATURAL) return rows_avx512<F>(a, M, w, K, n0, n1, y, N, layout, finish);
   else if (isa >= 1) rows_avx2<F>(a, M, w, n0, n1, y, N);
@@ -330,8 +332,11 @@ QuantView QuantWeight::view() const {
 bool QuantWeight::native_at_any_rows(int64_t isa) const {
   if (isa < 1 || act_bits != 8 || format == UINT8 || scales.size(1) == 1) return false;
   const int64_t group = in_features / scales.size(1);
-  // AVX2: the lanes kernel's weights, the NIBBLES8 kernel's in groups of 32 (gemv_quant_avx2_lanes.cpp)
-  if (isa < 3) return group == BLOCK && nibbles16_fits(view(), in_features);
+  // AVX2: the lanes kernel's weights, the NIBBLES8 kernel's in groups of 32 (gemv_quant_avx2_lanes.cpp), and
+  // grouped INT8 codes (gemv_quant_avx2_bytes8.cpp)
+  if (isa < 3)
+    return (group == BLOCK && nibbles16_fits(view(), in_features)) ||
+           (format == INT8 && bytes8_fits(view(), in_features));
   // the lanes kernel's groups (gemv_quant_avx512.cpp: rows_avx512_of); its x is padded to whole chunks of 512 k,
   // and where that pads K by more than a quarter (SmolLM2's 576: 1024) the dequantized GEMM is faster again
   const int64_t padded = (in_features + CHUNK - 1) / CHUNK * CHUNK;

@@ -240,6 +240,16 @@ template <int F>
 void rows_lanes_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, int64_t n1, float* y,
                      int64_t N, const FinishBlock* finish = nullptr);
 
+// gemv_quant_avx2_bytes8.cpp: rows [n0, n1) of y = x . W^T for INT8 codes that bytes8_fits against
+// AVX2_BYTES8_MIN_ROWS or more rows of int8 x (activate_quant, BYTES8): R weight rows x MB rows of x a step, every
+// pair in the batch-1 kernel's arithmetic (the same bits as alone). At 2 rows the batch-1 kernel row by row, whose
+// weight stream is prefetched further ahead, was faster; from 4 the blocked one (benchmarks/prefill_gemm.py
+// --as-avx2 --formats int8:32)
+constexpr int64_t AVX2_BYTES8_MIN_ROWS = 4;
+template <int F>
+void rows_bytes8_blocked_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y,
+                              int64_t N);
+
 // activation_rounding.cpp: each row of x [M, K] rounded to fixed point (act_max 32767 or 127) in `layout`, with the
 // sums the kernels take the zero points off with (`group`: the weight's group size)
 Act16 round_activations(const float* x, int64_t M, int64_t K, int64_t isa, float act_max, Layout layout, int64_t group);

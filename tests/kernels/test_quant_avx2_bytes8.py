@@ -1,0 +1,74 @@
+"""The AVX2 kernel for several rows of int8 x against int8 codes (native/gemv_quant_avx2_bytes8.cpp: GGUF's Q8_0,
+InstantQuant's int8): against float64 at the AVX2 levels this CPU runs (1: AVX2, 2: AVX-512's AVX2 GEMV), in groups
+of 32, 64 and 96 and per channel, codes of -128 included (the kernel meets the codes' magnitudes), weight rows no
+multiple of its 2 per step, rows of x no multiple of its 3 per pass, and more weight rows than one tile; and bit for
+bit, every row of a call equals the same row alone (the batch-1 kernel), whatever rows share the call. Also: the
+engine's prompt rows of such a weight stay on the kernel (QuantWeight::native_at_any_rows)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from quant_cases import needs_native, quantized_weight, round_to_int8_levels
+
+from allspark_server.compute import ops
+
+# (n, k, group): K = 576 (SmolLM2) in 18 groups of 32; 1536 per channel; n = 700 at K 576: two tiles of weight rows
+CASES = ((97, 576, 32), (31, 640, 64), (9, 192, 96), (33, 1536, -1), (700, 576, 32), (50, 896, 32))
+
+
+def avx2_levels() -> list[int]:
+    return [isa for isa in (ops.ISA_AVX2, ops.ISA_AVX512) if isa <= ops.isa_level()]
+
+
+pytestmark = [needs_native, pytest.mark.skipif(not avx2_levels(), reason="the kernel needs AVX2")]
+
+
+def _weight(n, k, group):
+    qw = quantized_weight(n, k, "int8", group, seed=n + k, act_bits=8)
+    qw.qweight[0, :40] = -128            # the largest magnitude, 128 as an unsigned byte
+    qw.qweight[-1, -40:] = 127
+    return qw
+
+
+@pytest.mark.parametrize("isa", avx2_levels())
+def test_many_rows_match_float64(isa):
+    ext = ops.native()
+    g = torch.Generator().manual_seed(5)
+    for n, k, group in CASES:
+        qw = _weight(n, k, group)
+        w64 = qw.dequantize().double()
+        bias = torch.randn(n, generator=g)
+        for m, dtype in ((2, torch.float32), (7, torch.float32), (300, torch.bfloat16)):
+            x = torch.randn(m, k, generator=g).to(dtype)
+            y = ext.linear_quant(x, ops.native_weight(qw), bias.to(dtype), isa)
+            ref = round_to_int8_levels(x) @ w64.T + bias.to(dtype).double()
+            # the block sums are exact integers: only the fp32 sums over the groups and the output rounding remain
+            tol = 1e-5 * (x.double().abs() @ w64.abs().T).max().item() + 1e-6
+            rounding = ref.abs() * (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24)
+            assert y.dtype == dtype and y.shape == (m, n)
+            assert ((y.double() - ref).abs() <= tol + rounding).all(), (n, k, group, m, isa)
+
+
+@pytest.mark.parametrize("isa", avx2_levels())
+def test_a_row_is_the_same_bits_in_any_call(isa):
+    ext = ops.native()
+    g = torch.Generator().manual_seed(6)
+    for n, k, group in CASES:
+        qw = ops.native_weight(_weight(n, k, group))
+        x = torch.randn(100, k, generator=g)
+        full = ext.linear_quant(x, qw, None, isa)
+        alone = torch.cat([ext.linear_quant(x[i:i + 1], qw, None, isa) for i in (0, 1, 2, 50, 99)])
+        assert torch.equal(alone, full[[0, 1, 2, 50, 99]]), (n, k, group, isa)
+        for start, m in ((0, 2), (3, 5), (10, 4), (40, 60), (96, 4)):
+            part = ext.linear_quant(x[start:start + m], qw, None, isa)
+            assert torch.equal(part, full[start:start + m]), (n, k, group, start, m, isa)
+
+
+def test_prompt_rows_of_grouped_int8_stay_native_on_avx2():
+    """Grouped int8 codes with int8 x take the kernel at any row count on AVX2 (no dequantized GEMM); per channel
+    they do not (the int8 GEMM or the dequantized one serves them)."""
+    assert ops.native_weight(_weight(9, 192, 32)).native_at_any_rows(ops.ISA_AVX2)
+    assert ops.native_weight(_weight(9, 192, 64)).native_at_any_rows(ops.ISA_AVX2)
+    assert not ops.native_weight(_weight(33, 1536, -1)).native_at_any_rows(ops.ISA_AVX2)
+    assert not ops.native_weight(quantized_weight(9, 192, "int8", 32, seed=1, act_bits=16)).native_at_any_rows(
+        ops.ISA_AVX2)
