@@ -241,11 +241,14 @@ void rows_lanes_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t K, i
                      int64_t N, const FinishBlock* finish = nullptr);
 
 // gemv_quant_avx2_bytes8.cpp: rows [n0, n1) of y = x . W^T for INT8 codes that bytes8_fits against
-// AVX2_BYTES8_MIN_ROWS or more rows of int8 x (activate_quant, BYTES8): R weight rows x MB rows of x a step, every
-// pair in the batch-1 kernel's arithmetic (the same bits as alone). At 2 rows the batch-1 kernel row by row, whose
-// weight stream is prefetched further ahead, was faster; from 4 the blocked one (benchmarks/prefill_gemm.py
-// --as-avx2 --formats int8:32)
-constexpr int64_t AVX2_BYTES8_MIN_ROWS = 4;
+// bytes8_blocked_min_rows or more rows of int8 x (activate_quant, BYTES8): R weight rows x MB rows of x a step, every
+// pair in the batch-1 kernel's arithmetic (the same bits as alone). Below those counts the batch-1 kernel row by
+// row, whose weight stream is prefetched further ahead, was as fast or faster (benchmarks/prefill_gemm.py --as-avx2
+// --formats int8:32): groups of 32 go into lanes, which each call reorders for its rows, and pay from 16 rows on
+constexpr int64_t AVX2_BYTES8_MIN_ROWS = 4, AVX2_BYTES8_LANES_MIN_ROWS = 16;
+inline int64_t bytes8_blocked_min_rows(const QuantView& w) {
+  return w.group == BLOCK ? AVX2_BYTES8_LANES_MIN_ROWS : AVX2_BYTES8_MIN_ROWS;
+}
 template <int F>
 void rows_bytes8_blocked_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y,
                               int64_t N);

@@ -2,16 +2,20 @@
 // GGUF's Q8_0, InstantQuant's int8) in groups of a multiple of 32 or per channel. Called by gemv_quant.cpp from
 // AVX2_BYTES8_MIN_ROWS rows, prompt rows included (QuantWeight::native_at_any_rows).
 //
-// The batch-1 kernel (gemv_quant_avx2_m1.cpp, row_bytes8_m1_avx2) meets each (weight row, row of x) pair alone: per
-// 32 codes a load of the codes and of x, the codes' magnitudes, x signed like them, vpmaddubsw, vpmaddwd and an add,
-// and per group a conversion and an FMA. Row by row over a tile of weight rows that is ~8 instructions for 32
-// multiply-adds. Here R_ROWS weight rows and MB rows of x share each step: a block of codes is loaded and made into
-// magnitudes once for the MB rows, a block of x once for the R weight rows, so each pair costs the sign, the two
-// multiplies, the add and its group's conversion and FMA. Every pair runs the batch-1 kernel's arithmetic on the
-// same values in the same order (its group's int32 lanes summed block by block, converted, scaled into eight fp32
-// lanes group after group, hsum8 at the end), so a row's result is the same bits as alone: it does not depend on
-// how many rows share the call. The codes are read in place (no reordering): a tile of weight rows stays in L2
-// while every row of x meets it.
+// The batch-1 kernels (gemv_quant_avx2_m1.cpp) meet each (weight row, row of x) pair alone: per 32 codes a load of
+// the codes and of x, the codes' magnitudes, x signed like them, vpmaddubsw, vpmaddwd, and the group's sums. Row by
+// row over a tile of weight rows that is ~8 instructions for 32 multiply-adds. Here R_ROWS weight rows and MB rows
+// of x share each step: a vector of codes is loaded and made into magnitudes once for the MB rows, a vector of x once
+// for the R weight rows, so each pair costs the sign, the two multiplies and an add. Every pair runs its batch-1
+// kernel's arithmetic on the same values in the same order, so a row's result is the same bits as alone: it does not
+// depend on how many rows share the call.
+// - Groups of 32 (Q8_0; row_bytes8_g32_m1_avx2): a unit of eight groups is brought into lanes, a tile of weight rows
+//   at a time and each row of x once, as the 4-bit lanes kernel does (gemv_quant_avx2_lanes.cpp: lane j holds 4
+//   values of group (0, 2, 4, 6, 1, 3, 5, 7)[j] in each of 8 vectors), so the 8 vectors' products leave every group's
+//   exact sum in its lane and one FMA scales the eight; the groups after the runs of eight one at a time.
+// - Larger groups and per channel (row_bytes8_m1_avx2): the codes read in place, each group's 8 int32 lanes summed
+//   block by block, converted and scaled into 8 fp32 lanes.
+// A tile of weight rows stays in L2 while every row of x meets it; the next tile is prefetched meanwhile.
 #include <torch/extension.h>
 #include <immintrin.h>
 
@@ -19,6 +23,8 @@
 #include <cstdint>
 
 #include "gemv_quant.h"
+#include "gemv_quant_avx2.h"
+#include "gemv_quant_avx2_lanes.h"
 #include "simd.h"
 
 namespace qgemv {
@@ -33,9 +39,8 @@ constexpr int64_t TILE_CODE_BYTES = 256 << 10;
 constexpr int R_ROWS = 2;
 constexpr int MB_MAX = 3;
 
-// R weight rows (from n) against MB rows of x (from m) of one tile. ONE: groups of one block (Q8_0), whose sums go
-// straight into the totals (the batch-1 kernel's acc from zero plus one block is that block's sum)
-template <int MB, bool ONE>
+// R weight rows (from n) against MB rows of x (from m) of one tile, groups of several blocks or per channel
+template <int MB>
 AVX2_ISA void pass(const Act16& a, const QuantView& w, int64_t n, int64_t rows, int64_t m, float* y, int64_t N) {
   constexpr int R = R_ROWS;
   const int64_t blocks = w.group / BLOCK;
@@ -58,7 +63,7 @@ AVX2_ISA void pass(const Act16& a, const QuantView& w, int64_t n, int64_t rows, 
     __m256i acc[R * MB];
 #pragma GCC unroll 8
     for (int i = 0; i < R * MB; ++i) acc[i] = _mm256_setzero_si256();
-    for (int64_t b = 0; b < (ONE ? 1 : blocks); ++b) {
+    for (int64_t b = 0; b < blocks; ++b) {
       const int64_t k = (g * blocks + b) * BLOCK;
       __m256i mag[R], sgn[R];
 #pragma GCC unroll 4
@@ -71,19 +76,16 @@ AVX2_ISA void pass(const Act16& a, const QuantView& w, int64_t n, int64_t rows, 
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[j] + k));
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-          const __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(mag[r], _mm256_sign_epi8(x, sgn[r])), ones);
-          if constexpr (ONE) total[r * MB + j] = _mm256_fmadd_ps(s[r], _mm256_cvtepi32_ps(sum), total[r * MB + j]);
-          else acc[r * MB + j] = _mm256_add_epi32(acc[r * MB + j], sum);
+          acc[r * MB + j] = _mm256_add_epi32(
+              acc[r * MB + j], _mm256_madd_epi16(_mm256_maddubs_epi16(mag[r], _mm256_sign_epi8(x, sgn[r])), ones));
         }
       }
     }
-    if constexpr (!ONE) {
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-        for (int j = 0; j < MB; ++j)
-          total[r * MB + j] = _mm256_fmadd_ps(s[r], _mm256_cvtepi32_ps(acc[r * MB + j]), total[r * MB + j]);
-    }
+      for (int j = 0; j < MB; ++j)
+        total[r * MB + j] = _mm256_fmadd_ps(s[r], _mm256_cvtepi32_ps(acc[r * MB + j]), total[r * MB + j]);
   }
   for (int r = 0; r < std::min<int64_t>(R, rows); ++r)
     for (int j = 0; j < MB; ++j) y[(m + j) * N + n + r] = a.d[m + j] * simd::hsum8(total[r * MB + j]);
@@ -91,7 +93,7 @@ AVX2_ISA void pass(const Act16& a, const QuantView& w, int64_t n, int64_t rows, 
 
 // one pass of MB rows of x over a tile's weight rows [t0, t1); meanwhile the lines [l0, l1) of each row of the next
 // tile (up to t1 + ahead) are prefetched into L2, as tiled_rows does, so the next tile's passes do not wait for memory
-template <int MB, bool ONE>
+template <int MB>
 AVX2_ISA void tile_pass(const Act16& a, const QuantView& w, int64_t t0, int64_t t1, int64_t ahead, int64_t l0,
                         int64_t l1, int64_t m, float* y, int64_t N) {
   for (int64_t n = t0; n < t1; n += R_ROWS) {
@@ -99,11 +101,10 @@ AVX2_ISA void tile_pass(const Act16& a, const QuantView& w, int64_t t0, int64_t 
       const uint8_t* next = w.codes + (r + (t1 - t0)) * w.row_bytes;
       for (int64_t l = l0; l < l1; ++l) _mm_prefetch(reinterpret_cast<const char*>(next + 64 * l), _MM_HINT_T1);
     }
-    pass<MB, ONE>(a, w, n, std::min<int64_t>(R_ROWS, t1 - n), m, y, N);
+    pass<MB>(a, w, n, std::min<int64_t>(R_ROWS, t1 - n), m, y, N);
   }
 }
 
-template <bool ONE>
 void rows_tiled(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y, int64_t N) {
   const int64_t tile = std::max<int64_t>(R_ROWS, TILE_CODE_BYTES / w.row_bytes / R_ROWS * R_ROWS);
   const int64_t passes = (M + MB_MAX - 1) / MB_MAX, lines = (w.row_bytes + 63) / 64;
@@ -113,9 +114,148 @@ void rows_tiled(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64
       const int64_t m = p * MB_MAX, l0 = lines * p / passes, l1 = lines * (p + 1) / passes;
       static_assert(MB_MAX == 3, "one case per pass size");
       switch (std::min<int64_t>(MB_MAX, M - m)) {
-        case 1: tile_pass<1, ONE>(a, w, t0, t1, ahead, l0, l1, m, y, N); break;
-        case 2: tile_pass<2, ONE>(a, w, t0, t1, ahead, l0, l1, m, y, N); break;
-        default: tile_pass<3, ONE>(a, w, t0, t1, ahead, l0, l1, m, y, N); break;
+        case 1: tile_pass<1>(a, w, t0, t1, ahead, l0, l1, m, y, N); break;
+        case 2: tile_pass<2>(a, w, t0, t1, ahead, l0, l1, m, y, N); break;
+        default: tile_pass<3>(a, w, t0, t1, ahead, l0, l1, m, y, N); break;
+      }
+    }
+  }
+}
+
+
+// ---- groups of 32: units of eight groups in lanes ----------------------------------------------------------------
+constexpr int64_t UNIT_BYTES = 8 * BLOCK;                   // a unit's codes (or x) in lanes: 8 vectors
+constexpr int64_t W_UNIT_BYTES = UNIT_BYTES + 32;           // ... then its eight scales in fp32, lane order
+constexpr int64_t LANES_TILE_BYTES = 256 << 10;             // weight rows reordered at a time (they stay in L2)
+constexpr int64_t X_BLOCK = 256;                            // rows of x made into lanes at a time
+
+// 8 groups' 32-byte runs from `src` (count of them there, the rest zero) into the lanes layout at out: group 2c + b's
+// first 16 values in half b of run lo[c], its last 16 in half b of hi[c] (store_lanes' input)
+AVX2_ISA void unit_to_lanes(const uint8_t* src, int64_t count, uint8_t* out) {
+  __m256i lo[4], hi[4];
+  for (int c = 0; c < 4; ++c) {
+    const __m256i a = 2 * c < count ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64 * c))
+                                    : _mm256_setzero_si256();
+    const __m256i b = 2 * c + 1 < count ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64 * c + 32))
+                                        : _mm256_setzero_si256();
+    lo[c] = _mm256_permute2x128_si256(a, b, 0x20), hi[c] = _mm256_permute2x128_si256(a, b, 0x31);
+  }
+  store_lanes(lo, hi, out);
+}
+
+// weight row n's unit u into the scratch: its codes in lanes, then the eight groups' scales in lane order
+AVX2_ISA void weight_unit(const QuantView& w, int64_t n, int64_t u, uint8_t* out) {
+  const int64_t g0 = 8 * u, count = std::min<int64_t>(8, w.groups - g0);
+  unit_to_lanes(w.codes + n * w.row_bytes + g0 * BLOCK, count, out);
+  float* scale_out = reinterpret_cast<float*>(out + UNIT_BYTES);
+  for (int j = 0; j < 8; ++j)
+    scale_out[j] = GROUP_OF_LANE[j] < count ? _cvtsh_ss(w.scales[n * w.groups + g0 + GROUP_OF_LANE[j]].x) : 0.f;
+}
+
+// a unit's eight exact group sums for R weight rows (wc) and MB rows of x (xc), lane j: group GROUP_OF_LANE[j]
+template <int R, int MB>
+AVX2_ISA inline void unit_sums(const uint8_t* const* wc, const uint8_t* const* xc, __m256i* S) {
+  const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 8
+  for (int i = 0; i < R * MB; ++i) S[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+  for (int q = 0; q < 8; ++q) {
+    __m256i sgn[R], mag[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      sgn[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc[r] + 32 * q));
+      mag[r] = _mm256_abs_epi8(sgn[r]);
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc[m] + 32 * q));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+        S[r * MB + m] = _mm256_add_epi32(
+            S[r * MB + m], _mm256_madd_epi16(_mm256_maddubs_epi16(mag[r], _mm256_sign_epi8(x, sgn[r])), ones));
+    }
+  }
+}
+
+// rows [0, rows) of a tile (ws, w_row bytes apart; weight row n0 first) against MB rows of x in lanes (xr, indices
+// xm), R_ROWS weight rows at a time, as row_bytes8_g32_m1_avx2 computes each pair. Out of line, as the 4-bit
+// kernel's dot_pass (it says why)
+template <int MB>
+AVX2_ISA __attribute__((noinline)) void lanes_pass(const Act16& a, const QuantView& w, const uint8_t* ws,
+                                                   int64_t w_row, int64_t rows, int64_t n0,
+                                                   const uint8_t* const* xr, const int64_t* xm, float* y, int64_t N) {
+  constexpr int R = R_ROWS;
+  const int64_t full = w.groups / 8, tail = w.groups % 8;
+  for (int64_t i = 0; i < rows; i += R) {
+    const uint8_t* wc[R];
+    for (int r = 0; r < R; ++r) wc[r] = ws + std::min<int64_t>(i + r, rows - 1) * w_row;
+    __m256 total[R * MB];
+#pragma GCC unroll 8
+    for (int j = 0; j < R * MB; ++j) total[j] = _mm256_setzero_ps();
+    const uint8_t* xc[MB];
+    const uint8_t* wu[R];
+    for (int64_t u = 0; u < full; ++u) {
+      for (int m = 0; m < MB; ++m) xc[m] = xr[m] + u * UNIT_BYTES;
+      for (int r = 0; r < R; ++r) wu[r] = wc[r] + u * W_UNIT_BYTES;
+      __m256i S[R * MB];
+      unit_sums<R, MB>(wu, xc, S);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 scales = _mm256_loadu_ps(reinterpret_cast<const float*>(wu[r] + UNIT_BYTES));
+#pragma GCC unroll 4
+        for (int m = 0; m < MB; ++m)
+          total[r * MB + m] = _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(S[r * MB + m]), total[r * MB + m]);
+      }
+    }
+    alignas(32) int32_t left[R * MB][8];
+    if (tail) {
+      for (int m = 0; m < MB; ++m) xc[m] = xr[m] + full * UNIT_BYTES;
+      for (int r = 0; r < R; ++r) wu[r] = wc[r] + full * W_UNIT_BYTES;
+      __m256i S[R * MB];
+      unit_sums<R, MB>(wu, xc, S);
+      for (int j = 0; j < R * MB; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(left[j]), S[j]);
+    }
+    for (int r = 0; r < std::min<int64_t>(R, rows - i); ++r) {
+      const int64_t n = n0 + i + r;
+      const at::Half* sr = w.scales + n * w.groups;
+      for (int m = 0; m < MB; ++m) {
+        float rest = 0.f;
+        for (int64_t h = 0; h < tail; ++h)   // group 8 full + h sits in lane h / 2 (even h) or 4 + h / 2 (odd)
+          rest = add_left_over_group<INT8>(rest, left[r * MB + m][(h % 2) * 4 + h / 2], 0, sr, nullptr, nullptr,
+                                           8 * full + h);
+        y[xm[m] * N + n] = a.d[xm[m]] * (simd::hsum8(total[r * MB + m]) + rest);
+      }
+    }
+  }
+}
+
+void rows_lanes(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y, int64_t N) {
+  const int64_t units = (w.groups + 7) / 8, w_row = units * W_UNIT_BYTES, x_row = units * UNIT_BYTES;
+  thread_local LineVector<uint8_t> xs, ws;
+  const int64_t tile = std::max<int64_t>(R_ROWS, LANES_TILE_BYTES / w_row / R_ROWS * R_ROWS);
+  ws.resize(std::min(tile, n1 - n0) * w_row);
+  xs.resize(std::min(M, X_BLOCK) * x_row);
+  for (int64_t b0 = 0; b0 < M; b0 += X_BLOCK) {
+    const int64_t bm = std::min(X_BLOCK, M - b0);
+    for (int64_t m = 0; m < bm; ++m)
+      for (int64_t u = 0; u < units; ++u)
+        unit_to_lanes(reinterpret_cast<const uint8_t*>(a.q8.data() + (b0 + m) * a.padded + 8 * u * BLOCK),
+                      std::min<int64_t>(8, w.groups - 8 * u), xs.data() + m * x_row + u * UNIT_BYTES);
+    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+      const int64_t t1 = std::min(n1, t0 + tile);
+      for (int64_t n = t0; n < t1; ++n)
+        for (int64_t u = 0; u < units; ++u) weight_unit(w, n, u, ws.data() + (n - t0) * w_row + u * W_UNIT_BYTES);
+      for (int64_t m0 = 0; m0 < bm; m0 += MB_MAX) {
+        const uint8_t* xr[MB_MAX];
+        int64_t xm[MB_MAX];
+        const int64_t mb = std::min<int64_t>(MB_MAX, bm - m0);
+        for (int64_t m = 0; m < mb; ++m) xr[m] = xs.data() + (m0 + m) * x_row, xm[m] = b0 + m0 + m;
+        static_assert(MB_MAX == 3, "one case per pass size");
+        switch (mb) {
+          case 1: lanes_pass<1>(a, w, ws.data(), w_row, t1 - t0, t0, xr, xm, y, N); break;
+          case 2: lanes_pass<2>(a, w, ws.data(), w_row, t1 - t0, t0, xr, xm, y, N); break;
+          default: lanes_pass<3>(a, w, ws.data(), w_row, t1 - t0, t0, xr, xm, y, N); break;
+        }
       }
     }
   }
@@ -127,8 +267,8 @@ template <int F>
 void rows_bytes8_blocked_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y,
                               int64_t N) {
   if constexpr (F == INT8) {
-    if (w.group == BLOCK) rows_tiled<true>(a, M, w, n0, n1, y, N);
-    else rows_tiled<false>(a, M, w, n0, n1, y, N);
+    if (w.group == BLOCK) rows_lanes(a, M, w, n0, n1, y, N);
+    else rows_tiled(a, M, w, n0, n1, y, N);
   }
 }
 

@@ -258,6 +258,52 @@ void row_bytes8_m1_avx2(const Act16& a, const QuantView& w, int64_t m, int64_t n
 }
 
 
+// 32 int8 codes at c against 32 bytes of x at q: 8 int32 partial sums (lane l: positions 4l .. 4l + 3)
+__attribute__((target("avx2,fma,f16c")))
+inline __m256i bytes8_block_sums(const uint8_t* c, const int8_t* q, __m256i ones) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)), ones);
+}
+
+// Row m of x (BYTES8) against INT8 weight row n in groups of 32 (GGUF's Q8_0): the same products as
+// row_bytes8_m1_avx2, but each group's sum made exact first, eight groups at a time, in the lane order the many-row
+// kernel keeps them in (lane j: group (0, 2, 4, 6, 1, 3, 5, 7)[j]; gemv_quant_avx2_bytes8.cpp), then scaled with one
+// FMA; the groups after the runs of eight one at a time (add_left_over_group). The many-row kernel meets each pair
+// with the same operations on the same values, so a row's result is the same bits in any batch.
+__attribute__((target("avx2,fma,f16c")))
+void row_bytes8_g32_m1_avx2(const Act16& a, const QuantView& w, int64_t m, int64_t n, float* y, int64_t N) {
+  const uint8_t* wr = w.codes + n * w.row_bytes;
+  const at::Half* sr = w.scales + n * w.groups;
+  const int8_t* q = a.q8.data() + m * a.padded;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m128i half_order = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  const auto group_sums = [&](int64_t g) { return bytes8_block_sums(wr + g * BLOCK, q + g * BLOCK, ones); };
+  __m256 total = _mm256_setzero_ps();
+  const int64_t full = w.groups / 8;
+  for (int64_t u = 0; u < full; ++u) {
+    const int64_t g = 8 * u;
+    for (int l = 0; l < 4; ++l) simd::prefetch_stream(wr + g * BLOCK + 64 * l);   // simd.h: why
+    // groups 0, 2, 4, 6 into lanes 0-3, then 1, 3, 5, 7 into 4-7: each hadd pairs two groups' partials
+    const __m256i s0 = _mm256_hadd_epi32(_mm256_hadd_epi32(group_sums(g), group_sums(g + 2)),
+                                         _mm256_hadd_epi32(group_sums(g + 4), group_sums(g + 6)));
+    const __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(group_sums(g + 1), group_sums(g + 3)),
+                                         _mm256_hadd_epi32(group_sums(g + 5), group_sums(g + 7)));
+    const __m256 scales = _mm256_cvtph_ps(
+        _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + g)), half_order));
+    total = _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(eight_in_order(s0, s1)), total);
+  }
+  float rest = 0.f;
+  for (int64_t g = 8 * full; g < w.groups; ++g) {
+    alignas(32) int32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), group_sums(g));
+    int32_t dot = 0;
+    for (int l = 0; l < 8; ++l) dot += lanes[l];
+    rest = add_left_over_group<INT8>(rest, dot, 0, sr, nullptr, nullptr, g);
+  }
+  y[m * N + n] = a.d[m] * (simd::hsum8(total) + rest);
+}
+
 
 }  // namespace
 
@@ -274,6 +320,12 @@ void rows_nibbles_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0
 
 template <int F>
 void rows_bytes8_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y, int64_t N) {
+  if constexpr (F == INT8) {
+    if (w.group == BLOCK) {
+      rows_each_alone(w, M, n0, n1, [&](int64_t m, int64_t n) { row_bytes8_g32_m1_avx2(a, w, m, n, y, N); });
+      return;
+    }
+  }
   if constexpr (F == INT8 || F == UINT8)
     rows_each_alone(w, M, n0, n1, [&](int64_t m, int64_t n) { row_bytes8_m1_avx2<F>(a, w, m, n, y, N); });
 }

@@ -1,8 +1,9 @@
-"""The AVX2 kernel for several rows of int8 x against int8 codes (native/gemv_quant_avx2_bytes8.cpp: GGUF's Q8_0,
+"""The AVX2 kernels for several rows of int8 x against int8 codes (native/gemv_quant_avx2_bytes8.cpp: GGUF's Q8_0,
 InstantQuant's int8): against float64 at the AVX2 levels this CPU runs (1: AVX2, 2: AVX-512's AVX2 GEMV), in groups
-of 32, 64 and 96 and per channel, codes of -128 included (the kernel meets the codes' magnitudes), weight rows no
-multiple of its 2 per step, rows of x no multiple of its 3 per pass, and more weight rows than one tile; and bit for
-bit, every row of a call equals the same row alone (the batch-1 kernel), whatever rows share the call. Also: the
+of 32 (in lanes, with 0 to 7 groups after the units of eight), 64 and 96 and per channel, codes of -128 included (the
+kernels meet the codes' magnitudes), weight rows no multiple of 2 per step, rows of x no multiple of 3 per pass nor
+of the 256 made into lanes at a time, and more weight rows than one tile; and bit for bit, every row of a call equals
+the same row alone (the batch-1 kernel), whatever rows share the call. Also: the
 engine's prompt rows of such a weight stay on the kernel (QuantWeight::native_at_any_rows)."""
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from quant_cases import needs_native, quantized_weight, round_to_int8_levels
 
 from allspark_server.compute import ops
 
-# (n, k, group): K = 576 (SmolLM2) in 18 groups of 32; 1536 per channel; n = 700 at K 576: two tiles of weight rows
-CASES = ((97, 576, 32), (31, 640, 64), (9, 192, 96), (33, 1536, -1), (700, 576, 32), (50, 896, 32))
+# (n, k, group). Groups of 32 go into units of eight groups: K = 576 (SmolLM2) two units and 2 groups left over, 896
+# three and 4, 608 two and 3, 224 none and 7; n = 700 at K 576: more weight rows than a tile. 1536: per channel
+CASES = ((97, 576, 32), (31, 640, 64), (9, 192, 96), (33, 1536, -1), (700, 576, 32), (50, 896, 32), (41, 608, 32),
+         (17, 224, 32))
 
 
 def avx2_levels() -> list[int]:
@@ -55,11 +58,11 @@ def test_a_row_is_the_same_bits_in_any_call(isa):
     g = torch.Generator().manual_seed(6)
     for n, k, group in CASES:
         qw = ops.native_weight(_weight(n, k, group))
-        x = torch.randn(100, k, generator=g)
+        x = torch.randn(300, k, generator=g)
         full = ext.linear_quant(x, qw, None, isa)
-        alone = torch.cat([ext.linear_quant(x[i:i + 1], qw, None, isa) for i in (0, 1, 2, 50, 99)])
-        assert torch.equal(alone, full[[0, 1, 2, 50, 99]]), (n, k, group, isa)
-        for start, m in ((0, 2), (3, 5), (10, 4), (40, 60), (96, 4)):
+        alone = torch.cat([ext.linear_quant(x[i:i + 1], qw, None, isa) for i in (0, 1, 2, 50, 299)])
+        assert torch.equal(alone, full[[0, 1, 2, 50, 299]]), (n, k, group, isa)
+        for start, m in ((0, 2), (3, 5), (10, 4), (40, 60), (96, 8), (280, 20)):
             part = ext.linear_quant(x[start:start + m], qw, None, isa)
             assert torch.equal(part, full[start:start + m]), (n, k, group, start, m, isa)
 
