@@ -352,15 +352,9 @@ def main(argv=None) -> None:
         report["files"] = {key: score(rep, report["settings"]["concurrency"]) for key, rep in report["files"].items()}
         common.write_report(a.json or a.rescore, finish(report))
         return
-    if a.llama_cpp:
-        sys.path.insert(0, os.path.abspath(a.llama_cpp))
-    why_not = LP.missing()
+    why_not = LP.missing(a.llama_cpp, avx2_only=a.as_avx2)
     if why_not:
         raise SystemExit(why_not)
-    wide = LP.features_above_avx2() if a.as_avx2 else []
-    if wide:
-        raise SystemExit(f"--as-avx2: this llama.cpp uses {', '.join(wide)}; build one without them into a folder "
-                         f"and pass it as --llama-cpp: {LP.AVX2_BUILD}")
     spec = race_spec(a.ours, a.quick, a.smoke, ttft_lengths=a.ttft_prompts)
     measure = "gguf-race-as-avx2" if a.as_avx2 else "gguf-race"
     a.json = a.json or common.result_path(measure, "cpu", a.quick or a.smoke)

@@ -11,6 +11,7 @@ import glob
 import json
 import math
 import os
+import sys
 import time
 
 import numpy as np
@@ -34,8 +35,12 @@ AVX2_BUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML
               '--no-cache-dir --no-deps --no-binary llama-cpp-python --target DIR llama-cpp-python')
 
 
-def missing() -> str | None:
-    """None when the peer can run, else a sentence saying what is not importable, or that the build would crash."""
+def missing(folder: str | None = None, avx2_only: bool = False) -> str | None:
+    """None when the peer can run, else a sentence saying what is not importable, or that the build would crash.
+    `folder`: import llama_cpp from there first (a build of its own); `avx2_only`: refuse a build with SIMD past
+    AVX2 (gguf_race.py --as-avx2)."""
+    if folder:
+        sys.path.insert(0, os.path.abspath(folder))
     for module in ("llama_cpp", "gguf"):
         try:
             __import__(module)
@@ -45,6 +50,10 @@ def missing() -> str | None:
     if "AMX_INT8 = 1" in llama_cpp.llama_print_system_info().decode(errors="replace"):
         return ("llama.cpp peer skipped: this llama-cpp-python was built with llama.cpp's AMX backend, which "
                 "segfaults on q8_0 here (ggml-org/llama.cpp#20824); rebuild it without AMX: " + NO_AMX_BUILD)
+    wide = features_above_avx2() if avx2_only else []
+    if wide:
+        return (f"--as-avx2: this llama.cpp uses {', '.join(wide)}; build one without them into a folder and pass "
+                f"it as --llama-cpp: {AVX2_BUILD}")
     return None
 
 

@@ -75,3 +75,14 @@ def round_to_int8_levels(x: torch.Tensor) -> torch.Tensor:
     q = torch.round(xf * inv)
     assert q.abs().max() <= 127
     return q.double() * (amax.double() / 127.0)
+
+
+def assert_int8_x_rows_match_float64(y: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, bias: torch.Tensor,
+                                     what) -> None:
+    """A kernel's x . w^T + bias for activate_quant's int8 x against float64 (w64: the weight dequantized): the block
+    sums are exact integers, so only the fp32 sums over the blocks and the output rounding (x's dtype) remain."""
+    ref = round_to_int8_levels(x) @ w64.T + bias.double()
+    tol = 1e-5 * (x.double().abs() @ w64.abs().T).max().item() + 1e-6
+    rounding = ref.abs() * (2.0 ** -8 if x.dtype == torch.bfloat16 else 2.0 ** -24)
+    assert y.dtype == x.dtype and y.shape == ref.shape, what
+    assert ((y.double() - ref).abs() <= tol + rounding).all(), what

@@ -36,6 +36,17 @@ def test_this_cpu_is_a_kind_the_tests_have_met():
                                  f"model tests here and add the kind to KNOWN_KINDS")
 
 
+def _paths_of(monkeypatch, flags: frozenset) -> tuple:
+    """ops.cpu_paths() (isa, bf16 GEMM, int8 GEMM) as on a CPU with these flags."""
+    monkeypatch.setattr(ops, "cpu_flags", lambda: flags)
+    ops.isa_level.cache_clear()
+    try:
+        paths = ops.cpu_paths()
+        return paths["isa"], paths["bf16_gemm"], paths["int8_gemm"]
+    finally:
+        ops.isa_level.cache_clear()
+
+
 @pytest.mark.parametrize("flags, want", [
     ({"avx2", "fma"}, ("1:avx2+fma", "fp32-widened", "dequantized")),
     ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}, ("2:avx512f+bw+vl", "fp32-widened", "dequantized")),
@@ -49,13 +60,7 @@ def test_this_cpu_is_a_kind_the_tests_have_met():
 ], ids=["avx2", "avx512", "avx512-vnni", "avx512-bf16", "amx", "portable"])
 def test_each_feature_set_picks_its_paths(monkeypatch, flags, want):
     """The features -> paths table, for kinds of CPU this machine is not."""
-    monkeypatch.setattr(ops, "cpu_flags", lambda: frozenset(flags))
-    ops.isa_level.cache_clear()
-    try:
-        paths = ops.cpu_paths()
-        assert (paths["isa"], paths["bf16_gemm"], paths["int8_gemm"]) == want
-    finally:
-        ops.isa_level.cache_clear()
+    assert _paths_of(monkeypatch, frozenset(flags)) == want
 
 
 # a Sapphire Rapids host's flags (the GPU machines' CPUs): every level of ALLSPARK_CPU_ISA hides some of them
@@ -79,13 +84,7 @@ def test_a_cpu_isa_cap_runs_the_paths_of_an_older_kind(monkeypatch, level, want)
     assert flags <= SAPPHIRE_RAPIDS and "sse4_2" in flags
     if level == "avx2":     # an AVX2-only kind: neither AVX-512 nor AVX-VNNI nor AMX
         assert flags == {"sse4_2", "avx", "avx2", "fma", "f16c"}
-    monkeypatch.setattr(ops, "cpu_flags", lambda: flags)
-    ops.isa_level.cache_clear()
-    try:
-        paths = ops.cpu_paths()
-        assert (paths["isa"], paths["bf16_gemm"], paths["int8_gemm"]) == want
-    finally:
-        ops.isa_level.cache_clear()
+    assert _paths_of(monkeypatch, flags) == want
 
 
 CAPPED_RUN = """

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quant_cases import needs_native, quantized_weight, round_to_int8_levels
+from quant_cases import assert_int8_x_rows_match_float64, needs_native, quantized_weight
 
 from allspark_server.compute import ops
 
@@ -39,12 +39,7 @@ def test_many_rows_match_float64(isa, fmt):
         for m, dtype in ((7, torch.float32), (300, torch.bfloat16)):
             x = torch.randn(m, k, generator=g).to(dtype)
             y = ext.linear_quant(x, ops.native_weight(qw), bias.to(dtype), isa)
-            ref = round_to_int8_levels(x) @ w64.T + bias.to(dtype).double()
-            # the group sums are exact integers: only the fp32 sum over the groups and the output rounding remain
-            tol = 1e-5 * (x.double().abs() @ w64.abs().T).max().item() + 1e-6
-            rounding = ref.abs() * (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24)
-            assert y.dtype == dtype and y.shape == (m, n)
-            assert ((y.double() - ref).abs() <= tol + rounding).all(), (fmt, n, k, m, isa)
+            assert_int8_x_rows_match_float64(y, x, w64, bias.to(dtype), (fmt, n, k, m, isa))
 
 
 @pytest.mark.parametrize("isa", avx2_levels())

@@ -48,7 +48,8 @@ def test_prompt_rows_of_int8_x_match_float64(isa):
 # level: AVX-512 VNNI's lanes kernel takes groups of 32 .. 256 (not uint8), AVX2's 4-bit codes in groups of 32 and
 # int8 codes in groups of multiples of 32 (gemv_quant_avx2_bytes8.cpp)
 NATIVE_AT_ANY_ROWS = {
-    ("int8", 32, 8): (True, True), ("int8", 128, 8): (True, True), ("int4", 64, 8): (False, True), ("uint4", 128, 8): (False, True),
+    ("int8", 32, 8): (True, True), ("int8", 128, 8): (True, True), ("int4", 64, 8): (False, True),
+    ("uint4", 128, 8): (False, True),
     ("uint4_min", 256, 8): (False, True), ("int4", 32, 8): (True, True), ("uint4", 32, 8): (True, True),
     ("uint4_min", 32, 8): (True, True), ("uint8", 32, 8): (False, False), ("int8", -1, 8): (False, False),
     ("int4", 512, 8): (False, False), ("int4", 32, 16): (False, False), ("uint4_min", 32, 16): (False, False)}
