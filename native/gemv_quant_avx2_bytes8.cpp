@@ -1,6 +1,6 @@
 // The AVX2 quantized GEMV for several rows of int8 x (activate_quant, BYTES8) against signed 8-bit codes (INT8:
 // GGUF's Q8_0, InstantQuant's int8) in groups of a multiple of 32 or per channel. Called by gemv_quant.cpp from
-// AVX2_BYTES8_MIN_ROWS rows, prompt rows included (QuantWeight::native_at_any_rows).
+// bytes8_blocked_min_rows rows, prompt rows of grouped codes included (QuantWeight::native_at_any_rows).
 //
 // The batch-1 kernels (gemv_quant_avx2_m1.cpp) meet each (weight row, row of x) pair alone: per 32 codes a load of
 // the codes and of x, the codes' magnitudes, x signed like them, vpmaddubsw, vpmaddwd, and the group's sums. Row by
@@ -14,8 +14,8 @@
 //   values of group (0, 2, 4, 6, 1, 3, 5, 7)[j] in each of 8 vectors), so the 8 vectors' products leave every group's
 //   exact sum in its lane and one FMA scales the eight; the groups after the runs of eight one at a time.
 // - Larger groups and per channel (row_bytes8_m1_avx2): the codes read in place, each group's 8 int32 lanes summed
-//   block by block, converted and scaled into 8 fp32 lanes.
-// A tile of weight rows stays in L2 while every row of x meets it; the next tile is prefetched meanwhile.
+//   block by block, converted and scaled into 8 fp32 lanes; the next tile of weight rows is prefetched meanwhile.
+// Either way a tile of weight rows stays in L2 while every row of x meets it.
 #include <torch/extension.h>
 #include <immintrin.h>
 
@@ -34,8 +34,8 @@ namespace {
 
 // weight rows per tile: their codes stay in L2 while every row of x meets them
 constexpr int64_t TILE_CODE_BYTES = 256 << 10;
-// weight rows and rows of x per step: R x MB fp32 totals in registers beside R codes' magnitudes and signs, R scales
-// and one vector of x (16 ymm registers)
+// weight rows and rows of x per step: R x MB int32 sums in registers beside R codes' magnitudes and signs and one
+// vector of x (16 ymm registers; larger groups' fp32 totals, touched once a group, may live in memory)
 constexpr int R_ROWS = 2;
 constexpr int MB_MAX = 3;
 
@@ -121,7 +121,6 @@ void rows_tiled(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64
     }
   }
 }
-
 
 // ---- groups of 32: units of eight groups in lanes ----------------------------------------------------------------
 constexpr int64_t UNIT_BYTES = 8 * BLOCK;                   // a unit's codes (or x) in lanes: 8 vectors
