@@ -12,7 +12,7 @@ import functools
 from allspark_client import settings
 
 PROC_CPUINFO = "/proc/cpuinfo"
-# ALLSPARK_CPU_ISA's levels, oldest first; a flag belongs to the first level that has it (FLAG_LEVEL), a flag
+# ALLSPARK_CPU_ISA's levels, oldest first; a flag belongs to the first level that has it (flag_level), a flag
 # not named there to every level, and AMX to none (only "auto" keeps it)
 LEVELS = ("portable", "avx2", "avx512", "avx512_vnni", "avx512_bf16")
 AMX_LEVEL = len(LEVELS)

@@ -60,18 +60,22 @@ AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_E
              "ALLSPARK_CPU_ISA": "avx2"}
 
 
+def _under_avx2_caps() -> bool:
+    return all(os.environ.get(k) == v for k, v in AVX2_CAPS.items())
+
+
 def as_avx2_if_asked(flag: str = "--as-avx2") -> None:
     """With `flag` on the command line, run this script again under AVX2_CAPS unless it already is; call before
     torch loads (the libraries read their caps once). An indication for AVX2-only machines from a newer one: their
     own cores and memory differ."""
-    if flag in sys.argv[1:] and any(os.environ.get(k) != v for k, v in AVX2_CAPS.items()):
+    if flag in sys.argv[1:] and not _under_avx2_caps():
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_CAPS})
 
 
 def check_as_avx2(asked: bool) -> None:
     """A main() called with --as-avx2 from another process's code (not through as_avx2_if_asked) is refused: the
     caps must be set before torch loads."""
-    if asked and any(os.environ.get(k) != v for k, v in AVX2_CAPS.items()):
+    if asked and not _under_avx2_caps():
         raise SystemExit("--as-avx2 takes effect as the script starts: run it as a script, or set common.AVX2_CAPS "
                          "in the environment before torch loads")
 

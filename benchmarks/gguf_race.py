@@ -222,12 +222,12 @@ class LlamaCpp:
 # ---- measuring -------------------------------------------------------------------------------------------
 def stream_rates(t0: float, stamps: list[list[float]]) -> dict:
     """Whole-run output tokens/s, and decode-only: tokens after the last stream's first token over the time from
-    then to the end (cuda_rows.engine_concurrent's definition)."""
+    then to the end (workloads.decode_only_tps)."""
     end, all_first = max(s[-1] for s in stamps), max(s[0] for s in stamps)
     tps = sum(len(s) for s in stamps) / (end - t0)
     # a reader that was off the CPU may take a stream's every token at once (a smoke run's few tokens): then no
     # token comes after the last first one, the decode-only window is empty, and the whole-run rate stands in
-    decode = sum(t > all_first for s in stamps for t in s) / (end - all_first) if end > all_first else tps
+    decode = W.decode_only_tps(stamps) if end > all_first else tps
     return {"tps": tps, "decode_tps": decode, "first_tokens_s": all_first - t0}
 
 
@@ -363,8 +363,7 @@ def main(argv=None) -> None:
     report = {"machine": common.machine_name(), "machine_kind": common.machine_kind(),
               "settings": {"threads": a.threads, "rounds": a.rounds, "new_tokens": spec["new_tokens"],
                            "concurrency": a.concurrency, "ttft_prompts": a.ttft_prompts, "stream_prompt": CONC_PROMPT,
-                           "ours": a.ours, "quiet_cores": a.quiet_cores,
-                           "as_avx2": a.as_avx2},
+                           "ours": a.ours, "quiet_cores": a.quiet_cores, "as_avx2": a.as_avx2},
               "llamacpp": {**LP.build_info(), "n_batch": N_BATCH, "n_ubatch": N_UBATCH, "slot_ctx": SLOT,
                            "kv_unified": False},
               "omp_env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}, "files": {}}

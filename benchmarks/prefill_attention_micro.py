@@ -76,7 +76,7 @@ def main(argv=None) -> None:
     common.check_as_avx2(args.as_avx2)
     if ops.native() is None or ops.isa_level() < ops.ISA_AVX2:
         raise SystemExit("the native prefill attention needs the native extension and an AVX2 or AVX-512 CPU")
-    isa = ops.ISA_AVX2 if args.as_avx2 else ops.isa_level()
+    isa = ops.isa_level()   # ISA level 1 under --as-avx2 (ALLSPARK_CPU_ISA)
     torch.set_num_threads(args.threads)
     results = {}
     for dtype in args.dtypes:

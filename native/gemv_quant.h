@@ -180,29 +180,31 @@ inline bool avx512_fits(const QuantView& w) {
   return w.groups == 1 || w.group % CHUNK == 0 || w.group == 32 || w.group == 64 || w.group == 128 || w.group == 256;
 }
 
-// Decode batches of more rows of x than MR: the weight rows in tiles of TILE_BYTES (they stay in L2), and every block
-// of MR rows of x (m, mb) meets each row of a tile (row(m, mb, n)) before the next tile: each tile comes from memory
-// once, not M / MR times. While pass p of P (one per block of x) runs over a tile, the lines [p / P, (p + 1) / P)
-// of each row of the next tile are prefetched into L2, so its first pass does not wait for memory. Each (weight
-// row, row of x) pair is still computed exactly as at M <= MR, so a row's result never depends on the others.
-// (One weight row per step, not two sharing each load of x: the kernels are bound by their vector instructions, not
-// their loads, and 2 x 4 rows spill registers.)
+// Decode batches of more rows of x than RX (MR by default): the weight rows in tiles of TILE_BYTES (they stay in L2),
+// and every block of RX rows of x (m, mb) meets each row of a tile (row(m, mb, n)) before the next tile: each tile
+// comes from memory once, not M / RX times. While pass p of P (one per block of x) runs over a tile, the lines
+// [p / P, (p + 1) / P) of each row of the next tile are prefetched into L2, so its first pass does not wait for
+// memory. Each (weight row, row of x) pair is still computed exactly as at M <= RX, so a row's result never depends
+// on the others. (One weight row per step, not two sharing each load of x: the kernels are bound by their vector
+// instructions, not their loads, and 2 x 4 rows spill registers.) RW > 1: RW weight rows a step,
+// row(m, mb, n, nw) with nw <= RW of them left in the tile (the AVX2 int8 kernel, gemv_quant_avx2_bytes8.cpp).
 constexpr int64_t TILE_BYTES = 256 << 10;
-template <typename RowFn>
+template <int64_t RX = MR, int64_t RW = 1, typename RowFn>
 inline void tiled_rows(const QuantView& w, int64_t M, int64_t n0, int64_t n1, RowFn row) {
-  const int64_t tile = std::max<int64_t>(1, TILE_BYTES / std::max<int64_t>(w.row_bytes, 1));
-  const int64_t passes = (M + MR - 1) / MR, lines = (w.row_bytes + 63) / 64;
+  const int64_t tile = std::max<int64_t>(RW, TILE_BYTES / std::max<int64_t>(w.row_bytes, 1) / RW * RW);
+  const int64_t passes = (M + RX - 1) / RX, lines = (w.row_bytes + 63) / 64;
   for (int64_t t0 = n0; t0 < n1; t0 += tile) {
     const int64_t t1 = std::min(n1, t0 + tile), next = std::min(n1, t1 + tile) - t1;
     for (int64_t p = 0; p < passes; ++p) {
-      const int64_t m = p * MR, mb = std::min(MR, M - m);
+      const int64_t m = p * RX, mb = std::min(RX, M - m);
       const int64_t l0 = lines * p / passes, l1 = lines * (p + 1) / passes;
-      for (int64_t n = t0; n < t1; ++n) {
-        if (passes > 1 && n - t0 < next) {
-          const uint8_t* ahead = w.codes + (n + tile) * w.row_bytes;
+      for (int64_t n = t0; n < t1; n += RW) {
+        for (int64_t r = n; passes > 1 && r < std::min(n + RW, t0 + next); ++r) {
+          const uint8_t* ahead = w.codes + (r + tile) * w.row_bytes;
           for (int64_t l = l0; l < l1; ++l) _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * l), _MM_HINT_T1);
         }
-        row(m, mb, n);
+        if constexpr (RW == 1) row(m, mb, n);
+        else row(m, mb, n, std::min(RW, t1 - n));
       }
     }
   }

@@ -14,8 +14,9 @@
 //   values of group (0, 2, 4, 6, 1, 3, 5, 7)[j] in each of 8 vectors), so the 8 vectors' products leave every group's
 //   exact sum in its lane and one FMA scales the eight; the groups after the runs of eight one at a time.
 // - Larger groups and per channel (row_bytes8_m1_avx2): the codes read in place, each group's 8 int32 lanes summed
-//   block by block, converted and scaled into 8 fp32 lanes; the next tile of weight rows is prefetched meanwhile.
-// Either way a tile of weight rows stays in L2 while every row of x meets it.
+//   block by block, converted and scaled into 8 fp32 lanes, over tiles of weight rows as the other many-row
+//   kernels (gemv_quant.h: tiled_rows, the next tile prefetched meanwhile).
+// Either way a tile of weight rows (TILE_BYTES) stays in L2 while every row of x meets it.
 #include <torch/extension.h>
 #include <immintrin.h>
 
@@ -32,8 +33,6 @@ namespace {
 
 #define AVX2_ISA __attribute__((target("avx2,fma,f16c")))
 
-// weight rows per tile: their codes stay in L2 while every row of x meets them
-constexpr int64_t TILE_CODE_BYTES = 256 << 10;
 // weight rows and rows of x per step: R x MB int32 sums in registers beside R codes' magnitudes and signs and one
 // vector of x (16 ymm registers; larger groups' fp32 totals, touched once a group, may live in memory)
 constexpr int R_ROWS = 2;
@@ -91,41 +90,21 @@ AVX2_ISA void pass(const Act16& a, const QuantView& w, int64_t n, int64_t rows, 
     for (int j = 0; j < MB; ++j) y[(m + j) * N + n + r] = a.d[m + j] * simd::hsum8(total[r * MB + j]);
 }
 
-// one pass of MB rows of x over a tile's weight rows [t0, t1); meanwhile the lines [l0, l1) of each row of the next
-// tile (up to t1 + ahead) are prefetched into L2, as tiled_rows does, so the next tile's passes do not wait for memory
-template <int MB>
-AVX2_ISA void tile_pass(const Act16& a, const QuantView& w, int64_t t0, int64_t t1, int64_t ahead, int64_t l0,
-                        int64_t l1, int64_t m, float* y, int64_t N) {
-  for (int64_t n = t0; n < t1; n += R_ROWS) {
-    for (int64_t r = n; r < std::min(n + R_ROWS, t0 + ahead); ++r) {
-      const uint8_t* next = w.codes + (r + (t1 - t0)) * w.row_bytes;
-      for (int64_t l = l0; l < l1; ++l) _mm_prefetch(reinterpret_cast<const char*>(next + 64 * l), _MM_HINT_T1);
-    }
-    pass<MB>(a, w, n, std::min<int64_t>(R_ROWS, t1 - n), m, y, N);
-  }
-}
-
+// 2 weight rows x 3 rows of x a step over tiles of weight rows (gemv_quant.h: tiled_rows)
 void rows_tiled(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y, int64_t N) {
-  const int64_t tile = std::max<int64_t>(R_ROWS, TILE_CODE_BYTES / w.row_bytes / R_ROWS * R_ROWS);
-  const int64_t passes = (M + MB_MAX - 1) / MB_MAX, lines = (w.row_bytes + 63) / 64;
-  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
-    const int64_t t1 = std::min(n1, t0 + tile), ahead = std::min(n1, t1 + (t1 - t0)) - t1;
-    for (int64_t p = 0; p < passes; ++p) {
-      const int64_t m = p * MB_MAX, l0 = lines * p / passes, l1 = lines * (p + 1) / passes;
-      static_assert(MB_MAX == 3, "one case per pass size");
-      switch (std::min<int64_t>(MB_MAX, M - m)) {
-        case 1: tile_pass<1>(a, w, t0, t1, ahead, l0, l1, m, y, N); break;
-        case 2: tile_pass<2>(a, w, t0, t1, ahead, l0, l1, m, y, N); break;
-        default: tile_pass<3>(a, w, t0, t1, ahead, l0, l1, m, y, N); break;
-      }
+  tiled_rows<MB_MAX, R_ROWS>(w, M, n0, n1, [&](int64_t m, int64_t mb, int64_t n, int64_t rows) {
+    static_assert(MB_MAX == 3, "one case per pass size");
+    switch (mb) {
+      case 1: pass<1>(a, w, n, rows, m, y, N); break;
+      case 2: pass<2>(a, w, n, rows, m, y, N); break;
+      default: pass<3>(a, w, n, rows, m, y, N); break;
     }
-  }
+  });
 }
 
 // ---- groups of 32: units of eight groups in lanes ----------------------------------------------------------------
 constexpr int64_t UNIT_BYTES = 8 * BLOCK;                   // a unit's codes (or x) in lanes: 8 vectors
 constexpr int64_t W_UNIT_BYTES = UNIT_BYTES + 32;           // ... then its eight scales in fp32, lane order
-constexpr int64_t LANES_TILE_BYTES = 256 << 10;             // weight rows reordered at a time (they stay in L2)
 constexpr int64_t X_BLOCK = 256;                            // rows of x made into lanes at a time
 
 // 8 groups' 32-byte runs from `src` (count of them there, the rest zero) into the lanes layout at out: group 2c + b's
@@ -231,7 +210,7 @@ AVX2_ISA __attribute__((noinline)) void lanes_pass(const Act16& a, const QuantVi
 void rows_lanes(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y, int64_t N) {
   const int64_t units = (w.groups + 7) / 8, w_row = units * W_UNIT_BYTES, x_row = units * UNIT_BYTES;
   thread_local LineVector<uint8_t> xs, ws;
-  const int64_t tile = std::max<int64_t>(R_ROWS, LANES_TILE_BYTES / w_row / R_ROWS * R_ROWS);
+  const int64_t tile = std::max<int64_t>(R_ROWS, TILE_BYTES / w_row / R_ROWS * R_ROWS);
   ws.resize(std::min(tile, n1 - n0) * w_row);
   xs.resize(std::min(M, X_BLOCK) * x_row);
   for (int64_t b0 = 0; b0 < M; b0 += X_BLOCK) {
