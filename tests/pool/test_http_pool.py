@@ -95,32 +95,3 @@ def test_overload_gets_429_and_no_request_is_lost(server):
     for rank in "01":                              # the streams' decode steps, as each rank read them
         assert m[f'allspark_rank_memory_bandwidth_gbs{{model_name="llama",rank="{rank}"}}'] > 0
         assert m[f'allspark_rank_memory_bandwidth_utilization{{model_name="llama",rank="{rank}"}}'] > 0
-
-
-def test_a_pool_that_dies_ends_open_streams_with_an_error_and_health_503(server):
-    """Last in the module: it kills a rank of the server's pool."""
-    import os
-    import time
-
-    import psutil
-    ranks = [p for p in psutil.Process(server.proc.pid).children(recursive=True)      # not mpirun: its ranks
-             if os.path.basename(p.cmdline()[0]).startswith("python") and "allspark_server" in p.cmdline()]
-    assert len(ranks) == 2, [p.cmdline() for p in ranks]
-    # thousands of tokens: the pool runs ahead of the HTTP stream's reader (by ~0.2 s here on an idle 2-core VM,
-    # more when the ranks' spinning cores starve the server and this test). CI once saw a clean end instead of
-    # the error with 1000 tokens, most likely all generated before the kill landed.
-    body = {"model": "llama", "prompt": PROMPT, "max_tokens": LONG_RUN_MAX_LENGTH - 64, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as r:
-        lines = r.iter_lines()
-        assert next(lines).startswith("data: ")                  # streaming
-        ranks[1].kill()
-        killed = time.monotonic()
-        events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
-    assert events[-1] == "[DONE]" and len(events) >= 2, events[-3:]
-    assert json.loads(events[-2]).get("error", {}).get("code") == "unavailable", (len(events), events[-3:])
-    while httpx.get(server.url + "/health").status_code != 503:
-        assert time.monotonic() - killed < 10
-        time.sleep(0.1)
-    r = httpx.post(server.base_url + "/completions", json={"model": "llama", "prompt": PROMPT, "max_tokens": 2})
-    assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"

@@ -1,5 +1,6 @@
-"""A pool that stops under a stream (issue 47): allspark-serve over a pool it spawned, whose launcher is SIGKILLed
-while a completion streams. mpirun gets SIGTERM (the launcher's parent-death signal) and passes it to rank 0,
+"""A pool that stops under a stream: allspark-serve over a pool it spawned, one of whose ranks is SIGKILLed while a
+completion streams (the stream ends in an "unavailable" error and /health turns 503), or whose launcher is (issue 47).
+For the launcher: mpirun gets SIGTERM (the launcher's parent-death signal) and passes it to rank 0,
 which stops the pool; the stream it cut off must end in an error event that says so, not with finish_reason
 "stop" (the pool ended such streams GenerateFinished with no error, and the server took that for a completed
 output)."""
@@ -14,26 +15,58 @@ import psutil
 from http_helpers import Server
 from pool_helpers import _is_rank
 
-# The ranks are frozen (SIGSTOP) before the launcher is killed and thawed after, so no token is made between the
-# first events and the kill. The ranks can still run far ahead of this process before it freezes them: on a loaded
-# machine its third event came after a whole 16384-token run was made. So the run asks for half a million tokens,
-# whose attention over the growing context takes many minutes even at full speed: a stream can end by its length
-# only if the kill never stopped the pool. One request at a time keeps its lazy KV cache at one such sequence.
+# For the launcher, the ranks are frozen (SIGSTOP) before it is killed and thawed after, so no token is made between
+# the first events and the kill. The ranks can still run far ahead of this process before it kills anything: on a
+# loaded machine a third event came after a whole 16384-token run was made, and a first after 8128 tokens. So the
+# run asks for half a million tokens, whose attention over the growing context takes many minutes even at full
+# speed: a stream can end by its length only if the kill never stopped the pool. One request at a time keeps its
+# lazy KV cache at one such sequence.
 MAX_LENGTH = 1 << 19
 THAW_AFTER_S = 1.0   # mpirun has the SIGTERM by then (the launcher's parent-death signal): it waits for the thaw
 HEADERS_S = 180      # the response's headers come once the pool has taken the request; a stalled machine is slow
 
 
-def test_a_stream_cut_off_by_a_killed_launcher_ends_in_an_error(llama, monkeypatch):
+LONG_RUN = {"model": "llama", "prompt": "Hello world!", "max_tokens": MAX_LENGTH - 64, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+
+
+def _run_against_a_long_run_server(llama, monkeypatch, check) -> None:
     monkeypatch.setenv("ALLSPARK_KV_PREFAULT", "0")     # its KV cache left lazy: most of it is never written
     srv = Server(llama.hf_dir, "--ranks", "2", "--max-length", str(MAX_LENGTH), "--max-batch", "1")
     try:
-        _cut_off_stream(srv)
+        check(srv)
     except BaseException as e:
         e.add_note(f"allspark-serve's log:\n{srv.log()}")
         raise
     finally:
         srv.stop()
+
+
+def test_a_stream_cut_off_by_a_killed_rank_ends_in_an_error_and_health_503(llama, monkeypatch):
+    _run_against_a_long_run_server(llama, monkeypatch, _killed_rank)
+
+
+def test_a_stream_cut_off_by_a_killed_launcher_ends_in_an_error(llama, monkeypatch):
+    _run_against_a_long_run_server(llama, monkeypatch, _cut_off_stream)
+
+
+def _killed_rank(srv: Server) -> None:
+    ranks = [p for p in psutil.Process(srv.proc.pid).children(recursive=True) if _is_rank(p)]
+    assert len(ranks) == 2, [p.cmdline() for p in psutil.Process(srv.proc.pid).children(recursive=True)]
+    with httpx.stream("POST", srv.base_url + "/completions", json=LONG_RUN,
+                      timeout=httpx.Timeout(60, read=HEADERS_S)) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")                  # streaming
+        ranks[1].kill()
+        killed = time.monotonic()
+        events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) >= 2, events[-3:]
+    assert json.loads(events[-2]).get("error", {}).get("code") == "unavailable", (len(events), events[-3:])
+    while httpx.get(srv.url + "/health").status_code != 503:
+        assert time.monotonic() - killed < 10
+        time.sleep(0.1)
+    r = httpx.post(srv.base_url + "/completions", json={"model": "llama", "prompt": "Hello world!", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
 
 
 def _cut_off_stream(srv: Server) -> None:
@@ -42,10 +75,8 @@ def _cut_off_stream(srv: Server) -> None:
     assert len(launchers) == 1, [p.cmdline() for p in psutil.Process(srv.proc.pid).children()]
     ranks = [p for p in launchers[0].children(recursive=True) if _is_rank(p)]
     assert len(ranks) == 2, [p.cmdline() for p in launchers[0].children(recursive=True)]
-    body = {"model": "llama", "prompt": "Hello world!", "max_tokens": MAX_LENGTH - 64,
-            "temperature": 0, "ignore_eos": True, "stream": True}
     sent = time.monotonic()
-    with httpx.stream("POST", srv.base_url + "/completions", json=body,
+    with httpx.stream("POST", srv.base_url + "/completions", json=LONG_RUN,
                       timeout=httpx.Timeout(60, read=HEADERS_S)) as r:
         lines = (line for line in r.iter_lines() if line)
         for _ in range(3):                           # streaming
