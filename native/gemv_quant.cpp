@@ -105,7 +105,7 @@ bool rows(const Act16& a, int64_t M, const QuantView& w, int64_t K, int64_t n0, 
     return finish != nullptr;
   } else if (layout == NIBBLES16 || layout == NIBBLES8) rows_nibbles_avx2<F>(a, M, w, n0, n1, y, N, layout);
   else if (layout == BYTES8 && F == INT8 && M >= bytes8_blocked_min_rows(w))
-    rows_bytes8_blocked_avx2<F>(a, M, w, n0, n1, y, N);
+    return rows_bytes8_blocked_avx2<F>(a, M, w, n0, n1, y, N, finish);
   else if (layout == BYTES8) rows_bytes8_avx2<F>(a, M, w, n0, n1, y, N);
   else if (layout != NATURAL) return rows_avx512<F>(a, M, w, K, n0, n1, y, N, layout, finish);
   else if (isa >= 1) rows_avx2<F>(a, M, w, n0, n1, y, N);

@@ -251,9 +251,10 @@ constexpr int64_t AVX2_BYTES8_MIN_ROWS = 4, AVX2_BYTES8_LANES_MIN_ROWS = 16;
 inline int64_t bytes8_blocked_min_rows(const QuantView& w) {
   return w.group == BLOCK ? AVX2_BYTES8_LANES_MIN_ROWS : AVX2_BYTES8_MIN_ROWS;
 }
+// true where it rounded the rows into the output itself (groups of 32 with finish)
 template <int F>
-void rows_bytes8_blocked_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y,
-                              int64_t N);
+bool rows_bytes8_blocked_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y,
+                              int64_t N, const FinishBlock* finish = nullptr);
 
 // activation_rounding.cpp: each row of x [M, K] rounded to fixed point (act_max 32767 or 127) in `layout`, with the
 // sums the kernels take the zero points off with (`group`: the weight's group size)

@@ -105,7 +105,6 @@ void rows_tiled(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64
 // ---- groups of 32: units of eight groups in lanes ----------------------------------------------------------------
 constexpr int64_t UNIT_BYTES = 8 * BLOCK;                   // a unit's codes (or x) in lanes: 8 vectors
 constexpr int64_t W_UNIT_BYTES = UNIT_BYTES + 32;           // ... then its eight scales in fp32, lane order
-constexpr int64_t X_BLOCK = 256;                            // rows of x made into lanes at a time
 
 // 8 groups' 32-byte runs from `src` (count of them there, the rest zero) into the lanes layout at out: group 2c + b's
 // first 16 values in half b of run lo[c], its last 16 in half b of hi[c] (store_lanes' input)
@@ -155,25 +154,21 @@ AVX2_ISA inline void unit_sums(const uint8_t* const* wc, const uint8_t* const* x
   }
 }
 
-// rows [0, rows) of a tile (ws, w_row bytes apart; weight row n0 first) against MB rows of x in lanes (xr, indices
-// xm), R_ROWS weight rows at a time, as row_bytes8_g32_m1_avx2 computes each pair. Out of line, as the 4-bit
-// kernel's dot_pass (it says why)
+// rows [0, rows) of a tile against the pass's MB rows of x (lanes_rows' LanesPass), R_ROWS weight rows at a time, as
+// row_bytes8_g32_m1_avx2 computes each pair. Out of line, as the 4-bit kernel's dot_pass (it says why)
 template <int MB>
-AVX2_ISA __attribute__((noinline)) void lanes_pass(const Act16& a, const QuantView& w, const uint8_t* ws,
-                                                   int64_t w_row, int64_t rows, int64_t n0,
-                                                   const uint8_t* const* xr, const int64_t* xm, float* y, int64_t N) {
+AVX2_ISA __attribute__((noinline)) void lanes_pass(const Act16& a, const QuantView& w, const LanesPass<MB_MAX>& p) {
   constexpr int R = R_ROWS;
-  const int64_t full = w.groups / 8, tail = w.groups % 8;
-  for (int64_t i = 0; i < rows; i += R) {
+  for (int64_t i = 0; i < p.rows; i += R) {
     const uint8_t* wc[R];
-    for (int r = 0; r < R; ++r) wc[r] = ws + std::min<int64_t>(i + r, rows - 1) * w_row;
+    for (int r = 0; r < R; ++r) wc[r] = p.ws + std::min<int64_t>(i + r, p.rows - 1) * p.w_row;
     __m256 total[R * MB];
 #pragma GCC unroll 8
     for (int j = 0; j < R * MB; ++j) total[j] = _mm256_setzero_ps();
     const uint8_t* xc[MB];
     const uint8_t* wu[R];
-    for (int64_t u = 0; u < full; ++u) {
-      for (int m = 0; m < MB; ++m) xc[m] = xr[m] + u * UNIT_BYTES;
+    for (int64_t u = 0; u < p.full; ++u) {
+      for (int m = 0; m < MB; ++m) xc[m] = p.xr[m] + u * UNIT_BYTES;
       for (int r = 0; r < R; ++r) wu[r] = wc[r] + u * W_UNIT_BYTES;
       __m256i S[R * MB];
       unit_sums<R, MB>(wu, xc, S);
@@ -186,72 +181,64 @@ AVX2_ISA __attribute__((noinline)) void lanes_pass(const Act16& a, const QuantVi
       }
     }
     alignas(32) int32_t left[R * MB][8];
-    if (tail) {
-      for (int m = 0; m < MB; ++m) xc[m] = xr[m] + full * UNIT_BYTES;
-      for (int r = 0; r < R; ++r) wu[r] = wc[r] + full * W_UNIT_BYTES;
+    if (p.tail) {
+      for (int m = 0; m < MB; ++m) xc[m] = p.xr[m] + p.full * UNIT_BYTES;
+      for (int r = 0; r < R; ++r) wu[r] = wc[r] + p.full * W_UNIT_BYTES;
       __m256i S[R * MB];
       unit_sums<R, MB>(wu, xc, S);
       for (int j = 0; j < R * MB; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(left[j]), S[j]);
     }
-    for (int r = 0; r < std::min<int64_t>(R, rows - i); ++r) {
-      const int64_t n = n0 + i + r;
+    for (int r = 0; r < std::min<int64_t>(R, p.rows - i); ++r) {
+      const int64_t n = p.n0 + i + r;
       const at::Half* sr = w.scales + n * w.groups;
       for (int m = 0; m < MB; ++m) {
         float rest = 0.f;
-        for (int64_t h = 0; h < tail; ++h)   // group 8 full + h sits in lane h / 2 (even h) or 4 + h / 2 (odd)
+        for (int64_t h = 0; h < p.tail; ++h)   // group 8 full + h sits in lane h / 2 (even h) or 4 + h / 2 (odd)
           rest = add_left_over_group<INT8>(rest, left[r * MB + m][(h % 2) * 4 + h / 2], 0, sr, nullptr, nullptr,
-                                           8 * full + h);
-        y[xm[m] * N + n] = a.d[xm[m]] * (simd::hsum8(total[r * MB + m]) + rest);
+                                           8 * p.full + h);
+        p.y[(p.xm[m] - p.y_row0) * p.ld + n - p.n0] = a.d[p.xm[m]] * (simd::hsum8(total[r * MB + m]) + rest);
       }
     }
   }
 }
 
-void rows_lanes(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y, int64_t N) {
-  const int64_t units = (w.groups + 7) / 8, w_row = units * W_UNIT_BYTES, x_row = units * UNIT_BYTES;
-  thread_local LineVector<uint8_t> xs, ws;
-  const int64_t tile = std::max<int64_t>(R_ROWS, TILE_BYTES / w_row / R_ROWS * R_ROWS);
-  ws.resize(std::min(tile, n1 - n0) * w_row);
-  xs.resize(std::min(M, X_BLOCK) * x_row);
-  for (int64_t b0 = 0; b0 < M; b0 += X_BLOCK) {
-    const int64_t bm = std::min(X_BLOCK, M - b0);
-    for (int64_t m = 0; m < bm; ++m)
-      for (int64_t u = 0; u < units; ++u)
-        unit_to_lanes(reinterpret_cast<const uint8_t*>(a.q8.data() + (b0 + m) * a.padded + 8 * u * BLOCK),
-                      std::min<int64_t>(8, w.groups - 8 * u), xs.data() + m * x_row + u * UNIT_BYTES);
-    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
-      const int64_t t1 = std::min(n1, t0 + tile);
-      for (int64_t n = t0; n < t1; ++n)
-        for (int64_t u = 0; u < units; ++u) weight_unit(w, n, u, ws.data() + (n - t0) * w_row + u * W_UNIT_BYTES);
-      for (int64_t m0 = 0; m0 < bm; m0 += MB_MAX) {
-        const uint8_t* xr[MB_MAX];
-        int64_t xm[MB_MAX];
-        const int64_t mb = std::min<int64_t>(MB_MAX, bm - m0);
-        for (int64_t m = 0; m < mb; ++m) xr[m] = xs.data() + (m0 + m) * x_row, xm[m] = b0 + m0 + m;
-        static_assert(MB_MAX == 3, "one case per pass size");
+AVX2_ISA void rows_lanes(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y,
+                         int64_t N, const FinishBlock* finish) {
+  static_assert(MB_MAX == 3, "one case per pass size");
+  lanes_rows<R_ROWS, MB_MAX>(
+      M, w.groups, n0, n1, W_UNIT_BYTES, UNIT_BYTES, y, N, finish,
+      [&](int64_t m, int64_t u, uint8_t* out) AVX2_ISA {
+        unit_to_lanes(reinterpret_cast<const uint8_t*>(a.q8.data() + m * a.padded + 8 * u * BLOCK),
+                      std::min<int64_t>(8, w.groups - 8 * u), out);
+      },
+      [&](int64_t n, int64_t u, uint8_t* out) AVX2_ISA { weight_unit(w, n, u, out); },
+      [&](int64_t mb, const LanesPass<MB_MAX>& p) AVX2_ISA {
         switch (mb) {
-          case 1: lanes_pass<1>(a, w, ws.data(), w_row, t1 - t0, t0, xr, xm, y, N); break;
-          case 2: lanes_pass<2>(a, w, ws.data(), w_row, t1 - t0, t0, xr, xm, y, N); break;
-          default: lanes_pass<3>(a, w, ws.data(), w_row, t1 - t0, t0, xr, xm, y, N); break;
+          case 1: lanes_pass<1>(a, w, p); break;
+          case 2: lanes_pass<2>(a, w, p); break;
+          default: lanes_pass<3>(a, w, p); break;
         }
-      }
-    }
-  }
+      });
 }
 
 }  // namespace
 
 template <int F>
-void rows_bytes8_blocked_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y,
-                              int64_t N) {
+bool rows_bytes8_blocked_avx2(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y,
+                              int64_t N, const FinishBlock* finish) {
   if constexpr (F == INT8) {
-    if (w.group == BLOCK) rows_lanes(a, M, w, n0, n1, y, N);
-    else rows_tiled(a, M, w, n0, n1, y, N);
+    if (w.group == BLOCK) {
+      rows_lanes(a, M, w, n0, n1, y, N, finish);
+      return finish != nullptr;
+    }
+    rows_tiled(a, M, w, n0, n1, y, N);
   }
+  return false;
 }
 
-#define ROWS_BYTES8_BLOCKED(F) \
-  template void rows_bytes8_blocked_avx2<F>(const Act16&, int64_t, const QuantView&, int64_t, int64_t, float*, int64_t);
+#define ROWS_BYTES8_BLOCKED(F)                                                                              \
+  template bool rows_bytes8_blocked_avx2<F>(const Act16&, int64_t, const QuantView&, int64_t, int64_t, float*, \
+                                            int64_t, const FinishBlock*);
 ROWS_BYTES8_BLOCKED(INT8)
 ROWS_BYTES8_BLOCKED(UINT8)
 ROWS_BYTES8_BLOCKED(INT4)

@@ -40,10 +40,6 @@ constexpr int64_t W_UNIT_BYTES = LANES_BYTES + 96;
 // as fp32 (UINT4_MIN's min terms)
 constexpr int64_t X_SUM_AT = LANES_BYTES, X_SUMF_AT = LANES_BYTES + 32;
 constexpr int64_t X_UNIT_BYTES = LANES_BYTES + 64;
-// weight rows reordered at a time: their scratch stays in L2 while every row of x meets them
-constexpr int64_t AVX2_TILE_BYTES = 256 << 10;
-// rows of x per block: made into lanes once, met by every tile of weight rows
-constexpr int64_t X_BLOCK = 256;
 // weight rows and rows of x per step of a pass: R x MB int16 sums and as many fp32 totals in registers, beside R
 // vectors of codes and one of x (16 ymm registers)
 constexpr int R_ROWS = 2;
@@ -164,18 +160,10 @@ AVX2_ISA inline __m256 add_unit(__m256i sums, const uint8_t* wu, const uint8_t* 
                          total);
 }
 
-struct Pass {
-  const uint8_t* ws;              // the tile's weight rows in lanes, row_scratch bytes apart
-  int64_t w_row, x_row, rows, n0;  // scratch bytes per weight row and per row of x; the tile's rows, its first one
-  const uint8_t* xr[MB_MAX];      // the pass's rows of x in lanes
-  int64_t xm[MB_MAX];             // ... and their indices in x
-  int64_t full, tail;             // whole units, and groups after them (0, 2, 4 or 6)
-  float* y;                       // where (row of x y_row0, weight row n0)'s result goes; rows ld apart
-  int64_t ld, y_row0;
-};
+using Pass = LanesPass<MB_MAX>;
 
 // rows [0, rows) of a tile against the pass's MB rows of x, R_ROWS weight rows at a time. Not inlined: inlined into
-// rows_lanes_avx2_isa, GCC 12 spilled its vectors to the stack in the inner loop (111 against 263 G multiply-adds/s
+// its driver, GCC 12 spilled its vectors to the stack in the inner loop (111 against 263 G multiply-adds/s
 // at 512 rows of the model's shapes, run as AVX2 on a Zen 5 core)
 template <int F, int MB>
 AVX2_ISA __attribute__((noinline)) void dot_pass(const Act16& a, const QuantView& w, const Pass& p) {
@@ -241,32 +229,11 @@ AVX2_ISA void dot_pass_mb(int64_t mb, const Act16& a, const QuantView& w, const 
 template <int F>
 AVX2_ISA void rows_lanes_avx2_isa(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y,
                                   int64_t N, const FinishBlock* finish) {
-  const int64_t full = w.groups / 8, tail = w.groups % 8, units = full + (tail ? 1 : 0);
-  const int64_t w_row = units * W_UNIT_BYTES, x_row = units * X_UNIT_BYTES;
-  thread_local LineVector<uint8_t> xs, ws;
-  thread_local LineVector<float> ys;   // with finish: a block's sums for a tile (gemv_quant_lanes.cpp says why)
-  const int64_t tile = std::max<int64_t>(R_ROWS, AVX2_TILE_BYTES / w_row / R_ROWS * R_ROWS);
-  ws.resize(std::min(tile, n1 - n0) * w_row);
-  xs.resize(std::min(M, X_BLOCK) * x_row);
-  if (finish) ys.resize(std::min(M, X_BLOCK) * tile);
-  for (int64_t b0 = 0; b0 < M; b0 += X_BLOCK) {
-    const int64_t bm = std::min(X_BLOCK, M - b0);
-    for (int64_t m = 0; m < bm; ++m)
-      for (int64_t u = 0; u < units; ++u) x_unit(a, b0 + m, u, w.groups, xs.data() + m * x_row + u * X_UNIT_BYTES);
-    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
-      const int64_t t1 = std::min(n1, t0 + tile);
-      for (int64_t n = t0; n < t1; ++n)
-        for (int64_t u = 0; u < units; ++u) weight_unit<F>(w, n, u, ws.data() + (n - t0) * w_row + u * W_UNIT_BYTES);
-      for (int64_t m0 = 0; m0 < bm; m0 += MB_MAX) {
-        const int64_t mb = std::min<int64_t>(MB_MAX, bm - m0);
-        Pass p{ws.data(), w_row, x_row, t1 - t0, t0, {}, {}, full, tail,
-               finish ? ys.data() : y + t0, finish ? tile : N, finish ? b0 : 0};
-        for (int64_t m = 0; m < mb; ++m) p.xr[m] = xs.data() + (m0 + m) * x_row, p.xm[m] = b0 + m0 + m;
-        dot_pass_mb<F>(mb, a, w, p);
-      }
-      if (finish) (*finish)(ys.data(), tile, b0, b0 + bm, t0, t1);
-    }
-  }
+  lanes_rows<R_ROWS, MB_MAX>(
+      M, w.groups, n0, n1, W_UNIT_BYTES, X_UNIT_BYTES, y, N, finish,
+      [&](int64_t m, int64_t u, uint8_t* out) AVX2_ISA { x_unit(a, m, u, w.groups, out); },
+      [&](int64_t n, int64_t u, uint8_t* out) AVX2_ISA { weight_unit<F>(w, n, u, out); },
+      [&](int64_t mb, const Pass& p) AVX2_ISA { dot_pass_mb<F>(mb, a, w, p); });
 }
 
 }  // namespace

@@ -47,13 +47,14 @@ def test_many_rows_match_float64(isa):
             assert_int8_x_rows_match_float64(y, x, w64, bias.to(dtype), (n, k, group, m, isa))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])   # bf16: rounded a tile at a time (FinishBlock)
 @pytest.mark.parametrize("isa", avx2_levels())
-def test_a_row_is_the_same_bits_in_any_call(isa):
+def test_a_row_is_the_same_bits_in_any_call(isa, dtype):
     ext = ops.native()
     g = torch.Generator().manual_seed(6)
     for n, k, group in CASES:
         qw = ops.native_weight(_weight(n, k, group))
-        x = torch.randn(300, k, generator=g)
+        x = torch.randn(300, k, generator=g).to(dtype)
         full = ext.linear_quant(x, qw, None, isa)
         alone = torch.cat([ext.linear_quant(x[i:i + 1], qw, None, isa) for i in (0, 1, 2, 50, 299)])
         assert torch.equal(alone, full[[0, 1, 2, 50, 299]]), (n, k, group, isa)
