@@ -44,6 +44,17 @@ inline __m256i group_sums_of_blocks(const int32_t* qsum, int64_t g) {
   return group_q;
 }
 
+// Eight fp16 values (a unit's scales or mins) from p as fp32; LANE_ORDER: in the lanes' order, words 0, 2, 4, 6, 1,
+// 3, 5, 7 (add_eight_groups says which kernels keep it)
+template <bool LANE_ORDER>
+__attribute__((target("avx2,fma,f16c")))
+inline __m256 eight_halves(const at::Half* p) {
+  __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (LANE_ORDER)
+    bits = _mm_shuffle_epi8(bits, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+  return _mm256_cvtph_ps(bits);
+}
+
 // Eight groups' exact sums (lane j: group g + j) added to a row's fp32 total: the zero points taken off as
 // z_g * (sum of q over the group: group_q, lanes as sums'), then the groups' scales applied in one FMA.
 // LANE_ORDER: lane j holds group g + (0, 2, 4, 6, 1, 3, 5, 7)[j], as the batch-1 NIBBLES kernel's reduction leaves
@@ -54,22 +65,16 @@ template <int F, bool LANE_ORDER = false>
 __attribute__((target("avx2,fma,f16c")))
 inline __m256 add_eight_groups(__m256i sums, __m256i group_q, const uint8_t* zr, const at::Half* sr, int64_t g,
                                __m256 total, const at::Half* mr = nullptr) {
-  // LANE_ORDER's shuffle of eight fp16 values (scales, mins): words 0, 2, 4, 6, 1, 3, 5, 7
-  const __m128i half_order = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
   if constexpr (F == INT4) {   // zero point 8
     sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(group_q, 3));
   } else if constexpr (HAS_MIN<F>) {
-    __m128i min_bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mr + g));
-    if constexpr (LANE_ORDER) min_bits = _mm_shuffle_epi8(min_bits, half_order);
-    total = _mm256_fmadd_ps(_mm256_cvtph_ps(min_bits), _mm256_cvtepi32_ps(group_q), total);
+    total = _mm256_fmadd_ps(eight_halves<LANE_ORDER>(mr + g), _mm256_cvtepi32_ps(group_q), total);
   } else if constexpr (F != INT8) {
     __m128i z8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(zr + g));
     if constexpr (LANE_ORDER) z8 = _mm_shuffle_epi8(z8, _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     sums = _mm256_sub_epi32(sums, _mm256_mullo_epi32(_mm256_cvtepu8_epi32(z8), group_q));
   }
-  __m128i scale_bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + g));
-  if constexpr (LANE_ORDER) scale_bits = _mm_shuffle_epi8(scale_bits, half_order);
-  return _mm256_fmadd_ps(_mm256_cvtph_ps(scale_bits), _mm256_cvtepi32_ps(sums), total);
+  return _mm256_fmadd_ps(eight_halves<LANE_ORDER>(sr + g), _mm256_cvtepi32_ps(sums), total);
 }
 
 // A left-over group (after the runs of eight) added to a row's scalar rest: its exact sum of codes times q (dot) with

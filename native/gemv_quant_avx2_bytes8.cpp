@@ -159,47 +159,25 @@ AVX2_ISA inline void unit_sums(const uint8_t* const* wc, const uint8_t* const* x
 template <int MB>
 AVX2_ISA __attribute__((noinline)) void lanes_pass(const Act16& a, const QuantView& w, const LanesPass<MB_MAX>& p) {
   constexpr int R = R_ROWS;
-  for (int64_t i = 0; i < p.rows; i += R) {
-    const uint8_t* wc[R];
-    for (int r = 0; r < R; ++r) wc[r] = p.ws + std::min<int64_t>(i + r, p.rows - 1) * p.w_row;
-    __m256 total[R * MB];
-#pragma GCC unroll 8
-    for (int j = 0; j < R * MB; ++j) total[j] = _mm256_setzero_ps();
-    const uint8_t* xc[MB];
-    const uint8_t* wu[R];
-    for (int64_t u = 0; u < p.full; ++u) {
-      for (int m = 0; m < MB; ++m) xc[m] = p.xr[m] + u * UNIT_BYTES;
-      for (int r = 0; r < R; ++r) wu[r] = wc[r] + u * W_UNIT_BYTES;
-      __m256i S[R * MB];
-      unit_sums<R, MB>(wu, xc, S);
+  lanes_pass_steps<R, MB>(
+      p, a.d.data(), W_UNIT_BYTES, UNIT_BYTES,
+      [](const uint8_t* const* wu, const uint8_t* const* xc, __m256i* S) AVX2_ISA { unit_sums<R, MB>(wu, xc, S); },
+      [](const __m256i* S, const uint8_t* const* wu, const uint8_t* const*, __m256* total) AVX2_ISA {
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const __m256 scales = _mm256_loadu_ps(reinterpret_cast<const float*>(wu[r] + UNIT_BYTES));
+        for (int r = 0; r < R; ++r) {
+          const __m256 scales = _mm256_loadu_ps(reinterpret_cast<const float*>(wu[r] + UNIT_BYTES));
 #pragma GCC unroll 4
-        for (int m = 0; m < MB; ++m)
-          total[r * MB + m] = _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(S[r * MB + m]), total[r * MB + m]);
-      }
-    }
-    alignas(32) int32_t left[R * MB][8];
-    if (p.tail) {
-      for (int m = 0; m < MB; ++m) xc[m] = p.xr[m] + p.full * UNIT_BYTES;
-      for (int r = 0; r < R; ++r) wu[r] = wc[r] + p.full * W_UNIT_BYTES;
-      __m256i S[R * MB];
-      unit_sums<R, MB>(wu, xc, S);
-      for (int j = 0; j < R * MB; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(left[j]), S[j]);
-    }
-    for (int r = 0; r < std::min<int64_t>(R, p.rows - i); ++r) {
-      const int64_t n = p.n0 + i + r;
-      const at::Half* sr = w.scales + n * w.groups;
-      for (int m = 0; m < MB; ++m) {
+          for (int m = 0; m < MB; ++m)
+            total[r * MB + m] = _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(S[r * MB + m]), total[r * MB + m]);
+        }
+      },
+      [&](int64_t n, int, const int32_t* lanes) AVX2_ISA {
+        const at::Half* sr = w.scales + n * w.groups;
         float rest = 0.f;
         for (int64_t h = 0; h < p.tail; ++h)   // group 8 full + h sits in lane h / 2 (even h) or 4 + h / 2 (odd)
-          rest = add_left_over_group<INT8>(rest, left[r * MB + m][(h % 2) * 4 + h / 2], 0, sr, nullptr, nullptr,
-                                           8 * p.full + h);
-        p.y[(p.xm[m] - p.y_row0) * p.ld + n - p.n0] = a.d[p.xm[m]] * (simd::hsum8(total[r * MB + m]) + rest);
-      }
-    }
-  }
+          rest = add_left_over_group<INT8>(rest, lanes[(h % 2) * 4 + h / 2], 0, sr, nullptr, nullptr, 8 * p.full + h);
+        return rest;
+      });
 }
 
 AVX2_ISA void rows_lanes(const Act16& a, int64_t M, const QuantView& w, int64_t n0, int64_t n1, float* y,

@@ -64,17 +64,13 @@ AVX2_ISA void weight_unit(const QuantView& w, int64_t n, int64_t u, uint8_t* out
   __m256i* zero_out = reinterpret_cast<__m256i*>(out + W_ZERO_AT);
   float* min_out = reinterpret_cast<float*>(out + W_MIN_AT);
   if (count == 8) {   // add_eight_groups' shuffles to the lane order: fp16 words and zero-point bytes 0, 2, 4, 6, 1, ..
-    const __m128i half_order = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
     const int64_t at = n * w.groups + g0;
-    _mm256_storeu_ps(scale_out, _mm256_cvtph_ps(_mm_shuffle_epi8(
-                                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.scales + at)), half_order)));
+    _mm256_storeu_ps(scale_out, eight_halves<true>(w.scales + at));
     if constexpr (F == UINT4)
       _mm256_storeu_si256(zero_out, _mm256_cvtepu8_epi32(_mm_shuffle_epi8(
                                         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.zeros + at)),
                                         _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15))));
-    if constexpr (HAS_MIN<F>)
-      _mm256_storeu_ps(min_out, _mm256_cvtph_ps(_mm_shuffle_epi8(
-                                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mins + at)), half_order)));
+    if constexpr (HAS_MIN<F>) _mm256_storeu_ps(min_out, eight_halves<true>(w.mins + at));
     return;
   }
   alignas(32) float scale[8] = {}, mn[8] = {};
@@ -169,51 +165,26 @@ template <int F, int MB>
 AVX2_ISA __attribute__((noinline)) void dot_pass(const Act16& a, const QuantView& w, const Pass& p) {
   constexpr int R = R_ROWS;
   const int64_t nb = a.padded / BLOCK;
-  for (int64_t i = 0; i < p.rows; i += R) {
-    const uint8_t* wc[R];
-    int64_t n[R];
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = std::min<int64_t>(i + r, p.rows - 1);
-      wc[r] = p.ws + row * p.w_row, n[r] = p.n0 + row;
-    }
-    __m256 total[R * MB];
-#pragma GCC unroll 8
-    for (int j = 0; j < R * MB; ++j) total[j] = _mm256_setzero_ps();
-    const uint8_t* xc[MB];
-    const uint8_t* wu[R];
-    for (int64_t u = 0; u < p.full; ++u) {
-      for (int m = 0; m < MB; ++m) xc[m] = p.xr[m] + u * X_UNIT_BYTES;
-      for (int r = 0; r < R; ++r) wu[r] = wc[r] + u * W_UNIT_BYTES;
-      __m256i S[R * MB];
-      unit_sums<R, MB>(wu, xc, S);
+  lanes_pass_steps<R, MB>(
+      p, a.d.data(), W_UNIT_BYTES, X_UNIT_BYTES,
+      [](const uint8_t* const* wu, const uint8_t* const* xc, __m256i* S) AVX2_ISA { unit_sums<R, MB>(wu, xc, S); },
+      [](const __m256i* S, const uint8_t* const* wu, const uint8_t* const* xc, __m256* total) AVX2_ISA {
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r)
+        for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-        for (int m = 0; m < MB; ++m) total[r * MB + m] = add_unit<F>(S[r * MB + m], wu[r], xc[m], total[r * MB + m]);
-    }
-    alignas(32) int32_t tail[R * MB][8];
-    if (p.tail) {
-      for (int m = 0; m < MB; ++m) xc[m] = p.xr[m] + p.full * X_UNIT_BYTES;
-      for (int r = 0; r < R; ++r) wu[r] = wc[r] + p.full * W_UNIT_BYTES;
-      __m256i S[R * MB];
-      unit_sums<R, MB>(wu, xc, S);
-      for (int j = 0; j < R * MB; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(tail[j]), S[j]);
-    }
-    for (int r = 0; r < std::min<int64_t>(R, p.rows - i); ++r) {
-      const at::Half* sr = w.scales + n[r] * w.groups;
-      const uint8_t* zr = w.zeros ? w.zeros + n[r] * w.groups : nullptr;
-      const at::Half* mr = w.mins ? w.mins + n[r] * w.groups : nullptr;
-      for (int m = 0; m < MB; ++m) {
+          for (int m = 0; m < MB; ++m) total[r * MB + m] = add_unit<F>(S[r * MB + m], wu[r], xc[m], total[r * MB + m]);
+      },
+      [&](int64_t n, int m, const int32_t* lanes) AVX2_ISA {
+        const at::Half* sr = w.scales + n * w.groups;
+        const uint8_t* zr = w.zeros ? w.zeros + n * w.groups : nullptr;
+        const at::Half* mr = w.mins ? w.mins + n * w.groups : nullptr;
         float rest = 0.f;
         for (int64_t h = 0; h < p.tail; ++h) {   // group g + h sits in lane h / 2 (even h) or 4 + h / 2 (odd)
           const int64_t g = 8 * p.full + h;
-          rest = add_left_over_group<F>(rest, tail[r * MB + m][(h % 2) * 4 + h / 2],
-                                        a.block_sum[p.xm[m] * nb + g], sr, zr, mr, g);
+          rest = add_left_over_group<F>(rest, lanes[(h % 2) * 4 + h / 2], a.block_sum[p.xm[m] * nb + g], sr, zr, mr, g);
         }
-        p.y[(p.xm[m] - p.y_row0) * p.ld + n[r] - p.n0] = a.d[p.xm[m]] * (simd::hsum8(total[r * MB + m]) + rest);
-      }
-    }
-  }
+        return rest;
+      });
 }
 
 template <int F>

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "gemv_quant.h"
+#include "simd.h"
 
 namespace qgemv {
 
@@ -49,6 +50,49 @@ struct LanesPass {
   float* y;                       // where (row of x y_row0, weight row n0)'s result goes; rows ld apart
   int64_t ld, y_row0;
 };
+
+// A pass as both kernels run it: R weight rows at a time, for each whole unit sums(wu, xc, S) (the unit's exact group
+// sums per (weight row, row of x)) then add(S, wu, xc, total) (scaled into the fp32 totals); the left-over groups'
+// sums kept by lane, rest(n, m, lanes) (their terms for weight row n and the pass's row of x m, one group at a
+// time); each result d * (hsum8(total) + rest) into the pass's output. Called from a kernel's out-of-line pass.
+template <int R, int MB, int MB_MAX, typename Sums, typename Add, typename Rest>
+__attribute__((target("avx2,fma,f16c"))) inline void lanes_pass_steps(const LanesPass<MB_MAX>& p, const float* d,
+                                                                       int64_t w_unit_bytes, int64_t x_unit_bytes,
+                                                                       Sums sums, Add add, Rest rest) {
+  for (int64_t i = 0; i < p.rows; i += R) {
+    const uint8_t* wc[R];
+    for (int r = 0; r < R; ++r) wc[r] = p.ws + std::min<int64_t>(i + r, p.rows - 1) * p.w_row;
+    __m256 total[R * MB];
+#pragma GCC unroll 8
+    for (int j = 0; j < R * MB; ++j) total[j] = _mm256_setzero_ps();
+    const uint8_t* xc[MB];
+    const uint8_t* wu[R];
+    const auto unit = [&](int64_t u) {
+      for (int m = 0; m < MB; ++m) xc[m] = p.xr[m] + u * x_unit_bytes;
+      for (int r = 0; r < R; ++r) wu[r] = wc[r] + u * w_unit_bytes;
+    };
+    for (int64_t u = 0; u < p.full; ++u) {
+      unit(u);
+      __m256i S[R * MB];
+      sums(wu, xc, S);
+      add(S, wu, xc, total);
+    }
+    alignas(32) int32_t left[R * MB][8];
+    if (p.tail) {
+      unit(p.full);
+      __m256i S[R * MB];
+      sums(wu, xc, S);
+      for (int j = 0; j < R * MB; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(left[j]), S[j]);
+    }
+    for (int r = 0; r < std::min<int64_t>(R, p.rows - i); ++r) {
+      const int64_t n = p.n0 + i + r;
+      for (int m = 0; m < MB; ++m) {
+        const float tail_terms = p.tail ? rest(n, m, left[r * MB + m]) : 0.f;
+        p.y[(p.xm[m] - p.y_row0) * p.ld + n - p.n0] = d[p.xm[m]] * (simd::hsum8(total[r * MB + m]) + tail_terms);
+      }
+    }
+  }
+}
 
 // Rows [n0, n1) of y for M rows of x, as both AVX2 lanes kernels run them: rows of x LANES_X_BLOCK at a time made
 // into lanes once (x_unit(m, u, out): row m's unit u), weight rows a tile at a time (TILE_BYTES of scratch, a multiple

@@ -277,7 +277,6 @@ void row_bytes8_g32_m1_avx2(const Act16& a, const QuantView& w, int64_t m, int64
   const at::Half* sr = w.scales + n * w.groups;
   const int8_t* q = a.q8.data() + m * a.padded;
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m128i half_order = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
   const auto group_sums = [&](int64_t g) { return bytes8_block_sums(wr + g * BLOCK, q + g * BLOCK, ones); };
   __m256 total = _mm256_setzero_ps();
   const int64_t full = w.groups / 8;
@@ -289,9 +288,7 @@ void row_bytes8_g32_m1_avx2(const Act16& a, const QuantView& w, int64_t m, int64
                                          _mm256_hadd_epi32(group_sums(g + 4), group_sums(g + 6)));
     const __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(group_sums(g + 1), group_sums(g + 3)),
                                          _mm256_hadd_epi32(group_sums(g + 5), group_sums(g + 7)));
-    const __m256 scales = _mm256_cvtph_ps(
-        _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + g)), half_order));
-    total = _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(eight_in_order(s0, s1)), total);
+    total = add_eight_groups<INT8, true>(eight_in_order(s0, s1), _mm256_setzero_si256(), nullptr, sr, g, total);
   }
   float rest = 0.f;
   for (int64_t g = 8 * full; g < w.groups; ++g) {
