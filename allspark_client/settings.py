@@ -181,6 +181,10 @@ FUSED_DECODE = _declare("ALLSPARK_FUSED_DECODE", bool, True, "ab", """
 PEER_ALLREDUCE = _declare("ALLSPARK_PEER_ALLREDUCE", bool, True, "ab", """
     A pool of GPU ranks on one host that all see every GPU sums small allreduces (a decode step's rows) with a
     one-shot kernel over peer memory. 0: NCCL for all of them. Read when the pool starts.""")
+PEER_ALLREDUCE_PROTOCOL = _declare("ALLSPARK_PEER_ALLREDUCE_PROTOCOL", str, "sentinel", "ab", """
+    How the peer-memory allreduce learns that a peer's rows arrived: sentinel (the rows are written into the
+    peers' buffers, whose elements read -0.0 until then) or flags (a flag raised in each peer after the rows).
+    Read when the pool starts.""", choices=("sentinel", "flags"))
 GUIDED_MASKS = _declare("ALLSPARK_GUIDED_MASKS", str, None, "ab", """
     Where guided decoding's token masks are computed: background (a worker thread, while the model runs) or
     inline (on the engine thread before the step). Unset: background on GPU ranks, inline on CPU ranks.""",

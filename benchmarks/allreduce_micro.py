@@ -1,8 +1,8 @@
 """Micro-benchmark: the allreduce of one decode step's activations between 2 GPUs, as a tensor-parallel pool does it
 twice per layer: NCCL (torch.distributed) against allspark's one-shot kernel over peer memory
-(allspark_server/cuda/peer_allreduce.py) and PyTorch's symmetric-memory one-shot allreduce (each GPU reads the
-other's buffer over NVLink; no multicast), each captured in a CUDA graph of `--calls` allreduces, as in a decode
-graph. Checks each result against the exact sum, then times graph replays.
+(allspark_server/cuda/peer_allreduce.py, both protocols: sentinel values and flags) and PyTorch's symmetric-memory
+one-shot allreduce (each GPU reads the other's buffer over NVLink; no multicast), each captured in a CUDA graph of
+`--calls` allreduces, as in a decode graph. Checks each result against the exact sum, then times graph replays.
 
     PYTHONPATH=. python benchmarks/allreduce_micro.py [--rows 1 8 128] [--hidden 4096] [--calls 64] [--json PATH]
 
@@ -82,7 +82,8 @@ def worker(rank: int, world: int, args, out_path: str) -> None:
 
     from allspark_server.compute.cuda import peer_allreduce
     group = dist.group.WORLD
-    peer = peer_allreduce.start(torch.device("cuda", rank), rank, world, group.group_name, every_rank)
+    peers = {protocol: peer_allreduce.start(torch.device("cuda", rank), rank, world, group.group_name, every_rank,
+                                            protocol=protocol) for protocol in peer_allreduce.PROTOCOLS}
     results = {}
     for rows in args.rows:
         shape = (rows, args.hidden)
@@ -93,8 +94,9 @@ def worker(rank: int, world: int, args, out_path: str) -> None:
         row = {}
         t = x.clone()
         in_place_row(row, "nccl", dist.all_reduce, t, x, expect, args.calls)
-        if peer is not None and peer.fits(x):   # allspark's one-shot kernel over peer memory, in place
-            in_place_row(row, "peer_kernel", peer.allreduce_, t, x, expect, args.calls)
+        for protocol, peer in peers.items():   # allspark's one-shot kernel over peer memory, in place
+            if peer is not None and peer.fits(x):
+                in_place_row(row, f"peer_{protocol}", peer.allreduce_, t, x, expect, args.calls)
         # symmetric memory one-shot: x copied into the registered buffer, the sum written to `out`
         try:
             buf = symm_mem.empty(shape, dtype=torch.bfloat16, device="cuda")

@@ -54,6 +54,9 @@ def main(args, save=lambda report: None) -> dict:
     # 256 concurrent (with the peer's static cache and transformers beside) needs an H200's memory
     big = torch.cuda.get_device_properties(0).total_memory > 120e9
     concurrency = (4,) if smoke else (16,) if args.quick else (16, 64, 128, 256) if big else (16, 64, 128)
+    sections = set(getattr(args, "sections", None) or SECTIONS)
+    if "concurrency" not in sections:   # no graphs of a batch that nothing runs (their capture takes a while)
+        concurrency = (8,)
     root = bench_root(shape)
     t0 = time.perf_counter()
     build_model(root, shape)
@@ -138,7 +141,6 @@ def main(args, save=lambda report: None) -> dict:
     free_memory()
     note_memory("after batch 1")
     save(report)
-    sections = set(getattr(args, "sections", None) or SECTIONS)
     # the pools first: the quantized models leave cached GPU memory behind that a pool's rank 0 would need
     if torch.cuda.device_count() >= 2 and not args.no_pool and "pool" in sections:
         report["pool2"] = two_gpu_pool_rows(engine, loader, prompt_len, new_tokens, rounds)

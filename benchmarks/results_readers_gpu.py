@@ -136,7 +136,8 @@ def decode_attention_sweep(r: dict) -> list:
 def allreduce(r: dict) -> list:
     out = []
     for rows, v in r["rows"].items():
-        for key, label in (("peer_kernel", "peer-memory kernel"), ("one_shot", "PyTorch symm-mem one-shot"),
+        for key, label in (("peer_kernel", "peer-memory kernel"), ("peer_sentinel", "peer-memory kernel, sentinel"),
+                           ("peer_flags", "peer-memory kernel, flags"), ("one_shot", "PyTorch symm-mem one-shot"),
                            ("two_shot", "PyTorch symm-mem two-shot")):
             if f"{key}_us" in v:
                 out.append((f"[{rows}, {r['hidden']}] bf16: NCCL time / {label} time",

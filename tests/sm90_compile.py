@@ -1,8 +1,8 @@
-"""Compiles the decode GEMVs (quantized, and dense with and without a LoRA shrink), the LoRA launches and the
-decode attention's Triton kernels for a Hopper GPU (sm_90) without one, run as a script in a process whose kernels
-are not interpreted (TRITON_INTERPRET unset): Triton's compiler and the ptxas its wheel ships turn each variant into
-a cubin. Prints one line per variant, `ok NAME` or `FAIL NAME: error`; exit status 1 on a
-failure (test_triton_compile_sm90.py runs it)."""
+"""Compiles the decode GEMVs (quantized, and dense with and without a LoRA shrink), the LoRA launches, the
+peer-memory allreduce and the decode attention's Triton kernels for a Hopper GPU (sm_90) without one, run as a
+script in a process whose kernels are not interpreted (TRITON_INTERPRET unset): Triton's compiler and the ptxas its
+wheel ships turn each variant into a cubin. Prints one line per variant, `ok NAME` or `FAIL NAME: error`; exit
+status 1 on a failure (test_triton_compile_sm90.py runs it)."""
 from __future__ import annotations
 
 import sys
@@ -16,6 +16,7 @@ from allspark_server.compute.cuda import (
     fp8_matmul,
     gemv_kernels,
     lora_kernels,
+    peer_allreduce,
     quant_gemv,
     quant_kernels,
 )
@@ -97,6 +98,17 @@ def fp8_rows() -> str:
                                                               "rounded": "*u8"}, dict(BLOCK_K=2048, CODES=True))
 
 
+def peer_allreduces() -> str:
+    """Both protocols of the peer-memory allreduce, bf16 between 2 ranks."""
+    pointers = {"x": "*bf16", "buffers": "*i64", "slot_of_call": "*i32", "done": "*i32"}
+    flags = compile_for_hopper(peer_allreduce._peer_allreduce_kernel, pointers, dict(
+        RANK=0, WORLD=2, MAXP=64, BLOCK=1024, SOFT_BF16=False))
+    sentinel = compile_for_hopper(peer_allreduce._sentinel_allreduce_kernel, pointers, dict(
+        RANK=1, WORLD=2, BLOCK=1024, BITS=triton.language.int16, SENTINEL=-(1 << 15), SOFT_BF16=False))
+    assert "ld.volatile" in sentinel, "the sentinel protocol's spin does not reload from memory"
+    return flags + sentinel
+
+
 # name -> (build, what its PTX must contain)
 VARIANTS = {
     "gemv bf16": (lambda: dense_gemv(False, False), "griddepcontrol"),
@@ -105,6 +117,7 @@ VARIANTS = {
     "gemv bf16 silu_mul": (lambda: dense_gemv(True, False), "griddepcontrol"),
     "LoRA shrink and expand launches": (lora_launches, "griddepcontrol"),
     "W8A8 rows rounded to e4m3": (fp8_rows, "div.rn.f32"),
+    "peer-memory allreduce, flags and sentinel": (peer_allreduces, "atom"),
     "gemv fp8_e4m3 per channel": (lambda: gemv("fp8_e4m3", -1), "e4m3"),
     "gemv fp8_e4m3 g128": (lambda: gemv("fp8_e4m3", 128), "e4m3"),
     "gemv fp8_e4m3 silu_mul": (lambda: gemv("fp8_e4m3", -1, silu_mul=True), "e4m3"),

@@ -97,7 +97,8 @@ class MpiComm:
         if all(want for _, want in wants) and len({host for host, _ in wants}) == 1:
             from allspark_server.compute.cuda import peer_allreduce
             self._peer = peer_allreduce.start(device, self.rank, self.world_size, dist.group.WORLD.group_name,
-                                              lambda ok: all(self._c.allgather(ok)))
+                                              lambda ok: all(self._c.allgather(ok)),
+                                              protocol=settings.PEER_ALLREDUCE_PROTOCOL.get())
 
     def allreduce_(self, t: torch.Tensor) -> torch.Tensor:
         if self._nccl is not None and not in_host_memory(t):

@@ -1,8 +1,9 @@
 """The one-shot allreduce over peer memory (allspark_server/cuda/peer_allreduce.py) that GPU ranks of one host use
 for a decode step's activations, run in Triton's interpreter: one process per rank, the ranks' buffers in shared
-memory standing for the GPUs' symmetric memory. Checked against the fp32 sum in rank order rounded once to the
-dtype (what the kernel promises), with the same bits on every rank, over a sequence of calls of changing shapes
-and dtypes (the two slots alternate, several programs a call), and the flags and counters it leaves."""
+memory standing for the GPUs' symmetric memory, for both protocols (flags; sentinel values). Checked against the
+fp32 sum in rank order rounded once to the dtype (what the kernel promises), with the same bits on every rank, over
+a sequence of calls of changing shapes and dtypes (the two slots alternate, several programs a call, -0.0 sent),
+and the flags, sentinels and counters it leaves."""
 from __future__ import annotations
 
 import os
@@ -22,18 +23,25 @@ CALLS = [((1, 4096), torch.bfloat16), ((5,), torch.bfloat16), ((3, 1000), torch.
 SLOT_BYTES = 4 * 4096 * 4     # room for the largest call above in fp32
 
 
-def run_ranks(world: int, calls, timeout_s: float = 240.0):
+def fresh_buffer(world: int, protocol: str) -> torch.Tensor:
+    buffer = torch.empty(pa.PeerAllreduce.buffer_bytes(SLOT_BYTES, world, protocol), dtype=torch.uint8)
+    pa.PeerAllreduce.clear(buffer, world, SLOT_BYTES, protocol)
+    return buffer
+
+
+def run_ranks(world: int, calls, protocol: str, timeout_s: float = 240.0):
     """Every rank's inputs and outputs of `calls`, the ranks in spawned processes; and their final buffers."""
     import peer_allreduce_ranks
     mp = torch.multiprocessing.get_context("spawn")
     g = torch.Generator().manual_seed(world)
-    buffers = [torch.zeros(pa.PeerAllreduce.buffer_bytes(SLOT_BYTES), dtype=torch.uint8).share_memory_()
-               for _ in range(world)]
+    buffers = [fresh_buffer(world, protocol).share_memory_() for _ in range(world)]
     inputs = [[(torch.randn(shape, generator=g) * (r + 1)).to(dtype) for shape, dtype in calls] for r in range(world)]
+    for r in range(world):   # zeros of both signs among the values: -0.0 is the sentinel protocol's "not arrived"
+        inputs[r][0].view(-1)[:4] = torch.tensor([0.0, -0.0, -0.0, 0.0 if r else -0.0])
     outputs = [[torch.full(shape, float("nan"), dtype=dtype).share_memory_() for shape, dtype in calls]
                + [torch.full((2,), -1, dtype=torch.int64).share_memory_()] for _ in range(world)]
     procs = [mp.Process(target=peer_allreduce_ranks.run_rank,
-                        args=(r, world, buffers, SLOT_BYTES, inputs[r], outputs[r]), daemon=True)
+                        args=(r, world, buffers, SLOT_BYTES, inputs[r], outputs[r], protocol), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -47,9 +55,10 @@ def run_ranks(world: int, calls, timeout_s: float = 240.0):
     return inputs, outputs, buffers
 
 
+@pytest.mark.parametrize("protocol", pa.PROTOCOLS)
 @pytest.mark.parametrize("world", [2, 3])
-def test_every_rank_gets_the_rank_order_sum_over_a_sequence_of_calls(world):
-    inputs, outputs, buffers = run_ranks(world, CALLS)
+def test_every_rank_gets_the_rank_order_sum_over_a_sequence_of_calls(world, protocol):
+    inputs, outputs, buffers = run_ranks(world, CALLS, protocol)
     for i, (shape, dtype) in enumerate(CALLS):
         total = torch.zeros(shape, dtype=torch.float32)
         for r in range(world):                     # fp32, in rank order, rounded once
@@ -60,9 +69,11 @@ def test_every_rank_gets_the_rank_order_sum_over_a_sequence_of_calls(world):
     for r in range(world):
         # every call flipped the slot once (the slots alternate), and its last program reset the arrivals
         assert outputs[r][-1].tolist() == [len(CALLS) % 2, 0]
-        # every flag raised was lowered by the rank it was meant for
-        flags = buffers[r][:pa.FLAG_BYTES].view(torch.int32)
-        assert int(flags.count_nonzero()) == 0
+        if protocol == "flags":   # every flag raised was lowered by the rank it was meant for
+            flags = buffers[r][:pa.FLAG_BYTES].view(torch.int32)
+            assert int(flags.count_nonzero()) == 0
+        else:                     # every element written was set back to -0.0 by the rank it was meant for
+            assert torch.equal(buffers[r], fresh_buffer(world, protocol))
 
 
 def test_what_fits_the_peer_path():
@@ -76,3 +87,8 @@ def test_what_fits_the_peer_path():
     assert not small.fits(torch.empty(2048, dtype=torch.float32))          # 8 KiB > the 4 KiB slot
     with pytest.raises(ValueError, match="up to 8 ranks"):
         pa.PeerAllreduce(torch.zeros(9, dtype=torch.int64), 0, 9, slot)
+    assert not peer.fits(torch.empty(4, dtype=torch.float64))                # no sentinel area for 8-byte elements
+    assert pa.PeerAllreduce(torch.zeros(2, dtype=torch.int64), 0, 2, slot, protocol="flags").fits(
+        torch.empty(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="protocol 'bits'"):
+        pa.PeerAllreduce(torch.zeros(2, dtype=torch.int64), 0, 2, slot, protocol="bits")

@@ -18,6 +18,14 @@ rank's 7B decode graph takes 3.71 ms instead of 3.89 (benchmarks/pool_step_micro
 Every rank must make the same sequence of calls (a pool's ranks run the same steps). Tensors of more than
 MAX_PROGRAMS x BLOCK elements go to NCCL (comm.py decides). CUDA-graph safe: no launch reads tensor contents on
 the host.
+
+The "sentinel" protocol needs no flags (TensorRT-LLM's low-latency allreduce works this way): a rank's buffer holds,
+per slot, a region for each rank whose elements read -0.0 until data arrives. A call writes its chunk straight into
+its own region of every peer's buffer, spins on its own buffer until no element of the chunk is -0.0, sums in rank
+order and writes -0.0 back. Senders turn -0.0 into +0.0, the same value in any sum. That is one one-way trip over
+the link where the flags take a write, a remote atomic and a remote read. The slots alternate as above: a peer
+writes into a slot again two calls later, after this rank has reset it. 2- and 4-byte dtypes have separate areas
+(their sentinels differ).
 """
 from __future__ import annotations
 
@@ -35,6 +43,8 @@ log = logging.getLogger(__name__)
 BLOCK = 1024             # elements a program moves
 MAX_PROGRAMS = 64        # chunks of one call: calls of up to MAX_PROGRAMS * BLOCK elements take this path
 FLAG_BYTES = 2 * MAX_PROGRAMS * 8 * 4   # int32 flags [slot][program][source rank], up to 8 ranks
+PROTOCOLS = ("sentinel", "flags")
+SENTINELS = {2: -(1 << 15), 4: -(1 << 31)}   # -0.0's bits as a signed int of the element's size
 
 
 @triton.jit
@@ -49,7 +59,7 @@ def _peer_allreduce_kernel(x, n, buffers, slot_of_call, done, data_start, slot_e
     ok = offs < n
     mine = tl.load(x + offs, mask=ok, other=0.0)
     data = data_start + slot * slot_elems
-    own = tl.load(buffers + RANK).to(tl.pointer_type(x.dtype.element_ty))
+    own = tl.multiple_of(tl.load(buffers + RANK).to(tl.pointer_type(x.dtype.element_ty)), 16)
     tl.store(own + data + offs, mine, mask=ok)
     tl.debug_barrier()                                      # the whole chunk is written before the flag goes up
     flag = (slot * MAXP + pid) * WORLD
@@ -69,8 +79,45 @@ def _peer_allreduce_kernel(x, n, buffers, slot_of_call, done, data_start, slot_e
         if p == RANK:
             total += mine.to(tl.float32)
         else:
-            peer = tl.load(buffers + p).to(tl.pointer_type(x.dtype.element_ty))
+            peer = tl.multiple_of(tl.load(buffers + p).to(tl.pointer_type(x.dtype.element_ty)), 16)
             total += tl.load(peer + data + offs, mask=ok, other=0.0, cache_modifier=".cv").to(tl.float32)
+    tl.store(x + offs, _round(total, x.dtype.element_ty, SOFT_BF16).to(x.dtype.element_ty), mask=ok)
+    if tl.atomic_add(done, 1) == tl.num_programs(0) - 1:   # the last program: the next call takes the other slot
+        tl.store(slot_of_call, 1 - slot)
+        tl.store(done, 0)
+
+
+@triton.jit
+def _sentinel_allreduce_kernel(x, n, buffers, slot_of_call, done, area_start, region_elems,
+                               RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                               BITS: tl.constexpr, SENTINEL: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """Program = one chunk of BLOCK elements of x; `buffers` [WORLD] int64: each rank's symmetric buffer, whose
+    area for x's element size starts at element area_start: [slot][source rank][region_elems]."""
+    pid = tl.program_id(0)
+    slot = tl.load(slot_of_call)                           # every program reads it before the last one flips it
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    mine = tl.load(x + offs, mask=ok, other=0.0)
+    bits = mine.to(BITS, bitcast=True)                     # -0.0 would read as "not arrived": send +0.0
+    mine = tl.where(bits == SENTINEL, tl.zeros_like(bits), bits).to(x.dtype.element_ty, bitcast=True)
+    base = area_start + slot * WORLD * region_elems
+    for p in tl.static_range(WORLD):
+        if p != RANK:
+            theirs = tl.multiple_of(tl.load(buffers + p).to(tl.pointer_type(x.dtype.element_ty)), 16)
+            tl.store(theirs + base + RANK * region_elems + offs, mine, mask=ok)
+    own = tl.multiple_of(tl.load(buffers + RANK).to(tl.pointer_type(x.dtype.element_ty)), 16)
+    sentinel = tl.full([BLOCK], SENTINEL, BITS).to(x.dtype.element_ty, bitcast=True)
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for p in tl.static_range(WORLD):                        # in rank order: the same bits on every rank
+        if p == RANK:
+            total += mine.to(tl.float32)
+        else:
+            src = own + base + p * region_elems + offs
+            v = tl.load(src, mask=ok, other=0.0, volatile=True)
+            while tl.max((v.to(BITS, bitcast=True) == SENTINEL).to(tl.int32), axis=0) > 0:
+                v = tl.load(src, mask=ok, other=0.0, volatile=True)
+            total += v.to(tl.float32)
+            tl.store(src, sentinel, mask=ok)                # ready for this slot's next call
     tl.store(x + offs, _round(total, x.dtype.element_ty, SOFT_BF16).to(x.dtype.element_ty), mask=ok)
     if tl.atomic_add(done, 1) == tl.num_programs(0) - 1:   # the last program: the next call takes the other slot
         tl.store(slot_of_call, 1 - slot)
@@ -80,45 +127,73 @@ def _peer_allreduce_kernel(x, n, buffers, slot_of_call, done, data_start, slot_e
 class PeerAllreduce:
     """The symmetric buffers of this rank and the launch; `buffers` [world] int64 addresses on this GPU."""
 
-    def __init__(self, buffers: torch.Tensor, rank: int, world: int, slot_bytes: int, keep=None):
+    def __init__(self, buffers: torch.Tensor, rank: int, world: int, slot_bytes: int, keep=None,
+                 protocol: str = "sentinel"):
         if world > 8:
             raise ValueError(f"peer allreduce takes up to 8 ranks, not {world}")
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"peer allreduce protocol {protocol!r}: one of {PROTOCOLS}")
         self.buffers, self.rank, self.world, self.slot_bytes = buffers, rank, world, slot_bytes
+        self.protocol = protocol
         self.slot = torch.zeros(1, dtype=torch.int32, device=buffers.device)   # the next call's slot
         self.done = torch.zeros(1, dtype=torch.int32, device=buffers.device)
         self._keep = keep                      # what owns the memory behind `buffers`
 
     @staticmethod
-    def buffer_bytes(slot_bytes: int) -> int:
-        return FLAG_BYTES + 2 * slot_bytes
+    def buffer_bytes(slot_bytes: int, world: int = 8, protocol: str = "sentinel") -> int:
+        if protocol == "flags":
+            return FLAG_BYTES + 2 * slot_bytes
+        return len(SENTINELS) * 2 * world * slot_bytes   # an area per element size: [slot][rank][slot_bytes]
+
+    @staticmethod
+    def clear(buffer: torch.Tensor, world: int, slot_bytes: int, protocol: str = "sentinel") -> None:
+        """A fresh buffer (uint8) made ready: flags lowered, or every area's elements set to its -0.0."""
+        if protocol == "flags":
+            buffer.zero_()
+            return
+        area = 2 * world * slot_bytes
+        for i, size in enumerate(SENTINELS):
+            bits = torch.int16 if size == 2 else torch.int32
+            buffer[i * area:(i + 1) * area].view(bits).fill_(SENTINELS[size])
 
     def fits(self, t: torch.Tensor) -> bool:
         return (t.is_contiguous() and t.numel() <= MAX_PROGRAMS * BLOCK
-                and t.numel() * t.element_size() <= self.slot_bytes)
+                and t.numel() * t.element_size() <= self.slot_bytes
+                and (self.protocol == "flags" or t.element_size() in SENTINELS))
 
     def allreduce_(self, t: torch.Tensor) -> torch.Tensor:
         """t summed over the ranks, in place (every rank calls it with the same shape and dtype)."""
         n, size = t.numel(), t.element_size()
-        _peer_allreduce_kernel[(triton.cdiv(n, BLOCK),)](
-            t, n, self.buffers, self.slot, self.done, FLAG_BYTES // size, self.slot_bytes // size,
-            RANK=self.rank, WORLD=self.world, MAXP=MAX_PROGRAMS, BLOCK=BLOCK, SOFT_BF16=_INTERPRETED, num_warps=4)
+        grid = (triton.cdiv(n, BLOCK),)
+        if self.protocol == "flags":
+            _peer_allreduce_kernel[grid](
+                t, n, self.buffers, self.slot, self.done, FLAG_BYTES // size, self.slot_bytes // size,
+                RANK=self.rank, WORLD=self.world, MAXP=MAX_PROGRAMS, BLOCK=BLOCK, SOFT_BF16=_INTERPRETED,
+                num_warps=4)
+            return t
+        area = list(SENTINELS).index(size) * 2 * self.world * self.slot_bytes
+        _sentinel_allreduce_kernel[grid](
+            t, n, self.buffers, self.slot, self.done, area // size, self.slot_bytes // size,
+            RANK=self.rank, WORLD=self.world, BLOCK=BLOCK, BITS=tl.int16 if size == 2 else tl.int32,
+            SENTINEL=SENTINELS[size], SOFT_BF16=_INTERPRETED, num_warps=4)
         return t
 
 
 def start(device: torch.device, rank: int, world: int, group_name: str, agree: Callable[[bool], bool],
-          slot_bytes: int = MAX_PROGRAMS * BLOCK * 4) -> Optional[PeerAllreduce]:
+          slot_bytes: int = MAX_PROGRAMS * BLOCK * 4, protocol: str = "sentinel") -> Optional[PeerAllreduce]:
     """Collective: the symmetric buffers of every rank, checked with one allreduce of known values; None (NCCL
     then) where symmetric memory is missing or the check fails on any rank. `agree(ok)`: True if every rank's ok
     is (over MPI)."""
     peer, why = None, None
     try:
         import torch.distributed._symmetric_memory as symm_mem
-        mem = symm_mem.empty(PeerAllreduce.buffer_bytes(slot_bytes), dtype=torch.uint8, device=device)
-        mem.zero_()
+        mem = symm_mem.empty(PeerAllreduce.buffer_bytes(slot_bytes, world, protocol), dtype=torch.uint8,
+                             device=device)
+        PeerAllreduce.clear(mem, world, slot_bytes, protocol)
         torch.cuda.synchronize(device)
         handle = symm_mem.rendezvous(mem, group_name)
         buffers = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
-        peer = PeerAllreduce(buffers, rank, world, slot_bytes, keep=(mem, handle))
+        peer = PeerAllreduce(buffers, rank, world, slot_bytes, keep=(mem, handle), protocol=protocol)
     except Exception as e:   # no symmetric memory here (an old torch, no P2P between the GPUs)
         why = f"{type(e).__name__}: {e}"
     if not agree(peer is not None):
@@ -128,17 +203,20 @@ def start(device: torch.device, rank: int, world: int, group_name: str, agree: C
     if not agree(ok):
         log.warning("allreduce between GPUs: NCCL (the peer-memory allreduce's check failed on a rank)")
         return None
-    log.info("allreduce between GPUs: peer memory for up to %d elements a call, NCCL beyond", MAX_PROGRAMS * BLOCK)
+    log.info("allreduce between GPUs: peer memory (%s) for up to %d elements a call, NCCL beyond", protocol,
+             MAX_PROGRAMS * BLOCK)
     return peer
 
 
 def self_check(peer: PeerAllreduce, device: torch.device) -> bool:
     """A few allreduces of values whose sums are exact, in both slots and over several programs."""
     try:
-        for n in (1, 4096, 3 * BLOCK + 7, 4096):
-            x = torch.full((n,), float(peer.rank + 1), dtype=torch.bfloat16, device=device)
+        calls = [(1, 1, torch.bfloat16), (4096, 1, torch.bfloat16), (3 * BLOCK + 7, 1, torch.float32),
+                 (4096, -0.0, torch.bfloat16), (4096, 1, torch.float16)]
+        for n, scale, dtype in calls:   # -0.0 on every rank: the sentinel protocol's sender must not send it
+            x = torch.full((n,), scale * (peer.rank + 1), dtype=dtype, device=device)
             peer.allreduce_(x)
-            want = peer.world * (peer.world + 1) / 2
+            want = scale * peer.world * (peer.world + 1) / 2
             if not bool((x == want).all()):
                 return False
         torch.cuda.synchronize(device)
