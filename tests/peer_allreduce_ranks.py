@@ -9,13 +9,22 @@ os.environ["TRITON_INTERPRET"] = "1"
 def run_rank(rank: int, world: int, buffers: list, slot_bytes: int, inputs: list, outputs: list,
              protocol: str) -> None:
     """Allreduce each of this rank's `inputs` in turn (CPU tensors: the interpreter's memory is this process's),
-    writing the results into the shared `outputs`; `buffers`: every rank's shared buffer, mapped here."""
+    writing the results into the shared `outputs`; `buffers`: every rank's shared buffer, mapped here. An input
+    (x, residual, weight, eps) takes allreduce_norm, its output the pair (normed, residual stream)."""
     import torch
     torch.set_num_threads(1)
     from allspark_server.compute.cuda.peer_allreduce import PeerAllreduce
     addresses = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)   # this process's mappings
     peer = PeerAllreduce(addresses, rank, world, slot_bytes, protocol=protocol)
     for x, out in zip(inputs, outputs):
+        if isinstance(x, tuple):
+            x, residual, weight, eps = x
+            y = x.clone()
+            normed, stream = peer.allreduce_norm(y, residual, weight, eps)
+            assert torch.equal(y, x), "allreduce_norm changed its input"
+            out[0].copy_(normed)
+            out[1].copy_(stream)
+            continue
         y = x.clone()
         assert peer.allreduce_(y) is y
         out.copy_(y)

@@ -5,7 +5,8 @@ when running under mpirun with more than one rank. Control (plans, objects) alwa
 tensors' allreduce travels over MPI as fp32 (numpy has no bfloat16); GPU tensors' allreduce, gather and broadcast
 (the sampled ids of an overlapped decode step) go through NCCL (torch.distributed), set up by `use_gpu` with a
 rendezvous address that rank 0 sends over MPI, except the allreduce of small tensors between the GPUs of one
-host: a one-shot kernel over peer memory (cuda/peer_allreduce.py; ALLSPARK_PEER_ALLREDUCE=0 turns it off).
+host: a one-shot kernel over peer memory (cuda/peer_allreduce.py; ALLSPARK_PEER_ALLREDUCE=0 turns it off), which
+can also add the residual and apply the next RMSNorm in the same launch (`allreduce_norm`).
 Every call must come from the rank's engine thread.
 """
 from __future__ import annotations
@@ -33,6 +34,11 @@ class LocalComm:
 
     def allreduce_(self, t: torch.Tensor) -> torch.Tensor:
         return t
+
+    def allreduce_norm(self, t: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+        """The residual add and RMSNorm of allreduce_(t) in one launch, as (normed, residual stream); None where
+        this comm has no such launch for t (the caller then reduces and norms as two steps)."""
+        return None
 
     def gather_rows(self, t: torch.Tensor) -> Optional[torch.Tensor]:
         """Concatenate every rank's [N, local] shard along dim 1 at rank 0 (None elsewhere)."""
@@ -112,6 +118,11 @@ class MpiComm:
         if buf.data_ptr() != t.data_ptr():
             t.copy_(buf)
         return t
+
+    def allreduce_norm(self, t: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+        if self._peer is not None and not in_host_memory(t):   # a decode step's rows, with the next norm
+            return self._peer.allreduce_norm(t, residual, weight, eps)
+        return None
 
     def gather_rows(self, t: torch.Tensor) -> Optional[torch.Tensor]:
         if self._nccl is not None and not in_host_memory(t):   # padded to the widest shard, gathered, cut, joined

@@ -15,7 +15,7 @@ from torch import nn
 
 from allspark_server.compute import ops
 from allspark_server.compute.steps import BoundMoe, Moe
-from allspark_server.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from allspark_server.layers.linear import MergedColumnParallelLinear, RowParallelLinear, reduce_into_norm
 
 
 class Router(nn.Module):
@@ -67,5 +67,8 @@ class SparseMoE(nn.Module):
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         self.comm.allreduce_(partial)
         return partial
+
+    def reduce_norm(self, partial: torch.Tensor, residual, norm):
+        return reduce_into_norm(self.comm, partial, residual, norm, self.reduce)
 
     adds_bias = False

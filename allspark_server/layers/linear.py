@@ -6,14 +6,17 @@ A layer's weight is dense (`weight`) or, after `quantize_`, InstantQuant buffers
 `zeros` or, for uint4_min, `mins`; quant/formats.py has the layout); `kernel_weight` is what the ops take either way.
 A layer may carry LoRA adapters (`lora`, compute/lora_slots.py: this rank's A and B by slot); the rows of a step
 that use one gain its delta, a row-parallel layer's before the allreduce (its A is split by input like the weight).
+A row-parallel layer's sum can be taken together with the norm after it (`reduce_norm`), in one launch where the
+comm has one (the GPU ranks' peer-memory allreduce).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from allspark_server.compute import ops
+from allspark_server.compute import ops, step_ops
 from allspark_server.compute.lora_slots import LoraRows, LoraSlots
+from allspark_server.compute.steps import BoundNorm
 from allspark_server.quant.formats import QuantizedWeight, bits, group_count, has_mins, is_asymmetric, is_float
 
 
@@ -79,6 +82,20 @@ class RowParallelLinear(ParallelLinear):
         if self.bias is not None:
             partial = partial + self.bias
         return partial
+
+    def reduce_norm(self, partial: torch.Tensor, residual, norm: BoundNorm):
+        """norm_step(reduce(partial), residual, norm): (normed, residual stream)."""
+        return reduce_into_norm(self.comm, partial, residual, norm, self.reduce, self.bias is None)
+
+
+def reduce_into_norm(comm, partial: torch.Tensor, residual, norm: BoundNorm, reduce, plain_sum: bool = True):
+    """norm_step(reduce(partial), residual, norm), in one launch where `comm` has one: the reduce a plain sum
+    (`plain_sum`: no bias after it) and the norm a plain residual add and RMSNorm."""
+    if plain_sum and residual is not None and norm.step.adds_residual and norm.step.residual_scale == 1.0:
+        fused = comm.allreduce_norm(partial, residual, norm.weight, norm.eps)
+        if fused is not None:
+            return fused
+    return step_ops.norm_step(reduce(partial), residual, norm)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

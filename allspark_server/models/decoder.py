@@ -13,6 +13,8 @@ stack times its own ops.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -90,6 +92,9 @@ class Attention(nn.Module):
     def reduce(self, partial):
         return self.o_proj.reduce(partial)
 
+    def reduce_norm(self, partial, residual, norm):
+        return self.o_proj.reduce_norm(partial, residual, norm)
+
 
 class MLP(nn.Module):
     """The Mlp step's module: act(gate) * up through the merged gate|up projection, then down."""
@@ -113,6 +118,9 @@ class MLP(nn.Module):
 
     def reduce(self, partial):
         return self.down_proj.reduce(partial)
+
+    def reduce_norm(self, partial, residual, norm):
+        return self.down_proj.reduce_norm(partial, residual, norm)
 
     @property
     def adds_bias(self) -> bool:     # the reduce adds the down projection's bias
@@ -146,6 +154,7 @@ class DecoderLayer(nn.Module):
         rope = ropes[self.self_attn.step.rope_table]
         if not inputs.attn.seqs:            # every sequence decodes one token
             return self.decode(x, residual, inputs.attn, rope, kv, prof, inputs.lora_rows)
+        x = reduced(x, prof)
         for step in self.steps:
             if isinstance(step, spec.Norm):
                 norm = getattr(self, step.name)
@@ -174,13 +183,19 @@ class DecoderLayer(nn.Module):
         return self._bound
 
     def decode(self, x, residual, meta, rope, kv: LayerKV, prof=None, lora_rows=None):
-        """The same steps on decode rows, each one op call (compute/step_ops.py); the sublayers' tensor-parallel
-        sums (and row-parallel biases) run after them. lora_rows: the rows' LoRA adapters (None: none)."""
+        """The same steps on decode rows, each one op call (compute/step_ops.py). A sublayer's output leaves as a
+        PendingSum: its tensor-parallel sum (and row-parallel bias) is taken by the next norm, with it in one launch
+        where the comm can, or by whatever comes next (`reduced`). lora_rows: the rows' LoRA adapters (None:
+        none)."""
         sub = iter(self.sublayers)
         for b in self.bound(kv):
             if isinstance(b, spec.BoundNorm):
-                x, residual = timed(prof, "norm", step_ops.norm_step, x, residual, b)
+                if isinstance(x, PendingSum):
+                    x, residual = timed(prof, "allreduce_norm", x.sublayer.reduce_norm, x.partial, residual, b)
+                else:
+                    x, residual = timed(prof, "norm", step_ops.norm_step, x, residual, b)
                 continue
+            x = reduced(x, prof)
             if isinstance(b, spec.BoundAttention):
                 x = timed(prof, "attention_step", step_ops.attention_step, x, b, meta.slot_mapping, meta.decode_spans,
                           meta.decode_ctx, *rope, lora_rows)
@@ -188,8 +203,22 @@ class DecoderLayer(nn.Module):
                 x = timed(prof, "mlp_step", step_ops.mlp_step, x, b, lora_rows)
             else:
                 x = timed(prof, "moe", step_ops.moe_step, x, b)
-            x = timed(prof, "allreduce", next(sub).reduce, x)
+            x = PendingSum(x, next(sub))
         return x, residual
+
+
+class PendingSum(NamedTuple):
+    """A sublayer's decode output before its tensor-parallel sum: `partial`, and the `sublayer` that takes the sum
+    (reduce) or the sum and the norm after it (reduce_norm)."""
+    partial: torch.Tensor
+    sublayer: nn.Module
+
+
+def reduced(x, prof=None) -> torch.Tensor:
+    """x itself, or a PendingSum's sum."""
+    if isinstance(x, PendingSum):
+        return timed(prof, "allreduce", x.sublayer.reduce, x.partial)
+    return x
 
 
 def _norm(norm: RMSNorm, step: spec.Norm, x, residual):
@@ -304,6 +333,7 @@ class DecoderForCausalLM(nn.Module):
         residual = None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, inputs, ropes, kv_cache.layers[i], prof)
+        x = reduced(x, prof)
         rows = inputs.sample_rows
         if inputs.has_extra_rows:   # prompt logprobs' rows after the sampled ones, then embeddings' rows
             rows = torch.cat([r for r in (rows, inputs.logit_rows, inputs.hidden_rows) if r is not None])

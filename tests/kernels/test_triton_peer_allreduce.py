@@ -31,15 +31,20 @@ def fresh_buffer(world: int, protocol: str) -> torch.Tensor:
 
 def run_ranks(world: int, calls, protocol: str, timeout_s: float = 240.0):
     """Every rank's inputs and outputs of `calls`, the ranks in spawned processes; and their final buffers."""
-    import peer_allreduce_ranks
-    mp = torch.multiprocessing.get_context("spawn")
     g = torch.Generator().manual_seed(world)
-    buffers = [fresh_buffer(world, protocol).share_memory_() for _ in range(world)]
     inputs = [[(torch.randn(shape, generator=g) * (r + 1)).to(dtype) for shape, dtype in calls] for r in range(world)]
     for r in range(world):   # zeros of both signs among the values: -0.0 is the sentinel protocol's "not arrived"
         inputs[r][0].view(-1)[:4] = torch.tensor([0.0, -0.0, -0.0, 0.0 if r else -0.0])
     outputs = [[torch.full(shape, float("nan"), dtype=dtype).share_memory_() for shape, dtype in calls]
                + [torch.full((2,), -1, dtype=torch.int64).share_memory_()] for _ in range(world)]
+    return inputs, outputs, run_ranks_with(world, inputs, outputs, protocol, timeout_s)
+
+
+def run_ranks_with(world: int, inputs: list, outputs: list, protocol: str, timeout_s: float = 240.0) -> list:
+    """The ranks' calls of `inputs` in spawned processes, results into the shared `outputs`: the final buffers."""
+    import peer_allreduce_ranks
+    mp = torch.multiprocessing.get_context("spawn")
+    buffers = [fresh_buffer(world, protocol).share_memory_() for _ in range(world)]
     procs = [mp.Process(target=peer_allreduce_ranks.run_rank,
                         args=(r, world, buffers, SLOT_BYTES, inputs[r], outputs[r], protocol), daemon=True)
              for r in range(world)]
@@ -52,7 +57,7 @@ def run_ranks(world: int, calls, protocol: str, timeout_s: float = 240.0):
         p.kill()
     assert not hung, f"ranks {hung} still waiting after {timeout_s} s (a flag never raised)"
     assert [p.exitcode for p in procs] == [0] * world
-    return inputs, outputs, buffers
+    return buffers
 
 
 @pytest.mark.parametrize("protocol", pa.PROTOCOLS)
@@ -74,6 +79,61 @@ def test_every_rank_gets_the_rank_order_sum_over_a_sequence_of_calls(world, prot
             assert int(flags.count_nonzero()) == 0
         else:                     # every element written was set back to -0.0 by the rank it was meant for
             assert torch.equal(buffers[r], fresh_buffer(world, protocol))
+
+
+NORM_CALLS = [((1, 4096), torch.bfloat16, "norm"), ((5,), torch.bfloat16, "plain"), ((3, 1000), torch.float16, "norm"),
+              ((2, 576), torch.float32, "norm"), ((1, 4096), torch.bfloat16, "norm")]
+
+
+def test_the_sum_and_the_next_norm_in_one_launch():
+    """allreduce_norm between plain calls: s = (the rank-order fp32 sum rounded) + residual, rounded; the normed
+    row as the torch reference norms s (fp32 math, RMSNorm's mean in its own order: within one rounding), and
+    bit-equal to the plain call then fused_kernels.rms_norm, on every rank."""
+    from allspark_server.compute.cuda import fused_kernels
+    from allspark_server.compute.reference import rms_norm_reference
+    world, g = 2, torch.Generator().manual_seed(5)
+    shared = {i: ((torch.randn(shape, generator=g) * 3).to(dtype), (torch.rand(shape[-1], generator=g) + 0.5).to(dtype))
+              for i, (shape, dtype, kind) in enumerate(NORM_CALLS) if kind == "norm"}   # residual, weight: alike
+    parts = [[(torch.randn(shape, generator=g) * (r + 1)).to(dtype) for shape, dtype, _ in NORM_CALLS]
+             for r in range(world)]
+    inputs = [[(x, *shared[i], 1e-5) if i in shared else x for i, x in enumerate(xs)] for xs in parts]
+    outputs = [[(torch.empty(shape, dtype=dtype).share_memory_(), torch.empty(shape, dtype=dtype).share_memory_())
+                if kind == "norm" else torch.empty(shape, dtype=dtype).share_memory_()
+                for shape, dtype, kind in NORM_CALLS] + [torch.full((2,), -1, dtype=torch.int64).share_memory_()]
+               for _ in range(world)]
+    buffers = run_ranks_with(world, inputs, outputs, "sentinel")
+    for i, (shape, dtype, kind) in enumerate(NORM_CALLS):
+        total = sum(parts[r][i].float() for r in range(world)).to(dtype)
+        if kind == "plain":
+            assert all(torch.equal(outputs[r][i], total) for r in range(world)), f"call {i}"
+            continue
+        residual, weight = shared[i]
+        stream = (total.float() + residual.float()).to(dtype)
+        want, _ = rms_norm_reference(total, weight, 1e-5, residual)
+        same, _ = fused_kernels.rms_norm(total, weight, 1e-5, residual)
+        for r in range(world):
+            normed, s = outputs[r][i]
+            assert torch.equal(s, stream), f"call {i} rank {r}: the residual stream"
+            assert torch.equal(normed, same), f"call {i} rank {r}: not the plain call's norm"
+            ulp = torch.finfo(dtype).eps * want.float().abs().clamp(min=1e-3)
+            assert ((normed.float() - want.float()).abs() <= ulp).all(), f"call {i} rank {r}"
+    for r in range(world):
+        assert outputs[r][-1].tolist() == [len(NORM_CALLS) % 2, 0]
+        assert torch.equal(buffers[r], fresh_buffer(world, "sentinel"))
+
+
+def test_allreduce_norm_declines_what_it_cannot_take():
+    slot = 64 * 1024 * 4
+    peer = pa.PeerAllreduce(torch.zeros(2, dtype=torch.int64), 0, 2, slot)
+    x = torch.zeros(2, 4096, dtype=torch.bfloat16)
+    w = torch.ones(4096, dtype=torch.bfloat16)
+    flags = pa.PeerAllreduce(torch.zeros(2, dtype=torch.int64), 0, 2, slot, protocol="flags")
+    assert flags.allreduce_norm(x, x, w, 1e-6) is None                                   # no norm in that kernel
+    assert peer.allreduce_norm(x.view(-1), x.view(-1), w, 1e-6) is None                  # rows of H wanted
+    assert peer.allreduce_norm(x, x, w[:4095], 1e-6) is None                             # weight of another width
+    assert peer.allreduce_norm(x, torch.zeros(4096, 2, dtype=torch.bfloat16).t(), w, 1e-6) is None   # strided rows
+    wide = torch.zeros(1, 32768, dtype=torch.bfloat16)
+    assert peer.allreduce_norm(wide, wide, torch.ones(32768, dtype=torch.bfloat16), 1e-6) is None   # too wide
 
 
 def test_what_fits_the_peer_path():

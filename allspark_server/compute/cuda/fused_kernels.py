@@ -60,6 +60,15 @@ def _rotated(x, x_partner, c, s, sign, DTYPE: tl.constexpr, SOFT_BF16: tl.conste
 
 
 @triton.jit
+def _normed_row(s, w, eps, H, S_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """One row's weight * rmsnorm(s) as rms_norm_reference rounds it (fp32 values): s [BLOCK] the residual stream
+    (already rounded to S_DTYPE, zeros past H), w the norm's weight in fp32."""
+    mean_sq = tl.math.div_rn(tl.sum(s * s, 0), H * 1.0)
+    normed = _round(s * tl.math.rsqrt(mean_sq + eps), S_DTYPE, SOFT_BF16)                   # [BLOCK]
+    return _round(w * normed, OUT_DTYPE, SOFT_BF16)
+
+
+@triton.jit
 def _rms_norm_kernel(x, residual, weight, out, s_out, eps, H, stride_x, stride_r, stride_o, stride_s,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
     """Program = one row: s = x + residual (rounded), normed = s * rsqrt(mean(s^2) + eps) (rounded), out =
@@ -75,9 +84,7 @@ def _rms_norm_kernel(x, residual, weight, out, s_out, eps, H, stride_x, stride_r
         r = tl.load(residual + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32)    # [BLOCK]
         s = _round(s + r, s_out.dtype.element_ty, SOFT_BF16)
         tl.store(s_out + row * stride_s + offs, s.to(s_out.dtype.element_ty), mask=ok)
-    mean_sq = tl.math.div_rn(tl.sum(s * s, 0), H * 1.0)
-    normed = _round(s * tl.math.rsqrt(mean_sq + eps), s_out.dtype.element_ty, SOFT_BF16)    # [BLOCK]
-    y = _round(w * normed, out.dtype.element_ty, SOFT_BF16)
+    y = _normed_row(s, w, eps, H, s_out.dtype.element_ty, out.dtype.element_ty, SOFT_BF16)
     tl.store(out + row * stride_o + offs, y.to(out.dtype.element_ty), mask=ok)
 
 
@@ -89,20 +96,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     rows, h = x.shape
     if residual is None:
         s = x
+        out = torch.empty(rows, h, dtype=torch.promote_types(weight.dtype, s.dtype), device=x.device)   # [T, H]
     else:
         assert residual.shape == x.shape and residual.stride(-1) == 1
-        s = torch.empty(rows, h, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)  # [T, H]
-    out = torch.empty(rows, h, dtype=torch.promote_types(weight.dtype, s.dtype), device=x.device)    # [T, H]
+        out, s = norm_outputs(x, residual, weight)                                                  # [T, H] x 2
     if rows == 0:
         return out, s
     block = triton.next_power_of_2(h)
     _rms_norm_kernel[(rows,)](
         x, x if residual is None else residual, weight, out, s, eps, h, x.stride(0),
         0 if residual is None else residual.stride(0), out.stride(0), s.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=block, SOFT_BF16=_INTERPRETED,
-        num_warps=16 if block >= 16384 else 8 if block >= 4096 else 4, enable_fp_fusion=False,
-        **pdl.launch_options(x.device))
+        HAS_RESIDUAL=residual is not None, BLOCK=block, SOFT_BF16=_INTERPRETED, num_warps=norm_warps(block),
+        enable_fp_fusion=False, **pdl.launch_options(x.device))
     return out, s
+
+
+def norm_outputs(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor):
+    """(out, s): the buffers rms_norm(x, weight, eps, residual) returns, for kernels that compute it."""
+    s = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    return torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, s.dtype), device=x.device), s
+
+
+def norm_warps(block: int) -> int:
+    """The warps of a program that norms a row of `block` columns (its sum's order: kernels that norm a row
+    alike take the same)."""
+    return 16 if block >= 16384 else 8 if block >= 4096 else 4
 
 
 @triton.jit

@@ -1,31 +1,27 @@
 """One-shot allreduce of small activations between the GPUs of one host, over peer memory (NVLink or PCIe P2P).
 
 A decode step of a tensor-parallel pool allreduces two [batch, hidden] rows per layer. At batch 1 that is 8 KB,
-and NCCL's allreduce there is all latency: 8.2 µs a call inside a CUDA graph on two H100s, 64 calls in a 7B
-step. This kernel does it in one launch with one handshake: 7.5 µs (benchmarks/allreduce_micro.py), and each
-rank's 7B decode graph takes 3.71 ms instead of 3.89 (benchmarks/pool_step_micro.py).
+and NCCL's allreduce there is all latency: about 8 µs a call inside a CUDA graph, 64 calls in a 7B step. Every
+rank holds one buffer in symmetric memory (torch.distributed._symmetric_memory: each rank can address every
+rank's buffer), and a call is one launch. Two protocols (ALLSPARK_PEER_ALLREDUCE_PROTOCOL):
 
-- every rank holds one buffer in symmetric memory (torch.distributed._symmetric_memory: each rank can address
-  every rank's buffer): a flag area and two data slots;
-- a call takes the slot that a flag on the GPU names (flipped by the call's last program), and each program
-  copies its chunk of x into its own buffer's slot, then raises its flag (chunk, slot, own rank) in every peer's
-  flag area (release, system scope), then waits for every peer's flag in its own area and lowers it (acquire),
-  then reads the peers' chunks and writes the sum into x, adding in rank order so that every rank gets the same
-  bits;
-- consecutive calls alternate the slots, so a rank overwrites a slot only after a later handshake, which its
-  peers reach only once they have read that slot: no second barrier.
+- "sentinel" (the default; TensorRT-LLM's low-latency allreduce works this way): per slot, the buffer holds a region
+  for each rank whose elements read -0.0 until data arrives. A call writes its chunk straight into its own region
+  of every peer's buffer, spins on its own buffer until no element of the chunk is -0.0, sums in rank order and
+  writes -0.0 back. Senders turn -0.0 into +0.0, the same value in any sum. 2- and 4-byte dtypes have separate
+  areas (their sentinels differ). `allreduce_norm` also adds the residual and applies the RMSNorm that follows
+  the sum (fused_kernels.rms_norm's math), a program per row.
+- "flags": each program copies its chunk into its own buffer's slot, raises its flag (chunk, slot, own rank) in
+  every peer's flag area (release, system scope), waits for every peer's flag in its own area and lowers it
+  (acquire), then reads the peers' chunks.
 
-Every rank must make the same sequence of calls (a pool's ranks run the same steps). Tensors of more than
-MAX_PROGRAMS x BLOCK elements go to NCCL (comm.py decides). CUDA-graph safe: no launch reads tensor contents on
-the host.
-
-The "sentinel" protocol needs no flags (TensorRT-LLM's low-latency allreduce works this way): a rank's buffer holds,
-per slot, a region for each rank whose elements read -0.0 until data arrives. A call writes its chunk straight into
-its own region of every peer's buffer, spins on its own buffer until no element of the chunk is -0.0, sums in rank
-order and writes -0.0 back. Senders turn -0.0 into +0.0, the same value in any sum. That is one one-way trip over
-the link where the flags take a write, a remote atomic and a remote read. The slots alternate as above: a peer
-writes into a slot again two calls later, after this rank has reset it. 2- and 4-byte dtypes have separate areas
-(their sentinels differ).
+The sentinel protocol is one one-way trip over the link where the flags take a write, a remote atomic and a remote
+read (benchmarks/results/allreduce-h200x2.json, pool-step-h200x2.json). Both sum in rank order, so every rank gets
+the same bits. A call takes the slot that a counter on the GPU names (flipped by the call's last program), and
+consecutive calls alternate the slots: a peer writes into a slot again (or raises its flags there) only two calls
+later, which it reaches only after this rank has read and reset it. Every rank must make the same sequence of calls
+(a pool's ranks run the same steps). Tensors of more than MAX_PROGRAMS x BLOCK elements go to NCCL (comm.py
+decides). CUDA-graph safe: no launch reads tensor contents on the host.
 """
 from __future__ import annotations
 
@@ -36,7 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from allspark_server.compute.cuda.fused_kernels import _INTERPRETED, _round
+from allspark_server.compute.cuda import pdl
+from allspark_server.compute.cuda.fused_kernels import _INTERPRETED, _normed_row, _round, norm_outputs, norm_warps
+from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +42,7 @@ BLOCK = 1024             # elements a program moves
 MAX_PROGRAMS = 64        # chunks of one call: calls of up to MAX_PROGRAMS * BLOCK elements take this path
 FLAG_BYTES = 2 * MAX_PROGRAMS * 8 * 4   # int32 flags [slot][program][source rank], up to 8 ranks
 PROTOCOLS = ("sentinel", "flags")
+MAX_NORM_COLUMNS = 16384   # rows this wide at most take the allreduce and the norm in one program each
 SENTINELS = {2: -(1 << 15), 4: -(1 << 31)}   # -0.0's bits as a signed int of the element's size
 
 
@@ -88,15 +87,10 @@ def _peer_allreduce_kernel(x, n, buffers, slot_of_call, done, data_start, slot_e
 
 
 @triton.jit
-def _sentinel_allreduce_kernel(x, n, buffers, slot_of_call, done, area_start, region_elems,
-                               RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
-                               BITS: tl.constexpr, SENTINEL: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """Program = one chunk of BLOCK elements of x; `buffers` [WORLD] int64: each rank's symmetric buffer, whose
-    area for x's element size starts at element area_start: [slot][source rank][region_elems]."""
-    pid = tl.program_id(0)
-    slot = tl.load(slot_of_call)                           # every program reads it before the last one flips it
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < n
+def _sentinel_sum(x, offs, ok, buffers, slot, area_start, region_elems, RANK: tl.constexpr, WORLD: tl.constexpr,
+                  BLOCK: tl.constexpr, BITS: tl.constexpr, SENTINEL: tl.constexpr):
+    """The fp32 sum over the ranks, in rank order, of x[offs]: sent into every peer's buffer, the peers' read
+    from this rank's own (their elements reset after)."""
     mine = tl.load(x + offs, mask=ok, other=0.0)
     bits = mine.to(BITS, bitcast=True)                     # -0.0 would read as "not arrived": send +0.0
     mine = tl.where(bits == SENTINEL, tl.zeros_like(bits), bits).to(x.dtype.element_ty, bitcast=True)
@@ -118,10 +112,56 @@ def _sentinel_allreduce_kernel(x, n, buffers, slot_of_call, done, area_start, re
                 v = tl.load(src, mask=ok, other=0.0, volatile=True)
             total += v.to(tl.float32)
             tl.store(src, sentinel, mask=ok)                # ready for this slot's next call
-    tl.store(x + offs, _round(total, x.dtype.element_ty, SOFT_BF16).to(x.dtype.element_ty), mask=ok)
+    return total
+
+
+@triton.jit
+def _next_slot(slot_of_call, done, slot):
     if tl.atomic_add(done, 1) == tl.num_programs(0) - 1:   # the last program: the next call takes the other slot
         tl.store(slot_of_call, 1 - slot)
         tl.store(done, 0)
+
+
+@triton.jit
+def _sentinel_allreduce_kernel(x, n, buffers, slot_of_call, done, area_start, region_elems,
+                               RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                               BITS: tl.constexpr, SENTINEL: tl.constexpr, SOFT_BF16: tl.constexpr,
+                               PDL: tl.constexpr):
+    """Program = one chunk of BLOCK elements of x, summed in place; `buffers` [WORLD] int64: each rank's symmetric
+    buffer, whose area for x's element size starts at element area_start: [slot][source rank][region_elems]."""
+    allow_next(PDL)
+    wait_for_previous(PDL)                                 # x, and the slot the call before flipped
+    slot = tl.load(slot_of_call)                           # every program reads it before the last one flips it
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    total = _sentinel_sum(x, offs, ok, buffers, slot, area_start, region_elems, RANK, WORLD, BLOCK, BITS, SENTINEL)
+    tl.store(x + offs, _round(total, x.dtype.element_ty, SOFT_BF16).to(x.dtype.element_ty), mask=ok)
+    _next_slot(slot_of_call, done, slot)
+
+
+@triton.jit
+def _sentinel_allreduce_norm_kernel(x, residual, weight, out, s_out, eps, H, stride_r, buffers, slot_of_call, done,
+                                    area_start, region_elems, RANK: tl.constexpr, WORLD: tl.constexpr,
+                                    BLOCK: tl.constexpr, BITS: tl.constexpr, SENTINEL: tl.constexpr,
+                                    SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
+    """Program = one row of x [rows, H] (contiguous): its sum over the ranks rounded to x's dtype (what the plain
+    call leaves in x), then fused_kernels.rms_norm with the residual add: s = sum + residual, out = weight *
+    rmsnorm(s), each rounded as there."""
+    allow_next(PDL)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < H
+    w = tl.load(weight + cols, mask=ok, other=0.0).to(tl.float32)                          # [BLOCK]
+    wait_for_previous(PDL)
+    slot = tl.load(slot_of_call)
+    row = tl.program_id(0).to(tl.int64)
+    total = _sentinel_sum(x, row * H + cols, ok, buffers, slot, area_start, region_elems, RANK, WORLD, BLOCK, BITS,
+                          SENTINEL)
+    r = tl.load(residual + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+    s = _round(_round(total, x.dtype.element_ty, SOFT_BF16) + r, s_out.dtype.element_ty, SOFT_BF16)
+    tl.store(s_out + row * H + cols, s.to(s_out.dtype.element_ty), mask=ok)
+    y = _normed_row(s, w, eps, H, s_out.dtype.element_ty, out.dtype.element_ty, SOFT_BF16)
+    tl.store(out + row * H + cols, y.to(out.dtype.element_ty), mask=ok)
+    _next_slot(slot_of_call, done, slot)
 
 
 class PeerAllreduce:
@@ -171,12 +211,39 @@ class PeerAllreduce:
                 RANK=self.rank, WORLD=self.world, MAXP=MAX_PROGRAMS, BLOCK=BLOCK, SOFT_BF16=_INTERPRETED,
                 num_warps=4)
             return t
-        area = list(SENTINELS).index(size) * 2 * self.world * self.slot_bytes
         _sentinel_allreduce_kernel[grid](
-            t, n, self.buffers, self.slot, self.done, area // size, self.slot_bytes // size,
-            RANK=self.rank, WORLD=self.world, BLOCK=BLOCK, BITS=tl.int16 if size == 2 else tl.int32,
-            SENTINEL=SENTINELS[size], SOFT_BF16=_INTERPRETED, num_warps=4)
+            t, n, self.buffers, self.slot, self.done, *self._area(t),
+            RANK=self.rank, WORLD=self.world, BLOCK=BLOCK, **self._sentinel(t), **pdl.launch_options(t.device))
         return t
+
+    def allreduce_norm(self, t: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """fused_kernels.rms_norm(t summed over the ranks, weight, eps, residual) in one launch: (out, s); None where
+        this call cannot (the flags protocol, rows too wide or too many). t itself is left as it was."""
+        if t.dim() != 2:
+            return None
+        rows, h = t.shape
+        if (self.protocol != "sentinel" or not self.fits(t) or h > MAX_NORM_COLUMNS or residual.shape != t.shape
+                or residual.stride(-1) != 1 or weight.shape != (h,) or not weight.is_contiguous()):
+            return None
+        out, s = norm_outputs(t, residual, weight)
+        if rows:
+            block = triton.next_power_of_2(h)
+            _sentinel_allreduce_norm_kernel[(rows,)](
+                t, residual, weight, out, s, eps, h, residual.stride(0), self.buffers, self.slot, self.done,
+                *self._area(t), RANK=self.rank, WORLD=self.world, BLOCK=block, **self._sentinel(t),
+                num_warps=norm_warps(block), enable_fp_fusion=False, **pdl.launch_options(t.device))
+        return out, s
+
+    def _area(self, t: torch.Tensor) -> tuple[int, int]:
+        """(where the area of t's element size starts, elements of a rank's region), in t's elements."""
+        size = t.element_size()
+        return list(SENTINELS).index(size) * 2 * self.world * self.slot_bytes // size, self.slot_bytes // size
+
+    @staticmethod
+    def _sentinel(t: torch.Tensor) -> dict:
+        size = t.element_size()
+        return dict(BITS=tl.int16 if size == 2 else tl.int32, SENTINEL=SENTINELS[size], SOFT_BF16=_INTERPRETED)
 
 
 def start(device: torch.device, rank: int, world: int, group_name: str, agree: Callable[[bool], bool],
