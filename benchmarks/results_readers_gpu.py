@@ -147,7 +147,9 @@ def allreduce(r: dict) -> list:
 
 def pool_step(r: dict) -> list:
     peer = r["peer_allreduce"]["graph_replay_ms_by_rank"][0]
-    return [("rank's graph with NCCL / with the peer-memory allreduce",
-             x(r["nccl"]["graph_replay_ms_by_rank"][0] / peer)),
-            ("one GPU's graph / a rank's graph (peer-memory allreduce)",
-             x(r["one_gpu"]["graph_replay_ms_by_rank"][0] / peer))]
+    others = (("nccl", "NCCL"), ("peer_flags", "the flags protocol"),
+              ("peer_sentinel_unfused", "the sentinel protocol, the norm a launch of its own"))
+    rows = [(f"rank's graph with {label} / with the default peer-memory allreduce",
+             x(r[key]["graph_replay_ms_by_rank"][0] / peer)) for key, label in others if key in r]
+    return rows + [("one GPU's graph / a rank's graph (default peer-memory allreduce)",
+                    x(r["one_gpu"]["graph_replay_ms_by_rank"][0] / peer))]
