@@ -172,9 +172,6 @@ TRITON_GEMV = _declare("ALLSPARK_TRITON_GEMV", bool, True, "ab", """
 PDL = _declare("ALLSPARK_PDL", bool, True, "ab", """
     Programmatic dependent launch of the decode step's Triton kernels on sm_90 and newer (a kernel starts while
     the one before it finishes). 0: plain launches.""")
-LORA_EXPAND_IN_GEMV = _declare("ALLSPARK_LORA_EXPAND_IN_GEMV", bool, False, "ab", """
-    1: a decode GEMV that carries a LoRA adapter's shrink also runs its expand, as its last programs (they wait on
-    a counter of the GEMV's own programs) instead of a launch after it. Off by default: not yet measured on a GPU.""")
 FUSED_DECODE = _declare("ALLSPARK_FUSED_DECODE", bool, True, "ab", """
     GPU decode attention as one launch (rotary, KV store, attention and the split combine). 0: three
     launches.""")

@@ -6,7 +6,6 @@ stays in L2) captured in one CUDA graph and replayed, with and without rank-16 a
 - "lora": the same projections, then lora_kernels.lora_add_'s shrink and expand after each (and silu·mul after
   gate|up's): at 32 rows the rows use 8 adapters in turn;
 - "in_gemv" (one row): the shrink's programs inside the GEMV's launch, then the expand: what cuda_ops runs there;
-- "in_launch" (one row): the expand too, as the GEMV launch's last programs (ALLSPARK_LORA_EXPAND_IN_GEMV);
 - "grouped" (32 rows): the shrink, its last programs writing the rounded ranks, then the expand a program an
   adapter and n-block on tensor cores: what cuda_ops runs there.
 
@@ -46,7 +45,6 @@ def projections(layers: int, gen: torch.Generator):
 
 
 def step(variant: str, xs: dict, layers, slots):
-    from allspark_client import settings
     from allspark_server.compute.cuda import fused_kernels as fused
     from allspark_server.compute.cuda import gemv_kernels as gk
     from allspark_server.compute.cuda import lora_kernels as lk
@@ -56,9 +54,8 @@ def step(variant: str, xs: dict, layers, slots):
             if variant == "base" and act and x.shape[0] == 1:
                 gk.gemv_silu_mul(x, w)
                 continue
-            if variant in ("in_gemv", "in_launch"):
-                with settings.override(LORA_EXPAND_IN_GEMV=variant == "in_launch"):
-                    y = gk.gemv(x, w, lora=lk.Shrink.of(x, a, b, slots))
+            if variant == "in_gemv":
+                y = gk.gemv(x, w, lora=lk.Shrink.of(x, a, b, slots))
             else:
                 y = gk.gemv(x, w) if x.shape[0] <= 2 else torch.nn.functional.linear(x, w)
             if variant == "grouped":
@@ -116,7 +113,7 @@ def main() -> None:
         xs = {name: torch.randn(rows, INTER if name == "down" else HIDDEN, generator=gen, device="cuda").bfloat16()
               for name in ("qkv", "o", "gate_up", "down")}
         slots = (torch.arange(rows, device="cuda") % ADAPTERS)
-        variants = ("base", "lora", "in_gemv", "in_launch") if rows == 1 else ("base", "lora", "grouped")
+        variants = ("base", "lora", "in_gemv") if rows == 1 else ("base", "lora", "grouped")
         graphs = {v: captured(lambda v=v: step(v, xs, layers, slots)) for v in variants}
         ms = {v: replay_median_ms(g, args.repeats) for v, g in graphs.items()}
         kernels = {v: kernel_ms(g) for v, g in graphs.items()}

@@ -69,14 +69,13 @@ def decode_over_spans(quant: int) -> str:
         HAS_SOFTCAP=False, HAS_WINDOW=False))
 
 
-def dense_gemv(silu_mul: bool, shrink: bool, tail: bool = False) -> str:
-    """The bf16 decode GEMV, carrying a LoRA adapter's shrink programs (and its expand as the last programs) or not
-    (7B's tile)."""
+def dense_gemv(silu_mul: bool, shrink: bool) -> str:
+    """The bf16 decode GEMV, carrying a LoRA adapter's shrink programs or not (7B's tile)."""
     pointers = {"x": "*bf16", "w": "*bf16", "bias": "*bf16", "out": "*bf16", "a_stack": "*bf16", "slots": "*i64",
-                "part": "*fp32", "b_stack": "*bf16", "counters": "*i32"}
+                "part": "*fp32"}
     return compile_for_hopper(gemv_kernels._gemv_kernel, pointers, dict(
         BLOCK_M=1, BLOCK_N=2, BLOCK_K=2048, HAS_BIAS=False, SILU_MUL=silu_mul, SHRINK=shrink, BLOCK_R=16, CHUNK=256,
-        TAIL=tail, TAIL_N=256, BLOCK_S=16, EVICTION="evict_first", SOFT_BF16=False, PDL=True))
+        EVICTION="evict_first", SOFT_BF16=False, PDL=True))
 
 
 def lora_launches() -> str:
@@ -113,7 +112,6 @@ def peer_allreduces() -> str:
 VARIANTS = {
     "gemv bf16": (lambda: dense_gemv(False, False), "griddepcontrol"),
     "gemv bf16 carrying a LoRA shrink": (lambda: dense_gemv(False, True), "griddepcontrol"),
-    "gemv bf16 carrying a LoRA shrink and its expand": (lambda: dense_gemv(False, True, True), "atom"),
     "gemv bf16 silu_mul": (lambda: dense_gemv(True, False), "griddepcontrol"),
     "LoRA shrink and expand launches": (lora_launches, "griddepcontrol"),
     "W8A8 rows rounded to e4m3": (fp8_rows, "div.rn.f32"),

@@ -71,23 +71,20 @@ def test_fp32_greedy_equals_peft_alone_and_mixed(made, monkeypatch, graphs):
 
 
 @needs_gpu
-@pytest.mark.parametrize("tail", [False, True], ids=["expand-launch", "expand-in-the-gemv"])
-def test_bf16_greedy_up_to_near_ties(made, tail):
-    # single requests too: a batch-1 step's GEMV carries the adapter's shrink in its launch (cuda_ops._lora_linear),
-    # and with ALLSPARK_LORA_EXPAND_IN_GEMV its expand as the launch's last programs
+def test_bf16_greedy_up_to_near_ties(made):
+    # single requests too: a batch-1 step's GEMV carries the adapter's shrink in its launch (cuda_ops._lora_linear)
     _, adapters, loaders = made
-    with settings.override(LORA_EXPAND_IN_GEMV=tail):
-        engine = cuda_engine(loaders["bfloat16"])
-        try:
-            for a in adapters.values():
-                assert engine.load_lora("m", a.name, a.folder) == AsStatus.ALLSPARK_SUCCESS
-            cases = [(p, a) for a in adapters.values() for p in PROMPTS[:2]]
-            got = run_together(engine, "m", [(p, gen(12, a.name)) for p, a in cases])
-            alone = [(p, a) for a in adapters.values() for p in PROMPTS[1:2]]
-            got += [(generate(engine, "m", p, gen(12, a.name))[0], None) for p, a in alone]
-            cases += alone
-        finally:
-            engine.shutdown()
+    engine = cuda_engine(loaders["bfloat16"])
+    try:
+        for a in adapters.values():
+            assert engine.load_lora("m", a.name, a.folder) == AsStatus.ALLSPARK_SUCCESS
+        cases = [(p, a) for a in adapters.values() for p in PROMPTS[:2]]
+        got = run_together(engine, "m", [(p, gen(12, a.name)) for p, a in cases])
+        alone = [(p, a) for a in adapters.values() for p in PROMPTS[1:2]]
+        got += [(generate(engine, "m", p, gen(12, a.name))[0], None) for p, a in alone]
+        cases += alone
+    finally:
+        engine.shutdown()
     for (p, a), (tokens, _) in zip(cases, got):
         with torch.no_grad():
             ref = a.peft(torch.tensor([p + tokens])).logits[0].double()[len(p) - 1:-1]

@@ -66,11 +66,9 @@ def _accumulate(acc, acc_up, wt, wu, x, offs_m, offs_k, M, K, stride_xm, BLOCK_M
 @triton.jit(do_not_specialize=["grid_rows"])
 def _gemv_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_rows, grid_rows,
                  a_stack, slots, part, R, stride_as, stride_ar, stride_pt, stride_ps, shrink_programs, r_blocks,
-                 splits, b_stack, stride_bs, stride_bn, counters, producers, tail_n_blocks,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 SILU_MUL: tl.constexpr, SHRINK: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
-                 TAIL: tl.constexpr, TAIL_N: tl.constexpr, BLOCK_S: tl.constexpr,
-                 EVICTION: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
+                 splits, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, SHRINK: tl.constexpr, BLOCK_R: tl.constexpr,
+                 CHUNK: tl.constexpr, EVICTION: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
     """Program = BLOCK_N outputs: y[:M, n] = sum_k x[:M, k] w[n, k] (+ bias[n]) in fp32, rounded once to out's
     dtype. SILU_MUL: rows n and up_rows + n of w are a gate and an up row; out = silu(gate) * up, rounded where
     ops.silu_mul rounds (gate, up, silu(gate), the product). PDL (pdl.py): the first k-tile of the weight is
@@ -78,26 +76,15 @@ def _gemv_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_r
     row of x and of out (alone-rows mode: M = 1 a program; 1 otherwise), neighbours in the grid, so that a weight
     tile read from memory for one row is in L2 for the others. SHRINK: the first shrink_programs programs are a
     LoRA adapter's shrink (lora_kernels.shrink_program, (row, r-block, k-chunk) with the chunk fastest), so that
-    only its expand needs a launch of its own. TAIL (ALLSPARK_LORA_EXPAND_IN_GEMV): the expand too, as the last
-    programs of this launch (lora_kernels.expand_program's TAIL, (row, n-block) of TAIL_N outputs), after the
-    `producers` shrink and GEMV programs before them, each of which counts itself in counters[0] once stored."""
+    only its expand needs a launch of its own."""
     allow_next(PDL)
     pid = tl.program_id(0)
-    if TAIL:
-        if pid >= producers:
-            e = pid - producers
-            lora_kernels.expand_program(e // tail_n_blocks, e % tail_n_blocks, part, b_stack, slots, out, N, R, splits,
-                                        stride_pt, stride_ps, stride_bs, stride_bn, stride_om, counters, producers,
-                                        TAIL_N, BLOCK_R, BLOCK_S, SOFT_BF16, PDL, True)
-            return
     if SHRINK:
         if pid < shrink_programs:
             per_row = r_blocks * splits
             lora_kernels.shrink_program(pid // per_row, pid % per_row // splits, pid % splits, x, a_stack, slots, part,
                                         K, R, stride_xm, stride_as, stride_ar, stride_pt, stride_ps, BLOCK_R, CHUNK,
                                         CHUNK, PDL)
-            if TAIL:
-                _count_stored(counters)
             return
         pid -= shrink_programs
     x += (pid % grid_rows).to(tl.int64) * stride_xm
@@ -127,15 +114,6 @@ def _gemv_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_r
         y = _silu_mul_rounded(y, _round(acc_up, dt, SOFT_BF16), dt, SOFT_BF16)
     dst = out + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(dst, y.to(dt), mask=(offs_m < M)[:, None] & n_ok[None, :])
-    if TAIL:
-        _count_stored(counters)
-
-
-@triton.jit
-def _count_stored(counters):
-    """This program's stores done (every thread's, then one release at GPU scope): one more in counters[0]."""
-    tl.debug_barrier()
-    tl.atomic_add(counters, 1, sem="release")
 
 
 @triton.jit
@@ -285,23 +263,16 @@ def _launch(x, w, bias, out_cols, up_rows, silu_mul, config, lora=None):
     grid_rows = m if row_mode.alone() else 1
     rows = m // grid_rows                                                               # rows a program
     a_stack, slots, part = (s.a_stack, s.slots, s.part) if s else (w, w, w)     # unread without a shrink
-    b_stack = s.b_stack if s else w
     programs = s.programs if s else 0
-    producers = programs + triton.cdiv(out_cols, cfg.block_n) * grid_rows
-    tail = s is not None and settings.LORA_EXPAND_IN_GEMV.get()
-    tail_n_blocks = triton.cdiv(out_cols, s.block_n) if tail else 1
-    counters = lora_kernels.counters(x.device, 2) if tail else slots   # unread without the tail
-    _gemv_kernel[(producers + (m * tail_n_blocks if tail else 0),)](
+    _gemv_kernel[(programs + triton.cdiv(out_cols, cfg.block_n) * grid_rows,)](
         x, w, w if bias is None else bias, out, rows, out_cols, k, x.stride(0), w.stride(0), out.stride(0),
         up_rows, grid_rows, a_stack, slots, part, s.rank if s else 0, a_stack.stride(0), a_stack.stride(-2),
-        part.stride(0), part.stride(1), programs, s.r_blocks if s else 1, s.splits if s else 1, b_stack,
-        b_stack.stride(0), b_stack.stride(-2), counters, producers, tail_n_blocks,
+        part.stride(0), part.stride(1), programs, s.r_blocks if s else 1, s.splits if s else 1,
         BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul, SHRINK=s is not None, BLOCK_R=s.block_r if s else 16, CHUNK=s.chunk if s else 16,
-        TAIL=tail, TAIL_N=s.block_n if s else 16, BLOCK_S=s.block_s if s else 1, EVICTION=cfg.eviction,
-        SOFT_BF16=_INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
-        **pdl.launch_options(x.device))
-    if plan is not None and not tail:
+        EVICTION=cfg.eviction, SOFT_BF16=_INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        enable_fp_fusion=False, **pdl.launch_options(x.device))
+    if plan is not None:
         lora_kernels.expand_(out, plan)
     return out
 
@@ -320,8 +291,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
          config: GemvConfig | None = None, lora: "lora_kernels.Shrink | None" = None) -> torch.Tensor:
     """x [M, K] @ w [N, K].T (+ bias [N]) -> [M, N] in x's dtype (any M runs; `fits` says where it pays).
     lora (lora_kernels.Shrink.of(x, a_stack, b_stack, slots)): each row's adapter delta added as lora_add_ adds it;
-    the shrink's programs run first in this launch where its tile allows, the expand in a launch after it (or, with
-    ALLSPARK_LORA_EXPAND_IN_GEMV, as this launch's last programs)."""
+    the shrink's programs run first in this launch where its tile allows, the expand in a launch after it."""
     return _launch(x, w, bias, w.shape[0], 0, False, config, lora)
 
 

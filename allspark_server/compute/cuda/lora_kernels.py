@@ -111,14 +111,11 @@ def _shrink_kernel(x, a, slots, part, t, counters, K, R, SPLITS, stride_xt, stri
 
 @triton.jit
 def expand_program(row, n_block, part, b, slots, y, N, R, SPLITS, stride_pt, stride_ps, stride_bs, stride_bn,
-                   stride_yt, counters, producers, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_S: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr, TAIL: tl.constexpr):
+                   stride_yt, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+                   SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
     """Expand program (row, n-block): t = the shrink's partials summed over its chunks in order, rounded to y's
     dtype; y[row, n] += sum_r t[r] b[s, n, r] in fp32, the sum with y rounded once to y's dtype, for BLOCK_N outputs
-    n; nothing when s = slots[row] < 0. The slot and the first BLOCK_R ranks of B are read before the PDL wait.
-    TAIL (the last programs of a GEMV launch that carries the shrink, gemv_kernels): it first waits until
-    counters[0] says the launch's `producers` programs (shrink and GEMV) have stored, reads what they wrote past L1,
-    and the last tail program to finish (counters[1]) leaves both counters at zero for the next launch."""
+    n; nothing when s = slots[row] < 0. The slot and the first BLOCK_R ranks of B are read before the PDL wait."""
     row = row.to(tl.int64)
     slot = tl.load(slots + row).to(tl.int64)
     offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -128,13 +125,10 @@ def expand_program(row, n_block, part, b, slots, y, N, R, SPLITS, stride_pt, str
     live = n_ok & ((offs_n * 0 + slot) >= 0)                                            # nothing to read: s < 0
     br = tl.load(rows_b + offs_r[None, :], mask=live[:, None] & (offs_r < R)[None, :], other=0.0)  # [BN, BR]
     wait_for_previous(PDL)
-    if TAIL:
-        while tl.atomic_add(counters, 0, sem="acquire") < producers:
-            pass
     if slot >= 0:
         part += row * stride_pt
         dst = y + row * stride_yt + offs_n
-        yv = tl.load(dst, mask=n_ok, other=0.0, cache_modifier=".cg" if TAIL else "").to(tl.float32)
+        yv = tl.load(dst, mask=n_ok, other=0.0).to(tl.float32)
         dt = y.dtype.element_ty
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for r0 in range(0, R, BLOCK_R):
@@ -142,18 +136,12 @@ def expand_program(row, n_block, part, b, slots, y, N, R, SPLITS, stride_pt, str
             r_ok = offs_r < R
             offs_s = tl.arange(0, BLOCK_S)      # every chunk's partial in one load, summed as one tree: the same
             parts = tl.load(part + offs_s[:, None] * stride_ps + offs_r[None, :],          # sum alone or batched
-                            mask=(offs_s < SPLITS)[:, None] & r_ok[None, :], other=0.0,
-                            cache_modifier=".cg" if TAIL else "")                                  # [BS, BR]
+                            mask=(offs_s < SPLITS)[:, None] & r_ok[None, :], other=0.0)           # [BS, BR]
             tr = _round(tl.sum(parts, 0), dt, SOFT_BF16).to(dt).to(tl.float32)                    # [BR]
             if r0 > 0:
                 br = tl.load(rows_b + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
             acc += tl.sum(br.to(tl.float32) * tr[None, :], 1)
         tl.store(dst, _round(yv + acc, dt, SOFT_BF16).to(dt), mask=n_ok)
-    if TAIL:
-        tl.debug_barrier()
-        if tl.atomic_add(counters + 1, 1, sem="acq_rel") == tl.num_programs(0) - producers - 1:
-            tl.atomic_xchg(counters, 0)
-            tl.atomic_xchg(counters + 1, 0)
 
 
 @triton.jit
@@ -163,7 +151,7 @@ def _expand_kernel(part, b, slots, y, N, R, SPLITS, stride_pt, stride_ps, stride
     """Program (row, n-block): expand_program's."""
     allow_next(PDL)
     expand_program(tl.program_id(0), tl.program_id(1), part, b, slots, y, N, R, SPLITS, stride_pt, stride_ps,
-                   stride_bs, stride_bn, stride_yt, slots, 0, BLOCK_N, BLOCK_R, BLOCK_S, SOFT_BF16, PDL, False)
+                   stride_bs, stride_bn, stride_yt, BLOCK_N, BLOCK_R, BLOCK_S, SOFT_BF16, PDL)
 
 
 @triton.jit
@@ -277,8 +265,8 @@ GROUPED_BLOCK_T = 64     # rows it takes at most (its accumulator: BLOCK_N x BLO
 
 
 def counters(device: torch.device, needed: int) -> torch.Tensor:
-    """At least `needed` zeroed counters for the launches of the current stream (stream_counters.py): the grouped
-    shrink's, a GEMV's expand tail's."""
+    """At least `needed` zeroed counters for the grouped shrink's launches on the current stream
+    (stream_counters.py)."""
     out = stream_counters("lora", device, needed, COUNTERS)
     assert out is not None, f"{needed} LoRA counters in a graph's capture: more than its warm-up made"
     return out
