@@ -10,9 +10,11 @@ def run_rank(rank: int, world: int, buffers: list, slot_bytes: int, inputs: list
              protocol: str) -> None:
     """Allreduce each of this rank's `inputs` in turn (CPU tensors: the interpreter's memory is this process's),
     writing the results into the shared `outputs`; `buffers`: every rank's shared buffer, mapped here. An input
-    (x, residual, weight, eps) takes allreduce_norm, its output the pair (normed, residual stream)."""
+    (x, residual, weight, eps) takes allreduce_norm, then the plain call and fused_kernels.rms_norm on its result:
+    its output the triple (normed, residual stream, the plain call's normed)."""
     import torch
     torch.set_num_threads(1)
+    from allspark_server.compute.cuda.fused_kernels import rms_norm
     from allspark_server.compute.cuda.peer_allreduce import PeerAllreduce
     addresses = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)   # this process's mappings
     peer = PeerAllreduce(addresses, rank, world, slot_bytes, protocol=protocol)
@@ -24,6 +26,7 @@ def run_rank(rank: int, world: int, buffers: list, slot_bytes: int, inputs: list
             assert torch.equal(y, x), "allreduce_norm changed its input"
             out[0].copy_(normed)
             out[1].copy_(stream)
+            out[2].copy_(rms_norm(peer.allreduce_(y), weight, eps, residual)[0])
             continue
         y = x.clone()
         assert peer.allreduce_(y) is y
