@@ -32,3 +32,13 @@ def run_rank(rank: int, world: int, buffers: list, slot_bytes: int, inputs: list
         assert peer.allreduce_(y) is y
         out.copy_(y)
     outputs[-1].copy_(torch.cat([peer.slot, peer.done]).to(outputs[-1].dtype))
+
+
+def check_rank(rank: int, world: int, buffers: list, slot_bytes: int, protocol: str, result) -> None:
+    """peer_allreduce.self_check on this rank, its answer into the shared `result` [1]."""
+    import torch
+    torch.set_num_threads(1)
+    from allspark_server.compute.cuda.peer_allreduce import PeerAllreduce, self_check
+    addresses = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+    peer = PeerAllreduce(addresses, rank, world, slot_bytes, protocol=protocol)
+    result[0] = int(self_check(peer, torch.device("cpu")))

@@ -43,10 +43,15 @@ def run_ranks(world: int, calls, protocol: str, timeout_s: float = 240.0):
 def run_ranks_with(world: int, inputs: list, outputs: list, protocol: str, timeout_s: float = 240.0) -> list:
     """The ranks' calls of `inputs` in spawned processes, results into the shared `outputs`: the final buffers."""
     import peer_allreduce_ranks
+    return spawn_ranks(world, protocol, peer_allreduce_ranks.run_rank,
+                       lambda r: (inputs[r], outputs[r], protocol), timeout_s)
+
+
+def spawn_ranks(world: int, protocol: str, target, rank_args, timeout_s: float = 240.0) -> list:
+    """target(rank, world, buffers, SLOT_BYTES, *rank_args(rank)) in a spawned process per rank: the buffers."""
     mp = torch.multiprocessing.get_context("spawn")
     buffers = [fresh_buffer(world, protocol).share_memory_() for _ in range(world)]
-    procs = [mp.Process(target=peer_allreduce_ranks.run_rank,
-                        args=(r, world, buffers, SLOT_BYTES, inputs[r], outputs[r], protocol), daemon=True)
+    procs = [mp.Process(target=target, args=(r, world, buffers, SLOT_BYTES, *rank_args(r)), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -118,6 +123,14 @@ def test_the_sum_and_the_next_norm_in_one_launch():
     for r in range(world):   # a norm call is two calls here (fused, then plain)
         assert outputs[r][-1].tolist() == [(len(NORM_CALLS) + len(shared)) % 2, 0]
         assert torch.equal(buffers[r], fresh_buffer(world, "sentinel"))
+
+
+@pytest.mark.parametrize("protocol", pa.PROTOCOLS)
+def test_the_start_check_passes_on_both_protocols(protocol):
+    import peer_allreduce_ranks
+    results = [torch.zeros(1, dtype=torch.int32).share_memory_() for _ in range(2)]
+    spawn_ranks(2, protocol, peer_allreduce_ranks.check_rank, lambda r: (protocol, results[r]))
+    assert [int(r) for r in results] == [1, 1]
 
 
 def test_allreduce_norm_declines_what_it_cannot_take():

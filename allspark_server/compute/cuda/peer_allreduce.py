@@ -47,6 +47,13 @@ SENTINELS = {2: -(1 << 15), 4: -(1 << 31)}   # -0.0's bits as a signed int of th
 
 
 @triton.jit
+def _next_slot(slot_of_call, done, slot):
+    if tl.atomic_add(done, 1) == tl.num_programs(0) - 1:   # the last program: the next call takes the other slot
+        tl.store(slot_of_call, 1 - slot)
+        tl.store(done, 0)
+
+
+@triton.jit
 def _peer_allreduce_kernel(x, n, buffers, slot_of_call, done, data_start, slot_elems,
                            RANK: tl.constexpr, WORLD: tl.constexpr, MAXP: tl.constexpr, BLOCK: tl.constexpr,
                            SOFT_BF16: tl.constexpr):
@@ -81,9 +88,7 @@ def _peer_allreduce_kernel(x, n, buffers, slot_of_call, done, data_start, slot_e
             peer = tl.multiple_of(tl.load(buffers + p).to(tl.pointer_type(x.dtype.element_ty)), 16)
             total += tl.load(peer + data + offs, mask=ok, other=0.0, cache_modifier=".cv").to(tl.float32)
     tl.store(x + offs, _round(total, x.dtype.element_ty, SOFT_BF16).to(x.dtype.element_ty), mask=ok)
-    if tl.atomic_add(done, 1) == tl.num_programs(0) - 1:   # the last program: the next call takes the other slot
-        tl.store(slot_of_call, 1 - slot)
-        tl.store(done, 0)
+    _next_slot(slot_of_call, done, slot)
 
 
 @triton.jit
@@ -113,13 +118,6 @@ def _sentinel_sum(x, offs, ok, buffers, slot, area_start, region_elems, RANK: tl
             total += v.to(tl.float32)
             tl.store(src, sentinel, mask=ok)                # ready for this slot's next call
     return total
-
-
-@triton.jit
-def _next_slot(slot_of_call, done, slot):
-    if tl.atomic_add(done, 1) == tl.num_programs(0) - 1:   # the last program: the next call takes the other slot
-        tl.store(slot_of_call, 1 - slot)
-        tl.store(done, 0)
 
 
 @triton.jit
@@ -276,7 +274,8 @@ def start(device: torch.device, rank: int, world: int, group_name: str, agree: C
 
 
 def self_check(peer: PeerAllreduce, device: torch.device) -> bool:
-    """A few allreduces of values whose sums are exact, in both slots and over several programs."""
+    """A few allreduces of values whose sums are exact, in both slots and over several programs (and one with the
+    norm after it)."""
     try:
         calls = [(1, 1, torch.bfloat16), (4096, 1, torch.bfloat16), (3 * BLOCK + 7, 1, torch.float32),
                  (4096, -0.0, torch.bfloat16), (4096, 1, torch.float16)]
@@ -286,7 +285,14 @@ def self_check(peer: PeerAllreduce, device: torch.device) -> bool:
             want = scale * peer.world * (peer.world + 1) / 2
             if not bool((x == want).all()):
                 return False
-        torch.cuda.synchronize(device)
+        if peer.protocol == "sentinel":   # the sum with the norm: s = sum + 1 exactly, and s normed is 1 (bf16)
+            x = torch.full((2, 4096), float(peer.rank + 1), dtype=torch.bfloat16, device=device)
+            ones = torch.ones_like(x)
+            normed, s = peer.allreduce_norm(x, ones, ones[0], 1e-6)
+            if not bool((s == peer.world * (peer.world + 1) / 2 + 1).all() and (normed == 1).all()):
+                return False
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         return True
     except Exception:
         log.exception("peer allreduce check")
