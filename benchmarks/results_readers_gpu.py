@@ -29,6 +29,9 @@ def cuda(r: dict) -> list:
         if f"c{c}" in r:
             out.append((f"{c} concurrent, decode-only x PyTorch graph step",
                         x(r[f"c{c}"]["allspark_decode_vs_torch_cuda_graph"])))
+            if "one_loop_readers" in r[f"c{c}"]:
+                out.append((f"{c} concurrent read on one asyncio loop, decode-only x PyTorch graph step",
+                            x(r[f"c{c}"]["one_loop_readers"]["decode_vs_torch_cuda_graph"])))
             out.append((f"{c} concurrent, whole run x transformers static batch",
                         x(r[f"c{c}"]["allspark_vs_hf_static"])))
     return out
