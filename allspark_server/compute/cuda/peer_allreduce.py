@@ -43,7 +43,8 @@ MAX_PROGRAMS = 64        # chunks of one call: calls of up to MAX_PROGRAMS * BLO
 FLAG_BYTES = 2 * MAX_PROGRAMS * 8 * 4   # int32 flags [slot][program][source rank], up to 8 ranks
 PROTOCOLS = ("sentinel", "flags")
 MAX_NORM_COLUMNS = 16384   # rows this wide at most take the allreduce and the norm in one program each
-SENTINELS = {2: -(1 << 15), 4: -(1 << 31)}   # -0.0's bits as a signed int of the element's size
+# the sentinel protocol's areas, one per element size: the int of that size, whose minimum has -0.0's bits
+SENTINEL_INTS = {2: (torch.int16, tl.int16), 4: (torch.int32, tl.int32)}
 
 
 @triton.jit
@@ -181,7 +182,7 @@ class PeerAllreduce:
     def buffer_bytes(slot_bytes: int, world: int = 8, protocol: str = "sentinel") -> int:
         if protocol == "flags":
             return FLAG_BYTES + 2 * slot_bytes
-        return len(SENTINELS) * 2 * world * slot_bytes   # an area per element size: [slot][rank][slot_bytes]
+        return len(SENTINEL_INTS) * 2 * world * slot_bytes   # an area per element size: [slot][rank][slot_bytes]
 
     @staticmethod
     def clear(buffer: torch.Tensor, world: int, slot_bytes: int, protocol: str = "sentinel") -> None:
@@ -190,14 +191,13 @@ class PeerAllreduce:
             buffer.zero_()
             return
         area = 2 * world * slot_bytes
-        for i, size in enumerate(SENTINELS):
-            bits = torch.int16 if size == 2 else torch.int32
-            buffer[i * area:(i + 1) * area].view(bits).fill_(SENTINELS[size])
+        for i, (bits, _) in enumerate(SENTINEL_INTS.values()):
+            buffer[i * area:(i + 1) * area].view(bits).fill_(torch.iinfo(bits).min)
 
     def fits(self, t: torch.Tensor) -> bool:
         return (t.is_contiguous() and t.numel() <= MAX_PROGRAMS * BLOCK
                 and t.numel() * t.element_size() <= self.slot_bytes
-                and (self.protocol == "flags" or t.element_size() in SENTINELS))
+                and (self.protocol == "flags" or t.element_size() in SENTINEL_INTS))
 
     def allreduce_(self, t: torch.Tensor) -> torch.Tensor:
         """t summed over the ranks, in place (every rank calls it with the same shape and dtype)."""
@@ -236,12 +236,12 @@ class PeerAllreduce:
     def _area(self, t: torch.Tensor) -> tuple[int, int]:
         """(where the area of t's element size starts, elements of a rank's region), in t's elements."""
         size = t.element_size()
-        return list(SENTINELS).index(size) * 2 * self.world * self.slot_bytes // size, self.slot_bytes // size
+        return list(SENTINEL_INTS).index(size) * 2 * self.world * self.slot_bytes // size, self.slot_bytes // size
 
     @staticmethod
     def _sentinel(t: torch.Tensor) -> dict:
-        size = t.element_size()
-        return dict(BITS=tl.int16 if size == 2 else tl.int32, SENTINEL=SENTINELS[size], SOFT_BF16=_INTERPRETED)
+        bits, tl_bits = SENTINEL_INTS[t.element_size()]
+        return dict(BITS=tl_bits, SENTINEL=torch.iinfo(bits).min, SOFT_BF16=_INTERPRETED)
 
 
 def start(device: torch.device, rank: int, world: int, group_name: str, agree: Callable[[bool], bool],
