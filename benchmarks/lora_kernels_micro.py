@@ -6,8 +6,10 @@ stays in L2) captured in one CUDA graph and replayed, with and without rank-16 a
 - "lora": the same projections, then lora_kernels.lora_add_'s shrink and expand after each (and silu·mul after
   gate|up's): at 32 rows the rows use 8 adapters in turn;
 - "in_gemv" (one row): the shrink's programs inside the GEMV's launch, then the expand: what cuda_ops runs there;
-- "grouped" (32 rows): the shrink, its last programs writing the rounded ranks, then the expand a program an
-  adapter and n-block on tensor cores: what cuda_ops runs there.
+- "grouped" (32 rows): lora_grouped.py's shrink and expand (a program an adapter slot, on tensor cores) after the
+  GEMM;
+- "beside" (32 rows): the same kernels, the shrink on a side stream beside the GEMM (lora_kernels.
+  grouped_lora_linear): what cuda_ops runs there.
 
 Reports the median replay time of each (ms) and the ratios base / variant: the step's share that the projections
 are; and, per variant, the GPU time of its kernels in one replay by kind (from the profiler), against the replay's
@@ -56,6 +58,8 @@ def step(variant: str, xs: dict, layers, slots):
                 continue
             if variant == "in_gemv":
                 y = gk.gemv(x, w, lora=lk.Shrink.of(x, a, b, slots))
+            elif variant == "beside":
+                y = lk.grouped_lora_linear(x, a, b, slots, lambda x=x, w=w: torch.nn.functional.linear(x, w))
             else:
                 y = gk.gemv(x, w) if x.shape[0] <= 2 else torch.nn.functional.linear(x, w)
             if variant == "grouped":
@@ -113,7 +117,7 @@ def main() -> None:
         xs = {name: torch.randn(rows, INTER if name == "down" else HIDDEN, generator=gen, device="cuda").bfloat16()
               for name in ("qkv", "o", "gate_up", "down")}
         slots = (torch.arange(rows, device="cuda") % ADAPTERS)
-        variants = ("base", "lora", "in_gemv") if rows == 1 else ("base", "lora", "grouped")
+        variants = ("base", "lora", "in_gemv") if rows == 1 else ("base", "lora", "grouped", "beside")
         graphs = {v: captured(lambda v=v: step(v, xs, layers, slots)) for v in variants}
         ms = {v: replay_median_ms(g, args.repeats) for v, g in graphs.items()}
         kernels = {v: kernel_ms(g) for v, g in graphs.items()}

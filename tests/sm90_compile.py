@@ -15,6 +15,7 @@ from allspark_server.compute.cuda import (
     decode_attention,
     fp8_matmul,
     gemv_kernels,
+    lora_grouped,
     lora_kernels,
     peer_allreduce,
     quant_gemv,
@@ -79,17 +80,20 @@ def dense_gemv(silu_mul: bool, shrink: bool) -> str:
 
 
 def lora_launches() -> str:
-    """The shrink with its last program's sum, the expand a row a program, and the grouped expand on tensor cores."""
+    """The shrink and the expand a row a program, and the grouped shrink and expand on tensor cores."""
     pointers = {"x": "*bf16", "a": "*bf16", "b": "*bf16", "y": "*bf16", "slots": "*i64", "part": "*fp32",
                 "t": "*bf16", "counters": "*i32"}
     shrink = compile_for_hopper(lora_kernels._shrink_kernel, pointers, dict(
-        BLOCK_R=16, BLOCK_K=256, CHUNK=256, BLOCK_S=16, LAST=True, SOFT_BF16=False, PDL=True))
+        BLOCK_R=16, BLOCK_K=256, CHUNK=256, PDL=True))
     expand = compile_for_hopper(lora_kernels._expand_kernel, pointers, dict(
         BLOCK_N=256, BLOCK_R=16, BLOCK_S=16, SOFT_BF16=False, PDL=True))
-    grouped = compile_for_hopper(lora_kernels._grouped_expand_kernel, pointers, dict(
+    grouped_shrink = compile_for_hopper(lora_grouped._grouped_shrink_kernel, pointers, dict(
+        SPLITS=8, BLOCK_T=32, BLOCK_R=64, BLOCK_K=128, DOT_PREC="tf32", SOFT_BF16=False, PDL=True))
+    grouped = compile_for_hopper(lora_grouped._grouped_expand_kernel, pointers, dict(
         BLOCK_T=32, BLOCK_N=128, BLOCK_R=16, DOT_PREC="tf32", SOFT_BF16=False, PDL=True))
-    assert "mma" in grouped, "the grouped expand's product is not on tensor cores"
-    return shrink + expand + grouped
+    for name, ptx in (("shrink", grouped_shrink), ("expand", grouped)):
+        assert "mma" in ptx, f"the grouped {name}'s product is not on tensor cores"
+    return shrink + expand + grouped_shrink + grouped
 
 
 def fp8_rows() -> str:

@@ -20,6 +20,7 @@ from test_triton_fused import DEVICE, assert_same_bits, assert_within_ulps, rows
 
 from allspark_server.compute import row_mode  # noqa: E402
 from allspark_server.compute.cuda import gemv_kernels as gk  # noqa: E402
+from allspark_server.compute.cuda import lora_grouped as lg  # noqa: E402
 from allspark_server.compute.cuda import lora_kernels as lk  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -114,13 +115,14 @@ def test_each_row_as_alone_in_any_batch(rank, grouped, poisoned_empty):
         alone = y[t:t + 1].clone()
         lk.lora_add_(alone, x[t:t + 1], a_stack, b_stack, ids[t:t + 1], grouped=grouped)
         assert_same_bits(batched[t:t + 1], alone)
-    assert not lk.counters(x.device, 1).any(), "the shrink's counters are left at zero for the next launch"
+    assert not lg.counters(x.device, 1).any(), "the shrink's counters are left at zero for the next launch"
 
 
 def test_grouped_expand_over_several_blocks_of_rows(poisoned_empty):
-    # 150 rows: three blocks of 64 rows a program (the last partial), rows of one adapter in every block; each row
-    # within the bound of float64, and a row alone bit-equal to itself in the batch
-    dtype, k, n, rank = torch.bfloat16, 96, 40, 16
+    # 150 rows: three blocks of 64 rows a program (the last partial), rows of one adapter in every block; K = 600:
+    # two chunks of the shrink, the last partial; each row within the bound of float64, and a row alone bit-equal
+    # to itself in the batch
+    dtype, k, n, rank = torch.bfloat16, 600, 40, 16
     slots = [(i % 4) - 1 for i in range(150)]                                  # -1, 0, 1, 2 in turn
     x = rows_view(len(slots), k, dtype, seed=46)
     y = rows_view(len(slots), n, dtype, seed=47)
@@ -136,19 +138,21 @@ def test_grouped_expand_over_several_blocks_of_rows(poisoned_empty):
         assert_same_bits(y[t:t + 1], alone)
 
 
-def test_grouped_expand_takes_the_rounded_shrink(poisoned_empty):
-    # the grouped expand multiplies B by t, the shrink's sums rounded to the dtype once (by its last program): the
-    # same t as the expand a row a program rounds, so the two differ only in the order of B's fp32 sums
-    dtype, slots, k, n, rank = torch.bfloat16, [0, 1, -1, 1], 300, 48, 16
+def test_grouped_shrink_rounds_each_rows_sum_once(poisoned_empty):
+    # the grouped shrink's t: each row's x @ A[slot].T summed in fp32 over the chunks (K = 1100: three chunks, the
+    # last partial) and rounded to the dtype once, by the last chunk program: within an ulp of the float64 sum
+    # rounded; rows without a slot untouched
+    dtype, slots, k, rank = torch.bfloat16, [0, 1, -1, 1], 1100, 16
     x = rows_view(len(slots), k, dtype, seed=44)
-    a_stack, b_stack, unpadded = adapters(2, [rank, rank], rank, k, n, dtype, seed=45)
-    s = lk.Shrink.of(x, a_stack, b_stack, slot_tensor(slots))
-    t = torch.empty(len(slots), s.rank, dtype=dtype, device=x.device)
-    lk.shrink_(x, s, t)
-    sums = s.part.sum(1)            # the partials' sum (one chunk order; the kernel's tree is within an ulp of it)
+    a_stack, _, unpadded = adapters(2, [rank, rank], rank, k, 8, dtype, seed=45)
+    t = torch.full((len(slots), rank), float("nan"), dtype=dtype, device=x.device)
+    lg.shrink_(x, a_stack, slot_tensor(slots), t)
     for row, slot in enumerate(slots):
-        if slot >= 0:
-            assert_within_ulps(t[row], sums[row].to(dtype), 1, max_mismatch=0.1)
+        if slot < 0:
+            assert torch.isnan(t[row]).all()
+            continue
+        want = (x[row].double().cpu() @ unpadded[slot][0].double().T).to(dtype)
+        assert_within_ulps(t[row], want.to(DEVICE), 1, max_mismatch=0.1)
 
 
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
@@ -295,8 +299,42 @@ def test_counters_grow_and_keep_the_old_buffers(poisoned_empty):
     # a prefill of more rows than the counters cover makes a larger buffer; the old one stays (graphs use it)
     from allspark_server.compute.cuda import stream_counters
     device = torch.device(DEVICE, torch.cuda.current_device()) if DEVICE == "cuda" else torch.device("cpu")
-    small = lk.counters(device, 8)
-    big = lk.counters(device, small.numel() + 1)
+    small = lg.counters(device, 8)
+    big = lg.counters(device, small.numel() + 1)
     assert big.numel() > small.numel() and not big.any()
     buffers = [b for (use, dev, _), bufs in stream_counters._BUFFERS.items() if use == "lora" for b in bufs]
     assert any(b is small for b in buffers) and any(b is big for b in buffers)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_shrink_beside_the_linear_gives_the_same_bits(dtype, poisoned_empty):
+    # grouped rows (cuda_ops._lora_linear): the shrink on a side stream while the projection's GEMM runs, then the
+    # expand: the same bits as the GEMM followed by lora_add_'s grouped launches; on a GPU also from a CUDA graph
+    # (a fork and a join) replayed with new inputs and slots
+    slots, k, n, rank = [1, -1, 0, 1, 2, 0], 96, 130, 16
+    x = rows_view(len(slots), k, dtype, seed=20)
+    gen = torch.Generator().manual_seed(21)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(DEVICE, dtype)
+    a_stack, b_stack, unpadded = adapters(3, [rank, 8, rank], rank, k, n, dtype, seed=22)
+    ids = slot_tensor(slots)
+
+    def want():
+        y = torch.nn.functional.linear(x, w)
+        lk.lora_add_(y, x, a_stack, b_stack, ids, grouped=True)
+        return y
+
+    def got():
+        return lk.grouped_lora_linear(x, a_stack, b_stack, ids, lambda: torch.nn.functional.linear(x, w))
+
+    assert_same_bits(got(), want())
+    ref, bound = reference(torch.nn.functional.linear(x, w), x, unpadded, slots)
+    assert_within_bound(got(), ref, bound)
+    if DEVICE != "cuda":
+        return
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = got()
+    x.copy_(torch.randn_like(x))
+    ids.copy_(slot_tensor([2, 0, -1, 1, 1, 0]))
+    graph.replay()
+    assert_same_bits(out, want())

@@ -89,13 +89,16 @@ def prefill_attention(q, k_cache, v_cache, meta, options: Attention, out, k_para
                                    alibi_slopes=alibi_slopes, softcap=options.softcap, window=options.window)
 
 
+def _grouped(x: torch.Tensor) -> bool:
+    """Rows past the GEMV's take the grouped expand (B read once an adapter), except in the row modes, whose rows
+    must come out as the GEMV's one-row launches make them."""
+    return x.shape[0] > gemv_kernels.GEMV_MAX_ROWS and not (row_mode.alone() or row_mode.invariant())
+
+
 def lora_add_(y, x, lora, rows):
-    """ops.lora_add_: y += each row's adapter delta, the slots' stacked A and B gathered by row (lora_kernels.py):
-    rows past the GEMV's take the grouped expand (B read once an adapter), except in the row modes, whose rows must
-    come out as the GEMV's one-row launches make them."""
+    """ops.lora_add_: y += each row's adapter delta, the slots' stacked A and B gathered by row (lora_kernels.py)."""
     a_stack, b_stack = lora.stacked()
-    grouped = x.shape[0] > gemv_kernels.GEMV_MAX_ROWS and not (row_mode.alone() or row_mode.invariant())
-    lora_kernels.lora_add_(y, x, a_stack, b_stack, rows.slots, grouped=grouped)
+    lora_kernels.lora_add_(y, x, a_stack, b_stack, rows.slots, grouped=_grouped(x))
     return y
 
 
@@ -107,13 +110,15 @@ def takes_lora(lora, lora_rows) -> bool:
 
 def _lora_linear(x, w, bias, lora, lora_rows):
     """linear(x, w, bias) plus the rows' adapter deltas: where the GEMV takes the rows, it carries the adapter's
-    shrink in its own launch where it can (gemv_kernels.gemv) and the expand follows; elsewhere lora_add_'s
-    launches after the linear."""
+    shrink in its own launch where it can (gemv_kernels.gemv) and the expand follows; grouped rows run the shrink
+    beside the linear (lora_kernels.grouped_lora_linear); elsewhere lora_add_'s launches after the linear."""
     if not takes_lora(lora, lora_rows):
         return linear(x, w, bias)
+    a_stack, b_stack = lora.stacked()
     if isinstance(w, torch.Tensor) and gemv_kernels.fits(x, w):
-        a_stack, b_stack = lora.stacked()
         return gemv_kernels.gemv(x, w, bias, lora=lora_kernels.Shrink.of(x, a_stack, b_stack, lora_rows.slots))
+    if _grouped(x):
+        return lora_kernels.grouped_lora_linear(x, a_stack, b_stack, lora_rows.slots, lambda: linear(x, w, bias))
     return lora_add_(linear(x, w, bias), x, lora, lora_rows)
 
 

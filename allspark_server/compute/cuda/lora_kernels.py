@@ -9,10 +9,9 @@ from a stack, and y += (x @ A[s].T) @ B[s].T is two launches, a "shrink" to the 
             partials over the chunks (one tree, the same for any batch), rounds that to the activation dtype
             (PEFT's lora_A(x) in the module dtype), sums it times B[s, n, :] over R in BLOCK_R chunks in fp32,
             adds y[t, n], rounds once
-    grouped expand (many rows: lora_add_'s `grouped`) grid (S, cdiv(N, 128), cdiv(T, 64)): program (slot s,
-            n-block, rows) takes the rows of slot s together, s's tile of B times their ranks on tensor cores, so a
-            tile of B is read once for up to 64 rows, not once a row; the ranks come summed and rounded from the
-            shrink's last chunk program of each (row, r-block) (an atomic counter, left at zero again)
+
+Many rows (lora_add_'s `grouped`) take lora_grouped.py's launches instead: a program an adapter slot and block of
+rows on tensor cores.
 
 Ranks are padded with zeros to R (<= 192: q|k|v of rank 64 each); the LoRA scale is folded into B. The grids
 come from the shapes alone and nothing is read on the host (CUDA-graph safe: new slots or adapters in the same
@@ -31,15 +30,15 @@ a launch of its own.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from allspark_server.compute.cuda import pdl
+from allspark_server.compute.cuda import lora_grouped, pdl
 from allspark_server.compute.cuda.fused_kernels import _round
 from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
-from allspark_server.compute.cuda.stream_counters import stream_counters
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_BLOCK_R = 64    # rank columns a program holds: R = 192 is three shrink programs a row, three expand steps
@@ -81,32 +80,12 @@ def shrink_program(row, r_block, chunk, x, a, slots, part, K, R, stride_xt, stri
 
 
 @triton.jit
-def _shrink_kernel(x, a, slots, part, t, counters, K, R, SPLITS, stride_xt, stride_as, stride_ar, stride_pt,
-                   stride_ps, stride_tt, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
-                   BLOCK_S: tl.constexpr, LAST: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
-    """Program (row, r-block, k-chunk): shrink_program's. LAST: the last of a (row, r-block)'s chunk programs to
-    finish (a counter, which it leaves at zero again) sums every chunk's partial as one tree, the same whichever
-    program it is, and writes t[row, r] rounded to x's dtype (PEFT's lora_A(x) in the module dtype) for the grouped
-    expand, which only reads it."""
+def _shrink_kernel(x, a, slots, part, K, R, stride_xt, stride_as, stride_ar, stride_pt, stride_ps,
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, r-block, k-chunk): shrink_program's."""
     allow_next(PDL)
-    row, r_block = tl.program_id(0), tl.program_id(1)
-    shrink_program(row, r_block, tl.program_id(2), x, a, slots, part, K, R, stride_xt, stride_as, stride_ar,
-                   stride_pt, stride_ps, BLOCK_R, BLOCK_K, CHUNK, PDL)
-    if LAST:
-        row = row.to(tl.int64)
-        if tl.load(slots + row) >= 0:
-            tl.debug_barrier()                  # every thread's partial stored before the count says so
-            counter = counters + row * tl.num_programs(1) + r_block
-            if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
-                offs_r = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
-                offs_s = tl.arange(0, BLOCK_S)
-                parts = tl.load(part + row * stride_pt + offs_s[:, None] * stride_ps + offs_r[None, :],
-                                mask=(offs_s < SPLITS)[:, None] & (offs_r < R)[None, :], other=0.0,
-                                cache_modifier=".cg")
-                dt = t.dtype.element_ty
-                tl.store(t + row * stride_tt + offs_r, _round(tl.sum(parts, 0), dt, SOFT_BF16).to(dt),
-                         mask=offs_r < R)
-                tl.atomic_xchg(counter, 0)
+    shrink_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), x, a, slots, part, K, R, stride_xt,
+                   stride_as, stride_ar, stride_pt, stride_ps, BLOCK_R, BLOCK_K, CHUNK, PDL)
 
 
 @triton.jit
@@ -152,46 +131,6 @@ def _expand_kernel(part, b, slots, y, N, R, SPLITS, stride_pt, stride_ps, stride
     allow_next(PDL)
     expand_program(tl.program_id(0), tl.program_id(1), part, b, slots, y, N, R, SPLITS, stride_pt, stride_ps,
                    stride_bs, stride_bn, stride_yt, BLOCK_N, BLOCK_R, BLOCK_S, SOFT_BF16, PDL)
-
-
-@triton.jit
-def _grouped_expand_kernel(t, b, slots, y, T, N, R, stride_tt, stride_bs, stride_bn, stride_yt,
-                           BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                           DOT_PREC: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
-    """Program (slot s, n-block, block of BLOCK_T rows): the block's rows t < T with slots[t] == s (none: nothing
-    but the wait) take y[t, n] = round(y[t, n] + sum_r B[s, n, r] t[t, r]) for BLOCK_N outputs n, as one
-    tensor-core product of s's tile of B [BN, BR] and those rows' t [BR, BLOCK_T] (other rows' columns zero): each
-    tile of B is read once for a block's rows, not once a row. A row's sums never depend on the other rows (an
-    MMA's output element sums its own column). DOT_PREC: "ieee" for fp32 (no tf32)."""
-    allow_next(PDL)
-    s = tl.program_id(0)
-    offs_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
-    mine = tl.load(slots + offs_t, mask=offs_t < T, other=-1) == s                          # [BT]
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    rows_b = b + s.to(tl.int64) * stride_bs + offs_n.to(tl.int64)[:, None] * stride_bn      # [BN, 1]
-    offs_r = tl.arange(0, BLOCK_R)
-    any_row = tl.max(mine.to(tl.int32), 0) > 0
-    live_n = n_ok & ((offs_n * 0 + any_row.to(tl.int32)) > 0)                          # nothing to read: no row
-    bt = tl.load(rows_b + offs_r[None, :], mask=live_n[:, None] & (offs_r < R)[None, :], other=0.0)
-    wait_for_previous(PDL)          # every program waits: this kernel completes only after the one before
-    if any_row:
-        t_cols = t + offs_t.to(tl.int64)[None, :] * stride_tt                                # [1, BT]
-        dst = y + offs_t.to(tl.int64)[None, :] * stride_yt + offs_n[:, None]                # [BN, BT]
-        out_ok = n_ok[:, None] & mine[None, :]
-        yv = tl.load(dst, mask=out_ok, other=0.0).to(tl.float32)
-        acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-        for r0 in range(0, R, BLOCK_R):
-            offs_r = r0 + tl.arange(0, BLOCK_R)
-            if r0 > 0:
-                bt = tl.load(rows_b + offs_r[None, :], mask=n_ok[:, None] & (offs_r < R)[None, :], other=0.0)
-            tt = tl.load(t_cols + offs_r[:, None], mask=(offs_r < R)[:, None] & mine[None, :], other=0.0)
-            if SOFT_BF16:   # the interpreter's dot of 16-bit floats is wrong: theirs in fp32 (products exact)
-                acc = tl.dot(bt.to(tl.float32), tt.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(bt, tt, acc, input_precision=DOT_PREC)
-        dt = y.dtype.element_ty
-        tl.store(dst, _round(yv + acc, dt, SOFT_BF16).to(dt), mask=out_ok)
 
 
 def blocks(rank: int, k: int, n: int) -> tuple[int, int, int]:
@@ -259,30 +198,12 @@ class Shrink:
         return self.part.numel() == 0 or self.b_stack.shape[1] == 0
 
 
-COUNTERS = 1 << 16       # counters made at a time (the grouped shrink's: one a (row, r-block))
-GROUPED_BLOCK_N = 128    # outputs a grouped expand program takes
-GROUPED_BLOCK_T = 64     # rows it takes at most (its accumulator: BLOCK_N x BLOCK_T fp32)
-
-
-def counters(device: torch.device, needed: int) -> torch.Tensor:
-    """At least `needed` zeroed counters for the grouped shrink's launches on the current stream
-    (stream_counters.py)."""
-    out = stream_counters("lora", device, needed, COUNTERS)
-    assert out is not None, f"{needed} LoRA counters in a graph's capture: more than its warm-up made"
-    return out
-
-
-def shrink_(x: torch.Tensor, s: Shrink, t: torch.Tensor | None = None) -> None:
-    """The shrink's launch: s.part from x (given t [T, R] in x's dtype: and the partials' rounded sums into it, for
-    the grouped expand)."""
-    last = t is not None
-    counts = counters(x.device, x.shape[0] * s.r_blocks) if last else s.part      # unread without `last`
-    t = t if last else s.part
+def shrink_(x: torch.Tensor, s: Shrink) -> None:
+    """The shrink's launch: s.part from x."""
     _shrink_kernel[(x.shape[0], s.r_blocks, s.splits)](
-        x, s.a_stack, s.slots, s.part, t, counts, x.shape[1], s.rank, s.splits, x.stride(0), s.a_stack.stride(0),
-        s.a_stack.stride(1), s.part.stride(0), s.part.stride(1), t.stride(0), BLOCK_R=s.block_r, BLOCK_K=s.chunk,
-        CHUNK=s.chunk, BLOCK_S=s.block_s, LAST=last, SOFT_BF16=_INTERPRETED, num_warps=SHRINK_WARPS,
-        **pdl.launch_options(x.device))
+        x, s.a_stack, s.slots, s.part, x.shape[1], s.rank, x.stride(0), s.a_stack.stride(0), s.a_stack.stride(1),
+        s.part.stride(0), s.part.stride(1), BLOCK_R=s.block_r, BLOCK_K=s.chunk, CHUNK=s.chunk,
+        num_warps=SHRINK_WARPS, **pdl.launch_options(x.device))
 
 
 def expand_(y: torch.Tensor, s: Shrink) -> None:
@@ -294,17 +215,6 @@ def expand_(y: torch.Tensor, s: Shrink) -> None:
         SOFT_BF16=_INTERPRETED, num_warps=NUM_WARPS, **pdl.launch_options(y.device))
 
 
-def grouped_expand_(y: torch.Tensor, s: Shrink, t: torch.Tensor) -> None:
-    """The grouped expand's launch (after shrink_(x, s, t)): a program an adapter slot, n-block and block of rows."""
-    rows, n = y.shape
-    block_t = min(GROUPED_BLOCK_T, max(16, triton.next_power_of_2(rows)))
-    _grouped_expand_kernel[(s.b_stack.shape[0], triton.cdiv(n, GROUPED_BLOCK_N), triton.cdiv(rows, block_t))](
-        t, s.b_stack, s.slots, y, rows, n, s.rank, t.stride(0), s.b_stack.stride(0), s.b_stack.stride(1),
-        y.stride(0), BLOCK_T=block_t, BLOCK_N=GROUPED_BLOCK_N, BLOCK_R=max(16, s.block_r),
-        DOT_PREC="ieee" if y.dtype == torch.float32 else "tf32", SOFT_BF16=_INTERPRETED, num_warps=NUM_WARPS,
-        **pdl.launch_options(y.device))
-
-
 def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
               slots: torch.Tensor, grouped: bool = False) -> None:
     """y [T, N] += (x[t] @ a_stack[s].T) @ b_stack[s].T for every row t with s = slots[t] >= 0; rows with
@@ -314,22 +224,35 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: 
     and y in one dtype (fp32, bf16, fp16); x and y any row stride, unit column stride (y may be a column slice
     of a wider output). The shrink's result is rounded to that dtype before the expand, as PEFT does; the
     expand sums in fp32 and rounds once into y. Two launches, a scratch of fp32 partials [T, K / K_CHUNK, R].
-    grouped: the expand a program an adapter, n-block and block of rows on tensor cores, each tile of B read once
-    for a block's rows (batches of many rows; a row's sums in another order than the expand a row a program takes,
-    each row still the same in any batch)."""
+    grouped: both launches a program an adapter slot on tensor cores, each tile of A and B read once for a block
+    of rows (lora_grouped.py: batches of many rows; a row's sums in another order than here, each row still the
+    same in any batch)."""
     s = Shrink.of(x, a_stack, b_stack, slots)
-    assert y.dim() == 2 and y.shape == (x.shape[0], b_stack.shape[1]) and y.dtype == x.dtype, \
-        f"y {tuple(y.shape)} {y.dtype} for x {tuple(x.shape)}, b_stack {tuple(b_stack.shape)}"
-    assert y.stride(-1) == 1 and y.device == x.device, "y: unit stride in the last dim, on x's device"
+    _check_output(y, x, b_stack)
     if s.empty:
         return
     if grouped:
-        t = torch.empty(x.shape[0], s.rank, dtype=x.dtype, device=x.device)
-        shrink_(x, s, t)
-        grouped_expand_(y, s, t)
+        lora_grouped.lora_add_(y, x, a_stack, b_stack, slots)
     else:
         shrink_(x, s)
         expand_(y, s)
+
+
+def grouped_lora_linear(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, slots: torch.Tensor,
+                        linear: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """linear() (x's projection [T, N]) plus lora_add_(..., grouped=True)'s deltas, the same bits, the shrink
+    beside linear()'s GEMM on a GPU (lora_grouped.grouped_lora_linear)."""
+    if Shrink.of(x, a_stack, b_stack, slots).empty:
+        return linear()
+    y = lora_grouped.grouped_lora_linear(x, a_stack, b_stack, slots, linear)
+    _check_output(y, x, b_stack)
+    return y
+
+
+def _check_output(y: torch.Tensor, x: torch.Tensor, b_stack: torch.Tensor) -> None:
+    assert y.dim() == 2 and y.shape == (x.shape[0], b_stack.shape[1]) and y.dtype == x.dtype, \
+        f"y {tuple(y.shape)} {y.dtype} for x {tuple(x.shape)}, b_stack {tuple(b_stack.shape)}"
+    assert y.stride(-1) == 1 and y.device == x.device, "y: unit stride in the last dim, on x's device"
 
 
 _INTERPRETED = not isinstance(_shrink_kernel, triton.JITFunction)   # decorated under TRITON_INTERPRET=1

@@ -1,5 +1,5 @@
 """Zeroed int32 counters for kernels whose programs count one another: the decode attention's split combine, the
-LoRA shrink's last program, a GEMV's expand tail. Each launch leaves the counters it used at zero again, so one
+grouped LoRA shrink's last program. Each launch leaves the counters it used at zero again, so one
 buffer serves every launch of a stream, one after another (each counts only past its PDL wait, when the launch
 before it has completed).
 
