@@ -35,10 +35,9 @@ from allspark_server.quant.formats import FORMAT_IDS, QuantizedWeight
 
 log = logging.getLogger(__name__)
 
-# kernels test `isa >= ISA_AVX512` for AVX-512 code, so ISA_AVX512_VNNI (only the quantized GEMV has a VNNI
-# path, native/gemv_quant.cpp) runs every other kernel's AVX-512 path, and ISA_AVX512_BF16 (VNNI and bf16 dot
-# products: only the decode attention over bf16 caches has a path of its own, native/span_attention.cpp) every
-# other kernel's VNNI path
+# kernels test `isa >= ISA_AVX512` for AVX-512 code, so ISA_AVX512_VNNI (a path of its own only in the quantized
+# GEMV, native/gemv_quant.cpp) runs every other kernel's AVX-512 path, and ISA_AVX512_BF16 (only in the decode
+# attention over bf16 caches, native/span_attention.cpp) every other kernel's VNNI path
 ISA_PORTABLE, ISA_AVX2, ISA_AVX512, ISA_AVX512_VNNI, ISA_AVX512_BF16 = 0, 1, 2, 3, 4
 # each level by the CPU features that select it (isa_level)
 ISA_FEATURES = {ISA_PORTABLE: "portable", ISA_AVX2: "avx2+fma", ISA_AVX512: "avx512f+bw+vl",
@@ -61,10 +60,10 @@ def batch_invariant() -> bool:
 
 
 def set_batch_invariant(on: bool) -> None:
-    """Batch-invariant mode on or off for this process, from the next op on (models installed afterwards: their
-    native decode stacks take the row limit of the mode in effect). On: every row count takes the native linear
-    kernels (no GEMM handover; quantized weights: x rounded to 16 bits as in decode), no batch-1 kernel with its
-    own summation order, and prompt rows attend one by one as decode rows do."""
+    """Batch-invariant mode on or off for this process, from the next op on (models installed afterwards: their native
+    decode stacks take the mode's row limit). On: every row count takes the native linear kernels (no GEMM handover;
+    quantized weights: x rounded to 16 bits as in decode), no batch-1 kernel with its own summation order, and
+    prompt rows attend one by one as decode rows do."""
     global _batch_invariant
     _batch_invariant = bool(on)
     ext = native()
@@ -73,10 +72,9 @@ def set_batch_invariant(on: bool) -> None:
 
 
 def native_rows(dtype: torch.dtype, alone: bool | None = None) -> int:
-    """Most rows of x the native dense linear takes in `dtype` (0: none): NATIVE_MAX_ROWS, unbounded in
-    batch-invariant and alone-rows mode (compute/row_mode.py). `alone`: whether alone-rows mode counts (None:
-    whether it is on now); the decode stack, built once and run in both modes, is built with False and told per
-    call (all_rows_native)."""
+    """Most rows of x the native dense linear takes in `dtype` (0: none): NATIVE_MAX_ROWS, unbounded in batch-invariant
+    and alone-rows mode (row_mode.py). `alone`: whether alone-rows mode counts (None: whether it is on now); the
+    decode stack, built once and run in both modes, is built with False and told per call (all_rows_native)."""
     if dtype not in NATIVE_MAX_ROWS:
         return 0
     alone = row_mode.alone() if alone is None else alone
@@ -115,9 +113,8 @@ def isa_level() -> int:
 
 def cpu_paths() -> dict[str, str]:
     """Every kernel choice this CPU's features make, each named by the features behind it: the native kernels' ISA
-    level, the dtype of ATen's GEMM for bf16 prompt rows (gemm_dtype) and the int8 GEMM of activate_quant prompt
-    rows (int8_gemm_suits). The tests name their cases by these, and a combination no test run has met fails there
-    (tests/kernels/test_cpu_kinds.py)."""
+    level, the dtype of ATen's GEMM for bf16 prompt rows (gemm_dtype), the int8 GEMM of activate_quant prompt rows
+    (int8_gemm_suits). Tests name their cases by these; a combination no run has met fails (test_cpu_kinds.py)."""
     level = isa_level()
     return {"isa": f"{level}:{ISA_FEATURES[level]}",
             "bf16_gemm": "bf16" if gemm_dtype(torch.bfloat16) == torch.bfloat16 else "fp32-widened",
@@ -174,10 +171,15 @@ def linear(x: torch.Tensor, w: "torch.Tensor | QuantizedWeight", bias: torch.Ten
     return ext.linear_small_m(x, w, bias, isa_level())
 
 
+@on_cuda
+def lora_linear(x: torch.Tensor, w, bias, lora: LoraSlots | None, rows: LoraRows | None) -> torch.Tensor:
+    """lora_add_(linear(x, w, bias), ...) as one op, which a GPU overlaps (cuda_ops.lora_linear)."""
+    return lora_add_(linear(x, w, bias), x, lora, rows)
+
+
 def lora_add_(y: torch.Tensor, x: torch.Tensor, lora: LoraSlots | None, rows: LoraRows | None) -> torch.Tensor:
-    """y [T, out] += each row's adapter delta B[s] . (A[s] . x) in place (compute/lora_slots.py); nothing when the
-    projection has no adapter or no row uses one. On the host the native decode steps' add_lora (native/lora.cpp),
-    else the reference over `linear`."""
+    """y [T, out] += each row's adapter delta B[s] . (A[s] . x) in place (lora_slots.py), where the projection has
+    an adapter a row uses. On the host the native decode steps' add_lora (native/lora.cpp), else the reference."""
     if y.is_cuda:
         return cuda_backend().lora_add_(y, x, lora, rows) if cuda_backend().takes_lora(lora, rows) else y
     if lora is None or rows is None or lora.is_empty:
@@ -206,8 +208,6 @@ def linear_dequantized(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor |
 # None: the int8 GEMM serves A8W8 prefill where the CPU has AMX int8 (int8_gemm_suits); True / False force it on or
 # off (tests; benchmarks comparing both paths in one run)
 INT8_GEMM: bool | None = None
-
-
 # most rows of x for the int8 GEMM: above them dequantize + bf16 GEMM wins, since oneDNN's int8 GEMM does not speed
 # up with more rows as its bf16 one does (benchmarks/results/int8-gemm-spr.json)
 INT8_GEMM_MAX_ROWS = 512
@@ -244,9 +244,8 @@ def _gemm_in(dtype: torch.dtype, x: torch.Tensor, w: torch.Tensor, bias: torch.T
 
 def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of ATen's GEMM for many rows (prefill; a quantized weight is dequantized into it, a bf16 weight
-    widened): bf16 only where the CPU has bf16 dot products; without them oneDNN's bf16 GEMM runs far slower than
-    fp32 (docs/performance.md), so bf16 activations are widened instead. The products of bf16 values are exact in
-    fp32 either way; only the summation order differs."""
+    widened): bf16 only where the CPU has bf16 dot products, without which oneDNN's bf16 GEMM runs far slower than
+    fp32 (docs/performance.md). bf16 products are exact in fp32 either way; only the summation order differs."""
     if dtype == torch.bfloat16 and not ({"avx512_bf16", "amx_bf16"} & cpu_flags()):
         return torch.float32
     return dtype

@@ -62,7 +62,7 @@ class ColumnParallelLinear(ParallelLinear):
         super().__init__(in_features, out_features_local, bias, dtype)
 
     def forward(self, x: torch.Tensor, lora_rows: LoraRows | None = None) -> torch.Tensor:   # [T, in] -> [T, out_local]
-        return ops.lora_add_(ops.linear(x, self.kernel_weight, self.bias), x, self.lora, lora_rows)
+        return ops.lora_linear(x, self.kernel_weight, self.bias, self.lora, lora_rows)
 
 
 class RowParallelLinear(ParallelLinear):
@@ -73,7 +73,7 @@ class RowParallelLinear(ParallelLinear):
         self.comm = comm
 
     def forward(self, x: torch.Tensor, lora_rows: LoraRows | None = None) -> torch.Tensor:   # [T, in_local] -> [T, out]
-        return self.reduce(ops.lora_add_(ops.linear(x, self.kernel_weight), x, self.lora, lora_rows))
+        return self.reduce(ops.lora_linear(x, self.kernel_weight, None, self.lora, lora_rows))
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of x_local @ W_local^T (+ b): for callers that computed their partial product

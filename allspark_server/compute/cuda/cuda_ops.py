@@ -108,7 +108,7 @@ def takes_lora(lora, lora_rows) -> bool:
     return lora is not None and lora_rows is not None and (lora.has_fixed_storage or not lora.is_empty)
 
 
-def _lora_linear(x, w, bias, lora, lora_rows):
+def lora_linear(x, w, bias, lora, lora_rows):
     """linear(x, w, bias) plus the rows' adapter deltas: where the GEMV takes the rows, it carries the adapter's
     shrink in its own launch where it can (gemv_kernels.gemv) and the expand follows; grouped rows run the shrink
     beside the linear (lora_kernels.grouped_lora_linear); elsewhere lora_add_'s launches after the linear."""
@@ -126,7 +126,7 @@ def attention_step(x, b, slots, spans, ctx, cos, sin, lora_rows=None):
     """A BoundAttention step (compute/steps.py) on this backend's ops, reference.attention_step_reference's
     sequence (cos = sin = None: no rotary): the o projection's output before the allreduce."""
     a, heads, kv_heads = b.step, b.num_heads, b.num_kv_heads
-    qkv = _lora_linear(x, b.qkv, b.qkv_bias, b.qkv_lora, lora_rows)
+    qkv = lora_linear(x, b.qkv, b.qkv_bias, b.qkv_lora, lora_rows)
     n, d = x.shape[0], qkv.shape[-1] // (heads + 2 * kv_heads)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
     if b.q_norm is not None:
@@ -145,7 +145,7 @@ def attention_step(x, b, slots, spans, ctx, cos, sin, lora_rows=None):
             q, k = rotary(q, k, cos, sin)
         store_kv(k, v, b.k_cache, b.v_cache, slots, b.k_param, b.v_param)
         o = decode_attention(q, b.k_cache, b.v_cache, spans, ctx, a, b.k_param, b.v_param, b.alibi_slopes)
-    return _lora_linear(o.reshape(n, heads * d), b.o, None, b.o_lora, lora_rows)
+    return lora_linear(o.reshape(n, heads * d), b.o, None, b.o_lora, lora_rows)
 
 
 def _alone_config(x: torch.Tensor, w: QuantizedWeight, silu_mul: bool = False):
@@ -190,9 +190,9 @@ def mlp_step(x, b, lora_rows=None):
     gate|up first); the down projection's output before the allreduce."""
     if takes_lora(b.gate_up_lora, lora_rows):
         a = (silu_mul if b.step.act == "silu" else gelu_tanh_mul)(
-            _lora_linear(x, b.gate_up, b.gate_up_bias, b.gate_up_lora, lora_rows))
+            lora_linear(x, b.gate_up, b.gate_up_bias, b.gate_up_lora, lora_rows))
     elif b.step.act == "silu":
         a = gate_up_silu_mul(x, b.gate_up, b.gate_up_bias)
     else:
         a = gelu_tanh_mul(linear(x, b.gate_up, b.gate_up_bias))
-    return _lora_linear(a, b.down, None, b.down_lora, lora_rows)
+    return lora_linear(a, b.down, None, b.down_lora, lora_rows)
