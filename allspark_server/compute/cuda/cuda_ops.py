@@ -90,8 +90,8 @@ def prefill_attention(q, k_cache, v_cache, meta, options: Attention, out, k_para
 
 
 def _grouped(x: torch.Tensor) -> bool:
-    """Rows past the GEMV's take the grouped expand (B read once an adapter), except in the row modes, whose rows
-    must come out as the GEMV's one-row launches make them."""
+    """Rows past the GEMV's take lora_grouped's launches (A and B read once an adapter), except in the row modes,
+    whose rows must come out as the GEMV's one-row launches make them."""
     return x.shape[0] > gemv_kernels.GEMV_MAX_ROWS and not (row_mode.alone() or row_mode.invariant())
 
 
