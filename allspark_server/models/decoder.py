@@ -154,7 +154,6 @@ class DecoderLayer(nn.Module):
         rope = ropes[self.self_attn.step.rope_table]
         if not inputs.attn.seqs:            # every sequence decodes one token
             return self.decode(x, residual, inputs.attn, rope, kv, prof, inputs.lora_rows)
-        x = reduced(x, prof)
         for step in self.steps:
             if isinstance(step, spec.Norm):
                 norm = getattr(self, step.name)

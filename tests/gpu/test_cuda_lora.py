@@ -72,7 +72,7 @@ def test_fp32_greedy_equals_peft_alone_and_mixed(made, monkeypatch, graphs):
 
 @needs_gpu
 def test_bf16_greedy_up_to_near_ties(made):
-    # single requests too: a batch-1 step's GEMV carries the adapter's shrink in its launch (cuda_ops._lora_linear)
+    # single requests too: a batch-1 step's GEMV carries the adapter's shrink in its launch (cuda_ops.lora_linear)
     _, adapters, loaders = made
     engine = cuda_engine(loaders["bfloat16"])
     try:

@@ -274,7 +274,7 @@ def test_replays_in_a_cuda_graph_with_new_slots_and_adapters():
 @pytest.mark.parametrize("alone", [False, True], ids=["batched", "alone-rows"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 def test_shrink_inside_the_gemv_launch_gives_the_same_bits(dtype, alone, poisoned_empty):
-    # the decode GEMV carrying the shrink's programs (cuda_ops._lora_linear), then the expand in a launch of its own:
+    # the decode GEMV carrying the shrink's programs (cuda_ops.lora_linear), then the expand in a launch of its own:
     # the same bits as the plain GEMV followed by lora_add_'s two launches; K = 300 is two chunks of 256, the last
     # partial
     slots, k, n, rank = [1, -1, 0], 300, 72, 16
@@ -308,7 +308,7 @@ def test_counters_grow_and_keep_the_old_buffers(poisoned_empty):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_shrink_beside_the_linear_gives_the_same_bits(dtype, poisoned_empty):
-    # grouped rows (cuda_ops._lora_linear): the shrink on a side stream while the projection's GEMM runs, then the
+    # grouped rows (cuda_ops.lora_linear): the shrink on a side stream while the projection's GEMM runs, then the
     # expand: the same bits as the GEMM followed by lora_add_'s grouped launches; on a GPU also from a CUDA graph
     # (a fork and a join) replayed with new inputs and slots
     slots, k, n, rank = [1, -1, 0, 1, 2, 0], 96, 130, 16

@@ -178,16 +178,9 @@ class Shrink:
     @classmethod
     def of(cls, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, slots: torch.Tensor) -> "Shrink":
         """The plan of (x[t] @ a_stack[s].T) @ b_stack[s].T for x [T, K] (lora_add_'s arguments, checked)."""
+        check_operands(x, a_stack, b_stack, slots)
         rows, k = x.shape
-        slots_n, rank, k_a = a_stack.shape
-        n = b_stack.shape[1]
-        assert k_a == k and b_stack.shape == (slots_n, n, rank), \
-            f"x {tuple(x.shape)}, a_stack {tuple(a_stack.shape)}, b_stack {tuple(b_stack.shape)}"
-        assert x.dtype == a_stack.dtype == b_stack.dtype and x.dtype in DTYPES, "one float dtype"
-        assert slots.shape == (rows,) and slots.dtype in (torch.int64, torch.int32), "slots: int32 / int64 [T]"
-        for z in (x, a_stack, b_stack):
-            assert z.stride(-1) == 1, "unit stride in the last dim"
-        assert slots.device == x.device == a_stack.device == b_stack.device
+        rank, n = a_stack.shape[1], b_stack.shape[1]
         block_r, block_k, block_n = blocks(max(rank, 1), k, max(n, 1))
         chunk = max(block_k, K_CHUNK)    # one [BLOCK_R, chunk] tile a program: a row's sums the same in any batch
         part = torch.empty(rows, triton.cdiv(k, chunk), rank, dtype=torch.float32, device=x.device)
@@ -196,6 +189,25 @@ class Shrink:
     @property
     def empty(self) -> bool:
         return self.part.numel() == 0 or self.b_stack.shape[1] == 0
+
+
+def check_operands(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, slots: torch.Tensor) -> None:
+    """lora_add_'s x, stacks and slots: shapes, one float dtype, unit last strides, one device."""
+    rows, k = x.shape
+    slots_n, rank, k_a = a_stack.shape
+    n = b_stack.shape[1]
+    assert k_a == k and b_stack.shape == (slots_n, n, rank), \
+        f"x {tuple(x.shape)}, a_stack {tuple(a_stack.shape)}, b_stack {tuple(b_stack.shape)}"
+    assert x.dtype == a_stack.dtype == b_stack.dtype and x.dtype in DTYPES, "one float dtype"
+    assert slots.shape == (rows,) and slots.dtype in (torch.int64, torch.int32), "slots: int32 / int64 [T]"
+    for z in (x, a_stack, b_stack):
+        assert z.stride(-1) == 1, "unit stride in the last dim"
+    assert slots.device == x.device == a_stack.device == b_stack.device
+
+
+def _no_delta(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor) -> bool:
+    """Nothing to add: no rows, no input columns, no rank or no outputs (Shrink.empty, without its partials)."""
+    return 0 in (x.shape[0], x.shape[1], a_stack.shape[1], b_stack.shape[1])
 
 
 def shrink_(x: torch.Tensor, s: Shrink) -> None:
@@ -227,13 +239,14 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: 
     grouped: both launches a program an adapter slot on tensor cores, each tile of A and B read once for a block
     of rows (lora_grouped.py: batches of many rows; a row's sums in another order than here, each row still the
     same in any batch)."""
-    s = Shrink.of(x, a_stack, b_stack, slots)
+    check_operands(x, a_stack, b_stack, slots)
     _check_output(y, x, b_stack)
-    if s.empty:
+    if _no_delta(x, a_stack, b_stack):
         return
     if grouped:
         lora_grouped.lora_add_(y, x, a_stack, b_stack, slots)
     else:
+        s = Shrink.of(x, a_stack, b_stack, slots)
         shrink_(x, s)
         expand_(y, s)
 
@@ -242,7 +255,8 @@ def grouped_lora_linear(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.T
                         linear: Callable[[], torch.Tensor]) -> torch.Tensor:
     """linear() (x's projection [T, N]) plus lora_add_(..., grouped=True)'s deltas, the same bits, the shrink
     beside linear()'s GEMM on a GPU (lora_grouped.grouped_lora_linear)."""
-    if Shrink.of(x, a_stack, b_stack, slots).empty:
+    check_operands(x, a_stack, b_stack, slots)
+    if _no_delta(x, a_stack, b_stack):
         return linear()
     y = lora_grouped.grouped_lora_linear(x, a_stack, b_stack, slots, linear)
     _check_output(y, x, b_stack)
