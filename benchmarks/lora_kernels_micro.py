@@ -9,7 +9,12 @@ stays in L2) captured in one CUDA graph and replayed, with and without rank-16 a
 - "grouped" (32 rows): lora_grouped.py's shrink and expand (a program an adapter slot, on tensor cores) after the
   GEMM;
 - "beside" (32 rows): the same kernels, the shrink on a side stream beside the GEMM (lora_kernels.
-  grouped_lora_linear): what cuda_ops runs there.
+  grouped_lora_linear): what cuda_ops runs for q|k|v;
+- "deferred" (32 rows): o, gate|up and down with the expand beside the GEMM too, into fp32 deltas that the
+  residual add + RMSNorm after o and down, and silu·mul after gate|up, add as they read (pending_delta.py): what
+  cuda_ops runs for them.
+
+Every variant ends o and down with the residual add + RMSNorm that reads their output in a decode step.
 
 Reports the median replay time of each (ms) and the ratios base / variant: the step's share that the projections
 are; and, per variant, the GPU time of its kernels in one replay by kind (from the profiler), against the replay's
@@ -46,20 +51,24 @@ def projections(layers: int, gen: torch.Generator):
     return out
 
 
-def step(variant: str, xs: dict, layers, slots):
+def step(variant: str, xs: dict, layers, slots, residual, norm_weight):
     from allspark_server.compute.cuda import fused_kernels as fused
     from allspark_server.compute.cuda import gemv_kernels as gk
     from allspark_server.compute.cuda import lora_kernels as lk
+    from allspark_server.compute.pending_delta import PendingDelta
     for layer in layers:
         for name, (w, a, b, act) in layer.items():
             x = xs[name]
             if variant == "base" and act and x.shape[0] == 1:
                 gk.gemv_silu_mul(x, w)
                 continue
+            delta = None
             if variant == "in_gemv":
                 y = gk.gemv(x, w, lora=lk.Shrink.of(x, a, b, slots))
-            elif variant == "beside":
-                y = lk.grouped_lora_linear(x, a, b, slots, lambda x=x, w=w: torch.nn.functional.linear(x, w))
+            elif variant in ("beside", "deferred"):
+                y = lk.grouped_lora_linear(x, a, b, slots, lambda x=x, w=w: torch.nn.functional.linear(x, w),
+                                           defer=variant == "deferred" and name != "qkv")
+                y, delta = y if isinstance(y, PendingDelta) else (y, None)
             else:
                 y = gk.gemv(x, w) if x.shape[0] <= 2 else torch.nn.functional.linear(x, w)
             if variant == "grouped":
@@ -67,10 +76,12 @@ def step(variant: str, xs: dict, layers, slots):
             if variant == "lora":
                 lk.lora_add_(y, x, a, b, slots)
             if act:
-                fused.silu_mul(y)
+                fused.silu_mul(y, delta=delta)
+            elif name in ("o", "down"):     # the residual add + RMSNorm that reads o's and down's output
+                fused.rms_norm(y, norm_weight, 1e-5, residual, delta=delta)
 
 
-KINDS = ("shrink", "expand", "gemv", "silu", "gemm")     # a kernel's kind: the first of these in its name
+KINDS = ("shrink", "expand", "gemv", "silu", "norm", "gemm")     # a kernel's kind: the first of these in its name
 
 
 def captured(fn) -> torch.cuda.CUDAGraph:
@@ -117,8 +128,10 @@ def main() -> None:
         xs = {name: torch.randn(rows, INTER if name == "down" else HIDDEN, generator=gen, device="cuda").bfloat16()
               for name in ("qkv", "o", "gate_up", "down")}
         slots = (torch.arange(rows, device="cuda") % ADAPTERS)
-        variants = ("base", "lora", "in_gemv") if rows == 1 else ("base", "lora", "grouped", "beside")
-        graphs = {v: captured(lambda v=v: step(v, xs, layers, slots)) for v in variants}
+        variants = ("base", "lora", "in_gemv") if rows == 1 else ("base", "lora", "grouped", "beside", "deferred")
+        residual = torch.randn(rows, HIDDEN, generator=gen, device="cuda").bfloat16()
+        norm_weight = torch.ones(HIDDEN, device="cuda").bfloat16()
+        graphs = {v: captured(lambda v=v: step(v, xs, layers, slots, residual, norm_weight)) for v in variants}
         ms = {v: replay_median_ms(g, args.repeats) for v, g in graphs.items()}
         kernels = {v: kernel_ms(g) for v, g in graphs.items()}
         report[f"rows_{rows}"] = {"ms": ms, "base_over": {v: ms["base"] / t for v, t in ms.items()},

@@ -58,16 +58,17 @@ def dequantize(fmt: str) -> str:
 
 
 def decode_over_spans(quant: int) -> str:
-    """The decode attention over quantized spans (QUANT 1 int8, 3 fp8's bytes), 4 query heads a KV head, D 128."""
-    cache = "*i8" if quant == 1 else "*u8"
+    """The decode attention over quantized spans (QUANT 1 int8, 3 fp8's bytes; 0: bf16 spans, rotating q and k
+    with LoRA deltas added as they load), 4 query heads a KV head, D 128."""
+    cache = {0: "*bf16", 1: "*i8"}.get(quant, "*u8")
     pointers = {"q": "*bf16", "k_cache": cache, "v_cache": cache, "k_param": "*fp32", "v_param": "*fp32",
                 "spans": "*i32", "ctx": "*i32", "slopes": "*i32", "out": "*bf16", "m_part": "*fp32",
                 "l_part": "*fp32", "acc_part": "*fp32", "counters": "*i32", "k_new": "*bf16", "v_new": "*bf16",
-                "cos": "*bf16", "sin": "*bf16", "slots": "*i32", "qk_scale": "fp32", "cap": "fp32"}
+                "cos": "*bf16", "sin": "*bf16", "slots": "*i32", "delta": "*fp32", "qk_scale": "fp32", "cap": "fp32"}
     return compile_for_hopper(decode_attention._decode_kernel, pointers, dict(
         G=4, P=32, D=128, NUM_SPLITS=4, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, DOT_PREC="tf32", UPCAST=False,
-        HAS_ALIBI=False, QUANT=quant, ROTARY=False, COMBINE=True, BLOCK_S=4, FENCE=True, SOFT_BF16=False, PDL=True,
-        HAS_SOFTCAP=False, HAS_WINDOW=False))
+        HAS_ALIBI=False, QUANT=quant, ROTARY=quant == 0, COMBINE=True, BLOCK_S=4, FENCE=True, SOFT_BF16=False,
+        PDL=True, HAS_SOFTCAP=False, HAS_WINDOW=False, HAS_DELTA=quant == 0))
 
 
 def dense_gemv(silu_mul: bool, shrink: bool) -> str:
@@ -90,10 +91,12 @@ def lora_launches() -> str:
     grouped_shrink = compile_for_hopper(lora_grouped._grouped_shrink_kernel, pointers, dict(
         SPLITS=8, BLOCK_T=32, BLOCK_R=64, BLOCK_K=128, DOT_PREC="tf32", SOFT_BF16=False, PDL=True))
     grouped = compile_for_hopper(lora_grouped._grouped_expand_kernel, pointers, dict(
-        BLOCK_T=32, BLOCK_N=128, BLOCK_R=16, DOT_PREC="tf32", SOFT_BF16=False, PDL=True))
-    for name, ptx in (("shrink", grouped_shrink), ("expand", grouped)):
+        BLOCK_T=32, BLOCK_N=128, BLOCK_R=16, DOT_PREC="tf32", INTO_DELTA=False, SOFT_BF16=False, PDL=True))
+    into_delta = compile_for_hopper(lora_grouped._grouped_expand_kernel, dict(pointers, y="*fp32"), dict(
+        BLOCK_T=32, BLOCK_N=128, BLOCK_R=16, DOT_PREC="tf32", INTO_DELTA=True, SOFT_BF16=False, PDL=True))
+    for name, ptx in (("shrink", grouped_shrink), ("expand", grouped), ("expand into a delta", into_delta)):
         assert "mma" in ptx, f"the grouped {name}'s product is not on tensor cores"
-    return shrink + expand + grouped_shrink + grouped
+    return shrink + expand + grouped_shrink + grouped + into_delta
 
 
 def fp8_rows() -> str:
@@ -131,6 +134,7 @@ VARIANTS = {
     "dequantize int8": (lambda: dequantize("int8"), ""),
     "decode attention over fp8 spans": (lambda: decode_over_spans(3), "e4m3"),
     "decode attention over int8 spans": (lambda: decode_over_spans(1), "mma"),
+    "decode attention rotating q and k with LoRA deltas": (lambda: decode_over_spans(0), "griddepcontrol"),
 }
 
 

@@ -50,7 +50,8 @@ def attention_step(x: torch.Tensor, b: BoundAttention, slots: torch.Tensor, span
                    cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
                    lora_rows: Optional[LoraRows] = None) -> torch.Tensor:
     """x [B, H] (one new token per sequence) -> the o projection's output [B, H] before the allreduce; lora_rows:
-    which rows use which LoRA adapter (None: none)."""
+    which rows use which LoRA adapter (None: none). On a GPU, grouped adapter rows give a PendingDelta
+    (compute/pending_delta.py): the output and the deltas its reader adds."""
     if x.is_cuda:
         return ops.cuda_backend().attention_step(x, b, slots, spans, ctx, cos, sin, lora_rows)
     if (_native_suits(x, b.qkv, b.o) and (b.k_param is not None or b.k_cache.dtype == x.dtype)
@@ -61,7 +62,7 @@ def attention_step(x: torch.Tensor, b: BoundAttention, slots: torch.Tensor, span
 
 
 def mlp_step(x: torch.Tensor, b: BoundMlp, lora_rows: Optional[LoraRows] = None) -> torch.Tensor:
-    """x [B, H] -> the down projection's output before the allreduce."""
+    """x [B, H] -> the down projection's output before the allreduce (a PendingDelta as attention_step's)."""
     if x.is_cuda:
         return ops.cuda_backend().mlp_step(x, b, lora_rows)
     if _native_suits(x, b.gate_up, b.down):

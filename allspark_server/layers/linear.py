@@ -16,6 +16,7 @@ from torch import nn
 
 from allspark_server.compute import ops, step_ops
 from allspark_server.compute.lora_slots import LoraRows, LoraSlots
+from allspark_server.compute.pending_delta import PendingDelta, resolved
 from allspark_server.compute.steps import BoundNorm
 from allspark_server.quant.formats import QuantizedWeight, bits, group_count, has_mins, is_asymmetric, is_float
 
@@ -75,9 +76,10 @@ class RowParallelLinear(ParallelLinear):
     def forward(self, x: torch.Tensor, lora_rows: LoraRows | None = None) -> torch.Tensor:   # [T, in_local] -> [T, out]
         return self.reduce(ops.lora_linear(x, self.kernel_weight, None, self.lora, lora_rows))
 
-    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+    def reduce(self, partial) -> torch.Tensor:
         """The sum over ranks of x_local @ W_local^T (+ b): for callers that computed their partial product
-        themselves (the fused decode blocks)."""
+        themselves (the fused decode blocks; a PendingDelta's deltas added first)."""
+        partial = resolved(partial)
         self.comm.allreduce_(partial)
         if self.bias is not None:
             partial = partial + self.bias
@@ -88,10 +90,16 @@ class RowParallelLinear(ParallelLinear):
         return reduce_into_norm(self.comm, partial, residual, norm, self.reduce, self.bias is None)
 
 
-def reduce_into_norm(comm, partial: torch.Tensor, residual, norm: BoundNorm, reduce, plain_sum: bool = True):
+def reduce_into_norm(comm, partial, residual, norm: BoundNorm, reduce, plain_sum: bool = True):
     """norm_step(reduce(partial), residual, norm), in one launch where `comm` has one: the reduce a plain sum
-    (`plain_sum`: no bias after it) and the norm a plain residual add and RMSNorm."""
-    if plain_sum and residual is not None and norm.step.adds_residual and norm.step.residual_scale == 1.0:
+    (`plain_sum`: no bias after it) and the norm a plain residual add and RMSNorm. A PendingDelta's deltas are
+    added by that norm's launch on one rank, before the sum elsewhere."""
+    plain = plain_sum and residual is not None and norm.step.adds_residual and norm.step.residual_scale == 1.0
+    if isinstance(partial, PendingDelta):
+        if plain and comm.world_size == 1:
+            return partial.norm(norm.weight, norm.eps, residual)
+        partial = partial.resolved()
+    if plain:
         fused = comm.allreduce_norm(partial, residual, norm.weight, norm.eps)
         if fused is not None:
             return fused

@@ -184,7 +184,8 @@ class DecoderLayer(nn.Module):
     def decode(self, x, residual, meta, rope, kv: LayerKV, prof=None, lora_rows=None):
         """The same steps on decode rows, each one op call (compute/step_ops.py). A sublayer's output leaves as a
         PendingSum: its tensor-parallel sum (and row-parallel bias) is taken by the next norm, with it in one launch
-        where the comm can, or by whatever comes next (`reduced`). lora_rows: the rows' LoRA adapters (None:
+        where the comm can, or by whatever comes next (`reduced`); its partial may be a PendingDelta, whose LoRA
+        deltas that norm adds (layers/linear.py reduce_into_norm). lora_rows: the rows' LoRA adapters (None:
         none)."""
         sub = iter(self.sublayers)
         for b in self.bound(kv):

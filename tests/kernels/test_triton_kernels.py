@@ -168,6 +168,35 @@ def test_decode_with_rotary_equals_rotary_store_kv_then_decode(dtype, d, span_si
         assert_close(got, decode_refs(q_rotated, ref_k, ref_v, spans, ctx)[0], TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype,d,span_size,group", ROTARY_DECODE_CASES, ids=map(case_id, ROTARY_DECODE_CASES))
+def test_decode_adds_q_k_v_deltas_as_it_loads_them(dtype, d, span_size, group):
+    # grouped LoRA rows' q|k|v deltas (fp32, compute/pending_delta.py) added by the launch: the caches and the
+    # output bit for bit those of the launch over q, k and v with the deltas added first (rounded to nearest)
+    from test_triton_fused import assert_same_bits, cos_sin, fused_qkv
+    kvh, lengths = 2, [1, span_size + 1, 300]
+    k_cache, v_cache, spans = make_cache(lengths, kvh, d, span_size, dtype, seed=d)
+    slots = torch.tensor([int(spans[b, (n - 1) // span_size]) * span_size + (n - 1) % span_size
+                          for b, n in enumerate(lengths)], device=DEVICE)
+    q, k, v = fused_qkv(len(lengths), kvh * group, kvh, d, dtype, seed=d)
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v], -1)
+    delta = torch.randn(qkv.shape, generator=torch.Generator().manual_seed(7)).to(DEVICE) * 0.3
+    added = (qkv.float() + delta).to(dtype)
+    cos, sin = cos_sin(len(lengths), d, dtype, seed=d)
+    ctx = torch.tensor(lengths, device=DEVICE)
+
+    def attend(qkv, delta=None):
+        q_, k_, v_ = qkv.split([kvh * group * d, kvh * d, kvh * d], -1)
+        caches = k_cache.clone(), v_cache.clone()
+        out = da.paged_decode_attention(q_.view(len(lengths), -1, d), *caches, spans, ctx, SCALE, num_splits=3,
+                                        rotary=(k_.view(len(lengths), kvh, d), v_.view(len(lengths), kvh, d), cos,
+                                                sin, slots), delta=delta)
+        return out, *caches
+
+    for got, want in zip(attend(qkv, delta), attend(added)):
+        assert_same_bits(got, want)
+    assert not torch.equal(attend(qkv)[0], attend(added)[0]), "the deltas changed nothing"
+
+
 def test_default_num_splits_depends_on_shapes_only():
     assert da.default_num_splits(1, 1, 1000, 16) == da.MAX_SPLITS                # small batch: capped
     assert da.default_num_splits(4, 8, 1000, 16) == -(-da.TARGET_PROGRAMS // 32)

@@ -21,6 +21,7 @@ from allspark_server.compute.cuda.attention_kernels import paged_prefill_attenti
 from allspark_server.compute.cuda.decode_attention import fused_decode_enabled, paged_decode_attention
 from allspark_server.compute.cuda.fp8_matmul import fp8_linear, rounded_rows, takes_fp8_activations
 from allspark_server.compute.cuda.quant_kernels import alone_config, quant_matmul
+from allspark_server.compute.pending_delta import PendingDelta
 from allspark_server.compute.steps import Attention
 from allspark_server.quant.formats import QuantizedWeight
 
@@ -108,44 +109,51 @@ def takes_lora(lora, lora_rows) -> bool:
     return lora is not None and lora_rows is not None and (lora.has_fixed_storage or not lora.is_empty)
 
 
-def lora_linear(x, w, bias, lora, lora_rows):
+def lora_linear(x, w, bias, lora, lora_rows, defer: bool = False):
     """linear(x, w, bias) plus the rows' adapter deltas: where the GEMV takes the rows, it carries the adapter's
     shrink in its own launch where it can (gemv_kernels.gemv) and the expand follows; grouped rows run the shrink
-    beside the linear (lora_kernels.grouped_lora_linear); elsewhere lora_add_'s launches after the linear."""
+    beside the linear (lora_kernels.grouped_lora_linear); elsewhere lora_add_'s launches after the linear.
+    defer: grouped rows run the expand beside the linear too and return a PendingDelta (pending_delta.py) whose
+    reader adds the deltas."""
     if not takes_lora(lora, lora_rows):
         return linear(x, w, bias)
     a_stack, b_stack = lora.stacked()
     if isinstance(w, torch.Tensor) and gemv_kernels.fits(x, w):
         return gemv_kernels.gemv(x, w, bias, lora=lora_kernels.Shrink.of(x, a_stack, b_stack, lora_rows.slots))
     if _grouped(x):
-        return lora_kernels.grouped_lora_linear(x, a_stack, b_stack, lora_rows.slots, lambda: linear(x, w, bias))
+        return lora_kernels.grouped_lora_linear(x, a_stack, b_stack, lora_rows.slots, lambda: linear(x, w, bias),
+                                                defer=defer)
     return lora_add_(linear(x, w, bias), x, lora, lora_rows)
 
 
 def attention_step(x, b, slots, spans, ctx, cos, sin, lora_rows=None):
     """A BoundAttention step (compute/steps.py) on this backend's ops, reference.attention_step_reference's
-    sequence (cos = sin = None: no rotary): the o projection's output before the allreduce."""
+    sequence (cos = sin = None: no rotary): the o projection's output before the allreduce (a PendingDelta for
+    grouped adapter rows)."""
     a, heads, kv_heads = b.step, b.num_heads, b.num_kv_heads
-    qkv = lora_linear(x, b.qkv, b.qkv_bias, b.qkv_lora, lora_rows)
+    fused_decode = cos is not None and b.k_param is None and fused_decode_enabled()
+    # grouped adapter rows' q|k|v deltas: added by the fused attention's launch as it loads q, k and v
+    qkv = lora_linear(x, b.qkv, b.qkv_bias, b.qkv_lora, lora_rows, defer=fused_decode and b.q_norm is None)
+    qkv, delta = qkv if isinstance(qkv, PendingDelta) else (qkv, None)
     n, d = x.shape[0], qkv.shape[-1] // (heads + 2 * kv_heads)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
     if b.q_norm is not None:
         q, k = rms_norm(q.reshape(-1, d), b.q_norm, b.norm_eps)[0], rms_norm(k.reshape(-1, d), b.k_norm, b.norm_eps)[0]
     q, k = q.view(n, heads, d), k.view(n, kv_heads, d)
-    if cos is not None and b.k_param is None and fused_decode_enabled():   # rotate q, k, write k, v, attend: one launch
+    if fused_decode:        # rotate q, k, write k, v, attend: one launch
         if row_mode.alone() and n > 1:
             # a verify chunk's rows are one sequence: each attends to the keys the others write, so every row's k
             # and v go into the cache first (the same bits the attention's launch writes again)
             fused.rotary_store_kv(q, k, v, cos, sin, b.k_cache, b.v_cache, slots)
         o = paged_decode_attention(q, b.k_cache, b.v_cache, spans, ctx, a.scale,
                                    rotary=(k, v.view(n, kv_heads, d), cos, sin, slots), alibi_slopes=b.alibi_slopes,
-                                   softcap=a.softcap, window=a.window)
+                                   softcap=a.softcap, window=a.window, delta=delta)
     else:
         if cos is not None:   # ALiBi (cos None): no rotary, the bias is the attention's
             q, k = rotary(q, k, cos, sin)
         store_kv(k, v, b.k_cache, b.v_cache, slots, b.k_param, b.v_param)
         o = decode_attention(q, b.k_cache, b.v_cache, spans, ctx, a, b.k_param, b.v_param, b.alibi_slopes)
-    return lora_linear(o.reshape(n, heads * d), b.o, None, b.o_lora, lora_rows)
+    return lora_linear(o.reshape(n, heads * d), b.o, None, b.o_lora, lora_rows, defer=True)
 
 
 def _alone_config(x: torch.Tensor, w: QuantizedWeight, silu_mul: bool = False):
@@ -187,10 +195,12 @@ def gate_up_silu_mul(h: torch.Tensor, gate_up: "torch.Tensor | QuantizedWeight",
 
 def mlp_step(x, b, lora_rows=None):
     """A BoundMlp step: silu's gate|up GEMV may take the activation as its epilogue (not where an adapter adds to
-    gate|up first); the down projection's output before the allreduce."""
+    gate|up first; grouped adapter rows' deltas are added by the activation's launch); the down projection's
+    output before the allreduce (a PendingDelta for grouped adapter rows)."""
     if takes_lora(b.gate_up_lora, lora_rows):
-        a = (silu_mul if b.step.act == "silu" else gelu_tanh_mul)(
-            lora_linear(x, b.gate_up, b.gate_up_bias, b.gate_up_lora, lora_rows))
+        gate_up = lora_linear(x, b.gate_up, b.gate_up_bias, b.gate_up_lora, lora_rows, defer=True)
+        gate_up, delta = gate_up if isinstance(gate_up, PendingDelta) else (gate_up, None)
+        a = (silu_mul if b.step.act == "silu" else gelu_tanh_mul)(gate_up, delta=delta)
     elif b.step.act == "silu":
         a = gate_up_silu_mul(x, b.gate_up, b.gate_up_bias)
     else:

@@ -22,7 +22,7 @@ from allspark_server.compute.cuda.attention_kernels import (
     _gemma_args,
     _tile_config,
 )
-from allspark_server.compute.cuda.fused_kernels import _rotated
+from allspark_server.compute.cuda.fused_kernels import _rotated, _round
 from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
 from allspark_server.compute.cuda.stream_counters import stream_counters
 from allspark_server.quant import kv as kv_quant
@@ -81,23 +81,35 @@ def _combine_head(m_part, l_part, acc_part, out, b, head, active, stride_ob, str
 
 
 @triton.jit
+def _with_delta(ptrs, delta_ptrs, mask, HAS_DELTA: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """The values at ptrs in fp32, plus (HAS_DELTA) the fp32 deltas at delta_ptrs rounded to their dtype."""
+    v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        v = _round(v + tl.load(delta_ptrs, mask=mask, other=0.0), ptrs.dtype.element_ty, SOFT_BF16)
+    return v
+
+
+@triton.jit
 def _decode_kernel(q, k_cache, v_cache, k_param, v_param, spans, ctx, slopes, out, m_part, l_part, acc_part,
-                   counters, k_new, v_new, cos, sin, slots,
+                   counters, k_new, v_new, cos, sin, slots, delta,
                    qk_scale, cap, window, H, stride_qb, stride_qh, stride_ks, stride_kp, stride_kh, stride_vs,
                    stride_vp, stride_vh, stride_ps, stride_pp, stride_ph, stride_sb, stride_ob, stride_oh,
-                   stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb, stride_sinb,
+                   stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb, stride_sinb, stride_db,
                    G: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
                    UPCAST: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr, ROTARY: tl.constexpr,
                    COMBINE: tl.constexpr, BLOCK_S: tl.constexpr, FENCE: tl.constexpr, SOFT_BF16: tl.constexpr,
-                   PDL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                   PDL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                   HAS_DELTA: tl.constexpr):
     """Program (b, kv head, split): the G query heads of that kv head over the split's share of the tiles.
     ROTARY: q comes unrotated and is rotated here, and the program of the last split with tiles rotates the new
     token's k (k_new) and writes it and v_new into slot slots[b] of the caches before attending (rotary_store_kv
     and the attention in one launch). Splits past the last with tiles do nothing. Several splits with tiles
     store partial softmaxes; COMBINE: the last of them to finish (a counter per (b, kv head), left at 0 again)
     merges them into out, else _combine_kernel does. HAS_SOFTCAP / HAS_WINDOW: _attend_tiles' soft cap and
-    sliding window; with a window the splits share out only the tiles the window reaches."""
+    sliding window; with a window the splits share out only the tiles the window reaches. HAS_DELTA (with
+    ROTARY): q, k_new and v_new are loaded plus their LoRA deltas (fp32 delta [B, (H + 2 KVH) D], rounded to
+    their dtype: the expand's bits, lora_grouped.py) before the rotation."""
     allow_next(PDL)
     wait_for_previous(PDL)
     b = tl.program_id(0)
@@ -119,18 +131,23 @@ def _decode_kernel(q, k_cache, v_cache, k_param, v_param, spans, ctx, slopes, ou
             sign = tl.where(offs_d < half, -1.0, 1.0)
             c = tl.load(cos + b.to(tl.int64) * stride_cb + offs_d, mask=d_ok, other=0.0).to(tl.float32)
             sn = tl.load(sin + b.to(tl.int64) * stride_sinb + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-            qt = _rotated(tl.load(q_ptrs + offs_d[None, :], mask=q_ok, other=0.0).to(tl.float32),
-                          tl.load(q_ptrs + partner[None, :], mask=q_ok, other=0.0).to(tl.float32),
+            d_row = delta + b.to(tl.int64) * stride_db
+            q_d = d_row + head[:, None] * D                                             # [BLOCK_G, 1]
+            qt = _rotated(_with_delta(q_ptrs + offs_d[None, :], q_d + offs_d[None, :], q_ok, HAS_DELTA, SOFT_BF16),
+                          _with_delta(q_ptrs + partner[None, :], q_d + partner[None, :], q_ok, HAS_DELTA, SOFT_BF16),
                           c[None, :], sn[None, :], sign[None, :], q.dtype.element_ty, SOFT_BF16)
             if split == active - 1:      # the split holding position n - 1: the new token's k and v go in first
                 slot = tl.load(slots + b).to(tl.int64)
                 k_src = k_new + b.to(tl.int64) * stride_knb + kv_head * stride_knh
-                kt = _rotated(tl.load(k_src + offs_d, mask=d_ok, other=0.0).to(tl.float32),
-                              tl.load(k_src + partner, mask=d_ok, other=0.0).to(tl.float32), c, sn, sign,
+                k_d = d_row + (H + kv_head) * D
+                kt = _rotated(_with_delta(k_src + offs_d, k_d + offs_d, d_ok, HAS_DELTA, SOFT_BF16),
+                              _with_delta(k_src + partner, k_d + partner, d_ok, HAS_DELTA, SOFT_BF16), c, sn, sign,
                               k_new.dtype.element_ty, SOFT_BF16)
                 k_dst = k_cache + (slot // P) * stride_ks + (slot % P) * stride_kp + kv_head * stride_kh
                 tl.store(k_dst + offs_d, kt.to(k_cache.dtype.element_ty), mask=d_ok)
-                vt = tl.load(v_new + b.to(tl.int64) * stride_vnb + kv_head * stride_vnh + offs_d, mask=d_ok)
+                v_src = v_new + b.to(tl.int64) * stride_vnb + kv_head * stride_vnh + offs_d
+                vt = _with_delta(v_src, d_row + (H + H // G + kv_head) * D + offs_d, d_ok, HAS_DELTA, SOFT_BF16)
+                vt = vt.to(v_new.dtype.element_ty)
                 v_dst = v_cache + (slot // P) * stride_vs + (slot % P) * stride_vp + kv_head * stride_vh
                 tl.store(v_dst + offs_d, vt, mask=d_ok)
                 tl.debug_barrier()      # the writes are this program's: visible to all its threads after this
@@ -212,7 +229,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
                            k_param: torch.Tensor | None = None, v_param: torch.Tensor | None = None,
                            rotary: tuple | None = None, launch: dict | None = None, softcap: float = 0.0,
-                           window: int = 0) -> torch.Tensor:
+                           window: int = 0, delta: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D], caches [S, P, KVH, D], spans [B, MAXS] (int32/int64, padded), ctx [B] (>= 1, incl. the new
     token) -> out [B, H, D] in q's dtype (written into `out` if given). alibi_slopes fp32 [H]: key t's score gets
     slope_h * (t - (ctx - 1)). Quantized caches (quant/kv.py: int8 or fp8 codes, or uint4 codes [S, P, KVH, D/2])
@@ -220,7 +237,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     dtype) meet q on the tensor cores with the rows' scales on the scores and the probabilities.
     rotary = (k [B, KVH, D], v [B, KVH, D], cos, sin [B, (1,) D], slots [B]) (dense caches in q's dtype): q and k
     come unrotated; the launch rotates them as fused_kernels.rotary_store_kv does and writes k and v into the
-    caches at slots before attending.
+    caches at slots before attending. delta (with rotary): fp32 [B, (H + 2 KVH) D], the LoRA deltas of q|k|v
+    (compute/pending_delta.py), added to q, k and v as the launch loads them.
     launch: the launch shape instead of the defaults (benchmarks/decode_attention_sweep.py): BLOCK_N (tokens a
     tile), num_warps, num_stages. softcap > 0: each score s = scale * q.k becomes softcap * tanh(s / softcap)
     before the bias (Gemma 2). window > 0: the query sees keys t >= ctx - window only (HF's sliding window); keys
@@ -246,6 +264,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                     sin.stride(0))
     else:
         rot_args = (q, q, q, q, ctx, 0, 0, 0, 0, 0, 0)
+    if delta is not None:
+        assert rotary is not None and delta.dtype == torch.float32 and delta.stride(-1) == 1, "delta: fp32, rotary"
+        assert delta.shape == (batch, (heads + 2 * kvh) * d), f"delta {tuple(delta.shape)}"
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(-1) == 1
@@ -273,14 +294,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     launch_pdl = pdl.launch_options(q.device)
     _decode_kernel[(batch, kvh, num_splits)](
         q, k_cache, v_cache, *params, spans, ctx, ctx if alibi_slopes is None else alibi_slopes, out, m_part,
-        l_part, acc_part, ctx if counters is None else counters, *rot_args[:5], gemma["qk_scale"], gemma["cap"],
-        gemma["window"], heads,
+        l_part, acc_part, ctx if counters is None else counters, *rot_args[:5], ctx if delta is None else delta,
+        gemma["qk_scale"], gemma["cap"], gemma["window"], heads,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         *(k_param.stride()[:3] if quant else (0, 0, 0)), spans.stride(0), out.stride(0), out.stride(1),
-        *rot_args[5:], G=g, P=span_size, D=d, NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(g)),
+        *rot_args[5:], 0 if delta is None else delta.stride(0), G=g, P=span_size, D=d, NUM_SPLITS=num_splits,
+        BLOCK_G=max(16, triton.next_power_of_2(g)),
         HAS_ALIBI=alibi_slopes is not None, QUANT=quant, ROTARY=rotary is not None, COMBINE=counters is not None,
         BLOCK_S=block_s, FENCE=not _INTERPRETED, SOFT_BF16=_INTERPRETED, HAS_SOFTCAP=gemma["HAS_SOFTCAP"],
-        HAS_WINDOW=gemma["HAS_WINDOW"], **tiles, **shape, **launch_pdl,
+        HAS_WINDOW=gemma["HAS_WINDOW"], HAS_DELTA=delta is not None, **tiles, **shape, **launch_pdl,
         **({"enable_fp_fusion": False} if rotary is not None else {}))
     if num_splits > 1 and counters is None:
         _combine_kernel[(batch, heads)](m_part, l_part, acc_part, out, ctx, gemma["window"], out.stride(0),

@@ -69,10 +69,13 @@ def _normed_row(s, w, eps, H, S_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, SO
 
 
 @triton.jit
-def _rms_norm_kernel(x, residual, weight, out, s_out, eps, H, stride_x, stride_r, stride_o, stride_s,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(x, delta, residual, weight, out, s_out, eps, H, stride_x, stride_d, stride_r, stride_o, stride_s,
+                     HAS_DELTA: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                     SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
     """Program = one row: s = x + residual (rounded), normed = s * rsqrt(mean(s^2) + eps) (rounded), out =
-    weight * normed (rounded). PDL: the norm's weight is loaded before waiting for the kernel that writes x."""
+    weight * normed (rounded). HAS_DELTA: x = x + delta (fp32, rounded to x's dtype) first, LoRA's deltas as the
+    expand adds them (lora_grouped.py). PDL: the norm's weight is loaded before waiting for the kernel that writes
+    x."""
     allow_next(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -80,6 +83,9 @@ def _rms_norm_kernel(x, residual, weight, out, s_out, eps, H, stride_x, stride_r
     w = tl.load(weight + offs, mask=ok, other=0.0).to(tl.float32)                           # [BLOCK]
     wait_for_previous(PDL)
     s = tl.load(x + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)               # [BLOCK]
+    if HAS_DELTA:
+        d = tl.load(delta + row * stride_d + offs, mask=ok, other=0.0)
+        s = _round(s + d, x.dtype.element_ty, SOFT_BF16)
     if HAS_RESIDUAL:
         r = tl.load(residual + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32)    # [BLOCK]
         s = _round(s + r, s_out.dtype.element_ty, SOFT_BF16)
@@ -88,11 +94,14 @@ def _rms_norm_kernel(x, residual, weight, out, s_out, eps, H, stride_x, stride_r
     tl.store(out + row * stride_o + offs, y.to(out.dtype.element_ty), mask=ok)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight * rmsnorm(s), s) with s = x + residual (or x itself, as the reference returns it); x, residual
-    [T, H] with any row stride, weight [H]; one program per row."""
+    [T, H] with any row stride, weight [H]; one program per row. delta: fp32 [T, H] LoRA deltas added to x first
+    (pending_delta.py), with a residual only."""
     assert x.dim() == 2 and x.stride(-1) == 1 and weight.shape == x.shape[-1:] and weight.is_contiguous()
+    assert delta is None or (residual is not None and delta.shape == x.shape and delta.dtype == torch.float32
+                             and delta.stride(-1) == 1)
     rows, h = x.shape
     if residual is None:
         s = x
@@ -104,9 +113,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         return out, s
     block = triton.next_power_of_2(h)
     _rms_norm_kernel[(rows,)](
-        x, x if residual is None else residual, weight, out, s, eps, h, x.stride(0),
-        0 if residual is None else residual.stride(0), out.stride(0), s.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=block, SOFT_BF16=_INTERPRETED, num_warps=norm_warps(block),
+        x, x if delta is None else delta, x if residual is None else residual, weight, out, s, eps, h, x.stride(0),
+        0 if delta is None else delta.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
+        s.stride(0), HAS_DELTA=delta is not None, HAS_RESIDUAL=residual is not None, BLOCK=block,
+        SOFT_BF16=_INTERPRETED, num_warps=norm_warps(block),
         enable_fp_fusion=False, **pdl.launch_options(x.device))
     return out, s
 
@@ -209,10 +219,11 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up, out, inter, stride_g, stride_o, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr,
-                     PDL: tl.constexpr, GELU: tl.constexpr):
+def _silu_mul_kernel(gate_up, delta, out, inter, stride_g, stride_d, stride_o, BLOCK: tl.constexpr,
+                     SOFT_BF16: tl.constexpr, PDL: tl.constexpr, GELU: tl.constexpr, HAS_DELTA: tl.constexpr):
     """Program (row, column block): out = act(gate) * up with act(gate) rounded, then the product; act silu, or
-    GELU the tanh approximation of gelu."""
+    GELU the tanh approximation of gelu. HAS_DELTA: gate|up = gate|up + delta (fp32, rounded to their dtype)
+    first, LoRA's deltas as the expand adds them (lora_grouped.py)."""
     allow_next(PDL)
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -220,6 +231,10 @@ def _silu_mul_kernel(gate_up, out, inter, stride_g, stride_o, BLOCK: tl.constexp
     ok = offs < inter
     gate = tl.load(gate_up + row * stride_g + offs, mask=ok, other=0.0).to(tl.float32)       # [BLOCK]
     up = tl.load(gate_up + row * stride_g + inter + offs, mask=ok, other=0.0).to(tl.float32)     # [BLOCK]
+    if HAS_DELTA:
+        in_dt = gate_up.dtype.element_ty
+        gate = _round(gate + tl.load(delta + row * stride_d + offs, mask=ok, other=0.0), in_dt, SOFT_BF16)
+        up = _round(up + tl.load(delta + row * stride_d + inter + offs, mask=ok, other=0.0), in_dt, SOFT_BF16)
     dt = out.dtype.element_ty
     if GELU:
         y = _gelu_tanh_mul_rounded(gate, up, dt, SOFT_BF16)
@@ -228,29 +243,32 @@ def _silu_mul_kernel(gate_up, out, inter, stride_g, stride_o, BLOCK: tl.constexp
     tl.store(out + row * stride_o + offs, y.to(dt), mask=ok)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """HF's act(gate) * up on the merged projection gate_up [T, 2I] (any row stride) -> [T, I]."""
-    return _act_mul(gate_up, gelu=False)
+def silu_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """HF's act(gate) * up on the merged projection gate_up [T, 2I] (any row stride) -> [T, I]; delta: fp32
+    [T, 2I] LoRA deltas added to gate_up first (pending_delta.py)."""
+    return _act_mul(gate_up, gelu=False, delta=delta)
 
 
-def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def gelu_tanh_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
     """HF Gemma 2's gelu(gate, approximate="tanh") * up on the merged projection gate_up [T, 2I] (any row
-    stride) -> [T, I], rounded as silu_mul rounds (the activation, then the product)."""
-    return _act_mul(gate_up, gelu=True)
+    stride) -> [T, I], rounded as silu_mul rounds (the activation, then the product); delta as silu_mul's."""
+    return _act_mul(gate_up, gelu=True, delta=delta)
 
 
-def _act_mul(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+def _act_mul(gate_up: torch.Tensor, gelu: bool, delta: torch.Tensor | None = None) -> torch.Tensor:
     """act(gate) * up, act silu or (gelu) gelu's tanh approximation: one (row, column block) grid."""
     assert gate_up.dim() == 2 and gate_up.stride(-1) == 1 and gate_up.shape[1] % 2 == 0
+    assert delta is None or (delta.shape == gate_up.shape and delta.dtype == torch.float32 and delta.stride(-1) == 1)
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)                  # [T, I]
     if rows == 0 or inter == 0:
         return out
     block = min(MAX_SILU_BLOCK, triton.next_power_of_2(inter))
-    _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
-                                                        BLOCK=block, SOFT_BF16=_INTERPRETED, num_warps=4,
-                                                        enable_fp_fusion=False, GELU=gelu,
-                                                        **pdl.launch_options(out.device))
+    d = gate_up if delta is None else delta
+    _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, d, out, inter, gate_up.stride(0), d.stride(0),
+                                                        out.stride(0), BLOCK=block, SOFT_BF16=_INTERPRETED,
+                                                        num_warps=4, enable_fp_fusion=False, GELU=gelu,
+                                                        HAS_DELTA=delta is not None, **pdl.launch_options(out.device))
     return out
 
 

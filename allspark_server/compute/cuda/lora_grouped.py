@@ -94,32 +94,38 @@ def _grouped_shrink_kernel(x, a, slots, part, t, counters, T, K, R, CHUNK, strid
 
 
 @triton.jit(do_not_specialize=["T"])
-def _grouped_expand_kernel(t, b, slots, y, T, N, R, stride_tt, stride_bs, stride_bn, stride_yt,
+def _grouped_expand_kernel(t, b, slots, y, T, N, R, S, stride_tt, stride_bs, stride_bn, stride_yt,
                            BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                           DOT_PREC: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
+                           DOT_PREC: tl.constexpr, INTO_DELTA: tl.constexpr, SOFT_BF16: tl.constexpr,
+                           PDL: tl.constexpr):
     """Program (slot s, n-block, block of BLOCK_T rows): the block's rows t < T with slots[t] == s (none: nothing
     but the wait) take y[t, n] = round(y[t, n] + sum_r B[s, n, r] t[t, r]) for BLOCK_N outputs n, as one
     tensor-core product of s's tile of B [BN, BR] and those rows' t [BR, BLOCK_T] (other rows' columns zero).
-    DOT_PREC: "ieee" for fp32 (no tf32)."""
+    INTO_DELTA: y is an fp32 delta [T, N] that takes the sum itself, and the programs of s = S write zeros into the
+    rows without a slot. DOT_PREC: "ieee" for fp32 (no tf32)."""
     allow_next(PDL)
     s = tl.program_id(0)
     offs_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
-    mine = tl.load(slots + offs_t, mask=offs_t < T, other=-1) == s                          # [BT]
+    in_t = offs_t < T
+    row_slot = tl.load(slots + offs_t, mask=in_t, other=0)                                   # [BT]
+    mine = in_t & (tl.where(row_slot < 0, S, row_slot) == s)                             # s = S: no adapter
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     rows_b = b + s.to(tl.int64) * stride_bs + offs_n.to(tl.int64)[:, None] * stride_bn      # [BN, 1]
     offs_r = tl.arange(0, BLOCK_R)
     any_row = tl.max(mine.to(tl.int32), 0) > 0
-    live_n = n_ok & ((offs_n * 0 + any_row.to(tl.int32)) > 0)                          # nothing to read: no row
+    live_n = n_ok & ((offs_n * 0 + any_row.to(tl.int32)) > 0) & ((offs_n * 0 + s) < S)   # no row, or s = S
     bt = tl.load(rows_b + offs_r[None, :], mask=live_n[:, None] & (offs_r < R)[None, :], other=0.0)
     wait_for_previous(PDL)          # every program waits: this kernel completes only after the one before
     if any_row:
         t_cols = t + offs_t.to(tl.int64)[None, :] * stride_tt                                # [1, BT]
         dst = y + offs_t.to(tl.int64)[None, :] * stride_yt + offs_n[:, None]                # [BN, BT]
         out_ok = n_ok[:, None] & mine[None, :]
-        yv = tl.load(dst, mask=out_ok, other=0.0).to(tl.float32)
+        yv = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+        if not INTO_DELTA:
+            yv = tl.load(dst, mask=out_ok, other=0.0).to(tl.float32)
         acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-        for r0 in range(0, R, BLOCK_R):
+        for r0 in range(0, R * (s < S).to(tl.int32), BLOCK_R):      # s = S: no rank to sum
             offs_r = r0 + tl.arange(0, BLOCK_R)
             if r0 > 0:
                 bt = tl.load(rows_b + offs_r[None, :], mask=n_ok[:, None] & (offs_r < R)[None, :], other=0.0)
@@ -128,8 +134,26 @@ def _grouped_expand_kernel(t, b, slots, y, T, N, R, stride_tt, stride_bs, stride
                 acc = tl.dot(bt.to(tl.float32), tt.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(bt, tt, acc, input_precision=DOT_PREC)
-        dt = y.dtype.element_ty
-        tl.store(dst, _round(yv + acc, dt, SOFT_BF16).to(dt), mask=out_ok)
+        if INTO_DELTA:
+            tl.store(dst, acc, mask=out_ok)
+        else:
+            dt = y.dtype.element_ty
+            tl.store(dst, _round(yv + acc, dt, SOFT_BF16).to(dt), mask=out_ok)
+
+
+@triton.jit
+def _add_delta_kernel(y, delta, N, stride_yt, stride_dt, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr,
+                      PDL: tl.constexpr):
+    """Program (row, column block): y = round(y + delta), as the expand rounds its sum into y."""
+    allow_next(PDL)
+    wait_for_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    dt = y.dtype.element_ty
+    yv = tl.load(y + row * stride_yt + offs, mask=ok, other=0.0).to(tl.float32)
+    d = tl.load(delta + row * stride_dt + offs, mask=ok, other=0.0)
+    tl.store(y + row * stride_yt + offs, _round(yv + d, dt, SOFT_BF16).to(dt), mask=ok)
 
 
 def counters(device: torch.device, needed: int) -> torch.Tensor:
@@ -165,14 +189,29 @@ def shrink_(x: torch.Tensor, a_stack: torch.Tensor, slots: torch.Tensor, t: torc
         num_stages=NUM_STAGES, **pdl.launch_options(x.device))
 
 
-def expand_(y: torch.Tensor, b_stack: torch.Tensor, slots: torch.Tensor, t: torch.Tensor) -> None:
-    """y [T, N] += each row's t @ B[slot].T, summed in fp32, rounded once (rows without a slot: their bits kept)."""
+def expand_(y: torch.Tensor, b_stack: torch.Tensor, slots: torch.Tensor, t: torch.Tensor,
+            into_delta: bool = False) -> None:
+    """y [T, N] += each row's t @ B[slot].T, summed in fp32, rounded once (rows without a slot: their bits kept);
+    into_delta: y an fp32 [T, N] that takes the sums themselves (rows without a slot: zeros)."""
     (rows, n), (n_slots, _, rank) = y.shape, b_stack.shape
     block_t, block_r = _tiles(rows, rank)
-    _grouped_expand_kernel[(n_slots, triton.cdiv(n, BLOCK_N), triton.cdiv(rows, block_t))](
-        t, b_stack, slots, y, rows, n, rank, t.stride(0), b_stack.stride(0), b_stack.stride(1), y.stride(0),
-        BLOCK_T=block_t, BLOCK_N=BLOCK_N, BLOCK_R=block_r, DOT_PREC=_dot_prec(y.dtype), SOFT_BF16=_INTERPRETED,
-        num_warps=NUM_WARPS, **pdl.launch_options(y.device))
+    _grouped_expand_kernel[(n_slots + into_delta, triton.cdiv(n, BLOCK_N), triton.cdiv(rows, block_t))](
+        t, b_stack, slots, y, rows, n, rank, n_slots, t.stride(0), b_stack.stride(0), b_stack.stride(1),
+        y.stride(0), BLOCK_T=block_t, BLOCK_N=BLOCK_N, BLOCK_R=block_r, DOT_PREC=_dot_prec(b_stack.dtype),
+        INTO_DELTA=into_delta, SOFT_BF16=_INTERPRETED, num_warps=NUM_WARPS, **pdl.launch_options(y.device))
+
+
+def add_delta_(y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """y [T, N] = round(y + delta) in place, delta fp32 [T, N] (expand_(into_delta=True)'s): the bits expand_
+    gives y itself."""
+    assert delta.shape == y.shape and delta.dtype == torch.float32 and y.stride(-1) == delta.stride(-1) == 1
+    rows, n = y.shape
+    if y.numel():
+        block = min(1024, triton.next_power_of_2(n))
+        _add_delta_kernel[(rows, triton.cdiv(n, block))](y, delta, n, y.stride(0), delta.stride(0), BLOCK=block,
+                                                         SOFT_BF16=_INTERPRETED, num_warps=4,
+                                                         **pdl.launch_options(y.device))
+    return y
 
 
 def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
@@ -184,18 +223,27 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: 
 
 
 def grouped_lora_linear(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, slots: torch.Tensor,
-                        linear: Callable[[], torch.Tensor]) -> torch.Tensor:
+                        linear: Callable[[], torch.Tensor], defer: bool = False):
     """linear() (x's projection [T, N], unit column stride) plus lora_add_'s deltas, the same bits; on a GPU the
-    shrink runs on a side stream beside linear()'s GEMM (side_stream.py), which it needs nothing from."""
+    shrink runs on a side stream beside linear()'s GEMM (side_stream.py), which it needs nothing from.
+    defer: the expand too runs beside the GEMM, into an fp32 delta, and the result is (y, delta) with the deltas
+    not yet added (compute/pending_delta.py): the kernel that reads y next adds them, or add_delta_."""
     t = torch.empty(x.shape[0], a_stack.shape[1], dtype=x.dtype, device=x.device)
+    delta = torch.empty(x.shape[0], b_stack.shape[1], dtype=torch.float32, device=x.device) if defer else None
     if x.is_cuda:
         with beside(x.device):
             shrink_(x, a_stack, slots, t)
+            if defer:
+                expand_(delta, b_stack, slots, t, into_delta=True)
         y = linear()
         join(x.device)
     else:
         y = linear()
         shrink_(x, a_stack, slots, t)
+        if defer:
+            expand_(delta, b_stack, slots, t, into_delta=True)
+    if defer:
+        return y, delta
     expand_(y, b_stack, slots, t)
     return y
 

@@ -39,6 +39,7 @@ import triton.language as tl
 from allspark_server.compute.cuda import lora_grouped, pdl
 from allspark_server.compute.cuda.fused_kernels import _round
 from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
+from allspark_server.compute.pending_delta import PendingDelta
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_BLOCK_R = 64    # rank columns a program holds: R = 192 is three shrink programs a row, three expand steps
@@ -252,15 +253,16 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: 
 
 
 def grouped_lora_linear(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, slots: torch.Tensor,
-                        linear: Callable[[], torch.Tensor]) -> torch.Tensor:
+                        linear: Callable[[], torch.Tensor], defer: bool = False):
     """linear() (x's projection [T, N]) plus lora_add_(..., grouped=True)'s deltas, the same bits, the shrink
-    beside linear()'s GEMM on a GPU (lora_grouped.grouped_lora_linear)."""
+    beside linear()'s GEMM on a GPU (lora_grouped.grouped_lora_linear). defer: the expand beside it too, and a
+    PendingDelta (compute/pending_delta.py) for the next kernel to add."""
     check_operands(x, a_stack, b_stack, slots)
     if _no_delta(x, a_stack, b_stack):
         return linear()
-    y = lora_grouped.grouped_lora_linear(x, a_stack, b_stack, slots, linear)
-    _check_output(y, x, b_stack)
-    return y
+    out = lora_grouped.grouped_lora_linear(x, a_stack, b_stack, slots, linear, defer=defer)
+    _check_output(out[0] if defer else out, x, b_stack)
+    return PendingDelta(*out) if defer else out
 
 
 def _check_output(y: torch.Tensor, x: torch.Tensor, b_stack: torch.Tensor) -> None:
