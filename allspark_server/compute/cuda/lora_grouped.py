@@ -15,10 +15,12 @@ k-tiles come in a fixed order), so a row comes out the same in any batch; its bi
 program takes (lora_kernels), which decode rows of the GEMV use. Both launches keep pdl.py's contract (slots, and
 the expand's first tile of B, are read before the wait).
 
-On a GPU `grouped_lora_linear` runs the shrink on a side stream beside the projection's GEMM (side_stream.py): it
-needs only x. A shrink of a program per row and chunk, as lora_kernels' is, fills the GPU and runs after the GEMM
-however it is launched; this one's few programs (S x SPLITS a block of rows) fit beside it, and a 32-row decode step
-pays for the expand alone (benchmarks/lora_kernels_micro.py's "beside").
+In a CUDA graph `grouped_lora_linear` runs the shrink on a side stream beside the projection's GEMM
+(side_stream.py): it needs only x. A shrink of a program per row and chunk, as lora_kernels' is, fills the GPU and
+runs after the GEMM however it is launched; this one's few programs (S x SPLITS a block of rows) fit beside it
+(benchmarks/lora_kernels_micro.py's "beside"). Deferred (cuda_ops' decode steps), the expand follows the shrink
+there, into fp32 deltas that the kernel reading the projection's output adds (compute/pending_delta.py), so no
+LoRA launch waits for the GEMM (the micro's "deferred").
 """
 from __future__ import annotations
 
@@ -224,13 +226,15 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: 
 
 def grouped_lora_linear(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, slots: torch.Tensor,
                         linear: Callable[[], torch.Tensor], defer: bool = False):
-    """linear() (x's projection [T, N], unit column stride) plus lora_add_'s deltas, the same bits; on a GPU the
-    shrink runs on a side stream beside linear()'s GEMM (side_stream.py), which it needs nothing from.
+    """linear() (x's projection [T, N], unit column stride) plus lora_add_'s deltas, the same bits; in a CUDA graph
+    the shrink runs on a side stream beside linear()'s GEMM (side_stream.py), which it needs nothing from (eager
+    steps, bound by the host's launches, take them one after another: the side stream's fork and join cost more
+    host time than the overlap saves).
     defer: the expand too runs beside the GEMM, into an fp32 delta, and the result is (y, delta) with the deltas
     not yet added (compute/pending_delta.py): the kernel that reads y next adds them, or add_delta_."""
     t = torch.empty(x.shape[0], a_stack.shape[1], dtype=x.dtype, device=x.device)
     delta = torch.empty(x.shape[0], b_stack.shape[1], dtype=torch.float32, device=x.device) if defer else None
-    if x.is_cuda:
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():     # eager steps are host-bound: no side stream
         with beside(x.device):
             shrink_(x, a_stack, slots, t)
             if defer:

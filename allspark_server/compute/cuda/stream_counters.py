@@ -13,6 +13,12 @@ from __future__ import annotations
 import torch
 
 _BUFFERS: dict[tuple[str, torch.device, int], list[torch.Tensor]] = {}
+_DEFAULT_STREAMS: dict[torch.device, int] = {}
+
+
+def _big_enough(key, needed: int) -> bool:
+    buffers = _BUFFERS.get(key)
+    return bool(buffers) and buffers[-1].numel() >= needed
 
 
 def stream_counters(use: str, device: torch.device, needed: int, minimum: int) -> torch.Tensor | None:
@@ -20,11 +26,14 @@ def stream_counters(use: str, device: torch.device, needed: int, minimum: int) -
     time); None while a graph is captured and the default stream's buffer is smaller than `needed`."""
     default = stream = 0
     if device.type == "cuda":
-        default = torch.cuda.default_stream(device).cuda_stream
+        default = _DEFAULT_STREAMS.get(device)
+        if default is None:
+            default = _DEFAULT_STREAMS[device] = torch.cuda.default_stream(device).cuda_stream
         if torch.cuda.is_current_stream_capturing():
-            buffers = _BUFFERS.get((use, device, default))
-            return buffers[-1] if buffers and buffers[-1].numel() >= needed else None
+            return _BUFFERS[(use, device, default)][-1] if _big_enough((use, device, default), needed) else None
         stream = torch.cuda.current_stream(device).cuda_stream
+    if _big_enough((use, device, stream), needed) and _big_enough((use, device, default), needed):
+        return _BUFFERS[(use, device, stream)][-1]      # an eager step's launches: host time counts
     for key in {(use, device, default), (use, device, stream)}:
         buffers = _BUFFERS.setdefault(key, [])
         if not buffers or buffers[-1].numel() < needed:
