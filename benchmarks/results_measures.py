@@ -66,12 +66,17 @@ MEASURES = {
              "one Engine, alternating rounds; the decode steps replay CUDA graphs (those captured with adapters "
              "where a row has one). The H100 run predates the grouping of decode rows by adapter slot in "
              "lora_kernels.py; the H200 run has a program a row at one or two rows (its slot and first tile read "
-             "before the PDL wait) and the grouped expand (a program an adapter) at 32.", lora),
+             "before the PDL wait) and at 32 the grouped launches beside each GEMM, their fp32 deltas added by "
+             "the kernel that reads the projection next (compute/pending_delta.py). The streams' time includes "
+             "their prompt steps, which run eagerly.", lora),
     "lora-kernels-micro": ("LoRA's kernels alone: a 7B-shaped step's projections in one CUDA graph",
                            "`lora_kernels_micro.py`: the four projections of 32 layers (bf16, distinct weights) "
                            "replayed without adapters and with rank-16 adapters on all seven modules: lora_add_'s "
                            "two launches after each projection, or (one row) the shrink inside the GEMV's launch "
-                           "and the expand after it, or (32 rows, over 8 adapters in turn) the grouped expand.",
+                           "and the expand after it, or (32 rows, over 8 adapters in turn) the grouped launches "
+                           "after the GEMM, the shrink beside it, or both beside it with the deltas added by the "
+                           "residual add + RMSNorm and silu·mul (deferred; q|k|v's stay beside). Every variant "
+                           "ends o and down with that norm.",
                            lora_kernels_micro),
     "lora-dense": ("LoRA adapters against the base model, SmolLM2 on a CPU", "`lora.py --model smollm2-dense "
                    "--dtype D --rounds 4` on 2 cores: SmolLM2's weights (dequantized from the Q4_1 file) plain and "
