@@ -140,21 +140,28 @@ def test_split_counters_are_per_stream_and_a_capture_takes_the_default_streams()
 ROTARY_DECODE_CASES = [(torch.float32, 64, 16, 4), (torch.bfloat16, 128, 16, 1), (torch.float16, 80, 32, 2)]
 
 
+def rotary_case(dtype, d, span_size, group):
+    """(kv heads, lengths, (k cache, v cache, spans), each sequence's new slot, (q, k, v) unrotated from one fused
+    tensor, (cos, sin), ctx) for the fused decode's rotary cases."""
+    from test_triton_fused import cos_sin, fused_qkv
+    kvh, lengths = 2, [1, span_size + 1, 300]
+    caches = make_cache(lengths, kvh, d, span_size, dtype, seed=d)
+    spans = caches[2]
+    slots = torch.tensor([int(spans[b, (n - 1) // span_size]) * span_size + (n - 1) % span_size
+                          for b, n in enumerate(lengths)], device=DEVICE)
+    return (kvh, lengths, caches, slots, fused_qkv(len(lengths), kvh * group, kvh, d, dtype, seed=d),
+            cos_sin(len(lengths), d, dtype, seed=d), torch.tensor(lengths, device=DEVICE))
+
+
 @pytest.mark.parametrize("dtype,d,span_size,group", ROTARY_DECODE_CASES, ids=map(case_id, ROTARY_DECODE_CASES))
 def test_decode_with_rotary_equals_rotary_store_kv_then_decode(dtype, d, span_size, group):
     # q and the new token's k unrotated, k and v written into their slots by the attention launch itself: the
     # caches end bit for bit as fused_kernels.rotary_store_kv leaves them (NaN slots untouched), and the
     # output is the attention over them of q rotated (one split, a few, the default)
-    from test_triton_fused import assert_same_bits, cos_sin, fused_qkv
+    from test_triton_fused import assert_same_bits
 
     from allspark_server.compute.cuda import fused_kernels as fk
-    kvh, lengths = 2, [1, span_size + 1, 300]
-    k_cache, v_cache, spans = make_cache(lengths, kvh, d, span_size, dtype, seed=d)
-    slots = torch.tensor([int(spans[b, (n - 1) // span_size]) * span_size + (n - 1) % span_size
-                          for b, n in enumerate(lengths)], device=DEVICE)
-    q, k, v = fused_qkv(len(lengths), kvh * group, kvh, d, dtype, seed=d)
-    cos, sin = cos_sin(len(lengths), d, dtype, seed=d)
-    ctx = torch.tensor(lengths, device=DEVICE)
+    kvh, lengths, (k_cache, v_cache, spans), slots, (q, k, v), (cos, sin), ctx = rotary_case(dtype, d, span_size, group)
     for splits in (1, 3, None):
         ref_k, ref_v = k_cache.clone(), v_cache.clone()
         q_rotated = fk.rotary_store_kv(q, k, v, cos, sin, ref_k, ref_v, slots)
@@ -172,17 +179,11 @@ def test_decode_with_rotary_equals_rotary_store_kv_then_decode(dtype, d, span_si
 def test_decode_adds_q_k_v_deltas_as_it_loads_them(dtype, d, span_size, group):
     # grouped LoRA rows' q|k|v deltas (fp32, compute/pending_delta.py) added by the launch: the caches and the
     # output bit for bit those of the launch over q, k and v with the deltas added first (rounded to nearest)
-    from test_triton_fused import assert_same_bits, cos_sin, fused_qkv
-    kvh, lengths = 2, [1, span_size + 1, 300]
-    k_cache, v_cache, spans = make_cache(lengths, kvh, d, span_size, dtype, seed=d)
-    slots = torch.tensor([int(spans[b, (n - 1) // span_size]) * span_size + (n - 1) % span_size
-                          for b, n in enumerate(lengths)], device=DEVICE)
-    q, k, v = fused_qkv(len(lengths), kvh * group, kvh, d, dtype, seed=d)
+    from test_triton_fused import assert_same_bits
+    kvh, lengths, (k_cache, v_cache, spans), slots, (q, k, v), (cos, sin), ctx = rotary_case(dtype, d, span_size, group)
     qkv = torch.cat([q.flatten(1), k.flatten(1), v], -1)
     delta = torch.randn(qkv.shape, generator=torch.Generator().manual_seed(7)).to(DEVICE) * 0.3
     added = (qkv.float() + delta).to(dtype)
-    cos, sin = cos_sin(len(lengths), d, dtype, seed=d)
-    ctx = torch.tensor(lengths, device=DEVICE)
 
     def attend(qkv, delta=None):
         q_, k_, v_ = qkv.split([kvh * group * d, kvh * d, kvh * d], -1)
