@@ -112,9 +112,9 @@ def takes_lora(lora, lora_rows) -> bool:
 def lora_linear(x, w, bias, lora, lora_rows, defer: bool = False):
     """linear(x, w, bias) plus the rows' adapter deltas: where the GEMV takes the rows, it carries the adapter's
     shrink in its own launch where it can (gemv_kernels.gemv) and the expand follows; grouped rows run the shrink
-    beside the linear (lora_kernels.grouped_lora_linear); elsewhere lora_add_'s launches after the linear.
-    defer: grouped rows run the expand beside the linear too and return a PendingDelta (pending_delta.py) whose
-    reader adds the deltas."""
+    beside the linear in a CUDA graph (lora_kernels.grouped_lora_linear); elsewhere lora_add_'s launches after the
+    linear. defer: grouped rows run the expand beside the linear too and return a PendingDelta (pending_delta.py)
+    whose reader adds the deltas."""
     if not takes_lora(lora, lora_rows):
         return linear(x, w, bias)
     a_stack, b_stack = lora.stacked()
@@ -132,8 +132,10 @@ def attention_step(x, b, slots, spans, ctx, cos, sin, lora_rows=None):
     grouped adapter rows)."""
     a, heads, kv_heads = b.step, b.num_heads, b.num_kv_heads
     fused_decode = cos is not None and b.k_param is None and fused_decode_enabled()
-    # grouped adapter rows' q|k|v deltas: added by the fused attention's launch as it loads q, k and v
-    qkv = lora_linear(x, b.qkv, b.qkv_bias, b.qkv_lora, lora_rows, defer=fused_decode and b.q_norm is None)
+    # grouped adapter rows' q|k|v deltas: added by the fused attention's launch as it loads q, k and v (never in
+    # alone-rows mode, whose rows take the GEMV's launches and whose verify chunks store k and v first)
+    defer = fused_decode and b.q_norm is None and not row_mode.alone()
+    qkv = lora_linear(x, b.qkv, b.qkv_bias, b.qkv_lora, lora_rows, defer=defer)
     qkv, delta = qkv if isinstance(qkv, PendingDelta) else (qkv, None)
     n, d = x.shape[0], qkv.shape[-1] // (heads + 2 * kv_heads)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)

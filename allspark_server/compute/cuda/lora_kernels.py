@@ -255,8 +255,8 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: 
 def grouped_lora_linear(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, slots: torch.Tensor,
                         linear: Callable[[], torch.Tensor], defer: bool = False):
     """linear() (x's projection [T, N]) plus lora_add_(..., grouped=True)'s deltas, the same bits, the shrink
-    beside linear()'s GEMM on a GPU (lora_grouped.grouped_lora_linear). defer: the expand beside it too, and a
-    PendingDelta (compute/pending_delta.py) for the next kernel to add."""
+    beside linear()'s GEMM in a CUDA graph (lora_grouped.grouped_lora_linear). defer: the expand beside it too, and
+    a PendingDelta (compute/pending_delta.py) for the next kernel to add."""
     check_operands(x, a_stack, b_stack, slots)
     if _no_delta(x, a_stack, b_stack):
         return linear()
