@@ -7,7 +7,9 @@ at most 10% overhead, and >= 0.85 for the streams).
   "lora_model_base" (the LoRA-enabled model, a request without an adapter: what slots alone cost) and "adapter"
   (the request names adapter 0). Tokens/s from the first generated token to the last.
 - Streams: --streams requests started together, request i with adapter i % --adapters, against the same prompts
-  on "base"; total generated tokens/s from the first start to the last token.
+  on "base"; total generated tokens/s from the first start to the last token (the issue's measure), and, apart,
+  the decode steps' share: tokens/s after every stream has its first token (its prompt steps behind it) to the
+  last token.
 
 The adapters are PEFT folders (adapter_config.json + adapter_model.safetensors) made with peft's get_peft_model on
 a transformers LlamaConfig model of the served model's shapes (built on the meta device: the adapter only needs
@@ -96,10 +98,14 @@ def decode_one(engine, name: str, ids: list[int], tokens: int, lora_name: str | 
     return len(out) / max(last - t0, 1e-9), out
 
 
-def streams_tps(engine, name: str, prompts: list[list[int]], tokens: int, loras: list[str | None]) -> float:
-    """Total generated tokens/s of one request per prompt (request i with adapter loras[i]), all started together,
-    each read by a thread of its own; from before the first start to the last token."""
+def streams_tps(engine, name: str, prompts: list[list[int]], tokens: int,
+                loras: list[str | None]) -> tuple[float, float | None]:
+    """(total generated tokens/s of one request per prompt (request i with adapter loras[i]), all started together,
+    each read by a thread of its own, from before the first start to the last token; tokens/s of the tokens that
+    came after every stream had its first one, over that window: the decode steps alone, None where no token came
+    after)."""
     counts = [0] * len(prompts)
+    arrivals: list[list[tuple[float, int]]] = [[] for _ in prompts]    # each stream's (time, tokens) elements
     errors = []
 
     def one(i):
@@ -109,6 +115,8 @@ def streams_tps(engine, name: str, prompts: list[list[int]], tokens: int, loras:
             assert status == 0, engine.get_last_error()
             while (el := queue.Get()) is not None:
                 counts[i] += len(el.ids_from_generate)
+                if el.ids_from_generate:
+                    arrivals[i].append((time.perf_counter(), len(el.ids_from_generate)))
             engine.release_request(name, handle)
         except Exception as e:       # noqa: BLE001 -- raised again in the main thread
             errors.append(e)
@@ -122,7 +130,15 @@ def streams_tps(engine, name: str, prompts: list[list[int]], tokens: int, loras:
     if errors:
         raise errors[0]
     assert counts == [tokens] * len(prompts), counts
-    return sum(counts) / elapsed
+    return sum(counts) / elapsed, _decode_window_tps(arrivals)
+
+
+def _decode_window_tps(arrivals: list[list[tuple[float, int]]]) -> float | None:
+    """Tokens/s of the elements that came after every stream's first, from the last first element to the last."""
+    start = max(a[0][0] for a in arrivals)
+    end = max(a[-1][0] for a in arrivals)
+    later = sum(n for a in arrivals for at, n in a if at > start)
+    return later / (end - start) if later and end > start else None
 
 
 def rotated(names, r: int) -> list:
@@ -188,7 +204,7 @@ def main(argv=None) -> None:
         # batch 1: (installed model, the request's lora_name) of each variant
         b1 = {"base": ("base", None), "lora_model_base": ("lora", None), "adapter": ("lora", loras[0])}
         stream_loras = [loras[i % a.adapters] for i in range(a.streams)]
-        b1_runs, stream_runs = [], []
+        b1_runs, stream_runs, decode_runs = [], [], []
         changed, idle_equal = True, True
         for r in range(a.rounds + 1):                  # round 0: a warm-up of every path, dropped
             tokens = a.tokens if r else min(a.tokens, 16)
@@ -197,19 +213,23 @@ def main(argv=None) -> None:
             for v in rotated(B1_VARIANTS, r):
                 got[v], outs[v] = decode_one(engine, b1[v][0], ids, tokens, b1[v][1])
             prompts = [workloads.prompt(PROMPT_LEN, 10_000 * (r + 1) + i, vocab) for i in range(a.streams)]
-            streams = {}
+            streams, decodes = {}, {}
             for v in rotated(("base", "adapters"), r):
-                streams[v] = (streams_tps(engine, "base", prompts, tokens, [None] * a.streams) if v == "base"
-                              else streams_tps(engine, "lora", prompts, tokens, stream_loras))
+                model, names = ("base", [None] * a.streams) if v == "base" else ("lora", stream_loras)
+                streams[v], decodes[v] = streams_tps(engine, model, prompts, tokens, names)
             if r:
                 b1_runs.append(got)
                 stream_runs.append(streams)
+                if None not in decodes.values():
+                    decode_runs.append(decodes)
                 changed &= outs["adapter"] != outs["base"]
                 idle_equal &= outs["lora_model_base"] == outs["base"]
             print(r if r else "warm-up", {k: round(v, 2) for k, v in got.items()},
                   {k: round(v, 2) for k, v in streams.items()},
                   f"adapter/base {got['adapter'] / got['base']:.3f}",
-                  f"streams {streams['adapters'] / streams['base']:.3f}", flush=True)
+                  f"streams {streams['adapters'] / streams['base']:.3f}",
+                  f"(decode steps {decodes['adapters'] / decodes['base']:.3f})" if None not in decodes.values()
+                  else "", flush=True)
 
         decode = {f"{v}_tps": statistics.median(run[v] for run in b1_runs) for v in B1_VARIANTS}
         decode.update(adapter_over_base=median_ratio(b1_runs, "adapter", "base"),
@@ -221,16 +241,24 @@ def main(argv=None) -> None:
                 "adapters_over_base": median_ratio(stream_runs, "adapters", "base"),
                 "target": STREAMS_TARGET, "by_round": stream_runs}
         conc["meets_target"] = conc["adapters_over_base"] >= STREAMS_TARGET
+        # the streams' decode steps alone (their prompt steps excluded): where the streams' time goes
+        decode_only = ({"base_tps": statistics.median(run["base"] for run in decode_runs),
+                        "adapters_tps": statistics.median(run["adapters"] for run in decode_runs),
+                        "adapters_over_base": median_ratio(decode_runs, "adapters", "base"), "by_round": decode_runs}
+                       if decode_runs else None)
         report = {"measure": "lora", "machine": machine_name() if a.device == "cpu" else torch_gpu_name(),
                   "kind": machine_kind(a.device), "device": a.device, "model": a.model, "layers": a.layers or None,
                   "dtype": a.dtype, "rank": a.rank, "adapters": a.adapters, "streams": a.streams,
                   "tokens": a.tokens, "prompt_len": PROMPT_LEN, "rounds": a.rounds,
                   "adapter_weights": "random", "target_modules": TARGETS,
                   "adapter_changes_output": changed, "lora_model_base_greedy_equal": idle_equal,
-                  "decode_b1": decode, "streams_total": conc, "measured_at": time.strftime("%Y-%m-%d")}
+                  "decode_b1": decode, "streams_total": conc, "streams_decode_steps": decode_only,
+                  "measured_at": time.strftime("%Y-%m-%d")}
         print(f"batch 1: adapter/base {decode['adapter_over_base']:.3f} (target >= {B1_TARGET}), LoRA model without "
               f"adapter/base {decode['lora_model_base_over_base']:.3f}; {a.streams} streams over {a.adapters} "
-              f"adapters/base {conc['adapters_over_base']:.3f} (target >= {STREAMS_TARGET})", flush=True)
+              f"adapters/base {conc['adapters_over_base']:.3f} (target >= {STREAMS_TARGET})"
+              + (f", their decode steps alone {decode_only['adapters_over_base']:.3f}" if decode_only else ""),
+              flush=True)
         for name in ("base", "lora"):
             engine.stop_model(name)
             engine.release_model(name)

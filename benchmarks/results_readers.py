@@ -286,12 +286,14 @@ def speculative(r: dict) -> list:
 def lora(r: dict) -> list:
     """lora.py: a request with a rank-r adapter on all seven projections over the base model's batch-1 tokens/s, the
     LoRA-enabled model without an adapter over the base, and N streams over M adapters over the same streams on the
-    base (medians of same-round ratios)."""
+    base, whole and (where measured) their decode steps alone (medians of same-round ratios)."""
     d, s = r["decode_b1"], r["streams_total"]
     model = r["model"] + (f" ({r['layers']} layers)" if r.get("layers") else "")
     return [{"model": model, "dtype": r["dtype"], "rank": r["rank"],
              "batch 1, adapter": x(d["adapter_over_base"]), "batch 1, no adapter": x(d["lora_model_base_over_base"]),
              f"{r['streams']} streams over {r['adapters']} adapters": x(s["adapters_over_base"]),
+             "their decode steps alone": x(r["streams_decode_steps"]["adapters_over_base"])
+             if r.get("streams_decode_steps") else "",
              "adapter changes the output": "yes" if r["adapter_changes_output"] else "no",
              "greedy equal without adapter": "yes" if r["lora_model_base_greedy_equal"] else "no"}]
 

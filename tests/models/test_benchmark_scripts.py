@@ -120,6 +120,8 @@ def test_lora(bench, tmp_path):
     d, s = r["decode_b1"], r["streams_total"]
     assert positive(d["base_tps"], d["adapter_tps"], d["adapter_over_base"], d["lora_model_base_over_base"])
     assert positive(s["base_tps"], s["adapters_tps"], s["adapters_over_base"]) and len(s["by_round"]) == 1
+    w = r["streams_decode_steps"]     # the tokens after every stream's first: 3 steps of 2 rows
+    assert positive(w["base_tps"], w["adapters_tps"], w["adapters_over_base"]) and len(w["by_round"]) == 1
     assert r["adapter_changes_output"] and r["lora_model_base_greedy_equal"], r    # the adapter is applied; fp32
 
 
