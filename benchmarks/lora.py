@@ -150,6 +150,13 @@ def median_ratio(runs: list[dict], num: str, den: str) -> float:
     return statistics.median(run[num] / run[den] for run in runs)
 
 
+def streams_summary(runs: list[dict]) -> dict:
+    """The rounds' {"base": tokens/s, "adapters": tokens/s}: their medians and the median of their ratios."""
+    return {"base_tps": statistics.median(run["base"] for run in runs),
+            "adapters_tps": statistics.median(run["adapters"] for run in runs),
+            "adapters_over_base": median_ratio(runs, "adapters", "base"), "by_round": runs}
+
+
 def install(engine, loader, name: str, device: str, max_batch: int, max_length: int, lora_num: int, rank: int):
     b = (loader.create_reference_runtime_config_builder(name, device, [0], max_batch=max_batch)
          .max_length(max_length).kv_cache_span_size(32).lora_max_num(lora_num).lora_max_rank(rank))
@@ -217,10 +224,11 @@ def main(argv=None) -> None:
             for v in rotated(("base", "adapters"), r):
                 model, names = ("base", [None] * a.streams) if v == "base" else ("lora", stream_loras)
                 streams[v], decodes[v] = streams_tps(engine, model, prompts, tokens, names)
+            decoded = None not in decodes.values()
             if r:
                 b1_runs.append(got)
                 stream_runs.append(streams)
-                if None not in decodes.values():
+                if decoded:
                     decode_runs.append(decodes)
                 changed &= outs["adapter"] != outs["base"]
                 idle_equal &= outs["lora_model_base"] == outs["base"]
@@ -228,24 +236,17 @@ def main(argv=None) -> None:
                   {k: round(v, 2) for k, v in streams.items()},
                   f"adapter/base {got['adapter'] / got['base']:.3f}",
                   f"streams {streams['adapters'] / streams['base']:.3f}",
-                  f"(decode steps {decodes['adapters'] / decodes['base']:.3f})" if None not in decodes.values()
-                  else "", flush=True)
+                  f"(decode steps {decodes['adapters'] / decodes['base']:.3f})" if decoded else "", flush=True)
 
         decode = {f"{v}_tps": statistics.median(run[v] for run in b1_runs) for v in B1_VARIANTS}
         decode.update(adapter_over_base=median_ratio(b1_runs, "adapter", "base"),
                       lora_model_base_over_base=median_ratio(b1_runs, "lora_model_base", "base"),
                       target=B1_TARGET, by_round=b1_runs)
         decode["meets_target"] = decode["adapter_over_base"] >= B1_TARGET
-        conc = {"base_tps": statistics.median(run["base"] for run in stream_runs),
-                "adapters_tps": statistics.median(run["adapters"] for run in stream_runs),
-                "adapters_over_base": median_ratio(stream_runs, "adapters", "base"),
-                "target": STREAMS_TARGET, "by_round": stream_runs}
+        conc = {**streams_summary(stream_runs), "target": STREAMS_TARGET}
         conc["meets_target"] = conc["adapters_over_base"] >= STREAMS_TARGET
         # the streams' decode steps alone (their prompt steps excluded): where the streams' time goes
-        decode_only = ({"base_tps": statistics.median(run["base"] for run in decode_runs),
-                        "adapters_tps": statistics.median(run["adapters"] for run in decode_runs),
-                        "adapters_over_base": median_ratio(decode_runs, "adapters", "base"), "by_round": decode_runs}
-                       if decode_runs else None)
+        decode_only = streams_summary(decode_runs) if decode_runs else None
         report = {"measure": "lora", "machine": machine_name() if a.device == "cpu" else torch_gpu_name(),
                   "kind": machine_kind(a.device), "device": a.device, "model": a.model, "layers": a.layers or None,
                   "dtype": a.dtype, "rank": a.rank, "adapters": a.adapters, "streams": a.streams,

@@ -55,7 +55,7 @@ def step(variant: str, xs: dict, layers, slots, residual, norm_weight):
     from allspark_server.compute.cuda import fused_kernels as fused
     from allspark_server.compute.cuda import gemv_kernels as gk
     from allspark_server.compute.cuda import lora_kernels as lk
-    from allspark_server.compute.pending_delta import PendingDelta
+    from allspark_server.compute.pending_delta import output_and_delta
     for layer in layers:
         for name, (w, a, b, act) in layer.items():
             x = xs[name]
@@ -68,7 +68,7 @@ def step(variant: str, xs: dict, layers, slots, residual, norm_weight):
             elif variant in ("beside", "deferred"):
                 y = lk.grouped_lora_linear(x, a, b, slots, lambda x=x, w=w: torch.nn.functional.linear(x, w),
                                            defer=variant == "deferred" and name != "qkv")
-                y, delta = y if isinstance(y, PendingDelta) else (y, None)
+                y, delta = output_and_delta(y)
             else:
                 y = gk.gemv(x, w) if x.shape[0] <= 2 else torch.nn.functional.linear(x, w)
             if variant == "grouped":

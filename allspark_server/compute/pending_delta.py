@@ -29,3 +29,8 @@ class PendingDelta(NamedTuple):
 def resolved(x):
     """x itself, or a PendingDelta's output with its deltas added."""
     return x.resolved() if isinstance(x, PendingDelta) else x
+
+
+def output_and_delta(x) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the output, its pending deltas or None) of a projection's result, a tensor or a PendingDelta."""
+    return (x.y, x.delta) if isinstance(x, PendingDelta) else (x, None)

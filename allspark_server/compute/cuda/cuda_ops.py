@@ -21,7 +21,7 @@ from allspark_server.compute.cuda.attention_kernels import paged_prefill_attenti
 from allspark_server.compute.cuda.decode_attention import fused_decode_enabled, paged_decode_attention
 from allspark_server.compute.cuda.fp8_matmul import fp8_linear, rounded_rows, takes_fp8_activations
 from allspark_server.compute.cuda.quant_kernels import alone_config, quant_matmul
-from allspark_server.compute.pending_delta import PendingDelta
+from allspark_server.compute.pending_delta import output_and_delta
 from allspark_server.compute.steps import Attention
 from allspark_server.quant.formats import QuantizedWeight
 
@@ -136,7 +136,7 @@ def attention_step(x, b, slots, spans, ctx, cos, sin, lora_rows=None):
     # alone-rows mode, whose rows take the GEMV's launches and whose verify chunks store k and v first)
     defer = fused_decode and b.q_norm is None and not row_mode.alone()
     qkv = lora_linear(x, b.qkv, b.qkv_bias, b.qkv_lora, lora_rows, defer=defer)
-    qkv, delta = qkv if isinstance(qkv, PendingDelta) else (qkv, None)
+    qkv, delta = output_and_delta(qkv)
     n, d = x.shape[0], qkv.shape[-1] // (heads + 2 * kv_heads)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
     if b.q_norm is not None:
@@ -201,7 +201,7 @@ def mlp_step(x, b, lora_rows=None):
     output before the allreduce (a PendingDelta for grouped adapter rows)."""
     if takes_lora(b.gate_up_lora, lora_rows):
         gate_up = lora_linear(x, b.gate_up, b.gate_up_bias, b.gate_up_lora, lora_rows, defer=True)
-        gate_up, delta = gate_up if isinstance(gate_up, PendingDelta) else (gate_up, None)
+        gate_up, delta = output_and_delta(gate_up)
         a = (silu_mul if b.step.act == "silu" else gelu_tanh_mul)(gate_up, delta=delta)
     elif b.step.act == "silu":
         a = gate_up_silu_mul(x, b.gate_up, b.gate_up_bias)

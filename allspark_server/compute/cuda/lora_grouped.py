@@ -35,6 +35,7 @@ from allspark_server.compute.cuda.fused_kernels import _round
 from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
 from allspark_server.compute.cuda.side_stream import beside, join
 from allspark_server.compute.cuda.stream_counters import stream_counters
+from allspark_server.compute.pending_delta import PendingDelta
 
 COUNTERS = 1 << 12   # counters made at a time: one a (slot, r-block, block of rows)
 # k-chunks a shrink splits K into: a slot's rows are a program per chunk (a program streaming all of K alone is
@@ -230,24 +231,26 @@ def grouped_lora_linear(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.T
     the shrink runs on a side stream beside linear()'s GEMM (side_stream.py), which it needs nothing from (eager
     steps, bound by the host's launches, take them one after another: the side stream's fork and join cost more
     host time than the overlap saves).
-    defer: the expand too runs beside the GEMM, into an fp32 delta, and the result is (y, delta) with the deltas
-    not yet added (compute/pending_delta.py): the kernel that reads y next adds them, or add_delta_."""
+    defer: the expand too runs beside the GEMM, into an fp32 delta, and the result is a PendingDelta (y, delta),
+    the deltas not yet added (compute/pending_delta.py): the kernel that reads y next adds them, or add_delta_."""
     t = torch.empty(x.shape[0], a_stack.shape[1], dtype=x.dtype, device=x.device)
     delta = torch.empty(x.shape[0], b_stack.shape[1], dtype=torch.float32, device=x.device) if defer else None
+
+    def needing_only_x():
+        shrink_(x, a_stack, slots, t)
+        if defer:
+            expand_(delta, b_stack, slots, t, into_delta=True)
+
     if x.is_cuda and torch.cuda.is_current_stream_capturing():     # eager steps are host-bound: no side stream
         with beside(x.device):
-            shrink_(x, a_stack, slots, t)
-            if defer:
-                expand_(delta, b_stack, slots, t, into_delta=True)
+            needing_only_x()
         y = linear()
         join(x.device)
     else:
         y = linear()
-        shrink_(x, a_stack, slots, t)
-        if defer:
-            expand_(delta, b_stack, slots, t, into_delta=True)
+        needing_only_x()
     if defer:
-        return y, delta
+        return PendingDelta(y, delta)
     expand_(y, b_stack, slots, t)
     return y
 
