@@ -35,7 +35,6 @@ from allspark_server.compute.cuda.fused_kernels import _round
 from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
 from allspark_server.compute.cuda.side_stream import beside, join
 from allspark_server.compute.cuda.stream_counters import stream_counters
-from allspark_server.compute.pending_delta import PendingDelta
 
 COUNTERS = 1 << 12   # counters made at a time: one a (slot, r-block, block of rows)
 # k-chunks a shrink splits K into: a slot's rows are a program per chunk (a program streaming all of K alone is
@@ -231,8 +230,9 @@ def grouped_lora_linear(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.T
     the shrink runs on a side stream beside linear()'s GEMM (side_stream.py), which it needs nothing from (eager
     steps, bound by the host's launches, take them one after another: the side stream's fork and join cost more
     host time than the overlap saves).
-    defer: the expand too runs beside the GEMM, into an fp32 delta, and the result is a PendingDelta (y, delta),
-    the deltas not yet added (compute/pending_delta.py): the kernel that reads y next adds them, or add_delta_."""
+    defer: the expand too runs beside the GEMM, into an fp32 delta, and the result is (y, delta), the deltas not yet
+    added (lora_kernels makes it a compute/pending_delta.py PendingDelta): the kernel that reads y next adds them,
+    or add_delta_."""
     t = torch.empty(x.shape[0], a_stack.shape[1], dtype=x.dtype, device=x.device)
     delta = torch.empty(x.shape[0], b_stack.shape[1], dtype=torch.float32, device=x.device) if defer else None
 
@@ -250,7 +250,7 @@ def grouped_lora_linear(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.T
         y = linear()
         needing_only_x()
     if defer:
-        return PendingDelta(y, delta)
+        return y, delta
     expand_(y, b_stack, slots, t)
     return y
 

@@ -39,7 +39,7 @@ import triton.language as tl
 from allspark_server.compute.cuda import lora_grouped, pdl
 from allspark_server.compute.cuda.fused_kernels import _round
 from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
-from allspark_server.compute.pending_delta import output_and_delta
+from allspark_server.compute.pending_delta import PendingDelta
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_BLOCK_R = 64    # rank columns a program holds: R = 192 is three shrink programs a row, three expand steps
@@ -261,8 +261,8 @@ def grouped_lora_linear(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.T
     if _no_delta(x, a_stack, b_stack):
         return linear()
     out = lora_grouped.grouped_lora_linear(x, a_stack, b_stack, slots, linear, defer=defer)
-    _check_output(output_and_delta(out)[0], x, b_stack)
-    return out
+    _check_output(out[0] if defer else out, x, b_stack)
+    return PendingDelta(*out) if defer else out
 
 
 def _check_output(y: torch.Tensor, x: torch.Tensor, b_stack: torch.Tensor) -> None:
