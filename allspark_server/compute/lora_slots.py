@@ -13,7 +13,7 @@ PEFT computes lora_B(lora_A(x)) in the module's dtype.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -33,6 +33,7 @@ class LoraSlots:
         self._fixed = False     # the stacks keep their storage (CUDA graphs read them): refilled in place
         self.native = None      # (version, the native LoraSlots, each slot's (B, panels)) once the native kernels
                                 # took them (step_binding.native_lora)
+        self._derived: dict[str, tuple[int, object]] = {}
 
     def set(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
@@ -82,11 +83,27 @@ class LoraSlots:
     def has_fixed_storage(self) -> bool:
         return self._fixed
 
+    def derived(self, name: str, build):
+        """build(self), kept until the slots change (a backend's other layout of the stacks)."""
+        kept = self._derived.get(name)
+        if kept is None or kept[0] != self.version:
+            kept = self._derived[name] = (self.version, build(self))
+        return kept[1]
+
 
 @dataclass
 class LoraRows:
     """A step's rows by adapter: `slots` [T] long, each row's slot (-1: the base model)."""
     slots: torch.Tensor
+    _masks: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def other_slots(self, num_slots: int) -> torch.Tensor:
+        """[T, num_slots] bool: True where the column is not the row's slot (made once a step)."""
+        mask = self._masks.get(num_slots)
+        if mask is None:
+            slots = torch.arange(num_slots, device=self.slots.device)
+            mask = self._masks[num_slots] = self.slots.unsqueeze(1) != slots
+        return mask
 
     @classmethod
     def of(cls, row_slots: list[int]) -> Optional["LoraRows"]:

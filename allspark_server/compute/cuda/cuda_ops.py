@@ -20,6 +20,7 @@ from allspark_server.compute.cuda import gemv_kernels, lora_kernels
 from allspark_server.compute.cuda.attention_kernels import paged_prefill_attention
 from allspark_server.compute.cuda.decode_attention import fused_decode_enabled, paged_decode_attention
 from allspark_server.compute.cuda.fp8_matmul import fp8_linear, rounded_rows, takes_fp8_activations
+from allspark_server.compute.cuda.lora_dense import dense_lora_add_
 from allspark_server.compute.cuda.quant_kernels import alone_config, quant_matmul
 from allspark_server.compute.pending_delta import output_and_delta
 from allspark_server.compute.steps import Attention
@@ -111,16 +112,19 @@ def takes_lora(lora, lora_rows) -> bool:
 
 def lora_linear(x, w, bias, lora, lora_rows, defer: bool = False):
     """linear(x, w, bias) plus the rows' adapter deltas: where the GEMV takes the rows, it carries the adapter's
-    shrink in its own launch where it can (gemv_kernels.gemv) and the expand follows; grouped rows run the shrink
-    beside the linear in a CUDA graph (lora_kernels.grouped_lora_linear); elsewhere lora_add_'s launches after the
-    linear. defer: grouped rows run the expand beside the linear too and return a PendingDelta (pending_delta.py)
-    whose reader adds the deltas."""
+    shrink in its own launch where it can (gemv_kernels.gemv) and the expand follows; grouped rows of an eager step
+    take two GEMMs over every slot (lora_dense.py), those of a CUDA graph run the shrink beside the linear
+    (lora_kernels.grouped_lora_linear); elsewhere lora_add_'s launches after the linear. defer: a graph's grouped
+    rows run the expand beside the linear too and return a PendingDelta (pending_delta.py) whose reader adds the
+    deltas."""
     if not takes_lora(lora, lora_rows):
         return linear(x, w, bias)
     a_stack, b_stack = lora.stacked()
     if isinstance(w, torch.Tensor) and gemv_kernels.fits(x, w):
         return gemv_kernels.gemv(x, w, bias, lora=lora_kernels.Shrink.of(x, a_stack, b_stack, lora_rows.slots))
     if _grouped(x):
+        if x.is_cuda and not torch.cuda.is_current_stream_capturing():     # bound by the host's launches
+            return dense_lora_add_(linear(x, w, bias), x, lora, lora_rows)
         return lora_kernels.grouped_lora_linear(x, a_stack, b_stack, lora_rows.slots, lambda: linear(x, w, bias),
                                                 defer=defer)
     return lora_add_(linear(x, w, bias), x, lora, lora_rows)

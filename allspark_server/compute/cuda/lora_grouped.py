@@ -227,9 +227,9 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: 
 def grouped_lora_linear(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, slots: torch.Tensor,
                         linear: Callable[[], torch.Tensor], defer: bool = False):
     """linear() (x's projection [T, N], unit column stride) plus lora_add_'s deltas, the same bits; in a CUDA graph
-    the shrink runs on a side stream beside linear()'s GEMM (side_stream.py), which it needs nothing from (eager
-    steps, bound by the host's launches, take them one after another: the side stream's fork and join cost more
-    host time than the overlap saves).
+    the shrink runs on a side stream beside linear()'s GEMM (side_stream.py), which it needs nothing from (outside
+    one the launches follow one another: the side stream's fork and join cost more host time than the overlap
+    saves; cuda_ops gives a GPU's eager steps to lora_dense.py).
     defer: the expand too runs beside the GEMM, into an fp32 delta, and the result is (y, delta), the deltas not yet
     added (lora_kernels makes it a compute/pending_delta.py PendingDelta): the kernel that reads y next adds them,
     or add_delta_."""
