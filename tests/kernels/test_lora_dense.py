@@ -78,3 +78,27 @@ def test_side_by_side_b_follows_loads_and_unloads():
         assert_within_bound(out[live], ref, bound)
         dead = [row for row in range(len(slots)) if row not in live]
         assert_same_bits(out[dead], y[dead])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_graph_steps_and_their_warm_ups_take_the_grouped_kernels(monkeypatch):
+    # capture_each_size's warm-ups run eagerly but take the capture's path, so its Triton kernels compile and its
+    # counters exist before the capture (K = 1024: the shrink splits K into chunks, which count one another); an
+    # eager step takes lora_dense; both within the bound
+    from allspark_server.compute.cuda import cuda_ops, graph_capture
+    calls, dense = [], cuda_ops.dense_lora_add_
+    monkeypatch.setattr(cuda_ops, "dense_lora_add_", lambda *a: calls.append(len(a[1])) or dense(*a))
+    dtype, k, n, rank, slots = torch.bfloat16, 1024, 256, 16, [0, 1, -1, 0, 1, 1, -1, 0]
+    _, _, unpadded = adapters(2, [rank, rank], rank, k, n, dtype, seed=12)
+    lora, rows = slots_of(unpadded, k, n), rows_of(slots)
+    x = rows_view(len(slots), k, dtype, seed=13).contiguous()
+    w = (torch.randn(n, k, generator=torch.Generator().manual_seed(14)) / k ** 0.5).to(DEVICE, dtype)
+    graphs, outs = graph_capture.capture_each_size(
+        lambda b: cuda_ops.lora_linear(x[:b], w, None, lora, LoraRows(rows.slots[:b])), [len(slots)])
+    assert calls == [], "a graph's warm-up or capture took the eager path"
+    graphs[len(slots)].replay()
+    eager = cuda_ops.lora_linear(x, w, None, lora, rows)
+    assert calls == [len(slots)]
+    ref, bound = reference(torch.nn.functional.linear(x, w), x, unpadded, slots)
+    for out in (outs[len(slots)], eager):
+        assert_within_bound(out, ref, bound)

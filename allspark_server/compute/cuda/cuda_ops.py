@@ -20,6 +20,7 @@ from allspark_server.compute.cuda import gemv_kernels, lora_kernels
 from allspark_server.compute.cuda.attention_kernels import paged_prefill_attention
 from allspark_server.compute.cuda.decode_attention import fused_decode_enabled, paged_decode_attention
 from allspark_server.compute.cuda.fp8_matmul import fp8_linear, rounded_rows, takes_fp8_activations
+from allspark_server.compute.cuda.graph_capture import for_a_graph
 from allspark_server.compute.cuda.lora_dense import dense_lora_add_
 from allspark_server.compute.cuda.quant_kernels import alone_config, quant_matmul
 from allspark_server.compute.pending_delta import output_and_delta
@@ -123,7 +124,7 @@ def lora_linear(x, w, bias, lora, lora_rows, defer: bool = False):
     if isinstance(w, torch.Tensor) and gemv_kernels.fits(x, w):
         return gemv_kernels.gemv(x, w, bias, lora=lora_kernels.Shrink.of(x, a_stack, b_stack, lora_rows.slots))
     if _grouped(x):
-        if x.is_cuda and not torch.cuda.is_current_stream_capturing():     # bound by the host's launches
+        if x.is_cuda and not for_a_graph():     # an eager step, bound by the host's launches
             return dense_lora_add_(linear(x, w, bias), x, lora, lora_rows)
         return lora_kernels.grouped_lora_linear(x, a_stack, b_stack, lora_rows.slots, lambda: linear(x, w, bias),
                                                 defer=defer)
