@@ -68,7 +68,8 @@ MEASURES = {
              "lora_kernels.py; the H200 run has a program a row at one or two rows (its slot and first tile read "
              "before the PDL wait) and at 32 the grouped launches beside each GEMM, their fp32 deltas added by "
              "the kernel that reads the projection next (compute/pending_delta.py). The streams' time includes "
-             "their prompt steps, which run eagerly.", lora),
+             "their prompt steps, which run eagerly (their adapter rows through two GEMMs over every slot, "
+             "lora_dense.py).", lora),
     "lora-kernels-micro": ("LoRA's kernels alone: a 7B-shaped step's projections in one CUDA graph",
                            "`lora_kernels_micro.py`: the four projections of 32 layers (bf16, distinct weights) "
                            "replayed without adapters and with rank-16 adapters on all seven modules: lora_add_'s "
