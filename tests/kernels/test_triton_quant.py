@@ -64,10 +64,12 @@ def check(x: torch.Tensor, w: QuantizedWeight, exact_w: torch.Tensor, bias=None,
 @pytest.mark.parametrize("fmt", ["int8", "uint8", "int4", "uint4", "fp8_e4m3"])
 @pytest.mark.parametrize("group", [-1, 32, 128])
 def test_formats_and_groups(fmt, group):
-    n, k = 72, 256
+    """N = 38 ends in a part tile on every path (the GEMV's 2 or 4 columns, the tiles' 32 and 64); rows: the GEMV, a
+    part 16-row tile, a part and a whole 64-row tile (DOT_MAX_ROWS, the most rows before the dequantize-and-GEMM)."""
+    n, k = 38, 256
     w, exact = quantized(n, k, fmt, group, seed=len(fmt) + group)
     gen = torch.Generator().manual_seed(1)
-    for m in (1, 3, 5, 17, qk.DOT_MAX_ROWS):      # the FMA GEMV, then tensor-core tiles
+    for m in (1, 3, 17, qk.DOT_MAX_ROWS):      # the FMA GEMV, then tensor-core tiles
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             check((torch.randn(m, k, generator=gen)).to(DEVICE, dtype), w, exact)
 
@@ -75,7 +77,7 @@ def test_formats_and_groups(fmt, group):
 @pytest.mark.parametrize("fmt", ["int8", "int4", "fp8_e4m3"])
 def test_split_k_tiles_and_bias(fmt):
     """Explicit configs: 1 and 3 splits of an uneven number of k-tiles; a bias; x a strided row view."""
-    n, k = 40, 384
+    n, k = 20, 384          # 20: a part tile of the 32 and of the 8 columns
     w, exact = quantized(n, k, fmt, 64, seed=3)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(3, k + 8, generator=gen)[:, 8:].to(DEVICE, torch.bfloat16)            # stride(0) = k + 8
@@ -147,7 +149,7 @@ def test_silu_mul_epilogue_equals_the_gemv_then_silu_mul(fmt, group):
     product rounded the same way: the interpreter's plain bf16 store truncates where the epilogue rounds)."""
     from allspark_server.compute import ops
     from allspark_server.compute.cuda import fused_kernels as fk
-    inter, k = 36, 256
+    inter, k = 10, 256            # 10 columns: a part tile of the 4-column GEMV
     w, exact = quantized(2 * inter, k, fmt, group, seed=7 + len(fmt) + group)
     gen = torch.Generator().manual_seed(4)
     for m, dtype in ((1, torch.float32), (1, torch.float16), (1, torch.bfloat16), (2, torch.float16)):
