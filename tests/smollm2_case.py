@@ -5,9 +5,12 @@ transformers' model of the file and generating 8 x 32 tokens with it (as one bat
 check against the same reference."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
 import os
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 
@@ -24,11 +27,31 @@ class SmolLM2Case:
     want: list[list[int]]          # transformers' greedy tokens, NEW_TOKENS per prompt
 
 
+@contextlib.contextmanager
+def one_read_of_each_file():
+    """Meanwhile gguf's reader is built once per file and its tensor name map once per architecture: transformers'
+    GGUF loader reads the file's metadata (SmolLM2's 49k-token vocabulary) twice, once for the config and once for
+    the weights, and builds the name map again for every submodule; both are read-only, so the model is the same."""
+    import gguf
+    readers: dict = {}
+    real_reader = gguf.GGUFReader
+
+    def reader(path, *args, **kwargs):
+        key = (os.path.abspath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = real_reader(path, *args, **kwargs)
+        return readers[key]
+    with (mock.patch.object(gguf, "GGUFReader", reader),
+          mock.patch.object(gguf, "get_tensor_name_map", functools.lru_cache(None)(gguf.get_tensor_name_map))):
+        yield
+
+
 def transformers_model(loader):
     """transformers' fp32 model of the file (its GGUF loader dequantizes)."""
     from transformers import AutoModelForCausalLM
     folder, name = os.path.split(loader.path)
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    with one_read_of_each_file():
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
 
 
 def chat_prompts(tok, questions: list[str]) -> list[list[int]]:
