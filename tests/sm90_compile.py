@@ -81,8 +81,7 @@ def dense_gemv(silu_mul: bool, shrink: bool) -> str:
 
 
 def lora_launches() -> str:
-    """The shrink and the expand a row a program, the expand in a norm's launch, and the grouped shrink and expand
-    on tensor cores."""
+    """The shrink and the expand a row a program, and the grouped shrink and expand on tensor cores."""
     pointers = {"x": "*bf16", "a": "*bf16", "b": "*bf16", "y": "*bf16", "slots": "*i64", "part": "*fp32",
                 "t": "*bf16", "counters": "*i32"}
     shrink = compile_for_hopper(lora_kernels._shrink_kernel, pointers, dict(
@@ -95,12 +94,9 @@ def lora_launches() -> str:
         BLOCK_T=32, BLOCK_N=128, BLOCK_R=16, DOT_PREC="tf32", INTO_DELTA=False, SOFT_BF16=False, PDL=True))
     into_delta = compile_for_hopper(lora_grouped._grouped_expand_kernel, dict(pointers, y="*fp32"), dict(
         BLOCK_T=32, BLOCK_N=128, BLOCK_R=16, DOT_PREC="tf32", INTO_DELTA=True, SOFT_BF16=False, PDL=True))
-    norm_expand = compile_for_hopper(lora_kernels._norm_expand_kernel, dict(
-        pointers, residual="*bf16", weight="*bf16", out="*bf16", s_out="*bf16"), dict(
-        BLOCK=4096, BLOCK_R=16, BLOCK_S=32, SOFT_BF16=False, PDL=True))
     for name, ptx in (("shrink", grouped_shrink), ("expand", grouped), ("expand into a delta", into_delta)):
         assert "mma" in ptx, f"the grouped {name}'s product is not on tensor cores"
-    return shrink + expand + grouped_shrink + grouped + into_delta + norm_expand
+    return shrink + expand + grouped_shrink + grouped + into_delta
 
 
 def fp8_rows() -> str:

@@ -2,9 +2,7 @@
 deltas beside the projection's GEMM (compute/cuda/lora_grouped.py), so that no launch of theirs waits for it; the
 kernel that reads the output next adds them as it loads it: the residual add and RMSNorm after the o and down
 projections (layers/linear.py reduce_into_norm), silu·mul after gate|up (compute/cuda/cuda_ops.py mlp_step).
-A decode row or two of the GEMV leave the o and down projections' expand itself to that norm's launch (a pending
-expand: compute/cuda/lora_kernels.py Shrink). Whatever else reads the output takes `resolved()`: the same bits as
-the deltas added in place.
+Whatever else reads the output takes `resolved()`: the same bits as the deltas added in place.
 """
 from __future__ import annotations
 
@@ -15,21 +13,15 @@ import torch
 
 class PendingDelta(NamedTuple):
     y: torch.Tensor         # the projection's output [T, N]
-    # each row's adapter delta [T, N], fp32 (zeros for rows without an adapter), or a pending expand: an object
-    # with expand_into(y) and norm_into(y, weight, eps, residual) (lora_kernels.Shrink, its partials written)
-    delta: object
+    delta: torch.Tensor     # each row's adapter delta [T, N], fp32 (zeros for rows without an adapter)
 
     def resolved(self) -> torch.Tensor:
         """y = round(y + delta) in y's dtype, in place: what the expand writes into y itself."""
-        if not isinstance(self.delta, torch.Tensor):
-            return self.delta.expand_into(self.y)
         from allspark_server.compute.cuda import lora_grouped
         return lora_grouped.add_delta_(self.y, self.delta)
 
     def norm(self, weight: torch.Tensor, eps: float, residual: torch.Tensor):
         """ops.rms_norm(resolved(), weight, eps, residual) in the norm's one launch: (normed, residual stream)."""
-        if not isinstance(self.delta, torch.Tensor):
-            return self.delta.norm_into(self.y, weight, eps, residual)
         from allspark_server.compute.cuda import fused_kernels
         return fused_kernels.rms_norm(self.y, weight, eps, residual, delta=self.delta)
 
@@ -40,6 +32,5 @@ def resolved(x):
 
 
 def output_and_delta(x) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(the output, its pending fp32 deltas or None) of a projection's result, a tensor or a PendingDelta of fp32
-    deltas (a pending expand only ever reaches a norm)."""
+    """(the output, its pending deltas or None) of a projection's result, a tensor or a PendingDelta."""
     return (x.y, x.delta) if isinstance(x, PendingDelta) else (x, None)

@@ -339,3 +339,53 @@ def test_shrink_beside_the_linear_gives_the_same_bits(dtype, poisoned_empty):
     graph.replay()
     assert_same_bits(out, want())
 
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_deltas_added_by_the_next_kernel_give_the_same_bits(dtype, poisoned_empty):
+    # grouped rows with the expand beside the GEMM too (cuda_ops' o, gate|up and down projections): the fp32 deltas,
+    # zeros for rows without an adapter, then added by whatever reads the output next (the residual add + RMSNorm,
+    # silu·mul, gelu·mul, or the plain add) give the bits of the expand into y followed by that kernel
+    from allspark_server.compute.cuda import fused_kernels as fused
+    from allspark_server.compute.pending_delta import PendingDelta
+    slots, k, n, rank = [1, -1, 0, 1, 2, 0, -1], 96, 130, 16
+    x = rows_view(len(slots), k, dtype, seed=30)
+    gen = torch.Generator().manual_seed(31)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(DEVICE, dtype)
+    a_stack, b_stack, unpadded = adapters(3, [rank, 8, rank], rank, k, n, dtype, seed=32)
+    ids = slot_tensor(slots)
+    residual = torch.randn(len(slots), n, generator=gen).to(DEVICE, dtype)
+    weight = (1 + 0.1 * torch.randn(n, generator=gen)).to(DEVICE, dtype)
+    gate_up = n - n % 2
+
+    def plain():
+        return lk.grouped_lora_linear(x, a_stack, b_stack, ids, lambda: torch.nn.functional.linear(x, w))
+
+    def deferred():
+        out = lk.grouped_lora_linear(x, a_stack, b_stack, ids, lambda: torch.nn.functional.linear(x, w), defer=True)
+        assert isinstance(out, PendingDelta) and out.delta.dtype == torch.float32
+        return out
+
+    want = plain()
+    pending = deferred()
+    for row, s in enumerate(slots):
+        if s < 0:
+            assert not pending.delta[row].any(), "a row without an adapter got a delta"
+    ref, bound = reference(torch.nn.functional.linear(x, w), x, unpadded, slots)
+    assert_within_bound(pending.y.double() + pending.delta.double().cpu().to(pending.y.device), ref, 2 * bound)
+    normed, stream = fused.rms_norm(want, weight, 1e-5, residual)
+    got_normed, got_stream = pending.norm(weight, 1e-5, residual)
+    assert_same_bits(got_stream, stream)
+    assert_same_bits(got_normed, normed)
+    for act in (fused.silu_mul, fused.gelu_tanh_mul):
+        assert_same_bits(act(pending.y[:, :gate_up], delta=pending.delta[:, :gate_up]), act(want[:, :gate_up]))
+    assert_same_bits(pending.resolved(), want)
+    if DEVICE != "cuda":
+        return
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = deferred()
+        out = captured.norm(weight, 1e-5, residual)[0]
+    x.copy_(torch.randn_like(x))
+    ids.copy_(slot_tensor([2, 0, -1, 1, 1, 0, 2]))
+    graph.replay()
+    assert_same_bits(out, fused.rms_norm(plain(), weight, 1e-5, residual)[0])

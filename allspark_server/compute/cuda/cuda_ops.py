@@ -23,7 +23,7 @@ from allspark_server.compute.cuda.fp8_matmul import fp8_linear, rounded_rows, ta
 from allspark_server.compute.cuda.graph_capture import for_a_graph
 from allspark_server.compute.cuda.lora_dense import dense_lora_add_
 from allspark_server.compute.cuda.quant_kernels import alone_config, quant_matmul
-from allspark_server.compute.pending_delta import PendingDelta, output_and_delta
+from allspark_server.compute.pending_delta import output_and_delta
 from allspark_server.compute.steps import Attention
 from allspark_server.quant.formats import QuantizedWeight
 
@@ -111,23 +111,18 @@ def takes_lora(lora, lora_rows) -> bool:
     return lora is not None and lora_rows is not None and (lora.has_fixed_storage or not lora.is_empty)
 
 
-def lora_linear(x, w, bias, lora, lora_rows, defer: bool = False, norm_reads: bool = False):
+def lora_linear(x, w, bias, lora, lora_rows, defer: bool = False):
     """linear(x, w, bias) plus the rows' adapter deltas: where the GEMV takes the rows, it carries the adapter's
     shrink in its own launch where it can (gemv_kernels.gemv) and the expand follows; grouped rows of an eager step
     take two GEMMs over every slot (lora_dense.py), those of a CUDA graph run the shrink beside the linear
     (lora_kernels.grouped_lora_linear); elsewhere lora_add_'s launches after the linear. defer: a graph's grouped
     rows run the expand beside the linear too and return a PendingDelta (pending_delta.py) whose reader adds the
-    deltas. norm_reads (o, down: a residual add + RMSNorm reads the output, layers/linear.py reduce_into_norm):
-    the GEMV's rows leave their expand to that norm's launch (a PendingDelta of the shrink's partials), outside
-    the row modes (whose rows of several launches must come out as a one-row step's)."""
+    deltas."""
     if not takes_lora(lora, lora_rows):
         return linear(x, w, bias)
     a_stack, b_stack = lora.stacked()
     if isinstance(w, torch.Tensor) and gemv_kernels.fits(x, w):
-        plan = lora_kernels.Shrink.of(x, a_stack, b_stack, lora_rows.slots)
-        to_norm = norm_reads and not (plan.empty or row_mode.alone() or row_mode.invariant())
-        y = gemv_kernels.gemv(x, w, bias, lora=plan, expand=not to_norm)
-        return PendingDelta(y, plan) if to_norm else y
+        return gemv_kernels.gemv(x, w, bias, lora=lora_kernels.Shrink.of(x, a_stack, b_stack, lora_rows.slots))
     if _grouped(x):
         if x.is_cuda and not for_a_graph():     # an eager step, bound by the host's launches
             return dense_lora_add_(linear(x, w, bias), x, lora, lora_rows)
@@ -165,7 +160,7 @@ def attention_step(x, b, slots, spans, ctx, cos, sin, lora_rows=None):
             q, k = rotary(q, k, cos, sin)
         store_kv(k, v, b.k_cache, b.v_cache, slots, b.k_param, b.v_param)
         o = decode_attention(q, b.k_cache, b.v_cache, spans, ctx, a, b.k_param, b.v_param, b.alibi_slopes)
-    return lora_linear(o.reshape(n, heads * d), b.o, None, b.o_lora, lora_rows, defer=True, norm_reads=True)
+    return lora_linear(o.reshape(n, heads * d), b.o, None, b.o_lora, lora_rows, defer=True)
 
 
 def _alone_config(x: torch.Tensor, w: QuantizedWeight, silu_mul: bool = False):
@@ -217,4 +212,4 @@ def mlp_step(x, b, lora_rows=None):
         a = gate_up_silu_mul(x, b.gate_up, b.gate_up_bias)
     else:
         a = gelu_tanh_mul(linear(x, b.gate_up, b.gate_up_bias))
-    return lora_linear(a, b.down, None, b.down_lora, lora_rows, defer=True, norm_reads=True)
+    return lora_linear(a, b.down, None, b.down_lora, lora_rows, defer=True)

@@ -86,15 +86,6 @@ def _rms_norm_kernel(x, delta, residual, weight, out, s_out, eps, H, stride_x, s
     if HAS_DELTA:
         d = tl.load(delta + row * stride_d + offs, mask=ok, other=0.0)
         s = _round(s + d, x.dtype.element_ty, SOFT_BF16)
-    residual_norm_row(s, row, offs, ok, residual, w, out, s_out, eps, H, stride_r, stride_o, stride_s, HAS_RESIDUAL,
-                      SOFT_BF16)
-
-
-@triton.jit
-def residual_norm_row(s, row, offs, ok, residual, w, out, s_out, eps, H, stride_r, stride_o, stride_s,
-                      HAS_RESIDUAL: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """The rest of a norm program after its row's x (fp32 [BLOCK], rounded to x's dtype): s = x + residual
-    (rounded, stored), out = weight * rmsnorm(s) (stored); w the weight in fp32."""
     if HAS_RESIDUAL:
         r = tl.load(residual + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32)    # [BLOCK]
         s = _round(s + r, s_out.dtype.element_ty, SOFT_BF16)

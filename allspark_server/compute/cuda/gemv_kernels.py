@@ -237,7 +237,7 @@ def fits_silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
     return fits(x, gate_up, SILU_MUL_MAX_ROWS)
 
 
-def _launch(x, w, bias, out_cols, up_rows, silu_mul, config, lora=None, expand=True):
+def _launch(x, w, bias, out_cols, up_rows, silu_mul, config, lora=None):
     m, k = x.shape
     assert w.shape[1] == k and x.stride(-1) == 1 and w.is_contiguous(), (tuple(x.shape), tuple(w.shape))
     assert bias is None or (bias.shape == (w.shape[0],) and bias.is_contiguous())
@@ -256,7 +256,7 @@ def _launch(x, w, bias, out_cols, up_rows, silu_mul, config, lora=None, expand=T
         s = None
     if invariant:
         out = _launch_invariant(x, w, bias, out, up_rows, silu_mul, cfg)
-        if plan is not None and expand:
+        if plan is not None:
             lora_kernels.expand_(out, plan)
         return out
     # alone-rows mode: a program a row, each the one-row launch's (M = 1, BLOCK_M = 1), so its sums are the same
@@ -272,7 +272,7 @@ def _launch(x, w, bias, out_cols, up_rows, silu_mul, config, lora=None, expand=T
         SILU_MUL=silu_mul, SHRINK=s is not None, BLOCK_R=s.block_r if s else 16, CHUNK=s.chunk if s else 16,
         EVICTION=cfg.eviction, SOFT_BF16=_INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         enable_fp_fusion=False, **pdl.launch_options(x.device))
-    if plan is not None and expand:
+    if plan is not None:
         lora_kernels.expand_(out, plan)
     return out
 
@@ -288,13 +288,11 @@ def _launch_invariant(x, w, bias, out, up_rows, silu_mul, cfg):
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None, lora: "lora_kernels.Shrink | None" = None,
-         expand: bool = True) -> torch.Tensor:
+         config: GemvConfig | None = None, lora: "lora_kernels.Shrink | None" = None) -> torch.Tensor:
     """x [M, K] @ w [N, K].T (+ bias [N]) -> [M, N] in x's dtype (any M runs; `fits` says where it pays).
     lora (lora_kernels.Shrink.of(x, a_stack, b_stack, slots)): each row's adapter delta added as lora_add_ adds it;
-    the shrink's programs run first in this launch where its tile allows, the expand in a launch after it (not
-    `expand`: only the shrink's partials are written, the expand left to the caller, Shrink.expand_into)."""
-    return _launch(x, w, bias, w.shape[0], 0, False, config, lora, expand)
+    the shrink's programs run first in this launch where its tile allows, the expand in a launch after it."""
+    return _launch(x, w, bias, w.shape[0], 0, False, config, lora)
 
 
 def gemv_silu_mul(x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor | None = None,

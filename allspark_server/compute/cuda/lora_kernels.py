@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from allspark_server.compute.cuda import fused_kernels, lora_grouped, pdl
-from allspark_server.compute.cuda.fused_kernels import _round, residual_norm_row
+from allspark_server.compute.cuda import lora_grouped, pdl
+from allspark_server.compute.cuda.fused_kernels import _round
 from allspark_server.compute.cuda.pdl import allow_next, wait_for_previous
 from allspark_server.compute.pending_delta import PendingDelta
 
@@ -90,37 +90,6 @@ def _shrink_kernel(x, a, slots, part, K, R, stride_xt, stride_as, stride_ar, str
 
 
 @triton.jit
-def expand_first_tile(slots, row, b, offs_n, n_ok, R, stride_bs, stride_bn, BLOCK_R: tl.constexpr):
-    """What an expand reads before its PDL wait: (the row's slot, its B rows [BN, 1] pointers, the first BLOCK_R
-    ranks of B [BN, BR]; zeros where s < 0 or n is out of range)."""
-    slot = tl.load(slots + row).to(tl.int64)
-    rows_b = b + tl.maximum(slot, 0) * stride_bs + offs_n.to(tl.int64)[:, None] * stride_bn    # [BN, 1]
-    offs_r = tl.arange(0, BLOCK_R)
-    live = n_ok & ((offs_n * 0 + slot) >= 0)                                            # nothing to read: s < 0
-    br = tl.load(rows_b + offs_r[None, :], mask=live[:, None] & (offs_r < R)[None, :], other=0.0)  # [BN, BR]
-    return slot, rows_b, br
-
-
-@triton.jit
-def expand_sum(part, rows_b, br, n_ok, R, SPLITS, stride_ps, DT: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """A row's sum_r t[r] b[n, r] in fp32 [BN] (after the wait): t = the shrink's partials (`part`, the row's
-    [splits, R]) summed over the chunks in order, rounded to DT; br: expand_first_tile's first tile of B."""
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_ok = offs_r < R
-        offs_s = tl.arange(0, BLOCK_S)      # every chunk's partial in one load, summed as one tree: the same
-        parts = tl.load(part + offs_s[:, None] * stride_ps + offs_r[None, :],          # sum alone or batched
-                        mask=(offs_s < SPLITS)[:, None] & r_ok[None, :], other=0.0)           # [BS, BR]
-        tr = _round(tl.sum(parts, 0), DT, SOFT_BF16).to(DT).to(tl.float32)                     # [BR]
-        if r0 > 0:
-            br = tl.load(rows_b + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-        acc += tl.sum(br.to(tl.float32) * tr[None, :], 1)
-    return acc
-
-
-@triton.jit
 def expand_program(row, n_block, part, b, slots, y, N, R, SPLITS, stride_pt, stride_ps, stride_bs, stride_bn,
                    stride_yt, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
                    SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
@@ -128,16 +97,30 @@ def expand_program(row, n_block, part, b, slots, y, N, R, SPLITS, stride_pt, str
     dtype; y[row, n] += sum_r t[r] b[s, n, r] in fp32, the sum with y rounded once to y's dtype, for BLOCK_N outputs
     n; nothing when s = slots[row] < 0. The slot and the first BLOCK_R ranks of B are read before the PDL wait."""
     row = row.to(tl.int64)
+    slot = tl.load(slots + row).to(tl.int64)
     offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    slot, rows_b, br = expand_first_tile(slots, row, b, offs_n, n_ok, R, stride_bs, stride_bn, BLOCK_R)
+    rows_b = b + tl.maximum(slot, 0) * stride_bs + offs_n.to(tl.int64)[:, None] * stride_bn    # [BN, 1]
+    offs_r = tl.arange(0, BLOCK_R)
+    live = n_ok & ((offs_n * 0 + slot) >= 0)                                            # nothing to read: s < 0
+    br = tl.load(rows_b + offs_r[None, :], mask=live[:, None] & (offs_r < R)[None, :], other=0.0)  # [BN, BR]
     wait_for_previous(PDL)
     if slot >= 0:
+        part += row * stride_pt
         dst = y + row * stride_yt + offs_n
         yv = tl.load(dst, mask=n_ok, other=0.0).to(tl.float32)
         dt = y.dtype.element_ty
-        acc = expand_sum(part + row * stride_pt, rows_b, br, n_ok, R, SPLITS, stride_ps, dt, BLOCK_N, BLOCK_R,
-                         BLOCK_S, SOFT_BF16)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for r0 in range(0, R, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            r_ok = offs_r < R
+            offs_s = tl.arange(0, BLOCK_S)      # every chunk's partial in one load, summed as one tree: the same
+            parts = tl.load(part + offs_s[:, None] * stride_ps + offs_r[None, :],          # sum alone or batched
+                            mask=(offs_s < SPLITS)[:, None] & r_ok[None, :], other=0.0)           # [BS, BR]
+            tr = _round(tl.sum(parts, 0), dt, SOFT_BF16).to(dt).to(tl.float32)                    # [BR]
+            if r0 > 0:
+                br = tl.load(rows_b + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+            acc += tl.sum(br.to(tl.float32) * tr[None, :], 1)
         tl.store(dst, _round(yv + acc, dt, SOFT_BF16).to(dt), mask=n_ok)
 
 
@@ -149,30 +132,6 @@ def _expand_kernel(part, b, slots, y, N, R, SPLITS, stride_pt, stride_ps, stride
     allow_next(PDL)
     expand_program(tl.program_id(0), tl.program_id(1), part, b, slots, y, N, R, SPLITS, stride_pt, stride_ps,
                    stride_bs, stride_bn, stride_yt, BLOCK_N, BLOCK_R, BLOCK_S, SOFT_BF16, PDL)
-
-
-@triton.jit
-def _norm_expand_kernel(y, residual, weight, out, s_out, part, b, slots, eps, H, R, SPLITS, stride_y, stride_r,
-                        stride_o, stride_s, stride_pt, stride_ps, stride_bs, stride_bn, BLOCK: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
-    """Program = one row: y[row] + expand_program's sum, rounded to y's dtype as the expand writes it into y, then
-    fused_kernels.rms_norm's residual add and RMSNorm of that: a row's expand and the norm reading it in one launch.
-    The slot, the first tile of B and the norm's weight are read before the PDL wait."""
-    allow_next(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    ok = offs < H
-    w = tl.load(weight + offs, mask=ok, other=0.0).to(tl.float32)                           # [BLOCK]
-    slot, rows_b, br = expand_first_tile(slots, row, b, offs, ok, R, stride_bs, stride_bn, BLOCK_R)
-    wait_for_previous(PDL)
-    dt = y.dtype.element_ty
-    s = tl.load(y + row * stride_y + offs, mask=ok, other=0.0).to(tl.float32)               # [BLOCK]
-    if slot >= 0:
-        acc = expand_sum(part + row * stride_pt, rows_b, br, ok, R, SPLITS, stride_ps, dt, BLOCK, BLOCK_R, BLOCK_S,
-                         SOFT_BF16)
-        s = _round(s + acc, dt, SOFT_BF16)
-    residual_norm_row(s, row, offs, ok, residual, w, out, s_out, eps, H, stride_r, stride_o, stride_s, True,
-                      SOFT_BF16)
 
 
 def blocks(rank: int, k: int, n: int) -> tuple[int, int, int]:
@@ -232,15 +191,6 @@ class Shrink:
     def empty(self) -> bool:
         return self.part.numel() == 0 or self.b_stack.shape[1] == 0
 
-    def expand_into(self, y: torch.Tensor) -> torch.Tensor:
-        """The expand's launch into y, the shrink's partials written (a PendingDelta's resolved())."""
-        expand_(y, self)
-        return y
-
-    def norm_into(self, y: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor):
-        """fused_kernels.rms_norm(expand_into(y), weight, eps, residual), the same bits, in one launch."""
-        return norm_expand(y, self, weight, eps, residual)
-
 
 def check_operands(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, slots: torch.Tensor) -> None:
     """lora_add_'s x, stacks and slots: shapes, one float dtype, unit last strides, one device."""
@@ -270,31 +220,12 @@ def shrink_(x: torch.Tensor, s: Shrink) -> None:
 
 
 def expand_(y: torch.Tensor, s: Shrink) -> None:
-    """The expand's launch, a program a row: y += each row's partials summed, rounded, times its slot's B (no fp
-    fusion, as in norm_expand's launch, which sums alike)."""
+    """The expand's launch, a program a row: y += each row's partials summed, rounded, times its slot's B."""
     n = y.shape[1]
     _expand_kernel[(y.shape[0], triton.cdiv(n, s.block_n))](
         s.part, s.b_stack, s.slots, y, n, s.rank, s.splits, s.part.stride(0), s.part.stride(1), s.b_stack.stride(0),
         s.b_stack.stride(1), y.stride(0), BLOCK_N=s.block_n, BLOCK_R=s.block_r, BLOCK_S=s.block_s,
-        SOFT_BF16=_INTERPRETED, num_warps=NUM_WARPS, enable_fp_fusion=False, **pdl.launch_options(y.device))
-
-
-def norm_expand(y: torch.Tensor, s: Shrink, weight: torch.Tensor, eps: float, residual: torch.Tensor):
-    """(weight * rmsnorm(r), r) with r = residual + y, y's rows with their adapter's expand added first (rounded as
-    expand_ rounds it, y itself not written): Shrink.norm_into."""
-    rows, h = y.shape
-    assert y.stride(-1) == 1 and residual.shape == y.shape and residual.stride(-1) == 1
-    assert weight.shape == (h,) and weight.is_contiguous() and s.b_stack.shape[1] == h
-    out, s_out = fused_kernels.norm_outputs(y, residual, weight)
-    if rows:
-        block = triton.next_power_of_2(h)
-        _norm_expand_kernel[(rows,)](
-            y, residual, weight, out, s_out, s.part, s.b_stack, s.slots, eps, h, s.rank, s.splits, y.stride(0),
-            residual.stride(0), out.stride(0), s_out.stride(0), s.part.stride(0), s.part.stride(1),
-            s.b_stack.stride(0), s.b_stack.stride(1), BLOCK=block, BLOCK_R=s.block_r, BLOCK_S=s.block_s,
-            SOFT_BF16=_INTERPRETED, num_warps=fused_kernels.norm_warps(block), enable_fp_fusion=False,
-            **pdl.launch_options(y.device))
-    return out, s_out
+        SOFT_BF16=_INTERPRETED, num_warps=NUM_WARPS, **pdl.launch_options(y.device))
 
 
 def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
