@@ -119,7 +119,7 @@ def test_lm_eval_local_completions_equals_its_hf_model(server, llama, tmp_path, 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     import lm_eval
     from lm_eval.tasks import TaskManager
-    tasks = TaskManager(include_path=_task(tmp_path))
+    tasks = TaskManager(include_path=_task(tmp_path), include_defaults=False)    # lm_eval's own tasks: not read
     api = lm_eval.simple_evaluate(
         model="local-completions", tasks=["tiny_choice"], task_manager=tasks, log_samples=True,
         model_args=f"model=llama,base_url={server.base_url}/completions,tokenizer_backend=huggingface,"
