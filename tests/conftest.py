@@ -15,6 +15,9 @@ import pytest
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS)                   # the shared helpers (helpers.py, pool_helpers.py, ...) sit here
 logging.getLogger("allspark").setLevel(logging.ERROR)
+# the collector's thresholds of the run (pytest_collection_finish) from here on: the imports and the collection make
+# a few million objects that all live to the end, and Python's default thresholds walked them again and again
+gc.set_threshold(50_000, 20, 20)
 
 from stall_watch import StallWatch  # noqa: E402
 
@@ -77,12 +80,11 @@ def pytest_collection_finish(session):
     and gc's time was a tenth of the suite's. Objects made later are collected as usual, but less often: the
     session's fixtures (models, GGUF readers, pools' clients) keep a few hundred thousand objects alive, which
     Python's default thresholds (700, 10, 10) walk again every few thousand allocations (gc took a minute of the
-    run, explicit gc.collect() calls such as kv_budget.usage()'s included). Only this process's
-    collector changes (a test that needs garbage gone calls gc.collect(); pools and servers are processes of
-    their own)."""
+    run, explicit gc.collect() calls such as kv_budget.usage()'s included): the higher thresholds, set as this
+    file is imported, hold for the collection too. Only this process's collector changes (a test that needs
+    garbage gone calls gc.collect(); pools and servers are processes of their own)."""
     gc.collect()
     gc.freeze()
-    gc.set_threshold(50_000, 20, 20)
 
 
 @pytest.hookimpl(hookwrapper=True)
