@@ -210,6 +210,18 @@ def pool(llama, tmp_path_factory):
     client.close()
 
 
+@pytest.fixture(scope="session")
+def chat_llama_server(llama, tmp_path_factory):
+    """allspark-serve on the GQA Llama with a chat template, behind http_helpers.API_KEY (http_helpers.chat_server),
+    max length http_helpers.CHAT_MAX_LENGTH: one for test_http_server.py, test_http_tokens.py and
+    test_http_anthropic.py, which need nothing else of it (a server start is seconds). Tests leave nothing running
+    on it; its /metrics counters are the session's (tests read them as at-least values or differences)."""
+    from http_helpers import CHAT_MAX_LENGTH, chat_server
+    srv = chat_server(llama, tmp_path_factory, "--max-length", str(CHAT_MAX_LENGTH), "--max-batch", "8")
+    yield srv
+    srv.stop()
+
+
 # ---- fixtures shared by the two halves of a split test file (module-scoped: one instance per test file) ----
 
 @pytest.fixture(scope="module", params=["engine", "pool"], ids=["engine", "pool"])

@@ -21,6 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START_TIMEOUT_S = 180.0
 API_KEY = "test-key-123"
+CHAT_MAX_LENGTH = 8192        # the session's chat server (conftest's chat_llama_server): room for requests that
+                              # run until a test stops them (helpers.LONG_RUN_*)
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 

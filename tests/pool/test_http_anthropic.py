@@ -2,7 +2,8 @@
 `anthropic` client: non-streamed and streamed answers equal the in-process Engine's greedy output on the prompt
 transformers' chat template renders (and the server's OpenAI chat answer), the SSE event sequence parses in the SDK
 with warnings as errors, stop sequences, token counts, a forced tool_use round trip, Anthropic-shaped errors and the
-`x-api-key` header. One server for the module (API key set, chat template added)."""
+`x-api-key` header. The session's chat server (conftest's
+chat_llama_server: API key set, chat template added)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from http_helpers import API_KEY, chat_server, engine_greedy_text, folder_tokenizer
+from http_helpers import API_KEY, CHAT_MAX_LENGTH, engine_greedy_text, folder_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("error")
 SYSTEM = "Be brief."
@@ -30,10 +31,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server(llama, tmp_path_factory):
-    srv = chat_server(llama, tmp_path_factory, "--max-length", "2048", "--max-batch", "4")
-    yield srv
-    srv.stop()
+def server(chat_llama_server):
+    return chat_llama_server
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +80,7 @@ def test_message_equals_engine_and_openai_chat(server, client, greedy, tokenizer
 
 def test_models_list(server, client):
     models = list(client.models.list())                   # GET /v1/models, as Anthropic's clients read it
-    assert [(m.id, m.type, m.max_input_tokens) for m in models] == [("llama", "model", 2048)]
+    assert [(m.id, m.type, m.max_input_tokens) for m in models] == [("llama", "model", CHAT_MAX_LENGTH)]
     oai = openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0)
     assert [m.id for m in oai.models.list().data] == ["llama"]      # the OpenAI side's shape is unchanged
 
@@ -194,7 +193,7 @@ def test_limits_in_anthropic_shape_and_metrics(server):
             yield b"x" * 1_000_000
     r = server.post("/messages", content=chunks(), headers={"x-api-key": API_KEY})
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
-    text = "x y " * 500_000                         # far more than 2048 tokens can hold: refused before tokenizing
+    text = "x y " * 500_000                         # far more than the max length holds: refused before tokenizing
     for path, extra in (("/messages", {"max_tokens": 4}), ("/messages/count_tokens", {})):
         r = server.post(path, {"model": "llama", "messages": [{"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": "t", "content": text}]}], **extra}, headers={"x-api-key": API_KEY})

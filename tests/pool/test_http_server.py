@@ -2,8 +2,8 @@
 streaming and not, chat and completions) gets the Engine's greedy output; stop strings, logprobs, guided output;
 error bodies (400 / 401 / 404) through raw httpx; hostile bodies (413 for a huge one, 400 for lone surrogates, deep
 nesting, unknown roles, prompts too long to tokenize) on a keep-alive connection that survives them; a client that
-leaves mid-stream frees its engine request at once; /metrics parsed with prometheus-client. One server for the
-module (API key set, chat template added)."""
+leaves mid-stream frees its engine request at once; /metrics parsed with prometheus-client. The session's chat
+server (conftest's chat_llama_server: API key set, chat template added)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,18 +12,16 @@ import time
 import httpx
 import openai
 import pytest
-from http_helpers import API_KEY, chat_server, engine_greedy_text, folder_tokenizer
+from http_helpers import API_KEY, CHAT_MAX_LENGTH, engine_greedy_text, folder_tokenizer
 
-MAX_LENGTH = 8192            # room for requests that run until the test stops them (helpers.LONG_RUN_*)
+MAX_LENGTH = CHAT_MAX_LENGTH
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world!"}]
 
 
 @pytest.fixture(scope="module")
-def server(llama, tmp_path_factory):
-    srv = chat_server(llama, tmp_path_factory, "--max-length", str(MAX_LENGTH), "--max-batch", "8")
-    yield srv
-    srv.stop()
+def server(chat_llama_server):
+    return chat_llama_server
 
 
 @pytest.fixture(scope="module")

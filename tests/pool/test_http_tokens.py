@@ -1,10 +1,10 @@
-"""allspark-serve's token-id features against transformers and the official `openai` client, on one server (API key
-set, chat template added): /tokenize (a prompt; messages through the chat template, with and without the generation
-prompt) equals the HF tokenizer and the chat endpoint's prompt count, /detokenize its decode, both behind the key;
-logit_bias (OpenAI's string keys) on completions and chat: greedy equals transformers' greedy loop over logits +
-bias, -100 bans tokens from a sampled run, +100 forces one, bad ones are 400s naming logit_bias; vLLM's
-stop_token_ids end the output at the first such token, left out of the text; a seed repeats a sampled request and
-another seed changes it."""
+"""allspark-serve's token-id features against transformers and the official `openai` client, on the session's chat
+server (conftest's chat_llama_server: API key set, chat template added): /tokenize (a prompt; messages through the
+chat template, with and without the generation prompt) equals the HF tokenizer and the chat endpoint's prompt count,
+/detokenize its decode, both behind the key; logit_bias (OpenAI's string keys) on completions and chat: greedy
+equals transformers' greedy loop over logits + bias, -100 bans tokens from a sampled run, +100 forces one, bad ones
+are 400s naming logit_bias; vLLM's stop_token_ids end the output at the first such token, left out of the text; a
+seed repeats a sampled request and another seed changes it."""
 from __future__ import annotations
 
 import httpx
@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 from helpers import hf_logits, hf_loop
-from http_helpers import API_KEY, chat_server, folder_tokenizer
+from http_helpers import API_KEY, CHAT_MAX_LENGTH, folder_tokenizer
 
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world!"}]
@@ -21,10 +21,8 @@ NO_EOS = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(llama, tmp_path_factory):
-    srv = chat_server(llama, tmp_path_factory, "--max-length", "512", "--max-batch", "4")
-    yield srv
-    srv.stop()
+def server(chat_llama_server):
+    return chat_llama_server
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +49,7 @@ def test_tokenize_prompt_and_detokenize(server, tokenizer):
         r = post(server, "/tokenize", {"prompt": PROMPT, "add_special_tokens": special, "return_token_strs": True})
         assert r.status_code == 200, r.text
         want = tokenizer(PROMPT, add_special_tokens=special)["input_ids"]
-        assert r.json() == {"count": len(want), "max_model_len": 512, "tokens": want,
+        assert r.json() == {"count": len(want), "max_model_len": CHAT_MAX_LENGTH, "tokens": want,
                             "token_strs": tokenizer.convert_ids_to_tokens(want)}
     assert post(server, "/tokenize", {"model": "llama", "prompt": PROMPT}).json()["tokens"] == \
         tokenizer(PROMPT)["input_ids"]
