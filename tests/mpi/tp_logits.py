@@ -50,8 +50,9 @@ def run_job(comm, graph, weights, tokens, prompt_len, out_json):
 
 
 def serve(comm):
-    """Jobs from rank 0's stdin until EOF. A job that fails is reported and ends the run (the ranks could be at
-    different collectives); the test side starts a fresh one for the next job."""
+    """Jobs from rank 0's stdin until an empty line (or EOF, which mpirun does not pass on). A job that fails is
+    reported and ends the run (the ranks could be at different collectives); the test side starts a fresh one for
+    the next job."""
     while True:
         line = sys.stdin.readline() if comm.rank == 0 else None
         job = comm.bcast(json.loads(line) if line and line.strip() else None)

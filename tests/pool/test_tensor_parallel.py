@@ -73,7 +73,11 @@ class _LogitsWorker:
         if proc is None or proc.poll() is not None:
             return
         if not kill:
-            proc.stdin.close()                   # EOF: the ranks leave their loop
+            try:   # an empty line ends the ranks' loop: mpirun does not pass its stdin's EOF on to rank 0
+                proc.stdin.write("\n")
+                proc.stdin.close()
+            except OSError:
+                pass
             try:
                 proc.wait(timeout=30)
                 return
