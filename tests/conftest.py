@@ -85,6 +85,8 @@ def pytest_collection_finish(session):
     garbage gone calls gc.collect(); pools and servers are processes of their own)."""
     gc.collect()
     gc.freeze()
+    from triton_interpreter import skip_repatching
+    skip_repatching()                # the Triton tests' interpreter, loaded by their collection
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -14,8 +14,11 @@ def run_rank(rank: int, world: int, buffers: list, slot_bytes: int, inputs: list
     its output the triple (normed, residual stream, the plain call's normed)."""
     import torch
     torch.set_num_threads(1)
+    from triton_interpreter import skip_repatching
+
     from allspark_server.compute.cuda.fused_kernels import rms_norm
     from allspark_server.compute.cuda.peer_allreduce import PeerAllreduce
+    skip_repatching()
     addresses = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)   # this process's mappings
     peer = PeerAllreduce(addresses, rank, world, slot_bytes, protocol=protocol)
     for x, out in zip(inputs, outputs):
@@ -38,7 +41,10 @@ def check_rank(rank: int, world: int, buffers: list, slot_bytes: int, protocol: 
     """peer_allreduce.self_check on this rank, its answer into the shared `result` [1]."""
     import torch
     torch.set_num_threads(1)
+    from triton_interpreter import skip_repatching
+
     from allspark_server.compute.cuda.peer_allreduce import PeerAllreduce, self_check
+    skip_repatching()
     addresses = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
     peer = PeerAllreduce(addresses, rank, world, slot_bytes, protocol=protocol)
     result[0] = int(self_check(peer, torch.device("cpu")))
