@@ -70,12 +70,11 @@ CONVERSATION = [
 ]
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, tmp_path_factory):
+def family_folder(name: str, root: str) -> str:
+    """The family's tiny model with its chat template."""
     from allspark_server.loader.tiny_model import build_tiny_model
-    name = request.param
     variant, template = FAMILIES[name]
-    hf_dir = str(tmp_path_factory.mktemp(f"tools-{name}") / variant)
+    hf_dir = f"{root}/{variant}"
     build_tiny_model(hf_dir, variant, seed=3, weight_scale=0.2)
     path = f"{hf_dir}/tokenizer_config.json"
     with open(path) as f:
@@ -83,11 +82,39 @@ def family(request, tmp_path_factory):
     cfg["chat_template"] = template
     with open(path, "w") as f:
         json.dump(cfg, f)
-    srv = Server(hf_dir, "--max-length", str(MAX_LENGTH), "--max-batch", "8")
-    srv.family, srv.hf_dir = name, hf_dir
-    yield srv
-    srv.stop()
-    shutil.rmtree(hf_dir, ignore_errors=True)
+    return hf_dir
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """family -> its allspark-serve, the four started at once (a start is seconds of a process's own imports and
+    loading, which overlap); all stopped at the module's end."""
+    folders = {name: family_folder(name, str(tmp_path_factory.mktemp(f"tools-{name}"))) for name in FAMILIES}
+    with ThreadPoolExecutor(len(folders)) as starter:
+        starts = {name: starter.submit(Server, hf_dir, "--max-length", str(MAX_LENGTH), "--max-batch", "8")
+                  for name, hf_dir in folders.items()}
+    started, failed = {}, None
+    for name, start in starts.items():
+        try:
+            started[name] = start.result()
+        except Exception as e:  # noqa: BLE001 (raised below, once every server that started is stopped)
+            failed = failed or e
+    try:
+        if failed is not None:
+            raise failed
+        for name, srv in started.items():
+            srv.family, srv.hf_dir = name, folders[name]
+        yield started
+    finally:
+        for srv in started.values():
+            srv.stop()
+        for hf_dir in folders.values():
+            shutil.rmtree(hf_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, servers):
+    return servers[request.param]
 
 
 def client_of(server) -> openai.OpenAI:
