@@ -47,9 +47,18 @@ def run_ranks_with(world: int, inputs: list, outputs: list, protocol: str, timeo
                        lambda r: (inputs[r], outputs[r], protocol), timeout_s)
 
 
+# what a rank process imports, done once in the fork server that the ranks are forked from (a fresh interpreter's
+# torch, Triton and kernels each time took seconds a rank)
+RANK_PRELOAD = ["peer_allreduce_ranks", "torch", "triton_interpreter", "allspark_server.compute.cuda.peer_allreduce",
+                "allspark_server.compute.cuda.fused_kernels"]
+
+
 def spawn_ranks(world: int, protocol: str, target, rank_args, timeout_s: float = 240.0) -> list:
-    """target(rank, world, buffers, SLOT_BYTES, *rank_args(rank)) in a spawned process per rank: the buffers."""
-    mp = torch.multiprocessing.get_context("spawn")
+    """target(rank, world, buffers, SLOT_BYTES, *rank_args(rank)) in a process of its own per rank, forked from a
+    fork server that has imported RANK_PRELOAD (peer_allreduce_ranks first: it sets TRITON_INTERPRET): the
+    buffers."""
+    mp = torch.multiprocessing.get_context("forkserver")
+    mp.set_forkserver_preload(RANK_PRELOAD)
     buffers = [fresh_buffer(world, protocol).share_memory_() for _ in range(world)]
     procs = [mp.Process(target=target, args=(r, world, buffers, SLOT_BYTES, *rank_args(r)), daemon=True)
              for r in range(world)]
