@@ -147,15 +147,29 @@ def bench_home(tmp_path_factory):
     return tmp_path_factory.mktemp("home")
 
 
+@pytest.fixture(scope="session")
+def cpu_info():
+    """py-cpuinfo's description of this machine, probed once: the benchmark scripts name the machine in every report
+    they save (benchmarks/common.machine_name()), and each probe runs a Python subprocess of about a second."""
+    try:
+        import cpuinfo
+    except ImportError:                       # the scripts then fall back on platform.processor()
+        return None
+    return cpuinfo.get_cpu_info()
+
+
 @pytest.fixture
-def bench(bench_home, tmp_path, monkeypatch):
-    """bench(script, *argv): benchmarks/<script>.py's main(argv) in this process, HOME at `bench_home`; the
-    environment (spin_openmp, AS_PROFILE) and torch's thread count are restored afterwards. Returns the module."""
+def bench(bench_home, cpu_info, tmp_path, monkeypatch):
+    """bench(script, *argv): benchmarks/<script>.py's main(argv) in this process, HOME at `bench_home`, py-cpuinfo
+    answering from `cpu_info`; the environment (spin_openmp, AS_PROFILE) and torch's thread count are restored
+    afterwards. Returns the module."""
     import importlib
 
     import torch
     from bench_helpers import BENCH
     saved, threads = dict(os.environ), torch.get_num_threads()
+    if cpu_info is not None:
+        monkeypatch.setattr("cpuinfo.get_cpu_info", lambda: dict(cpu_info))
     monkeypatch.setenv("HOME", str(bench_home))
     monkeypatch.syspath_prepend(BENCH)
     monkeypatch.chdir(tmp_path)
