@@ -56,13 +56,33 @@ FAMILIES = {
 FOLDER_REFERENCES = {"baichuan2_13b": baichuan_reference_logits}
 
 
+# the references' answers, each computed once for the module: the compute paths, the Engine, the pool and bf16 are
+# checked against the same prompts (a reference is a fixed function of its model or folder and the tokens)
+REFERENCES: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def references_forgotten():
+    yield
+    REFERENCES.clear()
+
+
 def reference_logits(family: str, folder: str, model, tokens: list[int]) -> torch.Tensor:
-    if family in FOLDER_REFERENCES:
-        return FOLDER_REFERENCES[family](folder, torch.tensor([tokens]))[0].float()
-    return hf_logits(model, tokens)
+    key = ("logits", folder, tuple(tokens))
+    if key not in REFERENCES:
+        REFERENCES[key] = (FOLDER_REFERENCES[family](folder, torch.tensor([tokens]))[0].float()
+                           if family in FOLDER_REFERENCES else hf_logits(model, tokens))
+    return REFERENCES[key].clone()
 
 
 def reference_greedy(family: str, folder: str, model, prompt: list[int], n: int) -> list[int]:
+    key = ("greedy", folder, tuple(prompt), n)
+    if key not in REFERENCES:
+        REFERENCES[key] = _reference_greedy(family, folder, model, prompt, n)
+    return list(REFERENCES[key])
+
+
+def _reference_greedy(family: str, folder: str, model, prompt: list[int], n: int) -> list[int]:
     if family not in FOLDER_REFERENCES:
         return hf_greedy(model, prompt, n)
     ids = list(prompt)
