@@ -4,6 +4,8 @@ stopped with SIGTERM, every process it started killed at the end), a copy of a H
 /metrics parsed with prometheus-client's parser, and the Engine's greedy reference decoded."""
 from __future__ import annotations
 
+import atexit
+import hashlib
 import json
 import os
 import shutil
@@ -12,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx
@@ -60,8 +63,24 @@ def with_chat_template(src_dir: str, dst_dir: str) -> str:
     return dst_dir
 
 
+_CACHE_ROOT: list[str] = []      # the session's serialized models, made at the first server
+_CACHE_LOCK = threading.Lock()   # servers may start from several threads at once
+
+
+def cache_dir_for(model_dir: str, name: str) -> str:
+    """A server's --cache-dir: one per model folder and served name for the session, so that a later server of the
+    same folder finds the model serialized, as a user's second start does (the first start serializes it)."""
+    with _CACHE_LOCK:
+        if not _CACHE_ROOT:
+            _CACHE_ROOT.append(tempfile.mkdtemp(prefix="as-http-cache-"))
+            atexit.register(shutil.rmtree, _CACHE_ROOT[0], True)
+    key = hashlib.sha256(f"{os.path.abspath(model_dir)}\0{name}".encode()).hexdigest()[:16]
+    return os.path.join(_CACHE_ROOT[0], key)
+
+
 class Server:
-    """`python -m allspark_server.http` on 127.0.0.1:<free port>; `url` is its root, `base_url` its /v1."""
+    """`python -m allspark_server.http` on 127.0.0.1:<free port>; `url` is its root, `base_url` its /v1. Its model
+    is serialized into cache_dir_for(model_dir, name)."""
 
     def __init__(self, model_dir: str, *args: str, api_key: str | None = None, name: str = "llama"):
         self.dir = tempfile.mkdtemp(prefix="as-http-")
@@ -71,7 +90,7 @@ class Server:
         self.api_key = api_key
         self.log_path = os.path.join(self.dir, "server.log")
         cmd = [sys.executable, "-m", "allspark_server.http", "--model", model_dir, "--served-model-name", name,
-               "--cache-dir", os.path.join(self.dir, "cache"), "--dtype", "float32", "--port", str(self.port),
+               "--cache-dir", cache_dir_for(model_dir, name), "--dtype", "float32", "--port", str(self.port),
                "--log-level", "warning", *args]
         if api_key:
             cmd += ["--api-key", api_key]
