@@ -3,6 +3,8 @@ kernel path, the ISA levels this CPU runs, x rounded to int8 per row as activate
 check of ext.linear_quant (test_quant_kernels.py, test_quant_int8_gemv.py, test_quant_midm.py)."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -49,7 +51,18 @@ def assert_linear_quant_matches_float64(cases, rows, dtype, isa, x_seed, weight_
     """ext.linear_quant at `isa` for each (fmt, n, k, group) case (weight seed weight_seed + its index) and each
     count of rows of x (a bias on odd counts) against float64 on x as the kernel meets it."""
     ext = ops.native()
+    for what, qw, x, b, ref, bound in float64_table(tuple(cases), tuple(rows), dtype, x_seed, weight_seed):
+        y = ext.linear_quant(x, ops.native_weight(qw), b, isa)
+        assert y.dtype == dtype and y.shape == ref.shape
+        assert ((y.double() - ref).abs() <= bound).all(), (*what, dtype, isa)
+
+
+@functools.lru_cache(maxsize=4)
+def float64_table(cases: tuple, rows: tuple, dtype, x_seed, weight_seed) -> list[tuple]:
+    """assert_linear_quant_matches_float64's inputs and float64 answers, made once for every ISA level's test:
+    [((fmt, n, k, group, m), weight, x, bias or None, the float64 product, the bound on the error)]."""
     g = torch.Generator().manual_seed(x_seed)
+    out = []
     for i, (fmt, n, k, group) in enumerate(cases):
         qw = quantized_weight(n, k, fmt, group, seed=weight_seed + i)
         w64 = qw.dequantize().double()
@@ -57,13 +70,12 @@ def assert_linear_quant_matches_float64(cases, rows, dtype, isa, x_seed, weight_
         for m in rows:
             x = torch.randn(m, k, generator=g).to(dtype)
             b = bias if m % 2 else None
-            y = ext.linear_quant(x, ops.native_weight(qw), b, isa)
             # x as the kernel meets it: 16-bit fixed point per block of 32 (reference.round_activations_reference)
             ref = reference.round_activations_reference(x).double() @ w64.T + (0 if b is None else b.double())
-            assert y.dtype == dtype and y.shape == (m, n)
             tol = 1e-5 * (x.double().abs() @ w64.abs().T).max().item() + 1e-6
             rounding = ref.abs() * (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24)
-            assert ((y.double() - ref).abs() <= tol + rounding).all(), (fmt, n, k, group, m, dtype, isa)
+            out.append(((fmt, n, k, group, m), qw, x, b, ref, tol + rounding))
+    return out
 
 
 def round_to_int8_levels(x: torch.Tensor) -> torch.Tensor:
