@@ -7,6 +7,7 @@ table comes from). Writes JSON; run on a GPU machine:
 
     python benchmarks/cuda_gemv_micro.py [--sweep] [--out PATH]
     python benchmarks/cuda_gemv_micro.py --shapes smollm2 --sweep     # SmolLM2's shapes over small-K tiles
+    python benchmarks/cuda_gemv_micro.py --lora-sweep    # tiles alone and carrying a LoRA shrink (+ its expand)
 
 --smoke: two small shapes, one copy of each weight, two configs of a sweep; without a GPU the kernels run in
 Triton's interpreter on CPU tensors (it checks that the script runs; its numbers mean nothing).
@@ -21,6 +22,7 @@ import json
 import common
 import torch
 import torch.nn.functional as F
+import triton
 from cuda_common import copies_past_l2, device, per_call_us  # first: it sets Triton's interpreter without a GPU
 
 from allspark_server.compute.cuda import fused_kernels as fk  # noqa: E402
@@ -89,24 +91,81 @@ def sweep(ws: list[torch.Tensor], kernel=gk.gemv, grid=SWEEP) -> dict:
             "chosen": [chosen.block_n, chosen.block_k, chosen.num_warps, chosen.num_stages]}
 
 
+# --lora-sweep: the 7B model of the LoRA benchmark (Llama-2-7B's shapes with 8 KV heads, as speculative.SEVEN_B),
+# each projection's rank with a rank-16 adapter on every module (q|k|v 48, gate|up 32; the LM head none); the tiles
+# that can carry a shrink (8 warps), k-tiles 1024 to 4096
+LORA_SHAPES = {"qkv_gqa": (6144, 4096, 48), "o": (4096, 4096, 16), "gate_up": (22016, 4096, 32),
+               "down": (4096, 11008, 16), "lm_head": (32000, 4096, 0), "qkv_gqa_tp2": (3072, 4096, 48),
+               "o_tp2": (4096, 2048, 16), "gate_up_tp2": (11008, 4096, 32), "down_tp2": (4096, 5504, 16)}
+LORA_SWEEP = list(itertools.product((2, 4, 8), (1024, 2048, 4096), (8,), (1,)))
+SMOKE_LORA_SHAPES = {"o": (16, 64, 4), "gate_up": (32, 64, 8)}
+SMOKE_LORA_SWEEP = [(2, 32, 8, 1), (4, 64, 8, 1)]
+
+
+def lora_sweep(ws: list[torch.Tensor], rank: int, grid=LORA_SWEEP, gate_up: bool = False) -> dict:
+    """At one row, each tile of `grid`: the plain GEMV, and (rank > 0) the launch carrying a rank-`rank` adapter's
+    shrink followed by its expand (lora_kernels.Shrink: what a LoRA row's projection costs), and for a gate_up
+    weight (gate_up) the fused silu·mul launch over its halves. Each tile's microseconds, sorted by the adapter's
+    time."""
+    from allspark_server.compute.cuda import lora_kernels as lk
+    n, k = ws[0].shape
+    x = torch.randn(1, k, device=device(), dtype=torch.bfloat16)
+    plan = None
+    if rank:
+        a = (torch.randn(2, rank, k, device=device()) * 0.02).to(torch.bfloat16)
+        b = (torch.randn(2, n, rank, device=device()) * 0.02).to(torch.bfloat16)
+        plan = lk.Shrink.of(x, a, b, torch.zeros(1, dtype=torch.int64, device=device()))
+    timed = []
+    for bn, bk, warps, stages in grid:
+        if bk > triton.next_power_of_2(k):
+            continue
+        cfg = gk.GemvConfig(bn, bk, warps, stages)
+        row = {"tile": [bn, bk, warps, stages],
+               "plain_us": round(per_call_us(lambda w: gk.gemv(x, w, config=cfg), ws), 2)}
+        if plan is not None:
+            row["lora_us"] = round(per_call_us(lambda w: gk.gemv(x, w, config=cfg, lora=plan), ws), 2)
+        if gate_up:
+            row["silu_mul_us"] = round(per_call_us(lambda w: gk.gemv_silu_mul(x, w, config=cfg), ws), 2)
+        timed.append(row)
+    timed.sort(key=lambda r: r.get("lora_us", r["plain_us"]))
+    chosen = gk.choose_config(k, n)
+    return {"rank": rank, "tiles": timed, "chosen": [chosen.block_n, chosen.block_k, chosen.num_warps,
+                                                     chosen.num_stages]}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--silu-sweep", action="store_true", help="sweep the fused gate_up + silu·mul's configs only")
+    p.add_argument("--lora-sweep", action="store_true",
+                   help="only LORA_SHAPES' tiles, plain and carrying a LoRA adapter's shrink + expand (lora_sweep)")
     p.add_argument("--smoke", action="store_true", help="small shapes, two configs a sweep (see the docstring)")
     p.add_argument("--shapes", choices=["7b", "smollm2"], default="7b",
                    help="smollm2: SmolLM2's shapes, the LM head swept too, over SMALL_K_SWEEP")
     p.add_argument("--out", default=None, help="default: benchmarks/results/cuda-gemv-micro-<machine>.json "
+                   "(--lora-sweep: cuda-gemv-lora-<machine>.json) "
                    "(--smoke: under results/quick/)")
     a = p.parse_args(argv)
     if device() != "cuda" and not a.smoke:
         raise SystemExit("cuda_gemv_micro.py needs a GPU (--smoke runs without one)")
-    a.out = a.out or common.result_path("cuda-gemv-micro" + ("-smollm2" if a.shapes == "smollm2" else ""), device(),
-                                         a.smoke)
+    measure = "cuda-gemv-lora" if a.lora_sweep else "cuda-gemv-micro" + ("-smollm2" if a.shapes == "smollm2" else "")
+    a.out = a.out or common.result_path(measure, device(), a.smoke)
     torch.manual_seed(0)
     report = {"device": torch.cuda.get_device_name() if device() == "cuda" else "cpu (Triton's interpreter)",
               "rows": {}, "sweep": {}}
     small = a.shapes == "smollm2"
+    if a.lora_sweep:
+        report["lora_sweep"] = {}
+        for name, (n, k, rank) in (SMOKE_LORA_SHAPES if a.smoke else LORA_SHAPES).items():
+            ws = weight_copies(n, k, a.smoke)
+            report["lora_sweep"][name] = lora_sweep(ws, rank, SMOKE_LORA_SWEEP if a.smoke else LORA_SWEEP,
+                                                    name.startswith("gate_up"))
+            print("lora sweep", name, json.dumps(report["lora_sweep"][name]), flush=True)
+            del ws
+            if device() == "cuda":
+                torch.cuda.empty_cache()
+            common.write_report(a.out, report)
+        return
     grids = (SWEEP[:2], SILU_SWEEP[:2]) if a.smoke else (SMALL_K_SWEEP, SMALL_K_SWEEP) if small else (SWEEP, SILU_SWEEP)
     for name, (n, k) in (SMOKE_SHAPES if a.smoke else SMOLLM2_SHAPES if small else SHAPES).items():
         ws = weight_copies(n, k, a.smoke)

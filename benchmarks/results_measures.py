@@ -30,6 +30,7 @@ from results_readers_gpu import (
     allreduce,
     cuda,
     cuda_fp8,
+    cuda_gemv_lora,
     cuda_gemv_micro,
     cuda_gemv_sweep,
     cuda_quant_micro,
@@ -215,6 +216,10 @@ MEASURES = {
                                 "--sweep`: SmolLM2's bf16 shapes, one row, over 2-16 rows a program, 512- or "
                                 "1024-wide k-tiles and 4 or 8 warps (where choose_config's wide-weight tile came "
                                 "from: the LM head).", cuda_gemv_sweep),
+    "cuda-gemv-lora": ("GPU: Triton decode GEMV tiles with a LoRA adapter", "`cuda_gemv_micro.py --lora-sweep`: "
+                       "the LoRA benchmark's 7B shapes (8 KV heads) and 2-rank shards at one row, each 8-warp tile "
+                       "alone and carrying a rank-16-per-module adapter's shrink, its expand after it (tiles as "
+                       "(rows a program, k-tile)).", cuda_gemv_lora),
     "cuda-fp8": ("GPU: FP8 weights, KV spans and W8A8 against bf16", "`cuda_fp8.py --kv --ab-silu` (and "
                  "`--w8a8`): the 7B shape, one engine, rounds interleaved.", cuda_fp8),
     "cuda-quant-micro": ("GPU: quantized matmul", "`cuda_quant_micro.py`: each format against cuBLAS on bf16.",

@@ -62,6 +62,21 @@ def cuda_gemv_sweep(r: dict) -> list:
     return rows
 
 
+def cuda_gemv_lora(r: dict) -> list:
+    """cuda_gemv_micro.py --lora-sweep: per shape, the tile choose_config gave when it ran, its time alone, with the
+    adapter's shrink and expand, and the fastest tile with them."""
+    rows = []
+    for shape, sw in r["lora_sweep"].items():
+        by_tile = {tuple(t["tile"]): t for t in sw["tiles"]}
+        mine, best = by_tile.get(tuple(sw["chosen"]), {}), sw["tiles"][0]
+        rows.append({"shape": shape, "rank": sw["rank"], "tile then": str(sw["chosen"][:2]),
+                     "alone µs": f(mine.get("plain_us"), 2), "with the adapter µs": f(mine.get("lora_us"), 2),
+                     "silu·mul µs": f(mine.get("silu_mul_us"), 2),
+                     "fastest (with the adapter)": str(best["tile"][:2]),
+                     "its µs": f(best.get("lora_us", best["plain_us"]), 2)})
+    return rows
+
+
 def lora_kernels_micro(r: dict) -> list:
     """A row per batch: the projections' graph replay time without adapters, and base / each variant."""
     return [{"rows": key.removeprefix("rows_"), "base ms": f"{v['ms']['base']:.3f}",

@@ -120,16 +120,17 @@ def test_cuda_backend_routes_decode_linears_through_the_gemv(monkeypatch):
 
 
 def test_a_wide_weight_of_few_columns_takes_more_rows_a_program(poisoned_empty):
-    """A small model's LM head (k <= 1024, n >= 16384) takes 8 rows a program and 4 warps (choose_config). That tile
-    (on a narrower weight here: the interpreter runs every program) still rounds the exact product once, and in
-    alone-rows mode each of several rows is what it is alone; an adapter's shrink, whose programs a launch of 4 warps
-    cannot carry, runs in its own launch with the same bits."""
+    """A small model's LM head (k <= 1024, 16384 rows or more) takes 8 rows a program and 4 warps (choose_config).
+    That tile (on a narrower weight here: the interpreter runs every program) still rounds the exact product once,
+    and in alone-rows mode each of several rows is what it is alone; an adapter's shrink, whose programs a launch of
+    4 warps cannot carry, runs in its own launch with the same bits."""
     from allspark_server.compute.cuda import lora_kernels as lk
     from allspark_server.compute.row_mode import alone_rows
     n, k = 40, 48
     cfg = gk.choose_config(k, 16384)
     assert (cfg.block_n, cfg.block_k, cfg.num_warps) == (8, 64, 4)
-    assert gk.choose_config(k, 16384, silu_mul=True).num_warps == 8
+    assert gk.choose_config(k, 8192, silu_mul=True) == cfg          # 8192 gate / up pairs: 16384 weight rows
+    assert gk.choose_config(k, 4096, silu_mul=True).num_warps == 8
     assert gk.choose_config(4096, 16384).num_warps == 8 and gk.choose_config(k, 8192).num_warps == 8
     w = weight(n, k, torch.bfloat16, seed=31)
     x = rows_view(3, k, torch.bfloat16, seed=32)
@@ -143,3 +144,17 @@ def test_a_wide_weight_of_few_columns_takes_more_rows_a_program(poisoned_empty):
     lk.lora_add_(want, x, a_stack, b_stack, slots)
     got = gk.gemv(x, w, config=cfg, lora=lk.Shrink.of(x, a_stack, b_stack, slots))
     assert_same_bits(got, want)
+
+
+@pytest.mark.parametrize("k", [576, 1536, 2048, 3584, 4096, 5120, 8192, 11008, 14336])
+@pytest.mark.parametrize("inter", [1536, 4096, 5504, 8192, 11008, 14336, 18944])
+def test_gate_up_takes_one_tile_with_and_without_silu_mul(k, inter):
+    """A batch with an adapter row runs gate_up as a plain GEMV and silu·mul after it (the deltas go in before the
+    activation); its base rows keep their bits only if the plain launch over the 2 * inter weight rows takes the
+    tile of the fused launch over inter gate / up pairs. The tiles of the projections an adapter may target carry
+    its shrink (SHRINK_WARPS warps) where the input has more than 1024 columns."""
+    from allspark_server.compute.cuda import lora_kernels as lk
+    fused, plain = gk.choose_config(k, inter, silu_mul=True), gk.choose_config(k, 2 * inter)
+    assert fused == plain, (k, inter, fused, plain)
+    for n in (inter, 2 * inter, k, 3 * k, k + 2 * (k // 4)):    # down, gate_up, o, q|k|v with and without GQA
+        assert k <= 1024 or gk.choose_config(k, n).num_warps == lk.SHRINK_WARPS, (k, n)

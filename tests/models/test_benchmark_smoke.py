@@ -193,6 +193,11 @@ def test_cuda_gemv_micro(bench, tmp_path):
     for rows in r["rows"].values():
         assert all(row["triton_rel_err"] < 2e-2 and positive(row["triton_us"]) for row in rows.values()), rows
     assert all(sweep["best"] and not sweep["errors"] for sweep in r["sweep"].values()), r["sweep"]
+    bench("cuda_gemv_micro", "--smoke", "--lora-sweep", "--out", out)
+    tiles = {name: s["tiles"] for name, s in read(out)["lora_sweep"].items()}
+    assert tiles.keys() == {"o", "gate_up"} and all(len(t) == 2 for t in tiles.values()), tiles
+    assert all(positive(t["plain_us"]) and positive(t["lora_us"]) for t in tiles["o"] + tiles["gate_up"]), tiles
+    assert all(positive(t["silu_mul_us"]) for t in tiles["gate_up"]) and "silu_mul_us" not in tiles["o"][0], tiles
 
 
 def test_exact_rows_micro(bench, tmp_path):

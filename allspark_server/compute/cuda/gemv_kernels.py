@@ -177,15 +177,29 @@ class GemvConfig:
 
 
 def choose_config(k: int, n: int = 0, silu_mul: bool = False) -> GemvConfig:
-    """Tile shape for a weight of k columns and n rows (n outputs; silu_mul: gate_up's). From
+    """Tile shape for a weight of k columns and n outputs (silu_mul: gate_up's, 2n weight rows). From
     benchmarks/cuda_gemv_micro.py's sweep on an H100 over the 7B shapes and their 2-rank shards: two rows a program
     and 8 warps were best for every shape, with 2048-wide k-tiles, or 4096 for K = 11008 (the best config read
-    2.32-3.09 TB/s, cuBLAS 1.96-2.67; the worst, eight rows of 1024, 1.73-2.62). A wide weight of few columns (a small
-    model's LM head: k <= 1024, n >= 16384) takes 8 rows a program and 4 warps: two rows made 24576 programs of a
-    few kilobytes each for SmolLM2's 49152 x 576 head, which read 1.4 TB/s against 3.4 (H200, `--shapes smollm2`).
-    The rows of x never choose: each comes out as it would alone."""
-    if k <= 1024 and n >= 16384 and not silu_mul:
+    2.32-3.09 TB/s, cuBLAS 1.96-2.67; the worst, eight rows of 1024, 1.73-2.62). A wide weight of few columns (a
+    small model's LM head: k <= 1024, 16384 rows or more) takes 8 rows a program and 4 warps: two rows made 24576
+    programs of a few kilobytes each for SmolLM2's 49152 x 576 head, which read 1.4 TB/s against 3.4 (H200,
+    `--shapes smollm2`). Two more from the H200's sweep (`--lora-sweep`), which also times each tile carrying an
+    adapter's shrink and followed by its expand (a LoRA row's batch-1 projection): a weight of 16384 rows or more
+    and 2048 to 8192 columns (gate_up's gate and up rows, a 7B LM head) takes 4 rows a program, where the shrink's
+    programs added ~2 us to gate_up's launch with two rows a program and nothing with four; a weight of at most
+    4096 rows and 2049 to 4096 columns (o) takes 8 rows and 1024-wide k-tiles, the same time alone and ~1 us less
+    with an adapter. (In the H100's sweep, which had no adapters, neither tile was among a shape's best six.) A
+    weight's tile depends on the weight alone, never on the rows or on an adapter: gate_up with and without
+    silu·mul take one tile (a batch with an adapter row drops the epilogue and keeps each row's sums), and the rows
+    of x never choose, so each comes out as it would alone. The tiles of weights of more than 1024 columns have
+    SHRINK_WARPS warps: their launch can carry an adapter's shrink."""
+    weight_rows = n * (2 if silu_mul else 1)
+    if k <= 1024 and weight_rows >= 16384:
         return GemvConfig(block_n=8, block_k=triton.next_power_of_2(k), num_warps=4)
+    if weight_rows >= 16384 and 2048 <= k <= 8192:
+        return GemvConfig(block_n=4, block_k=2048, num_warps=8)
+    if weight_rows <= 4096 and 2048 < k <= 4096:
+        return GemvConfig(block_n=8, block_k=1024, num_warps=8)
     return GemvConfig(block_n=2, block_k=min(4096 if k >= 8192 else 2048, triton.next_power_of_2(k)), num_warps=8)
 
 
