@@ -67,10 +67,10 @@ MEASURES = {
              "one Engine, alternating rounds; the decode steps replay CUDA graphs (those captured with adapters "
              "where a row has one). The H100 run predates the grouping of decode rows by adapter slot in "
              "lora_kernels.py; the H200 run has a program a row at one or two rows (its slot and first tile read "
-             "before the PDL wait) and at 32 the grouped launches beside each GEMM, their fp32 deltas added by "
-             "the kernel that reads the projection next (compute/pending_delta.py). The streams' time includes "
-             "their prompt steps, which run eagerly (their adapter rows through two GEMMs over every slot, "
-             "lora_dense.py).", lora),
+             "before the PDL wait; the GEMV tiles of `cuda_gemv_micro.py --lora-sweep`) and at 32 the grouped "
+             "launches beside each GEMM, their fp32 deltas added by the kernel that reads the projection next "
+             "(compute/pending_delta.py). The streams' time includes their prompt steps, which run eagerly (their "
+             "adapter rows through two GEMMs over every slot, lora_dense.py).", lora),
     "lora-kernels-micro": ("LoRA's kernels alone: a 7B-shaped step's projections in one CUDA graph",
                            "`lora_kernels_micro.py`: the four projections of 32 layers (bf16, distinct weights) "
                            "replayed without adapters and with rank-16 adapters on all seven modules: lora_add_'s "
@@ -219,7 +219,9 @@ MEASURES = {
     "cuda-gemv-lora": ("GPU: Triton decode GEMV tiles with a LoRA adapter", "`cuda_gemv_micro.py --lora-sweep`: "
                        "the LoRA benchmark's 7B shapes (8 KV heads) and 2-rank shards at one row, each 8-warp tile "
                        "alone and carrying a rank-16-per-module adapter's shrink, its expand after it (tiles as "
-                       "(rows a program, k-tile)).", cuda_gemv_lora),
+                       "(rows a program, k-tile)). The H200 file ran a first form of choose_config's rule, mended "
+                       "after it: the tile now is [2, 2048] for qkv_gqa_tp2 and [8, 1024] for o_tp2.",
+                       cuda_gemv_lora),
     "cuda-fp8": ("GPU: FP8 weights, KV spans and W8A8 against bf16", "`cuda_fp8.py --kv --ab-silu` (and "
                  "`--w8a8`): the 7B shape, one engine, rounds interleaved.", cuda_fp8),
     "cuda-quant-micro": ("GPU: quantized matmul", "`cuda_quant_micro.py`: each format against cuBLAS on bf16.",

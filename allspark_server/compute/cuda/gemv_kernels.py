@@ -186,9 +186,10 @@ def choose_config(k: int, n: int = 0, silu_mul: bool = False) -> GemvConfig:
     `--shapes smollm2`). Two more from the H200's sweep (`--lora-sweep`), which also times each tile carrying an
     adapter's shrink and followed by its expand (a LoRA row's batch-1 projection): a weight of 16384 rows or more
     and 2048 to 8192 columns (gate_up's gate and up rows, a 7B LM head) takes 4 rows a program, where the shrink's
-    programs added ~2 us to gate_up's launch with two rows a program and nothing with four; a weight of at most
-    4096 rows and 2049 to 4096 columns (o) takes 8 rows and 1024-wide k-tiles, the same time alone and ~1 us less
-    with an adapter. (In the H100's sweep, which had no adapters, neither tile was among a shape's best six.) A
+    programs added ~2 us to gate_up's launch with two rows a program and nothing with four; a weight of 2048 to
+    4096 columns and as many rows or more, up to 4096 (o, whole or a 2-rank pool's shard) takes 8 rows and
+    1024-wide k-tiles, the same time alone or less and ~1 us less with an adapter (q|k|v's shard, 3072 x 4096, lost
+    ~1 us with it). (In the H100's sweep, which had no adapters, neither tile was among a shape's best six.) A
     weight's tile depends on the weight alone, never on the rows or on an adapter: gate_up with and without
     silu·mul take one tile (a batch with an adapter row drops the epilogue and keeps each row's sums), and the rows
     of x never choose, so each comes out as it would alone. The tiles of weights of more than 1024 columns have
@@ -198,7 +199,7 @@ def choose_config(k: int, n: int = 0, silu_mul: bool = False) -> GemvConfig:
         return GemvConfig(block_n=8, block_k=triton.next_power_of_2(k), num_warps=4)
     if weight_rows >= 16384 and 2048 <= k <= 8192:
         return GemvConfig(block_n=4, block_k=2048, num_warps=8)
-    if weight_rows <= 4096 and 2048 < k <= 4096:
+    if 2048 <= k <= weight_rows <= 4096:
         return GemvConfig(block_n=8, block_k=1024, num_warps=8)
     return GemvConfig(block_n=2, block_k=min(4096 if k >= 8192 else 2048, triton.next_power_of_2(k)), num_warps=8)
 
