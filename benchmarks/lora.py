@@ -24,8 +24,9 @@ with adapter rows replay the decode graphs captured with the adapters' kernels (
     python benchmarks/lora.py --device cuda --model 7b --out                  # a random Llama-2-7B-shaped bf16 model
     python benchmarks/lora.py --model tiny --tokens 4 --streams 2 --adapters 2 --rounds 1   # checks that it runs
 
---out alone writes benchmarks/results/lora[-dense|-7b|-tiny][-fp32]-<machine>.json, --out PATH writes PATH;
-without --out no file is written.
+--out alone writes benchmarks/results/lora[-dense|-7b|-tiny][-fp32][-as-avx2]-<machine>.json, --out PATH writes
+PATH; without --out no file is written. --as-avx2 (CPU): the native kernels' AVX2 code and ATen capped at AVX2
+(common.AVX2_CAPS, set before torch loads): an indication for AVX2-only machines from a newer one.
 """
 from __future__ import annotations
 
@@ -39,7 +40,10 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import common  # noqa: E402
 from common import machine_kind, machine_name, result_path, spin_openmp, write_report  # noqa: E402
+
+common.as_avx2_if_asked()   # before torch loads
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT_LEN = 32
@@ -177,11 +181,15 @@ def main(argv=None) -> None:
     p.add_argument("--streams", type=int, default=32, help="concurrent requests of the streams comparison")
     p.add_argument("--tokens", type=int, default=128, help="generated tokens per request (batch 1 and streams)")
     p.add_argument("--rounds", type=int, default=5, help="measured rounds (after a short warm-up round)")
+    p.add_argument("--as-avx2", action="store_true", help="CPU: the AVX2 code, ATen capped at AVX2 (docstring)")
     p.add_argument("--out", nargs="?", const="", default=None,
                    help="write the JSON report: to PATH, or alone to benchmarks/results/lora[-...]-<machine>.json")
     a = p.parse_args(argv)
     if min(a.rank, a.adapters, a.streams, a.rounds) < 1 or a.tokens < 2:
         raise SystemExit("--rank, --adapters, --streams and --rounds must be >= 1, --tokens >= 2")
+    common.check_as_avx2(a.as_avx2)
+    if a.as_avx2 and a.device != "cpu":
+        raise SystemExit("--as-avx2 is for --device cpu")
     if a.device == "cpu":
         spin_openmp()
     import workloads
@@ -248,6 +256,7 @@ def main(argv=None) -> None:
         # the streams' decode steps alone (their prompt steps excluded): where the streams' time goes
         decode_only = streams_summary(decode_runs) if decode_runs else None
         report = {"measure": "lora", "machine": machine_name() if a.device == "cpu" else torch_gpu_name(),
+                  "as_avx2": a.as_avx2,
                   "kind": machine_kind(a.device), "device": a.device, "model": a.model, "layers": a.layers or None,
                   "dtype": a.dtype, "rank": a.rank, "adapters": a.adapters, "streams": a.streams,
                   "tokens": a.tokens, "prompt_len": PROMPT_LEN, "rounds": a.rounds,
@@ -266,6 +275,7 @@ def main(argv=None) -> None:
     if a.out is not None:
         suffix = {"smollm2": "", "smollm2-dense": "-dense"}.get(a.model, f"-{a.model}")
         suffix += {"float32": "-fp32", "float16": "-fp16"}.get(a.dtype, "")
+        suffix += "-as-avx2" if a.as_avx2 else ""
         path = a.out or result_path(f"lora{suffix}", a.device)
         write_report(path, report)
         print("wrote", path)

@@ -86,6 +86,12 @@ MEASURES = {
                    "model's bytes.", lora),
     "lora-dense-fp32": ("LoRA adapters against the base model, SmolLM2 in fp32 on a CPU", "As above, `--dtype "
                         "float32`.", lora),
+    "lora-dense-as-avx2": ("LoRA adapters against the base model, SmolLM2 on a CPU, its AVX2 code",
+                           "`lora.py --model smollm2-dense --as-avx2`: the native kernels' AVX2 code and ATen capped "
+                           "at AVX2 on an AVX-512 machine (an indication for AVX2-only machines: their cores and "
+                           "memory differ).", lora),
+    "lora-dense-fp32-as-avx2": ("LoRA adapters against the base model, SmolLM2 in fp32 on a CPU, its AVX2 code",
+                                "As above, `--dtype float32`.", lora),
     "vl-2b": ("Qwen2-VL-2B-shaped model: concurrent image requests and multi-turn against transformers",
               "`vl.py --device cuda --model 2b`: a random Qwen2-VL-2B-shaped bf16 model; 32 single-image chats "
               "started together (448x448 noise images, 64 greedy tokens each) through the Engine against "
