@@ -19,6 +19,15 @@ logging.getLogger("allspark").setLevel(logging.ERROR)
 # a few million objects that all live to the end, and Python's default thresholds walked them again and again
 gc.set_threshold(50_000, 20, 20)
 
+import torch  # noqa: E402
+
+# Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors. The variable is read when @triton.jit
+# decorates, so it must be set before any module imports a kernel: here, for every selection of test files alike
+# (the Triton test files also set it, but a run that collects a model or pool test first imported the kernels
+# compiled-mode, and the kernel tests then failed).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from stall_watch import StallWatch  # noqa: E402
 
 from allspark_server.loader.tiny_model import VARIANTS, build_tiny_model  # noqa: E402
