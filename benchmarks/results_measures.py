@@ -83,7 +83,8 @@ MEASURES = {
     "lora-dense": ("LoRA adapters against the base model, SmolLM2 on a CPU", "`lora.py --model smollm2-dense "
                    "--dtype D --rounds 4` on 2 cores: SmolLM2's weights (dequantized from the Q4_1 file) plain and "
                    "with 8 rank-16 adapters, alternating rounds. At this size 8 fp32 adapters are ~30% of the base "
-                   "model's bytes.", lora),
+                   "model's bytes. The avx2 files (both dtypes) predate the CPU LoRA kernel's panels and its one "
+                   "parallel region a step; lora-dense-as-avx2 runs today's AVX2 code on an AVX-512 VM.", lora),
     "lora-dense-fp32": ("LoRA adapters against the base model, SmolLM2 in fp32 on a CPU", "As above, `--dtype "
                         "float32`.", lora),
     "lora-dense-as-avx2": ("LoRA adapters against the base model, SmolLM2 on a CPU, its AVX2 code",
