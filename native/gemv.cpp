@@ -116,8 +116,7 @@ void rows_m1_avx512(const float* x, int64_t K, const W* w, int64_t n0, int64_t n
 // rows share its step: a speculative verify step's rows (MR_AVX512 in one block) equal one-row steps bit for bit.
 // The block's weight rows are n, n + gap, ...: rows_avx512 takes them from NB parts of its rows far apart (gap: a
 // part), NB sequential streams as rows_m1_avx512 reads them. Adjacent rows (gap 1, the next block prefetched) read
-// as one stream: at 2 to 6 rows of x that halved the rows' bandwidth on the Zen 4 VM, a 5-row verify step's GEMVs
-// 2.3-3x a one-row step's.
+// as one stream, which the Zen 4 VM streams far slower at 2 to 6 rows of x (docs/performance.md, "bf16 GEMV").
 template <typename W, int MB, int NB>
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 void block_avx512(const float* x, int64_t K, const W* w, int64_t n, float* y, int64_t N, int64_t n_end,
