@@ -40,10 +40,17 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import common  # noqa: E402
-from common import machine_kind, machine_name, result_path, spin_openmp, write_report  # noqa: E402
+from common import (  # noqa: E402
+    as_avx2_if_asked,
+    check_as_avx2,
+    machine_kind,
+    machine_name,
+    result_path,
+    spin_openmp,
+    write_report,
+)
 
-common.as_avx2_if_asked()   # before torch loads
+as_avx2_if_asked()   # before torch loads
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT_LEN = 32
@@ -187,7 +194,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     if min(a.rank, a.adapters, a.streams, a.rounds) < 1 or a.tokens < 2:
         raise SystemExit("--rank, --adapters, --streams and --rounds must be >= 1, --tokens >= 2")
-    common.check_as_avx2(a.as_avx2)
+    check_as_avx2(a.as_avx2)
     if a.as_avx2 and a.device != "cpu":
         raise SystemExit("--as-avx2 is for --device cpu")
     if a.device == "cpu":

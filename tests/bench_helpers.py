@@ -13,8 +13,6 @@ import pytest
 import torch
 from pool_helpers import REPO
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")      # read when @triton.jit decorates: before any kernel import
 BENCH = os.path.join(REPO, "benchmarks")
 GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not GPU, reason="no CUDA device")

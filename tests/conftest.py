@@ -22,9 +22,9 @@ gc.set_threshold(50_000, 20, 20)
 import torch  # noqa: E402
 
 # Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors. The variable is read when @triton.jit
-# decorates, so it must be set before any module imports a kernel: here, for every selection of test files alike
-# (the Triton test files also set it, but a run that collects a model or pool test first imported the kernels
-# compiled-mode, and the kernel tests then failed).
+# decorates, so it must be set before any module imports a kernel: here, the one place, before pytest imports any
+# test file (when each Triton test file set it, a run that collected a model or pool test first imported the
+# kernels compiled-mode, and the kernel tests then failed).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -1,7 +1,7 @@
 """Shared by the Triton paged-attention tests (test_triton_kernels.py, test_triton_prefill.py, test_triton_gemma.py):
 the device and tolerances, caches over shuffled span tables whose padding holds garbage span ids and whose
 unowned slots hold NaN, their quantized form, the float64 / torch decode references and the closeness check.
-Import it after TRITON_INTERPRET is set (the test files set it before importing Triton)."""
+Import it after TRITON_INTERPRET is set (tests/conftest.py sets it before any test file is imported)."""
 from __future__ import annotations
 
 import torch

@@ -7,15 +7,10 @@ the CPU engine's, alone and batched (teacher-forced logits are in test_hf_parity
 from __future__ import annotations
 
 import json
-import os
 import threading
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():   # the Triton kernels run in the interpreter on CPU tensors (set before import)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 from helpers import greedy, hf_greedy, random_prompt, run_together, serialize, start_engine
 
 from allspark_client import settings

@@ -4,13 +4,8 @@ and on the CUDA backend (the GPU, or CPU tensors under the Triton interpreter), 
 `move_together` (a step's input tensors sent to the GPU in one copy) against the tensors it packs."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")      # read when @triton.jit decorates: before the import
 
 from allspark_server.compute import ops  # noqa: E402
 from allspark_server.quant import kv as kv_quant  # noqa: E402

@@ -5,13 +5,9 @@ outputs and caches. On a CUDA machine the tests run on the GPU; elsewhere on CPU
 interpreter (small shapes: it is slow)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")      # read when @triton.jit decorates: before the import
 pytest.importorskip("triton")
 
 from allspark_server.compute import ops  # noqa: E402

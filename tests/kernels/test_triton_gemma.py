@@ -7,13 +7,10 @@ Triton interpreter (small shapes: it is slow)."""
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")      # read when @triton.jit decorates: before the import
 pytest.importorskip("triton")
 
 from test_triton_kernels import DEVICE, GARBAGE_SPAN, SCALE, TOL, assert_close, make_cache, quantize_cache  # noqa: E402

@@ -5,15 +5,11 @@ float64; which linears the CUDA backend hands it (`fits`). On a CUDA machine on 
 tensors under the Triton interpreter (small shapes)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from allspark_client import settings
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")      # read when @triton.jit decorates: before the import
 pytest.importorskip("triton")
 
 from test_triton_fused import DEVICE, assert_same_bits, assert_within_ulps, rows_view  # noqa: E402

@@ -5,13 +5,9 @@ paged_attention_cases.py. Prefill: test_triton_prefill.py. On a CUDA machine the
 on CPU tensors under the Triton interpreter (small shapes: it is slow)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")      # read when @triton.jit decorates: before the import
 pytest.importorskip("triton")
 
 # GARBAGE_SPAN is not used here: test_triton_gemma.py imports it from this module

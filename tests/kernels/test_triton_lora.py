@@ -7,13 +7,9 @@ tiles small enough that every loop and mask runs. On a CUDA machine on the GPU (
 elsewhere on CPU tensors under the Triton interpreter (small shapes)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")      # read when @triton.jit decorates: before the import
 pytest.importorskip("triton")
 
 from test_triton_fused import DEVICE, assert_same_bits, assert_within_ulps, rows_view  # noqa: E402

@@ -5,13 +5,9 @@ Decode: test_triton_kernels.py. On a CUDA machine the tests run on the GPU; else
 Triton interpreter (small shapes: it is slow)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")      # read when @triton.jit decorates: before the import
 pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402

@@ -5,13 +5,10 @@ machine on the GPU; elsewhere on CPU tensors under the Triton interpreter."""
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")      # read when @triton.jit decorates: before the import
 pytest.importorskip("triton")
 
 from allspark_server.compute.cuda import quant_kernels as qk  # noqa: E402

@@ -5,13 +5,9 @@ and outside it several rows take the multi-row kernels. On a CUDA machine on the
 tensors under the Triton interpreter."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")      # read when @triton.jit decorates: before the import
 pytest.importorskip("triton")
 
 from test_triton_fused import DEVICE, assert_same_bits  # noqa: E402

@@ -4,18 +4,12 @@ Triton kernels (interpreted without a GPU) against float64, and an Engine (and a
 serialized as uint4_min like transformers running the same model on the codes dequantized here."""
 from __future__ import annotations
 
+import copy
 import json
-import os
 
 import numpy as np
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")      # read when @triton.jit decorates: before the import
-
-import copy  # noqa: E402
-
 from helpers import greedy, hf_greedy, random_prompt, start_engine  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from test_quant_models import QUANTIZED, serialize_quantized  # noqa: E402

@@ -3,7 +3,6 @@ kernels on a GPU of compute capability 9.0 or newer, and never with ALLSPARK_PDL
 give the same bits is tests/gpu/test_cuda.py's, on a GPU.)"""
 from __future__ import annotations
 
-import os
 from unittest import mock
 
 import pytest
@@ -11,8 +10,6 @@ import torch
 
 from allspark_client import settings
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")      # read when @triton.jit decorates: before the import
 pytest.importorskip("triton")
 
 from allspark_server.compute.cuda import pdl  # noqa: E402
