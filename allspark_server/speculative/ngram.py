@@ -1,26 +1,64 @@
 """Prompt lookup ("ngram" speculation): the tokens that followed the latest earlier occurrence of the request's
 last n tokens, for n from prompt_lookup_max down to prompt_lookup_min. No model: a rewrite, a code edit or an
-answer quoting its context repeats long runs of the prompt, and those runs are proposed for free."""
+answer quoting its context repeats long runs of the prompt, and those runs are proposed for free.
+
+A request's NgramIndex maps every n-gram of its tokens to where it starts, and grows with the tokens the request
+accepts (only ever appended), so that a step's lookup costs a few dictionary reads whatever the context's length:
+on a GPU the lookup sits between a verify step's tokens and the next launch, where the GPU waits for the host."""
 from __future__ import annotations
 
-import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
+from typing import Sequence
 
 
-def propose_ngram(tokens: "list[int] | np.ndarray", k: int, n_min: int, n_max: int) -> list[int]:
-    """Up to `k` tokens proposed to follow `tokens`: for the longest n in [n_min, n_max] whose last-n suffix occurs
-    earlier in `tokens`, the k tokens that followed its latest earlier occurrence followed by k tokens (else by fewer:
-    the latest one's, cut where `tokens` ends). [] when none."""
-    ids = np.asarray(tokens, dtype=np.int64)
-    total = ids.shape[0]
-    for n in range(min(n_max, total - 1), n_min - 1, -1):
-        suffix = ids[total - n:]
-        # windows starting at 0 .. total-n-1: every occurrence before the suffix itself
-        windows = sliding_window_view(ids[:total - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            # the token after the latest earlier occurrence that is followed by k tokens, else after the latest
-            full = hits[hits + n + k <= total]
-            start = int(full[-1] if full.size else hits[-1]) + n
-            return ids[start:start + k].tolist()
-    return []
+class NgramIndex:
+    """Where each n-gram (n_min <= n <= n_max) of one token sequence starts, kept up to date as it grows."""
+
+    def __init__(self, n_min: int, n_max: int):
+        self.n_min, self.n_max = n_min, n_max
+        self.tokens: list[int] = []
+        self.starts: dict[tuple, list[int]] = {}     # n-gram -> its start positions, ascending
+
+    def update(self, tokens: Sequence[int]) -> None:
+        """Take `tokens`, the sequence so far: what it adds to the indexed one is indexed. A sequence that does not
+        continue the indexed one (never seen from a request, whose tokens are only appended) is indexed anew."""
+        have = len(self.tokens)
+        if len(tokens) < have or (have and tokens[have - 1] != self.tokens[-1]):
+            self.tokens, self.starts, have = [], {}, 0
+        if len(tokens) == have:
+            return
+        self.tokens.extend(tokens[have:])
+        ids, starts = self.tokens, self.starts
+        for n in range(self.n_min, self.n_max + 1):
+            for p in range(max(0, have - n + 1), len(ids) - n + 1):
+                key = tuple(ids[p:p + n])
+                at = starts.get(key)
+                if at is None:
+                    starts[key] = [p]
+                else:
+                    at.append(p)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to `k` tokens to follow the sequence: for the longest n whose last-n suffix occurs earlier, the k
+        tokens after its latest earlier occurrence that has k tokens after it, else after its latest (fewer, cut
+        where the sequence ends). [] when no suffix occurs earlier."""
+        ids = self.tokens
+        total = len(ids)
+        for n in range(min(self.n_max, total - 1), self.n_min - 1, -1):
+            at = self.starts.get(tuple(ids[total - n:]))
+            # every start but the suffix's own (the last): an earlier occurrence ends before the last token
+            i = len(at) - 2 if at else -1
+            if i < 0:
+                continue
+            latest = at[i]
+            while i >= 0 and at[i] + n + k > total:
+                i -= 1
+            start = (at[i] if i >= 0 else latest) + n
+            return ids[start:start + k]
+        return []
+
+
+def propose_ngram(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """NgramIndex's proposal for `tokens` alone (a fresh index)."""
+    index = NgramIndex(n_min, n_max)
+    index.update(list(tokens))
+    return index.propose(k)

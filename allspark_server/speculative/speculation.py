@@ -33,7 +33,7 @@ from typing import Callable, Iterable, Optional, Protocol, Sequence
 from allspark_client.config import AUTO_SPECULATIVE_MAX_BATCH, AsModelConfig
 from allspark_server.core.request import Request
 from allspark_server.runner.sample_types import SampleResult
-from allspark_server.speculative.ngram import propose_ngram
+from allspark_server.speculative.ngram import NgramIndex
 
 MAX_BACKOFF = 16      # steps without proposals after repeated whole rejections, at most
 
@@ -50,19 +50,27 @@ class Proposer(Protocol):
 
 
 class NgramProposer:
-    """Prompt lookup over each request's own prompt and output (ngram.py)."""
+    """Prompt lookup over each request's own prompt and output (ngram.py), an index per request."""
 
     def __init__(self, n_min: int, n_max: int):
         self.n_min, self.n_max = n_min, n_max
+        self._index: dict[int, NgramIndex] = {}
 
     def propose(self, requests, counts):
-        return [propose_ngram(r.all_token_ids, k, self.n_min, self.n_max) for r, k in zip(requests, counts)]
+        drafts = []
+        for r, k in zip(requests, counts):
+            index = self._index.get(r.request_id)
+            if index is None:
+                index = self._index[r.request_id] = NgramIndex(self.n_min, self.n_max)
+            index.update(r.all_token_ids)
+            drafts.append(index.propose(k))
+        return drafts
 
     def forget(self, request_id: int) -> None:
-        pass
+        self._index.pop(request_id, None)
 
     def close(self) -> None:
-        pass
+        self._index.clear()
 
 
 @dataclass
