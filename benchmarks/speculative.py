@@ -134,6 +134,7 @@ def main(argv=None) -> None:
     from allspark_server import Engine, HuggingFaceModel
     from allspark_server.compute import ops
     from allspark_server.loader.model_file import read_model_graph
+    from allspark_server.runner.model_runner import INVARIANT_MIN_HIDDEN
     scale = 8 if a.smoke else 1
     rounds = 1 if a.smoke else a.rounds
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,10 +148,10 @@ def main(argv=None) -> None:
         files = (os.path.join(tmp, "m.asgraph"), os.path.join(tmp, "m.asparam"))
         tokenizer_json = read_model_graph(*files).tokenizer_json if not a.smoke else ""
         engine = Engine()
-        # on a GPU a speculating model's 16-bit GEMVs are the batch-invariant ones (compute/row_mode.py): the greedy
-        # outputs are compared with the plain model installed in batch-invariant mode ("invariant"), the speeds
-        # with the plain model
-        invariant = a.device == "cuda"
+        # on a GPU a speculating model from INVARIANT_MIN_HIDDEN takes the batch-invariant 16-bit GEMVs
+        # (compute/row_mode.py): its greedy outputs are compared with the plain model installed in batch-invariant
+        # mode ("invariant"), the speeds with the plain model; a smaller one's with the plain model's
+        invariant = a.device == "cuda" and loader.args.hidden_size >= INVARIANT_MIN_HIDDEN
         variants = {"plain": (), **({"invariant": ()} if invariant else {}), "ngram": ("ngram",)}
         if a.draft or a.smoke:
             draft = target if a.smoke or a.draft == "self" else model_path(a.draft)
