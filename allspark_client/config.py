@@ -28,6 +28,7 @@ DEFAULT_SPECULATIVE_TOKENS = {"ngram": 4, "draft": 4}
 # speculate only while at most this many requests run (speculative_max_batch = 0): docs/speculative.md says why
 AUTO_SPECULATIVE_MAX_BATCH = 4
 MAX_SPECULATIVE_TOKENS = 16
+SPECULATIVE_ROWS = ("auto", "alone", "invariant")
 DEFAULT_PREFILL_CHUNK = 1024
 # GPU ranks: a step of 4096 prompt tokens still takes tens of milliseconds on a 7B model, and fewer, larger
 # prefill steps save each one's eager launch overhead (128 prompts of 128 tokens: 4 steps instead of 16)
@@ -61,6 +62,9 @@ class AsModelConfig:
     draft_dtype: str = ""                   # draft: its dtype ("" = the file's)
     draft_quantize: str = ""                # draft: InstantQuant weight format of its copy ("" = none, "int4", ...)
     speculative_max_batch: int = 0          # speculate only while at most this many requests decode; 0 = auto
+    # GPU ranks: how a verify step's rows are computed as alone (docs/speculative.md, "On a GPU"): "alone" (each by
+    # the one-row kernels), "invariant" (a tensor-core GEMV, in every step), "auto" (runner/model_runner.py's rule)
+    speculative_rows: str = "auto"
     # LoRA adapters (docs/api.md, "LoRA adapters"): how many may be loaded at once, and the largest rank of one
     lora_max_num: int = 5
     lora_max_rank: int = 64
@@ -105,6 +109,8 @@ class AsModelConfig:
                f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
                f"({self.prompt_lookup_max})")
         _check_int("speculative_max_batch", self.speculative_max_batch, lo=0)
+        _check(self.speculative_rows in SPECULATIVE_ROWS,
+               f"speculative_rows must be one of {SPECULATIVE_ROWS}, got {self.speculative_rows!r}")
         for key in ("draft_model", "draft_dtype", "draft_quantize"):
             _check(isinstance(getattr(self, key), str), f"{key} must be a string")
         _check((self.speculative_method == "draft") == bool(self.draft_model),
@@ -225,10 +231,11 @@ class AsModelRuntimeConfigBuilder:
     def speculative_decoding(self, method: str, num_speculative_tokens: int = 0, **options):
         """Speculative decoding: `method` "ngram" (prompt lookup over each request's own tokens; options
         prompt_lookup_min, prompt_lookup_max) or "draft" (options draft_model=PATH, draft_dtype, draft_quantize);
-        speculative_max_batch: speculate only while at most that many requests decode (0 = auto). Greedy output
-        is the same as without it; sampled output keeps the model's distribution. None or "" turns it off."""
+        speculative_max_batch: speculate only while at most that many requests decode (0 = auto); speculative_rows:
+        how GPU ranks compute a verify step's rows ("auto", "alone", "invariant"). Greedy output is the same as
+        without it; sampled output keeps the model's distribution. None or "" turns it off."""
         allowed = {"prompt_lookup_min", "prompt_lookup_max", "draft_model", "draft_dtype", "draft_quantize",
-                   "speculative_max_batch"}
+                   "speculative_max_batch", "speculative_rows"}
         for key in options:
             _check(key in allowed, f"unknown speculative_decoding option {key!r} (known: {sorted(allowed)})")
         self._fields.update(speculative_method=method or "", num_speculative_tokens=num_speculative_tokens,

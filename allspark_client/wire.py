@@ -20,7 +20,7 @@ _OPTIONAL_SCALARS = ("temperature", "top_k", "top_p", "repetition_penalty", "pre
                      "min_length", "max_length", "max_new_tokens", "seed", "logprobs", "top_logprobs", "do_sample",
                      "speculative", "prompt_logprobs")
 # RuntimeConfig fields sent only when set: a pool reads an absent one as AsModelConfig's default
-_OPTIONAL_RUNTIME = ("lora_max_num", "lora_max_rank")
+_OPTIONAL_RUNTIME = ("lora_max_num", "lora_max_rank", "speculative_rows")
 
 
 # ---- runtime config ------------------------------------------------------------------------------

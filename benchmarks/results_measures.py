@@ -109,6 +109,16 @@ MEASURES = {
                           "smollm2-dense --draft smollm2 --rounds 3`: SmolLM2's weights in bf16 (dequantized from "
                           "the Q4_1 file) plain, with ngram speculation and with the Q4_1 file itself as the draft "
                           "model (k = 4).", speculative),
+    "speculative-dense-k8": ("Speculative decoding, SmolLM2 in bf16, 8 proposed tokens", "`speculative.py --model "
+                             "smollm2-dense --tokens 8 --rounds 2`: as above with k = 8, so that a GPU takes "
+                             "invariant rows (model_runner.speculates_in_invariant_rows) and is compared with the "
+                             "plain model in batch-invariant mode.", speculative),
+    "speculative-dense-k8-alone": ("Speculative decoding, SmolLM2 in bf16, 8 proposed tokens, alone rows",
+                                   "`speculative.py --model smollm2-dense --tokens 8 --rows alone --rounds 2`: as "
+                                   "above, each GPU verify row by the one-row kernels.", speculative),
+    "speculative-dense-invariant": ("Speculative decoding, SmolLM2 in bf16, invariant rows",
+                                    "`speculative.py --model smollm2-dense --rows invariant --rounds 2`: k = 4, a "
+                                    "GPU in invariant rows in every step.", speculative),
     "speculative-self-draft": ("Speculative decoding with the target's own quantized copy as the draft",
                                "`speculative.py --draft self`, k = 4: on a CPU `--model smollm2-dense --dtype "
                                "float32 --draft-quantize int8` (SmolLM2's weights in fp32 against their own "

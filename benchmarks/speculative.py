@@ -20,6 +20,7 @@ requests started together: speculation backs off while more than speculative_max
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -124,6 +125,8 @@ def main(argv=None) -> None:
                    help="also a variant with this draft model (self: the target's own file)")
     p.add_argument("--draft-quantize", default="", help="the draft's InstantQuant weight format (int8, uint4, ...)")
     p.add_argument("--draft-dtype", default="", help="the draft's dtype (default: the file's)")
+    p.add_argument("--rows", default="auto", choices=["auto", "alone", "invariant"],
+                   help="the speculating variants' speculative_rows (how a GPU computes the verify rows)")
     p.add_argument("--json", help="report path (default benchmarks/results/speculative-<machine>.json)")
     add_smoke_flag(p)
     a = p.parse_args(argv)
@@ -134,7 +137,7 @@ def main(argv=None) -> None:
     from allspark_server import Engine, HuggingFaceModel
     from allspark_server.compute import ops
     from allspark_server.loader.model_file import read_model_graph
-    from allspark_server.runner.model_runner import INVARIANT_MIN_HIDDEN
+    from allspark_server.runner.model_runner import speculates_in_invariant_rows
     scale = 8 if a.smoke else 1
     rounds = 1 if a.smoke else a.rounds
     with tempfile.TemporaryDirectory() as tmp:
@@ -148,24 +151,30 @@ def main(argv=None) -> None:
         files = (os.path.join(tmp, "m.asgraph"), os.path.join(tmp, "m.asparam"))
         tokenizer_json = read_model_graph(*files).tokenizer_json if not a.smoke else ""
         engine = Engine()
-        # on a GPU a speculating model from INVARIANT_MIN_HIDDEN takes the batch-invariant 16-bit GEMVs
-        # (compute/row_mode.py): its greedy outputs are compared with the plain model installed in batch-invariant
-        # mode ("invariant"), the speeds with the plain model; a smaller one's with the plain model's
-        invariant = a.device == "cuda" and loader.args.hidden_size >= INVARIANT_MIN_HIDDEN
-        variants = {"plain": (), **({"invariant": ()} if invariant else {}), "ngram": ("ngram",)}
+        variants = {"plain": (), "ngram": ("ngram",)}
         if a.draft or a.smoke:
             draft = target if a.smoke or a.draft == "self" else model_path(a.draft)
             variants["draft"] = ("draft", {"draft_model": draft, "draft_quantize": a.draft_quantize,
                                            "draft_dtype": a.draft_dtype})
+        builds = {}
         for name, spec in variants.items():
             b = (loader.create_reference_runtime_config_builder(name, a.device, [0], max_batch=max(STREAMS, a.streams))
                  .max_length(2048).kv_cache_span_size(32))
             if spec:
-                b.speculative_decoding(spec[0], a.tokens, **(spec[1] if len(spec) > 1 else {}))
+                b.speculative_decoding(spec[0], a.tokens, speculative_rows=a.rows, **(spec[1] if len(spec) > 1 else {}))
+            builds[name] = b.build()
+        # on a GPU a speculating model that takes invariant rows (model_runner.speculates_in_invariant_rows) takes the
+        # batch-invariant 16-bit GEMVs (compute/row_mode.py) in every step: its greedy outputs are compared with the
+        # plain model installed in batch-invariant mode ("invariant"), the speeds with the plain model
+        invariant = a.device == "cuda" and speculates_in_invariant_rows(builds["ngram"], loader.args.hidden_size)
+        if invariant:
+            builds["invariant"] = dataclasses.replace(builds["plain"], model_name="invariant")
+            variants = {"plain": (), "invariant": (), **{k: v for k, v in variants.items() if k != "plain"}}
+        for name in variants:
             before = ops.batch_invariant()
             ops.set_batch_invariant(before or name == "invariant")     # read as the model's runner is built
             try:
-                engine.install_model(b.build())
+                engine.install_model(builds[name])
             finally:
                 ops.set_batch_invariant(before)
             engine.start_model(name)
@@ -190,7 +199,8 @@ def main(argv=None) -> None:
             print(r, {n: {k: round(v, 2) for k, v in g.items() if k != "tokens"} for n, g in got.items()}, flush=True)
         report = {"machine": machine_name() if a.device == "cpu" else torch_gpu_name(), "kind": machine_kind(a.device),
                   "model": model, "layers": a.layers or None, "dtype": a.dtype, "a8": a.a8, "draft": a.draft,
-                  "draft_quantize": a.draft_quantize or None, "num_speculative_tokens": a.tokens, "rounds": rounds,
+                  "draft_quantize": a.draft_quantize or None, "num_speculative_tokens": a.tokens,
+                  "speculative_rows": a.rows, "invariant_rows": invariant, "rounds": rounds,
                   "streams": a.streams,
                   "greedy_equal": same, "greedy_compared_with": ref, "runs": runs,
                   "measured_at": time.strftime("%Y-%m-%d")}

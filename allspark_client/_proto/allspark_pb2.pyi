@@ -204,7 +204,7 @@ class LoraList(_message.Message):
     def __init__(self, status: _Optional[int] = ..., message: _Optional[str] = ..., lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RuntimeConfig(_message.Message):
-    __slots__ = ("model_name", "model_path", "weights_path", "compute_unit", "engine_max_length", "engine_max_batch", "engine_max_prefill_length", "num_threads", "matmul_precision", "cache_mode", "cache_span_size", "kv_cache_memory_bytes", "enable_prefix_cache", "prefix_cache_ttl", "prefix_cache_host_bytes", "enable_profiling", "speculative_method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "draft_model", "draft_dtype", "draft_quantize", "speculative_max_batch", "lora_max_num", "lora_max_rank")
+    __slots__ = ("model_name", "model_path", "weights_path", "compute_unit", "engine_max_length", "engine_max_batch", "engine_max_prefill_length", "num_threads", "matmul_precision", "cache_mode", "cache_span_size", "kv_cache_memory_bytes", "enable_prefix_cache", "prefix_cache_ttl", "prefix_cache_host_bytes", "enable_profiling", "speculative_method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "draft_model", "draft_dtype", "draft_quantize", "speculative_max_batch", "lora_max_num", "lora_max_rank", "speculative_rows")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +231,7 @@ class RuntimeConfig(_message.Message):
     SPECULATIVE_MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     LORA_MAX_NUM_FIELD_NUMBER: _ClassVar[int]
     LORA_MAX_RANK_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_ROWS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_path: str
     weights_path: str
@@ -257,7 +258,8 @@ class RuntimeConfig(_message.Message):
     speculative_max_batch: int
     lora_max_num: int
     lora_max_rank: int
-    def __init__(self, model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., weights_path: _Optional[str] = ..., compute_unit: _Optional[str] = ..., engine_max_length: _Optional[int] = ..., engine_max_batch: _Optional[int] = ..., engine_max_prefill_length: _Optional[int] = ..., num_threads: _Optional[int] = ..., matmul_precision: _Optional[str] = ..., cache_mode: _Optional[int] = ..., cache_span_size: _Optional[int] = ..., kv_cache_memory_bytes: _Optional[int] = ..., enable_prefix_cache: _Optional[bool] = ..., prefix_cache_ttl: _Optional[int] = ..., prefix_cache_host_bytes: _Optional[int] = ..., enable_profiling: _Optional[bool] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., draft_model: _Optional[str] = ..., draft_dtype: _Optional[str] = ..., draft_quantize: _Optional[str] = ..., speculative_max_batch: _Optional[int] = ..., lora_max_num: _Optional[int] = ..., lora_max_rank: _Optional[int] = ...) -> None: ...
+    speculative_rows: str
+    def __init__(self, model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., weights_path: _Optional[str] = ..., compute_unit: _Optional[str] = ..., engine_max_length: _Optional[int] = ..., engine_max_batch: _Optional[int] = ..., engine_max_prefill_length: _Optional[int] = ..., num_threads: _Optional[int] = ..., matmul_precision: _Optional[str] = ..., cache_mode: _Optional[int] = ..., cache_span_size: _Optional[int] = ..., kv_cache_memory_bytes: _Optional[int] = ..., enable_prefix_cache: _Optional[bool] = ..., prefix_cache_ttl: _Optional[int] = ..., prefix_cache_host_bytes: _Optional[int] = ..., enable_profiling: _Optional[bool] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., draft_model: _Optional[str] = ..., draft_dtype: _Optional[str] = ..., draft_quantize: _Optional[str] = ..., speculative_max_batch: _Optional[int] = ..., lora_max_num: _Optional[int] = ..., lora_max_rank: _Optional[int] = ..., speculative_rows: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

@@ -40,8 +40,23 @@ AUTO_KV_GPU_FRACTION = 0.8
 # and the tensor-core GEMV's longer chain of loads costs them more than its one-read verify steps win back (measured
 # on SmolLM2 and a 7B-wide model: docs/speculative.md, "On a GPU")
 INVARIANT_MIN_HIDDEN = 2048
+# ... and the verify rows (num_speculative_tokens + 1) from which any speculating GPU model takes them: alone rows cost
+# a GEMV program each, and a 9-row verify step of SmolLM2 took longer alone than in invariant rows, which cost the
+# same for 1 to 16 rows (docs/speculative.md, "On a GPU")
+INVARIANT_MIN_VERIFY_ROWS = 9
 KV_MODE_NAMES = {AsCacheMode.AsCacheDefault: None, AsCacheMode.AsCacheQuantI8: "int8",
                  AsCacheMode.AsCacheQuantU4: "uint4", AsCacheMode.AsCacheQuantFp8: "fp8"}
+
+
+def speculates_in_invariant_rows(cfg: AsModelConfig, hidden_size: int) -> bool:
+    """Whether a speculating model's verify rows (and so all its steps) take invariant rows on a GPU rank rather than
+    alone rows: its config's speculative_rows, or for "auto" from INVARIANT_MIN_HIDDEN or INVARIANT_MIN_VERIFY_ROWS."""
+    k = cfg.speculative_tokens
+    if not k:
+        return False
+    if cfg.speculative_rows != "auto":
+        return cfg.speculative_rows == "invariant"
+    return hidden_size >= INVARIANT_MIN_HIDDEN or k + 1 >= INVARIANT_MIN_VERIFY_ROWS
 
 
 class ModelRunner:
@@ -96,11 +111,11 @@ class ModelRunner:
         # what a decode step reads on each rank, and its memory's bandwidth (install_runner): the MBU of the stat
         self.rank_decode_bytes: list[DecodeBytes] = []
         self.graphs = None   # GPU ranks: runner/cuda_graphs.py
-        # a speculating model on a GPU, from INVARIANT_MIN_HIDDEN, runs every step and capture in invariant-rows mode
+        # a speculating GPU model that takes invariant rows runs every step and capture in invariant-rows mode
         # (compute/row_mode.py): its one-row steps then take the kernel whose rows a verify chunk reproduces from one
         # weight read
-        speculating = cfg.speculative_tokens > 0 and args.hidden_size >= INVARIANT_MIN_HIDDEN
-        self.invariant_rows = self.device_kind.has_invariant_rows_mode and (speculating or ops.batch_invariant())
+        self.invariant_rows = self.device_kind.has_invariant_rows_mode and (
+            speculates_in_invariant_rows(cfg, args.hidden_size) or ops.batch_invariant())
         # profiling on: this rank's op timings (compute/op_profile.py), handed to the model after the graphs' capture
         self.profiler = OpProfiler(self.device) if cfg.enable_profiling else None
         self.asleep = None   # while unload_device_mem has freed the weights: what wake restores (residency.py)

@@ -1,8 +1,9 @@
 """Speculative decoding on a GPU rank (marker-free: skipped without CUDA): greedy output with ngram speculation
 equals greedy output without it, fp32 and bf16, alone and batched, with the verify rows replayed from the decode
 graphs (each verify chunk a run of decode rows, runner/cuda_graphs.py) and eagerly; and with a draft model (the
-model's own int8 copy, on the same GPU). A speculating model of hidden size from model_runner.INVARIANT_MIN_HIDDEN
-takes the batch-invariant 16-bit GEMVs (compute/row_mode.py) in all its steps: the engine without speculation it is
+model's own int8 copy, on the same GPU). A speculating model of hidden size from model_runner.INVARIANT_MIN_HIDDEN,
+or of 8 proposed tokens and more (INVARIANT_MIN_VERIFY_ROWS), unless its speculative_rows says otherwise, takes the
+batch-invariant 16-bit GEMVs (compute/row_mode.py) in all its steps: the engine without speculation it is
 then compared with takes them too (batch-invariant mode), and so does the same engine's request with
 speculative=False."""
 from __future__ import annotations
@@ -21,15 +22,17 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA de
 GREEDY = {"top_k": 1, "eos_token_id": [], "max_new_tokens": 80}
 
 
-def cuda_engine(loader, name: str, speculative: bool, draft: dict | None = None, invariant: bool = False) -> Engine:
-    """invariant: the model installed in batch-invariant mode (what a speculating model's runner takes itself)."""
+def cuda_engine(loader, name: str, speculative: bool, draft: dict | None = None, invariant: bool = False,
+                tokens: int = 4, rows: str = "auto") -> Engine:
+    """invariant: the model installed in batch-invariant mode (what a speculating model's runner takes itself);
+    tokens, rows: the ngram speculation's num_speculative_tokens and speculative_rows."""
     engine = Engine()
     b = (loader.create_reference_runtime_config_builder(name, TargetDevice.CUDA, [0], max_batch=4)
          .max_length(512).kv_cache_span_size(16))
     if draft:
         b.speculative_decoding("draft", 3, **draft)
     elif speculative:
-        b.speculative_decoding("ngram", 4)
+        b.speculative_decoding("ngram", tokens, speculative_rows=rows)
     before = ops.batch_invariant()
     ops.set_batch_invariant(invariant)      # read as the model's runner is built
     try:
@@ -60,6 +63,27 @@ def test_ngram_greedy_on_the_gpu_equals_greedy_without(llama, tmp_path, monkeypa
     assert [generate(spec, "m", p, GREEDY)[0] for p in prompts] == want
     assert [t for t, _ in run_together(spec, "m", [(p, GREEDY) for p in prompts[:3]])] == want[:3]
     assert generate(spec, "m", prompts[0], dict(GREEDY, speculative=False))[0] == want[0]
+    stat = spec.get_as_engine_stat("m")
+    assert stat.spec_accepted_tokens > 0, stat
+
+
+@needs_gpu
+@pytest.mark.parametrize("rows, invariant", [("auto", True), ("alone", False)])
+def test_nine_verify_rows_take_invariant_rows_unless_told(llama, tmp_path, rows, invariant):
+    """8 proposed tokens: a small model takes invariant rows by the "auto" rule (model_runner.INVARIANT_MIN_VERIFY_ROWS)
+    and keeps the plain kernels with speculative_rows="alone"; greedy equal to the matching model without
+    speculation either way, bf16, the verify rows from the graphs."""
+    loader = serialize(llama.hf_dir, "m", str(tmp_path), dtype="bfloat16")
+    base = cuda_engine(loader, "m", False, invariant=invariant)
+    spec = cuda_engine(loader, "m", True, tokens=8, rows=rows)
+    assert spec._models["m"].runner.invariant_rows == invariant
+    prompts = []
+    for seed in range(3):
+        p = random_prompt(36, 70 + seed)
+        prompts.append(p + p[4:30] + p[:12])
+    want = [generate(base, "m", p, GREEDY)[0] for p in prompts]
+    assert [generate(spec, "m", p, GREEDY)[0] for p in prompts] == want
+    assert [t for t, _ in run_together(spec, "m", [(p, GREEDY) for p in prompts])] == want
     stat = spec.get_as_engine_stat("m")
     assert stat.spec_accepted_tokens > 0, stat
 
