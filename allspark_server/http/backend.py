@@ -40,6 +40,7 @@ class BackendOptions:
     threads: Optional[int] = None       # in-process Engine; None: all cores but one (left to the HTTP loop)
     speculative: Optional[tuple] = None  # (method, draft model path, num_speculative_tokens): cli.speculative_spec
     speculative_max_batch: int = 0      # 0: auto
+    speculative_rows: str = "auto"      # GPU verify rows: auto, alone or invariant (docs/speculative.md)
     lora_modules: tuple = ()            # (name, path) of the LoRA adapters loaded at start
     max_loras: Optional[int] = None     # lora_max_num (None: the runtime config's default)
     max_lora_rank: Optional[int] = None  # lora_max_rank (None: the default)
@@ -182,7 +183,7 @@ def speculative_config(builder, opts: BackendOptions):
     if not opts.speculative:
         return builder
     method, draft_model, k = opts.speculative
-    options = {"speculative_max_batch": opts.speculative_max_batch}
+    options = {"speculative_max_batch": opts.speculative_max_batch, "speculative_rows": opts.speculative_rows}
     if method == "draft":
         options["draft_model"] = draft_model
     return builder.speculative_decoding(method, k, **options)

@@ -62,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "draft:PATH:K; K: tokens proposed per step (default 4)")
     p.add_argument("--speculative-max-batch", type=int, metavar="N", help="speculate only while at most N "
                    "requests run (default: auto, 4)")
+    p.add_argument("--speculative-rows", choices=["auto", "alone", "invariant"], help="how a GPU computes a verify "
+                   "step's rows: alone (the one-row kernels) or invariant (a tensor-core GEMV in every step); default "
+                   "auto: invariant from hidden size 2048 or 8 proposed tokens")
     p.add_argument("--lora-modules", type=lora_module, nargs="+", default=[], metavar="NAME=PATH",
                    help="LoRA adapters loaded at start, each served as a model of its own NAME: an .aslora file or a "
                    "PEFT adapter folder (also vLLM's JSON form '{\"name\": NAME, \"path\": PATH}')")
@@ -131,6 +134,8 @@ def check_setup(args, api_key: Optional[str]) -> None:
             raise SystemExit("allspark-serve: --speculative-max-batch needs --speculative")
         if args.speculative_max_batch < 1:
             raise SystemExit(f"allspark-serve: --speculative-max-batch must be >= 1, got {args.speculative_max_batch}")
+    if args.speculative_rows is not None and args.speculative is None:
+        raise SystemExit("allspark-serve: --speculative-rows needs --speculative")
     check_lora_options(args)
     if args.speculative is not None and args.speculative[0] == "draft" and not os.path.exists(args.speculative[1]):
         raise SystemExit(f"allspark-serve: --speculative draft: no such draft model {args.speculative[1]!r}")
@@ -180,7 +185,8 @@ def main(argv=None) -> int:
         model=args.model, served_model_name=args.served_model_name, cache_dir=args.cache_dir, pool=args.pool,
         ranks=args.ranks, dtype=args.dtype, max_batch=args.max_batch, max_length=args.max_length,
         threads=args.threads, speculative=args.speculative,
-        speculative_max_batch=args.speculative_max_batch or 0, lora_modules=tuple(args.lora_modules),
+        speculative_max_batch=args.speculative_max_batch or 0, speculative_rows=args.speculative_rows or "auto",
+        lora_modules=tuple(args.lora_modules),
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank))
     try:
         from allspark_server.http.chat_template import RENDER_TIMEOUT_S

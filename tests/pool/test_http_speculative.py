@@ -57,6 +57,8 @@ def test_completion_equals_engine_and_metrics_count_drafts(server, served_llama,
 @pytest.mark.parametrize("args, words", [
     (["--speculative", "bogus"], "argument --speculative"),     # the other malformed values: test_speculative_cli
     (["--speculative-max-batch", "2"], "--speculative-max-batch needs --speculative"),
+    (["--speculative-rows", "alone"], "--speculative-rows needs --speculative"),
+    (["--speculative", "ngram", "--speculative-rows", "fast"], "argument --speculative-rows"),
 ])
 def test_malformed_speculative_is_an_error(llama, args, words):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))

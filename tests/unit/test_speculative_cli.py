@@ -45,7 +45,12 @@ def test_parse_args_and_config():
     assert (cfg.speculative_method, cfg.draft_model, cfg.num_speculative_tokens, cfg.speculative_max_batch) == \
         ("draft", "/d", 5, 2)
     cfg = built(BackendOptions(model="/m", speculative=("ngram", "", 0)))
-    assert (cfg.speculative_method, cfg.speculative_tokens, cfg.draft_model) == ("ngram", 4, "")
+    assert (cfg.speculative_method, cfg.speculative_tokens, cfg.draft_model, cfg.speculative_rows) == \
+        ("ngram", 4, "", "auto")
+    args = parse_args(["--model", "/m", "--speculative", "ngram:8", "--speculative-rows", "alone"])
+    assert args.speculative_rows == "alone"
+    cfg = built(BackendOptions(model="/m", speculative=args.speculative, speculative_rows=args.speculative_rows))
+    assert (cfg.speculative_tokens, cfg.speculative_rows) == (8, "alone")
     assert built(BackendOptions(model="/m")).speculative_method == ""
 
 
