@@ -34,6 +34,17 @@ def _extra_checks(probe: Probe, namespace) -> None:
         check_multi_host(namespace)
 
 
+def _avx2_caps() -> dict:
+    """benchmarks/common.py's AVX2_CAPS: with them in the environment a script's `--as-avx2` finds itself restarted
+    already (common.as_avx2_if_asked) and goes on to its parser here, instead of replacing this process with a run."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from common import AVX2_CAPS
+    finally:
+        sys.path.pop(0)
+    return AVX2_CAPS
+
+
 def run_probe(probe: Probe) -> str | None:
     """None when the command line's parser accepts its argv; otherwise what went wrong."""
     original = argparse.ArgumentParser.parse_args
@@ -42,6 +53,8 @@ def run_probe(probe: Probe) -> str | None:
         raise _Parsed(original(self, args, namespace))
 
     saved_argv, saved_path, saved_env = sys.argv[:], sys.path[:], dict(os.environ)
+    if "--as-avx2" in probe.args:
+        os.environ.update(_avx2_caps())
     err = io.StringIO()
     argparse.ArgumentParser.parse_args = intercept
     try:

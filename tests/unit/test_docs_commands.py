@@ -143,3 +143,20 @@ def test_python_block(where: str, code: str, checked: Checked):
         pytest.fail(f"{where}: the python block does not parse: {e}")
     problems = [checked.imports[name] for name in names if checked.imports.get(name)]
     assert not problems, f"{where}: " + "; ".join(problems)
+
+
+def test_a_script_that_restarts_itself_under_the_avx2_caps_is_probed_in_place(tmp_path):
+    """`--as-avx2` makes a benchmark exec itself again at import (benchmarks/common.py): probed as written, the probe
+    process would be replaced by a run of it and answer nothing. The probe sets the caps first; the parser is
+    reached. (Were it not, the small run asked for here would take the probe's place and this test would fail.)"""
+    probe = {"kind": "script", "target": "benchmarks/prefill_attention_micro.py", "prog": "python",
+             "args": ["--as-avx2", "--lengths", "16", "--dtypes", "float32", "--rounds", "1", "--reps", "1",
+                      "--json", str(tmp_path / "micro.json")]}
+    request, answer = tmp_path / "in.json", tmp_path / "out.json"
+    request.write_text(json.dumps({"probes": [probe], "imports": [], "markers": False}))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, PROBE_SCRIPT, "--probe", str(request), str(answer)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and answer.exists(), (run.returncode, run.stderr[-2000:])
+    assert json.loads(answer.read_text())["parsers"] == [None]
+    assert not (tmp_path / "micro.json").exists()
