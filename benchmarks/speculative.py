@@ -13,6 +13,9 @@ GEMVs a speculating model takes; its speed against plain's is reported too).
         # a 7B-wide random bf16 model (8 of its 32 layers) against its own 4-bit copy
     python benchmarks/speculative.py --smoke                # a tiny random model, one round: the script runs
 
+--as-avx2 runs the native kernels' AVX2 code with ATen capped at AVX2 on a newer CPU: an indication for AVX2-only
+machines, whose own cores and memory differ.
+
 Workloads: "rewrite" (batch 1: the chat model asked to repeat a source file with one name changed, where prompt
 lookup applies), "free" (batch 1: a random prompt, where it mostly finds nothing) and "streams" (32 concurrent
 requests started together: speculation backs off while more than speculative_max_batch requests run).
@@ -32,13 +35,17 @@ sys.path.insert(0, HERE)
 from common import (  # noqa: E402
     SMOKE,
     add_smoke_flag,
+    as_avx2_if_asked,
     build_model,
+    check_as_avx2,
     machine_kind,
     machine_name,
     result_path,
     spin_openmp,
     write_report,
 )
+
+as_avx2_if_asked()   # before torch loads
 
 REWRITE_TOKENS, FREE_TOKENS, STREAMS, STREAM_TOKENS = 256, 128, 32, 48
 # the rewrite workload's file: ngram.py as it was when the workload was first measured, kept so that it stays the same
@@ -127,9 +134,14 @@ def main(argv=None) -> None:
     p.add_argument("--draft-dtype", default="", help="the draft's dtype (default: the file's)")
     p.add_argument("--rows", default="auto", choices=["auto", "alone", "invariant"],
                    help="the speculating variants' speculative_rows (how a GPU computes the verify rows)")
+    p.add_argument("--as-avx2", action="store_true", help="CPU: the native kernels' AVX2 code, ATen capped at AVX2 "
+                   "(an indication for AVX2-only machines; the report's name ends in -as-avx2)")
     p.add_argument("--json", help="report path (default benchmarks/results/speculative-<machine>.json)")
     add_smoke_flag(p)
     a = p.parse_args(argv)
+    check_as_avx2(a.as_avx2)
+    if a.as_avx2 and a.device != "cpu":
+        raise SystemExit("--as-avx2 is for --device cpu")
     if a.device == "cpu":
         spin_openmp()
     import workloads
@@ -200,7 +212,7 @@ def main(argv=None) -> None:
         report = {"machine": machine_name() if a.device == "cpu" else torch_gpu_name(), "kind": machine_kind(a.device),
                   "model": model, "layers": a.layers or None, "dtype": a.dtype, "a8": a.a8, "draft": a.draft,
                   "draft_quantize": a.draft_quantize or None, "num_speculative_tokens": a.tokens,
-                  "speculative_rows": a.rows, "invariant_rows": invariant, "rounds": rounds,
+                  "speculative_rows": a.rows, "invariant_rows": invariant, "as_avx2": a.as_avx2, "rounds": rounds,
                   "streams": a.streams,
                   "greedy_equal": same, "greedy_compared_with": ref, "runs": runs,
                   "measured_at": time.strftime("%Y-%m-%d")}
@@ -221,6 +233,8 @@ def main(argv=None) -> None:
             engine.release_model(name)
     suffix = ("" if a.smoke or a.model == "smollm2" else "-self-draft" if a.draft == "self"
               else "-dense" if a.model == "smollm2-dense" else "-" + a.model)
+    suffix += ("-a8" if a.a8 else "") + (f"-k{a.tokens}" if a.tokens != 4 else "")
+    suffix += (f"-{a.rows}" if a.rows != "auto" else "") + ("-as-avx2" if a.as_avx2 else "")
     write_report(a.json or result_path("speculative" + suffix, a.device, quick=a.smoke), report)
 
 
