@@ -45,45 +45,28 @@ def cuda_engine(loader, name: str, speculative: bool, draft: dict | None = None,
 
 @needs_gpu
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-@pytest.mark.parametrize("dtype,invariant", [("float32", False), ("bfloat16", False), ("bfloat16", True)],
-                         ids=["float32", "bfloat16", "bfloat16-invariant"])
-def test_ngram_greedy_on_the_gpu_equals_greedy_without(llama, tmp_path, monkeypatch, dtype, invariant, graphs):
-    """invariant: the speculating model takes invariant rows (as from model_runner.INVARIANT_MIN_HIDDEN): the model
-    without speculation is installed in batch-invariant mode, whose kernels those are."""
+@pytest.mark.parametrize("dtype,tokens,rows,invariant", [
+    ("float32", 4, "auto", False), ("bfloat16", 4, "auto", False), ("bfloat16", 4, "invariant", True),
+    ("bfloat16", 8, "auto", True), ("bfloat16", 8, "alone", False),
+], ids=["float32", "bfloat16", "bfloat16-invariant", "bfloat16-k8", "bfloat16-k8-alone"])
+def test_ngram_greedy_on_the_gpu_equals_greedy_without(llama, tmp_path, monkeypatch, dtype, tokens, rows, invariant,
+                                                       graphs):
+    """invariant: the speculating model takes invariant rows (its speculative_rows, or "auto" from 8 proposed tokens:
+    model_runner.INVARIANT_MIN_VERIFY_ROWS; the tiny model is far below INVARIANT_MIN_HIDDEN): the model without
+    speculation is installed in batch-invariant mode, whose kernels those are."""
     monkeypatch.setenv(settings.CUDA_GRAPHS.name, "1" if graphs else "0")
-    monkeypatch.setattr(model_runner, "INVARIANT_MIN_HIDDEN", 0 if invariant else 1 << 30)
     loader = serialize(llama.hf_dir, "m", str(tmp_path), dtype=dtype)
-    base, spec = cuda_engine(loader, "m", False, invariant=invariant), cuda_engine(loader, "m", True)
+    base = cuda_engine(loader, "m", False, invariant=invariant)
+    spec = cuda_engine(loader, "m", True, tokens=tokens, rows=rows)
     assert spec._models["m"].runner.invariant_rows == invariant
     prompts = []
     for seed in range(4):
         p = random_prompt(36, 40 + seed)
-        prompts.append(p + p[4:24] + p[:8])
+        prompts.append(p + p[4:30] + p[:12])
     want = [generate(base, "m", p, GREEDY)[0] for p in prompts]
     assert [generate(spec, "m", p, GREEDY)[0] for p in prompts] == want
     assert [t for t, _ in run_together(spec, "m", [(p, GREEDY) for p in prompts[:3]])] == want[:3]
     assert generate(spec, "m", prompts[0], dict(GREEDY, speculative=False))[0] == want[0]
-    stat = spec.get_as_engine_stat("m")
-    assert stat.spec_accepted_tokens > 0, stat
-
-
-@needs_gpu
-@pytest.mark.parametrize("rows, invariant", [("auto", True), ("alone", False)])
-def test_nine_verify_rows_take_invariant_rows_unless_told(llama, tmp_path, rows, invariant):
-    """8 proposed tokens: a small model takes invariant rows by the "auto" rule (model_runner.INVARIANT_MIN_VERIFY_ROWS)
-    and keeps the plain kernels with speculative_rows="alone"; greedy equal to the matching model without
-    speculation either way, bf16, the verify rows from the graphs."""
-    loader = serialize(llama.hf_dir, "m", str(tmp_path), dtype="bfloat16")
-    base = cuda_engine(loader, "m", False, invariant=invariant)
-    spec = cuda_engine(loader, "m", True, tokens=8, rows=rows)
-    assert spec._models["m"].runner.invariant_rows == invariant
-    prompts = []
-    for seed in range(3):
-        p = random_prompt(36, 70 + seed)
-        prompts.append(p + p[4:30] + p[:12])
-    want = [generate(base, "m", p, GREEDY)[0] for p in prompts]
-    assert [generate(spec, "m", p, GREEDY)[0] for p in prompts] == want
-    assert [t for t, _ in run_together(spec, "m", [(p, GREEDY) for p in prompts])] == want
     stat = spec.get_as_engine_stat("m")
     assert stat.spec_accepted_tokens > 0, stat
 
