@@ -103,6 +103,12 @@ MEASURES = {
                        "`speculative.py --a8 --rounds 3`: as above, the Q4_1 file served with activate_quant (x "
                        "rounded to int8 per row, as `gguf_race.py --ours gguf-a8`): the verify rows meet the codes "
                        "in vpdpbusd on AVX-512 VNNI CPUs.", speculative),
+    "speculative-as-avx2": ("Speculative decoding, SmolLM2's Q4_1 file on a CPU, its AVX2 code",
+                            "`speculative.py --rounds 2` with --as-avx2: the native kernels' AVX2 code and ATen "
+                            "capped at AVX2 on an AVX-512 VM, an indication for AVX2-only machines (their cores and "
+                            "memory differ).", speculative),
+    "speculative-a8-as-avx2": ("Speculative decoding, SmolLM2's codes met by int8 x on a CPU, its AVX2 code",
+                               "`speculative.py --a8 --rounds 2` with --as-avx2: as above.", speculative),
     "speculative-a8-k8": ("Speculative decoding with int8 x, 8 proposed tokens",
                           "`speculative.py --a8 --tokens 8 --rounds 3`: as above with k = 8.", speculative),
     "speculative-dense": ("Speculative decoding against plain decoding, SmolLM2 in bf16", "`speculative.py --model "
