@@ -1,10 +1,12 @@
 """What a request's sampling carries and what a step's sampling returns, shared by the sampler (sampler.py) and its
-draws (draws.py): SamplingState, a Row, SampleResult, PendingSample, and the min_length rule."""
+draws (draws.py): SamplingState, a Row (its ids as TokenRuns), SampleResult, PendingSample, and the min_length
+rule."""
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from itertools import chain
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -29,7 +31,26 @@ class SamplingState:
         return cls(gen, g, seed=seed)
 
 
-Row = tuple[SamplingState, list[int], list[int]]   # a row to sample: (state, all_ids = prompt + output, output_ids)
+class TokenRun:
+    """Token lists read as one sequence without copying them (a request's prompt + output, and a verify row's
+    proposed tokens after them): its length and its tokens in order, all that sampling reads of a row's ids. Read
+    it before the lists change (the sampler does, in start_rows)."""
+    __slots__ = ("parts", "_len")
+
+    def __init__(self, *parts: Sequence[int]):
+        self.parts = parts
+        self._len = sum(len(p) for p in parts)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[int]:
+        return chain.from_iterable(self.parts)
+
+
+# a row to sample: (state, all ids = prompt + output, output ids), lists or TokenRuns: sampling takes len() and
+# iterates them
+Row = tuple[SamplingState, Sequence[int], Sequence[int]]
 
 
 @dataclass

@@ -22,16 +22,11 @@ class NgramIndex:
         self._latest: list[dict[int, int]] = [{} for _ in range(n_max + 1)]   # [n]: n-gram -> its latest start
         self._before: list[list[int]] = [[] for _ in range(n_max + 1)]        # [n][p]: the start before p's, or -1
 
-    def update(self, tokens: Sequence[int]) -> None:
-        """Take `tokens`, the sequence so far: what it adds to the indexed one is indexed. A sequence that does not
-        continue the indexed one (never seen from a request, whose tokens are only appended) is indexed anew."""
-        have = len(self.tokens)
-        if len(tokens) < have or (have and tokens[have - 1] != self.tokens[-1]):
-            self.__init__(self.n_min, self.n_max)
-            have = 0
-        if len(tokens) == have:
+    def extend(self, new: Sequence[int]) -> None:
+        """Index the tokens that follow the indexed ones."""
+        if not new:
             return
-        self.tokens.extend(tokens[have:])
+        self.tokens.extend(new)
         ids, total = self.tokens, len(self.tokens)
         for n in range(self.n_min, self.n_max + 1):
             latest, before = self._latest[n], self._before[n]
@@ -41,6 +36,18 @@ class NgramIndex:
                     key = (key << 32) | t
                 before.append(latest.get(key, -1))
                 latest[key] = p
+
+    def follow(self, request) -> None:
+        """Index what a request (core/request.py) has added since the last call: its tokens are only ever appended,
+        so only the new ones are read (a check that its last indexed token is still there, else all anew)."""
+        have = len(self.tokens)
+        if have and request.num_tokens >= have:
+            tail = request.token_ids_from(have - 1)
+            if tail[0] == self.tokens[-1]:
+                self.extend(tail[1:])
+                return
+        self.__init__(self.n_min, self.n_max)
+        self.extend(request.all_token_ids)
 
     def propose(self, k: int) -> list[int]:
         """Up to `k` tokens to follow the sequence: for the longest n whose last-n suffix occurs earlier, the k
@@ -64,5 +71,5 @@ class NgramIndex:
 def propose_ngram(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
     """NgramIndex's proposal for `tokens` alone (a fresh index)."""
     index = NgramIndex(n_min, n_max)
-    index.update(list(tokens))
+    index.extend(list(tokens))
     return index.propose(k)

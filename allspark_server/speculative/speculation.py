@@ -32,7 +32,7 @@ from typing import Callable, Iterable, Optional, Protocol, Sequence
 
 from allspark_client.config import AUTO_SPECULATIVE_MAX_BATCH, AsModelConfig
 from allspark_server.core.request import Request
-from allspark_server.runner.sample_types import SampleResult
+from allspark_server.runner.sample_types import SampleResult, TokenRun
 from allspark_server.speculative.ngram import NgramIndex
 
 MAX_BACKOFF = 16      # steps without proposals after repeated whole rejections, at most
@@ -62,7 +62,7 @@ class NgramProposer:
             index = self._index.get(r.request_id)
             if index is None:
                 index = self._index[r.request_id] = NgramIndex(self.n_min, self.n_max)
-            index.update(r.all_token_ids)
+            index.follow(r)
             drafts.append(index.propose(k))
         return drafts
 
@@ -210,10 +210,11 @@ def step_rows(chunks, rids: Sequence[int], entries: dict) -> list:
         req = e.request
         draft = drafts.get(rid)
         if draft is None:
-            rows.append((e.sampling, req.all_token_ids, req.output_ids))
+            rows.append((e.sampling, TokenRun(req.prompt_ids, req.output_ids), req.output_ids))
             continue
         i = at[rid] = at.get(rid, -1) + 1
-        rows.append((e.sampling, req.all_token_ids + list(draft[:i]), req.output_ids + list(draft[:i])))
+        rows.append((e.sampling, TokenRun(req.prompt_ids, req.output_ids, draft[:i]), TokenRun(req.output_ids,
+                                                                                               draft[:i])))
     return rows
 
 

@@ -53,35 +53,44 @@ def test_growing_index_proposes_what_a_scan_finds(vocab, n_min, n_max, k):
     tokens: list[int] = []
     proposed = 0
     while len(tokens) < 300:
-        tokens += [rng.randrange(vocab) for _ in range(rng.randint(1, k + 1))]     # a step's accepted tokens
-        index.update(tokens)
+        step = [rng.randrange(vocab) for _ in range(rng.randint(1, k + 1))]      # a step's accepted tokens
+        tokens += step
+        index.extend(step)
         got = index.propose(k)
         assert got == scan(tokens, k, n_min, n_max), len(tokens)
         proposed += bool(got)
     assert proposed > 50
 
 
-def test_a_sequence_that_does_not_continue_the_indexed_one_is_indexed_anew():
-    index = NgramIndex(1, 2)
-    index.update([1, 2, 3, 1, 2])
-    assert index.propose(2) == [3, 1]
-    index.update([5, 6, 5])            # shorter: a new sequence
-    assert index.propose(2) == [6, 5]
-    index.update([9, 6, 5, 7])         # as long, its last indexed token differs
-    assert index.propose(2) == scan([9, 6, 5, 7], 2, 1, 2) == []
-
-
 class Req:
+    """What NgramProposer reads of core/request.py's Request."""
+
     def __init__(self, rid, ids):
-        self.request_id, self.all_token_ids = rid, ids
+        self.request_id, self.all_token_ids, self.num_tokens = rid, ids, len(ids)
+        self.read_from = None
+
+    def token_ids_from(self, start):
+        self.read_from = start
+        return self.all_token_ids[start:]
+
+
+def test_a_request_whose_tokens_do_not_continue_the_index_is_indexed_anew():
+    index = NgramIndex(1, 2)
+    index.follow(Req(1, [1, 2, 3, 1, 2]))
+    assert index.propose(2) == [3, 1]
+    index.follow(Req(1, [5, 6, 5]))            # shorter: a new sequence
+    assert index.propose(2) == [6, 5]
+    index.follow(Req(1, [5, 6, 9, 7, 6]))      # longer, but its last indexed token differs
+    assert index.tokens == [5, 6, 9, 7, 6] and index.propose(2) == scan([5, 6, 9, 7, 6], 2, 1, 2) == [9, 7]
 
 
 def test_proposer_keeps_an_index_per_request_until_forgotten():
     proposer = NgramProposer(1, 2)
     a, b = Req(1, [1, 2, 3, 1, 2]), Req(2, [4, 5, 4])
     assert proposer.propose([a, b], [2, 3]) == [[3, 1], [5, 4]]
-    a.all_token_ids = a.all_token_ids + [3, 1]
+    a = Req(1, a.all_token_ids + [3, 1])
     assert proposer.propose([a], [2]) == [scan(a.all_token_ids, 2, 1, 2)]
+    assert a.read_from == 4                    # only the new tokens, and the last one indexed, were read
     proposer.forget(1)
     assert set(proposer._index) == {2}
     proposer.close()
