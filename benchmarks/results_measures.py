@@ -61,7 +61,11 @@ MEASURES = {
                     "GPU): SmolLM2's Q4_1 file installed plain and with ngram speculation (k = 4) in one Engine, "
                     "alternating rounds; ratios of output tokens/s. GPU verify rows are computed as one-row steps "
                     "(compute/row_mode.py); the AVX2 and H200 runs also have the back-off (speculation.py), the "
-                    "H100 run predates it.", speculative),
+                    "H100 run predates it. Files with prefix_cache false ran without the prefix cache, every round "
+                    "computing its prompts whole as the warm-up round does; in the others a measured round's "
+                    "rewrite prompt hit the cache, and with bf16 or int8 x the continuation it timed could differ "
+                    "from the warm-up's (Zen 4, `--a8`, on 2026-11-30: 1.42x with the cache, 1.97x without).",
+                    speculative),
     "lora": ("LoRA adapters against the base model", "`lora.py --device cuda --model 7b --rounds 3`: a random "
              "Llama-2-7B-shaped bf16 model installed plain and with 8 rank-16 adapters (all seven projections) in "
              "one Engine, alternating rounds; the decode steps replay CUDA graphs (those captured with adapters "

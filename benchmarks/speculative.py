@@ -170,8 +170,11 @@ def main(argv=None) -> None:
                                            "draft_dtype": a.draft_dtype})
         builds = {}
         for name, spec in variants.items():
+            # no prefix cache: every round computes its prompts whole, as the warm-up round did. A hit would compute
+            # the last prompt rows with the decode kernels instead of the prompt's GEMM; in bf16 or with int8 x that
+            # can flip a near-tie, and the rounds would then time another continuation than the warm-up's
             b = (loader.create_reference_runtime_config_builder(name, a.device, [0], max_batch=max(STREAMS, a.streams))
-                 .max_length(2048).kv_cache_span_size(32))
+                 .max_length(2048).kv_cache_span_size(32).prefill_cache(False))
             if spec:
                 b.speculative_decoding(spec[0], a.tokens, speculative_rows=a.rows, **(spec[1] if len(spec) > 1 else {}))
             builds[name] = b.build()
@@ -212,7 +215,8 @@ def main(argv=None) -> None:
         report = {"machine": machine_name() if a.device == "cpu" else torch_gpu_name(), "kind": machine_kind(a.device),
                   "model": model, "layers": a.layers or None, "dtype": a.dtype, "a8": a.a8, "draft": a.draft,
                   "draft_quantize": a.draft_quantize or None, "num_speculative_tokens": a.tokens,
-                  "speculative_rows": a.rows, "invariant_rows": invariant, "as_avx2": a.as_avx2, "rounds": rounds,
+                  "speculative_rows": a.rows, "invariant_rows": invariant, "as_avx2": a.as_avx2, "prefix_cache": False,
+                  "rounds": rounds,
                   "streams": a.streams,
                   "greedy_equal": same, "greedy_compared_with": ref, "runs": runs,
                   "measured_at": time.strftime("%Y-%m-%d")}
