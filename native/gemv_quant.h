@@ -19,6 +19,7 @@ namespace qgemv {
 
 
 constexpr int64_t MR = 4;      // x rows sharing each widened block of codes
+constexpr int64_t MR_ONE_PASS = 5;   // the AVX-512 kernel: up to this many rows of x in one pass
 constexpr int64_t BLOCK = 32;  // k per block of codes (and of x's 16-bit rounding)
 // k per exact int32 partial sum: |(code - zero) * q| <= 255 * 32767, and an int32 lane sums 128 of them per 1024 k
 constexpr int64_t FLUSH = 1024;

@@ -340,15 +340,20 @@ AVX512_VNNI void rows_avx512_mode(const Act16& a, int64_t M, const QuantView& w,
     }
     return;
   }
-  // more rows of x: a tile of weight rows at a time (gemv_quant.h: tiled_rows), one weight row against MR rows of x
-  tiled_rows(w, M, n0, n1, [&](int64_t m, int64_t mb, int64_t n) {
+  // more rows of x: a tile of weight rows at a time (gemv_quant.h: tiled_rows), one weight row against MR rows of x;
+  // up to MR_ONE_PASS rows in one pass (a speculative verify step's 5: a second pass would load and unpack every
+  // code again for the fifth row alone)
+  const auto row = [&](int64_t m, int64_t mb, int64_t n) {
     switch (mb) {
       case 1: row_avx512<F, 1, 1, ONE, Q>(a, m, w, K, &n, y, N, ch); break;
       case 2: row_avx512<F, 1, 2, ONE, Q>(a, m, w, K, &n, y, N, ch); break;
       case 3: row_avx512<F, 1, 3, ONE, Q>(a, m, w, K, &n, y, N, ch); break;
-      default: row_avx512<F, 1, 4, ONE, Q>(a, m, w, K, &n, y, N, ch); break;
+      case 4: row_avx512<F, 1, 4, ONE, Q>(a, m, w, K, &n, y, N, ch); break;
+      default: row_avx512<F, 1, 5, ONE, Q>(a, m, w, K, &n, y, N, ch); break;
     }
-  });
+  };
+  if (M <= MR_ONE_PASS) tiled_rows<MR_ONE_PASS>(w, M, n0, n1, row);
+  else tiled_rows(w, M, n0, n1, row);
 }
 
 template <int F, typename Q>

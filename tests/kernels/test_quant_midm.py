@@ -45,7 +45,7 @@ def test_a_row_is_the_same_whatever_rows_share_the_call(isa, act_bits):
         x = torch.randn(100, k, generator=g).bfloat16()
         full = ext.linear_quant(x, qw, None, isa)
         alone = 1 if isa == ops.ISA_PORTABLE or isa >= ops.ISA_AVX512_VNNI else 2
-        for m in (17, 32, 64):
+        for m in (3, 4, 5, 6, 8, 17, 32, 64):     # 5: one pass of the AVX-512 kernel (MR_ONE_PASS), 6 and 8: two
             assert torch.equal(ext.linear_quant(x[:m], qw, None, isa), full[:m]), (fmt, n, k, group, m, isa)
         for j in (0, 5, 37, 99):
             rows = x[[j] * alone]
