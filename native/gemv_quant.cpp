@@ -35,7 +35,8 @@
 // (gemv_quant_avx2.cpp; 2 = AVX-512 without VNNI: its dequantization is AVX-512),
 // 0 portable C++; the same rounding of x everywhere, so every level equals ops.linear_reference up to fp32
 // summation order. The weight streams row by row; each thread owns a contiguous block of rows, up to 4 rows of x
-// share each block of codes. At batch 1, 4-bit codes in groups of 32, 64 or 128 take the AVX2 NIBBLES16 kernel (codes
+// share each block of codes (the AVX-512 kernel takes a call of up to 5 rows in one pass: MR_ONE_PASS). At
+// batch 1, 4-bit codes in groups of 32, 64 or 128 take the AVX2 NIBBLES16 kernel (codes
 // read as words, nibbles isolated in place, x reordered to match); with activate_quant's int8 x, NIBBLES8 (the
 // nibbles as bytes, vpmaddubsw: about half the 256-bit multiplies per code, which bound the 16-bit kernel because
 // the AVX2 VM issues them at one per 2 cycles);
