@@ -72,9 +72,11 @@ def as_avx2_if_asked(flag: str = "--as-avx2") -> None:
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_CAPS})
 
 
-def check_as_avx2(asked: bool) -> None:
+def check_as_avx2(asked: bool, device: str = "cpu") -> None:
     """A main() called with --as-avx2 from another process's code (not through as_avx2_if_asked) is refused: the
-    caps must be set before torch loads."""
+    caps must be set before torch loads. So is --as-avx2 with a `device` other than the CPU."""
+    if asked and device != "cpu":
+        raise SystemExit("--as-avx2 is for --device cpu")
     if asked and not _under_avx2_caps():
         raise SystemExit("--as-avx2 takes effect as the script starts: run it as a script, or set common.AVX2_CAPS "
                          "in the environment before torch loads")

@@ -194,9 +194,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     if min(a.rank, a.adapters, a.streams, a.rounds) < 1 or a.tokens < 2:
         raise SystemExit("--rank, --adapters, --streams and --rounds must be >= 1, --tokens >= 2")
-    check_as_avx2(a.as_avx2)
-    if a.as_avx2 and a.device != "cpu":
-        raise SystemExit("--as-avx2 is for --device cpu")
+    check_as_avx2(a.as_avx2, a.device)
     if a.device == "cpu":
         spin_openmp()
     import workloads

@@ -139,9 +139,7 @@ def main(argv=None) -> None:
     p.add_argument("--json", help="report path (default benchmarks/results/speculative-<machine>.json)")
     add_smoke_flag(p)
     a = p.parse_args(argv)
-    check_as_avx2(a.as_avx2)
-    if a.as_avx2 and a.device != "cpu":
-        raise SystemExit("--as-avx2 is for --device cpu")
+    check_as_avx2(a.as_avx2, a.device)
     if a.device == "cpu":
         spin_openmp()
     import workloads
@@ -182,9 +180,10 @@ def main(argv=None) -> None:
         # batch-invariant 16-bit GEMVs (compute/row_mode.py) in every step: its greedy outputs are compared with the
         # plain model installed in batch-invariant mode ("invariant"), the speeds with the plain model
         invariant = a.device == "cuda" and speculates_in_invariant_rows(builds["ngram"], loader.args.hidden_size)
-        if invariant:
-            builds["invariant"] = dataclasses.replace(builds["plain"], model_name="invariant")
-            variants = {"plain": (), "invariant": (), **{k: v for k, v in variants.items() if k != "plain"}}
+        if invariant:     # installed and run right after plain
+            plain = builds.pop("plain")
+            builds = {"plain": plain, "invariant": dataclasses.replace(plain, model_name="invariant"), **builds}
+        variants = list(builds)
         for name in variants:
             before = ops.batch_invariant()
             ops.set_batch_invariant(before or name == "invariant")     # read as the model's runner is built
@@ -199,7 +198,7 @@ def main(argv=None) -> None:
         same = {name: {"rewrite": True, "free": True} for name in variants if name not in ("plain", ref)}
         for r in range(rounds + 1):                       # round 0 warms every variant up and is dropped
             got = {}
-            for name in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+            for name in (variants if r % 2 == 0 else variants[::-1]):
                 rw, rw_tokens = run_one(engine, name, rewrite, REWRITE_TOKENS // scale)
                 fr, fr_tokens = run_one(engine, name, workloads.prompt(64, 77 + r, vocab), FREE_TOKENS // scale)
                 got[name] = {"rewrite_tps": rw, "free_tps": fr, "tokens": (rw_tokens, fr_tokens),

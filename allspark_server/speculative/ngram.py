@@ -18,9 +18,12 @@ class NgramIndex:
 
     def __init__(self, n_min: int, n_max: int):
         self.n_min, self.n_max = n_min, n_max
+        self._clear()
+
+    def _clear(self) -> None:
         self.tokens: list[int] = []
-        self._latest: list[dict[int, int]] = [{} for _ in range(n_max + 1)]   # [n]: n-gram -> its latest start
-        self._before: list[list[int]] = [[] for _ in range(n_max + 1)]        # [n][p]: the start before p's, or -1
+        self._latest: list[dict[int, int]] = [{} for _ in range(self.n_max + 1)]   # [n]: n-gram -> its latest start
+        self._before: list[list[int]] = [[] for _ in range(self.n_max + 1)]        # [n][p]: start before p's, or -1
 
     def extend(self, new: Sequence[int]) -> None:
         """Index the tokens that follow the indexed ones."""
@@ -46,7 +49,7 @@ class NgramIndex:
             if tail[0] == self.tokens[-1]:
                 self.extend(tail[1:])
                 return
-        self.__init__(self.n_min, self.n_max)
+        self._clear()
         self.extend(request.all_token_ids)
 
     def propose(self, k: int) -> list[int]:

@@ -213,8 +213,8 @@ def step_rows(chunks, rids: Sequence[int], entries: dict) -> list:
             rows.append((e.sampling, TokenRun(req.prompt_ids, req.output_ids), req.output_ids))
             continue
         i = at[rid] = at.get(rid, -1) + 1
-        rows.append((e.sampling, TokenRun(req.prompt_ids, req.output_ids, draft[:i]), TokenRun(req.output_ids,
-                                                                                               draft[:i])))
+        mine = draft[:i]         # the proposed tokens before this row, counted as the request's own
+        rows.append((e.sampling, TokenRun(req.prompt_ids, req.output_ids, mine), TokenRun(req.output_ids, mine)))
     return rows
 
 

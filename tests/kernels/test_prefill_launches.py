@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from allspark_server.compute import ops  # noqa: E402
-from allspark_server.quant import kv as kv_quant  # noqa: E402
-from allspark_server.step.inputs import move_together  # noqa: E402
+from allspark_server.compute import ops
+from allspark_server.quant import kv as kv_quant
+from allspark_server.step.inputs import move_together
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

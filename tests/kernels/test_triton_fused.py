@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from allspark_server.compute import ops  # noqa: E402
-from allspark_server.compute.cuda import fused_kernels as fk  # noqa: E402
+from allspark_server.compute import ops
+from allspark_server.compute.cuda import fused_kernels as fk
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -13,12 +13,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_triton_kernels import DEVICE, GARBAGE_SPAN, SCALE, TOL, assert_close, make_cache, quantize_cache  # noqa: E402
+from test_triton_kernels import DEVICE, GARBAGE_SPAN, SCALE, TOL, assert_close, make_cache, quantize_cache
 
-from allspark_server.compute.cuda import attention_kernels as ak  # noqa: E402
-from allspark_server.compute.cuda import decode_attention as da  # noqa: E402
-from allspark_server.compute.cuda import fused_kernels as fk  # noqa: E402
-from allspark_server.quant import kv as kv_quant  # noqa: E402
+from allspark_server.compute.cuda import attention_kernels as ak
+from allspark_server.compute.cuda import decode_attention as da
+from allspark_server.compute.cuda import fused_kernels as fk
+from allspark_server.quant import kv as kv_quant
 
 # decode contexts against a window of 40: shorter than it, equal, one longer (key 0 drops out), a window starting
 # mid-span (150 - 40 = 110 = 6 * 16 + 14) and one starting on a span and a 64-token tile boundary (168 - 40)

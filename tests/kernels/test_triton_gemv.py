@@ -12,11 +12,11 @@ from allspark_client import settings
 
 pytest.importorskip("triton")
 
-from test_triton_fused import DEVICE, assert_same_bits, assert_within_ulps, rows_view  # noqa: E402
+from test_triton_fused import DEVICE, assert_same_bits, assert_within_ulps, rows_view
 
-from allspark_server.compute import ops  # noqa: E402
-from allspark_server.compute.cuda import fused_kernels as fk  # noqa: E402
-from allspark_server.compute.cuda import gemv_kernels as gk  # noqa: E402
+from allspark_server.compute import ops
+from allspark_server.compute.cuda import fused_kernels as fk
+from allspark_server.compute.cuda import gemv_kernels as gk
 
 DTYPES = [torch.bfloat16, torch.float16]
 DTYPE_IDS = ["bfloat16", "float16"]

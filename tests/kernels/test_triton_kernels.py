@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 # GARBAGE_SPAN is not used here: test_triton_gemma.py imports it from this module
-from paged_attention_cases import (  # noqa: E402, F401
+from paged_attention_cases import (  # noqa: F401
     DEVICE,
     GARBAGE_SPAN,
     SCALE,
@@ -24,9 +24,9 @@ from paged_attention_cases import (  # noqa: E402, F401
     quantize_cache,
 )
 
-from allspark_server.compute import ops  # noqa: E402
-from allspark_server.compute.cuda import decode_attention as da  # noqa: E402
-from allspark_server.compute.steps import Attention  # noqa: E402
+from allspark_server.compute import ops
+from allspark_server.compute.cuda import decode_attention as da
+from allspark_server.compute.steps import Attention
 
 # (dtype, head dim, span size, GQA group): together every dtype, D in {64, 128, 80, 96}, P in {16, 32} and
 # G in {1, 4, 8} (G = 1: H == KVH), without the whole product the interpreter could not afford; P = 24 puts

@@ -12,12 +12,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_triton_fused import DEVICE, assert_same_bits, assert_within_ulps, rows_view  # noqa: E402
+from test_triton_fused import DEVICE, assert_same_bits, assert_within_ulps, rows_view
 
-from allspark_server.compute import row_mode  # noqa: E402
-from allspark_server.compute.cuda import gemv_kernels as gk  # noqa: E402
-from allspark_server.compute.cuda import lora_grouped as lg  # noqa: E402
-from allspark_server.compute.cuda import lora_kernels as lk  # noqa: E402
+from allspark_server.compute import row_mode
+from allspark_server.compute.cuda import gemv_kernels as gk
+from allspark_server.compute.cuda import lora_grouped as lg
+from allspark_server.compute.cuda import lora_kernels as lk
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DTYPE_IDS = ["float32", "bfloat16", "float16"]

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from allspark_server.compute.cuda import peer_allreduce as pa  # noqa: E402
+from allspark_server.compute.cuda import peer_allreduce as pa
 
 CALLS = [((1, 4096), torch.bfloat16), ((5,), torch.bfloat16), ((3, 1000), torch.float16),
          ((2, 4096), torch.float32), ((1, 4096), torch.bfloat16), ((1, 4096), torch.bfloat16),

@@ -10,15 +10,15 @@ import torch
 
 pytest.importorskip("triton")
 
-import torch.nn.functional as F  # noqa: E402
-from paged_attention_cases import DEVICE, SCALE, TOL, assert_close, case_id, make_cache  # noqa: E402
+import torch.nn.functional as F
+from paged_attention_cases import DEVICE, SCALE, TOL, assert_close, case_id, make_cache
 
 from allspark_server.compute import (
-    ops,  # noqa: E402
-    reference,  # noqa: E402
+    ops,
+    reference,
 )
-from allspark_server.compute.cuda import attention_kernels as ak  # noqa: E402
-from allspark_server.compute.steps import Attention  # noqa: E402
+from allspark_server.compute.cuda import attention_kernels as ak
+from allspark_server.compute.steps import Attention
 
 # ---- prefill -------------------------------------------------------------------------------------------------
 

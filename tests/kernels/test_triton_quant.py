@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from allspark_server.compute.cuda import quant_kernels as qk  # noqa: E402
-from allspark_server.quant.formats import QuantizedWeight, quantize  # noqa: E402
+from allspark_server.compute.cuda import quant_kernels as qk
+from allspark_server.quant.formats import QuantizedWeight, quantize
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -10,12 +10,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_triton_fused import DEVICE, assert_same_bits  # noqa: E402
-from test_triton_quant import quantized  # noqa: E402
+from test_triton_fused import DEVICE, assert_same_bits
+from test_triton_quant import quantized
 
-from allspark_server.compute.cuda import cuda_ops  # noqa: E402
-from allspark_server.compute.cuda import gemv_kernels as gk  # noqa: E402
-from allspark_server.compute.row_mode import alone, alone_rows, invariant, invariant_rows  # noqa: E402
+from allspark_server.compute.cuda import cuda_ops
+from allspark_server.compute.cuda import gemv_kernels as gk
+from allspark_server.compute.row_mode import alone, alone_rows, invariant, invariant_rows
 
 ROWS, K, N = 3, 64, 8          # small: the Triton interpreter runs every program on the host
 

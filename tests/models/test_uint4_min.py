@@ -10,14 +10,14 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import greedy, hf_greedy, random_prompt, start_engine  # noqa: E402
-from safetensors import safe_open  # noqa: E402
-from test_quant_models import QUANTIZED, serialize_quantized  # noqa: E402
-from test_tensor_parallel import tp_logits  # noqa: E402
+from helpers import greedy, hf_greedy, random_prompt, start_engine
+from safetensors import safe_open
+from test_quant_models import QUANTIZED, serialize_quantized
+from test_tensor_parallel import tp_logits
 
-from allspark_client import settings  # noqa: E402
-from allspark_server.compute import ops, reference  # noqa: E402
-from allspark_server.quant.formats import FORMAT_IDS, QuantizedWeight, dequantize, quantize, unpack4  # noqa: E402
+from allspark_client import settings
+from allspark_server.compute import ops, reference
+from allspark_server.quant.formats import FORMAT_IDS, QuantizedWeight, dequantize, quantize, unpack4
 
 FMT = "uint4_min"
 needs_native = pytest.mark.skipif(settings.NO_NATIVE.get() or ops.native() is None, reason="native path disabled")

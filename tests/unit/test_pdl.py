@@ -12,7 +12,7 @@ from allspark_client import settings
 
 pytest.importorskip("triton")
 
-from allspark_server.compute.cuda import pdl  # noqa: E402
+from allspark_server.compute.cuda import pdl
 
 GPU = torch.device("cuda", 0)
 
