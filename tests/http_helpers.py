@@ -117,6 +117,38 @@ class Server:
         self.stop()
         raise TimeoutError(f"allspark-serve not ready after {START_TIMEOUT_S}s:\n{self.log()}")
 
+    def diagnosis(self) -> str:
+        """What a test that waited in vain shows: the machine's load and memory, the server's processes (state, CPU
+        time, RSS), then every thread's stack of the server and its pool's ranks (SIGUSR1, which both answer with
+        faulthandler) as their logs have them."""
+        try:
+            procs = [psutil.Process(self.proc.pid)] + psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            procs = []
+        vm, swap = psutil.virtual_memory(), psutil.swap_memory()
+        lines = [f"load {os.getloadavg()}, memory available {vm.available >> 20} MiB of {vm.total >> 20}, "
+                 f"swap used {swap.used >> 20} MiB"]
+        logs = [self.log_path]
+        for p in procs:
+            try:
+                cmd, t = p.cmdline(), p.cpu_times()
+                lines.append(f"{p.pid} {p.status()} user {t.user:.1f} s sys {t.system:.1f} s "
+                             f"rss {p.memory_info().rss >> 20} MiB: {' '.join(cmd)[:160]}")
+                if "--socket" in cmd:        # a spawned pool's ranks: their output goes to pool.log beside it
+                    logs.append(os.path.join(os.path.dirname(cmd[cmd.index("--socket") + 1]), "pool.log"))
+                if os.path.basename(cmd[0]).startswith("python") and any(a.startswith("allspark_server") for a in cmd):
+                    p.send_signal(signal.SIGUSR1)
+            except psutil.Error:
+                pass
+        time.sleep(1.0)
+        for path in dict.fromkeys(logs):
+            try:
+                with open(path, errors="replace") as f:
+                    lines.append(f"--- {path}:\n{f.read()[-12000:]}")
+            except OSError as e:
+                lines.append(f"--- {path}: {e}")
+        return "\n".join(lines)
+
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 

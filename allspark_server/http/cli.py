@@ -2,14 +2,17 @@
 
 Parses the flags, refuses unsafe setups before loading anything (a non-loopback bind without an API key, half
 a TLS pair), builds the backend (an in-process Engine, a running pool, or a pool of its own), and runs uvicorn
-until SIGINT / SIGTERM; then closes the backend (a pool it spawned is shut down).
+until SIGINT / SIGTERM; then closes the backend (a pool it spawned is shut down). SIGUSR1 prints every thread's
+stack to stderr.
 """
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import ipaddress
 import logging
 import os
+import signal
 import sys
 from typing import Optional
 
@@ -170,6 +173,7 @@ def main(argv=None) -> int:
     api_key = resolve_api_key(args)
     check_setup(args, api_key)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)     # the stacks of a server that seems stuck
     if args.served_model_name is None and args.model in KNOWN:
         args.served_model_name = args.model
     args.model = resolve(args.model)

@@ -3,11 +3,13 @@
 Every rank binds its compute threads, joins the MPI job and waits for the others. Rank 0 then
 loads the models of the pool config, serves gRPC and drives; the other ranks run the worker loop.
 Readiness is reported only when every rank is up (Health RPC, sd_notify). SIGTERM on rank 0 stops
-the requests, tells the workers to exit, and everyone exits 0. Any unhandled error aborts the job.
+the requests, tells the workers to exit, and everyone exits 0. Any unhandled error aborts the job. SIGUSR1 prints
+every thread's stack to stderr (a rank that seems stuck: `kill -USR1 PID`).
 """
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -162,6 +164,7 @@ def serve(comm, args, address: str, access, ranks) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)     # the stacks of a rank that seems stuck
     if args.place_on_host:                          # before MPI starts: it may re-execute this process
         from allspark_server.pool.placement import PlacementError, self_place
         try:

@@ -3,9 +3,11 @@ completion streams (the stream ends in an "unavailable" error and /health turns 
 For the launcher: mpirun gets SIGTERM (the launcher's parent-death signal) and passes it to rank 0,
 which stops the pool; the stream it cut off must end in an error event that says so, not with finish_reason
 "stop" (the pool ended such streams GenerateFinished with no error, and the server took that for a completed
-output)."""
+output). A stream whose first event never came is no stream to cut: the test is redone on a fresh server, and the
+first attempt's report shows where the server and its ranks were (their stacks)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import time
@@ -13,7 +15,7 @@ import time
 import httpx
 import psutil
 from http_helpers import Server
-from pool_helpers import _is_rank
+from pool_helpers import REDO_SPOILED, PremiseSpoiled, _is_rank
 
 # For the launcher, the ranks are frozen (SIGSTOP) before it is killed and thawed after, so no token is made between
 # the first events and the kill. The ranks can still run far ahead of this process before it kills anything: on a
@@ -42,10 +44,32 @@ def _run_against_a_long_run_server(llama, monkeypatch, check) -> None:
         srv.stop()
 
 
+@contextlib.contextmanager
+def _long_stream(srv: Server, events: int):
+    """The long run's stream once `events` data lines came: the rest of its non-empty lines. PremiseSpoiled with the
+    server's diagnosis if those did not come within HEADERS_S (a timeout afterwards is the test's failure)."""
+    since, streaming = time.monotonic(), False
+    try:
+        with httpx.stream("POST", srv.base_url + "/completions", json=LONG_RUN,
+                          timeout=httpx.Timeout(60, read=HEADERS_S)) as r:
+            lines = (line for line in r.iter_lines() if line)
+            for _ in range(events):
+                assert next(lines).startswith("data: ")
+            streaming = True
+            yield lines
+    except httpx.ReadTimeout:
+        if streaming:
+            raise
+        raise PremiseSpoiled(f"no {events} events within {time.monotonic() - since:.0f} s of the request:\n"
+                             f"{srv.diagnosis()}") from None
+
+
+@REDO_SPOILED
 def test_a_stream_cut_off_by_a_killed_rank_ends_in_an_error_and_health_503(llama, monkeypatch):
     _run_against_a_long_run_server(llama, monkeypatch, _killed_rank)
 
 
+@REDO_SPOILED
 def test_a_stream_cut_off_by_a_killed_launcher_ends_in_an_error(llama, monkeypatch):
     _run_against_a_long_run_server(llama, monkeypatch, _cut_off_stream)
 
@@ -53,10 +77,7 @@ def test_a_stream_cut_off_by_a_killed_launcher_ends_in_an_error(llama, monkeypat
 def _killed_rank(srv: Server) -> None:
     ranks = [p for p in psutil.Process(srv.proc.pid).children(recursive=True) if _is_rank(p)]
     assert len(ranks) == 2, [p.cmdline() for p in psutil.Process(srv.proc.pid).children(recursive=True)]
-    with httpx.stream("POST", srv.base_url + "/completions", json=LONG_RUN,
-                      timeout=httpx.Timeout(60, read=HEADERS_S)) as r:
-        lines = r.iter_lines()
-        assert next(lines).startswith("data: ")                  # streaming
+    with _long_stream(srv, 1) as lines:                            # streaming
         ranks[1].kill()
         killed = time.monotonic()
         events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
@@ -76,11 +97,7 @@ def _cut_off_stream(srv: Server) -> None:
     ranks = [p for p in launchers[0].children(recursive=True) if _is_rank(p)]
     assert len(ranks) == 2, [p.cmdline() for p in launchers[0].children(recursive=True)]
     sent = time.monotonic()
-    with httpx.stream("POST", srv.base_url + "/completions", json=LONG_RUN,
-                      timeout=httpx.Timeout(60, read=HEADERS_S)) as r:
-        lines = (line for line in r.iter_lines() if line)
-        for _ in range(3):                           # streaming
-            assert next(lines).startswith("data: ")
+    with _long_stream(srv, 3) as lines:                            # streaming
         streaming = time.monotonic()
         for p in ranks:
             p.send_signal(signal.SIGSTOP)
