@@ -188,38 +188,42 @@ template <int F, int R, int MB, bool ONE, bool TAIL, typename Q>
 AVX512_VNNI inline void chunk_sums(const uint8_t* const* wr, const Q* const* q, int64_t k0, int64_t K,
                                    __m512i out[R * MB]) {
   using C = Codes<F, ONE, TAIL, Q>;
-  __m512i P[R * MB][2], T[R * MB];
-  for (int i = 0; i < R * MB; ++i) P[i][0] = P[i][1] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-  for (int s = 0; s < 4; ++s) {
+  // step s's products added into acc (its own accumulators: the steps of a pair are two independent chains)
+  const auto step = [&](int s, __m512i* acc) AVX512_VNNI __attribute__((always_inline)) {
     const int64_t k = k0 + 128 * s;
-    const int h = s & 1;   // ONE: two accumulators per row pair, so twice as many independent chains
-    if (!ONE)
-      for (int i = 0; i < R * MB; ++i) P[i][h] = _mm512_setzero_si512();
-    if (!TAIL || k < K) {
-      C codes[R];
-      for (int r = 0; r < R; ++r) codes[r].load(wr[r], k, K);
+    if (TAIL && k >= K) return;
+    C codes[R];
+    for (int r = 0; r < R; ++r) codes[r].load(wr[r], k, K);
 #pragma GCC unroll 4
-      for (int v = 0; v < C::NV; ++v) {
-        __m512i c[R];
-        for (int r = 0; r < R; ++r) c[r] = codes[r].get(v);
-#pragma GCC unroll 4
-        for (int m = 0; m < MB; ++m) {
-          const __m512i xv = _mm512_loadu_si512(q[m] + k + v * 64 / static_cast<int64_t>(sizeof(Q)));
-          for (int r = 0; r < R; ++r) P[r * MB + m][h] = dpv(P[r * MB + m][h], c[r], xv, Q());
-        }
+    for (int v = 0; v < C::NV; ++v) {
+      __m512i c[R];
+      for (int r = 0; r < R; ++r) c[r] = codes[r].get(v);
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) {
+        const __m512i xv = _mm512_loadu_si512(q[m] + k + v * 64 / static_cast<int64_t>(sizeof(Q)));
+        for (int r = 0; r < R; ++r) acc[r * MB + m] = dpv(acc[r * MB + m], c[r], xv, Q());
       }
     }
-    if (!ONE && h == 1) {
-      for (int i = 0; i < R * MB; ++i) {
-        const __m512i f = fold_pair(P[i][0], P[i][1]);
-        if (s == 1) T[i] = f;
-        else out[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(T[i], f), _mm512_unpackhi_epi64(T[i], f));
-      }
-    }
+  };
+  // Two accumulators per pair of steps, written out step by step rather than indexed by the step's parity: a loop
+  // the compiler leaves rolled would keep parity-indexed accumulators in memory (at 5 rows of x it did).
+  __m512i A[R * MB], B[R * MB], T[R * MB];
+  for (int i = 0; i < R * MB; ++i) A[i] = B[i] = _mm512_setzero_si512();
+  step(0, A);
+  step(1, B);
+  if constexpr (ONE) {
+    step(2, A);
+    step(3, B);
+    for (int i = 0; i < R * MB; ++i) out[i] = _mm512_add_epi32(A[i], B[i]);
+    return;
   }
-  if (ONE)
-    for (int i = 0; i < R * MB; ++i) out[i] = _mm512_add_epi32(P[i][0], P[i][1]);
+  for (int i = 0; i < R * MB; ++i) T[i] = fold_pair(A[i], B[i]), A[i] = B[i] = _mm512_setzero_si512();
+  step(2, A);
+  step(3, B);
+  for (int i = 0; i < R * MB; ++i) {
+    const __m512i f = fold_pair(A[i], B[i]);
+    out[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(T[i], f), _mm512_unpackhi_epi64(T[i], f));
+  }
 }
 
 // the sums of the 16 lanes of up to four vectors, each added up in _mm512_reduce_add_ps's order (lane i + lane i + 8,
