@@ -113,6 +113,8 @@ MEASURES = {
                             "memory differ).", speculative),
     "speculative-a8-as-avx2": ("Speculative decoding, SmolLM2's codes met by int8 x on a CPU, its AVX2 code",
                                "`speculative.py --a8 --rounds 2` with --as-avx2: as above.", speculative),
+    "speculative-k8": ("Speculative decoding, SmolLM2's Q4_1 file, 8 proposed tokens",
+                       "`speculative.py --tokens 8 --rounds 3`: as the speculative rows with k = 8.", speculative),
     "speculative-a8-k8": ("Speculative decoding with int8 x, 8 proposed tokens",
                           "`speculative.py --a8 --tokens 8 --rounds 3`: as above with k = 8.", speculative),
     "speculative-dense": ("Speculative decoding against plain decoding, SmolLM2 in bf16", "`speculative.py --model "
