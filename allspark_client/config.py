@@ -60,7 +60,7 @@ class AsModelConfig:
     prompt_lookup_max: int = 4              # ... and the longest (tried first)
     draft_model: str = ""                   # draft: a HF folder, a .gguf file or an .asgraph file (+ .asparam)
     draft_dtype: str = ""                   # draft: its dtype ("" = the file's)
-    draft_quantize: str = ""                # draft: InstantQuant weight format of its copy ("" = none, "int4", ...)
+    draft_quantize: str = ""                # draft: InstantQuant format of its copy ("" = none, "int4", "uint4_g128")
     speculative_max_batch: int = 0          # speculate only while at most this many requests decode; 0 = auto
     # GPU ranks: how a verify step's rows are computed as alone (docs/speculative.md, "On a GPU"): "alone" (each by
     # the one-row kernels), "invariant" (a tensor-core GEMV, in every step), "auto" (runner/model_runner.py's rule)

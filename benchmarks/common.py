@@ -86,12 +86,15 @@ def build_model(spec: dict, dtype: str) -> str:
     """The benchmark model of `spec` as an HF folder under ~/.cache/allspark/bench (built once): its path."""
     from allspark_server.loader.tiny_model import build_tiny_model
     key = "-".join(str(spec[k]) for k in ("hidden_size", "num_layers", "intermediate_size", "vocab"))
+    scales = {k: spec[k] for k in ("weight_scale", "embedding_scale") if k in spec}   # default: 0.02 everywhere
+    key += "".join(f"-{k[0]}{v:g}" for k, v in scales.items())
     d = os.path.join(os.path.expanduser("~"), ".cache", "allspark", "bench", f"{key}-{dtype}")
     if not os.path.exists(os.path.join(d, "config.json")):
         build_tiny_model(d, "llama_gqa_llama3", seed=0, hidden_size=spec["hidden_size"],
                          num_layers=spec["num_layers"], intermediate_size=spec["intermediate_size"],
                          num_heads=spec["num_heads"], num_kv_heads=spec["num_kv_heads"], vocab_size=spec["vocab"],
-                         max_position_embeddings=4096, weight_scale=0.02, dtype=dtype, tokenizer=False)
+                         max_position_embeddings=4096, weight_scale=scales.get("weight_scale", 0.02),
+                         embedding_scale=scales.get("embedding_scale"), dtype=dtype, tokenizer=False)
     return d
 
 

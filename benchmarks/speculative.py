@@ -11,6 +11,10 @@ GEMVs a speculating model takes; its speed against plain's is reported too).
         # the fp32 weights against their own InstantQuant int8 copy as the draft
     python benchmarks/speculative.py --device cuda --model 7b --layers 8 --draft self --draft-quantize uint4
         # a 7B-wide random bf16 model (8 of its 32 layers) against its own 4-bit copy
+    python benchmarks/speculative.py --device cuda --model 7b --layer-scale 0.005 --draft self --draft-quantize uint4
+        # its embeddings and LM head drawn with std 1 and its layers' weights with std 0.005: a residual stream the
+        # embeddings carry and the layers steer, whose greedy tokens a 4-bit copy can agree with (with every weight
+        # at 0.02 the layers' sum is all there is, and the copy's tokens part from the first)
     python benchmarks/speculative.py --smoke                # a tiny random model, one round: the script runs
 
 --as-avx2 runs the native kernels' AVX2 code with ATen capped at AVX2 on a newer CPU: an indication for AVX2-only
@@ -72,9 +76,10 @@ def smollm2_dense() -> str:
 SEVEN_B = dict(hidden_size=4096, num_layers=32, intermediate_size=11008, num_heads=32, num_kv_heads=8, vocab=32000)
 
 
-def model_path(name: str, layers: int = 0) -> str:
+def model_path(name: str, layers: int = 0, layer_scale: float = 0.0) -> str:
     from allspark_server.loader.known_models import smollm2_path
-    seven_b = dict(SEVEN_B, num_layers=layers or SEVEN_B["num_layers"])
+    seven_b = dict(SEVEN_B, num_layers=layers or SEVEN_B["num_layers"],
+                   **({"weight_scale": layer_scale, "embedding_scale": 1.0} if layer_scale else {}))
     return {"smollm2": smollm2_path, "smollm2-dense": smollm2_dense, "smoke": lambda: build_model(SMOKE, "float32"),
             "7b": lambda: build_model(seven_b, "bfloat16")}[name]()
 
@@ -125,6 +130,8 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--model", default="smollm2", choices=["smollm2", "smollm2-dense", "7b"])
     p.add_argument("--layers", type=int, default=0, help="7b: layers of the random model (0: its 32)")
+    p.add_argument("--layer-scale", type=float, default=0.0,
+                   help="7b: the std of its layers' weights, with embeddings and LM head at std 1 (0: 0.02 for all)")
     p.add_argument("--dtype", default="bfloat16", help="the target's dtype")
     p.add_argument("--a8", action="store_true", help="a GGUF target's codes met by x rounded to int8 (activate_quant, "
                    "as gguf_race.py --ours gguf-a8)")
@@ -140,6 +147,8 @@ def main(argv=None) -> None:
     add_smoke_flag(p)
     a = p.parse_args(argv)
     check_as_avx2(a.as_avx2, a.device)
+    if a.layer_scale and a.model != "7b":
+        p.error("--layer-scale is for --model 7b")
     if a.device == "cpu":
         spin_openmp()
     import workloads
@@ -152,7 +161,7 @@ def main(argv=None) -> None:
     rounds = 1 if a.smoke else a.rounds
     with tempfile.TemporaryDirectory() as tmp:
         model = "smoke" if a.smoke else a.model
-        target = model_path(model, a.layers)
+        target = model_path(model, a.layers, a.layer_scale)
         loader = HuggingFaceModel(target, "m", user_set_data_type="float32" if a.smoke else a.dtype)
         loader.load_model()
         loader.serialize(None, model_output_dir=tmp,
@@ -212,7 +221,8 @@ def main(argv=None) -> None:
                     runs[name].append({k: v for k, v in got[name].items() if k != "tokens"})
             print(r, {n: {k: round(v, 2) for k, v in g.items() if k != "tokens"} for n, g in got.items()}, flush=True)
         report = {"machine": machine_name() if a.device == "cpu" else torch_gpu_name(), "kind": machine_kind(a.device),
-                  "model": model, "layers": a.layers or None, "dtype": a.dtype, "a8": a.a8, "draft": a.draft,
+                  "model": model, "layers": a.layers or None,
+                  "layer_scale": a.layer_scale or None, "dtype": a.dtype, "a8": a.a8, "draft": a.draft,
                   "draft_quantize": a.draft_quantize or None, "num_speculative_tokens": a.tokens,
                   "speculative_rows": a.rows, "invariant_rows": invariant, "as_avx2": a.as_avx2, "prefix_cache": False,
                   "rounds": rounds,
@@ -236,7 +246,8 @@ def main(argv=None) -> None:
             engine.release_model(name)
     suffix = ("" if a.smoke or a.model == "smollm2" else "-self-draft" if a.draft == "self"
               else "-dense" if a.model == "smollm2-dense" else "-" + a.model)
-    suffix += ("-a8" if a.a8 else "") + (f"-k{a.tokens}" if a.tokens != 4 else "")
+    suffix += (f"-ls{a.layer_scale:g}" if a.layer_scale else "") + ("-a8" if a.a8 else "")
+    suffix += f"-k{a.tokens}" if a.tokens != 4 else ""
     suffix += (f"-{a.rows}" if a.rows != "auto" else "") + ("-as-avx2" if a.as_avx2 else "")
     write_report(a.json or result_path("speculative" + suffix, a.device, quick=a.smoke), report)
 

@@ -73,8 +73,11 @@ def build_tokenizer(out_dir: str):
 def build_tiny_model(out_dir: str, variant: str = "llama_gqa_llama3", seed: int = 0, hidden_size: int = 64,
                      num_layers: int = 2, intermediate_size: int = 128, max_position_embeddings: int = 2048,
                      weight_scale: Optional[float] = None, dtype: str = "float32", tokenizer: bool = True,
-                     vocab_size: int = VOCAB_SIZE, num_heads: Optional[int] = None, num_kv_heads: Optional[int] = None):
-    """Create (or overwrite) a tiny HF model folder; returns the transformers model (eval mode)."""
+                     vocab_size: int = VOCAB_SIZE, num_heads: Optional[int] = None, num_kv_heads: Optional[int] = None,
+                     embedding_scale: Optional[float] = None):
+    """Create (or overwrite) a tiny HF model folder; returns the transformers model (eval mode). weight_scale: the
+    std of every matrix; embedding_scale: of the embedding table and the LM head instead (larger than the layers'
+    weights, a residual stream that the embeddings carry and the layers steer)."""
     import torch
 
     spec = tiny_variant(variant)
@@ -97,6 +100,11 @@ def build_tiny_model(out_dir: str, variant: str = "llama_gqa_llama3", seed: int 
                     p.normal_(0.0, weight_scale)
                 elif "bias" in name:
                     p.normal_(0.0, weight_scale)
+    if embedding_scale is not None:
+        with torch.no_grad():
+            for p in {id(m.weight): m.weight for m in (model.get_input_embeddings(), model.get_output_embeddings())
+                      if m is not None}.values():
+                p.normal_(0.0, embedding_scale)
     if norm_noise is not None:
         with torch.no_grad():
             for name, p in model.named_parameters():

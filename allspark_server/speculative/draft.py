@@ -41,9 +41,9 @@ CATCH_UP_ROWS = 16        # tokens the draft catches up on as decode rows; more 
 
 def serialize_draft(path: str, dtype: str, quantize: str, out_dir: str, target_vocab: int) -> tuple[str, str]:
     """(graph, weights) of the draft: an `.asgraph` (its `.asparam` beside it) as it is, else the HF folder or GGUF
-    file serialized into out_dir with `dtype` ("" = the file's) and InstantQuant weight format `quantize`. A draft
-    the registry does not know or whose vocabulary exceeds the target's is refused before any weight is read. A
-    quantized copy has its LM head quantized too."""
+    file serialized into out_dir with `dtype` ("" = the file's) and InstantQuant weight format `quantize`
+    (draft_quant_config). A draft the registry does not know or whose vocabulary exceeds the target's is refused
+    before any weight is read. A quantized copy has its LM head quantized too, unless asked otherwise."""
     if path.endswith(".asgraph"):
         if dtype or quantize:
             raise ValueError(f"draft_dtype / draft_quantize apply while serializing a HF folder or GGUF file; "
@@ -56,11 +56,26 @@ def serialize_draft(path: str, dtype: str, quantize: str, out_dir: str, target_v
         check_draft(path, loader.args, target_vocab)
         # its LM head too: a draft's step is read bandwidth, and a small model's head is a large part of it (SmolLM2's
         # fp32 head is 113 MB beside 106 MB of int8 layers); proposals need no more than the argmax to agree
-        quant = {"weight_format": quantize, "quantize_lm_head": True} if quantize else None
+        quant = draft_quant_config(quantize) if quantize else None
         loader.load_model().serialize_to_path(None, out_dir, customized_quant_config=quant).free_model()
     except ModelSerializerException as e:          # an unknown architecture too
         raise ValueError(f"draft model {path!r}: {e}") from None
     return loader.graph_path, loader.weights_path
+
+
+def draft_quant_config(quantize: str) -> dict:
+    """InstantQuant's config of draft_quantize: a weight format ("int8", "uint4", ...: per channel) or one in groups
+    of N k ("uint4_g128"); the LM head is quantized too (above) unless the format ends in "+fp_head": a large model's
+    head is a small part of its step, and its logits' ties are where a quantized copy's tokens part from the target's.
+    """
+    spec, plus, suffix = quantize.partition("+")
+    if plus and suffix != "fp_head":
+        raise ValueError(f"draft_quantize {quantize!r}: the one suffix is '+fp_head' (the LM head left unquantized)")
+    fmt, grouped, group = spec.partition("_g")
+    if grouped and not (group.isdigit() and int(group) > 0):
+        raise ValueError(f"draft_quantize {quantize!r}: a group size after '_g' is a positive number of k "
+                         f"(e.g. 'uint4_g128')")
+    return {"weight_format": fmt, "quantize_lm_head": not plus, **({"group_size": int(group)} if grouped else {})}
 
 
 def check_draft(path: str, args, target_vocab: int) -> None:

@@ -13,7 +13,9 @@ from helpers import greedy, random_prompt, run_together, serialize, start_engine
 
 from allspark_client.types import AsException
 from allspark_server import TargetDevice
+from allspark_server.loader.model_file import read_model_graph
 from allspark_server.loader.tiny_model import VOCAB_SIZE, build_tiny_model
+from allspark_server.speculative.draft import serialize_draft
 
 NEW_TOKENS = 60
 PROMPTS = [random_prompt(n, seed) for n, seed in ((5, 1), (23, 2), (70, 3))]
@@ -65,6 +67,17 @@ def test_int4_copy_as_draft(target, llama):
     assert rate > 0.5, f"acceptance {rate:.3f} of the int4 copy's proposals"
 
 
+def test_grouped_int4_copy_as_draft(target, llama, tmp_path):
+    """draft_quantize "uint4_g32": the copy in groups of 32 k (its LM head too), as exact as any draft."""
+    quant = read_model_graph(*serialize_draft(llama.hf_dir, "", "uint4_g32", str(tmp_path / "a"), VOCAB_SIZE)).quant
+    assert (quant.weight_format, quant.group_size, quant.lm_head) == ("uint4", 32, True)
+    quant = read_model_graph(*serialize_draft(llama.hf_dir, "", "uint4_g32+fp_head", str(tmp_path / "b"),
+                                              VOCAB_SIZE)).quant
+    assert (quant.weight_format, quant.group_size, quant.lm_head) == ("uint4", 32, False)
+    rate = check_same_output(target, "uint4_g32_draft", llama.hf_dir, quantize="uint4_g32")
+    assert rate > 0.5, f"acceptance {rate:.3f} of the grouped uint4 copy's proposals"
+
+
 def test_unrelated_draft_keeps_output(target, tmp_path):
     other = str(tmp_path / "other")
     build_tiny_model(other, seed=11, hidden_size=32, num_layers=1, intermediate_size=64, tokenizer=False)
@@ -78,6 +91,10 @@ def test_refused_drafts(target, tmp_path, llama):
                      vocab_size=VOCAB_SIZE + 64)
     with pytest.raises(AsException, match=f"vocabulary of {VOCAB_SIZE + 64} tokens.*target model's {VOCAB_SIZE}"):
         install_with_draft(engine, loader, "big_draft", big)
+    with pytest.raises(AsException, match="draft_quantize 'uint4_gx': a group size after '_g'"):
+        install_with_draft(engine, loader, "bad_group_draft", llama.hf_dir, quantize="uint4_gx")
+    with pytest.raises(AsException, match="draft_quantize 'int4\\+head': the one suffix is '\\+fp_head'"):
+        install_with_draft(engine, loader, "bad_suffix_draft", llama.hf_dir, quantize="int4+head")
     unknown = str(tmp_path / "unknown")
     shutil.copytree(llama.hf_dir, unknown)
     with open(os.path.join(unknown, "config.json")) as f:
