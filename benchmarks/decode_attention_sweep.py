@@ -17,7 +17,7 @@ import common
 import torch
 from cuda_common import device  # first: it sets Triton's interpreter without a GPU
 
-from allspark_server.compute.cuda import decode_attention as D  # noqa: E402
+from allspark_server.compute.cuda import decode_attention as D
 
 SHAPES = ((128, 32, 32, 192), (128, 32, 32, 256), (64, 32, 32, 192), (16, 32, 32, 192), (128, 32, 8, 192))
 SMOKE_SHAPES = ((2, 4, 2, 40),)

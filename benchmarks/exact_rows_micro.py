@@ -18,10 +18,10 @@ import json
 import torch
 import torch.nn.functional as F
 from cuda_common import copies_past_l2, device, per_call_us  # first: it sets Triton's interpreter without a GPU
-from exact_rows_protos import dot_pdl, dot_rows, dot_tma, fma_rows  # noqa: E402
+from exact_rows_protos import dot_pdl, dot_rows, dot_tma, fma_rows
 
-from allspark_server.compute import row_mode  # noqa: E402
-from allspark_server.compute.cuda import gemv_kernels as gk  # noqa: E402
+from allspark_server.compute import row_mode
+from allspark_server.compute.cuda import gemv_kernels as gk
 
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008),
           "lm_head": (32000, 4096)}
@@ -54,7 +54,7 @@ def race(row: dict, name: str, cfgs, kernel, x, ws, err=None, *extra) -> None:
                 row[key + "_err"] = err(kernel(x, ws[0], *cfg, *extra))
             if m > 1:
                 row[key + "_exact"] = exact_rows(lambda t: kernel(t, ws[0], *cfg, *extra), x)
-        except Exception as e:  # noqa: BLE001 (recorded)
+        except Exception as e:
             row[key] = repr(e)[:200]
 
 
@@ -88,7 +88,7 @@ def pdl_round(args):
             race(row, "tma", TMA_CONFIGS, dot_tma, x, ws)
             race(row, "pdl", PDL_CONFIGS[:2] if args.tma_only else PDL_CONFIGS, dot_pdl, x, ws)
         print(name, json.dumps(row), flush=True)
-        ws = None  # noqa: F841 (the copies freed before the next shape's)
+        ws = None
     torch.cuda.empty_cache()
     g = torch.Generator(device="cuda").manual_seed(0)
     layers = [tuple((torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
@@ -141,7 +141,7 @@ def main(argv=None):
             race(row, "dot", dot_cfgs, dot_rows, x, ws, err, True)
             race(row, "dot_noev", dot_cfgs, dot_rows, x, ws, err, False)
         print(name, json.dumps(row), flush=True)
-        ws = None  # noqa: F841 (the copies freed before the next shape's)
+        ws = None
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
@@ -180,7 +180,7 @@ def small_round(out):
             try:
                 res[f"pdl_{'_'.join(map(str, cfg))}_{m}"] = time_us(
                     lambda: small_chain(lambda a, w: dot_pdl(a, w, *cfg), layers, x))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 res[f"pdl_{'_'.join(map(str, cfg))}_{m}"] = repr(e)[:200]
     w = (torch.randn(49152, 576, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
     x = torch.randn(1, 576, device="cuda", dtype=torch.bfloat16)
@@ -188,7 +188,7 @@ def small_round(out):
     for cfg in SMALL_CONFIGS:
         try:
             res[f"lm_pdl_{'_'.join(map(str, cfg))}_1"] = time_us(lambda: dot_pdl(x, w, *cfg))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             res[f"lm_pdl_{'_'.join(map(str, cfg))}_1"] = repr(e)[:200]
     print(json.dumps(res))
     with open(out, "w") as f:
@@ -215,10 +215,10 @@ def production_round(out):
                 try:
                     with invariant_rows():
                         res[f"{tag}{name}_{'_'.join(map(str, cfg))}"] = per_call_us(lambda w: fn(x, w, config=c), ws)
-                except Exception as e:  # noqa: BLE001 (out of shared memory, say: recorded)
+                except Exception as e:
                     res[f"{tag}{name}_{'_'.join(map(str, cfg))}"] = repr(e)[:120]
         print(name, {k: v if isinstance(v, str) else round(v, 2) for k, v in res.items() if name in k}, flush=True)
-        ws = None  # noqa: F841
+        ws = None
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
 

@@ -44,7 +44,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import common
 
 common.as_avx2_if_asked()
 common.spin_openmp()    # before torch loads: llama.cpp's OpenMP team shares the process (common.py says why)

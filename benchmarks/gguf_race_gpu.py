@@ -28,10 +28,10 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
-import gguf_race as R  # noqa: E402  (sets common.spin_openmp before torch loads)
-import llamacpp_peer as LP  # noqa: E402
-import torch  # noqa: E402
+import common
+import gguf_race as R
+import llamacpp_peer as LP
+import torch
 
 
 def device_info(device: str) -> dict:

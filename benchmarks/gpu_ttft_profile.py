@@ -23,9 +23,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
-import torch  # noqa: E402
-import workloads as W  # noqa: E402
+import common
+import torch
+import workloads as W
 
 # SmolLM2-135M's shape (GGUF race 'smollm2'): hidden 576, 30 layers, 9 heads of 64, 3 KV heads
 SMOL = dict(hidden_size=576, num_layers=30, intermediate_size=1536, num_heads=9, num_kv_heads=3, vocab=49152)

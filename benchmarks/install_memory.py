@@ -18,8 +18,8 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
-import workloads as W  # noqa: E402
+import common
+import workloads as W
 
 VARIANTS = ("bf16", "int8", "int8_g32", "int4_g32", "uint4_g32")
 MB = 1 << 20

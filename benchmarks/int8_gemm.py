@@ -20,8 +20,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import common  # noqa: E402  (the benchmark model, its quantization and runtime config)
-import workloads as W  # noqa: E402
+import common
+import workloads as W
 
 RUNS = {"bf16": None, "int8_gemm": True, "dequantized": False}    # the value of ops.INT8_GEMM for each run
 

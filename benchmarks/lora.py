@@ -129,7 +129,7 @@ def streams_tps(engine, name: str, prompts: list[list[int]], tokens: int,
                 if el.ids_from_generate:
                     arrivals[i].append((time.perf_counter(), len(el.ids_from_generate)))
             engine.release_request(name, handle)
-        except Exception as e:       # noqa: BLE001 -- raised again in the main thread
+        except Exception as e:
             errors.append(e)
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     t0 = time.perf_counter()

@@ -17,13 +17,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-from cuda_common import graph_replay_ms  # noqa: E402
+import torch
+from cuda_common import graph_replay_ms
 
-from allspark_client.config import AsModelRuntimeConfigBuilder  # noqa: E402
-from allspark_client.types import TargetDevice  # noqa: E402
-from allspark_server.collective.comm import get_comm  # noqa: E402
-from allspark_server.runner.model_runner import install_runner  # noqa: E402
+from allspark_client.config import AsModelRuntimeConfigBuilder
+from allspark_client.types import TargetDevice
+from allspark_server.collective.comm import get_comm
+from allspark_server.runner.model_runner import install_runner
 
 
 def main(argv=None) -> None:

@@ -19,7 +19,7 @@ import statistics
 import sys
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-import common  # noqa: E402
+import common
 
 common.as_avx2_if_asked()   # before torch loads
 

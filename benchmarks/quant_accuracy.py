@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
-from common import build_model  # noqa: E402
+import common
+from common import build_model
 
 VARIANTS = [("bf16", 0), ("int8", -1), ("int8", 128), ("uint8", -1), ("int4", 32), ("int4", 128), ("uint4", 32),
             ("uint4", 64), ("uint4", 128), ("fp8_e4m3", -1), ("fp8_e4m3", 128)]

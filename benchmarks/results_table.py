@@ -18,8 +18,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results_measures import MEASURES  # noqa: E402
-from results_readers import MACHINES, generic  # noqa: E402
+from results_measures import MEASURES
+from results_readers import MACHINES, generic
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS_DIR = os.path.join(HERE, "results")

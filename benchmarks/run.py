@@ -32,7 +32,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import common
 
 common.spin_openmp()    # before torch loads: transformers shares this process with the Engine (common.py says why)
 

@@ -37,7 +37,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import common
 
 common.spin_openmp()    # before torch loads, as run.py (the server started from here inherits it)
 

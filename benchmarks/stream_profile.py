@@ -20,9 +20,9 @@ import sys
 os.environ["AS_PROFILE"] = "ON"    # before the engine exists: every op of every step is timed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
-import gguf_race as GR  # noqa: E402  (first: it sets common.spin_openmp before torch loads, as in the race)
-import torch  # noqa: E402
+import common
+import gguf_race as GR
+import torch
 
 DECODE_OPS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head", "attention", "kv_store", "norm",
               "act_mul", "rotary", "inputs", "sample", "embedding", "rope_rows", "final_norm", "apply_plan",

@@ -86,7 +86,7 @@ def tower_forwards(engine, name: str):
     None where it cannot be read)."""
     try:
         return engine._model(name)._image_tower.batcher.forwards
-    except Exception:       # noqa: BLE001 -- a diagnostic only
+    except Exception:
         return None
 
 
@@ -101,7 +101,7 @@ def allspark_burst(engine, name: str, requests: list[dict], tokens: int) -> dict
         try:
             go.wait()
             ttft[i], outs[i] = run_one(engine, name, requests[i], tokens, timings[i])
-        except Exception as e:       # noqa: BLE001 -- raised again in the main thread
+        except Exception as e:
             errors.append(e)
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:

@@ -16,7 +16,7 @@ import pytest
 from pool_helpers import REPO
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-import install_memory  # noqa: E402
+import install_memory
 
 # ~126 M parameters (252 MB in bf16): 10% of the weights is well above the process's noise, the whole test takes
 # about a minute on two cores

@@ -13,12 +13,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/
 
-from eager_graphs import install_on_every_runner  # noqa: E402
-from helpers import run_together  # noqa: E402
+from eager_graphs import install_on_every_runner
+from helpers import run_together
 
-from allspark_client.config import AsModelRuntimeConfigBuilder  # noqa: E402
-from allspark_server.collective.comm import get_comm  # noqa: E402
-from allspark_server.engine.step_loops import OverlappedLoop  # noqa: E402
+from allspark_client.config import AsModelRuntimeConfigBuilder
+from allspark_server.collective.comm import get_comm
+from allspark_server.engine.step_loops import OverlappedLoop
 
 
 def main():

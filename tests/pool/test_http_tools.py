@@ -97,7 +97,7 @@ def servers(tmp_path_factory):
     for name, start in starts.items():
         try:
             started[name] = start.result()
-        except Exception as e:  # noqa: BLE001 (raised below, once every server that started is stopped)
+        except Exception as e:
             failed = failed or e
     try:
         if failed is not None:
