@@ -1,7 +1,8 @@
 """allspark-serve in front of a 2-rank pool it starts itself (--ranks 2), with admission limits of 2 running and
 none queued: the `openai` client (sync and async, streaming and not) gets the in-process Engine's greedy output
 through the pool; a model folder without a chat template answers chat with a 400; a burst of concurrent streams
-gets 429s (with Retry-After) for the extras while every admitted one completes exactly — none lost or hung."""
+gets 429s (with Retry-After) for the extras while every admitted one completes exactly — none lost or hung; SIGUSR1
+prints the stacks of the server and its ranks while a stream runs on."""
 from __future__ import annotations
 
 import asyncio
@@ -95,3 +96,24 @@ def test_overload_gets_429_and_no_request_is_lost(server):
     for rank in "01":                              # the streams' decode steps, as each rank read them
         assert m[f'allspark_rank_memory_bandwidth_gbs{{model_name="llama",rank="{rank}"}}'] > 0
         assert m[f'allspark_rank_memory_bandwidth_utilization{{model_name="llama",rank="{rank}"}}'] > 0
+
+
+def test_sigusr1_prints_every_stack_and_the_stream_runs_on(server):
+    """SIGUSR1 to allspark-serve and its ranks while a stream runs (what Server.diagnosis does): each prints every
+    thread's stack to its log (faulthandler) and goes on; the stream ends with all its tokens."""
+    body = {"model": "llama", "prompt": PROMPT, "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=120) as r:
+        lines = (line[len("data: "):] for line in r.iter_lines() if line.startswith("data: "))
+        events = [next(lines)]
+        seen = server.diagnosis()
+        events += list(lines)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 2000
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    # the server's stack (uvicorn under cli.main), rank 0's (serving) and rank 1's (the worker loop)
+    assert seen.count("Current thread") >= 3, seen[-3000:]
+    for frame in ("in main", "in serve", "in run_worker"):
+        assert frame in seen, (frame, seen[-3000:])
+    assert httpx.get(server.url + "/health").status_code == 200
