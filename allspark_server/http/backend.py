@@ -41,6 +41,8 @@ class BackendOptions:
     speculative: Optional[tuple] = None  # (method, draft model path, num_speculative_tokens): cli.speculative_spec
     speculative_max_batch: int = 0      # 0: auto
     speculative_rows: str = "auto"      # GPU verify rows: auto, alone or invariant (docs/speculative.md)
+    draft_dtype: str = ""               # the draft's dtype and InstantQuant copy ("": as its files are)
+    draft_quantize: str = ""
     lora_modules: tuple = ()            # (name, path) of the LoRA adapters loaded at start
     max_loras: Optional[int] = None     # lora_max_num (None: the runtime config's default)
     max_lora_rank: Optional[int] = None  # lora_max_rank (None: the default)
@@ -185,7 +187,7 @@ def speculative_config(builder, opts: BackendOptions):
     method, draft_model, k = opts.speculative
     options = {"speculative_max_batch": opts.speculative_max_batch, "speculative_rows": opts.speculative_rows}
     if method == "draft":
-        options["draft_model"] = draft_model
+        options.update(draft_model=draft_model, draft_dtype=opts.draft_dtype, draft_quantize=opts.draft_quantize)
     return builder.speculative_decoding(method, k, **options)
 
 

@@ -18,6 +18,7 @@ from typing import Optional
 
 from allspark_client import settings
 from allspark_client.config import MAX_SPECULATIVE_TOKENS
+from allspark_client.types import AsException
 from allspark_server.http.lora_requests import check_lora_modules, lora_module
 from allspark_server.http.tools import PARSERS
 from allspark_server.loader.known_models import KNOWN, ModelNotInstalled, resolve
@@ -65,6 +66,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "draft:PATH:K; K: tokens proposed per step (default 4)")
     p.add_argument("--speculative-max-batch", type=int, metavar="N", help="speculate only while at most N "
                    "requests run (default: auto, 4)")
+    p.add_argument("--draft-dtype", choices=["float32", "bfloat16", "float16"],
+                   help="--speculative draft: the draft's dtype (default: its config's)")
+    p.add_argument("--draft-quantize", metavar="FORMAT", help="--speculative draft: the draft's InstantQuant copy: "
+                   "int8, int4, uint4_g128 (groups of 128), ...; +fp_head leaves its LM head unquantized")
     p.add_argument("--speculative-rows", choices=["auto", "alone", "invariant"], help="how a GPU computes a verify "
                    "step's rows: alone (the one-row kernels) or invariant (a tensor-core GEMV in every step); default "
                    "auto: invariant from hidden size 2048 or 8 proposed tokens")
@@ -139,6 +144,9 @@ def check_setup(args, api_key: Optional[str]) -> None:
             raise SystemExit(f"allspark-serve: --speculative-max-batch must be >= 1, got {args.speculative_max_batch}")
     if args.speculative_rows is not None and args.speculative is None:
         raise SystemExit("allspark-serve: --speculative-rows needs --speculative")
+    for flag, value in (("--draft-dtype", args.draft_dtype), ("--draft-quantize", args.draft_quantize)):
+        if value is not None and (args.speculative is None or args.speculative[0] != "draft"):
+            raise SystemExit(f"allspark-serve: {flag} needs --speculative draft:PATH")
     check_lora_options(args)
     if args.speculative is not None and args.speculative[0] == "draft" and not os.path.exists(args.speculative[1]):
         raise SystemExit(f"allspark-serve: --speculative draft: no such draft model {args.speculative[1]!r}")
@@ -185,13 +193,17 @@ def main(argv=None) -> int:
     if problem:
         raise SystemExit(f"allspark-serve: {problem}")
 
-    backend = open_backend(BackendOptions(
-        model=args.model, served_model_name=args.served_model_name, cache_dir=args.cache_dir, pool=args.pool,
-        ranks=args.ranks, dtype=args.dtype, max_batch=args.max_batch, max_length=args.max_length,
-        threads=args.threads, speculative=args.speculative,
-        speculative_max_batch=args.speculative_max_batch or 0, speculative_rows=args.speculative_rows or "auto",
-        lora_modules=tuple(args.lora_modules),
-        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank))
+    try:
+        backend = open_backend(BackendOptions(
+            model=args.model, served_model_name=args.served_model_name, cache_dir=args.cache_dir, pool=args.pool,
+            ranks=args.ranks, dtype=args.dtype, max_batch=args.max_batch, max_length=args.max_length,
+            threads=args.threads, speculative=args.speculative,
+            speculative_max_batch=args.speculative_max_batch or 0, speculative_rows=args.speculative_rows or "auto",
+            draft_dtype=args.draft_dtype or "", draft_quantize=args.draft_quantize or "",
+            lora_modules=tuple(args.lora_modules),
+            max_loras=args.max_loras, max_lora_rank=args.max_lora_rank))
+    except AsException as e:          # a config the engine refused (a bad draft, ...): its message, no traceback
+        raise SystemExit(f"allspark-serve: {e}") from None
     try:
         from allspark_server.http.chat_template import RENDER_TIMEOUT_S
         app = create_app(backend, api_key=api_key, max_concurrent=args.max_concurrent, max_queue=args.max_queue,

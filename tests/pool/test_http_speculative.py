@@ -59,9 +59,14 @@ def test_completion_equals_engine_and_metrics_count_drafts(server, served_llama,
     (["--speculative-max-batch", "2"], "--speculative-max-batch needs --speculative"),
     (["--speculative-rows", "alone"], "--speculative-rows needs --speculative"),
     (["--speculative", "ngram", "--speculative-rows", "fast"], "argument --speculative-rows"),
+    (["--speculative", "ngram", "--draft-dtype", "bfloat16"], "--draft-dtype needs --speculative draft:PATH"),
+    (["--draft-quantize", "int4"], "--draft-quantize needs --speculative draft:PATH"),
+    (["--speculative", "draft:{model}", "--draft-quantize", "uint4_gx"],      # refused by the engine's install
+     "allspark-serve: ALLSPARK_PARAM_ERROR: cannot install model 'llama_gqa_llama3': draft_quantize 'uint4_gx'"),
 ])
-def test_malformed_speculative_is_an_error(llama, args, words):
+def test_malformed_speculative_is_an_error(llama, args, words, tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    args = [a.format(model=llama.hf_dir) for a in args] + ["--cache-dir", str(tmp_path)]
     r = subprocess.run([sys.executable, "-m", "allspark_server.http", "--model", llama.hf_dir, *args],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode != 0 and words in r.stderr, (r.returncode, r.stderr)

@@ -52,6 +52,11 @@ def test_parse_args_and_config():
     cfg = built(BackendOptions(model="/m", speculative=args.speculative, speculative_rows=args.speculative_rows))
     assert (cfg.speculative_tokens, cfg.speculative_rows) == (8, "alone")
     assert built(BackendOptions(model="/m")).speculative_method == ""
+    args = parse_args(["--model", "/m", "--speculative", "draft:/d", "--draft-dtype", "bfloat16",
+                       "--draft-quantize", "uint4_g128+fp_head"])
+    cfg = built(BackendOptions(model="/m", speculative=args.speculative, draft_dtype=args.draft_dtype,
+                               draft_quantize=args.draft_quantize))
+    assert (cfg.draft_model, cfg.draft_dtype, cfg.draft_quantize) == ("/d", "bfloat16", "uint4_g128+fp_head")
 
 
 def test_request_field_reaches_the_generation_config():
