@@ -19,6 +19,7 @@ from typing import Optional
 from allspark_client import settings
 from allspark_client.config import MAX_SPECULATIVE_TOKENS
 from allspark_client.types import AsException
+from allspark_client.validation import ConfigError
 from allspark_server.http.lora_requests import check_lora_modules, lora_module
 from allspark_server.http.tools import PARSERS
 from allspark_server.loader.known_models import KNOWN, ModelNotInstalled, resolve
@@ -131,6 +132,11 @@ def check_setup(args, api_key: Optional[str]) -> None:
         raise SystemExit("allspark-serve: TLS needs both --ssl-certfile and --ssl-keyfile")
     if args.max_concurrent < 1 or args.max_queue < 0:
         raise SystemExit("allspark-serve: --max-concurrent must be >= 1 and --max-queue >= 0")
+    for flag, value in (("--max-batch", args.max_batch), ("--max-length", args.max_length), ("--ranks", args.ranks)):
+        if value is not None and value < 1:    # 0 would silently mean "the default" (--ranks 0: no pool at all)
+            raise SystemExit(f"allspark-serve: {flag} must be >= 1, got {value}")
+    if args.threads is not None and args.threads < 0:
+        raise SystemExit(f"allspark-serve: --threads must be >= 0 (0: torch's default), got {args.threads}")
     if args.chat_template_timeout is not None and not args.chat_template_timeout > 0:
         raise SystemExit(f"allspark-serve: --chat-template-timeout must be > 0, got {args.chat_template_timeout:g}")
     if args.max_body_mb is None:
@@ -202,7 +208,7 @@ def main(argv=None) -> int:
             draft_dtype=args.draft_dtype or "", draft_quantize=args.draft_quantize or "",
             lora_modules=tuple(args.lora_modules),
             max_loras=args.max_loras, max_lora_rank=args.max_lora_rank))
-    except AsException as e:          # a config the engine refused (a bad draft, ...): its message, no traceback
+    except (AsException, ConfigError) as e:   # a config refused (a bad draft, ...): its message, no traceback
         raise SystemExit(f"allspark-serve: {e}") from None
     try:
         from allspark_server.http.chat_template import RENDER_TIMEOUT_S

@@ -248,6 +248,20 @@ def test_the_demo_model_has_a_chat_template_and_the_setup_checks_name_known_mode
         check_setup(parse_args(["--model", known_models.SMOLLM2]), None)
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
+    (["--max-length", "0"], "--max-length must be >= 1, got 0"),      # not "the model's context" in disguise
+    (["--ranks", "0"], "--ranks must be >= 1, got 0"),                 # not an in-process Engine in disguise
+    (["--threads", "-1"], "--threads must be >= 0"),
+])
+def test_the_setup_checks_refuse_counts_below_one(tmp_path, args, words):
+    from allspark_server.http.cli import check_setup, parse_args
+    from allspark_server.loader.tiny_model import demo_model
+    folder = demo_model(str(tmp_path / "demo"))
+    with pytest.raises(SystemExit, match=words):
+        check_setup(parse_args(["--model", folder, *args]), None)
+
+
 # ---- hostile bodies: size, nesting, lone surrogates, roles, prompt length before tokenizing ----------------------
 def _body_request(chunks: list[bytes], declared: bool):
     """A starlette Request whose body arrives in `chunks`; `read` counts the chunks the server took."""
