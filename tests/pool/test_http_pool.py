@@ -112,8 +112,8 @@ def test_sigusr1_prints_every_stack_and_the_stream_runs_on(server):
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[-1]["usage"]["completion_tokens"] == 2000
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
-    # the server's stack (uvicorn under cli.main), rank 0's (serving) and rank 1's (the worker loop)
-    assert seen.count("Current thread") >= 3, seen[-3000:]
-    for frame in ("in main", "in serve", "in run_worker"):
+    # the server's stacks (its main thread in allspark_server/http/cli.py), rank 0's (serving) and rank 1's (the
+    # worker loop); whichever thread took the signal, faulthandler prints them all
+    for frame in ("allspark_server/http/cli.py", "in serve", "in run_worker"):
         assert frame in seen, (frame, seen[-3000:])
     assert httpx.get(server.url + "/health").status_code == 200
