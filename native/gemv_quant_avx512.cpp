@@ -207,7 +207,7 @@ AVX512_VNNI inline void chunk_sums(const uint8_t* const* wr, const Q* const* q, 
   };
   // Two accumulators per pair of steps, written out step by step rather than indexed by the step's parity: a loop
   // the compiler leaves rolled would keep parity-indexed accumulators in memory (at 5 rows of x it did).
-  __m512i A[R * MB], B[R * MB], T[R * MB];
+  __m512i A[R * MB], B[R * MB];
   for (int i = 0; i < R * MB; ++i) A[i] = B[i] = _mm512_setzero_si512();
   step(0, A);
   step(1, B);
@@ -217,6 +217,7 @@ AVX512_VNNI inline void chunk_sums(const uint8_t* const* wr, const Q* const* q, 
     for (int i = 0; i < R * MB; ++i) out[i] = _mm512_add_epi32(A[i], B[i]);
     return;
   }
+  __m512i T[R * MB];   // steps 0 and 1, folded
   for (int i = 0; i < R * MB; ++i) T[i] = fold_pair(A[i], B[i]), A[i] = B[i] = _mm512_setzero_si512();
   step(2, A);
   step(3, B);

@@ -19,6 +19,7 @@ import time
 
 import httpx
 import psutil
+from pool_helpers import _is_rank
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -122,7 +123,8 @@ class Server:
         time, RSS), then every thread's stack of the server and its pool's ranks (SIGUSR1, which both answer with
         faulthandler) as their logs have them."""
         try:
-            procs = [psutil.Process(self.proc.pid)] + psutil.Process(self.proc.pid).children(recursive=True)
+            server = psutil.Process(self.proc.pid)
+            procs = [server] + server.children(recursive=True)
         except psutil.NoSuchProcess:
             procs = []
         vm, swap = psutil.virtual_memory(), psutil.swap_memory()
@@ -136,7 +138,7 @@ class Server:
                              f"rss {p.memory_info().rss >> 20} MiB: {' '.join(cmd)[:160]}")
                 if "--socket" in cmd:        # a spawned pool's ranks: their output goes to pool.log beside it
                     logs.append(os.path.join(os.path.dirname(cmd[cmd.index("--socket") + 1]), "pool.log"))
-                if os.path.basename(cmd[0]).startswith("python") and any(a.startswith("allspark_server") for a in cmd):
+                if p.pid == self.proc.pid or _is_rank(p):      # not the launcher: SIGUSR1 would end it
                     p.send_signal(signal.SIGUSR1)
             except psutil.Error:
                 pass

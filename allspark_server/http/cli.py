@@ -25,6 +25,7 @@ from allspark_server.http.tools import PARSERS
 from allspark_server.loader.known_models import KNOWN, ModelNotInstalled, resolve
 
 API_KEY_ENV = settings.API_KEY.name
+DTYPES = ("float32", "bfloat16", "float16")     # --dtype's and --draft-dtype's
 GRACEFUL_SHUTDOWN_S = 10
 
 
@@ -58,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     where.add_argument("--pool", help="serve through a running pool: unix:/path.sock or host:port")
     where.add_argument("--ranks", type=int, help="start a pool of this many ranks (allspark-launch) and serve "
                        "through it; default: an in-process Engine")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the model's config")
+    p.add_argument("--dtype", choices=DTYPES, help="default: the model's config")
     p.add_argument("--max-batch", type=int, default=32, help="requests the engine runs at once (default 32)")
     p.add_argument("--max-length", type=int, help="prompt + output tokens per request (default: the model's "
                    "context length)")
@@ -67,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "draft:PATH:K; K: tokens proposed per step (default 4)")
     p.add_argument("--speculative-max-batch", type=int, metavar="N", help="speculate only while at most N "
                    "requests run (default: auto, 4)")
-    p.add_argument("--draft-dtype", choices=["float32", "bfloat16", "float16"],
+    p.add_argument("--draft-dtype", choices=DTYPES,
                    help="--speculative draft: the draft's dtype (default: its config's)")
     p.add_argument("--draft-quantize", metavar="FORMAT", help="--speculative draft: the draft's InstantQuant copy: "
                    "int8, int4, uint4_g128 (groups of 128), ...; +fp_head leaves its LM head unquantized")
