@@ -9,9 +9,10 @@ Per request it keeps a mirror of what the draft has computed. Before each target
 request back to the longest common prefix of those tokens and the request's tokens now (the verify step rejects
 proposals), computes the missing tokens as one chunk that samples its last row (up to CATCH_UP_ROWS tokens, the
 usual case after a verify step, as decode rows of one sequence, the target's verify-chunk shape: a prompt chunk
-would take the prefill path, which for quantized weights dequantizes every weight), then takes counts[i] - 1
-one-token steps: greedy argmax, every request of the call in the same draft steps. The proposals never change the output
-(verification is exact, speculation.py); a better draft only makes more of them accepted.
+would take the prefill path, which for quantized weights dequantizes every weight; a runner that decodes from CUDA
+graphs takes those rows one a step instead), then takes counts[i] - 1 one-token steps: greedy argmax, every request
+of the call in the same draft steps. The proposals never change the output (verification is exact, speculation.py);
+a better draft only makes more of them accepted.
 """
 from __future__ import annotations
 
@@ -95,6 +96,13 @@ def draft_config(cfg: AsModelConfig, graph: str, weights: str) -> AsModelConfig:
         num_speculative_tokens=0, draft_model="", draft_dtype="", draft_quantize="", speculative_max_batch=0)
 
 
+def catches_up_row_by_row(runner) -> bool:
+    """Whether the draft computes its catch-up rows one a step: where its runner decodes from CUDA graphs, whose
+    one-row replays cost far less than the eager step a verify chunk of the draft takes (only a speculating model
+    captures verify graphs)."""
+    return runner.graphs is not None
+
+
 class DraftProposer:
     def __init__(self, cfg: AsModelConfig, runner):
         self._dir = tempfile.mkdtemp(prefix="allspark-draft-")
@@ -120,25 +128,33 @@ class DraftProposer:
     # ---- proposals ---------------------------------------------------------------------------------------------
     def propose(self, requests, counts) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in requests]
-        rows = []                                  # (index in requests, request id, tokens wanted)
+        rows = []                          # [index in requests, request id, catch-up steps left, tokens wanted]
         keep = {r.request_id for r in requests}
         chunks = []
         for i, (req, k) in enumerate(zip(requests, counts)):
             chunk = self._catch_up(req.request_id, req.all_token_ids, k, keep)
-            if chunk is not None:
-                chunks.append(chunk)
-                rows.append((i, req.request_id, k))
-        step = 0
+            if chunk is None:
+                continue
+            skip = 0
+            if chunk.draft_ids and catches_up_row_by_row(self.runner):
+                skip, chunk = chunk.num_tokens - 1, ScheduledChunk(req.request_id, 1, True)
+            chunks.append(chunk)
+            rows.append([i, req.request_id, skip, k])
         while chunks:
             tokens = self._run(chunks)
-            step += 1
-            chunks = []
-            for (i, rid, k), token in zip(rows, tokens):
-                out[i].append(token)
-                self.runner.mirrors[rid].token_ids.append(token)
-                if k > step:
+            chunks, left = [], []
+            for row, token in zip(rows, tokens):
+                i, rid, skip, k = row
+                if skip:               # a catch-up row: its token is already known
+                    row[2] -= 1
+                else:
+                    out[i].append(token)
+                    self.runner.mirrors[rid].token_ids.append(token)
+                    row[3] -= 1
+                if row[2] > 0 or row[3] > 0:
                     chunks.append(ScheduledChunk(rid, 1, True))
-            rows = [row for row in rows if row[2] > step]
+                    left.append(row)
+            rows = left
         return out
 
     def _catch_up(self, rid: int, ids: list[int], k: int, keep: set[int]):

@@ -104,3 +104,22 @@ def test_refused_drafts(target, tmp_path, llama):
         json.dump(config, f)
     with pytest.raises(AsException, match="NoSuchForCausalLM.*not supported"):
         install_with_draft(engine, loader, "unknown_draft", unknown)
+
+
+def test_catch_up_row_by_row_proposes_the_same(target, llama, monkeypatch):
+    """The catch-up rows one a step (what a runner decoding from CUDA graphs does) give the same proposals, call for
+    call, as the verify chunk a CPU runner takes, and the same output."""
+    from allspark_server.speculative import draft
+
+    def proposals(row_by_row: bool) -> list:
+        seen = []
+        real = draft.DraftProposer.propose
+        monkeypatch.setattr(draft, "catches_up_row_by_row", lambda runner: row_by_row)
+        monkeypatch.setattr(draft.DraftProposer, "propose",
+                            lambda self, requests, counts: seen.append(real(self, requests, counts)) or seen[-1])
+        check_same_output(target, f"int4_rows_{row_by_row}", llama.hf_dir, quantize="int4")
+        monkeypatch.undo()
+        return seen
+
+    chunked, stepped = proposals(False), proposals(True)
+    assert len(chunked) > 10 and stepped == chunked
