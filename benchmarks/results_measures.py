@@ -138,6 +138,12 @@ MEASURES = {
                                "--draft-quantize uint4` (a 7B-wide random bf16 model, 8 of its 32 layers, against "
                                "its uint4 copy: random weights repeat nothing for ngram, and 4-bit noise changes "
                                "their near-flat argmax).", speculative),
+    "speculative-self-draft-ls0.005": ("Speculative decoding, a 7B-shaped model its own 4-bit copy can follow",
+                                       "`speculative.py --device cuda --model 7b --layer-scale 0.005 --draft self "
+                                       "--draft-quantize uint4_g128+fp_head --rounds 2`: all 32 layers, embeddings "
+                                       "and LM head drawn with std 1 and the layers' weights with std 0.005, so "
+                                       "that the greedy tokens of the copy (uint4 in groups of 128, the target's "
+                                       "bf16 head) mostly agree; k = 4.", speculative),
     "speculative-7b": ("GPU: speculative decoding where nothing is accepted, invariant rows", "`speculative.py "
                        "--device cuda --model 7b --layers 8 --rounds 2`: a 7B-wide random bf16 model (8 of its 32 "
                        "layers) plain, in batch-invariant mode (the GEMVs a speculating model of its size takes) "
