@@ -271,3 +271,34 @@ def test_decode_over_quantized_spans(mode, d, group):
             assert out.dtype == dtype
             assert_close(out, exact, TOL[dtype])
             assert_close(out, ref, 1e-5 if dtype == torch.float32 else TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("merge", ["in-kernel", "launch"])
+def test_decode_in_invariant_rows_takes_two_tiles_a_split(dtype, merge, monkeypatch):
+    """In invariant-rows mode (every step of a speculating 7B-sized model) a 16-bit cache's split takes at least
+    two token tiles: a 4-tile context asked for 4 splits is the default launch's 2 splits bit for bit; a verify
+    chunk's rows (one sequence, alone rows) are each what it is alone in the mode; all near float64. Either merge
+    of the splits (the kernel's own, the combine launch) counts the splits the same way."""
+    from test_triton_fused import assert_same_bits
+
+    from allspark_server.compute.row_mode import alone_rows, invariant_rows
+    if merge == "launch":
+        monkeypatch.setattr(da, "_split_counters", lambda device, needed: None)
+    kvh, group, d, span_size, n = 2, 4, 64, 16, 4 * da.DECODE_BLOCK_N
+    k_cache, v_cache, spans = make_cache([n], kvh, d, span_size, dtype, seed=12)
+    q = torch.randn(3, kvh * group, d, generator=torch.Generator().manual_seed(13)).to(DEVICE, dtype)
+    ctx = torch.tensor([n - 2, n - 1, n], device=DEVICE)
+    rows = spans.repeat(3, 1)
+
+    def attend(i: int, **kw):
+        return da.paged_decode_attention(q[i:i + 1], k_cache, v_cache, spans, ctx[i:i + 1], SCALE, **kw)
+
+    with invariant_rows():
+        alone = torch.cat([attend(i, num_splits=4) for i in range(3)])
+        with alone_rows():
+            chunk = da.paged_decode_attention(q, k_cache, v_cache, rows, ctx, SCALE, num_splits=4)
+    halved = torch.cat([attend(i, num_splits=2, launch=da.INVARIANT_LAUNCH) for i in range(3)])
+    assert_same_bits(alone, halved)
+    assert_same_bits(chunk, alone)
+    assert_close(chunk, decode_refs(q, k_cache, v_cache, rows, ctx)[0], TOL[dtype])

@@ -37,18 +37,24 @@ MAX_SPLITS = 64         # ... and never more partials than this per (sequence, h
 # B 16-128, KVH 8 and 32, contexts 192-256; smaller batches were not swept and keep Triton's defaults)
 LARGE_BATCH_PROGRAMS = 512
 LARGE_BATCH_LAUNCH = dict(num_warps=2, num_stages=2)
+# invariant-rows mode (every step of a speculating 7B-sized model, compute/row_mode.py), 16-bit caches: 2 warps and at
+# least 2 tiles a split, from an H200 sweep of a one-row step and a 5-row verify chunk at context 1024 (bf16, H 32,
+# KVH 8, D 128); from 2 x NUM_SPLITS tiles on, the splits are the default's
+INVARIANT_LAUNCH = dict(num_warps=2, num_stages=3)
+INVARIANT_MIN_TILES = 2
 
 
 @triton.jit
-def _split_tiles(n, split, window, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+def _split_tiles(n, split, window, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 MIN_TILES: tl.constexpr):
     """Token tiles [start, end) of split `split` of a context of n >= 1 tokens, and how many splits have tiles
-    (the first `active` ones: split 0 always). HAS_WINDOW: only the tiles from the one holding key n - window
-    on are shared out (the query at n - 1 sees keys t >= n - window)."""
+    (the first `active` ones: split 0 always), at least MIN_TILES a split. HAS_WINDOW: only the tiles from the one
+    holding key n - window on are shared out (the query at n - 1 sees keys t >= n - window)."""
     num_tiles = (n + BLOCK_N - 1) // BLOCK_N
     first = 0
     if HAS_WINDOW:
         first = tl.maximum(n - window, 0) // BLOCK_N
-    per_split = (num_tiles - first + NUM_SPLITS - 1) // NUM_SPLITS
+    per_split = tl.maximum((num_tiles - first + NUM_SPLITS - 1) // NUM_SPLITS, MIN_TILES)
     start = first + split * per_split
     return start, tl.minimum(start + per_split, num_tiles), (num_tiles - first + per_split - 1) // per_split
 
@@ -95,7 +101,7 @@ def _decode_kernel(q, k_cache, v_cache, k_param, v_param, spans, ctx, slopes, ou
                    qk_scale, cap, window, H, stride_qb, stride_qh, stride_ks, stride_kp, stride_kh, stride_vs,
                    stride_vp, stride_vh, stride_ps, stride_pp, stride_ph, stride_sb, stride_ob, stride_oh,
                    stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb, stride_sinb, stride_db,
-                   G: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   G: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
                    UPCAST: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr, ROTARY: tl.constexpr,
                    COMBINE: tl.constexpr, BLOCK_S: tl.constexpr, FENCE: tl.constexpr, SOFT_BF16: tl.constexpr,
@@ -116,7 +122,7 @@ def _decode_kernel(q, k_cache, v_cache, k_param, v_param, spans, ctx, slopes, ou
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     n = tl.load(ctx + b).to(tl.int32)
-    tile_start, tile_end, active = _split_tiles(n, split, window, NUM_SPLITS, BLOCK_N, HAS_WINDOW)
+    tile_start, tile_end, active = _split_tiles(n, split, window, NUM_SPLITS, BLOCK_N, HAS_WINDOW, MIN_TILES)
     if split < active:
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
@@ -188,13 +194,14 @@ def _decode_kernel(q, k_cache, v_cache, k_param, v_param, spans, ctx, slopes, ou
 
 @triton.jit
 def _combine_kernel(m_part, l_part, acc_part, out, ctx, window, stride_ob, stride_oh, H,
-                    D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+                    D: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_S: tl.constexpr,
                     BLOCK_D: tl.constexpr, PDL: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Program (b, head): merge the partial softmaxes of one output row (when the decode kernel could not)."""
     allow_next(PDL)
     wait_for_previous(PDL)
     b = tl.program_id(0)
-    active = _split_tiles(tl.load(ctx + b).to(tl.int32), 0, window, NUM_SPLITS, BLOCK_N, HAS_WINDOW)[2]
+    active = _split_tiles(tl.load(ctx + b).to(tl.int32), 0, window, NUM_SPLITS, BLOCK_N, HAS_WINDOW, MIN_TILES)[2]
     if active > 1:
         _combine_head(m_part, l_part, acc_part, out, b, tl.program_id(1), active, stride_ob, stride_oh, H, D,
                       NUM_SPLITS, BLOCK_S, BLOCK_D)
@@ -274,7 +281,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     rows_as = 1 if row_mode.alone() else batch     # alone-rows mode: each row split as one sequence alone is
     large = not quant and q.element_size() == 2 and rows_as * kvh >= LARGE_BATCH_PROGRAMS
-    shape = {"BLOCK_N": DECODE_BLOCK_N, **(LARGE_BATCH_LAUNCH if large else {}), **(launch or {})}
+    invariant = not quant and q.element_size() == 2 and row_mode.invariant()
+    shape = {"BLOCK_N": DECODE_BLOCK_N, **(LARGE_BATCH_LAUNCH if large else INVARIANT_LAUNCH if invariant else {}),
+             **(launch or {})}
+    min_tiles = INVARIANT_MIN_TILES if invariant else 1
     if num_splits is None:
         num_splits = default_num_splits(rows_as, kvh, spans.shape[1], span_size)
         if window > 0:      # no more splits than tiles the window's keys can touch
@@ -299,14 +309,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         *(k_param.stride()[:3] if quant else (0, 0, 0)), spans.stride(0), out.stride(0), out.stride(1),
         *rot_args[5:], 0 if delta is None else delta.stride(0), G=g, P=span_size, D=d, NUM_SPLITS=num_splits,
-        BLOCK_G=max(16, triton.next_power_of_2(g)),
+        MIN_TILES=min_tiles, BLOCK_G=max(16, triton.next_power_of_2(g)),
         HAS_ALIBI=alibi_slopes is not None, QUANT=quant, ROTARY=rotary is not None, COMBINE=counters is not None,
         BLOCK_S=block_s, FENCE=not _INTERPRETED, SOFT_BF16=_INTERPRETED, HAS_SOFTCAP=gemma["HAS_SOFTCAP"],
         HAS_WINDOW=gemma["HAS_WINDOW"], HAS_DELTA=delta is not None, **tiles, **shape, **launch_pdl,
         **({"enable_fp_fusion": False} if rotary is not None else {}))
     if num_splits > 1 and counters is None:
         _combine_kernel[(batch, heads)](m_part, l_part, acc_part, out, ctx, gemma["window"], out.stride(0),
-                                        out.stride(1), heads, D=d, NUM_SPLITS=num_splits, BLOCK_N=shape["BLOCK_N"],
-                                        BLOCK_S=block_s, BLOCK_D=tiles["BLOCK_D"], HAS_WINDOW=gemma["HAS_WINDOW"],
+                                        out.stride(1), heads, D=d, NUM_SPLITS=num_splits, MIN_TILES=min_tiles,
+                                        BLOCK_N=shape["BLOCK_N"], BLOCK_S=block_s, BLOCK_D=tiles["BLOCK_D"], HAS_WINDOW=gemma["HAS_WINDOW"],
                                         **launch_pdl)
     return out
