@@ -262,6 +262,9 @@ MEASURES = {
     "cuda-quant-micro": ("GPU: quantized matmul", "`cuda_quant_micro.py`: each format against cuBLAS on bf16.",
                          cuda_quant_micro),
     "cuda-quant-sweep": ("GPU: quantized GEMV launch configs", "`cuda_quant_micro.py --sweep-only`.", cuda_quant_sweep),
+    "cuda-quant-sweep-uint4": ("GPU: uint4 GEMV launch configs, groups of 128", "`cuda_quant_micro.py --sweep-only "
+                               "--formats uint4:128`: the decode row of a 7B-shaped model's 4-bit copy (what a "
+                               "self-draft reads).", cuda_quant_sweep),
     "cuda-quant-silu": ("GPU: silu·mul as the quantized GEMV's epilogue", "fused against two launches, one row.",
                         cuda_quant_silu),
     "decode-attention-sweep": ("GPU: decode attention launch shapes", "`decode_attention_sweep.py`.",
