@@ -144,7 +144,7 @@ class DraftProposer:
             tokens = self._run(chunks)
             chunks, left = [], []
             for row, token in zip(rows, tokens):
-                i, rid, skip, k = row
+                i, rid, skip = row[:3]
                 if skip:               # a catch-up row: its token is already known
                     row[2] -= 1
                 else:

@@ -101,9 +101,10 @@ def _decode_kernel(q, k_cache, v_cache, k_param, v_param, spans, ctx, slopes, ou
                    qk_scale, cap, window, H, stride_qb, stride_qh, stride_ks, stride_kp, stride_kh, stride_vs,
                    stride_vp, stride_vh, stride_ps, stride_pp, stride_ph, stride_sb, stride_ob, stride_oh,
                    stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb, stride_sinb, stride_db,
-                   G: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-                   UPCAST: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr, ROTARY: tl.constexpr,
+                   G: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   MIN_TILES: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr,
+                   ROTARY: tl.constexpr,
                    COMBINE: tl.constexpr, BLOCK_S: tl.constexpr, FENCE: tl.constexpr, SOFT_BF16: tl.constexpr,
                    PDL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
                    HAS_DELTA: tl.constexpr):
@@ -195,8 +196,7 @@ def _decode_kernel(q, k_cache, v_cache, k_param, v_param, spans, ctx, slopes, ou
 @triton.jit
 def _combine_kernel(m_part, l_part, acc_part, out, ctx, window, stride_ob, stride_oh, H,
                     D: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_S: tl.constexpr,
-                    BLOCK_D: tl.constexpr, PDL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Program (b, head): merge the partial softmaxes of one output row (when the decode kernel could not)."""
     allow_next(PDL)
     wait_for_previous(PDL)
@@ -317,6 +317,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_splits > 1 and counters is None:
         _combine_kernel[(batch, heads)](m_part, l_part, acc_part, out, ctx, gemma["window"], out.stride(0),
                                         out.stride(1), heads, D=d, NUM_SPLITS=num_splits, MIN_TILES=min_tiles,
-                                        BLOCK_N=shape["BLOCK_N"], BLOCK_S=block_s, BLOCK_D=tiles["BLOCK_D"], HAS_WINDOW=gemma["HAS_WINDOW"],
-                                        **launch_pdl)
+                                        BLOCK_N=shape["BLOCK_N"], BLOCK_S=block_s, BLOCK_D=tiles["BLOCK_D"],
+                                        HAS_WINDOW=gemma["HAS_WINDOW"], **launch_pdl)
     return out
