@@ -128,7 +128,7 @@ class DraftProposer:
     # ---- proposals ---------------------------------------------------------------------------------------------
     def propose(self, requests, counts) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in requests]
-        rows = []                          # [index in requests, request id, catch-up steps left, tokens wanted]
+        rows = []                                  # (index in requests, request id, catch-up steps, tokens wanted)
         keep = {r.request_id for r in requests}
         chunks = []
         for i, (req, k) in enumerate(zip(requests, counts)):
@@ -139,22 +139,19 @@ class DraftProposer:
             if chunk.draft_ids and catches_up_row_by_row(self.runner):
                 skip, chunk = chunk.num_tokens - 1, ScheduledChunk(req.request_id, 1, True)
             chunks.append(chunk)
-            rows.append([i, req.request_id, skip, k])
+            rows.append((i, req.request_id, skip, k))
+        step = 0
         while chunks:
             tokens = self._run(chunks)
-            chunks, left = [], []
-            for row, token in zip(rows, tokens):
-                i, rid, skip = row[:3]
-                if skip:               # a catch-up row: its token is already known
-                    row[2] -= 1
-                else:
+            step += 1
+            chunks = []
+            for (i, rid, skip, k), token in zip(rows, tokens):
+                if step > skip:              # past the catch-up rows, whose tokens are known: a proposal
                     out[i].append(token)
                     self.runner.mirrors[rid].token_ids.append(token)
-                    row[3] -= 1
-                if row[2] > 0 or row[3] > 0:
+                if skip + k > step:
                     chunks.append(ScheduledChunk(rid, 1, True))
-                    left.append(row)
-            rows = left
+            rows = [row for row in rows if row[2] + row[3] > step]
         return out
 
     def _catch_up(self, rid: int, ids: list[int], k: int, keep: set[int]):

@@ -280,8 +280,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if batch == 0:
         return out
     rows_as = 1 if row_mode.alone() else batch     # alone-rows mode: each row split as one sequence alone is
-    large = not quant and q.element_size() == 2 and rows_as * kvh >= LARGE_BATCH_PROGRAMS
-    invariant = not quant and q.element_size() == 2 and row_mode.invariant()
+    sixteen_bit = not quant and q.element_size() == 2
+    large = sixteen_bit and rows_as * kvh >= LARGE_BATCH_PROGRAMS
+    invariant = sixteen_bit and row_mode.invariant()
     shape = {"BLOCK_N": DECODE_BLOCK_N, **(LARGE_BATCH_LAUNCH if large else INVARIANT_LAUNCH if invariant else {}),
              **(launch or {})}
     min_tiles = INVARIANT_MIN_TILES if invariant else 1
